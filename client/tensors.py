@@ -1,0 +1,235 @@
+"""The wire codec: numpy arrays to and from ``laneserve.v1.Tensor`` messages.
+
+Shared by the client and the server, so both sides agree on one encoding: ``data`` holds
+the raw little-endian, row-major (C order) bytes of ``shape``, and ``dtype`` is one of the
+twelve concrete :class:`~laneserve.v1.inference_pb2.DataType` values.
+
+Each supported type is known under three names, mapped here in one table:
+
+==========  ==============  ====================
+numpy       wire            ONNX Runtime
+==========  ==============  ====================
+float32     FLOAT32         ``tensor(float)``
+float16     FLOAT16         ``tensor(float16)``
+float64     FLOAT64         ``tensor(double)``
+int8        INT8            ``tensor(int8)``
+int16       INT16           ``tensor(int16)``
+int32       INT32           ``tensor(int32)``
+int64       INT64           ``tensor(int64)``
+uint8       UINT8           ``tensor(uint8)``
+uint16      UINT16          ``tensor(uint16)``
+uint32      UINT32          ``tensor(uint32)``
+uint64      UINT64          ``tensor(uint64)``
+bool        BOOL            ``tensor(bool)``
+==========  ==============  ====================
+
+The short names in the first column (``datatype_name``) are also the wire names without
+their ``DATA_TYPE_`` prefix. Every failure is a :class:`ValueError` whose message names
+the tensor (or the type) and what was expected; the server answers it with
+``INVALID_ARGUMENT``.
+
+Example::
+
+    >>> import numpy as np
+    >>> t = encode_tensor("input", np.ones((2, 3), dtype=np.float32))
+    >>> decode_tensor(t).shape
+    (2, 3)
+"""
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Final, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from laneserve.v1 import inference_pb2
+
+__all__ = [
+    "DataType",
+    "datatype_for_onnx_type",
+    "datatype_name",
+    "datatype_of",
+    "decode_tensor",
+    "encode_tensor",
+    "numpy_dtype",
+    "numpy_dtype_for_onnx_type",
+    "onnx_type",
+]
+
+DataType: TypeAlias = inference_pb2.DataType.ValueType
+"""A wire data type value, e.g. ``inference_pb2.DATA_TYPE_FLOAT32``."""
+
+_PREFIX: Final = "DATA_TYPE_"
+
+
+@dataclass(frozen=True, slots=True)
+class _WireType:
+    datatype: DataType
+    # Little-endian ("|" for one-byte types): the byte order on the wire.
+    dtype: np.dtype[Any]
+    onnx_type: str
+
+    @property
+    def name(self) -> str:
+        return inference_pb2.DataType.Name(self.datatype).removeprefix(_PREFIX).lower()
+
+
+_WIRE_TYPES: Final[tuple[_WireType, ...]] = (
+    _WireType(inference_pb2.DATA_TYPE_FLOAT32, np.dtype("<f4"), "tensor(float)"),
+    _WireType(inference_pb2.DATA_TYPE_FLOAT16, np.dtype("<f2"), "tensor(float16)"),
+    _WireType(inference_pb2.DATA_TYPE_FLOAT64, np.dtype("<f8"), "tensor(double)"),
+    _WireType(inference_pb2.DATA_TYPE_INT8, np.dtype("i1"), "tensor(int8)"),
+    _WireType(inference_pb2.DATA_TYPE_INT16, np.dtype("<i2"), "tensor(int16)"),
+    _WireType(inference_pb2.DATA_TYPE_INT32, np.dtype("<i4"), "tensor(int32)"),
+    _WireType(inference_pb2.DATA_TYPE_INT64, np.dtype("<i8"), "tensor(int64)"),
+    _WireType(inference_pb2.DATA_TYPE_UINT8, np.dtype("u1"), "tensor(uint8)"),
+    _WireType(inference_pb2.DATA_TYPE_UINT16, np.dtype("<u2"), "tensor(uint16)"),
+    _WireType(inference_pb2.DATA_TYPE_UINT32, np.dtype("<u4"), "tensor(uint32)"),
+    _WireType(inference_pb2.DATA_TYPE_UINT64, np.dtype("<u8"), "tensor(uint64)"),
+    _WireType(inference_pb2.DATA_TYPE_BOOL, np.dtype("?"), "tensor(bool)"),
+)
+
+_BY_DATATYPE: Final[Mapping[int, _WireType]] = MappingProxyType(
+    {w.datatype: w for w in _WIRE_TYPES}
+)
+# Keyed by (kind, itemsize), not by dtype: that ignores the byte order and the aliases
+# numpy keeps for one type (e.g. "l" and "q" for int64 on Linux).
+_BY_KIND: Final[Mapping[tuple[str, int], _WireType]] = MappingProxyType(
+    {(w.dtype.kind, w.dtype.itemsize): w for w in _WIRE_TYPES}
+)
+_BY_ONNX_TYPE: Final[Mapping[str, _WireType]] = MappingProxyType(
+    {w.onnx_type: w for w in _WIRE_TYPES}
+)
+_SUPPORTED: Final = ", ".join(w.name for w in _WIRE_TYPES)
+
+
+def datatype_name(dtype: int | npt.DTypeLike) -> str:
+    """The short name of a wire data type or a numpy dtype, e.g. ``"float32"``.
+
+    Wire values that have no numpy dtype read ``"unspecified"`` and ``"unknown data type
+    99"``; numpy dtypes that have no wire data type keep numpy's name (``"complex64"``).
+    """
+    if isinstance(dtype, int):
+        wire = _BY_DATATYPE.get(dtype)
+        if wire is not None:
+            return wire.name
+        if dtype == inference_pb2.DATA_TYPE_UNSPECIFIED:
+            return "unspecified"
+        return f"unknown data type {dtype}"
+    numpy = np.dtype(dtype)
+    wire = _BY_KIND.get((numpy.kind, numpy.itemsize))
+    return numpy.name if wire is None else wire.name
+
+
+def _wire_type(datatype: int, what: str) -> _WireType:
+    wire = _BY_DATATYPE.get(datatype)
+    if wire is None:
+        raise ValueError(
+            f"{what}: dtype is {datatype_name(datatype)}; expected one of {_SUPPORTED}"
+        )
+    return wire
+
+
+def _wire_type_of_numpy(dtype: np.dtype[Any], what: str) -> _WireType:
+    wire = _BY_KIND.get((dtype.kind, dtype.itemsize))
+    if wire is None:
+        raise ValueError(
+            f"{what}: numpy dtype {dtype} is not supported; expected one of {_SUPPORTED}"
+        )
+    return wire
+
+
+def numpy_dtype(datatype: DataType) -> np.dtype[Any]:
+    """The (little-endian) numpy dtype of a wire data type.
+
+    Raises:
+        ValueError: ``datatype`` is ``DATA_TYPE_UNSPECIFIED`` or not a known value.
+    """
+    return _wire_type(datatype, "data type").dtype
+
+
+def datatype_of(dtype: npt.DTypeLike) -> DataType:
+    """The wire data type of a numpy dtype, in either byte order.
+
+    Raises:
+        ValueError: the dtype has no wire data type.
+    """
+    return _wire_type_of_numpy(np.dtype(dtype), "data type").datatype
+
+
+def onnx_type(datatype: DataType) -> str:
+    """The ONNX Runtime type string of a wire data type, e.g. ``"tensor(float)"``.
+
+    Raises:
+        ValueError: ``datatype`` is ``DATA_TYPE_UNSPECIFIED`` or not a known value.
+    """
+    return _wire_type(datatype, "data type").onnx_type
+
+
+def datatype_for_onnx_type(onnx_type: str) -> DataType:
+    """The wire data type of an ONNX Runtime type string such as ``"tensor(float)"``.
+
+    Raises:
+        ValueError: the type has no wire data type (e.g. ``"tensor(string)"``).
+    """
+    wire = _BY_ONNX_TYPE.get(onnx_type)
+    if wire is None:
+        raise ValueError(
+            f"ONNX Runtime type {onnx_type!r} is not supported; expected one of "
+            + ", ".join(w.onnx_type for w in _WIRE_TYPES)
+        )
+    return wire.datatype
+
+
+def numpy_dtype_for_onnx_type(onnx_type: str) -> np.dtype[Any] | None:
+    """The numpy dtype of an ONNX Runtime type string; None when there is none on the wire."""
+    wire = _BY_ONNX_TYPE.get(onnx_type)
+    return None if wire is None else wire.dtype
+
+
+def encode_tensor(name: str, array: npt.NDArray[Any]) -> inference_pb2.Tensor:
+    """Encodes ``array`` as a Tensor called ``name``.
+
+    Any layout is accepted (non-contiguous views, big-endian data); the bytes on the wire
+    are always little-endian and row-major.
+
+    Raises:
+        ValueError: the array's dtype has no wire data type.
+    """
+    wire = _wire_type_of_numpy(array.dtype, f"tensor {name!r}")
+    data = np.ascontiguousarray(array).astype(wire.dtype, copy=False).tobytes()
+    return inference_pb2.Tensor(name=name, dtype=wire.datatype, shape=array.shape, data=data)
+
+
+def decode_tensor(tensor: inference_pb2.Tensor) -> npt.NDArray[Any]:
+    """Decodes a Tensor into an array of its shape, without copying.
+
+    The array is a read-only view of ``tensor.data`` with a little-endian dtype; copy it
+    before writing to it.
+
+    Raises:
+        ValueError: the dtype is unspecified or unknown, a dimension is negative,
+            ``len(data)`` is not the size of ``shape``, or a bool byte is not 0 or 1.
+    """
+    what = f"tensor {tensor.name!r}"
+    wire = _wire_type(tensor.dtype, what)
+    shape = tuple(tensor.shape)
+    if any(dim < 0 for dim in shape):
+        raise ValueError(
+            f"{what}: shape {list(shape)} has a negative dimension; expected sizes >= 0"
+        )
+    count = math.prod(shape)
+    expected = count * wire.dtype.itemsize
+    if len(tensor.data) != expected:
+        raise ValueError(
+            f"{what}: data is {len(tensor.data)} bytes; expected {expected} "
+            f"({count} {wire.name} of {wire.dtype.itemsize} bytes for shape {list(shape)})"
+        )
+    array = np.frombuffer(tensor.data, dtype=wire.dtype).reshape(shape)
+    # numpy reads any non-zero byte as True; ONNX Runtime kernels need exactly 0 or 1.
+    if wire.datatype == inference_pb2.DATA_TYPE_BOOL and array.view(np.uint8).max(initial=0) > 1:
+        raise ValueError(f"{what}: bool data has bytes other than 0 and 1")
+    return array

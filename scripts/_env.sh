@@ -1,0 +1,82 @@
+# shellcheck shell=bash
+# Shared set-up for the scripts in this folder; source it, do not run it.
+#
+#   source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+#   laneserve_env        # .venv with the project installed (editable)
+#   laneserve_env dev    # ... with the dev extra (pytest, mypy, ruff, protoc)
+#
+# Needs only Python 3.11+ ($LANESERVE_PYTHON, default python3). The install is redone
+# only when pyproject.toml changes: .venv/.laneserve-installed-<extra> holds the
+# SHA-256 of the pyproject.toml it was made from, so a re-run costs a hash.
+#
+# Sets ROOT (the repository root) and VENV (ROOT/.venv), and cd's to ROOT.
+
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+cd "$ROOT"
+
+_laneserve_say() {
+    printf 'laneserve: %s\n' "$*" >&2
+}
+
+_laneserve_pyproject_hash() {
+    "$VENV/bin/python" -c '
+import hashlib, sys
+with open(sys.argv[1], "rb") as f:
+    print(hashlib.sha256(f.read()).hexdigest())
+' "$ROOT/pyproject.toml"
+}
+
+_laneserve_make_venv() {
+    local base="${LANESERVE_PYTHON:-python3}"
+    if ! command -v "$base" >/dev/null 2>&1; then
+        _laneserve_say "'$base' not found; install Python 3.11+ or set LANESERVE_PYTHON"
+        return 1
+    fi
+    if ! "$base" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+        _laneserve_say "$("$base" --version 2>&1) is too old; laneserve needs Python 3.11+" \
+            "(set LANESERVE_PYTHON)"
+        return 1
+    fi
+    _laneserve_say "creating $VENV with $("$base" --version 2>&1)"
+    rm -rf "$VENV"
+    if ! "$base" -m venv "$VENV"; then
+        rm -rf "$VENV"
+        _laneserve_say "could not create $VENV; on Debian/Ubuntu install python3-venv"
+        return 1
+    fi
+}
+
+# laneserve_env [EXTRA]: make sure .venv exists and holds the project (editable), with
+# EXTRA's dependencies when given.
+# shellcheck disable=SC2120  # EXTRA is optional
+laneserve_env() {
+    local extra="${1:-}"
+    local name="${extra:-base}"
+    # A venv whose interpreter is gone (Python upgraded or moved) is rebuilt.
+    if ! "$VENV/bin/python" -c '' >/dev/null 2>&1; then
+        _laneserve_make_venv
+    fi
+    local want
+    want="$(_laneserve_pyproject_hash)"
+    local stamp
+    for stamp in "$VENV/.laneserve-installed-$name" "$VENV/.laneserve-installed-dev"; do
+        if [[ -f "$stamp" && "$(<"$stamp")" == "$want" ]]; then
+            return 0
+        fi
+        # Only the dev install also satisfies a plain one.
+        if [[ -n "$extra" ]]; then
+            break
+        fi
+    done
+    local spec="$ROOT"
+    if [[ -n "$extra" ]]; then
+        spec="${ROOT}[${extra}]"
+    fi
+    _laneserve_say "installing $spec into $VENV (pyproject.toml changed or first run)"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --editable "$spec"
+    rm -f "$VENV"/.laneserve-installed-*
+    printf '%s\n' "$want" >"$VENV/.laneserve-installed-$name"
+}

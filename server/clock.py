@@ -1,0 +1,31 @@
+"""Time as an interface, so the scheduler can be tested with exact, instant time."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float:
+        """Seconds on a clock that never goes backwards; only differences mean anything."""
+        ...
+
+
+class SystemClock:
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
+class ManualClock:
+    """A clock that moves only when told to: `advance(0.005)` is five milliseconds later."""
+
+    def __init__(self, start_s: float = 1_000.0) -> None:
+        self._now_s = start_s
+
+    def monotonic(self) -> float:
+        return self._now_s
+
+    def advance(self, seconds: float) -> None:
+        assert seconds >= 0, "a monotonic clock never goes backwards"
+        self._now_s += seconds

@@ -1,0 +1,195 @@
+"""Server and lane configuration: frozen, validated once at the edge.
+
+A config file is TOML; every key is optional and unknown keys are refused, so a typo
+is an error at start, never a silently ignored setting::
+
+    [server]
+    max_batch_size = 128
+    default_lane = "standard"
+
+    [[lanes]]  # listed highest priority first
+    name = "interactive"
+    capacity_rows = 256
+    timeout_ms = 1000
+    max_wait_ms = 1
+    min_share = 0.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+Device = Literal["auto", "cuda", "cpu"]
+DEVICES: tuple[Device, ...] = ("auto", "cuda", "cpu")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+
+def _is_number(value: object) -> bool:
+    """TOML and CLI values arrive untyped: the annotations are not yet true here."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_int(key: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ConfigError(f"{key}: expected an integer {bound}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LaneConfig:
+    name: str
+    # Bound on queued rows (not requests); a request that would exceed it is refused.
+    capacity_rows: int
+    # Default deadline of an item in this lane; the gRPC deadline or the request's
+    # timeout_ms win when earlier.
+    timeout_ms: int
+    # Longest a batch waits for more rows once this lane's oldest item is queued.
+    max_wait_ms: int
+    # Fraction of every batch's rows this lane may claim ahead of higher lanes when it
+    # has work queued: the guarantee that it never starves.
+    min_share: float
+
+    def __post_init__(self) -> None:
+        where = f"lanes[{self.name!r}]"
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(
+                f"{where}.name: expected letters, digits, '-' or '_', got {self.name!r}"
+            )
+        _check_int(f"{where}.capacity_rows", self.capacity_rows, minimum=1)
+        _check_int(f"{where}.timeout_ms", self.timeout_ms, minimum=1)
+        _check_int(f"{where}.max_wait_ms", self.max_wait_ms, minimum=0)
+        if not _is_number(self.min_share) or not 0.0 <= self.min_share < 1.0:
+            raise ConfigError(
+                f"{where}.min_share: expected a number in [0, 1), got {self.min_share!r}"
+            )
+
+
+DEFAULT_LANES: tuple[LaneConfig, ...] = (
+    LaneConfig("interactive", capacity_rows=512, timeout_ms=2_000, max_wait_ms=1, min_share=0.0),
+    LaneConfig("standard", capacity_rows=2_048, timeout_ms=10_000, max_wait_ms=4, min_share=0.1),
+    LaneConfig("bulk", capacity_rows=16_384, timeout_ms=120_000, max_wait_ms=20, min_share=0.05),
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerConfig:
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 50051
+    # Upper bound of the batch cap (rows per session run).
+    max_batch_size: int = 128
+    # Lanes, highest priority first.
+    lanes: tuple[LaneConfig, ...] = DEFAULT_LANES
+    default_lane: str = "standard"
+    device: Device = "auto"
+    # On SIGTERM/SIGINT queued work may finish within this time; the rest is refused.
+    drain_grace_s: float = 10.0
+    # gRPC's own message size limit, both directions.
+    max_message_bytes: int = 64 * 1024 * 1024
+    # ONNX Runtime intra-op threads; 0 lets the runtime choose.
+    intra_op_threads: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("server.port", self.port, minimum=0, maximum=65_535)
+        _check_int("server.max_batch_size", self.max_batch_size, minimum=1)
+        _check_int("server.max_message_bytes", self.max_message_bytes, minimum=1024)
+        _check_int("server.intra_op_threads", self.intra_op_threads, minimum=0)
+        if self.device not in DEVICES:
+            raise ConfigError(f"server.device: expected one of {DEVICES}, got {self.device!r}")
+        if not _is_number(self.drain_grace_s) or self.drain_grace_s < 0:
+            raise ConfigError(
+                f"server.drain_grace_s: expected seconds >= 0, got {self.drain_grace_s!r}"
+            )
+        if not self.lanes:
+            raise ConfigError("lanes: expected at least one lane")
+        names = [lane.name for lane in self.lanes]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"lanes: names must be unique, got {names}")
+        if self.default_lane not in names:
+            raise ConfigError(
+                f"server.default_lane: expected one of {names}, got {self.default_lane!r}"
+            )
+        total_share = sum(lane.min_share for lane in self.lanes)
+        if total_share >= 1.0:
+            raise ConfigError(f"lanes: min_share must sum to less than 1, got {total_share:g}")
+
+    def lane(self, name: str) -> LaneConfig:
+        for lane in self.lanes:
+            if lane.name == name:
+                return lane
+        raise KeyError(name)
+
+
+_SERVER_KEYS = frozenset(
+    f.name for f in dataclasses.fields(ServerConfig) if f.name not in ("lanes", "model_path")
+)
+_LANE_KEYS = frozenset(f.name for f in dataclasses.fields(LaneConfig))
+
+
+def load_config(
+    path: str | Path | None, *, model_path: str, overrides: Mapping[str, Any] | None = None
+) -> ServerConfig:
+    """Reads `path` (TOML) if given, applies `overrides` (CLI flags, None = unset)."""
+    document: dict[str, Any] = {}
+    if path is not None:
+        try:
+            document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except OSError as error:
+            raise ConfigError(f"config file {path}: {error.strerror}") from error
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"config file {path}: {error}") from error
+    return config_from_mapping(document, model_path=model_path, overrides=overrides)
+
+
+def config_from_mapping(
+    document: Mapping[str, Any],
+    *,
+    model_path: str,
+    overrides: Mapping[str, Any] | None = None,
+) -> ServerConfig:
+    unknown = set(document) - {"server", "lanes"}
+    if unknown:
+        raise ConfigError(
+            f"unknown top-level key(s) {sorted(unknown)}; expected [server], [[lanes]]"
+        )
+    server = document.get("server", {})
+    if not isinstance(server, Mapping):
+        raise ConfigError("server: expected a table")
+    _refuse_unknown("server", server, _SERVER_KEYS)
+    settings: dict[str, Any] = dict(server)
+    settings.update({key: value for key, value in (overrides or {}).items() if value is not None})
+    if "lanes" in document:
+        settings["lanes"] = _parse_lanes(document["lanes"])
+    return ServerConfig(model_path=model_path, **settings)
+
+
+def _parse_lanes(raw: object) -> tuple[LaneConfig, ...]:
+    if not isinstance(raw, Sequence) or isinstance(raw, str):
+        raise ConfigError("lanes: expected an array of tables ([[lanes]])")
+    lanes = []
+    for index, entry in enumerate(raw):
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"lanes[{index}]: expected a table")
+        _refuse_unknown(f"lanes[{index}]", entry, _LANE_KEYS)
+        missing = _LANE_KEYS - set(entry)
+        if missing:
+            raise ConfigError(f"lanes[{index}]: missing key(s) {sorted(missing)}")
+        lanes.append(LaneConfig(**entry))
+    return tuple(lanes)
+
+
+def _refuse_unknown(where: str, table: Mapping[str, Any], known: frozenset[str]) -> None:
+    unknown = set(table) - known
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {sorted(unknown)}; expected some of {sorted(known)}"
+        )

@@ -1,0 +1,63 @@
+"""Predicted session run time per batch size, from the start-up probe and live runs.
+
+The scheduler asks it two questions: how long will a batch of n rows run (to dispatch
+before the earliest deadline in it), and how long until n queued rows are served (to
+refuse a request whose deadline cannot be met).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping
+
+# Weight of the newest observation in a size's moving average.
+_EWMA_ALPHA = 0.2
+
+
+class RunTimeModel:
+    """Run seconds by batch size, measured at a few sizes and interpolated between them.
+
+    Not thread-safe: owned by the scheduler (its lock).
+    """
+
+    def __init__(self, measured_s: Mapping[int, float]) -> None:
+        if not measured_s or any(rows < 1 or s < 0 for rows, s in measured_s.items()):
+            raise ValueError(f"expected run times for batch sizes >= 1, got {dict(measured_s)}")
+        self._sizes = sorted(measured_s)
+        self._seconds = [float(measured_s[rows]) for rows in self._sizes]
+
+    def predict_s(self, rows: int) -> float:
+        """Seconds one batch of `rows` rows is expected to run."""
+        if rows <= 0:
+            return 0.0
+        sizes, seconds = self._sizes, self._seconds
+        at = bisect.bisect_left(sizes, rows)
+        if at < len(sizes) and sizes[at] == rows:
+            return seconds[at]
+        if at == 0:
+            return seconds[0]  # run time does not fall below the smallest batch's
+        if at == len(sizes):
+            return seconds[-1] * rows / sizes[-1]  # beyond the probe: proportional
+        low, high = sizes[at - 1], sizes[at]
+        weight = (rows - low) / (high - low)
+        return seconds[at - 1] + weight * (seconds[at] - seconds[at - 1])
+
+    def drain_s(self, rows: int, batch_cap: int) -> float:
+        """Seconds to serve `rows` queued rows in batches of at most `batch_cap`."""
+        full, rest = divmod(max(rows, 0), batch_cap)
+        return full * self.predict_s(batch_cap) + self.predict_s(rest)
+
+    def observe(self, rows: int, run_s: float) -> None:
+        """Folds one measured run into the nearest measured size (or adds the size)."""
+        if rows <= 0 or not math.isfinite(run_s) or run_s < 0:
+            return
+        at = bisect.bisect_left(self._sizes, rows)
+        if at < len(self._sizes) and self._sizes[at] == rows:
+            self._seconds[at] += _EWMA_ALPHA * (run_s - self._seconds[at])
+        else:
+            self._sizes.insert(at, rows)
+            self._seconds.insert(at, run_s)
+
+    def snapshot(self) -> dict[int, float]:
+        return dict(zip(self._sizes, self._seconds, strict=True))

@@ -1,0 +1,95 @@
+"""The demo model: a small seeded MLP written as ONNX, for ``scripts/serve`` and the tests.
+
+Shape: ``input`` float32 ``[batch, input_dim]`` → ``hidden_layers`` blocks of (MatMul, Add,
+Relu) → MatMul, Add → ``output`` float32 ``[batch, output_dim]``, where ``batch`` is a
+symbolic dimension. The weights are seeded, so one seed always gives the same file, and
+scaled by ``1/sqrt(fan_in)`` so activations stay near unit size: outputs are finite and
+not all zero for inputs of ordinary size.
+
+Only this module and the engine know ONNX; the server never builds a model at run time.
+"""
+
+import math
+import os
+from pathlib import Path
+from typing import Final
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+__all__ = ["OPSET", "make_demo_model"]
+
+OPSET: Final = 17
+# IR version 9 (ONNX 1.14) rather than the newest onnx writes: every ONNX Runtime release
+# this project supports reads it, and the file does not depend on the onnx installed.
+_IR_VERSION: Final = 9
+
+
+def make_demo_model(
+    path: str | os.PathLike[str],
+    *,
+    input_dim: int = 512,
+    hidden_dim: int = 2048,
+    hidden_layers: int = 2,
+    output_dim: int = 10,
+    seed: int = 0,
+) -> None:
+    """Writes the demo MLP to ``path`` (parent folders are created).
+
+    Raises:
+        ValueError: a dimension is < 1 or ``hidden_layers`` is < 0.
+        onnx.checker.ValidationError: the built graph is invalid (a bug here).
+    """
+    for key, value in (
+        ("input_dim", input_dim),
+        ("hidden_dim", hidden_dim),
+        ("output_dim", output_dim),
+    ):
+        if value < 1:
+            raise ValueError(f"{key} must be >= 1, got {value}")
+    if hidden_layers < 0:
+        raise ValueError(f"hidden_layers must be >= 0, got {hidden_layers}")
+
+    rng = np.random.default_rng(seed)
+    initializers: list[TensorProto] = []
+    nodes: list[onnx.NodeProto] = []
+
+    def dense(x: str, fan_in: int, fan_out: int, prefix: str, out: str) -> None:
+        """Appends ``out = x @ weight + bias``."""
+        scale = np.float32(1 / math.sqrt(fan_in))
+        weight = rng.standard_normal((fan_in, fan_out), dtype=np.float32) * scale
+        bias = rng.standard_normal(fan_out, dtype=np.float32) * np.float32(0.1)
+        initializers.append(numpy_helper.from_array(weight, f"{prefix}.weight"))
+        initializers.append(numpy_helper.from_array(bias, f"{prefix}.bias"))
+        nodes.append(helper.make_node("MatMul", [x, f"{prefix}.weight"], [f"{prefix}.matmul"]))
+        nodes.append(helper.make_node("Add", [f"{prefix}.matmul", f"{prefix}.bias"], [out]))
+
+    x = "input"
+    fan_in = input_dim
+    for layer in range(hidden_layers):
+        prefix = f"hidden{layer}"
+        dense(x, fan_in, hidden_dim, prefix, f"{prefix}.add")
+        nodes.append(helper.make_node("Relu", [f"{prefix}.add"], [f"{prefix}.relu"]))
+        x = f"{prefix}.relu"
+        fan_in = hidden_dim
+    dense(x, fan_in, output_dim, "head", "output")
+
+    graph = helper.make_graph(
+        nodes,
+        "laneserve_demo_mlp",
+        inputs=[helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", input_dim])],
+        outputs=[helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", output_dim])],
+        initializer=initializers,
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET)],
+        producer_name="laneserve.demo_model",
+    )
+    model.ir_version = _IR_VERSION
+    onnx.checker.check_model(model, full_check=True)
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(model, target)

@@ -1,0 +1,109 @@
+"""The laneserve error tree, and the one place that maps it onto gRPC status.
+
+    LaneserveError                 code                 reason (ErrorInfo)
+    ├── InvalidInputError          INVALID_ARGUMENT     INVALID_INPUT
+    ├── LaneFullError              RESOURCE_EXHAUSTED   LANE_FULL            (retry after pushback)
+    ├── DeadlineUnmeetableError    DEADLINE_EXCEEDED    DEADLINE_UNMEETABLE
+    ├── ExpiredInQueueError        DEADLINE_EXCEEDED    EXPIRED_IN_QUEUE
+    ├── DrainingError              UNAVAILABLE          DRAINING             (retry elsewhere)
+    ├── DeviceMemoryError          RESOURCE_EXHAUSTED   DEVICE_MEMORY
+    └── EngineError                INTERNAL             ENGINE_FAILURE
+
+Servicers never choose status codes: they raise or receive one of these and hand it to
+`to_rpc_status`. Foreign errors (from the runtime) are translated in the engine module.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+ERROR_DOMAIN = "laneserve.dev"
+
+
+class LaneserveError(Exception):
+    """Base of every error laneserve answers a request with."""
+
+    code: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
+    reason: ClassVar[str] = "INTERNAL"
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        # A hint for the client: how long to wait before a retry can succeed.
+        self.retry_after_s = retry_after_s
+
+
+class InvalidInputError(LaneserveError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "INVALID_INPUT"
+
+
+class LaneFullError(LaneserveError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "LANE_FULL"
+
+
+class DeadlineUnmeetableError(LaneserveError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "DEADLINE_UNMEETABLE"
+
+
+class ExpiredInQueueError(LaneserveError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "EXPIRED_IN_QUEUE"
+
+
+class DrainingError(LaneserveError):
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = "DRAINING"
+
+
+class DeviceMemoryError(LaneserveError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "DEVICE_MEMORY"
+
+
+class EngineError(LaneserveError):
+    code = grpc.StatusCode.INTERNAL
+    reason = "ENGINE_FAILURE"
+
+
+def pushback_ms(error: LaneserveError) -> int | None:
+    """The `grpc-retry-pushback-ms` value for `error`, or None when no retry is advised."""
+    if error.retry_after_s is None:
+        return None
+    return max(1, round(error.retry_after_s * 1000))
+
+
+def to_rpc_status(
+    error: LaneserveError, *, metadata: dict[str, str] | None = None
+) -> status_pb2.Status:
+    """`google.rpc.Status` for `error`, with `ErrorInfo` and, when retryable, `RetryInfo`."""
+    info = error_details_pb2.ErrorInfo(
+        reason=error.reason, domain=ERROR_DOMAIN, metadata=metadata or {}
+    )
+    details = [_pack(info)]
+    if error.retry_after_s is not None:
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(round(error.retry_after_s * 1e9))
+        details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
+    return status_pb2.Status(code=_CODE_NUMBERS[error.code], message=error.message, details=details)
+
+
+def _pack(message: error_details_pb2.ErrorInfo | error_details_pb2.RetryInfo) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+_CODE_NUMBERS: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.INVALID_ARGUMENT: code_pb2.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: code_pb2.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED: code_pb2.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNAVAILABLE: code_pb2.UNAVAILABLE,
+    grpc.StatusCode.INTERNAL: code_pb2.INTERNAL,
+}

@@ -1,0 +1,98 @@
+"""The state that crosses the boundaries between service, scheduler and engine.
+
+All of it is frozen; `__repr__` never prints tensors (they can be megabytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+
+import numpy as np
+import numpy.typing as npt
+
+from laneserve.server.errors import LaneserveError
+
+Array = npt.NDArray[np.generic]
+# Trailing (non-row) shape of every input, in input order: items batch together only
+# when their signatures are equal, since their rows are concatenated along axis 0.
+Signature = tuple[tuple[int, ...], ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    """One validated request, as the service hands it to the scheduler."""
+
+    request_id: str
+    lane: str
+    # Model input name -> array whose first axis holds `rows` rows.
+    inputs: Mapping[str, Array] = dataclasses.field(repr=False)
+    rows: int
+    signature: Signature
+    # Monotonic seconds by which the answer is due, from the gRPC deadline and the
+    # request's timeout_ms; None when neither was given (the lane's timeout applies).
+    deadline_s: float | None
+    # Opaque to the scheduler: handed back in the request's `Outcome`.
+    token: object = dataclasses.field(repr=False, compare=False)
+
+
+class DispatchReason(enum.Enum):
+    FULL = "full"  # the batch reached the cap
+    MAX_WAIT = "max_wait"  # its most urgent item waited its lane's max_wait_ms
+    DEADLINE = "deadline"  # waiting longer would miss the earliest deadline in it
+    BACKLOG = "backlog"  # its work queued while the session was busy: no reason to wait
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BatchSlice:
+    """Rows [row_start, row_start + rows) of one request, at `offset` in the batch."""
+
+    entry_id: int
+    lane: str
+    row_start: int
+    rows: int
+    offset: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Batch:
+    batch_id: int
+    slices: tuple[BatchSlice, ...]
+    rows: int
+    reason: DispatchReason
+    formed_s: float
+    # Per model input, the row blocks to concatenate, in slice order. Concatenation is
+    # left to the engine thread so the scheduler thread stays responsive.
+    parts: Mapping[str, tuple[Array, ...]] = dataclasses.field(repr=False)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BatchResult:
+    batch: Batch
+    # Model output name -> array with `batch.rows` rows; None when the run failed.
+    outputs: Mapping[str, Array] | None = dataclasses.field(repr=False)
+    error: LaneserveError | None
+    run_s: float
+
+    def __post_init__(self) -> None:
+        assert (self.outputs is None) != (self.error is None), "exactly one of outputs, error"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Timing:
+    lane: str
+    batch_size: int  # rows in the last batch that carried the request
+    queue_s: float  # admission to dispatch of its last batch
+    infer_s: float  # session time of all its batches
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Outcome:
+    """The one answer to one admitted request: outputs, or an error."""
+
+    token: object = dataclasses.field(repr=False)
+    request_id: str
+    outputs: Mapping[str, Array] | None = dataclasses.field(repr=False)
+    error: LaneserveError | None
+    timing: Timing | None

@@ -1,0 +1,427 @@
+"""The batching policy: admission, shedding, batch formation and the dispatch rule.
+
+`Scheduler` is pure state plus decisions. It never reads a clock or sleeps: every call
+takes `now_s`, so tests drive it with exact times. `SchedulerThread` (in
+`scheduler_thread.py`) owns one and serialises every call under its lock.
+
+Dispatch rule, evaluated only while the session is free: a batch goes out when it is
+full; when work in it queued while the session was busy (backlog: batches fill by
+themselves under load, with no timer); when its most urgent item has waited its lane's
+max_wait; or when waiting longer would miss the earliest deadline in it. Otherwise the
+scheduler is told when to look again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from laneserve.server.config import LaneConfig
+from laneserve.server.cost_model import RunTimeModel
+from laneserve.server.errors import (
+    DeadlineUnmeetableError,
+    DrainingError,
+    ExpiredInQueueError,
+    InvalidInputError,
+    LaneFullError,
+    LaneserveError,
+)
+from laneserve.server.events import NullEvents, SchedulerEvents
+from laneserve.server.items import (
+    Array,
+    Batch,
+    BatchResult,
+    BatchSlice,
+    DispatchReason,
+    InferenceRequest,
+    Outcome,
+    Signature,
+    Timing,
+)
+from laneserve.server.lanes import Entry, Lane
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Dispatch:
+    batch: Batch
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WaitUntil:
+    # Monotonic seconds at which the dispatch rule fires if nothing else happens first.
+    at_s: float
+
+
+Decision = Dispatch | WaitUntil | None  # None: nothing queued
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LaneDepth:
+    name: str
+    queued_rows: int
+    queued_requests: int
+    capacity_rows: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        lanes: Sequence[LaneConfig],
+        *,
+        batch_cap: int,
+        run_time: RunTimeModel,
+        events: SchedulerEvents | None = None,
+    ) -> None:
+        assert batch_cap >= 1
+        self.lanes = [Lane(config, priority) for priority, config in enumerate(lanes)]
+        self._by_name = {lane.name: lane for lane in self.lanes}
+        self.batch_cap = batch_cap
+        self.run_time = run_time
+        self.events = events or NullEvents()
+        self.accepting = True
+        # Live entries: admitted and not yet answered (queued or in a running batch).
+        self._entries: dict[int, Entry] = {}
+        # (deadline_s, entry_id) of live entries; stale pairs are skipped when popped.
+        self._deadlines: list[tuple[float, int]] = []
+        self._entry_ids = itertools.count(1)
+        self._batch_ids = itertools.count(1)
+
+    # ---- admission ---------------------------------------------------------------
+
+    def lane(self, name: str) -> Lane:
+        lane = self._by_name.get(name)
+        if lane is None:
+            raise InvalidInputError(
+                f"unknown lane {name!r}; expected one of {[lane.name for lane in self.lanes]}"
+            )
+        return lane
+
+    def admit(self, request: InferenceRequest, now_s: float) -> int:
+        """Queues `request` or raises why not; returns the entry id for `cancel`."""
+        lane = self.lane(request.lane)
+        try:
+            self._check_admission(request, lane, now_s)
+        except LaneserveError as error:
+            self.events.rejected(lane.name, error.reason)
+            raise
+        deadline_s = now_s + lane.timeout_s
+        if request.deadline_s is not None:
+            deadline_s = min(deadline_s, request.deadline_s)
+        entry = Entry(
+            entry_id=next(self._entry_ids),
+            request=request,
+            priority=lane.priority,
+            enqueued_s=now_s,
+            deadline_s=deadline_s,
+            dispatch_by_s=now_s + lane.max_wait_s,
+        )
+        lane.push(entry)
+        self._entries[entry.entry_id] = entry
+        heapq.heappush(self._deadlines, (deadline_s, entry.entry_id))
+        self.events.admitted(lane.name, request.rows)
+        return entry.entry_id
+
+    def _check_admission(self, request: InferenceRequest, lane: Lane, now_s: float) -> None:
+        if not self.accepting:
+            raise DrainingError("server is draining; retry on another instance")
+        if request.rows > lane.config.capacity_rows:
+            raise InvalidInputError(
+                f"request has {request.rows} rows; lane {lane.name!r} holds at most "
+                f"{lane.config.capacity_rows} rows (split it, or use a lane with more capacity)"
+            )
+        if not lane.has_room(request.rows):
+            excess = lane.queued_rows + request.rows - lane.config.capacity_rows
+            raise LaneFullError(
+                f"lane {lane.name!r} is full: {lane.queued_rows} of "
+                f"{lane.config.capacity_rows} rows queued, request has {request.rows}",
+                retry_after_s=max(self.run_time.drain_s(excess, self.batch_cap), 0.001),
+            )
+        deadline_s = now_s + lane.timeout_s
+        if request.deadline_s is not None:
+            deadline_s = min(deadline_s, request.deadline_s)
+        ahead = sum(other.queued_rows for other in self.lanes[: lane.priority + 1])
+        finish_s = now_s + self.run_time.drain_s(ahead + request.rows, self.batch_cap)
+        if finish_s > deadline_s:
+            raise DeadlineUnmeetableError(
+                f"deadline in {max(deadline_s - now_s, 0) * 1000:.1f} ms cannot be met: "
+                f"{ahead} rows are queued ahead in lane {lane.name!r} or above, serving them "
+                f"and this request takes about {(finish_s - now_s) * 1000:.1f} ms"
+            )
+
+    def cancel(self, entry_id: int, now_s: float) -> None:
+        """The client went away: its queued rows are freed now and no answer is due."""
+        entry = self._entries.pop(entry_id, None)
+        if entry is None:
+            return
+        entry.cancelled = True
+        entry.finished = True
+        if entry.in_lane:
+            lane = self.lanes[entry.priority]
+            rows = entry.queued_rows
+            lane.drop(entry)
+            self.events.shed(lane.name, "CANCELLED", rows)
+
+    def stop_accepting(self) -> None:
+        self.accepting = False
+
+    # ---- shedding ----------------------------------------------------------------
+
+    def shed_expired(self, now_s: float) -> list[Outcome]:
+        """Answers every queued entry whose deadline has passed; they never run.
+
+        An entry whose rows are all in a running batch is left to finish: it is running.
+        """
+        outcomes = []
+        while self._deadlines and self._deadlines[0][0] <= now_s:
+            _, entry_id = heapq.heappop(self._deadlines)
+            entry = self._entries.get(entry_id)
+            if entry is None or not entry.in_lane:
+                continue
+            lane = self.lanes[entry.priority]
+            self.events.shed(lane.name, "EXPIRED_IN_QUEUE", entry.queued_rows)
+            lane.drop(entry)
+            waited_ms = (now_s - entry.enqueued_s) * 1000
+            outcomes.append(
+                self._finish_error(
+                    entry,
+                    ExpiredInQueueError(
+                        f"deadline passed after {waited_ms:.1f} ms in lane {lane.name!r} "
+                        f"before the request could run"
+                    ),
+                )
+            )
+        return outcomes
+
+    def next_deadline_s(self) -> float | None:
+        """The earliest deadline of a queued entry, when `shed_expired` has work."""
+        while self._deadlines:
+            deadline_s, entry_id = self._deadlines[0]
+            entry = self._entries.get(entry_id)
+            if entry is not None and entry.in_lane:
+                return deadline_s
+            heapq.heappop(self._deadlines)
+        return None
+
+    # ---- batch formation -----------------------------------------------------------
+
+    def decide(self, now_s: float, idle_since_s: float) -> Decision:
+        """What to do now that the session is free (and has been since `idle_since_s`)."""
+        plan = self._plan()
+        if not plan:
+            return None
+        rows = sum(taken for _, taken in plan)
+        reason: DispatchReason | None = None
+        if rows >= self.batch_cap:
+            reason = DispatchReason.FULL
+        elif any(entry.enqueued_s < idle_since_s for entry, _ in plan):
+            reason = DispatchReason.BACKLOG
+        else:
+            wait_until_s = min(entry.dispatch_by_s for entry, _ in plan)
+            run_s = self.run_time.predict_s(rows)
+            latest_start_s = min(entry.deadline_s for entry, _ in plan) - run_s
+            if now_s >= latest_start_s:
+                reason = DispatchReason.DEADLINE
+            elif now_s >= wait_until_s:
+                reason = DispatchReason.MAX_WAIT
+            else:
+                return WaitUntil(min(wait_until_s, latest_start_s))
+        return Dispatch(self._commit(plan, reason, now_s))
+
+    def _plan(self) -> list[tuple[Entry, int]]:
+        """The next batch as (entry, rows) pairs, without changing any state.
+
+        Pass 1 gives every lane with work its minimum share of the cap (the entry that
+        crosses the share is taken whole, so a share smaller than one request still
+        moves); pass 2 fills what is left top-down. Within a lane order is FIFO: the
+        first entry that does not fit ends that lane's turn. Only entries with more rows
+        than the cap are split; the others run whole, in one batch. Rows batch together
+        only when their signatures are equal: an entry of another shape ends its lane's
+        turn too.
+        """
+        taken: dict[int, tuple[Entry, int]] = {}
+        room = self.batch_cap
+        # The batch takes the shape of the highest-priority queued work, fixed before
+        # pass 1: a lower lane's share must never shut a higher lane's differently
+        # shaped work out of every batch.
+        signature: Signature | None = next(
+            (entry.request.signature for lane in self.lanes for entry in lane), None
+        )
+        if signature is None:
+            return []
+
+        def fill(lane: Lane, quota: int) -> None:
+            nonlocal room
+            used = 0
+            for entry in lane:
+                if room == 0 or used >= quota:
+                    return
+                already = taken[entry.entry_id][1] if entry.entry_id in taken else 0
+                left = entry.queued_rows - already
+                if left == 0:
+                    continue
+                if entry.request.signature != signature:
+                    return
+                if entry.request.rows > self.batch_cap:
+                    rows = min(left, room, quota - used)
+                elif left <= room:
+                    rows = left
+                else:
+                    return
+                taken[entry.entry_id] = (entry, already + rows)
+                room -= rows
+                used += rows
+
+        for lane in self.lanes:
+            if lane.config.min_share > 0:
+                fill(lane, math.ceil(lane.config.min_share * self.batch_cap))
+        for lane in self.lanes:
+            fill(lane, self.batch_cap)
+        return list(taken.values())
+
+    def _commit(self, plan: list[tuple[Entry, int]], reason: DispatchReason, now_s: float) -> Batch:
+        # Slices in lane-priority then FIFO order, so each lane's entries leave its
+        # deque head-first.
+        plan.sort(key=lambda pair: (pair[0].priority, pair[0].entry_id))
+        slices = []
+        offset = 0
+        for entry, rows in plan:
+            lane = self.lanes[entry.priority]
+            start = lane.take(entry, rows)
+            entry.queue_s = now_s - entry.enqueued_s
+            slices.append(BatchSlice(entry.entry_id, lane.name, start, rows, offset))
+            offset += rows
+        names = list(plan[0][0].request.inputs)
+        parts = {
+            name: tuple(
+                entry.request.inputs[name][piece.row_start : piece.row_start + piece.rows]
+                for (entry, _), piece in zip(plan, slices, strict=True)
+            )
+            for name in names
+        }
+        batch = Batch(
+            batch_id=next(self._batch_ids),
+            slices=tuple(slices),
+            rows=offset,
+            reason=reason,
+            formed_s=now_s,
+            parts=parts,
+        )
+        self.events.batch_formed(batch, [entry.queue_s for entry, _ in plan])
+        return batch
+
+    # ---- completion ----------------------------------------------------------------
+
+    def complete(self, result: BatchResult) -> list[Outcome]:
+        """Hands each request its rows of a finished batch; answers the completed ones."""
+        batch = result.batch
+        if result.error is None:
+            self.run_time.observe(batch.rows, result.run_s)
+        outcomes = []
+        for piece in batch.slices:
+            entry = self._entries.get(piece.entry_id)
+            if entry is None or entry.finished:
+                continue  # cancelled, expired or failed while this batch ran
+            entry.infer_s += result.run_s
+            entry.last_batch_rows = batch.rows
+            if result.error is not None:
+                outcomes.append(self._finish_error(entry, result.error))
+                continue
+            assert result.outputs is not None
+            entry.chunks.append(
+                (
+                    piece.row_start,
+                    {
+                        name: array[piece.offset : piece.offset + piece.rows]
+                        for name, array in result.outputs.items()
+                    },
+                )
+            )
+            entry.done_rows += piece.rows
+            if entry.done_rows == entry.request.rows:
+                outcomes.append(self._finish_ok(entry))
+        self.events.batch_done(batch, result.run_s, result.error)
+        return outcomes
+
+    def abort_all(self, error: LaneserveError) -> list[Outcome]:
+        """Answers every live entry with `error` (shutdown): nothing is left unanswered."""
+        outcomes = []
+        for entry in list(self._entries.values()):
+            if entry.in_lane:
+                self.lanes[entry.priority].drop(entry)
+            outcomes.append(self._finish_error(entry, error))
+        return outcomes
+
+    def _finish_ok(self, entry: Entry) -> Outcome:
+        chunks = sorted(entry.chunks, key=lambda chunk: chunk[0])
+        outputs: dict[str, Array]
+        if len(chunks) == 1:
+            outputs = chunks[0][1]
+        else:
+            outputs = {
+                name: np.concatenate([chunk[name] for _, chunk in chunks]) for name in chunks[0][1]
+            }
+        self._release(entry)
+        lane = self.lanes[entry.priority].name
+        self.events.completed(lane, "OK")
+        return Outcome(
+            token=entry.request.token,
+            request_id=entry.request.request_id,
+            outputs=outputs,
+            error=None,
+            timing=self._timing(entry),
+        )
+
+    def _finish_error(self, entry: Entry, error: LaneserveError) -> Outcome:
+        assert not entry.finished, "every request is answered exactly once"
+        self._release(entry)
+        self.events.completed(self.lanes[entry.priority].name, error.reason)
+        return Outcome(
+            token=entry.request.token,
+            request_id=entry.request.request_id,
+            outputs=None,
+            error=error,
+            timing=None,
+        )
+
+    def _release(self, entry: Entry) -> None:
+        assert not entry.finished
+        entry.finished = True
+        entry.chunks = []
+        # A finished entry holds no queued rows: when one chunk of a split request
+        # fails, the chunks still queued must neither run nor hold lane capacity.
+        if entry.in_lane:
+            self.lanes[entry.priority].drop(entry)
+        del self._entries[entry.entry_id]
+
+    def _timing(self, entry: Entry) -> Timing:
+        return Timing(
+            lane=self.lanes[entry.priority].name,
+            batch_size=entry.last_batch_rows,
+            queue_s=entry.queue_s,
+            infer_s=entry.infer_s,
+        )
+
+    # ---- introspection ---------------------------------------------------------------
+
+    @property
+    def live_entries(self) -> int:
+        return len(self._entries)
+
+    def depths(self) -> list[LaneDepth]:
+        return [
+            LaneDepth(lane.name, lane.queued_rows, lane.queued_entries, lane.config.capacity_rows)
+            for lane in self.lanes
+        ]
+
+    def queued_entry_ids(self) -> Iterable[int]:
+        for lane in self.lanes:
+            for entry in lane:
+                yield entry.entry_id
+
+
+__all__ = ["Decision", "Dispatch", "LaneDepth", "Scheduler", "WaitUntil"]

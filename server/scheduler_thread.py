@@ -1,0 +1,179 @@
+"""The scheduler thread and the engine thread around one `Scheduler`.
+
+Threads and what they own:
+- Callers (the event loop) `submit` and `cancel`: both take the lock, change the
+  scheduler and wake the scheduler thread. Admission is answered at once, in the call.
+- The scheduler thread sheds expired work, applies finished batches and, whenever the
+  session is free, asks the dispatch rule for the next batch. It sleeps on the
+  condition until the next deadline, the dispatch time, a submission or a result. It
+  never runs the model, so shedding and admission stay prompt while the session is busy.
+- The engine thread runs one batch at a time and posts the result back.
+Every answer leaves through `deliver`, once per batch (or per shed round), outside the
+lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+from laneserve.server.clock import Clock, SystemClock
+from laneserve.server.errors import DrainingError, EngineError, LaneserveError
+from laneserve.server.items import Batch, BatchResult, InferenceRequest, Outcome
+from laneserve.server.scheduler import Dispatch, LaneDepth, Scheduler, WaitUntil
+
+log = logging.getLogger(__name__)
+
+RunBatch = Callable[[Batch], BatchResult]
+Deliver = Callable[[Sequence[Outcome]], None]
+
+
+class SchedulerThread:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        run_batch: RunBatch,
+        deliver: Deliver,
+        *,
+        clock: Clock | None = None,
+    ) -> None:
+        self._scheduler = scheduler
+        self._run_batch = run_batch
+        self._deliver = deliver
+        self._clock = clock or SystemClock()
+        # Guards everything below and the scheduler itself.
+        self._cond = threading.Condition()
+        self._results: collections.deque[BatchResult] = collections.deque()
+        self._busy = False  # a batch is in the engine thread
+        # When the session last became free; work queued before it waited on a busy
+        # session and goes out at once.
+        self._idle_since_s = -math.inf
+        self._closing = False
+        self._failure: LaneserveError | None = None
+        self._work: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(
+                target=self._schedule_forever, name="laneserve-scheduler", daemon=True
+            ),
+            threading.Thread(target=self._run_forever, name="laneserve-engine", daemon=True),
+        ]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    # ---- called from any thread -------------------------------------------------
+
+    def submit(self, request: InferenceRequest) -> int:
+        """Admits `request` (its answer comes through `deliver`) or raises why not."""
+        with self._cond:
+            if self._failure is not None:
+                raise self._failure
+            if self._closing:
+                raise DrainingError("server is shutting down; retry on another instance")
+            entry_id = self._scheduler.admit(request, self._clock.monotonic())
+            self._cond.notify_all()
+            return entry_id
+
+    def cancel(self, entry_id: int) -> None:
+        with self._cond:
+            self._scheduler.cancel(entry_id, self._clock.monotonic())
+            self._cond.notify_all()
+
+    def stop_accepting(self) -> None:
+        with self._cond:
+            self._scheduler.stop_accepting()
+
+    def wait_drained(self, timeout_s: float) -> bool:
+        """Blocks until every admitted request has been answered, or `timeout_s` passed."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._scheduler.live_entries == 0, timeout_s)
+
+    def depths(self) -> list[LaneDepth]:
+        with self._cond:
+            return self._scheduler.depths()
+
+    @property
+    def batch_cap(self) -> int:
+        return self._scheduler.batch_cap
+
+    def close(self, error: LaneserveError | None = None) -> None:
+        """Answers whatever is left with `error` (default: draining) and stops both threads."""
+        with self._cond:
+            self._closing = True
+            outcomes = self._scheduler.abort_all(error or DrainingError("server shut down"))
+            self._cond.notify_all()
+        if outcomes:
+            self._deliver(outcomes)
+        self._work.put(None)
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join()
+
+    # ---- the scheduler thread ----------------------------------------------------
+
+    def _schedule_forever(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    outcomes, timeout_s = self._step()
+                    if not outcomes:
+                        if self._closing:
+                            return
+                        self._cond.wait(timeout_s)
+                        continue
+                    self._cond.notify_all()  # wait_drained may be waiting on these
+                self._deliver(outcomes)
+        except BaseException:
+            log.exception("scheduler thread failed; answering all queued work")
+            self._fail(EngineError("the scheduler failed; the server must be restarted"))
+            raise
+
+    def _step(self) -> tuple[list[Outcome], float | None]:
+        """One pass under the lock: what to answer now, and how long to sleep after."""
+        scheduler = self._scheduler
+        now_s = self._clock.monotonic()
+        outcomes = scheduler.shed_expired(now_s)
+        while self._results:
+            outcomes += scheduler.complete(self._results.popleft())
+            self._busy = False
+        timeout_s: float | None = None
+        if not self._busy and not self._closing:
+            decision = scheduler.decide(now_s, self._idle_since_s)
+            if isinstance(decision, Dispatch):
+                self._busy = True
+                self._work.put(decision.batch)
+            elif isinstance(decision, WaitUntil):
+                timeout_s = decision.at_s - now_s
+        next_deadline_s = scheduler.next_deadline_s()
+        if next_deadline_s is not None:
+            until_deadline_s = next_deadline_s - now_s
+            timeout_s = until_deadline_s if timeout_s is None else min(timeout_s, until_deadline_s)
+        return outcomes, None if timeout_s is None else max(timeout_s, 0.0)
+
+    def _fail(self, error: LaneserveError) -> None:
+        with self._cond:
+            self._failure = error
+            self._closing = True
+            outcomes = self._scheduler.abort_all(error)
+            self._cond.notify_all()
+        if outcomes:
+            self._deliver(outcomes)
+
+    # ---- the engine thread -------------------------------------------------------
+
+    def _run_forever(self) -> None:
+        while (batch := self._work.get()) is not None:
+            try:
+                result = self._run_batch(batch)
+            except Exception as error:
+                log.exception("batch %d failed outside the runtime", batch.batch_id)
+                result = BatchResult(batch, None, EngineError(f"batch failed: {error!r}"), 0.0)
+            with self._cond:
+                self._results.append(result)
+                self._idle_since_s = self._clock.monotonic()
+                self._cond.notify_all()

@@ -1,0 +1,147 @@
+"""Counters and recent-latency windows behind GetStats.
+
+Written by the scheduler's owner (under its lock), read by the event loop: a lock of its
+own keeps each reading consistent. Percentiles are over a window of recent samples, the
+view an operator wants of "now"; Prometheus histograms keep the long view.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from laneserve.server.errors import LaneserveError
+from laneserve.server.items import Batch
+
+WINDOW_SAMPLES = 4096
+# Reasons counted as shed (dropped after admission), not as failures.
+SHED_REASONS = frozenset({"EXPIRED_IN_QUEUE", "CANCELLED"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Percentiles:
+    count: int
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+
+
+def percentiles_ms(samples_s: Iterable[float]) -> Percentiles:
+    values = np.fromiter(samples_s, dtype=np.float64)
+    if values.size == 0:
+        return Percentiles(0, 0.0, 0.0, 0.0)
+    p50, p95, p99 = np.percentile(values, [50, 95, 99]) * 1000
+    return Percentiles(int(values.size), float(p50), float(p95), float(p99))
+
+
+@dataclasses.dataclass(slots=True)
+class _LaneCounters:
+    admitted: int = 0
+    completed: int = 0
+    failed: int = 0
+    rejected: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    shed: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    # Terminal state of every admitted request: "OK", an error reason or "CANCELLED".
+    # Invariant once idle: admitted == sum(answered.values()).
+    answered: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    queue_wait_s: collections.deque[float] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=WINDOW_SAMPLES)
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LaneSnapshot:
+    name: str
+    admitted: int
+    completed: int
+    failed: int
+    rejected: dict[str, int]
+    shed: dict[str, int]
+    answered: dict[str, int]
+    queue_wait: Percentiles
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StatsSnapshot:
+    lanes: list[LaneSnapshot]
+    batches: int
+    rows_run: int
+    mean_batch_size: float
+    run_time: Percentiles
+    batch_reasons: dict[str, int]
+
+
+class StatsRecorder:
+    """A `SchedulerEvents` sink that keeps what GetStats reports."""
+
+    def __init__(self, lane_names: Sequence[str]) -> None:
+        self._lock = threading.Lock()
+        self._lanes = {name: _LaneCounters() for name in lane_names}
+        self._batches = 0
+        self._batch_rows = 0  # rows of every batch run, failed ones too
+        self._rows_run = 0  # rows of the batches that succeeded
+        self._run_s: collections.deque[float] = collections.deque(maxlen=WINDOW_SAMPLES)
+        self._batch_reasons: collections.Counter[str] = collections.Counter()
+
+    def admitted(self, lane: str, rows: int) -> None:
+        with self._lock:
+            self._lanes[lane].admitted += 1
+
+    def rejected(self, lane: str, reason: str) -> None:
+        with self._lock:
+            self._lanes[lane].rejected[reason] += 1
+
+    def shed(self, lane: str, reason: str, rows: int) -> None:
+        with self._lock:
+            self._lanes[lane].shed[reason] += 1
+
+    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float]) -> None:
+        with self._lock:
+            self._batch_reasons[batch.reason.value] += 1
+            for piece, wait_s in zip(batch.slices, queue_waits_s, strict=True):
+                self._lanes[piece.lane].queue_wait_s.append(wait_s)
+
+    def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:
+        with self._lock:
+            self._batches += 1
+            self._batch_rows += batch.rows
+            if error is None:
+                self._rows_run += batch.rows
+                self._run_s.append(run_s)
+
+    def completed(self, lane: str, status: str) -> None:
+        with self._lock:
+            counters = self._lanes[lane]
+            counters.answered[status] += 1
+            if status == "OK":
+                counters.completed += 1
+            elif status not in SHED_REASONS:
+                counters.failed += 1
+
+    def snapshot(self) -> StatsSnapshot:
+        with self._lock:
+            lanes = [
+                LaneSnapshot(
+                    name=name,
+                    admitted=counters.admitted,
+                    completed=counters.completed,
+                    failed=counters.failed,
+                    rejected=dict(counters.rejected),
+                    shed=dict(counters.shed),
+                    answered=dict(counters.answered),
+                    queue_wait=percentiles_ms(counters.queue_wait_s),
+                )
+                for name, counters in self._lanes.items()
+            ]
+            return StatsSnapshot(
+                lanes=lanes,
+                batches=self._batches,
+                rows_run=self._rows_run,
+                mean_batch_size=self._batch_rows / self._batches if self._batches else 0.0,
+                run_time=percentiles_ms(self._run_s),
+                batch_reasons=dict(self._batch_reasons),
+            )

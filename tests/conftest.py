@@ -1,0 +1,45 @@
+"""Shared fixtures: generated models, and a check that no server thread is left running."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnxruntime as ort
+import pytest
+
+from laneserve.server.demo_model import make_demo_model
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "demo.onnx"
+    make_demo_model(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same signature as the demo model, tiny layers: for tests that start many servers."""
+    path = tmp_path_factory.mktemp("models") / "small.onnx"
+    make_demo_model(path, hidden_dim=32, hidden_layers=1)
+    return path
+
+
+@pytest.fixture(scope="session")
+def reference(demo_model: Path) -> ort.InferenceSession:
+    """A plain session on the demo model: what the server's outputs must equal."""
+    return ort.InferenceSession(str(demo_model), providers=["CPUExecutionProvider"])
+
+
+@pytest.fixture
+def no_leaked_threads() -> Iterator[None]:
+    before = {thread.name for thread in threading.enumerate()}
+    yield
+    leaked = {
+        thread.name
+        for thread in threading.enumerate()
+        if thread.name.startswith("laneserve-") and thread.name not in before
+    }
+    assert not leaked, f"threads left running: {leaked}"

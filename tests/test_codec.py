@@ -1,0 +1,200 @@
+"""The wire codec (laneserve.client.tensors): round trips, byte layout and refusals."""
+
+import re
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from laneserve.client import tensors
+from laneserve.client.tensors import decode_tensor, encode_tensor
+from laneserve.v1 import inference_pb2 as pb
+
+# numpy dtype, wire data type, ONNX Runtime type: the table the codec must implement.
+TYPES: list[tuple[str, int, str]] = [
+    ("float32", pb.DATA_TYPE_FLOAT32, "tensor(float)"),
+    ("float16", pb.DATA_TYPE_FLOAT16, "tensor(float16)"),
+    ("float64", pb.DATA_TYPE_FLOAT64, "tensor(double)"),
+    ("int8", pb.DATA_TYPE_INT8, "tensor(int8)"),
+    ("int16", pb.DATA_TYPE_INT16, "tensor(int16)"),
+    ("int32", pb.DATA_TYPE_INT32, "tensor(int32)"),
+    ("int64", pb.DATA_TYPE_INT64, "tensor(int64)"),
+    ("uint8", pb.DATA_TYPE_UINT8, "tensor(uint8)"),
+    ("uint16", pb.DATA_TYPE_UINT16, "tensor(uint16)"),
+    ("uint32", pb.DATA_TYPE_UINT32, "tensor(uint32)"),
+    ("uint64", pb.DATA_TYPE_UINT64, "tensor(uint64)"),
+    ("bool", pb.DATA_TYPE_BOOL, "tensor(bool)"),
+]
+DTYPES = [numpy for numpy, _, _ in TYPES]
+SHAPES: list[tuple[int, ...]] = [(), (1,), (5,), (2, 3), (2, 3, 4), (0,), (3, 0, 2)]
+
+
+def sample(dtype: str, shape: tuple[int, ...], seed: int = 0) -> npt.NDArray[Any]:
+    """Values that use the dtype's range (negatives, large magnitudes), reproducibly."""
+    rng = np.random.default_rng(seed)
+    kind = np.dtype(dtype)
+    if kind == np.bool_:
+        return rng.integers(0, 2, size=shape).astype(np.bool_)
+    if kind.kind == "f":
+        return (rng.standard_normal(size=shape) * 1000).astype(kind)
+    info = np.iinfo(kind)
+    return rng.integers(info.min, info.max, size=shape, dtype=kind, endpoint=True)
+
+
+def test_table_covers_every_concrete_wire_data_type() -> None:
+    concrete = set(pb.DataType.values()) - {pb.DATA_TYPE_UNSPECIFIED}
+    assert {datatype for _, datatype, _ in TYPES} == concrete
+
+
+@pytest.mark.parametrize(("numpy", "datatype", "onnx"), TYPES)
+def test_type_mappings_agree_both_ways(numpy: str, datatype: int, onnx: str) -> None:
+    wire = pb.DataType.ValueType(datatype)
+    assert tensors.numpy_dtype(wire) == np.dtype(numpy)
+    assert tensors.datatype_of(numpy) == datatype
+    assert tensors.datatype_of(np.dtype(numpy).newbyteorder(">")) == datatype
+    assert tensors.onnx_type(wire) == onnx
+    assert tensors.datatype_for_onnx_type(onnx) == datatype
+    assert tensors.numpy_dtype_for_onnx_type(onnx) == np.dtype(numpy)
+    assert tensors.datatype_name(datatype) == numpy
+    assert tensors.datatype_name(np.dtype(numpy)) == numpy
+    assert pb.DataType.Name(wire) == "DATA_TYPE_" + numpy.upper()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_trip_keeps_dtype_shape_and_values(dtype: str, shape: tuple[int, ...]) -> None:
+    array = sample(dtype, shape)
+
+    tensor = encode_tensor("x", array)
+    decoded = decode_tensor(pb.Tensor.FromString(tensor.SerializeToString()))
+
+    assert tensor.name == "x"
+    assert tensor.dtype == tensors.datatype_of(dtype)
+    assert list(tensor.shape) == list(shape)
+    assert tensor.data == array.astype(np.dtype(dtype).newbyteorder("<")).tobytes()
+    assert decoded.dtype == np.dtype(dtype)
+    assert decoded.shape == shape
+    np.testing.assert_array_equal(decoded, array)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_contiguous_input_is_sent_in_row_major_order(dtype: str) -> None:
+    base = sample(dtype, (4, 6, 3))
+    for view in (base[:, ::2], base.transpose(2, 0, 1), base[::-1, 1:, 0], np.asfortranarray(base)):
+        tensor = encode_tensor("v", view)
+        assert tensor.data == np.ascontiguousarray(view).tobytes()
+        np.testing.assert_array_equal(decode_tensor(tensor), view)
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if np.dtype(d).itemsize > 1])
+def test_big_endian_input_is_sent_little_endian(dtype: str) -> None:
+    little = sample(dtype, (3, 4))
+    big = little.astype(np.dtype(dtype).newbyteorder(">"))
+
+    tensor = encode_tensor("b", big)
+
+    assert tensor.data == little.astype(np.dtype(dtype).newbyteorder("<")).tobytes()
+    decoded = decode_tensor(tensor)
+    assert decoded.dtype.byteorder in "<=|"
+    np.testing.assert_array_equal(decoded, little)
+
+
+def test_known_bytes_are_little_endian() -> None:
+    tensor = encode_tensor("k", np.array([1, 256], dtype=np.uint16))
+    assert tensor.data == b"\x01\x00\x00\x01"
+    assert tensor.dtype == pb.DATA_TYPE_UINT16
+
+
+def test_decode_is_a_read_only_view_of_the_bytes() -> None:
+    tensor = encode_tensor("r", np.arange(12, dtype=np.float32).reshape(3, 4))
+    decoded = decode_tensor(tensor)
+    assert not decoded.flags.writeable
+    assert not decoded.flags.owndata
+    base = decoded.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    assert isinstance(base, bytes)
+
+
+def test_int64_aliases_map_to_one_wire_type() -> None:
+    for alias in (np.int64, np.longlong, np.intp):
+        assert tensors.datatype_of(alias) == pb.DATA_TYPE_INT64
+
+
+@pytest.mark.parametrize("dtype", ["complex64", "float128", "U3", "O", "datetime64[s]"])
+def test_encode_refuses_unsupported_dtype_naming_the_tensor(dtype: str) -> None:
+    try:
+        array = np.zeros(2, dtype=dtype)
+    except TypeError:
+        pytest.skip(f"numpy has no {dtype} on this platform")
+    with pytest.raises(ValueError, match=r"tensor 'weird': numpy dtype .* is not supported"):
+        encode_tensor("weird", array)
+
+
+@pytest.mark.parametrize(
+    ("datatype", "shown"),
+    [(pb.DATA_TYPE_UNSPECIFIED, "unspecified"), (99, "unknown data type 99")],
+)
+def test_decode_refuses_dtype_without_numpy_type(datatype: int, shown: str) -> None:
+    tensor = pb.Tensor(name="in", shape=[1], data=b"\x00" * 4)
+    tensor.dtype = pb.DataType.ValueType(datatype)
+    with pytest.raises(
+        ValueError, match=rf"tensor 'in': dtype is {shown}; expected one of float32"
+    ):
+        decode_tensor(tensor)
+
+
+@pytest.mark.parametrize("data_len", [0, 23, 25, 48])
+def test_decode_refuses_data_length_not_matching_shape(data_len: int) -> None:
+    tensor = pb.Tensor(name="in", dtype=pb.DATA_TYPE_FLOAT32, shape=[2, 3], data=b"\x00" * data_len)
+    with pytest.raises(
+        ValueError,
+        match=(
+            rf"tensor 'in': data is {data_len} bytes; expected 24 "
+            r"\(6 float32 of 4 bytes for shape \[2, 3\]\)"
+        ),
+    ):
+        decode_tensor(tensor)
+
+
+def test_decode_refuses_data_for_empty_shape() -> None:
+    tensor = pb.Tensor(name="e", dtype=pb.DATA_TYPE_INT8, shape=[0, 4], data=b"\x01")
+    with pytest.raises(ValueError, match=r"tensor 'e': data is 1 bytes; expected 0"):
+        decode_tensor(tensor)
+
+
+def test_decode_refuses_negative_dimension() -> None:
+    tensor = pb.Tensor(name="neg", dtype=pb.DATA_TYPE_FLOAT32, shape=[-1, 2], data=b"")
+    with pytest.raises(ValueError, match=r"tensor 'neg': shape \[-1, 2\] has a negative dimension"):
+        decode_tensor(tensor)
+
+
+def test_decode_refuses_bool_bytes_other_than_zero_and_one() -> None:
+    tensor = pb.Tensor(name="flags", dtype=pb.DATA_TYPE_BOOL, shape=[3], data=b"\x00\x01\x02")
+    with pytest.raises(ValueError, match=r"tensor 'flags': bool data has bytes other than 0 and 1"):
+        decode_tensor(tensor)
+
+
+@pytest.mark.parametrize("datatype", [pb.DATA_TYPE_UNSPECIFIED, 42])
+def test_wire_to_numpy_and_onnx_refuse_non_concrete_types(datatype: int) -> None:
+    wire = pb.DataType.ValueType(datatype)
+    with pytest.raises(ValueError, match="expected one of"):
+        tensors.numpy_dtype(wire)
+    with pytest.raises(ValueError, match="expected one of"):
+        tensors.onnx_type(wire)
+
+
+def test_onnx_types_without_wire_type_are_refused() -> None:
+    for onnx in ("tensor(string)", "tensor(bfloat16)", "seq(tensor(float))", "float"):
+        with pytest.raises(
+            ValueError, match=re.escape(f"ONNX Runtime type '{onnx}' is not supported")
+        ):
+            tensors.datatype_for_onnx_type(onnx)
+        assert tensors.numpy_dtype_for_onnx_type(onnx) is None
+
+
+def test_numpy_dtypes_without_wire_type_are_refused_and_keep_their_name() -> None:
+    with pytest.raises(ValueError, match="numpy dtype complex128 is not supported"):
+        tensors.datatype_of(np.complex128)
+    assert tensors.datatype_name(np.complex64) == "complex64"

@@ -1,0 +1,421 @@
+"""The server over real gRPC on loopback with a real ONNX Runtime session."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+import pytest
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from laneserve.client.tensors import encode_tensor
+from laneserve.server import LaneConfig, ServerConfig
+from laneserve.v1 import inference_pb2 as pb
+from tests.support import (
+    RecordingEngine,
+    health_status,
+    output,
+    request,
+    rich_status,
+    rows,
+    serving,
+)
+
+pytestmark = pytest.mark.usefixtures("no_leaked_threads")
+
+
+def config(model: Path, **fields: object) -> ServerConfig:
+    return ServerConfig(model_path=str(model), **fields)  # type: ignore[arg-type]
+
+
+def test_outputs_equal_direct_session_run(
+    demo_model: Path, reference: ort.InferenceSession
+) -> None:
+    """Single rows, multi-row requests and requests larger than the cap, from concurrent
+    callers in every lane, come back equal to a direct session.run on the same rows."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(demo_model))
+        async with serving(engine, config(demo_model, max_batch_size=32)) as s:
+            sizes = [1, 1, 3, 7, 32, 33, 100, 1, 5, 64] * 4
+            lanes = ["interactive", "standard", "bulk", ""]
+            inputs = [rows(n, seed=i) for i, n in enumerate(sizes)]
+            calls = [
+                s.stub.Infer(request(x, request_id=f"r{i}", lane=lanes[i % 4]))
+                for i, x in enumerate(inputs)
+            ]
+            responses = await asyncio.gather(*calls)
+        for i, (x, response) in enumerate(zip(inputs, responses, strict=True)):
+            assert response.request_id == f"r{i}"
+            expected = reference.run(None, {"input": x})[0]
+            np.testing.assert_allclose(output(response), expected, rtol=1e-4, atol=1e-5)
+            assert response.timing.lane == (lanes[i % 4] or "standard")
+        assert max(engine.batches) <= 32, "the batch cap bounds every batch"
+        assert sum(engine.batches) == sum(sizes), "every row ran exactly once"
+
+    asyncio.run(scenario())
+
+
+def test_batches_form_across_callers(demo_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(demo_model))
+        async with serving(engine, config(demo_model, max_batch_size=64)) as s:
+            engine.hold()
+            first = asyncio.ensure_future(s.stub.Infer(request(rows(1))))
+            await asyncio.to_thread(engine.entered.acquire)  # the session is busy
+            rest = [
+                asyncio.ensure_future(s.stub.Infer(request(rows(1, seed=i)))) for i in range(40)
+            ]
+            await _until(lambda: _queued_rows(s.server) == 40)
+            engine.release()
+            await asyncio.gather(first, *rest)
+            assert engine.batches == [1, 40], "work queued while busy goes out as one batch"
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+            assert stats.batches == 2
+            assert stats.mean_batch_size == pytest.approx(20.5)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("mutate", "fragment"),
+    [
+        (lambda r: setattr(r.inputs[0], "name", "nope"), "unknown input 'nope'"),
+        (
+            lambda r: r.inputs[0].CopyFrom(encode_tensor("input", rows(2).astype(np.float64))),
+            "dtype float64; expected float32",
+        ),
+        (
+            lambda r: r.inputs[0].CopyFrom(encode_tensor("input", rows(2)[:, :100])),
+            "shape [2, 100]",
+        ),
+        (lambda r: setattr(r.inputs[0], "data", r.inputs[0].data[:-4]), "input"),
+        (lambda r: setattr(r, "lane", "vip"), "unknown lane 'vip'"),
+        (lambda r: r.ClearField("inputs"), "missing input(s) 'input'"),
+        (lambda r: r.output_names.append("logits"), "unknown output(s) ['logits']"),
+    ],
+    ids=["unknown-input", "dtype", "shape", "data-length", "lane", "missing", "output"],
+)
+def test_bad_input_is_invalid_argument_naming_what_was_expected(
+    small_model: Path, mutate: object, fragment: str
+) -> None:
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            bad = request(rows(2))
+            mutate(bad)  # type: ignore[operator]
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(bad)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert fragment in (caught.value.details() or "")
+            assert rich_status(caught.value)[0] == "INVALID_INPUT"
+            # The server keeps serving.
+            assert output(await s.stub.Infer(request(rows(1)))).shape == (1, 10)
+
+    asyncio.run(scenario())
+
+
+def test_message_over_the_limit_is_resource_exhausted(small_model: Path) -> None:
+    async def scenario() -> None:
+        async with serving(
+            RecordingEngine(str(small_model)), config(small_model, max_message_bytes=64 * 1024)
+        ) as s:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(request(rows(64)))  # 128 KiB of floats
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    asyncio.run(scenario())
+
+
+def test_full_lane_refuses_with_pushback(small_model: Path) -> None:
+    lanes = (
+        LaneConfig("standard", capacity_rows=8, timeout_ms=60_000, max_wait_ms=0, min_share=0.0),
+    )
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, lanes=lanes)) as s:
+            engine.hold()
+            running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
+            await asyncio.to_thread(engine.entered.acquire)
+            queued = [
+                asyncio.ensure_future(s.stub.Infer(request(rows(4, start=10 * i)))) for i in (1, 2)
+            ]
+            await _until(lambda: _queued_rows(s.server) == 8)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(request(rows(1)))
+            error = caught.value
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "lane 'standard' is full" in (error.details() or "")
+            reason, details = rich_status(error)
+            assert reason == "LANE_FULL"
+            assert details["pushback_ms"] >= 1
+            assert details["retry_delay_s"] > 0
+            engine.release()
+            await asyncio.gather(running, *queued)
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+            assert dict(stats.lanes[0].rejected) == {"LANE_FULL": 1}
+
+    asyncio.run(scenario())
+
+
+def test_request_larger_than_the_lane_is_invalid(small_model: Path) -> None:
+    lanes = (
+        LaneConfig("standard", capacity_rows=8, timeout_ms=60_000, max_wait_ms=0, min_share=0.0),
+    )
+
+    async def scenario() -> None:
+        async with serving(
+            RecordingEngine(str(small_model)), config(small_model, lanes=lanes)
+        ) as s:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(request(rows(9)))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "holds at most 8 rows" in (caught.value.details() or "")
+
+    asyncio.run(scenario())
+
+
+def test_unmeetable_deadline_is_refused_at_once(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, max_batch_size=8)) as s:
+            engine.hold()
+            running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
+            await asyncio.to_thread(engine.entered.acquire)
+            ahead = asyncio.ensure_future(s.stub.Infer(request(rows(2000, start=1))))
+            await _until(lambda: _queued_rows(s.server) == 2000)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(request(rows(1, start=5000), timeout_ms=1))
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert rich_status(caught.value)[0] == "DEADLINE_UNMEETABLE"
+            engine.release()
+            await asyncio.gather(running, ahead)
+            assert 5000 not in engine.ran_tags
+
+    asyncio.run(scenario())
+
+
+def test_expired_in_queue_is_answered_and_never_runs(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            engine.hold()
+            running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
+            await asyncio.to_thread(engine.entered.acquire)
+            # Shed while the session is still busy: nothing needs the session to free up.
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(request(rows(3, start=100), timeout_ms=50))
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert rich_status(caught.value)[0] == "EXPIRED_IN_QUEUE"
+            assert _queued_rows(s.server) == 0, "its rows are freed at once"
+            engine.release()
+            await running
+            await s.stub.Infer(request(rows(1, start=200)))
+            assert sorted(engine.ran_tags) == [0, 200]
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+            standard = next(lane for lane in stats.lanes if lane.name == "standard")
+            assert dict(standard.shed) == {"EXPIRED_IN_QUEUE": 1}
+
+    asyncio.run(scenario())
+
+
+def test_grpc_deadline_is_honoured_without_configuration(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            engine.hold()
+            running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
+            await asyncio.to_thread(engine.entered.acquire)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(request(rows(1, start=7)), timeout=0.2)
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await _until(lambda: _queued_rows(s.server) == 0)
+            engine.release()
+            await running
+            assert 7 not in engine.ran_tags
+
+    asyncio.run(scenario())
+
+
+def test_cancelled_call_frees_its_rows_and_never_runs(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            engine.hold()
+            running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
+            await asyncio.to_thread(engine.entered.acquire)
+            call = s.stub.Infer(request(rows(5, start=10)))
+            await _until(lambda: _queued_rows(s.server) == 5)
+            call.cancel()
+            await _until(lambda: _queued_rows(s.server) == 0)
+            engine.release()
+            await running
+            assert engine.ran_tags == [0]
+
+    asyncio.run(scenario())
+
+
+def test_runtime_failure_fails_that_batch_only(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        engine.fail_when = lambda batch: any(
+            (part[:, 0] == 666).any() for part in batch.parts["input"]
+        )
+        async with serving(engine, config(small_model)) as s:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(request(rows(1, start=666)))
+            assert caught.value.code() == grpc.StatusCode.INTERNAL
+            assert rich_status(caught.value)[0] == "ENGINE_FAILURE"
+            assert output(await s.stub.Infer(request(rows(2, start=1)))).shape == (2, 10)
+
+    asyncio.run(scenario())
+
+
+def test_draining_server_refuses_new_work_and_finishes_queued(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            assert await health_status(s.channel) == health_pb2.HealthCheckResponse.SERVING
+            engine.hold()
+            running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
+            await asyncio.to_thread(engine.entered.acquire)
+            queued = asyncio.ensure_future(s.stub.Infer(request(rows(2, start=1))))
+            await _until(lambda: _queued_rows(s.server) == 2)
+            stopping = asyncio.ensure_future(s.server.stop(grace_s=30))
+            await _until(lambda: s.server.state.value == "DRAINING")
+            assert await health_status(s.channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(request(rows(1, start=9)))
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert rich_status(caught.value)[0] == "DRAINING"
+            engine.release()
+            assert output(await running).shape == (1, 10)
+            assert output(await queued).shape == (2, 10)
+            await stopping
+            assert sorted(engine.ran_tags) == [0, 1, 2]
+
+    asyncio.run(scenario())
+
+
+def test_work_left_after_the_grace_period_is_answered_unavailable(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            engine.hold()
+            running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
+            await asyncio.to_thread(engine.entered.acquire)
+            queued = asyncio.ensure_future(s.stub.Infer(request(rows(2, start=1))))
+            await _until(lambda: _queued_rows(s.server) == 2)
+            stopping = asyncio.ensure_future(s.server.stop(grace_s=0.05))
+            results = await asyncio.gather(running, queued, return_exceptions=True)
+            for result in results:
+                assert isinstance(result, grpc.aio.AioRpcError)
+                assert result.code() == grpc.StatusCode.UNAVAILABLE
+            engine.release()
+            await stopping
+
+    asyncio.run(scenario())
+
+
+def test_reflection_and_health_work_out_of_the_box(small_model: Path) -> None:
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            # The reflection stubs' types know only sync channels.
+            stub: Any = reflection_pb2_grpc.ServerReflectionStub(s.channel)  # type: ignore[arg-type]
+
+            async def ask() -> list[str]:
+                call = stub.ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+                )
+                names: list[str] = []
+                async for answer in call:
+                    names += [svc.name for svc in answer.list_services_response.service]
+                return names
+
+            assert "laneserve.v1.InferenceService" in await ask()
+            status = await health_status(s.channel, "laneserve.v1.InferenceService")
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            model = await s.stub.GetModel(pb.GetModelRequest())
+            assert [spec.name for spec in model.inputs] == ["input"]
+            assert list(model.inputs[0].shape) == [-1, 512]
+            assert model.providers == ["CPUExecutionProvider"]
+            assert [lane.name for lane in model.lanes] == ["interactive", "standard", "bulk"]
+
+    asyncio.run(scenario())
+
+
+def test_every_request_gets_exactly_one_answer(small_model: Path) -> None:
+    """Random deadlines, cancellations and a shutdown in the middle: every call ends once,
+    the server accounts every admitted request exactly once, and no request answered
+    EXPIRED_IN_QUEUE ever ran."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        rng = random.Random(7)
+        async with serving(engine, config(small_model, max_batch_size=16)) as s:
+            # Plain traffic first: all of it must succeed.
+            plain = [s.stub.Infer(request(rows(2, start=2 * i))) for i in range(50)]
+            assert all(output(r).shape == (2, 10) for r in await asyncio.gather(*plain))
+            calls: list[tuple[int, grpc.aio.UnaryUnaryCall[pb.InferRequest, pb.InferResponse]]] = []
+            tag = 100
+            for i in range(300):
+                count = rng.choice([1, 1, 2, 5, 20])
+                call = s.stub.Infer(
+                    request(
+                        rows(count, start=tag),
+                        lane=rng.choice(["interactive", "standard", "bulk"]),
+                        timeout_ms=rng.choice([0, 2, 20, 200]),
+                    ),
+                    timeout=rng.choice([None, 0.05, 1.0]),
+                )
+                calls.append((tag, call))
+                tag += count
+                if rng.random() < 0.1:
+                    call.cancel()
+                if i == 200:
+                    stopping = asyncio.ensure_future(s.server.stop(grace_s=0.02))
+                if i % 25 == 0:
+                    await asyncio.sleep(0)
+            outcomes: dict[int, str] = {}
+            for first_tag, call in calls:
+                try:
+                    await call
+                    outcomes[first_tag] = "OK"
+                except asyncio.CancelledError:
+                    outcomes[first_tag] = "CANCELLED"
+                except grpc.aio.AioRpcError as error:
+                    reason = rich_status(error)[0]
+                    outcomes[first_tag] = reason or error.code().name
+            await stopping
+            assert s.server.scheduler.live_entries == 0, "no admitted request is left open"
+            snapshot = s.server.stats.snapshot()
+            for lane in snapshot.lanes:
+                assert lane.admitted == sum(lane.answered.values()), lane
+        ran = set(engine.ran_tags)
+        expired = [tag for tag, outcome in outcomes.items() if outcome == "EXPIRED_IN_QUEUE"]
+        assert not ran.intersection(expired), "an expired request was executed"
+        ok = [tag for tag, outcome in outcomes.items() if outcome == "OK"]
+        assert ran.issuperset(ok)
+        assert len(engine.ran_tags) == len(ran), "no row ran twice"
+
+    asyncio.run(scenario())
+
+
+def _queued_rows(server: object) -> int:
+    return sum(depth.queued_rows for depth in server._thread.depths())  # type: ignore[attr-defined]
+
+
+async def _until(condition: object, timeout_s: float = 10.0) -> None:
+    """Polls `condition` (a state reached by the server, not a timing assumption)."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + timeout_s
+    while not condition():  # type: ignore[operator]
+        if loop.time() > give_up:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.002)
