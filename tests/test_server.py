@@ -364,6 +364,7 @@ def test_every_request_gets_exactly_one_answer(small_model: Path) -> None:
             assert all(output(r).shape == (2, 10) for r in await asyncio.gather(*plain))
             calls: list[tuple[int, grpc.aio.UnaryUnaryCall[pb.InferRequest, pb.InferResponse]]] = []
             tag = 100
+            stopping: asyncio.Future[None] | None = None
             for i in range(300):
                 count = rng.choice([1, 1, 2, 5, 20])
                 call = s.stub.Infer(
@@ -392,6 +393,7 @@ def test_every_request_gets_exactly_one_answer(small_model: Path) -> None:
                 except grpc.aio.AioRpcError as error:
                     reason = rich_status(error)[0]
                     outcomes[first_tag] = reason or error.code().name
+            assert stopping is not None
             await stopping
             assert s.server.scheduler.live_entries == 0, "no admitted request is left open"
             snapshot = s.server.stats.snapshot()

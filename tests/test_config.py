@@ -1,0 +1,261 @@
+"""Configuration: defaults, TOML loading, overrides, and errors that name the bad key."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from laneserve.server.config import (
+    DEFAULT_LANES,
+    ConfigError,
+    LaneConfig,
+    ServerConfig,
+    config_from_mapping,
+    load_config,
+)
+
+LANE = """
+[[lanes]]
+name = "{name}"
+capacity_rows = 64
+timeout_ms = 500
+max_wait_ms = 1
+min_share = {min_share}
+"""
+
+
+def lane_toml(name: str = "fast", min_share: float = 0.0) -> str:
+    return LANE.format(name=name, min_share=min_share)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "laneserve.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_defaults_are_valid() -> None:
+    config = ServerConfig(model_path="model.onnx")
+    assert [lane.name for lane in config.lanes] == ["interactive", "standard", "bulk"]
+    assert config.lanes == DEFAULT_LANES
+    assert config.default_lane == "standard"
+    assert config.max_batch_size == 128
+    assert config.device == "auto"
+    assert sum(lane.min_share for lane in config.lanes) < 1
+    assert load_config(None, model_path="model.onnx") == config
+    assert config_from_mapping({}, model_path="model.onnx") == config
+
+
+def test_toml_file_with_lanes_is_loaded(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+[server]
+port = 0
+max_batch_size = 64
+default_lane = "slow"
+device = "cpu"
+drain_grace_s = 2.5
+
+[[lanes]]
+name = "fast"
+capacity_rows = 32
+timeout_ms = 250
+max_wait_ms = 0
+min_share = 0.0
+
+[[lanes]]
+name = "slow"
+capacity_rows = 1024
+timeout_ms = 60000
+max_wait_ms = 10
+min_share = 0.2
+""",
+    )
+    config = load_config(path, model_path="model.onnx")
+    assert config.model_path == "model.onnx"
+    assert config.port == 0
+    assert config.max_batch_size == 64
+    assert config.default_lane == "slow"
+    assert config.device == "cpu"
+    assert config.drain_grace_s == 2.5
+    assert config.lanes == (
+        LaneConfig("fast", capacity_rows=32, timeout_ms=250, max_wait_ms=0, min_share=0.0),
+        LaneConfig("slow", capacity_rows=1024, timeout_ms=60_000, max_wait_ms=10, min_share=0.2),
+    )
+    assert config.lane("slow").capacity_rows == 1024
+    with pytest.raises(KeyError):
+        config.lane("bulk")
+
+
+def test_keys_missing_from_the_file_keep_their_defaults(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "[server]\nport = 9000\n"), model_path="m.onnx")
+    assert config == ServerConfig(model_path="m.onnx", port=9000)
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        pytest.param("[serve]\nport = 1\n", "serve", id="unknown-top-level-table"),
+        pytest.param("[server]\nmax_batch = 4\n", "max_batch", id="unknown-server-key"),
+        pytest.param("[server]\nlanes = 3\n", "lanes", id="lanes-inside-server"),
+        pytest.param("server = 3\n", "server", id="server-not-a-table"),
+        pytest.param(lane_toml() + "priority = 1\n", "priority", id="unknown-lane-key"),
+        pytest.param(
+            '[[lanes]]\nname = "fast"\ncapacity_rows = 4\ntimeout_ms = 5\nmin_share = 0.0\n',
+            "max_wait_ms",
+            id="missing-lane-key",
+        ),
+        pytest.param("lanes = 3\n", "lanes", id="lanes-not-an-array"),
+        pytest.param("lanes = [3]\n", "lanes[0]", id="lane-not-a-table"),
+        pytest.param("lanes = []\n", "lanes", id="no-lanes"),
+        pytest.param('[server]\nport = "80"\n', "server.port", id="port-string"),
+        pytest.param("[server]\nmax_batch_size = 1.5\n", "server.max_batch_size", id="float"),
+        pytest.param('[server]\ndevice = "gpu"\n', "server.device", id="device"),
+        pytest.param('[server]\ndrain_grace_s = "1"\n', "server.drain_grace_s", id="grace-str"),
+        pytest.param(
+            "[server]\nmax_batch_size = true\n", "server.max_batch_size", id="bool-batch-size"
+        ),
+        pytest.param("[server]\nport = false\n", "server.port", id="bool-port"),
+        pytest.param("[server]\ndrain_grace_s = true\n", "server.drain_grace_s", id="bool-grace"),
+        pytest.param(
+            "[server]\nintra_op_threads = true\n", "server.intra_op_threads", id="bool-threads"
+        ),
+        pytest.param(
+            lane_toml().replace("timeout_ms = 500", "timeout_ms = true"),
+            "timeout_ms",
+            id="bool-lane-timeout",
+        ),
+        pytest.param(
+            lane_toml().replace("capacity_rows = 64", 'capacity_rows = "64"'),
+            "capacity_rows",
+            id="string-capacity",
+        ),
+        pytest.param(
+            lane_toml().replace("min_share = 0.0", 'min_share = "0.1"'),
+            "min_share",
+            id="string-share",
+        ),
+        pytest.param(
+            lane_toml().replace("min_share = 0.0", "min_share = true"),
+            "min_share",
+            id="bool-share",
+        ),
+        pytest.param("[server]\nmax_batch_size = 0\n", "server.max_batch_size", id="zero-cap"),
+        pytest.param("[server]\nmax_batch_size = -1\n", "server.max_batch_size", id="neg-cap"),
+        pytest.param("[server]\nport = -1\n", "server.port", id="negative-port"),
+        pytest.param("[server]\nport = 70000\n", "server.port", id="port-too-large"),
+        pytest.param(
+            "[server]\nintra_op_threads = -1\n", "server.intra_op_threads", id="neg-threads"
+        ),
+        pytest.param(
+            "[server]\nmax_message_bytes = 10\n", "server.max_message_bytes", id="tiny-message"
+        ),
+        pytest.param("[server]\ndrain_grace_s = -1.0\n", "server.drain_grace_s", id="neg-grace"),
+        pytest.param(
+            lane_toml().replace("capacity_rows = 64", "capacity_rows = 0"),
+            "capacity_rows",
+            id="zero-capacity",
+        ),
+        pytest.param(
+            lane_toml().replace("timeout_ms = 500", "timeout_ms = 0"),
+            "timeout_ms",
+            id="zero-timeout",
+        ),
+        pytest.param(
+            lane_toml().replace("max_wait_ms = 1", "max_wait_ms = -1"),
+            "max_wait_ms",
+            id="negative-max-wait",
+        ),
+        pytest.param(lane_toml(min_share=-0.1), "min_share", id="negative-share"),
+        pytest.param(lane_toml(min_share=1.0), "min_share", id="share-of-one"),
+        pytest.param(
+            lane_toml().replace("min_share = 0.0", "min_share = nan"), "min_share", id="nan-share"
+        ),
+        pytest.param(
+            '[server]\ndefault_lane = "a"\n' + lane_toml("a", 0.5) + lane_toml("b", 0.5),
+            "min_share",
+            id="shares-sum-to-one",
+        ),
+        pytest.param(lane_toml("a") + lane_toml("a"), "names must be unique", id="dup-lanes"),
+        pytest.param(lane_toml("a b"), "name", id="bad-lane-name"),
+        pytest.param(
+            '[server]\ndefault_lane = "express"\n', "server.default_lane", id="default-lane"
+        ),
+        pytest.param(
+            lane_toml("fast"), "server.default_lane", id="default-lane-not-among-new-lanes"
+        ),
+    ],
+)
+def test_invalid_config_is_refused_naming_the_key(tmp_path: Path, text: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load_config(write(tmp_path, text), model_path="model.onnx")
+
+
+def test_shares_summing_to_one_report_the_sum(tmp_path: Path) -> None:
+    text = '[server]\ndefault_lane = "a"\n' + lane_toml("a", 0.5) + lane_toml("b", 0.5)
+    with pytest.raises(ConfigError, match=r"lanes: min_share must sum to less than 1, got 1"):
+        load_config(write(tmp_path, text), model_path="model.onnx")
+
+
+def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "[server]\nmax_batch_size = = 3\n")
+    with pytest.raises(ConfigError, match=re.escape(str(path))):
+        load_config(path, model_path="model.onnx")
+
+
+def test_missing_file_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "absent.toml"
+    with pytest.raises(ConfigError, match=re.escape(str(path))):
+        load_config(path, model_path="model.onnx")
+
+
+def test_overrides_win_over_the_file_and_none_means_unset(tmp_path: Path) -> None:
+    path = write(tmp_path, "[server]\nport = 9000\nmax_batch_size = 64\n")
+    config = load_config(
+        path,
+        model_path="model.onnx",
+        overrides={"port": 0, "max_batch_size": None, "device": "cpu", "host": None},
+    )
+    assert config.port == 0
+    assert config.max_batch_size == 64
+    assert config.device == "cpu"
+    assert config.host == "127.0.0.1"
+
+
+def test_overrides_apply_without_a_file() -> None:
+    config = config_from_mapping(
+        {}, model_path="model.onnx", overrides={"drain_grace_s": 0.5, "port": None}
+    )
+    assert config == ServerConfig(model_path="model.onnx", drain_grace_s=0.5)
+
+
+def test_overrides_are_validated_like_the_file() -> None:
+    with pytest.raises(ConfigError, match=re.escape("server.max_batch_size")):
+        config_from_mapping({}, model_path="model.onnx", overrides={"max_batch_size": 0})
+
+
+# Known gaps in config.py's validation (reported; config.py is not this change's to fix).
+# Strict: when the validation is fixed, these pass and the marker must go.
+
+
+@pytest.mark.xfail(strict=True, raises=AttributeError, reason="lane name is not type-checked")
+def test_lane_name_that_is_not_a_string_is_refused_naming_the_key(tmp_path: Path) -> None:
+    text = lane_toml().replace('name = "fast"', "name = 5")
+    with pytest.raises(ConfigError, match="name"):
+        load_config(write(tmp_path, text), model_path="model.onnx")
+
+
+@pytest.mark.xfail(strict=True, reason="drain_grace_s accepts nan and inf")
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_non_finite_drain_grace_is_refused_naming_the_key(tmp_path: Path, value: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape("server.drain_grace_s")):
+        load_config(write(tmp_path, f"[server]\ndrain_grace_s = {value}\n"), model_path="m")
+
+
+@pytest.mark.xfail(strict=True, reason="host is not type-checked")
+def test_host_that_is_not_a_string_is_refused_naming_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=re.escape("server.host")):
+        load_config(write(tmp_path, "[server]\nhost = 5\n"), model_path="m")

@@ -1,0 +1,1017 @@
+"""Unit tests of the batching policy: `Scheduler` driven with explicit times.
+
+Nothing here reads a clock, sleeps or starts a thread: every call gets `now_s`. Rows are
+distinguishable (row j of request i holds i * ROW_STRIDE + j in every column), so a test
+says exactly which rows went into a batch; the stand-in engine (output = input * 2) lets
+it check that answers are reassembled in row order. The run-time model is fixed
+(1 row: 1 ms, 64 rows: 4 ms), which makes the deadline arithmetic exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from laneserve.server.clock import ManualClock
+from laneserve.server.config import LaneConfig
+from laneserve.server.cost_model import RunTimeModel
+from laneserve.server.errors import (
+    DeadlineUnmeetableError,
+    DrainingError,
+    EngineError,
+    ExpiredInQueueError,
+    InvalidInputError,
+    LaneFullError,
+    LaneserveError,
+)
+from laneserve.server.items import (
+    Batch,
+    BatchResult,
+    DispatchReason,
+    InferenceRequest,
+    Outcome,
+)
+from laneserve.server.lanes import Entry, Lane
+from laneserve.server.scheduler import Dispatch, Scheduler, WaitUntil
+
+T0 = 1_000.0
+CAP = 8
+# Row j of request i holds i * ROW_STRIDE + j; requests here have fewer rows than this.
+ROW_STRIDE = 1_000
+NEVER_IDLE = -math.inf  # idle_since_s of a session that has run nothing: no backlog
+
+INTERACTIVE = LaneConfig(
+    "interactive", capacity_rows=64, timeout_ms=1_000, max_wait_ms=2, min_share=0.0
+)
+STANDARD = LaneConfig(
+    "standard", capacity_rows=64, timeout_ms=10_000, max_wait_ms=4, min_share=0.25
+)
+BULK = LaneConfig("bulk", capacity_rows=256, timeout_ms=60_000, max_wait_ms=20, min_share=0.0)
+LANES = (INTERACTIVE, STANDARD, BULK)
+# The same lanes filled purely top-down: no lane claims a share ahead of higher ones.
+TOP_DOWN_LANES = tuple(dataclasses.replace(lane, min_share=0.0) for lane in LANES)
+
+
+# ---- helpers -------------------------------------------------------------------------
+
+
+def fixed_run_time() -> RunTimeModel:
+    return RunTimeModel({1: 0.001, 64: 0.004})
+
+
+def make_scheduler(
+    lanes: Sequence[LaneConfig] = LANES,
+    *,
+    cap: int = CAP,
+    events: RecordingEvents | None = None,
+) -> Scheduler:
+    return Scheduler(lanes, batch_cap=cap, run_time=fixed_run_time(), events=events)
+
+
+def make_request(
+    index: int,
+    lane: str,
+    rows: int,
+    *,
+    width: int = 2,
+    deadline_s: float | None = None,
+) -> InferenceRequest:
+    assert rows < ROW_STRIDE
+    values = index * ROW_STRIDE + np.arange(rows, dtype=np.float64)
+    x = np.repeat(values[:, None], width, axis=1)
+    return InferenceRequest(
+        request_id=f"r{index}",
+        lane=lane,
+        inputs={"x": x},
+        rows=rows,
+        signature=((width,),),
+        deadline_s=deadline_s,
+        token=index,
+    )
+
+
+def ids(index: int, rows: int, start: int = 0) -> list[int]:
+    """The values of rows [start, start + rows) of request `index`."""
+    return [index * ROW_STRIDE + row for row in range(start, start + rows)]
+
+
+def row_ids(batch: Batch) -> list[int]:
+    return [int(value) for value in np.concatenate(batch.parts["x"])[:, 0]]
+
+
+def rows_by_lane(batch: Batch) -> Counter[str]:
+    counts: Counter[str] = Counter()
+    for piece in batch.slices:
+        counts[piece.lane] += piece.rows
+    return counts
+
+
+def run(batch: Batch, run_s: float = 0.001) -> BatchResult:
+    """The stand-in engine: output y = input x * 2, row for row."""
+    return BatchResult(batch, {"y": np.concatenate(batch.parts["x"]) * 2}, None, run_s)
+
+
+def fail(batch: Batch) -> BatchResult:
+    return BatchResult(batch, None, EngineError("the runtime failed"), 0.001)
+
+
+def dispatch(scheduler: Scheduler, now_s: float, idle_since_s: float = NEVER_IDLE) -> Batch:
+    decision = scheduler.decide(now_s, idle_since_s)
+    assert isinstance(decision, Dispatch), decision
+    return decision.batch
+
+
+def queued_rows(scheduler: Scheduler, lane: str) -> int:
+    return scheduler.lane(lane).queued_rows
+
+
+def tokens(outcomes: Sequence[Outcome]) -> list[object]:
+    return [outcome.token for outcome in outcomes]
+
+
+def assert_answered(outcome: Outcome, request: InferenceRequest) -> None:
+    """`outcome` carries every row of `request`, doubled, in row order."""
+    assert outcome.error is None
+    assert outcome.token == request.token
+    assert outcome.outputs is not None
+    np.testing.assert_array_equal(outcome.outputs["y"], np.asarray(request.inputs["x"]) * 2)
+
+
+class RecordingEvents:
+    """A `SchedulerEvents` sink that keeps what it was told, in order."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[object, ...]] = []
+        self.queue_waits_s: list[tuple[float, ...]] = []
+
+    def admitted(self, lane: str, rows: int) -> None:
+        self.log.append(("admitted", lane, rows))
+
+    def rejected(self, lane: str, reason: str) -> None:
+        self.log.append(("rejected", lane, reason))
+
+    def shed(self, lane: str, reason: str, rows: int) -> None:
+        self.log.append(("shed", lane, reason, rows))
+
+    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float]) -> None:
+        lanes = tuple(piece.lane for piece in batch.slices)
+        self.log.append(("batch_formed", batch.batch_id, batch.reason, lanes))
+        self.queue_waits_s.append(tuple(queue_waits_s))
+
+    def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:
+        self.log.append(("batch_done", batch.batch_id, None if error is None else error.reason))
+
+    def completed(self, lane: str, status: str) -> None:
+        self.log.append(("completed", lane, status))
+
+
+# ---- dispatch rule ---------------------------------------------------------------------
+
+
+def test_nothing_queued_means_nothing_to_decide() -> None:
+    scheduler = make_scheduler()
+    assert scheduler.decide(T0, NEVER_IDLE) is None
+
+
+def test_full_batch_dispatches_as_soon_as_the_cap_is_reached() -> None:
+    scheduler = make_scheduler()
+    for index in range(CAP - 1):
+        scheduler.admit(make_request(index, "interactive", 1), T0)
+        assert isinstance(scheduler.decide(T0, NEVER_IDLE), WaitUntil)
+    scheduler.admit(make_request(CAP - 1, "interactive", 1), T0)
+    batch = dispatch(scheduler, T0)
+    assert batch.reason is DispatchReason.FULL
+    assert batch.rows == CAP
+    assert row_ids(batch) == [row for index in range(CAP) for row in ids(index, 1)]
+    assert scheduler.decide(T0, NEVER_IDLE) is None
+
+
+def test_batch_waits_for_max_wait_then_dispatches_at_exactly_that_time() -> None:
+    clock = ManualClock(T0)
+    scheduler = make_scheduler()
+    scheduler.admit(make_request(0, "interactive", 2), clock.monotonic())
+    due_s = T0 + INTERACTIVE.max_wait_ms / 1000
+    assert scheduler.decide(clock.monotonic(), NEVER_IDLE) == WaitUntil(due_s)
+    clock.advance(0.001)
+    assert scheduler.decide(clock.monotonic(), NEVER_IDLE) == WaitUntil(due_s)
+    assert scheduler.decide(math.nextafter(due_s, 0), NEVER_IDLE) == WaitUntil(due_s)
+    batch = dispatch(scheduler, due_s)
+    assert batch.reason is DispatchReason.MAX_WAIT
+    assert row_ids(batch) == ids(0, 2)
+
+
+def test_wait_until_is_the_earliest_max_wait_in_the_batch() -> None:
+    scheduler = make_scheduler()
+    scheduler.admit(make_request(0, "standard", 1), T0)  # due at T0 + 4 ms
+    later_s = T0 + 0.001
+    scheduler.admit(make_request(1, "interactive", 1), later_s)  # due at T0 + 3 ms
+    due_s = later_s + INTERACTIVE.max_wait_ms / 1000
+    assert due_s < T0 + STANDARD.max_wait_ms / 1000
+    assert scheduler.decide(later_s, NEVER_IDLE) == WaitUntil(due_s)
+    batch = dispatch(scheduler, due_s)
+    assert batch.reason is DispatchReason.MAX_WAIT
+    assert row_ids(batch) == ids(1, 1) + ids(0, 1)
+
+
+def test_deadline_slack_dispatches_before_max_wait() -> None:
+    scheduler = make_scheduler()
+    scheduler.admit(make_request(0, "bulk", 2, deadline_s=T0 + 0.050), T0)
+    scheduler.admit(make_request(1, "bulk", 2, deadline_s=T0 + 0.010), T0)
+    # The earliest deadline in the batch, less the predicted run time of all 4 rows.
+    latest_start_s = (T0 + 0.010) - scheduler.run_time.predict_s(4)
+    assert latest_start_s < T0 + BULK.max_wait_ms / 1000
+    assert scheduler.decide(T0, NEVER_IDLE) == WaitUntil(latest_start_s)
+    assert scheduler.decide(math.nextafter(latest_start_s, 0), NEVER_IDLE) == WaitUntil(
+        latest_start_s
+    )
+    batch = dispatch(scheduler, latest_start_s)
+    assert batch.reason is DispatchReason.DEADLINE
+    assert row_ids(batch) == ids(0, 2) + ids(1, 2)
+
+
+def test_backlog_goes_out_at_once_without_waiting() -> None:
+    scheduler = make_scheduler()
+    # Both queued while the session was running an earlier batch.
+    scheduler.admit(make_request(0, "bulk", 1), T0)
+    scheduler.admit(make_request(1, "bulk", 1), T0 + 0.001)
+    idle_since_s = T0 + 0.002
+    batch = dispatch(scheduler, idle_since_s, idle_since_s)
+    assert batch.reason is DispatchReason.BACKLOG
+    assert row_ids(batch) == ids(0, 1) + ids(1, 1)
+    scheduler.complete(run(batch))
+    # Work that arrives once the session is free waits for its batching delay again.
+    idle_since_s = T0 + 0.003
+    arrival_s = T0 + 0.004
+    scheduler.admit(make_request(2, "bulk", 1), arrival_s)
+    assert scheduler.decide(arrival_s, idle_since_s) == WaitUntil(
+        arrival_s + BULK.max_wait_ms / 1000
+    )
+
+
+# ---- batch formation -------------------------------------------------------------------
+
+
+def test_fill_is_top_down_across_lanes() -> None:
+    scheduler = make_scheduler(TOP_DOWN_LANES)
+    for index in range(3):
+        scheduler.admit(make_request(index, "bulk", 1), T0)
+    scheduler.admit(make_request(3, "standard", 3), T0 + 0.001)
+    scheduler.admit(make_request(4, "interactive", 3), T0 + 0.002)
+    batch = dispatch(scheduler, T0 + 0.002)
+    assert batch.reason is DispatchReason.FULL
+    assert [piece.lane for piece in batch.slices] == ["interactive", "standard", "bulk", "bulk"]
+    assert row_ids(batch) == ids(4, 3) + ids(3, 3) + ids(0, 1) + ids(1, 1)
+    assert [depth.queued_rows for depth in scheduler.depths()] == [0, 0, 1]
+
+
+def saturate(scheduler: Scheduler, next_index: int, now_s: float) -> int:
+    """Tops the interactive lane up to more rows than one batch holds."""
+    while queued_rows(scheduler, "interactive") <= CAP:
+        scheduler.admit(make_request(next_index, "interactive", 1), now_s)
+        next_index += 1
+    return next_index
+
+
+def test_min_share_gives_lower_lane_its_rows_under_saturation() -> None:
+    scheduler = make_scheduler()
+    share_rows = math.ceil(STANDARD.min_share * CAP)
+    index = 0
+    for size in [1, 3, 2] * 10:
+        scheduler.admit(make_request(index, "standard", size), T0)
+        index += 1
+    standard_order: list[int] = []
+    now_s = T0
+    batches_with_standard_work = 0
+    while queued_rows(scheduler, "standard") > 0:
+        index = saturate(scheduler, index, now_s)
+        waiting = queued_rows(scheduler, "standard")
+        batch = dispatch(scheduler, now_s, now_s)
+        assert batch.reason is DispatchReason.FULL
+        assert rows_by_lane(batch)["standard"] >= min(share_rows, waiting)
+        standard_order += [piece.entry_id for piece in batch.slices if piece.lane == "standard"]
+        scheduler.complete(run(batch))
+        now_s += 0.001
+        batches_with_standard_work += 1
+    assert batches_with_standard_work > 5  # the guarantee held over many batches
+    assert standard_order == sorted(standard_order)  # FIFO across batches
+
+
+def test_lane_without_min_share_starves_under_saturation() -> None:
+    """Configured behaviour, not a bug: a lane with min_share 0 gets only leftover room.
+
+    While a higher lane always has more rows queued than one batch holds, the bulk lane
+    (min_share 0) gets nothing; only a min_share above 0 guarantees it rows.
+    """
+    scheduler = make_scheduler()
+    for index in range(5):
+        scheduler.admit(make_request(index, "bulk", 1), T0)
+    index = 5
+    now_s = T0
+    for _ in range(30):
+        index = saturate(scheduler, index, now_s)
+        batch = dispatch(scheduler, now_s, now_s)
+        assert rows_by_lane(batch)["bulk"] == 0
+        scheduler.complete(run(batch))
+        now_s += 0.001
+    assert queued_rows(scheduler, "bulk") == 5
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="policy issue: pass 1 takes the entry that crosses a lane's share whole, so a "
+    "lower lane whose requests are as large as the cap claims every batch",
+)
+def test_lower_lane_claims_no_more_than_its_share_ahead_of_a_saturated_higher_lane() -> None:
+    scheduler = make_scheduler()
+    for index in range(8):
+        scheduler.admit(make_request(index, "standard", CAP), T0)
+    index = 8
+    now_s = T0
+    interactive_rows = 0
+    for _ in range(8):
+        index = saturate(scheduler, index, now_s)
+        batch = dispatch(scheduler, now_s, now_s)
+        interactive_rows += rows_by_lane(batch)["interactive"]
+        scheduler.complete(run(batch))
+        now_s += 0.001
+    # Over 8 batches the standard lane may claim its share ahead of interactive (plus
+    # at most one whole request), no more.
+    share_rows = math.ceil(STANDARD.min_share * CAP)
+    assert interactive_rows >= 8 * (CAP - share_rows) - CAP
+
+
+def test_fifo_within_a_lane_and_an_entry_that_does_not_fit_ends_its_turn() -> None:
+    scheduler = make_scheduler(TOP_DOWN_LANES)
+    scheduler.admit(make_request(0, "interactive", 5), T0)
+    scheduler.admit(make_request(1, "interactive", 4), T0)  # does not fit after 0
+    scheduler.admit(make_request(2, "interactive", 1), T0)  # would fit, but is behind 1
+    scheduler.admit(make_request(3, "standard", 3), T0)  # fills the room that is left
+    first = dispatch(scheduler, T0 + 0.001, T0 + 0.001)
+    assert first.reason is DispatchReason.FULL
+    assert row_ids(first) == ids(0, 5) + ids(3, 3)
+    scheduler.complete(run(first))
+    second = dispatch(scheduler, T0 + 0.002, T0 + 0.002)
+    assert second.reason is DispatchReason.BACKLOG
+    assert row_ids(second) == ids(1, 4) + ids(2, 1)
+
+
+def test_request_larger_than_the_cap_is_split_and_reassembled_in_order() -> None:
+    scheduler = make_scheduler()
+    big = make_request(0, "standard", 20)
+    scheduler.admit(big, T0)
+    small: dict[object, InferenceRequest] = {}
+    answered: list[Outcome] = []
+    chunks: list[list[int]] = []
+    now_s = T0
+    index = 1
+    while scheduler.live_entries:
+        for _ in range(3):  # other traffic arrives between the chunks
+            request = make_request(index, "interactive", 1)
+            scheduler.admit(request, now_s)
+            small[request.token] = request
+            index += 1
+        now_s += 0.001
+        batch = dispatch(scheduler, now_s, now_s)
+        assert batch.rows <= CAP
+        big_rows = [row for row in row_ids(batch) if row // ROW_STRIDE == 0]
+        chunks.append(big_rows)
+        outcomes = scheduler.complete(run(batch))
+        if big_rows and big_rows[-1] != ids(0, 20)[-1]:
+            assert big.token not in tokens(outcomes)  # not before its last chunk
+        answered += outcomes
+        if len(chunks) > 20:
+            break
+    # Each batch carried the next contiguous run of the big request's rows.
+    assert [row for chunk in chunks for row in chunk] == ids(0, 20)
+    assert all(0 < len(chunk) < 20 for chunk in chunks)
+    assert Counter(tokens(answered)) == Counter([big.token, *small])
+    for outcome in answered:
+        assert_answered(outcome, big if outcome.token == big.token else small[outcome.token])
+
+
+def test_chunks_of_a_split_request_fill_whole_batches_when_alone() -> None:
+    scheduler = make_scheduler()
+    request = make_request(0, "bulk", 20)
+    scheduler.admit(request, T0)
+    sizes = []
+    outcomes: list[Outcome] = []
+    for step in range(3):
+        batch = dispatch(scheduler, T0 + step * 0.001, T0 + step * 0.001)
+        sizes.append(batch.rows)
+        outcomes += scheduler.complete(run(batch))
+    assert sizes == [8, 8, 4]
+    assert len(outcomes) == 1
+    assert_answered(outcomes[0], request)
+    assert outcomes[0].timing is not None
+    assert outcomes[0].timing.batch_size == 4
+    assert outcomes[0].timing.infer_s == pytest.approx(0.003)
+
+
+def test_items_with_different_shapes_never_share_a_batch() -> None:
+    scheduler = make_scheduler(TOP_DOWN_LANES)
+    scheduler.admit(make_request(0, "interactive", 1, width=2), T0)
+    scheduler.admit(make_request(1, "interactive", 1, width=3), T0)
+    scheduler.admit(make_request(2, "interactive", 1, width=2), T0)
+    scheduler.admit(make_request(3, "standard", 2, width=3), T0)
+    scheduler.admit(make_request(4, "standard", 2, width=2), T0)
+    batches = []
+    for step in range(1, 4):
+        now_s = T0 + step * 0.001
+        batch = dispatch(scheduler, now_s, now_s)
+        assert len({part.shape[1:] for part in batch.parts["x"]}) == 1
+        batches.append(row_ids(batch))
+        scheduler.complete(run(batch))
+    # An entry of another shape ends its lane's turn, like one that does not fit.
+    assert batches == [ids(0, 1), ids(1, 1) + ids(3, 2), ids(2, 1) + ids(4, 2)]
+    assert scheduler.decide(T0 + 1, T0 + 1) is None
+
+
+def test_lower_lane_share_does_not_shut_out_higher_lane_work_of_another_shape() -> None:
+    scheduler = make_scheduler()
+    for index in range(20):
+        scheduler.admit(make_request(index, "standard", 1, width=2), T0)
+    scheduler.admit(make_request(20, "interactive", 1, width=3), T0 + 0.001)
+    first = dispatch(scheduler, T0 + 0.002, T0 + 0.002)
+    assert row_ids(first) == ids(20, 1)
+    scheduler.complete(run(first))
+    second = dispatch(scheduler, T0 + 0.003, T0 + 0.003)
+    assert rows_by_lane(second) == Counter(standard=CAP)
+
+
+# ---- admission -------------------------------------------------------------------------
+
+
+def test_full_lane_refuses_with_pushback_and_queues_nothing() -> None:
+    scheduler = make_scheduler()
+    scheduler.admit(make_request(0, "interactive", 60), T0)
+    before = scheduler.depths()
+    with pytest.raises(LaneFullError) as refused:
+        scheduler.admit(make_request(1, "interactive", 5), T0)
+    assert refused.value.retry_after_s is not None
+    assert refused.value.retry_after_s > 0
+    assert scheduler.depths() == before
+    assert scheduler.live_entries == 1
+    scheduler.admit(make_request(2, "interactive", 4), T0)  # exactly fills the lane
+    assert queued_rows(scheduler, "interactive") == INTERACTIVE.capacity_rows
+
+
+def test_request_with_more_rows_than_the_lane_holds_is_invalid() -> None:
+    scheduler = make_scheduler()
+    with pytest.raises(InvalidInputError, match="interactive"):
+        scheduler.admit(make_request(0, "interactive", INTERACTIVE.capacity_rows + 1), T0)
+    assert scheduler.live_entries == 0
+
+
+def test_unknown_lane_is_invalid() -> None:
+    scheduler = make_scheduler()
+    with pytest.raises(InvalidInputError, match="express"):
+        scheduler.admit(make_request(0, "express", 1), T0)
+    assert scheduler.live_entries == 0
+
+
+def test_unmeetable_deadline_is_refused_at_once() -> None:
+    scheduler = make_scheduler()
+    scheduler.admit(make_request(0, "standard", 40), T0)
+    # Serving the 40 rows ahead and the request's own row, in batches of the cap.
+    finish_s = T0 + scheduler.run_time.drain_s(40 + 1, CAP)
+    with pytest.raises(DeadlineUnmeetableError):
+        scheduler.admit(make_request(1, "standard", 1, deadline_s=math.nextafter(finish_s, 0)), T0)
+    assert queued_rows(scheduler, "standard") == 40
+    scheduler.admit(make_request(2, "standard", 1, deadline_s=finish_s), T0)
+    assert queued_rows(scheduler, "standard") == 41
+
+
+def test_rows_in_lower_lanes_do_not_count_as_ahead() -> None:
+    scheduler = make_scheduler()
+    scheduler.admit(make_request(0, "bulk", 200), T0)
+    just_enough_s = T0 + scheduler.run_time.predict_s(1)
+    scheduler.admit(make_request(1, "interactive", 1, deadline_s=just_enough_s), T0)
+    # In the bulk lane the same deadline is refused: 200 bulk rows and 1 interactive
+    # row are ahead of it.
+    with pytest.raises(DeadlineUnmeetableError):
+        scheduler.admit(make_request(2, "bulk", 1, deadline_s=just_enough_s), T0)
+    assert scheduler.live_entries == 2
+
+
+def test_draining_refuses_new_work_and_serves_queued_work() -> None:
+    scheduler = make_scheduler()
+    request = make_request(0, "standard", 2)
+    scheduler.admit(request, T0)
+    scheduler.stop_accepting()
+    with pytest.raises(DrainingError):
+        scheduler.admit(make_request(1, "standard", 1), T0)
+    batch = dispatch(scheduler, T0 + 0.004)
+    [outcome] = scheduler.complete(run(batch))
+    assert_answered(outcome, request)
+
+
+def test_effective_deadline_is_the_earlier_of_request_deadline_and_lane_timeout() -> None:
+    scheduler = make_scheduler()
+    scheduler.admit(make_request(0, "interactive", 1, deadline_s=T0 + 5.0), T0)
+    scheduler.admit(make_request(1, "interactive", 1, deadline_s=T0 + 0.5), T0)
+    scheduler.admit(make_request(2, "interactive", 1), T0)
+    lane_deadline_s = T0 + INTERACTIVE.timeout_ms / 1000
+    assert scheduler.next_deadline_s() == T0 + 0.5
+    assert scheduler.shed_expired(math.nextafter(T0 + 0.5, 0)) == []
+    assert tokens(scheduler.shed_expired(T0 + 0.5)) == [1]
+    assert scheduler.next_deadline_s() == lane_deadline_s
+    assert scheduler.shed_expired(math.nextafter(lane_deadline_s, 0)) == []
+    assert Counter(tokens(scheduler.shed_expired(lane_deadline_s))) == Counter([0, 2])
+    assert scheduler.next_deadline_s() is None
+
+
+# ---- shedding ------------------------------------------------------------------------
+
+
+def test_expired_queued_item_is_answered_once_and_never_runs() -> None:
+    scheduler = make_scheduler()
+    scheduler.admit(make_request(0, "standard", 3, deadline_s=T0 + 0.010), T0)
+    survivor = make_request(1, "standard", 2)
+    scheduler.admit(survivor, T0)
+    [expired] = scheduler.shed_expired(T0 + 0.010)
+    assert expired.token == 0
+    assert isinstance(expired.error, ExpiredInQueueError)
+    assert expired.outputs is None
+    assert queued_rows(scheduler, "standard") == 2  # freed at once
+    assert scheduler.shed_expired(T0 + 1.0) == []
+    batch = dispatch(scheduler, T0 + 1.0)
+    assert row_ids(batch) == ids(1, 2)
+    [outcome] = scheduler.complete(run(batch))
+    assert_answered(outcome, survivor)
+    assert scheduler.abort_all(DrainingError("shut down")) == []
+
+
+def test_item_whose_rows_are_all_running_is_not_shed() -> None:
+    scheduler = make_scheduler()
+    request = make_request(0, "standard", 2, deadline_s=T0 + 0.010)
+    scheduler.admit(request, T0)
+    batch = dispatch(scheduler, T0 + 0.009)
+    assert scheduler.shed_expired(T0 + 0.011) == []
+    assert scheduler.live_entries == 1
+    [outcome] = scheduler.complete(run(batch))
+    assert_answered(outcome, request)
+
+
+def test_split_item_that_expires_midway_is_answered_once_and_late_chunks_ignored() -> None:
+    scheduler = make_scheduler(TOP_DOWN_LANES)
+    scheduler.admit(make_request(0, "standard", 20, deadline_s=T0 + 0.010), T0)
+    first = dispatch(scheduler, T0)
+    assert row_ids(first) == ids(0, 8)
+    [expired] = scheduler.shed_expired(T0 + 0.010)
+    assert expired.token == 0
+    assert isinstance(expired.error, ExpiredInQueueError)
+    assert queued_rows(scheduler, "standard") == 0  # the 12 rows not yet run are freed
+    assert scheduler.complete(run(first)) == []
+    assert scheduler.decide(T0 + 0.011, T0 + 0.011) is None
+    assert scheduler.live_entries == 0
+
+
+def test_split_item_that_expires_between_chunks_is_answered_once() -> None:
+    scheduler = make_scheduler(TOP_DOWN_LANES)
+    scheduler.admit(make_request(0, "standard", 20, deadline_s=T0 + 0.010), T0)
+    assert scheduler.complete(run(dispatch(scheduler, T0))) == []
+    [expired] = scheduler.shed_expired(T0 + 0.010)
+    assert isinstance(expired.error, ExpiredInQueueError)
+    assert scheduler.decide(T0 + 0.011, T0 + 0.011) is None
+    assert scheduler.live_entries == 0
+
+
+# ---- cancellation --------------------------------------------------------------------
+
+
+def test_cancel_frees_queued_rows_and_no_answer_is_ever_given() -> None:
+    scheduler = make_scheduler()
+    cancelled = scheduler.admit(make_request(0, "standard", 3), T0)
+    survivor = make_request(1, "standard", 2)
+    scheduler.admit(survivor, T0)
+    scheduler.cancel(cancelled, T0 + 0.001)
+    assert queued_rows(scheduler, "standard") == 2
+    assert scheduler.live_entries == 1
+    batch = dispatch(scheduler, T0 + 0.004)
+    assert row_ids(batch) == ids(1, 2)
+    [outcome] = scheduler.complete(run(batch))
+    assert_answered(outcome, survivor)
+    scheduler.cancel(cancelled, T0 + 0.005)  # a second cancel is a no-op
+    assert scheduler.shed_expired(T0 + 100.0) == []
+    assert scheduler.abort_all(DrainingError("shut down")) == []
+
+
+def test_cancelled_item_in_flight_gets_no_answer_and_its_results_are_dropped() -> None:
+    scheduler = make_scheduler()
+    cancelled = scheduler.admit(make_request(0, "standard", 2), T0)
+    survivor = make_request(1, "standard", 2)
+    scheduler.admit(survivor, T0)
+    batch = dispatch(scheduler, T0 + 0.004)
+    assert row_ids(batch) == ids(0, 2) + ids(1, 2)
+    scheduler.cancel(cancelled, T0 + 0.005)
+    [outcome] = scheduler.complete(run(batch))
+    assert_answered(outcome, survivor)
+    assert scheduler.live_entries == 0
+
+
+def test_cancelled_split_item_frees_its_remaining_rows() -> None:
+    scheduler = make_scheduler(TOP_DOWN_LANES)
+    cancelled = scheduler.admit(make_request(0, "bulk", 20), T0)
+    batch = dispatch(scheduler, T0)
+    scheduler.cancel(cancelled, T0 + 0.001)
+    assert queued_rows(scheduler, "bulk") == 0
+    assert scheduler.complete(run(batch)) == []
+    assert scheduler.decide(T0 + 0.002, T0 + 0.002) is None
+
+
+def test_cancel_of_an_unknown_or_answered_entry_is_a_no_op() -> None:
+    scheduler = make_scheduler()
+    scheduler.cancel(12_345, T0)
+    entry_id = scheduler.admit(make_request(0, "standard", 1), T0)
+    assert len(scheduler.complete(run(dispatch(scheduler, T0 + 0.004)))) == 1
+    scheduler.cancel(entry_id, T0 + 0.005)
+    assert scheduler.live_entries == 0
+
+
+# ---- engine errors and shutdown ----------------------------------------------------------
+
+
+def test_engine_error_answers_every_item_in_the_batch_once() -> None:
+    scheduler = make_scheduler(TOP_DOWN_LANES)
+    scheduler.admit(make_request(0, "interactive", 2), T0)
+    scheduler.admit(make_request(1, "standard", 2), T0)
+    other = make_request(2, "standard", 1, width=3)  # another shape: not in this batch
+    scheduler.admit(other, T0)
+    batch = dispatch(scheduler, T0 + 0.001, T0 + 0.001)
+    assert row_ids(batch) == ids(0, 2) + ids(1, 2)
+    failed = scheduler.complete(fail(batch))
+    assert tokens(failed) == [0, 1]
+    assert all(isinstance(outcome.error, EngineError) for outcome in failed)
+    assert all(outcome.outputs is None for outcome in failed)
+    assert scheduler.complete(fail(batch)) == []  # a repeated result answers no one twice
+    assert scheduler.complete(run(batch)) == []
+    assert queued_rows(scheduler, "standard") == 1
+    [outcome] = scheduler.complete(run(dispatch(scheduler, T0 + 0.002, T0 + 0.002)))
+    assert_answered(outcome, other)
+
+
+def test_engine_error_on_one_chunk_drops_the_rest_of_the_split_request() -> None:
+    scheduler = make_scheduler(TOP_DOWN_LANES)
+    scheduler.admit(make_request(0, "standard", 20), T0)
+    behind = make_request(1, "standard", 2)
+    scheduler.admit(behind, T0)
+    first = dispatch(scheduler, T0)
+    assert row_ids(first) == ids(0, 8)
+    [failed] = scheduler.complete(fail(first))
+    assert failed.token == 0
+    assert isinstance(failed.error, EngineError)
+    # Its 12 rows not yet run are freed: they would run for an answer already given.
+    assert queued_rows(scheduler, "standard") == 2
+    assert scheduler.live_entries == 1
+    second = dispatch(scheduler, T0 + 0.001, T0 + 0.001)
+    assert row_ids(second) == ids(1, 2)
+    [outcome] = scheduler.complete(run(second))
+    assert_answered(outcome, behind)
+    assert scheduler.decide(T0 + 0.002, T0 + 0.002) is None
+
+
+def test_abort_all_answers_every_live_entry_once_and_late_results_are_ignored() -> None:
+    scheduler = make_scheduler(TOP_DOWN_LANES)
+    scheduler.admit(make_request(0, "standard", 2), T0)  # stays queued
+    scheduler.admit(make_request(1, "interactive", 20), T0)  # split: 8 rows in flight
+    in_flight = dispatch(scheduler, T0)
+    assert row_ids(in_flight) == ids(1, 8)
+    scheduler.admit(make_request(2, "interactive", 2), T0 + 0.001)  # queued
+    cancelled = scheduler.admit(make_request(3, "bulk", 1), T0 + 0.001)
+    scheduler.cancel(cancelled, T0 + 0.002)
+    aborted = scheduler.abort_all(DrainingError("shut down"))
+    assert Counter(tokens(aborted)) == Counter([0, 1, 2])
+    assert all(isinstance(outcome.error, DrainingError) for outcome in aborted)
+    assert all(depth.queued_rows == 0 for depth in scheduler.depths())
+    assert all(depth.queued_requests == 0 for depth in scheduler.depths())
+    assert scheduler.live_entries == 0
+    assert scheduler.complete(run(in_flight)) == []
+    assert scheduler.abort_all(DrainingError("shut down")) == []
+    assert scheduler.decide(T0 + 1, T0 + 1) is None
+
+
+# ---- the exactly-once property -----------------------------------------------------------
+
+
+class ExactlyOnceHarness:
+    """Drives a `Scheduler` as `SchedulerThread` does and checks every answer and batch.
+
+    Tracks rows by value: a row of a request that was answered or cancelled must never
+    appear in a batch formed afterwards, no row runs twice, and no batch carries a row
+    whose deadline had passed when it was formed (shedding runs before each decision).
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.cap = self.rng.randint(2, 12)
+        self.lanes = (
+            LaneConfig(
+                "interactive",
+                capacity_rows=self.rng.randint(self.cap, 4 * self.cap),
+                timeout_ms=self.rng.choice([5, 20, 1_000]),
+                max_wait_ms=self.rng.randint(0, 3),
+                min_share=self.rng.choice([0.0, 0.1]),
+            ),
+            LaneConfig(
+                "standard",
+                capacity_rows=self.rng.randint(self.cap, 4 * self.cap),
+                timeout_ms=self.rng.choice([10, 50, 1_000]),
+                max_wait_ms=self.rng.randint(0, 5),
+                min_share=self.rng.choice([0.0, 0.2, 0.3]),
+            ),
+            LaneConfig(
+                "bulk",
+                capacity_rows=self.rng.randint(4 * self.cap, 8 * self.cap),
+                timeout_ms=self.rng.choice([20, 100, 5_000]),
+                max_wait_ms=self.rng.randint(0, 20),
+                min_share=self.rng.choice([0.0, 0.05]),
+            ),
+        )
+        self.timeout_s = {lane.name: lane.timeout_ms / 1000 for lane in self.lanes}
+        self.scheduler = make_scheduler(self.lanes, cap=self.cap)
+        self.now_s = T0
+        self.idle_since_s = NEVER_IDLE
+        self.in_flight: Batch | None = None
+        self.requests: dict[int, InferenceRequest] = {}
+        self.entry_ids: dict[int, int] = {}  # token -> entry id
+        self.tokens_by_entry: dict[int, int] = {}
+        self.deadline_s: dict[int, float] = {}  # token -> effective deadline
+        self.live: set[int] = set()
+        self.cancelled: set[int] = set()
+        self.closed: set[int] = set()  # answered or cancelled: none of its rows may run
+        self.answers: Counter[int] = Counter()
+        self.dispatched: Counter[int] = Counter()  # token -> rows handed to batches
+        self.seen_rows: set[int] = set()
+        self.next_index = 0
+
+    # -- actions --
+
+    def admit(self) -> None:
+        rng = self.rng
+        lane = rng.choice(self.lanes).name
+        rows = rng.randint(1, 3) if rng.random() < 0.8 else rng.randint(1, 2 * self.cap + 1)
+        deadline_s = None if rng.random() < 0.5 else self.now_s + rng.uniform(0.0005, 0.03)
+        index = self.next_index
+        self.next_index += 1
+        request = make_request(
+            index, lane, rows, width=rng.choice([2, 2, 3]), deadline_s=deadline_s
+        )
+        try:
+            entry_id = self.scheduler.admit(request, self.now_s)
+        except (LaneFullError, DeadlineUnmeetableError, InvalidInputError):
+            return
+        self.requests[index] = request
+        self.entry_ids[index] = entry_id
+        self.tokens_by_entry[entry_id] = index
+        effective_s = self.now_s + self.timeout_s[lane]
+        self.deadline_s[index] = effective_s if deadline_s is None else min(effective_s, deadline_s)
+        self.live.add(index)
+
+    def cancel(self) -> None:
+        if not self.entry_ids:
+            return
+        token = self.rng.choice(sorted(self.entry_ids))
+        self.scheduler.cancel(self.entry_ids[token], self.now_s)
+        if token in self.live:  # otherwise answered or cancelled before: a no-op
+            self.live.remove(token)
+            self.cancelled.add(token)
+            self.closed.add(token)
+
+    def advance(self) -> None:
+        self.now_s += self.rng.choice([0.0, 0.0002, 0.001, 0.003, 0.01])
+
+    def session_step(self, finish_probability: float) -> None:
+        """One pass of the scheduler thread: shed, apply a finished batch, decide."""
+        self.record(self.scheduler.shed_expired(self.now_s))
+        if self.in_flight is not None and self.rng.random() < finish_probability:
+            batch, self.in_flight = self.in_flight, None
+            if self.rng.random() < 0.1:
+                result = fail(batch)
+            else:
+                result = run(batch, self.scheduler.run_time.predict_s(batch.rows))
+            self.record(self.scheduler.complete(result))
+            self.idle_since_s = self.now_s
+        if self.in_flight is None:
+            decision = self.scheduler.decide(self.now_s, self.idle_since_s)
+            if isinstance(decision, Dispatch):
+                self.check_batch(decision.batch)
+                self.in_flight = decision.batch
+        self.check_depths()
+
+    # -- checks --
+
+    def record(self, outcomes: Sequence[Outcome]) -> None:
+        for outcome in outcomes:
+            token = outcome.token
+            assert isinstance(token, int)
+            assert token not in self.cancelled, "a cancelled request is never answered"
+            self.answers[token] += 1
+            assert self.answers[token] == 1, "every request is answered exactly once"
+            self.live.remove(token)
+            self.closed.add(token)
+            if outcome.error is None:
+                assert_answered(outcome, self.requests[token])
+            elif isinstance(outcome.error, ExpiredInQueueError):
+                assert self.deadline_s[token] <= self.now_s
+            else:
+                assert isinstance(outcome.error, EngineError | DrainingError)
+
+    def check_batch(self, batch: Batch) -> None:
+        assert 0 < batch.rows <= self.cap
+        assert len({part.shape[1:] for part in batch.parts["x"]}) == 1
+        rows = row_ids(batch)
+        offset = 0
+        for piece in batch.slices:
+            token = self.tokens_by_entry[piece.entry_id]
+            assert piece.offset == offset
+            assert rows[offset : offset + piece.rows] == ids(token, piece.rows, piece.row_start)
+            assert token not in self.closed, "rows of an answered request never run"
+            assert self.deadline_s[token] > batch.formed_s, "expired rows never run"
+            self.dispatched[token] += piece.rows
+            offset += piece.rows
+        assert offset == batch.rows
+        assert self.seen_rows.isdisjoint(rows), "no row runs twice"
+        self.seen_rows.update(rows)
+
+    def check_depths(self) -> None:
+        expected = sum(self.requests[token].rows - self.dispatched[token] for token in self.live)
+        assert sum(depth.queued_rows for depth in self.scheduler.depths()) == expected
+        assert self.scheduler.live_entries == len(self.live)
+
+    # -- the run --
+
+    def run(self, steps: int) -> None:
+        actions = [self.admit, self.cancel, self.advance, self.session_step_sometimes]
+        weights = [40, 8, 20, 32]
+        for _ in range(steps):
+            self.rng.choices(actions, weights)[0]()
+
+    def session_step_sometimes(self) -> None:
+        self.session_step(finish_probability=0.6)
+
+    def drain(self) -> None:
+        for _ in range(100_000):
+            if not self.live and self.in_flight is None:
+                return
+            self.now_s += 0.001
+            self.session_step(finish_probability=1.0)
+        pytest.fail("the scheduler did not drain")
+
+    def abort(self) -> None:
+        self.record(self.scheduler.abort_all(DrainingError("shut down")))
+        if self.in_flight is not None:
+            assert self.scheduler.complete(run(self.in_flight)) == []
+            self.in_flight = None
+        self.check_depths()
+
+    def check_all_answered(self) -> None:
+        assert not self.live
+        for token in self.requests:
+            assert self.answers[token] == (0 if token in self.cancelled else 1), token
+        assert self.scheduler.live_entries == 0
+        assert all(depth.queued_rows == 0 for depth in self.scheduler.depths())
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_every_admitted_request_is_answered_exactly_once(seed: int) -> None:
+    harness = ExactlyOnceHarness(seed)
+    harness.run(steps=200)
+    if seed % 2:
+        harness.abort()
+    else:
+        harness.drain()
+    harness.check_all_answered()
+    assert len(harness.requests) > 10  # the run admitted real work
+
+
+# ---- events ------------------------------------------------------------------------------
+
+
+def test_events_report_admission_shedding_batches_and_answers() -> None:
+    events = RecordingEvents()
+    lanes = (dataclasses.replace(INTERACTIVE, capacity_rows=4), STANDARD, BULK)
+    scheduler = make_scheduler(lanes, events=events)
+    scheduler.admit(make_request(0, "interactive", 2), T0)
+    scheduler.admit(make_request(1, "standard", 1), T0)
+    with pytest.raises(LaneFullError):
+        scheduler.admit(make_request(2, "interactive", 3), T0)
+    with pytest.raises(DeadlineUnmeetableError):
+        scheduler.admit(make_request(3, "bulk", 1, deadline_s=T0 + 0.0001), T0)
+    cancelled = scheduler.admit(make_request(4, "bulk", 1, width=3), T0)
+    scheduler.cancel(cancelled, T0 + 0.001)
+    first = dispatch(scheduler, T0 + 0.002)
+    scheduler.complete(fail(first))
+    scheduler.admit(make_request(5, "standard", 2, deadline_s=T0 + 0.1), T0 + 0.003)
+    scheduler.shed_expired(T0 + 0.1)
+    scheduler.admit(make_request(6, "interactive", 1), T0 + 0.15)
+    second = dispatch(scheduler, T0 + 0.2, T0 + 0.2)
+    scheduler.complete(run(second))
+    assert events.log == [
+        ("admitted", "interactive", 2),
+        ("admitted", "standard", 1),
+        ("rejected", "interactive", "LANE_FULL"),
+        ("rejected", "bulk", "DEADLINE_UNMEETABLE"),
+        ("admitted", "bulk", 1),
+        ("shed", "bulk", "CANCELLED", 1),
+        ("batch_formed", first.batch_id, DispatchReason.MAX_WAIT, ("interactive", "standard")),
+        ("completed", "interactive", "ENGINE_FAILURE"),
+        ("completed", "standard", "ENGINE_FAILURE"),
+        ("batch_done", first.batch_id, "ENGINE_FAILURE"),
+        ("admitted", "standard", 2),
+        ("shed", "standard", "EXPIRED_IN_QUEUE", 2),
+        ("completed", "standard", "EXPIRED_IN_QUEUE"),
+        ("admitted", "interactive", 1),
+        ("batch_formed", second.batch_id, DispatchReason.BACKLOG, ("interactive",)),
+        ("completed", "interactive", "OK"),
+        ("batch_done", second.batch_id, None),
+    ]
+    assert events.queue_waits_s[0] == pytest.approx((0.002, 0.002))
+    assert events.queue_waits_s[1] == pytest.approx((0.05,))
+
+
+# ---- lanes -------------------------------------------------------------------------------
+
+
+def make_entry(entry_id: int, rows: int) -> Entry:
+    return Entry(
+        entry_id=entry_id,
+        request=make_request(entry_id, "standard", rows),
+        priority=0,
+        enqueued_s=T0,
+        deadline_s=T0 + 1,
+        dispatch_by_s=T0,
+    )
+
+
+def test_lane_drop_frees_rows_at_once_and_keeps_fifo_order() -> None:
+    lane = Lane(STANDARD, priority=1)
+    first, middle, last = make_entry(1, 2), make_entry(2, 3), make_entry(3, 4)
+    for entry in (first, middle, last):
+        lane.push(entry)
+    assert (lane.queued_rows, lane.queued_entries) == (9, 3)
+    assert not lane.has_room(STANDARD.capacity_rows - 8)
+    lane.drop(middle)
+    assert (lane.queued_rows, lane.queued_entries) == (6, 2)
+    assert list(lane) == [first, last]
+    assert lane.take(first, 1) == 0
+    assert lane.take(first, 1) == 1
+    assert list(lane) == [last]
+    assert lane.oldest_enqueued_s() == T0
+    assert lane.take(last, 4) == 0
+    assert (lane.queued_rows, lane.queued_entries) == (0, 0)
+    assert list(lane) == []
+    assert lane.oldest_enqueued_s() is None
+
+
+# ---- run-time model ------------------------------------------------------------------------
+
+
+def test_run_time_is_interpolated_between_measured_sizes() -> None:
+    model = fixed_run_time()
+    assert model.predict_s(1) == 0.001
+    assert model.predict_s(64) == 0.004
+    assert model.predict_s(22) == pytest.approx(0.002)  # a third of the way from 1 to 64
+    assert model.predict_s(0) == 0.0
+
+
+def test_run_time_below_the_smallest_measured_size_is_that_size_s() -> None:
+    model = RunTimeModel({4: 0.002, 8: 0.003})
+    assert model.predict_s(1) == 0.002
+
+
+def test_run_time_beyond_the_largest_measured_size_is_proportional() -> None:
+    model = fixed_run_time()
+    assert model.predict_s(128) == pytest.approx(0.008)
+    assert model.predict_s(96) == pytest.approx(0.006)
+
+
+def test_drain_time_counts_full_batches_and_the_rest() -> None:
+    model = fixed_run_time()
+    assert model.drain_s(0, 8) == 0.0
+    assert model.drain_s(8, 8) == model.predict_s(8)
+    assert model.drain_s(20, 8) == pytest.approx(2 * model.predict_s(8) + model.predict_s(4))
+
+
+def test_observe_averages_a_measured_size_and_adds_a_new_one() -> None:
+    model = fixed_run_time()
+    model.observe(64, 0.014)
+    assert model.predict_s(64) == pytest.approx(0.004 + 0.2 * 0.010)
+    model.observe(32, 0.010)
+    assert model.predict_s(32) == 0.010
+    assert sorted(model.snapshot()) == [1, 32, 64]
+    before = model.snapshot()
+    for rows, run_s in [(0, 1.0), (8, math.nan), (8, math.inf), (8, -1.0)]:
+        model.observe(rows, run_s)
+    assert model.snapshot() == before
+
+
+@pytest.mark.parametrize("measured_s", [{}, {0: 0.001}, {4: -0.001}])
+def test_run_time_model_refuses_bad_measurements(measured_s: dict[int, float]) -> None:
+    with pytest.raises(ValueError, match="batch sizes"):
+        RunTimeModel(measured_s)
