@@ -18,6 +18,7 @@ is an error at start, never a silently ignored setting::
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,8 +33,9 @@ class ConfigError(ValueError):
 
 
 def _is_number(value: object) -> bool:
-    """TOML and CLI values arrive untyped: the annotations are not yet true here."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A finite int or float. TOML and CLI values arrive untyped: the annotations are
+    not yet true where this is called."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_int(key: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
@@ -60,7 +62,12 @@ class LaneConfig:
 
     def __post_init__(self) -> None:
         where = f"lanes[{self.name!r}]"
-        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+        name: object = self.name
+        if (
+            not isinstance(name, str)
+            or not name
+            or not name.replace("_", "").replace("-", "").isalnum()
+        ):
             raise ConfigError(
                 f"{where}.name: expected letters, digits, '-' or '_', got {self.name!r}"
             )
@@ -99,6 +106,10 @@ class ServerConfig:
     intra_op_threads: int = 0
 
     def __post_init__(self) -> None:
+        for key in ("host", "default_lane"):
+            value: object = getattr(self, key)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"server.{key}: expected a non-empty string, got {value!r}")
         _check_int("server.port", self.port, minimum=0, maximum=65_535)
         _check_int("server.max_batch_size", self.max_batch_size, minimum=1)
         _check_int("server.max_message_bytes", self.max_message_bytes, minimum=1024)
@@ -166,7 +177,9 @@ def config_from_mapping(
         raise ConfigError("server: expected a table")
     _refuse_unknown("server", server, _SERVER_KEYS)
     settings: dict[str, Any] = dict(server)
-    settings.update({key: value for key, value in (overrides or {}).items() if value is not None})
+    given = {key: value for key, value in (overrides or {}).items() if value is not None}
+    _refuse_unknown("overrides", given, _SERVER_KEYS)
+    settings.update(given)
     if "lanes" in document:
         settings["lanes"] = _parse_lanes(document["lanes"])
     return ServerConfig(model_path=model_path, **settings)

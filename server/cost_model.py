@@ -56,8 +56,11 @@ class RunTimeModel:
         if at < len(self._sizes) and self._sizes[at] == rows:
             self._seconds[at] += _EWMA_ALPHA * (run_s - self._seconds[at])
         else:
+            # A new size starts from the interpolated prediction, moved like any other
+            # observation: one slow run must not become the model's truth.
+            predicted_s = self.predict_s(rows)
             self._sizes.insert(at, rows)
-            self._seconds.insert(at, run_s)
+            self._seconds.insert(at, predicted_s + _EWMA_ALPHA * (run_s - predicted_s))
 
     def snapshot(self) -> dict[int, float]:
         return dict(zip(self._sizes, self._seconds, strict=True))

@@ -55,6 +55,9 @@ class Lane:
         # queued_entries counts those live entries.
         self.queued_rows = 0
         self.queued_entries = 0
+        # Deficit round robin for min_share: rows this lane is owed (> 0) or has
+        # overdrawn (< 0) ahead of higher lanes. Only the scheduler changes it.
+        self.share_balance_rows = 0
 
     @property
     def name(self) -> str:

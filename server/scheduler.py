@@ -60,6 +60,14 @@ class WaitUntil:
 Decision = Dispatch | WaitUntil | None  # None: nothing queued
 
 
+@dataclasses.dataclass(slots=True)
+class _Plan:
+    # The next batch: (entry, rows) in the order they were taken.
+    taken: list[tuple[Entry, int]] = dataclasses.field(default_factory=list)
+    # Per lane priority served in pass 1: (allowance, rows taken against it).
+    share_used: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class LaneDepth:
     name: str
@@ -123,6 +131,13 @@ class Scheduler:
         lane.push(entry)
         self._entries[entry.entry_id] = entry
         heapq.heappush(self._deadlines, (deadline_s, entry.entry_id))
+        if len(self._deadlines) > 2 * len(self._entries) + 64:
+            # Answered entries leave stale pairs behind until their deadline: compact,
+            # so the heap stays proportional to live work, not throughput * timeout.
+            self._deadlines = [
+                (live.deadline_s, live.entry_id) for live in self._entries.values() if live.in_lane
+            ]
+            heapq.heapify(self._deadlines)
         self.events.admitted(lane.name, request.rows)
         return entry.entry_id
 
@@ -212,18 +227,18 @@ class Scheduler:
     def decide(self, now_s: float, idle_since_s: float) -> Decision:
         """What to do now that the session is free (and has been since `idle_since_s`)."""
         plan = self._plan()
-        if not plan:
+        if not plan.taken:
             return None
-        rows = sum(taken for _, taken in plan)
+        rows = sum(taken for _, taken in plan.taken)
         reason: DispatchReason | None = None
         if rows >= self.batch_cap:
             reason = DispatchReason.FULL
-        elif any(entry.enqueued_s < idle_since_s for entry, _ in plan):
+        elif any(entry.enqueued_s < idle_since_s for entry, _ in plan.taken):
             reason = DispatchReason.BACKLOG
         else:
-            wait_until_s = min(entry.dispatch_by_s for entry, _ in plan)
+            wait_until_s = min(entry.dispatch_by_s for entry, _ in plan.taken)
             run_s = self.run_time.predict_s(rows)
-            latest_start_s = min(entry.deadline_s for entry, _ in plan) - run_s
+            latest_start_s = min(entry.deadline_s for entry, _ in plan.taken) - run_s
             if now_s >= latest_start_s:
                 reason = DispatchReason.DEADLINE
             elif now_s >= wait_until_s:
@@ -232,17 +247,21 @@ class Scheduler:
                 return WaitUntil(min(wait_until_s, latest_start_s))
         return Dispatch(self._commit(plan, reason, now_s))
 
-    def _plan(self) -> list[tuple[Entry, int]]:
-        """The next batch as (entry, rows) pairs, without changing any state.
+    def _plan(self) -> _Plan:
+        """The next batch, without changing any state.
 
-        Pass 1 gives every lane with work its minimum share of the cap (the entry that
-        crosses the share is taken whole, so a share smaller than one request still
-        moves); pass 2 fills what is left top-down. Within a lane order is FIFO: the
-        first entry that does not fit ends that lane's turn. Only entries with more rows
-        than the cap are split; the others run whole, in one batch. Rows batch together
-        only when their signatures are equal: an entry of another shape ends its lane's
-        turn too.
+        Pass 1 serves the minimum shares as deficit round robin: a lane with work may
+        take rows up to its allowance (its share of the cap plus its balance), the entry
+        that crosses the allowance whole, and the overdraft is repaid from later
+        allowances. So requests stay whole, a share smaller than one request still
+        moves, and over k batches a lane gets at least k * share rows (less one request)
+        and claims no more than that ahead of higher lanes. Pass 2 fills what is left
+        top-down. Within a lane order is FIFO: the first entry that does not fit ends
+        that lane's turn. Only entries with more rows than the cap are split. Rows batch
+        together only when their signatures are equal: an entry of another shape ends
+        its lane's turn too.
         """
+        plan = _Plan()
         taken: dict[int, tuple[Entry, int]] = {}
         room = self.batch_cap
         # The batch takes the shape of the highest-priority queued work, fixed before
@@ -252,54 +271,69 @@ class Scheduler:
             (entry.request.signature for lane in self.lanes for entry in lane), None
         )
         if signature is None:
-            return []
+            return plan
 
-        def fill(lane: Lane, quota: int) -> None:
+        def fill(lane: Lane, allowance: int) -> int:
             nonlocal room
             used = 0
             for entry in lane:
-                if room == 0 or used >= quota:
-                    return
+                if room == 0 or used >= allowance:
+                    break
                 already = taken[entry.entry_id][1] if entry.entry_id in taken else 0
                 left = entry.queued_rows - already
                 if left == 0:
                     continue
                 if entry.request.signature != signature:
-                    return
+                    break
                 if entry.request.rows > self.batch_cap:
-                    rows = min(left, room, quota - used)
+                    rows = min(left, room, allowance - used)
                 elif left <= room:
                     rows = left
                 else:
-                    return
+                    break
                 taken[entry.entry_id] = (entry, already + rows)
                 room -= rows
                 used += rows
+            return used
 
         for lane in self.lanes:
-            if lane.config.min_share > 0:
-                fill(lane, math.ceil(lane.config.min_share * self.batch_cap))
+            if lane.config.min_share > 0 and lane.queued_rows > 0:
+                allowance = self._share_rows(lane) + lane.share_balance_rows
+                plan.share_used[lane.priority] = (allowance, fill(lane, allowance))
         for lane in self.lanes:
             fill(lane, self.batch_cap)
-        return list(taken.values())
+        plan.taken = list(taken.values())
+        return plan
 
-    def _commit(self, plan: list[tuple[Entry, int]], reason: DispatchReason, now_s: float) -> Batch:
+    def _share_rows(self, lane: Lane) -> int:
+        return math.ceil(lane.config.min_share * self.batch_cap)
+
+    def _commit(self, plan: _Plan, reason: DispatchReason, now_s: float) -> Batch:
+        for lane in self.lanes:
+            if lane.priority in plan.share_used:
+                allowance, used = plan.share_used[lane.priority]
+                # Unused allowance is banked up to one share (a lane that could not get
+                # room is owed it); an overdraft is repaid from the next allowances.
+                lane.share_balance_rows = min(allowance - used, self._share_rows(lane))
+            else:
+                lane.share_balance_rows = 0  # an idle lane neither banks nor owes
+        taken = plan.taken
         # Slices in lane-priority then FIFO order, so each lane's entries leave its
         # deque head-first.
-        plan.sort(key=lambda pair: (pair[0].priority, pair[0].entry_id))
+        taken.sort(key=lambda pair: (pair[0].priority, pair[0].entry_id))
         slices = []
         offset = 0
-        for entry, rows in plan:
+        for entry, rows in taken:
             lane = self.lanes[entry.priority]
             start = lane.take(entry, rows)
             entry.queue_s = now_s - entry.enqueued_s
             slices.append(BatchSlice(entry.entry_id, lane.name, start, rows, offset))
             offset += rows
-        names = list(plan[0][0].request.inputs)
+        names = list(taken[0][0].request.inputs)
         parts = {
             name: tuple(
                 entry.request.inputs[name][piece.row_start : piece.row_start + piece.rows]
-                for (entry, _), piece in zip(plan, slices, strict=True)
+                for (entry, _), piece in zip(taken, slices, strict=True)
             )
             for name in names
         }
@@ -311,7 +345,7 @@ class Scheduler:
             formed_s=now_s,
             parts=parts,
         )
-        self.events.batch_formed(batch, [entry.queue_s for entry, _ in plan])
+        self.events.batch_formed(batch, [entry.queue_s for entry, _ in taken])
         return batch
 
     # ---- completion ----------------------------------------------------------------

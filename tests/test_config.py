@@ -241,21 +241,23 @@ def test_overrides_are_validated_like_the_file() -> None:
 # Strict: when the validation is fixed, these pass and the marker must go.
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason="lane name is not type-checked")
 def test_lane_name_that_is_not_a_string_is_refused_naming_the_key(tmp_path: Path) -> None:
     text = lane_toml().replace('name = "fast"', "name = 5")
     with pytest.raises(ConfigError, match="name"):
         load_config(write(tmp_path, text), model_path="model.onnx")
 
 
-@pytest.mark.xfail(strict=True, reason="drain_grace_s accepts nan and inf")
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_non_finite_drain_grace_is_refused_naming_the_key(tmp_path: Path, value: str) -> None:
     with pytest.raises(ConfigError, match=re.escape("server.drain_grace_s")):
         load_config(write(tmp_path, f"[server]\ndrain_grace_s = {value}\n"), model_path="m")
 
 
-@pytest.mark.xfail(strict=True, reason="host is not type-checked")
 def test_host_that_is_not_a_string_is_refused_naming_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=re.escape("server.host")):
         load_config(write(tmp_path, "[server]\nhost = 5\n"), model_path="m")
+
+
+def test_unknown_override_is_refused_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match="overrides: unknown key"):
+        config_from_mapping({}, model_path="m", overrides={"batch": 4})

@@ -288,12 +288,15 @@ def test_min_share_gives_lower_lane_its_rows_under_saturation() -> None:
     standard_order: list[int] = []
     now_s = T0
     batches_with_standard_work = 0
+    standard_rows = 0
     while queued_rows(scheduler, "standard") > 0:
         index = saturate(scheduler, index, now_s)
-        waiting = queued_rows(scheduler, "standard")
         batch = dispatch(scheduler, now_s, now_s)
         assert batch.reason is DispatchReason.FULL
-        assert rows_by_lane(batch)["standard"] >= min(share_rows, waiting)
+        standard_rows += rows_by_lane(batch)["standard"]
+        # Deficit round robin: over k batches at least k shares, less one request.
+        largest_request_rows = 3
+        assert standard_rows >= (batches_with_standard_work + 1) * share_rows - largest_request_rows
         standard_order += [piece.entry_id for piece in batch.slices if piece.lane == "standard"]
         scheduler.complete(run(batch))
         now_s += 0.001
@@ -322,11 +325,6 @@ def test_lane_without_min_share_starves_under_saturation() -> None:
     assert queued_rows(scheduler, "bulk") == 5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="policy issue: pass 1 takes the entry that crosses a lane's share whole, so a "
-    "lower lane whose requests are as large as the cap claims every batch",
-)
 def test_lower_lane_claims_no_more_than_its_share_ahead_of_a_saturated_higher_lane() -> None:
     scheduler = make_scheduler()
     for index in range(8):
@@ -1002,8 +1000,10 @@ def test_observe_averages_a_measured_size_and_adds_a_new_one() -> None:
     model = fixed_run_time()
     model.observe(64, 0.014)
     assert model.predict_s(64) == pytest.approx(0.004 + 0.2 * 0.010)
+    interpolated_s = model.predict_s(32)
     model.observe(32, 0.010)
-    assert model.predict_s(32) == 0.010
+    # A new size starts from the interpolation and moves like any other observation.
+    assert model.predict_s(32) == pytest.approx(interpolated_s + 0.2 * (0.010 - interpolated_s))
     assert sorted(model.snapshot()) == [1, 32, 64]
     before = model.snapshot()
     for rows, run_s in [(0, 1.0), (8, math.nan), (8, math.inf), (8, -1.0)]:
