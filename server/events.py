@@ -33,6 +33,22 @@ class SchedulerEvents(Protocol):
         """An admitted request ended: "OK", the error's reason, or "CANCELLED" (no answer due)."""
         ...
 
+    def out_of_memory(self, rows: int) -> None:
+        """A run of `rows` rows failed to allocate device memory (it will be split)."""
+        ...
+
+    def batch_split(self, rows: int) -> None:
+        """A batch of `rows` rows was split in halves after running out of memory."""
+        ...
+
+    def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
+        """The batch cap moved: reason "out_of_memory" (down) or "recovered" (up)."""
+        ...
+
+    def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:
+        """Device memory in use, as the watermark sees it."""
+        ...
+
 
 class NullEvents:
     def admitted(self, lane: str, rows: int) -> None:
@@ -51,6 +67,18 @@ class NullEvents:
         pass
 
     def completed(self, lane: str, status: str) -> None:
+        pass
+
+    def out_of_memory(self, rows: int) -> None:
+        pass
+
+    def batch_split(self, rows: int) -> None:
+        pass
+
+    def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
+        pass
+
+    def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:
         pass
 
 
@@ -83,3 +111,19 @@ class FanOut:
     def completed(self, lane: str, status: str) -> None:
         for sink in self._sinks:
             sink.completed(lane, status)
+
+    def out_of_memory(self, rows: int) -> None:
+        for sink in self._sinks:
+            sink.out_of_memory(rows)
+
+    def batch_split(self, rows: int) -> None:
+        for sink in self._sinks:
+            sink.batch_split(rows)
+
+    def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
+        for sink in self._sinks:
+            sink.cap_changed(old_rows, new_rows, reason)
+
+    def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:
+        for sink in self._sinks:
+            sink.memory_sampled(used_bytes, budget_bytes)

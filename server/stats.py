@@ -73,6 +73,10 @@ class StatsSnapshot:
     mean_batch_size: float
     run_time: Percentiles
     batch_reasons: dict[str, int]
+    out_of_memory: int
+    batch_splits: int
+    cap_changes: dict[str, int]
+    memory_used_bytes: int | None
 
 
 class StatsRecorder:
@@ -86,6 +90,10 @@ class StatsRecorder:
         self._rows_run = 0  # rows of the batches that succeeded
         self._run_s: collections.deque[float] = collections.deque(maxlen=WINDOW_SAMPLES)
         self._batch_reasons: collections.Counter[str] = collections.Counter()
+        self._out_of_memory = 0
+        self._batch_splits = 0
+        self._cap_changes: collections.Counter[str] = collections.Counter()
+        self._memory_used_bytes: int | None = None
 
     def admitted(self, lane: str, rows: int) -> None:
         with self._lock:
@@ -122,6 +130,22 @@ class StatsRecorder:
             elif status not in SHED_REASONS:
                 counters.failed += 1
 
+    def out_of_memory(self, rows: int) -> None:
+        with self._lock:
+            self._out_of_memory += 1
+
+    def batch_split(self, rows: int) -> None:
+        with self._lock:
+            self._batch_splits += 1
+
+    def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
+        with self._lock:
+            self._cap_changes[reason] += 1
+
+    def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:
+        with self._lock:
+            self._memory_used_bytes = used_bytes
+
     def snapshot(self) -> StatsSnapshot:
         with self._lock:
             lanes = [
@@ -144,4 +168,8 @@ class StatsRecorder:
                 mean_batch_size=self._batch_rows / self._batches if self._batches else 0.0,
                 run_time=percentiles_ms(self._run_s),
                 batch_reasons=dict(self._batch_reasons),
+                out_of_memory=self._out_of_memory,
+                batch_splits=self._batch_splits,
+                cap_changes=dict(self._cap_changes),
+                memory_used_bytes=self._memory_used_bytes,
             )

@@ -30,6 +30,7 @@ from laneserve.server.errors import (
     LaneFullError,
     LaneserveError,
 )
+from laneserve.server.events import NullEvents
 from laneserve.server.items import (
     Batch,
     BatchResult,
@@ -143,7 +144,7 @@ def assert_answered(outcome: Outcome, request: InferenceRequest) -> None:
     np.testing.assert_array_equal(outcome.outputs["y"], np.asarray(request.inputs["x"]) * 2)
 
 
-class RecordingEvents:
+class RecordingEvents(NullEvents):
     """A `SchedulerEvents` sink that keeps what it was told, in order."""
 
     def __init__(self) -> None:
@@ -169,6 +170,15 @@ class RecordingEvents:
 
     def completed(self, lane: str, status: str) -> None:
         self.log.append(("completed", lane, status))
+
+    def out_of_memory(self, rows: int) -> None:
+        self.log.append(("out_of_memory", rows))
+
+    def batch_split(self, rows: int) -> None:
+        self.log.append(("batch_split", rows))
+
+    def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
+        self.log.append(("cap_changed", old_rows, new_rows, reason))
 
 
 # ---- dispatch rule ---------------------------------------------------------------------
