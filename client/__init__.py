@@ -1,9 +1,61 @@
 """The laneserve client: typed access to a laneserve server over gRPC.
 
+    from laneserve.client import Client
+
+    with Client("127.0.0.1:50051") as client:
+        scores = client.infer({"input": rows}, lane="interactive", timeout=0.5)["output"]
+
+`Client` blocks; `AsyncClient` is the same for asyncio. Both send numpy arrays and return
+numpy arrays, raise the typed errors below (never a bare ``grpc.RpcError``), retry what
+is retryable with the same request_id within the call's timeout (`RetryPolicy`), and run
+bulk jobs over the bidirectional stream with `stream()`. `set_testing(True)` removes the
+backoff sleeps in tests.
+
+Errors (each carries the server's message, ``reason``, ``code`` and ``retry_after_s``)::
+
+    LaneserveError
+    ├── InvalidInputError (also a ValueError)
+    │   └── RequestIdReusedError
+    ├── ResourceExhaustedError
+    │   ├── LaneFullError                retryable
+    │   ├── MemoryPressureError          retryable
+    │   └── DeviceMemoryError
+    ├── DeadlineExceededError
+    │   ├── DeadlineUnmeetableError
+    │   └── ExpiredInQueueError
+    ├── UnavailableError                 retryable
+    │   └── ServerDrainingError          retryable
+    ├── EngineError
+    └── CallCancelledError               retryable (cut off by the network)
+
 The wire codec (numpy arrays to and from ``laneserve.v1.Tensor``) lives in
 :mod:`laneserve.client.tensors` and is shared with the server.
 """
 
+from laneserve.client._aio import AsyncClient
+from laneserve.client._channel import DEFAULT_TARGET, TlsConfig
+from laneserve.client._errors import (
+    CallCancelledError,
+    DeadlineExceededError,
+    DeadlineUnmeetableError,
+    DeviceMemoryError,
+    EngineError,
+    ExpiredInQueueError,
+    InvalidInputError,
+    LaneFullError,
+    LaneserveError,
+    MemoryPressureError,
+    RequestIdReusedError,
+    ResourceExhaustedError,
+    ServerDrainingError,
+    UnavailableError,
+    error_from_rpc,
+    error_from_status,
+)
+from laneserve.client._retry import NO_RETRIES, RetryPolicy, is_testing, set_testing
+from laneserve.client._stream import row_chunks
+from laneserve.client._sync import Client
+from laneserve.client._types import LaneInfo, ModelInfo, StreamRequest, StreamResult, TensorInfo
 from laneserve.client.tensors import (
     DataType,
     datatype_for_onnx_type,
@@ -17,13 +69,43 @@ from laneserve.client.tensors import (
 )
 
 __all__ = [
+    "DEFAULT_TARGET",
+    "NO_RETRIES",
+    "AsyncClient",
+    "CallCancelledError",
+    "Client",
     "DataType",
+    "DeadlineExceededError",
+    "DeadlineUnmeetableError",
+    "DeviceMemoryError",
+    "EngineError",
+    "ExpiredInQueueError",
+    "InvalidInputError",
+    "LaneFullError",
+    "LaneInfo",
+    "LaneserveError",
+    "MemoryPressureError",
+    "ModelInfo",
+    "RequestIdReusedError",
+    "ResourceExhaustedError",
+    "RetryPolicy",
+    "ServerDrainingError",
+    "StreamRequest",
+    "StreamResult",
+    "TensorInfo",
+    "TlsConfig",
+    "UnavailableError",
     "datatype_for_onnx_type",
     "datatype_name",
     "datatype_of",
     "decode_tensor",
     "encode_tensor",
+    "error_from_rpc",
+    "error_from_status",
+    "is_testing",
     "numpy_dtype",
     "numpy_dtype_for_onnx_type",
     "onnx_type",
+    "row_chunks",
+    "set_testing",
 ]

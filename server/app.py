@@ -18,14 +18,25 @@ from grpc_reflection.v1alpha import reflection
 from laneserve.server.clock import Clock, SystemClock
 from laneserve.server.config import ServerConfig
 from laneserve.server.cost_model import RunTimeModel
-from laneserve.server.engine import Engine
+from laneserve.server.engine import CUDA, Engine
 from laneserve.server.errors import DrainingError
-from laneserve.server.events import FanOut, SchedulerEvents
+from laneserve.server.events import FanOut, NullTracer, SchedulerEvents
 from laneserve.server.lifecycle import Lifecycle
+from laneserve.server.memory import (
+    MemoryFacts,
+    MemoryGauge,
+    NvmlGauge,
+    ProcessRssGauge,
+    Watermark,
+    estimate_memory,
+    format_bytes,
+    parse_memory_limit,
+)
 from laneserve.server.scheduler import Scheduler
 from laneserve.server.scheduler_thread import SchedulerThread
-from laneserve.server.service import InferenceServicer, OutcomeRouter
+from laneserve.server.service import InferenceServicer, OutcomeRouter, ServiceTelemetry
 from laneserve.server.stats import StatsRecorder
+from laneserve.server.telemetry import Telemetry, log_event
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -35,7 +46,39 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 
 
 def load_engine(config: ServerConfig) -> Engine:
-    return Engine(config.model_path, device=config.device, intra_op_threads=config.intra_op_threads)
+    return Engine(
+        config.model_path,
+        device=config.device,
+        intra_op_threads=config.intra_op_threads,
+        memory_limit=None
+        if config.memory_limit is None
+        else parse_memory_limit(config.memory_limit),
+    )
+
+
+def make_watermark(
+    config: ServerConfig, engine: Engine, gauge: MemoryGauge | None
+) -> tuple[Watermark, MemoryGauge] | None:
+    """The admission watermark and the gauge it reads, where there is a limit to watch:
+    the memory limit on a GPU (NVML), host_memory_limit on the CPU (resident memory)."""
+    on_gpu = engine.providers[0] == CUDA
+    if on_gpu:
+        limit_bytes = engine.memory_limit_bytes
+    elif config.host_memory_limit is not None:
+        limit_bytes = parse_memory_limit(config.host_memory_limit).resolve(None)
+    else:
+        limit_bytes = None
+    if limit_bytes is None:
+        return None
+    if gauge is None:
+        gauge = NvmlGauge() if on_gpu else ProcessRssGauge()
+    watermark = Watermark(
+        lanes=len(config.lanes),
+        high_bytes=int(limit_bytes * config.memory_high_watermark),
+        low_bytes=int(limit_bytes * config.memory_low_watermark),
+        limit_bytes=limit_bytes,
+    )
+    return watermark, gauge
 
 
 class LaneServer:
@@ -48,43 +91,72 @@ class LaneServer:
         *,
         events: SchedulerEvents | None = None,
         clock: Clock | None = None,
+        memory_gauge: MemoryGauge | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
+        """`telemetry`: traces, metrics and event logs; by default from the config and the
+        OTEL_* variables (Telemetry.from_config). `events`: one more sink, for tests."""
         self.config = config
         self.engine = engine
         self.clock = clock or SystemClock()
         self.state = Lifecycle.STARTING
-        self.batch_cap = config.max_batch_size
-        probe = engine.probe(self.batch_cap)
+        self.probe = engine.probe(
+            config.batch_cap or config.max_batch_size, fixed_cap=config.batch_cap is not None
+        )
+        self.memory_estimate = estimate_memory(config.model_path)
         log.info(
-            "probe: run time by batch size %s",
-            {rows: f"{seconds * 1000:.2f}ms" for rows, seconds in probe.items()},
+            "probe: batch_cap=%d (max_batch_size %d, first out-of-memory at %s rows) "
+            "memory_limit=%s estimate=%s + %s/row run time by batch size %s",
+            self.probe.batch_cap,
+            config.max_batch_size,
+            self.probe.first_failing_rows,
+            "none"
+            if engine.memory_limit_bytes is None
+            else format_bytes(engine.memory_limit_bytes),
+            format_bytes(self.memory_estimate.fixed_bytes),
+            format_bytes(self.memory_estimate.per_row_bytes),
+            {rows: f"{seconds * 1000:.2f}ms" for rows, seconds in self.probe.run_s.items()},
         )
         self.stats = StatsRecorder([lane.name for lane in config.lanes])
+        self.telemetry = telemetry or Telemetry.from_config(config, engine.providers)
+        sinks = [self.stats, *self.telemetry.events, *([] if events is None else [events])]
+        self.events = FanOut(*sinks)
+        watermark = make_watermark(config, engine, memory_gauge)
+        self.memory_gauge = None if watermark is None else watermark[1]
         self.scheduler = Scheduler(
             config.lanes,
-            batch_cap=self.batch_cap,
-            run_time=RunTimeModel(probe),
-            events=self.stats if events is None else FanOut(self.stats, events),
+            batch_cap=self.probe.batch_cap,
+            run_time=RunTimeModel(self.probe.run_s),
+            events=self.events,
+            watermark=None if watermark is None else watermark[0],
         )
         self._health = health.aio.HealthServicer()
         self._thread: SchedulerThread | None = None
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self.port = 0
+        self.metrics_port: int | None = None  # the Prometheus endpoint's, once started
 
     async def start(self) -> int:
         """Binds, starts the threads and serves; returns the bound port."""
         assert self.state is Lifecycle.STARTING
         router = OutcomeRouter(asyncio.get_running_loop())
-        self._thread = SchedulerThread(
-            self.scheduler, self.engine.run_batch, router.deliver, clock=self.clock
+        thread = self._thread = SchedulerThread(
+            self.scheduler,
+            self.engine.run_batch,
+            router.deliver,
+            clock=self.clock,
+            memory_gauge=self.memory_gauge,
         )
+        self.telemetry.observe(thread.depths, lambda: thread.batch_cap)
         limit = self.config.max_message_bytes
         server = grpc.aio.server(
+            interceptors=self.telemetry.interceptors,
+            maximum_concurrent_rpcs=self.config.max_concurrent_rpcs,
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
-            ]
+            ],
         )
         pb_grpc.add_InferenceServiceServicer_to_server(
             InferenceServicer(
@@ -95,6 +167,16 @@ class LaneServer:
                 state=lambda: self.state,
                 clock=self.clock,
                 started_s=self.clock.monotonic(),
+                memory=MemoryFacts(
+                    limit_bytes=self.engine.memory_limit_bytes,
+                    probed_batch_cap=self.probe.batch_cap,
+                    estimate=self.memory_estimate,
+                ),
+                telemetry=ServiceTelemetry(
+                    events=self.events,
+                    tracer=self.telemetry.tracer or NullTracer(),
+                    device_utilization=self.telemetry.device_utilization,
+                ),
             ),
             server,
         )
@@ -105,20 +187,27 @@ class LaneServer:
         self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if self.port == 0:
             raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+        self.metrics_port = self.telemetry.serve_metrics(self.config.host, self.config.metrics_port)
         self._thread.start()
         await server.start()
         self._server = server
         self.state = Lifecycle.SERVING
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info(
-            "serving %s on %s:%d providers=%s batch_cap=%d lanes=%s",
-            self.config.model_path,
-            self.config.host,
-            self.port,
-            self.engine.providers,
-            self.batch_cap,
-            [lane.name for lane in self.config.lanes],
+        log_event(
+            log,
+            logging.INFO,
+            "startup",
+            f"serving {self.config.model_path} on {self.config.host}:{self.port}",
+            model=self.config.model_path,
+            port=self.port,
+            providers=self.engine.providers,
+            batch_cap=self.scheduler.batch_cap,
+            max_batch_size=self.config.max_batch_size,
+            memory_limit_bytes=self.engine.memory_limit_bytes,
+            lanes=[lane.name for lane in self.config.lanes],
+            metrics_port=self.metrics_port,
+            tracing=self.telemetry.tracing is not None,
         )
         return self.port
 
@@ -142,9 +231,10 @@ class LaneServer:
         )
         # Every RPC now has its answer; give them a moment to be written.
         await self._server.stop(grace=2.0)
+        self.telemetry.close()
         self.state = Lifecycle.STOPPED
         self._stopped.set()
-        log.info("stopped")
+        log_event(log, logging.INFO, "shutdown", "stopped", drained=drained)
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()

@@ -1,4 +1,5 @@
-"""`laneserve` command line: `serve` a model, `make-model` to build the demo model."""
+"""`laneserve` command line: `serve` a model, `top` to watch one, `make-model` to build
+the demo model."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import sys
 from collections.abc import Sequence
 
 from laneserve.server.app import LaneServer, load_engine
+from laneserve.server.bench import cli as bench_cli
 from laneserve.server.config import DEVICES, ConfigError, ServerConfig, load_config
 from laneserve.server.engine import EngineStartError
+from laneserve.server.telemetry import configure_logging
+from laneserve.server.top import add_arguments as add_top_arguments
+from laneserve.server.top import run as run_top
 
 log = logging.getLogger("laneserve")
 
@@ -19,10 +24,11 @@ log = logging.getLogger("laneserve")
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.log_level, json_lines=args.log_format == "json")
+    if args.command == "top":
+        return run_top(args)
+    if args.command == "bench":
+        return bench_cli.run(args, ["laneserve", *(sys.argv[1:] if argv is None else argv)])
     if args.command == "make-model":
         from laneserve.server.demo_model import make_demo_model  # noqa: PLC0415 - needs onnx
 
@@ -37,10 +43,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "host": args.host,
                 "port": args.port,
                 "max_batch_size": args.max_batch_size,
+                "batch_cap": args.batch_cap,
+                "memory_limit": args.memory_limit,
+                "host_memory_limit": args.host_memory_limit,
                 "device": args.device,
                 "drain_grace_s": args.drain_grace_s,
                 "max_message_bytes": args.max_message_bytes,
+                "max_concurrent_rpcs": args.max_concurrent_rpcs,
                 "intra_op_threads": args.intra_op_threads,
+                "metrics_port": args.metrics_port,
             },
         )
         return asyncio.run(_serve(config))
@@ -73,6 +84,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="one line per event: text with key=value fields, or one JSON object",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve an ONNX model over gRPC")
     serve.add_argument("--model", required=True, help="path of the ONNX model")
@@ -80,12 +97,37 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (default 50051; 0 = any)")
     serve.add_argument("--max-batch-size", type=int, help="upper bound of rows per batch")
+    serve.add_argument(
+        "--batch-cap", type=int, help="fix the batch cap instead of probing memory for it"
+    )
+    serve.add_argument(
+        "--memory-limit",
+        help="hard limit on device memory: bytes (6GiB) or a fraction (0.9; default on a GPU)",
+    )
+    serve.add_argument(
+        "--host-memory-limit",
+        help="CPU only: resident memory the admission watermarks refer to (e.g. 8GiB)",
+    )
     serve.add_argument("--device", choices=DEVICES, help="execution device (default auto)")
     serve.add_argument(
         "--drain-grace-s", type=float, help="seconds queued work may finish on SIGTERM"
     )
     serve.add_argument("--max-message-bytes", type=int, help="gRPC message size limit")
+    serve.add_argument(
+        "--max-concurrent-rpcs", type=int, help="calls admitted by gRPC at once (default 1024)"
+    )
     serve.add_argument("--intra-op-threads", type=int, help="ONNX Runtime threads (0 = auto)")
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        help="Prometheus endpoint on --host (default 9464; 0 = any free port; -1 = none)",
+    )
+    add_top_arguments(
+        commands.add_parser("top", help="a live dashboard of a server's GetStats (any target)")
+    )
+    bench_cli.add_arguments(
+        commands.add_parser("bench", help="benchmark against the naive designs (bench/README.md)")
+    )
     make = commands.add_parser("make-model", help="write the demo MLP model")
     make.add_argument("path")
     make.add_argument("--seed", type=int, default=0)

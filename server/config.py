@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from laneserve.server.memory import parse_memory_limit
+
 Device = Literal["auto", "cuda", "cpu"]
 DEVICES: tuple[Device, ...] = ("auto", "cuda", "cpu")
 
@@ -36,6 +38,19 @@ def _is_number(value: object) -> bool:
     """A finite int or float. TOML and CLI values arrive untyped: the annotations are
     not yet true where this is called."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_size(key: str, text: object, *, fraction_ok: bool) -> None:
+    if text is None:
+        return
+    if not isinstance(text, str):
+        raise ConfigError(f"{key}: expected a string like '6GiB', got {text!r}")
+    try:
+        limit = parse_memory_limit(text)
+    except ValueError as error:
+        raise ConfigError(f"{key}: {error}") from error
+    if limit.fraction is not None and not fraction_ok:
+        raise ConfigError(f"{key}: expected bytes like '8GiB', got {text!r}")
 
 
 def _check_int(key: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
@@ -100,10 +115,40 @@ class ServerConfig:
     device: Device = "auto"
     # On SIGTERM/SIGINT queued work may finish within this time; the rest is refused.
     drain_grace_s: float = 10.0
+    # Calls gRPC lets in at once (streams count one each); past it gRPC refuses with
+    # RESOURCE_EXHAUSTED before any work, so an overload cannot pile up calls that
+    # expire in the event loop's backlog.
+    max_concurrent_rpcs: int = 1024
     # gRPC's own message size limit, both directions.
     max_message_bytes: int = 64 * 1024 * 1024
     # ONNX Runtime intra-op threads; 0 lets the runtime choose.
     intra_op_threads: int = 0
+    # Prometheus scrape endpoint (GET /metrics) on `host`: 0 = any free port (logged at
+    # start), -1 = no endpoint (and no metric is recorded).
+    metrics_port: int = 9464
+    # Fixes the batch cap instead of probing the memory limit for it (max_batch_size
+    # still bounds it); an out-of-memory at run time lowers it as usual.
+    batch_cap: int | None = None
+    # Hard limit on the session's device memory: bytes ("6GiB") or a fraction of the
+    # device ("0.9"). None: 0.9 on a GPU, the runtime's own default on the CPU.
+    memory_limit: str | None = None
+    # Admission watermarks, as fractions of the memory limit on a GPU (or of
+    # host_memory_limit on the CPU): at `high` the lowest lane stops admitting,
+    # more lanes as memory nears the limit; all reopen below `low`.
+    memory_high_watermark: float = 0.95
+    memory_low_watermark: float = 0.85
+    # CPU only: the process's resident memory the watermarks refer to ("8GiB").
+    # None: no watermark on the CPU (the arena cap still holds).
+    host_memory_limit: str | None = None
+    # Requests one InferStream may have read and not yet answered; the stream is not read
+    # further until one of them is answered, so a fast producer cannot flood the lanes.
+    stream_window: int = 256
+    # Idempotency by request_id: answers of completed requests are kept for replay to a
+    # retry, bounded by count, bytes and age. 0 entries turns the replay off (a retry that
+    # arrives while its request is still queued or running joins it regardless).
+    idempotency_max_entries: int = 100_000
+    idempotency_max_bytes: int = 256 * 1024 * 1024
+    idempotency_ttl_s: float = 600.0
 
     def __post_init__(self) -> None:
         for key in ("host", "default_lane"):
@@ -112,8 +157,29 @@ class ServerConfig:
                 raise ConfigError(f"server.{key}: expected a non-empty string, got {value!r}")
         _check_int("server.port", self.port, minimum=0, maximum=65_535)
         _check_int("server.max_batch_size", self.max_batch_size, minimum=1)
+        if self.batch_cap is not None:
+            _check_int("server.batch_cap", self.batch_cap, minimum=1, maximum=self.max_batch_size)
         _check_int("server.max_message_bytes", self.max_message_bytes, minimum=1024)
+        _check_int("server.max_concurrent_rpcs", self.max_concurrent_rpcs, minimum=1)
         _check_int("server.intra_op_threads", self.intra_op_threads, minimum=0)
+        _check_int("server.metrics_port", self.metrics_port, minimum=-1, maximum=65_535)
+        _check_int("server.stream_window", self.stream_window, minimum=1)
+        _check_int("server.idempotency_max_entries", self.idempotency_max_entries, minimum=0)
+        _check_int("server.idempotency_max_bytes", self.idempotency_max_bytes, minimum=0)
+        if not _is_number(self.idempotency_ttl_s) or not 0 <= self.idempotency_ttl_s < math.inf:
+            raise ConfigError(
+                "server.idempotency_ttl_s: expected finite seconds >= 0, "
+                f"got {self.idempotency_ttl_s!r}"
+            )
+        _check_size("server.memory_limit", self.memory_limit, fraction_ok=True)
+        _check_size("server.host_memory_limit", self.host_memory_limit, fraction_ok=False)
+        low: object = self.memory_low_watermark
+        high: object = self.memory_high_watermark
+        if not (_is_number(low) and _is_number(high) and 0 < low <= high <= 1):  # type: ignore[operator]
+            raise ConfigError(
+                "server.memory_low_watermark, server.memory_high_watermark: expected "
+                f"0 < low <= high <= 1, got low={low!r} high={high!r}"
+            )
         if self.device not in DEVICES:
             raise ConfigError(f"server.device: expected one of {DEVICES}, got {self.device!r}")
         if not _is_number(self.drain_grace_s) or self.drain_grace_s < 0:

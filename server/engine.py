@@ -18,12 +18,14 @@ import onnxruntime as ort
 from laneserve.client.tensors import numpy_dtype_for_onnx_type
 from laneserve.server.config import Device
 from laneserve.server.errors import DeviceMemoryError, EngineError, LaneserveError
-from laneserve.server.items import Array, Batch, BatchResult
+from laneserve.server.items import Array, Batch, BatchResult, FailedRows
+from laneserve.server.memory import MemoryLimit, NvmlGauge, ProcessRssGauge, format_bytes
 
 log = logging.getLogger(__name__)
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
+DEFAULT_GPU_MEMORY_LIMIT = MemoryLimit(fraction=0.9)
 
 # Messages of allocation failures: the BFC arena (CPU and CUDA), CUDA itself.
 _OUT_OF_MEMORY = re.compile(
@@ -80,16 +82,49 @@ class Engine:
         *,
         device: Device = "auto",
         intra_op_threads: int = 0,
+        memory_limit: MemoryLimit | None = None,
     ) -> None:
         self.model_path = model_path
+        requested = choose_providers(device)
+        on_gpu = requested[0] == CUDA
+        if memory_limit is None and on_gpu:
+            memory_limit = DEFAULT_GPU_MEMORY_LIMIT
+        # The hard limit on the session's device memory; None: the runtime's default.
+        self.memory_limit_bytes = (
+            None
+            if memory_limit is None
+            else memory_limit.resolve(
+                NvmlGauge().total_bytes() if on_gpu else ProcessRssGauge().total_bytes()
+            )
+        )
+        memory_limit_bytes = self.memory_limit_bytes
         options = ort.SessionOptions()
         options.intra_op_num_threads = intra_op_threads
         # The scheduler runs one batch at a time: no inter-op pool is needed.
         options.inter_op_num_threads = 1
-        options.log_severity_level = 3  # errors are translated and reported by us
-        requested = choose_providers(device)
+        # Idle intra-op threads sleep instead of spinning: the event loop and the
+        # scheduler need those cores between runs (measured on 2 cores: a spinning
+        # pool burned 0.4 of a core and made runs 3x slower under load).
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # 4 = fatal only: every runtime error is translated, and logged once, by us.
+        options.log_severity_level = 4
+        providers: list[str | tuple[str, dict[str, str]]] = list(requested)
+        if memory_limit_bytes is not None:
+            if on_gpu:
+                # kSameAsRequested: near a hard limit, growing by powers of two would
+                # fail allocations that fit.
+                providers[0] = (
+                    CUDA,
+                    {
+                        "gpu_mem_limit": str(memory_limit_bytes),
+                        "arena_extend_strategy": "kSameAsRequested",
+                    },
+                )
+            else:
+                _cap_cpu_arena(memory_limit_bytes)
+                options.add_session_config_entry("session.use_env_allocators", "1")
         try:
-            self._session = ort.InferenceSession(model_path, options, providers=requested)
+            self._session = ort.InferenceSession(model_path, options, providers=providers)
         except Exception as error:
             raise EngineStartError(f"cannot load model {model_path!r}: {error}") from error
         self.providers: list[str] = list(self._session.get_providers())
@@ -104,7 +139,20 @@ class Engine:
                     f"model {spec.name!r} has shape {list(spec.shape)}: laneserve batches along "
                     f"the first axis, which must be dynamic (a symbolic or -1 dimension)"
                 )
-        log.info("session ready: model=%s providers=%s", model_path, self.providers)
+        # After an allocation failure the arena keeps what it grew; the next run asks
+        # it to shrink back, so a batch that fitted before the failure fits after it.
+        self._shrink = ort.RunOptions()
+        self._shrink.add_run_config_entry(
+            "memory.enable_memory_arena_shrinkage",
+            "gpu:0" if self.providers[0] == CUDA else "cpu:0",
+        )
+        self._shrink_next_run = False
+        log.info(
+            "session ready: model=%s providers=%s memory_limit=%s",
+            model_path,
+            self.providers,
+            "none" if memory_limit_bytes is None else format_bytes(memory_limit_bytes),
+        )
 
     @staticmethod
     def _spec(arg: ort.NodeArg) -> TensorSpec:
@@ -116,21 +164,90 @@ class Engine:
 
     def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
         """One session run over whole arrays; runtime errors come out as LaneserveError."""
+        options = self._shrink if self._shrink_next_run else None
         try:
-            values = self._session.run(self.output_names, dict(inputs))
+            values = self._session.run(self.output_names, dict(inputs), options)
         except Exception as error:
-            raise translate_runtime_error(error) from error
+            translated = translate_runtime_error(error)
+            if isinstance(translated, DeviceMemoryError):
+                self._shrink_next_run = True
+            raise translated from error
+        self._shrink_next_run = False
         return dict(zip(self.output_names, values, strict=True))
 
     def run_batch(self, batch: Batch) -> BatchResult:
-        """Concatenates the batch's rows, runs them once, times the run."""
+        """Concatenates the batch's rows and runs them once; out of memory, in halves.
+
+        A run that fails to allocate is split in two and each half retried, down to
+        single rows; only a row that does not fit alone fails, with DEVICE_MEMORY.
+        Any other runtime error fails the whole batch.
+        """
         inputs = {name: _concat(parts) for name, parts in batch.parts.items()}
+        report = _SplitReport()
         started = time.perf_counter()
         try:
-            outputs = self.run(inputs)
+            outputs = self._run_splitting(inputs, batch.rows, 0, report)
         except LaneserveError as error:
-            return BatchResult(batch, None, error, time.perf_counter() - started)
-        return BatchResult(batch, outputs, None, time.perf_counter() - started)
+            return BatchResult(
+                batch,
+                None,
+                error,
+                time.perf_counter() - started,
+                out_of_memory_rows=tuple(report.out_of_memory_rows),
+                largest_ok_rows=report.largest_ok_rows,
+            )
+        run_s = time.perf_counter() - started
+        if outputs is None:  # every row failed alone: the batch fails as one
+            return BatchResult(
+                batch,
+                None,
+                report.failed[0].error,
+                run_s,
+                out_of_memory_rows=tuple(report.out_of_memory_rows),
+            )
+        return BatchResult(
+            batch,
+            outputs,
+            None,
+            run_s,
+            failed_rows=tuple(report.failed),
+            out_of_memory_rows=tuple(report.out_of_memory_rows),
+            largest_ok_rows=report.largest_ok_rows,
+        )
+
+    def _run_splitting(
+        self, inputs: Mapping[str, Array], rows: int, offset: int, report: _SplitReport
+    ) -> dict[str, Array] | None:
+        """Outputs of `rows` rows at `offset` in the batch; None if none of them ran."""
+        try:
+            outputs = self.run(inputs)
+        except DeviceMemoryError as error:
+            report.out_of_memory_rows.append(rows)
+            if rows == 1:
+                report.failed.append(
+                    FailedRows(
+                        offset,
+                        1,
+                        DeviceMemoryError(
+                            "one row of this request needs more device memory than the "
+                            f"budget allows ({error.message})"
+                        ),
+                    )
+                )
+                return None
+            half = rows // 2
+            first = self._run_splitting(
+                {name: array[:half] for name, array in inputs.items()}, half, offset, report
+            )
+            second = self._run_splitting(
+                {name: array[half:] for name, array in inputs.items()},
+                rows - half,
+                offset + half,
+                report,
+            )
+            return _join_halves(first, second, half, rows - half)
+        report.largest_ok_rows = max(report.largest_ok_rows, rows)
+        return outputs
 
     def example_inputs(self, rows: int) -> dict[str, Array]:
         """Zero-filled inputs of `rows` rows (dynamic trailing dimensions become 1)."""
@@ -141,25 +258,136 @@ class Engine:
             for spec in self.inputs
         }
 
-    def probe(self, max_batch_size: int, *, repeats: int = 3) -> dict[int, float]:
-        """Warms the session up and measures run seconds at powers of two up to the cap.
+    def probe(self, max_batch_size: int, *, repeats: int = 3, fixed_cap: bool = False) -> Probe:
+        """Warms the session up, finds the largest batch that fits the memory budget and
+        measures run seconds at powers of two up to it.
 
-        The best of `repeats` runs is kept: the figure the scheduler plans with is what a
-        warm session does, not what a noisy neighbour did once.
+        Sizes grow until one fails to allocate or the cap is reached; between the last
+        size that fitted and the first that failed a bisection finds the boundary. The
+        best of `repeats` runs is kept: the figure the scheduler plans with is what a
+        warm session does, not what a noisy neighbour did once. With `fixed_cap` the
+        operator has chosen the cap: sizes are measured while they fit, nothing is
+        searched, and the cap stays `max_batch_size` (out of memory at run time then
+        lowers it like any other).
         """
-        sizes = sorted({min(1 << power, max_batch_size) for power in range(32)} - {0})
-        sizes = [size for size in sizes if size <= max_batch_size]
         measured: dict[int, float] = {}
-        for rows in sizes:
-            inputs = self.example_inputs(rows)
+        fits, fails = 0, None
+        for rows in _powers_of_two_up_to(max_batch_size):
+            seconds = self._time_rows(rows, repeats)
+            if seconds is None:
+                fails = rows
+                break
+            measured[rows], fits = seconds, rows
+        if fits == 0:
+            raise EngineStartError(
+                "the model does not run even one row within the memory budget of "
+                f"{format_bytes(self.memory_limit_bytes or 0)}; raise --memory-limit"
+            )
+        if fixed_cap:
+            return Probe(run_s=measured, batch_cap=max_batch_size, first_failing_rows=fails)
+        if fails is not None:
+            low, high = fits, fails
+            while high - low > max(1, low // 16):  # within ~6 % of the boundary
+                middle = (low + high) // 2
+                if self._time_rows(middle, 1) is None:
+                    high = middle
+                else:
+                    low = middle
+            fits = low
+            # The boundary itself is verified after the failures above (the arena
+            # shrinks back first): the cap must be a size that fits after an OOM.
+            while fits > 1 and self._time_rows(fits, repeats) is None:
+                fits = max(1, fits * 7 // 8)
+            seconds = self._time_rows(fits, repeats)
+            if seconds is not None:
+                measured[fits] = seconds
+        return Probe(run_s=measured, batch_cap=fits, first_failing_rows=fails)
+
+    def _time_rows(self, rows: int, repeats: int) -> float | None:
+        """Best run seconds at `rows` rows after one warm-up run; None: out of memory."""
+        inputs = self.example_inputs(rows)
+        best = float("inf")
+        try:
             self.run(inputs)  # warm-up: first runs allocate and pick kernels
-            best = float("inf")
             for _ in range(repeats):
                 started = time.perf_counter()
                 self.run(inputs)
                 best = min(best, time.perf_counter() - started)
-            measured[rows] = best
-        return measured
+        except DeviceMemoryError:
+            return None
+        return best
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Probe:
+    # Best run seconds by batch size.
+    run_s: dict[int, float]
+    # The largest batch that fits the memory budget (at most the configured maximum).
+    batch_cap: int
+    # The smallest size seen to fail with out-of-memory; None if none failed.
+    first_failing_rows: int | None
+
+
+@dataclasses.dataclass(slots=True)
+class _SplitReport:
+    out_of_memory_rows: list[int] = dataclasses.field(default_factory=list)
+    failed: list[FailedRows] = dataclasses.field(default_factory=list)
+    largest_ok_rows: int = 0
+
+
+def _powers_of_two_up_to(limit: int) -> list[int]:
+    sizes = [1 << power for power in range(limit.bit_length()) if 1 << power <= limit]
+    return sizes if sizes[-1] == limit else [*sizes, limit]
+
+
+def _join_halves(
+    first: dict[str, Array] | None,
+    second: dict[str, Array] | None,
+    first_rows: int,
+    second_rows: int,
+) -> dict[str, Array] | None:
+    """Outputs of both halves in order; a half that failed is zero-filled (its rows are
+    reported as failed and never handed out)."""
+    if first is None and second is None:
+        return None
+    model = first if first is not None else second
+    assert model is not None
+    joined = {}
+    for name, array in model.items():
+        head = (
+            first[name]
+            if first is not None
+            else np.zeros((first_rows, *array.shape[1:]), array.dtype)
+        )
+        tail = (
+            second[name]
+            if second is not None
+            else np.zeros((second_rows, *array.shape[1:]), array.dtype)
+        )
+        joined[name] = np.concatenate([head, tail])
+    return joined
+
+
+_CPU_ARENA_LIMIT_BYTES: int | None = None
+
+
+def _cap_cpu_arena(limit_bytes: int) -> None:
+    """Registers the process-wide CPU arena capped at `limit_bytes` (once per process:
+    ONNX Runtime keeps registered allocators for the life of its environment)."""
+    global _CPU_ARENA_LIMIT_BYTES  # noqa: PLW0603 - mirrors the runtime's process-wide state
+    if _CPU_ARENA_LIMIT_BYTES is not None:
+        if limit_bytes != _CPU_ARENA_LIMIT_BYTES:
+            raise EngineStartError(
+                f"this process's CPU arena is already capped at "
+                f"{format_bytes(_CPU_ARENA_LIMIT_BYTES)}; one memory budget per process"
+            )
+        return
+    memory_info = ort.OrtMemoryInfo(
+        "Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT
+    )
+    # max_mem, arena_extend_strategy (1 = kSameAsRequested), initial chunk, max dead bytes.
+    ort.create_and_register_allocator(memory_info, ort.OrtArenaCfg(limit_bytes, 1, -1, -1))
+    _CPU_ARENA_LIMIT_BYTES = limit_bytes
 
 
 def translate_runtime_error(error: Exception) -> LaneserveError:

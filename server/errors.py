@@ -2,11 +2,13 @@
 
     LaneserveError                 code                 reason (ErrorInfo)
     ├── InvalidInputError          INVALID_ARGUMENT     INVALID_INPUT
+    │   └── RequestIdReusedError   INVALID_ARGUMENT     REQUEST_ID_REUSED    (same id, other inputs)
     ├── LaneFullError              RESOURCE_EXHAUSTED   LANE_FULL            (retry after pushback)
     ├── DeadlineUnmeetableError    DEADLINE_EXCEEDED    DEADLINE_UNMEETABLE
     ├── ExpiredInQueueError        DEADLINE_EXCEEDED    EXPIRED_IN_QUEUE
     ├── DrainingError              UNAVAILABLE          DRAINING             (retry elsewhere)
-    ├── DeviceMemoryError          RESOURCE_EXHAUSTED   DEVICE_MEMORY
+    ├── DeviceMemoryError          RESOURCE_EXHAUSTED   DEVICE_MEMORY        (one row too large)
+    ├── MemoryPressureError        RESOURCE_EXHAUSTED   MEMORY_PRESSURE      (retry after pushback)
     └── EngineError                INTERNAL             ENGINE_FAILURE
 
 Servicers never choose status codes: they raise or receive one of these and hand it to
@@ -42,6 +44,13 @@ class InvalidInputError(LaneserveError):
     reason = "INVALID_INPUT"
 
 
+class RequestIdReusedError(InvalidInputError):
+    """A request_id already used (in flight or recently completed) for different inputs:
+    answering either request with the other's result would be wrong."""
+
+    reason = "REQUEST_ID_REUSED"
+
+
 class LaneFullError(LaneserveError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "LANE_FULL"
@@ -65,6 +74,11 @@ class DrainingError(LaneserveError):
 class DeviceMemoryError(LaneserveError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "DEVICE_MEMORY"
+
+
+class MemoryPressureError(LaneserveError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "MEMORY_PRESSURE"
 
 
 class EngineError(LaneserveError):

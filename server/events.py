@@ -2,7 +2,13 @@
 
 Implemented by the stats recorder (GetStats) and the OpenTelemetry adapter. Calls come
 from the scheduler's owner under its lock: implementations must be quick and must not
-call back into the scheduler.
+call back into the scheduler. The exception is `request_finished`, which the service
+calls from the event loop: implementations guard their own state.
+
+`RequestTracer` is the service's side of tracing: one opaque `RequestTrace` per queued
+request, which the scheduler carries (`InferenceRequest.trace`, `BatchSlice.trace`)
+without looking inside, so that the telemetry adapter can link each batch to the
+requests it serves.
 """
 
 from __future__ import annotations
@@ -49,6 +55,50 @@ class SchedulerEvents(Protocol):
         """Device memory in use, as the watermark sees it."""
         ...
 
+    def request_finished(self, lane: str, status: str, duration_s: float) -> None:
+        """The service answered an admitted request ("OK" or the error's reason), or its
+        caller left ("CANCELLED"). `duration_s` runs from the request's arrival in the
+        servicer (before decoding) to its answer. Called on the event loop, not under the
+        scheduler's lock."""
+        ...
+
+
+class RequestTrace(Protocol):
+    """One request's spans. Called on the event loop: `replying` at most once, then `end`."""
+
+    def replying(self) -> None:
+        """The answer is back on the event loop: the reply starts."""
+        ...
+
+    def end(self, status: str) -> None:
+        """The request is over: "OK", why it was refused or failed, or "CANCELLED"."""
+        ...
+
+
+class RequestTracer(Protocol):
+    def start(self, request_id: str, lane: str, rows: int, budget_s: float | None) -> RequestTrace:
+        """A validated request is about to be queued. `budget_s`: the time left before its
+        own deadline (gRPC deadline or timeout_ms), None when it has none."""
+        ...
+
+
+class _NullTrace:
+    def replying(self) -> None:
+        pass
+
+    def end(self, status: str) -> None:
+        pass
+
+
+NULL_TRACE: RequestTrace = _NullTrace()
+
+
+class NullTracer:
+    """Tracing off: one shared do-nothing trace, nothing allocated per request."""
+
+    def start(self, request_id: str, lane: str, rows: int, budget_s: float | None) -> RequestTrace:
+        return NULL_TRACE
+
 
 class NullEvents:
     def admitted(self, lane: str, rows: int) -> None:
@@ -79,6 +129,9 @@ class NullEvents:
         pass
 
     def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:
+        pass
+
+    def request_finished(self, lane: str, status: str, duration_s: float) -> None:
         pass
 
 
@@ -127,3 +180,7 @@ class FanOut:
     def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:
         for sink in self._sinks:
             sink.memory_sampled(used_bytes, budget_bytes)
+
+    def request_finished(self, lane: str, status: str, duration_s: float) -> None:
+        for sink in self._sinks:
+            sink.request_finished(lane, status, duration_s)

@@ -35,6 +35,9 @@ class InferenceRequest:
     deadline_s: float | None
     # Opaque to the scheduler: handed back in the request's `Outcome`.
     token: object = dataclasses.field(repr=False, compare=False)
+    # Opaque to the scheduler: the request's `RequestTrace` (events.py), copied into every
+    # slice of it so that telemetry can link a batch to the requests it serves.
+    trace: object = dataclasses.field(default=None, repr=False, compare=False)
 
 
 class DispatchReason(enum.Enum):
@@ -42,6 +45,7 @@ class DispatchReason(enum.Enum):
     MAX_WAIT = "max_wait"  # its most urgent item waited its lane's max_wait_ms
     DEADLINE = "deadline"  # waiting longer would miss the earliest deadline in it
     BACKLOG = "backlog"  # its work queued while the session was busy: no reason to wait
+    IDLE = "idle"  # the session is free and no more work is expected within the wait
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,6 +57,8 @@ class BatchSlice:
     row_start: int
     rows: int
     offset: int
+    # The request's `InferenceRequest.trace`.
+    trace: object = dataclasses.field(default=None, repr=False, compare=False)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -68,15 +74,32 @@ class Batch:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class FailedRows:
+    """Rows [offset, offset + rows) of a batch that failed even when run alone."""
+
+    offset: int
+    rows: int
+    error: LaneserveError
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class BatchResult:
     batch: Batch
     # Model output name -> array with `batch.rows` rows; None when the run failed.
     outputs: Mapping[str, Array] | None = dataclasses.field(repr=False)
     error: LaneserveError | None
     run_s: float
+    # With `outputs`: rows whose outputs are not valid, each with its own error (a row
+    # that does not fit device memory even alone); every other row's output is valid.
+    failed_rows: tuple[FailedRows, ...] = ()
+    # Row counts of the runs that ran out of device memory (each was then split).
+    out_of_memory_rows: tuple[int, ...] = ()
+    # Rows of the largest run of this batch that succeeded (0 if none did).
+    largest_ok_rows: int = 0
 
     def __post_init__(self) -> None:
         assert (self.outputs is None) != (self.error is None), "exactly one of outputs, error"
+        assert self.outputs is not None or not self.failed_rows
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

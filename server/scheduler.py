@@ -30,6 +30,7 @@ from laneserve.server.errors import (
     InvalidInputError,
     LaneFullError,
     LaneserveError,
+    MemoryPressureError,
 )
 from laneserve.server.events import NullEvents, SchedulerEvents
 from laneserve.server.items import (
@@ -44,6 +45,16 @@ from laneserve.server.items import (
     Timing,
 )
 from laneserve.server.lanes import Entry, Lane
+from laneserve.server.memory import Watermark, WatermarkState, format_bytes
+
+# Full batches that must succeed in a row before the cap rises one step after an
+# out-of-memory; and the step, as a fraction (1/n) of the probed cap.
+CAP_RECOVERY_BATCHES = 64
+CAP_RECOVERY_STEPS = 16
+# Weight of the newest gap in the moving average of times between admissions.
+ARRIVAL_GAP_ALPHA = 0.1
+# Suggested wait before retrying a request refused for memory pressure.
+MEMORY_PRESSURE_RETRY_S = 0.25
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,11 +95,22 @@ class Scheduler:
         batch_cap: int,
         run_time: RunTimeModel,
         events: SchedulerEvents | None = None,
+        watermark: Watermark | None = None,
     ) -> None:
         assert batch_cap >= 1
         self.lanes = [Lane(config, priority) for priority, config in enumerate(lanes)]
         self._by_name = {lane.name: lane for lane in self.lanes}
+        # The cap in force; out of memory lowers it, sustained success raises it back
+        # step by step, never above max_batch_cap (what the start-up probe found).
         self.batch_cap = batch_cap
+        self.max_batch_cap = batch_cap
+        self._full_batches_since_change = 0
+        self.watermark = watermark
+        assert watermark is None or watermark.lanes == len(self.lanes)
+        # Moving average of the time between admissions (None until two were seen): how
+        # long waiting for company is likely to take.
+        self._arrival_gap_s: float | None = None
+        self._last_admit_s: float | None = None
         self.run_time = run_time
         self.events = events or NullEvents()
         self.accepting = True
@@ -129,6 +151,14 @@ class Scheduler:
             dispatch_by_s=now_s + lane.max_wait_s,
         )
         lane.push(entry)
+        if self._last_admit_s is not None:
+            gap_s = now_s - self._last_admit_s
+            self._arrival_gap_s = (
+                gap_s
+                if self._arrival_gap_s is None
+                else self._arrival_gap_s + ARRIVAL_GAP_ALPHA * (gap_s - self._arrival_gap_s)
+            )
+        self._last_admit_s = now_s
         self._entries[entry.entry_id] = entry
         heapq.heappush(self._deadlines, (deadline_s, entry.entry_id))
         if len(self._deadlines) > 2 * len(self._entries) + 64:
@@ -144,6 +174,15 @@ class Scheduler:
     def _check_admission(self, request: InferenceRequest, lane: Lane, now_s: float) -> None:
         if not self.accepting:
             raise DrainingError("server is draining; retry on another instance")
+        if self.watermark is not None and self.watermark.refuses(lane.priority):
+            used_bytes = self.watermark.used_bytes or 0
+            raise MemoryPressureError(
+                f"device memory in use ({format_bytes(used_bytes)}) is above the high "
+                f"watermark ({format_bytes(self.watermark.high_bytes)}): lane {lane.name!r} "
+                f"admits no new work until it falls below "
+                f"{format_bytes(self.watermark.low_bytes)}",
+                retry_after_s=MEMORY_PRESSURE_RETRY_S,
+            )
         if request.rows > lane.config.capacity_rows:
             raise InvalidInputError(
                 f"request has {request.rows} rows; lane {lane.name!r} holds at most "
@@ -168,18 +207,27 @@ class Scheduler:
                 f"and this request takes about {(finish_s - now_s) * 1000:.1f} ms"
             )
 
-    def cancel(self, entry_id: int, now_s: float) -> None:
-        """The client went away: its queued rows are freed now and no answer is due."""
-        entry = self._entries.pop(entry_id, None)
-        if entry is None:
-            return
+    def cancel(self, entry_id: int, now_s: float, *, unless_running: bool = False) -> bool:
+        """The client went away: its queued rows are freed now and no answer is due.
+
+        With `unless_running`, an entry whose rows are all in a running batch is left to
+        finish and be answered (its result can still be replayed to a retry). Returns
+        whether the entry was cancelled; False means its answer is given or still due.
+        """
+        entry = self._entries.get(entry_id)
+        if entry is None or (unless_running and not entry.in_lane):
+            return False
+        del self._entries[entry_id]
         entry.cancelled = True
         entry.finished = True
+        lane = self.lanes[entry.priority]
         if entry.in_lane:
-            lane = self.lanes[entry.priority]
             rows = entry.queued_rows
             lane.drop(entry)
             self.events.shed(lane.name, "CANCELLED", rows)
+        # Its terminal state: every admitted entry ends exactly once, cancelled included.
+        self.events.completed(lane.name, "CANCELLED")
+        return True
 
     def stop_accepting(self) -> None:
         self.accepting = False
@@ -243,6 +291,10 @@ class Scheduler:
                 reason = DispatchReason.DEADLINE
             elif now_s >= wait_until_s:
                 reason = DispatchReason.MAX_WAIT
+            elif self._arrival_gap_s is not None and wait_until_s - now_s < self._arrival_gap_s:
+                # Requests arrive further apart than the wait left: waiting would most
+                # likely add nobody, only latency (a lone caller must not pay max_wait).
+                reason = DispatchReason.IDLE
             else:
                 return WaitUntil(min(wait_until_s, latest_start_s))
         return Dispatch(self._commit(plan, reason, now_s))
@@ -327,7 +379,9 @@ class Scheduler:
             lane = self.lanes[entry.priority]
             start = lane.take(entry, rows)
             entry.queue_s = now_s - entry.enqueued_s
-            slices.append(BatchSlice(entry.entry_id, lane.name, start, rows, offset))
+            slices.append(
+                BatchSlice(entry.entry_id, lane.name, start, rows, offset, entry.request.trace)
+            )
             offset += rows
         names = list(taken[0][0].request.inputs)
         parts = {
@@ -353,8 +407,9 @@ class Scheduler:
     def complete(self, result: BatchResult) -> list[Outcome]:
         """Hands each request its rows of a finished batch; answers the completed ones."""
         batch = result.batch
-        if result.error is None:
+        if result.error is None and not result.out_of_memory_rows:
             self.run_time.observe(batch.rows, result.run_s)
+        self._adapt_cap(result)
         outcomes = []
         for piece in batch.slices:
             entry = self._entries.get(piece.entry_id)
@@ -364,6 +419,18 @@ class Scheduler:
             entry.last_batch_rows = batch.rows
             if result.error is not None:
                 outcomes.append(self._finish_error(entry, result.error))
+                continue
+            failure = next(
+                (
+                    failed.error
+                    for failed in result.failed_rows
+                    if failed.offset < piece.offset + piece.rows
+                    and piece.offset < failed.offset + failed.rows
+                ),
+                None,
+            )
+            if failure is not None:
+                outcomes.append(self._finish_error(entry, failure))
                 continue
             assert result.outputs is not None
             entry.chunks.append(
@@ -380,6 +447,53 @@ class Scheduler:
                 outcomes.append(self._finish_ok(entry))
         self.events.batch_done(batch, result.run_s, result.error)
         return outcomes
+
+    def _adapt_cap(self, result: BatchResult) -> None:
+        """Out of memory halves the cap below the smallest batch that failed; a run of
+        full batches that succeeded raises it one step (AIMD, as in congestion control:
+        quick to back off, slow to probe upwards)."""
+        for rows in result.out_of_memory_rows:
+            self.events.out_of_memory(rows)
+            if rows > 1:
+                self.events.batch_split(rows)
+        # A single row that fails alone says nothing about batch size: only multi-row
+        # failures move the cap.
+        failed_batches = [rows for rows in result.out_of_memory_rows if rows > 1]
+        if failed_batches:
+            self._set_cap(min(self.batch_cap, min(failed_batches) // 2), "out_of_memory")
+        elif result.error is None and result.batch.rows >= self.batch_cap:
+            self._full_batches_since_change += 1
+            if (
+                self._full_batches_since_change >= CAP_RECOVERY_BATCHES
+                and self.batch_cap < self.max_batch_cap
+            ):
+                step = max(1, self.max_batch_cap // CAP_RECOVERY_STEPS)
+                self._set_cap(min(self.max_batch_cap, self.batch_cap + step), "recovered")
+
+    def _set_cap(self, rows: int, reason: str) -> None:
+        rows = max(rows, 1)
+        self._full_batches_since_change = 0
+        if rows != self.batch_cap:
+            self.events.cap_changed(self.batch_cap, rows, reason)
+            self.batch_cap = rows
+
+    def update_memory(self, used_bytes: int) -> None:
+        """A reading of device memory in use, for the watermark."""
+        if self.watermark is not None:
+            self.watermark.update(used_bytes)
+            self.events.memory_sampled(used_bytes, self.watermark.limit_bytes)
+
+    def watermark_state(self) -> WatermarkState | None:
+        if self.watermark is None:
+            return None
+        return WatermarkState(
+            used_bytes=self.watermark.used_bytes,
+            high_bytes=self.watermark.high_bytes,
+            low_bytes=self.watermark.low_bytes,
+            closed_lanes=tuple(
+                lane.name for lane in self.lanes if self.watermark.refuses(lane.priority)
+            ),
+        )
 
     def abort_all(self, error: LaneserveError) -> list[Outcome]:
         """Answers every live entry with `error` (shutdown): nothing is left unanswered."""

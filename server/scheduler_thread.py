@@ -24,11 +24,13 @@ from collections.abc import Callable, Sequence
 from laneserve.server.clock import Clock, SystemClock
 from laneserve.server.errors import DrainingError, EngineError, LaneserveError
 from laneserve.server.items import Batch, BatchResult, InferenceRequest, Outcome
+from laneserve.server.memory import MemoryGauge, WatermarkState
 from laneserve.server.scheduler import Dispatch, LaneDepth, Scheduler, WaitUntil
 
 log = logging.getLogger(__name__)
 
 RunBatch = Callable[[Batch], BatchResult]
+MEMORY_SAMPLE_PERIOD_S = 0.05
 Deliver = Callable[[Sequence[Outcome]], None]
 
 
@@ -40,8 +42,13 @@ class SchedulerThread:
         deliver: Deliver,
         *,
         clock: Clock | None = None,
+        memory_gauge: MemoryGauge | None = None,
     ) -> None:
         self._scheduler = scheduler
+        # Read at most every MEMORY_SAMPLE_PERIOD_S by the scheduler thread, which then
+        # never sleeps longer than that: a closed lane must reopen while idle too.
+        self._memory_gauge = memory_gauge
+        self._memory_sampled_s = -math.inf
         self._run_batch = run_batch
         self._deliver = deliver
         self._clock = clock or SystemClock()
@@ -49,6 +56,8 @@ class SchedulerThread:
         self._cond = threading.Condition()
         self._results: collections.deque[BatchResult] = collections.deque()
         self._busy = False  # a batch is in the engine thread
+        # When the scheduler thread wakes by itself next (inf: only when notified).
+        self._wake_at_s = -math.inf
         # When the session last became free; work queued before it waited on a busy
         # session and goes out at once.
         self._idle_since_s = -math.inf
@@ -76,13 +85,22 @@ class SchedulerThread:
             if self._closing:
                 raise DrainingError("server is shutting down; retry on another instance")
             entry_id = self._scheduler.admit(request, self._clock.monotonic())
-            self._cond.notify_all()
+            # While a batch runs the scheduler has nothing to decide about new work, so
+            # it is woken only if this entry's deadline comes before its next wake-up:
+            # under load, submissions do not each wake a thread.
+            deadline_s = self._scheduler.next_deadline_s()
+            if not self._busy or (deadline_s is not None and deadline_s < self._wake_at_s):
+                self._cond.notify_all()
             return entry_id
 
-    def cancel(self, entry_id: int) -> None:
+    def cancel(self, entry_id: int, *, unless_running: bool = False) -> bool:
+        """See `Scheduler.cancel`: True when cancelled, False when an answer is still due."""
         with self._cond:
-            self._scheduler.cancel(entry_id, self._clock.monotonic())
+            cancelled = self._scheduler.cancel(
+                entry_id, self._clock.monotonic(), unless_running=unless_running
+            )
             self._cond.notify_all()
+            return cancelled
 
     def stop_accepting(self) -> None:
         with self._cond:
@@ -100,6 +118,14 @@ class SchedulerThread:
     @property
     def batch_cap(self) -> int:
         return self._scheduler.batch_cap
+
+    @property
+    def max_batch_cap(self) -> int:
+        return self._scheduler.max_batch_cap
+
+    def watermark_state(self) -> WatermarkState | None:
+        with self._cond:
+            return self._scheduler.watermark_state()
 
     def close(self, error: LaneserveError | None = None) -> None:
         """Answers whatever is left with `error` (default: draining) and stops both threads."""
@@ -137,6 +163,14 @@ class SchedulerThread:
         """One pass under the lock: what to answer now, and how long to sleep after."""
         scheduler = self._scheduler
         now_s = self._clock.monotonic()
+        if (
+            self._memory_gauge is not None
+            and now_s - self._memory_sampled_s >= MEMORY_SAMPLE_PERIOD_S
+        ):
+            self._memory_sampled_s = now_s
+            used_bytes = self._memory_gauge.used_bytes()
+            if used_bytes is not None:
+                scheduler.update_memory(used_bytes)
         outcomes = scheduler.shed_expired(now_s)
         while self._results:
             outcomes += scheduler.complete(self._results.popleft())
@@ -149,11 +183,19 @@ class SchedulerThread:
                 self._work.put(decision.batch)
             elif isinstance(decision, WaitUntil):
                 timeout_s = decision.at_s - now_s
+        if self._memory_gauge is not None:
+            timeout_s = (
+                MEMORY_SAMPLE_PERIOD_S
+                if timeout_s is None
+                else min(timeout_s, MEMORY_SAMPLE_PERIOD_S)
+            )
         next_deadline_s = scheduler.next_deadline_s()
         if next_deadline_s is not None:
             until_deadline_s = next_deadline_s - now_s
             timeout_s = until_deadline_s if timeout_s is None else min(timeout_s, until_deadline_s)
-        return outcomes, None if timeout_s is None else max(timeout_s, 0.0)
+        timeout_s = None if timeout_s is None else max(timeout_s, 0.0)
+        self._wake_at_s = math.inf if timeout_s is None else now_s + timeout_s
+        return outcomes, timeout_s
 
     def _fail(self, error: LaneserveError) -> None:
         with self._cond:

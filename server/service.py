@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import grpc
 
@@ -18,17 +21,33 @@ from laneserve.server.clock import Clock
 from laneserve.server.codec import check_output_names, decode_inputs, encode_response
 from laneserve.server.config import ServerConfig
 from laneserve.server.engine import Engine, TensorSpec
-from laneserve.server.errors import DrainingError, LaneserveError, pushback_ms, to_rpc_status
+from laneserve.server.errors import (
+    DeadlineUnmeetableError,
+    DrainingError,
+    EngineError,
+    LaneserveError,
+    pushback_ms,
+    to_rpc_status,
+)
+from laneserve.server.events import (
+    NULL_TRACE,
+    NullEvents,
+    NullTracer,
+    RequestTrace,
+    RequestTracer,
+    SchedulerEvents,
+)
+from laneserve.server.idempotency import ReplayCache, RequestLedger, Submitted, fingerprint
 from laneserve.server.items import InferenceRequest, Outcome
 from laneserve.server.lifecycle import Lifecycle
+from laneserve.server.memory import MemoryFacts, WatermarkState
 from laneserve.server.scheduler_thread import SchedulerThread
-from laneserve.server.stats import Percentiles, StatsRecorder
+from laneserve.server.stats import Distribution, Percentiles, StatsRecorder
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 
-# Requests one stream may have admitted and unanswered at once; the stream is not read
-# further until one of them is answered, so a fast producer cannot flood the lanes.
-STREAM_WINDOW = 256
+log = logging.getLogger(__name__)
+
 STREAM_DEFAULT_LANE = "bulk"
 
 
@@ -52,8 +71,19 @@ def _resolve_all(outcomes: Sequence[Outcome]) -> None:
             future.set_result(outcome)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServiceTelemetry:
+    """Where the servicer reports: each admitted request's end (`events`, the scheduler's
+    sinks), its spans (`tracer`), and the GPU's utilisation for GetStats (None: no GPU)."""
+
+    events: SchedulerEvents = dataclasses.field(default_factory=NullEvents)
+    tracer: RequestTracer = dataclasses.field(default_factory=NullTracer)
+    device_utilization: Callable[[], float | None] = lambda: None
+
+
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
-    def __init__(
+    # Built in one place (LaneServer.start), from what the server assembled.
+    def __init__(  # noqa: PLR0913, PLR0917
         self,
         config: ServerConfig,
         engine: Engine,
@@ -62,7 +92,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         state: Callable[[], Lifecycle],
         clock: Clock,
         started_s: float,
+        memory: MemoryFacts | None = None,
+        telemetry: ServiceTelemetry | None = None,
     ) -> None:
+        self._memory = memory
+        self._telemetry = telemetry or ServiceTelemetry()
+        self._events = self._telemetry.events
+        self._tracer = self._telemetry.tracer
         self._config = config
         self._engine = engine
         self._scheduler = scheduler
@@ -72,6 +108,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._started_s = started_s
         self._input_specs = engine.inputs
         self._output_names = [spec.name for spec in engine.outputs]
+        self._ledger = RequestLedger(
+            ReplayCache(
+                max_entries=config.idempotency_max_entries,
+                max_bytes=config.idempotency_max_bytes,
+                ttl_s=config.idempotency_ttl_s,
+                clock=clock,
+            )
+        )
 
     async def Infer(
         self,
@@ -89,44 +133,70 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         request_iterator: AsyncIterator[pb.InferRequest],
         context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferStreamResponse],
     ) -> AsyncIterator[pb.InferStreamResponse]:
+        """Answers each request as it completes, out of order, tagged with its request_id.
+
+        Credit window: a request is read only while fewer than `stream_window` of this
+        stream's requests are read and unanswered, and a credit comes back only once the
+        answer is written; so a fast producer holds at most that many items in the lanes
+        and in the answer queue, and the rest waits in gRPC's flow control. A failed item
+        is answered with `error` and the stream goes on. When the stream ends early (the
+        client cancelled, the connection dropped) its queued items are cancelled.
+        """
         default_lane = (
             STREAM_DEFAULT_LANE
             if any(lane.name == STREAM_DEFAULT_LANE for lane in self._config.lanes)
             else self._config.default_lane
         )
-        answers: asyncio.Queue[pb.InferStreamResponse | None] = asyncio.Queue()
-        window = asyncio.Semaphore(STREAM_WINDOW)
+        window = asyncio.Semaphore(self._config.stream_window)
+        # Every item read puts exactly one answer here; `_READ_DONE` follows the last read.
+        answers: asyncio.Queue[pb.InferStreamResponse | object] = asyncio.Queue()
         items: set[asyncio.Task[None]] = set()
+        unanswered = 0  # items read whose answer is not yet written
 
         async def answer(request: pb.InferRequest) -> None:
             try:
                 response = await self._infer(request, context, default_lane)
-                await answers.put(
-                    pb.InferStreamResponse(request_id=request.request_id, response=response)
-                )
+                message = pb.InferStreamResponse(request_id=request.request_id, response=response)
             except LaneserveError as error:
-                await answers.put(
-                    pb.InferStreamResponse(
-                        request_id=request.request_id, error=to_rpc_status(error)
-                    )
+                message = pb.InferStreamResponse(
+                    request_id=request.request_id, error=to_rpc_status(error)
                 )
-            finally:
-                window.release()
+            except Exception as error:  # every item read gets one answer, even on a bug
+                log.exception("stream item %r failed unexpectedly", request.request_id)
+                message = pb.InferStreamResponse(
+                    request_id=request.request_id,
+                    error=to_rpc_status(EngineError(f"internal error: {error!r}")),
+                )
+            answers.put_nowait(message)
 
         async def read_all() -> None:
-            async for request in request_iterator:
-                await window.acquire()
-                task = asyncio.create_task(answer(request))
-                items.add(task)
-                task.add_done_callback(items.discard)
-            if items:
-                await asyncio.gather(*items)
-            await answers.put(None)
+            nonlocal unanswered
+            try:
+                while True:
+                    await window.acquire()
+                    try:
+                        request = await anext(request_iterator)
+                    except StopAsyncIteration:
+                        return
+                    unanswered += 1
+                    task = asyncio.create_task(answer(request))
+                    items.add(task)
+                    task.add_done_callback(items.discard)
+            finally:
+                answers.put_nowait(_READ_DONE)
 
         reader = asyncio.create_task(read_all())
         try:
-            while (message := await answers.get()) is not None:
+            reading = True
+            while reading or unanswered:
+                message = await answers.get()
+                if message is _READ_DONE:
+                    reading = False
+                    continue
+                assert isinstance(message, pb.InferStreamResponse)
                 yield message
+                unanswered -= 1
+                window.release()
             await reader  # re-raises a read failure
         finally:
             # The client went away or the stream failed: its queued items are cancelled.
@@ -158,6 +228,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 for priority, lane in enumerate(self._config.lanes)
             ],
             providers=self._engine.providers,
+            stream_window=self._config.stream_window,
+            **_memory_fields(self._memory),
         )
 
     async def GetStats(
@@ -180,6 +252,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     rejected=lane.rejected,
                     shed=lane.shed,
                     queue_wait=_summary(lane.queue_wait),
+                    request_duration=_summary(lane.request_duration),
+                    answered=lane.answered,
                 )
                 for lane in snapshot.lanes
             ],
@@ -190,6 +264,20 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             rows_run=snapshot.rows_run,
             uptime_s=self._clock.monotonic() - self._started_s,
             state=self._state().value,
+            batch_size=_size_summary(snapshot.batch_size),
+            batch_reasons=snapshot.batch_reasons,
+            device_utilization=self._telemetry.device_utilization(),
+            failed_batches=snapshot.failed_batches,
+            idempotent_replays=self._ledger.replays,
+            idempotent_joins=self._ledger.joins,
+            replay_cache_entries=len(self._ledger.replay),
+            replay_cache_bytes=self._ledger.replay.size_bytes,
+            out_of_memory_events=snapshot.out_of_memory,
+            batch_splits=snapshot.batch_splits,
+            cap_changes=snapshot.cap_changes,
+            max_batch_cap=self._scheduler.max_batch_cap,
+            memory_limit_bytes=self._engine.memory_limit_bytes or 0,
+            **_watermark_fields(self._scheduler.watermark_state()),
         )
 
     async def _infer(
@@ -200,35 +288,76 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         default_lane: str,
     ) -> pb.InferResponse:
         """Validates, queues and awaits one request; raises LaneserveError on refusal."""
+        arrived_s = self._clock.monotonic()
         if self._state() is not Lifecycle.SERVING:
             raise DrainingError("server is draining; retry on another instance")
+        # Budgets count from arrival: decoding is part of the time the caller waits.
+        deadline_s = _deadline_s(arrived_s, context.time_remaining(), request.timeout_ms)
+        if deadline_s is not None and deadline_s <= arrived_s:
+            # Under overload calls can wait in gRPC's own queue past their deadline:
+            # refuse them before spending any work on them.
+            raise DeadlineUnmeetableError("the deadline had passed when the request was read")
         inputs, rows, signature = decode_inputs(request.inputs, self._input_specs)
         output_names = check_output_names(request.output_names, self._output_names)
-        deadline_s = _deadline_s(
-            self._clock.monotonic(), context.time_remaining(), request.timeout_ms
-        )
-        future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        entry_id = self._scheduler.submit(
-            InferenceRequest(
-                request_id=request.request_id,
-                lane=request.lane or default_lane,
-                inputs=inputs,
-                rows=rows,
-                signature=signature,
-                deadline_s=deadline_s,
-                token=future,
-            )
-        )
-        try:
-            outcome = await future
-        except asyncio.CancelledError:
-            self._scheduler.cancel(entry_id)
-            raise
-        if outcome.error is not None:
-            raise outcome.error
-        assert outcome.outputs is not None
-        assert outcome.timing is not None
-        return encode_response(request.request_id, outcome.outputs, output_names, outcome.timing)
+
+        lane = request.lane or default_lane
+        # Set by `submit`, which runs only when this call (not a retry it joins) queues it.
+        trace = NULL_TRACE
+
+        def submit() -> Submitted:
+            nonlocal trace
+            future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+            budget_s = None if deadline_s is None else deadline_s - self._clock.monotonic()
+            trace = self._tracer.start(request.request_id, lane, rows, budget_s)
+            try:
+                entry_id = self._scheduler.submit(
+                    InferenceRequest(
+                        request_id=request.request_id,
+                        lane=lane,
+                        inputs=inputs,
+                        rows=rows,
+                        signature=signature,
+                        deadline_s=deadline_s,
+                        token=future,
+                        trace=trace,
+                    )
+                )
+            except LaneserveError as error:
+                trace.end(error.reason)
+                raise
+
+            def cancel(unless_running: bool) -> bool:
+                cancelled = self._scheduler.cancel(entry_id, unless_running=unless_running)
+                if cancelled:  # no Outcome will come: `finish` never runs
+                    self._request_over(lane, trace, "CANCELLED", arrived_s)
+                return cancelled
+
+            return Submitted(future, cancel)
+
+        def finish(outcome: Outcome) -> pb.InferResponse:
+            trace.replying()
+            status = "OK" if outcome.error is None else outcome.error.reason
+            try:
+                if outcome.error is not None:
+                    raise outcome.error
+                assert outcome.outputs is not None
+                assert outcome.timing is not None
+                return encode_response(
+                    request.request_id, outcome.outputs, output_names, outcome.timing
+                )
+            finally:
+                self._request_over(lane, trace, status, arrived_s)
+
+        # The ledger runs it at most once per request_id: a retry joins or replays.
+        digest = fingerprint(request) if request.request_id else b""
+        return await self._ledger.run(request.request_id, digest, submit, finish)
+
+    def _request_over(self, lane: str, trace: RequestTrace, status: str, arrived_s: float) -> None:
+        trace.end(status)
+        self._events.request_finished(lane, status, self._clock.monotonic() - arrived_s)
+
+
+_READ_DONE = object()  # InferStream: the reader has read its last request
 
 
 def _deadline_s(now_s: float, remaining_s: float | None, timeout_ms: int) -> float | None:
@@ -245,6 +374,10 @@ async def abort_with(
     context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferResponse], error: LaneserveError
 ) -> None:
     """Ends the RPC with `error`'s status, rich details and, if retryable, the pushback."""
+    if context.cancelled():
+        # The caller went away or its deadline passed: no status can be sent any more,
+        # and trying would log a traceback per call under overload.
+        raise asyncio.CancelledError
     trailers: list[tuple[str, str | bytes]] = [
         ("grpc-status-details-bin", to_rpc_status(error).SerializeToString())
     ]
@@ -256,6 +389,34 @@ async def abort_with(
 
 def _tensor_spec(spec: TensorSpec) -> pb.TensorSpec:
     return pb.TensorSpec(name=spec.name, dtype=datatype_of(spec.dtype), shape=list(spec.shape))
+
+
+def _memory_fields(memory: MemoryFacts | None) -> dict[str, Any]:
+    if memory is None:
+        return {}
+    return {
+        "memory_limit_bytes": memory.limit_bytes or 0,
+        "probed_batch_cap": memory.probed_batch_cap,
+        "estimated_fixed_bytes": memory.estimate.fixed_bytes,
+        "estimated_row_bytes": memory.estimate.per_row_bytes,
+    }
+
+
+def _watermark_fields(state: WatermarkState | None) -> dict[str, Any]:
+    if state is None:
+        return {}
+    return {
+        "memory_used_bytes": state.used_bytes or 0,
+        "memory_high_watermark_bytes": state.high_bytes,
+        "memory_low_watermark_bytes": state.low_bytes,
+        "lanes_closed_by_memory": list(state.closed_lanes),
+    }
+
+
+def _size_summary(sizes: Distribution) -> pb.SizeSummary:
+    return pb.SizeSummary(
+        count=sizes.count, mean=sizes.mean, p50=sizes.p50, p95=sizes.p95, p99=sizes.p99
+    )
 
 
 def _summary(percentiles: Percentiles) -> pb.LatencySummary:

@@ -38,6 +38,25 @@ def percentiles_ms(samples_s: Iterable[float]) -> Percentiles:
     return Percentiles(int(values.size), float(p50), float(p95), float(p99))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Distribution:
+    """A summary of recent values that are not times (batch sizes, in rows)."""
+
+    count: int
+    mean: float
+    p50: float
+    p95: float
+    p99: float
+
+
+def distribution(samples: Iterable[float]) -> Distribution:
+    values = np.fromiter(samples, dtype=np.float64)
+    if values.size == 0:
+        return Distribution(0, 0.0, 0.0, 0.0, 0.0)
+    p50, p95, p99 = np.percentile(values, [50, 95, 99])
+    return Distribution(int(values.size), float(values.mean()), float(p50), float(p95), float(p99))
+
+
 @dataclasses.dataclass(slots=True)
 class _LaneCounters:
     admitted: int = 0
@@ -49,6 +68,10 @@ class _LaneCounters:
     # Invariant once idle: admitted == sum(answered.values()).
     answered: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     queue_wait_s: collections.deque[float] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=WINDOW_SAMPLES)
+    )
+    # Arrival to answer of the requests answered OK (see `request_finished`).
+    request_s: collections.deque[float] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=WINDOW_SAMPLES)
     )
 
@@ -63,6 +86,7 @@ class LaneSnapshot:
     shed: dict[str, int]
     answered: dict[str, int]
     queue_wait: Percentiles
+    request_duration: Percentiles
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -77,6 +101,8 @@ class StatsSnapshot:
     batch_splits: int
     cap_changes: dict[str, int]
     memory_used_bytes: int | None
+    batch_size: Distribution
+    failed_batches: int
 
 
 class StatsRecorder:
@@ -94,6 +120,8 @@ class StatsRecorder:
         self._batch_splits = 0
         self._cap_changes: collections.Counter[str] = collections.Counter()
         self._memory_used_bytes: int | None = None
+        self._batch_sizes: collections.deque[int] = collections.deque(maxlen=WINDOW_SAMPLES)
+        self._failed_batches = 0
 
     def admitted(self, lane: str, rows: int) -> None:
         with self._lock:
@@ -117,9 +145,12 @@ class StatsRecorder:
         with self._lock:
             self._batches += 1
             self._batch_rows += batch.rows
+            self._batch_sizes.append(batch.rows)
             if error is None:
                 self._rows_run += batch.rows
                 self._run_s.append(run_s)
+            else:
+                self._failed_batches += 1
 
     def completed(self, lane: str, status: str) -> None:
         with self._lock:
@@ -146,6 +177,11 @@ class StatsRecorder:
         with self._lock:
             self._memory_used_bytes = used_bytes
 
+    def request_finished(self, lane: str, status: str, duration_s: float) -> None:
+        if status == "OK":
+            with self._lock:
+                self._lanes[lane].request_s.append(duration_s)
+
     def snapshot(self) -> StatsSnapshot:
         with self._lock:
             lanes = [
@@ -158,6 +194,7 @@ class StatsRecorder:
                     shed=dict(counters.shed),
                     answered=dict(counters.answered),
                     queue_wait=percentiles_ms(counters.queue_wait_s),
+                    request_duration=percentiles_ms(counters.request_s),
                 )
                 for name, counters in self._lanes.items()
             ]
@@ -172,4 +209,6 @@ class StatsRecorder:
                 batch_splits=self._batch_splits,
                 cap_changes=dict(self._cap_changes),
                 memory_used_bytes=self._memory_used_bytes,
+                batch_size=distribution(self._batch_sizes),
+                failed_batches=self._failed_batches,
             )

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import queue
+import re
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -96,9 +101,17 @@ async def health_status(channel: grpc.aio.Channel, service: str = "") -> int:
 
 
 @contextlib.asynccontextmanager
-async def serving(engine: Engine, config: ServerConfig) -> AsyncIterator[Serving]:
-    """A started server on 127.0.0.1:0 and a channel to it; always stopped afterwards."""
-    server = LaneServer(engine, dataclasses.replace(config, host="127.0.0.1", port=0))
+async def serving(engine: Engine, config: ServerConfig, **options: Any) -> AsyncIterator[Serving]:
+    """A started server on 127.0.0.1:0 and a channel to it; always stopped afterwards.
+    `options` go to LaneServer (e.g. telemetry=...)."""
+    # Ephemeral ports for gRPC and for the metrics endpoint (unless it is off, -1):
+    # tests never collide.
+    metrics_port = min(config.metrics_port, 0)
+    server = LaneServer(
+        engine,
+        dataclasses.replace(config, host="127.0.0.1", port=0, metrics_port=metrics_port),
+        **options,
+    )
     port = await server.start()
     target = f"127.0.0.1:{port}"
     try:
@@ -111,7 +124,7 @@ async def serving(engine: Engine, config: ServerConfig) -> AsyncIterator[Serving
         await server.stop(grace_s=5.0)
 
 
-def rich_status(error: grpc.aio.AioRpcError) -> tuple[str, dict[str, Any]]:
+def rich_status(error: grpc.aio.AioRpcError | grpc.Call) -> tuple[str, dict[str, Any]]:
     """The ErrorInfo reason and the other details of a failed call."""
     found: dict[str, Any] = {}
     reason = ""
@@ -129,3 +142,139 @@ def rich_status(error: grpc.aio.AioRpcError) -> tuple[str, dict[str, Any]]:
         elif key == "grpc-retry-pushback-ms":
             found["pushback_ms"] = int(value)
     return reason, found
+
+
+class TcpProxy:
+    """A TCP relay on 127.0.0.1 in front of a server, whose connections the test can cut.
+
+    `sever()` aborts every open connection at once, as a network failure would (the server
+    sees its RPCs cancelled, the client UNAVAILABLE); new connections are relayed as before.
+    """
+
+    def __init__(self, upstream_port: int) -> None:
+        self._upstream_port = upstream_port
+        self._server: asyncio.Server | None = None
+        self._links: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.connections = 0
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        return f"127.0.0.1:{port}"
+
+    def sever(self) -> int:
+        links = list(self._links)
+        for down, up in links:
+            down.transport.abort()
+            up.transport.abort()
+        self._links.clear()
+        return len(links)
+
+    async def close(self) -> None:
+        self.sever()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._upstream_port)
+        link = (writer, up_writer)
+        self._links.add(link)
+        for source, sink in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.create_task(self._pump(source, sink, link))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _pump(
+        self,
+        source: asyncio.StreamReader,
+        sink: asyncio.StreamWriter,
+        link: tuple[asyncio.StreamWriter, asyncio.StreamWriter],
+    ) -> None:
+        try:
+            while data := await source.read(1 << 16):
+                sink.write(data)
+                await sink.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            self._links.discard(link)
+            for end in link:
+                end.transport.abort()
+
+
+# `laneserve serve` in a child process; the metrics endpoint on any free port, so
+# concurrent servers never collide.
+SERVE = [sys.executable, "-m", "laneserve.server.cli", "serve", "--metrics-port", "0"]
+START_TIMEOUT_S = 60
+
+
+class ServerProcess:
+    """A real `laneserve serve` process; `close()` always, even after a failure."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.process = subprocess.Popen(
+            [*SERVE, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=30)
+        self._reader.join(timeout=30)
+        assert self.process.stderr is not None
+        self.process.stderr.close()
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.lines.put(line)
+        self.lines.put("")
+
+    def wait_for(self, pattern: str) -> re.Match[str]:
+        while True:
+            line = self.lines.get(timeout=START_TIMEOUT_S)
+            self.log.append(line)
+            if not line:
+                raise AssertionError(f"server exited before {pattern!r}:\n{''.join(self.log)}")
+            match = re.search(pattern, line)
+            if match:
+                return match
+
+    def port(self) -> int:
+        return int(self.wait_for(r"serving .* on 127\.0\.0\.1:(\d+)").group(1))
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Polls `condition`: a state the server reaches, not an assumption about timing."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + timeout_s
+    while not condition():
+        if loop.time() > give_up:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.002)
+
+
+async def cut_while_a_batch_runs(engine: RecordingEngine, proxy: TcpProxy) -> int | None:
+    """Holds the next batch in the session, cuts every connection through `proxy`, then
+    lets the batch go on: its requests lose their callers while they run. Returns the
+    connections cut, or None when no batch started within seconds (the work is done)."""
+    while engine.entered.acquire(blocking=False):
+        pass  # batches that started earlier
+    engine.hold()
+    try:
+        if not await asyncio.to_thread(engine.entered.acquire, timeout=5.0):
+            return None
+        return proxy.sever()
+    finally:
+        engine.release()

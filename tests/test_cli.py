@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import queue
-import re
 import signal
 import subprocess
-import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,50 +13,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
-from tests.support import output, request, rows
-
-SERVE = [sys.executable, "-m", "laneserve.server.cli", "serve"]
-START_TIMEOUT_S = 60
-
-
-class ServerProcess:
-    def __init__(self, args: list[str]) -> None:
-        self.process = subprocess.Popen(
-            [*SERVE, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.log: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=30)
-        self._reader.join(timeout=30)
-        assert self.process.stderr is not None
-        self.process.stderr.close()
-
-    def _read(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            self.lines.put(line)
-        self.lines.put("")
-
-    def wait_for(self, pattern: str) -> re.Match[str]:
-        while True:
-            line = self.lines.get(timeout=START_TIMEOUT_S)
-            self.log.append(line)
-            if not line:
-                raise AssertionError(f"server exited before {pattern!r}:\n{''.join(self.log)}")
-            match = re.search(pattern, line)
-            if match:
-                return match
+from tests.support import SERVE, ServerProcess, output, request, rows
 
 
 @pytest.fixture
 def server_process(small_model: Path) -> Iterator[ServerProcess]:
-    server = ServerProcess(["--model", str(small_model), "--port", "0"])
+    server = ServerProcess(["--model", str(small_model), "--port", "0", "--metrics-port", "0"])
     try:
         yield server
     finally:

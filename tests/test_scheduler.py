@@ -184,6 +184,35 @@ class RecordingEvents(NullEvents):
 # ---- dispatch rule ---------------------------------------------------------------------
 
 
+def test_lone_request_after_sparse_arrivals_goes_at_once() -> None:
+    """Arrivals 50 ms apart: waiting the standard lane's 4 ms would add nobody."""
+    scheduler = make_scheduler()
+    now_s = T0
+    for index in range(5):
+        scheduler.admit(make_request(index, "standard", 1), now_s)
+        if index == 0:
+            # No gap seen yet: the lane's max_wait applies.
+            assert scheduler.decide(now_s, NEVER_IDLE) == WaitUntil(now_s + 0.004)
+            batch = dispatch(scheduler, now_s + 0.004)
+            assert batch.reason is DispatchReason.MAX_WAIT
+        else:
+            batch = dispatch(scheduler, now_s)
+            assert batch.reason is DispatchReason.IDLE
+        scheduler.complete(run(batch))
+        now_s += 0.050
+
+
+def test_dense_arrivals_wait_for_company() -> None:
+    """Arrivals 1 ms apart: within the 4 ms wait more requests are due, so it waits."""
+    scheduler = make_scheduler()
+    now_s = T0
+    for index in range(4):
+        scheduler.admit(make_request(index, "standard", 1), now_s)
+        now_s += 0.001
+    decision = scheduler.decide(now_s - 0.001, NEVER_IDLE)
+    assert decision == WaitUntil(T0 + 0.004)
+
+
 def test_nothing_queued_means_nothing_to_decide() -> None:
     scheduler = make_scheduler()
     assert scheduler.decide(T0, NEVER_IDLE) is None
@@ -927,6 +956,7 @@ def test_events_report_admission_shedding_batches_and_answers() -> None:
         ("rejected", "bulk", "DEADLINE_UNMEETABLE"),
         ("admitted", "bulk", 1),
         ("shed", "bulk", "CANCELLED", 1),
+        ("completed", "bulk", "CANCELLED"),
         ("batch_formed", first.batch_id, DispatchReason.MAX_WAIT, ("interactive", "standard")),
         ("completed", "interactive", "ENGINE_FAILURE"),
         ("completed", "standard", "ENGINE_FAILURE"),

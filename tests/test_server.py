@@ -25,6 +25,7 @@ from tests.support import (
     rich_status,
     rows,
     serving,
+    until,
 )
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
@@ -72,7 +73,7 @@ def test_batches_form_across_callers(demo_model: Path) -> None:
             rest = [
                 asyncio.ensure_future(s.stub.Infer(request(rows(1, seed=i)))) for i in range(40)
             ]
-            await _until(lambda: _queued_rows(s.server) == 40)
+            await until(lambda: _queued_rows(s.server) == 40)
             engine.release()
             await asyncio.gather(first, *rest)
             assert engine.batches == [1, 40], "work queued while busy goes out as one batch"
@@ -146,7 +147,7 @@ def test_full_lane_refuses_with_pushback(small_model: Path) -> None:
             queued = [
                 asyncio.ensure_future(s.stub.Infer(request(rows(4, start=10 * i)))) for i in (1, 2)
             ]
-            await _until(lambda: _queued_rows(s.server) == 8)
+            await until(lambda: _queued_rows(s.server) == 8)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await s.stub.Infer(request(rows(1)))
             error = caught.value
@@ -189,7 +190,7 @@ def test_unmeetable_deadline_is_refused_at_once(small_model: Path) -> None:
             running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
             await asyncio.to_thread(engine.entered.acquire)
             ahead = asyncio.ensure_future(s.stub.Infer(request(rows(2000, start=1))))
-            await _until(lambda: _queued_rows(s.server) == 2000)
+            await until(lambda: _queued_rows(s.server) == 2000)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await s.stub.Infer(request(rows(1, start=5000), timeout_ms=1))
             assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -235,7 +236,7 @@ def test_grpc_deadline_is_honoured_without_configuration(small_model: Path) -> N
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await s.stub.Infer(request(rows(1, start=7)), timeout=0.2)
             assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            await _until(lambda: _queued_rows(s.server) == 0)
+            await until(lambda: _queued_rows(s.server) == 0)
             engine.release()
             await running
             assert 7 not in engine.ran_tags
@@ -251,9 +252,9 @@ def test_cancelled_call_frees_its_rows_and_never_runs(small_model: Path) -> None
             running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
             await asyncio.to_thread(engine.entered.acquire)
             call = s.stub.Infer(request(rows(5, start=10)))
-            await _until(lambda: _queued_rows(s.server) == 5)
+            await until(lambda: _queued_rows(s.server) == 5)
             call.cancel()
-            await _until(lambda: _queued_rows(s.server) == 0)
+            await until(lambda: _queued_rows(s.server) == 0)
             engine.release()
             await running
             assert engine.ran_tags == [0]
@@ -286,9 +287,9 @@ def test_draining_server_refuses_new_work_and_finishes_queued(small_model: Path)
             running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
             await asyncio.to_thread(engine.entered.acquire)
             queued = asyncio.ensure_future(s.stub.Infer(request(rows(2, start=1))))
-            await _until(lambda: _queued_rows(s.server) == 2)
+            await until(lambda: _queued_rows(s.server) == 2)
             stopping = asyncio.ensure_future(s.server.stop(grace_s=30))
-            await _until(lambda: s.server.state.value == "DRAINING")
+            await until(lambda: s.server.state.value == "DRAINING")
             assert await health_status(s.channel) == health_pb2.HealthCheckResponse.NOT_SERVING
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await s.stub.Infer(request(rows(1, start=9)))
@@ -311,7 +312,7 @@ def test_work_left_after_the_grace_period_is_answered_unavailable(small_model: P
             running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
             await asyncio.to_thread(engine.entered.acquire)
             queued = asyncio.ensure_future(s.stub.Infer(request(rows(2, start=1))))
-            await _until(lambda: _queued_rows(s.server) == 2)
+            await until(lambda: _queued_rows(s.server) == 2)
             stopping = asyncio.ensure_future(s.server.stop(grace_s=0.05))
             results = await asyncio.gather(running, queued, return_exceptions=True)
             for result in results:
@@ -413,11 +414,20 @@ def _queued_rows(server: object) -> int:
     return sum(depth.queued_rows for depth in server._thread.depths())  # type: ignore[attr-defined]
 
 
-async def _until(condition: object, timeout_s: float = 10.0) -> None:
-    """Polls `condition` (a state reached by the server, not a timing assumption)."""
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + timeout_s
-    while not condition():  # type: ignore[operator]
-        if loop.time() > give_up:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.002)
+def test_calls_past_the_concurrency_limit_are_refused_by_grpc(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, max_concurrent_rpcs=2)) as s:
+            engine.hold()
+            running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
+            await asyncio.to_thread(engine.entered.acquire)
+            queued = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=1))))
+            await until(lambda: _queued_rows(s.server) == 1)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(request(rows(1, start=2)))
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            engine.release()
+            await asyncio.gather(running, queued)
+            assert sorted(engine.ran_tags) == [0, 1]
+
+    asyncio.run(scenario())

@@ -312,11 +312,27 @@ class GetModelResponse(_message.Message):
     MAX_BATCH_SIZE_FIELD_NUMBER: _builtins.int
     LANES_FIELD_NUMBER: _builtins.int
     PROVIDERS_FIELD_NUMBER: _builtins.int
+    STREAM_WINDOW_FIELD_NUMBER: _builtins.int
+    MEMORY_LIMIT_BYTES_FIELD_NUMBER: _builtins.int
+    PROBED_BATCH_CAP_FIELD_NUMBER: _builtins.int
+    ESTIMATED_FIXED_BYTES_FIELD_NUMBER: _builtins.int
+    ESTIMATED_ROW_BYTES_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     batch_cap: _builtins.int
     """The largest batch (in rows) the scheduler forms now."""
     max_batch_size: _builtins.int
     """The configured upper bound of the batch cap."""
+    stream_window: _builtins.int
+    """Requests one InferStream may have read and not yet answered (its credit window)."""
+    memory_limit_bytes: _builtins.int
+    """The hard limit on the session's device memory in bytes; 0 = the runtime's default."""
+    probed_batch_cap: _builtins.int
+    """The largest batch the start-up probe found to fit the memory limit (the cap's
+    ceiling); 0 when no size failed up to max_batch_size.
+    """
+    estimated_fixed_bytes: _builtins.int
+    """Static estimate from the model file: weights, and per-row activations (no reuse)."""
+    estimated_row_bytes: _builtins.int
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]: ...
     @_builtins.property
@@ -337,10 +353,15 @@ class GetModelResponse(_message.Message):
         max_batch_size: _builtins.int = ...,
         lanes: _abc.Iterable[Global___LaneSpec] | None = ...,
         providers: _abc.Iterable[_builtins.str] | None = ...,
+        stream_window: _builtins.int = ...,
+        memory_limit_bytes: _builtins.int = ...,
+        probed_batch_cap: _builtins.int = ...,
+        estimated_fixed_bytes: _builtins.int = ...,
+        estimated_row_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_cap", b"batch_cap", "inputs", b"inputs", "lanes", b"lanes", "max_batch_size", b"max_batch_size", "model_path", b"model_path", "outputs", b"outputs", "providers", b"providers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_cap", b"batch_cap", "estimated_fixed_bytes", b"estimated_fixed_bytes", "estimated_row_bytes", b"estimated_row_bytes", "inputs", b"inputs", "lanes", b"lanes", "max_batch_size", b"max_batch_size", "memory_limit_bytes", b"memory_limit_bytes", "model_path", b"model_path", "outputs", b"outputs", "probed_batch_cap", b"probed_batch_cap", "providers", b"providers", "stream_window", b"stream_window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -390,6 +411,39 @@ class LatencySummary(_message.Message):
 Global___LatencySummary: _TypeAlias = LatencySummary  # noqa: Y015
 
 @_typing.final
+class SizeSummary(_message.Message):
+    """Recent values that are not times, e.g. batch sizes in rows."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COUNT_FIELD_NUMBER: _builtins.int
+    MEAN_FIELD_NUMBER: _builtins.int
+    P50_FIELD_NUMBER: _builtins.int
+    P95_FIELD_NUMBER: _builtins.int
+    P99_FIELD_NUMBER: _builtins.int
+    count: _builtins.int
+    mean: _builtins.float
+    p50: _builtins.float
+    p95: _builtins.float
+    p99: _builtins.float
+    def __init__(
+        self,
+        *,
+        count: _builtins.int = ...,
+        mean: _builtins.float = ...,
+        p50: _builtins.float = ...,
+        p95: _builtins.float = ...,
+        p99: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "mean", b"mean", "p50", b"p50", "p95", b"p95", "p99", b"p99"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SizeSummary: _TypeAlias = SizeSummary  # noqa: Y015
+
+@_typing.final
 class LaneStats(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -433,6 +487,26 @@ class LaneStats(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class AnsweredEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NAME_FIELD_NUMBER: _builtins.int
     DEPTH_ROWS_FIELD_NUMBER: _builtins.int
     CAPACITY_ROWS_FIELD_NUMBER: _builtins.int
@@ -443,6 +517,8 @@ class LaneStats(_message.Message):
     SHED_FIELD_NUMBER: _builtins.int
     QUEUE_WAIT_FIELD_NUMBER: _builtins.int
     DEPTH_REQUESTS_FIELD_NUMBER: _builtins.int
+    REQUEST_DURATION_FIELD_NUMBER: _builtins.int
+    ANSWERED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     depth_rows: _builtins.int
     capacity_rows: _builtins.int
@@ -460,6 +536,16 @@ class LaneStats(_message.Message):
 
     @_builtins.property
     def queue_wait(self) -> Global___LatencySummary: ...
+    @_builtins.property
+    def request_duration(self) -> Global___LatencySummary:
+        """Arrival in the server to answer, of the requests answered OK (recent window)."""
+
+    @_builtins.property
+    def answered(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """How every admitted request ended: OK, an error reason (EXPIRED_IN_QUEUE,
+        ENGINE_FAILURE, ...) or CANCELLED.
+        """
+
     def __init__(
         self,
         *,
@@ -473,10 +559,12 @@ class LaneStats(_message.Message):
         shed: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         queue_wait: Global___LatencySummary | None = ...,
         depth_requests: _builtins.int = ...,
+        request_duration: Global___LatencySummary | None = ...,
+        answered: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["queue_wait", b"queue_wait"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["queue_wait", b"queue_wait", "request_duration", b"request_duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "capacity_rows", b"capacity_rows", "completed", b"completed", "depth_requests", b"depth_requests", "depth_rows", b"depth_rows", "failed", b"failed", "name", b"name", "queue_wait", b"queue_wait", "rejected", b"rejected", "shed", b"shed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "answered", b"answered", "capacity_rows", b"capacity_rows", "completed", b"completed", "depth_requests", b"depth_requests", "depth_rows", b"depth_rows", "failed", b"failed", "name", b"name", "queue_wait", b"queue_wait", "rejected", b"rejected", "request_duration", b"request_duration", "shed", b"shed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -486,6 +574,46 @@ Global___LaneStats: _TypeAlias = LaneStats  # noqa: Y015
 class GetStatsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class BatchReasonsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class CapChangesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     LANES_FIELD_NUMBER: _builtins.int
     BATCHES_FIELD_NUMBER: _builtins.int
     MEAN_BATCH_SIZE_FIELD_NUMBER: _builtins.int
@@ -494,6 +622,23 @@ class GetStatsResponse(_message.Message):
     ROWS_RUN_FIELD_NUMBER: _builtins.int
     UPTIME_S_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
+    BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    BATCH_REASONS_FIELD_NUMBER: _builtins.int
+    DEVICE_UTILIZATION_FIELD_NUMBER: _builtins.int
+    FAILED_BATCHES_FIELD_NUMBER: _builtins.int
+    OUT_OF_MEMORY_EVENTS_FIELD_NUMBER: _builtins.int
+    BATCH_SPLITS_FIELD_NUMBER: _builtins.int
+    CAP_CHANGES_FIELD_NUMBER: _builtins.int
+    MAX_BATCH_CAP_FIELD_NUMBER: _builtins.int
+    MEMORY_LIMIT_BYTES_FIELD_NUMBER: _builtins.int
+    MEMORY_USED_BYTES_FIELD_NUMBER: _builtins.int
+    MEMORY_HIGH_WATERMARK_BYTES_FIELD_NUMBER: _builtins.int
+    MEMORY_LOW_WATERMARK_BYTES_FIELD_NUMBER: _builtins.int
+    LANES_CLOSED_BY_MEMORY_FIELD_NUMBER: _builtins.int
+    IDEMPOTENT_REPLAYS_FIELD_NUMBER: _builtins.int
+    IDEMPOTENT_JOINS_FIELD_NUMBER: _builtins.int
+    REPLAY_CACHE_ENTRIES_FIELD_NUMBER: _builtins.int
+    REPLAY_CACHE_BYTES_FIELD_NUMBER: _builtins.int
     batches: _builtins.int
     mean_batch_size: _builtins.float
     batch_cap: _builtins.int
@@ -501,10 +646,48 @@ class GetStatsResponse(_message.Message):
     uptime_s: _builtins.float
     state: _builtins.str
     """Server lifecycle: STARTING, SERVING, DRAINING, STOPPED."""
+    device_utilization: _builtins.float
+    """GPU utilisation in [0, 1] from NVML; absent (not zero) without a GPU in use."""
+    failed_batches: _builtins.int
+    """Batches whose run failed (each of their requests was answered with the error)."""
+    out_of_memory_events: _builtins.int
+    """Device memory: runs that ran out of memory, batches split because of it, changes
+    of the batch cap by reason ("out_of_memory" down, "recovered" up).
+    """
+    batch_splits: _builtins.int
+    max_batch_cap: _builtins.int
+    """The cap's ceiling (from the probe) and the memory limit (0 = the runtime's default)."""
+    memory_limit_bytes: _builtins.int
+    memory_used_bytes: _builtins.int
+    """Memory in use at the last watermark reading, the watermarks, and the lanes now
+    refusing work because of them (lowest priority first). 0 / empty without a watermark.
+    """
+    memory_high_watermark_bytes: _builtins.int
+    memory_low_watermark_bytes: _builtins.int
+    idempotent_replays: _builtins.int
+    """Idempotency by request_id. Requests answered with the stored answer of a completed
+    request with the same id, and requests that joined a queued or running one.
+    """
+    idempotent_joins: _builtins.int
+    replay_cache_entries: _builtins.int
+    """Completed answers held for replay, and their size."""
+    replay_cache_bytes: _builtins.int
     @_builtins.property
     def lanes(self) -> _containers.RepeatedCompositeFieldContainer[Global___LaneStats]: ...
     @_builtins.property
     def run_time(self) -> Global___LatencySummary: ...
+    @_builtins.property
+    def batch_size(self) -> Global___SizeSummary:
+        """Rows per batch run (recent window)."""
+
+    @_builtins.property
+    def batch_reasons(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Why batches were dispatched: full, max_wait, deadline, backlog."""
+
+    @_builtins.property
+    def cap_changes(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    @_builtins.property
+    def lanes_closed_by_memory(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -516,11 +699,30 @@ class GetStatsResponse(_message.Message):
         rows_run: _builtins.int = ...,
         uptime_s: _builtins.float = ...,
         state: _builtins.str = ...,
+        batch_size: Global___SizeSummary | None = ...,
+        batch_reasons: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        device_utilization: _builtins.float | None = ...,
+        failed_batches: _builtins.int = ...,
+        out_of_memory_events: _builtins.int = ...,
+        batch_splits: _builtins.int = ...,
+        cap_changes: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        max_batch_cap: _builtins.int = ...,
+        memory_limit_bytes: _builtins.int = ...,
+        memory_used_bytes: _builtins.int = ...,
+        memory_high_watermark_bytes: _builtins.int = ...,
+        memory_low_watermark_bytes: _builtins.int = ...,
+        lanes_closed_by_memory: _abc.Iterable[_builtins.str] | None = ...,
+        idempotent_replays: _builtins.int = ...,
+        idempotent_joins: _builtins.int = ...,
+        replay_cache_entries: _builtins.int = ...,
+        replay_cache_bytes: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["run_time", b"run_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_device_utilization", b"_device_utilization", "batch_size", b"batch_size", "device_utilization", b"device_utilization", "run_time", b"run_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_cap", b"batch_cap", "batches", b"batches", "lanes", b"lanes", "mean_batch_size", b"mean_batch_size", "rows_run", b"rows_run", "run_time", b"run_time", "state", b"state", "uptime_s", b"uptime_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_device_utilization", b"_device_utilization", "batch_cap", b"batch_cap", "batch_reasons", b"batch_reasons", "batch_size", b"batch_size", "batch_splits", b"batch_splits", "batches", b"batches", "cap_changes", b"cap_changes", "device_utilization", b"device_utilization", "failed_batches", b"failed_batches", "idempotent_joins", b"idempotent_joins", "idempotent_replays", b"idempotent_replays", "lanes", b"lanes", "lanes_closed_by_memory", b"lanes_closed_by_memory", "max_batch_cap", b"max_batch_cap", "mean_batch_size", b"mean_batch_size", "memory_high_watermark_bytes", b"memory_high_watermark_bytes", "memory_limit_bytes", b"memory_limit_bytes", "memory_low_watermark_bytes", b"memory_low_watermark_bytes", "memory_used_bytes", b"memory_used_bytes", "out_of_memory_events", b"out_of_memory_events", "replay_cache_bytes", b"replay_cache_bytes", "replay_cache_entries", b"replay_cache_entries", "rows_run", b"rows_run", "run_time", b"run_time", "state", b"state", "uptime_s", b"uptime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__device_utilization: _TypeAlias = _typing.Literal["device_utilization"]  # noqa: Y015
+    _WhichOneofArgType__device_utilization: _TypeAlias = _typing.Literal["_device_utilization", b"_device_utilization"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__device_utilization) -> _WhichOneofReturnType__device_utilization | None: ...
 
 Global___GetStatsResponse: _TypeAlias = GetStatsResponse  # noqa: Y015

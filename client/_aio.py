@@ -1,0 +1,254 @@
+"""`AsyncClient`: the asyncio client, on which the sync `Client` is built."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import numpy.typing as npt
+
+from laneserve.client._channel import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_TARGET,
+    TlsConfig,
+    open_channel,
+)
+from laneserve.client._errors import LaneserveError, error_from_rpc
+from laneserve.client._request import encode_inputs
+from laneserve.client._retry import RetryPolicy, call_with_retries
+from laneserve.client._stream import BulkStream, StreamOptions, StreamSource
+from laneserve.client._types import ModelInfo, StreamResult
+from laneserve.client.tensors import decode_tensor
+from laneserve.v1 import inference_pb2 as pb
+from laneserve.v1 import inference_pb2_grpc as pb_grpc
+
+__all__ = ["AsyncClient", "MetadataLike", "TlsLike"]
+
+log = logging.getLogger("laneserve.client")
+
+T = TypeVar("T")
+MetadataLike = Mapping[str, str] | Sequence[tuple[str, str]]
+# True: TLS with the system's roots; None or False: plaintext.
+TlsLike = TlsConfig | bool | None
+Outputs = dict[str, npt.NDArray[Any]]
+
+
+class AsyncClient:
+    """A laneserve client for asyncio code. Create it inside the event loop it is used on.
+
+    Example::
+
+        async with AsyncClient("127.0.0.1:50051") as client:
+            scores = await client.infer({"input": rows}, lane="interactive", timeout=0.5)
+            async for result in client.stream({"input": many_rows}, rows_per_item=64):
+                ...
+
+    Every call raises a `LaneserveError` subclass on failure and retries the retryable
+    ones (`RetryPolicy`) with the same request_id, within its `timeout`.
+    """
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        tls: TlsLike = None,
+        metadata: MetadataLike | None = None,
+        retry: RetryPolicy | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        options: Sequence[tuple[str, Any]] = (),
+        interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
+    ) -> None:
+        self.target = target
+        self.retry = retry or RetryPolicy()
+        pairs = metadata.items() if isinstance(metadata, Mapping) else (metadata or ())
+        # Sent with every call (e.g. authorization); keys must be lower case in gRPC.
+        self.metadata: tuple[tuple[str, str], ...] = tuple((k.lower(), v) for k, v in pairs)
+        tls_config = TlsConfig() if tls is True else (tls or None)
+        self._channel = open_channel(
+            target,
+            tls=tls_config,
+            max_message_bytes=max_message_bytes,
+            options=options,
+            interceptors=interceptors,
+        )
+        self._stub: pb_grpc.InferenceServiceAsyncStub = pb_grpc.InferenceServiceStub(self._channel)
+        self._model: ModelInfo | None = None  # cached by _lane_capacity
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Closes the channel; calls in progress are cancelled."""
+        await self._channel.close()
+
+    async def infer(
+        self,
+        inputs: Mapping[str, npt.NDArray[Any]],
+        *,
+        lane: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - a gRPC deadline the server sees too
+        request_id: str | None = None,
+        outputs: Sequence[str] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> Outputs:
+        """Runs one request (one or more rows along the first axis of every input).
+
+        Args:
+            inputs: input name to array; dtypes must match the model's (see `model()`).
+            lane: the lane to queue in; None: the server's default lane.
+            timeout: seconds for the whole call, retries included; it is the gRPC
+                deadline of every attempt, so the server sheds the request once it passes.
+            request_id: reused by every attempt, so the server runs the request once
+                however often it is retried; a random id when None.
+            outputs: the outputs to return; None: all of them.
+            retry: overrides the client's `RetryPolicy` for this call.
+
+        Returns:
+            Output name to array. The arrays are read-only views of the received bytes
+            (no copy); ``.copy()`` one to write to it.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        request = pb.InferRequest(
+            request_id=request_id,
+            lane=lane or "",
+            inputs=encode_inputs(inputs, request_id),
+            output_names=list(outputs or ()),
+        )
+
+        async def attempt(timeout_s: float | None) -> Outputs:
+            response = await self._call(self._stub.Infer, request, timeout_s, request_id)
+            return {tensor.name: decode_tensor(tensor) for tensor in response.outputs}
+
+        return await call_with_retries(
+            attempt,
+            policy=retry or self.retry,
+            deadline_s=_deadline_s(timeout),
+            what=f"Infer {request_id!r}",
+        )
+
+    async def model(self, *, timeout: float | None = None) -> ModelInfo:  # noqa: ASYNC109
+        """The served model's signature, batch cap, lanes and providers."""
+
+        async def attempt(timeout_s: float | None) -> ModelInfo:
+            response = await self._call(self._stub.GetModel, pb.GetModelRequest(), timeout_s, "")
+            return ModelInfo.from_proto(response)
+
+        return await call_with_retries(
+            attempt, policy=self.retry, deadline_s=_deadline_s(timeout), what="GetModel"
+        )
+
+    async def stats(
+        self,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - a gRPC deadline, as in infer()
+    ) -> pb.GetStatsResponse:
+        """Live counters and latency summaries. The message itself, so fields the server
+        adds later are visible without a client release."""
+
+        async def attempt(timeout_s: float | None) -> pb.GetStatsResponse:
+            return await self._call(self._stub.GetStats, pb.GetStatsRequest(), timeout_s, "")
+
+        return await call_with_retries(
+            attempt, policy=self.retry, deadline_s=_deadline_s(timeout), what="GetStats"
+        )
+
+    def stream(  # noqa: PLR0913 - keyword-only options of one call, each with a default
+        self,
+        requests: StreamSource,
+        *,
+        lane: str = "bulk",
+        window: int = 256,
+        timeout_ms: int = 0,
+        ordered: bool = True,
+        outputs: Sequence[str] | None = None,
+        job_id: str | None = None,
+        rows_per_item: int = 64,
+        window_rows: int | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> AsyncIterator[StreamResult]:
+        """Runs a bulk job over one InferStream call and yields one result per item.
+
+        Args:
+            requests: either one mapping of input name to array, sent as items of
+                `rows_per_item` rows each; or an iterable (sync or async) of items, each a
+                mapping of input name to array or a `StreamRequest` with its own id.
+            lane: the lane every item is queued in.
+            window: items held at once (sent and unanswered, waiting for a retry, or, in
+                order mode, answered ahead of an earlier item); the source is read no
+                faster than that.
+            timeout_ms: each item's server-side budget; 0: the lane's timeout.
+            ordered: yield results in item order (default), or as they arrive.
+            outputs: the outputs to return; None: all.
+            job_id: the prefix of the items' request ids (``f"{job_id}-{index}"``). Give
+                the same id to rerun a job after a crash: items the server completed
+                within its replay window are answered without running again.
+            rows_per_item: see `requests`.
+            window_rows: rows sent and not answered, at most; None: the lane's capacity
+                (from `model()`), so that one job never overfills its lane.
+            retry: overrides the client's `RetryPolicy`: the attempts per item, and the
+                consecutive broken calls (with no answer in between) before giving up.
+
+        Yields:
+            `StreamResult` per item, with outputs or the item's error (after its
+            retries): a failed item never ends the job. A broken connection is
+            resumed on a new call, resending only the unanswered items; when that
+            keeps failing the iteration raises the connection's `LaneserveError`.
+        """
+        options = StreamOptions(
+            lane=lane,
+            window=window,
+            timeout_ms=timeout_ms,
+            ordered=ordered,
+            outputs=tuple(outputs or ()),
+            job_id=job_id,
+            rows_per_item=rows_per_item,
+            window_rows=window_rows,
+        )
+        job = BulkStream(
+            self._stub,
+            self.metadata,
+            requests,
+            options,
+            retry or self.retry,
+            lane_capacity=self._lane_capacity,
+        )
+        return job.results()
+
+    async def _lane_capacity(self, lane: str) -> int | None:
+        """The lane's capacity in rows, from `model()` (asked once per client: lanes are
+        fixed while a server runs); None when it cannot be known."""
+        if self._model is None:
+            try:
+                self._model = await self.model(timeout=10.0)
+            except LaneserveError as error:
+                log.debug("no lane capacity for the stream window: %s", error)
+                return None
+        name = lane or self._model.default_lane
+        return next((info.capacity_rows for info in self._model.lanes if info.name == name), None)
+
+    async def _call(
+        self,
+        method: Callable[..., Awaitable[T]],
+        request: Any,
+        timeout_s: float | None,
+        request_id: str,
+    ) -> T:
+        try:
+            return await method(request, timeout=timeout_s, metadata=self.metadata)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, request_id=request_id) from error
+
+
+def _deadline_s(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    if not timeout > 0:
+        raise ValueError(f"timeout: expected seconds > 0 or None, got {timeout!r}")
+    return time.monotonic() + timeout

@@ -1,0 +1,91 @@
+"""Channels: plain or TLS (optionally mutual), with the options every laneserve call needs."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+__all__ = ["DEFAULT_TARGET", "TlsConfig"]
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+# The server's default gRPC message limit (ServerConfig.max_message_bytes).
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_USER_AGENT = "laneserve-client/0.1.0"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TlsConfig:
+    """TLS settings. All PEM bytes; ``None`` means gRPC's default (the system roots,
+    no client certificate, the target's host name)."""
+
+    root_certificates: bytes | None = dataclasses.field(default=None, repr=False)
+    # Both or neither: the client's key and certificate chain, for mutual TLS.
+    private_key: bytes | None = dataclasses.field(default=None, repr=False)
+    certificate_chain: bytes | None = dataclasses.field(default=None, repr=False)
+    # The name to check the server's certificate against, when it is not the target's.
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.private_key is None) != (self.certificate_chain is None):
+            raise ValueError(
+                "TlsConfig: private_key and certificate_chain go together (mutual TLS); "
+                "got only one of them"
+            )
+
+    @classmethod
+    def from_files(
+        cls,
+        *,
+        ca: str | Path | None = None,
+        cert: str | Path | None = None,
+        key: str | Path | None = None,
+        server_name: str | None = None,
+    ) -> TlsConfig:
+        """Reads PEM files: `ca` the roots to trust, `cert` and `key` the client's own."""
+
+        def read(path: str | Path | None) -> bytes | None:
+            return None if path is None else Path(path).read_bytes()
+
+        return cls(read(ca), read(key), read(cert), server_name)
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.root_certificates,
+            private_key=self.private_key,
+            certificate_chain=self.certificate_chain,
+        )
+
+
+def channel_options(
+    tls: TlsConfig | None, max_message_bytes: int, extra: Sequence[tuple[str, Any]]
+) -> list[tuple[str, Any]]:
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.primary_user_agent", _USER_AGENT),
+    ]
+    if tls is not None and tls.server_name:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    options.extend(extra)
+    return options
+
+
+def open_channel(
+    target: str,
+    *,
+    tls: TlsConfig | None,
+    max_message_bytes: int,
+    options: Sequence[tuple[str, Any]],
+    interceptors: Sequence[grpc.aio.ClientInterceptor] | None,
+) -> grpc.aio.Channel:
+    """An asyncio channel; create it on the event loop it is used from."""
+    merged = channel_options(tls, max_message_bytes, options)
+    if tls is None:
+        return grpc.aio.insecure_channel(target, options=merged, interceptors=interceptors)
+    return grpc.aio.secure_channel(
+        target, tls.credentials(), options=merged, interceptors=interceptors
+    )

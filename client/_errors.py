@@ -1,0 +1,268 @@
+"""The client's error tree, and the one place that translates gRPC failures into it.
+
+    LaneserveError                       any status this tree has no class for
+    ├── InvalidInputError                INVALID_ARGUMENT      (INVALID_INPUT)
+    │   └── RequestIdReusedError         INVALID_ARGUMENT      REQUEST_ID_REUSED
+    ├── ResourceExhaustedError           RESOURCE_EXHAUSTED    (e.g. gRPC's message size limit)
+    │   ├── LaneFullError                RESOURCE_EXHAUSTED    LANE_FULL            retryable
+    │   ├── MemoryPressureError          (any)                 MEMORY_PRESSURE      retryable
+    │   └── DeviceMemoryError            (any)                 DEVICE_MEMORY
+    ├── DeadlineExceededError            DEADLINE_EXCEEDED     (the caller's own deadline)
+    │   ├── DeadlineUnmeetableError      DEADLINE_EXCEEDED     DEADLINE_UNMEETABLE
+    │   └── ExpiredInQueueError          DEADLINE_EXCEEDED     EXPIRED_IN_QUEUE
+    ├── UnavailableError                 UNAVAILABLE           (no connection)      retryable
+    │   └── ServerDrainingError          UNAVAILABLE           DRAINING             retryable
+    ├── EngineError                      INTERNAL              ENGINE_FAILURE
+    └── CallCancelledError               CANCELLED             (by the network)     retryable
+
+The server's ``google.rpc.ErrorInfo`` reason (domain ``laneserve.dev``) picks the class
+when there is one; the status code picks it otherwise, so a plain gRPC status without
+details (a dropped connection: UNAVAILABLE) maps too. Every error carries the server's
+message, the code, the reason, and the server's retry hint in seconds (``RetryInfo``, or
+the ``grpc-retry-pushback-ms`` trailer).
+
+``retryable`` marks the outcomes worth the same request again after a pause: a full lane,
+memory pressure, a draining or unreachable server, a call the network cut off. Everything
+else is the request's own fault, or will not change by retrying it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+
+__all__ = [
+    "CallCancelledError",
+    "DeadlineExceededError",
+    "DeadlineUnmeetableError",
+    "DeviceMemoryError",
+    "EngineError",
+    "ExpiredInQueueError",
+    "InvalidInputError",
+    "LaneFullError",
+    "LaneserveError",
+    "MemoryPressureError",
+    "RequestIdReusedError",
+    "ResourceExhaustedError",
+    "ServerDrainingError",
+    "UnavailableError",
+    "error_from_rpc",
+    "error_from_status",
+]
+
+ERROR_DOMAIN = "laneserve.dev"
+_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+_DETAILS_KEY = "grpc-status-details-bin"
+
+
+class LaneserveError(Exception):
+    """A request failed. Raised by every client call; never a bare ``grpc.RpcError``."""
+
+    retryable: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: grpc.StatusCode = grpc.StatusCode.UNKNOWN,
+        reason: str = "",
+        retry_after_s: float | None = None,
+        request_id: str = "",
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        # The server's message (or gRPC's, for a failure without a server answer).
+        self.message = message
+        self.code = code
+        # ErrorInfo.reason, e.g. "LANE_FULL"; "" when the status had no laneserve details.
+        self.reason = reason
+        # The server's hint: seconds until a retry can succeed (None: no hint).
+        self.retry_after_s = retry_after_s
+        self.request_id = request_id
+        # ErrorInfo.metadata from the server.
+        self.metadata: dict[str, str] = dict(metadata or {})
+        # The server asked not to retry (a negative grpc-retry-pushback-ms).
+        self.no_retry = False
+        # Attempts made before this error was raised (1 without retries).
+        self.attempts = 1
+
+    @property
+    def should_retry(self) -> bool:
+        """Whether the same request may succeed after a pause."""
+        return self.retryable and not self.no_retry
+
+    def __str__(self) -> str:
+        what = self.reason or self.code.name
+        return f"{what}: {self.message}"
+
+
+class InvalidInputError(LaneserveError, ValueError):
+    """The request is wrong for this model or server (names, dtypes, shapes, lane)."""
+
+
+class RequestIdReusedError(InvalidInputError):
+    """The request_id was used recently for other inputs; use a new id for new inputs."""
+
+
+class ResourceExhaustedError(LaneserveError):
+    """The server or gRPC refused for lack of a resource (e.g. the message size limit)."""
+
+
+class LaneFullError(ResourceExhaustedError):
+    """The lane holds as many rows as it may; retry after ``retry_after_s``."""
+
+    retryable = True
+
+
+class MemoryPressureError(ResourceExhaustedError):
+    """The server is short of device memory for now; retry after ``retry_after_s``."""
+
+    retryable = True
+
+
+class DeviceMemoryError(ResourceExhaustedError):
+    """The model ran out of device memory on this request's batch."""
+
+
+class DeadlineExceededError(LaneserveError):
+    """The deadline passed before an answer came (this one: the caller's own deadline)."""
+
+
+class DeadlineUnmeetableError(DeadlineExceededError):
+    """Refused at once: the rows queued ahead could not be served before the deadline."""
+
+
+class ExpiredInQueueError(DeadlineExceededError):
+    """The deadline passed while the request waited in its lane; it never ran."""
+
+
+class UnavailableError(LaneserveError):
+    """The server could not be reached or answered UNAVAILABLE."""
+
+    retryable = True
+
+
+class ServerDrainingError(UnavailableError):
+    """The server is shutting down; retry (on another instance)."""
+
+
+class EngineError(LaneserveError):
+    """The model failed on the batch that carried this request."""
+
+
+class CallCancelledError(LaneserveError):
+    """The call was cancelled by something other than this client: gRPC reports
+    CANCELLED for calls cut off by a closing connection (grpc/grpc#41785), as it reports
+    UNAVAILABLE for others. The caller's own cancellation never arrives as this error (it
+    is ``asyncio.CancelledError`` or ``KeyboardInterrupt``), so a retry with the same
+    request_id is safe and is made."""
+
+    retryable = True
+
+
+_BY_REASON: Mapping[str, type[LaneserveError]] = {
+    "INVALID_INPUT": InvalidInputError,
+    "REQUEST_ID_REUSED": RequestIdReusedError,
+    "LANE_FULL": LaneFullError,
+    "MEMORY_PRESSURE": MemoryPressureError,
+    "DEVICE_MEMORY": DeviceMemoryError,
+    "DEADLINE_UNMEETABLE": DeadlineUnmeetableError,
+    "EXPIRED_IN_QUEUE": ExpiredInQueueError,
+    "DRAINING": ServerDrainingError,
+    "ENGINE_FAILURE": EngineError,
+}
+
+_BY_CODE: Mapping[grpc.StatusCode, type[LaneserveError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidInputError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.CANCELLED: CallCancelledError,
+}
+
+# google.rpc.Code numbers (in a Status message) to grpc's enum.
+_CODES_BY_NUMBER: Mapping[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def error_from_status(
+    status: status_pb2.Status, *, request_id: str = "", pushback_ms: str | None = None
+) -> LaneserveError:
+    """The typed error for a ``google.rpc.Status`` (an InferStream item's error, or the
+    decoded ``grpc-status-details-bin`` trailer of a failed call)."""
+    code = _CODES_BY_NUMBER.get(status.code, grpc.StatusCode.UNKNOWN)
+    reason = ""
+    metadata: Mapping[str, str] = {}
+    retry_after_s: float | None = None
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        retry = error_details_pb2.RetryInfo()
+        if detail.Unpack(info):
+            if info.domain in (ERROR_DOMAIN, ""):
+                reason = info.reason
+                metadata = info.metadata
+        elif detail.Unpack(retry):
+            retry_after_s = retry.retry_delay.ToNanoseconds() / 1e9
+    pushback_s = None if pushback_ms is None else _parse_pushback_s(pushback_ms)
+    if retry_after_s is None:
+        retry_after_s = pushback_s
+    cls = _BY_REASON.get(reason) or _BY_CODE.get(code, LaneserveError)
+    error = cls(
+        status.message,
+        code=code,
+        reason=reason,
+        retry_after_s=retry_after_s,
+        request_id=request_id,
+        metadata=metadata,
+    )
+    # A negative or unreadable pushback means "do not retry" (gRPC's retry design, A6).
+    error.no_retry = pushback_ms is not None and pushback_s is None
+    return error
+
+
+def error_from_rpc(error: grpc.RpcError, *, request_id: str = "") -> LaneserveError:
+    """The typed error for a failed gRPC call (sync or asyncio)."""
+    code, details, trailers = _parts(error)
+    pushback: str | None = None
+    status: status_pb2.Status | None = None
+    for key, value in trailers:
+        if key == _DETAILS_KEY and isinstance(value, bytes):
+            status = status_pb2.Status.FromString(value)
+        elif key == _PUSHBACK_KEY:
+            pushback = value.decode() if isinstance(value, bytes) else value
+    if status is None or status.code != _number(code):
+        status = status_pb2.Status(code=_number(code), message=details)
+    return error_from_status(status, request_id=request_id, pushback_ms=pushback)
+
+
+def _parts(
+    error: grpc.RpcError,
+) -> tuple[grpc.StatusCode, str, Sequence[tuple[str, str | bytes]]]:
+    # Every RpcError raised by a call is also a grpc.Call (sync) or an AioRpcError.
+    code_of = getattr(error, "code", None)
+    details_of = getattr(error, "details", None)
+    trailers_of = getattr(error, "trailing_metadata", None)
+    code = code_of() if callable(code_of) else grpc.StatusCode.UNKNOWN
+    details = details_of() if callable(details_of) else str(error)
+    trailers = trailers_of() if callable(trailers_of) else None
+    return (
+        code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN,
+        details or "",
+        tuple(trailers or ()),
+    )
+
+
+def _number(code: grpc.StatusCode) -> int:
+    number = code.value[0]
+    assert isinstance(number, int)
+    return number
+
+
+def _parse_pushback_s(value: str) -> float | None:
+    try:
+        milliseconds = int(value)
+    except ValueError:
+        return None
+    return None if milliseconds < 0 else milliseconds / 1000

@@ -1,0 +1,168 @@
+"""Retries: capped attempts, exponential backoff with jitter, the server's pushback, and
+never past the caller's deadline.
+
+The delay before retry ``n`` (1 for the first retry) is::
+
+    base = min(max_backoff_s, initial_backoff_s * multiplier ** (n - 1))
+    delay = max(server_hint_s, base * uniform(1 - jitter, 1))
+
+so a server that says "retry in 40 ms" (``RetryInfo`` / ``grpc-retry-pushback-ms``) is
+never asked again sooner, and clients that failed together do not retry together. A
+retry that would start after the caller's deadline is not made: the last error is raised
+at once, with a note saying why the retries stopped.
+
+For tests, ``set_testing(True)`` turns every backoff sleep into no sleep (like stamina's
+switch of the same name), optionally capping attempts too::
+
+    from laneserve import client
+
+    client.set_testing(True, max_attempts=2)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from laneserve.client._errors import LaneserveError
+
+__all__ = ["NO_RETRIES", "RetryPolicy", "is_testing", "set_testing"]
+
+log = logging.getLogger("laneserve.client")
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How often and how patiently to retry retryable failures.
+
+    The defaults retry for about 3 seconds at most (0.1 + 0.2 + 0.4 + 0.8 + 1.6 s before
+    jitter), bounded by the call's own timeout whenever that is shorter.
+    """
+
+    # Attempts in all, the first included; 1 means no retries.
+    max_attempts: int = 6
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 5.0
+    multiplier: float = 2.0
+    # Fraction of each delay that is random: the delay is drawn from
+    # [base * (1 - jitter), base].
+    jitter: float = 0.5
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
+            raise TypeError(f"max_attempts: expected an integer, got {self.max_attempts!r}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts: expected >= 1, got {self.max_attempts}")
+        for key in ("initial_backoff_s", "max_backoff_s"):
+            value = getattr(self, key)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{key}: expected finite seconds >= 0, got {value!r}")
+        if not math.isfinite(self.multiplier) or self.multiplier < 1:
+            raise ValueError(f"multiplier: expected a number >= 1, got {self.multiplier!r}")
+        if not 0 <= self.jitter <= 1:
+            raise ValueError(f"jitter: expected a fraction in [0, 1], got {self.jitter!r}")
+
+    def backoff_s(self, retry: int, rng: random.Random | None = None) -> float:
+        """The jittered exponential delay before retry number `retry` (1-based)."""
+        assert retry >= 1
+        exponent = min(retry - 1, 64)  # large enough to reach any cap, small enough to stay finite
+        base = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier**exponent)
+        draw = (rng or _RNG).random()
+        return base * (1 - self.jitter * draw)
+
+    def delay_s(
+        self, retry: int, server_hint_s: float | None, rng: random.Random | None = None
+    ) -> float:
+        """The delay before retry `retry`: the backoff, but never less than the server's hint."""
+        backoff = self.backoff_s(retry, rng)
+        return backoff if server_hint_s is None else max(server_hint_s, backoff)
+
+
+NO_RETRIES = RetryPolicy(max_attempts=1)
+_RNG = random.Random()  # noqa: S311 - jitter spreads retries; it guards no secret
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Testing:
+    max_attempts: int | None
+
+
+_testing: _Testing | None = None
+
+
+def set_testing(enabled: bool, *, max_attempts: int | None = None) -> None:
+    """Test mode: no backoff sleeps at all, and optionally at most `max_attempts` attempts.
+
+    Deadlines, caps and the retry decisions stay as they are; only the waiting goes.
+    """
+    global _testing  # noqa: PLW0603 - the switch is process-wide on purpose, like stamina's
+    if max_attempts is not None and max_attempts < 1:
+        raise ValueError(f"max_attempts: expected >= 1 or None, got {max_attempts}")
+    _testing = _Testing(max_attempts) if enabled else None
+
+
+def is_testing() -> bool:
+    return _testing is not None
+
+
+def attempts_allowed(policy: RetryPolicy) -> int:
+    if _testing is not None and _testing.max_attempts is not None:
+        return min(policy.max_attempts, _testing.max_attempts)
+    return policy.max_attempts
+
+
+def effective_delay_s(delay_s: float) -> float:
+    """The delay actually slept: none in test mode."""
+    return 0.0 if _testing is not None else delay_s
+
+
+async def call_with_retries(
+    attempt: Callable[[float | None], Awaitable[T]],
+    *,
+    policy: RetryPolicy,
+    deadline_s: float | None,
+    what: str,
+) -> T:
+    """Runs `attempt(timeout_s)` until it succeeds, fails for good, runs out of attempts,
+    or the next attempt would start after `deadline_s` (``time.monotonic()`` seconds).
+
+    `timeout_s` is what is left of the deadline (None: no deadline): each attempt passes it
+    on as its gRPC deadline, so no attempt runs past the caller's.
+    """
+    allowed = attempts_allowed(policy)
+    number = 0
+    while True:
+        number += 1
+        timeout_s = None if deadline_s is None else deadline_s - time.monotonic()
+        try:
+            return await attempt(timeout_s)
+        except LaneserveError as error:
+            error.attempts = number
+            if not error.should_retry:
+                raise
+            if number >= allowed:
+                error.add_note(f"{what}: gave up after {number} attempt(s) (max_attempts)")
+                raise
+            delay_s = effective_delay_s(policy.delay_s(number, error.retry_after_s))
+            if deadline_s is not None and time.monotonic() + delay_s >= deadline_s:
+                error.add_note(
+                    f"{what}: gave up after {number} attempt(s): the next would start "
+                    f"after the deadline (in {delay_s * 1000:.0f} ms)"
+                )
+                raise
+            log.debug(
+                "%s: %s; retry %d in %.0f ms",
+                what,
+                error.reason or error.code.name,
+                number,
+                delay_s * 1000,
+            )
+            await asyncio.sleep(delay_s)

@@ -1,0 +1,463 @@
+"""Bulk jobs over ``InferStream``: a window of items in flight, per-item retries, and
+resumption after a dropped connection.
+
+One `BulkStream` runs one job. Over one stream call at a time, a writer task sends items
+while fewer than ``window`` are held (read from the source and not yet handed to the
+caller), and a reader task turns each answer into a final `StreamResult`, or schedules
+the item again when its error is retryable (same request_id, backoff, server pushback,
+capped attempts). When the call breaks (connection lost, server gone), the items sent on
+it and not answered are sent again on a new call, and only those: the server's
+idempotency by request_id answers those that ran already without running them twice.
+
+Ownership: everything here runs on one event loop; the writer, the reader and the
+retry timers only touch the state between awaits, so no lock is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import enum
+import logging
+import math
+import uuid
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+)
+from typing import Any
+
+import grpc
+import numpy.typing as npt
+
+from laneserve.client._errors import (
+    InvalidInputError,
+    LaneserveError,
+    UnavailableError,
+    error_from_rpc,
+    error_from_status,
+)
+from laneserve.client._request import encode_inputs
+from laneserve.client._retry import RetryPolicy, attempts_allowed, effective_delay_s
+from laneserve.client._types import StreamRequest, StreamResult
+from laneserve.client.tensors import decode_tensor
+from laneserve.v1 import inference_pb2 as pb
+from laneserve.v1 import inference_pb2_grpc as pb_grpc
+
+__all__ = ["BulkStream", "StreamItem", "StreamOptions", "StreamSource", "row_chunks"]
+
+log = logging.getLogger("laneserve.client")
+
+Arrays = Mapping[str, npt.NDArray[Any]]
+StreamItem = Arrays | StreamRequest
+StreamSource = Arrays | Iterable[StreamItem] | AsyncIterable[StreamItem]
+Metadata = tuple[tuple[str, str], ...]
+
+
+def row_chunks(inputs: Arrays, rows_per_item: int) -> Iterator[Arrays]:
+    """Views of `inputs` of `rows_per_item` rows each (the last may be shorter)."""
+    if rows_per_item < 1:
+        raise ValueError(f"rows_per_item: expected >= 1, got {rows_per_item}")
+    counts = {name: array.shape[0] if array.ndim else 0 for name, array in inputs.items()}
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"inputs must have the same number of rows (first axis), got {counts}")
+    total = next(iter(counts.values()), 0)
+    for start in range(0, total, rows_per_item):
+        yield {name: array[start : start + rows_per_item] for name, array in inputs.items()}
+
+
+class _State(enum.Enum):
+    QUEUED = "queued"  # waiting for the writer
+    SENT = "sent"  # written on the current call, not answered
+    BACKOFF = "backoff"  # answered with a retryable error; resent when its timer fires
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Item:
+    index: int
+    request_id: str
+    message: pb.InferRequest = dataclasses.field(repr=False)
+    rows: int
+    state: _State = _State.QUEUED
+    attempts: int = 0  # times sent for an answer; a resend after a broken call is not one
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _CallEnded:
+    # None: the server closed the stream normally (OK status).
+    error: LaneserveError | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Failed:
+    # The source raised, or an item was not a request: the job ends with this error.
+    error: Exception
+
+
+_Event = StreamResult | _CallEnded | _Failed
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StreamOptions:
+    """How a bulk job is sent; see `AsyncClient.stream`."""
+
+    lane: str = "bulk"
+    # Items held at once: sent and unanswered, waiting for a retry, or answered and not
+    # yet taken by the caller (in order mode, waiting for an earlier item).
+    window: int = 256
+    # Per-item server-side budget; 0: only the lane's timeout applies.
+    timeout_ms: int = 0
+    ordered: bool = True
+    outputs: tuple[str, ...] = ()
+    # Prefix of the items' request ids (f"{job_id}-{index}"); random when None. A job
+    # restarted with the same id and items is answered from the server's replay cache
+    # for the items that completed already.
+    job_id: str | None = None
+    # When the source is one mapping of arrays: rows per item.
+    rows_per_item: int = 64
+    # Rows sent and not finally answered, at most (one larger item still goes alone).
+    # None: the lane's capacity as the server reports it, so that one job alone never
+    # overfills its lane and spends its retries on LANE_FULL.
+    window_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"window: expected >= 1 item, got {self.window}")
+        if not 0 <= self.timeout_ms < 2**32:
+            raise ValueError(f"timeout_ms: expected 0 (none) to 2**32 - 1, got {self.timeout_ms}")
+        if self.rows_per_item < 1:
+            raise ValueError(f"rows_per_item: expected >= 1, got {self.rows_per_item}")
+        if self.window_rows is not None and self.window_rows < 1:
+            raise ValueError(f"window_rows: expected >= 1 row or None, got {self.window_rows}")
+
+
+class BulkStream:
+    """One bulk job; iterate `results()` once."""
+
+    def __init__(
+        self,
+        stub: pb_grpc.InferenceServiceAsyncStub,
+        metadata: Metadata,
+        source: StreamSource,
+        options: StreamOptions,
+        policy: RetryPolicy,
+        lane_capacity: Callable[[str], Awaitable[int | None]] | None = None,
+    ) -> None:
+        self._stub = stub
+        self._lane_capacity = lane_capacity
+        self._metadata = metadata
+        if isinstance(source, Mapping):
+            source = row_chunks(source, options.rows_per_item)
+        self._sync_source: Iterator[StreamItem] | None = None
+        self._async_source: AsyncIterator[StreamItem] | None = None
+        if isinstance(source, AsyncIterable):
+            self._async_source = aiter(source)
+        else:
+            self._sync_source = iter(source)
+        self._options = options
+        self._window = options.window
+        self._ordered = options.ordered
+        self.job_id = options.job_id or uuid.uuid4().hex
+        self._policy = policy
+        self._allowed = attempts_allowed(policy)
+
+        self._source_done = False
+        self._pulled = 0  # items taken from the source
+        self._held = 0  # pulled and not yet handed to the caller: at most `window`
+        self._window_rows = math.inf  # set from the options or the lane when results start
+        # Rows of the items taken for sending and not finally answered: at most
+        # `_window_rows`, or one item alone.
+        self._rows_out = 0
+        # Pulled, but waits for `_rows_out` to make room for it.
+        self._stashed: _Item | None = None
+        # Items pulled and not finally answered, by request_id.
+        self._items: dict[str, _Item] = {}
+        self._to_send: collections.deque[_Item] = collections.deque()
+        self._ready: dict[int, StreamResult] = {}  # ordered mode: answers ahead of their turn
+        self._next_index = 0  # ordered mode: the next index to hand out
+        self._events: asyncio.Queue[_Event] = asyncio.Queue()
+        self._wakeup = asyncio.Event()  # the writer may have something to do
+        self.calls = 0  # stream calls opened (1 + reconnections)
+
+    # ---- the caller's side -----------------------------------------------------------
+
+    async def results(self) -> AsyncIterator[StreamResult]:
+        """Final results: ordered by index, or as they come when not `ordered`."""
+        failures = 0  # consecutive broken calls that answered nothing
+        await self._set_window_rows()
+        while True:
+            answered_before = self._pulled - len(self._items)
+            call = self._stub.InferStream(metadata=self._metadata)
+            self.calls += 1
+            tasks = (
+                asyncio.create_task(self._write(call)),
+                asyncio.create_task(self._read(call)),
+            )
+            ended: _CallEnded | None = None
+            try:
+                while ended is None:
+                    event = await self._events.get()
+                    if isinstance(event, StreamResult):
+                        self._held -= 1
+                        self._wakeup.set()
+                        yield event
+                    elif isinstance(event, _Failed):
+                        raise event.error
+                    else:
+                        ended = event
+            finally:
+                call.cancel()
+                for task in tasks:
+                    task.cancel()
+                await asyncio.wait(tasks)  # neither outlives its call
+                if ended is None:  # the caller stopped early, or the source failed
+                    self._cancel_timers()
+            if ended.error is None and self._source_done and not self._items:
+                while not self._events.empty():  # results queued after the stream closed
+                    event = self._events.get_nowait()
+                    assert isinstance(event, StreamResult)
+                    self._held -= 1
+                    yield event
+                return
+            error = ended.error or UnavailableError(
+                f"the server closed the stream with {len(self._items)} item(s) unanswered"
+            )
+            progressed = self._pulled - len(self._items) > answered_before
+            failures = 0 if progressed else failures + 1
+            unanswered = len(self._items)
+            if not _call_may_resume(error):
+                self._cancel_timers()
+                error.add_note(
+                    f"bulk stream {self.job_id}: the call failed for good; "
+                    f"{unanswered} item(s) unanswered"
+                )
+                raise error
+            if failures >= self._allowed:
+                self._cancel_timers()
+                error.attempts = failures
+                error.add_note(
+                    f"bulk stream {self.job_id}: gave up after {failures} broken call(s) "
+                    f"in a row with no answer; {unanswered} item(s) unanswered"
+                )
+                raise error
+            resent = self._requeue_sent()
+            delay_s = effective_delay_s(self._policy.delay_s(max(failures, 1), error.retry_after_s))
+            log.info(
+                "bulk stream %s: call broke (%s); resending %d unanswered item(s) in %.0f ms",
+                self.job_id,
+                error,
+                resent,
+                delay_s * 1000,
+            )
+            await asyncio.sleep(delay_s)
+
+    # ---- the writer ------------------------------------------------------------------
+
+    async def _write(
+        self, call: grpc.aio.StreamStreamCall[pb.InferRequest, pb.InferStreamResponse]
+    ) -> None:
+        try:
+            while (item := await self._next_to_send()) is not None:
+                item.state = _State.SENT
+                if item.attempts == 0:
+                    item.attempts = 1
+                await call.write(item.message)
+            await call.done_writing()
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            return  # the call broke or ended: the reader reports how
+        except Exception as error:  # noqa: BLE001 - the source's failure, handed to the caller
+            self._events.put_nowait(_Failed(error))
+
+    async def _set_window_rows(self) -> None:
+        window_rows = self._options.window_rows
+        if window_rows is None and self._lane_capacity is not None:
+            window_rows = await self._lane_capacity(self._options.lane)
+        self._window_rows = math.inf if window_rows is None else window_rows
+
+    async def _next_to_send(self) -> _Item | None:
+        """The next item to write; None when every item has its final answer."""
+        while True:
+            if self._to_send:
+                return self._to_send.popleft()
+            stashed = self._stashed
+            if stashed is not None:
+                if self._take(stashed):
+                    self._stashed = None
+                    return stashed
+            elif not self._source_done and self._held < self._window:
+                pulled = await self._pull()
+                if pulled is None:
+                    continue
+                if self._take(pulled):
+                    return pulled
+                self._stashed = pulled
+                continue
+            if self._source_done and not self._items:
+                return None
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+    def _take(self, item: _Item) -> bool:
+        """Counts `item`'s rows as out if they fit the row window (or nothing is out)."""
+        if self._rows_out and self._rows_out + item.rows > self._window_rows:
+            return False
+        self._rows_out += item.rows
+        return True
+
+    async def _pull(self) -> _Item | None:
+        """The next item from the source, encoded; None at the end of the source, or when
+        the item failed to encode (it is answered with its error at once)."""
+        try:
+            if self._async_source is not None:
+                raw = await anext(self._async_source)
+            else:
+                assert self._sync_source is not None
+                raw = next(self._sync_source)
+        except (StopIteration, StopAsyncIteration):
+            self._source_done = True
+            return None
+        index = self._pulled
+        self._pulled += 1
+        self._held += 1
+        if isinstance(raw, StreamRequest):
+            inputs, request_id = raw.inputs, raw.request_id or f"{self.job_id}-{index}"
+        elif isinstance(raw, Mapping):
+            inputs, request_id = raw, f"{self.job_id}-{index}"
+        else:
+            raise TypeError(
+                f"bulk stream item {index}: expected a mapping of input name to array or a "
+                f"StreamRequest, got {type(raw).__name__}"
+            )
+        if request_id in self._items:
+            raise ValueError(
+                f"bulk stream item {index}: request_id {request_id!r} is already in flight "
+                "in this stream; expected a unique id per item"
+            )
+        try:
+            tensors = encode_inputs(inputs, request_id)
+        except InvalidInputError as error:  # this item's fault: answered, the job goes on
+            error.attempts = 0
+            self._emit(StreamResult(index, request_id, None, error, 0))
+            return None
+        message = pb.InferRequest(
+            request_id=request_id,
+            lane=self._options.lane,
+            timeout_ms=self._options.timeout_ms,
+            inputs=tensors,
+            output_names=self._options.outputs,
+        )
+        rows = next((int(array.shape[0]) for array in inputs.values() if array.ndim), 0)
+        item = _Item(index, request_id, message, rows)
+        self._items[request_id] = item
+        return item
+
+    # ---- the reader ------------------------------------------------------------------
+
+    async def _read(
+        self, call: grpc.aio.StreamStreamCall[pb.InferRequest, pb.InferStreamResponse]
+    ) -> None:
+        try:
+            while (response := await call.read()) is not grpc.aio.EOF:
+                assert isinstance(response, pb.InferStreamResponse)
+                self._on_answer(response)
+        except grpc.RpcError as error:
+            self._events.put_nowait(_CallEnded(error_from_rpc(error)))
+        except Exception as error:  # noqa: BLE001 - a bug must end the job, not hang it
+            self._events.put_nowait(_Failed(error))
+        else:
+            self._events.put_nowait(_CallEnded(None))
+
+    def _on_answer(self, response: pb.InferStreamResponse) -> None:
+        item = self._items.get(response.request_id)
+        if item is None or item.state is not _State.SENT:
+            log.warning(
+                "bulk stream %s: answer for %r, which is not awaiting one; ignored",
+                self.job_id,
+                response.request_id,
+            )
+            return
+        if response.WhichOneof("result") == "response":
+            try:
+                answer = response.response
+                outputs = {tensor.name: decode_tensor(tensor) for tensor in answer.outputs}
+            except ValueError as undecodable:
+                self._finish(item, None, LaneserveError(f"undecodable answer: {undecodable}"))
+                return
+            self._finish(item, outputs, None)
+            return
+        error = error_from_status(response.error, request_id=item.request_id)
+        error.attempts = item.attempts
+        if error.should_retry and item.attempts < self._allowed:
+            delay_s = effective_delay_s(self._policy.delay_s(item.attempts, error.retry_after_s))
+            item.state = _State.BACKOFF
+            item.timer = asyncio.get_running_loop().call_later(delay_s, self._resend, item)
+            return
+        if error.should_retry:
+            error.add_note(f"gave up after {item.attempts} attempt(s) (max_attempts)")
+        self._finish(item, None, error)
+
+    def _resend(self, item: _Item) -> None:
+        item.timer = None
+        if self._items.get(item.request_id) is item and item.state is _State.BACKOFF:
+            item.state = _State.QUEUED
+            item.attempts += 1
+            self._to_send.append(item)
+            self._wakeup.set()
+
+    def _finish(
+        self,
+        item: _Item,
+        outputs: dict[str, npt.NDArray[Any]] | None,
+        error: LaneserveError | None,
+    ) -> None:
+        del self._items[item.request_id]
+        self._rows_out -= item.rows
+        self._emit(StreamResult(item.index, item.request_id, outputs, error, item.attempts))
+        self._wakeup.set()  # the writer may be waiting to half-close
+
+    def _emit(self, result: StreamResult) -> None:
+        if not self._ordered:
+            self._events.put_nowait(result)
+            return
+        self._ready[result.index] = result
+        while self._next_index in self._ready:
+            self._events.put_nowait(self._ready.pop(self._next_index))
+            self._next_index += 1
+
+    # ---- broken calls ------------------------------------------------------------------
+
+    def _requeue_sent(self) -> int:
+        """Items sent on the broken call and not answered go first on the next one, in
+        order; those waiting for a retry keep their timers."""
+        sent = sorted(
+            (item for item in self._items.values() if item.state is _State.SENT),
+            key=lambda item: item.index,
+        )
+        for item in sent:
+            item.state = _State.QUEUED
+        queued = [item for item in self._to_send if item.state is _State.QUEUED]
+        self._to_send = collections.deque(sent + queued)
+        return len(sent)
+
+    def _cancel_timers(self) -> None:
+        for item in self._items.values():
+            if item.timer is not None:
+                item.timer.cancel()
+                item.timer = None
+
+
+def _call_may_resume(error: LaneserveError) -> bool:
+    """Whether a broken stream call is worth a new one. Besides the retryable statuses,
+    gRPC ends a call whose write failed on a dropped connection with INTERNAL ("Internal
+    error from Core"): the server never sends INTERNAL for a whole stream (item failures
+    come back as items), so an INTERNAL without a laneserve reason is the transport's."""
+    if error.should_retry:
+        return True
+    return error.code == grpc.StatusCode.INTERNAL and not error.reason

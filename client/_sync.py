@@ -1,0 +1,209 @@
+"""`Client`: the blocking client. It runs an `AsyncClient` on an event loop of its own,
+in one thread, so both clients share one implementation of retries and bulk streams."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import numpy.typing as npt
+
+from laneserve.client._aio import AsyncClient, MetadataLike, Outputs, TlsLike
+from laneserve.client._channel import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET
+from laneserve.client._retry import RetryPolicy
+from laneserve.client._stream import StreamSource
+from laneserve.client._types import ModelInfo, StreamResult
+from laneserve.v1 import inference_pb2 as pb
+
+__all__ = ["Client"]
+
+T = TypeVar("T")
+
+
+class Client:
+    """A blocking laneserve client; safe to share between threads.
+
+    Example::
+
+        with Client("127.0.0.1:50051") as client:
+            scores = client.infer({"input": rows}, timeout=0.5)["output"]
+            for result in client.stream({"input": many_rows}, rows_per_item=64):
+                ...
+
+    The methods mirror `AsyncClient`'s (see there). One thread named
+    ``laneserve-client`` runs the calls; `close()` (or leaving the ``with`` block) stops
+    it. The items of a `stream()` from a plain iterable are read on that thread.
+    """
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        tls: TlsLike = None,
+        metadata: MetadataLike | None = None,
+        retry: RetryPolicy | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        options: Sequence[tuple[str, Any]] = (),
+        interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
+    ) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="laneserve-client", daemon=True
+        )
+        self._thread.start()
+        self._closed = False
+
+        async def create() -> AsyncClient:
+            # The channel binds to the loop it is created on: create it there.
+            return AsyncClient(
+                target,
+                tls=tls,
+                metadata=metadata,
+                retry=retry,
+                max_message_bytes=max_message_bytes,
+                options=options,
+                interceptors=interceptors,
+            )
+
+        try:
+            self._client = self._run(create())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @property
+    def target(self) -> str:
+        return self._client.target
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes the channel and stops the client's thread. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._run(self._client.close())
+            self._run(self._loop.shutdown_asyncgens())  # streams left unfinished
+        finally:
+            self._stop_loop()
+
+    def infer(
+        self,
+        inputs: Mapping[str, npt.NDArray[Any]],
+        *,
+        lane: str | None = None,
+        timeout: float | None = None,
+        request_id: str | None = None,
+        outputs: Sequence[str] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> Outputs:
+        """See `AsyncClient.infer`."""
+        return self._run(
+            self._client.infer(
+                inputs,
+                lane=lane,
+                timeout=timeout,
+                request_id=request_id,
+                outputs=outputs,
+                retry=retry,
+            )
+        )
+
+    def model(self, *, timeout: float | None = None) -> ModelInfo:
+        """See `AsyncClient.model`."""
+        return self._run(self._client.model(timeout=timeout))
+
+    def stats(self, *, timeout: float | None = None) -> pb.GetStatsResponse:
+        """See `AsyncClient.stats`."""
+        return self._run(self._client.stats(timeout=timeout))
+
+    def stream(  # noqa: PLR0913 - keyword-only options of one call, each with a default
+        self,
+        requests: StreamSource,
+        *,
+        lane: str = "bulk",
+        window: int = 256,
+        timeout_ms: int = 0,
+        ordered: bool = True,
+        outputs: Sequence[str] | None = None,
+        job_id: str | None = None,
+        rows_per_item: int = 64,
+        window_rows: int | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> Iterator[StreamResult]:
+        """See `AsyncClient.stream`. Stopping the iteration early (``break``, an
+        exception) cancels the job's call; the server frees its queued items."""
+
+        async def start() -> AsyncIterator[StreamResult]:
+            return self._client.stream(
+                requests,
+                lane=lane,
+                window=window,
+                timeout_ms=timeout_ms,
+                ordered=ordered,
+                outputs=outputs,
+                job_id=job_id,
+                rows_per_item=rows_per_item,
+                window_rows=window_rows,
+                retry=retry,
+            )
+
+        results = self._run(start())
+        return self._iterate(results)
+
+    def _iterate(self, results: AsyncIterator[StreamResult]) -> Iterator[StreamResult]:
+        # The task running the latest step: closing must wait for it, as an async
+        # generator cannot be closed while it runs.
+        steps: list[asyncio.Task[Any]] = []
+
+        async def step() -> StreamResult:
+            task = asyncio.current_task()
+            assert task is not None
+            steps[:] = [task]
+            return await anext(results)
+
+        async def close() -> None:
+            running = [task for task in steps if not task.done()]
+            for task in running:
+                task.cancel()
+            if running:
+                await asyncio.wait(running)
+            aclose = getattr(results, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+        try:
+            while True:
+                try:
+                    yield self._run(step())
+                except StopAsyncIteration:
+                    return
+        finally:
+            if not self._closed:
+                self._run(close())
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        if self._closed and not self._thread.is_alive():
+            coroutine.close()
+            raise RuntimeError("the client is closed")
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            # Interrupted while waiting (Ctrl-C, a signal handler's exception): the call
+            # must not go on unseen. A no-op when the coroutine itself raised.
+            future.cancel()
+            raise
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()

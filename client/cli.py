@@ -1,0 +1,625 @@
+"""`laneserve-client`: call a laneserve server from the shell.
+
+    laneserve-client model                                   the model, lanes, providers
+    laneserve-client stats                                   live counters as a table
+    laneserve-client infer --json '{"input": [[0.1, ...]]}'  one request, outputs as JSON
+    laneserve-client bulk --input rows.npy --output out.npy  a bulk job with a checkpoint
+
+Every subcommand takes ``--target HOST:PORT`` (default 127.0.0.1:50051) and the TLS
+options. Exit codes: 0 everything done; 1 some rows failed (bulk: rerun with --resume to
+retry them); 2 bad usage or input; 3 the server could not be reached or refused the call;
+130 / 143 interrupted by SIGINT / SIGTERM (bulk: the checkpoint is saved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import logging
+import math
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any, Final, TextIO
+
+import numpy as np
+import numpy.typing as npt
+
+from laneserve.client._channel import DEFAULT_TARGET, TlsConfig
+from laneserve.client._checkpoint import Checkpoint, CheckpointError
+from laneserve.client._errors import LaneserveError
+from laneserve.client._retry import RetryPolicy
+from laneserve.client._sync import Client
+from laneserve.client._types import ModelInfo, StreamRequest
+from laneserve.v1 import inference_pb2 as pb
+
+EXIT_OK: Final = 0
+EXIT_FAILED_ROWS: Final = 1
+EXIT_USAGE: Final = 2
+EXIT_SERVER: Final = 3
+EXIT_SIGINT: Final = 130
+EXIT_SIGTERM: Final = 143
+# Failed items quoted in a bulk job's summary.
+_EXAMPLES: Final = 3
+
+Arrays = dict[str, npt.NDArray[Any]]
+Handler = Callable[[Client, argparse.Namespace], int]
+
+
+class UsageError(Exception):
+    """Bad arguments or input files: exit 2 with the message."""
+
+
+class Terminated(Exception):  # noqa: N818 - named after the signal, like KeyboardInterrupt
+    """SIGTERM arrived; handled like Ctrl-C."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        with _client(args) as client:
+            handler: Handler = args.handler
+            return handler(client, args)
+    except UsageError as error:
+        print(f"laneserve-client: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except LaneserveError as error:
+        print(f"laneserve-client: {error}", file=sys.stderr)
+        for note in getattr(error, "__notes__", ()):
+            print(f"  {note}", file=sys.stderr)
+        return EXIT_SERVER
+    except KeyboardInterrupt:
+        print("laneserve-client: interrupted", file=sys.stderr)
+        return EXIT_SIGINT
+    except Terminated:
+        print("laneserve-client: terminated", file=sys.stderr)
+        return EXIT_SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_terminated(_signum: int, _frame: FrameType | None) -> None:
+    raise Terminated
+
+
+def _client(args: argparse.Namespace) -> Client:
+    tls: TlsConfig | bool | None = None
+    if args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
+        try:
+            tls = TlsConfig.from_files(
+                ca=args.tls_ca,
+                cert=args.tls_cert,
+                key=args.tls_key,
+                server_name=args.tls_server_name,
+            )
+        except (OSError, ValueError) as error:
+            raise UsageError(f"TLS options: {error}") from error
+    elif args.tls:
+        tls = True
+    metadata = []
+    for pair in args.metadata:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--metadata {pair!r}: expected KEY=VALUE")
+        metadata.append((key, value))
+    return Client(
+        args.target,
+        tls=tls,
+        metadata=metadata,
+        retry=RetryPolicy(max_attempts=args.attempts),
+    )
+
+
+# ---- model and stats -------------------------------------------------------------------
+
+
+def _model(client: Client, args: argparse.Namespace) -> int:
+    model = client.model(timeout=args.timeout)
+    out = sys.stdout
+    print(f"model        {model.model_path}", file=out)
+    print(f"providers    {', '.join(model.providers)}", file=out)
+    print(f"batch cap    {model.batch_cap} rows (max_batch_size {model.max_batch_size})", file=out)
+    print(f"window       {model.stream_window} requests per stream", file=out)
+    print(file=out)
+    _table(
+        out,
+        ["tensor", "name", "dtype", "shape"],
+        [
+            [kind, spec.name, str(spec.dtype), _shape(spec.shape)]
+            for kind, specs in (("input", model.inputs), ("output", model.outputs))
+            for spec in specs
+        ],
+    )
+    print(file=out)
+    _table(
+        out,
+        ["lane", "priority", "capacity_rows", "timeout_ms", "max_wait_ms", "min_share", ""],
+        [
+            [
+                lane.name,
+                str(lane.priority),
+                str(lane.capacity_rows),
+                str(lane.timeout_ms),
+                str(lane.max_wait_ms),
+                f"{lane.min_share:g}",
+                "default" if lane.is_default else "",
+            ]
+            for lane in model.lanes
+        ],
+    )
+    return EXIT_OK
+
+
+def _stats(client: Client, args: argparse.Namespace) -> int:
+    stats = client.stats(timeout=args.timeout)
+    out = sys.stdout
+    run = stats.run_time
+    print(f"state        {stats.state}   uptime {stats.uptime_s:.0f} s", file=out)
+    print(
+        f"batches      {stats.batches}   mean size {stats.mean_batch_size:.1f} rows   "
+        f"cap {stats.batch_cap}   rows run {stats.rows_run}",
+        file=out,
+    )
+    print(
+        f"run time     p50 {run.p50_ms:.2f} ms   p95 {run.p95_ms:.2f} ms   p99 {run.p99_ms:.2f} ms",
+        file=out,
+    )
+    print(
+        f"idempotency  {stats.idempotent_replays} replayed   {stats.idempotent_joins} joined   "
+        f"{stats.replay_cache_entries} answers cached ({stats.replay_cache_bytes} bytes)",
+        file=out,
+    )
+    print(file=out)
+    _table(
+        out,
+        [
+            "lane",
+            "depth",
+            "admitted",
+            "completed",
+            "failed",
+            "rejected",
+            "shed",
+            "queue wait ms",
+        ],
+        [
+            [
+                lane.name,
+                f"{lane.depth_rows}/{lane.capacity_rows}",
+                str(lane.admitted),
+                str(lane.completed),
+                str(lane.failed),
+                _counts(lane.rejected),
+                _counts(lane.shed),
+                _percentiles(lane.queue_wait),
+            ]
+            for lane in stats.lanes
+        ],
+    )
+    return EXIT_OK
+
+
+def _percentiles(summary: pb.LatencySummary) -> str:
+    return f"p50 {summary.p50_ms:.1f} / p95 {summary.p95_ms:.1f} / p99 {summary.p99_ms:.1f}"
+
+
+def _counts(counts: Mapping[str, int]) -> str:
+    return ", ".join(f"{reason} {count}" for reason, count in sorted(counts.items())) or "0"
+
+
+def _shape(shape: Sequence[int | None]) -> str:
+    return "[" + ", ".join("?" if dim is None else str(dim) for dim in shape) + "]"
+
+
+def _table(out: TextIO, header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+    for row in (header, *rows):
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip(),
+            file=out,
+        )
+
+
+# ---- infer -----------------------------------------------------------------------------
+
+
+def _infer(client: Client, args: argparse.Namespace) -> int:
+    model = client.model(timeout=args.timeout)
+    if args.json is not None:
+        inputs = _inputs_from_json(args.json, model, "--json")
+    elif args.input is not None:
+        inputs = _read_inputs(Path(args.input), model)
+    else:
+        raise UsageError("infer: expected --input FILE (.npy, .npz, .json) or --json TEXT")
+    outputs = client.infer(
+        inputs,
+        lane=args.lane,
+        timeout=args.timeout,
+        request_id=args.request_id,
+        outputs=args.output_name or None,
+    )
+    if args.output is None:
+        json.dump({name: array.tolist() for name, array in outputs.items()}, sys.stdout)
+        print()
+    else:
+        _write_outputs(Path(args.output), outputs)
+    return EXIT_OK
+
+
+def _inputs_from_json(text: str, model: ModelInfo, where: str) -> Arrays:
+    try:
+        document = json.loads(text)
+    except ValueError as error:
+        raise UsageError(f"{where}: not JSON ({error})") from error
+    if not isinstance(document, dict):
+        if len(model.inputs) != 1:
+            raise UsageError(
+                f"{where}: expected an object of input name to nested lists; the model's "
+                f"inputs are {[spec.name for spec in model.inputs]}"
+            )
+        document = {model.inputs[0].name: document}
+    arrays: Arrays = {}
+    for name, value in document.items():
+        try:
+            spec = model.input(name)
+        except KeyError as error:
+            raise UsageError(f"{where}: {error.args[0]}") from error
+        try:
+            arrays[name] = np.asarray(value, dtype=spec.dtype)
+        except (TypeError, ValueError) as error:
+            raise UsageError(
+                f"{where}: input {name!r} is not a {spec.dtype} array of shape "
+                f"{_shape(spec.shape)}: {error}"
+            ) from error
+    return arrays
+
+
+def _read_inputs(path: Path, model: ModelInfo) -> Arrays:
+    """The model's inputs from .npy (one input), .npz (by name) or .json; .npy is
+    memory-mapped, so a large bulk input is not read into memory at once."""
+    if not path.is_file():
+        raise UsageError(f"input file {path} does not exist")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".json":
+            return _inputs_from_json(path.read_text(encoding="utf-8"), model, str(path))
+        if suffix == ".npy":
+            if len(model.inputs) != 1:
+                raise UsageError(
+                    f"{path} holds one array; the model has inputs "
+                    f"{[spec.name for spec in model.inputs]}: use .npz with those names"
+                )
+            arrays: Arrays = {model.inputs[0].name: np.load(path, mmap_mode="r")}
+        elif suffix == ".npz":
+            with np.load(path) as archive:
+                missing = [spec.name for spec in model.inputs if spec.name not in archive.files]
+                if missing:
+                    raise UsageError(
+                        f"{path} lacks input(s) {missing}; it holds {archive.files}, the "
+                        f"model's inputs are {[spec.name for spec in model.inputs]}"
+                    )
+                arrays = {spec.name: archive[spec.name] for spec in model.inputs}
+        else:
+            raise UsageError(f"input file {path}: expected a .npy, .npz or .json file")
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot read {path}: {error}") from error
+    for name, array in arrays.items():
+        spec = model.input(name)
+        if array.dtype != spec.dtype or array.ndim != len(spec.shape):
+            raise UsageError(
+                f"input {name!r} in {path} is {array.dtype} with shape {list(array.shape)}; "
+                f"the model expects {spec.dtype} with shape {_shape(spec.shape)}"
+            )
+    return arrays
+
+
+def _write_outputs(path: Path, outputs: Mapping[str, npt.NDArray[Any]]) -> None:
+    if path.suffix == ".npy":
+        if len(outputs) != 1:
+            raise UsageError(
+                f"{path}: .npy holds one array, the answer has {sorted(outputs)}; use .npz "
+                "or --output-name"
+            )
+        np.save(path, next(iter(outputs.values())))
+    elif path.suffix == ".npz":
+        # numpy's stub matches **arrays against `allow_pickle: bool` as well.
+        np.savez(path, **outputs)  # type: ignore[arg-type]
+    else:
+        raise UsageError(f"output file {path}: expected a .npy or .npz file")
+
+
+# ---- bulk ------------------------------------------------------------------------------
+
+
+def _bulk(client: Client, args: argparse.Namespace) -> int:
+    output = Path(args.output)
+    if output.suffix not in (".npy", ".npz"):
+        raise UsageError(f"--output {output}: expected a .npy or .npz file")
+    model = client.model(timeout=args.timeout)
+    output_names = args.output_name or [spec.name for spec in model.outputs]
+    if output.suffix == ".npy" and len(output_names) != 1:
+        raise UsageError(
+            f"--output {output}: .npy holds one array and the model has outputs "
+            f"{output_names}; choose one with --output-name, or write .npz"
+        )
+    input_path = Path(args.input)
+    if input_path.suffix.lower() not in (".npy", ".npz"):
+        raise UsageError(f"--input {input_path}: expected a .npy or .npz file")
+    inputs = _read_inputs(input_path, model)
+    rows = _row_count(inputs, input_path)
+    checkpoint = _open_checkpoint(output, input_path, rows, args)
+    pending = [int(item) for item in np.flatnonzero(~checkpoint.done)]
+    progress = Progress(rows, checkpoint.done_rows, enabled=not args.no_progress, stream=sys.stderr)
+    failures: collections.Counter[str] = collections.Counter()
+    examples: list[str] = []
+    saved_s = time.monotonic()
+
+    def requests() -> Iterator[StreamRequest]:
+        for item in pending:
+            span = checkpoint.item_rows(item)
+            yield StreamRequest(
+                {name: np.asarray(array[span]) for name, array in inputs.items()},
+                request_id=f"{checkpoint.job_id}-{item}",
+            )
+
+    try:
+        for result in client.stream(
+            requests(),
+            lane=args.lane,
+            window=args.window,
+            timeout_ms=args.timeout_ms,
+            ordered=False,
+            outputs=output_names,
+            job_id=checkpoint.job_id,
+        ):
+            item = pending[result.index]
+            if result.outputs is not None:
+                checkpoint.store(item, result.outputs)
+                progress.advance(_rows_in(checkpoint, item))
+            else:
+                assert result.error is not None
+                failures[result.error.reason or result.error.code.name] += 1
+                if len(examples) < _EXAMPLES:
+                    examples.append(f"item {item} ({result.request_id}): {result.error}")
+                progress.fail(_rows_in(checkpoint, item))
+            if time.monotonic() - saved_s >= args.checkpoint_interval_s:
+                checkpoint.save()
+                saved_s = time.monotonic()
+    finally:
+        progress.close()
+        checkpoint.save()  # also on Ctrl-C, SIGTERM and a lost server: --resume goes on
+    if not failures:
+        checkpoint.finish(output)
+        print(f"laneserve-client: {rows} rows done; wrote {output}", file=sys.stderr)
+        return EXIT_OK
+    failed_items = sum(failures.values())
+    print(
+        f"laneserve-client: {failed_items} of {checkpoint.items} items failed "
+        f"({_counts(failures)}); {checkpoint.done_rows} of {rows} rows done. "
+        f"Checkpoint: {checkpoint.directory}; rerun with --resume to retry the failed rows.",
+        file=sys.stderr,
+    )
+    for example in examples:
+        print(f"  {example}", file=sys.stderr)
+    return EXIT_FAILED_ROWS
+
+
+def _rows_in(checkpoint: Checkpoint, item: int) -> int:
+    span = checkpoint.item_rows(item)
+    return int(span.stop - span.start)
+
+
+def _row_count(inputs: Arrays, path: Path) -> int:
+    counts = {name: int(array.shape[0]) for name, array in inputs.items()}
+    if len(set(counts.values())) != 1:
+        raise UsageError(f"inputs in {path} have different row counts {counts}; expected one")
+    rows = next(iter(counts.values()))
+    if rows == 0:
+        raise UsageError(f"{path} has 0 rows; expected at least one")
+    return rows
+
+
+def _open_checkpoint(
+    output: Path, input_path: Path, rows: int, args: argparse.Namespace
+) -> Checkpoint:
+    directory = Path(f"{output}.partial")
+    if directory.exists():
+        if not args.resume:
+            raise UsageError(
+                f"{directory} holds the checkpoint of an unfinished job; pass --resume to "
+                "continue it, or delete it to start over"
+            )
+        try:
+            checkpoint = Checkpoint.load(
+                directory, input_path=input_path, rows=rows, rows_per_item=args.rows_per_item
+            )
+        except CheckpointError as error:
+            raise UsageError(str(error)) from error
+        print(
+            f"laneserve-client: resuming job {checkpoint.job_id}: {checkpoint.done_rows} of "
+            f"{rows} rows already done",
+            file=sys.stderr,
+        )
+        return checkpoint
+    if args.resume:
+        print(
+            f"laneserve-client: no checkpoint at {directory}; starting from the beginning",
+            file=sys.stderr,
+        )
+    return Checkpoint.create(
+        directory,
+        job_id=uuid.uuid4().hex,
+        input_path=input_path,
+        rows=rows,
+        rows_per_item=args.rows_per_item,
+    )
+
+
+class Progress:
+    """A one-line progress bar on a terminal (rows, rows/s, ETA, errors), redrawn at most
+    ten times a second; elsewhere (a log file, a pipe) a plain line every few seconds."""
+
+    def __init__(self, total_rows: int, done_rows: int, *, enabled: bool, stream: TextIO) -> None:
+        self._total = total_rows
+        self._done = done_rows
+        self._failed = 0
+        self._session_rows = 0  # rows done by this run: the rate ignores earlier runs
+        self._enabled = enabled
+        self._stream = stream
+        self._tty = stream.isatty()
+        self._started_s = time.monotonic()
+        self._drawn_s = -math.inf
+        self._period_s = 0.1 if self._tty else 5.0
+
+    def advance(self, rows: int) -> None:
+        self._done += rows
+        self._session_rows += rows
+        self._draw()
+
+    def fail(self, rows: int) -> None:
+        self._failed += rows
+        self._draw()
+
+    def close(self) -> None:
+        self._draw(force=True)
+        if self._enabled and self._tty:
+            self._stream.write("\n")
+            self._stream.flush()
+
+    def line(self) -> str:
+        elapsed_s = max(time.monotonic() - self._started_s, 1e-9)
+        rate = self._session_rows / elapsed_s
+        left = self._total - self._done - self._failed
+        eta = _clock(left / rate) if rate > 0 and left > 0 else "--:--"
+        fraction = self._done / self._total if self._total else 1.0
+        filled = round(fraction * 30)
+        return (
+            f"[{'#' * filled}{'.' * (30 - filled)}] {fraction * 100:5.1f}%  "
+            f"{self._done:,}/{self._total:,} rows  {rate:,.0f} rows/s  ETA {eta}  "
+            f"errors {self._failed:,} rows"
+        )
+
+    def _draw(self, *, force: bool = False) -> None:
+        now_s = time.monotonic()
+        if not self._enabled or (not force and now_s - self._drawn_s < self._period_s):
+            return
+        self._drawn_s = now_s
+        if self._tty:
+            self._stream.write("\r" + self.line())
+        else:
+            self._stream.write(self.line() + "\n")
+        self._stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+
+
+# ---- arguments -------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    connection = common.add_argument_group("connection")
+    connection.add_argument(
+        "--target", default=DEFAULT_TARGET, help=f"server HOST:PORT (default {DEFAULT_TARGET})"
+    )
+    connection.add_argument("--tls", action="store_true", help="use TLS with the system's roots")
+    connection.add_argument(
+        "--tls-ca", metavar="PEM", help="CA certificates to trust (implies TLS)"
+    )
+    connection.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS)")
+    connection.add_argument("--tls-key", metavar="PEM", help="client private key (mutual TLS)")
+    connection.add_argument(
+        "--tls-server-name", metavar="NAME", help="name to check the server certificate against"
+    )
+    connection.add_argument(
+        "--metadata",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="gRPC metadata sent with every call (repeatable)",
+    )
+    connection.add_argument(
+        "--attempts", type=_positive_int, default=6, help="attempts per call or item (default 6)"
+    )
+    connection.add_argument(
+        "--timeout", type=float, default=None, help="seconds per call, retries included"
+    )
+    connection.add_argument(
+        "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
+    )
+
+    parser = argparse.ArgumentParser(
+        prog="laneserve-client",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    model = commands.add_parser("model", parents=[common], help="the served model and lanes")
+    model.set_defaults(handler=_model)
+
+    stats = commands.add_parser("stats", parents=[common], help="live counters as a table")
+    stats.set_defaults(handler=_stats)
+
+    infer = commands.add_parser("infer", parents=[common], help="one request")
+    infer.add_argument("--input", help=".npy (one input), .npz (by input name) or .json")
+    infer.add_argument("--json", help='inputs as JSON: {"input": [[...]]}, or a list')
+    infer.add_argument("--output", help="write outputs to .npy/.npz instead of JSON on stdout")
+    infer.add_argument("--output-name", action="append", help="an output to return (repeatable)")
+    infer.add_argument("--lane", help="lane (default: the server's default lane)")
+    infer.add_argument("--request-id", help="request id (default: random)")
+    infer.set_defaults(handler=_infer)
+
+    bulk = commands.add_parser("bulk", parents=[common], help="a bulk job over the stream")
+    bulk.add_argument("--input", required=True, help=".npy (one input) or .npz (by name)")
+    bulk.add_argument("--output", required=True, help=".npy (one output) or .npz (all)")
+    bulk.add_argument("--output-name", action="append", help="an output to keep (repeatable)")
+    bulk.add_argument("--lane", default="bulk", help="lane (default bulk)")
+    bulk.add_argument(
+        "--window", type=_positive_int, default=256, help="requests in flight (default 256)"
+    )
+    bulk.add_argument(
+        "--rows-per-item", type=_positive_int, default=64, help="rows per request (default 64)"
+    )
+    bulk.add_argument(
+        "--timeout-ms", type=int, default=0, help="per-request budget (default: the lane's)"
+    )
+    bulk.add_argument(
+        "--resume", action="store_true", help="continue the job in OUTPUT.partial, if any"
+    )
+    bulk.add_argument(
+        "--checkpoint-interval-s",
+        type=float,
+        default=2.0,
+        help="seconds between checkpoint saves (default 2)",
+    )
+    bulk.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bulk.set_defaults(handler=_bulk)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())

@@ -1,0 +1,178 @@
+"""`laneserve bench` (also `scripts/bench.py`): runs the benchmark and writes its report.
+
+laneserve bench --profile quick            # about two minutes on 2 cores
+laneserve bench --profile full --py-spy    # the figures for bench/README.md
+laneserve bench --target 127.0.0.1:50051 --configs laneserve --scenarios a,b
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from laneserve.server.bench.loadgen import ClientError
+from laneserve.server.bench.procs import StartError
+from laneserve.server.bench.report import write_outputs
+from laneserve.server.bench.run import BenchSettings, command_line, run_bench
+from laneserve.server.bench.settings import (
+    CONFIGURATION_KINDS,
+    PROFILES,
+    SCENARIOS,
+    ConfigurationKind,
+    ScenarioId,
+)
+from laneserve.server.config import DEVICES
+
+RESULTS_DIR = Path("bench/results")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--profile", choices=sorted(PROFILES), default="quick", help="timing and grid of the run"
+    )
+    parser.add_argument("--model", help="ONNX model for every configuration (default: the demo)")
+    parser.add_argument(
+        "--target", help="HOST:PORT of a laneserve.v1 endpoint to measure instead of laneserve"
+    )
+    parser.add_argument(
+        "--configs",
+        type=_kinds,
+        default=CONFIGURATION_KINDS,
+        help=f"configurations, comma-separated (default: all of {','.join(CONFIGURATION_KINDS)})",
+    )
+    parser.add_argument(
+        "--scenarios", type=_scenarios, default=SCENARIOS, help="scenarios, e.g. a,b (default: all)"
+    )
+    parser.add_argument("--workers", type=_counts, help="N-workers process counts, e.g. 2,4")
+    parser.add_argument("--no-raw", action="store_true", help="skip the raw session ceiling")
+    parser.add_argument("--client-procs", type=int, default=2, help="load generator processes")
+    parser.add_argument("--channels", type=int, default=4, help="gRPC channels per client process")
+    parser.add_argument("--max-batch-size", type=int, default=128, help="laneserve's batch cap")
+    parser.add_argument(
+        "--intra-op-threads", type=int, default=0, help="ONNX Runtime threads (0 = auto)"
+    )
+    parser.add_argument("--device", choices=DEVICES, default="auto")
+    parser.add_argument(
+        "--no-batching-threads", type=int, help="thread pool of the no-batching server"
+    )
+    parser.add_argument("--laneserve-config", help="TOML config passed to laneserve serve")
+    parser.add_argument("--out", type=Path, help="output folder (default: bench/results/<time>)")
+    parser.add_argument("--no-plots", action="store_true", help="write no PNG plots")
+    parser.add_argument(
+        "--py-spy", action="store_true", help="profile laneserve at the highest (a) load"
+    )
+    parser.add_argument("--warmup-s", type=float, help="override the profile's warm-up")
+    parser.add_argument("--window-s", type=float, help="override the profile's window")
+    parser.add_argument("--max-windows", type=int, help="override the profile's window cap")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _split(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _kinds(text: str) -> tuple[ConfigurationKind, ...]:
+    kinds = _split(text)
+    unknown = [kind for kind in kinds if kind not in CONFIGURATION_KINDS]
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(
+            f"unknown configuration(s) {unknown}; expected some of {list(CONFIGURATION_KINDS)}"
+        )
+    return tuple(kind for kind in CONFIGURATION_KINDS if kind in kinds)
+
+
+def _scenarios(text: str) -> tuple[ScenarioId, ...]:
+    wanted = _split(text) if "," in text else list(text.strip())
+    unknown = [s for s in wanted if s not in SCENARIOS]
+    if unknown or not wanted:
+        raise argparse.ArgumentTypeError(
+            f"unknown scenario(s) {unknown}; expected some of {list(SCENARIOS)}"
+        )
+    return tuple(s for s in SCENARIOS if s in wanted)
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in _split(text))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 2,4; got {text!r}")
+    return counts
+
+
+def settings_from(args: argparse.Namespace, argv: Sequence[str]) -> BenchSettings:
+    profile = PROFILES[args.profile]
+    overrides = {
+        key: value
+        for key, value in (
+            ("warmup_s", args.warmup_s),
+            ("window_s", args.window_s),
+            ("max_windows", args.max_windows),
+        )
+        if value is not None
+    }
+    if overrides:
+        profile = dataclasses.replace(profile, **overrides)
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    settings = BenchSettings(
+        profile=profile,
+        out_dir=args.out or RESULTS_DIR / f"{stamp}-{profile.name}",
+        model_path=args.model,
+        target=args.target,
+        configurations=args.configs,
+        scenarios=args.scenarios,
+        raw_ceiling=not args.no_raw,
+        client_processes=args.client_procs,
+        channels_per_process=args.channels,
+        max_batch_size=args.max_batch_size,
+        intra_op_threads=args.intra_op_threads,
+        device=args.device,
+        laneserve_config=args.laneserve_config,
+        workers=args.workers,
+        py_spy=args.py_spy,
+        seed=args.seed,
+        command=command_line(argv),
+    )
+    if args.no_batching_threads is not None:
+        settings = dataclasses.replace(settings, no_batching_threads=args.no_batching_threads)
+    return settings
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Runs the benchmark of parsed `args` (`argv`: the whole command line, for the
+    report); 0 when it completed, whatever the verdicts."""
+    try:
+        settings = settings_from(args, argv)
+        document = run_bench(settings)
+    except (StartError, ClientError, FileNotFoundError, ValueError) as error:
+        print(f"laneserve bench: {error}", file=sys.stderr)
+        return 2
+    outputs = write_outputs(document, settings.out_dir, plots=not args.no_plots)
+    print(f"wrote {outputs['markdown']} and {outputs['json']}")
+    for path in outputs["plots"]:
+        print(f"wrote {path}")
+    for target in document["targets"]:
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[target["met"]]
+        print(f"  {verdict:>12}  {target['description']}: {target['measured']}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="laneserve bench", description=__doc__)
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    add_arguments(parser)
+    args = parser.parse_args(arguments)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return run(args, [sys.argv[0], *arguments])

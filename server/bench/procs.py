@@ -1,0 +1,370 @@
+"""Servers under test as processes of their own, started and stopped by the harness.
+
+Each server runs in its own process, so it never shares the load generator's GIL. Its
+port is read from its log line ``serving ... on HOST:PORT`` (every server here binds
+port 0 or a port chosen by the first of a group), and its peak memory from
+``/proc/PID/status`` (``VmHWM``: the high-water mark of the resident set).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+log = logging.getLogger(__name__)
+
+READY_PATTERN: Final = re.compile(r"serving .* on ([0-9.]+|\[[0-9a-f:]+\]|localhost):(\d+)")
+START_TIMEOUT_S: Final = 120.0
+STOP_TIMEOUT_S: Final = 20.0
+LOG_TAIL_LINES: Final = 40
+
+
+class StartError(RuntimeError):
+    """A server under test did not come up; the message carries the end of its log."""
+
+
+class ServerProcess:
+    """One server process; its stderr is read by a thread so the pipe never fills."""
+
+    def __init__(self, name: str, argv: Sequence[str]) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self._lines: queue.Queue[str] = queue.Queue()
+        self._tail: list[str] = []
+        self.process = subprocess.Popen(  # noqa: S603 - argv is built here, never from input
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self._reader = threading.Thread(
+            target=self._read, name=f"laneserve-bench-log-{name}", daemon=True
+        )
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self._lines.put(line)
+        self._lines.put("")  # end of output: the process has exited
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> tuple[str, int]:
+        """(host, port) from the server's `serving ... on HOST:PORT` line."""
+        while True:
+            try:
+                line = self._lines.get(timeout=timeout_s)
+            except queue.Empty:
+                raise StartError(
+                    f"{self.name} did not log 'serving ... on HOST:PORT' within {timeout_s:.0f}s;"
+                    f" log so far:\n{self.log_tail()}"
+                ) from None
+            self._remember(line)
+            if not line:
+                code = self.process.wait()
+                raise StartError(
+                    f"{self.name} exited with status {code} before serving; its log:\n"
+                    f"{self.log_tail()}"
+                )
+            match = READY_PATTERN.search(line)
+            if match:
+                return match.group(1).strip("[]"), int(match.group(2))
+
+    def _remember(self, line: str) -> None:
+        self._tail.append(line)
+        del self._tail[:-LOG_TAIL_LINES]
+
+    def log_tail(self) -> str:
+        while True:
+            try:
+                self._remember(self._lines.get_nowait())
+            except queue.Empty:
+                return "".join(self._tail)
+
+    def memory(self) -> dict[str, int | None]:
+        """Peak and current resident set of the process, in bytes (None once gone)."""
+        status = _proc_status(self.pid)
+        return {
+            "pid": self.pid,
+            "peak_rss_bytes": status.get("VmHWM"),
+            "rss_bytes": status.get("VmRSS"),
+        }
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM (the servers drain and exit 0), then SIGKILL after `timeout_s`."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0fs; killing it", self.name, timeout_s)
+                self.process.kill()
+                self.process.wait()
+        self._reader.join(timeout=timeout_s)
+        assert self.process.stderr is not None
+        self.process.stderr.close()
+        return self.process.returncode
+
+
+def _proc_status(pid: int) -> dict[str, int]:
+    """The kB fields of /proc/PID/status, in bytes; empty when the process is gone or the
+    system has no /proc (memory is then reported as unknown)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text(encoding="ascii")
+    except OSError:
+        return {}
+    fields: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        parts = value.split()
+        if len(parts) == 2 and parts[1] == "kB":  # noqa: PLR2004 - "<number> kB"
+            fields[key] = int(parts[0]) * 1024
+    return fields
+
+
+_TICKS_PER_S: Final = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads) the process has used; None once gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii")
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": utime and stime are fields 14 and 15, counted from 1;
+    # comm may hold spaces, so count from the ")" that ends it.
+    fields = stat.rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+
+
+def thread_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
+    """Per thread of the process: its name and the CPU seconds it has used. Native
+    threads (ONNX Runtime's pool, gRPC's pollers) are there too, unlike in a Python
+    profiler's view."""
+    threads: dict[int, tuple[str, float]] = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return threads
+    for task in tasks:
+        try:
+            name = (task / "comm").read_text(encoding="utf-8").strip()
+            fields = (task / "stat").read_text(encoding="ascii").rpartition(")")[2].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        threads[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / _TICKS_PER_S)
+    return threads
+
+
+def machine_busy_s() -> float | None:
+    """CPU seconds all cores of the machine have spent busy (not idle, not waiting on
+    I/O) since boot; None without /proc."""
+    try:
+        line = Path("/proc/stat").read_text(encoding="ascii").splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    ticks = [int(value) for value in line.split()[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # noqa: PLR2004 - idle, iowait
+    return (sum(ticks[:8]) - idle) / _TICKS_PER_S
+
+
+@dataclasses.dataclass
+class Deployment:
+    """One configuration under test: its name, its address and the processes behind it
+    (none for an endpoint the harness did not start)."""
+
+    name: str
+    kind: str
+    target: str
+    processes: list[ServerProcess] = dataclasses.field(default_factory=list)
+    # What the processes were started with, for the report.
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def memory(self) -> dict[str, Any]:
+        """Peak resident set summed over the processes (None when unknown)."""
+        by_process = [process.memory() for process in self.processes]
+        peaks = [entry["peak_rss_bytes"] for entry in by_process]
+        rss = [entry["rss_bytes"] for entry in by_process]
+        known = bool(peaks) and all(value is not None for value in peaks)
+        return {
+            "processes": len(self.processes),
+            "peak_rss_bytes": sum(v for v in peaks if v is not None) if known else None,
+            "rss_bytes": sum(v for v in rss if v is not None) if known else None,
+            "by_process": by_process,
+        }
+
+    def cpu_s(self) -> float | None:
+        """CPU seconds used so far by the processes, summed; None when unknown."""
+        used = [process_cpu_s(process.pid) for process in self.processes]
+        if not used or any(value is None for value in used):
+            return None
+        return sum(value for value in used if value is not None)
+
+    def stop(self) -> list[int]:
+        """Stops every process (all of them, even when one fails to stop); exit codes."""
+        codes = []
+        for process in self.processes:
+            with contextlib.suppress(Exception):
+                codes.append(process.stop())
+        return codes
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def start_group(
+    name: str, kind: str, argv: Callable[[int], Sequence[str]], *, count: int = 1
+) -> Deployment:
+    """Starts `count` processes one after another, `argv(0)` first and then `argv(port)`
+    with the port the first one bound (SO_REUSEPORT: they share it); each must serve
+    before the next starts. Stops them all if any fails."""
+    deployment = Deployment(name=name, kind=kind, target="")
+    try:
+        port = 0
+        for index in range(count):
+            process = ServerProcess(f"{name}[{index}]" if count > 1 else name, argv(port))
+            deployment.processes.append(process)
+            host, bound = process.wait_ready()
+            if index == 0:
+                deployment.target = f"{host}:{bound}"
+                port = bound
+            elif bound != port:
+                _refuse_port(process.name, bound, port)
+    except BaseException:
+        deployment.stop()
+        raise
+    return deployment
+
+
+def _refuse_port(name: str, bound: int, expected: int) -> None:
+    raise StartError(f"{name} bound port {bound}; expected the group's port {expected}")
+
+
+def start_laneserve(
+    model_path: str,
+    *,
+    max_batch_size: int,
+    intra_op_threads: int,
+    device: str,
+    config_path: str | None = None,
+) -> Deployment:
+    args = [
+        "--log-level",
+        "info",
+        "serve",
+        "--model",
+        model_path,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--max-batch-size",
+        str(max_batch_size),
+        "--intra-op-threads",
+        str(intra_op_threads),
+        "--drain-grace-s",
+        "2",
+        "--device",
+        device,
+        # Metrics stay on, as served by default, on a free port: a fixed one may be taken.
+        "--metrics-port",
+        "0",
+    ]
+    if config_path is not None:
+        args += ["--config", config_path]
+    deployment = start_group(
+        "laneserve", "laneserve", lambda _port: python_module("laneserve.server.cli", *args)
+    )
+    deployment.settings = {
+        "max_batch_size": max_batch_size,
+        "intra_op_threads": intra_op_threads,
+        "device": device,
+        "config": config_path,
+    }
+    return deployment
+
+
+BASELINES_MODULE: Final = "laneserve.server.bench.baselines"
+
+
+def start_echo(model_path: str, *, device: str) -> Deployment:
+    argv = python_module(BASELINES_MODULE, "echo", "--model", model_path, "--device", device)
+    return start_group("echo", "echo", lambda _port: argv)
+
+
+def start_no_batching(
+    model_path: str, *, threads: int, intra_op_threads: int, device: str
+) -> Deployment:
+    argv = python_module(
+        BASELINES_MODULE,
+        "single",
+        "--model",
+        model_path,
+        "--threads",
+        str(threads),
+        "--intra-op-threads",
+        str(intra_op_threads),
+        "--device",
+        device,
+    )
+    deployment = start_group("no-batching", "no-batching", lambda _port: argv)
+    deployment.settings = {
+        "threads": threads,
+        "intra_op_threads": intra_op_threads,
+        "device": device,
+    }
+    return deployment
+
+
+def start_workers(
+    model_path: str, *, workers: int, intra_op_threads: int, device: str
+) -> Deployment:
+    """N single-session servers on one port (SO_REUSEPORT): the first binds a free port,
+    the others join it; the kernel spreads the clients' connections over them."""
+
+    def argv(port: int) -> list[str]:
+        return python_module(
+            BASELINES_MODULE,
+            "single",
+            "--model",
+            model_path,
+            "--port",
+            str(port),
+            "--reuse-port",
+            "--threads",
+            "1",
+            "--intra-op-threads",
+            str(intra_op_threads),
+            "--device",
+            device,
+        )
+
+    deployment = start_group(f"workers-{workers}", "workers", argv, count=workers)
+    deployment.settings = {
+        "workers": workers,
+        "threads_per_worker": 1,
+        "intra_op_threads": intra_op_threads,
+        "device": device,
+    }
+    return deployment
+
+
+def default_worker_threads(workers: int) -> int:
+    """Intra-op threads per worker: the cores shared out, at least one each."""
+    return max(1, (os.cpu_count() or 1) // workers)

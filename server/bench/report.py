@@ -1,0 +1,985 @@
+"""The run's document as files: JSON (every figure), Markdown (the tables and the
+targets of issue 6, met or missed) and PNG plots (when matplotlib is installed).
+
+The document is built by `run.run_bench`; `evaluate_targets` adds the verdicts, and
+`write_outputs` writes everything under one folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from laneserve.server.bench.settings import SCENARIO_TITLES
+
+log = logging.getLogger("laneserve.bench")
+
+# Keys every document has (the tests check them; values may be None when not measured).
+DOCUMENT_KEYS: Final = frozenset(
+    {
+        "schema",
+        "created_utc",
+        "command",
+        "profile",
+        "settings",
+        "environment",
+        "model",
+        "primary",
+        "capacity",
+        "raw_ceiling",
+        "configurations",
+        "scenarios",
+        "server_profile",
+        "server_threads",
+        "targets",
+        "reference",
+        "warnings",
+        "outputs",
+        "duration_s",
+    }
+)
+POINT_KEYS: Final = frozenset(
+    {
+        "configuration",
+        "scenario",
+        "name",
+        "streams",
+        "stable",
+        "windows_measured",
+        "windows_used",
+        "measured_s",
+        "per_window",
+        "lanes",
+        "total",
+        "client",
+        "server",
+        "host",
+    }
+)
+STREAM_KEYS: Final = frozenset(
+    {
+        "label",
+        "lane",
+        "rows",
+        "mode",
+        "concurrency",
+        "offered_rate_per_s",
+        "deadline_ms",
+        "deadline_in",
+        "sent",
+        "answered",
+        "ok",
+        "sent_per_s",
+        "answered_per_s",
+        "throughput_per_s",
+        "throughput_rows_per_s",
+        "goodput_per_s",
+        "goodput_rows_per_s",
+        "latency",
+        "queue",
+        "batch_rows",
+        "rejected",
+        "shed",
+        "timed_out",
+        "failed",
+        "rejected_per_s",
+        "shed_per_s",
+        "late_ok",
+        "expired_executed",
+        "client_lag",
+    }
+)
+LATENCY_KEYS: Final = frozenset(
+    {"count", "p50_ms", "p95_ms", "p99_ms", "p99_9_ms", "mean_ms", "max_ms"}
+)
+
+# The figures issue 6 quotes for a widely used Python-facing server with a C++ dynamic
+# batcher on a 2-core machine, this demo model, 64 single-row callers; laneserve should
+# reach twice the throughput and a third of the p99.
+REFERENCE: Final = {
+    "description": (
+        "a widely used Python-facing server with a C++ dynamic batcher, demo model, 2 cores,"
+        " its own Python client (figures quoted in issue 6)"
+    ),
+    "callers_64": {"throughput_per_s": 1650.0, "p50_ms": 37.0, "p99_ms": 69.0},
+    "callers_1": {"throughput_per_s": 116.0, "p50_ms": 8.0},
+    "throughput_factor": 2.0,
+    "p99_factor": 3.0,
+}
+
+
+def missing_keys(document: dict[str, Any]) -> list[str]:
+    """Where `document` lacks a key it must have; empty when it is well formed."""
+    missing = [f"document.{key}" for key in sorted(DOCUMENT_KEYS - set(document))]
+    for scenario, points in document.get("scenarios", {}).items():
+        for index, point in enumerate(points):
+            where = f"scenarios.{scenario}[{index}]"
+            missing += [f"{where}.{key}" for key in sorted(POINT_KEYS - set(point))]
+            for label, stream in point.get("lanes", {}).items():
+                missing += [
+                    f"{where}.lanes.{label}.{key}" for key in sorted(STREAM_KEYS - set(stream))
+                ]
+                latency = stream.get("latency", {})
+                missing += [
+                    f"{where}.lanes.{label}.latency.{key}"
+                    for key in sorted(LATENCY_KEYS - set(latency))
+                ]
+    return missing
+
+
+# ---- targets -------------------------------------------------------------------
+
+
+def _points(document: dict[str, Any], scenario: str, configuration: str) -> list[dict[str, Any]]:
+    return [p for p in document["scenarios"][scenario] if p["configuration"] == configuration]
+
+
+def _point(
+    document: dict[str, Any], scenario: str, configuration: str, name: str
+) -> dict[str, Any] | None:
+    for point in _points(document, scenario, configuration):
+        if point["name"] == name:
+            return point
+    return None
+
+
+def _single(point: dict[str, Any] | None, label: str = "single") -> dict[str, Any] | None:
+    if point is None:
+        return None
+    stream: dict[str, Any] | None = point["lanes"].get(label)
+    return stream
+
+
+def _target(
+    target_id: str,
+    description: str,
+    measured: str,
+    required: str,
+    met: bool | None,
+    detail: str = "",
+) -> dict[str, Any]:
+    return {
+        "id": target_id,
+        "description": description,
+        "measured": measured,
+        "required": required,
+        "met": met,
+        "detail": detail,
+    }
+
+
+def _not_measured(target_id: str, description: str, required: str, why: str) -> dict[str, Any]:
+    return _target(target_id, description, "not measured", required, None, why)
+
+
+def evaluate_targets(document: dict[str, Any]) -> list[dict[str, Any]]:
+    """The targets of issue 6, each with the measured figure and a verdict (None: not
+    measured in this run)."""
+    primary = document["primary"]
+    targets = [
+        _echo_target(document, primary),
+        _no_batching_target(document, primary),
+        *_workers_targets(document, primary),
+        *_isolation_targets(document, primary),
+        *_overload_targets(document, primary),
+        *_reference_targets(document, primary),
+    ]
+    document["targets"] = targets
+    document["reference"] = REFERENCE
+    return targets
+
+
+def _echo_target(document: dict[str, Any], primary: str) -> dict[str, Any]:
+    description = "single-row throughput >= 80 % of the echo ceiling at 32 callers"
+    ours = _single(_point(document, "a", primary, "c=32"))
+    echo = _single(_point(document, "a", "echo", "c=32"))
+    if ours is None or echo is None or not echo["throughput_per_s"]:
+        return _not_measured("echo_ratio", description, ">= 0.80", "needs (a) c=32 on both")
+    ratio = ours["throughput_per_s"] / echo["throughput_per_s"]
+    return _target(
+        "echo_ratio",
+        description,
+        f"{ratio:.2f} ({ours['throughput_per_s']:.0f} / {echo['throughput_per_s']:.0f} req/s)",
+        ">= 0.80",
+        ratio >= 0.8,  # noqa: PLR2004 - the issue's figure
+    )
+
+
+def _no_batching_target(document: dict[str, Any], primary: str) -> dict[str, Any]:
+    description = ">= 2x the no-batching server's throughput at 64 callers, with lower p99"
+    ours = _single(_point(document, "a", primary, "c=64"))
+    theirs = _single(_point(document, "a", "no-batching", "c=64"))
+    if ours is None or theirs is None or not theirs["throughput_per_s"]:
+        return _not_measured("vs_no_batching", description, ">= 2.0x", "needs (a) c=64 on both")
+    ratio = ours["throughput_per_s"] / theirs["throughput_per_s"]
+    our_p99 = ours["latency"]["p99_ms"]
+    their_p99 = theirs["latency"]["p99_ms"]
+    lower = our_p99 is not None and their_p99 is not None and our_p99 < their_p99
+    return _target(
+        "vs_no_batching",
+        description,
+        f"{ratio:.2f}x; p99 {_ms(our_p99)} vs {_ms(their_p99)}",
+        ">= 2.0x and lower p99",
+        ratio >= 2.0 and lower,  # noqa: PLR2004 - the issue's figure
+    )
+
+
+def _best_throughput(document: dict[str, Any], configuration: str) -> float | None:
+    values = [p["total"]["throughput_per_s"] for p in _points(document, "a", configuration)]
+    return max(values) if values else None
+
+
+def _workers_targets(document: dict[str, Any], primary: str) -> list[dict[str, Any]]:
+    names = [
+        name for name, entry in document["configurations"].items() if entry["kind"] == "workers"
+    ]
+    if not names:
+        return [
+            _not_measured(
+                "workers_throughput",
+                "N workers do not beat laneserve's throughput",
+                "<= laneserve",
+                "no N-workers configuration ran",
+            ),
+            _not_measured(
+                "workers_memory",
+                "N workers use at least 2x laneserve's memory",
+                ">= 2.0x",
+                "no N-workers configuration ran",
+            ),
+        ]
+    ours = _best_throughput(document, primary)
+    our_memory = (document["configurations"][primary].get("memory") or {}).get("peak_rss_bytes")
+    targets = []
+    for name in names:
+        theirs = _best_throughput(document, name)
+        if ours is None or theirs is None:
+            targets.append(
+                _not_measured(
+                    f"{name}_throughput",
+                    f"{name} does not beat laneserve's throughput",
+                    "<= laneserve",
+                    "needs (a) on both",
+                )
+            )
+        else:
+            targets.append(
+                _target(
+                    f"{name}_throughput",
+                    f"{name} does not beat laneserve's best throughput in (a)",
+                    f"{theirs:.0f} vs laneserve {ours:.0f} req/s",
+                    "<= laneserve",
+                    theirs <= ours,
+                )
+            )
+        their_memory = (document["configurations"][name].get("memory") or {}).get("peak_rss_bytes")
+        if our_memory and their_memory:
+            ratio = their_memory / our_memory
+            targets.append(
+                _target(
+                    f"{name}_memory",
+                    f"{name}'s peak resident memory is at least 2x laneserve's",
+                    f"{ratio:.2f}x ({_mib(their_memory)} vs {_mib(our_memory)})",
+                    ">= 2.0x",
+                    ratio >= 2.0,  # noqa: PLR2004 - the issue's figure
+                )
+            )
+        else:
+            targets.append(
+                _not_measured(
+                    f"{name}_memory",
+                    f"{name}'s peak resident memory is at least 2x laneserve's",
+                    ">= 2.0x",
+                    "memory is known only for processes the harness started",
+                )
+            )
+    return targets
+
+
+def _isolation_targets(document: dict[str, Any], primary: str) -> list[dict[str, Any]]:
+    """One verdict per way bulk traffic was sent in (c)."""
+    description = "interactive p99 under the bulk overload of (c) within 2x of its p99 alone"
+    alone = _single(_point(document, "c", primary, "interactive alone"), "interactive")
+    loaded = [p for p in _points(document, "c", primary) if p["name"].startswith("with bulk")]
+    if alone is None or not loaded:
+        return [_not_measured("isolation_p99", description, "<= 2.0x", "needs (c)")]
+    targets = []
+    for point in loaded:
+        via = point["streams"][1]["via"]
+        before, after = (
+            alone["latency"]["p99_ms"],
+            point["lanes"]["interactive"]["latency"]["p99_ms"],
+        )
+        if not before or after is None:
+            targets.append(
+                _not_measured(
+                    f"isolation_p99_{via}", description, "<= 2.0x", "no interactive answers"
+                )
+            )
+            continue
+        ratio = after / before
+        targets.append(
+            _target(
+                f"isolation_p99_{via}",
+                f"{description} (bulk over {'InferStream' if via == 'stream' else 'unary Infer'})",
+                f"{ratio:.2f}x ({_ms(after)} with bulk vs {_ms(before)} alone)",
+                "<= 2.0x",
+                ratio <= 2.0,  # noqa: PLR2004 - the issue's figure
+            )
+        )
+    return targets
+
+
+def _overload_targets(document: dict[str, Any], primary: str) -> list[dict[str, Any]]:
+    """One goodput verdict per way of sending the deadline; the expired-executed verdict
+    from the timeout_ms point, where every answer's Timing comes back."""
+    goodput_description = "under (d) goodput >= 90 % of saturation throughput"
+    expired_description = "under (d) no request executed after its deadline had passed"
+    points = _points(document, "d", primary)
+    capacity = (document.get("capacity") or {}).get("throughput_per_s")
+    if not points or not capacity:
+        return [
+            _not_measured("overload_goodput", goodput_description, ">= 0.90", "needs (a), (d)"),
+            _not_measured("overload_expired_executed", expired_description, "0", "needs (d)"),
+        ]
+    targets = []
+    for point in points:
+        stream = point["lanes"]["default"]
+        ratio = stream["goodput_per_s"] / capacity
+        how = point["streams"][0]["deadline_in"]
+        targets.append(
+            _target(
+                f"overload_goodput_{how}",
+                f"{goodput_description} (deadline as {how})",
+                f"{ratio:.2f} ({stream['goodput_per_s']:.0f} / {capacity:.0f} req/s)",
+                ">= 0.90",
+                ratio >= 0.9,  # noqa: PLR2004 - the issue's figure
+            )
+        )
+        if how == "timeout_ms":
+            targets.append(
+                _target(
+                    "overload_expired_executed",
+                    expired_description,
+                    f"{stream['expired_executed']} (OK but later than the deadline at the "
+                    f"client: {stream['late_ok']})",
+                    "0",
+                    stream["expired_executed"] == 0,
+                    "an OK answer whose Timing.queue_us exceeds the deadline was dispatched "
+                    "after it",
+                )
+            )
+    return targets
+
+
+def _reference_targets(document: dict[str, Any], primary: str) -> list[dict[str, Any]]:
+    reference = REFERENCE["callers_64"]
+    assert isinstance(reference, dict)
+    want_throughput = reference["throughput_per_s"] * REFERENCE["throughput_factor"]
+    want_p99 = reference["p99_ms"] / REFERENCE["p99_factor"]
+    ours = _single(_point(document, "a", primary, "c=64"))
+    if ours is None:
+        return [
+            _not_measured(
+                "reference_throughput", "2x the reference's 64-caller throughput", "", "needs c=64"
+            ),
+            _not_measured("reference_p99", "1/3 of the reference's 64-caller p99", "", "c=64"),
+        ]
+    p99 = ours["latency"]["p99_ms"]
+    return [
+        _target(
+            "reference_throughput",
+            "2x the reference server's throughput at 64 single-row callers",
+            f"{ours['throughput_per_s']:.0f} req/s",
+            f">= {want_throughput:.0f} req/s",
+            ours["throughput_per_s"] >= want_throughput,
+        ),
+        _target(
+            "reference_p99",
+            "a third of the reference server's p99 at 64 single-row callers",
+            _ms(p99),
+            f"<= {want_p99:.0f} ms",
+            p99 is not None and p99 <= want_p99,
+        ),
+    ]
+
+
+# ---- Markdown --------------------------------------------------------------------
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms" if value >= 10 else f"{value:.2f} ms"  # noqa: PLR2004 - digits
+
+
+def _num(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f} MiB"
+
+
+def _reasons(counts: dict[str, int]) -> str:
+    return ", ".join(f"{reason} {count}" for reason, count in counts.items()) or "-"
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def _verdict(met: bool | None) -> str:
+    return {True: "met", False: "**missed**", None: "not measured"}[met]
+
+
+def render_markdown(document: dict[str, Any]) -> str:
+    env = document["environment"]
+    model = document["model"]
+    profile = document["profile"]
+    lines = [
+        f"# laneserve benchmark ({document['profile']['name']} profile)",
+        "",
+        f"Command: `{document['command']}`",
+        "",
+        f"Machine: {env['cpu_count']} CPUs, {env['platform']}, Python {env['python']}, "
+        + ", ".join(f"{name} {version}" for name, version in env["versions"].items())
+        + f". Load average at start {_loads(env['loadavg_start'])}, at end "
+        f"{_loads(env['loadavg_end'])}.",
+        "",
+        (
+            f"Model: `{model.get('served_path') or model.get('path')}`, providers "
+            f"{model.get('providers')}, batch cap {model.get('batch_cap')}. Client: "
+            f"{document['settings']['client_processes']} processes x "
+            f"{document['settings']['channels_per_process']} channels. Windows of "
+            f"{profile['window_s']} s after {profile['warmup_s']} s of warm-up, until "
+            f"{profile['stable_windows']} agree within {profile['tolerance']:.0%} (at most "
+            f"{profile['max_windows']})."
+        ),
+        "",
+        "## Targets (issue 6)",
+        "",
+        *_table(
+            ["target", "measured", "required", "verdict"],
+            (
+                [t["description"], t["measured"], t["required"], _verdict(t["met"])]
+                for t in document["targets"]
+            ),
+        ),
+        "",
+    ]
+    lines += _raw_section(document)
+    lines += _scenario_a(document)
+    lines += _scenario_b(document)
+    lines += _scenario_c(document)
+    lines += _scenario_d(document)
+    lines += _memory_section(document)
+    lines += _server_section(document)
+    lines += _threads_section(document)
+    lines += _profile_section(document)
+    if document["warnings"]:
+        lines += ["## Warnings", "", *(f"- {w}" for w in document["warnings"]), ""]
+    if document["outputs"].get("plots"):
+        lines += ["## Plots", ""]
+        lines += [f"![{Path(p).stem}]({Path(p).name})" for p in document["outputs"]["plots"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _loads(values: Sequence[float] | None) -> str:
+    return "-" if not values else " / ".join(f"{value:.2f}" for value in values)
+
+
+def _raw_section(document: dict[str, Any]) -> list[str]:
+    raw = document["raw_ceiling"]
+    if not raw:
+        return []
+    return [
+        "## Raw ceiling (the session alone, back-to-back, no RPC)",
+        "",
+        *_table(
+            ["batch rows", "rows/s"],
+            ([rows, _num(value)] for rows, value in raw["rows_per_s_by_batch_rows"].items()),
+        ),
+        "",
+        f"Best: {_num(raw['best_rows_per_s'])} rows/s at {raw['best_batch_rows']} rows per run.",
+        "",
+    ]
+
+
+def _client(point: dict[str, Any]) -> str:
+    client = point["client"]
+    mark = " (saturated)" if client["saturated"] else ""
+    return f"{client['cpu_fraction_max']:.0%}{mark}"
+
+
+def _scenario_a(document: dict[str, Any]) -> list[str]:
+    points = document["scenarios"]["a"]
+    if not points:
+        return []
+    rows = []
+    for point in points:
+        stream = point["lanes"]["single"]
+        latency = stream["latency"]
+        batch = stream["batch_rows"]
+        rows.append(
+            [
+                point["configuration"],
+                str(stream["concurrency"]),
+                _num(stream["throughput_per_s"]),
+                _ms(latency["p50_ms"]),
+                _ms(latency["p95_ms"]),
+                _ms(latency["p99_ms"]),
+                _ms(latency["p99_9_ms"]),
+                _num(batch["mean"], 1) if batch else "-",
+                _client(point),
+                _cores(point["host"]["server_cores"]),
+                _cpu_per_request(point["host"]["server_cores"], stream["answered_per_s"]),
+                _cores(point["host"]["other_cores"]),
+                "yes" if point["stable"] else "no",
+            ]
+        )
+    return [
+        f"## (a) {SCENARIO_TITLES['a']}",
+        "",
+        (
+            "Client CPU: the busiest load generator process (share of one core). Server cores "
+            "and others: cores used by the server's processes and by everything else on the "
+            "machine (other users included) while the point ran; server CPU per request is "
+            "the server's CPU time divided by the requests it answered. Mean batch: of the "
+            "batches the answers came in, per answer (the server's own mean, per batch, is "
+            "in the server-side table)."
+        ),
+        "",
+        *_table(
+            [
+                "configuration",
+                "callers",
+                "req/s",
+                "p50",
+                "p95",
+                "p99",
+                "p99.9",
+                "mean batch",
+                "client CPU",
+                "server cores",
+                "server CPU per request",
+                "others",
+                "stable",
+            ],
+            rows,
+        ),
+        "",
+    ]
+
+
+def _cores(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _cpu_per_request(cores: float | None, per_s: float) -> str:
+    return "-" if cores is None or not per_s else _ms(cores * 1000 / per_s)
+
+
+HOST_HEADER: Final = "cores: server / clients / others"
+
+
+def _host(point: dict[str, Any]) -> str:
+    host = point["host"]
+    return " / ".join(_cores(host[key]) for key in ("server_cores", "client_cores", "other_cores"))
+
+
+def _scenario_b(document: dict[str, Any]) -> list[str]:
+    points = document["scenarios"]["b"]
+    if not points:
+        return []
+    rows = []
+    for point in points:
+        stream = point["lanes"]["single"]
+        latency = stream["latency"]
+        lag = stream["client_lag"] or {}
+        rows.append(
+            [
+                point["configuration"],
+                point["name"],
+                _num(stream["offered_rate_per_s"]),
+                _num(stream["throughput_per_s"]),
+                _ms(latency["p50_ms"]),
+                _ms(latency["p95_ms"]),
+                _ms(latency["p99_ms"]),
+                _ms(latency["p99_9_ms"]),
+                _ms(lag.get("p99_ms")),
+                _host(point),
+                "yes" if point["stable"] else "no",
+            ]
+        )
+    return [
+        f"## (b) {SCENARIO_TITLES['b']}",
+        "",
+        (
+            "Latency counts from each request's scheduled arrival; client lag is how late the "
+            "load generator sent it."
+        ),
+        "",
+        *_table(
+            [
+                "configuration",
+                "load",
+                "offered/s",
+                "answered OK/s",
+                "p50",
+                "p95",
+                "p99",
+                "p99.9",
+                "client lag p99",
+                HOST_HEADER,
+                "stable",
+            ],
+            rows,
+        ),
+        "",
+    ]
+
+
+def _scenario_c(document: dict[str, Any]) -> list[str]:
+    points = document["scenarios"]["c"]
+    if not points:
+        return []
+    rows = []
+    for point in points:
+        for label, stream in point["lanes"].items():
+            latency = stream["latency"]
+            offered = (
+                f"{stream['concurrency']} callers"
+                if stream["mode"] == "closed"
+                else f"{_num(stream['offered_rate_per_s'])}/s"
+            )
+            rows.append(
+                [
+                    point["configuration"],
+                    point["name"],
+                    f"{label} ({stream['rows']} rows)",
+                    offered,
+                    _num(stream["throughput_per_s"]),
+                    _ms(latency["p50_ms"]),
+                    _ms(latency["p99_ms"]),
+                    _ms(latency["p99_9_ms"]),
+                    _reasons(stream["rejected"]),
+                    _reasons(stream["shed"]),
+                    _host(point),
+                ]
+            )
+    return [
+        f"## (c) {SCENARIO_TITLES['c']}",
+        "",
+        *_table(
+            [
+                "configuration",
+                "point",
+                "stream",
+                "offered",
+                "OK/s",
+                "p50",
+                "p99",
+                "p99.9",
+                "rejected",
+                "shed",
+                HOST_HEADER,
+            ],
+            rows,
+        ),
+        "",
+    ]
+
+
+def _scenario_d(document: dict[str, Any]) -> list[str]:
+    points = document["scenarios"]["d"]
+    if not points:
+        return []
+    capacity = (document.get("capacity") or {}).get("throughput_per_s")
+    rows = []
+    for point in points:
+        stream = point["lanes"]["default"]
+        latency = stream["latency"]
+        share = stream["goodput_per_s"] / capacity if capacity else None
+        rows.append(
+            [
+                point["configuration"],
+                stream["deadline_in"] or "-",
+                _num(stream["offered_rate_per_s"]),
+                _num(stream["goodput_per_s"]),
+                "-" if share is None else f"{share:.0%}",
+                _ms(latency["p50_ms"]),
+                _ms(latency["p99_ms"]),
+                _reasons(stream["rejected"]),
+                _reasons({**stream["shed"], **stream["timed_out"], **stream["failed"]}),
+                str(stream["late_ok"]),
+                str(stream["expired_executed"]),
+                _ms((stream["client_lag"] or {}).get("p99_ms")),
+                _host(point),
+            ]
+        )
+    return [
+        f"## (d) {SCENARIO_TITLES['d']}",
+        "",
+        *_table(
+            [
+                "configuration",
+                "deadline as",
+                "offered/s",
+                "goodput/s",
+                "of capacity",
+                "p50 (OK)",
+                "p99 (OK)",
+                "rejected",
+                "shed / timed out / failed",
+                "OK but late",
+                "expired executed",
+                "client lag p99",
+                HOST_HEADER,
+            ],
+            rows,
+        ),
+        "",
+    ]
+
+
+def _memory_section(document: dict[str, Any]) -> list[str]:
+    rows = []
+    for name, entry in document["configurations"].items():
+        memory = entry.get("memory")
+        if memory:
+            rows.append(
+                [
+                    name,
+                    str(memory["processes"]),
+                    _mib(memory["peak_rss_bytes"]),
+                    _mib(memory["rss_bytes"]),
+                ]
+            )
+    if not rows:
+        return []
+    return [
+        "## Memory (resident set of the server processes, summed)",
+        "",
+        *_table(["configuration", "processes", "peak (VmHWM)", "at end (VmRSS)"], rows),
+        "",
+    ]
+
+
+def _server_section(document: dict[str, Any]) -> list[str]:
+    rows = []
+    for scenario in ("a", "b", "c", "d"):
+        for point in document["scenarios"][scenario]:
+            server = point["server"]
+            if not server:
+                continue
+            waits = ", ".join(
+                f"{lane} {_ms(figures['queue_wait_ms']['p99'])}"
+                for lane, figures in server["lanes"].items()
+                if figures["admitted"]
+            )
+            rows.append(
+                [
+                    point["configuration"],
+                    f"({scenario}) {point['name']}",
+                    _num(server["batches"]),
+                    _num(server["mean_batch_rows"], 1),
+                    _ms(server["run_time_ms"]["p50"]),
+                    _ms(server["run_time_ms"]["p99"]),
+                    waits or "-",
+                ]
+            )
+    if not rows:
+        return []
+    return [
+        "## Server side (GetStats over the measured windows)",
+        "",
+        *_table(
+            [
+                "configuration",
+                "point",
+                "batches",
+                "mean batch rows",
+                "run p50",
+                "run p99",
+                "queue wait p99 by lane",
+            ],
+            rows,
+        ),
+        "",
+    ]
+
+
+def _threads_section(document: dict[str, Any]) -> list[str]:
+    threads = document["server_threads"]
+    if not threads:
+        return []
+    # py-spy names the Python threads by their OS thread id: "thread (1234): MainThread".
+    profile = document["server_profile"] or {}
+    python_names = {
+        int(match.group(1)): match.group(2)
+        for key in (profile.get("summary") or {}).get("by_thread", {})
+        if (match := re.match(r"thread \((\d+)\): (.+)", key))
+    }
+    rows = [
+        [
+            str(entry["tid"]),
+            python_names.get(entry["tid"], entry["name"]),
+            _cores(entry["cores"]),
+        ]
+        for entry in threads["threads"]
+    ]
+    title = (
+        f"## The server's CPU by thread ({threads['configuration']} at ({threads['scenario']}) "
+        f"{threads['point']}; from /proc, native threads included)"
+    )
+    note = (
+        "Threads py-spy saw carry their Python names; the rest are native (ONNX Runtime's "
+        "pool, gRPC's pollers) or, without --py-spy, unnamed."
+    )
+    return [title, "", note, "", *_table(["thread id", "thread", "cores"], rows), ""]
+
+
+def _profile_section(document: dict[str, Any]) -> list[str]:
+    profile = document["server_profile"]
+    if not profile or "summary" not in profile or "top_self" not in profile["summary"]:
+        return []
+    summary = profile["summary"]
+    threads = ", ".join(
+        f"{thread} {share:.0%}" for thread, share in list(summary["by_thread"].items())[:6]
+    )
+    return [
+        (
+            f"## Where the server's CPU goes (py-spy, {profile['configuration']} at "
+            f"({profile['scenario']}) {profile['point']})"
+        ),
+        "",
+        f"{summary['samples']} samples; by thread: {threads}.",
+        "",
+        *_table(
+            ["self", "function"],
+            ([f"{t['fraction']:.1%}", f"`{t['frame']}`"] for t in summary["top_self"]),
+        ),
+        "",
+        *_table(
+            ["inclusive", "function"],
+            ([f"{t['fraction']:.1%}", f"`{t['frame']}`"] for t in summary["top_inclusive"]),
+        ),
+        "",
+    ]
+
+
+# ---- plots ---------------------------------------------------------------------
+
+
+def write_plots(document: dict[str, Any], out_dir: Path) -> tuple[list[str], str | None]:
+    """PNG plots; ([], why) when matplotlib is not installed."""
+    try:
+        import matplotlib as mpl  # noqa: PLC0415 - optional: the `bench` extra
+
+        mpl.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415 - after choosing the backend
+    except ImportError:
+        return [], (
+            "plots skipped: matplotlib is not installed (pip install 'laneserve[bench]');"
+            " the JSON and Markdown have every figure"
+        )
+    paths = []
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for name in document["configurations"]:
+        points = sorted(
+            _points(document, "a", name), key=lambda p: p["lanes"]["single"]["concurrency"]
+        )
+        if not points:
+            continue
+        xs = [p["lanes"]["single"]["throughput_per_s"] for p in points]
+        (line,) = axes.plot(
+            xs,
+            [p["lanes"]["single"]["latency"]["p50_ms"] for p in points],
+            "o-",
+            label=f"{name} p50",
+        )
+        axes.plot(
+            xs,
+            [p["lanes"]["single"]["latency"]["p99_ms"] for p in points],
+            "s--",
+            color=line.get_color(),
+            label=f"{name} p99",
+        )
+        open_points = _points(document, "b", name)
+        if open_points:
+            axes.plot(
+                [p["lanes"]["single"]["throughput_per_s"] for p in open_points],
+                [p["lanes"]["single"]["latency"]["p99_ms"] for p in open_points],
+                "x",
+                markersize=9,
+                color=line.get_color(),
+                label=f"{name} p99, open loop (b)",
+            )
+    axes.set_xlabel("throughput (single-row requests/s)")
+    axes.set_ylabel("latency (ms)")
+    axes.set_yscale("log")
+    axes.set_title("Latency versus throughput (closed loop by callers; x: open loop)")
+    axes.grid(visible=True, which="both", alpha=0.3)
+    axes.legend(fontsize=7)
+    path = out_dir / "latency_vs_throughput.png"
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    paths.append(str(path))
+
+    bars: list[tuple[str, float, str]] = []
+    for scenario in ("c", "d"):
+        for point in document["scenarios"][scenario]:
+            if point["name"].startswith("bulk alone"):
+                continue
+            for label, stream in point["lanes"].items():
+                p99 = stream["latency"]["p99_ms"]
+                if p99 is not None:
+                    name = point["name"].replace(", ", "\n").replace(" over ", "\nover ")
+                    where = f"{point['configuration']}\n({scenario}) {name}\n{label}"
+                    bars.append((where, p99, label))
+    if bars:
+        figure, axes = plt.subplots(figsize=(max(6.0, 2.0 * len(bars)), 5.5))
+        palette = {"interactive": "tab:blue", "bulk": "tab:orange"}
+        axes.bar(
+            range(len(bars)),
+            [value for _, value, _ in bars],
+            color=[palette.get(lane, "tab:gray") for _, _, lane in bars],
+        )
+        axes.set_xticks(range(len(bars)), [where for where, _, _ in bars], fontsize=7)
+        axes.set_ylabel("p99 latency of OK answers (ms)")
+        axes.set_yscale("log")
+        axes.set_title("p99 per lane: isolation (c) and overload (d)")
+        axes.grid(visible=True, axis="y", which="both", alpha=0.3)
+        path = out_dir / "p99_by_lane_under_overload.png"
+        figure.tight_layout()
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        paths.append(str(path))
+    return paths, None
+
+
+def write_outputs(document: dict[str, Any], out_dir: Path, *, plots: bool) -> dict[str, Any]:
+    """Writes results.json, report.md and the plots into `out_dir`; returns their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    evaluate_targets(document)
+    outputs: dict[str, Any] = {
+        "json": str(out_dir / "results.json"),
+        "markdown": str(out_dir / "report.md"),
+        "plots": [],
+    }
+    document["outputs"] = outputs
+    if plots:
+        outputs["plots"], skipped = write_plots(document, out_dir)
+        if skipped:
+            log.warning("%s", skipped)
+            document["warnings"].append(skipped)
+    Path(outputs["json"]).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    Path(outputs["markdown"]).write_text(render_markdown(document), encoding="utf-8")
+    return outputs

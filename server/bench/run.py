@@ -1,0 +1,679 @@
+"""The orchestrator: starts each configuration in its own processes, offers it the
+scenarios' load points through the client pool, and gathers every figure in one document.
+
+Order of a run: the raw ceiling (the machine still quiet), then the system under test
+(laneserve, or an external endpoint) whose saturation throughput sets the offered rates
+of scenarios (b)-(d) for every configuration, then the baselines one at a time: each is
+started, measured, its memory read, and stopped before the next starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import platform
+import shlex
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import grpc
+from google.protobuf import json_format
+
+from laneserve.client.tensors import numpy_dtype
+from laneserve.server.bench import procs
+from laneserve.server.bench.loadgen import ClientPool, InputSpec
+from laneserve.server.bench.profiling import PySpy, py_spy_binary
+from laneserve.server.bench.settings import (
+    SCENARIOS,
+    ConfigurationKind,
+    DeadlineIn,
+    Point,
+    Profile,
+    ScenarioId,
+    Stream,
+    Via,
+)
+from laneserve.server.bench.summary import combine, is_stable, summarize_stream, window_figures
+from laneserve.v1 import inference_pb2 as pb
+from laneserve.v1 import inference_pb2_grpc as pb_grpc
+
+log = logging.getLogger("laneserve.bench")
+
+SCHEMA: Final = "laneserve.bench/1"
+# A client process busier than this fraction of one core may be what limits a point.
+CLIENT_SATURATED_FRACTION: Final = 0.9
+RPC_TIMEOUT_S: Final = 10.0
+RAW_TIMEOUT_S: Final = 600.0
+DEFAULT_MODEL: Final = "models/demo.onnx"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BenchSettings:
+    profile: Profile
+    out_dir: Path
+    # The model every configuration serves; created (the demo model) when missing.
+    model_path: str | None = None
+    # An endpoint speaking laneserve.v1 to measure instead of starting laneserve.
+    target: str | None = None
+    configurations: tuple[ConfigurationKind, ...] = ("laneserve", "echo", "no-batching", "workers")
+    scenarios: tuple[ScenarioId, ...] = ("a", "b", "c", "d")
+    raw_ceiling: bool = True
+    client_processes: int = 2
+    channels_per_process: int = 4
+    max_batch_size: int = 128
+    intra_op_threads: int = 0
+    device: str = "auto"
+    # Pool threads of the no-batching server (each runs one request at a time).
+    no_batching_threads: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
+    laneserve_config: str | None = None
+    workers: tuple[int, ...] | None = None  # None: the profile's
+    py_spy: bool = False
+    seed: int = 0
+    command: str = ""
+
+
+def run_bench(settings: BenchSettings) -> dict[str, Any]:
+    """Runs everything `settings` asks for and returns the document (not yet written)."""
+    started_s = time.monotonic()
+    model_path = _model_path(settings)
+    document = _new_document(settings, model_path)
+    if settings.raw_ceiling and model_path is not None:
+        log.info("raw ceiling: back-to-back session runs, no RPC")
+        document["raw_ceiling"] = _raw_ceiling(settings, model_path)
+    with ClientPool(
+        processes=settings.client_processes,
+        channels=settings.channels_per_process,
+        seed=settings.seed,
+    ) as pool:
+        runner = _Runner(settings, pool, document)
+        for kind in _kinds_in_order(settings, model_path):
+            for starter in _starters(settings, kind, model_path):
+                runner.run_configuration(starter)
+    document["duration_s"] = time.monotonic() - started_s
+    document["environment"]["loadavg_end"] = list(os.getloadavg())
+    return document
+
+
+def _model_path(settings: BenchSettings) -> str | None:
+    if settings.model_path is not None:
+        if not Path(settings.model_path).exists():
+            raise FileNotFoundError(f"--model {settings.model_path}: no such file")
+        return settings.model_path
+    if settings.target is not None:
+        return None  # an external endpoint alone: no baselines, no raw ceiling
+    path = Path(DEFAULT_MODEL)
+    if not path.exists():
+        from laneserve.server.demo_model import make_demo_model  # noqa: PLC0415 - needs onnx
+
+        log.info("writing the demo model to %s", path)
+        make_demo_model(path)
+    return str(path)
+
+
+def _kinds_in_order(settings: BenchSettings, model_path: str | None) -> list[ConfigurationKind]:
+    kinds: list[ConfigurationKind] = ["laneserve"]  # the system under test always runs
+    if model_path is None:
+        return kinds
+    return kinds + [kind for kind in settings.configurations if kind != "laneserve"]
+
+
+def _starters(
+    settings: BenchSettings, kind: ConfigurationKind, model_path: str | None
+) -> list[Callable[[], procs.Deployment]]:
+    if kind == "laneserve" and settings.target is not None:
+        target = settings.target
+        return [lambda: procs.Deployment(name="target", kind="external", target=target)]
+    assert model_path is not None
+    device = settings.device
+    if kind == "laneserve":
+        return [
+            lambda: procs.start_laneserve(
+                model_path,
+                max_batch_size=settings.max_batch_size,
+                intra_op_threads=settings.intra_op_threads,
+                device=device,
+                config_path=settings.laneserve_config,
+            )
+        ]
+    if kind == "echo":
+        return [lambda: procs.start_echo(model_path, device=device)]
+    if kind == "no-batching":
+        return [
+            lambda: procs.start_no_batching(
+                model_path,
+                threads=settings.no_batching_threads,
+                intra_op_threads=settings.intra_op_threads,
+                device=device,
+            )
+        ]
+
+    def workers(count: int) -> Callable[[], procs.Deployment]:
+        return lambda: procs.start_workers(
+            model_path,
+            workers=count,
+            intra_op_threads=procs.default_worker_threads(count),
+            device=device,
+        )
+
+    return [workers(count) for count in settings.workers or settings.profile.workers]
+
+
+def _new_document(settings: BenchSettings, model_path: str | None) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": settings.command,
+        "profile": dataclasses.asdict(settings.profile),
+        "settings": {
+            "target": settings.target,
+            "configurations": list(settings.configurations),
+            "scenarios": list(settings.scenarios),
+            "client_processes": settings.client_processes,
+            "channels_per_process": settings.channels_per_process,
+            "max_batch_size": settings.max_batch_size,
+            "intra_op_threads": settings.intra_op_threads,
+            "device": settings.device,
+            "no_batching_threads": settings.no_batching_threads,
+            "laneserve_config": settings.laneserve_config,
+            "seed": settings.seed,
+        },
+        "environment": _environment(),
+        "model": {"path": model_path},
+        "primary": None,
+        "capacity": None,
+        "raw_ceiling": None,
+        "configurations": {},
+        "scenarios": {"a": [], "b": [], "c": [], "d": []},
+        "server_profile": None,
+        "server_threads": None,
+        "targets": [],
+        "warnings": [],
+        "outputs": {},
+        "duration_s": None,
+    }
+
+
+def _environment() -> dict[str, Any]:
+    versions = {}
+    for package in ("grpcio", "protobuf", "numpy", "onnxruntime-gpu", "onnxruntime"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[package] = importlib.metadata.version(package)
+    return {
+        "cpu_count": os.cpu_count(),
+        "loadavg_start": list(os.getloadavg()),
+        "loadavg_end": None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": versions,
+    }
+
+
+def _raw_ceiling(settings: BenchSettings, model_path: str) -> dict[str, Any]:
+    argv = procs.python_module(
+        procs.BASELINES_MODULE,
+        "raw",
+        "--model",
+        model_path,
+        "--max-batch-size",
+        str(settings.max_batch_size),
+        "--seconds-per-size",
+        str(settings.profile.raw_seconds_per_size),
+        "--intra-op-threads",
+        str(settings.intra_op_threads),
+        "--device",
+        settings.device,
+    )
+    done = subprocess.run(  # noqa: S603 - argv is built here, never from input
+        argv, capture_output=True, text=True, timeout=RAW_TIMEOUT_S, check=False
+    )
+    if done.returncode != 0:
+        raise procs.StartError(f"raw ceiling failed (exit {done.returncode}):\n{done.stderr}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+class _Runner:
+    def __init__(self, settings: BenchSettings, pool: ClientPool, document: dict[str, Any]):
+        self.settings = settings
+        self.profile = settings.profile
+        self.pool = pool
+        self.document = document
+        self.inputs: tuple[InputSpec, ...] = ()
+        self.lanes: list[str] = []
+        # Set by the system under test, used for every configuration's offered load.
+        self.capacity_per_s: float | None = None
+        self.bulk_capacity_rows_per_s: float | None = None
+
+    def run_configuration(self, start: Callable[[], procs.Deployment]) -> None:
+        deployment = start()
+        try:
+            primary = self.document["primary"] is None
+            if primary:
+                self.document["primary"] = deployment.name
+                self._read_model(deployment.target)
+            scenarios = self._scenarios_for(deployment, primary=primary)
+            entry: dict[str, Any] = {
+                "kind": deployment.kind,
+                "target": deployment.target,
+                "settings": deployment.settings,
+                "scenarios_run": scenarios,
+                "memory": None,
+            }
+            self.document["configurations"][deployment.name] = entry
+            log.info("%s on %s: scenarios %s", deployment.name, deployment.target, scenarios)
+            for scenario in scenarios:
+                for point in self._points(scenario, primary=primary):
+                    self._measure(deployment, point)
+                    if primary and scenario == "a":
+                        self._note_capacity(deployment.name)
+                    if primary and point.name == BULK_SATURATION:
+                        self._note_bulk_capacity(deployment.name)
+            entry["memory"] = deployment.memory() if deployment.processes else None
+        finally:
+            codes = deployment.stop()
+            if any(code not in (0, None) for code in codes):
+                self._warn(f"{deployment.name} exited with status {codes} when stopped")
+
+    def _scenarios_for(self, deployment: procs.Deployment, *, primary: bool) -> list[ScenarioId]:
+        wanted: set[ScenarioId] = set(self.settings.scenarios)
+        if primary:
+            if wanted & {"b", "c", "d"}:
+                wanted.add("a")  # the offered rates of (b)-(d) come from its capacity
+            if "c" in wanted and not {"interactive", "bulk"} <= set(self.lanes):
+                self._warn(f"(c) skipped: {deployment.name} has no 'interactive' and 'bulk' lanes")
+                wanted.discard("c")
+        elif deployment.kind == "echo":
+            wanted &= {"a"}
+        else:
+            wanted &= set(self.profile.baseline_scenarios)
+            if self.capacity_per_s is None:
+                wanted &= {"a"}
+            if self.bulk_capacity_rows_per_s is None:
+                wanted.discard("c")
+        return [scenario for scenario in SCENARIOS if scenario in wanted]
+
+    def _points(self, scenario: ScenarioId, *, primary: bool) -> Iterator[Point]:
+        profile = self.profile
+        if scenario == "a":
+            for callers in profile.concurrencies:
+                yield Point("a", f"c={callers}", (Stream("single", concurrency=callers),))
+            return
+        capacity = self.capacity_per_s
+        assert capacity is not None, "(a) runs first"
+        if scenario == "b":
+            for fraction in profile.load_fractions:
+                yield Point(
+                    "b",
+                    f"{fraction:.0%}",
+                    (Stream("single", rate_per_s=fraction * capacity),),
+                )
+        elif scenario == "c":
+            interactive = Stream(
+                "interactive",
+                lane="interactive",
+                rate_per_s=profile.interactive_fraction * capacity,
+            )
+            yield Point("c", "interactive alone", (interactive,))
+            if primary:
+                callers = max(2, math.ceil(2 * self.settings.max_batch_size / profile.bulk_rows))
+                yield Point(
+                    "c",
+                    BULK_SATURATION,
+                    (Stream("bulk", lane="bulk", rows=profile.bulk_rows, concurrency=callers),),
+                )
+            bulk_rows_per_s = self.bulk_capacity_rows_per_s
+            assert bulk_rows_per_s is not None, "the bulk saturation point runs first"
+            # Twice: bulk over InferStream, the bulk API (the server reads a stream only
+            # as fast as its window allows), and as a flood of unary calls.
+            ways: tuple[tuple[Via, str], ...] = (("stream", "InferStream"), ("unary", "Infer"))
+            for via, how in ways:
+                bulk = Stream(
+                    "bulk",
+                    lane="bulk",
+                    rows=profile.bulk_rows,
+                    rate_per_s=profile.bulk_fraction * bulk_rows_per_s / profile.bulk_rows,
+                    via=via,
+                )
+                yield Point(
+                    "c",
+                    f"with bulk at {profile.bulk_fraction:.0%} over {how}",
+                    (interactive, bulk),
+                )
+        else:
+            # Twice: the deadline as timeout_ms, where every answer and its Timing come
+            # back (an expired request that ran is seen), and as a plain gRPC deadline.
+            deadlines: tuple[tuple[DeadlineIn, str], ...] = (
+                ("timeout_ms", "timeout_ms"),
+                ("grpc", "gRPC deadline"),
+            )
+            for deadline_in, how in deadlines:
+                yield Point(
+                    "d",
+                    f"{profile.overload_fraction:.0%}, {profile.overload_deadline_ms} ms {how}",
+                    (
+                        Stream(
+                            "default",
+                            rate_per_s=profile.overload_fraction * capacity,
+                            deadline_ms=profile.overload_deadline_ms,
+                            deadline_in=deadline_in,
+                        ),
+                    ),
+                )
+
+    def _read_model(self, target: str) -> None:
+        with grpc.insecure_channel(target) as channel:
+            model = pb_grpc.InferenceServiceStub(channel).GetModel(
+                pb.GetModelRequest(), timeout=RPC_TIMEOUT_S
+            )
+        self.inputs = tuple(
+            InputSpec(
+                name=spec.name,
+                dtype=numpy_dtype(spec.dtype).str,
+                trailing_shape=tuple(dim if dim > 0 else 1 for dim in spec.shape[1:]),
+            )
+            for spec in model.inputs
+        )
+        self.lanes = [lane.name for lane in model.lanes]
+        self.document["model"].update(
+            {
+                "served_path": model.model_path,
+                "inputs": [_spec(spec) for spec in model.inputs],
+                "outputs": [_spec(spec) for spec in model.outputs],
+                "batch_cap": model.batch_cap,
+                "providers": list(model.providers),
+                "lanes": [
+                    {
+                        "name": lane.name,
+                        "capacity_rows": lane.capacity_rows,
+                        "timeout_ms": lane.timeout_ms,
+                        "max_wait_ms": lane.max_wait_ms,
+                        "min_share": lane.min_share,
+                        "is_default": lane.is_default,
+                    }
+                    for lane in model.lanes
+                ],
+            }
+        )
+
+    def _measure(self, deployment: procs.Deployment, point: Point) -> None:
+        log.info("  %s (%s) %s", deployment.name, point.scenario, point.name)
+        profile = self.profile
+        stats: list[pb.GetStatsResponse | None] = []
+        cpu_marks: list[tuple[float, float | None, float | None]] = []
+        # The server's CPU by thread, at the point where the server is profiled.
+        by_thread = self._profiled_point(deployment, point)
+        threads: list[tuple[float, dict[int, tuple[str, float]]]] = []
+
+        def measure_starts() -> None:
+            stats.append(get_stats(deployment.target))
+            cpu_marks.append((time.monotonic(), deployment.cpu_s(), procs.machine_busy_s()))
+            if by_thread:
+                threads.append((time.monotonic(), procs.thread_cpu_s(deployment.processes[0].pid)))
+
+        spy = self._maybe_spy(deployment, point)
+        try:
+            run = self.pool.run_point(
+                deployment.target,
+                point.streams,
+                self.inputs,
+                profile=profile,
+                judge=lambda windows: is_stable(
+                    [window_figures(window) for window in windows],
+                    count=profile.stable_windows,
+                    tolerance=profile.tolerance,
+                ),
+                on_measure_start=measure_starts,
+            )
+            cpu_marks.append((time.monotonic(), deployment.cpu_s(), procs.machine_busy_s()))
+            if by_thread:
+                threads.append((time.monotonic(), procs.thread_cpu_s(deployment.processes[0].pid)))
+        finally:
+            spied = spy.stop() if spy is not None else None
+        after = get_stats(deployment.target)
+        if len(threads) == 2:  # noqa: PLR2004 - start and end
+            self.document["server_threads"] = {
+                "configuration": deployment.name,
+                "scenario": point.scenario,
+                "point": point.name,
+                "threads": _thread_cores(*threads),
+            }
+        if spy is not None and spied is not None:
+            self.document["server_profile"] = {
+                "configuration": deployment.name,
+                "scenario": point.scenario,
+                "point": point.name,
+                "file": str(spy.output),
+                "summary": spied,
+            }
+        duration_s = sum(window.wall_s for window in run.used)
+        lanes = {
+            stream.label: summarize_stream(
+                stream,
+                combine(window.streams[stream.label] for window in run.used),
+                duration_s,
+            )
+            for stream in point.streams
+        }
+        cpu = [fraction for window in run.used for fraction in window.cpu_fractions]
+        saturated = max(cpu) >= CLIENT_SATURATED_FRACTION
+        result: dict[str, Any] = {
+            "configuration": deployment.name,
+            "scenario": point.scenario,
+            "name": point.name,
+            "streams": [dataclasses.asdict(stream) for stream in point.streams],
+            "stable": run.stable,
+            "windows_measured": len(run.windows),
+            "windows_used": len(run.used),
+            "measured_s": duration_s,
+            "per_window": [
+                {
+                    "window": window.window,
+                    "wall_s": window.wall_s,
+                    "streams": window_figures(window),
+                }
+                for window in run.windows
+            ],
+            "lanes": lanes,
+            "total": {
+                key: sum(lane[key] for lane in lanes.values())
+                for key in (
+                    "sent_per_s",
+                    "answered_per_s",
+                    "throughput_per_s",
+                    "throughput_rows_per_s",
+                    "goodput_per_s",
+                    "goodput_rows_per_s",
+                )
+            },
+            "client": {
+                "processes": self.pool.processes,
+                "channels_per_process": self.pool.channels,
+                "cpu_fraction_max": max(cpu),
+                "cpu_fraction_mean": sum(cpu) / len(cpu),
+                "saturated": saturated,
+            },
+            "server": stats_delta(stats[0] if stats else None, after),
+            "host": _host_figures(cpu_marks, sum(cpu) / len(run.used)),
+        }
+        self.document["scenarios"][point.scenario].append(result)
+        if not run.stable:
+            self._warn(
+                f"{deployment.name} ({point.scenario}) {point.name}: not stable within "
+                f"{len(run.windows)} windows"
+            )
+        if saturated:
+            self._warn(
+                f"{deployment.name} ({point.scenario}) {point.name}: a client process used "
+                f"{max(cpu):.0%} of a core; the load generator may be the limit"
+            )
+
+    def _profiled_point(self, deployment: procs.Deployment, point: Point) -> bool:
+        """laneserve started here, at the highest load of (a)."""
+        return bool(
+            deployment.kind == "laneserve"
+            and deployment.processes
+            and point.name == f"c={max(self.profile.concurrencies)}"
+        )
+
+    def _maybe_spy(self, deployment: procs.Deployment, point: Point) -> PySpy | None:
+        if not (self.settings.py_spy and self._profiled_point(deployment, point)):
+            return None
+        binary = py_spy_binary()
+        if binary is None:
+            self._warn("--py-spy: py-spy is not installed (pip install 'laneserve[bench]')")
+            return None
+        output = self.settings.out_dir / "py-spy-laneserve.txt"
+        output.parent.mkdir(parents=True, exist_ok=True)
+        return PySpy(binary, deployment.processes[0].pid, output)
+
+    def _note_capacity(self, name: str) -> None:
+        points = [p for p in self.document["scenarios"]["a"] if p["configuration"] == name]
+        best = max(points, key=lambda p: p["total"]["throughput_per_s"])
+        self.capacity_per_s = best["total"]["throughput_per_s"]
+        self.document["capacity"] = {
+            "configuration": name,
+            "point": best["name"],
+            "throughput_per_s": self.capacity_per_s,
+        }
+
+    def _note_bulk_capacity(self, name: str) -> None:
+        (point,) = [
+            p
+            for p in self.document["scenarios"]["c"]
+            if p["configuration"] == name and p["name"] == BULK_SATURATION
+        ]
+        self.bulk_capacity_rows_per_s = point["lanes"]["bulk"]["throughput_rows_per_s"]
+        assert self.document["capacity"] is not None
+        self.document["capacity"]["bulk_rows_per_s"] = self.bulk_capacity_rows_per_s
+
+    def _warn(self, message: str) -> None:
+        log.warning("%s", message)
+        self.document["warnings"].append(message)
+
+
+BULK_SATURATION: Final = "bulk alone, closed loop"
+
+
+def _thread_cores(
+    start: tuple[float, dict[int, tuple[str, float]]],
+    end: tuple[float, dict[int, tuple[str, float]]],
+) -> list[dict[str, Any]]:
+    """Cores each thread used between two readings, busiest first (idle ones left out).
+    Python does not name its threads for the OS, so its threads are all called after the
+    interpreter here; py-spy's thread ids tell them apart in the report."""
+    wall_s = end[0] - start[0]
+    used = []
+    for tid, (name, cpu_s) in end[1].items():
+        cores = (cpu_s - start[1].get(tid, (name, 0.0))[1]) / wall_s
+        if cores >= IDLE_THREAD_CORES:
+            used.append({"tid": tid, "name": name, "cores": cores})
+    return sorted(used, key=lambda entry: -entry["cores"])
+
+
+IDLE_THREAD_CORES: Final = 0.005
+
+
+def _host_figures(
+    marks: Sequence[tuple[float, float | None, float | None]], client_cores: float
+) -> dict[str, Any]:
+    """Cores busy while the point ran: the server's processes, the client processes, the
+    whole machine, and what is left for everything else (other users of the machine)."""
+    figures: dict[str, Any] = {
+        "cpu_count": os.cpu_count(),
+        "server_cores": None,
+        "client_cores": client_cores,
+        "machine_busy_cores": None,
+        "other_cores": None,
+    }
+    if len(marks) != 2:  # noqa: PLR2004 - start and end
+        return figures
+    (start_s, server_start, busy_start), (end_s, server_end, busy_end) = marks
+    wall_s = end_s - start_s
+    if server_start is not None and server_end is not None:
+        figures["server_cores"] = (server_end - server_start) / wall_s
+    if busy_start is not None and busy_end is not None:
+        figures["machine_busy_cores"] = (busy_end - busy_start) / wall_s
+        figures["other_cores"] = max(
+            0.0, figures["machine_busy_cores"] - (figures["server_cores"] or 0.0) - client_cores
+        )
+    return figures
+
+
+def _spec(spec: pb.TensorSpec) -> dict[str, Any]:
+    return {"name": spec.name, "dtype": numpy_dtype(spec.dtype).name, "shape": list(spec.shape)}
+
+
+def get_stats(target: str) -> pb.GetStatsResponse | None:
+    """The server's GetStats; None from a server that does not implement it."""
+    with grpc.insecure_channel(target) as channel:
+        try:
+            response: pb.GetStatsResponse = pb_grpc.InferenceServiceStub(channel).GetStats(
+                pb.GetStatsRequest(), timeout=RPC_TIMEOUT_S
+            )
+        except grpc.RpcError as error:
+            # At run time the error is also a grpc.Call; the stubs cannot say so.
+            call: Any = error
+            if call.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            raise
+    return response
+
+
+def stats_delta(
+    before: pb.GetStatsResponse | None, after: pb.GetStatsResponse | None
+) -> dict[str, Any] | None:
+    """Server-side figures over the measured windows: counters as differences, latency
+    summaries as the server's recent window at the end."""
+    if before is None or after is None:
+        return None
+    batches = after.batches - before.batches
+    rows = after.rows_run - before.rows_run
+    earlier = {lane.name: lane for lane in before.lanes}
+    lanes = {}
+    for lane in after.lanes:
+        old = earlier.get(lane.name, pb.LaneStats())
+        lanes[lane.name] = {
+            "admitted": lane.admitted - old.admitted,
+            "completed": lane.completed - old.completed,
+            "failed": lane.failed - old.failed,
+            "rejected": _map_delta(lane.rejected, old.rejected),
+            "shed": _map_delta(lane.shed, old.shed),
+            "queue_wait_ms": _summary(lane.queue_wait),
+            "depth_rows_at_end": lane.depth_rows,
+        }
+    return {
+        # Everything the server reported at the end, including fields newer than this
+        # harness (uint64 values are strings there, as protobuf's JSON mapping has it).
+        "snapshot_at_end": json_format.MessageToDict(after, preserving_proto_field_name=True),
+        "batches": batches,
+        "rows_run": rows,
+        "mean_batch_rows": rows / batches if batches else None,
+        "run_time_ms": _summary(after.run_time),
+        "batch_cap": after.batch_cap,
+        "lanes": lanes,
+    }
+
+
+def _map_delta(after: Any, before: Any) -> dict[str, int]:
+    return {
+        key: int(value) - int(before.get(key, 0))
+        for key, value in sorted(after.items())
+        if int(value) - int(before.get(key, 0))
+    }
+
+
+def _summary(summary: pb.LatencySummary) -> dict[str, float]:
+    return {"p50": summary.p50_ms, "p95": summary.p95_ms, "p99": summary.p99_ms}
+
+
+def command_line(argv: Sequence[str]) -> str:
+    return shlex.join(argv)

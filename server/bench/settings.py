@@ -1,0 +1,221 @@
+"""What a benchmark run measures: traffic streams, load points and the run profiles.
+
+A *stream* is one kind of traffic (a lane, a request size, an arrival process); a *point*
+is a set of streams offered together to one configuration and measured until stable; a
+*profile* fixes the timing and the grid of points.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Final, Literal
+
+ScenarioId = Literal["a", "b", "c", "d"]
+DeadlineIn = Literal["timeout_ms", "grpc"]
+# How a stream's requests travel: one unary Infer each, or as items of one InferStream
+# per client process (the bulk API: the server reads a stream only as fast as its
+# window of unanswered items allows).
+Via = Literal["unary", "stream"]
+SCENARIOS: Final[tuple[ScenarioId, ...]] = ("a", "b", "c", "d")
+SCENARIO_TITLES: Final[dict[ScenarioId, str]] = {
+    "a": "saturation throughput by concurrency (closed loop, single row)",
+    "b": "latency at a fraction of capacity (open loop, Poisson arrivals, single row)",
+    "c": "priority isolation: interactive at 10 % of capacity, bulk offered at 200 %",
+    "d": "overload at 300 % of capacity with 100 ms deadlines",
+}
+
+# Configurations the harness can start, in the order it runs them. The first is the
+# system under test; the others are the baselines of the issue.
+ConfigurationKind = Literal["laneserve", "echo", "no-batching", "workers"]
+CONFIGURATION_KINDS: Final[tuple[ConfigurationKind, ...]] = (
+    "laneserve",
+    "echo",
+    "no-batching",
+    "workers",
+)
+
+# A request with a deadline is also given a gRPC deadline this much later, so that the
+# server's own answer (EXPIRED_IN_QUEUE, DEADLINE_UNMEETABLE or a late result, with its
+# timing) reaches the client instead of the client's cancellation.
+DEADLINE_SLACK_S: Final = 1.0
+# Stability is agreement between windows: at least two of them.
+MIN_STABLE_WINDOWS: Final = 2
+# The gRPC deadline of a request without a deadline of its own.
+CALL_TIMEOUT_S: Final = 60.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Stream:
+    """One kind of traffic in a load point.
+
+    Exactly one of `concurrency` (closed loop: that many callers, each sending its next
+    request when the previous one is answered) and `rate_per_s` (open loop: Poisson
+    arrivals, requests per second) is positive.
+    """
+
+    label: str
+    # Sent as InferRequest.lane; "" asks for the server's default lane.
+    lane: str = ""
+    rows: int = 1
+    concurrency: int = 0
+    rate_per_s: float = 0.0
+    # The bound of goodput; None: no deadline, and goodput equals throughput.
+    deadline_ms: int | None = None
+    # How the server is told the deadline. "timeout_ms": as InferRequest.timeout_ms, with
+    # a gRPC deadline DEADLINE_SLACK_S later, so every answer (and its Timing) reaches the
+    # client, late ones included; "grpc": as the gRPC deadline alone, as a plain client
+    # would, so an answer later than the deadline is never seen.
+    deadline_in: DeadlineIn = "timeout_ms"
+    via: Via = "unary"
+
+    def __post_init__(self) -> None:
+        if self.rows < 1:
+            raise ValueError(f"stream {self.label!r}: rows must be >= 1, got {self.rows}")
+        if (self.concurrency > 0) == (self.rate_per_s > 0):
+            raise ValueError(
+                f"stream {self.label!r}: expected exactly one of concurrency > 0 (closed loop)"
+                f" or rate_per_s > 0 (open loop), got concurrency={self.concurrency}, "
+                f"rate_per_s={self.rate_per_s}"
+            )
+        if self.concurrency < 0 or self.rate_per_s < 0:
+            raise ValueError(f"stream {self.label!r}: concurrency and rate must be >= 0")
+        if self.deadline_ms is not None and self.deadline_ms < 1:
+            raise ValueError(
+                f"stream {self.label!r}: deadline_ms must be >= 1, got {self.deadline_ms}"
+            )
+
+    @property
+    def mode(self) -> Literal["closed", "open"]:
+        return "closed" if self.concurrency > 0 else "open"
+
+    @property
+    def call_timeout_s(self) -> float:
+        if self.deadline_ms is None:
+            return CALL_TIMEOUT_S
+        if self.deadline_in == "grpc":
+            return self.deadline_ms / 1000
+        return self.deadline_ms / 1000 + DEADLINE_SLACK_S
+
+    @property
+    def timeout_ms(self) -> int:
+        """InferRequest.timeout_ms (0: none)."""
+        if self.deadline_ms is None or self.deadline_in == "grpc":
+            return 0
+        return self.deadline_ms
+
+    def share(self, index: int, parts: int) -> tuple[int, float]:
+        """(callers, arrivals per second) of client process `index` of `parts`: callers
+        are dealt out one by one (a process may get none), the rate is split evenly."""
+        if self.concurrency > 0:
+            return self.concurrency // parts + (1 if index < self.concurrency % parts else 0), 0.0
+        return 0, self.rate_per_s / parts
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Point:
+    """Streams offered together to one configuration and measured until stable."""
+
+    scenario: ScenarioId
+    # Short name within its scenario, e.g. "c=32", "80%", "with bulk".
+    name: str
+    streams: tuple[Stream, ...]
+
+    def __post_init__(self) -> None:
+        labels = [stream.label for stream in self.streams]
+        if not labels or len(set(labels)) != len(labels):
+            raise ValueError(f"point {self.name!r}: expected unique stream labels, got {labels}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Profile:
+    """Timing and the grid of a run. Every figure is measured over windows after a warm-up;
+    windows repeat until the last `stable_windows` agree within `tolerance` (throughput and
+    median latency of every stream) or `max_windows` have run."""
+
+    name: str
+    warmup_s: float
+    window_s: float
+    stable_windows: int
+    max_windows: int
+    tolerance: float
+    # Scenario (a): closed-loop callers per point.
+    concurrencies: tuple[int, ...]
+    # Scenario (b): offered load as a fraction of laneserve's saturation throughput.
+    load_fractions: tuple[float, ...]
+    # Process counts of the N-workers baseline.
+    workers: tuple[int, ...]
+    # Scenarios run on the no-batching and N-workers baselines ("a" always runs).
+    baseline_scenarios: tuple[ScenarioId, ...]
+    # Raw ceiling: seconds of back-to-back runs per batch size.
+    raw_seconds_per_size: float
+    # Scenario (c): rows per bulk request and the offered fractions.
+    bulk_rows: int = 8
+    interactive_fraction: float = 0.10
+    bulk_fraction: float = 2.0
+    # Scenario (d).
+    overload_fraction: float = 3.0
+    overload_deadline_ms: int = 100
+
+    def __post_init__(self) -> None:
+        if self.stable_windows < MIN_STABLE_WINDOWS or self.max_windows < self.stable_windows:
+            raise ValueError(
+                f"profile {self.name!r}: expected 2 <= stable_windows <= max_windows, got "
+                f"{self.stable_windows} and {self.max_windows}"
+            )
+        if self.warmup_s < 0 or self.window_s <= 0 or not 0 < self.tolerance < 1:
+            raise ValueError(
+                f"profile {self.name!r}: expected warmup_s >= 0, window_s > 0 and tolerance "
+                f"in (0, 1), got {self.warmup_s}, {self.window_s}, {self.tolerance}"
+            )
+        if not self.concurrencies or min(self.concurrencies) < 1:
+            raise ValueError(f"profile {self.name!r}: concurrencies must be >= 1")
+        if not self.workers or min(self.workers) < 1:
+            raise ValueError(f"profile {self.name!r}: worker counts must be >= 1")
+
+
+PROFILES: Final[dict[str, Profile]] = {
+    # About two minutes on a 2-core machine: enough to see each ratio, not to trust its
+    # second digit.
+    "quick": Profile(
+        name="quick",
+        warmup_s=0.5,
+        window_s=1.0,
+        stable_windows=2,
+        max_windows=3,
+        tolerance=0.10,
+        concurrencies=(1, 32, 64),
+        load_fractions=(0.5, 0.8, 0.95),
+        workers=(2,),
+        baseline_scenarios=("a",),
+        raw_seconds_per_size=0.4,
+    ),
+    # The figures for the report: longer windows, the whole grid, every baseline scenario.
+    "full": Profile(
+        name="full",
+        warmup_s=2.0,
+        window_s=3.0,
+        stable_windows=3,
+        max_windows=8,
+        tolerance=0.10,
+        concurrencies=(1, 4, 16, 32, 64, 128),
+        load_fractions=(0.5, 0.8, 0.95),
+        workers=(2, 4),
+        baseline_scenarios=("a", "b", "c", "d"),
+        raw_seconds_per_size=2.0,
+    ),
+    # For the harness's own tests: every code path, no meaningful figure.
+    "smoke": Profile(
+        name="smoke",
+        warmup_s=0.1,
+        window_s=0.3,
+        stable_windows=2,
+        max_windows=2,
+        tolerance=0.5,
+        concurrencies=(2,),
+        load_fractions=(0.5,),
+        workers=(2,),
+        baseline_scenarios=("a",),
+        raw_seconds_per_size=0.05,
+        bulk_rows=4,
+    ),
+}

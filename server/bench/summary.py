@@ -1,0 +1,242 @@
+"""From raw per-window records to figures: percentiles, rates, goodput, stability.
+
+Client processes record what they see of each stream in each window (`StreamWindow`);
+the orchestrator merges the processes' records window by window and decides, window by
+window, whether the measurement is stable. Everything here is pure.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final
+
+import numpy as np
+
+from laneserve.server.bench.settings import Stream
+
+OK: Final = "OK"
+# How an answer that is not OK is counted. A reason is the server's ErrorInfo.reason
+# when it sent one, else the gRPC status code's name.
+REJECTED_REASONS: Final = frozenset(
+    {"LANE_FULL", "DEADLINE_UNMEETABLE", "DRAINING", "RESOURCE_EXHAUSTED", "UNAVAILABLE"}
+)
+# Dropped by the server after admission. (laneserve also sheds CANCELLED work, but only
+# for a client that has gone: no client ever sees that answer.)
+SHED_REASONS: Final = frozenset({"EXPIRED_IN_QUEUE"})
+# No answer within the gRPC deadline: the client's timer fired (DEADLINE_EXCEEDED) or the
+# server's gRPC core, timing the same deadline, reset the stream first (a bare CANCELLED).
+TIMED_OUT_REASONS: Final = frozenset({"DEADLINE_EXCEEDED", "CANCELLED"})
+# Fewer OK answers than this in a window: its median is too noisy to judge stability.
+MIN_SAMPLES_FOR_LATENCY_STABILITY: Final = 20
+
+
+@dataclasses.dataclass(slots=True)
+class StreamWindow:
+    """What one client process saw of one stream in one window, by completion time."""
+
+    sent: int = 0
+    ok_latency_s: list[float] = dataclasses.field(default_factory=list)
+    # From the answer's Timing: rows in the batch that carried it (0: not reported) and
+    # microseconds from admission to dispatch.
+    ok_batch_rows: list[int] = dataclasses.field(default_factory=list)
+    ok_queue_us: list[int] = dataclasses.field(default_factory=list)
+    # "OK" or the reason of the failure, with counts.
+    outcomes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    # OK answers that arrived after the stream's deadline.
+    late_ok: int = 0
+    # OK answers whose request was dispatched after its deadline had passed: its queue
+    # time (from Timing) exceeded the deadline, or, without Timing, its latency did.
+    expired_executed: int = 0
+    # Open loop: seconds between a request's scheduled arrival and its actual send.
+    lag_s: list[float] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WindowReport:
+    """One client process's records of one window."""
+
+    worker: int
+    window: int
+    streams: dict[str, StreamWindow]
+    wall_s: float
+    # CPU seconds the client process used in the window (all its threads).
+    cpu_s: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MergedWindow:
+    """Every client process's records of one window, combined."""
+
+    window: int
+    streams: dict[str, StreamWindow]
+    wall_s: float
+    cpu_fractions: tuple[float, ...]
+
+
+def merge_window(reports: Sequence[WindowReport]) -> MergedWindow:
+    assert reports, "a window is merged from at least one report"
+    assert len({report.window for report in reports}) == 1, "one window at a time"
+    merged: dict[str, StreamWindow] = {}
+    for report in reports:
+        for label, part in report.streams.items():
+            merged[label] = combine([merged[label], part]) if label in merged else part
+    wall_s = sum(report.wall_s for report in reports) / len(reports)
+    return MergedWindow(
+        window=reports[0].window,
+        streams=merged,
+        wall_s=wall_s,
+        cpu_fractions=tuple(report.cpu_s / report.wall_s for report in reports),
+    )
+
+
+def combine(parts: Iterable[StreamWindow]) -> StreamWindow:
+    total = StreamWindow()
+    for part in parts:
+        total.sent += part.sent
+        total.ok_latency_s += part.ok_latency_s
+        total.ok_batch_rows += part.ok_batch_rows
+        total.ok_queue_us += part.ok_queue_us
+        total.outcomes.update(part.outcomes)
+        total.late_ok += part.late_ok
+        total.expired_executed += part.expired_executed
+        total.lag_s += part.lag_s
+    return total
+
+
+def percentiles_ms(samples_s: Sequence[float]) -> dict[str, float | int | None]:
+    """p50 / p95 / p99 / p99.9, mean and max in milliseconds; None when there are none."""
+    if not samples_s:
+        return {
+            "count": 0,
+            "p50_ms": None,
+            "p95_ms": None,
+            "p99_ms": None,
+            "p99_9_ms": None,
+            "mean_ms": None,
+            "max_ms": None,
+        }
+    values = np.asarray(samples_s, dtype=np.float64) * 1000
+    p50, p95, p99, p999 = np.percentile(values, [50, 95, 99, 99.9])
+    return {
+        "count": int(values.size),
+        "p50_ms": float(p50),
+        "p95_ms": float(p95),
+        "p99_ms": float(p99),
+        "p99_9_ms": float(p999),
+        "mean_ms": float(values.mean()),
+        "max_ms": float(values.max()),
+    }
+
+
+def classify(outcomes: Mapping[str, int]) -> dict[str, dict[str, int]]:
+    """Non-OK outcomes split into rejected / shed / timed_out / failed, by reason."""
+    groups: dict[str, dict[str, int]] = {"rejected": {}, "shed": {}, "timed_out": {}, "failed": {}}
+    for reason, count in sorted(outcomes.items()):
+        if reason == OK:
+            continue
+        if reason in REJECTED_REASONS:
+            groups["rejected"][reason] = count
+        elif reason in SHED_REASONS:
+            groups["shed"][reason] = count
+        elif reason in TIMED_OUT_REASONS:
+            groups["timed_out"][reason] = count
+        else:
+            groups["failed"][reason] = count
+    return groups
+
+
+def window_figures(window: MergedWindow) -> dict[str, dict[str, float | None]]:
+    """Per stream: OK answers per second and median latency, the figures stability is
+    judged on."""
+    figures: dict[str, dict[str, float | None]] = {}
+    for label, record in window.streams.items():
+        ok = record.outcomes.get(OK, 0)
+        figures[label] = {
+            "throughput_per_s": ok / window.wall_s,
+            "p50_ms": (
+                float(np.median(record.ok_latency_s)) * 1000
+                if len(record.ok_latency_s) >= MIN_SAMPLES_FOR_LATENCY_STABILITY
+                else None
+            ),
+        }
+    return figures
+
+
+def is_stable(
+    windows: Sequence[Mapping[str, Mapping[str, float | None]]], *, count: int, tolerance: float
+) -> bool:
+    """Whether the last `count` windows agree: for every stream, throughput and median
+    latency each lie within `tolerance` (a fraction) of their mean over those windows.
+    A median missing from any of them (too few samples) is not judged."""
+    if len(windows) < count:
+        return False
+    recent = windows[-count:]
+    for label in recent[-1]:
+        for key in ("throughput_per_s", "p50_ms"):
+            values = [window[label][key] if label in window else None for window in recent]
+            if any(value is None for value in values):
+                if key == "throughput_per_s":
+                    return False
+                continue
+            numbers = [float(value) for value in values if value is not None]
+            mean = sum(numbers) / len(numbers)
+            if any(abs(value - mean) > tolerance * mean for value in numbers):
+                return False
+    return True
+
+
+def summarize_stream(stream: Stream, record: StreamWindow, duration_s: float) -> dict[str, Any]:
+    """Every client-side figure of one stream over `duration_s` seconds of windows."""
+    ok = record.outcomes.get(OK, 0)
+    answered = sum(record.outcomes.values())
+    groups = classify(record.outcomes)
+    good = ok - record.late_ok
+    timed = any(rows > 0 for rows in record.ok_batch_rows)
+    return {
+        "label": stream.label,
+        "lane": stream.lane,
+        "rows": stream.rows,
+        "mode": stream.mode,
+        "concurrency": stream.concurrency,
+        "offered_rate_per_s": stream.rate_per_s,
+        "deadline_ms": stream.deadline_ms,
+        "deadline_in": stream.deadline_in if stream.deadline_ms is not None else None,
+        "sent": record.sent,
+        "answered": answered,
+        "ok": ok,
+        "sent_per_s": record.sent / duration_s,
+        "answered_per_s": answered / duration_s,
+        "throughput_per_s": ok / duration_s,
+        "throughput_rows_per_s": ok * stream.rows / duration_s,
+        "goodput_per_s": good / duration_s,
+        "goodput_rows_per_s": good * stream.rows / duration_s,
+        "latency": percentiles_ms(record.ok_latency_s),
+        "queue": percentiles_ms([us / 1e6 for us in record.ok_queue_us]) if timed else None,
+        "batch_rows": _batch_rows(record.ok_batch_rows) if timed else None,
+        "rejected": groups["rejected"],
+        "shed": groups["shed"],
+        "timed_out": groups["timed_out"],
+        "failed": groups["failed"],
+        "rejected_per_s": sum(groups["rejected"].values()) / duration_s,
+        "shed_per_s": sum(groups["shed"].values()) / duration_s,
+        "late_ok": record.late_ok,
+        "expired_executed": record.expired_executed,
+        "client_lag": percentiles_ms(record.lag_s) if stream.mode == "open" else None,
+    }
+
+
+def _batch_rows(values: Sequence[int]) -> dict[str, Any]:
+    array = np.asarray(values, dtype=np.int64)
+    sizes, counts = np.unique(array, return_counts=True)
+    return {
+        "mean": float(array.mean()),
+        "p50": float(np.percentile(array, 50)),
+        "p95": float(np.percentile(array, 95)),
+        "max": int(array.max()),
+        # Batch size -> how many OK answers came from a batch of that size.
+        "histogram": {
+            str(int(size)): int(count) for size, count in zip(sizes, counts, strict=True)
+        },
+    }

@@ -1,0 +1,272 @@
+"""Idempotency by request_id: a retry never runs its rows a second time.
+
+A client retries with the same ``request_id`` when it cannot know whether its first
+attempt ran (the connection dropped, its deadline passed in flight, a bulk stream broke).
+`RequestLedger` answers such a retry without running it again:
+
+- **in flight**: the id's request is queued or running. The retry joins it and gets the
+  same answer. The admitted work belongs to the ledger, not to the RPC that brought it:
+  it is cancelled (its queued rows freed) only when its last waiting RPC has gone, and
+  then only if none of its rows is running; a request already in the session finishes,
+  and its answer is kept for the retry that is likely on its way.
+- **completed**: the id's request succeeded recently. The retry gets the stored answer.
+  Stored answers form an LRU bounded by count and by bytes, each kept at most ``ttl_s``.
+- Errors are not stored: a request refused or failed may be retried and run.
+
+Reusing an id for *different* inputs or outputs is refused (`RequestIdReusedError`,
+INVALID_ARGUMENT) while the first request is in flight or stored: answering either with
+the other's result would be silently wrong, and running both would break the promise a
+retry relies on. The comparison is by a digest of the inputs and output names, so the
+lane and the timeout of a retry may differ from the first attempt's.
+
+Requests without a request_id run as before, with no bookkeeping.
+
+Ownership: the event loop. Only coroutines and loop callbacks touch the ledger, so it
+needs no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import hashlib
+import struct
+from collections.abc import Callable
+
+from laneserve.server.clock import Clock
+from laneserve.server.errors import LaneserveError, RequestIdReusedError
+from laneserve.server.items import Outcome
+from laneserve.v1 import inference_pb2 as pb
+
+# Bookkeeping bytes counted per stored answer on top of the message itself (the id, the
+# digest, the table slots): keeps a flood of tiny answers within the byte bound too.
+_ENTRY_OVERHEAD_BYTES = 256
+
+
+def fingerprint(request: pb.InferRequest) -> bytes:
+    """A digest of what determines the answer: the inputs (in any order) and the outputs
+    asked for. Lane, timeout and request_id are left out: a retry may change them."""
+    digest = hashlib.blake2b(digest_size=16)
+    for tensor in sorted(request.inputs, key=lambda tensor: tensor.name):
+        name = tensor.name.encode()
+        shape = list(tensor.shape)
+        data = tensor.data
+        # Every field is length-prefixed, so no two different requests hash the same bytes.
+        digest.update(struct.pack("<QiQ", len(name), tensor.dtype, len(shape)))
+        digest.update(name)
+        digest.update(struct.pack(f"<{len(shape)}q", *shape))
+        digest.update(struct.pack("<Q", len(data)))
+        digest.update(data)
+    digest.update(b"outputs")
+    for output in request.output_names:
+        name = output.encode()
+        digest.update(struct.pack("<Q", len(name)))
+        digest.update(name)
+    return digest.digest()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Submitted:
+    """A request the scheduler admitted."""
+
+    # Resolved with the request's one Outcome (from the scheduler thread, via the loop).
+    outcome: asyncio.Future[Outcome]
+    # Cancels it in the scheduler; with `unless_running`, a running request is left to
+    # finish. Returns True when cancelled, False when its Outcome is still coming.
+    cancel: Callable[[bool], bool]
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Flight:
+    request_id: str
+    fingerprint: bytes
+    # Resolved with the encoded answer or the request's LaneserveError; awaited shielded,
+    # so one waiter going away never cancels it for the others.
+    answer: asyncio.Future[pb.InferResponse]
+    cancel: Callable[[bool], bool]
+    waiters: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Stored:
+    fingerprint: bytes
+    response: pb.InferResponse
+    size_bytes: int
+    stored_s: float
+
+
+class ReplayCache:
+    """Completed answers by request_id: an LRU bounded by count and bytes, with a TTL.
+
+    A hit refreshes recency but not age: an answer is never served after ``ttl_s`` from
+    when it was stored. Expired answers are dropped when looked up, and from the least
+    recently used end whenever something is stored.
+    """
+
+    def __init__(self, *, max_entries: int, max_bytes: int, ttl_s: float, clock: Clock) -> None:
+        assert max_entries >= 0
+        assert max_bytes >= 0
+        assert ttl_s >= 0
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.ttl_s = ttl_s
+        self._clock = clock
+        # Invariant: size_bytes == sum(stored.size_bytes for stored in _entries.values()),
+        # len(_entries) <= max_entries and size_bytes <= max_bytes. Oldest use first.
+        self._entries: collections.OrderedDict[str, _Stored] = collections.OrderedDict()
+        self.size_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, request_id: str) -> _Stored | None:
+        stored = self._entries.get(request_id)
+        if stored is None:
+            return None
+        if self._clock.monotonic() - stored.stored_s >= self.ttl_s:
+            self._remove(request_id)
+            return None
+        self._entries.move_to_end(request_id)
+        return stored
+
+    def put(self, request_id: str, fingerprint: bytes, response: pb.InferResponse) -> bool:
+        """Stores an answer; False when it cannot be kept (larger than the byte bound, or
+        the cache is off). Evicts the least recently used answers to make room."""
+        size_bytes = response.ByteSize() + len(request_id) + _ENTRY_OVERHEAD_BYTES
+        if self.max_entries == 0 or self.ttl_s == 0 or size_bytes > self.max_bytes:
+            return False
+        if request_id in self._entries:
+            self._remove(request_id)
+        now_s = self._clock.monotonic()
+        self._entries[request_id] = _Stored(fingerprint, response, size_bytes, now_s)
+        self.size_bytes += size_bytes
+        self._evict(now_s)
+        return True
+
+    def _evict(self, now_s: float) -> None:
+        while self._entries:
+            request_id, oldest = next(iter(self._entries.items()))
+            expired = now_s - oldest.stored_s >= self.ttl_s
+            if not expired and (
+                len(self._entries) <= self.max_entries and self.size_bytes <= self.max_bytes
+            ):
+                return
+            self._remove(request_id)
+
+    def _remove(self, request_id: str) -> None:
+        stored = self._entries.pop(request_id)
+        self.size_bytes -= stored.size_bytes
+
+
+class RequestLedger:
+    """Runs each request once per request_id; see the module docstring.
+
+    Usage, from a servicer::
+
+        response = await ledger.run(request_id, fingerprint(request), submit, finish)
+
+    where `submit()` admits the request to the scheduler (or raises why not) and
+    `finish(outcome)` turns its Outcome into the answer (or raises its error).
+    """
+
+    def __init__(self, replay: ReplayCache) -> None:
+        self.replay = replay
+        self._flights: dict[str, _Flight] = {}
+        # Requests answered from the replay cache, and requests that joined a flight.
+        self.replays = 0
+        self.joins = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._flights)
+
+    async def run(
+        self,
+        request_id: str,
+        digest: bytes,
+        submit: Callable[[], Submitted],
+        finish: Callable[[Outcome], pb.InferResponse],
+    ) -> pb.InferResponse:
+        """The request's answer, running it only if no request with its id is in flight
+        or stored. Raises the request's LaneserveError, or RequestIdReusedError."""
+        if not request_id:
+            return await self._wait(self._start("", b"", submit, finish))
+        stored = self.replay.get(request_id)
+        if stored is not None:
+            _check_same(request_id, stored.fingerprint, digest, "completed")
+            self.replays += 1
+            return stored.response
+        flight = self._flights.get(request_id)
+        if flight is not None:
+            _check_same(request_id, flight.fingerprint, digest, "still queued or running")
+            self.joins += 1
+        else:
+            flight = self._start(request_id, digest, submit, finish)
+            self._flights[request_id] = flight
+        return await self._wait(flight)
+
+    def _start(
+        self,
+        request_id: str,
+        digest: bytes,
+        submit: Callable[[], Submitted],
+        finish: Callable[[Outcome], pb.InferResponse],
+    ) -> _Flight:
+        submitted = submit()  # raises when refused: nothing is recorded then
+        flight = _Flight(
+            request_id,
+            digest,
+            asyncio.get_running_loop().create_future(),
+            submitted.cancel,
+        )
+
+        def on_outcome(done: asyncio.Future[Outcome]) -> None:
+            if self._flights.get(request_id) is flight:
+                del self._flights[request_id]
+            if flight.answer.done():  # every waiter has gone and the work was cancelled
+                return
+            try:
+                response = finish(done.result())
+            except LaneserveError as error:
+                if flight.waiters:
+                    flight.answer.set_exception(error)
+                else:  # nobody to tell; an unretrieved exception would only be logged
+                    flight.answer.cancel()
+                return
+            if request_id:
+                self.replay.put(request_id, digest, response)
+            flight.answer.set_result(response)
+
+        submitted.outcome.add_done_callback(on_outcome)
+        return flight
+
+    async def _wait(self, flight: _Flight) -> pb.InferResponse:
+        flight.waiters += 1
+        try:
+            return await asyncio.shield(flight.answer)
+        finally:
+            flight.waiters -= 1
+            if flight.waiters == 0 and not flight.answer.done():
+                self._abandon(flight)
+
+    def _abandon(self, flight: _Flight) -> None:
+        """The last RPC waiting for `flight` went away. Its queued rows are freed; work
+        with a request_id that is already running finishes, and its answer is stored for
+        the retry that is likely on its way."""
+        if flight.cancel(bool(flight.request_id)):
+            if self._flights.get(flight.request_id) is flight:
+                del self._flights[flight.request_id]
+            flight.answer.cancel()
+
+
+def _check_same(request_id: str, known: bytes, digest: bytes, state: str) -> None:
+    if known != digest:
+        raise RequestIdReusedError(
+            f"request_id {request_id!r} was already used for a request with other inputs or "
+            f"outputs, which is {state}; expected the same inputs and outputs as that "
+            f"request (a retry), or a new request_id for a new request"
+        )
+
+
+__all__ = ["ReplayCache", "RequestLedger", "Submitted", "fingerprint"]

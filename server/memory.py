@@ -1,0 +1,239 @@
+"""Device memory: the budget, how to read memory in use, and the watermark policy.
+
+The budget is a hard limit given to the runtime (the CUDA arena's `gpu_mem_limit`, or a
+capped CPU arena), so an allocation past it fails inside ONNX Runtime instead of taking
+the process down; the engine then splits the batch. The watermark is the soft limit in
+front of it: above the high watermark lanes stop admitting work, lowest priority first,
+until memory in use falls below the low watermark.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from pathlib import Path
+from typing import Protocol
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_KIB = 1024
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemoryLimit:
+    """Either an absolute number of bytes or a fraction of the device's memory."""
+
+    limit_bytes: int | None = None
+    fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        assert (self.limit_bytes is None) != (self.fraction is None)
+
+    def resolve(self, device_total_bytes: int | None) -> int:
+        if self.limit_bytes is not None:
+            return self.limit_bytes
+        assert self.fraction is not None
+        if device_total_bytes is None:
+            raise ValueError(
+                f"memory limit {self.fraction:g} is a fraction of device memory, but the "
+                f"device's total memory is unknown; give bytes instead, e.g. 6GiB"
+            )
+        return int(device_total_bytes * self.fraction)
+
+
+def parse_memory_limit(text: str) -> MemoryLimit:
+    """`6GiB`, `512MiB`, `2000000000` (bytes) or `0.9` (a fraction of device memory)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise ValueError(f"memory limit {text!r}: expected bytes like 6GiB or a fraction like 0.9")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if unit == "" and 0 < number <= 1 and "." in match.group(1):
+        return MemoryLimit(fraction=number)
+    if unit not in _UNITS:
+        raise ValueError(
+            f"memory limit {text!r}: unknown unit {unit!r}; expected one of KiB, MiB, GiB"
+        )
+    limit_bytes = int(number * _UNITS[unit])
+    if limit_bytes < 1024 * 1024:
+        raise ValueError(f"memory limit {text!r}: expected at least 1MiB")
+    return MemoryLimit(limit_bytes=limit_bytes)
+
+
+def format_bytes(count: int) -> str:
+    """`count` bytes for people: 512B, 1.5KiB, 32.0MiB, 6.0GiB."""
+    if count < _KIB:
+        return f"{count}B"
+    size, unit = count / _KIB, "KiB"
+    for larger in ("MiB", "GiB"):
+        if size < _KIB:
+            break
+        size, unit = size / _KIB, larger
+    return f"{size:.1f}{unit}"
+
+
+# ---- reading memory in use -------------------------------------------------------------
+
+
+class MemoryGauge(Protocol):
+    def used_bytes(self) -> int | None:
+        """Memory in use now, or None when it cannot be read."""
+        ...
+
+    def total_bytes(self) -> int | None:
+        """The device's capacity, or None when unknown."""
+        ...
+
+
+class NvmlGauge:
+    """A GPU's memory as NVML reports it: used by every process on the device, since a
+    neighbour's allocations leave laneserve less room just as its own do."""
+
+    def __init__(self, device_index: int = 0) -> None:
+        import pynvml  # noqa: PLC0415 - only on machines with a GPU
+
+        pynvml.nvmlInit()
+        self._nvml = pynvml
+        self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+
+    def used_bytes(self) -> int | None:
+        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+
+    def total_bytes(self) -> int | None:
+        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).total)
+
+
+class ProcessRssGauge:
+    """This process's resident memory: on the CPU the "device" is host memory, and the
+    arena, queued inputs and outputs all live in it."""
+
+    _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+    def used_bytes(self) -> int | None:
+        try:
+            fields = Path("/proc/self/statm").read_text(encoding="ascii").split()
+        except OSError:
+            return None
+        return int(fields[1]) * self._PAGE_BYTES
+
+    def total_bytes(self) -> int | None:
+        return int(os.sysconf("SC_PHYS_PAGES") * self._PAGE_BYTES)
+
+
+# ---- the watermark -----------------------------------------------------------------------
+
+
+class Watermark:
+    """Which lanes refuse work because memory is short. Pure: fed readings, no clock.
+
+    At or above `high_bytes` the lowest-priority lane closes; the closer memory gets to
+    `limit_bytes`, the more lanes close, bottom up; the highest lane closes only at the
+    limit itself. Closed lanes stay closed until memory falls below `low_bytes`
+    (hysteresis: no flapping at the boundary).
+    """
+
+    def __init__(self, *, lanes: int, high_bytes: int, low_bytes: int, limit_bytes: int) -> None:
+        if not 0 < low_bytes <= high_bytes <= limit_bytes:
+            raise ValueError(
+                f"watermarks: expected 0 < low ({low_bytes}) <= high ({high_bytes}) <= "
+                f"limit ({limit_bytes})"
+            )
+        self.lanes = lanes
+        self.high_bytes = high_bytes
+        self.low_bytes = low_bytes
+        self.limit_bytes = limit_bytes
+        # Lanes closed, counted from the bottom: lane i is closed if i >= lanes - closed.
+        self.closed = 0
+        self.used_bytes: int | None = None
+
+    def update(self, used_bytes: int) -> None:
+        self.used_bytes = used_bytes
+        if used_bytes < self.low_bytes:
+            self.closed = 0
+        elif used_bytes >= self.high_bytes:
+            if used_bytes >= self.limit_bytes:
+                wanted = self.lanes
+            else:
+                span = max(self.limit_bytes - self.high_bytes, 1)
+                wanted = 1 + math.floor((used_bytes - self.high_bytes) / span * (self.lanes - 1))
+            self.closed = max(self.closed, min(wanted, self.lanes))
+
+    def refuses(self, priority: int) -> bool:
+        return priority >= self.lanes - self.closed
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WatermarkState:
+    used_bytes: int | None
+    high_bytes: int
+    low_bytes: int
+    closed_lanes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemoryFacts:
+    """What start-up learned about memory, as GetModel reports it."""
+
+    limit_bytes: int | None
+    probed_batch_cap: int
+    estimate: MemoryEstimate
+
+
+# ---- a static estimate from the model file --------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    """memory(rows) ~= fixed_bytes + per_row_bytes * rows."""
+
+    fixed_bytes: int  # the weights (initializers)
+    per_row_bytes: int  # every batch-shaped tensor of one row, as if none were reused
+
+    def rows_within(self, budget_bytes: int) -> int:
+        """Rows that fit `budget_bytes` by this estimate (an upper bound on activations,
+        so a lower bound on rows); 0 when even the weights do not fit."""
+        if self.per_row_bytes <= 0:
+            return 1 << 30
+        return max((budget_bytes - self.fixed_bytes) // self.per_row_bytes, 0)
+
+
+def estimate_memory(model_path: str) -> MemoryEstimate:
+    """Weights plus per-row activations, from ONNX shape inference (no run needed).
+
+    Activations are summed without the runtime's buffer reuse, so the estimate is high:
+    it is a starting point that the start-up probe then verifies by running.
+    """
+    import onnx  # noqa: PLC0415 - only needed here, and it is a large import
+    from onnx import numpy_helper  # noqa: PLC0415
+
+    model = onnx.shape_inference.infer_shapes(onnx.load(model_path))
+    graph = model.graph
+    fixed_bytes = sum(numpy_helper.to_array(init).nbytes for init in graph.initializer)
+    per_row_bytes = 0
+    batch_dims = {
+        dim.dim_param or str(dim.dim_value)
+        for value in graph.input
+        for dim in value.type.tensor_type.shape.dim[:1]
+    }
+    for value in [*graph.input, *graph.value_info, *graph.output]:
+        tensor_type = value.type.tensor_type
+        dims = tensor_type.shape.dim
+        if not dims or (dims[0].dim_param or str(dims[0].dim_value)) not in batch_dims:
+            continue
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type).itemsize
+        per_row_bytes += itemsize * math.prod(dim.dim_value or 1 for dim in dims[1:])
+    return MemoryEstimate(fixed_bytes=int(fixed_bytes), per_row_bytes=int(per_row_bytes))

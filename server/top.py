@@ -1,0 +1,253 @@
+"""`laneserve top`: a terminal dashboard of one server's GetStats, refreshed every second.
+
+    laneserve top --target 127.0.0.1:50051               # live, until Ctrl-C
+    laneserve top --target host:50051 --once             # one frame, then exit
+    laneserve top --iterations 5 --interval-s 0.5        # five frames, then exit
+
+It is a plain gRPC client: any reachable laneserve works, nothing else is needed. Each
+frame answers the operator's first question, where the time goes: per lane, the queue
+depth against its capacity, the wait p95 and the admission, shed and refusal rates
+(entry); batch size, dispatch reasons and run time (batcher and session); device memory
+against its limit and watermark, utilisation and out-of-memory events (device). Rates are
+per second between two frames; the first frame shows averages since the server started.
+On a terminal each frame replaces the last; otherwise (a pipe, a file) frames follow one
+another, separated by a blank line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import grpc
+
+from laneserve.v1 import inference_pb2 as pb
+from laneserve.v1 import inference_pb2_grpc as pb_grpc
+
+BAR_WIDTH = 20
+# Times at or above this many milliseconds are shown with one decimal, below with two.
+_COARSE_MS = 10.0
+_KIB = 1024
+_CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sample:
+    """One GetStats answer and when it was taken (monotonic seconds, this process)."""
+
+    stats: pb.GetStatsResponse
+    taken_s: float
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--target", default="127.0.0.1:50051", help="server address (default 127.0.0.1:50051)"
+    )
+    parser.add_argument(
+        "--interval-s", type=float, default=1.0, help="seconds between refreshes (default 1)"
+    )
+    frames = parser.add_mutually_exclusive_group()
+    frames.add_argument("--once", action="store_true", help="print one frame and exit")
+    frames.add_argument("--iterations", type=int, help="print this many frames and exit")
+    parser.add_argument(
+        "--timeout-s", type=float, default=5.0, help="deadline of each call (default 5)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Polls and renders until the frames asked for are shown, or Ctrl-C; 1 when the
+    server cannot be reached."""
+    frames: int | None = 1 if args.once else args.iterations
+    if frames is not None and frames < 1:
+        print(f"laneserve top: --iterations: expected >= 1, got {frames}", file=sys.stderr)
+        return 2
+    if args.interval_s <= 0:
+        print(f"laneserve top: --interval-s: expected > 0, got {args.interval_s}", file=sys.stderr)
+        return 2
+    live = frames is None and sys.stdout.isatty()
+    try:
+        with grpc.insecure_channel(args.target) as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            model = stub.GetModel(pb.GetModelRequest(), timeout=args.timeout_s)
+            previous: Sample | None = None
+            shown = 0
+            while True:
+                sample = Sample(
+                    stub.GetStats(pb.GetStatsRequest(), timeout=args.timeout_s), time.monotonic()
+                )
+                frame = render(args.target, model, sample, previous)
+                if live:
+                    sys.stdout.write(_CLEAR + frame)
+                else:
+                    sys.stdout.write(("\n" if shown else "") + frame)
+                sys.stdout.flush()
+                shown += 1
+                if frames is not None and shown >= frames:
+                    return 0
+                previous = sample
+                time.sleep(args.interval_s)
+    except grpc.RpcError as error:
+        call: Any = error  # grpc raises an RpcError that is also a Call; typeshed cannot say so
+        print(
+            f"laneserve top: {args.target}: {call.code().name}: {call.details()}", file=sys.stderr
+        )
+        return 1
+    except KeyboardInterrupt:
+        return 0
+
+
+# ---- rendering (pure: tested on hand-made answers) ------------------------------------------
+
+
+def render(target: str, model: pb.GetModelResponse, sample: Sample, previous: Sample | None) -> str:
+    stats = sample.stats
+    old = previous.stats if previous is not None else None
+    rate = _Rates(sample, previous)
+    lines = [
+        (
+            f"laneserve top  {target}  {stats.state or '?'}  up {_duration(stats.uptime_s)}  "
+            f"providers {','.join(model.providers) or '?'}"
+        ),
+        f"model {model.model_path}   rates: {rate.label}",
+        "",
+        (
+            f"{'lane':<12} {'depth':<{BAR_WIDTH + 2}} {'rows':^13} {'wait p95':>9} "
+            f"{'admit/s':>8} {'done/s':>8} {'shed/s':>7} {'refuse/s':>8} {'req p95':>9}"
+        ),
+    ]
+    old_lanes = {lane.name: lane for lane in old.lanes} if old is not None else {}
+    for lane in stats.lanes:
+        lines += _lane_lines(lane, old_lanes.get(lane.name), rate)
+    size = stats.batch_size
+    batches = rate.of(stats.batches, old.batches if old else None)
+    rows = rate.of(stats.rows_run, old.rows_run if old else None)
+    run = stats.run_time
+    lines += [
+        "",
+        (
+            f"batches  {batches}/s  rows {rows}/s  "
+            f"size mean {size.mean:.1f} p50 {size.p50:.0f} p95 {size.p95:.0f}  "
+            f"cap {stats.batch_cap}/{stats.max_batch_cap or model.max_batch_size}  "
+            f"failed {stats.failed_batches}"
+        ),
+        f"dispatch {_shares(stats.batch_reasons)}",
+        (
+            f"run time p50 {_ms(run.p50_ms, run.count)}  p95 {_ms(run.p95_ms, run.count)}  "
+            f"p99 {_ms(run.p99_ms, run.count)}"
+        ),
+        _memory_line(stats),
+        (
+            f"device   util {_utilization(stats)}  out of memory {stats.out_of_memory_events}  "
+            f"splits {stats.batch_splits}  cap changes {_reasons(stats.cap_changes) or '-'}"
+        ),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _lane_lines(lane: pb.LaneStats, old: pb.LaneStats | None, rate: _Rates) -> list[str]:
+    shed = sum(lane.shed.values())
+    refused = sum(lane.rejected.values())
+    line = (
+        f"{lane.name:<12} {_bar(lane.depth_rows, lane.capacity_rows)} "
+        f"{lane.depth_rows:>6}/{lane.capacity_rows:<6} "
+        f"{_ms(lane.queue_wait.p95_ms, lane.queue_wait.count):>9} "
+        f"{rate.of(lane.admitted, old.admitted if old else None):>8} "
+        f"{rate.of(lane.completed, old.completed if old else None):>8} "
+        f"{rate.of(shed, sum(old.shed.values()) if old else None):>7} "
+        f"{rate.of(refused, sum(old.rejected.values()) if old else None):>8} "
+        f"{_ms(lane.request_duration.p95_ms, lane.request_duration.count):>9}"
+    )
+    problems = " ".join(part for part in (_reasons(lane.rejected), _reasons(lane.shed)) if part)
+    if not problems:
+        return [line]
+    return [line, f"{'':<12}   refused/shed since start: {problems}"]
+
+
+class _Rates:
+    """Per-second rates of counters: between two samples, or since the server started."""
+
+    def __init__(self, sample: Sample, previous: Sample | None) -> None:
+        if previous is not None and sample.taken_s > previous.taken_s:
+            self._seconds = sample.taken_s - previous.taken_s
+            self.label = f"per second over the last {self._seconds:.1f}s"
+        else:
+            self._seconds = max(sample.stats.uptime_s, 1e-9)
+            self.label = "per second, averaged since start"
+        self._between = previous is not None and sample.taken_s > previous.taken_s
+
+    def of(self, now: int, before: int | None) -> str:
+        if self._between:
+            # A counter that went down means the server restarted: count from zero.
+            delta = now - before if before is not None and now >= before else now
+        else:
+            delta = now
+        return f"{delta / self._seconds:.1f}"
+
+
+def _bar(used: int, capacity: int) -> str:
+    fraction = min(used / capacity, 1.0) if capacity > 0 else 0.0
+    filled = round(fraction * BAR_WIDTH)
+    if used > 0 and filled == 0:
+        filled = 1  # a non-empty queue never looks empty
+    return "[" + "#" * filled + "." * (BAR_WIDTH - filled) + "]"
+
+
+def _memory_line(stats: pb.GetStatsResponse) -> str:
+    if stats.memory_limit_bytes == 0 and stats.memory_used_bytes == 0:
+        return "memory   no limit set (the runtime's default arena)"
+    limit = stats.memory_limit_bytes
+    used = stats.memory_used_bytes
+    line = f"memory   {_bar(used, limit)} {_bytes(used)} / {_bytes(limit) if limit else '?'}"
+    if limit:
+        line += f" ({used / limit:.0%})"
+    if stats.memory_high_watermark_bytes:
+        line += f"  watermark {_bytes(stats.memory_high_watermark_bytes)}"
+    closed = list(stats.lanes_closed_by_memory)
+    line += f"  lanes closed: {','.join(closed) if closed else '-'}"
+    return line
+
+
+def _utilization(stats: pb.GetStatsResponse) -> str:
+    if not stats.HasField("device_utilization"):
+        return "- (no GPU)"
+    return f"{stats.device_utilization:.0%}"
+
+
+def _reasons(counts: Mapping[str, int]) -> str:
+    return " ".join(f"{reason}={count}" for reason, count in sorted(counts.items()) if count)
+
+
+def _shares(counts: Mapping[str, int]) -> str:
+    total = sum(counts.values())
+    if total == 0:
+        return "-"
+    return "  ".join(f"{reason} {count / total:.0%}" for reason, count in sorted(counts.items()))
+
+
+def _ms(value_ms: float, count: int) -> str:
+    if count == 0:
+        return "-"
+    return f"{value_ms:.1f}ms" if value_ms >= _COARSE_MS else f"{value_ms:.2f}ms"
+
+
+def _bytes(count: int) -> str:
+    size = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < _KIB or unit == "GiB":
+            return f"{size:.0f}{unit}" if unit == "B" else f"{size:.1f}{unit}"
+        size /= _KIB
+    raise AssertionError("unreachable")
+
+
+def _duration(seconds: float) -> str:
+    whole = int(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+__all__ = ["Sample", "add_arguments", "render", "run"]

@@ -1,0 +1,309 @@
+"""The benchmark harness: a short run against live servers, the baselines' lifecycle,
+and the pure pieces (stability, classification, request encoding, reports).
+
+No timing assertions: the figures of these runs are meaningless on a shared machine;
+what is checked is that every figure is there and every process is gone afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from laneserve.client.tensors import decode_tensor, encode_tensor
+from laneserve.server.bench import PROFILES, BenchSettings, missing_keys, procs, run_bench
+from laneserve.server.bench.baselines import raw_ceiling
+from laneserve.server.bench.cli import _kinds, _scenarios
+from laneserve.server.bench.loadgen import InputSpec, request_body, with_request_id
+from laneserve.server.bench.profiling import summarize_collapsed
+from laneserve.server.bench.report import evaluate_targets, render_markdown, write_outputs
+from laneserve.server.bench.run import get_stats
+from laneserve.server.bench.settings import Stream
+from laneserve.server.bench.summary import (
+    OK,
+    StreamWindow,
+    classify,
+    is_stable,
+    percentiles_ms,
+    summarize_stream,
+)
+from laneserve.server.cli import _parser
+from laneserve.server.engine import Engine
+from laneserve.v1 import inference_pb2 as pb
+from laneserve.v1 import inference_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.usefixtures("no_leaked_threads")
+
+
+def live_children() -> list[str]:
+    """Processes this one started that are still running (zombies aside), except
+    multiprocessing's resource tracker, which lives as long as its parent does."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue  # gone meanwhile
+        # "pid (comm) state ppid ...": comm may hold spaces, so split after its ")".
+        state, ppid = stat.rpartition(")")[2].split()[:2]
+        if int(ppid) == os.getpid() and state != "Z" and "resource_tracker" not in cmdline:
+            found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+@pytest.mark.slow
+def test_short_run_writes_well_formed_json_with_every_key(
+    small_model: Path, tmp_path: Path
+) -> None:
+    settings = BenchSettings(
+        profile=PROFILES["smoke"],
+        out_dir=tmp_path / "results",
+        model_path=str(small_model),
+        configurations=("laneserve",),
+        client_processes=1,
+        channels_per_process=2,
+        max_batch_size=16,
+        command="test",
+    )
+    document = run_bench(settings)
+    outputs = write_outputs(document, settings.out_dir, plots=True)
+
+    written = json.loads(Path(outputs["json"]).read_text())
+    assert missing_keys(written) == []
+    assert written["primary"] == "laneserve"
+    assert written["raw_ceiling"]["best_rows_per_s"] > 0
+    assert set(written["raw_ceiling"]["rows_per_s_by_batch_rows"]) == {"1", "2", "4", "8", "16"}
+    for scenario in ("a", "b", "c", "d"):
+        assert written["scenarios"][scenario], f"scenario ({scenario}) has no point"
+    names = [point["name"] for point in written["scenarios"]["c"]]
+    assert names == [
+        "interactive alone",
+        "bulk alone, closed loop",
+        "with bulk at 200% over InferStream",
+        "with bulk at 200% over Infer",
+    ]
+    bulk_over_stream = written["scenarios"]["c"][2]["lanes"]["bulk"]
+    assert bulk_over_stream["ok"] > 0, "bulk items were answered over InferStream"
+    deadlines = [point["streams"][0]["deadline_in"] for point in written["scenarios"]["d"]]
+    assert deadlines == ["timeout_ms", "grpc"]
+    saturation = written["scenarios"]["a"][0]
+    assert saturation["lanes"]["single"]["ok"] > 0, "the server answered"
+    assert saturation["server"]["batches"] > 0, "GetStats figures are there"
+    assert written["capacity"]["throughput_per_s"] > 0
+    threads = written["server_threads"]["threads"]
+    assert threads, "the server's CPU by thread at the highest load of (a)"
+    assert written["configurations"]["laneserve"]["memory"]["peak_rss_bytes"] > 0
+    assert {target["id"] for target in written["targets"]} >= {
+        "echo_ratio",
+        "vs_no_batching",
+        "isolation_p99_stream",
+        "isolation_p99_unary",
+        "overload_expired_executed",
+    }
+    report = Path(outputs["markdown"]).read_text()
+    assert "## Targets (issue 6)" in report
+    assert "## (d)" in report
+    assert live_children() == [], "no server or client process is left"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["echo", "no-batching", "workers"])
+def test_baselines_start_answer_and_stop_cleanly(small_model: Path, kind: str) -> None:
+    model = str(small_model)
+    if kind == "echo":
+        deployment = procs.start_echo(model, device="cpu")
+    elif kind == "no-batching":
+        deployment = procs.start_no_batching(model, threads=2, intra_op_threads=1, device="cpu")
+    else:
+        deployment = procs.start_workers(model, workers=2, intra_op_threads=1, device="cpu")
+    try:
+        assert len(deployment.processes) == (2 if kind == "workers" else 1)
+        with grpc.insecure_channel(deployment.target) as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            rows = np.ones((3, 512), dtype=np.float32)
+            response = stub.Infer(
+                pb.InferRequest(request_id="r", inputs=[encode_tensor("input", rows)]),
+                timeout=30,
+            )
+            model_info = stub.GetModel(pb.GetModelRequest(), timeout=30)
+        assert decode_tensor(response.outputs[0]).shape == (3, 10)
+        assert [spec.name for spec in model_info.inputs] == ["input"]
+        assert get_stats(deployment.target) is None, "a baseline keeps no statistics"
+        memory = deployment.memory()
+        assert memory["processes"] == len(deployment.processes)
+        assert memory["peak_rss_bytes"] > 0
+    finally:
+        codes = deployment.stop()
+    assert codes == [0] * len(deployment.processes), "each stopped on SIGTERM, exit 0"
+    assert live_children() == []
+
+
+def test_raw_ceiling_measures_every_power_of_two_and_the_cap(small_model: Path) -> None:
+    engine = Engine(str(small_model), device="cpu", intra_op_threads=1)
+    result = raw_ceiling(engine, max_batch_size=12, seconds_per_size=0.001)
+    by_size = result["rows_per_s_by_batch_rows"]
+    assert isinstance(by_size, dict)
+    assert list(by_size) == ["1", "2", "4", "8", "12"]
+    assert result["best_rows_per_s"] == max(by_size.values())
+
+
+def test_stability_needs_every_stream_to_agree_within_tolerance() -> None:
+    def window(throughput: float, p50_ms: float | None) -> dict[str, dict[str, float | None]]:
+        return {"s": {"throughput_per_s": throughput, "p50_ms": p50_ms}}
+
+    assert is_stable([window(100, 5.0), window(105, 5.2)], count=2, tolerance=0.1)
+    assert not is_stable([window(100, 5.0), window(130, 5.0)], count=2, tolerance=0.1)
+    assert not is_stable([window(100, 5.0), window(100, 8.0)], count=2, tolerance=0.1)
+    assert not is_stable([window(100, 5.0)], count=2, tolerance=0.1), "too few windows"
+    # Too few samples for a median: throughput alone decides.
+    assert is_stable([window(100, None), window(101, 9.0)], count=2, tolerance=0.1)
+    assert is_stable([window(500, 1.0), window(100, 5.0), window(104, 5.1)], count=2, tolerance=0.1)
+
+
+def test_outcomes_are_classified_by_reason() -> None:
+    groups = classify(
+        {
+            OK: 10,
+            "LANE_FULL": 3,
+            "DEADLINE_UNMEETABLE": 2,
+            "EXPIRED_IN_QUEUE": 4,
+            "DEADLINE_EXCEEDED": 1,
+            "CANCELLED": 1,
+            "ENGINE_FAILURE": 5,
+        }
+    )
+    assert groups == {
+        "rejected": {"DEADLINE_UNMEETABLE": 2, "LANE_FULL": 3},
+        "shed": {"EXPIRED_IN_QUEUE": 4},
+        "timed_out": {"CANCELLED": 1, "DEADLINE_EXCEEDED": 1},
+        "failed": {"ENGINE_FAILURE": 5},
+    }
+
+
+def test_stream_summary_counts_goodput_within_the_deadline() -> None:
+    stream = Stream("d", rate_per_s=100.0, deadline_ms=100)
+    record = StreamWindow(
+        sent=6,
+        ok_latency_s=[0.01, 0.02, 0.5],
+        ok_batch_rows=[4, 4, 8],
+        ok_queue_us=[100, 200, 150_000],
+        late_ok=1,
+        expired_executed=1,
+    )
+    record.outcomes.update({OK: 3, "LANE_FULL": 2, "EXPIRED_IN_QUEUE": 1})
+    summary = summarize_stream(stream, record, duration_s=2.0)
+    assert summary["throughput_per_s"] == 1.5
+    assert summary["goodput_per_s"] == 1.0
+    assert summary["rejected"] == {"LANE_FULL": 2}
+    assert summary["shed"] == {"EXPIRED_IN_QUEUE": 1}
+    assert summary["batch_rows"]["histogram"] == {"4": 2, "8": 1}
+    assert summary["latency"]["count"] == 3
+    assert percentiles_ms([])["p99_ms"] is None
+
+
+def test_streams_are_shared_out_over_client_processes() -> None:
+    closed = Stream("c", concurrency=5)
+    assert [closed.share(index, 3) for index in range(3)] == [(2, 0.0), (2, 0.0), (1, 0.0)]
+    assert Stream("c", concurrency=1).share(1, 2) == (0, 0.0), "a process may get no caller"
+    assert Stream("o", rate_per_s=90.0).share(2, 3) == (0, 30.0)
+    with pytest.raises(ValueError, match="exactly one of concurrency"):
+        Stream("bad")
+    with pytest.raises(ValueError, match="exactly one of concurrency"):
+        Stream("bad", concurrency=2, rate_per_s=1.0)
+
+
+def test_prebuilt_request_gets_its_id_by_concatenation() -> None:
+    stream = Stream("s", lane="bulk", rows=3, rate_per_s=1.0, deadline_ms=250)
+    body = request_body(stream, [InputSpec("input", "<f4", (512,))], np.random.default_rng(1))
+    request = pb.InferRequest.FromString(with_request_id(body, "abc-1-42"))
+    assert request.request_id == "abc-1-42"
+    assert request.lane == "bulk"
+    assert request.timeout_ms == 250
+    assert decode_tensor(request.inputs[0]).shape == (3, 512)
+    grpc_deadline = Stream("s", rate_per_s=1.0, deadline_ms=250, deadline_in="grpc")
+    assert grpc_deadline.timeout_ms == 0
+    assert grpc_deadline.call_timeout_s == 0.25
+
+
+def test_collapsed_stacks_are_summarized_by_thread_and_function() -> None:
+    text = (
+        "thread (1): MainThread;run (asyncio/runners.py:1);Infer (server/service.py:10) 6\n"
+        "thread (1): MainThread;run (asyncio/runners.py:1);Infer (server/service.py:12) 2\n"
+        "thread (2): laneserve-engine;run (server/engine.py:3);Session.run (ort.py:9) 2\n"
+    )
+    summary = summarize_collapsed(text)
+    assert summary["samples"] == 10
+    assert summary["by_thread"] == {
+        "thread (1): MainThread": 0.8,
+        "thread (2): laneserve-engine": 0.2,
+    }
+    assert summary["top_self"][0] == {
+        "frame": "Infer (server/service.py)",
+        "samples": 8,
+        "fraction": 0.8,
+    }
+    inclusive = {entry["frame"] for entry in summary["top_inclusive"]}
+    assert inclusive == {"Infer (server/service.py)", "run (server/engine.py)"}
+
+
+def test_command_line_parses_bench_options() -> None:
+    args = _parser().parse_args(
+        ["bench", "--profile", "smoke", "--configs", "laneserve,echo", "--scenarios", "ad"]
+    )
+    assert args.command == "bench"
+    assert args.configs == ("laneserve", "echo")
+    assert args.scenarios == ("a", "d")
+    assert _kinds("workers,laneserve") == ("laneserve", "workers")
+    assert _scenarios("b,c") == ("b", "c")
+    with pytest.raises(Exception, match="unknown configuration"):
+        _kinds("laneserve,triton")
+
+
+def test_report_of_a_run_without_baselines_says_not_measured() -> None:
+    document: dict[str, Any] = {
+        "schema": "laneserve.bench/1",
+        "created_utc": "",
+        "command": "laneserve bench",
+        "profile": {
+            "name": "smoke",
+            "window_s": 0.3,
+            "warmup_s": 0.1,
+            "stable_windows": 2,
+            "tolerance": 0.5,
+            "max_windows": 2,
+        },
+        "settings": {"client_processes": 1, "channels_per_process": 1},
+        "environment": {
+            "cpu_count": 2,
+            "platform": "linux",
+            "python": "3.11",
+            "versions": {},
+            "loadavg_start": [0.0, 0.0, 0.0],
+            "loadavg_end": None,
+        },
+        "model": {"path": "m.onnx"},
+        "primary": "laneserve",
+        "capacity": None,
+        "raw_ceiling": None,
+        "configurations": {"laneserve": {"kind": "laneserve", "memory": None}},
+        "scenarios": {"a": [], "b": [], "c": [], "d": []},
+        "server_profile": None,
+        "server_threads": None,
+        "targets": [],
+        "warnings": [],
+        "outputs": {},
+        "duration_s": 0.0,
+    }
+    targets = evaluate_targets(document)
+    assert all(target["met"] is None for target in targets)
+    assert missing_keys(document) == []
+    assert "not measured" in render_markdown(document)

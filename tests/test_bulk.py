@@ -1,0 +1,467 @@
+"""Bulk jobs over InferStream: the server's credit window and per-item answers, and the
+client's ordered results, retries and resumption after a cut connection."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+import onnxruntime as ort
+import pytest
+
+from laneserve import client as lc
+from laneserve.server import LaneConfig, ServerConfig
+from laneserve.v1 import inference_pb2 as pb
+from tests.support import (
+    RecordingEngine,
+    Serving,
+    TcpProxy,
+    cut_while_a_batch_runs,
+    output,
+    request,
+    rows,
+    serving,
+)
+
+pytestmark = pytest.mark.usefixtures("no_leaked_threads")
+
+F32 = npt.NDArray[np.float32]
+
+
+def config(model: Path, **fields: Any) -> ServerConfig:
+    if "lanes" in fields:
+        fields.setdefault("default_lane", fields["lanes"][-1].name)
+    return ServerConfig(model_path=str(model), **fields)
+
+
+def bulk_lane(capacity_rows: int) -> tuple[LaneConfig, ...]:
+    return (
+        LaneConfig("interactive", capacity_rows=64, timeout_ms=60_000, max_wait_ms=0, min_share=0),
+        LaneConfig("bulk", capacity_rows, timeout_ms=60_000, max_wait_ms=0, min_share=0),
+    )
+
+
+@pytest.fixture(autouse=True)
+def _no_backoff_sleeps() -> Iterator[None]:
+    lc.set_testing(True)
+    yield
+    lc.set_testing(False)
+
+
+@pytest.fixture(scope="module")
+def small_reference(small_model: Path) -> ort.InferenceSession:
+    return ort.InferenceSession(str(small_model), providers=["CPUExecutionProvider"])
+
+
+def tagged(count: int) -> F32:
+    """`count` rows whose first value is their index: the engine's record names each."""
+    return rows(count, seed=11, start=0)
+
+
+# ---- the client: whole jobs ------------------------------------------------------------
+
+
+def test_bulk_job_of_100k_rows_equals_session_run(
+    small_model: Path, small_reference: ort.InferenceSession
+) -> None:
+    """Through the blocking client: 100 000 rows in items of 100, results in order."""
+    x = tagged(100_000)
+
+    async def scenario() -> tuple[list[lc.StreamResult], RecordingEngine]:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+
+            def job() -> list[lc.StreamResult]:
+                with lc.Client(s.target) as client:
+                    return list(client.stream({"input": x}, rows_per_item=100, window=64))
+
+            return await asyncio.to_thread(job), engine
+
+    results, engine = asyncio.run(scenario())
+    assert [result.index for result in results] == list(range(1000))
+    assert all(result.ok and result.attempts == 1 for result in results)
+    got = np.concatenate([result.unwrap()["output"] for result in results])
+    np.testing.assert_allclose(
+        got, small_reference.run(None, {"input": x})[0], rtol=1e-5, atol=1e-6
+    )
+    assert sorted(engine.ran_tags) == list(range(100_000)), "every row ran exactly once"
+
+
+def test_cut_connections_mid_job_resume_with_identical_output(
+    small_model: Path, small_reference: ort.InferenceSession
+) -> None:
+    """The network is cut while batches run, several times; the job resumes each time
+    on a new connection, resending only unanswered items. The output equals
+    session.run, and no row runs twice: the server answers the resent items that had
+    run from its replay cache."""
+    x = tagged(100_000)
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            proxy = TcpProxy(s.server.port)
+            target = await proxy.start()
+            try:
+                async with lc.AsyncClient(target) as client:
+                    results: list[lc.StreamResult] = []
+                    cuts = 0
+                    async for result in client.stream({"input": x}, rows_per_item=50):
+                        results.append(result)
+                        if len(results) in (400, 800, 1200, 1600):
+                            cuts += bool(await cut_while_a_batch_runs(engine, proxy))
+                    stats = await client.stats()
+            finally:
+                await proxy.close()
+        assert cuts == 4
+        assert proxy.connections >= 1 + cuts, "each cut was followed by a new call"
+        assert [result.index for result in results] == list(range(2000))
+        got = np.concatenate([result.unwrap()["output"] for result in results])
+        np.testing.assert_allclose(
+            got, small_reference.run(None, {"input": x})[0], rtol=1e-5, atol=1e-6
+        )
+        assert sorted(engine.ran_tags) == list(range(100_000)), "no row ran twice"
+        assert stats.idempotent_replays + stats.idempotent_joins > 0
+
+    asyncio.run(scenario())
+
+
+def test_results_are_ordered_unless_asked_otherwise(small_model: Path) -> None:
+    """Item 1 is refused at once while item 0 runs: unordered, it comes first."""
+    items = [{"input": rows(2, start=0)}, {"input": rows(9)}, {"input": rows(2, start=10)}]
+
+    async def scenario(*, ordered: bool) -> list[int]:
+        engine = RecordingEngine(str(small_model))
+        server = serving(engine, config(small_model, lanes=bulk_lane(8)))
+        async with server as s, lc.AsyncClient(s.target) as client:
+            engine.hold()
+            # No row window: the 9-row item is sent while item 0 is out.
+            results = client.stream(items, ordered=ordered, window_rows=1000)
+            first = asyncio.ensure_future(anext(results))
+            await asyncio.to_thread(engine.entered.acquire)  # item 0 is in the session
+            await until_stats(s, lambda stats: stats.lanes[1].rejected["INVALID_INPUT"] == 1)
+            if ordered:
+                await asyncio.sleep(0.05)
+                assert not first.done(), "item 1 waits for item 0"
+            else:
+                await asyncio.wait_for(asyncio.shield(first), timeout=10)
+            engine.release()
+            return [(await first).index] + [result.index async for result in results]
+
+    assert asyncio.run(scenario(ordered=True)) == [0, 1, 2]
+    assert asyncio.run(scenario(ordered=False))[0] == 1
+
+
+def test_failed_items_are_results_and_the_job_goes_on(small_model: Path) -> None:
+    items: list[lc.StreamRequest | dict[str, F32]] = [
+        {"input": rows(1)},
+        {"input": rows(1)[:, :100]},  # wrong shape: refused by the server
+        lc.StreamRequest({"input": rows(2)}, request_id="mine"),
+        {"input": np.zeros((1, 512), np.complex64)},  # no wire type: refused by the client
+        {"input": rows(3)},
+    ]
+
+    async def scenario() -> list[lc.StreamResult]:
+        server = serving(RecordingEngine(str(small_model)), config(small_model))
+        async with server as s, lc.AsyncClient(s.target) as client:
+            return [result async for result in client.stream(items, job_id="job7")]
+
+    results = asyncio.run(scenario())
+    assert [result.ok for result in results] == [True, False, True, False, True]
+    assert [result.request_id for result in results] == [
+        "job7-0",
+        "job7-1",
+        "mine",
+        "job7-3",
+        "job7-4",
+    ]
+    assert isinstance(results[1].error, lc.InvalidInputError)
+    assert "shape [1, 100]" in results[1].error.message
+    assert isinstance(results[3].error, lc.InvalidInputError)
+    assert results[3].attempts == 0, "never sent"
+    assert results[4].unwrap()["output"].shape == (3, 10)
+    with pytest.raises(lc.InvalidInputError):
+        results[1].unwrap()
+
+
+def test_full_lane_items_are_retried_within_the_job(small_model: Path) -> None:
+    """Real (short) backoff sleeps: the third item finds the lane full and is sent again
+    with the same request_id until there is room."""
+    lc.set_testing(False)
+    policy = lc.RetryPolicy(max_attempts=500, initial_backoff_s=0.002, max_backoff_s=0.01)
+    items = [{"input": rows(4, start=10 * i)} for i in range(3)]
+
+    async def scenario() -> tuple[list[lc.StreamResult], RecordingEngine]:
+        engine = RecordingEngine(str(small_model))
+        server = serving(engine, config(small_model, lanes=bulk_lane(4)))
+        async with server as s, lc.AsyncClient(s.target, retry=policy) as client:
+            engine.hold()
+            running = asyncio.Event()
+            collected = asyncio.ensure_future(
+                collect(client.stream(gated(items, running), window_rows=1000))
+            )
+            await asyncio.to_thread(engine.entered.acquire)
+            running.set()
+            await until_stats(s, lambda stats: stats.lanes[1].rejected["LANE_FULL"] >= 2)
+            engine.release()
+            return await collected, engine
+
+    results, engine = asyncio.run(scenario())
+    assert all(result.ok for result in results)
+    assert results[2].attempts >= 2
+    assert sorted(engine.ran_tags) == sorted(int(t) for item in items for t in item["input"][:, 0])
+
+
+def test_job_keeps_its_rows_within_the_lane_capacity(small_model: Path) -> None:
+    """The client learns the lane's capacity (GetModel) and keeps no more rows than that
+    outstanding: with no retries allowed, not one item is refused LANE_FULL."""
+    items = [{"input": rows(4, start=10 * i)} for i in range(50)]
+
+    async def scenario() -> tuple[list[lc.StreamResult], pb.GetStatsResponse]:
+        engine = RecordingEngine(str(small_model))
+        server = serving(engine, config(small_model, lanes=bulk_lane(8)))
+        async with server as s, lc.AsyncClient(s.target, retry=lc.NO_RETRIES) as client:
+            engine.hold()
+            collected = asyncio.ensure_future(collect(client.stream(items, window=256)))
+            await asyncio.to_thread(engine.entered.acquire)
+            for _ in range(20):
+                assert queued_rows(s) <= 8
+                await asyncio.sleep(0.002)
+            engine.release()
+            return await collected, await client.stats()
+
+    results, stats = asyncio.run(scenario())
+    assert all(result.ok for result in results)
+    assert dict(stats.lanes[1].rejected) == {}
+
+
+def test_item_gives_up_after_its_attempts(small_model: Path) -> None:
+    items = [{"input": rows(4, start=0)}, {"input": rows(4, start=10)}, {"input": rows(4)}]
+
+    async def scenario() -> list[lc.StreamResult]:
+        engine = RecordingEngine(str(small_model))
+        server = serving(engine, config(small_model, lanes=bulk_lane(4)))
+        async with (
+            server as s,
+            lc.AsyncClient(s.target, retry=lc.RetryPolicy(max_attempts=3)) as client,
+        ):
+            engine.hold()
+            running = asyncio.Event()
+            collected = asyncio.ensure_future(
+                collect(client.stream(gated(items, running), window_rows=1000))
+            )
+            await asyncio.to_thread(engine.entered.acquire)
+            running.set()
+            await until_stats(s, lambda stats: stats.lanes[1].rejected["LANE_FULL"] == 3)
+            engine.release()
+            return await collected
+
+    results = asyncio.run(scenario())
+    assert [result.ok for result in results] == [True, True, False]
+    error = results[2].error
+    assert isinstance(error, lc.LaneFullError)
+    assert error.attempts == 3
+    assert results[2].attempts == 3
+
+
+def test_unreachable_server_ends_the_job_with_the_connection_error() -> None:
+    async def scenario() -> None:
+        port = unused_port()
+        async with lc.AsyncClient(f"127.0.0.1:{port}", retry=lc.RetryPolicy(max_attempts=2)) as c:
+            with pytest.raises(lc.UnavailableError) as caught:
+                await collect(c.stream([{"input": rows(1)}]))
+        assert "gave up after 2 broken call(s)" in caught.value.__notes__[0]
+
+    asyncio.run(scenario())
+
+
+def test_leaving_a_sync_stream_early_cancels_its_queued_items(small_model: Path) -> None:
+    """One item per batch. The caller takes the first result and leaves; the items still
+    queued are cancelled and never run."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, max_batch_size=2)) as s:
+            engine.hold()
+
+            def take_one() -> None:
+                with lc.Client(s.target) as client:
+                    stream = client.stream({"input": rows(2, start=10 * i)} for i in range(20))
+                    for _ in stream:
+                        break  # closes the stream: its call is cancelled
+
+            leaving = asyncio.ensure_future(asyncio.to_thread(take_one))
+            await asyncio.to_thread(engine.entered.acquire)
+            await until(lambda: queued_rows(s) >= 2)
+            engine.release()  # the first batch finishes ...
+            engine.hold()  # ... and the second stays in the session
+            await leaving
+            await until(lambda: queued_rows(s) == 0)
+            engine.release()
+        assert sorted(engine.ran_tags) == [0, 1, 10, 11], "two batches ran, the rest never"
+
+    asyncio.run(scenario())
+
+
+# ---- the server: credit window, per-item answers, cancellation --------------------------
+
+
+def test_fast_producer_keeps_the_server_queue_bounded_by_the_window(small_model: Path) -> None:
+    """A producer that never waits: the server reads at most `stream_window` requests
+    ahead of its answers, so its queued rows stay within window x rows per request."""
+    window, per_item, items = 8, 4, 1000
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(
+            small_model, max_batch_size=per_item, stream_window=window, lanes=bulk_lane(100_000)
+        )
+        async with serving(engine, server_config) as s:
+            produced = 0
+
+            async def producer() -> AsyncIterator[pb.InferRequest]:
+                nonlocal produced
+                for i in range(items):
+                    produced += 1
+                    yield request(rows(per_item, start=per_item * i), request_id=f"p{i}")
+
+            engine.hold()
+            call = s.stub.InferStream(producer())
+            answers = asyncio.ensure_future(collect(call))
+            await asyncio.to_thread(engine.entered.acquire)
+            await until(lambda: queued_rows(s) == (window - 1) * per_item)
+            peak = 0
+            for _ in range(50):  # the producer keeps pushing; the queue does not grow
+                peak = max(peak, queued_rows(s))
+                await asyncio.sleep(0.002)
+            assert peak == (window - 1) * per_item, "one item runs, the rest of the window queues"
+            assert produced < items, "gRPC flow control holds the producer back"
+            engine.release()
+            responses = await answers
+        assert sorted(r.request_id for r in responses) == sorted(f"p{i}" for i in range(items))
+        assert all(r.WhichOneof("result") == "response" for r in responses)
+        assert sorted(engine.ran_tags) == list(range(items * per_item))
+
+    asyncio.run(scenario())
+
+
+def test_stream_answers_each_item_out_of_order_with_its_request_id(small_model: Path) -> None:
+    """A held batch, then a bulk item and an interactive one: the interactive item runs
+    first, so it is answered before the bulk item read before it. A bad item is answered
+    with its error and the stream goes on."""
+
+    async def scenario() -> list[pb.InferStreamResponse]:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, max_batch_size=4)) as s:
+            sent: asyncio.Queue[pb.InferRequest | None] = asyncio.Queue()
+
+            async def requests() -> AsyncIterator[pb.InferRequest]:
+                while (item := await sent.get()) is not None:
+                    yield item
+
+            engine.hold()
+            call = s.stub.InferStream(requests())
+            answers = asyncio.ensure_future(collect(call))
+            sent.put_nowait(request(rows(4, start=0), request_id="held"))
+            await asyncio.to_thread(engine.entered.acquire)
+            sent.put_nowait(request(rows(4, start=10), request_id="bulk"))
+            sent.put_nowait(request(rows(4, start=20), request_id="urgent", lane="interactive"))
+            sent.put_nowait(request(rows(4)[:, :3], request_id="bad"))
+            await until(lambda: queued_rows(s) == 8)
+            engine.release()
+            sent.put_nowait(None)
+            return await answers
+
+    responses = asyncio.run(scenario())
+    assert [r.request_id for r in responses] == ["bad", "held", "urgent", "bulk"]
+    bad = responses[0]
+    assert bad.WhichOneof("result") == "error"
+    assert bad.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "shape [4, 3]" in bad.error.message
+    for answer in responses[1:]:
+        assert output(answer.response).shape == (4, 10)
+        assert answer.response.request_id == answer.request_id
+    assert responses[3].response.timing.lane == "bulk", "a stream's default lane"
+
+
+def test_cancelled_stream_frees_its_queued_items(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, max_batch_size=4)) as s:
+
+            async def requests() -> AsyncIterator[pb.InferRequest]:
+                for i in range(8):
+                    yield request(rows(4, start=10 * i), request_id=f"c{i}")
+                await asyncio.Event().wait()  # the stream stays open
+
+            engine.hold()
+            call = s.stub.InferStream(requests())
+            answers = asyncio.ensure_future(collect(call))
+            await asyncio.to_thread(engine.entered.acquire)
+            await until(lambda: queued_rows(s) == 28)
+            call.cancel()
+            await until(lambda: queued_rows(s) == 0)
+            engine.release()
+            with pytest.raises(asyncio.CancelledError):
+                await answers
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+        assert sorted(engine.ran_tags) == [0, 1, 2, 3], "only the item already running ran"
+        assert stats.lanes[2].shed["CANCELLED"] == 7
+
+    asyncio.run(scenario())
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+
+async def collect(results: AsyncIterable[Any]) -> list[Any]:
+    return [result async for result in results]
+
+
+async def gated(
+    items: list[dict[str, F32]], running: asyncio.Event
+) -> AsyncIterator[dict[str, F32]]:
+    """The first item, then the rest once `running` is set (the first is in the session):
+    so the first runs alone, whatever the timing."""
+    yield items[0]
+    await running.wait()
+    for item in items[1:]:
+        yield item
+
+
+def queued_rows(s: Serving) -> int:
+    thread = s.server._thread
+    assert thread is not None
+    return sum(depth.queued_rows for depth in thread.depths())
+
+
+def unused_port() -> int:
+    import socket  # noqa: PLC0415 - only this helper needs it
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    give_up = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > give_up:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.002)
+
+
+async def until_stats(
+    s: Serving, condition: Callable[[pb.GetStatsResponse], bool], timeout_s: float = 10.0
+) -> None:
+    give_up = time.monotonic() + timeout_s
+    while not condition(await s.stub.GetStats(pb.GetStatsRequest())):
+        if time.monotonic() > give_up:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.005)

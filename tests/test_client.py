@@ -1,0 +1,689 @@
+"""The typed client against a real server on loopback: dtypes, errors, retries."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+import onnx
+import onnxruntime as ort
+import pytest
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from onnx import helper
+
+from laneserve import client as lc
+from laneserve.server import Engine, LaneConfig, ServerConfig
+from laneserve.server.lifecycle import Lifecycle
+from laneserve.v1 import inference_pb2 as pb
+from tests.support import RecordingEngine, Serving, rows, serving
+
+pytestmark = pytest.mark.usefixtures("no_leaked_threads")
+
+DTYPES = [
+    "float32",
+    "float16",
+    "float64",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "bool",
+]
+
+
+def config(model: Path, **fields: Any) -> ServerConfig:
+    return ServerConfig(model_path=str(model), **fields)
+
+
+@pytest.fixture(autouse=True)
+def _no_backoff_sleeps() -> Iterator[None]:
+    """Retries happen, their sleeps do not (tests that need real sleeps turn it off)."""
+    lc.set_testing(True)
+    yield
+    lc.set_testing(False)
+
+
+@pytest.fixture(scope="module")
+def every_dtype_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One Identity per supported dtype: in_<dtype> [batch, 3] -> out_<dtype>."""
+    inputs, outputs, nodes = [], [], []
+    for name in DTYPES:
+        element = helper.np_dtype_to_tensor_dtype(np.dtype(name))
+        inputs.append(helper.make_tensor_value_info(f"in_{name}", element, ["batch", 3]))
+        outputs.append(helper.make_tensor_value_info(f"out_{name}", element, ["batch", 3]))
+        nodes.append(helper.make_node("Identity", [f"in_{name}"], [f"out_{name}"]))
+    graph = helper.make_graph(nodes, "every_dtype", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    path = tmp_path_factory.mktemp("models") / "every_dtype.onnx"
+    onnx.save(model, path)
+    return path
+
+
+def sample(dtype: str, count: int, seed: int) -> npt.NDArray[Any]:
+    """Values that exercise each type's range: extremes, negatives, fractions."""
+    rng = np.random.default_rng(seed)
+    kind = np.dtype(dtype)
+    if kind == np.bool_:
+        return rng.integers(0, 2, (count, 3)).astype(np.bool_)
+    if kind.kind == "f":
+        values = rng.standard_normal((count, 3)) * 1000
+        values.flat[0] = np.finfo(kind).max
+        return values.astype(kind)
+    info = np.iinfo(kind)
+    values = rng.integers(info.min, info.max, (count, 3), dtype=kind, endpoint=True)
+    values.flat[0], values.flat[-1] = info.min, info.max
+    return values
+
+
+# ---- round trips -----------------------------------------------------------------------
+
+
+def test_every_dtype_round_trips_through_the_sync_client(every_dtype_model: Path) -> None:
+    async def scenario() -> None:
+        async with serving(Engine(str(every_dtype_model)), config(every_dtype_model)) as s:
+            inputs = {f"in_{name}": sample(name, 5, seed) for seed, name in enumerate(DTYPES)}
+
+            def call() -> dict[str, npt.NDArray[Any]]:
+                with lc.Client(s.target) as client:
+                    return client.infer(inputs, timeout=10)
+
+            outputs = await asyncio.to_thread(call)
+        assert sorted(outputs) == sorted(f"out_{name}" for name in DTYPES)
+        for name in DTYPES:
+            got, sent = outputs[f"out_{name}"], inputs[f"in_{name}"]
+            assert got.dtype == np.dtype(name), name
+            np.testing.assert_array_equal(got, sent, err_msg=name)
+
+    asyncio.run(scenario())
+
+
+def test_every_dtype_round_trips_through_the_async_client(every_dtype_model: Path) -> None:
+    """Concurrent callers with different row counts: batched together, split back."""
+
+    async def scenario() -> None:
+        engine = Engine(str(every_dtype_model))
+        server_config = config(every_dtype_model)
+        async with client_for(engine, server_config) as (_s, client):
+            model = await client.model()
+            assert [spec.dtype for spec in model.inputs] == [np.dtype(n) for n in DTYPES]
+            requests = [
+                {f"in_{name}": sample(name, count, seed) for name in DTYPES}
+                for seed, count in enumerate([1, 2, 7, 3])
+            ]
+            answers = await asyncio.gather(*(client.infer(r) for r in requests))
+        for sent, got in zip(requests, answers, strict=True):
+            for name in DTYPES:
+                np.testing.assert_array_equal(got[f"out_{name}"], sent[f"in_{name}"])
+                assert got[f"out_{name}"].dtype == np.dtype(name)
+
+    asyncio.run(scenario())
+
+
+def test_outputs_equal_session_run_and_are_read_only_views(small_model: Path) -> None:
+    reference = ort.InferenceSession(str(small_model), providers=["CPUExecutionProvider"])
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model)
+        async with client_for(engine, server_config) as (_s, client):
+            x = rows(9, seed=3)
+            (name, got), *_ = (await client.infer({"input": x}, lane="interactive")).items()
+            assert name == "output"
+            np.testing.assert_array_equal(got, reference.run(None, {"input": x})[0])
+            assert not got.flags.writeable, "zero-copy: a view of the received bytes"
+            selected = await client.infer({"input": x}, outputs=["output"])
+            assert list(selected) == ["output"]
+
+    asyncio.run(scenario())
+
+
+def test_big_endian_and_non_contiguous_inputs_are_accepted(small_model: Path) -> None:
+    reference = ort.InferenceSession(str(small_model), providers=["CPUExecutionProvider"])
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model)
+        async with client_for(engine, server_config) as (_s, client):
+            x = rows(8, seed=4)
+            strided = np.asfortranarray(x)[::2]
+            swapped = x.astype(">f4")
+            got_strided = (await client.infer({"input": strided}))["output"]
+            got_swapped = (await client.infer({"input": swapped}))["output"]
+        np.testing.assert_array_equal(got_strided, reference.run(None, {"input": x[::2]})[0])
+        np.testing.assert_array_equal(got_swapped, reference.run(None, {"input": x})[0])
+
+    asyncio.run(scenario())
+
+
+def test_model_and_stats_describe_the_server(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model)
+        async with client_for(engine, server_config) as (_s, client):
+            model = await client.model()
+            assert model.inputs == (lc.TensorInfo("input", np.dtype(np.float32), (None, 512)),)
+            assert model.outputs == (lc.TensorInfo("output", np.dtype(np.float32), (None, 10)),)
+            assert model.default_lane == "standard"
+            assert [lane.name for lane in model.lanes] == ["interactive", "standard", "bulk"]
+            assert model.stream_window == 256
+            assert model.providers == ("CPUExecutionProvider",)
+            await client.infer({"input": rows(3)})
+            stats = await client.stats()
+            assert stats.rows_run == 3
+            assert stats.state == "SERVING"
+
+    asyncio.run(scenario())
+
+
+def test_metadata_is_sent_with_every_call(small_model: Path) -> None:
+    seen: list[tuple[str, tuple[tuple[str, str], ...]]] = []
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            interceptor = Recorder(seen)
+            async with lc.AsyncClient(
+                s.target, metadata={"X-Team": "search"}, interceptors=[interceptor]
+            ) as client:
+                await client.infer({"input": rows(1)})
+                await client.model()
+        assert [method for method, _ in seen] == [
+            "/laneserve.v1.InferenceService/Infer",
+            "/laneserve.v1.InferenceService/GetModel",
+        ]
+        assert all(("x-team", "search") in metadata for _, metadata in seen)
+
+    asyncio.run(scenario())
+
+
+# ---- errors from a real server ---------------------------------------------------------
+
+
+def test_invalid_input_is_invalid_input_error_and_not_retried(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model)
+        async with client_for(engine, server_config) as (_s, client):
+            with pytest.raises(lc.InvalidInputError) as caught:
+                await client.infer({"input": rows(2).astype(np.float64)})
+        error = caught.value
+        assert error.reason == "INVALID_INPUT"
+        assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "dtype float64; expected float32" in error.message
+        assert error.attempts == 1
+        assert isinstance(error, ValueError)
+
+    asyncio.run(scenario())
+
+
+def test_unsupported_dtype_is_refused_before_sending() -> None:
+    async def scenario() -> None:
+        async with lc.AsyncClient("127.0.0.1:1") as client:  # nothing listens there
+            with pytest.raises(lc.InvalidInputError, match="'input': numpy dtype complex64"):
+                await client.infer({"input": np.zeros((1, 2), np.complex64)})
+            with pytest.raises(TypeError, match="'input': expected a numpy array, got list"):
+                await client.infer({"input": [[1.0]]})  # type: ignore[dict-item]
+
+    asyncio.run(scenario())
+
+
+def test_full_lane_is_lane_full_error_with_the_server_retry_delay(small_model: Path) -> None:
+    lanes = (
+        LaneConfig("standard", capacity_rows=4, timeout_ms=60_000, max_wait_ms=0, min_share=0),
+    )
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model, lanes=lanes)
+        async with client_for(engine, server_config, retry=lc.NO_RETRIES) as (s, client):
+            engine.hold()
+            running = asyncio.ensure_future(client.infer({"input": rows(1)}))
+            await asyncio.to_thread(engine.entered.acquire)
+            queued = asyncio.ensure_future(client.infer({"input": rows(4)}))
+            await until(lambda: queued_rows(s) == 4)
+            with pytest.raises(lc.LaneFullError) as caught:
+                await client.infer({"input": rows(1)}, request_id="full-1")
+            engine.release()
+            await asyncio.gather(running, queued)
+        error = caught.value
+        assert error.reason == "LANE_FULL"
+        assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert error.retryable
+        assert error.retry_after_s is not None
+        assert error.retry_after_s > 0
+        assert error.request_id == "full-1"
+        assert "lane 'standard' is full" in error.message
+
+    asyncio.run(scenario())
+
+
+def test_unmeetable_deadline_is_deadline_unmeetable_error(demo_model: Path) -> None:
+    """One row at a time of the demo model (milliseconds each): 2000 rows queued ahead
+    cannot be served within half a second, so the server refuses at once."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(demo_model))
+        async with client_for(engine, config(demo_model, max_batch_size=1)) as (s, client):
+            engine.hold()
+            running = asyncio.ensure_future(client.infer({"input": rows(1)}))
+            await asyncio.to_thread(engine.entered.acquire)
+            ahead = asyncio.ensure_future(client.infer({"input": rows(2000)}))
+            await until(lambda: queued_rows(s) == 2000)
+            with pytest.raises(lc.DeadlineUnmeetableError) as caught:
+                await client.infer({"input": rows(1)}, timeout=0.5)
+            ahead.cancel()
+            await until(lambda: queued_rows(s) == 0)
+            engine.release()
+            await running
+        assert caught.value.reason == "DEADLINE_UNMEETABLE"
+        assert isinstance(caught.value, lc.DeadlineExceededError)
+        assert not caught.value.retryable
+
+    asyncio.run(scenario())
+
+
+def test_expiry_in_the_queue_is_expired_in_queue_error(small_model: Path) -> None:
+    lanes = one_lane(capacity_rows=64, timeout_ms=50)
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with client_for(engine, config(small_model, lanes=lanes)) as (_s, client):
+            engine.hold()
+            running = asyncio.ensure_future(client.infer({"input": rows(1)}))
+            await asyncio.to_thread(engine.entered.acquire)
+            with pytest.raises(lc.ExpiredInQueueError) as caught:
+                await client.infer({"input": rows(1)})
+            engine.release()
+            await running  # past its deadline too, but running: it finishes
+        assert caught.value.reason == "EXPIRED_IN_QUEUE"
+        assert isinstance(caught.value, lc.DeadlineExceededError)
+
+    asyncio.run(scenario())
+
+
+def test_caller_deadline_is_deadline_exceeded_error(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with client_for(engine, config(small_model)) as (_s, client):
+            engine.hold()
+            running = asyncio.ensure_future(client.infer({"input": rows(1)}))
+            await asyncio.to_thread(engine.entered.acquire)
+            with pytest.raises(lc.DeadlineExceededError) as caught:
+                await client.infer({"input": rows(1)}, timeout=0.1)
+            engine.release()
+            await running
+        # The server answers EXPIRED_IN_QUEUE at the same deadline: either may come first.
+        assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    asyncio.run(scenario())
+
+
+def test_draining_server_is_server_draining_error(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with client_for(engine, config(small_model), retry=lc.NO_RETRIES) as (s, client):
+            engine.hold()
+            running = asyncio.ensure_future(client.infer({"input": rows(1)}))
+            await asyncio.to_thread(engine.entered.acquire)
+            stopping = asyncio.ensure_future(s.server.stop(grace_s=30))
+            await until(lambda: s.server.state is Lifecycle.DRAINING)
+            with pytest.raises(lc.ServerDrainingError) as caught:
+                await client.infer({"input": rows(1)})
+            engine.release()
+            await running
+            await stopping
+        assert caught.value.reason == "DRAINING"
+        assert caught.value.retryable
+        assert isinstance(caught.value, lc.UnavailableError)
+
+    asyncio.run(scenario())
+
+
+def test_model_failure_is_engine_error(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        engine.fail_when = lambda _batch: True
+        async with client_for(engine, config(small_model)) as (_s, client):
+            with pytest.raises(lc.EngineError) as caught:
+                await client.infer({"input": rows(1)})
+        assert caught.value.reason == "ENGINE_FAILURE"
+        assert caught.value.attempts == 1, "not retryable"
+
+    asyncio.run(scenario())
+
+
+def test_message_over_the_limit_is_resource_exhausted_and_not_retried(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model, max_message_bytes=64 * 1024)
+        async with client_for(engine, server_config) as (_s, client):
+            with pytest.raises(lc.ResourceExhaustedError) as caught:
+                await client.infer({"input": rows(64)})
+        assert type(caught.value) is lc.ResourceExhaustedError
+        assert caught.value.reason == ""
+        assert caught.value.attempts == 1
+
+    asyncio.run(scenario())
+
+
+def test_reused_request_id_with_other_inputs_is_refused(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model)
+        async with client_for(engine, server_config) as (_s, client):
+            await client.infer({"input": rows(2, seed=1)}, request_id="same")
+            with pytest.raises(lc.RequestIdReusedError) as caught:
+                await client.infer({"input": rows(2, seed=2)}, request_id="same")
+        assert caught.value.reason == "REQUEST_ID_REUSED"
+        assert "request_id 'same' was already used" in caught.value.message
+        assert isinstance(caught.value, lc.InvalidInputError)
+
+    asyncio.run(scenario())
+
+
+def test_no_server_is_unavailable_error_after_the_capped_attempts() -> None:
+    async def scenario() -> None:
+        policy = lc.RetryPolicy(max_attempts=3)
+        async with lc.AsyncClient(f"127.0.0.1:{unused_port()}", retry=policy) as client:
+            with pytest.raises(lc.UnavailableError) as caught:
+                await client.infer({"input": rows(1)})
+            with pytest.raises(lc.UnavailableError):
+                await client.model()
+        assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+        assert caught.value.reason == ""
+        assert caught.value.attempts == 3
+        assert "gave up after 3 attempt(s)" in "".join(caught.value.__notes__)
+
+    asyncio.run(scenario())
+
+
+# ---- the translation table, for every status and reason ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "reason", "expected", "retryable"),
+    [
+        (code_pb2.INVALID_ARGUMENT, "INVALID_INPUT", lc.InvalidInputError, False),
+        (code_pb2.INVALID_ARGUMENT, "REQUEST_ID_REUSED", lc.RequestIdReusedError, False),
+        (code_pb2.INVALID_ARGUMENT, "", lc.InvalidInputError, False),
+        (code_pb2.RESOURCE_EXHAUSTED, "LANE_FULL", lc.LaneFullError, True),
+        (code_pb2.RESOURCE_EXHAUSTED, "MEMORY_PRESSURE", lc.MemoryPressureError, True),
+        (code_pb2.UNAVAILABLE, "MEMORY_PRESSURE", lc.MemoryPressureError, True),
+        (code_pb2.RESOURCE_EXHAUSTED, "DEVICE_MEMORY", lc.DeviceMemoryError, False),
+        (code_pb2.RESOURCE_EXHAUSTED, "", lc.ResourceExhaustedError, False),
+        (code_pb2.DEADLINE_EXCEEDED, "DEADLINE_UNMEETABLE", lc.DeadlineUnmeetableError, False),
+        (code_pb2.DEADLINE_EXCEEDED, "EXPIRED_IN_QUEUE", lc.ExpiredInQueueError, False),
+        (code_pb2.DEADLINE_EXCEEDED, "", lc.DeadlineExceededError, False),
+        (code_pb2.UNAVAILABLE, "DRAINING", lc.ServerDrainingError, True),
+        (code_pb2.UNAVAILABLE, "", lc.UnavailableError, True),
+        (code_pb2.INTERNAL, "ENGINE_FAILURE", lc.EngineError, False),
+        (code_pb2.INTERNAL, "", lc.LaneserveError, False),
+        (code_pb2.CANCELLED, "", lc.CallCancelledError, True),
+        (code_pb2.UNIMPLEMENTED, "", lc.LaneserveError, False),
+        (code_pb2.INTERNAL, "SOMETHING_NEW", lc.LaneserveError, False),
+    ],
+)
+def test_each_status_and_reason_maps_to_its_error(
+    code: int, reason: str, expected: type[lc.LaneserveError], retryable: bool
+) -> None:
+    details = []
+    if reason:
+        details.append(packed(error_details_pb2.ErrorInfo(reason=reason, domain="laneserve.dev")))
+    status = status_pb2.Status(code=code, message="what went wrong", details=details)
+    error = lc.error_from_status(status, request_id="r1")
+    assert type(error) is expected
+    assert error.retryable is retryable
+    assert error.reason == reason
+    assert error.message == "what went wrong"
+    assert error.code.value[0] == code
+    assert error.request_id == "r1"
+    assert error.retry_after_s is None
+
+
+def test_retry_delay_comes_from_retry_info_else_the_pushback_trailer() -> None:
+    delay = duration_pb2.Duration()
+    delay.FromMilliseconds(40)
+    info = packed(error_details_pb2.ErrorInfo(reason="LANE_FULL", domain="laneserve.dev"))
+    with_info = status_pb2.Status(
+        code=code_pb2.RESOURCE_EXHAUSTED,
+        details=[info, packed(error_details_pb2.RetryInfo(retry_delay=delay))],
+    )
+    assert lc.error_from_status(with_info, pushback_ms="70").retry_after_s == pytest.approx(0.04)
+    without = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, details=[info])
+    assert lc.error_from_status(without, pushback_ms="70").retry_after_s == pytest.approx(0.07)
+    refused = lc.error_from_status(without, pushback_ms="-1")
+    assert refused.retryable
+    assert not refused.should_retry, "a negative pushback means: do not retry"
+
+
+# ---- retries ---------------------------------------------------------------------------
+
+
+def test_retries_stop_at_the_cap_reusing_one_request_id(small_model: Path) -> None:
+    lanes = (
+        LaneConfig("standard", capacity_rows=1, timeout_ms=60_000, max_wait_ms=0, min_share=0),
+    )
+    seen: list[tuple[str, tuple[tuple[str, str], ...]]] = []
+    ids: list[str] = []
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with (
+            serving(engine, config(small_model, lanes=lanes)) as s,
+            lc.AsyncClient(
+                s.target, retry=lc.RetryPolicy(max_attempts=4), interceptors=[Recorder(seen, ids)]
+            ) as client,
+        ):
+            engine.hold()
+            running = asyncio.ensure_future(client.infer({"input": rows(1)}))
+            await asyncio.to_thread(engine.entered.acquire)
+            queued = asyncio.ensure_future(client.infer({"input": rows(1)}))
+            await until(lambda: queued_rows(s) == 1)
+            with pytest.raises(lc.LaneFullError) as caught:
+                await client.infer({"input": rows(1)}, request_id="capped")
+            stats = await client.stats()
+            engine.release()
+            await asyncio.gather(running, queued)
+        assert caught.value.attempts == 4
+        assert ids.count("capped") == 4, "every attempt carries the same request_id"
+        assert stats.lanes[0].rejected["LANE_FULL"] == 4
+        assert "gave up after 4 attempt(s) (max_attempts)" in caught.value.__notes__[0]
+
+    asyncio.run(scenario())
+
+
+def test_retries_stop_before_the_deadline(small_model: Path) -> None:
+    """Real backoff sleeps: a lane that stays full is retried only while the next attempt
+    can still start before the caller's deadline; the call never outlives it."""
+    lc.set_testing(False)
+    lanes = (
+        LaneConfig("standard", capacity_rows=1, timeout_ms=60_000, max_wait_ms=0, min_share=0),
+    )
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, lanes=lanes)) as s:
+            policy = lc.RetryPolicy(max_attempts=1000, initial_backoff_s=0.02, max_backoff_s=0.1)
+            async with lc.AsyncClient(s.target, retry=policy) as client:
+                engine.hold()
+                running = asyncio.ensure_future(client.infer({"input": rows(1)}))
+                await asyncio.to_thread(engine.entered.acquire)
+                queued = asyncio.ensure_future(client.infer({"input": rows(1)}))
+                await until(lambda: queued_rows(s) == 1)
+                started = time.monotonic()
+                with pytest.raises(lc.LaneFullError) as caught:
+                    await client.infer({"input": rows(1)}, timeout=0.4)
+                elapsed_s = time.monotonic() - started
+                engine.release()
+                await asyncio.gather(running, queued)
+        assert 2 <= caught.value.attempts < 1000
+        assert "the next would start after the deadline" in caught.value.__notes__[0]
+        assert elapsed_s < 0.4, "no sleep crosses the deadline"
+
+    asyncio.run(scenario())
+
+
+def test_retry_succeeds_once_the_lane_has_room(small_model: Path) -> None:
+    lc.set_testing(False)
+    lanes = (
+        LaneConfig("standard", capacity_rows=1, timeout_ms=60_000, max_wait_ms=0, min_share=0),
+    )
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, lanes=lanes)) as s:
+            policy = lc.RetryPolicy(max_attempts=100, initial_backoff_s=0.005, max_backoff_s=0.02)
+            async with lc.AsyncClient(s.target, retry=policy) as client:
+                engine.hold()
+                running = asyncio.ensure_future(client.infer({"input": rows(1)}))
+                await asyncio.to_thread(engine.entered.acquire)
+                queued = asyncio.ensure_future(client.infer({"input": rows(1)}))
+                await until(lambda: queued_rows(s) == 1)
+                retrying = asyncio.ensure_future(client.infer({"input": rows(1, start=7)}))
+                await until_async(lambda: rejected(client), lambda count: count >= 2)
+                engine.release()
+                outputs = await retrying
+                await asyncio.gather(running, queued)
+        assert outputs["output"].shape == (1, 10)
+        assert engine.ran_tags.count(7) == 1
+
+    asyncio.run(scenario())
+
+
+def test_backoff_grows_exponentially_within_its_jitter_and_cap() -> None:
+    policy = lc.RetryPolicy(initial_backoff_s=0.1, max_backoff_s=1.0, multiplier=2.0, jitter=0.5)
+    rng = random.Random(7)
+    for retry, base in [(1, 0.1), (2, 0.2), (3, 0.4), (4, 0.8), (5, 1.0), (50, 1.0)]:
+        delays = [policy.backoff_s(retry, rng) for _ in range(200)]
+        assert all(base * 0.5 <= delay <= base for delay in delays), retry
+        assert max(delays) - min(delays) > base * 0.3, "jittered, not constant"
+
+
+def test_server_hint_is_a_floor_for_the_delay() -> None:
+    policy = lc.RetryPolicy(initial_backoff_s=0.01, jitter=0.0)
+    assert policy.delay_s(1, 0.25) == 0.25
+    assert policy.delay_s(1, 0.001) == pytest.approx(0.01)
+    assert policy.delay_s(1, None) == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"max_attempts": 0}, {"initial_backoff_s": -1.0}, {"multiplier": 0.5}, {"jitter": 1.5}],
+)
+def test_invalid_policy_is_refused_naming_the_field(fields: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=next(iter(fields))):
+        lc.RetryPolicy(**fields)
+
+
+def test_testing_switch_caps_attempts_without_sleeping() -> None:
+    lc.set_testing(True, max_attempts=2)
+
+    async def scenario() -> None:
+        slow = lc.RetryPolicy(max_attempts=10, initial_backoff_s=60.0)
+        async with lc.AsyncClient(f"127.0.0.1:{unused_port()}", retry=slow) as client:
+            with pytest.raises(lc.UnavailableError) as caught:
+                await asyncio.wait_for(client.infer({"input": rows(1)}), timeout=30)
+        assert caught.value.attempts == 2
+
+    asyncio.run(scenario())
+    assert lc.is_testing()
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def client_for(
+    engine: Engine, server_config: ServerConfig, **options: Any
+) -> AsyncIterator[tuple[Serving, lc.AsyncClient]]:
+    """A served server and an AsyncClient to it (`options` go to the client)."""
+    async with serving(engine, server_config) as s, lc.AsyncClient(s.target, **options) as client:
+        yield s, client
+
+
+def one_lane(*, capacity_rows: int, timeout_ms: int = 60_000) -> tuple[LaneConfig, ...]:
+    return (LaneConfig("standard", capacity_rows, timeout_ms, max_wait_ms=0, min_share=0.0),)
+
+
+class Recorder(grpc.aio.UnaryUnaryClientInterceptor):
+    """Records each attempt's method and metadata (and request_id, when given a list)."""
+
+    def __init__(
+        self,
+        seen: list[tuple[str, tuple[tuple[str, str], ...]]],
+        ids: list[str] | None = None,
+    ) -> None:
+        self.seen = seen
+        self.ids = ids
+
+    async def intercept_unary_unary(
+        self,
+        continuation: Callable[[Any, Any], Awaitable[Any]],
+        client_call_details: grpc.aio.ClientCallDetails,
+        request: Any,
+    ) -> Any:
+        method: Any = client_call_details.method  # bytes at run time, str in the stubs
+        name = method.decode() if isinstance(method, bytes) else str(method)
+        metadata = tuple((str(k), str(v)) for k, v in client_call_details.metadata or ())
+        self.seen.append((name, metadata))
+        if self.ids is not None and isinstance(request, pb.InferRequest):
+            self.ids.append(request.request_id)
+        return await continuation(client_call_details, request)
+
+
+def packed(message: error_details_pb2.ErrorInfo | error_details_pb2.RetryInfo) -> any_pb2.Any:
+    result = any_pb2.Any()
+    result.Pack(message)
+    return result
+
+
+def queued_rows(s: Serving) -> int:
+    thread = s.server._thread
+    assert thread is not None
+    return sum(depth.queued_rows for depth in thread.depths())
+
+
+def unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port  # closed again: nothing listens on it
+
+
+async def rejected(client: lc.AsyncClient) -> int:
+    stats = await client.stats()
+    return sum(sum(lane.rejected.values()) for lane in stats.lanes)
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Polls for a state the server reaches (not a timing assumption)."""
+    give_up = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > give_up:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.002)
+
+
+async def until_async(
+    value: Callable[[], Awaitable[int]], condition: Callable[[int], bool], timeout_s: float = 10.0
+) -> None:
+    give_up = time.monotonic() + timeout_s
+    while not condition(await value()):
+        if time.monotonic() > give_up:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.005)

@@ -1,0 +1,347 @@
+"""Idempotency by request_id: a retried request runs once (engine rows are counted)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from laneserve import client as lc
+from laneserve.server import ManualClock, ServerConfig
+from laneserve.server.idempotency import ReplayCache, fingerprint
+from laneserve.v1 import inference_pb2 as pb
+from tests.support import (
+    RecordingEngine,
+    Serving,
+    TcpProxy,
+    cut_while_a_batch_runs,
+    output,
+    request,
+    rich_status,
+    rows,
+)
+from tests.support import serving as served
+
+pytestmark = pytest.mark.usefixtures("no_leaked_threads")
+
+
+def config(model: Path, **fields: Any) -> ServerConfig:
+    return ServerConfig(model_path=str(model), **fields)
+
+
+@pytest.fixture(autouse=True)
+def _no_backoff_sleeps() -> Iterator[None]:
+    lc.set_testing(True)
+    yield
+    lc.set_testing(False)
+
+
+# ---- the replay cache, on a manual clock -----------------------------------------------
+
+
+def answer(request_id: str, values: int = 10) -> pb.InferResponse:
+    data = np.zeros((1, values), np.float32)
+    return pb.InferResponse(request_id=request_id, outputs=[lc.encode_tensor("output", data)])
+
+
+def cache(**bounds: Any) -> tuple[ReplayCache, ManualClock]:
+    clock = ManualClock()
+    settings = {"max_entries": 100, "max_bytes": 1 << 20, "ttl_s": 60.0} | bounds
+    return ReplayCache(clock=clock, **settings), clock
+
+
+def test_cache_evicts_the_least_recently_used_beyond_its_count() -> None:
+    replay, _ = cache(max_entries=2)
+    replay.put("a", b"fa", answer("a"))
+    replay.put("b", b"fb", answer("b"))
+    assert replay.get("a") is not None  # a is now more recent than b
+    replay.put("c", b"fc", answer("c"))
+    assert replay.get("b") is None
+    assert replay.get("a") is not None
+    assert replay.get("c") is not None
+    assert len(replay) == 2
+
+
+def test_cache_stays_within_its_byte_bound() -> None:
+    one = answer("x", values=1000)
+    size = one.ByteSize() + len("x") + 256
+    replay, _ = cache(max_bytes=2 * size + 10)
+    for request_id in ("1", "2", "3"):
+        replay.put(request_id, b"f", answer(request_id, values=1000))
+    assert len(replay) == 2
+    assert replay.size_bytes <= 2 * size + 10
+    assert replay.get("1") is None
+
+
+def test_cache_does_not_keep_an_answer_larger_than_the_bound() -> None:
+    replay, _ = cache(max_bytes=1000)
+    assert not replay.put("big", b"f", answer("big", values=1000))
+    assert len(replay) == 0
+    assert replay.size_bytes == 0
+
+
+def test_cache_forgets_after_the_ttl_even_when_used() -> None:
+    replay, clock = cache(ttl_s=10.0)
+    replay.put("a", b"f", answer("a"))
+    clock.advance(9.9)
+    assert replay.get("a") is not None
+    clock.advance(0.1)
+    assert replay.get("a") is None
+    assert replay.size_bytes == 0
+
+
+def test_expired_answers_are_dropped_when_others_are_stored() -> None:
+    replay, clock = cache(ttl_s=10.0)
+    replay.put("old", b"f", answer("old"))
+    clock.advance(11)
+    replay.put("new", b"f", answer("new"))
+    assert len(replay) == 1
+
+
+def test_cache_with_no_entries_keeps_nothing() -> None:
+    replay, _ = cache(max_entries=0)
+    assert not replay.put("a", b"f", answer("a"))
+    assert replay.get("a") is None
+
+
+def test_fingerprint_covers_inputs_and_outputs_but_not_lane_or_timeout() -> None:
+    base = request(rows(2, seed=1), request_id="r", lane="bulk", timeout_ms=5)
+    same = request(rows(2, seed=1), request_id="other", lane="interactive")
+    assert fingerprint(base) == fingerprint(same)
+    assert fingerprint(base) != fingerprint(request(rows(2, seed=2), request_id="r"))
+    assert fingerprint(base) != fingerprint(request(rows(2, seed=1)[:, :256], request_id="r"))
+    wider = request(rows(2, seed=1), request_id="r", output_names=["output"])
+    assert fingerprint(base) != fingerprint(wider)
+
+
+# ---- the server ------------------------------------------------------------------------
+
+
+def test_retry_of_a_completed_request_gets_the_stored_answer(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model)) as s:
+            first = await s.stub.Infer(request(rows(3, start=100), request_id="once"))
+            again = await s.stub.Infer(request(rows(3, start=100), request_id="once"))
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+        assert again == first, "the same answer, timing included"
+        assert engine.ran_tags == [100, 101, 102], "ran once"
+        assert stats.idempotent_replays == 1
+        assert stats.replay_cache_entries == 1
+        assert stats.replay_cache_bytes >= first.ByteSize()
+
+    asyncio.run(scenario())
+
+
+def test_retry_while_queued_joins_it(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model)) as s:
+            busy = await hold_engine(s, engine)
+            first = asyncio.ensure_future(s.stub.Infer(request(rows(2, start=10), request_id="j")))
+            await until(lambda: queued_rows(s) == 2)
+            second = asyncio.ensure_future(s.stub.Infer(request(rows(2, start=10), request_id="j")))
+            await until_stats(s, lambda stats: stats.idempotent_joins == 1)
+            assert queued_rows(s) == 2, "the retry queued nothing"
+            engine.release()
+            answers = await asyncio.gather(first, second, busy)
+        assert answers[0] == answers[1]
+        assert sorted(engine.ran_tags) == [0, 10, 11]
+
+    asyncio.run(scenario())
+
+
+def test_reused_id_with_other_inputs_is_refused_in_flight_and_after(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model)) as s:
+            busy = await hold_engine(s, engine)
+            first = asyncio.ensure_future(s.stub.Infer(request(rows(2, seed=1), request_id="u")))
+            await until(lambda: queued_rows(s) == 2)
+            await refused_as_reused(s, request(rows(2, seed=2), request_id="u"), "still queued")
+            engine.release()
+            await asyncio.gather(first, busy)
+            await refused_as_reused(s, request(rows(2, seed=2), request_id="u"), "completed")
+            assert output(await s.stub.Infer(request(rows(2, seed=1), request_id="u"))).size
+
+    asyncio.run(scenario())
+
+
+def test_abandoned_queued_request_frees_its_rows_and_never_runs(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model)) as s:
+            busy = await hold_engine(s, engine)
+            call = s.stub.Infer(request(rows(3, start=50), request_id="gone"))
+            task = asyncio.ensure_future(call)
+            await until(lambda: queued_rows(s) == 3)
+            call.cancel()
+            await until(lambda: queued_rows(s) == 0)
+            engine.release()
+            await busy
+            assert task.cancelled()
+            assert 50 not in engine.ran_tags
+            # The retry that follows runs it, once.
+            retried = await s.stub.Infer(request(rows(3, start=50), request_id="gone"))
+        assert output(retried).shape == (3, 10)
+        assert engine.ran_tags.count(50) == 1
+
+    asyncio.run(scenario())
+
+
+def test_abandoned_running_request_finishes_and_is_replayed(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model)) as s:
+            engine.hold()
+            call = s.stub.Infer(request(rows(2, start=70), request_id="running"))
+            task = asyncio.ensure_future(call)
+            await asyncio.to_thread(engine.entered.acquire)  # it is in the session
+            call.cancel()
+            await asyncio.sleep(0.05)  # let the server see the cancellation first
+            engine.release()
+            await until_stats(s, lambda stats: stats.replay_cache_entries == 1)
+            retried = await s.stub.Infer(request(rows(2, start=70), request_id="running"))
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+        assert task.cancelled()
+        assert output(retried).shape == (2, 10)
+        assert engine.ran_tags == [70, 71], "ran once, answered from the cache"
+        assert stats.idempotent_replays == 1
+
+    asyncio.run(scenario())
+
+
+def test_joined_request_survives_the_first_caller_leaving(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model)) as s:
+            busy = await hold_engine(s, engine)
+            first_call = s.stub.Infer(request(rows(1, start=5), request_id="k"))
+            first = asyncio.ensure_future(first_call)
+            await until(lambda: queued_rows(s) == 1)
+            second = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=5), request_id="k")))
+            await until_stats(s, lambda stats: stats.idempotent_joins == 1)
+            first_call.cancel()
+            await asyncio.sleep(0.05)  # the server sees one waiter go
+            assert queued_rows(s) == 1, "the other waiter keeps it queued"
+            engine.release()
+            answer = await second
+            await busy
+        assert first.cancelled()
+        assert output(answer).shape == (1, 10)
+        assert engine.ran_tags.count(5) == 1
+
+    asyncio.run(scenario())
+
+
+def test_requests_without_an_id_are_not_deduplicated(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model)) as s:
+            for _ in range(2):
+                await s.stub.Infer(request(rows(1, start=9)))
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+        assert engine.ran_tags == [9, 9]
+        assert stats.replay_cache_entries == 0
+
+    asyncio.run(scenario())
+
+
+def test_aggressive_retries_through_a_failing_network_run_each_request_once(
+    demo_model: Path, reference: ort.InferenceSession
+) -> None:
+    """Many concurrent callers retry at once (no backoff sleeps) while the network is cut
+    again and again, each time while a batch is in the session. Every request's rows run
+    exactly once (the engine's record counts them) and every caller gets its answer."""
+    callers = 120
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(demo_model))
+        async with served(engine, config(demo_model, max_batch_size=16)) as s:
+            proxy = TcpProxy(s.server.port)
+            target = await proxy.start()
+            policy = lc.RetryPolicy(max_attempts=1000)
+            inputs = [rows(1 + i % 4, seed=i, start=10 * i) for i in range(callers)]
+            try:
+                async with lc.AsyncClient(target, retry=policy) as client:
+                    calls = [
+                        asyncio.ensure_future(
+                            client.infer({"input": x}, request_id=f"agg-{i}", timeout=60)
+                        )
+                        for i, x in enumerate(inputs)
+                    ]
+                    cuts = 0
+                    for _ in range(8):
+                        severed = await cut_while_a_batch_runs(engine, proxy)
+                        if severed is None:
+                            break
+                        cuts += severed > 0
+                    answers = await asyncio.gather(*calls)
+                    stats = await client.stats()
+            finally:
+                await proxy.close()
+        for x, got in zip(inputs, answers, strict=True):
+            np.testing.assert_allclose(
+                got["output"], reference.run(None, {"input": x})[0], rtol=1e-5, atol=1e-6
+            )
+        expected = sorted(int(tag) for x in inputs for tag in x[:, 0])
+        assert sorted(engine.ran_tags) == expected, "every row ran exactly once"
+        assert cuts >= 3, "the network failed while batches ran"
+        assert proxy.connections > cuts, "calls were retried on new connections"
+        assert stats.idempotent_joins + stats.idempotent_replays > 0, (
+            "retries of requests cut off while running were answered without running again"
+        )
+
+    asyncio.run(scenario())
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+
+async def refused_as_reused(s: Serving, bad: pb.InferRequest, state: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await s.stub.Infer(bad)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert rich_status(caught.value)[0] == "REQUEST_ID_REUSED"
+    details = caught.value.details() or ""
+    assert f"request_id {bad.request_id!r} was already used" in details
+    assert f"which is {state}" in details
+
+
+async def hold_engine(s: Serving, engine: RecordingEngine) -> asyncio.Future[pb.InferResponse]:
+    """Makes the session busy with one row tagged 0: later work queues behind it."""
+    engine.hold()
+    busy = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
+    await asyncio.to_thread(engine.entered.acquire)
+    return busy
+
+
+def queued_rows(s: Serving) -> int:
+    thread = s.server._thread
+    assert thread is not None
+    return sum(depth.queued_rows for depth in thread.depths())
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    give_up = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > give_up:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.002)
+
+
+async def until_stats(
+    s: Serving, condition: Callable[[pb.GetStatsResponse], bool], timeout_s: float = 10.0
+) -> None:
+    give_up = time.monotonic() + timeout_s
+    while not condition(await s.stub.GetStats(pb.GetStatsRequest())):
+        if time.monotonic() > give_up:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.005)

@@ -1,0 +1,475 @@
+"""Device memory as a hard limit, on the CPU with a capped ONNX Runtime arena.
+
+The capped arena is process-wide in ONNX Runtime, so every test that needs one runs the
+server (or the engine) in a child process with its own budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from laneserve.client.tensors import decode_tensor, encode_tensor
+from laneserve.server import LaneConfig, ServerConfig
+from laneserve.server.clock import ManualClock
+from laneserve.server.cost_model import RunTimeModel
+from laneserve.server.demo_model import make_demo_model
+from laneserve.server.errors import DeviceMemoryError, MemoryPressureError
+from laneserve.server.items import BatchResult, FailedRows, InferenceRequest
+from laneserve.server.memory import (
+    MemoryLimit,
+    ProcessRssGauge,
+    Watermark,
+    estimate_memory,
+    parse_memory_limit,
+)
+from laneserve.server.scheduler import CAP_RECOVERY_BATCHES, Dispatch, Scheduler
+from laneserve.v1 import inference_pb2 as pb
+from laneserve.v1 import inference_pb2_grpc as pb_grpc
+from tests.support import (
+    RecordingEngine,
+    ServerProcess,
+    request,
+    rich_status,
+    rows,
+    serving,
+    until,
+)
+
+MIB = 1024 * 1024
+# The demo MLP under this budget runs 256 rows and fails at 512 (weights take 20 MiB).
+DEMO_BUDGET = "32MiB"
+
+
+# ---- the budget and the watermark --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("6GiB", MemoryLimit(limit_bytes=6 * 1024**3)),
+        ("512MiB", MemoryLimit(limit_bytes=512 * MIB)),
+        ("2000000", MemoryLimit(limit_bytes=2_000_000)),
+        ("1.5GB", MemoryLimit(limit_bytes=1_500_000_000)),
+        ("0.9", MemoryLimit(fraction=0.9)),
+    ],
+)
+def test_memory_limit_parses_bytes_and_fractions(text: str, expected: MemoryLimit) -> None:
+    assert parse_memory_limit(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-1GiB", "12XB", "100KiB", "1.5"])
+def test_bad_memory_limit_names_what_was_expected(text: str) -> None:
+    with pytest.raises(ValueError, match="memory limit"):
+        parse_memory_limit(text)
+
+
+def test_fraction_needs_the_device_total() -> None:
+    assert MemoryLimit(fraction=0.5).resolve(1000 * MIB) == 500 * MIB
+    with pytest.raises(ValueError, match="give bytes instead"):
+        MemoryLimit(fraction=0.5).resolve(None)
+
+
+def test_watermark_closes_lanes_bottom_up_and_reopens_below_low() -> None:
+    mark = Watermark(lanes=3, high_bytes=95, low_bytes=85, limit_bytes=100)
+    assert [mark.refuses(p) for p in range(3)] == [False, False, False]
+    mark.update(95)  # at the high watermark: the lowest lane closes
+    assert [mark.refuses(p) for p in range(3)] == [False, False, True]
+    mark.update(98)  # nearer the limit: the middle lane too
+    assert [mark.refuses(p) for p in range(3)] == [False, True, True]
+    mark.update(100)  # at the limit: every lane
+    assert [mark.refuses(p) for p in range(3)] == [True, True, True]
+    mark.update(90)  # between the watermarks: nothing reopens (no flapping)
+    assert mark.closed == 3
+    mark.update(84)
+    assert mark.closed == 0
+
+
+def test_process_gauge_reads_resident_memory() -> None:
+    gauge = ProcessRssGauge()
+    used, total = gauge.used_bytes(), gauge.total_bytes()
+    assert used is not None
+    assert total is not None
+    assert 0 < used < total
+
+
+def test_static_estimate_counts_weights_and_row_activations(tmp_path: Path) -> None:
+    path = tmp_path / "mlp.onnx"
+    make_demo_model(path, input_dim=16, hidden_dim=32, hidden_layers=1, output_dim=4)
+    estimate = estimate_memory(str(path))
+    weights = (16 * 32 + 32 + 32 * 4 + 4) * 4
+    assert estimate.fixed_bytes == weights
+    # Input, hidden activations and output of one row, at the very least.
+    assert estimate.per_row_bytes >= (16 + 32 + 4) * 4
+    assert estimate.rows_within(weights + 10 * estimate.per_row_bytes) == 10
+
+
+# ---- the scheduler's reaction: cap, failed rows, admission ------------------------------
+
+
+def _request(index: int, lane: str, count: int) -> InferenceRequest:
+    return InferenceRequest(
+        request_id=f"r{index}",
+        lane=lane,
+        inputs={"input": np.full((count, 2), index, dtype=np.float32)},
+        rows=count,
+        signature=((2,),),
+        deadline_s=None,
+        token=index,
+    )
+
+
+def _scheduler(cap: int, watermark: Watermark | None = None) -> Scheduler:
+    lanes = [
+        LaneConfig(
+            "interactive", capacity_rows=4096, timeout_ms=60_000, max_wait_ms=0, min_share=0
+        ),
+        LaneConfig("standard", capacity_rows=4096, timeout_ms=60_000, max_wait_ms=0, min_share=0),
+        LaneConfig("bulk", capacity_rows=4096, timeout_ms=60_000, max_wait_ms=0, min_share=0),
+    ]
+    return Scheduler(lanes, batch_cap=cap, run_time=RunTimeModel({1: 0.001}), watermark=watermark)
+
+
+def _dispatch(scheduler: Scheduler, clock: ManualClock) -> BatchResult:
+    decision = scheduler.decide(clock.monotonic(), clock.monotonic())
+    assert isinstance(decision, Dispatch)
+    batch = decision.batch
+    outputs = {"out": np.concatenate(batch.parts["input"]) * 2}
+    return BatchResult(batch, outputs, None, 0.001)
+
+
+def test_out_of_memory_halves_the_cap_and_success_raises_it_back() -> None:
+    clock = ManualClock()
+    scheduler = _scheduler(64)
+    scheduler.admit(_request(0, "standard", 64), clock.monotonic())
+    ok = _dispatch(scheduler, clock)
+    # The engine ran out of memory at 64 rows and succeeded in halves.
+    (answer,) = scheduler.complete(
+        BatchResult(ok.batch, ok.outputs, None, 0.002, out_of_memory_rows=(64,), largest_ok_rows=32)
+    )
+    assert answer.error is None
+    assert scheduler.batch_cap == 32
+    # A single row failing alone says nothing about the batch size.
+    scheduler.admit(_request(1, "standard", 1), clock.monotonic())
+    one = _dispatch(scheduler, clock)
+    scheduler.complete(
+        BatchResult(
+            one.batch,
+            one.outputs,
+            None,
+            0.001,
+            failed_rows=(FailedRows(0, 1, DeviceMemoryError("too big")),),
+            out_of_memory_rows=(1,),
+        )
+    )
+    assert scheduler.batch_cap == 32
+    for index in range(CAP_RECOVERY_BATCHES):
+        scheduler.admit(_request(index + 2, "standard", 32), clock.monotonic())
+        assert scheduler.batch_cap == 32
+        scheduler.complete(_dispatch(scheduler, clock))
+    assert scheduler.batch_cap == 32 + 64 // 16
+    assert scheduler.max_batch_cap == 64
+
+
+def test_only_the_request_whose_row_does_not_fit_fails() -> None:
+    clock = ManualClock()
+    scheduler = _scheduler(8)
+    for index, count in enumerate([2, 1, 3]):
+        scheduler.admit(_request(index, "standard", count), clock.monotonic())
+    result = _dispatch(scheduler, clock)
+    # Row 2 of the batch (request 1's only row) did not fit even alone.
+    failed = BatchResult(
+        result.batch,
+        result.outputs,
+        None,
+        0.001,
+        failed_rows=(FailedRows(2, 1, DeviceMemoryError("one row too large")),),
+        out_of_memory_rows=(6, 3, 1),
+        largest_ok_rows=2,
+    )
+    answers = {answer.token: answer for answer in scheduler.complete(failed)}
+    assert isinstance(answers[1].error, DeviceMemoryError)
+    assert answers[0].error is None
+    assert answers[2].error is None
+    assert answers[2].outputs is not None
+    np.testing.assert_array_equal(answers[2].outputs["out"], np.full((3, 2), 4.0))
+    assert scheduler.live_entries == 0
+
+
+def test_memory_pressure_refuses_bulk_before_standard_before_interactive() -> None:
+    clock = ManualClock()
+    mark = Watermark(lanes=3, high_bytes=95 * MIB, low_bytes=85 * MIB, limit_bytes=100 * MIB)
+    scheduler = _scheduler(8, mark)
+
+    def admitted(lane: str) -> bool:
+        refusal: MemoryPressureError | None = None
+        try:
+            scheduler.admit(_request(0, lane, 1), clock.monotonic())
+        except MemoryPressureError as error:
+            refusal = error
+        if refusal is None:
+            return True
+        assert refusal.retry_after_s is not None
+        assert "watermark" in refusal.message
+        return False
+
+    scheduler.update_memory(96 * MIB)
+    assert [admitted(lane) for lane in ("interactive", "standard", "bulk")] == [True, True, False]
+    scheduler.update_memory(99 * MIB)
+    assert [admitted(lane) for lane in ("interactive", "standard", "bulk")] == [True, False, False]
+    scheduler.update_memory(80 * MIB)
+    assert [admitted(lane) for lane in ("interactive", "standard", "bulk")] == [True, True, True]
+
+
+class SettableGauge:
+    """Memory readings chosen by the test (the watermark's input, like a clock's time)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def used_bytes(self) -> int | None:
+        return self.value
+
+    def total_bytes(self) -> int | None:
+        return 1024 * MIB
+
+
+def test_memory_pressure_over_grpc_refuses_bulk_first_with_pushback(small_model: Path) -> None:
+    async def scenario() -> None:
+        gauge = SettableGauge()
+        config = ServerConfig(model_path=str(small_model), host_memory_limit="100MiB")
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config, memory_gauge=gauge) as s:
+            watermark = s.server.scheduler.watermark
+            assert watermark is not None
+
+            async def refused_lanes(used_bytes: int) -> list[str]:
+                gauge.value = used_bytes
+                # The scheduler thread samples every 50 ms.
+                await until(lambda: watermark.used_bytes == used_bytes)
+                refused = []
+                for lane in ("interactive", "standard", "bulk"):
+                    outcome = await asyncio.gather(
+                        s.stub.Infer(request(rows(1), lane=lane)), return_exceptions=True
+                    )
+                    if isinstance(outcome[0], grpc.aio.AioRpcError):
+                        error = outcome[0]
+                        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                        reason, details = rich_status(error)
+                        assert reason == "MEMORY_PRESSURE"
+                        assert details["pushback_ms"] > 0
+                        refused.append(lane)
+                return refused
+
+            assert await refused_lanes(50 * MIB) == []
+            assert await refused_lanes(96 * MIB) == ["bulk"]
+            assert await refused_lanes(99 * MIB) == ["standard", "bulk"]
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+            assert list(stats.lanes_closed_by_memory) == ["standard", "bulk"]
+            assert stats.memory_used_bytes == 99 * MIB
+            assert await refused_lanes(90 * MIB) == ["standard", "bulk"]  # hysteresis
+            assert await refused_lanes(80 * MIB) == []
+
+    asyncio.run(scenario())
+
+
+# ---- the real thing: a capped arena in a child process ----------------------------------
+
+_ENGINE_SCRIPT = """
+import json, sys
+import numpy as np
+from laneserve.server.engine import Engine
+from laneserve.server.errors import DeviceMemoryError
+from laneserve.server.items import Batch, BatchSlice, DispatchReason
+from laneserve.server.memory import parse_memory_limit
+
+engine = Engine(sys.argv[1], device="cpu", memory_limit=parse_memory_limit(sys.argv[2]))
+def fits(rows):
+    try:
+        engine.run(engine.example_inputs(rows))
+        return True
+    except DeviceMemoryError:
+        return False
+report = {"before": fits(256), "too_big": fits(1024), "after": fits(256)}
+x = np.random.default_rng(3).standard_normal((1024, 512)).astype(np.float32)
+batch = Batch(1, (BatchSlice(1, "bulk", 0, 1024, 0),), 1024, DispatchReason.FULL, 0.0,
+              {"input": (x,)})
+result = engine.run_batch(batch)
+np.save(sys.argv[3], result.outputs["output"])
+report["out_of_memory_rows"] = list(result.out_of_memory_rows)
+report["largest_ok_rows"] = result.largest_ok_rows
+report["again_after_split"] = fits(256)
+print(json.dumps(report))
+"""
+
+
+def test_engine_splits_a_batch_that_does_not_fit_and_recovers(
+    demo_model: Path, reference: ort.InferenceSession, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.npy"
+    done = subprocess.run(
+        [sys.executable, "-c", _ENGINE_SCRIPT, str(demo_model), DEMO_BUDGET, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    # A batch that fitted before an out-of-memory still fits after it.
+    assert report["before"] is True
+    assert report["too_big"] is False
+    assert report["after"] is True
+    assert report["again_after_split"] is True
+    assert report["out_of_memory_rows"][0] == 1024
+    assert 0 < report["largest_ok_rows"] < 1024
+    x = np.random.default_rng(3).standard_normal((1024, 512)).astype(np.float32)
+    expected = reference.run(None, {"input": x})[0]
+    np.testing.assert_allclose(np.load(out), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_burst_larger_than_memory_completes_and_the_cap_converges(
+    demo_model: Path, reference: ort.InferenceSession
+) -> None:
+    """The cap is forced to 1024 rows, which do not fit: the server must split, converge
+    below the failing size, and answer every row correctly, once."""
+    server = ServerProcess(
+        [
+            *("--model", str(demo_model), "--port", "0", "--memory-limit", DEMO_BUDGET),
+            *("--max-batch-size", "1024", "--batch-cap", "1024"),
+        ]
+    )
+    try:
+        stats = _burst(server.port(), reference)
+    finally:
+        server.close()
+    assert stats.out_of_memory_events >= 1
+    assert stats.batch_splits >= 1
+    assert stats.max_batch_cap == 1024
+    assert stats.batch_cap < 1024, "the cap converged below the failing size"
+    assert stats.cap_changes["out_of_memory"] >= 1
+    bulk = next(lane for lane in stats.lanes if lane.name == "bulk")
+    assert (bulk.admitted, bulk.completed, bulk.failed) == (6, 6, 0)
+
+
+def _burst(port: int, reference: ort.InferenceSession) -> pb.GetStatsResponse:
+    inputs = [rows(1024, seed=seed) for seed in range(6)]
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.InferenceServiceStub(channel)
+        calls = [
+            stub.Infer.future(request(x, request_id=f"burst-{i}", lane="bulk"), timeout=120)
+            for i, x in enumerate(inputs)
+        ]
+        for x, call in zip(inputs, calls, strict=True):
+            response = call.result()
+            expected = reference.run(None, {"input": x})[0]
+            np.testing.assert_allclose(
+                decode_tensor(response.outputs[0]), expected, rtol=1e-4, atol=1e-5
+            )
+        return stub.GetStats(pb.GetStatsRequest(), timeout=10)
+
+
+def _wide_model(path: Path) -> Path:
+    make_demo_model(path, hidden_dim=8192, hidden_layers=1)
+    return path
+
+
+@pytest.mark.parametrize(("model_kind", "budget"), [("demo", DEMO_BUDGET), ("wide", "48MiB")])
+def test_probe_picks_a_cap_that_never_fails_under_the_budget(
+    model_kind: str, budget: str, demo_model: Path, tmp_path: Path
+) -> None:
+    model = demo_model if model_kind == "demo" else _wide_model(tmp_path / "wide.onnx")
+    server = ServerProcess(
+        ["--model", str(model), "--port", "0", "--memory-limit", budget, "--max-batch-size", "4096"]
+    )
+    try:
+        port = server.port()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            model_info = stub.GetModel(pb.GetModelRequest(), timeout=10)
+            cap = model_info.batch_cap
+            assert 1 < cap < 4096, "the budget, not max_batch_size, set the cap"
+            assert model_info.probed_batch_cap == cap
+            assert model_info.memory_limit_bytes == parse_memory_limit(budget).limit_bytes
+            # Full batches at the cap, alone and mixed with smaller ones, again and again.
+            sizes = [cap, cap, cap // 2, cap, 1, cap - 1, cap, cap // 3, cap]
+            calls = [
+                stub.Infer.future(request(rows(size, seed=i), lane="bulk"), timeout=120)
+                for i, size in enumerate(sizes * 2)
+            ]
+            for call in calls:
+                call.result()
+            stats = stub.GetStats(pb.GetStatsRequest(), timeout=10)
+        assert stats.out_of_memory_events == 0
+        assert stats.batch_cap == cap
+    finally:
+        server.close()
+
+
+def _ragged_model(path: Path) -> Path:
+    """input [batch, width] with a dynamic width: a row's memory grows with its width."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Mul", ["input", "two"], ["doubled"]),
+            helper.make_node("Relu", ["doubled"], ["positive"]),
+            helper.make_node("ReduceSum", ["positive", "axes"], ["output"], keepdims=1),
+        ],
+        "ragged",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", "width"])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", 1])],
+        [
+            helper.make_tensor("two", TensorProto.FLOAT, [], [2.0]),
+            helper.make_tensor("axes", TensorProto.INT64, [1], [1]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, path)
+    return path
+
+
+def test_single_row_larger_than_the_budget_fails_alone(tmp_path: Path) -> None:
+    model = _ragged_model(tmp_path / "ragged.onnx")
+    server = ServerProcess(
+        [
+            "--model",
+            str(model),
+            "--port",
+            "0",
+            "--memory-limit",
+            "16MiB",
+            "--max-message-bytes",
+            str(128 * MIB),
+        ]
+    )
+    try:
+        port = server.port()
+        with grpc.insecure_channel(
+            f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 128 * MIB)]
+        ) as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            huge = np.ones((1, 8 * MIB // 4 * 3), dtype=np.float32)  # 24 MiB in one row
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Infer(pb.InferRequest(inputs=[encode_tensor("input", huge)]), timeout=60)
+            # The sync stub raises an RpcError that is also a grpc.Call.
+            error: Any = caught.value
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert rich_status(error)[0] == "DEVICE_MEMORY"
+            # The server keeps serving everyone else.
+            small = np.ones((4, 1000), dtype=np.float32)
+            answer = stub.Infer(pb.InferRequest(inputs=[encode_tensor("input", small)]), timeout=60)
+            np.testing.assert_allclose(decode_tensor(answer.outputs[0]), np.full((4, 1), 2000.0))
+            stats = stub.GetStats(pb.GetStatsRequest(), timeout=10)
+        assert stats.out_of_memory_events >= 1
+    finally:
+        server.close()

@@ -1,0 +1,763 @@
+"""Traces, metrics, the Prometheus endpoint and event logs, on a real server.
+
+Spans are collected with the SDK's InMemorySpanExporter (a SimpleSpanProcessor exports
+each span as it ends), metrics with its InMemoryMetricReader. Each test builds its own
+`Telemetry`, so nothing global (no global tracer or meter provider) is touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from opentelemetry.sdk.metrics.export import (
+    Gauge,
+    Histogram,
+    HistogramDataPoint,
+    InMemoryMetricReader,
+    NumberDataPoint,
+    Sum,
+)
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Decision
+from opentelemetry.trace import Link, SpanContext, SpanKind, StatusCode, TraceFlags
+from prometheus_client.parser import text_string_to_metric_families
+
+from laneserve.server import LaneConfig, ServerConfig
+from laneserve.server.config import ConfigError
+from laneserve.server.telemetry import (
+    BatchLinkSampler,
+    EventLog,
+    JsonFormatter,
+    Telemetry,
+    TextFormatter,
+    log_event,
+    tracer_provider_from_env,
+)
+from laneserve.v1 import inference_pb2 as pb
+from tests.support import RecordingEngine, Serving, request, rows, serving
+
+# A caller's W3C trace context: version 00, trace id, parent span id, sampled.
+CALLER_TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
+CALLER_SPAN_ID = 0xB7AD6B7169203331
+TRACEPARENT = f"00-{CALLER_TRACE_ID:032x}-{CALLER_SPAN_ID:016x}-01"
+INFER_SPAN = "laneserve.v1.InferenceService/Infer"
+STREAM_SPAN = "laneserve.v1.InferenceService/InferStream"
+
+
+def config(model: Path, **fields: Any) -> ServerConfig:
+    return ServerConfig(model_path=str(model), **fields)
+
+
+def traced(
+    engine: RecordingEngine,
+    server_config: ServerConfig,
+    *,
+    span_limits: SpanLimits | None = None,
+    reader: InMemoryMetricReader | None = None,
+) -> tuple[Telemetry, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(span_limits=span_limits, shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    telemetry = Telemetry(
+        lanes=server_config.lanes,
+        providers=engine.providers,
+        max_batch_size=server_config.max_batch_size,
+        tracer_provider=provider,
+        metric_readers=[] if reader is None else [reader],
+    )
+    return telemetry, exporter
+
+
+def spans_named(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
+    return [span for span in exporter.get_finished_spans() if span.name == name]
+
+
+def only(spans: Sequence[ReadableSpan]) -> ReadableSpan:
+    assert len(spans) == 1, [span.name for span in spans]
+    return spans[0]
+
+
+def span_id(span: ReadableSpan) -> int:
+    assert span.context is not None
+    return int(span.context.span_id)
+
+
+def parent_id(span: ReadableSpan) -> int | None:
+    return None if span.parent is None else span.parent.span_id
+
+
+def trace_id(span: ReadableSpan) -> int:
+    assert span.context is not None
+    return int(span.context.trace_id)
+
+
+def attr(span: ReadableSpan, key: str) -> Any:
+    assert span.attributes is not None
+    return span.attributes[key]
+
+
+def by_request_id(exporter: InMemorySpanExporter) -> dict[str, ReadableSpan]:
+    found = {}
+    for span in spans_named(exporter, "enqueue"):
+        assert span.attributes is not None
+        found[str(span.attributes["laneserve.request_id"])] = span
+    return found
+
+
+def queued_requests(s: Serving) -> int:
+    thread = s.server._thread
+    assert thread is not None
+    return sum(depth.queued_requests for depth in thread.depths())
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Polls for a state the server reaches (not a timing assumption)."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + timeout_s
+    while not condition():
+        if loop.time() > give_up:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.002)
+
+
+async def entered(engine: RecordingEngine) -> None:
+    assert await asyncio.to_thread(engine.entered.acquire, True, 10), "no batch started"
+
+
+# ---- traces -----------------------------------------------------------------------------
+
+
+def test_one_request_yields_the_four_span_kinds_under_its_server_span(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model)
+        telemetry, exporter = traced(engine, server_config)
+        async with serving(engine, server_config, telemetry=telemetry) as s:
+            await s.stub.Infer(request(rows(3), request_id="one", lane="interactive"), timeout=10)
+        server = only(spans_named(exporter, INFER_SPAN))
+        enqueue = only(spans_named(exporter, "enqueue"))
+        reply = only(spans_named(exporter, "reply"))
+        batch = only(spans_named(exporter, "batch"))
+        infer = only(spans_named(exporter, "infer"))
+
+        assert server.kind is SpanKind.SERVER
+        assert server.parent is None  # no traceparent came with the call
+        assert server.attributes is not None
+        assert server.attributes["rpc.grpc.status_code"] == grpc.StatusCode.OK.value[0]
+        # The request's own spans are children of the gRPC server span.
+        for child in (enqueue, reply):
+            assert parent_id(child) == span_id(server)
+            assert trace_id(child) == trace_id(server)
+        assert enqueue.attributes is not None
+        assert enqueue.attributes["laneserve.lane"] == "interactive"
+        assert enqueue.attributes["laneserve.rows"] == 3
+        assert 0 < attr(enqueue, "laneserve.deadline_ms") <= 10_000
+        assert reply.attributes is not None
+        assert reply.attributes["laneserve.status"] == "OK"
+        # The batch is a root of its own, linked to the request it served.
+        assert batch.parent is None
+        assert [link.context.span_id for link in batch.links] == [span_id(enqueue)]
+        assert batch.attributes is not None
+        assert batch.attributes["laneserve.batch.size"] == 3
+        assert batch.attributes["laneserve.batch.wait_reason"] in {"max_wait", "deadline"}
+        assert parent_id(infer) == span_id(batch)
+        assert infer.attributes is not None
+        assert infer.attributes["laneserve.infer.providers"] == tuple(engine.providers)
+        assert infer.attributes["laneserve.batch.size"] == 3
+        # Order in time: queued, then run, then answered.
+        assert enqueue.end_time is not None
+        assert infer.start_time is not None
+        assert reply.start_time is not None
+        assert infer.end_time is not None
+        assert batch.start_time is not None
+        assert enqueue.end_time <= batch.start_time
+        assert infer.end_time <= reply.start_time
+
+    asyncio.run(scenario())
+
+
+def test_caller_traceparent_becomes_the_parent(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model)
+        telemetry, exporter = traced(engine, server_config)
+        async with serving(engine, server_config, telemetry=telemetry) as s:
+            await s.stub.Infer(
+                request(rows(1)), timeout=10, metadata=(("traceparent", TRACEPARENT),)
+            )
+        server = only(spans_named(exporter, INFER_SPAN))
+        assert server.parent is not None
+        assert server.parent.is_remote
+        assert (server.parent.trace_id, server.parent.span_id) == (CALLER_TRACE_ID, CALLER_SPAN_ID)
+        for name in ("enqueue", "reply"):
+            assert trace_id(only(spans_named(exporter, name))) == CALLER_TRACE_ID
+
+    asyncio.run(scenario())
+
+
+def test_a_caller_that_does_not_sample_gets_no_spans(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model)
+        telemetry, exporter = traced(engine, server_config)  # parent-based: follows the caller
+        unsampled = TRACEPARENT.removesuffix("-01") + "-00"
+        async with serving(engine, server_config, telemetry=telemetry) as s:
+            await s.stub.Infer(request(rows(1)), timeout=10, metadata=(("traceparent", unsampled),))
+            await s.stub.Infer(request(rows(1), request_id="sampled"), timeout=10)
+        # Only the second request's trace, and the batch that served it.
+        assert sorted(span.name for span in exporter.get_finished_spans()) == sorted(
+            [INFER_SPAN, "enqueue", "reply", "batch", "infer"]
+        )
+        assert list(by_request_id(exporter)) == ["sampled"]
+
+    asyncio.run(scenario())
+
+
+def test_batch_span_links_to_every_request_it_serves(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model)
+        telemetry, exporter = traced(engine, server_config)
+        async with serving(engine, server_config, telemetry=telemetry) as s:
+            engine.hold()
+            first = asyncio.ensure_future(s.stub.Infer(request(rows(1), request_id="first")))
+            await entered(engine)  # the session is busy: the next ones queue as backlog
+            lanes = {"a": "interactive", "b": "standard", "c": "standard", "d": "bulk"}
+            queued = [
+                asyncio.ensure_future(
+                    s.stub.Infer(request(rows(2), request_id=request_id, lane=lane))
+                )
+                for request_id, lane in lanes.items()
+            ]
+            await until(lambda: queued_requests(s) == len(lanes))
+            engine.release()
+            await asyncio.gather(first, *queued)
+        enqueue = by_request_id(exporter)
+        batches = {
+            attr(span, "laneserve.batch.requests"): span for span in spans_named(exporter, "batch")
+        }
+        assert sorted(batches) == [1, 4]
+        served = batches[4]
+        assert {link.context.span_id for link in served.links} == {
+            span_id(enqueue[request_id]) for request_id in lanes
+        }
+        link_lanes = sorted(str((link.attributes or {})["laneserve.lane"]) for link in served.links)
+        assert link_lanes == sorted(lanes.values())
+        assert served.attributes is not None
+        assert served.attributes["laneserve.batch.size"] == 8
+        assert served.attributes["laneserve.batch.wait_reason"] == "backlog"
+        assert served.attributes["laneserve.batch.lanes"] == ("bulk", "interactive", "standard")
+        assert served.attributes["laneserve.batch.lanes_mixed"] is True
+        (first_link,) = batches[1].links
+        assert first_link.context.span_id == span_id(enqueue["first"])
+
+    asyncio.run(scenario())
+
+
+def test_batch_links_stay_within_the_sdk_link_limit(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model)
+        telemetry, exporter = traced(engine, server_config, span_limits=SpanLimits(max_links=2))
+        async with serving(engine, server_config, telemetry=telemetry) as s:
+            engine.hold()
+            first = asyncio.ensure_future(s.stub.Infer(request(rows(1))))
+            await entered(engine)
+            queued = [asyncio.ensure_future(s.stub.Infer(request(rows(1)))) for _ in range(5)]
+            await until(lambda: queued_requests(s) == 5)
+            engine.release()
+            await asyncio.gather(first, *queued)
+        (batch,) = [
+            span
+            for span in spans_named(exporter, "batch")
+            if span.attributes is not None and span.attributes["laneserve.batch.requests"] == 5
+        ]
+        assert len(batch.links) == 2
+        assert batch.dropped_links == 3
+
+    asyncio.run(scenario())
+
+
+def test_status_codes_are_recorded_on_the_server_span(small_model: Path) -> None:
+    lanes = (
+        LaneConfig("standard", capacity_rows=5, timeout_ms=60_000, max_wait_ms=0, min_share=0.0),
+    )
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model, lanes=lanes)
+        telemetry, exporter = traced(engine, server_config)
+        engine.fail_when = lambda batch: batch.rows == 3
+
+        async def code_of(call: Any) -> grpc.StatusCode:
+            try:
+                await call
+            except grpc.aio.AioRpcError as error:
+                return error.code()
+            return grpc.StatusCode.OK
+
+        async with serving(engine, server_config, telemetry=telemetry) as s:
+            codes = [
+                await code_of(s.stub.Infer(request(rows(1), request_id="ok"))),
+                await code_of(s.stub.Infer(request(rows(1), request_id="bad", lane="nope"))),
+                await code_of(s.stub.Infer(request(rows(3), request_id="failing"))),
+            ]
+            while engine.entered.acquire(blocking=False):
+                pass  # forget the batches above: `entered` below waits for the next one
+            engine.hold()
+            busy = asyncio.ensure_future(s.stub.Infer(request(rows(1), request_id="busy")))
+            await entered(engine)
+            filler = asyncio.ensure_future(s.stub.Infer(request(rows(4), request_id="filler")))
+            cancelled = s.stub.Infer(request(rows(1), request_id="cancelled"))
+            await until(lambda: queued_requests(s) == 2)  # the lane is full now
+            codes.append(await code_of(s.stub.Infer(request(rows(1), request_id="full"))))
+            cancelled.cancel()
+            await until(lambda: queued_requests(s) == 1)
+            codes.append(
+                await code_of(s.stub.Infer(request(rows(1), request_id="late"), timeout=0.2))
+            )
+            engine.release()
+            await asyncio.gather(busy, filler)
+            await until(lambda: len(spans_named(exporter, INFER_SPAN)) == 8)
+        assert codes == [
+            grpc.StatusCode.OK,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.INTERNAL,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        ]
+        recorded = sorted(
+            (attr(span, "rpc.grpc.status_code"), span.status.status_code.value)
+            for span in spans_named(exporter, INFER_SPAN)
+        )
+        ok, error, unset = grpc.StatusCode.OK, StatusCode.ERROR.value, StatusCode.UNSET.value
+        assert recorded == sorted(
+            [
+                (ok.value[0], unset),  # ok
+                (ok.value[0], unset),  # busy
+                (ok.value[0], unset),  # filler
+                (grpc.StatusCode.INVALID_ARGUMENT.value[0], unset),  # the caller's fault
+                (grpc.StatusCode.INTERNAL.value[0], error),
+                (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], unset),
+                (grpc.StatusCode.CANCELLED.value[0], unset),
+                (grpc.StatusCode.DEADLINE_EXCEEDED.value[0], error),
+            ]
+        )
+        enqueue = by_request_id(exporter)
+        assert enqueue["full"].status.status_code is StatusCode.ERROR
+        assert enqueue["full"].attributes is not None
+        assert enqueue["full"].attributes["laneserve.status"] == "LANE_FULL"
+        failed_infer = [
+            span
+            for span in spans_named(exporter, "infer")
+            if span.status.status_code is StatusCode.ERROR
+        ]
+        assert len(failed_infer) == 1
+
+    asyncio.run(scenario())
+
+
+def test_stream_items_are_children_of_the_stream_span(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model)
+        telemetry, exporter = traced(engine, server_config)
+        async with serving(engine, server_config, telemetry=telemetry) as s:
+            items = [request(rows(1), request_id=f"item-{index}") for index in range(3)]
+            answers = [answer async for answer in s.stub.InferStream(iter(items), timeout=10)]
+            assert len(answers) == 3
+        stream = only(spans_named(exporter, STREAM_SPAN))
+        assert stream.attributes is not None
+        assert stream.attributes["rpc.grpc.status_code"] == grpc.StatusCode.OK.value[0]
+        enqueue = by_request_id(exporter)
+        assert sorted(enqueue) == ["item-0", "item-1", "item-2"]
+        assert {parent_id(span) for span in enqueue.values()} == {span_id(stream)}
+        assert {parent_id(span) for span in spans_named(exporter, "reply")} == {span_id(stream)}
+
+    asyncio.run(scenario())
+
+
+def test_tracing_off_installs_nothing_on_the_request_path(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            telemetry = s.server.telemetry
+            assert telemetry.tracing is None
+            assert telemetry.interceptors == []
+            assert not any(type(sink).__name__ == "Tracing" for sink in telemetry.events)
+            await s.stub.Infer(request(rows(1)), timeout=10)
+
+    asyncio.run(scenario())
+
+
+def test_exporters_come_from_the_standard_variables() -> None:
+    assert tracer_provider_from_env({}) is None  # default: none
+    assert tracer_provider_from_env({"OTEL_TRACES_EXPORTER": "none"}) is None
+    disabled = {"OTEL_TRACES_EXPORTER": "console", "OTEL_SDK_DISABLED": "true"}
+    assert tracer_provider_from_env(disabled) is None
+    for names in ("console", "otlp", "console,otlp"):
+        provider = tracer_provider_from_env({"OTEL_TRACES_EXPORTER": names})
+        assert provider is not None, names
+        assert isinstance(provider.sampler, BatchLinkSampler)
+        provider.shutdown()
+    with pytest.raises(ConfigError, match=r"no span exporter 'nope'.*install"):
+        tracer_provider_from_env({"OTEL_TRACES_EXPORTER": "nope"})
+    with pytest.raises(ConfigError, match="expected grpc or http/protobuf"):
+        tracer_provider_from_env(
+            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "carrier-pigeon"}
+        )
+
+
+def test_batch_spans_are_sampled_with_the_requests_they_serve() -> None:
+    sampler = BatchLinkSampler(ALWAYS_OFF)
+
+    def link(flags: int) -> Link:
+        return Link(SpanContext(CALLER_TRACE_ID, CALLER_SPAN_ID, False, TraceFlags(flags)))
+
+    def decision(name: str, links: list[Link]) -> Decision:
+        return sampler.should_sample(None, CALLER_TRACE_ID, name, links=links).decision
+
+    assert decision("batch", [link(0), link(TraceFlags.SAMPLED)]) is Decision.RECORD_AND_SAMPLE
+    assert decision("batch", [link(0)]) is Decision.DROP
+    assert decision("enqueue", [link(TraceFlags.SAMPLED)]) is Decision.DROP  # not a batch
+
+
+# ---- metrics ------------------------------------------------------------------------------
+
+
+Points = dict[tuple[str, frozenset[tuple[str, Any]]], float]
+
+
+def collect(reader: InMemoryMetricReader) -> Points:
+    """Every data point: counters and gauges by value, histograms by count."""
+    points: Points = {}
+    data = reader.get_metrics_data()
+    if data is None:
+        return points
+    for resource_metrics in data.resource_metrics:
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                assert isinstance(metric.data, Sum | Gauge | Histogram)
+                for point in metric.data.data_points:
+                    key = (metric.name, frozenset((point.attributes or {}).items()))
+                    if isinstance(point, HistogramDataPoint):
+                        points[key] = point.count
+                    else:
+                        assert isinstance(point, NumberDataPoint)
+                        points[key] = point.value
+    return points
+
+
+def at(points: Points, name: str, **attributes: Any) -> float:
+    return points.get((name, frozenset(attributes.items())), 0)
+
+
+def names(points: Points) -> set[str]:
+    return {name for name, _ in points}
+
+
+def check_recorded_metrics(points: Points, max_batch_size: int) -> None:
+    """The metrics after the scenario below: what happened to each request and batch."""
+    counters = {
+        ("admitted", "standard"): at(points, "laneserve.requests.admitted", lane="standard"),
+        ("admitted", "interactive"): at(points, "laneserve.requests.admitted", lane="interactive"),
+        ("admitted", "bulk"): at(points, "laneserve.requests.admitted", lane="bulk"),
+    }
+    assert counters == {
+        ("admitted", "standard"): 2,
+        ("admitted", "interactive"): 1,
+        ("admitted", "bulk"): 1,
+    }
+    assert at(points, "laneserve.requests.rejected", lane="interactive", reason="LANE_FULL") == 1
+    assert at(points, "laneserve.requests.shed", lane="standard", reason="EXPIRED_IN_QUEUE") == 1
+    assert at(points, "laneserve.requests.shed", lane="bulk", reason="CANCELLED") == 1
+    assert at(points, "laneserve.requests.completed", lane="standard", status="OK") == 1
+    assert at(points, "laneserve.requests.completed", lane="interactive", status="OK") == 1
+    assert (
+        at(points, "laneserve.requests.completed", lane="standard", status="EXPIRED_IN_QUEUE") == 1
+    )
+    # Histograms: one sample per request answered, per request dispatched, per batch.
+    duration = "laneserve.request.duration"
+    assert at(points, duration, lane="standard", status="OK") == 1
+    assert at(points, duration, lane="interactive", status="OK") == 1
+    assert at(points, duration, lane="standard", status="EXPIRED_IN_QUEUE") == 1
+    assert at(points, duration, lane="bulk", status="CANCELLED") == 1
+    assert at(points, "laneserve.queue.wait", lane="standard") == 1
+    assert at(points, "laneserve.queue.wait", lane="interactive") == 1
+    assert at(points, "laneserve.batch.size") == 2
+    assert at(points, "laneserve.infer.duration", status="OK") == 2
+    assert at(points, "laneserve.batch.cap") == max_batch_size
+    assert at(points, "laneserve.lane.depth", lane="interactive") == 0
+    # No GPU and no memory limit here: those gauges are absent, not zero.
+    assert "laneserve.device.utilization" not in names(points)
+    assert "laneserve.device.memory.used" not in names(points)
+
+
+def check_same_figures_in_get_stats(stats: pb.GetStatsResponse) -> None:
+    """GetStats after the scenario above reports what the metrics recorded."""
+    lane_stats = {lane.name: lane for lane in stats.lanes}
+    assert lane_stats["standard"].admitted == 2
+    assert dict(lane_stats["interactive"].rejected) == {"LANE_FULL": 1}
+    assert dict(lane_stats["standard"].shed) == {"EXPIRED_IN_QUEUE": 1}
+    assert dict(lane_stats["bulk"].shed) == {"CANCELLED": 1}
+    assert dict(lane_stats["standard"].answered) == {"OK": 1, "EXPIRED_IN_QUEUE": 1}
+    assert lane_stats["standard"].request_duration.count == 1
+    assert lane_stats["interactive"].request_duration.count == 1
+    assert lane_stats["interactive"].queue_wait.count == 1
+    assert stats.batch_size.count == 2
+    assert stats.batch_size.mean == 3.0  # batches of 2 and 4 rows
+    assert sum(stats.batch_reasons.values()) == 2
+    assert stats.failed_batches == 0
+    assert not stats.HasField("device_utilization")
+
+
+def test_metrics_move_as_requests_are_admitted_refused_shed_and_completed(
+    small_model: Path,
+) -> None:
+    lanes = (
+        LaneConfig("interactive", capacity_rows=4, timeout_ms=60_000, max_wait_ms=0, min_share=0),
+        LaneConfig("standard", capacity_rows=64, timeout_ms=60_000, max_wait_ms=0, min_share=0),
+        LaneConfig("bulk", capacity_rows=64, timeout_ms=60_000, max_wait_ms=0, min_share=0),
+    )
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model, lanes=lanes)
+        reader = InMemoryMetricReader()
+        telemetry = Telemetry(
+            lanes=lanes,
+            providers=engine.providers,
+            max_batch_size=server_config.max_batch_size,
+            metric_readers=[reader],
+        )
+        async with serving(engine, server_config, telemetry=telemetry) as s:
+            engine.hold()
+            running = asyncio.ensure_future(s.stub.Infer(request(rows(2), lane="standard")))
+            await entered(engine)
+            full = asyncio.ensure_future(s.stub.Infer(request(rows(4), lane="interactive")))
+            await until(lambda: queued_requests(s) == 1)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await s.stub.Infer(request(rows(1), lane="interactive"))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with pytest.raises(grpc.aio.AioRpcError) as expired:
+                await s.stub.Infer(request(rows(1), lane="standard", timeout_ms=50))
+            assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            abandoned = s.stub.Infer(request(rows(1), lane="bulk"))
+            await until(lambda: queued_requests(s) == 2)
+            abandoned.cancel()
+            await until(lambda: queued_requests(s) == 1)
+            before = collect(reader)
+            assert at(before, "laneserve.lane.depth", lane="interactive") == 4
+            assert at(before, "laneserve.lane.capacity", lane="interactive") == 4
+            engine.release()
+            await asyncio.gather(running, full)
+            await until(
+                lambda: (
+                    at(collect(reader), "laneserve.requests.shed", lane="bulk", reason="CANCELLED")
+                    == 1
+                )
+            )
+            points = collect(reader)
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+
+        check_recorded_metrics(points, server_config.max_batch_size)
+        check_same_figures_in_get_stats(stats)
+
+    asyncio.run(scenario())
+
+
+def test_memory_and_out_of_memory_events_reach_the_metrics() -> None:
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry(
+        lanes=ServerConfig(model_path="m.onnx").lanes,
+        providers=["CPUExecutionProvider"],
+        max_batch_size=64,
+        metric_readers=[reader],
+    )
+    metrics = telemetry.metrics
+    assert metrics is not None
+    metrics.out_of_memory(64)
+    metrics.batch_split(64)
+    metrics.cap_changed(64, 32, "out_of_memory")
+    metrics.memory_sampled(3 << 30, 8 << 30)
+    points = collect(reader)
+    telemetry.close()
+    assert at(points, "laneserve.device.out_of_memory") == 1
+    assert at(points, "laneserve.batch.splits") == 1
+    assert at(points, "laneserve.batch.cap.changes", reason="out_of_memory") == 1
+    assert at(points, "laneserve.device.memory.used") == 3 << 30
+    assert at(points, "laneserve.device.memory.budget") == 8 << 30
+
+
+def fetch(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - loopback http
+        text: str = response.read().decode()
+        return text
+
+
+def test_prometheus_endpoint_serves_the_metrics_over_http(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:  # metrics on an ephemeral port
+            port = s.server.metrics_port
+            assert port is not None
+            assert port > 0
+            await s.stub.Infer(request(rows(2), lane="interactive"), timeout=10)
+            text = await asyncio.to_thread(fetch, f"http://127.0.0.1:{port}/metrics")
+        families = {family.name: family for family in text_string_to_metric_families(text)}
+        admitted = [
+            sample
+            for sample in families["laneserve_requests_admitted"].samples
+            if sample.name == "laneserve_requests_admitted_total"
+        ]
+        assert [(sample.labels["lane"], sample.value) for sample in admitted] == [
+            ("interactive", 1.0)
+        ]
+        wait = families["laneserve_queue_wait_seconds"]
+        assert wait.type == "histogram"
+        bounds = {sample.labels["le"] for sample in wait.samples if sample.name.endswith("_bucket")}
+        assert {"0.0005", "0.001", "120.0", "+Inf"} <= bounds
+        assert families["laneserve_batch_size"].type == "histogram"
+        capacity = {
+            sample.labels["lane"]: sample.value
+            for sample in families["laneserve_lane_capacity"].samples
+        }
+        assert capacity == {"interactive": 512.0, "standard": 2048.0, "bulk": 16384.0}
+        assert "laneserve_request_duration_seconds" in families
+        assert "laneserve_device_utilization_ratio" not in families  # no GPU here
+        # The endpoint goes away with the server.
+        with pytest.raises(urllib.error.URLError):
+            await asyncio.to_thread(fetch, f"http://127.0.0.1:{port}/metrics")
+
+    asyncio.run(scenario())
+
+
+def test_metrics_port_minus_one_records_nothing_and_opens_no_port(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, metrics_port=-1)) as s:
+            assert s.server.metrics_port is None
+            assert s.server.telemetry.metrics is None
+            await s.stub.Infer(request(rows(1)), timeout=10)
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+            assert stats.batch_size.count == 1  # GetStats does not depend on metrics
+
+    asyncio.run(scenario())
+
+
+def test_metrics_port_is_validated() -> None:
+    with pytest.raises(ConfigError, match=r"server\.metrics_port: expected an integer in \[-1"):
+        ServerConfig(model_path="m.onnx", metrics_port=-2)
+    assert dataclasses.replace(ServerConfig(model_path="m.onnx"), metrics_port=0).metrics_port == 0
+    assert ServerConfig(model_path="m.onnx").metrics_port == 9464
+
+
+# ---- logs --------------------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def test_refusals_are_logged_in_aggregate_at_most_once_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = FakeClock()
+    events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock)
+    caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
+    events.rejected("standard", "LANE_FULL")  # the first is logged at once
+    for _ in range(500):
+        events.rejected("standard", "LANE_FULL")
+    events.rejected("bulk", "MEMORY_PRESSURE")
+    clock.now_s += 5
+    events.admitted("standard", 1)
+    assert len(caplog.records) == 1
+    clock.now_s += 5
+    events.admitted("standard", 1)  # the interval is over: the burst is summed up
+    events.rejected("standard", "LANE_FULL")
+    events.flush()  # at shutdown: whatever is left
+    lines = [(record.getMessage(), record.fields) for record in caplog.records]  # type: ignore[attr-defined]
+    assert lines == [
+        (
+            "admission refused 1 requests in 0.0s",
+            {"refused": {"standard/LANE_FULL": 1}, "window_s": 0.0},
+        ),
+        (
+            "admission refused 501 requests in 10.0s",
+            {
+                "refused": {"standard/LANE_FULL": 500, "bulk/MEMORY_PRESSURE": 1},
+                "window_s": 10.0,
+            },
+        ),
+        (
+            "admission refused 1 requests in 0.0s",
+            {"refused": {"standard/LANE_FULL": 1}, "window_s": 0.0},
+        ),
+    ]
+    assert all(record.levelno == logging.WARNING for record in caplog.records)
+
+
+def test_out_of_memory_and_recovery_are_logged(caplog: pytest.LogCaptureFixture) -> None:
+    events = EventLog(max_batch_size=64)
+    caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
+    events.out_of_memory(64)
+    events.cap_changed(64, 32, "out_of_memory")
+    events.cap_changed(32, 36, "recovered")
+    events.cap_changed(60, 64, "recovered")
+    assert [(record.levelname, record.getMessage()) for record in caplog.records] == [
+        ("WARNING", "out of device memory running 64 rows; splitting and retrying"),
+        ("WARNING", "batch cap lowered 64 -> 32 (out_of_memory)"),
+        ("INFO", "batch cap raised 32 -> 36 (recovered)"),
+        ("INFO", "batch cap recovered 60 -> 64 (max_batch_size)"),
+    ]
+
+
+def test_log_lines_carry_their_fields_as_text_or_json() -> None:
+    logger = logging.getLogger("laneserve.test")
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        log_event(
+            logger,
+            logging.WARNING,
+            "admission_refused",
+            "admission refused 3 requests in 10.0s",
+            refused={"standard/LANE_FULL": 3},
+            lane="standard lane",
+        )
+    finally:
+        logger.removeHandler(handler)
+    (record,) = records
+    text = TextFormatter().format(record)
+    assert text.endswith(
+        "laneserve.test: admission refused 3 requests in 10.0s "
+        'refused={"standard/LANE_FULL":3} lane="standard lane"'
+    )
+    document = json.loads(JsonFormatter().format(record))
+    assert document["level"] == "WARNING"
+    assert document["event"] == "admission_refused"
+    assert document["message"] == "admission refused 3 requests in 10.0s"
+    assert document["refused"] == {"standard/LANE_FULL": 3}
+    assert document["time"].endswith("+00:00")

@@ -1,0 +1,121 @@
+"""`laneserve serve` as a real process, configured the way an operator does it: tracing
+through the standard OTEL_* variables, JSON logs, the Prometheus endpoint on a port."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from laneserve.v1 import inference_pb2_grpc as pb_grpc
+from tests.support import output, request, rows
+
+SERVE = [sys.executable, "-m", "laneserve.server.cli", "--log-format", "json", "serve"]
+TIMEOUT_S = 60
+CALLER_SPAN_ID = "b7ad6b7169203331"
+TRACEPARENT = f"00-0af7651916cd43dd8448eb211c80319c-{CALLER_SPAN_ID}-01"
+
+
+def otel_env(**variables: str) -> dict[str, str]:
+    """This process's environment without its own OTEL_* settings, plus `variables`."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("OTEL_")}
+    env.update(variables)
+    return env
+
+
+def json_objects(text: str) -> list[dict[str, Any]]:
+    """The JSON objects printed one after another (the console exporter indents them)."""
+    decoder = json.JSONDecoder()
+    found = []
+    index = 0
+    while (start := text.find("{", index)) != -1:
+        document, index = decoder.raw_decode(text, start)
+        found.append(document)
+    return found
+
+
+def test_console_traces_json_logs_and_metrics_from_a_real_process(small_model: Path) -> None:
+    process = subprocess.Popen(
+        [*SERVE, "--model", str(small_model), "--port", "0", "--metrics-port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=otel_env(OTEL_TRACES_EXPORTER="console", OTEL_SERVICE_NAME="laneserve-test"),
+    )
+    assert process.stdout is not None
+    assert process.stderr is not None
+    spans_out = process.stdout
+    stdout: list[str] = []  # the console exporter writes spans to stdout
+
+    def read_spans() -> None:
+        stdout.extend(spans_out)
+
+    reader = threading.Thread(target=read_spans, daemon=True)
+    reader.start()
+    try:
+        log_lines = []
+        for line in process.stderr:
+            log_lines.append(json.loads(line))  # every log line is one JSON object
+            if log_lines[-1].get("event") == "startup":
+                break
+        startup = log_lines[-1]
+        assert startup["event"] == "startup", log_lines
+        assert startup["tracing"] is True
+        assert startup["providers"] == ["CPUExecutionProvider"]
+        port, metrics_port = startup["port"], startup["metrics_port"]
+        assert metrics_port > 0
+
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            response = pb_grpc.InferenceServiceStub(channel).Infer(
+                request(rows(2), request_id="e2e"),
+                timeout=10,
+                metadata=(("traceparent", TRACEPARENT),),
+            )
+            assert output(response).shape == (2, 10)
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as scrape:
+            metrics = scrape.read().decode()
+        assert 'laneserve_requests_completed_total{lane="standard"' in metrics
+
+        process.send_signal(signal.SIGTERM)
+        rest = [json.loads(line) for line in process.stderr]
+        assert process.wait(timeout=TIMEOUT_S) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=TIMEOUT_S)
+        reader.join(timeout=TIMEOUT_S)
+        process.stdout.close()
+        process.stderr.close()
+
+    assert rest[-1]["event"] == "shutdown"
+    assert rest[-1]["message"] == "stopped"
+    spans = {span["name"]: span for span in json_objects("".join(stdout))}
+    assert {"enqueue", "batch", "infer", "reply", "laneserve.v1.InferenceService/Infer"} <= set(
+        spans
+    )
+    server = spans["laneserve.v1.InferenceService/Infer"]
+    assert server["parent_id"] == f"0x{CALLER_SPAN_ID}"
+    assert server["resource"]["attributes"]["service.name"] == "laneserve-test"
+    assert spans["enqueue"]["parent_id"] == server["context"]["span_id"]
+
+
+def test_an_exporter_that_is_not_installed_is_refused_by_name(small_model: Path) -> None:
+    done = subprocess.run(
+        [*SERVE, "--model", str(small_model), "--port", "0", "--metrics-port", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+        env=otel_env(OTEL_TRACES_EXPORTER="zipkin_json"),
+    )
+    assert done.returncode == 2
+    assert "OTEL_TRACES_EXPORTER=zipkin_json: no span exporter 'zipkin_json'" in done.stderr

@@ -1,0 +1,146 @@
+"""`laneserve top`: frames rendered from hand-made GetStats answers, and the command run
+headless (--once / --iterations) against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import pytest
+
+from laneserve.server import ServerConfig
+from laneserve.server.cli import main
+from laneserve.server.top import Sample, render
+from laneserve.v1 import inference_pb2 as pb
+from tests.support import RecordingEngine, request, rows, serving
+
+GIB = 1 << 30
+MODEL = pb.GetModelResponse(
+    model_path="models/demo.onnx",
+    providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
+    max_batch_size=128,
+)
+
+
+def lane(name: str, **fields: object) -> pb.LaneStats:
+    return pb.LaneStats(name=name, **fields)  # type: ignore[arg-type]
+
+
+def stats(admitted: int, **fields: object) -> pb.GetStatsResponse:
+    return pb.GetStatsResponse(
+        state="SERVING",
+        uptime_s=3723.0,
+        lanes=[
+            lane(
+                "interactive",
+                depth_rows=128,
+                capacity_rows=512,
+                admitted=admitted,
+                completed=admitted - 10,
+                rejected={"LANE_FULL": admitted // 10},
+                shed={"EXPIRED_IN_QUEUE": 4},
+                queue_wait=pb.LatencySummary(count=50, p50_ms=0.4, p95_ms=1.25, p99_ms=3),
+                request_duration=pb.LatencySummary(count=50, p95_ms=12.5),
+            ),
+            lane("bulk", depth_rows=0, capacity_rows=16384),
+        ],
+        batches=admitted // 2,
+        rows_run=admitted * 4,
+        batch_cap=64,
+        max_batch_cap=128,
+        batch_size=pb.SizeSummary(count=40, mean=48.5, p50=64, p95=64, p99=64),
+        batch_reasons={"full": 30, "backlog": 10},
+        run_time=pb.LatencySummary(count=40, p50_ms=2.0, p95_ms=3.5, p99_ms=4.25),
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def test_frame_shows_lanes_batches_memory_and_device() -> None:
+    before = Sample(stats(100), taken_s=10.0)
+    now = Sample(
+        stats(
+            300,
+            memory_limit_bytes=8 * GIB,
+            memory_used_bytes=4 * GIB,
+            memory_high_watermark_bytes=7 * GIB,
+            lanes_closed_by_memory=["bulk"],
+            device_utilization=0.73,
+            out_of_memory_events=2,
+            batch_splits=2,
+            cap_changes={"out_of_memory": 1},
+        ),
+        taken_s=12.0,
+    )
+    frame = render("gpu-host:50051", MODEL, now, before)
+    lines = frame.splitlines()
+    assert lines[0].startswith("laneserve top  gpu-host:50051  SERVING  up 1h02m03s")
+    assert "rates: per second over the last 2.0s" in lines[1]
+    interactive = next(line for line in lines if line.startswith("interactive"))
+    # 128 of 512 rows: a quarter of the bar; wait p95; 200 admitted in 2 s; 20 refused.
+    assert "[#####...............]" in interactive
+    assert "128/512" in interactive
+    assert interactive.split()[3:8] == ["1.25ms", "100.0", "100.0", "0.0", "10.0"]
+    assert interactive.endswith("12.5ms")
+    assert "refused/shed since start: LANE_FULL=30 EXPIRED_IN_QUEUE=4" in frame
+    bulk = next(line for line in lines if line.startswith("bulk"))
+    assert "[....................]" in bulk
+    assert bulk.split()[3] == "-"  # no wait measured yet
+    assert "batches  50.0/s  rows 400.0/s  size mean 48.5 p50 64 p95 64  cap 64/128" in frame
+    assert "dispatch backlog 25%  full 75%" in frame
+    assert "run time p50 2.00ms  p95 3.50ms  p99 4.25ms" in frame
+    assert "memory   [##########..........] 4.0GiB / 8.0GiB (50%)  watermark 7.0GiB" in frame
+    assert "lanes closed: bulk" in frame
+    assert "device   util 73%  out of memory 2  splits 2  cap changes out_of_memory=1" in frame
+
+
+def test_first_frame_averages_since_start_and_shows_absent_figures_as_absent() -> None:
+    frame = render("h:1", MODEL, Sample(stats(3723), taken_s=1.0), None)
+    assert "rates: per second, averaged since start" in frame
+    interactive = next(line for line in frame.splitlines() if line.startswith("interactive"))
+    assert interactive.split()[4] == "1.0"  # 3723 admitted in 3723 s
+    assert "util - (no GPU)" in frame
+    assert "memory   no limit set" in frame
+
+
+def test_top_runs_headless_against_a_real_server(
+    small_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def scenario() -> int:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, ServerConfig(model_path=str(small_model))) as s:
+            for lane_name in ("interactive", "standard"):
+                await s.stub.Infer(request(rows(3), lane=lane_name), timeout=10)
+            argv = ["top", "--target", s.target, "--iterations", "2", "--interval-s", "0.05"]
+            return await asyncio.to_thread(main, argv)
+
+    assert asyncio.run(scenario()) == 0
+    out = capsys.readouterr().out
+    frames = out.split("\n\nlaneserve top")
+    assert len(frames) == 2
+    first, second = frames
+    assert "rates: per second, averaged since start" in first
+    assert "rates: per second over the last" in second
+    for frame in frames:
+        for name in ("interactive", "standard", "bulk"):
+            assert f"\n{name} " in frame
+        assert "SERVING" in frame
+        assert "providers CPUExecutionProvider" in frame
+        assert "batches " in frame
+        assert "util - (no GPU)" in frame
+    assert "\x1b[" not in out  # not a terminal: no screen control codes
+
+
+def test_top_reports_an_unreachable_target(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as probe:  # a port nothing listens on (bound, never listening)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        code = main(["top", "--target", f"127.0.0.1:{port}", "--once", "--timeout-s", "2"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert f"laneserve top: 127.0.0.1:{port}: UNAVAILABLE" in err
+
+
+def test_top_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["top", "--iterations", "0"]) == 2
+    assert "--iterations: expected >= 1, got 0" in capsys.readouterr().err
