@@ -56,6 +56,11 @@ def load_engine(config: ServerConfig) -> Engine:
     )
 
 
+def device_gauge(engine: Engine) -> MemoryGauge:
+    """Memory in use where the session allocates: the GPU's (NVML) or this process's."""
+    return NvmlGauge() if engine.providers[0] == CUDA else ProcessRssGauge()
+
+
 def make_watermark(
     config: ServerConfig, engine: Engine, gauge: MemoryGauge | None
 ) -> tuple[Watermark, MemoryGauge] | None:
@@ -71,7 +76,7 @@ def make_watermark(
     if limit_bytes is None:
         return None
     if gauge is None:
-        gauge = NvmlGauge() if on_gpu else ProcessRssGauge()
+        gauge = device_gauge(engine)
     watermark = Watermark(
         lanes=len(config.lanes),
         high_bytes=int(limit_bytes * config.memory_high_watermark),
@@ -101,12 +106,14 @@ class LaneServer:
         self.clock = clock or SystemClock()
         self.state = Lifecycle.STARTING
         self.probe = engine.probe(
-            config.batch_cap or config.max_batch_size, fixed_cap=config.batch_cap is not None
+            config.batch_cap or config.max_batch_size,
+            fixed_cap=config.batch_cap is not None,
+            gauge=device_gauge(engine),
         )
         self.memory_estimate = estimate_memory(config.model_path)
         log.info(
             "probe: batch_cap=%d (max_batch_size %d, first out-of-memory at %s rows) "
-            "memory_limit=%s estimate=%s + %s/row run time by batch size %s",
+            "memory_limit=%s estimate=%s + %s/row measured=%s run time by batch size %s",
             self.probe.batch_cap,
             config.max_batch_size,
             self.probe.first_failing_rows,
@@ -115,6 +122,10 @@ class LaneServer:
             else format_bytes(engine.memory_limit_bytes),
             format_bytes(self.memory_estimate.fixed_bytes),
             format_bytes(self.memory_estimate.per_row_bytes),
+            "n/a"
+            if self.probe.memory_fit is None
+            else f"{format_bytes(self.probe.memory_fit.fixed_bytes)} + "
+            f"{format_bytes(self.probe.memory_fit.per_row_bytes)}/row",
             {rows: f"{seconds * 1000:.2f}ms" for rows, seconds in self.probe.run_s.items()},
         )
         self.stats = StatsRecorder([lane.name for lane in config.lanes])
@@ -171,6 +182,7 @@ class LaneServer:
                     limit_bytes=self.engine.memory_limit_bytes,
                     probed_batch_cap=self.probe.batch_cap,
                     estimate=self.memory_estimate,
+                    measured=self.probe.memory_fit,
                 ),
                 telemetry=ServiceTelemetry(
                     events=self.events,

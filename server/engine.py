@@ -19,7 +19,15 @@ from laneserve.client.tensors import numpy_dtype_for_onnx_type
 from laneserve.server.config import Device
 from laneserve.server.errors import DeviceMemoryError, EngineError, LaneserveError
 from laneserve.server.items import Array, Batch, BatchResult, FailedRows
-from laneserve.server.memory import MemoryLimit, NvmlGauge, ProcessRssGauge, format_bytes
+from laneserve.server.memory import (
+    MemoryEstimate,
+    MemoryGauge,
+    MemoryLimit,
+    NvmlGauge,
+    ProcessRssGauge,
+    fit_memory,
+    format_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +266,14 @@ class Engine:
             for spec in self.inputs
         }
 
-    def probe(self, max_batch_size: int, *, repeats: int = 3, fixed_cap: bool = False) -> Probe:
+    def probe(
+        self,
+        max_batch_size: int,
+        *,
+        repeats: int = 3,
+        fixed_cap: bool = False,
+        gauge: MemoryGauge | None = None,
+    ) -> Probe:
         """Warms the session up, finds the largest batch that fits the memory budget and
         measures run seconds at powers of two up to it.
 
@@ -269,8 +284,13 @@ class Engine:
         operator has chosen the cap: sizes are measured while they fit, nothing is
         searched, and the cap stays `max_batch_size` (out of memory at run time then
         lowers it like any other).
+
+        With a `gauge`, memory in use is read after each growing size and fitted as
+        fixed + per_row * rows: the measured counterpart of the static estimate (NVML on
+        a GPU; resident memory on the CPU, where the arena grows by what runs need).
         """
         measured: dict[int, float] = {}
+        memory_bytes: dict[int, int] = {}
         fits, fails = 0, None
         for rows in _powers_of_two_up_to(max_batch_size):
             seconds = self._time_rows(rows, repeats)
@@ -278,13 +298,17 @@ class Engine:
                 fails = rows
                 break
             measured[rows], fits = seconds, rows
+            used_bytes = None if gauge is None else gauge.used_bytes()
+            if used_bytes is not None:
+                memory_bytes[rows] = used_bytes
+        memory_fit = fit_memory(memory_bytes)
         if fits == 0:
             raise EngineStartError(
                 "the model does not run even one row within the memory budget of "
                 f"{format_bytes(self.memory_limit_bytes or 0)}; raise --memory-limit"
             )
         if fixed_cap:
-            return Probe(run_s=measured, batch_cap=max_batch_size, first_failing_rows=fails)
+            return Probe(measured, max_batch_size, fails, memory_bytes, memory_fit)
         if fails is not None:
             low, high = fits, fails
             while high - low > max(1, low // 16):  # within ~6 % of the boundary
@@ -301,7 +325,7 @@ class Engine:
             seconds = self._time_rows(fits, repeats)
             if seconds is not None:
                 measured[fits] = seconds
-        return Probe(run_s=measured, batch_cap=fits, first_failing_rows=fails)
+        return Probe(measured, fits, fails, memory_bytes, memory_fit)
 
     def _time_rows(self, rows: int, repeats: int) -> float | None:
         """Best run seconds at `rows` rows after one warm-up run; None: out of memory."""
@@ -326,6 +350,10 @@ class Probe:
     batch_cap: int
     # The smallest size seen to fail with out-of-memory; None if none failed.
     first_failing_rows: int | None
+    # Memory in use after each size ran, and its linear fit (None: no gauge, or too
+    # few sizes to fit).
+    memory_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
+    memory_fit: MemoryEstimate | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -16,6 +16,8 @@ import re
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -191,6 +193,8 @@ class MemoryFacts:
     limit_bytes: int | None
     probed_batch_cap: int
     estimate: MemoryEstimate
+    # Fitted from memory in use during the probe; None when it could not be read.
+    measured: MemoryEstimate | None = None
 
 
 # ---- a static estimate from the model file --------------------------------------------------
@@ -209,6 +213,18 @@ class MemoryEstimate:
         if self.per_row_bytes <= 0:
             return 1 << 30
         return max((budget_bytes - self.fixed_bytes) // self.per_row_bytes, 0)
+
+
+def fit_memory(used_bytes_by_rows: dict[int, int]) -> MemoryEstimate | None:
+    """Least-squares fixed + per_row * rows through (rows, memory in use) readings; None
+    with fewer than two sizes. Readings include what the process held before the model
+    (in `fixed_bytes`); a slope below zero (noise) is reported as 0."""
+    if len(used_bytes_by_rows) < 2:  # noqa: PLR2004 - a line needs two points
+        return None
+    rows = np.array(list(used_bytes_by_rows), dtype=np.float64)
+    used = np.array(list(used_bytes_by_rows.values()), dtype=np.float64)
+    per_row, fixed = np.polyfit(rows, used, 1)
+    return MemoryEstimate(fixed_bytes=max(round(fixed), 0), per_row_bytes=max(round(per_row), 0))
 
 
 def estimate_memory(model_path: str) -> MemoryEstimate:

@@ -399,6 +399,8 @@ def _memory_fields(memory: MemoryFacts | None) -> dict[str, Any]:
         "probed_batch_cap": memory.probed_batch_cap,
         "estimated_fixed_bytes": memory.estimate.fixed_bytes,
         "estimated_row_bytes": memory.estimate.per_row_bytes,
+        "measured_fixed_bytes": memory.measured.fixed_bytes if memory.measured else 0,
+        "measured_row_bytes": memory.measured.per_row_bytes if memory.measured else 0,
     }
 
 

@@ -28,10 +28,12 @@ from laneserve.server.demo_model import make_demo_model
 from laneserve.server.errors import DeviceMemoryError, MemoryPressureError
 from laneserve.server.items import BatchResult, FailedRows, InferenceRequest
 from laneserve.server.memory import (
+    MemoryEstimate,
     MemoryLimit,
     ProcessRssGauge,
     Watermark,
     estimate_memory,
+    fit_memory,
     parse_memory_limit,
 )
 from laneserve.server.scheduler import CAP_RECOVERY_BATCHES, Dispatch, Scheduler
@@ -400,6 +402,8 @@ def test_probe_picks_a_cap_that_never_fails_under_the_budget(
             cap = model_info.batch_cap
             assert 1 < cap < 4096, "the budget, not max_batch_size, set the cap"
             assert model_info.probed_batch_cap == cap
+            # Resident memory grew with the probe's batch sizes: the arena's activations.
+            assert model_info.measured_row_bytes > 0
             assert model_info.memory_limit_bytes == parse_memory_limit(budget).limit_bytes
             # Full batches at the cap, alone and mixed with smaller ones, again and again.
             sizes = [cap, cap, cap // 2, cap, 1, cap - 1, cap, cap // 3, cap]
@@ -473,3 +477,9 @@ def test_single_row_larger_than_the_budget_fails_alone(tmp_path: Path) -> None:
         assert stats.out_of_memory_events >= 1
     finally:
         server.close()
+
+
+def test_memory_fit_is_a_line_through_the_readings() -> None:
+    fit = fit_memory({1: 1_000 + 10, 2: 1_000 + 20, 4: 1_000 + 40, 8: 1_000 + 80})
+    assert fit == MemoryEstimate(fixed_bytes=1_000, per_row_bytes=10)
+    assert fit_memory({4: 123}) is None

@@ -317,6 +317,8 @@ class GetModelResponse(_message.Message):
     PROBED_BATCH_CAP_FIELD_NUMBER: _builtins.int
     ESTIMATED_FIXED_BYTES_FIELD_NUMBER: _builtins.int
     ESTIMATED_ROW_BYTES_FIELD_NUMBER: _builtins.int
+    MEASURED_FIXED_BYTES_FIELD_NUMBER: _builtins.int
+    MEASURED_ROW_BYTES_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     batch_cap: _builtins.int
     """The largest batch (in rows) the scheduler forms now."""
@@ -333,6 +335,11 @@ class GetModelResponse(_message.Message):
     estimated_fixed_bytes: _builtins.int
     """Static estimate from the model file: weights, and per-row activations (no reuse)."""
     estimated_row_bytes: _builtins.int
+    measured_fixed_bytes: _builtins.int
+    """Fitted from memory in use after each probe size (NVML on a GPU, resident memory on
+    the CPU): fixed includes what the process held before the model. 0 = not measured.
+    """
+    measured_row_bytes: _builtins.int
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]: ...
     @_builtins.property
@@ -358,10 +365,12 @@ class GetModelResponse(_message.Message):
         probed_batch_cap: _builtins.int = ...,
         estimated_fixed_bytes: _builtins.int = ...,
         estimated_row_bytes: _builtins.int = ...,
+        measured_fixed_bytes: _builtins.int = ...,
+        measured_row_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_cap", b"batch_cap", "estimated_fixed_bytes", b"estimated_fixed_bytes", "estimated_row_bytes", b"estimated_row_bytes", "inputs", b"inputs", "lanes", b"lanes", "max_batch_size", b"max_batch_size", "memory_limit_bytes", b"memory_limit_bytes", "model_path", b"model_path", "outputs", b"outputs", "probed_batch_cap", b"probed_batch_cap", "providers", b"providers", "stream_window", b"stream_window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_cap", b"batch_cap", "estimated_fixed_bytes", b"estimated_fixed_bytes", "estimated_row_bytes", b"estimated_row_bytes", "inputs", b"inputs", "lanes", b"lanes", "max_batch_size", b"max_batch_size", "measured_fixed_bytes", b"measured_fixed_bytes", "measured_row_bytes", b"measured_row_bytes", "memory_limit_bytes", b"memory_limit_bytes", "model_path", b"model_path", "outputs", b"outputs", "probed_batch_cap", b"probed_batch_cap", "providers", b"providers", "stream_window", b"stream_window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
