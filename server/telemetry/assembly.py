@@ -1,0 +1,142 @@
+"""`Telemetry`: traces, metrics, the endpoint and event logs assembled for one server."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import grpc
+import prometheus_client
+from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader
+from opentelemetry.sdk.trace import TracerProvider
+
+from laneserve.server.config import LaneConfig, ServerConfig
+from laneserve.server.events import SchedulerEvents
+from laneserve.server.scheduler import LaneDepth
+from laneserve.server.telemetry.device import DeviceMonitor
+from laneserve.server.telemetry.endpoint import MetricsEndpoint
+from laneserve.server.telemetry.environment import resource_from_env, tracer_provider_from_env
+from laneserve.server.telemetry.logs import EventLog
+from laneserve.server.telemetry.metrics import Metrics
+from laneserve.server.telemetry.server_spans import ServerSpans
+from laneserve.server.telemetry.tracing import Tracing
+
+INSTRUMENTATION_NAME = "laneserve"
+
+
+class Telemetry:
+    """Everything in this package for one server: build it, hand its parts to the server, close it.
+
+    telemetry = Telemetry.from_config(config, engine.providers)
+    sinks = telemetry.events                 # SchedulerEvents sinks
+    tracer = telemetry.tracer                # RequestTracer, or None: tracing off
+    interceptors = telemetry.interceptors    # for grpc.aio.server
+    telemetry.observe(thread.depths, lambda: thread.batch_cap)
+    port = telemetry.serve_metrics(host, config.metrics_port)
+    ...
+    telemetry.close()
+    """
+
+    def __init__(
+        self,
+        *,
+        lanes: Sequence[LaneConfig],
+        providers: Sequence[str],
+        max_batch_size: int,
+        tracer_provider: TracerProvider | None = None,
+        metric_readers: Sequence[MetricReader] = (),
+        prometheus: bool = False,
+        owns_tracer_provider: bool = False,
+        device: DeviceMonitor | None = None,
+    ) -> None:
+        """`tracer_provider` None: tracing off. `metric_readers` and, with `prometheus`,
+        a Prometheus reader collect the metrics; with neither, no metric is recorded."""
+        self._tracer_provider = tracer_provider
+        self._owns_tracer_provider = owns_tracer_provider
+        self._device = device
+        self._endpoint: MetricsEndpoint | None = None
+        self.event_log = EventLog(max_batch_size=max_batch_size)
+        self.events: list[SchedulerEvents] = [self.event_log]
+        readers = list(metric_readers)
+        self._registry: prometheus_client.CollectorRegistry | None = None
+        if prometheus:
+            # Imported here: its module registers nothing, but the exporter package is
+            # only needed by processes that serve the endpoint.
+            from opentelemetry.exporter.prometheus import PrometheusMetricReader  # noqa: PLC0415
+
+            # A registry per server: several servers in one process (tests) must not
+            # mix their figures in the default one.
+            self._registry = prometheus_client.CollectorRegistry(auto_describe=True)
+            readers.append(PrometheusMetricReader(registry=self._registry))
+        self._meter_provider: MeterProvider | None = None
+        self.metrics: Metrics | None = None
+        if readers:
+            # Closed by `close`; no exit hook, so servers in tests leave nothing behind.
+            self._meter_provider = MeterProvider(
+                metric_readers=readers,
+                resource=resource_from_env(),
+                shutdown_on_exit=False,
+                # Exemplars would look up the current span on every measurement.
+                exemplar_filter=AlwaysOffExemplarFilter(),
+            )
+            self.metrics = Metrics(self._meter_provider.get_meter(INSTRUMENTATION_NAME), device)
+            self.events.append(self.metrics)
+        self.tracing: Tracing | None = None
+        self.interceptors: list[grpc.aio.ServerInterceptor] = []
+        if tracer_provider is not None:
+            tracer = tracer_provider.get_tracer(INSTRUMENTATION_NAME)
+            self.tracing = Tracing(tracer, lanes, providers)
+            self.events.append(self.tracing)
+            self.interceptors.append(ServerSpans(tracer))
+
+    @classmethod
+    def from_config(cls, config: ServerConfig, providers: Sequence[str]) -> Telemetry:
+        """Tracing from the OTEL_* variables; Prometheus unless metrics_port is -1."""
+        tracer_provider = tracer_provider_from_env()
+        return cls(
+            lanes=config.lanes,
+            providers=providers,
+            max_batch_size=config.max_batch_size,
+            tracer_provider=tracer_provider,
+            owns_tracer_provider=tracer_provider is not None,
+            prometheus=config.metrics_port >= 0,
+            device=DeviceMonitor.open(providers),
+        )
+
+    @property
+    def tracer(self) -> Tracing | None:
+        return self.tracing
+
+    def observe(
+        self, depths: Callable[[], Sequence[LaneDepth]], batch_cap: Callable[[], int]
+    ) -> None:
+        """Where the gauges read lane depths and the batch cap."""
+        if self.metrics is not None:
+            self.metrics.observe(depths, batch_cap)
+
+    def serve_metrics(self, host: str, port: int) -> int | None:
+        """Starts the Prometheus endpoint; returns its port (None: not configured)."""
+        if self._registry is None or port < 0:
+            return None
+        self._endpoint = MetricsEndpoint(self._registry, host, port)
+        return self._endpoint.port
+
+    def device_utilization(self) -> float | None:
+        return None if self._device is None else self._device.utilization()
+
+    def close(self) -> None:
+        """Flushes spans and the refusal log, stops the endpoint. Call once, at stop."""
+        self.event_log.flush()
+        if self.tracing is not None:
+            self.tracing.close()
+        if self._tracer_provider is not None:
+            if self._owns_tracer_provider:
+                self._tracer_provider.shutdown()
+            else:
+                self._tracer_provider.force_flush()
+        if self._endpoint is not None:
+            self._endpoint.close()
+        if self._meter_provider is not None:
+            self._meter_provider.shutdown()
+        if self._device is not None:
+            self._device.close()

@@ -1,0 +1,58 @@
+"""`DeviceMonitor`: GPU utilisation from NVML; nothing without a GPU."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from laneserve.server.engine import CUDA
+from laneserve.server.telemetry.logs import log
+
+
+class DeviceMonitor:
+    """GPU utilisation from NVML, for the GPU the session runs on.
+
+    NVML numbers GPUs physically; CUDA numbers the ones CUDA_VISIBLE_DEVICES lists, and
+    the session uses CUDA's device 0, so that is the first entry there (an index or a
+    UUID), or NVML's device 0 when the variable is unset.
+    """
+
+    def __init__(self, nvml: Any, handle: Any) -> None:
+        self._nvml = nvml
+        self._handle = handle
+
+    @classmethod
+    def open(cls, providers: Sequence[str]) -> DeviceMonitor | None:
+        """The monitor, or None when the session is not on a GPU or NVML cannot be used."""
+        if CUDA not in providers:
+            return None
+        try:
+            import pynvml  # noqa: PLC0415 - only where a GPU is in use
+
+            pynvml.nvmlInit()
+        except Exception as error:  # noqa: BLE001 - any NVML failure: no utilisation figure
+            log.warning("NVML unavailable, no device utilisation: %s", error)
+            return None
+        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+        try:
+            if first.isdigit():
+                handle = pynvml.nvmlDeviceGetHandleByIndex(int(first))
+            else:
+                handle = pynvml.nvmlDeviceGetHandleByUUID(first)
+        except pynvml.NVMLError as error:
+            log.warning("NVML cannot open GPU %r, no device utilisation: %s", first, error)
+            pynvml.nvmlShutdown()
+            return None
+        return cls(pynvml, handle)
+
+    def utilization(self) -> float | None:
+        try:
+            return float(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu) / 100
+        except self._nvml.NVMLError:
+            return None
+
+    def close(self) -> None:
+        with contextlib.suppress(self._nvml.NVMLError):
+            self._nvml.nvmlShutdown()

@@ -1,0 +1,96 @@
+"""The tracer provider and the resource that the standard `OTEL_*` variables ask for.
+
+Tracing is off unless `OTEL_TRACES_EXPORTER` names an exporter (see
+`tracer_provider_from_env`); the resource names the service in traces and metrics alike.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from collections.abc import Mapping
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+
+from laneserve.server.config import ConfigError
+from laneserve.server.telemetry.tracing import BatchLinkSampler
+
+
+def _exporter_entry_point(name: str, environ: Mapping[str, str]) -> tuple[str, str]:
+    """The entry point in `opentelemetry_traces_exporter` for an OTEL_TRACES_EXPORTER name,
+    and the package that provides it."""
+    if name != "otlp":
+        package = {
+            "otlp_proto_grpc": "opentelemetry-exporter-otlp-proto-grpc",
+            "otlp_proto_http": "opentelemetry-exporter-otlp-proto-http",
+        }.get(name, f"the package that provides the {name!r} exporter")
+        return name, package
+    protocol = (
+        environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "grpc"
+    ).strip()
+    if protocol == "grpc":
+        return "otlp_proto_grpc", "opentelemetry-exporter-otlp-proto-grpc"
+    if protocol == "http/protobuf":
+        return "otlp_proto_http", "opentelemetry-exporter-otlp-proto-http"
+    raise ConfigError(
+        f"OTEL_EXPORTER_OTLP_PROTOCOL: expected grpc or http/protobuf, got {protocol!r}"
+    )
+
+
+def _load_exporter(name: str, environ: Mapping[str, str]) -> SpanExporter:
+    if name == "console":
+        return ConsoleSpanExporter()
+    entry_name, package = _exporter_entry_point(name, environ)
+    found = importlib.metadata.entry_points(group="opentelemetry_traces_exporter", name=entry_name)
+    if not found:
+        raise ConfigError(
+            f"OTEL_TRACES_EXPORTER={name}: no span exporter {entry_name!r} is installed; "
+            f"install {package}, or set OTEL_TRACES_EXPORTER to console or none"
+        )
+    exporter_class = next(iter(found)).load()
+    exporter = exporter_class()
+    if not isinstance(exporter, SpanExporter):
+        raise ConfigError(f"OTEL_TRACES_EXPORTER={name}: {exporter_class!r} is not a span exporter")
+    return exporter
+
+
+def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> TracerProvider | None:
+    """The tracer provider the standard variables ask for, or None: tracing off.
+
+    `OTEL_TRACES_EXPORTER`: comma-separated exporters, `none` (the default here, unlike
+    the SDK's own), `console`, `otlp` (protocol from `OTEL_EXPORTER_OTLP_PROTOCOL`, grpc
+    by default; endpoint, headers and the rest from `OTEL_EXPORTER_OTLP_*`, read by the
+    exporter itself) or any installed exporter's entry point name. `OTEL_SDK_DISABLED=true`
+    turns tracing off. Sampling: `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG`; batch
+    spans are sampled whenever a request they serve is (see `BatchLinkSampler`).
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    names = [
+        name.strip().lower()
+        for name in environ.get("OTEL_TRACES_EXPORTER", "none").split(",")
+        if name.strip()
+    ]
+    names = [name for name in names if name != "none"]
+    if not names:
+        return None
+    exporters = [_load_exporter(name, environ) for name in names]
+    provider = TracerProvider(resource=resource_from_env())
+    # The sampler the variables chose, wrapped before any tracer exists (tracers copy it).
+    provider.sampler = BatchLinkSampler(provider.sampler)
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
+
+
+def resource_from_env() -> Resource:
+    """OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME, with service.name laneserve by default."""
+    resource = Resource.create()
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({"service.name": "laneserve"}))
+    return resource

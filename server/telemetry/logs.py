@@ -1,0 +1,183 @@
+"""Event logs: one line per event, text or JSON (`log_event`, `configure_logging`), and
+`EventLog`, the `SchedulerEvents` sink for what an operator must hear of unasked
+(refusals in aggregate, out of memory, batch cap moves)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from laneserve.server.errors import LaneserveError
+from laneserve.server.items import Batch
+
+# Every telemetry log line under one name, the package's (filters and tests use it).
+log = logging.getLogger("laneserve.server.telemetry")
+
+# Refusals are logged in aggregate: the first at once, then at most one line per interval.
+REFUSAL_LOG_INTERVAL_S = 10.0
+
+
+def log_event(logger: logging.Logger, level: int, event: str, message: str, **fields: Any) -> None:
+    """One log line for one event: `message` for people, `fields` for machines (rendered
+    as key=value in text, as JSON members with --log-format json)."""
+    logger.log(level, message, extra={"event": event, "fields": fields})
+
+
+class TextFormatter(logging.Formatter):
+    """`time LEVEL logger: message key=value ...`."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields: Mapping[str, Any] = getattr(record, "fields", {})
+        if not fields:
+            return line
+        head, newline, rest = line.partition("\n")  # a traceback stays below
+        pairs = " ".join(f"{key}={_text_value(value)}" for key, value in fields.items())
+        return f"{head} {pairs}{newline}{rest}"
+
+
+def _text_value(value: Any) -> str:
+    if not isinstance(value, str):
+        return json.dumps(value, default=str, separators=(",", ":"))
+    return json.dumps(value) if value == "" or any(c.isspace() for c in value) else value
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time (UTC, ISO 8601), level, logger, event, message and
+    the event's fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        document: dict[str, Any] = {
+            "time": datetime.datetime.fromtimestamp(record.created, tz=datetime.UTC).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname,
+            "logger": record.name,
+        }
+        event = getattr(record, "event", None)
+        if event is not None:
+            document["event"] = event
+        document["message"] = record.getMessage()
+        document.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            document["exception"] = self.formatException(record.exc_info)
+        return json.dumps(document, default=str)
+
+
+def configure_logging(level: str, *, json_lines: bool = False) -> None:
+    """The process's log handler: one line per event on stderr, text or JSON."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if json_lines else TextFormatter())
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)
+
+
+class EventLog:
+    """A `SchedulerEvents` sink for the events an operator must hear of unasked.
+
+    Refusals come in bursts of thousands, so they are logged in aggregate: the first at
+    once, then at most one line per `interval_s` with the counts by lane and reason (the
+    last burst is flushed by the next event after the interval, or by `close`). Out of
+    memory and each move of the batch cap are logged as they happen; they are rare by
+    construction (the cap halves on each).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_batch_size: int,
+        interval_s: float = REFUSAL_LOG_INTERVAL_S,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._max_batch_size = max_batch_size
+        self._interval_s = interval_s
+        self._monotonic = monotonic
+        self._lock = threading.Lock()
+        self._refused: dict[str, int] = {}
+        self._window_start_s = monotonic()
+        self._last_line_s = -float("inf")
+
+    def rejected(self, lane: str, reason: str) -> None:
+        key = f"{lane}/{reason}"
+        with self._lock:
+            self._refused[key] = self._refused.get(key, 0) + 1
+        self._maybe_flush()
+
+    def _maybe_flush(self) -> None:
+        if self._refused and self._monotonic() - self._last_line_s >= self._interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            if not self._refused:
+                return
+            refused, self._refused = self._refused, {}
+            now_s = self._monotonic()
+            window_s = now_s - self._window_start_s
+            self._window_start_s = self._last_line_s = now_s
+        log_event(
+            log,
+            logging.WARNING,
+            "admission_refused",
+            f"admission refused {sum(refused.values())} requests in {window_s:.1f}s",
+            refused=refused,
+            window_s=round(window_s, 3),
+        )
+
+    def admitted(self, lane: str, rows: int) -> None:
+        self._maybe_flush()
+
+    def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:
+        self._maybe_flush()
+
+    def out_of_memory(self, rows: int) -> None:
+        log_event(
+            log,
+            logging.WARNING,
+            "out_of_memory",
+            f"out of device memory running {rows} rows; splitting and retrying",
+            rows=rows,
+        )
+
+    def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
+        lowered = new_rows < old_rows
+        if lowered:
+            message = f"batch cap lowered {old_rows} -> {new_rows} ({reason})"
+        elif new_rows >= self._max_batch_size:
+            message = f"batch cap recovered {old_rows} -> {new_rows} (max_batch_size)"
+        else:
+            message = f"batch cap raised {old_rows} -> {new_rows} ({reason})"
+        log_event(
+            log,
+            logging.WARNING if lowered else logging.INFO,
+            "batch_cap_changed",
+            message,
+            old_rows=old_rows,
+            new_rows=new_rows,
+            reason=reason,
+        )
+
+    def shed(self, lane: str, reason: str, rows: int) -> None:
+        pass
+
+    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float]) -> None:
+        pass
+
+    def completed(self, lane: str, status: str) -> None:
+        pass
+
+    def batch_split(self, rows: int) -> None:
+        pass
+
+    def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:
+        pass
+
+    def request_finished(self, lane: str, status: str, duration_s: float) -> None:
+        pass

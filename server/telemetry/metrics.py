@@ -1,0 +1,265 @@
+"""`Metrics`: the `SchedulerEvents` sink that records OpenTelemetry instruments.
+
+Metric names (OpenTelemetry; Prometheus adds the unit and `_total`, e.g.
+`laneserve.queue.wait` is scraped as `laneserve_queue_wait_seconds_bucket`):
+
+    laneserve.queue.wait          histogram s       lane           admission to dispatch
+    laneserve.batch.size          histogram rows                   rows per batch run
+    laneserve.infer.duration      histogram s       status         session time per run
+    laneserve.request.duration    histogram s       lane, status   arrival to answer
+    laneserve.requests.admitted   counter           lane
+    laneserve.requests.rejected   counter           lane, reason   refused at admission
+    laneserve.requests.shed       counter           lane, reason   dropped after admission
+    laneserve.requests.completed  counter           lane, status   every admitted request's end
+    laneserve.batches             counter           reason, status dispatch reason, outcome
+    laneserve.device.out_of_memory counter                         runs out of device memory
+    laneserve.batch.splits        counter                          failed runs split in halves
+    laneserve.batch.cap.changes   counter           reason         out_of_memory / recovered
+    laneserve.lane.depth          gauge rows        lane           queued rows now
+    laneserve.lane.capacity       gauge rows        lane
+    laneserve.batch.cap           gauge rows                       largest batch formed now
+    laneserve.device.memory.used  gauge By                         at the last reading
+    laneserve.device.memory.budget gauge By                        the memory limit
+    laneserve.device.utilization  gauge 1                          NVML; absent without a GPU
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
+from laneserve.server.errors import LaneserveError
+from laneserve.server.items import Batch
+from laneserve.server.scheduler import LaneDepth
+from laneserve.server.telemetry.device import DeviceMonitor
+
+# Bucket boundaries. Times: from a fraction of a millisecond (an interactive batch on a
+# GPU) to the bulk lane's two-minute timeout, roughly 1-2-5 per decade. Sizes: powers
+# of two, the sizes the probe measures and batch caps usually are.
+SECONDS_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
+    60.0, 120.0,
+)  # fmt: skip
+ROWS_BUCKETS: tuple[float, ...] = tuple(float(1 << power) for power in range(15))
+
+
+@dataclasses.dataclass(slots=True)
+class _Sources:
+    """What the gauges read at collection time; set once the scheduler thread exists."""
+
+    depths: Callable[[], Sequence[LaneDepth]]
+    batch_cap: Callable[[], int]
+
+
+# Counter name, description, and the attribute names of its keys.
+_COUNTERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("laneserve.requests.admitted", "Requests admitted", ("lane",)),
+    ("laneserve.requests.rejected", "Requests refused at admission, by reason", ("lane", "reason")),
+    (
+        "laneserve.requests.shed",
+        "Admitted requests dropped without running, by reason",
+        ("lane", "reason"),
+    ),
+    (
+        "laneserve.requests.completed",
+        "Admitted requests ended, by status (OK or the error's reason)",
+        ("lane", "status"),
+    ),
+    ("laneserve.batches", "Batches run, by dispatch reason and status", ("reason", "status")),
+    ("laneserve.device.out_of_memory", "Runs that failed for lack of device memory", ()),
+    ("laneserve.batch.splits", "Failed runs split in halves and retried", ()),
+    (
+        "laneserve.batch.cap.changes",
+        "Batch cap moves: out_of_memory (lowered), recovered (raised)",
+        ("reason",),
+    ),
+)
+
+
+class Metrics:
+    """A `SchedulerEvents` sink that records OpenTelemetry instruments.
+
+    The SDK spends 10-20 us on each synchronous measurement, so only the histograms are
+    recorded as events happen (two per request, two per batch). Counters are plain
+    integers here, which the SDK reads through observable counters when a reader
+    collects (a Prometheus scrape), as it reads the gauges: nothing between scrapes.
+    The counts are written only by the scheduler's owner, under its lock; a reader
+    copies each dict whole (one C call, atomic under the GIL).
+    """
+
+    def __init__(self, meter: Meter, device: DeviceMonitor | None = None) -> None:
+        self._sources: _Sources | None = None
+        self._device = device
+        self._memory: tuple[int, int | None] | None = None  # (used, budget) bytes
+        self._lane_attributes: dict[str, dict[str, str]] = {}
+        # Counter name -> attribute values -> count.
+        self._counts: dict[str, dict[tuple[str, ...], int]] = {name: {} for name, *_ in _COUNTERS}
+        self._queue_wait = meter.create_histogram(
+            "laneserve.queue.wait",
+            unit="s",
+            description="Time from admission to dispatch in a batch, per lane",
+            explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
+        )
+        self._batch_size = meter.create_histogram(
+            "laneserve.batch.size",
+            unit="{row}",
+            description="Rows per batch run",
+            explicit_bucket_boundaries_advisory=ROWS_BUCKETS,
+        )
+        self._infer = meter.create_histogram(
+            "laneserve.infer.duration",
+            unit="s",
+            description="Session time of one batch run",
+            explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
+        )
+        self._request = meter.create_histogram(
+            "laneserve.request.duration",
+            unit="s",
+            description="Arrival in the server to answer, per lane and final status",
+            explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
+        )
+        for name, description, keys in _COUNTERS:
+            meter.create_observable_counter(
+                name,
+                callbacks=[self._counter_callback(name, keys)],
+                unit="{event}",
+                description=description,
+            )
+        meter.create_observable_gauge(
+            "laneserve.lane.depth",
+            callbacks=[self._observe_depth],
+            unit="{row}",
+            description="Rows queued in the lane",
+        )
+        meter.create_observable_gauge(
+            "laneserve.lane.capacity",
+            callbacks=[self._observe_capacity],
+            unit="{row}",
+            description="Rows the lane holds at most",
+        )
+        meter.create_observable_gauge(
+            "laneserve.batch.cap",
+            callbacks=[self._observe_cap],
+            unit="{row}",
+            description="Largest batch the scheduler forms now",
+        )
+        meter.create_observable_gauge(
+            "laneserve.device.memory.used",
+            callbacks=[self._observe_memory_used],
+            unit="By",
+            description="Device memory in use at the last reading",
+        )
+        meter.create_observable_gauge(
+            "laneserve.device.memory.budget",
+            callbacks=[self._observe_memory_budget],
+            unit="By",
+            description="The device memory limit (budget)",
+        )
+        if device is not None:
+            # Registered only with a GPU in use: absent, not zero, without one.
+            meter.create_observable_gauge(
+                "laneserve.device.utilization",
+                callbacks=[self._observe_utilization],
+                unit="1",
+                description="GPU utilisation over NVML's last sample period, in [0, 1]",
+            )
+
+    def observe(
+        self, depths: Callable[[], Sequence[LaneDepth]], batch_cap: Callable[[], int]
+    ) -> None:
+        self._sources = _Sources(depths, batch_cap)
+
+    def _lane(self, lane: str) -> dict[str, str]:
+        attributes = self._lane_attributes.get(lane)
+        if attributes is None:
+            attributes = self._lane_attributes.setdefault(lane, {"lane": lane})
+        return attributes
+
+    def _count(self, name: str, *key: str) -> None:
+        counts = self._counts[name]
+        counts[key] = counts.get(key, 0) + 1
+
+    def _counter_callback(
+        self, name: str, keys: tuple[str, ...]
+    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            counts = dict(self._counts[name])
+            return [
+                Observation(count, dict(zip(keys, values, strict=True)))
+                for values, count in counts.items()
+            ]
+
+        return observe
+
+    # SchedulerEvents
+    def admitted(self, lane: str, rows: int) -> None:
+        self._count("laneserve.requests.admitted", lane)
+
+    def rejected(self, lane: str, reason: str) -> None:
+        self._count("laneserve.requests.rejected", lane, reason)
+
+    def shed(self, lane: str, reason: str, rows: int) -> None:
+        self._count("laneserve.requests.shed", lane, reason)
+
+    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float]) -> None:
+        for piece, wait_s in zip(batch.slices, queue_waits_s, strict=True):
+            self._queue_wait.record(wait_s, self._lane(piece.lane))
+
+    def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:
+        status = "OK" if error is None else error.reason
+        self._batch_size.record(batch.rows)
+        self._infer.record(run_s, {"status": status})
+        self._count("laneserve.batches", batch.reason.value, status)
+
+    def completed(self, lane: str, status: str) -> None:
+        self._count("laneserve.requests.completed", lane, status)
+
+    def request_finished(self, lane: str, status: str, duration_s: float) -> None:
+        self._request.record(duration_s, {"lane": lane, "status": status})
+
+    def out_of_memory(self, rows: int) -> None:
+        self._count("laneserve.device.out_of_memory")
+
+    def batch_split(self, rows: int) -> None:
+        self._count("laneserve.batch.splits")
+
+    def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
+        self._count("laneserve.batch.cap.changes", reason)
+
+    def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:
+        self._memory = (used_bytes, budget_bytes)  # one assignment: readers see a pair
+
+    # gauges, called by the reader's thread at collection
+    def _observe_depth(self, options: CallbackOptions) -> Iterable[Observation]:
+        if self._sources is None:
+            return []
+        return [
+            Observation(depth.queued_rows, self._lane(depth.name))
+            for depth in self._sources.depths()
+        ]
+
+    def _observe_capacity(self, options: CallbackOptions) -> Iterable[Observation]:
+        if self._sources is None:
+            return []
+        return [
+            Observation(depth.capacity_rows, self._lane(depth.name))
+            for depth in self._sources.depths()
+        ]
+
+    def _observe_cap(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [] if self._sources is None else [Observation(self._sources.batch_cap())]
+
+    def _observe_memory_used(self, options: CallbackOptions) -> Iterable[Observation]:
+        memory = self._memory
+        return [] if memory is None else [Observation(memory[0])]
+
+    def _observe_memory_budget(self, options: CallbackOptions) -> Iterable[Observation]:
+        memory = self._memory
+        return [] if memory is None or memory[1] is None else [Observation(memory[1])]
+
+    def _observe_utilization(self, options: CallbackOptions) -> Iterable[Observation]:
+        assert self._device is not None
+        utilization = self._device.utilization()
+        return [] if utilization is None else [Observation(utilization)]

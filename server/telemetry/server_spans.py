@@ -1,0 +1,152 @@
+"""`ServerSpans`: the gRPC server interceptor that opens a SERVER span per traced RPC
+from the caller's W3C `traceparent`, and records the status code the caller receives."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import propagate
+from opentelemetry import trace as otel_trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+# gRPC methods that get a server span: the inference path. GetStats is polled (by
+# `laneserve top`, every second) and would drown the traces that matter.
+TRACED_METHODS = frozenset(
+    {"/laneserve.v1.InferenceService/Infer", "/laneserve.v1.InferenceService/InferStream"}
+)
+# Server span status is Error only for these codes (OpenTelemetry's RPC conventions):
+# the others describe the caller's request, not a server fault.
+_SERVER_ERROR_CODES = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
+
+
+# The servicer's method (grpc's stubs type it as a synchronous one).
+_Behavior = Callable[..., Any]
+
+
+class ServerSpans(grpc.aio.ServerInterceptor):
+    """Opens a SERVER span around each traced RPC, as a child of the caller's W3C
+    `traceparent` (any propagator `OTEL_PROPAGATORS` names), current while the servicer
+    runs, so the request's own spans become its children.
+
+    Written here rather than taken from opentelemetry-instrumentation-grpc: its asyncio
+    interceptor leaves the status code at OK when the handler raises or the caller
+    cancels, and it wraps the servicer context in a proxy. This one reads the final
+    code from the context (set by `abort`), maps an exception to UNKNOWN and a
+    cancellation to CANCELLED or DEADLINE_EXCEEDED, as gRPC itself answers them.
+    """
+
+    def __init__(self, tracer: otel_trace.Tracer, methods: frozenset[str] = TRACED_METHODS) -> None:
+        self._tracer = tracer
+        self._methods = methods
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method not in self._methods:
+            return handler
+        carrier = {
+            key: value
+            for key, value in handler_call_details.invocation_metadata or ()
+            if isinstance(value, str)
+        }
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(method, carrier, handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._streaming(method, carrier, handler.stream_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler  # no such method in the traced service
+
+    def _start(self, method: str, carrier: Mapping[str, str]) -> otel_trace.Span:
+        service, _, name = method.lstrip("/").partition("/")
+        return self._tracer.start_span(
+            method.lstrip("/"),
+            context=propagate.extract(carrier),
+            kind=SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
+        )
+
+    def _unary(
+        self, method: str, carrier: Mapping[str, str], behavior: _Behavior
+    ) -> Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]:
+        async def traced(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            span = self._start(method, carrier)
+            token = otel_context.attach(otel_trace.set_span_in_context(span))
+            error: BaseException | None = None
+            try:
+                return await behavior(request, context)
+            except BaseException as raised:
+                error = raised
+                raise
+            finally:
+                _end_server_span(span, context, error)
+                otel_context.detach(token)
+
+        return traced
+
+    def _streaming(
+        self, method: str, carrier: Mapping[str, str], behavior: _Behavior
+    ) -> Callable[[Any, grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Any]]:
+        async def traced(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            span = self._start(method, carrier)
+            token = otel_context.attach(otel_trace.set_span_in_context(span))
+            error: BaseException | None = None
+            try:
+                async for response in behavior(requests, context):
+                    yield response
+            except BaseException as raised:
+                error = raised
+                raise
+            finally:
+                _end_server_span(span, context, error)
+                otel_context.detach(token)
+
+        return traced
+
+
+def _end_server_span(
+    span: otel_trace.Span, context: grpc.aio.ServicerContext[Any, Any], error: BaseException | None
+) -> None:
+    """Records the status the caller receives, as gRPC decides it."""
+    remaining_s: float | None = context.time_remaining()  # None: no deadline
+    if remaining_s is not None and remaining_s <= 0:
+        # gRPC ended the call at its deadline, whatever the handler did after (an abort
+        # then fails inside gRPC): the caller gets DEADLINE_EXCEEDED.
+        code = grpc.StatusCode.DEADLINE_EXCEEDED
+    elif error is None or isinstance(error, grpc.aio.AbortError):
+        # abort() set the code it answers with; None (typeshed says otherwise) when not set.
+        set_code: grpc.StatusCode | None = context.code()
+        code = grpc.StatusCode.OK if set_code is None else set_code
+    elif not isinstance(error, Exception):
+        code = grpc.StatusCode.CANCELLED  # asyncio.CancelledError, GeneratorExit: caller left
+    else:
+        span.record_exception(error)
+        code = grpc.StatusCode.UNKNOWN  # what gRPC answers for an unhandled exception
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if code in _SERVER_ERROR_CODES:
+        span.set_status(Status(StatusCode.ERROR, code.name))
+    span.end()

@@ -1,0 +1,238 @@
+"""Request and batch spans: `Tracing` (the service's `RequestTracer` and a
+`SchedulerEvents` sink) and the sampler that keeps a batch span with its requests.
+
+One `enqueue` span per queued request (admission to first dispatch) and one `reply`
+span (answer back on the event loop to encoded), both children of the gRPC server span
+(server_spans.py). Each batch gets a root `batch` span with a link to every request span
+it serves, and an `infer` child for the session run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace as otel_trace
+from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.util.types import Attributes
+
+from laneserve.server.config import LaneConfig
+from laneserve.server.errors import LaneserveError
+from laneserve.server.events import NULL_TRACE, RequestTrace
+from laneserve.server.items import Batch
+
+# Request ends that are not failures of the request's own span.
+_NOT_ERRORS = frozenset({"OK", "CANCELLED"})
+
+
+class BatchLinkSampler(Sampler):
+    """Samples a `batch` span whenever one of the request spans it links to is sampled;
+    everything else as `inner` decides.
+
+    A batch span is a root (it serves many traces), so a ratio sampler alone would keep
+    it independently of its requests, and a sampled request would usually lose it.
+    """
+
+    def __init__(self, inner: Sampler) -> None:
+        self._inner = inner
+
+    def should_sample(
+        self,
+        parent_context: otel_context.Context | None,
+        trace_id: int,
+        name: str,
+        kind: SpanKind | None = None,
+        attributes: Attributes = None,
+        links: Sequence[Link] | None = None,
+        trace_state: otel_trace.TraceState | None = None,
+    ) -> SamplingResult:
+        if name == "batch" and any(link.context.trace_flags.sampled for link in links or ()):
+            return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
+        return self._inner.should_sample(
+            parent_context, trace_id, name, kind, attributes, links, trace_state
+        )
+
+    def get_description(self) -> str:
+        return f"BatchLinkSampler{{{self._inner.get_description()}}}"
+
+
+class _RequestSpans:
+    """One request's `enqueue` and `reply` spans (a `RequestTrace`).
+
+    `enqueue` runs from admission to the request's first dispatch (its queue wait), or to
+    its end when it never ran (refused, expired, cancelled, shut down), and then carries
+    that status. `reply` runs from the answer's return to the event loop to its encoding.
+    Dispatch comes from the scheduler thread, the rest from the event loop: the lock
+    makes ending `enqueue` happen once.
+    """
+
+    __slots__ = ("_enqueue_open", "_lock", "_parent", "_reply", "_tracer", "enqueue")
+
+    def __init__(self, tracer: otel_trace.Tracer, attributes: Attributes) -> None:
+        self._tracer = tracer
+        # The gRPC server span, where the servicer runs: the parent of both spans.
+        self._parent = otel_context.get_current()
+        self.enqueue = tracer.start_span("enqueue", context=self._parent, attributes=attributes)
+        self._reply: otel_trace.Span | None = None
+        self._lock = threading.Lock()
+        self._enqueue_open = True
+
+    def dispatched(self) -> None:
+        self._end_enqueue(None)
+
+    def replying(self) -> None:
+        self._reply = self._tracer.start_span("reply", context=self._parent)
+
+    def end(self, status: str) -> None:
+        self._end_enqueue(status)
+        if self._reply is not None:
+            _set_request_status(self._reply, status)
+            self._reply.end()
+
+    def _end_enqueue(self, status: str | None) -> None:
+        with self._lock:
+            if not self._enqueue_open:
+                return
+            self._enqueue_open = False
+        if status is not None:
+            _set_request_status(self.enqueue, status)
+        self.enqueue.end()
+
+
+def _set_request_status(span: otel_trace.Span, status: str) -> None:
+    span.set_attribute("laneserve.status", status)
+    if status not in _NOT_ERRORS:
+        span.set_status(Status(StatusCode.ERROR, status))
+
+
+class Tracing:
+    """The service's `RequestTracer`, and a `SchedulerEvents` sink for batch spans."""
+
+    def __init__(
+        self,
+        tracer: otel_trace.Tracer,
+        lanes: Sequence[LaneConfig],
+        providers: Sequence[str],
+    ) -> None:
+        self._tracer = tracer
+        self._lane_timeout_s = {lane.name: lane.timeout_ms / 1000 for lane in lanes}
+        self._providers = tuple(providers)
+        # Open batch spans by batch id. Only the scheduler's owner touches it (under its
+        # lock), and `close` once the scheduler has stopped.
+        self._batches: dict[int, otel_trace.Span] = {}
+
+    # RequestTracer
+    def start(self, request_id: str, lane: str, rows: int, budget_s: float | None) -> RequestTrace:
+        server_span = otel_trace.get_current_span()
+        if server_span.get_span_context().is_valid and not server_span.is_recording():
+            # Its trace was not sampled: the request's spans would be dropped too (the
+            # samplers decide per trace), and even a dropped span costs the SDK ~8 us.
+            return NULL_TRACE
+        lane_timeout_s = self._lane_timeout_s.get(lane)
+        # The effective deadline, as the scheduler will compute it at admission.
+        candidates = [s for s in (budget_s, lane_timeout_s) if s is not None]
+        attributes: dict[str, str | int | float] = {"laneserve.lane": lane, "laneserve.rows": rows}
+        if request_id:
+            attributes["laneserve.request_id"] = request_id
+        if candidates:
+            attributes["laneserve.deadline_ms"] = round(min(candidates) * 1000, 3)
+        return _RequestSpans(self._tracer, attributes)
+
+    # SchedulerEvents
+    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float]) -> None:
+        requests = [
+            (piece, piece.trace) for piece in batch.slices if isinstance(piece.trace, _RequestSpans)
+        ]
+        for _, spans in requests:
+            spans.dispatched()  # its first batch ends its queue wait; later ones are no-ops
+        if not any(spans.enqueue.get_span_context().trace_flags.sampled for _, spans in requests):
+            return  # no traced request in it: a batch span would link to nothing kept
+        links = [
+            Link(
+                spans.enqueue.get_span_context(),
+                {
+                    "laneserve.lane": piece.lane,
+                    "laneserve.rows": piece.rows,
+                    "laneserve.row_start": piece.row_start,
+                },
+            )
+            for piece, spans in requests
+        ]
+        lanes = sorted({piece.lane for piece in batch.slices})
+        # Links past the SDK's limit (OTEL_SPAN_LINK_COUNT_LIMIT, 128 by default) are
+        # dropped by the SDK and counted on the span; `requests` keeps the true number.
+        self._batches[batch.batch_id] = self._tracer.start_span(
+            "batch",
+            context=otel_context.Context(),  # a root: it serves many traces
+            links=links,
+            attributes={
+                "laneserve.batch.id": batch.batch_id,
+                "laneserve.batch.size": batch.rows,
+                "laneserve.batch.requests": len(batch.slices),
+                "laneserve.batch.lanes": lanes,
+                "laneserve.batch.lanes_mixed": len(lanes) > 1,
+                "laneserve.batch.wait_reason": batch.reason.value,
+                "laneserve.batch.max_queue_wait_ms": round(max(queue_waits_s, default=0) * 1e3, 3),
+            },
+        )
+
+    def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:
+        span = self._batches.pop(batch.batch_id, None)
+        if span is None:
+            return
+        # The run is over: its span is placed `run_s` back from now (the engine measured
+        # it; this thread learns of it a moment after it ended).
+        end_ns = time.time_ns()
+        infer = self._tracer.start_span(
+            "infer",
+            context=otel_trace.set_span_in_context(span),
+            start_time=end_ns - round(run_s * 1e9),
+            attributes={
+                "laneserve.batch.size": batch.rows,
+                "laneserve.infer.duration_ms": round(run_s * 1e3, 3),
+                "laneserve.infer.providers": self._providers,
+            },
+        )
+        if error is not None:
+            for failed in (infer, span):
+                failed.set_attribute("laneserve.status", error.reason)
+                failed.set_status(Status(StatusCode.ERROR, error.reason))
+        infer.end(end_time=end_ns)
+        span.end(end_time=end_ns)
+
+    def close(self) -> None:
+        """Ends the spans of batches that never finished (the server stopped)."""
+        for span in self._batches.values():
+            span.set_attribute("laneserve.status", "DRAINING")
+            span.end()
+        self._batches.clear()
+
+    def admitted(self, lane: str, rows: int) -> None:
+        pass
+
+    def rejected(self, lane: str, reason: str) -> None:
+        pass
+
+    def shed(self, lane: str, reason: str, rows: int) -> None:
+        pass
+
+    def completed(self, lane: str, status: str) -> None:
+        pass
+
+    def out_of_memory(self, rows: int) -> None:
+        pass
+
+    def batch_split(self, rows: int) -> None:
+        pass
+
+    def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
+        pass
+
+    def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:
+        pass
+
+    def request_finished(self, lane: str, status: str, duration_s: float) -> None:
+        pass
