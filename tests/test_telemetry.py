@@ -695,18 +695,18 @@ def test_refusals_are_logged_in_aggregate_at_most_once_per_interval(
     lines = [(record.getMessage(), record.fields) for record in caplog.records]  # type: ignore[attr-defined]
     assert lines == [
         (
-            "admission refused 1 requests in 0.0s",
+            "admission refused 1 request(s) in 0.0s",
             {"refused": {"standard/LANE_FULL": 1}, "window_s": 0.0},
         ),
         (
-            "admission refused 501 requests in 10.0s",
+            "admission refused 501 request(s) in 10.0s",
             {
                 "refused": {"standard/LANE_FULL": 500, "bulk/MEMORY_PRESSURE": 1},
                 "window_s": 10.0,
             },
         ),
         (
-            "admission refused 1 requests in 0.0s",
+            "admission refused 1 request(s) in 0.0s",
             {"refused": {"standard/LANE_FULL": 1}, "window_s": 0.0},
         ),
     ]
@@ -761,3 +761,15 @@ def test_log_lines_carry_their_fields_as_text_or_json() -> None:
     assert document["message"] == "admission refused 3 requests in 10.0s"
     assert document["refused"] == {"standard/LANE_FULL": 3}
     assert document["time"].endswith("+00:00")
+
+
+def test_a_late_refusal_burst_is_timed_from_its_first_refusal(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = FakeClock()
+    events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock)
+    caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
+    clock.now_s += 3600  # an hour of quiet after start-up
+    events.rejected("bulk", "LANE_FULL")
+    (record,) = caplog.records
+    assert record.getMessage() == "admission refused 1 request(s) in 0.0s"

@@ -27,18 +27,17 @@ def _exporter_entry_point(name: str, environ: Mapping[str, str]) -> tuple[str, s
             "otlp_proto_http": "opentelemetry-exporter-otlp-proto-http",
         }.get(name, f"the package that provides the {name!r} exporter")
         return name, package
-    protocol = (
-        environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-        or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        or "grpc"
-    ).strip()
+    key = (
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+        if environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        else "OTEL_EXPORTER_OTLP_PROTOCOL"
+    )
+    protocol = (environ.get(key) or "grpc").strip()
     if protocol == "grpc":
         return "otlp_proto_grpc", "opentelemetry-exporter-otlp-proto-grpc"
     if protocol == "http/protobuf":
         return "otlp_proto_http", "opentelemetry-exporter-otlp-proto-http"
-    raise ConfigError(
-        f"OTEL_EXPORTER_OTLP_PROTOCOL: expected grpc or http/protobuf, got {protocol!r}"
-    )
+    raise ConfigError(f"{key}: expected grpc or http/protobuf, got {protocol!r}")
 
 
 def _load_exporter(name: str, environ: Mapping[str, str]) -> SpanExporter:

@@ -107,6 +107,9 @@ class EventLog:
     def rejected(self, lane: str, reason: str) -> None:
         key = f"{lane}/{reason}"
         with self._lock:
+            if not self._refused:
+                # A burst's window opens at its first refusal, not at the last line.
+                self._window_start_s = self._monotonic()
             self._refused[key] = self._refused.get(key, 0) + 1
         self._maybe_flush()
 
@@ -126,7 +129,7 @@ class EventLog:
             log,
             logging.WARNING,
             "admission_refused",
-            f"admission refused {sum(refused.values())} requests in {window_s:.1f}s",
+            f"admission refused {sum(refused.values())} request(s) in {window_s:.1f}s",
             refused=refused,
             window_s=round(window_s, 3),
         )
