@@ -47,7 +47,9 @@ _ENTRY_OVERHEAD_BYTES = 256
 def fingerprint(request: pb.InferRequest) -> bytes:
     """A digest of what determines the answer: the inputs (in any order) and the outputs
     asked for. Lane, timeout and request_id are left out: a retry may change them."""
-    digest = hashlib.blake2b(digest_size=16)
+    # SHA-256: with the SHA extensions of current CPUs it hashes 2-3x faster than blake2b,
+    # and this runs on the event loop for every request that carries an id.
+    digest = hashlib.sha256()
     for tensor in sorted(request.inputs, key=lambda tensor: tensor.name):
         name = tensor.name.encode()
         shape = list(tensor.shape)
