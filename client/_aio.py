@@ -21,6 +21,7 @@ from laneserve.client._errors import LaneserveError, error_from_rpc
 from laneserve.client._request import encode_inputs
 from laneserve.client._retry import RetryPolicy, call_with_retries
 from laneserve.client._stream import BulkStream, StreamOptions, StreamSource
+from laneserve.client._tracing import trace_metadata
 from laneserve.client._types import ModelInfo, StreamResult
 from laneserve.client.tensors import decode_tensor
 from laneserve.v1 import inference_pb2 as pb
@@ -213,7 +214,7 @@ class AsyncClient:
         )
         job = BulkStream(
             self._stub,
-            self.metadata,
+            self.metadata + trace_metadata(),  # the context the job was started in
             requests,
             options,
             retry or self.retry,
@@ -241,7 +242,8 @@ class AsyncClient:
         request_id: str,
     ) -> T:
         try:
-            return await method(request, timeout=timeout_s, metadata=self.metadata)
+            metadata = self.metadata + trace_metadata()
+            return await method(request, timeout=timeout_s, metadata=metadata)
         except grpc.RpcError as error:
             raise error_from_rpc(error, request_id=request_id) from error
 

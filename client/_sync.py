@@ -4,6 +4,7 @@ in one thread, so both clients share one implementation of retries and bulk stre
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
@@ -194,7 +195,14 @@ class Client:
         if self._closed and not self._thread.is_alive():
             coroutine.close()
             raise RuntimeError("the client is closed")
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        # The coroutine runs on the client's loop thread, but in the caller's context:
+        # its trace (and any other context variable) goes with the call.
+        context = contextvars.copy_context()
+
+        async def in_callers_context() -> T:
+            return await asyncio.create_task(coroutine, context=context)
+
+        future = asyncio.run_coroutine_threadsafe(in_callers_context(), self._loop)
         try:
             return future.result()
         except BaseException:

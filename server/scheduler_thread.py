@@ -1,20 +1,21 @@
 """The scheduler thread and the engine thread around one `Scheduler`.
 
 Threads and what they own:
-- Callers (the event loop) `submit` and `cancel`: both take the lock, change the
-  scheduler and wake the scheduler thread. Admission is answered at once, in the call.
-- The scheduler thread sheds expired work, applies finished batches and, whenever the
-  session is free, asks the dispatch rule for the next batch. It sleeps on the
-  condition until the next deadline, the dispatch time, a submission or a result. It
-  never runs the model, so shedding and admission stay prompt while the session is busy.
-- The engine thread runs one batch at a time and posts the result back.
-Every answer leaves through `deliver`, once per batch (or per shed round), outside the
-lock.
+- Callers (the event loop) `submit` and `cancel`: both take the lock and change the
+  scheduler; admission is answered at once, in the call. They wake the scheduler thread
+  only when it has something to decide (the session is free, or a deadline moved up).
+- The scheduler thread sheds expired work and, whenever the session is free, asks the
+  dispatch rule for the next batch. It sleeps on the condition until the next deadline,
+  the dispatch time, a submission or a result. It never runs the model, so shedding and
+  admission stay prompt while the session is busy.
+- The engine thread runs one batch at a time; after each it applies the result and, if
+  the dispatch rule says go, takes the next batch itself (no idle hop between batches).
+The scheduler's state changes only under the one lock, whichever thread holds it. Every
+answer leaves through `deliver`, once per batch (or per shed round), outside the lock.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import queue
@@ -54,7 +55,6 @@ class SchedulerThread:
         self._clock = clock or SystemClock()
         # Guards everything below and the scheduler itself.
         self._cond = threading.Condition()
-        self._results: collections.deque[BatchResult] = collections.deque()
         self._busy = False  # a batch is in the engine thread
         # When the scheduler thread wakes by itself next (inf: only when notified).
         self._wake_at_s = -math.inf
@@ -172,9 +172,6 @@ class SchedulerThread:
             if used_bytes is not None:
                 scheduler.update_memory(used_bytes)
         outcomes = scheduler.shed_expired(now_s)
-        while self._results:
-            outcomes += scheduler.complete(self._results.popleft())
-            self._busy = False
         timeout_s: float | None = None
         if not self._busy and not self._closing:
             decision = scheduler.decide(now_s, self._idle_since_s)
@@ -209,13 +206,40 @@ class SchedulerThread:
     # ---- the engine thread -------------------------------------------------------
 
     def _run_forever(self) -> None:
-        while (batch := self._work.get()) is not None:
+        """Runs batches; after each, applies its result and, when the dispatch rule says
+        go (work that queued meanwhile always does), takes the next batch itself: the
+        session is not left idle for a hop through the scheduler thread."""
+        batch = self._work.get()
+        while batch is not None:
             try:
                 result = self._run_batch(batch)
             except Exception as error:
                 log.exception("batch %d failed outside the runtime", batch.batch_id)
                 result = BatchResult(batch, None, EngineError(f"batch failed: {error!r}"), 0.0)
-            with self._cond:
-                self._results.append(result)
-                self._idle_since_s = self._clock.monotonic()
-                self._cond.notify_all()
+            try:
+                outcomes, batch = self._finish(result)
+            except BaseException:
+                log.exception("applying a batch result failed; answering all queued work")
+                self._fail(EngineError("the scheduler failed; the server must be restarted"))
+                raise
+            if outcomes:
+                self._deliver(outcomes)
+            if batch is None:
+                batch = self._work.get()
+
+    def _finish(self, result: BatchResult) -> tuple[list[Outcome], Batch | None]:
+        """Under the lock: the answers of a finished batch, and the next batch if due."""
+        with self._cond:
+            now_s = self._clock.monotonic()
+            self._idle_since_s = now_s
+            outcomes = self._scheduler.complete(result)
+            self._busy = False
+            following = None
+            if not self._closing:
+                decision = self._scheduler.decide(now_s, self._idle_since_s)
+                if isinstance(decision, Dispatch):
+                    self._busy = True
+                    following = decision.batch
+            # The scheduler thread re-plans its timers; wait_drained sees the answers.
+            self._cond.notify_all()
+            return outcomes, following

@@ -34,6 +34,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Decision
 from opentelemetry.trace import Link, SpanContext, SpanKind, StatusCode, TraceFlags
 from prometheus_client.parser import text_string_to_metric_families
 
+from laneserve.client import AsyncClient, Client
 from laneserve.server import LaneConfig, ServerConfig
 from laneserve.server.config import ConfigError
 from laneserve.server.telemetry import (
@@ -773,3 +774,35 @@ def test_a_late_refusal_burst_is_timed_from_its_first_refusal(
     events.rejected("bulk", "LANE_FULL")
     (record,) = caplog.records
     assert record.getMessage() == "admission refused 1 request(s) in 0.0s"
+
+
+def test_the_client_libraries_continue_the_callers_trace(small_model: Path) -> None:
+    """AsyncClient and Client (whose calls run on its own loop thread) both send the
+    caller's current span as the parent of the server's spans."""
+    caller = TracerProvider().get_tracer("caller")
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model)
+        telemetry, exporter = traced(engine, server_config)
+        async with serving(engine, server_config, telemetry=telemetry) as s:
+            with caller.start_as_current_span("async caller") as span:
+                async with AsyncClient(s.target) as client:
+                    await client.infer({"input": rows(1)}, request_id="async", timeout=10)
+                async_trace = span.get_span_context().trace_id
+
+            def call_sync() -> int:
+                with (
+                    caller.start_as_current_span("sync caller") as span,
+                    Client(s.target) as client,
+                ):
+                    client.infer({"input": rows(1)}, request_id="sync", timeout=10)
+                    return span.get_span_context().trace_id
+
+            sync_trace = await asyncio.to_thread(call_sync)
+        traces = {
+            request_id: trace_id(span) for request_id, span in by_request_id(exporter).items()
+        }
+        assert traces == {"async": async_trace, "sync": sync_trace}
+
+    asyncio.run(scenario())
