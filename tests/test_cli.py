@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import onnxruntime as ort
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from laneserve.server.engine import CPU, CUDA, choose_providers, gpu_present
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import SERVE, ServerProcess, output, request, rows
 
@@ -71,3 +73,21 @@ def test_missing_model_is_refused(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "cannot load model" in done.stderr
+
+
+def test_cuda_without_a_usable_gpu_is_a_start_up_error(small_model: Path) -> None:
+    """`--device cuda` never falls back silently to the CPU."""
+    if CUDA in ort.get_available_providers() and gpu_present():
+        # On a machine with a GPU the same request must get CUDA first.
+        assert choose_providers("cuda") == [CUDA, CPU]
+        return
+    done = subprocess.run(
+        [*SERVE, "--model", str(small_model), "--device", "cuda", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 2
+    assert "--device cuda:" in done.stderr
