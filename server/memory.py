@@ -33,6 +33,9 @@ _UNITS = {
     "tib": 1024**4,
 }
 _KIB = 1024
+# Initializers larger than this lose their data before shape inference (small ones may
+# be shape constants that inference folds, e.g. a Reshape target).
+_KEEP_INITIALIZER_BYTES = 4 * _KIB
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -234,11 +237,18 @@ def estimate_memory(model_path: str) -> MemoryEstimate:
     it is a starting point that the start-up probe then verifies by running.
     """
     import onnx  # noqa: PLC0415 - only needed here, and it is a large import
-    from onnx import numpy_helper  # noqa: PLC0415
 
-    model = onnx.shape_inference.infer_shapes(onnx.load(model_path))
-    graph = model.graph
-    fixed_bytes = sum(numpy_helper.to_array(init).nbytes for init in graph.initializer)
+    model = onnx.load(model_path, load_external_data=False)
+    fixed_bytes = 0
+    for init in model.graph.initializer:
+        size = math.prod(init.dims) * onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
+        fixed_bytes += size
+        if size > _KEEP_INITIALIZER_BYTES:
+            # Shapes are all inference needs; dropping the weights' bytes keeps start-up
+            # from holding several copies of them (measured: 190 MiB peak for 20 MiB).
+            for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data"):
+                init.ClearField(field)
+    graph = onnx.shape_inference.infer_shapes(model).graph
     per_row_bytes = 0
     batch_dims = {
         dim.dim_param or str(dim.dim_value)
