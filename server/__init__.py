@@ -2,7 +2,9 @@
 
 The request path, module by module: config -> lanes -> scheduler (policy) ->
 scheduler_thread (threads) -> engine (the session) -> service (gRPC), with errors,
-events/stats and codec beside them; app assembles a serving process, cli runs it.
+codec, memory (budget, watermark), idempotency and events/stats beside them;
+telemetry/ turns events into traces, metrics and logs; app assembles a serving
+process, cli runs it.
 """
 
 from laneserve.server.app import LaneServer, load_engine
