@@ -205,7 +205,7 @@ def encode_tensor(name: str, array: npt.NDArray[Any]) -> inference_pb2.Tensor:
 
 
 def decode_tensor(tensor: inference_pb2.Tensor) -> npt.NDArray[Any]:
-    """Decodes a Tensor into an array of its shape, without copying.
+    """Decodes a Tensor into an array of its shape, without copying the bytes again.
 
     The array is a read-only view of ``tensor.data`` with a little-endian dtype; copy it
     before writing to it.
@@ -223,12 +223,14 @@ def decode_tensor(tensor: inference_pb2.Tensor) -> npt.NDArray[Any]:
         )
     count = math.prod(shape)
     expected = count * wire.dtype.itemsize
-    if len(tensor.data) != expected:
+    # Each read of `tensor.data` builds a new bytes object (a copy): read it once.
+    data = tensor.data
+    if len(data) != expected:
         raise ValueError(
-            f"{what}: data is {len(tensor.data)} bytes; expected {expected} "
+            f"{what}: data is {len(data)} bytes; expected {expected} "
             f"({count} {wire.name} of {wire.dtype.itemsize} bytes for shape {list(shape)})"
         )
-    array = np.frombuffer(tensor.data, dtype=wire.dtype).reshape(shape)
+    array = np.frombuffer(data, dtype=wire.dtype).reshape(shape)
     # numpy reads any non-zero byte as True; ONNX Runtime kernels need exactly 0 or 1.
     if wire.datatype == inference_pb2.DATA_TYPE_BOOL and array.view(np.uint8).max(initial=0) > 1:
         raise ValueError(f"{what}: bool data has bytes other than 0 and 1")

@@ -61,11 +61,9 @@ def device_gauge(engine: Engine) -> MemoryGauge:
     return NvmlGauge() if engine.providers[0] == CUDA else ProcessRssGauge()
 
 
-def make_watermark(
-    config: ServerConfig, engine: Engine, gauge: MemoryGauge | None
-) -> tuple[Watermark, MemoryGauge] | None:
-    """The admission watermark and the gauge it reads, where there is a limit to watch:
-    the memory limit on a GPU (NVML), host_memory_limit on the CPU (resident memory)."""
+def make_watermark(config: ServerConfig, engine: Engine) -> Watermark | None:
+    """The admission watermark, where there is a limit to watch: the memory limit on a
+    GPU (read with NVML), host_memory_limit on the CPU (resident memory)."""
     on_gpu = engine.providers[0] == CUDA
     if on_gpu:
         limit_bytes = engine.memory_limit_bytes
@@ -75,15 +73,12 @@ def make_watermark(
         limit_bytes = None
     if limit_bytes is None:
         return None
-    if gauge is None:
-        gauge = device_gauge(engine)
-    watermark = Watermark(
+    return Watermark(
         lanes=len(config.lanes),
         high_bytes=int(limit_bytes * config.memory_high_watermark),
         low_bytes=int(limit_bytes * config.memory_low_watermark),
         limit_bytes=limit_bytes,
     )
-    return watermark, gauge
 
 
 class LaneServer:
@@ -105,10 +100,11 @@ class LaneServer:
         self.engine = engine
         self.clock = clock or SystemClock()
         self.state = Lifecycle.STARTING
+        device = device_gauge(engine)
         self.probe = engine.probe(
             config.batch_cap or config.max_batch_size,
             fixed_cap=config.batch_cap is not None,
-            gauge=device_gauge(engine),
+            gauge=device,
         )
         self.memory_estimate = estimate_memory(config.model_path)
         log.info(
@@ -132,14 +128,15 @@ class LaneServer:
         self.telemetry = telemetry or Telemetry.from_config(config, engine.providers)
         sinks = [self.stats, *self.telemetry.events, *([] if events is None else [events])]
         self.events = FanOut(*sinks)
-        watermark = make_watermark(config, engine, memory_gauge)
-        self.memory_gauge = None if watermark is None else watermark[1]
+        watermark = make_watermark(config, engine)
+        # The watermark's reading: the device's, unless a test supplies its own.
+        self.memory_gauge = None if watermark is None else (memory_gauge or device)
         self.scheduler = Scheduler(
             config.lanes,
             batch_cap=self.probe.batch_cap,
             run_time=RunTimeModel(self.probe.run_s),
             events=self.events,
-            watermark=None if watermark is None else watermark[0],
+            watermark=watermark,
         )
         self._health = health.aio.HealthServicer()
         self._thread: SchedulerThread | None = None

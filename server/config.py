@@ -94,6 +94,13 @@ class LaneConfig:
                 f"{where}.min_share: expected a number in [0, 1), got {self.min_share!r}"
             )
 
+    def deadline_s(self, now_s: float, own_deadline_s: float | None) -> float:
+        """An item's effective deadline: its own (gRPC deadline or timeout_ms, already
+        the earlier of the two) or the lane's timeout from `now_s`, whichever is earlier.
+        The one place this rule lives; with `now_s` = 0 it gives the budget in seconds."""
+        lane_deadline_s = now_s + self.timeout_ms / 1000
+        return lane_deadline_s if own_deadline_s is None else min(lane_deadline_s, own_deadline_s)
+
 
 DEFAULT_LANES: tuple[LaneConfig, ...] = (
     LaneConfig("interactive", capacity_rows=512, timeout_ms=2_000, max_wait_ms=1, min_share=0.0),

@@ -49,7 +49,6 @@ class Lane:
         self.config = config
         self.priority = priority
         self.max_wait_s = config.max_wait_ms / 1000
-        self.timeout_s = config.timeout_ms / 1000
         self._entries: collections.deque[Entry] = collections.deque()
         # Invariant: queued_rows == sum(e.queued_rows for live e in _entries), and
         # queued_entries counts those live entries.

@@ -7,8 +7,9 @@ takes `now_s`, so tests drive it with exact times. `SchedulerThread` (in
 Dispatch rule, evaluated only while the session is free: a batch goes out when it is
 full; when work in it queued while the session was busy (backlog: batches fill by
 themselves under load, with no timer); when its most urgent item has waited its lane's
-max_wait; or when waiting longer would miss the earliest deadline in it. Otherwise the
-scheduler is told when to look again.
+max_wait; when waiting longer would miss the earliest deadline in it; or when requests
+have lately arrived further apart than the wait left (idle). Otherwise the scheduler is
+told when to look again.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import dataclasses
 import heapq
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -139,9 +140,7 @@ class Scheduler:
         except LaneserveError as error:
             self.events.rejected(lane.name, error.reason)
             raise
-        deadline_s = now_s + lane.timeout_s
-        if request.deadline_s is not None:
-            deadline_s = min(deadline_s, request.deadline_s)
+        deadline_s = lane.config.deadline_s(now_s, request.deadline_s)
         entry = Entry(
             entry_id=next(self._entry_ids),
             request=request,
@@ -195,9 +194,7 @@ class Scheduler:
                 f"{lane.config.capacity_rows} rows queued, request has {request.rows}",
                 retry_after_s=max(self.run_time.drain_s(excess, self.batch_cap), 0.001),
             )
-        deadline_s = now_s + lane.timeout_s
-        if request.deadline_s is not None:
-            deadline_s = min(deadline_s, request.deadline_s)
+        deadline_s = lane.config.deadline_s(now_s, request.deadline_s)
         ahead = sum(other.queued_rows for other in self.lanes[: lane.priority + 1])
         finish_s = now_s + self.run_time.drain_s(ahead + request.rows, self.batch_cap)
         if finish_s > deadline_s:
@@ -247,7 +244,6 @@ class Scheduler:
                 continue
             lane = self.lanes[entry.priority]
             self.events.shed(lane.name, "EXPIRED_IN_QUEUE", entry.queued_rows)
-            lane.drop(entry)
             waited_ms = (now_s - entry.enqueued_s) * 1000
             outcomes.append(
                 self._finish_error(
@@ -497,12 +493,8 @@ class Scheduler:
 
     def abort_all(self, error: LaneserveError) -> list[Outcome]:
         """Answers every live entry with `error` (shutdown): nothing is left unanswered."""
-        outcomes = []
-        for entry in list(self._entries.values()):
-            if entry.in_lane:
-                self.lanes[entry.priority].drop(entry)
-            outcomes.append(self._finish_error(entry, error))
-        return outcomes
+        # _finish_error frees each entry's queued rows too.
+        return [self._finish_error(entry, error) for entry in list(self._entries.values())]
 
     def _finish_ok(self, entry: Entry) -> Outcome:
         chunks = sorted(entry.chunks, key=lambda chunk: chunk[0])
@@ -565,11 +557,6 @@ class Scheduler:
             LaneDepth(lane.name, lane.queued_rows, lane.queued_entries, lane.config.capacity_rows)
             for lane in self.lanes
         ]
-
-    def queued_entry_ids(self) -> Iterable[int]:
-        for lane in self.lanes:
-            for entry in lane:
-                yield entry.entry_id
 
 
 __all__ = ["Decision", "Dispatch", "LaneDepth", "Scheduler", "WaitUntil"]

@@ -118,7 +118,7 @@ class Tracing:
         providers: Sequence[str],
     ) -> None:
         self._tracer = tracer
-        self._lane_timeout_s = {lane.name: lane.timeout_ms / 1000 for lane in lanes}
+        self._lanes = {lane.name: lane for lane in lanes}
         self._providers = tuple(providers)
         # Open batch spans by batch id. Only the scheduler's owner touches it (under its
         # lock), and `close` once the scheduler has stopped.
@@ -131,14 +131,14 @@ class Tracing:
             # Its trace was not sampled: the request's spans would be dropped too (the
             # samplers decide per trace), and even a dropped span costs the SDK ~8 us.
             return NULL_TRACE
-        lane_timeout_s = self._lane_timeout_s.get(lane)
-        # The effective deadline, as the scheduler will compute it at admission.
-        candidates = [s for s in (budget_s, lane_timeout_s) if s is not None]
+        lane_config = self._lanes.get(lane)
+        # The effective deadline, by the scheduler's own rule (relative: now = 0).
+        deadline_s = budget_s if lane_config is None else lane_config.deadline_s(0.0, budget_s)
         attributes: dict[str, str | int | float] = {"laneserve.lane": lane, "laneserve.rows": rows}
         if request_id:
             attributes["laneserve.request_id"] = request_id
-        if candidates:
-            attributes["laneserve.deadline_ms"] = round(min(candidates) * 1000, 3)
+        if deadline_s is not None:
+            attributes["laneserve.deadline_ms"] = round(deadline_s * 1000, 3)
         return _RequestSpans(self._tracer, attributes)
 
     # SchedulerEvents
