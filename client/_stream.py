@@ -184,7 +184,6 @@ class BulkStream:
         self._next_index = 0  # ordered mode: the next index to hand out
         self._events: asyncio.Queue[_Event] = asyncio.Queue()
         self._wakeup = asyncio.Event()  # the writer may have something to do
-        self.calls = 0  # stream calls opened (1 + reconnections)
 
     # ---- the caller's side -----------------------------------------------------------
 
@@ -195,7 +194,6 @@ class BulkStream:
         while True:
             answered_before = self._pulled - len(self._items)
             call = self._stub.InferStream(metadata=self._metadata)
-            self.calls += 1
             tasks = (
                 asyncio.create_task(self._write(call)),
                 asyncio.create_task(self._read(call)),

@@ -27,13 +27,10 @@ import asyncio
 import dataclasses
 import os
 import platform
-import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -43,10 +40,9 @@ import numpy.typing as npt
 import onnxruntime as ort
 
 from laneserve.client import AsyncClient
+from laneserve.server.bench.procs import Deployment, process_cpu_s, start_laneserve
 from laneserve.server.demo_model import make_demo_model
 from laneserve.server.engine import Engine
-
-START_TIMEOUT_S = 120.0
 
 
 def main() -> int:
@@ -63,13 +59,16 @@ def main() -> int:
         for batch, rate in sweep.items():
             print(f"# sweep: raw session, batch {batch}: {rate:,.0f} rows/s", file=sys.stderr)
         best_batch = max(sweep, key=lambda batch: sweep[batch])
-        server = start_server(model, best_batch, args.intra_op_threads)
+        server = start_laneserve(
+            str(model),
+            max_batch_size=best_batch,
+            intra_op_threads=args.intra_op_threads,
+            device="auto",
+        )
         try:
-            port = wait_for_port(server)
-            ceilings, streams = asyncio.run(rounds(engine, best_batch, server, port, args))
+            ceilings, streams = asyncio.run(rounds(engine, best_batch, server, args))
         finally:
-            server.terminate()
-            server.wait(timeout=60)
+            server.stop()
     print_table(best_batch, ceilings, streams, args)
     return 0
 
@@ -136,11 +135,12 @@ def raw_run(engine: Engine, batch: int, seconds: float) -> Run:
 
 
 async def rounds(
-    engine: Engine, batch: int, server: subprocess.Popen[str], port: int, args: argparse.Namespace
+    engine: Engine, batch: int, server: Deployment, args: argparse.Namespace
 ) -> tuple[list[Run], dict[int, list[Run]]]:
     ceilings: list[Run] = []
     streams: dict[int, list[Run]] = {per_item: [] for per_item in args.rows_per_item}
-    async with AsyncClient(f"127.0.0.1:{port}") as client:
+    server_pid = server.processes[0].pid
+    async with AsyncClient(server.target) as client:
         (spec,) = (await client.model()).inputs
         width = tuple(dim or 1 for dim in spec.shape[1:])
         data = np.random.default_rng(1).standard_normal((args.rows, *width)).astype(spec.dtype)
@@ -149,14 +149,14 @@ async def rounds(
             ceilings.append(raw_run(engine, batch, args.seconds))
             print(f"# round {number}: raw {ceilings[-1]}", file=sys.stderr)
             for per_item, runs in streams.items():
-                client_cpu_s, server_cpu_s = time.process_time(), process_cpu_s(server.pid)
+                client_cpu_s, server_cpu_s = time.process_time(), process_cpu_s(server_pid)
                 started = time.perf_counter()
                 await job(client, data, per_item, args.window)
                 elapsed_s = time.perf_counter() - started
                 krows = args.rows / 1000
                 cpu = {"client": (time.process_time() - client_cpu_s) * 1000 / krows}
                 if server_cpu_s is not None:
-                    server_now_s = process_cpu_s(server.pid)
+                    server_now_s = process_cpu_s(server_pid)
                     assert server_now_s is not None
                     cpu["server"] = (server_now_s - server_cpu_s) * 1000 / krows
                 runs.append(Run(args.rows / elapsed_s, cpu))
@@ -166,67 +166,12 @@ async def rounds(
     return ceilings, streams
 
 
-def process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of a process so far (Linux /proc; None elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    # utime and stime are fields 14 and 15 of stat(5); [0] here is field 3.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def job(client: AsyncClient, data: npt.NDArray[Any], per_item: int, window: int) -> None:
     count = 0
     async for result in client.stream({"input": data}, rows_per_item=per_item, window=window):
         result.unwrap()  # raises the item's error: a benchmark with failures is void
         count += 1
     assert count == -(-len(data) // per_item)
-
-
-def start_server(model: Path, max_batch_size: int, intra_op_threads: int) -> subprocess.Popen[str]:
-    """`laneserve serve` on a free port, in a child process (its own interpreter and GIL)."""
-    return subprocess.Popen(  # noqa: S603 - this interpreter running this project's CLI
-        [
-            sys.executable,
-            "-m",
-            "laneserve.server.cli",
-            "serve",
-            "--model",
-            str(model),
-            "--port",
-            "0",
-            "--max-batch-size",
-            str(max_batch_size),
-            "--intra-op-threads",
-            str(intra_op_threads),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def wait_for_port(server: subprocess.Popen[str]) -> int:
-    found: list[int] = []
-    lines: list[str] = []
-
-    def read() -> None:
-        # Drains stderr until the server exits, so that it never blocks on a full pipe.
-        assert server.stderr is not None
-        for line in server.stderr:
-            lines.append(line)
-            match = re.search(r"serving .* on [\d.]+:(\d+)", line)
-            if match and not found:
-                found.append(int(match.group(1)))
-
-    threading.Thread(target=read, daemon=True).start()
-    give_up = time.monotonic() + START_TIMEOUT_S
-    while not found:
-        if server.poll() is not None or time.monotonic() > give_up:
-            raise RuntimeError("the server did not start:\n" + "".join(lines))
-        time.sleep(0.05)
-    return found[0]
 
 
 def print_table(

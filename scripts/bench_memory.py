@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 
 from laneserve.client.tensors import encode_tensor
-from laneserve.server.bench.procs import Deployment, python_module, start_group, start_workers
+from laneserve.server.bench.procs import Deployment, start_laneserve, start_workers
 from laneserve.server.demo_model import make_demo_model
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -34,13 +34,12 @@ MIB = 1024 * 1024
 
 
 def start_laneserve_with_budget(model: str, budget: str, rows: int) -> Deployment:
-    args = [
-        *("serve", "--model", model, "--port", "0", "--metrics-port", "0"),
-        *("--memory-limit", budget, "--max-batch-size", str(rows), "--batch-cap", str(rows)),
-        *("--device", "cpu", "--drain-grace-s", "2"),
-    ]
-    return start_group(
-        "laneserve", "laneserve", lambda _port: python_module("laneserve.server.cli", *args)
+    return start_laneserve(
+        model,
+        max_batch_size=rows,
+        intra_op_threads=0,  # the runtime's default, as `laneserve serve` has it
+        device="cpu",
+        extra_args=("--memory-limit", budget, "--batch-cap", str(rows)),
     )
 
 

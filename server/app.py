@@ -183,7 +183,7 @@ class LaneServer:
                 ),
                 telemetry=ServiceTelemetry(
                     events=self.events,
-                    tracer=self.telemetry.tracer or NullTracer(),
+                    tracer=self.telemetry.tracing or NullTracer(),
                     device_utilization=self.telemetry.device_utilization,
                 ),
             ),

@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from google.rpc import error_details_pb2, status_pb2
 
 ERROR_DOMAIN = "laneserve.dev"
 
@@ -105,19 +105,15 @@ def to_rpc_status(
         delay = duration_pb2.Duration()
         delay.FromNanoseconds(round(error.retry_after_s * 1e9))
         details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
-    return status_pb2.Status(code=_CODE_NUMBERS[error.code], message=error.message, details=details)
+    return status_pb2.Status(
+        # grpc.StatusCode values are (number, name); the number is google.rpc.Code.
+        code=error.code.value[0],
+        message=error.message,
+        details=details,
+    )
 
 
 def _pack(message: error_details_pb2.ErrorInfo | error_details_pb2.RetryInfo) -> any_pb2.Any:
     packed = any_pb2.Any()
     packed.Pack(message)
     return packed
-
-
-_CODE_NUMBERS: dict[grpc.StatusCode, int] = {
-    grpc.StatusCode.INVALID_ARGUMENT: code_pb2.INVALID_ARGUMENT,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: code_pb2.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.DEADLINE_EXCEEDED: code_pb2.DEADLINE_EXCEEDED,
-    grpc.StatusCode.UNAVAILABLE: code_pb2.UNAVAILABLE,
-    grpc.StatusCode.INTERNAL: code_pb2.INTERNAL,
-}

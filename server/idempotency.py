@@ -31,17 +31,20 @@ import asyncio
 import collections
 import dataclasses
 import hashlib
+import logging
 import struct
 from collections.abc import Callable
 
 from laneserve.server.clock import Clock
-from laneserve.server.errors import LaneserveError, RequestIdReusedError
+from laneserve.server.errors import EngineError, LaneserveError, RequestIdReusedError
 from laneserve.server.items import Outcome
 from laneserve.v1 import inference_pb2 as pb
 
 # Bookkeeping bytes counted per stored answer on top of the message itself (the id, the
 # digest, the table slots): keeps a flood of tiny answers within the byte bound too.
 _ENTRY_OVERHEAD_BYTES = 256
+
+log = logging.getLogger(__name__)
 
 
 def fingerprint(request: pb.InferRequest) -> bytes:
@@ -179,10 +182,6 @@ class RequestLedger:
         self.replays = 0
         self.joins = 0
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._flights)
-
     async def run(
         self,
         request_id: str,
@@ -230,9 +229,14 @@ class RequestLedger:
                 return
             try:
                 response = finish(done.result())
-            except LaneserveError as error:
+            except Exception as error:
+                # Every waiter gets an answer on every path, a bug in `finish` included.
+                failure = error
+                if not isinstance(error, LaneserveError):
+                    log.exception("answering request %r failed", request_id)
+                    failure = EngineError(f"internal error: {error!r}")
                 if flight.waiters:
-                    flight.answer.set_exception(error)
+                    flight.answer.set_exception(failure)
                 else:  # nobody to tell; an unretrieved exception would only be logged
                     flight.answer.cancel()
                 return

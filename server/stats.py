@@ -75,6 +75,19 @@ class _LaneCounters:
         default_factory=lambda: collections.deque(maxlen=WINDOW_SAMPLES)
     )
 
+    def copy(self) -> _LaneCounters:
+        """A copy whose containers the recorder will not change (taken under its lock)."""
+        return _LaneCounters(
+            self.admitted,
+            self.completed,
+            self.failed,
+            collections.Counter(self.rejected),
+            collections.Counter(self.shed),
+            collections.Counter(self.answered),
+            collections.deque(self.queue_wait_s),
+            collections.deque(self.request_s),
+        )
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LaneSnapshot:
@@ -183,8 +196,17 @@ class StatsRecorder:
                 self._lanes[lane].request_s.append(duration_s)
 
     def snapshot(self) -> StatsSnapshot:
+        # Copy under the lock (microseconds), compute percentiles after it (milliseconds):
+        # the scheduler's threads record into this lock while holding theirs.
         with self._lock:
-            lanes = [
+            lanes = {name: counters.copy() for name, counters in self._lanes.items()}
+            batches, batch_rows, rows_run = self._batches, self._batch_rows, self._rows_run
+            run_s, batch_sizes = list(self._run_s), list(self._batch_sizes)
+            batch_reasons, cap_changes = dict(self._batch_reasons), dict(self._cap_changes)
+            out_of_memory, batch_splits = self._out_of_memory, self._batch_splits
+            memory_used_bytes, failed_batches = self._memory_used_bytes, self._failed_batches
+        return StatsSnapshot(
+            lanes=[
                 LaneSnapshot(
                     name=name,
                     admitted=counters.admitted,
@@ -196,19 +218,17 @@ class StatsRecorder:
                     queue_wait=percentiles_ms(counters.queue_wait_s),
                     request_duration=percentiles_ms(counters.request_s),
                 )
-                for name, counters in self._lanes.items()
-            ]
-            return StatsSnapshot(
-                lanes=lanes,
-                batches=self._batches,
-                rows_run=self._rows_run,
-                mean_batch_size=self._batch_rows / self._batches if self._batches else 0.0,
-                run_time=percentiles_ms(self._run_s),
-                batch_reasons=dict(self._batch_reasons),
-                out_of_memory=self._out_of_memory,
-                batch_splits=self._batch_splits,
-                cap_changes=dict(self._cap_changes),
-                memory_used_bytes=self._memory_used_bytes,
-                batch_size=distribution(self._batch_sizes),
-                failed_batches=self._failed_batches,
-            )
+                for name, counters in lanes.items()
+            ],
+            batches=batches,
+            rows_run=rows_run,
+            mean_batch_size=batch_rows / batches if batches else 0.0,
+            run_time=percentiles_ms(run_s),
+            batch_reasons=batch_reasons,
+            out_of_memory=out_of_memory,
+            batch_splits=batch_splits,
+            cap_changes=cap_changes,
+            memory_used_bytes=memory_used_bytes,
+            batch_size=distribution(batch_sizes),
+            failed_batches=failed_batches,
+        )

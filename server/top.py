@@ -25,13 +25,13 @@ from typing import Any
 
 import grpc
 
+from laneserve.server.memory import format_bytes
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 
 BAR_WIDTH = 20
 # Times at or above this many milliseconds are shown with one decimal, below with two.
 _COARSE_MS = 10.0
-_KIB = 1024
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen
 
 
@@ -201,11 +201,12 @@ def _memory_line(stats: pb.GetStatsResponse) -> str:
         return "memory   no limit set (the runtime's default arena)"
     limit = stats.memory_limit_bytes
     used = stats.memory_used_bytes
-    line = f"memory   {_bar(used, limit)} {_bytes(used)} / {_bytes(limit) if limit else '?'}"
+    limit_text = format_bytes(limit) if limit else "?"
+    line = f"memory   {_bar(used, limit)} {format_bytes(used)} / {limit_text}"
     if limit:
         line += f" ({used / limit:.0%})"
     if stats.memory_high_watermark_bytes:
-        line += f"  watermark {_bytes(stats.memory_high_watermark_bytes)}"
+        line += f"  watermark {format_bytes(stats.memory_high_watermark_bytes)}"
     closed = list(stats.lanes_closed_by_memory)
     line += f"  lanes closed: {','.join(closed) if closed else '-'}"
     return line
@@ -232,15 +233,6 @@ def _ms(value_ms: float, count: int) -> str:
     if count == 0:
         return "-"
     return f"{value_ms:.1f}ms" if value_ms >= _COARSE_MS else f"{value_ms:.2f}ms"
-
-
-def _bytes(count: int) -> str:
-    size = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < _KIB or unit == "GiB":
-            return f"{size:.0f}{unit}" if unit == "B" else f"{size:.1f}{unit}"
-        size /= _KIB
-    raise AssertionError("unreachable")
 
 
 def _duration(seconds: float) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import LaneConfig, ServerConfig
+from laneserve.server.items import Batch, BatchResult
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
     RecordingEngine,
@@ -429,5 +431,25 @@ def test_calls_past_the_concurrency_limit_are_refused_by_grpc(small_model: Path)
             engine.release()
             await asyncio.gather(running, queued)
             assert sorted(engine.ran_tags) == [0, 1]
+
+    asyncio.run(scenario())
+
+
+def test_a_bug_while_answering_still_answers_the_call(small_model: Path) -> None:
+    """An output the codec cannot encode (fault injection) must not leave the call hanging."""
+
+    class ComplexOutputs(RecordingEngine):
+        def run_batch(self, batch: Batch) -> BatchResult:
+            result = super().run_batch(batch)
+            assert result.outputs is not None
+            outputs = {name: array.astype(np.complex64) for name, array in result.outputs.items()}
+            return dataclasses.replace(result, outputs=outputs)
+
+    async def scenario() -> None:
+        async with serving(ComplexOutputs(str(small_model)), config(small_model)) as s:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(request(rows(1), request_id="encode-bug"), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.INTERNAL
+            assert rich_status(caught.value)[0] == "ENGINE_FAILURE"
 
     asyncio.run(scenario())

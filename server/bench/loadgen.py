@@ -150,10 +150,6 @@ class ClientPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @property
-    def pids(self) -> list[int]:
-        return [worker.pid for worker in self._workers if worker.pid is not None]
-
     def run_point(
         self,
         target: str,

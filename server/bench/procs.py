@@ -263,7 +263,9 @@ def start_laneserve(
     intra_op_threads: int,
     device: str,
     config_path: str | None = None,
+    extra_args: Sequence[str] = (),
 ) -> Deployment:
+    """`laneserve serve` as the benchmarks run it; `extra_args` go to `serve` last."""
     args = [
         "--log-level",
         "info",
@@ -288,6 +290,7 @@ def start_laneserve(
     ]
     if config_path is not None:
         args += ["--config", config_path]
+    args += extra_args
     deployment = start_group(
         "laneserve", "laneserve", lambda _port: python_module("laneserve.server.cli", *args)
     )
@@ -296,6 +299,7 @@ def start_laneserve(
         "intra_op_threads": intra_op_threads,
         "device": device,
         "config": config_path,
+        "extra_args": list(extra_args),
     }
     return deployment
 

@@ -783,21 +783,27 @@ def _server_section(document: dict[str, Any]) -> list[str]:
                 for lane, figures in server["lanes"].items()
                 if figures["admitted"]
             )
+            # Run-time percentiles are the server's recent window at the point's end: with
+            # no batch in the measured windows they describe an earlier point.
+            ran = bool(server["batches"])
             rows.append(
                 [
                     point["configuration"],
                     f"({scenario}) {point['name']}",
                     _num(server["batches"]),
                     _num(server["mean_batch_rows"], 1),
-                    _ms(server["run_time_ms"]["p50"]),
-                    _ms(server["run_time_ms"]["p99"]),
+                    _ms(server["run_time_ms"]["p50"]) if ran else "-",
+                    _ms(server["run_time_ms"]["p99"]) if ran else "-",
                     waits or "-",
                 ]
             )
     if not rows:
         return []
     return [
-        "## Server side (GetStats over the measured windows)",
+        (
+            "## Server side (GetStats: counts over the measured windows; run p50/p99 over "
+            "the server's last 4096 runs at the end of the point)"
+        ),
         "",
         *_table(
             [

@@ -29,7 +29,7 @@ class Telemetry:
 
     telemetry = Telemetry.from_config(config, engine.providers)
     sinks = telemetry.events                 # SchedulerEvents sinks
-    tracer = telemetry.tracer                # RequestTracer, or None: tracing off
+    tracer = telemetry.tracing               # RequestTracer, or None: tracing off
     interceptors = telemetry.interceptors    # for grpc.aio.server
     telemetry.observe(thread.depths, lambda: thread.batch_cap)
     port = telemetry.serve_metrics(host, config.metrics_port)
@@ -102,10 +102,6 @@ class Telemetry:
             prometheus=config.metrics_port >= 0,
             device=DeviceMonitor.open(providers),
         )
-
-    @property
-    def tracer(self) -> Tracing | None:
-        return self.tracing
 
     def observe(
         self, depths: Callable[[], Sequence[LaneDepth]], batch_cap: Callable[[], int]

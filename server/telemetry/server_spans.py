@@ -47,9 +47,8 @@ class ServerSpans(grpc.aio.ServerInterceptor):
     cancellation to CANCELLED or DEADLINE_EXCEEDED, as gRPC itself answers them.
     """
 
-    def __init__(self, tracer: otel_trace.Tracer, methods: frozenset[str] = TRACED_METHODS) -> None:
+    def __init__(self, tracer: otel_trace.Tracer) -> None:
         self._tracer = tracer
-        self._methods = methods
 
     async def intercept_service(
         self,
@@ -60,7 +59,7 @@ class ServerSpans(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or method not in self._methods:
+        if handler is None or method not in TRACED_METHODS:
             return handler
         carrier = {
             key: value
