@@ -687,3 +687,18 @@ async def until_async(
         if time.monotonic() > give_up:
             raise AssertionError("condition not reached")
         await asyncio.sleep(0.005)
+
+
+def test_every_server_reason_has_a_client_error_class() -> None:
+    """A reason the server can send must map to its own typed client error."""
+    from laneserve.client import _errors  # noqa: PLC0415 - the private table under test
+    from laneserve.server import errors as server_errors  # noqa: PLC0415
+
+    reasons = {
+        cls.reason
+        for cls in vars(server_errors).values()
+        if isinstance(cls, type)
+        and issubclass(cls, server_errors.LaneserveError)
+        and cls is not server_errors.LaneserveError
+    }
+    assert reasons <= set(_errors._BY_REASON), reasons - set(_errors._BY_REASON)
