@@ -116,7 +116,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-concurrent-rpcs", type=int, help="calls admitted by gRPC at once (default 1024)"
     )
-    serve.add_argument("--intra-op-threads", type=int, help="ONNX Runtime threads (0 = auto)")
+    serve.add_argument(
+        "--intra-op-threads", type=int, help="ONNX Runtime threads (0 = auto: cores - 1 on the CPU)"
+    )
     serve.add_argument(
         "--metrics-port",
         type=int,

@@ -128,7 +128,8 @@ class ServerConfig:
     max_concurrent_rpcs: int = 1024
     # gRPC's own message size limit, both directions.
     max_message_bytes: int = 64 * 1024 * 1024
-    # ONNX Runtime intra-op threads; 0 lets the runtime choose.
+    # ONNX Runtime intra-op threads; 0: auto (on the CPU one core fewer than the
+    # process may use, left to the event loop; see engine.default_intra_op_threads).
     intra_op_threads: int = 0
     # Prometheus scrape endpoint (GET /metrics) on `host`: 0 = any free port (logged at
     # start), -1 = no endpoint (and no metric is recorded).

@@ -7,9 +7,12 @@ takes `now_s`, so tests drive it with exact times. `SchedulerThread` (in
 Dispatch rule, evaluated only while the session is free: a batch goes out when it is
 full; when work in it queued while the session was busy (backlog: batches fill by
 themselves under load, with no timer); when its most urgent item has waited its lane's
-max_wait; when waiting longer would miss the earliest deadline in it; or when requests
-have lately arrived further apart than the wait left (idle). Otherwise the scheduler is
-told when to look again.
+max_wait; when waiting longer would miss the earliest deadline in it; or when waiting
+would not pay (idle): the session has lately been busy less than half the time (so it
+has capacity to spare and batching by waiting would only add latency; under load the
+backlog rule forms batches by itself), or requests have lately arrived further apart
+than the wait left (waiting would add nobody). Otherwise the scheduler is told when to
+look again.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ CAP_RECOVERY_BATCHES = 64
 CAP_RECOVERY_STEPS = 16
 # Weight of the newest gap in the moving average of times between admissions.
 ARRIVAL_GAP_ALPHA = 0.1
+# The session's utilisation is its busy share of roughly the last UTILIZATION_WINDOW_S;
+# below WAIT_UTILIZATION a free session does not wait for company (see `decide`).
+UTILIZATION_WINDOW_S = 0.1
+WAIT_UTILIZATION = 0.5
 # Suggested wait before retrying a request refused for memory pressure.
 MEMORY_PRESSURE_RETRY_S = 0.25
 
@@ -112,6 +119,11 @@ class Scheduler:
         # long waiting for company is likely to take.
         self._arrival_gap_s: float | None = None
         self._last_admit_s: float | None = None
+        # Busy share of the session over about the last UTILIZATION_WINDOW_S (None until
+        # a batch ran), from the run time of each batch and the time to the next dispatch.
+        self.utilization: float | None = None
+        self._last_dispatch_s: float | None = None
+        self._last_run_s = 0.0
         self.run_time = run_time
         self.events = events or NullEvents()
         self.accepting = True
@@ -287,13 +299,20 @@ class Scheduler:
                 reason = DispatchReason.DEADLINE
             elif now_s >= wait_until_s:
                 reason = DispatchReason.MAX_WAIT
-            elif self._arrival_gap_s is not None and wait_until_s - now_s < self._arrival_gap_s:
-                # Requests arrive further apart than the wait left: waiting would most
-                # likely add nobody, only latency (a lone caller must not pay max_wait).
+            elif not self._waiting_pays(wait_until_s - now_s):
                 reason = DispatchReason.IDLE
             else:
                 return WaitUntil(min(wait_until_s, latest_start_s))
         return Dispatch(self._commit(plan, reason, now_s))
+
+    def _waiting_pays(self, wait_left_s: float) -> bool:
+        """Whether holding a free session for company is worth the latency. It is not
+        when the session is mostly idle: batching by waiting buys throughput nobody needs
+        (a lone caller, closed loop, must not pay max_wait per call); nor when requests
+        arrive further apart than the wait left: waiting would most likely add nobody."""
+        if self.utilization is not None and self.utilization < WAIT_UTILIZATION:
+            return False
+        return self._arrival_gap_s is None or self._arrival_gap_s <= wait_left_s
 
     def _plan(self) -> _Plan:
         """The next batch, without changing any state.
@@ -357,6 +376,7 @@ class Scheduler:
         return math.ceil(lane.config.min_share * self.batch_cap)
 
     def _commit(self, plan: _Plan, reason: DispatchReason, now_s: float) -> Batch:
+        self._observe_utilization(now_s)
         for lane in self.lanes:
             if lane.priority in plan.share_used:
                 allowance, used = plan.share_used[lane.priority]
@@ -398,11 +418,26 @@ class Scheduler:
         self.events.batch_formed(batch, [entry.queue_s for entry, _ in taken])
         return batch
 
+    def _observe_utilization(self, now_s: float) -> None:
+        """Folds the last dispatch interval into the utilisation: the previous batch's run
+        time over the time since it was dispatched, weighted by how long that interval
+        was (a long idle spell weighs as much as its length, not as one sample)."""
+        if self._last_dispatch_s is not None:
+            interval_s = now_s - self._last_dispatch_s
+            if interval_s > 0:
+                busy = min(self._last_run_s / interval_s, 1.0)
+                keep = math.exp(-interval_s / UTILIZATION_WINDOW_S)
+                previous = busy if self.utilization is None else self.utilization
+                self.utilization = previous * keep + busy * (1.0 - keep)
+        self._last_dispatch_s = now_s
+        self._last_run_s = 0.0
+
     # ---- completion ----------------------------------------------------------------
 
     def complete(self, result: BatchResult) -> list[Outcome]:
         """Hands each request its rows of a finished batch; answers the completed ones."""
         batch = result.batch
+        self._last_run_s += result.run_s
         if result.error is None and not result.out_of_memory_rows:
             self.run_time.observe(batch.rows, result.run_s)
         self._adapt_cap(result)

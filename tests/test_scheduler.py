@@ -202,6 +202,67 @@ def test_lone_request_after_sparse_arrivals_goes_at_once() -> None:
         now_s += 0.050
 
 
+def test_mostly_idle_session_does_not_wait_for_company() -> None:
+    """A caller that sends the next request as soon as it is answered (closed loop):
+    arrivals are dense, but the session is busy a fifth of the time, so waiting would
+    add latency and no throughput anyone needs: each request goes at once."""
+    scheduler = make_scheduler()
+    now_s = T0
+    reasons = []
+    for index in range(20):
+        scheduler.admit(make_request(index, "standard", 1), now_s)
+        decision = scheduler.decide(now_s, NEVER_IDLE)
+        if isinstance(decision, WaitUntil):
+            now_s = decision.at_s
+            decision = scheduler.decide(now_s, NEVER_IDLE)
+        assert isinstance(decision, Dispatch)
+        batch = decision.batch
+        reasons.append(batch.reason)
+        scheduler.complete(run(batch, run_s=0.0004))
+        now_s += 0.002  # answered, and the caller's next request is here 2 ms later
+    # The first waits its max_wait (nothing is known yet); once a few batches have shown
+    # a session idle four fifths of the time, none waits.
+    assert reasons[0] is DispatchReason.MAX_WAIT
+    assert reasons[-5:] == [DispatchReason.IDLE] * 5
+    assert scheduler.utilization is not None
+    assert scheduler.utilization < 0.5
+
+
+def test_busy_session_waits_for_company() -> None:
+    """Batches back to back (the session always busy): dense arrivals wait their lane's
+    max_wait for company even though the session is free at this instant."""
+    scheduler = make_scheduler()
+    now_s = T0
+    for index in range(200):
+        scheduler.admit(make_request(index, "standard", 1), now_s)
+        batch = dispatch(scheduler, now_s, idle_since_s=math.inf)  # backlog: goes at once
+        scheduler.complete(run(batch, run_s=0.002))
+        now_s += 0.002  # the next batch is dispatched the moment this one is done
+    assert scheduler.utilization is not None
+    assert scheduler.utilization > 0.9
+    scheduler.admit(make_request(999, "standard", 1), now_s)
+    assert scheduler.decide(now_s, NEVER_IDLE) == WaitUntil(now_s + 0.004)
+
+
+def test_long_idle_spell_ends_waiting_at_once() -> None:
+    """Utilisation is weighted by time: one long idle spell after a busy period is enough
+    for the next lone request to go at once (not several slow samples)."""
+    scheduler = make_scheduler()
+    now_s = T0
+    for index in range(200):
+        scheduler.admit(make_request(index, "standard", 1), now_s)
+        scheduler.complete(run(dispatch(scheduler, now_s, idle_since_s=math.inf), run_s=0.002))
+        now_s += 0.002
+    now_s += 1.0  # a second of nothing
+    scheduler.admit(make_request(1000, "standard", 1), now_s)
+    batch = dispatch(scheduler, now_s + 0.004)  # the busy history says wait: max_wait
+    scheduler.complete(run(batch, run_s=0.002))
+    now_s += 0.005
+    scheduler.admit(make_request(1001, "standard", 1), now_s)
+    scheduler.admit(make_request(1002, "standard", 1), now_s)  # dense, yet idle: go
+    assert dispatch(scheduler, now_s).reason is DispatchReason.IDLE
+
+
 def test_dense_arrivals_wait_for_company() -> None:
     """Arrivals 1 ms apart: within the 4 ms wait more requests are due, so it waits."""
     scheduler = make_scheduler()
