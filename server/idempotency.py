@@ -33,7 +33,7 @@ import dataclasses
 import hashlib
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from laneserve.server.clock import Clock
 from laneserve.server.errors import EngineError, LaneserveError, RequestIdReusedError
@@ -53,44 +53,70 @@ def fingerprint(request: pb.InferRequest) -> bytes:
     # SHA-256: with the SHA extensions of current CPUs it hashes 2-3x faster than blake2b,
     # and this runs on the event loop for every request that carries an id.
     digest = hashlib.sha256()
-    for tensor in sorted(request.inputs, key=lambda tensor: tensor.name):
+    tensors: Sequence[pb.Tensor] = request.inputs
+    if len(tensors) > 1:
+        tensors = sorted(tensors, key=lambda tensor: tensor.name)
+    for tensor in tensors:
         name = tensor.name.encode()
-        shape = list(tensor.shape)
+        shape = tensor.shape
         data = tensor.data
-        # Every field is length-prefixed, so no two different requests hash the same bytes.
-        digest.update(struct.pack("<QiQ", len(name), tensor.dtype, len(shape)))
-        digest.update(name)
-        digest.update(struct.pack(f"<{len(shape)}q", *shape))
-        digest.update(struct.pack("<Q", len(data)))
+        # Every variable part is preceded by its length, so no two different requests
+        # hash the same bytes; one header per tensor keeps the Python calls few.
+        header = struct.pack(
+            f"<QiQ{len(shape)}qQ", len(name), tensor.dtype, len(shape), *shape, len(data)
+        )
+        digest.update(header + name)
         digest.update(data)
     digest.update(b"outputs")
     for output in request.output_names:
         name = output.encode()
-        digest.update(struct.pack("<Q", len(name)))
-        digest.update(name)
+        digest.update(struct.pack("<Q", len(name)) + name)
     return digest.digest()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Submitted:
-    """A request the scheduler admitted."""
-
-    # Resolved with the request's one Outcome (from the scheduler thread, via the loop).
-    outcome: asyncio.Future[Outcome]
-    # Cancels it in the scheduler; with `unless_running`, a running request is left to
-    # finish. Returns True when cancelled, False when its Outcome is still coming.
-    cancel: Callable[[bool], bool]
+# Given the request's one Outcome, on the event loop (OutcomeRouter calls it).
+Resolve = Callable[[Outcome], None]
+# Cancels an admitted request in the scheduler; with `unless_running`, a running request
+# is left to finish. Returns True when cancelled, False when its Outcome is still coming.
+Cancel = Callable[[bool], bool]
 
 
-@dataclasses.dataclass(eq=False, slots=True)
 class _Flight:
-    request_id: str
-    fingerprint: bytes
-    # Resolved with the encoded answer or the request's LaneserveError; awaited shielded,
-    # so one waiter going away never cancels it for the others.
-    answer: asyncio.Future[pb.InferResponse]
-    cancel: Callable[[bool], bool]
-    waiters: int = 0
+    """One admitted request and the RPCs waiting for its answer.
+
+    Each waiter awaits a future of its own, so one going away (cancelled) never cancels
+    the answer for the others; the answer reaches every waiter in the same loop callback
+    that brought the Outcome (no hop through further futures).
+    """
+
+    __slots__ = ("answered", "cancel", "fingerprint", "request_id", "waiters")
+
+    def __init__(self, request_id: str, fingerprint: bytes) -> None:
+        self.request_id = request_id
+        self.fingerprint = fingerprint
+        self.waiters: list[asyncio.Future[pb.InferResponse]] = []
+        # Set once: the answer was handed out, or the work was cancelled (no answer comes).
+        self.answered = False
+        self.cancel: Cancel = _not_admitted
+
+    def succeed(self, response: pb.InferResponse) -> None:
+        for waiter in self._take_waiters():
+            waiter.set_result(response)
+
+    def fail(self, error: Exception) -> None:
+        for waiter in self._take_waiters():
+            waiter.set_exception(error)
+
+    def _take_waiters(self) -> list[asyncio.Future[pb.InferResponse]]:
+        """Marks the flight answered; the waiters still waiting (a cancelled RPC has
+        cancelled its own future and leaves by itself)."""
+        self.answered = True
+        waiters, self.waiters = self.waiters, []
+        return [waiter for waiter in waiters if not waiter.done()]
+
+
+def _not_admitted(_unless_running: bool) -> bool:
+    raise AssertionError("cancel called before the request was admitted")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -171,8 +197,9 @@ class RequestLedger:
 
         response = await ledger.run(request_id, fingerprint(request), submit, finish)
 
-    where `submit()` admits the request to the scheduler (or raises why not) and
-    `finish(outcome)` turns its Outcome into the answer (or raises its error).
+    where `submit(resolve)` admits the request to the scheduler with `resolve` as its
+    token (or raises why not) and returns how to cancel it, and `finish(outcome)` turns
+    its Outcome into the answer (or raises its error).
     """
 
     def __init__(self, replay: ReplayCache) -> None:
@@ -186,11 +213,13 @@ class RequestLedger:
         self,
         request_id: str,
         digest: bytes,
-        submit: Callable[[], Submitted],
+        submit: Callable[[Resolve], Cancel],
         finish: Callable[[Outcome], pb.InferResponse],
     ) -> pb.InferResponse:
         """The request's answer, running it only if no request with its id is in flight
-        or stored. Raises the request's LaneserveError, or RequestIdReusedError."""
+        or stored. `submit(resolve)` admits the request with `resolve` as the token its
+        Outcome comes back to (or raises why not) and returns its `Cancel`. Raises the
+        request's LaneserveError, or RequestIdReusedError."""
         if not request_id:
             return await self._wait(self._start("", b"", submit, finish))
         stored = self.replay.get(request_id)
@@ -211,50 +240,43 @@ class RequestLedger:
         self,
         request_id: str,
         digest: bytes,
-        submit: Callable[[], Submitted],
+        submit: Callable[[Resolve], Cancel],
         finish: Callable[[Outcome], pb.InferResponse],
     ) -> _Flight:
-        submitted = submit()  # raises when refused: nothing is recorded then
-        flight = _Flight(
-            request_id,
-            digest,
-            asyncio.get_running_loop().create_future(),
-            submitted.cancel,
-        )
+        flight = _Flight(request_id, digest)
 
-        def on_outcome(done: asyncio.Future[Outcome]) -> None:
+        def resolve(outcome: Outcome) -> None:
             if self._flights.get(request_id) is flight:
                 del self._flights[request_id]
-            if flight.answer.done():  # every waiter has gone and the work was cancelled
+            if flight.answered:  # every waiter has gone and the work was cancelled
                 return
             try:
-                response = finish(done.result())
+                response = finish(outcome)
             except Exception as error:
                 # Every waiter gets an answer on every path, a bug in `finish` included.
                 failure = error
                 if not isinstance(error, LaneserveError):
                     log.exception("answering request %r failed", request_id)
                     failure = EngineError(f"internal error: {error!r}")
-                if flight.waiters:
-                    flight.answer.set_exception(failure)
-                else:  # nobody to tell; an unretrieved exception would only be logged
-                    flight.answer.cancel()
+                flight.fail(failure)
                 return
             if request_id:
                 self.replay.put(request_id, digest, response)
-            flight.answer.set_result(response)
+            flight.succeed(response)
 
-        submitted.outcome.add_done_callback(on_outcome)
+        flight.cancel = submit(resolve)  # raises when refused: nothing is recorded then
         return flight
 
     async def _wait(self, flight: _Flight) -> pb.InferResponse:
-        flight.waiters += 1
+        waiter: asyncio.Future[pb.InferResponse] = asyncio.get_running_loop().create_future()
+        flight.waiters.append(waiter)
         try:
-            return await asyncio.shield(flight.answer)
+            return await waiter
         finally:
-            flight.waiters -= 1
-            if flight.waiters == 0 and not flight.answer.done():
-                self._abandon(flight)
+            if not flight.answered:
+                flight.waiters.remove(waiter)
+                if not flight.waiters:
+                    self._abandon(flight)
 
     def _abandon(self, flight: _Flight) -> None:
         """The last RPC waiting for `flight` went away. Its queued rows are freed; work
@@ -263,7 +285,7 @@ class RequestLedger:
         if flight.cancel(bool(flight.request_id)):
             if self._flights.get(flight.request_id) is flight:
                 del self._flights[flight.request_id]
-            flight.answer.cancel()
+            flight.answered = True
 
 
 def _check_same(request_id: str, known: bytes, digest: bytes, state: str) -> None:
@@ -275,4 +297,4 @@ def _check_same(request_id: str, known: bytes, digest: bytes, state: str) -> Non
         )
 
 
-__all__ = ["ReplayCache", "RequestLedger", "Submitted", "fingerprint"]
+__all__ = ["Cancel", "ReplayCache", "RequestLedger", "Resolve", "fingerprint"]

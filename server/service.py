@@ -37,7 +37,13 @@ from laneserve.server.events import (
     RequestTracer,
     SchedulerEvents,
 )
-from laneserve.server.idempotency import ReplayCache, RequestLedger, Submitted, fingerprint
+from laneserve.server.idempotency import (
+    Cancel,
+    ReplayCache,
+    RequestLedger,
+    Resolve,
+    fingerprint,
+)
 from laneserve.server.items import InferenceRequest, Outcome
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.memory import MemoryFacts, WatermarkState
@@ -52,7 +58,8 @@ STREAM_DEFAULT_LANE = "bulk"
 
 
 class OutcomeRouter:
-    """Resolves each waiting RPC's future on its event loop, one callback per batch."""
+    """Hands each Outcome to its request's `Resolve` (its token) on the event loop, one
+    loop callback per batch."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -65,10 +72,9 @@ class OutcomeRouter:
 
 def _resolve_all(outcomes: Sequence[Outcome]) -> None:
     for outcome in outcomes:
-        future = outcome.token
-        assert isinstance(future, asyncio.Future)
-        if not future.done():  # a cancelled RPC has cancelled its future
-            future.set_result(outcome)
+        resolve = outcome.token
+        assert callable(resolve)
+        resolve(outcome)  # never raises: the ledger answers its waiters on every path
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -306,9 +312,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         # Set by `submit`, which runs only when this call (not a retry it joins) queues it.
         trace = NULL_TRACE
 
-        def submit() -> Submitted:
+        def submit(resolve: Resolve) -> Cancel:
             nonlocal trace
-            future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
             budget_s = None if deadline_s is None else deadline_s - self._clock.monotonic()
             trace = self._tracer.start(request.request_id, lane, rows, budget_s)
             try:
@@ -320,7 +325,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                         rows=rows,
                         signature=signature,
                         deadline_s=deadline_s,
-                        token=future,
+                        token=resolve,
                         trace=trace,
                     )
                 )
@@ -334,7 +339,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     self._request_over(lane, trace, "CANCELLED", arrived_s)
                 return cancelled
 
-            return Submitted(future, cancel)
+            return cancel
 
         def finish(outcome: Outcome) -> pb.InferResponse:
             trace.replying()
