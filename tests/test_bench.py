@@ -101,7 +101,10 @@ def test_short_run_writes_well_formed_json_with_every_key(
     assert written["capacity"]["throughput_per_s"] > 0
     threads = written["server_threads"]["threads"]
     assert threads, "the server's CPU by thread at the highest load of (a)"
-    assert written["configurations"]["laneserve"]["memory"]["peak_rss_bytes"] > 0
+    laneserve = written["configurations"]["laneserve"]
+    assert laneserve["memory"]["peak_rss_bytes"] > 0
+    assert laneserve["memory_after_a"]["peak_rss_bytes"] > 0, "read once (a) ran"
+    assert laneserve["memory_after_a"]["processes"] == laneserve["memory"]["processes"]
     assert {target["id"] for target in written["targets"]} >= {
         "echo_ratio",
         "vs_no_batching",
@@ -112,6 +115,7 @@ def test_short_run_writes_well_formed_json_with_every_key(
     report = Path(outputs["markdown"]).read_text()
     assert "## Targets (issue 6)" in report
     assert "## (d)" in report
+    assert "| peak after (a) |" in report
     assert live_children() == [], "no server or client process is left"
 
 
@@ -215,6 +219,9 @@ def test_streams_are_shared_out_over_client_processes() -> None:
     assert [closed.share(index, 3) for index in range(3)] == [(2, 0.0), (2, 0.0), (1, 0.0)]
     assert Stream("c", concurrency=1).share(1, 2) == (0, 0.0), "a process may get no caller"
     assert Stream("o", rate_per_s=90.0).share(2, 3) == (0, 30.0)
+    pinned = Stream("p", rate_per_s=90.0, client=1)
+    assert [pinned.share(index, 3) for index in range(3)] == [(0, 0.0), (0, 90.0), (0, 0.0)]
+    assert Stream("q", concurrency=4, client=3).share(1, 2) == (4, 0.0), "modulo the pool"
     with pytest.raises(ValueError, match="exactly one of concurrency"):
         Stream("bad")
     with pytest.raises(ValueError, match="exactly one of concurrency"):
@@ -268,8 +275,9 @@ def test_command_line_parses_bench_options() -> None:
         _kinds("laneserve,triton")
 
 
-def test_report_of_a_run_without_baselines_says_not_measured() -> None:
-    document: dict[str, Any] = {
+def empty_document() -> dict[str, Any]:
+    """A document of a run that measured nothing, as run_bench builds it."""
+    return {
         "schema": "laneserve.bench/1",
         "created_utc": "",
         "command": "laneserve bench",
@@ -294,7 +302,9 @@ def test_report_of_a_run_without_baselines_says_not_measured() -> None:
         "primary": "laneserve",
         "capacity": None,
         "raw_ceiling": None,
-        "configurations": {"laneserve": {"kind": "laneserve", "memory": None}},
+        "configurations": {
+            "laneserve": {"kind": "laneserve", "memory_after_a": None, "memory": None}
+        },
         "scenarios": {"a": [], "b": [], "c": [], "d": []},
         "server_profile": None,
         "server_threads": None,
@@ -303,7 +313,44 @@ def test_report_of_a_run_without_baselines_says_not_measured() -> None:
         "outputs": {},
         "duration_s": 0.0,
     }
+
+
+def test_report_of_a_run_without_baselines_says_not_measured() -> None:
+    document = empty_document()
     targets = evaluate_targets(document)
     assert all(target["met"] is None for target in targets)
     assert missing_keys(document) == []
     assert "not measured" in render_markdown(document)
+
+
+def memory(processes: int, peak_mib: int) -> dict[str, Any]:
+    peak = peak_mib * 2**20
+    return {"processes": processes, "peak_rss_bytes": peak, "rss_bytes": peak, "by_process": []}
+
+
+def test_memory_target_compares_the_peaks_after_scenario_a() -> None:
+    document = empty_document()
+    # laneserve's peak at the end (after the overloads of (b)-(d)) would miss the target.
+    document["configurations"] = {
+        "laneserve": {
+            "kind": "laneserve",
+            "memory_after_a": memory(1, 100),
+            "memory": memory(1, 400),
+        },
+        "workers-2": {
+            "kind": "workers",
+            "memory_after_a": memory(2, 250),
+            "memory": memory(2, 260),
+        },
+        # A document written before the peak after (a) was recorded.
+        "workers-4": {"kind": "workers", "memory": memory(4, 500)},
+    }
+    targets = {target["id"]: target for target in evaluate_targets(document)}
+    assert targets["workers-2_memory"]["met"] is True
+    assert targets["workers-2_memory"]["measured"] == "2.50x (250 MiB vs 100 MiB, peak after (a))"
+    assert targets["workers-4_memory"]["met"] is None
+    assert targets["workers-4_memory"]["measured"] == "not measured"
+    report = render_markdown(document)
+    assert "| laneserve | 1 | 100 MiB | 400 MiB | 400 MiB |" in report
+    assert "| workers-4 | 4 | - | 500 MiB | 500 MiB |" in report
+    assert "compares the peak after (a)" in report

@@ -247,13 +247,13 @@ def _workers_targets(document: dict[str, Any], primary: str) -> list[dict[str, A
             ),
             _not_measured(
                 "workers_memory",
-                "N workers use at least 2x laneserve's memory",
+                "N workers use at least 2x laneserve's memory (peak after (a))",
                 ">= 2.0x",
                 "no N-workers configuration ran",
             ),
         ]
     ours = _best_throughput(document, primary)
-    our_memory = (document["configurations"][primary].get("memory") or {}).get("peak_rss_bytes")
+    our_memory = _peak_after_a(document, primary)
     targets = []
     for name in names:
         theirs = _best_throughput(document, name)
@@ -276,14 +276,15 @@ def _workers_targets(document: dict[str, Any], primary: str) -> list[dict[str, A
                     theirs <= ours,
                 )
             )
-        their_memory = (document["configurations"][name].get("memory") or {}).get("peak_rss_bytes")
+        their_memory = _peak_after_a(document, name)
+        description = f"{name}'s peak resident memory after (a) is at least 2x laneserve's"
         if our_memory and their_memory:
             ratio = their_memory / our_memory
             targets.append(
                 _target(
                     f"{name}_memory",
-                    f"{name}'s peak resident memory is at least 2x laneserve's",
-                    f"{ratio:.2f}x ({_mib(their_memory)} vs {_mib(our_memory)})",
+                    description,
+                    f"{ratio:.2f}x ({_mib(their_memory)} vs {_mib(our_memory)}, peak after (a))",
                     ">= 2.0x",
                     ratio >= 2.0,  # noqa: PLR2004 - the issue's figure
                 )
@@ -292,12 +293,21 @@ def _workers_targets(document: dict[str, Any], primary: str) -> list[dict[str, A
             targets.append(
                 _not_measured(
                     f"{name}_memory",
-                    f"{name}'s peak resident memory is at least 2x laneserve's",
+                    description,
                     ">= 2.0x",
-                    "memory is known only for processes the harness started",
+                    "needs the peak after (a) on both; memory is known only for processes "
+                    "the harness started",
                 )
             )
     return targets
+
+
+def _peak_after_a(document: dict[str, Any], configuration: str) -> int | None:
+    """The peak resident set once (a) ran. Not the peak at the end: laneserve alone goes
+    on to the overloads of (b)-(d), whose queues the baselines never hold."""
+    memory = document["configurations"][configuration].get("memory_after_a") or {}
+    peak: int | None = memory.get("peak_rss_bytes")
+    return peak
 
 
 def _isolation_targets(document: dict[str, Any], primary: str) -> list[dict[str, Any]]:
@@ -752,13 +762,16 @@ def _memory_section(document: dict[str, Any]) -> list[str]:
     rows = []
     for name, entry in document["configurations"].items():
         memory = entry.get("memory")
-        if memory:
+        after_a = entry.get("memory_after_a") or {}
+        if memory or after_a:
+            memory = memory or {}
             rows.append(
                 [
                     name,
-                    str(memory["processes"]),
-                    _mib(memory["peak_rss_bytes"]),
-                    _mib(memory["rss_bytes"]),
+                    str(memory.get("processes", after_a.get("processes", "-"))),
+                    _mib(after_a.get("peak_rss_bytes")),
+                    _mib(memory.get("peak_rss_bytes")),
+                    _mib(memory.get("rss_bytes")),
                 ]
             )
     if not rows:
@@ -766,7 +779,22 @@ def _memory_section(document: dict[str, Any]) -> list[str]:
     return [
         "## Memory (resident set of the server processes, summed)",
         "",
-        *_table(["configuration", "processes", "peak (VmHWM)", "at end (VmRSS)"], rows),
+        (
+            "The memory target compares the peak after (a), the work every configuration "
+            "does: laneserve alone also runs (b)-(d), whose overloads fill its queues, so "
+            "its peak at the end is not comparable with the baselines'."
+        ),
+        "",
+        *_table(
+            [
+                "configuration",
+                "processes",
+                "peak after (a)",
+                "peak (VmHWM) at end",
+                "at end (VmRSS)",
+            ],
+            rows,
+        ),
         "",
     ]
 

@@ -4,7 +4,8 @@ scenarios' load points through the client pool, and gathers every figure in one 
 Order of a run: the raw ceiling (the machine still quiet), then the system under test
 (laneserve, or an external endpoint) whose saturation throughput sets the offered rates
 of scenarios (b)-(d) for every configuration, then the baselines one at a time: each is
-started, measured, its memory read, and stopped before the next starts.
+started, measured, its memory read, and stopped before the next starts. Memory is read
+twice: after (a), the work every configuration does, and at the end.
 """
 
 from __future__ import annotations
@@ -266,17 +267,24 @@ class _Runner:
                 "target": deployment.target,
                 "settings": deployment.settings,
                 "scenarios_run": scenarios,
+                # The baselines run (a) alone while the system under test goes on to the
+                # overloads of (b)-(d): only the peak after (a) compares the same work.
+                "memory_after_a": None,
                 "memory": None,
             }
             self.document["configurations"][deployment.name] = entry
             log.info("%s on %s: scenarios %s", deployment.name, deployment.target, scenarios)
             for scenario in scenarios:
+                measured = False
                 for point in self._points(scenario, primary=primary):
                     self._measure(deployment, point)
+                    measured = True
                     if primary and scenario == "a":
                         self._note_capacity(deployment.name)
                     if primary and point.name == BULK_SATURATION:
                         self._note_bulk_capacity(deployment.name)
+                if scenario == "a" and measured and deployment.processes:
+                    entry["memory_after_a"] = deployment.memory()
             entry["memory"] = deployment.memory() if deployment.processes else None
         finally:
             codes = deployment.stop()
@@ -317,10 +325,14 @@ class _Runner:
                     (Stream("single", rate_per_s=fraction * capacity),),
                 )
         elif scenario == "c":
+            # Interactive and bulk callers are different services: each is pinned to a
+            # client process of its own (own connections, own event loop), so the bulk
+            # flood cannot delay interactive calls inside the load generator itself.
             interactive = Stream(
                 "interactive",
                 lane="interactive",
                 rate_per_s=profile.interactive_fraction * capacity,
+                client=1,
             )
             yield Point("c", "interactive alone", (interactive,))
             if primary:
@@ -342,6 +354,7 @@ class _Runner:
                     rows=profile.bulk_rows,
                     rate_per_s=profile.bulk_fraction * bulk_rows_per_s / profile.bulk_rows,
                     via=via,
+                    client=0,
                 )
                 yield Point(
                     "c",

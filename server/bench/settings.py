@@ -67,6 +67,10 @@ class Stream:
     # would, so an answer later than the deadline is never seen.
     deadline_in: DeadlineIn = "timeout_ms"
     via: Via = "unary"
+    # Pins the stream to one client process (index modulo the pool's size), with its own
+    # connections and event loop, as a separate service would be; None: every process
+    # sends a share of it.
+    client: int | None = None
 
     def __post_init__(self) -> None:
         if self.rows < 1:
@@ -105,7 +109,12 @@ class Stream:
 
     def share(self, index: int, parts: int) -> tuple[int, float]:
         """(callers, arrivals per second) of client process `index` of `parts`: callers
-        are dealt out one by one (a process may get none), the rate is split evenly."""
+        are dealt out one by one (a process may get none), the rate is split evenly. A
+        pinned stream (`client`) goes whole to its one process."""
+        if self.client is not None:
+            if index != self.client % parts:
+                return 0, 0.0
+            return self.concurrency, self.rate_per_s
         if self.concurrency > 0:
             return self.concurrency // parts + (1 if index < self.concurrency % parts else 0), 0.0
         return 0, self.rate_per_s / parts
