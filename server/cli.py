@@ -12,7 +12,13 @@ from collections.abc import Sequence
 
 from laneserve.server.app import LaneServer, load_engine
 from laneserve.server.bench import cli as bench_cli
-from laneserve.server.config import DEVICES, ConfigError, ServerConfig, load_config
+from laneserve.server.config import (
+    DEVICES,
+    GIL_SWITCH_INTERVAL_S,
+    ConfigError,
+    ServerConfig,
+    load_config,
+)
 from laneserve.server.engine import EngineStartError
 from laneserve.server.telemetry import configure_logging
 from laneserve.server.top import add_arguments as add_top_arguments
@@ -54,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "metrics_port": args.metrics_port,
             },
         )
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         return asyncio.run(_serve(config))
     except (ConfigError, EngineStartError, OSError) as error:
         print(f"laneserve: {error}", file=sys.stderr)

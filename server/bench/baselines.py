@@ -36,7 +36,7 @@ import numpy as np
 
 from laneserve.client.tensors import datatype_of, encode_tensor
 from laneserve.server.codec import check_output_names, decode_inputs, encode_response
-from laneserve.server.config import DEVICES
+from laneserve.server.config import DEVICES, GIL_SWITCH_INTERVAL_S
 from laneserve.server.engine import Engine, TensorSpec
 from laneserve.server.errors import LaneserveError
 from laneserve.server.items import Timing
@@ -270,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(json.dumps(result))
         return 0
+    # The same process tuning as `laneserve serve`: the comparison is of designs.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     asyncio.run(
         serve(
             args.command,
