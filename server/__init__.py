@@ -4,7 +4,7 @@ The request path, module by module: config -> lanes -> scheduler (policy) ->
 scheduler_thread (threads) -> engine (the session) -> service (gRPC), with errors,
 codec, memory (budget, watermark), idempotency and events/stats beside them;
 telemetry/ turns events into traces, metrics and logs; app assembles a serving
-process, cli runs it.
+process, cli runs it, process tunes the interpreter for it (GIL switching, GC).
 """
 
 from laneserve.server.app import LaneServer, load_engine

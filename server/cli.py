@@ -12,14 +12,9 @@ from collections.abc import Sequence
 
 from laneserve.server.app import LaneServer, load_engine
 from laneserve.server.bench import cli as bench_cli
-from laneserve.server.config import (
-    DEVICES,
-    GIL_SWITCH_INTERVAL_S,
-    ConfigError,
-    ServerConfig,
-    load_config,
-)
+from laneserve.server.config import DEVICES, ConfigError, ServerConfig, load_config
 from laneserve.server.engine import EngineStartError
+from laneserve.server.process import tune_for_serving
 from laneserve.server.telemetry import configure_logging
 from laneserve.server.top import add_arguments as add_top_arguments
 from laneserve.server.top import run as run_top
@@ -60,7 +55,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "metrics_port": args.metrics_port,
             },
         )
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         return asyncio.run(_serve(config))
     except (ConfigError, EngineStartError, OSError) as error:
         print(f"laneserve: {error}", file=sys.stderr)
@@ -70,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 async def _serve(config: ServerConfig) -> int:
     server = LaneServer(load_engine(config), config)
     await server.start()
+    tune_for_serving()
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task[None]] = []
 

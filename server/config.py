@@ -61,13 +61,6 @@ def _check_int(key: str, value: object, *, minimum: int, maximum: int | None = N
         raise ConfigError(f"{key}: expected an integer {bound}, got {value}")
 
 
-# Set by `laneserve serve` (and the benchmark's baselines) for the whole process: the
-# engine and scheduler threads need the GIL back after every run and wake-up, and the
-# event loop holds it for up to the switch interval first (CPython's default is 5 ms).
-# Measured on 2 cores: +3-25 % throughput at 1-64 callers with 1 ms.
-GIL_SWITCH_INTERVAL_S = 0.001
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class LaneConfig:
     name: str

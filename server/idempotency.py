@@ -119,12 +119,20 @@ def _not_admitted(_unless_running: bool) -> bool:
     raise AssertionError("cancel called before the request was admitted")
 
 
+# A stored answer: (fingerprint, serialized InferResponse, size_bytes, stored_s). A plain
+# tuple of plain values, on purpose: the cache may hold 100 000 of them, and the garbage
+# collector stops tracking such a tuple after one pass, while a protobuf message, a
+# slotted object or even a NamedTuple it would walk on every full collection (holding
+# the GIL, stalling every thread for tens of milliseconds).
+_Stored = tuple[bytes, bytes, int, float]
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
-class _Stored:
+class Replayed:
+    """A stored answer, as `ReplayCache.get` hands it out."""
+
     fingerprint: bytes
     response: pb.InferResponse
-    size_bytes: int
-    stored_s: float
 
 
 class ReplayCache:
@@ -143,7 +151,7 @@ class ReplayCache:
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self._clock = clock
-        # Invariant: size_bytes == sum(stored.size_bytes for stored in _entries.values()),
+        # Invariant: size_bytes == the sum of the stored entries' size_bytes,
         # len(_entries) <= max_entries and size_bytes <= max_bytes. Oldest use first.
         self._entries: collections.OrderedDict[str, _Stored] = collections.OrderedDict()
         self.size_bytes = 0
@@ -151,26 +159,30 @@ class ReplayCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, request_id: str) -> _Stored | None:
+    def get(self, request_id: str) -> Replayed | None:
         stored = self._entries.get(request_id)
         if stored is None:
             return None
-        if self._clock.monotonic() - stored.stored_s >= self.ttl_s:
+        fingerprint, payload, _, stored_s = stored
+        if self._clock.monotonic() - stored_s >= self.ttl_s:
             self._remove(request_id)
             return None
         self._entries.move_to_end(request_id)
-        return stored
+        return Replayed(fingerprint, pb.InferResponse.FromString(payload))
 
     def put(self, request_id: str, fingerprint: bytes, response: pb.InferResponse) -> bool:
         """Stores an answer; False when it cannot be kept (larger than the byte bound, or
         the cache is off). Evicts the least recently used answers to make room."""
-        size_bytes = response.ByteSize() + len(request_id) + _ENTRY_OVERHEAD_BYTES
-        if self.max_entries == 0 or self.ttl_s == 0 or size_bytes > self.max_bytes:
+        if self.max_entries == 0 or self.ttl_s == 0:
+            return False
+        payload = response.SerializeToString()
+        size_bytes = len(payload) + len(request_id) + _ENTRY_OVERHEAD_BYTES
+        if size_bytes > self.max_bytes:
             return False
         if request_id in self._entries:
             self._remove(request_id)
         now_s = self._clock.monotonic()
-        self._entries[request_id] = _Stored(fingerprint, response, size_bytes, now_s)
+        self._entries[request_id] = (fingerprint, payload, size_bytes, now_s)
         self.size_bytes += size_bytes
         self._evict(now_s)
         return True
@@ -178,7 +190,8 @@ class ReplayCache:
     def _evict(self, now_s: float) -> None:
         while self._entries:
             request_id, oldest = next(iter(self._entries.items()))
-            expired = now_s - oldest.stored_s >= self.ttl_s
+            *_, stored_s = oldest
+            expired = now_s - stored_s >= self.ttl_s
             if not expired and (
                 len(self._entries) <= self.max_entries and self.size_bytes <= self.max_bytes
             ):
@@ -186,8 +199,8 @@ class ReplayCache:
             self._remove(request_id)
 
     def _remove(self, request_id: str) -> None:
-        stored = self._entries.pop(request_id)
-        self.size_bytes -= stored.size_bytes
+        _, _, size_bytes, _ = self._entries.pop(request_id)
+        self.size_bytes -= size_bytes
 
 
 class RequestLedger:

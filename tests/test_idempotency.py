@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -345,3 +346,16 @@ async def until_stats(
         if time.monotonic() > give_up:
             raise AssertionError("condition not reached")
         await asyncio.sleep(0.005)
+
+
+def test_stored_answers_are_not_walked_by_the_garbage_collector() -> None:
+    """The cache may hold 100 000 answers: a full collection must not walk them (it holds
+    the GIL while it walks, stalling every thread)."""
+    replay, _ = cache()
+    response = answer("a")
+    replay.put("a", b"fa", response)
+    gc.collect()
+    assert not any(gc.is_tracked(stored) for stored in replay._entries.values())
+    replayed = replay.get("a")
+    assert replayed is not None
+    assert replayed.response == response, "the stored bytes are the same answer"

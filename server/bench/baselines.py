@@ -36,10 +36,11 @@ import numpy as np
 
 from laneserve.client.tensors import datatype_of, encode_tensor
 from laneserve.server.codec import check_output_names, decode_inputs, encode_response
-from laneserve.server.config import DEVICES, GIL_SWITCH_INTERVAL_S
+from laneserve.server.config import DEVICES
 from laneserve.server.engine import Engine, TensorSpec
 from laneserve.server.errors import LaneserveError
 from laneserve.server.items import Timing
+from laneserve.server.process import tune_for_serving
 from laneserve.server.service import abort_with
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -270,8 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(json.dumps(result))
         return 0
-    # The same process tuning as `laneserve serve`: the comparison is of designs.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    tune_for_serving()  # as `laneserve serve` does: the comparison is of designs
     asyncio.run(
         serve(
             args.command,
