@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from laneserve.server.clock import Clock, SystemClock
-from laneserve.server.config import ServerConfig
+from laneserve.server.config import ConfigError, ServerConfig
 from laneserve.server.cost_model import RunTimeModel
 from laneserve.server.engine import CUDA, Engine
 from laneserve.server.errors import DrainingError
@@ -43,6 +44,29 @@ from laneserve.v1 import inference_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+
+
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """The gRPC port's TLS credentials from the configured PEM files; None: plaintext."""
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+
+    def read(key: str, path: str) -> bytes:
+        try:
+            return Path(path).read_bytes()
+        except OSError as error:
+            raise ConfigError(
+                f"server.{key}: cannot read {path!r} ({error.strerror}); expected a PEM file"
+            ) from error
+
+    client_ca = (
+        None if config.tls_client_ca is None else read("tls_client_ca", config.tls_client_ca)
+    )
+    return grpc.ssl_server_credentials(
+        [(read("tls_key", config.tls_key), read("tls_cert", config.tls_cert))],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
 
 
 def load_engine(config: ServerConfig) -> Engine:
@@ -148,6 +172,7 @@ class LaneServer:
     async def start(self) -> int:
         """Binds, starts the threads and serves; returns the bound port."""
         assert self.state is Lifecycle.STARTING
+        credentials = server_credentials(self.config)  # unreadable files fail before all else
         router = OutcomeRouter(asyncio.get_running_loop())
         thread = self._thread = SchedulerThread(
             self.scheduler,
@@ -193,7 +218,12 @@ class LaneServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        self.port = (
+            server.add_insecure_port(address)
+            if credentials is None
+            else server.add_secure_port(address, credentials)
+        )
         if self.port == 0:
             raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
         self.metrics_port = self.telemetry.serve_metrics(self.config.host, self.config.metrics_port)

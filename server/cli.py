@@ -53,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "max_concurrent_rpcs": args.max_concurrent_rpcs,
                 "intra_op_threads": args.intra_op_threads,
                 "metrics_port": args.metrics_port,
+                "tls_cert": args.tls_cert,
+                "tls_key": args.tls_key,
+                "tls_client_ca": args.tls_client_ca,
             },
         )
         return asyncio.run(_serve(config))
@@ -117,6 +120,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-message-bytes", type=int, help="gRPC message size limit")
     serve.add_argument(
         "--max-concurrent-rpcs", type=int, help="calls admitted by gRPC at once (default 1024)"
+    )
+    serve.add_argument("--tls-cert", help="PEM certificate (chain): the port speaks TLS")
+    serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    serve.add_argument(
+        "--tls-client-ca", help="PEM CA: clients must present a certificate it signed (mTLS)"
     )
     serve.add_argument(
         "--intra-op-threads", type=int, help="ONNX Runtime threads (0 = auto: cores - 1 on the CPU)"

@@ -123,8 +123,9 @@ class ServerConfig:
     # On SIGTERM/SIGINT queued work may finish within this time; the rest is refused.
     drain_grace_s: float = 10.0
     # Calls gRPC lets in at once (streams count one each); past it gRPC refuses with
-    # RESOURCE_EXHAUSTED before any work, so an overload cannot pile up calls that
-    # expire in the event loop's backlog.
+    # RESOURCE_EXHAUSTED before any servicer code runs. It bounds the calls held in
+    # Python, not those still waiting in gRPC's core: an overload beyond what the event
+    # loop can read still queues there (bench/README.md, scenario (d)).
     max_concurrent_rpcs: int = 1024
     # gRPC's own message size limit, both directions.
     max_message_bytes: int = 64 * 1024 * 1024
@@ -157,6 +158,12 @@ class ServerConfig:
     idempotency_max_entries: int = 100_000
     idempotency_max_bytes: int = 256 * 1024 * 1024
     idempotency_ttl_s: float = 600.0
+    # TLS on the gRPC port (PEM file paths). With tls_cert and tls_key the port speaks
+    # TLS only; with tls_client_ca as well, a client must present a certificate signed by
+    # that CA (mutual TLS). None: plaintext. The metrics endpoint stays plaintext.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
 
     def __post_init__(self) -> None:
         for key in ("host", "default_lane"):
@@ -188,6 +195,7 @@ class ServerConfig:
                 "server.memory_low_watermark, server.memory_high_watermark: expected "
                 f"0 < low <= high <= 1, got low={low!r} high={high!r}"
             )
+        self._check_tls()
         if self.device not in DEVICES:
             raise ConfigError(f"server.device: expected one of {DEVICES}, got {self.device!r}")
         if not _is_number(self.drain_grace_s) or self.drain_grace_s < 0:
@@ -212,6 +220,22 @@ class ServerConfig:
             if lane.name == name:
                 return lane
         raise KeyError(name)
+
+    def _check_tls(self) -> None:
+        for key in ("tls_cert", "tls_key", "tls_client_ca"):
+            path: object = getattr(self, key)
+            if path is not None and (not isinstance(path, str) or not path):
+                raise ConfigError(f"server.{key}: expected a PEM file path, got {path!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError(
+                "server.tls_cert, server.tls_key: expected both (TLS) or neither (plaintext), "
+                f"got tls_cert={self.tls_cert!r} tls_key={self.tls_key!r}"
+            )
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError(
+                "server.tls_client_ca: mutual TLS needs the server's own tls_cert and tls_key "
+                "too; expected all three"
+            )
 
 
 _SERVER_KEYS = frozenset(

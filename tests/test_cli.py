@@ -91,3 +91,27 @@ def test_cuda_without_a_usable_gpu_is_a_start_up_error(small_model: Path) -> Non
     )
     assert done.returncode == 2
     assert "--device cuda:" in done.stderr
+
+
+def test_unreadable_tls_file_is_refused_naming_the_setting(
+    tmp_path: Path, small_model: Path
+) -> None:
+    (tmp_path / "server.key").write_text("not used: the certificate is missing\n")
+    done = subprocess.run(
+        [
+            *SERVE,
+            "--model",
+            str(small_model),
+            "--tls-cert",
+            str(tmp_path / "absent.pem"),
+            "--tls-key",
+            str(tmp_path / "server.key"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "server.tls_cert: cannot read" in done.stderr
+    assert "absent.pem" in done.stderr

@@ -185,6 +185,11 @@ def test_keys_missing_from_the_file_keep_their_defaults(tmp_path: Path) -> None:
             '[server]\ndefault_lane = "express"\n', "server.default_lane", id="default-lane"
         ),
         pytest.param(
+            '[server]\ntls_cert = "server.pem"\n', "server.tls_cert, server.tls_key", id="no-key"
+        ),
+        pytest.param('[server]\ntls_client_ca = "ca.pem"\n', "server.tls_client_ca", id="ca-alone"),
+        pytest.param('[server]\ntls_key = ""\n', "server.tls_key", id="empty-key-path"),
+        pytest.param(
             lane_toml("fast"), "server.default_lane", id="default-lane-not-among-new-lanes"
         ),
     ],

@@ -1,0 +1,554 @@
+"""README claims checked as the README states them, against real servers on loopback:
+client TLS and mutual TLS (library and `laneserve-client` flags), `--metadata`, a bulk
+job's exit codes 130 / 143 with its checkpoint, per-item `timeout_ms` on InferStream,
+and job_id replay through `Client.stream`."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+import pytest
+from google.rpc import code_pb2, error_details_pb2
+
+from laneserve.client import NO_RETRIES, Client, LaneserveError, StreamResult, TlsConfig
+from laneserve.server import Engine, LaneServer, ServerConfig
+from laneserve.server.items import Batch, BatchResult
+from laneserve.server.telemetry import Telemetry
+from laneserve.v1 import inference_pb2 as pb
+from tests.support import F32, RecordingEngine, request, rows, serving
+
+pytestmark = pytest.mark.usefixtures("no_leaked_threads")
+
+CLI = [sys.executable, "-m", "laneserve.client.cli"]
+# The same module run as `python -m` runs it, with Ctrl-C's default handler restored
+# first: a Python whose parent ignores SIGINT (a background job of a non-interactive
+# shell, some CI runners) starts with SIGINT ignored, and the signal would never arrive.
+INTERRUPTIBLE_CLI = [
+    sys.executable,
+    "-c",
+    (
+        "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "runpy.run_module('laneserve.client.cli', run_name='__main__', alter_sys=True)"
+    ),
+]
+# The name in the test server's certificate (besides IP 127.0.0.1).
+SERVER_NAME = "laneserve.test"
+CLI_TIMEOUT_S = 120
+STEP_TIMEOUT_S = 30.0
+
+
+def config(model: Path, **fields: Any) -> ServerConfig:
+    return ServerConfig(model_path=str(model), **fields)
+
+
+@pytest.fixture(scope="module")
+def small_reference(small_model: Path) -> ort.InferenceSession:
+    return ort.InferenceSession(str(small_model), providers=["CPUExecutionProvider"])
+
+
+# ---- 1. client TLS and mutual TLS -------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Pki:
+    """A throwaway CA, a server certificate (DNS laneserve.test, IP 127.0.0.1) and a
+    client certificate, all signed by the CA; PEM files."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+    def server_tls(self, *, require_client_auth: bool) -> dict[str, str]:
+        """The server's TLS settings (ServerConfig fields)."""
+        return {
+            "tls_cert": str(self.server_cert),
+            "tls_key": str(self.server_key),
+            **({"tls_client_ca": str(self.ca)} if require_client_auth else {}),
+        }
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    # The `cryptography` package is not installed in .venv; the openssl command is.
+    openssl = shutil.which("openssl")
+    assert openssl is not None, "the TLS tests generate their certificates with `openssl`"
+    directory = tmp_path_factory.mktemp("pki")
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], cwd=directory, check=True, capture_output=True, timeout=60)
+
+    new_key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
+    ca = f"req -x509 {new_key} -keyout ca.key -out ca.pem -days 2"
+    run(*ca.split(), "-subj", "/CN=laneserve test CA")
+    extensions = {
+        "server": f"subjectAltName=DNS:{SERVER_NAME},IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
+        "client": "extendedKeyUsage=clientAuth\n",
+    }
+    for serial, (name, text) in enumerate(extensions.items(), start=2):
+        (directory / f"{name}.ext").write_text(text, encoding="ascii")
+        csr = f"req -new {new_key} -keyout {name}.key -out {name}.csr"
+        run(*csr.split(), "-subj", f"/CN=laneserve test {name}")
+        sign = (
+            f"x509 -req -in {name}.csr -CA ca.pem -CAkey ca.key -set_serial {serial} "
+            f"-days 2 -extfile {name}.ext -out {name}.pem"
+        )
+        run(*sign.split())
+    return Pki(
+        ca=directory / "ca.pem",
+        server_cert=directory / "server.pem",
+        server_key=directory / "server.key",
+        client_cert=directory / "client.pem",
+        client_key=directory / "client.key",
+    )
+
+
+@contextlib.asynccontextmanager
+async def tls_serving(engine: Engine, model: Path, tls: dict[str, str]) -> AsyncIterator[str]:
+    """A LaneServer whose gRPC port speaks TLS (its tls_* settings); yields its target."""
+    server = LaneServer(engine, config(model, host="127.0.0.1", port=0, metrics_port=-1, **tls))
+    port = await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(grace_s=5.0)
+
+
+def test_client_speaks_tls_and_mutual_tls(
+    small_model: Path, small_reference: ort.InferenceSession, pki: Pki
+) -> None:
+    """`Client(target, tls=TlsConfig(...))`: TLS against the CA it is given, mutual TLS
+    with a client certificate; a server that requires one refuses a client without it."""
+    x = rows(3, seed=1)
+    expected = small_reference.run(None, {"input": x})[0]
+
+    def infer(target: str, tls: TlsConfig | None) -> F32:
+        with Client(target, tls=tls, retry=NO_RETRIES) as client:
+            scores: F32 = client.infer({"input": x}, timeout=STEP_TIMEOUT_S)["output"]
+            return scores
+
+    def refused(target: str, tls: TlsConfig | None) -> LaneserveError:
+        with (
+            Client(target, tls=tls, retry=NO_RETRIES) as client,
+            pytest.raises(LaneserveError) as caught,
+        ):
+            client.infer({"input": x}, timeout=STEP_TIMEOUT_S)
+        return caught.value
+
+    ca = pki.ca.read_bytes()
+    mutual = TlsConfig.from_files(
+        ca=pki.ca, cert=pki.client_cert, key=pki.client_key, server_name=SERVER_NAME
+    )
+
+    async def scenario() -> None:
+        async with (
+            tls_serving(
+                RecordingEngine(str(small_model)),
+                small_model,
+                pki.server_tls(require_client_auth=False),
+            ) as tls_target,
+            tls_serving(
+                RecordingEngine(str(small_model)),
+                small_model,
+                pki.server_tls(require_client_auth=True),
+            ) as mtls_target,
+        ):
+            # TLS: the server is checked against the given roots (its IP is in its cert).
+            got = await asyncio.to_thread(infer, tls_target, TlsConfig(root_certificates=ca))
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+            plaintext = await asyncio.to_thread(refused, tls_target, None)
+            assert plaintext.code == grpc.StatusCode.UNAVAILABLE, plaintext
+
+            # Mutual TLS: the client's certificate and key, and the name to check.
+            got = await asyncio.to_thread(infer, mtls_target, mutual)
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+            no_cert = await asyncio.to_thread(
+                refused, mtls_target, TlsConfig(root_certificates=ca, server_name=SERVER_NAME)
+            )
+            assert no_cert.code == grpc.StatusCode.UNAVAILABLE, no_cert
+
+    asyncio.run(scenario())
+
+
+def test_cli_tls_flags(small_model: Path, pki: Pki) -> None:
+    """`--tls-ca --tls-cert --tls-key --tls-server-name` make a mutual-TLS call; without
+    the client certificate, or with a name the certificate lacks, it is refused (exit 3).
+    `--tls` alone uses the default roots (here gRPC's GRPC_DEFAULT_SSL_ROOTS_FILE_PATH
+    stands in for the system's, in the child process only)."""
+    mutual = [
+        "--tls-ca",
+        str(pki.ca),
+        "--tls-cert",
+        str(pki.client_cert),
+        "--tls-key",
+        str(pki.client_key),
+        "--tls-server-name",
+        SERVER_NAME,
+    ]
+    default_roots = {**os.environ, "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(pki.ca)}
+
+    async def scenario() -> None:
+        async with (
+            tls_serving(
+                RecordingEngine(str(small_model)),
+                small_model,
+                pki.server_tls(require_client_auth=False),
+            ) as tls_target,
+            tls_serving(
+                RecordingEngine(str(small_model)),
+                small_model,
+                pki.server_tls(require_client_auth=True),
+            ) as mtls_target,
+        ):
+            ok, no_cert, wrong_name, system_roots = await asyncio.gather(
+                cli("model", "--target", mtls_target, "--attempts", "1", *mutual),
+                cli("model", "--target", mtls_target, "--attempts", "1", *mutual[:2], *mutual[6:]),
+                cli(
+                    "model",
+                    "--target",
+                    mtls_target,
+                    "--attempts",
+                    "1",
+                    *mutual[:6],
+                    "--tls-server-name",
+                    "other.test",
+                ),
+                cli("model", "--target", tls_target, "--attempts", "1", "--tls", env=default_roots),
+            )
+        code, out, err = ok
+        assert code == 0, err
+        assert "input   input   float32  [?, 512]" in out
+        code, _, err = no_cert
+        assert code == 3, err
+        assert "UNAVAILABLE" in err
+        code, _, err = wrong_name
+        assert code == 3, err
+        assert "UNAVAILABLE" in err
+        code, out, err = system_roots
+        assert code == 0, err
+        assert "input   input   float32  [?, 512]" in out
+
+    asyncio.run(scenario())
+
+
+# ---- 2. --metadata ----------------------------------------------------------------------
+
+
+class MetadataRecorder(grpc.aio.ServerInterceptor):
+    """Records each incoming call's method and invocation metadata."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[tuple[str, str], ...]]] = []
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        metadata = tuple(
+            (str(key), str(value)) for key, value in handler_call_details.invocation_metadata or ()
+        )
+        self.calls.append((handler_call_details.method, metadata))
+        return await continuation(handler_call_details)
+
+
+def test_cli_metadata_reaches_the_server(small_model: Path, tmp_path: Path) -> None:
+    """`--metadata KEY=VALUE` (repeatable) goes with every call of every subcommand:
+    unary calls and the bulk stream alike; a value may itself hold `=`."""
+    np.save(tmp_path / "in.npy", rows(40, seed=2))
+    recorder = MetadataRecorder()
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model, metrics_port=-1)
+        telemetry = Telemetry.from_config(server_config, engine.providers)
+        telemetry.interceptors.append(recorder)
+        async with serving(engine, server_config, telemetry=telemetry) as s:
+            # Keys travel lower-cased (gRPC's rule): X-Run arrives as x-run.
+            tagged = ["--target", s.target, "--metadata", "authorization=Bearer a=b"]
+            results = await asyncio.gather(
+                cli("stats", *tagged, "--metadata", "X-Run=stats"),
+                cli("model", *tagged, "--metadata", "x-run=model"),
+                cli(
+                    "infer",
+                    *tagged,
+                    "--metadata",
+                    "x-run=infer",
+                    "--json",
+                    json.dumps(rows(1, seed=3).tolist()),
+                ),
+                cli(
+                    "bulk",
+                    *tagged,
+                    "--metadata",
+                    "x-run=bulk",
+                    "--input",
+                    str(tmp_path / "in.npy"),
+                    "--output",
+                    str(tmp_path / "out.npy"),
+                    "--rows-per-item",
+                    "10",
+                ),
+            )
+        for code, _, err in results:
+            assert code == 0, err
+
+    asyncio.run(scenario())
+    by_run: dict[str, set[str]] = {}
+    for method, metadata in recorder.calls:
+        assert ("authorization", "Bearer a=b") in metadata, (method, metadata)
+        runs = [value for key, value in metadata if key == "x-run"]
+        assert len(runs) == 1, (method, metadata)
+        by_run.setdefault(runs[0], set()).add(method.rsplit("/", 1)[-1])
+    assert by_run == {
+        "stats": {"GetStats"},
+        "model": {"GetModel"},
+        "infer": {"GetModel", "Infer"},
+        "bulk": {"GetModel", "InferStream"},
+    }
+
+
+# ---- 3. exit codes 130 / 143 --------------------------------------------------------------
+
+
+class MeteredEngine(RecordingEngine):
+    """Runs a batch only with a permit: the test decides how far a job gets."""
+
+    def __init__(self, model_path: str) -> None:
+        super().__init__(model_path)
+        self.permits = threading.Semaphore(0)
+
+    def run_batch(self, batch: Batch) -> BatchResult:
+        self.permits.acquire()
+        return super().run_batch(batch)
+
+    def unlimited(self) -> None:
+        self.permits.release(1_000_000)
+
+
+@pytest.mark.parametrize(
+    ("signum", "exit_code", "message"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+    ids=["SIGINT", "SIGTERM"],
+)
+def test_interrupted_bulk_job_exits_130_or_143_and_resumes(
+    small_model: Path,
+    small_reference: ort.InferenceSession,
+    tmp_path: Path,
+    signum: signal.Signals,
+    exit_code: int,
+    message: str,
+) -> None:
+    """A bulk job interrupted by SIGINT / SIGTERM after some progress exits 130 / 143
+    with its checkpoint saved; `--resume` finishes it, every row run exactly once."""
+    x = rows(1_000, seed=4, start=0)
+    np.save(tmp_path / "in.npy", x)
+    out = tmp_path / "out.npy"
+    state = tmp_path / "out.npy.partial" / "state.json"
+    args = ["--input", str(tmp_path / "in.npy"), "--output", str(out), "--rows-per-item", "10"]
+
+    async def scenario() -> MeteredEngine:
+        engine = MeteredEngine(str(small_model))
+        try:
+            async with serving(engine, config(small_model, max_batch_size=10)) as s:
+                process = await asyncio.create_subprocess_exec(
+                    *INTERRUPTIBLE_CLI,
+                    "bulk",
+                    "--target",
+                    s.target,
+                    *args,
+                    "--checkpoint-interval-s",
+                    "0",
+                    stdout=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.PIPE,
+                )
+                try:
+                    engine.permits.release(20)  # 20 batches of one item each, then it stalls
+                    await until(lambda: done_items(state) >= 20)
+                    process.send_signal(signum)
+                    _, err_bytes = await asyncio.wait_for(
+                        process.communicate(), timeout=CLI_TIMEOUT_S
+                    )
+                finally:
+                    if process.returncode is None:
+                        process.kill()
+                        await process.wait()
+                err = err_bytes.decode()
+                assert process.returncode == exit_code, err
+                assert f"laneserve-client: {message}" in err
+                assert done_items(state) == 20, "the checkpoint was saved"
+                assert not out.exists()
+                engine.unlimited()
+                code, _, err = await cli("bulk", "--target", s.target, *args, "--resume")
+                assert code == 0, err
+                assert "resuming job" in err
+                assert "200 of 1000 rows already done" in err
+        finally:
+            engine.unlimited()
+        return engine
+
+    engine = asyncio.run(scenario())
+    np.testing.assert_allclose(
+        np.load(out), small_reference.run(None, {"input": x})[0], rtol=1e-5, atol=1e-6
+    )
+    assert sorted(engine.ran_tags) == list(range(1_000)), "every row ran exactly once"
+    assert not state.parent.exists(), "the checkpoint is removed when the job is done"
+
+
+# ---- 4. timeout_ms on InferStream items ----------------------------------------------------
+
+
+def test_stream_item_past_its_timeout_ms_is_answered_deadline_and_the_stream_goes_on(
+    small_model: Path,
+) -> None:
+    """An item whose `timeout_ms` cannot be met (the session is busy past it) is answered
+    on the stream with a DEADLINE_EXCEEDED `error` under its request_id, never runs, and
+    the stream goes on: the items before and after it are answered."""
+
+    async def scenario() -> tuple[pb.InferStreamResponse, list[pb.InferStreamResponse], Any]:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            while engine.entered.acquire(blocking=False):
+                pass
+            engine.hold()
+            call = s.stub.InferStream()
+            try:
+                await call.write(request(rows(1, start=0), request_id="first"))
+                entered = await asyncio.to_thread(engine.entered.acquire, timeout=STEP_TIMEOUT_S)
+                assert entered, "the first item is in the session"
+                await call.write(request(rows(1, start=1), request_id="late", timeout_ms=50))
+                late = await read(call)  # answered while the session is still held
+                engine.release()
+                await call.write(request(rows(1, start=2), request_id="after"))
+                await call.done_writing()
+                rest = [await read(call), await read(call)]
+                assert await asyncio.wait_for(call.read(), STEP_TIMEOUT_S) is grpc.aio.EOF
+                assert await call.code() == grpc.StatusCode.OK
+            finally:
+                engine.release()
+                call.cancel()
+        return late, rest, engine
+
+    late, rest, engine = asyncio.run(scenario())
+    assert late.request_id == "late"
+    assert late.WhichOneof("result") == "error"
+    assert late.error.code == code_pb2.DEADLINE_EXCEEDED
+    assert reason_of(late) in {"EXPIRED_IN_QUEUE", "DEADLINE_UNMEETABLE"}
+    assert sorted(response.request_id for response in rest) == ["after", "first"]
+    assert all(response.WhichOneof("result") == "response" for response in rest)
+    assert sorted(engine.ran_tags) == [0, 2], "the late item never ran"
+
+
+async def read(call: Any) -> pb.InferStreamResponse:
+    message = await asyncio.wait_for(call.read(), STEP_TIMEOUT_S)
+    assert isinstance(message, pb.InferStreamResponse), message
+    return message
+
+
+def reason_of(response: pb.InferStreamResponse) -> str:
+    for detail in response.error.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info.reason
+    return ""
+
+
+# ---- 5. job_id replay ------------------------------------------------------------------
+
+
+def test_rerun_with_the_same_job_id_is_answered_without_running_again(
+    small_model: Path, small_reference: ort.InferenceSession
+) -> None:
+    """`Client.stream(..., job_id=J)` twice: the second run's items (ids f"{J}-{index}")
+    are answered from the server's replay cache, none runs again; another job_id runs."""
+    x = rows(300, seed=5, start=0)
+    expected = small_reference.run(None, {"input": x})[0]
+
+    def job(target: str, job_id: str) -> list[StreamResult]:
+        with Client(target) as client:
+            return list(client.stream({"input": x}, rows_per_item=25, job_id=job_id))
+
+    def scores(results: list[StreamResult]) -> F32:
+        return np.concatenate([result.unwrap()["output"] for result in results])
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            first = await asyncio.to_thread(job, s.target, "job-a")
+            assert [r.request_id for r in first] == [f"job-a-{i}" for i in range(12)]
+            np.testing.assert_allclose(scores(first), expected, rtol=1e-5, atol=1e-6)
+            assert sorted(engine.ran_tags) == list(range(300))
+            before = await s.stub.GetStats(pb.GetStatsRequest())
+
+            again = await asyncio.to_thread(job, s.target, "job-a")
+            after = await s.stub.GetStats(pb.GetStatsRequest())
+            assert [r.request_id for r in again] == [f"job-a-{i}" for i in range(12)]
+            np.testing.assert_array_equal(scores(again), scores(first))
+            assert sorted(engine.ran_tags) == list(range(300)), "no row ran again"
+            assert after.idempotent_replays - before.idempotent_replays == 12
+            assert after.rows_run == before.rows_run
+
+            other = await asyncio.to_thread(job, s.target, "job-b")
+            np.testing.assert_allclose(scores(other), expected, rtol=1e-5, atol=1e-6)
+            assert sorted(engine.ran_tags) == sorted([*range(300), *range(300)])
+
+    asyncio.run(scenario())
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+
+async def cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        *CLI,
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), timeout=CLI_TIMEOUT_S)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+def done_items(state: Path) -> int:
+    """Items marked done in a checkpoint, 0 while there is none."""
+    try:
+        document = json.loads(state.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return 0
+    return int(np.unpackbits(np.frombuffer(base64.b64decode(document["done"]), np.uint8)).sum())
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = STEP_TIMEOUT_S) -> None:
+    """Polls for a state the job reaches (not a timing assumption)."""
+    give_up = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > give_up:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.01)
