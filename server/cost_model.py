@@ -43,6 +43,18 @@ class RunTimeModel:
         weight = (rows - low) / (high - low)
         return seconds[at - 1] + weight * (seconds[at] - seconds[at - 1])
 
+    def rows_within_s(self, seconds: float, cap: int) -> int:
+        """The most rows (1 to `cap`) one batch of which is expected to run within
+        `seconds` (by bisection: run time grows with rows)."""
+        low, high = 1, cap
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.predict_s(middle) <= seconds:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
     def drain_s(self, rows: int, batch_cap: int) -> float:
         """Seconds to serve `rows` queued rows in batches of at most `batch_cap`."""
         full, rest = divmod(max(rows, 0), batch_cap)

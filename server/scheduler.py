@@ -327,6 +327,12 @@ class Scheduler:
         that lane's turn. Only entries with more rows than the cap are split. Rows batch
         together only when their signatures are equal: an entry of another shape ends
         its lane's turn too.
+
+        Lower lanes ride along only within the time the batch's highest lane accepts:
+        once that lane is in, rows of the lanes below fill the batch only up to what is
+        expected to run within its max_wait (or its own rows' run time, if longer). An
+        interactive request waits for company at most its max_wait; padding its batch
+        with bulk rows would make it wait longer in the session instead.
         """
         plan = _Plan()
         taken: dict[int, tuple[Entry, int]] = {}
@@ -339,6 +345,8 @@ class Scheduler:
         )
         if signature is None:
             return plan
+
+        present: set[int] = set()  # priorities of the lanes with rows in the batch
 
         def fill(lane: Lane, allowance: int) -> int:
             nonlocal room
@@ -361,14 +369,24 @@ class Scheduler:
                 taken[entry.entry_id] = (entry, already + rows)
                 room -= rows
                 used += rows
+            if used:
+                present.add(lane.priority)
             return used
 
         for lane in self.lanes:
             if lane.config.min_share > 0 and lane.queued_rows > 0:
                 allowance = self._share_rows(lane) + lane.share_balance_rows
                 plan.share_used[lane.priority] = (allowance, fill(lane, allowance))
+        lead_seen = False
         for lane in self.lanes:
             fill(lane, self.batch_cap)
+            if not lead_seen and lane.priority in present:
+                lead_seen = True  # the batch's highest lane: budget the lanes below it
+                rows = self.batch_cap - room
+                budget_rows = max(
+                    rows, self.run_time.rows_within_s(lane.max_wait_s, self.batch_cap)
+                )
+                room = min(room, budget_rows - rows)
         plan.taken = list(taken.values())
         return plan
 

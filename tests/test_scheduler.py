@@ -1116,3 +1116,49 @@ def test_observe_averages_a_measured_size_and_adds_a_new_one() -> None:
 def test_run_time_model_refuses_bad_measurements(measured_s: dict[int, float]) -> None:
     with pytest.raises(ValueError, match="batch sizes"):
         RunTimeModel(measured_s)
+
+
+# ---- a batch is no longer than its highest lane accepts -----------------------------------
+
+
+def test_rows_within_a_time_follow_the_run_time_model() -> None:
+    model = fixed_run_time()  # 1 row: 1 ms, 64 rows: 4 ms, linear between
+    assert model.rows_within_s(0.002, 64) == 22  # 1 ms + 21/63 * 3 ms = 2 ms
+    assert model.rows_within_s(0.0005, 64) == 1, "one row at least"
+    assert model.rows_within_s(1.0, 64) == 64, "never above the cap"
+
+
+def test_lower_lanes_ride_along_only_within_the_top_lanes_max_wait() -> None:
+    """An interactive request (max_wait 2 ms) with bulk queued: the batch carries bulk rows
+    only up to what runs within 2 ms (22 rows in all), not the cap's 64."""
+    scheduler = make_scheduler(TOP_DOWN_LANES, cap=64)
+    for index in range(100):
+        scheduler.admit(make_request(index, "bulk", 1), T0)
+    scheduler.admit(make_request(500, "interactive", 1), T0)
+    batch = dispatch(scheduler, T0, idle_since_s=math.inf)
+    assert rows_by_lane(batch) == Counter({"interactive": 1, "bulk": 21})
+    scheduler.complete(run(batch))
+    # With no interactive work left, bulk fills the cap again.
+    assert rows_by_lane(dispatch(scheduler, T0, idle_since_s=math.inf)) == Counter({"bulk": 64})
+
+
+def test_the_top_lanes_own_rows_are_never_cut_by_the_budget() -> None:
+    """Interactive rows beyond the time budget still all go (the budget bounds only the
+    lanes below); no bulk row rides along then."""
+    scheduler = make_scheduler(TOP_DOWN_LANES, cap=64)
+    for index in range(10):
+        scheduler.admit(make_request(index, "bulk", 1), T0)
+    for index in range(30):
+        scheduler.admit(make_request(100 + index, "interactive", 1), T0)
+    batch = dispatch(scheduler, T0, idle_since_s=math.inf)
+    assert rows_by_lane(batch) == Counter({"interactive": 30})
+
+
+def test_a_lane_that_accepts_long_waits_lets_lower_lanes_fill_the_cap() -> None:
+    """Standard (max_wait 4 ms: 64 rows run within it) with bulk queued: the cap binds."""
+    scheduler = make_scheduler(TOP_DOWN_LANES, cap=64)
+    for index in range(100):
+        scheduler.admit(make_request(index, "bulk", 1), T0)
+    scheduler.admit(make_request(500, "standard", 1), T0)
+    batch = dispatch(scheduler, T0, idle_since_s=math.inf)
+    assert rows_by_lane(batch) == Counter({"standard": 1, "bulk": 63})
