@@ -329,8 +329,9 @@ class Scheduler:
         its lane's turn too.
 
         Lower lanes ride along only within the time the batch's highest lane accepts:
-        once that lane is in, rows of the lanes below fill the batch only up to what is
-        expected to run within its max_wait (or its own rows' run time, if longer). An
+        once that lane is in, rows of the lanes below fill the batch (beyond their
+        minimum shares) only up to what is expected to run within its max_wait (or its
+        own rows' run time, if longer). An
         interactive request waits for company at most its max_wait; padding its batch
         with bulk rows would make it wait longer in the session instead.
         """
