@@ -89,12 +89,15 @@ def default_intra_op_threads(*, on_gpu: bool) -> int:
 
     On the CPU the runtime's own default takes every core, but the event loop, gRPC's
     pollers and the scheduler need one between runs: measured on 2 cores, one runtime
-    thread served 64 callers 15-25 % faster than two, at lower CPU per request. On a
-    GPU the runtime's threads only run the few CPU-side kernels: its default stands (0).
+    thread served 32-64 single-row callers 30-50 % faster than two (a bulk-only stream
+    ran ~20 % slower: README, "Bulk jobs"). On a GPU the runtime's threads only run the
+    few CPU-side kernels: its default stands (0).
     """
     if on_gpu:
         return 0
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere all the cores
+    cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    return max(1, cores - 1)
 
 
 class Engine:

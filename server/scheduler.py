@@ -331,9 +331,9 @@ class Scheduler:
         Lower lanes ride along only within the time the batch's highest lane accepts:
         once that lane is in, rows of the lanes below fill the batch (beyond their
         minimum shares) only up to what is expected to run within its max_wait (or its
-        own rows' run time, if longer). An
-        interactive request waits for company at most its max_wait; padding its batch
-        with bulk rows would make it wait longer in the session instead.
+        own rows' run time, if longer). An interactive request waits for company at most
+        its max_wait; padding its batch with bulk rows would make it wait longer in the
+        session instead.
         """
         plan = _Plan()
         taken: dict[int, tuple[Entry, int]] = {}
