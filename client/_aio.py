@@ -20,7 +20,12 @@ from laneserve.client._channel import (
 from laneserve.client._errors import LaneserveError, error_from_rpc
 from laneserve.client._request import encode_inputs
 from laneserve.client._retry import RetryPolicy, call_with_retries
-from laneserve.client._stream import BulkStream, StreamOptions, StreamSource
+from laneserve.client._stream import (
+    DEFAULT_STREAM_LANE,
+    BulkStream,
+    StreamOptions,
+    StreamSource,
+)
 from laneserve.client._tracing import trace_metadata
 from laneserve.client._types import ModelInfo, StreamResult
 from laneserve.client.tensors import decode_tensor
@@ -164,7 +169,7 @@ class AsyncClient:
         self,
         requests: StreamSource,
         *,
-        lane: str = "bulk",
+        lane: str = DEFAULT_STREAM_LANE,
         window: int = 256,
         timeout_ms: int = 0,
         ordered: bool = True,

@@ -104,11 +104,15 @@ class _Failed:
 _Event = StreamResult | _CallEnded | _Failed
 
 
+# The lane bulk jobs go to unless told otherwise (the server's own default for streams).
+DEFAULT_STREAM_LANE = "bulk"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class StreamOptions:
     """How a bulk job is sent; see `AsyncClient.stream`."""
 
-    lane: str = "bulk"
+    lane: str = DEFAULT_STREAM_LANE
     # Items held at once: sent and unanswered, waiting for a retry, or answered and not
     # yet taken by the caller (in order mode, waiting for an earlier item).
     window: int = 256

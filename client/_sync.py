@@ -15,7 +15,7 @@ import numpy.typing as npt
 from laneserve.client._aio import AsyncClient, MetadataLike, Outputs, TlsLike
 from laneserve.client._channel import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET
 from laneserve.client._retry import RetryPolicy
-from laneserve.client._stream import StreamSource
+from laneserve.client._stream import DEFAULT_STREAM_LANE, StreamSource
 from laneserve.client._types import ModelInfo, StreamResult
 from laneserve.v1 import inference_pb2 as pb
 
@@ -130,7 +130,7 @@ class Client:
         self,
         requests: StreamSource,
         *,
-        lane: str = "bulk",
+        lane: str = DEFAULT_STREAM_LANE,
         window: int = 256,
         timeout_ms: int = 0,
         ordered: bool = True,

@@ -35,6 +35,7 @@ from laneserve.client._channel import DEFAULT_TARGET, TlsConfig
 from laneserve.client._checkpoint import Checkpoint, CheckpointError
 from laneserve.client._errors import LaneserveError
 from laneserve.client._retry import RetryPolicy
+from laneserve.client._stream import DEFAULT_STREAM_LANE
 from laneserve.client._sync import Client
 from laneserve.client._types import ModelInfo, StreamRequest
 from laneserve.v1 import inference_pb2 as pb
@@ -589,7 +590,9 @@ def _parser() -> argparse.ArgumentParser:
     bulk.add_argument("--input", required=True, help=".npy (one input) or .npz (by name)")
     bulk.add_argument("--output", required=True, help=".npy (one output) or .npz (all)")
     bulk.add_argument("--output-name", action="append", help="an output to keep (repeatable)")
-    bulk.add_argument("--lane", default="bulk", help="lane (default bulk)")
+    bulk.add_argument(
+        "--lane", default=DEFAULT_STREAM_LANE, help=f"lane (default {DEFAULT_STREAM_LANE})"
+    )
     bulk.add_argument(
         "--window", type=_positive_int, default=256, help="requests in flight (default 256)"
     )
