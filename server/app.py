@@ -181,7 +181,7 @@ class LaneServer:
             clock=self.clock,
             memory_gauge=self.memory_gauge,
         )
-        self.telemetry.observe(thread.depths, lambda: thread.batch_cap)
+        self.telemetry.observe(thread.depths, lambda: thread.batch_cap, self.stats.counts)
         limit = self.config.max_message_bytes
         server = grpc.aio.server(
             interceptors=self.telemetry.interceptors,

@@ -118,8 +118,24 @@ class StatsSnapshot:
     failed_batches: int
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Counts:
+    """The recorder's counters alone, without the latency windows: cheap to take, and
+    the one source of both GetStats' counts and the Prometheus counters."""
+
+    admitted: dict[str, int]  # lane ->
+    rejected: dict[tuple[str, ...], int]  # (lane, reason) ->
+    shed: dict[tuple[str, ...], int]  # (lane, reason) ->
+    answered: dict[tuple[str, ...], int]  # (lane, status: "OK" or the error's reason) ->
+    batches: dict[tuple[str, ...], int]  # (dispatch reason, status) -> batches run
+    out_of_memory: int
+    batch_splits: int
+    cap_changes: dict[str, int]  # reason ->
+
+
 class StatsRecorder:
-    """A `SchedulerEvents` sink that keeps what GetStats reports."""
+    """A `SchedulerEvents` sink that keeps what GetStats reports (and what the Prometheus
+    counters read, through `counts`)."""
 
     def __init__(self, lane_names: Sequence[str]) -> None:
         self._lock = threading.Lock()
@@ -129,6 +145,8 @@ class StatsRecorder:
         self._rows_run = 0  # rows of the batches that succeeded
         self._run_s: collections.deque[float] = collections.deque(maxlen=WINDOW_SAMPLES)
         self._batch_reasons: collections.Counter[str] = collections.Counter()
+        # Batches run by (dispatch reason, status): OK or the error's reason.
+        self._batch_outcomes: collections.Counter[tuple[str, ...]] = collections.Counter()
         self._out_of_memory = 0
         self._batch_splits = 0
         self._cap_changes: collections.Counter[str] = collections.Counter()
@@ -157,6 +175,8 @@ class StatsRecorder:
     def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:
         with self._lock:
             self._batches += 1
+            status = "OK" if error is None else error.reason
+            self._batch_outcomes[batch.reason.value, status] += 1
             self._batch_rows += batch.rows
             self._batch_sizes.append(batch.rows)
             if error is None:
@@ -194,6 +214,31 @@ class StatsRecorder:
         if status == "OK":
             with self._lock:
                 self._lanes[lane].request_s.append(duration_s)
+
+    def counts(self) -> Counts:
+        with self._lock:
+            return Counts(
+                admitted={name: lane.admitted for name, lane in self._lanes.items()},
+                rejected={
+                    (name, reason): count
+                    for name, lane in self._lanes.items()
+                    for reason, count in lane.rejected.items()
+                },
+                shed={
+                    (name, reason): count
+                    for name, lane in self._lanes.items()
+                    for reason, count in lane.shed.items()
+                },
+                answered={
+                    (name, status): count
+                    for name, lane in self._lanes.items()
+                    for status, count in lane.answered.items()
+                },
+                batches=dict(self._batch_outcomes),
+                out_of_memory=self._out_of_memory,
+                batch_splits=self._batch_splits,
+                cap_changes=dict(self._cap_changes),
+            )
 
     def snapshot(self) -> StatsSnapshot:
         # Copy under the lock (microseconds), compute percentiles after it (milliseconds):

@@ -37,6 +37,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from laneserve.client import AsyncClient, Client
 from laneserve.server import LaneConfig, ServerConfig
 from laneserve.server.config import ConfigError
+from laneserve.server.events import FanOut
+from laneserve.server.stats import StatsRecorder
 from laneserve.server.telemetry import (
     BatchLinkSampler,
     EventLog,
@@ -580,19 +582,26 @@ def test_metrics_move_as_requests_are_admitted_refused_shed_and_completed(
 
 
 def test_memory_and_out_of_memory_events_reach_the_metrics() -> None:
+    """As in a server: events reach the stats recorder and the metrics sink; the counters
+    are read from the recorder (one count for GetStats and Prometheus), the memory
+    gauges from the sink."""
     reader = InMemoryMetricReader()
+    lanes = ServerConfig(model_path="m.onnx").lanes
     telemetry = Telemetry(
-        lanes=ServerConfig(model_path="m.onnx").lanes,
+        lanes=lanes,
         providers=["CPUExecutionProvider"],
         max_batch_size=64,
         metric_readers=[reader],
     )
     metrics = telemetry.metrics
     assert metrics is not None
-    metrics.out_of_memory(64)
-    metrics.batch_split(64)
-    metrics.cap_changed(64, 32, "out_of_memory")
-    metrics.memory_sampled(3 << 30, 8 << 30)
+    stats = StatsRecorder([lane.name for lane in lanes])
+    telemetry.observe(list, lambda: 64, stats.counts)
+    events = FanOut(stats, metrics)
+    events.out_of_memory(64)
+    events.batch_split(64)
+    events.cap_changed(64, 32, "out_of_memory")
+    events.memory_sampled(3 << 30, 8 << 30)
     points = collect(reader)
     telemetry.close()
     assert at(points, "laneserve.device.out_of_memory") == 1
@@ -623,9 +632,13 @@ def test_prometheus_endpoint_serves_the_metrics_over_http(small_model: Path) -> 
             for sample in families["laneserve_requests_admitted"].samples
             if sample.name == "laneserve_requests_admitted_total"
         ]
-        assert [(sample.labels["lane"], sample.value) for sample in admitted] == [
-            ("interactive", 1.0)
-        ]
+        # Every lane's counter exists from the start (0 until its first request), so a
+        # rate over it is defined from the first scrape.
+        assert {sample.labels["lane"]: sample.value for sample in admitted} == {
+            "interactive": 1.0,
+            "standard": 0.0,
+            "bulk": 0.0,
+        }
         wait = families["laneserve_queue_wait_seconds"]
         assert wait.type == "histogram"
         bounds = {sample.labels["le"] for sample in wait.samples if sample.name.endswith("_bucket")}

@@ -13,6 +13,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from laneserve.server.config import LaneConfig, ServerConfig
 from laneserve.server.events import SchedulerEvents
 from laneserve.server.scheduler import LaneDepth
+from laneserve.server.stats import Counts
 from laneserve.server.telemetry.device import DeviceMonitor
 from laneserve.server.telemetry.endpoint import MetricsEndpoint
 from laneserve.server.telemetry.environment import resource_from_env, tracer_provider_from_env
@@ -31,7 +32,7 @@ class Telemetry:
     sinks = telemetry.events                 # SchedulerEvents sinks
     tracer = telemetry.tracing               # RequestTracer, or None: tracing off
     interceptors = telemetry.interceptors    # for grpc.aio.server
-    telemetry.observe(thread.depths, lambda: thread.batch_cap)
+    telemetry.observe(thread.depths, lambda: thread.batch_cap, stats.counts)
     port = telemetry.serve_metrics(host, config.metrics_port)
     ...
     telemetry.close()
@@ -104,11 +105,15 @@ class Telemetry:
         )
 
     def observe(
-        self, depths: Callable[[], Sequence[LaneDepth]], batch_cap: Callable[[], int]
+        self,
+        depths: Callable[[], Sequence[LaneDepth]],
+        batch_cap: Callable[[], int],
+        counts: Callable[[], Counts],
     ) -> None:
-        """Where the gauges read lane depths and the batch cap."""
+        """Where the gauges read lane depths and the batch cap, and the counters their
+        counts (the stats recorder's, which GetStats reports too)."""
         if self.metrics is not None:
-            self.metrics.observe(depths, batch_cap)
+            self.metrics.observe(depths, batch_cap, counts)
 
     def serve_metrics(self, host: str, port: int) -> int | None:
         """Starts the Prometheus endpoint; returns its port (None: not configured)."""

@@ -26,13 +26,14 @@ Metric names (OpenTelemetry; Prometheus adds the unit and `_total`, e.g.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from laneserve.server.errors import LaneserveError
 from laneserve.server.items import Batch
 from laneserve.server.scheduler import LaneDepth
+from laneserve.server.stats import Counts
 from laneserve.server.telemetry.device import DeviceMonitor
 
 # Bucket boundaries. Times: from a fraction of a millisecond (an interactive batch on a
@@ -47,33 +48,66 @@ ROWS_BUCKETS: tuple[float, ...] = tuple(float(1 << power) for power in range(15)
 
 @dataclasses.dataclass(slots=True)
 class _Sources:
-    """What the gauges read at collection time; set once the scheduler thread exists."""
+    """What the gauges and counters read at collection time; set once the scheduler
+    thread exists."""
 
     depths: Callable[[], Sequence[LaneDepth]]
     batch_cap: Callable[[], int]
+    counts: Callable[[], Counts]
 
 
-# Counter name, description, and the attribute names of its keys.
-_COUNTERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("laneserve.requests.admitted", "Requests admitted", ("lane",)),
-    ("laneserve.requests.rejected", "Requests refused at admission, by reason", ("lane", "reason")),
+# Counter name, description, the attribute names of its keys, and where in the stats
+# recorder's `Counts` its values are (keyed by attribute values).
+_COUNTERS: tuple[
+    tuple[str, str, tuple[str, ...], Callable[[Counts], Mapping[tuple[str, ...], int]]], ...
+] = (
+    (
+        "laneserve.requests.admitted",
+        "Requests admitted",
+        ("lane",),
+        lambda counts: {(lane,): count for lane, count in counts.admitted.items()},
+    ),
+    (
+        "laneserve.requests.rejected",
+        "Requests refused at admission, by reason",
+        ("lane", "reason"),
+        lambda counts: counts.rejected,
+    ),
     (
         "laneserve.requests.shed",
         "Admitted requests dropped without running, by reason",
         ("lane", "reason"),
+        lambda counts: counts.shed,
     ),
     (
         "laneserve.requests.completed",
         "Admitted requests ended, by status (OK or the error's reason)",
         ("lane", "status"),
+        lambda counts: counts.answered,
     ),
-    ("laneserve.batches", "Batches run, by dispatch reason and status", ("reason", "status")),
-    ("laneserve.device.out_of_memory", "Runs that failed for lack of device memory", ()),
-    ("laneserve.batch.splits", "Failed runs split in halves and retried", ()),
+    (
+        "laneserve.batches",
+        "Batches run, by dispatch reason and status",
+        ("reason", "status"),
+        lambda counts: counts.batches,
+    ),
+    (
+        "laneserve.device.out_of_memory",
+        "Runs that failed for lack of device memory",
+        (),
+        lambda counts: {(): counts.out_of_memory},
+    ),
+    (
+        "laneserve.batch.splits",
+        "Failed runs split in halves and retried",
+        (),
+        lambda counts: {(): counts.batch_splits},
+    ),
     (
         "laneserve.batch.cap.changes",
         "Batch cap moves: out_of_memory (lowered), recovered (raised)",
         ("reason",),
+        lambda counts: {(reason,): count for reason, count in counts.cap_changes.items()},
     ),
 )
 
@@ -82,11 +116,10 @@ class Metrics:
     """A `SchedulerEvents` sink that records OpenTelemetry instruments.
 
     The SDK spends 10-20 us on each synchronous measurement, so only the histograms are
-    recorded as events happen (two per request, two per batch). Counters are plain
-    integers here, which the SDK reads through observable counters when a reader
-    collects (a Prometheus scrape), as it reads the gauges: nothing between scrapes.
-    The counts are written only by the scheduler's owner, under its lock; a reader
-    copies each dict whole (one C call, atomic under the GIL).
+    recorded as events happen (two per request, two per batch). The counters are the
+    stats recorder's (the ones GetStats reports, so the two never disagree), read
+    through observable counters when a reader collects (a Prometheus scrape), as the
+    gauges are: nothing between scrapes.
     """
 
     def __init__(self, meter: Meter, device: DeviceMonitor | None = None) -> None:
@@ -94,8 +127,6 @@ class Metrics:
         self._device = device
         self._memory: tuple[int, int | None] | None = None  # (used, budget) bytes
         self._lane_attributes: dict[str, dict[str, str]] = {}
-        # Counter name -> attribute values -> count.
-        self._counts: dict[str, dict[tuple[str, ...], int]] = {name: {} for name, *_ in _COUNTERS}
         self._queue_wait = meter.create_histogram(
             "laneserve.queue.wait",
             unit="s",
@@ -120,10 +151,10 @@ class Metrics:
             description="Arrival in the server to answer, per lane and final status",
             explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
         )
-        for name, description, keys in _COUNTERS:
+        for name, description, keys, read in _COUNTERS:
             meter.create_observable_counter(
                 name,
-                callbacks=[self._counter_callback(name, keys)],
+                callbacks=[self._counter_callback(keys, read)],
                 unit="{event}",
                 description=description,
             )
@@ -167,9 +198,12 @@ class Metrics:
             )
 
     def observe(
-        self, depths: Callable[[], Sequence[LaneDepth]], batch_cap: Callable[[], int]
+        self,
+        depths: Callable[[], Sequence[LaneDepth]],
+        batch_cap: Callable[[], int],
+        counts: Callable[[], Counts],
     ) -> None:
-        self._sources = _Sources(depths, batch_cap)
+        self._sources = _Sources(depths, batch_cap, counts)
 
     def _lane(self, lane: str) -> dict[str, str]:
         attributes = self._lane_attributes.get(lane)
@@ -177,31 +211,29 @@ class Metrics:
             attributes = self._lane_attributes.setdefault(lane, {"lane": lane})
         return attributes
 
-    def _count(self, name: str, *key: str) -> None:
-        counts = self._counts[name]
-        counts[key] = counts.get(key, 0) + 1
-
     def _counter_callback(
-        self, name: str, keys: tuple[str, ...]
+        self, keys: tuple[str, ...], read: Callable[[Counts], Mapping[tuple[str, ...], int]]
     ) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(_options: CallbackOptions) -> Iterable[Observation]:
-            counts = dict(self._counts[name])
+            if self._sources is None:
+                return []
             return [
                 Observation(count, dict(zip(keys, values, strict=True)))
-                for values, count in counts.items()
+                for values, count in read(self._sources.counts()).items()
             ]
 
         return observe
 
     # SchedulerEvents
+    # Counted by the stats recorder (see `_COUNTERS`); nothing to record here.
     def admitted(self, lane: str, rows: int) -> None:
-        self._count("laneserve.requests.admitted", lane)
+        pass
 
     def rejected(self, lane: str, reason: str) -> None:
-        self._count("laneserve.requests.rejected", lane, reason)
+        pass
 
     def shed(self, lane: str, reason: str, rows: int) -> None:
-        self._count("laneserve.requests.shed", lane, reason)
+        pass
 
     def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float]) -> None:
         for piece, wait_s in zip(batch.slices, queue_waits_s, strict=True):
@@ -211,22 +243,21 @@ class Metrics:
         status = "OK" if error is None else error.reason
         self._batch_size.record(batch.rows)
         self._infer.record(run_s, {"status": status})
-        self._count("laneserve.batches", batch.reason.value, status)
 
     def completed(self, lane: str, status: str) -> None:
-        self._count("laneserve.requests.completed", lane, status)
+        pass
 
     def request_finished(self, lane: str, status: str, duration_s: float) -> None:
         self._request.record(duration_s, {"lane": lane, "status": status})
 
     def out_of_memory(self, rows: int) -> None:
-        self._count("laneserve.device.out_of_memory")
+        pass
 
     def batch_split(self, rows: int) -> None:
-        self._count("laneserve.batch.splits")
+        pass
 
     def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
-        self._count("laneserve.batch.cap.changes", reason)
+        pass
 
     def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:
         self._memory = (used_bytes, budget_bytes)  # one assignment: readers see a pair
