@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
+import json
 import queue
 import re
 import subprocess
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -278,3 +281,27 @@ async def cut_while_a_batch_runs(engine: RecordingEngine, proxy: TcpProxy) -> in
         return proxy.sever()
     finally:
         engine.release()
+
+
+class MeteredEngine(RecordingEngine):
+    """Runs a batch only with a permit: the test decides how far a job gets."""
+
+    def __init__(self, model_path: str) -> None:
+        super().__init__(model_path)
+        self.permits = threading.Semaphore(0)
+
+    def run_batch(self, batch: Batch) -> BatchResult:
+        self.permits.acquire()
+        return super().run_batch(batch)
+
+    def unlimited(self) -> None:
+        self.permits.release(1_000_000)
+
+
+def done_items(state: Path) -> int:
+    """Items a bulk job's checkpoint (`state.json`) marks done; 0 while there is none."""
+    try:
+        document = json.loads(state.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return 0
+    return int(np.unpackbits(np.frombuffer(base64.b64decode(document["done"]), np.uint8)).sum())

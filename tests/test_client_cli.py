@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import signal
 import socket
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +15,8 @@ import onnxruntime as ort
 import pytest
 
 from laneserve.server import ServerConfig
-from laneserve.server.items import Batch, BatchResult
-from tests.support import RecordingEngine, rows, serving
+from laneserve.server.items import Batch
+from tests.support import MeteredEngine, RecordingEngine, done_items, rows, serving, until
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 
@@ -33,21 +30,6 @@ def config(model: Path, **fields: Any) -> ServerConfig:
 @pytest.fixture(scope="module")
 def small_reference(small_model: Path) -> ort.InferenceSession:
     return ort.InferenceSession(str(small_model), providers=["CPUExecutionProvider"])
-
-
-class MeteredEngine(RecordingEngine):
-    """Runs a batch only with a permit: the test decides how far a job gets."""
-
-    def __init__(self, model_path: str) -> None:
-        super().__init__(model_path)
-        self.permits = threading.Semaphore(0)
-
-    def run_batch(self, batch: Batch) -> BatchResult:
-        self.permits.acquire()
-        return super().run_batch(batch)
-
-    def unlimited(self) -> None:
-        self.permits.release(1_000_000)
 
 
 async def cli(*args: str) -> tuple[int, str, str]:
@@ -170,7 +152,7 @@ def test_killed_bulk_job_resumes_where_it_stopped(
                     stderr=asyncio.subprocess.DEVNULL,
                 )
                 engine.permits.release(30)  # 30 batches of one item each, then it stalls
-                await until(lambda: done_items(state) >= 30)
+                await until(lambda: done_items(state) >= 30, timeout_s=30.0)
                 process.send_signal(signal.SIGKILL)
                 assert await process.wait() == -signal.SIGKILL
                 assert not out.exists()
@@ -274,22 +256,5 @@ def test_unreachable_server_exits_3_naming_the_error() -> None:
     asyncio.run(scenario())
 
 
-def done_items(state: Path) -> int:
-    """Items marked done in a checkpoint, 0 while there is none."""
-    try:
-        document = json.loads(state.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return 0
-    return int(np.unpackbits(np.frombuffer(base64.b64decode(document["done"]), np.uint8)).sum())
-
-
 def batch_tags(batch: Batch) -> list[int]:
     return [int(tag) for part in batch.parts["input"] for tag in part[:, 0]]
-
-
-async def until(condition: Any, timeout_s: float = 30.0) -> None:
-    give_up = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > give_up:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.01)

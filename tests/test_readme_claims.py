@@ -6,7 +6,6 @@ and job_id replay through `Client.stream`."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
 import json
@@ -15,8 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -29,10 +26,18 @@ from google.rpc import code_pb2, error_details_pb2
 
 from laneserve.client import NO_RETRIES, Client, LaneserveError, StreamResult, TlsConfig
 from laneserve.server import Engine, LaneServer, ServerConfig
-from laneserve.server.items import Batch, BatchResult
 from laneserve.server.telemetry import Telemetry
 from laneserve.v1 import inference_pb2 as pb
-from tests.support import F32, RecordingEngine, request, rows, serving
+from tests.support import (
+    F32,
+    MeteredEngine,
+    RecordingEngine,
+    done_items,
+    request,
+    rows,
+    serving,
+    until,
+)
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 
@@ -331,21 +336,6 @@ def test_cli_metadata_reaches_the_server(small_model: Path, tmp_path: Path) -> N
 # ---- 3. exit codes 130 / 143 --------------------------------------------------------------
 
 
-class MeteredEngine(RecordingEngine):
-    """Runs a batch only with a permit: the test decides how far a job gets."""
-
-    def __init__(self, model_path: str) -> None:
-        super().__init__(model_path)
-        self.permits = threading.Semaphore(0)
-
-    def run_batch(self, batch: Batch) -> BatchResult:
-        self.permits.acquire()
-        return super().run_batch(batch)
-
-    def unlimited(self) -> None:
-        self.permits.release(1_000_000)
-
-
 @pytest.mark.parametrize(
     ("signum", "exit_code", "message"),
     [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
@@ -384,7 +374,7 @@ def test_interrupted_bulk_job_exits_130_or_143_and_resumes(
                 )
                 try:
                     engine.permits.release(20)  # 20 batches of one item each, then it stalls
-                    await until(lambda: done_items(state) >= 20)
+                    await until(lambda: done_items(state) >= 20, timeout_s=STEP_TIMEOUT_S)
                     process.send_signal(signum)
                     _, err_bytes = await asyncio.wait_for(
                         process.communicate(), timeout=CLI_TIMEOUT_S
@@ -534,21 +524,3 @@ async def cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, 
             await process.wait()
     assert process.returncode is not None
     return process.returncode, out.decode(), err.decode()
-
-
-def done_items(state: Path) -> int:
-    """Items marked done in a checkpoint, 0 while there is none."""
-    try:
-        document = json.loads(state.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return 0
-    return int(np.unpackbits(np.frombuffer(base64.b64decode(document["done"]), np.uint8)).sum())
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = STEP_TIMEOUT_S) -> None:
-    """Polls for a state the job reaches (not a timing assumption)."""
-    give_up = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > give_up:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.01)
