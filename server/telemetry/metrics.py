@@ -124,6 +124,7 @@ class Metrics:
 
     def __init__(self, meter: Meter, device: DeviceMonitor | None = None) -> None:
         self._sources: _Sources | None = None
+        self._capacities: list[tuple[str, int]] | None = None  # (lane, capacity rows)
         self._device = device
         self._memory: tuple[int, int | None] | None = None  # (used, budget) bytes
         self._lane_attributes: dict[str, dict[str, str]] = {}
@@ -272,12 +273,14 @@ class Metrics:
         ]
 
     def _observe_capacity(self, options: CallbackOptions) -> Iterable[Observation]:
-        if self._sources is None:
-            return []
-        return [
-            Observation(depth.capacity_rows, self._lane(depth.name))
-            for depth in self._sources.depths()
-        ]
+        # Capacities are configuration: read once, not under the scheduler's lock per scrape.
+        if self._capacities is None:
+            if self._sources is None:
+                return []
+            self._capacities = [
+                (depth.name, depth.capacity_rows) for depth in self._sources.depths()
+            ]
+        return [Observation(rows, self._lane(name)) for name, rows in self._capacities]
 
     def _observe_cap(self, options: CallbackOptions) -> Iterable[Observation]:
         return [] if self._sources is None else [Observation(self._sources.batch_cap())]
