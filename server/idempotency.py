@@ -91,13 +91,13 @@ class _Flight:
 
     __slots__ = ("answered", "cancel", "fingerprint", "request_id", "waiters")
 
-    def __init__(self, request_id: str, fingerprint: bytes) -> None:
+    def __init__(self, request_id: str, fingerprint: bytes, cancel: Cancel) -> None:
         self.request_id = request_id
         self.fingerprint = fingerprint
+        self.cancel = cancel
         self.waiters: list[asyncio.Future[pb.InferResponse]] = []
         # Set once: the answer was handed out, or the work was cancelled (no answer comes).
         self.answered = False
-        self.cancel: Cancel = _not_admitted
 
     def succeed(self, response: pb.InferResponse) -> None:
         for waiter in self._take_waiters():
@@ -113,10 +113,6 @@ class _Flight:
         self.answered = True
         waiters, self.waiters = self.waiters, []
         return [waiter for waiter in waiters if not waiter.done()]
-
-
-def _not_admitted(_unless_running: bool) -> bool:
-    raise AssertionError("cancel called before the request was admitted")
 
 
 # A stored answer: (fingerprint, serialized InferResponse, size_bytes, stored_s). A plain
@@ -256,8 +252,8 @@ class RequestLedger:
         submit: Callable[[Resolve], Cancel],
         finish: Callable[[Outcome], pb.InferResponse],
     ) -> _Flight:
-        flight = _Flight(request_id, digest)
-
+        # `resolve` runs from a loop callback, never before `_start` has returned: by then
+        # `flight` is bound.
         def resolve(outcome: Outcome) -> None:
             if self._flights.get(request_id) is flight:
                 del self._flights[request_id]
@@ -277,7 +273,8 @@ class RequestLedger:
                 self.replay.put(request_id, digest, response)
             flight.succeed(response)
 
-        flight.cancel = submit(resolve)  # raises when refused: nothing is recorded then
+        # Raises when refused: nothing is recorded then.
+        flight = _Flight(request_id, digest, submit(resolve))
         return flight
 
     async def _wait(self, flight: _Flight) -> pb.InferResponse:

@@ -140,19 +140,18 @@ class StatsRecorder:
     def __init__(self, lane_names: Sequence[str]) -> None:
         self._lock = threading.Lock()
         self._lanes = {name: _LaneCounters() for name in lane_names}
-        self._batches = 0
         self._batch_rows = 0  # rows of every batch run, failed ones too
         self._rows_run = 0  # rows of the batches that succeeded
         self._run_s: collections.deque[float] = collections.deque(maxlen=WINDOW_SAMPLES)
         self._batch_reasons: collections.Counter[str] = collections.Counter()
-        # Batches run by (dispatch reason, status): OK or the error's reason.
+        # Batches run by (dispatch reason, status): OK or the error's reason. The number of
+        # batches run, and of those that failed, are sums over it.
         self._batch_outcomes: collections.Counter[tuple[str, ...]] = collections.Counter()
         self._out_of_memory = 0
         self._batch_splits = 0
         self._cap_changes: collections.Counter[str] = collections.Counter()
         self._memory_used_bytes: int | None = None
         self._batch_sizes: collections.deque[int] = collections.deque(maxlen=WINDOW_SAMPLES)
-        self._failed_batches = 0
 
     def admitted(self, lane: str, rows: int) -> None:
         with self._lock:
@@ -174,7 +173,6 @@ class StatsRecorder:
 
     def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:
         with self._lock:
-            self._batches += 1
             status = "OK" if error is None else error.reason
             self._batch_outcomes[batch.reason.value, status] += 1
             self._batch_rows += batch.rows
@@ -182,8 +180,6 @@ class StatsRecorder:
             if error is None:
                 self._rows_run += batch.rows
                 self._run_s.append(run_s)
-            else:
-                self._failed_batches += 1
 
     def completed(self, lane: str, status: str) -> None:
         with self._lock:
@@ -245,11 +241,16 @@ class StatsRecorder:
         # the scheduler's threads record into this lock while holding theirs.
         with self._lock:
             lanes = {name: counters.copy() for name, counters in self._lanes.items()}
-            batches, batch_rows, rows_run = self._batches, self._batch_rows, self._rows_run
+            batch_outcomes = dict(self._batch_outcomes)
+            batch_rows, rows_run = self._batch_rows, self._rows_run
             run_s, batch_sizes = list(self._run_s), list(self._batch_sizes)
             batch_reasons, cap_changes = dict(self._batch_reasons), dict(self._cap_changes)
             out_of_memory, batch_splits = self._out_of_memory, self._batch_splits
-            memory_used_bytes, failed_batches = self._memory_used_bytes, self._failed_batches
+            memory_used_bytes = self._memory_used_bytes
+        batches = sum(batch_outcomes.values())
+        failed_batches = sum(
+            count for (_, status), count in batch_outcomes.items() if status != "OK"
+        )
         return StatsSnapshot(
             lanes=[
                 LaneSnapshot(

@@ -80,7 +80,9 @@ class Telemetry:
                 # Exemplars would look up the current span on every measurement.
                 exemplar_filter=AlwaysOffExemplarFilter(),
             )
-            self.metrics = Metrics(self._meter_provider.get_meter(INSTRUMENTATION_NAME), device)
+            self.metrics = Metrics(
+                self._meter_provider.get_meter(INSTRUMENTATION_NAME), lanes, device
+            )
             self.events.append(self.metrics)
         self.tracing: Tracing | None = None
         self.interceptors: list[grpc.aio.ServerInterceptor] = []

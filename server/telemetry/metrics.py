@@ -30,7 +30,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
+from laneserve.server.config import LaneConfig
 from laneserve.server.errors import LaneserveError
+from laneserve.server.events import NullEvents
 from laneserve.server.items import Batch
 from laneserve.server.scheduler import LaneDepth
 from laneserve.server.stats import Counts
@@ -112,8 +114,9 @@ _COUNTERS: tuple[
 )
 
 
-class Metrics:
-    """A `SchedulerEvents` sink that records OpenTelemetry instruments.
+class Metrics(NullEvents):
+    """A `SchedulerEvents` sink that records OpenTelemetry instruments (the events it
+    does not override it has no use for: NullEvents ignores them).
 
     The SDK spends 10-20 us on each synchronous measurement, so only the histograms are
     recorded as events happen (two per request, two per batch). The counters are the
@@ -122,9 +125,11 @@ class Metrics:
     gauges are: nothing between scrapes.
     """
 
-    def __init__(self, meter: Meter, device: DeviceMonitor | None = None) -> None:
+    def __init__(
+        self, meter: Meter, lanes: Sequence[LaneConfig], device: DeviceMonitor | None = None
+    ) -> None:
         self._sources: _Sources | None = None
-        self._capacities: list[tuple[str, int]] | None = None  # (lane, capacity rows)
+        self._capacities = [(lane.name, lane.capacity_rows) for lane in lanes]
         self._device = device
         self._memory: tuple[int, int | None] | None = None  # (used, budget) bytes
         self._lane_attributes: dict[str, dict[str, str]] = {}
@@ -225,17 +230,7 @@ class Metrics:
 
         return observe
 
-    # SchedulerEvents
-    # Counted by the stats recorder (see `_COUNTERS`); nothing to record here.
-    def admitted(self, lane: str, rows: int) -> None:
-        pass
-
-    def rejected(self, lane: str, reason: str) -> None:
-        pass
-
-    def shed(self, lane: str, reason: str, rows: int) -> None:
-        pass
-
+    # SchedulerEvents (the counted ones are the stats recorder's: see `_COUNTERS`)
     def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float]) -> None:
         for piece, wait_s in zip(batch.slices, queue_waits_s, strict=True):
             self._queue_wait.record(wait_s, self._lane(piece.lane))
@@ -245,20 +240,8 @@ class Metrics:
         self._batch_size.record(batch.rows)
         self._infer.record(run_s, {"status": status})
 
-    def completed(self, lane: str, status: str) -> None:
-        pass
-
     def request_finished(self, lane: str, status: str, duration_s: float) -> None:
         self._request.record(duration_s, {"lane": lane, "status": status})
-
-    def out_of_memory(self, rows: int) -> None:
-        pass
-
-    def batch_split(self, rows: int) -> None:
-        pass
-
-    def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
-        pass
 
     def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:
         self._memory = (used_bytes, budget_bytes)  # one assignment: readers see a pair
@@ -273,13 +256,6 @@ class Metrics:
         ]
 
     def _observe_capacity(self, options: CallbackOptions) -> Iterable[Observation]:
-        # Capacities are configuration: read once, not under the scheduler's lock per scrape.
-        if self._capacities is None:
-            if self._sources is None:
-                return []
-            self._capacities = [
-                (depth.name, depth.capacity_rows) for depth in self._sources.depths()
-            ]
         return [Observation(rows, self._lane(name)) for name, rows in self._capacities]
 
     def _observe_cap(self, options: CallbackOptions) -> Iterable[Observation]:
