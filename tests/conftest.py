@@ -33,6 +33,12 @@ def reference(demo_model: Path) -> ort.InferenceSession:
     return ort.InferenceSession(str(demo_model), providers=["CPUExecutionProvider"])
 
 
+@pytest.fixture(scope="session")
+def small_reference(small_model: Path) -> ort.InferenceSession:
+    """A plain session on the small model."""
+    return ort.InferenceSession(str(small_model), providers=["CPUExecutionProvider"])
+
+
 @pytest.fixture
 def no_leaked_threads() -> Iterator[None]:
     before = {thread.name for thread in threading.enumerate()}

@@ -283,6 +283,41 @@ async def cut_while_a_batch_runs(engine: RecordingEngine, proxy: TcpProxy) -> in
         engine.release()
 
 
+# `laneserve-client` as a child process.
+CLIENT_CLI = [sys.executable, "-m", "laneserve.client.cli"]
+# The same module run as `python -m` runs it, with Ctrl-C's default handler restored
+# first: a Python whose parent ignores SIGINT (a background job of a non-interactive
+# shell, some CI runners) starts with SIGINT ignored, and the signal would never arrive.
+INTERRUPTIBLE_CLIENT_CLI = [
+    sys.executable,
+    "-c",
+    (
+        "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "runpy.run_module('laneserve.client.cli', run_name='__main__', alter_sys=True)"
+    ),
+]
+CLIENT_CLI_TIMEOUT_S = 120
+
+
+async def client_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """Runs `laneserve-client ARGS`: (exit code, stdout, stderr); killed past the timeout."""
+    process = await asyncio.create_subprocess_exec(
+        *CLIENT_CLI,
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), timeout=CLIENT_CLI_TIMEOUT_S)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
 class MeteredEngine(RecordingEngine):
     """Runs a batch only with a permit: the test decides how far a job gets."""
 

@@ -54,7 +54,6 @@ def _no_backoff_sleeps() -> Iterator[None]:
     lc.set_testing(False)
 
 
-@pytest.fixture(scope="module")
 def small_reference(small_model: Path) -> ort.InferenceSession:
     return ort.InferenceSession(str(small_model), providers=["CPUExecutionProvider"])
 

@@ -6,7 +6,6 @@ import asyncio
 import json
 import signal
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,32 +15,27 @@ import pytest
 
 from laneserve.server import ServerConfig
 from laneserve.server.items import Batch
-from tests.support import MeteredEngine, RecordingEngine, done_items, rows, serving, until
+from tests.support import (
+    CLIENT_CLI_TIMEOUT_S,
+    INTERRUPTIBLE_CLIENT_CLI,
+    MeteredEngine,
+    RecordingEngine,
+    done_items,
+    rows,
+    serving,
+    until,
+)
+from tests.support import client_cli as cli
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
-
-CLI = [sys.executable, "-m", "laneserve.client.cli"]
 
 
 def config(model: Path, **fields: Any) -> ServerConfig:
     return ServerConfig(model_path=str(model), **fields)
 
 
-@pytest.fixture(scope="module")
 def small_reference(small_model: Path) -> ort.InferenceSession:
     return ort.InferenceSession(str(small_model), providers=["CPUExecutionProvider"])
-
-
-async def cli(*args: str) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        *CLI,
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), timeout=120)
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
 
 
 def test_model_and_stats_print_readable_tables(small_model: Path) -> None:
@@ -124,13 +118,29 @@ def test_bulk_writes_outputs_equal_to_session_run(
     assert not (tmp_path / "out.npy.partial").exists(), "the checkpoint is removed when done"
 
 
-def test_killed_bulk_job_resumes_where_it_stopped(
-    small_model: Path, small_reference: ort.InferenceSession, tmp_path: Path
+@pytest.mark.parametrize(
+    ("signum", "exit_code", "message"),
+    [
+        (signal.SIGKILL, -signal.SIGKILL, None),
+        (signal.SIGINT, 130, "interrupted"),
+        (signal.SIGTERM, 143, "terminated"),
+    ],
+    ids=["SIGKILL", "SIGINT", "SIGTERM"],
+)
+def test_interrupted_bulk_job_resumes_where_it_stopped(
+    small_model: Path,
+    small_reference: ort.InferenceSession,
+    tmp_path: Path,
+    signum: signal.Signals,
+    exit_code: int,
+    message: str | None,
 ) -> None:
-    """The job is killed (SIGKILL) while a batch runs; `--resume` completes it. The output
-    equals session.run and no row ran twice: the items answered after the last
-    checkpoint, and the one that was running, come back from the server's replay cache."""
-    x = rows(2_000, seed=7, start=0)
+    """The job is stopped after some progress: killed (SIGKILL) while a batch runs, or
+    interrupted (SIGINT / SIGTERM: exit 130 / 143, the checkpoint saved). `--resume`
+    completes it; the output equals session.run and no row ran twice: the items answered
+    after the last checkpoint, and the one that was running, come back from the server's
+    replay cache."""
+    x = rows(1_000, seed=4, start=0)
     np.save(tmp_path / "in.npy", x)
     out = tmp_path / "out.npy"
     state = tmp_path / "out.npy.partial" / "state.json"
@@ -141,7 +151,7 @@ def test_killed_bulk_job_resumes_where_it_stopped(
         try:
             async with serving(engine, config(small_model, max_batch_size=10)) as s:
                 process = await asyncio.create_subprocess_exec(
-                    *CLI,
+                    *INTERRUPTIBLE_CLIENT_CLI,
                     "bulk",
                     "--target",
                     s.target,
@@ -149,17 +159,31 @@ def test_killed_bulk_job_resumes_where_it_stopped(
                     "--checkpoint-interval-s",
                     "0",
                     stdout=asyncio.subprocess.DEVNULL,
-                    stderr=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.PIPE,
                 )
-                engine.permits.release(30)  # 30 batches of one item each, then it stalls
-                await until(lambda: done_items(state) >= 30, timeout_s=30.0)
-                process.send_signal(signal.SIGKILL)
-                assert await process.wait() == -signal.SIGKILL
+                try:
+                    engine.permits.release(20)  # 20 batches of one item each, then it stalls
+                    await until(lambda: done_items(state) >= 20, timeout_s=30.0)
+                    process.send_signal(signum)
+                    _, err_bytes = await asyncio.wait_for(
+                        process.communicate(), timeout=CLIENT_CLI_TIMEOUT_S
+                    )
+                finally:
+                    if process.returncode is None:
+                        process.kill()
+                        await process.wait()
+                err = err_bytes.decode()
+                assert process.returncode == exit_code, err
+                if message is not None:
+                    assert f"laneserve-client: {message}" in err
+                    assert done_items(state) == 20, "the checkpoint was saved"
                 assert not out.exists()
                 engine.unlimited()
                 code, _, err = await cli("bulk", "--target", s.target, *args, "--resume")
                 assert code == 0, err
                 assert "resuming job" in err
+                if message is not None:
+                    assert "200 of 1000 rows already done" in err
         finally:
             engine.unlimited()
         return engine
@@ -168,7 +192,8 @@ def test_killed_bulk_job_resumes_where_it_stopped(
     np.testing.assert_allclose(
         np.load(out), small_reference.run(None, {"input": x})[0], rtol=1e-5, atol=1e-6
     )
-    assert sorted(engine.ran_tags) == list(range(2_000)), "no row ran twice"
+    assert sorted(engine.ran_tags) == list(range(1_000)), "no row ran twice"
+    assert not state.parent.exists(), "the checkpoint is removed when the job is done"
 
 
 def test_failed_rows_exit_1_and_resume_retries_only_them(

@@ -1,7 +1,7 @@
 """README claims checked as the README states them, against real servers on loopback:
-client TLS and mutual TLS (library and `laneserve-client` flags), `--metadata`, a bulk
-job's exit codes 130 / 143 with its checkpoint, per-item `timeout_ms` on InferStream,
-and job_id replay through `Client.stream`."""
+client TLS and mutual TLS (library and `laneserve-client` flags), `--metadata`, per-item
+`timeout_ms` on InferStream, and job_id replay through `Client.stream`. (A bulk job's
+exit codes 130 / 143 with its checkpoint: test_client_cli.py.)"""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -25,37 +23,16 @@ import pytest
 from google.rpc import code_pb2, error_details_pb2
 
 from laneserve.client import NO_RETRIES, Client, LaneserveError, StreamResult, TlsConfig
-from laneserve.server import Engine, LaneServer, ServerConfig
+from laneserve.server import LaneServer, ServerConfig
 from laneserve.server.telemetry import Telemetry
 from laneserve.v1 import inference_pb2 as pb
-from tests.support import (
-    F32,
-    MeteredEngine,
-    RecordingEngine,
-    done_items,
-    request,
-    rows,
-    serving,
-    until,
-)
+from tests.support import F32, RecordingEngine, request, rows, serving
+from tests.support import client_cli as cli
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 
-CLI = [sys.executable, "-m", "laneserve.client.cli"]
-# The same module run as `python -m` runs it, with Ctrl-C's default handler restored
-# first: a Python whose parent ignores SIGINT (a background job of a non-interactive
-# shell, some CI runners) starts with SIGINT ignored, and the signal would never arrive.
-INTERRUPTIBLE_CLI = [
-    sys.executable,
-    "-c",
-    (
-        "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-        "runpy.run_module('laneserve.client.cli', run_name='__main__', alter_sys=True)"
-    ),
-]
 # The name in the test server's certificate (besides IP 127.0.0.1).
 SERVER_NAME = "laneserve.test"
-CLI_TIMEOUT_S = 120
 STEP_TIMEOUT_S = 30.0
 
 
@@ -63,7 +40,6 @@ def config(model: Path, **fields: Any) -> ServerConfig:
     return ServerConfig(model_path=str(model), **fields)
 
 
-@pytest.fixture(scope="module")
 def small_reference(small_model: Path) -> ort.InferenceSession:
     return ort.InferenceSession(str(small_model), providers=["CPUExecutionProvider"])
 
@@ -127,14 +103,21 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 
 @contextlib.asynccontextmanager
-async def tls_serving(engine: Engine, model: Path, tls: dict[str, str]) -> AsyncIterator[str]:
-    """A LaneServer whose gRPC port speaks TLS (its tls_* settings); yields its target."""
-    server = LaneServer(engine, config(model, host="127.0.0.1", port=0, metrics_port=-1, **tls))
-    port = await server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(grace_s=5.0)
+async def tls_servers(model: Path, pki: Pki) -> AsyncIterator[tuple[str, str]]:
+    """Two LaneServers whose gRPC ports speak TLS (their tls_* settings), the second
+    requiring a client certificate (mutual TLS); yields their targets."""
+    async with contextlib.AsyncExitStack() as stack:
+        targets = []
+        for require_client_auth in (False, True):
+            tls = pki.server_tls(require_client_auth=require_client_auth)
+            server = LaneServer(
+                RecordingEngine(str(model)),
+                config(model, host="127.0.0.1", port=0, metrics_port=-1, **tls),
+            )
+            port = await server.start()
+            stack.push_async_callback(server.stop, grace_s=5.0)
+            targets.append(f"127.0.0.1:{port}")
+        yield targets[0], targets[1]
 
 
 def test_client_speaks_tls_and_mutual_tls(
@@ -164,18 +147,7 @@ def test_client_speaks_tls_and_mutual_tls(
     )
 
     async def scenario() -> None:
-        async with (
-            tls_serving(
-                RecordingEngine(str(small_model)),
-                small_model,
-                pki.server_tls(require_client_auth=False),
-            ) as tls_target,
-            tls_serving(
-                RecordingEngine(str(small_model)),
-                small_model,
-                pki.server_tls(require_client_auth=True),
-            ) as mtls_target,
-        ):
+        async with tls_servers(small_model, pki) as (tls_target, mtls_target):
             # TLS: the server is checked against the given roots (its IP is in its cert).
             got = await asyncio.to_thread(infer, tls_target, TlsConfig(root_certificates=ca))
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
@@ -211,18 +183,7 @@ def test_cli_tls_flags(small_model: Path, pki: Pki) -> None:
     default_roots = {**os.environ, "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(pki.ca)}
 
     async def scenario() -> None:
-        async with (
-            tls_serving(
-                RecordingEngine(str(small_model)),
-                small_model,
-                pki.server_tls(require_client_auth=False),
-            ) as tls_target,
-            tls_serving(
-                RecordingEngine(str(small_model)),
-                small_model,
-                pki.server_tls(require_client_auth=True),
-            ) as mtls_target,
-        ):
+        async with tls_servers(small_model, pki) as (tls_target, mtls_target):
             ok, no_cert, wrong_name, system_roots = await asyncio.gather(
                 cli("model", "--target", mtls_target, "--attempts", "1", *mutual),
                 cli("model", "--target", mtls_target, "--attempts", "1", *mutual[:2], *mutual[6:]),
@@ -333,76 +294,7 @@ def test_cli_metadata_reaches_the_server(small_model: Path, tmp_path: Path) -> N
     }
 
 
-# ---- 3. exit codes 130 / 143 --------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("signum", "exit_code", "message"),
-    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
-    ids=["SIGINT", "SIGTERM"],
-)
-def test_interrupted_bulk_job_exits_130_or_143_and_resumes(
-    small_model: Path,
-    small_reference: ort.InferenceSession,
-    tmp_path: Path,
-    signum: signal.Signals,
-    exit_code: int,
-    message: str,
-) -> None:
-    """A bulk job interrupted by SIGINT / SIGTERM after some progress exits 130 / 143
-    with its checkpoint saved; `--resume` finishes it, every row run exactly once."""
-    x = rows(1_000, seed=4, start=0)
-    np.save(tmp_path / "in.npy", x)
-    out = tmp_path / "out.npy"
-    state = tmp_path / "out.npy.partial" / "state.json"
-    args = ["--input", str(tmp_path / "in.npy"), "--output", str(out), "--rows-per-item", "10"]
-
-    async def scenario() -> MeteredEngine:
-        engine = MeteredEngine(str(small_model))
-        try:
-            async with serving(engine, config(small_model, max_batch_size=10)) as s:
-                process = await asyncio.create_subprocess_exec(
-                    *INTERRUPTIBLE_CLI,
-                    "bulk",
-                    "--target",
-                    s.target,
-                    *args,
-                    "--checkpoint-interval-s",
-                    "0",
-                    stdout=asyncio.subprocess.DEVNULL,
-                    stderr=asyncio.subprocess.PIPE,
-                )
-                try:
-                    engine.permits.release(20)  # 20 batches of one item each, then it stalls
-                    await until(lambda: done_items(state) >= 20, timeout_s=STEP_TIMEOUT_S)
-                    process.send_signal(signum)
-                    _, err_bytes = await asyncio.wait_for(
-                        process.communicate(), timeout=CLI_TIMEOUT_S
-                    )
-                finally:
-                    if process.returncode is None:
-                        process.kill()
-                        await process.wait()
-                err = err_bytes.decode()
-                assert process.returncode == exit_code, err
-                assert f"laneserve-client: {message}" in err
-                assert done_items(state) == 20, "the checkpoint was saved"
-                assert not out.exists()
-                engine.unlimited()
-                code, _, err = await cli("bulk", "--target", s.target, *args, "--resume")
-                assert code == 0, err
-                assert "resuming job" in err
-                assert "200 of 1000 rows already done" in err
-        finally:
-            engine.unlimited()
-        return engine
-
-    engine = asyncio.run(scenario())
-    np.testing.assert_allclose(
-        np.load(out), small_reference.run(None, {"input": x})[0], rtol=1e-5, atol=1e-6
-    )
-    assert sorted(engine.ran_tags) == list(range(1_000)), "every row ran exactly once"
-    assert not state.parent.exists(), "the checkpoint is removed when the job is done"
+# ---- 3. exit codes 130 / 143: test_client_cli.py, test_interrupted_bulk_job_... ----
 
 
 # ---- 4. timeout_ms on InferStream items ----------------------------------------------------
@@ -506,21 +398,3 @@ def test_rerun_with_the_same_job_id_is_answered_without_running_again(
 
 
 # ---- helpers ---------------------------------------------------------------------------
-
-
-async def cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        *CLI,
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-    )
-    try:
-        out, err = await asyncio.wait_for(process.communicate(), timeout=CLI_TIMEOUT_S)
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
