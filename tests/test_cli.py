@@ -42,6 +42,20 @@ def test_sigterm_drains_and_exits_cleanly(server_process: ServerProcess) -> None
     assert server_process.process.wait(timeout=30) == 0
 
 
+def refused_at_start(*args: str) -> str:
+    """Runs `laneserve serve ARGS`, which must refuse to start (exit 2); its stderr."""
+    done = subprocess.run(
+        [*SERVE, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 2, done.stderr
+    return done.stderr
+
+
 def test_bad_config_is_refused_naming_the_key(tmp_path: Path, small_model: Path) -> None:
     config = tmp_path / "laneserve.toml"
     config.write_text(
@@ -52,27 +66,13 @@ def test_bad_config_is_refused_naming_the_key(tmp_path: Path, small_model: Path)
         "max_wait_ms = 1\n"
         "min_share = 0.0\n"
     )
-    done = subprocess.run(
-        [*SERVE, "--model", str(small_model), "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 2
-    assert "lanes['fast'].capacity_rows" in done.stderr
+    stderr = refused_at_start("--model", str(small_model), "--config", str(config))
+    assert "lanes['fast'].capacity_rows" in stderr
 
 
 def test_missing_model_is_refused(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [*SERVE, "--model", str(tmp_path / "absent.onnx")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 2
-    assert "cannot load model" in done.stderr
+    stderr = refused_at_start("--model", str(tmp_path / "absent.onnx"))
+    assert "cannot load model" in stderr
 
 
 def test_cuda_without_a_usable_gpu_is_a_start_up_error(small_model: Path) -> None:
@@ -81,37 +81,21 @@ def test_cuda_without_a_usable_gpu_is_a_start_up_error(small_model: Path) -> Non
         # On a machine with a GPU the same request must get CUDA first.
         assert choose_providers("cuda") == [CUDA, CPU]
         return
-    done = subprocess.run(
-        [*SERVE, "--model", str(small_model), "--device", "cuda", "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        stdin=subprocess.DEVNULL,
-    )
-    assert done.returncode == 2
-    assert "--device cuda:" in done.stderr
+    stderr = refused_at_start("--model", str(small_model), "--device", "cuda", "--port", "0")
+    assert "--device cuda:" in stderr
 
 
 def test_unreadable_tls_file_is_refused_naming_the_setting(
     tmp_path: Path, small_model: Path
 ) -> None:
     (tmp_path / "server.key").write_text("not used: the certificate is missing\n")
-    done = subprocess.run(
-        [
-            *SERVE,
-            "--model",
-            str(small_model),
-            "--tls-cert",
-            str(tmp_path / "absent.pem"),
-            "--tls-key",
-            str(tmp_path / "server.key"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    stderr = refused_at_start(
+        "--model",
+        str(small_model),
+        "--tls-cert",
+        str(tmp_path / "absent.pem"),
+        "--tls-key",
+        str(tmp_path / "server.key"),
     )
-    assert done.returncode == 2
-    assert "server.tls_cert: cannot read" in done.stderr
-    assert "absent.pem" in done.stderr
+    assert "server.tls_cert: cannot read" in stderr
+    assert "absent.pem" in stderr
