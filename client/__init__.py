@@ -26,7 +26,7 @@ Errors (each carries the server's message, ``reason``, ``code`` and ``retry_afte
     ├── UnavailableError                 retryable
     │   └── ServerDrainingError          retryable
     ├── EngineError
-    └── CallCancelledError               retryable (cut off by the network)
+    └── CallCancelledError               retryable (cut off, or refused unread)
 
 The wire codec (numpy arrays to and from ``laneserve.v1.Tensor``) lives in
 :mod:`laneserve.client.tensors` and is shared with the server.

@@ -13,7 +13,7 @@
     ├── UnavailableError                 UNAVAILABLE           (no connection)      retryable
     │   └── ServerDrainingError          UNAVAILABLE           DRAINING             retryable
     ├── EngineError                      INTERNAL              ENGINE_FAILURE
-    └── CallCancelledError               CANCELLED             (by the network)     retryable
+    └── CallCancelledError               CANCELLED             (network, backlog)   retryable
 
 The server's ``google.rpc.ErrorInfo`` reason (domain ``laneserve.dev``) picks the class
 when there is one; the status code picks it otherwise, so a plain gRPC status without
@@ -156,8 +156,10 @@ class EngineError(LaneserveError):
 class CallCancelledError(LaneserveError):
     """The call was cancelled by something other than this client: gRPC reports
     CANCELLED for calls cut off by a closing connection (grpc/grpc#41785), as it reports
-    UNAVAILABLE for others. The caller's own cancellation never arrives as this error (it
-    is ``asyncio.CancelledError`` or ``KeyboardInterrupt``), so a retry with the same
+    UNAVAILABLE for others, and for calls the server's gRPC core refused unread because
+    its backlog of calls not yet taken was full (the server's ``max_pending_calls``:
+    those never ran). The caller's own cancellation never arrives as this error (it is
+    ``asyncio.CancelledError`` or ``KeyboardInterrupt``), so a retry with the same
     request_id is safe and is made."""
 
     retryable = True
@@ -182,6 +184,13 @@ _BY_CODE: Mapping[grpc.StatusCode, type[LaneserveError]] = {
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.CANCELLED: CallCancelledError,
 }
+
+# gRPC's own CANCELLED carries no words; what it means for a call to laneserve.
+_BARE_CANCELLED = (
+    "CANCELLED by gRPC before an answer: the connection closed, or the server's gRPC core "
+    "refused the call unread because its backlog was full (server setting "
+    "max_pending_calls; such a call never ran); retryable with the same request_id"
+)
 
 # google.rpc.Code numbers (in a Status message) to grpc's enum.
 _CODES_BY_NUMBER: Mapping[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
@@ -232,6 +241,8 @@ def error_from_rpc(error: grpc.RpcError, *, request_id: str = "") -> LaneserveEr
             status = status_pb2.Status.FromString(value)
         elif key == _PUSHBACK_KEY:
             pushback = value.decode() if isinstance(value, bytes) else value
+    if code is grpc.StatusCode.CANCELLED and details in ("", "CANCELLED"):
+        details = _BARE_CANCELLED
     if status is None or status.code != _number(code):
         status = status_pb2.Status(code=_number(code), message=details)
     return error_from_status(status, request_id=request_id, pushback_ms=pushback)

@@ -69,6 +69,15 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     )
 
 
+def pending_call_limits(max_pending_calls: int) -> list[tuple[str, int]]:
+    """gRPC core's limits on calls not yet taken by the event loop: refusals start at
+    half of `max_pending_calls` (at random, ever likelier) and are certain at it."""
+    return [
+        ("grpc.server.max_pending_requests", max_pending_calls * 3 // 4),
+        ("grpc.server.max_pending_requests_hard_limit", max_pending_calls),
+    ]
+
+
 def load_engine(config: ServerConfig) -> Engine:
     return Engine(
         config.model_path,
@@ -189,6 +198,7 @@ class LaneServer:
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
+                *pending_call_limits(self.config.max_pending_calls),
             ],
         )
         pb_grpc.add_InferenceServiceServicer_to_server(

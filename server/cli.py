@@ -51,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "drain_grace_s": args.drain_grace_s,
                 "max_message_bytes": args.max_message_bytes,
                 "max_concurrent_rpcs": args.max_concurrent_rpcs,
+                "max_pending_calls": args.max_pending_calls,
                 "intra_op_threads": args.intra_op_threads,
                 "metrics_port": args.metrics_port,
                 "tls_cert": args.tls_cert,
@@ -119,7 +120,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-message-bytes", type=int, help="gRPC message size limit")
     serve.add_argument(
-        "--max-concurrent-rpcs", type=int, help="calls admitted by gRPC at once (default 1024)"
+        "--max-concurrent-rpcs", type=int, help="calls admitted by gRPC at once (default 4096)"
+    )
+    serve.add_argument(
+        "--max-pending-calls",
+        type=int,
+        help="calls gRPC's core holds before the event loop takes them; beyond half of it "
+        "it refuses some, at it all (default 128)",
     )
     serve.add_argument("--tls-cert", help="PEM certificate (chain): the port speaks TLS")
     serve.add_argument("--tls-key", help="PEM private key of --tls-cert")

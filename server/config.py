@@ -123,10 +123,19 @@ class ServerConfig:
     # On SIGTERM/SIGINT queued work may finish within this time; the rest is refused.
     drain_grace_s: float = 10.0
     # Calls gRPC lets in at once (streams count one each); past it gRPC refuses with
-    # RESOURCE_EXHAUSTED before any servicer code runs. It bounds the calls held in
-    # Python, not those still waiting in gRPC's core: an overload beyond what the event
-    # loop can read still queues there (bench/README.md, scenario (d)).
-    max_concurrent_rpcs: int = 1024
+    # RESOURCE_EXHAUSTED before any servicer code runs. It is blind to lanes, so it sits
+    # above what the lanes hold in ordinary use (the bulk lane's 16 384 rows are 2 048
+    # calls of 8 rows): a full lane refuses by priority first. At 1 024 a unary bulk
+    # flood took every slot and interactive calls were refused (bench/README.md, (c)).
+    # The calls still waiting in gRPC's core are bounded by max_pending_calls.
+    max_concurrent_rpcs: int = 4096
+    # Calls gRPC's core may hold that the event loop has not yet taken (the backlog in
+    # front of the lanes, priority- and deadline-blind). Above half of it the core refuses
+    # new calls at random, with a probability rising to 1 at the limit (random early
+    # detection), before any Python runs: an overload the event loop cannot read is shed
+    # where shedding is cheap, and what gets through is fresh. Refused calls end CANCELLED
+    # and never ran (safe to retry). gRPC's own default is 3 000 (1 000 soft).
+    max_pending_calls: int = 128
     # gRPC's own message size limit, both directions.
     max_message_bytes: int = 64 * 1024 * 1024
     # ONNX Runtime intra-op threads; 0: auto (on the CPU one core fewer than the
@@ -176,6 +185,7 @@ class ServerConfig:
             _check_int("server.batch_cap", self.batch_cap, minimum=1, maximum=self.max_batch_size)
         _check_int("server.max_message_bytes", self.max_message_bytes, minimum=1024)
         _check_int("server.max_concurrent_rpcs", self.max_concurrent_rpcs, minimum=1)
+        _check_int("server.max_pending_calls", self.max_pending_calls, minimum=1)
         _check_int("server.intra_op_threads", self.intra_op_threads, minimum=0)
         _check_int("server.metrics_port", self.metrics_port, minimum=-1, maximum=65_535)
         _check_int("server.stream_window", self.stream_window, minimum=1)

@@ -525,15 +525,13 @@ def test_retries_stop_before_the_deadline(small_model: Path) -> None:
                 await asyncio.to_thread(engine.entered.acquire)
                 queued = asyncio.ensure_future(client.infer({"input": rows(1)}))
                 await until(lambda: queued_rows(s) == 1)
-                started = time.monotonic()
+                # A sleep across the deadline would end in DEADLINE_EXCEEDED instead.
                 with pytest.raises(lc.LaneFullError) as caught:
                     await client.infer({"input": rows(1)}, timeout=0.4)
-                elapsed_s = time.monotonic() - started
                 engine.release()
                 await asyncio.gather(running, queued)
         assert 2 <= caught.value.attempts < 1000
         assert "the next would start after the deadline" in caught.value.__notes__[0]
-        assert elapsed_s < 0.4, "no sleep crosses the deadline"
 
     asyncio.run(scenario())
 

@@ -155,6 +155,9 @@ def test_keys_missing_from_the_file_keep_their_defaults(tmp_path: Path) -> None:
         ),
         pytest.param("[server]\ndrain_grace_s = -1.0\n", "server.drain_grace_s", id="neg-grace"),
         pytest.param(
+            "[server]\nmax_pending_calls = 0\n", "server.max_pending_calls", id="no-pending-calls"
+        ),
+        pytest.param(
             lane_toml().replace("capacity_rows = 64", "capacity_rows = 0"),
             "capacity_rows",
             id="zero-capacity",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,12 @@ import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from laneserve.client import CallCancelledError, error_from_rpc
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import LaneConfig, ServerConfig
 from laneserve.server.items import Batch, BatchResult
 from laneserve.v1 import inference_pb2 as pb
+from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
     RecordingEngine,
     health_status,
@@ -431,6 +434,54 @@ def test_calls_past_the_concurrency_limit_are_refused_by_grpc(small_model: Path)
             engine.release()
             await asyncio.gather(running, queued)
             assert sorted(engine.ran_tags) == [0, 1]
+
+    asyncio.run(scenario())
+
+
+def test_calls_past_the_pending_limit_are_refused_unread_and_never_run(small_model: Path) -> None:
+    """While the event loop takes no calls (blocked here on purpose, as an overload would
+    keep it busy), gRPC's core holds the arriving ones; past max_pending_calls it refuses
+    them CANCELLED before any Python runs. Every call still gets exactly one answer, and
+    a refused call never ran."""
+    sent = 32
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, max_pending_calls=4)) as s:
+            refused = threading.Event()
+            # Each is a grpc.Call as well as a grpc.Future (the stubs type neither).
+            futures: list[Any] = []
+            # A sync channel: its calls go out from this thread while the loop is blocked.
+            with grpc.insecure_channel(s.target) as channel:
+                grpc.channel_ready_future(channel).result(timeout=10)
+                infer = pb_grpc.InferenceServiceStub(channel).Infer
+
+                def on_done(future: Any) -> None:
+                    if future.code() == grpc.StatusCode.CANCELLED:
+                        refused.set()
+
+                for tag in range(sent):
+                    future = infer.future(request(rows(1, start=tag)), timeout=60)
+                    future.add_done_callback(on_done)
+                    futures.append(future)
+                # Blocks the event loop until the core has refused a call (or 30 s pass).
+                refused.wait(timeout=30)
+                outcomes = await asyncio.to_thread(
+                    lambda: [future.code() for future in futures]  # waits for every answer
+                )
+                refusal = next(f for f in futures if f.code() == grpc.StatusCode.CANCELLED)
+                exception = refusal.exception()
+                assert isinstance(exception, grpc.RpcError)
+                error = error_from_rpc(exception)
+        ok = {tag for tag, code in enumerate(outcomes) if code == grpc.StatusCode.OK}
+        cancelled = {tag for tag, code in enumerate(outcomes) if code == grpc.StatusCode.CANCELLED}
+        assert len(ok) + len(cancelled) == sent, f"every call answered OK or refused: {outcomes}"
+        assert cancelled, "the core refused calls past the limit"
+        assert ok, "calls within the limit were served"
+        assert set(engine.ran_tags) == ok, "exactly the calls answered OK ran"
+        assert isinstance(error, CallCancelledError)
+        assert error.retryable
+        assert "max_pending_calls" in error.message, "the client names the likely cause"
 
     asyncio.run(scenario())
 
