@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -24,6 +25,7 @@ from laneserve.server.errors import DrainingError
 from laneserve.server.events import FanOut, NullTracer, SchedulerEvents
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.memory import (
+    MemoryEstimate,
     MemoryFacts,
     MemoryGauge,
     NvmlGauge,
@@ -114,6 +116,12 @@ def make_watermark(config: ServerConfig, engine: Engine) -> Watermark | None:
     )
 
 
+def _line(estimate: MemoryEstimate | None) -> str:
+    if estimate is None:
+        return "n/a"
+    return f"{format_bytes(estimate.fixed_bytes)} + {format_bytes(estimate.per_row_bytes)}/row"
+
+
 class LaneServer:
     """One model served over gRPC. Create and start it inside the event loop it serves on."""
 
@@ -126,35 +134,35 @@ class LaneServer:
         clock: Clock | None = None,
         memory_gauge: MemoryGauge | None = None,
         telemetry: Telemetry | None = None,
+        estimate: Callable[[str], MemoryEstimate | None] = estimate_memory,
     ) -> None:
         """`telemetry`: traces, metrics and event logs; by default from the config and the
-        OTEL_* variables (Telemetry.from_config). `events`: one more sink, for tests."""
+        OTEL_* variables (Telemetry.from_config). `events`: one more sink, for tests.
+        `estimate`: the model file's static memory estimate (by default from a child
+        process, ~1 s; tests that start many servers pass one computed once)."""
         self.config = config
         self.engine = engine
         self.clock = clock or SystemClock()
         self.state = Lifecycle.STARTING
         device = device_gauge(engine)
+        # Before the probe, not beside it: the probe times runs for the cost model.
+        self.memory_estimate = estimate(config.model_path)
         self.probe = engine.probe(
             config.batch_cap or config.max_batch_size,
             fixed_cap=config.batch_cap is not None,
             gauge=device,
         )
-        self.memory_estimate = estimate_memory(config.model_path)
         log.info(
             "probe: batch_cap=%d (max_batch_size %d, first out-of-memory at %s rows) "
-            "memory_limit=%s estimate=%s + %s/row measured=%s run time by batch size %s",
+            "memory_limit=%s estimate=%s measured=%s run time by batch size %s",
             self.probe.batch_cap,
             config.max_batch_size,
             self.probe.first_failing_rows,
             "none"
             if engine.memory_limit_bytes is None
             else format_bytes(engine.memory_limit_bytes),
-            format_bytes(self.memory_estimate.fixed_bytes),
-            format_bytes(self.memory_estimate.per_row_bytes),
-            "n/a"
-            if self.probe.memory_fit is None
-            else f"{format_bytes(self.probe.memory_fit.fixed_bytes)} + "
-            f"{format_bytes(self.probe.memory_fit.per_row_bytes)}/row",
+            _line(self.memory_estimate),
+            _line(self.probe.memory_fit),
             {rows: f"{seconds * 1000:.2f}ms" for rows, seconds in self.probe.run_s.items()},
         )
         self.stats = StatsRecorder([lane.name for lane in config.lanes])

@@ -404,8 +404,8 @@ def _memory_fields(memory: MemoryFacts | None) -> dict[str, Any]:
     return {
         "memory_limit_bytes": memory.limit_bytes or 0,
         "probed_batch_cap": memory.probed_batch_cap,
-        "estimated_fixed_bytes": memory.estimate.fixed_bytes,
-        "estimated_row_bytes": memory.estimate.per_row_bytes,
+        "estimated_fixed_bytes": memory.estimate.fixed_bytes if memory.estimate else 0,
+        "estimated_row_bytes": memory.estimate.per_row_bytes if memory.estimate else 0,
         "measured_fixed_bytes": memory.measured.fixed_bytes if memory.measured else 0,
         "measured_row_bytes": memory.measured.per_row_bytes if memory.measured else 0,
     }

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
+import functools
 import json
 import queue
 import re
@@ -25,6 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from laneserve.client.tensors import decode_tensor, encode_tensor
 from laneserve.server import Engine, LaneServer, ServerConfig
 from laneserve.server.items import Batch, BatchResult
+from laneserve.server.memory import MemoryEstimate
+from laneserve.server.static_estimate import static_estimate
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -103,6 +106,14 @@ async def health_status(channel: grpc.aio.Channel, service: str = "") -> int:
     return response.status
 
 
+@functools.cache
+def estimate_once(model_path: str) -> MemoryEstimate:
+    """The static memory estimate, worked out once per model in this process: a server
+    started by `serving` takes it instead of starting its child process (~1 s each; the
+    child itself is tested in test_memory and by every server started otherwise)."""
+    return MemoryEstimate(*static_estimate(model_path))
+
+
 @contextlib.asynccontextmanager
 async def serving(engine: Engine, config: ServerConfig, **options: Any) -> AsyncIterator[Serving]:
     """A started server on 127.0.0.1:0 and a channel to it; always stopped afterwards.
@@ -110,6 +121,7 @@ async def serving(engine: Engine, config: ServerConfig, **options: Any) -> Async
     # Ephemeral ports for gRPC and for the metrics endpoint (unless it is off, -1):
     # tests never collide.
     metrics_port = min(config.metrics_port, 0)
+    options.setdefault("estimate", estimate_once)
     server = LaneServer(
         engine,
         dataclasses.replace(config, host="127.0.0.1", port=0, metrics_port=metrics_port),

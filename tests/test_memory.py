@@ -37,6 +37,7 @@ from laneserve.server.memory import (
     parse_memory_limit,
 )
 from laneserve.server.scheduler import CAP_RECOVERY_BATCHES, Dispatch, Scheduler
+from laneserve.server.static_estimate import static_estimate
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
@@ -110,11 +111,43 @@ def test_static_estimate_counts_weights_and_row_activations(tmp_path: Path) -> N
     path = tmp_path / "mlp.onnx"
     make_demo_model(path, input_dim=16, hidden_dim=32, hidden_layers=1, output_dim=4)
     estimate = estimate_memory(str(path))
+    assert estimate is not None
+    assert estimate == MemoryEstimate(*static_estimate(str(path))), "the child's, as in-process"
     weights = (16 * 32 + 32 + 32 * 4 + 4) * 4
     assert estimate.fixed_bytes == weights
     # Input, hidden activations and output of one row, at the very least.
     assert estimate.per_row_bytes >= (16 + 32 + 4) * 4
     assert estimate.rows_within(weights + 10 * estimate.per_row_bytes) == 10
+
+
+def test_static_estimate_that_fails_is_none_and_names_the_model(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The estimate only informs GetModel: a model shape inference cannot read must not
+    stop the server, and the log says which file and why."""
+    path = tmp_path / "not-a-model.onnx"
+    path.write_bytes(b"\x00not protobuf")
+    assert estimate_memory(str(path)) is None
+    (record,) = [r for r in caplog.records if "static memory estimate" in r.getMessage()]
+    assert str(path) in record.getMessage()
+    assert "failed (exit 1:" in record.getMessage()
+
+
+def test_serving_process_never_imports_onnx(tmp_path: Path) -> None:
+    """The estimate's child takes onnx and the parsed weights with it when it exits."""
+    script = (
+        "import sys\n"
+        "from laneserve.server import LaneServer, ServerConfig, load_engine\n"
+        f"config = ServerConfig(model_path={str(tmp_path / 'mlp.onnx')!r})\n"
+        "server = LaneServer(load_engine(config), config)\n"
+        "assert server.memory_estimate is not None\n"
+        "print('onnx' in sys.modules)\n"
+    )
+    make_demo_model(tmp_path / "mlp.onnx", input_dim=16, hidden_dim=32, hidden_layers=1)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "False"
 
 
 # ---- the scheduler's reaction: cap, failed rows, admission ------------------------------

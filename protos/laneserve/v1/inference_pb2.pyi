@@ -333,7 +333,9 @@ class GetModelResponse(_message.Message):
     ceiling); 0 when no size failed up to max_batch_size.
     """
     estimated_fixed_bytes: _builtins.int
-    """Static estimate from the model file: weights, and per-row activations (no reuse)."""
+    """Static estimate from the model file: weights, and per-row activations (no reuse).
+    0 = not estimated (ONNX shape inference failed on the model; the server logs why).
+    """
     estimated_row_bytes: _builtins.int
     measured_fixed_bytes: _builtins.int
     """Fitted from memory in use after each probe size (NVML on a GPU, resident memory on

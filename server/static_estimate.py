@@ -1,0 +1,59 @@
+"""A model's memory from its file alone: weights, and per-row activations from ONNX shape
+inference. Run as a script in a child process (`memory.estimate_memory`), so it imports
+nothing from laneserve and the serving process never imports onnx or parses the weights.
+
+    python .../static_estimate.py MODEL    # prints: FIXED_BYTES PER_ROW_BYTES
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+
+import onnx
+
+# Initializers larger than this lose their data before shape inference (small ones may
+# be shape constants that inference folds, e.g. a Reshape target).
+_KEEP_INITIALIZER_BYTES = 4 * 1024
+
+
+def static_estimate(model_path: str) -> tuple[int, int]:
+    """(fixed_bytes, per_row_bytes): the initializers' bytes, and every batch-shaped
+    tensor of one row summed without the runtime's buffer reuse (so the estimate is high:
+    a starting point that the start-up probe verifies by running)."""
+    model = onnx.load(model_path, load_external_data=False)
+    fixed_bytes = 0
+    for init in model.graph.initializer:
+        size = math.prod(init.dims) * onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
+        fixed_bytes += size
+        if size > _KEEP_INITIALIZER_BYTES:
+            # Shapes are all inference needs; dropping the weights' bytes keeps the
+            # serialized copy handed to inference small.
+            for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data"):
+                init.ClearField(field)
+    graph = onnx.shape_inference.infer_shapes(model).graph
+    per_row_bytes = 0
+    batch_dims = {
+        dim.dim_param or str(dim.dim_value)
+        for value in graph.input
+        for dim in value.type.tensor_type.shape.dim[:1]
+    }
+    for value in [*graph.input, *graph.value_info, *graph.output]:
+        tensor_type = value.type.tensor_type
+        dims = tensor_type.shape.dim
+        if not dims or (dims[0].dim_param or str(dims[0].dim_value)) not in batch_dims:
+            continue
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type).itemsize
+        per_row_bytes += itemsize * math.prod(dim.dim_value or 1 for dim in dims[1:])
+    return int(fixed_bytes), int(per_row_bytes)
+
+
+def main(argv: Sequence[str]) -> int:
+    fixed_bytes, per_row_bytes = static_estimate(argv[0])
+    print(fixed_bytes, per_row_bytes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
