@@ -39,7 +39,7 @@ from laneserve.server.scheduler import Scheduler
 from laneserve.server.scheduler_thread import SchedulerThread
 from laneserve.server.service import InferenceServicer, OutcomeRouter, ServiceTelemetry
 from laneserve.server.stats import StatsRecorder
-from laneserve.server.telemetry import Telemetry, log_event
+from laneserve.server.telemetry import EndpointTls, Telemetry, log_event
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -69,6 +69,14 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
         root_certificates=client_ca,
         require_client_auth=client_ca is not None,
     )
+
+
+def metrics_tls(config: ServerConfig) -> EndpointTls | None:
+    """The metrics endpoint follows the gRPC port: HTTPS with the same certificate, and
+    client certificates required where the port requires them. None: plaintext."""
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    return EndpointTls(config.tls_cert, config.tls_key, config.tls_client_ca)
 
 
 def pending_call_limits(max_pending_calls: int) -> list[tuple[str, int]]:
@@ -244,7 +252,9 @@ class LaneServer:
         )
         if self.port == 0:
             raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
-        self.metrics_port = self.telemetry.serve_metrics(self.config.host, self.config.metrics_port)
+        self.metrics_port = self.telemetry.serve_metrics(
+            self.config.host, self.config.metrics_port, metrics_tls(self.config)
+        )
         self._thread.start()
         await server.start()
         self._server = server

@@ -169,7 +169,8 @@ class ServerConfig:
     idempotency_ttl_s: float = 600.0
     # TLS on the gRPC port (PEM file paths). With tls_cert and tls_key the port speaks
     # TLS only; with tls_client_ca as well, a client must present a certificate signed by
-    # that CA (mutual TLS). None: plaintext. The metrics endpoint stays plaintext.
+    # that CA (mutual TLS). None: plaintext. The metrics endpoint follows: HTTPS with the
+    # same certificate, requiring client certificates where the gRPC port does.
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None

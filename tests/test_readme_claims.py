@@ -8,10 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import http.client
 import json
 import os
 import shutil
+import ssl
 import subprocess
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -102,22 +105,29 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Served:
+    target: str  # the gRPC port
+    metrics_port: int
+
+
 @contextlib.asynccontextmanager
-async def tls_servers(model: Path, pki: Pki) -> AsyncIterator[tuple[str, str]]:
+async def tls_servers(model: Path, pki: Pki) -> AsyncIterator[tuple[Served, Served]]:
     """Two LaneServers whose gRPC ports speak TLS (their tls_* settings), the second
-    requiring a client certificate (mutual TLS); yields their targets."""
+    requiring a client certificate (mutual TLS), each with its metrics endpoint."""
     async with contextlib.AsyncExitStack() as stack:
-        targets = []
+        served = []
         for require_client_auth in (False, True):
             tls = pki.server_tls(require_client_auth=require_client_auth)
             server = LaneServer(
                 RecordingEngine(str(model)),
-                config(model, host="127.0.0.1", port=0, metrics_port=-1, **tls),
+                config(model, host="127.0.0.1", port=0, metrics_port=0, **tls),
             )
             port = await server.start()
             stack.push_async_callback(server.stop, grace_s=5.0)
-            targets.append(f"127.0.0.1:{port}")
-        yield targets[0], targets[1]
+            assert server.metrics_port is not None
+            served.append(Served(f"127.0.0.1:{port}", server.metrics_port))
+        yield served[0], served[1]
 
 
 def test_client_speaks_tls_and_mutual_tls(
@@ -147,20 +157,49 @@ def test_client_speaks_tls_and_mutual_tls(
     )
 
     async def scenario() -> None:
-        async with tls_servers(small_model, pki) as (tls_target, mtls_target):
+        async with tls_servers(small_model, pki) as (tls, mtls):
             # TLS: the server is checked against the given roots (its IP is in its cert).
-            got = await asyncio.to_thread(infer, tls_target, TlsConfig(root_certificates=ca))
+            got = await asyncio.to_thread(infer, tls.target, TlsConfig(root_certificates=ca))
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-            plaintext = await asyncio.to_thread(refused, tls_target, None)
+            plaintext = await asyncio.to_thread(refused, tls.target, None)
             assert plaintext.code == grpc.StatusCode.UNAVAILABLE, plaintext
 
             # Mutual TLS: the client's certificate and key, and the name to check.
-            got = await asyncio.to_thread(infer, mtls_target, mutual)
+            got = await asyncio.to_thread(infer, mtls.target, mutual)
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
             no_cert = await asyncio.to_thread(
-                refused, mtls_target, TlsConfig(root_certificates=ca, server_name=SERVER_NAME)
+                refused, mtls.target, TlsConfig(root_certificates=ca, server_name=SERVER_NAME)
             )
             assert no_cert.code == grpc.StatusCode.UNAVAILABLE, no_cert
+
+    asyncio.run(scenario())
+
+
+def test_metrics_endpoint_follows_the_ports_tls(small_model: Path, pki: Pki) -> None:
+    """With tls_cert and tls_key the Prometheus endpoint speaks HTTPS with the same
+    certificate; with tls_client_ca it requires the scraper's client certificate, as the
+    gRPC port does. Plain HTTP gets nothing."""
+    ca_only = ssl.create_default_context(cafile=str(pki.ca))
+    with_cert = ssl.create_default_context(cafile=str(pki.ca))
+    with_cert.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+
+    def scrape(url: str, context: ssl.SSLContext | None = None) -> str:
+        with urllib.request.urlopen(url, context=context, timeout=STEP_TIMEOUT_S) as answer:  # noqa: S310 - a test URL
+            body: bytes = answer.read()
+            return body.decode()
+
+    def refused(url: str, context: ssl.SSLContext | None = None) -> None:
+        with pytest.raises((OSError, http.client.HTTPException)):
+            scrape(url, context)
+
+    async def scenario() -> None:
+        async with tls_servers(small_model, pki) as (tls, mtls):
+            https = f"https://127.0.0.1:{tls.metrics_port}/metrics"
+            assert "laneserve_" in await asyncio.to_thread(scrape, https, ca_only)
+            await asyncio.to_thread(refused, f"http://127.0.0.1:{tls.metrics_port}/metrics")
+            mutual = f"https://127.0.0.1:{mtls.metrics_port}/metrics"
+            assert "laneserve_" in await asyncio.to_thread(scrape, mutual, with_cert)
+            await asyncio.to_thread(refused, mutual, ca_only)
 
     asyncio.run(scenario())
 
@@ -183,21 +222,21 @@ def test_cli_tls_flags(small_model: Path, pki: Pki) -> None:
     default_roots = {**os.environ, "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(pki.ca)}
 
     async def scenario() -> None:
-        async with tls_servers(small_model, pki) as (tls_target, mtls_target):
+        async with tls_servers(small_model, pki) as (tls, mtls):
             ok, no_cert, wrong_name, system_roots = await asyncio.gather(
-                cli("model", "--target", mtls_target, "--attempts", "1", *mutual),
-                cli("model", "--target", mtls_target, "--attempts", "1", *mutual[:2], *mutual[6:]),
+                cli("model", "--target", mtls.target, "--attempts", "1", *mutual),
+                cli("model", "--target", mtls.target, "--attempts", "1", *mutual[:2], *mutual[6:]),
                 cli(
                     "model",
                     "--target",
-                    mtls_target,
+                    mtls.target,
                     "--attempts",
                     "1",
                     *mutual[:6],
                     "--tls-server-name",
                     "other.test",
                 ),
-                cli("model", "--target", tls_target, "--attempts", "1", "--tls", env=default_roots),
+                cli("model", "--target", tls.target, "--attempts", "1", "--tls", env=default_roots),
             )
         code, out, err = ok
         assert code == 0, err

@@ -25,7 +25,7 @@ and endpoint (Prometheus) -> logs (formatters, `EventLog`) -> assembly (`Telemet
 
 from laneserve.server.telemetry.assembly import Telemetry
 from laneserve.server.telemetry.device import DeviceMonitor
-from laneserve.server.telemetry.endpoint import MetricsEndpoint
+from laneserve.server.telemetry.endpoint import EndpointTls, MetricsEndpoint
 from laneserve.server.telemetry.environment import tracer_provider_from_env
 from laneserve.server.telemetry.logs import (
     EventLog,
@@ -41,6 +41,7 @@ from laneserve.server.telemetry.tracing import BatchLinkSampler, Tracing
 __all__ = [
     "BatchLinkSampler",
     "DeviceMonitor",
+    "EndpointTls",
     "EventLog",
     "JsonFormatter",
     "Metrics",

@@ -15,7 +15,7 @@ from laneserve.server.events import SchedulerEvents
 from laneserve.server.scheduler import LaneDepth
 from laneserve.server.stats import Counts
 from laneserve.server.telemetry.device import DeviceMonitor
-from laneserve.server.telemetry.endpoint import MetricsEndpoint
+from laneserve.server.telemetry.endpoint import EndpointTls, MetricsEndpoint
 from laneserve.server.telemetry.environment import resource_from_env, tracer_provider_from_env
 from laneserve.server.telemetry.logs import EventLog
 from laneserve.server.telemetry.metrics import Metrics
@@ -117,11 +117,12 @@ class Telemetry:
         if self.metrics is not None:
             self.metrics.observe(depths, batch_cap, counts)
 
-    def serve_metrics(self, host: str, port: int) -> int | None:
-        """Starts the Prometheus endpoint; returns its port (None: not configured)."""
+    def serve_metrics(self, host: str, port: int, tls: EndpointTls | None = None) -> int | None:
+        """Starts the Prometheus endpoint (HTTPS with `tls`); returns its port (None: not
+        configured)."""
         if self._registry is None or port < 0:
             return None
-        self._endpoint = MetricsEndpoint(self._registry, host, port)
+        self._endpoint = MetricsEndpoint(self._registry, host, port, tls)
         return self._endpoint.port
 
     def device_utilization(self) -> float | None:

@@ -2,18 +2,49 @@
 
 from __future__ import annotations
 
+import dataclasses
+import ssl
+
 import prometheus_client
 
 
-class MetricsEndpoint:
-    """The Prometheus scrape endpoint (HTTP GET /metrics) over one registry."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class EndpointTls:
+    """PEM files for HTTPS on the endpoint: the server's certificate and key and, for
+    mutual TLS, the CA whose client certificates a scraper must present."""
 
-    def __init__(self, registry: prometheus_client.CollectorRegistry, host: str, port: int) -> None:
+    cert: str
+    key: str
+    client_ca: str | None = None
+
+
+class MetricsEndpoint:
+    """The Prometheus scrape endpoint (HTTP GET /metrics) over one registry; HTTPS with
+    `tls` (and then mutual TLS when it names a client CA)."""
+
+    def __init__(
+        self,
+        registry: prometheus_client.CollectorRegistry,
+        host: str,
+        port: int,
+        tls: EndpointTls | None = None,
+    ) -> None:
         address = host.strip("[]")  # "[::]" as gRPC writes it
         try:
             self._server, self._thread = prometheus_client.start_http_server(
-                port, addr=address, registry=registry
+                port,
+                addr=address,
+                registry=registry,
+                certfile=None if tls is None else tls.cert,
+                keyfile=None if tls is None else tls.key,
+                client_cafile=None if tls is None else tls.client_ca,
+                client_auth_required=tls is not None and tls.client_ca is not None,
             )
+        except ssl.SSLError as error:
+            raise OSError(
+                f"cannot serve metrics over TLS: {error}; expected tls_cert and tls_key "
+                "(and tls_client_ca) to be PEM files of a matching certificate and key"
+            ) from error
         except OSError as error:
             raise OSError(
                 f"cannot serve metrics on {host}:{port}: {error.strerror or error}; choose "
