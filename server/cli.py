@@ -126,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
         "--max-pending-calls",
         type=int,
         help="calls gRPC's core holds before the event loop takes them; beyond half of it "
-        "it refuses some, at it all (default 128)",
+        "it refuses some, at it all (default 256)",
     )
     serve.add_argument("--tls-cert", help="PEM certificate (chain): the port speaks TLS")
     serve.add_argument("--tls-key", help="PEM private key of --tls-cert")

@@ -135,7 +135,7 @@ class ServerConfig:
     # detection), before any Python runs: an overload the event loop cannot read is shed
     # where shedding is cheap, and what gets through is fresh. Refused calls end CANCELLED
     # and never ran (safe to retry). gRPC's own default is 3 000 (1 000 soft).
-    max_pending_calls: int = 128
+    max_pending_calls: int = 256
     # gRPC's own message size limit, both directions.
     max_message_bytes: int = 64 * 1024 * 1024
     # ONNX Runtime intra-op threads; 0: auto (on the CPU one core fewer than the

@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scenarios", type=_scenarios, default=SCENARIOS, help="scenarios, e.g. a,b (default: all)"
     )
     parser.add_argument("--workers", type=_counts, help="N-workers process counts, e.g. 2,4")
+    parser.add_argument(
+        "--concurrencies",
+        type=_counts,
+        help="callers of the (a) points, e.g. 1,32,64,128 (default: the profile's; the "
+        "targets read 32 and 64)",
+    )
     parser.add_argument("--no-raw", action="store_true", help="skip the raw session ceiling")
     parser.add_argument("--client-procs", type=int, default=2, help="load generator processes")
     parser.add_argument("--channels", type=int, default=4, help="gRPC channels per client process")
@@ -114,6 +120,7 @@ def settings_from(args: argparse.Namespace, argv: Sequence[str]) -> BenchSetting
             ("warmup_s", args.warmup_s),
             ("window_s", args.window_s),
             ("max_windows", args.max_windows),
+            ("concurrencies", args.concurrencies),
         )
         if value is not None
     }
