@@ -81,7 +81,8 @@ def metrics_tls(config: ServerConfig) -> EndpointTls | None:
 
 def pending_call_limits(max_pending_calls: int) -> list[tuple[str, int]]:
     """gRPC core's limits on calls not yet taken by the event loop: refusals start at
-    half of `max_pending_calls` (at random, ever likelier) and are certain at it."""
+    three quarters of `max_pending_calls` (at random, ever likelier) and are certain at
+    it. The soft limit sits high so that bursts below it pass untouched."""
     return [
         ("grpc.server.max_pending_requests", max_pending_calls * 3 // 4),
         ("grpc.server.max_pending_requests_hard_limit", max_pending_calls),

@@ -130,11 +130,14 @@ class ServerConfig:
     # The calls still waiting in gRPC's core are bounded by max_pending_calls.
     max_concurrent_rpcs: int = 4096
     # Calls gRPC's core may hold that the event loop has not yet taken (the backlog in
-    # front of the lanes, priority- and deadline-blind). Above half of it the core refuses
-    # new calls at random, with a probability rising to 1 at the limit (random early
-    # detection), before any Python runs: an overload the event loop cannot read is shed
-    # where shedding is cheap, and what gets through is fresh. Refused calls end CANCELLED
-    # and never ran (safe to retry). gRPC's own default is 3 000 (1 000 soft).
+    # front of the lanes, priority- and deadline-blind). Above three quarters of it the
+    # core refuses new calls at random, with a probability rising to 1 at the limit
+    # (random early detection), before any Python runs: an overload the event loop cannot
+    # read is shed where shedding is cheap, and what gets through is fresher. Refused
+    # calls end CANCELLED and never ran (safe to retry). gRPC's own default is 3 000
+    # (1 000 soft): over a second of calls on 2 cores. 256 refuses nothing below ~190
+    # calls in flight; deadline-bound deployments size it near deadline x throughput / 2
+    # (README, Lanes).
     max_pending_calls: int = 256
     # gRPC's own message size limit, both directions.
     max_message_bytes: int = 64 * 1024 * 1024

@@ -19,7 +19,7 @@ import pytest
 from laneserve.client.tensors import decode_tensor, encode_tensor
 from laneserve.server.bench import PROFILES, BenchSettings, missing_keys, procs, run_bench
 from laneserve.server.bench.baselines import raw_ceiling
-from laneserve.server.bench.cli import _kinds, _scenarios
+from laneserve.server.bench.cli import _kinds, _scenarios, settings_from
 from laneserve.server.bench.loadgen import InputSpec, request_body, with_request_id
 from laneserve.server.bench.profiling import summarize_collapsed
 from laneserve.server.bench.report import evaluate_targets, render_markdown, write_outputs
@@ -27,9 +27,13 @@ from laneserve.server.bench.run import get_stats
 from laneserve.server.bench.settings import Stream
 from laneserve.server.bench.summary import (
     OK,
+    MergedWindow,
     StreamWindow,
+    WindowReport,
     classify,
+    client_cpu_fractions,
     is_stable,
+    merge_window,
     percentiles_ms,
     summarize_stream,
 )
@@ -173,6 +177,21 @@ def test_stability_needs_every_stream_to_agree_within_tolerance() -> None:
     assert is_stable([window(500, 1.0), window(100, 5.0), window(104, 5.1)], count=2, tolerance=0.1)
 
 
+def test_client_cpu_is_summed_over_windows_before_dividing() -> None:
+    """A late client catches up through windows of milliseconds, whose own ratio is
+    noise; over the run its share of a core is what it used over how long it ran."""
+
+    def window(index: int, **cpu_and_wall_s: tuple[float, float]) -> MergedWindow:
+        reports = [
+            WindowReport(worker=int(name[1:]), window=index, streams={}, wall_s=wall_s, cpu_s=cpu_s)
+            for name, (cpu_s, wall_s) in cpu_and_wall_s.items()
+        ]
+        return merge_window(reports)
+
+    windows = [window(0, w0=(0.5, 1.0), w1=(0.9, 1.0)), window(1, w0=(0.005, 0.001), w1=(0.9, 1.0))]
+    assert client_cpu_fractions(windows) == pytest.approx([0.505 / 1.001, 0.9])
+
+
 def test_outcomes_are_classified_by_reason() -> None:
     groups = classify(
         {
@@ -263,10 +282,10 @@ def test_collapsed_stacks_are_summarized_by_thread_and_function() -> None:
 
 
 def test_command_line_parses_bench_options() -> None:
-    args = _parser().parse_args(
-        ["bench", "--profile", "smoke", "--configs", "laneserve,echo", "--scenarios", "ad"]
-    )
+    options = "--profile smoke --configs laneserve,echo --scenarios ad --concurrencies 1,128"
+    args = _parser().parse_args(["bench", *options.split()])
     assert args.command == "bench"
+    assert settings_from(args, []).profile.concurrencies == (1, 128)
     assert args.configs == ("laneserve", "echo")
     assert args.scenarios == ("a", "d")
     assert _kinds("workers,laneserve") == ("laneserve", "workers")

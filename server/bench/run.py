@@ -43,7 +43,13 @@ from laneserve.server.bench.settings import (
     Stream,
     Via,
 )
-from laneserve.server.bench.summary import combine, is_stable, summarize_stream, window_figures
+from laneserve.server.bench.summary import (
+    client_cpu_fractions,
+    combine,
+    is_stable,
+    summarize_stream,
+    window_figures,
+)
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -476,7 +482,7 @@ class _Runner:
             )
             for stream in point.streams
         }
-        cpu = [fraction for window in run.used for fraction in window.cpu_fractions]
+        cpu = client_cpu_fractions(run.used) or [0.0]
         saturated = max(cpu) >= CLIENT_SATURATED_FRACTION
         result: dict[str, Any] = {
             "configuration": deployment.name,
@@ -515,7 +521,7 @@ class _Runner:
                 "saturated": saturated,
             },
             "server": stats_delta(stats[0] if stats else None, after),
-            "host": _host_figures(cpu_marks, sum(cpu) / len(run.used)),
+            "host": _host_figures(cpu_marks, sum(cpu)),
         }
         self.document["scenarios"][point.scenario].append(result)
         if not run.stable:

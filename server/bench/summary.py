@@ -72,7 +72,8 @@ class MergedWindow:
     window: int
     streams: dict[str, StreamWindow]
     wall_s: float
-    cpu_fractions: tuple[float, ...]
+    # By client process (worker index): the CPU seconds it used and its window's wall time.
+    client_cpu: dict[int, tuple[float, float]]
 
 
 def merge_window(reports: Sequence[WindowReport]) -> MergedWindow:
@@ -87,8 +88,21 @@ def merge_window(reports: Sequence[WindowReport]) -> MergedWindow:
         window=reports[0].window,
         streams=merged,
         wall_s=wall_s,
-        cpu_fractions=tuple(report.cpu_s / report.wall_s for report in reports),
+        client_cpu={report.worker: (report.cpu_s, report.wall_s) for report in reports},
     )
+
+
+def client_cpu_fractions(windows: Iterable[MergedWindow]) -> list[float]:
+    """Each client process's CPU over `windows` as a share of one core: its CPU seconds
+    over its wall seconds, summed first. Per window the ratio is noise when a late client
+    catches up through windows of a few milliseconds (the kernel credits the CPU of its
+    other threads at clock ticks): it read 490 % of a core on a 2-core machine."""
+    totals: dict[int, tuple[float, float]] = {}
+    for window in windows:
+        for worker, (cpu_s, wall_s) in window.client_cpu.items():
+            total_cpu_s, total_wall_s = totals.get(worker, (0.0, 0.0))
+            totals[worker] = (total_cpu_s + cpu_s, total_wall_s + wall_s)
+    return [cpu_s / wall_s for cpu_s, wall_s in totals.values() if wall_s > 0]
 
 
 def combine(parts: Iterable[StreamWindow]) -> StreamWindow:
