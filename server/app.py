@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+from grpc_channelz.v1 import channelz, channelz_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -46,6 +47,7 @@ from laneserve.v1 import inference_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+CHANNELZ_SERVICE_NAME = channelz_pb2.DESCRIPTOR.services_by_name["Channelz"].full_name
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
@@ -242,8 +244,12 @@ class LaneServer:
             server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        # gRPC's own view: calls started, succeeded and failed, sockets. Calls its core
+        # refused (max_pending_calls) count as started and neither succeeded nor failed.
+        channelz.add_channelz_servicer(server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            (SERVICE_NAME, health.SERVICE_NAME, CHANNELZ_SERVICE_NAME, reflection.SERVICE_NAME),
+            server,
         )
         address = f"{self.config.host}:{self.config.port}"
         self.port = (

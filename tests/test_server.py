@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 import onnxruntime as ort
 import pytest
+from grpc_channelz.v1 import channelz_pb2, channelz_pb2_grpc
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -344,7 +345,12 @@ def test_reflection_and_health_work_out_of_the_box(small_model: Path) -> None:
                     names += [svc.name for svc in answer.list_services_response.service]
                 return names
 
-            assert "laneserve.v1.InferenceService" in await ask()
+            assert set(await ask()) == {
+                "laneserve.v1.InferenceService",
+                "grpc.health.v1.Health",
+                "grpc.channelz.v1.Channelz",
+                "grpc.reflection.v1alpha.ServerReflection",
+            }
             status = await health_status(s.channel, "laneserve.v1.InferenceService")
             assert status == health_pb2.HealthCheckResponse.SERVING
             model = await s.stub.GetModel(pb.GetModelRequest())
@@ -473,6 +479,11 @@ def test_calls_past_the_pending_limit_are_refused_unread_and_never_run(small_mod
                 exception = refusal.exception()
                 assert isinstance(exception, grpc.RpcError)
                 error = error_from_rpc(exception)
+            # gRPC's own counts (the Channelz service, as grpcurl reads it) show them. The
+            # Channelz stubs' types know only sync channels.
+            channelz: Any = channelz_pb2_grpc.ChannelzStub(s.channel)  # type: ignore[arg-type]
+            servers = await channelz.GetServers(channelz_pb2.GetServersRequest())
+            ours = max(servers.server, key=lambda server: server.ref.server_id).data
         ok = {tag for tag, code in enumerate(outcomes) if code == grpc.StatusCode.OK}
         cancelled = {tag for tag, code in enumerate(outcomes) if code == grpc.StatusCode.CANCELLED}
         assert len(ok) + len(cancelled) == sent, f"every call answered OK or refused: {outcomes}"
@@ -482,6 +493,9 @@ def test_calls_past_the_pending_limit_are_refused_unread_and_never_run(small_mod
         assert isinstance(error, CallCancelledError)
         assert error.retryable
         assert "max_pending_calls" in error.message, "the client names the likely cause"
+        neither = ours.calls_started - ours.calls_succeeded - ours.calls_failed
+        assert neither >= len(cancelled), "Channelz counts refused calls as started only"
+        assert ours.calls_succeeded >= len(ok)
 
     asyncio.run(scenario())
 
