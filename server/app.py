@@ -24,6 +24,7 @@ from laneserve.server.cost_model import RunTimeModel
 from laneserve.server.engine import CUDA, Engine
 from laneserve.server.errors import DrainingError
 from laneserve.server.events import FanOut, NullTracer, SchedulerEvents
+from laneserve.server.grpc_calls import GrpcCallCounts
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.memory import (
     MemoryEstimate,
@@ -264,6 +265,7 @@ class LaneServer:
         )
         self._thread.start()
         await server.start()
+        self.telemetry.observe_grpc(GrpcCallCounts().read)  # the newest server: this one
         self._server = server
         self.state = Lifecycle.SERVING
         for name in ("", SERVICE_NAME):

@@ -650,6 +650,13 @@ def test_prometheus_endpoint_serves_the_metrics_over_http(small_model: Path) -> 
         }
         assert capacity == {"interactive": 512.0, "standard": 2048.0, "bulk": 16384.0}
         assert "laneserve_request_duration_seconds" in families
+        # gRPC's own count of the server's calls (Channelz): the one Infer call.
+        grpc_calls = {
+            sample.labels["state"]: sample.value
+            for sample in families["laneserve_grpc_calls"].samples
+            if sample.name == "laneserve_grpc_calls_total"
+        }
+        assert grpc_calls == {"started": 1.0, "succeeded": 1.0, "failed": 0.0}
         assert "laneserve_device_utilization_ratio" not in families  # no GPU here
         # The endpoint goes away with the server.
         with pytest.raises(urllib.error.URLError):

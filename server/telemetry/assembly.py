@@ -12,6 +12,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from laneserve.server.config import LaneConfig, ServerConfig
 from laneserve.server.events import SchedulerEvents
+from laneserve.server.grpc_calls import GrpcCalls
 from laneserve.server.scheduler import LaneDepth
 from laneserve.server.stats import Counts
 from laneserve.server.telemetry.device import DeviceMonitor
@@ -33,6 +34,7 @@ class Telemetry:
     tracer = telemetry.tracing               # RequestTracer, or None: tracing off
     interceptors = telemetry.interceptors    # for grpc.aio.server
     telemetry.observe(thread.depths, lambda: thread.batch_cap, stats.counts)
+    telemetry.observe_grpc(GrpcCallCounts().read)   # after the gRPC server started
     port = telemetry.serve_metrics(host, config.metrics_port)
     ...
     telemetry.close()
@@ -116,6 +118,11 @@ class Telemetry:
         counts (the stats recorder's, which GetStats reports too)."""
         if self.metrics is not None:
             self.metrics.observe(depths, batch_cap, counts)
+
+    def observe_grpc(self, calls: Callable[[], GrpcCalls | None]) -> None:
+        """Where the counter of gRPC's own call counts reads them (once the server runs)."""
+        if self.metrics is not None:
+            self.metrics.observe_grpc(calls)
 
     def serve_metrics(self, host: str, port: int, tls: EndpointTls | None = None) -> int | None:
         """Starts the Prometheus endpoint (HTTPS with `tls`); returns its port (None: not

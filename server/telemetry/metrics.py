@@ -21,6 +21,12 @@ Metric names (OpenTelemetry; Prometheus adds the unit and `_total`, e.g.
     laneserve.device.memory.used  gauge By                         at the last reading
     laneserve.device.memory.budget gauge By                        the memory limit
     laneserve.device.utilization  gauge 1                          NVML; absent without a GPU
+    laneserve.grpc.calls          counter           state          gRPC's own count (Channelz):
+                                                                   started, succeeded, failed
+
+Calls gRPC's core refused (max_pending_calls) or dropped before the servicer saw them
+count in `laneserve.grpc.calls` as started and neither succeeded nor failed; no other
+counter sees them.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from laneserve.server.config import LaneConfig
 from laneserve.server.errors import LaneserveError
 from laneserve.server.events import NullEvents
+from laneserve.server.grpc_calls import GrpcCalls
 from laneserve.server.items import Batch
 from laneserve.server.scheduler import LaneDepth
 from laneserve.server.stats import Counts
@@ -129,6 +136,7 @@ class Metrics(NullEvents):
         self, meter: Meter, lanes: Sequence[LaneConfig], device: DeviceMonitor | None = None
     ) -> None:
         self._sources: _Sources | None = None
+        self._grpc_calls: Callable[[], GrpcCalls | None] | None = None
         self._capacities = [(lane.name, lane.capacity_rows) for lane in lanes]
         self._device = device
         self._memory: tuple[int, int | None] | None = None  # (used, budget) bytes
@@ -164,6 +172,13 @@ class Metrics(NullEvents):
                 unit="{event}",
                 description=description,
             )
+        meter.create_observable_counter(
+            "laneserve.grpc.calls",
+            callbacks=[self._observe_grpc_calls],
+            unit="{call}",
+            description="gRPC's own count of this server's calls (Channelz), by state: "
+            "started, succeeded, failed",
+        )
         meter.create_observable_gauge(
             "laneserve.lane.depth",
             callbacks=[self._observe_depth],
@@ -210,6 +225,19 @@ class Metrics(NullEvents):
         counts: Callable[[], Counts],
     ) -> None:
         self._sources = _Sources(depths, batch_cap, counts)
+
+    def observe_grpc(self, calls: Callable[[], GrpcCalls | None]) -> None:
+        self._grpc_calls = calls
+
+    def _observe_grpc_calls(self, options: CallbackOptions) -> Iterable[Observation]:
+        calls = None if self._grpc_calls is None else self._grpc_calls()
+        if calls is None:
+            return []
+        return [
+            Observation(calls.started, {"state": "started"}),
+            Observation(calls.succeeded, {"state": "succeeded"}),
+            Observation(calls.failed, {"state": "failed"}),
+        ]
 
     def _lane(self, lane: str) -> dict[str, str]:
         attributes = self._lane_attributes.get(lane)
