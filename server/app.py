@@ -24,7 +24,7 @@ from laneserve.server.cost_model import RunTimeModel
 from laneserve.server.engine import CUDA, Engine
 from laneserve.server.errors import DrainingError
 from laneserve.server.events import FanOut, NullTracer, SchedulerEvents
-from laneserve.server.grpc_calls import GrpcCallCounts
+from laneserve.server.grpc_calls import GrpcCallCounts, GrpcCalls
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.memory import (
     MemoryEstimate,
@@ -194,6 +194,7 @@ class LaneServer:
         self._health = health.aio.HealthServicer()
         self._thread: SchedulerThread | None = None
         self._server: grpc.aio.Server | None = None
+        self._grpc_calls: GrpcCallCounts | None = None  # once the gRPC server runs
         self._stopped = asyncio.Event()
         self.port = 0
         self.metrics_port: int | None = None  # the Prometheus endpoint's, once started
@@ -240,6 +241,7 @@ class LaneServer:
                     events=self.events,
                     tracer=self.telemetry.tracing or NullTracer(),
                     device_utilization=self.telemetry.device_utilization,
+                    grpc_calls=self._read_grpc_calls,
                 ),
             ),
             server,
@@ -265,7 +267,8 @@ class LaneServer:
         )
         self._thread.start()
         await server.start()
-        self.telemetry.observe_grpc(GrpcCallCounts().read)  # the newest server: this one
+        self._grpc_calls = GrpcCallCounts()  # the newest server in the process: this one
+        self.telemetry.observe_grpc(self._read_grpc_calls)
         self._server = server
         self.state = Lifecycle.SERVING
         for name in ("", SERVICE_NAME):
@@ -286,6 +289,9 @@ class LaneServer:
             tracing=self.telemetry.tracing is not None,
         )
         return self.port
+
+    def _read_grpc_calls(self) -> GrpcCalls | None:
+        return None if self._grpc_calls is None else self._grpc_calls.read()
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drains: refuses new work, lets queued work finish within the grace period,

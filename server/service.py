@@ -37,6 +37,7 @@ from laneserve.server.events import (
     RequestTracer,
     SchedulerEvents,
 )
+from laneserve.server.grpc_calls import GrpcCalls
 from laneserve.server.idempotency import (
     Cancel,
     ReplayCache,
@@ -85,6 +86,8 @@ class ServiceTelemetry:
     events: SchedulerEvents = dataclasses.field(default_factory=NullEvents)
     tracer: RequestTracer = dataclasses.field(default_factory=NullTracer)
     device_utilization: Callable[[], float | None] = lambda: None
+    # gRPC's own call counts (Channelz); None until the server runs, or when unknown.
+    grpc_calls: Callable[[], GrpcCalls | None] = lambda: None
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
@@ -275,6 +278,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             batch_size=_size_summary(snapshot.batch_size),
             batch_reasons=snapshot.batch_reasons,
             device_utilization=self._telemetry.device_utilization(),
+            grpc_calls=_grpc_calls(self._telemetry.grpc_calls()),
             failed_batches=snapshot.failed_batches,
             idempotent_replays=self._ledger.replays,
             idempotent_joins=self._ledger.joins,
@@ -396,6 +400,12 @@ async def abort_with(
 
 def _tensor_spec(spec: TensorSpec) -> pb.TensorSpec:
     return pb.TensorSpec(name=spec.name, dtype=datatype_of(spec.dtype), shape=list(spec.shape))
+
+
+def _grpc_calls(calls: GrpcCalls | None) -> pb.GrpcCalls | None:
+    if calls is None:
+        return None
+    return pb.GrpcCalls(started=calls.started, succeeded=calls.succeeded, failed=calls.failed)
 
 
 def _memory_fields(memory: MemoryFacts | None) -> dict[str, Any]:

@@ -145,7 +145,22 @@ def render(target: str, model: pb.GetModelResponse, sample: Sample, previous: Sa
             f"splits {stats.batch_splits}  cap changes {_reasons(stats.cap_changes) or '-'}"
         ),
     ]
+    if stats.HasField("grpc_calls"):
+        lines.append(_grpc_line(stats.grpc_calls, old.grpc_calls if old else None, rate))
     return "\n".join(lines) + "\n"
+
+
+def _grpc_line(calls: pb.GrpcCalls, old: pb.GrpcCalls | None, rate: _Rates) -> str:
+    """gRPC's own count: what it neither answered OK nor failed was refused by its core
+    (max_pending_calls), cancelled, or is still running."""
+    other = calls.started - calls.succeeded - calls.failed
+    old_other = None if old is None else old.started - old.succeeded - old.failed
+    return (
+        f"grpc     calls {rate.of(calls.started, old.started if old else None)}/s  "
+        f"ok {rate.of(calls.succeeded, old.succeeded if old else None)}/s  "
+        f"failed {rate.of(calls.failed, old.failed if old else None)}/s  "
+        f"refused by gRPC, cancelled or running {rate.of(other, old_other)}/s"
+    )
 
 
 def _lane_lines(lane: pb.LaneStats, old: pb.LaneStats | None, rate: _Rates) -> list[str]:

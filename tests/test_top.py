@@ -57,10 +57,13 @@ def stats(admitted: int, **fields: object) -> pb.GetStatsResponse:
 
 
 def test_frame_shows_lanes_batches_memory_and_device() -> None:
-    before = Sample(stats(100), taken_s=10.0)
+    before = Sample(
+        stats(100, grpc_calls=pb.GrpcCalls(started=1000, succeeded=900, failed=50)), taken_s=10.0
+    )
     now = Sample(
         stats(
             300,
+            grpc_calls=pb.GrpcCalls(started=1400, succeeded=1100, failed=60),
             memory_limit_bytes=8 * GIB,
             memory_used_bytes=4 * GIB,
             memory_high_watermark_bytes=7 * GIB,
@@ -92,6 +95,11 @@ def test_frame_shows_lanes_batches_memory_and_device() -> None:
     assert "memory   [##########..........] 4.0GiB / 8.0GiB (50%)  watermark 7.0GiB" in frame
     assert "lanes closed: bulk" in frame
     assert "device   util 73%  out of memory 2  splits 2  cap changes out_of_memory=1" in frame
+    # gRPC's own count: 400 started, 200 OK, 10 failed in 2 s; 190 neither.
+    assert (
+        "grpc     calls 200.0/s  ok 100.0/s  failed 5.0/s  "
+        "refused by gRPC, cancelled or running 95.0/s"
+    ) in frame
 
 
 def test_first_frame_averages_since_start_and_shows_absent_figures_as_absent() -> None:
@@ -101,6 +109,7 @@ def test_first_frame_averages_since_start_and_shows_absent_figures_as_absent() -
     assert interactive.split()[4] == "1.0"  # 3723 admitted in 3723 s
     assert "util - (no GPU)" in frame
     assert "memory   no limit set" in frame
+    assert "grpc " not in frame, "no line where the server does not report gRPC's count"
 
 
 def test_top_runs_headless_against_a_real_server(
@@ -128,6 +137,7 @@ def test_top_runs_headless_against_a_real_server(
         assert "providers CPUExecutionProvider" in frame
         assert "batches " in frame
         assert "util - (no GPU)" in frame
+        assert "\ngrpc     calls " in frame  # a real server reports gRPC's own count
     assert "\x1b[" not in out  # not a terminal: no screen control codes
 
 

@@ -650,6 +650,7 @@ class GetStatsResponse(_message.Message):
     IDEMPOTENT_JOINS_FIELD_NUMBER: _builtins.int
     REPLAY_CACHE_ENTRIES_FIELD_NUMBER: _builtins.int
     REPLAY_CACHE_BYTES_FIELD_NUMBER: _builtins.int
+    GRPC_CALLS_FIELD_NUMBER: _builtins.int
     batches: _builtins.int
     mean_batch_size: _builtins.float
     batch_cap: _builtins.int
@@ -699,6 +700,13 @@ class GetStatsResponse(_message.Message):
     def cap_changes(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
     @_builtins.property
     def lanes_closed_by_memory(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def grpc_calls(self) -> Global___GrpcCalls:
+        """gRPC's own count of this server's calls (Channelz). Calls its core refused before
+        the servicer ran (max_pending_calls) count as started only. Absent when gRPC cannot
+        say.
+        """
+
     def __init__(
         self,
         *,
@@ -727,13 +735,39 @@ class GetStatsResponse(_message.Message):
         idempotent_joins: _builtins.int = ...,
         replay_cache_entries: _builtins.int = ...,
         replay_cache_bytes: _builtins.int = ...,
+        grpc_calls: Global___GrpcCalls | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_device_utilization", b"_device_utilization", "batch_size", b"batch_size", "device_utilization", b"device_utilization", "run_time", b"run_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_device_utilization", b"_device_utilization", "batch_size", b"batch_size", "device_utilization", b"device_utilization", "grpc_calls", b"grpc_calls", "run_time", b"run_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_device_utilization", b"_device_utilization", "batch_cap", b"batch_cap", "batch_reasons", b"batch_reasons", "batch_size", b"batch_size", "batch_splits", b"batch_splits", "batches", b"batches", "cap_changes", b"cap_changes", "device_utilization", b"device_utilization", "failed_batches", b"failed_batches", "idempotent_joins", b"idempotent_joins", "idempotent_replays", b"idempotent_replays", "lanes", b"lanes", "lanes_closed_by_memory", b"lanes_closed_by_memory", "max_batch_cap", b"max_batch_cap", "mean_batch_size", b"mean_batch_size", "memory_high_watermark_bytes", b"memory_high_watermark_bytes", "memory_limit_bytes", b"memory_limit_bytes", "memory_low_watermark_bytes", b"memory_low_watermark_bytes", "memory_used_bytes", b"memory_used_bytes", "out_of_memory_events", b"out_of_memory_events", "replay_cache_bytes", b"replay_cache_bytes", "replay_cache_entries", b"replay_cache_entries", "rows_run", b"rows_run", "run_time", b"run_time", "state", b"state", "uptime_s", b"uptime_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_device_utilization", b"_device_utilization", "batch_cap", b"batch_cap", "batch_reasons", b"batch_reasons", "batch_size", b"batch_size", "batch_splits", b"batch_splits", "batches", b"batches", "cap_changes", b"cap_changes", "device_utilization", b"device_utilization", "failed_batches", b"failed_batches", "grpc_calls", b"grpc_calls", "idempotent_joins", b"idempotent_joins", "idempotent_replays", b"idempotent_replays", "lanes", b"lanes", "lanes_closed_by_memory", b"lanes_closed_by_memory", "max_batch_cap", b"max_batch_cap", "mean_batch_size", b"mean_batch_size", "memory_high_watermark_bytes", b"memory_high_watermark_bytes", "memory_limit_bytes", b"memory_limit_bytes", "memory_low_watermark_bytes", b"memory_low_watermark_bytes", "memory_used_bytes", b"memory_used_bytes", "out_of_memory_events", b"out_of_memory_events", "replay_cache_bytes", b"replay_cache_bytes", "replay_cache_entries", b"replay_cache_entries", "rows_run", b"rows_run", "run_time", b"run_time", "state", b"state", "uptime_s", b"uptime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__device_utilization: _TypeAlias = _typing.Literal["device_utilization"]  # noqa: Y015
     _WhichOneofArgType__device_utilization: _TypeAlias = _typing.Literal["_device_utilization", b"_device_utilization"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__device_utilization) -> _WhichOneofReturnType__device_utilization | None: ...
 
 Global___GetStatsResponse: _TypeAlias = GetStatsResponse  # noqa: Y015
+
+@_typing.final
+class GrpcCalls(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STARTED_FIELD_NUMBER: _builtins.int
+    SUCCEEDED_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
+    started: _builtins.int
+    succeeded: _builtins.int
+    failed: _builtins.int
+    def __init__(
+        self,
+        *,
+        started: _builtins.int = ...,
+        succeeded: _builtins.int = ...,
+        failed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed", b"failed", "started", b"started", "succeeded", b"succeeded"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GrpcCalls: _TypeAlias = GrpcCalls  # noqa: Y015
