@@ -125,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-pending-calls",
         type=int,
-        help="calls gRPC's core holds before the event loop takes them; beyond half of it "
+        help="calls gRPC's core holds before the event loop takes them; beyond 3/4 of it "
         "it refuses some, at it all (default 256)",
     )
     serve.add_argument("--tls-cert", help="PEM certificate (chain): the port speaks TLS")
