@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 
@@ -64,14 +65,37 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
                 f"server.{key}: cannot read {path!r} ({error.strerror}); expected a PEM file"
             ) from error
 
+    cert = read("tls_cert", config.tls_cert)
+    key = read("tls_key", config.tls_key)
     client_ca = (
         None if config.tls_client_ca is None else read("tls_client_ca", config.tls_client_ca)
     )
+    _check_pem(config.tls_cert, config.tls_key, config.tls_client_ca)
     return grpc.ssl_server_credentials(
-        [(read("tls_key", config.tls_key), read("tls_cert", config.tls_cert))],
-        root_certificates=client_ca,
-        require_client_auth=client_ca is not None,
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
     )
+
+
+def _check_pem(cert: str, key: str, client_ca: str | None) -> None:
+    """Loads the files as Python's TLS would: gRPC takes any bytes here and fails later
+    with "Failed to bind" and nothing on what was wrong."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key)
+    except ssl.SSLError as error:
+        raise ConfigError(
+            f"server.tls_cert, server.tls_key: {cert!r} and {key!r} are not a PEM "
+            f"certificate (chain) and its private key ({error.reason or error}); expected "
+            "PEM files of a matching certificate and key"
+        ) from error
+    if client_ca is not None:
+        try:
+            context.load_verify_locations(cafile=client_ca)
+        except ssl.SSLError as error:
+            raise ConfigError(
+                f"server.tls_client_ca: {client_ca!r} holds no PEM CA certificate "
+                f"({error.reason or error}); expected the CA that signs client certificates"
+            ) from error
 
 
 def metrics_tls(config: ServerConfig) -> EndpointTls | None:
@@ -255,13 +279,20 @@ class LaneServer:
             server,
         )
         address = f"{self.config.host}:{self.config.port}"
-        self.port = (
-            server.add_insecure_port(address)
-            if credentials is None
-            else server.add_secure_port(address, credentials)
-        )
+        try:
+            self.port = (
+                server.add_insecure_port(address)
+                if credentials is None
+                else server.add_secure_port(address, credentials)
+            )
+        except RuntimeError as error:  # what grpc raises when it cannot bind
+            self.port = 0
+            log.debug("binding %s: %s", address, error)
         if self.port == 0:
-            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+            raise OSError(
+                f"cannot listen on {address}: gRPC could not bind it; expected a local "
+                "address and a free port (--host, --port; 0: any free port)"
+            )
         self.metrics_port = self.telemetry.serve_metrics(
             self.config.host, self.config.metrics_port, metrics_tls(self.config)
         )

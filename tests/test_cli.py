@@ -99,3 +99,23 @@ def test_unreadable_tls_file_is_refused_naming_the_setting(
     )
     assert "server.tls_cert: cannot read" in stderr
     assert "absent.pem" in stderr
+
+
+def test_tls_files_that_are_not_pem_are_refused_naming_the_settings(
+    tmp_path: Path, small_model: Path
+) -> None:
+    """gRPC itself takes any bytes and fails later with "Failed to bind"."""
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    stderr = refused_at_start(
+        "--model", str(small_model), "--tls-cert", str(garbage), "--tls-key", str(garbage)
+    )
+    assert "server.tls_cert, server.tls_key:" in stderr
+    assert "are not a PEM certificate (chain) and its private key" in stderr
+    assert "Traceback" not in stderr
+
+
+def test_an_address_that_cannot_be_bound_is_refused_naming_it(small_model: Path) -> None:
+    stderr = refused_at_start("--model", str(small_model), "--host", "192.0.2.1", "--port", "0")
+    assert "cannot listen on 192.0.2.1:0" in stderr
+    assert "Traceback" not in stderr
