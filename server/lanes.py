@@ -57,6 +57,9 @@ class Lane:
         # Deficit round robin for min_share: rows this lane is owed (> 0) or has
         # overdrawn (< 0) ahead of higher lanes. Only the scheduler changes it.
         self.share_balance_rows = 0
+        # When this lane last admitted a request (None: never): it is active for
+        # ACTIVE_LANE_S after, and batches of lower lanes then keep within its max_wait.
+        self.last_admit_s: float | None = None
 
     @property
     def name(self) -> str:

@@ -13,6 +13,12 @@ has capacity to spare and batching by waiting would only add latency; under load
 backlog rule forms batches by itself), or requests have lately arrived further apart
 than the wait left (waiting would add nobody). Otherwise the scheduler is told when to
 look again.
+
+A lane's max_wait is also the longest its requests wait for lower lanes' sake: rows of
+lower lanes ride along in its batch only within it, and while the lane is active (it
+admitted a request within ACTIVE_LANE_S) a batch of lower lanes alone holds only what runs
+within it, so the session is never busy with bulk work for longer than an interactive
+request accepts to wait (see `_plan`). A full batch is one at that limit.
 """
 
 from __future__ import annotations
@@ -61,6 +67,10 @@ ARRIVAL_GAP_ALPHA = 0.1
 # below WAIT_UTILIZATION a free session does not wait for company (see `decide`).
 UTILIZATION_WINDOW_S = 0.1
 WAIT_UTILIZATION = 0.5
+# A lane that admitted a request within this long is active: a batch without its rows
+# then runs no longer than its max_wait (see `_plan`), so its next request does not
+# wait behind a long run of lower lanes.
+ACTIVE_LANE_S = 0.1
 # Suggested wait before retrying a request refused for memory pressure.
 MEMORY_PRESSURE_RETRY_S = 0.25
 
@@ -85,6 +95,8 @@ class _Plan:
     taken: list[tuple[Entry, int]] = dataclasses.field(default_factory=list)
     # Per lane priority served in pass 1: (allowance, rows taken against it).
     share_used: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # The most rows this batch may hold: the cap, or less where a higher lane is active.
+    limit_rows: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -162,6 +174,7 @@ class Scheduler:
             dispatch_by_s=now_s + lane.max_wait_s,
         )
         lane.push(entry)
+        lane.last_admit_s = now_s
         if self._last_admit_s is not None:
             gap_s = now_s - self._last_admit_s
             self._arrival_gap_s = (
@@ -282,12 +295,12 @@ class Scheduler:
 
     def decide(self, now_s: float, idle_since_s: float) -> Decision:
         """What to do now that the session is free (and has been since `idle_since_s`)."""
-        plan = self._plan()
+        plan = self._plan(now_s)
         if not plan.taken:
             return None
         rows = sum(taken for _, taken in plan.taken)
         reason: DispatchReason | None = None
-        if rows >= self.batch_cap:
+        if rows >= plan.limit_rows:
             reason = DispatchReason.FULL
         elif any(entry.enqueued_s < idle_since_s for entry, _ in plan.taken):
             reason = DispatchReason.BACKLOG
@@ -314,7 +327,7 @@ class Scheduler:
             return False
         return self._arrival_gap_s is None or self._arrival_gap_s <= wait_left_s
 
-    def _plan(self) -> _Plan:
+    def _plan(self, now_s: float) -> _Plan:
         """The next batch, without changing any state.
 
         Pass 1 serves the minimum shares as deficit round robin: a lane with work may
@@ -334,18 +347,22 @@ class Scheduler:
         own rows' run time, if longer). An interactive request waits for company at most
         its max_wait; padding its batch with bulk rows would make it wait longer in the
         session instead.
+
+        The same bound holds for a lane that is active (it admitted a request within
+        ACTIVE_LANE_S) but has nothing queued: a batch of lower lanes then holds only what
+        is expected to run within that lane's max_wait (at least one whole request), since
+        its next request would wait for the whole run.
         """
         plan = _Plan()
         taken: dict[int, tuple[Entry, int]] = {}
-        room = self.batch_cap
         # The batch takes the shape of the highest-priority queued work, fixed before
         # pass 1: a lower lane's share must never shut a higher lane's differently
         # shaped work out of every batch.
-        signature: Signature | None = next(
-            (entry.request.signature for lane in self.lanes for entry in lane), None
-        )
-        if signature is None:
+        first: Entry | None = next((entry for lane in self.lanes for entry in lane), None)
+        if first is None:
             return plan
+        signature: Signature = first.request.signature
+        room = plan.limit_rows = self._limit_rows(now_s, first)
 
         present: set[int] = set()  # priorities of the lanes with rows in the batch
 
@@ -383,13 +400,22 @@ class Scheduler:
             fill(lane, self.batch_cap)
             if not lead_seen and lane.priority in present:
                 lead_seen = True  # the batch's highest lane: budget the lanes below it
-                rows = self.batch_cap - room
+                rows = plan.limit_rows - room
                 budget_rows = max(
                     rows, self.run_time.rows_within_s(lane.max_wait_s, self.batch_cap)
                 )
                 room = min(room, budget_rows - rows)
         plan.taken = list(taken.values())
         return plan
+
+    def _limit_rows(self, now_s: float, first: Entry) -> int:
+        """The batch cap, or the rows expected to run within the max_wait of the highest
+        active lane above `first`'s (the highest queued work), never below `first`."""
+        for lane in self.lanes[: first.priority]:
+            if lane.last_admit_s is not None and now_s - lane.last_admit_s < ACTIVE_LANE_S:
+                within = self.run_time.rows_within_s(lane.max_wait_s, self.batch_cap)
+                return max(within, min(first.queued_rows, self.batch_cap))
+        return self.batch_cap
 
     def _share_rows(self, lane: Lane) -> int:
         return math.ceil(lane.config.min_share * self.batch_cap)

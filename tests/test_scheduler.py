@@ -39,7 +39,7 @@ from laneserve.server.items import (
     Outcome,
 )
 from laneserve.server.lanes import Entry, Lane
-from laneserve.server.scheduler import Dispatch, Scheduler, WaitUntil
+from laneserve.server.scheduler import ACTIVE_LANE_S, Dispatch, Scheduler, WaitUntil
 
 T0 = 1_000.0
 CAP = 8
@@ -1138,8 +1138,42 @@ def test_lower_lanes_ride_along_only_within_the_top_lanes_max_wait() -> None:
     batch = dispatch(scheduler, T0, idle_since_s=math.inf)
     assert rows_by_lane(batch) == Counter({"interactive": 1, "bulk": 21})
     scheduler.complete(run(batch))
-    # With no interactive work left, bulk fills the cap again.
-    assert rows_by_lane(dispatch(scheduler, T0, idle_since_s=math.inf)) == Counter({"bulk": 64})
+    # With no interactive work left, bulk fills the cap again once interactive has been
+    # quiet for ACTIVE_LANE_S (until then its next request must not wait behind 64 rows).
+    later_s = T0 + ACTIVE_LANE_S
+    assert rows_by_lane(dispatch(scheduler, later_s, math.inf)) == Counter({"bulk": 64})
+
+
+def test_an_active_higher_lane_bounds_batches_of_lower_lanes_to_its_max_wait() -> None:
+    """Interactive (max_wait 2 ms) admitted a request lately and has nothing queued: a
+    bulk batch holds what runs within 2 ms (22 rows), and goes at once (it is as full as
+    it may be); once interactive has been quiet for ACTIVE_LANE_S, bulk fills the cap."""
+    scheduler = make_scheduler(TOP_DOWN_LANES, cap=64)
+    scheduler.admit(make_request(500, "interactive", 1), T0)
+    scheduler.complete(run(dispatch(scheduler, T0, math.inf), run_s=0.001))
+    for index in range(200):
+        scheduler.admit(make_request(index, "bulk", 1), T0 + 0.001)
+    decision = scheduler.decide(T0 + 0.001, idle_since_s=T0 + 0.001)  # no backlog
+    assert isinstance(decision, Dispatch), "as full as it may be: no wait for company"
+    assert decision.batch.reason is DispatchReason.FULL
+    assert rows_by_lane(decision.batch) == Counter({"bulk": 22})
+    scheduler.complete(run(decision.batch, run_s=0.001 + 21 / 63 * 0.003))  # as predicted
+    just_active_s = T0 + ACTIVE_LANE_S - 0.0001
+    batch = dispatch(scheduler, just_active_s, math.inf)
+    assert rows_by_lane(batch) == Counter({"bulk": 22})
+    scheduler.complete(run(batch, run_s=0.001 + 21 / 63 * 0.003))
+    quiet_s = T0 + ACTIVE_LANE_S
+    assert rows_by_lane(dispatch(scheduler, quiet_s, math.inf)) == Counter({"bulk": 64})
+
+
+def test_an_active_lane_still_lets_one_whole_request_of_a_lower_lane_run() -> None:
+    """A bulk request larger than the budget runs whole: the bound never stalls a lane."""
+    scheduler = make_scheduler(TOP_DOWN_LANES, cap=64)
+    scheduler.admit(make_request(500, "interactive", 1), T0)
+    scheduler.complete(run(dispatch(scheduler, T0, math.inf), run_s=0.001))
+    scheduler.admit(make_request(1, "bulk", 40), T0)
+    scheduler.admit(make_request(2, "bulk", 10), T0)
+    assert rows_by_lane(dispatch(scheduler, T0, math.inf)) == Counter({"bulk": 40})
 
 
 def test_the_top_lanes_own_rows_are_never_cut_by_the_budget() -> None:
