@@ -235,7 +235,9 @@ class LaneServer:
             clock=self.clock,
             memory_gauge=self.memory_gauge,
         )
-        self.telemetry.observe(thread.depths, lambda: thread.batch_cap, self.stats.counts)
+        self.telemetry.observe(
+            thread.depths, lambda: thread.batch_cap, self.stats.counts, self._read_grpc_calls
+        )
         limit = self.config.max_message_bytes
         server = grpc.aio.server(
             interceptors=self.telemetry.interceptors,
@@ -299,7 +301,6 @@ class LaneServer:
         self._thread.start()
         await server.start()
         self._grpc_calls = GrpcCallCounts()  # the newest server in the process: this one
-        self.telemetry.observe_grpc(self._read_grpc_calls)
         self._server = server
         self.state = Lifecycle.SERVING
         for name in ("", SERVICE_NAME):

@@ -596,7 +596,7 @@ def test_memory_and_out_of_memory_events_reach_the_metrics() -> None:
     metrics = telemetry.metrics
     assert metrics is not None
     stats = StatsRecorder([lane.name for lane in lanes])
-    telemetry.observe(list, lambda: 64, stats.counts)
+    telemetry.observe(list, lambda: 64, stats.counts, lambda: None)
     events = FanOut(stats, metrics)
     events.out_of_memory(64)
     events.batch_split(64)

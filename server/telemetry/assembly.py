@@ -33,8 +33,7 @@ class Telemetry:
     sinks = telemetry.events                 # SchedulerEvents sinks
     tracer = telemetry.tracing               # RequestTracer, or None: tracing off
     interceptors = telemetry.interceptors    # for grpc.aio.server
-    telemetry.observe(thread.depths, lambda: thread.batch_cap, stats.counts)
-    telemetry.observe_grpc(GrpcCallCounts().read)   # after the gRPC server started
+    telemetry.observe(thread.depths, lambda: thread.batch_cap, stats.counts, grpc_calls)
     port = telemetry.serve_metrics(host, config.metrics_port)
     ...
     telemetry.close()
@@ -113,16 +112,13 @@ class Telemetry:
         depths: Callable[[], Sequence[LaneDepth]],
         batch_cap: Callable[[], int],
         counts: Callable[[], Counts],
+        grpc_calls: Callable[[], GrpcCalls | None],
     ) -> None:
         """Where the gauges read lane depths and the batch cap, and the counters their
-        counts (the stats recorder's, which GetStats reports too)."""
+        counts (the stats recorder's, which GetStats reports too) and gRPC's own call
+        counts (None until the gRPC server runs)."""
         if self.metrics is not None:
-            self.metrics.observe(depths, batch_cap, counts)
-
-    def observe_grpc(self, calls: Callable[[], GrpcCalls | None]) -> None:
-        """Where the counter of gRPC's own call counts reads them (once the server runs)."""
-        if self.metrics is not None:
-            self.metrics.observe_grpc(calls)
+            self.metrics.observe(depths, batch_cap, counts, grpc_calls)
 
     def serve_metrics(self, host: str, port: int, tls: EndpointTls | None = None) -> int | None:
         """Starts the Prometheus endpoint (HTTPS with `tls`); returns its port (None: not

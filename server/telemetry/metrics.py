@@ -63,6 +63,8 @@ class _Sources:
     depths: Callable[[], Sequence[LaneDepth]]
     batch_cap: Callable[[], int]
     counts: Callable[[], Counts]
+    # gRPC's own call counts; None until the gRPC server runs, or when gRPC cannot say.
+    grpc_calls: Callable[[], GrpcCalls | None]
 
 
 # Counter name, description, the attribute names of its keys, and where in the stats
@@ -136,7 +138,6 @@ class Metrics(NullEvents):
         self, meter: Meter, lanes: Sequence[LaneConfig], device: DeviceMonitor | None = None
     ) -> None:
         self._sources: _Sources | None = None
-        self._grpc_calls: Callable[[], GrpcCalls | None] | None = None
         self._capacities = [(lane.name, lane.capacity_rows) for lane in lanes]
         self._device = device
         self._memory: tuple[int, int | None] | None = None  # (used, budget) bytes
@@ -223,14 +224,12 @@ class Metrics(NullEvents):
         depths: Callable[[], Sequence[LaneDepth]],
         batch_cap: Callable[[], int],
         counts: Callable[[], Counts],
+        grpc_calls: Callable[[], GrpcCalls | None],
     ) -> None:
-        self._sources = _Sources(depths, batch_cap, counts)
-
-    def observe_grpc(self, calls: Callable[[], GrpcCalls | None]) -> None:
-        self._grpc_calls = calls
+        self._sources = _Sources(depths, batch_cap, counts, grpc_calls)
 
     def _observe_grpc_calls(self, options: CallbackOptions) -> Iterable[Observation]:
-        calls = None if self._grpc_calls is None else self._grpc_calls()
+        calls = None if self._sources is None else self._sources.grpc_calls()
         if calls is None:
             return []
         return [
