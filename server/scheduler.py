@@ -401,9 +401,7 @@ class Scheduler:
             if not lead_seen and lane.priority in present:
                 lead_seen = True  # the batch's highest lane: budget the lanes below it
                 rows = plan.limit_rows - room
-                budget_rows = max(
-                    rows, self.run_time.rows_within_s(lane.max_wait_s, self.batch_cap)
-                )
+                budget_rows = max(rows, self._rows_within_wait(lane))
                 room = min(room, budget_rows - rows)
         plan.taken = list(taken.values())
         return plan
@@ -413,9 +411,13 @@ class Scheduler:
         active lane above `first`'s (the highest queued work), never below `first`."""
         for lane in self.lanes[: first.priority]:
             if lane.last_admit_s is not None and now_s - lane.last_admit_s < ACTIVE_LANE_S:
-                within = self.run_time.rows_within_s(lane.max_wait_s, self.batch_cap)
-                return max(within, min(first.queued_rows, self.batch_cap))
+                return max(self._rows_within_wait(lane), min(first.queued_rows, self.batch_cap))
         return self.batch_cap
+
+    def _rows_within_wait(self, lane: Lane) -> int:
+        """Rows expected to run within `lane`'s max_wait: how much lower lanes' work may
+        keep it waiting (in its batch, or ahead of its next request)."""
+        return self.run_time.rows_within_s(lane.max_wait_s, self.batch_cap)
 
     def _share_rows(self, lane: Lane) -> int:
         return math.ceil(lane.config.min_share * self.batch_cap)
