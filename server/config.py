@@ -136,8 +136,8 @@ class ServerConfig:
     # read is shed where shedding is cheap, and what gets through is fresher. Refused
     # calls end CANCELLED and never ran (safe to retry). gRPC's own default is 3 000
     # (1 000 soft): over a second of calls on 2 cores. 256 refuses nothing below ~190
-    # calls in flight; deadline-bound deployments size it near deadline x throughput / 2
-    # (README, Lanes).
+    # calls in flight (its queue held ~0.2 s under 300 % overload here); deadline-bound
+    # deployments size it near deadline x throughput / 2 (README, Lanes).
     max_pending_calls: int = 256
     # gRPC's own message size limit, both directions.
     max_message_bytes: int = 64 * 1024 * 1024
