@@ -217,10 +217,11 @@ class LaneServer:
         )
         self._health = health.aio.HealthServicer()
         self._thread: SchedulerThread | None = None
-        self._server: grpc.aio.Server | None = None
+        self._servers: list[grpc.aio.Server] = []  # the main port's first
         self._grpc_calls: GrpcCallCounts | None = None  # once the gRPC server runs
         self._stopped = asyncio.Event()
         self.port = 0
+        self.priority_port: int | None = None  # bound, when configured
         self.metrics_port: int | None = None  # the Prometheus endpoint's, once started
 
     async def start(self) -> int:
@@ -236,72 +237,48 @@ class LaneServer:
             memory_gauge=self.memory_gauge,
         )
         self.telemetry.observe(
-            thread.depths, lambda: thread.batch_cap, self.stats.counts, self._read_grpc_calls
+            thread.depths, lambda: thread.batch_cap, self.stats.counts, self.grpc_calls
         )
-        limit = self.config.max_message_bytes
-        server = grpc.aio.server(
-            interceptors=self.telemetry.interceptors,
-            maximum_concurrent_rpcs=self.config.max_concurrent_rpcs,
-            options=[
-                ("grpc.max_receive_message_length", limit),
-                ("grpc.max_send_message_length", limit),
-                *pending_call_limits(self.config.max_pending_calls),
-            ],
-        )
-        pb_grpc.add_InferenceServiceServicer_to_server(
-            InferenceServicer(
-                self.config,
-                self.engine,
-                self._thread,
-                self.stats,
-                state=lambda: self.state,
-                clock=self.clock,
-                started_s=self.clock.monotonic(),
-                memory=MemoryFacts(
-                    limit_bytes=self.engine.memory_limit_bytes,
-                    probed_batch_cap=self.probe.batch_cap,
-                    estimate=self.memory_estimate,
-                    measured=self.probe.memory_fit,
-                ),
-                telemetry=ServiceTelemetry(
-                    events=self.events,
-                    tracer=self.telemetry.tracing or NullTracer(),
-                    device_utilization=self.telemetry.device_utilization,
-                    grpc_calls=self._read_grpc_calls,
-                ),
+        servicer = InferenceServicer(
+            self.config,
+            self.engine,
+            self._thread,
+            self.stats,
+            state=lambda: self.state,
+            clock=self.clock,
+            started_s=self.clock.monotonic(),
+            memory=MemoryFacts(
+                limit_bytes=self.engine.memory_limit_bytes,
+                probed_batch_cap=self.probe.batch_cap,
+                estimate=self.memory_estimate,
+                measured=self.probe.memory_fit,
             ),
-            server,
+            telemetry=ServiceTelemetry(
+                events=self.events,
+                tracer=self.telemetry.tracing or NullTracer(),
+                device_utilization=self.telemetry.device_utilization,
+                grpc_calls=self.grpc_calls,
+            ),
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        # gRPC's own view: calls started, succeeded and failed, sockets. Calls its core
-        # refused (max_pending_calls) count as started and neither succeeded nor failed.
-        channelz.add_channelz_servicer(server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, CHANNELZ_SERVICE_NAME, reflection.SERVICE_NAME),
-            server,
-        )
-        address = f"{self.config.host}:{self.config.port}"
-        try:
-            self.port = (
-                server.add_insecure_port(address)
-                if credentials is None
-                else server.add_secure_port(address, credentials)
+        # One gRPC server per port, all in front of the same servicer and lanes: gRPC's
+        # core queues the calls the event loop has not yet taken per server, so calls on
+        # the priority port never wait behind a flood queued on the main port.
+        known_servers = GrpcCallCounts.server_ids()
+        server, self.port = self._grpc_server(servicer, credentials, self.config.port, "port")
+        servers = [server]
+        if self.config.priority_port >= 0:
+            priority, self.priority_port = self._grpc_server(
+                servicer, credentials, self.config.priority_port, "priority_port"
             )
-        except RuntimeError as error:  # what grpc raises when it cannot bind
-            self.port = 0
-            log.debug("binding %s: %s", address, error)
-        if self.port == 0:
-            raise OSError(
-                f"cannot listen on {address}: gRPC could not bind it; expected a local "
-                "address and a free port (--host, --port; 0: any free port)"
-            )
+            servers.append(priority)
         self.metrics_port = self.telemetry.serve_metrics(
             self.config.host, self.config.metrics_port, metrics_tls(self.config)
         )
         self._thread.start()
-        await server.start()
-        self._grpc_calls = GrpcCallCounts()  # the newest server in the process: this one
-        self._server = server
+        for each in servers:
+            await each.start()
+        self._grpc_calls = GrpcCallCounts(GrpcCallCounts.server_ids() - known_servers)
+        self._servers = servers
         self.state = Lifecycle.SERVING
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -309,9 +286,11 @@ class LaneServer:
             log,
             logging.INFO,
             "startup",
-            f"serving {self.config.model_path} on {self.config.host}:{self.port}",
+            f"serving {self.config.model_path} on {self.config.host}:{self.port}"
+            + ("" if self.priority_port is None else f", priority port {self.priority_port}"),
             model=self.config.model_path,
             port=self.port,
+            priority_port=self.priority_port,
             providers=self.engine.providers,
             batch_cap=self.scheduler.batch_cap,
             max_batch_size=self.config.max_batch_size,
@@ -322,7 +301,53 @@ class LaneServer:
         )
         return self.port
 
-    def _read_grpc_calls(self) -> GrpcCalls | None:
+    def _grpc_server(
+        self,
+        servicer: InferenceServicer,
+        credentials: grpc.ServerCredentials | None,
+        port: int,
+        setting: str,
+    ) -> tuple[grpc.aio.Server, int]:
+        """A gRPC server with every service, bound to `port` on the configured host, and
+        the port it bound; raises OSError naming `setting` when it cannot bind."""
+        limit = self.config.max_message_bytes
+        server = grpc.aio.server(
+            interceptors=self.telemetry.interceptors,
+            maximum_concurrent_rpcs=self.config.max_concurrent_rpcs,
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                *pending_call_limits(self.config.max_pending_calls),
+            ],
+        )
+        pb_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        # gRPC's own view: calls started, succeeded and failed, sockets. Calls its core
+        # refused (max_pending_calls) count as started and neither succeeded nor failed.
+        channelz.add_channelz_servicer(server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, CHANNELZ_SERVICE_NAME, reflection.SERVICE_NAME),
+            server,
+        )
+        address = f"{self.config.host}:{port}"
+        bound = 0
+        try:
+            bound = (
+                server.add_insecure_port(address)
+                if credentials is None
+                else server.add_secure_port(address, credentials)
+            )
+        except RuntimeError as error:  # what grpc raises when it cannot bind
+            log.debug("binding %s: %s", address, error)
+        if bound == 0:
+            raise OSError(
+                f"cannot listen on {address} (server.{setting}): gRPC could not bind it; "
+                "expected a local address and a free port (0: any free port)"
+            )
+        return server, bound
+
+    def grpc_calls(self) -> GrpcCalls | None:
+        """gRPC's own call counts, summed over this server's ports; None before start."""
         return None if self._grpc_calls is None else self._grpc_calls.read()
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -335,7 +360,7 @@ class LaneServer:
         grace_s = self.config.drain_grace_s if grace_s is None else grace_s
         await self._health.enter_graceful_shutdown()
         assert self._thread is not None
-        assert self._server is not None
+        assert self._servers
         self._thread.stop_accepting()
         drained = await asyncio.to_thread(self._thread.wait_drained, grace_s)
         if not drained:
@@ -344,7 +369,7 @@ class LaneServer:
             self._thread.close, DrainingError("server shut down before this request could run")
         )
         # Every RPC now has its answer; give them a moment to be written.
-        await self._server.stop(grace=2.0)
+        await asyncio.gather(*(server.stop(grace=2.0) for server in self._servers))
         self.telemetry.close()
         self.state = Lifecycle.STOPPED
         self._stopped.set()

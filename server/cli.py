@@ -43,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             overrides={
                 "host": args.host,
                 "port": args.port,
+                "priority_port": args.priority_port,
                 "max_batch_size": args.max_batch_size,
                 "batch_cap": args.batch_cap,
                 "memory_limit": args.memory_limit,
@@ -102,6 +103,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="TOML file with [server] settings and [[lanes]]")
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (default 50051; 0 = any)")
+    serve.add_argument(
+        "--priority-port",
+        type=int,
+        help="a second port for latency-critical callers, with its own queue in gRPC's "
+        "core in front of the same lanes (0 = any; default none)",
+    )
     serve.add_argument("--max-batch-size", type=int, help="upper bound of rows per batch")
     serve.add_argument(
         "--batch-cap", type=int, help="fix the batch cap instead of probing memory for it"

@@ -114,6 +114,12 @@ class ServerConfig:
     model_path: str
     host: str = "127.0.0.1"
     port: int = 50051
+    # A second port for latency-critical callers, in front of the same lanes: gRPC's
+    # core queues the calls the event loop has not yet taken per port (each bounded by
+    # max_pending_calls), so a call here never waits behind a flood of calls queued on
+    # `port`. Lanes order calls only once the event loop has taken them. 0 = any free
+    # port (logged at start), -1 = none.
+    priority_port: int = -1
     # Upper bound of the batch cap (rows per session run).
     max_batch_size: int = 128
     # Lanes, highest priority first.
@@ -184,6 +190,12 @@ class ServerConfig:
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"server.{key}: expected a non-empty string, got {value!r}")
         _check_int("server.port", self.port, minimum=0, maximum=65_535)
+        _check_int("server.priority_port", self.priority_port, minimum=-1, maximum=65_535)
+        if self.priority_port > 0 and self.priority_port == self.port:
+            raise ConfigError(
+                f"server.priority_port: expected a port other than server.port, got "
+                f"{self.priority_port} for both"
+            )
         _check_int("server.max_batch_size", self.max_batch_size, minimum=1)
         if self.batch_cap is not None:
             _check_int("server.batch_cap", self.batch_cap, minimum=1, maximum=self.max_batch_size)

@@ -1,4 +1,4 @@
-"""gRPC's own count of this server's calls (Channelz, read in-process).
+"""gRPC's own count of the calls of this server's ports (Channelz, read in-process).
 
 laneserve's counters start where its servicer does; calls gRPC's core refused before
 that (`max_pending_calls`) or dropped there (expired before the event loop took them)
@@ -38,33 +38,46 @@ def _no_context() -> grpc.ServicerContext:
 
 
 class GrpcCallCounts:
-    """Reads one server's call counts. Create it right after that server started: it
-    takes the newest server gRPC knows in this process (ids only grow)."""
+    """Reads the summed call counts of some of this process's gRPC servers, by Channelz id.
 
-    def __init__(self) -> None:
-        newest = 0
+    known = GrpcCallCounts.server_ids()
+    ... create and start the servers ...
+    counts = GrpcCallCounts(GrpcCallCounts.server_ids() - known)
+    """
+
+    def __init__(self, server_ids: set[int]) -> None:
+        self._ids = frozenset(server_ids)
+
+    @staticmethod
+    def server_ids() -> set[int]:
+        """The Channelz ids of every gRPC server this process has now."""
+        ids: set[int] = set()
         start = 0
         while True:
             page: object = ChannelzServicer.GetServers(
                 channelz_pb2.GetServersRequest(start_server_id=start), _no_context()
             )
             if not isinstance(page, channelz_pb2.GetServersResponse) or not page.server:
-                break
-            ids = [server.ref.server_id for server in page.server]
-            newest = max(newest, *ids)
+                return ids
+            page_ids = [server.ref.server_id for server in page.server]
+            ids.update(page_ids)
             if page.end:
-                break
-            start = max(ids) + 1
-        self.server_id = newest
+                return ids
+            start = max(page_ids) + 1
 
     def read(self) -> GrpcCalls | None:
-        """Counts since the server started; None when gRPC cannot say (channelz off)."""
-        if self.server_id == 0:
+        """Counts since the servers started; None when gRPC cannot say (channelz off)."""
+        if not self._ids:
             return None
-        response: object = ChannelzServicer.GetServer(
-            channelz_pb2.GetServerRequest(server_id=self.server_id), _no_context()
-        )
-        if not isinstance(response, channelz_pb2.GetServerResponse):
-            return None
-        data = response.server.data
-        return GrpcCalls(data.calls_started, data.calls_succeeded, data.calls_failed)
+        started = succeeded = failed = 0
+        for server_id in self._ids:
+            response: object = ChannelzServicer.GetServer(
+                channelz_pb2.GetServerRequest(server_id=server_id), _no_context()
+            )
+            if not isinstance(response, channelz_pb2.GetServerResponse):
+                return None
+            data = response.server.data
+            started += data.calls_started
+            succeeded += data.calls_succeeded
+            failed += data.calls_failed
+        return GrpcCalls(started, succeeded, failed)

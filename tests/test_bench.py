@@ -94,9 +94,13 @@ def test_short_run_writes_well_formed_json_with_every_key(
         "bulk alone, closed loop",
         "with bulk at 200% over InferStream",
         "with bulk at 200% over Infer",
+        "with bulk at 200% over Infer, interactive on the priority port",
     ]
     bulk_over_stream = written["scenarios"]["c"][2]["lanes"]["bulk"]
     assert bulk_over_stream["ok"] > 0, "bulk items were answered over InferStream"
+    on_priority_port = written["scenarios"]["c"][4]
+    assert on_priority_port["streams"][0]["port"] == "priority"
+    assert on_priority_port["lanes"]["interactive"]["ok"] > 0, "the priority port answered"
     deadlines = [point["streams"][0]["deadline_in"] for point in written["scenarios"]["d"]]
     assert deadlines == ["timeout_ms", "grpc"]
     saturation = written["scenarios"]["a"][0]
@@ -114,6 +118,7 @@ def test_short_run_writes_well_formed_json_with_every_key(
         "vs_no_batching",
         "isolation_p99_stream",
         "isolation_p99_unary",
+        "isolation_p99_unary_priority_port",
         "overload_expired_executed",
     }
     report = Path(outputs["markdown"]).read_text()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,6 +113,20 @@ def test_tls_files_that_are_not_pem_are_refused_naming_the_settings(
     )
     assert "server.tls_cert, server.tls_key:" in stderr
     assert "are not a PEM certificate (chain) and its private key" in stderr
+    assert "Traceback" not in stderr
+
+
+def test_a_priority_port_that_cannot_be_bound_is_refused_naming_the_setting(
+    small_model: Path,
+) -> None:
+    with socket.socket() as held:  # listening without SO_REUSEPORT: gRPC cannot share it
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        stderr = refused_at_start(
+            "--model", str(small_model), "--port", "0", "--priority-port", str(port)
+        )
+    assert f"cannot listen on 127.0.0.1:{port} (server.priority_port)" in stderr
     assert "Traceback" not in stderr
 
 

@@ -119,6 +119,14 @@ def test_keys_missing_from_the_file_keep_their_defaults(tmp_path: Path) -> None:
             "[server]\nmax_batch_size = true\n", "server.max_batch_size", id="bool-batch-size"
         ),
         pytest.param("[server]\nport = false\n", "server.port", id="bool-port"),
+        pytest.param(
+            "[server]\nport = 9000\npriority_port = 9000\n",
+            "server.priority_port",
+            id="priority-port-same-as-port",
+        ),
+        pytest.param(
+            "[server]\npriority_port = -2\n", "server.priority_port", id="priority-port-negative"
+        ),
         pytest.param("[server]\ndrain_grace_s = true\n", "server.drain_grace_s", id="bool-grace"),
         pytest.param(
             "[server]\nintra_op_threads = true\n", "server.intra_op_threads", id="bool-threads"

@@ -108,25 +108,33 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 @dataclasses.dataclass(frozen=True)
 class Served:
     target: str  # the gRPC port
+    priority_target: str  # the priority port: the same TLS
     metrics_port: int
 
 
 @contextlib.asynccontextmanager
 async def tls_servers(model: Path, pki: Pki) -> AsyncIterator[tuple[Served, Served]]:
-    """Two LaneServers whose gRPC ports speak TLS (their tls_* settings), the second
-    requiring a client certificate (mutual TLS), each with its metrics endpoint."""
+    """Two LaneServers whose gRPC ports (main and priority) speak TLS (their tls_*
+    settings), the second requiring a client certificate (mutual TLS), each with its
+    metrics endpoint."""
     async with contextlib.AsyncExitStack() as stack:
         served = []
         for require_client_auth in (False, True):
             tls = pki.server_tls(require_client_auth=require_client_auth)
             server = LaneServer(
                 RecordingEngine(str(model)),
-                config(model, host="127.0.0.1", port=0, metrics_port=0, **tls),
+                config(model, host="127.0.0.1", port=0, priority_port=0, metrics_port=0, **tls),
             )
             port = await server.start()
             stack.push_async_callback(server.stop, grace_s=5.0)
             assert server.metrics_port is not None
-            served.append(Served(f"127.0.0.1:{port}", server.metrics_port))
+            served.append(
+                Served(
+                    f"127.0.0.1:{port}",
+                    f"127.0.0.1:{server.priority_port}",
+                    server.metrics_port,
+                )
+            )
         yield served[0], served[1]
 
 
@@ -171,6 +179,16 @@ def test_client_speaks_tls_and_mutual_tls(
                 refused, mtls.target, TlsConfig(root_certificates=ca, server_name=SERVER_NAME)
             )
             assert no_cert.code == grpc.StatusCode.UNAVAILABLE, no_cert
+
+            # The priority port speaks the same TLS.
+            got = await asyncio.to_thread(infer, mtls.priority_target, mutual)
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+            for target, tls_config in (
+                (tls.priority_target, None),
+                (mtls.priority_target, TlsConfig(root_certificates=ca, server_name=SERVER_NAME)),
+            ):
+                refusal = await asyncio.to_thread(refused, target, tls_config)
+                assert refusal.code == grpc.StatusCode.UNAVAILABLE, refusal
 
     asyncio.run(scenario())
 

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import random
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -496,6 +497,62 @@ def test_calls_past_the_pending_limit_are_refused_unread_and_never_run(small_mod
         neither = ours.calls_started - ours.calls_succeeded - ours.calls_failed
         assert neither >= len(cancelled), "Channelz counts refused calls as started only"
         assert ours.calls_succeeded >= len(ok)
+
+    asyncio.run(scenario())
+
+
+def test_a_call_on_the_priority_port_does_not_queue_behind_the_main_ports_calls(
+    small_model: Path,
+) -> None:
+    """gRPC's core queues the calls the event loop has not taken per port. With the loop
+    blocked (as a flood would keep it busy) and the main port's queue full, so that the
+    core refuses every further call there, a call on the priority port is still held,
+    then served by the same lanes."""
+    sent = 32
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        settings = config(small_model, max_pending_calls=4, priority_port=0)
+        async with serving(engine, settings) as s:
+            assert s.server.priority_port not in (None, s.server.port)
+            refused = threading.Event()
+            futures: list[Any] = []
+
+            def held_by_the_core(calls: int) -> None:
+                """Blocks until gRPC's core has `calls` calls: it counts a call as
+                started when it holds it, before any Python runs."""
+                give_up_s = time.monotonic() + 30
+                while (counts := s.server.grpc_calls()) is None or counts.started < calls:
+                    assert time.monotonic() < give_up_s, f"calls not held: {counts}"
+                    time.sleep(0.005)
+
+            with (
+                grpc.insecure_channel(s.target) as main,
+                grpc.insecure_channel(f"127.0.0.1:{s.server.priority_port}") as priority,
+            ):
+                for channel in (main, priority):
+                    grpc.channel_ready_future(channel).result(timeout=10)
+                infer = pb_grpc.InferenceServiceStub(main).Infer
+
+                def on_done(future: Any) -> None:
+                    if future.code() == grpc.StatusCode.CANCELLED:
+                        refused.set()
+
+                for tag in range(sent):
+                    future = infer.future(request(rows(1, start=tag)), timeout=60)
+                    future.add_done_callback(on_done)
+                    futures.append(future)
+                # The event loop stays blocked from here until the priority call is held.
+                assert refused.wait(timeout=30), "the main port's queue filled up"
+                first = pb_grpc.InferenceServiceStub(priority).Infer.future(
+                    request(rows(1, start=1000)), timeout=60
+                )
+                held_by_the_core(sent + 1)  # the loop stays blocked until then
+                answer = await asyncio.to_thread(first.result)
+                outcomes = await asyncio.to_thread(lambda: [f.code() for f in futures])
+        assert answer.timing.lane == "standard", "served by the same lanes"
+        assert grpc.StatusCode.CANCELLED in outcomes, "the main port refused calls meanwhile"
+        assert 1000 in engine.ran_tags
 
     asyncio.run(scenario())
 

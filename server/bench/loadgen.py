@@ -79,6 +79,8 @@ class Job:
     """One load point for one client process."""
 
     target: str
+    # The server's priority port, for streams sent there (None: it has none).
+    priority_target: str | None
     streams: tuple[Stream, ...]
     # Per stream, this process's share: closed-loop callers and open-loop arrivals/s.
     callers: tuple[int, ...]
@@ -159,6 +161,7 @@ class ClientPool:
         profile: Profile,
         judge: Callable[[list[MergedWindow]], bool],
         on_measure_start: Callable[[], None] | None = None,
+        priority_target: str | None = None,
     ) -> PointRun:
         """Offers `streams` to `target` after the profile's warm-up until
         `judge(windows so far)` says stable or the profile's cap of windows is reached;
@@ -173,6 +176,7 @@ class ClientPool:
             commands.put(
                 Job(
                     target=target,
+                    priority_target=priority_target,
                     streams=tuple(streams),
                     callers=tuple(callers for callers, _ in shares[index]),
                     rates_per_s=tuple(rate for _, rate in shares[index]),
@@ -443,6 +447,8 @@ class _Client:
         self.stopping = False
         self.in_flight: set[asyncio.Task[None]] = set()
         self.calls: list[grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]] = []
+        # The same, on the server's priority port (streams with port "priority").
+        self.priority_calls: list[grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]] = []
         # Per stream sent over InferStream, its call (opened on first use).
         self.bidis: dict[int, _Bidi] = {}
         # The first wrong answer seen; the job fails with it once the load has stopped.
@@ -450,9 +456,15 @@ class _Client:
 
     async def run(self) -> None:
         job = self.job
+        priority = any(stream.port == "priority" for stream in job.streams)
+        targets = [job.target]
+        if priority:
+            if job.priority_target is None:
+                raise ClientError("a stream goes to the priority port, but the server has none")
+            targets.append(job.priority_target)
         channels = [
             grpc.aio.insecure_channel(
-                job.target,
+                target,
                 options=[
                     # A channel of its own per subchannel pool: each is its own TCP
                     # connection, which SO_REUSEPORT spreads over the N workers.
@@ -461,6 +473,7 @@ class _Client:
                     ("grpc.max_send_message_length", MESSAGE_LIMIT_BYTES),
                 ],
             )
+            for target in targets
             for _ in range(job.channels)
         ]
         try:
@@ -468,7 +481,10 @@ class _Client:
                 asyncio.gather(*(channel.channel_ready() for channel in channels)),
                 READY_TIMEOUT_S,
             )
-            self.calls = [channel.unary_unary(INFER_METHOD) for channel in channels]
+            calls: list[grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]] = [
+                channel.unary_unary(INFER_METHOD) for channel in channels
+            ]
+            self.calls, self.priority_calls = calls[: job.channels], calls[job.channels :]
             first = channels[0]
             open_stream: grpc.aio.StreamStreamMultiCallable[bytes, bytes]
             open_stream = first.stream_stream(INFER_STREAM_METHOD)
@@ -574,7 +590,8 @@ class _Client:
         if stream.via == "stream":
             answer = await self.bidis[si].call(f"{self.id_prefix}{self.sequence}", payload)
         else:
-            answer = await self._unary(channel, payload, stream.call_timeout_s)
+            calls = self.priority_calls if stream.port == "priority" else self.calls
+            answer = await self._unary(calls[channel], payload, stream.call_timeout_s)
         done_s = time.monotonic()
         record = self.records[si]  # the window the answer completed in
         if isinstance(answer, str):
@@ -608,11 +625,14 @@ class _Client:
                 record.expired_executed += 1
 
     async def _unary(
-        self, channel: int, payload: bytes, timeout_s: float
+        self,
+        call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes],
+        payload: bytes,
+        timeout_s: float,
     ) -> pb.InferResponse | str:
         """The answer, or the reason of the failure."""
         try:
-            raw = await self.calls[channel](payload, timeout=timeout_s)
+            raw = await call(payload, timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
             return failure_reason(error)
         try:

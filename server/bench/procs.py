@@ -25,6 +25,8 @@ from typing import Any, Final
 log = logging.getLogger(__name__)
 
 READY_PATTERN: Final = re.compile(r"serving .* on ([0-9.]+|\[[0-9a-f:]+\]|localhost):(\d+)")
+# laneserve's line goes on with this when it serves a priority port too.
+PRIORITY_PATTERN: Final = re.compile(r"priority port (\d+)")
 START_TIMEOUT_S: Final = 120.0
 STOP_TIMEOUT_S: Final = 20.0
 LOG_TAIL_LINES: Final = 40
@@ -42,6 +44,8 @@ class ServerProcess:
         self.argv = list(argv)
         self._lines: queue.Queue[str] = queue.Queue()
         self._tail: list[str] = []
+        # The priority port its ready line names, if any (laneserve --priority-port).
+        self.priority_port: int | None = None
         self.process = subprocess.Popen(  # noqa: S603 - argv is built here, never from input
             self.argv,
             stdin=subprocess.DEVNULL,
@@ -83,6 +87,8 @@ class ServerProcess:
                 )
             match = READY_PATTERN.search(line)
             if match:
+                priority = PRIORITY_PATTERN.search(line, match.end())
+                self.priority_port = None if priority is None else int(priority.group(1))
                 return match.group(1).strip("[]"), int(match.group(2))
 
     def _remember(self, line: str) -> None:
@@ -191,6 +197,8 @@ class Deployment:
     name: str
     kind: str
     target: str
+    # HOST:PORT of the priority port (laneserve's second port), if it serves one.
+    priority_target: str | None = None
     processes: list[ServerProcess] = dataclasses.field(default_factory=list)
     # What the processes were started with, for the report.
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -243,6 +251,8 @@ def start_group(
             host, bound = process.wait_ready()
             if index == 0:
                 deployment.target = f"{host}:{bound}"
+                if process.priority_port is not None:
+                    deployment.priority_target = f"{host}:{process.priority_port}"
                 port = bound
             elif bound != port:
                 _refuse_port(process.name, bound, port)
@@ -286,6 +296,9 @@ def start_laneserve(
         device,
         # Metrics stay on, as served by default, on a free port: a fixed one may be taken.
         "--metrics-port",
+        "0",
+        # For (c): interactive calls on a port of their own, queued apart in gRPC's core.
+        "--priority-port",
         "0",
     ]
     if config_path is not None:

@@ -282,7 +282,10 @@ class _Runner:
             log.info("%s on %s: scenarios %s", deployment.name, deployment.target, scenarios)
             for scenario in scenarios:
                 measured = False
-                for point in self._points(scenario, primary=primary):
+                points = self._points(
+                    scenario, primary=primary, priority=deployment.priority_target is not None
+                )
+                for point in points:
                     self._measure(deployment, point)
                     measured = True
                     if primary and scenario == "a":
@@ -315,7 +318,11 @@ class _Runner:
                 wanted.discard("c")
         return [scenario for scenario in SCENARIOS if scenario in wanted]
 
-    def _points(self, scenario: ScenarioId, *, primary: bool) -> Iterator[Point]:
+    def _points(
+        self, scenario: ScenarioId, *, primary: bool, priority: bool = False
+    ) -> Iterator[Point]:
+        """The points of `scenario`; `priority`: the server has a priority port, and (c)
+        measures the unary flood once more with interactive calls sent there."""
         profile = self.profile
         if scenario == "a":
             for callers in profile.concurrencies:
@@ -367,6 +374,15 @@ class _Runner:
                     f"with bulk at {profile.bulk_fraction:.0%} over {how}",
                     (interactive, bulk),
                 )
+                if via == "unary" and priority:
+                    # The deployment that meets a unary flood: interactive callers on the
+                    # priority port, where gRPC's core does not queue them behind bulk.
+                    yield Point(
+                        "c",
+                        f"with bulk at {profile.bulk_fraction:.0%} over Infer, "
+                        "interactive on the priority port",
+                        (dataclasses.replace(interactive, port="priority"), bulk),
+                    )
         else:
             # Twice: the deadline as timeout_ms, where every answer and its Timing come
             # back (an expired request that ran is seen), and as a plain gRPC deadline.
@@ -451,6 +467,7 @@ class _Runner:
                     tolerance=profile.tolerance,
                 ),
                 on_measure_start=measure_starts,
+                priority_target=deployment.priority_target,
             )
             cpu_marks.append((time.monotonic(), deployment.cpu_s(), procs.machine_busy_s()))
             if by_thread:

@@ -16,6 +16,9 @@ DeadlineIn = Literal["timeout_ms", "grpc"]
 # per client process (the bulk API: the server reads a stream only as fast as its
 # window of unanswered items allows).
 Via = Literal["unary", "stream"]
+# Which of the server's ports a stream's calls go to: its main port, or its priority port
+# (`laneserve serve --priority-port`: calls there are queued apart in gRPC's core).
+Port = Literal["main", "priority"]
 SCENARIOS: Final[tuple[ScenarioId, ...]] = ("a", "b", "c", "d")
 SCENARIO_TITLES: Final[dict[ScenarioId, str]] = {
     "a": "saturation throughput by concurrency (closed loop, single row)",
@@ -67,6 +70,7 @@ class Stream:
     # would, so an answer later than the deadline is never seen.
     deadline_in: DeadlineIn = "timeout_ms"
     via: Via = "unary"
+    port: Port = "main"
     # Pins the stream to one client process (index modulo the pool's size), with its own
     # connections and event loop, as a separate service would be; None: every process
     # sends a share of it.
