@@ -15,12 +15,12 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from grpc_channelz.v1 import channelz_pb2, channelz_pb2_grpc
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from laneserve.client import CallCancelledError, error_from_rpc
 from laneserve.client.tensors import encode_tensor
-from laneserve.server import LaneConfig, ServerConfig
+from laneserve.server import LaneConfig, LaneServer, ServerConfig
 from laneserve.server.items import Batch, BatchResult
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -445,6 +445,37 @@ def test_calls_past_the_concurrency_limit_are_refused_by_grpc(small_model: Path)
     asyncio.run(scenario())
 
 
+def flood_until_refused(channel: grpc.Channel, sent: int) -> list[Any]:
+    """Sends `sent` single-row Infer calls (tags 0 .. sent - 1) and blocks until gRPC's
+    core refuses one (CANCELLED). Called from the event loop's thread, it keeps the loop
+    from taking calls meanwhile, as an overload would keep it busy; the calls go out from
+    `channel`, a sync channel, all the same. Their futures, each a grpc.Call as well as a
+    grpc.Future (the stubs type neither)."""
+    refused = threading.Event()
+
+    def on_done(future: Any) -> None:
+        if future.code() == grpc.StatusCode.CANCELLED:
+            refused.set()
+
+    infer = pb_grpc.InferenceServiceStub(channel).Infer
+    futures: list[Any] = []
+    for tag in range(sent):
+        future = infer.future(request(rows(1, start=tag)), timeout=60)
+        future.add_done_callback(on_done)
+        futures.append(future)
+    assert refused.wait(timeout=30), "gRPC's core refused a call past max_pending_calls"
+    return futures
+
+
+def held_by_the_core(server: LaneServer, calls: int) -> None:
+    """Blocks (the event loop too, when called from it) until gRPC's core holds `calls`
+    calls in all: it counts a call as started once it has it, before any Python runs."""
+    give_up_s = time.monotonic() + 30
+    while (counts := server.grpc_calls()) is None or counts.started < calls:
+        assert time.monotonic() < give_up_s, f"calls not held: {counts}"
+        time.sleep(0.005)
+
+
 def test_calls_past_the_pending_limit_are_refused_unread_and_never_run(small_model: Path) -> None:
     """While the event loop takes no calls (blocked here on purpose, as an overload would
     keep it busy), gRPC's core holds the arriving ones; past max_pending_calls it refuses
@@ -455,24 +486,10 @@ def test_calls_past_the_pending_limit_are_refused_unread_and_never_run(small_mod
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
         async with serving(engine, config(small_model, max_pending_calls=4)) as s:
-            refused = threading.Event()
-            # Each is a grpc.Call as well as a grpc.Future (the stubs type neither).
-            futures: list[Any] = []
             # A sync channel: its calls go out from this thread while the loop is blocked.
             with grpc.insecure_channel(s.target) as channel:
                 grpc.channel_ready_future(channel).result(timeout=10)
-                infer = pb_grpc.InferenceServiceStub(channel).Infer
-
-                def on_done(future: Any) -> None:
-                    if future.code() == grpc.StatusCode.CANCELLED:
-                        refused.set()
-
-                for tag in range(sent):
-                    future = infer.future(request(rows(1, start=tag)), timeout=60)
-                    future.add_done_callback(on_done)
-                    futures.append(future)
-                # Blocks the event loop until the core has refused a call (or 30 s pass).
-                refused.wait(timeout=30)
+                futures = flood_until_refused(channel, sent)
                 outcomes = await asyncio.to_thread(
                     lambda: [future.code() for future in futures]  # waits for every answer
                 )
@@ -515,44 +532,49 @@ def test_a_call_on_the_priority_port_does_not_queue_behind_the_main_ports_calls(
         settings = config(small_model, max_pending_calls=4, priority_port=0)
         async with serving(engine, settings) as s:
             assert s.server.priority_port not in (None, s.server.port)
-            refused = threading.Event()
-            futures: list[Any] = []
-
-            def held_by_the_core(calls: int) -> None:
-                """Blocks until gRPC's core has `calls` calls: it counts a call as
-                started when it holds it, before any Python runs."""
-                give_up_s = time.monotonic() + 30
-                while (counts := s.server.grpc_calls()) is None or counts.started < calls:
-                    assert time.monotonic() < give_up_s, f"calls not held: {counts}"
-                    time.sleep(0.005)
-
             with (
                 grpc.insecure_channel(s.target) as main,
                 grpc.insecure_channel(f"127.0.0.1:{s.server.priority_port}") as priority,
             ):
                 for channel in (main, priority):
                     grpc.channel_ready_future(channel).result(timeout=10)
-                infer = pb_grpc.InferenceServiceStub(main).Infer
-
-                def on_done(future: Any) -> None:
-                    if future.code() == grpc.StatusCode.CANCELLED:
-                        refused.set()
-
-                for tag in range(sent):
-                    future = infer.future(request(rows(1, start=tag)), timeout=60)
-                    future.add_done_callback(on_done)
-                    futures.append(future)
-                # The event loop stays blocked from here until the priority call is held.
-                assert refused.wait(timeout=30), "the main port's queue filled up"
+                futures = flood_until_refused(main, sent)
                 first = pb_grpc.InferenceServiceStub(priority).Infer.future(
                     request(rows(1, start=1000)), timeout=60
                 )
-                held_by_the_core(sent + 1)  # the loop stays blocked until then
+                held_by_the_core(s.server, sent + 1)  # the loop is still blocked
                 answer = await asyncio.to_thread(first.result)
                 outcomes = await asyncio.to_thread(lambda: [f.code() for f in futures])
         assert answer.timing.lane == "standard", "served by the same lanes"
         assert grpc.StatusCode.CANCELLED in outcomes, "the main port refused calls meanwhile"
         assert 1000 in engine.ran_tags
+
+    asyncio.run(scenario())
+
+
+def test_health_checks_are_not_refused_while_infer_calls_are(small_model: Path) -> None:
+    """gRPC's core queues calls per method: with Infer's queue full and the event loop
+    blocked, health checks on the same port are held, not refused with the flood, and
+    answered SERVING once the loop goes on (a probe under overload is slow, not failed)."""
+    sent = 32
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, max_pending_calls=4)) as s:
+            with grpc.insecure_channel(s.target) as channel:
+                grpc.channel_ready_future(channel).result(timeout=10)
+                futures = flood_until_refused(channel, sent)
+                # The health stubs' types lack the RPC attributes; the call itself is plain.
+                health: Any = health_pb2_grpc.HealthStub(channel)
+                check = health.Check
+                checks = [
+                    check.future(health_pb2.HealthCheckRequest(), timeout=60) for _ in range(3)
+                ]
+                held_by_the_core(s.server, sent + len(checks))  # the loop is still blocked
+                statuses = await asyncio.to_thread(lambda: [c.result().status for c in checks])
+                outcomes = await asyncio.to_thread(lambda: [f.code() for f in futures])
+        assert statuses == [health_pb2.HealthCheckResponse.SERVING] * len(checks)
+        assert grpc.StatusCode.CANCELLED in outcomes, "Infer calls were refused meanwhile"
 
     asyncio.run(scenario())
 
