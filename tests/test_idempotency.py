@@ -16,7 +16,7 @@ import pytest
 
 from laneserve import client as lc
 from laneserve.server import ManualClock, ServerConfig
-from laneserve.server.idempotency import ReplayCache, fingerprint
+from laneserve.server.idempotency import ENTRY_OVERHEAD_BYTES, ReplayCache, fingerprint
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
     RecordingEngine,
@@ -72,7 +72,8 @@ def test_cache_evicts_the_least_recently_used_beyond_its_count() -> None:
 
 def test_cache_stays_within_its_byte_bound() -> None:
     one = answer("x", values=1000)
-    size = one.ByteSize() + len("x") + 256
+    # The record (time, fingerprint length, fingerprint b"f", answer), the id, overhead.
+    size = 9 + 1 + one.ByteSize() + len("x") + ENTRY_OVERHEAD_BYTES
     replay, _ = cache(max_bytes=2 * size + 10)
     for request_id in ("1", "2", "3"):
         replay.put(request_id, b"f", answer(request_id, values=1000))
