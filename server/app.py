@@ -261,8 +261,9 @@ class LaneServer:
             ),
         )
         # One gRPC server per port, all in front of the same servicer and lanes: gRPC's
-        # core queues the calls the event loop has not yet taken per server, so calls on
-        # the priority port never wait behind a flood queued on the main port.
+        # core queues the calls the event loop has not yet taken per server (and per
+        # method), so calls on the priority port never wait behind a flood queued on the
+        # main port.
         known_servers = GrpcCallCounts.server_ids()
         server, self.port = self._grpc_server(servicer, credentials, self.config.port, "port")
         servers = [server]
