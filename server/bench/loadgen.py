@@ -456,7 +456,13 @@ class _Client:
 
     async def run(self) -> None:
         job = self.job
-        priority = any(stream.port == "priority" for stream in job.streams)
+        # Channels to the priority port only where this process sends there.
+        priority = any(
+            stream.port == "priority" and (callers > 0 or rate_per_s > 0)
+            for stream, callers, rate_per_s in zip(
+                job.streams, job.callers, job.rates_per_s, strict=True
+            )
+        )
         targets = [job.target]
         if priority:
             if job.priority_target is None:
