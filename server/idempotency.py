@@ -44,7 +44,7 @@ from laneserve.v1 import inference_pb2 as pb
 # and the table's slots. Measured with tracemalloc over 100 000 answers of the demo
 # model: ~326 bytes each in all for a 96-byte answer (~478 when a record was a tuple of
 # four). Keeps the byte bound near the memory the cache really holds, and a flood of
-# tiny answers within it too.
+# tiny answers within it too (test_the_byte_bound_counts_the_memory_the_cache_holds).
 ENTRY_OVERHEAD_BYTES = 176
 
 log = logging.getLogger(__name__)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,27 @@ def test_cache_stays_within_its_byte_bound() -> None:
     assert len(replay) == 2
     assert replay.size_bytes <= 2 * size + 10
     assert replay.get("1") is None
+
+
+def test_the_byte_bound_counts_the_memory_the_cache_holds() -> None:
+    """size_bytes, which the byte bound limits, is near what the stored answers really
+    take (allocations traced by tracemalloc): single-row answers of the demo model's
+    size, with ids like the benchmark's, as the README's per-answer figure says."""
+    stored = 20_000
+    replay, _ = cache(max_entries=stored, max_bytes=1 << 30)
+    digest = bytes(32)  # a SHA-256 fingerprint's size
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for index in range(stored):
+            request_id = f"a1b2c3d4-1-{index}"  # held by the cache, as a request's id is
+            replay.put(request_id, digest, answer(request_id))
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(replay) == stored
+    assert 0.8 * held <= replay.size_bytes <= 1.25 * held, (replay.size_bytes, held)
+    assert held / stored < 400, "a single-row answer takes ~330 bytes in all"
 
 
 def test_cache_does_not_keep_an_answer_larger_than_the_bound() -> None:
