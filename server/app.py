@@ -265,16 +265,28 @@ class LaneServer:
         # method), so calls on the priority port never wait behind a flood queued on the
         # main port.
         known_servers = GrpcCallCounts.server_ids()
-        server, self.port = self._grpc_server(servicer, credentials, self.config.port, "port")
-        servers = [server]
-        if self.config.priority_port >= 0:
-            priority, self.priority_port = self._grpc_server(
-                servicer, credentials, self.config.priority_port, "priority_port"
+        servers: list[grpc.aio.Server] = []
+        try:
+            server, self.port = self._grpc_server(servicer, credentials, self.config.port, "port")
+            servers.append(server)
+            if self.config.priority_port >= 0:
+                priority, self.priority_port = self._grpc_server(
+                    servicer, credentials, self.config.priority_port, "priority_port"
+                )
+                servers.append(priority)
+            self.metrics_port = self.telemetry.serve_metrics(
+                self.config.host, self.config.metrics_port, metrics_tls(self.config)
             )
-            servers.append(priority)
-        self.metrics_port = self.telemetry.serve_metrics(
-            self.config.host, self.config.metrics_port, metrics_tls(self.config)
-        )
+        except BaseException:
+            # Give back the ports bound so far, so that an embedder can retry on them.
+            # gRPC closes a server's listeners only once it has started (an unstarted
+            # one holds them until the process exits, collected or not), so each is
+            # started and stopped at once; a call in between is refused UNAVAILABLE
+            # (the state is not SERVING).
+            for each in servers:
+                await each.start()
+                await each.stop(None)
+            raise
         self._thread.start()
         for each in servers:
             await each.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import socket
 import threading
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
     RecordingEngine,
+    estimate_once,
     health_status,
     output,
     request,
@@ -595,5 +597,35 @@ def test_a_bug_while_answering_still_answers_the_call(small_model: Path) -> None
                 await s.stub.Infer(request(rows(1), request_id="encode-bug"), timeout=10)
             assert caught.value.code() == grpc.StatusCode.INTERNAL
             assert rich_status(caught.value)[0] == "ENGINE_FAILURE"
+
+    asyncio.run(scenario())
+
+
+def test_a_start_that_fails_to_bind_the_priority_port_releases_the_main_port(
+    small_model: Path,
+) -> None:
+    """An embedder whose start fails (here: the priority port is taken) gets its main
+    port back at once, not when the server object is collected: it can retry."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        with socket.socket() as held, socket.socket() as probe:
+            held.bind(("127.0.0.1", 0))  # no SO_REUSEPORT: gRPC cannot share it
+            held.listen()
+            probe.bind(("127.0.0.1", 0))
+            main_port = probe.getsockname()[1]
+            probe.close()  # free, for the server to take
+            settings = config(
+                small_model,
+                host="127.0.0.1",
+                port=main_port,
+                priority_port=held.getsockname()[1],
+                metrics_port=-1,
+            )
+            server = LaneServer(engine, settings, estimate=estimate_once)
+            with pytest.raises(OSError, match=r"server\.priority_port"):
+                await server.start()
+            with socket.socket() as again:
+                again.bind(("127.0.0.1", main_port))  # EADDRINUSE while gRPC holds it
 
     asyncio.run(scenario())
