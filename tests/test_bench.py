@@ -7,8 +7,10 @@ what is checked is that every figure is there and every process is gone afterwar
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from laneserve.server.bench.loadgen import InputSpec, request_body, with_request
 from laneserve.server.bench.profiling import summarize_collapsed
 from laneserve.server.bench.report import evaluate_targets, render_markdown, write_outputs
 from laneserve.server.bench.run import get_stats
-from laneserve.server.bench.settings import Stream
+from laneserve.server.bench.settings import MixStream, Stream
 from laneserve.server.bench.summary import (
     OK,
     MergedWindow,
@@ -126,6 +128,57 @@ def test_short_run_writes_well_formed_json_with_every_key(
     assert "## (d)" in report
     assert "| peak after (a) |" in report
     assert live_children() == [], "no server or client process is left"
+
+
+@pytest.mark.slow
+def test_a_mix_runs_against_a_target_and_its_priority_port(
+    small_model: Path, tmp_path: Path
+) -> None:
+    """`--target` with `--target-priority` and `--mix`: the streams run together as one
+    point of scenario (x) after (a), whose capacity resolves a rate given in %."""
+    deployment = procs.start_laneserve(
+        str(small_model), max_batch_size=16, intra_op_threads=1, device="cpu"
+    )
+    try:
+        assert deployment.priority_target is not None
+        settings = BenchSettings(
+            profile=PROFILES["smoke"],
+            out_dir=tmp_path / "results",
+            target=deployment.target,
+            target_priority=deployment.priority_target,
+            scenarios=("x",),
+            mix=(
+                MixStream.parse("lane=interactive,rate=5%,deadline_ms=500,port=priority"),
+                MixStream.parse("lane=bulk,rows=4,callers=2,via=stream"),
+            ),
+            client_processes=1,
+            channels_per_process=1,
+            command="test",
+        )
+        unknown_lane = dataclasses.replace(settings, mix=(MixStream.parse("lane=gold,rate=5"),))
+        with pytest.raises(ValueError, match=r"lane 'gold' is not served by target; expected"):
+            run_bench(unknown_lane)
+        no_priority = dataclasses.replace(settings, target_priority=None)
+        with pytest.raises(ValueError, match=r"port=priority, but target has no priority port"):
+            run_bench(no_priority)
+        document = run_bench(settings)
+    finally:
+        deployment.stop()
+    assert [point["name"] for point in document["scenarios"]["a"]] == ["c=2"], "(a) ran first"
+    (mix,) = document["scenarios"]["x"]
+    interactive, bulk = mix["lanes"]["interactive"], mix["lanes"]["bulk"]
+    capacity = document["capacity"]["throughput_per_s"]
+    assert interactive["offered_rate_per_s"] == pytest.approx(0.05 * capacity)
+    assert mix["streams"][0]["port"] == "priority"
+    assert interactive["ok"] > 0, "the priority port answered"
+    assert bulk["ok"] > 0, "bulk items were answered over InferStream"
+    assert document["settings"]["mix"][1] == "lane=bulk,rows=4,callers=2,via=stream"
+    outputs = write_outputs(document, settings.out_dir, plots=False)
+    assert missing_keys(json.loads(Path(outputs["json"]).read_text())) == []
+    report = Path(outputs["markdown"]).read_text()
+    assert "## (x) the given mix of streams (--mix)" in report
+    assert "| target | bulk (4 rows, bulk) | 2 callers |" in report
+    assert live_children() == []
 
 
 @pytest.mark.slow
@@ -297,6 +350,71 @@ def test_command_line_parses_bench_options() -> None:
     assert _scenarios("b,c") == ("b", "c")
     with pytest.raises(Exception, match="unknown configuration"):
         _kinds("laneserve,triton")
+
+
+def test_mix_streams_become_the_streams_of_one_point() -> None:
+    interactive = MixStream.parse("lane=interactive,rate=10%,deadline_ms=50,port=priority")
+    assert interactive.capacity_share == pytest.approx(0.1)
+    resolved = interactive.stream(capacity_per_s=3000.0)
+    assert (resolved.label, resolved.lane, resolved.port) == (
+        "interactive",
+        "interactive",
+        "priority",
+    )
+    assert resolved.rate_per_s == pytest.approx(300.0)
+    assert (resolved.deadline_ms, resolved.timeout_ms) == (50, 50)
+    # A share is of the capacity in rows: 8-row requests at 200 % of 3 000 rows/s.
+    bulk = MixStream.parse("lane=bulk,rows=8,rate=200%,via=stream,client=0")
+    assert bulk.stream(capacity_per_s=3000.0).rate_per_s == pytest.approx(750.0)
+    closed = MixStream.parse("label=batch,rows=64,callers=4,deadline_ms=900,deadline_in=grpc")
+    stream = closed.stream(capacity_per_s=None)
+    assert (stream.label, stream.lane, stream.mode, stream.concurrency) == (
+        "batch",
+        "",
+        "closed",
+        4,
+    )
+    assert stream.call_timeout_s == pytest.approx(0.9), "a gRPC deadline alone"
+    assert MixStream.parse("rate=250").stream(capacity_per_s=None).rate_per_s == 250.0
+    with pytest.raises(ValueError, match="needs scenario"):
+        bulk.stream(capacity_per_s=None)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("lane=bulk", "expected exactly one of callers=N (closed loop) or rate=R"),
+        ("rate=5,callers=3", "expected exactly one of callers=N"),
+        ("rate=x", "rate='x'; expected a positive number (per s) or N%"),
+        ("rate=-3", "rate='-3'; expected a positive number"),
+        ("rate=0%", "rate_per_s > 0"),
+        ("callers=2.5", "callers='2.5'; expected an integer"),
+        ("rows=0,rate=3", "rows must be >= 1, got 0"),
+        ("via=ws,rate=1", "via='ws'; expected one of ['unary', 'stream']"),
+        ("port=side,rate=1", "port='side'; expected one of ['main', 'priority']"),
+        ("rate=1,colour=red", "unknown key 'colour'; expected some of ['label', 'lane'"),
+        ("rate=1,rate=2", "rate given twice"),
+        ("rate", "expected key=value, got 'rate'"),
+        ("rate=1,deadline_ms=0", "deadline_ms must be >= 1, got 0"),
+    ],
+)
+def test_a_wrong_mix_stream_is_refused_naming_what_was_expected(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)) as refused:
+        MixStream.parse(spec)
+    assert str(refused.value).startswith(f"--mix {spec!r}: ")
+
+
+def test_command_line_mix_runs_scenario_x_with_distinct_labels() -> None:
+    options = ["--mix", "lane=bulk,rate=10", "--mix", "lane=bulk,rows=8,callers=2"]
+    args = _parser().parse_args(["bench", "--target", "127.0.0.1:1", *options])
+    settings = settings_from(args, [])
+    assert settings.scenarios == ("x",), "a mix alone runs only the mix"
+    assert [mix.label for mix in settings.mix] == ["bulk", "bulk-2"]
+    both = _parser().parse_args(["bench", "--scenarios", "ax", *options])
+    assert settings_from(both, []).scenarios == ("a", "x")
+    assert settings_from(_parser().parse_args(["bench"]), []).scenarios == ("a", "b", "c", "d")
+    with pytest.raises(SystemExit):  # argparse prints the parser's message
+        _parser().parse_args(["bench", "--mix", "lane=bulk"])
 
 
 def empty_document() -> dict[str, Any]:

@@ -3,6 +3,8 @@
 laneserve bench --profile quick            # about two minutes on 2 cores
 laneserve bench --profile full --py-spy    # the figures for bench/README.md
 laneserve bench --target 127.0.0.1:50051 --configs laneserve --scenarios a,b
+laneserve bench --target 127.0.0.1:50051 \
+    --mix lane=interactive,rate=10%,deadline_ms=50 --mix lane=bulk,rows=64,callers=8,via=stream
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ from laneserve.server.bench.report import write_outputs
 from laneserve.server.bench.run import BenchSettings, command_line, run_bench
 from laneserve.server.bench.settings import (
     CONFIGURATION_KINDS,
+    DEFAULT_SCENARIOS,
+    MIX_KEYS,
     PROFILES,
     SCENARIOS,
     ConfigurationKind,
+    MixStream,
     ScenarioId,
 )
 from laneserve.server.config import DEVICES
@@ -46,7 +51,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"configurations, comma-separated (default: all of {','.join(CONFIGURATION_KINDS)})",
     )
     parser.add_argument(
-        "--scenarios", type=_scenarios, default=SCENARIOS, help="scenarios, e.g. a,b (default: all)"
+        "--target-priority", help="HOST:PORT of the --target's priority port, if it has one"
+    )
+    parser.add_argument(
+        "--scenarios",
+        type=_scenarios,
+        help="scenarios, e.g. a,b (default: a,b,c,d; x alone with --mix)",
+    )
+    parser.add_argument(
+        "--mix",
+        type=_mix_stream,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE,...",
+        help="a stream of scenario x, offered together with the other --mix streams; keys: "
+        + "; ".join(f"{key}: {meaning}" for key, meaning in MIX_KEYS.items()),
     )
     parser.add_argument("--workers", type=_counts, help="N-workers process counts, e.g. 2,4")
     parser.add_argument(
@@ -102,6 +121,13 @@ def _scenarios(text: str) -> tuple[ScenarioId, ...]:
     return tuple(s for s in SCENARIOS if s in wanted)
 
 
+def _mix_stream(text: str) -> MixStream:
+    try:
+        return MixStream.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _counts(text: str) -> tuple[int, ...]:
     try:
         counts = tuple(int(part) for part in _split(text))
@@ -110,6 +136,20 @@ def _counts(text: str) -> tuple[int, ...]:
     if not counts or min(counts) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers like 2,4; got {text!r}")
     return counts
+
+
+def _unique_labels(mix: Sequence[MixStream]) -> tuple[MixStream, ...]:
+    """Streams of one point need distinct labels: a repeated one (two streams on the same
+    lane, say) gets its position appended: bulk, bulk-2."""
+    seen: set[str] = set()
+    unique = []
+    for index, each in enumerate(mix, start=1):
+        label = each.label if each.label not in seen else f"{each.label}-{index}"
+        seen.add(label)
+        unique.append(
+            dataclasses.replace(each, template=dataclasses.replace(each.template, label=label))
+        )
+    return tuple(unique)
 
 
 def settings_from(args: argparse.Namespace, argv: Sequence[str]) -> BenchSettings:
@@ -132,8 +172,10 @@ def settings_from(args: argparse.Namespace, argv: Sequence[str]) -> BenchSetting
         out_dir=args.out or RESULTS_DIR / f"{stamp}-{profile.name}",
         model_path=args.model,
         target=args.target,
+        target_priority=args.target_priority,
         configurations=args.configs,
-        scenarios=args.scenarios,
+        scenarios=args.scenarios or (("x",) if args.mix else DEFAULT_SCENARIOS),
+        mix=_unique_labels(args.mix),
         raw_ceiling=not args.no_raw,
         client_processes=args.client_procs,
         channels_per_process=args.channels,

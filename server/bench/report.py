@@ -490,6 +490,7 @@ def render_markdown(document: dict[str, Any]) -> str:
     lines += _scenario_b(document)
     lines += _scenario_c(document)
     lines += _scenario_d(document)
+    lines += _scenario_x(document)
     lines += _memory_section(document)
     lines += _server_section(document)
     lines += _threads_section(document)
@@ -754,6 +755,66 @@ def _scenario_d(document: dict[str, Any]) -> list[str]:
                 "expired executed",
                 "client lag p99",
                 HOST_HEADER,
+            ],
+            rows,
+        ),
+        "",
+    ]
+
+
+def _scenario_x(document: dict[str, Any]) -> list[str]:
+    points = document["scenarios"].get("x") or []
+    if not points:
+        return []
+    rows = []
+    for point in points:
+        for label, stream in point["lanes"].items():
+            latency = stream["latency"]
+            offered = (
+                f"{stream['concurrency']} callers"
+                if stream["mode"] == "closed"
+                else f"{_num(stream['offered_rate_per_s'])}/s"
+            )
+            deadline = stream["deadline_ms"]
+            rows.append(
+                [
+                    point["configuration"],
+                    f"{label} ({stream['rows']} rows, {stream['lane'] or 'default lane'})",
+                    offered,
+                    "-" if deadline is None else f"{deadline} ms as {stream['deadline_in']}",
+                    _num(stream["throughput_per_s"]),
+                    _num(stream["throughput_rows_per_s"]),
+                    _num(stream["goodput_per_s"]),
+                    _ms(latency["p50_ms"]),
+                    _ms(latency["p99_ms"]),
+                    _ms(latency["p99_9_ms"]),
+                    _reasons(stream["rejected"]),
+                    _reasons({**stream["shed"], **stream["timed_out"], **stream["failed"]}),
+                    _host(point),
+                    "yes" if point["stable"] else "no",
+                ]
+            )
+    return [
+        f"## (x) {SCENARIO_TITLES['x']}",
+        "",
+        "Streams: " + "; ".join(f"`{spec}`" for spec in document["settings"].get("mix", [])),
+        "",
+        *_table(
+            [
+                "configuration",
+                "stream",
+                "offered",
+                "deadline",
+                "OK/s",
+                "OK rows/s",
+                "goodput/s",
+                "p50",
+                "p99",
+                "p99.9",
+                "rejected",
+                "shed / timed out / failed",
+                HOST_HEADER,
+                "stable",
             ],
             rows,
         ),

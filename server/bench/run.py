@@ -34,9 +34,11 @@ from laneserve.server.bench import procs
 from laneserve.server.bench.loadgen import ClientPool, InputSpec
 from laneserve.server.bench.profiling import PySpy, py_spy_binary
 from laneserve.server.bench.settings import (
+    DEFAULT_SCENARIOS,
     SCENARIOS,
     ConfigurationKind,
     DeadlineIn,
+    MixStream,
     Point,
     Profile,
     ScenarioId,
@@ -69,10 +71,14 @@ class BenchSettings:
     out_dir: Path
     # The model every configuration serves; created (the demo model) when missing.
     model_path: str | None = None
-    # An endpoint speaking laneserve.v1 to measure instead of starting laneserve.
+    # An endpoint speaking laneserve.v1 to measure instead of starting laneserve, and
+    # its priority port, if it serves one.
     target: str | None = None
+    target_priority: str | None = None
     configurations: tuple[ConfigurationKind, ...] = ("laneserve", "echo", "no-batching", "workers")
-    scenarios: tuple[ScenarioId, ...] = ("a", "b", "c", "d")
+    scenarios: tuple[ScenarioId, ...] = DEFAULT_SCENARIOS
+    # The streams of scenario (x), offered together as one point.
+    mix: tuple[MixStream, ...] = ()
     raw_ceiling: bool = True
     client_processes: int = 2
     channels_per_process: int = 4
@@ -137,8 +143,12 @@ def _starters(
     settings: BenchSettings, kind: ConfigurationKind, model_path: str | None
 ) -> list[Callable[[], procs.Deployment]]:
     if kind == "laneserve" and settings.target is not None:
-        target = settings.target
-        return [lambda: procs.Deployment(name="target", kind="external", target=target)]
+        target, priority = settings.target, settings.target_priority
+        return [
+            lambda: procs.Deployment(
+                name="target", kind="external", target=target, priority_target=priority
+            )
+        ]
     assert model_path is not None
     device = settings.device
     if kind == "laneserve":
@@ -182,6 +192,8 @@ def _new_document(settings: BenchSettings, model_path: str | None) -> dict[str, 
         "profile": dataclasses.asdict(settings.profile),
         "settings": {
             "target": settings.target,
+            "target_priority": settings.target_priority,
+            "mix": [mix.spec for mix in settings.mix],
             "configurations": list(settings.configurations),
             "scenarios": list(settings.scenarios),
             "client_processes": settings.client_processes,
@@ -199,7 +211,7 @@ def _new_document(settings: BenchSettings, model_path: str | None) -> dict[str, 
         "capacity": None,
         "raw_ceiling": None,
         "configurations": {},
-        "scenarios": {"a": [], "b": [], "c": [], "d": []},
+        "scenarios": {scenario: [] for scenario in SCENARIOS},
         "server_profile": None,
         "server_threads": None,
         "targets": [],
@@ -302,9 +314,17 @@ class _Runner:
 
     def _scenarios_for(self, deployment: procs.Deployment, *, primary: bool) -> list[ScenarioId]:
         wanted: set[ScenarioId] = set(self.settings.scenarios)
+        mix = self.settings.mix
+        if "x" in wanted and not mix:
+            raise ValueError("scenario x offers the streams of --mix; none was given")
+        to_priority = any(each.template.port == "priority" for each in mix)
         if primary:
             if wanted & {"b", "c", "d"}:
                 wanted.add("a")  # the offered rates of (b)-(d) come from its capacity
+            if "x" in wanted:
+                self._check_mix(deployment)
+                if any(each.capacity_share is not None for each in mix):
+                    wanted.add("a")
             if "c" in wanted and not {"interactive", "bulk"} <= set(self.lanes):
                 self._warn(f"(c) skipped: {deployment.name} has no 'interactive' and 'bulk' lanes")
                 wanted.discard("c")
@@ -316,7 +336,25 @@ class _Runner:
                 wanted &= {"a"}
             if self.bulk_capacity_rows_per_s is None:
                 wanted.discard("c")
+            if "x" in wanted and to_priority:
+                self._warn(f"(x) skipped on {deployment.name}: it has no priority port")
+                wanted.discard("x")
         return [scenario for scenario in SCENARIOS if scenario in wanted]
+
+    def _check_mix(self, deployment: procs.Deployment) -> None:
+        """Refuses, before anything runs, a mix the system under test cannot serve."""
+        for each in self.settings.mix:
+            lane = each.template.lane
+            if lane and lane not in self.lanes:
+                raise ValueError(
+                    f"--mix {each.label}: lane {lane!r} is not served by {deployment.name}; "
+                    f"expected one of {self.lanes}"
+                )
+            if each.template.port == "priority" and deployment.priority_target is None:
+                raise ValueError(
+                    f"--mix {each.label}: port=priority, but {deployment.name} has no "
+                    "priority port (with --target, give it as --target-priority HOST:PORT)"
+                )
 
     def _points(
         self, scenario: ScenarioId, *, primary: bool, priority: bool = False
@@ -327,6 +365,12 @@ class _Runner:
         if scenario == "a":
             for callers in profile.concurrencies:
                 yield Point("a", f"c={callers}", (Stream("single", concurrency=callers),))
+            return
+        if scenario == "x":  # a rate given as a share of the capacity made (a) run first
+            mix = self.settings.mix
+            yield Point(
+                "x", "mix", tuple(m.stream(capacity_per_s=self.capacity_per_s) for m in mix)
+            )
             return
         capacity = self.capacity_per_s
         assert capacity is not None, "(a) runs first"

@@ -8,9 +8,11 @@ is a set of streams offered together to one configuration and measured until sta
 from __future__ import annotations
 
 import dataclasses
-from typing import Final, Literal
+import math
+from typing import Final, Literal, cast
 
-ScenarioId = Literal["a", "b", "c", "d"]
+# (a)-(d): issue 6's scenarios; (x): the caller's own mix of streams (`--mix`).
+ScenarioId = Literal["a", "b", "c", "d", "x"]
 DeadlineIn = Literal["timeout_ms", "grpc"]
 # How a stream's requests travel: one unary Infer each, or as items of one InferStream
 # per client process (the bulk API: the server reads a stream only as fast as its
@@ -19,12 +21,15 @@ Via = Literal["unary", "stream"]
 # Which of the server's ports a stream's calls go to: its main port, or its priority port
 # (`laneserve serve --priority-port`: calls there are queued apart in gRPC's core).
 Port = Literal["main", "priority"]
-SCENARIOS: Final[tuple[ScenarioId, ...]] = ("a", "b", "c", "d")
+SCENARIOS: Final[tuple[ScenarioId, ...]] = ("a", "b", "c", "d", "x")
+# What a run measures unless told otherwise: the issue's scenarios.
+DEFAULT_SCENARIOS: Final[tuple[ScenarioId, ...]] = ("a", "b", "c", "d")
 SCENARIO_TITLES: Final[dict[ScenarioId, str]] = {
     "a": "saturation throughput by concurrency (closed loop, single row)",
     "b": "latency at a fraction of capacity (open loop, Poisson arrivals, single row)",
     "c": "priority isolation: interactive at 10 % of capacity, bulk offered at 200 %",
     "d": "overload at 300 % of capacity with 100 ms deadlines",
+    "x": "the given mix of streams (--mix)",
 }
 
 # Configurations the harness can start, in the order it runs them. The first is the
@@ -124,6 +129,123 @@ class Stream:
         return 0, self.rate_per_s / parts
 
 
+# The keys of a `--mix` stream and what each expects, for the parser and its errors.
+MIX_KEYS: Final[dict[str, str]] = {
+    "label": "a name for the report (default: the lane)",
+    "lane": "the lane to ask for (default: the server's default lane)",
+    "rows": "rows per request (default 1)",
+    "callers": "closed loop: that many callers",
+    "rate": "open loop: requests/s, or N% of the capacity (a) measured, in rows",
+    "deadline_ms": "the deadline goodput counts against",
+    "deadline_in": "timeout_ms (default) or grpc",
+    "via": "unary (default) or stream (InferStream)",
+    "port": "main (default) or priority",
+    "client": "pin to one client process (index)",
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MixStream:
+    """A stream given on the command line (`--mix`). Its open-loop rate may be a share of
+    the capacity scenario (a) measures, known only once (a) has run."""
+
+    # The stream as given; with a share, its rate_per_s is the share until `stream()`.
+    template: Stream
+    # A share of the capacity in rows/s: requests/s = share x capacity / rows.
+    capacity_share: float | None = None
+    spec: str = ""  # as given, for the report
+
+    @classmethod
+    def parse(cls, text: str) -> MixStream:
+        """`lane=interactive,rate=10%,deadline_ms=50`: comma-separated key=value pairs
+        (MIX_KEYS); raises ValueError naming what was wrong and what was expected."""
+        values: dict[str, str] = {}
+        for part in (part.strip() for part in text.split(",")):
+            key, equals, value = part.partition("=")
+            key, value = key.strip(), value.strip()
+            if not equals or not value:
+                raise ValueError(f"--mix {text!r}: expected key=value, got {part!r}")
+            if key not in MIX_KEYS:
+                raise ValueError(
+                    f"--mix {text!r}: unknown key {key!r}; expected some of {list(MIX_KEYS)}"
+                )
+            if key in values:
+                raise ValueError(f"--mix {text!r}: {key} given twice")
+            values[key] = value
+
+        def choice(key: str, choices: tuple[str, ...]) -> str:
+            value = values.get(key, choices[0])
+            if value not in choices:
+                raise ValueError(
+                    f"--mix {text!r}: {key}={value!r}; expected one of {list(choices)}"
+                )
+            return value
+
+        if ("callers" in values) == ("rate" in values):
+            raise ValueError(
+                f"--mix {text!r}: expected exactly one of callers=N (closed loop) or "
+                "rate=R (open loop: requests/s, or N% of the capacity)"
+            )
+        rate, share = values.get("rate", "0"), None
+        if rate.endswith("%"):
+            share = _mix_number(text, "rate", rate.removesuffix("%")) / 100
+        try:
+            template = Stream(
+                label=values.get("label", values.get("lane") or "default"),
+                lane=values.get("lane", ""),
+                rows=_mix_int(text, "rows", values.get("rows", "1")),
+                concurrency=_mix_int(text, "callers", values.get("callers", "0")),
+                rate_per_s=share if share is not None else _mix_number(text, "rate", rate),
+                deadline_ms=(
+                    _mix_int(text, "deadline_ms", values["deadline_ms"])
+                    if "deadline_ms" in values
+                    else None
+                ),
+                deadline_in=cast(DeadlineIn, choice("deadline_in", ("timeout_ms", "grpc"))),
+                via=cast(Via, choice("via", ("unary", "stream"))),
+                port=cast(Port, choice("port", ("main", "priority"))),
+                client=_mix_int(text, "client", values["client"]) if "client" in values else None,
+            )
+        except ValueError as error:
+            if str(error).startswith("--mix"):
+                raise
+            raise ValueError(f"--mix {text!r}: {error}") from None
+        return cls(template, share, text)
+
+    @property
+    def label(self) -> str:
+        return self.template.label
+
+    def stream(self, *, capacity_per_s: float | None) -> Stream:
+        """The Stream to offer; `capacity_per_s` (single rows/s) resolves a share."""
+        if self.capacity_share is None:
+            return self.template
+        if capacity_per_s is None:
+            raise ValueError(f"--mix {self.label}: a rate in % needs scenario (a) first")
+        rate = self.capacity_share * capacity_per_s / self.template.rows
+        return dataclasses.replace(self.template, rate_per_s=rate)
+
+
+def _mix_int(text: str, key: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"--mix {text!r}: {key}={value!r}; expected an integer") from None
+
+
+def _mix_number(text: str, key: str, value: str) -> float:
+    """A rate: 0 (absent) or a positive, finite number."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(
+            f"--mix {text!r}: {key}={value!r}; expected a positive number (per s) or N%"
+        )
+    return number
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Point:
     """Streams offered together to one configuration and measured until stable."""
@@ -213,7 +335,7 @@ PROFILES: Final[dict[str, Profile]] = {
         concurrencies=(1, 4, 16, 32, 64, 128),
         load_fractions=(0.5, 0.8, 0.95),
         workers=(2, 4),
-        baseline_scenarios=("a", "b", "c", "d"),
+        baseline_scenarios=("a", "b", "c", "d", "x"),
         raw_seconds_per_size=2.0,
     ),
     # For the harness's own tests: every code path, no meaningful figure.
