@@ -186,21 +186,22 @@ class _Rates:
     """Per-second rates of counters: between two samples, or since the server started."""
 
     def __init__(self, sample: Sample, previous: Sample | None) -> None:
-        if previous is not None and sample.taken_s > previous.taken_s:
+        # A shorter uptime than the last sample's: another server answers now (restarted,
+        # or a new one behind the address); its counters start from zero, not from ours.
+        restarted = previous is not None and sample.stats.uptime_s < previous.stats.uptime_s
+        self._between = previous is not None and not restarted and sample.taken_s > previous.taken_s
+        if previous is not None and self._between:
             self._seconds = sample.taken_s - previous.taken_s
             self.label = f"per second over the last {self._seconds:.1f}s"
         else:
             self._seconds = max(sample.stats.uptime_s, 1e-9)
-            self.label = "per second, averaged since start"
-        self._between = previous is not None and sample.taken_s > previous.taken_s
+            self.label = "per second, averaged since " + (
+                "the server restarted" if restarted else "start"
+            )
 
     def of(self, now: int, before: int | None) -> str:
-        if self._between:
-            # A counter that went down means the server restarted: count from zero.
-            delta = now - before if before is not None and now >= before else now
-        else:
-            delta = now
-        return f"{delta / self._seconds:.1f}"
+        delta = now - before if self._between and before is not None else now
+        return f"{max(delta, 0) / self._seconds:.1f}"
 
 
 def _bar(used: int, capacity: int) -> str:

@@ -112,6 +112,18 @@ def test_first_frame_averages_since_start_and_shows_absent_figures_as_absent() -
     assert "grpc " not in frame, "no line where the server does not report gRPC's count"
 
 
+def test_a_frame_after_the_server_restarted_counts_from_its_start() -> None:
+    """A shorter uptime means another server answers: its counters are not deltas of the
+    last sample's, even where they happen to be higher."""
+    before = Sample(stats(100), taken_s=10.0)
+    restarted = stats(200)
+    restarted.uptime_s = 50.0
+    frame = render("h:1", MODEL, Sample(restarted, taken_s=12.0), before)
+    assert "rates: per second, averaged since the server restarted" in frame
+    interactive = next(line for line in frame.splitlines() if line.startswith("interactive"))
+    assert interactive.split()[4] == "4.0"  # 200 admitted in its 50 s, not 100 in 2 s
+
+
 def test_top_runs_headless_against_a_real_server(
     small_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
