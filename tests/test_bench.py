@@ -415,6 +415,10 @@ def test_command_line_mix_runs_scenario_x_with_distinct_labels() -> None:
     assert settings_from(_parser().parse_args(["bench"]), []).scenarios == ("a", "b", "c", "d")
     with pytest.raises(SystemExit):  # argparse prints the parser's message
         _parser().parse_args(["bench", "--mix", "lane=bulk"])
+    with pytest.raises(ValueError, match="scenario x offers the streams of --mix; none"):
+        settings_from(_parser().parse_args(["bench", "--scenarios", "x"]), [])
+    with pytest.raises(ValueError, match="--target-priority names the priority port of a"):
+        settings_from(_parser().parse_args(["bench", "--target-priority", "h:1"]), [])
 
 
 def empty_document() -> dict[str, Any]:

@@ -93,6 +93,12 @@ class BenchSettings:
     seed: int = 0
     command: str = ""
 
+    def __post_init__(self) -> None:
+        if "x" in self.scenarios and not self.mix:
+            raise ValueError("scenario x offers the streams of --mix; none was given")
+        if self.target_priority is not None and self.target is None:
+            raise ValueError("--target-priority names the priority port of a --target; no --target")
+
 
 def run_bench(settings: BenchSettings) -> dict[str, Any]:
     """Runs everything `settings` asks for and returns the document (not yet written)."""
@@ -315,8 +321,6 @@ class _Runner:
     def _scenarios_for(self, deployment: procs.Deployment, *, primary: bool) -> list[ScenarioId]:
         wanted: set[ScenarioId] = set(self.settings.scenarios)
         mix = self.settings.mix
-        if "x" in wanted and not mix:
-            raise ValueError("scenario x offers the streams of --mix; none was given")
         to_priority = any(each.template.port == "priority" for each in mix)
         if primary:
             if wanted & {"b", "c", "d"}:
