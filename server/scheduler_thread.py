@@ -8,8 +8,9 @@ Threads and what they own:
   dispatch rule for the next batch. It sleeps on the condition until the next deadline,
   the dispatch time, a submission or a result. It never runs the model, so shedding and
   admission stay prompt while the session is busy.
-- The engine thread runs one batch at a time; after each it applies the result and, if
-  the dispatch rule says go, takes the next batch itself (no idle hop between batches).
+- The engine thread runs one batch at a time; after each it applies the result, sheds
+  what expired meanwhile and, if the dispatch rule says go, takes the next batch itself
+  (no idle hop between batches).
 The scheduler's state changes only under the one lock, whichever thread holds it. Every
 answer leaves through `deliver`, once per batch (or per shed round), outside the lock.
 """
@@ -232,7 +233,10 @@ class SchedulerThread:
         with self._cond:
             now_s = self._clock.monotonic()
             self._idle_since_s = now_s
-            outcomes = self._scheduler.complete(result)
+            # Shed before deciding, as the scheduler thread does: work whose deadline
+            # passed while this batch ran must not become the next batch, and the
+            # scheduler thread, asleep until that deadline, may not have woken yet.
+            outcomes = self._scheduler.complete(result) + self._scheduler.shed_expired(now_s)
             self._busy = False
             following = None
             if not self._closing:

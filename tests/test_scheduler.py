@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import threading
 from collections import Counter
 from collections.abc import Sequence
 
@@ -40,6 +41,7 @@ from laneserve.server.items import (
 )
 from laneserve.server.lanes import Entry, Lane
 from laneserve.server.scheduler import ACTIVE_LANE_S, Dispatch, Scheduler, WaitUntil
+from laneserve.server.scheduler_thread import SchedulerThread
 
 T0 = 1_000.0
 CAP = 8
@@ -1196,3 +1198,60 @@ def test_a_lane_that_accepts_long_waits_lets_lower_lanes_fill_the_cap() -> None:
     scheduler.admit(make_request(500, "standard", 1), T0)
     batch = dispatch(scheduler, T0, idle_since_s=math.inf)
     assert rows_by_lane(batch) == Counter({"standard": 1, "bulk": 63})
+
+
+# ---- the scheduler thread ------------------------------------------------------------
+
+
+class WatchedClock(ManualClock):
+    """A manual clock that tells when the scheduler thread reads it (once per step)."""
+
+    def __init__(self) -> None:
+        super().__init__(T0)
+        self.read_by_scheduler = threading.Event()
+
+    def monotonic(self) -> float:
+        if threading.current_thread().name == "laneserve-scheduler":
+            self.read_by_scheduler.set()
+        return super().monotonic()
+
+
+def test_work_that_expired_while_a_batch_ran_is_shed_not_taken_as_the_next_batch() -> None:
+    """When a batch finishes the engine thread takes the next one itself. A request whose
+    deadline passed during the run is answered EXPIRED_IN_QUEUE and never runs, though
+    the scheduler thread, asleep until that deadline on the real clock, has not woken."""
+    clock = WatchedClock()
+    scheduler = make_scheduler(TOP_DOWN_LANES, cap=1)  # one request per batch
+    ran: list[list[int]] = []
+    running, release, done = threading.Event(), threading.Event(), threading.Event()
+    answers: list[Outcome] = []
+
+    def run_batch(batch: Batch) -> BatchResult:
+        ran.append(row_ids(batch))
+        running.set()
+        assert release.wait(10)
+        return run(batch)
+
+    def deliver(outcomes: Sequence[Outcome]) -> None:
+        answers.extend(outcomes)
+        if len(answers) == 2:
+            done.set()
+
+    thread = SchedulerThread(scheduler, run_batch, deliver, clock=clock)
+    thread.start()
+    try:
+        thread.submit(make_request(1, "standard", 1))
+        assert running.wait(10)
+        clock.read_by_scheduler.clear()
+        thread.submit(make_request(2, "standard", 1, deadline_s=T0 + 10.0))
+        # The scheduler thread has planned its wake-up for the new deadline: ~10 s away.
+        assert clock.read_by_scheduler.wait(10)
+        clock.advance(20.0)  # the deadline passes while request 1 runs
+        release.set()
+        assert done.wait(10)
+    finally:
+        release.set()
+        thread.close()
+    assert ran == [ids(1, 1)], "request 2 never ran"
+    expired = next(outcome for outcome in answers if outcome.token == 2)
+    assert isinstance(expired.error, ExpiredInQueueError)
