@@ -410,6 +410,16 @@ def test_command_line_mix_runs_scenario_x_with_distinct_labels() -> None:
     settings = settings_from(args, [])
     assert settings.scenarios == ("x",), "a mix alone runs only the mix"
     assert [mix.label for mix in settings.mix] == ["bulk", "bulk-2"]
+    clash = [
+        "--mix",
+        "lane=bulk,rate=1",
+        "--mix",
+        "lane=bulk,rate=2",
+        "--mix",
+        "label=bulk-2,rate=3",
+    ]
+    labels = [mix.label for mix in settings_from(_parser().parse_args(["bench", *clash]), []).mix]
+    assert labels == ["bulk", "bulk-3", "bulk-2"], "a generated label never takes a given one"
     both = _parser().parse_args(["bench", "--scenarios", "ax", *options])
     assert settings_from(both, []).scenarios == ("a", "x")
     assert settings_from(_parser().parse_args(["bench"]), []).scenarios == ("a", "b", "c", "d")

@@ -143,8 +143,11 @@ def _unique_labels(mix: Sequence[MixStream]) -> tuple[MixStream, ...]:
     lane, say) gets its position appended: bulk, bulk-2."""
     seen: set[str] = set()
     unique = []
+    taken = {each.label for each in mix}
     for index, each in enumerate(mix, start=1):
-        label = each.label if each.label not in seen else f"{each.label}-{index}"
+        label, suffix = each.label, index
+        while label in seen or (label != each.label and label in taken):
+            label, suffix = f"{each.label}-{suffix}", suffix + 1
         seen.add(label)
         unique.append(
             dataclasses.replace(each, template=dataclasses.replace(each.template, label=label))
