@@ -172,6 +172,7 @@ class SchedulerThread:
             used_bytes = self._memory_gauge.used_bytes()
             if used_bytes is not None:
                 scheduler.update_memory(used_bytes)
+            now_s = self._clock.monotonic()  # a reading takes time: shed with the time after
         outcomes = scheduler.shed_expired(now_s)
         timeout_s: float | None = None
         if not self._busy and not self._closing:
@@ -212,6 +213,11 @@ class SchedulerThread:
         session is not left idle for a hop through the scheduler thread."""
         batch = self._work.get()
         while batch is not None:
+            with self._cond:
+                if self._closing:
+                    # close() (or a failure) has answered every live request, this
+                    # batch's too: they were told they never ran, so they do not.
+                    return
             try:
                 result = self._run_batch(batch)
             except Exception as error:
@@ -231,12 +237,14 @@ class SchedulerThread:
     def _finish(self, result: BatchResult) -> tuple[list[Outcome], Batch | None]:
         """Under the lock: the answers of a finished batch, and the next batch if due."""
         with self._cond:
+            self._idle_since_s = self._clock.monotonic()
+            outcomes = self._scheduler.complete(result)
+            # Shed before deciding, as the scheduler thread does, with the time after
+            # completing (it takes time): work whose deadline passed while this batch ran
+            # must not become the next batch, and the scheduler thread, asleep until that
+            # deadline, may not have woken yet.
             now_s = self._clock.monotonic()
-            self._idle_since_s = now_s
-            # Shed before deciding, as the scheduler thread does: work whose deadline
-            # passed while this batch ran must not become the next batch, and the
-            # scheduler thread, asleep until that deadline, may not have woken yet.
-            outcomes = self._scheduler.complete(result) + self._scheduler.shed_expired(now_s)
+            outcomes += self._scheduler.shed_expired(now_s)
             self._busy = False
             following = None
             if not self._closing:

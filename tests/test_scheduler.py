@@ -1255,3 +1255,105 @@ def test_work_that_expired_while_a_batch_ran_is_shed_not_taken_as_the_next_batch
     assert ran == [ids(1, 1)], "request 2 never ran"
     expired = next(outcome for outcome in answers if outcome.token == 2)
     assert isinstance(expired.error, ExpiredInQueueError)
+
+
+def test_work_answered_at_close_never_runs() -> None:
+    """close() answers every live request, also those of the batch the engine thread has
+    already taken as its next one but not started; that batch must then not run (its
+    requests were told "shut down before this request could run")."""
+    scheduler = make_scheduler(TOP_DOWN_LANES, cap=1)  # one request per batch
+    ran: list[list[int]] = []
+    running, release_run = threading.Event(), threading.Event()
+    delivering, release_deliver, told = threading.Event(), threading.Event(), threading.Event()
+    answers: list[Outcome] = []
+
+    def run_batch(batch: Batch) -> BatchResult:
+        ran.append(row_ids(batch))
+        running.set()
+        assert release_run.wait(10)
+        return run(batch)
+
+    def deliver(outcomes: Sequence[Outcome]) -> None:
+        answers.extend(outcomes)
+        if any(outcome.token == 2 for outcome in outcomes):
+            told.set()
+        if threading.current_thread().name == "laneserve-engine":
+            # Request 1's answer; the engine thread has taken request 2's batch already.
+            delivering.set()
+            assert release_deliver.wait(10)
+
+    thread = SchedulerThread(scheduler, run_batch, deliver, clock=ManualClock(T0))
+    thread.start()
+    closer = threading.Thread(target=thread.close)
+    try:
+        thread.submit(make_request(1, "standard", 1))
+        assert running.wait(10)
+        thread.submit(make_request(2, "standard", 1))
+        release_run.set()
+        assert delivering.wait(10)
+        closer.start()
+        assert told.wait(10), "close() answered request 2"
+    finally:
+        release_run.set()
+        release_deliver.set()
+        if closer.ident is not None:
+            closer.join(10)
+        thread.close()
+    assert [(o.token, type(o.error)) for o in answers if o.token == 2] == [(2, DrainingError)]
+    assert ran == [ids(1, 1)], "request 2 was answered, so it never runs"
+
+
+class SlowCompletion(NullEvents):
+    """Completing a batch takes `seconds` of the manual clock (a telemetry sink, say)."""
+
+    def __init__(self, clock: ManualClock, seconds: float) -> None:
+        self.clock, self.seconds = clock, seconds
+
+    def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:
+        self.clock.advance(self.seconds)
+
+
+class SlowGauge:
+    """A memory reading that takes `seconds` of the manual clock (NVML, /proc)."""
+
+    def __init__(self, clock: ManualClock, seconds: float) -> None:
+        self.clock, self.seconds = clock, seconds
+
+    def used_bytes(self) -> int | None:
+        self.clock.advance(self.seconds)
+        return 0
+
+    def total_bytes(self) -> int | None:
+        return 1 << 30
+
+
+def test_shedding_uses_the_time_after_the_work_before_it() -> None:
+    """Both places that shed and then decide do work first that takes time (completing a
+    batch; reading the memory gauge). A deadline that passes meanwhile is shed, not
+    dispatched. The threads' steps are called here as the threads call them."""
+    clock = ManualClock(T0)
+    scheduler = make_scheduler(TOP_DOWN_LANES, cap=1)
+    thread = SchedulerThread(scheduler, run, list[Outcome]().extend, clock=clock)
+    thread.submit(make_request(1, "standard", 1))
+    thread._step()  # the scheduler thread dispatches request 1
+    first = thread._work.get_nowait()
+    assert first is not None
+    thread.submit(make_request(2, "standard", 1, deadline_s=T0 + 5.0))
+    scheduler.events = SlowCompletion(clock, 6.0)  # completing batch 1 ends at T0 + 6
+    outcomes, following = thread._finish(run(first))
+    assert following is None, "request 2 expired while batch 1 completed"
+    assert [(o.token, type(o.error)) for o in outcomes] == [
+        (1, type(None)),
+        (2, ExpiredInQueueError),
+    ]
+
+    clock = ManualClock(T0)
+    scheduler = make_scheduler(TOP_DOWN_LANES, cap=1)
+    gauge = SlowGauge(clock, 6.0)
+    thread = SchedulerThread(
+        scheduler, run, list[Outcome]().extend, clock=clock, memory_gauge=gauge
+    )
+    thread.submit(make_request(2, "standard", 1, deadline_s=T0 + 5.0))
+    outcomes, _ = thread._step()  # the gauge's reading ends at T0 + 6
+    assert thread._work.empty(), "request 2 expired while the gauge was read"
+    assert [(o.token, type(o.error)) for o in outcomes] == [(2, ExpiredInQueueError)]
