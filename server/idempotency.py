@@ -7,8 +7,9 @@ attempt ran (the connection dropped, its deadline passed in flight, a bulk strea
 - **in flight**: the id's request is queued or running. The retry joins it and gets the
   same answer. The admitted work belongs to the ledger, not to the RPC that brought it:
   it is cancelled (its queued rows freed) only when its last waiting RPC has gone, and
-  then only if none of its rows is running; a request already in the session finishes,
-  and its answer is kept for the retry that is likely on its way.
+  then only if none of its rows has gone to the session; a request already started
+  finishes (all its chunks, when it is split across batches), and its answer is kept
+  for the retry that is likely on its way.
 - **completed**: the id's request succeeded recently. The retry gets the stored answer.
   Stored answers form an LRU bounded by count and by bytes, each kept at most ``ttl_s``.
 - Errors are not stored: a request refused or failed may be retried and run.
@@ -79,8 +80,9 @@ def fingerprint(request: pb.InferRequest) -> bytes:
 
 # Given the request's one Outcome, on the event loop (OutcomeRouter calls it).
 Resolve = Callable[[Outcome], None]
-# Cancels an admitted request in the scheduler; with `unless_running`, a running request
-# is left to finish. Returns True when cancelled, False when its Outcome is still coming.
+# Cancels an admitted request in the scheduler; with `unless_running`, a started request
+# (any chunk run or running) is left to finish. Returns True when cancelled, False when
+# its Outcome is still coming.
 Cancel = Callable[[bool], bool]
 
 
@@ -308,7 +310,8 @@ class RequestLedger:
     def _abandon(self, flight: _Flight) -> None:
         """The last RPC waiting for `flight` went away. Its queued rows are freed; work
         with a request_id that is already running finishes, and its answer is stored for
-        the retry that is likely on its way."""
+        the retry that is likely on its way (a request split across batches counts as
+        running once its first chunk has gone: no row may run twice)."""
         if flight.cancel(bool(flight.request_id)):
             if self._flights.get(flight.request_id) is flight:
                 del self._flights[flight.request_id]

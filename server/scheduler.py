@@ -232,12 +232,14 @@ class Scheduler:
     def cancel(self, entry_id: int, now_s: float, *, unless_running: bool = False) -> bool:
         """The client went away: its queued rows are freed now and no answer is due.
 
-        With `unless_running`, an entry whose rows are all in a running batch is left to
-        finish and be answered (its result can still be replayed to a retry). Returns
-        whether the entry was cancelled; False means its answer is given or still due.
+        With `unless_running`, an entry that has started (any of its rows handed to a
+        batch: a request larger than the cap may have chunks done, running and queued)
+        is left to finish and be answered, so that its result can be replayed to a retry
+        instead of its rows running twice. Returns whether the entry was cancelled;
+        False means its answer is given or still due.
         """
         entry = self._entries.get(entry_id)
-        if entry is None or (unless_running and not entry.in_lane):
+        if entry is None or (unless_running and entry.next_row > 0):
             return False
         del self._entries[entry_id]
         entry.cancelled = True

@@ -242,6 +242,42 @@ def test_abandoned_running_request_finishes_and_is_replayed(small_model: Path) -
     asyncio.run(scenario())
 
 
+def test_abandoned_request_split_across_batches_finishes_once_started(small_model: Path) -> None:
+    """A request larger than the batch cap runs in chunks. Its caller leaves while the
+    first chunk is in the session: the rest still runs and the answer is stored, so the
+    retry with the same request_id is answered from the cache and no row runs twice."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model, max_batch_size=2)) as s:
+            thread = s.server._thread
+            assert thread is not None
+            cancels: list[bool] = []
+            real_cancel = thread.cancel
+
+            def watched_cancel(entry_id: int, *, unless_running: bool = False) -> bool:
+                cancels.append(real_cancel(entry_id, unless_running=unless_running))
+                return cancels[-1]
+
+            thread.cancel = watched_cancel  # type: ignore[method-assign]
+            engine.hold()
+            call = s.stub.Infer(request(rows(4, start=100), request_id="split"))
+            task = asyncio.ensure_future(call)
+            await asyncio.to_thread(engine.entered.acquire)  # rows 100-101 run
+            assert queued_rows(s) == 2, "rows 102-103 wait for the next batch"
+            call.cancel()
+            await until(lambda: bool(cancels))  # the server saw the caller leave
+            engine.release()
+            await until_stats(s, lambda stats: stats.replay_cache_entries == 1)
+            retried = await s.stub.Infer(request(rows(4, start=100), request_id="split"))
+        assert cancels == [False], "started work with an id is not cancelled"
+        assert task.cancelled()
+        assert output(retried).shape == (4, 10)
+        assert sorted(engine.ran_tags) == [100, 101, 102, 103], "every row ran once"
+
+    asyncio.run(scenario())
+
+
 def test_joined_request_survives_the_first_caller_leaving(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
