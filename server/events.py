@@ -13,11 +13,14 @@ requests it serves.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from laneserve.server.errors import LaneserveError
 from laneserve.server.items import Batch
+
+log = logging.getLogger(__name__)
 
 
 class SchedulerEvents(Protocol):
@@ -136,51 +139,61 @@ class NullEvents:
 
 
 class FanOut:
-    """Sends every event to several sinks, in order."""
+    """Sends every event to several sinks, in order.
+
+    A sink that raises is a telemetry bug, not a reason to stop serving: the event still
+    reaches the other sinks, the scheduler goes on (it calls these under its lock, in the
+    middle of answering requests), and the failure is logged with its traceback the
+    first time per sink and event, counted after that (`failures`).
+    """
 
     def __init__(self, *sinks: SchedulerEvents) -> None:
         self._sinks = sinks
+        self.failures: dict[tuple[str, str], int] = {}
+
+    def _each(self, event: str, call: Callable[[SchedulerEvents], None]) -> None:
+        for sink in self._sinks:
+            try:
+                call(sink)
+            except Exception:  # a telemetry bug must not stop serving
+                key = (type(sink).__name__, event)
+                count = self.failures[key] = self.failures.get(key, 0) + 1
+                if count == 1:
+                    log.exception(
+                        "telemetry sink %s failed on %s; serving goes on, later failures "
+                        "of it are counted, not logged",
+                        *key,
+                    )
 
     def admitted(self, lane: str, rows: int) -> None:
-        for sink in self._sinks:
-            sink.admitted(lane, rows)
+        self._each("admitted", lambda sink: sink.admitted(lane, rows))
 
     def rejected(self, lane: str, reason: str) -> None:
-        for sink in self._sinks:
-            sink.rejected(lane, reason)
+        self._each("rejected", lambda sink: sink.rejected(lane, reason))
 
     def shed(self, lane: str, reason: str, rows: int) -> None:
-        for sink in self._sinks:
-            sink.shed(lane, reason, rows)
+        self._each("shed", lambda sink: sink.shed(lane, reason, rows))
 
     def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float]) -> None:
-        for sink in self._sinks:
-            sink.batch_formed(batch, queue_waits_s)
+        self._each("batch_formed", lambda sink: sink.batch_formed(batch, queue_waits_s))
 
     def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:
-        for sink in self._sinks:
-            sink.batch_done(batch, run_s, error)
+        self._each("batch_done", lambda sink: sink.batch_done(batch, run_s, error))
 
     def completed(self, lane: str, status: str) -> None:
-        for sink in self._sinks:
-            sink.completed(lane, status)
+        self._each("completed", lambda sink: sink.completed(lane, status))
 
     def out_of_memory(self, rows: int) -> None:
-        for sink in self._sinks:
-            sink.out_of_memory(rows)
+        self._each("out_of_memory", lambda sink: sink.out_of_memory(rows))
 
     def batch_split(self, rows: int) -> None:
-        for sink in self._sinks:
-            sink.batch_split(rows)
+        self._each("batch_split", lambda sink: sink.batch_split(rows))
 
     def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
-        for sink in self._sinks:
-            sink.cap_changed(old_rows, new_rows, reason)
+        self._each("cap_changed", lambda sink: sink.cap_changed(old_rows, new_rows, reason))
 
     def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:
-        for sink in self._sinks:
-            sink.memory_sampled(used_bytes, budget_bytes)
+        self._each("memory_sampled", lambda sink: sink.memory_sampled(used_bytes, budget_bytes))
 
     def request_finished(self, lane: str, status: str, duration_s: float) -> None:
-        for sink in self._sinks:
-            sink.request_finished(lane, status, duration_s)
+        self._each("request_finished", lambda sink: sink.request_finished(lane, status, duration_s))

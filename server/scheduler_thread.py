@@ -144,24 +144,31 @@ class SchedulerThread:
     # ---- the scheduler thread ----------------------------------------------------
 
     def _schedule_forever(self) -> None:
+        # Answers made but not yet handed to `deliver`: a failure after they were taken
+        # from the scheduler must not lose them (_fail answers only what it still holds).
+        outcomes: list[Outcome] = []
         try:
             while True:
                 with self._cond:
-                    outcomes, timeout_s = self._step()
+                    timeout_s = self._step(outcomes)
                     if not outcomes:
                         if self._closing:
                             return
                         self._cond.wait(timeout_s)
                         continue
                     self._cond.notify_all()  # wait_drained may be waiting on these
-                self._deliver(outcomes)
+                ready, outcomes = outcomes, []
+                self._deliver(ready)
         except BaseException:
             log.exception("scheduler thread failed; answering all queued work")
+            if outcomes:
+                self._deliver(outcomes)
             self._fail(EngineError("the scheduler failed; the server must be restarted"))
             raise
 
-    def _step(self) -> tuple[list[Outcome], float | None]:
-        """One pass under the lock: what to answer now, and how long to sleep after."""
+    def _step(self, outcomes: list[Outcome]) -> float | None:
+        """One pass under the lock: adds what to answer now to `outcomes`; returns how
+        long to sleep after."""
         scheduler = self._scheduler
         now_s = self._clock.monotonic()
         if (
@@ -173,7 +180,7 @@ class SchedulerThread:
             if used_bytes is not None:
                 scheduler.update_memory(used_bytes)
             now_s = self._clock.monotonic()  # a reading takes time: shed with the time after
-        outcomes = scheduler.shed_expired(now_s)
+        outcomes += scheduler.shed_expired(now_s)
         timeout_s: float | None = None
         if not self._busy and not self._closing:
             decision = scheduler.decide(now_s, self._idle_since_s)
@@ -194,7 +201,7 @@ class SchedulerThread:
             timeout_s = until_deadline_s if timeout_s is None else min(timeout_s, until_deadline_s)
         timeout_s = None if timeout_s is None else max(timeout_s, 0.0)
         self._wake_at_s = math.inf if timeout_s is None else now_s + timeout_s
-        return outcomes, timeout_s
+        return timeout_s
 
     def _fail(self, error: LaneserveError) -> None:
         with self._cond:
@@ -223,10 +230,13 @@ class SchedulerThread:
             except Exception as error:
                 log.exception("batch %d failed outside the runtime", batch.batch_id)
                 result = BatchResult(batch, None, EngineError(f"batch failed: {error!r}"), 0.0)
+            outcomes: list[Outcome] = []
             try:
-                outcomes, batch = self._finish(result)
+                batch = self._finish(result, outcomes)
             except BaseException:
                 log.exception("applying a batch result failed; answering all queued work")
+                if outcomes:  # answers already made: _fail answers only what is left
+                    self._deliver(outcomes)
                 self._fail(EngineError("the scheduler failed; the server must be restarted"))
                 raise
             if outcomes:
@@ -234,11 +244,12 @@ class SchedulerThread:
             if batch is None:
                 batch = self._work.get()
 
-    def _finish(self, result: BatchResult) -> tuple[list[Outcome], Batch | None]:
-        """Under the lock: the answers of a finished batch, and the next batch if due."""
+    def _finish(self, result: BatchResult, outcomes: list[Outcome]) -> Batch | None:
+        """Under the lock: adds the answers of a finished batch to `outcomes`; returns the
+        next batch if due."""
         with self._cond:
             self._idle_since_s = self._clock.monotonic()
-            outcomes = self._scheduler.complete(result)
+            outcomes += self._scheduler.complete(result)
             # Shed before deciding, as the scheduler thread does, with the time after
             # completing (it takes time): work whose deadline passed while this batch ran
             # must not become the next batch, and the scheduler thread, asleep until that
@@ -254,4 +265,4 @@ class SchedulerThread:
                     following = decision.batch
             # The scheduler thread re-plans its timers; wait_drained sees the answers.
             self._cond.notify_all()
-            return outcomes, following
+            return following

@@ -31,7 +31,7 @@ from laneserve.server.errors import (
     LaneFullError,
     LaneserveError,
 )
-from laneserve.server.events import NullEvents
+from laneserve.server.events import FanOut, NullEvents
 from laneserve.server.items import (
     Batch,
     BatchResult,
@@ -1335,12 +1335,13 @@ def test_shedding_uses_the_time_after_the_work_before_it() -> None:
     scheduler = make_scheduler(TOP_DOWN_LANES, cap=1)
     thread = SchedulerThread(scheduler, run, list[Outcome]().extend, clock=clock)
     thread.submit(make_request(1, "standard", 1))
-    thread._step()  # the scheduler thread dispatches request 1
+    thread._step([])  # the scheduler thread dispatches request 1
     first = thread._work.get_nowait()
     assert first is not None
     thread.submit(make_request(2, "standard", 1, deadline_s=T0 + 5.0))
     scheduler.events = SlowCompletion(clock, 6.0)  # completing batch 1 ends at T0 + 6
-    outcomes, following = thread._finish(run(first))
+    outcomes: list[Outcome] = []
+    following = thread._finish(run(first), outcomes)
     assert following is None, "request 2 expired while batch 1 completed"
     assert [(o.token, type(o.error)) for o in outcomes] == [
         (1, type(None)),
@@ -1354,6 +1355,79 @@ def test_shedding_uses_the_time_after_the_work_before_it() -> None:
         scheduler, run, list[Outcome]().extend, clock=clock, memory_gauge=gauge
     )
     thread.submit(make_request(2, "standard", 1, deadline_s=T0 + 5.0))
-    outcomes, _ = thread._step()  # the gauge's reading ends at T0 + 6
+    outcomes = []
+    thread._step(outcomes)  # the gauge's reading ends at T0 + 6
     assert thread._work.empty(), "request 2 expired while the gauge was read"
     assert [(o.token, type(o.error)) for o in outcomes] == [(2, ExpiredInQueueError)]
+
+
+class FailingDecision(Scheduler):
+    """A stand-in for a scheduler bug: forming the second batch raises."""
+
+    formed = 0
+
+    def decide(self, now_s: float, idle_since_s: float) -> Dispatch | WaitUntil | None:
+        if self.formed == 1 and self.live_entries > 0:
+            raise RuntimeError("scheduler bug")
+        decision = super().decide(now_s, idle_since_s)
+        self.formed += isinstance(decision, Dispatch)
+        return decision
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_answers_made_before_a_scheduler_failure_are_not_lost() -> None:
+    """The engine thread completes batch 1 (request 1's answer made), then forming batch 2
+    fails: request 1 still gets its answer, and request 2 the failure, each exactly once."""
+    scheduler = FailingDecision(TOP_DOWN_LANES, batch_cap=1, run_time=fixed_run_time())
+    running, release, answered = threading.Event(), threading.Event(), threading.Event()
+    answers: list[Outcome] = []
+
+    def run_batch(batch: Batch) -> BatchResult:
+        running.set()
+        assert release.wait(10)
+        return run(batch)
+
+    def deliver(outcomes: Sequence[Outcome]) -> None:
+        answers.extend(outcomes)
+        if len(answers) >= 2:
+            answered.set()
+
+    thread = SchedulerThread(scheduler, run_batch, deliver, clock=ManualClock(T0))
+    thread.start()
+    try:
+        thread.submit(make_request(1, "standard", 1))
+        assert running.wait(10)
+        thread.submit(make_request(2, "standard", 1))
+        release.set()
+        assert answered.wait(10)
+    finally:
+        release.set()
+        thread.close()
+    assert sorted((o.token, type(o.error)) for o in answers) == [
+        (1, type(None)),
+        (2, EngineError),
+    ]
+
+
+def test_a_failing_telemetry_sink_neither_stops_events_nor_serving(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every event still reaches the other sinks; the failure is logged once, then
+    counted."""
+
+    class Broken(NullEvents):
+        def admitted(self, lane: str, rows: int) -> None:
+            raise RuntimeError("telemetry bug")
+
+    recorded = RecordingEvents()
+    events = FanOut(Broken(), recorded)
+    scheduler = make_scheduler(TOP_DOWN_LANES)
+    scheduler.events = events
+    for index in range(3):
+        scheduler.admit(make_request(index, "standard", 1), T0)
+    assert recorded.log == [("admitted", "standard", 1)] * 3
+    assert events.failures == {("Broken", "admitted"): 3}
+    assert [r.getMessage() for r in caplog.records].count(
+        "telemetry sink Broken failed on admitted; serving goes on, later failures of it "
+        "are counted, not logged"
+    ) == 1
