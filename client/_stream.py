@@ -31,7 +31,7 @@ from collections.abc import (
     Iterator,
     Mapping,
 )
-from typing import Any
+from typing import Any, Final
 
 import grpc
 import numpy.typing as npt
@@ -173,6 +173,9 @@ class BulkStream:
         self._allowed = attempts_allowed(policy)
 
         self._source_done = False
+        # The async source's next item while it is being produced: it outlives a writer
+        # cancelled with its broken call (see _pull).
+        self._source_next: asyncio.Future[StreamItem | object] | None = None
         self._pulled = 0  # items taken from the source
         self._held = 0  # pulled and not yet handed to the caller: at most `window`
         self._window_rows = math.inf  # set from the options or the lane when results start
@@ -316,15 +319,29 @@ class BulkStream:
     async def _pull(self) -> _Item | None:
         """The next item from the source, encoded; None at the end of the source, or when
         the item failed to encode (it is answered with its error at once)."""
-        try:
-            if self._async_source is not None:
-                raw = await anext(self._async_source)
-            else:
-                assert self._sync_source is not None
+        if self._async_source is not None:
+            pending = self._source_next
+            if pending is None:
+                pending = self._source_next = asyncio.ensure_future(_anext(self._async_source))
+            try:
+                # Shielded: when a call breaks, its writer is cancelled, possibly while
+                # the source is producing the next item. Cancelling the source there
+                # would end (an async generator) or lose that item; the next call's
+                # writer awaits the same pending item instead.
+                raw = await asyncio.shield(pending)
+            finally:
+                if pending.done():
+                    self._source_next = None
+            if raw is _SOURCE_END:
+                self._source_done = True
+                return None
+        else:
+            assert self._sync_source is not None
+            try:
                 raw = next(self._sync_source)
-        except (StopIteration, StopAsyncIteration):
-            self._source_done = True
-            return None
+            except StopIteration:
+                self._source_done = True
+                return None
         index = self._pulled
         self._pulled += 1
         self._held += 1
@@ -449,10 +466,26 @@ class BulkStream:
         return len(sent)
 
     def _cancel_timers(self) -> None:
+        """The job is over (done, failed, or left by the caller): nothing is resent and
+        the source is not read further."""
         for item in self._items.values():
             if item.timer is not None:
                 item.timer.cancel()
                 item.timer = None
+        if self._source_next is not None:
+            self._source_next.cancel()
+            self._source_next = None
+
+
+async def _anext(source: AsyncIterator[StreamItem]) -> StreamItem | object:
+    """The source's next item, or _SOURCE_END."""
+    try:
+        return await anext(source)
+    except StopAsyncIteration:
+        return _SOURCE_END
+
+
+_SOURCE_END: Final = object()
 
 
 def _call_may_resume(error: LaneserveError) -> bool:

@@ -130,6 +130,60 @@ def test_cut_connections_mid_job_resume_with_identical_output(
     asyncio.run(scenario())
 
 
+def test_an_async_source_waiting_for_its_next_item_survives_a_cut_connection(
+    small_model: Path,
+) -> None:
+    """The connection is cut while an async source is producing its next item (waiting
+    for its data). The item is not cancelled with the broken call: the next call sends
+    it and the rest, and no item is lost."""
+    first, second = 4, 4
+    gate = asyncio.Event()
+    state = {"waiting": False, "cancelled": False}
+
+    async def source() -> AsyncIterator[dict[str, F32]]:
+        for index in range(first):
+            yield {"input": rows(2, start=10 * index)}
+        state["waiting"] = True
+        try:
+            await gate.wait()  # e.g. the producer waits for its next batch of data
+        except asyncio.CancelledError:
+            state["cancelled"] = True
+            raise
+        for index in range(first, first + second):
+            yield {"input": rows(2, start=10 * index)}
+
+    async def scenario() -> list[lc.StreamResult]:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            proxy = TcpProxy(s.server.port)
+            target = await proxy.start()
+            try:
+
+                async def open_gate() -> None:
+                    # The job resumes on a new call meanwhile (results() runs on).
+                    await until(lambda: state["cancelled"] or proxy.connections >= 2)
+                    gate.set()
+
+                opener: asyncio.Task[None] | None = None
+                async with lc.AsyncClient(target) as client:
+                    results: list[lc.StreamResult] = []
+                    async for result in client.stream(source(), ordered=False, job_id="j"):
+                        results.append(result)
+                        if len(results) == first:
+                            await until(lambda: state["waiting"])
+                            assert proxy.sever() >= 1
+                            opener = asyncio.create_task(open_gate())
+                    assert opener is not None
+                    await opener
+                    return results
+            finally:
+                await proxy.close()
+
+    results = asyncio.run(scenario())
+    assert not state["cancelled"], "the source was not cancelled with the broken call"
+    assert sorted(result.index for result in results) == list(range(first + second))
+
+
 def test_results_are_ordered_unless_asked_otherwise(small_model: Path) -> None:
     """Item 1 is refused at once while item 0 runs: unordered, it comes first."""
     items = [{"input": rows(2, start=0)}, {"input": rows(9)}, {"input": rows(2, start=10)}]
