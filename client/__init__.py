@@ -26,7 +26,8 @@ Errors (each carries the server's message, ``reason``, ``code`` and ``retry_afte
     ├── UnavailableError                 retryable
     │   └── ServerDrainingError          retryable
     ├── EngineError
-    └── CallCancelledError               retryable (cut off, or refused unread)
+    ├── CallCancelledError               retryable (cut off, or refused unread)
+    └── ClientClosedError                (the client was closed)
 
 The wire codec (numpy arrays to and from ``laneserve.v1.Tensor``) lives in
 :mod:`laneserve.client.tensors` and is shared with the server.
@@ -36,6 +37,7 @@ from laneserve.client._aio import AsyncClient
 from laneserve.client._channel import DEFAULT_TARGET, TlsConfig
 from laneserve.client._errors import (
     CallCancelledError,
+    ClientClosedError,
     DeadlineExceededError,
     DeadlineUnmeetableError,
     DeviceMemoryError,
@@ -74,6 +76,7 @@ __all__ = [
     "AsyncClient",
     "CallCancelledError",
     "Client",
+    "ClientClosedError",
     "DataType",
     "DeadlineExceededError",
     "DeadlineUnmeetableError",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -17,7 +18,7 @@ from laneserve.client._channel import (
     TlsConfig,
     open_channel,
 )
-from laneserve.client._errors import LaneserveError, error_from_rpc
+from laneserve.client._errors import ClientClosedError, LaneserveError, error_from_rpc
 from laneserve.client._request import encode_inputs
 from laneserve.client._retry import RetryPolicy, call_with_retries
 from laneserve.client._stream import (
@@ -83,6 +84,8 @@ class AsyncClient:
         )
         self._stub: pb_grpc.InferenceServiceAsyncStub = pb_grpc.InferenceServiceStub(self._channel)
         self._model: ModelInfo | None = None  # cached by _lane_capacity
+        # Set by close(): no call starts or retries after it (ClientClosedError).
+        self._closed = asyncio.Event()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -91,7 +94,9 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        """Closes the channel; calls in progress are cancelled."""
+        """Closes the channel; calls in progress end with ClientClosedError, those on the
+        wire cancelled, those waiting to retry at once. Safe to call twice."""
+        self._closed.set()
         await self._channel.close()
 
     async def infer(
@@ -137,6 +142,7 @@ class AsyncClient:
             policy=retry or self.retry,
             deadline_s=_deadline_s(timeout),
             what=f"Infer {request_id!r}",
+            closed=self._closed,
         )
 
     async def model(self, *, timeout: float | None = None) -> ModelInfo:  # noqa: ASYNC109
@@ -147,7 +153,11 @@ class AsyncClient:
             return ModelInfo.from_proto(response)
 
         return await call_with_retries(
-            attempt, policy=self.retry, deadline_s=_deadline_s(timeout), what="GetModel"
+            attempt,
+            policy=self.retry,
+            deadline_s=_deadline_s(timeout),
+            what="GetModel",
+            closed=self._closed,
         )
 
     async def stats(
@@ -162,7 +172,11 @@ class AsyncClient:
             return await self._call(self._stub.GetStats, pb.GetStatsRequest(), timeout_s, "")
 
         return await call_with_retries(
-            attempt, policy=self.retry, deadline_s=_deadline_s(timeout), what="GetStats"
+            attempt,
+            policy=self.retry,
+            deadline_s=_deadline_s(timeout),
+            what="GetStats",
+            closed=self._closed,
         )
 
     def stream(  # noqa: PLR0913 - keyword-only options of one call, each with a default
@@ -217,6 +231,8 @@ class AsyncClient:
             rows_per_item=rows_per_item,
             window_rows=window_rows,
         )
+        if self._closed.is_set():
+            raise ClientClosedError
         job = BulkStream(
             self._stub,
             self.metadata + trace_metadata(),  # the context the job was started in
@@ -224,6 +240,7 @@ class AsyncClient:
             options,
             retry or self.retry,
             lane_capacity=self._lane_capacity,
+            closed=self._closed,
         )
         return job.results()
 
@@ -246,11 +263,17 @@ class AsyncClient:
         timeout_s: float | None,
         request_id: str,
     ) -> T:
+        if self._closed.is_set():
+            raise ClientClosedError(request_id=request_id)
         try:
             metadata = self.metadata + trace_metadata()
             return await method(request, timeout=timeout_s, metadata=metadata)
         except grpc.RpcError as error:
+            if self._closed.is_set():  # cancelled by close(), not by the network
+                raise ClientClosedError(request_id=request_id) from error
             raise error_from_rpc(error, request_id=request_id) from error
+        except grpc.aio.UsageError as error:  # the channel closed under the call
+            raise ClientClosedError(request_id=request_id) from error
 
 
 def _deadline_s(timeout: float | None) -> float | None:

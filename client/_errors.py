@@ -13,7 +13,8 @@
     ├── UnavailableError                 UNAVAILABLE           (no connection)      retryable
     │   └── ServerDrainingError          UNAVAILABLE           DRAINING             retryable
     ├── EngineError                      INTERNAL              ENGINE_FAILURE
-    └── CallCancelledError               CANCELLED             (network, backlog)   retryable
+    ├── CallCancelledError               CANCELLED             (network, backlog)   retryable
+    └── ClientClosedError                (this client was closed)
 
 The server's ``google.rpc.ErrorInfo`` reason (domain ``laneserve.dev``) picks the class
 when there is one; the status code picks it otherwise, so a plain gRPC status without
@@ -29,13 +30,14 @@ else is the request's own fault, or will not change by retrying it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
 __all__ = [
     "CallCancelledError",
+    "ClientClosedError",
     "DeadlineExceededError",
     "DeadlineUnmeetableError",
     "DeviceMemoryError",
@@ -163,6 +165,15 @@ class CallCancelledError(LaneserveError):
     request_id is safe and is made."""
 
     retryable = True
+
+
+class ClientClosedError(LaneserveError):
+    """The call was made on a closed client, or the client was closed while the call
+    waited to retry (its last error is the cause). Not retried: the client is gone."""
+
+    def __init__(self, message: str = "the client is closed; open a new one", **fields: Any):
+        fields.setdefault("code", grpc.StatusCode.CANCELLED)
+        super().__init__(message, **fields)
 
 
 _BY_REASON: Mapping[str, type[LaneserveError]] = {

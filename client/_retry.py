@@ -30,7 +30,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from laneserve.client._errors import LaneserveError
+from laneserve.client._errors import ClientClosedError, LaneserveError
 
 __all__ = ["NO_RETRIES", "RetryPolicy", "is_testing", "set_testing"]
 
@@ -130,12 +130,15 @@ async def call_with_retries(
     policy: RetryPolicy,
     deadline_s: float | None,
     what: str,
+    closed: asyncio.Event | None = None,
 ) -> T:
     """Runs `attempt(timeout_s)` until it succeeds, fails for good, runs out of attempts,
     or the next attempt would start after `deadline_s` (``time.monotonic()`` seconds).
 
     `timeout_s` is what is left of the deadline (None: no deadline): each attempt passes it
-    on as its gRPC deadline, so no attempt runs past the caller's.
+    on as its gRPC deadline, so no attempt runs past the caller's. Once `closed` is set
+    (the client was closed) no retry is made and a backoff in progress ends at once:
+    ClientClosedError, with the last error as its cause.
     """
     allowed = attempts_allowed(policy)
     number = 0
@@ -151,13 +154,15 @@ async def call_with_retries(
             if number >= allowed:
                 error.add_note(f"{what}: gave up after {number} attempt(s) (max_attempts)")
                 raise
-            delay_s = effective_delay_s(policy.delay_s(number, error.retry_after_s))
+            # The decision uses the real delay; test mode only skips the waiting.
+            delay_s = policy.delay_s(number, error.retry_after_s)
             if deadline_s is not None and time.monotonic() + delay_s >= deadline_s:
                 error.add_note(
                     f"{what}: gave up after {number} attempt(s): the next would start "
                     f"after the deadline (in {delay_s * 1000:.0f} ms)"
                 )
                 raise
+            delay_s = effective_delay_s(delay_s)
             log.debug(
                 "%s: %s; retry %d in %.0f ms",
                 what,
@@ -165,4 +170,16 @@ async def call_with_retries(
                 number,
                 delay_s * 1000,
             )
-            await asyncio.sleep(delay_s)
+            if closed is None:
+                await asyncio.sleep(delay_s)
+                continue
+            try:
+                if not closed.is_set():
+                    await asyncio.wait_for(closed.wait(), delay_s)
+            except TimeoutError:
+                continue  # the delay passed; the client is still open
+            raise ClientClosedError(
+                f"{what}: the client was closed while the call waited to retry "
+                f"(after {number} attempt(s))",
+                request_id=error.request_id,
+            ) from error

@@ -37,6 +37,7 @@ import grpc
 import numpy.typing as npt
 
 from laneserve.client._errors import (
+    ClientClosedError,
     InvalidInputError,
     LaneserveError,
     UnavailableError,
@@ -153,8 +154,10 @@ class BulkStream:
         options: StreamOptions,
         policy: RetryPolicy,
         lane_capacity: Callable[[str], Awaitable[int | None]] | None = None,
+        closed: asyncio.Event | None = None,
     ) -> None:
         self._stub = stub
+        self._closed = closed  # set when the client closes: no new call starts
         self._lane_capacity = lane_capacity
         self._metadata = metadata
         if isinstance(source, Mapping):
@@ -199,6 +202,7 @@ class BulkStream:
         failures = 0  # consecutive broken calls that answered nothing
         await self._set_window_rows()
         while True:
+            self._check_open()
             answered_before = self._pulled - len(self._items)
             call = self._stub.InferStream(metadata=self._metadata)
             tasks = (
@@ -464,6 +468,15 @@ class BulkStream:
         queued = [item for item in self._to_send if item.state is _State.QUEUED]
         self._to_send = collections.deque(sent + queued)
         return len(sent)
+
+    def _check_open(self) -> None:
+        """Before each new call: a closed client starts none."""
+        if self._closed is not None and self._closed.is_set():
+            self._cancel_timers()
+            raise ClientClosedError(
+                f"bulk stream {self.job_id}: the client was closed with "
+                f"{len(self._items)} item(s) unanswered"
+            )
 
     def _cancel_timers(self) -> None:
         """The job is over (done, failed, or left by the caller): nothing is resent and

@@ -4,6 +4,7 @@ in one thread, so both clients share one implementation of retries and bulk stre
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
@@ -14,6 +15,7 @@ import numpy.typing as npt
 
 from laneserve.client._aio import AsyncClient, MetadataLike, Outputs, TlsLike
 from laneserve.client._channel import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET
+from laneserve.client._errors import ClientClosedError
 from laneserve.client._retry import RetryPolicy
 from laneserve.client._stream import DEFAULT_STREAM_LANE, StreamSource
 from laneserve.client._types import ModelInfo, StreamResult
@@ -22,6 +24,9 @@ from laneserve.v1 import inference_pb2 as pb
 __all__ = ["Client"]
 
 T = TypeVar("T")
+# How long close() waits for other threads' calls to end once the channel is closed
+# (they end at once: cancelled on the wire, or woken from their retry backoff).
+CLOSE_WAIT_S = 5.0
 
 
 class Client:
@@ -56,6 +61,9 @@ class Client:
         )
         self._thread.start()
         self._closed = False
+        # Calls in progress, from any thread: close() waits for them to end.
+        self._running: set[concurrent.futures.Future[Any]] = set()
+        self._lock = threading.Lock()
 
         async def create() -> AsyncClient:
             # The channel binds to the loop it is created on: create it there.
@@ -86,12 +94,20 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Closes the channel and stops the client's thread. Safe to call twice."""
+        """Closes the channel and stops the client's thread; calls other threads have in
+        progress end with ClientClosedError. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
         try:
             self._run(self._client.close())
+            # The calls still running end now (ClientClosedError); wait for them, so
+            # that none is left on a stopped loop with its caller waiting forever.
+            with self._lock:
+                running = list(self._running)
+            concurrent.futures.wait(running, timeout=CLOSE_WAIT_S)
+            for future in running:
+                future.cancel()  # still running after the wait: its caller gets that
             self._run(self._loop.shutdown_asyncgens())  # streams left unfinished
         finally:
             self._stop_loop()
@@ -194,7 +210,7 @@ class Client:
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         if self._closed and not self._thread.is_alive():
             coroutine.close()
-            raise RuntimeError("the client is closed")
+            raise ClientClosedError
         # The coroutine runs on the client's loop thread, but in the caller's context:
         # its trace (and any other context variable) goes with the call.
         context = contextvars.copy_context()
@@ -203,13 +219,22 @@ class Client:
             return await asyncio.create_task(coroutine, context=context)
 
         future = asyncio.run_coroutine_threadsafe(in_callers_context(), self._loop)
+        with self._lock:
+            self._running.add(future)
         try:
             return future.result()
+        except concurrent.futures.CancelledError:
+            if self._closed:  # close() cancelled it after its wait
+                raise ClientClosedError from None
+            raise
         except BaseException:
             # Interrupted while waiting (Ctrl-C, a signal handler's exception): the call
             # must not go on unseen. A no-op when the coroutine itself raised.
             future.cancel()
             raise
+        finally:
+            with self._lock:
+                self._running.discard(future)
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import logging
 import random
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -600,6 +603,117 @@ def test_testing_switch_caps_attempts_without_sleeping() -> None:
 
     asyncio.run(scenario())
     assert lc.is_testing()
+
+
+# ---- closing a client with calls in progress ----------------------------------------------
+
+
+@contextlib.contextmanager
+def lane_full_server(retry_s: float) -> Iterator[str]:
+    """A server whose Infer answers every call LANE_FULL with a retry hint of `retry_s`
+    (RetryInfo), as laneserve does."""
+
+    def refuse(_request: pb.InferRequest, context: grpc.ServicerContext) -> pb.InferResponse:
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(round(retry_s * 1e9))
+        info = error_details_pb2.ErrorInfo(reason="LANE_FULL", domain="laneserve.dev")
+        status = status_pb2.Status(
+            code=code_pb2.RESOURCE_EXHAUSTED,
+            message="lane full",
+            details=[packed(info), packed(error_details_pb2.RetryInfo(retry_delay=delay))],
+        )
+        context.set_trailing_metadata((("grpc-status-details-bin", status.SerializeToString()),))
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "lane full")
+
+    infer = grpc.unary_unary_rpc_method_handler(
+        refuse,
+        request_deserializer=pb.InferRequest.FromString,
+        response_serializer=pb.InferResponse.SerializeToString,
+    )
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                pb.DESCRIPTOR.services_by_name["InferenceService"].full_name, {"Infer": infer}
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None).wait()
+
+
+def retrying(caplog: pytest.LogCaptureFixture) -> bool:
+    """Whether the client has logged that it waits to retry (it is in its backoff)."""
+    return any("retry 1 in" in record.getMessage() for record in caplog.records)
+
+
+def test_closing_the_sync_client_ends_another_threads_call_waiting_to_retry(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The server asks for an hour's pause; close() from another thread ends the call
+    at once with ClientClosedError (it hung for good on the stopped loop)."""
+    lc.set_testing(False)
+    caplog.set_level(logging.DEBUG, logger="laneserve.client")
+    outcome: list[object] = []
+    with lane_full_server(retry_s=3600.0) as target:
+        client = lc.Client(target)
+
+        def call() -> None:
+            try:
+                outcome.append(client.infer({"input": rows(1)}))
+            except BaseException as error:  # noqa: BLE001 - the outcome is the assertion
+                outcome.append(error)
+
+        worker = threading.Thread(target=call)
+        worker.start()
+        asyncio.run(until(lambda: retrying(caplog)))
+        client.close()
+        worker.join(10)
+    assert not worker.is_alive(), "the call ended"
+    (error,) = outcome
+    assert isinstance(error, lc.ClientClosedError)
+    assert isinstance(error.__cause__, lc.LaneFullError), "the last error is its cause"
+    with pytest.raises(lc.ClientClosedError, match="the client is closed; open a new one"):
+        client.infer({"input": rows(1)})
+
+
+def test_closing_the_async_client_ends_a_call_waiting_to_retry(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    lc.set_testing(False)
+    caplog.set_level(logging.DEBUG, logger="laneserve.client")
+
+    async def scenario(target: str) -> BaseException | None:
+        client = lc.AsyncClient(target)
+        task = asyncio.ensure_future(client.infer({"input": rows(1)}))
+        await until(lambda: retrying(caplog))
+        await client.close()
+        done, _ = await asyncio.wait([task], timeout=10)  # detects a hang (the pause is 1 h)
+        assert done, "the call ended with the client"
+        with pytest.raises(lc.ClientClosedError, match="the client is closed; open a new one"):
+            await client.infer({"input": rows(1)})
+        return task.exception()
+
+    with lane_full_server(retry_s=3600.0) as target:
+        error = asyncio.run(scenario(target))
+    assert isinstance(error, lc.ClientClosedError)
+    assert "closed while the call waited to retry (after 1 attempt(s))" in str(error)
+
+
+def test_test_mode_keeps_the_deadline_decision() -> None:
+    """The server asks for 10 s; the call has 5 s: no retry, in test mode too (it only
+    skips the waiting)."""
+    with lane_full_server(retry_s=10.0) as target, lc.Client(target) as client:
+        with pytest.raises(lc.LaneFullError) as testing:
+            client.infer({"input": rows(1)}, timeout=5.0)
+        lc.set_testing(False)
+        with pytest.raises(lc.LaneFullError) as real:
+            client.infer({"input": rows(1)}, timeout=5.0)
+    assert real.value.attempts == testing.value.attempts == 1
 
 
 # ---- helpers ---------------------------------------------------------------------------
