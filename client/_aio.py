@@ -23,6 +23,7 @@ from laneserve.client._request import encode_inputs
 from laneserve.client._retry import RetryPolicy, call_with_retries
 from laneserve.client._stream import (
     DEFAULT_STREAM_LANE,
+    SERVER_STREAM_LANE,
     BulkStream,
     StreamOptions,
     StreamSource,
@@ -199,7 +200,8 @@ class AsyncClient:
             requests: either one mapping of input name to array, sent as items of
                 `rows_per_item` rows each; or an iterable (sync or async) of items, each a
                 mapping of input name to array or a `StreamRequest` with its own id.
-            lane: the lane every item is queued in.
+            lane: the lane every item is queued in; "" (the default): the server's lane
+                for streams (its `bulk` lane when it has one, else its default lane).
             window: items held at once (sent and unanswered, waiting for a retry, or, in
                 order mode, answered ahead of an earlier item); the source is read no
                 faster than that.
@@ -253,7 +255,11 @@ class AsyncClient:
             except LaneserveError as error:
                 log.debug("no lane capacity for the stream window: %s", error)
                 return None
-        name = lane or self._model.default_lane
+        names = [info.name for info in self._model.lanes]
+        # The lane the server queues the items in (its rule for streams, when none is named).
+        name = lane or (
+            SERVER_STREAM_LANE if SERVER_STREAM_LANE in names else self._model.default_lane
+        )
         return next((info.capacity_rows for info in self._model.lanes if info.name == name), None)
 
     async def _call(

@@ -105,8 +105,11 @@ class _Failed:
 _Event = StreamResult | _CallEnded | _Failed
 
 
-# The lane bulk jobs go to unless told otherwise (the server's own default for streams).
-DEFAULT_STREAM_LANE = "bulk"
+# The lane bulk jobs ask for unless told otherwise: none, so the server's own default for
+# streams applies (its `bulk` lane when it has one, else its default lane).
+DEFAULT_STREAM_LANE = ""
+# The lane a server queues a stream's items in when they name none, if it has it.
+SERVER_STREAM_LANE = "bulk"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -591,7 +591,9 @@ def _parser() -> argparse.ArgumentParser:
     bulk.add_argument("--output", required=True, help=".npy (one output) or .npz (all)")
     bulk.add_argument("--output-name", action="append", help="an output to keep (repeatable)")
     bulk.add_argument(
-        "--lane", default=DEFAULT_STREAM_LANE, help=f"lane (default {DEFAULT_STREAM_LANE})"
+        "--lane",
+        default=DEFAULT_STREAM_LANE,
+        help="lane (default: the server's lane for streams, bulk when it has one)",
     )
     bulk.add_argument(
         "--window", type=_positive_int, default=256, help="requests in flight (default 256)"

@@ -293,6 +293,31 @@ def test_job_keeps_its_rows_within_the_lane_capacity(small_model: Path) -> None:
     assert dict(stats.lanes[1].rejected) == {}
 
 
+def test_a_job_naming_no_lane_goes_where_the_server_queues_it(small_model: Path) -> None:
+    """Without a lane the server queues a stream's items in its bulk lane, or its default
+    lane when it has none; the client sizes its row window from that same lane (here 8
+    rows of bulk, not the default lane's 4 096), so no item is refused LANE_FULL."""
+    items = [{"input": rows(4, start=10 * i)} for i in range(20)]
+    standard = LaneConfig("standard", 4096, timeout_ms=60_000, max_wait_ms=0, min_share=0)
+    bulk = LaneConfig("bulk", 8, timeout_ms=60_000, max_wait_ms=0, min_share=0)
+
+    async def job(
+        lanes: tuple[LaneConfig, ...],
+    ) -> tuple[list[lc.StreamResult], pb.GetStatsResponse]:
+        engine = RecordingEngine(str(small_model))
+        server = serving(engine, config(small_model, lanes=lanes, default_lane="standard"))
+        async with server as s, lc.AsyncClient(s.target, retry=lc.NO_RETRIES) as client:
+            return await collect(client.stream(items)), await client.stats()
+
+    results, stats = asyncio.run(job((standard, bulk)))
+    assert all(result.ok for result in results)
+    assert {lane.name: lane.admitted for lane in stats.lanes} == {"standard": 0, "bulk": 20}
+    assert dict(stats.lanes[1].rejected) == {}
+    results, stats = asyncio.run(job((standard,)))
+    assert all(result.ok for result in results), "no bulk lane: the default lane takes them"
+    assert stats.lanes[0].admitted == 20
+
+
 def test_item_gives_up_after_its_attempts(small_model: Path) -> None:
     items = [{"input": rows(4, start=0)}, {"input": rows(4, start=10)}, {"input": rows(4)}]
 
