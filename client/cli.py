@@ -602,7 +602,10 @@ def _parser() -> argparse.ArgumentParser:
         "--rows-per-item", type=_positive_int, default=64, help="rows per request (default 64)"
     )
     bulk.add_argument(
-        "--timeout-ms", type=int, default=0, help="per-request budget (default: the lane's)"
+        "--timeout-ms",
+        type=_timeout_ms,
+        default=0,
+        help="per-request budget in ms (default 0: the lane's timeout)",
     )
     bulk.add_argument(
         "--resume", action="store_true", help="continue the job in OUTPUT.partial, if any"
@@ -616,6 +619,15 @@ def _parser() -> argparse.ArgumentParser:
     bulk.add_argument("--no-progress", action="store_true", help="no progress bar")
     bulk.set_defaults(handler=_bulk)
     return parser
+
+
+def _timeout_ms(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(
+            f"expected milliseconds from 0 (the lane's timeout) to 2**32 - 1, got {value}"
+        )
+    return value
 
 
 def _positive_int(text: str) -> int:

@@ -268,6 +268,16 @@ def test_input_of_the_wrong_dtype_is_a_usage_error(small_model: Path, tmp_path: 
     asyncio.run(scenario())
 
 
+def test_a_timeout_out_of_range_is_a_usage_error_before_anything_starts(tmp_path: Path) -> None:
+    np.save(tmp_path / "in.npy", rows(10))
+    arguments = ["--input", str(tmp_path / "in.npy"), "--output", str(tmp_path / "out.npy")]
+    code, _, err = asyncio.run(cli("bulk", *arguments, "--timeout-ms", "-1"))
+    assert code == 2
+    assert "--timeout-ms: expected milliseconds from 0 (the lane's timeout) to 2**32 - 1" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out.npy.partial").exists(), "a corrected rerun needs no --resume"
+
+
 def test_unreachable_server_exits_3_naming_the_error() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
