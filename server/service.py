@@ -25,6 +25,7 @@ from laneserve.server.errors import (
     DeadlineUnmeetableError,
     DrainingError,
     EngineError,
+    InvalidInputError,
     LaneserveError,
     pushback_ms,
     to_rpc_status,
@@ -163,22 +164,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         unanswered = 0  # items read whose answer is not yet written
 
         async def answer(request: pb.InferRequest) -> None:
-            try:
-                response = await self._infer(request, context, default_lane)
-                message = pb.InferStreamResponse(request_id=request.request_id)
-                # CopyFrom, not the constructor: 3x cheaper for large outputs under upb.
-                message.response.CopyFrom(response)
-            except LaneserveError as error:
-                message = pb.InferStreamResponse(
-                    request_id=request.request_id, error=to_rpc_status(error)
-                )
-            except Exception as error:  # every item read gets one answer, even on a bug
-                log.exception("stream item %r failed unexpectedly", request.request_id)
-                message = pb.InferStreamResponse(
-                    request_id=request.request_id,
-                    error=to_rpc_status(EngineError(f"internal error: {error!r}")),
-                )
-            answers.put_nowait(message)
+            answers.put_nowait(await self._stream_answer(request, context, default_lane))
 
         async def read_all() -> None:
             nonlocal unanswered
@@ -214,6 +200,42 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             reader.cancel()
             for task in list(items):
                 task.cancel()
+
+    async def _stream_answer(
+        self,
+        request: pb.InferRequest,
+        context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferStreamResponse],
+        default_lane: str,
+    ) -> pb.InferStreamResponse:
+        """One stream item's answer: its response, or its error (the stream goes on)."""
+        try:
+            response = await self._infer(request, context, default_lane)
+            message = pb.InferStreamResponse(request_id=request.request_id)
+            # CopyFrom, not the constructor: 3x cheaper for large outputs under upb.
+            message.response.CopyFrom(response)
+            self._check_sendable(message)
+        except LaneserveError as error:
+            message = pb.InferStreamResponse(
+                request_id=request.request_id, error=to_rpc_status(error)
+            )
+        except Exception as error:  # every item read gets one answer, even on a bug
+            log.exception("stream item %r failed unexpectedly", request.request_id)
+            message = pb.InferStreamResponse(
+                request_id=request.request_id,
+                error=to_rpc_status(EngineError(f"internal error: {error!r}")),
+            )
+        return message
+
+    def _check_sendable(self, message: pb.InferStreamResponse) -> None:
+        """gRPC refuses to send a message over max_message_bytes, and fails the whole
+        stream with it: that item is answered with this error instead."""
+        size = message.ByteSize()
+        limit = self._config.max_message_bytes
+        if size > limit:
+            raise InvalidInputError(
+                f"the answer to request {message.request_id!r} is {size} bytes, over the "
+                f"server's max_message_bytes ({limit}); expected fewer rows per request"
+            )
 
     async def GetModel(
         self,

@@ -16,7 +16,9 @@ import onnxruntime as ort
 import pytest
 
 from laneserve import client as lc
-from laneserve.server import LaneConfig, ServerConfig
+from laneserve.client.tensors import encode_tensor
+from laneserve.server import Engine, LaneConfig, ServerConfig
+from laneserve.server.demo_model import make_demo_model
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
     RecordingEngine,
@@ -182,6 +184,31 @@ def test_an_async_source_waiting_for_its_next_item_survives_a_cut_connection(
     results = asyncio.run(scenario())
     assert not state["cancelled"], "the source was not cancelled with the broken call"
     assert sorted(result.index for result in results) == list(range(first + second))
+
+
+def test_an_answer_over_the_message_limit_fails_its_item_not_the_stream(tmp_path: Path) -> None:
+    """gRPC refuses to send a message over max_message_bytes and would end the stream
+    with it, losing the other items' answers: that one item is answered with an error
+    naming the sizes, and the stream goes on."""
+    wide = tmp_path / "wide.onnx"
+    make_demo_model(wide, input_dim=4, hidden_layers=0, output_dim=1024)  # 4 KiB per row
+
+    def item(request_id: str, count: int) -> pb.InferRequest:
+        x = np.ones((count, 4), dtype=np.float32)
+        return pb.InferRequest(request_id=request_id, inputs=[encode_tensor("input", x)])
+
+    async def scenario() -> dict[str, pb.InferStreamResponse]:
+        engine = Engine(str(wide))
+        async with serving(engine, ServerConfig(model_path=str(wide), max_message_bytes=8192)) as s:
+            call = s.stub.InferStream(iter([item("ok1", 1), item("huge", 4), item("ok2", 1)]))
+            return {answer.request_id: answer async for answer in call}
+
+    answers = asyncio.run(scenario())
+    assert sorted(answers) == ["huge", "ok1", "ok2"]
+    assert answers["ok1"].WhichOneof("result") == answers["ok2"].WhichOneof("result") == "response"
+    error = answers["huge"].error
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "over the server's max_message_bytes (8192); expected fewer rows" in error.message
 
 
 def test_results_are_ordered_unless_asked_otherwise(small_model: Path) -> None:
