@@ -37,7 +37,12 @@ import struct
 from collections.abc import Callable, Sequence
 
 from laneserve.server.clock import Clock
-from laneserve.server.errors import EngineError, LaneserveError, RequestIdReusedError
+from laneserve.server.errors import (
+    EngineError,
+    ExpiredInQueueError,
+    LaneserveError,
+    RequestIdReusedError,
+)
 from laneserve.server.items import Outcome
 from laneserve.v1 import inference_pb2 as pb
 
@@ -243,11 +248,17 @@ class RequestLedger:
         digest: bytes,
         submit: Callable[[Resolve], Cancel],
         finish: Callable[[Outcome], pb.InferResponse],
+        *,
+        join_timeout_s: float | None = None,
     ) -> pb.InferResponse:
         """The request's answer, running it only if no request with its id is in flight
         or stored. `submit(resolve)` admits the request with `resolve` as the token its
         Outcome comes back to (or raises why not) and returns its `Cancel`. Raises the
-        request's LaneserveError, or RequestIdReusedError."""
+        request's LaneserveError, or RequestIdReusedError.
+
+        A retry that joins a request in flight waits at most `join_timeout_s` (what is
+        left of its own deadline; the scheduler enforces the first caller's): then it is
+        answered ExpiredInQueueError, and the request goes on for whoever still waits."""
         if not request_id:
             return await self._wait(self._start("", b"", submit, finish))
         stored = self.replay.get(request_id)
@@ -256,13 +267,21 @@ class RequestLedger:
             self.replays += 1
             return stored.response
         flight = self._flights.get(request_id)
-        if flight is not None:
-            _check_same(request_id, flight.fingerprint, digest, "still queued or running")
-            self.joins += 1
-        else:
+        if flight is None:
             flight = self._start(request_id, digest, submit, finish)
             self._flights[request_id] = flight
-        return await self._wait(flight)
+            return await self._wait(flight)
+        _check_same(request_id, flight.fingerprint, digest, "still queued or running")
+        self.joins += 1
+        if join_timeout_s is None:
+            return await self._wait(flight)
+        try:
+            return await asyncio.wait_for(self._wait(flight), max(join_timeout_s, 0.0))
+        except TimeoutError:
+            raise ExpiredInQueueError(
+                f"deadline passed while this request waited for the request with the same "
+                f"request_id {request_id!r} already in flight"
+            ) from None
 
     def _start(
         self,

@@ -383,7 +383,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
         # The ledger runs it at most once per request_id: a retry joins or replays.
         digest = fingerprint(request) if request.request_id else b""
-        return await self._ledger.run(request.request_id, digest, submit, finish)
+        join_timeout_s = None if deadline_s is None else deadline_s - self._clock.monotonic()
+        return await self._ledger.run(
+            request.request_id, digest, submit, finish, join_timeout_s=join_timeout_s
+        )
 
     def _request_over(self, lane: str, trace: RequestTrace, status: str, arrived_s: float) -> None:
         trace.end(status)

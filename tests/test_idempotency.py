@@ -278,6 +278,39 @@ def test_abandoned_request_split_across_batches_finishes_once_started(small_mode
     asyncio.run(scenario())
 
 
+def test_a_retry_joining_a_request_in_flight_keeps_its_own_deadline(small_model: Path) -> None:
+    """The first call has no deadline; its retry (same id) has 50 ms and joins it. The
+    retry is answered EXPIRED_IN_QUEUE at its own deadline, and the request goes on to
+    answer the first call: it runs once."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model)) as s:
+            engine.hold()
+            busy = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=1))))
+            await asyncio.to_thread(engine.entered.acquire)  # the session is busy
+            x = rows(2, start=70)
+            first = asyncio.ensure_future(s.stub.Infer(request(x, request_id="x")))
+            await until(lambda: queued_rows(s) == 2)
+            with pytest.raises(grpc.aio.AioRpcError) as joined:
+                await s.stub.Infer(request(x, request_id="x", timeout_ms=50))
+            engine.release()
+            answer = await first
+            await busy
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+        reason, _ = rich_status(joined.value)
+        assert joined.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert reason == "EXPIRED_IN_QUEUE"
+        assert "waited for the request with the same request_id 'x'" in (
+            joined.value.details() or ""
+        )
+        assert output(answer).shape == (2, 10)
+        assert engine.ran_tags.count(70) == 1, "ran once"
+        assert stats.idempotent_joins == 1
+
+    asyncio.run(scenario())
+
+
 def test_joined_request_survives_the_first_caller_leaving(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
