@@ -68,6 +68,8 @@ class Checkpoint:
     input_identity: InputIdentity
     rows: int
     rows_per_item: int
+    # The outputs asked for (--output-name), sorted; empty: all of the model's.
+    output_names: tuple[str, ...]
     # Output name -> (dtype string, full shape); recorded when the first answer arrives.
     output_specs: dict[str, tuple[str, tuple[int, ...]]]
     done: npt.NDArray[np.bool_] = dataclasses.field(repr=False)
@@ -99,6 +101,7 @@ class Checkpoint:
         input_path: Path,
         rows: int,
         rows_per_item: int,
+        output_names: tuple[str, ...] = (),
     ) -> Checkpoint:
         directory.mkdir(parents=True)
         items = -(-rows // rows_per_item)
@@ -109,6 +112,7 @@ class Checkpoint:
             InputIdentity.of(input_path),
             rows,
             rows_per_item,
+            tuple(sorted(output_names)),
             {},
             np.zeros(items, dtype=np.bool_),
         )
@@ -117,7 +121,13 @@ class Checkpoint:
 
     @classmethod
     def load(
-        cls, directory: Path, *, input_path: Path, rows: int, rows_per_item: int
+        cls,
+        directory: Path,
+        *,
+        input_path: Path,
+        rows: int,
+        rows_per_item: int,
+        output_names: tuple[str, ...] = (),
     ) -> Checkpoint:
         """Opens a checkpoint, refusing it when it was made for another job."""
         state_path = directory / "state.json"
@@ -143,6 +153,12 @@ class Checkpoint:
             mismatches.append(
                 f"--rows-per-item ({state['rows_per_item']} then, {rows_per_item} now)"
             )
+        then_names = tuple(state.get("output_names", ()))  # absent before it was recorded
+        if then_names != tuple(sorted(output_names)):
+            mismatches.append(
+                f"--output-name ({', '.join(then_names) or 'all'} then, "
+                f"{', '.join(sorted(output_names)) or 'all'} now)"
+            )
         if mismatches:
             raise CheckpointError(
                 f"checkpoint {directory} belongs to another job: different "
@@ -163,6 +179,7 @@ class Checkpoint:
             identity,
             rows,
             rows_per_item,
+            then_names,
             specs,
             done,
         )
@@ -201,6 +218,7 @@ class Checkpoint:
             "input_identity": dataclasses.asdict(self.input_identity),
             "rows": self.rows,
             "rows_per_item": self.rows_per_item,
+            "output_names": list(self.output_names),
             "outputs": {
                 name: {"dtype": dtype, "shape": list(shape)}
                 for name, (dtype, shape) in self.output_specs.items()

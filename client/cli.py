@@ -443,7 +443,11 @@ def _open_checkpoint(
             )
         try:
             checkpoint = Checkpoint.load(
-                directory, input_path=input_path, rows=rows, rows_per_item=args.rows_per_item
+                directory,
+                input_path=input_path,
+                rows=rows,
+                rows_per_item=args.rows_per_item,
+                output_names=tuple(args.output_name or ()),
             )
         except CheckpointError as error:
             raise UsageError(str(error)) from error
@@ -464,6 +468,7 @@ def _open_checkpoint(
         input_path=input_path,
         rows=rows,
         rows_per_item=args.rows_per_item,
+        output_names=tuple(args.output_name or ()),
     )
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from laneserve.client._checkpoint import Checkpoint, CheckpointError
 from laneserve.server import ServerConfig
 from laneserve.server.items import Batch
 from tests.support import (
@@ -225,6 +226,23 @@ def test_failed_rows_exit_1_and_resume_retries_only_them(
             saved["output"], small_reference.run(None, {"input": x})[0], rtol=1e-5, atol=1e-6
         )
     assert sorted(engine.ran_tags) == list(range(400)), "only the failed rows ran again"
+
+
+def test_a_resume_asking_for_other_outputs_is_refused(tmp_path: Path) -> None:
+    """The checkpoint holds the outputs first asked for: a resume with other
+    --output-name values would leave the rows done so far empty in the new ones."""
+    source = tmp_path / "in.npy"
+    np.save(source, rows(10))
+    job = tmp_path / "job"
+    Checkpoint.create(
+        job, job_id="j", input_path=source, rows=10, rows_per_item=4, output_names=("output",)
+    )
+    with pytest.raises(CheckpointError, match=r"different --output-name \(output then, all now\)"):
+        Checkpoint.load(job, input_path=source, rows=10, rows_per_item=4)
+    resumed = Checkpoint.load(
+        job, input_path=source, rows=10, rows_per_item=4, output_names=("output",)
+    )
+    assert resumed.output_names == ("output",)
 
 
 def test_existing_checkpoint_needs_resume(small_model: Path, tmp_path: Path) -> None:
