@@ -219,6 +219,7 @@ class Engine:
                 error,
                 time.perf_counter() - started,
                 out_of_memory_rows=tuple(report.out_of_memory_rows),
+                out_of_memory_offsets=tuple(report.out_of_memory_offsets),
                 largest_ok_rows=report.largest_ok_rows,
             )
         run_s = time.perf_counter() - started
@@ -229,6 +230,7 @@ class Engine:
                 report.failed[0].error,
                 run_s,
                 out_of_memory_rows=tuple(report.out_of_memory_rows),
+                out_of_memory_offsets=tuple(report.out_of_memory_offsets),
             )
         return BatchResult(
             batch,
@@ -237,6 +239,7 @@ class Engine:
             run_s,
             failed_rows=tuple(report.failed),
             out_of_memory_rows=tuple(report.out_of_memory_rows),
+            out_of_memory_offsets=tuple(report.out_of_memory_offsets),
             largest_ok_rows=report.largest_ok_rows,
         )
 
@@ -248,6 +251,7 @@ class Engine:
             outputs = self.run(inputs)
         except DeviceMemoryError as error:
             report.out_of_memory_rows.append(rows)
+            report.out_of_memory_offsets.append(offset)
             if rows == 1:
                 report.failed.append(
                     FailedRows(
@@ -376,6 +380,7 @@ class Probe:
 @dataclasses.dataclass(slots=True)
 class _SplitReport:
     out_of_memory_rows: list[int] = dataclasses.field(default_factory=list)
+    out_of_memory_offsets: list[int] = dataclasses.field(default_factory=list)
     failed: list[FailedRows] = dataclasses.field(default_factory=list)
     largest_ok_rows: int = 0
 

@@ -107,6 +107,25 @@ class LaneDepth:
     capacity_rows: int
 
 
+def _capacity_failures(result: BatchResult) -> list[int]:
+    """Sizes of the runs of `result` that ran out of memory for their size: a row that
+    fails even alone says nothing about batch size, nor does a run that failed because
+    it held such a row (a two-row run of rows too large alone would otherwise pull the
+    cap to one for everybody's traffic). A batch in which nothing ran holds only such
+    rows."""
+    if result.largest_ok_rows == 0:
+        return []
+    runs = list(zip(result.out_of_memory_rows, result.out_of_memory_offsets, strict=False))
+    if len(runs) != len(result.out_of_memory_rows):  # no offsets reported: sizes alone
+        return [rows for rows in result.out_of_memory_rows if rows > 1]
+    unfit = [failed.offset for failed in result.failed_rows]
+    return [
+        rows
+        for rows, offset in runs
+        if rows > 1 and not any(offset <= row < offset + rows for row in unfit)
+    ]
+
+
 class Scheduler:
     def __init__(
         self,
@@ -536,9 +555,7 @@ class Scheduler:
             self.events.out_of_memory(rows)
             if rows > 1:
                 self.events.batch_split(rows)
-        # A single row that fails alone says nothing about batch size: only multi-row
-        # failures move the cap.
-        failed_batches = [rows for rows in result.out_of_memory_rows if rows > 1]
+        failed_batches = _capacity_failures(result)
         if failed_batches:
             self._set_cap(min(self.batch_cap, min(failed_batches) // 2), "out_of_memory")
         elif result.error is None and result.batch.rows >= self.batch_cap:

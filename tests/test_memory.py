@@ -242,6 +242,58 @@ def test_only_the_request_whose_row_does_not_fit_fails() -> None:
     assert scheduler.live_entries == 0
 
 
+def test_rows_too_large_alone_do_not_move_the_cap() -> None:
+    """A run that failed because it held a row too large even alone says nothing about
+    batch size; a run of ordinary rows that failed does. (A two-row request of such rows
+    pulled the cap to one for everybody's traffic.)"""
+    clock = ManualClock()
+    scheduler = _scheduler(64)
+    scheduler.admit(_request(0, "standard", 2), clock.monotonic())
+    pair = _dispatch(scheduler, clock)
+    (answer,) = scheduler.complete(
+        BatchResult(
+            pair.batch,
+            None,
+            DeviceMemoryError("one row of this request needs more device memory"),
+            0.001,
+            out_of_memory_rows=(2, 1, 1),
+            out_of_memory_offsets=(0, 0, 1),
+        )
+    )
+    assert isinstance(answer.error, DeviceMemoryError)
+    assert scheduler.batch_cap == 64, "nothing ran: only rows too large alone"
+    for index, count in enumerate([2, 1, 3], start=1):
+        scheduler.admit(_request(index, "standard", count), clock.monotonic())
+    mixed = _dispatch(scheduler, clock)
+    scheduler.complete(
+        BatchResult(
+            mixed.batch,
+            mixed.outputs,
+            None,
+            0.001,
+            failed_rows=(FailedRows(2, 1, DeviceMemoryError("one row too large")),),
+            out_of_memory_rows=(6, 3, 1),
+            out_of_memory_offsets=(0, 0, 2),
+            largest_ok_rows=3,
+        )
+    )
+    assert scheduler.batch_cap == 64, "both failed runs held the row too large alone"
+    scheduler.admit(_request(4, "standard", 8), clock.monotonic())
+    ordinary = _dispatch(scheduler, clock)
+    scheduler.complete(
+        BatchResult(
+            ordinary.batch,
+            ordinary.outputs,
+            None,
+            0.001,
+            out_of_memory_rows=(8,),
+            out_of_memory_offsets=(0,),
+            largest_ok_rows=4,
+        )
+    )
+    assert scheduler.batch_cap == 4, "a run of ordinary rows that failed halves the cap"
+
+
 def test_memory_pressure_refuses_bulk_before_standard_before_interactive() -> None:
     clock = ManualClock()
     mark = Watermark(lanes=3, high_bytes=95 * MIB, low_bytes=85 * MIB, limit_bytes=100 * MIB)
