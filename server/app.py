@@ -152,6 +152,24 @@ def make_watermark(config: ServerConfig, engine: Engine) -> Watermark | None:
     )
 
 
+def _check_idle_memory(
+    config: ServerConfig, engine: Engine, watermark: Watermark, used_bytes: int | None
+) -> None:
+    """Refuses a limit the server exceeds idle: a lane the watermark closes reopens only
+    below the low mark, so it would stay closed with nothing queued or running."""
+    if used_bytes is None or used_bytes < watermark.low_bytes:
+        return
+    setting = "memory_limit" if engine.providers[0] == CUDA else "host_memory_limit"
+    raise ConfigError(
+        f"server.{setting}: the server holds {format_bytes(used_bytes)} idle after loading "
+        f"the model, at or above the low watermark {format_bytes(watermark.low_bytes)} "
+        f"(memory_low_watermark {config.memory_low_watermark} of "
+        f"{format_bytes(watermark.limit_bytes)}), so lanes closed by memory pressure could "
+        "never reopen; expected a limit above "
+        f"{format_bytes(int(used_bytes / config.memory_low_watermark))}"
+    )
+
+
 def _line(estimate: MemoryEstimate | None) -> str:
     if estimate is None:
         return "n/a"
@@ -208,6 +226,8 @@ class LaneServer:
         watermark = make_watermark(config, engine)
         # The watermark's reading: the device's, unless a test supplies its own.
         self.memory_gauge = None if watermark is None else (memory_gauge or device)
+        if watermark is not None and self.memory_gauge is not None:
+            _check_idle_memory(config, engine, watermark, self.memory_gauge.used_bytes())
         self.scheduler = Scheduler(
             config.lanes,
             batch_cap=self.probe.batch_cap,

@@ -130,6 +130,18 @@ def test_a_priority_port_that_cannot_be_bound_is_refused_naming_the_setting(
     assert "Traceback" not in stderr
 
 
+def test_a_memory_limit_the_idle_server_exceeds_is_refused(small_model: Path) -> None:
+    """Lanes the watermark closes reopen only below its low mark: under a limit the
+    server exceeds idle they would stay closed with nothing running."""
+    stderr = refused_at_start(
+        "--model", str(small_model), "--port", "0", "--host-memory-limit", "16MiB"
+    )
+    assert "server.host_memory_limit: the server holds" in stderr
+    assert "idle after loading the model, at or above the low watermark" in stderr
+    assert "expected a limit above" in stderr
+    assert "Traceback" not in stderr
+
+
 def test_an_address_that_cannot_be_bound_is_refused_naming_it(small_model: Path) -> None:
     stderr = refused_at_start("--model", str(small_model), "--host", "192.0.2.1", "--port", "0")
     assert "cannot listen on 192.0.2.1:0" in stderr
