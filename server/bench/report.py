@@ -659,6 +659,13 @@ def _scenario_b(document: dict[str, Any]) -> list[str]:
     ]
 
 
+def _offered(stream: dict[str, Any]) -> str:
+    """A stream's load: its callers (closed loop) or its rate (open loop)."""
+    if stream["mode"] == "closed":
+        return f"{stream['concurrency']} callers"
+    return f"{_num(stream['offered_rate_per_s'])}/s"
+
+
 def _scenario_c(document: dict[str, Any]) -> list[str]:
     points = document["scenarios"]["c"]
     if not points:
@@ -667,11 +674,7 @@ def _scenario_c(document: dict[str, Any]) -> list[str]:
     for point in points:
         for label, stream in point["lanes"].items():
             latency = stream["latency"]
-            offered = (
-                f"{stream['concurrency']} callers"
-                if stream["mode"] == "closed"
-                else f"{_num(stream['offered_rate_per_s'])}/s"
-            )
+            offered = _offered(stream)
             rows.append(
                 [
                     point["configuration"],
@@ -770,11 +773,7 @@ def _scenario_x(document: dict[str, Any]) -> list[str]:
     for point in points:
         for label, stream in point["lanes"].items():
             latency = stream["latency"]
-            offered = (
-                f"{stream['concurrency']} callers"
-                if stream["mode"] == "closed"
-                else f"{_num(stream['offered_rate_per_s'])}/s"
-            )
+            offered = _offered(stream)
             deadline = stream["deadline_ms"]
             rows.append(
                 [
