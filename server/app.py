@@ -306,6 +306,7 @@ class LaneServer:
             for each in servers:
                 await each.start()
                 await each.stop(None)
+            self.telemetry.close()  # its exporter threads, and the metrics endpoint
             raise
         self._thread.start()
         for each in servers:
@@ -350,6 +351,9 @@ class LaneServer:
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
+                # A port another server listens on is refused, not shared: with gRPC's
+                # default (SO_REUSEPORT) the kernel would split the connections.
+                ("grpc.so_reuseport", 0),
                 *pending_call_limits(self.config.max_pending_calls),
             ],
         )

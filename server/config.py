@@ -53,6 +53,9 @@ def _check_size(key: str, text: object, *, fraction_ok: bool) -> None:
         raise ConfigError(f"{key}: expected bytes like '8GiB', got {text!r}")
 
 
+GRPC_INT_MAX = 2**31 - 1
+
+
 def _check_int(key: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
@@ -199,9 +202,16 @@ class ServerConfig:
         _check_int("server.max_batch_size", self.max_batch_size, minimum=1)
         if self.batch_cap is not None:
             _check_int("server.batch_cap", self.batch_cap, minimum=1, maximum=self.max_batch_size)
-        _check_int("server.max_message_bytes", self.max_message_bytes, minimum=1024)
-        _check_int("server.max_concurrent_rpcs", self.max_concurrent_rpcs, minimum=1)
-        _check_int("server.max_pending_calls", self.max_pending_calls, minimum=1)
+        # gRPC takes these as C ints.
+        _check_int(
+            "server.max_message_bytes", self.max_message_bytes, minimum=1024, maximum=GRPC_INT_MAX
+        )
+        _check_int(
+            "server.max_concurrent_rpcs", self.max_concurrent_rpcs, minimum=1, maximum=GRPC_INT_MAX
+        )
+        _check_int(
+            "server.max_pending_calls", self.max_pending_calls, minimum=1, maximum=GRPC_INT_MAX
+        )
         _check_int("server.intra_op_threads", self.intra_op_threads, minimum=0)
         _check_int("server.metrics_port", self.metrics_port, minimum=-1, maximum=65_535)
         _check_int("server.stream_window", self.stream_window, minimum=1)

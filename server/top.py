@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+MAX_INTERVAL_S = 3600.0  # finite, and within what time.sleep takes
+
+
 def run(args: argparse.Namespace) -> int:
     """Polls and renders until the frames asked for are shown, or Ctrl-C; 1 when the
     server cannot be reached."""
@@ -65,8 +68,12 @@ def run(args: argparse.Namespace) -> int:
     if frames is not None and frames < 1:
         print(f"laneserve top: --iterations: expected >= 1, got {frames}", file=sys.stderr)
         return 2
-    if args.interval_s <= 0:
-        print(f"laneserve top: --interval-s: expected > 0, got {args.interval_s}", file=sys.stderr)
+    if not 0 < args.interval_s <= MAX_INTERVAL_S:
+        print(
+            f"laneserve top: --interval-s: expected seconds in (0, {MAX_INTERVAL_S:g}], "
+            f"got {args.interval_s}",
+            file=sys.stderr,
+        )
         return 2
     live = frames is None and sys.stdout.isatty()
     try:

@@ -120,6 +120,16 @@ def test_keys_missing_from_the_file_keep_their_defaults(tmp_path: Path) -> None:
         ),
         pytest.param("[server]\nport = false\n", "server.port", id="bool-port"),
         pytest.param(
+            "[server]\nmax_message_bytes = 2147483648\n",
+            "server.max_message_bytes: expected an integer in [1024, 2147483647]",
+            id="message-bytes-over-grpc-int",
+        ),
+        pytest.param(
+            "[server]\nmax_pending_calls = 2147483648\n",
+            "server.max_pending_calls",
+            id="pending-calls-over-grpc-int",
+        ),
+        pytest.param(
             "[server]\nport = 9000\npriority_port = 9000\n",
             "server.priority_port",
             id="priority-port-same-as-port",

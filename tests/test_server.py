@@ -629,3 +629,20 @@ def test_a_start_that_fails_to_bind_the_priority_port_releases_the_main_port(
                 again.bind(("127.0.0.1", main_port))  # EADDRINUSE while gRPC holds it
 
     asyncio.run(scenario())
+
+
+def test_a_port_another_server_serves_is_refused_not_shared(small_model: Path) -> None:
+    """With gRPC's default (SO_REUSEPORT) a second server bound the same port and the
+    kernel split the connections between them."""
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            second = LaneServer(
+                RecordingEngine(str(small_model)),
+                config(small_model, host="127.0.0.1", port=s.server.port, metrics_port=-1),
+                estimate=estimate_once,
+            )
+            with pytest.raises(OSError, match=rf"cannot listen on 127.0.0.1:{s.server.port}"):
+                await second.start()
+
+    asyncio.run(scenario())

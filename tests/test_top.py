@@ -166,3 +166,6 @@ def test_top_reports_an_unreachable_target(capsys: pytest.CaptureFixture[str]) -
 def test_top_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["top", "--iterations", "0"]) == 2
     assert "--iterations: expected >= 1, got 0" in capsys.readouterr().err
+    for interval in ("nan", "inf", "1e300"):
+        assert main(["top", "--interval-s", interval]) == 2
+        assert "--interval-s: expected seconds in (0, 3600]" in capsys.readouterr().err
