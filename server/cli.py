@@ -67,22 +67,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _serve(config: ServerConfig) -> int:
-    server = LaneServer(load_engine(config), config)
-    await server.start()
-    tune_for_serving()
+    # The handlers come first: a SIGTERM while the model loads or the server starts is
+    # a drain once it serves, never the default action (killed, nothing answered).
     loop = asyncio.get_running_loop()
-    stopping: list[asyncio.Task[None]] = []
+    stop_asked = asyncio.Event()
 
     def on_signal(signum: int) -> None:
-        if not stopping:
+        if not stop_asked.is_set():
             log.info(
                 "%s: draining (grace %.1fs)", signal.Signals(signum).name, config.drain_grace_s
             )
-            stopping.append(loop.create_task(server.stop()))
+            stop_asked.set()
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
-    await server.wait_stopped()
+    server = LaneServer(load_engine(config), config)
+    await server.start()
+    tune_for_serving()
+    await stop_asked.wait()
+    await server.stop()
     return 0
 
 

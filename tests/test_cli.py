@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -146,3 +147,46 @@ def test_an_address_that_cannot_be_bound_is_refused_naming_it(small_model: Path)
     stderr = refused_at_start("--model", str(small_model), "--host", "192.0.2.1", "--port", "0")
     assert "cannot listen on 192.0.2.1:0" in stderr
     assert "Traceback" not in stderr
+
+
+# `laneserve serve` with its last start-up step (tune_for_serving) held until a line
+# arrives on stdin: "serving" is logged and health is SERVING, the window is held open.
+HELD_AFTER_START = """
+import sys
+import laneserve.server.cli as cli
+tune = cli.tune_for_serving
+def held():
+    sys.stdin.readline()
+    tune()
+cli.tune_for_serving = held
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_sigterm_as_soon_as_it_serves_is_a_drain(small_model: Path) -> None:
+    """The signal handlers are in place before the server starts: a SIGTERM right after
+    the "serving" line drains and exits 0 (it was the default action: killed, -15)."""
+    model = str(small_model)
+    with subprocess.Popen(
+        [sys.executable, "-c", HELD_AFTER_START, "serve", "--model", model, "--port", "0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as process:
+        assert process.stderr is not None
+        assert process.stdin is not None
+        try:
+            for line in process.stderr:
+                if "serving " in line:
+                    break
+            process.send_signal(signal.SIGTERM)
+            process.stdin.write("\n")
+            process.stdin.flush()
+            stderr = process.stderr.read()
+            assert process.wait(timeout=60) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert "SIGTERM: draining" in stderr
+    assert "stopped" in stderr
