@@ -142,12 +142,22 @@ async def call_with_retries(
     """
     allowed = attempts_allowed(policy)
     number = 0
+    last: LaneserveError | None = None
     while True:
         number += 1
         timeout_s = None if deadline_s is None else deadline_s - time.monotonic()
+        if last is not None and timeout_s is not None and timeout_s <= 0:
+            # The backoff overran the deadline (a busy machine): the next attempt would
+            # start after it, so the last real error is the answer, as decided above.
+            last.add_note(
+                f"{what}: gave up after {number - 1} attempt(s): the next would start "
+                "after the deadline (the wait overran it)"
+            )
+            raise last
         try:
             return await attempt(timeout_s)
         except LaneserveError as error:
+            last = error
             error.attempts = number
             if not error.should_retry:
                 raise

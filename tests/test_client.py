@@ -10,6 +10,7 @@ import random
 import socket
 import threading
 import time
+import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -702,6 +703,39 @@ def test_closing_the_async_client_ends_a_call_waiting_to_retry(
         error = asyncio.run(scenario(target))
     assert isinstance(error, lc.ClientClosedError)
     assert "closed while the call waited to retry (after 1 attempt(s))" in str(error)
+
+
+def test_a_backoff_that_overruns_the_deadline_raises_the_last_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a busy machine the wait before a retry can end after the deadline: no attempt
+    with no time left (it would fail DEADLINE_EXCEEDED and hide the real error)."""
+    from laneserve.client._retry import call_with_retries  # noqa: PLC0415 - its clock is faked
+
+    now = [100.0]
+
+    async def overrunning_sleep(_delay_s: float) -> None:
+        now[0] += 0.5  # the loop was busy: the wait ends far later than asked
+
+    clock = types.SimpleNamespace(monotonic=lambda: now[0])
+    monkeypatch.setattr("laneserve.client._retry.time", clock)
+    monkeypatch.setattr(
+        "laneserve.client._retry.asyncio", types.SimpleNamespace(sleep=overrunning_sleep)
+    )
+    attempts: list[float | None] = []
+
+    async def attempt(timeout_s: float | None) -> None:
+        attempts.append(timeout_s)
+        now[0] += 0.1
+        raise lc.LaneFullError("lane full", code=grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+    policy = lc.RetryPolicy(initial_backoff_s=0.01, jitter=0.0)
+    with pytest.raises(lc.LaneFullError) as caught:
+        asyncio.run(call_with_retries(attempt, policy=policy, deadline_s=101.0, what="Infer"))
+    assert attempts == [pytest.approx(1.0), pytest.approx(0.4)], "no attempt with no time left"
+    assert "the next would start after the deadline (the wait overran it)" in "".join(
+        caught.value.__notes__
+    )
 
 
 def test_test_mode_keeps_the_deadline_decision() -> None:
