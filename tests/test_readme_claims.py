@@ -12,6 +12,7 @@ import http.client
 import json
 import os
 import shutil
+import socket
 import ssl
 import subprocess
 import urllib.request
@@ -218,6 +219,35 @@ def test_metrics_endpoint_follows_the_ports_tls(small_model: Path, pki: Pki) -> 
             mutual = f"https://127.0.0.1:{mtls.metrics_port}/metrics"
             assert "laneserve_" in await asyncio.to_thread(scrape, mutual, with_cert)
             await asyncio.to_thread(refused, mutual, ca_only)
+
+    asyncio.run(scenario())
+
+
+def test_a_silent_connection_to_the_https_metrics_blocks_neither_scrapes_nor_stop(
+    small_model: Path, pki: Pki
+) -> None:
+    """A TCP connection that never sends a TLS hello (a port scan, a load balancer's TCP
+    probe): the handshake ran in accept() on the endpoint's one thread, so every later
+    scrape and stop() waited on it, and a SIGTERM never exited."""
+    context = ssl.create_default_context(cafile=str(pki.ca))
+
+    def scrape(url: str) -> str:
+        with urllib.request.urlopen(url, context=context, timeout=STEP_TIMEOUT_S) as answer:  # noqa: S310 - a test URL
+            body: bytes = answer.read()
+            return body.decode()
+
+    async def scenario() -> None:
+        tls = pki.server_tls(require_client_auth=False)
+        server = LaneServer(
+            RecordingEngine(str(small_model)),
+            config(small_model, host="127.0.0.1", port=0, metrics_port=0, **tls),
+        )
+        await server.start()
+        assert server.metrics_port is not None
+        with socket.create_connection(("127.0.0.1", server.metrics_port)):  # says nothing
+            url = f"https://127.0.0.1:{server.metrics_port}/metrics"
+            assert "laneserve_" in await asyncio.to_thread(scrape, url)
+            await server.stop(grace_s=1.0)  # returns with the silent connection still open
 
     asyncio.run(scenario())
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import ssl
+from typing import cast
 
 import prometheus_client
+
+# A scrape connection silent this long (no TLS hello, no request) is closed.
+CONNECTION_TIMEOUT_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -51,6 +55,19 @@ class MetricsEndpoint:
                 f"another --metrics-port (0: any free port, -1: no endpoint)"
             ) from error
         self.port: int = self._server.server_port
+        # prometheus_client wraps the listening socket, so the TLS handshake would run in
+        # accept() on the one serving thread: a connection that never sends a hello (a
+        # port scan, a load balancer's TCP probe) would block every scrape and close().
+        # The handshake moves to the request's own thread, on its first read, and every
+        # request's connection gets a timeout, so a stalled client ends its thread.
+        listening = self._server.socket
+        if isinstance(listening, ssl.SSLSocket):
+            # An instance attribute accept() reads (typeshed does not declare it).
+            listening.do_handshake_on_connect = False  # type: ignore[attr-defined]
+        handler = cast(type, self._server.RequestHandlerClass)
+        self._server.RequestHandlerClass = type(
+            handler.__name__, (handler,), {"timeout": CONNECTION_TIMEOUT_S}
+        )
 
     def close(self) -> None:
         self._server.shutdown()
