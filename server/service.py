@@ -323,18 +323,22 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     ) -> pb.InferResponse:
         """Validates, queues and awaits one request; raises LaneserveError on refusal."""
         arrived_s = self._clock.monotonic()
+        lane = request.lane or default_lane
         if self._state() is not Lifecycle.SERVING:
-            raise DrainingError("server is draining; retry on another instance")
+            raise self._rejected(
+                lane, DrainingError("server is draining; retry on another instance")
+            )
         # Budgets count from arrival: decoding is part of the time the caller waits.
         deadline_s = _deadline_s(arrived_s, context.time_remaining(), request.timeout_ms)
         if deadline_s is not None and deadline_s <= arrived_s:
             # Under overload calls can wait in gRPC's own queue past their deadline:
             # refuse them before spending any work on them.
-            raise DeadlineUnmeetableError("the deadline had passed when the request was read")
+            raise self._rejected(
+                lane, DeadlineUnmeetableError("the deadline had passed when the request was read")
+            )
         inputs, rows, signature = decode_inputs(request.inputs, self._input_specs)
         output_names = check_output_names(request.output_names, self._output_names)
 
-        lane = request.lane or default_lane
         # Set by `submit`, which runs only when this call (not a retry it joins) queues it.
         trace = NULL_TRACE
 
@@ -387,6 +391,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         return await self._ledger.run(
             request.request_id, digest, submit, finish, join_timeout_s=join_timeout_s
         )
+
+    def _rejected(self, lane: str, error: LaneserveError) -> LaneserveError:
+        """`error`, counted as a refusal of `lane` as the scheduler counts its own (the
+        lanes' `rejected` and the metrics); a lane the server lacks is not counted."""
+        if any(config.name == lane for config in self._config.lanes):
+            self._events.rejected(lane, error.reason)
+        return error
 
     def _request_over(self, lane: str, trace: RequestTrace, status: str, arrived_s: float) -> None:
         trace.end(status)

@@ -23,6 +23,7 @@ from laneserve.client import CallCancelledError, error_from_rpc
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import LaneConfig, LaneServer, ServerConfig
 from laneserve.server.items import Batch, BatchResult
+from laneserve.server.lifecycle import Lifecycle
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
@@ -644,5 +645,25 @@ def test_a_port_another_server_serves_is_refused_not_shared(small_model: Path) -
             )
             with pytest.raises(OSError, match=rf"cannot listen on 127.0.0.1:{s.server.port}"):
                 await second.start()
+
+    asyncio.run(scenario())
+
+
+def test_refusals_before_the_lanes_are_counted_in_the_lanes(small_model: Path) -> None:
+    """A call refused DRAINING at the servicer's state check (before the scheduler sees
+    it) counts in its lane's `rejected`, as the scheduler's own refusals do."""
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            s.server.state = Lifecycle.DRAINING
+            try:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await s.stub.Infer(request(rows(1), lane="bulk"))
+            finally:
+                s.server.state = Lifecycle.SERVING
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        rejected = {lane.name: dict(lane.rejected) for lane in stats.lanes}
+        assert rejected["bulk"] == {"DRAINING": 1}
 
     asyncio.run(scenario())
