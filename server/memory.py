@@ -189,6 +189,8 @@ class WatermarkState:
     high_bytes: int
     low_bytes: int
     closed_lanes: tuple[str, ...]
+    # What used_bytes and the marks refer to (on the CPU the host limit, not the arena's).
+    limit_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -590,6 +590,7 @@ class Scheduler:
             closed_lanes=tuple(
                 lane.name for lane in self.lanes if self.watermark.refuses(lane.priority)
             ),
+            limit_bytes=self.watermark.limit_bytes,
         )
 
     def abort_all(self, error: LaneserveError) -> list[Outcome]:

@@ -465,6 +465,7 @@ def _watermark_fields(state: WatermarkState | None) -> dict[str, Any]:
         "memory_high_watermark_bytes": state.high_bytes,
         "memory_low_watermark_bytes": state.low_bytes,
         "lanes_closed_by_memory": list(state.closed_lanes),
+        "memory_watermark_limit_bytes": state.limit_bytes,
     }
 
 

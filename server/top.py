@@ -222,7 +222,8 @@ def _bar(used: int, capacity: int) -> str:
 def _memory_line(stats: pb.GetStatsResponse) -> str:
     if stats.memory_limit_bytes == 0 and stats.memory_used_bytes == 0:
         return "memory   no limit set (the runtime's default arena)"
-    limit = stats.memory_limit_bytes
+    # Used memory against the limit it is measured for (the host's on the CPU).
+    limit = stats.memory_watermark_limit_bytes or stats.memory_limit_bytes
     used = stats.memory_used_bytes
     limit_text = format_bytes(limit) if limit else "?"
     line = f"memory   {_bar(used, limit)} {format_bytes(used)} / {limit_text}"

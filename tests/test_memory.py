@@ -365,6 +365,9 @@ def test_memory_pressure_over_grpc_refuses_bulk_first_with_pushback(small_model:
             stats = await s.stub.GetStats(pb.GetStatsRequest())
             assert list(stats.lanes_closed_by_memory) == ["standard", "bulk"]
             assert stats.memory_used_bytes == 99 * MIB
+            # Used memory is the process's here, against the host limit, not an arena's.
+            assert stats.memory_watermark_limit_bytes == 100 * MIB
+            assert stats.memory_limit_bytes == 0, "no arena limit was set"
             assert await refused_lanes(90 * MIB) == ["standard", "bulk"]  # hysteresis
             assert await refused_lanes(80 * MIB) == []
 

@@ -102,6 +102,20 @@ def test_frame_shows_lanes_batches_memory_and_device() -> None:
     ) in frame
 
 
+def test_memory_in_use_is_shown_against_the_limit_it_is_measured_for() -> None:
+    """On the CPU memory in use is the process's, against the host limit: not against
+    the arena's limit, which GetStats reports too."""
+    cpu = stats(
+        100,
+        memory_limit_bytes=1 * GIB,
+        memory_watermark_limit_bytes=16 * GIB,
+        memory_used_bytes=4 * GIB,
+        memory_high_watermark_bytes=15 * GIB,
+    )
+    frame = render("h:1", MODEL, Sample(cpu, taken_s=1.0), None)
+    assert "memory   [#####...............] 4.0GiB / 16.0GiB (25%)" in frame
+
+
 def test_first_frame_averages_since_start_and_shows_absent_figures_as_absent() -> None:
     frame = render("h:1", MODEL, Sample(stats(3723), taken_s=1.0), None)
     assert "rates: per second, averaged since start" in frame

@@ -646,6 +646,7 @@ class GetStatsResponse(_message.Message):
     MEMORY_HIGH_WATERMARK_BYTES_FIELD_NUMBER: _builtins.int
     MEMORY_LOW_WATERMARK_BYTES_FIELD_NUMBER: _builtins.int
     LANES_CLOSED_BY_MEMORY_FIELD_NUMBER: _builtins.int
+    MEMORY_WATERMARK_LIMIT_BYTES_FIELD_NUMBER: _builtins.int
     IDEMPOTENT_REPLAYS_FIELD_NUMBER: _builtins.int
     IDEMPOTENT_JOINS_FIELD_NUMBER: _builtins.int
     REPLAY_CACHE_ENTRIES_FIELD_NUMBER: _builtins.int
@@ -676,6 +677,10 @@ class GetStatsResponse(_message.Message):
     """
     memory_high_watermark_bytes: _builtins.int
     memory_low_watermark_bytes: _builtins.int
+    memory_watermark_limit_bytes: _builtins.int
+    """The limit memory_used_bytes and the watermarks refer to: memory_limit_bytes on a GPU,
+    the host memory limit (resident memory) on the CPU. 0 without a watermark.
+    """
     idempotent_replays: _builtins.int
     """Idempotency by request_id. Requests answered with the stored answer of a completed
     request with the same id, and requests that joined a queued or running one.
@@ -731,6 +736,7 @@ class GetStatsResponse(_message.Message):
         memory_high_watermark_bytes: _builtins.int = ...,
         memory_low_watermark_bytes: _builtins.int = ...,
         lanes_closed_by_memory: _abc.Iterable[_builtins.str] | None = ...,
+        memory_watermark_limit_bytes: _builtins.int = ...,
         idempotent_replays: _builtins.int = ...,
         idempotent_joins: _builtins.int = ...,
         replay_cache_entries: _builtins.int = ...,
@@ -739,7 +745,7 @@ class GetStatsResponse(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_device_utilization", b"_device_utilization", "batch_size", b"batch_size", "device_utilization", b"device_utilization", "grpc_calls", b"grpc_calls", "run_time", b"run_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_device_utilization", b"_device_utilization", "batch_cap", b"batch_cap", "batch_reasons", b"batch_reasons", "batch_size", b"batch_size", "batch_splits", b"batch_splits", "batches", b"batches", "cap_changes", b"cap_changes", "device_utilization", b"device_utilization", "failed_batches", b"failed_batches", "grpc_calls", b"grpc_calls", "idempotent_joins", b"idempotent_joins", "idempotent_replays", b"idempotent_replays", "lanes", b"lanes", "lanes_closed_by_memory", b"lanes_closed_by_memory", "max_batch_cap", b"max_batch_cap", "mean_batch_size", b"mean_batch_size", "memory_high_watermark_bytes", b"memory_high_watermark_bytes", "memory_limit_bytes", b"memory_limit_bytes", "memory_low_watermark_bytes", b"memory_low_watermark_bytes", "memory_used_bytes", b"memory_used_bytes", "out_of_memory_events", b"out_of_memory_events", "replay_cache_bytes", b"replay_cache_bytes", "replay_cache_entries", b"replay_cache_entries", "rows_run", b"rows_run", "run_time", b"run_time", "state", b"state", "uptime_s", b"uptime_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_device_utilization", b"_device_utilization", "batch_cap", b"batch_cap", "batch_reasons", b"batch_reasons", "batch_size", b"batch_size", "batch_splits", b"batch_splits", "batches", b"batches", "cap_changes", b"cap_changes", "device_utilization", b"device_utilization", "failed_batches", b"failed_batches", "grpc_calls", b"grpc_calls", "idempotent_joins", b"idempotent_joins", "idempotent_replays", b"idempotent_replays", "lanes", b"lanes", "lanes_closed_by_memory", b"lanes_closed_by_memory", "max_batch_cap", b"max_batch_cap", "mean_batch_size", b"mean_batch_size", "memory_high_watermark_bytes", b"memory_high_watermark_bytes", "memory_limit_bytes", b"memory_limit_bytes", "memory_low_watermark_bytes", b"memory_low_watermark_bytes", "memory_used_bytes", b"memory_used_bytes", "memory_watermark_limit_bytes", b"memory_watermark_limit_bytes", "out_of_memory_events", b"out_of_memory_events", "replay_cache_bytes", b"replay_cache_bytes", "replay_cache_entries", b"replay_cache_entries", "rows_run", b"rows_run", "run_time", b"run_time", "state", b"state", "uptime_s", b"uptime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__device_utilization: _TypeAlias = _typing.Literal["device_utilization"]  # noqa: Y015
     _WhichOneofArgType__device_utilization: _TypeAlias = _typing.Literal["_device_utilization", b"_device_utilization"]  # noqa: Y015
