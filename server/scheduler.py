@@ -61,6 +61,11 @@ from laneserve.server.memory import Watermark, WatermarkState, format_bytes
 # out-of-memory; and the step, as a fraction (1/n) of the probed cap.
 CAP_RECOVERY_BATCHES = 64
 CAP_RECOVERY_STEPS = 16
+# The cap does not rise to a size that ran out of memory until this many full batches in
+# a row have succeeded below it: then it probes once more (memory may have been freed).
+# Without that ceiling it climbed straight back past the failing size, every few hundred
+# batches.
+CAP_CEILING_BATCHES = 16 * CAP_RECOVERY_BATCHES
 # Weight of the newest gap in the moving average of times between admissions.
 ARRIVAL_GAP_ALPHA = 0.1
 # The session's utilisation is its busy share of roughly the last UTILIZATION_WINDOW_S;
@@ -144,6 +149,8 @@ class Scheduler:
         self.batch_cap = batch_cap
         self.max_batch_cap = batch_cap
         self._full_batches_since_change = 0
+        # The smallest size that ran out of memory for its size, until probed again.
+        self._oom_ceiling_rows: int | None = None
         self.watermark = watermark
         assert watermark is None or watermark.lanes == len(self.lanes)
         # Moving average of the time between admissions (None until two were seen): how
@@ -557,7 +564,10 @@ class Scheduler:
                 self.events.batch_split(rows)
         failed_batches = _capacity_failures(result)
         if failed_batches:
-            self._set_cap(min(self.batch_cap, min(failed_batches) // 2), "out_of_memory")
+            smallest = min(failed_batches)
+            ceiling = self._oom_ceiling_rows
+            self._oom_ceiling_rows = smallest if ceiling is None else min(ceiling, smallest)
+            self._set_cap(min(self.batch_cap, smallest // 2), "out_of_memory")
         elif result.error is None and result.batch.rows >= self.batch_cap:
             self._full_batches_since_change += 1
             if (
@@ -565,7 +575,13 @@ class Scheduler:
                 and self.batch_cap < self.max_batch_cap
             ):
                 step = max(1, self.max_batch_cap // CAP_RECOVERY_STEPS)
-                self._set_cap(min(self.max_batch_cap, self.batch_cap + step), "recovered")
+                target = min(self.max_batch_cap, self.batch_cap + step)
+                ceiling = self._oom_ceiling_rows
+                if ceiling is not None and target >= ceiling:
+                    if self._full_batches_since_change < CAP_CEILING_BATCHES:
+                        return  # held at the last size that ran, below the failing one
+                    self._oom_ceiling_rows = None  # probe the failing size once more
+                self._set_cap(target, "recovered")
 
     def _set_cap(self, rows: int, reason: str) -> None:
         rows = max(rows, 1)

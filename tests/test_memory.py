@@ -36,7 +36,12 @@ from laneserve.server.memory import (
     fit_memory,
     parse_memory_limit,
 )
-from laneserve.server.scheduler import CAP_RECOVERY_BATCHES, Dispatch, Scheduler
+from laneserve.server.scheduler import (
+    CAP_CEILING_BATCHES,
+    CAP_RECOVERY_BATCHES,
+    Dispatch,
+    Scheduler,
+)
 from laneserve.server.static_estimate import static_estimate
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -240,6 +245,29 @@ def test_only_the_request_whose_row_does_not_fit_fails() -> None:
     assert answers[2].outputs is not None
     np.testing.assert_array_equal(answers[2].outputs["out"], np.full((3, 2), 4.0))
     assert scheduler.live_entries == 0
+
+
+def test_the_cap_settles_below_a_size_that_ran_out_of_memory() -> None:
+    """After running out of memory at 64 rows the cap climbs back step by step but holds
+    at the last size that ran (60) instead of returning to 64 every few hundred batches;
+    only after CAP_CEILING_BATCHES full batches in a row does it probe 64 once more."""
+    clock = ManualClock()
+    scheduler = _scheduler(64)
+    scheduler.admit(_request(0, "standard", 64), clock.monotonic())
+    ok = _dispatch(scheduler, clock)
+    scheduler.complete(
+        BatchResult(ok.batch, ok.outputs, None, 0.002, out_of_memory_rows=(64,), largest_ok_rows=32)
+    )
+    caps = [scheduler.batch_cap]
+    changed_at = [0]
+    for index in range(1, CAP_CEILING_BATCHES + 8 * CAP_RECOVERY_BATCHES):
+        scheduler.admit(_request(index, "standard", scheduler.batch_cap), clock.monotonic())
+        scheduler.complete(_dispatch(scheduler, clock))
+        if scheduler.batch_cap != caps[-1]:
+            caps.append(scheduler.batch_cap)
+            changed_at.append(index)
+    assert caps == [32, 36, 40, 44, 48, 52, 56, 60, 64], "held at 60, then one probe of 64"
+    assert changed_at[-1] - changed_at[-2] == CAP_CEILING_BATCHES, "held that long at 60"
 
 
 def test_rows_too_large_alone_do_not_move_the_cap() -> None:
