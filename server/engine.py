@@ -218,8 +218,7 @@ class Engine:
                 None,
                 error,
                 time.perf_counter() - started,
-                out_of_memory_rows=tuple(report.out_of_memory_rows),
-                out_of_memory_offsets=tuple(report.out_of_memory_offsets),
+                out_of_memory_runs=tuple(report.out_of_memory_runs),
                 largest_ok_rows=report.largest_ok_rows,
             )
         run_s = time.perf_counter() - started
@@ -229,8 +228,7 @@ class Engine:
                 None,
                 report.failed[0].error,
                 run_s,
-                out_of_memory_rows=tuple(report.out_of_memory_rows),
-                out_of_memory_offsets=tuple(report.out_of_memory_offsets),
+                out_of_memory_runs=tuple(report.out_of_memory_runs),
             )
         return BatchResult(
             batch,
@@ -238,8 +236,7 @@ class Engine:
             None,
             run_s,
             failed_rows=tuple(report.failed),
-            out_of_memory_rows=tuple(report.out_of_memory_rows),
-            out_of_memory_offsets=tuple(report.out_of_memory_offsets),
+            out_of_memory_runs=tuple(report.out_of_memory_runs),
             largest_ok_rows=report.largest_ok_rows,
         )
 
@@ -250,8 +247,7 @@ class Engine:
         try:
             outputs = self.run(inputs)
         except DeviceMemoryError as error:
-            report.out_of_memory_rows.append(rows)
-            report.out_of_memory_offsets.append(offset)
+            report.out_of_memory_runs.append((offset, rows))
             if rows == 1:
                 report.failed.append(
                     FailedRows(
@@ -379,8 +375,7 @@ class Probe:
 
 @dataclasses.dataclass(slots=True)
 class _SplitReport:
-    out_of_memory_rows: list[int] = dataclasses.field(default_factory=list)
-    out_of_memory_offsets: list[int] = dataclasses.field(default_factory=list)
+    out_of_memory_runs: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     failed: list[FailedRows] = dataclasses.field(default_factory=list)
     largest_ok_rows: int = 0
 

@@ -92,12 +92,16 @@ class BatchResult:
     # With `outputs`: rows whose outputs are not valid, each with its own error (a row
     # that does not fit device memory even alone); every other row's output is valid.
     failed_rows: tuple[FailedRows, ...] = ()
-    # Row counts of the runs that ran out of device memory (each was then split), and
-    # where each started in the batch (same order; may be left empty).
-    out_of_memory_rows: tuple[int, ...] = ()
-    out_of_memory_offsets: tuple[int, ...] = ()
+    # The runs that ran out of device memory (each was then split): (offset in the
+    # batch, rows), in the order they ran.
+    out_of_memory_runs: tuple[tuple[int, int], ...] = ()
     # Rows of the largest run of this batch that succeeded (0 if none did).
     largest_ok_rows: int = 0
+
+    @property
+    def out_of_memory_rows(self) -> tuple[int, ...]:
+        """Row counts of the runs that ran out of device memory."""
+        return tuple(rows for _, rows in self.out_of_memory_runs)
 
     def __post_init__(self) -> None:
         assert (self.outputs is None) != (self.error is None), "exactly one of outputs, error"

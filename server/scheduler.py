@@ -120,13 +120,10 @@ def _capacity_failures(result: BatchResult) -> list[int]:
     rows."""
     if result.largest_ok_rows == 0:
         return []
-    runs = list(zip(result.out_of_memory_rows, result.out_of_memory_offsets, strict=False))
-    if len(runs) != len(result.out_of_memory_rows):  # no offsets reported: sizes alone
-        return [rows for rows in result.out_of_memory_rows if rows > 1]
     unfit = [failed.offset for failed in result.failed_rows]
     return [
         rows
-        for rows, offset in runs
+        for offset, rows in result.out_of_memory_runs
         if rows > 1 and not any(offset <= row < offset + rows for row in unfit)
     ]
 

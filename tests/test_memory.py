@@ -196,7 +196,9 @@ def test_out_of_memory_halves_the_cap_and_success_raises_it_back() -> None:
     ok = _dispatch(scheduler, clock)
     # The engine ran out of memory at 64 rows and succeeded in halves.
     (answer,) = scheduler.complete(
-        BatchResult(ok.batch, ok.outputs, None, 0.002, out_of_memory_rows=(64,), largest_ok_rows=32)
+        BatchResult(
+            ok.batch, ok.outputs, None, 0.002, out_of_memory_runs=((0, 64),), largest_ok_rows=32
+        )
     )
     assert answer.error is None
     assert scheduler.batch_cap == 32
@@ -210,7 +212,7 @@ def test_out_of_memory_halves_the_cap_and_success_raises_it_back() -> None:
             None,
             0.001,
             failed_rows=(FailedRows(0, 1, DeviceMemoryError("too big")),),
-            out_of_memory_rows=(1,),
+            out_of_memory_runs=((0, 1),),
         )
     )
     assert scheduler.batch_cap == 32
@@ -235,7 +237,7 @@ def test_only_the_request_whose_row_does_not_fit_fails() -> None:
         None,
         0.001,
         failed_rows=(FailedRows(2, 1, DeviceMemoryError("one row too large")),),
-        out_of_memory_rows=(6, 3, 1),
+        out_of_memory_runs=((0, 6), (0, 3), (2, 1)),
         largest_ok_rows=2,
     )
     answers = {answer.token: answer for answer in scheduler.complete(failed)}
@@ -256,7 +258,9 @@ def test_the_cap_settles_below_a_size_that_ran_out_of_memory() -> None:
     scheduler.admit(_request(0, "standard", 64), clock.monotonic())
     ok = _dispatch(scheduler, clock)
     scheduler.complete(
-        BatchResult(ok.batch, ok.outputs, None, 0.002, out_of_memory_rows=(64,), largest_ok_rows=32)
+        BatchResult(
+            ok.batch, ok.outputs, None, 0.002, out_of_memory_runs=((0, 64),), largest_ok_rows=32
+        )
     )
     caps = [scheduler.batch_cap]
     changed_at = [0]
@@ -284,8 +288,7 @@ def test_rows_too_large_alone_do_not_move_the_cap() -> None:
             None,
             DeviceMemoryError("one row of this request needs more device memory"),
             0.001,
-            out_of_memory_rows=(2, 1, 1),
-            out_of_memory_offsets=(0, 0, 1),
+            out_of_memory_runs=((0, 2), (0, 1), (1, 1)),
         )
     )
     assert isinstance(answer.error, DeviceMemoryError)
@@ -300,8 +303,7 @@ def test_rows_too_large_alone_do_not_move_the_cap() -> None:
             None,
             0.001,
             failed_rows=(FailedRows(2, 1, DeviceMemoryError("one row too large")),),
-            out_of_memory_rows=(6, 3, 1),
-            out_of_memory_offsets=(0, 0, 2),
+            out_of_memory_runs=((0, 6), (0, 3), (2, 1)),
             largest_ok_rows=3,
         )
     )
@@ -314,8 +316,7 @@ def test_rows_too_large_alone_do_not_move_the_cap() -> None:
             ordinary.outputs,
             None,
             0.001,
-            out_of_memory_rows=(8,),
-            out_of_memory_offsets=(0,),
+            out_of_memory_runs=((0, 8),),
             largest_ok_rows=4,
         )
     )
