@@ -180,16 +180,23 @@ async def call_with_retries(
                 number,
                 delay_s * 1000,
             )
-            if closed is None:
-                await asyncio.sleep(delay_s)
-                continue
-            try:
-                if not closed.is_set():
-                    await asyncio.wait_for(closed.wait(), delay_s)
-            except TimeoutError:
-                continue  # the delay passed; the client is still open
-            raise ClientClosedError(
-                f"{what}: the client was closed while the call waited to retry "
-                f"(after {number} attempt(s))",
-                request_id=error.request_id,
-            ) from error
+            if await _closed_within(closed, delay_s):
+                raise ClientClosedError(
+                    f"{what}: the client was closed while the call waited to retry "
+                    f"(after {number} attempt(s))",
+                    request_id=error.request_id,
+                ) from error
+
+
+async def _closed_within(closed: asyncio.Event | None, delay_s: float) -> bool:
+    """Waits `delay_s`; True as soon as `closed` is set (at once if it already is)."""
+    if closed is None:
+        await asyncio.sleep(delay_s)
+        return False
+    if closed.is_set():
+        return True
+    try:
+        await asyncio.wait_for(closed.wait(), delay_s)
+    except TimeoutError:
+        return False
+    return True
