@@ -562,8 +562,11 @@ class Scheduler:
         failed_batches = _capacity_failures(result)
         if failed_batches:
             smallest = min(failed_batches)
-            ceiling = self._oom_ceiling_rows
-            self._oom_ceiling_rows = smallest if ceiling is None else min(ceiling, smallest)
+            if smallest >= self.batch_cap:
+                # A batch at the cap failed: a limit, held below. One smaller than the cap
+                # (larger ones ran) is a passing shortage and sets no ceiling.
+                ceiling = self._oom_ceiling_rows
+                self._oom_ceiling_rows = smallest if ceiling is None else min(ceiling, smallest)
             self._set_cap(min(self.batch_cap, smallest // 2), "out_of_memory")
         elif result.error is None and result.batch.rows >= self.batch_cap:
             self._full_batches_since_change += 1

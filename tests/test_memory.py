@@ -274,6 +274,30 @@ def test_the_cap_settles_below_a_size_that_ran_out_of_memory() -> None:
     assert changed_at[-1] - changed_at[-2] == CAP_CEILING_BATCHES, "held that long at 60"
 
 
+def test_a_passing_shortage_below_the_cap_sets_no_ceiling() -> None:
+    """Out of memory on a batch smaller than the cap (larger ones ran) halves the cap but
+    does not hold it there: it climbs back at the usual pace."""
+    clock = ManualClock()
+    scheduler = _scheduler(64)
+    scheduler.admit(_request(0, "standard", 8), clock.monotonic())
+    small = _dispatch(scheduler, clock)
+    scheduler.complete(
+        BatchResult(
+            small.batch,
+            small.outputs,
+            None,
+            0.001,
+            out_of_memory_runs=((0, 8),),
+            largest_ok_rows=4,
+        )
+    )
+    assert scheduler.batch_cap == 4
+    for index in range(1, CAP_RECOVERY_BATCHES + 1):
+        scheduler.admit(_request(index, "standard", scheduler.batch_cap), clock.monotonic())
+        scheduler.complete(_dispatch(scheduler, clock))
+    assert scheduler.batch_cap == 4 + 64 // 16, "not held below the size that failed"
+
+
 def test_rows_too_large_alone_do_not_move_the_cap() -> None:
     """A run that failed because it held a row too large even alone says nothing about
     batch size; a run of ordinary rows that failed does. (A two-row request of such rows
