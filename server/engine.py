@@ -14,12 +14,25 @@ import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+import numpy.typing as npt
 import onnxruntime as ort
 
 from laneserve.client.tensors import numpy_dtype_for_onnx_type
 from laneserve.server.config import Device
-from laneserve.server.errors import DeviceMemoryError, EngineError, LaneserveError
-from laneserve.server.items import Array, Batch, BatchResult, FailedRows
+from laneserve.server.errors import (
+    DeviceMemoryError,
+    EngineError,
+    ExpiredInQueueError,
+    LaneserveError,
+)
+from laneserve.server.items import (
+    Array,
+    Batch,
+    BatchResult,
+    FailedRows,
+    OutOfMemoryRun,
+    RowsWanted,
+)
 from laneserve.server.memory import (
     MemoryEstimate,
     MemoryGauge,
@@ -31,6 +44,8 @@ from laneserve.server.memory import (
 )
 
 log = logging.getLogger(__name__)
+
+IndexArray = npt.NDArray[np.intp]
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
@@ -200,79 +215,91 @@ class Engine:
         self._shrink_next_run = False
         return dict(zip(self.output_names, values, strict=True))
 
-    def run_batch(self, batch: Batch) -> BatchResult:
+    def run_batch(self, batch: Batch, rows_wanted: RowsWanted | None = None) -> BatchResult:
         """Concatenates the batch's rows and runs them once; out of memory, in halves.
 
         A run that fails to allocate is split in two and each half retried, down to
-        single rows; only a row that does not fit alone fails, with DEVICE_MEMORY.
-        Any other runtime error fails the whole batch.
+        single rows; only a row that does not fit alone fails, with DEVICE_MEMORY. Each
+        retry is a new execution, so before it `rows_wanted` (the scheduler's view at
+        that moment) says which rows still have a caller waiting within its deadline:
+        the others are not run again. Any other runtime error fails the whole batch.
         """
         inputs = {name: _concat(parts) for name, parts in batch.parts.items()}
-        report = _SplitReport()
         started = time.perf_counter()
-        try:
-            outputs = self._run_splitting(inputs, batch.rows, 0, report)
-        except LaneserveError as error:
-            return BatchResult(
-                batch,
-                None,
-                error,
-                time.perf_counter() - started,
-                out_of_memory_runs=tuple(report.out_of_memory_runs),
-                largest_ok_rows=report.largest_ok_rows,
-            )
-        run_s = time.perf_counter() - started
-        if outputs is None:  # every row failed alone: the batch fails as one
-            return BatchResult(
-                batch,
-                None,
-                report.failed[0].error,
-                run_s,
-                out_of_memory_runs=tuple(report.out_of_memory_runs),
-            )
-        return BatchResult(
-            batch,
-            outputs,
-            None,
-            run_s,
-            failed_rows=tuple(report.failed),
-            out_of_memory_runs=tuple(report.out_of_memory_runs),
-            largest_ok_rows=report.largest_ok_rows,
-        )
-
-    def _run_splitting(
-        self, inputs: Mapping[str, Array], rows: int, offset: int, report: _SplitReport
-    ) -> dict[str, Array] | None:
-        """Outputs of `rows` rows at `offset` in the batch; None if none of them ran."""
         try:
             outputs = self.run(inputs)
         except DeviceMemoryError as error:
-            report.out_of_memory_runs.append((offset, rows))
-            if rows == 1:
-                report.failed.append(
-                    FailedRows(
-                        offset,
-                        1,
-                        DeviceMemoryError(
-                            "one row of this request needs more device memory than the "
-                            f"budget allows ({error.message})"
-                        ),
-                    )
+            split = _Split(batch.rows, rows_wanted)
+            try:
+                self._retry_in_halves(inputs, np.arange(batch.rows), error, split)
+            except LaneserveError as failure:
+                return BatchResult(
+                    batch,
+                    None,
+                    failure,
+                    time.perf_counter() - started,
+                    out_of_memory_runs=tuple(split.out_of_memory_runs),
                 )
-                return None
-            half = rows // 2
-            first = self._run_splitting(
-                {name: array[:half] for name, array in inputs.items()}, half, offset, report
+            return BatchResult(
+                batch,
+                split.outputs,
+                None,
+                time.perf_counter() - started,
+                failed_rows=split.failed_rows(),
+                out_of_memory_runs=tuple(split.out_of_memory_runs),
             )
-            second = self._run_splitting(
-                {name: array[half:] for name, array in inputs.items()},
-                rows - half,
-                offset + half,
-                report,
+        except LaneserveError as error:
+            return BatchResult(batch, None, error, time.perf_counter() - started)
+        return BatchResult(batch, outputs, None, time.perf_counter() - started)
+
+    def _retry_in_halves(
+        self,
+        inputs: Mapping[str, Array],
+        positions: IndexArray,
+        error: DeviceMemoryError,
+        split: _Split,
+    ) -> None:
+        """After `inputs` (the batch's rows at `positions`) ran out of memory: runs those
+        still wanted in two halves, each split again while it runs out of memory, and
+        records every row's outcome in `split`."""
+        run = len(split.out_of_memory_runs)
+        split.out_of_memory_runs.append(OutOfMemoryRun(len(positions), held_unfit_row=False))
+        unfit_before = split.unfit_rows
+        if len(positions) == 1:
+            split.fail(
+                positions,
+                DeviceMemoryError(
+                    "one row of this request needs more device memory than the budget "
+                    f"allows ({error.message})"
+                ),
             )
-            return _join_halves(first, second, half, rows - half)
-        report.largest_ok_rows = max(report.largest_ok_rows, rows)
-        return outputs
+            split.unfit_rows += 1
+        else:
+            wanted = split.wanted(positions)
+            if not wanted.all():
+                split.fail(positions[~wanted], split.not_retried)
+                positions = positions[wanted]
+                inputs = {name: array[wanted] for name, array in inputs.items()}
+            half = len(positions) // 2
+            for part in (slice(0, half), slice(half, None)):
+                if len(positions[part]) > 0:
+                    self._run_part(
+                        {name: array[part] for name, array in inputs.items()},
+                        positions[part],
+                        split,
+                    )
+        if split.unfit_rows > unfit_before:
+            split.out_of_memory_runs[run] = OutOfMemoryRun(
+                split.out_of_memory_runs[run].rows, held_unfit_row=True
+            )
+
+    def _run_part(self, inputs: Mapping[str, Array], positions: IndexArray, split: _Split) -> None:
+        try:
+            outputs = self.run(inputs)
+        except DeviceMemoryError as error:
+            self._retry_in_halves(inputs, positions, error, split)
+        else:
+            split.store(positions, outputs)
 
     def example_inputs(self, rows: int) -> dict[str, Array]:
         """Zero-filled inputs of `rows` rows (dynamic trailing dimensions become 1)."""
@@ -373,44 +400,59 @@ class Probe:
     memory_fit: MemoryEstimate | None = None
 
 
-@dataclasses.dataclass(slots=True)
-class _SplitReport:
-    out_of_memory_runs: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    failed: list[FailedRows] = dataclasses.field(default_factory=list)
-    largest_ok_rows: int = 0
+class _Split:
+    """One batch being run in parts after running out of memory: which rows ran, which
+    failed and why, and the runs that ran out of memory."""
+
+    def __init__(self, rows: int, rows_wanted: RowsWanted | None) -> None:
+        self.rows = rows
+        self.rows_wanted = rows_wanted
+        # Output name -> `rows` rows, allocated by the first run that succeeds; rows
+        # without a valid output stay zero and are listed in `_failed`.
+        self.outputs: dict[str, Array] | None = None
+        self._failed: list[tuple[int, LaneserveError]] = []
+        self.out_of_memory_runs: list[OutOfMemoryRun] = []
+        self.unfit_rows = 0  # rows that failed even alone
+        # The error of rows not run again because nobody wanted them any more. Only a
+        # caller still waiting (its entry live) is answered with it, and that caller's
+        # deadline has passed: `rows_wanted` leaves out rows for nothing else.
+        self.not_retried = ExpiredInQueueError(
+            "deadline passed while its batch was being retried in parts after running "
+            "out of device memory; its rows were not run again"
+        )
+
+    def wanted(self, positions: IndexArray) -> npt.NDArray[np.bool_]:
+        if self.rows_wanted is None:
+            return np.ones(len(positions), dtype=bool)
+        return self.rows_wanted()[positions]
+
+    def store(self, positions: IndexArray, outputs: Mapping[str, Array]) -> None:
+        if self.outputs is None:
+            self.outputs = {
+                name: np.zeros((self.rows, *array.shape[1:]), array.dtype)
+                for name, array in outputs.items()
+            }
+        for name, array in outputs.items():
+            self.outputs[name][positions] = array
+
+    def fail(self, positions: IndexArray, error: LaneserveError) -> None:
+        self._failed += [(int(position), error) for position in positions]
+
+    def failed_rows(self) -> tuple[FailedRows, ...]:
+        """The failed rows as ranges of adjacent rows with the same error, in order."""
+        ranges: list[FailedRows] = []
+        for position, error in sorted(self._failed, key=lambda failed: failed[0]):
+            last = ranges[-1] if ranges else None
+            if last is not None and last.error is error and last.offset + last.rows == position:
+                ranges[-1] = FailedRows(last.offset, last.rows + 1, error)
+            else:
+                ranges.append(FailedRows(position, 1, error))
+        return tuple(ranges)
 
 
 def _powers_of_two_up_to(limit: int) -> list[int]:
     sizes = [1 << power for power in range(limit.bit_length()) if 1 << power <= limit]
     return sizes if sizes[-1] == limit else [*sizes, limit]
-
-
-def _join_halves(
-    first: dict[str, Array] | None,
-    second: dict[str, Array] | None,
-    first_rows: int,
-    second_rows: int,
-) -> dict[str, Array] | None:
-    """Outputs of both halves in order; a half that failed is zero-filled (its rows are
-    reported as failed and never handed out)."""
-    if first is None and second is None:
-        return None
-    model = first if first is not None else second
-    assert model is not None
-    joined = {}
-    for name, array in model.items():
-        head = (
-            first[name]
-            if first is not None
-            else np.zeros((first_rows, *array.shape[1:]), array.dtype)
-        )
-        tail = (
-            second[name]
-            if second is not None
-            else np.zeros((second_rows, *array.shape[1:]), array.dtype)
-        )
-        joined[name] = np.concatenate([head, tail])
-    return joined
 
 
 _CPU_ARENA_LIMIT_BYTES: int | None = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import numpy.typing as npt
@@ -18,6 +18,9 @@ Array = npt.NDArray[np.generic]
 # Trailing (non-row) shape of every input, in input order: items batch together only
 # when their signatures are equal, since their rows are concatenated along axis 0.
 Signature = tuple[tuple[int, ...], ...]
+# Asked by the engine before it runs rows of a batch again (after an out-of-memory): for
+# each row of the batch, whether a caller still waits for it within its deadline.
+RowsWanted = Callable[[], npt.NDArray[np.bool_]]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -75,7 +78,9 @@ class Batch:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FailedRows:
-    """Rows [offset, offset + rows) of a batch that failed even when run alone."""
+    """Rows [offset, offset + rows) of a batch left without outputs: a row that failed
+    even when run alone, or rows not run again after an out-of-memory because nobody
+    wanted them any more (their deadline passed or their caller left)."""
 
     offset: int
     rows: int
@@ -83,29 +88,43 @@ class FailedRows:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class OutOfMemoryRun:
+    """A run of `rows` rows that failed to allocate device memory (it was then split)."""
+
+    rows: int
+    # It held a row that failed even when run alone: its failure says nothing about
+    # batch size (see `Scheduler._adapt_cap`).
+    held_unfit_row: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class BatchResult:
     batch: Batch
-    # Model output name -> array with `batch.rows` rows; None when the run failed.
+    # Model output name -> array with `batch.rows` rows; None when the run failed or no
+    # run succeeded (then every row is in `failed_rows`).
     outputs: Mapping[str, Array] | None = dataclasses.field(repr=False)
+    # The whole batch failed with this (any runtime error other than out of memory).
     error: LaneserveError | None
     run_s: float
-    # With `outputs`: rows whose outputs are not valid, each with its own error (a row
-    # that does not fit device memory even alone); every other row's output is valid.
+    # Rows without valid outputs, each range with its own error; every other row's
+    # output is valid.
     failed_rows: tuple[FailedRows, ...] = ()
-    # The runs that ran out of device memory (each was then split): (offset in the
-    # batch, rows), in the order they ran.
-    out_of_memory_runs: tuple[tuple[int, int], ...] = ()
-    # Rows of the largest run of this batch that succeeded (0 if none did).
-    largest_ok_rows: int = 0
+    # The runs that ran out of device memory, in the order they ran.
+    out_of_memory_runs: tuple[OutOfMemoryRun, ...] = ()
 
     @property
     def out_of_memory_rows(self) -> tuple[int, ...]:
         """Row counts of the runs that ran out of device memory."""
-        return tuple(rows for _, rows in self.out_of_memory_runs)
+        return tuple(run.rows for run in self.out_of_memory_runs)
 
     def __post_init__(self) -> None:
-        assert (self.outputs is None) != (self.error is None), "exactly one of outputs, error"
-        assert self.outputs is not None or not self.failed_rows
+        if self.error is not None:
+            assert self.outputs is None, "a failed batch has no outputs"
+            assert not self.failed_rows, "a failed batch fails every row with its error"
+        elif self.outputs is None:
+            assert sum(failed.rows for failed in self.failed_rows) == self.batch.rows, (
+                "without outputs every row has its error"
+            )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from laneserve.server.config import LaneConfig
 from laneserve.server.cost_model import RunTimeModel
@@ -116,16 +117,8 @@ def _capacity_failures(result: BatchResult) -> list[int]:
     """Sizes of the runs of `result` that ran out of memory for their size: a row that
     fails even alone says nothing about batch size, nor does a run that failed because
     it held such a row (a two-row run of rows too large alone would otherwise pull the
-    cap to one for everybody's traffic). A batch in which nothing ran holds only such
-    rows."""
-    if result.largest_ok_rows == 0:
-        return []
-    unfit = [failed.offset for failed in result.failed_rows]
-    return [
-        rows
-        for offset, rows in result.out_of_memory_runs
-        if rows > 1 and not any(offset <= row < offset + rows for row in unfit)
-    ]
+    cap to one for everybody's traffic)."""
+    return [run.rows for run in result.out_of_memory_runs if not run.held_unfit_row]
 
 
 class Scheduler:
@@ -533,6 +526,10 @@ class Scheduler:
                 None,
             )
             if failure is not None:
+                if isinstance(failure, ExpiredInQueueError):
+                    # Not run again after an out-of-memory: shed like expired queued work.
+                    lane = self.lanes[entry.priority].name
+                    self.events.shed(lane, failure.reason, piece.rows + entry.queued_rows)
                 outcomes.append(self._finish_error(entry, failure))
                 continue
             assert result.outputs is not None
@@ -548,8 +545,22 @@ class Scheduler:
             entry.done_rows += piece.rows
             if entry.done_rows == entry.request.rows:
                 outcomes.append(self._finish_ok(entry))
-        self.events.batch_done(batch, result.run_s, result.error)
+        # A batch none of whose rows ran failed as a whole, with its first row's error.
+        error = result.error
+        if error is None and result.outputs is None:
+            error = result.failed_rows[0].error
+        self.events.batch_done(batch, result.run_s, error)
         return outcomes
+
+    def rows_wanted(self, batch: Batch, now_s: float) -> npt.NDArray[np.bool_]:
+        """For each row of `batch` (running), whether a caller still waits for it within
+        its deadline: the engine runs no other row again after an out-of-memory."""
+        wanted = np.zeros(batch.rows, dtype=bool)
+        for piece in batch.slices:
+            entry = self._entries.get(piece.entry_id)
+            if entry is not None and not entry.finished and entry.deadline_s > now_s:
+                wanted[piece.offset : piece.offset + piece.rows] = True
+        return wanted
 
     def _adapt_cap(self, result: BatchResult) -> None:
         """Out of memory halves the cap below the smallest batch that failed; a run of

@@ -17,21 +17,25 @@ answer leaves through `deliver`, once per batch (or per shed round), outside the
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import queue
 import threading
 from collections.abc import Callable, Sequence
 
+import numpy as np
+import numpy.typing as npt
+
 from laneserve.server.clock import Clock, SystemClock
 from laneserve.server.errors import DrainingError, EngineError, LaneserveError
-from laneserve.server.items import Batch, BatchResult, InferenceRequest, Outcome
+from laneserve.server.items import Batch, BatchResult, InferenceRequest, Outcome, RowsWanted
 from laneserve.server.memory import MemoryGauge, WatermarkState
 from laneserve.server.scheduler import Dispatch, LaneDepth, Scheduler, WaitUntil
 
 log = logging.getLogger(__name__)
 
-RunBatch = Callable[[Batch], BatchResult]
+RunBatch = Callable[[Batch, RowsWanted], BatchResult]
 MEMORY_SAMPLE_PERIOD_S = 0.05
 Deliver = Callable[[Sequence[Outcome]], None]
 
@@ -226,7 +230,7 @@ class SchedulerThread:
                     # batch's too: they were told they never ran, so they do not.
                     return
             try:
-                result = self._run_batch(batch)
+                result = self._run_batch(batch, functools.partial(self._rows_wanted, batch))
             except Exception as error:
                 log.exception("batch %d failed outside the runtime", batch.batch_id)
                 result = BatchResult(batch, None, EngineError(f"batch failed: {error!r}"), 0.0)
@@ -243,6 +247,10 @@ class SchedulerThread:
                 self._deliver(outcomes)
             if batch is None:
                 batch = self._work.get()
+
+    def _rows_wanted(self, batch: Batch) -> npt.NDArray[np.bool_]:
+        with self._cond:
+            return self._scheduler.rows_wanted(batch, self._clock.monotonic())
 
     def _finish(self, result: BatchResult, outcomes: list[Outcome]) -> Batch | None:
         """Under the lock: adds the answers of a finished batch to `outcomes`; returns the

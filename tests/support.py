@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from laneserve.client.tensors import decode_tensor, encode_tensor
 from laneserve.server import Engine, LaneServer, ServerConfig
-from laneserve.server.items import Batch, BatchResult
+from laneserve.server.items import Batch, BatchResult, RowsWanted
 from laneserve.server.memory import MemoryEstimate
 from laneserve.server.static_estimate import static_estimate
 from laneserve.v1 import inference_pb2 as pb
@@ -69,12 +69,12 @@ class RecordingEngine(Engine):
         self.fail_when: Callable[[Batch], bool] = lambda _batch: False
         self._lock = threading.Lock()
 
-    def run_batch(self, batch: Batch) -> BatchResult:
+    def run_batch(self, batch: Batch, rows_wanted: RowsWanted | None = None) -> BatchResult:
         self.entered.release()
         self.gate.wait()
         if self.fail_when(batch):
             raise RuntimeError("injected fault")
-        result = super().run_batch(batch)
+        result = super().run_batch(batch, rows_wanted)
         with self._lock:
             self.batches.append(batch.rows)
             for part in batch.parts["input"]:
@@ -177,6 +177,10 @@ class TcpProxy:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         port = self._server.sockets[0].getsockname()[1]
         return f"127.0.0.1:{port}"
+
+    def retarget(self, upstream_port: int) -> None:
+        """New connections go to `upstream_port` (another instance); open ones stay."""
+        self._upstream_port = upstream_port
 
     def sever(self) -> int:
         links = list(self._links)
@@ -337,9 +341,9 @@ class MeteredEngine(RecordingEngine):
         super().__init__(model_path)
         self.permits = threading.Semaphore(0)
 
-    def run_batch(self, batch: Batch) -> BatchResult:
+    def run_batch(self, batch: Batch, rows_wanted: RowsWanted | None = None) -> BatchResult:
         self.permits.acquire()
-        return super().run_batch(batch)
+        return super().run_batch(batch, rows_wanted)
 
     def unlimited(self) -> None:
         self.permits.release(1_000_000)

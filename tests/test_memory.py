@@ -10,6 +10,8 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +27,16 @@ from laneserve.server import LaneConfig, ServerConfig
 from laneserve.server.clock import ManualClock
 from laneserve.server.cost_model import RunTimeModel
 from laneserve.server.demo_model import make_demo_model
-from laneserve.server.errors import DeviceMemoryError, MemoryPressureError
-from laneserve.server.items import BatchResult, FailedRows, InferenceRequest
+from laneserve.server.engine import Engine
+from laneserve.server.errors import DeviceMemoryError, ExpiredInQueueError, MemoryPressureError
+from laneserve.server.items import (
+    Array,
+    BatchResult,
+    FailedRows,
+    InferenceRequest,
+    Outcome,
+    OutOfMemoryRun,
+)
 from laneserve.server.memory import (
     MemoryEstimate,
     MemoryLimit,
@@ -42,7 +52,9 @@ from laneserve.server.scheduler import (
     Dispatch,
     Scheduler,
 )
+from laneserve.server.scheduler_thread import SchedulerThread
 from laneserve.server.static_estimate import static_estimate
+from laneserve.server.stats import StatsRecorder
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
@@ -197,7 +209,11 @@ def test_out_of_memory_halves_the_cap_and_success_raises_it_back() -> None:
     # The engine ran out of memory at 64 rows and succeeded in halves.
     (answer,) = scheduler.complete(
         BatchResult(
-            ok.batch, ok.outputs, None, 0.002, out_of_memory_runs=((0, 64),), largest_ok_rows=32
+            ok.batch,
+            ok.outputs,
+            None,
+            0.002,
+            out_of_memory_runs=(OutOfMemoryRun(64, held_unfit_row=False),),
         )
     )
     assert answer.error is None
@@ -212,7 +228,7 @@ def test_out_of_memory_halves_the_cap_and_success_raises_it_back() -> None:
             None,
             0.001,
             failed_rows=(FailedRows(0, 1, DeviceMemoryError("too big")),),
-            out_of_memory_runs=((0, 1),),
+            out_of_memory_runs=(OutOfMemoryRun(1, held_unfit_row=True),),
         )
     )
     assert scheduler.batch_cap == 32
@@ -237,8 +253,11 @@ def test_only_the_request_whose_row_does_not_fit_fails() -> None:
         None,
         0.001,
         failed_rows=(FailedRows(2, 1, DeviceMemoryError("one row too large")),),
-        out_of_memory_runs=((0, 6), (0, 3), (2, 1)),
-        largest_ok_rows=2,
+        out_of_memory_runs=(
+            OutOfMemoryRun(6, held_unfit_row=True),
+            OutOfMemoryRun(3, held_unfit_row=True),
+            OutOfMemoryRun(1, held_unfit_row=True),
+        ),
     )
     answers = {answer.token: answer for answer in scheduler.complete(failed)}
     assert isinstance(answers[1].error, DeviceMemoryError)
@@ -259,7 +278,11 @@ def test_the_cap_settles_below_a_size_that_ran_out_of_memory() -> None:
     ok = _dispatch(scheduler, clock)
     scheduler.complete(
         BatchResult(
-            ok.batch, ok.outputs, None, 0.002, out_of_memory_runs=((0, 64),), largest_ok_rows=32
+            ok.batch,
+            ok.outputs,
+            None,
+            0.002,
+            out_of_memory_runs=(OutOfMemoryRun(64, held_unfit_row=False),),
         )
     )
     caps = [scheduler.batch_cap]
@@ -287,8 +310,7 @@ def test_a_passing_shortage_below_the_cap_sets_no_ceiling() -> None:
             small.outputs,
             None,
             0.001,
-            out_of_memory_runs=((0, 8),),
-            largest_ok_rows=4,
+            out_of_memory_runs=(OutOfMemoryRun(8, held_unfit_row=False),),
         )
     )
     assert scheduler.batch_cap == 4
@@ -306,13 +328,19 @@ def test_rows_too_large_alone_do_not_move_the_cap() -> None:
     scheduler = _scheduler(64)
     scheduler.admit(_request(0, "standard", 2), clock.monotonic())
     pair = _dispatch(scheduler, clock)
+    too_large = DeviceMemoryError("one row of this request needs more device memory")
     (answer,) = scheduler.complete(
         BatchResult(
             pair.batch,
             None,
-            DeviceMemoryError("one row of this request needs more device memory"),
+            None,
             0.001,
-            out_of_memory_runs=((0, 2), (0, 1), (1, 1)),
+            failed_rows=(FailedRows(0, 1, too_large), FailedRows(1, 1, too_large)),
+            out_of_memory_runs=(
+                OutOfMemoryRun(2, held_unfit_row=True),
+                OutOfMemoryRun(1, held_unfit_row=True),
+                OutOfMemoryRun(1, held_unfit_row=True),
+            ),
         )
     )
     assert isinstance(answer.error, DeviceMemoryError)
@@ -327,8 +355,11 @@ def test_rows_too_large_alone_do_not_move_the_cap() -> None:
             None,
             0.001,
             failed_rows=(FailedRows(2, 1, DeviceMemoryError("one row too large")),),
-            out_of_memory_runs=((0, 6), (0, 3), (2, 1)),
-            largest_ok_rows=3,
+            out_of_memory_runs=(
+                OutOfMemoryRun(6, held_unfit_row=True),
+                OutOfMemoryRun(3, held_unfit_row=True),
+                OutOfMemoryRun(1, held_unfit_row=True),
+            ),
         )
     )
     assert scheduler.batch_cap == 64, "both failed runs held the row too large alone"
@@ -340,8 +371,7 @@ def test_rows_too_large_alone_do_not_move_the_cap() -> None:
             ordinary.outputs,
             None,
             0.001,
-            out_of_memory_runs=((0, 8),),
-            largest_ok_rows=4,
+            out_of_memory_runs=(OutOfMemoryRun(8, held_unfit_row=False),),
         )
     )
     assert scheduler.batch_cap == 4, "a run of ordinary rows that failed halves the cap"
@@ -427,6 +457,139 @@ def test_memory_pressure_over_grpc_refuses_bulk_first_with_pushback(small_model:
     asyncio.run(scenario())
 
 
+class _OutOfMemoryAbove(Engine):
+    """The real session, out of memory for runs above `fit_rows` rows (fault injection).
+    Each failed attempt calls `on_failure` first (it takes time: the test moves its clock
+    or cancels a caller meanwhile); `ran` keeps the inputs of every run that succeeded."""
+
+    def __init__(self, model_path: Path, fit_rows: int, on_failure: Callable[[], None]) -> None:
+        super().__init__(str(model_path), device="cpu")
+        self.fit_rows = fit_rows
+        self.on_failure = on_failure
+        self.ran: list[Array] = []
+
+    def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
+        if len(inputs["input"]) > self.fit_rows:
+            self.on_failure()
+            raise DeviceMemoryError("injected: out of memory")
+        self.ran.append(inputs["input"].copy())
+        return super().run(inputs)
+
+
+def test_rows_nobody_waits_for_are_not_run_again_after_out_of_memory(
+    small_model: Path, small_reference: ort.InferenceSession
+) -> None:
+    """A batch that ran out of memory is run again in parts: a new execution. Rows whose
+    deadline passed during the failed attempt, or whose caller left, are not part of it
+    (an expired request is never executed): their request is answered EXPIRED_IN_QUEUE
+    (or not at all: cancelled), and the rest get exact outputs."""
+    clock = ManualClock(1_000.0)
+    scheduler = _scheduler(8)
+    thread: SchedulerThread | None = None
+    cancel_ids: list[int] = []
+    attempts: list[int] = []
+
+    def on_failure() -> None:  # the 8-row attempt takes 1 s and the caller of C leaves
+        attempts.append(1)
+        if len(attempts) == 1:
+            clock.advance(1.0)
+            assert thread is not None
+            assert thread.cancel(cancel_ids[0])
+
+    engine = _OutOfMemoryAbove(small_model, 2, on_failure)
+    width = engine.inputs[0].shape[1]
+    inputs = {
+        name: np.random.default_rng(index).standard_normal((count, width)).astype(np.float32)
+        for index, (name, count) in enumerate({"A": 3, "B": 3, "C": 2}.items())
+    }
+    answers: list[Outcome] = []
+    answered = threading.Event()
+
+    def deliver(outcomes: Sequence[Outcome]) -> None:
+        answers.extend(outcomes)
+        if len(answers) == 2:
+            answered.set()
+
+    thread = SchedulerThread(scheduler, engine.run_batch, deliver, clock=clock)
+    deadlines = {"A": 1_010.0, "B": 1_000.5, "C": 1_010.0}  # B's passes in the failed run
+    requests = [
+        InferenceRequest(
+            request_id=name,
+            lane="standard",
+            inputs={"input": array},
+            rows=len(array),
+            signature=((width,),),
+            deadline_s=deadlines[name],
+            token=name,
+        )
+        for name, array in inputs.items()
+    ]
+    for queued in requests:  # admitted before the thread starts: one batch of 8 rows
+        entry_id = scheduler.admit(queued, clock.monotonic())
+        if queued.request_id == "C":
+            cancel_ids.append(entry_id)
+    thread.start()
+    try:
+        assert answered.wait(30), f"answers: {answers}"
+    finally:
+        thread.close()
+    by_name = {answer.token: answer for answer in answers}
+    assert set(by_name) == {"A", "B"}, "C's caller left: no answer is due"
+    assert isinstance(by_name["B"].error, ExpiredInQueueError)
+    assert "not run again" in by_name["B"].error.message
+    outputs = by_name["A"].outputs
+    assert outputs is not None
+    (expected,) = small_reference.run(None, {"input": inputs["A"]})
+    np.testing.assert_array_equal(outputs["output"], expected)
+    # After the 8-row attempt only A's rows ran, in halves of 1 and 2 rows.
+    assert [len(rows) for rows in engine.ran] == [1, 2]
+    np.testing.assert_array_equal(np.concatenate(engine.ran), inputs["A"])
+    assert len(attempts) == 1
+    assert scheduler.live_entries == 0
+
+
+def test_a_batch_nobody_waits_for_any_more_is_not_run_again(small_model: Path) -> None:
+    """When every row's deadline passed during the failed attempt, nothing runs again and
+    each request is answered EXPIRED_IN_QUEUE. The cap still comes down: the 4-row run
+    did run out of memory."""
+    clock = ManualClock(1_000.0)
+    engine = _OutOfMemoryAbove(small_model, 2, lambda: clock.advance(1.0))
+    width = engine.inputs[0].shape[1]
+    scheduler = _scheduler(4)
+    stats = scheduler.events = StatsRecorder(["interactive", "standard", "bulk"])
+    answers: list[Outcome] = []
+    answered = threading.Event()
+
+    def deliver(outcomes: Sequence[Outcome]) -> None:
+        answers.extend(outcomes)
+        if len(answers) == 2:
+            answered.set()
+
+    for name in ("A", "B"):
+        scheduler.admit(
+            InferenceRequest(
+                request_id=name,
+                lane="standard",
+                inputs={"input": np.ones((2, width), np.float32)},
+                rows=2,
+                signature=((width,),),
+                deadline_s=1_000.5,
+                token=name,
+            ),
+            clock.monotonic(),
+        )
+    thread = SchedulerThread(scheduler, engine.run_batch, deliver, clock=clock)
+    thread.start()
+    try:
+        assert answered.wait(30), f"answers: {answers}"
+    finally:
+        thread.close()
+    assert engine.ran == [], "nothing ran again"
+    assert all(isinstance(answer.error, ExpiredInQueueError) for answer in answers)
+    assert scheduler.batch_cap == 2
+    assert stats.counts().shed == {("standard", "EXPIRED_IN_QUEUE"): 2}, "counted as shed"
+
+
 # ---- the real thing: a capped arena in a child process ----------------------------------
 
 _ENGINE_SCRIPT = """
@@ -451,7 +614,6 @@ batch = Batch(1, (BatchSlice(1, "bulk", 0, 1024, 0),), 1024, DispatchReason.FULL
 result = engine.run_batch(batch)
 np.save(sys.argv[3], result.outputs["output"])
 report["out_of_memory_rows"] = list(result.out_of_memory_rows)
-report["largest_ok_rows"] = result.largest_ok_rows
 report["again_after_split"] = fits(256)
 print(json.dumps(report))
 """
@@ -475,7 +637,6 @@ def test_engine_splits_a_batch_that_does_not_fit_and_recovers(
     assert report["after"] is True
     assert report["again_after_split"] is True
     assert report["out_of_memory_rows"][0] == 1024
-    assert 0 < report["largest_ok_rows"] < 1024
     x = np.random.default_rng(3).standard_normal((1024, 512)).astype(np.float32)
     expected = reference.run(None, {"input": x})[0]
     np.testing.assert_allclose(np.load(out), expected, rtol=1e-4, atol=1e-5)

@@ -38,6 +38,7 @@ from laneserve.server.items import (
     DispatchReason,
     InferenceRequest,
     Outcome,
+    RowsWanted,
 )
 from laneserve.server.lanes import Entry, Lane
 from laneserve.server.scheduler import ACTIVE_LANE_S, Dispatch, Scheduler, WaitUntil
@@ -1226,7 +1227,7 @@ def test_work_that_expired_while_a_batch_ran_is_shed_not_taken_as_the_next_batch
     running, release, done = threading.Event(), threading.Event(), threading.Event()
     answers: list[Outcome] = []
 
-    def run_batch(batch: Batch) -> BatchResult:
+    def run_batch(batch: Batch, _rows_wanted: RowsWanted) -> BatchResult:
         ran.append(row_ids(batch))
         running.set()
         assert release.wait(10)
@@ -1267,7 +1268,7 @@ def test_work_answered_at_close_never_runs() -> None:
     delivering, release_deliver, told = threading.Event(), threading.Event(), threading.Event()
     answers: list[Outcome] = []
 
-    def run_batch(batch: Batch) -> BatchResult:
+    def run_batch(batch: Batch, _rows_wanted: RowsWanted) -> BatchResult:
         ran.append(row_ids(batch))
         running.set()
         assert release_run.wait(10)
@@ -1327,13 +1328,17 @@ class SlowGauge:
         return 1 << 30
 
 
+def never_run(batch: Batch, _rows_wanted: RowsWanted) -> BatchResult:
+    raise AssertionError(f"batch {batch.batch_id} was not to run: the test drives the steps")
+
+
 def test_shedding_uses_the_time_after_the_work_before_it() -> None:
     """Both places that shed and then decide do work first that takes time (completing a
     batch; reading the memory gauge). A deadline that passes meanwhile is shed, not
     dispatched. The threads' steps are called here as the threads call them."""
     clock = ManualClock(T0)
     scheduler = make_scheduler(TOP_DOWN_LANES, cap=1)
-    thread = SchedulerThread(scheduler, run, list[Outcome]().extend, clock=clock)
+    thread = SchedulerThread(scheduler, never_run, list[Outcome]().extend, clock=clock)
     thread.submit(make_request(1, "standard", 1))
     thread._step([])  # the scheduler thread dispatches request 1
     first = thread._work.get_nowait()
@@ -1352,7 +1357,7 @@ def test_shedding_uses_the_time_after_the_work_before_it() -> None:
     scheduler = make_scheduler(TOP_DOWN_LANES, cap=1)
     gauge = SlowGauge(clock, 6.0)
     thread = SchedulerThread(
-        scheduler, run, list[Outcome]().extend, clock=clock, memory_gauge=gauge
+        scheduler, never_run, list[Outcome]().extend, clock=clock, memory_gauge=gauge
     )
     thread.submit(make_request(2, "standard", 1, deadline_s=T0 + 5.0))
     outcomes = []
@@ -1382,7 +1387,7 @@ def test_answers_made_before_a_scheduler_failure_are_not_lost() -> None:
     running, release, answered = threading.Event(), threading.Event(), threading.Event()
     answers: list[Outcome] = []
 
-    def run_batch(batch: Batch) -> BatchResult:
+    def run_batch(batch: Batch, _rows_wanted: RowsWanted) -> BatchResult:
         running.set()
         assert release.wait(10)
         return run(batch)

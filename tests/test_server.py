@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from laneserve.client import CallCancelledError, error_from_rpc
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import LaneConfig, LaneServer, ServerConfig
-from laneserve.server.items import Batch, BatchResult
+from laneserve.server.items import Batch, BatchResult, RowsWanted
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -586,8 +586,8 @@ def test_a_bug_while_answering_still_answers_the_call(small_model: Path) -> None
     """An output the codec cannot encode (fault injection) must not leave the call hanging."""
 
     class ComplexOutputs(RecordingEngine):
-        def run_batch(self, batch: Batch) -> BatchResult:
-            result = super().run_batch(batch)
+        def run_batch(self, batch: Batch, rows_wanted: RowsWanted | None = None) -> BatchResult:
+            result = super().run_batch(batch, rows_wanted)
             assert result.outputs is not None
             outputs = {name: array.astype(np.complex64) for name, array in result.outputs.items()}
             return dataclasses.replace(result, outputs=outputs)
