@@ -330,15 +330,14 @@ class BulkStream:
             pending = self._source_next
             if pending is None:
                 pending = self._source_next = asyncio.ensure_future(_anext(self._async_source))
-            try:
-                # Shielded: when a call breaks, its writer is cancelled, possibly while
-                # the source is producing the next item. Cancelling the source there
-                # would end (an async generator) or lose that item; the next call's
-                # writer awaits the same pending item instead.
-                raw = await asyncio.shield(pending)
-            finally:
-                if pending.done():
-                    self._source_next = None
+            # Shielded: when a call breaks, its writer is cancelled, possibly while the
+            # source is producing the next item. Cancelling the source there would end
+            # (an async generator) or lose that item; the next call's writer awaits the
+            # same pending item instead. It stays pending until taken here: a writer
+            # cancelled after the item was produced, before it resumed, must not drop it
+            # (that lost an item, and shifted every later item's index by one).
+            raw = await asyncio.shield(pending)
+            self._source_next = None
             if raw is _SOURCE_END:
                 self._source_done = True
                 return None

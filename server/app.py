@@ -237,6 +237,7 @@ class LaneServer:
         )
         self._health = health.aio.HealthServicer()
         self._thread: SchedulerThread | None = None
+        self._servicer: InferenceServicer | None = None
         self._servers: list[grpc.aio.Server] = []  # the main port's first
         self._grpc_calls: GrpcCallCounts | None = None  # once the gRPC server runs
         self._stopped = asyncio.Event()
@@ -259,7 +260,7 @@ class LaneServer:
         self.telemetry.observe(
             thread.depths, lambda: thread.batch_cap, self.stats.counts, self.grpc_calls
         )
-        servicer = InferenceServicer(
+        servicer = self._servicer = InferenceServicer(
             self.config,
             self.engine,
             self._thread,
@@ -394,6 +395,8 @@ class LaneServer:
             await self._stopped.wait()
             return
         self.state = Lifecycle.DRAINING
+        assert self._servicer is not None
+        self._servicer.stop_reading_streams()
         grace_s = self.config.drain_grace_s if grace_s is None else grace_s
         await self._health.enter_graceful_shutdown()
         assert self._thread is not None

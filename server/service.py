@@ -118,6 +118,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._started_s = started_s
         self._input_specs = engine.inputs
         self._output_names = [spec.name for spec in engine.outputs]
+        # The item readers of the open InferStream calls (see `stop_reading_streams`).
+        self._stream_readers: set[asyncio.Task[None]] = set()
         self._ledger = RequestLedger(
             ReplayCache(
                 max_entries=config.idempotency_max_entries,
@@ -150,8 +152,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         answer is written; so a fast producer holds at most that many items in the lanes
         and in the answer queue, and the rest waits in gRPC's flow control. A failed item
         is answered with `error` and the stream goes on. When the stream ends early (the
-        client cancelled, the connection dropped) its queued items are cancelled.
+        client cancelled, the connection dropped) its queued items are cancelled. When
+        the server drains, the stream reads no more items, answers those it read and ends
+        UNAVAILABLE (DRAINING): its client resends the rest on a new call, to another
+        instance or this one restarted (see `stop_reading_streams`).
         """
+        if self._state() is not Lifecycle.SERVING:
+            await abort_with(context, _stream_draining())
         default_lane = (
             STREAM_DEFAULT_LANE
             if any(lane.name == STREAM_DEFAULT_LANE for lane in self._config.lanes)
@@ -183,6 +190,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 answers.put_nowait(_READ_DONE)
 
         reader = asyncio.create_task(read_all())
+        self._stream_readers.add(reader)
         try:
             reading = True
             while reading or unanswered:
@@ -194,12 +202,24 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 yield message
                 unanswered -= 1
                 window.release()
+            if reader.cancelled():  # only stop_reading_streams cancels it before this
+                await abort_with(context, _stream_draining())
             await reader  # re-raises a read failure
         finally:
+            self._stream_readers.discard(reader)
             # The client went away or the stream failed: its queued items are cancelled.
             reader.cancel()
             for task in list(items):
                 task.cancel()
+
+    def stop_reading_streams(self) -> None:
+        """The server drains: every open InferStream stops reading items now. Without
+        this a stream stayed open until the server stopped, each further item refused
+        DRAINING on a call that leads nowhere; a client retrying items on that call ran
+        out of attempts instead of reconnecting. An item gRPC had received but the reader
+        had not yet taken is not read: unanswered, its client resends it."""
+        for reader in self._stream_readers:
+            reader.cancel()
 
     async def _stream_answer(
         self,
@@ -418,7 +438,9 @@ def _deadline_s(now_s: float, remaining_s: float | None, timeout_ms: int) -> flo
 
 
 async def abort_with(
-    context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferResponse], error: LaneserveError
+    context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferResponse]
+    | grpc.aio.ServicerContext[pb.InferRequest, pb.InferStreamResponse],
+    error: LaneserveError,
 ) -> None:
     """Ends the RPC with `error`'s status, rich details and, if retryable, the pushback."""
     if context.cancelled():
@@ -432,6 +454,13 @@ async def abort_with(
     if delay_ms is not None:
         trailers.append(("grpc-retry-pushback-ms", str(delay_ms)))
     await context.abort(error.code, error.message, trailing_metadata=tuple(trailers))
+
+
+def _stream_draining() -> DrainingError:
+    return DrainingError(
+        "server is draining: this stream takes no more items (those it read were "
+        "answered); resend the rest on a new call, to another instance"
+    )
 
 
 def _tensor_spec(spec: TensorSpec) -> pb.TensorSpec:

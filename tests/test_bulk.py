@@ -19,6 +19,7 @@ from laneserve import client as lc
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import Engine, LaneConfig, ServerConfig
 from laneserve.server.demo_model import make_demo_model
+from laneserve.server.lifecycle import Lifecycle
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
     RecordingEngine,
@@ -27,6 +28,7 @@ from tests.support import (
     cut_while_a_batch_runs,
     output,
     request,
+    rich_status,
     rows,
     serving,
 )
@@ -184,6 +186,106 @@ def test_an_async_source_waiting_for_its_next_item_survives_a_cut_connection(
     results = asyncio.run(scenario())
     assert not state["cancelled"], "the source was not cancelled with the broken call"
     assert sorted(result.index for result in results) == list(range(first + second))
+
+
+def test_a_draining_server_ends_its_streams_and_the_job_goes_on_elsewhere(
+    small_model: Path,
+) -> None:
+    """Instance A drains mid-job (a rolling restart; the address now leads to B). A's
+    stream reads no more items and ends DRAINING once it has answered those it read, so
+    the client resends the rest on a new call, which reaches B: every item is answered
+    OK, every row ran once. (A stream left open refused each further item DRAINING; the
+    client retried them on that call until their attempts ran out. And the item the
+    source produced as the call ended was dropped: every later item took the index and
+    request id of the one before it.)"""
+    first, second = 6, 6
+    go = asyncio.Event()
+
+    async def source() -> AsyncIterator[dict[str, F32]]:
+        for index in range(first + second):
+            if index == first:
+                await go.wait()
+            yield {"input": rows(2, start=10 * index)}
+
+    async def scenario() -> tuple[list[lc.StreamResult], list[int], list[int]]:
+        engine_a, engine_b = RecordingEngine(str(small_model)), RecordingEngine(str(small_model))
+        async with (
+            serving(engine_a, config(small_model)) as a,
+            serving(engine_b, config(small_model)) as b,
+        ):
+            proxy = TcpProxy(a.server.port)
+            target = await proxy.start()
+            stopping: asyncio.Task[None] | None = None
+            try:
+                async with lc.AsyncClient(target) as client:
+                    results: list[lc.StreamResult] = []
+                    async for result in client.stream(source(), job_id="rolling"):
+                        results.append(result)
+                        if len(results) == first:
+                            proxy.retarget(b.server.port)
+                            stopping = asyncio.create_task(a.server.stop(grace_s=5.0))
+                            await until(lambda: a.server.state is not Lifecycle.SERVING)
+                            go.set()
+                assert stopping is not None
+                await stopping
+            finally:
+                await proxy.close()
+        return results, engine_a.ran_tags, engine_b.ran_tags
+
+    results, ran_a, ran_b = asyncio.run(scenario())
+    assert [result.index for result in results] == list(range(first + second))
+    assert all(result.ok for result in results), [r.error for r in results if not r.ok]
+    expected = sorted(10 * index + row for index in range(first + second) for row in (0, 1))
+    assert sorted(ran_a + ran_b) == expected, "every row ran once, on A or on B"
+    assert len(ran_b) == 2 * second, "the items after the drain ran on B"
+
+
+def test_a_stream_open_when_the_server_drains_answers_what_it_read_and_ends(
+    small_model: Path,
+) -> None:
+    """At the raw protocol: an item running when the drain begins is answered; the
+    stream then ends UNAVAILABLE (DRAINING) instead of reading more; a stream opened
+    during the drain is refused at once."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            sent: asyncio.Queue[pb.InferRequest | None] = asyncio.Queue()
+
+            async def requests() -> AsyncIterator[pb.InferRequest]:
+                while (item := await sent.get()) is not None:
+                    yield item
+
+            engine.hold()
+            call = s.stub.InferStream(requests())
+            sent.put_nowait(request(rows(2, start=0), request_id="running"))
+            await asyncio.to_thread(engine.entered.acquire)
+            stopping = asyncio.create_task(s.server.stop(grace_s=5.0))
+            await until(lambda: s.server.state is not Lifecycle.SERVING)
+            late = s.stub.InferStream(iter([request(rows(2, start=20), request_id="late")]))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await collect(late)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert rich_status(refused.value)[0] == "DRAINING"
+            sent.put_nowait(request(rows(2, start=10), request_id="after"))
+            engine.release()
+            answers: list[pb.InferStreamResponse] = []
+
+            async def read_all() -> None:
+                async for answer in call:  # kept as they come: the call ends in an error
+                    answers.append(answer)  # noqa: PERF401
+
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await read_all()
+            await stopping
+        assert [answer.request_id for answer in answers] == ["running"]
+        assert answers[0].WhichOneof("result") == "response"
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert rich_status(ended.value)[0] == "DRAINING"
+        assert "no more items" in (ended.value.details() or "")
+        assert sorted(engine.ran_tags) == [0, 1], "the item sent after the drain never ran"
+
+    asyncio.run(scenario())
 
 
 def test_an_answer_over_the_message_limit_fails_its_item_not_the_stream(tmp_path: Path) -> None:
