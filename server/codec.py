@@ -49,6 +49,7 @@ def decode_inputs(
     count = next(iter(rows.values()))
     if count == 0:
         raise InvalidInputError("request has 0 rows; expected at least 1 row along the first axis")
+    _check_named_dimensions(arrays, specs)
     signature = tuple(tuple(arrays[spec.name].shape[1:]) for spec in specs)
     return {spec.name: arrays[spec.name] for spec in specs}, count, signature
 
@@ -94,6 +95,25 @@ def _check_against_spec(name: str, array: Array, spec: TensorSpec) -> None:
         raise InvalidInputError(
             f"input {name!r} has shape {list(array.shape)}; expected {_describe(spec)}"
         )
+
+
+def _check_named_dimensions(arrays: Mapping[str, Array], specs: Sequence[TensorSpec]) -> None:
+    """Dimensions the model names alike (say K in a[N, K] and b[N, K]) have one size; the
+    runtime would otherwise fail the whole batch, every request in it, with INTERNAL.
+    The row axis is checked above, for every input."""
+    seen: dict[str, tuple[str, int, int]] = {}  # dimension name -> (input, axis, size)
+    for spec in specs:
+        for axis, dim_name in enumerate(spec.dim_names[1:], start=1):
+            if dim_name is None:
+                continue
+            size = arrays[spec.name].shape[axis]
+            first = seen.setdefault(dim_name, (spec.name, axis, size))
+            if first[2] != size:
+                raise InvalidInputError(
+                    f"inputs {first[0]!r} and {spec.name!r} must agree on the model's "
+                    f"dimension {dim_name!r}: axis {first[1]} of {first[0]!r} is {first[2]}, "
+                    f"axis {axis} of {spec.name!r} is {size}"
+                )
 
 
 def _describe(spec: TensorSpec) -> str:

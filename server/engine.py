@@ -69,6 +69,9 @@ class TensorSpec:
     dtype: np.dtype[np.generic]
     # -1 for a dynamic dimension; the first is the row axis.
     shape: tuple[int, ...]
+    # Per dimension, its symbolic name in the model (None: fixed or unnamed). Inputs
+    # that share a name must agree on its size.
+    dim_names: tuple[str | None, ...] = ()
 
 
 def gpu_present() -> bool:
@@ -200,7 +203,8 @@ class Engine:
         if dtype is None:
             raise EngineStartError(f"model tensor {arg.name!r} has unsupported type {arg.type}")
         shape = tuple(dim if isinstance(dim, int) and dim >= 0 else -1 for dim in arg.shape)
-        return TensorSpec(arg.name, dtype, shape)
+        names = tuple(dim if isinstance(dim, str) and dim else None for dim in arg.shape)
+        return TensorSpec(arg.name, dtype, shape, names)
 
     def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
         """One session run over whole arrays; runtime errors come out as LaneserveError."""
@@ -213,6 +217,16 @@ class Engine:
                 self._shrink_next_run = True
             raise translated from error
         self._shrink_next_run = False
+        rows = len(next(iter(inputs.values())))
+        for name, value in zip(self.output_names, values, strict=True):
+            # Answers are cut from the outputs by row position: an output of another
+            # length would hand callers each other's rows.
+            if value.shape[:1] != (rows,):
+                raise EngineError(
+                    f"model output {name!r} has shape {list(value.shape)} for {rows} input "
+                    "row(s); expected one output row per input row (laneserve batches "
+                    "requests along the first axis)"
+                )
         return dict(zip(self.output_names, values, strict=True))
 
     def run_batch(self, batch: Batch, rows_wanted: RowsWanted | None = None) -> BatchResult:
@@ -333,6 +347,14 @@ class Engine:
         fixed + per_row * rows: the measured counterpart of the static estimate (NVML on
         a GPU; resident memory on the CPU, where the arena grows by what runs need).
         """
+        try:
+            return self._probe(max_batch_size, repeats, fixed_cap, gauge)
+        except EngineError as error:  # the model cannot be batched (see `run`)
+            raise EngineStartError(f"cannot serve model {self.model_path!r}: {error}") from error
+
+    def _probe(
+        self, max_batch_size: int, repeats: int, fixed_cap: bool, gauge: MemoryGauge | None
+    ) -> Probe:
         measured: dict[int, float] = {}
         memory_bytes: dict[int, int] = {}
         fits, fails = 0, None

@@ -1,0 +1,97 @@
+"""Models whose signature laneserve must check beyond dtypes and fixed sizes: outputs that
+are not one row per input row, and dimensions shared by name across inputs."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from laneserve.client.tensors import encode_tensor
+from laneserve.server import Engine, EngineStartError, LaneServer, ServerConfig
+from laneserve.v1 import inference_pb2 as pb
+from tests.support import estimate_once, output, rich_status, serving
+
+pytestmark = pytest.mark.usefixtures("no_leaked_threads")
+
+
+def _save(path: Path, graph: onnx.GraphProto) -> Path:
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
+def test_a_model_whose_output_rows_do_not_follow_its_input_rows_is_refused(
+    tmp_path: Path,
+) -> None:
+    """y = x[1:] has a dynamic first axis but N - 1 rows: answers are cut from a batch's
+    outputs by row position, so serving it would hand callers each other's rows."""
+    constants = [
+        helper.make_node(
+            "Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [1], [v])
+        )
+        for name, v in (("start", 1), ("end", 2**62), ("axis", 0))
+    ]
+    graph = helper.make_graph(
+        [*constants, helper.make_node("Slice", ["x", "start", "end", "axis"], ["y"])],
+        "drops_a_row",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", 2])],
+    )
+    path = _save(tmp_path / "drops_a_row.onnx", graph)
+    with pytest.raises(EngineStartError) as refused:
+        LaneServer(
+            Engine(str(path), device="cpu"),
+            ServerConfig(model_path=str(path)),
+            estimate=estimate_once,
+        )
+    message = str(refused.value)
+    assert "output 'y' has shape [0, 2] for 1 input row(s)" in message
+    assert "expected one output row per input row" in message
+
+
+def test_inputs_sharing_a_named_dimension_must_agree_on_its_size(tmp_path: Path) -> None:
+    """Add(a[N, K], b[N, K]): a request with K = 3 for a and 4 for b is the caller's error,
+    answered INVALID_ARGUMENT naming K; it never reaches the session (where it failed the
+    whole batch with INTERNAL). Agreeing sizes are served."""
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["a", "b"], ["sum"])],
+        "add",
+        [
+            helper.make_tensor_value_info("a", TensorProto.FLOAT, ["N", "K"]),
+            helper.make_tensor_value_info("b", TensorProto.FLOAT, ["N", "K"]),
+        ],
+        [helper.make_tensor_value_info("sum", TensorProto.FLOAT, ["N", "K"])],
+    )
+    path = _save(tmp_path / "add.onnx", graph)
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+
+    async def scenario() -> None:
+        async with serving(
+            Engine(str(path), device="cpu"), ServerConfig(model_path=str(path))
+        ) as s:
+            mismatched = pb.InferRequest(
+                inputs=[encode_tensor("a", a), encode_tensor("b", np.ones((2, 4), np.float32))]
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await s.stub.Infer(mismatched, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert rich_status(refused.value)[0] == "INVALID_INPUT"
+            assert (refused.value.details() or "") == (
+                "inputs 'a' and 'b' must agree on the model's dimension 'K': axis 1 of 'a' "
+                "is 3, axis 1 of 'b' is 4"
+            )
+            matched = pb.InferRequest(inputs=[encode_tensor("a", a), encode_tensor("b", a)])
+            answer = await s.stub.Infer(matched, timeout=10)
+            np.testing.assert_array_equal(output(answer), a + a)
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+            assert stats.failed_batches == 0
+
+    asyncio.run(scenario())
