@@ -32,8 +32,10 @@ class SchedulerEvents(Protocol):
         """Queued rows dropped without running; reason EXPIRED_IN_QUEUE or CANCELLED."""
         ...
 
-    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float]) -> None:
-        """`queue_waits_s`: per slice of the batch, how long its request had waited."""
+    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
+        """`queue_waits_s`: per slice of the batch, how long its request waited for its
+        first batch; None for a later chunk of a request larger than the cap (a request
+        has one queue wait, however many batches carry it)."""
         ...
 
     def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None: ...
@@ -113,7 +115,7 @@ class NullEvents:
     def shed(self, lane: str, reason: str, rows: int) -> None:
         pass
 
-    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float]) -> None:
+    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
         pass
 
     def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:
@@ -174,7 +176,7 @@ class FanOut:
     def shed(self, lane: str, reason: str, rows: int) -> None:
         self._each("shed", lambda sink: sink.shed(lane, reason, rows))
 
-    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float]) -> None:
+    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
         self._each("batch_formed", lambda sink: sink.batch_formed(batch, queue_waits_s))
 
     def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:

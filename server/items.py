@@ -131,7 +131,7 @@ class BatchResult:
 class Timing:
     lane: str
     batch_size: int  # rows in the last batch that carried the request
-    queue_s: float  # admission to dispatch of its last batch
+    queue_s: float  # admission to the dispatch of its first batch
     infer_s: float  # session time of all its batches
 
 

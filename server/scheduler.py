@@ -459,7 +459,8 @@ class Scheduler:
         for entry, rows in taken:
             lane = self.lanes[entry.priority]
             start = lane.take(entry, rows)
-            entry.queue_s = now_s - entry.enqueued_s
+            if start == 0:  # its wait ends at its first batch; later chunks wait on it
+                entry.queue_s = now_s - entry.enqueued_s
             slices.append(
                 BatchSlice(entry.entry_id, lane.name, start, rows, offset, entry.request.trace)
             )
@@ -480,7 +481,13 @@ class Scheduler:
             formed_s=now_s,
             parts=parts,
         )
-        self.events.batch_formed(batch, [entry.queue_s for entry, _ in taken])
+        self.events.batch_formed(
+            batch,
+            [
+                entry.queue_s if piece.row_start == 0 else None
+                for (entry, _), piece in zip(taken, slices, strict=True)
+            ],
+        )
         return batch
 
     def _observe_utilization(self, now_s: float) -> None:

@@ -165,11 +165,12 @@ class StatsRecorder:
         with self._lock:
             self._lanes[lane].shed[reason] += 1
 
-    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float]) -> None:
+    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
         with self._lock:
             self._batch_reasons[batch.reason.value] += 1
             for piece, wait_s in zip(batch.slices, queue_waits_s, strict=True):
-                self._lanes[piece.lane].queue_wait_s.append(wait_s)
+                if wait_s is not None:
+                    self._lanes[piece.lane].queue_wait_s.append(wait_s)
 
     def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:
         with self._lock:

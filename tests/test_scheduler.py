@@ -152,7 +152,7 @@ class RecordingEvents(NullEvents):
 
     def __init__(self) -> None:
         self.log: list[tuple[object, ...]] = []
-        self.queue_waits_s: list[tuple[float, ...]] = []
+        self.queue_waits_s: list[tuple[float | None, ...]] = []
 
     def admitted(self, lane: str, rows: int) -> None:
         self.log.append(("admitted", lane, rows))
@@ -163,7 +163,7 @@ class RecordingEvents(NullEvents):
     def shed(self, lane: str, reason: str, rows: int) -> None:
         self.log.append(("shed", lane, reason, rows))
 
-    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float]) -> None:
+    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
         lanes = tuple(piece.lane for piece in batch.slices)
         self.log.append(("batch_formed", batch.batch_id, batch.reason, lanes))
         self.queue_waits_s.append(tuple(queue_waits_s))
@@ -1035,6 +1035,26 @@ def test_events_report_admission_shedding_batches_and_answers() -> None:
     ]
     assert events.queue_waits_s[0] == pytest.approx((0.002, 0.002))
     assert events.queue_waits_s[1] == pytest.approx((0.05,))
+
+
+def test_a_split_request_has_one_queue_wait_until_its_first_batch() -> None:
+    """A request larger than the cap runs in several batches; its queue wait is the time
+    to its first one. Later chunks waited on the request's own earlier chunks, not in
+    the queue: they record no wait (they were one sample per chunk, and on an idle server
+    the queue-wait percentiles showed the earlier chunks' run times)."""
+    events = RecordingEvents()
+    scheduler = make_scheduler(cap=4, events=events)
+    scheduler.admit(make_request(0, "standard", 12), T0)
+    answers = []
+    for index, now_s in enumerate((T0 + 0.001, T0 + 0.101, T0 + 0.201)):
+        batch = dispatch(scheduler, now_s, now_s)
+        assert batch.slices[0].row_start == 4 * index
+        answers += scheduler.complete(run(batch, run_s=0.1))
+    assert events.queue_waits_s == [pytest.approx((0.001,)), (None,), (None,)]
+    (answer,) = answers
+    assert answer.timing is not None
+    assert answer.timing.queue_s == pytest.approx(0.001)
+    assert answer.timing.infer_s == pytest.approx(0.3)
 
 
 # ---- lanes -------------------------------------------------------------------------------

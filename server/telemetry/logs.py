@@ -170,7 +170,7 @@ class EventLog:
     def shed(self, lane: str, reason: str, rows: int) -> None:
         pass
 
-    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float]) -> None:
+    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
         pass
 
     def completed(self, lane: str, status: str) -> None:

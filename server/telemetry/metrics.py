@@ -258,9 +258,10 @@ class Metrics(NullEvents):
         return observe
 
     # SchedulerEvents (the counted ones are the stats recorder's: see `_COUNTERS`)
-    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float]) -> None:
+    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
         for piece, wait_s in zip(batch.slices, queue_waits_s, strict=True):
-            self._queue_wait.record(wait_s, self._lane(piece.lane))
+            if wait_s is not None:
+                self._queue_wait.record(wait_s, self._lane(piece.lane))
 
     def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:
         status = "OK" if error is None else error.reason

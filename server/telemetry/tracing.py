@@ -142,7 +142,7 @@ class Tracing:
         return _RequestSpans(self._tracer, attributes)
 
     # SchedulerEvents
-    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float]) -> None:
+    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
         requests = [
             (piece, piece.trace) for piece in batch.slices if isinstance(piece.trace, _RequestSpans)
         ]
@@ -175,7 +175,9 @@ class Tracing:
                 "laneserve.batch.lanes": lanes,
                 "laneserve.batch.lanes_mixed": len(lanes) > 1,
                 "laneserve.batch.wait_reason": batch.reason.value,
-                "laneserve.batch.max_queue_wait_ms": round(max(queue_waits_s, default=0) * 1e3, 3),
+                "laneserve.batch.max_queue_wait_ms": round(
+                    max((wait for wait in queue_waits_s if wait is not None), default=0) * 1e3, 3
+                ),
             },
         )
 

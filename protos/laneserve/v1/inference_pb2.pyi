@@ -145,7 +145,7 @@ class Timing(_message.Message):
     batch_size: _builtins.int
     """Rows in the (last) batch that carried this request."""
     queue_us: _builtins.int
-    """Microseconds from admission to the dispatch of the request's last batch."""
+    """Microseconds from admission to the dispatch of the request's first batch."""
     infer_us: _builtins.int
     """Microseconds the session spent running the request's batches."""
     def __init__(
