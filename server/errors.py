@@ -8,6 +8,7 @@
     ├── ExpiredInQueueError        DEADLINE_EXCEEDED    EXPIRED_IN_QUEUE
     ├── DrainingError              UNAVAILABLE          DRAINING             (retry elsewhere)
     ├── DeviceMemoryError          RESOURCE_EXHAUSTED   DEVICE_MEMORY        (one row too large)
+    ├── AnswerTooLargeError        RESOURCE_EXHAUSTED   ANSWER_TOO_LARGE     (> max_message_bytes)
     ├── MemoryPressureError        RESOURCE_EXHAUSTED   MEMORY_PRESSURE      (retry after pushback)
     └── EngineError                INTERNAL             ENGINE_FAILURE
 
@@ -74,6 +75,14 @@ class DrainingError(LaneserveError):
 class DeviceMemoryError(LaneserveError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "DEVICE_MEMORY"
+
+
+class AnswerTooLargeError(LaneserveError):
+    """The request ran, but its answer is over max_message_bytes: gRPC would refuse to
+    send it (and fail a whole InferStream with it)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "ANSWER_TOO_LARGE"
 
 
 class MemoryPressureError(LaneserveError):

@@ -22,10 +22,10 @@ from laneserve.server.codec import check_output_names, decode_inputs, encode_res
 from laneserve.server.config import ServerConfig
 from laneserve.server.engine import Engine, TensorSpec
 from laneserve.server.errors import (
+    AnswerTooLargeError,
     DeadlineUnmeetableError,
     DrainingError,
     EngineError,
-    InvalidInputError,
     LaneserveError,
     pushback_ms,
     to_rpc_status,
@@ -233,7 +233,6 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             message = pb.InferStreamResponse(request_id=request.request_id)
             # CopyFrom, not the constructor: 3x cheaper for large outputs under upb.
             message.response.CopyFrom(response)
-            self._check_sendable(message)
         except LaneserveError as error:
             message = pb.InferStreamResponse(
                 request_id=request.request_id, error=to_rpc_status(error)
@@ -246,14 +245,28 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             )
         return message
 
-    def _check_sendable(self, message: pb.InferStreamResponse) -> None:
-        """gRPC refuses to send a message over max_message_bytes, and fails the whole
-        stream with it: that item is answered with this error instead."""
-        size = message.ByteSize()
+    def _answer(
+        self, request_id: str, outcome: Outcome, output_names: list[str]
+    ) -> pb.InferResponse:
+        """The response for `outcome`, or its error raised."""
+        if outcome.error is not None:
+            raise outcome.error
+        assert outcome.outputs is not None
+        assert outcome.timing is not None
+        response = encode_response(request_id, outcome.outputs, output_names, outcome.timing)
+        self._check_sendable(response)
+        return response
+
+    def _check_sendable(self, response: pb.InferResponse) -> None:
+        """gRPC refuses to send a message over max_message_bytes (and fails a whole
+        InferStream with it): such an answer is this error instead, counted and traced
+        as one. Measured as an InferStream item, the larger envelope: the same request
+        gets the same answer whichever call carries it, a retry joining it included."""
+        size = _stream_item_bytes(response)
         limit = self._config.max_message_bytes
         if size > limit:
-            raise InvalidInputError(
-                f"the answer to request {message.request_id!r} is {size} bytes, over the "
+            raise AnswerTooLargeError(
+                f"the answer to request {response.request_id!r} is {size} bytes, over the "
                 f"server's max_message_bytes ({limit}); expected fewer rows per request"
             )
 
@@ -393,15 +406,15 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
         def finish(outcome: Outcome) -> pb.InferResponse:
             trace.replying()
-            status = "OK" if outcome.error is None else outcome.error.reason
+            status = "OK"
             try:
-                if outcome.error is not None:
-                    raise outcome.error
-                assert outcome.outputs is not None
-                assert outcome.timing is not None
-                return encode_response(
-                    request.request_id, outcome.outputs, output_names, outcome.timing
-                )
+                response = self._answer(request.request_id, outcome, output_names)
+            except Exception as error:
+                # Counted and traced as answered: the ledger answers a bug ENGINE_FAILURE.
+                status = error.reason if isinstance(error, LaneserveError) else EngineError.reason
+                raise
+            else:
+                return response
             finally:
                 self._request_over(lane, trace, status, arrived_s)
 
@@ -454,6 +467,23 @@ async def abort_with(
     if delay_ms is not None:
         trailers.append(("grpc-retry-pushback-ms", str(delay_ms)))
     await context.abort(error.code, error.message, trailing_metadata=tuple(trailers))
+
+
+def _stream_item_bytes(response: pb.InferResponse) -> int:
+    """The size of `response` sent as an InferStream item (its request_id and the
+    response, each a length-delimited field), computed without copying the outputs."""
+    size = response.ByteSize()
+    request_id = len(response.request_id.encode())
+    return (
+        1
+        + _varint_bytes(size)
+        + size
+        + (1 + _varint_bytes(request_id) + request_id if request_id else 0)
+    )
+
+
+def _varint_bytes(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
 
 
 def _stream_draining() -> DrainingError:

@@ -183,13 +183,7 @@ class StatsRecorder:
                 self._run_s.append(run_s)
 
     def completed(self, lane: str, status: str) -> None:
-        with self._lock:
-            counters = self._lanes[lane]
-            counters.answered[status] += 1
-            if status == "OK":
-                counters.completed += 1
-            elif status not in SHED_REASONS:
-                counters.failed += 1
+        pass  # counted as the caller was answered: see `request_finished`
 
     def out_of_memory(self, rows: int) -> None:
         with self._lock:
@@ -208,9 +202,16 @@ class StatsRecorder:
             self._memory_used_bytes = used_bytes
 
     def request_finished(self, lane: str, status: str, duration_s: float) -> None:
-        if status == "OK":
-            with self._lock:
-                self._lanes[lane].request_s.append(duration_s)
+        """Counts each admitted request's end as its caller saw it: the scheduler's
+        outcome, unless answering failed after it (an answer over max_message_bytes)."""
+        with self._lock:
+            counters = self._lanes[lane]
+            counters.answered[status] += 1
+            if status == "OK":
+                counters.completed += 1
+                counters.request_s.append(duration_s)
+            elif status not in SHED_REASONS:
+                counters.failed += 1
 
     def counts(self) -> Counts:
         with self._lock:

@@ -291,7 +291,8 @@ def test_a_stream_open_when_the_server_drains_answers_what_it_read_and_ends(
 def test_an_answer_over_the_message_limit_fails_its_item_not_the_stream(tmp_path: Path) -> None:
     """gRPC refuses to send a message over max_message_bytes and would end the stream
     with it, losing the other items' answers: that one item is answered with an error
-    naming the sizes, and the stream goes on."""
+    naming the sizes, and the stream goes on. The same request over Infer gets the same
+    error (not gRPC's bare refusal to send), and both are counted as that error, not OK."""
     wide = tmp_path / "wide.onnx"
     make_demo_model(wide, input_dim=4, hidden_layers=0, output_dim=1024)  # 4 KiB per row
 
@@ -299,18 +300,30 @@ def test_an_answer_over_the_message_limit_fails_its_item_not_the_stream(tmp_path
         x = np.ones((count, 4), dtype=np.float32)
         return pb.InferRequest(request_id=request_id, inputs=[encode_tensor("input", x)])
 
-    async def scenario() -> dict[str, pb.InferStreamResponse]:
+    async def scenario() -> tuple[dict[str, pb.InferStreamResponse], pb.GetStatsResponse]:
         engine = Engine(str(wide))
         async with serving(engine, ServerConfig(model_path=str(wide), max_message_bytes=8192)) as s:
             call = s.stub.InferStream(iter([item("ok1", 1), item("huge", 4), item("ok2", 1)]))
-            return {answer.request_id: answer async for answer in call}
+            answers = {answer.request_id: answer async for answer in call}
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await s.stub.Infer(item("huge-unary", 4), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert rich_status(refused.value)[0] == "ANSWER_TOO_LARGE"
+            assert "over the server's max_message_bytes (8192)" in (refused.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as again:
+                await s.stub.Infer(item("huge-unary", 4), timeout=10)
+            assert rich_status(again.value)[0] == "ANSWER_TOO_LARGE", "not replayed as OK"
+            return answers, await s.stub.GetStats(pb.GetStatsRequest())
 
-    answers = asyncio.run(scenario())
+    answers, stats = asyncio.run(scenario())
     assert sorted(answers) == ["huge", "ok1", "ok2"]
     assert answers["ok1"].WhichOneof("result") == answers["ok2"].WhichOneof("result") == "response"
     error = answers["huge"].error
-    assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
     assert "over the server's max_message_bytes (8192); expected fewer rows" in error.message
+    answered = {lane.name: dict(lane.answered) for lane in stats.lanes}
+    assert answered["bulk"] == {"OK": 2, "ANSWER_TOO_LARGE": 1}
+    assert answered["standard"] == {"ANSWER_TOO_LARGE": 2}
 
 
 def test_results_are_ordered_unless_asked_otherwise(small_model: Path) -> None:
