@@ -95,6 +95,22 @@ class EngineError(LaneserveError):
     reason = "ENGINE_FAILURE"
 
 
+# The most bytes of an error message sent: messages quote what the client sent (names,
+# lanes, ids), and a status travels twice in the trailers (grpc-message, percent-encoded,
+# and grpc-status-details-bin); past gRPC's 8 KiB metadata limit the client got
+# RESOURCE_EXHAUSTED "received metadata size exceeds limit" instead of the error.
+MAX_MESSAGE_BYTES = 1024
+
+
+def bounded_message(message: str) -> str:
+    """`message`, cut to at most about MAX_MESSAGE_BYTES of UTF-8, saying so if cut."""
+    encoded = message.encode()
+    if len(encoded) <= MAX_MESSAGE_BYTES:
+        return message
+    kept = encoded[: MAX_MESSAGE_BYTES - 64].decode(errors="ignore")
+    return f"{kept}... (message cut: {len(encoded)} bytes in all)"
+
+
 def pushback_ms(error: LaneserveError) -> int | None:
     """The `grpc-retry-pushback-ms` value for `error`, or None when no retry is advised."""
     if error.retry_after_s is None:
@@ -117,7 +133,7 @@ def to_rpc_status(
     return status_pb2.Status(
         # grpc.StatusCode values are (number, name); the number is google.rpc.Code.
         code=error.code.value[0],
-        message=error.message,
+        message=bounded_message(error.message),
         details=details,
     )
 

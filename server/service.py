@@ -27,6 +27,7 @@ from laneserve.server.errors import (
     DrainingError,
     EngineError,
     LaneserveError,
+    bounded_message,
     pushback_ms,
     to_rpc_status,
 )
@@ -466,7 +467,9 @@ async def abort_with(
     delay_ms = pushback_ms(error)
     if delay_ms is not None:
         trailers.append(("grpc-retry-pushback-ms", str(delay_ms)))
-    await context.abort(error.code, error.message, trailing_metadata=tuple(trailers))
+    await context.abort(
+        error.code, bounded_message(error.message), trailing_metadata=tuple(trailers)
+    )
 
 
 def _stream_item_bytes(response: pb.InferResponse) -> int:

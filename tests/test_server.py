@@ -143,6 +143,38 @@ def test_message_over_the_limit_is_resource_exhausted(small_model: Path) -> None
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda r: setattr(r.inputs[0], "name", "é" * 8000),
+        lambda r: setattr(r, "lane", "x" * 8000),
+        lambda r: r.output_names.extend(f"output-{i:040d}" for i in range(100)),
+    ],
+    ids=["input-name", "lane", "100-outputs"],
+)
+def test_an_error_quoting_a_long_client_string_is_still_that_error(
+    small_model: Path, mutate: object
+) -> None:
+    """Messages quote what the client sent. Uncut, a status of several KiB (sent twice
+    in the trailers) passed gRPC's metadata limit, and the client got RESOURCE_EXHAUSTED
+    "received metadata size exceeds limit" instead of INVALID_ARGUMENT, some of the time."""
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            bad = request(rows(2))
+            mutate(bad)  # type: ignore[operator]
+            for _ in range(5):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await s.stub.Infer(bad, timeout=10)
+                assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert rich_status(caught.value)[0] == "INVALID_INPUT"
+                details = caught.value.details() or ""
+                assert "... (message cut: " in details
+                assert len(details.encode()) <= 1024
+
+    asyncio.run(scenario())
+
+
 def test_full_lane_refuses_with_pushback(small_model: Path) -> None:
     lanes = (
         LaneConfig("standard", capacity_rows=8, timeout_ms=60_000, max_wait_ms=0, min_share=0.0),
