@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import types
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -48,6 +49,7 @@ from laneserve.server.telemetry import (
     log_event,
     tracer_provider_from_env,
 )
+from laneserve.server.telemetry.device import DeviceMonitor
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import RecordingEngine, Serving, request, rows, serving
 
@@ -663,6 +665,44 @@ def test_prometheus_endpoint_serves_the_metrics_over_http(small_model: Path) -> 
             await asyncio.to_thread(fetch, f"http://127.0.0.1:{port}/metrics")
 
     asyncio.run(scenario())
+
+
+class _StandInNvml:
+    """NVML's calls DeviceMonitor makes, answering a fixed utilisation: no GPU here."""
+
+    class NVMLError(Exception):
+        pass
+
+    @staticmethod
+    def nvmlDeviceGetUtilizationRates(_handle: object) -> Any:  # noqa: N802 - NVML's name
+        return types.SimpleNamespace(gpu=37)
+
+    @staticmethod
+    def nvmlShutdown() -> None:  # noqa: N802 - NVML's name
+        pass
+
+
+def test_device_utilization_is_scraped_under_its_documented_name() -> None:
+    """README names the gauge laneserve_device_utilization_ratio; the exporter gives unit
+    "1" no suffix, so the instrument was scraped as laneserve_device_utilization."""
+    telemetry = Telemetry(
+        lanes=ServerConfig(model_path="m.onnx").lanes,
+        providers=["CUDAExecutionProvider"],
+        max_batch_size=64,
+        prometheus=True,
+        device=DeviceMonitor(_StandInNvml, handle=0),
+    )
+    try:
+        port = telemetry.serve_metrics("127.0.0.1", 0)
+        assert port is not None
+        text = fetch(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        telemetry.close()
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    (sample,) = families["laneserve_device_utilization_ratio"].samples
+    assert sample.value == pytest.approx(0.37)
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert "`laneserve_device_utilization_ratio`" in readme
 
 
 def test_metrics_port_minus_one_records_nothing_and_opens_no_port(small_model: Path) -> None:

@@ -213,7 +213,9 @@ class Metrics(NullEvents):
         if device is not None:
             # Registered only with a GPU in use: absent, not zero, without one.
             meter.create_observable_gauge(
-                "laneserve.device.utilization",
+                # ".ratio" in the name: the Prometheus exporter gives unit "1" no suffix,
+                # and Prometheus names a [0, 1] gauge *_ratio.
+                "laneserve.device.utilization.ratio",
                 callbacks=[self._observe_utilization],
                 unit="1",
                 description="GPU utilisation over NVML's last sample period, in [0, 1]",

@@ -699,7 +699,7 @@ class GetStatsResponse(_message.Message):
 
     @_builtins.property
     def batch_reasons(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
-        """Why batches were dispatched: full, max_wait, deadline, backlog."""
+        """Why batches were dispatched: full, max_wait, deadline, backlog, idle."""
 
     @_builtins.property
     def cap_changes(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
