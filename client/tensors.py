@@ -204,6 +204,10 @@ def encode_tensor(name: str, array: npt.NDArray[Any]) -> inference_pb2.Tensor:
     return inference_pb2.Tensor(name=name, dtype=wire.datatype, shape=array.shape, data=data)
 
 
+# numpy's limit on an array's dimensions (NPY_MAXDIMS in numpy 2).
+MAX_DIMS = 64
+
+
 def decode_tensor(tensor: inference_pb2.Tensor) -> npt.NDArray[Any]:
     """Decodes a Tensor into an array of its shape, without copying the bytes again.
 
@@ -230,7 +234,13 @@ def decode_tensor(tensor: inference_pb2.Tensor) -> npt.NDArray[Any]:
             f"{what}: data is {len(data)} bytes; expected {expected} "
             f"({count} {wire.name} of {wire.dtype.itemsize} bytes for shape {list(shape)})"
         )
-    array = np.frombuffer(data, dtype=wire.dtype).reshape(shape)
+    try:
+        array = np.frombuffer(data, dtype=wire.dtype).reshape(shape)
+    except ValueError as error:  # over numpy's 64 dimensions, or a size it cannot index
+        raise ValueError(
+            f"{what}: numpy cannot hold shape {list(shape)} ({error}); expected at most "
+            f"{MAX_DIMS} dimensions, each size within the model's"
+        ) from error
     # numpy reads any non-zero byte as True; ONNX Runtime kernels need exactly 0 or 1.
     if wire.datatype == inference_pb2.DATA_TYPE_BOOL and array.view(np.uint8).max(initial=0) > 1:
         raise ValueError(f"{what}: bool data has bytes other than 0 and 1")

@@ -370,8 +370,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             raise self._rejected(
                 lane, DeadlineUnmeetableError("the deadline had passed when the request was read")
             )
-        inputs, rows, signature = decode_inputs(request.inputs, self._input_specs)
-        output_names = check_output_names(request.output_names, self._output_names)
+        try:
+            inputs, rows, signature = decode_inputs(request.inputs, self._input_specs)
+            output_names = check_output_names(request.output_names, self._output_names)
+        except LaneserveError as error:  # counted as the scheduler counts its own
+            raise self._rejected(lane, error) from None
 
         # Set by `submit`, which runs only when this call (not a retry it joins) queues it.
         trace = NULL_TRACE

@@ -170,6 +170,22 @@ def test_decode_refuses_negative_dimension() -> None:
         decode_tensor(tensor)
 
 
+@pytest.mark.parametrize(
+    ("shape", "data"),
+    [([1] * 65, b"\0" * 4), ([0, 2**62, 2**62], b"")],
+    ids=["65-dimensions", "too-large-to-index"],
+)
+def test_decode_refuses_shapes_numpy_cannot_hold_naming_the_tensor(
+    shape: list[int], data: bytes
+) -> None:
+    """numpy's own words alone named neither the tensor nor what was expected."""
+    tensor = pb.Tensor(name="big", dtype=pb.DATA_TYPE_FLOAT32, shape=shape, data=data)
+    with pytest.raises(
+        ValueError, match=r"tensor 'big': numpy cannot hold shape .*expected at most 64 dim"
+    ):
+        decode_tensor(tensor)
+
+
 def test_decode_refuses_bool_bytes_other_than_zero_and_one() -> None:
     tensor = pb.Tensor(name="flags", dtype=pb.DATA_TYPE_BOOL, shape=[3], data=b"\x00\x01\x02")
     with pytest.raises(ValueError, match=r"tensor 'flags': bool data has bytes other than 0 and 1"):

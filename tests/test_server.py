@@ -682,11 +682,20 @@ def test_a_port_another_server_serves_is_refused_not_shared(small_model: Path) -
 
 
 def test_refusals_before_the_lanes_are_counted_in_the_lanes(small_model: Path) -> None:
-    """A call refused DRAINING at the servicer's state check (before the scheduler sees
-    it) counts in its lane's `rejected`, as the scheduler's own refusals do."""
+    """Calls refused DRAINING at the servicer's state check, or INVALID_INPUT when their
+    inputs are decoded (before the scheduler sees them), count in their lane's
+    `rejected`, as the scheduler's own refusals (a request over the lane's capacity:
+    INVALID_INPUT too) do. A lane the server lacks is counted nowhere."""
 
     async def scenario() -> None:
         async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            bad = request(rows(1), lane="interactive")
+            bad.inputs[0].name = "nope"
+            with pytest.raises(grpc.aio.AioRpcError) as invalid:
+                await s.stub.Infer(bad)
+            unknown = request(rows(1), lane="vip")
+            with pytest.raises(grpc.aio.AioRpcError):
+                await s.stub.Infer(unknown)
             s.server.state = Lifecycle.DRAINING
             try:
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -695,7 +704,12 @@ def test_refusals_before_the_lanes_are_counted_in_the_lanes(small_model: Path) -
                 s.server.state = Lifecycle.SERVING
             stats = await s.stub.GetStats(pb.GetStatsRequest())
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         rejected = {lane.name: dict(lane.rejected) for lane in stats.lanes}
-        assert rejected["bulk"] == {"DRAINING": 1}
+        assert rejected == {
+            "interactive": {"INVALID_INPUT": 1},
+            "standard": {},
+            "bulk": {"DRAINING": 1},
+        }
 
     asyncio.run(scenario())
