@@ -19,7 +19,8 @@ Errors (each carries the server's message, ``reason``, ``code`` and ``retry_afte
     ├── ResourceExhaustedError
     │   ├── LaneFullError                retryable
     │   ├── MemoryPressureError          retryable
-    │   └── DeviceMemoryError
+    │   ├── DeviceMemoryError
+    │   └── AnswerTooLargeError
     ├── DeadlineExceededError
     │   ├── DeadlineUnmeetableError
     │   └── ExpiredInQueueError
@@ -36,6 +37,7 @@ The wire codec (numpy arrays to and from ``laneserve.v1.Tensor``) lives in
 from laneserve.client._aio import AsyncClient
 from laneserve.client._channel import DEFAULT_TARGET, TlsConfig
 from laneserve.client._errors import (
+    AnswerTooLargeError,
     CallCancelledError,
     ClientClosedError,
     DeadlineExceededError,
@@ -73,6 +75,7 @@ from laneserve.client.tensors import (
 __all__ = [
     "DEFAULT_TARGET",
     "NO_RETRIES",
+    "AnswerTooLargeError",
     "AsyncClient",
     "CallCancelledError",
     "Client",

@@ -25,6 +25,7 @@ from laneserve.client._stream import (
     DEFAULT_STREAM_LANE,
     SERVER_STREAM_LANE,
     BulkStream,
+    StreamLimits,
     StreamOptions,
     StreamSource,
 )
@@ -76,6 +77,7 @@ class AsyncClient:
         # Sent with every call (e.g. authorization); keys must be lower case in gRPC.
         self.metadata: tuple[tuple[str, str], ...] = tuple((k.lower(), v) for k, v in pairs)
         tls_config = TlsConfig() if tls is True else (tls or None)
+        self._max_message_bytes = max_message_bytes
         self._channel = open_channel(
             target,
             tls=tls_config,
@@ -84,7 +86,7 @@ class AsyncClient:
             interceptors=interceptors,
         )
         self._stub: pb_grpc.InferenceServiceAsyncStub = pb_grpc.InferenceServiceStub(self._channel)
-        self._model: ModelInfo | None = None  # cached by _lane_capacity
+        self._model: ModelInfo | None = None  # cached by _stream_limits
         # Set by close(): no call starts or retries after it (ClientClosedError).
         self._closed = asyncio.Event()
 
@@ -241,26 +243,32 @@ class AsyncClient:
             requests,
             options,
             retry or self.retry,
-            lane_capacity=self._lane_capacity,
+            server_limits=self._stream_limits,
             closed=self._closed,
         )
         return job.results()
 
-    async def _lane_capacity(self, lane: str) -> int | None:
-        """The lane's capacity in rows, from `model()` (asked once per client: lanes are
-        fixed while a server runs); None when it cannot be known."""
+    async def _stream_limits(self, lane: str) -> StreamLimits:
+        """What bounds a bulk job here: the lane's capacity in rows, from `model()` (asked
+        once per client: a running server's lanes are fixed), and the largest item this
+        client may send and the server read."""
+        limits = StreamLimits(None, self._max_message_bytes)
         if self._model is None:
             try:
                 self._model = await self.model(timeout=10.0)
             except LaneserveError as error:
-                log.debug("no lane capacity for the stream window: %s", error)
-                return None
+                log.debug("no server limits for the stream: %s", error)
+                return limits
         names = [info.name for info in self._model.lanes]
         # The lane the server queues the items in (its rule for streams, when none is named).
         name = lane or (
             SERVER_STREAM_LANE if SERVER_STREAM_LANE in names else self._model.default_lane
         )
-        return next((info.capacity_rows for info in self._model.lanes if info.name == name), None)
+        capacity = next(
+            (info.capacity_rows for info in self._model.lanes if info.name == name), None
+        )
+        server_bytes = self._model.max_message_bytes or self._max_message_bytes
+        return StreamLimits(capacity, min(self._max_message_bytes, server_bytes))
 
     async def _call(
         self,

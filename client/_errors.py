@@ -6,7 +6,8 @@
     ├── ResourceExhaustedError           RESOURCE_EXHAUSTED    (e.g. gRPC's message size limit)
     │   ├── LaneFullError                RESOURCE_EXHAUSTED    LANE_FULL            retryable
     │   ├── MemoryPressureError          (any)                 MEMORY_PRESSURE      retryable
-    │   └── DeviceMemoryError            (any)                 DEVICE_MEMORY
+    │   ├── DeviceMemoryError            (any)                 DEVICE_MEMORY
+    │   └── AnswerTooLargeError          (any)                 ANSWER_TOO_LARGE
     ├── DeadlineExceededError            DEADLINE_EXCEEDED     (the caller's own deadline)
     │   ├── DeadlineUnmeetableError      DEADLINE_EXCEEDED     DEADLINE_UNMEETABLE
     │   └── ExpiredInQueueError          DEADLINE_EXCEEDED     EXPIRED_IN_QUEUE
@@ -36,6 +37,7 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 
 __all__ = [
+    "AnswerTooLargeError",
     "CallCancelledError",
     "ClientClosedError",
     "DeadlineExceededError",
@@ -129,6 +131,11 @@ class DeviceMemoryError(ResourceExhaustedError):
     """The model ran out of device memory on this request's batch."""
 
 
+class AnswerTooLargeError(ResourceExhaustedError):
+    """The request ran, but its answer is over the server's max_message_bytes: send fewer
+    rows per request."""
+
+
 class DeadlineExceededError(LaneserveError):
     """The deadline passed before an answer came (this one: the caller's own deadline)."""
 
@@ -182,6 +189,7 @@ _BY_REASON: Mapping[str, type[LaneserveError]] = {
     "LANE_FULL": LaneFullError,
     "MEMORY_PRESSURE": MemoryPressureError,
     "DEVICE_MEMORY": DeviceMemoryError,
+    "ANSWER_TOO_LARGE": AnswerTooLargeError,
     "DEADLINE_UNMEETABLE": DeadlineUnmeetableError,
     "EXPIRED_IN_QUEUE": ExpiredInQueueError,
     "DRAINING": ServerDrainingError,

@@ -40,6 +40,7 @@ from laneserve.client._errors import (
     ClientClosedError,
     InvalidInputError,
     LaneserveError,
+    ResourceExhaustedError,
     UnavailableError,
     error_from_rpc,
     error_from_status,
@@ -113,6 +114,16 @@ SERVER_STREAM_LANE = "bulk"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class StreamLimits:
+    """The server's bounds on a bulk job, asked when its results start."""
+
+    # Rows the job's lane holds (None: unknown): the row window's default.
+    capacity_rows: int | None
+    # The largest item message this client may send and the server read (None: unknown).
+    max_message_bytes: int | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class StreamOptions:
     """How a bulk job is sent; see `AsyncClient.stream`."""
 
@@ -156,12 +167,12 @@ class BulkStream:
         source: StreamSource,
         options: StreamOptions,
         policy: RetryPolicy,
-        lane_capacity: Callable[[str], Awaitable[int | None]] | None = None,
+        server_limits: Callable[[str], Awaitable[StreamLimits]] | None = None,
         closed: asyncio.Event | None = None,
     ) -> None:
         self._stub = stub
         self._closed = closed  # set when the client closes: no new call starts
-        self._lane_capacity = lane_capacity
+        self._server_limits = server_limits
         self._metadata = metadata
         if isinstance(source, Mapping):
             source = row_chunks(source, options.rows_per_item)
@@ -185,6 +196,9 @@ class BulkStream:
         self._pulled = 0  # items taken from the source
         self._held = 0  # pulled and not yet handed to the caller: at most `window`
         self._window_rows = math.inf  # set from the options or the lane when results start
+        # An item over this is answered with an error, not sent: gRPC would fail the
+        # whole call with it (set with the row window).
+        self._max_item_bytes = math.inf
         # Rows of the items taken for sending and not finally answered: at most
         # `_window_rows`, or one item alone.
         self._rows_out = 0
@@ -203,7 +217,7 @@ class BulkStream:
     async def results(self) -> AsyncIterator[StreamResult]:
         """Final results: ordered by index, or as they come when not `ordered`."""
         failures = 0  # consecutive broken calls that answered nothing
-        await self._set_window_rows()
+        await self._set_limits()
         while True:
             self._check_open()
             answered_before = self._pulled - len(self._items)
@@ -287,11 +301,14 @@ class BulkStream:
         except Exception as error:  # noqa: BLE001 - the source's failure, handed to the caller
             self._events.put_nowait(_Failed(error))
 
-    async def _set_window_rows(self) -> None:
-        window_rows = self._options.window_rows
-        if window_rows is None and self._lane_capacity is not None:
-            window_rows = await self._lane_capacity(self._options.lane)
+    async def _set_limits(self) -> None:
+        limits = StreamLimits(None, None)
+        if self._server_limits is not None:
+            limits = await self._server_limits(self._options.lane)
+        window_rows = self._options.window_rows or limits.capacity_rows
         self._window_rows = math.inf if window_rows is None else window_rows
+        if limits.max_message_bytes is not None:
+            self._max_item_bytes = limits.max_message_bytes
 
     async def _next_to_send(self) -> _Item | None:
         """The next item to write; None when every item has its final answer."""
@@ -378,6 +395,24 @@ class BulkStream:
             inputs=tensors,
             output_names=self._options.outputs,
         )
+        size = message.ByteSize()
+        if size > self._max_item_bytes:  # sent, it would end the call for every item
+            self._emit(
+                StreamResult(
+                    index,
+                    request_id,
+                    None,
+                    ResourceExhaustedError(
+                        f"bulk stream item {index} is {size} bytes, over the largest "
+                        f"message this client and server exchange ({self._max_item_bytes} "
+                        "bytes, max_message_bytes); expected fewer rows per item",
+                        code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        request_id=request_id,
+                    ),
+                    0,
+                )
+            )
+            return None
         rows = next((int(array.shape[0]) for array in inputs.values() if array.ndim), 0)
         item = _Item(index, request_id, message, rows)
         self._items[request_id] = item

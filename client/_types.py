@@ -53,6 +53,8 @@ class ModelInfo:
     providers: tuple[str, ...]
     # Requests one InferStream may have unanswered on the server (0: not reported).
     stream_window: int
+    # The largest message the server receives or sends, in bytes (0: not reported).
+    max_message_bytes: int = 0
 
     @property
     def default_lane(self) -> str:
@@ -93,6 +95,7 @@ class ModelInfo:
             ),
             providers=tuple(message.providers),
             stream_window=message.stream_window,
+            max_message_bytes=message.max_message_bytes,
         )
 
 

@@ -296,6 +296,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             ],
             providers=self._engine.providers,
             stream_window=self._config.stream_window,
+            max_message_bytes=self._config.max_message_bytes,
             **_memory_fields(self._memory),
         )
 

@@ -326,6 +326,35 @@ def test_an_answer_over_the_message_limit_fails_its_item_not_the_stream(tmp_path
     assert answered["standard"] == {"ANSWER_TOO_LARGE": 2}
 
 
+def test_an_item_over_the_message_limit_fails_alone_and_the_job_goes_on(
+    small_model: Path,
+) -> None:
+    """gRPC refuses to send (client) or read (server) a message over its limit and fails
+    the whole call: every item of the job was lost with it. The client answers such an
+    item itself, with the limit named: the server's (reported by GetModel) or its own,
+    whichever is smaller."""
+    items = [{"input": rows(count, start=100 * index)} for index, count in enumerate([2, 40, 2])]
+
+    async def scenario() -> tuple[list[lc.StreamResult], list[lc.StreamResult]]:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model, max_message_bytes=64 * 1024)
+        async with serving(engine, server_config) as s:
+            async with lc.AsyncClient(s.target) as client:  # 40 rows: ~80 KiB
+                by_server = [result async for result in client.stream(items)]
+            async with lc.AsyncClient(s.target, max_message_bytes=16 * 1024) as client:
+                small = [{"input": rows(count)} for count in (2, 10, 2)]  # 10 rows: ~20 KiB
+                by_client = [result async for result in client.stream(small)]
+        return by_server, by_client
+
+    by_server, by_client = asyncio.run(scenario())
+    for results, limit in ((by_server, 64 * 1024), (by_client, 16 * 1024)):
+        assert [result.ok for result in results] == [True, False, True]
+        error = results[1].error
+        assert isinstance(error, lc.ResourceExhaustedError)
+        assert "bulk stream item 1 is " in error.message
+        assert f"({limit} bytes, max_message_bytes); expected fewer rows per item" in error.message
+
+
 def test_results_are_ordered_unless_asked_otherwise(small_model: Path) -> None:
     """Item 1 is refused at once while item 0 runs: unordered, it comes first."""
     items = [{"input": rows(2, start=0)}, {"input": rows(9)}, {"input": rows(2, start=10)}]

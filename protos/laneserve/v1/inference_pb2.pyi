@@ -313,6 +313,7 @@ class GetModelResponse(_message.Message):
     LANES_FIELD_NUMBER: _builtins.int
     PROVIDERS_FIELD_NUMBER: _builtins.int
     STREAM_WINDOW_FIELD_NUMBER: _builtins.int
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _builtins.int
     MEMORY_LIMIT_BYTES_FIELD_NUMBER: _builtins.int
     PROBED_BATCH_CAP_FIELD_NUMBER: _builtins.int
     ESTIMATED_FIXED_BYTES_FIELD_NUMBER: _builtins.int
@@ -326,6 +327,8 @@ class GetModelResponse(_message.Message):
     """The configured upper bound of the batch cap."""
     stream_window: _builtins.int
     """Requests one InferStream may have read and not yet answered (its credit window)."""
+    max_message_bytes: _builtins.int
+    """The largest message in bytes the server receives or sends (max_message_bytes)."""
     memory_limit_bytes: _builtins.int
     """The hard limit on the session's device memory in bytes; 0 = the runtime's default."""
     probed_batch_cap: _builtins.int
@@ -363,6 +366,7 @@ class GetModelResponse(_message.Message):
         lanes: _abc.Iterable[Global___LaneSpec] | None = ...,
         providers: _abc.Iterable[_builtins.str] | None = ...,
         stream_window: _builtins.int = ...,
+        max_message_bytes: _builtins.int = ...,
         memory_limit_bytes: _builtins.int = ...,
         probed_batch_cap: _builtins.int = ...,
         estimated_fixed_bytes: _builtins.int = ...,
@@ -372,7 +376,7 @@ class GetModelResponse(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_cap", b"batch_cap", "estimated_fixed_bytes", b"estimated_fixed_bytes", "estimated_row_bytes", b"estimated_row_bytes", "inputs", b"inputs", "lanes", b"lanes", "max_batch_size", b"max_batch_size", "measured_fixed_bytes", b"measured_fixed_bytes", "measured_row_bytes", b"measured_row_bytes", "memory_limit_bytes", b"memory_limit_bytes", "model_path", b"model_path", "outputs", b"outputs", "probed_batch_cap", b"probed_batch_cap", "providers", b"providers", "stream_window", b"stream_window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_cap", b"batch_cap", "estimated_fixed_bytes", b"estimated_fixed_bytes", "estimated_row_bytes", b"estimated_row_bytes", "inputs", b"inputs", "lanes", b"lanes", "max_batch_size", b"max_batch_size", "max_message_bytes", b"max_message_bytes", "measured_fixed_bytes", b"measured_fixed_bytes", "measured_row_bytes", b"measured_row_bytes", "memory_limit_bytes", b"memory_limit_bytes", "model_path", b"model_path", "outputs", b"outputs", "probed_batch_cap", b"probed_batch_cap", "providers", b"providers", "stream_window", b"stream_window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
