@@ -54,6 +54,13 @@ def _check_size(key: str, text: object, *, fraction_ok: bool) -> None:
 
 
 GRPC_INT_MAX = 2**31 - 1
+# Counts and milliseconds GetModel and GetStats report travel as uint32.
+UINT32_MAX = 2**32 - 1
+# The longest drain: threads wait with timeouts, and an hour is longer than any rollout
+# waits for one instance.
+MAX_DRAIN_GRACE_S = 3_600.0
+# More session threads than this is a typo, and ONNX Runtime takes a C int.
+MAX_INTRA_OP_THREADS = 1_024
 
 
 def _check_int(key: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
@@ -89,9 +96,9 @@ class LaneConfig:
             raise ConfigError(
                 f"{where}.name: expected letters, digits, '-' or '_', got {self.name!r}"
             )
-        _check_int(f"{where}.capacity_rows", self.capacity_rows, minimum=1)
-        _check_int(f"{where}.timeout_ms", self.timeout_ms, minimum=1)
-        _check_int(f"{where}.max_wait_ms", self.max_wait_ms, minimum=0)
+        _check_int(f"{where}.capacity_rows", self.capacity_rows, minimum=1, maximum=UINT32_MAX)
+        _check_int(f"{where}.timeout_ms", self.timeout_ms, minimum=1, maximum=UINT32_MAX)
+        _check_int(f"{where}.max_wait_ms", self.max_wait_ms, minimum=0, maximum=UINT32_MAX)
         if not _is_number(self.min_share) or not 0.0 <= self.min_share < 1.0:
             raise ConfigError(
                 f"{where}.min_share: expected a number in [0, 1), got {self.min_share!r}"
@@ -199,7 +206,7 @@ class ServerConfig:
                 f"server.priority_port: expected a port other than server.port, got "
                 f"{self.priority_port} for both"
             )
-        _check_int("server.max_batch_size", self.max_batch_size, minimum=1)
+        _check_int("server.max_batch_size", self.max_batch_size, minimum=1, maximum=UINT32_MAX)
         if self.batch_cap is not None:
             _check_int("server.batch_cap", self.batch_cap, minimum=1, maximum=self.max_batch_size)
         # gRPC takes these as C ints.
@@ -212,9 +219,14 @@ class ServerConfig:
         _check_int(
             "server.max_pending_calls", self.max_pending_calls, minimum=1, maximum=GRPC_INT_MAX
         )
-        _check_int("server.intra_op_threads", self.intra_op_threads, minimum=0)
+        _check_int(
+            "server.intra_op_threads",
+            self.intra_op_threads,
+            minimum=0,
+            maximum=MAX_INTRA_OP_THREADS,
+        )
         _check_int("server.metrics_port", self.metrics_port, minimum=-1, maximum=65_535)
-        _check_int("server.stream_window", self.stream_window, minimum=1)
+        _check_int("server.stream_window", self.stream_window, minimum=1, maximum=UINT32_MAX)
         _check_int("server.idempotency_max_entries", self.idempotency_max_entries, minimum=0)
         _check_int("server.idempotency_max_bytes", self.idempotency_max_bytes, minimum=0)
         if not _is_number(self.idempotency_ttl_s) or not 0 <= self.idempotency_ttl_s < math.inf:
@@ -234,9 +246,10 @@ class ServerConfig:
         self._check_tls()
         if self.device not in DEVICES:
             raise ConfigError(f"server.device: expected one of {DEVICES}, got {self.device!r}")
-        if not _is_number(self.drain_grace_s) or self.drain_grace_s < 0:
+        if not _is_number(self.drain_grace_s) or not 0 <= self.drain_grace_s <= MAX_DRAIN_GRACE_S:
             raise ConfigError(
-                f"server.drain_grace_s: expected seconds >= 0, got {self.drain_grace_s!r}"
+                f"server.drain_grace_s: expected seconds in [0, {MAX_DRAIN_GRACE_S:g}], "
+                f"got {self.drain_grace_s!r}"
             )
         if not self.lanes:
             raise ConfigError("lanes: expected at least one lane")
@@ -290,6 +303,8 @@ def load_config(
             document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except OSError as error:
             raise ConfigError(f"config file {path}: {error.strerror}") from error
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"config file {path}: not UTF-8 text ({error.reason})") from error
         except tomllib.TOMLDecodeError as error:
             raise ConfigError(f"config file {path}: {error}") from error
     return config_from_mapping(document, model_path=model_path, overrides=overrides)

@@ -38,6 +38,7 @@ _UNITS = {
     "tib": 1024**4,
 }
 _KIB = 1024
+MAX_MEMORY_LIMIT_BYTES = 1 << 50
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -78,6 +79,8 @@ def parse_memory_limit(text: str) -> MemoryLimit:
     limit_bytes = int(number * _UNITS[unit])
     if limit_bytes < 1024 * 1024:
         raise ValueError(f"memory limit {text!r}: expected at least 1MiB")
+    if limit_bytes > MAX_MEMORY_LIMIT_BYTES:  # the runtime takes a 64-bit size
+        raise ValueError(f"memory limit {text!r}: expected at most 1PiB")
     return MemoryLimit(limit_bytes=limit_bytes)
 
 

@@ -10,6 +10,7 @@ import functools
 import json
 import queue
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -232,14 +233,27 @@ class TcpProxy:
 # concurrent servers never collide.
 SERVE = [sys.executable, "-m", "laneserve.server.cli", "serve", "--metrics-port", "0"]
 START_TIMEOUT_S = 60
+REPO = Path(__file__).resolve().parent.parent
+
+
+def unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port  # closed again: nothing listens on it
 
 
 class ServerProcess:
-    """A real `laneserve serve` process; `close()` always, even after a failure."""
+    """A real `laneserve serve` process (or `command`, e.g. scripts/serve); `close()`
+    always, even after a failure."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], command: list[str] = SERVE) -> None:
         self.process = subprocess.Popen(
-            [*SERVE, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            [*command, *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []

@@ -31,6 +31,8 @@ from tests.support import (
     rich_status,
     rows,
     serving,
+    until,
+    unused_port,
 )
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
@@ -687,23 +689,6 @@ def queued_rows(s: Serving) -> int:
     thread = s.server._thread
     assert thread is not None
     return sum(depth.queued_rows for depth in thread.depths())
-
-
-def unused_port() -> int:
-    import socket  # noqa: PLC0415 - only this helper needs it
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    give_up = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > give_up:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.002)
 
 
 async def until_stats(

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from laneserve.server.engine import CPU, CUDA, choose_providers, gpu_present
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
-from tests.support import SERVE, ServerProcess, output, request, rows
+from tests.support import REPO, SERVE, ServerProcess, output, request, rows, unused_port
 
 
 @pytest.fixture
@@ -25,6 +25,21 @@ def server_process(small_model: Path) -> Iterator[ServerProcess]:
     server = ServerProcess(["--model", str(small_model), "--port", "0", "--metrics-port", "0"])
     try:
         yield server
+    finally:
+        server.close()
+
+
+def test_scripts_serve_takes_host_and_port_from_a_config_file(tmp_path: Path) -> None:
+    """./scripts/serve passed --host and --port itself, and flags beat the file: the
+    README's `./scripts/serve --config laneserve.toml` ignored the file's port."""
+    port = unused_port()
+    config = tmp_path / "laneserve.toml"
+    config.write_text(f'[server]\nhost = "127.0.0.1"\nport = {port}\nmetrics_port = -1\n')
+    server = ServerProcess(["--config", str(config)], command=[str(REPO / "scripts" / "serve")])
+    try:
+        assert server.port() == port
+        server.process.send_signal(signal.SIGINT)
+        assert server.process.wait(timeout=30) == 0
     finally:
         server.close()
 

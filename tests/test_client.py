@@ -7,7 +7,6 @@ import concurrent.futures
 import contextlib
 import logging
 import random
-import socket
 import threading
 import time
 import types
@@ -29,7 +28,7 @@ from laneserve import client as lc
 from laneserve.server import Engine, LaneConfig, ServerConfig
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.v1 import inference_pb2 as pb
-from tests.support import RecordingEngine, Serving, rows, serving
+from tests.support import RecordingEngine, Serving, rows, serving, unused_port
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 
@@ -802,13 +801,6 @@ def queued_rows(s: Serving) -> int:
     thread = s.server._thread
     assert thread is not None
     return sum(depth.queued_rows for depth in thread.depths())
-
-
-def unused_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port  # closed again: nothing listens on it
 
 
 async def rejected(client: lc.AsyncClient) -> int:

@@ -173,6 +173,41 @@ def test_keys_missing_from_the_file_keep_their_defaults(tmp_path: Path) -> None:
         ),
         pytest.param("[server]\ndrain_grace_s = -1.0\n", "server.drain_grace_s", id="neg-grace"),
         pytest.param(
+            "[server]\ndrain_grace_s = 1e10\n",
+            "server.drain_grace_s: expected seconds in [0, 3600]",
+            id="grace-past-thread-timeouts",
+        ),
+        pytest.param(
+            lane_toml().replace("timeout_ms = 500", "timeout_ms = 10000000000000"),
+            "timeout_ms: expected an integer in [1, 4294967295]",
+            id="lane-timeout-over-uint32",
+        ),
+        pytest.param(
+            lane_toml().replace("capacity_rows = 64", "capacity_rows = 4294967296"),
+            "capacity_rows: expected an integer in [1, 4294967295]",
+            id="capacity-over-uint32",
+        ),
+        pytest.param(
+            "[server]\nmax_batch_size = 4294967296\n",
+            "server.max_batch_size: expected an integer in [1, 4294967295]",
+            id="batch-size-over-uint32",
+        ),
+        pytest.param(
+            "[server]\nstream_window = 4294967296\n",
+            "server.stream_window: expected an integer in [1, 4294967295]",
+            id="stream-window-over-uint32",
+        ),
+        pytest.param(
+            "[server]\nintra_op_threads = 2147483648\n",
+            "server.intra_op_threads: expected an integer in [0, 1024]",
+            id="threads-over-c-int",
+        ),
+        pytest.param(
+            '[server]\nmemory_limit = "99999999999999999999TiB"\n',
+            "server.memory_limit: memory limit '99999999999999999999TiB': expected at most 1PiB",
+            id="memory-limit-over-64-bits",
+        ),
+        pytest.param(
             "[server]\nmax_pending_calls = 0\n", "server.max_pending_calls", id="no-pending-calls"
         ),
         pytest.param(
@@ -218,6 +253,13 @@ def test_keys_missing_from_the_file_keep_their_defaults(tmp_path: Path) -> None:
 def test_invalid_config_is_refused_naming_the_key(tmp_path: Path, text: str, key: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(key)):
         load_config(write(tmp_path, text), model_path="model.onnx")
+
+
+def test_a_config_file_that_is_not_utf8_is_refused_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('[server]\nhost = "caf\u00e9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=rf"config file {re.escape(str(path))}: not UTF-8"):
+        load_config(path, model_path="model.onnx")
 
 
 def test_shares_summing_to_one_report_the_sum(tmp_path: Path) -> None:
