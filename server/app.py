@@ -40,11 +40,15 @@ from laneserve.server.memory import (
 )
 from laneserve.server.scheduler import Scheduler
 from laneserve.server.scheduler_thread import SchedulerThread
-from laneserve.server.service import InferenceServicer, OutcomeRouter, ServiceTelemetry
+from laneserve.server.service import (
+    InferenceServicer,
+    OutcomeRouter,
+    ServiceTelemetry,
+    add_to_server,
+)
 from laneserve.server.stats import StatsRecorder
 from laneserve.server.telemetry import EndpointTls, Telemetry, log_event
 from laneserve.v1 import inference_pb2 as pb
-from laneserve.v1 import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -358,7 +362,7 @@ class LaneServer:
                 *pending_call_limits(self.config.max_pending_calls),
             ],
         )
-        pb_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+        add_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         # gRPC's own view: calls started, succeeded and failed, sockets. Calls its core
         # refused (max_pending_calls) count as started and neither succeeded nor failed.

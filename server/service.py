@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from laneserve.client.tensors import datatype_of
 from laneserve.server.clock import Clock
@@ -26,6 +27,7 @@ from laneserve.server.errors import (
     DeadlineUnmeetableError,
     DrainingError,
     EngineError,
+    InvalidInputError,
     LaneserveError,
     bounded_message,
     pushback_ms,
@@ -358,6 +360,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     ) -> pb.InferResponse:
         """Validates, queues and awaits one request; raises LaneserveError on refusal."""
         arrived_s = self._clock.monotonic()
+        if request is UNDECODABLE_REQUEST:
+            raise InvalidInputError(
+                "the request does not parse as a laneserve.v1.InferRequest message; expected "
+                "one encoded from protos/laneserve/v1/inference.proto (strings in UTF-8)"
+            )
         lane = request.lane or default_lane
         if self._state() is not Lifecycle.SERVING:
             raise self._rejected(
@@ -443,6 +450,49 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
 
 _READ_DONE = object()  # InferStream: the reader has read its last request
+
+# What the servicer receives for bytes that do not parse as an InferRequest (another
+# schema, invalid UTF-8 in a string field): refused INVALID_ARGUMENT by `_infer`, where
+# gRPC's own deserializer failure answered UNKNOWN "Unexpected DecodeError" (and ended
+# a whole InferStream). Compared by identity; never changed.
+UNDECODABLE_REQUEST = pb.InferRequest()
+
+
+def read_infer_request(data: bytes) -> pb.InferRequest:
+    try:
+        return pb.InferRequest.FromString(data)
+    except DecodeError:
+        return UNDECODABLE_REQUEST
+
+
+def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    """The generated `add_InferenceServiceServicer_to_server`, with `read_infer_request`
+    as the InferRequest deserializer."""
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+        "Infer": grpc.unary_unary_rpc_method_handler(
+            servicer.Infer,
+            request_deserializer=read_infer_request,
+            response_serializer=pb.InferResponse.SerializeToString,
+        ),
+        "InferStream": grpc.stream_stream_rpc_method_handler(
+            servicer.InferStream,
+            request_deserializer=read_infer_request,
+            response_serializer=pb.InferStreamResponse.SerializeToString,
+        ),
+        "GetModel": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModel,
+            request_deserializer=pb.GetModelRequest.FromString,
+            response_serializer=pb.GetModelResponse.SerializeToString,
+        ),
+        "GetStats": grpc.unary_unary_rpc_method_handler(
+            servicer.GetStats,
+            request_deserializer=pb.GetStatsRequest.FromString,
+            response_serializer=pb.GetStatsResponse.SerializeToString,
+        ),
+    }
+    name = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
 
 
 def _deadline_s(now_s: float, remaining_s: float | None, timeout_ms: int) -> float | None:

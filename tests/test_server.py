@@ -175,6 +175,41 @@ def test_an_error_quoting_a_long_client_string_is_still_that_error(
     asyncio.run(scenario())
 
 
+def test_bytes_that_are_not_an_infer_request_are_invalid_argument(small_model: Path) -> None:
+    """A message that does not parse (another schema, truncated, invalid UTF-8 in a string
+    field) was gRPC's UNKNOWN "Unexpected DecodeError", and ended a whole InferStream; it
+    is INVALID_ARGUMENT, and in a stream one item's error while the stream goes on."""
+    garbage = b"\x0a\xff\x01"  # field 1, length-delimited, 255 bytes announced, 1 sent
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            infer = s.channel.unary_unary(
+                "/laneserve.v1.InferenceService/Infer",
+                request_serializer=bytes,
+                response_deserializer=pb.InferResponse.FromString,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await infer(garbage, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert rich_status(refused.value)[0] == "INVALID_INPUT"
+            assert "does not parse as a laneserve.v1.InferRequest" in (
+                refused.value.details() or ""
+            )
+            stream = s.channel.stream_stream(
+                "/laneserve.v1.InferenceService/InferStream",
+                request_serializer=bytes,
+                response_deserializer=pb.InferStreamResponse.FromString,
+            )
+            good = [request(rows(1), request_id=name).SerializeToString() for name in ("a", "b")]
+            call = stream(iter([good[0], garbage, good[1]]), timeout=10)
+            answers = {answer.request_id: answer async for answer in call}
+            assert await call.code() == grpc.StatusCode.OK
+        assert answers["a"].WhichOneof("result") == answers["b"].WhichOneof("result") == "response"
+        assert answers[""].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+    asyncio.run(scenario())
+
+
 def test_full_lane_refuses_with_pushback(small_model: Path) -> None:
     lanes = (
         LaneConfig("standard", capacity_rows=8, timeout_ms=60_000, max_wait_ms=0, min_share=0.0),
