@@ -232,28 +232,21 @@ class Engine:
     def run_batch(self, batch: Batch, rows_wanted: RowsWanted | None = None) -> BatchResult:
         """Concatenates the batch's rows and runs them once; out of memory, in halves.
 
-        A run that fails to allocate is split in two and each half retried, down to
-        single rows; only a row that does not fit alone fails, with DEVICE_MEMORY. Each
-        retry is a new execution, so before it `rows_wanted` (the scheduler's view at
-        that moment) says which rows still have a caller waiting within its deadline:
-        the others are not run again. Any other runtime error fails the whole batch.
+        A run that fails is split in two and each half retried, down to single rows:
+        only the rows that fail alone fail, each request with the error of its row
+        (DEVICE_MEMORY for a row that does not fit, ENGINE_FAILURE for one the model
+        fails on); every other request in the batch is answered. One bad input no longer
+        takes the requests batched with it down. Each retry is a new execution, so
+        before it `rows_wanted` (the scheduler's view at that moment) says which rows
+        still have a caller waiting within its deadline: the others are not run again.
         """
         inputs = {name: _concat(parts) for name, parts in batch.parts.items()}
         started = time.perf_counter()
         try:
             outputs = self.run(inputs)
-        except DeviceMemoryError as error:
+        except LaneserveError as error:
             split = _Split(batch.rows, rows_wanted)
-            try:
-                self._retry_in_halves(inputs, np.arange(batch.rows), error, split)
-            except LaneserveError as failure:
-                return BatchResult(
-                    batch,
-                    None,
-                    failure,
-                    time.perf_counter() - started,
-                    out_of_memory_runs=tuple(split.out_of_memory_runs),
-                )
+            self._retry_in_halves(inputs, np.arange(batch.rows), error, split)
             return BatchResult(
                 batch,
                 split.outputs,
@@ -261,33 +254,40 @@ class Engine:
                 time.perf_counter() - started,
                 failed_rows=split.failed_rows(),
                 out_of_memory_runs=tuple(split.out_of_memory_runs),
+                split=True,
             )
-        except LaneserveError as error:
-            return BatchResult(batch, None, error, time.perf_counter() - started)
         return BatchResult(batch, outputs, None, time.perf_counter() - started)
 
     def _retry_in_halves(
         self,
         inputs: Mapping[str, Array],
         positions: IndexArray,
-        error: DeviceMemoryError,
+        error: LaneserveError,
         split: _Split,
     ) -> None:
-        """After `inputs` (the batch's rows at `positions`) ran out of memory: runs those
-        still wanted in two halves, each split again while it runs out of memory, and
-        records every row's outcome in `split`."""
+        """After `inputs` (the batch's rows at `positions`) failed with `error`: runs those
+        still wanted in two halves, each split again while it fails, and records every
+        row's outcome in `split`."""
+        out_of_memory = isinstance(error, DeviceMemoryError)
         run = len(split.out_of_memory_runs)
-        split.out_of_memory_runs.append(OutOfMemoryRun(len(positions), held_unfit_row=False))
+        if out_of_memory:
+            split.out_of_memory_runs.append(OutOfMemoryRun(len(positions), held_unfit_row=False))
         unfit_before = split.unfit_rows
         if len(positions) == 1:
-            split.fail(
-                positions,
-                DeviceMemoryError(
-                    "one row of this request needs more device memory than the budget "
-                    f"allows ({error.message})"
-                ),
-            )
-            split.unfit_rows += 1
+            if out_of_memory:
+                split.fail(
+                    positions,
+                    DeviceMemoryError(
+                        "one row of this request needs more device memory than the budget "
+                        f"allows ({error.message})"
+                    ),
+                )
+                split.unfit_rows += 1
+            else:
+                split.fail(
+                    positions,
+                    EngineError(f"the model failed on a row of this request: {error.message}"),
+                )
         else:
             wanted = split.wanted(positions)
             if not wanted.all():
@@ -302,7 +302,7 @@ class Engine:
                         positions[part],
                         split,
                     )
-        if split.unfit_rows > unfit_before:
+        if out_of_memory and split.unfit_rows > unfit_before:
             split.out_of_memory_runs[run] = OutOfMemoryRun(
                 split.out_of_memory_runs[run].rows, held_unfit_row=True
             )
@@ -310,7 +310,7 @@ class Engine:
     def _run_part(self, inputs: Mapping[str, Array], positions: IndexArray, split: _Split) -> None:
         try:
             outputs = self.run(inputs)
-        except DeviceMemoryError as error:
+        except LaneserveError as error:
             self._retry_in_halves(inputs, positions, error, split)
         else:
             split.store(positions, outputs)
@@ -423,8 +423,8 @@ class Probe:
 
 
 class _Split:
-    """One batch being run in parts after running out of memory: which rows ran, which
-    failed and why, and the runs that ran out of memory."""
+    """One batch being run in parts after a failed run: which rows ran, which failed and
+    why, and the runs that ran out of memory."""
 
     def __init__(self, rows: int, rows_wanted: RowsWanted | None) -> None:
         self.rows = rows
@@ -439,8 +439,8 @@ class _Split:
         # caller still waiting (its entry live) is answered with it, and that caller's
         # deadline has passed: `rows_wanted` leaves out rows for nothing else.
         self.not_retried = ExpiredInQueueError(
-            "deadline passed while its batch was being retried in parts after running "
-            "out of device memory; its rows were not run again"
+            "deadline passed while its batch was being retried in parts after a failed "
+            "run; its rows were not run again"
         )
 
     def wanted(self, positions: IndexArray) -> npt.NDArray[np.bool_]:

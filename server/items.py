@@ -103,7 +103,8 @@ class BatchResult:
     # Model output name -> array with `batch.rows` rows; None when the run failed or no
     # run succeeded (then every row is in `failed_rows`).
     outputs: Mapping[str, Array] | None = dataclasses.field(repr=False)
-    # The whole batch failed with this (any runtime error other than out of memory).
+    # The whole batch failed with this, outside the session's runs (a bug: see the engine
+    # thread); a run that fails is split and its rows fail one by one (`failed_rows`).
     error: LaneserveError | None
     run_s: float
     # Rows without valid outputs, each range with its own error; every other row's
@@ -111,6 +112,8 @@ class BatchResult:
     failed_rows: tuple[FailedRows, ...] = ()
     # The runs that ran out of device memory, in the order they ran.
     out_of_memory_runs: tuple[OutOfMemoryRun, ...] = ()
+    # The batch was run in parts after a failed run (its run time is not one run's).
+    split: bool = False
 
     @property
     def out_of_memory_rows(self) -> tuple[int, ...]:

@@ -510,7 +510,7 @@ class Scheduler:
         """Hands each request its rows of a finished batch; answers the completed ones."""
         batch = result.batch
         self._last_run_s += result.run_s
-        if result.error is None and not result.out_of_memory_rows:
+        if result.error is None and not result.split:
             self.run_time.observe(batch.rows, result.run_s)
         self._adapt_cap(result)
         outcomes = []

@@ -1,5 +1,6 @@
-"""Models whose signature laneserve must check beyond dtypes and fixed sizes: outputs that
-are not one row per input row, and dimensions shared by name across inputs."""
+"""Models whose signature laneserve must check beyond dtypes and fixed sizes (outputs that
+are not one row per input row, dimensions shared by name across inputs), and inputs a
+model fails on."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from onnx import TensorProto, helper
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import Engine, EngineStartError, LaneServer, ServerConfig
 from laneserve.v1 import inference_pb2 as pb
-from tests.support import estimate_once, output, rich_status, serving
+from tests.support import RecordingEngine, estimate_once, output, rich_status, serving, until
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 
@@ -93,5 +94,56 @@ def test_inputs_sharing_a_named_dimension_must_agree_on_its_size(tmp_path: Path)
             np.testing.assert_array_equal(output(answer), a + a)
             stats = await s.stub.GetStats(pb.GetStatsRequest())
             assert stats.failed_batches == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_row_the_model_fails_on_fails_its_request_only(tmp_path: Path) -> None:
+    """Gather with an index past the table fails in the runtime. The batch that holds it
+    is run again in halves until the failing row is alone: its request is answered
+    ENGINE_FAILURE with the runtime's words, the requests batched with it are answered
+    (they all failed with it before)."""
+    table = helper.make_tensor("table", TensorProto.FLOAT, [10], [float(i) for i in range(10)])
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "input"], ["value"], axis=0)],
+        "lookup",
+        [helper.make_tensor_value_info("input", TensorProto.INT64, ["N", 1])],
+        [helper.make_tensor_value_info("value", TensorProto.FLOAT, ["N", 1])],
+        initializer=[table],
+    )
+    path = _save(tmp_path / "lookup.onnx", graph)
+
+    def lookup(*indices: int) -> pb.InferRequest:
+        index = np.array(indices, dtype=np.int64).reshape(-1, 1)
+        return pb.InferRequest(inputs=[encode_tensor("input", index)])
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(path), device="cpu")
+        async with serving(engine, ServerConfig(model_path=str(path))) as s:
+            engine.hold()
+            first = asyncio.ensure_future(s.stub.Infer(lookup(0), timeout=10))
+            await asyncio.to_thread(engine.entered.acquire)
+            calls = [
+                asyncio.ensure_future(s.stub.Infer(request, timeout=10))
+                for request in (lookup(1, 2), lookup(99), lookup(3))
+            ]
+            thread = s.server._thread
+            assert thread is not None
+            await until(lambda: sum(depth.queued_rows for depth in thread.depths()) == 4)
+            engine.release()
+            answers = await asyncio.gather(first, *calls, return_exceptions=True)
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+        ok_first, ok_pair, bad, ok_last = answers
+        assert isinstance(ok_first, pb.InferResponse)
+        assert isinstance(ok_pair, pb.InferResponse)
+        assert isinstance(ok_last, pb.InferResponse)
+        np.testing.assert_array_equal(output(ok_pair), [[1.0], [2.0]])
+        np.testing.assert_array_equal(output(ok_last), [[3.0]])
+        assert isinstance(bad, grpc.aio.AioRpcError)
+        assert bad.code() == grpc.StatusCode.INTERNAL
+        assert rich_status(bad)[0] == "ENGINE_FAILURE"
+        assert "the model failed on a row of this request" in (bad.details() or "")
+        answered = {lane.name: dict(lane.answered) for lane in stats.lanes}
+        assert answered["standard"] == {"OK": 3, "ENGINE_FAILURE": 1}
 
     asyncio.run(scenario())

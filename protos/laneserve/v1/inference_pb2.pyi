@@ -666,7 +666,9 @@ class GetStatsResponse(_message.Message):
     device_utilization: _builtins.float
     """GPU utilisation in [0, 1] from NVML; absent (not zero) without a GPU in use."""
     failed_batches: _builtins.int
-    """Batches whose run failed (each of their requests was answered with the error)."""
+    """Batches none of whose rows ran (each of their requests was answered with its error;
+    a failed run is retried in halves, so a batch with one bad row does not count).
+    """
     out_of_memory_events: _builtins.int
     """Device memory: runs that ran out of memory, batches split because of it, changes
     of the batch cap by reason ("out_of_memory" down, "recovered" up).
