@@ -426,10 +426,22 @@ class Scheduler:
 
     def _limit_rows(self, now_s: float, first: Entry) -> int:
         """The batch cap, or the rows expected to run within the max_wait of the highest
-        active lane above `first`'s (the highest queued work), never below `first`."""
+        active lane above `first`'s (the highest queued work), never below `first` and
+        the minimum shares of the lanes below it: those shares are claims ahead of
+        higher lanes, so they come on top of `first`'s rows, not out of them (else a
+        head as large as the limit never fits once a lower lane took its share, and the
+        lower lanes fill every batch: a priority inversion)."""
         for lane in self.lanes[: first.priority]:
             if lane.last_admit_s is not None and now_s - lane.last_admit_s < ACTIVE_LANE_S:
-                return max(self._rows_within_wait(lane), min(first.queued_rows, self.batch_cap))
+                shares = sum(
+                    self._share_rows(below)
+                    for below in self.lanes[first.priority + 1 :]
+                    if below.config.min_share > 0 and below.queued_rows > 0
+                )
+                return max(
+                    self._rows_within_wait(lane),
+                    min(first.queued_rows + shares, self.batch_cap),
+                )
         return self.batch_cap
 
     def _rows_within_wait(self, lane: Lane) -> int:
@@ -449,7 +461,11 @@ class Scheduler:
                 # room is owed it); an overdraft is repaid from the next allowances.
                 lane.share_balance_rows = min(allowance - used, self._share_rows(lane))
             else:
-                lane.share_balance_rows = 0  # an idle lane neither banks nor owes
+                # An idle lane banks nothing, but still owes what it took ahead of higher
+                # lanes: a lane whose next request always came after the next batch was
+                # formed (a closed-loop caller) had its debt forgiven every time and took
+                # twice its share.
+                lane.share_balance_rows = min(lane.share_balance_rows, 0)
         taken = plan.taken
         # Slices in lane-priority then FIFO order, so each lane's entries leave its
         # deque head-first.

@@ -447,6 +447,62 @@ def test_lower_lane_claims_no_more_than_its_share_ahead_of_a_saturated_higher_la
     assert interactive_rows >= 8 * (CAP - share_rows) - CAP
 
 
+def test_a_lane_idle_when_a_batch_is_formed_still_repays_what_it_took_ahead() -> None:
+    """A closed-loop caller in standard (share 2 of 8 rows) sends one 8-row request at a
+    time, the next only after a batch without it: the lane is idle at that batch. Its
+    debt (the request crossed its allowance) used to be forgiven then, and it took twice
+    its share ahead of the saturated interactive lane."""
+    scheduler = make_scheduler()
+    index, now_s = 100, T0
+    taken: Counter[str] = Counter()
+    batches = 40
+    for number in range(batches):
+        if number % 2 == 0 and queued_rows(scheduler, "standard") == 0:
+            scheduler.admit(make_request(index, "standard", CAP), now_s)
+            index += 1
+        index = saturate(scheduler, index, now_s)
+        batch = dispatch(scheduler, now_s, math.inf)
+        taken += rows_by_lane(batch)
+        scheduler.complete(run(batch))
+        now_s += 0.001
+    share_rows = math.ceil(STANDARD.min_share * CAP)
+    assert taken["standard"] <= batches * share_rows + CAP
+    assert taken["interactive"] >= batches * (CAP - share_rows) - CAP
+
+
+def test_a_lower_lanes_share_does_not_crowd_out_a_higher_lanes_large_request() -> None:
+    """Interactive is active (a request every 20 ms), so batches of the lanes below hold
+    what runs within its max_wait, or the head request if larger: 30 standard rows.
+    Bulk's share used to come out of those 30 rows, so the head no longer fitted, bulk
+    filled the rest, and standard (the higher lane) got only its own share: bulk got 3x
+    its rows. Shares come on top of the head's rows."""
+    lanes = (
+        LaneConfig("interactive", capacity_rows=64, timeout_ms=1000, max_wait_ms=2, min_share=0),
+        LaneConfig("standard", capacity_rows=512, timeout_ms=10_000, max_wait_ms=4, min_share=0.1),
+        LaneConfig("bulk", capacity_rows=4096, timeout_ms=60_000, max_wait_ms=20, min_share=0.05),
+    )
+    scheduler = make_scheduler(lanes, cap=64)
+    index, now_s = 1000, T0
+    taken: Counter[str] = Counter()
+    for step in range(300):
+        if step % 10 == 0:
+            scheduler.admit(make_request(index, "interactive", 1), now_s)
+            index += 1
+        while queued_rows(scheduler, "bulk") < 200:
+            scheduler.admit(make_request(index, "bulk", 1), now_s)
+            index += 1
+        if queued_rows(scheduler, "standard") < 60:
+            scheduler.admit(make_request(index, "standard", 30), now_s)
+            index += 1
+        batch = dispatch(scheduler, now_s, math.inf)
+        taken += rows_by_lane(batch)
+        run_s = scheduler.run_time.predict_s(batch.rows)
+        scheduler.complete(run(batch, run_s=run_s))
+        now_s += run_s
+    assert taken["standard"] > 4 * taken["bulk"], taken
+    assert taken["bulk"] >= 300 * math.ceil(0.05 * 64) * 0.9, "bulk still gets its share"
+
+
 def test_fifo_within_a_lane_and_an_entry_that_does_not_fit_ends_its_turn() -> None:
     scheduler = make_scheduler(TOP_DOWN_LANES)
     scheduler.admit(make_request(0, "interactive", 5), T0)
