@@ -113,6 +113,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._events = self._telemetry.events
         self._tracer = self._telemetry.tracer
         self._config = config
+        self._lane_configs = {lane.name: lane for lane in config.lanes}
         self._engine = engine
         self._scheduler = scheduler
         self._stats = stats
@@ -366,6 +367,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 "one encoded from protos/laneserve/v1/inference.proto (strings in UTF-8)"
             )
         lane = request.lane or default_lane
+        lane_config = self._lane_configs.get(lane)
+        if lane_config is None:  # here, not only at admission: a retry that joins or
+            # replays is never admitted, and must not be answered OK for a wrong lane
+            raise InvalidInputError(
+                f"unknown lane {lane!r}; expected one of {list(self._lane_configs)}"
+            )
         if self._state() is not Lifecycle.SERVING:
             raise self._rejected(
                 lane, DrainingError("server is draining; retry on another instance")
@@ -432,7 +439,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
         # The ledger runs it at most once per request_id: a retry joins or replays.
         digest = fingerprint(request) if request.request_id else b""
-        join_timeout_s = None if deadline_s is None else deadline_s - self._clock.monotonic()
+        # A retry that joins the request in flight waits no longer than it would in its
+        # own lane: its deadline, else its lane's timeout.
+        join_timeout_s = lane_config.deadline_s(arrived_s, deadline_s) - self._clock.monotonic()
         return await self._ledger.run(
             request.request_id, digest, submit, finish, join_timeout_s=join_timeout_s
         )
@@ -440,7 +449,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     def _rejected(self, lane: str, error: LaneserveError) -> LaneserveError:
         """`error`, counted as a refusal of `lane` as the scheduler counts its own (the
         lanes' `rejected` and the metrics); a lane the server lacks is not counted."""
-        if any(config.name == lane for config in self._config.lanes):
+        if lane in self._lane_configs:
             self._events.rejected(lane, error.reason)
         return error
 

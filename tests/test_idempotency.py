@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 
 from laneserve import client as lc
-from laneserve.server import ManualClock, ServerConfig
+from laneserve.server import LaneConfig, ManualClock, ServerConfig
 from laneserve.server.idempotency import ENTRY_OVERHEAD_BYTES, ReplayCache, fingerprint
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
@@ -307,6 +307,46 @@ def test_a_retry_joining_a_request_in_flight_keeps_its_own_deadline(small_model:
         assert output(answer).shape == (2, 10)
         assert engine.ran_tags.count(70) == 1, "ran once"
         assert stats.idempotent_joins == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_retry_joining_from_another_lane_keeps_that_lanes_timeout_and_name_check(
+    small_model: Path,
+) -> None:
+    """A retry with no deadline of its own, naming a lane with a 200 ms timeout, joins a
+    request in flight in standard: it is answered EXPIRED_IN_QUEUE at its lane's timeout
+    (it waited as long as the first caller). One naming a lane the server lacks is
+    INVALID_ARGUMENT, as a new request would be (it was answered OK from the flight)."""
+    lanes = (
+        LaneConfig("interactive", capacity_rows=64, timeout_ms=200, max_wait_ms=1, min_share=0),
+        LaneConfig("standard", capacity_rows=64, timeout_ms=60_000, max_wait_ms=1, min_share=0),
+    )
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model, lanes=lanes)) as s:
+            engine.hold()
+            busy = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=1))))
+            await asyncio.to_thread(engine.entered.acquire)  # the session is busy
+            x = rows(2, start=70)
+            first = asyncio.ensure_future(s.stub.Infer(request(x, request_id="x")))
+            await until(lambda: queued_rows(s) == 2)
+            with pytest.raises(grpc.aio.AioRpcError) as joined:
+                await s.stub.Infer(request(x, request_id="x", lane="interactive"))
+            with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                await s.stub.Infer(request(x, request_id="x", lane="vip"))
+            engine.release()
+            await first
+            await busy
+            with pytest.raises(grpc.aio.AioRpcError) as replayed:
+                await s.stub.Infer(request(x, request_id="x", lane="vip"))
+        assert joined.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert rich_status(joined.value)[0] == "EXPIRED_IN_QUEUE"
+        for refused in (unknown.value, replayed.value):
+            assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "unknown lane 'vip'" in (refused.details() or "")
+        assert engine.ran_tags.count(70) == 1, "ran once"
 
     asyncio.run(scenario())
 
