@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -128,35 +128,25 @@ class Checkpoint:
         rows: int,
         rows_per_item: int,
         output_names: tuple[str, ...] = (),
+        model_outputs: tuple[str, ...] = (),
     ) -> Checkpoint:
-        """Opens a checkpoint, refusing it when it was made for another job."""
-        state_path = directory / "state.json"
-        try:
-            state = json.loads(state_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as error:
-            raise CheckpointError(
-                f"checkpoint {state_path} is unreadable ({error}); delete {directory} to "
-                "start the job over"
-            ) from error
-        if state.get("version") != STATE_VERSION:
-            raise CheckpointError(
-                f"checkpoint {state_path} has version {state.get('version')!r}; expected "
-                f"{STATE_VERSION}. Delete {directory} to start the job over"
-            )
-        identity = InputIdentity(**state["input_identity"])
+        """Opens a checkpoint, refusing it when it was made for another job or is damaged.
+
+        `model_outputs`, when given, are the served model's output names: the checkpoint
+        may hold arrays for no others. Raises CheckpointError, never another error of the
+        files' making (OSError on `input_path` is the caller's).
+        """
+        state = _State.read(directory / "state.json")
         mismatches = []
-        if identity != InputIdentity.of(input_path):
-            mismatches.append(f"input file (it was made for {state['input_path']})")
-        if state["rows"] != rows:
-            mismatches.append(f"rows ({state['rows']} then, {rows} now)")
-        if state["rows_per_item"] != rows_per_item:
+        if state.input_identity != InputIdentity.of(input_path):
+            mismatches.append(f"input file (it was made for {state.input_path})")
+        if state.rows != rows:
+            mismatches.append(f"rows ({state.rows} then, {rows} now)")
+        if state.rows_per_item != rows_per_item:
+            mismatches.append(f"--rows-per-item ({state.rows_per_item} then, {rows_per_item} now)")
+        if state.output_names != tuple(sorted(output_names)):
             mismatches.append(
-                f"--rows-per-item ({state['rows_per_item']} then, {rows_per_item} now)"
-            )
-        then_names = tuple(state.get("output_names", ()))  # absent before it was recorded
-        if then_names != tuple(sorted(output_names)):
-            mismatches.append(
-                f"--output-name ({', '.join(then_names) or 'all'} then, "
+                f"--output-name ({', '.join(state.output_names) or 'all'} then, "
                 f"{', '.join(sorted(output_names)) or 'all'} now)"
             )
         if mismatches:
@@ -165,30 +155,35 @@ class Checkpoint:
                 f"{', '.join(mismatches)}; expected the same input and options, or delete "
                 f"{directory} to start over"
             )
-        items = -(-rows // rows_per_item)
-        done = np.unpackbits(
-            np.frombuffer(base64.b64decode(state["done"]), dtype=np.uint8), count=items
-        ).astype(np.bool_)
-        specs = {
-            name: (spec["dtype"], tuple(spec["shape"])) for name, spec in state["outputs"].items()
-        }
+        done = state.done_items(-(-rows // rows_per_item))
+        state.check_outputs(state.output_names or model_outputs, any_done=bool(done.any()))
         checkpoint = cls(
             directory,
-            state["job_id"],
-            state["input_path"],
-            identity,
+            state.job_id,
+            state.input_path,
+            state.input_identity,
             rows,
             rows_per_item,
-            then_names,
-            specs,
+            state.output_names,
+            dict(state.outputs),
             done,
         )
-        for name, (dtype, shape) in specs.items():
-            array = np.lib.format.open_memmap(checkpoint._array_path(name), mode="r+")
+        for name, (dtype, shape) in state.outputs.items():
+            path = checkpoint._array_path(name)
+            try:
+                # "r" first: "r+" would silently lengthen a short file with zeros (rows
+                # marked done would read as zeros); "r" refuses it.
+                np.lib.format.open_memmap(path, mode="r")
+                array = np.lib.format.open_memmap(path, mode="r+")
+            except (OSError, ValueError) as error:
+                raise CheckpointError(
+                    f"checkpoint array {path} is unreadable ({error}); expected {dtype} "
+                    f"{shape}. Delete {directory} to start over"
+                ) from error
             if str(array.dtype) != dtype or array.shape != shape:
                 raise CheckpointError(
-                    f"checkpoint array {checkpoint._array_path(name)} is {array.dtype} "
-                    f"{array.shape}; expected {dtype} {shape}. Delete {directory} to start over"
+                    f"checkpoint array {path} is {array.dtype} {array.shape}; expected "
+                    f"{dtype} {shape}. Delete {directory} to start over"
                 )
             checkpoint.arrays[name] = array
         return checkpoint
@@ -235,20 +230,164 @@ class Checkpoint:
 
     def finish(self, output: Path) -> None:
         """Moves the outputs to `output` (.npy: the one output; .npz: all) and removes the
-        checkpoint. Every item must be done."""
+        checkpoint. Every item must be done.
+
+        state.json is removed before the output moves: interrupted at any point, the
+        directory never holds a state that names an array no longer in it. Should the move
+        itself fail (OSError, raised), state.json is written back and the job can resume.
+        """
         assert self.done.all()
         self.save()
         if output.suffix == ".npy":
             (name,) = self.arrays
-            self.arrays[name].flush()
-            self.arrays.clear()
-            self._array_path(name).replace(output)
+            staged = self._array_path(name)
         else:
-            # numpy's stub matches **arrays against `allow_pickle: bool` as well.
-            np.savez(output, **self.arrays)  # type: ignore[arg-type]
-            self.arrays.clear()
+            # Written beside the arrays first, so that `output` appears whole or not at all;
+            # the name cannot be an array's (those end in .npy).
+            staged = self.directory / "output.npz.tmp"
+            with staged.open("wb") as file:
+                # numpy's stub matches **arrays against `allow_pickle: bool` as well.
+                np.savez(file, **self.arrays)  # type: ignore[arg-type]
+        state_path = self.directory / "state.json"
+        state_path.unlink()
+        try:
+            staged.replace(output)
+        except OSError:
+            self.save()
+            raise
+        self.arrays.clear()
         shutil.rmtree(self.directory)
 
     def _array_path(self, name: str) -> Path:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
         return self.directory / f"{safe}.npy"
+
+
+_MISSING: Any = object()
+# What a field of state.json must be, by the words a message uses for it.
+_KINDS: dict[str, Callable[[object], bool]] = {
+    "a string": lambda value: isinstance(value, str),
+    "an object": lambda value: isinstance(value, dict),
+    "a whole number >= 1": lambda value: _is_whole(value, 1),
+    "a whole number >= 0": lambda value: _is_whole(value, 0),
+    "a list of strings": lambda value: (
+        isinstance(value, list) and all(isinstance(part, str) for part in value)
+    ),
+    "a list of whole numbers >= 0": lambda value: (
+        isinstance(value, list) and all(_is_whole(part, 0) for part in value)
+    ),
+}
+
+
+def _is_whole(value: object, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _State:
+    """state.json, checked field by field: a damaged or hand-edited file is refused with
+    what was expected, never half-used."""
+
+    path: Path
+    job_id: str
+    input_path: str
+    input_identity: InputIdentity
+    rows: int
+    rows_per_item: int
+    output_names: tuple[str, ...]  # sorted; empty: all of the model's
+    outputs: dict[str, tuple[str, tuple[int, ...]]]
+    done: str  # base64 of the packed done bitmap; see `done_items`
+
+    @classmethod
+    def read(cls, path: Path) -> _State:
+        try:
+            document = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise CheckpointError(
+                f"checkpoint {path} is unreadable ({error}); delete {path.parent} to start "
+                "the job over"
+            ) from error
+        if not isinstance(document, dict):
+            raise _damaged(path, f"expected a JSON object, found {type(document).__name__}")
+        if document.get("version") != STATE_VERSION:
+            raise CheckpointError(
+                f"checkpoint {path} has version {_quote(document.get('version'))}; expected "
+                f"{STATE_VERSION}. Delete {path.parent} to start the job over"
+            )
+
+        def field(parent: dict[str, Any], key: str, kind: str, where: str = "") -> Any:
+            value = parent.get(key, _MISSING)
+            if not _KINDS[kind](value):
+                found = "missing" if value is _MISSING else _quote(value)
+                raise _damaged(path, f"{where}{key} is {found}; expected {kind}")
+            return value
+
+        identity = field(document, "input_identity", "an object")
+        outputs: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for name, spec in field(document, "outputs", "an object").items():
+            if not isinstance(spec, dict):
+                raise _damaged(path, f"outputs[{name!r}] is {_quote(spec)}; expected an object")
+            dtype = field(spec, "dtype", "a string", f"outputs[{name!r}].")
+            shape = field(spec, "shape", "a list of whole numbers >= 0", f"outputs[{name!r}].")
+            outputs[name] = (dtype, tuple(shape))
+        if "output_names" not in document:  # written before it was recorded: all outputs
+            document["output_names"] = []
+        return cls(
+            path=path,
+            job_id=field(document, "job_id", "a string"),
+            input_path=field(document, "input_path", "a string"),
+            input_identity=InputIdentity(
+                field(identity, "size_bytes", "a whole number >= 0", "input_identity."),
+                field(identity, "sample_digest", "a string", "input_identity."),
+            ),
+            rows=field(document, "rows", "a whole number >= 1"),
+            rows_per_item=field(document, "rows_per_item", "a whole number >= 1"),
+            output_names=tuple(field(document, "output_names", "a list of strings")),
+            outputs=outputs,
+            done=field(document, "done", "a string"),
+        )
+
+    def done_items(self, items: int) -> npt.NDArray[np.bool_]:
+        try:
+            packed = base64.b64decode(self.done, validate=True)
+        except ValueError as error:  # binascii.Error
+            raise _damaged(self.path, f"done is not base64 ({error})") from error
+        if len(packed) != -(-items // 8):
+            raise _damaged(
+                self.path,
+                f"done holds {len(packed)} bytes; expected {-(-items // 8)} for {items} items",
+            )
+        return np.unpackbits(np.frombuffer(packed, dtype=np.uint8), count=items).astype(np.bool_)
+
+    def check_outputs(self, wanted: tuple[str, ...], *, any_done: bool) -> None:
+        """Each recorded output has the job's rows and is one of `wanted` (when known), and
+        once an item is done there is an array for each of them."""
+        for name, (_dtype, shape) in self.outputs.items():
+            if wanted and name not in wanted:
+                raise _damaged(self.path, f"it holds output {name!r}; expected only {list(wanted)}")
+            if not shape or shape[0] != self.rows:
+                raise _damaged(
+                    self.path,
+                    f"output {name!r} has shape {list(shape)}; expected {self.rows} rows",
+                )
+        if wanted and any_done and set(self.outputs) != set(wanted):
+            raise _damaged(
+                self.path,
+                f"items are marked done with outputs {sorted(self.outputs)}; expected "
+                f"{sorted(wanted)}",
+            )
+
+
+def _damaged(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path} is damaged: {what}; delete {path.parent} to start the job over"
+    )
+
+
+# Longest value from the file quoted in a message.
+_QUOTE_CHARS = 60
+
+
+def _quote(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= _QUOTE_CHARS else f"{text[: _QUOTE_CHARS - 3]}..."

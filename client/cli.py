@@ -7,18 +7,20 @@
 
 Every subcommand takes ``--target HOST:PORT`` (default 127.0.0.1:50051) and the TLS
 options. Exit codes: 0 everything done; 1 some rows failed (bulk: rerun with --resume to
-retry them); 2 bad usage or input; 3 the server could not be reached or refused the call;
-130 / 143 interrupted by SIGINT / SIGTERM (bulk: the checkpoint is saved).
+retry them); 2 bad usage or input (bulk: checked against the server's model and lanes
+before the first item is sent); 3 the server could not be reached or refused the call;
+130 / 143 interrupted by SIGINT / SIGTERM (bulk: the checkpoint is saved); 141 standard
+output closed early (a pipe into `head`), as a shell reports a command that SIGPIPE ended.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -31,11 +33,11 @@ from typing import Any, Final, TextIO
 import numpy as np
 import numpy.typing as npt
 
-from laneserve.client._channel import DEFAULT_TARGET, TlsConfig
+from laneserve.client._channel import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, TlsConfig
 from laneserve.client._checkpoint import Checkpoint, CheckpointError
 from laneserve.client._errors import LaneserveError
 from laneserve.client._retry import RetryPolicy
-from laneserve.client._stream import DEFAULT_STREAM_LANE
+from laneserve.client._stream import DEFAULT_STREAM_LANE, SERVER_STREAM_LANE
 from laneserve.client._sync import Client
 from laneserve.client._types import ModelInfo, StreamRequest
 from laneserve.v1 import inference_pb2 as pb
@@ -46,6 +48,10 @@ EXIT_USAGE: Final = 2
 EXIT_SERVER: Final = 3
 EXIT_SIGINT: Final = 130
 EXIT_SIGTERM: Final = 143
+EXIT_BROKEN_PIPE: Final = 141  # 128 + SIGPIPE
+# The longest --timeout: the longest timeout a lane can have (uint32 milliseconds). gRPC's
+# deadline (int64 ns since the epoch) overflows past ~7e9 s and fails the call at once.
+_MAX_TIMEOUT_S: Final = (2**32 - 1) / 1000
 # Failed items quoted in a bulk job's summary.
 _EXAMPLES: Final = 3
 
@@ -62,6 +68,23 @@ class Terminated(Exception):  # noqa: N818 - named after the signal, like Keyboa
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The console script's entry point (it calls this directly: anything `python -m`
+    alone would handle must be handled here)."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # here, not at exit, where a closed pipe is only reported
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly. Python flushes stdout once more
+        # at exit; pointed at devnull, that flush cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
@@ -236,13 +259,14 @@ def _table(out: TextIO, header: list[str], rows: list[list[str]]) -> None:
 
 
 def _infer(client: Client, args: argparse.Namespace) -> int:
+    if args.output is not None:
+        _check_output_path(Path(args.output), "--output")
     model = client.model(timeout=args.timeout)
+    # argparse lets exactly one of them through.
     if args.json is not None:
         inputs = _inputs_from_json(args.json, model, "--json")
-    elif args.input is not None:
-        inputs = _read_inputs(Path(args.input), model)
     else:
-        raise UsageError("infer: expected --input FILE (.npy, .npz, .json) or --json TEXT")
+        inputs = _read_inputs(Path(args.input), model)
     outputs = client.infer(
         inputs,
         lane=args.lane,
@@ -283,6 +307,7 @@ def _inputs_from_json(text: str, model: ModelInfo, where: str) -> Arrays:
                 f"{where}: input {name!r} is not a {spec.dtype} array of shape "
                 f"{_shape(spec.shape)}: {error}"
             ) from error
+        _check_input(name, arrays[name], model, where)
     return arrays
 
 
@@ -316,28 +341,54 @@ def _read_inputs(path: Path, model: ModelInfo) -> Arrays:
     except (OSError, ValueError) as error:
         raise UsageError(f"cannot read {path}: {error}") from error
     for name, array in arrays.items():
-        spec = model.input(name)
-        if array.dtype != spec.dtype or array.ndim != len(spec.shape):
-            raise UsageError(
-                f"input {name!r} in {path} is {array.dtype} with shape {list(array.shape)}; "
-                f"the model expects {spec.dtype} with shape {_shape(spec.shape)}"
-            )
+        _check_input(name, array, model, str(path))
     return arrays
 
 
+def _check_input(name: str, array: npt.NDArray[Any], model: ModelInfo, where: str) -> None:
+    """The server's own check, before anything is sent: dtype, rank and the fixed sizes
+    after the row axis (the row count is free)."""
+    spec = model.input(name)
+    if (
+        array.dtype != spec.dtype
+        or array.ndim != len(spec.shape)
+        or any(
+            want is not None and have != want
+            for have, want in zip(array.shape[1:], spec.shape[1:], strict=True)
+        )
+    ):
+        raise UsageError(
+            f"input {name!r} in {where} is {array.dtype} with shape {list(array.shape)}; "
+            f"the model expects {spec.dtype} with shape {_shape(spec.shape)}"
+        )
+
+
 def _write_outputs(path: Path, outputs: Mapping[str, npt.NDArray[Any]]) -> None:
-    if path.suffix == ".npy":
-        if len(outputs) != 1:
-            raise UsageError(
-                f"{path}: .npy holds one array, the answer has {sorted(outputs)}; use .npz "
-                "or --output-name"
-            )
-        np.save(path, next(iter(outputs.values())))
-    elif path.suffix == ".npz":
-        # numpy's stub matches **arrays against `allow_pickle: bool` as well.
-        np.savez(path, **outputs)  # type: ignore[arg-type]
-    else:
-        raise UsageError(f"output file {path}: expected a .npy or .npz file")
+    try:
+        if path.suffix == ".npy":
+            if len(outputs) != 1:
+                raise UsageError(
+                    f"{path}: .npy holds one array, the answer has {sorted(outputs)}; use "
+                    ".npz or --output-name"
+                )
+            np.save(path, next(iter(outputs.values())))
+        else:
+            # numpy's stub matches **arrays against `allow_pickle: bool` as well.
+            np.savez(path, **outputs)  # type: ignore[arg-type]
+    except OSError as error:
+        raise UsageError(f"cannot write {path}: {error.strerror or error}") from error
+
+
+def _check_output_path(path: Path, option: str) -> None:
+    """Refuses an output that could not be written, before any work is done."""
+    if path.suffix not in (".npy", ".npz"):
+        raise UsageError(f"{option} {path}: expected a .npy or .npz file")
+    parent = path.parent
+    if not parent.is_dir():
+        found = "does not exist" if not parent.exists() else "is not a directory"
+        raise UsageError(f"{option} {path}: {parent} {found}; expected an existing directory")
+    if path.is_dir():
+        raise UsageError(f"{option} {path} is a directory; expected a file name")
 
 
 # ---- bulk ------------------------------------------------------------------------------
@@ -345,10 +396,10 @@ def _write_outputs(path: Path, outputs: Mapping[str, npt.NDArray[Any]]) -> None:
 
 def _bulk(client: Client, args: argparse.Namespace) -> int:
     output = Path(args.output)
-    if output.suffix not in (".npy", ".npz"):
-        raise UsageError(f"--output {output}: expected a .npy or .npz file")
+    _check_output_path(output, "--output")
     model = client.model(timeout=args.timeout)
-    output_names = args.output_name or [spec.name for spec in model.outputs]
+    asked = _asked_outputs(model, args)
+    output_names = asked or [spec.name for spec in model.outputs]
     if output.suffix == ".npy" and len(output_names) != 1:
         raise UsageError(
             f"--output {output}: .npy holds one array and the model has outputs "
@@ -359,7 +410,8 @@ def _bulk(client: Client, args: argparse.Namespace) -> int:
         raise UsageError(f"--input {input_path}: expected a .npy or .npz file")
     inputs = _read_inputs(input_path, model)
     rows = _row_count(inputs, input_path)
-    checkpoint = _open_checkpoint(output, input_path, rows, args)
+    _check_items(model, inputs, rows, args)
+    checkpoint = _open_checkpoint(output, input_path, rows, args, asked, model)
     pending = [int(item) for item in np.flatnonzero(~checkpoint.done)]
     progress = Progress(rows, checkpoint.done_rows, enabled=not args.no_progress, stream=sys.stderr)
     failures: collections.Counter[str] = collections.Counter()
@@ -401,7 +453,13 @@ def _bulk(client: Client, args: argparse.Namespace) -> int:
         progress.close()
         checkpoint.save()  # also on Ctrl-C, SIGTERM and a lost server: --resume goes on
     if not failures:
-        checkpoint.finish(output)
+        try:
+            checkpoint.finish(output)
+        except OSError as error:
+            raise UsageError(
+                f"cannot write {output}: {error}; the checkpoint {checkpoint.directory} is "
+                "kept: rerun with --resume once the output can be written"
+            ) from error
         print(f"laneserve-client: {rows} rows done; wrote {output}", file=sys.stderr)
         return EXIT_OK
     failed_items = sum(failures.values())
@@ -431,8 +489,57 @@ def _row_count(inputs: Arrays, path: Path) -> int:
     return rows
 
 
+def _asked_outputs(model: ModelInfo, args: argparse.Namespace) -> list[str]:
+    """--output-name's values, once each; empty: all of the model's outputs."""
+    asked = list(dict.fromkeys(args.output_name or ()))
+    model_outputs = [spec.name for spec in model.outputs]
+    unknown = [name for name in asked if name not in model_outputs]
+    if unknown:
+        raise UsageError(
+            f"--output-name {', '.join(unknown)}: the model has no such output; its outputs "
+            f"are {model_outputs}"
+        )
+    return asked
+
+
+def _check_items(model: ModelInfo, inputs: Arrays, rows: int, args: argparse.Namespace) -> None:
+    """Refuses a job whose every item the server would refuse (an unknown lane, items
+    larger than the lane or the message limit): it could only fail, and --resume too."""
+    names = [lane.name for lane in model.lanes]
+    if args.lane and args.lane not in names:
+        raise UsageError(
+            f"--lane {args.lane!r}: the server has no such lane; its lanes are {names}"
+        )
+    # The server's rule for a stream that names no lane.
+    name = args.lane or (SERVER_STREAM_LANE if SERVER_STREAM_LANE in names else model.default_lane)
+    item_rows = min(args.rows_per_item, rows)
+    lane = next((lane for lane in model.lanes if lane.name == name), None)
+    if lane is not None and item_rows > lane.capacity_rows:
+        raise UsageError(
+            f"--rows-per-item {args.rows_per_item}: lane {name!r} holds at most "
+            f"{lane.capacity_rows} rows, so no item would ever be queued; expected at most "
+            f"{lane.capacity_rows} rows per item"
+        )
+    # Before encoding: the message is larger still, so this only refuses certain failures.
+    row_bytes = sum(array.dtype.itemsize * math.prod(array.shape[1:]) for array in inputs.values())
+    limit_bytes = min(
+        DEFAULT_MAX_MESSAGE_BYTES, model.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
+    )
+    if item_rows * row_bytes > limit_bytes:
+        raise UsageError(
+            f"--rows-per-item {args.rows_per_item}: an item is {item_rows * row_bytes} bytes of "
+            f"input, over the {limit_bytes}-byte message limit; expected fewer than "
+            f"{limit_bytes // row_bytes + 1} rows per item"
+        )
+
+
 def _open_checkpoint(
-    output: Path, input_path: Path, rows: int, args: argparse.Namespace
+    output: Path,
+    input_path: Path,
+    rows: int,
+    args: argparse.Namespace,
+    asked: list[str],
+    model: ModelInfo,
 ) -> Checkpoint:
     directory = Path(f"{output}.partial")
     if directory.exists():
@@ -447,10 +554,13 @@ def _open_checkpoint(
                 input_path=input_path,
                 rows=rows,
                 rows_per_item=args.rows_per_item,
-                output_names=tuple(args.output_name or ()),
+                output_names=tuple(asked),
+                model_outputs=tuple(spec.name for spec in model.outputs),
             )
         except CheckpointError as error:
             raise UsageError(str(error)) from error
+        except OSError as error:
+            raise UsageError(f"cannot read {input_path}: {error}") from error
         print(
             f"laneserve-client: resuming job {checkpoint.job_id}: {checkpoint.done_rows} of "
             f"{rows} rows already done",
@@ -462,14 +572,17 @@ def _open_checkpoint(
             f"laneserve-client: no checkpoint at {directory}; starting from the beginning",
             file=sys.stderr,
         )
-    return Checkpoint.create(
-        directory,
-        job_id=uuid.uuid4().hex,
-        input_path=input_path,
-        rows=rows,
-        rows_per_item=args.rows_per_item,
-        output_names=tuple(args.output_name or ()),
-    )
+    try:
+        return Checkpoint.create(
+            directory,
+            job_id=uuid.uuid4().hex,
+            input_path=input_path,
+            rows=rows,
+            rows_per_item=args.rows_per_item,
+            output_names=tuple(asked),
+        )
+    except OSError as error:
+        raise UsageError(f"cannot create the checkpoint {directory}: {error}") from error
 
 
 class Progress:
@@ -563,7 +676,10 @@ def _parser() -> argparse.ArgumentParser:
         "--attempts", type=_positive_int, default=6, help="attempts per call or item (default 6)"
     )
     connection.add_argument(
-        "--timeout", type=float, default=None, help="seconds per call, retries included"
+        "--timeout",
+        type=_timeout_s,
+        default=None,
+        help="seconds per call, retries included (default: none)",
     )
     connection.add_argument(
         "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
@@ -583,8 +699,9 @@ def _parser() -> argparse.ArgumentParser:
     stats.set_defaults(handler=_stats)
 
     infer = commands.add_parser("infer", parents=[common], help="one request")
-    infer.add_argument("--input", help=".npy (one input), .npz (by input name) or .json")
-    infer.add_argument("--json", help='inputs as JSON: {"input": [[...]]}, or a list')
+    given = infer.add_mutually_exclusive_group(required=True)
+    given.add_argument("--input", help=".npy (one input), .npz (by input name) or .json")
+    given.add_argument("--json", help='inputs as JSON: {"input": [[...]]}, or a list')
     infer.add_argument("--output", help="write outputs to .npy/.npz instead of JSON on stdout")
     infer.add_argument("--output-name", action="append", help="an output to return (repeatable)")
     infer.add_argument("--lane", help="lane (default: the server's default lane)")
@@ -617,7 +734,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     bulk.add_argument(
         "--checkpoint-interval-s",
-        type=float,
+        type=_interval_s,
         default=2.0,
         help="seconds between checkpoint saves (default 2)",
     )
@@ -635,6 +752,29 @@ def _timeout_ms(text: str) -> int:
     return value
 
 
+def _timeout_s(text: str) -> float:
+    value = _number(text)
+    if not 0 < value <= _MAX_TIMEOUT_S:  # also false for nan
+        raise argparse.ArgumentTypeError(
+            f"expected seconds > 0 and <= {_MAX_TIMEOUT_S} (2**32 - 1 ms), got {text!r}"
+        )
+    return value
+
+
+def _interval_s(text: str) -> float:
+    value = _number(text)
+    if not 0 <= value < math.inf:  # also false for nan
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -643,5 +783,4 @@ def _positive_int(text: str) -> int:
 
 
 if __name__ == "__main__":
-    with contextlib.suppress(BrokenPipeError):
-        sys.exit(main())
+    sys.exit(main())

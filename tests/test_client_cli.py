@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import signal
 import socket
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +18,7 @@ import onnxruntime as ort
 import pytest
 
 from laneserve.client._checkpoint import Checkpoint, CheckpointError
-from laneserve.server import ServerConfig
+from laneserve.server import LaneConfig, ServerConfig
 from laneserve.server.items import Batch
 from tests.support import (
     CLIENT_CLI_TIMEOUT_S,
@@ -307,6 +311,273 @@ def test_unreachable_server_exits_3_naming_the_error() -> None:
         assert "UNAVAILABLE" in err
 
     asyncio.run(scenario())
+
+
+def checkpoint_of(tmp_path: Path, items_done: int = 2) -> tuple[Path, Path]:
+    """A genuine checkpoint of a job over 40 rows, 10 per item, `items_done` items done:
+    (input file, checkpoint directory, beside the output tmp_path/out.npy)."""
+    source = tmp_path / "in.npy"
+    np.save(source, rows(40))
+    directory = tmp_path / "out.npy.partial"
+    checkpoint = Checkpoint.create(
+        directory, job_id="j", input_path=source, rows=40, rows_per_item=10
+    )
+    for item in range(items_done):
+        checkpoint.store(item, {"output": np.ones((10, 10), np.float32)})
+    checkpoint.save()
+    return source, directory
+
+
+def edit_state(directory: Path, edit: Callable[[dict[str, Any]], object]) -> None:
+    """Changes state.json in place with `edit`."""
+    path = directory / "state.json"
+    state = json.loads(path.read_text(encoding="utf-8"))
+    edit(state)
+    path.write_text(json.dumps(state), encoding="utf-8")
+
+
+def truncate(path: Path, size: int) -> None:
+    with path.open("r+b") as file:
+        file.truncate(size)
+
+
+CORRUPTIONS: dict[str, tuple[Callable[[Path], object], str]] = {
+    "a JSON list": (
+        lambda d: (d / "state.json").write_text("[1, 2]", encoding="utf-8"),
+        "expected a JSON object, found list",
+    ),
+    "no input_identity": (
+        lambda d: edit_state(d, lambda state: state.pop("input_identity")),
+        "input_identity is missing; expected an object",
+    ),
+    "done not base64": (
+        lambda d: edit_state(d, lambda state: state.update(done="!!notbase64")),
+        "done is not base64",
+    ),
+    "done too short": (
+        lambda d: edit_state(d, lambda state: state.update(done="")),
+        "done holds 0 bytes; expected 1 for 4 items",
+    ),
+    "rows a string": (
+        lambda d: edit_state(d, lambda state: state.update(rows="40")),
+        "rows is '40'; expected a whole number >= 1",
+    ),
+    "array deleted": (
+        lambda d: (d / "output.npy").unlink(),
+        r"output\.npy is unreadable \(\[Errno 2\]",
+    ),
+    "array truncated": (
+        lambda d: truncate(d / "output.npy", 100),
+        r"output\.npy is unreadable",
+    ),
+    "array cut short": (  # past its header: opened to write, numpy would pad it with 0s
+        lambda d: truncate(d / "output.npy", 1_000),
+        r"output\.npy is unreadable",
+    ),
+    "an unknown output": (
+        lambda d: edit_state(
+            d, lambda state: state.update(outputs={"../x": {"dtype": "float32", "shape": [40, 10]}})
+        ),
+        r"it holds output '\.\./x'; expected only \['output'\]",
+    ),
+    "done without its array": (
+        lambda d: edit_state(d, lambda state: state.update(outputs={})),
+        r"items are marked done with outputs \[\]; expected \['output'\]",
+    ),
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS), ids=list(CORRUPTIONS))
+def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path: Path, corruption: str) -> None:
+    damage, message = CORRUPTIONS[corruption]
+    source, directory = checkpoint_of(tmp_path)
+    damage(directory)
+    with pytest.raises(CheckpointError, match=message) as raised:
+        Checkpoint.load(
+            directory, input_path=source, rows=40, rows_per_item=10, model_outputs=("output",)
+        )
+    assert str(directory) in str(raised.value)
+    assert "to start over" in str(raised.value) or "start the job over" in str(raised.value)
+
+
+def test_bulk_resume_from_a_damaged_checkpoint_exits_2_without_a_traceback(
+    small_model: Path, tmp_path: Path
+) -> None:
+    source, directory = checkpoint_of(tmp_path)
+    args = ["--input", str(source), "--output", str(tmp_path / "out.npy"), "--rows-per-item", "10"]
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            for corruption in ("a JSON list", "array deleted", "an unknown output"):
+                shutil.rmtree(directory)
+                checkpoint_of(tmp_path)
+                CORRUPTIONS[corruption][0](directory)
+                code, _, err = await cli("bulk", "--target", s.target, *args, "--resume")
+                assert code == 2, (corruption, err)
+                assert "Traceback" not in err
+                assert err.startswith("laneserve-client: checkpoint "), err
+                assert f"Delete {directory}" in err or f"delete {directory}" in err
+
+    asyncio.run(scenario())
+
+
+def test_a_finished_job_leaves_no_state_naming_a_moved_array(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Interrupted after the output moved and before the checkpoint is removed: what is
+    left must not be a checkpoint whose array is gone."""
+    _, directory = checkpoint_of(tmp_path, items_done=4)
+    checkpoint = Checkpoint.load(
+        directory, input_path=tmp_path / "in.npy", rows=40, rows_per_item=10
+    )
+
+    def interrupted(_path: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.finish(tmp_path / "out.npy")
+    assert np.load(tmp_path / "out.npy").shape == (40, 10)
+    assert not (directory / "state.json").exists()
+
+
+def test_a_finish_that_cannot_move_the_output_keeps_the_checkpoint(tmp_path: Path) -> None:
+    source, directory = checkpoint_of(tmp_path, items_done=4)
+    checkpoint = Checkpoint.load(directory, input_path=source, rows=40, rows_per_item=10)
+    (tmp_path / "taken.npy").mkdir()  # a directory where the output should go
+    with pytest.raises(OSError, match=r"taken\.npy"):
+        checkpoint.finish(tmp_path / "taken.npy")
+    resumed = Checkpoint.load(directory, input_path=source, rows=40, rows_per_item=10)
+    assert resumed.done.all()
+
+
+def test_paths_and_seconds_a_run_cannot_use_are_usage_errors(
+    small_model: Path, tmp_path: Path
+) -> None:
+    source = tmp_path / "in.npy"
+    np.save(source, rows(10))
+    infer = ["infer", "--json", json.dumps(rows(1).tolist())]
+    bulk = ["bulk", "--input", str(source)]
+    timeout = "--timeout: expected seconds > 0 and <= 4294967.295 (2**32 - 1 ms), got"
+    cases = [
+        (
+            [*infer, "--output", str(tmp_path / "no" / "dir" / "x.npy")],
+            f"{tmp_path / 'no' / 'dir'} does not exist; expected an existing directory",
+        ),
+        (
+            [*bulk, "--output", str(source / "out.npy")],
+            f"{source} is not a directory; expected an existing directory",
+        ),
+        (["model", "--timeout", "nan"], f"{timeout} 'nan'"),
+        (["model", "--timeout", "-1"], f"{timeout} '-1'"),
+        (["model", "--timeout", "inf"], f"{timeout} 'inf'"),
+        # gRPC's deadline would overflow and fail the call at once.
+        (["model", "--timeout", "1e10"], f"{timeout} '1e10'"),
+        (
+            [*bulk, "--output", str(tmp_path / "out.npy"), "--checkpoint-interval-s", "nan"],
+            "--checkpoint-interval-s: expected a finite number of seconds >= 0, got 'nan'",
+        ),
+    ]
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            for arguments, message in cases:
+                code, _, err = await cli(*arguments, "--target", s.target)
+                assert code == 2, (arguments, err)
+                assert message in err, arguments
+                assert "Traceback" not in err
+
+    asyncio.run(scenario())
+    assert not list(tmp_path.glob("*.partial")), "a corrected rerun needs no --resume"
+
+    asyncio.run(scenario())
+
+
+def test_a_bulk_job_no_item_of_which_could_succeed_exits_2_before_sending(
+    small_model: Path, tmp_path: Path
+) -> None:
+    np.save(tmp_path / "in.npy", rows(100))
+    np.save(tmp_path / "narrow.npy", rows(100)[:, :511])
+    lanes = (
+        LaneConfig("standard", capacity_rows=2_048, timeout_ms=10_000, max_wait_ms=1, min_share=0),
+        LaneConfig("small", capacity_rows=32, timeout_ms=10_000, max_wait_ms=1, min_share=0),
+    )
+    engine = RecordingEngine(str(small_model))
+    served = config(small_model, lanes=lanes, default_lane="small", max_message_bytes=100_000)
+
+    cases = [
+        (
+            ["--input", str(tmp_path / "narrow.npy")],
+            "is float32 with shape [100, 511]; the model expects float32 with shape [?, 512]",
+        ),
+        (
+            ["--lane", "nosuchlane"],
+            "--lane 'nosuchlane': the server has no such lane; its lanes are ['standard', 'small']",
+        ),
+        (
+            ["--output-name", "nosuch"],
+            "--output-name nosuch: the model has no such output; its outputs are ['output']",
+        ),
+        # No bulk lane: the server queues a stream's items in its default lane.
+        (["--rows-per-item", "33"], "--rows-per-item 33: lane 'small' holds at most 32 rows"),
+        (
+            ["--rows-per-item", "64", "--lane", "standard"],
+            "an item is 131072 bytes of input, over the 100000-byte message limit",
+        ),
+    ]
+    job = ["--input", str(tmp_path / "in.npy"), "--output", str(tmp_path / "out.npy")]
+
+    async def scenario() -> None:
+        async with serving(engine, served) as s:
+            for arguments, message in cases:
+                code, _, err = await cli("bulk", "--target", s.target, *job, *arguments)
+                assert code == 2, (arguments, err)
+                assert message in err, arguments
+                assert "--resume" not in err
+                assert not (tmp_path / "out.npy.partial").exists(), arguments
+            code, _, err = await cli("bulk", "--target", s.target, *job, "--rows-per-item", "32")
+            assert code == 0, err
+
+    asyncio.run(scenario())
+    assert sum(engine.batches) == 100, "only the last, valid job ran"
+
+
+def test_output_piped_into_a_reader_that_stops_exits_141_quietly(small_model: Path) -> None:
+    """Run as the console script runs it (main() called directly), its output into a pipe
+    whose reader has gone, as in `laneserve-client model | head -1`."""
+    entry_point = "import sys; from laneserve.client.cli import main; sys.exit(main())"
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            reader, writer = os.pipe()
+            os.close(reader)
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-c",
+                    entry_point,
+                    "model",
+                    "--target",
+                    s.target,
+                    stdout=writer,
+                    stderr=asyncio.subprocess.PIPE,
+                )
+            finally:
+                os.close(writer)
+            _, err_bytes = await asyncio.wait_for(
+                process.communicate(), timeout=CLIENT_CLI_TIMEOUT_S
+            )
+            err = err_bytes.decode()
+            assert process.returncode == 141, err
+            assert err == ""
+
+    asyncio.run(scenario())
+
+
+def test_infer_refuses_both_json_and_input() -> None:
+    code, _, err = asyncio.run(cli("infer", "--json", "[[0.5]]", "--input", "/no/such/file.npy"))
+    assert code == 2
+    assert "argument --input: not allowed with argument --json" in err
 
 
 def batch_tags(batch: Batch) -> list[int]:
