@@ -117,20 +117,39 @@ def _raise_terminated(_signum: int, _frame: FrameType | None) -> None:
     raise Terminated
 
 
-def _client(args: argparse.Namespace) -> Client:
-    tls: TlsConfig | bool | None = None
+def add_tls_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--tls, --tls-ca, --tls-cert, --tls-key, --tls-server-name (read by `tls_config`);
+    shared with `laneserve top`."""
+    parser.add_argument("--tls", action="store_true", help="use TLS with the system's roots")
+    parser.add_argument("--tls-ca", metavar="PEM", help="CA certificates to trust (implies TLS)")
+    parser.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS)")
+    parser.add_argument("--tls-key", metavar="PEM", help="client private key (mutual TLS)")
+    parser.add_argument(
+        "--tls-server-name", metavar="NAME", help="name to check the server certificate against"
+    )
+
+
+def tls_config(args: argparse.Namespace) -> TlsConfig | None:
+    """The TLS settings the options of `add_tls_arguments` ask for; None: plaintext.
+    Raises ValueError naming what cannot be read."""
     if args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
         try:
-            tls = TlsConfig.from_files(
+            return TlsConfig.from_files(
                 ca=args.tls_ca,
                 cert=args.tls_cert,
                 key=args.tls_key,
                 server_name=args.tls_server_name,
             )
         except (OSError, ValueError) as error:
-            raise UsageError(f"TLS options: {error}") from error
-    elif args.tls:
-        tls = True
+            raise ValueError(f"TLS options: {error}") from error
+    return TlsConfig() if args.tls else None
+
+
+def _client(args: argparse.Namespace) -> Client:
+    try:
+        tls = tls_config(args)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
     metadata = []
     for pair in args.metadata:
         key, sep, value = pair.partition("=")
@@ -656,15 +675,7 @@ def _parser() -> argparse.ArgumentParser:
     connection.add_argument(
         "--target", default=DEFAULT_TARGET, help=f"server HOST:PORT (default {DEFAULT_TARGET})"
     )
-    connection.add_argument("--tls", action="store_true", help="use TLS with the system's roots")
-    connection.add_argument(
-        "--tls-ca", metavar="PEM", help="CA certificates to trust (implies TLS)"
-    )
-    connection.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS)")
-    connection.add_argument("--tls-key", metavar="PEM", help="client private key (mutual TLS)")
-    connection.add_argument(
-        "--tls-server-name", metavar="NAME", help="name to check the server certificate against"
-    )
+    add_tls_arguments(connection)
     connection.add_argument(
         "--metadata",
         action="append",

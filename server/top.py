@@ -4,7 +4,8 @@
     laneserve top --target host:50051 --once             # one frame, then exit
     laneserve top --iterations 5 --interval-s 0.5        # five frames, then exit
 
-It is a plain gRPC client: any reachable laneserve works, nothing else is needed. Each
+It is a plain gRPC client: any reachable laneserve works, nothing else is needed; with
+TLS it takes laneserve-client's --tls, --tls-ca, --tls-cert, --tls-key options. Each
 frame answers the operator's first question, where the time goes: per lane, the queue
 depth against its capacity, the wait p95 and the admission, shed and refusal rates
 (entry); batch size, dispatch reasons and run time (batcher and session); device memory
@@ -25,6 +26,8 @@ from typing import Any
 
 import grpc
 
+from laneserve.client._channel import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from laneserve.client.cli import add_tls_arguments, tls_config
 from laneserve.server.memory import format_bytes
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -56,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout-s", type=float, default=5.0, help="deadline of each call (default 5)"
     )
+    add_tls_arguments(parser.add_argument_group("TLS, as laneserve-client takes it"))
 
 
 MAX_INTERVAL_S = 3600.0  # finite, and within what time.sleep takes
@@ -75,9 +79,19 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    live = frames is None and sys.stdout.isatty()
     try:
-        with grpc.insecure_channel(args.target) as channel:
+        tls = tls_config(args)
+    except ValueError as error:
+        print(f"laneserve top: {error}", file=sys.stderr)
+        return 2
+    live = frames is None and sys.stdout.isatty()
+    options = channel_options(tls, DEFAULT_MAX_MESSAGE_BYTES, ())
+    try:
+        with (
+            grpc.insecure_channel(args.target, options)
+            if tls is None
+            else grpc.secure_channel(args.target, tls.credentials(), options)
+        ) as channel:
             stub = pb_grpc.InferenceServiceStub(channel)
             model = stub.GetModel(pb.GetModelRequest(), timeout=args.timeout_s)
             previous: Sample | None = None

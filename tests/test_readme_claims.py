@@ -28,6 +28,7 @@ from google.rpc import code_pb2, error_details_pb2
 
 from laneserve.client import NO_RETRIES, Client, LaneserveError, StreamResult, TlsConfig
 from laneserve.server import LaneServer, ServerConfig
+from laneserve.server.cli import main as laneserve_main
 from laneserve.server.telemetry import Telemetry
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import F32, RecordingEngine, request, rows, serving
@@ -192,6 +193,36 @@ def test_client_speaks_tls_and_mutual_tls(
                 assert refusal.code == grpc.StatusCode.UNAVAILABLE, refusal
 
     asyncio.run(scenario())
+
+
+def test_top_watches_a_server_over_tls_and_mutual_tls(
+    small_model: Path, pki: Pki, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`laneserve top` takes laneserve-client's TLS options (it dialled plaintext only, so
+    a TLS-only server could not be watched)."""
+    mutual = [
+        *("--tls-ca", str(pki.ca), "--tls-cert", str(pki.client_cert)),
+        *("--tls-key", str(pki.client_key), "--tls-server-name", SERVER_NAME),
+    ]
+
+    async def scenario() -> list[int]:
+        async with tls_servers(small_model, pki) as (tls, mtls):
+            runs = (
+                ["--target", tls.target, "--tls-ca", str(pki.ca)],
+                ["--target", mtls.target, *mutual],
+                ["--target", tls.target],  # plaintext against TLS: unreachable
+            )
+            return [
+                await asyncio.to_thread(
+                    laneserve_main, ["top", "--once", "--timeout-s", "10", *args]
+                )
+                for args in runs
+            ]
+
+    assert asyncio.run(scenario()) == [0, 0, 1]
+    captured = capsys.readouterr()
+    assert captured.out.count("SERVING") == 2
+    assert "UNAVAILABLE" in captured.err
 
 
 def test_metrics_endpoint_follows_the_ports_tls(small_model: Path, pki: Pki) -> None:
