@@ -101,6 +101,9 @@ class _Plan:
     taken: list[tuple[Entry, int]] = dataclasses.field(default_factory=list)
     # Per lane priority served in pass 1: (allowance, rows taken against it).
     share_used: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # Priorities of the lanes with a share whose head has another shape than the batch:
+    # they bank up to a whole batch of credit (see `_owed_head`).
+    shape_blocked: set[int] = dataclasses.field(default_factory=set)
     # The most rows this batch may hold: the cap, or less where a higher lane is active.
     limit_rows: int = 0
 
@@ -375,10 +378,13 @@ class Scheduler:
         taken: dict[int, tuple[Entry, int]] = {}
         # The batch takes the shape of the highest-priority queued work, fixed before
         # pass 1: a lower lane's share must never shut a higher lane's differently
-        # shaped work out of every batch.
-        first: Entry | None = next((entry for lane in self.lanes for entry in lane), None)
-        if first is None:
+        # shaped work out of every batch. Unless a lane with a share has banked a batch
+        # of its own shape (`_owed_head`): its shape never fitted the batches it was
+        # owed rows in.
+        top: Entry | None = next((entry for lane in self.lanes for entry in lane), None)
+        if top is None:
             return plan
+        first = self._owed_head(top) or top
         signature: Signature = first.request.signature
         room = plan.limit_rows = self._limit_rows(now_s, first)
 
@@ -413,6 +419,9 @@ class Scheduler:
             if lane.config.min_share > 0 and lane.queued_rows > 0:
                 allowance = self._share_rows(lane) + lane.share_balance_rows
                 plan.share_used[lane.priority] = (allowance, fill(lane, allowance))
+                head = next(iter(lane))
+                if head.request.signature != signature:
+                    plan.shape_blocked.add(lane.priority)
         lead_seen = False
         for lane in self.lanes:
             fill(lane, self.batch_cap)
@@ -422,7 +431,28 @@ class Scheduler:
                 budget_rows = max(rows, self._rows_within_wait(lane))
                 room = min(room, budget_rows - rows)
         plan.taken = list(taken.values())
+        if first is not top:
+            # The batch is the owed lane's: every row of it counts against its credit,
+            # so over time it gets its share of rows, not every other batch.
+            allowance, _ = plan.share_used[first.priority]
+            owned = sum(rows for entry, rows in plan.taken if entry.priority == first.priority)
+            plan.share_used[first.priority] = (allowance, owned)
         return plan
+
+    def _owed_head(self, top: Entry) -> Entry | None:
+        """The head of the highest lane with a share whose head has another shape than
+        `top` (the highest queued work) and whose banked credit covers it (or a whole
+        batch): it sets the next batch's shape. Deficit round robin across shapes: such
+        a lane banks its share every batch it cannot join, up to a batch."""
+        for lane in self.lanes:
+            if lane.config.min_share == 0 or lane.queued_rows == 0:
+                continue
+            head = next(iter(lane))
+            if head.request.signature == top.request.signature:
+                continue
+            if lane.share_balance_rows >= min(head.queued_rows, self.batch_cap):
+                return head
+        return None
 
     def _limit_rows(self, now_s: float, first: Entry) -> int:
         """The batch cap, or the rows expected to run within the max_wait of the highest
@@ -459,7 +489,12 @@ class Scheduler:
                 allowance, used = plan.share_used[lane.priority]
                 # Unused allowance is banked up to one share (a lane that could not get
                 # room is owed it); an overdraft is repaid from the next allowances.
-                lane.share_balance_rows = min(allowance - used, self._share_rows(lane))
+                banked = (
+                    self.batch_cap
+                    if lane.priority in plan.shape_blocked
+                    else self._share_rows(lane)
+                )
+                lane.share_balance_rows = min(allowance - used, banked)
             else:
                 # An idle lane banks nothing, but still owes what it took ahead of higher
                 # lanes: a lane whose next request always came after the next batch was

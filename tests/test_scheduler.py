@@ -601,6 +601,30 @@ def test_lower_lane_share_does_not_shut_out_higher_lane_work_of_another_shape() 
     assert rows_by_lane(second) == Counter(standard=CAP)
 
 
+def test_a_lane_whose_work_has_another_shape_still_gets_its_share() -> None:
+    """Interactive is saturated with rows 2 wide; standard (share 2 of 8 rows) has rows 3
+    wide. Batches took the shape of the highest queued work, so standard's work never
+    fitted one and expired. It banks its share while its shape is shut out and, once it
+    covers its head, sets a batch's shape: over time it gets its share, no more."""
+    scheduler = make_scheduler()
+    index, now_s = 1000, T0
+    taken: Counter[str] = Counter()
+    batches = 200
+    for _ in range(batches):
+        while queued_rows(scheduler, "standard") < 2 * CAP:
+            scheduler.admit(make_request(index, "standard", 1, width=3), now_s)
+            index += 1
+        index = saturate(scheduler, index, now_s)
+        batch = dispatch(scheduler, now_s, math.inf)
+        assert len({piece.lane for piece in batch.slices}) == 1, "one shape per batch"
+        taken += rows_by_lane(batch)
+        scheduler.complete(run(batch))
+        now_s += 0.001
+    share_rows = math.ceil(STANDARD.min_share * CAP)
+    assert batches * share_rows - CAP <= taken["standard"] <= batches * share_rows + CAP
+    assert taken["interactive"] >= batches * (CAP - share_rows) - CAP
+
+
 # ---- admission -------------------------------------------------------------------------
 
 
