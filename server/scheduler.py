@@ -155,6 +155,8 @@ class Scheduler:
         self.utilization: float | None = None
         self._last_dispatch_s: float | None = None
         self._last_run_s = 0.0
+        # When the batch running now is predicted to end (None: none runs).
+        self._running_until_s: float | None = None
         self.run_time = run_time
         self.events = events or NullEvents()
         self.accepting = True
@@ -240,13 +242,47 @@ class Scheduler:
             )
         deadline_s = lane.config.deadline_s(now_s, request.deadline_s)
         ahead = sum(other.queued_rows for other in self.lanes[: lane.priority + 1])
-        finish_s = now_s + self.run_time.drain_s(ahead + request.rows, self.batch_cap)
+        finish_s = self._predicted_finish_s(lane, request.rows, now_s)
         if finish_s > deadline_s:
             raise DeadlineUnmeetableError(
                 f"deadline in {max(deadline_s - now_s, 0) * 1000:.1f} ms cannot be met: "
                 f"{ahead} rows are queued ahead in lane {lane.name!r} or above, serving them "
                 f"and this request takes about {(finish_s - now_s) * 1000:.1f} ms"
             )
+
+    def _predicted_finish_s(self, lane: Lane, rows: int, now_s: float) -> float:
+        """When `rows` rows admitted to `lane` now are expected to be done: after the
+        batch running now, the rows queued in `lane` and above, the rows lower lanes'
+        shares put ahead (a whole request of theirs in the next batch, their shares in
+        each after) and its own. A lane with a share is reached by it in every batch,
+        whatever is queued above: the earlier of the two."""
+        cap = self.batch_cap
+        start_s = now_s if self._running_until_s is None else max(now_s, self._running_until_s)
+        lower = [
+            other
+            for other in self.lanes[lane.priority + 1 :]
+            if other.config.min_share > 0 and other.queued_rows > 0
+        ]
+        first_lower = sum(
+            min(cap, next(iter(other)).queued_rows)
+            for other in lower
+            if self._share_rows(other) + other.share_balance_rows > 0
+        )
+        total = sum(other.queued_rows for other in self.lanes[: lane.priority + 1]) + rows
+        if total + first_lower <= cap:
+            finish_s = start_s + self.run_time.predict_s(total + first_lower)
+        else:
+            shares = sum(self._share_rows(other) for other in lower)
+            later = total - max(0, cap - first_lower)  # rows left after the next batch
+            full, rest = divmod(later, max(1, cap - shares))
+            finish_s = start_s + (1 + full) * self.run_time.predict_s(cap)
+            if rest:
+                finish_s += self.run_time.predict_s(min(cap, rest + shares))
+        share = self._share_rows(lane)
+        if share > 0:
+            own_batches = math.ceil((lane.queued_rows + rows) / share)
+            finish_s = min(finish_s, start_s + own_batches * self.run_time.predict_s(cap))
+        return finish_s
 
     def cancel(self, entry_id: int, now_s: float, *, unless_running: bool = False) -> bool:
         """The client went away: its queued rows are freed now and no answer is due.
@@ -532,6 +568,7 @@ class Scheduler:
             formed_s=now_s,
             parts=parts,
         )
+        self._running_until_s = now_s + self.run_time.predict_s(batch.rows)
         self.events.batch_formed(
             batch,
             [
@@ -560,6 +597,7 @@ class Scheduler:
     def complete(self, result: BatchResult) -> list[Outcome]:
         """Hands each request its rows of a finished batch; answers the completed ones."""
         batch = result.batch
+        self._running_until_s = None
         self._last_run_s += result.run_s
         if result.error is None and not result.split:
             self.run_time.observe(batch.rows, result.run_s)

@@ -668,6 +668,47 @@ def test_unmeetable_deadline_is_refused_at_once() -> None:
     assert queued_rows(scheduler, "standard") == 41
 
 
+def test_a_lane_with_a_share_is_not_refused_when_its_share_serves_it_in_time() -> None:
+    """64 interactive rows are queued (8 batches); a standard row (share 2 of 8) with a
+    5 ms deadline goes in the next batch by its share: admitted, and done in time. Every
+    queued row above counted as ahead of it, and it was refused."""
+    scheduler = make_scheduler()
+    for index in range(64):
+        scheduler.admit(make_request(index, "interactive", 1), T0)
+    deadline_s = T0 + 0.005
+    scheduler.admit(make_request(500, "standard", 1, deadline_s=deadline_s), T0)
+    now_s, done_s = T0, None
+    while done_s is None:
+        batch = dispatch(scheduler, now_s, math.inf)
+        run_s = scheduler.run_time.predict_s(batch.rows)
+        now_s += run_s
+        if 500 in tokens(scheduler.complete(run(batch, run_s=run_s))):
+            done_s = now_s
+    assert done_s <= deadline_s
+
+
+def test_admission_counts_the_running_batch_and_a_lower_lanes_whole_request() -> None:
+    """A deadline is judged against what will really come first: the batch running now,
+    and a whole request a lower lane's share takes ahead in the next batch. Without
+    them a request predicted to finish in time was admitted and then missed it."""
+    scheduler = make_scheduler()
+    for index in range(4):
+        scheduler.admit(make_request(index, "standard", CAP), T0)
+    own_s = scheduler.run_time.predict_s(1)
+    ahead_s = scheduler.run_time.predict_s(CAP)  # standard's share takes 8 rows whole
+    with pytest.raises(DeadlineUnmeetableError):
+        scheduler.admit(make_request(900, "interactive", 1, deadline_s=T0 + 2 * own_s), T0)
+    scheduler.admit(make_request(901, "interactive", 1, deadline_s=T0 + ahead_s + 2 * own_s), T0)
+    running = dispatch(scheduler, T0, math.inf)  # standard's 8 rows, predicted ahead_s
+    assert rows_by_lane(running) == Counter(standard=CAP)
+    half_s = T0 + ahead_s / 2
+    with pytest.raises(DeadlineUnmeetableError):  # half of the running batch is left
+        scheduler.admit(make_request(902, "interactive", 1, deadline_s=half_s + own_s), half_s)
+    scheduler.complete(run(running, run_s=ahead_s))
+    after_s = T0 + ahead_s
+    scheduler.admit(make_request(903, "interactive", 1, deadline_s=after_s + 2 * own_s), after_s)
+
+
 def test_rows_in_lower_lanes_do_not_count_as_ahead() -> None:
     scheduler = make_scheduler()
     scheduler.admit(make_request(0, "bulk", 200), T0)
