@@ -265,9 +265,12 @@ class Engine:
         error: LaneserveError,
         split: _Split,
     ) -> None:
-        """After `inputs` (the batch's rows at `positions`) failed with `error`: runs those
-        still wanted in two halves, each split again while it fails, and records every
-        row's outcome in `split`."""
+        """After `inputs` (the batch's rows at `positions`) failed with `error`: runs each
+        half's rows still wanted (asked just before it runs), splits again a half that
+        fails, and records every row's outcome in `split`. When both halves fail with an
+        error other than out of memory, the failure is not one row's (a broken session,
+        or bad rows in both halves): their rows fail without more runs, so a broken
+        session costs three runs per batch, not two per row."""
         out_of_memory = isinstance(error, DeviceMemoryError)
         run = len(split.out_of_memory_runs)
         if out_of_memory:
@@ -289,31 +292,37 @@ class Engine:
                     EngineError(f"the model failed on a row of this request: {error.message}"),
                 )
         else:
-            wanted = split.wanted(positions)
-            if not wanted.all():
-                split.fail(positions[~wanted], split.not_retried)
-                positions = positions[wanted]
-                inputs = {name: array[wanted] for name, array in inputs.items()}
             half = len(positions) // 2
-            for part in (slice(0, half), slice(half, None)):
-                if len(positions[part]) > 0:
-                    self._run_part(
-                        {name: array[part] for name, array in inputs.items()},
-                        positions[part],
-                        split,
+            halves = (slice(0, half), slice(half, None))
+            failures: list[tuple[Mapping[str, Array], IndexArray, LaneserveError]] = []
+            for part in halves:
+                part_inputs, part_positions = split.still_wanted(
+                    {name: array[part] for name, array in inputs.items()}, positions[part]
+                )
+                if len(part_positions) == 0:
+                    continue
+                try:
+                    split.store(part_positions, self.run(part_inputs))
+                except LaneserveError as run_error:
+                    failures.append((part_inputs, part_positions, run_error))
+            both_failed = len(failures) == len(halves) and not any(
+                isinstance(failure, DeviceMemoryError) for _, _, failure in failures
+            )
+            for failed_inputs, failed_positions, failure in failures:
+                if both_failed:
+                    split.fail(
+                        failed_positions,
+                        EngineError(
+                            "the model failed on the batch holding this request and on both "
+                            f"halves of it: {failure.message}"
+                        ),
                     )
+                else:
+                    self._retry_in_halves(failed_inputs, failed_positions, failure, split)
         if out_of_memory and split.unfit_rows > unfit_before:
             split.out_of_memory_runs[run] = OutOfMemoryRun(
                 split.out_of_memory_runs[run].rows, held_unfit_row=True
             )
-
-    def _run_part(self, inputs: Mapping[str, Array], positions: IndexArray, split: _Split) -> None:
-        try:
-            outputs = self.run(inputs)
-        except LaneserveError as error:
-            self._retry_in_halves(inputs, positions, error, split)
-        else:
-            split.store(positions, outputs)
 
     def example_inputs(self, rows: int) -> dict[str, Array]:
         """Zero-filled inputs of `rows` rows (dynamic trailing dimensions become 1)."""
@@ -443,10 +452,18 @@ class _Split:
             "run; its rows were not run again"
         )
 
-    def wanted(self, positions: IndexArray) -> npt.NDArray[np.bool_]:
+    def still_wanted(
+        self, inputs: Mapping[str, Array], positions: IndexArray
+    ) -> tuple[Mapping[str, Array], IndexArray]:
+        """The rows of `inputs` (at `positions`) a caller still waits for, asked now: the
+        others fail with `not_retried` and do not run again."""
         if self.rows_wanted is None:
-            return np.ones(len(positions), dtype=bool)
-        return self.rows_wanted()[positions]
+            return inputs, positions
+        wanted = self.rows_wanted()[positions]
+        if wanted.all():
+            return inputs, positions
+        self.fail(positions[~wanted], self.not_retried)
+        return {name: array[wanted] for name, array in inputs.items()}, positions[wanted]
 
     def store(self, positions: IndexArray, outputs: Mapping[str, Array]) -> None:
         if self.outputs is None:

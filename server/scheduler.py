@@ -17,8 +17,9 @@ look again.
 A lane's max_wait is also the longest its requests wait for lower lanes' sake: rows of
 lower lanes ride along in its batch only within it, and while the lane is active (it
 admitted a request within ACTIVE_LANE_S) a batch of lower lanes alone holds only what runs
-within it, so the session is never busy with bulk work for longer than an interactive
-request accepts to wait (see `_plan`). A full batch is one at that limit.
+within it (or its head request, with the minimum shares of the lanes below on top), so
+the session is busy with bulk work for little longer than an interactive request accepts
+to wait (see `_plan`). A full batch is one at that limit.
 """
 
 from __future__ import annotations
@@ -242,7 +243,7 @@ class Scheduler:
             )
         deadline_s = lane.config.deadline_s(now_s, request.deadline_s)
         ahead = sum(other.queued_rows for other in self.lanes[: lane.priority + 1])
-        finish_s = self._predicted_finish_s(lane, request.rows, now_s)
+        finish_s = self._predicted_finish_s(lane, request.rows, request.signature, now_s)
         if finish_s > deadline_s:
             raise DeadlineUnmeetableError(
                 f"deadline in {max(deadline_s - now_s, 0) * 1000:.1f} ms cannot be met: "
@@ -250,7 +251,9 @@ class Scheduler:
                 f"and this request takes about {(finish_s - now_s) * 1000:.1f} ms"
             )
 
-    def _predicted_finish_s(self, lane: Lane, rows: int, now_s: float) -> float:
+    def _predicted_finish_s(
+        self, lane: Lane, rows: int, signature: Signature, now_s: float
+    ) -> float:
         """When `rows` rows admitted to `lane` now are expected to be done: after the
         batch running now, the rows queued in `lane` and above, the rows lower lanes'
         shares put ahead (a whole request of theirs in the next batch, their shares in
@@ -263,11 +266,7 @@ class Scheduler:
             for other in self.lanes[lane.priority + 1 :]
             if other.config.min_share > 0 and other.queued_rows > 0
         ]
-        first_lower = sum(
-            min(cap, next(iter(other)).queued_rows)
-            for other in lower
-            if self._share_rows(other) + other.share_balance_rows > 0
-        )
+        first_lower = sum(self._share_take_rows(other, signature) for other in lower)
         total = sum(other.queued_rows for other in self.lanes[: lane.priority + 1]) + rows
         if total + first_lower <= cap:
             finish_s = start_s + self.run_time.predict_s(total + first_lower)
@@ -499,10 +498,10 @@ class Scheduler:
         lower lanes fill every batch: a priority inversion)."""
         for lane in self.lanes[: first.priority]:
             if lane.last_admit_s is not None and now_s - lane.last_admit_s < ACTIVE_LANE_S:
+                signature = first.request.signature
                 shares = sum(
-                    self._share_rows(below)
+                    self._share_take_rows(below, signature)
                     for below in self.lanes[first.priority + 1 :]
-                    if below.config.min_share > 0 and below.queued_rows > 0
                 )
                 return max(
                     self._rows_within_wait(lane),
@@ -514,6 +513,20 @@ class Scheduler:
         """Rows expected to run within `lane`'s max_wait: how much lower lanes' work may
         keep it waiting (in its batch, or ahead of its next request)."""
         return self.run_time.rows_within_s(lane.max_wait_s, self.batch_cap)
+
+    def _share_take_rows(self, lane: Lane, signature: Signature) -> int:
+        """The rows pass 1 of `_plan` gives `lane` for its share in a batch of `signature`
+        when room does not limit it: its allowance, the request crossing it whole."""
+        if lane.config.min_share == 0:
+            return 0
+        allowance = self._share_rows(lane) + lane.share_balance_rows
+        taken = 0
+        for entry in lane:
+            if taken >= allowance or entry.request.signature != signature:
+                break
+            whole = entry.request.rows <= self.batch_cap
+            taken += entry.queued_rows if whole else min(entry.queued_rows, allowance - taken)
+        return min(taken, self.batch_cap)
 
     def _share_rows(self, lane: Lane) -> int:
         return math.ceil(lane.config.min_share * self.batch_cap)
@@ -675,7 +688,9 @@ class Scheduler:
                 ceiling = self._oom_ceiling_rows
                 self._oom_ceiling_rows = smallest if ceiling is None else min(ceiling, smallest)
             self._set_cap(min(self.batch_cap, smallest // 2), "out_of_memory")
-        elif result.error is None and result.batch.rows >= self.batch_cap:
+        elif result.error is None and not result.split and result.batch.rows >= self.batch_cap:
+            # Only a full batch that ran whole shows the cap fits: a split one (rows that
+            # failed, a broken session) says nothing of the kind.
             self._full_batches_since_change += 1
             if (
                 self._full_batches_since_change >= CAP_RECOVERY_BATCHES

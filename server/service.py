@@ -179,21 +179,21 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
         async def read_all() -> None:
             nonlocal unanswered
-            try:
-                while True:
-                    await window.acquire()
-                    try:
-                        request = await anext(request_iterator)
-                    except StopAsyncIteration:
-                        return
-                    unanswered += 1
-                    task = asyncio.create_task(answer(request))
-                    items.add(task)
-                    task.add_done_callback(items.discard)
-            finally:
-                answers.put_nowait(_READ_DONE)
+            while True:
+                await window.acquire()
+                try:
+                    request = await anext(request_iterator)
+                except StopAsyncIteration:
+                    return
+                unanswered += 1
+                task = asyncio.create_task(answer(request))
+                items.add(task)
+                task.add_done_callback(items.discard)
 
         reader = asyncio.create_task(read_all())
+        # From a done callback, not the coroutine's `finally`: a reader cancelled before
+        # its first step (a drain in the same turn the stream opened) never runs its body.
+        reader.add_done_callback(lambda _reader: answers.put_nowait(_READ_DONE))
         self._stream_readers.add(reader)
         try:
             reading = True

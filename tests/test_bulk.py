@@ -17,9 +17,10 @@ import pytest
 
 from laneserve import client as lc
 from laneserve.client.tensors import encode_tensor
-from laneserve.server import Engine, LaneConfig, ServerConfig
+from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig
 from laneserve.server.demo_model import make_demo_model
 from laneserve.server.lifecycle import Lifecycle
+from laneserve.server.service import InferenceServicer
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
     RecordingEngine,
@@ -288,6 +289,44 @@ def test_a_stream_open_when_the_server_drains_answers_what_it_read_and_ends(
         assert sorted(engine.ran_tags) == [0, 1], "the item sent after the drain never ran"
 
     asyncio.run(scenario())
+
+
+def test_a_stream_opened_as_the_drain_begins_ends_draining_at_once(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drain starts in the very loop turn the stream's handler does: its item reader
+    is cancelled before its first step. The stream still ends DRAINING at once (it hung
+    until the server's stop cancelled it, with no DRAINING)."""
+    stopping: list[asyncio.Task[None]] = []
+    servers: list[LaneServer] = []
+    original = InferenceServicer.InferStream
+
+    async def drain_as_it_opens(
+        self: InferenceServicer, requests: AsyncIterator[pb.InferRequest], context: Any
+    ) -> AsyncIterator[pb.InferStreamResponse]:
+        stopping.append(asyncio.ensure_future(servers[0].stop(grace_s=5.0)))
+        async for message in original(self, requests, context):
+            yield message
+
+    monkeypatch.setattr(InferenceServicer, "InferStream", drain_as_it_opens)
+
+    async def scenario() -> grpc.aio.AioRpcError:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            servers.append(s.server)
+            never = asyncio.Event()
+
+            async def nothing_yet() -> AsyncIterator[pb.InferRequest]:
+                await never.wait()
+                yield request(rows(1), request_id="x")
+
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await asyncio.wait_for(collect(s.stub.InferStream(nothing_yet())), 10)
+            await stopping[0]
+            return ended.value
+
+    ended = asyncio.run(scenario())
+    assert ended.code() == grpc.StatusCode.UNAVAILABLE
+    assert rich_status(ended)[0] == "DRAINING"
 
 
 def test_an_answer_over_the_message_limit_fails_its_item_not_the_stream(tmp_path: Path) -> None:

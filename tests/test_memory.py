@@ -7,6 +7,7 @@ server (or the engine) in a child process with its own budget.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import subprocess
 import sys
@@ -28,7 +29,12 @@ from laneserve.server.clock import ManualClock
 from laneserve.server.cost_model import RunTimeModel
 from laneserve.server.demo_model import make_demo_model
 from laneserve.server.engine import Engine
-from laneserve.server.errors import DeviceMemoryError, ExpiredInQueueError, MemoryPressureError
+from laneserve.server.errors import (
+    DeviceMemoryError,
+    EngineError,
+    ExpiredInQueueError,
+    MemoryPressureError,
+)
 from laneserve.server.items import (
     Array,
     BatchResult,
@@ -462,10 +468,17 @@ class _OutOfMemoryAbove(Engine):
     Each failed attempt calls `on_failure` first (it takes time: the test moves its clock
     or cancels a caller meanwhile); `ran` keeps the inputs of every run that succeeded."""
 
-    def __init__(self, model_path: Path, fit_rows: int, on_failure: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        fit_rows: int,
+        on_failure: Callable[[], None],
+        on_success: Callable[[], None] = lambda: None,
+    ) -> None:
         super().__init__(str(model_path), device="cpu")
         self.fit_rows = fit_rows
         self.on_failure = on_failure
+        self.on_success = on_success
         self.ran: list[Array] = []
 
     def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
@@ -473,7 +486,21 @@ class _OutOfMemoryAbove(Engine):
             self.on_failure()
             raise DeviceMemoryError("injected: out of memory")
         self.ran.append(inputs["input"].copy())
-        return super().run(inputs)
+        outputs = super().run(inputs)
+        self.on_success()
+        return outputs
+
+
+class _BrokenSession(Engine):
+    """The real session, failing every run as a broken device would (fault injection)."""
+
+    def __init__(self, model_path: Path) -> None:
+        super().__init__(str(model_path), device="cpu")
+        self.runs = 0
+
+    def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
+        self.runs += 1
+        raise EngineError("injected: CUDA failure 700: an illegal memory access")
 
 
 def test_rows_nobody_waits_for_are_not_run_again_after_out_of_memory(
@@ -541,11 +568,101 @@ def test_rows_nobody_waits_for_are_not_run_again_after_out_of_memory(
     assert outputs is not None
     (expected,) = small_reference.run(None, {"input": inputs["A"]})
     np.testing.assert_array_equal(outputs["output"], expected)
-    # After the 8-row attempt only A's rows ran, in halves of 1 and 2 rows.
+    # After the 8-row attempt only A's rows ran: the first half less B's row (3 rows: out
+    # of memory again), then 1 + 2; the second half (B and C) not at all.
     assert [len(rows) for rows in engine.ran] == [1, 2]
     np.testing.assert_array_equal(np.concatenate(engine.ran), inputs["A"])
-    assert len(attempts) == 1
+    assert len(attempts) == 2
     assert scheduler.live_entries == 0
+
+
+def _answers_of(
+    scheduler: Scheduler, engine: Engine, clock: ManualClock, count: int
+) -> list[Outcome]:
+    """Runs the scheduler's queued work through `engine` until `count` answers came."""
+    answers: list[Outcome] = []
+    answered = threading.Event()
+
+    def deliver(outcomes: Sequence[Outcome]) -> None:
+        answers.extend(outcomes)
+        if len(answers) >= count:
+            answered.set()
+
+    thread = SchedulerThread(scheduler, engine.run_batch, deliver, clock=clock)
+    thread.start()
+    try:
+        assert answered.wait(30), f"answers: {answers}"
+    finally:
+        thread.close()
+    return answers
+
+
+def _standard(name: str, x: Array, deadline_s: float | None = None) -> InferenceRequest:
+    return InferenceRequest(
+        request_id=name,
+        lane="standard",
+        inputs={"input": x},
+        rows=len(x),
+        signature=(x.shape[1:],),
+        deadline_s=deadline_s,
+        token=name,
+    )
+
+
+def test_each_half_of_a_split_is_asked_for_just_before_it_runs(small_model: Path) -> None:
+    """The second half of a split runs after the first: its rows whose deadline passed
+    meanwhile are not run (they were asked for once, before both halves, and ran late
+    and were answered OK)."""
+    clock = ManualClock(1_000.0)
+    engine = _OutOfMemoryAbove(small_model, 2, lambda: None, lambda: clock.advance(1.0))
+    width = engine.inputs[0].shape[1]
+    scheduler = _scheduler(4)
+    scheduler.admit(_standard("A", np.zeros((2, width), np.float32)), clock.monotonic())
+    late = _standard("B", np.ones((2, width), np.float32), deadline_s=1_000.5)
+    scheduler.admit(late, clock.monotonic())
+    answers = {answer.token: answer for answer in _answers_of(scheduler, engine, clock, 2)}
+    assert answers["A"].error is None
+    assert isinstance(answers["B"].error, ExpiredInQueueError)
+    assert len(engine.ran) == 1, "A's half ran; B's expired while it did, and did not run"
+
+
+def test_a_broken_session_costs_three_runs_and_blames_no_request(small_model: Path) -> None:
+    """A failure that is not one row's (both halves fail too) stops the split: three runs
+    per batch, not two per row, and the answer says the batch and both halves failed."""
+    clock = ManualClock(1_000.0)
+    engine = _BrokenSession(small_model)
+    width = engine.inputs[0].shape[1]
+    scheduler = _scheduler(8)
+    for index in range(4):
+        request = _standard(f"r{index}", np.full((2, width), index, np.float32))
+        scheduler.admit(request, clock.monotonic())
+    answers = _answers_of(scheduler, engine, clock, 4)
+    assert engine.runs == 3
+    for answer in answers:
+        assert isinstance(answer.error, EngineError)
+        assert "failed on the batch holding this request and on both halves of it" in (
+            answer.error.message
+        )
+
+
+def test_split_batches_do_not_raise_the_cap_back() -> None:
+    """After an out-of-memory lowered the cap, only full batches that ran whole count
+    towards raising it again: full batches whose every row failed (a broken session)
+    counted, and put the cap back up while nothing ran."""
+    clock = ManualClock()
+    scheduler = _scheduler(64)
+    scheduler.admit(_request(0, "standard", 64), clock.monotonic())
+    ok = _dispatch(scheduler, clock)
+    oom = OutOfMemoryRun(64, held_unfit_row=False)
+    scheduler.complete(dataclasses.replace(ok, out_of_memory_runs=(oom,), split=True))
+    assert scheduler.batch_cap == 32
+    broken = EngineError("the model failed on the batch holding this request")
+    for index in range(1, CAP_RECOVERY_BATCHES + 2):
+        scheduler.admit(_request(index, "standard", 32), clock.monotonic())
+        batch = _dispatch(scheduler, clock).batch
+        failed = (FailedRows(0, 32, broken),)
+        scheduler.complete(BatchResult(batch, None, None, 0.001, failed_rows=failed, split=True))
+    assert scheduler.batch_cap == 32
 
 
 def test_a_batch_nobody_waits_for_any_more_is_not_run_again(small_model: Path) -> None:

@@ -470,12 +470,16 @@ def test_a_lane_idle_when_a_batch_is_formed_still_repays_what_it_took_ahead() ->
     assert taken["interactive"] >= batches * (CAP - share_rows) - CAP
 
 
-def test_a_lower_lanes_share_does_not_crowd_out_a_higher_lanes_large_request() -> None:
+@pytest.mark.parametrize("bulk_rows", [1, 5], ids=["bulk-rows-1", "bulk-items-over-its-share"])
+def test_a_lower_lanes_share_does_not_crowd_out_a_higher_lanes_large_request(
+    bulk_rows: int,
+) -> None:
     """Interactive is active (a request every 20 ms), so batches of the lanes below hold
     what runs within its max_wait, or the head request if larger: 30 standard rows.
     Bulk's share used to come out of those 30 rows, so the head no longer fitted, bulk
     filled the rest, and standard (the higher lane) got only its own share: bulk got 3x
-    its rows. Shares come on top of the head's rows."""
+    its rows. Shares come on top of the head's rows, counted as pass 1 takes them (an
+    item larger than the share goes whole)."""
     lanes = (
         LaneConfig("interactive", capacity_rows=64, timeout_ms=1000, max_wait_ms=2, min_share=0),
         LaneConfig("standard", capacity_rows=512, timeout_ms=10_000, max_wait_ms=4, min_share=0.1),
@@ -489,7 +493,7 @@ def test_a_lower_lanes_share_does_not_crowd_out_a_higher_lanes_large_request() -
             scheduler.admit(make_request(index, "interactive", 1), now_s)
             index += 1
         while queued_rows(scheduler, "bulk") < 200:
-            scheduler.admit(make_request(index, "bulk", 1), now_s)
+            scheduler.admit(make_request(index, "bulk", bulk_rows), now_s)
             index += 1
         if queued_rows(scheduler, "standard") < 60:
             scheduler.admit(make_request(index, "standard", 30), now_s)
