@@ -674,33 +674,10 @@ def test_a_batch_nobody_waits_for_any_more_is_not_run_again(small_model: Path) -
     width = engine.inputs[0].shape[1]
     scheduler = _scheduler(4)
     stats = scheduler.events = StatsRecorder(["interactive", "standard", "bulk"])
-    answers: list[Outcome] = []
-    answered = threading.Event()
-
-    def deliver(outcomes: Sequence[Outcome]) -> None:
-        answers.extend(outcomes)
-        if len(answers) == 2:
-            answered.set()
-
     for name in ("A", "B"):
-        scheduler.admit(
-            InferenceRequest(
-                request_id=name,
-                lane="standard",
-                inputs={"input": np.ones((2, width), np.float32)},
-                rows=2,
-                signature=((width,),),
-                deadline_s=1_000.5,
-                token=name,
-            ),
-            clock.monotonic(),
-        )
-    thread = SchedulerThread(scheduler, engine.run_batch, deliver, clock=clock)
-    thread.start()
-    try:
-        assert answered.wait(30), f"answers: {answers}"
-    finally:
-        thread.close()
+        request = _standard(name, np.ones((2, width), np.float32), deadline_s=1_000.5)
+        scheduler.admit(request, clock.monotonic())
+    answers = _answers_of(scheduler, engine, clock, 2)
     assert engine.ran == [], "nothing ran again"
     assert all(isinstance(answer.error, ExpiredInQueueError) for answer in answers)
     assert scheduler.batch_cap == 2
