@@ -254,13 +254,8 @@ def test_a_stream_open_when_the_server_drains_answers_what_it_read_and_ends(
         engine = RecordingEngine(str(small_model))
         async with serving(engine, config(small_model)) as s:
             sent: asyncio.Queue[pb.InferRequest | None] = asyncio.Queue()
-
-            async def requests() -> AsyncIterator[pb.InferRequest]:
-                while (item := await sent.get()) is not None:
-                    yield item
-
             engine.hold()
-            call = s.stub.InferStream(requests())
+            call = s.stub.InferStream(fed(sent))
             sent.put_nowait(request(rows(2, start=0), request_id="running"))
             await asyncio.to_thread(engine.entered.acquire)
             stopping = asyncio.create_task(s.server.stop(grace_s=5.0))
@@ -649,13 +644,8 @@ def test_stream_answers_each_item_out_of_order_with_its_request_id(small_model: 
         engine = RecordingEngine(str(small_model))
         async with serving(engine, config(small_model, max_batch_size=4)) as s:
             sent: asyncio.Queue[pb.InferRequest | None] = asyncio.Queue()
-
-            async def requests() -> AsyncIterator[pb.InferRequest]:
-                while (item := await sent.get()) is not None:
-                    yield item
-
             engine.hold()
-            call = s.stub.InferStream(requests())
+            call = s.stub.InferStream(fed(sent))
             answers = asyncio.ensure_future(collect(call))
             sent.put_nowait(request(rows(4, start=0), request_id="held"))
             await asyncio.to_thread(engine.entered.acquire)
@@ -711,6 +701,12 @@ def test_cancelled_stream_frees_its_queued_items(small_model: Path) -> None:
 
 async def collect(results: AsyncIterable[Any]) -> list[Any]:
     return [result async for result in results]
+
+
+async def fed(sent: asyncio.Queue[pb.InferRequest | None]) -> AsyncIterator[pb.InferRequest]:
+    """The requests the test puts on `sent` as it goes, until None."""
+    while (item := await sent.get()) is not None:
+        yield item
 
 
 async def gated(

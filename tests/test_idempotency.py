@@ -279,45 +279,12 @@ def test_abandoned_request_split_across_batches_finishes_once_started(small_mode
 
 
 def test_a_retry_joining_a_request_in_flight_keeps_its_own_deadline(small_model: Path) -> None:
-    """The first call has no deadline; its retry (same id) has 50 ms and joins it. The
-    retry is answered EXPIRED_IN_QUEUE at its own deadline, and the request goes on to
-    answer the first call: it runs once."""
-
-    async def scenario() -> None:
-        engine = RecordingEngine(str(small_model))
-        async with served(engine, config(small_model)) as s:
-            engine.hold()
-            busy = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=1))))
-            await asyncio.to_thread(engine.entered.acquire)  # the session is busy
-            x = rows(2, start=70)
-            first = asyncio.ensure_future(s.stub.Infer(request(x, request_id="x")))
-            await until(lambda: queued_rows(s) == 2)
-            with pytest.raises(grpc.aio.AioRpcError) as joined:
-                await s.stub.Infer(request(x, request_id="x", timeout_ms=50))
-            engine.release()
-            answer = await first
-            await busy
-            stats = await s.stub.GetStats(pb.GetStatsRequest())
-        reason, _ = rich_status(joined.value)
-        assert joined.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert reason == "EXPIRED_IN_QUEUE"
-        assert "waited for the request with the same request_id 'x'" in (
-            joined.value.details() or ""
-        )
-        assert output(answer).shape == (2, 10)
-        assert engine.ran_tags.count(70) == 1, "ran once"
-        assert stats.idempotent_joins == 1
-
-    asyncio.run(scenario())
-
-
-def test_a_retry_joining_from_another_lane_keeps_that_lanes_timeout_and_name_check(
-    small_model: Path,
-) -> None:
-    """A retry with no deadline of its own, naming a lane with a 200 ms timeout, joins a
-    request in flight in standard: it is answered EXPIRED_IN_QUEUE at its lane's timeout
-    (it waited as long as the first caller). One naming a lane the server lacks is
-    INVALID_ARGUMENT, as a new request would be (it was answered OK from the flight)."""
+    """The first call has no deadline; retries (same id) join it. One with 50 ms is
+    answered EXPIRED_IN_QUEUE at its own deadline; one with none, naming a lane with a
+    200 ms timeout, at that timeout (it waited as long as the first caller); one naming a
+    lane the server lacks is INVALID_ARGUMENT, as a new request would be (it was answered
+    from the flight or the replay cache). The request goes on to answer the first call:
+    it runs once."""
     lanes = (
         LaneConfig("interactive", capacity_rows=64, timeout_ms=200, max_wait_ms=1, min_share=0),
         LaneConfig("standard", capacity_rows=64, timeout_ms=60_000, max_wait_ms=1, min_share=0),
@@ -332,21 +299,34 @@ def test_a_retry_joining_from_another_lane_keeps_that_lanes_timeout_and_name_che
             x = rows(2, start=70)
             first = asyncio.ensure_future(s.stub.Infer(request(x, request_id="x")))
             await until(lambda: queued_rows(s) == 2)
-            with pytest.raises(grpc.aio.AioRpcError) as joined:
-                await s.stub.Infer(request(x, request_id="x", lane="interactive"))
-            with pytest.raises(grpc.aio.AioRpcError) as unknown:
-                await s.stub.Infer(request(x, request_id="x", lane="vip"))
+            joins = (
+                request(x, request_id="x", timeout_ms=50),
+                request(x, request_id="x", lane="interactive"),
+                request(x, request_id="x", lane="vip"),
+            )
+            refusals = []
+            for join in joins:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await s.stub.Infer(join)
+                refusals.append(refused.value)
             engine.release()
-            await first
+            answer = await first
             await busy
             with pytest.raises(grpc.aio.AioRpcError) as replayed:
                 await s.stub.Infer(request(x, request_id="x", lane="vip"))
-        assert joined.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert rich_status(joined.value)[0] == "EXPIRED_IN_QUEUE"
-        for refused in (unknown.value, replayed.value):
-            assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "unknown lane 'vip'" in (refused.details() or "")
+            refusals.append(replayed.value)
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+        deadline, lane_timeout, unknown, unknown_replayed = refusals
+        for expired in (deadline, lane_timeout):
+            assert expired.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert rich_status(expired)[0] == "EXPIRED_IN_QUEUE"
+        assert "waited for the request with the same request_id 'x'" in (deadline.details() or "")
+        for refused_lane in (unknown, unknown_replayed):
+            assert refused_lane.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "unknown lane 'vip'" in (refused_lane.details() or "")
+        assert output(answer).shape == (2, 10)
         assert engine.ran_tags.count(70) == 1, "ran once"
+        assert stats.idempotent_joins == 2
 
     asyncio.run(scenario())
 
