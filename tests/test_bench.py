@@ -7,26 +7,57 @@ what is checked is that every figure is there and every process is gone afterwar
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
+import queue
 import re
+import signal
+import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
 import pytest
 
+import laneserve.server.bench.run as bench_run
 from laneserve.client.tensors import decode_tensor, encode_tensor
-from laneserve.server.bench import PROFILES, BenchSettings, missing_keys, procs, run_bench
+from laneserve.server.bench import (
+    PROFILES,
+    BenchSettings,
+    loadgen,
+    missing_keys,
+    procs,
+    run_bench,
+)
 from laneserve.server.bench.baselines import raw_ceiling
-from laneserve.server.bench.cli import _kinds, _scenarios, settings_from
-from laneserve.server.bench.loadgen import InputSpec, request_body, with_request_id
+from laneserve.server.bench.cli import (
+    _kinds,
+    _scenarios,
+    settings_from,
+    stop_signals_interrupt,
+)
+from laneserve.server.bench.loadgen import (
+    ClientPool,
+    InputSpec,
+    Job,
+    PointRun,
+    _Client,
+    request_body,
+    with_request_id,
+)
 from laneserve.server.bench.profiling import summarize_collapsed
-from laneserve.server.bench.report import evaluate_targets, render_markdown, write_outputs
+from laneserve.server.bench.report import (
+    evaluate_targets,
+    render_markdown,
+    verdict_text,
+    write_outputs,
+)
 from laneserve.server.bench.run import get_stats
-from laneserve.server.bench.settings import MixStream, Stream
+from laneserve.server.bench.settings import MixStream, Point, Profile, Stream
 from laneserve.server.bench.summary import (
     OK,
     MergedWindow,
@@ -34,8 +65,10 @@ from laneserve.server.bench.summary import (
     WindowReport,
     classify,
     client_cpu_fractions,
+    dispatched_late,
     is_stable,
     merge_window,
+    offer_problem,
     percentiles_ms,
     summarize_stream,
 )
@@ -75,7 +108,7 @@ def test_short_run_writes_well_formed_json_with_every_key(
         out_dir=tmp_path / "results",
         model_path=str(small_model),
         configurations=("laneserve",),
-        client_processes=1,
+        client_processes=2,  # (c) pins interactive and bulk to processes of their own
         channels_per_process=2,
         max_batch_size=16,
         command="test",
@@ -112,8 +145,9 @@ def test_short_run_writes_well_formed_json_with_every_key(
     threads = written["server_threads"]["threads"]
     assert threads, "the server's CPU by thread at the highest load of (a)"
     laneserve = written["configurations"]["laneserve"]
-    assert laneserve["memory"]["peak_rss_bytes"] > 0
-    assert laneserve["memory_after_a"]["peak_rss_bytes"] > 0, "read once (a) ran"
+    assert laneserve["memory"]["measure"] == "PSS"
+    assert laneserve["memory"]["peak_bytes"] > 0
+    assert laneserve["memory_after_a"]["peak_bytes"] > 0, "sampled while (a) ran"
     assert laneserve["memory_after_a"]["processes"] == laneserve["memory"]["processes"]
     assert {target["id"] for target in written["targets"]} >= {
         "echo_ratio",
@@ -126,7 +160,7 @@ def test_short_run_writes_well_formed_json_with_every_key(
     report = Path(outputs["markdown"]).read_text()
     assert "## Targets (issue 6)" in report
     assert "## (d)" in report
-    assert "| peak after (a) |" in report
+    assert "| peak during (a) |" in report
     assert live_children() == [], "no server or client process is left"
 
 
@@ -206,7 +240,8 @@ def test_baselines_start_answer_and_stop_cleanly(small_model: Path, kind: str) -
         assert get_stats(deployment.target) is None, "a baseline keeps no statistics"
         memory = deployment.memory()
         assert memory["processes"] == len(deployment.processes)
-        assert memory["peak_rss_bytes"] > 0
+        assert memory["measure"] == "PSS"
+        assert memory["bytes"] > 0
     finally:
         codes = deployment.stop()
     assert codes == [0] * len(deployment.processes), "each stopped on SIGTERM, exit 0"
@@ -227,12 +262,26 @@ def test_stability_needs_every_stream_to_agree_within_tolerance() -> None:
         return {"s": {"throughput_per_s": throughput, "p50_ms": p50_ms}}
 
     assert is_stable([window(100, 5.0), window(105, 5.2)], count=2, tolerance=0.1)
+    assert is_stable([window(100, 5.0), window(110, 5.5)], count=2, tolerance=0.1)
     assert not is_stable([window(100, 5.0), window(130, 5.0)], count=2, tolerance=0.1)
     assert not is_stable([window(100, 5.0), window(100, 8.0)], count=2, tolerance=0.1)
     assert not is_stable([window(100, 5.0)], count=2, tolerance=0.1), "too few windows"
     # Too few samples for a median: throughput alone decides.
     assert is_stable([window(100, None), window(101, 9.0)], count=2, tolerance=0.1)
     assert is_stable([window(500, 1.0), window(100, 5.0), window(104, 5.1)], count=2, tolerance=0.1)
+
+
+def test_stability_bounds_the_spread_by_the_smallest_window_and_needs_answers() -> None:
+    """Spread against the mean let two windows 22 % apart pass a 10 % rule; a point
+    where every request failed (no OK answer in any window) passed as stable."""
+
+    def window(throughput: float, p50_ms: float | None) -> dict[str, dict[str, float | None]]:
+        return {"s": {"throughput_per_s": throughput, "p50_ms": p50_ms}}
+
+    assert not is_stable([window(1000, 5.0), window(1220, 5.0)], count=2, tolerance=0.1)
+    assert not is_stable([window(1000, 5.0), window(1000, 6.1)], count=2, tolerance=0.1)
+    assert not is_stable([window(0.0, None), window(0.0, None)], count=2, tolerance=0.1)
+    assert not is_stable([window(0.0, None), window(50.0, 5.0)], count=2, tolerance=0.1)
 
 
 def test_client_cpu_is_summed_over_windows_before_dividing() -> None:
@@ -271,7 +320,7 @@ def test_outcomes_are_classified_by_reason() -> None:
 
 
 def test_stream_summary_counts_goodput_within_the_deadline() -> None:
-    stream = Stream("d", rate_per_s=100.0, deadline_ms=100)
+    stream = Stream("d", rate_per_s=3.0, deadline_ms=100)
     record = StreamWindow(
         sent=6,
         ok_latency_s=[0.01, 0.02, 0.5],
@@ -288,6 +337,9 @@ def test_stream_summary_counts_goodput_within_the_deadline() -> None:
     assert summary["shed"] == {"EXPIRED_IN_QUEUE": 1}
     assert summary["batch_rows"]["histogram"] == {"4": 2, "8": 1}
     assert summary["latency"]["count"] == 3
+    assert summary["achieved_rate_per_s"] == 3.0
+    assert summary["valid"] is True
+    assert summary["expired_executed"] == 1
     assert percentiles_ms([])["p99_ms"] is None
 
 
@@ -479,9 +531,17 @@ def test_report_of_a_run_without_baselines_says_not_measured() -> None:
     assert "not measured" in render_markdown(document)
 
 
-def memory(processes: int, peak_mib: int) -> dict[str, Any]:
+def memory(processes: int, peak_mib: int, measure: str = "PSS") -> dict[str, Any]:
     peak = peak_mib * 2**20
-    return {"processes": processes, "peak_rss_bytes": peak, "rss_bytes": peak, "by_process": []}
+    return {
+        "measure": measure,
+        "note": None,
+        "processes": processes,
+        "bytes": peak,
+        "peak_bytes": peak,
+        "samples": 3,
+        "by_process": [],
+    }
 
 
 def test_memory_target_compares_the_peaks_after_scenario_a() -> None:
@@ -500,13 +560,393 @@ def test_memory_target_compares_the_peaks_after_scenario_a() -> None:
         },
         # A document written before the peak after (a) was recorded.
         "workers-4": {"kind": "workers", "memory": memory(4, 500)},
+        # Resident sets are not comparable with laneserve's PSS.
+        "workers-8": {"kind": "workers", "memory_after_a": memory(8, 900, "RSS")},
     }
     targets = {target["id"]: target for target in evaluate_targets(document)}
     assert targets["workers-2_memory"]["met"] is True
-    assert targets["workers-2_memory"]["measured"] == "2.50x (250 MiB vs 100 MiB, peak after (a))"
+    assert (
+        targets["workers-2_memory"]["measured"] == "2.50x (250 MiB vs 100 MiB, PSS peak during (a))"
+    )
     assert targets["workers-4_memory"]["met"] is None
     assert targets["workers-4_memory"]["measured"] == "not measured"
+    assert targets["workers-8_memory"]["met"] is None
     report = render_markdown(document)
-    assert "| laneserve | 1 | 100 MiB | 400 MiB | 400 MiB |" in report
-    assert "| workers-4 | 4 | - | 500 MiB | 500 MiB |" in report
-    assert "compares the peak after (a)" in report
+    assert "| laneserve | 1 | PSS | 100 MiB | 400 MiB | 400 MiB |" in report
+    assert "| workers-4 | 4 | PSS | - | 500 MiB | 500 MiB |" in report
+    assert "compares the peak during (a)" in report
+
+
+# ---- the measurement defects a review found, one test each -------------------------
+
+
+def open_loop_client(stream: Stream) -> _Client:
+    """A client process's state for one open-loop stream, without a process or channels:
+    its calls are replaced by the test."""
+    job = Job(
+        target="unused",
+        priority_target=None,
+        streams=(stream,),
+        callers=(0,),
+        rates_per_s=(stream.rate_per_s,),
+        inputs=(InputSpec("input", "<f4", (4,)),),
+        warmup_s=0.0,
+        window_s=1.0,
+        max_windows=1,
+        channels=1,
+        seed=0,
+    )
+    # The queues and the stop event belong to the process loop, which these tests skip.
+    client = _Client(0, job, cast("Any", None), cast("Any", None), cast("Any", None))
+    client.calls = [cast("Any", None)]
+    client.verified = [True]
+    return client
+
+
+def answer(reply: pb.InferResponse | str) -> Any:
+    async def unary(_call: Any, _payload: bytes, _timeout_s: float) -> pb.InferResponse | str:
+        return reply
+
+    return unary
+
+
+def test_an_answer_that_ran_after_its_deadline_counts_as_expired_executed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its queue time at the server (1 ms) is short, but 300 ms went by between the
+    scheduled send and the run (gRPC's queue, decoding, client lag): it ran after its
+    100 ms deadline, which only the client can see."""
+    assert dispatched_late(0.300, 5_000, 0.100)
+    assert not dispatched_late(0.104, 5_000, 0.100), "99 ms before the run: in time"
+    late = pb.InferResponse(timing=pb.Timing(batch_size=4, queue_us=1_000, infer_us=5_000))
+    for deadline_in in ("timeout_ms", "grpc"):
+        stream = Stream("default", rate_per_s=1.0, deadline_ms=100, deadline_in=deadline_in)
+        client = open_loop_client(stream)
+        monkeypatch.setattr(client, "_unary", answer(late))
+        asyncio.run(client._call(0, 0, time.monotonic() - 0.3))
+        record = client.records[0]
+        assert record.late_ok == 1
+        summary = summarize_stream(stream, record, 1.0)
+        if deadline_in == "timeout_ms":
+            assert record.expired_executed == 1
+            assert summary["expired_executed"] == 1
+        else:  # the client cancels at a gRPC deadline: a late run is never seen
+            assert summary["expired_executed"] is None
+
+
+def test_expired_executed_cannot_be_measured_under_a_grpc_deadline() -> None:
+    document = empty_document()
+    document["capacity"] = {"throughput_per_s": 100.0}
+    for deadline_in in ("timeout_ms", "grpc"):
+        stream = Stream("default", rate_per_s=300.0, deadline_ms=100, deadline_in=deadline_in)
+        record = StreamWindow(sent=600, ok_latency_s=[0.01] * 180, ok_batch_rows=[4] * 180)
+        record.outcomes.update({OK: 180})
+        document["scenarios"]["d"].append(point_of("d", f"300%, {deadline_in}", stream, record))
+    targets = [t for t in evaluate_targets(document) if t["id"].startswith("overload_")]
+    assert [t["id"] for t in targets] == [
+        "overload_goodput_timeout_ms",
+        "overload_expired_executed",
+        "overload_goodput_grpc",
+    ], "the expired-executed verdict comes from the timeout_ms point alone"
+    report = render_markdown(document)
+    assert "| 0 | 0 | - |" in report, "timeout_ms: none late, none expired, no lag"
+    assert "| 0 | - (not seen) | - |" in report, "gRPC deadline: not measurable"
+
+
+def test_client_lag_is_recorded_for_every_request_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    stream = Stream("default", rate_per_s=1.0, deadline_ms=100)
+    client = open_loop_client(stream)
+    monkeypatch.setattr(client, "_unary", answer("EXPIRED_IN_QUEUE"))
+    asyncio.run(client._call(0, 0, time.monotonic() - 0.5))
+    monkeypatch.setattr(client, "_unary", answer(pb.InferResponse(timing=pb.Timing())))
+    asyncio.run(client._call(0, 0, time.monotonic() - 0.001))
+    record = client.records[0]
+    assert record.sent == 2
+    assert len(record.lag_s) == 2, "the shed request's lag counts too"
+    assert max(record.lag_s) >= 0.5
+
+
+def test_arrivals_the_client_could_not_send_are_neither_sent_nor_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(loadgen, "MAX_OUTSTANDING", 3)
+    stream = Stream("default", rate_per_s=100.0, deadline_ms=100)
+    client = open_loop_client(stream)
+
+    async def never_answered(_call: Any, _payload: bytes, _timeout_s: float) -> str:
+        await asyncio.Event().wait()
+        return "UNREACHABLE"
+
+    monkeypatch.setattr(client, "_unary", never_answered)
+
+    async def offer_a_second_at_once() -> None:
+        arrivals = asyncio.create_task(client._arrivals(0, time.monotonic() - 1.0, 100.0))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        client.stopping = True
+        for task in (arrivals, *client.in_flight):
+            task.cancel()
+        await asyncio.gather(arrivals, *client.in_flight, return_exceptions=True)
+
+    asyncio.run(offer_a_second_at_once())
+    record = client.records[0]
+    assert record.sent == 3, "only MAX_OUTSTANDING requests went out"
+    assert record.client_backlog > 50
+    assert sum(record.outcomes.values()) == 0
+    summary = summarize_stream(stream, record, 1.0)
+    assert (summary["sent"], summary["answered"], summary["failed"]) == (3, 0, {})
+    assert summary["client_backlog"] == record.client_backlog
+    assert summary["achieved_rate_per_s"] == 3.0
+    assert summary["valid"] is False
+    assert "sent 3/s of the 100/s target" in summary["invalid_reason"]
+
+
+def test_a_point_the_load_generator_could_not_offer_is_not_valid() -> None:
+    stream = Stream("default", rate_per_s=1000.0, deadline_ms=100)
+    assert offer_problem(stream, 1950, 2.0, [0.001]) == ""
+    assert offer_problem(stream, 1800, 2.0, [0.001]) == "sent 900/s of the 1,000/s target (90%)"
+    assert offer_problem(stream, 2000, 2.0, [0.2, 0.3]) == (
+        "client lag p50 250 ms exceeds the 100 ms deadline"
+    )
+    few = Stream("interactive", rate_per_s=100.0)
+    assert offer_problem(few, 180, 2.0, []) == "", "90 % of 200 arrivals: Poisson noise"
+    assert offer_problem(few, 150, 2.0, []) != ""
+    assert offer_problem(Stream("c", concurrency=4), 0, 2.0, []) == "", "closed loop"
+
+    document = empty_document()
+    document["capacity"] = {"throughput_per_s": 300.0}
+    record = StreamWindow(sent=1500, ok_latency_s=[0.01] * 1000, ok_batch_rows=[4] * 1000)
+    record.outcomes.update({OK: 1000})
+    overload = Stream("default", rate_per_s=900.0, deadline_ms=100)
+    point = point_of("d", "300%, 100 ms timeout_ms", overload, record)
+    assert point["valid"] is False
+    document["scenarios"]["d"].append(point)
+    goodput = next(
+        t for t in evaluate_targets(document) if t["id"] == "overload_goodput_timeout_ms"
+    )
+    assert (goodput["met"], goodput["valid"]) == (None, False), "not missed: not valid"
+    assert verdict_text(goodput) == "not valid (load not offered)"
+    assert "sent 750/s of the 900/s target" in goodput["detail"]
+    report = render_markdown(document)
+    assert "| 900 | 750 |" in report, "the achieved rate next to the target"
+    assert "| not valid (load not offered) |" in report
+
+
+def point_of(scenario: str, name: str, stream: Stream, record: StreamWindow) -> dict[str, Any]:
+    """A point of the document as the orchestrator writes it, over 2 s of windows."""
+    lane = summarize_stream(stream, record, 2.0)
+    return {
+        "configuration": "laneserve",
+        "scenario": scenario,
+        "name": name,
+        "streams": [dataclasses.asdict(stream)],
+        "stable": True,
+        "valid": lane["valid"],
+        "invalid_reason": lane["invalid_reason"],
+        "lanes": {stream.label: lane},
+        "client": {"cpu_fraction_max": 0.1, "saturated": False},
+        "server": None,
+        "host": {"server_cores": None, "client_cores": 0.1, "other_cores": None},
+    }
+
+
+class Windows:
+    """A client pool that measures `max_windows` windows of a point that never settles,
+    while the server (`batches`) runs 100 batches per window and 30 more at the stop."""
+
+    processes = 1
+    channels = 1
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def stats(self, _target: str) -> pb.GetStatsResponse:
+        return pb.GetStatsResponse(batches=self.batches, rows_run=4 * self.batches)
+
+    def run_point(
+        self,
+        _target: str,
+        _streams: Any,
+        _inputs: Any,
+        *,
+        profile: Profile,
+        judge: Any,
+        on_boundary: Any,
+        priority_target: Any,
+    ) -> PointRun:
+        windows = []
+        on_boundary(0)
+        for index in range(profile.max_windows):
+            self.batches += 100
+            record = StreamWindow(sent=400)
+            record.outcomes[OK] = 400
+            windows.append(MergedWindow(index, {"single": record}, 1.0, {0: (0.1, 1.0)}))
+            on_boundary(index + 1)
+        self.batches += 30  # the stop: work in flight drains
+        return PointRun(windows, False, windows[-profile.stable_windows :])
+
+
+def test_server_figures_span_the_windows_the_client_figures_come_from(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pool = Windows()
+    monkeypatch.setattr(bench_run, "get_stats", pool.stats)
+    profile = PROFILES["full"]
+    settings = BenchSettings(profile=profile, out_dir=tmp_path)
+    document = bench_run._new_document(settings, None)
+    runner = bench_run._Runner(settings, cast("Any", pool), document)
+    deployment = procs.Deployment(name="laneserve", kind="external", target="unused")
+    runner._measure(deployment, Point("a", "c=64", (Stream("single", concurrency=64),)))
+    (point,) = document["scenarios"]["a"]
+    assert (point["windows_measured"], point["windows_used"]) == (8, 3)
+    assert point["lanes"]["single"]["ok"] == 3 * 400
+    assert point["server"]["batches"] == 3 * 100, "the windows used, not all 8 and the stop"
+    assert point["server"]["rows_run"] == point["lanes"]["single"]["ok"]
+
+
+def test_the_pool_reads_the_boundaries_of_the_windows_it_judges() -> None:
+    """Windows 0 and 1 agree: the boundaries 0, 1 and 2 around them are read before the
+    point stops, and none past them."""
+    pool = ClientPool.__new__(ClientPool)
+    pool.processes = 1
+    pool._workers = []
+    results: queue.Queue[tuple[Any, ...]] = queue.Queue()
+    pool._results = cast("Any", results)
+    for index in range(3):
+        report = WindowReport(worker=0, window=index, streams={}, wall_s=1.0, cpu_s=0.1)
+        results.put(("window", report))
+    marks: list[int] = []
+    windows, stable = pool._collect(
+        time.monotonic() - 2.5, 1.0, 3, lambda windows: len(windows) == 2, marks.append
+    )
+    assert (len(windows), stable) == (2, True)
+    assert marks == [0, 1, 2]
+
+
+def test_workers_get_the_intra_op_threads_asked_for_or_their_share_of_usable_cores(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    threads: dict[int, int] = {}
+
+    def start_workers(
+        _model: str, *, workers: int, intra_op_threads: int, device: str
+    ) -> procs.Deployment:
+        threads[workers] = intra_op_threads
+        return procs.Deployment(name=f"workers-{workers}", kind="workers", target=device)
+
+    monkeypatch.setattr(procs, "start_workers", start_workers)
+    # A container limited to 2 of the machine's 64 cores.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    for asked, expected in (
+        (1, {1: 1, 2: 1, 4: 1}),
+        (3, {1: 3, 2: 3, 4: 3}),
+        (0, {1: 2, 2: 1, 4: 1}),
+    ):
+        settings = BenchSettings(
+            profile=PROFILES["full"], out_dir=tmp_path, intra_op_threads=asked, workers=(1, 2, 4)
+        )
+        for start in bench_run._starters(settings, "workers", "m.onnx"):
+            start()
+        assert threads == expected, f"--intra-op-threads {asked}"
+    assert BenchSettings(profile=PROFILES["full"], out_dir=tmp_path).no_batching_threads == 2
+
+
+def test_memory_is_pss_summed_with_its_peak_sampled_under_load(tmp_path: Path) -> None:
+    def proc_files(pid: int, rss_kb: int, hwm_kb: int, pss_kb: int | None) -> None:
+        folder = tmp_path / str(pid)
+        folder.mkdir()
+        (folder / "status").write_text(f"Name:\tx\nVmHWM:\t{hwm_kb} kB\nVmRSS:\t{rss_kb} kB\n")
+        if pss_kb is not None:
+            (folder / "smaps_rollup").write_text(
+                f"00400000-7fff [rollup]\nRss:\t{rss_kb} kB\nPss:\t{pss_kb} kB\n"
+            )
+
+    # Two workers sharing 80 of their 100 MiB resident: PSS counts the shared part once.
+    proc_files(1, 102_400, 150_000, 61_440)
+    proc_files(2, 102_400, 110_000, 61_440)
+    proc_files(3, 102_400, 110_000, None)
+    first, second, unreadable = (procs.read_process_memory(pid, tmp_path) for pid in (1, 2, 3))
+    assert (first.pss_bytes, first.rss_bytes, first.peak_rss_bytes) == (
+        61_440 * 1024,
+        102_400 * 1024,
+        150_000 * 1024,
+    )
+    assert procs.summed_memory([first, second]) == ("PSS", 120 * 2**20)
+    assert procs.summed_memory([first, unreadable]) == ("RSS", 200 * 2**20)
+    figures = procs.memory_figures([first, second], {"PSS": 130 * 2**20}, samples=4)
+    assert (figures["measure"], figures["bytes"], figures["peak_bytes"]) == (
+        "PSS",
+        120 * 2**20,
+        130 * 2**20,
+    )
+    assert figures["note"] is None
+    fallback = procs.memory_figures([first, unreadable], {"PSS": 1}, samples=1)
+    assert fallback["measure"] == "RSS"
+    assert fallback["peak_bytes"] is None, "no RSS sample: a PSS peak is not comparable"
+    assert "smaps_rollup could not be read" in fallback["note"]
+    ours = procs.read_process_memory(os.getpid())
+    assert ours.pss_bytes is not None
+    assert ours.pss_bytes > 0
+
+
+class StubbornProcess(procs.ServerProcess):
+    """A server process stand-in whose first stop is cut short by a Ctrl-C."""
+
+    def __init__(self, name: str, interrupted: bool, stops: list[tuple[str, float]]) -> None:
+        self.name = name
+        self.interrupted = interrupted
+        self.stops = stops
+
+    def stop(self, timeout_s: float = procs.STOP_TIMEOUT_S) -> int:
+        self.stops.append((self.name, timeout_s))
+        if self.interrupted:
+            self.interrupted = False
+            raise KeyboardInterrupt
+        return 0
+
+
+def test_a_second_ctrl_c_while_stopping_still_stops_every_process() -> None:
+    stops: list[tuple[str, float]] = []
+    deployment = procs.Deployment(name="workers-3", kind="workers", target="unused")
+    deployment.processes = [
+        StubbornProcess("w0", True, stops),
+        StubbornProcess("w1", False, stops),
+        StubbornProcess("w2", False, stops),
+    ]
+    with pytest.raises(KeyboardInterrupt):
+        deployment.stop()
+    assert stops == [
+        ("w0", procs.STOP_TIMEOUT_S),
+        ("w0", 0.0),
+        ("w1", 0.0),
+        ("w2", 0.0),
+    ], "the interrupted one and the rest are killed at once"
+
+
+def test_sigterm_stops_the_servers_the_run_started() -> None:
+    serve = "import sys, time; print('serving fake on 127.0.0.1:1', file=sys.stderr, flush=True)"
+    argv = [sys.executable, "-c", f"{serve}; time.sleep(60)"]
+    before = signal.getsignal(signal.SIGTERM)
+
+    def run_until_terminated() -> None:
+        with stop_signals_interrupt():
+            deployment = procs.start_group("fake", "laneserve", lambda _port: argv)
+            try:
+                signal.raise_signal(signal.SIGTERM)  # `timeout`, a CI job's cancel
+            finally:
+                deployment.stop()
+
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        run_until_terminated()
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert live_children() == []
+
+
+def test_scenario_c_refuses_a_single_client_process(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"--client-procs 1 they would share one"):
+        BenchSettings(profile=PROFILES["smoke"], out_dir=tmp_path, client_processes=1)
+    alone = BenchSettings(
+        profile=PROFILES["smoke"], out_dir=tmp_path, client_processes=1, scenarios=("a", "d")
+    )
+    assert alone.client_processes == 1

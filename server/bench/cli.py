@@ -10,16 +10,19 @@ laneserve bench --target 127.0.0.1:50051 \
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import logging
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import FrameType
 
 from laneserve.server.bench.loadgen import ClientError
 from laneserve.server.bench.procs import StartError
-from laneserve.server.bench.report import write_outputs
+from laneserve.server.bench.report import verdict_text, write_outputs
 from laneserve.server.bench.run import BenchSettings, command_line, run_bench
 from laneserve.server.bench.settings import (
     CONFIGURATION_KINDS,
@@ -34,6 +37,10 @@ from laneserve.server.bench.settings import (
 from laneserve.server.config import DEVICES
 
 RESULTS_DIR = Path("bench/results")
+# Signals that end a run as Ctrl-C does: `timeout`, a CI job's cancel, a closed terminal.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+# The exit status of a run stopped by a signal: 128 + its number, as a shell reports it.
+SIGNAL_EXIT_BASE = 128
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -196,21 +203,53 @@ def settings_from(args: argparse.Namespace, argv: Sequence[str]) -> BenchSetting
     return settings
 
 
+class Stopped(KeyboardInterrupt):
+    """A stop signal, raised where the main thread is, as Ctrl-C's KeyboardInterrupt is:
+    every `finally` on the way out runs, so every process the run started is stopped."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP end the run as Ctrl-C does (by default they would end the
+    process at once, leaving the servers it started running); the previous handlers
+    come back afterwards. Only in the main thread, where Python runs signal handlers."""
+
+    def interrupt(signum: int, _frame: FrameType | None) -> None:
+        raise Stopped(signum)
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Runs the benchmark of parsed `args` (`argv`: the whole command line, for the
     report); 0 when it completed, whatever the verdicts."""
     try:
         settings = settings_from(args, argv)
-        document = run_bench(settings)
+        with stop_signals_interrupt():
+            document = run_bench(settings)
     except (StartError, ClientError, FileNotFoundError, ValueError) as error:
         print(f"laneserve bench: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as error:
+        print("laneserve bench: stopped; every process it started was stopped", file=sys.stderr)
+        signum = error.signum if isinstance(error, Stopped) else signal.SIGINT
+        return SIGNAL_EXIT_BASE + signum
     outputs = write_outputs(document, settings.out_dir, plots=not args.no_plots)
     print(f"wrote {outputs['markdown']} and {outputs['json']}")
     for path in outputs["plots"]:
         print(f"wrote {path}")
     for target in document["targets"]:
-        verdict = {True: "met", False: "MISSED", None: "not measured"}[target["met"]]
+        verdict = verdict_text(target)
+        verdict = verdict.upper() if verdict == "missed" else verdict
         print(f"  {verdict:>12}  {target['description']}: {target['measured']}")
     return 0
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.queues
@@ -46,6 +47,7 @@ from laneserve.server.bench.summary import (
     MergedWindow,
     StreamWindow,
     WindowReport,
+    dispatched_late,
     merge_window,
 )
 from laneserve.v1 import inference_pb2 as pb
@@ -53,7 +55,8 @@ from laneserve.v1 import inference_pb2 as pb
 INFER_METHOD: Final = "/laneserve.v1.InferenceService/Infer"
 INFER_STREAM_METHOD: Final = "/laneserve.v1.InferenceService/InferStream"
 # Requests one client process may have in flight in open loop; arrivals beyond it are
-# not sent and counted as CLIENT_BACKLOG (the client, not the server, is then the limit).
+# not sent, and counted apart as client backlog (the client, not the server, is then the
+# limit).
 MAX_OUTSTANDING: Final = 20_000
 READY_TIMEOUT_S: Final = 60.0
 # How often a waiting client process looks at the stop event.
@@ -160,12 +163,17 @@ class ClientPool:
         *,
         profile: Profile,
         judge: Callable[[list[MergedWindow]], bool],
-        on_measure_start: Callable[[], None] | None = None,
+        on_boundary: Callable[[int], None] | None = None,
         priority_target: str | None = None,
     ) -> PointRun:
         """Offers `streams` to `target` after the profile's warm-up until
         `judge(windows so far)` says stable or the profile's cap of windows is reached;
-        the figures come from the last `profile.stable_windows` windows."""
+        the figures come from the last `profile.stable_windows` windows.
+
+        `on_boundary(k)` is called at the start of measured window k (k = 0 at the end of
+        the warm-up) and once more at the end of the last window, before the load stops:
+        readings taken there (GetStats, CPU, memory) cover exactly the windows between
+        two boundaries, as the client records do."""
         warmup_s, window_s = profile.warmup_s, profile.window_s
         max_windows = profile.max_windows
         self._points += 1
@@ -193,10 +201,9 @@ class ClientPool:
             start_s = time.monotonic() + 0.05
             for commands in self._commands:
                 commands.put(start_s)
-            if on_measure_start is not None:
-                time.sleep(max(0.0, start_s + warmup_s - time.monotonic()))
-                on_measure_start()
-            windows, stable = self._collect(start_s, warmup_s, window_s, max_windows, judge)
+            windows, stable = self._collect(
+                start_s + warmup_s, window_s, max_windows, judge, on_boundary
+            )
         finally:
             self._stop.set()
         self._expect("done", parts, READY_TIMEOUT_S)
@@ -204,23 +211,46 @@ class ClientPool:
 
     def _collect(
         self,
-        start_s: float,
-        warmup_s: float,
+        first_s: float,
         window_s: float,
         max_windows: int,
         judge: Callable[[list[MergedWindow]], bool],
+        on_boundary: Callable[[int], None] | None,
     ) -> tuple[list[MergedWindow], bool]:
+        """Merges the windows that start at `first_s`, calling `on_boundary` at each
+        boundary as its time comes (and at the latest before the window it opens or
+        closes is judged: every client reports window k after boundary k + 1, on the
+        same monotonic clock)."""
         pending: dict[int, list[WindowReport]] = {}
         windows: list[MergedWindow] = []
+        marked = 0  # boundaries passed to on_boundary so far
+
+        def next_mark_s() -> float:
+            if on_boundary is None or marked > max_windows:
+                return math.inf
+            return first_s + marked * window_s
+
+        def mark_due() -> None:
+            nonlocal marked
+            while on_boundary is not None and time.monotonic() >= next_mark_s():
+                on_boundary(marked)
+                marked += 1
+
         while len(windows) < max_windows:
-            due_s = start_s + warmup_s + (len(windows) + 1) * window_s + REPORT_GRACE_S
-            message = self._next(due_s - time.monotonic())
+            mark_due()
+            due_s = first_s + (len(windows) + 1) * window_s + REPORT_GRACE_S
+            message = self._poll(min(due_s, next_mark_s()) - time.monotonic())
+            if message is None:
+                if time.monotonic() >= due_s:
+                    raise self._silent()
+                continue
             if message[0] != "window":
                 raise ClientError(f"expected a window report, got {message[0]!r}")
             report: WindowReport = message[1]
             pending.setdefault(report.window, []).append(report)
             ready = pending.get(len(windows))
             if ready is not None and len(ready) == self.processes:
+                mark_due()
                 windows.append(merge_window(pending.pop(len(windows))))
                 if judge(windows):
                     return windows, True
@@ -238,28 +268,42 @@ class ClientPool:
                 raise ClientError(f"expected {kind!r} from the client processes, got {message}")
 
     def _next(self, timeout_s: float) -> tuple[Any, ...]:
+        message = self._poll(timeout_s)
+        if message is None:
+            raise self._silent()
+        return message
+
+    def _poll(self, timeout_s: float) -> tuple[Any, ...] | None:
+        """The next message, or None when none came within `timeout_s`."""
         try:
-            message = self._results.get(timeout=max(timeout_s, 0.01))
+            message: tuple[Any, ...] = self._results.get(timeout=max(timeout_s, 0.01))
         except queue.Empty:
-            dead = [w.name for w in self._workers if not w.is_alive()]
-            raise ClientError(
-                f"no word from the client processes in time (dead: {dead or 'none'})"
-            ) from None
+            return None
         if message[0] == "error":
             raise ClientError(f"client process {message[1]} failed:\n{message[2]}")
         return message
 
+    def _silent(self) -> ClientError:
+        dead = [w.name for w in self._workers if not w.is_alive()]
+        return ClientError(f"no word from the client processes in time (dead: {dead or 'none'})")
+
     def close(self) -> None:
-        """Stops every client process: asks, then terminates the ones that do not leave."""
+        """Stops every client process: asks, then terminates the ones that do not leave.
+        A Ctrl-C meanwhile stops the asking, not the stopping: the rest are killed."""
         self._stop.set()
         for commands in self._commands:
             with contextlib.suppress(ValueError, OSError):  # already closed
                 commands.put(None)
+        interrupted: KeyboardInterrupt | None = None
         for worker in self._workers:
-            worker.join(timeout=10)
-            if worker.is_alive():
-                worker.terminate()
-                worker.join(timeout=10)
+            try:
+                if interrupted is None:
+                    worker.join(timeout=10)
+                    if worker.is_alive():
+                        worker.terminate()
+                        worker.join(timeout=10)
+            except KeyboardInterrupt as error:
+                interrupted = error
             if worker.is_alive():
                 worker.kill()
                 worker.join()
@@ -270,6 +314,8 @@ class ClientPool:
         self._results.join_thread()
         self._workers.clear()
         self._commands.clear()
+        if interrupted is not None:
+            raise interrupted
 
 
 # ---- in the client process --------------------------------------------------------
@@ -570,7 +616,7 @@ class _Client:
         loop was late, at once (the latency still counts from the schedule)."""
         mean_gap_s = 1.0 / rate_per_s
         next_s = start_s + float(self.rng.exponential(mean_gap_s))
-        sent = 0
+        arrivals = 0
         while not self.stopping:
             now_s = time.monotonic()
             if next_s > now_s:
@@ -578,13 +624,13 @@ class _Client:
                 continue
             while next_s <= now_s:
                 if len(self.in_flight) >= MAX_OUTSTANDING:
-                    self.records[si].sent += 1
-                    self.records[si].outcomes["CLIENT_BACKLOG"] += 1
+                    self.records[si].client_backlog += 1  # never sent, never answered
                 else:
-                    task = asyncio.create_task(self._call(si, sent % len(self.calls), next_s))
+                    channel = arrivals % len(self.calls)
+                    task = asyncio.create_task(self._call(si, channel, next_s))
                     self.in_flight.add(task)
                     task.add_done_callback(self.in_flight.discard)
-                sent += 1
+                arrivals += 1
                 next_s += float(self.rng.exponential(mean_gap_s))
 
     async def _call(self, si: int, channel: int, scheduled_s: float | None) -> None:
@@ -592,7 +638,10 @@ class _Client:
         self.sequence += 1
         payload = with_request_id(self.bodies[si], f"{self.id_prefix}{self.sequence}")
         sent_s = time.monotonic()
-        self.records[si].sent += 1
+        sent_record = self.records[si]  # the window the request is sent in
+        sent_record.sent += 1
+        if scheduled_s is not None:
+            sent_record.lag_s.append(sent_s - scheduled_s)
         if stream.via == "stream":
             answer = await self.bidis[si].call(f"{self.id_prefix}{self.sequence}", payload)
         else:
@@ -620,14 +669,15 @@ class _Client:
         timing = response.timing
         record.ok_batch_rows.append(timing.batch_size)
         record.ok_queue_us.append(timing.queue_us)
-        if scheduled_s is not None:
-            record.lag_s.append(sent_s - scheduled_s)
         if stream.deadline_ms is not None:
             deadline_s = stream.deadline_ms / 1000
             if latency_s > deadline_s:
                 record.late_ok += 1
-            waited_s = timing.queue_us / 1e6 if timing.batch_size else latency_s
-            if waited_s > deadline_s:
+            # Under a gRPC deadline every OK answer came within it: a request run after
+            # it is cancelled at the client and never seen, so none is counted.
+            if stream.deadline_in == "timeout_ms" and dispatched_late(
+                latency_s, timing.infer_us, deadline_s
+            ):
                 record.expired_executed += 1
 
     async def _unary(

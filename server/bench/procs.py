@@ -2,8 +2,12 @@
 
 Each server runs in its own process, so it never shares the load generator's GIL. Its
 port is read from its log line ``serving ... on HOST:PORT`` (every server here binds
-port 0 or a port chosen by the first of a group), and its peak memory from
-``/proc/PID/status`` (``VmHWM``: the high-water mark of the resident set).
+port 0 or a port chosen by the first of a group). Memory is the proportional set size
+(``Pss`` in ``/proc/PID/smaps_rollup``: each shared page divided among the processes that
+map it, so N workers sharing the interpreter's and the libraries' pages count them once
+in all), summed over a configuration's processes at one instant; its peak is the largest
+such sum the orchestrator sampled while the load ran. Where smaps_rollup cannot be read,
+the resident set (``VmRSS``) stands in, and the figures say so.
 """
 
 from __future__ import annotations
@@ -102,37 +106,80 @@ class ServerProcess:
             except queue.Empty:
                 return "".join(self._tail)
 
-    def memory(self) -> dict[str, int | None]:
-        """Peak and current resident set of the process, in bytes (None once gone)."""
-        status = _proc_status(self.pid)
-        return {
-            "pid": self.pid,
-            "peak_rss_bytes": status.get("VmHWM"),
-            "rss_bytes": status.get("VmRSS"),
-        }
+    def memory(self) -> ProcessMemory:
+        return read_process_memory(self.pid)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
-        """SIGTERM (the servers drain and exit 0), then SIGKILL after `timeout_s`."""
+        """SIGTERM (the servers drain and exit 0), then SIGKILL after `timeout_s`; with
+        `timeout_s` 0, SIGKILL at once."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            if timeout_s > 0:
+                self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0fs; killing it", self.name, timeout_s)
+                if timeout_s > 0:
+                    log.warning("%s did not stop within %.0fs; killing it", self.name, timeout_s)
                 self.process.kill()
                 self.process.wait()
-        self._reader.join(timeout=timeout_s)
+        self._reader.join(timeout=max(timeout_s, 1.0))
         assert self.process.stderr is not None
         self.process.stderr.close()
         return self.process.returncode
 
 
-def _proc_status(pid: int) -> dict[str, int]:
-    """The kB fields of /proc/PID/status, in bytes; empty when the process is gone or the
-    system has no /proc (memory is then reported as unknown)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProcessMemory:
+    """One reading of one process's memory, in bytes (None: could not be read)."""
+
+    pid: int
+    # Proportional set size (smaps_rollup): shared pages divided among their users.
+    pss_bytes: int | None
+    # Resident set (status VmRSS) and its high-water mark (VmHWM), this process alone.
+    rss_bytes: int | None
+    peak_rss_bytes: int | None
+
+
+def read_process_memory(pid: int, proc: Path = Path("/proc")) -> ProcessMemory:
+    status = _kb_fields(proc / str(pid) / "status")
+    rollup = _kb_fields(proc / str(pid) / "smaps_rollup")
+    return ProcessMemory(
+        pid=pid,
+        pss_bytes=rollup.get("Pss"),
+        rss_bytes=status.get("VmRSS"),
+        peak_rss_bytes=status.get("VmHWM"),
+    )
+
+
+# Which measure a configuration's memory figures are.
+PSS: Final = "PSS"
+RSS: Final = "RSS"
+RSS_NOTE: Final = (
+    "/proc/PID/smaps_rollup could not be read for every process: the resident set (VmRSS) "
+    "is summed instead, which counts pages shared between the processes once per process"
+)
+
+
+def summed_memory(readings: Sequence[ProcessMemory]) -> tuple[str | None, int | None]:
+    """(measure, bytes) of processes read at one instant: their PSS summed, or where any
+    PSS is unknown their RSS summed; (None, None) when neither is known for all."""
+    if not readings:
+        return None, None
+    pss = [reading.pss_bytes for reading in readings]
+    if all(value is not None for value in pss):
+        return PSS, sum(value for value in pss if value is not None)
+    rss = [reading.rss_bytes for reading in readings]
+    if all(value is not None for value in rss):
+        return RSS, sum(value for value in rss if value is not None)
+    return None, None
+
+
+def _kb_fields(path: Path) -> dict[str, int]:
+    """The kB fields of a /proc file (status, smaps_rollup), in bytes; empty when the
+    process is gone, the file is not readable or the system has no /proc."""
     try:
-        text = Path(f"/proc/{pid}/status").read_text(encoding="ascii")
-    except OSError:
+        text = path.read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError):
         return {}
     fields: dict[str, int] = {}
     for line in text.splitlines():
@@ -202,19 +249,45 @@ class Deployment:
     processes: list[ServerProcess] = dataclasses.field(default_factory=list)
     # What the processes were started with, for the report.
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # By measure (PSS or RSS), the largest summed memory sampled so far while load ran,
+    # and how many samples were taken. Only the orchestrator's thread touches them.
+    memory_peaks: dict[str, int] = dataclasses.field(default_factory=dict)
+    memory_samples: int = 0
+
+    def sample_memory(self) -> None:
+        """Reads every process's memory now and keeps the sum if it is the largest yet:
+        called at every window boundary, while the load runs."""
+        measure, total = summed_memory([process.memory() for process in self.processes])
+        if measure is None or total is None:
+            return
+        self.memory_samples += 1
+        self.memory_peaks[measure] = max(total, self.memory_peaks.get(measure, 0))
 
     def memory(self) -> dict[str, Any]:
-        """Peak resident set summed over the processes (None when unknown)."""
-        by_process = [process.memory() for process in self.processes]
-        peaks = [entry["peak_rss_bytes"] for entry in by_process]
-        rss = [entry["rss_bytes"] for entry in by_process]
-        known = bool(peaks) and all(value is not None for value in peaks)
-        return {
-            "processes": len(self.processes),
-            "peak_rss_bytes": sum(v for v in peaks if v is not None) if known else None,
-            "rss_bytes": sum(v for v in rss if v is not None) if known else None,
-            "by_process": by_process,
-        }
+        """The processes' memory summed now, and the largest sum sampled while the load
+        ran (None without samples); `measure` says which (PSS, or RSS where PSS could not
+        be read), `note` why when it is not PSS."""
+        readings = [process.memory() for process in self.processes]
+        return memory_figures(readings, self.memory_peaks, self.memory_samples)
+
+    def stop(self) -> list[int]:
+        """Stops every process (all of them, even when one fails to stop); exit codes.
+        A Ctrl-C (KeyboardInterrupt) meanwhile skips no process: the one being stopped and
+        every one after it are killed at once, then the interrupt goes on."""
+        codes = []
+        interrupted: KeyboardInterrupt | None = None
+        for process in self.processes:
+            try:
+                codes.append(process.stop(STOP_TIMEOUT_S if interrupted is None else 0.0))
+            except KeyboardInterrupt as error:
+                interrupted = interrupted or error
+                with contextlib.suppress(Exception):
+                    codes.append(process.stop(0.0))
+            except Exception:  # the others must still be stopped
+                log.exception("stopping %s failed", process.name)
+        if interrupted is not None:
+            raise interrupted
+        return codes
 
     def cpu_s(self) -> float | None:
         """CPU seconds used so far by the processes, summed; None when unknown."""
@@ -223,13 +296,24 @@ class Deployment:
             return None
         return sum(value for value in used if value is not None)
 
-    def stop(self) -> list[int]:
-        """Stops every process (all of them, even when one fails to stop); exit codes."""
-        codes = []
-        for process in self.processes:
-            with contextlib.suppress(Exception):
-                codes.append(process.stop())
-        return codes
+
+def memory_figures(
+    readings: Sequence[ProcessMemory], peaks: dict[str, int], samples: int
+) -> dict[str, Any]:
+    """The memory entry of a configuration in the document: `readings` taken now, and
+    the largest sums sampled while the load ran (`peaks`, by measure)."""
+    measure, total = summed_memory(readings)
+    return {
+        "measure": measure,
+        "note": RSS_NOTE if measure == RSS else None,
+        "processes": len(readings),
+        # Summed over the processes now (after the load).
+        "bytes": total,
+        # The largest sum sampled at the window boundaries while the load ran.
+        "peak_bytes": peaks.get(measure) if measure is not None else None,
+        "samples": samples,
+        "by_process": [dataclasses.asdict(reading) for reading in readings],
+    }
 
 
 def python_module(module: str, *args: str) -> list[str]:
@@ -382,6 +466,13 @@ def start_workers(
     return deployment
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, as the server's Engine counts
+    them), not every core of the machine."""
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere all the cores
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
 def default_worker_threads(workers: int) -> int:
-    """Intra-op threads per worker: the cores shared out, at least one each."""
-    return max(1, (os.cpu_count() or 1) // workers)
+    """Intra-op threads per worker: the usable cores shared out, at least one each."""
+    return max(1, usable_cores() // workers)

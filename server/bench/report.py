@@ -49,6 +49,8 @@ POINT_KEYS: Final = frozenset(
         "name",
         "streams",
         "stable",
+        "valid",
+        "invalid_reason",
         "windows_measured",
         "windows_used",
         "measured_s",
@@ -71,9 +73,13 @@ STREAM_KEYS: Final = frozenset(
         "deadline_ms",
         "deadline_in",
         "sent",
+        "client_backlog",
         "answered",
         "ok",
         "sent_per_s",
+        "achieved_rate_per_s",
+        "valid",
+        "invalid_reason",
         "answered_per_s",
         "throughput_per_s",
         "throughput_rows_per_s",
@@ -161,15 +167,37 @@ def _target(
     required: str,
     met: bool | None,
     detail: str = "",
+    *,
+    invalid_points: Sequence[dict[str, Any] | None] = (),
 ) -> dict[str, Any]:
+    """A verdict; where any of `invalid_points` (the points it is read from) is not valid
+    (the load generator could not offer its load), no verdict: `met` is None, `valid`
+    False, and `detail` says why."""
+    why = [
+        f"({point['scenario']}) {point['name']}: {point['invalid_reason']}"
+        for point in invalid_points
+        if point is not None and point.get("valid") is False
+    ]
+    if why:
+        met = None
+        detail = "not valid, the load generator could not offer the load: " + "; ".join(why)
     return {
         "id": target_id,
         "description": description,
         "measured": measured,
         "required": required,
         "met": met,
+        # False: measured, but at a load the load generator could not offer.
+        "valid": not why,
         "detail": detail,
     }
+
+
+def verdict_text(target: dict[str, Any]) -> str:
+    """met, missed, not valid (the load was not offered) or not measured."""
+    if target.get("valid") is False:
+        return "not valid (load not offered)"
+    return {True: "met", False: "missed", None: "not measured"}[target["met"]]
 
 
 def _not_measured(target_id: str, description: str, required: str, why: str) -> dict[str, Any]:
@@ -247,13 +275,13 @@ def _workers_targets(document: dict[str, Any], primary: str) -> list[dict[str, A
             ),
             _not_measured(
                 "workers_memory",
-                "N workers use at least 2x laneserve's memory (peak after (a))",
+                "N workers use at least 2x laneserve's memory (PSS, peak during (a))",
                 ">= 2.0x",
                 "no N-workers configuration ran",
             ),
         ]
     ours = _best_throughput(document, primary)
-    our_memory = _peak_after_a(document, primary)
+    our_measure, our_memory = _peak_after_a(document, primary)
     targets = []
     for name in names:
         theirs = _best_throughput(document, name)
@@ -276,15 +304,16 @@ def _workers_targets(document: dict[str, Any], primary: str) -> list[dict[str, A
                     theirs <= ours,
                 )
             )
-        their_memory = _peak_after_a(document, name)
-        description = f"{name}'s peak resident memory after (a) is at least 2x laneserve's"
-        if our_memory and their_memory:
+        their_measure, their_memory = _peak_after_a(document, name)
+        description = f"{name}'s peak memory (PSS, summed) during (a) is at least 2x laneserve's"
+        if our_memory and their_memory and our_measure == their_measure:
             ratio = their_memory / our_memory
             targets.append(
                 _target(
                     f"{name}_memory",
                     description,
-                    f"{ratio:.2f}x ({_mib(their_memory)} vs {_mib(our_memory)}, peak after (a))",
+                    f"{ratio:.2f}x ({_mib(their_memory)} vs {_mib(our_memory)}, "
+                    f"{our_measure} peak during (a))",
                     ">= 2.0x",
                     ratio >= 2.0,  # noqa: PLR2004 - the issue's figure
                 )
@@ -295,25 +324,26 @@ def _workers_targets(document: dict[str, Any], primary: str) -> list[dict[str, A
                     f"{name}_memory",
                     description,
                     ">= 2.0x",
-                    "needs the peak after (a) on both; memory is known only for processes "
-                    "the harness started",
+                    "needs the peak during (a) on both, of the same measure; memory is known "
+                    "only for processes the harness started",
                 )
             )
     return targets
 
 
-def _peak_after_a(document: dict[str, Any], configuration: str) -> int | None:
-    """The peak resident set once (a) ran. Not the peak at the end: laneserve alone goes
-    on to the overloads of (b)-(d), whose queues the baselines never hold."""
+def _peak_after_a(document: dict[str, Any], configuration: str) -> tuple[str | None, int | None]:
+    """(measure, bytes): the largest summed memory sampled while (a) ran. Not the peak
+    at the end: laneserve alone goes on to the overloads of (b)-(d), whose queues the
+    baselines never hold."""
     memory = document["configurations"][configuration].get("memory_after_a") or {}
-    peak: int | None = memory.get("peak_rss_bytes")
-    return peak
+    return memory.get("measure"), memory.get("peak_bytes")
 
 
 def _isolation_targets(document: dict[str, Any], primary: str) -> list[dict[str, Any]]:
     """One verdict per way bulk traffic was sent in (c)."""
     description = "interactive p99 under the bulk overload of (c) within 2x of its p99 alone"
-    alone = _single(_point(document, "c", primary, "interactive alone"), "interactive")
+    alone_point = _point(document, "c", primary, "interactive alone")
+    alone = _single(alone_point, "interactive")
     loaded = [p for p in _points(document, "c", primary) if p["name"].startswith("with bulk")]
     if alone is None or not loaded:
         return [_not_measured("isolation_p99", description, "<= 2.0x", "needs (c)")]
@@ -342,6 +372,7 @@ def _isolation_targets(document: dict[str, Any], primary: str) -> list[dict[str,
                 f"{ratio:.2f}x ({_ms(after)} with bulk vs {_ms(before)} alone)",
                 "<= 2.0x",
                 ratio <= 2.0,  # noqa: PLR2004 - the issue's figure
+                invalid_points=(alone_point, point),
             )
         )
     return targets
@@ -371,19 +402,24 @@ def _overload_targets(document: dict[str, Any], primary: str) -> list[dict[str, 
                 f"{ratio:.2f} ({stream['goodput_per_s']:.0f} / {capacity:.0f} req/s)",
                 ">= 0.90",
                 ratio >= 0.9,  # noqa: PLR2004 - the issue's figure
+                invalid_points=(point,),
             )
         )
-        if how == "timeout_ms":
+        # Under a gRPC deadline a request run after it is never seen (None): only the
+        # timeout_ms point, where every answer and its Timing come back, can tell.
+        expired = stream["expired_executed"]
+        if how == "timeout_ms" and expired is not None:
             targets.append(
                 _target(
                     "overload_expired_executed",
                     expired_description,
-                    f"{stream['expired_executed']} (OK but later than the deadline at the "
-                    f"client: {stream['late_ok']})",
+                    f"{expired} (OK but later than the deadline at the client: "
+                    f"{stream['late_ok']})",
                     "0",
-                    stream["expired_executed"] == 0,
-                    "an OK answer whose Timing.queue_us exceeds the deadline was dispatched "
-                    "after it",
+                    expired == 0,
+                    "an OK answer whose latency from its scheduled send, less the session's "
+                    "run time (Timing.infer_us), exceeds the deadline was dispatched after it",
+                    invalid_points=(point,),
                 )
             )
     return targets
@@ -446,8 +482,9 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
     return lines
 
 
-def _verdict(met: bool | None) -> str:
-    return {True: "met", False: "**missed**", None: "not measured"}[met]
+def _verdict(target: dict[str, Any]) -> str:
+    text = verdict_text(target)
+    return "**missed**" if text == "missed" else text
 
 
 def render_markdown(document: dict[str, Any]) -> str:
@@ -470,7 +507,8 @@ def render_markdown(document: dict[str, Any]) -> str:
             f"{document['settings']['client_processes']} processes x "
             f"{document['settings']['channels_per_process']} channels. Windows of "
             f"{profile['window_s']} s after {profile['warmup_s']} s of warm-up, until "
-            f"{profile['stable_windows']} agree within {profile['tolerance']:.0%} (at most "
+            f"{profile['stable_windows']} agree within {profile['tolerance']:.0%} of their "
+            f"smallest value, (max - min) / min, with OK answers in every one (at most "
             f"{profile['max_windows']})."
         ),
         "",
@@ -479,7 +517,7 @@ def render_markdown(document: dict[str, Any]) -> str:
         *_table(
             ["target", "measured", "required", "verdict"],
             (
-                [t["description"], t["measured"], t["required"], _verdict(t["met"])]
+                [t["description"], t["measured"], t["required"], _verdict(t)]
                 for t in document["targets"]
             ),
         ),
@@ -621,6 +659,7 @@ def _scenario_b(document: dict[str, Any]) -> list[str]:
                 point["configuration"],
                 point["name"],
                 _num(stream["offered_rate_per_s"]),
+                _num(stream.get("achieved_rate_per_s")),
                 _num(stream["throughput_per_s"]),
                 _ms(latency["p50_ms"]),
                 _ms(latency["p95_ms"]),
@@ -629,6 +668,7 @@ def _scenario_b(document: dict[str, Any]) -> list[str]:
                 _ms(lag.get("p99_ms")),
                 _host(point),
                 "yes" if point["stable"] else "no",
+                _valid(point),
             ]
         )
     return [
@@ -636,7 +676,9 @@ def _scenario_b(document: dict[str, Any]) -> list[str]:
         "",
         (
             "Latency counts from each request's scheduled arrival; client lag is how late the "
-            "load generator sent it."
+            "load generator sent it. Sent/s is the rate it achieved; a point where that is "
+            "under 95 % of the offered rate (beyond Poisson noise) is not valid: the load "
+            "generator, not the server, was the limit."
         ),
         "",
         *_table(
@@ -644,6 +686,7 @@ def _scenario_b(document: dict[str, Any]) -> list[str]:
                 "configuration",
                 "load",
                 "offered/s",
+                "sent/s",
                 "answered OK/s",
                 "p50",
                 "p95",
@@ -652,6 +695,7 @@ def _scenario_b(document: dict[str, Any]) -> list[str]:
                 "client lag p99",
                 HOST_HEADER,
                 "stable",
+                "valid",
             ],
             rows,
         ),
@@ -659,11 +703,20 @@ def _scenario_b(document: dict[str, Any]) -> list[str]:
     ]
 
 
+def _valid(point: dict[str, Any]) -> str:
+    """Whether the load generator offered the point's load (the reason is a warning)."""
+    return "no" if point.get("valid") is False else "yes"
+
+
 def _offered(stream: dict[str, Any]) -> str:
-    """A stream's load: its callers (closed loop) or its rate (open loop)."""
+    """A stream's load: its callers (closed loop) or its rate (open loop), with the rate
+    achieved where the load generator could not offer it."""
     if stream["mode"] == "closed":
         return f"{stream['concurrency']} callers"
-    return f"{_num(stream['offered_rate_per_s'])}/s"
+    offered = f"{_num(stream['offered_rate_per_s'])}/s"
+    if stream.get("valid") is False:
+        offered += f" (sent {_num(stream['achieved_rate_per_s'])}/s: not valid)"
+    return offered
 
 
 def _scenario_c(document: dict[str, Any]) -> list[str]:
@@ -723,11 +776,13 @@ def _scenario_d(document: dict[str, Any]) -> list[str]:
         stream = point["lanes"]["default"]
         latency = stream["latency"]
         share = stream["goodput_per_s"] / capacity if capacity else None
+        expired = stream["expired_executed"]
         rows.append(
             [
                 point["configuration"],
                 stream["deadline_in"] or "-",
                 _num(stream["offered_rate_per_s"]),
+                _num(stream.get("achieved_rate_per_s")),
                 _num(stream["goodput_per_s"]),
                 "-" if share is None else f"{share:.0%}",
                 _ms(latency["p50_ms"]),
@@ -735,19 +790,30 @@ def _scenario_d(document: dict[str, Any]) -> list[str]:
                 _reasons(stream["rejected"]),
                 _reasons({**stream["shed"], **stream["timed_out"], **stream["failed"]}),
                 str(stream["late_ok"]),
-                str(stream["expired_executed"]),
+                "- (not seen)" if expired is None else str(expired),
                 _ms((stream["client_lag"] or {}).get("p99_ms")),
                 _host(point),
+                _valid(point),
             ]
         )
     return [
         f"## (d) {SCENARIO_TITLES['d']}",
+        "",
+        (
+            "Expired executed: OK answers whose latency from the scheduled send, less the "
+            "session's run time (Timing.infer_us), exceeds the deadline, so they ran after "
+            "it. Under a gRPC deadline the client cancels at the deadline and never sees "
+            "such an answer: not measurable there. Sent/s is the rate the load generator "
+            "achieved; under 95 % of the offered rate, or with a median client lag over the "
+            "deadline, the point is not valid."
+        ),
         "",
         *_table(
             [
                 "configuration",
                 "deadline as",
                 "offered/s",
+                "sent/s",
                 "goodput/s",
                 "of capacity",
                 "p50 (OK)",
@@ -758,6 +824,7 @@ def _scenario_d(document: dict[str, Any]) -> list[str]:
                 "expired executed",
                 "client lag p99",
                 HOST_HEADER,
+                "valid",
             ],
             rows,
         ),
@@ -823,38 +890,49 @@ def _scenario_x(document: dict[str, Any]) -> list[str]:
 
 def _memory_section(document: dict[str, Any]) -> list[str]:
     rows = []
+    notes = []
     for name, entry in document["configurations"].items():
         memory = entry.get("memory")
         after_a = entry.get("memory_after_a") or {}
         if memory or after_a:
             memory = memory or {}
+            measure = memory.get("measure") or after_a.get("measure")
             rows.append(
                 [
                     name,
                     str(memory.get("processes", after_a.get("processes", "-"))),
-                    _mib(after_a.get("peak_rss_bytes")),
-                    _mib(memory.get("peak_rss_bytes")),
-                    _mib(memory.get("rss_bytes")),
+                    measure or "-",
+                    _mib(after_a.get("peak_bytes")),
+                    _mib(memory.get("peak_bytes")),
+                    _mib(memory.get("bytes")),
                 ]
             )
+            if memory.get("note") or after_a.get("note"):
+                notes.append(f"{name}: {memory.get('note') or after_a.get('note')}.")
     if not rows:
         return []
     return [
-        "## Memory (resident set of the server processes, summed)",
+        "## Memory (PSS of the server processes, summed)",
         "",
         (
-            "The memory target compares the peak after (a), the work every configuration "
-            "does: laneserve alone also runs (b)-(d), whose overloads fill its queues, so "
-            "its peak at the end is not comparable with the baselines'."
+            "PSS (proportional set size, from /proc/PID/smaps_rollup) divides each shared "
+            "page among the processes that map it, so pages N workers share count once in "
+            "all. A peak is the largest sum sampled at the window boundaries while the load "
+            "ran. The memory target compares the peak during (a), the work every "
+            "configuration does: laneserve alone also runs (b)-(d), whose overloads fill its "
+            "queues, so its peak over the whole run is not comparable with the baselines'."
         ),
         "",
+        *notes,
+        *([""] if notes else []),
         *_table(
             [
                 "configuration",
                 "processes",
-                "peak after (a)",
-                "peak (VmHWM) at end",
-                "at end (VmRSS)",
+                "measure",
+                "peak during (a)",
+                "peak during the run",
+                "after the run",
             ],
             rows,
         ),
@@ -892,8 +970,8 @@ def _server_section(document: dict[str, Any]) -> list[str]:
         return []
     return [
         (
-            "## Server side (GetStats: counts over the measured windows; run p50/p99 over "
-            "the server's last 4096 runs at the end of the point)"
+            "## Server side (GetStats: counts over the windows each point reports; run "
+            "p50/p99 over the server's last 4096 runs at the end of those windows)"
         ),
         "",
         *_table(

@@ -4,8 +4,13 @@ scenarios' load points through the client pool, and gathers every figure in one 
 Order of a run: the raw ceiling (the machine still quiet), then the system under test
 (laneserve, or an external endpoint) whose saturation throughput sets the offered rates
 of scenarios (b)-(d) for every configuration, then the baselines one at a time: each is
-started, measured, its memory read, and stopped before the next starts. Memory is read
-twice: after (a), the work every configuration does, and at the end.
+started, measured, its memory read, and stopped before the next starts. Memory is
+sampled at every window boundary while the load runs, and reported twice: after (a), the
+work every configuration does, and at the end.
+
+Every server-side reading of a point (GetStats, the processes' CPU, the machine's) is
+taken at the window boundaries, so its differences span exactly the windows whose client
+figures the point reports, and never the stop.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ CLIENT_SATURATED_FRACTION: Final = 0.9
 RPC_TIMEOUT_S: Final = 10.0
 RAW_TIMEOUT_S: Final = 600.0
 DEFAULT_MODEL: Final = "models/demo.onnx"
+# Scenario (c) pins interactive to client process 1 and bulk to client process 0.
+MIN_CLIENT_PROCESSES_FOR_C: Final = 2
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -86,7 +93,7 @@ class BenchSettings:
     intra_op_threads: int = 0
     device: str = "auto"
     # Pool threads of the no-batching server (each runs one request at a time).
-    no_batching_threads: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
+    no_batching_threads: int = dataclasses.field(default_factory=procs.usable_cores)
     laneserve_config: str | None = None
     workers: tuple[int, ...] | None = None  # None: the profile's
     py_spy: bool = False
@@ -98,6 +105,14 @@ class BenchSettings:
             raise ValueError("scenario x offers the streams of --mix; none was given")
         if self.target_priority is not None and self.target is None:
             raise ValueError("--target-priority names the priority port of a --target; no --target")
+        if "c" in self.scenarios and self.client_processes < MIN_CLIENT_PROCESSES_FOR_C:
+            raise ValueError(
+                f"scenario c pins its interactive and bulk streams to client processes of "
+                f"their own; with --client-procs {self.client_processes} they would share one"
+                f", and the bulk flood would delay interactive calls inside the load "
+                f"generator. Give --client-procs {MIN_CLIENT_PROCESSES_FOR_C} or more, or "
+                f"--scenarios without c"
+            )
 
 
 def run_bench(settings: BenchSettings) -> dict[str, Any]:
@@ -180,11 +195,11 @@ def _starters(
         ]
 
     def workers(count: int) -> Callable[[], procs.Deployment]:
+        # --intra-op-threads applies to every configuration; 0 (auto) shares the usable
+        # cores out among the workers instead of letting each take them all.
+        threads = settings.intra_op_threads or procs.default_worker_threads(count)
         return lambda: procs.start_workers(
-            model_path,
-            workers=count,
-            intra_op_threads=procs.default_worker_threads(count),
-            device=device,
+            model_path, workers=count, intra_op_threads=threads, device=device
         )
 
     return [workers(count) for count in settings.workers or settings.profile.workers]
@@ -234,6 +249,8 @@ def _environment() -> dict[str, Any]:
             versions[package] = importlib.metadata.version(package)
     return {
         "cpu_count": os.cpu_count(),
+        # The cores this run may use (its CPU affinity), which may be fewer.
+        "usable_cores": procs.usable_cores(),
         "loadavg_start": list(os.getloadavg()),
         "loadavg_end": None,
         "platform": platform.platform(),
@@ -292,7 +309,7 @@ class _Runner:
                 "settings": deployment.settings,
                 "scenarios_run": scenarios,
                 # The baselines run (a) alone while the system under test goes on to the
-                # overloads of (b)-(d): only the peak after (a) compares the same work.
+                # overloads of (b)-(d): only the peak during (a) compares the same work.
                 "memory_after_a": None,
                 "memory": None,
             }
@@ -490,17 +507,13 @@ class _Runner:
     def _measure(self, deployment: procs.Deployment, point: Point) -> None:
         log.info("  %s (%s) %s", deployment.name, point.scenario, point.name)
         profile = self.profile
-        stats: list[pb.GetStatsResponse | None] = []
-        cpu_marks: list[tuple[float, float | None, float | None]] = []
+        # Readings at every window boundary, by boundary (0: the end of the warm-up).
+        marks: dict[int, Mark] = {}
         # The server's CPU by thread, at the point where the server is profiled.
         by_thread = self._profiled_point(deployment, point)
-        threads: list[tuple[float, dict[int, tuple[str, float]]]] = []
 
-        def measure_starts() -> None:
-            stats.append(get_stats(deployment.target))
-            cpu_marks.append((time.monotonic(), deployment.cpu_s(), procs.machine_busy_s()))
-            if by_thread:
-                threads.append((time.monotonic(), procs.thread_cpu_s(deployment.processes[0].pid)))
+        def at_boundary(index: int) -> None:
+            marks[index] = take_mark(deployment, by_thread=by_thread)
 
         spy = self._maybe_spy(deployment, point)
         try:
@@ -514,21 +527,20 @@ class _Runner:
                     count=profile.stable_windows,
                     tolerance=profile.tolerance,
                 ),
-                on_measure_start=measure_starts,
+                on_boundary=at_boundary,
                 priority_target=deployment.priority_target,
             )
-            cpu_marks.append((time.monotonic(), deployment.cpu_s(), procs.machine_busy_s()))
-            if by_thread:
-                threads.append((time.monotonic(), procs.thread_cpu_s(deployment.processes[0].pid)))
         finally:
             spied = spy.stop() if spy is not None else None
-        after = get_stats(deployment.target)
-        if len(threads) == 2:  # noqa: PLR2004 - start and end
+        # The readings around the windows the client figures come from.
+        start = marks.get(run.used[0].window)
+        end = marks.get(run.used[-1].window + 1)
+        if start is not None and end is not None and start.threads and end.threads:
             self.document["server_threads"] = {
                 "configuration": deployment.name,
                 "scenario": point.scenario,
                 "point": point.name,
-                "threads": _thread_cores(*threads),
+                "threads": _thread_cores((start.at_s, start.threads), (end.at_s, end.threads)),
             }
         if spy is not None and spied is not None:
             self.document["server_profile"] = {
@@ -547,6 +559,11 @@ class _Runner:
             )
             for stream in point.streams
         }
+        invalid = [
+            f"{label}: {lane['invalid_reason']}"
+            for label, lane in lanes.items()
+            if not lane["valid"]
+        ]
         cpu = client_cpu_fractions(run.used) or [0.0]
         saturated = max(cpu) >= CLIENT_SATURATED_FRACTION
         result: dict[str, Any] = {
@@ -555,6 +572,10 @@ class _Runner:
             "name": point.name,
             "streams": [dataclasses.asdict(stream) for stream in point.streams],
             "stable": run.stable,
+            # False: the load generator could not offer the point's load (see
+            # invalid_reason); its figures do not describe the server at that load.
+            "valid": not invalid,
+            "invalid_reason": "; ".join(invalid) or None,
             "windows_measured": len(run.windows),
             "windows_used": len(run.used),
             "measured_s": duration_s,
@@ -585,19 +606,24 @@ class _Runner:
                 "cpu_fraction_mean": sum(cpu) / len(cpu),
                 "saturated": saturated,
             },
-            "server": stats_delta(stats[0] if stats else None, after),
-            "host": _host_figures(cpu_marks, sum(cpu)),
+            "server": stats_delta(
+                start.stats if start is not None else None, end.stats if end is not None else None
+            ),
+            "host": _host_figures(start, end, sum(cpu)),
         }
         self.document["scenarios"][point.scenario].append(result)
+        where = f"{deployment.name} ({point.scenario}) {point.name}"
         if not run.stable:
+            self._warn(f"{where}: not stable within {len(run.windows)} windows")
+        if invalid:
             self._warn(
-                f"{deployment.name} ({point.scenario}) {point.name}: not stable within "
-                f"{len(run.windows)} windows"
+                f"{where}: not valid, the load generator could not offer the load "
+                f"({result['invalid_reason']})"
             )
         if saturated:
             self._warn(
-                f"{deployment.name} ({point.scenario}) {point.name}: a client process used "
-                f"{max(cpu):.0%} of a core; the load generator may be the limit"
+                f"{where}: a client process used {max(cpu):.0%} of a core; the load "
+                "generator may be the limit"
             )
 
     def _profiled_point(self, deployment: procs.Deployment, point: Point) -> bool:
@@ -666,11 +692,41 @@ def _thread_cores(
 IDLE_THREAD_CORES: Final = 0.005
 
 
-def _host_figures(
-    marks: Sequence[tuple[float, float | None, float | None]], client_cores: float
-) -> dict[str, Any]:
-    """Cores busy while the point ran: the server's processes, the client processes, the
-    whole machine, and what is left for everything else (other users of the machine)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Mark:
+    """The server-side readings taken at one window boundary, while the load runs."""
+
+    at_s: float  # monotonic
+    # GetStats (None: the server does not implement it).
+    stats: pb.GetStatsResponse | None
+    # CPU seconds used so far by the server's processes, and by the whole machine.
+    server_cpu_s: float | None
+    machine_busy_s: float | None
+    # By thread of the server's first process: its name and CPU seconds (None: not read).
+    threads: dict[int, tuple[str, float]] | None
+
+
+def take_mark(deployment: procs.Deployment, *, by_thread: bool) -> Mark:
+    """Readings at a window boundary; samples the deployment's memory too. The clocks
+    are read first, the GetStats call (milliseconds) last."""
+    mark = Mark(
+        at_s=time.monotonic(),
+        stats=None,
+        server_cpu_s=deployment.cpu_s(),
+        machine_busy_s=procs.machine_busy_s(),
+        threads=procs.thread_cpu_s(deployment.processes[0].pid) if by_thread else None,
+    )
+    deployment.sample_memory()
+    # On the priority port where there is one: gRPC's core queues calls per port, so the
+    # reading is not held up behind the load it measures.
+    stats = get_stats(deployment.priority_target or deployment.target)
+    return dataclasses.replace(mark, stats=stats)
+
+
+def _host_figures(start: Mark | None, end: Mark | None, client_cores: float) -> dict[str, Any]:
+    """Cores busy between two boundaries: the server's processes, the client processes,
+    the whole machine, and what is left for everything else (other users of the
+    machine)."""
     figures: dict[str, Any] = {
         "cpu_count": os.cpu_count(),
         "server_cores": None,
@@ -678,10 +734,11 @@ def _host_figures(
         "machine_busy_cores": None,
         "other_cores": None,
     }
-    if len(marks) != 2:  # noqa: PLR2004 - start and end
+    if start is None or end is None or end.at_s <= start.at_s:
         return figures
-    (start_s, server_start, busy_start), (end_s, server_end, busy_end) = marks
-    wall_s = end_s - start_s
+    server_start, busy_start = start.server_cpu_s, start.machine_busy_s
+    server_end, busy_end = end.server_cpu_s, end.machine_busy_s
+    wall_s = end.at_s - start.at_s
     if server_start is not None and server_end is not None:
         figures["server_cores"] = (server_end - server_start) / wall_s
     if busy_start is not None and busy_end is not None:
@@ -715,8 +772,9 @@ def get_stats(target: str) -> pb.GetStatsResponse | None:
 def stats_delta(
     before: pb.GetStatsResponse | None, after: pb.GetStatsResponse | None
 ) -> dict[str, Any] | None:
-    """Server-side figures over the measured windows: counters as differences, latency
-    summaries as the server's recent window at the end."""
+    """Server-side figures between two readings (the boundaries of the windows a point
+    reports): counters as differences, latency summaries as the server's recent window
+    at the end."""
     if before is None or after is None:
         return None
     batches = after.batches - before.batches

@@ -264,8 +264,9 @@ class Point:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Profile:
     """Timing and the grid of a run. Every figure is measured over windows after a warm-up;
-    windows repeat until the last `stable_windows` agree within `tolerance` (throughput and
-    median latency of every stream) or `max_windows` have run."""
+    windows repeat until the last `stable_windows` agree within `tolerance` of their smallest
+    value (throughput and median latency of every stream; see summary.is_stable) or
+    `max_windows` have run."""
 
     name: str
     warmup_s: float

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
@@ -30,13 +31,26 @@ SHED_REASONS: Final = frozenset({"EXPIRED_IN_QUEUE"})
 TIMED_OUT_REASONS: Final = frozenset({"DEADLINE_EXCEEDED", "CANCELLED"})
 # Fewer OK answers than this in a window: its median is too noisy to judge stability.
 MIN_SAMPLES_FOR_LATENCY_STABILITY: Final = 20
+# An open-loop stream was offered when the client sent at least this share of its target
+# rate ...
+MIN_ACHIEVED_FRACTION: Final = 0.95
+# ... or, where that share is within Poisson noise of the target (few arrivals in the
+# windows used), no fewer than this many standard deviations below the expected count.
+ARRIVAL_NOISE_SIGMAS: Final = 3.0
 
 
 @dataclasses.dataclass(slots=True)
 class StreamWindow:
-    """What one client process saw of one stream in one window, by completion time."""
+    """What one client process saw of one stream in one window: what it sent (and the
+    lag of each send) in the window it was sent in, what came back in the window it
+    completed in."""
 
+    # Requests handed to gRPC.
     sent: int = 0
+    # Open loop: arrivals never sent, because this client process already had
+    # MAX_OUTSTANDING requests in flight (neither sent nor answered: the load generator,
+    # not the server, was the limit).
+    client_backlog: int = 0
     ok_latency_s: list[float] = dataclasses.field(default_factory=list)
     # From the answer's Timing: rows in the batch that carried it (0: not reported) and
     # microseconds from admission to dispatch.
@@ -46,10 +60,11 @@ class StreamWindow:
     outcomes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     # OK answers that arrived after the stream's deadline.
     late_ok: int = 0
-    # OK answers whose request was dispatched after its deadline had passed: its queue
-    # time (from Timing) exceeded the deadline, or, without Timing, its latency did.
+    # OK answers dispatched after their deadline had passed, by `dispatched_late` (only
+    # counted where the deadline travels as timeout_ms: under a gRPC deadline the client
+    # cancels at the deadline and never sees such an answer).
     expired_executed: int = 0
-    # Open loop: seconds between a request's scheduled arrival and its actual send.
+    # Open loop: seconds between each sent request's scheduled arrival and its send.
     lag_s: list[float] = dataclasses.field(default_factory=list)
 
 
@@ -109,6 +124,7 @@ def combine(parts: Iterable[StreamWindow]) -> StreamWindow:
     total = StreamWindow()
     for part in parts:
         total.sent += part.sent
+        total.client_backlog += part.client_backlog
         total.ok_latency_s += part.ok_latency_s
         total.ok_batch_rows += part.ok_batch_rows
         total.ok_queue_us += part.ok_queue_us
@@ -182,8 +198,11 @@ def is_stable(
     windows: Sequence[Mapping[str, Mapping[str, float | None]]], *, count: int, tolerance: float
 ) -> bool:
     """Whether the last `count` windows agree: for every stream, throughput and median
-    latency each lie within `tolerance` (a fraction) of their mean over those windows.
-    A median missing from any of them (too few samples) is not judged."""
+    latency each spread by at most `tolerance` (a fraction) of their smallest value over
+    those windows, (max - min) / min, so that no two windows differ by more. A window
+    without OK answers is never stable (a point where everything fails is reported as
+    not stable, not accepted); a median missing from any window (too few samples) is not
+    judged."""
     if len(windows) < count:
         return False
     recent = windows[-count:]
@@ -195,10 +214,45 @@ def is_stable(
                     return False
                 continue
             numbers = [float(value) for value in values if value is not None]
-            mean = sum(numbers) / len(numbers)
-            if any(abs(value - mean) > tolerance * mean for value in numbers):
+            low, high = min(numbers), max(numbers)
+            if low <= 0 or high - low > tolerance * low:
                 return False
     return True
+
+
+def dispatched_late(latency_s: float, infer_us: int, deadline_s: float) -> bool:
+    """Whether an OK answer's request ran after its deadline had passed, as the client
+    can tell: of its latency (from the scheduled send), everything but the session's own
+    run time (Timing.infer_us; 0 where the server does not report it) went by before
+    the run, so the run started after the deadline when that exceeds it. Time in gRPC's
+    queues, decoding and client lag count, not only the server's own queue time."""
+    return latency_s - infer_us / 1e6 > deadline_s
+
+
+def offer_problem(stream: Stream, sent: int, duration_s: float, lag_s: Sequence[float]) -> str:
+    """Empty when the load generator offered an open-loop stream's load over
+    `duration_s`; else why not: it sent under MIN_ACHIEVED_FRACTION of its target rate
+    (beyond Poisson noise), or its median lag behind the schedule exceeds the stream's
+    deadline (the requests were late before they left). Closed loop: always empty."""
+    if stream.mode != "open" or duration_s <= 0:
+        return ""
+    problems = []
+    expected = stream.rate_per_s * duration_s
+    floor = min(
+        MIN_ACHIEVED_FRACTION * expected, expected - ARRIVAL_NOISE_SIGMAS * math.sqrt(expected)
+    )
+    if sent < floor:
+        problems.append(
+            f"sent {sent / duration_s:,.0f}/s of the {stream.rate_per_s:,.0f}/s target "
+            f"({sent / expected:.0%})"
+        )
+    if stream.deadline_ms is not None and lag_s:
+        lag_p50_ms = float(np.median(lag_s)) * 1000
+        if lag_p50_ms > stream.deadline_ms:
+            problems.append(
+                f"client lag p50 {lag_p50_ms:,.0f} ms exceeds the {stream.deadline_ms} ms deadline"
+            )
+    return "; ".join(problems)
 
 
 def summarize_stream(stream: Stream, record: StreamWindow, duration_s: float) -> dict[str, Any]:
@@ -208,6 +262,9 @@ def summarize_stream(stream: Stream, record: StreamWindow, duration_s: float) ->
     groups = classify(record.outcomes)
     good = ok - record.late_ok
     timed = any(rows > 0 for rows in record.ok_batch_rows)
+    problem = offer_problem(stream, record.sent, duration_s, record.lag_s)
+    # Under a gRPC deadline an answer later than the deadline is cancelled, never seen.
+    expired_seen = stream.deadline_in == "timeout_ms" or stream.deadline_ms is None
     return {
         "label": stream.label,
         "lane": stream.lane,
@@ -218,9 +275,16 @@ def summarize_stream(stream: Stream, record: StreamWindow, duration_s: float) ->
         "deadline_ms": stream.deadline_ms,
         "deadline_in": stream.deadline_in if stream.deadline_ms is not None else None,
         "sent": record.sent,
+        "client_backlog": record.client_backlog,
         "answered": answered,
         "ok": ok,
         "sent_per_s": record.sent / duration_s,
+        # Open loop: the rate the load generator achieved, next to offered_rate_per_s.
+        "achieved_rate_per_s": record.sent / duration_s if stream.mode == "open" else None,
+        # False: the load generator could not offer the load; the figures do not
+        # describe the server at that load.
+        "valid": not problem,
+        "invalid_reason": problem or None,
         "answered_per_s": answered / duration_s,
         "throughput_per_s": ok / duration_s,
         "throughput_rows_per_s": ok * stream.rows / duration_s,
@@ -236,7 +300,8 @@ def summarize_stream(stream: Stream, record: StreamWindow, duration_s: float) ->
         "rejected_per_s": sum(groups["rejected"].values()) / duration_s,
         "shed_per_s": sum(groups["shed"].values()) / duration_s,
         "late_ok": record.late_ok,
-        "expired_executed": record.expired_executed,
+        # None: not measurable (a gRPC deadline).
+        "expired_executed": record.expired_executed if expired_seen else None,
         "client_lag": percentiles_ms(record.lag_s) if stream.mode == "open" else None,
     }
 
