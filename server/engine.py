@@ -46,6 +46,8 @@ from laneserve.server.memory import (
 log = logging.getLogger(__name__)
 
 IndexArray = npt.NDArray[np.intp]
+# A part of a split that failed: its inputs, their positions in the batch, its error.
+_FailedPart = tuple[Mapping[str, Array], IndexArray, LaneserveError]
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
@@ -267,62 +269,96 @@ class Engine:
     ) -> None:
         """After `inputs` (the batch's rows at `positions`) failed with `error`: runs each
         half's rows still wanted (asked just before it runs), splits again a half that
-        fails, and records every row's outcome in `split`. When both halves fail with an
-        error other than out of memory, the failure is not one row's (a broken session,
-        or bad rows in both halves): their rows fail without more runs, so a broken
-        session costs three runs per batch, not two per row."""
+        fails, and records every row's outcome in `split`. A single row fails alone.
+        When both halves fail with an error other than out of memory, the failure may be
+        no row's (a broken session): see `_probe_halves`."""
         out_of_memory = isinstance(error, DeviceMemoryError)
         run = len(split.out_of_memory_runs)
         if out_of_memory:
             split.out_of_memory_runs.append(OutOfMemoryRun(len(positions), held_unfit_row=False))
         unfit_before = split.unfit_rows
         if len(positions) == 1:
-            if out_of_memory:
-                split.fail(
-                    positions,
-                    DeviceMemoryError(
-                        "one row of this request needs more device memory than the budget "
-                        f"allows ({error.message})"
-                    ),
-                )
-                split.unfit_rows += 1
-            else:
-                split.fail(
-                    positions,
-                    EngineError(f"the model failed on a row of this request: {error.message}"),
-                )
+            split.fail_alone(positions, error)
         else:
-            half = len(positions) // 2
-            halves = (slice(0, half), slice(half, None))
-            failures: list[tuple[Mapping[str, Array], IndexArray, LaneserveError]] = []
-            for part in halves:
-                part_inputs, part_positions = split.still_wanted(
-                    {name: array[part] for name, array in inputs.items()}, positions[part]
-                )
-                if len(part_positions) == 0:
-                    continue
-                try:
-                    split.store(part_positions, self.run(part_inputs))
-                except LaneserveError as run_error:
-                    failures.append((part_inputs, part_positions, run_error))
-            both_failed = len(failures) == len(halves) and not any(
+            failures = self._run_halves(inputs, positions, split)
+            both_failed = len(failures) == 2 and not any(  # noqa: PLR2004 - two halves
                 isinstance(failure, DeviceMemoryError) for _, _, failure in failures
             )
-            for failed_inputs, failed_positions, failure in failures:
-                if both_failed:
-                    split.fail(
-                        failed_positions,
-                        EngineError(
-                            "the model failed on the batch holding this request and on both "
-                            f"halves of it: {failure.message}"
-                        ),
-                    )
-                else:
+            if both_failed:
+                for rest_inputs, rest_positions in self._probe_halves(failures, split):
+                    self._run_or_split(rest_inputs, rest_positions, split)
+            else:
+                for failed_inputs, failed_positions, failure in failures:
                     self._retry_in_halves(failed_inputs, failed_positions, failure, split)
         if out_of_memory and split.unfit_rows > unfit_before:
             split.out_of_memory_runs[run] = OutOfMemoryRun(
                 split.out_of_memory_runs[run].rows, held_unfit_row=True
             )
+
+    def _run_halves(
+        self, inputs: Mapping[str, Array], positions: IndexArray, split: _Split
+    ) -> list[_FailedPart]:
+        """Runs each half of the rows still wanted, in turn; the halves that failed."""
+        half = len(positions) // 2
+        failures: list[_FailedPart] = []
+        for part in (slice(0, half), slice(half, None)):
+            part_inputs, part_positions = split.still_wanted(
+                {name: array[part] for name, array in inputs.items()}, positions[part]
+            )
+            if len(part_positions) == 0:
+                continue
+            try:
+                split.store(part_positions, self.run(part_inputs))
+            except LaneserveError as run_error:
+                failures.append((part_inputs, part_positions, run_error))
+        return failures
+
+    def _run_or_split(
+        self, inputs: Mapping[str, Array], positions: IndexArray, split: _Split
+    ) -> None:
+        """Runs the rows at `positions` still wanted; splits them if the run fails."""
+        inputs, positions = split.still_wanted(inputs, positions)
+        if len(positions) == 0:
+            return
+        try:
+            split.store(positions, self.run(inputs))
+        except LaneserveError as error:
+            self._retry_in_halves(inputs, positions, error, split)
+
+    def _probe_halves(
+        self, failures: list[_FailedPart], split: _Split
+    ) -> list[tuple[Mapping[str, Array], IndexArray]]:
+        """Both halves of a run failed (not out of memory): bad rows in both, or a broken
+        session. One row of each half runs alone to tell: if both fail too, every row of
+        the halves fails now (five runs per batch, not two per row), blaming the batch,
+        not the request's row, and nothing is left to split; otherwise the probed rows are
+        done (stored, or failed alone) and the rest of each half is returned, to run."""
+        probed: list[tuple[IndexArray, LaneserveError | None]] = []
+        for inputs, positions, _ in failures:
+            try:
+                split.store(positions[:1], self.run({n: a[:1] for n, a in inputs.items()}))
+            except LaneserveError as probe_error:
+                probed.append((positions[:1], probe_error))
+            else:
+                probed.append((positions[:1], None))
+        if all(outcome is not None for _, outcome in probed):
+            for _, positions, failure in failures:
+                split.fail(
+                    positions,
+                    EngineError(
+                        "the model failed on the batch holding this request, on both halves "
+                        f"of it and on one row of each alone: {failure.message}"
+                    ),
+                )
+            return []
+        for row, outcome in probed:
+            if outcome is not None:
+                split.fail_alone(row, outcome)
+        return [
+            ({n: a[1:] for n, a in inputs.items()}, positions[1:])
+            for inputs, positions, _ in failures
+            if len(positions) > 1
+        ]
 
     def example_inputs(self, rows: int) -> dict[str, Array]:
         """Zero-filled inputs of `rows` rows (dynamic trailing dimensions become 1)."""
@@ -473,6 +509,22 @@ class _Split:
             }
         for name, array in outputs.items():
             self.outputs[name][positions] = array
+
+    def fail_alone(self, row: IndexArray, error: LaneserveError) -> None:
+        """One row failed when run alone: it is the row's fault (or it does not fit)."""
+        if isinstance(error, DeviceMemoryError):
+            self.fail(
+                row,
+                DeviceMemoryError(
+                    "one row of this request needs more device memory than the budget "
+                    f"allows ({error.message})"
+                ),
+            )
+            self.unfit_rows += 1
+        else:
+            self.fail(
+                row, EngineError(f"the model failed on a row of this request: {error.message}")
+            )
 
     def fail(self, positions: IndexArray, error: LaneserveError) -> None:
         self._failed += [(int(position), error) for position in positions]

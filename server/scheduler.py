@@ -125,6 +125,14 @@ def _capacity_failures(result: BatchResult) -> list[int]:
     return [run.rows for run in result.out_of_memory_runs if not run.held_unfit_row]
 
 
+def _charge_owner(plan: _Plan, priority: int) -> None:
+    """The batch is the owed lane's (its shape): every row of it counts against its
+    credit, so over time it gets its share of rows, not every other batch."""
+    allowance, _ = plan.share_used[priority]
+    owned = sum(rows for entry, rows in plan.taken if entry.priority == priority)
+    plan.share_used[priority] = (allowance, owned)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -242,9 +250,9 @@ class Scheduler:
                 retry_after_s=max(self.run_time.drain_s(excess, self.batch_cap), 0.001),
             )
         deadline_s = lane.config.deadline_s(now_s, request.deadline_s)
-        ahead = sum(other.queued_rows for other in self.lanes[: lane.priority + 1])
         finish_s = self._predicted_finish_s(lane, request.rows, request.signature, now_s)
         if finish_s > deadline_s:
+            ahead = sum(other.queued_rows for other in self.lanes[: lane.priority + 1])
             raise DeadlineUnmeetableError(
                 f"deadline in {max(deadline_s - now_s, 0) * 1000:.1f} ms cannot be met: "
                 f"{ahead} rows are queued ahead in lane {lane.name!r} or above, serving them "
@@ -261,17 +269,25 @@ class Scheduler:
         whatever is queued above: the earlier of the two."""
         cap = self.batch_cap
         start_s = now_s if self._running_until_s is None else max(now_s, self._running_until_s)
-        lower = [
-            other
-            for other in self.lanes[lane.priority + 1 :]
-            if other.config.min_share > 0 and other.queued_rows > 0
-        ]
-        first_lower = sum(self._share_take_rows(other, signature) for other in lower)
-        total = sum(other.queued_rows for other in self.lanes[: lane.priority + 1]) + rows
+        total = rows  # rows in `lane` and above, this request's included
+        first_lower = 0  # what lower lanes' shares may take ahead in the next batch
+        shares = 0  # what they take in each batch after
+        for other in self.lanes:  # one pass: this runs for every admission
+            if other.priority <= lane.priority:
+                total += other.queued_rows
+            elif other.queued_rows and other.config.min_share > 0:
+                share = self._share_rows(other)
+                shares += share
+                allowance = share + other.share_balance_rows
+                if allowance > 0:
+                    # Its allowance, or its head request whole (pass 1 takes the request
+                    # crossing it), when that head could join this request's batch.
+                    head = next(iter(other))
+                    if head.request.signature == signature:
+                        first_lower += min(cap, max(allowance, head.queued_rows))
         if total + first_lower <= cap:
             finish_s = start_s + self.run_time.predict_s(total + first_lower)
         else:
-            shares = sum(self._share_rows(other) for other in lower)
             later = total - max(0, cap - first_lower)  # rows left after the next batch
             full, rest = divmod(later, max(1, cap - shares))
             finish_s = start_s + (1 + full) * self.run_time.predict_s(cap)
@@ -279,7 +295,11 @@ class Scheduler:
                 finish_s += self.run_time.predict_s(min(cap, rest + shares))
         share = self._share_rows(lane)
         if share > 0:
-            own_batches = math.ceil((lane.queued_rows + rows) / share)
+            # Its share reaches the request in the first batch whose allowance covers the
+            # rows queued ahead of it in the lane (what it owes first counts as ahead); the
+            # request then goes whole, as the allowance's crossing request.
+            ahead = lane.queued_rows - lane.share_balance_rows
+            own_batches = max(1, math.ceil((ahead + 1) / share))
             finish_s = min(finish_s, start_s + own_batches * self.run_time.predict_s(cap))
         return finish_s
 
@@ -452,7 +472,7 @@ class Scheduler:
 
         for lane in self.lanes:
             if lane.config.min_share > 0 and lane.queued_rows > 0:
-                allowance = self._share_rows(lane) + lane.share_balance_rows
+                allowance = self._allowance(lane)
                 plan.share_used[lane.priority] = (allowance, fill(lane, allowance))
                 head = next(iter(lane))
                 if head.request.signature != signature:
@@ -467,11 +487,7 @@ class Scheduler:
                 room = min(room, budget_rows - rows)
         plan.taken = list(taken.values())
         if first is not top:
-            # The batch is the owed lane's: every row of it counts against its credit,
-            # so over time it gets its share of rows, not every other batch.
-            allowance, _ = plan.share_used[first.priority]
-            owned = sum(rows for entry, rows in plan.taken if entry.priority == first.priority)
-            plan.share_used[first.priority] = (allowance, owned)
+            _charge_owner(plan, first.priority)
         return plan
 
     def _owed_head(self, top: Entry) -> Entry | None:
@@ -498,10 +514,8 @@ class Scheduler:
         lower lanes fill every batch: a priority inversion)."""
         for lane in self.lanes[: first.priority]:
             if lane.last_admit_s is not None and now_s - lane.last_admit_s < ACTIVE_LANE_S:
-                signature = first.request.signature
                 shares = sum(
-                    self._share_take_rows(below, signature)
-                    for below in self.lanes[first.priority + 1 :]
+                    self._share_take_rows(below) for below in self.lanes[first.priority + 1 :]
                 )
                 return max(
                     self._rows_within_wait(lane),
@@ -514,19 +528,22 @@ class Scheduler:
         keep it waiting (in its batch, or ahead of its next request)."""
         return self.run_time.rows_within_s(lane.max_wait_s, self.batch_cap)
 
-    def _share_take_rows(self, lane: Lane, signature: Signature) -> int:
-        """The rows pass 1 of `_plan` gives `lane` for its share in a batch of `signature`
-        when room does not limit it: its allowance, the request crossing it whole."""
-        if lane.config.min_share == 0:
+    def _share_take_rows(self, lane: Lane) -> int:
+        """The rows pass 1 is expected to give `lane` for its share: its allowance, or its
+        head request whole when that crosses it by less than one more share (a larger
+        request is not counted: one would raise the limit to the cap)."""
+        if lane.config.min_share == 0 or lane.queued_rows == 0:
             return 0
-        allowance = self._share_rows(lane) + lane.share_balance_rows
-        taken = 0
-        for entry in lane:
-            if taken >= allowance or entry.request.signature != signature:
-                break
-            whole = entry.request.rows <= self.batch_cap
-            taken += entry.queued_rows if whole else min(entry.queued_rows, allowance - taken)
-        return min(taken, self.batch_cap)
+        allowance = self._allowance(lane)
+        if allowance <= 0:
+            return 0
+        head_rows = next(iter(lane)).queued_rows
+        crosses = allowance < head_rows <= allowance + self._share_rows(lane)
+        return head_rows if crosses else allowance
+
+    def _allowance(self, lane: Lane) -> int:
+        """Rows `lane` may take in pass 1 of the next batch: its share and its balance."""
+        return self._share_rows(lane) + lane.share_balance_rows
 
     def _share_rows(self, lane: Lane) -> int:
         return math.ceil(lane.config.min_share * self.batch_cap)
@@ -537,12 +554,16 @@ class Scheduler:
             if lane.priority in plan.share_used:
                 allowance, used = plan.share_used[lane.priority]
                 # Unused allowance is banked up to one share (a lane that could not get
-                # room is owed it); an overdraft is repaid from the next allowances.
+                # room is owed it), up to a batch while its shape is shut out (see
+                # `_owed_head`), and credit banked so is kept while the lane gets nothing;
+                # an overdraft is repaid from the next allowances.
                 banked = (
                     self.batch_cap
                     if lane.priority in plan.shape_blocked
                     else self._share_rows(lane)
                 )
+                if used == 0:
+                    banked = max(banked, lane.share_balance_rows)
                 lane.share_balance_rows = min(allowance - used, banked)
             else:
                 # An idle lane banks nothing, but still owes what it took ahead of higher

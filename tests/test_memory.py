@@ -626,9 +626,9 @@ def test_each_half_of_a_split_is_asked_for_just_before_it_runs(small_model: Path
     assert len(engine.ran) == 1, "A's half ran; B's expired while it did, and did not run"
 
 
-def test_a_broken_session_costs_three_runs_and_blames_no_request(small_model: Path) -> None:
-    """A failure that is not one row's (both halves fail too) stops the split: three runs
-    per batch, not two per row, and the answer says the batch and both halves failed."""
+def test_a_broken_session_costs_five_runs_and_blames_no_request(small_model: Path) -> None:
+    """A failure that is no row's (both halves fail, and one row of each alone) stops
+    the split: five runs per batch, not two per row, and the answer blames the batch."""
     clock = ManualClock(1_000.0)
     engine = _BrokenSession(small_model)
     width = engine.inputs[0].shape[1]
@@ -637,12 +637,10 @@ def test_a_broken_session_costs_three_runs_and_blames_no_request(small_model: Pa
         request = _standard(f"r{index}", np.full((2, width), index, np.float32))
         scheduler.admit(request, clock.monotonic())
     answers = _answers_of(scheduler, engine, clock, 4)
-    assert engine.runs == 3
+    assert engine.runs == 5
     for answer in answers:
         assert isinstance(answer.error, EngineError)
-        assert "failed on the batch holding this request and on both halves of it" in (
-            answer.error.message
-        )
+        assert "on both halves of it and on one row of each alone" in answer.error.message
 
 
 def test_split_batches_do_not_raise_the_cap_back() -> None:

@@ -99,10 +99,10 @@ def test_inputs_sharing_a_named_dimension_must_agree_on_its_size(tmp_path: Path)
 
 
 def test_a_row_the_model_fails_on_fails_its_request_only(tmp_path: Path) -> None:
-    """Gather with an index past the table fails in the runtime. The batch that holds it
-    is run again in halves until the failing row is alone: its request is answered
-    ENGINE_FAILURE with the runtime's words, the requests batched with it are answered
-    (they all failed with it before)."""
+    """Gather with an index past the table fails in the runtime. The batch that holds two
+    such rows (one in each half) is run again in halves until each failing row is alone:
+    their requests are answered ENGINE_FAILURE with the runtime's words, the requests
+    batched with them are answered (they all failed with them before)."""
     table = helper.make_tensor("table", TensorProto.FLOAT, [10], [float(i) for i in range(10)])
     graph = helper.make_graph(
         [helper.make_node("Gather", ["table", "input"], ["value"], axis=0)],
@@ -125,25 +125,25 @@ def test_a_row_the_model_fails_on_fails_its_request_only(tmp_path: Path) -> None
             await asyncio.to_thread(engine.entered.acquire)
             calls = [
                 asyncio.ensure_future(s.stub.Infer(request, timeout=10))
-                for request in (lookup(1, 2), lookup(99), lookup(3))
+                for request in (lookup(1, 2), lookup(99), lookup(3), lookup(4), lookup(98))
             ]
             thread = s.server._thread
             assert thread is not None
-            await until(lambda: sum(depth.queued_rows for depth in thread.depths()) == 4)
+            await until(lambda: sum(depth.queued_rows for depth in thread.depths()) == 6)
             engine.release()
             answers = await asyncio.gather(first, *calls, return_exceptions=True)
             stats = await s.stub.GetStats(pb.GetStatsRequest())
-        ok_first, ok_pair, bad, ok_last = answers
+        ok_first, ok_pair, bad, ok_three, ok_four, bad_too = answers
+        for ok, expected in ((ok_pair, [[1.0], [2.0]]), (ok_three, [[3.0]]), (ok_four, [[4.0]])):
+            assert isinstance(ok, pb.InferResponse)
+            np.testing.assert_array_equal(output(ok), expected)
         assert isinstance(ok_first, pb.InferResponse)
-        assert isinstance(ok_pair, pb.InferResponse)
-        assert isinstance(ok_last, pb.InferResponse)
-        np.testing.assert_array_equal(output(ok_pair), [[1.0], [2.0]])
-        np.testing.assert_array_equal(output(ok_last), [[3.0]])
-        assert isinstance(bad, grpc.aio.AioRpcError)
-        assert bad.code() == grpc.StatusCode.INTERNAL
-        assert rich_status(bad)[0] == "ENGINE_FAILURE"
-        assert "the model failed on a row of this request" in (bad.details() or "")
+        for failed in (bad, bad_too):  # in both halves of the batch: each found alone
+            assert isinstance(failed, grpc.aio.AioRpcError)
+            assert failed.code() == grpc.StatusCode.INTERNAL
+            assert rich_status(failed)[0] == "ENGINE_FAILURE"
+            assert "the model failed on a row of this request" in (failed.details() or "")
         answered = {lane.name: dict(lane.answered) for lane in stats.lanes}
-        assert answered["standard"] == {"OK": 3, "ENGINE_FAILURE": 1}
+        assert answered["standard"] == {"OK": 4, "ENGINE_FAILURE": 2}
 
     asyncio.run(scenario())

@@ -629,6 +629,54 @@ def test_a_lane_whose_work_has_another_shape_still_gets_its_share() -> None:
     assert taken["interactive"] >= batches * (CAP - share_rows) - CAP
 
 
+def test_a_large_lower_request_does_not_lift_an_active_lanes_batch_limit() -> None:
+    """Interactive is active (22 rows run within its max_wait): a batch of standard rows
+    stays near that, with the lower lanes' shares on top; a 64-row bulk request (bigger
+    than its share) used to count whole and lift the limit to the cap (4 ms ahead of
+    the next interactive request, filled by standard)."""
+    lanes = (
+        INTERACTIVE,
+        dataclasses.replace(STANDARD, min_share=0.1),
+        dataclasses.replace(BULK, min_share=0.05),
+    )
+    scheduler = make_scheduler(lanes, cap=64)
+    scheduler.admit(make_request(0, "interactive", 1), T0)
+    scheduler.complete(run(dispatch(scheduler, T0, math.inf)))
+    now_s = T0 + 0.010  # interactive still active
+    for index in range(1, 60):
+        scheduler.admit(make_request(index, "standard", 1), now_s)
+    for index in (500, 501):
+        scheduler.admit(make_request(index, "bulk", 64), now_s)
+    batch = dispatch(scheduler, now_s, math.inf)
+    within = scheduler.run_time.rows_within_s(INTERACTIVE.max_wait_ms / 1000, 64)
+    assert batch.rows <= within + math.ceil(0.05 * 64), rows_by_lane(batch)
+
+
+def test_two_lanes_whose_work_has_another_shape_both_get_their_shares() -> None:
+    """Standard and bulk (share 2 of 8 rows each) queue 8-row requests 3 wide while
+    interactive is saturated 2 wide. Bulk's credit, banked while its shape was shut out,
+    was cut to one share whenever standard's batch of their common shape left it no
+    room, so standard always reached its credit first and bulk got nothing."""
+    lanes = (INTERACTIVE, STANDARD, dataclasses.replace(BULK, min_share=0.25))
+    scheduler = make_scheduler(lanes)
+    index, now_s = 0, T0
+    taken: Counter[str] = Counter()
+    batches = 200
+    for _ in range(batches):
+        index = saturate(scheduler, index, now_s)
+        for lane in ("standard", "bulk"):
+            while queued_rows(scheduler, lane) < 2 * CAP:
+                scheduler.admit(make_request(index, lane, CAP, width=3), now_s)
+                index += 1
+        batch = dispatch(scheduler, now_s, math.inf)
+        taken += rows_by_lane(batch)
+        scheduler.complete(run(batch))
+        now_s += 0.001
+    share_rows = math.ceil(STANDARD.min_share * CAP)
+    assert taken["standard"] >= batches * share_rows * 0.9, taken
+    assert taken["bulk"] >= batches * share_rows * 0.7, taken
+
+
 # ---- admission -------------------------------------------------------------------------
 
 
