@@ -233,8 +233,13 @@ def offer_problem(stream: Stream, sent: int, duration_s: float, lag_s: Sequence[
     """Empty when the load generator offered an open-loop stream's load over
     `duration_s`; else why not: it sent under MIN_ACHIEVED_FRACTION of its target rate
     (beyond Poisson noise), or its median lag behind the schedule exceeds the stream's
-    deadline (the requests were late before they left). Closed loop: always empty."""
-    if stream.mode != "open" or duration_s <= 0:
+    deadline (the requests were late before they left). `sent` counts the arrivals held
+    back because MAX_OUTSTANDING calls were unanswered: the server held those calls, so
+    they are its answer to the load, not the load generator's limit. Closed loop: always empty; and
+    over InferStream too: there the server's credit window holds items back (its
+    backpressure, by design), so a rate under the target is the server's answer to the
+    load, not the load generator's limit."""
+    if stream.mode != "open" or stream.via == "stream" or duration_s <= 0:
         return ""
     problems = []
     expected = stream.rate_per_s * duration_s
@@ -262,7 +267,7 @@ def summarize_stream(stream: Stream, record: StreamWindow, duration_s: float) ->
     groups = classify(record.outcomes)
     good = ok - record.late_ok
     timed = any(rows > 0 for rows in record.ok_batch_rows)
-    problem = offer_problem(stream, record.sent, duration_s, record.lag_s)
+    problem = offer_problem(stream, record.sent + record.client_backlog, duration_s, record.lag_s)
     # Under a gRPC deadline an answer later than the deadline is cancelled, never seen.
     expired_seen = stream.deadline_in == "timeout_ms" or stream.deadline_ms is None
     return {
