@@ -329,34 +329,47 @@ class Engine:
         self, failures: list[_FailedPart], split: _Split
     ) -> list[tuple[Mapping[str, Array], IndexArray]]:
         """Both halves of a run failed (not out of memory): bad rows in both, or a broken
-        session. One row of each half runs alone to tell: if both fail too, every row of
-        the halves fails now (five runs per batch, not two per row), blaming the batch,
-        not the request's row, and nothing is left to split; otherwise the probed rows are
-        done (stored, or failed alone) and the rest of each half is returned, to run."""
-        probed: list[tuple[IndexArray, LaneserveError | None]] = []
-        for inputs, positions, _ in failures:
-            try:
-                split.store(positions[:1], self.run({n: a[:1] for n, a in inputs.items()}))
-            except LaneserveError as probe_error:
-                probed.append((positions[:1], probe_error))
-            else:
-                probed.append((positions[:1], None))
-        if all(outcome is not None for _, outcome in probed):
-            for _, positions, failure in failures:
+        session. One row of each half (still wanted, asked now) runs alone to tell; a
+        half of one row has run alone already. If every such row fails too, not for want
+        of memory, the session is taken as broken: every row of the halves fails now (five
+        runs per batch, not two per row), blaming the batch, not the request's row, and
+        nothing is left to split. Otherwise the probed rows are done (stored, or failed
+        alone) and the rest of each half is returned, to run."""
+        probed: list[tuple[Mapping[str, Array], IndexArray, LaneserveError | None]] = []
+        for failed_inputs, failed_positions, failure in failures:
+            inputs, positions = split.still_wanted(failed_inputs, failed_positions)
+            if len(positions) == 0:
+                continue
+            outcome: LaneserveError | None = failure if len(failed_positions) == 1 else None
+            if len(failed_positions) > 1:
+                try:
+                    split.store(positions[:1], self.run({n: a[:1] for n, a in inputs.items()}))
+                except LaneserveError as probe_error:
+                    outcome = probe_error
+                    if isinstance(probe_error, DeviceMemoryError):
+                        split.out_of_memory_runs.append(OutOfMemoryRun(1, held_unfit_row=True))
+            probed.append((inputs, positions, outcome))
+        broken = bool(probed) and all(
+            outcome is not None and not isinstance(outcome, DeviceMemoryError)
+            for _, _, outcome in probed
+        )
+        if broken:
+            for _, positions, outcome in probed:
+                assert outcome is not None
                 split.fail(
                     positions,
                     EngineError(
                         "the model failed on the batch holding this request, on both halves "
-                        f"of it and on one row of each alone: {failure.message}"
+                        f"of it and on one row of each alone: {outcome.message}"
                     ),
                 )
             return []
-        for row, outcome in probed:
+        for _, positions, outcome in probed:
             if outcome is not None:
-                split.fail_alone(row, outcome)
+                split.fail_alone(positions[:1], outcome)
         return [
             ({n: a[1:] for n, a in inputs.items()}, positions[1:])
-            for inputs, positions, _ in failures
+            for inputs, positions, _ in probed
             if len(positions) > 1
         ]
 

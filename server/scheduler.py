@@ -299,7 +299,10 @@ class Scheduler:
             # rows queued ahead of it in the lane (what it owes first counts as ahead); the
             # request then goes whole, as the allowance's crossing request.
             ahead = lane.queued_rows - lane.share_balance_rows
-            own_batches = max(1, math.ceil((ahead + 1) / share))
+            # A request larger than the cap is not taken whole: its share moves it on
+            # by `share` rows a batch.
+            own = rows if rows > cap else 1
+            own_batches = max(1, math.ceil((ahead + own) / share))
             finish_s = min(finish_s, start_s + own_batches * self.run_time.predict_s(cap))
         return finish_s
 
@@ -515,7 +518,8 @@ class Scheduler:
         for lane in self.lanes[: first.priority]:
             if lane.last_admit_s is not None and now_s - lane.last_admit_s < ACTIVE_LANE_S:
                 shares = sum(
-                    self._share_take_rows(below) for below in self.lanes[first.priority + 1 :]
+                    self._share_take_rows(below, first.request.signature)
+                    for below in self.lanes[first.priority + 1 :]
                 )
                 return max(
                     self._rows_within_wait(lane),
@@ -528,16 +532,18 @@ class Scheduler:
         keep it waiting (in its batch, or ahead of its next request)."""
         return self.run_time.rows_within_s(lane.max_wait_s, self.batch_cap)
 
-    def _share_take_rows(self, lane: Lane) -> int:
-        """The rows pass 1 is expected to give `lane` for its share: its allowance, or its
-        head request whole when that crosses it by less than one more share (a larger
-        request is not counted: one would raise the limit to the cap)."""
+    def _share_take_rows(self, lane: Lane, signature: Signature) -> int:
+        """The rows pass 1 is expected to give `lane` for its share in a batch of
+        `signature`: its allowance, or its head request whole when that crosses it by less
+        than one more share (a larger request is not counted: one would raise the limit
+        to the cap); none when its head has another shape (it cannot join)."""
         if lane.config.min_share == 0 or lane.queued_rows == 0:
             return 0
         allowance = self._allowance(lane)
-        if allowance <= 0:
+        head = next(iter(lane))
+        if allowance <= 0 or head.request.signature != signature:
             return 0
-        head_rows = next(iter(lane)).queued_rows
+        head_rows = head.queued_rows
         crosses = allowance < head_rows <= allowance + self._share_rows(lane)
         return head_rows if crosses else allowance
 

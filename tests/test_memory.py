@@ -638,9 +638,59 @@ def test_a_broken_session_costs_five_runs_and_blames_no_request(small_model: Pat
         scheduler.admit(request, clock.monotonic())
     answers = _answers_of(scheduler, engine, clock, 4)
     assert engine.runs == 5
+    # Two rows: each half is one row and has run alone already; nothing runs twice.
+    scheduler.admit(_standard("pair", np.zeros((2, width), np.float32)), clock.monotonic())
+    (pair,) = _answers_of(scheduler, engine, clock, 1)
+    assert engine.runs == 5 + 3
+    assert isinstance(pair.error, EngineError)
     for answer in answers:
         assert isinstance(answer.error, EngineError)
         assert "on both halves of it and on one row of each alone" in answer.error.message
+
+
+class _FailsOnValue(Engine):
+    """The real session, failing (as the runtime would) any run holding a row whose first
+    value is `bad` (fault injection); `after_run` is called after every run."""
+
+    def __init__(self, model_path: Path, bad: float, after_run: Callable[[], None]) -> None:
+        super().__init__(str(model_path), device="cpu")
+        self.bad, self.after_run = bad, after_run
+        self.ran: list[list[float]] = []
+
+    def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
+        firsts = [float(value) for value in inputs["input"][:, 0]]
+        self.ran.append(firsts)
+        try:
+            if self.bad in firsts:
+                raise EngineError("injected: index out of range")
+            return super().run(inputs)
+        finally:
+            self.after_run()
+
+
+def test_the_probe_rows_are_asked_for_before_they_run(small_model: Path) -> None:
+    """Both halves fail (a bad row in each), and one row of each is run alone to tell
+    bad rows from a broken session: a half whose caller stopped waiting meanwhile is not
+    probed (its row ran, and was answered OK after its deadline)."""
+    clock = ManualClock(1_000.0)
+    runs: list[int] = []
+
+    def after_run() -> None:
+        runs.append(1)
+        if len(runs) == 3:  # the second half's run: B's deadline passes
+            clock.advance(1.0)
+
+    engine = _FailsOnValue(small_model, 99.0, after_run)
+    width = engine.inputs[0].shape[1]
+    scheduler = _scheduler(4)
+    for name, first_value, deadline_s in (("A", 1.0, None), ("B", 2.0, 1_000.5)):
+        x = np.zeros((2, width), np.float32)
+        x[:, 0] = (first_value, 99.0)
+        scheduler.admit(_standard(name, x, deadline_s), clock.monotonic())
+    answers = {answer.token: answer for answer in _answers_of(scheduler, engine, clock, 2)}
+    assert isinstance(answers["B"].error, ExpiredInQueueError)
+    assert isinstance(answers["A"].error, EngineError), "A's own bad row"
+    assert all(2.0 not in firsts for firsts in engine.ran[3:]), engine.ran
 
 
 def test_split_batches_do_not_raise_the_cap_back() -> None:

@@ -677,6 +677,31 @@ def test_two_lanes_whose_work_has_another_shape_both_get_their_shares() -> None:
     assert taken["bulk"] >= batches * share_rows * 0.7, taken
 
 
+def test_credit_banked_by_a_lane_of_another_shape_does_not_lift_the_limit() -> None:
+    """Bulk's head has another shape than the batch: it cannot join, so the credit it
+    banks meanwhile must not count as room for it under an active interactive lane (the
+    limit grew 22 -> 49 rows, and standard filled them)."""
+    lanes = (
+        INTERACTIVE,
+        dataclasses.replace(STANDARD, min_share=0.1),
+        dataclasses.replace(BULK, min_share=0.05),
+    )
+    scheduler = make_scheduler(lanes, cap=64)
+    scheduler.admit(make_request(0, "interactive", 1), T0)
+    scheduler.complete(run(dispatch(scheduler, T0, math.inf)))
+    scheduler.admit(make_request(900, "bulk", 64, width=3), T0)
+    within = scheduler.run_time.rows_within_s(INTERACTIVE.max_wait_ms / 1000, 64)
+    index, now_s = 1, T0 + 0.001
+    for _ in range(12):
+        while queued_rows(scheduler, "standard") < 60:
+            scheduler.admit(make_request(index, "standard", 1), now_s)
+            index += 1
+        batch = dispatch(scheduler, now_s, math.inf)
+        assert rows_by_lane(batch)["standard"] <= within, rows_by_lane(batch)
+        scheduler.complete(run(batch, scheduler.run_time.predict_s(batch.rows)))
+        now_s += 0.001
+
+
 # ---- admission -------------------------------------------------------------------------
 
 
@@ -759,6 +784,19 @@ def test_admission_counts_the_running_batch_and_a_lower_lanes_whole_request() ->
     scheduler.complete(run(running, run_s=ahead_s))
     after_s = T0 + ahead_s
     scheduler.admit(make_request(903, "interactive", 1, deadline_s=after_s + 2 * own_s), after_s)
+
+
+def test_a_share_lanes_request_larger_than_the_cap_moves_a_share_a_batch() -> None:
+    """A 256-row bulk request (share 4 rows of 64) is not taken whole: its share moves it
+    4 rows a batch. Its own bound counted it as one row, and admitted it to expire."""
+    lanes = (INTERACTIVE, STANDARD, dataclasses.replace(BULK, min_share=0.05, timeout_ms=12))
+    scheduler = make_scheduler(lanes, cap=64)
+    for index in range(64):
+        scheduler.admit(make_request(index, "interactive", 1), T0)
+    for index in range(64, 128):
+        scheduler.admit(make_request(index, "standard", 1), T0)
+    with pytest.raises(DeadlineUnmeetableError):
+        scheduler.admit(make_request(999, "bulk", 256), T0)
 
 
 def test_rows_in_lower_lanes_do_not_count_as_ahead() -> None:
