@@ -629,11 +629,9 @@ def test_a_lane_whose_work_has_another_shape_still_gets_its_share() -> None:
     assert taken["interactive"] >= batches * (CAP - share_rows) - CAP
 
 
-def test_a_large_lower_request_does_not_lift_an_active_lanes_batch_limit() -> None:
-    """Interactive is active (22 rows run within its max_wait): a batch of standard rows
-    stays near that, with the lower lanes' shares on top; a 64-row bulk request (bigger
-    than its share) used to count whole and lift the limit to the cap (4 ms ahead of
-    the next interactive request, filled by standard)."""
+def interactive_just_served() -> Scheduler:
+    """Default-like shares (standard 0.1, bulk 0.05), cap 64, an interactive request
+    served at T0: interactive is active (its max_wait bounds lower lanes' batches)."""
     lanes = (
         INTERACTIVE,
         dataclasses.replace(STANDARD, min_share=0.1),
@@ -642,6 +640,15 @@ def test_a_large_lower_request_does_not_lift_an_active_lanes_batch_limit() -> No
     scheduler = make_scheduler(lanes, cap=64)
     scheduler.admit(make_request(0, "interactive", 1), T0)
     scheduler.complete(run(dispatch(scheduler, T0, math.inf)))
+    return scheduler
+
+
+def test_a_large_lower_request_does_not_lift_an_active_lanes_batch_limit() -> None:
+    """Interactive is active (22 rows run within its max_wait): a batch of standard rows
+    stays near that, with the lower lanes' shares on top; a 64-row bulk request (bigger
+    than its share) used to count whole and lift the limit to the cap (4 ms ahead of
+    the next interactive request, filled by standard)."""
+    scheduler = interactive_just_served()
     now_s = T0 + 0.010  # interactive still active
     for index in range(1, 60):
         scheduler.admit(make_request(index, "standard", 1), now_s)
@@ -681,14 +688,7 @@ def test_credit_banked_by_a_lane_of_another_shape_does_not_lift_the_limit() -> N
     """Bulk's head has another shape than the batch: it cannot join, so the credit it
     banks meanwhile must not count as room for it under an active interactive lane (the
     limit grew 22 -> 49 rows, and standard filled them)."""
-    lanes = (
-        INTERACTIVE,
-        dataclasses.replace(STANDARD, min_share=0.1),
-        dataclasses.replace(BULK, min_share=0.05),
-    )
-    scheduler = make_scheduler(lanes, cap=64)
-    scheduler.admit(make_request(0, "interactive", 1), T0)
-    scheduler.complete(run(dispatch(scheduler, T0, math.inf)))
+    scheduler = interactive_just_served()
     scheduler.admit(make_request(900, "bulk", 64, width=3), T0)
     within = scheduler.run_time.rows_within_s(INTERACTIVE.max_wait_ms / 1000, 64)
     index, now_s = 1, T0 + 0.001
