@@ -246,16 +246,12 @@ def test_out_of_memory_halves_the_cap_and_success_raises_it_back() -> None:
     assert scheduler.max_batch_cap == 64
 
 
-def test_only_the_request_whose_row_does_not_fit_fails() -> None:
-    clock = ManualClock()
-    scheduler = _scheduler(8)
-    for index, count in enumerate([2, 1, 3]):
-        scheduler.admit(_request(index, "standard", count), clock.monotonic())
-    result = _dispatch(scheduler, clock)
-    # Row 2 of the batch (request 1's only row) did not fit even alone.
-    failed = BatchResult(
-        result.batch,
-        result.outputs,
+def _row_two_does_not_fit(ran: BatchResult) -> BatchResult:
+    """`ran` (a 6-row batch) as the engine reports it when row 2 does not fit even alone:
+    the runs of 6 and 3 rows that held it ran out of memory, then the row itself."""
+    return BatchResult(
+        ran.batch,
+        ran.outputs,
         None,
         0.001,
         failed_rows=(FailedRows(2, 1, DeviceMemoryError("one row too large")),),
@@ -265,6 +261,16 @@ def test_only_the_request_whose_row_does_not_fit_fails() -> None:
             OutOfMemoryRun(1, held_unfit_row=True),
         ),
     )
+
+
+def test_only_the_request_whose_row_does_not_fit_fails() -> None:
+    clock = ManualClock()
+    scheduler = _scheduler(8)
+    for index, count in enumerate([2, 1, 3]):
+        scheduler.admit(_request(index, "standard", count), clock.monotonic())
+    result = _dispatch(scheduler, clock)
+    # Row 2 of the batch (request 1's only row) did not fit even alone.
+    failed = _row_two_does_not_fit(result)
     answers = {answer.token: answer for answer in scheduler.complete(failed)}
     assert isinstance(answers[1].error, DeviceMemoryError)
     assert answers[0].error is None
@@ -354,20 +360,7 @@ def test_rows_too_large_alone_do_not_move_the_cap() -> None:
     for index, count in enumerate([2, 1, 3], start=1):
         scheduler.admit(_request(index, "standard", count), clock.monotonic())
     mixed = _dispatch(scheduler, clock)
-    scheduler.complete(
-        BatchResult(
-            mixed.batch,
-            mixed.outputs,
-            None,
-            0.001,
-            failed_rows=(FailedRows(2, 1, DeviceMemoryError("one row too large")),),
-            out_of_memory_runs=(
-                OutOfMemoryRun(6, held_unfit_row=True),
-                OutOfMemoryRun(3, held_unfit_row=True),
-                OutOfMemoryRun(1, held_unfit_row=True),
-            ),
-        )
-    )
+    scheduler.complete(_row_two_does_not_fit(mixed))
     assert scheduler.batch_cap == 64, "both failed runs held the row too large alone"
     scheduler.admit(_request(4, "standard", 8), clock.monotonic())
     ordinary = _dispatch(scheduler, clock)
