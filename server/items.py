@@ -110,7 +110,8 @@ class BatchResult:
     # Rows without valid outputs, each range with its own error; every other row's
     # output is valid.
     failed_rows: tuple[FailedRows, ...] = ()
-    # The runs that ran out of device memory, in the order they ran.
+    # The runs that ran out of device memory (each recorded when it failed, then marked
+    # once the rows split from it are done).
     out_of_memory_runs: tuple[OutOfMemoryRun, ...] = ()
     # The batch was run in parts after a failed run (its run time is not one run's).
     split: bool = False
