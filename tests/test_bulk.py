@@ -653,6 +653,8 @@ def test_stream_answers_each_item_out_of_order_with_its_request_id(small_model: 
             sent.put_nowait(request(rows(4, start=20), request_id="urgent", lane="interactive"))
             sent.put_nowait(request(rows(4)[:, :3], request_id="bad"))
             await until(lambda: queued_rows(s) == 8)
+            # The bad item's refusal is counted as its answer is queued (same step).
+            await until_stats(s, lambda stats: stats.lanes[2].rejected["INVALID_INPUT"] == 1)
             engine.release()
             sent.put_nowait(None)
             return await answers
