@@ -165,7 +165,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             await abort_with(context, _stream_draining())
         default_lane = (
             STREAM_DEFAULT_LANE
-            if any(lane.name == STREAM_DEFAULT_LANE for lane in self._config.lanes)
+            if STREAM_DEFAULT_LANE in self._lane_configs
             else self._config.default_lane
         )
         window = asyncio.Semaphore(self._config.stream_window)
@@ -447,10 +447,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         )
 
     def _rejected(self, lane: str, error: LaneserveError) -> LaneserveError:
-        """`error`, counted as a refusal of `lane` as the scheduler counts its own (the
-        lanes' `rejected` and the metrics); a lane the server lacks is not counted."""
-        if lane in self._lane_configs:
-            self._events.rejected(lane, error.reason)
+        """`error`, counted as a refusal of `lane` (a lane the server has: `_infer` refuses
+        others first) as the scheduler counts its own: the lanes' `rejected` and the
+        metrics."""
+        self._events.rejected(lane, error.reason)
         return error
 
     def _request_over(self, lane: str, trace: RequestTrace, status: str, arrived_s: float) -> None:
