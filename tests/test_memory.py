@@ -207,21 +207,20 @@ def _dispatch(scheduler: Scheduler, clock: ManualClock) -> BatchResult:
     return BatchResult(batch, outputs, None, 0.001)
 
 
+def _ran_out_of_memory(ran: BatchResult) -> BatchResult:
+    """`ran` as the engine reports a batch that ran out of memory whole, then ran in
+    halves."""
+    oom = OutOfMemoryRun(ran.batch.rows, held_unfit_row=False)
+    return dataclasses.replace(ran, out_of_memory_runs=(oom,), split=True)
+
+
 def test_out_of_memory_halves_the_cap_and_success_raises_it_back() -> None:
     clock = ManualClock()
     scheduler = _scheduler(64)
     scheduler.admit(_request(0, "standard", 64), clock.monotonic())
     ok = _dispatch(scheduler, clock)
     # The engine ran out of memory at 64 rows and succeeded in halves.
-    (answer,) = scheduler.complete(
-        BatchResult(
-            ok.batch,
-            ok.outputs,
-            None,
-            0.002,
-            out_of_memory_runs=(OutOfMemoryRun(64, held_unfit_row=False),),
-        )
-    )
+    (answer,) = scheduler.complete(_ran_out_of_memory(ok))
     assert answer.error is None
     assert scheduler.batch_cap == 32
     # A single row failing alone says nothing about the batch size.
@@ -288,15 +287,7 @@ def test_the_cap_settles_below_a_size_that_ran_out_of_memory() -> None:
     scheduler = _scheduler(64)
     scheduler.admit(_request(0, "standard", 64), clock.monotonic())
     ok = _dispatch(scheduler, clock)
-    scheduler.complete(
-        BatchResult(
-            ok.batch,
-            ok.outputs,
-            None,
-            0.002,
-            out_of_memory_runs=(OutOfMemoryRun(64, held_unfit_row=False),),
-        )
-    )
+    scheduler.complete(_ran_out_of_memory(ok))
     caps = [scheduler.batch_cap]
     changed_at = [0]
     for index in range(1, CAP_CEILING_BATCHES + 8 * CAP_RECOVERY_BATCHES):
@@ -316,15 +307,7 @@ def test_a_passing_shortage_below_the_cap_sets_no_ceiling() -> None:
     scheduler = _scheduler(64)
     scheduler.admit(_request(0, "standard", 8), clock.monotonic())
     small = _dispatch(scheduler, clock)
-    scheduler.complete(
-        BatchResult(
-            small.batch,
-            small.outputs,
-            None,
-            0.001,
-            out_of_memory_runs=(OutOfMemoryRun(8, held_unfit_row=False),),
-        )
-    )
+    scheduler.complete(_ran_out_of_memory(small))
     assert scheduler.batch_cap == 4
     for index in range(1, CAP_RECOVERY_BATCHES + 1):
         scheduler.admit(_request(index, "standard", scheduler.batch_cap), clock.monotonic())
@@ -364,15 +347,7 @@ def test_rows_too_large_alone_do_not_move_the_cap() -> None:
     assert scheduler.batch_cap == 64, "both failed runs held the row too large alone"
     scheduler.admit(_request(4, "standard", 8), clock.monotonic())
     ordinary = _dispatch(scheduler, clock)
-    scheduler.complete(
-        BatchResult(
-            ordinary.batch,
-            ordinary.outputs,
-            None,
-            0.001,
-            out_of_memory_runs=(OutOfMemoryRun(8, held_unfit_row=False),),
-        )
-    )
+    scheduler.complete(_ran_out_of_memory(ordinary))
     assert scheduler.batch_cap == 4, "a run of ordinary rows that failed halves the cap"
 
 
@@ -694,8 +669,7 @@ def test_split_batches_do_not_raise_the_cap_back() -> None:
     scheduler = _scheduler(64)
     scheduler.admit(_request(0, "standard", 64), clock.monotonic())
     ok = _dispatch(scheduler, clock)
-    oom = OutOfMemoryRun(64, held_unfit_row=False)
-    scheduler.complete(dataclasses.replace(ok, out_of_memory_runs=(oom,), split=True))
+    scheduler.complete(_ran_out_of_memory(ok))
     assert scheduler.batch_cap == 32
     broken = EngineError("the model failed on the batch holding this request")
     for index in range(1, CAP_RECOVERY_BATCHES + 2):
