@@ -57,6 +57,10 @@ class Lane:
         # Deficit round robin for min_share: rows this lane is owed (> 0) or has
         # overdrawn (< 0) ahead of higher lanes. Only the scheduler changes it.
         self.share_balance_rows = 0
+        # Whether the last batch left this lane's share unused because its head (of the
+        # batch's shape) did not fit the room left: it then banks up to that head and,
+        # once its credit covers it, goes first (see `Scheduler._owed_head`).
+        self.room_blocked = False
         # When this lane last admitted a request (None: never): it is active for
         # ACTIVE_LANE_S after, and batches of lower lanes then keep within its max_wait.
         self.last_admit_s: float | None = None

@@ -105,8 +105,51 @@ class _Plan:
     # Priorities of the lanes with a share whose head has another shape than the batch:
     # they bank up to a whole batch of credit (see `_owed_head`).
     shape_blocked: set[int] = dataclasses.field(default_factory=set)
+    # Lanes with a share and credit whose head (of the batch's shape) did not fit the room
+    # left: priority -> rows they bank up to (that head, at most the cap; `_owed_head`).
+    room_blocked: dict[int, int] = dataclasses.field(default_factory=dict)
     # The most rows this batch may hold: the cap, or less where a higher lane is active.
     limit_rows: int = 0
+
+
+class _Filling:
+    """A batch being planned: the entries taken so far and the room left."""
+
+    def __init__(self, signature: Signature, room: int, batch_cap: int) -> None:
+        self.signature = signature
+        self.room = room
+        self.batch_cap = batch_cap
+        # entry_id -> (entry, rows taken from it), in the order they were taken.
+        self.taken: dict[int, tuple[Entry, int]] = {}
+        self.present: set[int] = set()  # priorities of the lanes with rows in the batch
+
+    def fill(self, lane: Lane, allowance: int) -> tuple[int, int]:
+        """Takes `lane`'s entries in FIFO order up to `allowance` rows (the one crossing
+        it whole) while they fit; an entry of another shape ends the turn, and so does
+        one that does not fit (only entries larger than the cap are split). Returns the
+        rows taken and the rows of the entry the turn ended at for want of room (0: it
+        ended for another reason)."""
+        used = 0
+        for entry in lane:
+            if used >= allowance:
+                break
+            already = self.taken[entry.entry_id][1] if entry.entry_id in self.taken else 0
+            left = entry.queued_rows - already
+            if left == 0:
+                continue
+            if entry.request.signature != self.signature:
+                break
+            if entry.request.rows > self.batch_cap and self.room > 0:
+                rows = min(left, self.room, allowance - used)
+            elif left <= self.room:
+                rows = left
+            else:
+                return used, left
+            self.taken[entry.entry_id] = (entry, already + rows)
+            self.room -= rows
+            used += rows
+            self.present.add(lane.priority)
+        return used, 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -414,7 +457,10 @@ class Scheduler:
         that crosses the allowance whole, and the overdraft is repaid from later
         allowances. So requests stay whole, a share smaller than one request still
         moves, and over k batches a lane gets at least k * share rows (less one request)
-        and claims no more than that ahead of higher lanes. Pass 2 fills what is left
+        and claims no more than that ahead of higher lanes: rows it fills in pass 2 into
+        room its claim took from a higher lane's next request count as claimed too, and
+        a lane whose head finds no room banks credit up to that head and then goes first
+        (`_owed_head`). Pass 2 fills what is left
         top-down. Within a lane order is FIFO: the first entry that does not fit ends
         that lane's turn. Only entries with more rows than the cap are split. Rows batch
         together only when their signatures are equal: an entry of another shape ends
@@ -433,7 +479,6 @@ class Scheduler:
         its next request would wait for the whole run.
         """
         plan = _Plan()
-        taken: dict[int, tuple[Entry, int]] = {}
         # The batch takes the shape of the highest-priority queued work, fixed before
         # pass 1: a lower lane's share must never shut a higher lane's differently
         # shaped work out of every batch. Unless a lane with a share has banked a batch
@@ -442,67 +487,75 @@ class Scheduler:
         top: Entry | None = next((entry for lane in self.lanes for entry in lane), None)
         if top is None:
             return plan
-        first = self._owed_head(top) or top
-        signature: Signature = first.request.signature
-        room = plan.limit_rows = self._limit_rows(now_s, first)
+        owed = self._owed_head(top)
+        first = owed or top
+        if owed is not None and owed.request.signature == top.request.signature:
+            # Owed for want of room: the batch is sized for the highest work as usual,
+            # and holds the owed head whole.
+            limit = max(self._limit_rows(now_s, top), min(owed.queued_rows, self.batch_cap))
+        else:
+            limit = self._limit_rows(now_s, first)
+        plan.limit_rows = limit
+        batch = _Filling(first.request.signature, limit, self.batch_cap)
 
-        present: set[int] = set()  # priorities of the lanes with rows in the batch
-
-        def fill(lane: Lane, allowance: int) -> int:
-            nonlocal room
-            used = 0
-            for entry in lane:
-                if room == 0 or used >= allowance:
-                    break
-                already = taken[entry.entry_id][1] if entry.entry_id in taken else 0
-                left = entry.queued_rows - already
-                if left == 0:
-                    continue
-                if entry.request.signature != signature:
-                    break
-                if entry.request.rows > self.batch_cap:
-                    rows = min(left, room, allowance - used)
-                elif left <= room:
-                    rows = left
-                else:
-                    break
-                taken[entry.entry_id] = (entry, already + rows)
-                room -= rows
-                used += rows
-            if used:
-                present.add(lane.priority)
-            return used
-
-        for lane in self.lanes:
-            if lane.config.min_share > 0 and lane.queued_rows > 0:
-                allowance = self._allowance(lane)
-                plan.share_used[lane.priority] = (allowance, fill(lane, allowance))
-                head = next(iter(lane))
-                if head.request.signature != signature:
-                    plan.shape_blocked.add(lane.priority)
-        lead_seen = False
-        for lane in self.lanes:
-            fill(lane, self.batch_cap)
-            if not lead_seen and lane.priority in present:
-                lead_seen = True  # the batch's highest lane: budget the lanes below it
-                rows = plan.limit_rows - room
-                budget_rows = max(rows, self._rows_within_wait(lane))
-                room = min(room, budget_rows - rows)
-        plan.taken = list(taken.values())
-        if first is not top:
+        share_lanes = [
+            lane for lane in self.lanes if lane.config.min_share > 0 and lane.queued_rows
+        ]
+        if owed is not None:  # the owed lane's claim comes first
+            share_lanes.sort(key=lambda lane: lane.priority != owed.priority)
+        for lane in share_lanes:
+            allowance = self._allowance(lane)
+            used, unfit = batch.fill(lane, allowance)
+            plan.share_used[lane.priority] = (allowance, used)
+            head = next(iter(lane))
+            if head.request.signature != batch.signature:
+                plan.shape_blocked.add(lane.priority)
+            elif used == 0 and unfit:
+                plan.room_blocked[lane.priority] = min(unfit, self.batch_cap)
+        self._fill_top_down(plan, batch)
+        plan.taken = list(batch.taken.values())
+        if first.request.signature != top.request.signature:
             _charge_owner(plan, first.priority)
         return plan
 
+    def _fill_top_down(self, plan: _Plan, batch: _Filling) -> None:
+        """Pass 2: fills what pass 1 left, lane by lane from the top, lanes below the
+        batch's highest within its ride-along budget.
+
+        Rows lower lanes took in pass 1 can push a higher lane's next request out of the
+        batch; the room that frees is then filled by lower lanes ahead of that request.
+        Such rows are claims ahead of higher lanes, so they count against the shares of
+        the lanes that take them (else a lane whose share crosses into a large higher
+        request takes most of every batch: a priority inversion)."""
+        claims_below = sum(used for _, used in plan.share_used.values())
+        displaced = False
+        lead_seen = False
+        for lane in self.lanes:
+            claims_below -= plan.share_used.get(lane.priority, (0, 0))[1]
+            used, unfit = batch.fill(lane, self.batch_cap)
+            if displaced and lane.priority in plan.share_used:
+                allowance, claimed = plan.share_used[lane.priority]
+                plan.share_used[lane.priority] = (allowance, claimed + used)
+            if unfit and unfit <= batch.room + claims_below:
+                displaced = True
+            if not lead_seen and lane.priority in batch.present:
+                lead_seen = True  # the batch's highest lane: budget the lanes below it
+                rows = plan.limit_rows - batch.room
+                budget_rows = max(rows, self._rows_within_wait(lane))
+                batch.room = min(batch.room, budget_rows - rows)
+
     def _owed_head(self, top: Entry) -> Entry | None:
-        """The head of the highest lane with a share whose head has another shape than
-        `top` (the highest queued work) and whose banked credit covers it (or a whole
-        batch): it sets the next batch's shape. Deficit round robin across shapes: such
-        a lane banks its share every batch it cannot join, up to a batch."""
+        """The head of the highest lane with a share whose credit covers that head (or a
+        whole batch) after it banked its share for batches it could not join: its head
+        had another shape than `top` (the highest queued work), or found no room. The
+        head then goes first, and of another shape it sets the batch's shape. Deficit
+        round robin across shapes and request sizes: such a lane banks its share every
+        batch it cannot join, up to its head or a batch."""
         for lane in self.lanes:
             if lane.config.min_share == 0 or lane.queued_rows == 0:
                 continue
             head = next(iter(lane))
-            if head.request.signature == top.request.signature:
+            if head.request.signature == top.request.signature and not lane.room_blocked:
                 continue
             if lane.share_balance_rows >= min(head.queued_rows, self.batch_cap):
                 return head
@@ -510,20 +563,23 @@ class Scheduler:
 
     def _limit_rows(self, now_s: float, first: Entry) -> int:
         """The batch cap, or the rows expected to run within the max_wait of the highest
-        active lane above `first`'s (the highest queued work), never below `first` and
-        the minimum shares of the lanes below it: those shares are claims ahead of
-        higher lanes, so they come on top of `first`'s rows, not out of them (else a
-        head as large as the limit never fits once a lower lane took its share, and the
-        lower lanes fill every batch: a priority inversion)."""
+        active lane above `first`'s (the highest queued work), never below what pass 1
+        claims: `first` (or its lane's share, if larger) and the minimum shares of the
+        lanes below it. Those shares are claims ahead of higher lanes, so they come on top
+        of `first`'s rows, not out of them (else a head as large as the limit never fits
+        once a lower lane took its share, and the lower lanes fill every batch: a
+        priority inversion)."""
         for lane in self.lanes[: first.priority]:
             if lane.last_admit_s is not None and now_s - lane.last_admit_s < ACTIVE_LANE_S:
+                signature = first.request.signature
+                own = self._share_take_rows(self.lanes[first.priority], signature)
                 shares = sum(
-                    self._share_take_rows(below, first.request.signature)
+                    self._share_take_rows(below, signature)
                     for below in self.lanes[first.priority + 1 :]
                 )
                 return max(
                     self._rows_within_wait(lane),
-                    min(first.queued_rows + shares, self.batch_cap),
+                    min(max(first.queued_rows, own) + shares, self.batch_cap),
                 )
         return self.batch_cap
 
@@ -534,18 +590,21 @@ class Scheduler:
 
     def _share_take_rows(self, lane: Lane, signature: Signature) -> int:
         """The rows pass 1 is expected to give `lane` for its share in a batch of
-        `signature`: its allowance, or its head request whole when that crosses it by less
-        than one more share (a larger request is not counted: one would raise the limit
-        to the cap); none when its head has another shape (it cannot join)."""
+        `signature`: its share (credit it banked does not lift an active lane's limit: a
+        lane owed more goes first, `_owed_head`), or its head request whole when that
+        crosses it by less than one more share (a larger request is not counted: one
+        would raise the limit to the cap); none when it is in debt or its head has
+        another shape (it cannot join)."""
         if lane.config.min_share == 0 or lane.queued_rows == 0:
             return 0
         allowance = self._allowance(lane)
         head = next(iter(lane))
         if allowance <= 0 or head.request.signature != signature:
             return 0
+        share = self._share_rows(lane)
+        take = min(allowance, share)
         head_rows = head.queued_rows
-        crosses = allowance < head_rows <= allowance + self._share_rows(lane)
-        return head_rows if crosses else allowance
+        return head_rows if take < head_rows <= take + share else take
 
     def _allowance(self, lane: Lane) -> int:
         """Rows `lane` may take in pass 1 of the next batch: its share and its balance."""
@@ -557,17 +616,17 @@ class Scheduler:
     def _commit(self, plan: _Plan, reason: DispatchReason, now_s: float) -> Batch:
         self._observe_utilization(now_s)
         for lane in self.lanes:
+            lane.room_blocked = lane.priority in plan.room_blocked
             if lane.priority in plan.share_used:
                 allowance, used = plan.share_used[lane.priority]
-                # Unused allowance is banked up to one share (a lane that could not get
-                # room is owed it), up to a batch while its shape is shut out (see
-                # `_owed_head`), and credit banked so is kept while the lane gets nothing;
-                # an overdraft is repaid from the next allowances.
-                banked = (
-                    self.batch_cap
-                    if lane.priority in plan.shape_blocked
-                    else self._share_rows(lane)
-                )
+                # Unused allowance is banked up to one share, up to a batch while the
+                # lane's shape is shut out and up to its head while that finds no room
+                # (see `_owed_head`), and credit banked so is kept while the lane gets
+                # nothing; an overdraft is repaid from the next allowances.
+                if lane.priority in plan.shape_blocked:
+                    banked = self.batch_cap
+                else:
+                    banked = max(self._share_rows(lane), plan.room_blocked.get(lane.priority, 0))
                 if used == 0:
                     banked = max(banked, lane.share_balance_rows)
                 lane.share_balance_rows = min(allowance - used, banked)

@@ -507,6 +507,62 @@ def test_a_lower_lanes_share_does_not_crowd_out_a_higher_lanes_large_request(
     assert taken["bulk"] >= 300 * math.ceil(0.05 * 64) * 0.9, "bulk still gets its share"
 
 
+@pytest.mark.parametrize(
+    ("bulk_rows", "standard_rows", "interactive_every"),
+    [
+        (5, 60, None),
+        (5, 30, None),
+        (8, 60, 10),
+        (1, 10, 10),
+        (20, 1, 20),
+        (40, 30, 20),
+        (40, 1, None),
+    ],
+)
+def test_shares_hold_whatever_the_request_sizes(
+    bulk_rows: int, standard_rows: int, interactive_every: int | None
+) -> None:
+    """Standard (share 0.1) always has 60+ rows queued, bulk (share 0.05 of 64: 4 rows)
+    200+, interactive sends a request every few batches or never. Two defects, both
+    from whole requests meeting the room left:
+    - a lower lane's share crossing into a standard request's room (5 + 60 > 64) pushed
+      that request out, and bulk then filled the room it freed: bulk took up to 10x its
+      share and 2.5x standard's rows (a priority inversion); such rows now count
+      against its share;
+    - bulk requests larger than the room an active interactive lane leaves (20 rows of
+      22) never fitted, and bulk got a quarter of its share: it now banks up to its head
+      and then goes first.
+    Standard's share is twice bulk's, so fewer than twice bulk's rows is an inversion."""
+    lanes = (
+        LaneConfig("interactive", capacity_rows=64, timeout_ms=1000, max_wait_ms=2, min_share=0),
+        LaneConfig("standard", capacity_rows=4096, timeout_ms=10_000, max_wait_ms=4, min_share=0.1),
+        LaneConfig("bulk", capacity_rows=4096, timeout_ms=60_000, max_wait_ms=20, min_share=0.05),
+    )
+    scheduler = make_scheduler(lanes, cap=64)
+    index, now_s = 1000, T0
+    taken: Counter[str] = Counter()
+    steps = 300
+    for step in range(steps):
+        if interactive_every is not None and step % interactive_every == 0:
+            scheduler.admit(make_request(index, "interactive", 1), now_s)
+            index += 1
+        while queued_rows(scheduler, "bulk") < 200:
+            scheduler.admit(make_request(index, "bulk", bulk_rows), now_s)
+            index += 1
+        while queued_rows(scheduler, "standard") < 60:
+            scheduler.admit(make_request(index, "standard", standard_rows), now_s)
+            index += 1
+        batch = dispatch(scheduler, now_s, math.inf)
+        taken += rows_by_lane(batch)
+        run_s = scheduler.run_time.predict_s(batch.rows)
+        scheduler.complete(run(batch, run_s=run_s))
+        now_s += run_s
+    share_rows = math.ceil(0.05 * 64)
+    # Deficit round robin: over k batches at least k shares, less one request.
+    assert taken["bulk"] >= steps * share_rows - bulk_rows, taken
+    assert taken["standard"] >= 2 * taken["bulk"], taken
+
+
 def test_fifo_within_a_lane_and_an_entry_that_does_not_fit_ends_its_turn() -> None:
     scheduler = make_scheduler(TOP_DOWN_LANES)
     scheduler.admit(make_request(0, "interactive", 5), T0)
