@@ -9,6 +9,7 @@ await server.stop()                                # drains, answers everything,
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import ssl
 from collections.abc import Callable
@@ -54,6 +55,9 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 CHANNELZ_SERVICE_NAME = channelz_pb2.DESCRIPTOR.services_by_name["Channelz"].full_name
+# After the drain, how long the stop waits for a batch still running (its requests are
+# already answered): a batch longer than that is left to finish as the process exits.
+RUNNING_BATCH_WAIT_S = 1.0
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
@@ -84,8 +88,17 @@ def _check_pem(cert: str, key: str, client_ca: str | None) -> None:
     """Loads the files as Python's TLS would: gRPC takes any bytes here and fails later
     with "Failed to bind" and nothing on what was wrong."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+
+    def refuse_passphrase() -> str:
+        # Called only for an encrypted key; without it OpenSSL prompts on the terminal.
+        raise ConfigError(
+            f"server.tls_key: {key!r} is an encrypted private key; gRPC takes no "
+            "passphrase: expected an unencrypted PEM key (e.g. `openssl pkey -in KEY -out "
+            "PLAIN`), readable only by the server's user"
+        )
+
     try:
-        context.load_cert_chain(cert, key)
+        context.load_cert_chain(cert, key, password=refuse_passphrase)
     except ssl.SSLError as error:
         raise ConfigError(
             f"server.tls_cert, server.tls_key: {cert!r} and {key!r} are not a PEM "
@@ -393,31 +406,62 @@ class LaneServer:
         return None if self._grpc_calls is None else self._grpc_calls.read()
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Drains: refuses new work, lets queued work finish within the grace period,
-        answers the rest UNAVAILABLE, then stops listening. Safe to call twice."""
+        """Drains: refuses new work, lets queued work finish within the grace period (or
+        until `end_grace`), answers the rest UNAVAILABLE, then stops listening. Safe to
+        call twice, and before or after a failed `start`."""
         if self.state in (Lifecycle.DRAINING, Lifecycle.STOPPED):
             await self._stopped.wait()
             return
+        if not self._servers:  # never started, or its start failed: nothing to drain
+            self.state = Lifecycle.STOPPED
+            self.telemetry.close()
+            self._stopped.set()
+            return
         self.state = Lifecycle.DRAINING
+        try:
+            drained = await self._drain(self.config.drain_grace_s if grace_s is None else grace_s)
+        finally:
+            self.telemetry.close()
+            self.state = Lifecycle.STOPPED
+            self._stopped.set()
+        log_event(log, logging.INFO, "shutdown", "stopped", drained=drained)
+
+    async def _drain(self, grace_s: float) -> bool:
         assert self._servicer is not None
-        self._servicer.stop_reading_streams()
-        grace_s = self.config.drain_grace_s if grace_s is None else grace_s
-        await self._health.enter_graceful_shutdown()
         assert self._thread is not None
-        assert self._servers
+        self._servicer.stop_reading_streams()
+        await self._health.enter_graceful_shutdown()
         self._thread.stop_accepting()
         drained = await asyncio.to_thread(self._thread.wait_drained, grace_s)
         if not drained:
-            log.warning("drain grace of %.1fs ran out; answering what is left UNAVAILABLE", grace_s)
-        await asyncio.to_thread(
-            self._thread.close, DrainingError("server shut down before this request could run")
+            log.warning(
+                "drain ended after at most %.1fs; answering what is left UNAVAILABLE", grace_s
+            )
+        stopped = await asyncio.to_thread(
+            functools.partial(
+                self._thread.close,
+                DrainingError("server shut down before this request could run"),
+                running_error=DrainingError(
+                    "server shut down while this request's batch was running; its answer "
+                    "was not kept (it may have run)"
+                ),
+                join_timeout_s=RUNNING_BATCH_WAIT_S,
+            )
         )
+        if not stopped:
+            log.warning(
+                "a batch still runs %.1fs after the drain; stopping without waiting for it",
+                RUNNING_BATCH_WAIT_S,
+            )
         # Every RPC now has its answer; give them a moment to be written.
         await asyncio.gather(*(server.stop(grace=2.0) for server in self._servers))
-        self.telemetry.close()
-        self.state = Lifecycle.STOPPED
-        self._stopped.set()
-        log_event(log, logging.INFO, "shutdown", "stopped", drained=drained)
+        return drained
+
+    def end_grace(self) -> None:
+        """A drain in progress answers what is queued now instead of waiting out its
+        grace (a second SIGTERM or Ctrl-C)."""
+        if self._thread is not None:
+            self._thread.end_grace()
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()

@@ -14,8 +14,9 @@ from laneserve.server.app import LaneServer, load_engine
 from laneserve.server.bench import cli as bench_cli
 from laneserve.server.config import DEVICES, ConfigError, ServerConfig, load_config
 from laneserve.server.engine import EngineStartError
+from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.process import tune_for_serving
-from laneserve.server.telemetry import configure_logging
+from laneserve.server.telemetry import configure_logging, log_event
 from laneserve.server.top import add_arguments as add_top_arguments
 from laneserve.server.top import run as run_top
 
@@ -62,7 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return asyncio.run(_serve(config))
     except (ConfigError, EngineStartError, OSError) as error:
-        print(f"laneserve: {error}", file=sys.stderr)
+        if args.log_format == "json":  # log shippers parse every line: this one too
+            log_event(log, logging.ERROR, "startup_failed", str(error), exit_code=2)
+        else:
+            print(f"laneserve: {error}", file=sys.stderr)
         return 2
 
 
@@ -71,13 +75,16 @@ async def _serve(config: ServerConfig) -> int:
     # a drain once it serves, never the default action (killed, nothing answered).
     loop = asyncio.get_running_loop()
     stop_asked = asyncio.Event()
+    server: LaneServer | None = None
 
     def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
         if not stop_asked.is_set():
-            log.info(
-                "%s: draining (grace %.1fs)", signal.Signals(signum).name, config.drain_grace_s
-            )
+            log.info("%s: draining (grace %.1fs)", name, config.drain_grace_s)
             stop_asked.set()
+        elif server is not None and server.state is Lifecycle.DRAINING:
+            log.warning("%s again: ending the drain now; what is queued gets UNAVAILABLE", name)
+            server.end_grace()
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)

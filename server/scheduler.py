@@ -817,10 +817,19 @@ class Scheduler:
             limit_bytes=self.watermark.limit_bytes,
         )
 
-    def abort_all(self, error: LaneserveError) -> list[Outcome]:
-        """Answers every live entry with `error` (shutdown): nothing is left unanswered."""
+    def abort_all(
+        self, error: LaneserveError, running_error: LaneserveError | None = None
+    ) -> list[Outcome]:
+        """Answers every live entry with `error` (shutdown), or with `running_error` if
+        given for those with rows handed to a batch (they may have run): nothing is left
+        unanswered."""
         # _finish_error frees each entry's queued rows too.
-        return [self._finish_error(entry, error) for entry in list(self._entries.values())]
+        return [
+            self._finish_error(
+                entry, error if running_error is None or entry.next_row == 0 else running_error
+            )
+            for entry in list(self._entries.values())
+        ]
 
     def _finish_ok(self, entry: Entry) -> Outcome:
         chunks = sorted(entry.chunks, key=lambda chunk: chunk[0])

@@ -67,6 +67,7 @@ class SchedulerThread:
         # session and goes out at once.
         self._idle_since_s = -math.inf
         self._closing = False
+        self._grace_ended = False  # end_grace: wait_drained returns at once
         self._failure: LaneserveError | None = None
         self._work: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
         self._threads = [
@@ -112,9 +113,19 @@ class SchedulerThread:
             self._scheduler.stop_accepting()
 
     def wait_drained(self, timeout_s: float) -> bool:
-        """Blocks until every admitted request has been answered, or `timeout_s` passed."""
+        """Blocks until every admitted request has been answered (True), or `timeout_s`
+        passed or `end_grace` was called (False)."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._scheduler.live_entries == 0, timeout_s)
+            self._cond.wait_for(
+                lambda: self._scheduler.live_entries == 0 or self._grace_ended, timeout_s
+            )
+            return self._scheduler.live_entries == 0
+
+    def end_grace(self) -> None:
+        """A drain in progress stops waiting for queued work (the operator asked twice)."""
+        with self._cond:
+            self._grace_ended = True
+            self._cond.notify_all()
 
     def depths(self) -> list[LaneDepth]:
         with self._cond:
@@ -132,18 +143,31 @@ class SchedulerThread:
         with self._cond:
             return self._scheduler.watermark_state()
 
-    def close(self, error: LaneserveError | None = None) -> None:
-        """Answers whatever is left with `error` (default: draining) and stops both threads."""
+    def close(
+        self,
+        error: LaneserveError | None = None,
+        *,
+        running_error: LaneserveError | None = None,
+        join_timeout_s: float | None = None,
+    ) -> bool:
+        """Answers whatever is left with `error` (default: draining; requests in the
+        running batch with `running_error`, if given) and stops both threads, waiting at
+        most `join_timeout_s` for them. False when the engine thread was still running a
+        batch then: it is left to finish in the background, its result discarded (the
+        threads are daemons: they never hold up the process's exit)."""
         with self._cond:
             self._closing = True
-            outcomes = self._scheduler.abort_all(error or DrainingError("server shut down"))
+            outcomes = self._scheduler.abort_all(
+                error or DrainingError("server shut down"), running_error
+            )
             self._cond.notify_all()
         if outcomes:
             self._deliver(outcomes)
         self._work.put(None)
         for thread in self._threads:
             if thread.is_alive():
-                thread.join()
+                thread.join(join_timeout_s)
+        return not any(thread.is_alive() for thread in self._threads)
 
     # ---- the scheduler thread ----------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import socket
 import subprocess
@@ -132,6 +133,40 @@ def test_tls_files_that_are_not_pem_are_refused_naming_the_settings(
     assert "Traceback" not in stderr
 
 
+def test_an_encrypted_tls_key_is_refused_naming_the_setting(
+    tmp_path: Path, small_model: Path
+) -> None:
+    """OpenSSL asked for the passphrase on the terminal (start-up blocked there) and then
+    gRPC failed to bind; without a terminal the error was "[Errno 22] Invalid argument"."""
+    make_key = (
+        "req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -keyout enc.key "
+        "-out enc.pem -days 1 -subj /CN=127.0.0.1 -passout pass:secret"
+    )
+    openssl = shutil.which("openssl")
+    assert openssl is not None, "this test makes its key with `openssl`"
+    subprocess.run(
+        [openssl, *make_key.split()],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    tls = ["--tls-cert", str(tmp_path / "enc.pem"), "--tls-key", str(tmp_path / "enc.key")]
+    done = subprocess.run(
+        [*SERVE, "--model", str(small_model), "--port", "0", *tls],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # no controlling terminal: a prompt could not block the test
+    )
+    assert done.returncode == 2, done.stderr
+    assert "server.tls_key:" in done.stderr
+    assert "is an encrypted private key" in done.stderr
+    assert "pass phrase" not in done.stderr + done.stdout
+
+
 def test_a_priority_port_that_cannot_be_bound_is_refused_naming_the_setting(
     small_model: Path,
 ) -> None:
@@ -176,6 +211,51 @@ def held():
 cli.tune_for_serving = held
 sys.exit(cli.main(sys.argv[1:]))
 """
+
+
+# `laneserve serve` whose session never finishes a batch holding a row tagged 777 (fault
+# injection: a batch that runs far longer than the drain's grace).
+STUCK_ON_777 = """
+import sys, threading
+import laneserve.server.cli as cli
+import laneserve.server.engine as engine
+run_batch = engine.Engine.run_batch
+def stuck(self, batch, rows_wanted=None):
+    if any((part[:, 0] == 777).any() for part in batch.parts["input"]):
+        print("stuck batch started", file=sys.stderr, flush=True)
+        threading.Event().wait()
+    return run_batch(self, batch, rows_wanted)
+engine.Engine.run_batch = stuck
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_second_signal_ends_the_drain_now(small_model: Path) -> None:
+    """With a long grace, a second SIGTERM ended nothing: the drain waited for queued work
+    (and for a batch still running) however long that took."""
+    server = ServerProcess(
+        ["serve", "--model", str(small_model), "--port", "0", "--drain-grace-s", "3600"],
+        command=[sys.executable, "-c", STUCK_ON_777],
+    )
+    try:
+        port = int(server.wait_for(r"serving .* on 127\.0\.0\.1:(\d+)").group(1))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            running = stub.Infer.future(request(rows(1, start=777)), timeout=120)
+            server.wait_for("stuck batch started")
+            queued = stub.Infer.future(request(rows(2, start=1)), timeout=120)
+            server.process.send_signal(signal.SIGTERM)
+            server.wait_for(r"SIGTERM: draining")
+            server.process.send_signal(signal.SIGTERM)
+            server.wait_for(r"SIGTERM again: ending the drain now")
+            for call in (running, queued):
+                with pytest.raises(grpc.RpcError) as caught:
+                    call.result()
+                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            server.wait_for(r"a batch still runs .* after the drain")
+            assert server.process.wait(timeout=60) == 0
+    finally:
+        server.close()
 
 
 def test_a_sigterm_as_soon_as_it_serves_is_a_drain(small_model: Path) -> None:

@@ -401,6 +401,95 @@ def test_work_left_after_the_grace_period_is_answered_unavailable(small_model: P
     asyncio.run(scenario())
 
 
+def test_a_drain_does_not_wait_for_a_batch_longer_than_its_grace(small_model: Path) -> None:
+    """A batch running past the grace held the stop (and the process) until it ended: 20 s
+    past a 1 s grace. The stop now waits for it at most RUNNING_BATCH_WAIT_S; its requests
+    are told they may have run, queued ones that they never ran."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            engine.hold()
+            running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
+            await asyncio.to_thread(engine.entered.acquire)
+            queued = asyncio.ensure_future(s.stub.Infer(request(rows(2, start=1))))
+            await until(lambda: _queued_rows(s.server) == 2)
+            # Returns while the batch is still held in the engine.
+            await asyncio.wait_for(s.server.stop(grace_s=0.05), timeout=60)
+            assert not engine.gate.is_set()
+            messages = []
+            for call in (running, queued):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await call
+                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert rich_status(caught.value)[0] == "DRAINING"
+                messages.append(caught.value.details() or "")
+            assert "while this request's batch was running" in messages[0]
+            assert "it may have run" in messages[0]
+            assert "before this request could run" in messages[1]
+            engine.release()  # the held batch ends; its result is discarded
+            thread = s.server._thread  # its engine thread must end before the test does
+            assert thread is not None
+            assert await asyncio.to_thread(thread.close, join_timeout_s=30)
+            assert engine.ran_tags == [0]
+
+    asyncio.run(scenario())
+
+
+def test_end_grace_answers_queued_work_at_once(small_model: Path) -> None:
+    """A second SIGTERM or Ctrl-C during a drain (`end_grace`) did nothing: the drain
+    waited out its whole grace."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            engine.hold()
+            running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
+            await asyncio.to_thread(engine.entered.acquire)
+            queued = asyncio.ensure_future(s.stub.Infer(request(rows(2, start=1))))
+            await until(lambda: _queued_rows(s.server) == 2)
+            stopping = asyncio.ensure_future(s.server.stop(grace_s=3600))
+            await until(lambda: s.server.state is Lifecycle.DRAINING)
+            s.server.end_grace()
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await queued
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "before this request could run" in (caught.value.details() or "")
+            engine.release()
+            await asyncio.wait_for(stopping, timeout=60)
+            await asyncio.gather(running, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+def test_stop_before_start_and_after_a_failed_start(small_model: Path) -> None:
+    """stop() after a failed start raised a bare AssertionError, left the state DRAINING,
+    and a second stop() never returned."""
+
+    async def scenario() -> None:
+        fresh = LaneServer(
+            RecordingEngine(str(small_model)), config(small_model), estimate=estimate_once
+        )
+        await asyncio.wait_for(fresh.stop(), timeout=60)
+        assert fresh.state is Lifecycle.STOPPED
+        with socket.socket() as held:  # a port another socket listens on: bind fails
+            held.bind(("127.0.0.1", 0))
+            held.listen()
+            busy = held.getsockname()[1]
+            failed = LaneServer(
+                RecordingEngine(str(small_model)),
+                config(small_model, host="127.0.0.1", port=busy, metrics_port=-1),
+                estimate=estimate_once,
+            )
+            with pytest.raises(OSError, match="cannot listen on"):
+                await failed.start()
+        for _ in range(2):
+            await asyncio.wait_for(failed.stop(), timeout=60)
+            assert failed.state is Lifecycle.STOPPED
+
+    asyncio.run(scenario())
+
+
 def test_reflection_and_health_work_out_of_the_box(small_model: Path) -> None:
     async def scenario() -> None:
         async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:

@@ -119,3 +119,22 @@ def test_an_exporter_that_is_not_installed_is_refused_by_name(small_model: Path)
     )
     assert done.returncode == 2
     assert "OTEL_TRACES_EXPORTER=zipkin_json: no span exporter 'zipkin_json'" in done.stderr
+
+
+def test_a_failed_start_is_one_json_line_too(tmp_path: Path) -> None:
+    """With --log-format json the reason the process exited was a plain text line, which a
+    log shipper that parses JSON loses."""
+    missing = tmp_path / "absent.onnx"
+    done = subprocess.run(
+        [*SERVE, "--model", str(missing), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+        env=otel_env(),
+    )
+    assert done.returncode == 2, done.stderr
+    lines = [json.loads(line) for line in done.stderr.splitlines()]  # every line is JSON
+    (failed,) = [line for line in lines if line.get("event") == "startup_failed"]
+    assert str(missing) in failed["message"]
+    assert failed["exit_code"] == 2
