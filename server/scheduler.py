@@ -106,7 +106,7 @@ class _Plan:
     # they bank up to a whole batch of credit (see `_owed_head`).
     shape_blocked: set[int] = dataclasses.field(default_factory=set)
     # Lanes with a share and credit whose head (of the batch's shape) did not fit the room
-    # left: priority -> rows they bank up to (that head, at most the cap; `_owed_head`).
+    # left: priority -> rows they bank up to (see `_plan`, `_owed_head`).
     room_blocked: dict[int, int] = dataclasses.field(default_factory=dict)
     # The most rows this batch may hold: the cap, or less where a higher lane is active.
     limit_rows: int = 0
@@ -457,10 +457,10 @@ class Scheduler:
         that crosses the allowance whole, and the overdraft is repaid from later
         allowances. So requests stay whole, a share smaller than one request still
         moves, and over k batches a lane gets at least k * share rows (less one request)
-        and claims no more than that ahead of higher lanes: rows it fills in pass 2 into
-        room its claim took from a higher lane's next request count as claimed too, and
-        a lane whose head finds no room banks credit up to that head and then goes first
-        (`_owed_head`). Pass 2 fills what is left
+        and claims no more than that ahead of higher lanes: a batch whose claims pushed a
+        higher lane's next request out belongs to the lowest claimant, charged for all
+        its rows (`_fill_top_down`), and a lane whose head finds no room banks credit up
+        to that head and then goes first (`_owed_head`). Pass 2 fills what is left
         top-down. Within a lane order is FIFO: the first entry that does not fit ends
         that lane's turn. Only entries with more rows than the cap are split. Rows batch
         together only when their signatures are equal: an entry of another shape ends
@@ -510,8 +510,12 @@ class Scheduler:
             head = next(iter(lane))
             if head.request.signature != batch.signature:
                 plan.shape_blocked.add(lane.priority)
-            elif used == 0 and unfit:
-                plan.room_blocked[lane.priority] = min(unfit, self.batch_cap)
+            elif unfit:
+                # Credit up to its head, and the share that may cross it: none is lost
+                # between the batch its credit first covers the head and the one it runs.
+                plan.room_blocked[lane.priority] = (
+                    min(unfit, self.batch_cap) + self._share_rows(lane) - 1
+                )
         self._fill_top_down(plan, batch)
         plan.taken = list(batch.taken.values())
         if first.request.signature != top.request.signature:
@@ -522,22 +526,32 @@ class Scheduler:
         """Pass 2: fills what pass 1 left, lane by lane from the top, lanes below the
         batch's highest within its ride-along budget.
 
-        Rows lower lanes took in pass 1 can push a higher lane's next request out of the
-        batch; the room that frees is then filled by lower lanes ahead of that request.
-        Such rows are claims ahead of higher lanes, so they count against the shares of
-        the lanes that take them (else a lane whose share crosses into a large higher
-        request takes most of every batch: a priority inversion)."""
+        Rows lower lanes claimed in pass 1 can push a higher lane's next request out of
+        the batch (it would fit without them). The batch then belongs to the lowest lane
+        that claimed (its claim tipped it): that lane fills the room next, ahead of the
+        lanes between, and every row it takes counts against its share, as in a batch
+        owed to its shape. Else lower lanes would fill, uncharged, the room a claim took
+        from a higher lane's request: a lane whose share crosses into a large higher
+        request took most of every batch (a priority inversion)."""
         claims_below = sum(used for _, used in plan.share_used.values())
-        displaced = False
+        owner: int | None = None  # the lane the batch belongs to, once displaced
+        order = list(self.lanes)
         lead_seen = False
-        for lane in self.lanes:
+        for position, lane in enumerate(order):  # `order` may change ahead of `position`
             claims_below -= plan.share_used.get(lane.priority, (0, 0))[1]
             used, unfit = batch.fill(lane, self.batch_cap)
-            if displaced and lane.priority in plan.share_used:
+            if lane.priority == owner:
                 allowance, claimed = plan.share_used[lane.priority]
                 plan.share_used[lane.priority] = (allowance, claimed + used)
-            if unfit and unfit <= batch.room + claims_below:
-                displaced = True
+            if owner is None and unfit and unfit <= batch.room + claims_below:
+                owner = max(
+                    priority
+                    for priority, (_, claimed) in plan.share_used.items()
+                    if priority > lane.priority and claimed > 0
+                )
+                owner_lane = self.lanes[owner]
+                order.remove(owner_lane)
+                order.insert(position + 1, owner_lane)
             if not lead_seen and lane.priority in batch.present:
                 lead_seen = True  # the batch's highest lane: budget the lanes below it
                 rows = plan.limit_rows - batch.room
@@ -629,7 +643,10 @@ class Scheduler:
                     banked = max(self._share_rows(lane), plan.room_blocked.get(lane.priority, 0))
                 if used == 0:
                     banked = max(banked, lane.share_balance_rows)
-                lane.share_balance_rows = min(allowance - used, banked)
+                # Debt is bounded by a batch: a lane charged for a batch it owned (or
+                # more, while in debt) is never shut out for longer than a batch's worth
+                # of its shares.
+                lane.share_balance_rows = max(min(allowance - used, banked), -self.batch_cap)
             else:
                 # An idle lane banks nothing, but still owes what it took ahead of higher
                 # lanes: a lane whose next request always came after the next batch was

@@ -527,8 +527,8 @@ def test_shares_hold_whatever_the_request_sizes(
     from whole requests meeting the room left:
     - a lower lane's share crossing into a standard request's room (5 + 60 > 64) pushed
       that request out, and bulk then filled the room it freed: bulk took up to 10x its
-      share and 2.5x standard's rows (a priority inversion); such rows now count
-      against its share;
+      share and 2.5x standard's rows (a priority inversion); such a batch now belongs
+      to bulk, every row it takes counted against its share;
     - bulk requests larger than the room an active interactive lane leaves (20 rows of
       22) never fitted, and bulk got a quarter of its share: it now banks up to its head
       and then goes first.
@@ -561,6 +561,55 @@ def test_shares_hold_whatever_the_request_sizes(
     # Deficit round robin: over k batches at least k shares, less one request.
     assert taken["bulk"] >= steps * share_rows - bulk_rows, taken
     assert taken["standard"] >= 2 * taken["bulk"], taken
+
+
+def test_a_claim_that_pushes_out_a_higher_request_is_paid_by_its_lane() -> None:
+    """Interactive (no share) is saturated with 60-row requests, standard (share 7 of 64
+    rows) with 1-row ones, bulk (4 rows) with 5-row ones. Bulk's claim pushed
+    interactive's request out of most batches and standard, which filled the room, was
+    charged for it: interactive got 12 rows a batch (none before that), standard's debt
+    grew without bound (-8 040), and once interactive sent small requests standard got
+    nothing for 200 batches. The lane whose claim pushed the request out now owns the
+    batch and pays for it, and debt is bounded by a batch."""
+    scheduler = make_scheduler(
+        (
+            LaneConfig("interactive", 10**6, timeout_ms=1000, max_wait_ms=2, min_share=0),
+            LaneConfig("standard", 10**6, timeout_ms=10**4, max_wait_ms=4, min_share=0.1),
+            LaneConfig("bulk", 10**6, timeout_ms=6 * 10**4, max_wait_ms=20, min_share=0.05),
+        ),
+        cap=64,
+    )
+    index, now_s = 1000, T0
+    interactive_ids: list[int] = []
+
+    def phase(interactive_rows: int, batches: int) -> Counter[str]:
+        nonlocal index, now_s
+        for entry_id in interactive_ids:  # the other phase's requests go
+            scheduler.cancel(entry_id, now_s)
+        interactive_ids.clear()
+        taken: Counter[str] = Counter()
+        for _ in range(batches):
+            for lane, size in (("interactive", interactive_rows), ("standard", 1), ("bulk", 5)):
+                while queued_rows(scheduler, lane) < 192:
+                    entry_id = scheduler.admit(make_request(index, lane, size), now_s)
+                    if lane == "interactive":
+                        interactive_ids.append(entry_id)
+                    index += 1
+            batch = dispatch(scheduler, now_s, math.inf)
+            taken += rows_by_lane(batch)
+            run_s = scheduler.run_time.predict_s(batch.rows)
+            scheduler.complete(run(batch, run_s=run_s))
+            now_s += run_s
+        return taken
+
+    large = phase(60, 200)
+    assert large["interactive"] >= 200 * (64 - 7 - 4) * 0.9, large
+    assert large["standard"] >= 200 * 7 - 64, large  # its share, less one batch of debt
+    assert large["bulk"] >= 200 * 4 - 64, large
+    assert all(lane.share_balance_rows >= -64 for lane in scheduler.lanes)
+    small = phase(1, 200)
+    assert small["standard"] >= 200 * 7 - 64, small
+    assert small["bulk"] >= 200 * 4 - 64, small
 
 
 def test_fifo_within_a_lane_and_an_entry_that_does_not_fit_ends_its_turn() -> None:
