@@ -24,7 +24,7 @@ from laneserve.server.clock import Clock, SystemClock
 from laneserve.server.config import ConfigError, ServerConfig
 from laneserve.server.cost_model import RunTimeModel
 from laneserve.server.engine import CUDA, Engine
-from laneserve.server.errors import DrainingError
+from laneserve.server.errors import DrainingError, LaneserveError
 from laneserve.server.events import FanOut, NullTracer, SchedulerEvents
 from laneserve.server.grpc_calls import GrpcCallCounts, GrpcCalls
 from laneserve.server.lifecycle import Lifecycle
@@ -258,6 +258,9 @@ class LaneServer:
         self._servers: list[grpc.aio.Server] = []  # the main port's first
         self._grpc_calls: GrpcCallCounts | None = None  # once the gRPC server runs
         self._stopped = asyncio.Event()
+        # Set when the scheduler or engine thread failed; the server then stops itself.
+        self.failure: LaneserveError | None = None
+        self._failure_stop: asyncio.Future[None] | None = None
         self.port = 0
         self.priority_port: int | None = None  # bound, when configured
         self.metrics_port: int | None = None  # the Prometheus endpoint's, once started
@@ -266,13 +269,15 @@ class LaneServer:
         """Binds, starts the threads and serves; returns the bound port."""
         assert self.state is Lifecycle.STARTING
         credentials = server_credentials(self.config)  # unreadable files fail before all else
-        router = OutcomeRouter(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        router = OutcomeRouter(loop)
         thread = self._thread = SchedulerThread(
             self.scheduler,
             self.engine.run_batch,
             router.deliver,
             clock=self.clock,
             memory_gauge=self.memory_gauge,
+            on_failure=lambda error: loop.call_soon_threadsafe(self._scheduler_failed, error),
         )
         self.telemetry.observe(
             thread.depths, lambda: thread.batch_cap, self.stats.counts, self.grpc_calls
@@ -456,6 +461,22 @@ class LaneServer:
         # Every RPC now has its answer; give them a moment to be written.
         await asyncio.gather(*(server.stop(grace=2.0) for server in self._servers))
         return drained
+
+    def _scheduler_failed(self, error: LaneserveError) -> None:
+        """The scheduler or engine thread failed for good (every live request has its
+        answer): the server stops, so that health checks say NOT_SERVING and load
+        balancers and supervisors act, instead of every call failing behind SERVING."""
+        if self.failure is not None:
+            return
+        self.failure = error
+        log_event(
+            log,
+            logging.ERROR,
+            "scheduler_failed",
+            "the scheduler failed; stopping (the process must be restarted)",
+        )
+        if self.state is Lifecycle.SERVING:
+            self._failure_stop = asyncio.ensure_future(self.stop())
 
     def end_grace(self) -> None:
         """A drain in progress answers what is queued now instead of waiting out its

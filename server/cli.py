@@ -91,9 +91,12 @@ async def _serve(config: ServerConfig) -> int:
     server = LaneServer(load_engine(config), config)
     await server.start()
     tune_for_serving()
-    await stop_asked.wait()
+    asked = asyncio.ensure_future(stop_asked.wait())
+    stopped = asyncio.ensure_future(server.wait_stopped())  # it failed and stopped itself
+    await asyncio.wait((asked, stopped), return_when=asyncio.FIRST_COMPLETED)
+    asked.cancel()
     await server.stop()
-    return 0
+    return 0 if server.failure is None else 1
 
 
 def _parser() -> argparse.ArgumentParser:

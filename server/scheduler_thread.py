@@ -49,8 +49,13 @@ class SchedulerThread:
         *,
         clock: Clock | None = None,
         memory_gauge: MemoryGauge | None = None,
+        on_failure: Callable[[LaneserveError], object] | None = None,
     ) -> None:
+        """`on_failure` is called (from the failing thread) once the scheduler or engine
+        thread has failed for good and every live request has been answered with the
+        error: the server cannot serve any more."""
         self._scheduler = scheduler
+        self._on_failure = on_failure
         # Read at most every MEMORY_SAMPLE_PERIOD_S by the scheduler thread, which then
         # never sleeps longer than that: a closed lane must reopen while idle too.
         self._memory_gauge = memory_gauge
@@ -187,12 +192,11 @@ class SchedulerThread:
                     self._cond.notify_all()  # wait_drained may be waiting on these
                 ready, outcomes = outcomes, []
                 self._deliver(ready)
-        except BaseException:
+        except Exception:  # logged with its traceback; the thread ends here
             log.exception("scheduler thread failed; answering all queued work")
             if outcomes:
                 self._deliver(outcomes)
             self._fail(EngineError("the scheduler failed; the server must be restarted"))
-            raise
 
     def _step(self, outcomes: list[Outcome]) -> float | None:
         """One pass under the lock: adds what to answer now to `outcomes`; returns how
@@ -239,6 +243,8 @@ class SchedulerThread:
             self._cond.notify_all()
         if outcomes:
             self._deliver(outcomes)
+        if self._on_failure is not None:
+            self._on_failure(error)
 
     # ---- the engine thread -------------------------------------------------------
 
@@ -261,12 +267,12 @@ class SchedulerThread:
             outcomes: list[Outcome] = []
             try:
                 batch = self._finish(result, outcomes)
-            except BaseException:
+            except Exception:  # logged with its traceback; the thread ends here
                 log.exception("applying a batch result failed; answering all queued work")
                 if outcomes:  # answers already made: _fail answers only what is left
                     self._deliver(outcomes)
                 self._fail(EngineError("the scheduler failed; the server must be restarted"))
-                raise
+                return
             if outcomes:
                 self._deliver(outcomes)
             if batch is None:

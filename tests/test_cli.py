@@ -258,6 +258,40 @@ def test_a_second_signal_ends_the_drain_now(small_model: Path) -> None:
         server.close()
 
 
+# `laneserve serve` whose memory readings raise once the file named by LANESERVE_TEST_BREAK
+# exists (fault injection: a lost device), failing its scheduler thread for good.
+BREAKS_ON_FLAG = """
+import os, sys
+import laneserve.server.cli as cli
+import laneserve.server.memory as memory
+read = memory.ProcessRssGauge.used_bytes
+def used_bytes(self):
+    if os.path.exists(os.environ["LANESERVE_TEST_BREAK"]):
+        raise RuntimeError("injected fault: the device is lost")
+    return read(self)
+memory.ProcessRssGauge.used_bytes = used_bytes
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_failed_scheduler_ends_the_process_with_status_1(
+    tmp_path: Path, small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flag = tmp_path / "break"
+    monkeypatch.setenv("LANESERVE_TEST_BREAK", str(flag))
+    server = ServerProcess(
+        ["serve", "--model", str(small_model), "--port", "0", "--host-memory-limit", "64GiB"],
+        command=[sys.executable, "-c", BREAKS_ON_FLAG],
+    )
+    try:
+        server.wait_for(r"serving .* on 127\.0\.0\.1:(\d+)")
+        flag.touch()
+        server.wait_for(r"the scheduler failed; stopping")
+        assert server.process.wait(timeout=60) == 1
+    finally:
+        server.close()
+
+
 def test_a_sigterm_as_soon_as_it_serves_is_a_drain(small_model: Path) -> None:
     """The signal handlers are in place before the server starts: a SIGTERM right after
     the "serving" line drains and exits 0 (it was the default action: killed, -15)."""

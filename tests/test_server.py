@@ -490,6 +490,52 @@ def test_stop_before_start_and_after_a_failed_start(small_model: Path) -> None:
     asyncio.run(scenario())
 
 
+class BreakableGauge:
+    """Device memory readings that raise once `broken` is set, as NVML does when the GPU
+    is lost: the scheduler thread, which reads them, fails for good."""
+
+    def __init__(self) -> None:
+        self.broken = threading.Event()
+
+    def used_bytes(self) -> int | None:
+        if self.broken.is_set():
+            raise RuntimeError("injected fault: the device is lost")
+        return 10 * 2**20
+
+    def total_bytes(self) -> int | None:
+        return 2**34
+
+
+def test_a_failed_scheduler_stops_the_server(small_model: Path) -> None:
+    """When the scheduler thread died, every call failed "the server must be restarted"
+    while health and GetStats kept saying SERVING and the process never exited."""
+
+    async def scenario() -> None:
+        gauge = BreakableGauge()
+        server = LaneServer(
+            RecordingEngine(str(small_model)),
+            config(
+                small_model, host="127.0.0.1", port=0, metrics_port=-1, host_memory_limit="64GiB"
+            ),
+            memory_gauge=gauge,
+            estimate=estimate_once,
+        )
+        port = await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.InferenceServiceStub(channel)
+                assert output(await stub.Infer(request(rows(1)))).shape == (1, 10)
+                gauge.broken.set()
+                await asyncio.wait_for(server.wait_stopped(), timeout=60)
+            assert server.state is Lifecycle.STOPPED
+            assert server.failure is not None
+            assert "the scheduler failed" in str(server.failure)
+        finally:
+            await server.stop()
+
+    asyncio.run(scenario())
+
+
 def test_reflection_and_health_work_out_of_the_box(small_model: Path) -> None:
     async def scenario() -> None:
         async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
