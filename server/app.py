@@ -479,8 +479,8 @@ class LaneServer:
             self._failure_stop = asyncio.ensure_future(self.stop())
 
     def end_grace(self) -> None:
-        """A drain in progress answers what is queued now instead of waiting out its
-        grace (a second SIGTERM or Ctrl-C)."""
+        """A drain in progress (or the next one) answers what is queued now instead of
+        waiting out its grace (a second SIGTERM or Ctrl-C)."""
         if self._thread is not None:
             self._thread.end_grace()
 

@@ -14,7 +14,6 @@ from laneserve.server.app import LaneServer, load_engine
 from laneserve.server.bench import cli as bench_cli
 from laneserve.server.config import DEVICES, ConfigError, ServerConfig, load_config
 from laneserve.server.engine import EngineStartError
-from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.process import tune_for_serving
 from laneserve.server.telemetry import configure_logging, log_event
 from laneserve.server.top import add_arguments as add_top_arguments
@@ -82,7 +81,7 @@ async def _serve(config: ServerConfig) -> int:
         if not stop_asked.is_set():
             log.info("%s: draining (grace %.1fs)", name, config.drain_grace_s)
             stop_asked.set()
-        elif server is not None and server.state is Lifecycle.DRAINING:
+        elif server is not None:  # draining, or about to: no grace either way
             log.warning("%s again: ending the drain now; what is queued gets UNAVAILABLE", name)
             server.end_grace()
 

@@ -13,6 +13,12 @@ from collections.abc import Mapping
 
 # Weight of the newest observation in a size's moving average.
 _EWMA_ALPHA = 0.2
+# An observation counts as at most this many times the prediction (or at least its
+# inverse): one run of an outlier input (a 15 000-token sequence among short ones) moved
+# a size's estimate by 3 000x, and admission then refused every request of that size as
+# unmeetable; refused requests never run, so the estimate never came back. A sustained
+# change still moves it by up to 1.6x per run.
+_OUTLIER_RATIO = 4.0
 
 
 class RunTimeModel:
@@ -64,13 +70,15 @@ class RunTimeModel:
         """Folds one measured run into the nearest measured size (or adds the size)."""
         if rows <= 0 or not math.isfinite(run_s) or run_s < 0:
             return
+        predicted_s = self.predict_s(rows)
+        if predicted_s > 0:
+            run_s = min(max(run_s, predicted_s / _OUTLIER_RATIO), predicted_s * _OUTLIER_RATIO)
         at = bisect.bisect_left(self._sizes, rows)
         if at < len(self._sizes) and self._sizes[at] == rows:
             self._seconds[at] += _EWMA_ALPHA * (run_s - self._seconds[at])
         else:
             # A new size starts from the interpolated prediction, moved like any other
             # observation: one slow run must not become the model's truth.
-            predicted_s = self.predict_s(rows)
             self._sizes.insert(at, rows)
             self._seconds.insert(at, predicted_s + _EWMA_ALPHA * (run_s - predicted_s))
 

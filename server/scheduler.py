@@ -271,7 +271,11 @@ class Scheduler:
     def _check_admission(self, request: InferenceRequest, lane: Lane, now_s: float) -> None:
         if not self.accepting:
             raise DrainingError("server is draining; retry on another instance")
-        if self.watermark is not None and self.watermark.refuses(lane.priority):
+        # A closed lane admits while nothing is queued or running: memory that stays in
+        # use then (an allocator's cache, another process) is not freed by refusing, and
+        # refusing forever would leave the server idle for good. One request at a time
+        # goes in until the reading falls below the low mark.
+        if self.watermark is not None and self._entries and self.watermark.refuses(lane.priority):
             used_bytes = self.watermark.used_bytes or 0
             raise MemoryPressureError(
                 f"device memory in use ({format_bytes(used_bytes)}) is above the high "

@@ -397,23 +397,34 @@ def test_memory_pressure_over_grpc_refuses_bulk_first_with_pushback(small_model:
         async with serving(engine, config, memory_gauge=gauge) as s:
             watermark = s.server.scheduler.watermark
             assert watermark is not None
+            # Work in flight (a closed lane admits while nothing is queued or running).
+            engine.hold()
+            running = asyncio.ensure_future(s.stub.Infer(request(rows(1), lane="interactive")))
+            await asyncio.to_thread(engine.entered.acquire)
 
             async def refused_lanes(used_bytes: int) -> list[str]:
                 gauge.value = used_bytes
                 # The scheduler thread samples every 50 ms.
                 await until(lambda: watermark.used_bytes == used_bytes)
+                # A lane that admits queues the call behind the held batch until its
+                # deadline; a closed one refuses it at once.
+                outcomes = await asyncio.gather(
+                    *(
+                        s.stub.Infer(request(rows(1), lane=lane), timeout=1.0)
+                        for lane in ("interactive", "standard", "bulk")
+                    ),
+                    return_exceptions=True,
+                )
                 refused = []
-                for lane in ("interactive", "standard", "bulk"):
-                    outcome = await asyncio.gather(
-                        s.stub.Infer(request(rows(1), lane=lane)), return_exceptions=True
-                    )
-                    if isinstance(outcome[0], grpc.aio.AioRpcError):
-                        error = outcome[0]
-                        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                        reason, details = rich_status(error)
-                        assert reason == "MEMORY_PRESSURE"
-                        assert details["pushback_ms"] > 0
-                        refused.append(lane)
+                for lane, error in zip(("interactive", "standard", "bulk"), outcomes, strict=True):
+                    assert isinstance(error, grpc.aio.AioRpcError), error
+                    if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        continue
+                    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    reason, details = rich_status(error)
+                    assert reason == "MEMORY_PRESSURE"
+                    assert details["pushback_ms"] > 0
+                    refused.append(lane)
                 return refused
 
             assert await refused_lanes(50 * MIB) == []
@@ -427,8 +438,28 @@ def test_memory_pressure_over_grpc_refuses_bulk_first_with_pushback(small_model:
             assert stats.memory_limit_bytes == 0, "no arena limit was set"
             assert await refused_lanes(90 * MIB) == ["standard", "bulk"]  # hysteresis
             assert await refused_lanes(80 * MIB) == []
+            engine.release()
+            await running
 
     asyncio.run(scenario())
+
+
+def test_a_closed_lane_admits_while_nothing_is_queued_or_running() -> None:
+    """Memory that stays in use while the server is idle (an allocator keeps what a large
+    batch grew) kept every lane closed for good: the server refused everything with
+    nothing live. A closed lane now admits while nothing is live, one request at a time."""
+    clock = ManualClock()
+    mark = Watermark(lanes=3, high_bytes=95 * MIB, low_bytes=85 * MIB, limit_bytes=100 * MIB)
+    scheduler = _scheduler(8, mark)
+    scheduler.update_memory(99 * MIB)  # standard and bulk closed
+    scheduler.admit(_request(0, "bulk", 1), clock.monotonic())  # nothing live: admitted
+    with pytest.raises(MemoryPressureError):
+        scheduler.admit(_request(1, "bulk", 1), clock.monotonic())
+    with pytest.raises(MemoryPressureError):
+        scheduler.admit(_request(2, "standard", 1), clock.monotonic())
+    (answer,) = scheduler.complete(_dispatch(scheduler, clock))
+    assert answer.error is None
+    scheduler.admit(_request(3, "standard", 1), clock.monotonic())  # idle again
 
 
 class _OutOfMemoryAbove(Engine):

@@ -1451,6 +1451,21 @@ def test_observe_averages_a_measured_size_and_adds_a_new_one() -> None:
     assert model.snapshot() == before
 
 
+def test_one_outlier_run_does_not_become_the_run_time() -> None:
+    """One 1.9 s run of a long sequence among 0.1 ms runs moved the 1-row estimate to
+    373 ms, and admission refused every short interactive request from then on (they
+    never ran again, so the estimate never came back). A sustained change still moves
+    it within a few runs."""
+    model = RunTimeModel({1: 0.0001, 64: 0.004})
+    model.observe(1, 1.9)
+    assert model.predict_s(1) <= 0.0001 * 1.6 + 1e-12
+    model.observe(1, 0.0001 / 1000)  # a fast outlier neither
+    assert model.predict_s(1) >= 0.0001 * 0.8
+    for _ in range(12):  # every run 10x slower now
+        model.observe(64, 0.040)
+    assert model.predict_s(64) == pytest.approx(0.040, rel=0.1)
+
+
 @pytest.mark.parametrize("measured_s", [{}, {0: 0.001}, {4: -0.001}])
 def test_run_time_model_refuses_bad_measurements(measured_s: dict[int, float]) -> None:
     with pytest.raises(ValueError, match="batch sizes"):
