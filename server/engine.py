@@ -247,7 +247,7 @@ class Engine:
         try:
             outputs = self.run(inputs)
         except LaneserveError as error:
-            split = _Split(batch.rows, rows_wanted)
+            split = _Split(batch, rows_wanted)
             self._retry_in_halves(inputs, np.arange(batch.rows), error, split)
             return BatchResult(
                 batch,
@@ -271,7 +271,7 @@ class Engine:
         half's rows still wanted (asked just before it runs), splits again a half that
         fails, and records every row's outcome in `split`. A single row fails alone.
         When both halves fail with an error other than out of memory, the failure may be
-        no row's (a broken session): see `_probe_halves`."""
+        no row's (a broken session): see `_session_broken`."""
         out_of_memory = isinstance(error, DeviceMemoryError)
         run = len(split.out_of_memory_runs)
         if out_of_memory:
@@ -284,11 +284,18 @@ class Engine:
             both_failed = len(failures) == 2 and not any(  # noqa: PLR2004 - two halves
                 isinstance(failure, DeviceMemoryError) for _, _, failure in failures
             )
-            if both_failed:
-                for rest_inputs, rest_positions in self._probe_halves(failures, split):
-                    self._run_or_split(rest_inputs, rest_positions, split)
-            else:
-                for failed_inputs, failed_positions, failure in failures:
+            broken = both_failed and self._session_broken(split)
+            for failed_inputs, failed_positions, failure in failures:
+                if broken:
+                    split.fail(
+                        failed_positions,
+                        EngineError(
+                            "the model failed on the batch holding this request, on both "
+                            "halves of it, and on an input it ran at start-up: the session "
+                            f"is broken ({failure.message})"
+                        ),
+                    )
+                else:
                     self._retry_in_halves(failed_inputs, failed_positions, failure, split)
         if out_of_memory and split.unfit_rows > unfit_before:
             split.out_of_memory_runs[run] = OutOfMemoryRun(
@@ -313,65 +320,20 @@ class Engine:
                 failures.append((part_inputs, part_positions, run_error))
         return failures
 
-    def _run_or_split(
-        self, inputs: Mapping[str, Array], positions: IndexArray, split: _Split
-    ) -> None:
-        """Runs the rows at `positions` still wanted; splits them if the run fails."""
-        inputs, positions = split.still_wanted(inputs, positions)
-        if len(positions) == 0:
-            return
+    def _session_broken(self, split: _Split) -> bool:
+        """Both halves of a run failed, not for want of memory: bad rows in both, or a
+        broken session. An input the session ran at start-up (`example_inputs`) tells:
+        it failing too means the session is broken, and every row fails at once (four
+        runs per batch, not two per row). Checked once per batch: a probe of the batch's
+        own rows could hit bad rows and fail good requests with them."""
+        if split.session_ok:
+            return False
         try:
-            split.store(positions, self.run(inputs))
+            self.run(self.example_inputs(1))
         except LaneserveError as error:
-            self._retry_in_halves(inputs, positions, error, split)
-
-    def _probe_halves(
-        self, failures: list[_FailedPart], split: _Split
-    ) -> list[tuple[Mapping[str, Array], IndexArray]]:
-        """Both halves of a run failed (not out of memory): bad rows in both, or a broken
-        session. One row of each half (still wanted, asked now) runs alone to tell; a
-        half of one row has run alone already. If every such row fails too, not for want
-        of memory, the session is taken as broken: every row of the halves fails now (five
-        runs per batch, not two per row), blaming the batch, not the request's row, and
-        nothing is left to split. Otherwise the probed rows are done (stored, or failed
-        alone) and the rest of each half is returned, to run."""
-        probed: list[tuple[Mapping[str, Array], IndexArray, LaneserveError | None]] = []
-        for failed_inputs, failed_positions, failure in failures:
-            inputs, positions = split.still_wanted(failed_inputs, failed_positions)
-            if len(positions) == 0:
-                continue
-            outcome: LaneserveError | None = failure if len(failed_positions) == 1 else None
-            if len(failed_positions) > 1:
-                try:
-                    split.store(positions[:1], self.run({n: a[:1] for n, a in inputs.items()}))
-                except LaneserveError as probe_error:
-                    outcome = probe_error
-                    if isinstance(probe_error, DeviceMemoryError):
-                        split.out_of_memory_runs.append(OutOfMemoryRun(1, held_unfit_row=True))
-            probed.append((inputs, positions, outcome))
-        broken = bool(probed) and all(
-            outcome is not None and not isinstance(outcome, DeviceMemoryError)
-            for _, _, outcome in probed
-        )
-        if broken:
-            for _, positions, outcome in probed:
-                assert outcome is not None
-                split.fail(
-                    positions,
-                    EngineError(
-                        "the model failed on the batch holding this request, on both halves "
-                        f"of it and on one row of each alone: {outcome.message}"
-                    ),
-                )
-            return []
-        for _, positions, outcome in probed:
-            if outcome is not None:
-                split.fail_alone(positions[:1], outcome)
-        return [
-            ({n: a[1:] for n, a in inputs.items()}, positions[1:])
-            for inputs, positions, _ in probed
-            if len(positions) > 1
-        ]
+            return not isinstance(error, DeviceMemoryError)
+        split.session_ok = True
+        return False
 
     def example_inputs(self, rows: int) -> dict[str, Array]:
         """Zero-filled inputs of `rows` rows (dynamic trailing dimensions become 1)."""
@@ -484,15 +446,22 @@ class _Split:
     """One batch being run in parts after a failed run: which rows ran, which failed and
     why, and the runs that ran out of memory."""
 
-    def __init__(self, rows: int, rows_wanted: RowsWanted | None) -> None:
-        self.rows = rows
+    def __init__(self, batch: Batch, rows_wanted: RowsWanted | None) -> None:
+        self.rows = batch.rows
         self.rows_wanted = rows_wanted
+        # For each row, the slice (request) it belongs to: once one row of a request
+        # fails, its other rows need not run (the request's answer is that failure).
+        self._owner = np.empty(batch.rows, dtype=np.intp)
+        for index, piece in enumerate(batch.slices):
+            self._owner[piece.offset : piece.offset + piece.rows] = index
+        self._owner_failed: dict[int, LaneserveError] = {}
         # Output name -> `rows` rows, allocated by the first run that succeeds; rows
         # without a valid output stay zero and are listed in `_failed`.
         self.outputs: dict[str, Array] | None = None
         self._failed: list[tuple[int, LaneserveError]] = []
         self.out_of_memory_runs: list[OutOfMemoryRun] = []
         self.unfit_rows = 0  # rows that failed even alone
+        self.session_ok = False  # an input it ran at start-up ran during this split
         # The error of rows not run again because nobody wanted them any more. Only a
         # caller still waiting (its entry live) is answered with it, and that caller's
         # deadline has passed: `rows_wanted` leaves out rows for nothing else.
@@ -504,14 +473,22 @@ class _Split:
     def still_wanted(
         self, inputs: Mapping[str, Array], positions: IndexArray
     ) -> tuple[Mapping[str, Array], IndexArray]:
-        """The rows of `inputs` (at `positions`) a caller still waits for, asked now: the
-        others fail with `not_retried` and do not run again."""
-        if self.rows_wanted is None:
-            return inputs, positions
-        wanted = self.rows_wanted()[positions]
+        """The rows of `inputs` (at `positions`) worth running now: a caller still waits
+        for them (asked now; the others fail with `not_retried`), and no other row of
+        their request has failed (they fail with that row's error, without running)."""
+        owners = self._owner[positions]
+        wanted = np.ones(len(positions), dtype=bool)
+        for owner, error in self._owner_failed.items():
+            doomed = owners == owner
+            if doomed.any():
+                self._failed += [(int(position), error) for position in positions[doomed]]
+                wanted &= ~doomed
+        if self.rows_wanted is not None:
+            waited = self.rows_wanted()[positions] | ~wanted
+            self.fail(positions[~waited], self.not_retried)
+            wanted &= waited
         if wanted.all():
             return inputs, positions
-        self.fail(positions[~wanted], self.not_retried)
         return {name: array[wanted] for name, array in inputs.items()}, positions[wanted]
 
     def store(self, positions: IndexArray, outputs: Mapping[str, Array]) -> None:
@@ -521,7 +498,16 @@ class _Split:
                 for name, array in outputs.items()
             }
         for name, array in outputs.items():
-            self.outputs[name][positions] = array
+            held = self.outputs[name]
+            if array.shape[1:] != held.shape[1:]:
+                # Each part's outputs must be the rows the whole batch would have given.
+                raise EngineError(
+                    f"model output {name!r} has shape {list(array.shape[1:])} per row in "
+                    f"one part of a split batch and {list(held.shape[1:])} in another: its "
+                    "size depends on which rows are batched together; expected outputs "
+                    "whose per-row shape depends only on the inputs' shapes"
+                )
+            held[positions] = array
 
     def fail_alone(self, row: IndexArray, error: LaneserveError) -> None:
         """One row failed when run alone: it is the row's fault (or it does not fit)."""
@@ -541,6 +527,8 @@ class _Split:
 
     def fail(self, positions: IndexArray, error: LaneserveError) -> None:
         self._failed += [(int(position), error) for position in positions]
+        for owner in np.unique(self._owner[positions]):
+            self._owner_failed.setdefault(int(owner), error)
 
     def failed_rows(self) -> tuple[FailedRows, ...]:
         """The failed rows as ranges of adjacent rows with the same error, in order."""

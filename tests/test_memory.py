@@ -625,9 +625,10 @@ def test_each_half_of_a_split_is_asked_for_just_before_it_runs(small_model: Path
     assert len(engine.ran) == 1, "A's half ran; B's expired while it did, and did not run"
 
 
-def test_a_broken_session_costs_five_runs_and_blames_no_request(small_model: Path) -> None:
-    """A failure that is no row's (both halves fail, and one row of each alone) stops
-    the split: five runs per batch, not two per row, and the answer blames the batch."""
+def test_a_broken_session_costs_four_runs_and_blames_no_request(small_model: Path) -> None:
+    """A failure that is no row's (both halves fail, and so does an input the session ran
+    at start-up) stops the split: four runs per batch, not two per row, and the answer
+    blames the batch."""
     clock = ManualClock(1_000.0)
     engine = _BrokenSession(small_model)
     width = engine.inputs[0].shape[1]
@@ -636,15 +637,42 @@ def test_a_broken_session_costs_five_runs_and_blames_no_request(small_model: Pat
         request = _standard(f"r{index}", np.full((2, width), index, np.float32))
         scheduler.admit(request, clock.monotonic())
     answers = _answers_of(scheduler, engine, clock, 4)
-    assert engine.runs == 5
-    # Two rows: each half is one row and has run alone already; nothing runs twice.
+    assert engine.runs == 4
     scheduler.admit(_standard("pair", np.zeros((2, width), np.float32)), clock.monotonic())
     (pair,) = _answers_of(scheduler, engine, clock, 1)
-    assert engine.runs == 5 + 3
+    assert engine.runs == 4 + 4
     assert isinstance(pair.error, EngineError)
     for answer in answers:
         assert isinstance(answer.error, EngineError)
-        assert "on both halves of it and on one row of each alone" in answer.error.message
+        assert "on both halves of it, and on an input it ran at start-up" in answer.error.message
+
+
+def test_bad_rows_where_a_probe_looks_do_not_fail_their_neighbours(small_model: Path) -> None:
+    """Both halves failed, and one row of each (the first) ran alone to tell bad rows
+    from a broken session; when those rows were the bad ones every request of the batch
+    failed, good ones too. An input the session ran at start-up tells now. And once a
+    row of a request failed, its other rows are not run (a bad 4-row request cost a run
+    per row)."""
+    clock = ManualClock(1_000.0)
+    engine = _FailsOnValue(small_model, 99.0, lambda: None)
+    width = engine.inputs[0].shape[1]
+    scheduler = _scheduler(16)
+    firsts = {"bad0": [99.0], "ok1": [1.0], "bad2": [99.0], "ok3": [3.0]}
+    firsts |= {"ok4": [4.0] * 4, "bad5": [99.0] * 4, "ok6": [6.0] * 4}
+    for name, values in firsts.items():
+        x = np.ones((len(values), width), np.float32)
+        x[:, 0] = values
+        scheduler.admit(_standard(name, x), clock.monotonic())
+    answers = {answer.token: answer for answer in _answers_of(scheduler, engine, clock, 7)}
+    assert engine.ran[0] == [value for values in firsts.values() for value in values]
+    for token, answer in answers.items():
+        if str(token).startswith("ok"):
+            assert answer.error is None, (token, answer.error)
+        else:
+            assert isinstance(answer.error, EngineError)
+            assert "the model failed on a row of this request" in answer.error.message
+    # bad0, bad2, and two rows of bad5: its other two rows never ran alone (six before).
+    assert [ran for ran in engine.ran if len(ran) == 1 and ran != [0.0]].count([99.0]) == 4
 
 
 class _FailsOnValue(Engine):

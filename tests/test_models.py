@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -145,5 +146,80 @@ def test_a_row_the_model_fails_on_fails_its_request_only(tmp_path: Path) -> None
             assert "the model failed on a row of this request" in (failed.details() or "")
         answered = {lane.name: dict(lane.answered) for lane in stats.lanes}
         assert answered["standard"] == {"OK": 4, "ENGINE_FAILURE": 2}
+
+    asyncio.run(scenario())
+
+
+def test_outputs_whose_width_depends_on_the_batch_fail_clearly_when_split(
+    tmp_path: Path,
+) -> None:
+    """ "mask" is [N, longest length in the batch]: a split batch's parts have different
+    widths. Storing them together raised a ValueError outside the runtime, and every
+    request of the batch got INTERNAL "batch failed: ValueError(...)", the rows that ran
+    too. Now a part whose shape differs fails with a message naming the output."""
+    nodes = [
+        helper.make_node("Slice", ["input", "zero", "one", "one"], ["column0"]),
+        helper.make_node("Squeeze", ["column0", "one"], ["index_f"]),
+        helper.make_node("Cast", ["index_f"], ["index"], to=TensorProto.INT64),
+        helper.make_node("Gather", ["table", "index"], ["looked"], axis=0),
+        helper.make_node("Slice", ["input", "one", "two", "one"], ["length"]),
+        helper.make_node("ReduceMax", ["length"], ["longest"], keepdims=0),
+        helper.make_node("Range", ["zero_f", "longest", "one_f"], ["steps"]),
+        helper.make_node("Unsqueeze", ["steps", "zero"], ["steps_row"]),
+        helper.make_node("Less", ["steps_row", "length"], ["mask_bool"]),
+        helper.make_node("Cast", ["mask_bool"], ["mask"], to=TensorProto.FLOAT),
+    ]
+    constants: dict[str, np.ndarray[Any, Any]] = {
+        "table": np.arange(40, dtype=np.float32).reshape(10, 4),
+        "zero": np.array([0], np.int64),
+        "one": np.array([1], np.int64),
+        "two": np.array([2], np.int64),
+        "zero_f": np.array(0.0, np.float32),
+        "one_f": np.array(1.0, np.float32),
+    }
+    graph = helper.make_graph(
+        nodes,
+        "padded",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 2])],
+        [
+            helper.make_tensor_value_info("looked", TensorProto.FLOAT, ["N", 4]),
+            helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["N", "L"]),
+        ],
+        initializer=[
+            onnx.numpy_helper.from_array(value, name) for name, value in constants.items()
+        ],
+    )
+    path = _save(tmp_path / "padded.onnx", graph)
+
+    def item(index: float, length: float) -> pb.InferRequest:
+        x = np.array([[index, length]], dtype=np.float32)
+        return pb.InferRequest(inputs=[encode_tensor("input", x)])
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(path), device="cpu")
+        async with serving(engine, ServerConfig(model_path=str(path))) as s:
+            engine.hold()
+            first = asyncio.ensure_future(s.stub.Infer(item(0, 1), timeout=10))
+            await asyncio.to_thread(engine.entered.acquire)
+            calls = [
+                asyncio.ensure_future(s.stub.Infer(request, timeout=10))
+                for request in (item(1, 5), item(99, 3), item(2, 3), item(3, 3))
+            ]
+            thread = s.server._thread
+            assert thread is not None
+            await until(lambda: sum(depth.queued_rows for depth in thread.depths()) == 4)
+            engine.release()
+            answers = await asyncio.gather(first, *calls, return_exceptions=True)
+        assert isinstance(answers[0], pb.InferResponse)
+        bad = answers[2]
+        assert isinstance(bad, grpc.aio.AioRpcError)
+        assert "the model failed on a row of this request" in (bad.details() or "")
+        for answer in (answers[1], answers[3], answers[4]):
+            if isinstance(answer, grpc.aio.AioRpcError):
+                assert answer.code() == grpc.StatusCode.INTERNAL
+                details = answer.details() or ""
+                assert "model output 'mask' has shape" in details, details
+                assert "depends on which rows are batched together" in details
+        assert any(isinstance(answer, pb.InferResponse) for answer in answers[1:])
 
     asyncio.run(scenario())
