@@ -141,6 +141,7 @@ def load_engine(config: ServerConfig) -> Engine:
         memory_limit=None
         if config.memory_limit is None
         else parse_memory_limit(config.memory_limit),
+        probe_shapes=config.probe_shapes,
     )
 
 

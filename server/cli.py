@@ -58,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "tls_cert": args.tls_cert,
                 "tls_key": args.tls_key,
                 "tls_client_ca": args.tls_client_ca,
+                "probe_shapes": _probe_shapes(args.probe_shape),
             },
         )
         return asyncio.run(_serve(config))
@@ -67,6 +68,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(f"laneserve: {error}", file=sys.stderr)
         return 2
+
+
+def _probe_shapes(flags: Sequence[str] | None) -> dict[str, list[int]] | None:
+    """--probe-shape NAME=D1,D2,... (repeated) as server.probe_shapes; None: not given."""
+    if not flags:
+        return None
+    shapes: dict[str, list[int]] = {}
+    for flag in flags:
+        name, equals, dims = flag.partition("=")
+        try:
+            shapes[name] = [int(dim) for dim in dims.split(",")]
+        except ValueError:
+            shapes[name] = []
+        if not name or not equals or not shapes[name]:
+            raise ConfigError(
+                f"--probe-shape: expected NAME=D1,D2,... (an input and its sizes after the "
+                f"row axis, e.g. image=3,224,224), got {flag!r}"
+            )
+    return shapes
 
 
 async def _serve(config: ServerConfig) -> int:
@@ -151,6 +171,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
     serve.add_argument(
         "--tls-client-ca", help="PEM CA: clients must present a certificate it signed (mTLS)"
+    )
+    serve.add_argument(
+        "--probe-shape",
+        action="append",
+        metavar="NAME=D1,D2,...",
+        help="an input's sizes after the row axis for the start-up probe, when its dynamic "
+        "dimensions cannot be 1 (e.g. image=3,224,224); repeat per input",
     )
     serve.add_argument(
         "--intra-op-threads", type=int, help="ONNX Runtime threads (0 = auto: cores - 1 on the CPU)"

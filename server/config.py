@@ -193,6 +193,10 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    # Input name -> its shape after the row axis, for the start-up probe's zero-filled
+    # inputs (e.g. {"image": (3, 224, 224)}). Dynamic dimensions it does not name are 1,
+    # which some models refuse (a 3x3 convolution over a 1x1 image).
+    probe_shapes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in ("host", "default_lane"):
@@ -244,6 +248,7 @@ class ServerConfig:
                 f"0 < low <= high <= 1, got low={low!r} high={high!r}"
             )
         self._check_tls()
+        object.__setattr__(self, "probe_shapes", _parse_probe_shapes(self.probe_shapes))
         if self.device not in DEVICES:
             raise ConfigError(f"server.device: expected one of {DEVICES}, got {self.device!r}")
         if not _is_number(self.drain_grace_s) or not 0 <= self.drain_grace_s <= MAX_DRAIN_GRACE_S:
@@ -285,6 +290,26 @@ class ServerConfig:
                 "server.tls_client_ca: mutual TLS needs the server's own tls_cert and tls_key "
                 "too; expected all three"
             )
+
+
+def _parse_probe_shapes(raw: object) -> dict[str, tuple[int, ...]]:
+    expected = "expected a table of input name = [dimension, ...] (sizes after the row axis)"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"server.probe_shapes: {expected}, got {raw!r}")
+    shapes = {}
+    for name, dims in raw.items():
+        if (
+            not isinstance(name, str)
+            or isinstance(dims, str)
+            or not isinstance(dims, Sequence)
+            or not all(isinstance(dim, int) and not isinstance(dim, bool) for dim in dims)
+            or not all(1 <= dim <= UINT32_MAX for dim in dims)
+        ):
+            raise ConfigError(
+                f"server.probe_shapes: {expected} of positive integers, got {name!r} = {dims!r}"
+            )
+        shapes[name] = tuple(dims)
+    return shapes
 
 
 _SERVER_KEYS = frozenset(

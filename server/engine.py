@@ -128,7 +128,10 @@ class Engine:
         device: Device = "auto",
         intra_op_threads: int = 0,
         memory_limit: MemoryLimit | None = None,
+        probe_shapes: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
+        """`probe_shapes`: input name -> its shape after the row axis for the inputs the
+        start-up probe (and the broken-session check) runs; else dynamic sizes are 1."""
         self.model_path = model_path
         requested = choose_providers(device)
         on_gpu = requested[0] == CUDA
@@ -184,6 +187,7 @@ class Engine:
                     f"model {spec.name!r} has shape {list(spec.shape)}: laneserve batches along "
                     f"the first axis, which must be dynamic (a symbolic or -1 dimension)"
                 )
+        self._probe_shapes = self._check_probe_shapes(probe_shapes or {})
         # After an allocation failure the arena keeps what it grew; the next run asks
         # it to shrink back, so a batch that fitted before the failure fits after it.
         self._shrink = ort.RunOptions()
@@ -335,12 +339,38 @@ class Engine:
         split.session_ok = True
         return False
 
-    def example_inputs(self, rows: int) -> dict[str, Array]:
-        """Zero-filled inputs of `rows` rows (dynamic trailing dimensions become 1)."""
-        return {
-            spec.name: np.zeros(
-                (rows, *(dim if dim > 0 else 1 for dim in spec.shape[1:])), dtype=spec.dtype
+    def _check_probe_shapes(
+        self, shapes: Mapping[str, tuple[int, ...]]
+    ) -> dict[str, tuple[int, ...]]:
+        """Each input's shape after the row axis for `example_inputs`: the configured one
+        (checked against the model), else its fixed sizes with dynamic ones at 1."""
+        specs = {spec.name: spec for spec in self.inputs}
+        unknown = sorted(set(shapes) - set(specs))
+        if unknown:
+            raise EngineStartError(
+                f"server.probe_shapes: unknown input(s) {unknown}; the model's inputs are "
+                f"{sorted(specs)}"
             )
+        checked = {}
+        for name, spec in specs.items():
+            fixed = spec.shape[1:]
+            shape = tuple(shapes.get(name, (dim if dim > 0 else 1 for dim in fixed)))
+            if len(shape) != len(fixed) or any(
+                dim > 0 and dim != size for dim, size in zip(fixed, shape, strict=True)
+            ):
+                model_shape = ["?" if dim < 0 else dim for dim in fixed]
+                raise EngineStartError(
+                    f"server.probe_shapes: input {name!r} given shape {list(shape)} after the "
+                    f"row axis; expected one that fits the model's {model_shape}"
+                )
+            checked[name] = shape
+        return checked
+
+    def example_inputs(self, rows: int) -> dict[str, Array]:
+        """Zero-filled inputs of `rows` rows, of the shapes in `probe_shapes` (dynamic
+        sizes not given there are 1): inputs the start-up probe ran."""
+        return {
+            spec.name: np.zeros((rows, *self._probe_shapes[spec.name]), dtype=spec.dtype)
             for spec in self.inputs
         }
 
@@ -370,7 +400,17 @@ class Engine:
         try:
             return self._probe(max_batch_size, repeats, fixed_cap, gauge)
         except EngineError as error:  # the model cannot be batched (see `run`)
-            raise EngineStartError(f"cannot serve model {self.model_path!r}: {error}") from error
+            shapes = {name: [1, *shape] for name, shape in self._probe_shapes.items()}
+            hint = (
+                f"; the start-up probe ran zero-filled inputs of shapes {shapes} (dynamic "
+                "sizes not configured are 1): if the model needs other sizes, set "
+                "server.probe_shapes (--probe-shape NAME=D1,D2,...)"
+                if any(dim < 0 for spec in self.inputs for dim in spec.shape[1:])
+                else ""
+            )
+            raise EngineStartError(
+                f"cannot serve model {self.model_path!r}: {error}{hint}"
+            ) from error
 
     def _probe(
         self, max_batch_size: int, repeats: int, fixed_cap: bool, gauge: MemoryGauge | None

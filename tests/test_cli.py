@@ -133,6 +133,14 @@ def test_tls_files_that_are_not_pem_are_refused_naming_the_settings(
     assert "Traceback" not in stderr
 
 
+def test_a_probe_shape_flag_that_is_not_name_equals_sizes_is_refused(small_model: Path) -> None:
+    for flag in ("input", "input=", "input=3,x", "=3"):
+        stderr = refused_at_start("--model", str(small_model), "--probe-shape", flag)
+        assert "--probe-shape: expected NAME=D1,D2,..." in stderr
+    stderr = refused_at_start("--model", str(small_model), "--probe-shape", "image=3,8")
+    assert "server.probe_shapes: unknown input(s) ['image']" in stderr
+
+
 def test_an_encrypted_tls_key_is_refused_naming_the_setting(
     tmp_path: Path, small_model: Path
 ) -> None:

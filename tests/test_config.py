@@ -329,3 +329,12 @@ def test_host_that_is_not_a_string_is_refused_naming_the_key(tmp_path: Path) -> 
 def test_unknown_override_is_refused_naming_the_key() -> None:
     with pytest.raises(ConfigError, match="overrides: unknown key"):
         config_from_mapping({}, model_path="m", overrides={"batch": 4})
+
+
+def test_probe_shapes_from_the_file_and_refused_when_not_sizes() -> None:
+    document = {"server": {"probe_shapes": {"image": [3, 224, 224]}}}
+    config = config_from_mapping(document, model_path="m")
+    assert config.probe_shapes == {"image": (3, 224, 224)}
+    for bad in ({"image": "3,224"}, {"image": [3, 0]}, {"image": [3.5]}, [3, 224]):
+        with pytest.raises(ConfigError, match=r"server\.probe_shapes: expected a table"):
+            config_from_mapping({"server": {"probe_shapes": bad}}, model_path="m")

@@ -223,3 +223,51 @@ def test_outputs_whose_width_depends_on_the_batch_fail_clearly_when_split(
         assert any(isinstance(answer, pb.InferResponse) for answer in answers[1:])
 
     asyncio.run(scenario())
+
+
+def _conv_model(path: Path) -> Path:
+    """y = a 3x3 convolution (no padding) of x [N, 1, H, W]: H and W must be at least 3."""
+    weight = onnx.numpy_helper.from_array(np.ones((1, 1, 3, 3), np.float32), "weight")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "weight"], ["y"])],
+        "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, "H", "W"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 1, "H2", "W2"])],
+        initializer=[weight],
+    )
+    return _save(path, graph)
+
+
+def test_a_model_whose_dynamic_sizes_cannot_be_1_is_served_with_probe_shapes(
+    tmp_path: Path,
+) -> None:
+    """The start-up probe ran zero-filled inputs with every dynamic size at 1, which a
+    3x3 convolution refuses: the model could not be served at all, and the error did not
+    say why. It now names the shapes it ran and the setting; with probe_shapes it serves
+    images of any size the model takes."""
+    path = _conv_model(tmp_path / "conv.onnx")
+    with pytest.raises(EngineStartError) as refused:
+        LaneServer(
+            Engine(str(path), device="cpu"),
+            ServerConfig(model_path=str(path)),
+            estimate=estimate_once,
+        )
+    message = str(refused.value)
+    assert "zero-filled inputs of shapes {'x': [1, 1, 1, 1]}" in message
+    assert "server.probe_shapes (--probe-shape NAME=D1,D2,...)" in message
+    with pytest.raises(EngineStartError, match="expected one that fits the model's"):
+        Engine(str(path), device="cpu", probe_shapes={"x": (3, 8, 8)})
+
+    async def scenario() -> None:
+        config = ServerConfig(model_path=str(path), probe_shapes={"x": (1, 8, 8)})
+        async with serving(
+            Engine(str(path), device="cpu", probe_shapes=config.probe_shapes), config
+        ) as s:
+            for size in (5, 16):
+                x = np.arange(2 * size * size, dtype=np.float32).reshape(2, 1, size, size)
+                answer = await s.stub.Infer(pb.InferRequest(inputs=[encode_tensor("x", x)]))
+                # Each output pixel sums the 3x3 window below-right of it.
+                windows = np.lib.stride_tricks.sliding_window_view(x, (3, 3), axis=(2, 3))
+                np.testing.assert_allclose(output(answer), windows.sum(axis=(-1, -2)), rtol=1e-6)
+
+    asyncio.run(scenario())
