@@ -14,6 +14,7 @@ import logging
 import ssl
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_channelz.v1 import channelz, channelz_pb2
@@ -131,6 +132,33 @@ def pending_call_limits(max_pending_calls: int) -> list[tuple[str, int]]:
         ("grpc.server.max_pending_requests", max_pending_calls * 3 // 4),
         ("grpc.server.max_pending_requests_hard_limit", max_pending_calls),
     ]
+
+
+class _HealthServicer(health.aio.HealthServicer):
+    """gRPC's health service, whose Watch calls end (OK, after their last status) when
+    the server stops: open ones held every stop for its whole grace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._watches: set[asyncio.Task[object]] = set()
+        self._ended = False
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._watches.add(task)
+        try:
+            await super().Watch(request, context)
+        except asyncio.CancelledError:
+            if not self._ended:
+                raise  # the caller went away
+        finally:
+            self._watches.discard(task)
+
+    def end_watches(self) -> None:
+        self._ended = True
+        for task in self._watches:
+            task.cancel()
 
 
 def load_engine(config: ServerConfig) -> Engine:
@@ -253,7 +281,7 @@ class LaneServer:
             events=self.events,
             watermark=watermark,
         )
-        self._health = health.aio.HealthServicer()
+        self._health = _HealthServicer()
         self._thread: SchedulerThread | None = None
         self._servicer: InferenceServicer | None = None
         self._servers: list[grpc.aio.Server] = []  # the main port's first
@@ -459,7 +487,9 @@ class LaneServer:
                 "a batch still runs %.1fs after the drain; stopping without waiting for it",
                 RUNNING_BATCH_WAIT_S,
             )
-        # Every RPC now has its answer; give them a moment to be written.
+        # Every RPC now has its answer; give them a moment to be written. Health watches
+        # (NOT_SERVING sent) end now: the grace would wait for them in full.
+        self._health.end_watches()
         await asyncio.gather(*(server.stop(grace=2.0) for server in self._servers))
         return drained
 

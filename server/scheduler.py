@@ -795,7 +795,7 @@ class Scheduler:
                 ceiling = self._oom_ceiling_rows
                 self._oom_ceiling_rows = smallest if ceiling is None else min(ceiling, smallest)
             self._set_cap(min(self.batch_cap, smallest // 2), "out_of_memory")
-        elif result.error is None and not result.split and result.batch.rows >= self.batch_cap:
+        elif result.error is None and not result.split and self._full(result.batch):
             # Only a full batch that ran whole shows the cap fits: a split one (rows that
             # failed, a broken session) says nothing of the kind.
             self._full_batches_since_change += 1
@@ -811,6 +811,12 @@ class Scheduler:
                         return  # held at the last size that ran, below the failing one
                     self._oom_ceiling_rows = None  # probe the failing size once more
                 self._set_cap(target, "recovered")
+
+    def _full(self, batch: Batch) -> bool:
+        """Whether `batch` is as full as whole requests make it at the cap: no request
+        of its size would fit beside it. Requests whose size does not divide the cap (48
+        rows under a cap of 120) never fill it to the row, and the cap never recovered."""
+        return batch.rows + max(piece.rows for piece in batch.slices) > self.batch_cap
 
     def _set_cap(self, rows: int, reason: str) -> None:
         rows = max(rows, 1)

@@ -245,6 +245,25 @@ def test_out_of_memory_halves_the_cap_and_success_raises_it_back() -> None:
     assert scheduler.max_batch_cap == 64
 
 
+def test_the_cap_recovers_when_request_sizes_do_not_divide_it() -> None:
+    """After an out-of-memory at 240 rows the cap was 120: 48-row requests made batches
+    of 96 rows, never the cap's 120, so none counted as full and the cap stayed at 120
+    (of 256) for good. A batch no request of its size would fit beside counts now."""
+    clock = ManualClock()
+    scheduler = _scheduler(256)
+    for index in range(5):
+        scheduler.admit(_request(index, "standard", 48), clock.monotonic())
+    scheduler.complete(_ran_out_of_memory(_dispatch(scheduler, clock)))
+    assert scheduler.batch_cap == 120
+    index = 100
+    for _ in range(4 * CAP_RECOVERY_BATCHES):
+        while scheduler.lane("standard").queued_rows < 4 * 48:
+            scheduler.admit(_request(index, "standard", 48), clock.monotonic())
+            index += 1
+        scheduler.complete(_dispatch(scheduler, clock))
+    assert scheduler.batch_cap > 120 + 2 * (256 // 16), scheduler.batch_cap
+
+
 def _row_two_does_not_fit(ran: BatchResult) -> BatchResult:
     """`ran` (a 6-row batch) as the engine reports it when row 2 does not fit even alone:
     the runs of 6 and 3 rows that held it ran out of memory, then the row itself."""

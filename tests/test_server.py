@@ -536,6 +536,29 @@ def test_a_failed_scheduler_stops_the_server(small_model: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_health_watches_end_when_the_server_stops(small_model: Path) -> None:
+    """An open Watch (clients with client-side health checking keep one) held every
+    stop for gRPC's whole grace, then ended CANCELLED; it now ends OK once NOT_SERVING
+    is sent."""
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            stub: Any = health_pb2_grpc.HealthStub(s.channel)
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service=""))
+            statuses = [(await watch.read()).status]
+            await s.server.stop(grace_s=1.0)
+            while (answer := await watch.read()) is not grpc.aio.EOF:  # ends, no error
+                statuses.append(answer.status)
+            assert await watch.code() == grpc.StatusCode.OK
+            serving_, not_serving = (
+                health_pb2.HealthCheckResponse.SERVING,
+                health_pb2.HealthCheckResponse.NOT_SERVING,
+            )
+            assert statuses == [serving_, not_serving]
+
+    asyncio.run(scenario())
+
+
 def test_reflection_and_health_work_out_of_the_box(small_model: Path) -> None:
     async def scenario() -> None:
         async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
