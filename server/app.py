@@ -134,6 +134,12 @@ def pending_call_limits(max_pending_calls: int) -> list[tuple[str, int]]:
     ]
 
 
+def _host_port(host: str, port: int) -> str:
+    """`host:port` as gRPC parses it: an IPv6 address in brackets ("::1" alone made
+    "::1:0", which gRPC could not bind)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 class _HealthServicer(health.aio.HealthServicer):
     """gRPC's health service, whose Watch calls end (OK, after their last status) when
     the server stops: open ones held every stop for its whole grace."""
@@ -372,7 +378,7 @@ class LaneServer:
             log,
             logging.INFO,
             "startup",
-            f"serving {self.config.model_path} on {self.config.host}:{self.port}"
+            f"serving {self.config.model_path} on {_host_port(self.config.host, self.port)}"
             + ("" if self.priority_port is None else f", priority port {self.priority_port}"),
             model=self.config.model_path,
             port=self.port,
@@ -418,7 +424,7 @@ class LaneServer:
             (SERVICE_NAME, health.SERVICE_NAME, CHANNELZ_SERVICE_NAME, reflection.SERVICE_NAME),
             server,
         )
-        address = f"{self.config.host}:{port}"
+        address = _host_port(self.config.host, port)
         bound = 0
         try:
             bound = (

@@ -789,11 +789,15 @@ class Scheduler:
         failed_batches = _capacity_failures(result)
         if failed_batches:
             smallest = min(failed_batches)
-            if smallest >= self.batch_cap:
-                # A batch at the cap failed: a limit, held below. One smaller than the cap
-                # (larger ones ran) is a passing shortage and sets no ceiling.
+            at_cap = [rows for rows in failed_batches if rows >= self.batch_cap]
+            if at_cap:
+                # A batch at the cap failed: a limit, held below, even when its halves
+                # failed too (rows of uneven size: without the ceiling the cap climbed
+                # back and failed again every ~65 batches). A failure only smaller than
+                # the cap (larger batches ran) is a passing shortage and sets no ceiling.
                 ceiling = self._oom_ceiling_rows
-                self._oom_ceiling_rows = smallest if ceiling is None else min(ceiling, smallest)
+                failed_at = min(at_cap)
+                self._oom_ceiling_rows = failed_at if ceiling is None else min(ceiling, failed_at)
             self._set_cap(min(self.batch_cap, smallest // 2), "out_of_memory")
         elif result.error is None and not result.split and self._full(result.batch):
             # Only a full batch that ran whole shows the cap fits: a split one (rows that

@@ -264,6 +264,23 @@ def test_the_cap_recovers_when_request_sizes_do_not_divide_it() -> None:
     assert scheduler.batch_cap > 120 + 2 * (256 // 16), scheduler.batch_cap
 
 
+def test_a_batch_at_the_cap_whose_halves_failed_too_sets_the_ceiling() -> None:
+    """Rows of uneven size: the batch at the cap ran out of memory and so did its halves.
+    No ceiling was set (the smallest failing run was below the cap), so the cap climbed
+    straight back to the failing size and failed again, every ~65 batches."""
+    clock = ManualClock()
+    scheduler = _scheduler(64)
+    scheduler.admit(_request(0, "standard", 64), clock.monotonic())
+    ran = _dispatch(scheduler, clock)
+    runs = (OutOfMemoryRun(64, held_unfit_row=False), OutOfMemoryRun(32, held_unfit_row=False))
+    scheduler.complete(dataclasses.replace(ran, out_of_memory_runs=runs, split=True))
+    assert scheduler.batch_cap == 16
+    for index in range(1, 1000):
+        scheduler.admit(_request(index, "standard", scheduler.batch_cap), clock.monotonic())
+        scheduler.complete(_dispatch(scheduler, clock))
+    assert scheduler.batch_cap == 60, "held below the size that failed"
+
+
 def _row_two_does_not_fit(ran: BatchResult) -> BatchResult:
     """`ran` (a 6-row batch) as the engine reports it when row 2 does not fit even alone:
     the runs of 6 and 3 rows that held it ran out of memory, then the row itself."""

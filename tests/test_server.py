@@ -559,6 +559,28 @@ def test_health_watches_end_when_the_server_stops(small_model: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_an_ipv6_host_is_served_written_bare_or_in_brackets(small_model: Path) -> None:
+    """host "::1" made the address "::1:0", which gRPC could not bind: the server
+    refused to start (after loading the model) with "cannot listen on ::1:0"."""
+
+    async def scenario() -> None:
+        for host in ("::1", "[::1]"):
+            server = LaneServer(
+                RecordingEngine(str(small_model)),
+                config(small_model, host=host, port=0, metrics_port=0),
+                estimate=estimate_once,
+            )
+            port = await server.start()
+            try:
+                async with grpc.aio.insecure_channel(f"[::1]:{port}") as channel:
+                    stub = pb_grpc.InferenceServiceStub(channel)
+                    assert output(await stub.Infer(request(rows(1)))).shape == (1, 10)
+            finally:
+                await server.stop()
+
+    asyncio.run(scenario())
+
+
 def test_reflection_and_health_work_out_of_the_box(small_model: Path) -> None:
     async def scenario() -> None:
         async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
