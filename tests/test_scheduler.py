@@ -470,39 +470,50 @@ def test_a_lane_idle_when_a_batch_is_formed_still_repays_what_it_took_ahead() ->
     assert taken["interactive"] >= batches * (CAP - share_rows) - CAP
 
 
-@pytest.mark.parametrize("bulk_rows", [1, 5], ids=["bulk-rows-1", "bulk-items-over-its-share"])
-def test_a_lower_lanes_share_does_not_crowd_out_a_higher_lanes_large_request(
-    bulk_rows: int,
-) -> None:
-    """Interactive is active (a request every 20 ms), so batches of the lanes below hold
-    what runs within its max_wait, or the head request if larger: 30 standard rows.
-    Bulk's share used to come out of those 30 rows, so the head no longer fitted, bulk
-    filled the rest, and standard (the higher lane) got only its own share: bulk got 3x
-    its rows. Shares come on top of the head's rows, counted as pass 1 takes them (an
-    item larger than the share goes whole)."""
+def _three_lanes_saturated(
+    bulk_rows: int, standard_rows: int, interactive_every: int | None, steps: int = 300
+) -> Counter[str]:
+    """Rows each lane got over `steps` batches (cap 64): standard (share 0.1) kept at
+    60+ queued rows, bulk (share 0.05: 4 rows) at 200+, interactive sending a request
+    every `interactive_every` batches (None: never), each batch running its predicted
+    time."""
     lanes = (
         LaneConfig("interactive", capacity_rows=64, timeout_ms=1000, max_wait_ms=2, min_share=0),
-        LaneConfig("standard", capacity_rows=512, timeout_ms=10_000, max_wait_ms=4, min_share=0.1),
+        LaneConfig("standard", capacity_rows=4096, timeout_ms=10_000, max_wait_ms=4, min_share=0.1),
         LaneConfig("bulk", capacity_rows=4096, timeout_ms=60_000, max_wait_ms=20, min_share=0.05),
     )
     scheduler = make_scheduler(lanes, cap=64)
     index, now_s = 1000, T0
     taken: Counter[str] = Counter()
-    for step in range(300):
-        if step % 10 == 0:
+    for step in range(steps):
+        if interactive_every is not None and step % interactive_every == 0:
             scheduler.admit(make_request(index, "interactive", 1), now_s)
             index += 1
         while queued_rows(scheduler, "bulk") < 200:
             scheduler.admit(make_request(index, "bulk", bulk_rows), now_s)
             index += 1
-        if queued_rows(scheduler, "standard") < 60:
-            scheduler.admit(make_request(index, "standard", 30), now_s)
+        while queued_rows(scheduler, "standard") < 60:
+            scheduler.admit(make_request(index, "standard", standard_rows), now_s)
             index += 1
         batch = dispatch(scheduler, now_s, math.inf)
         taken += rows_by_lane(batch)
         run_s = scheduler.run_time.predict_s(batch.rows)
         scheduler.complete(run(batch, run_s=run_s))
         now_s += run_s
+    return taken
+
+
+@pytest.mark.parametrize("bulk_rows", [1, 5], ids=["bulk-rows-1", "bulk-items-over-its-share"])
+def test_a_lower_lanes_share_does_not_crowd_out_a_higher_lanes_large_request(
+    bulk_rows: int,
+) -> None:
+    """Interactive is active (a request every 10 batches), so batches of the lanes below
+    hold what runs within its max_wait, or the head request if larger: 30 standard rows.
+    Bulk's share used to come out of those 30 rows, so the head no longer fitted, bulk
+    filled the rest, and standard (the higher lane) got only its own share: bulk got 3x
+    its rows. Shares come on top of the head's rows, counted as pass 1 takes them (an
+    item larger than the share goes whole)."""
+    taken = _three_lanes_saturated(bulk_rows, 30, 10)
     assert taken["standard"] > 4 * taken["bulk"], taken
     assert taken["bulk"] >= 300 * math.ceil(0.05 * 64) * 0.9, "bulk still gets its share"
 
@@ -522,9 +533,7 @@ def test_a_lower_lanes_share_does_not_crowd_out_a_higher_lanes_large_request(
 def test_shares_hold_whatever_the_request_sizes(
     bulk_rows: int, standard_rows: int, interactive_every: int | None
 ) -> None:
-    """Standard (share 0.1) always has 60+ rows queued, bulk (share 0.05 of 64: 4 rows)
-    200+, interactive sends a request every few batches or never. Two defects, both
-    from whole requests meeting the room left:
+    """Two defects, both from whole requests meeting the room left:
     - a lower lane's share crossing into a standard request's room (5 + 60 > 64) pushed
       that request out, and bulk then filled the room it freed: bulk took up to 10x its
       share and 2.5x standard's rows (a priority inversion); such a batch now belongs
@@ -533,33 +542,10 @@ def test_shares_hold_whatever_the_request_sizes(
       22) never fitted, and bulk got a quarter of its share: it now banks up to its head
       and then goes first.
     Standard's share is twice bulk's, so fewer than twice bulk's rows is an inversion."""
-    lanes = (
-        LaneConfig("interactive", capacity_rows=64, timeout_ms=1000, max_wait_ms=2, min_share=0),
-        LaneConfig("standard", capacity_rows=4096, timeout_ms=10_000, max_wait_ms=4, min_share=0.1),
-        LaneConfig("bulk", capacity_rows=4096, timeout_ms=60_000, max_wait_ms=20, min_share=0.05),
-    )
-    scheduler = make_scheduler(lanes, cap=64)
-    index, now_s = 1000, T0
-    taken: Counter[str] = Counter()
-    steps = 300
-    for step in range(steps):
-        if interactive_every is not None and step % interactive_every == 0:
-            scheduler.admit(make_request(index, "interactive", 1), now_s)
-            index += 1
-        while queued_rows(scheduler, "bulk") < 200:
-            scheduler.admit(make_request(index, "bulk", bulk_rows), now_s)
-            index += 1
-        while queued_rows(scheduler, "standard") < 60:
-            scheduler.admit(make_request(index, "standard", standard_rows), now_s)
-            index += 1
-        batch = dispatch(scheduler, now_s, math.inf)
-        taken += rows_by_lane(batch)
-        run_s = scheduler.run_time.predict_s(batch.rows)
-        scheduler.complete(run(batch, run_s=run_s))
-        now_s += run_s
+    taken = _three_lanes_saturated(bulk_rows, standard_rows, interactive_every)
     share_rows = math.ceil(0.05 * 64)
     # Deficit round robin: over k batches at least k shares, less one request.
-    assert taken["bulk"] >= steps * share_rows - bulk_rows, taken
+    assert taken["bulk"] >= 300 * share_rows - bulk_rows, taken
     assert taken["standard"] >= 2 * taken["bulk"], taken
 
 

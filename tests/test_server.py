@@ -28,6 +28,7 @@ from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
     RecordingEngine,
+    Serving,
     estimate_once,
     health_status,
     output,
@@ -360,11 +361,7 @@ def test_draining_server_refuses_new_work_and_finishes_queued(small_model: Path)
         engine = RecordingEngine(str(small_model))
         async with serving(engine, config(small_model)) as s:
             assert await health_status(s.channel) == health_pb2.HealthCheckResponse.SERVING
-            engine.hold()
-            running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
-            await asyncio.to_thread(engine.entered.acquire)
-            queued = asyncio.ensure_future(s.stub.Infer(request(rows(2, start=1))))
-            await until(lambda: _queued_rows(s.server) == 2)
+            running, queued = await _one_running_two_rows_queued(s, engine)
             stopping = asyncio.ensure_future(s.server.stop(grace_s=30))
             await until(lambda: s.server.state.value == "DRAINING")
             assert await health_status(s.channel) == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -385,11 +382,7 @@ def test_work_left_after_the_grace_period_is_answered_unavailable(small_model: P
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
         async with serving(engine, config(small_model)) as s:
-            engine.hold()
-            running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
-            await asyncio.to_thread(engine.entered.acquire)
-            queued = asyncio.ensure_future(s.stub.Infer(request(rows(2, start=1))))
-            await until(lambda: _queued_rows(s.server) == 2)
+            running, queued = await _one_running_two_rows_queued(s, engine)
             stopping = asyncio.ensure_future(s.server.stop(grace_s=0.05))
             results = await asyncio.gather(running, queued, return_exceptions=True)
             for result in results:
@@ -409,11 +402,7 @@ def test_a_drain_does_not_wait_for_a_batch_longer_than_its_grace(small_model: Pa
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
         async with serving(engine, config(small_model)) as s:
-            engine.hold()
-            running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
-            await asyncio.to_thread(engine.entered.acquire)
-            queued = asyncio.ensure_future(s.stub.Infer(request(rows(2, start=1))))
-            await until(lambda: _queued_rows(s.server) == 2)
+            running, queued = await _one_running_two_rows_queued(s, engine)
             # Returns while the batch is still held in the engine.
             await asyncio.wait_for(s.server.stop(grace_s=0.05), timeout=60)
             assert not engine.gate.is_set()
@@ -443,11 +432,7 @@ def test_end_grace_answers_queued_work_at_once(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
         async with serving(engine, config(small_model)) as s:
-            engine.hold()
-            running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
-            await asyncio.to_thread(engine.entered.acquire)
-            queued = asyncio.ensure_future(s.stub.Infer(request(rows(2, start=1))))
-            await until(lambda: _queued_rows(s.server) == 2)
+            running, queued = await _one_running_two_rows_queued(s, engine)
             stopping = asyncio.ensure_future(s.server.stop(grace_s=3600))
             await until(lambda: s.server.state is Lifecycle.DRAINING)
             s.server.end_grace()
@@ -674,6 +659,19 @@ def test_every_request_gets_exactly_one_answer(small_model: Path) -> None:
 
 def _queued_rows(server: object) -> int:
     return sum(depth.queued_rows for depth in server._thread.depths())  # type: ignore[attr-defined]
+
+
+async def _one_running_two_rows_queued(
+    s: Serving, engine: RecordingEngine
+) -> tuple[asyncio.Future[pb.InferResponse], asyncio.Future[pb.InferResponse]]:
+    """A request (tag 0) held running in the engine, and one of two rows (tags 1, 2)
+    queued behind it."""
+    engine.hold()
+    running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
+    await asyncio.to_thread(engine.entered.acquire)
+    queued = asyncio.ensure_future(s.stub.Infer(request(rows(2, start=1))))
+    await until(lambda: _queued_rows(s.server) == 2)
+    return running, queued
 
 
 def test_calls_past_the_concurrency_limit_are_refused_by_grpc(small_model: Path) -> None:
