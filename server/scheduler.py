@@ -102,12 +102,11 @@ class _Plan:
     taken: list[tuple[Entry, int]] = dataclasses.field(default_factory=list)
     # Per lane priority served in pass 1: (allowance, rows taken against it).
     share_used: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
-    # Priorities of the lanes with a share whose head has another shape than the batch:
-    # they bank up to a whole batch of credit (see `_owed_head`).
-    shape_blocked: set[int] = dataclasses.field(default_factory=set)
     # Lanes with a share and credit whose head (of the batch's shape) did not fit the room
-    # left: priority -> rows they bank up to (see `_plan`, `_owed_head`).
-    room_blocked: dict[int, int] = dataclasses.field(default_factory=dict)
+    # left (see `_owed_head`).
+    room_blocked: set[int] = dataclasses.field(default_factory=set)
+    # Per blocked lane (by shape or room), the credit it banks up to (see `_plan`).
+    bank_to: dict[int, int] = dataclasses.field(default_factory=dict)
     # The most rows this batch may hold: the cap, or less where a higher lane is active.
     limit_rows: int = 0
 
@@ -168,12 +167,15 @@ def _capacity_failures(result: BatchResult) -> list[int]:
     return [run.rows for run in result.out_of_memory_runs if not run.held_unfit_row]
 
 
-def _charge_owner(plan: _Plan, priority: int) -> None:
-    """The batch is the owed lane's (its shape): every row of it counts against its
-    credit, so over time it gets its share of rows, not every other batch."""
+def _charge_owner(plan: _Plan, priority: int, shut_out_rows: int) -> None:
+    """The batch is the owed lane's (its shape): it costs the lanes it shuts out the batch
+    they would have had (`shut_out_rows`), so it counts against the lane's credit as that
+    at least. Charged only its rows, a batch held to a few rows by an active lane's bound
+    cost exactly the share the lane banked each batch, and it owned every batch after
+    (interactive starved)."""
     allowance, _ = plan.share_used[priority]
     owned = sum(rows for entry, rows in plan.taken if entry.priority == priority)
-    plan.share_used[priority] = (allowance, owned)
+    plan.share_used[priority] = (allowance, max(owned, shut_out_rows))
 
 
 class Scheduler:
@@ -509,21 +511,30 @@ class Scheduler:
             share_lanes.sort(key=lambda lane: lane.priority != owed.priority)
         for lane in share_lanes:
             allowance = self._allowance(lane)
-            used, unfit = batch.fill(lane, allowance)
+            # An owed head goes first, alone: the rest of its lane's allowance must not
+            # push the top lane's rows out of the batch raised for that head.
+            take = (
+                min(allowance, owed.queued_rows)
+                if owed is not None and owed.priority == lane.priority
+                else allowance
+            )
+            used, unfit = batch.fill(lane, take)
             plan.share_used[lane.priority] = (allowance, used)
             head = next(iter(lane))
+            # Blocked lanes bank credit up to their head, and the share that may cross
+            # it: none is lost between the batch its credit first covers the head and
+            # the one it runs (see `_owed_head`). Room an owed head took makes nobody
+            # owed in turn (each owed batch made the next lane owed: a chain).
             if head.request.signature != batch.signature:
-                plan.shape_blocked.add(lane.priority)
+                plan.bank_to[lane.priority] = self._bank_target(lane, head.queued_rows)
             elif unfit:
-                # Credit up to its head, and the share that may cross it: none is lost
-                # between the batch its credit first covers the head and the one it runs.
-                plan.room_blocked[lane.priority] = (
-                    min(unfit, self.batch_cap) + self._share_rows(lane) - 1
-                )
+                plan.bank_to[lane.priority] = self._bank_target(lane, unfit)
+                if owed is None:
+                    plan.room_blocked.add(lane.priority)
         self._fill_top_down(plan, batch)
         plan.taken = list(batch.taken.values())
         if first.request.signature != top.request.signature:
-            _charge_owner(plan, first.priority)
+            _charge_owner(plan, first.priority, self._limit_rows(now_s, top))
         return plan
 
     def _fill_top_down(self, plan: _Plan, batch: _Filling) -> None:
@@ -624,6 +635,9 @@ class Scheduler:
         head_rows = head.queued_rows
         return head_rows if take < head_rows <= take + share else take
 
+    def _bank_target(self, lane: Lane, head_rows: int) -> int:
+        return min(head_rows, self.batch_cap) + self._share_rows(lane) - 1
+
     def _allowance(self, lane: Lane) -> int:
         """Rows `lane` may take in pass 1 of the next batch: its share and its balance."""
         return self._share_rows(lane) + lane.share_balance_rows
@@ -641,10 +655,7 @@ class Scheduler:
                 # lane's shape is shut out and up to its head while that finds no room
                 # (see `_owed_head`), and credit banked so is kept while the lane gets
                 # nothing; an overdraft is repaid from the next allowances.
-                if lane.priority in plan.shape_blocked:
-                    banked = self.batch_cap
-                else:
-                    banked = max(self._share_rows(lane), plan.room_blocked.get(lane.priority, 0))
+                banked = max(self._share_rows(lane), plan.bank_to.get(lane.priority, 0))
                 if used == 0:
                     banked = max(banked, lane.share_balance_rows)
                 # Debt is bounded by a batch: a lane charged for a batch it owned (or

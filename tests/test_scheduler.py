@@ -775,6 +775,73 @@ def test_two_lanes_whose_work_has_another_shape_both_get_their_shares() -> None:
     assert taken["bulk"] >= batches * share_rows * 0.7, taken
 
 
+DEFAULT_LIKE_LANES = (
+    LaneConfig("interactive", capacity_rows=512, timeout_ms=2_000, max_wait_ms=1, min_share=0.0),
+    LaneConfig("standard", capacity_rows=10**6, timeout_ms=10**6, max_wait_ms=4, min_share=0.1),
+    LaneConfig("bulk", capacity_rows=10**6, timeout_ms=10**6, max_wait_ms=20, min_share=0.05),
+)
+
+
+def test_a_lane_of_another_shape_does_not_own_every_batch_under_an_active_lane() -> None:
+    """Bulk's requests have another shape; interactive (a request every 10 batches) keeps
+    batches to a few rows. Each batch bulk owned held 4 rows, was charged 4 (its share, as
+    much as it banked per batch), and bulk owned every batch after: 2 499 of 2 500 batches,
+    interactive answered 1 of 250 (74 expired), standard 7 rows. An owned batch is now
+    charged at least the batch it shut out."""
+    scheduler = make_scheduler(DEFAULT_LIKE_LANES, cap=64)
+    index, now_s = 1000, T0
+    taken: Counter[str] = Counter()
+    interactive: set[int] = set()
+    answered = 0
+    for step in range(2500):
+        if step % 10 == 0:
+            scheduler.admit(make_request(index, "interactive", 1), now_s)
+            interactive.add(index)
+            index += 1
+        for lane, width in (("standard", 2), ("bulk", 3)):
+            while queued_rows(scheduler, lane) < 192:
+                scheduler.admit(make_request(index, lane, 1, width=width), now_s)
+                index += 1
+        batch = dispatch(scheduler, now_s, math.inf)
+        taken += rows_by_lane(batch)
+        run_s = scheduler.run_time.predict_s(batch.rows)
+        outcomes = scheduler.complete(run(batch, run_s=run_s))
+        answered += sum(1 for outcome in outcomes if outcome.token in interactive)
+        now_s += run_s
+    assert answered == 250, taken
+    assert taken["standard"] > 5 * taken["bulk"] > 0, taken
+
+
+def test_an_owed_head_goes_first_alone() -> None:
+    """Bulk's 60-row head never fits beside an active interactive lane, so bulk banks
+    until it is owed. Its owed batch took its whole allowance: the head and four more
+    1-row requests, ahead of the interactive rows queued meanwhile."""
+    scheduler = make_scheduler(DEFAULT_LIKE_LANES, cap=64)
+    index, now_s = 1000, T0
+    for rows in [60] + [1] * 100:
+        scheduler.admit(make_request(index, "bulk", rows), now_s)
+        index += 1
+    bulk = scheduler.lane("bulk")
+    owed_batch: Batch | None = None
+    for step in range(200):
+        if step % 10 == 0:
+            scheduler.admit(make_request(index, "interactive", 1), now_s)
+            index += 1
+        while queued_rows(scheduler, "standard") < 128:
+            scheduler.admit(make_request(index, "standard", 1), now_s)
+            index += 1
+        batch = dispatch(scheduler, now_s, math.inf)
+        if rows_by_lane(batch)["bulk"]:
+            owed_batch = batch
+            break
+        run_s = scheduler.run_time.predict_s(batch.rows)
+        scheduler.complete(run(batch, run_s=run_s))
+        now_s += run_s
+    assert owed_batch is not None, "bulk was never owed a batch"
+    assert rows_by_lane(owed_batch)["bulk"] == 60, rows_by_lane(owed_batch)
+    assert next(iter(bulk)).queued_rows == 1
+
+
 def test_credit_banked_by_a_lane_of_another_shape_does_not_lift_the_limit() -> None:
     """Bulk's head has another shape than the batch: it cannot join, so the credit it
     banks meanwhile must not count as room for it under an active interactive lane (the
