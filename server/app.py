@@ -295,6 +295,9 @@ class LaneServer:
         self._stopped = asyncio.Event()
         # Set when the scheduler or engine thread failed; the server then stops itself.
         self.failure: LaneserveError | None = None
+        # After stop: whether the engine thread ended (a run the runtime would not end
+        # is still going; the process must not wait for it, see cli).
+        self.threads_stopped = True
         self._failure_stop: asyncio.Future[None] | None = None
         self.port = 0
         self.priority_port: int | None = None  # bound, when configured
@@ -372,6 +375,9 @@ class LaneServer:
         self._grpc_calls = GrpcCallCounts(GrpcCallCounts.server_ids() - known_servers)
         self._servers = servers
         self.state = Lifecycle.SERVING
+        if self.failure is not None:  # the scheduler failed while the server started
+            self._failure_stop = asyncio.ensure_future(self.stop())
+            return self.port
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log_event(
@@ -477,7 +483,7 @@ class LaneServer:
             log.warning(
                 "drain ended after at most %.1fs; answering what is left UNAVAILABLE", grace_s
             )
-        stopped = await asyncio.to_thread(
+        await asyncio.to_thread(
             functools.partial(
                 self._thread.close,
                 DrainingError("server shut down before this request could run"),
@@ -485,9 +491,14 @@ class LaneServer:
                     "server shut down while this request's batch was running; its answer "
                     "was not kept (it may have run)"
                 ),
-                join_timeout_s=RUNNING_BATCH_WAIT_S,
+                join_timeout_s=0.0,
             )
         )
+        # Every request has its answer: a run still in the runtime is ended (a process
+        # that exits while one runs aborts), and waited for a moment.
+        self.engine.terminate_runs()
+        stopped = await asyncio.to_thread(self._thread.join, RUNNING_BATCH_WAIT_S)
+        self.threads_stopped = stopped
         if not stopped:
             log.warning(
                 "a batch still runs %.1fs after the drain; stopping without waiting for it",
@@ -512,7 +523,7 @@ class LaneServer:
             "scheduler_failed",
             "the scheduler failed; stopping (the process must be restarted)",
         )
-        if self.state is Lifecycle.SERVING:
+        if self.state is Lifecycle.SERVING:  # while STARTING, start() stops it at its end
             self._failure_stop = asyncio.ensure_future(self.stop())
 
     def end_grace(self) -> None:

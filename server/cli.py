@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -61,13 +62,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "probe_shapes": _probe_shapes(args.probe_shape),
             },
         )
-        return asyncio.run(_serve(config))
+        code, clean = asyncio.run(_serve(config))
     except (ConfigError, EngineStartError, OSError) as error:
         if args.log_format == "json":  # log shippers parse every line: this one too
             log_event(log, logging.ERROR, "startup_failed", str(error), exit_code=2)
         else:
             print(f"laneserve: {error}", file=sys.stderr)
         return 2
+    if not clean:
+        # A run the runtime would not end is still going: exiting normally would wait
+        # for it and then abort (SIGABRT) in the runtime's teardown. Every request has its
+        # answer and the logs are flushed, so the process ends here.
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 def _probe_shapes(flags: Sequence[str] | None) -> dict[str, list[int]] | None:
@@ -89,7 +97,9 @@ def _probe_shapes(flags: Sequence[str] | None) -> dict[str, list[int]] | None:
     return shapes
 
 
-async def _serve(config: ServerConfig) -> int:
+async def _serve(config: ServerConfig) -> tuple[int, bool]:
+    """Serves until a signal (or a failure); the exit code, and whether every thread of
+    the server ended."""
     # The handlers come first: a SIGTERM while the model loads or the server starts is
     # a drain once it serves, never the default action (killed, nothing answered).
     loop = asyncio.get_running_loop()
@@ -115,7 +125,7 @@ async def _serve(config: ServerConfig) -> int:
     await asyncio.wait((asked, stopped), return_when=asyncio.FIRST_COMPLETED)
     asked.cancel()
     await server.stop()
-    return 0 if server.failure is None else 1
+    return (0 if server.failure is None else 1), server.threads_stopped
 
 
 def _parser() -> argparse.ArgumentParser:

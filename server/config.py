@@ -353,6 +353,9 @@ def config_from_mapping(
     settings: dict[str, Any] = dict(server)
     given = {key: value for key, value in (overrides or {}).items() if value is not None}
     _refuse_unknown("overrides", given, _SERVER_KEYS)
+    if isinstance(settings.get("probe_shapes"), Mapping) and "probe_shapes" in given:
+        # Per input: a flag for one input keeps the file's shapes of the others.
+        given["probe_shapes"] = {**settings["probe_shapes"], **given["probe_shapes"]}
     settings.update(given)
     if "lanes" in document:
         settings["lanes"] = _parse_lanes(document["lanes"])

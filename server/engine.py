@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Mapping, Sequence
 
@@ -190,12 +191,13 @@ class Engine:
         self._probe_shapes = self._check_probe_shapes(probe_shapes or {})
         # After an allocation failure the arena keeps what it grew; the next run asks
         # it to shrink back, so a batch that fitted before the failure fits after it.
-        self._shrink = ort.RunOptions()
-        self._shrink.add_run_config_entry(
-            "memory.enable_memory_arena_shrinkage",
-            "gpu:0" if self.providers[0] == CUDA else "cpu:0",
-        )
+        self._arena = "gpu:0" if self.providers[0] == CUDA else "cpu:0"
         self._shrink_next_run = False
+        # The options of the run in progress, so that `terminate_runs` can end it: a
+        # process that exits while the runtime is inside a run aborts (SIGABRT).
+        self._lock = threading.Lock()
+        self._running: ort.RunOptions | None = None
+        self._terminated = False
         log.info(
             "session ready: model=%s providers=%s memory_limit=%s",
             model_path,
@@ -214,7 +216,12 @@ class Engine:
 
     def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
         """One session run over whole arrays; runtime errors come out as LaneserveError."""
-        options = self._shrink if self._shrink_next_run else None
+        options = ort.RunOptions()
+        if self._shrink_next_run:
+            options.add_run_config_entry("memory.enable_memory_arena_shrinkage", self._arena)
+        with self._lock:
+            options.terminate = self._terminated
+            self._running = options
         try:
             values = self._session.run(self.output_names, dict(inputs), options)
         except Exception as error:
@@ -222,6 +229,9 @@ class Engine:
             if isinstance(translated, DeviceMemoryError):
                 self._shrink_next_run = True
             raise translated from error
+        finally:
+            with self._lock:
+                self._running = None
         self._shrink_next_run = False
         rows = len(next(iter(inputs.values())))
         for name, value in zip(self.output_names, values, strict=True):
@@ -234,6 +244,14 @@ class Engine:
                     "requests along the first axis)"
                 )
         return dict(zip(self.output_names, values, strict=True))
+
+    def terminate_runs(self) -> None:
+        """Ends the run in progress, and every later one, with an error (the server stops
+        and has answered their requests already)."""
+        with self._lock:
+            self._terminated = True
+            if self._running is not None:
+                self._running.terminate = True
 
     def run_batch(self, batch: Batch, rows_wanted: RowsWanted | None = None) -> BatchResult:
         """Concatenates the batch's rows and runs them once; out of memory, in halves.
@@ -494,7 +512,8 @@ class _Split:
         self._owner = np.empty(batch.rows, dtype=np.intp)
         for index, piece in enumerate(batch.slices):
             self._owner[piece.offset : piece.offset + piece.rows] = index
-        self._owner_failed: dict[int, LaneserveError] = {}
+        self._owner_failed = np.zeros(len(batch.slices), dtype=bool)
+        self._owner_error: dict[int, LaneserveError] = {}
         # Output name -> `rows` rows, allocated by the first run that succeeds; rows
         # without a valid output stay zero and are listed in `_failed`.
         self.outputs: dict[str, Array] | None = None
@@ -517,12 +536,10 @@ class _Split:
         for them (asked now; the others fail with `not_retried`), and no other row of
         their request has failed (they fail with that row's error, without running)."""
         owners = self._owner[positions]
-        wanted = np.ones(len(positions), dtype=bool)
-        for owner, error in self._owner_failed.items():
-            doomed = owners == owner
-            if doomed.any():
-                self._failed += [(int(position), error) for position in positions[doomed]]
-                wanted &= ~doomed
+        doomed = self._owner_failed[owners]
+        wanted = ~doomed
+        for position, owner in zip(positions[doomed], owners[doomed], strict=True):
+            self._failed.append((int(position), self._owner_error[int(owner)]))
         if self.rows_wanted is not None:
             waited = self.rows_wanted()[positions] | ~wanted
             self.fail(positions[~waited], self.not_retried)
@@ -568,7 +585,9 @@ class _Split:
     def fail(self, positions: IndexArray, error: LaneserveError) -> None:
         self._failed += [(int(position), error) for position in positions]
         for owner in np.unique(self._owner[positions]):
-            self._owner_failed.setdefault(int(owner), error)
+            if not self._owner_failed[owner]:
+                self._owner_failed[owner] = True
+                self._owner_error[int(owner)] = error
 
     def failed_rows(self) -> tuple[FailedRows, ...]:
         """The failed rows as ranges of adjacent rows with the same error, in order."""

@@ -277,13 +277,14 @@ class Scheduler:
         # use then (an allocator's cache, another process) is not freed by refusing, and
         # refusing forever would leave the server idle for good. One request at a time
         # goes in until the reading falls below the low mark.
-        if self.watermark is not None and self._entries and self.watermark.refuses(lane.priority):
+        idle = not self._entries and self._running_until_s is None
+        if self.watermark is not None and not idle and self.watermark.refuses(lane.priority):
             used_bytes = self.watermark.used_bytes or 0
             raise MemoryPressureError(
                 f"device memory in use ({format_bytes(used_bytes)}) is above the high "
                 f"watermark ({format_bytes(self.watermark.high_bytes)}): lane {lane.name!r} "
-                f"admits no new work until it falls below "
-                f"{format_bytes(self.watermark.low_bytes)}",
+                f"admits no new work while other work is queued or running, until it "
+                f"falls below {format_bytes(self.watermark.low_bytes)}",
                 retry_after_s=MEMORY_PRESSURE_RETRY_S,
             )
         if request.rows > lane.config.capacity_rows:
@@ -300,7 +301,10 @@ class Scheduler:
             )
         deadline_s = lane.config.deadline_s(now_s, request.deadline_s)
         finish_s = self._predicted_finish_s(lane, request.rows, request.signature, now_s)
-        if finish_s > deadline_s:
+        # With nothing queued or running the prediction is the run-time model's alone:
+        # the request runs, so that a model that went wrong (a slow outlier, a probe of
+        # other sizes) learns; refusing it would keep the prediction wrong for good.
+        if finish_s > deadline_s and not idle:
             ahead = sum(other.queued_rows for other in self.lanes[: lane.priority + 1])
             raise DeadlineUnmeetableError(
                 f"deadline in {max(deadline_s - now_s, 0) * 1000:.1f} ms cannot be met: "

@@ -169,9 +169,14 @@ class SchedulerThread:
         if outcomes:
             self._deliver(outcomes)
         self._work.put(None)
+        return self.join(join_timeout_s)
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Waits at most `timeout_s` for both threads to end (after `close`); whether
+        they did."""
         for thread in self._threads:
             if thread.is_alive():
-                thread.join(join_timeout_s)
+                thread.join(timeout_s)
         return not any(thread.is_alive() for thread in self._threads)
 
     # ---- the scheduler thread ----------------------------------------------------

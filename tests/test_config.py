@@ -338,3 +338,11 @@ def test_probe_shapes_from_the_file_and_refused_when_not_sizes() -> None:
     for bad in ({"image": "3,224"}, {"image": [3, 0]}, {"image": [3.5]}, [3, 224]):
         with pytest.raises(ConfigError, match=r"server\.probe_shapes: expected a table"):
             config_from_mapping({"server": {"probe_shapes": bad}}, model_path="m")
+
+
+def test_a_probe_shape_flag_keeps_the_files_shapes_of_other_inputs() -> None:
+    document = {"server": {"probe_shapes": {"a": [1, 8, 8], "b": [1, 8, 8]}}}
+    config = config_from_mapping(
+        document, model_path="m", overrides={"probe_shapes": {"a": [1, 16, 16]}}
+    )
+    assert config.probe_shapes == {"a": (1, 16, 16), "b": (1, 8, 8)}

@@ -495,7 +495,13 @@ def test_a_closed_lane_admits_while_nothing_is_queued_or_running() -> None:
         scheduler.admit(_request(2, "standard", 1), clock.monotonic())
     (answer,) = scheduler.complete(_dispatch(scheduler, clock))
     assert answer.error is None
-    scheduler.admit(_request(3, "standard", 1), clock.monotonic())  # idle again
+    entry_id = scheduler.admit(_request(3, "standard", 1), clock.monotonic())  # idle again
+    running = _dispatch(scheduler, clock)
+    scheduler.cancel(entry_id, clock.monotonic())  # its caller left: the batch still runs
+    with pytest.raises(MemoryPressureError, match="while other work is queued or running"):
+        scheduler.admit(_request(4, "bulk", 1), clock.monotonic())
+    scheduler.complete(running)
+    scheduler.admit(_request(5, "bulk", 1), clock.monotonic())
 
 
 class _OutOfMemoryAbove(Engine):

@@ -5,6 +5,7 @@ model fails on."""
 from __future__ import annotations
 
 import asyncio
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,16 @@ from onnx import TensorProto, helper
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import Engine, EngineStartError, LaneServer, ServerConfig
 from laneserve.v1 import inference_pb2 as pb
-from tests.support import RecordingEngine, estimate_once, output, rich_status, serving, until
+from laneserve.v1 import inference_pb2_grpc as pb_grpc
+from tests.support import (
+    RecordingEngine,
+    ServerProcess,
+    estimate_once,
+    output,
+    rich_status,
+    serving,
+    until,
+)
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 
@@ -271,3 +281,84 @@ def test_a_model_whose_dynamic_sizes_cannot_be_1_is_served_with_probe_shapes(
                 np.testing.assert_allclose(output(answer), windows.sum(axis=(-1, -2)), rtol=1e-6)
 
     asyncio.run(scenario())
+
+
+def _loop_model(path: Path) -> Path:
+    """y[N, 4] = x[N, 4], after max(n) products of 256x256 matrices (n[N, 1]): the run
+    takes as long as the input says."""
+    w = onnx.numpy_helper.from_array((np.eye(256) * 0.5).astype(np.float32), "w")
+    body = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["s_in", "w"], ["m"]),
+            helper.make_node("Add", ["m", "w"], ["s_out"]),
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("s_in", TensorProto.FLOAT, [256, 256]),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("s_out", TensorProto.FLOAT, [256, 256]),
+        ],
+    )
+    true = helper.make_tensor("t", TensorProto.BOOL, [], [True])
+    nodes = [
+        helper.make_node("ReduceMax", ["n"], ["n_max"], keepdims=0),
+        helper.make_node("Constant", [], ["true"], value=true),
+        helper.make_node("Loop", ["n_max", "true", "w"], ["s_final"], body=body),
+        helper.make_node("ReduceSum", ["s_final"], ["total"], keepdims=0),
+        helper.make_node("Mul", ["total", "zero"], ["nothing"]),
+        helper.make_node("Add", ["x", "nothing"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "loop",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+            helper.make_tensor_value_info("n", TensorProto.INT64, ["N", 1]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+        initializer=[w, onnx.numpy_helper.from_array(np.array(0.0, np.float32), "zero")],
+    )
+    return _save(path, graph)
+
+
+def test_a_drain_ends_a_run_still_in_the_runtime_and_exits_0(tmp_path: Path) -> None:
+    """A batch running in ONNX Runtime when the drain's grace ran out kept running, and
+    the process aborted on exit (SIGABRT, status -6): the runtime was torn down under
+    it. The run is now ended (RunOptions.terminate) and the process exits 0."""
+    path = _loop_model(tmp_path / "loop.onnx")
+    server = ServerProcess(
+        ["--model", str(path), "--port", "0", "--drain-grace-s", "0.1", "--intra-op-threads", "1"]
+    )
+    try:
+        port = server.port()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            endless = pb.InferRequest(
+                inputs=[
+                    encode_tensor("x", np.ones((1, 4), np.float32)),
+                    encode_tensor("n", np.full((1, 1), 10**8, np.int64)),
+                ]
+            )
+            call = stub.Infer.future(endless, timeout=120)
+
+            def running() -> bool:  # admitted, and no longer queued: in the session
+                stats = stub.GetStats(pb.GetStatsRequest(), timeout=10)
+                return any(lane.admitted == 1 and lane.depth_rows == 0 for lane in stats.lanes)
+
+            polls = 0
+            while not running():  # a state the server reaches; bounded, not timed
+                polls += 1
+                assert polls < 10_000, "the request never reached the session"
+            server.process.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as caught:
+                call.result()
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "it may have run" in (caught.value.details() or "")
+        assert server.process.wait(timeout=60) == 0
+    finally:
+        server.close()

@@ -903,6 +903,28 @@ def test_unmeetable_deadline_is_refused_at_once() -> None:
     assert queued_rows(scheduler, "standard") == 41
 
 
+def test_an_idle_server_runs_what_its_run_time_model_alone_would_refuse() -> None:
+    """Slow outliers had raised the 1-row estimate to ~190 ms: every 1-row request with a
+    50 ms budget was refused DEADLINE_UNMEETABLE, on an idle server, for good (refused
+    requests never run, so the estimate never came back). With nothing queued or running
+    the request runs, and the estimate learns from it; with work ahead it is refused."""
+    scheduler = make_scheduler()
+    for _ in range(10):
+        scheduler.run_time.observe(1, 0.32)
+    assert scheduler.run_time.predict_s(1) > 0.1
+    now_s = T0
+    for index in range(20):
+        scheduler.admit(make_request(index, "interactive", 1, deadline_s=now_s + 0.05), now_s)
+        if index == 0:
+            with pytest.raises(DeadlineUnmeetableError):  # not idle: one is queued
+                scheduler.admit(make_request(99, "interactive", 1, deadline_s=now_s + 0.05), now_s)
+        batch = dispatch(scheduler, now_s, now_s)
+        (answer,) = scheduler.complete(run(batch, run_s=0.001))
+        assert answer.error is None
+        now_s += 0.01
+    assert scheduler.run_time.predict_s(1) < 0.05, "it learnt from the runs"
+
+
 def test_a_lane_with_a_share_is_not_refused_when_its_share_serves_it_in_time() -> None:
     """64 interactive rows are queued (8 batches); a standard row (share 2 of 8) with a
     5 ms deadline goes in the next batch by its share: admitted, and done in time. Every

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import grpc.aio._server as grpc_aio_server
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -390,6 +391,44 @@ def test_work_left_after_the_grace_period_is_answered_unavailable(small_model: P
                 assert result.code() == grpc.StatusCode.UNAVAILABLE
             engine.release()
             await stopping
+
+    asyncio.run(scenario())
+
+
+def test_a_scheduler_that_fails_while_the_server_starts_stops_it(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure before start() had set SERVING was recorded and logged "stopping", but
+    nothing stopped the server: it served SERVING health with every call INTERNAL."""
+    concrete = grpc_aio_server.Server  # grpc.aio.Server is only its abstract base
+    grpc_start = concrete.start
+
+    async def start_once_failed(self: grpc_aio_server.Server) -> None:
+        await until(lambda: server.failure is not None)  # the failure comes mid-start
+        await grpc_start(self)
+
+    monkeypatch.setattr(concrete, "start", start_once_failed)
+
+    server: LaneServer
+
+    async def scenario() -> None:
+        nonlocal server
+        gauge = BreakableGauge()
+        server = LaneServer(
+            RecordingEngine(str(small_model)),
+            config(
+                small_model, host="127.0.0.1", port=0, metrics_port=-1, host_memory_limit="64GiB"
+            ),
+            memory_gauge=gauge,
+            estimate=estimate_once,
+        )
+        gauge.broken.set()  # the scheduler thread's first step fails
+        await server.start()
+        try:
+            await asyncio.wait_for(server.wait_stopped(), timeout=30)
+            assert server.failure is not None
+        finally:
+            await server.stop()
 
     asyncio.run(scenario())
 
