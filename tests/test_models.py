@@ -40,6 +40,17 @@ def _save(path: Path, graph: onnx.GraphProto) -> Path:
     return path
 
 
+def _refused_at_start(path: Path) -> str:
+    """What a server for the model at `path` says when it refuses to start."""
+    with pytest.raises(EngineStartError) as refused:
+        LaneServer(
+            Engine(str(path), device="cpu"),
+            ServerConfig(model_path=str(path)),
+            estimate=estimate_once,
+        )
+    return str(refused.value)
+
+
 def test_a_model_whose_output_rows_do_not_follow_its_input_rows_is_refused(
     tmp_path: Path,
 ) -> None:
@@ -58,13 +69,7 @@ def test_a_model_whose_output_rows_do_not_follow_its_input_rows_is_refused(
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", 2])],
     )
     path = _save(tmp_path / "drops_a_row.onnx", graph)
-    with pytest.raises(EngineStartError) as refused:
-        LaneServer(
-            Engine(str(path), device="cpu"),
-            ServerConfig(model_path=str(path)),
-            estimate=estimate_once,
-        )
-    message = str(refused.value)
+    message = _refused_at_start(path)
     assert "output 'y' has shape [0, 2] for 1 input row(s)" in message
     assert "expected one output row per input row" in message
 
@@ -256,13 +261,7 @@ def test_a_model_whose_dynamic_sizes_cannot_be_1_is_served_with_probe_shapes(
     say why. It now names the shapes it ran and the setting; with probe_shapes it serves
     images of any size the model takes."""
     path = _conv_model(tmp_path / "conv.onnx")
-    with pytest.raises(EngineStartError) as refused:
-        LaneServer(
-            Engine(str(path), device="cpu"),
-            ServerConfig(model_path=str(path)),
-            estimate=estimate_once,
-        )
-    message = str(refused.value)
+    message = _refused_at_start(path)
     assert "zero-filled inputs of shapes {'x': [1, 1, 1, 1]}" in message
     assert "server.probe_shapes (--probe-shape NAME=D1,D2,...)" in message
     with pytest.raises(EngineStartError, match="expected one that fits the model's"):

@@ -414,14 +414,7 @@ def test_a_scheduler_that_fails_while_the_server_starts_stops_it(
     async def scenario() -> None:
         nonlocal server
         gauge = BreakableGauge()
-        server = LaneServer(
-            RecordingEngine(str(small_model)),
-            config(
-                small_model, host="127.0.0.1", port=0, metrics_port=-1, host_memory_limit="64GiB"
-            ),
-            memory_gauge=gauge,
-            estimate=estimate_once,
-        )
+        server = _watermarked_server(small_model, gauge)
         gauge.broken.set()  # the scheduler thread's first step fails
         await server.start()
         try:
@@ -530,20 +523,23 @@ class BreakableGauge:
         return 2**34
 
 
+def _watermarked_server(model: Path, gauge: BreakableGauge) -> LaneServer:
+    """A server whose memory watermark reads `gauge` (on the scheduler thread)."""
+    return LaneServer(
+        RecordingEngine(str(model)),
+        config(model, host="127.0.0.1", port=0, metrics_port=-1, host_memory_limit="64GiB"),
+        memory_gauge=gauge,
+        estimate=estimate_once,
+    )
+
+
 def test_a_failed_scheduler_stops_the_server(small_model: Path) -> None:
     """When the scheduler thread died, every call failed "the server must be restarted"
     while health and GetStats kept saying SERVING and the process never exited."""
 
     async def scenario() -> None:
         gauge = BreakableGauge()
-        server = LaneServer(
-            RecordingEngine(str(small_model)),
-            config(
-                small_model, host="127.0.0.1", port=0, metrics_port=-1, host_memory_limit="64GiB"
-            ),
-            memory_gauge=gauge,
-            estimate=estimate_once,
-        )
+        server = _watermarked_server(small_model, gauge)
         port = await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
