@@ -38,7 +38,12 @@ class SchedulerEvents(Protocol):
         has one queue wait, however many batches carry it)."""
         ...
 
-    def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None: ...
+    def batch_done(
+        self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
+    ) -> None:
+        """A batch ran: `error` when it failed whole, else `failed_rows` of its rows failed
+        (a split batch) and the rest ran."""
+        ...
 
     def completed(self, lane: str, status: str) -> None:
         """An admitted request ended: "OK", the error's reason, or "CANCELLED" (no answer due)."""
@@ -118,7 +123,9 @@ class NullEvents:
     def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
         pass
 
-    def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:
+    def batch_done(
+        self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
+    ) -> None:
         pass
 
     def completed(self, lane: str, status: str) -> None:
@@ -179,8 +186,10 @@ class FanOut:
     def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
         self._each("batch_formed", lambda sink: sink.batch_formed(batch, queue_waits_s))
 
-    def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:
-        self._each("batch_done", lambda sink: sink.batch_done(batch, run_s, error))
+    def batch_done(
+        self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
+    ) -> None:
+        self._each("batch_done", lambda sink: sink.batch_done(batch, run_s, error, failed_rows))
 
     def completed(self, lane: str, status: str) -> None:
         self._each("completed", lambda sink: sink.completed(lane, status))

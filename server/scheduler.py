@@ -780,7 +780,8 @@ class Scheduler:
         error = result.error
         if error is None and result.outputs is None:
             error = result.failed_rows[0].error
-        self.events.batch_done(batch, result.run_s, error)
+        failed = 0 if error is not None else sum(failed.rows for failed in result.failed_rows)
+        self.events.batch_done(batch, result.run_s, error, failed)
         return outcomes
 
     def rows_wanted(self, batch: Batch, now_s: float) -> npt.NDArray[np.bool_]:

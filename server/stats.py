@@ -141,7 +141,7 @@ class StatsRecorder:
         self._lock = threading.Lock()
         self._lanes = {name: _LaneCounters() for name in lane_names}
         self._batch_rows = 0  # rows of every batch run, failed ones too
-        self._rows_run = 0  # rows of the batches that succeeded
+        self._rows_run = 0  # rows that ran and were answered from their outputs
         self._run_s: collections.deque[float] = collections.deque(maxlen=WINDOW_SAMPLES)
         self._batch_reasons: collections.Counter[str] = collections.Counter()
         # Batches run by (dispatch reason, status): OK or the error's reason. The number of
@@ -172,14 +172,16 @@ class StatsRecorder:
                 if wait_s is not None:
                     self._lanes[piece.lane].queue_wait_s.append(wait_s)
 
-    def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:
+    def batch_done(
+        self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
+    ) -> None:
         with self._lock:
             status = "OK" if error is None else error.reason
             self._batch_outcomes[batch.reason.value, status] += 1
             self._batch_rows += batch.rows
             self._batch_sizes.append(batch.rows)
             if error is None:
-                self._rows_run += batch.rows
+                self._rows_run += batch.rows - failed_rows
                 self._run_s.append(run_s)
 
     def completed(self, lane: str, status: str) -> None:

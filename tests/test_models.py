@@ -161,6 +161,7 @@ def test_a_row_the_model_fails_on_fails_its_request_only(tmp_path: Path) -> None
             assert "the model failed on a row of this request" in (failed.details() or "")
         answered = {lane.name: dict(lane.answered) for lane in stats.lanes}
         assert answered["standard"] == {"OK": 4, "ENGINE_FAILURE": 2}
+        assert stats.rows_run == 7 - 2, "the two failed rows did not run to an answer"
 
     asyncio.run(scenario())
 

@@ -168,7 +168,9 @@ class RecordingEvents(NullEvents):
         self.log.append(("batch_formed", batch.batch_id, batch.reason, lanes))
         self.queue_waits_s.append(tuple(queue_waits_s))
 
-    def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:
+    def batch_done(
+        self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
+    ) -> None:
         self.log.append(("batch_done", batch.batch_id, None if error is None else error.reason))
 
     def completed(self, lane: str, status: str) -> None:
@@ -1736,7 +1738,9 @@ class SlowCompletion(NullEvents):
     def __init__(self, clock: ManualClock, seconds: float) -> None:
         self.clock, self.seconds = clock, seconds
 
-    def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:
+    def batch_done(
+        self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
+    ) -> None:
         self.clock.advance(self.seconds)
 
 

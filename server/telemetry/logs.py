@@ -137,7 +137,9 @@ class EventLog:
     def admitted(self, lane: str, rows: int) -> None:
         self._maybe_flush()
 
-    def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:
+    def batch_done(
+        self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
+    ) -> None:
         self._maybe_flush()
 
     def out_of_memory(self, rows: int) -> None:

@@ -265,7 +265,9 @@ class Metrics(NullEvents):
             if wait_s is not None:
                 self._queue_wait.record(wait_s, self._lane(piece.lane))
 
-    def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:
+    def batch_done(
+        self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
+    ) -> None:
         status = "OK" if error is None else error.reason
         self._batch_size.record(batch.rows)
         self._infer.record(run_s, {"status": status})

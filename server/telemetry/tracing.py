@@ -181,7 +181,9 @@ class Tracing:
             },
         )
 
-    def batch_done(self, batch: Batch, run_s: float, error: LaneserveError | None) -> None:
+    def batch_done(
+        self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
+    ) -> None:
         span = self._batches.pop(batch.batch_id, None)
         if span is None:
             return

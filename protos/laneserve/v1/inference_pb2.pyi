@@ -660,6 +660,9 @@ class GetStatsResponse(_message.Message):
     mean_batch_size: _builtins.float
     batch_cap: _builtins.int
     rows_run: _builtins.int
+    """Rows that ran to an answer: rows of batches that failed whole, and rows of a split
+    batch that failed, are not counted.
+    """
     uptime_s: _builtins.float
     state: _builtins.str
     """Server lifecycle: STARTING, SERVING, DRAINING, STOPPED."""
