@@ -20,7 +20,8 @@ Errors (each carries the server's message, ``reason``, ``code`` and ``retry_afte
     │   ├── LaneFullError                retryable
     │   ├── MemoryPressureError          retryable
     │   ├── DeviceMemoryError
-    │   └── AnswerTooLargeError
+    │   ├── AnswerTooLargeError
+    │   └── ServerBusyError              retryable (gRPC's call limit)
     ├── DeadlineExceededError
     │   ├── DeadlineUnmeetableError
     │   └── ExpiredInQueueError
@@ -51,6 +52,7 @@ from laneserve.client._errors import (
     MemoryPressureError,
     RequestIdReusedError,
     ResourceExhaustedError,
+    ServerBusyError,
     ServerDrainingError,
     UnavailableError,
     error_from_rpc,
@@ -95,6 +97,7 @@ __all__ = [
     "RequestIdReusedError",
     "ResourceExhaustedError",
     "RetryPolicy",
+    "ServerBusyError",
     "ServerDrainingError",
     "StreamRequest",
     "StreamResult",

@@ -7,7 +7,8 @@
     │   ├── LaneFullError                RESOURCE_EXHAUSTED    LANE_FULL            retryable
     │   ├── MemoryPressureError          (any)                 MEMORY_PRESSURE      retryable
     │   ├── DeviceMemoryError            (any)                 DEVICE_MEMORY
-    │   └── AnswerTooLargeError          (any)                 ANSWER_TOO_LARGE
+    │   ├── AnswerTooLargeError          (any)                 ANSWER_TOO_LARGE
+    │   └── ServerBusyError              RESOURCE_EXHAUSTED    (gRPC's call limit)  retryable
     ├── DeadlineExceededError            DEADLINE_EXCEEDED     (the caller's own deadline)
     │   ├── DeadlineUnmeetableError      DEADLINE_EXCEEDED     DEADLINE_UNMEETABLE
     │   └── ExpiredInQueueError          DEADLINE_EXCEEDED     EXPIRED_IN_QUEUE
@@ -115,6 +116,13 @@ class ResourceExhaustedError(LaneserveError):
     """The server or gRPC refused for lack of a resource (e.g. the message size limit)."""
 
 
+class ServerBusyError(ResourceExhaustedError):
+    """The server's gRPC refused the call unread: as many calls as it admits at once
+    (its ``max_concurrent_rpcs``) were in progress. The call never ran; retry."""
+
+    retryable = True
+
+
 class LaneFullError(ResourceExhaustedError):
     """The lane holds as many rows as it may; retry after ``retry_after_s``."""
 
@@ -211,6 +219,15 @@ _BARE_CANCELLED = (
     "max_pending_calls; such a call never ran); retryable with the same request_id"
 )
 
+# What gRPC's server says, and nothing more, when it refuses a call over its concurrent
+# call limit (grpc.aio's and the sync server's words alike).
+_GRPC_CALL_LIMIT = "Concurrent RPC limit exceeded!"
+_SERVER_BUSY = (
+    "the server's gRPC refused the call unread: it admits max_concurrent_rpcs calls at once "
+    "and that many were in progress (server setting max_concurrent_rpcs); the call never "
+    "ran; retryable with the same request_id"
+)
+
 # google.rpc.Code numbers (in a Status message) to grpc's enum.
 _CODES_BY_NUMBER: Mapping[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -263,6 +280,8 @@ def error_from_rpc(error: grpc.RpcError, *, request_id: str = "") -> LaneserveEr
     if code is grpc.StatusCode.CANCELLED and details in ("", "CANCELLED"):
         details = _BARE_CANCELLED
     if status is None or status.code != _number(code):
+        if code is grpc.StatusCode.RESOURCE_EXHAUSTED and details == _GRPC_CALL_LIMIT:
+            return ServerBusyError(_SERVER_BUSY, code=code, request_id=request_id)
         status = status_pb2.Status(code=_number(code), message=details)
     return error_from_status(status, request_id=request_id, pushback_ms=pushback)
 

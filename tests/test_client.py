@@ -357,6 +357,29 @@ def test_draining_server_is_server_draining_error(small_model: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_grpcs_own_call_limit_is_a_retryable_server_busy_error(small_model: Path) -> None:
+    """gRPC refuses calls over the server's max_concurrent_rpcs with a bare
+    RESOURCE_EXHAUSTED, like its message size limit: it was not retried, though the call
+    never ran."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model, max_concurrent_rpcs=1)
+        async with client_for(engine, server_config, retry=lc.NO_RETRIES) as (_s, client):
+            engine.hold()
+            running = asyncio.ensure_future(client.infer({"input": rows(1)}))
+            await asyncio.to_thread(engine.entered.acquire)
+            with pytest.raises(lc.ServerBusyError) as caught:
+                await client.infer({"input": rows(1)})
+            engine.release()
+            await running
+        assert caught.value.retryable
+        assert isinstance(caught.value, lc.ResourceExhaustedError)
+        assert "max_concurrent_rpcs" in caught.value.message
+
+    asyncio.run(scenario())
+
+
 def test_model_failure_is_engine_error(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
