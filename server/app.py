@@ -56,8 +56,9 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 CHANNELZ_SERVICE_NAME = channelz_pb2.DESCRIPTOR.services_by_name["Channelz"].full_name
-# After the drain, how long the stop waits for a batch still running (its requests are
-# already answered): a batch longer than that is left to finish as the process exits.
+# After the drain, how long the stop waits for the engine thread once the run in progress
+# was told to end (its requests are already answered): a run the runtime does not end in
+# that time is left behind, and `laneserve serve` exits without it.
 RUNNING_BATCH_WAIT_S = 1.0
 
 

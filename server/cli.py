@@ -84,12 +84,12 @@ def _probe_shapes(flags: Sequence[str] | None) -> dict[str, list[int]] | None:
         return None
     shapes: dict[str, list[int]] = {}
     for flag in flags:
-        name, equals, dims = flag.partition("=")
+        name, _, dims = flag.partition("=")
         try:
             shapes[name] = [int(dim) for dim in dims.split(",")]
-        except ValueError:
-            shapes[name] = []
-        if not name or not equals or not shapes[name]:
+        except ValueError:  # no "=", an empty size, or one that is not a number
+            name = ""
+        if not name:
             raise ConfigError(
                 f"--probe-shape: expected NAME=D1,D2,... (an input and its sizes after the "
                 f"row axis, e.g. image=3,224,224), got {flag!r}"

@@ -472,6 +472,15 @@ def test_a_lane_idle_when_a_batch_is_formed_still_repays_what_it_took_ahead() ->
     assert taken["interactive"] >= batches * (CAP - share_rows) - CAP
 
 
+# Interactive without a share, standard 0.1, bulk 0.05, lanes that never fill: what each
+# lane gets under saturation, whatever the queues hold.
+UNBOUNDED_SHARE_LANES = (
+    LaneConfig("interactive", 10**6, timeout_ms=1000, max_wait_ms=2, min_share=0),
+    LaneConfig("standard", 10**6, timeout_ms=10**4, max_wait_ms=4, min_share=0.1),
+    LaneConfig("bulk", 10**6, timeout_ms=6 * 10**4, max_wait_ms=20, min_share=0.05),
+)
+
+
 def _three_lanes_saturated(
     bulk_rows: int, standard_rows: int, interactive_every: int | None, steps: int = 300
 ) -> Counter[str]:
@@ -479,12 +488,7 @@ def _three_lanes_saturated(
     60+ queued rows, bulk (share 0.05: 4 rows) at 200+, interactive sending a request
     every `interactive_every` batches (None: never), each batch running its predicted
     time."""
-    lanes = (
-        LaneConfig("interactive", capacity_rows=64, timeout_ms=1000, max_wait_ms=2, min_share=0),
-        LaneConfig("standard", capacity_rows=4096, timeout_ms=10_000, max_wait_ms=4, min_share=0.1),
-        LaneConfig("bulk", capacity_rows=4096, timeout_ms=60_000, max_wait_ms=20, min_share=0.05),
-    )
-    scheduler = make_scheduler(lanes, cap=64)
+    scheduler = make_scheduler(UNBOUNDED_SHARE_LANES, cap=64)
     index, now_s = 1000, T0
     taken: Counter[str] = Counter()
     for step in range(steps):
@@ -559,14 +563,7 @@ def test_a_claim_that_pushes_out_a_higher_request_is_paid_by_its_lane() -> None:
     grew without bound (-8 040), and once interactive sent small requests standard got
     nothing for 200 batches. The lane whose claim pushed the request out now owns the
     batch and pays for it, and debt is bounded by a batch."""
-    scheduler = make_scheduler(
-        (
-            LaneConfig("interactive", 10**6, timeout_ms=1000, max_wait_ms=2, min_share=0),
-            LaneConfig("standard", 10**6, timeout_ms=10**4, max_wait_ms=4, min_share=0.1),
-            LaneConfig("bulk", 10**6, timeout_ms=6 * 10**4, max_wait_ms=20, min_share=0.05),
-        ),
-        cap=64,
-    )
+    scheduler = make_scheduler(UNBOUNDED_SHARE_LANES, cap=64)
     index, now_s = 1000, T0
     interactive_ids: list[int] = []
 
