@@ -55,8 +55,9 @@ class Lane:
         self.queued_rows = 0
         self.queued_entries = 0
         # Deficit round robin for min_share: rows this lane is owed (> 0) or has
-        # overdrawn (< 0) ahead of higher lanes. Only the scheduler changes it.
-        self.share_balance_rows = 0
+        # overdrawn (< 0) ahead of higher lanes; fractional, as shares of a batch are.
+        # Only the scheduler changes it.
+        self.share_balance_rows = 0.0
         # Whether the last batch left this lane's share unused because its head (of the
         # batch's shape) did not fit the room left: it then banks up to that head and,
         # once its credit covers it, goes first (see `Scheduler._owed_head`).

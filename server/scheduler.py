@@ -78,6 +78,8 @@ WAIT_UTILIZATION = 0.5
 # then runs no longer than its max_wait (see `_plan`), so its next request does not
 # wait behind a long run of lower lanes.
 ACTIVE_LANE_S = 0.1
+# Decimal places a lane's share balance is kept to (see `_commit`).
+BALANCE_DIGITS = 9
 # Suggested wait before retrying a request refused for memory pressure.
 MEMORY_PRESSURE_RETRY_S = 0.25
 
@@ -101,14 +103,16 @@ class _Plan:
     # The next batch: (entry, rows) in the order they were taken.
     taken: list[tuple[Entry, int]] = dataclasses.field(default_factory=list)
     # Per lane priority served in pass 1: (allowance, rows taken against it).
-    share_used: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    share_used: dict[int, tuple[float, int]] = dataclasses.field(default_factory=dict)
     # Lanes with a share and credit whose head (of the batch's shape) did not fit the room
     # left (see `_owed_head`).
     room_blocked: set[int] = dataclasses.field(default_factory=set)
     # Per blocked lane (by shape or room), the credit it banks up to (see `_plan`).
-    bank_to: dict[int, int] = dataclasses.field(default_factory=dict)
+    bank_to: dict[int, float] = dataclasses.field(default_factory=dict)
     # The most rows this batch may hold: the cap, or less where a higher lane is active.
     limit_rows: int = 0
+    # The lane whose banked credit covered its head, which goes first (see `_owed_head`).
+    owed_priority: int | None = None
 
 
 class _Filling:
@@ -122,7 +126,7 @@ class _Filling:
         self.taken: dict[int, tuple[Entry, int]] = {}
         self.present: set[int] = set()  # priorities of the lanes with rows in the batch
 
-    def fill(self, lane: Lane, allowance: int) -> tuple[int, int]:
+    def fill(self, lane: Lane, allowance: float) -> tuple[int, int]:
         """Takes `lane`'s entries in FIFO order up to `allowance` rows (the one crossing
         it whole) while they fit; an entry of another shape ends the turn, and so does
         one that does not fit (only entries larger than the cap are split). Returns the
@@ -139,7 +143,7 @@ class _Filling:
             if entry.request.signature != self.signature:
                 break
             if entry.request.rows > self.batch_cap and self.room > 0:
-                rows = min(left, self.room, allowance - used)
+                rows = min(left, self.room, math.ceil(allowance - used))
             elif left <= self.room:
                 rows = left
             else:
@@ -324,7 +328,7 @@ class Scheduler:
         start_s = now_s if self._running_until_s is None else max(now_s, self._running_until_s)
         total = rows  # rows in `lane` and above, this request's included
         first_lower = 0  # what lower lanes' shares may take ahead in the next batch
-        shares = 0  # what they take in each batch after
+        shares = 0.0  # what they take in each batch after (fractions of a row)
         for other in self.lanes:  # one pass: this runs for every admission
             if other.priority <= lane.priority:
                 total += other.queued_rows
@@ -337,26 +341,27 @@ class Scheduler:
                     # crossing it), when that head could join this request's batch.
                     head = next(iter(other))
                     if head.request.signature == signature:
-                        first_lower += min(cap, max(allowance, head.queued_rows))
+                        first_lower += min(cap, max(math.ceil(allowance), head.queued_rows))
         if total + first_lower <= cap:
             finish_s = start_s + self.run_time.predict_s(total + first_lower)
         else:
             later = total - max(0, cap - first_lower)  # rows left after the next batch
-            full, rest = divmod(later, max(1, cap - shares))
-            finish_s = start_s + (1 + full) * self.run_time.predict_s(cap)
+            full, rest = divmod(later, max(1.0, cap - shares))
+            finish_s = start_s + (1 + int(full)) * self.run_time.predict_s(cap)
             if rest:
-                finish_s += self.run_time.predict_s(min(cap, rest + shares))
+                finish_s += self.run_time.predict_s(min(cap, math.ceil(rest + shares)))
         share = self._share_rows(lane)
         if share > 0:
-            # Its share reaches the request in the first batch whose allowance covers the
+            # Its share reaches the request in the first batch whose allowance exceeds the
             # rows queued ahead of it in the lane (what it owes first counts as ahead); the
             # request then goes whole, as the allowance's crossing request.
             ahead = lane.queued_rows - lane.share_balance_rows
-            # A request larger than the cap is not taken whole: its share moves it on
-            # by `share` rows a batch.
-            own = rows if rows > cap else 1
-            own_batches = max(1, math.ceil((ahead + own) / share))
-            finish_s = min(finish_s, start_s + own_batches * self.run_time.predict_s(cap))
+            if rows > cap:
+                # Not taken whole: its share moves it on by `share` rows a batch.
+                own_batches = math.ceil((ahead + rows) / share)
+            else:
+                own_batches = math.floor(ahead / share) + 1
+            finish_s = min(finish_s, start_s + max(1, own_batches) * self.run_time.predict_s(cap))
         return finish_s
 
     def cancel(self, entry_id: int, now_s: float, *, unless_running: bool = False) -> bool:
@@ -499,6 +504,7 @@ class Scheduler:
             return plan
         owed = self._owed_head(top)
         first = owed or top
+        plan.owed_priority = None if owed is None else owed.priority
         if owed is not None and owed.request.signature == top.request.signature:
             # Owed for want of room: the batch is sized for the highest work as usual,
             # and holds the owed head whole.
@@ -624,10 +630,11 @@ class Scheduler:
     def _share_take_rows(self, lane: Lane, signature: Signature) -> int:
         """The rows pass 1 is expected to give `lane` for its share in a batch of
         `signature`: its share (credit it banked does not lift an active lane's limit: a
-        lane owed more goes first, `_owed_head`), or its head request whole when that
-        crosses it by less than one more share (a larger request is not counted: one
-        would raise the limit to the cap); none when it is in debt or its head has
-        another shape (it cannot join)."""
+        lane owed more goes first, `_owed_head`) rounded up to whole rows (pass 1 takes
+        the row that crosses it), or its head request whole when that crosses it by less
+        than one more share (a larger request is not counted: one would raise the limit
+        to the cap); none when it is in debt or its head has another shape (it cannot
+        join)."""
         if lane.config.min_share == 0 or lane.queued_rows == 0:
             return 0
         allowance = self._allowance(lane)
@@ -637,17 +644,23 @@ class Scheduler:
         share = self._share_rows(lane)
         take = min(allowance, share)
         head_rows = head.queued_rows
-        return head_rows if take < head_rows <= take + share else take
+        return head_rows if take < head_rows <= take + share else math.ceil(take)
 
-    def _bank_target(self, lane: Lane, head_rows: int) -> int:
-        return min(head_rows, self.batch_cap) + self._share_rows(lane) - 1
+    def _bank_target(self, lane: Lane, head_rows: int) -> float:
+        """Credit a blocked lane banks up to: its head (at most a batch) and the share
+        that may cross it (its balance is below the head before a batch's share comes
+        in, so it never exceeds this: none is lost)."""
+        return min(head_rows, self.batch_cap) + self._share_rows(lane)
 
-    def _allowance(self, lane: Lane) -> int:
+    def _allowance(self, lane: Lane) -> float:
         """Rows `lane` may take in pass 1 of the next batch: its share and its balance."""
         return self._share_rows(lane) + lane.share_balance_rows
 
-    def _share_rows(self, lane: Lane) -> int:
-        return math.ceil(lane.config.min_share * self.batch_cap)
+    def _share_rows(self, lane: Lane) -> float:
+        """The lane's share of one batch, in rows, unrounded: a share under one row (a
+        small cap) is one row every few batches, not one in each. Rounded up per batch,
+        the default shares took every row at a cap of 2 (interactive starved)."""
+        return lane.config.min_share * self.batch_cap
 
     def _commit(self, plan: _Plan, reason: DispatchReason, now_s: float) -> Batch:
         self._observe_utilization(now_s)
@@ -662,10 +675,17 @@ class Scheduler:
                 banked = max(self._share_rows(lane), plan.bank_to.get(lane.priority, 0))
                 if used == 0:
                     banked = max(banked, lane.share_balance_rows)
-                # Debt is bounded by a batch: a lane charged for a batch it owned (or
-                # more, while in debt) is never shut out for longer than a batch's worth
-                # of its shares.
-                lane.share_balance_rows = max(min(allowance - used, banked), -self.batch_cap)
+                if lane.priority == plan.owed_priority:
+                    # What its credit held beyond the head it ran (less than a share,
+                    # with this batch's share under two) is kept: a share that does not
+                    # divide the head evenly lost the overshoot every time.
+                    banked = max(banked, min(allowance - used, 2 * self._share_rows(lane)))
+                # Rounded so that sums of fractional shares do not drift below a whole
+                # request (ten shares of 0.1 must cover a row). Debt is bounded by a
+                # batch: a lane charged for a batch it owned (or more, while in debt) is
+                # never shut out for longer than a batch's worth of its shares.
+                balance = round(min(allowance - used, banked), BALANCE_DIGITS)
+                lane.share_balance_rows = max(balance, -self.batch_cap)
             else:
                 # An idle lane banks nothing, but still owes what it took ahead of higher
                 # lanes: a lane whose next request always came after the next batch was
