@@ -254,6 +254,7 @@ class Scheduler:
         )
         lane.push(entry)
         lane.last_admit_s = now_s
+        lane.arrivals.add(request.rows, now_s)
         if self._last_admit_s is not None:
             gap_s = now_s - self._last_admit_s
             self._arrival_gap_s = (
@@ -320,12 +321,32 @@ class Scheduler:
         self, lane: Lane, rows: int, signature: Signature, now_s: float
     ) -> float:
         """When `rows` rows admitted to `lane` now are expected to be done: after the
-        batch running now, the rows queued in `lane` and above, the rows lower lanes'
-        shares put ahead (a whole request of theirs in the next batch, their shares in
-        each after) and its own. A lane with a share is reached by it in every batch,
-        whatever is queued above: the earlier of the two."""
-        cap = self.batch_cap
+        batch running now, the rows queued in `lane` and above (and those still arriving
+        above), the rows lower lanes' shares put ahead (a whole request of theirs in the
+        next batch, their shares in each after) and its own. A lane with a share is
+        reached by it in every batch, whatever is queued above: the earlier of the two."""
         start_s = now_s if self._running_until_s is None else max(now_s, self._running_until_s)
+        # Batches hold what the limit of the work they serve allows: an active higher
+        # lane keeps them small. The smallest limit among the heads of this lane and the
+        # lanes above (and this request's own) is the rate the queue drains at.
+        batch_rows = self._batch_limit(now_s, lane.priority, signature, rows)
+        for other in self.lanes[: lane.priority + 1]:
+            head = next(iter(other), None)
+            if head is not None:
+                batch_rows = min(batch_rows, self._limit_rows(now_s, head))
+        finish_s = start_s + self._queue_drain_s(lane, rows, signature, batch_rows, now_s)
+        if lane.config.min_share > 0:
+            own_batches = self._share_batches(lane, rows, signature, batch_rows)
+            batch_s = self.run_time.predict_s(max(batch_rows, min(rows, self.batch_cap)))
+            finish_s = min(finish_s, start_s + own_batches * batch_s)
+        return finish_s
+
+    def _queue_drain_s(
+        self, lane: Lane, rows: int, signature: Signature, batch_rows: int, now_s: float
+    ) -> float:
+        """Seconds until `rows` more rows in `lane` are served top-down in batches of
+        `batch_rows`: the rows queued in it and above, those arriving above meanwhile,
+        and what lower lanes' shares take from each batch."""
         total = rows  # rows in `lane` and above, this request's included
         first_lower = 0  # what lower lanes' shares may take ahead in the next batch
         shares = 0.0  # what they take in each batch after (fractions of a row)
@@ -341,28 +362,46 @@ class Scheduler:
                     # crossing it), when that head could join this request's batch.
                     head = next(iter(other))
                     if head.request.signature == signature:
-                        first_lower += min(cap, max(math.ceil(allowance), head.queued_rows))
-        if total + first_lower <= cap:
-            finish_s = start_s + self.run_time.predict_s(total + first_lower)
+                        first_lower += min(
+                            self.batch_cap, max(math.ceil(allowance), head.queued_rows)
+                        )
+        if total + first_lower <= batch_rows:
+            drain_s = self.run_time.predict_s(total + first_lower)
         else:
-            later = total - max(0, cap - first_lower)  # rows left after the next batch
-            full, rest = divmod(later, max(1.0, cap - shares))
-            finish_s = start_s + (1 + int(full)) * self.run_time.predict_s(cap)
+            later = total - max(0, batch_rows - first_lower)  # rows left after the next batch
+            full, rest = divmod(later, max(1.0, batch_rows - shares))
+            drain_s = (1 + int(full)) * self.run_time.predict_s(batch_rows)
             if rest:
-                finish_s += self.run_time.predict_s(min(cap, math.ceil(rest + shares)))
+                drain_s += self.run_time.predict_s(min(batch_rows, math.ceil(rest + shares)))
+        # Work still arriving in higher lanes goes ahead too: at a rate `arriving` against
+        # a service rate `serving`, draining what is queued takes 1 / (1 - load) as long
+        # (for ever at a load of 1: a saturated higher lane leaves only the share below).
+        arriving = sum(above.arrivals.rows_per_s(now_s) for above in self.lanes[: lane.priority])
+        if arriving > 0:
+            serving = max(batch_rows - shares, 1.0) / self.run_time.predict_s(batch_rows)
+            load = arriving / serving
+            drain_s = drain_s / (1 - load) if load < 1 else math.inf
+        return drain_s
+
+    def _share_batches(self, lane: Lane, rows: int, signature: Signature, batch_rows: int) -> int:
+        """Batches until `lane`'s share reaches `rows` more rows in it: the first whose
+        allowance exceeds the rows queued ahead of them (what the lane owes counts as
+        ahead); the request then goes whole, as the allowance's crossing request."""
         share = self._share_rows(lane)
-        if share > 0:
-            # Its share reaches the request in the first batch whose allowance exceeds the
-            # rows queued ahead of it in the lane (what it owes first counts as ahead); the
-            # request then goes whole, as the allowance's crossing request.
-            ahead = lane.queued_rows - lane.share_balance_rows
-            if rows > cap:
-                # Not taken whole: its share moves it on by `share` rows a batch.
-                own_batches = math.ceil((ahead + rows) / share)
-            else:
-                own_batches = math.floor(ahead / share) + 1
-            finish_s = min(finish_s, start_s + max(1, own_batches) * self.run_time.predict_s(cap))
-        return finish_s
+        ahead = lane.queued_rows - lane.share_balance_rows
+        claims_above = sum(
+            self._share_take_rows(above, signature) for above in self.lanes[: lane.priority]
+        )
+        if rows > self.batch_cap:
+            # Not taken whole: its share moves it on by `share` rows a batch.
+            batches = math.ceil((ahead + rows) / share)
+        elif rows > batch_rows - claims_above:
+            # No room for it beside the higher lanes' work: its lane banks its share
+            # until that covers it, and it goes first in the batch after.
+            batches = math.ceil((ahead + rows) / share) + 1
+        else:
+            batches = math.floor(ahead / share) + 1
+        return max(1, batches)
 
     def cancel(self, entry_id: int, now_s: float, *, unless_running: bool = False) -> bool:
         """The client went away: its queued rows are freed now and no answer is due.
@@ -601,6 +640,11 @@ class Scheduler:
         return None
 
     def _limit_rows(self, now_s: float, first: Entry) -> int:
+        return self._batch_limit(now_s, first.priority, first.request.signature, first.queued_rows)
+
+    def _batch_limit(
+        self, now_s: float, priority: int, signature: Signature, head_rows: int
+    ) -> int:
         """The batch cap, or the rows expected to run within the max_wait of the highest
         active lane above `first`'s (the highest queued work), never below what pass 1
         claims: `first` (or its lane's share, if larger) and the minimum shares of the
@@ -608,17 +652,15 @@ class Scheduler:
         of `first`'s rows, not out of them (else a head as large as the limit never fits
         once a lower lane took its share, and the lower lanes fill every batch: a
         priority inversion)."""
-        for lane in self.lanes[: first.priority]:
+        for lane in self.lanes[:priority]:
             if lane.last_admit_s is not None and now_s - lane.last_admit_s < ACTIVE_LANE_S:
-                signature = first.request.signature
-                own = self._share_take_rows(self.lanes[first.priority], signature)
+                own = self._share_take_rows(self.lanes[priority], signature)
                 shares = sum(
-                    self._share_take_rows(below, signature)
-                    for below in self.lanes[first.priority + 1 :]
+                    self._share_take_rows(below, signature) for below in self.lanes[priority + 1 :]
                 )
                 return max(
                     self._rows_within_wait(lane),
-                    min(max(first.queued_rows, own) + shares, self.batch_cap),
+                    min(max(head_rows, own) + shares, self.batch_cap),
                 )
         return self.batch_cap
 

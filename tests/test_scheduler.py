@@ -41,7 +41,7 @@ from laneserve.server.items import (
     Outcome,
     RowsWanted,
 )
-from laneserve.server.lanes import Entry, Lane
+from laneserve.server.lanes import ArrivalRate, Entry, Lane
 from laneserve.server.scheduler import ACTIVE_LANE_S, Dispatch, Scheduler, WaitUntil
 from laneserve.server.scheduler_thread import SchedulerThread
 
@@ -1034,6 +1034,74 @@ def test_admission_predicts_a_share_smaller_than_a_row() -> None:
         if 502 in tokens(scheduler.complete(run(batch, run_s=batch_s))):
             ran_in = number
     assert ran_in == 10
+
+
+def test_admission_counts_the_smaller_batches_an_active_higher_lane_allows() -> None:
+    """Interactive is active (it admitted a request within ACTIVE_LANE_S), so batches of
+    standard rows hold what runs within its max_wait: 22 rows, not 64. 60 standard rows
+    and a new one drain in three batches (22, 22, 17 rows), 5.76 ms; admission counted
+    one 61-row batch (3.9 ms) and admitted deadlines it then missed."""
+    scheduler = make_scheduler(TOP_DOWN_LANES, cap=64)
+    scheduler.admit(make_request(0, "interactive", 1), T0)
+    scheduler.complete(run(dispatch(scheduler, T0, math.inf)))
+    now_s = T0 + 0.001
+    for index in range(1, 61):
+        scheduler.admit(make_request(index, "standard", 1), now_s)
+    within = scheduler.run_time.rows_within_s(INTERACTIVE.max_wait_ms / 1000, 64)
+    assert within == 22
+    drain_s = 2 * scheduler.run_time.predict_s(22) + scheduler.run_time.predict_s(17)
+    with pytest.raises(DeadlineUnmeetableError):
+        scheduler.admit(make_request(100, "standard", 1, deadline_s=now_s + 0.99 * drain_s), now_s)
+    deadline_s = now_s + 1.01 * drain_s
+    scheduler.admit(make_request(101, "standard", 1, deadline_s=deadline_s), now_s)
+    done_s = None
+    while done_s is None:
+        batch = dispatch(scheduler, now_s, math.inf)
+        now_s += scheduler.run_time.predict_s(batch.rows)
+        if 101 in tokens(scheduler.complete(run(batch))):
+            done_s = now_s
+    assert done_s <= deadline_s
+
+
+def test_admission_counts_work_still_arriving_in_higher_lanes() -> None:
+    """Interactive and standard are saturated (topped up before every batch): a 60-row
+    bulk request waits for its share (0.05 of 64 rows a batch) to cover it, 20 batches,
+    80 ms. Admission counted only the rows queued above it, as if no more would come:
+    it predicted 30 ms and admitted a 50 ms deadline that then expired in the queue.
+    Work arriving above at nearly the service rate leaves the share as the bound."""
+    scheduler = make_scheduler(UNBOUNDED_SHARE_LANES, cap=64)
+    index, now_s = 1000, T0
+
+    def step() -> list[object]:
+        nonlocal index, now_s
+        for lane in ("interactive", "standard"):
+            while queued_rows(scheduler, lane) < 200:
+                scheduler.admit(make_request(index, lane, 1), now_s)
+                index += 1
+        batch = dispatch(scheduler, now_s, math.inf)
+        run_s = scheduler.run_time.predict_s(batch.rows)
+        now_s += run_s
+        return tokens(scheduler.complete(run(batch, run_s=run_s)))
+
+    for _ in range(100):  # ~0.4 s: the arrival rates settle
+        step()
+    with pytest.raises(DeadlineUnmeetableError):
+        scheduler.admit(make_request(1, "bulk", 60, deadline_s=now_s + 0.050), now_s)
+    deadline_s = now_s + 0.100
+    scheduler.admit(make_request(2, "bulk", 60, deadline_s=deadline_s), now_s)
+    while 2 not in step():
+        pass
+    assert now_s <= deadline_s
+
+
+def test_a_lanes_arrival_rate_follows_its_load() -> None:
+    rate = ArrivalRate(tau_s=0.25)
+    assert rate.rows_per_s(T0) == 0.0
+    for number in range(2_000):  # 4 rows every ms for 2 s
+        rate.add(4, T0 + number / 1000)
+    end_s = T0 + 1.999
+    assert rate.rows_per_s(end_s) == pytest.approx(4_000, rel=0.01)
+    assert rate.rows_per_s(end_s + 2.0) < 4_000 * 0.001  # quiet for 8 tau
 
 
 def test_admission_counts_the_running_batch_and_a_lower_lanes_whole_request() -> None:
