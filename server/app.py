@@ -287,6 +287,7 @@ class LaneServer:
             run_time=RunTimeModel(self.probe.run_s),
             events=self.events,
             watermark=watermark,
+            run_time_signature=engine.probe_signature,
         )
         self._health = _HealthServicer()
         self._thread: SchedulerThread | None = None

@@ -8,8 +8,11 @@ refuse a request whose deadline cannot be met).
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 from collections.abc import Mapping
+
+from laneserve.server.items import Signature
 
 # Weight of the newest observation in a size's moving average.
 _EWMA_ALPHA = 0.2
@@ -19,6 +22,9 @@ _EWMA_ALPHA = 0.2
 # unmeetable; refused requests never run, so the estimate never came back. A sustained
 # change still moves it by up to 1.6x per run.
 _OUTLIER_RATIO = 4.0
+# Signatures whose models are kept (least recently used dropped): inputs with dynamic
+# sizes may come in any number of shapes.
+MAX_SIGNATURES = 256
 
 
 class RunTimeModel:
@@ -33,7 +39,7 @@ class RunTimeModel:
         self._sizes = sorted(measured_s)
         self._seconds = [float(measured_s[rows]) for rows in self._sizes]
 
-    def predict_s(self, rows: int) -> float:
+    def predict_s(self, rows: float) -> float:
         """Seconds one batch of `rows` rows is expected to run."""
         if rows <= 0:
             return 0.0
@@ -84,3 +90,43 @@ class RunTimeModel:
 
     def snapshot(self) -> dict[int, float]:
         return dict(zip(self._sizes, self._seconds, strict=True))
+
+    def scaled(self, row_ratio: float) -> RunTimeModel:
+        """A model for rows `row_ratio` times as large: n of them are predicted to run as
+        long as n * row_ratio rows of this model (the run time of a batch follows the
+        elements it holds), at this model's sizes and at those its sizes map to."""
+        sizes = {*self._sizes, *(max(1, round(rows / row_ratio)) for rows in self._sizes)}
+        return RunTimeModel({rows: self.predict_s(rows * row_ratio) for rows in sizes})
+
+
+def elements_per_row(signature: Signature) -> int:
+    """Values one row holds across the inputs (each input's shape after the row axis)."""
+    return max(1, sum(math.prod(shape) for shape in signature))
+
+
+class RunTimeModels:
+    """A run-time model per input signature: batches of other shapes (a model with
+    dynamic sizes, such as sequence lengths) run for other times. The probe's signature
+    has the probe's model; another starts from it scaled by the elements of a row, and
+    learns from its own runs. With no probe signature every signature shares one model.
+
+    Not thread-safe: owned by the scheduler (its lock).
+    """
+
+    def __init__(self, base: RunTimeModel, base_signature: Signature | None) -> None:
+        self.base = base
+        self._base_signature = base_signature
+        self._others: collections.OrderedDict[Signature, RunTimeModel] = collections.OrderedDict()
+
+    def get(self, signature: Signature) -> RunTimeModel:
+        if self._base_signature is None or signature == self._base_signature or not signature:
+            return self.base
+        model = self._others.get(signature)
+        if model is not None:
+            self._others.move_to_end(signature)
+            return model
+        ratio = elements_per_row(signature) / elements_per_row(self._base_signature)
+        model = self._others[signature] = self.base.scaled(ratio)
+        if len(self._others) > MAX_SIGNATURES:
+            self._others.popitem(last=False)
+        return model

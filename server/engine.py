@@ -33,6 +33,7 @@ from laneserve.server.items import (
     FailedRows,
     OutOfMemoryRun,
     RowsWanted,
+    Signature,
 )
 from laneserve.server.memory import (
     MemoryEstimate,
@@ -383,6 +384,11 @@ class Engine:
                 )
             checked[name] = shape
         return checked
+
+    @property
+    def probe_signature(self) -> Signature:
+        """The batching signature of `example_inputs` (the rows the probe timed)."""
+        return tuple(self._probe_shapes[spec.name] for spec in self.inputs)
 
     def example_inputs(self, rows: int) -> dict[str, Array]:
         """Zero-filled inputs of `rows` rows, of the shapes in `probe_shapes` (dynamic

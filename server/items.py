@@ -74,6 +74,8 @@ class Batch:
     # Per model input, the row blocks to concatenate, in slice order. Concatenation is
     # left to the engine thread so the scheduler thread stays responsive.
     parts: Mapping[str, tuple[Array, ...]] = dataclasses.field(repr=False)
+    # The shapes of its rows after the row axis, one per input (empty: not known).
+    signature: Signature = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from laneserve.server.config import LaneConfig
-from laneserve.server.cost_model import RunTimeModel
+from laneserve.server.cost_model import RunTimeModel, RunTimeModels
 from laneserve.server.errors import (
     DeadlineUnmeetableError,
     DrainingError,
@@ -191,7 +191,11 @@ class Scheduler:
         run_time: RunTimeModel,
         events: SchedulerEvents | None = None,
         watermark: Watermark | None = None,
+        run_time_signature: Signature | None = None,
     ) -> None:
+        """`run_time` is measured on rows of `run_time_signature` (the probe's); batches
+        of other signatures get models of their own (see `RunTimeModels`; None: one model
+        for all)."""
         assert batch_cap >= 1
         self.lanes = [Lane(config, priority) for priority, config in enumerate(lanes)]
         self._by_name = {lane.name: lane for lane in self.lanes}
@@ -216,6 +220,7 @@ class Scheduler:
         # When the batch running now is predicted to end (None: none runs).
         self._running_until_s: float | None = None
         self.run_time = run_time
+        self._run_times = RunTimeModels(run_time, run_time_signature)
         self.events = events or NullEvents()
         self.accepting = True
         # Live entries: admitted and not yet answered (queued or in a running batch).
@@ -302,7 +307,10 @@ class Scheduler:
             raise LaneFullError(
                 f"lane {lane.name!r} is full: {lane.queued_rows} of "
                 f"{lane.config.capacity_rows} rows queued, request has {request.rows}",
-                retry_after_s=max(self.run_time.drain_s(excess, self.batch_cap), 0.001),
+                retry_after_s=max(
+                    self._run_times.get(request.signature).drain_s(excess, self.batch_cap),
+                    0.001,
+                ),
             )
         deadline_s = lane.config.deadline_s(now_s, request.deadline_s)
         finish_s = self._predicted_finish_s(lane, request.rows, request.signature, now_s)
@@ -337,7 +345,8 @@ class Scheduler:
         finish_s = start_s + self._queue_drain_s(lane, rows, signature, batch_rows, now_s)
         if lane.config.min_share > 0:
             own_batches = self._share_batches(lane, rows, signature, batch_rows)
-            batch_s = self.run_time.predict_s(max(batch_rows, min(rows, self.batch_cap)))
+            run_time = self._run_times.get(signature)
+            batch_s = run_time.predict_s(max(batch_rows, min(rows, self.batch_cap)))
             finish_s = min(finish_s, start_s + own_batches * batch_s)
         return finish_s
 
@@ -347,6 +356,7 @@ class Scheduler:
         """Seconds until `rows` more rows in `lane` are served top-down in batches of
         `batch_rows`: the rows queued in it and above, those arriving above meanwhile,
         and what lower lanes' shares take from each batch."""
+        run_time = self._run_times.get(signature)
         total = rows  # rows in `lane` and above, this request's included
         first_lower = 0  # what lower lanes' shares may take ahead in the next batch
         shares = 0.0  # what they take in each batch after (fractions of a row)
@@ -366,19 +376,19 @@ class Scheduler:
                             self.batch_cap, max(math.ceil(allowance), head.queued_rows)
                         )
         if total + first_lower <= batch_rows:
-            drain_s = self.run_time.predict_s(total + first_lower)
+            drain_s = run_time.predict_s(total + first_lower)
         else:
             later = total - max(0, batch_rows - first_lower)  # rows left after the next batch
             full, rest = divmod(later, max(1.0, batch_rows - shares))
-            drain_s = (1 + int(full)) * self.run_time.predict_s(batch_rows)
+            drain_s = (1 + int(full)) * run_time.predict_s(batch_rows)
             if rest:
-                drain_s += self.run_time.predict_s(min(batch_rows, math.ceil(rest + shares)))
+                drain_s += run_time.predict_s(min(batch_rows, math.ceil(rest + shares)))
         # Work still arriving in higher lanes goes ahead too: at a rate `arriving` against
         # a service rate `serving`, draining what is queued takes 1 / (1 - load) as long
         # (for ever at a load of 1: a saturated higher lane leaves only the share below).
         arriving = sum(above.arrivals.rows_per_s(now_s) for above in self.lanes[: lane.priority])
         if arriving > 0:
-            serving = max(batch_rows - shares, 1.0) / self.run_time.predict_s(batch_rows)
+            serving = max(batch_rows - shares, 1.0) / run_time.predict_s(batch_rows)
             load = arriving / serving
             drain_s = drain_s / (1 - load) if load < 1 else math.inf
         return drain_s
@@ -482,7 +492,7 @@ class Scheduler:
             reason = DispatchReason.BACKLOG
         else:
             wait_until_s = min(entry.dispatch_by_s for entry, _ in plan.taken)
-            run_s = self.run_time.predict_s(rows)
+            run_s = self._run_times.get(plan.taken[0][0].request.signature).predict_s(rows)
             latest_start_s = min(entry.deadline_s for entry, _ in plan.taken) - run_s
             if now_s >= latest_start_s:
                 reason = DispatchReason.DEADLINE
@@ -619,7 +629,7 @@ class Scheduler:
             if not lead_seen and lane.priority in batch.present:
                 lead_seen = True  # the batch's highest lane: budget the lanes below it
                 rows = plan.limit_rows - batch.room
-                budget_rows = max(rows, self._rows_within_wait(lane))
+                budget_rows = max(rows, self._rows_within_wait(lane, batch.signature))
                 batch.room = min(batch.room, budget_rows - rows)
 
     def _owed_head(self, top: Entry) -> Entry | None:
@@ -645,13 +655,14 @@ class Scheduler:
     def _batch_limit(
         self, now_s: float, priority: int, signature: Signature, head_rows: int
     ) -> int:
-        """The batch cap, or the rows expected to run within the max_wait of the highest
-        active lane above `first`'s (the highest queued work), never below what pass 1
-        claims: `first` (or its lane's share, if larger) and the minimum shares of the
-        lanes below it. Those shares are claims ahead of higher lanes, so they come on top
-        of `first`'s rows, not out of them (else a head as large as the limit never fits
-        once a lower lane took its share, and the lower lanes fill every batch: a
-        priority inversion)."""
+        """The most rows of a batch whose first work (the highest queued) is a head of
+        `head_rows` rows of `signature` in lane `priority`: the batch cap, or the rows
+        expected to run within the max_wait of the highest active lane above it, never
+        below what pass 1 claims: the head (or its lane's share, if larger) and the
+        minimum shares of the lanes below it. Those shares are claims ahead of higher
+        lanes, so they come on top of the head's rows, not out of them (else a head as
+        large as the limit never fits once a lower lane took its share, and the lower
+        lanes fill every batch: a priority inversion)."""
         for lane in self.lanes[:priority]:
             if lane.last_admit_s is not None and now_s - lane.last_admit_s < ACTIVE_LANE_S:
                 own = self._share_take_rows(self.lanes[priority], signature)
@@ -659,15 +670,15 @@ class Scheduler:
                     self._share_take_rows(below, signature) for below in self.lanes[priority + 1 :]
                 )
                 return max(
-                    self._rows_within_wait(lane),
+                    self._rows_within_wait(lane, signature),
                     min(max(head_rows, own) + shares, self.batch_cap),
                 )
         return self.batch_cap
 
-    def _rows_within_wait(self, lane: Lane) -> int:
+    def _rows_within_wait(self, lane: Lane, signature: Signature) -> int:
         """Rows expected to run within `lane`'s max_wait: how much lower lanes' work may
         keep it waiting (in its batch, or ahead of its next request)."""
-        return self.run_time.rows_within_s(lane.max_wait_s, self.batch_cap)
+        return self._run_times.get(signature).rows_within_s(lane.max_wait_s, self.batch_cap)
 
     def _share_take_rows(self, lane: Lane, signature: Signature) -> int:
         """The rows pass 1 is expected to give `lane` for its share in a batch of
@@ -764,8 +775,9 @@ class Scheduler:
             reason=reason,
             formed_s=now_s,
             parts=parts,
+            signature=taken[0][0].request.signature,
         )
-        self._running_until_s = now_s + self.run_time.predict_s(batch.rows)
+        self._running_until_s = now_s + self._run_times.get(batch.signature).predict_s(batch.rows)
         self.events.batch_formed(
             batch,
             [
@@ -797,7 +809,7 @@ class Scheduler:
         self._running_until_s = None
         self._last_run_s += result.run_s
         if result.error is None and not result.split:
-            self.run_time.observe(batch.rows, result.run_s)
+            self._run_times.get(batch.signature).observe(batch.rows, result.run_s)
         self._adapt_cap(result)
         outcomes = []
         for piece in batch.slices:

@@ -22,7 +22,7 @@ import pytest
 
 from laneserve.server.clock import ManualClock
 from laneserve.server.config import LaneConfig
-from laneserve.server.cost_model import RunTimeModel
+from laneserve.server.cost_model import MAX_SIGNATURES, RunTimeModel, RunTimeModels
 from laneserve.server.errors import (
     DeadlineUnmeetableError,
     DrainingError,
@@ -1699,6 +1699,51 @@ def test_one_outlier_run_does_not_become_the_run_time() -> None:
     for _ in range(12):  # every run 10x slower now
         model.observe(64, 0.040)
     assert model.predict_s(64) == pytest.approx(0.040, rel=0.1)
+
+
+def test_each_signature_learns_its_own_run_time() -> None:
+    """A model with a dynamic size: rows 8 wide run 30x longer than rows 2 wide (the
+    probe's). One model for every shape averaged both: after alternating batches it
+    predicted ~20 ms for either, so a narrow request with a 5 ms budget was refused and a
+    wide one with 10 ms admitted (it would run 40 ms). Each signature now has its own."""
+    scheduler = Scheduler(
+        TOP_DOWN_LANES, batch_cap=CAP, run_time=fixed_run_time(), run_time_signature=((2,),)
+    )
+    now_s, index = T0, 0
+    for _ in range(30):
+        for width, run_s in ((2, 0.0013), (8, 0.040)):
+            for _ in range(CAP):
+                scheduler.admit(make_request(index, "standard", 1, width=width), now_s)
+                index += 1
+            batch = dispatch(scheduler, now_s, math.inf)
+            assert batch.rows == CAP
+            now_s += run_s
+            scheduler.complete(run(batch, run_s=run_s))
+    # Something runs, so admission judges by the models, not by the idle rule.
+    scheduler.admit(make_request(index, "interactive", 1), now_s)
+    running = dispatch(scheduler, now_s, math.inf)
+    ahead_s = scheduler.run_time.predict_s(1)  # the running batch's
+    narrow = make_request(900, "standard", CAP, width=2, deadline_s=now_s + ahead_s + 0.005)
+    scheduler.cancel(scheduler.admit(narrow, now_s), now_s)  # admitted: ~1.3 ms
+    wide = make_request(901, "standard", CAP, width=8, deadline_s=now_s + ahead_s + 0.010)
+    with pytest.raises(DeadlineUnmeetableError):  # ~40 ms
+        scheduler.admit(wide, now_s)
+    scheduler.complete(run(running))
+
+
+def test_a_new_signature_starts_from_the_probe_scaled_by_its_elements() -> None:
+    models = RunTimeModels(fixed_run_time(), ((2,),))
+    assert models.get(((2,),)) is models.base
+    assert models.get(()) is models.base  # unknown: the probe's
+    wide = models.get(((8,),))  # 4x the elements: n rows run like 4n probe rows
+    assert wide.predict_s(16) == pytest.approx(models.base.predict_s(64))
+    assert models.get(((8,),)) is wide
+    wide.observe(16, 0.010)
+    assert models.base.predict_s(64) == 0.004, "the probe's model learns only from its own"
+    for width in range(100, 100 + MAX_SIGNATURES):
+        models.get(((width,),))
+    assert models.get(((8,),)) is not wide, "the least recently used is dropped"
+    assert RunTimeModels(fixed_run_time(), None).get(((8,),)).predict_s(1) == 0.001
 
 
 @pytest.mark.parametrize("measured_s", [{}, {0: 0.001}, {4: -0.001}])
