@@ -280,6 +280,16 @@ class Scheduler:
         self.events.admitted(lane.name, request.rows)
         return entry.entry_id
 
+    def room_wait_s(self, lane_name: str, rows: int) -> float | None:
+        """None when lane `lane_name` has room for `rows` more rows (or never will: more
+        than it holds, or no such lane; admission says why), else about how long until
+        it has: the run time of the rows over its room."""
+        lane = self._by_name.get(lane_name)
+        if lane is None or rows > lane.config.capacity_rows or lane.has_room(rows):
+            return None
+        excess = lane.queued_rows + rows - lane.config.capacity_rows
+        return self.run_time.drain_s(excess, self.batch_cap)
+
     def _check_admission(self, request: InferenceRequest, lane: Lane, now_s: float) -> None:
         if not self.accepting:
             raise DrainingError("server is draining; retry on another instance")

@@ -136,6 +136,11 @@ class SchedulerThread:
         with self._cond:
             return self._scheduler.depths()
 
+    def room_wait_s(self, lane: str, rows: int) -> float | None:
+        """See `Scheduler.room_wait_s`."""
+        with self._cond:
+            return self._scheduler.room_wait_s(lane, rows)
+
     @property
     def batch_cap(self) -> int:
         return self._scheduler.batch_cap

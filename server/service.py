@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -28,6 +28,7 @@ from laneserve.server.errors import (
     DrainingError,
     EngineError,
     InvalidInputError,
+    LaneFullError,
     LaneserveError,
     bounded_message,
     pushback_ms,
@@ -60,6 +61,30 @@ from laneserve.v1 import inference_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 STREAM_DEFAULT_LANE = "bulk"
+# How often a stream item waiting for room in its full lane looks again: the lane's
+# predicted drain time, within these bounds.
+ROOM_POLL_MIN_S = 0.001
+ROOM_POLL_MAX_S = 0.05
+
+
+class StreamRoom:
+    """The items of one InferStream waiting for room in a full lane. While any waits, the
+    stream reads no more: its producer is held back by gRPC's flow control, as by the
+    credit window, and the server holds at most the items it had read."""
+
+    def __init__(self) -> None:
+        self._waiting = 0
+        self.free = asyncio.Event()
+        self.free.set()
+
+    def enter(self) -> None:
+        self._waiting += 1
+        self.free.clear()
+
+    def leave(self) -> None:
+        self._waiting -= 1
+        if self._waiting == 0:
+            self.free.set()
 
 
 class OutcomeRouter:
@@ -154,7 +179,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         Credit window: a request is read only while fewer than `stream_window` of this
         stream's requests are read and unanswered, and a credit comes back only once the
         answer is written; so a fast producer holds at most that many items in the lanes
-        and in the answer queue, and the rest waits in gRPC's flow control. A failed item
+        and in the answer queue, and the rest waits in gRPC's flow control. An item that
+        finds its lane full waits for room, and the stream reads no more meanwhile (see
+        `StreamRoom`): the window counts items, not rows. A failed item
         is answered with `error` and the stream goes on. When the stream ends early (the
         client cancelled, the connection dropped) its queued items are cancelled. When
         the server drains, the stream reads no more items, answers those it read and ends
@@ -169,18 +196,20 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             else self._config.default_lane
         )
         window = asyncio.Semaphore(self._config.stream_window)
+        room = StreamRoom()
         # Every item read puts exactly one answer here; `_READ_DONE` follows the last read.
         answers: asyncio.Queue[pb.InferStreamResponse | object] = asyncio.Queue()
         items: set[asyncio.Task[None]] = set()
         unanswered = 0  # items read whose answer is not yet written
 
         async def answer(request: pb.InferRequest) -> None:
-            answers.put_nowait(await self._stream_answer(request, context, default_lane))
+            answers.put_nowait(await self._stream_answer(request, context, default_lane, room))
 
         async def read_all() -> None:
             nonlocal unanswered
             while True:
                 await window.acquire()
+                await room.free.wait()
                 try:
                     request = await anext(request_iterator)
                 except StopAsyncIteration:
@@ -230,10 +259,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         request: pb.InferRequest,
         context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferStreamResponse],
         default_lane: str,
+        room: StreamRoom,
     ) -> pb.InferStreamResponse:
         """One stream item's answer: its response, or its error (the stream goes on)."""
         try:
-            response = await self._infer(request, context, default_lane)
+            response = await self._infer(request, context, default_lane, room)
             message = pb.InferStreamResponse(request_id=request.request_id)
             # CopyFrom, not the constructor: 3x cheaper for large outputs under upb.
             message.response.CopyFrom(response)
@@ -358,8 +388,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferResponse]
         | grpc.aio.ServicerContext[pb.InferRequest, pb.InferStreamResponse],
         default_lane: str,
+        room: StreamRoom | None = None,
     ) -> pb.InferResponse:
-        """Validates, queues and awaits one request; raises LaneserveError on refusal."""
+        """Validates, queues and awaits one request; raises LaneserveError on refusal.
+
+        A stream item (`room` given) that finds its lane full waits for room, until its
+        deadline (else its lane's timeout) or a drain, instead of being refused at once:
+        a stream's credit window counts items, and items of many rows (or several
+        streams) filled the lane and had most of their items refused LANE_FULL."""
         arrived_s = self._clock.monotonic()
         if request is UNDECODABLE_REQUEST:
             raise InvalidInputError(
@@ -441,10 +477,55 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         digest = fingerprint(request) if request.request_id else b""
         # A retry that joins the request in flight waits no longer than it would in its
         # own lane: its deadline, else its lane's timeout.
-        join_timeout_s = lane_config.deadline_s(arrived_s, deadline_s) - self._clock.monotonic()
-        return await self._ledger.run(
-            request.request_id, digest, submit, finish, join_timeout_s=join_timeout_s
-        )
+        wait_until_s = lane_config.deadline_s(arrived_s, deadline_s)
+
+        async def run() -> pb.InferResponse:
+            return await self._ledger.run(
+                request.request_id,
+                digest,
+                submit,
+                finish,
+                join_timeout_s=wait_until_s - self._clock.monotonic(),
+            )
+
+        if room is None:
+            return await run()
+        return await self._run_when_room(run, lane, rows, wait_until_s, room)
+
+    async def _run_when_room(
+        self,
+        run: Callable[[], Awaitable[pb.InferResponse]],
+        lane: str,
+        rows: int,
+        until_s: float,
+        room: StreamRoom,
+    ) -> pb.InferResponse:
+        """`run()` once `lane` has room for `rows` rows (see `_wait_for_room`); again when
+        another caller took the room first, while there is time."""
+        while True:
+            await self._wait_for_room(lane, rows, until_s, room)
+            try:
+                return await run()
+            except LaneFullError:
+                if self._clock.monotonic() >= until_s:
+                    raise
+
+    async def _wait_for_room(self, lane: str, rows: int, until_s: float, room: StreamRoom) -> None:
+        """Returns once `lane` has room for `rows` more rows, at `until_s`, or when the
+        server stops serving (admission then answers)."""
+        wait_s = self._scheduler.room_wait_s(lane, rows)
+        if wait_s is None:
+            return
+        room.enter()
+        try:
+            while wait_s is not None and self._state() is Lifecycle.SERVING:
+                left_s = until_s - self._clock.monotonic()
+                if left_s <= 0:
+                    return
+                await asyncio.sleep(min(max(wait_s, ROOM_POLL_MIN_S), ROOM_POLL_MAX_S, left_s))
+                wait_s = self._scheduler.room_wait_s(lane, rows)
+        finally:
+            room.leave()
 
     def _rejected(self, lane: str, error: LaneserveError) -> LaneserveError:
         """`error`, counted as a refusal of `lane` (a lane the server has: `_infer` refuses

@@ -449,32 +449,46 @@ def test_failed_items_are_results_and_the_job_goes_on(small_model: Path) -> None
         results[1].unwrap()
 
 
-def test_full_lane_items_are_retried_within_the_job(small_model: Path) -> None:
-    """Real (short) backoff sleeps: the third item finds the lane full and is sent again
-    with the same request_id until there is room."""
-    lc.set_testing(False)
-    policy = lc.RetryPolicy(max_attempts=500, initial_backoff_s=0.002, max_backoff_s=0.01)
-    items = [{"input": rows(4, start=10 * i)} for i in range(3)]
+def test_a_stream_item_waits_for_room_in_its_full_lane(small_model: Path) -> None:
+    """A raw InferStream of 4-row items into a 4-row lane, one batch held in the session:
+    the second item fills the lane, the third waits for room instead of being refused
+    LANE_FULL (a stream's window counts items: 256-row items, or two streams, had most
+    of their items refused), and the stream reads no more items meanwhile: with a credit
+    window larger than the job, gRPC's flow control still holds the producer back."""
+    per_item, items = 4, 3000
 
-    async def scenario() -> tuple[list[lc.StreamResult], RecordingEngine]:
+    async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
-        server = serving(engine, config(small_model, lanes=bulk_lane(4)))
-        async with server as s, lc.AsyncClient(s.target, retry=policy) as client:
-            engine.hold()
-            running = asyncio.Event()
-            collected = asyncio.ensure_future(
-                collect(client.stream(gated(items, running), window_rows=1000))
-            )
-            await asyncio.to_thread(engine.entered.acquire)
-            running.set()
-            await until_stats(s, lambda stats: stats.lanes[1].rejected["LANE_FULL"] >= 2)
-            engine.release()
-            return await collected, engine
+        server_config = config(
+            small_model,
+            max_batch_size=per_item,
+            lanes=bulk_lane(per_item),
+            stream_window=100_000,
+        )
+        async with serving(engine, server_config) as s:
+            produced = 0
 
-    results, engine = asyncio.run(scenario())
-    assert all(result.ok for result in results)
-    assert results[2].attempts >= 2
-    assert sorted(engine.ran_tags) == sorted(int(t) for item in items for t in item["input"][:, 0])
+            async def producer() -> AsyncIterator[pb.InferRequest]:
+                nonlocal produced
+                for i in range(items):
+                    produced += 1
+                    yield request(rows(per_item, start=per_item * i), request_id=f"w{i}")
+
+            engine.hold()
+            answers = asyncio.ensure_future(collect(s.stub.InferStream(producer())))
+            await asyncio.to_thread(engine.entered.acquire)
+            await until(lambda: queued_rows(s) == per_item)
+            await asyncio.sleep(0.1)  # the third item waits; the producer is held back
+            assert produced < items
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+            assert dict(stats.lanes[1].rejected) == {}
+            engine.release()
+            responses = await answers
+        assert sorted(r.request_id for r in responses) == sorted(f"w{i}" for i in range(items))
+        assert all(r.WhichOneof("result") == "response" for r in responses)
+        assert sorted(engine.ran_tags) == list(range(items * per_item))
+
+    asyncio.run(scenario())
 
 
 def test_job_keeps_its_rows_within_the_lane_capacity(small_model: Path) -> None:
@@ -526,32 +540,37 @@ def test_a_job_naming_no_lane_goes_where_the_server_queues_it(small_model: Path)
 
 
 def test_item_gives_up_after_its_attempts(small_model: Path) -> None:
-    items = [{"input": rows(4, start=0)}, {"input": rows(4, start=10)}, {"input": rows(4)}]
+    """Unary calls hold the 4-row bulk lane full (one in the session, one queued); the
+    job's item waits for room for its 50 ms each time, is answered LANE_FULL, and is sent
+    again until its attempts are spent."""
 
-    async def scenario() -> list[lc.StreamResult]:
+    async def scenario() -> tuple[list[lc.StreamResult], pb.GetStatsResponse]:
         engine = RecordingEngine(str(small_model))
-        server = serving(engine, config(small_model, lanes=bulk_lane(4)))
+        server = serving(engine, config(small_model, lanes=bulk_lane(4), max_batch_size=4))
         async with (
             server as s,
             lc.AsyncClient(s.target, retry=lc.RetryPolicy(max_attempts=3)) as client,
         ):
             engine.hold()
-            running = asyncio.Event()
-            collected = asyncio.ensure_future(
-                collect(client.stream(gated(items, running), window_rows=1000))
-            )
+            held = [asyncio.ensure_future(s.stub.Infer(request(rows(4), lane="bulk")))]
             await asyncio.to_thread(engine.entered.acquire)
-            running.set()
-            await until_stats(s, lambda stats: stats.lanes[1].rejected["LANE_FULL"] == 3)
+            held.append(
+                asyncio.ensure_future(s.stub.Infer(request(rows(4, start=10), lane="bulk")))
+            )
+            await until(lambda: queued_rows(s) == 4)
+            results = await collect(client.stream([{"input": rows(4, start=20)}], timeout_ms=50))
+            stats = await client.stats()
             engine.release()
-            return await collected
+            await asyncio.gather(*held)
+            return results, stats
 
-    results = asyncio.run(scenario())
-    assert [result.ok for result in results] == [True, True, False]
-    error = results[2].error
+    results, stats = asyncio.run(scenario())
+    assert [result.ok for result in results] == [False]
+    error = results[0].error
     assert isinstance(error, lc.LaneFullError)
     assert error.attempts == 3
-    assert results[2].attempts == 3
+    assert results[0].attempts == 3
+    assert stats.lanes[1].rejected["LANE_FULL"] == 3
 
 
 def test_unreachable_server_ends_the_job_with_the_connection_error() -> None:
