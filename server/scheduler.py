@@ -80,6 +80,10 @@ WAIT_UTILIZATION = 0.5
 ACTIVE_LANE_S = 0.1
 # Decimal places a lane's share balance is kept to (see `_commit`).
 BALANCE_DIGITS = 9
+# Admission's arithmetic in fractions of a row: the fewest rows a batch is counted to
+# serve, and a remainder too small to be a row.
+MIN_ROWS_PER_BATCH = 1e-3
+ROUNDING_ROWS = 1e-9
 # Suggested wait before retrying a request refused for memory pressure.
 MEMORY_PRESSURE_RETRY_S = 0.25
 
@@ -385,20 +389,25 @@ class Scheduler:
                         first_lower += min(
                             self.batch_cap, max(math.ceil(allowance), head.queued_rows)
                         )
+        # Rows of `lane` and above each batch serves: what lower lanes' shares leave (a
+        # share may be a fraction of a row: at a cap of 1, 0.85 of a row a batch).
+        per_batch = max(batch_rows - shares, MIN_ROWS_PER_BATCH)
         if total + first_lower <= batch_rows:
             drain_s = run_time.predict_s(total + first_lower)
         else:
-            later = total - max(0, batch_rows - first_lower)  # rows left after the next batch
-            full, rest = divmod(later, max(1.0, batch_rows - shares))
+            # Rows left after the next batch; lower lanes' whole requests crossing their
+            # shares may take more than that batch (then the excess comes first after it).
+            later = total + first_lower - batch_rows
+            full, rest = divmod(later, per_batch)
             drain_s = (1 + int(full)) * run_time.predict_s(batch_rows)
-            if rest:
+            if rest > ROUNDING_ROWS:
                 drain_s += run_time.predict_s(min(batch_rows, math.ceil(rest + shares)))
         # Work still arriving in higher lanes goes ahead too: at a rate `arriving` against
         # a service rate `serving`, draining what is queued takes 1 / (1 - load) as long
         # (for ever at a load of 1: a saturated higher lane leaves only the share below).
         arriving = sum(above.arrivals.rows_per_s(now_s) for above in self.lanes[: lane.priority])
         if arriving > 0:
-            serving = max(batch_rows - shares, 1.0) / run_time.predict_s(batch_rows)
+            serving = per_batch / run_time.predict_s(batch_rows)
             load = arriving / serving
             drain_s = drain_s / (1 - load) if load < 1 else math.inf
         return drain_s
@@ -420,7 +429,8 @@ class Scheduler:
             # until that covers it, and it goes first in the batch after.
             batches = math.ceil((ahead + rows) / share) + 1
         else:
-            batches = math.floor(ahead / share) + 1
+            # Rounded as balances are: 0.1 * 19 must not floor to 18.
+            batches = math.floor(round(ahead / share, BALANCE_DIGITS)) + 1
         return max(1, batches)
 
     def cancel(self, entry_id: int, now_s: float, *, unless_running: bool = False) -> bool:

@@ -9,6 +9,7 @@ it check that answers are reassembled in row order. The run-time model is fixed
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import math
@@ -1102,6 +1103,66 @@ def test_a_lanes_arrival_rate_follows_its_load() -> None:
     end_s = T0 + 1.999
     assert rate.rows_per_s(end_s) == pytest.approx(4_000, rel=0.01)
     assert rate.rows_per_s(end_s + 2.0) < 4_000 * 0.001  # quiet for 8 tau
+
+
+def _tightest_admitted_batches(scheduler: Scheduler, lane: str, now_s: float) -> int:
+    """The fewest whole batches of 1 ms a 1-row request of `lane` is admitted for."""
+    for batches in range(1, 1000):
+        try:
+            copy.deepcopy(scheduler).admit(
+                make_request(999, lane, 1, deadline_s=now_s + batches * 0.001 + 1e-9), now_s
+            )
+        except DeadlineUnmeetableError:
+            continue
+        return batches
+    raise AssertionError("never admitted")
+
+
+@pytest.mark.parametrize(
+    ("lane", "interactive_ahead", "standard_batches_before"),
+    [("standard", 200, after) for after in range(10)]
+    + [("interactive", ahead, 0) for ahead in (0, 20, 100)],
+)
+def test_a_request_admitted_at_a_cap_of_1_meets_its_deadline(
+    lane: str, interactive_ahead: int, standard_batches_before: int
+) -> None:
+    """Cap 1 (a large model, or halvings after out-of-memory), shares of a tenth and a
+    twentieth of a row: a 1-row request admitted with the tightest deadline admission
+    accepts runs by it. Two ways it did not: the share path's floor of 0.4 / 0.1 =
+    13.999... (one batch short after a repaid share), and the queue path counting at
+    least one row a batch for the lanes above (0.85) and no spill of lower lanes'
+    crossing rows past the next batch (interactive expired 17-53 batches late)."""
+    scheduler = make_scheduler(UNBOUNDED_SHARE_LANES, cap=1)
+    index, now_s = 1000, T0
+    for _ in range(interactive_ahead):
+        scheduler.admit(make_request(index, "interactive", 1), now_s)
+        index += 1
+
+    def step() -> list[object]:
+        nonlocal index, now_s
+        if lane == "interactive":  # the lower lanes stay saturated
+            for other in ("standard", "bulk"):
+                while queued_rows(scheduler, other) < 5:
+                    scheduler.admit(make_request(index, other, 1), now_s)
+                    index += 1
+        batch = dispatch(scheduler, now_s, math.inf)
+        now_s += 0.001
+        return tokens(scheduler.complete(run(batch, run_s=0.001)))
+
+    if lane == "standard":
+        for _ in range(2):
+            scheduler.admit(make_request(index, "standard", 1), now_s)
+            index += 1
+        for _ in range(1 + standard_batches_before):  # its first row went: in debt
+            step()
+    else:
+        step()
+    batches = _tightest_admitted_batches(scheduler, lane, now_s)
+    deadline_s = now_s + batches * 0.001 + 1e-9
+    scheduler.admit(make_request(999, lane, 1, deadline_s=deadline_s), now_s)
+    while 999 not in step():
+        assert now_s <= deadline_s, "still queued at its deadline"
+    assert now_s <= deadline_s
 
 
 def test_admission_counts_the_running_batch_and_a_lower_lanes_whole_request() -> None:
