@@ -183,7 +183,9 @@ def _charge_owner(plan: _Plan, priority: int, shut_out_rows: int) -> None:
     (interactive starved)."""
     allowance, _ = plan.share_used[priority]
     owned = sum(rows for entry, rows in plan.taken if entry.priority == priority)
-    plan.share_used[priority] = (allowance, max(owned, shut_out_rows))
+    # What other lanes' shares took of it they paid for themselves.
+    paid = sum(used for other, (_, used) in plan.share_used.items() if other != priority)
+    plan.share_used[priority] = (allowance, max(owned, shut_out_rows - paid))
 
 
 class Scheduler:
@@ -610,13 +612,14 @@ class Scheduler:
                 plan.bank_to[lane.priority] = self._bank_target(lane, unfit)
                 if owed is None:
                     plan.room_blocked.add(lane.priority)
-        self._fill_top_down(plan, batch)
+        shape_owner = None if first.request.signature == top.request.signature else first.priority
+        self._fill_top_down(plan, batch, shape_owner)
         plan.taken = list(batch.taken.values())
-        if first.request.signature != top.request.signature:
+        if shape_owner is not None:
             _charge_owner(plan, first.priority, self._limit_rows(now_s, top))
         return plan
 
-    def _fill_top_down(self, plan: _Plan, batch: _Filling) -> None:
+    def _fill_top_down(self, plan: _Plan, batch: _Filling, owner: int | None) -> None:
         """Pass 2: fills what pass 1 left, lane by lane from the top, lanes below the
         batch's highest within its ride-along budget.
 
@@ -626,10 +629,15 @@ class Scheduler:
         lanes between, and every row it takes counts against its share, as in a batch
         owed to its shape. Else lower lanes would fill, uncharged, the room a claim took
         from a higher lane's request: a lane whose share crosses into a large higher
-        request took most of every batch (a priority inversion)."""
+        request took most of every batch (a priority inversion).
+
+        A batch of `owner`'s shape (its banked credit covered a batch of its own) is its
+        from the start: it fills first, charged; else lanes of the same shape filled the
+        batch it paid for, and a lane of another shape got a row per owed batch."""
         claims_below = sum(used for _, used in plan.share_used.values())
-        owner: int | None = None  # the lane the batch belongs to, once displaced
         order = list(self.lanes)
+        if owner is not None:
+            order.insert(0, order.pop(owner))
         lead_seen = False
         for position, lane in enumerate(order):  # `order` may change ahead of `position`
             claims_below -= plan.share_used.get(lane.priority, (0, 0))[1]

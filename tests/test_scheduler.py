@@ -818,6 +818,34 @@ def test_a_large_lower_request_does_not_lift_an_active_lanes_batch_limit() -> No
     assert batch.rows <= within + math.ceil(0.05 * 64), rows_by_lane(batch)
 
 
+@pytest.mark.parametrize("cap", [2, 4, 8])
+def test_a_batch_of_an_owed_lanes_shape_is_filled_by_it_first(cap: int) -> None:
+    """Interactive (rows 2 wide) saturated; standard and bulk saturated with rows 3 wide,
+    so both bank their shares and are served in batches of their shape. The owed lane's
+    head went alone and the lane above of the same shape filled the rest free, while the
+    owed lane was charged the whole batch: bulk got 22 of its 160 rows at a cap of 8,
+    standard half its share at 2. The owed lane now fills its batch first, charged, and
+    other lanes' claims in it are theirs to pay."""
+    scheduler = make_scheduler(UNBOUNDED_SHARE_LANES, cap=cap)
+    index, now_s = 1000, T0
+    taken: Counter[str] = Counter()
+    batches = 400
+    for _ in range(batches):
+        for lane, width in (("interactive", 2), ("standard", 3), ("bulk", 3)):
+            while queued_rows(scheduler, lane) <= 3 * cap:
+                scheduler.admit(make_request(index, lane, 1, width=width), now_s)
+                index += 1
+        batch = dispatch(scheduler, now_s, math.inf)
+        taken += rows_by_lane(batch)
+        run_s = scheduler.run_time.predict_s(batch.rows)
+        scheduler.complete(run(batch, run_s=run_s))
+        now_s += run_s
+    rows = batches * cap
+    assert taken["standard"] >= 0.1 * rows - 1, taken
+    assert taken["bulk"] >= 0.05 * rows - 1, taken
+    assert taken["interactive"] >= 0.85 * rows - 2 * cap, taken
+
+
 def test_two_lanes_whose_work_has_another_shape_both_get_their_shares() -> None:
     """Standard and bulk (share 2 of 8 rows each) queue 8-row requests 3 wide while
     interactive is saturated 2 wide. Bulk's credit, banked while its shape was shut out,
