@@ -21,6 +21,7 @@ import dataclasses
 import enum
 import logging
 import math
+import time
 import uuid
 from collections.abc import (
     AsyncIterable,
@@ -111,6 +112,11 @@ _Event = StreamResult | _CallEnded | _Failed
 DEFAULT_STREAM_LANE = ""
 # The lane a server queues a stream's items in when they name none, if it has it.
 SERVER_STREAM_LANE = "bulk"
+# A job that has had answers keeps opening new calls for this long after its last
+# answer, whatever its retry policy's attempts, before it gives up: the server went away
+# (a drain, then a restart at the same address) and may take seconds to come back; the
+# policy's 6 attempts were spent in about 3 s.
+STREAM_RESUME_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -217,6 +223,7 @@ class BulkStream:
     async def results(self) -> AsyncIterator[StreamResult]:
         """Final results: ordered by index, or as they come when not `ordered`."""
         failures = 0  # consecutive broken calls that answered nothing
+        last_answer_s: float | None = None  # when a call last answered an item
         await self._set_limits()
         while True:
             self._check_open()
@@ -257,21 +264,10 @@ class BulkStream:
             )
             progressed = self._pulled - len(self._items) > answered_before
             failures = 0 if progressed else failures + 1
-            unanswered = len(self._items)
-            if not _call_may_resume(error):
+            if progressed:
+                last_answer_s = time.monotonic()
+            if self._gives_up(error, failures, last_answer_s):
                 self._cancel_timers()
-                error.add_note(
-                    f"bulk stream {self.job_id}: the call failed for good; "
-                    f"{unanswered} item(s) unanswered"
-                )
-                raise error
-            if failures >= self._allowed:
-                self._cancel_timers()
-                error.attempts = failures
-                error.add_note(
-                    f"bulk stream {self.job_id}: gave up after {failures} broken call(s) "
-                    f"in a row with no answer; {unanswered} item(s) unanswered"
-                )
                 raise error
             resent = self._requeue_sent()
             delay_s = effective_delay_s(self._policy.delay_s(max(failures, 1), error.retry_after_s))
@@ -283,6 +279,30 @@ class BulkStream:
                 delay_s * 1000,
             )
             await asyncio.sleep(delay_s)
+
+    def _gives_up(self, error: LaneserveError, failures: int, last_answer_s: float | None) -> bool:
+        """Whether the job ends with `error` (then noted why) after its call broke:
+        for good, or after `failures` broken calls in a row that answered nothing, once
+        STREAM_RESUME_S have passed since its last answer (if it had any)."""
+        unanswered = len(self._items)
+        if not _call_may_resume(error):
+            error.add_note(
+                f"bulk stream {self.job_id}: the call failed for good; "
+                f"{unanswered} item(s) unanswered"
+            )
+            return True
+        resuming = last_answer_s is not None and (
+            time.monotonic() - last_answer_s < STREAM_RESUME_S
+        )
+        if failures < self._allowed or resuming:
+            return False
+        error.attempts = failures
+        since = "" if last_answer_s is None else f" and {STREAM_RESUME_S:g} s"
+        error.add_note(
+            f"bulk stream {self.job_id}: gave up after {failures} broken call(s) "
+            f"in a row with no answer{since}; {unanswered} item(s) unanswered"
+        )
+        return True
 
     # ---- the writer ------------------------------------------------------------------
 
@@ -377,11 +397,16 @@ class BulkStream:
                 f"bulk stream item {index}: expected a mapping of input name to array or a "
                 f"StreamRequest, got {type(raw).__name__}"
             )
-        if request_id in self._items:
-            raise ValueError(
+        if request_id in self._items:  # this item's fault too: answered, never sent
+            duplicate = InvalidInputError(
                 f"bulk stream item {index}: request_id {request_id!r} is already in flight "
-                "in this stream; expected a unique id per item"
+                "in this stream; expected a unique id per item",
+                code=grpc.StatusCode.INVALID_ARGUMENT,
+                request_id=request_id,
             )
+            duplicate.attempts = 0
+            self._emit(StreamResult(index, request_id, None, duplicate, 0))
+            return None
         try:
             tensors = encode_inputs(inputs, request_id)
         except InvalidInputError as error:  # this item's fault: answered, the job goes on

@@ -243,6 +243,54 @@ def test_a_draining_server_ends_its_streams_and_the_job_goes_on_elsewhere(
     assert len(ran_b) == 2 * second, "the items after the drain ran on B"
 
 
+def test_a_job_outlasts_a_restart_longer_than_its_retry_attempts(small_model: Path) -> None:
+    """The server drains mid-job and its address answers nothing for 1.5 s (a restart),
+    then leads to a new instance. The job's policy allows 3 attempts of at most 0.1 s
+    backoff: it gave up after 3 broken calls, long before the server was back. A job
+    that has had answers keeps reopening its call for STREAM_RESUME_S."""
+    first, second = 4, 4
+    go = asyncio.Event()
+    lc.set_testing(False)
+    policy = lc.RetryPolicy(max_attempts=3, initial_backoff_s=0.02, max_backoff_s=0.1)
+
+    async def source() -> AsyncIterator[dict[str, F32]]:
+        for index in range(first + second):
+            if index == first:
+                await go.wait()
+            yield {"input": rows(2, start=10 * index)}
+
+    async def scenario() -> tuple[list[lc.StreamResult], list[int]]:
+        engine_a, engine_b = RecordingEngine(str(small_model)), RecordingEngine(str(small_model))
+        async with (
+            serving(engine_a, config(small_model)) as a,
+            serving(engine_b, config(small_model)) as b,
+        ):
+            proxy = TcpProxy(a.server.port)
+            target = await proxy.start()
+            try:
+                async with lc.AsyncClient(target, retry=policy) as client:
+                    results: list[lc.StreamResult] = []
+                    async for result in client.stream(source(), job_id="restart"):
+                        results.append(result)
+                        if len(results) == first:
+                            proxy.retarget(unused_port())  # the address is down
+                            await a.server.stop(grace_s=5.0)
+                            asyncio.get_running_loop().call_later(
+                                1.5, proxy.retarget, b.server.port
+                            )
+                            go.set()
+            finally:
+                await proxy.close()
+        return results, engine_b.ran_tags
+
+    results, ran_b = asyncio.run(scenario())
+    assert [result.index for result in results] == list(range(first + second))
+    assert all(result.ok for result in results), [r.error for r in results if not r.ok]
+    assert sorted(ran_b) == sorted(
+        10 * i + row for i in range(first, first + second) for row in (0, 1)
+    )
+
+
 def test_a_stream_open_when_the_server_drains_answers_what_it_read_and_ends(
     small_model: Path,
 ) -> None:
@@ -447,6 +495,39 @@ def test_failed_items_are_results_and_the_job_goes_on(small_model: Path) -> None
     assert results[4].unwrap()["output"].shape == (3, 10)
     with pytest.raises(lc.InvalidInputError):
         results[1].unwrap()
+
+
+def test_an_item_reusing_an_id_in_flight_fails_alone(small_model: Path) -> None:
+    """An item whose own request_id is that of an item still unanswered ended the whole
+    job with a ValueError (every other result lost): it is now answered with its error,
+    never sent, and the job goes on."""
+    items: list[lc.StreamRequest | dict[str, F32]] = [
+        lc.StreamRequest({"input": rows(1, start=0)}, request_id="dup"),
+        lc.StreamRequest({"input": rows(1, start=10)}, request_id="dup"),
+        {"input": rows(1, start=20)},
+    ]
+
+    async def scenario() -> tuple[list[lc.StreamResult], list[int]]:
+        engine = RecordingEngine(str(small_model))
+        async with (
+            serving(engine, config(small_model)) as s,
+            lc.AsyncClient(s.target) as client,
+        ):
+            engine.hold()  # the first stays in flight while the others are taken
+            collected = asyncio.ensure_future(collect(client.stream(items, job_id="j")))
+            try:
+                await asyncio.to_thread(engine.entered.acquire, True, 10.0)
+            finally:
+                engine.release()
+            return await collected, engine.ran_tags
+
+    results, ran = asyncio.run(scenario())
+    assert [result.ok for result in results] == [True, False, True]
+    error = results[1].error
+    assert isinstance(error, lc.InvalidInputError)
+    assert "'dup' is already in flight" in error.message
+    assert results[1].attempts == 0, "never sent"
+    assert sorted(ran) == [0, 20]
 
 
 def test_a_stream_item_waits_for_room_in_its_full_lane(small_model: Path) -> None:
