@@ -547,20 +547,13 @@ def test_a_stream_item_waits_for_room_in_its_full_lane(small_model: Path) -> Non
             stream_window=100_000,
         )
         async with serving(engine, server_config) as s:
-            produced = 0
-
-            async def producer() -> AsyncIterator[pb.InferRequest]:
-                nonlocal produced
-                for i in range(items):
-                    produced += 1
-                    yield request(rows(per_item, start=per_item * i), request_id=f"w{i}")
-
+            producer = TaggedRequests(items, per_item, "w")
             engine.hold()
-            answers = asyncio.ensure_future(collect(s.stub.InferStream(producer())))
+            answers = asyncio.ensure_future(collect(s.stub.InferStream(aiter(producer))))
             await asyncio.to_thread(engine.entered.acquire)
             await until(lambda: queued_rows(s) == per_item)
             await asyncio.sleep(0.1)  # the third item waits; the producer is held back
-            assert produced < items
+            assert producer.produced < items
             stats = await s.stub.GetStats(pb.GetStatsRequest())
             assert dict(stats.lanes[1].rejected) == {}
             engine.release()
@@ -707,16 +700,9 @@ def test_fast_producer_keeps_the_server_queue_bounded_by_the_window(small_model:
             small_model, max_batch_size=per_item, stream_window=window, lanes=bulk_lane(100_000)
         )
         async with serving(engine, server_config) as s:
-            produced = 0
-
-            async def producer() -> AsyncIterator[pb.InferRequest]:
-                nonlocal produced
-                for i in range(items):
-                    produced += 1
-                    yield request(rows(per_item, start=per_item * i), request_id=f"p{i}")
-
+            producer = TaggedRequests(items, per_item, "p")
             engine.hold()
-            call = s.stub.InferStream(producer())
+            call = s.stub.InferStream(aiter(producer))
             answers = asyncio.ensure_future(collect(call))
             await asyncio.to_thread(engine.entered.acquire)
             await until(lambda: queued_rows(s) == (window - 1) * per_item)
@@ -725,7 +711,7 @@ def test_fast_producer_keeps_the_server_queue_bounded_by_the_window(small_model:
                 peak = max(peak, queued_rows(s))
                 await asyncio.sleep(0.002)
             assert peak == (window - 1) * per_item, "one item runs, the rest of the window queues"
-            assert produced < items, "gRPC flow control holds the producer back"
+            assert producer.produced < items, "gRPC flow control holds the producer back"
             engine.release()
             responses = await answers
         assert sorted(r.request_id for r in responses) == sorted(f"p{i}" for i in range(items))
@@ -820,6 +806,21 @@ async def gated(
     await running.wait()
     for item in items[1:]:
         yield item
+
+
+class TaggedRequests:
+    """A raw InferStream's requests: `items` of `per_item` tagged rows each, with ids
+    `prefix` + index; `produced` counts those gRPC has taken from it."""
+
+    def __init__(self, items: int, per_item: int, prefix: str) -> None:
+        self.items, self.per_item, self.prefix = items, per_item, prefix
+        self.produced = 0
+
+    async def __aiter__(self) -> AsyncIterator[pb.InferRequest]:
+        for i in range(self.items):
+            self.produced += 1
+            start = self.per_item * i
+            yield request(rows(self.per_item, start=start), request_id=f"{self.prefix}{i}")
 
 
 def queued_rows(s: Serving) -> int:

@@ -133,6 +133,14 @@ def dispatch(scheduler: Scheduler, now_s: float, idle_since_s: float = NEVER_IDL
     return decision.batch
 
 
+def run_next(scheduler: Scheduler, now_s: float) -> tuple[Batch, list[Outcome], float]:
+    """Dispatches the next batch (a session free since long ago) and runs it for its
+    predicted time: the batch, its outcomes and the time it ends."""
+    batch = dispatch(scheduler, now_s, math.inf)
+    run_s = scheduler.run_time.predict_s(batch.rows)
+    return batch, scheduler.complete(run(batch, run_s=run_s)), now_s + run_s
+
+
 def queued_rows(scheduler: Scheduler, lane: str) -> int:
     return scheduler.lane(lane).queued_rows
 
@@ -503,11 +511,8 @@ def _three_lanes_saturated(
         while queued_rows(scheduler, "standard") < 60:
             scheduler.admit(make_request(index, "standard", standard_rows), now_s)
             index += 1
-        batch = dispatch(scheduler, now_s, math.inf)
+        batch, _, now_s = run_next(scheduler, now_s)
         taken += rows_by_lane(batch)
-        run_s = scheduler.run_time.predict_s(batch.rows)
-        scheduler.complete(run(batch, run_s=run_s))
-        now_s += run_s
     return taken
 
 
@@ -582,11 +587,8 @@ def test_a_claim_that_pushes_out_a_higher_request_is_paid_by_its_lane() -> None:
                     if lane == "interactive":
                         interactive_ids.append(entry_id)
                     index += 1
-            batch = dispatch(scheduler, now_s, math.inf)
+            batch, _, now_s = run_next(scheduler, now_s)
             taken += rows_by_lane(batch)
-            run_s = scheduler.run_time.predict_s(batch.rows)
-            scheduler.complete(run(batch, run_s=run_s))
-            now_s += run_s
         return taken
 
     standard_share, bulk_share = 0.1 * 64, 0.05 * 64
@@ -653,11 +655,8 @@ def test_small_caps_keep_every_share_whatever_the_request_sizes(cap: int) -> Non
                 while queued_rows(scheduler, lane) < 3 * cap + size:
                     scheduler.admit(make_request(index, lane, size), now_s)
                     index += 1
-            batch = dispatch(scheduler, now_s, math.inf)
+            batch, _, now_s = run_next(scheduler, now_s)
             taken += rows_by_lane(batch)
-            run_s = scheduler.run_time.predict_s(batch.rows)
-            scheduler.complete(run(batch, run_s=run_s))
-            now_s += run_s
         case = (standard_rows, bulk_rows, interactive_every, taken)
         rows = batches * cap
         assert taken["standard"] >= 0.1 * rows - min(standard_rows, cap) - 1, case
@@ -835,11 +834,8 @@ def test_a_batch_of_an_owed_lanes_shape_is_filled_by_it_first(cap: int) -> None:
             while queued_rows(scheduler, lane) <= 3 * cap:
                 scheduler.admit(make_request(index, lane, 1, width=width), now_s)
                 index += 1
-        batch = dispatch(scheduler, now_s, math.inf)
+        batch, _, now_s = run_next(scheduler, now_s)
         taken += rows_by_lane(batch)
-        run_s = scheduler.run_time.predict_s(batch.rows)
-        scheduler.complete(run(batch, run_s=run_s))
-        now_s += run_s
     rows = batches * cap
     assert taken["standard"] >= 0.1 * rows - 1, taken
     assert taken["bulk"] >= 0.05 * rows - 1, taken
@@ -1032,10 +1028,8 @@ def test_a_lane_with_a_share_is_not_refused_when_its_share_serves_it_in_time() -
     scheduler.admit(make_request(500, "standard", 1, deadline_s=deadline_s), T0)
     now_s, done_s = T0, None
     while done_s is None:
-        batch = dispatch(scheduler, now_s, math.inf)
-        run_s = scheduler.run_time.predict_s(batch.rows)
-        now_s += run_s
-        if 500 in tokens(scheduler.complete(run(batch, run_s=run_s))):
+        _, outcomes, now_s = run_next(scheduler, now_s)
+        if 500 in tokens(outcomes):
             done_s = now_s
     assert done_s <= deadline_s
 
@@ -1107,10 +1101,8 @@ def test_admission_counts_work_still_arriving_in_higher_lanes() -> None:
             while queued_rows(scheduler, lane) < 200:
                 scheduler.admit(make_request(index, lane, 1), now_s)
                 index += 1
-        batch = dispatch(scheduler, now_s, math.inf)
-        run_s = scheduler.run_time.predict_s(batch.rows)
-        now_s += run_s
-        return tokens(scheduler.complete(run(batch, run_s=run_s)))
+        _, outcomes, now_s = run_next(scheduler, now_s)
+        return tokens(outcomes)
 
     for _ in range(100):  # ~0.4 s: the arrival rates settle
         step()
