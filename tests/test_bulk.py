@@ -4,6 +4,7 @@ client's ordered results, retries and resumption after a cut connection."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -204,36 +205,23 @@ def test_a_draining_server_ends_its_streams_and_the_job_goes_on_elsewhere(
     first, second = 6, 6
     go = asyncio.Event()
 
-    async def source() -> AsyncIterator[dict[str, F32]]:
-        for index in range(first + second):
-            if index == first:
-                await go.wait()
-            yield {"input": rows(2, start=10 * index)}
-
     async def scenario() -> tuple[list[lc.StreamResult], list[int], list[int]]:
-        engine_a, engine_b = RecordingEngine(str(small_model)), RecordingEngine(str(small_model))
-        async with (
-            serving(engine_a, config(small_model)) as a,
-            serving(engine_b, config(small_model)) as b,
-        ):
-            proxy = TcpProxy(a.server.port)
-            target = await proxy.start()
+        async with behind_a_proxy(small_model) as (a, b, proxy, target):
             stopping: asyncio.Task[None] | None = None
-            try:
-                async with lc.AsyncClient(target) as client:
-                    results: list[lc.StreamResult] = []
-                    async for result in client.stream(source(), job_id="rolling"):
-                        results.append(result)
-                        if len(results) == first:
-                            proxy.retarget(b.server.port)
-                            stopping = asyncio.create_task(a.server.stop(grace_s=5.0))
-                            await until(lambda: a.server.state is not Lifecycle.SERVING)
-                            go.set()
-                assert stopping is not None
-                await stopping
-            finally:
-                await proxy.close()
-        return results, engine_a.ran_tags, engine_b.ran_tags
+            async with lc.AsyncClient(target) as client:
+                results: list[lc.StreamResult] = []
+                async for result in client.stream(
+                    paused_at(first, first + second, go), job_id="rolling"
+                ):
+                    results.append(result)
+                    if len(results) == first:
+                        proxy.retarget(b.server.port)
+                        stopping = asyncio.create_task(a.server.stop(grace_s=5.0))
+                        await until(lambda: a.server.state is not Lifecycle.SERVING)
+                        go.set()
+            assert stopping is not None
+            await stopping
+        return results, ran_tags(a), ran_tags(b)
 
     results, ran_a, ran_b = asyncio.run(scenario())
     assert [result.index for result in results] == list(range(first + second))
@@ -253,35 +241,22 @@ def test_a_job_outlasts_a_restart_longer_than_its_retry_attempts(small_model: Pa
     lc.set_testing(False)
     policy = lc.RetryPolicy(max_attempts=3, initial_backoff_s=0.02, max_backoff_s=0.1)
 
-    async def source() -> AsyncIterator[dict[str, F32]]:
-        for index in range(first + second):
-            if index == first:
-                await go.wait()
-            yield {"input": rows(2, start=10 * index)}
-
     async def scenario() -> tuple[list[lc.StreamResult], list[int]]:
-        engine_a, engine_b = RecordingEngine(str(small_model)), RecordingEngine(str(small_model))
         async with (
-            serving(engine_a, config(small_model)) as a,
-            serving(engine_b, config(small_model)) as b,
+            behind_a_proxy(small_model) as (a, b, proxy, target),
+            lc.AsyncClient(target, retry=policy) as client,
         ):
-            proxy = TcpProxy(a.server.port)
-            target = await proxy.start()
-            try:
-                async with lc.AsyncClient(target, retry=policy) as client:
-                    results: list[lc.StreamResult] = []
-                    async for result in client.stream(source(), job_id="restart"):
-                        results.append(result)
-                        if len(results) == first:
-                            proxy.retarget(unused_port())  # the address is down
-                            await a.server.stop(grace_s=5.0)
-                            asyncio.get_running_loop().call_later(
-                                1.5, proxy.retarget, b.server.port
-                            )
-                            go.set()
-            finally:
-                await proxy.close()
-        return results, engine_b.ran_tags
+            results: list[lc.StreamResult] = []
+            async for result in client.stream(
+                paused_at(first, first + second, go), job_id="restart"
+            ):
+                results.append(result)
+                if len(results) == first:
+                    proxy.retarget(unused_port())  # the address is down
+                    await a.server.stop(grace_s=5.0)
+                    asyncio.get_running_loop().call_later(1.5, proxy.retarget, b.server.port)
+                    go.set()
+            return results, ran_tags(b)
 
     results, ran_b = asyncio.run(scenario())
     assert [result.index for result in results] == list(range(first + second))
@@ -795,6 +770,36 @@ async def fed(sent: asyncio.Queue[pb.InferRequest | None]) -> AsyncIterator[pb.I
     """The requests the test puts on `sent` as it goes, until None."""
     while (item := await sent.get()) is not None:
         yield item
+
+
+@contextlib.asynccontextmanager
+async def behind_a_proxy(model: Path) -> AsyncIterator[tuple[Serving, Serving, TcpProxy, str]]:
+    """Instances A and B of `model` (recording engines) and the address of a proxy that
+    leads to A until retargeted."""
+    async with (
+        serving(RecordingEngine(str(model)), config(model)) as a,
+        serving(RecordingEngine(str(model)), config(model)) as b,
+    ):
+        proxy = TcpProxy(a.server.port)
+        target = await proxy.start()
+        try:
+            yield a, b, proxy, target
+        finally:
+            await proxy.close()
+
+
+def ran_tags(s: Serving) -> list[int]:
+    engine = s.server.engine
+    assert isinstance(engine, RecordingEngine)
+    return engine.ran_tags
+
+
+async def paused_at(pause: int, items: int, go: asyncio.Event) -> AsyncIterator[dict[str, F32]]:
+    """`items` items of 2 rows tagged 10 * index; those from `pause` on once `go` is set."""
+    for index in range(items):
+        if index == pause:
+            await go.wait()
+        yield {"input": rows(2, start=10 * index)}
 
 
 async def gated(
