@@ -232,6 +232,7 @@ def _stats(client: Client, args: argparse.Namespace) -> int:
             "admitted",
             "completed",
             "failed",
+            "cancelled",
             "rejected",
             "shed",
             "queue wait ms",
@@ -243,6 +244,7 @@ def _stats(client: Client, args: argparse.Namespace) -> int:
                 str(lane.admitted),
                 str(lane.completed),
                 str(lane.failed),
+                str(lane.answered.get("CANCELLED", 0)),
                 _counts(lane.rejected),
                 _counts(lane.shed),
                 _percentiles(lane.queue_wait),
@@ -254,6 +256,8 @@ def _stats(client: Client, args: argparse.Namespace) -> int:
 
 
 def _percentiles(summary: pb.LatencySummary) -> str:
+    if not summary.count:
+        return "-"
     return f"p50 {summary.p50_ms:.1f} / p95 {summary.p95_ms:.1f} / p99 {summary.p99_ms:.1f}"
 
 

@@ -91,6 +91,10 @@ class RunTimeModel:
     def snapshot(self) -> dict[int, float]:
         return dict(zip(self._sizes, self._seconds, strict=True))
 
+    def times(self, factor: float) -> RunTimeModel:
+        """This model with every run `factor` times as long."""
+        return RunTimeModel({rows: s * factor for rows, s in self.snapshot().items()})
+
     def scaled(self, row_ratio: float) -> RunTimeModel:
         """A model for rows `row_ratio` times as large: n of them are predicted to run as
         long as n * row_ratio rows of this model (the run time of a batch follows the
@@ -107,8 +111,10 @@ def elements_per_row(signature: Signature) -> int:
 class RunTimeModels:
     """A run-time model per input signature: batches of other shapes (a model with
     dynamic sizes, such as sequence lengths) run for other times. The probe's signature
-    has the probe's model; another starts from it scaled by the elements of a row, and
-    learns from its own runs. With no probe signature every signature shares one model.
+    has the probe's model; another is predicted from it scaled by the elements of a row
+    until its first run, and from then on has its own model, learning from its runs
+    (the MAX_SIGNATURES most recently run are kept). With no probe signature every
+    signature shares one model.
 
     Not thread-safe: owned by the scheduler (its lock).
     """
@@ -119,14 +125,44 @@ class RunTimeModels:
         self._others: collections.OrderedDict[Signature, RunTimeModel] = collections.OrderedDict()
 
     def get(self, signature: Signature) -> RunTimeModel:
-        if self._base_signature is None or signature == self._base_signature or not signature:
+        """The model to predict `signature`'s runs with (nothing is stored: a signature
+        that never runs, refused or cancelled, evicts no model that learned)."""
+        if self._shares_base(signature):
             return self.base
+        return self._others.get(signature) or self._scaled(signature)
+
+    def knows(self, signature: Signature) -> bool:
+        """Whether `signature`'s model was measured: the probe's, or learned from runs.
+        A scaled guess is not: refusing on it, the signature might never run to learn
+        (a dynamic size the probe ran at 1 is predicted far too slow at 128)."""
+        return self._shares_base(signature) or signature in self._others
+
+    def observe(self, signature: Signature, rows: int, run_s: float) -> None:
+        """Folds one run of a batch of `signature` into its model."""
+        if self._shares_base(signature):
+            self.base.observe(rows, run_s)
+            return
         model = self._others.get(signature)
         if model is not None:
             self._others.move_to_end(signature)
-            return model
-        ratio = elements_per_row(signature) / elements_per_row(self._base_signature)
-        model = self._others[signature] = self.base.scaled(ratio)
+            model.observe(rows, run_s)
+            return
+        if rows <= 0 or not math.isfinite(run_s) or run_s <= 0:
+            return
+        # Its first run sets its level, the probe's curve its shape: the guess has no
+        # weight to average with (averaged in, a guess 8x too slow still refused the
+        # shape after its first run, and it never ran again).
+        guess = self._scaled(signature)
+        predicted_s = guess.predict_s(rows)
+        model = guess.times(run_s / predicted_s) if predicted_s > 0 else guess
+        self._others[signature] = model
         if len(self._others) > MAX_SIGNATURES:
             self._others.popitem(last=False)
-        return model
+
+    def _shares_base(self, signature: Signature) -> bool:
+        return self._base_signature is None or signature == self._base_signature or not signature
+
+    def _scaled(self, signature: Signature) -> RunTimeModel:
+        assert self._base_signature is not None
+        ratio = elements_per_row(signature) / elements_per_row(self._base_signature)
+        return self.base.scaled(ratio)

@@ -7,15 +7,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 from collections.abc import Iterator
 
 from laneserve.server.config import LaneConfig
 from laneserve.server.items import Array, InferenceRequest
-
-# How far back a lane's arrival rate looks (see `ArrivalRate`): long enough to smooth a
-# burst of a few requests, short enough to follow a load that changes within a second.
-ARRIVAL_RATE_TAU_S = 0.25
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -41,27 +36,6 @@ class Entry:
     @property
     def queued_rows(self) -> int:
         return self.request.rows - self.next_row
-
-
-class ArrivalRate:
-    """Rows admitted per second, exponentially decayed: each admission adds rows / tau_s,
-    and the sum fades by a factor e every tau_s. A steady stream reads its rate; a lane
-    quiet for a few tau_s reads about 0."""
-
-    def __init__(self, tau_s: float) -> None:
-        assert tau_s > 0
-        self.tau_s = tau_s
-        self._rows_per_s = 0.0
-        self._at_s = 0.0
-
-    def add(self, rows: int, now_s: float) -> None:
-        self._rows_per_s = self.rows_per_s(now_s) + rows / self.tau_s
-        self._at_s = now_s
-
-    def rows_per_s(self, now_s: float) -> float:
-        if self._rows_per_s == 0.0:
-            return 0.0
-        return self._rows_per_s * math.exp(-max(now_s - self._at_s, 0.0) / self.tau_s)
 
 
 class Lane:
@@ -91,8 +65,6 @@ class Lane:
         # When this lane last admitted a request (None: never): it is active for
         # ACTIVE_LANE_S after, and batches of lower lanes then keep within its max_wait.
         self.last_admit_s: float | None = None
-        # Rows it admitted per second, recently: work that will go ahead of lower lanes'.
-        self.arrivals = ArrivalRate(ARRIVAL_RATE_TAU_S)
 
     @property
     def name(self) -> str:

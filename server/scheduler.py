@@ -78,11 +78,12 @@ WAIT_UTILIZATION = 0.5
 # then runs no longer than its max_wait (see `_plan`), so its next request does not
 # wait behind a long run of lower lanes.
 ACTIVE_LANE_S = 0.1
+# A queued entry cancelled this close to its deadline was cancelled by it (see `cancel`):
+# gRPC times the deadline from its own reading, a few microseconds apart from ours.
+DEADLINE_SLACK_S = 0.001
 # Decimal places a lane's share balance is kept to (see `_commit`).
 BALANCE_DIGITS = 9
-# Admission's arithmetic in fractions of a row: the fewest rows a batch is counted to
-# serve, and a remainder too small to be a row.
-MIN_ROWS_PER_BATCH = 1e-3
+# Admission's arithmetic in fractions of a row: a remainder too small to be a row.
 ROUNDING_ROWS = 1e-9
 # Suggested wait before retrying a request refused for memory pressure.
 MEMORY_PRESSURE_RETRY_S = 0.25
@@ -265,7 +266,6 @@ class Scheduler:
         )
         lane.push(entry)
         lane.last_admit_s = now_s
-        lane.arrivals.add(request.rows, now_s)
         if self._last_admit_s is not None:
             gap_s = now_s - self._last_admit_s
             self._arrival_gap_s = (
@@ -332,8 +332,10 @@ class Scheduler:
         finish_s = self._predicted_finish_s(lane, request.rows, request.signature, now_s)
         # With nothing queued or running the prediction is the run-time model's alone:
         # the request runs, so that a model that went wrong (a slow outlier, a probe of
-        # other sizes) learns; refusing it would keep the prediction wrong for good.
-        if finish_s > deadline_s and not idle:
+        # other sizes) learns; refusing it would keep the prediction wrong for good. So
+        # does a request of a shape whose model is a guess, until one of it has run.
+        measured = self._run_times.knows(request.signature)
+        if finish_s > deadline_s and not idle and measured:
             ahead = sum(other.queued_rows for other in self.lanes[: lane.priority + 1])
             raise DeadlineUnmeetableError(
                 f"deadline in {max(deadline_s - now_s, 0) * 1000:.1f} ms cannot be met: "
@@ -358,42 +360,47 @@ class Scheduler:
             head = next(iter(other), None)
             if head is not None:
                 batch_rows = min(batch_rows, self._limit_rows(now_s, head))
-        finish_s = start_s + self._queue_drain_s(lane, rows, signature, batch_rows, now_s)
+        finish_s = start_s + self._queue_drain_s(lane, rows, signature, batch_rows)
         if lane.config.min_share > 0:
             own_batches = self._share_batches(lane, rows, signature, batch_rows)
+            # The batches its share waits through are those of the highest queued work:
+            # full ones while a higher lane is saturated.
+            top = next((entry for other in self.lanes for entry in other), None)
+            top_rows = batch_rows if top is None else self._limit_rows(now_s, top)
             run_time = self._run_times.get(signature)
-            batch_s = run_time.predict_s(max(batch_rows, min(rows, self.batch_cap)))
+            batch_s = run_time.predict_s(max(batch_rows, top_rows, min(rows, self.batch_cap)))
             finish_s = min(finish_s, start_s + own_batches * batch_s)
         return finish_s
 
-    def _queue_drain_s(
-        self, lane: Lane, rows: int, signature: Signature, batch_rows: int, now_s: float
-    ) -> float:
+    def _queue_drain_s(self, lane: Lane, rows: int, signature: Signature, batch_rows: int) -> float:
         """Seconds until `rows` more rows in `lane` are served top-down in batches of
-        `batch_rows`: the rows queued in it and above, those arriving above meanwhile,
-        and what lower lanes' shares take from each batch."""
+        `batch_rows`: the rows queued in it and above, and what lower lanes' shares take
+        from each batch (work that arrives above meanwhile is not foreseen)."""
         run_time = self._run_times.get(signature)
         total = rows  # rows in `lane` and above, this request's included
         first_lower = 0  # what lower lanes' shares may take ahead in the next batch
         shares = 0.0  # what they take in each batch after (fractions of a row)
+        lower_share = 0.0  # their shares, as a fraction of a batch
         for other in self.lanes:  # one pass: this runs for every admission
             if other.priority <= lane.priority:
                 total += other.queued_rows
             elif other.queued_rows and other.config.min_share > 0:
+                head = next(iter(other))
+                if head.request.signature != signature:
+                    continue  # it cannot join this request's batches
                 share = self._share_rows(other)
                 shares += share
+                lower_share += other.config.min_share
                 allowance = share + other.share_balance_rows
                 if allowance > 0:
                     # Its allowance, or its head request whole (pass 1 takes the request
-                    # crossing it), when that head could join this request's batch.
-                    head = next(iter(other))
-                    if head.request.signature == signature:
-                        first_lower += min(
-                            self.batch_cap, max(math.ceil(allowance), head.queued_rows)
-                        )
+                    # crossing it).
+                    first_lower += min(self.batch_cap, max(math.ceil(allowance), head.queued_rows))
         # Rows of `lane` and above each batch serves: what lower lanes' shares leave (a
-        # share may be a fraction of a row: at a cap of 1, 0.85 of a row a batch).
-        per_batch = max(batch_rows - shares, MIN_ROWS_PER_BATCH)
+        # share may be a fraction of a row: at a cap of 1, 0.85 of a row a batch), and
+        # never less than their fraction of it leaves (batches an active lane keeps
+        # smaller than the shares of a full one).
+        per_batch = max(batch_rows - shares, batch_rows * (1 - lower_share))
         if total + first_lower <= batch_rows:
             drain_s = run_time.predict_s(total + first_lower)
         else:
@@ -404,14 +411,6 @@ class Scheduler:
             drain_s = (1 + int(full)) * run_time.predict_s(batch_rows)
             if rest > ROUNDING_ROWS:
                 drain_s += run_time.predict_s(min(batch_rows, math.ceil(rest + shares)))
-        # Work still arriving in higher lanes goes ahead too: at a rate `arriving` against
-        # a service rate `serving`, draining what is queued takes 1 / (1 - load) as long
-        # (for ever at a load of 1: a saturated higher lane leaves only the share below).
-        arriving = sum(above.arrivals.rows_per_s(now_s) for above in self.lanes[: lane.priority])
-        if arriving > 0:
-            serving = per_batch / run_time.predict_s(batch_rows)
-            load = arriving / serving
-            drain_s = drain_s / (1 - load) if load < 1 else math.inf
         return drain_s
 
     def _share_batches(self, lane: Lane, rows: int, signature: Signature, batch_rows: int) -> int:
@@ -435,29 +434,34 @@ class Scheduler:
             batches = math.floor(round(ahead / share, BALANCE_DIGITS)) + 1
         return max(1, batches)
 
-    def cancel(self, entry_id: int, now_s: float, *, unless_running: bool = False) -> bool:
+    def cancel(self, entry_id: int, now_s: float, *, unless_running: bool = False) -> str | None:
         """The client went away: its queued rows are freed now and no answer is due.
 
         With `unless_running`, an entry that has started (any of its rows handed to a
         batch: a request larger than the cap may have chunks done, running and queued)
         is left to finish and be answered, so that its result can be replayed to a retry
-        instead of its rows running twice. Returns whether the entry was cancelled;
-        False means its answer is given or still due.
+        instead of its rows running twice. Returns the status the entry ended with, or
+        None when it was not cancelled (its answer is given or still due): CANCELLED, or
+        EXPIRED_IN_QUEUE for a queued entry whose deadline had come (gRPC cancels a call
+        at its deadline: that is the queue's doing, not the caller's going).
         """
         entry = self._entries.get(entry_id)
         if entry is None or (unless_running and entry.next_row > 0):
-            return False
+            return None
         del self._entries[entry_id]
         entry.cancelled = True
         entry.finished = True
         lane = self.lanes[entry.priority]
+        status = "CANCELLED"
         if entry.in_lane:
+            if now_s >= entry.deadline_s - DEADLINE_SLACK_S:
+                status = ExpiredInQueueError.reason
             rows = entry.queued_rows
             lane.drop(entry)
-            self.events.shed(lane.name, "CANCELLED", rows)
+            self.events.shed(lane.name, status, rows)
         # Its terminal state: every admitted entry ends exactly once, cancelled included.
-        self.events.completed(lane.name, "CANCELLED")
-        return True
+        self.events.completed(lane.name, status)
+        return status
 
     def stop_accepting(self) -> None:
         self.accepting = False
@@ -837,7 +841,7 @@ class Scheduler:
         self._running_until_s = None
         self._last_run_s += result.run_s
         if result.error is None and not result.split:
-            self._run_times.get(batch.signature).observe(batch.rows, result.run_s)
+            self._run_times.observe(batch.signature, batch.rows, result.run_s)
         self._adapt_cap(result)
         outcomes = []
         for piece in batch.slices:

@@ -104,8 +104,8 @@ class SchedulerThread:
                 self._cond.notify_all()
             return entry_id
 
-    def cancel(self, entry_id: int, *, unless_running: bool = False) -> bool:
-        """See `Scheduler.cancel`: True when cancelled, False when an answer is still due."""
+    def cancel(self, entry_id: int, *, unless_running: bool = False) -> str | None:
+        """See `Scheduler.cancel`: the status it ended with, None when an answer is due."""
         with self._cond:
             cancelled = self._scheduler.cancel(
                 entry_id, self._clock.monotonic(), unless_running=unless_running

@@ -452,10 +452,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 raise
 
             def cancel(unless_running: bool) -> bool:
-                cancelled = self._scheduler.cancel(entry_id, unless_running=unless_running)
-                if cancelled:  # no Outcome will come: `finish` never runs
-                    self._request_over(lane, trace, "CANCELLED", arrived_s)
-                return cancelled
+                status = self._scheduler.cancel(entry_id, unless_running=unless_running)
+                if status is not None:  # no Outcome will come: `finish` never runs
+                    self._request_over(lane, trace, status, arrived_s)
+                return status is not None
 
             return cancel
 

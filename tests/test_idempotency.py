@@ -252,10 +252,10 @@ def test_abandoned_request_split_across_batches_finishes_once_started(small_mode
         async with served(engine, config(small_model, max_batch_size=2)) as s:
             thread = s.server._thread
             assert thread is not None
-            cancels: list[bool] = []
+            cancels: list[str | None] = []
             real_cancel = thread.cancel
 
-            def watched_cancel(entry_id: int, *, unless_running: bool = False) -> bool:
+            def watched_cancel(entry_id: int, *, unless_running: bool = False) -> str | None:
                 cancels.append(real_cancel(entry_id, unless_running=unless_running))
                 return cancels[-1]
 
@@ -270,7 +270,7 @@ def test_abandoned_request_split_across_batches_finishes_once_started(small_mode
             engine.release()
             await until_stats(s, lambda stats: stats.replay_cache_entries == 1)
             retried = await s.stub.Infer(request(rows(4, start=100), request_id="split"))
-        assert cancels == [False], "started work with an id is not cancelled"
+        assert cancels == [None], "started work with an id is not cancelled"
         assert task.cancelled()
         assert output(retried).shape == (4, 10)
         assert sorted(engine.ran_tags) == [100, 101, 102, 103], "every row ran once"

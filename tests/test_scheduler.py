@@ -42,7 +42,7 @@ from laneserve.server.items import (
     Outcome,
     RowsWanted,
 )
-from laneserve.server.lanes import ArrivalRate, Entry, Lane
+from laneserve.server.lanes import Entry, Lane
 from laneserve.server.scheduler import ACTIVE_LANE_S, Dispatch, Scheduler, WaitUntil
 from laneserve.server.scheduler_thread import SchedulerThread
 
@@ -1086,45 +1086,6 @@ def test_admission_counts_the_smaller_batches_an_active_higher_lane_allows() -> 
     assert done_s <= deadline_s
 
 
-def test_admission_counts_work_still_arriving_in_higher_lanes() -> None:
-    """Interactive and standard are saturated (topped up before every batch): a 60-row
-    bulk request waits for its share (0.05 of 64 rows a batch) to cover it, 20 batches,
-    80 ms. Admission counted only the rows queued above it, as if no more would come:
-    it predicted 30 ms and admitted a 50 ms deadline that then expired in the queue.
-    Work arriving above at nearly the service rate leaves the share as the bound."""
-    scheduler = make_scheduler(UNBOUNDED_SHARE_LANES, cap=64)
-    index, now_s = 1000, T0
-
-    def step() -> list[object]:
-        nonlocal index, now_s
-        for lane in ("interactive", "standard"):
-            while queued_rows(scheduler, lane) < 200:
-                scheduler.admit(make_request(index, lane, 1), now_s)
-                index += 1
-        _, outcomes, now_s = run_next(scheduler, now_s)
-        return tokens(outcomes)
-
-    for _ in range(100):  # ~0.4 s: the arrival rates settle
-        step()
-    with pytest.raises(DeadlineUnmeetableError):
-        scheduler.admit(make_request(1, "bulk", 60, deadline_s=now_s + 0.050), now_s)
-    deadline_s = now_s + 0.100
-    scheduler.admit(make_request(2, "bulk", 60, deadline_s=deadline_s), now_s)
-    while 2 not in step():
-        pass
-    assert now_s <= deadline_s
-
-
-def test_a_lanes_arrival_rate_follows_its_load() -> None:
-    rate = ArrivalRate(tau_s=0.25)
-    assert rate.rows_per_s(T0) == 0.0
-    for number in range(2_000):  # 4 rows every ms for 2 s
-        rate.add(4, T0 + number / 1000)
-    end_s = T0 + 1.999
-    assert rate.rows_per_s(end_s) == pytest.approx(4_000, rel=0.01)
-    assert rate.rows_per_s(end_s + 2.0) < 4_000 * 0.001  # quiet for 8 tau
-
-
 def _tightest_admitted_batches(scheduler: Scheduler, lane: str, now_s: float) -> int:
     """The fewest whole batches of 1 ms a 1-row request of `lane` is admitted for."""
     for batches in range(1, 1000):
@@ -1183,6 +1144,29 @@ def test_a_request_admitted_at_a_cap_of_1_meets_its_deadline(
     while 999 not in step():
         assert now_s <= deadline_s, "still queued at its deadline"
     assert now_s <= deadline_s
+
+
+def test_a_lower_share_that_cannot_join_does_not_count_against_a_request() -> None:
+    """Interactive is active, so standard's batches hold its 2-row head; bulk (share 3.2
+    rows of 64) has work of another shape, which cannot join them. Admission took bulk's
+    share out of each 2-row batch anyway: 0.001 rows a batch, and a standard request
+    with nothing queued ahead was refused even a 10 s deadline (it runs in ~12 ms)."""
+    lanes = (
+        INTERACTIVE,
+        dataclasses.replace(STANDARD, min_share=0.0),
+        dataclasses.replace(BULK, min_share=0.05),
+    )
+    scheduler = Scheduler(lanes, batch_cap=64, run_time=RunTimeModel({1: 0.002, 64: 0.003}))
+    scheduler.admit(make_request(1, "interactive", 1), T0)
+    first = dispatch(scheduler, T0, T0 + 1e-9)
+    scheduler.complete(run(first, scheduler.run_time.predict_s(first.rows)))
+    now_s = T0 + 0.002  # interactive is active
+    scheduler.admit(make_request(2, "bulk", 4, width=3), now_s)
+    for index in range(10, 14):
+        scheduler.admit(make_request(index, "standard", 2), now_s)
+    dispatch(scheduler, now_s, now_s + 0.0001)  # busy: the idle rule does not apply
+    now_s += 0.0005
+    scheduler.admit(make_request(99, "standard", 2, deadline_s=now_s + 10.0), now_s)
 
 
 def test_admission_counts_the_running_batch_and_a_lower_lanes_whole_request() -> None:
@@ -1333,6 +1317,31 @@ def test_cancel_frees_queued_rows_and_no_answer_is_ever_given() -> None:
     scheduler.cancel(cancelled, T0 + 0.005)  # a second cancel is a no-op
     assert scheduler.shed_expired(T0 + 100.0) == []
     assert scheduler.abort_all(DrainingError("shut down")) == []
+
+
+def test_a_call_cancelled_by_its_deadline_while_queued_counts_as_expired() -> None:
+    """gRPC cancels a call at its deadline: a queued request ended so was counted as
+    CANCELLED (the caller left) where it expired in the queue, and an operator reading
+    the counters looked for impatient clients instead of a long queue. One cancelled
+    before its deadline, or while it runs, is CANCELLED."""
+    events = RecordingEvents()
+    scheduler = make_scheduler(events=events)
+    running = scheduler.admit(make_request(0, "standard", 1, deadline_s=T0 + 0.010), T0)
+    dispatch(scheduler, T0, math.inf)
+    expiring = scheduler.admit(make_request(1, "standard", 1, deadline_s=T0 + 0.010), T0)
+    leaving = scheduler.admit(make_request(2, "standard", 1, deadline_s=T0 + 0.010), T0)
+    events.log.clear()
+    assert scheduler.cancel(running, T0 + 0.010) == "CANCELLED"
+    assert scheduler.cancel(leaving, T0 + 0.005) == "CANCELLED"
+    assert scheduler.cancel(expiring, T0 + 0.010) == "EXPIRED_IN_QUEUE"
+    assert scheduler.cancel(expiring, T0 + 0.011) is None
+    assert events.log == [
+        ("completed", "standard", "CANCELLED"),
+        ("shed", "standard", "CANCELLED", 1),
+        ("completed", "standard", "CANCELLED"),
+        ("shed", "standard", "EXPIRED_IN_QUEUE", 1),
+        ("completed", "standard", "EXPIRED_IN_QUEUE"),
+    ]
 
 
 def test_cancelled_item_in_flight_gets_no_answer_and_its_results_are_dropped() -> None:
@@ -1816,15 +1825,45 @@ def test_a_new_signature_starts_from_the_probe_scaled_by_its_elements() -> None:
     models = RunTimeModels(fixed_run_time(), ((2,),))
     assert models.get(((2,),)) is models.base
     assert models.get(()) is models.base  # unknown: the probe's
-    wide = models.get(((8,),))  # 4x the elements: n rows run like 4n probe rows
-    assert wide.predict_s(16) == pytest.approx(models.base.predict_s(64))
-    assert models.get(((8,),)) is wide
-    wide.observe(16, 0.010)
+    guess = models.get(((8,),))  # 4x the elements: n rows run like 4n probe rows
+    assert guess.predict_s(16) == pytest.approx(models.base.predict_s(64))
+    assert not models.knows(((8,),)), "a guess until it runs"
+    models.observe(((8,),), 16, 0.010)
+    assert models.knows(((8,),))
+    learned = models.get(((8,),))
+    assert learned.predict_s(16) > guess.predict_s(16)
     assert models.base.predict_s(64) == 0.004, "the probe's model learns only from its own"
-    for width in range(100, 100 + MAX_SIGNATURES):
-        models.get(((width,),))
-    assert models.get(((8,),)) is not wide, "the least recently used is dropped"
+    for width in range(100, 100 + MAX_SIGNATURES - 1):
+        models.get(((width,),))  # predictions (admissions) store nothing, evict nothing
+        models.observe(((width,),), 1, 0.001)
+    assert models.get(((8,),)) is learned
+    models.observe(((99,),), 1, 0.001)
+    assert not models.knows(((8,),)), "the least recently run is dropped"
     assert RunTimeModels(fixed_run_time(), None).get(((8,),)).predict_s(1) == 0.001
+
+
+def test_a_shape_whose_model_is_a_guess_is_not_refused_until_it_ran() -> None:
+    """The probe ran rows 2 wide; rows 256 wide are guessed 128x slower, far slower than
+    they run. Refused DEADLINE_UNMEETABLE on that guess, no such request ever ran, so the
+    guess was never corrected: every one was refused for good. Until one has run, the
+    guess does not refuse; after, its own model does."""
+    scheduler = Scheduler(
+        TOP_DOWN_LANES, batch_cap=CAP, run_time=fixed_run_time(), run_time_signature=((2,),)
+    )
+    scheduler.admit(make_request(0, "standard", 1), T0)
+    running = dispatch(scheduler, T0, math.inf)  # busy: the idle rule does not apply
+    wide = make_request(1, "standard", 4, width=256, deadline_s=T0 + 0.010)
+    scheduler.admit(wide, T0)  # guessed at ~16 ms
+    scheduler.complete(run(running))
+    batch = dispatch(scheduler, T0 + 0.001, math.inf)
+    scheduler.complete(run(batch, run_s=0.002))  # it ran in 2 ms: now measured
+    scheduler.admit(make_request(2, "standard", 1), T0 + 0.003)
+    dispatch(scheduler, T0 + 0.003, math.inf)
+    scheduler.admit(make_request(3, "standard", 4, width=256, deadline_s=T0 + 0.010), T0 + 0.003)
+    with pytest.raises(DeadlineUnmeetableError):  # its own model: ~2 ms, not 1 ms
+        scheduler.admit(
+            make_request(4, "standard", 4, width=256, deadline_s=T0 + 0.004), T0 + 0.003
+        )
 
 
 @pytest.mark.parametrize("measured_s", [{}, {0: 0.001}, {4: -0.001}])
