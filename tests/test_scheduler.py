@@ -1169,6 +1169,21 @@ def test_a_lower_share_that_cannot_join_does_not_count_against_a_request() -> No
     scheduler.admit(make_request(99, "standard", 2, deadline_s=now_s + 10.0), now_s)
 
 
+def test_a_share_lanes_wait_is_counted_in_the_batches_it_waits_through() -> None:
+    """Interactive is saturated (128 rows queued): every batch is a full 64-row, 4 ms one
+    and bulk gets its share (3.2 rows) of each. A 2-row bulk request behind 80 bulk rows
+    waits ~25 of them (~100 ms); admission costed those batches as runs of its own 3 rows
+    (~1.1 ms each), admitted a 50 ms deadline, and the request expired in the queue."""
+    scheduler = make_scheduler(DEFAULT_LIKE_LANES, cap=64)
+    for index in range(8):
+        scheduler.admit(make_request(index, "interactive", 16), T0)
+    for index in range(100, 140):
+        scheduler.admit(make_request(index, "bulk", 2), T0)
+    dispatch(scheduler, T0, math.inf)
+    with pytest.raises(DeadlineUnmeetableError):
+        scheduler.admit(make_request(999, "bulk", 2, deadline_s=T0 + 0.050), T0 + 0.0005)
+
+
 def test_admission_counts_the_running_batch_and_a_lower_lanes_whole_request() -> None:
     """A deadline is judged against what will really come first: the batch running now,
     and a whole request a lower lane's share takes ahead in the next batch. Without
