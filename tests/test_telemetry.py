@@ -8,13 +8,14 @@ each span as it ends), metrics with its InMemoryMetricReader. Each test builds i
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import json
 import logging
 import types
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from laneserve.server.telemetry import (
     BatchLinkSampler,
     EventLog,
     JsonFormatter,
+    ServerSpans,
     Telemetry,
     TextFormatter,
     log_event,
@@ -392,6 +394,43 @@ def test_stream_items_are_children_of_the_stream_span(small_model: Path) -> None
         assert {parent_id(span) for span in spans_named(exporter, "reply")} == {span_id(stream)}
 
     asyncio.run(scenario())
+
+
+def test_a_stream_closed_from_another_context_ends_its_span_without_errors(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """gRPC closes the servicer's response generator of a cancelled InferStream where it
+    was suspended, from another context. The stream span's context was attached across
+    the generator's yields: detaching it there failed, and "Failed to detach context"
+    was logged as an ERROR, with a traceback, for every cancelled stream."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    spans = ServerSpans(provider.get_tracer("test"))
+
+    async def behavior(*_: object) -> AsyncIterator[int]:
+        yield 1
+        yield 2
+
+    class NoDeadline:
+        def time_remaining(self) -> None:
+            return None
+
+        def code(self) -> None:
+            return None
+
+    async def scenario() -> None:
+        context: Any = NoDeadline()
+        stream: Any = spans._streaming(STREAM_SPAN, {}, behavior)(None, context)
+        assert await anext(stream) == 1
+        await asyncio.create_task(stream.aclose(), context=contextvars.Context())
+
+    caplog.set_level(logging.WARNING)
+    asyncio.run(scenario())
+    assert [record.getMessage() for record in caplog.records] == []
+    span = only(spans_named(exporter, STREAM_SPAN))
+    assert span.attributes is not None
+    assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
 
 
 def test_tracing_off_installs_nothing_on_the_request_path(small_model: Path) -> None:

@@ -112,17 +112,29 @@ class ServerSpans(grpc.aio.ServerInterceptor):
     ) -> Callable[[Any, grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Any]]:
         async def traced(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             span = self._start(method, carrier)
-            token = otel_context.attach(otel_trace.set_span_in_context(span))
+            current = otel_trace.set_span_in_context(span)
+            responses = behavior(requests, context)
             error: BaseException | None = None
             try:
-                async for response in behavior(requests, context):
+                while True:
+                    # The span is the current context while the behaviour runs, one step
+                    # at a time: attached across a `yield`, it was detached in another
+                    # context when the caller cancelled the stream (an ERROR with a
+                    # traceback logged for every cancelled InferStream).
+                    token = otel_context.attach(current)
+                    try:
+                        response = await anext(responses)
+                    except StopAsyncIteration:
+                        break
+                    finally:
+                        otel_context.detach(token)
                     yield response
             except BaseException as raised:
                 error = raised
                 raise
             finally:
+                await responses.aclose()  # its own cleanup runs now, not when collected
                 _end_server_span(span, context, error)
-                otel_context.detach(token)
 
         return traced
 
