@@ -65,6 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 MAX_INTERVAL_S = 3600.0  # finite, and within what time.sleep takes
 
 
+def _unreachable(target: str, error: grpc.RpcError, interval_s: float) -> str:
+    call: Any = error  # an RpcError that is also a Call (see `run`)
+    return (
+        f"laneserve top  {target}  unreachable: {call.code().name}: {call.details()}\n"
+        f"(polling again every {interval_s:g} s)\n"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Polls and renders until the frames asked for are shown, or Ctrl-C; 1 when the
     server cannot be reached."""
@@ -97,10 +105,20 @@ def run(args: argparse.Namespace) -> int:
             previous: Sample | None = None
             shown = 0
             while True:
-                sample = Sample(
-                    stub.GetStats(pb.GetStatsRequest(), timeout=args.timeout_s), time.monotonic()
-                )
-                frame = render(args.target, model, sample, previous)
+                try:
+                    sample = Sample(
+                        stub.GetStats(pb.GetStatsRequest(), timeout=args.timeout_s),
+                        time.monotonic(),
+                    )
+                except grpc.RpcError as error:
+                    if not shown:
+                        raise
+                    # Stopped or restarting: shown as such, and polled on; the frames
+                    # after count from the new start (see `_Rates`).
+                    frame = _unreachable(args.target, error, args.interval_s)
+                else:
+                    frame = render(args.target, model, sample, previous)
+                    previous = sample
                 if live:
                     sys.stdout.write(_CLEAR + frame)
                 else:
@@ -109,7 +127,6 @@ def run(args: argparse.Namespace) -> int:
                 shown += 1
                 if frames is not None and shown >= frames:
                     return 0
-                previous = sample
                 time.sleep(args.interval_s)
     except grpc.RpcError as error:
         call: Any = error  # grpc raises an RpcError that is also a Call; typeshed cannot say so

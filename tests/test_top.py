@@ -167,6 +167,34 @@ def test_top_runs_headless_against_a_real_server(
     assert "\x1b[" not in out  # not a terminal: no screen control codes
 
 
+def test_top_shows_a_server_that_stopped_as_unreachable_and_polls_on(
+    small_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`laneserve top` exited 1 as soon as the server it watched stopped, so it could not
+    show a restart (its rates handle one). It now shows the server as unreachable and
+    polls on; only a server unreachable from the start ends it."""
+
+    async def scenario() -> tuple[int, str]:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, ServerConfig(model_path=str(small_model))) as s:
+            argv = ["top", "--target", s.target, "--iterations", "10", "--interval-s", "0.1"]
+            top = asyncio.ensure_future(asyncio.to_thread(main, argv))
+            out = ""
+            while "laneserve top" not in out:
+                out += capsys.readouterr().out
+                await asyncio.sleep(0.01)
+            await s.server.stop(grace_s=1.0)
+            code = await top
+        return code, out + capsys.readouterr().out
+
+    code, out = asyncio.run(scenario())
+    assert code == 0
+    frames = out.split("\n\nlaneserve top")
+    assert len(frames) == 10
+    assert "SERVING" in frames[0]
+    assert "unreachable: UNAVAILABLE" in frames[-1]
+
+
 def test_top_reports_an_unreachable_target(capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as probe:  # a port nothing listens on (bound, never listening)
         probe.bind(("127.0.0.1", 0))
