@@ -67,6 +67,11 @@ class ExpiredInQueueError(LaneserveError):
     reason = "EXPIRED_IN_QUEUE"
 
 
+class JoinExpiredError(ExpiredInQueueError):
+    """A retry that joined the request with its id in flight, and whose own deadline
+    passed first: the same answer on the wire, but no entry of its own was shed."""
+
+
 class DrainingError(LaneserveError):
     code = grpc.StatusCode.UNAVAILABLE
     reason = "DRAINING"

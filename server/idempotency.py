@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from laneserve.server.clock import Clock
 from laneserve.server.errors import (
     EngineError,
-    ExpiredInQueueError,
+    JoinExpiredError,
     LaneserveError,
     RequestIdReusedError,
 )
@@ -258,7 +258,7 @@ class RequestLedger:
 
         A retry that joins a request in flight waits at most `join_timeout_s` (what is
         left of its own deadline; the scheduler enforces the first caller's): then it is
-        answered ExpiredInQueueError, and the request goes on for whoever still waits."""
+        answered JoinExpiredError, and the request goes on for whoever still waits."""
         if not request_id:
             return await self._wait(self._start("", b"", submit, finish))
         stored = self.replay.get(request_id)
@@ -278,7 +278,7 @@ class RequestLedger:
         try:
             return await asyncio.wait_for(self._wait(flight), max(join_timeout_s, 0.0))
         except TimeoutError:
-            raise ExpiredInQueueError(
+            raise JoinExpiredError(
                 f"deadline passed while this request waited for the request with the same "
                 f"request_id {request_id!r} already in flight"
             ) from None

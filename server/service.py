@@ -28,6 +28,7 @@ from laneserve.server.errors import (
     DrainingError,
     EngineError,
     InvalidInputError,
+    JoinExpiredError,
     LaneFullError,
     LaneserveError,
     bounded_message,
@@ -480,17 +481,33 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         wait_until_s = lane_config.deadline_s(arrived_s, deadline_s)
 
         async def run() -> pb.InferResponse:
-            return await self._ledger.run(
-                request.request_id,
-                digest,
-                submit,
-                finish,
-                join_timeout_s=wait_until_s - self._clock.monotonic(),
+            join_timeout_s = wait_until_s - self._clock.monotonic()
+            return await self._run_once(
+                lane, request.request_id, digest, submit, finish, join_timeout_s
             )
 
         if room is None:
             return await run()
         return await self._run_when_room(run, lane, rows, wait_until_s, room)
+
+    async def _run_once(
+        self,
+        lane: str,
+        request_id: str,
+        digest: bytes,
+        submit: Callable[[Resolve], Cancel],
+        finish: Callable[[Outcome], pb.InferResponse],
+        join_timeout_s: float,
+    ) -> pb.InferResponse:
+        """The request's answer from the ledger (see `RequestLedger.run`)."""
+        try:
+            return await self._ledger.run(
+                request_id, digest, submit, finish, join_timeout_s=join_timeout_s
+            )
+        except JoinExpiredError as error:
+            # Answered, but neither admitted nor shed: counted as its lane's refusal (it
+            # was counted nowhere, and the counters missed an answer).
+            raise self._rejected(lane, error) from None
 
     async def _run_when_room(
         self,

@@ -327,6 +327,9 @@ def test_a_retry_joining_a_request_in_flight_keeps_its_own_deadline(small_model:
         assert output(answer).shape == (2, 10)
         assert engine.ran_tags.count(70) == 1, "ran once"
         assert stats.idempotent_joins == 2
+        # Each expired join is counted, as its lane's refusal (it was counted nowhere).
+        joins_expired = {lane.name: lane.rejected["EXPIRED_IN_QUEUE"] for lane in stats.lanes}
+        assert joins_expired == {"interactive": 1, "standard": 1}
 
     asyncio.run(scenario())
 
