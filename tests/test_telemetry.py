@@ -793,21 +793,24 @@ def test_refusals_are_logged_in_aggregate_at_most_once_per_interval(
     events.rejected("standard", "LANE_FULL")
     events.flush()  # at shutdown: whatever is left
     lines = [(record.getMessage(), record.fields) for record in caplog.records]  # type: ignore[attr-defined]
+    # The burst of 501 took no time: it was written 10 s after (a window from the first
+    # refusal to the line read "in 10.0s"; a 4 s flood logged 22 s later read 22.5 s).
     assert lines == [
         (
             "admission refused 1 request(s) in 0.0s",
-            {"refused": {"standard/LANE_FULL": 1}, "window_s": 0.0},
+            {"refused": {"standard/LANE_FULL": 1}, "window_s": 0.0, "last_ago_s": 0.0},
         ),
         (
-            "admission refused 501 request(s) in 10.0s",
+            "admission refused 501 request(s) in 0.0s, the last 10.0s ago",
             {
                 "refused": {"standard/LANE_FULL": 500, "bulk/MEMORY_PRESSURE": 1},
-                "window_s": 10.0,
+                "window_s": 0.0,
+                "last_ago_s": 10.0,
             },
         ),
         (
             "admission refused 1 request(s) in 0.0s",
-            {"refused": {"standard/LANE_FULL": 1}, "window_s": 0.0},
+            {"refused": {"standard/LANE_FULL": 1}, "window_s": 0.0, "last_ago_s": 0.0},
         ),
     ]
     assert all(record.levelno == logging.WARNING for record in caplog.records)

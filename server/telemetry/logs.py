@@ -20,6 +20,8 @@ log = logging.getLogger("laneserve.server.telemetry")
 
 # Refusals are logged in aggregate: the first at once, then at most one line per interval.
 REFUSAL_LOG_INTERVAL_S = 10.0
+# A refusal line written this long after the last refusal it counts says how long ago.
+LATE_LINE_S = 0.1
 
 
 def log_event(logger: logging.Logger, level: int, event: str, message: str, **fields: Any) -> None:
@@ -102,14 +104,17 @@ class EventLog:
         self._lock = threading.Lock()
         self._refused: dict[str, int] = {}
         self._window_start_s = monotonic()
+        self._last_refused_s = self._window_start_s
         self._last_line_s = -float("inf")
 
     def rejected(self, lane: str, reason: str) -> None:
         key = f"{lane}/{reason}"
         with self._lock:
+            now_s = self._monotonic()
             if not self._refused:
                 # A burst's window opens at its first refusal, not at the last line.
-                self._window_start_s = self._monotonic()
+                self._window_start_s = now_s
+            self._last_refused_s = now_s
             self._refused[key] = self._refused.get(key, 0) + 1
         self._maybe_flush()
 
@@ -123,15 +128,20 @@ class EventLog:
                 return
             refused, self._refused = self._refused, {}
             now_s = self._monotonic()
-            window_s = now_s - self._window_start_s
+            # From the first refusal to the last: a line flushed late (by the next event,
+            # or at shutdown) does not stretch a short burst over the quiet after it.
+            window_s = self._last_refused_s - self._window_start_s
+            ago_s = now_s - self._last_refused_s
             self._window_start_s = self._last_line_s = now_s
+        late = f", the last {ago_s:.1f}s ago" if ago_s >= LATE_LINE_S else ""
         log_event(
             log,
             logging.WARNING,
             "admission_refused",
-            f"admission refused {sum(refused.values())} request(s) in {window_s:.1f}s",
+            f"admission refused {sum(refused.values())} request(s) in {window_s:.1f}s{late}",
             refused=refused,
             window_s=round(window_s, 3),
+            last_ago_s=round(ago_s, 3),
         )
 
     def admitted(self, lane: str, rows: int) -> None:
