@@ -660,8 +660,9 @@ class GetStatsResponse(_message.Message):
     mean_batch_size: _builtins.float
     batch_cap: _builtins.int
     rows_run: _builtins.int
-    """Rows that ran to an answer: rows of batches that failed whole, and rows of a split
-    batch that failed, are not counted.
+    """Rows the session ran to outputs: rows of batches that failed whole, and rows of a
+    split batch that failed, are not counted; rows whose caller left while they ran are
+    (the work was done; the caller's answer is in lanes[].answered["CANCELLED"]).
     """
     uptime_s: _builtins.float
     state: _builtins.str
