@@ -259,18 +259,22 @@ class LaneServer:
             fixed_cap=config.batch_cap is not None,
             gauge=device,
         )
-        log.info(
-            "probe: batch_cap=%d (max_batch_size %d, first out-of-memory at %s rows) "
-            "memory_limit=%s estimate=%s measured=%s run time by batch size %s",
-            self.probe.batch_cap,
-            config.max_batch_size,
-            self.probe.first_failing_rows,
-            "none"
-            if engine.memory_limit_bytes is None
-            else format_bytes(engine.memory_limit_bytes),
-            _line(self.memory_estimate),
-            _line(self.probe.memory_fit),
-            {rows: f"{seconds * 1000:.2f}ms" for rows, seconds in self.probe.run_s.items()},
+        run_ms = {rows: round(seconds * 1000, 3) for rows, seconds in self.probe.run_s.items()}
+        limit = engine.memory_limit_bytes
+        log_event(
+            log,
+            logging.INFO,
+            "probe",
+            f"probe: batch_cap={self.probe.batch_cap} (max_batch_size {config.max_batch_size}, "
+            f"first out-of-memory at {self.probe.first_failing_rows} rows) "
+            f"memory_limit={'none' if limit is None else format_bytes(limit)} "
+            f"estimate={_line(self.memory_estimate)} measured={_line(self.probe.memory_fit)} "
+            f"run time by batch size { {rows: f'{ms:.2f}ms' for rows, ms in run_ms.items()} }",
+            batch_cap=self.probe.batch_cap,
+            max_batch_size=config.max_batch_size,
+            first_failing_rows=self.probe.first_failing_rows,
+            memory_limit_bytes=limit,
+            run_ms=run_ms,
         )
         self.stats = StatsRecorder([lane.name for lane in config.lanes])
         self.telemetry = telemetry or Telemetry.from_config(config, engine.providers)

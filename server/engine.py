@@ -199,11 +199,22 @@ class Engine:
         self._lock = threading.Lock()
         self._running: ort.RunOptions | None = None
         self._terminated = False
+        limit = "none" if memory_limit_bytes is None else format_bytes(memory_limit_bytes)
+        # As `telemetry.log_event` writes it (not imported: telemetry imports this module):
+        # with --log-format json, the fields are members, not only words in the message.
         log.info(
             "session ready: model=%s providers=%s memory_limit=%s",
             model_path,
             self.providers,
-            "none" if memory_limit_bytes is None else format_bytes(memory_limit_bytes),
+            limit,
+            extra={
+                "event": "session_ready",
+                "fields": {
+                    "model": model_path,
+                    "providers": list(self.providers),
+                    "memory_limit_bytes": memory_limit_bytes,
+                },
+            },
         )
 
     @staticmethod

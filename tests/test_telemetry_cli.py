@@ -68,6 +68,11 @@ def test_console_traces_json_logs_and_metrics_from_a_real_process(small_model: P
                 break
         startup = log_lines[-1]
         assert startup["event"] == "startup", log_lines
+        # The start-up lines carry their figures as members, not only in the message.
+        events = {line.get("event"): line for line in log_lines}
+        assert events["session_ready"]["providers"] == ["CPUExecutionProvider"]
+        assert events["probe"]["batch_cap"] >= 1
+        assert events["probe"]["run_ms"]["1"] > 0
         assert startup["tracing"] is True
         assert startup["providers"] == ["CPUExecutionProvider"]
         port, metrics_port = startup["port"], startup["metrics_port"]
