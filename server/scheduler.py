@@ -85,6 +85,8 @@ DEADLINE_SLACK_S = 0.001
 BALANCE_DIGITS = 9
 # Admission's arithmetic in fractions of a row: a remainder too small to be a row.
 ROUNDING_ROWS = 1e-9
+# Why the batch cap moves (`SchedulerEvents.cap_changed`): lowered, raised back.
+CAP_CHANGE_REASONS = ("out_of_memory", "recovered")
 # Suggested wait before retrying a request refused for memory pressure.
 MEMORY_PRESSURE_RETRY_S = 0.25
 

@@ -698,6 +698,13 @@ def test_prometheus_endpoint_serves_the_metrics_over_http(small_model: Path) -> 
             if sample.name == "laneserve_grpc_calls_total"
         }
         assert grpc_calls == {"started": 1.0, "succeeded": 1.0, "failed": 0.0}
+        # The cap's moves too (it appeared only at its first change).
+        cap_changes = {
+            sample.labels["reason"]: sample.value
+            for sample in families["laneserve_batch_cap_changes"].samples
+            if sample.name == "laneserve_batch_cap_changes_total"
+        }
+        assert cap_changes == {"out_of_memory": 0.0, "recovered": 0.0}
         assert "laneserve_device_utilization_ratio" not in families  # no GPU here
         # The endpoint goes away with the server.
         with pytest.raises(urllib.error.URLError):

@@ -41,7 +41,7 @@ from laneserve.server.errors import LaneserveError
 from laneserve.server.events import NullEvents
 from laneserve.server.grpc_calls import GrpcCalls
 from laneserve.server.items import Batch
-from laneserve.server.scheduler import LaneDepth
+from laneserve.server.scheduler import CAP_CHANGE_REASONS, LaneDepth
 from laneserve.server.stats import Counts
 from laneserve.server.telemetry.device import DeviceMonitor
 
@@ -118,7 +118,12 @@ _COUNTERS: tuple[
         "laneserve.batch.cap.changes",
         "Batch cap moves: out_of_memory (lowered), recovered (raised)",
         ("reason",),
-        lambda counts: {(reason,): count for reason, count in counts.cap_changes.items()},
+        # Both reasons from the start: a series that appears only at its first change
+        # cannot be alerted on with increase() (nothing to compare it with).
+        lambda counts: {
+            (reason,): counts.cap_changes.get(reason, 0)
+            for reason in {*CAP_CHANGE_REASONS, *counts.cap_changes}
+        },
     ),
 )
 
