@@ -38,6 +38,9 @@ class RunTimeModel:
             raise ValueError(f"expected run times for batch sizes >= 1, got {dict(measured_s)}")
         self._sizes = sorted(measured_s)
         self._seconds = [float(measured_s[rows]) for rows in self._sizes]
+        # rows_within_s answers until the next observation: asked for each lane's
+        # max_wait on every admission and plan, a bisection of ~7 predictions each time.
+        self._within: dict[tuple[float, int], int] = {}
 
     def predict_s(self, rows: float) -> float:
         """Seconds one batch of `rows` rows is expected to run."""
@@ -58,6 +61,9 @@ class RunTimeModel:
     def rows_within_s(self, seconds: float, cap: int) -> int:
         """The most rows (1 to `cap`) one batch of which is expected to run within
         `seconds` (by bisection: run time grows with rows)."""
+        known = self._within.get((seconds, cap))
+        if known is not None:
+            return known
         low, high = 1, cap
         while low < high:
             middle = (low + high + 1) // 2
@@ -65,6 +71,7 @@ class RunTimeModel:
                 low = middle
             else:
                 high = middle - 1
+        self._within[(seconds, cap)] = low
         return low
 
     def drain_s(self, rows: int, batch_cap: int) -> float:
@@ -76,6 +83,7 @@ class RunTimeModel:
         """Folds one measured run into the nearest measured size (or adds the size)."""
         if rows <= 0 or not math.isfinite(run_s) or run_s < 0:
             return
+        self._within.clear()
         predicted_s = self.predict_s(rows)
         if predicted_s > 0:
             run_s = min(max(run_s, predicted_s / _OUTLIER_RATIO), predicted_s * _OUTLIER_RATIO)

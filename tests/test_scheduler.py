@@ -1895,6 +1895,9 @@ def test_rows_within_a_time_follow_the_run_time_model() -> None:
     assert model.rows_within_s(0.002, 64) == 22  # 1 ms + 21/63 * 3 ms = 2 ms
     assert model.rows_within_s(0.0005, 64) == 1, "one row at least"
     assert model.rows_within_s(1.0, 64) == 64, "never above the cap"
+    for _ in range(20):  # runs of 64 rows now take 10 ms: the answer follows (not cached)
+        model.observe(64, 0.010)
+    assert model.rows_within_s(0.002, 64) < 22
 
 
 def test_lower_lanes_ride_along_only_within_the_top_lanes_max_wait() -> None:
