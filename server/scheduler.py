@@ -357,18 +357,22 @@ class Scheduler:
         # Batches hold what the limit of the work they serve allows: an active higher
         # lane keeps them small. The smallest limit among the heads of this lane and the
         # lanes above (and this request's own) is the rate the queue drains at.
-        batch_rows = self._batch_limit(now_s, lane.priority, signature, rows)
-        for other in self.lanes[: lane.priority + 1]:
-            head = next(iter(other), None)
-            if head is not None:
-                batch_rows = min(batch_rows, self._limit_rows(now_s, head))
+        head_limits = [
+            self._limit_rows(now_s, head)
+            for other in self.lanes[: lane.priority + 1]
+            if (head := next(iter(other), None)) is not None
+        ]
+        batch_rows = min([self._batch_limit(now_s, lane.priority, signature, rows), *head_limits])
         finish_s = start_s + self._queue_drain_s(lane, rows, signature, batch_rows)
         if lane.config.min_share > 0:
             own_batches = self._share_batches(lane, rows, signature, batch_rows)
             # The batches its share waits through are those of the highest queued work:
             # full ones while a higher lane is saturated.
-            top = next((entry for other in self.lanes for entry in other), None)
-            top_rows = batch_rows if top is None else self._limit_rows(now_s, top)
+            if head_limits:
+                top_rows = head_limits[0]
+            else:
+                top = next((entry for other in self.lanes for entry in other), None)
+                top_rows = batch_rows if top is None else self._limit_rows(now_s, top)
             run_time = self._run_times.get(signature)
             batch_s = run_time.predict_s(max(batch_rows, top_rows, min(rows, self.batch_cap)))
             finish_s = min(finish_s, start_s + own_batches * batch_s)

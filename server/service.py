@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -479,13 +480,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         # A retry that joins the request in flight waits no longer than it would in its
         # own lane: its deadline, else its lane's timeout.
         wait_until_s = lane_config.deadline_s(arrived_s, deadline_s)
-
-        async def run() -> pb.InferResponse:
-            join_timeout_s = wait_until_s - self._clock.monotonic()
-            return await self._run_once(
-                lane, request.request_id, digest, submit, finish, join_timeout_s
-            )
-
+        run = functools.partial(
+            self._run_once, lane, request.request_id, digest, submit, finish, wait_until_s
+        )
         if room is None:
             return await run()
         return await self._run_when_room(run, lane, rows, wait_until_s, room)
@@ -497,12 +494,17 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         digest: bytes,
         submit: Callable[[Resolve], Cancel],
         finish: Callable[[Outcome], pb.InferResponse],
-        join_timeout_s: float,
+        wait_until_s: float,
     ) -> pb.InferResponse:
-        """The request's answer from the ledger (see `RequestLedger.run`)."""
+        """The request's answer from the ledger (see `RequestLedger.run`); a retry that
+        joins the request in flight waits until `wait_until_s` at most."""
         try:
             return await self._ledger.run(
-                request_id, digest, submit, finish, join_timeout_s=join_timeout_s
+                request_id,
+                digest,
+                submit,
+                finish,
+                join_timeout_s=wait_until_s - self._clock.monotonic(),
             )
         except JoinExpiredError as error:
             # Answered, but neither admitted nor shed: counted as its lane's refusal (it
