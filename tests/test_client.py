@@ -254,15 +254,12 @@ def test_full_lane_is_lane_full_error_with_the_server_retry_delay(small_model: P
         engine = RecordingEngine(str(small_model))
         server_config = config(small_model, lanes=lanes)
         async with client_for(engine, server_config, retry=lc.NO_RETRIES) as (s, client):
-            engine.hold()
-            running = asyncio.ensure_future(client.infer({"input": rows(1)}))
-            await asyncio.to_thread(engine.entered.acquire)
-            queued = asyncio.ensure_future(client.infer({"input": rows(4)}))
-            await until(lambda: queued_rows(s) == 4)
-            with pytest.raises(lc.LaneFullError) as caught:
-                await client.infer({"input": rows(1)}, request_id="full-1")
-            engine.release()
-            await asyncio.gather(running, queued)
+            async with one_running(engine, client):
+                queued = asyncio.ensure_future(client.infer({"input": rows(4)}))
+                await until(lambda: queued_rows(s) == 4)
+                with pytest.raises(lc.LaneFullError) as caught:
+                    await client.infer({"input": rows(1)}, request_id="full-1")
+            await queued
         error = caught.value
         assert error.reason == "LANE_FULL"
         assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -281,18 +278,16 @@ def test_unmeetable_deadline_is_deadline_unmeetable_error(demo_model: Path) -> N
 
     async def scenario() -> None:
         engine = RecordingEngine(str(demo_model))
-        async with client_for(engine, config(demo_model, max_batch_size=1)) as (s, client):
-            engine.hold()
-            running = asyncio.ensure_future(client.infer({"input": rows(1)}))
-            await asyncio.to_thread(engine.entered.acquire)
+        async with (
+            client_for(engine, config(demo_model, max_batch_size=1)) as (s, client),
+            one_running(engine, client),
+        ):
             ahead = asyncio.ensure_future(client.infer({"input": rows(2000)}))
             await until(lambda: queued_rows(s) == 2000)
             with pytest.raises(lc.DeadlineUnmeetableError) as caught:
                 await client.infer({"input": rows(1)}, timeout=0.5)
             ahead.cancel()
             await until(lambda: queued_rows(s) == 0)
-            engine.release()
-            await running
         assert caught.value.reason == "DEADLINE_UNMEETABLE"
         assert isinstance(caught.value, lc.DeadlineExceededError)
         assert not caught.value.retryable
@@ -305,14 +300,13 @@ def test_expiry_in_the_queue_is_expired_in_queue_error(small_model: Path) -> Non
 
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
-        async with client_for(engine, config(small_model, lanes=lanes)) as (_s, client):
-            engine.hold()
-            running = asyncio.ensure_future(client.infer({"input": rows(1)}))
-            await asyncio.to_thread(engine.entered.acquire)
+        # The running one is past its deadline too, but running: it finishes.
+        async with (
+            client_for(engine, config(small_model, lanes=lanes)) as (_s, client),
+            one_running(engine, client),
+        ):
             with pytest.raises(lc.ExpiredInQueueError) as caught:
                 await client.infer({"input": rows(1)})
-            engine.release()
-            await running  # past its deadline too, but running: it finishes
         assert caught.value.reason == "EXPIRED_IN_QUEUE"
         assert isinstance(caught.value, lc.DeadlineExceededError)
 
@@ -322,14 +316,12 @@ def test_expiry_in_the_queue_is_expired_in_queue_error(small_model: Path) -> Non
 def test_caller_deadline_is_deadline_exceeded_error(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
-        async with client_for(engine, config(small_model)) as (_s, client):
-            engine.hold()
-            running = asyncio.ensure_future(client.infer({"input": rows(1)}))
-            await asyncio.to_thread(engine.entered.acquire)
+        async with (
+            client_for(engine, config(small_model)) as (_s, client),
+            one_running(engine, client),
+        ):
             with pytest.raises(lc.DeadlineExceededError) as caught:
                 await client.infer({"input": rows(1)}, timeout=0.1)
-            engine.release()
-            await running
         # The server answers EXPIRED_IN_QUEUE at the same deadline: either may come first.
         assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
@@ -340,15 +332,11 @@ def test_draining_server_is_server_draining_error(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
         async with client_for(engine, config(small_model), retry=lc.NO_RETRIES) as (s, client):
-            engine.hold()
-            running = asyncio.ensure_future(client.infer({"input": rows(1)}))
-            await asyncio.to_thread(engine.entered.acquire)
-            stopping = asyncio.ensure_future(s.server.stop(grace_s=30))
-            await until(lambda: s.server.state is Lifecycle.DRAINING)
-            with pytest.raises(lc.ServerDrainingError) as caught:
-                await client.infer({"input": rows(1)})
-            engine.release()
-            await running
+            async with one_running(engine, client):
+                stopping = asyncio.ensure_future(s.server.stop(grace_s=30))
+                await until(lambda: s.server.state is Lifecycle.DRAINING)
+                with pytest.raises(lc.ServerDrainingError) as caught:
+                    await client.infer({"input": rows(1)})
             await stopping
         assert caught.value.reason == "DRAINING"
         assert caught.value.retryable
@@ -365,14 +353,12 @@ def test_grpcs_own_call_limit_is_a_retryable_server_busy_error(small_model: Path
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
         server_config = config(small_model, max_concurrent_rpcs=1)
-        async with client_for(engine, server_config, retry=lc.NO_RETRIES) as (_s, client):
-            engine.hold()
-            running = asyncio.ensure_future(client.infer({"input": rows(1)}))
-            await asyncio.to_thread(engine.entered.acquire)
+        async with (
+            client_for(engine, server_config, retry=lc.NO_RETRIES) as (_s, client),
+            one_running(engine, client),
+        ):
             with pytest.raises(lc.ServerBusyError) as caught:
                 await client.infer({"input": rows(1)})
-            engine.release()
-            await running
         assert caught.value.retryable
         assert isinstance(caught.value, lc.ResourceExhaustedError)
         assert "max_concurrent_rpcs" in caught.value.message
@@ -773,6 +759,20 @@ def test_test_mode_keeps_the_deadline_decision() -> None:
 
 
 # ---- helpers ---------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def one_running(engine: RecordingEngine, client: lc.AsyncClient) -> AsyncIterator[None]:
+    """A 1-row request held in the session while the body runs, released and answered
+    after it: the server is busy, so what the body sends queues or is refused."""
+    engine.hold()
+    running = asyncio.ensure_future(client.infer({"input": rows(1)}))
+    try:
+        await asyncio.to_thread(engine.entered.acquire)
+        yield
+    finally:
+        engine.release()
+        await running
 
 
 @contextlib.asynccontextmanager
