@@ -74,6 +74,11 @@ class Lane:
         """Live entries, oldest first."""
         return (entry for entry in self._entries if entry.in_lane)
 
+    def head(self) -> Entry | None:
+        """The oldest live entry (None: none), in O(1): tombstones never lead the deque
+        (`_leave` pops them)."""
+        return self._entries[0] if self._entries else None
+
     def has_room(self, rows: int) -> bool:
         return self.queued_rows + rows <= self.config.capacity_rows
 
@@ -102,7 +107,7 @@ class Lane:
         self._leave(entry)
 
     def oldest_enqueued_s(self) -> float | None:
-        head = next(iter(self), None)
+        head = self.head()
         return None if head is None else head.enqueued_s
 
     def _leave(self, entry: Entry) -> None:

@@ -360,7 +360,7 @@ class Scheduler:
         head_limits = [
             self._limit_rows(now_s, head)
             for other in self.lanes[: lane.priority + 1]
-            if (head := next(iter(other), None)) is not None
+            if (head := other.head()) is not None
         ]
         batch_rows = min([self._batch_limit(now_s, lane.priority, signature, rows), *head_limits])
         finish_s = start_s + self._queue_drain_s(lane, rows, signature, batch_rows)
@@ -391,7 +391,8 @@ class Scheduler:
             if other.priority <= lane.priority:
                 total += other.queued_rows
             elif other.queued_rows and other.config.min_share > 0:
-                head = next(iter(other))
+                head = other.head()
+                assert head is not None
                 if head.request.signature != signature:
                     continue  # it cannot join this request's batches
                 share = self._share_rows(other)
@@ -611,7 +612,8 @@ class Scheduler:
             )
             used, unfit = batch.fill(lane, take)
             plan.share_used[lane.priority] = (allowance, used)
-            head = next(iter(lane))
+            head = lane.head()
+            assert head is not None
             # Blocked lanes bank credit up to their head, and the share that may cross
             # it: none is lost between the batch its credit first covers the head and
             # the one it runs (see `_owed_head`). Room an owed head took makes nobody
@@ -680,7 +682,8 @@ class Scheduler:
         for lane in self.lanes:
             if lane.config.min_share == 0 or lane.queued_rows == 0:
                 continue
-            head = next(iter(lane))
+            head = lane.head()
+            assert head is not None
             if head.request.signature == top.request.signature and not lane.room_blocked:
                 continue
             if lane.share_balance_rows >= min(head.queued_rows, self.batch_cap):
@@ -729,7 +732,8 @@ class Scheduler:
         if lane.config.min_share == 0 or lane.queued_rows == 0:
             return 0
         allowance = self._allowance(lane)
-        head = next(iter(lane))
+        head = lane.head()
+        assert head is not None
         if allowance <= 0 or head.request.signature != signature:
             return 0
         share = self._share_rows(lane)

@@ -1737,13 +1737,16 @@ def test_lane_drop_frees_rows_at_once_and_keeps_fifo_order() -> None:
     lane.drop(middle)
     assert (lane.queued_rows, lane.queued_entries) == (6, 2)
     assert list(lane) == [first, last]
+    assert lane.head() is first
     assert lane.take(first, 1) == 0
     assert lane.take(first, 1) == 1
     assert list(lane) == [last]
+    assert lane.head() is last, "the dropped middle entry never leads"
     assert lane.oldest_enqueued_s() == T0
     assert lane.take(last, 4) == 0
     assert (lane.queued_rows, lane.queued_entries) == (0, 0)
     assert list(lane) == []
+    assert lane.head() is None
     assert lane.oldest_enqueued_s() is None
 
 
