@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import signal
 import socket
@@ -16,6 +17,8 @@ import onnxruntime as ort
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from laneserve.client import cli as client_cli
+from laneserve.server import cli as server_cli
 from laneserve.server.engine import CPU, CUDA, choose_providers, gpu_present
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import REPO, SERVE, ServerProcess, output, request, rows, unused_port
@@ -327,3 +330,24 @@ def test_a_sigterm_as_soon_as_it_serves_is_a_drain(small_model: Path) -> None:
                 process.kill()
     assert "SIGTERM: draining" in stderr
     assert "stopped" in stderr
+
+
+def _parsers_within(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """`parser` and every subcommand's parser below it."""
+    yield parser
+    for action in parser._actions:  # argparse keeps no public list of subparsers
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield from _parsers_within(child)
+
+
+@pytest.mark.parametrize(
+    "parser", [server_cli._parser(), client_cli._parser()], ids=["laneserve", "laneserve-client"]
+)
+def test_every_commands_help_renders(parser: argparse.ArgumentParser) -> None:
+    """`laneserve bench --help` died with a TypeError: a help text held "N% of", which
+    argparse read as a %-format."""
+    commands = list(_parsers_within(parser))
+    assert len(commands) > 2
+    for command in commands:
+        assert command.format_help()

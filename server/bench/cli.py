@@ -72,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE,...",
         help="a stream of scenario x, offered together with the other --mix streams; keys: "
-        + "; ".join(f"{key}: {meaning}" for key, meaning in MIX_KEYS.items()),
+        # argparse %-formats help texts: a "%" of the keys' texts must be doubled.
+        + "; ".join(f"{key}: {meaning}" for key, meaning in MIX_KEYS.items()).replace("%", "%%"),
     )
     parser.add_argument("--workers", type=_counts, help="N-workers process counts, e.g. 2,4")
     parser.add_argument(
