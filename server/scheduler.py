@@ -298,12 +298,19 @@ class Scheduler:
     def room_wait_s(self, lane_name: str, rows: int) -> float | None:
         """None when lane `lane_name` has room for `rows` more rows (or never will: more
         than it holds, or no such lane; admission says why), else about how long until
-        it has: the run time of the rows over its room."""
+        it has (see `_room_in_s`)."""
         lane = self._by_name.get(lane_name)
         if lane is None or rows > lane.config.capacity_rows or lane.has_room(rows):
             return None
+        return self._room_in_s(lane, rows, self.run_time)
+
+    def _room_in_s(self, lane: Lane, rows: int, run_time: RunTimeModel) -> float:
+        """About how long until full `lane` has room for `rows` more rows: the run time
+        of the rows over its room, at most the lane's timeout (by then every row queued
+        now has run or expired). A run-time model that is a guess (a shape not yet run)
+        or a slow outlier advised clients to stay away for minutes."""
         excess = lane.queued_rows + rows - lane.config.capacity_rows
-        return self.run_time.drain_s(excess, self.batch_cap)
+        return min(run_time.drain_s(excess, self.batch_cap), lane.config.timeout_ms / 1000)
 
     def _check_admission(self, request: InferenceRequest, lane: Lane, now_s: float) -> None:
         if not self.accepting:
@@ -328,14 +335,11 @@ class Scheduler:
                 f"{lane.config.capacity_rows} rows (split it, or use a lane with more capacity)"
             )
         if not lane.has_room(request.rows):
-            excess = lane.queued_rows + request.rows - lane.config.capacity_rows
+            run_time = self._run_times.get(request.signature)
             raise LaneFullError(
                 f"lane {lane.name!r} is full: {lane.queued_rows} of "
                 f"{lane.config.capacity_rows} rows queued, request has {request.rows}",
-                retry_after_s=max(
-                    self._run_times.get(request.signature).drain_s(excess, self.batch_cap),
-                    0.001,
-                ),
+                retry_after_s=max(self._room_in_s(lane, request.rows, run_time), 0.001),
             )
         deadline_s = lane.config.deadline_s(now_s, request.deadline_s)
         finish_s = self._predicted_finish_s(lane, request.rows, request.signature, now_s)

@@ -977,6 +977,19 @@ def test_full_lane_refuses_with_pushback_and_queues_nothing() -> None:
     assert queued_rows(scheduler, "interactive") == INTERACTIVE.capacity_rows
 
 
+def test_the_retry_hint_of_a_full_lane_is_at_most_its_timeout() -> None:
+    """By the lane's timeout every row queued now has run or expired. The hint was the
+    run time of the excess alone: with a slow run-time model (a shape's guess, an
+    outlier) it told clients to stay away for hours."""
+    lanes = (dataclasses.replace(INTERACTIVE, capacity_rows=64, timeout_ms=500),)
+    scheduler = Scheduler(lanes, batch_cap=8, run_time=RunTimeModel({1: 60.0, 8: 480.0}))
+    scheduler.admit(make_request(0, "interactive", 64), T0)
+    with pytest.raises(LaneFullError) as refused:
+        scheduler.admit(make_request(1, "interactive", 32), T0)
+    assert refused.value.retry_after_s == pytest.approx(0.5)
+    assert scheduler.room_wait_s("interactive", 32) == pytest.approx(0.5)
+
+
 def test_request_with_more_rows_than_the_lane_holds_is_invalid() -> None:
     scheduler = make_scheduler()
     with pytest.raises(InvalidInputError, match="interactive"):
