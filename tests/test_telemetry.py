@@ -782,11 +782,32 @@ class FakeClock:
         return self.now_s
 
 
+class FakeTimers:
+    """`EventLog`'s timers, run by hand: (delay, action, cancelled) per timer started."""
+
+    class Timer:
+        def __init__(self, delay_s: float, action: Callable[[], None]) -> None:
+            self.delay_s = delay_s
+            self.action = action
+            self.cancelled = False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    def __init__(self) -> None:
+        self.started: list[FakeTimers.Timer] = []
+
+    def __call__(self, delay_s: float, action: Callable[[], None]) -> FakeTimers.Timer:
+        timer = FakeTimers.Timer(delay_s, action)
+        self.started.append(timer)
+        return timer
+
+
 def test_refusals_are_logged_in_aggregate_at_most_once_per_interval(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     clock = FakeClock()
-    events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock)
+    events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock, timer=FakeTimers())
     caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
     events.rejected("standard", "LANE_FULL")  # the first is logged at once
     for _ in range(500):
@@ -823,8 +844,36 @@ def test_refusals_are_logged_in_aggregate_at_most_once_per_interval(
     assert all(record.levelno == logging.WARNING for record in caplog.records)
 
 
+def test_the_last_refusals_of_a_burst_are_logged_when_their_interval_ends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A flood, then nothing: its line waited for the next event (which an idle server may
+    not see for hours) or for shutdown. A timer writes it when its interval ends."""
+    clock, timers = FakeClock(), FakeTimers()
+    events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock, timer=timers)
+    caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
+    events.rejected("standard", "LANE_FULL")  # logged at once: no timer
+    assert timers.started == []
+    clock.now_s += 2
+    for _ in range(300):
+        events.rejected("standard", "LANE_FULL")
+    (timer,) = timers.started  # one for the burst, due when the interval ends
+    assert timer.delay_s == pytest.approx(8.0)
+    clock.now_s += 8
+    timer.action()
+    assert [record.getMessage() for record in caplog.records] == [
+        "admission refused 1 request(s) in 0.0s",
+        "admission refused 300 request(s) in 0.0s, the last 8.0s ago",
+    ]
+    events.rejected("bulk", "LANE_FULL")  # the next burst gets a timer of its own
+    assert len(timers.started) == 2
+    events.close()
+    assert timers.started[1].cancelled
+    assert caplog.records[-1].getMessage() == "admission refused 1 request(s) in 0.0s"
+
+
 def test_out_of_memory_and_recovery_are_logged(caplog: pytest.LogCaptureFixture) -> None:
-    events = EventLog(max_batch_size=64)
+    events = EventLog(max_batch_size=64, timer=FakeTimers())
     caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
     events.out_of_memory(64)
     events.cap_changed(64, 32, "out_of_memory")
@@ -877,7 +926,7 @@ def test_a_late_refusal_burst_is_timed_from_its_first_refusal(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     clock = FakeClock()
-    events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock)
+    events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock, timer=FakeTimers())
     caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
     clock.now_s += 3600  # an hour of quiet after start-up
     events.rejected("bulk", "LANE_FULL")

@@ -133,7 +133,7 @@ class Telemetry:
 
     def close(self) -> None:
         """Flushes spans and the refusal log, stops the endpoint. Call once, at stop."""
-        self.event_log.flush()
+        self.event_log.close()
         if self.tracing is not None:
             self.tracing.close()
         if self._tracer_provider is not None:

@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from laneserve.server.errors import LaneserveError
 from laneserve.server.items import Batch
@@ -22,6 +22,18 @@ log = logging.getLogger("laneserve.server.telemetry")
 REFUSAL_LOG_INTERVAL_S = 10.0
 # A refusal line written this long after the last refusal it counts says how long ago.
 LATE_LINE_S = 0.1
+
+
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+def start_timer(delay_s: float, action: Callable[[], None]) -> Timer:
+    """Runs `action` on a daemon thread after `delay_s` (it does not hold up exit)."""
+    timer = threading.Timer(delay_s, action)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def log_event(logger: logging.Logger, level: int, event: str, message: str, **fields: Any) -> None:
@@ -85,8 +97,10 @@ class EventLog:
     """A `SchedulerEvents` sink for the events an operator must hear of unasked.
 
     Refusals come in bursts of thousands, so they are logged in aggregate: the first at
-    once, then at most one line per `interval_s` with the counts by lane and reason (the
-    last burst is flushed by the next event after the interval, or by `close`). Out of
+    once, then at most one line per `interval_s` with the counts by lane and reason. A
+    burst's last line is due when its interval ends, whatever happens next: a timer
+    writes it (it waited for the next event, which a server idle after a flood may not
+    see for hours, or for `close`). Out of
     memory and each move of the batch cap are logged as they happen; they are rare by
     construction (the cap halves on each).
     """
@@ -97,11 +111,16 @@ class EventLog:
         max_batch_size: int,
         interval_s: float = REFUSAL_LOG_INTERVAL_S,
         monotonic: Callable[[], float] = time.monotonic,
+        timer: Callable[[float, Callable[[], None]], Timer] = start_timer,
     ) -> None:
         self._max_batch_size = max_batch_size
         self._interval_s = interval_s
         self._monotonic = monotonic
+        self._start_timer = timer
         self._lock = threading.Lock()
+        # The timer due to write the refusals not yet logged (None: none pending).
+        self._timer: Timer | None = None
+        self._closed = False
         self._refused: dict[str, int] = {}
         self._window_start_s = monotonic()
         self._last_refused_s = self._window_start_s
@@ -117,6 +136,24 @@ class EventLog:
             self._last_refused_s = now_s
             self._refused[key] = self._refused.get(key, 0) + 1
         self._maybe_flush()
+        with self._lock:
+            if self._refused and self._timer is None and not self._closed:
+                due_s = self._last_line_s + self._interval_s - self._monotonic()
+                self._timer = self._start_timer(max(due_s, 0.0), self._on_timer)
+
+    def _on_timer(self) -> None:
+        with self._lock:
+            self._timer = None
+        self._maybe_flush()
+
+    def close(self) -> None:
+        """Writes what is left and stops the timer: call once, at stop."""
+        with self._lock:
+            self._closed = True
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+        self.flush()
 
     def _maybe_flush(self) -> None:
         if self._refused and self._monotonic() - self._last_line_s >= self._interval_s:
