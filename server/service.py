@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
 
 from laneserve.client.tensors import datatype_of
@@ -574,34 +575,34 @@ def read_infer_request(data: bytes) -> pb.InferRequest:
         return UNDECODABLE_REQUEST
 
 
+# gRPC's handler factory for each (client streams, server streams) of a method.
+_HANDLER_KINDS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
 def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
-    """The generated `add_InferenceServiceServicer_to_server`, with `read_infer_request`
-    as the InferRequest deserializer."""
-    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
-        "Infer": grpc.unary_unary_rpc_method_handler(
-            servicer.Infer,
-            request_deserializer=read_infer_request,
-            response_serializer=pb.InferResponse.SerializeToString,
-        ),
-        "InferStream": grpc.stream_stream_rpc_method_handler(
-            servicer.InferStream,
-            request_deserializer=read_infer_request,
-            response_serializer=pb.InferStreamResponse.SerializeToString,
-        ),
-        "GetModel": grpc.unary_unary_rpc_method_handler(
-            servicer.GetModel,
-            request_deserializer=pb.GetModelRequest.FromString,
-            response_serializer=pb.GetModelResponse.SerializeToString,
-        ),
-        "GetStats": grpc.unary_unary_rpc_method_handler(
-            servicer.GetStats,
-            request_deserializer=pb.GetStatsRequest.FromString,
-            response_serializer=pb.GetStatsResponse.SerializeToString,
-        ),
-    }
-    name = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
-    server.add_registered_method_handlers(name, handlers)
+    """What the generated `add_InferenceServiceServicer_to_server` does, with
+    `read_infer_request` as the InferRequest deserializer: every method of the service as
+    the proto declares it (a method added there is served once the servicer has it)."""
+    service = pb.DESCRIPTOR.services_by_name["InferenceService"]
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for method in service.methods:
+        request_type = message_factory.GetMessageClass(method.input_type)
+        response_type = message_factory.GetMessageClass(method.output_type)
+        read = read_infer_request if request_type is pb.InferRequest else request_type.FromString
+        handlers[method.name] = _HANDLER_KINDS[method.client_streaming, method.server_streaming](
+            getattr(servicer, method.name),
+            request_deserializer=read,
+            response_serializer=response_type.SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )
+    server.add_registered_method_handlers(service.full_name, handlers)
 
 
 def _deadline_s(now_s: float, remaining_s: float | None, timeout_ms: int) -> float | None:
