@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
                     outcome.update(laneserve_stats(deployment.target))
             finally:
                 deployment.stop()
-            results[name] = {**outcome, "peak_rss_mib": (memory["peak_rss_bytes"] or 0) / MIB}
+            # VmHWM of each process, summed: the high-water marks, not one sampled sum.
+            peak_bytes = sum(reading["peak_rss_bytes"] or 0 for reading in memory["by_process"])
+            results[name] = {**outcome, "peak_rss_mib": peak_bytes / MIB}
     wanted_rows = args.requests * args.rows
     print(f"burst: {args.requests} concurrent requests x {args.rows} rows = {wanted_rows} rows")
     print(f"laneserve budget: {args.budget}\n")

@@ -14,6 +14,7 @@ import os
 import queue
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -76,6 +77,7 @@ from laneserve.server.cli import _parser
 from laneserve.server.engine import Engine
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
+from tests.support import REPO
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 
@@ -954,3 +956,48 @@ def test_scenario_c_refuses_a_single_client_process(tmp_path: Path) -> None:
         profile=PROFILES["smoke"], out_dir=tmp_path, client_processes=1, scenarios=("a", "d")
     )
     assert alone.client_processes == 1
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "figure"),
+    [
+        (
+            "bench_memory.py",
+            ["--workers", "2", "--requests", "4", "--rows", "64"],
+            "memory ratio, 2 workers / laneserve:",
+        ),
+        (
+            "bench_bulk.py",
+            [
+                "--rows",
+                "2000",
+                "--rows-per-item",
+                "64",
+                "--batch-sizes",
+                "32,64",
+                "--seconds",
+                "0.2",
+                "--rounds",
+                "1",
+            ],
+            "`InferStream` via `AsyncClient.stream`",
+        ),
+        ("bench_tracing.py", ["--requests", "20", "--rounds", "1"], "spans exported per request"),
+        ("bench_admit.py", ["--requests", "10", "--rounds", "1"], "us per admission"),
+    ],
+)
+def test_the_measurement_scripts_run_and_print_their_figures(
+    script: str, args: list[str], figure: str
+) -> None:
+    """Each script of scripts/ the READMEs quote, on a tiny load: bench_memory.py died
+    with a KeyError after the procs module renamed its memory figures, and nothing ran
+    it."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert figure in done.stdout, done.stdout
