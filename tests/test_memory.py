@@ -28,7 +28,7 @@ from laneserve.server import LaneConfig, ServerConfig
 from laneserve.server.clock import ManualClock
 from laneserve.server.cost_model import RunTimeModel
 from laneserve.server.demo_model import make_demo_model
-from laneserve.server.engine import Engine
+from laneserve.server.engine import Engine, EngineStartError
 from laneserve.server.errors import (
     DeviceMemoryError,
     EngineError,
@@ -827,6 +827,14 @@ report["out_of_memory_rows"] = list(result.out_of_memory_rows)
 report["again_after_split"] = fits(256)
 print(json.dumps(report))
 """
+
+
+def test_a_cpu_budget_that_does_not_hold_the_weights_is_refused(demo_model: Path) -> None:
+    """The arena cannot hold the demo model's 20.1 MiB of weights under 20 MiB, and ONNX
+    Runtime then ran every batch outside it: a "4MiB" budget ran 4 096-row batches. The
+    check comes before the process-wide arena is registered, so nothing is left behind."""
+    with pytest.raises(EngineStartError, match=r"does not hold the model's weights \(20\.1MiB\)"):
+        Engine(str(demo_model), device="cpu", memory_limit=parse_memory_limit("20MiB"))
 
 
 def test_engine_splits_a_batch_that_does_not_fit_and_recovers(
