@@ -62,6 +62,10 @@ class Lane:
         # batch's shape) did not fit the room left: it then banks up to that head and,
         # once its credit covers it, goes first (see `Scheduler._owed_head`).
         self.room_blocked = False
+        # Rows a batch gave this lane lately while it had work queued (a moving average
+        # over batches): its share, and what it rode along with. Only the scheduler
+        # changes it.
+        self.served_rows_per_batch = 0.0
         # When this lane last admitted a request (None: never): it is active for
         # ACTIVE_LANE_S after, and batches of lower lanes then keep within its max_wait.
         self.last_admit_s: float | None = None

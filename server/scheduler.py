@@ -20,8 +20,7 @@ its batch only within it, and while the lane is active (it admitted a request wi
 ACTIVE_LANE_S) a batch of lower lanes alone holds only what runs within it (or its head
 request, with the minimum shares of the lanes below on top), so the session is busy with
 bulk work for little longer than an interactive request accepts to wait (see `_plan`).
-A full batch is one at that limit. Minimum shares are fractions of the batch they are in
-(see `_share_base_rows`).
+A full batch is one at that limit.
 """
 
 from __future__ import annotations
@@ -72,6 +71,8 @@ CAP_RECOVERY_STEPS = 16
 CAP_CEILING_BATCHES = 16 * CAP_RECOVERY_BATCHES
 # Weight of the newest gap in the moving average of times between admissions.
 ARRIVAL_GAP_ALPHA = 0.1
+# Weight of the newest batch in a lane's moving average of the rows batches give it.
+SERVED_ALPHA = 0.1
 # The session's utilisation is its busy share of roughly the last UTILIZATION_WINDOW_S;
 # below WAIT_UTILIZATION a free session does not wait for company (see `decide`).
 UTILIZATION_WINDOW_S = 0.1
@@ -87,9 +88,6 @@ DEADLINE_SLACK_S = 0.001
 BALANCE_DIGITS = 9
 # Admission's arithmetic in fractions of a row: a remainder too small to be a row.
 ROUNDING_ROWS = 1e-9
-# Most rounds `_batch_limit` climbs towards a limit that holds the head and the shares on
-# top of it (shares grow with the limit by a fraction of it: a few rounds settle it).
-LIMIT_ROUNDS = 8
 # Why the batch cap moves (`SchedulerEvents.cap_changed`): lowered, raised back.
 CAP_CHANGE_REASONS = ("out_of_memory", "recovered")
 # Suggested wait before retrying a request refused for memory pressure.
@@ -123,8 +121,6 @@ class _Plan:
     bank_to: dict[int, float] = dataclasses.field(default_factory=dict)
     # The most rows this batch may hold: the cap, or less where a higher lane is active.
     limit_rows: int = 0
-    # The batch size the minimum shares are fractions of (see `_share_base_rows`).
-    share_base_rows: int = 0
     # The lane whose banked credit covered its head, which goes first (see `_owed_head`).
     owed_priority: int | None = None
 
@@ -364,7 +360,9 @@ class Scheduler:
         batch running now, the rows queued in `lane` and above (and those still arriving
         above), the rows lower lanes' shares put ahead (a whole request of theirs in the
         next batch, their shares in each after) and its own. A lane with a share is
-        reached by it in every batch, whatever is queued above: the earlier of the two."""
+        reached by it in every batch, whatever is queued above: the earlier of the two,
+        unless a lane above is backlogged and still admitting (see `_fed_above`): then
+        only the share is promised."""
         start_s = now_s if self._running_until_s is None else max(now_s, self._running_until_s)
         # Batches hold what the limit of the work they serve allows: an active higher
         # lane keeps them small. The smallest limit among the heads of this lane and the
@@ -377,19 +375,44 @@ class Scheduler:
         batch_rows = min([self._batch_limit(now_s, lane.priority, signature, rows), *head_limits])
         finish_s = start_s + self._queue_drain_s(lane, rows, signature, batch_rows)
         if lane.config.min_share > 0:
-            # The batches its share waits through are those of the highest queued work:
-            # full ones while a higher lane is saturated.
-            if head_limits:
-                top_rows = head_limits[0]
-            else:
-                top = next((entry for other in self.lanes for entry in other), None)
-                top_rows = batch_rows if top is None else self._limit_rows(now_s, top)
-            share_batch_rows = max(batch_rows, top_rows)
-            own_batches = self._share_batches(lane, rows, signature, share_batch_rows)
+            own_batches = self._share_batches(lane, rows, signature, batch_rows)
             run_time = self._run_times.get(signature)
-            batch_s = run_time.predict_s(max(share_batch_rows, min(rows, self.batch_cap)))
-            finish_s = min(finish_s, start_s + own_batches * batch_s)
+            batch_s = run_time.predict_s(
+                max(batch_rows, self._top_batch_rows(now_s), min(rows, self.batch_cap))
+            )
+            share_finish_s = start_s + own_batches * batch_s
+            if self._fed_above(lane, now_s):
+                finish_s = share_finish_s
+            else:
+                finish_s = min(finish_s, share_finish_s)
         return finish_s
+
+    def _top_batch_rows(self, now_s: float) -> int:
+        """Rows of the batches the highest queued work is served in, which a lane's share
+        waits through: full ones while its lane is saturated, else its queued rows and
+        what rides along with them (or its head's batch limit, if smaller). Costed at the
+        limit alone, a standard request behind one interactive request a batch was
+        predicted to take twice as long as it did, and refused."""
+        top = next((head for other in self.lanes if (head := other.head()) is not None), None)
+        if top is None:
+            return 0
+        lane = self.lanes[top.priority]
+        shares = sum(self._share_rows(below) for below in self.lanes[top.priority + 1 :])
+        filled = max(lane.queued_rows, self._rows_within_wait(lane, top.request.signature))
+        return min(self._limit_rows(now_s, top), math.ceil(filled + shares))
+
+    def _fed_above(self, lane: Lane, now_s: float) -> bool:
+        """Whether a lane above `lane` has work queued and is still admitting more (it
+        is active): the queue ahead then does not drain as it stands, and the top-down
+        estimate, which foresees no arrivals, is no promise. With standard saturated,
+        bulk requests were admitted on that estimate, 5-10x too early, and 5 625 of them
+        expired in the queue (a model whose batches of 64 rows run in 3 ms)."""
+        return any(
+            above.queued_rows > 0
+            and above.last_admit_s is not None
+            and now_s - above.last_admit_s < ACTIVE_LANE_S
+            for above in self.lanes[: lane.priority]
+        )
 
     def _queue_drain_s(self, lane: Lane, rows: int, signature: Signature, batch_rows: int) -> float:
         """Seconds until `rows` more rows in `lane` are served top-down in batches of
@@ -399,6 +422,7 @@ class Scheduler:
         total = rows  # rows in `lane` and above, this request's included
         first_lower = 0  # what lower lanes' shares may take ahead in the next batch
         shares = 0.0  # what they take in each batch after (fractions of a row)
+        lower_share = 0.0  # their shares, as a fraction of a batch
         for other in self.lanes:  # one pass: this runs for every admission
             if other.priority <= lane.priority:
                 total += other.queued_rows
@@ -407,16 +431,19 @@ class Scheduler:
                 assert head is not None
                 if head.request.signature != signature:
                     continue  # it cannot join this request's batches
-                share = self._share_rows(other, batch_rows)
+                share = self._share_rows(other)
                 shares += share
+                lower_share += other.config.min_share
                 allowance = share + other.share_balance_rows
                 if allowance > 0:
                     # Its allowance, or its head request whole (pass 1 takes the request
                     # crossing it).
                     first_lower += min(self.batch_cap, max(math.ceil(allowance), head.queued_rows))
         # Rows of `lane` and above each batch serves: what lower lanes' shares leave (a
-        # share may be a fraction of a row: at a cap of 1, 0.85 of a row a batch).
-        per_batch = batch_rows - shares
+        # share may be a fraction of a row: at a cap of 1, 0.85 of a row a batch), and
+        # never less than their fraction of it leaves (batches an active lane keeps
+        # smaller than the shares of a full one).
+        per_batch = max(batch_rows - shares, batch_rows * (1 - lower_share))
         if total + first_lower <= batch_rows:
             drain_s = run_time.predict_s(total + first_lower)
         else:
@@ -432,23 +459,26 @@ class Scheduler:
     def _share_batches(self, lane: Lane, rows: int, signature: Signature, batch_rows: int) -> int:
         """Batches until `lane`'s share reaches `rows` more rows in it: the first whose
         allowance exceeds the rows queued ahead of them (what the lane owes counts as
-        ahead); the request then goes whole, as the allowance's crossing request."""
-        share = self._share_rows(lane, batch_rows)
+        ahead); the request then goes whole, as the allowance's crossing request. A lane
+        that batches lately gave more than its share (rows riding along in room the lanes
+        above left) moves at that pace: at its share alone, every bulk request behind a
+        saturated standard lane was refused a deadline it then met."""
+        share = self._share_rows(lane)
+        pace = max(share, lane.served_rows_per_batch)
         ahead = lane.queued_rows - lane.share_balance_rows
         claims_above = sum(
-            self._share_take_rows(above, signature, batch_rows)
-            for above in self.lanes[: lane.priority]
+            self._share_take_rows(above, signature) for above in self.lanes[: lane.priority]
         )
         if rows > self.batch_cap:
-            # Not taken whole: its share moves it on by `share` rows a batch.
-            batches = math.ceil((ahead + rows) / share)
+            # Not taken whole: it moves on by `pace` rows a batch.
+            batches = math.ceil((ahead + rows) / pace)
         elif rows > batch_rows - claims_above:
             # No room for it beside the higher lanes' work: its lane banks its share
             # until that covers it, and it goes first in the batch after.
             batches = math.ceil((ahead + rows) / share) + 1
         else:
             # Rounded as balances are: 0.1 * 19 must not floor to 18.
-            batches = math.floor(round(ahead / share, BALANCE_DIGITS)) + 1
+            batches = math.floor(round(ahead / pace, BALANCE_DIGITS)) + 1
         return max(1, batches)
 
     def cancel(self, entry_id: int, now_s: float, *, unless_running: bool = False) -> str | None:
@@ -560,10 +590,10 @@ class Scheduler:
         """The next batch, without changing any state.
 
         Pass 1 serves the minimum shares as deficit round robin: a lane with work may
-        take rows up to its allowance (its share of the batch plus its balance), the
-        entry that crosses the allowance whole, and the overdraft is repaid from later
+        take rows up to its allowance (its share of the cap plus its balance), the entry
+        that crosses the allowance whole, and the overdraft is repaid from later
         allowances. So requests stay whole, a share smaller than one request still
-        moves, and over k batches a lane gets at least its shares of them (less one request)
+        moves, and over k batches a lane gets at least k * share rows (less one request)
         and claims no more than that ahead of higher lanes: a batch whose claims pushed a
         higher lane's next request out belongs to the lowest claimant, charged for all
         its rows (`_fill_top_down`), and a lane whose head finds no room banks credit up
@@ -604,7 +634,6 @@ class Scheduler:
         else:
             limit = self._limit_rows(now_s, first)
         plan.limit_rows = limit
-        base = plan.share_base_rows = self._share_base_rows(top, first, limit)
         batch = _Filling(first.request.signature, limit, self.batch_cap)
 
         share_lanes = [
@@ -613,7 +642,7 @@ class Scheduler:
         if owed is not None:  # the owed lane's claim comes first
             share_lanes.sort(key=lambda lane: lane.priority != owed.priority)
         for lane in share_lanes:
-            allowance = self._allowance(lane, base)
+            allowance = self._allowance(lane)
             # An owed head goes first, alone: the rest of its lane's allowance must not
             # push the top lane's rows out of the batch raised for that head.
             take = (
@@ -630,9 +659,9 @@ class Scheduler:
             # the one it runs (see `_owed_head`). Room an owed head took makes nobody
             # owed in turn (each owed batch made the next lane owed: a chain).
             if head.request.signature != batch.signature:
-                plan.bank_to[lane.priority] = self._bank_target(lane, head.queued_rows, base)
+                plan.bank_to[lane.priority] = self._bank_target(lane, head.queued_rows)
             elif unfit:
-                plan.bank_to[lane.priority] = self._bank_target(lane, unfit, base)
+                plan.bank_to[lane.priority] = self._bank_target(lane, unfit)
                 if owed is None:
                     plan.room_blocked.add(lane.priority)
         shape_owner = None if first.request.signature == top.request.signature else first.priority
@@ -656,7 +685,14 @@ class Scheduler:
 
         A batch of `owner`'s shape (its banked credit covered a batch of its own) is its
         from the start: it fills first, charged; else lanes of the same shape filled the
-        batch it paid for, and a lane of another shape got a row per owed batch."""
+        batch it paid for, and a lane of another shape got a row per owed batch.
+
+        A lane riding along whose next request does not fit the room left (claims aside)
+        ends the fill: the lanes below it keep what pass 1 gave them, and get no more. The
+        session time their rows would add comes out of that lane's next batch: bulk rows
+        filling the ride-along room a 20-row standard request did not fit took a fifth of
+        standard's rows while standard was saturated. The batch's highest lane's own
+        leftover room stays open: its max_wait accepts lower lanes' rows."""
         claims_below = sum(used for _, used in plan.share_used.values())
         order = list(self.lanes)
         if owner is not None:
@@ -677,27 +713,13 @@ class Scheduler:
                 owner_lane = self.lanes[owner]
                 order.remove(owner_lane)
                 order.insert(position + 1, owner_lane)
+            elif unfit and lead_seen and lane.priority != owner:
+                batch.room = 0
             if not lead_seen and lane.priority in batch.present:
                 lead_seen = True  # the batch's highest lane: budget the lanes below it
                 rows = plan.limit_rows - batch.room
                 budget_rows = max(rows, self._rows_within_wait(lane, batch.signature))
                 batch.room = min(batch.room, budget_rows - rows)
-
-    def _share_base_rows(self, top: Entry, first: Entry, limit_rows: int) -> int:
-        """The batch size the minimum shares of a batch are fractions of: the batch its
-        lead lane (`top`'s, the highest with queued work) fills, namely that lane's
-        queued rows or what runs within its max_wait (lower lanes ride along up to
-        that), with the claims on top; at most `limit_rows`. Counted against the limit,
-        a share was a larger part of a batch the lead did not fill: with interactive
-        requests now and then, bulk's 5 % took up to a third of the rows, from
-        standard. A batch of an owed lane's shape (`first`) is counted whole: it is that
-        lane's."""
-        if first.request.signature != top.request.signature:
-            return limit_rows
-        lane = self.lanes[top.priority]
-        within = self._rows_within_wait(lane, top.request.signature)
-        rows = self._rows_with_claims(top.priority, top.request.signature, lane.queued_rows, within)
-        return min(limit_rows, rows)
 
     def _shut_out_rows(self, now_s: float, top: Entry, plan: _Plan) -> float:
         """What a batch of an owed lane's shape (`plan`) takes from the lanes it shuts
@@ -745,31 +767,15 @@ class Scheduler:
         lanes fill every batch: a priority inversion)."""
         for lane in self.lanes[:priority]:
             if lane.last_admit_s is not None and now_s - lane.last_admit_s < ACTIVE_LANE_S:
-                within = self._rows_within_wait(lane, signature)
-                return self._rows_with_claims(priority, signature, head_rows, within)
+                own = self._share_take_rows(self.lanes[priority], signature)
+                shares = sum(
+                    self._share_take_rows(below, signature) for below in self.lanes[priority + 1 :]
+                )
+                return max(
+                    self._rows_within_wait(lane, signature),
+                    min(max(head_rows, own) + shares, self.batch_cap),
+                )
         return self.batch_cap
-
-    def _rows_with_claims(
-        self, priority: int, signature: Signature, rows: int, within_rows: int
-    ) -> int:
-        """Rows of a batch of `signature` led by `rows` rows of lane `priority`, sized
-        to hold at least `within_rows` (what runs within a max_wait) and the claims
-        pass 1 makes on top of the lead's rows (its own share, if larger, and the
-        shares of the lanes below), at most the cap. Shares are fractions of the batch
-        they are in, so this is a fixed point: the smallest size that holds its own
-        claims (they only grow with the size, so it climbs to it)."""
-        size = max(within_rows, min(rows, self.batch_cap))
-        for _ in range(LIMIT_ROUNDS):
-            own = self._share_take_rows(self.lanes[priority], signature, size)
-            shares = sum(
-                self._share_take_rows(below, signature, size)
-                for below in self.lanes[priority + 1 :]
-            )
-            wanted = max(within_rows, min(max(rows, own) + shares, self.batch_cap))
-            if wanted <= size:
-                break
-            size = wanted
-        return size
 
     def _rows_within_wait(self, lane: Lane, signature: Signature) -> int:
         """Rows expected to run within `lane`'s max_wait beyond the shortest run (one
@@ -780,7 +786,7 @@ class Scheduler:
         model = self._run_times.get(signature)
         return model.rows_within_s(lane.max_wait_s + model.predict_s(1), self.batch_cap)
 
-    def _share_take_rows(self, lane: Lane, signature: Signature, limit_rows: int) -> int:
+    def _share_take_rows(self, lane: Lane, signature: Signature) -> int:
         """The rows pass 1 is expected to give `lane` for its share in a batch of
         `signature`: its share (credit it banked does not lift an active lane's limit: a
         lane owed more goes first, `_owed_head`) rounded up to whole rows (pass 1 takes
@@ -790,35 +796,31 @@ class Scheduler:
         join)."""
         if lane.config.min_share == 0 or lane.queued_rows == 0:
             return 0
-        allowance = self._allowance(lane, limit_rows)
+        allowance = self._allowance(lane)
         head = lane.head()
         assert head is not None
         if allowance <= 0 or head.request.signature != signature:
             return 0
-        share = self._share_rows(lane, limit_rows)
+        share = self._share_rows(lane)
         take = min(allowance, share)
         head_rows = head.queued_rows
         return head_rows if take < head_rows <= take + share else math.ceil(take)
 
-    def _bank_target(self, lane: Lane, head_rows: int, limit_rows: int) -> float:
+    def _bank_target(self, lane: Lane, head_rows: int) -> float:
         """Credit a blocked lane banks up to: its head (at most a batch) and the share
         that may cross it (its balance is below the head before a batch's share comes
         in, so it never exceeds this: none is lost)."""
-        return min(head_rows, self.batch_cap) + self._share_rows(lane, limit_rows)
+        return min(head_rows, self.batch_cap) + self._share_rows(lane)
 
-    def _allowance(self, lane: Lane, limit_rows: int) -> float:
-        """Rows `lane` may take in pass 1 of a batch of at most `limit_rows`: its share
-        and its balance."""
-        return self._share_rows(lane, limit_rows) + lane.share_balance_rows
+    def _allowance(self, lane: Lane) -> float:
+        """Rows `lane` may take in pass 1 of the next batch: its share and its balance."""
+        return self._share_rows(lane) + lane.share_balance_rows
 
-    def _share_rows(self, lane: Lane, limit_rows: int) -> float:
-        """The lane's share of a batch of at most `limit_rows` rows (the cap, or less
-        while an active lane keeps batches small), unrounded: a share under one row is
-        one row every few batches, not one in each. Rounded up per batch, the default
-        shares took every row at a cap of 2 (interactive starved); counted against the
-        cap in batches an active lane kept to 10 rows, bulk's 5 % took a third of the
-        rows from standard."""
-        return lane.config.min_share * limit_rows
+    def _share_rows(self, lane: Lane) -> float:
+        """The lane's share of one batch, in rows, unrounded: a share under one row (a
+        small cap) is one row every few batches, not one in each. Rounded up per batch,
+        the default shares took every row at a cap of 2 (interactive starved)."""
+        return lane.config.min_share * self.batch_cap
 
     def _commit(self, plan: _Plan, reason: DispatchReason, now_s: float) -> Batch:
         self._observe_utilization(now_s)
@@ -830,15 +832,14 @@ class Scheduler:
                 # lane's shape is shut out and up to its head while that finds no room
                 # (see `_owed_head`), and credit banked so is kept while the lane gets
                 # nothing; an overdraft is repaid from the next allowances.
-                share = self._share_rows(lane, plan.share_base_rows)
-                banked = max(share, plan.bank_to.get(lane.priority, 0))
+                banked = max(self._share_rows(lane), plan.bank_to.get(lane.priority, 0))
                 if used == 0:
                     banked = max(banked, lane.share_balance_rows)
                 if lane.priority == plan.owed_priority:
                     # What its credit held beyond the head it ran (less than a share,
                     # with this batch's share under two) is kept: a share that does not
                     # divide the head evenly lost the overshoot every time.
-                    banked = max(banked, min(allowance - used, 2 * share))
+                    banked = max(banked, min(allowance - used, 2 * self._share_rows(lane)))
                 # Rounded so that sums of fractional shares do not drift below a whole
                 # request (ten shares of 0.1 must cover a row). Debt is bounded by a
                 # batch: a lane charged for a batch it owned (or more, while in debt) is
@@ -852,6 +853,14 @@ class Scheduler:
                 # twice its share.
                 lane.share_balance_rows = min(lane.share_balance_rows, 0)
         taken = plan.taken
+        served = [0] * len(self.lanes)
+        for entry, rows in taken:
+            served[entry.priority] += rows
+        for lane in self.lanes:
+            if lane.queued_rows:
+                lane.served_rows_per_batch += SERVED_ALPHA * (
+                    served[lane.priority] - lane.served_rows_per_batch
+                )
         # Slices in lane-priority then FIFO order, so each lane's entries leave its
         # deque head-first.
         taken.sort(key=lambda pair: (pair[0].priority, pair[0].entry_id))
