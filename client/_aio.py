@@ -16,6 +16,7 @@ from laneserve.client._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TARGET,
     TlsConfig,
+    metadata_pair,
     open_channel,
 )
 from laneserve.client._errors import ClientClosedError, LaneserveError, error_from_rpc
@@ -74,8 +75,9 @@ class AsyncClient:
         self.target = target
         self.retry = retry or RetryPolicy()
         pairs = metadata.items() if isinstance(metadata, Mapping) else (metadata or ())
-        # Sent with every call (e.g. authorization); keys must be lower case in gRPC.
-        self.metadata: tuple[tuple[str, str], ...] = tuple((k.lower(), v) for k, v in pairs)
+        # Sent with every call (e.g. authorization); refused here, naming the key, when
+        # gRPC would fail every call with it.
+        self.metadata: tuple[tuple[str, str], ...] = tuple(metadata_pair(k, v) for k, v in pairs)
         tls_config = TlsConfig() if tls is True else (tls or None)
         self._max_message_bytes = max_message_bytes
         self._channel = open_channel(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,11 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 # The server's default gRPC message limit (ServerConfig.max_message_bytes).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _USER_AGENT = "laneserve-client/0.1.0"
+# gRPC's rules for metadata (validate_metadata.cc): a key is a lower-case HTTP/2 header
+# name; a key ending in -bin carries bytes, any other key printable ASCII text.
+# Metadata given to a client is text: str values.
+_METADATA_KEY = re.compile(r"[0-9a-z_.-]+")
+_METADATA_TEXT = re.compile(r"[\x20-\x7e]*")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -58,6 +64,29 @@ class TlsConfig:
             private_key=self.private_key,
             certificate_chain=self.certificate_chain,
         )
+
+
+def metadata_pair(key: str, value: str) -> tuple[str, str]:
+    """(key in lower case, value), as gRPC sends it. Raises ValueError naming the key when
+    gRPC would refuse the pair: it fails every call with a TypeError or an internal error
+    that names neither the key nor the rule."""
+    lower = key.lower()
+    if not (key.isascii() and _METADATA_KEY.fullmatch(lower)):
+        raise ValueError(
+            f"metadata key {key!r}: expected one or more ASCII letters, digits, '-', '_' "
+            "or '.' (gRPC's rule for keys; they are sent in lower case)"
+        )
+    if lower.endswith("-bin"):
+        raise ValueError(
+            f"metadata key {key!r} ends in '-bin', gRPC's mark of a binary (bytes) value, "
+            "and the client sends text values; expected a key without '-bin'"
+        )
+    if not _METADATA_TEXT.fullmatch(value):
+        raise ValueError(
+            f"metadata key {key!r}: value {value!r} is not printable ASCII; expected "
+            "characters from ' ' to '~' (gRPC's rule for text values)"
+        )
+    return lower, value
 
 
 def channel_options(

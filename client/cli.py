@@ -33,7 +33,12 @@ from typing import Any, Final, TextIO
 import numpy as np
 import numpy.typing as npt
 
-from laneserve.client._channel import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, TlsConfig
+from laneserve.client._channel import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_TARGET,
+    TlsConfig,
+    metadata_pair,
+)
 from laneserve.client._checkpoint import Checkpoint, CheckpointError
 from laneserve.client._errors import LaneserveError
 from laneserve.client._retry import RetryPolicy
@@ -155,7 +160,10 @@ def _client(args: argparse.Namespace) -> Client:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise UsageError(f"--metadata {pair!r}: expected KEY=VALUE")
-        metadata.append((key, value))
+        try:
+            metadata.append(metadata_pair(key, value))
+        except ValueError as error:
+            raise UsageError(f"--metadata {pair!r}: {error}") from error
     return Client(
         args.target,
         tls=tls,

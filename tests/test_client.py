@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import logging
 import random
+import re
 import threading
 import time
 import types
@@ -210,6 +211,31 @@ def test_metadata_is_sent_with_every_call(small_model: Path) -> None:
             "/laneserve.v1.InferenceService/GetModel",
         ]
         assert all(("x-team", "search") in metadata for _, metadata in seen)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        ({"x-bin": "abc"}, "metadata key 'x-bin' ends in '-bin', gRPC's mark of a binary"),
+        ({"a b": "1"}, "metadata key 'a b': expected one or more ASCII letters, digits"),
+        ({"k": "\u00e9"}, "metadata key 'k': value '\u00e9' is not printable ASCII"),
+    ],
+    ids=["binary key", "key with a space", "non-ASCII value"],
+)
+def test_metadata_grpc_would_refuse_is_a_value_error_naming_the_key(
+    small_model: Path, metadata: dict[str, str], message: str
+) -> None:
+    """gRPC itself fails every call with it, with a TypeError or an internal error that
+    names neither the key nor the rule."""
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            with pytest.raises(ValueError, match=re.escape(message)):
+                lc.AsyncClient(s.target, metadata=metadata)
+            with pytest.raises(ValueError, match=re.escape(message)):
+                await asyncio.to_thread(lc.Client, s.target, metadata=metadata)
 
     asyncio.run(scenario())
 

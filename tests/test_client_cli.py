@@ -574,6 +574,27 @@ def test_output_piped_into_a_reader_that_stops_exits_141_quietly(small_model: Pa
     asyncio.run(scenario())
 
 
+def test_metadata_grpc_would_refuse_exits_2_naming_the_pair(small_model: Path) -> None:
+    cases = [
+        ("x-bin=abc", "--metadata 'x-bin=abc': metadata key 'x-bin' ends in '-bin'"),
+        ("a b=1", "--metadata 'a b=1': metadata key 'a b': expected one or more ASCII letters"),
+        ("k=\u00e9", "--metadata 'k=\u00e9': metadata key 'k': value '\u00e9' is not printable"),
+    ]
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            for pair, message in cases:
+                code, _, err = await cli("model", "--target", s.target, "--metadata", pair)
+                assert code == 2, (pair, err)
+                assert message in err, pair
+                assert "Traceback" not in err
+            # Keys are sent in lower case: an upper-case one is fine.
+            code, _, err = await cli("model", "--target", s.target, "--metadata", "X-Team=a b")
+            assert code == 0, err
+
+    asyncio.run(scenario())
+
+
 def test_infer_refuses_both_json_and_input() -> None:
     code, _, err = asyncio.run(cli("infer", "--json", "[[0.5]]", "--input", "/no/such/file.npy"))
     assert code == 2
