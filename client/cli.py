@@ -767,10 +767,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _timeout_ms(text: str) -> int:
-    value = int(text)
-    if not 0 <= value < 2**32:
+    value = _integer(text)
+    if value is None or not 0 <= value < 2**32:
         raise argparse.ArgumentTypeError(
-            f"expected milliseconds from 0 (the lane's timeout) to 2**32 - 1, got {value}"
+            "expected milliseconds from 0 (the lane's timeout) to 2**32 - 1, a whole number, "
+            f"got {text!r}"
         )
     return value
 
@@ -799,10 +800,19 @@ def _number(text: str) -> float:
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    value = _integer(text)
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
+
+
+def _integer(text: str) -> int | None:
+    """None where `text` is no integer: the caller's message says what was expected (a
+    ValueError would have argparse name the type function instead)."""
+    try:
+        return int(text)
+    except ValueError:
+        return None
 
 
 if __name__ == "__main__":

@@ -300,6 +300,35 @@ def test_a_timeout_out_of_range_is_a_usage_error_before_anything_starts(tmp_path
     assert not (tmp_path / "out.npy.partial").exists(), "a corrected rerun needs no --resume"
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["model", "--attempts", "x"], "argument --attempts: expected an integer >= 1, got 'x'"),
+        (["bulk", "--window", "abc"], "argument --window: expected an integer >= 1, got 'abc'"),
+        (
+            ["bulk", "--rows-per-item", "1.5"],
+            "argument --rows-per-item: expected an integer >= 1, got '1.5'",
+        ),
+        (
+            ["bulk", "--timeout-ms", "abc"],
+            (
+                "argument --timeout-ms: expected milliseconds from 0 (the lane's timeout) to "
+                "2**32 - 1, a whole number, got 'abc'"
+            ),
+        ),
+    ],
+)
+def test_a_non_integer_for_an_integer_flag_says_an_integer_was_expected(
+    arguments: list[str], message: str
+) -> None:
+    """Not argparse's "invalid _positive_int value", which names a private function."""
+    files = ["--input", "in.npy", "--output", "out.npy"] if arguments[0] == "bulk" else []
+    code, _, err = asyncio.run(cli(*arguments, *files))
+    assert code == 2
+    assert message in err
+    assert "invalid" not in err, "argparse's message, which names the type function"
+
+
 def test_unreachable_server_exits_3_naming_the_error() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
