@@ -291,7 +291,8 @@ def _table(out: TextIO, header: list[str], rows: list[list[str]]) -> None:
 
 def _infer(client: Client, args: argparse.Namespace) -> int:
     if args.output is not None:
-        _check_output_path(Path(args.output), "--output")
+        input_path = None if args.input is None else Path(args.input)
+        _check_output_path(Path(args.output), "--output", input_path)
     model = client.model(timeout=args.timeout)
     # argparse lets exactly one of them through.
     if args.json is not None:
@@ -410,8 +411,9 @@ def _write_outputs(path: Path, outputs: Mapping[str, npt.NDArray[Any]]) -> None:
         raise UsageError(f"cannot write {path}: {error.strerror or error}") from error
 
 
-def _check_output_path(path: Path, option: str) -> None:
-    """Refuses an output that could not be written, before any work is done."""
+def _check_output_path(path: Path, option: str, input_path: Path | None = None) -> None:
+    """Refuses an output that could not be written, or that is the input file (by any
+    path: a link, another spelling), before any work is done."""
     if path.suffix not in (".npy", ".npz"):
         raise UsageError(f"{option} {path}: expected a .npy or .npz file")
     parent = path.parent
@@ -420,6 +422,18 @@ def _check_output_path(path: Path, option: str) -> None:
         raise UsageError(f"{option} {path}: {parent} {found}; expected an existing directory")
     if path.is_dir():
         raise UsageError(f"{option} {path} is a directory; expected a file name")
+    if input_path is not None and _same_file(path, input_path):
+        raise UsageError(
+            f"{option} {path} is the input file {input_path}: writing it would destroy the "
+            "input; expected another file"
+        )
+
+
+def _same_file(path: Path, other: Path) -> bool:
+    try:
+        return path.samefile(other)
+    except OSError:  # either does not exist (yet): they are not one file
+        return False
 
 
 # ---- bulk ------------------------------------------------------------------------------
@@ -427,7 +441,7 @@ def _check_output_path(path: Path, option: str) -> None:
 
 def _bulk(client: Client, args: argparse.Namespace) -> int:
     output = Path(args.output)
-    _check_output_path(output, "--output")
+    _check_output_path(output, "--output", Path(args.input))
     model = client.model(timeout=args.timeout)
     asked = _asked_outputs(model, args)
     output_names = asked or [spec.name for spec in model.outputs]

@@ -522,6 +522,39 @@ def test_paths_and_seconds_a_run_cannot_use_are_usage_errors(
     asyncio.run(scenario())
 
 
+def test_an_output_that_is_the_input_file_is_refused_before_sending(
+    small_model: Path, tmp_path: Path
+) -> None:
+    """Bulk would replace the input rows by the scores; infer too, once answered."""
+    x = rows(100)
+    source = tmp_path / "in.npy"
+    np.save(source, x)
+    (tmp_path / "link.npy").symlink_to(source)
+    os.link(source, tmp_path / "hard.npy")
+    engine = RecordingEngine(str(small_model))
+    cases = [
+        ["bulk", "--input", str(source), "--output", str(source)],
+        ["bulk", "--input", str(source), "--output", str(tmp_path / "link.npy")],
+        ["bulk", "--input", str(source), "--output", str(tmp_path / "hard.npy")],
+        ["bulk", "--input", str(source), "--output", str(tmp_path / "sub" / ".." / "in.npy")],
+        ["infer", "--input", str(source), "--output", str(source)],
+    ]
+    (tmp_path / "sub").mkdir()
+
+    async def scenario() -> None:
+        async with serving(engine, config(small_model)) as s:
+            for arguments in cases:
+                code, _, err = await cli(*arguments, "--target", s.target)
+                assert code == 2, (arguments, err)
+                assert f"is the input file {source}: writing it would destroy the input" in err
+                assert "Traceback" not in err
+
+    asyncio.run(scenario())
+    np.testing.assert_array_equal(np.load(source), x)
+    assert not list(tmp_path.glob("*.partial")), "a corrected rerun needs no --resume"
+    assert engine.batches == [], "nothing was sent"
+
+
 def test_a_bulk_job_no_item_of_which_could_succeed_exits_2_before_sending(
     small_model: Path, tmp_path: Path
 ) -> None:
