@@ -7,8 +7,8 @@
 
 Every subcommand takes ``--target HOST:PORT`` (default 127.0.0.1:50051) and the TLS
 options. Exit codes: 0 everything done; 1 some rows failed (bulk: rerun with --resume to
-retry them); 2 bad usage or input (bulk: checked against the server's model and lanes
-before the first item is sent); 3 the server could not be reached or refused the call;
+retry them); 2 bad usage or input (infer and bulk: checked against the server's model
+and lanes before anything is sent); 3 the server could not be reached or refused the call;
 130 / 143 interrupted by SIGINT / SIGTERM (bulk: the checkpoint is saved); 141 standard
 output closed early (a pipe into `head`), as a shell reports a command that SIGPIPE ended.
 """
@@ -294,6 +294,9 @@ def _infer(client: Client, args: argparse.Namespace) -> int:
         input_path = None if args.input is None else Path(args.input)
         _check_output_path(Path(args.output), "--output", input_path)
     model = client.model(timeout=args.timeout)
+    # bulk's checks against the model: the server would refuse the call for any of these.
+    asked = _asked_outputs(model, args)
+    _check_lane(model, args.lane)
     # argparse lets exactly one of them through.
     if args.json is not None:
         inputs = _inputs_from_json(args.json, model, "--json")
@@ -304,7 +307,7 @@ def _infer(client: Client, args: argparse.Namespace) -> int:
         lane=args.lane,
         timeout=args.timeout,
         request_id=args.request_id,
-        outputs=args.output_name or None,
+        outputs=asked or None,
     )
     if args.output is None:
         json.dump({name: array.tolist() for name, array in outputs.items()}, sys.stdout)
@@ -340,6 +343,7 @@ def _inputs_from_json(text: str, model: ModelInfo, where: str) -> Arrays:
                 f"{_shape(spec.shape)}: {error}"
             ) from error
         _check_input(name, arrays[name], model, where)
+    _check_all_inputs(model, list(arrays), where)
     return arrays
 
 
@@ -361,12 +365,7 @@ def _read_inputs(path: Path, model: ModelInfo) -> Arrays:
             arrays: Arrays = {model.inputs[0].name: np.load(path, mmap_mode="r")}
         elif suffix == ".npz":
             with np.load(path) as archive:
-                missing = [spec.name for spec in model.inputs if spec.name not in archive.files]
-                if missing:
-                    raise UsageError(
-                        f"{path} lacks input(s) {missing}; it holds {archive.files}, the "
-                        f"model's inputs are {[spec.name for spec in model.inputs]}"
-                    )
+                _check_all_inputs(model, archive.files, str(path))
                 arrays = {spec.name: archive[spec.name] for spec in model.inputs}
         else:
             raise UsageError(f"input file {path}: expected a .npy, .npz or .json file")
@@ -375,6 +374,16 @@ def _read_inputs(path: Path, model: ModelInfo) -> Arrays:
     for name, array in arrays.items():
         _check_input(name, array, model, str(path))
     return arrays
+
+
+def _check_all_inputs(model: ModelInfo, names: Sequence[str], where: str) -> None:
+    """Refuses inputs that lack one of the model's: the server would refuse the request."""
+    missing = [spec.name for spec in model.inputs if spec.name not in names]
+    if missing:
+        raise UsageError(
+            f"{where} lacks input(s) {missing}; it holds {list(names)}, the model's inputs "
+            f"are {[spec.name for spec in model.inputs]}"
+        )
 
 
 def _check_input(name: str, array: npt.NDArray[Any], model: ModelInfo, where: str) -> None:
@@ -547,14 +556,18 @@ def _asked_outputs(model: ModelInfo, args: argparse.Namespace) -> list[str]:
     return asked
 
 
+def _check_lane(model: ModelInfo, lane: str | None) -> None:
+    """Refuses a --lane the server does not have; None or "": the server's choice."""
+    names = [info.name for info in model.lanes]
+    if lane and lane not in names:
+        raise UsageError(f"--lane {lane!r}: the server has no such lane; its lanes are {names}")
+
+
 def _check_items(model: ModelInfo, inputs: Arrays, rows: int, args: argparse.Namespace) -> None:
     """Refuses a job whose every item the server would refuse (an unknown lane, items
     larger than the lane or the message limit): it could only fail, and --resume too."""
+    _check_lane(model, args.lane)
     names = [lane.name for lane in model.lanes]
-    if args.lane and args.lane not in names:
-        raise UsageError(
-            f"--lane {args.lane!r}: the server has no such lane; its lanes are {names}"
-        )
     # The server's rule for a stream that names no lane.
     name = args.lane or (SERVER_STREAM_LANE if SERVER_STREAM_LANE in names else model.default_lane)
     item_rows = min(args.rows_per_item, rows)

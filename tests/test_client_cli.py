@@ -94,6 +94,47 @@ def test_infer_prints_outputs_as_json_or_writes_them(
     asyncio.run(scenario())
 
 
+def test_infer_refuses_what_getmodel_rules_out_with_exit_2_before_sending(
+    small_model: Path, tmp_path: Path
+) -> None:
+    """bulk's checks: the server would refuse the call (exit 3), as if it had failed."""
+    (tmp_path / "empty.json").write_text("{}", encoding="utf-8")
+    one_row = ["--json", json.dumps({"input": rows(1).tolist()})]
+    cases = [
+        (
+            [*one_row, "--lane", "nope"],
+            "--lane 'nope': the server has no such lane; its lanes are",
+        ),
+        (
+            [*one_row, "--output-name", "nope"],
+            "--output-name nope: the model has no such output; its outputs are ['output']",
+        ),
+        (
+            ["--json", "{}"],
+            "--json lacks input(s) ['input']; it holds [], the model's inputs are ['input']",
+        ),
+        (
+            ["--input", str(tmp_path / "empty.json")],
+            f"{tmp_path / 'empty.json'} lacks input(s) ['input']; it holds []",
+        ),
+    ]
+    engine = RecordingEngine(str(small_model))
+
+    async def scenario() -> None:
+        async with serving(engine, config(small_model)) as s:
+            for arguments, message in cases:
+                code, _, err = await cli("infer", "--target", s.target, *arguments)
+                assert code == 2, (arguments, err)
+                assert message in err, arguments
+                assert "Traceback" not in err
+            calls = s.server.grpc_calls()
+            assert calls is not None
+            assert calls.failed == 0, "no call the server refused: only GetModel was sent"
+
+    asyncio.run(scenario())
+    assert engine.batches == []
+
+
 def test_bulk_writes_outputs_equal_to_session_run(
     small_model: Path, small_reference: ort.InferenceSession, tmp_path: Path
 ) -> None:
