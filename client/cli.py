@@ -59,6 +59,13 @@ EXIT_BROKEN_PIPE: Final = 141  # 128 + SIGPIPE
 _MAX_TIMEOUT_S: Final = (2**32 - 1) / 1000
 # Failed items quoted in a bulk job's summary.
 _EXAMPLES: Final = 3
+# How each file numpy writes starts (np.load's own test; an empty zip archive starts with
+# its end record), and what writes it. np.load takes any other file for a pickle, and its
+# advice, to pass allow_pickle=, would run code from a file that is not an array at all.
+_MAGIC: Final[dict[str, tuple[tuple[bytes, ...], str]]] = {
+    ".npy": ((np.lib.format.MAGIC_PREFIX,), "an array written by numpy.save"),
+    ".npz": ((b"PK\x03\x04", b"PK\x05\x06"), "arrays written by numpy.savez (a zip archive)"),
+}
 
 Arrays = dict[str, npt.NDArray[Any]]
 Handler = Callable[[Client, argparse.Namespace], int]
@@ -357,6 +364,7 @@ def _read_inputs(path: Path, model: ModelInfo) -> Arrays:
         if suffix == ".json":
             return _inputs_from_json(path.read_text(encoding="utf-8"), model, str(path))
         if suffix == ".npy":
+            _check_magic(path, suffix)
             if len(model.inputs) != 1:
                 raise UsageError(
                     f"{path} holds one array; the model has inputs "
@@ -364,6 +372,7 @@ def _read_inputs(path: Path, model: ModelInfo) -> Arrays:
                 )
             arrays: Arrays = {model.inputs[0].name: np.load(path, mmap_mode="r")}
         elif suffix == ".npz":
+            _check_magic(path, suffix)
             with np.load(path) as archive:
                 _check_all_inputs(model, archive.files, str(path))
                 arrays = {spec.name: archive[spec.name] for spec in model.inputs}
@@ -374,6 +383,15 @@ def _read_inputs(path: Path, model: ModelInfo) -> Arrays:
     for name, array in arrays.items():
         _check_input(name, array, model, str(path))
     return arrays
+
+
+def _check_magic(path: Path, suffix: str) -> None:
+    magic, expected = _MAGIC[suffix]
+    with path.open("rb") as file:
+        start = file.read(max(len(prefix) for prefix in magic))
+    if not start.startswith(magic):
+        found = "is empty" if not start else f"starts with {start!r}"
+        raise UsageError(f"{path} is not a {suffix} file: it {found}; expected {expected}")
 
 
 def _check_all_inputs(model: ModelInfo, names: Sequence[str], where: str) -> None:

@@ -311,6 +311,46 @@ def test_existing_checkpoint_needs_resume(small_model: Path, tmp_path: Path) -> 
     asyncio.run(scenario())
 
 
+def test_an_input_that_is_not_the_npy_or_npz_its_name_says_is_refused_saying_so(
+    small_model: Path, tmp_path: Path
+) -> None:
+    """Not numpy's advice for a pickle, to pass allow_pickle=, which would run a file that
+    is no array at all."""
+    (tmp_path / "text.npy").write_text("hi\n", encoding="utf-8")
+    (tmp_path / "empty.npy").write_bytes(b"")
+    (tmp_path / "text.npz").write_text("hi\n", encoding="utf-8")
+    np.savez(tmp_path / "archive.npz", input=rows(1))
+    (tmp_path / "archive.npz").rename(tmp_path / "archive.npy")
+    npy = "; expected an array written by numpy.save"
+    cases = [
+        ("infer", "text.npy", f"text.npy is not a .npy file: it starts with b'hi\\n'{npy}"),
+        ("bulk", "text.npy", f"text.npy is not a .npy file: it starts with b'hi\\n'{npy}"),
+        ("bulk", "empty.npy", f"empty.npy is not a .npy file: it is empty{npy}"),
+        ("bulk", "archive.npy", "archive.npy is not a .npy file: it starts with b'PK"),
+        (
+            "bulk",
+            "text.npz",
+            "text.npz is not a .npz file: it starts with b'hi\\n'; expected arrays",
+        ),
+    ]
+    engine = RecordingEngine(str(small_model))
+
+    async def scenario() -> None:
+        async with serving(engine, config(small_model)) as s:
+            for command, name, message in cases:
+                arguments = ["--input", str(tmp_path / name)]
+                if command == "bulk":
+                    arguments += ["--output", str(tmp_path / "out.npy")]
+                code, _, err = await cli(command, "--target", s.target, *arguments)
+                assert code == 2, (command, name, err)
+                assert message in err, (command, name)
+                assert "allow_pickle" not in err
+                assert "Traceback" not in err
+
+    asyncio.run(scenario())
+    assert engine.batches == []
+
+
 def test_input_of_the_wrong_dtype_is_a_usage_error(small_model: Path, tmp_path: Path) -> None:
     np.save(tmp_path / "in.npy", rows(10).astype(np.float64))
 
