@@ -143,8 +143,15 @@ def add_tls_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup)
 
 def tls_config(args: argparse.Namespace) -> TlsConfig | None:
     """The TLS settings the options of `add_tls_arguments` ask for; None: plaintext.
-    Raises ValueError naming what cannot be read."""
+    Raises ValueError naming the options that cannot be used."""
     if args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
+        # Checked here, where the options can be named: TlsConfig names its own fields.
+        if (args.tls_cert is None) != (args.tls_key is None):
+            given = "--tls-cert" if args.tls_key is None else "--tls-key"
+            raise ValueError(
+                f"--tls-cert and --tls-key go together (mutual TLS); got only {given}: "
+                "expected both or neither"
+            )
         try:
             return TlsConfig.from_files(
                 ca=args.tls_ca,

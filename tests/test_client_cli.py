@@ -738,6 +738,32 @@ def test_metadata_grpc_would_refuse_exits_2_naming_the_pair(small_model: Path) -
     asyncio.run(scenario())
 
 
+def test_a_client_certificate_without_its_key_names_the_flags(
+    small_model: Path, tmp_path: Path
+) -> None:
+    """Not TlsConfig's field names (private_key, certificate_chain), which are no flags."""
+    for name in ("ca.pem", "client.pem", "client.key"):
+        (tmp_path / name).write_text("-----BEGIN CERTIFICATE-----\n", encoding="utf-8")
+    ca = ["--tls-ca", str(tmp_path / "ca.pem")]
+    cases = [
+        ([*ca, "--tls-cert", str(tmp_path / "client.pem")], "got only --tls-cert"),
+        ([*ca, "--tls-key", str(tmp_path / "client.key")], "got only --tls-key"),
+    ]
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            for arguments, given in cases:
+                code, _, err = await cli("model", "--target", s.target, *arguments)
+                assert code == 2, (arguments, err)
+                assert (
+                    f"laneserve-client: --tls-cert and --tls-key go together (mutual TLS); "
+                    f"{given}: expected both or neither"
+                ) in err
+                assert "private_key" not in err
+
+    asyncio.run(scenario())
+
+
 def test_infer_refuses_both_json_and_input() -> None:
     code, _, err = asyncio.run(cli("infer", "--json", "[[0.5]]", "--input", "/no/such/file.npy"))
     assert code == 2

@@ -211,3 +211,9 @@ def test_top_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     for interval in ("nan", "inf", "1e300"):
         assert main(["top", "--interval-s", interval]) == 2
         assert "--interval-s: expected seconds in (0, 3600]" in capsys.readouterr().err
+    # laneserve-client's TLS options, named as they are given.
+    assert main(["top", "--tls-cert", "client.pem"]) == 2
+    assert (
+        "laneserve top: --tls-cert and --tls-key go together (mutual TLS); got only --tls-cert"
+        in capsys.readouterr().err
+    )
