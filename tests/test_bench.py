@@ -77,9 +77,30 @@ from laneserve.server.cli import _parser
 from laneserve.server.engine import Engine
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
-from tests.support import REPO
+from tests.support import REPO, unused_port
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
+
+# `laneserve bench` in a child process: exit status and stderr as a user sees them.
+BENCH = [sys.executable, "-m", "laneserve.server.cli", "bench"]
+BENCH_TIMEOUT_S = 120
+
+
+def bench_refused(tmp_path: Path, *args: str) -> str:
+    """Runs `laneserve bench ARGS` in `tmp_path`, which must refuse (exit 2) with one
+    line and no traceback; its stderr."""
+    done = subprocess.run(
+        [*BENCH, "--no-raw", "--no-plots", "--out", str(tmp_path / "out"), *args],
+        capture_output=True,
+        text=True,
+        timeout=BENCH_TIMEOUT_S,
+        check=False,
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    return done.stderr
 
 
 def live_children() -> list[str]:
@@ -1001,3 +1022,12 @@ def test_the_measurement_scripts_run_and_print_their_figures(
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert figure in done.stdout, done.stdout
+
+
+def test_a_target_nothing_listens_on_is_refused_naming_it(tmp_path: Path) -> None:
+    """GetModel's UNAVAILABLE left `laneserve bench` as a gRPC traceback, exit 1."""
+    target = f"127.0.0.1:{unused_port()}"
+    stderr = bench_refused(tmp_path, "--target", target, "--scenarios", "a")
+    assert f"laneserve bench: --target {target}: UNAVAILABLE: " in stderr
+    assert "expected a reachable laneserve.v1 endpoint" in stderr
+    assert not (tmp_path / "out").exists(), "no report of a run that did not happen"

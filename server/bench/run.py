@@ -301,7 +301,7 @@ class _Runner:
             primary = self.document["primary"] is None
             if primary:
                 self.document["primary"] = deployment.name
-                self._read_model(deployment.target)
+                self._read_model(deployment)
             scenarios = self._scenarios_for(deployment, primary=primary)
             entry: dict[str, Any] = {
                 "kind": deployment.kind,
@@ -469,11 +469,26 @@ class _Runner:
                     ),
                 )
 
-    def _read_model(self, target: str) -> None:
+    def _read_model(self, deployment: procs.Deployment) -> None:
+        """Reads the system under test's model and lanes; raises StartError when it does
+        not answer GetModel (nothing listens at a --target, or it is not laneserve.v1)."""
+        target = deployment.target
         with grpc.insecure_channel(target) as channel:
-            model = pb_grpc.InferenceServiceStub(channel).GetModel(
-                pb.GetModelRequest(), timeout=RPC_TIMEOUT_S
-            )
+            try:
+                model = pb_grpc.InferenceServiceStub(channel).GetModel(
+                    pb.GetModelRequest(), timeout=RPC_TIMEOUT_S
+                )
+            except grpc.RpcError as error:
+                call: Any = error  # at run time also a grpc.Call; the stubs cannot say so
+                where = (
+                    f"--target {target}"
+                    if deployment.kind == "external"
+                    else f"{deployment.name} on {target}"
+                )
+                raise procs.StartError(
+                    f"{where}: {call.code().name}: {call.details()} (GetModel); expected a "
+                    "reachable laneserve.v1 endpoint"
+                ) from None
         self.inputs = tuple(
             InputSpec(
                 name=spec.name,
