@@ -63,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 MAX_INTERVAL_S = 3600.0  # finite, and within what time.sleep takes
+# Finite: gRPC takes a deadline of inf or nan as one already past (DEADLINE_EXCEEDED).
+MAX_TIMEOUT_S = 3600.0
 
 
 def _unreachable(target: str, error: grpc.RpcError, interval_s: float) -> str:
@@ -73,21 +75,26 @@ def _unreachable(target: str, error: grpc.RpcError, interval_s: float) -> str:
     )
 
 
+def _check_numbers(args: argparse.Namespace, frames: int | None) -> None:
+    """Raises ValueError naming the flag whose value is out of range (nan included)."""
+    if frames is not None and frames < 1:
+        raise ValueError(f"--iterations: expected >= 1, got {frames}")
+    if not 0 < args.interval_s <= MAX_INTERVAL_S:
+        raise ValueError(
+            f"--interval-s: expected seconds in (0, {MAX_INTERVAL_S:g}], got {args.interval_s}"
+        )
+    if not 0 < args.timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError(
+            f"--timeout-s: expected seconds > 0 and at most {MAX_TIMEOUT_S:g}, got {args.timeout_s}"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """Polls and renders until the frames asked for are shown, or Ctrl-C; 1 when the
     server cannot be reached."""
     frames: int | None = 1 if args.once else args.iterations
-    if frames is not None and frames < 1:
-        print(f"laneserve top: --iterations: expected >= 1, got {frames}", file=sys.stderr)
-        return 2
-    if not 0 < args.interval_s <= MAX_INTERVAL_S:
-        print(
-            f"laneserve top: --interval-s: expected seconds in (0, {MAX_INTERVAL_S:g}], "
-            f"got {args.interval_s}",
-            file=sys.stderr,
-        )
-        return 2
     try:
+        _check_numbers(args, frames)
         tls = tls_config(args)
     except ValueError as error:
         print(f"laneserve top: {error}", file=sys.stderr)

@@ -217,3 +217,18 @@ def test_top_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
         "laneserve top: --tls-cert and --tls-key go together (mutual TLS); got only --tls-cert"
         in capsys.readouterr().err
     )
+
+
+def test_top_refuses_a_timeout_that_is_not_positive_finite_seconds(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--timeout-s 0, -1, nan or inf went to gRPC as the deadline of every call: each
+    ended DEADLINE_EXCEEDED at once (or never), reported as an unreachable server."""
+    with socket.socket() as probe:  # a port nothing listens on: only a refusal exits 2
+        probe.bind(("127.0.0.1", 0))
+        target = f"127.0.0.1:{probe.getsockname()[1]}"
+        for timeout in ("0", "-1", "nan", "inf", "1e300"):
+            assert main(["top", "--target", target, "--once", "--timeout-s", timeout]) == 2
+            err = capsys.readouterr().err
+            assert "laneserve top: --timeout-s: expected seconds > 0 and at most 3600, got " in err
+            assert err.count("\n") == 1, err
