@@ -10,7 +10,9 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from laneserve.server import flag_values
 from laneserve.server.app import LaneServer, load_engine
 from laneserve.server.bench import cli as bench_cli
 from laneserve.server.config import DEVICES, ConfigError, ServerConfig, load_config
@@ -32,11 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         return bench_cli.run(args, ["laneserve", *(sys.argv[1:] if argv is None else argv)])
     if args.command == "make-model":
-        from laneserve.server.demo_model import make_demo_model  # noqa: PLC0415 - needs onnx
-
-        make_demo_model(args.path, seed=args.seed)
-        print(f"wrote {args.path}")
-        return 0
+        return _make_model(args.path, seed=args.seed)
     try:
         config = load_config(
             args.config,
@@ -76,6 +74,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.shutdown()
         os._exit(code)
     return code
+
+
+def _make_model(path: str, *, seed: int) -> int:
+    """`laneserve make-model`: 0 once written; 2, with one line, where it cannot be."""
+    from laneserve.server.demo_model import make_demo_model  # noqa: PLC0415 - needs onnx
+
+    problem = _unwritable_file(Path(path))
+    if problem is None:
+        try:
+            make_demo_model(path, seed=seed)
+        except OSError as error:  # what the checks cannot see: permissions, a full disk
+            problem = (
+                f"cannot write {error.filename or path}: {error.strerror}; expected a path "
+                "this user may write"
+            )
+    if problem is not None:
+        print(f"laneserve: make-model {path}: {problem}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0
+
+
+def _unwritable_file(target: Path) -> str | None:
+    """Why no file can be written at `target`, and what was expected; None when nothing
+    in the way is seen. Checked first: the OS's own errors name the wrong path (a file in
+    the way of a directory to create reads "File exists")."""
+    if target.is_dir():
+        return "is a directory; expected the path of the file to write (e.g. models/demo.onnx)"
+    # The nearest parent that exists must be a directory: the missing ones are created.
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                return (
+                    f"{parent} is not a directory; expected a path whose existing "
+                    "parents are directories (missing ones are created)"
+                )
+            break
+    return None
 
 
 def _probe_shapes(flags: Sequence[str] | None) -> dict[str, list[int]] | None:
@@ -205,7 +241,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     make = commands.add_parser("make-model", help="write the demo MLP model")
     make.add_argument("path")
-    make.add_argument("--seed", type=int, default=0)
+    make.add_argument(
+        "--seed", type=flag_values.integer(0), default=0, help="seed of the weights (default 0)"
+    )
     return parser
 
 

@@ -77,6 +77,48 @@ def refused_at_start(*args: str) -> str:
     return done.stderr
 
 
+def refused(*args: str) -> str:
+    """Runs `laneserve ARGS`, which must refuse (exit 2) with no traceback; its stderr."""
+    done = subprocess.run(
+        [sys.executable, "-m", "laneserve.server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    return done.stderr
+
+
+def test_make_model_refuses_a_path_it_cannot_write_naming_what_is_in_the_way(
+    tmp_path: Path,
+) -> None:
+    """A directory was an IsADirectoryError traceback, a file in the way of a parent a
+    FileExistsError one."""
+    in_the_way = tmp_path / "afile"
+    in_the_way.write_text("")
+    expected = {
+        tmp_path: "is a directory; expected the path of the file to write",
+        in_the_way / "x.onnx": f"{in_the_way} is not a directory; expected a path whose",
+        in_the_way / "sub" / "x.onnx": f"{in_the_way} is not a directory; expected a path whose",
+    }
+    for path, message in expected.items():
+        stderr = refused("make-model", str(path))
+        assert stderr.startswith(f"laneserve: make-model {path}: {message}"), stderr
+        assert stderr.count("\n") == 1, stderr
+    assert in_the_way.read_text() == ""
+
+
+def test_make_model_refuses_a_negative_seed_before_building(tmp_path: Path) -> None:
+    """numpy refused it deep inside the build, with a traceback."""
+    target = tmp_path / "x.onnx"
+    stderr = refused("make-model", str(target), "--seed", "-1")
+    assert "argument --seed: expected an integer >= 0, got '-1'" in stderr
+    assert not target.exists()
+
+
 def test_bad_config_is_refused_naming_the_key(tmp_path: Path, small_model: Path) -> None:
     config = tmp_path / "laneserve.toml"
     config.write_text(
