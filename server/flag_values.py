@@ -9,6 +9,7 @@ function's own name ("invalid _parse value"), not what the flag expects.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 
@@ -30,4 +31,22 @@ def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-__all__ = ["integer"]
+def seconds(*, zero_ok: bool, maximum_s: float) -> Callable[[str], float]:
+    """Finite seconds, > 0 (or >= 0 with `zero_ok`) and at most `maximum_s`: nan and inf
+    are refused, as a sleep or a deadline cannot take them."""
+    expected = f"seconds {'>=' if zero_ok else '>'} 0 and at most {maximum_s:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        low_ok = value >= 0 if zero_ok else value > 0
+        if not (low_ok and value <= maximum_s):  # false for nan
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+__all__ = ["integer", "seconds"]

@@ -427,6 +427,58 @@ def test_command_line_parses_bench_options() -> None:
         _kinds("laneserve,triton")
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--seed", "-1", "expected an integer >= 0, got '-1'"),
+        ("--seed", "1.5", "expected an integer >= 0, got '1.5'"),
+        ("--no-batching-threads", "0", "expected an integer >= 1, got '0'"),
+        ("--client-procs", "0", "expected an integer >= 1, got '0'"),
+        ("--channels", "-2", "expected an integer >= 1, got '-2'"),
+        ("--max-batch-size", "0", "expected an integer in [1, 4294967295], got '0'"),
+        ("--max-batch-size", "4294967296", "expected an integer in [1, 4294967295]"),
+        ("--intra-op-threads", "-1", "expected an integer in [0, 1024], got '-1'"),
+        ("--max-windows", "1", "expected an integer >= 2, got '1'"),
+        ("--window-s", "nan", "expected seconds > 0 and at most 3600, got 'nan'"),
+        ("--window-s", "0", "expected seconds > 0 and at most 3600, got '0'"),
+        ("--window-s", "inf", "expected seconds > 0 and at most 3600, got 'inf'"),
+        ("--warmup-s", "-0.5", "expected seconds >= 0 and at most 3600, got '-0.5'"),
+        ("--warmup-s", "x", "expected seconds >= 0 and at most 3600, got 'x'"),
+        ("--concurrencies", "0", "expected positive integers like 2,4; got '0'"),
+        ("--workers", "2,-4", "expected positive integers like 2,4; got '2,-4'"),
+    ],
+)
+def test_a_bad_numeric_flag_is_refused_while_parsing_naming_it(
+    flag: str, value: str, expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--seed -1 and --no-batching-threads 0 died in the client or server processes the
+    run had started, --window-s nan as "cannot convert float NaN to integer"."""
+    with pytest.raises(SystemExit) as refused:
+        _parser().parse_args(["bench", f"{flag}={value}"])
+    assert refused.value.code == 2
+    assert f"argument {flag}: {expected}" in capsys.readouterr().err
+
+
+def test_max_windows_below_the_profiles_stable_windows_is_refused_naming_the_flag() -> None:
+    args = _parser().parse_args(["bench", "--profile", "full", "--max-windows", "2"])
+    with pytest.raises(ValueError, match=r"^--max-windows: expected at least 3 \(the windows"):
+        settings_from(args, [])
+    with pytest.raises(ValueError, match=r"expected warmup_s in \[0, 3600\], window_s"):
+        dataclasses.replace(PROFILES["smoke"], window_s=float("nan"))
+
+
+def test_a_bad_flag_value_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    stderr = bench_refused(tmp_path, "--configs", "laneserve", "--seed", "-1")
+    assert "laneserve bench: error: argument --seed: expected an integer >= 0" in stderr
+    assert not (tmp_path / "models").exists(), "the demo model was not even written"
+    model_dir = tmp_path / "model.onnx"
+    model_dir.mkdir()
+    stderr = bench_refused(tmp_path, "--model", str(model_dir), "--configs", "laneserve")
+    assert stderr == (
+        f"laneserve bench: --model {model_dir}: is a directory; expected an ONNX model file\n"
+    )
+
+
 def test_mix_streams_become_the_streams_of_one_point() -> None:
     interactive = MixStream.parse("lane=interactive,rate=10%,deadline_ms=50,port=priority")
     assert interactive.capacity_share == pytest.approx(0.1)

@@ -27,6 +27,8 @@ from laneserve.server.bench.run import BenchSettings, command_line, run_bench
 from laneserve.server.bench.settings import (
     CONFIGURATION_KINDS,
     DEFAULT_SCENARIOS,
+    MAX_WINDOW_S,
+    MIN_STABLE_WINDOWS,
     MIX_KEYS,
     PROFILES,
     SCENARIOS,
@@ -34,7 +36,8 @@ from laneserve.server.bench.settings import (
     MixStream,
     ScenarioId,
 )
-from laneserve.server.config import DEVICES
+from laneserve.server.config import DEVICES, MAX_INTRA_OP_THREADS, UINT32_MAX
+from laneserve.server.flag_values import integer, seconds
 
 RESULTS_DIR = Path("bench/results")
 # Signals that end a run as Ctrl-C does: `timeout`, a CI job's cancel, a closed terminal.
@@ -83,15 +86,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "targets read 32 and 64)",
     )
     parser.add_argument("--no-raw", action="store_true", help="skip the raw session ceiling")
-    parser.add_argument("--client-procs", type=int, default=2, help="load generator processes")
-    parser.add_argument("--channels", type=int, default=4, help="gRPC channels per client process")
-    parser.add_argument("--max-batch-size", type=int, default=128, help="laneserve's batch cap")
     parser.add_argument(
-        "--intra-op-threads", type=int, default=0, help="ONNX Runtime threads (0 = auto)"
+        "--client-procs", type=integer(1), default=2, help="load generator processes"
+    )
+    parser.add_argument(
+        "--channels", type=integer(1), default=4, help="gRPC channels per client process"
+    )
+    parser.add_argument(
+        "--max-batch-size",
+        type=integer(1, UINT32_MAX),
+        default=128,
+        help="laneserve's batch cap",
+    )
+    parser.add_argument(
+        "--intra-op-threads",
+        type=integer(0, MAX_INTRA_OP_THREADS),
+        default=0,
+        help="ONNX Runtime threads (0 = auto)",
     )
     parser.add_argument("--device", choices=DEVICES, default="auto")
     parser.add_argument(
-        "--no-batching-threads", type=int, help="thread pool of the no-batching server"
+        "--no-batching-threads", type=integer(1), help="thread pool of the no-batching server"
     )
     parser.add_argument("--laneserve-config", help="TOML config passed to laneserve serve")
     parser.add_argument("--out", type=Path, help="output folder (default: bench/results/<time>)")
@@ -99,10 +114,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--py-spy", action="store_true", help="profile laneserve at the highest (a) load"
     )
-    parser.add_argument("--warmup-s", type=float, help="override the profile's warm-up")
-    parser.add_argument("--window-s", type=float, help="override the profile's window")
-    parser.add_argument("--max-windows", type=int, help="override the profile's window cap")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--warmup-s",
+        type=seconds(zero_ok=True, maximum_s=MAX_WINDOW_S),
+        help="override the profile's warm-up",
+    )
+    parser.add_argument(
+        "--window-s",
+        type=seconds(zero_ok=False, maximum_s=MAX_WINDOW_S),
+        help="override the profile's window",
+    )
+    parser.add_argument(
+        "--max-windows",
+        type=integer(MIN_STABLE_WINDOWS),
+        help="override the profile's window cap (at least its stable windows)",
+    )
+    parser.add_argument(
+        "--seed", type=integer(0), default=0, help="seed of the load's arrivals and inputs"
+    )
 
 
 def _split(text: str) -> list[str]:
@@ -175,6 +204,11 @@ def settings_from(args: argparse.Namespace, argv: Sequence[str]) -> BenchSetting
         )
         if value is not None
     }
+    if args.max_windows is not None and args.max_windows < profile.stable_windows:
+        raise ValueError(
+            f"--max-windows: expected at least {profile.stable_windows} (the windows that "
+            f"must agree in profile {profile.name!r}), got {args.max_windows}"
+        )
     if overrides:
         profile = dataclasses.replace(profile, **overrides)
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")

@@ -139,8 +139,12 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
 
 def _model_path(settings: BenchSettings) -> str | None:
     if settings.model_path is not None:
-        if not Path(settings.model_path).exists():
-            raise FileNotFoundError(f"--model {settings.model_path}: no such file")
+        path = Path(settings.model_path)
+        if not path.is_file():
+            found = "is a directory" if path.is_dir() else "no such file"
+            raise FileNotFoundError(
+                f"--model {settings.model_path}: {found}; expected an ONNX model file"
+            )
         return settings.model_path
     if settings.target is not None:
         return None  # an external endpoint alone: no baselines, no raw ceiling

@@ -48,6 +48,9 @@ CONFIGURATION_KINDS: Final[tuple[ConfigurationKind, ...]] = (
 DEADLINE_SLACK_S: Final = 1.0
 # Stability is agreement between windows: at least two of them.
 MIN_STABLE_WINDOWS: Final = 2
+# The longest warm-up or window: finite (a sleep takes no nan or inf), and an hour
+# measures any steady state.
+MAX_WINDOW_S: Final = 3600.0
 # The gRPC deadline of a request without a deadline of its own.
 CALL_TIMEOUT_S: Final = 60.0
 
@@ -298,10 +301,16 @@ class Profile:
                 f"profile {self.name!r}: expected 2 <= stable_windows <= max_windows, got "
                 f"{self.stable_windows} and {self.max_windows}"
             )
-        if self.warmup_s < 0 or self.window_s <= 0 or not 0 < self.tolerance < 1:
+        # Written so that nan fails every comparison, and so is refused.
+        if not (
+            0 <= self.warmup_s <= MAX_WINDOW_S
+            and 0 < self.window_s <= MAX_WINDOW_S
+            and 0 < self.tolerance < 1
+        ):
             raise ValueError(
-                f"profile {self.name!r}: expected warmup_s >= 0, window_s > 0 and tolerance "
-                f"in (0, 1), got {self.warmup_s}, {self.window_s}, {self.tolerance}"
+                f"profile {self.name!r}: expected warmup_s in [0, {MAX_WINDOW_S:g}], window_s "
+                f"in (0, {MAX_WINDOW_S:g}] and tolerance in (0, 1), got {self.warmup_s}, "
+                f"{self.window_s}, {self.tolerance}"
             )
         if not self.concurrencies or min(self.concurrencies) < 1:
             raise ValueError(f"profile {self.name!r}: concurrencies must be >= 1")
