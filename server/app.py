@@ -445,7 +445,14 @@ class LaneServer:
                 else server.add_secure_port(address, credentials)
             )
         except RuntimeError as error:  # what grpc raises when it cannot bind
-            log.debug("binding %s: %s", address, error)
+            log_event(
+                log,
+                logging.DEBUG,
+                "bind_failed",
+                f"binding {address}: {error}",
+                address=address,
+                error=str(error),
+            )
         if bound == 0:
             raise OSError(
                 f"cannot listen on {address} (server.{setting}): gRPC could not bind it; "
@@ -486,8 +493,12 @@ class LaneServer:
         self._thread.stop_accepting()
         drained = await asyncio.to_thread(self._thread.wait_drained, grace_s)
         if not drained:
-            log.warning(
-                "drain ended after at most %.1fs; answering what is left UNAVAILABLE", grace_s
+            log_event(
+                log,
+                logging.WARNING,
+                "drain_incomplete",
+                f"drain ended after at most {grace_s:.1f}s; answering what is left UNAVAILABLE",
+                grace_s=grace_s,
             )
         await asyncio.to_thread(
             functools.partial(
@@ -506,9 +517,13 @@ class LaneServer:
         stopped = await asyncio.to_thread(self._thread.join, RUNNING_BATCH_WAIT_S)
         self.threads_stopped = stopped
         if not stopped:
-            log.warning(
-                "a batch still runs %.1fs after the drain; stopping without waiting for it",
-                RUNNING_BATCH_WAIT_S,
+            log_event(
+                log,
+                logging.WARNING,
+                "batch_still_running",
+                f"a batch still runs {RUNNING_BATCH_WAIT_S:.1f}s after the drain; stopping "
+                "without waiting for it",
+                waited_s=RUNNING_BATCH_WAIT_S,
             )
         # Every RPC now has its answer; give them a moment to be written. Health watches
         # (NOT_SERVING sent) end now: the grace would wait for them in full.

@@ -145,10 +145,23 @@ async def _serve(config: ServerConfig) -> tuple[int, bool]:
     def on_signal(signum: int) -> None:
         name = signal.Signals(signum).name
         if not stop_asked.is_set():
-            log.info("%s: draining (grace %.1fs)", name, config.drain_grace_s)
+            log_event(
+                log,
+                logging.INFO,
+                "drain_started",
+                f"{name}: draining (grace {config.drain_grace_s:.1f}s)",
+                signal=name,
+                grace_s=config.drain_grace_s,
+            )
             stop_asked.set()
         elif server is not None:  # draining, or about to: no grace either way
-            log.warning("%s again: ending the drain now; what is queued gets UNAVAILABLE", name)
+            log_event(
+                log,
+                logging.WARNING,
+                "drain_cut_short",
+                f"{name} again: ending the drain now; what is queued gets UNAVAILABLE",
+                signal=name,
+            )
             server.end_grace()
 
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -259,10 +259,15 @@ def estimate_memory(model_path: str, *, timeout_s: float = 120.0) -> MemoryEstim
             check=False,
         )
     except subprocess.TimeoutExpired:
+        # As `telemetry.log_event` writes it (not imported: telemetry imports this module).
         log.warning(
             "static memory estimate of %s: no answer within %.0fs; GetModel reports 0",
             model_path,
             timeout_s,
+            extra={
+                "event": "static_estimate_failed",
+                "fields": {"model": model_path, "timeout_s": timeout_s},
+            },
         )
         return None
     fields = child.stdout.split()
@@ -273,6 +278,10 @@ def estimate_memory(model_path: str, *, timeout_s: float = 120.0) -> MemoryEstim
             model_path,
             child.returncode,
             last,
+            extra={
+                "event": "static_estimate_failed",
+                "fields": {"model": model_path, "exit_code": child.returncode, "error": last},
+            },
         )
         return None
     return MemoryEstimate(fixed_bytes=int(fields[0]), per_row_bytes=int(fields[1]))

@@ -287,6 +287,14 @@ class ServerProcess:
     def port(self) -> int:
         return int(self.wait_for(r"serving .* on 127\.0\.0\.1:(\d+)").group(1))
 
+    def rest(self) -> list[str]:
+        """The lines not yet waited for, to the end of stderr (the process has exited)."""
+        lines = []
+        while line := self.lines.get(timeout=START_TIMEOUT_S):
+            lines.append(line)
+        self.log += lines
+        return lines
+
 
 async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
     """Polls `condition`: a state the server reaches, not an assumption about timing."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import signal
 import socket
@@ -309,6 +310,46 @@ def test_a_second_signal_ends_the_drain_now(small_model: Path) -> None:
             assert server.process.wait(timeout=60) == 0
     finally:
         server.close()
+
+
+def test_every_log_line_of_a_drain_is_a_json_event(small_model: Path) -> None:
+    """With --log-format json the signal lines ("SIGTERM: draining", "SIGTERM again")
+    and the drain's warnings had no "event" member, which the README promises on every
+    line (log shippers key on it)."""
+    server = ServerProcess(
+        [
+            *("--log-format", "json", "serve", "--model", str(small_model)),
+            *("--port", "0", "--metrics-port", "-1", "--drain-grace-s", "3600"),
+        ],
+        command=[sys.executable, "-c", STUCK_ON_777],
+    )
+    try:
+        port = server.port()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            running = stub.Infer.future(request(rows(1, start=777)), timeout=120)
+            server.wait_for("stuck batch started")
+            server.process.send_signal(signal.SIGTERM)
+            server.wait_for(r"SIGTERM: draining")
+            server.process.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError):
+                running.result()
+        assert server.process.wait(timeout=60) == 0
+        server.rest()
+    finally:
+        server.close()
+    # The fault injection's own marker is the one line not written by the server.
+    lines = [json.loads(line) for line in server.log if line != "stuck batch started\n"]
+    without_event = [line for line in lines if "event" not in line]
+    assert not without_event, without_event
+    events = {line["event"]: line for line in lines}
+    assert events["drain_started"]["signal"] == "SIGTERM"
+    assert events["drain_started"]["grace_s"] == 3600.0
+    assert events["drain_started"]["message"] == "SIGTERM: draining (grace 3600.0s)"
+    assert events["drain_cut_short"]["signal"] == "SIGTERM"
+    assert events["drain_incomplete"]["grace_s"] == 3600.0
+    assert events["batch_still_running"]["waited_s"] > 0
+    assert lines[-1]["event"] == "shutdown"
 
 
 # `laneserve serve` whose memory readings raise once the file named by LANESERVE_TEST_BREAK

@@ -154,6 +154,9 @@ def test_static_estimate_that_fails_is_none_and_names_the_model(
     (record,) = [r for r in caplog.records if "static memory estimate" in r.getMessage()]
     assert str(path) in record.getMessage()
     assert "failed (exit 1:" in record.getMessage()
+    # An event, as every operator-facing line is (with --log-format json, its members).
+    assert getattr(record, "event", None) == "static_estimate_failed"
+    assert getattr(record, "fields", {})["exit_code"] == 1
 
 
 def test_serving_process_never_imports_onnx(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import contextvars
 import dataclasses
 import json
 import logging
+import sys
 import types
 import urllib.error
 import urllib.request
@@ -726,6 +727,24 @@ class _StandInNvml:
     @staticmethod
     def nvmlShutdown() -> None:  # noqa: N802 - NVML's name
         pass
+
+
+def test_nvml_that_cannot_start_is_logged_as_an_event(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The NVML warnings were plain lines: no "event" member with --log-format json."""
+
+    def refuse() -> None:
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=refuse))
+    caplog.set_level(logging.WARNING, logger="laneserve.server.telemetry")
+    assert DeviceMonitor.open(["CUDAExecutionProvider", "CPUExecutionProvider"]) is None
+    (record,) = caplog.records
+    assert getattr(record, "event", None) == "nvml_unavailable"
+    assert getattr(record, "fields", {}) == {"error": "NVML Shared Library Not Found"}
+    document = json.loads(JsonFormatter().format(record))
+    assert document["event"] == "nvml_unavailable"
 
 
 def test_device_utilization_is_scraped_under_its_documented_name() -> None:

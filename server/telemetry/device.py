@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
 
 from laneserve.server.engine import CUDA
-from laneserve.server.telemetry.logs import log
+from laneserve.server.telemetry.logs import log, log_event
 
 
 class DeviceMonitor:
@@ -33,7 +34,13 @@ class DeviceMonitor:
 
             pynvml.nvmlInit()
         except Exception as error:  # noqa: BLE001 - any NVML failure: no utilisation figure
-            log.warning("NVML unavailable, no device utilisation: %s", error)
+            log_event(
+                log,
+                logging.WARNING,
+                "nvml_unavailable",
+                f"NVML unavailable, no device utilisation: {error}",
+                error=str(error),
+            )
             return None
         first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
         try:
@@ -42,7 +49,14 @@ class DeviceMonitor:
             else:
                 handle = pynvml.nvmlDeviceGetHandleByUUID(first)
         except pynvml.NVMLError as error:
-            log.warning("NVML cannot open GPU %r, no device utilisation: %s", first, error)
+            log_event(
+                log,
+                logging.WARNING,
+                "nvml_unavailable",
+                f"NVML cannot open GPU {first!r}, no device utilisation: {error}",
+                gpu=first,
+                error=str(error),
+            )
             pynvml.nvmlShutdown()
             return None
         return cls(pynvml, handle)
