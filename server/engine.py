@@ -35,6 +35,7 @@ from laneserve.server.items import (
     RowsWanted,
     Signature,
 )
+from laneserve.server.log_events import log_event
 from laneserve.server.memory import (
     MemoryEstimate,
     MemoryGauge,
@@ -201,21 +202,14 @@ class Engine:
         self._running: ort.RunOptions | None = None
         self._terminated = False
         limit = "none" if memory_limit_bytes is None else format_bytes(memory_limit_bytes)
-        # As `telemetry.log_event` writes it (not imported: telemetry imports this module):
-        # with --log-format json, the fields are members, not only words in the message.
-        log.info(
-            "session ready: model=%s providers=%s memory_limit=%s",
-            model_path,
-            self.providers,
-            limit,
-            extra={
-                "event": "session_ready",
-                "fields": {
-                    "model": model_path,
-                    "providers": list(self.providers),
-                    "memory_limit_bytes": memory_limit_bytes,
-                },
-            },
+        log_event(
+            log,
+            logging.INFO,
+            "session_ready",
+            f"session ready: model={model_path} providers={self.providers} memory_limit={limit}",
+            model=model_path,
+            providers=list(self.providers),
+            memory_limit_bytes=memory_limit_bytes,
         )
 
     @staticmethod

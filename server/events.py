@@ -19,6 +19,7 @@ from typing import Protocol
 
 from laneserve.server.errors import LaneserveError
 from laneserve.server.items import Batch
+from laneserve.server.log_events import event_extra
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +173,7 @@ class FanOut:
                         "telemetry sink %s failed on %s; serving goes on, later failures "
                         "of it are counted, not logged",
                         *key,
+                        extra=event_extra("telemetry_sink_failed", sink=key[0], on=event),
                     )
 
     def admitted(self, lane: str, rows: int) -> None:

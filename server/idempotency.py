@@ -44,6 +44,7 @@ from laneserve.server.errors import (
     RequestIdReusedError,
 )
 from laneserve.server.items import Outcome
+from laneserve.server.log_events import event_extra
 from laneserve.v1 import inference_pb2 as pb
 
 # Bytes counted per stored answer on top of its id and its record: the objects' headers
@@ -303,7 +304,11 @@ class RequestLedger:
                 # Every waiter gets an answer on every path, a bug in `finish` included.
                 failure = error
                 if not isinstance(error, LaneserveError):
-                    log.exception("answering request %r failed", request_id)
+                    log.exception(
+                        "answering request %r failed",
+                        request_id,
+                        extra=event_extra("answer_failed", request_id=request_id),
+                    )
                     failure = EngineError(f"internal error: {error!r}")
                 flight.fail(failure)
                 return

@@ -21,6 +21,8 @@ from typing import Protocol
 
 import numpy as np
 
+from laneserve.server.log_events import log_event
+
 log = logging.getLogger(__name__)
 
 _UNITS = {
@@ -259,29 +261,28 @@ def estimate_memory(model_path: str, *, timeout_s: float = 120.0) -> MemoryEstim
             check=False,
         )
     except subprocess.TimeoutExpired:
-        # As `telemetry.log_event` writes it (not imported: telemetry imports this module).
-        log.warning(
-            "static memory estimate of %s: no answer within %.0fs; GetModel reports 0",
-            model_path,
-            timeout_s,
-            extra={
-                "event": "static_estimate_failed",
-                "fields": {"model": model_path, "timeout_s": timeout_s},
-            },
+        log_event(
+            log,
+            logging.WARNING,
+            "static_estimate_failed",
+            f"static memory estimate of {model_path}: no answer within {timeout_s:.0f}s; "
+            "GetModel reports 0",
+            model=model_path,
+            timeout_s=timeout_s,
         )
         return None
     fields = child.stdout.split()
     if child.returncode != 0 or len(fields) != 2:  # noqa: PLR2004 - two numbers
         last = (child.stderr.strip().splitlines() or ["no output"])[-1]
-        log.warning(
-            "static memory estimate of %s failed (exit %d: %s); GetModel reports 0",
-            model_path,
-            child.returncode,
-            last,
-            extra={
-                "event": "static_estimate_failed",
-                "fields": {"model": model_path, "exit_code": child.returncode, "error": last},
-            },
+        log_event(
+            log,
+            logging.WARNING,
+            "static_estimate_failed",
+            f"static memory estimate of {model_path} failed (exit {child.returncode}: {last}); "
+            "GetModel reports 0",
+            model=model_path,
+            exit_code=child.returncode,
+            error=last,
         )
         return None
     return MemoryEstimate(fixed_bytes=int(fields[0]), per_row_bytes=int(fields[1]))

@@ -30,6 +30,7 @@ import numpy.typing as npt
 from laneserve.server.clock import Clock, SystemClock
 from laneserve.server.errors import DrainingError, EngineError, LaneserveError
 from laneserve.server.items import Batch, BatchResult, InferenceRequest, Outcome, RowsWanted
+from laneserve.server.log_events import event_extra
 from laneserve.server.memory import MemoryGauge, WatermarkState
 from laneserve.server.scheduler import Dispatch, LaneDepth, Scheduler, WaitUntil
 
@@ -203,7 +204,10 @@ class SchedulerThread:
                 ready, outcomes = outcomes, []
                 self._deliver(ready)
         except Exception:  # logged with its traceback; the thread ends here
-            log.exception("scheduler thread failed; answering all queued work")
+            log.exception(
+                "scheduler thread failed; answering all queued work",
+                extra=event_extra("scheduler_thread_failed"),
+            )
             if outcomes:
                 self._deliver(outcomes)
             self._fail(EngineError("the scheduler failed; the server must be restarted"))
@@ -272,13 +276,20 @@ class SchedulerThread:
             try:
                 result = self._run_batch(batch, functools.partial(self._rows_wanted, batch))
             except Exception as error:
-                log.exception("batch %d failed outside the runtime", batch.batch_id)
+                log.exception(
+                    "batch %d failed outside the runtime",
+                    batch.batch_id,
+                    extra=event_extra("batch_failed", batch_id=batch.batch_id),
+                )
                 result = BatchResult(batch, None, EngineError(f"batch failed: {error!r}"), 0.0)
             outcomes: list[Outcome] = []
             try:
                 batch = self._finish(result, outcomes)
             except Exception:  # logged with its traceback; the thread ends here
-                log.exception("applying a batch result failed; answering all queued work")
+                log.exception(
+                    "applying a batch result failed; answering all queued work",
+                    extra=event_extra("scheduler_thread_failed"),
+                )
                 if outcomes:  # answers already made: _fail answers only what is left
                     self._deliver(outcomes)
                 self._fail(EngineError("the scheduler failed; the server must be restarted"))

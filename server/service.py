@@ -55,6 +55,7 @@ from laneserve.server.idempotency import (
 )
 from laneserve.server.items import InferenceRequest, Outcome
 from laneserve.server.lifecycle import Lifecycle
+from laneserve.server.log_events import event_extra
 from laneserve.server.memory import MemoryFacts, WatermarkState
 from laneserve.server.scheduler_thread import SchedulerThread
 from laneserve.server.stats import Distribution, Percentiles, StatsRecorder
@@ -275,7 +276,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 request_id=request.request_id, error=to_rpc_status(error)
             )
         except Exception as error:  # every item read gets one answer, even on a bug
-            log.exception("stream item %r failed unexpectedly", request.request_id)
+            log.exception(
+                "stream item %r failed unexpectedly",
+                request.request_id,
+                extra=event_extra("stream_item_failed", request_id=request.request_id),
+            )
             message = pb.InferStreamResponse(
                 request_id=request.request_id,
                 error=to_rpc_status(EngineError(f"internal error: {error!r}")),

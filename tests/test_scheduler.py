@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import json
 import math
 import random
 import threading
@@ -45,6 +46,7 @@ from laneserve.server.items import (
 from laneserve.server.lanes import Entry, Lane
 from laneserve.server.scheduler import ACTIVE_LANE_S, Dispatch, Scheduler, WaitUntil
 from laneserve.server.scheduler_thread import SchedulerThread
+from laneserve.server.telemetry import JsonFormatter
 
 T0 = 1_000.0
 CAP = 8
@@ -2341,3 +2343,12 @@ def test_a_failing_telemetry_sink_neither_stops_events_nor_serving(
         "telemetry sink Broken failed on admitted; serving goes on, later failures of it "
         "are counted, not logged"
     ) == 1
+    # An event, with its traceback (with --log-format json: "event" and "exception").
+    (record,) = [r for r in caplog.records if getattr(r, "event", None) == "telemetry_sink_failed"]
+    document = json.loads(JsonFormatter().format(record))
+    assert (document["event"], document["sink"], document["on"]) == (
+        "telemetry_sink_failed",
+        "Broken",
+        "admitted",
+    )
+    assert "RuntimeError: telemetry bug" in document["exception"]

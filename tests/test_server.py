@@ -341,7 +341,9 @@ def test_cancelled_call_frees_its_rows_and_never_runs(small_model: Path) -> None
     asyncio.run(scenario())
 
 
-def test_runtime_failure_fails_that_batch_only(small_model: Path) -> None:
+def test_runtime_failure_fails_that_batch_only(
+    small_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
         engine.fail_when = lambda batch: any(
@@ -355,6 +357,10 @@ def test_runtime_failure_fails_that_batch_only(small_model: Path) -> None:
             assert output(await s.stub.Infer(request(rows(2, start=1)))).shape == (2, 10)
 
     asyncio.run(scenario())
+    # The line says which batch, as an event (with --log-format json, a member).
+    (failed,) = [r for r in caplog.records if getattr(r, "event", None) == "batch_failed"]
+    assert failed.exc_info is not None
+    assert getattr(failed, "fields", {})["batch_id"] >= 0
 
 
 def test_draining_server_refuses_new_work_and_finishes_queued(small_model: Path) -> None:

@@ -23,6 +23,7 @@ interceptor) -> metrics (instruments; the metric names are listed there), device
 and endpoint (Prometheus) -> logs (formatters, `EventLog`) -> assembly (`Telemetry`).
 """
 
+from laneserve.server.log_events import log_event
 from laneserve.server.telemetry.assembly import Telemetry
 from laneserve.server.telemetry.device import DeviceMonitor
 from laneserve.server.telemetry.endpoint import EndpointTls, MetricsEndpoint
@@ -32,7 +33,6 @@ from laneserve.server.telemetry.logs import (
     JsonFormatter,
     TextFormatter,
     configure_logging,
-    log_event,
 )
 from laneserve.server.telemetry.metrics import Metrics
 from laneserve.server.telemetry.server_spans import ServerSpans

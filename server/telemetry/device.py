@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from laneserve.server.engine import CUDA
-from laneserve.server.telemetry.logs import log, log_event
+from laneserve.server.log_events import log_event
+from laneserve.server.telemetry.logs import log
 
 
 class DeviceMonitor:

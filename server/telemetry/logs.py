@@ -1,6 +1,6 @@
-"""Event logs: one line per event, text or JSON (`log_event`, `configure_logging`), and
-`EventLog`, the `SchedulerEvents` sink for what an operator must hear of unasked
-(refusals in aggregate, out of memory, batch cap moves)."""
+"""Event logs: the formatters of event lines (`log_events.log_event`), text or JSON
+(`configure_logging`), and `EventLog`, the `SchedulerEvents` sink for what an operator
+must hear of unasked (refusals in aggregate, out of memory, batch cap moves)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from laneserve.server.errors import LaneserveError
 from laneserve.server.items import Batch
+from laneserve.server.log_events import log_event
 
 # Every telemetry log line under one name, the package's (filters and tests use it).
 log = logging.getLogger("laneserve.server.telemetry")
@@ -34,12 +35,6 @@ def start_timer(delay_s: float, action: Callable[[], None]) -> Timer:
     timer.daemon = True
     timer.start()
     return timer
-
-
-def log_event(logger: logging.Logger, level: int, event: str, message: str, **fields: Any) -> None:
-    """One log line for one event: `message` for people, `fields` for machines (rendered
-    as key=value in text, as JSON members with --log-format json)."""
-    logger.log(level, message, extra={"event": event, "fields": fields})
 
 
 class TextFormatter(logging.Formatter):
