@@ -117,6 +117,9 @@ DEFAULT_LANES: tuple[LaneConfig, ...] = (
     LaneConfig("standard", capacity_rows=2_048, timeout_ms=10_000, max_wait_ms=4, min_share=0.1),
     LaneConfig("bulk", capacity_rows=16_384, timeout_ms=120_000, max_wait_ms=20, min_share=0.05),
 )
+# The lane of a request that names none, unless server.default_lane says otherwise: one
+# of DEFAULT_LANES, so a config with lanes of its own must name one of them.
+DEFAULT_LANE = "standard"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -134,7 +137,7 @@ class ServerConfig:
     max_batch_size: int = 128
     # Lanes, highest priority first.
     lanes: tuple[LaneConfig, ...] = DEFAULT_LANES
-    default_lane: str = "standard"
+    default_lane: str = DEFAULT_LANE
     device: Device = "auto"
     # On SIGTERM/SIGINT queued work may finish within this time; the rest is refused.
     drain_grace_s: float = 10.0
@@ -262,8 +265,14 @@ class ServerConfig:
         if len(set(names)) != len(names):
             raise ConfigError(f"lanes: names must be unique, got {names}")
         if self.default_lane not in names:
+            unset = (
+                f" ({DEFAULT_LANE!r} is the default of server.default_lane; with [[lanes]] "
+                "that have no lane of that name, set default_lane in [server] to one of them)"
+                if self.default_lane == DEFAULT_LANE
+                else ""
+            )
             raise ConfigError(
-                f"server.default_lane: expected one of {names}, got {self.default_lane!r}"
+                f"server.default_lane: expected one of {names}, got {self.default_lane!r}{unset}"
             )
         total_share = sum(lane.min_share for lane in self.lanes)
         if total_share >= 1.0:

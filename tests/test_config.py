@@ -255,6 +255,25 @@ def test_invalid_config_is_refused_naming_the_key(tmp_path: Path, text: str, key
         load_config(write(tmp_path, text), model_path="model.onnx")
 
 
+def test_lanes_without_the_default_lane_say_that_default_lane_must_be_set(
+    tmp_path: Path,
+) -> None:
+    """The file never said "standard": the error must say where it came from."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(write(tmp_path, lane_toml("interactive")), model_path="model.onnx")
+    assert str(refused.value) == (
+        "server.default_lane: expected one of ['interactive'], got 'standard' ('standard' is "
+        "the default of server.default_lane; with [[lanes]] that have no lane of that name, "
+        "set default_lane in [server] to one of them)"
+    )
+    text = '[server]\ndefault_lane = "express"\n' + lane_toml("interactive")
+    with pytest.raises(ConfigError) as named:
+        load_config(write(tmp_path, text), model_path="model.onnx")
+    assert str(named.value) == (
+        "server.default_lane: expected one of ['interactive'], got 'express'"
+    ), "a name the file gave needs no explanation"
+
+
 def test_a_config_file_that_is_not_utf8_is_refused_naming_it(tmp_path: Path) -> None:
     path = tmp_path / "latin1.toml"
     path.write_bytes('[server]\nhost = "caf\u00e9"\n'.encode("latin-1"))
