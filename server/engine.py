@@ -13,6 +13,7 @@ import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
@@ -123,6 +124,17 @@ def default_intra_op_threads(*, on_gpu: bool) -> int:
     return max(1, cores - 1)
 
 
+def _not_a_file(path: Path) -> str | None:
+    """What is at `path` when it is not a regular file; None when it is. Checked before
+    the runtime reads it: it takes a directory for a model that fails to parse
+    (INVALID_PROTOBUF), which names the content, not the path."""
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return "is a directory"
+    return "is not a regular file" if path.exists() else "no such file"
+
+
 class Engine:
     def __init__(
         self,
@@ -135,6 +147,11 @@ class Engine:
     ) -> None:
         """`probe_shapes`: input name -> its shape after the row axis for the inputs the
         start-up probe (and the broken-session check) runs; else dynamic sizes are 1."""
+        not_a_file = _not_a_file(Path(model_path))
+        if not_a_file is not None:
+            raise EngineStartError(
+                f"cannot load model {model_path!r}: {not_a_file}; expected an ONNX model file"
+            )
         self.model_path = model_path
         requested = choose_providers(device)
         on_gpu = requested[0] == CUDA

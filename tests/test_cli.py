@@ -139,6 +139,15 @@ def test_missing_model_is_refused(tmp_path: Path) -> None:
     assert "cannot load model" in stderr
 
 
+def test_a_model_path_that_is_a_directory_is_refused_saying_so(tmp_path: Path) -> None:
+    """ONNX Runtime's own message was INVALID_PROTOBUF, "Protobuf parsing failed"."""
+    stderr = refused_at_start("--model", str(tmp_path), "--port", "0")
+    assert stderr == (
+        f"laneserve: cannot load model {str(tmp_path)!r}: is a directory; expected an ONNX "
+        "model file\n"
+    )
+
+
 def test_cuda_without_a_usable_gpu_is_a_start_up_error(small_model: Path) -> None:
     """`--device cuda` never falls back silently to the CPU."""
     if CUDA in ort.get_available_providers() and gpu_present():
