@@ -253,7 +253,7 @@ class LaneServer:
         self.state = Lifecycle.STARTING
         device = device_gauge(engine)
         # Before the probe, not beside it: the probe times runs for the cost model.
-        self.memory_estimate = estimate(config.model_path)
+        self.memory_estimate = engine.static_estimate or estimate(config.model_path)
         self.probe = engine.probe(
             config.batch_cap or config.max_batch_size,
             fixed_cap=config.batch_cap is not None,

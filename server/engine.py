@@ -43,6 +43,7 @@ from laneserve.server.memory import (
     MemoryLimit,
     NvmlGauge,
     ProcessRssGauge,
+    estimate_memory,
     fit_memory,
     format_bytes,
 )
@@ -157,6 +158,9 @@ class Engine:
         on_gpu = requested[0] == CUDA
         if memory_limit is None and on_gpu:
             memory_limit = DEFAULT_GPU_MEMORY_LIMIT
+        # The model file's static memory estimate, when the start needed it (a CPU
+        # budget is checked against the weights); None: not worked out here.
+        self.static_estimate: MemoryEstimate | None = None
         # The hard limit on the session's device memory; None: the runtime's default.
         self.memory_limit_bytes = (
             None
@@ -189,7 +193,7 @@ class Engine:
                     },
                 )
             else:
-                _check_cpu_budget(model_path, memory_limit_bytes)
+                self.static_estimate = _check_cpu_budget(model_path, memory_limit_bytes)
                 _cap_cpu_arena(memory_limit_bytes)
                 options.add_session_config_entry("session.use_env_allocators", "1")
         try:
@@ -638,39 +642,21 @@ def _powers_of_two_up_to(limit: int) -> list[int]:
 _CPU_ARENA_LIMIT_BYTES: int | None = None
 
 
-def _check_cpu_budget(model_path: str, limit_bytes: int) -> None:
+def _check_cpu_budget(model_path: str, limit_bytes: int) -> MemoryEstimate | None:
     """Refuses a CPU budget that cannot hold the model's weights: ONNX Runtime then keeps
     them, and runs every batch, outside the capped arena, so the budget is silently not
     enforced (measured with the demo model's 20.1 MiB of weights: budgets up to 20 MiB
-    ran 4 096-row batches, 21 MiB failed at 64 rows)."""
-    weights_bytes = _initializer_bytes(model_path)
-    if weights_bytes is not None and limit_bytes <= weights_bytes:
+    ran 4 096-row batches, 21 MiB failed at 64 rows). The weights come from the static
+    estimate (a child process: the server never imports onnx), returned for reuse."""
+    estimate = estimate_memory(model_path)
+    if estimate is not None and limit_bytes <= estimate.fixed_bytes:
+        weights = format_bytes(estimate.fixed_bytes)
         raise EngineStartError(
             f"memory limit {format_bytes(limit_bytes)} does not hold the model's weights "
-            f"({format_bytes(weights_bytes)}), and ONNX Runtime would run without the cap; "
-            f"expected more than {format_bytes(weights_bytes)}, plus the activations of a batch"
+            f"({weights}), and ONNX Runtime would run without the cap; expected more than "
+            f"{weights}, plus the activations of a batch"
         )
-
-
-def _initializer_bytes(model_path: str) -> int | None:
-    """Bytes of the model's initializers (its weights, external data included, by their
-    shapes and types; subgraphs' own are not counted), or None when the file cannot be
-    read as ONNX here (the session's load says why)."""
-    import onnx  # noqa: PLC0415 - only a CPU budget needs it, once at start
-    import onnx.helper  # noqa: PLC0415
-
-    try:
-        model = onnx.load(model_path, load_external_data=False)
-    except Exception:  # noqa: BLE001 - the session's own load reports a bad file
-        return None
-    total = 0
-    for tensor in model.graph.initializer:
-        if tensor.data_type == onnx.TensorProto.STRING:
-            total += sum(len(value) for value in tensor.string_data)
-            continue
-        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
-        total += int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
-    return total
+    return estimate
 
 
 def _cap_cpu_arena(limit_bytes: int) -> None:

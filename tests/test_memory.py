@@ -159,12 +159,15 @@ def test_static_estimate_that_fails_is_none_and_names_the_model(
     assert getattr(record, "fields", {})["exit_code"] == 1
 
 
-def test_serving_process_never_imports_onnx(tmp_path: Path) -> None:
-    """The estimate's child takes onnx and the parsed weights with it when it exits."""
+@pytest.mark.parametrize("memory_limit", [None, "64MiB"], ids=["no-budget", "cpu-budget"])
+def test_serving_process_never_imports_onnx(tmp_path: Path, memory_limit: str | None) -> None:
+    """The estimate's child takes onnx and the parsed weights with it when it exits; a
+    CPU budget, checked against the weights, uses the same child (once)."""
     script = (
         "import sys\n"
         "from laneserve.server import LaneServer, ServerConfig, load_engine\n"
-        f"config = ServerConfig(model_path={str(tmp_path / 'mlp.onnx')!r})\n"
+        f"config = ServerConfig(model_path={str(tmp_path / 'mlp.onnx')!r}, "
+        f"memory_limit={memory_limit!r})\n"
         "server = LaneServer(load_engine(config), config)\n"
         "assert server.memory_estimate is not None\n"
         "print('onnx' in sys.modules)\n"
