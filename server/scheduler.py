@@ -397,7 +397,9 @@ class Scheduler:
         if top is None:
             return 0
         lane = self.lanes[top.priority]
-        shares = sum(self._share_rows(below) for below in self.lanes[top.priority + 1 :])
+        shares = sum(
+            self._share_rows(below) for below in self.lanes[top.priority + 1 :] if below.queued_rows
+        )
         filled = max(lane.queued_rows, self._rows_within_wait(lane, top.request.signature))
         return min(self._limit_rows(now_s, top), math.ceil(filled + shares))
 
