@@ -152,16 +152,26 @@ def tls_config(args: argparse.Namespace) -> TlsConfig | None:
                 f"--tls-cert and --tls-key go together (mutual TLS); got only {given}: "
                 "expected both or neither"
             )
-        try:
-            return TlsConfig.from_files(
-                ca=args.tls_ca,
-                cert=args.tls_cert,
-                key=args.tls_key,
-                server_name=args.tls_server_name,
-            )
-        except (OSError, ValueError) as error:
-            raise ValueError(f"TLS options: {error}") from error
+        return TlsConfig(
+            root_certificates=_read_pem(args.tls_ca, "--tls-ca"),
+            private_key=_read_pem(args.tls_key, "--tls-key"),
+            certificate_chain=_read_pem(args.tls_cert, "--tls-cert"),
+            server_name=args.tls_server_name,
+        )
     return TlsConfig() if args.tls else None
+
+
+def _read_pem(path: str | None, option: str) -> bytes | None:
+    """The bytes of the PEM file `option` names (None: not given); ValueError naming the
+    option when it cannot be read (it said "TLS options: [Errno 2] ...", naming no flag)."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as error:
+        raise ValueError(
+            f"{option} {path}: cannot read it ({error.strerror or error}); expected a PEM file"
+        ) from error
 
 
 def _client(args: argparse.Namespace) -> Client:

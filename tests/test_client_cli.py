@@ -764,6 +764,23 @@ def test_a_client_certificate_without_its_key_names_the_flags(
     asyncio.run(scenario())
 
 
+def test_a_tls_file_that_cannot_be_read_is_named_by_its_flag(tmp_path: Path) -> None:
+    """It said "TLS options: [Errno 2] No such file or directory: ..." naming no flag."""
+    missing = str(tmp_path / "nope.pem")
+    present = tmp_path / "present.pem"
+    present.write_text("-----BEGIN CERTIFICATE-----\n", encoding="utf-8")
+    cases = {
+        "--tls-ca": ["--tls-ca", missing],
+        "--tls-cert": ["--tls-cert", missing, "--tls-key", str(present)],
+        "--tls-key": ["--tls-key", missing, "--tls-cert", str(present)],
+    }
+    for flag, arguments in cases.items():
+        code, _, err = asyncio.run(cli("model", *arguments))
+        assert code == 2, err
+        assert f"{flag} {missing}: cannot read it (No such file or directory)" in err, err
+        assert "expected a PEM file" in err
+
+
 def test_infer_refuses_both_json_and_input() -> None:
     code, _, err = asyncio.run(cli("infer", "--json", "[[0.5]]", "--input", "/no/such/file.npy"))
     assert code == 2
