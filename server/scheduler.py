@@ -113,7 +113,7 @@ class _Plan:
     # The next batch: (entry, rows) in the order they were taken.
     taken: list[tuple[Entry, int]] = dataclasses.field(default_factory=list)
     # Per lane priority served in pass 1: (allowance, rows taken against it).
-    share_used: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    share_used: dict[int, tuple[float, int]] = dataclasses.field(default_factory=dict)
     # Lanes with a share and credit whose head (of the batch's shape) did not fit the room
     # left (see `_owed_head`).
     room_blocked: set[int] = dataclasses.field(default_factory=set)
@@ -181,10 +181,9 @@ def _capacity_failures(result: BatchResult) -> list[int]:
     return [run.rows for run in result.out_of_memory_runs if not run.held_unfit_row]
 
 
-def _charge_owner(plan: _Plan, priority: int, shut_out_rows: float) -> None:
-    """The batch is the owed lane's (its shape): it costs the lanes it shuts out the
-    session time it takes from them (`shut_out_rows`: rows of the batch they would have
-    had, in proportion to the run times), so it counts against the lane's credit as that
+def _charge_owner(plan: _Plan, priority: int, shut_out_rows: int) -> None:
+    """The batch is the owed lane's (its shape): it costs the lanes it shuts out the batch
+    they would have had (`shut_out_rows`), so it counts against the lane's credit as that
     at least. Charged only its rows, a batch held to a few rows by an active lane's bound
     cost exactly the share the lane banked each batch, and it owned every batch after
     (interactive starved)."""
@@ -670,7 +669,7 @@ class Scheduler:
         self._fill_top_down(plan, batch, shape_owner)
         plan.taken = list(batch.taken.values())
         if shape_owner is not None:
-            _charge_owner(plan, first.priority, self._shut_out_rows(now_s, top, plan))
+            _charge_owner(plan, first.priority, self._limit_rows(now_s, top))
         return plan
 
     def _fill_top_down(self, plan: _Plan, batch: _Filling, owner: int | None) -> None:
@@ -722,18 +721,6 @@ class Scheduler:
                 rows = plan.limit_rows - batch.room
                 budget_rows = max(rows, self._rows_within_wait(lane, batch.signature))
                 batch.room = min(batch.room, budget_rows - rows)
-
-    def _shut_out_rows(self, now_s: float, top: Entry, plan: _Plan) -> float:
-        """What a batch of an owed lane's shape (`plan`) takes from the lanes it shuts
-        out, in rows of their batch (`top`'s, the highest queued work): that batch, in
-        proportion to the session time the owed batch takes instead (at most all of it).
-        Charged the whole of a cap's batch, a lane of another shape whose batches an
-        active lane held to a third of that got a third of its share."""
-        top_rows = self._limit_rows(now_s, top)
-        top_s = self._run_times.get(top.request.signature).predict_s(top_rows)
-        rows = sum(taken for _, taken in plan.taken)
-        owned_s = self._run_times.get(plan.taken[0][0].request.signature).predict_s(rows)
-        return top_rows if top_s <= 0 else top_rows * min(owned_s / top_s, 1.0)
 
     def _owed_head(self, top: Entry) -> Entry | None:
         """The head of the highest lane with a share whose credit covers that head (or a

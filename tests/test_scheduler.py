@@ -891,36 +891,6 @@ def test_two_lanes_whose_work_has_another_shape_both_get_their_shares() -> None:
     assert taken["bulk"] >= batches * share_rows * 0.7, taken
 
 
-def test_lanes_of_other_shapes_get_their_shares_of_session_time() -> None:
-    """Interactive saturated 2 wide; standard, bulk and a fourth lane each queue work of a
-    shape of its own (3, 4 and 5 wide). Each of their batches is held to what runs within
-    interactive's max_wait (22 of 64 rows) and was charged as a whole 64-row batch: each
-    lane got a third of its share. A batch of a lane's own shape is charged the session
-    time it takes, in rows of the batch it shut out."""
-    lanes = (
-        *UNBOUNDED_SHARE_LANES,
-        LaneConfig("batch", 10**6, timeout_ms=6 * 10**4, max_wait_ms=50, min_share=0.05),
-    )
-    scheduler = Scheduler(lanes, batch_cap=64, run_time=RunTimeModel({1: 0.001, 64: 0.004}))
-    widths = {"interactive": 2, "standard": 3, "bulk": 4, "batch": 5}
-    index, now_s = 1000, T0
-    spent: dict[str, float] = dict.fromkeys(widths, 0.0)  # session s, split by rows
-    for _ in range(600):
-        for lane, width in widths.items():
-            while queued_rows(scheduler, lane) < 128:
-                scheduler.admit(make_request(index, lane, 1, width=width), now_s)
-                index += 1
-        batch, _, end_s = run_next(scheduler, now_s)
-        for lane, rows in rows_by_lane(batch).items():
-            spent[lane] += (end_s - now_s) * rows / batch.rows
-        now_s = end_s
-    total_s = sum(spent.values())
-    for lane in ("standard", "bulk", "batch"):
-        share = scheduler.lane(lane).config.min_share
-        assert spent[lane] >= 0.9 * share * total_s, (lane, spent)
-    assert spent["interactive"] >= 0.75 * total_s, spent
-
-
 DEFAULT_LIKE_LANES = (
     LaneConfig("interactive", capacity_rows=512, timeout_ms=2_000, max_wait_ms=1, min_share=0.0),
     LaneConfig("standard", capacity_rows=10**6, timeout_ms=10**6, max_wait_ms=4, min_share=0.1),
