@@ -381,8 +381,10 @@ class Scheduler:
         if lane.config.min_share > 0:
             own_batches = self._share_batches(lane, rows, signature, batch_rows)
             run_time = self._run_times.get(signature)
+            # The first head above is the highest queued work: its limit is known.
+            top_limit = head_limits[0] if head_limits else None
             batch_s = run_time.predict_s(
-                max(batch_rows, self._top_batch_rows(now_s), min(rows, self.batch_cap))
+                max(batch_rows, self._top_batch_rows(now_s, top_limit), min(rows, self.batch_cap))
             )
             share_finish_s = start_s + own_batches * batch_s
             if self._fed_above(lane, now_s):
@@ -391,12 +393,13 @@ class Scheduler:
                 finish_s = min(finish_s, share_finish_s)
         return finish_s
 
-    def _top_batch_rows(self, now_s: float) -> int:
+    def _top_batch_rows(self, now_s: float, top_limit: int | None) -> int:
         """Rows of the batches the highest queued work is served in, which a lane's share
         waits through: full ones while its lane is saturated, else its queued rows and
         what rides along with them (or its head's batch limit, if smaller). Costed at the
         limit alone, a standard request behind one interactive request a batch was
-        predicted to take twice as long as it did, and refused."""
+        predicted to take twice as long as it did, and refused. `top_limit`: the top
+        head's batch limit when the caller has it (None: worked out here)."""
         top = next((head for other in self.lanes if (head := other.head()) is not None), None)
         if top is None:
             return 0
@@ -405,7 +408,8 @@ class Scheduler:
             self._share_rows(below) for below in self.lanes[top.priority + 1 :] if below.queued_rows
         )
         filled = max(lane.queued_rows, self._rows_within_wait(lane, top.request.signature))
-        return min(self._limit_rows(now_s, top), math.ceil(filled + shares))
+        limit = self._limit_rows(now_s, top) if top_limit is None else top_limit
+        return min(limit, math.ceil(filled + shares))
 
     def _fed_above(self, lane: Lane, now_s: float) -> bool:
         """Whether a lane above `lane` has work queued and is still admitting more (it
