@@ -941,6 +941,18 @@ def test_log_lines_carry_their_fields_as_text_or_json() -> None:
     assert document["time"].endswith("+00:00")
 
 
+def test_a_json_line_of_another_library_has_an_event_too() -> None:
+    """Log shippers key on `event`: grpc's and asyncio's lines had none with
+    --log-format json."""
+    record = logging.LogRecord("grpc._cython", logging.ERROR, __file__, 1, "boom %d", (7,), None)
+    document = json.loads(JsonFormatter().format(record))
+    assert (document["event"], document["logger"], document["message"]) == (
+        "log",
+        "grpc._cython",
+        "boom 7",
+    )
+
+
 def test_a_late_refusal_burst_is_timed_from_its_first_refusal(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

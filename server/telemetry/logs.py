@@ -23,6 +23,10 @@ log = logging.getLogger("laneserve.server.telemetry")
 REFUSAL_LOG_INTERVAL_S = 10.0
 # A refusal line written this long after the last refusal it counts says how long ago.
 LATE_LINE_S = 0.1
+# The event of a line that is not one of laneserve's events (another library's: grpc,
+# asyncio, onnxruntime's Python layer): log shippers key on `event`, so every JSON line
+# has one.
+OTHER_LOG_EVENT = "log"
 
 
 class Timer(Protocol):
@@ -61,7 +65,8 @@ def _text_value(value: Any) -> str:
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time (UTC, ISO 8601), level, logger, event, message and
-    the event's fields."""
+    the event's fields. A line that is no event of laneserve's (another library's) has
+    the event OTHER_LOG_EVENT."""
 
     def format(self, record: logging.LogRecord) -> str:
         document: dict[str, Any] = {
@@ -71,9 +76,7 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname,
             "logger": record.name,
         }
-        event = getattr(record, "event", None)
-        if event is not None:
-            document["event"] = event
+        document["event"] = getattr(record, "event", None) or OTHER_LOG_EVENT
         document["message"] = record.getMessage()
         document.update(getattr(record, "fields", {}))
         if record.exc_info:
