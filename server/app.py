@@ -253,7 +253,11 @@ class LaneServer:
         self.state = Lifecycle.STARTING
         device = device_gauge(engine)
         # Before the probe, not beside it: the probe times runs for the cost model.
-        self.memory_estimate = engine.static_estimate or estimate(config.model_path)
+        # The engine's, when it worked it out (a failed one too: the child ran ~1 s and
+        # logged why; a second run would do both again).
+        self.memory_estimate = (
+            engine.static_estimate if engine.static_estimate_tried else estimate(config.model_path)
+        )
         self.probe = engine.probe(
             config.batch_cap or config.max_batch_size,
             fixed_cap=config.batch_cap is not None,

@@ -159,8 +159,10 @@ class Engine:
         if memory_limit is None and on_gpu:
             memory_limit = DEFAULT_GPU_MEMORY_LIMIT
         # The model file's static memory estimate, when the start needed it (a CPU
-        # budget is checked against the weights); None: not worked out here.
+        # budget is checked against the weights): `static_estimate_tried` says it was
+        # worked out here, and None then means it failed (not to be run again).
         self.static_estimate: MemoryEstimate | None = None
+        self.static_estimate_tried = False
         # The hard limit on the session's device memory; None: the runtime's default.
         self.memory_limit_bytes = (
             None
@@ -194,6 +196,7 @@ class Engine:
                 )
             else:
                 self.static_estimate = _check_cpu_budget(model_path, memory_limit_bytes)
+                self.static_estimate_tried = True
                 _cap_cpu_arena(memory_limit_bytes)
                 options.add_session_config_entry("session.use_env_allocators", "1")
         try:

@@ -179,6 +179,29 @@ def test_serving_process_never_imports_onnx(tmp_path: Path, memory_limit: str | 
     assert done.stdout.strip() == "False"
 
 
+def test_a_failed_estimate_runs_once_under_a_cpu_budget(tmp_path: Path) -> None:
+    """The budget check's estimate failed (None), and the server took None for "not
+    worked out": it ran the ~1 s child again and logged the failure twice."""
+    script = (
+        "import laneserve.server.engine as engine\n"
+        "from laneserve.server import LaneServer, ServerConfig, load_engine\n"
+        "calls = []\n"
+        "def failing(path):\n"
+        "    calls.append(path)\n"
+        "    return None\n"
+        "engine.estimate_memory = failing\n"
+        f"config = ServerConfig(model_path={str(tmp_path / 'mlp.onnx')!r}, "
+        "memory_limit='64MiB')\n"
+        "server = LaneServer(load_engine(config), config, estimate=failing)\n"
+        "print(len(calls), server.memory_estimate)\n"
+    )
+    make_demo_model(tmp_path / "mlp.onnx", input_dim=16, hidden_dim=32, hidden_layers=1)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split() == ["1", "None"]
+
+
 # ---- the scheduler's reaction: cap, failed rows, admission ------------------------------
 
 
