@@ -326,6 +326,7 @@ def _infer(client: Client, args: argparse.Namespace) -> int:
         inputs = _inputs_from_json(args.json, model, "--json")
     else:
         inputs = _read_inputs(Path(args.input), model)
+    _check_request_fits(model, args.lane, inputs)
     outputs = client.infer(
         inputs,
         lane=args.lane,
@@ -598,6 +599,31 @@ def _check_lane(model: ModelInfo, lane: str | None) -> None:
         raise UsageError(f"--lane {lane!r}: the server has no such lane; its lanes are {names}")
 
 
+def _check_request_fits(model: ModelInfo, lane_name: str | None, inputs: Arrays) -> None:
+    """Refuses one request the server would refuse for its size: more rows than its lane
+    holds, or more input than the message limit (it reached the server: exit 3)."""
+    rows = len(next(iter(inputs.values())))
+    name = lane_name or model.default_lane
+    lane = next((lane for lane in model.lanes if lane.name == name), None)
+    if lane is not None and rows > lane.capacity_rows:
+        raise UsageError(
+            f"the request has {rows} rows; lane {name!r} holds at most {lane.capacity_rows} "
+            "rows: expected at most that many (`laneserve-client bulk` splits rows into items)"
+        )
+    limit_bytes = _message_limit(model)
+    size = sum(array.nbytes for array in inputs.values())
+    if size > limit_bytes:
+        raise UsageError(
+            f"the request is {size} bytes of input, over the {limit_bytes}-byte message "
+            "limit: expected less (`laneserve-client bulk` splits rows into items)"
+        )
+
+
+def _message_limit(model: ModelInfo) -> int:
+    """The smaller of the client's and the server's message limits, in bytes."""
+    return min(DEFAULT_MAX_MESSAGE_BYTES, model.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
+
+
 def _check_items(model: ModelInfo, inputs: Arrays, rows: int, args: argparse.Namespace) -> None:
     """Refuses a job whose every item the server would refuse (an unknown lane, items
     larger than the lane or the message limit): it could only fail, and --resume too."""
@@ -615,9 +641,7 @@ def _check_items(model: ModelInfo, inputs: Arrays, rows: int, args: argparse.Nam
         )
     # Before encoding: the message is larger still, so this only refuses certain failures.
     row_bytes = sum(array.dtype.itemsize * math.prod(array.shape[1:]) for array in inputs.values())
-    limit_bytes = min(
-        DEFAULT_MAX_MESSAGE_BYTES, model.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
-    )
+    limit_bytes = _message_limit(model)
     if item_rows * row_bytes > limit_bytes:
         raise UsageError(
             f"--rows-per-item {args.rows_per_item}: an item is {item_rows * row_bytes} bytes of "

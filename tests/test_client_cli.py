@@ -117,11 +117,27 @@ def test_infer_refuses_what_getmodel_rules_out_with_exit_2_before_sending(
             ["--input", str(tmp_path / "empty.json")],
             f"{tmp_path / 'empty.json'} lacks input(s) ['input']; it holds []",
         ),
+        (
+            ["--input", str(tmp_path / "rows9.npy"), "--lane", "interactive"],
+            "the request has 9 rows; lane 'interactive' holds at most 8 rows",
+        ),
+        (
+            # 64 rows of 512 float32: 131 072 bytes, over the server's limit.
+            ["--input", str(tmp_path / "rows64.npy")],
+            "the request is 131072 bytes of input, over the 100000-byte message limit",
+        ),
     ]
+    np.save(tmp_path / "rows9.npy", rows(9))
+    np.save(tmp_path / "rows64.npy", rows(64))
+    lanes = (
+        LaneConfig("interactive", capacity_rows=8, timeout_ms=2000, max_wait_ms=1, min_share=0),
+        LaneConfig("standard", capacity_rows=2048, timeout_ms=10000, max_wait_ms=4, min_share=0.1),
+    )
     engine = RecordingEngine(str(small_model))
 
     async def scenario() -> None:
-        async with serving(engine, config(small_model)) as s:
+        settings = config(small_model, lanes=lanes, max_message_bytes=100_000)
+        async with serving(engine, settings) as s:
             for arguments, message in cases:
                 code, _, err = await cli("infer", "--target", s.target, *arguments)
                 assert code == 2, (arguments, err)
