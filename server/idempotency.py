@@ -274,10 +274,8 @@ class RequestLedger:
             return await self._wait(flight)
         _check_same(request_id, flight.fingerprint, digest, "still queued or running")
         self.joins += 1
-        if join_timeout_s is None:
-            return await self._wait(flight)
         try:
-            return await asyncio.wait_for(self._wait(flight), max(join_timeout_s, 0.0))
+            return await self._wait(flight, join_timeout_s)
         except TimeoutError:
             raise JoinExpiredError(
                 f"deadline passed while this request waited for the request with the same "
@@ -320,11 +318,18 @@ class RequestLedger:
         flight = _Flight(request_id, digest, submit(resolve))
         return flight
 
-    async def _wait(self, flight: _Flight) -> pb.InferResponse:
+    async def _wait(self, flight: _Flight, timeout_s: float | None = None) -> pb.InferResponse:
+        """Waits for `flight`'s answer, at most `timeout_s` (then TimeoutError). The waiter
+        joins in the caller's step, before anything is awaited: `asyncio.wait_for` ran
+        this in a task of its own (Python 3.11), one loop turn later, and a retry whose
+        flight was answered in between joined a dead flight and waited out its timeout."""
         waiter: asyncio.Future[pb.InferResponse] = asyncio.get_running_loop().create_future()
         flight.waiters.append(waiter)
         try:
-            return await waiter
+            if timeout_s is None:
+                return await waiter
+            async with asyncio.timeout(max(timeout_s, 0.0)):
+                return await waiter
         finally:
             if not flight.answered:
                 flight.waiters.remove(waiter)

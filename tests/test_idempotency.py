@@ -17,7 +17,13 @@ import pytest
 
 from laneserve import client as lc
 from laneserve.server import LaneConfig, ManualClock, ServerConfig
-from laneserve.server.idempotency import ENTRY_OVERHEAD_BYTES, ReplayCache, fingerprint
+from laneserve.server.idempotency import (
+    ENTRY_OVERHEAD_BYTES,
+    ReplayCache,
+    RequestLedger,
+    fingerprint,
+)
+from laneserve.server.items import Outcome, Timing
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
     RecordingEngine,
@@ -332,6 +338,41 @@ def test_a_retry_joining_a_request_in_flight_keeps_its_own_deadline(small_model:
         assert joins_expired == {"interactive": 1, "standard": 1}
 
     asyncio.run(scenario())
+
+
+def test_a_retry_joining_in_the_turn_its_answer_arrives_gets_it() -> None:
+    """The answer (a loop callback from the engine thread) came in the loop turn between
+    a retry's join and its first step: `asyncio.wait_for` ran the wait in a task of its
+    own, which registered the retry on the answered flight one turn late. It waited out
+    its timeout (bulk: 120 s), and a stream that carried it could not end until then."""
+
+    async def scenario() -> tuple[str, str]:
+        ledger = RequestLedger(
+            ReplayCache(max_entries=8, max_bytes=1 << 20, ttl_s=60, clock=ManualClock())
+        )
+        resolves: list[Callable[[Outcome], None]] = []
+
+        def never_cancelled(unless_running: bool) -> bool:
+            del unless_running
+            return False
+
+        def submit(resolve: Callable[[Outcome], None]) -> Callable[[bool], bool]:
+            resolves.append(resolve)
+            return never_cancelled
+
+        def answer(outcome: Outcome) -> pb.InferResponse:
+            return pb.InferResponse(request_id=outcome.request_id)
+
+        first = asyncio.create_task(ledger.run("x", b"same", submit, answer))
+        await asyncio.sleep(0)  # the first call is in flight
+        retry = asyncio.create_task(ledger.run("x", b"same", submit, answer, join_timeout_s=3600.0))
+        outcome = Outcome("token", "x", {}, None, Timing("standard", 1, 0.0, 0.0))
+        # Scheduled after the retry's first step: both run in the same loop turn.
+        asyncio.get_running_loop().call_soon(resolves[0], outcome)
+        async with asyncio.timeout(10):  # the retry waits no longer than this for nothing
+            return (await first).request_id, (await retry).request_id
+
+    assert asyncio.run(scenario()) == ("x", "x")
 
 
 def test_joined_request_survives_the_first_caller_leaving(small_model: Path) -> None:
