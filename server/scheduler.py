@@ -377,7 +377,10 @@ class Scheduler:
             if (head := other.head()) is not None
         ]
         batch_rows = min([self._batch_limit(now_s, lane.priority, signature, rows), *head_limits])
-        finish_s = start_s + self._queue_drain_s(lane, rows, signature, batch_rows)
+        arriving_above = any(self._active(above, now_s) for above in self.lanes[: lane.priority])
+        finish_s = start_s + self._queue_drain_s(
+            lane, rows, signature, batch_rows, arriving_above=arriving_above
+        )
         if lane.config.min_share > 0:
             own_batches = self._share_batches(lane, rows, signature, batch_rows)
             run_time = self._run_times.get(signature)
@@ -411,6 +414,12 @@ class Scheduler:
         limit = self._limit_rows(now_s, top) if top_limit is None else top_limit
         return min(limit, math.ceil(filled + shares))
 
+    @staticmethod
+    def _active(lane: Lane, now_s: float) -> bool:
+        """Whether `lane` admitted a request within ACTIVE_LANE_S: more is likely on the
+        way, and batches of lower lanes keep within its max_wait."""
+        return lane.last_admit_s is not None and now_s - lane.last_admit_s < ACTIVE_LANE_S
+
     def _fed_above(self, lane: Lane, now_s: float) -> bool:
         """Whether a lane above `lane` has work queued and is still admitting more (it
         is active): the queue ahead then does not drain as it stands, and the top-down
@@ -418,29 +427,45 @@ class Scheduler:
         bulk requests were admitted on that estimate, 5-10x too early, and 5 625 of them
         expired in the queue (a model whose batches of 64 rows run in 3 ms)."""
         return any(
-            above.queued_rows > 0
-            and above.last_admit_s is not None
-            and now_s - above.last_admit_s < ACTIVE_LANE_S
+            above.queued_rows > 0 and self._active(above, now_s)
             for above in self.lanes[: lane.priority]
         )
 
-    def _queue_drain_s(self, lane: Lane, rows: int, signature: Signature, batch_rows: int) -> float:
+    def _queue_drain_s(
+        self,
+        lane: Lane,
+        rows: int,
+        signature: Signature,
+        batch_rows: int,
+        *,
+        arriving_above: bool = False,
+    ) -> float:
         """Seconds until `rows` more rows in `lane` are served top-down in batches of
         `batch_rows`: the rows queued in it and above, and what lower lanes' shares take
-        from each batch (work that arrives above meanwhile is not foreseen)."""
+        from each batch (work that arrives above meanwhile is not foreseen, but the room
+        it takes in each batch is, while `arriving_above`: a lane above is active).
+        Requests stay whole, so a batch serves the whole requests that fit, counted at
+        their mean size: counted at the limit (8-row requests fill 16 of 21 rows),
+        admission promised deadlines it then missed."""
         run_time = self._run_times.get(signature)
         total = rows  # rows in `lane` and above, this request's included
+        requests = 1  # their requests
         first_lower = 0  # what lower lanes' shares may take ahead in the next batch
         shares = 0.0  # what they take in each batch after (fractions of a row)
         lower_share = 0.0  # their shares, as a fraction of a batch
+        riders = arriving_above  # whether other work takes the room whole requests leave
         for other in self.lanes:  # one pass: this runs for every admission
             if other.priority <= lane.priority:
                 total += other.queued_rows
-            elif other.queued_rows and other.config.min_share > 0:
+                requests += other.queued_entries
+            elif other.queued_rows:
                 head = other.head()
                 assert head is not None
                 if head.request.signature != signature:
                     continue  # it cannot join this request's batches
+                riders = True
+                if other.config.min_share == 0:
+                    continue
                 share = self._share_rows(other)
                 shares += share
                 lower_share += other.config.min_share
@@ -449,21 +474,38 @@ class Scheduler:
                     # Its allowance, or its head request whole (pass 1 takes the request
                     # crossing it).
                     first_lower += min(self.batch_cap, max(math.ceil(allowance), head.queued_rows))
+        if total + first_lower <= batch_rows:
+            return run_time.predict_s(total + first_lower)
+        mean_rows = total / requests
+
+        def whole(room: float) -> float:
+            # The rows of whole requests (of the mean size) that fit `room`. Room for
+            # less than one is an average over batches (a share of a fraction of a row,
+            # a request crossing its allowance), and requests larger than the cap are
+            # split: both fill it.
+            fits = math.floor(room / mean_rows)
+            return room if fits < 1 or mean_rows > self.batch_cap else fits * mean_rows
+
         # Rows of `lane` and above each batch serves: what lower lanes' shares leave (a
         # share may be a fraction of a row: at a cap of 1, 0.85 of a row a batch), and
         # never less than their fraction of it leaves (batches an active lane keeps
         # smaller than the shares of a full one).
-        per_batch = max(batch_rows - shares, batch_rows * (1 - lower_share))
-        if total + first_lower <= batch_rows:
-            drain_s = run_time.predict_s(total + first_lower)
-        else:
-            # Rows left after the next batch; lower lanes' whole requests crossing their
-            # shares may take more than that batch (then the excess comes first after it).
-            later = total + first_lower - batch_rows
-            full, rest = divmod(later, per_batch)
-            drain_s = (1 + int(full)) * run_time.predict_s(batch_rows)
-            if rest > ROUNDING_ROWS:
-                drain_s += run_time.predict_s(min(batch_rows, math.ceil(rest + shares)))
+        per_batch = whole(max(batch_rows - shares, batch_rows * (1 - lower_share)))
+        # A batch runs at its limit while other work takes the room whole requests leave
+        # (rows of lower lanes riding along, or of an active lane above: costed without
+        # them, standard requests admitted at their deadline's edge beside interactive
+        # traffic ran 1 % late), else at the rows it serves.
+        batch_s = run_time.predict_s(
+            batch_rows if riders else min(batch_rows, math.ceil(per_batch + shares))
+        )
+        # Rows left after the next batch; lower lanes' whole requests crossing their
+        # shares may take more than that batch (then the excess comes first after it).
+        first_room = batch_rows - first_lower
+        later = total - (whole(first_room) if first_room > 0 else first_room)
+        full, rest = divmod(later, per_batch)
+        drain_s = (1 + int(full)) * batch_s
+        if rest > ROUNDING_ROWS:
+            drain_s += run_time.predict_s(min(batch_rows, math.ceil(rest + shares)))
         return drain_s
 
     def _share_batches(self, lane: Lane, rows: int, signature: Signature, batch_rows: int) -> int:
@@ -765,7 +807,7 @@ class Scheduler:
         large as the limit never fits once a lower lane took its share, and the lower
         lanes fill every batch: a priority inversion)."""
         for lane in self.lanes[:priority]:
-            if lane.last_admit_s is not None and now_s - lane.last_admit_s < ACTIVE_LANE_S:
+            if self._active(lane, now_s):
                 own = self._share_take_rows(self.lanes[priority], signature)
                 shares = sum(
                     self._share_take_rows(below, signature) for below in self.lanes[priority + 1 :]

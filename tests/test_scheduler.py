@@ -1169,6 +1169,56 @@ def test_admission_counts_the_smaller_batches_an_active_higher_lane_allows() -> 
     assert done_s <= deadline_s
 
 
+@pytest.mark.parametrize(
+    ("interactive_active", "request_rows", "queued", "batches"),
+    [(False, 48, 3, [48, 48, 48, 48]), (True, 8, 15, [40, 40, 40, 8])],
+    ids=["48-row-requests-at-the-cap", "8-row-requests-beside-interactive"],
+)
+def test_admission_counts_the_whole_requests_a_batch_holds(
+    interactive_active: bool, request_rows: int, queued: int, batches: list[int]
+) -> None:
+    """Requests stay whole: 48-row requests fill 48 of a cap of 64, and 8-row requests
+    40 of the 43 an active interactive lane allows. Admission counted batches of the
+    limit, one batch fewer than ran, and admitted deadlines the requests then missed."""
+    lanes = (
+        TOP_DOWN_LANES[0],
+        dataclasses.replace(TOP_DOWN_LANES[1], capacity_rows=1024),
+        TOP_DOWN_LANES[2],
+    )
+    scheduler = make_scheduler(lanes, cap=64)
+    now_s = T0
+    model = scheduler.run_time
+    if interactive_active:
+        scheduler.admit(make_request(0, "interactive", 1), now_s)
+        scheduler.complete(run(dispatch(scheduler, now_s, math.inf), run_s=model.predict_s(1)))
+        now_s += 0.001
+        assert rows_within_wait(scheduler, INTERACTIVE) == 43
+    for index in range(1, queued + 1):
+        scheduler.admit(make_request(index, "standard", request_rows), now_s)
+    drain_s = sum(model.predict_s(rows) for rows in batches)
+    with pytest.raises(DeadlineUnmeetableError):
+        scheduler.admit(
+            make_request(100, "standard", request_rows, deadline_s=now_s + 0.99 * drain_s), now_s
+        )
+    # The tightest deadline admitted: within a few percent of the batches' run time (the
+    # room the requests leave beside an active lane is costed as filled).
+    finish_s = scheduler._predicted_finish_s(
+        scheduler.lane("standard"), request_rows, ((2,),), now_s
+    )
+    assert drain_s - 1e-9 <= finish_s - now_s <= 1.05 * drain_s
+    scheduler.admit(make_request(101, "standard", request_rows, deadline_s=finish_s), now_s)
+    ran = []
+    while True:
+        batch = dispatch(scheduler, now_s, math.inf)
+        ran.append(batch.rows)
+        run_s = model.predict_s(batch.rows)  # as predicted: the model stays as it is
+        now_s += run_s
+        if 101 in tokens(scheduler.complete(run(batch, run_s=run_s))):
+            break
+    assert ran == batches
+    assert now_s <= finish_s
+
+
 def _tightest_admitted_batches(scheduler: Scheduler, lane: str, now_s: float) -> int:
     """The fewest whole batches of 1 ms a 1-row request of `lane` is admitted for."""
     for batches in range(1, 1000):
