@@ -379,7 +379,13 @@ class Scheduler:
         batch_rows = min([self._batch_limit(now_s, lane.priority, signature, rows), *head_limits])
         arriving_above = any(self._active(above, now_s) for above in self.lanes[: lane.priority])
         finish_s = start_s + self._queue_drain_s(
-            lane, rows, signature, batch_rows, arriving_above=arriving_above
+            lane,
+            rows,
+            signature,
+            batch_rows,
+            arriving_above=arriving_above,
+            lead_s=start_s - now_s,
+            arrival_gap_s=self._arrival_gap_at(now_s),
         )
         if lane.config.min_share > 0:
             own_batches = self._share_batches(lane, rows, signature, batch_rows)
@@ -414,6 +420,13 @@ class Scheduler:
         limit = self._limit_rows(now_s, top) if top_limit is None else top_limit
         return min(limit, math.ceil(filled + shares))
 
+    def _arrival_gap_at(self, now_s: float) -> float | None:
+        """The time between admissions now (None: none seen to go by): their moving
+        average, or the time since the last one if longer (traffic that stopped)."""
+        if self._arrival_gap_s is None or self._last_admit_s is None:
+            return None
+        return max(self._arrival_gap_s, now_s - self._last_admit_s)
+
     @staticmethod
     def _active(lane: Lane, now_s: float) -> bool:
         """Whether `lane` admitted a request within ACTIVE_LANE_S: more is likely on the
@@ -439,6 +452,8 @@ class Scheduler:
         batch_rows: int,
         *,
         arriving_above: bool = False,
+        lead_s: float = 0.0,
+        arrival_gap_s: float | None = None,
     ) -> float:
         """Seconds until `rows` more rows in `lane` are served top-down in batches of
         `batch_rows`: the rows queued in it and above, and what lower lanes' shares take
@@ -446,7 +461,13 @@ class Scheduler:
         it takes in each batch is, while `arriving_above`: a lane above is active).
         Requests stay whole, so a batch serves the whole requests that fit, counted at
         their mean size: counted at the limit (8-row requests fill 16 of 21 rows),
-        admission promised deadlines it then missed."""
+        admission promised deadlines it then missed.
+
+        The batch that serves the request's last rows holds, besides, the requests
+        admitted after it until that batch forms (`lead_s` from now until the next batch
+        forms, one admission every `arrival_gap_s`): costed at the rows ahead alone, a
+        request behind a running batch was promised a batch of its own rows (4 ms) and
+        ran in a full one (20 ms)."""
         run_time = self._run_times.get(signature)
         total = rows  # rows in `lane` and above, this request's included
         requests = 1  # their requests
@@ -474,9 +495,20 @@ class Scheduler:
                     # Its allowance, or its head request whole (pass 1 takes the request
                     # crossing it).
                     first_lower += min(self.batch_cap, max(math.ceil(allowance), head.queued_rows))
-        if total + first_lower <= batch_rows:
-            return run_time.predict_s(total + first_lower)
         mean_rows = total / requests
+
+        def with_arrivals(known_rows: float, forms_in_s: float) -> int:
+            # The rows of the batch that serves this request's last rows: `known_rows`,
+            # and what is admitted behind it before that batch forms, up to the limit.
+            if arrival_gap_s is None or forms_in_s <= 0:
+                return min(batch_rows, math.ceil(known_rows))
+            if arrival_gap_s <= 0:  # all at once, lately: the batch fills
+                return batch_rows
+            arriving = math.floor(forms_in_s / arrival_gap_s) * mean_rows  # whole requests
+            return min(batch_rows, math.ceil(known_rows + arriving))
+
+        if total + first_lower <= batch_rows:
+            return run_time.predict_s(with_arrivals(total + first_lower, lead_s))
 
         def whole(room: float) -> float:
             # The rows of whole requests (of the mean size) that fit `room`. Room for
@@ -505,7 +537,7 @@ class Scheduler:
         full, rest = divmod(later, per_batch)
         drain_s = (1 + int(full)) * batch_s
         if rest > ROUNDING_ROWS:
-            drain_s += run_time.predict_s(min(batch_rows, math.ceil(rest + shares)))
+            drain_s += run_time.predict_s(with_arrivals(rest + shares, lead_s + drain_s))
         return drain_s
 
     def _share_batches(self, lane: Lane, rows: int, signature: Signature, batch_rows: int) -> int:

@@ -1154,6 +1154,7 @@ def test_admission_counts_the_smaller_batches_an_active_higher_lane_allows() -> 
     now_s = T0 + 0.001
     for index in range(1, 61):
         scheduler.admit(make_request(index, "standard", 1), now_s)
+    now_s += 0.02  # nothing more came since: no arrivals join the last batch
     assert rows_within_wait(scheduler, INTERACTIVE) == 43
     drain_s = scheduler.run_time.predict_s(43) + scheduler.run_time.predict_s(18)
     with pytest.raises(DeadlineUnmeetableError):
@@ -1195,6 +1196,7 @@ def test_admission_counts_the_whole_requests_a_batch_holds(
         assert rows_within_wait(scheduler, INTERACTIVE) == 43
     for index in range(1, queued + 1):
         scheduler.admit(make_request(index, "standard", request_rows), now_s)
+    now_s += 0.02  # nothing more came since: no arrivals join the last batch
     drain_s = sum(model.predict_s(rows) for rows in batches)
     with pytest.raises(DeadlineUnmeetableError):
         scheduler.admit(
@@ -1216,6 +1218,39 @@ def test_admission_counts_the_whole_requests_a_batch_holds(
         if 101 in tokens(scheduler.complete(run(batch, run_s=run_s))):
             break
     assert ran == batches
+    assert now_s <= finish_s
+
+
+def test_admission_counts_the_requests_that_join_its_batch_before_it_forms() -> None:
+    """A request admitted while a batch runs, with requests arriving every 0.4 ms behind
+    it, goes in the next batch with them: 64 rows (4 ms), not the 56 queued when it came
+    (3.6 ms). Admission costed the rows ahead alone, and the request was late."""
+    lanes = (
+        TOP_DOWN_LANES[0],
+        dataclasses.replace(TOP_DOWN_LANES[1], capacity_rows=1024),
+        TOP_DOWN_LANES[2],
+    )
+    scheduler = make_scheduler(lanes, cap=64)
+    model = scheduler.run_time
+    scheduler.admit(make_request(0, "standard", 64), T0)
+    running = dispatch(scheduler, T0, math.inf)
+    now_s = T0
+    for index in range(1, 7):  # 48 rows queued behind the running batch
+        now_s = T0 + index * 0.0004
+        scheduler.admit(make_request(index, "standard", 8), now_s)
+    now_s += 0.0004
+    finish_s = scheduler._predicted_finish_s(scheduler.lane("standard"), 8, ((2,),), now_s)
+    assert finish_s >= T0 + 2 * model.predict_s(64) - 1e-9
+    scheduler.admit(make_request(100, "standard", 8, deadline_s=finish_s), now_s)
+    for index in (7, 8, 9):  # the arrivals go on until the batch forms
+        now_s += 0.0004
+        scheduler.admit(make_request(index, "standard", 8), now_s)
+    now_s = T0 + model.predict_s(64)
+    scheduler.complete(run(running, run_s=model.predict_s(64)))
+    batch = dispatch(scheduler, now_s, math.inf)
+    assert batch.rows == 64
+    now_s += model.predict_s(batch.rows)
+    assert 100 in tokens(scheduler.complete(run(batch, run_s=model.predict_s(batch.rows))))
     assert now_s <= finish_s
 
 
