@@ -343,6 +343,11 @@ class Scheduler:
                 retry_after_s=max(self._room_in_s(lane, request.rows, run_time), 0.001),
             )
         deadline_s = lane.config.deadline_s(now_s, request.deadline_s)
+        if deadline_s <= now_s:  # a stream item that waited for room, up to its deadline
+            raise DeadlineUnmeetableError(
+                f"the deadline passed {(now_s - deadline_s) * 1000:.1f} ms before the request "
+                f"reached lane {lane.name!r}"
+            )
         finish_s = self._predicted_finish_s(lane, request.rows, request.signature, now_s)
         # With nothing queued or running the prediction is the run-time model's alone:
         # the request runs, so that a model that went wrong (a slow outlier, a probe of

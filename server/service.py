@@ -435,6 +435,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         except LaneserveError as error:  # counted as the scheduler counts its own
             raise self._rejected(lane, error) from None
 
+        # The earliest of its deadline and its lane's timeout, both counted from arrival:
+        # given to the scheduler as the request's deadline. The lane's timeout counted
+        # from admission gave a stream item that waited for room the whole timeout again.
+        # A retry that joins the request in flight waits no longer than this either.
+        wait_until_s = lane_config.deadline_s(arrived_s, deadline_s)
         # Set by `submit`, which runs only when this call (not a retry it joins) queues it.
         trace = NULL_TRACE
 
@@ -450,7 +455,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                         inputs=inputs,
                         rows=rows,
                         signature=signature,
-                        deadline_s=deadline_s,
+                        deadline_s=wait_until_s,
                         token=resolve,
                         trace=trace,
                     )
@@ -483,9 +488,6 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
         # The ledger runs it at most once per request_id: a retry joins or replays.
         digest = fingerprint(request) if request.request_id else b""
-        # A retry that joins the request in flight waits no longer than it would in its
-        # own lane: its deadline, else its lane's timeout.
-        wait_until_s = lane_config.deadline_s(arrived_s, deadline_s)
         run = functools.partial(
             self._run_once, lane, request.request_id, digest, submit, finish, wait_until_s
         )

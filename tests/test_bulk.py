@@ -20,6 +20,7 @@ from laneserve import client as lc
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig
 from laneserve.server.demo_model import make_demo_model
+from laneserve.server.items import InferenceRequest
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.service import InferenceServicer
 from laneserve.v1 import inference_pb2 as pb
@@ -538,6 +539,54 @@ def test_a_stream_item_waits_for_room_in_its_full_lane(small_model: Path) -> Non
         assert sorted(engine.ran_tags) == list(range(items * per_item))
 
     asyncio.run(scenario())
+
+
+def test_a_stream_items_lane_timeout_counts_from_its_arrival_not_its_admission(
+    small_model: Path,
+) -> None:
+    """An item with no deadline of its own that waited for room in its full lane was
+    given its lane's whole timeout again when admitted: up to twice the timeout in the
+    server (240 s on the default bulk lane). The timeout counts from its arrival."""
+    per_item, timeout_ms = 4, 60_000
+    admitted: dict[str, tuple[float | None, float]] = {}
+    seen_waiting_s: list[float] = []
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model, max_batch_size=per_item, lanes=bulk_lane(per_item))
+        async with serving(engine, server_config) as s:
+            thread = s.server._thread
+            assert thread is not None
+            submit, room_wait_s = thread.submit, thread.room_wait_s
+
+            def recording_submit(request: InferenceRequest) -> int:
+                admitted[request.request_id] = (request.deadline_s, time.monotonic())
+                return submit(request)
+
+            def recording_room_wait_s(lane: str, rows: int) -> float | None:
+                wait_s = room_wait_s(lane, rows)
+                if wait_s is not None and not seen_waiting_s:
+                    seen_waiting_s.append(time.monotonic())  # the third item was read
+                return wait_s
+
+            thread.submit = recording_submit  # type: ignore[method-assign]
+            thread.room_wait_s = recording_room_wait_s  # type: ignore[method-assign]
+            engine.hold()
+            answers = asyncio.ensure_future(
+                collect(s.stub.InferStream(aiter(TaggedRequests(3, per_item, "w"))))
+            )
+            await asyncio.to_thread(engine.entered.acquire)
+            await until(lambda: bool(seen_waiting_s))
+            engine.release()
+            responses = await answers
+        assert all(r.WhichOneof("result") == "response" for r in responses)
+
+    asyncio.run(scenario())
+    deadline_s, admitted_s = admitted["w2"]
+    assert admitted_s > seen_waiting_s[0], "admitted once the lane had room"
+    # Its arrival came before it was seen waiting for room.
+    assert deadline_s is not None
+    assert deadline_s <= seen_waiting_s[0] + timeout_ms / 1000
 
 
 def test_job_keeps_its_rows_within_the_lane_capacity(small_model: Path) -> None:

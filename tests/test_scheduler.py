@@ -1032,6 +1032,16 @@ def test_unmeetable_deadline_is_refused_at_once() -> None:
     assert queued_rows(scheduler, "standard") == 41
 
 
+def test_a_request_whose_deadline_passed_before_admission_is_refused_saying_so() -> None:
+    """A stream item that waited for room up to its deadline reached admission with no
+    time left: refused "deadline in 0.0 ms cannot be met: 0 rows are queued ahead", or,
+    on an idle server, admitted and shed at once."""
+    scheduler = make_scheduler()
+    with pytest.raises(DeadlineUnmeetableError, match=r"passed 2\.0 ms before the request"):
+        scheduler.admit(make_request(0, "standard", 1, deadline_s=T0 - 0.002), T0)
+    assert scheduler.live_entries == 0
+
+
 def test_an_idle_server_runs_what_its_run_time_model_alone_would_refuse() -> None:
     """Slow outliers had raised the 1-row estimate to ~190 ms: every 1-row request with a
     50 ms budget was refused DEADLINE_UNMEETABLE, on an idle server, for good (refused
