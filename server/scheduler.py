@@ -507,10 +507,12 @@ class Scheduler:
             # and what is admitted behind it before that batch forms, up to the limit.
             if arrival_gap_s is None or forms_in_s <= 0:
                 return min(batch_rows, math.ceil(known_rows))
-            if arrival_gap_s <= 0:  # all at once, lately: the batch fills
+            # Whole requests; a gap of 0, or one that decayed towards it (admissions at
+            # one instant), fills the batch (and must not overflow the count).
+            requests = forms_in_s / arrival_gap_s if arrival_gap_s > 0 else math.inf
+            if requests * mean_rows >= batch_rows:
                 return batch_rows
-            arriving = math.floor(forms_in_s / arrival_gap_s) * mean_rows  # whole requests
-            return min(batch_rows, math.ceil(known_rows + arriving))
+            return min(batch_rows, math.ceil(known_rows + math.floor(requests) * mean_rows))
 
         if total + first_lower <= batch_rows:
             return run_time.predict_s(with_arrivals(total + first_lower, lead_s))

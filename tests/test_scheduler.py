@@ -1264,6 +1264,25 @@ def test_admission_counts_the_requests_that_join_its_batch_before_it_forms() -> 
     assert now_s <= finish_s
 
 
+def test_admissions_at_one_instant_after_a_gap_are_costed_as_filling_the_batch() -> None:
+    """Thousands of admissions at one instant decay the moving average of the gaps
+    towards 0 without reaching it (a denormal float): the count of requests expected
+    behind a request overflowed (float infinity to an integer) and admission raised."""
+    lanes = (TOP_DOWN_LANES[0], dataclasses.replace(TOP_DOWN_LANES[1], capacity_rows=1024))
+    scheduler = make_scheduler(lanes, cap=64)
+    scheduler.admit(make_request(0, "standard", 1), T0)
+    running = dispatch(scheduler, T0, math.inf)
+    now_s = T0 + 0.0001
+    for index in range(1, 100):
+        scheduler.admit(make_request(index, "standard", 1), now_s)
+    scheduler._arrival_gap_s = 1e-320  # where 8 000 gaps of 0 after one of 1 ms lead
+    finish_s = scheduler._predicted_finish_s(scheduler.lane("standard"), 1, ((2,),), now_s)
+    model = scheduler.run_time
+    # After the running row: 64 rows, then 36 filled to 64 by the requests expected.
+    assert finish_s == pytest.approx(T0 + model.predict_s(1) + 2 * model.predict_s(64))
+    scheduler.complete(run(running))
+
+
 def _tightest_admitted_batches(scheduler: Scheduler, lane: str, now_s: float) -> int:
     """The fewest whole batches of 1 ms a 1-row request of `lane` is admitted for."""
     for batches in range(1, 1000):
