@@ -14,12 +14,55 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from laneserve.server.errors import LaneserveError
+from laneserve.server.errors import (
+    AnswerTooLargeError,
+    DeadlineUnmeetableError,
+    DeviceMemoryError,
+    DrainingError,
+    EngineError,
+    ExpiredInQueueError,
+    InvalidInputError,
+    JoinExpiredError,
+    LaneFullError,
+    LaneserveError,
+    MemoryPressureError,
+    RequestIdReusedError,
+)
 from laneserve.server.items import Batch
 
 WINDOW_SAMPLES = 4096
+
+
+def _reasons(*errors: type[LaneserveError]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(error.reason for error in errors))
+
+
+# The reasons and statuses the counters are kept by, as far as they are known in advance
+# (the Prometheus counters report each from the start: see telemetry/metrics.py).
+# Refused before admission, by the servicer's checks or the scheduler's. JoinExpiredError:
+# a retry whose deadline passed while it waited for the request with its id in flight.
+REJECTED_REASONS = _reasons(
+    InvalidInputError,
+    RequestIdReusedError,
+    DrainingError,
+    DeadlineUnmeetableError,
+    JoinExpiredError,
+    MemoryPressureError,
+    LaneFullError,
+)
 # Reasons counted as shed (dropped after admission), not as failures.
-SHED_REASONS = frozenset({"EXPIRED_IN_QUEUE", "CANCELLED"})
+SHED_REASONS = frozenset({ExpiredInQueueError.reason, "CANCELLED"})
+# How an admitted request ends (`answered`): OK, the error it was answered with, or
+# CANCELLED (its caller left). DRAINING: the server stopped before it could run.
+ANSWERED_STATUSES = (
+    "OK",
+    *_reasons(
+        ExpiredInQueueError, EngineError, DeviceMemoryError, AnswerTooLargeError, DrainingError
+    ),
+    "CANCELLED",
+)
+# How a batch run ends: OK, or the error of a batch none of whose rows ran.
+BATCH_STATUSES = ("OK", *_reasons(EngineError, DeviceMemoryError, ExpiredInQueueError))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import itertools
 import json
 import logging
 import sys
 import types
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -653,6 +654,86 @@ def test_memory_and_out_of_memory_events_reach_the_metrics() -> None:
     assert at(points, "laneserve.device.memory.budget") == 8 << 30
 
 
+def series(points: Points, name: str, *keys: str) -> dict[tuple[str, ...], float]:
+    """The values of metric `name`, keyed by the values of its attributes `keys`."""
+    return {
+        tuple(str(dict(attributes)[key]) for key in keys): value
+        for (metric, attributes), value in points.items()
+        if metric == name
+    }
+
+
+def test_every_counter_series_is_reported_from_the_start_at_zero() -> None:
+    """A series that appears only at its first event cannot be alerted on with increase()
+    or rate(): Prometheus has no earlier sample to compare it with, so the first refusal,
+    shed request or failed batch went unseen. Each lane's refusal reasons, shed reasons
+    and end statuses, and each dispatch reason's batch statuses, are 0 from the start."""
+    reader = InMemoryMetricReader()
+    lanes = ServerConfig(model_path="m.onnx").lanes
+    telemetry = Telemetry(
+        lanes=lanes,
+        providers=["CPUExecutionProvider"],
+        max_batch_size=64,
+        metric_readers=[reader],
+    )
+    stats = StatsRecorder([lane.name for lane in lanes])
+    telemetry.observe(list, lambda: 64, stats.counts, lambda: None)
+    before = collect(reader)
+    stats.rejected("bulk", "LANE_FULL")
+    after = collect(reader)
+    telemetry.close()
+
+    lane_names = ("interactive", "standard", "bulk")
+    refusals = (
+        "INVALID_INPUT",
+        "REQUEST_ID_REUSED",
+        "DRAINING",
+        "DEADLINE_UNMEETABLE",
+        "EXPIRED_IN_QUEUE",  # a retry that waited for its request_id's flight too long
+        "MEMORY_PRESSURE",
+        "LANE_FULL",
+    )
+    ends = (
+        "OK",
+        "EXPIRED_IN_QUEUE",
+        "ENGINE_FAILURE",
+        "DEVICE_MEMORY",
+        "ANSWER_TOO_LARGE",
+        "DRAINING",
+        "CANCELLED",
+    )
+    shed = ("EXPIRED_IN_QUEUE", "CANCELLED")
+    dispatch = ("full", "max_wait", "deadline", "backlog", "idle")
+    batch_ends = ("OK", "ENGINE_FAILURE", "DEVICE_MEMORY", "EXPIRED_IN_QUEUE")
+    # Metric: its attribute names, and every key it reports from the start.
+    expected: dict[str, tuple[tuple[str, ...], Iterable[tuple[str, ...]]]] = {
+        "laneserve.requests.admitted": (("lane",), itertools.product(lane_names)),
+        "laneserve.requests.rejected": (
+            ("lane", "reason"),
+            itertools.product(lane_names, refusals),
+        ),
+        "laneserve.requests.shed": (("lane", "reason"), itertools.product(lane_names, shed)),
+        "laneserve.requests.completed": (
+            ("lane", "status"),
+            itertools.product(lane_names, ends),
+        ),
+        "laneserve.batches": (("reason", "status"), itertools.product(dispatch, batch_ends)),
+        "laneserve.batch.cap.changes": (
+            ("reason",),
+            itertools.product(("out_of_memory", "recovered")),
+        ),
+    }
+    for name, (attributes, known) in expected.items():
+        zeros = dict.fromkeys(known, 0)
+        assert series(before, name, *attributes) == zeros, name
+        moved: dict[tuple[str, ...], int] = (
+            {("bulk", "LANE_FULL"): 1} if name == "laneserve.requests.rejected" else {}
+        )
+        assert series(after, name, *attributes) == {**zeros, **moved}, name
+    assert at(before, "laneserve.device.out_of_memory") == 0
+    assert at(before, "laneserve.batch.splits") == 0
+
+
 def fetch(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - loopback http
         text: str = response.read().decode()
@@ -706,6 +787,26 @@ def test_prometheus_endpoint_serves_the_metrics_over_http(small_model: Path) -> 
             if sample.name == "laneserve_batch_cap_changes_total"
         }
         assert cap_changes == {"out_of_memory": 0.0, "recovered": 0.0}
+
+        def total(family: str, **labels: str) -> float | None:
+            samples = families[family].samples if family in families else []
+            return next(
+                (
+                    sample.value
+                    for sample in samples
+                    if sample.name == f"{family}_total"
+                    and all(sample.labels.get(key) == value for key, value in labels.items())
+                ),
+                None,
+            )
+
+        # So are the other counters' series, before their first event (every one of them:
+        # test_every_counter_series_is_reported_from_the_start_at_zero).
+        assert total("laneserve_requests_rejected", lane="bulk", reason="LANE_FULL") == 0.0
+        assert total("laneserve_requests_shed", lane="bulk", reason="EXPIRED_IN_QUEUE") == 0.0
+        assert total("laneserve_requests_completed", lane="interactive", status="OK") == 1.0
+        assert total("laneserve_requests_completed", lane="bulk", status="ENGINE_FAILURE") == 0.0
+        assert total("laneserve_batches", reason="full", status="ENGINE_FAILURE") == 0.0
         assert "laneserve_device_utilization_ratio" not in families  # no GPU here
         # The endpoint goes away with the server.
         with pytest.raises(urllib.error.URLError):

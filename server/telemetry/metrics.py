@@ -27,11 +27,16 @@ Metric names (OpenTelemetry; Prometheus adds the unit and `_total`, e.g.
 Calls gRPC's core refused (max_pending_calls) or dropped before the servicer saw them
 count in `laneserve.grpc.calls` as started and neither succeeded nor failed; no other
 counter sees them.
+
+The counters report every series known in advance from the start, at 0: each lane with
+each refusal and shed reason and each end status, each dispatch reason with each batch
+status, both cap moves (see `_Counter.known`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
@@ -40,9 +45,15 @@ from laneserve.server.config import LaneConfig
 from laneserve.server.errors import LaneserveError
 from laneserve.server.events import NullEvents
 from laneserve.server.grpc_calls import GrpcCalls
-from laneserve.server.items import Batch
+from laneserve.server.items import Batch, DispatchReason
 from laneserve.server.scheduler import CAP_CHANGE_REASONS, LaneDepth
-from laneserve.server.stats import Counts
+from laneserve.server.stats import (
+    ANSWERED_STATUSES,
+    BATCH_STATUSES,
+    REJECTED_REASONS,
+    SHED_REASONS,
+    Counts,
+)
 from laneserve.server.telemetry.device import DeviceMonitor
 
 # Bucket boundaries. Times: from a fraction of a millisecond (an interactive batch on a
@@ -67,63 +78,79 @@ class _Sources:
     grpc_calls: Callable[[], GrpcCalls | None]
 
 
-# Counter name, description, the attribute names of its keys, and where in the stats
-# recorder's `Counts` its values are (keyed by attribute values).
-_COUNTERS: tuple[
-    tuple[str, str, tuple[str, ...], Callable[[Counts], Mapping[tuple[str, ...], int]]], ...
-] = (
-    (
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Counter:
+    """An observable counter over the stats recorder's `Counts`."""
+
+    name: str
+    description: str
+    keys: tuple[str, ...]  # the attribute names of its keys
+    # Where in `Counts` its values are, keyed by attribute values.
+    read: Callable[[Counts], Mapping[tuple[str, ...], int]]
+    # The keys it reports from the start, 0 until their first event, given the lanes'
+    # names: a series that appears only at its first event cannot be alerted on with
+    # increase() or rate() (Prometheus has nothing to compare its first sample with),
+    # so the first refusal, shed request or failed batch went unseen. Keys outside
+    # these (none is expected) appear at their first event.
+    known: Callable[[Sequence[str]], Iterable[tuple[str, ...]]] = lambda _lanes: ()
+
+
+_DISPATCH_REASONS = tuple(reason.value for reason in DispatchReason)
+
+_COUNTERS: tuple[_Counter, ...] = (
+    _Counter(
         "laneserve.requests.admitted",
         "Requests admitted",
         ("lane",),
         lambda counts: {(lane,): count for lane, count in counts.admitted.items()},
+        lambda lanes: ((lane,) for lane in lanes),
     ),
-    (
+    _Counter(
         "laneserve.requests.rejected",
         "Requests refused at admission, by reason",
         ("lane", "reason"),
         lambda counts: counts.rejected,
+        lambda lanes: itertools.product(lanes, REJECTED_REASONS),
     ),
-    (
+    _Counter(
         "laneserve.requests.shed",
         "Admitted requests dropped without running, by reason",
         ("lane", "reason"),
         lambda counts: counts.shed,
+        lambda lanes: itertools.product(lanes, sorted(SHED_REASONS)),
     ),
-    (
+    _Counter(
         "laneserve.requests.completed",
         "Admitted requests ended, by status (OK or the error's reason)",
         ("lane", "status"),
         lambda counts: counts.answered,
+        lambda lanes: itertools.product(lanes, ANSWERED_STATUSES),
     ),
-    (
+    _Counter(
         "laneserve.batches",
         "Batches run, by dispatch reason and status",
         ("reason", "status"),
         lambda counts: counts.batches,
+        lambda _lanes: itertools.product(_DISPATCH_REASONS, BATCH_STATUSES),
     ),
-    (
+    _Counter(
         "laneserve.device.out_of_memory",
         "Runs that failed for lack of device memory",
         (),
         lambda counts: {(): counts.out_of_memory},
     ),
-    (
+    _Counter(
         "laneserve.batch.splits",
         "Failed runs split in halves and retried",
         (),
         lambda counts: {(): counts.batch_splits},
     ),
-    (
+    _Counter(
         "laneserve.batch.cap.changes",
         "Batch cap moves: out_of_memory (lowered), recovered (raised)",
         ("reason",),
-        # Both reasons from the start: a series that appears only at its first change
-        # cannot be alerted on with increase() (nothing to compare it with).
-        lambda counts: {
-            (reason,): counts.cap_changes.get(reason, 0)
-            for reason in {*CAP_CHANGE_REASONS, *counts.cap_changes}
-        },
+        lambda counts: {(reason,): count for reason, count in counts.cap_changes.items()},
+        lambda _lanes: itertools.product(CAP_CHANGE_REASONS),
     ),
 )
 
@@ -171,12 +198,13 @@ class Metrics(NullEvents):
             description="Arrival in the server to answer, per lane and final status",
             explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
         )
-        for name, description, keys, read in _COUNTERS:
+        lane_names = [lane.name for lane in lanes]
+        for counter in _COUNTERS:
             meter.create_observable_counter(
-                name,
-                callbacks=[self._counter_callback(keys, read)],
+                counter.name,
+                callbacks=[self._counter_callback(counter, lane_names)],
                 unit="{event}",
-                description=description,
+                description=counter.description,
             )
         meter.create_observable_counter(
             "laneserve.grpc.calls",
@@ -252,14 +280,17 @@ class Metrics(NullEvents):
         return attributes
 
     def _counter_callback(
-        self, keys: tuple[str, ...], read: Callable[[Counts], Mapping[tuple[str, ...], int]]
+        self, counter: _Counter, lane_names: Sequence[str]
     ) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        zeros = dict.fromkeys(counter.known(lane_names), 0)
+
         def observe(_options: CallbackOptions) -> Iterable[Observation]:
             if self._sources is None:
                 return []
+            values = {**zeros, **counter.read(self._sources.counts())}
             return [
-                Observation(count, dict(zip(keys, values, strict=True)))
-                for values, count in read(self._sources.counts()).items()
+                Observation(count, dict(zip(counter.keys, key, strict=True)))
+                for key, count in values.items()
             ]
 
         return observe
