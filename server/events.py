@@ -47,7 +47,9 @@ class SchedulerEvents(Protocol):
         ...
 
     def completed(self, lane: str, status: str) -> None:
-        """An admitted request ended: "OK", the error's reason, or "CANCELLED" (no answer due)."""
+        """An admitted request ended: "OK", the error's reason, "CANCELLED" (its caller left:
+        no answer due) or "DEADLINE_EXCEEDED" (its gRPC deadline passed while it ran:
+        gRPC answered the caller)."""
         ...
 
     def out_of_memory(self, rows: int) -> None:
@@ -67,8 +69,9 @@ class SchedulerEvents(Protocol):
         ...
 
     def request_finished(self, lane: str, status: str, duration_s: float) -> None:
-        """The service answered an admitted request ("OK" or the error's reason), or its
-        caller left ("CANCELLED"). `duration_s` runs from the request's arrival in the
+        """The service answered an admitted request ("OK" or the error's reason), its
+        caller left ("CANCELLED"), or its gRPC deadline passed while it ran
+        ("DEADLINE_EXCEEDED"). `duration_s` runs from the request's arrival in the
         servicer (before decoding) to its answer. Called on the event loop, not under the
         scheduler's lock."""
         ...

@@ -580,9 +580,12 @@ class Scheduler:
         batch: a request larger than the cap may have chunks done, running and queued)
         is left to finish and be answered, so that its result can be replayed to a retry
         instead of its rows running twice. Returns the status the entry ended with, or
-        None when it was not cancelled (its answer is given or still due): CANCELLED, or
-        EXPIRED_IN_QUEUE for a queued entry whose deadline had come (gRPC cancels a call
-        at its deadline: that is the queue's doing, not the caller's going).
+        None when it was not cancelled (its answer is given or still due): CANCELLED when
+        its caller left, else its deadline had come (gRPC cancels a call at its deadline:
+        the caller got DEADLINE_EXCEEDED, it did not go). Then an entry with rows still
+        queued is EXPIRED_IN_QUEUE (shed: the queue's doing), one whose rows have all gone
+        to the session is DEADLINE_EXCEEDED (it ran too late: not shed, no row was dropped
+        unrun).
         """
         entry = self._entries.get(entry_id)
         if entry is None or (unless_running and entry.next_row > 0):
@@ -592,9 +595,10 @@ class Scheduler:
         entry.finished = True
         lane = self.lanes[entry.priority]
         status = "CANCELLED"
+        if now_s >= entry.deadline_s - DEADLINE_SLACK_S:
+            # The name gRPC gives its caller's end; not a LaneserveError: none is sent.
+            status = ExpiredInQueueError.reason if entry.in_lane else "DEADLINE_EXCEEDED"
         if entry.in_lane:
-            if now_s >= entry.deadline_s - DEADLINE_SLACK_S:
-                status = ExpiredInQueueError.reason
             rows = entry.queued_rows
             lane.drop(entry)
             self.events.shed(lane.name, status, rows)

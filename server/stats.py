@@ -52,14 +52,17 @@ REJECTED_REASONS = _reasons(
 )
 # Reasons counted as shed (dropped after admission), not as failures.
 SHED_REASONS = frozenset({ExpiredInQueueError.reason, "CANCELLED"})
-# How an admitted request ends (`answered`): OK, the error it was answered with, or
-# CANCELLED (its caller left). DRAINING: the server stopped before it could run.
+# How an admitted request ends (`answered`): OK, the error it was answered with,
+# CANCELLED (its caller left) or DEADLINE_EXCEEDED (its gRPC deadline passed while it
+# ran: gRPC answered the caller; see `Scheduler.cancel`). DRAINING: the server stopped
+# before it could run.
 ANSWERED_STATUSES = (
     "OK",
     *_reasons(
         ExpiredInQueueError, EngineError, DeviceMemoryError, AnswerTooLargeError, DrainingError
     ),
     "CANCELLED",
+    "DEADLINE_EXCEEDED",
 )
 # How a batch run ends: OK, or the error of a batch none of whose rows ran.
 BATCH_STATUSES = ("OK", *_reasons(EngineError, DeviceMemoryError, ExpiredInQueueError))
@@ -107,7 +110,8 @@ class _LaneCounters:
     failed: int = 0
     rejected: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     shed: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
-    # Terminal state of every admitted request: "OK", an error reason or "CANCELLED".
+    # Terminal state of every admitted request: "OK", an error reason, "CANCELLED" or
+    # "DEADLINE_EXCEEDED" (see ANSWERED_STATUSES).
     # Invariant once idle: admitted == sum(answered.values()).
     answered: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     queue_wait_s: collections.deque[float] = dataclasses.field(

@@ -44,7 +44,13 @@ from laneserve.server.items import (
     RowsWanted,
 )
 from laneserve.server.lanes import Entry, Lane
-from laneserve.server.scheduler import ACTIVE_LANE_S, Dispatch, Scheduler, WaitUntil
+from laneserve.server.scheduler import (
+    ACTIVE_LANE_S,
+    DEADLINE_SLACK_S,
+    Dispatch,
+    Scheduler,
+    WaitUntil,
+)
 from laneserve.server.scheduler_thread import SchedulerThread
 from laneserve.server.telemetry import JsonFormatter
 
@@ -1537,25 +1543,49 @@ def test_a_call_cancelled_by_its_deadline_while_queued_counts_as_expired() -> No
     """gRPC cancels a call at its deadline: a queued request ended so was counted as
     CANCELLED (the caller left) where it expired in the queue, and an operator reading
     the counters looked for impatient clients instead of a long queue. One cancelled
-    before its deadline, or while it runs, is CANCELLED."""
+    before its deadline is CANCELLED (one running at its deadline: the test below)."""
     events = RecordingEvents()
     scheduler = make_scheduler(events=events)
-    running = scheduler.admit(make_request(0, "standard", 1, deadline_s=T0 + 0.010), T0)
-    dispatch(scheduler, T0, math.inf)
+    scheduler.admit(make_request(0, "standard", 1, deadline_s=T0 + 0.010), T0)
+    dispatch(scheduler, T0, math.inf)  # the session is busy: the next ones stay queued
     expiring = scheduler.admit(make_request(1, "standard", 1, deadline_s=T0 + 0.010), T0)
     leaving = scheduler.admit(make_request(2, "standard", 1, deadline_s=T0 + 0.010), T0)
     events.log.clear()
-    assert scheduler.cancel(running, T0 + 0.010) == "CANCELLED"
     assert scheduler.cancel(leaving, T0 + 0.005) == "CANCELLED"
     assert scheduler.cancel(expiring, T0 + 0.010) == "EXPIRED_IN_QUEUE"
     assert scheduler.cancel(expiring, T0 + 0.011) is None
     assert events.log == [
-        ("completed", "standard", "CANCELLED"),
         ("shed", "standard", "CANCELLED", 1),
         ("completed", "standard", "CANCELLED"),
         ("shed", "standard", "EXPIRED_IN_QUEUE", 1),
         ("completed", "standard", "EXPIRED_IN_QUEUE"),
     ]
+
+
+def test_a_call_cancelled_by_its_deadline_while_it_runs_ends_deadline_exceeded() -> None:
+    """gRPC cancels a call at its deadline while its batch runs too: such a request was
+    counted CANCELLED (the caller left) where its caller got DEADLINE_EXCEEDED, and an
+    operator looked for impatient clients instead of late runs. It ends DEADLINE_EXCEEDED
+    and is not shed (it ran: no row was dropped unrun); one whose caller leaves before
+    its deadline, running or not, is CANCELLED."""
+    events = RecordingEvents()
+    scheduler = make_scheduler(events=events)
+    late = scheduler.admit(make_request(0, "standard", 1, deadline_s=T0 + 0.010), T0)
+    leaving = scheduler.admit(make_request(1, "standard", 1, deadline_s=T0 + 0.010), T0)
+    batch = dispatch(scheduler, T0, math.inf)
+    assert row_ids(batch) == ids(0, 1) + ids(1, 1)
+    events.log.clear()
+    assert scheduler.cancel(leaving, T0 + 0.005) == "CANCELLED"
+    # gRPC times the deadline from its own reading: a hair early is still the deadline.
+    assert scheduler.cancel(late, T0 + 0.010 - DEADLINE_SLACK_S / 2) == "DEADLINE_EXCEEDED"
+    assert scheduler.cancel(late, T0 + 0.011) is None
+    assert scheduler.complete(run(batch)) == [], "no answer is due to either"
+    assert events.log == [
+        ("completed", "standard", "CANCELLED"),
+        ("completed", "standard", "DEADLINE_EXCEEDED"),
+        ("batch_done", batch.batch_id, None),
+    ]
+    assert scheduler.live_entries == 0
 
 
 def test_cancelled_item_in_flight_gets_no_answer_and_its_results_are_dropped() -> None:

@@ -305,6 +305,38 @@ def test_expired_in_queue_is_answered_and_never_runs(small_model: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_a_grpc_deadline_that_passes_while_the_batch_runs_is_counted_deadline_exceeded(
+    small_model: Path,
+) -> None:
+    """gRPC cancels the call at its deadline and the caller gets DEADLINE_EXCEEDED: the
+    request was counted CANCELLED (the caller left). It ends DEADLINE_EXCEEDED, a failure
+    that is not shed (it ran, too late), in GetStats and the metrics alike."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            engine.hold()
+            late = asyncio.ensure_future(s.stub.Infer(request(rows(2), lane="bulk"), timeout=1))
+            assert await asyncio.to_thread(engine.entered.acquire, True, 10), "it runs"
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await late
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+            def answered() -> dict[str, int]:
+                bulk = next(lane for lane in s.server.stats.snapshot().lanes if lane.name == "bulk")
+                return bulk.answered
+
+            await until(lambda: bool(answered()))
+            engine.release()
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+        bulk = next(lane for lane in stats.lanes if lane.name == "bulk")
+        assert dict(bulk.answered) == {"DEADLINE_EXCEEDED": 1}
+        assert (bulk.admitted, bulk.completed, bulk.failed) == (1, 0, 1)
+        assert dict(bulk.shed) == {}
+
+    asyncio.run(scenario())
+
+
 def test_grpc_deadline_is_honoured_without_configuration(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))

@@ -701,6 +701,7 @@ def test_every_counter_series_is_reported_from_the_start_at_zero() -> None:
         "ANSWER_TOO_LARGE",
         "DRAINING",
         "CANCELLED",
+        "DEADLINE_EXCEEDED",
     )
     shed = ("EXPIRED_IN_QUEUE", "CANCELLED")
     dispatch = ("full", "max_wait", "deadline", "backlog", "idle")

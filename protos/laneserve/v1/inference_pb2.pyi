@@ -558,7 +558,8 @@ class LaneStats(_message.Message):
     @_builtins.property
     def answered(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """How every admitted request ended: OK, an error reason (EXPIRED_IN_QUEUE,
-        ENGINE_FAILURE, ...) or CANCELLED.
+        ENGINE_FAILURE, ...), CANCELLED (the caller left) or DEADLINE_EXCEEDED (its gRPC
+        deadline passed while it ran).
         """
 
     def __init__(
