@@ -33,6 +33,7 @@ from laneserve.server.errors import (
     JoinExpiredError,
     LaneFullError,
     LaneserveError,
+    RequestIdReusedError,
     bounded_message,
     pushback_ms,
     to_rpc_status,
@@ -406,16 +407,21 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         streams) filled the lane and had most of their items refused LANE_FULL."""
         arrived_s = self._clock.monotonic()
         if request is UNDECODABLE_REQUEST:
-            raise InvalidInputError(
-                "the request does not parse as a laneserve.v1.InferRequest message; expected "
-                "one encoded from protos/laneserve/v1/inference.proto (strings in UTF-8)"
+            raise self._rejected_without_lane(
+                InvalidInputError(
+                    "the request does not parse as a laneserve.v1.InferRequest message; "
+                    "expected one encoded from protos/laneserve/v1/inference.proto (strings "
+                    "in UTF-8)"
+                )
             )
         lane = request.lane or default_lane
         lane_config = self._lane_configs.get(lane)
         if lane_config is None:  # here, not only at admission: a retry that joins or
             # replays is never admitted, and must not be answered OK for a wrong lane
-            raise InvalidInputError(
-                f"unknown lane {lane!r}; expected one of {list(self._lane_configs)}"
+            raise self._rejected_without_lane(
+                InvalidInputError(
+                    f"unknown lane {lane!r}; expected one of {list(self._lane_configs)}"
+                )
             )
         if self._state() is not Lifecycle.SERVING:
             raise self._rejected(
@@ -514,9 +520,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 finish,
                 join_timeout_s=wait_until_s - self._clock.monotonic(),
             )
-        except JoinExpiredError as error:
-            # Answered, but neither admitted nor shed: counted as its lane's refusal (it
-            # was counted nowhere, and the counters missed an answer).
+        except (JoinExpiredError, RequestIdReusedError) as error:
+            # Answered, but neither admitted nor shed (a join whose deadline passed, an id
+            # reused for other inputs): counted as its lane's refusal (they were counted
+            # nowhere, and the counters missed an answer).
             raise self._rejected(lane, error) from None
 
     async def _run_when_room(
@@ -555,11 +562,18 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             room.leave()
 
     def _rejected(self, lane: str, error: LaneserveError) -> LaneserveError:
-        """`error`, counted as a refusal of `lane` (a lane the server has: `_infer` refuses
-        others first) as the scheduler counts its own: the lanes' `rejected` and the
-        metrics."""
+        """`error`, counted as a refusal of `lane` (a lane the server has: see
+        `_rejected_without_lane`) as the scheduler counts its own: the lanes' `rejected`,
+        the metrics and the refusal log."""
         self._events.rejected(lane, error.reason)
         return error
+
+    def _rejected_without_lane(self, error: LaneserveError) -> LaneserveError:
+        """`error`, for a request refused before it has a lane of the server's (its bytes
+        do not parse, or it names a lane the server lacks), counted as a refusal of the
+        default lane: a label the server chose, since one per name a client sent would
+        grow the metrics' label set (and GetStats' lanes) without bound."""
+        return self._rejected(self._config.default_lane, error)
 
     def _request_over(self, lane: str, trace: RequestTrace, status: str, arrived_s: float) -> None:
         trace.end(status)

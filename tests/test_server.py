@@ -968,10 +968,14 @@ def test_a_port_another_server_serves_is_refused_not_shared(small_model: Path) -
 
 
 def test_refusals_before_the_lanes_are_counted_in_the_lanes(small_model: Path) -> None:
-    """Calls refused DRAINING at the servicer's state check, or INVALID_INPUT when their
-    inputs are decoded (before the scheduler sees them), count in their lane's
-    `rejected`, as the scheduler's own refusals (a request over the lane's capacity:
-    INVALID_INPUT too) do. A lane the server lacks is counted nowhere."""
+    """Calls refused DRAINING at the servicer's state check, INVALID_INPUT when their
+    inputs are decoded (before the scheduler sees them) or REQUEST_ID_REUSED (an id used
+    for other inputs) count in their lane's `rejected`, as the scheduler's own refusals (a
+    request over the lane's capacity: INVALID_INPUT too) do. Three kinds were counted
+    nowhere: reused ids, and calls refused before they have a lane of the server's (bytes
+    that do not parse, a lane it lacks), which count in the default lane: a label the
+    server chose, whatever names clients send."""
+    garbage = b"\x0a\xff\x01"  # field 1, length-delimited, 255 bytes announced, 1 sent
 
     async def scenario() -> None:
         async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
@@ -979,9 +983,19 @@ def test_refusals_before_the_lanes_are_counted_in_the_lanes(small_model: Path) -
             bad.inputs[0].name = "nope"
             with pytest.raises(grpc.aio.AioRpcError) as invalid:
                 await s.stub.Infer(bad)
-            unknown = request(rows(1), lane="vip")
+            for name in ("vip", "x" * 100):
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await s.stub.Infer(request(rows(1), lane=name))
+            infer = s.channel.unary_unary(
+                "/laneserve.v1.InferenceService/Infer",
+                request_serializer=bytes,
+                response_deserializer=pb.InferResponse.FromString,
+            )
             with pytest.raises(grpc.aio.AioRpcError):
-                await s.stub.Infer(unknown)
+                await infer(garbage, timeout=10)
+            await s.stub.Infer(request(rows(1, seed=1), lane="bulk", request_id="r1"))
+            with pytest.raises(grpc.aio.AioRpcError) as reused:
+                await s.stub.Infer(request(rows(1, seed=2), lane="bulk", request_id="r1"))
             s.server.state = Lifecycle.DRAINING
             try:
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -991,11 +1005,12 @@ def test_refusals_before_the_lanes_are_counted_in_the_lanes(small_model: Path) -
             stats = await s.stub.GetStats(pb.GetStatsRequest())
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert rich_status(reused.value)[0] == "REQUEST_ID_REUSED"
         rejected = {lane.name: dict(lane.rejected) for lane in stats.lanes}
         assert rejected == {
             "interactive": {"INVALID_INPUT": 1},
-            "standard": {},
-            "bulk": {"DRAINING": 1},
+            "standard": {"INVALID_INPUT": 3},  # the default lane: two lanes it lacks, garbage
+            "bulk": {"REQUEST_ID_REUSED": 1, "DRAINING": 1},
         }
 
     asyncio.run(scenario())
