@@ -258,9 +258,17 @@ def _bar(used: int, capacity: int) -> str:
 
 
 def _memory_line(stats: pb.GetStatsResponse) -> str:
-    if stats.memory_limit_bytes == 0 and stats.memory_used_bytes == 0:
-        return "memory   no limit set (the runtime's default arena)"
-    # Used memory against the limit it is measured for (the host's on the CPU).
+    if stats.memory_watermark_limit_bytes == 0 and stats.memory_used_bytes == 0:
+        # No watermark, so nothing reads memory in use: its 0 is no reading, and a bar of
+        # 0 against the arena's limit looked like one (an idle device).
+        if stats.memory_limit_bytes == 0:
+            return "memory   no limit set (the runtime's default arena)"
+        return (
+            f"memory   in use - (no reading: no watermark)  "
+            f"arena limit {format_bytes(stats.memory_limit_bytes)}"
+        )
+    # Used memory against the limit it is measured for (the host's on the CPU); a server
+    # older than memory_watermark_limit_bytes measured it against memory_limit_bytes.
     limit = stats.memory_watermark_limit_bytes or stats.memory_limit_bytes
     used = stats.memory_used_bytes
     limit_text = format_bytes(limit) if limit else "?"

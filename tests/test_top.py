@@ -116,6 +116,15 @@ def test_memory_in_use_is_shown_against_the_limit_it_is_measured_for() -> None:
     assert "memory   [#####...............] 4.0GiB / 16.0GiB (25%)" in frame
 
 
+def test_memory_without_a_reading_is_shown_as_absent_with_its_limit() -> None:
+    """A CPU server with an arena limit and no host limit has no watermark, so nothing
+    reads memory in use: its 0 was drawn as a reading ("0B / 64.0MiB (0%)")."""
+    arena_only = stats(100, memory_limit_bytes=64 << 20)
+    frame = render("h:1", MODEL, Sample(arena_only, taken_s=1.0), None)
+    memory = next(line for line in frame.splitlines() if line.startswith("memory "))
+    assert memory == "memory   in use - (no reading: no watermark)  arena limit 64.0MiB"
+
+
 def test_first_frame_averages_since_start_and_shows_absent_figures_as_absent() -> None:
     frame = render("h:1", MODEL, Sample(stats(3723), taken_s=1.0), None)
     assert "rates: per second, averaged since start" in frame
