@@ -34,8 +34,16 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Decision
-from opentelemetry.trace import Link, SpanContext, SpanKind, StatusCode, TraceFlags
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Decision, Sampler, TraceIdRatioBased
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    StatusCode,
+    TraceFlags,
+    set_span_in_context,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from laneserve.client import AsyncClient, Client
@@ -75,9 +83,10 @@ def traced(
     *,
     span_limits: SpanLimits | None = None,
     reader: InMemoryMetricReader | None = None,
+    sampler: Sampler | None = None,
 ) -> tuple[Telemetry, InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
-    provider = TracerProvider(span_limits=span_limits, shutdown_on_exit=False)
+    provider = TracerProvider(sampler=sampler, span_limits=span_limits, shutdown_on_exit=False)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     telemetry = Telemetry(
         lanes=server_config.lanes,
@@ -478,6 +487,50 @@ def test_batch_spans_are_sampled_with_the_requests_they_serve() -> None:
     assert decision("batch", [link(0), link(TraceFlags.SAMPLED)]) is Decision.RECORD_AND_SAMPLE
     assert decision("batch", [link(0)]) is Decision.DROP
     assert decision("enqueue", [link(TraceFlags.SAMPLED)]) is Decision.DROP  # not a batch
+
+
+def test_the_infer_span_of_a_sampled_batch_is_sampled_under_a_ratio_sampler(
+    small_model: Path,
+) -> None:
+    """OTEL_TRACES_SAMPLER=traceidratio (not parent-based): batch spans were kept for
+    their sampled requests, but their `infer` child was sampled on the batch's own random
+    trace id, and most kept batches lost their run (40 requests at a ratio of 0.3: 10
+    batch spans, 2 infer spans)."""
+    # The ratio keeps trace ids whose low 64 bits are below 18 (of 2**64): the caller's,
+    # and practically never a batch's random one.
+    sampler = BatchLinkSampler(TraceIdRatioBased(1e-18))
+    traceparent = f"00-{CALLER_TRACE_ID >> 64 << 64 | 1:032x}-{CALLER_SPAN_ID:016x}-01"
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model)
+        telemetry, exporter = traced(engine, server_config, sampler=sampler)
+        async with serving(engine, server_config, telemetry=telemetry) as s:
+            for _ in range(3):  # one after another: three batches
+                await s.stub.Infer(
+                    request(rows(1)), timeout=10, metadata=(("traceparent", traceparent),)
+                )
+        batches = spans_named(exporter, "batch")
+        assert len(batches) == 3
+        assert len(spans_named(exporter, "enqueue")) == 3
+        infers = spans_named(exporter, "infer")
+        assert len(infers) == 3
+        assert {parent_id(infer) for infer in infers} == {span_id(batch) for batch in batches}
+
+    asyncio.run(scenario())
+    # The rule alone: an infer span follows its batch; anything else the inner sampler
+    # (which keeps none of these trace ids).
+    dropped_id = CALLER_TRACE_ID | (1 << 64) - 1
+    batch = SpanContext(dropped_id, CALLER_SPAN_ID, False, TraceFlags(TraceFlags.SAMPLED))
+    unsampled = SpanContext(dropped_id, CALLER_SPAN_ID, False, TraceFlags(0))
+
+    def decision(name: str, parent: SpanContext) -> Decision:
+        context = set_span_in_context(NonRecordingSpan(parent))
+        return sampler.should_sample(context, parent.trace_id, name).decision
+
+    assert decision("infer", batch) is Decision.RECORD_AND_SAMPLE
+    assert decision("infer", unsampled) is Decision.DROP
+    assert decision("reply", batch) is Decision.DROP  # not an infer: the ratio decides
 
 
 # ---- metrics ------------------------------------------------------------------------------

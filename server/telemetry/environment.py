@@ -65,7 +65,8 @@ def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> Tracer
     by default; endpoint, headers and the rest from `OTEL_EXPORTER_OTLP_*`, read by the
     exporter itself) or any installed exporter's entry point name. `OTEL_SDK_DISABLED=true`
     turns tracing off. Sampling: `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG`; batch
-    spans are sampled whenever a request they serve is (see `BatchLinkSampler`).
+    spans are sampled whenever a request they serve is, with their `infer` child (see
+    `BatchLinkSampler`).
     """
     environ = os.environ if environ is None else environ
     if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":

@@ -29,11 +29,14 @@ _NOT_ERRORS = frozenset({"OK", "CANCELLED"})
 
 
 class BatchLinkSampler(Sampler):
-    """Samples a `batch` span whenever one of the request spans it links to is sampled;
-    everything else as `inner` decides.
+    """Samples a `batch` span whenever one of the request spans it links to is sampled,
+    and the `infer` child of a sampled batch; everything else as `inner` decides.
 
     A batch span is a root (it serves many traces), so a ratio sampler alone would keep
-    it independently of its requests, and a sampled request would usually lose it.
+    it independently of its requests, and a sampled request would usually lose it. Its
+    `infer` child is in the batch's own trace: a ratio sampler that is not parent-based
+    (traceidratio) would decide on that random trace id and drop most of the runs of the
+    batches kept.
     """
 
     def __init__(self, inner: Sampler) -> None:
@@ -51,6 +54,10 @@ class BatchLinkSampler(Sampler):
     ) -> SamplingResult:
         if name == "batch" and any(link.context.trace_flags.sampled for link in links or ()):
             return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
+        if name == "infer":
+            parent = otel_trace.get_current_span(parent_context).get_span_context()
+            if parent.is_valid and parent.trace_flags.sampled:
+                return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes, parent.trace_state)
         return self._inner.should_sample(
             parent_context, trace_id, name, kind, attributes, links, trace_state
         )
