@@ -106,8 +106,8 @@ def distribution(samples: Iterable[float]) -> Distribution:
 @dataclasses.dataclass(slots=True)
 class _LaneCounters:
     admitted: int = 0
-    completed: int = 0
-    failed: int = 0
+    completed: int = 0  # answered OK (the Prometheus counter "completed" is `answered`)
+    failed: int = 0  # answered neither OK nor a SHED_REASONS status
     rejected: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     shed: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     # Terminal state of every admitted request: "OK", an error reason, "CANCELLED" or

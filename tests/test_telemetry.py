@@ -63,7 +63,7 @@ from laneserve.server.telemetry import (
 )
 from laneserve.server.telemetry.device import DeviceMonitor
 from laneserve.v1 import inference_pb2 as pb
-from tests.support import RecordingEngine, Serving, request, rows, serving
+from tests.support import REPO, RecordingEngine, Serving, request, rows, serving
 
 # A caller's W3C trace context: version 00, trace id, parent span id, sampled.
 CALLER_TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
@@ -604,9 +604,19 @@ def check_recorded_metrics(points: Points, max_batch_size: int) -> None:
     assert "laneserve.device.memory.used" not in names(points)
 
 
-def check_same_figures_in_get_stats(stats: pb.GetStatsResponse) -> None:
+def check_same_figures_in_get_stats(stats: pb.GetStatsResponse, points: Points) -> None:
     """GetStats after the scenario above reports what the metrics recorded."""
     lane_stats = {lane.name: lane for lane in stats.lanes}
+    # Every end of an admitted request, by status, is `answered` and the Prometheus
+    # counter "completed"; GetStats' `completed` counts the OK ends alone, `failed` those
+    # neither OK nor shed (as the proto's comments say: the names differ, the counts not).
+    completed = series(points, "laneserve.requests.completed", "lane", "status")
+    for lane in stats.lanes:
+        ends = {status: count for (name, status), count in completed.items() if name == lane.name}
+        assert dict(lane.answered) == {status: count for status, count in ends.items() if count}
+        assert lane.completed == lane.answered.get("OK", 0)
+        shed = lane.answered.get("EXPIRED_IN_QUEUE", 0) + lane.answered.get("CANCELLED", 0)
+        assert lane.admitted == lane.completed + lane.failed + shed
     assert lane_stats["standard"].admitted == 2
     assert dict(lane_stats["interactive"].rejected) == {"LANE_FULL": 1}
     assert dict(lane_stats["standard"].shed) == {"EXPIRED_IN_QUEUE": 1}
@@ -672,9 +682,31 @@ def test_metrics_move_as_requests_are_admitted_refused_shed_and_completed(
             stats = await s.stub.GetStats(pb.GetStatsRequest())
 
         check_recorded_metrics(points, server_config.max_batch_size)
-        check_same_figures_in_get_stats(stats)
+        check_same_figures_in_get_stats(stats, points)
 
     asyncio.run(scenario())
+
+
+def test_the_proto_says_which_count_of_request_ends_is_which() -> None:
+    """GetStats' lanes[].completed counts the OK ends and laneserve_requests_completed_total
+    every end (GetStats' lanes[].answered): the fields keep their names for wire
+    compatibility, so their comments say which is which (the README said GetStats and
+    Prometheus report the same figures, and the fields had no comment)."""
+    proto = (REPO / "protos" / "laneserve" / "v1" / "inference.proto").read_text()
+    lane_stats = proto[proto.index("message LaneStats {") :]
+    lines = lane_stats[: lane_stats.index("\n}")].splitlines()
+
+    def comment(field: str) -> str:
+        """The comment lines right above `field`, as one line."""
+        at = start = lines.index(f"  {field}")
+        while lines[start - 1].startswith("  //"):
+            start -= 1
+        return " ".join(line.removeprefix("  //").strip() for line in lines[start:at])
+
+    assert 'answered["OK"]' in comment("uint64 completed = 5;")
+    assert "laneserve_requests_completed_total" in comment("uint64 completed = 5;")
+    assert "neither OK nor EXPIRED_IN_QUEUE nor CANCELLED" in comment("uint64 failed = 6;")
+    assert "laneserve_requests_completed_total" in comment("map<string, uint64> answered = 21;")
 
 
 def test_memory_and_out_of_memory_events_reach_the_metrics() -> None:

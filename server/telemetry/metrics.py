@@ -24,6 +24,9 @@ Metric names (OpenTelemetry; Prometheus adds the unit and `_total`, e.g.
     laneserve.grpc.calls          counter           state          gRPC's own count (Channelz):
                                                                    started, succeeded, failed
 
+`laneserve.requests.completed` is GetStats' `lanes[].answered` (every end, by status),
+not its `lanes[].completed` (the OK ends alone).
+
 Calls gRPC's core refused (max_pending_calls) or dropped before the servicer saw them
 count in `laneserve.grpc.calls` as started and neither succeeded nor failed; no other
 counter sees them.

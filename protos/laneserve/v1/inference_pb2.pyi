@@ -539,7 +539,15 @@ class LaneStats(_message.Message):
     capacity_rows: _builtins.int
     admitted: _builtins.int
     completed: _builtins.int
+    """Admitted requests answered OK: answered["OK"]. Not the Prometheus counter
+    laneserve_requests_completed_total, which counts every end by status (that is
+    `answered`); the field keeps its name for wire compatibility.
+    """
     failed: _builtins.int
+    """Admitted requests that ended neither OK nor EXPIRED_IN_QUEUE nor CANCELLED (an error
+    such as ENGINE_FAILURE or DRAINING, or DEADLINE_EXCEEDED). Once the lane is idle,
+    admitted = completed + failed + answered["EXPIRED_IN_QUEUE"] + answered["CANCELLED"].
+    """
     depth_requests: _builtins.int
     @_builtins.property
     def rejected(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
@@ -559,7 +567,7 @@ class LaneStats(_message.Message):
     def answered(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """How every admitted request ended: OK, an error reason (EXPIRED_IN_QUEUE,
         ENGINE_FAILURE, ...), CANCELLED (the caller left) or DEADLINE_EXCEEDED (its gRPC
-        deadline passed while it ran).
+        deadline passed while it ran). The figures of laneserve_requests_completed_total.
         """
 
     def __init__(
