@@ -262,11 +262,9 @@ class RequestLedger:
         answered JoinExpiredError, and the request goes on for whoever still waits."""
         if not request_id:
             return await self._wait(self._start("", b"", submit, finish))
-        stored = self.replay.get(request_id)
+        stored = self.replayed(request_id, digest)
         if stored is not None:
-            _check_same(request_id, stored.fingerprint, digest, "completed")
-            self.replays += 1
-            return stored.response
+            return stored
         flight = self._flights.get(request_id)
         if flight is None:
             flight = self._start(request_id, digest, submit, finish)
@@ -281,6 +279,16 @@ class RequestLedger:
                 f"deadline passed while this request waited for the request with the same "
                 f"request_id {request_id!r} already in flight"
             ) from None
+
+    def replayed(self, request_id: str, digest: bytes) -> pb.InferResponse | None:
+        """The stored answer of the completed request `request_id`, counted as a replay
+        (None: none is stored); RequestIdReusedError when it had other inputs."""
+        stored = self.replay.get(request_id)
+        if stored is None:
+            return None
+        _check_same(request_id, stored.fingerprint, digest, "completed")
+        self.replays += 1
+        return stored.response
 
     def _start(
         self,

@@ -204,6 +204,34 @@ def test_reused_id_with_other_inputs_is_refused_in_flight_and_after(small_model:
     asyncio.run(scenario())
 
 
+def test_a_draining_server_still_gives_a_completed_requests_stored_answer(
+    small_model: Path,
+) -> None:
+    """A retry of a completed request was refused DRAINING, and ran again on another
+    instance; its stored answer costs no work. New work is still refused."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model)) as s:
+            first = await s.stub.Infer(request(rows(3, start=100), request_id="done"))
+            engine.entered.acquire()  # its run's mark
+            busy = await hold_engine(s, engine)  # the drain waits for it
+            stopping = asyncio.ensure_future(s.server.stop(grace_s=30))
+            await until(lambda: s.server.state.value == "DRAINING")
+            again = await s.stub.Infer(request(rows(3, start=100), request_id="done"))
+            assert again == first
+            await refused_as_reused(s, request(rows(3, start=7), request_id="done"), "completed")
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(request(rows(1, start=9), request_id="new"))
+            assert rich_status(caught.value)[0] == "DRAINING"
+            engine.release()
+            await busy
+            await stopping
+        assert sorted(engine.ran_tags) == [0, 100, 101, 102], "the retry ran nothing"
+
+    asyncio.run(scenario())
+
+
 def test_abandoned_queued_request_frees_its_rows_and_never_runs(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
