@@ -38,6 +38,7 @@ import grpc
 import numpy.typing as npt
 
 from laneserve.client._errors import (
+    CallCancelledError,
     ClientClosedError,
     InvalidInputError,
     LaneserveError,
@@ -259,6 +260,7 @@ class BulkStream:
                     self._held -= 1
                     yield event
                 return
+            self._check_open(ended.error)  # close() ended the call: whatever its error, no new one
             error = ended.error or UnavailableError(
                 f"the server closed the stream with {len(self._items)} item(s) unanswered"
             )
@@ -454,6 +456,20 @@ class BulkStream:
                 self._on_answer(response)
         except grpc.RpcError as error:
             self._events.put_nowait(_CallEnded(error_from_rpc(error)))
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # results() ends the call and waits for this task, not for an event
+            # gRPC ends the read of a call cancelled under it (the client closed its
+            # channel) with CancelledError too: results() waits for an event, always.
+            self._events.put_nowait(
+                _CallEnded(
+                    CallCancelledError(
+                        "the stream call was cancelled on this side",
+                        code=grpc.StatusCode.CANCELLED,
+                    )
+                )
+            )
         except Exception as error:  # noqa: BLE001 - a bug must end the job, not hang it
             self._events.put_nowait(_Failed(error))
         else:
@@ -531,14 +547,15 @@ class BulkStream:
         self._to_send = collections.deque(sent + queued)
         return len(sent)
 
-    def _check_open(self) -> None:
-        """Before each new call: a closed client starts none."""
+    def _check_open(self, cause: LaneserveError | None = None) -> None:
+        """Before each new call, and when one ended: a closed client starts none. `cause`:
+        how the call ended, when it did."""
         if self._closed is not None and self._closed.is_set():
             self._cancel_timers()
             raise ClientClosedError(
                 f"bulk stream {self.job_id}: the client was closed with "
                 f"{len(self._items)} item(s) unanswered"
-            )
+            ) from cause
 
     def _cancel_timers(self) -> None:
         """The job is over (done, failed, or left by the caller): nothing is resent and

@@ -1,0 +1,102 @@
+"""The client's lifecycle against a real server on loopback: closing it with calls and
+streams in progress, sharing one between threads, and dropping it unclosed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from laneserve import client as lc
+from laneserve.server import ServerConfig
+from tests.support import RecordingEngine, rows, serving
+
+pytestmark = pytest.mark.usefixtures("no_leaked_threads")
+
+# How long a test waits for what must happen at once. Only a hang reaches it.
+HANG_S = 30.0
+
+
+def config(model: Path, **fields: Any) -> ServerConfig:
+    return ServerConfig(model_path=str(model), **fields)
+
+
+@pytest.fixture(autouse=True)
+def _no_backoff_sleeps() -> Iterator[None]:
+    lc.set_testing(True)
+    yield
+    lc.set_testing(False)
+
+
+# ---- closing a client with a stream in progress ------------------------------------------
+
+
+def test_closing_the_async_client_ends_its_stream_at_once(small_model: Path) -> None:
+    """An item is in the session when the client closes: the iteration ends with
+    ClientClosedError. (gRPC ended the stream's read with CancelledError; no end of the
+    call was reported, and the iteration waited for one forever.)"""
+
+    async def scenario() -> BaseException | None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            engine.hold()
+            client = lc.AsyncClient(s.target)
+            taken: list[lc.StreamResult] = []
+
+            async def job() -> None:
+                async for result in client.stream({"input": rows(8)}, rows_per_item=1):
+                    taken.append(result)  # noqa: PERF401 - the iteration is the subject
+
+            running = asyncio.ensure_future(job())
+            await asyncio.to_thread(engine.entered.acquire)  # the first item runs
+            await client.close()
+            done, _ = await asyncio.wait([running], timeout=HANG_S)
+            engine.release()
+            assert done, "the iteration ended with the client"
+            assert not taken
+            assert not running.cancelled()
+            return running.exception()
+
+    error = asyncio.run(scenario())
+    assert isinstance(error, lc.ClientClosedError)
+    assert "the client was closed with 8 item(s) unanswered" in str(error)
+
+
+def test_closing_the_sync_client_ends_another_threads_stream_at_once(
+    small_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """close() from another thread ends the iteration with the stream's own
+    ClientClosedError. (It waited CLOSE_WAIT_S for the hung iteration, then cancelled
+    it, and asyncio logged that it could not close the stream's generator.)"""
+    caplog.set_level(logging.WARNING)
+
+    async def scenario() -> BaseException | None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            engine.hold()
+            client = lc.Client(s.target)
+
+            def job() -> BaseException | None:
+                try:
+                    for _ in client.stream({"input": rows(8)}, rows_per_item=1):
+                        pass
+                except BaseException as error:  # noqa: BLE001 - the outcome is the assertion
+                    return error
+                return None
+
+            running = asyncio.ensure_future(asyncio.to_thread(job))
+            await asyncio.to_thread(engine.entered.acquire)
+            await asyncio.to_thread(client.close)
+            done, _ = await asyncio.wait([running], timeout=HANG_S)
+            engine.release()
+            assert done, "the iteration ended with the client"
+            return running.result()
+
+    error = asyncio.run(scenario())
+    assert isinstance(error, lc.ClientClosedError)
+    assert "bulk stream" in str(error), "ended by the stream, not given up on by close()"
+    assert not [record.getMessage() for record in caplog.records if record.name == "asyncio"]
