@@ -290,6 +290,13 @@ class AsyncClient:
             raise error_from_rpc(error, request_id=request_id) from error
         except grpc.aio.UsageError as error:  # the channel closed under the call
             raise ClientClosedError(request_id=request_id) from error
+        except asyncio.CancelledError as cancelled:
+            # gRPC ends a call that close() cancelled on the wire with CancelledError; the
+            # caller's own cancellation of this task stays a cancellation.
+            task = asyncio.current_task()
+            if self._closed.is_set() and task is not None and not task.cancelling():
+                raise ClientClosedError(request_id=request_id) from cancelled
+            raise
 
 
 def _deadline_s(timeout: float | None) -> float | None:

@@ -13,7 +13,7 @@ import pytest
 
 from laneserve import client as lc
 from laneserve.server import ServerConfig
-from tests.support import RecordingEngine, rows, serving
+from tests.support import RecordingEngine, Serving, rows, serving, until
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 
@@ -100,3 +100,45 @@ def test_closing_the_sync_client_ends_another_threads_stream_at_once(
     assert isinstance(error, lc.ClientClosedError)
     assert "bulk stream" in str(error), "ended by the stream, not given up on by close()"
     assert not [record.getMessage() for record in caplog.records if record.name == "asyncio"]
+
+
+# ---- closing a client with unary calls in progress ---------------------------------------
+
+
+def test_closing_the_async_client_ends_its_calls_on_the_wire_with_client_closed_error(
+    small_model: Path,
+) -> None:
+    """A call waiting for its answer when the client closes raises ClientClosedError (it
+    raised asyncio.CancelledError: the caller's task looked cancelled, and `except
+    LaneserveError` missed it). A call whose own task is cancelled stays cancelled."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            engine.hold()
+            client = lc.AsyncClient(s.target)
+            running = asyncio.ensure_future(client.infer({"input": rows(1)}, request_id="r"))
+            await asyncio.to_thread(engine.entered.acquire)
+            queued = asyncio.ensure_future(client.infer({"input": rows(1)}))
+            await until(lambda: queued_rows(s) == 1)
+            queued.cancel()  # by its caller, as the client closes
+            await client.close()
+            done, _ = await asyncio.wait([running, queued], timeout=HANG_S)
+            engine.release()
+            assert len(done) == 2
+        assert not running.cancelled()
+        error = running.exception()
+        assert isinstance(error, lc.ClientClosedError)
+        assert error.request_id == "r"
+        assert queued.cancelled()
+
+    asyncio.run(scenario())
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+
+def queued_rows(s: Serving) -> int:
+    thread = s.server._thread
+    assert thread is not None
+    return sum(depth.queued_rows for depth in thread.depths())
