@@ -180,7 +180,7 @@ async def call_with_retries(
                 number,
                 delay_s * 1000,
             )
-            if await _closed_within(closed, delay_s):
+            if await closed_within(closed, delay_s):
                 raise ClientClosedError(
                     f"{what}: the client was closed while the call waited to retry "
                     f"(after {number} attempt(s))",
@@ -188,7 +188,7 @@ async def call_with_retries(
                 ) from error
 
 
-async def _closed_within(closed: asyncio.Event | None, delay_s: float) -> bool:
+async def closed_within(closed: asyncio.Event | None, delay_s: float) -> bool:
     """Waits `delay_s`; True as soon as `closed` is set (at once if it already is)."""
     if closed is None:
         await asyncio.sleep(delay_s)

@@ -48,7 +48,12 @@ from laneserve.client._errors import (
     error_from_status,
 )
 from laneserve.client._request import encode_inputs
-from laneserve.client._retry import RetryPolicy, attempts_allowed, effective_delay_s
+from laneserve.client._retry import (
+    RetryPolicy,
+    attempts_allowed,
+    closed_within,
+    effective_delay_s,
+)
 from laneserve.client._types import StreamRequest, StreamResult
 from laneserve.client.tensors import decode_tensor
 from laneserve.v1 import inference_pb2 as pb
@@ -271,16 +276,22 @@ class BulkStream:
             if self._gives_up(error, failures, last_answer_s):
                 self._cancel_timers()
                 raise error
-            resent = self._requeue_sent()
-            delay_s = effective_delay_s(self._policy.delay_s(max(failures, 1), error.retry_after_s))
-            log.info(
-                "bulk stream %s: call broke (%s); resending %d unanswered item(s) in %.0f ms",
-                self.job_id,
-                error,
-                resent,
-                delay_s * 1000,
-            )
-            await asyncio.sleep(delay_s)
+            await self._pause(error, failures)
+
+    async def _pause(self, error: LaneserveError, failures: int) -> None:
+        """Between a broken call and the next, which resends its unanswered items first:
+        the policy's backoff, or the server's pushback. close() ends the wait at once."""
+        resent = self._requeue_sent()
+        delay_s = effective_delay_s(self._policy.delay_s(max(failures, 1), error.retry_after_s))
+        log.info(
+            "bulk stream %s: call broke (%s); resending %d unanswered item(s) in %.0f ms",
+            self.job_id,
+            error,
+            resent,
+            delay_s * 1000,
+        )
+        if await closed_within(self._closed, delay_s):
+            self._check_open(error)
 
     def _gives_up(self, error: LaneserveError, failures: int, last_answer_s: float | None) -> bool:
         """Whether the job ends with `error` (then noted why) after its call broke:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import pytest
 
 from laneserve import client as lc
@@ -16,6 +18,8 @@ from laneserve.server import ServerConfig
 from tests.support import RecordingEngine, Serving, rows, serving, until
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
+
+F32 = npt.NDArray[np.float32]
 
 # How long a test waits for what must happen at once. Only a hang reaches it.
 HANG_S = 30.0
@@ -102,6 +106,44 @@ def test_closing_the_sync_client_ends_another_threads_stream_at_once(
     assert not [record.getMessage() for record in caplog.records if record.name == "asyncio"]
 
 
+def test_closing_the_async_client_ends_a_stream_waiting_to_resume(
+    small_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server drains after the first item: the job waits half an hour or more before
+    its next call (its policy's backoff, real sleeps). close() ends the iteration at once
+    with ClientClosedError, the broken call's error its cause (the wait went on)."""
+    lc.set_testing(False)
+    caplog.set_level(logging.INFO, logger="laneserve.client")
+    patient = lc.RetryPolicy(initial_backoff_s=3600.0, max_backoff_s=3600.0)
+
+    async def paused(go: asyncio.Event) -> AsyncIterator[dict[str, F32]]:
+        yield {"input": rows(2)}
+        await go.wait()  # never set: the rest would come after the restart
+        yield {"input": rows(2)}
+
+    async def scenario() -> BaseException | None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            client = lc.AsyncClient(s.target)
+            first = asyncio.Event()
+
+            async def job() -> None:
+                async for _ in client.stream(paused(asyncio.Event()), retry=patient):
+                    first.set()
+
+            running = asyncio.ensure_future(job())
+            await first.wait()
+            await s.server.stop(grace_s=5.0)
+            await until(lambda: resuming(caplog))
+            await client.close()
+            done, _ = await asyncio.wait([running], timeout=HANG_S)
+            assert done, "the iteration ended with the client"
+            return running.exception()
+
+    error = asyncio.run(scenario())
+    assert isinstance(error, lc.ClientClosedError)
+    assert isinstance(error.__cause__, lc.UnavailableError), "the broken call's error"
+
+
 # ---- closing a client with unary calls in progress ---------------------------------------
 
 
@@ -142,3 +184,8 @@ def queued_rows(s: Serving) -> int:
     thread = s.server._thread
     assert thread is not None
     return sum(depth.queued_rows for depth in thread.depths())
+
+
+def resuming(caplog: pytest.LogCaptureFixture) -> bool:
+    """Whether a bulk stream has logged that it waits to open its next call."""
+    return any("call broke" in record.getMessage() for record in caplog.records)
