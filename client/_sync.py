@@ -6,9 +6,18 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import functools
+import queue
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Coroutine,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from typing import Any, Final, TypeVar, cast
 
 import grpc
 import numpy.typing as npt
@@ -17,7 +26,7 @@ from laneserve.client._aio import AsyncClient, MetadataLike, Outputs, TlsLike
 from laneserve.client._channel import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET
 from laneserve.client._errors import ClientClosedError
 from laneserve.client._retry import RetryPolicy
-from laneserve.client._stream import DEFAULT_STREAM_LANE, StreamSource
+from laneserve.client._stream import DEFAULT_STREAM_LANE, StreamItem, StreamSource
 from laneserve.client._types import ModelInfo, StreamResult
 from laneserve.v1 import inference_pb2 as pb
 
@@ -27,6 +36,8 @@ T = TypeVar("T")
 # How long close() waits for other threads' calls to end once the channel is closed
 # (they end at once: cancelled on the wire, or woken from their retry backoff).
 CLOSE_WAIT_S = 5.0
+# The name of the thread of a stream's own that reads the items of a plain iterable.
+SOURCE_THREAD: Final = "laneserve-client-source"
 
 
 class Client:
@@ -41,7 +52,10 @@ class Client:
 
     The methods mirror `AsyncClient`'s (see there). One thread named
     ``laneserve-client`` runs the calls; `close()` (or leaving the ``with`` block) stops
-    it. The items of a `stream()` from a plain iterable are read on that thread.
+    it. The items of a `stream()` from a plain iterable are read on a thread of that
+    stream's own (``laneserve-client-source``), one at a time and in order, as the job's
+    window allows: a slow source (a database, a file on a slow disk) holds up its own
+    job, never the calls other threads make meanwhile.
     """
 
     def __init__(
@@ -158,10 +172,14 @@ class Client:
     ) -> Iterator[StreamResult]:
         """See `AsyncClient.stream`. Stopping the iteration early (``break``, an
         exception) cancels the job's call; the server frees its queued items."""
+        source = requests
+        if not isinstance(requests, Mapping | AsyncIterable):
+            # Not on the client's loop: it runs every thread's calls.
+            source = _read_off_loop(iter(requests))
 
         async def start() -> AsyncIterator[StreamResult]:
             return self._client.stream(
-                requests,
+                source,
                 lane=lane,
                 window=window,
                 timeout_ms=timeout_ms,
@@ -240,3 +258,78 @@ class Client:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
+
+
+_END: Final = object()
+
+
+async def _read_off_loop(items: Iterator[StreamItem]) -> AsyncIterator[StreamItem]:
+    """`items`, each read on a thread of their own when the stream asks for it."""
+    source = _SourceThread(items, asyncio.get_running_loop())
+    try:
+        while (item := await source.read()) is not _END:
+            # Whatever the source gave: the stream checks each item (and names a bad one).
+            yield cast(StreamItem, item)
+    finally:
+        source.stop()
+
+
+class _SourceThread:
+    """Reads a plain iterable's items on a daemon thread, one per `read()`, in the
+    context of the stream that started it (its trace). A source that blocks holds up
+    its own stream, not the client's loop; and, should it block for good, not the
+    interpreter's exit either (a pool's worker would: they are joined at exit)."""
+
+    def __init__(self, items: Iterator[StreamItem], loop: asyncio.AbstractEventLoop) -> None:
+        self._items = items
+        self._loop = loop
+        self._context = contextvars.copy_context()
+        # A future per item wanted, set on the loop; None: the stream is over.
+        self._wanted: queue.SimpleQueue[asyncio.Future[object] | None] = queue.SimpleQueue()
+        # Clear while the thread is inside the source.
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._serve, name=SOURCE_THREAD, daemon=True)
+        self._thread.start()
+
+    async def read(self) -> object:
+        """The next item, or _END. One read at a time (the stream reads in order)."""
+        assert self._idle.is_set(), "one read at a time"
+        wanted = self._loop.create_future()
+        self._idle.clear()
+        self._wanted.put(wanted)
+        return await wanted
+
+    def stop(self) -> None:
+        """The thread ends: at once when idle (joined), else once the source returns (a
+        read cancelled with its stream; its item is dropped)."""
+        self._wanted.put(None)
+        if self._idle.is_set():
+            self._thread.join()
+
+    def _serve(self) -> None:
+        while (wanted := self._wanted.get()) is not None:
+            try:
+                item = self._context.run(_next_or_end, self._items)
+            except BaseException as error:  # noqa: BLE001 - the source's, handed to the stream
+                settle = functools.partial(_settle, wanted, None, error)
+            else:
+                settle = functools.partial(_settle, wanted, item, None)
+            self._idle.set()
+            try:
+                self._loop.call_soon_threadsafe(settle)
+            except RuntimeError:  # the loop is closed: nobody waits for the item
+                return
+
+
+def _next_or_end(items: Iterator[StreamItem]) -> object:
+    return next(items, _END)
+
+
+def _settle(wanted: asyncio.Future[object], item: object, error: BaseException | None) -> None:
+    if wanted.done():  # cancelled with its stream
+        return
+    if error is None:
+        wanted.set_result(item)
+    else:
+        wanted.set_exception(error)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,69 @@ def test_closing_the_async_client_ends_its_calls_on_the_wire_with_client_closed_
         assert isinstance(error, lc.ClientClosedError)
         assert error.request_id == "r"
         assert queued.cancelled()
+
+    asyncio.run(scenario())
+
+
+# ---- one client shared between threads ---------------------------------------------------
+
+
+def test_a_slow_source_holds_up_its_own_stream_not_other_threads_calls(small_model: Path) -> None:
+    """One Client, two threads: one streams from a plain generator that waits for its
+    data after the first item; the other's infer is answered meanwhile. (The items were
+    read on the client's one loop thread: every other call, and its deadline, waited for
+    the source.) The job then gets every item, in order."""
+    waiting, go = threading.Event(), threading.Event()
+
+    def source() -> Iterator[dict[str, F32]]:
+        yield {"input": rows(2, start=0)}
+        waiting.set()
+        go.wait()  # e.g. the next rows come from a slow database
+        yield {"input": rows(2, start=10)}
+
+    async def scenario() -> tuple[bool, list[lc.StreamResult]]:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            client = await asyncio.to_thread(lc.Client, s.target)
+            try:
+                job = asyncio.ensure_future(
+                    asyncio.to_thread(lambda: list(client.stream(source())))
+                )
+                assert await asyncio.to_thread(waiting.wait, HANG_S)
+                call = asyncio.ensure_future(
+                    asyncio.to_thread(client.infer, {"input": rows(1)}, timeout=HANG_S)
+                )
+                done, _ = await asyncio.wait([call], timeout=HANG_S)
+                answered_while_the_source_waited = bool(done) and not go.is_set()
+                go.set()
+                await call
+                return answered_while_the_source_waited, await job
+            finally:
+                go.set()
+                await asyncio.to_thread(client.close)
+
+    answered, results = asyncio.run(scenario())
+    assert answered, "the other thread's call waited for the source"
+    assert [result.index for result in results] == [0, 1]
+    assert [int(result.unwrap()["output"].shape[0]) for result in results] == [2, 2]
+
+
+def test_a_plain_source_that_fails_ends_the_sync_stream_with_its_error(small_model: Path) -> None:
+    """Read on its own thread, the source's failure still ends the job, as it is."""
+
+    def source() -> Iterator[dict[str, F32]]:
+        yield {"input": rows(1)}
+        raise OSError("the database went away")
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+
+            def job() -> None:
+                with lc.Client(s.target) as client:
+                    list(client.stream(source()))
+
+            with pytest.raises(OSError, match="the database went away"):
+                await asyncio.to_thread(job)
 
     asyncio.run(scenario())
 
