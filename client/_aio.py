@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import numbers
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import grpc
 import numpy.typing as npt
@@ -36,11 +38,16 @@ from laneserve.client.tensors import decode_tensor
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 
-__all__ = ["AsyncClient", "MetadataLike", "TlsLike"]
+__all__ = ["MAX_TIMEOUT_S", "AsyncClient", "MetadataLike", "TlsLike"]
 
 log = logging.getLogger("laneserve.client")
 
 T = TypeVar("T")
+# The longest `timeout` of a call: the longest timeout a lane can have (uint32
+# milliseconds); no request waits longer on the server. It is far within gRPC's own
+# limit: a deadline as int64 nanoseconds since the epoch, which a timeout of ~7e9 s
+# overflows (the call then failed at once with DEADLINE_EXCEEDED).
+MAX_TIMEOUT_S: Final = (2**32 - 1) / 1000
 MetadataLike = Mapping[str, str] | Sequence[tuple[str, str]]
 # True: TLS with the system's roots; None or False: plaintext.
 TlsLike = TlsConfig | bool | None
@@ -121,6 +128,7 @@ class AsyncClient:
             lane: the lane to queue in; None: the server's default lane.
             timeout: seconds for the whole call, retries included; it is the gRPC
                 deadline of every attempt, so the server sheds the request once it passes.
+                At most 2**32 - 1 ms (a lane's longest timeout); None or ``math.inf``: none.
             request_id: reused by every attempt, so the server runs the request once
                 however often it is retried; a random id when None.
             outputs: the outputs to return; None: all of them.
@@ -299,9 +307,20 @@ class AsyncClient:
             raise
 
 
-def _deadline_s(timeout: float | None) -> float | None:
+def _deadline_s(timeout: object) -> float | None:
+    """The call's deadline (monotonic seconds) for `timeout`; None: none."""
     if timeout is None:
         return None
-    if not timeout > 0:
-        raise ValueError(f"timeout: expected seconds > 0 or None, got {timeout!r}")
-    return time.monotonic() + timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(
+            f"timeout: expected seconds (a number) or None, got {type(timeout).__name__}"
+        )
+    seconds = float(timeout)
+    if seconds == math.inf:
+        return None
+    if not 0 < seconds <= MAX_TIMEOUT_S:  # also false for nan
+        raise ValueError(
+            f"timeout: expected seconds > 0 and <= {MAX_TIMEOUT_S} (2**32 - 1 ms), or None or "
+            f"inf for none; got {timeout!r}"
+        )
+    return time.monotonic() + seconds

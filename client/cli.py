@@ -33,6 +33,7 @@ from typing import Any, Final, TextIO
 import numpy as np
 import numpy.typing as npt
 
+from laneserve.client._aio import MAX_TIMEOUT_S
 from laneserve.client._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TARGET,
@@ -54,9 +55,6 @@ EXIT_SERVER: Final = 3
 EXIT_SIGINT: Final = 130
 EXIT_SIGTERM: Final = 143
 EXIT_BROKEN_PIPE: Final = 141  # 128 + SIGPIPE
-# The longest --timeout: the longest timeout a lane can have (uint32 milliseconds). gRPC's
-# deadline (int64 ns since the epoch) overflows past ~7e9 s and fails the call at once.
-_MAX_TIMEOUT_S: Final = (2**32 - 1) / 1000
 # Failed items quoted in a bulk job's summary.
 _EXAMPLES: Final = 3
 # How each file numpy writes starts (np.load's own test; an empty zip archive starts with
@@ -864,9 +862,9 @@ def _timeout_ms(text: str) -> int:
 
 def _timeout_s(text: str) -> float:
     value = _number(text)
-    if not 0 < value <= _MAX_TIMEOUT_S:  # also false for nan
+    if not 0 < value <= MAX_TIMEOUT_S:  # also false for nan
         raise argparse.ArgumentTypeError(
-            f"expected seconds > 0 and <= {_MAX_TIMEOUT_S} (2**32 - 1 ms), got {text!r}"
+            f"expected seconds > 0 and <= {MAX_TIMEOUT_S} (2**32 - 1 ms), got {text!r}"
         )
     return value
 

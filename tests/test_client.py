@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import math
 import random
 import re
 import threading
@@ -446,6 +447,41 @@ def test_no_server_is_unavailable_error_after_the_capped_attempts() -> None:
         assert caught.value.reason == ""
         assert caught.value.attempts == 3
         assert "gave up after 3 attempt(s)" in "".join(caught.value.__notes__)
+
+    asyncio.run(scenario())
+
+
+def test_an_infinite_timeout_is_none_and_a_longer_one_than_a_lane_can_have_is_refused(
+    small_model: Path,
+) -> None:
+    """timeout=inf is no deadline, and the longest timeout is accepted. (gRPC failed the
+    call at once with DEADLINE_EXCEEDED for inf, as for any timeout past ~7e9 s.) A
+    finite timeout over the longest is a ValueError naming it; one that is not a number
+    a TypeError naming `timeout`."""
+    x = {"input": rows(1)}
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with client_for(engine, config(small_model)) as (_s, client):
+            assert (await client.infer(x, timeout=math.inf))["output"].shape == (1, 10)
+            assert (await client.infer(x, timeout=(2**32 - 1) / 1000))["output"].shape == (1, 10)
+            await client.model(timeout=math.inf)
+            await client.stats(timeout=math.inf)
+            for timeout in (1e10, (2**32 - 1) / 1000 + 0.001, math.nan, 0.0):
+                with pytest.raises(
+                    ValueError,
+                    match=re.escape(
+                        "timeout: expected seconds > 0 and <= 4294967.295 (2**32 - 1 ms), or "
+                        f"None or inf for none; got {timeout!r}"
+                    ),
+                ):
+                    await client.infer(x, timeout=timeout)
+            for wrong in ("1", True):
+                expected = (
+                    f"timeout: expected seconds (a number) or None, got {type(wrong).__name__}"
+                )
+                with pytest.raises(TypeError, match=re.escape(expected)):
+                    await client.infer(x, timeout=wrong)  # type: ignore[arg-type]
 
     asyncio.run(scenario())
 
