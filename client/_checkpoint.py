@@ -2,8 +2,14 @@
 
 Layout, beside the output file ``OUT``::
 
-    OUT.partial/state.json      job id, input identity, rows per item, done bitmap
-    OUT.partial/<output>.npy    one memory-mapped array per model output, rows in place
+    OUT.partial/state.json      job id, input identity, rows per item, done bitmap, and
+                                each output's dtype, shape and file
+    OUT.partial/<file>.npy      one memory-mapped array per model output, rows in place
+
+An output's file is named after it when its name is a short file name of letters,
+digits, '-', '_' and '.' that no other output's file has (in any case); otherwise after
+those characters of it and a digest of the whole name. state.json records each file:
+two outputs never share one, and a resumed job reads the files its first run wrote.
 
 Invariant: an item marked done in ``state.json`` has its output rows on disk. `save`
 flushes the arrays before it replaces ``state.json`` (written to a temporary file,
@@ -17,10 +23,11 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +36,14 @@ import numpy.typing as npt
 
 __all__ = ["Checkpoint", "CheckpointError", "InputIdentity"]
 
-STATE_VERSION = 1
+# Version 2 records each output's file. Version 1 is still read: each output's file was
+# its name with other characters than letters, digits, '-', '_' and '.' replaced by '_'
+# (two names that became one file shared it, and the later output overwrote the other).
+STATE_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 _SAMPLE_BYTES = 1 << 20
+# The longest stem of an output's file: the rest of a long name is in the digest.
+_STEM_CHARS = 100
 
 
 class CheckpointError(ValueError):
@@ -74,6 +87,9 @@ class Checkpoint:
     output_specs: dict[str, tuple[str, tuple[int, ...]]]
     done: npt.NDArray[np.bool_] = dataclasses.field(repr=False)
     arrays: dict[str, np.memmap[Any, Any]] = dataclasses.field(default_factory=dict, repr=False)
+    # Output name -> its array's file in `directory`, one file per output; recorded with
+    # its spec.
+    files: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def items(self) -> int:
@@ -167,6 +183,7 @@ class Checkpoint:
             state.output_names,
             dict(state.outputs),
             done,
+            files=dict(state.files),
         )
         for name, (dtype, shape) in state.outputs.items():
             path = checkpoint._array_path(name)
@@ -195,6 +212,7 @@ class Checkpoint:
             array = self.arrays.get(name)
             if array is None:
                 shape = (self.rows, *values.shape[1:])
+                self.files[name] = _file_for(name, self.files.values())
                 array = np.lib.format.open_memmap(
                     self._array_path(name), mode="w+", dtype=values.dtype, shape=shape
                 )
@@ -215,7 +233,7 @@ class Checkpoint:
             "rows_per_item": self.rows_per_item,
             "output_names": list(self.output_names),
             "outputs": {
-                name: {"dtype": dtype, "shape": list(shape)}
+                name: {"dtype": dtype, "shape": list(shape), "file": self.files[name]}
                 for name, (dtype, shape) in self.output_specs.items()
             },
             "done": base64.b64encode(np.packbits(self.done).tobytes()).decode("ascii"),
@@ -259,8 +277,34 @@ class Checkpoint:
         shutil.rmtree(self.directory)
 
     def _array_path(self, name: str) -> Path:
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-        return self.directory / f"{safe}.npy"
+        return self.directory / self.files[name]
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def _file_for(name: str, taken: Collection[str]) -> str:
+    """A file for output `name`'s array that none of the `taken` files is, compared
+    without case (a case-insensitive file system has one file for both)."""
+    folded = {file.casefold() for file in taken}
+    stem = _safe(name)[:_STEM_CHARS]
+    if stem == name and f"{stem}.npy".casefold() not in folded:
+        return f"{stem}.npy"
+    digest = hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=4).hexdigest()
+    files = (f"{stem}-{digest}{f'-{n}' if n else ''}.npy" for n in itertools.count())
+    return next(file for file in files if file.casefold() not in folded)
+
+
+def _is_file_name(value: object) -> bool:
+    """A file directly in the checkpoint's directory that can be an output's array."""
+    return (
+        isinstance(value, str)
+        and value.endswith(".npy")
+        and Path(value).name == value
+        and "\\" not in value
+        and "\0" not in value
+    )
 
 
 _MISSING: Any = object()
@@ -276,6 +320,7 @@ _KINDS: dict[str, Callable[[object], bool]] = {
     "a list of whole numbers >= 0": lambda value: (
         isinstance(value, list) and all(_is_whole(part, 0) for part in value)
     ),
+    "a file name ending in .npy": _is_file_name,
 }
 
 
@@ -296,6 +341,7 @@ class _State:
     rows_per_item: int
     output_names: tuple[str, ...]  # sorted; empty: all of the model's
     outputs: dict[str, tuple[str, tuple[int, ...]]]
+    files: dict[str, str]  # output name -> its array's file, one per output
     done: str  # base64 of the packed done bitmap; see `done_items`
 
     @classmethod
@@ -309,10 +355,12 @@ class _State:
             ) from error
         if not isinstance(document, dict):
             raise _damaged(path, f"expected a JSON object, found {type(document).__name__}")
-        if document.get("version") != STATE_VERSION:
+        version = document.get("version")
+        if not _is_whole(version, 1) or version not in _READABLE_VERSIONS:
+            readable = " or ".join(str(number) for number in _READABLE_VERSIONS)
             raise CheckpointError(
-                f"checkpoint {path} has version {_quote(document.get('version'))}; expected "
-                f"{STATE_VERSION}. Delete {path.parent} to start the job over"
+                f"checkpoint {path} has version {_quote(version)}; expected {readable}. "
+                f"Delete {path.parent} to start the job over"
             )
 
         def field(parent: dict[str, Any], key: str, kind: str, where: str = "") -> Any:
@@ -324,12 +372,25 @@ class _State:
 
         identity = field(document, "input_identity", "an object")
         outputs: dict[str, tuple[str, tuple[int, ...]]] = {}
+        files: dict[str, str] = {}
         for name, spec in field(document, "outputs", "an object").items():
             if not isinstance(spec, dict):
                 raise _damaged(path, f"outputs[{name!r}] is {_quote(spec)}; expected an object")
             dtype = field(spec, "dtype", "a string", f"outputs[{name!r}].")
             shape = field(spec, "shape", "a list of whole numbers >= 0", f"outputs[{name!r}].")
             outputs[name] = (dtype, tuple(shape))
+            if version == 1:
+                files[name] = f"{_safe(name)}.npy"
+            else:
+                files[name] = field(
+                    spec, "file", "a file name ending in .npy", f"outputs[{name!r}]."
+                )
+        owners: dict[str, str] = {}
+        for name, file in files.items():
+            other = owners.setdefault(file, name)
+            if other != name:
+                why = " (version 1 named each file after its output)" if version == 1 else ""
+                raise _damaged(path, f"outputs {other!r} and {name!r} share the file {file}{why}")
         if "output_names" not in document:  # written before it was recorded: all outputs
             document["output_names"] = []
         return cls(
@@ -344,6 +405,7 @@ class _State:
             rows_per_item=field(document, "rows_per_item", "a whole number >= 1"),
             output_names=tuple(field(document, "output_names", "a list of strings")),
             outputs=outputs,
+            files=files,
             done=field(document, "done", "a string"),
         )
 

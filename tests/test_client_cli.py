@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
+from onnx import TensorProto, helper
 
 from laneserve.client._checkpoint import Checkpoint, CheckpointError
-from laneserve.server import LaneConfig, ServerConfig
+from laneserve.server import Engine, LaneConfig, ServerConfig
 from laneserve.server.items import Batch
 from tests.support import (
     CLIENT_CLI_TIMEOUT_S,
@@ -306,6 +308,103 @@ def test_a_resume_asking_for_other_outputs_is_refused(tmp_path: Path) -> None:
     assert resumed.output_names == ("output",)
 
 
+def test_outputs_whose_names_make_one_file_name_keep_their_own_rows(
+    tmp_path: Path, colliding_model: Path
+) -> None:
+    """'logits:0' and 'logits_0' each get a file of their own, in the checkpoint and in
+    the output. (Both were written to logits_0.npy: the job's output held one output's
+    bytes under both names, read as the other's dtype.)"""
+    x = np.arange(120, dtype=np.float32).reshape(40, 3)
+    np.save(tmp_path / "in.npy", x)
+    out = tmp_path / "out.npz"
+
+    async def scenario() -> None:
+        async with serving(Engine(str(colliding_model)), config(colliding_model)) as s:
+            code, _, err = await cli(
+                "bulk",
+                "--target",
+                s.target,
+                "--input",
+                str(tmp_path / "in.npy"),
+                "--output",
+                str(out),
+                "--rows-per-item",
+                "10",
+            )
+            assert code == 0, err
+
+    asyncio.run(scenario())
+    with np.load(out) as saved:
+        assert sorted(saved.files) == ["logits:0", "logits_0"]
+        np.testing.assert_array_equal(saved["logits:0"], x)
+        np.testing.assert_array_equal(saved["logits_0"], x.astype(np.int64))
+
+
+def test_a_resume_reads_each_output_from_the_file_its_first_run_wrote(tmp_path: Path) -> None:
+    """state.json names each output's file; the outputs' names would make one."""
+    source = tmp_path / "in.npy"
+    np.save(source, rows(4))
+    directory = tmp_path / "out.npz.partial"
+    first = Checkpoint.create(directory, job_id="j", input_path=source, rows=4, rows_per_item=2)
+    first.store(0, {"logits:0": np.full((2, 3), 1.5, np.float32), "logits_0": np.full((2, 3), 7)})
+    first.save()
+    files = sorted(path.name for path in directory.glob("*.npy"))
+    assert len(files) == 2, files
+    resumed = Checkpoint.load(
+        directory,
+        input_path=source,
+        rows=4,
+        rows_per_item=2,
+        model_outputs=("logits:0", "logits_0"),
+    )
+    assert resumed.files == first.files
+    resumed.store(1, {"logits:0": np.full((2, 3), 2.5, np.float32), "logits_0": np.full((2, 3), 8)})
+    resumed.finish(tmp_path / "out.npz")
+    with np.load(tmp_path / "out.npz") as saved:
+        np.testing.assert_array_equal(saved["logits:0"].ravel(), [1.5] * 6 + [2.5] * 6)
+        np.testing.assert_array_equal(saved["logits_0"].ravel(), [7] * 6 + [8] * 6)
+
+
+def test_a_version_1_checkpoint_resumes_unless_two_outputs_shared_its_file(tmp_path: Path) -> None:
+    """Version 1 named no files: each output's was its name made safe. Such a checkpoint
+    still resumes (saved again as version 2), unless two outputs shared one file: then
+    its rows are lost, and it is refused naming both."""
+    source = tmp_path / "in.npy"
+    np.save(source, rows(4))
+    directory = tmp_path / "out.npz.partial"
+    checkpoint = Checkpoint.create(
+        directory, job_id="j", input_path=source, rows=4, rows_per_item=2
+    )
+    checkpoint.store(0, {"a:b": np.full((2, 3), 1.5, np.float32), "c": np.full((2, 3), 7)})
+    checkpoint.save()
+    (directory / checkpoint.files["a:b"]).rename(directory / "a_b.npy")  # as version 1 named it
+
+    def as_version_1(state: dict[str, Any]) -> None:
+        state["version"] = 1
+        for spec in state["outputs"].values():
+            del spec["file"]
+
+    edit_state(directory, as_version_1)
+    resumed = Checkpoint.load(directory, input_path=source, rows=4, rows_per_item=2)
+    assert resumed.files == {"a:b": "a_b.npy", "c": "c.npy"}
+    np.testing.assert_array_equal(resumed.arrays["a:b"][:2], np.full((2, 3), 1.5, np.float32))
+    resumed.save()
+    state = json.loads((directory / "state.json").read_text(encoding="utf-8"))
+    assert state["version"] == 2
+    assert state["outputs"]["a:b"]["file"] == "a_b.npy"
+
+    def shared(state: dict[str, Any]) -> None:
+        as_version_1(state)
+        state["outputs"]["a_b"] = state["outputs"]["c"]
+
+    edit_state(directory, shared)
+    with pytest.raises(
+        CheckpointError,
+        match=r"damaged: outputs 'a:b' and 'a_b' share the file a_b\.npy \(version 1 named",
+    ):
+        Checkpoint.load(directory, input_path=source, rows=4, rows_per_item=2)
+
+
 def test_existing_checkpoint_needs_resume(small_model: Path, tmp_path: Path) -> None:
     np.save(tmp_path / "in.npy", rows(10))
     (tmp_path / "out.npy.partial").mkdir()
@@ -439,6 +538,30 @@ def test_unreachable_server_exits_3_naming_the_error() -> None:
     asyncio.run(scenario())
 
 
+@pytest.fixture
+def colliding_model(tmp_path: Path) -> Path:
+    """input [batch, 3] float32 -> 'logits:0' (the input) and 'logits_0' (it as int64):
+    names that differ only in a character a file name replaces."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Identity", ["input"], ["logits:0"]),
+            helper.make_node("Cast", ["input"], ["logits_0"], to=TensorProto.INT64),
+        ],
+        "colliding",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 3])],
+        [
+            helper.make_tensor_value_info("logits:0", TensorProto.FLOAT, ["batch", 3]),
+            helper.make_tensor_value_info("logits_0", TensorProto.INT64, ["batch", 3]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    path = tmp_path / "colliding.onnx"
+    onnx.save(model, path)
+    return path
+
+
 def checkpoint_of(tmp_path: Path, items_done: int = 2) -> tuple[Path, Path]:
     """A genuine checkpoint of a job over 40 rows, 10 per item, `items_done` items done:
     (input file, checkpoint directory, beside the output tmp_path/out.npy)."""
@@ -502,9 +625,16 @@ CORRUPTIONS: dict[str, tuple[Callable[[Path], object], str]] = {
     ),
     "an unknown output": (
         lambda d: edit_state(
-            d, lambda state: state.update(outputs={"../x": {"dtype": "float32", "shape": [40, 10]}})
+            d,
+            lambda state: state.update(
+                outputs={"../x": {"dtype": "float32", "shape": [40, 10], "file": "output.npy"}}
+            ),
         ),
         r"it holds output '\.\./x'; expected only \['output'\]",
+    ),
+    "a file outside the checkpoint": (
+        lambda d: edit_state(d, lambda state: state["outputs"]["output"].update(file="../x.npy")),
+        r"outputs\['output'\]\.file is '\.\./x\.npy'; expected a file name ending in \.npy",
     ),
     "done without its array": (
         lambda d: edit_state(d, lambda state: state.update(outputs={})),
