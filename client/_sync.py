@@ -9,6 +9,8 @@ import contextvars
 import functools
 import queue
 import threading
+import warnings
+import weakref
 from collections.abc import (
     AsyncIterable,
     AsyncIterator,
@@ -71,7 +73,7 @@ class Client:
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
-            target=self._loop.run_forever, name="laneserve-client", daemon=True
+            target=_serve, args=(self._loop,), name="laneserve-client", daemon=True
         )
         self._thread.start()
         self._closed = False
@@ -96,6 +98,14 @@ class Client:
         except BaseException:
             self._stop_loop()
             raise
+        # A client collected unclosed closes its channel and stops its thread (they
+        # leaked: a thread per client). What the finalizer holds (the loop, the thread,
+        # the AsyncClient) refers to nothing that refers to this Client, so it does not
+        # keep it alive. Not run at interpreter exit: the thread is a daemon.
+        self._finalizer = weakref.finalize(
+            self, _close_unclosed, self._loop, self._thread, self._client
+        )
+        self._finalizer.atexit = False
 
     @property
     def target(self) -> str:
@@ -113,6 +123,7 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         try:
             self._run(self._client.close())
             # The calls still running end now (ClientClosedError); wait for them, so
@@ -256,8 +267,46 @@ class Client:
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        self._thread.join()  # the thread closes the loop as it ends (see _serve)
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    """The client's thread: runs `loop` until stopped, then closes it. Closed here, so
+    that a finalizer running on this very thread can stop the loop without joining."""
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
+
+
+def _close_unclosed(
+    loop: asyncio.AbstractEventLoop, thread: threading.Thread, client: AsyncClient
+) -> None:
+    """A Client collected unclosed: its channel is closed and its thread stopped, and a
+    ResourceWarning says so, as for an unclosed file. The warning first: made an error
+    (``-W error``), it must not keep the rest from being freed."""
+    try:
+        warnings.warn(
+            f"unclosed laneserve Client to {client.target!r}; call close() or use it in a "
+            "with block",
+            ResourceWarning,
+            stacklevel=1,  # a collector's callback: no caller of the client's
+        )
+    finally:
+        if thread.is_alive():
+
+            async def close() -> None:
+                try:
+                    await client.close()
+                    await loop.shutdown_asyncgens()
+                finally:
+                    loop.stop()
+
+            asyncio.run_coroutine_threadsafe(close(), loop)
+            # Collected on its own thread (a cycle the collector broke there), the loop
+            # stops once this returns; joining it here would wait for ever.
+            if threading.current_thread() is not thread:
+                thread.join(CLOSE_WAIT_S)
 
 
 _END: Final = object()

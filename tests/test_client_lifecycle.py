@@ -4,8 +4,10 @@ streams in progress, sharing one between threads, and dropping it unclosed."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ import pytest
 
 from laneserve import client as lc
 from laneserve.server import ServerConfig
-from tests.support import RecordingEngine, Serving, rows, serving, until
+from tests.support import RecordingEngine, Serving, rows, serving, until, unused_port
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 
@@ -239,6 +241,50 @@ def test_a_plain_source_that_fails_ends_the_sync_stream_with_its_error(small_mod
                 await asyncio.to_thread(job)
 
     asyncio.run(scenario())
+
+
+# ---- a client never closed ------------------------------------------------------------------
+
+
+def test_a_client_collected_unclosed_warns_and_stops_its_thread(small_model: Path) -> None:
+    """A Client dropped without close(): a ResourceWarning names it, as for an unclosed
+    file, and its thread ends. (Its thread, loop and channel lived on: one thread per
+    client ever made.) Nothing of the client's own keeps it alive."""
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+
+            def used_and_dropped() -> tuple[weakref.ref[lc.Client], threading.Thread]:
+                client = lc.Client(s.target)
+                client.infer({"input": rows(1)}, timeout=HANG_S)
+                collected, thread = weakref.ref(client), client._thread
+                del client
+                gc.collect()
+                return collected, thread
+
+            with pytest.warns(ResourceWarning, match=f"unclosed laneserve Client to '{s.target}'"):
+                collected, thread = await asyncio.to_thread(used_and_dropped)
+            assert collected() is None, "nothing kept the client alive"
+            await asyncio.to_thread(thread.join, HANG_S)
+            assert not thread.is_alive(), "its thread ended"
+
+    asyncio.run(scenario())
+
+
+def test_a_client_collected_on_its_own_thread_stops_it_without_waiting_for_itself() -> None:
+    """The last reference goes on the client's own loop thread: the finalizer there
+    stops the loop once it returns, rather than joining its own thread."""
+    holder = [lc.Client(f"127.0.0.1:{unused_port()}")]
+    loop, thread = holder[0]._loop, holder[0]._thread
+
+    async def drop() -> None:
+        holder.clear()
+
+    with pytest.warns(ResourceWarning, match="unclosed laneserve Client"):
+        asyncio.run_coroutine_threadsafe(drop(), loop).result(HANG_S)
+    thread.join(HANG_S)
+    assert not thread.is_alive()
+    assert loop.is_closed()
 
 
 # ---- helpers ---------------------------------------------------------------------------
