@@ -297,11 +297,9 @@ class BulkStream:
         """Whether the job ends with `error` (then noted why) after its call broke:
         for good, or after `failures` broken calls in a row that answered nothing, once
         STREAM_RESUME_S have passed since its last answer (if it had any)."""
-        unanswered = len(self._items)
         if not _call_may_resume(error):
             error.add_note(
-                f"bulk stream {self.job_id}: the call failed for good; "
-                f"{unanswered} item(s) unanswered"
+                f"bulk stream {self.job_id}: the call failed for good; {self._unanswered()}"
             )
             return True
         resuming = last_answer_s is not None and (
@@ -313,9 +311,16 @@ class BulkStream:
         since = "" if last_answer_s is None else f" and {STREAM_RESUME_S:g} s"
         error.add_note(
             f"bulk stream {self.job_id}: gave up after {failures} broken call(s) "
-            f"in a row with no answer{since}; {unanswered} item(s) unanswered"
+            f"in a row with no answer{since}; {self._unanswered()}"
         )
         return True
+
+    def _unanswered(self) -> str:
+        """What the job leaves unanswered, as far as it knows: the items it read, and
+        whether the source had more."""
+        if self._source_done:
+            return f"{len(self._items)} item(s) unanswered; the source was read to its end"
+        return f"{len(self._items)} item(s) read and unanswered; the source was not read further"
 
     # ---- the writer ------------------------------------------------------------------
 
@@ -564,8 +569,7 @@ class BulkStream:
         if self._closed is not None and self._closed.is_set():
             self._cancel_timers()
             raise ClientClosedError(
-                f"bulk stream {self.job_id}: the client was closed with "
-                f"{len(self._items)} item(s) unanswered"
+                f"bulk stream {self.job_id}: the client was closed; {self._unanswered()}"
             ) from cause
 
     def _cancel_timers(self) -> None:

@@ -486,6 +486,31 @@ def test_an_infinite_timeout_is_none_and_a_longer_one_than_a_lane_can_have_is_re
     asyncio.run(scenario())
 
 
+def test_a_stream_that_gives_up_says_how_much_of_its_source_it_read() -> None:
+    """Nothing listens: the job gives up having read a few of its 1000 items. Its note
+    says they were read and that the source was not read further (it said "1 item(s)
+    unanswered", of a job of 1000)."""
+
+    async def scenario() -> lc.UnavailableError:
+        policy = lc.RetryPolicy(max_attempts=2)
+        items = ({"input": rows(1)} for _ in range(1000))
+        async with lc.AsyncClient(f"127.0.0.1:{unused_port()}", retry=policy) as client:
+            with pytest.raises(lc.UnavailableError) as caught:
+                async for _ in client.stream(items, window=4):
+                    pass
+        return caught.value
+
+    error = asyncio.run(scenario())
+    note = error.__notes__[0]
+    read = re.search(
+        r"gave up after 2 broken call\(s\) in a row with no answer; (\d+) item\(s\) read "
+        r"and unanswered; the source was not read further$",
+        note,
+    )
+    assert read, note
+    assert 1 <= int(read.group(1)) <= 4, "at most the window"
+
+
 # ---- the translation table, for every status and reason ----------------------------------
 
 
