@@ -184,8 +184,9 @@ class Client:
         """See `AsyncClient.stream`. Stopping the iteration early (``break``, an
         exception) cancels the job's call; the server frees its queued items."""
         source = requests
-        if not isinstance(requests, Mapping | AsyncIterable):
-            # Not on the client's loop: it runs every thread's calls.
+        if not isinstance(requests, Mapping | AsyncIterable | Sequence):
+            # Not on the client's loop: it runs every thread's calls. A list or a tuple
+            # never blocks, and is read there without a thread's hand-off per item.
             source = _read_off_loop(iter(requests))
 
         async def start() -> AsyncIterator[StreamResult]:
