@@ -786,7 +786,10 @@ def _parser() -> argparse.ArgumentParser:
         "--timeout",
         type=_timeout_s,
         default=None,
-        help="seconds per call, retries included (default: none)",
+        help=(
+            "seconds per call of model, stats and infer, retries included (default: none); "
+            "a bulk job's items are bounded by --timeout-ms"
+        ),
     )
     connection.add_argument(
         "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
