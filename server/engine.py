@@ -6,6 +6,7 @@ time (the engine thread); `Engine.run` is safe from any thread, as the session i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -216,10 +217,18 @@ class Engine:
                     f"the first axis, which must be dynamic (a symbolic or -1 dimension)"
                 )
         self._probe_shapes = self._check_probe_shapes(probe_shapes or {})
-        # After an allocation failure the arena keeps what it grew; the next run asks
-        # it to shrink back, so a batch that fitted before the failure fits after it.
+        # After an allocation failure the arena keeps the regions the failed run grew;
+        # it is asked to shrink back at once (`_shrink_arena`), so a batch that fitted
+        # before the failure fits after it.
         self._arena = "gpu:0" if self.providers[0] == CUDA else "cpu:0"
-        self._shrink_next_run = False
+        # On the CPU under a budget the outputs `session.run` returns are views of the
+        # runtime's buffers in the capped arena (their base is a PyCapsule), and the
+        # scheduler holds a batch's until its answers are written, while the next batch
+        # runs: held, they made every 512-row batch of the demo model after the first run
+        # out of memory under 32 MiB. They are copied out. On a GPU the outputs reach
+        # Python in host memory, outside the device arena the budget caps; without a
+        # budget nothing is capped: no copy there.
+        self._copies_outputs = not on_gpu and memory_limit_bytes is not None
         # The options of the run in progress, so that `terminate_runs` can end it: a
         # process that exits while the runtime is inside a run aborts (SIGABRT).
         self._lock = threading.Lock()
@@ -247,23 +256,13 @@ class Engine:
 
     def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
         """One session run over whole arrays; runtime errors come out as LaneserveError."""
-        options = ort.RunOptions()
-        if self._shrink_next_run:
-            options.add_run_config_entry("memory.enable_memory_arena_shrinkage", self._arena)
-        with self._lock:
-            options.terminate = self._terminated
-            self._running = options
         try:
-            values = self._session.run(self.output_names, dict(inputs), options)
+            values = self._run_session(inputs, ort.RunOptions())
         except Exception as error:
             translated = translate_runtime_error(error)
             if isinstance(translated, DeviceMemoryError):
-                self._shrink_next_run = True
+                self._shrink_arena()
             raise translated from error
-        finally:
-            with self._lock:
-                self._running = None
-        self._shrink_next_run = False
         rows = len(next(iter(inputs.values())))
         for name, value in zip(self.output_names, values, strict=True):
             # Answers are cut from the outputs by row position: an output of another
@@ -274,7 +273,38 @@ class Engine:
                     "row(s); expected one output row per input row (laneserve batches "
                     "requests along the first axis)"
                 )
+        if self._copies_outputs:
+            values = [np.array(value, copy=True) for value in values]
         return dict(zip(self.output_names, values, strict=True))
+
+    def _run_session(self, inputs: Mapping[str, Array], options: ort.RunOptions) -> list[Array]:
+        """The runtime's run, registered with `terminate_runs` while it lasts."""
+        with self._lock:
+            options.terminate = self._terminated
+            self._running = options
+        try:
+            values: list[Array] = self._session.run(self.output_names, dict(inputs), options)
+        finally:
+            with self._lock:
+                self._running = None
+        return values
+
+    def _shrink_arena(self) -> None:
+        """Has the arena give back every region with nothing in use, now.
+
+        The runtime shrinks at the end of a run that asks it to, failed or not, while
+        that run's outputs are held. Asked on the next real run (as it was), the shrink
+        came after that run, which ran among the failed run's regions: under 32 MiB the
+        demo model ran out of memory at 1 024 rows, then at 640, which fits a shrunk
+        arena (as 750 do). A run of zero rows allocates nothing and keeps no output, so
+        it carries the request alone. It failing (a model that cannot run zero rows)
+        does not matter: the runtime shrinks after a failed run too.
+        """
+        options = ort.RunOptions()
+        options.add_run_config_entry("memory.enable_memory_arena_shrinkage", self._arena)
+        # Any failure: the shrink is done either way (see above).
+        with contextlib.suppress(Exception):
+            self._run_session(self.example_inputs(0), options)
 
     def terminate_runs(self) -> None:
         """Ends the run in progress, and every later one, with an error (the server stops

@@ -889,6 +889,53 @@ def test_engine_splits_a_batch_that_does_not_fit_and_recovers(
     np.testing.assert_allclose(np.load(out), expected, rtol=1e-4, atol=1e-5)
 
 
+_IN_TURN_SCRIPT = """
+import json, sys
+from laneserve.server.engine import Engine
+from laneserve.server.errors import DeviceMemoryError
+from laneserve.server.memory import parse_memory_limit
+
+engine = Engine(sys.argv[1], device="cpu", memory_limit=parse_memory_limit(sys.argv[2]))
+held, fitted = None, []
+for rows in map(int, sys.argv[3:]):
+    try:
+        # The last outputs are held while the next run runs, as the scheduler holds a
+        # batch's until its answers are written.
+        held = engine.run(engine.example_inputs(rows))
+        fitted.append(True)
+    except DeviceMemoryError:
+        fitted.append(False)
+print(json.dumps(fitted))
+"""
+
+
+def _fits_in_turn(model: Path, budget: str, sizes: Sequence[int]) -> list[bool]:
+    """Whether each run of `sizes` rows fitted, run in turn by one engine under `budget`."""
+    done = subprocess.run(
+        [sys.executable, "-c", _IN_TURN_SCRIPT, str(model), budget, *map(str, sizes)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    fitted: list[bool] = json.loads(done.stdout.strip().splitlines()[-1])
+    return fitted
+
+
+def test_a_batch_that_fits_runs_right_after_an_out_of_memory(demo_model: Path) -> None:
+    """The run after an out-of-memory asked the arena to shrink, which it does at the end
+    of a run: that run met the failed run's regions, and 640 rows (750 fit a fresh arena)
+    ran out of memory right after 1 024 had. The arena shrinks before it now."""
+    assert _fits_in_turn(demo_model, DEMO_BUDGET, [1024, 640]) == [False, True]
+
+
+def test_outputs_held_while_the_next_batch_runs_leave_it_room(demo_model: Path) -> None:
+    """The outputs of a run were the runtime's buffers in the capped arena, held (as the
+    scheduler holds a batch's until its answers are written) while the next batch ran:
+    every 512-row batch after the first ran out of memory."""
+    assert _fits_in_turn(demo_model, DEMO_BUDGET, [512, 512, 512, 512]) == [True] * 4
+
+
 def test_burst_larger_than_memory_completes_and_the_cap_converges(
     demo_model: Path, reference: ort.InferenceSession
 ) -> None:
