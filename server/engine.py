@@ -229,6 +229,15 @@ class Engine:
         # Python in host memory, outside the device arena the budget caps; without a
         # budget nothing is capped: no copy there.
         self._copies_outputs = not on_gpu and memory_limit_bytes is not None
+        # The arena grows regions of the sizes runs ask for (kSameAsRequested) and keeps
+        # them, and a larger run cannot use the smaller regions earlier runs left: under
+        # 32 MiB the demo model ran 512 rows, then ran out of memory at 544 (750 fit a
+        # shrunk arena). So under a budget the arena shrinks before a run larger, in
+        # input bytes, than any since it last shrank: each larger size of the probe, a
+        # cap raised at run time. `_arena_run_bytes` is that largest run (0: none yet);
+        # runs on two threads at once could race on it: one shrink too many or too few.
+        self._shrinks_before_growth = memory_limit_bytes is not None
+        self._arena_run_bytes = 0
         # The options of the run in progress, so that `terminate_runs` can end it: a
         # process that exits while the runtime is inside a run aborts (SIGABRT).
         self._lock = threading.Lock()
@@ -256,6 +265,11 @@ class Engine:
 
     def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
         """One session run over whole arrays; runtime errors come out as LaneserveError."""
+        if self._shrinks_before_growth:
+            run_bytes = sum(array.nbytes for array in inputs.values())
+            if 0 < self._arena_run_bytes < run_bytes:
+                self._shrink_arena()
+            self._arena_run_bytes = max(self._arena_run_bytes, run_bytes)
         try:
             values = self._run_session(inputs, ort.RunOptions())
         except Exception as error:
@@ -300,6 +314,7 @@ class Engine:
         it carries the request alone. It failing (a model that cannot run zero rows)
         does not matter: the runtime shrinks after a failed run too.
         """
+        self._arena_run_bytes = 0
         options = ort.RunOptions()
         options.add_run_config_entry("memory.enable_memory_arena_shrinkage", self._arena)
         # Any failure: the shrink is done either way (see above).
@@ -470,12 +485,14 @@ class Engine:
         measures run seconds at powers of two up to it.
 
         Sizes grow until one fails to allocate or the cap is reached; between the last
-        size that fitted and the first that failed a bisection finds the boundary. The
-        best of `repeats` runs is kept: the figure the scheduler plans with is what a
-        warm session does, not what a noisy neighbour did once. With `fixed_cap` the
-        operator has chosen the cap: sizes are measured while they fit, nothing is
-        searched, and the cap stays `max_batch_size` (out of memory at run time then
-        lowers it like any other).
+        size that fitted and the first that failed a bisection finds the boundary. Each
+        size larger than the one before runs in an arena shrunk first (see `run`; in the
+        regions smaller sizes left, the demo model under 32 MiB settled on 352 rows where
+        750 fit). The best of `repeats` runs is kept: the figure the scheduler plans
+        with is what a warm session does, not what a noisy neighbour did once. With
+        `fixed_cap` the operator has chosen the cap: sizes are measured while they fit,
+        nothing is searched, and the cap stays `max_batch_size` (out of memory at run
+        time then lowers it like any other).
 
         With a `gauge`, memory in use is read after each growing size and fitted as
         fixed + per_row * rows: the measured counterpart of the static estimate (NVML on

@@ -74,7 +74,8 @@ from tests.support import (
 )
 
 MIB = 1024 * 1024
-# The demo MLP under this budget runs 256 rows and fails at 512 (weights take 20 MiB).
+# The demo MLP under this budget runs up to ~750 rows and fails at 768 (weights take
+# 20 MiB); its probe settles on 736.
 DEMO_BUDGET = "32MiB"
 
 
@@ -934,6 +935,39 @@ def test_outputs_held_while_the_next_batch_runs_leave_it_room(demo_model: Path) 
     scheduler holds a batch's until its answers are written) while the next batch ran:
     every 512-row batch after the first ran out of memory."""
     assert _fits_in_turn(demo_model, DEMO_BUDGET, [512, 512, 512, 512]) == [True] * 4
+
+
+def test_a_batch_larger_than_any_before_it_fits_the_arena(demo_model: Path) -> None:
+    """The arena kept the regions earlier, smaller batches grew, which a larger one cannot
+    use: 256 rows ran, then 512 ran out of memory (750 fit a fresh arena), and so did the
+    first full batch of a cap raised after an out-of-memory. It shrinks before such a
+    batch now."""
+    assert _fits_in_turn(demo_model, DEMO_BUDGET, [256, 512, 576, 704]) == [True] * 4
+
+
+_PROBE_SCRIPT = """
+import sys
+from laneserve.server.engine import Engine
+from laneserve.server.memory import parse_memory_limit
+
+engine = Engine(sys.argv[1], device="cpu", memory_limit=parse_memory_limit(sys.argv[2]))
+print(engine.probe(int(sys.argv[3])).batch_cap)
+"""
+
+
+def test_the_probe_finds_the_largest_batch_that_fits(demo_model: Path) -> None:
+    """The probe's sizes grew by powers of two, each in the regions the smaller ones left,
+    and settled on 352 rows under 32 MiB, where 750 fit. Its cap is now within an eighth
+    of the largest batch that fits a fresh arena."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE_SCRIPT, str(demo_model), DEMO_BUDGET, "1024"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    cap = int(done.stdout.strip().splitlines()[-1])
+    assert _fits_in_turn(demo_model, DEMO_BUDGET, [cap * 9 // 8]) == [False], cap
 
 
 def test_burst_larger_than_memory_completes_and_the_cap_converges(
