@@ -534,6 +534,63 @@ def test_a_closed_lane_admits_while_nothing_is_queued_or_running() -> None:
     scheduler.admit(_request(5, "bulk", 1), clock.monotonic())
 
 
+_FREED_HEAP_SCRIPT = """
+import asyncio, json, sys, time
+from laneserve.server import ServerConfig
+from laneserve.server.app import LaneServer
+from laneserve.server.engine import Engine
+from laneserve.server.memory import ProcessRssGauge
+
+async def until(condition):  # polls a state the scheduler thread reaches
+    give_up = time.monotonic() + 10
+    while not condition() and time.monotonic() < give_up:
+        await asyncio.sleep(0.01)
+    return condition()
+
+async def main():
+    config = ServerConfig(
+        model_path=sys.argv[1], host="127.0.0.1", port=0, metrics_port=-1,
+        host_memory_limit="400MiB",
+    )
+    server = LaneServer(Engine(sys.argv[1], device="cpu"), config, estimate=lambda path: None)
+    await server.start()
+    try:
+        mark = server.scheduler.watermark
+        # Blocks on the heap (malloc, under its mmap threshold), each between two live
+        # pins, so that freeing them leaves the heap's top end where it is: glibc keeps
+        # them resident, as it keeps what a burst's requests freed.
+        blocks, pins = [], []
+        while ProcessRssGauge().used_bytes() < mark.limit_bytes + 32 * 2**20:
+            blocks += [bytearray(b"x" * 65536) for _ in range(256)]
+            pins += [bytearray(1024) for _ in range(256)]
+        held = await until(lambda: mark.closed == 3)
+        del blocks
+        reopened = await until(lambda: mark.closed == 0)
+        print(json.dumps({"closed": held, "reopened": reopened, "used": mark.used_bytes}))
+    finally:
+        await server.stop(grace_s=5.0)
+
+asyncio.run(main())
+"""
+
+
+def test_lanes_closed_by_a_burst_reopen_when_its_memory_is_freed(small_model: Path) -> None:
+    """glibc keeps the heap a burst freed resident: read with it, memory stayed above the
+    low watermark with nothing in use, and every lane stayed closed, interactive too
+    (each admitting one request at a time). The reading gives the free heap back first
+    while lanes are closed."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FREED_HEAP_SCRIPT, str(small_model)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["closed"], "memory in use above the limit closed every lane"
+    assert report["reopened"], report
+
+
 class _OutOfMemoryAbove(Engine):
     """The real session, out of memory for runs above `fit_rows` rows (fault injection).
     Each failed attempt calls `on_failure` first (it takes time: the test moves its clock
