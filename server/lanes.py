@@ -69,6 +69,11 @@ class Lane:
         # When this lane last admitted a request (None: never): it is active for
         # ACTIVE_LANE_S after, and batches of lower lanes then keep within its max_wait.
         self.last_admit_s: float | None = None
+        # Moving averages of the rows of the requests it admitted lately, and of their
+        # squares (0 until the first): how much request sizes vary (see
+        # `Scheduler._queue_drain_s`). Only the scheduler changes them.
+        self.request_rows_mean = 0.0
+        self.request_rows_square_mean = 0.0
 
     @property
     def name(self) -> str:

@@ -25,6 +25,7 @@ A full batch is one at that limit.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import itertools
@@ -35,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from laneserve.server.config import LaneConfig
-from laneserve.server.cost_model import RunTimeModel, RunTimeModels
+from laneserve.server.cost_model import MAX_SIGNATURES, RunTimeModel, RunTimeModels
 from laneserve.server.errors import (
     DeadlineUnmeetableError,
     DrainingError,
@@ -73,6 +74,13 @@ CAP_CEILING_BATCHES = 16 * CAP_RECOVERY_BATCHES
 ARRIVAL_GAP_ALPHA = 0.1
 # Weight of the newest batch in a lane's moving average of the rows batches give it.
 SERVED_ALPHA = 0.1
+# Weight of the newest request in a lane's moving averages of request sizes.
+SIZE_ALPHA = 0.1
+# Admission counts whole requests of the mean size in a batch (`_queue_drain_s`) only
+# while sizes vary less than this (their squared coefficient of variation): exact for
+# requests of one size, and far off for a mix (requests of 1 and 64 rows packed at
+# 32.5 rows left 3 of them a batch, where a first fit in order holds 65 rows or 128).
+UNIFORM_SIZES_CV2 = 0.05
 # Admission counts a share lane's pace as what batches lately gave it only when that is
 # clearly above its share: the average of a lane served its share in whole requests (0 or
 # 4 rows a batch for 3.2) runs a little above it, and three in four of the requests
@@ -229,6 +237,13 @@ class Scheduler:
         # long waiting for company is likely to take.
         self._arrival_gap_s: float | None = None
         self._last_admit_s: float | None = None
+        # Per lane and signature (the MAX_SIGNATURES admitted most recently): the moving
+        # average of the time between its admissions (None until two) and its last one.
+        # Only requests of a batch's signature can join it, and those of lanes below its
+        # highest only within that lane's max_wait (see `_queue_drain_s`).
+        self._arrivals: collections.OrderedDict[
+            tuple[int, Signature], tuple[float | None, float | None]
+        ] = collections.OrderedDict()
         # Busy share of the session over about the last UTILIZATION_WINDOW_S (None until
         # a batch ran), from the run time of each batch and the time to the next dispatch.
         self.utilization: float | None = None
@@ -276,6 +291,7 @@ class Scheduler:
         )
         lane.push(entry)
         lane.last_admit_s = now_s
+        self._observe_request(lane, request, now_s)
         if self._last_admit_s is not None:
             gap_s = now_s - self._last_admit_s
             self._arrival_gap_s = (
@@ -295,6 +311,29 @@ class Scheduler:
             heapq.heapify(self._deadlines)
         self.events.admitted(lane.name, request.rows)
         return entry.entry_id
+
+    def _observe_request(self, lane: Lane, request: InferenceRequest, now_s: float) -> None:
+        """Folds an admitted request into its lane's size averages and its signature's
+        pace of admissions (see `_arrival_gap_at`)."""
+        rows = request.rows
+        if lane.request_rows_mean == 0:
+            lane.request_rows_mean, lane.request_rows_square_mean = rows, rows * rows
+        else:
+            lane.request_rows_mean += SIZE_ALPHA * (rows - lane.request_rows_mean)
+            lane.request_rows_square_mean += SIZE_ALPHA * (
+                rows * rows - lane.request_rows_square_mean
+            )
+        key = (lane.priority, request.signature)
+        gap_s, last_s = self._arrivals.pop(key, (None, None))
+        if last_s is not None:
+            gap_s = (
+                now_s - last_s
+                if gap_s is None
+                else gap_s + ARRIVAL_GAP_ALPHA * (now_s - last_s - gap_s)
+            )
+        self._arrivals[key] = (gap_s, now_s)  # the most recent last
+        if len(self._arrivals) > MAX_SIGNATURES:
+            self._arrivals.popitem(last=False)
 
     def room_wait_s(self, lane_name: str, rows: int) -> float | None:
         """None when lane `lane_name` has room for `rows` more rows (or never will: more
@@ -390,7 +429,7 @@ class Scheduler:
             batch_rows,
             arriving_above=arriving_above,
             lead_s=start_s - now_s,
-            arrival_gap_s=self._arrival_gap_at(now_s),
+            now_s=now_s,
         )
         if lane.config.min_share > 0:
             own_batches = self._share_batches(lane, rows, signature, batch_rows)
@@ -425,12 +464,37 @@ class Scheduler:
         limit = self._limit_rows(now_s, top) if top_limit is None else top_limit
         return min(limit, math.ceil(filled + shares))
 
-    def _arrival_gap_at(self, now_s: float) -> float | None:
-        """The time between admissions now (None: none seen to go by): their moving
-        average, or the time since the last one if longer (traffic that stopped)."""
-        if self._arrival_gap_s is None or self._last_admit_s is None:
+    def _arrival_gap_at(self, priority: int, signature: Signature, now_s: float) -> float | None:
+        """The time between admissions of `signature` to lane `priority` now (None: none
+        seen to go by): their moving average, or the time since the last one if longer
+        (traffic that stopped)."""
+        gap_s, last_s = self._arrivals.get((priority, signature), (None, None))
+        if gap_s is None or last_s is None:
             return None
-        return max(self._arrival_gap_s, now_s - self._last_admit_s)
+        return max(gap_s, now_s - last_s)
+
+    def _arriving_rows(
+        self, lane: Lane, signature: Signature, within_s: float, now_s: float
+    ) -> tuple[float, float]:
+        """Rows of `signature` expected to be admitted within `within_s`, whole requests
+        at each lane's recent pace and size: to `lane` and above, and to lanes below it.
+        Requests of other signatures cannot join its batches: counted, a lone request
+        behind a running batch was costed a full batch of another shape's traffic."""
+        above = below = 0.0
+        for other in self.lanes:
+            gap_s = self._arrival_gap_at(other.priority, signature, now_s)
+            if gap_s is None:
+                continue
+            # A gap of 0, or one that decayed towards it (admissions at one instant),
+            # fills a batch: counted up to the cap (every request has a row), it cannot
+            # overflow.
+            requests = min(within_s / gap_s, self.batch_cap) if gap_s > 0 else self.batch_cap
+            rows = math.floor(requests) * other.request_rows_mean
+            if other.priority <= lane.priority:
+                above += rows
+            else:
+                below += rows
+        return above, below
 
     @staticmethod
     def _active(lane: Lane, now_s: float) -> bool:
@@ -458,7 +522,7 @@ class Scheduler:
         *,
         arriving_above: bool = False,
         lead_s: float = 0.0,
-        arrival_gap_s: float | None = None,
+        now_s: float | None = None,
     ) -> float:
         """Seconds until `rows` more rows in `lane` are served top-down in batches of
         `batch_rows`: the rows queued in it and above, and what lower lanes' shares take
@@ -469,13 +533,16 @@ class Scheduler:
         admission promised deadlines it then missed.
 
         The batch that serves the request's last rows holds, besides, the requests
-        admitted after it until that batch forms (`lead_s` from now until the next batch
-        forms, one admission every `arrival_gap_s`): costed at the rows ahead alone, a
-        request behind a running batch was promised a batch of its own rows (4 ms) and
-        ran in a full one (20 ms)."""
+        admitted after it until that batch forms (`lead_s` from `now_s` until the next
+        batch forms; None: none foreseen), those of lanes below within `lane`'s max_wait
+        (the budget they ride along in): costed at the rows ahead alone, a request behind
+        a running batch was promised a batch of its own rows (4 ms) and ran in a full one
+        (20 ms)."""
         run_time = self._run_times.get(signature)
         total = rows  # rows in `lane` and above, this request's included
         requests = 1  # their requests
+        # Their sizes lately: the mean of the squares, weighted by queued requests.
+        squares = float(rows * rows)
         first_lower = 0  # what lower lanes' shares may take ahead in the next batch
         shares = 0.0  # what they take in each batch after (fractions of a row)
         lower_share = 0.0  # their shares, as a fraction of a batch
@@ -484,6 +551,7 @@ class Scheduler:
             if other.priority <= lane.priority:
                 total += other.queued_rows
                 requests += other.queued_entries
+                squares += other.queued_entries * other.request_rows_square_mean
             elif other.queued_rows:
                 head = other.head()
                 assert head is not None
@@ -501,18 +569,20 @@ class Scheduler:
                     # crossing it).
                     first_lower += min(self.batch_cap, max(math.ceil(allowance), head.queued_rows))
         mean_rows = total / requests
+        # Whether requests come in about one size (see UNIFORM_SIZES_CV2).
+        uniform = squares / requests <= (1 + UNIFORM_SIZES_CV2) * mean_rows * mean_rows
 
         def with_arrivals(known_rows: float, forms_in_s: float) -> int:
             # The rows of the batch that serves this request's last rows: `known_rows`,
             # and what is admitted behind it before that batch forms, up to the limit.
-            if arrival_gap_s is None or forms_in_s <= 0:
+            if now_s is None or forms_in_s <= 0:
                 return min(batch_rows, math.ceil(known_rows))
-            # Whole requests; a gap of 0, or one that decayed towards it (admissions at
-            # one instant), fills the batch (and must not overflow the count).
-            requests = forms_in_s / arrival_gap_s if arrival_gap_s > 0 else math.inf
-            if requests * mean_rows >= batch_rows:
-                return batch_rows
-            return min(batch_rows, math.ceil(known_rows + math.floor(requests) * mean_rows))
+            above, below = self._arriving_rows(lane, signature, forms_in_s, now_s)
+            rows = min(known_rows + above, batch_rows)
+            if below > 0:  # they ride along within the budget of `lane`'s max_wait
+                budget = min(self._rows_within_wait(lane, signature), batch_rows)
+                rows = max(rows, min(known_rows + above + below, budget))
+            return math.ceil(rows)
 
         if total + first_lower <= batch_rows:
             return run_time.predict_s(with_arrivals(total + first_lower, lead_s))
@@ -521,9 +591,11 @@ class Scheduler:
             # The rows of whole requests (of the mean size) that fit `room`. Room for
             # less than one is an average over batches (a share of a fraction of a row,
             # a request crossing its allowance), and requests larger than the cap are
-            # split: both fill it.
+            # split: both fill it; so does a mix of sizes, as far as admission knows.
             fits = math.floor(room / mean_rows)
-            return room if fits < 1 or mean_rows > self.batch_cap else fits * mean_rows
+            if not uniform or fits < 1 or mean_rows > self.batch_cap:
+                return room
+            return fits * mean_rows
 
         # Rows of `lane` and above each batch serves: what lower lanes' shares leave (a
         # share may be a fraction of a row: at a cap of 1, 0.85 of a row a batch), and

@@ -1270,6 +1270,41 @@ def test_admission_counts_the_requests_that_join_its_batch_before_it_forms() -> 
     assert now_s <= finish_s
 
 
+@pytest.mark.parametrize(
+    ("arriving", "batch_rows"),
+    [
+        ("interactive-of-another-shape", 1),  # they cannot join its batch
+        ("standard-of-its-shape", 43),  # lower: they ride within its max_wait alone
+        ("interactive-of-its-shape", 64),  # its own lane's fill the batch
+    ],
+)
+def test_admission_counts_only_the_arrivals_that_can_join_the_batch(
+    arriving: str, batch_rows: int
+) -> None:
+    """A 1-row interactive request behind a running batch, with 8-row requests arriving
+    every 0.1 ms: its batch holds what can join it before it forms. Counted whatever their
+    shape and lane, a lone request was costed a full batch of another shape's traffic,
+    and lower lanes' rows as if they rode along without its max_wait's bound."""
+    lane, width = {
+        "interactive-of-another-shape": ("interactive", 3),
+        "standard-of-its-shape": ("standard", 2),
+        "interactive-of-its-shape": ("interactive", 2),
+    }[arriving]
+    scheduler = make_scheduler(TOP_DOWN_LANES, cap=64)
+    model = scheduler.run_time
+    scheduler.admit(make_request(0, "bulk", 64), T0)
+    dispatch(scheduler, T0, math.inf)  # runs until T0 + 4 ms
+    now_s = T0
+    for index in range(1, 6):
+        now_s = T0 + index * 0.0001
+        scheduler.admit(make_request(index, lane, 8, width=width), now_s)
+        if lane == "interactive":  # only their pace is left: they leave the queue
+            scheduler.cancel(index, now_s)
+    assert rows_within_wait(scheduler, INTERACTIVE) == 43
+    finish_s = scheduler._predicted_finish_s(scheduler.lane("interactive"), 1, ((2,),), now_s)
+    assert finish_s == pytest.approx(T0 + model.predict_s(64) + model.predict_s(batch_rows))
+
+
 def test_admissions_at_one_instant_after_a_gap_are_costed_as_filling_the_batch() -> None:
     """Thousands of admissions at one instant decay the moving average of the gaps
     towards 0 without reaching it (a denormal float): the count of requests expected
@@ -1281,7 +1316,7 @@ def test_admissions_at_one_instant_after_a_gap_are_costed_as_filling_the_batch()
     now_s = T0 + 0.0001
     for index in range(1, 100):
         scheduler.admit(make_request(index, "standard", 1), now_s)
-    scheduler._arrival_gap_s = 1e-320  # where 8 000 gaps of 0 after one of 1 ms lead
+    scheduler._arrivals[(1, ((2,),))] = (1e-320, now_s)  # 8 000 gaps of 0 after 1 ms
     finish_s = scheduler._predicted_finish_s(scheduler.lane("standard"), 1, ((2,),), now_s)
     model = scheduler.run_time
     # After the running row: 64 rows, then 36 filled to 64 by the requests expected.
