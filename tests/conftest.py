@@ -9,6 +9,7 @@ from pathlib import Path
 import onnxruntime as ort
 import pytest
 
+from laneserve import client as lc
 from laneserve.server.demo_model import make_demo_model
 
 
@@ -37,6 +38,15 @@ def reference(demo_model: Path) -> ort.InferenceSession:
 def small_reference(small_model: Path) -> ort.InferenceSession:
     """A plain session on the small model."""
     return ort.InferenceSession(str(small_model), providers=["CPUExecutionProvider"])
+
+
+@pytest.fixture
+def no_backoff_sleeps() -> Iterator[None]:
+    """The client's retries happen, their sleeps do not (tests that need real sleeps
+    turn it off)."""
+    lc.set_testing(True)
+    yield
+    lc.set_testing(False)
 
 
 @pytest.fixture

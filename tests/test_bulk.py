@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from tests.support import (
     unused_port,
 )
 
-pytestmark = pytest.mark.usefixtures("no_leaked_threads")
+pytestmark = pytest.mark.usefixtures("no_leaked_threads", "no_backoff_sleeps")
 
 F32 = npt.NDArray[np.float32]
 
@@ -54,13 +54,6 @@ def bulk_lane(capacity_rows: int) -> tuple[LaneConfig, ...]:
         LaneConfig("interactive", capacity_rows=64, timeout_ms=60_000, max_wait_ms=0, min_share=0),
         LaneConfig("bulk", capacity_rows, timeout_ms=60_000, max_wait_ms=0, min_share=0),
     )
-
-
-@pytest.fixture(autouse=True)
-def _no_backoff_sleeps() -> Iterator[None]:
-    lc.set_testing(True)
-    yield
-    lc.set_testing(False)
 
 
 def small_reference(small_model: Path) -> ort.InferenceSession:
@@ -549,7 +542,8 @@ def test_a_stream_items_lane_timeout_counts_from_its_arrival_not_its_admission(
     server (240 s on the default bulk lane). The timeout counts from its arrival."""
     per_item, timeout_ms = 4, 60_000
     admitted: dict[str, tuple[float | None, float]] = {}
-    seen_waiting_s: list[float] = []
+    second_queued_s: list[float] = []
+    seen_waiting_s: list[float] = []  # when the third item was seen waiting for room
 
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
@@ -565,8 +559,10 @@ def test_a_stream_items_lane_timeout_counts_from_its_arrival_not_its_admission(
 
             def recording_room_wait_s(lane: str, rows: int) -> float | None:
                 wait_s = room_wait_s(lane, rows)
-                if wait_s is not None and not seen_waiting_s:
-                    seen_waiting_s.append(time.monotonic())  # the third item was read
+                # Once the second item is queued, only the third waits for room (the
+                # second may have waited too, while the first was queued).
+                if wait_s is not None and second_queued_s:
+                    seen_waiting_s.append(time.monotonic())
                 return wait_s
 
             thread.submit = recording_submit  # type: ignore[method-assign]
@@ -576,6 +572,8 @@ def test_a_stream_items_lane_timeout_counts_from_its_arrival_not_its_admission(
                 collect(s.stub.InferStream(aiter(TaggedRequests(3, per_item, "w"))))
             )
             await asyncio.to_thread(engine.entered.acquire)
+            await until(lambda: queued_rows(s) == per_item)  # the second item's
+            second_queued_s.append(time.monotonic())
             await until(lambda: bool(seen_waiting_s))
             engine.release()
             responses = await answers

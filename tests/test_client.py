@@ -32,7 +32,7 @@ from laneserve.server.lifecycle import Lifecycle
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import RecordingEngine, Serving, rows, serving, unused_port
 
-pytestmark = pytest.mark.usefixtures("no_leaked_threads")
+pytestmark = pytest.mark.usefixtures("no_leaked_threads", "no_backoff_sleeps")
 
 DTYPES = [
     "float32",
@@ -52,14 +52,6 @@ DTYPES = [
 
 def config(model: Path, **fields: Any) -> ServerConfig:
     return ServerConfig(model_path=str(model), **fields)
-
-
-@pytest.fixture(autouse=True)
-def _no_backoff_sleeps() -> Iterator[None]:
-    """Retries happen, their sleeps do not (tests that need real sleeps turn it off)."""
-    lc.set_testing(True)
-    yield
-    lc.set_testing(False)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from laneserve import client as lc
 from laneserve.server import ServerConfig
 from tests.support import RecordingEngine, Serving, rows, serving, until, unused_port
 
-pytestmark = pytest.mark.usefixtures("no_leaked_threads")
+pytestmark = pytest.mark.usefixtures("no_leaked_threads", "no_backoff_sleeps")
 
 F32 = npt.NDArray[np.float32]
 
@@ -30,13 +30,6 @@ HANG_S = 30.0
 
 def config(model: Path, **fields: Any) -> ServerConfig:
     return ServerConfig(model_path=str(model), **fields)
-
-
-@pytest.fixture(autouse=True)
-def _no_backoff_sleeps() -> Iterator[None]:
-    lc.set_testing(True)
-    yield
-    lc.set_testing(False)
 
 
 # ---- closing a client with a stream in progress ------------------------------------------

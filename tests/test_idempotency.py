@@ -6,7 +6,7 @@ import asyncio
 import gc
 import time
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,18 +37,11 @@ from tests.support import (
 )
 from tests.support import serving as served
 
-pytestmark = pytest.mark.usefixtures("no_leaked_threads")
+pytestmark = pytest.mark.usefixtures("no_leaked_threads", "no_backoff_sleeps")
 
 
 def config(model: Path, **fields: Any) -> ServerConfig:
     return ServerConfig(model_path=str(model), **fields)
-
-
-@pytest.fixture(autouse=True)
-def _no_backoff_sleeps() -> Iterator[None]:
-    lc.set_testing(True)
-    yield
-    lc.set_testing(False)
 
 
 # ---- the replay cache, on a manual clock -----------------------------------------------
