@@ -529,8 +529,9 @@ class Scheduler:
         from each batch (work that arrives above meanwhile is not foreseen, but the room
         it takes in each batch is, while `arriving_above`: a lane above is active).
         Requests stay whole, so a batch serves the whole requests that fit, counted at
-        their mean size: counted at the limit (8-row requests fill 16 of 21 rows),
-        admission promised deadlines it then missed.
+        their mean size while they come in about one size (see UNIFORM_SIZES_CV2):
+        counted at the limit (8-row requests fill 16 of 21 rows), admission promised
+        deadlines it then missed.
 
         The batch that serves the request's last rows holds, besides, the requests
         admitted after it until that batch forms (`lead_s` from `now_s` until the next
@@ -578,11 +579,11 @@ class Scheduler:
             if now_s is None or forms_in_s <= 0:
                 return min(batch_rows, math.ceil(known_rows))
             above, below = self._arriving_rows(lane, signature, forms_in_s, now_s)
-            rows = min(known_rows + above, batch_rows)
+            filled = min(known_rows + above, batch_rows)
             if below > 0:  # they ride along within the budget of `lane`'s max_wait
                 budget = min(self._rows_within_wait(lane, signature), batch_rows)
-                rows = max(rows, min(known_rows + above + below, budget))
-            return math.ceil(rows)
+                filled = max(filled, min(known_rows + above + below, budget))
+            return math.ceil(filled)
 
         if total + first_lower <= batch_rows:
             return run_time.predict_s(with_arrivals(total + first_lower, lead_s))
