@@ -59,10 +59,14 @@ CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 DEFAULT_GPU_MEMORY_LIMIT = MemoryLimit(fraction=0.9)
 
-# Messages of allocation failures: the BFC arena (CPU and CUDA), CUDA itself.
+# Messages of allocation failures: the BFC arena (CPU and CUDA), CUDA itself, and the
+# CUDA libraries' own workspaces ("CUBLAS failure 3: CUBLAS_STATUS_ALLOC_FAILED", cuDNN's
+# and cuFFT's alike): taken for a model failure, they lowered no cap and a row that
+# failed alone was answered ENGINE_FAILURE.
 _OUT_OF_MEMORY = re.compile(
     r"Failed to allocate memory|BFCArena|bfc_arena|out of memory|"
-    r"Available memory of \d+ is smaller than requested bytes",
+    r"Available memory of \d+ is smaller than requested bytes|"
+    r"_ALLOC_FAILED|cudaErrorMemoryAllocation",
     re.IGNORECASE,
 )
 

@@ -28,7 +28,7 @@ from laneserve.server import LaneConfig, ServerConfig
 from laneserve.server.clock import ManualClock
 from laneserve.server.cost_model import RunTimeModel
 from laneserve.server.demo_model import make_demo_model
-from laneserve.server.engine import Engine, EngineStartError
+from laneserve.server.engine import Engine, EngineStartError, translate_runtime_error
 from laneserve.server.errors import (
     DeviceMemoryError,
     EngineError,
@@ -914,6 +914,27 @@ report["out_of_memory_rows"] = list(result.out_of_memory_rows)
 report["again_after_split"] = fits(256)
 print(json.dumps(report))
 """
+
+
+@pytest.mark.parametrize(
+    ("message", "out_of_memory"),
+    [
+        ("CUDA failure 2: out of memory ; GPU=0", True),
+        ("CUBLAS failure 3: CUBLAS_STATUS_ALLOC_FAILED ; GPU=0 ; expr=cublasCreate", True),
+        ("CUDNN failure 4: CUDNN_STATUS_ALLOC_FAILED ; GPU=0", True),
+        ("CUDA failure 2: cudaErrorMemoryAllocation", True),
+        ("Failed to allocate memory for requested buffer of size 1048576", True),
+        ("CUBLAS failure 13: CUBLAS_STATUS_EXECUTION_FAILED ; GPU=0", False),
+        ("Non-zero status code returned while running Gemm node", False),
+    ],
+)
+def test_allocation_failures_of_the_cuda_libraries_count_as_out_of_memory(
+    message: str, out_of_memory: bool
+) -> None:
+    """cuBLAS's and cuDNN's workspaces failing to allocate were taken for a model
+    failure: no cap was lowered, and a row that failed alone got ENGINE_FAILURE."""
+    error = translate_runtime_error(RuntimeError(message))
+    assert isinstance(error, DeviceMemoryError) is out_of_memory, error
 
 
 def test_a_cpu_budget_that_does_not_hold_the_weights_is_refused(demo_model: Path) -> None:
