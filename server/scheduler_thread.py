@@ -92,10 +92,13 @@ class SchedulerThread:
     def submit(self, request: InferenceRequest) -> int:
         """Admits `request` (its answer comes through `deliver`) or raises why not."""
         with self._cond:
-            if self._failure is not None:
-                raise self._failure
-            if self._closing:
-                raise DrainingError("server is shutting down; retry on another instance")
+            refusal: LaneserveError | None = self._failure
+            if refusal is None and self._closing:
+                refusal = DrainingError("server is shutting down; retry on another instance")
+            if refusal is not None:
+                # Counted as the scheduler counts its own refusals (they went uncounted).
+                self._scheduler.events.rejected(request.lane, refusal.reason)
+                raise refusal
             entry_id = self._scheduler.admit(request, self._clock.monotonic())
             # While a batch runs the scheduler has nothing to decide about new work, so
             # it is woken only if this entry's deadline comes before its next wake-up:

@@ -2388,6 +2388,18 @@ def never_run(batch: Batch, _rows_wanted: RowsWanted) -> BatchResult:
     raise AssertionError(f"batch {batch.batch_id} was not to run: the test drives the steps")
 
 
+def test_a_closed_scheduler_threads_refusals_are_counted() -> None:
+    """Refused because the server was shutting down (or its scheduler had failed), a
+    request was answered but counted in no lane's refusals."""
+    events = RecordingEvents()
+    scheduler = make_scheduler(TOP_DOWN_LANES, events=events)
+    thread = SchedulerThread(scheduler, never_run, list[Outcome]().extend, clock=ManualClock(T0))
+    thread.close(join_timeout_s=0)
+    with pytest.raises(DrainingError):
+        thread.submit(make_request(1, "standard", 1))
+    assert ("rejected", "standard", "DRAINING") in events.log
+
+
 def test_shedding_uses_the_time_after_the_work_before_it() -> None:
     """Both places that shed and then decide do work first that takes time (completing a
     batch; reading the memory gauge). A deadline that passes meanwhile is shed, not
