@@ -74,6 +74,10 @@ class Lane:
         # `Scheduler._queue_drain_s`). Only the scheduler changes them.
         self.request_rows_mean = 0.0
         self.request_rows_square_mean = 0.0
+        # A moving average of how much of the room a batch left it its whole requests
+        # filled, over the batches it led whose next request did not fit (1.0 until the
+        # first): what first fit in order packs of its sizes. Only the scheduler changes it.
+        self.fill_ratio = 1.0
 
     @property
     def name(self) -> str:

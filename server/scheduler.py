@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
@@ -81,6 +82,9 @@ SIZE_ALPHA = 0.1
 # requests of one size, and far off for a mix (requests of 1 and 64 rows packed at
 # 32.5 rows left 3 of them a batch, where a first fit in order holds 65 rows or 128).
 UNIFORM_SIZES_CV2 = 0.05
+# Weight of the newest batch in a lane's moving average of the room its whole requests
+# fill (`Lane.fill_ratio`): what admission counts a batch as holding of a mix of sizes.
+FILL_ALPHA = 0.1
 # Admission counts a share lane's pace as what batches lately gave it only when that is
 # clearly above its share: the average of a lane served its share in whole requests (0 or
 # 4 rows a batch for 3.2) runs a little above it, and three in four of the requests
@@ -136,6 +140,9 @@ class _Plan:
     limit_rows: int = 0
     # The lane whose banked credit covered its head, which goes first (see `_owed_head`).
     owed_priority: int | None = None
+    # (lane, fill): the lane that leads the batch and the share of the room left it that
+    # its whole requests filled, when its next request did not fit (see `Lane.fill_ratio`).
+    fill_sample: tuple[int, float] | None = None
 
 
 class _Filling:
@@ -544,6 +551,8 @@ class Scheduler:
         requests = 1  # their requests
         # Their sizes lately: the mean of the squares, weighted by queued requests.
         squares = float(rows * rows)
+        # What first fit packs of them, weighted by queued rows (see `Lane.fill_ratio`).
+        fills = rows * lane.fill_ratio
         first_lower = 0  # what lower lanes' shares may take ahead in the next batch
         shares = 0.0  # what they take in each batch after (fractions of a row)
         lower_share = 0.0  # their shares, as a fraction of a batch
@@ -553,6 +562,7 @@ class Scheduler:
                 total += other.queued_rows
                 requests += other.queued_entries
                 squares += other.queued_entries * other.request_rows_square_mean
+                fills += other.queued_rows * other.fill_ratio
             elif other.queued_rows:
                 head = other.head()
                 assert head is not None
@@ -588,15 +598,9 @@ class Scheduler:
         if total + first_lower <= batch_rows:
             return run_time.predict_s(with_arrivals(total + first_lower, lead_s))
 
-        def whole(room: float) -> float:
-            # The rows of whole requests (of the mean size) that fit `room`. Room for
-            # less than one is an average over batches (a share of a fraction of a row,
-            # a request crossing its allowance), and requests larger than the cap are
-            # split: both fill it; so does a mix of sizes, as far as admission knows.
-            fits = math.floor(room / mean_rows)
-            if not uniform or fits < 1 or mean_rows > self.batch_cap:
-                return room
-            return fits * mean_rows
+        whole = functools.partial(
+            self._packed_rows, mean_rows=mean_rows, fill_ratio=None if uniform else fills / total
+        )
 
         # Rows of `lane` and above each batch serves: what lower lanes' shares leave (a
         # share may be a fraction of a row: at a cap of 1, 0.85 of a row a batch), and
@@ -619,6 +623,21 @@ class Scheduler:
         if rest > ROUNDING_ROWS:
             drain_s += run_time.predict_s(with_arrivals(rest + shares, lead_s + drain_s))
         return drain_s
+
+    def _packed_rows(self, room: float, *, mean_rows: float, fill_ratio: float | None) -> float:
+        """The rows of whole requests that fit `room`: of one size (`fill_ratio` None),
+        those of the mean size; of a mix, the share `fill_ratio` of the room that first
+        fit in order filled in the batches their lanes led lately (packed at their mean
+        size, 1- and 64-row requests were counted 3 a batch where a batch holds 65 rows
+        or 128). Room for less than one request is an average over batches (a share of a
+        fraction of a row, a request crossing its allowance), and requests larger than
+        the cap are split: both fill it."""
+        fits = math.floor(room / mean_rows)
+        if fits < 1 or mean_rows > self.batch_cap:
+            return room
+        if fill_ratio is None:
+            return fits * mean_rows
+        return max(room * fill_ratio, mean_rows)
 
     def _share_batches(self, lane: Lane, rows: int, signature: Signature, batch_rows: int) -> int:
         """Batches until `lane`'s share reaches `rows` more rows in it: the first whose
@@ -887,6 +906,9 @@ class Scheduler:
             if not lead_seen and lane.priority in batch.present:
                 lead_seen = True  # the batch's highest lane: budget the lanes below it
                 rows = plan.limit_rows - batch.room
+                room = plan.limit_rows - claims_below
+                if unfit and owner is None and room > 0:
+                    plan.fill_sample = (lane.priority, (rows - claims_below) / room)
                 budget_rows = max(rows, self._rows_within_wait(lane, batch.signature))
                 batch.room = min(batch.room, budget_rows - rows)
 
@@ -981,6 +1003,10 @@ class Scheduler:
 
     def _commit(self, plan: _Plan, reason: DispatchReason, now_s: float) -> Batch:
         self._observe_utilization(now_s)
+        if plan.fill_sample is not None:
+            led, fill = plan.fill_sample
+            lane = self.lanes[led]
+            lane.fill_ratio += FILL_ALPHA * (min(max(fill, 0.0), 1.0) - lane.fill_ratio)
         for lane in self.lanes:
             lane.room_blocked = lane.priority in plan.room_blocked
             if lane.priority in plan.share_used:

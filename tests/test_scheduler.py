@@ -1324,6 +1324,46 @@ def test_admissions_at_one_instant_after_a_gap_are_costed_as_filling_the_batch()
     scheduler.complete(run(running))
 
 
+def test_admission_counts_what_first_fit_packs_of_a_mix_of_sizes() -> None:
+    """32- and 1-row requests in turn: a batch of 64 holds 33 rows (the next 32 does not
+    fit). Counted as filling the batch, as a mix of sizes was, requests admitted at their
+    deadline's edge ran 10 batches where 6 were promised. The lane learns what its
+    batches hold (`Lane.fill_ratio`)."""
+    lanes = (
+        TOP_DOWN_LANES[0],
+        dataclasses.replace(TOP_DOWN_LANES[1], capacity_rows=4096),
+        TOP_DOWN_LANES[2],
+    )
+    scheduler = make_scheduler(lanes, cap=64)
+    model = scheduler.run_time
+    now_s = T0
+
+    def queue(first: int, count: int) -> None:
+        for index in range(first, first + count):
+            scheduler.admit(make_request(index, "standard", 32 if index % 2 else 1), now_s)
+
+    def run_until(token: int) -> list[int]:
+        nonlocal now_s
+        ran = []
+        while True:
+            batch = dispatch(scheduler, now_s, math.inf)
+            ran.append(batch.rows)
+            run_s = model.predict_s(batch.rows)  # as predicted: the model stays as it is
+            now_s += run_s
+            if token in tokens(scheduler.complete(run(batch, run_s=run_s))):
+                return ran
+
+    queue(1, 60)  # the batches they run in teach the lane what they hold
+    assert set(run_until(60)) == {33}
+    assert scheduler.lane("standard").fill_ratio < 0.6
+    queue(101, 20)
+    now_s += 0.02  # nothing more came since: no arrivals join the last batch
+    finish_s = scheduler._predicted_finish_s(scheduler.lane("standard"), 1, ((2,),), now_s)
+    scheduler.admit(make_request(200, "standard", 1, deadline_s=finish_s), now_s)
+    assert len(run_until(200)) == 10
+    assert now_s <= finish_s
+
+
 def _tightest_admitted_batches(scheduler: Scheduler, lane: str, now_s: float) -> int:
     """The fewest whole batches of 1 ms a 1-row request of `lane` is admitted for."""
     for batches in range(1, 1000):
