@@ -149,6 +149,25 @@ def run_next(scheduler: Scheduler, now_s: float) -> tuple[Batch, list[Outcome], 
     return batch, scheduler.complete(run(batch, run_s=run_s)), now_s + run_s
 
 
+def run_until_answered(
+    scheduler: Scheduler, now_s: float, token: object
+) -> tuple[list[int], float]:
+    """Runs batches (see `run_next`) until `token` is answered: the rows of each batch and
+    the time the last one ended."""
+    ran = []
+    while True:
+        batch, outcomes, now_s = run_next(scheduler, now_s)
+        ran.append(batch.rows)
+        if token in tokens(outcomes):
+            return ran, now_s
+
+
+def wide_standard_lanes(capacity_rows: int) -> tuple[LaneConfig, ...]:
+    """TOP_DOWN_LANES with a standard lane that holds `capacity_rows`."""
+    interactive, standard, bulk = TOP_DOWN_LANES
+    return interactive, dataclasses.replace(standard, capacity_rows=capacity_rows), bulk
+
+
 def queued_rows(scheduler: Scheduler, lane: str) -> int:
     return scheduler.lane(lane).queued_rows
 
@@ -1197,12 +1216,7 @@ def test_admission_counts_the_whole_requests_a_batch_holds(
     """Requests stay whole: 48-row requests fill 48 of a cap of 64, and 8-row requests
     40 of the 43 an active interactive lane allows. Admission counted batches of the
     limit, one batch fewer than ran, and admitted deadlines the requests then missed."""
-    lanes = (
-        TOP_DOWN_LANES[0],
-        dataclasses.replace(TOP_DOWN_LANES[1], capacity_rows=1024),
-        TOP_DOWN_LANES[2],
-    )
-    scheduler = make_scheduler(lanes, cap=64)
+    scheduler = make_scheduler(wide_standard_lanes(1024), cap=64)
     now_s = T0
     model = scheduler.run_time
     if interactive_active:
@@ -1225,14 +1239,7 @@ def test_admission_counts_the_whole_requests_a_batch_holds(
     )
     assert drain_s - 1e-9 <= finish_s - now_s <= 1.05 * drain_s
     scheduler.admit(make_request(101, "standard", request_rows, deadline_s=finish_s), now_s)
-    ran = []
-    while True:
-        batch = dispatch(scheduler, now_s, math.inf)
-        ran.append(batch.rows)
-        run_s = model.predict_s(batch.rows)  # as predicted: the model stays as it is
-        now_s += run_s
-        if 101 in tokens(scheduler.complete(run(batch, run_s=run_s))):
-            break
+    ran, now_s = run_until_answered(scheduler, now_s, 101)
     assert ran == batches
     assert now_s <= finish_s
 
@@ -1241,12 +1248,7 @@ def test_admission_counts_the_requests_that_join_its_batch_before_it_forms() -> 
     """A request admitted while a batch runs, with requests arriving every 0.4 ms behind
     it, goes in the next batch with them: 64 rows (4 ms), not the 56 queued when it came
     (3.6 ms). Admission costed the rows ahead alone, and the request was late."""
-    lanes = (
-        TOP_DOWN_LANES[0],
-        dataclasses.replace(TOP_DOWN_LANES[1], capacity_rows=1024),
-        TOP_DOWN_LANES[2],
-    )
-    scheduler = make_scheduler(lanes, cap=64)
+    scheduler = make_scheduler(wide_standard_lanes(1024), cap=64)
     model = scheduler.run_time
     scheduler.admit(make_request(0, "standard", 64), T0)
     running = dispatch(scheduler, T0, math.inf)
@@ -1309,8 +1311,7 @@ def test_admissions_at_one_instant_after_a_gap_are_costed_as_filling_the_batch()
     """Thousands of admissions at one instant decay the moving average of the gaps
     towards 0 without reaching it (a denormal float): the count of requests expected
     behind a request overflowed (float infinity to an integer) and admission raised."""
-    lanes = (TOP_DOWN_LANES[0], dataclasses.replace(TOP_DOWN_LANES[1], capacity_rows=1024))
-    scheduler = make_scheduler(lanes, cap=64)
+    scheduler = make_scheduler(wide_standard_lanes(1024), cap=64)
     scheduler.admit(make_request(0, "standard", 1), T0)
     running = dispatch(scheduler, T0, math.inf)
     now_s = T0 + 0.0001
@@ -1329,38 +1330,23 @@ def test_admission_counts_what_first_fit_packs_of_a_mix_of_sizes() -> None:
     fit). Counted as filling the batch, as a mix of sizes was, requests admitted at their
     deadline's edge ran 10 batches where 6 were promised. The lane learns what its
     batches hold (`Lane.fill_ratio`)."""
-    lanes = (
-        TOP_DOWN_LANES[0],
-        dataclasses.replace(TOP_DOWN_LANES[1], capacity_rows=4096),
-        TOP_DOWN_LANES[2],
-    )
-    scheduler = make_scheduler(lanes, cap=64)
-    model = scheduler.run_time
+    scheduler = make_scheduler(wide_standard_lanes(4096), cap=64)
     now_s = T0
 
     def queue(first: int, count: int) -> None:
         for index in range(first, first + count):
             scheduler.admit(make_request(index, "standard", 32 if index % 2 else 1), now_s)
 
-    def run_until(token: int) -> list[int]:
-        nonlocal now_s
-        ran = []
-        while True:
-            batch = dispatch(scheduler, now_s, math.inf)
-            ran.append(batch.rows)
-            run_s = model.predict_s(batch.rows)  # as predicted: the model stays as it is
-            now_s += run_s
-            if token in tokens(scheduler.complete(run(batch, run_s=run_s))):
-                return ran
-
     queue(1, 60)  # the batches they run in teach the lane what they hold
-    assert set(run_until(60)) == {33}
+    ran, now_s = run_until_answered(scheduler, now_s, 60)
+    assert set(ran) == {33}
     assert scheduler.lane("standard").fill_ratio < 0.6
     queue(101, 20)
     now_s += 0.02  # nothing more came since: no arrivals join the last batch
     finish_s = scheduler._predicted_finish_s(scheduler.lane("standard"), 1, ((2,),), now_s)
     scheduler.admit(make_request(200, "standard", 1, deadline_s=finish_s), now_s)
-    assert len(run_until(200)) == 10
+    ran, now_s = run_until_answered(scheduler, now_s, 200)
+    assert len(ran) == 10
     assert now_s <= finish_s
 
 
