@@ -201,6 +201,14 @@ def _capacity_failures(result: BatchResult) -> list[int]:
     return [run.rows for run in result.out_of_memory_runs if not run.held_unfit_row]
 
 
+def _folded_gap(gap_s: float | None, last_s: float | None, now_s: float) -> float | None:
+    """The moving average `gap_s` of the times between admissions, the last at `last_s`,
+    with one at `now_s` folded in (None until two were seen)."""
+    if last_s is None:
+        return gap_s
+    return now_s - last_s if gap_s is None else gap_s + ARRIVAL_GAP_ALPHA * (now_s - last_s - gap_s)
+
+
 def _charge_owner(plan: _Plan, priority: int, shut_out_rows: int) -> None:
     """The batch is the owed lane's (its shape): it costs the lanes it shuts out the batch
     they would have had (`shut_out_rows`), so it counts against the lane's credit as that
@@ -297,16 +305,7 @@ class Scheduler:
             dispatch_by_s=now_s + lane.max_wait_s,
         )
         lane.push(entry)
-        lane.last_admit_s = now_s
         self._observe_request(lane, request, now_s)
-        if self._last_admit_s is not None:
-            gap_s = now_s - self._last_admit_s
-            self._arrival_gap_s = (
-                gap_s
-                if self._arrival_gap_s is None
-                else self._arrival_gap_s + ARRIVAL_GAP_ALPHA * (gap_s - self._arrival_gap_s)
-            )
-        self._last_admit_s = now_s
         self._entries[entry.entry_id] = entry
         heapq.heappush(self._deadlines, (deadline_s, entry.entry_id))
         if len(self._deadlines) > 2 * len(self._entries) + 64:
@@ -320,8 +319,12 @@ class Scheduler:
         return entry.entry_id
 
     def _observe_request(self, lane: Lane, request: InferenceRequest, now_s: float) -> None:
-        """Folds an admitted request into its lane's size averages and its signature's
-        pace of admissions (see `_arrival_gap_at`)."""
+        """Folds an admitted request into the pace of admissions (all, for `decide`; per
+        lane and signature, see `_arrival_gap_at`), its lane's activity and its lane's
+        size averages."""
+        lane.last_admit_s = now_s
+        self._arrival_gap_s = _folded_gap(self._arrival_gap_s, self._last_admit_s, now_s)
+        self._last_admit_s = now_s
         rows = request.rows
         if lane.request_rows_mean == 0:
             lane.request_rows_mean, lane.request_rows_square_mean = rows, rows * rows
@@ -332,13 +335,7 @@ class Scheduler:
             )
         key = (lane.priority, request.signature)
         gap_s, last_s = self._arrivals.pop(key, (None, None))
-        if last_s is not None:
-            gap_s = (
-                now_s - last_s
-                if gap_s is None
-                else gap_s + ARRIVAL_GAP_ALPHA * (now_s - last_s - gap_s)
-            )
-        self._arrivals[key] = (gap_s, now_s)  # the most recent last
+        self._arrivals[key] = (_folded_gap(gap_s, last_s, now_s), now_s)  # the most recent last
         if len(self._arrivals) > MAX_SIGNATURES:
             self._arrivals.popitem(last=False)
 
