@@ -608,9 +608,9 @@ class _Split:
         self.out_of_memory_runs: list[OutOfMemoryRun] = []
         self.unfit_rows = 0  # rows that failed even alone
         self.session_ok = False  # an input it ran at start-up ran during this split
-        # The error of rows not run again because nobody wanted them any more. Only a
-        # caller still waiting (its entry live) is answered with it, and that caller's
-        # deadline has passed: `rows_wanted` leaves out rows for nothing else.
+        # The error of rows not run again because nobody wanted them any more. No caller
+        # is answered with it: `rows_wanted` (the scheduler) answered the callers whose
+        # deadline had passed when it left their rows out, and the others had left.
         self.not_retried = ExpiredInQueueError(
             "deadline passed while its batch was being retried in parts after a failed "
             "run; its rows were not run again"

@@ -1126,10 +1126,8 @@ class Scheduler:
                 None,
             )
             if failure is not None:
-                if isinstance(failure, ExpiredInQueueError):
-                    # Not run again after an out-of-memory: shed like expired queued work.
-                    lane = self.lanes[entry.priority].name
-                    self.events.shed(lane, failure.reason, piece.rows + entry.queued_rows)
+                # (Rows not run again after an out-of-memory are no live entry's:
+                # `rows_wanted` answered their callers when it left them out.)
                 outcomes.append(self._finish_error(entry, failure))
                 continue
             assert result.outputs is not None
@@ -1153,15 +1151,34 @@ class Scheduler:
         self.events.batch_done(batch, result.run_s, error, failed)
         return outcomes
 
-    def rows_wanted(self, batch: Batch, now_s: float) -> npt.NDArray[np.bool_]:
-        """For each row of `batch` (running), whether a caller still waits for it within
-        its deadline: the engine runs no other row again after an out-of-memory."""
+    def rows_wanted(
+        self, batch: Batch, now_s: float
+    ) -> tuple[npt.NDArray[np.bool_], list[Outcome]]:
+        """For each row of `batch` (running, retried in parts after a failed run), whether
+        a caller still waits for it within its deadline: the engine runs no other row
+        again. The callers whose deadline has passed are answered now, not when the last
+        part of the batch has run (which may take as long again)."""
         wanted = np.zeros(batch.rows, dtype=bool)
+        outcomes = []
         for piece in batch.slices:
             entry = self._entries.get(piece.entry_id)
-            if entry is not None and not entry.finished and entry.deadline_s > now_s:
+            if entry is None or entry.finished:
+                continue
+            if entry.deadline_s > now_s:
                 wanted[piece.offset : piece.offset + piece.rows] = True
-        return wanted
+                continue
+            lane = self.lanes[entry.priority].name
+            self.events.shed(lane, ExpiredInQueueError.reason, piece.rows + entry.queued_rows)
+            outcomes.append(
+                self._finish_error(
+                    entry,
+                    ExpiredInQueueError(
+                        "deadline passed while its batch was being retried in parts after "
+                        "a failed run; its rows were not run again"
+                    ),
+                )
+            )
+        return wanted, outcomes
 
     def _adapt_cap(self, result: BatchResult) -> None:
         """Out of memory halves the cap below the smallest batch that failed; a run of

@@ -303,8 +303,15 @@ class SchedulerThread:
                 batch = self._work.get()
 
     def _rows_wanted(self, batch: Batch) -> npt.NDArray[np.bool_]:
+        """Asked by the engine before each part of a split batch: the rows to run; the
+        callers whose deadline passed are answered now, not when the batch ends."""
         with self._cond:
-            return self._scheduler.rows_wanted(batch, self._clock.monotonic())
+            wanted, outcomes = self._scheduler.rows_wanted(batch, self._clock.monotonic())
+            if outcomes:
+                self._cond.notify_all()  # wait_drained may be waiting on these
+        if outcomes:
+            self._deliver(outcomes)
+        return wanted
 
     def _finish(self, result: BatchResult, outcomes: list[Outcome]) -> Batch | None:
         """Under the lock: adds the answers of a finished batch to `outcomes`; returns the

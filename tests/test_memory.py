@@ -754,6 +754,43 @@ def test_each_half_of_a_split_is_asked_for_just_before_it_runs(small_model: Path
     assert len(engine.ran) == 1, "A's half ran; B's expired while it did, and did not run"
 
 
+def test_rows_not_run_again_are_answered_before_the_split_goes_on(small_model: Path) -> None:
+    """A caller whose deadline passed during a failed run is answered when its rows are
+    left out, not after the parts still to run (as long again, and more after a second
+    out-of-memory): A's runs see B's answer given."""
+    clock = ManualClock(1_000.0)
+    answered_when_a_ran: list[list[object]] = []
+    answers: list[Outcome] = []
+    engine = _OutOfMemoryAbove(
+        small_model,
+        1,
+        lambda: clock.advance(1.0),
+        lambda: answered_when_a_ran.append([answer.token for answer in answers]),
+    )
+    width = engine.inputs[0].shape[1]
+    scheduler = _scheduler(4)
+    scheduler.admit(_standard("A", np.zeros((2, width), np.float32)), clock.monotonic())
+    late = _standard("B", np.ones((2, width), np.float32), deadline_s=1_000.5)
+    scheduler.admit(late, clock.monotonic())
+    answered = threading.Event()
+
+    def deliver(outcomes: Sequence[Outcome]) -> None:
+        answers.extend(outcomes)
+        if len(answers) == 2:
+            answered.set()
+
+    thread = SchedulerThread(scheduler, engine.run_batch, deliver, clock=clock)
+    thread.start()
+    try:
+        assert answered.wait(30), f"answers: {answers}"
+    finally:
+        thread.close()
+    assert [answer.token for answer in answers] == ["B", "A"]
+    assert isinstance(answers[0].error, ExpiredInQueueError)
+    assert "not run again" in answers[0].error.message
+    assert answered_when_a_ran == [["B"], ["B"]], "B was answered before A's rows ran"
+
+
 def test_a_broken_session_costs_four_runs_and_blames_no_request(small_model: Path) -> None:
     """A failure that is no row's (both halves fail, and so does an input the session ran
     at start-up) stops the split: four runs per batch, not two per row, and the answer
