@@ -4,10 +4,13 @@ never past the caller's deadline.
 The delay before retry ``n`` (1 for the first retry) is::
 
     base = min(max_backoff_s, initial_backoff_s * multiplier ** (n - 1))
-    delay = max(server_hint_s, base * uniform(1 - jitter, 1))
+    delay = max(min(server_hint_s, max_backoff_s), base * uniform(1 - jitter, 1))
 
 so a server that says "retry in 40 ms" (``RetryInfo`` / ``grpc-retry-pushback-ms``) is
 never asked again sooner, and clients that failed together do not retry together. A
+hint beyond ``max_backoff_s`` is honoured up to it: no server's hint stalls a caller
+longer than its own policy allows (a retry that comes too soon is refused again, and
+attempts stay capped). A
 retry that would start after the caller's deadline is not made: the last error is raised
 at once, with a note saying why the retries stopped.
 
@@ -81,9 +84,12 @@ class RetryPolicy:
     def delay_s(
         self, retry: int, server_hint_s: float | None, rng: random.Random | None = None
     ) -> float:
-        """The delay before retry `retry`: the backoff, but never less than the server's hint."""
+        """The delay before retry `retry`: the backoff, but never less than the server's
+        hint, honoured up to `max_backoff_s`."""
         backoff = self.backoff_s(retry, rng)
-        return backoff if server_hint_s is None else max(server_hint_s, backoff)
+        if server_hint_s is None:
+            return backoff
+        return max(min(server_hint_s, self.max_backoff_s), backoff)
 
 
 NO_RETRIES = RetryPolicy(max_attempts=1)

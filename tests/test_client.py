@@ -670,6 +670,14 @@ def test_server_hint_is_a_floor_for_the_delay() -> None:
     assert policy.delay_s(1, None) == pytest.approx(0.01)
 
 
+def test_server_hint_is_honoured_up_to_the_policys_longest_backoff() -> None:
+    """A hint of an hour (a bad server, a bad proxy) stalled every retrying caller for
+    an hour: the policy's max_backoff_s bounds it, as it bounds the backoff."""
+    policy = lc.RetryPolicy(initial_backoff_s=0.01, max_backoff_s=2.0, jitter=0.0)
+    assert policy.delay_s(1, 3600.0) == 2.0
+    assert policy.delay_s(1, 1.5) == 1.5
+
+
 @pytest.mark.parametrize(
     "fields",
     [{"max_attempts": 0}, {"initial_backoff_s": -1.0}, {"multiplier": 0.5}, {"jitter": 1.5}],
