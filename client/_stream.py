@@ -276,13 +276,19 @@ class BulkStream:
             if self._gives_up(error, failures, last_answer_s):
                 self._cancel_timers()
                 raise error
-            await self._pause(error, failures)
+            last_answer_s = await self._pause(error, failures, last_answer_s)
 
-    async def _pause(self, error: LaneserveError, failures: int) -> None:
+    async def _pause(
+        self, error: LaneserveError, failures: int, last_answer_s: float | None
+    ) -> float | None:
         """Between a broken call and the next, which resends its unanswered items first:
-        the policy's backoff, or the server's pushback. close() ends the wait at once."""
+        the policy's backoff, or the server's pushback. close() ends the wait at once.
+        Returns `last_answer_s` moved back by the wait test mode skipped: it skips the
+        sleeps, not the time they stand for, so the resume window counts them as waited
+        (else a job reopened its call without pause, ~1e5 calls, for STREAM_RESUME_S)."""
         resent = self._requeue_sent()
-        delay_s = effective_delay_s(self._policy.delay_s(max(failures, 1), error.retry_after_s))
+        wanted_s = self._policy.delay_s(max(failures, 1), error.retry_after_s)
+        delay_s = effective_delay_s(wanted_s)
         log.info(
             "bulk stream %s: call broke (%s); resending %d unanswered item(s) in %.0f ms",
             self.job_id,
@@ -292,6 +298,7 @@ class BulkStream:
         )
         if await closed_within(self._closed, delay_s):
             self._check_open(error)
+        return None if last_answer_s is None else last_answer_s - (wanted_s - delay_s)
 
     def _gives_up(self, error: LaneserveError, failures: int, last_answer_s: float | None) -> bool:
         """Whether the job ends with `error` (then noted why) after its call broke:

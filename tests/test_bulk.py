@@ -260,6 +260,42 @@ def test_a_job_outlasts_a_restart_longer_than_its_retry_attempts(small_model: Pa
     )
 
 
+def test_in_test_mode_the_resume_window_counts_the_skipped_backoff(small_model: Path) -> None:
+    """Test mode skips backoff sleeps, not the time they stand for: a job whose server
+    went for good gives up once its backoffs add up to STREAM_RESUME_S, after a few
+    calls. (It reopened its call without pause for 30 s of real time, ~1e4 calls.)"""
+    first = 2
+    go = asyncio.Event()
+    policy = lc.RetryPolicy(max_attempts=2, initial_backoff_s=10.0, max_backoff_s=10.0)
+
+    async def scenario() -> tuple[list[lc.StreamResult], lc.LaneserveError]:
+        async with (
+            behind_a_proxy(small_model) as (a, _b, proxy, target),
+            lc.AsyncClient(target, retry=policy) as client,
+        ):
+            results: list[lc.StreamResult] = []
+
+            async def consume() -> None:
+                async for result in client.stream(paused_at(first, first + 2, go), job_id="gone"):
+                    results.append(result)
+                    if len(results) == first:
+                        proxy.retarget(unused_port())  # the address is down for good
+                        await a.server.stop(grace_s=5.0)
+                        go.set()
+
+            with pytest.raises(lc.LaneserveError) as gave_up:
+                await consume()
+            return results, gave_up.value
+
+    results, error = asyncio.run(scenario())
+    assert [result.index for result in results] == list(range(first))
+    # Backoffs of 5-10 s each: the 30 s window is spent after 3-6 broken calls, then the
+    # policy's 2 in a row end the job.
+    assert error.attempts is not None
+    assert error.attempts <= 8, error.attempts
+    assert "gave up" in "".join(getattr(error, "__notes__", []))
+
+
 def test_a_stream_open_when_the_server_drains_answers_what_it_read_and_ends(
     small_model: Path,
 ) -> None:
