@@ -68,8 +68,9 @@ class ExpiredInQueueError(LaneserveError):
 
 
 class JoinExpiredError(ExpiredInQueueError):
-    """A retry that joined the request with its id in flight, and whose own deadline
-    passed first: the same answer on the wire, but no entry of its own was shed."""
+    """A caller waiting for the request with its id in flight (a retry that joined it,
+    or the first caller once a retry with a later deadline extended the request's) whose
+    own deadline passed first: the same answer on the wire, but no entry was shed."""
 
 
 class DrainingError(LaneserveError):

@@ -9,7 +9,9 @@ attempt ran (the connection dropped, its deadline passed in flight, a bulk strea
   it is cancelled (its queued rows freed) only when its last waiting RPC has gone, and
   then only if none of its rows has gone to the session; a request already started
   finishes (all its chunks, when it is split across batches), and its answer is kept
-  for the retry that is likely on its way.
+  for the retry that is likely on its way. Each waiter keeps its own deadline: the work
+  waits as long as the latest of them (a retry or hedge with a later deadline extends
+  it), and a waiter whose deadline passes first is answered alone.
 - **completed**: the id's request succeeded recently. The retry gets the stored answer.
   Stored answers form an LRU bounded by count and by bytes, each kept at most ``ttl_s``.
 - Errors are not stored: a request refused or failed may be retried and run.
@@ -33,6 +35,7 @@ import collections
 import dataclasses
 import hashlib
 import logging
+import math
 import struct
 from collections.abc import Callable, Sequence
 
@@ -90,6 +93,31 @@ Resolve = Callable[[Outcome], None]
 # (any chunk run or running) is left to finish. Returns True when cancelled, False when
 # its Outcome is still coming.
 Cancel = Callable[[bool], bool]
+# Moves an admitted request's deadline (scheduler clock) to a later one; False when its
+# answer is already on its way (nothing to extend).
+Extend = Callable[[float], bool]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Admitted:
+    """What `submit` returns for a request the scheduler queued: how to cancel it, and
+    how to give it a later deadline."""
+
+    cancel: Cancel
+    extend: Extend
+
+
+class _Waiter:
+    """One RPC waiting for a flight's answer, with its own deadline (`math.inf`: none).
+    A timer answers it alone at that deadline while the work waits longer (for a waiter
+    with a later deadline); otherwise the scheduler's answer at the deadline reaches it."""
+
+    __slots__ = ("deadline_s", "future", "timer")
+
+    def __init__(self, future: asyncio.Future[pb.InferResponse], deadline_s: float) -> None:
+        self.future = future
+        self.deadline_s = deadline_s
+        self.timer: asyncio.TimerHandle | None = None
 
 
 class _Flight:
@@ -100,13 +128,18 @@ class _Flight:
     that brought the Outcome (no hop through further futures).
     """
 
-    __slots__ = ("answered", "cancel", "fingerprint", "request_id", "waiters")
+    __slots__ = ("admitted", "answered", "deadline_s", "fingerprint", "request_id", "waiters")
 
-    def __init__(self, request_id: str, fingerprint: bytes, cancel: Cancel) -> None:
+    def __init__(
+        self, request_id: str, fingerprint: bytes, admitted: Admitted, deadline_s: float
+    ) -> None:
         self.request_id = request_id
         self.fingerprint = fingerprint
-        self.cancel = cancel
-        self.waiters: list[asyncio.Future[pb.InferResponse]] = []
+        self.admitted = admitted
+        # The work's deadline in the scheduler: the latest of its waiters' when admitted
+        # or extended. Invariant: a waiter with an earlier deadline has its timer.
+        self.deadline_s = deadline_s
+        self.waiters: list[_Waiter] = []
         # Set once: the answer was handed out, or the work was cancelled (no answer comes).
         self.answered = False
 
@@ -120,10 +153,10 @@ class _Flight:
 
     def _take_waiters(self) -> list[asyncio.Future[pb.InferResponse]]:
         """Marks the flight answered; the waiters still waiting (a cancelled RPC has
-        cancelled its own future and leaves by itself)."""
+        cancelled its own future and leaves by itself, an expired one was answered)."""
         self.answered = True
         waiters, self.waiters = self.waiters, []
-        return [waiter for waiter in waiters if not waiter.done()]
+        return [waiter.future for waiter in waiters if not waiter.future.done()]
 
 
 # A stored answer is one bytes object, its record: the time it was stored (a float64),
@@ -236,8 +269,9 @@ class RequestLedger:
     its Outcome into the answer (or raises its error).
     """
 
-    def __init__(self, replay: ReplayCache) -> None:
+    def __init__(self, replay: ReplayCache, clock: Clock) -> None:
         self.replay = replay
+        self._clock = clock  # the deadlines' clock (the scheduler's)
         self._flights: dict[str, _Flight] = {}
         # Requests answered from the replay cache, and requests that joined a flight.
         self.replays = 0
@@ -247,38 +281,35 @@ class RequestLedger:
         self,
         request_id: str,
         digest: bytes,
-        submit: Callable[[Resolve], Cancel],
+        submit: Callable[[Resolve], Admitted],
         finish: Callable[[Outcome], pb.InferResponse],
         *,
-        join_timeout_s: float | None = None,
+        deadline_s: float = math.inf,
     ) -> pb.InferResponse:
         """The request's answer, running it only if no request with its id is in flight
         or stored. `submit(resolve)` admits the request with `resolve` as the token its
-        Outcome comes back to (or raises why not) and returns its `Cancel`. Raises the
-        request's LaneserveError, or RequestIdReusedError.
+        Outcome comes back to and `deadline_s` as its deadline (or raises why not).
+        Raises the request's LaneserveError, or RequestIdReusedError.
 
-        A retry that joins a request in flight waits at most `join_timeout_s` (what is
-        left of its own deadline; the scheduler enforces the first caller's): then it is
-        answered JoinExpiredError, and the request goes on for whoever still waits."""
+        A retry that joins a request in flight waits until its own `deadline_s` (on the
+        ledger's clock) at most; a later one than the work's extends the work's. A waiter
+        whose deadline passes while the work waits on for another is answered
+        JoinExpiredError alone."""
         if not request_id:
-            return await self._wait(self._start("", b"", submit, finish))
+            return await self._wait(self._start("", b"", submit, finish, deadline_s), deadline_s)
         stored = self.replayed(request_id, digest)
         if stored is not None:
             return stored
         flight = self._flights.get(request_id)
         if flight is None:
-            flight = self._start(request_id, digest, submit, finish)
+            flight = self._start(request_id, digest, submit, finish, deadline_s)
             self._flights[request_id] = flight
-            return await self._wait(flight)
+            return await self._wait(flight, deadline_s)
         _check_same(request_id, flight.fingerprint, digest, "still queued or running")
         self.joins += 1
-        try:
-            return await self._wait(flight, join_timeout_s)
-        except TimeoutError:
-            raise JoinExpiredError(
-                f"deadline passed while this request waited for the request with the same "
-                f"request_id {request_id!r} already in flight"
-            ) from None
+        if deadline_s > flight.deadline_s:
+            self._extend(flight, deadline_s)
+        return await self._wait(flight, deadline_s)
 
     def replayed(self, request_id: str, digest: bytes) -> pb.InferResponse | None:
         """The stored answer of the completed request `request_id`, counted as a replay
@@ -294,8 +325,9 @@ class RequestLedger:
         self,
         request_id: str,
         digest: bytes,
-        submit: Callable[[Resolve], Cancel],
+        submit: Callable[[Resolve], Admitted],
         finish: Callable[[Outcome], pb.InferResponse],
+        deadline_s: float,
     ) -> _Flight:
         # `resolve` runs from a loop callback, never before `_start` has returned: by then
         # `flight` is bound.
@@ -323,33 +355,63 @@ class RequestLedger:
             flight.succeed(response)
 
         # Raises when refused: nothing is recorded then.
-        flight = _Flight(request_id, digest, submit(resolve))
+        flight = _Flight(request_id, digest, submit(resolve), deadline_s)
         return flight
 
-    async def _wait(self, flight: _Flight, timeout_s: float | None = None) -> pb.InferResponse:
-        """Waits for `flight`'s answer, at most `timeout_s` (then TimeoutError). The waiter
-        joins in the caller's step, before anything is awaited: `asyncio.wait_for` ran
-        this in a task of its own (Python 3.11), one loop turn later, and a retry whose
-        flight was answered in between joined a dead flight and waited out its timeout."""
-        waiter: asyncio.Future[pb.InferResponse] = asyncio.get_running_loop().create_future()
+    async def _wait(self, flight: _Flight, deadline_s: float) -> pb.InferResponse:
+        """Waits for `flight`'s answer, until `deadline_s` at most (then JoinExpiredError).
+        The waiter joins in the caller's step, before anything is awaited: a wait in a
+        task of its own (`asyncio.wait_for`, Python 3.11) began one loop turn later, and a
+        retry whose flight was answered in between joined a dead flight and waited out
+        its timeout."""
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), deadline_s)
         flight.waiters.append(waiter)
+        if deadline_s < flight.deadline_s:
+            self._arm(flight, waiter)
         try:
-            if timeout_s is None:
-                return await waiter
-            async with asyncio.timeout(max(timeout_s, 0.0)):
-                return await waiter
+            return await waiter.future
         finally:
+            if waiter.timer is not None:
+                waiter.timer.cancel()
             if not flight.answered:
                 flight.waiters.remove(waiter)
                 if not flight.waiters:
                     self._abandon(flight)
+
+    def _extend(self, flight: _Flight, deadline_s: float) -> None:
+        """A waiter with a later deadline than the work's joined: the work waits for it
+        (the scheduler moves the entry's deadline), and the waiters with earlier ones
+        get their timers (the scheduler's answer at their deadline no longer comes)."""
+        if not flight.admitted.extend(deadline_s):
+            return  # answered already: its Outcome is on its way
+        flight.deadline_s = deadline_s
+        for waiter in flight.waiters:
+            if waiter.timer is None and waiter.deadline_s < deadline_s:
+                self._arm(flight, waiter)
+
+    def _arm(self, flight: _Flight, waiter: _Waiter) -> None:
+        """Answers `waiter` alone at its deadline, unless the flight's answer came first."""
+        request_id = flight.request_id
+
+        def expire() -> None:
+            if not waiter.future.done():
+                waiter.future.set_exception(
+                    JoinExpiredError(
+                        f"deadline passed while this request waited for the answer of "
+                        f"request_id {request_id!r} (queued or running); the request goes "
+                        "on for its other callers, whose deadlines are later"
+                    )
+                )
+
+        delay_s = max(waiter.deadline_s - self._clock.monotonic(), 0.0)
+        waiter.timer = asyncio.get_running_loop().call_later(delay_s, expire)
 
     def _abandon(self, flight: _Flight) -> None:
         """The last RPC waiting for `flight` went away. Its queued rows are freed; work
         with a request_id that is already running finishes, and its answer is stored for
         the retry that is likely on its way (a request split across batches counts as
         running once its first chunk has gone: no row may run twice)."""
-        if flight.cancel(bool(flight.request_id)):
+        if flight.admitted.cancel(bool(flight.request_id)):
             if self._flights.get(flight.request_id) is flight:
                 del self._flights[flight.request_id]
             flight.answered = True
@@ -366,7 +428,9 @@ def _check_same(request_id: str, known: bytes, digest: bytes, state: str) -> Non
 
 __all__ = [
     "ENTRY_OVERHEAD_BYTES",
+    "Admitted",
     "Cancel",
+    "Extend",
     "ReplayCache",
     "RequestLedger",
     "Resolve",

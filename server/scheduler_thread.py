@@ -117,6 +117,12 @@ class SchedulerThread:
             self._cond.notify_all()
             return cancelled
 
+    def extend_deadline(self, entry_id: int, deadline_s: float) -> bool:
+        """See `Scheduler.extend_deadline`. Wakes nobody: a later deadline never needs an
+        earlier wake-up."""
+        with self._cond:
+            return self._scheduler.extend_deadline(entry_id, deadline_s)
+
     def stop_accepting(self) -> None:
         with self._cond:
             self._scheduler.stop_accepting()

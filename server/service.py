@@ -48,7 +48,7 @@ from laneserve.server.events import (
 )
 from laneserve.server.grpc_calls import GrpcCalls
 from laneserve.server.idempotency import (
-    Cancel,
+    Admitted,
     ReplayCache,
     RequestLedger,
     Resolve,
@@ -160,7 +160,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 max_bytes=config.idempotency_max_bytes,
                 ttl_s=config.idempotency_ttl_s,
                 clock=clock,
-            )
+            ),
+            clock,
         )
 
     async def Infer(
@@ -454,7 +455,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         # Set by `submit`, which runs only when this call (not a retry it joins) queues it.
         trace = NULL_TRACE
 
-        def submit(resolve: Resolve) -> Cancel:
+        def submit(resolve: Resolve) -> Admitted:
             nonlocal trace
             budget_s = None if deadline_s is None else deadline_s - self._clock.monotonic()
             trace = self._tracer.start(request.request_id, lane, rows, budget_s)
@@ -475,13 +476,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 trace.end(error.reason)
                 raise
 
-            def cancel(unless_running: bool) -> bool:
-                status = self._scheduler.cancel(entry_id, unless_running=unless_running)
-                if status is not None:  # no Outcome will come: `finish` never runs
-                    self._request_over(lane, trace, status, arrived_s)
-                return status is not None
-
-            return cancel
+            return self._admitted(entry_id, lane, trace, arrived_s)
 
         def finish(outcome: Outcome) -> pb.InferResponse:
             trace.replying()
@@ -506,29 +501,42 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             return await run()
         return await self._run_when_room(run, lane, rows, wait_until_s, room)
 
+    def _admitted(
+        self, entry_id: int, lane: str, trace: RequestTrace, arrived_s: float
+    ) -> Admitted:
+        """How the ledger cancels the queued entry `entry_id` or extends its deadline."""
+
+        def cancel(unless_running: bool) -> bool:
+            status = self._scheduler.cancel(entry_id, unless_running=unless_running)
+            if status is not None:  # no Outcome will come: `finish` never runs
+                self._request_over(lane, trace, status, arrived_s)
+            return status is not None
+
+        def extend(later_s: float) -> bool:
+            return self._scheduler.extend_deadline(entry_id, later_s)
+
+        return Admitted(cancel, extend)
+
     async def _run_once(
         self,
         lane: str,
         request_id: str,
         digest: bytes,
-        submit: Callable[[Resolve], Cancel],
+        submit: Callable[[Resolve], Admitted],
         finish: Callable[[Outcome], pb.InferResponse],
         wait_until_s: float,
     ) -> pb.InferResponse:
-        """The request's answer from the ledger (see `RequestLedger.run`); a retry that
-        joins the request in flight waits until `wait_until_s` at most."""
+        """The request's answer from the ledger (see `RequestLedger.run`): it waits until
+        `wait_until_s` at most, a retry joining the request in flight too."""
         try:
             return await self._ledger.run(
-                request_id,
-                digest,
-                submit,
-                finish,
-                join_timeout_s=wait_until_s - self._clock.monotonic(),
+                request_id, digest, submit, finish, deadline_s=wait_until_s
             )
         except (JoinExpiredError, RequestIdReusedError) as error:
-            # Answered, but neither admitted nor shed (a join whose deadline passed, an id
-            # reused for other inputs): counted as its lane's refusal (they were counted
-            # nowhere, and the counters missed an answer).
+            # Answered, but no entry of its own was shed (a waiter whose deadline passed
+            # while the request waited on for a later one, an id reused for other
+            # inputs): counted as its lane's refusal (they were counted nowhere, and the
+            # counters missed an answer).
             raise self._rejected(lane, error) from None
 
     async def _run_when_room(

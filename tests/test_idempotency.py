@@ -19,6 +19,7 @@ from laneserve import client as lc
 from laneserve.server import LaneConfig, ManualClock, ServerConfig
 from laneserve.server.idempotency import (
     ENTRY_OVERHEAD_BYTES,
+    Admitted,
     ReplayCache,
     RequestLedger,
     fingerprint,
@@ -347,7 +348,7 @@ def test_a_retry_joining_a_request_in_flight_keeps_its_own_deadline(small_model:
         for expired in (deadline, lane_timeout):
             assert expired.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert rich_status(expired)[0] == "EXPIRED_IN_QUEUE"
-        assert "waited for the request with the same request_id 'x'" in (deadline.details() or "")
+        assert "waited for the answer of request_id 'x'" in (deadline.details() or "")
         for refused_lane in (unknown, unknown_replayed):
             assert refused_lane.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "unknown lane 'vip'" in (refused_lane.details() or "")
@@ -361,6 +362,41 @@ def test_a_retry_joining_a_request_in_flight_keeps_its_own_deadline(small_model:
     asyncio.run(scenario())
 
 
+def test_a_retry_with_a_later_deadline_keeps_the_request_for_itself(small_model: Path) -> None:
+    """A hedge: the first call (timeout_ms 500) is queued behind a busy session; a retry
+    with the same id and a 60 s timeout joins it. At 500 ms the first call is answered
+    EXPIRED_IN_QUEUE alone, and the request stays queued for the retry, which gets its
+    answer: it runs once. (The request kept the first call's deadline, and the retry was
+    answered EXPIRED_IN_QUEUE with it.)"""
+
+    async def scenario() -> tuple[grpc.aio.AioRpcError, pb.InferResponse, int]:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model)) as s:
+            busy = await hold_engine(s, engine)
+            x = rows(2, start=70)
+            first = asyncio.ensure_future(s.stub.Infer(request(x, request_id="x", timeout_ms=500)))
+            await until(lambda: queued_rows(s) == 2)
+            retry = asyncio.ensure_future(
+                s.stub.Infer(request(x, request_id="x", timeout_ms=60_000))
+            )
+            await until_stats(s, lambda stats: stats.idempotent_joins == 1)
+            with pytest.raises(grpc.aio.AioRpcError) as expired:
+                await first
+            still_queued = queued_rows(s)
+            engine.release()
+            answer = await retry
+            await busy
+        assert engine.ran_tags.count(70) == 1, "ran once"
+        return expired.value, answer, still_queued
+
+    expired, answer, still_queued = asyncio.run(scenario())
+    assert expired.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert rich_status(expired)[0] == "EXPIRED_IN_QUEUE"
+    assert "goes on for its other callers" in (expired.details() or "")
+    assert still_queued == 2, "queued for the retry"
+    assert output(answer).shape == (2, 10)
+
+
 def test_a_retry_joining_in_the_turn_its_answer_arrives_gets_it() -> None:
     """The answer (a loop callback from the engine thread) came in the loop turn between
     a retry's join and its first step: `asyncio.wait_for` ran the wait in a task of its
@@ -368,8 +404,9 @@ def test_a_retry_joining_in_the_turn_its_answer_arrives_gets_it() -> None:
     its timeout (bulk: 120 s), and a stream that carried it could not end until then."""
 
     async def scenario() -> tuple[str, str]:
+        clock = ManualClock()
         ledger = RequestLedger(
-            ReplayCache(max_entries=8, max_bytes=1 << 20, ttl_s=60, clock=ManualClock())
+            ReplayCache(max_entries=8, max_bytes=1 << 20, ttl_s=60, clock=clock), clock
         )
         resolves: list[Callable[[Outcome], None]] = []
 
@@ -377,16 +414,16 @@ def test_a_retry_joining_in_the_turn_its_answer_arrives_gets_it() -> None:
             del unless_running
             return False
 
-        def submit(resolve: Callable[[Outcome], None]) -> Callable[[bool], bool]:
+        def submit(resolve: Callable[[Outcome], None]) -> Admitted:
             resolves.append(resolve)
-            return never_cancelled
+            return Admitted(never_cancelled, lambda _later_s: True)
 
         def answer(outcome: Outcome) -> pb.InferResponse:
             return pb.InferResponse(request_id=outcome.request_id)
 
         first = asyncio.create_task(ledger.run("x", b"same", submit, answer))
         await asyncio.sleep(0)  # the first call is in flight
-        retry = asyncio.create_task(ledger.run("x", b"same", submit, answer, join_timeout_s=3600.0))
+        retry = asyncio.create_task(ledger.run("x", b"same", submit, answer, deadline_s=3600.0))
         outcome = Outcome("token", "x", {}, None, Timing("standard", 1, 0.0, 0.0))
         # Scheduled after the retry's first step: both run in the same loop turn.
         asyncio.get_running_loop().call_soon(resolves[0], outcome)
