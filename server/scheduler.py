@@ -246,6 +246,9 @@ class Scheduler:
         self._full_batches_since_change = 0
         # The smallest size that ran out of memory for its size, until probed again.
         self._oom_ceiling_rows: int | None = None
+        # The last cap that ran CAP_RECOVERY_BATCHES full batches, until a run at or
+        # below it fails: where a failed probe above it returns.
+        self._proven_cap_rows: int | None = None
         self.watermark = watermark
         assert watermark is None or watermark.lanes == len(self.lanes)
         # Moving average of the time between admissions (None until two were seen): how
@@ -1213,7 +1216,14 @@ class Scheduler:
                 ceiling = self._oom_ceiling_rows
                 failed_at = min(at_cap)
                 self._oom_ceiling_rows = failed_at if ceiling is None else min(ceiling, failed_at)
-            self._set_cap(min(self.batch_cap, smallest // 2), "out_of_memory")
+            proven = self._proven_cap_rows
+            if proven is not None and proven < smallest:
+                # A probe above a size that ran CAP_RECOVERY_BATCHES full batches failed:
+                # back to that size, not to half the probe (60 -> 64 failed: 32).
+                self._set_cap(min(self.batch_cap, proven), "out_of_memory")
+            else:
+                self._proven_cap_rows = None  # it failed at or below it: memory shrank
+                self._set_cap(min(self.batch_cap, smallest // 2), "out_of_memory")
         elif result.error is None and not result.split and self._full(result.batch):
             # Only a full batch that ran whole shows the cap fits: a split one (rows that
             # failed, a broken session) says nothing of the kind.
@@ -1222,6 +1232,7 @@ class Scheduler:
                 self._full_batches_since_change >= CAP_RECOVERY_BATCHES
                 and self.batch_cap < self.max_batch_cap
             ):
+                self._proven_cap_rows = self.batch_cap
                 step = max(1, self.max_batch_cap // CAP_RECOVERY_STEPS)
                 target = min(self.max_batch_cap, self.batch_cap + step)
                 ceiling = self._oom_ceiling_rows

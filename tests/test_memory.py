@@ -348,7 +348,8 @@ def test_only_the_request_whose_row_does_not_fit_fails() -> None:
 def test_the_cap_settles_below_a_size_that_ran_out_of_memory() -> None:
     """After running out of memory at 64 rows the cap climbs back step by step but holds
     at the last size that ran (60) instead of returning to 64 every few hundred batches;
-    only after CAP_CEILING_BATCHES full batches in a row does it probe 64 once more."""
+    only after CAP_CEILING_BATCHES full batches in a row does it probe 64 once more. A
+    probe that fails returns it to 60 (it halved to 32 and climbed for ~1 000 batches)."""
     clock = ManualClock()
     scheduler = _scheduler(64)
     scheduler.admit(_request(0, "standard", 64), clock.monotonic())
@@ -364,6 +365,14 @@ def test_the_cap_settles_below_a_size_that_ran_out_of_memory() -> None:
             changed_at.append(index)
     assert caps == [32, 36, 40, 44, 48, 52, 56, 60, 64], "held at 60, then one probe of 64"
     assert changed_at[-1] - changed_at[-2] == CAP_CEILING_BATCHES, "held that long at 60"
+    # The probe fails: back to 60, which ran all that time, not to half of 64.
+    scheduler.admit(_request(0, "standard", 64), clock.monotonic())
+    scheduler.complete(_ran_out_of_memory(_dispatch(scheduler, clock)))
+    assert scheduler.batch_cap == 60
+    # 60 fails too (memory shrank since): it is no longer proven, the cap halves.
+    scheduler.admit(_request(1, "standard", 60), clock.monotonic())
+    scheduler.complete(_ran_out_of_memory(_dispatch(scheduler, clock)))
+    assert scheduler.batch_cap == 30
 
 
 def test_a_passing_shortage_below_the_cap_sets_no_ceiling() -> None:
