@@ -93,6 +93,10 @@ Resolve = Callable[[Outcome], None]
 # (any chunk run or running) is left to finish. Returns True when cancelled, False when
 # its Outcome is still coming.
 Cancel = Callable[[bool], bool]
+# Turns a request's Outcome into its answer (or raises its error); the flag says whether
+# a caller still waits for it (False: every caller left or timed out while it ran, and
+# the answer is only kept for replay).
+Finish = Callable[[Outcome, bool], pb.InferResponse]
 # Moves an admitted request's deadline (scheduler clock) to a later one; False when its
 # answer is already on its way (nothing to extend).
 Extend = Callable[[float], bool]
@@ -265,8 +269,9 @@ class RequestLedger:
         response = await ledger.run(request_id, fingerprint(request), submit, finish)
 
     where `submit(resolve)` admits the request to the scheduler with `resolve` as its
-    token (or raises why not) and returns how to cancel it, and `finish(outcome)` turns
-    its Outcome into the answer (or raises its error).
+    token (or raises why not) and returns how to cancel it, and `finish(outcome, waited)`
+    turns its Outcome into the answer (or raises its error); `waited` says whether a
+    caller still waits for it (else it is only kept for replay).
     """
 
     def __init__(self, replay: ReplayCache, clock: Clock) -> None:
@@ -282,7 +287,7 @@ class RequestLedger:
         request_id: str,
         digest: bytes,
         submit: Callable[[Resolve], Admitted],
-        finish: Callable[[Outcome], pb.InferResponse],
+        finish: Finish,
         *,
         deadline_s: float = math.inf,
     ) -> pb.InferResponse:
@@ -326,7 +331,7 @@ class RequestLedger:
         request_id: str,
         digest: bytes,
         submit: Callable[[Resolve], Admitted],
-        finish: Callable[[Outcome], pb.InferResponse],
+        finish: Finish,
         deadline_s: float,
     ) -> _Flight:
         # `resolve` runs from a loop callback, never before `_start` has returned: by then
@@ -336,8 +341,9 @@ class RequestLedger:
                 del self._flights[request_id]
             if flight.answered:  # every waiter has gone and the work was cancelled
                 return
+            waited = any(not waiter.future.done() for waiter in flight.waiters)
             try:
-                response = finish(outcome)
+                response = finish(outcome, waited)
             except Exception as error:
                 # Every waiter gets an answer on every path, a bug in `finish` included.
                 failure = error
@@ -431,6 +437,7 @@ __all__ = [
     "Admitted",
     "Cancel",
     "Extend",
+    "Finish",
     "ReplayCache",
     "RequestLedger",
     "Resolve",

@@ -49,6 +49,7 @@ from laneserve.server.events import (
 from laneserve.server.grpc_calls import GrpcCalls
 from laneserve.server.idempotency import (
     Admitted,
+    Finish,
     ReplayCache,
     RequestLedger,
     Resolve,
@@ -58,6 +59,7 @@ from laneserve.server.items import InferenceRequest, Outcome
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.log_events import event_extra
 from laneserve.server.memory import MemoryFacts, WatermarkState
+from laneserve.server.scheduler import DEADLINE_SLACK_S
 from laneserve.server.scheduler_thread import SchedulerThread
 from laneserve.server.stats import Distribution, Percentiles, StatsRecorder
 from laneserve.v1 import inference_pb2 as pb
@@ -478,9 +480,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
             return self._admitted(entry_id, lane, trace, arrived_s)
 
-        def finish(outcome: Outcome) -> pb.InferResponse:
+        def finish(outcome: Outcome, waited: bool) -> pb.InferResponse:
             trace.replying()
-            status = "OK"
+            # Counted as what its callers got: when none waits any more (they left, or
+            # their deadlines passed while it ran on for replay), not OK.
+            status = "OK" if waited else _left_status(self._clock.monotonic(), wait_until_s)
             try:
                 response = self._answer(request.request_id, outcome, output_names)
             except Exception as error:
@@ -523,7 +527,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         request_id: str,
         digest: bytes,
         submit: Callable[[Resolve], Admitted],
-        finish: Callable[[Outcome], pb.InferResponse],
+        finish: Finish,
         wait_until_s: float,
     ) -> pb.InferResponse:
         """The request's answer from the ledger (see `RequestLedger.run`): it waits until
@@ -644,6 +648,12 @@ def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
         (grpc.method_handlers_generic_handler(service.full_name, handlers),)
     )
     server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _left_status(now_s: float, deadline_s: float) -> str:
+    """The status a request's callers ended with when none waited for its answer: its
+    deadline passed (gRPC's name for it), else they left."""
+    return "DEADLINE_EXCEEDED" if now_s >= deadline_s - DEADLINE_SLACK_S else "CANCELLED"
 
 
 def _deadline_s(now_s: float, remaining_s: float | None, timeout_ms: int) -> float | None:

@@ -266,6 +266,10 @@ def test_abandoned_running_request_finishes_and_is_replayed(small_model: Path) -
         assert output(retried).shape == (2, 10)
         assert engine.ran_tags == [70, 71], "ran once, answered from the cache"
         assert stats.idempotent_replays == 1
+        # Counted as its caller ended (it left), not OK: the answer reached nobody.
+        (standard,) = [lane for lane in stats.lanes if lane.name == "standard"]
+        assert dict(standard.answered) == {"CANCELLED": 1}
+        assert standard.completed == 0
 
     asyncio.run(scenario())
 
@@ -418,7 +422,7 @@ def test_a_retry_joining_in_the_turn_its_answer_arrives_gets_it() -> None:
             resolves.append(resolve)
             return Admitted(never_cancelled, lambda _later_s: True)
 
-        def answer(outcome: Outcome) -> pb.InferResponse:
+        def answer(outcome: Outcome, _waited: bool) -> pb.InferResponse:
             return pb.InferResponse(request_id=outcome.request_id)
 
         first = asyncio.create_task(ledger.run("x", b"same", submit, answer))
