@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -27,7 +28,7 @@ from typing import Any
 import grpc
 
 from laneserve.client._channel import DEFAULT_MAX_MESSAGE_BYTES, channel_options
-from laneserve.client.cli import add_tls_arguments, tls_config
+from laneserve.client.cli import EXIT_BROKEN_PIPE, add_tls_arguments, tls_config
 from laneserve.server.memory import format_bytes
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -91,7 +92,7 @@ def _check_numbers(args: argparse.Namespace, frames: int | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Polls and renders until the frames asked for are shown, or Ctrl-C; 1 when the
-    server cannot be reached."""
+    server cannot be reached, 141 when the output's reader has gone (`| head`)."""
     frames: int | None = 1 if args.once else args.iterations
     try:
         _check_numbers(args, frames)
@@ -143,6 +144,18 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 0
+    except BrokenPipeError:
+        return _stdout_closed()
+
+
+def _stdout_closed() -> int:
+    """The reader of our output went away (`| head`): stop quietly, as laneserve-client
+    does. Python flushes stdout once more at exit; pointed at devnull, that flush cannot
+    fail again (it printed a second BrokenPipeError)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE
 
 
 # ---- rendering (pure: tested on hand-made answers) ------------------------------------------

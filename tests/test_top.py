@@ -4,7 +4,9 @@ headless (--once / --iterations) against a real server."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ from laneserve.server import ServerConfig
 from laneserve.server.cli import main
 from laneserve.server.top import Sample, render
 from laneserve.v1 import inference_pb2 as pb
-from tests.support import RecordingEngine, request, rows, serving
+from tests.support import CLIENT_CLI_TIMEOUT_S, RecordingEngine, request, rows, serving
 
 GIB = 1 << 30
 MODEL = pb.GetModelResponse(
@@ -202,6 +204,33 @@ def test_top_shows_a_server_that_stopped_as_unreachable_and_polls_on(
     assert len(frames) == 10
     assert "SERVING" in frames[0]
     assert "unreachable: UNAVAILABLE" in frames[-1]
+
+
+def test_top_piped_into_a_reader_that_stops_exits_141_quietly(small_model: Path) -> None:
+    """`laneserve top --iterations 3 | head -1` ended in a BrokenPipeError traceback and
+    exit 1 once `head` had gone; it now stops quietly with 141, as laneserve-client does.
+    Run as the console script runs it, its output into a pipe whose reader has gone."""
+    entry_point = "import sys; from laneserve.server.cli import main; sys.exit(main())"
+
+    async def scenario() -> tuple[int | None, str]:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, ServerConfig(model_path=str(small_model))) as s:
+            reader, writer = os.pipe()
+            os.close(reader)
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    *(sys.executable, "-c", entry_point, "top", "--target", s.target),
+                    *("--iterations", "3", "--interval-s", "0.05"),
+                    stdout=writer,
+                    stderr=asyncio.subprocess.PIPE,
+                )
+            finally:
+                os.close(writer)
+            _, err = await asyncio.wait_for(process.communicate(), timeout=CLIENT_CLI_TIMEOUT_S)
+        return process.returncode, err.decode()
+
+    code, err = asyncio.run(scenario())
+    assert (code, err) == (141, "")
 
 
 def test_top_reports_an_unreachable_target(capsys: pytest.CaptureFixture[str]) -> None:
