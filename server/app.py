@@ -503,15 +503,10 @@ class LaneServer:
         self._servicer.stop_reading_streams()
         await self._health.enter_graceful_shutdown()
         self._thread.stop_accepting()
+        started_s = self.clock.monotonic()
         drained = await asyncio.to_thread(self._thread.wait_drained, grace_s)
         if not drained:
-            log_event(
-                log,
-                logging.WARNING,
-                "drain_incomplete",
-                f"drain ended after at most {grace_s:.1f}s; answering what is left UNAVAILABLE",
-                grace_s=grace_s,
-            )
+            self._log_drain_incomplete(grace_s, self.clock.monotonic() - started_s)
         await asyncio.to_thread(
             functools.partial(
                 self._thread.close,
@@ -542,6 +537,26 @@ class LaneServer:
         self._health.end_watches()
         await asyncio.gather(*(server.stop(grace=2.0) for server in self._servers))
         return drained
+
+    def _log_drain_incomplete(self, grace_s: float, waited_s: float) -> None:
+        """What the drain left: cut short by a second signal (`end_grace`), or its grace
+        over. A drain cut short after a moment said it "ended after at most" its grace."""
+        assert self._thread is not None
+        cut_short = self._thread.grace_ended
+        why = (
+            f"drain cut short by a second signal after {waited_s:.1f}s of its {grace_s:.1f}s grace"
+            if cut_short
+            else f"drain grace of {grace_s:.1f}s over"
+        )
+        log_event(
+            log,
+            logging.WARNING,
+            "drain_incomplete",
+            f"{why}; answering what is left UNAVAILABLE",
+            grace_s=grace_s,
+            waited_s=round(waited_s, 3),
+            cut_short=cut_short,
+        )
 
     def _scheduler_failed(self, error: LaneserveError) -> None:
         """The scheduler or engine thread failed for good (every live request has its

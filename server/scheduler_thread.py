@@ -142,6 +142,12 @@ class SchedulerThread:
             self._grace_ended = True
             self._cond.notify_all()
 
+    @property
+    def grace_ended(self) -> bool:
+        """Whether `end_grace` was called (a drain that ends incomplete was cut short)."""
+        with self._cond:
+            return self._grace_ended
+
     def depths(self) -> list[LaneDepth]:
         with self._cond:
             return self._scheduler.depths()

@@ -348,6 +348,10 @@ def test_every_log_line_of_a_drain_is_a_json_event(small_model: Path) -> None:
     assert events["drain_started"]["message"] == "SIGTERM: draining (grace 3600.0s)"
     assert events["drain_cut_short"]["signal"] == "SIGTERM"
     assert events["drain_incomplete"]["grace_s"] == 3600.0
+    # Cut short by the second signal, not at the end of its grace: the line said "drain
+    # ended after at most 3600.0s" after a drain of a fraction of a second.
+    assert events["drain_incomplete"]["cut_short"] is True
+    assert events["drain_incomplete"]["message"].startswith("drain cut short by a second signal")
     assert events["batch_still_running"]["waited_s"] > 0
     assert lines[-1]["event"] == "shutdown"
 
