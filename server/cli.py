@@ -179,17 +179,12 @@ async def _serve(config: ServerConfig) -> tuple[int, bool]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="laneserve", description=__doc__)
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
-    )
-    parser.add_argument(
-        "--log-format",
-        default="text",
-        choices=["text", "json"],
-        help="one line per event: text with key=value fields, or one JSON object",
-    )
+    _add_log_arguments(parser, level="info", log_format="text")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve an ONNX model over gRPC")
+    # After `serve` too: ./scripts/serve passes its arguments after it. Not given there,
+    # they leave what was given before `serve` (or its default) as it is.
+    _add_log_arguments(serve, level=argparse.SUPPRESS, log_format=argparse.SUPPRESS)
     serve.add_argument("--model", required=True, help="path of the ONNX model")
     serve.add_argument("--config", help="TOML file with [server] settings and [[lanes]]")
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
@@ -258,6 +253,16 @@ def _parser() -> argparse.ArgumentParser:
         "--seed", type=flag_values.integer(0), default=0, help="seed of the weights (default 0)"
     )
     return parser
+
+
+def _add_log_arguments(parser: argparse.ArgumentParser, *, level: str, log_format: str) -> None:
+    parser.add_argument("--log-level", default=level, choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--log-format",
+        default=log_format,
+        choices=["text", "json"],
+        help="one line per event: text with key=value fields, or one JSON object",
+    )
 
 
 if __name__ == "__main__":

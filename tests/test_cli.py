@@ -130,6 +130,17 @@ def test_missing_model_is_refused(tmp_path: Path) -> None:
     assert "cannot load model" in stderr
 
 
+def test_log_flags_are_taken_after_serve_too(tmp_path: Path) -> None:
+    """`./scripts/serve --log-format json` (the script puts its arguments after `serve`)
+    was refused "unrecognized arguments": JSON logs needed `laneserve --log-format json
+    serve`, which the script cannot pass."""
+    absent = str(tmp_path / "absent.onnx")
+    stderr = refused_at_start("--model", absent, "--log-format", "json", "--log-level", "info")
+    line = json.loads(stderr.strip().splitlines()[-1])
+    assert line["event"] == "startup_failed"
+    assert "cannot load model" in line["message"]
+
+
 def test_a_model_path_that_is_a_directory_is_refused_saying_so(tmp_path: Path) -> None:
     """ONNX Runtime's own message was INVALID_PROTOBUF, "Protobuf parsing failed"."""
     stderr = refused_at_start("--model", str(tmp_path), "--port", "0")
