@@ -739,6 +739,33 @@ def test_memory_and_out_of_memory_events_reach_the_metrics() -> None:
     assert at(points, "laneserve.device.memory.budget") == 8 << 30
 
 
+def test_the_memory_gauges_say_what_they_read_on_the_cpu_too() -> None:
+    """On the CPU the "device memory" gauges read this process's resident memory against
+    --host-memory-limit (the watermark's limit), not the arena's --memory-limit; their
+    help said "Device memory in use" and "The device memory limit (budget)", so a
+    scraper read 4 GiB as the arena's budget of 256 MiB."""
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry(
+        lanes=ServerConfig(model_path="m.onnx").lanes,
+        providers=["CPUExecutionProvider"],
+        max_batch_size=64,
+        metric_readers=[reader],
+    )
+    assert telemetry.metrics is not None
+    telemetry.metrics.memory_sampled(3 << 30, 8 << 30)
+    data = reader.get_metrics_data()
+    telemetry.close()
+    assert data is not None
+    help_of = {
+        metric.name: metric.description or ""
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+    }
+    assert "resident memory" in help_of["laneserve.device.memory.used"]
+    assert "host_memory_limit" in help_of["laneserve.device.memory.budget"]
+
+
 def series(points: Points, name: str, *keys: str) -> dict[tuple[str, ...], float]:
     """The values of metric `name`, keyed by the values of its attributes `keys`."""
     return {

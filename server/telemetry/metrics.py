@@ -238,13 +238,15 @@ class Metrics(NullEvents):
             "laneserve.device.memory.used",
             callbacks=[self._observe_memory_used],
             unit="By",
-            description="Device memory in use at the last reading",
+            description="Memory in use at the last reading: the GPU's (NVML), or on the CPU "
+            "this process's resident memory",
         )
         meter.create_observable_gauge(
             "laneserve.device.memory.budget",
             callbacks=[self._observe_memory_budget],
             unit="By",
-            description="The device memory limit (budget)",
+            description="The limit memory in use is measured against: memory_limit on a GPU, "
+            "host_memory_limit on the CPU",
         )
         if device is not None:
             # Registered only with a GPU in use: absent, not zero, without one.
