@@ -136,15 +136,20 @@ def _probe_shapes(flags: Sequence[str] | None) -> dict[str, list[int]] | None:
 async def _serve(config: ServerConfig) -> tuple[int, bool]:
     """Serves until a signal (or a failure); the exit code, and whether every thread of
     the server ended."""
-    # The handlers come first: a SIGTERM while the model loads or the server starts is
-    # a drain once it serves, never the default action (killed, nothing answered).
+    # The handlers come first, and the model loads and is probed on a thread, so that
+    # the loop takes signals meanwhile (minutes, for a large model on a GPU): a SIGTERM
+    # then means "do not serve", a second one "exit now" (nothing is served yet), never
+    # the default action nor a wait for the load.
     loop = asyncio.get_running_loop()
     stop_asked = asyncio.Event()
     server: LaneServer | None = None
 
     def on_signal(signum: int) -> None:
         name = signal.Signals(signum).name
-        if not stop_asked.is_set():
+        if server is None:
+            _signal_while_starting(name, signum, again=stop_asked.is_set())
+            stop_asked.set()
+        elif not stop_asked.is_set():
             log_event(
                 log,
                 logging.INFO,
@@ -154,7 +159,7 @@ async def _serve(config: ServerConfig) -> tuple[int, bool]:
                 grace_s=config.drain_grace_s,
             )
             stop_asked.set()
-        elif server is not None:  # draining, or about to: no grace either way
+        else:  # draining, or about to: no grace either way
             log_event(
                 log,
                 logging.WARNING,
@@ -166,7 +171,12 @@ async def _serve(config: ServerConfig) -> tuple[int, bool]:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
-    server = LaneServer(load_engine(config), config)
+    loaded = await asyncio.to_thread(lambda: LaneServer(load_engine(config), config))
+    if stop_asked.is_set():  # asked while it loaded: it never serves
+        await loaded.stop()
+        log_event(log, logging.INFO, "shutdown", "stopped before serving", drained=True)
+        return 0, True
+    server = loaded
     await server.start()
     tune_for_serving()
     asked = asyncio.ensure_future(stop_asked.wait())
@@ -175,6 +185,25 @@ async def _serve(config: ServerConfig) -> tuple[int, bool]:
     asked.cancel()
     await server.stop()
     return (0 if server.failure is None else 1), server.threads_stopped
+
+
+def _signal_while_starting(name: str, signum: int, *, again: bool) -> None:
+    """A signal before the server serves: the first stops it once the model has loaded
+    (the load cannot be interrupted); the next ends the process at once, as the shell
+    reports a death by that signal (128 + its number): nothing is served to lose."""
+    if not again:
+        log_event(
+            log,
+            logging.INFO,
+            "stop_while_starting",
+            f"{name} while starting: stopping once the model has loaded, without serving "
+            f"({name} again exits now)",
+            signal=name,
+        )
+        return
+    log_event(log, logging.WARNING, "exit_while_starting", f"{name} again: exiting", signal=name)
+    logging.shutdown()
+    os._exit(128 + signum)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -428,6 +429,81 @@ def test_a_sigterm_as_soon_as_it_serves_is_a_drain(small_model: Path) -> None:
                 process.kill()
     assert "SIGTERM: draining" in stderr
     assert "stopped" in stderr
+
+
+# `laneserve serve` whose model load waits for a line on stdin (a large model loading).
+HELD_IN_LOAD = """
+import sys
+import laneserve.server.cli as cli
+load = cli.load_engine
+def held(config):
+    print("loading", file=sys.stderr, flush=True)
+    sys.stdin.readline()
+    return load(config)
+cli.load_engine = held
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def _held_in_load(model: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", HELD_IN_LOAD, "serve", "--model", str(model), "--port", "0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _until_line(process: subprocess.Popen[str], text: str) -> None:
+    """Reads stderr up to a line holding `text`; a process that says nothing of the kind
+    within 60 s is killed (its stderr ends: the test fails instead of hanging)."""
+    assert process.stderr is not None
+    watchdog = threading.Timer(60, process.kill)
+    watchdog.start()
+    try:
+        for line in process.stderr:
+            if text in line:
+                return
+    finally:
+        watchdog.cancel()
+    raise AssertionError(f"no line with {text!r}")
+
+
+def test_a_sigterm_while_the_model_loads_stops_it_without_serving(small_model: Path) -> None:
+    """The model loaded on the event loop: a SIGTERM meanwhile waited for the load, then
+    the server bound its port, said SERVING and drained. Now it never serves."""
+    with _held_in_load(small_model) as process:
+        assert process.stderr is not None
+        assert process.stdin is not None
+        try:
+            _until_line(process, "loading")
+            process.send_signal(signal.SIGTERM)
+            _until_line(process, "SIGTERM while starting")
+            process.stdin.write("\n")
+            process.stdin.flush()
+            stderr = process.stderr.read()
+            assert process.wait(timeout=60) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert "stopped before serving" in stderr
+    assert f"serving {small_model}" not in stderr
+
+
+def test_a_second_signal_while_the_model_loads_exits_at_once(small_model: Path) -> None:
+    """The load is still going (it never ends here): the second signal ends the process,
+    as the shell reports a death by SIGTERM. It waited for the load."""
+    with _held_in_load(small_model) as process:
+        try:
+            _until_line(process, "loading")
+            process.send_signal(signal.SIGTERM)
+            _until_line(process, "SIGTERM while starting")
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=60) == 128 + signal.SIGTERM
+        finally:
+            if process.poll() is None:
+                process.kill()
 
 
 def _parsers_within(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
