@@ -215,12 +215,18 @@ def decode_tensor(tensor: inference_pb2.Tensor) -> npt.NDArray[Any]:
     before writing to it.
 
     Raises:
-        ValueError: the dtype is unspecified or unknown, a dimension is negative,
-            ``len(data)`` is not the size of ``shape``, or a bool byte is not 0 or 1.
+        ValueError: the dtype is unspecified or unknown, the shape has more than
+            ``MAX_DIMS`` dimensions, a dimension is negative, ``len(data)`` is not the
+            size of ``shape``, or a bool byte is not 0 or 1.
     """
     what = f"tensor {tensor.name!r}"
     wire = _wire_type(tensor.dtype, what)
     shape = tuple(tensor.shape)
+    # Counted before anything multiplies or prints the sizes: the product of a million
+    # dimensions takes seconds (on the server's event loop), and one of a few hundred
+    # large ones has more digits than Python turns into text.
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"{what}: shape has {len(shape)} dimensions; expected at most {MAX_DIMS}")
     if any(dim < 0 for dim in shape):
         raise ValueError(
             f"{what}: shape {list(shape)} has a negative dimension; expected sizes >= 0"
