@@ -13,11 +13,11 @@ import dataclasses
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import message_factory
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from laneserve.client.tensors import datatype_of
 from laneserve.server.clock import Clock
@@ -321,6 +321,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         request: pb.GetModelRequest,
         context: grpc.aio.ServicerContext[pb.GetModelRequest, pb.GetModelResponse],
     ) -> pb.GetModelResponse:
+        if request is UNDECODABLE_GET_MODEL:
+            await abort_with(context, undecodable(request))
         return pb.GetModelResponse(
             model_path=self._config.model_path,
             inputs=[_tensor_spec(spec) for spec in self._engine.inputs],
@@ -350,6 +352,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         request: pb.GetStatsRequest,
         context: grpc.aio.ServicerContext[pb.GetStatsRequest, pb.GetStatsResponse],
     ) -> pb.GetStatsResponse:
+        if request is UNDECODABLE_GET_STATS:
+            await abort_with(context, undecodable(request))
         snapshot = self._stats.snapshot()
         depths = {depth.name: depth for depth in self._scheduler.depths()}
         return pb.GetStatsResponse(
@@ -410,13 +414,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         streams) filled the lane and had most of their items refused LANE_FULL."""
         arrived_s = self._clock.monotonic()
         if request is UNDECODABLE_REQUEST:
-            raise self._rejected_without_lane(
-                InvalidInputError(
-                    "the request does not parse as a laneserve.v1.InferRequest message; "
-                    "expected one encoded from protos/laneserve/v1/inference.proto (strings "
-                    "in UTF-8)"
-                )
-            )
+            raise self._rejected_without_lane(undecodable(request))
         lane = request.lane or default_lane
         lane_config = self._lane_configs.get(lane)
         if lane_config is None:  # here, not only at admission: a retry that joins or
@@ -606,18 +604,35 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
 _READ_DONE = object()  # InferStream: the reader has read its last request
 
-# What the servicer receives for bytes that do not parse as an InferRequest (another
-# schema, invalid UTF-8 in a string field): refused INVALID_ARGUMENT by `_infer`, where
-# gRPC's own deserializer failure answered UNKNOWN "Unexpected DecodeError" (and ended
-# a whole InferStream). Compared by identity; never changed.
+# What the servicer receives for bytes that do not parse as its method's request (another
+# schema, invalid UTF-8 in a string field): refused INVALID_ARGUMENT (`undecodable`),
+# where gRPC's own deserializer failure answered UNKNOWN "Unexpected DecodeError" (and
+# ended a whole InferStream). Compared by identity; never changed.
 UNDECODABLE_REQUEST = pb.InferRequest()
+UNDECODABLE_GET_MODEL = pb.GetModelRequest()
+UNDECODABLE_GET_STATS = pb.GetStatsRequest()
+_M = TypeVar("_M", bound=Message)
+_UNDECODABLE: dict[type[Message], Message] = {
+    type(message): message
+    for message in (UNDECODABLE_REQUEST, UNDECODABLE_GET_MODEL, UNDECODABLE_GET_STATS)
+}
 
 
-def read_infer_request(data: bytes) -> pb.InferRequest:
+def read_request(request_type: type[_M], data: bytes) -> _M:
     try:
-        return pb.InferRequest.FromString(data)
+        return request_type.FromString(data)
     except DecodeError:
-        return UNDECODABLE_REQUEST
+        undecodable = _UNDECODABLE[request_type]
+        assert isinstance(undecodable, request_type)
+        return undecodable
+
+
+def undecodable(request: Message) -> InvalidInputError:
+    """The refusal of an `UNDECODABLE_*` request."""
+    return InvalidInputError(
+        f"the request does not parse as a {request.DESCRIPTOR.full_name} message; expected "
+        "one encoded from protos/laneserve/v1/inference.proto (strings in UTF-8)"
+    )
 
 
 # gRPC's handler factory for each (client streams, server streams) of a method.
@@ -631,14 +646,19 @@ _HANDLER_KINDS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any,
 
 def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
     """What the generated `add_InferenceServiceServicer_to_server` does, with
-    `read_infer_request` as the InferRequest deserializer: every method of the service as
-    the proto declares it (a method added there is served once the servicer has it)."""
+    `read_request` as the deserializer of the requests that have an `UNDECODABLE_*`: every
+    method of the service as the proto declares it (a method added there is served once
+    the servicer has it)."""
     service = pb.DESCRIPTOR.services_by_name["InferenceService"]
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in service.methods:
         request_type = message_factory.GetMessageClass(method.input_type)
         response_type = message_factory.GetMessageClass(method.output_type)
-        read = read_infer_request if request_type is pb.InferRequest else request_type.FromString
+        read = (
+            functools.partial(read_request, request_type)
+            if request_type in _UNDECODABLE
+            else request_type.FromString
+        )
         handlers[method.name] = _HANDLER_KINDS[method.client_streaming, method.server_streaming](
             getattr(servicer, method.name),
             request_deserializer=read,
@@ -666,11 +686,7 @@ def _deadline_s(now_s: float, remaining_s: float | None, timeout_ms: int) -> flo
     return min(candidates) if candidates else None
 
 
-async def abort_with(
-    context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferResponse]
-    | grpc.aio.ServicerContext[pb.InferRequest, pb.InferStreamResponse],
-    error: LaneserveError,
-) -> None:
+async def abort_with(context: grpc.aio.ServicerContext[Any, Any], error: LaneserveError) -> None:
     """Ends the RPC with `error`'s status, rich details and, if retryable, the pushback."""
     if context.cancelled():
         # The caller went away or its deadline passed: no status can be sent any more,

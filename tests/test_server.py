@@ -212,6 +212,35 @@ def test_bytes_that_are_not_an_infer_request_are_invalid_argument(small_model: P
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize(
+    ("method", "message"), [("GetModel", "GetModelRequest"), ("GetStats", "GetStatsRequest")]
+)
+def test_bytes_that_are_not_the_request_of_get_model_or_get_stats_are_invalid_argument(
+    small_model: Path, method: str, message: str
+) -> None:
+    """Only Infer's requests were read this way: GetModel and GetStats answered gRPC's
+    UNKNOWN "Unexpected <class 'DecodeError'>" to bytes that do not parse."""
+    garbage = b"\x0a\xff\x01"  # field 1, length-delimited, 255 bytes announced, 1 sent
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            call = s.channel.unary_unary(
+                f"/laneserve.v1.InferenceService/{method}",
+                request_serializer=bytes,
+                response_deserializer=bytes,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call(garbage, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert rich_status(refused.value)[0] == "INVALID_INPUT"
+            assert f"does not parse as a laneserve.v1.{message} message" in (
+                refused.value.details() or ""
+            )
+            assert await call(b"", timeout=10) is not None  # the empty message is served
+
+    asyncio.run(scenario())
+
+
 def test_full_lane_refuses_with_pushback(small_model: Path) -> None:
     lanes = (
         LaneConfig("standard", capacity_rows=8, timeout_ms=60_000, max_wait_ms=0, min_share=0.0),
