@@ -83,7 +83,11 @@ def parse_memory_limit(text: str) -> MemoryLimit:
         )
     limit_bytes = int(number * _UNITS[unit])
     if limit_bytes < 1024 * 1024:
-        raise ValueError(f"memory limit {text!r}: expected at least 1MiB")
+        # Said how it was read: "1.5" is bytes, as a fraction it is out of range.
+        raise ValueError(
+            f"memory limit {text!r} is {limit_bytes} bytes; expected at least 1MiB, or a "
+            "fraction of device memory in (0, 1] such as 0.9"
+        )
     if limit_bytes > MAX_MEMORY_LIMIT_BYTES:  # the runtime takes a 64-bit size
         raise ValueError(f"memory limit {text!r}: expected at most 1PiB")
     return MemoryLimit(limit_bytes=limit_bytes)

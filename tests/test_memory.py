@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -99,6 +100,22 @@ def test_memory_limit_parses_bytes_and_fractions(text: str, expected: MemoryLimi
 @pytest.mark.parametrize("text", ["", "lots", "-1GiB", "12XB", "100KiB", "1.5"])
 def test_bad_memory_limit_names_what_was_expected(text: str) -> None:
     with pytest.raises(ValueError, match="memory limit"):
+        parse_memory_limit(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "read_as"), [("1.5", "1 bytes"), ("0.0", "0 bytes"), ("2", "2 bytes")]
+)
+def test_a_limit_under_1mib_says_how_it_was_read(text: str, read_as: str) -> None:
+    """A fraction over 1 is read as bytes: the refusal said "expected at least 1MiB" to
+    a caller who meant a fraction, and never that fractions are in (0, 1]."""
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"memory limit {text!r} is {read_as}; expected at least 1MiB, or a fraction "
+            "of device memory in (0, 1] such as 0.9"
+        ),
+    ):
         parse_memory_limit(text)
 
 
