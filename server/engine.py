@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import onnxruntime as ort
 
-from laneserve.client.tensors import numpy_dtype_for_onnx_type
+from laneserve.client.tensors import datatype_for_onnx_type, numpy_dtype_for_onnx_type
 from laneserve.server.config import Device
 from laneserve.server.errors import (
     DeviceMemoryError,
@@ -211,15 +211,9 @@ class Engine:
         self.providers: list[str] = list(self._session.get_providers())
         if device == "cuda" and CUDA not in self.providers:
             raise EngineStartError(f"--device cuda: the session fell back to {self.providers}")
-        self.inputs = tuple(self._spec(arg) for arg in self._session.get_inputs())
-        self.outputs = tuple(self._spec(arg) for arg in self._session.get_outputs())
+        self.inputs = tuple(self._spec(arg, "input") for arg in self._session.get_inputs())
+        self.outputs = tuple(self._spec(arg, "output") for arg in self._session.get_outputs())
         self.output_names = [spec.name for spec in self.outputs]
-        for spec in self.inputs + self.outputs:
-            if not spec.shape or spec.shape[0] != -1:
-                raise EngineStartError(
-                    f"model {spec.name!r} has shape {list(spec.shape)}: laneserve batches along "
-                    f"the first axis, which must be dynamic (a symbolic or -1 dimension)"
-                )
         self._probe_shapes = self._check_probe_shapes(probe_shapes or {})
         # After an allocation failure the arena keeps the regions the failed run grew;
         # it is asked to shrink back at once (`_shrink_arena`), so a batch that fitted
@@ -259,12 +253,21 @@ class Engine:
         )
 
     @staticmethod
-    def _spec(arg: ort.NodeArg) -> TensorSpec:
+    def _spec(arg: ort.NodeArg, role: str) -> TensorSpec:
+        """The spec of model input or output (`role`) `arg`, if laneserve can serve it."""
+        try:
+            datatype_for_onnx_type(arg.type)  # says which types the wire carries
+        except ValueError as error:
+            raise EngineStartError(f"model {role} {arg.name!r}: {error}") from None
         dtype = numpy_dtype_for_onnx_type(arg.type)
-        if dtype is None:
-            raise EngineStartError(f"model tensor {arg.name!r} has unsupported type {arg.type}")
+        assert dtype is not None
         shape = tuple(dim if isinstance(dim, int) and dim >= 0 else -1 for dim in arg.shape)
         names = tuple(dim if isinstance(dim, str) and dim else None for dim in arg.shape)
+        if not shape or shape[0] != -1:
+            raise EngineStartError(
+                f"model {role} {arg.name!r} has shape {list(shape)}: laneserve batches along "
+                f"the first axis, which must be dynamic (a symbolic or -1 dimension)"
+            )
         return TensorSpec(arg.name, dtype, shape, names)
 
     def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:

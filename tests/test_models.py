@@ -74,6 +74,53 @@ def test_a_model_whose_output_rows_do_not_follow_its_input_rows_is_refused(
     assert "expected one output row per input row" in message
 
 
+@pytest.mark.parametrize(
+    ("tensor_type", "in_shape", "out_type", "expected"),
+    [
+        (
+            TensorProto.STRING,
+            ["N", 1],
+            TensorProto.STRING,
+            (
+                "model input 's': ONNX Runtime type 'tensor(string)' is not supported; "
+                "expected one of tensor(float), tensor(float16)"
+            ),
+        ),
+        (
+            TensorProto.FLOAT,
+            ["N", 1],
+            TensorProto.BFLOAT16,
+            (
+                "model output 'o': ONNX Runtime type 'tensor(bfloat16)' is not supported; "
+                "expected one of tensor(float), tensor(float16)"
+            ),
+        ),
+        (
+            TensorProto.FLOAT,
+            [1, 4],
+            TensorProto.FLOAT,
+            "model input 's' has shape [1, 4]: laneserve batches along the first axis",
+        ),
+    ],
+    ids=["string-input", "bfloat16-output", "fixed-rows"],
+)
+def test_a_model_laneserve_cannot_serve_is_refused_naming_the_input_or_output(
+    tmp_path: Path, tensor_type: int, in_shape: list[Any], out_type: int, expected: str
+) -> None:
+    """The refusal said "model tensor 's' has unsupported type tensor(string)" (and
+    "model 's' has shape [1, 4]"): neither whether an input or an output, nor which types
+    are served."""
+    cast = helper.make_node("Cast", ["s"], ["o"], to=out_type)
+    graph = helper.make_graph(
+        [cast],
+        "unservable",
+        [helper.make_tensor_value_info("s", tensor_type, in_shape)],
+        [helper.make_tensor_value_info("o", out_type, in_shape)],
+    )
+    message = _refused_at_start(_save(tmp_path / "unservable.onnx", graph))
+    assert message.startswith(expected), message
+
+
 def test_inputs_sharing_a_named_dimension_must_agree_on_its_size(tmp_path: Path) -> None:
     """Add(a[N, K], b[N, K]): a request with K = 3 for a and 4 for b is the caller's error,
     answered INVALID_ARGUMENT naming K; it never reaches the session (where it failed the
