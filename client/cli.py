@@ -45,7 +45,7 @@ from laneserve.client._errors import LaneserveError
 from laneserve.client._retry import RetryPolicy
 from laneserve.client._stream import DEFAULT_STREAM_LANE, SERVER_STREAM_LANE
 from laneserve.client._sync import Client
-from laneserve.client._types import ModelInfo, StreamRequest
+from laneserve.client._types import ModelInfo, StreamRequest, TensorInfo
 from laneserve.v1 import inference_pb2 as pb
 
 EXIT_OK: Final = 0
@@ -358,16 +358,33 @@ def _inputs_from_json(text: str, model: ModelInfo, where: str) -> Arrays:
             spec = model.input(name)
         except KeyError as error:
             raise UsageError(f"{where}: {error.args[0]}") from error
-        try:
-            arrays[name] = np.asarray(value, dtype=spec.dtype)
-        except (TypeError, ValueError) as error:
-            raise UsageError(
-                f"{where}: input {name!r} is not a {spec.dtype} array of shape "
-                f"{_shape(spec.shape)}: {error}"
-            ) from error
+        arrays[name] = _json_array(value, spec, f"{where}: input {name!r}")
         _check_input(name, arrays[name], model, where)
     _check_all_inputs(model, list(arrays), where)
     return arrays
+
+
+def _json_array(value: object, spec: TensorInfo, what: str) -> npt.NDArray[Any]:
+    """`value` (JSON's nested lists) as an array of `spec`'s dtype, refused where the
+    dtype would change a value: numpy casts 1.5 to 1 for int64 and 1e10 to inf for float16
+    without a word, and raises OverflowError for an int past int64's range."""
+    try:
+        with np.errstate(over="raise", invalid="raise"):
+            array = np.asarray(value, dtype=spec.dtype)
+    except (TypeError, ValueError, OverflowError, FloatingPointError) as error:
+        raise UsageError(
+            f"{what} is not a {spec.dtype} array of shape {_shape(spec.shape)}: {error}"
+        ) from error
+    if array.dtype.kind in "biu":  # float values cast to whole numbers, numbers to bool
+        given = np.asarray(value)
+        changed = np.argwhere(given != array)
+        if changed.size:
+            index = tuple(int(axis) for axis in changed[0])
+            raise UsageError(
+                f"{what}: {given[index].item()!r} at {list(index)} would be sent as "
+                f"{array[index].item()!r}; expected values {spec.dtype} holds exactly"
+            )
+    return array
 
 
 def _read_inputs(path: Path, model: ModelInfo) -> Arrays:

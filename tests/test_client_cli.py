@@ -22,6 +22,7 @@ from onnx import TensorProto, helper
 from laneserve.client._checkpoint import Checkpoint, CheckpointError
 from laneserve.server import Engine, LaneConfig, ServerConfig
 from laneserve.server.items import Batch
+from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
     CLIENT_CLI_TIMEOUT_S,
     INTERRUPTIBLE_CLIENT_CLI,
@@ -464,6 +465,64 @@ def test_an_input_that_is_not_the_npy_or_npz_its_name_says_is_refused_saying_so(
 
     asyncio.run(scenario())
     assert engine.batches == []
+
+
+def test_json_values_the_input_dtype_cannot_hold_are_usage_errors(tmp_path: Path) -> None:
+    """numpy casts JSON's numbers to the input's dtype as it can: 1.5 became 1 for an
+    int64 input and 1e10 inf for a float16 one, sent without a word; a number past
+    int64's range ended the client with an OverflowError traceback (exit 1)."""
+    path = tmp_path / "ints_and_halves.onnx"
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["i"], ["io"]), helper.make_node("Identity", ["h"], ["ho"])],
+        "ints_and_halves",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, ["N", 2]),
+            helper.make_tensor_value_info("h", TensorProto.FLOAT16, ["N", 2]),
+        ],
+        [
+            helper.make_tensor_value_info("io", TensorProto.INT64, ["N", 2]),
+            helper.make_tensor_value_info("ho", TensorProto.FLOAT16, ["N", 2]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, path)
+    half = [[1.0, 2.0]]
+    cases = [
+        (
+            {"i": [[1.5, 2]], "h": half},
+            (
+                "--json: input 'i': 1.5 at [0, 0] would be sent as 1; expected values int64 "
+                "holds exactly"
+            ),
+        ),
+        (
+            {"i": [[2**70, 2]], "h": half},
+            "--json: input 'i' is not a int64 array of shape [?, 2]: Python int too large",
+        ),
+        (
+            {"i": [[1, 2]], "h": [[1e10, 2.0]]},
+            "--json: input 'h' is not a float16 array of shape [?, 2]: overflow encountered",
+        ),
+    ]
+
+    async def scenario() -> None:
+        async with serving(Engine(str(path), device="cpu"), config(path)) as s:
+            for document, message in cases:
+                code, _, err = await cli(
+                    "infer", "--target", s.target, "--json", json.dumps(document)
+                )
+                assert (code, "Traceback" in err) == (2, False), err
+                assert message in err, err
+            code, out, err = await cli(
+                "infer", "--target", s.target, "--json", json.dumps({"i": [[1.0, 2]], "h": half})
+            )
+            assert code == 0, err
+            assert json.loads(out) == {"io": [[1, 2]], "ho": half}
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+            assert stats.batches == 1, "only the call whose values fit was sent"
+
+    asyncio.run(scenario())
 
 
 def test_input_of_the_wrong_dtype_is_a_usage_error(small_model: Path, tmp_path: Path) -> None:
