@@ -324,6 +324,7 @@ def _infer(client: Client, args: argparse.Namespace) -> int:
         inputs = _inputs_from_json(args.json, model, "--json")
     else:
         inputs = _read_inputs(Path(args.input), model)
+    _row_count(inputs, args.input or "--json")
     _check_request_fits(model, args.lane, inputs)
     outputs = client.infer(
         inputs,
@@ -584,13 +585,14 @@ def _rows_in(checkpoint: Checkpoint, item: int) -> int:
     return int(span.stop - span.start)
 
 
-def _row_count(inputs: Arrays, path: Path) -> int:
+def _row_count(inputs: Arrays, where: str | Path) -> int:
+    """The rows of every input; refused where the server would refuse them."""
     counts = {name: int(array.shape[0]) for name, array in inputs.items()}
     if len(set(counts.values())) != 1:
-        raise UsageError(f"inputs in {path} have different row counts {counts}; expected one")
+        raise UsageError(f"inputs in {where} have different row counts {counts}; expected one")
     rows = next(iter(counts.values()))
     if rows == 0:
-        raise UsageError(f"{path} has 0 rows; expected at least one")
+        raise UsageError(f"{where} has 0 rows; expected at least one")
     return rows
 
 

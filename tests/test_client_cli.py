@@ -129,7 +129,13 @@ def test_infer_refuses_what_getmodel_rules_out_with_exit_2_before_sending(
             ["--input", str(tmp_path / "rows64.npy")],
             "the request is 131072 bytes of input, over the 100000-byte message limit",
         ),
+        (
+            # The server refused it (exit 3), as bulk's check does not.
+            ["--input", str(tmp_path / "rows0.npy")],
+            f"{tmp_path / 'rows0.npy'} has 0 rows; expected at least one",
+        ),
     ]
+    np.save(tmp_path / "rows0.npy", rows(0))
     np.save(tmp_path / "rows9.npy", rows(9))
     np.save(tmp_path / "rows64.npy", rows(64))
     lanes = (
