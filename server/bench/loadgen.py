@@ -49,6 +49,7 @@ from laneserve.server.bench.summary import (
     WindowReport,
     dispatched_late,
     merge_window,
+    unanswered_reason,
 )
 from laneserve.v1 import inference_pb2 as pb
 
@@ -650,7 +651,9 @@ class _Client:
         done_s = time.monotonic()
         record = self.records[si]  # the window the answer completed in
         if isinstance(answer, str):
-            record.outcomes[answer] += 1
+            # An InferStream call has no gRPC deadline of its own.
+            timeout_s = stream.call_timeout_s if stream.via == "unary" else math.inf
+            record.outcomes[unanswered_reason(answer, done_s - sent_s, timeout_s)] += 1
             if answer == "BAD_RESPONSE":
                 self.problem = self.problem or f"stream {stream.label!r}: an answer did not parse"
             return

@@ -21,14 +21,28 @@ OK: Final = "OK"
 # How an answer that is not OK is counted. A reason is the server's ErrorInfo.reason
 # when it sent one, else the gRPC status code's name.
 REJECTED_REASONS: Final = frozenset(
-    {"LANE_FULL", "DEADLINE_UNMEETABLE", "DRAINING", "RESOURCE_EXHAUSTED", "UNAVAILABLE"}
+    {
+        "LANE_FULL",
+        "DEADLINE_UNMEETABLE",
+        "DRAINING",
+        "RESOURCE_EXHAUSTED",
+        "UNAVAILABLE",
+        "CANCELLED_BEFORE_DEADLINE",
+    }
 )
 # Dropped by the server after admission. (laneserve also sheds CANCELLED work, but only
 # for a client that has gone: no client ever sees that answer.)
 SHED_REASONS: Final = frozenset({"EXPIRED_IN_QUEUE"})
 # No answer within the gRPC deadline: the client's timer fired (DEADLINE_EXCEEDED) or the
-# server's gRPC core, timing the same deadline, reset the stream first (a bare CANCELLED).
+# server's gRPC core, timing the same deadline, reset the stream first (a bare CANCELLED
+# once TIMED_OUT_SHARE of the deadline had passed; see `unanswered_reason`).
 TIMED_OUT_REASONS: Final = frozenset({"DEADLINE_EXCEEDED", "CANCELLED"})
+# A bare CANCELLED (no ErrorInfo) that came back before this share of its call's gRPC
+# deadline had passed was no timeout: gRPC's core refused a call laneserve never saw
+# (more calls waiting than max_pending_calls: laneserve's README, "Errors"). The server's
+# core times a deadline out a little before the client's timer does, never long before.
+TIMED_OUT_SHARE: Final = 0.9
+CANCELLED_BEFORE_DEADLINE: Final = "CANCELLED_BEFORE_DEADLINE"
 # Fewer OK answers than this in a window: its median is too noisy to judge stability.
 MIN_SAMPLES_FOR_LATENCY_STABILITY: Final = 20
 # An open-loop stream was offered when the client sent at least this share of its target
@@ -175,6 +189,15 @@ def classify(outcomes: Mapping[str, int]) -> dict[str, dict[str, int]]:
         else:
             groups["failed"][reason] = count
     return groups
+
+
+def unanswered_reason(reason: str, elapsed_s: float, call_timeout_s: float) -> str:
+    """The reason a failure is counted under: a bare CANCELLED that came back `elapsed_s`
+    after its send, well before its gRPC deadline (`call_timeout_s`; inf where the call
+    has none), is CANCELLED_BEFORE_DEADLINE, a refusal; every other reason is itself."""
+    if reason == "CANCELLED" and elapsed_s < TIMED_OUT_SHARE * call_timeout_s:
+        return CANCELLED_BEFORE_DEADLINE
+    return reason
 
 
 def window_figures(window: MergedWindow) -> dict[str, dict[str, float | None]]:
