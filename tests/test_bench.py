@@ -833,6 +833,18 @@ def test_a_point_the_load_generator_could_not_offer_is_not_valid() -> None:
     assert "| not valid (load not offered) |" in report
 
 
+def test_the_isolation_table_shows_every_outcome_that_is_not_ok() -> None:
+    """(c)'s table showed rejected and shed only: interactive calls that timed out or
+    failed under the bulk flood were in no column."""
+    document = empty_document()
+    interactive = Stream("interactive", lane="interactive", rate_per_s=100.0)
+    record = StreamWindow(sent=200, ok_latency_s=[0.01] * 50, ok_batch_rows=[1] * 50)
+    record.outcomes.update({OK: 50, "DEADLINE_EXCEEDED": 120, "ENGINE_FAILURE": 30})
+    document["scenarios"]["c"].append(point_of("c", "with bulk", interactive, record))
+    report = render_markdown(document)
+    assert "| DEADLINE_EXCEEDED 120, ENGINE_FAILURE 30 |" in report
+
+
 def point_of(scenario: str, name: str, stream: Stream, record: StreamWindow) -> dict[str, Any]:
     """A point of the document as the orchestrator writes it, over 2 s of windows."""
     lane = summarize_stream(stream, record, 2.0)

@@ -739,7 +739,7 @@ def _scenario_c(document: dict[str, Any]) -> list[str]:
                     _ms(latency["p99_ms"]),
                     _ms(latency["p99_9_ms"]),
                     _reasons(stream["rejected"]),
-                    _reasons(stream["shed"]),
+                    _reasons({**stream["shed"], **stream["timed_out"], **stream["failed"]}),
                     _host(point),
                 ]
             )
@@ -757,7 +757,7 @@ def _scenario_c(document: dict[str, Any]) -> list[str]:
                 "p99",
                 "p99.9",
                 "rejected",
-                "shed",
+                "shed / timed out / failed",
                 HOST_HEADER,
             ],
             rows,
