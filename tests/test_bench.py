@@ -845,6 +845,28 @@ def test_the_isolation_table_shows_every_outcome_that_is_not_ok() -> None:
     assert "| DEADLINE_EXCEEDED 120, ENGINE_FAILURE 30 |" in report
 
 
+def test_isolation_with_no_interactive_answer_under_bulk_is_missed() -> None:
+    """Every interactive call sent under the bulk flood failed: the target read "not
+    measured" (there was no p99 to compare), where isolation had failed outright."""
+    document = empty_document()
+    interactive = Stream("interactive", lane="interactive", rate_per_s=100.0)
+    alone = StreamWindow(sent=200, ok_latency_s=[0.01] * 200, ok_batch_rows=[1] * 200)
+    alone.outcomes.update({OK: 200})
+    flooded = StreamWindow(sent=200)
+    flooded.outcomes.update({"DEADLINE_EXCEEDED": 200})
+    bulk = Stream("bulk", lane="bulk", rows=8, rate_per_s=50.0)
+    bulk_record = StreamWindow(sent=100, ok_latency_s=[0.1] * 100, ok_batch_rows=[8] * 100)
+    bulk_record.outcomes.update({OK: 100})
+    loaded = point_of("c", "with bulk at 200% over Infer", interactive, flooded)
+    loaded["streams"].append(dataclasses.asdict(bulk))
+    loaded["lanes"]["bulk"] = summarize_stream(bulk, bulk_record, 2.0)
+    document["scenarios"]["c"] += [point_of("c", "interactive alone", interactive, alone), loaded]
+    (target,) = [t for t in evaluate_targets(document) if t["id"].startswith("isolation_p99")]
+    assert target["met"] is False
+    assert verdict_text(target) == "missed"
+    assert "no OK answer with bulk of 200 sent" in target["measured"]
+
+
 def point_of(scenario: str, name: str, stream: Stream, record: StreamWindow) -> dict[str, Any]:
     """A point of the document as the orchestrator writes it, over 2 s of windows."""
     lane = summarize_stream(stream, record, 2.0)

@@ -355,13 +355,24 @@ def _isolation_targets(document: dict[str, Any], primary: str) -> list[dict[str,
         how = f"bulk over {'InferStream' if via == 'stream' else 'unary Infer'}" + (
             ", interactive on the priority port" if on_priority_port else ""
         )
-        before, after = (
-            alone["latency"]["p99_ms"],
-            point["lanes"]["interactive"]["latency"]["p99_ms"],
-        )
-        if not before or after is None:
+        loaded_interactive = point["lanes"]["interactive"]
+        before, after = alone["latency"]["p99_ms"], loaded_interactive["latency"]["p99_ms"]
+        if not before or (after is None and not loaded_interactive["sent"]):
             targets.append(
                 _not_measured(key, f"{description} ({how})", "<= 2.0x", "no interactive answers")
+            )
+            continue
+        if after is None:  # sent, and none answered OK: isolation failed outright
+            targets.append(
+                _target(
+                    key,
+                    f"{description} ({how})",
+                    f"no OK answer with bulk of {loaded_interactive['sent']} sent "
+                    f"(vs {_ms(before)} alone)",
+                    "<= 2.0x",
+                    False,
+                    invalid_points=(alone_point, point),
+                )
             )
             continue
         ratio = after / before
