@@ -344,6 +344,12 @@ def test_outcomes_are_classified_by_reason() -> None:
     }
 
 
+def test_a_refusal_under_memory_pressure_counts_as_rejected() -> None:
+    """laneserve refuses new work at admission above its memory watermark (MEMORY_PRESSURE,
+    retry after pushback) and counts it as rejected; the harness called it failed."""
+    assert classify({"MEMORY_PRESSURE": 2})["rejected"] == {"MEMORY_PRESSURE": 2}
+
+
 def test_stream_summary_counts_goodput_within_the_deadline() -> None:
     stream = Stream("d", rate_per_s=3.0, deadline_ms=100)
     record = StreamWindow(

@@ -19,11 +19,14 @@ from laneserve.server.bench.settings import Stream
 
 OK: Final = "OK"
 # How an answer that is not OK is counted. A reason is the server's ErrorInfo.reason
-# when it sent one, else the gRPC status code's name.
+# when it sent one, else the gRPC status code's name. Rejected: refused for the load, at
+# admission (as laneserve's GetStats counts them; an invalid request, which it counts
+# there too, is the load generator's failure here) or by gRPC before laneserve saw it.
 REJECTED_REASONS: Final = frozenset(
     {
         "LANE_FULL",
         "DEADLINE_UNMEETABLE",
+        "MEMORY_PRESSURE",
         "DRAINING",
         "RESOURCE_EXHAUSTED",
         "UNAVAILABLE",
