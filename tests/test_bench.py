@@ -943,6 +943,9 @@ def test_server_figures_span_the_windows_the_client_figures_come_from(
     assert point["lanes"]["single"]["ok"] == 3 * 400
     assert point["server"]["batches"] == 3 * 100, "the windows used, not all 8 and the stop"
     assert point["server"]["rows_run"] == point["lanes"]["single"]["ok"]
+    # Percentiles are not differences: the report says what they span.
+    report = render_markdown(document)
+    assert "queue wait p99 over each lane's last 4096 waits" in report
 
 
 def test_the_pool_reads_the_boundaries_of_the_windows_it_judges() -> None:

@@ -982,7 +982,8 @@ def _server_section(document: dict[str, Any]) -> list[str]:
     return [
         (
             "## Server side (GetStats: counts over the windows each point reports; run "
-            "p50/p99 over the server's last 4096 runs at the end of those windows)"
+            "p50/p99 over the server's last 4096 runs, and queue wait p99 over each lane's "
+            "last 4096 waits, at the end of those windows)"
         ),
         "",
         *_table(
