@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 import pytest
 
+import laneserve.server.bench.cli as bench_cli
 import laneserve.server.bench.run as bench_run
 from laneserve.client.tensors import decode_tensor, encode_tensor
 from laneserve.server.bench import (
@@ -1148,3 +1149,21 @@ def test_a_target_nothing_listens_on_is_refused_naming_it(tmp_path: Path) -> Non
     assert f"laneserve bench: --target {target}: UNAVAILABLE: " in stderr
     assert "expected a reachable laneserve.v1 endpoint" in stderr
     assert not (tmp_path / "out").exists(), "no report of a run that did not happen"
+
+
+def test_a_server_that_stops_answering_mid_run_ends_the_run_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server under test that exited mid-run (its GetStats at a window boundary got
+    UNAVAILABLE) left `laneserve bench` as a gRPC traceback, exit 1, though every process
+    it started was stopped."""
+    target = f"127.0.0.1:{unused_port()}"
+    with pytest.raises(procs.ServerError, match=f"GetStats on {target}: UNAVAILABLE: "):
+        get_stats(target)
+
+    def server_gone(_settings: BenchSettings) -> dict[str, Any]:
+        raise procs.ServerError(f"GetStats on {target}: UNAVAILABLE: gone")
+
+    monkeypatch.setattr(bench_cli, "run_bench", server_gone)
+    args = _parser().parse_args(["bench", "--no-raw", "--scenarios", "a"])
+    assert bench_cli.run(args, ["laneserve", "bench"]) == 2

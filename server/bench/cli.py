@@ -21,7 +21,7 @@ from pathlib import Path
 from types import FrameType
 
 from laneserve.server.bench.loadgen import ClientError
-from laneserve.server.bench.procs import StartError
+from laneserve.server.bench.procs import ServerError, StartError
 from laneserve.server.bench.report import verdict_text, write_outputs
 from laneserve.server.bench.run import BenchSettings, command_line, run_bench
 from laneserve.server.bench.settings import (
@@ -271,7 +271,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         settings = settings_from(args, argv)
         with stop_signals_interrupt():
             document = run_bench(settings)
-    except (StartError, ClientError, FileNotFoundError, ValueError) as error:
+    except (StartError, ServerError, ClientError, FileNotFoundError, ValueError) as error:
         print(f"laneserve bench: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as error:

@@ -40,6 +40,11 @@ class StartError(RuntimeError):
     """A server under test did not come up; the message carries the end of its log."""
 
 
+class ServerError(RuntimeError):
+    """A server under test stopped answering while the load ran (it exited, or its
+    GetStats failed): the run ends there, having stopped every process it started."""
+
+
 class ServerProcess:
     """One server process; its stderr is read by a thread so the pipe never fills."""
 

@@ -784,7 +784,10 @@ def get_stats(target: str) -> pb.GetStatsResponse | None:
             call: Any = error
             if call.code() == grpc.StatusCode.UNIMPLEMENTED:
                 return None
-            raise
+            raise procs.ServerError(
+                f"GetStats on {target}: {call.code().name}: {call.details()}; expected the "
+                "server under test to answer while the load runs (did it exit?)"
+            ) from None
     return response
 
 
