@@ -805,6 +805,12 @@ def test_arrivals_the_client_could_not_send_are_neither_sent_nor_answered(
     # Held back because the server held MAX_OUTSTANDING calls: not the generator's limit;
     # the sends it made late are.
     assert summary["invalid_reason"].startswith("client lag p50")
+    # The reports say so: their "under 95 % of the offered rate" read as sent/s alone.
+    document = empty_document()
+    for scenario, label in (("b", "single"), ("d", "default")):
+        labelled = dataclasses.replace(stream, label=label)
+        document["scenarios"][scenario].append(point_of(scenario, "p", labelled, record))
+    assert render_markdown(document).count("with the arrivals held back as client backlog") == 2
 
 
 def test_a_point_the_load_generator_could_not_offer_is_not_valid() -> None:

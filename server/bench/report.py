@@ -656,6 +656,13 @@ def _host(point: dict[str, Any]) -> str:
     return " / ".join(_cores(host[key]) for key in ("server_cores", "client_cores", "other_cores"))
 
 
+# Arrivals not sent count as offered for validity (summary.offer_problem): the server
+# held the calls that kept them back.
+BACKLOG_NOTE: Final = (
+    "client backlog (a client process held 20 000 unanswered calls: the server's doing)"
+)
+
+
 def _scenario_b(document: dict[str, Any]) -> list[str]:
     points = document["scenarios"]["b"]
     if not points:
@@ -687,9 +694,10 @@ def _scenario_b(document: dict[str, Any]) -> list[str]:
         "",
         (
             "Latency counts from each request's scheduled arrival; client lag is how late the "
-            "load generator sent it. Sent/s is the rate it achieved; a point where that is "
-            "under 95 % of the offered rate (beyond Poisson noise) is not valid: the load "
-            "generator, not the server, was the limit."
+            "load generator sent it. Sent/s is the rate it achieved; a point where that, "
+            f"with the arrivals held back as {BACKLOG_NOTE}, is under 95 % of the offered "
+            "rate (beyond Poisson noise) is not valid: the load generator, not the server, "
+            "was the limit."
         ),
         "",
         *_table(
@@ -815,8 +823,9 @@ def _scenario_d(document: dict[str, Any]) -> list[str]:
             "session's run time (Timing.infer_us), exceeds the deadline, so they ran after "
             "it. Under a gRPC deadline the client cancels at the deadline and never sees "
             "such an answer: not measurable there. Sent/s is the rate the load generator "
-            "achieved; under 95 % of the offered rate, or with a median client lag over the "
-            "deadline, the point is not valid."
+            f"achieved; with the arrivals held back as {BACKLOG_NOTE} under 95 % of the "
+            "offered rate, or with a median client lag over the deadline, the point is not "
+            "valid."
         ),
         "",
         *_table(
