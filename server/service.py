@@ -424,6 +424,16 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     f"unknown lane {lane!r}; expected one of {list(self._lane_configs)}"
                 )
             )
+        if room is not None and not request.request_id:
+            # Answers come back out of order, each tagged with its item's request_id: an
+            # item without one gets an answer its caller cannot match to it.
+            raise self._rejected(
+                lane,
+                InvalidInputError(
+                    "InferStream item without a request_id; expected one per item (answers "
+                    "come back out of order, each tagged with its item's request_id)"
+                ),
+            )
         if self._state() is not Lifecycle.SERVING:
             # A stored answer costs no work: a retry of a request that completed gets it
             # while the server drains too (refused, it ran again on another instance).

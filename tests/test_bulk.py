@@ -415,6 +415,31 @@ def test_an_answer_over_the_message_limit_fails_its_item_not_the_stream(tmp_path
     assert answered["standard"] == {"ANSWER_TOO_LARGE": 2}
 
 
+def test_a_stream_item_without_a_request_id_is_refused_and_the_stream_goes_on(
+    small_model: Path,
+) -> None:
+    """Answers come back out of order, matched by request_id: an item without one was
+    run and answered with an empty id, which its caller could not match to it."""
+
+    async def scenario() -> tuple[list[pb.InferStreamResponse], pb.GetStatsResponse]:
+        engine = Engine(str(small_model))
+        async with serving(engine, ServerConfig(model_path=str(small_model))) as s:
+            items = [request(rows(1, start=1), request_id="a"), request(rows(1, start=2))]
+            answers = [answer async for answer in s.stub.InferStream(iter(items), timeout=30)]
+            return answers, await s.stub.GetStats(pb.GetStatsRequest())
+
+    answers, stats = asyncio.run(scenario())
+    by_id = {answer.request_id: answer for answer in answers}
+    assert sorted(by_id) == ["", "a"]
+    assert by_id["a"].WhichOneof("result") == "response"
+    refused = by_id[""].error
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "InferStream item without a request_id; expected one per item" in refused.message
+    (bulk,) = [lane for lane in stats.lanes if lane.name == "bulk"]
+    assert dict(bulk.rejected) == {"INVALID_INPUT": 1}
+    assert bulk.admitted == 1
+
+
 def test_an_item_over_the_message_limit_fails_alone_and_the_job_goes_on(
     small_model: Path,
 ) -> None:
