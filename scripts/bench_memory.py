@@ -8,8 +8,13 @@
 (b) N workers: N processes behind one port (SO_REUSEPORT), each with its own uncapped
     session, each request run alone: the "just add workers" design.
 Both get the same burst of concurrent multi-row requests; the script prints completed
-rows, failures and peak resident memory (VmHWM, summed over processes) per design, and
-the ratios. Figures come from one run on this machine: shared and noisy, compare ratios.
+rows, failures and peak memory per design, and the ratio. Peak memory is the largest
+PSS summed over the design's processes, sampled (as the benchmark harness samples it)
+every --sample-ms while the burst runs: PSS divides each shared page among the processes
+that map it, so the interpreter's and the libraries' pages the workers share count once
+in all. Beside it, each process's VmHWM (peak resident set) summed, which counts those
+shared pages once per process and so overstates N processes. Figures come from one run
+on this machine: shared and noisy, compare ratios.
 """
 
 from __future__ import annotations
@@ -18,14 +23,22 @@ import argparse
 import collections
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 
 from laneserve.client.tensors import encode_tensor
-from laneserve.server.bench.procs import Deployment, start_laneserve, start_workers
+from laneserve.server.bench.procs import (
+    PSS,
+    RSS_NOTE,
+    Deployment,
+    start_laneserve,
+    start_workers,
+)
 from laneserve.server.demo_model import make_demo_model
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -43,14 +56,23 @@ def start_laneserve_with_budget(model: str, budget: str, rows: int) -> Deploymen
     )
 
 
-def burst(target: str, requests: int, rows: int) -> dict[str, int]:
-    """Sends `requests` concurrent requests of `rows` rows; counts the outcomes."""
+def burst(
+    target: str, requests: int, rows: int, sample: Callable[[], None], every_s: float
+) -> dict[str, int]:
+    """Sends `requests` concurrent requests of `rows` rows and calls `sample` every
+    `every_s` until all are answered, and once after; counts the outcomes."""
     inputs = np.random.default_rng(0).standard_normal((rows, 512)).astype(np.float32)
     message = pb.InferRequest(lane="bulk", inputs=[encode_tensor("input", inputs)])
     counts: collections.Counter[str] = collections.Counter()
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.InferenceServiceStub(channel)
         calls = [stub.Infer.future(message, timeout=300) for _ in range(requests)]
+        # Sampling stays on this thread, as the harness's orchestrator does it: the
+        # deployment's peaks are not shared with another thread.
+        while not all(call.done() for call in calls):
+            sample()
+            time.sleep(every_s)
+        sample()
         for call in calls:
             try:
                 call.result()
@@ -73,6 +95,32 @@ def laneserve_stats(target: str) -> dict[str, int]:
     }
 
 
+def summed_peaks(memory: dict[str, Any]) -> dict[str, Any]:
+    """From a deployment's memory figures (procs.Deployment.memory, read before it
+    stops): the peak summed PSS sampled during the burst (its measure is RSS where
+    smaps_rollup could not be read; None where no sample was comparable) and the
+    processes' VmHWM summed (None where any is unknown)."""
+    hwm = [reading["peak_rss_bytes"] for reading in memory["by_process"]]
+    return {
+        "measure": memory["measure"],
+        "peak_mib": None if memory["peak_bytes"] is None else memory["peak_bytes"] / MIB,
+        "samples": memory["samples"],
+        # Each process's high-water mark, summed: shared pages counted once per process,
+        # and the marks need not have been reached at one instant.
+        "hwm_sum_mib": None if None in hwm else sum(hwm) / MIB,
+    }
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> str:
+    if numerator is None or not denominator:
+        return "unknown (no comparable reading)"
+    return f"{numerator / denominator:.2f}x"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=4)
@@ -80,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--budget", default="32MiB", help="laneserve's --memory-limit")
     parser.add_argument("--model", help="ONNX model (default: the demo model, built here)")
+    parser.add_argument(
+        "--sample-ms",
+        type=float,
+        default=50.0,
+        help="how often the summed PSS is read during the burst (default: 50)",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
         model = args.model or str(Path(scratch) / "demo.onnx")
@@ -95,34 +149,53 @@ def main(argv: list[str] | None = None) -> int:
         for name, start in designs.items():
             deployment = start()
             try:
-                outcome = burst(deployment.target, args.requests, args.rows)
+                outcome = burst(
+                    deployment.target,
+                    args.requests,
+                    args.rows,
+                    deployment.sample_memory,
+                    args.sample_ms / 1000,
+                )
                 memory = deployment.memory()
                 if name == "laneserve":
                     outcome.update(laneserve_stats(deployment.target))
             finally:
                 deployment.stop()
-            # VmHWM of each process, summed: the high-water marks, not one sampled sum.
-            peak_bytes = sum(reading["peak_rss_bytes"] or 0 for reading in memory["by_process"])
-            results[name] = {**outcome, "peak_rss_mib": peak_bytes / MIB}
+            results[name] = {**outcome, **summed_peaks(memory)}
     wanted_rows = args.requests * args.rows
     print(f"burst: {args.requests} concurrent requests x {args.rows} rows = {wanted_rows} rows")
     print(f"laneserve budget: {args.budget}\n")
-    print("| design | completed rows | failures | peak RSS (MiB) | notes |")
-    print("|---|---|---|---|---|")
+    print(
+        "| design | completed rows | failures | peak PSS, summed (MiB) "
+        "| VmHWM summed (MiB; counts shared pages once per process) | notes |"
+    )
+    print("|---|---|---|---|---|---|")
     for name, result in results.items():
         failures = sum(v for k, v in result.items() if k.startswith("failed:"))
-        notes = ", ".join(
+        notes = [
             f"{key}={value}"
             for key, value in result.items()
             if key in ("out_of_memory_events", "batch_splits", "batch_cap")
-        )
+        ]
+        notes.append(f"{result['samples']} samples")
+        if result["measure"] is None:
+            notes.append("no peak: a process could not be read after the burst")
+        elif result["measure"] != PSS:
+            notes.append(f"peak is {result['measure']}, not PSS: {RSS_NOTE}")
         print(
             f"| {name} | {result.get('ok_rows', 0)} of {wanted_rows} | {failures} | "
-            f"{result['peak_rss_mib']:.0f} | {notes} |"
+            f"{_mib(result['peak_mib'])} | {_mib(result['hwm_sum_mib'])} | {', '.join(notes)} |"
         )
-    workers_rss = results[f"{args.workers} workers"]["peak_rss_mib"]
-    lane_rss = results["laneserve"]["peak_rss_mib"]
-    print(f"\nmemory ratio, {args.workers} workers / laneserve: {workers_rss / lane_rss:.2f}x")
+    workers = results[f"{args.workers} workers"]
+    lane = results["laneserve"]
+    print(
+        f"\nmemory ratio (peak PSS, summed), {args.workers} workers / laneserve: "
+        f"{_ratio(workers['peak_mib'], lane['peak_mib'])}"
+    )
+    print(
+        f"VmHWM sums' ratio (shared pages counted once per process): "
+        f"{_ratio(workers['hwm_sum_mib'], lane['hwm_sum_mib'])}"
+    )
     return 0
 
 
