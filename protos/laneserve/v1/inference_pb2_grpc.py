@@ -70,7 +70,8 @@ class InferenceServiceServicer:
 
     def InferStream(self, request_iterator, context):
         """Bulk jobs: many requests over one stream. Answers may come back out of order and
-        carry the request_id; a failed item is answered with `error`, the stream goes on.
+        carry the request_id, which every item must have; a failed item is answered with
+        `error`, the stream goes on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

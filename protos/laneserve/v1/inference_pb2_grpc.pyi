@@ -39,7 +39,8 @@ class InferenceServiceStub:
     """Runs one request (one or more rows along the first axis) and answers once."""
     InferStream: _grpc.StreamStreamMultiCallable[_inference_pb2.InferRequest, _inference_pb2.InferStreamResponse]
     """Bulk jobs: many requests over one stream. Answers may come back out of order and
-    carry the request_id; a failed item is answered with `error`, the stream goes on.
+    carry the request_id, which every item must have; a failed item is answered with
+    `error`, the stream goes on.
     """
     GetModel: _grpc.UnaryUnaryMultiCallable[_inference_pb2.GetModelRequest, _inference_pb2.GetModelResponse]
     """The served model's signature, the batch cap, the lanes and the providers in use."""
@@ -55,7 +56,8 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     """Runs one request (one or more rows along the first axis) and answers once."""
     InferStream: _aio.StreamStreamMultiCallable[_inference_pb2.InferRequest, _inference_pb2.InferStreamResponse]  # type: ignore[assignment]
     """Bulk jobs: many requests over one stream. Answers may come back out of order and
-    carry the request_id; a failed item is answered with `error`, the stream goes on.
+    carry the request_id, which every item must have; a failed item is answered with
+    `error`, the stream goes on.
     """
     GetModel: _aio.UnaryUnaryMultiCallable[_inference_pb2.GetModelRequest, _inference_pb2.GetModelResponse]  # type: ignore[assignment]
     """The served model's signature, the batch cap, the lanes and the providers in use."""
@@ -80,7 +82,8 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_inference_pb2.InferStreamResponse], _abc.AsyncIterator[_inference_pb2.InferStreamResponse]]:
         """Bulk jobs: many requests over one stream. Answers may come back out of order and
-        carry the request_id; a failed item is answered with `error`, the stream goes on.
+        carry the request_id, which every item must have; a failed item is answered with
+        `error`, the stream goes on.
         """
 
     @_abc_1.abstractmethod
