@@ -420,10 +420,7 @@ def test_a_sigterm_as_soon_as_it_serves_is_a_drain(small_model: Path) -> None:
                 if "serving " in line:
                     break
             process.send_signal(signal.SIGTERM)
-            process.stdin.write("\n")
-            process.stdin.flush()
-            stderr = process.stderr.read()
-            assert process.wait(timeout=60) == 0
+            stderr = _released(process)
         finally:
             if process.poll() is None:
                 process.kill()
@@ -455,6 +452,17 @@ def _held_in_load(model: Path) -> subprocess.Popen[str]:
     )
 
 
+def _released(process: subprocess.Popen[str]) -> str:
+    """Lets a process held on stdin go on; the rest of its stderr once it exited 0."""
+    assert process.stdin is not None
+    assert process.stderr is not None
+    process.stdin.write("\n")
+    process.stdin.flush()
+    stderr = process.stderr.read()
+    assert process.wait(timeout=60) == 0
+    return stderr
+
+
 def _until_line(process: subprocess.Popen[str], text: str) -> None:
     """Reads stderr up to a line holding `text`; a process that says nothing of the kind
     within 60 s is killed (its stderr ends: the test fails instead of hanging)."""
@@ -480,10 +488,7 @@ def test_a_sigterm_while_the_model_loads_stops_it_without_serving(small_model: P
             _until_line(process, "loading")
             process.send_signal(signal.SIGTERM)
             _until_line(process, "SIGTERM while starting")
-            process.stdin.write("\n")
-            process.stdin.flush()
-            stderr = process.stderr.read()
-            assert process.wait(timeout=60) == 0
+            stderr = _released(process)
         finally:
             if process.poll() is None:
                 process.kill()

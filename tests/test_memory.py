@@ -731,10 +731,15 @@ def test_rows_nobody_waits_for_are_not_run_again_after_out_of_memory(
 
 
 def _answers_of(
-    scheduler: Scheduler, engine: Engine, clock: ManualClock, count: int
+    scheduler: Scheduler,
+    engine: Engine,
+    clock: ManualClock,
+    count: int,
+    answers: list[Outcome] | None = None,
 ) -> list[Outcome]:
-    """Runs the scheduler's queued work through `engine` until `count` answers came."""
-    answers: list[Outcome] = []
+    """Runs the scheduler's queued work through `engine` until `count` answers came (in
+    `answers` as they come, when given: the engine may look at them meanwhile)."""
+    answers = [] if answers is None else answers
     answered = threading.Event()
 
     def deliver(outcomes: Sequence[Outcome]) -> None:
@@ -798,19 +803,7 @@ def test_rows_not_run_again_are_answered_before_the_split_goes_on(small_model: P
     scheduler.admit(_standard("A", np.zeros((2, width), np.float32)), clock.monotonic())
     late = _standard("B", np.ones((2, width), np.float32), deadline_s=1_000.5)
     scheduler.admit(late, clock.monotonic())
-    answered = threading.Event()
-
-    def deliver(outcomes: Sequence[Outcome]) -> None:
-        answers.extend(outcomes)
-        if len(answers) == 2:
-            answered.set()
-
-    thread = SchedulerThread(scheduler, engine.run_batch, deliver, clock=clock)
-    thread.start()
-    try:
-        assert answered.wait(30), f"answers: {answers}"
-    finally:
-        thread.close()
+    _answers_of(scheduler, engine, clock, 2, answers)
     assert [answer.token for answer in answers] == ["B", "A"]
     assert isinstance(answers[0].error, ExpiredInQueueError)
     assert "not run again" in answers[0].error.message
