@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import socket
 import ssl
 from collections.abc import Callable
 from pathlib import Path
@@ -139,6 +140,23 @@ def _host_port(host: str, port: int) -> str:
     """`host:port` as gRPC parses it: an IPv6 address in brackets ("::1" alone made
     "::1:0", which gRPC could not bind)."""
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _bind_refusal(host: str, port: int) -> str | None:
+    """Why the OS refuses to bind `host:port` ("Address already in use"), found by binding
+    it once more after gRPC could not: gRPC raises "Failed to bind" alone, and its core's
+    own line with the reason is off with JSON logs (cli.py). None: the OS binds it now."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as error:  # a name that does not resolve
+        return str(error)
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.bind(address)
+            except OSError as error:
+                return error.strerror or str(error)
+    return None
 
 
 class _HealthServicer(health.aio.HealthServicer):
@@ -466,9 +484,11 @@ class LaneServer:
                 error=str(error),
             )
         if bound == 0:
+            refusal = _bind_refusal(self.config.host, port)
+            reason = "" if refusal is None else f" ({refusal})"
             raise OSError(
-                f"cannot listen on {address} (server.{setting}): gRPC could not bind it; "
-                "expected a local address and a free port (0: any free port)"
+                f"cannot listen on {address} (server.{setting}): gRPC could not bind it"
+                f"{reason}; expected a local address and a free port (0: any free port)"
             )
         return server, bound
 

@@ -28,6 +28,8 @@ log = logging.getLogger("laneserve")
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if argv is None and args.command == "serve" and args.log_format == "json":
+        _start_again_without_grpc_core_lines()
     configure_logging(args.log_level, json_lines=args.log_format == "json")
     if args.command == "top":
         return run_top(args)
@@ -74,6 +76,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.shutdown()
         os._exit(code)
     return code
+
+
+def _start_again_without_grpc_core_lines() -> None:
+    """With JSON logs every stderr line must be a JSON object, but gRPC's C core writes
+    lines of its own there ("E1203 ... add_port.cc:83] Failed to add port ...": laneserve's
+    startup_failed line says the same). The core reads GRPC_VERBOSITY once, when grpc's
+    extension module loads, which this module's imports have done: the process starts
+    again (exec: the same pid, arguments and streams) with GRPC_VERBOSITY=NONE, before it
+    has logged or bound anything. A GRPC_VERBOSITY already set is the operator's choice
+    (debugging the core, whose lines are not JSON): it is kept, and nothing restarts."""
+    if "GRPC_VERBOSITY" in os.environ or not sys.executable:
+        return
+    os.environ["GRPC_VERBOSITY"] = "NONE"  # exec passes os.environ on
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, sys.orig_argv)  # noqa: S606 - this process's own command line
 
 
 def _make_model(path: str, *, seed: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import socket
@@ -65,13 +66,14 @@ def test_sigterm_drains_and_exits_cleanly(server_process: ServerProcess) -> None
     assert server_process.process.wait(timeout=30) == 0
 
 
-def refused_at_start(*args: str) -> str:
+def refused_at_start(*args: str, env: dict[str, str] | None = None) -> str:
     """Runs `laneserve serve ARGS`, which must refuse to start (exit 2); its stderr."""
-    return refused(*SERVE[3:], *args)
+    return refused(*SERVE[3:], *args, env=env)
 
 
-def refused(*args: str) -> str:
-    """Runs `laneserve ARGS`, which must refuse (exit 2) with no traceback; its stderr."""
+def refused(*args: str, env: dict[str, str] | None = None) -> str:
+    """Runs `laneserve ARGS` (in `env`: this one's by default), which must refuse (exit 2)
+    with no traceback; its stderr."""
     done = subprocess.run(
         [sys.executable, "-m", "laneserve.server.cli", *args],
         capture_output=True,
@@ -79,6 +81,7 @@ def refused(*args: str) -> str:
         timeout=60,
         check=False,
         stdin=subprocess.DEVNULL,
+        env=env,
     )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
@@ -245,6 +248,29 @@ def test_a_priority_port_that_cannot_be_bound_is_refused_naming_the_setting(
         )
     assert f"cannot listen on 127.0.0.1:{port} (server.priority_port)" in stderr
     assert "Traceback" not in stderr
+
+
+def test_json_logs_of_a_port_in_use_are_json_lines_alone_naming_the_address(
+    small_model: Path,
+) -> None:
+    """gRPC's C core wrote its own line before laneserve's JSON one ("E1203 ...
+    add_port.cc:83] Failed to add port to server: ..."), which no JSON parser reads."""
+    environ = {name: value for name, value in os.environ.items() if name != "GRPC_VERBOSITY"}
+    with socket.socket() as held:  # listening without SO_REUSEPORT: gRPC cannot share it
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        args = ("--model", str(small_model), "--port", str(port), "--log-format", "json")
+        stderr = refused_at_start(*args, env=environ)
+        # A GRPC_VERBOSITY the operator set is kept: the core's lines come back.
+        debugging = refused_at_start(*args, env={**environ, "GRPC_VERBOSITY": "ERROR"})
+    lines = [json.loads(line) for line in stderr.splitlines()]
+    assert lines[-1]["event"] == "startup_failed"
+    assert lines[-1]["message"].startswith(
+        f"cannot listen on 127.0.0.1:{port} (server.port): gRPC could not bind it "
+        "(Address already in use); expected a local address and a free port"
+    )
+    assert any(not line.startswith("{") for line in debugging.splitlines()), debugging
 
 
 def test_a_memory_limit_the_idle_server_exceeds_is_refused(small_model: Path) -> None:
