@@ -408,6 +408,7 @@ def _read_inputs(path: Path, model: ModelInfo) -> Arrays:
         elif suffix == ".npz":
             _check_magic(path, suffix)
             with np.load(path) as archive:
+                _check_only_inputs(model, archive.files, str(path))
                 _check_all_inputs(model, archive.files, str(path))
                 arrays = {spec.name: archive[spec.name] for spec in model.inputs}
         else:
@@ -435,6 +436,18 @@ def _check_all_inputs(model: ModelInfo, names: Sequence[str], where: str) -> Non
         raise UsageError(
             f"{where} lacks input(s) {missing}; it holds {list(names)}, the model's inputs "
             f"are {[spec.name for spec in model.inputs]}"
+        )
+
+
+def _check_only_inputs(model: ModelInfo, names: Sequence[str], where: str) -> None:
+    """Refuses arrays the model has no input for, as --json refuses such a name: sending
+    the others alone would hide a file made for another model (or a misspelt name)."""
+    inputs = [spec.name for spec in model.inputs]
+    unknown = sorted(name for name in names if name not in inputs)
+    if unknown:
+        raise UsageError(
+            f"{where} holds array(s) {unknown} the model has no input for; the model's "
+            f"inputs are {inputs}"
         )
 
 

@@ -531,6 +531,34 @@ def test_json_values_the_input_dtype_cannot_hold_are_usage_errors(tmp_path: Path
     asyncio.run(scenario())
 
 
+def test_an_npz_holding_arrays_the_model_has_no_input_for_is_refused_naming_them(
+    small_model: Path, tmp_path: Path
+) -> None:
+    """infer and bulk sent the arrays named like the model's inputs and dropped the rest
+    without a word, while --json refuses an input name the model lacks."""
+    path = tmp_path / "in.npz"
+    np.savez(path, input=rows(2), mask=rows(2), extra=rows(2))
+    message = (
+        f"{path} holds array(s) ['extra', 'mask'] the model has no input for; the model's "
+        "inputs are ['input']"
+    )
+    engine = RecordingEngine(str(small_model))
+
+    async def scenario() -> None:
+        async with serving(engine, config(small_model)) as s:
+            for command in (
+                ["infer", "--input", str(path)],
+                ["bulk", "--input", str(path), "--output", str(tmp_path / "out.npz")],
+            ):
+                code, _, err = await cli(*command, "--target", s.target)
+                assert code == 2, (command, err)
+                assert message in err, err
+                assert "Traceback" not in err
+
+    asyncio.run(scenario())
+    assert engine.batches == []
+
+
 def test_input_of_the_wrong_dtype_is_a_usage_error(small_model: Path, tmp_path: Path) -> None:
     np.save(tmp_path / "in.npy", rows(10).astype(np.float64))
 
