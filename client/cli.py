@@ -453,10 +453,11 @@ def _check_only_inputs(model: ModelInfo, names: Sequence[str], where: str) -> No
 
 def _check_input(name: str, array: npt.NDArray[Any], model: ModelInfo, where: str) -> None:
     """The server's own check, before anything is sent: dtype, rank and the fixed sizes
-    after the row axis (the row count is free)."""
+    after the row axis (the row count is free). The byte order is free too: the codec
+    writes each request in the wire's (a `>f4` file holds float32 values)."""
     spec = model.input(name)
     if (
-        array.dtype != spec.dtype
+        array.dtype.newbyteorder("=") != spec.dtype.newbyteorder("=")
         or array.ndim != len(spec.shape)
         or any(
             want is not None and have != want

@@ -559,6 +559,51 @@ def test_an_npz_holding_arrays_the_model_has_no_input_for_is_refused_naming_them
     assert engine.batches == []
 
 
+def test_a_big_endian_input_of_the_models_dtype_is_answered_as_its_values(
+    small_model: Path, small_reference: ort.InferenceSession, tmp_path: Path
+) -> None:
+    """A `>f4` file was refused ("is >f4 ...; the model expects float32"): the byte order
+    alone differed, which the wire codec converts. Another dtype is still refused."""
+    x = rows(3, seed=7)
+    expected = small_reference.run(None, {"input": x})[0]
+    np.save(tmp_path / "big.npy", x.astype(">f4"))
+    np.savez(tmp_path / "big.npz", input=x.astype(">f4"))
+    np.save(tmp_path / "double.npy", x.astype(">f8"))
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            for name in ("big.npy", "big.npz"):
+                code, _, err = await cli(
+                    "infer",
+                    "--target",
+                    s.target,
+                    "--input",
+                    str(tmp_path / name),
+                    "--output",
+                    str(tmp_path / f"y_{name}.npy"),
+                )
+                assert code == 0, (name, err)
+                np.testing.assert_array_equal(np.load(tmp_path / f"y_{name}.npy"), expected)
+            code, _, err = await cli(
+                "bulk",
+                "--target",
+                s.target,
+                "--input",
+                str(tmp_path / "big.npy"),
+                "--output",
+                str(tmp_path / "bulk.npy"),
+            )
+            assert code == 0, err
+            np.testing.assert_allclose(np.load(tmp_path / "bulk.npy"), expected, rtol=1e-6)
+            code, _, err = await cli(
+                "infer", "--target", s.target, "--input", str(tmp_path / "double.npy")
+            )
+            assert code == 2, err
+            assert "is >f8 with shape [3, 512]; the model expects float32" in err
+
+    asyncio.run(scenario())
+
+
 def test_input_of_the_wrong_dtype_is_a_usage_error(small_model: Path, tmp_path: Path) -> None:
     np.save(tmp_path / "in.npy", rows(10).astype(np.float64))
 
