@@ -261,9 +261,18 @@ class Engine:
             raise EngineStartError(f"model {role} {arg.name!r}: {error}") from None
         dtype = numpy_dtype_for_onnx_type(arg.type)
         assert dtype is not None
-        shape = tuple(dim if isinstance(dim, int) and dim >= 0 else -1 for dim in arg.shape)
-        names = tuple(dim if isinstance(dim, str) and dim else None for dim in arg.shape)
-        if not shape or shape[0] != -1:
+        # ONNX Runtime gives [] (None in some versions) for a shape the model never
+        # declares as for a scalar's: which one it was, it cannot say.
+        dims = arg.shape or []
+        if not dims:
+            raise EngineStartError(
+                f"model {role} {arg.name!r} declares no shape (or a scalar one, which ONNX "
+                "Runtime reads alike): laneserve batches along the first axis; expected a "
+                "shape whose first axis is dynamic (a symbolic or -1 dimension), e.g. ['N', ...]"
+            )
+        shape = tuple(dim if isinstance(dim, int) and dim >= 0 else -1 for dim in dims)
+        names = tuple(dim if isinstance(dim, str) and dim else None for dim in dims)
+        if shape[0] != -1:
             raise EngineStartError(
                 f"model {role} {arg.name!r} has shape {list(shape)}: laneserve batches along "
                 f"the first axis, which must be dynamic (a symbolic or -1 dimension)"

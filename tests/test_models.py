@@ -121,6 +121,27 @@ def test_a_model_laneserve_cannot_serve_is_refused_naming_the_input_or_output(
     assert message.startswith(expected), message
 
 
+def test_a_model_input_that_declares_no_shape_is_refused_saying_so(tmp_path: Path) -> None:
+    """It was refused as "has shape []", which reads as a scalar input: ONNX Runtime gives
+    [] for a shape never declared too (exported models may lack one)."""
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["s"], ["o"])],
+        "shapeless",
+        [helper.make_tensor_value_info("s", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("o", TensorProto.FLOAT, ["N", 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    # Not _save: onnx's checker refuses a graph input without a shape, ONNX Runtime loads it.
+    onnx.save(model, tmp_path / "shapeless.onnx")
+    message = _refused_at_start(tmp_path / "shapeless.onnx")
+    assert message.startswith(
+        "model input 's' declares no shape (or a scalar one, which ONNX Runtime "
+        "reads alike): laneserve batches along the first axis; expected a shape whose "
+        "first axis is dynamic (a symbolic or -1 dimension), e.g. ['N', ...]"
+    ), message
+
+
 def test_inputs_sharing_a_named_dimension_must_agree_on_its_size(tmp_path: Path) -> None:
     """Add(a[N, K], b[N, K]): a request with K = 3 for a and 4 for b is the caller's error,
     answered INVALID_ARGUMENT naming K; it never reaches the session (where it failed the
