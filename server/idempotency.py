@@ -10,8 +10,9 @@ attempt ran (the connection dropped, its deadline passed in flight, a bulk strea
   then only if none of its rows has gone to the session; a request already started
   finishes (all its chunks, when it is split across batches), and its answer is kept
   for the retry that is likely on its way. Each waiter keeps its own deadline: the work
-  waits as long as the latest of them (a retry or hedge with a later deadline extends
-  it), and a waiter whose deadline passes first is answered alone.
+  waits as long as the latest of those still waiting (a retry or hedge with a later
+  deadline extends it; when that one leaves, it returns to the latest of the others),
+  and a waiter whose deadline passes first is answered alone.
 - **completed**: the id's request succeeded recently. The retry gets the stored answer.
   Stored answers form an LRU bounded by count and by bytes, each kept at most ``ttl_s``.
 - Errors are not stored: a request refused or failed may be retried and run.
@@ -97,18 +98,18 @@ Cancel = Callable[[bool], bool]
 # a caller still waits for it (False: every caller left or timed out while it ran, and
 # the answer is only kept for replay).
 Finish = Callable[[Outcome, bool], pb.InferResponse]
-# Moves an admitted request's deadline (scheduler clock) to a later one; False when its
-# answer is already on its way (nothing to extend).
-Extend = Callable[[float], bool]
+# Moves an admitted request's deadline (scheduler clock), later or earlier; False when
+# its answer is already on its way (nothing to move).
+Move = Callable[[float], bool]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Admitted:
     """What `submit` returns for a request the scheduler queued: how to cancel it, and
-    how to give it a later deadline."""
+    how to move its deadline."""
 
     cancel: Cancel
-    extend: Extend
+    move: Move
 
 
 class _Waiter:
@@ -140,8 +141,8 @@ class _Flight:
         self.request_id = request_id
         self.fingerprint = fingerprint
         self.admitted = admitted
-        # The work's deadline in the scheduler: the latest of its waiters' when admitted
-        # or extended. Invariant: a waiter with an earlier deadline has its timer.
+        # The work's deadline in the scheduler: the latest of its waiters' still waiting.
+        # Invariant: a waiter with an earlier deadline has its timer, the others none.
         self.deadline_s = deadline_s
         self.waiters: list[_Waiter] = []
         # Set once: the answer was handed out, or the work was cancelled (no answer comes).
@@ -383,17 +384,37 @@ class RequestLedger:
                 flight.waiters.remove(waiter)
                 if not flight.waiters:
                     self._abandon(flight)
+                elif waiter.deadline_s >= flight.deadline_s:
+                    self._shorten(flight)
 
     def _extend(self, flight: _Flight, deadline_s: float) -> None:
         """A waiter with a later deadline than the work's joined: the work waits for it
         (the scheduler moves the entry's deadline), and the waiters with earlier ones
         get their timers (the scheduler's answer at their deadline no longer comes)."""
-        if not flight.admitted.extend(deadline_s):
+        if not flight.admitted.move(deadline_s):
             return  # answered already: its Outcome is on its way
         flight.deadline_s = deadline_s
         for waiter in flight.waiters:
             if waiter.timer is None and waiter.deadline_s < deadline_s:
                 self._arm(flight, waiter)
+
+    def _shorten(self, flight: _Flight) -> None:
+        """The waiter the work waited for (the latest deadline) went away: the work waits
+        for the latest of those still waiting, whom the scheduler now answers at that
+        deadline (their timers go). It waited on for the one that left: the last timer
+        answered its caller refused and then cancelled the queued work, counted CANCELLED
+        where its deadline had passed in the queue (EXPIRED_IN_QUEUE)."""
+        waiting = [waiter for waiter in flight.waiters if not waiter.future.done()]
+        if not waiting:
+            return  # each has its answer: the last to go abandons the work
+        latest_s = max(waiter.deadline_s for waiter in waiting)
+        if latest_s >= flight.deadline_s or not flight.admitted.move(latest_s):
+            return  # nothing earlier, or answered already: its Outcome is on its way
+        flight.deadline_s = latest_s
+        for waiter in waiting:
+            if waiter.timer is not None and waiter.deadline_s >= latest_s:
+                waiter.timer.cancel()
+                waiter.timer = None
 
     def _arm(self, flight: _Flight, waiter: _Waiter) -> None:
         """Answers `waiter` alone at its deadline, unless the flight's answer came first."""
@@ -436,8 +457,8 @@ __all__ = [
     "ENTRY_OVERHEAD_BYTES",
     "Admitted",
     "Cancel",
-    "Extend",
     "Finish",
+    "Move",
     "ReplayCache",
     "RequestLedger",
     "Resolve",

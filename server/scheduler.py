@@ -276,7 +276,7 @@ class Scheduler:
         # Live entries: admitted and not yet answered (queued or in a running batch).
         self._entries: dict[int, Entry] = {}
         # (deadline_s, entry_id) of live entries; stale pairs (answered, or a deadline since
-        # extended) are skipped when popped.
+        # moved) are skipped when popped.
         self._deadlines: list[tuple[float, int]] = []
         self._entry_ids = itertools.count(1)
         self._batch_ids = itertools.count(1)
@@ -699,14 +699,15 @@ class Scheduler:
         self.events.completed(lane.name, status)
         return status
 
-    def extend_deadline(self, entry_id: int, deadline_s: float) -> bool:
-        """Moves a live entry's deadline to `deadline_s` when that is later (a retry with
-        a later deadline joined the request: the work waits for the latest caller).
-        False when the entry has been answered (its Outcome is on its way)."""
+    def move_deadline(self, entry_id: int, deadline_s: float) -> bool:
+        """Moves a live entry's deadline to `deadline_s`: later when a retry with a later
+        deadline joined the request, earlier when the caller it waited for left (the work
+        waits for the latest caller still waiting). False when the entry has been
+        answered (its Outcome is on its way)."""
         entry = self._entries.get(entry_id)
         if entry is None or entry.finished:
             return False
-        if deadline_s > entry.deadline_s:
+        if deadline_s != entry.deadline_s:
             entry.deadline_s = deadline_s
             heapq.heappush(self._deadlines, (deadline_s, entry_id))  # the old pair goes stale
         return True
@@ -726,7 +727,7 @@ class Scheduler:
             deadline_s, entry_id = heapq.heappop(self._deadlines)
             entry = self._entries.get(entry_id)
             if entry is None or not entry.in_lane or entry.deadline_s != deadline_s:
-                continue  # answered, all running, or its deadline was extended
+                continue  # answered, all running, or its deadline was moved
             lane = self.lanes[entry.priority]
             self.events.shed(lane.name, "EXPIRED_IN_QUEUE", entry.queued_rows)
             waited_ms = (now_s - entry.enqueued_s) * 1000

@@ -117,11 +117,14 @@ class SchedulerThread:
             self._cond.notify_all()
             return cancelled
 
-    def extend_deadline(self, entry_id: int, deadline_s: float) -> bool:
-        """See `Scheduler.extend_deadline`. Wakes nobody: a later deadline never needs an
-        earlier wake-up."""
+    def move_deadline(self, entry_id: int, deadline_s: float) -> bool:
+        """See `Scheduler.move_deadline`. Wakes the scheduler thread: a deadline moved
+        earlier may come before its next wake-up (it would shed or dispatch late)."""
         with self._cond:
-            return self._scheduler.extend_deadline(entry_id, deadline_s)
+            moved = self._scheduler.move_deadline(entry_id, deadline_s)
+            if moved:
+                self._cond.notify_all()
+            return moved
 
     def stop_accepting(self) -> None:
         with self._cond:

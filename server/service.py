@@ -516,7 +516,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     def _admitted(
         self, entry_id: int, lane: str, trace: RequestTrace, arrived_s: float
     ) -> Admitted:
-        """How the ledger cancels the queued entry `entry_id` or extends its deadline."""
+        """How the ledger cancels the queued entry `entry_id` or moves its deadline."""
 
         def cancel(unless_running: bool) -> bool:
             status = self._scheduler.cancel(entry_id, unless_running=unless_running)
@@ -524,10 +524,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 self._request_over(lane, trace, status, arrived_s)
             return status is not None
 
-        def extend(later_s: float) -> bool:
-            return self._scheduler.extend_deadline(entry_id, later_s)
+        def move(deadline_s: float) -> bool:
+            return self._scheduler.move_deadline(entry_id, deadline_s)
 
-        return Admitted(cancel, extend)
+        return Admitted(cancel, move)
 
     async def _run_once(
         self,

@@ -401,6 +401,52 @@ def test_a_retry_with_a_later_deadline_keeps_the_request_for_itself(small_model:
     assert output(answer).shape == (2, 10)
 
 
+def test_when_the_later_caller_leaves_the_work_waits_for_the_earlier_one_only(
+    small_model: Path,
+) -> None:
+    """The first call (timeout_ms 1000) is queued behind a busy session; a retry with a
+    60 s timeout joins it (the work waits for it), then leaves. The work's deadline goes
+    back to the first call's, where the queue sheds it: EXPIRED_IN_QUEUE, counted once,
+    as a lone caller's is (the scheduler thread, asleep until the retry's deadline, is
+    woken for it). It stayed queued for the retry that had left: the first call's timer
+    answered it refused (`rejected`), and then cancelled the work, counted CANCELLED
+    (its caller did not leave; its deadline passed in the queue)."""
+
+    async def scenario() -> tuple[grpc.aio.AioRpcError, pb.LaneStats]:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model)) as s:
+            busy = await hold_engine(s, engine)
+            x = rows(2, start=70)
+            first = asyncio.ensure_future(
+                s.stub.Infer(request(x, request_id="x", timeout_ms=1000), timeout=10)
+            )
+            await until(lambda: queued_rows(s) == 2)
+            retry = s.stub.Infer(request(x, request_id="x", timeout_ms=60_000))
+            await until_stats(s, lambda stats: stats.idempotent_joins == 1)
+            # Another caller comes and goes: the scheduler thread re-plans, and sleeps
+            # until the work's deadline, the retry's.
+            other = s.stub.Infer(request(rows(1, start=90)))
+            await until(lambda: queued_rows(s) == 3)
+            other.cancel()
+            await until(lambda: queued_rows(s) == 2)
+            retry.cancel()
+            with pytest.raises(grpc.aio.AioRpcError) as expired:
+                await first
+            await until(lambda: queued_rows(s) == 0)
+            engine.release()
+            await busy
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+        (standard,) = [lane for lane in stats.lanes if lane.name == "standard"]
+        return expired.value, standard
+
+    expired, standard = asyncio.run(scenario())
+    assert rich_status(expired)[0] == "EXPIRED_IN_QUEUE", expired
+    assert dict(standard.answered) == {"OK": 1, "EXPIRED_IN_QUEUE": 1, "CANCELLED": 1}
+    assert dict(standard.shed) == {"EXPIRED_IN_QUEUE": 1, "CANCELLED": 1}
+    assert dict(standard.rejected) == {}
+    assert standard.admitted == 3
+
+
 def test_a_retry_joining_in_the_turn_its_answer_arrives_gets_it() -> None:
     """The answer (a loop callback from the engine thread) came in the loop turn between
     a retry's join and its first step: `asyncio.wait_for` ran the wait in a task of its

@@ -1524,19 +1524,23 @@ def test_effective_deadline_is_the_earlier_of_request_deadline_and_lane_timeout(
     assert scheduler.next_deadline_s() is None
 
 
-def test_an_extended_deadline_sheds_at_the_later_time_only() -> None:
+def test_a_moved_deadline_sheds_at_the_moved_time_only() -> None:
     """A retry with a later deadline joined the request: the entry is shed at that one,
-    not at its first (a stale heap pair must not shed it), and an earlier one changes
-    nothing; an answered entry cannot be extended."""
+    not at its first (a stale heap pair must not shed it); when that retry leaves, the
+    deadline moves back to an earlier one, where it is shed (not at the later pair); an
+    answered entry cannot be moved."""
     scheduler = make_scheduler()
     entry_id = scheduler.admit(make_request(0, "standard", 1, deadline_s=T0 + 0.5), T0)
-    assert scheduler.extend_deadline(entry_id, T0 + 2.0)
-    assert scheduler.extend_deadline(entry_id, T0 + 1.0), "live: earlier leaves it as it is"
+    assert scheduler.move_deadline(entry_id, T0 + 2.0)
     assert scheduler.next_deadline_s() == T0 + 2.0
-    assert scheduler.shed_expired(T0 + 1.5) == []
-    assert tokens(scheduler.shed_expired(T0 + 2.0)) == [0]
+    assert scheduler.shed_expired(T0 + 0.5) == []
+    assert scheduler.move_deadline(entry_id, T0 + 1.0)
+    assert scheduler.next_deadline_s() == T0 + 1.0
+    assert scheduler.shed_expired(math.nextafter(T0 + 1.0, 0)) == []
+    assert tokens(scheduler.shed_expired(T0 + 1.0)) == [0]
     assert scheduler.next_deadline_s() is None
-    assert not scheduler.extend_deadline(entry_id, T0 + 9.0), "answered"
+    assert scheduler.shed_expired(T0 + 2.0) == []
+    assert not scheduler.move_deadline(entry_id, T0 + 9.0), "answered"
 
 
 # ---- shedding ------------------------------------------------------------------------
