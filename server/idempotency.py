@@ -94,10 +94,11 @@ Resolve = Callable[[Outcome], None]
 # (any chunk run or running) is left to finish. Returns True when cancelled, False when
 # its Outcome is still coming.
 Cancel = Callable[[bool], bool]
-# Turns a request's Outcome into its answer (or raises its error); the flag says whether
-# a caller still waits for it (False: every caller left or timed out while it ran, and
-# the answer is only kept for replay).
-Finish = Callable[[Outcome, bool], pb.InferResponse]
+# Turns a request's Outcome into its answer (or raises its error). The second argument is
+# None while a caller still waits for it; else every caller left or timed out while it
+# ran (the answer is only kept for replay), and it is the deadline of the last of them
+# (the work's): whether that one left or timed out.
+Finish = Callable[[Outcome, float | None], pb.InferResponse]
 # Moves an admitted request's deadline (scheduler clock), later or earlier; False when
 # its answer is already on its way (nothing to move).
 Move = Callable[[float], bool]
@@ -270,9 +271,10 @@ class RequestLedger:
         response = await ledger.run(request_id, fingerprint(request), submit, finish)
 
     where `submit(resolve)` admits the request to the scheduler with `resolve` as its
-    token (or raises why not) and returns how to cancel it, and `finish(outcome, waited)`
-    turns its Outcome into the answer (or raises its error); `waited` says whether a
-    caller still waits for it (else it is only kept for replay).
+    token (or raises why not) and returns how to cancel it, and `finish(outcome, left_s)`
+    turns its Outcome into the answer (or raises its error); `left_s` is None while a
+    caller still waits for it, else the deadline of the last caller to go (the answer is
+    only kept for replay).
     """
 
     def __init__(self, replay: ReplayCache, clock: Clock) -> None:
@@ -344,7 +346,7 @@ class RequestLedger:
                 return
             waited = any(not waiter.future.done() for waiter in flight.waiters)
             try:
-                response = finish(outcome, waited)
+                response = finish(outcome, None if waited else flight.deadline_s)
             except Exception as error:
                 # Every waiter gets an answer on every path, a bug in `finish` included.
                 failure = error

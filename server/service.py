@@ -488,11 +488,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
             return self._admitted(entry_id, lane, trace, arrived_s)
 
-        def finish(outcome: Outcome, waited: bool) -> pb.InferResponse:
+        def finish(outcome: Outcome, left_s: float | None) -> pb.InferResponse:
             trace.replying()
             # Counted as what its callers got: when none waits any more (they left, or
-            # their deadlines passed while it ran on for replay), not OK.
-            status = "OK" if waited else _left_status(self._clock.monotonic(), wait_until_s)
+            # their deadlines passed while it ran on for replay), not OK. By the last one
+            # to go (`left_s`, its deadline), not this call's: a retry may have extended
+            # it and left after this call's deadline (it was counted DEADLINE_EXCEEDED).
+            status = "OK" if left_s is None else _left_status(self._clock.monotonic(), left_s)
             try:
                 response = self._answer(request.request_id, outcome, output_names)
             except Exception as error:

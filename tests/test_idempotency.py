@@ -447,6 +447,39 @@ def test_when_the_later_caller_leaves_the_work_waits_for_the_earlier_one_only(
     assert standard.admitted == 3
 
 
+def test_work_that_ran_on_after_its_last_caller_left_is_counted_cancelled(
+    small_model: Path,
+) -> None:
+    """The first call (timeout_ms 300) is in the session; a retry with a 60 s timeout
+    joins it. The first call is answered alone at 300 ms; then the retry leaves, and the
+    run ends with nobody waiting: counted as the last caller ended, CANCELLED (it left
+    before its deadline). It was judged by the first call's deadline: DEADLINE_EXCEEDED,
+    a failure."""
+
+    async def scenario() -> pb.LaneStats:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model)) as s:
+            engine.hold()
+            x = rows(2, start=70)
+            first = asyncio.ensure_future(s.stub.Infer(request(x, request_id="x", timeout_ms=300)))
+            await asyncio.to_thread(engine.entered.acquire)  # it is in the session
+            retry = s.stub.Infer(request(x, request_id="x", timeout_ms=60_000))
+            await until_stats(s, lambda stats: stats.idempotent_joins == 1)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await first
+            retry.cancel()
+            await asyncio.sleep(0.05)  # let the server see the retry go
+            engine.release()
+            await until_stats(s, lambda stats: stats.replay_cache_entries == 1)
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+        (standard,) = [lane for lane in stats.lanes if lane.name == "standard"]
+        return standard
+
+    standard = asyncio.run(scenario())
+    assert dict(standard.answered) == {"CANCELLED": 1}
+    assert standard.failed == 0
+
+
 def test_a_retry_joining_in_the_turn_its_answer_arrives_gets_it() -> None:
     """The answer (a loop callback from the engine thread) came in the loop turn between
     a retry's join and its first step: `asyncio.wait_for` ran the wait in a task of its
@@ -468,7 +501,7 @@ def test_a_retry_joining_in_the_turn_its_answer_arrives_gets_it() -> None:
             resolves.append(resolve)
             return Admitted(never_cancelled, lambda _later_s: True)
 
-        def answer(outcome: Outcome, _waited: bool) -> pb.InferResponse:
+        def answer(outcome: Outcome, _left_s: float | None) -> pb.InferResponse:
             return pb.InferResponse(request_id=outcome.request_id)
 
         first = asyncio.create_task(ledger.run("x", b"same", submit, answer))
