@@ -2169,6 +2169,46 @@ def test_a_new_signature_starts_from_the_probe_scaled_by_its_elements() -> None:
     assert RunTimeModels(fixed_run_time(), None).get(((8,),)).predict_s(1) == 0.001
 
 
+def test_a_new_signature_is_guessed_from_the_measured_one_nearest_in_elements() -> None:
+    """Attention over a sequence costs its length squared: from a probe at length 8,
+    length 512 ran 2.5-4x longer than the probe scaled by elements predicted, and
+    every new length was guessed from the probe however near a learned one was. A
+    new signature is now guessed from the measured model nearest in elements."""
+    models = RunTimeModels(fixed_run_time(), ((2,),))
+    models.observe(((64,),), 8, 0.040)  # 2.5x what the probe scaled by elements says
+    from_probe_s = models.base.predict_s(8 * 60 // 2)
+    guess_s = models.get(((60,),)).predict_s(8)
+    assert guess_s == pytest.approx(models.get(((64,),)).predict_s(7.5), rel=0.01)
+    assert guess_s > 2 * from_probe_s
+    assert models.get(((3,),)).predict_s(8) == pytest.approx(models.base.predict_s(12), rel=0.01)
+    assert models.get(((1000,),)).predict_s(1) == pytest.approx(
+        models.get(((64,),)).predict_s(1000 / 64), rel=0.01
+    )
+    # Equally near (by ratio) the probe's 2 and a learned 8: the larger, scaled down.
+    models.observe(((8,),), 8, 0.020)
+    assert models.get(((4,),)).predict_s(8) == pytest.approx(
+        models.get(((8,),)).predict_s(4), rel=0.01
+    )
+
+
+def test_a_request_behind_a_running_batch_of_a_new_length_is_refused_if_late() -> None:
+    """A batch of a length never run before runs as long as the near length learned
+    (37.5 ms), not as the probe's scaled rows (15 ms): a request with 25 ms left behind
+    it was admitted and answered late. Its guess now comes from the learned length."""
+    scheduler = Scheduler(
+        TOP_DOWN_LANES, batch_cap=CAP, run_time=fixed_run_time(), run_time_signature=((2,),)
+    )
+    scheduler.admit(make_request(0, "standard", CAP, width=64), T0)
+    scheduler.complete(run(dispatch(scheduler, T0, math.inf), run_s=0.040))
+    now_s = T0 + 0.040
+    scheduler.admit(make_request(1, "standard", CAP, width=60), now_s)
+    running = dispatch(scheduler, now_s, math.inf)
+    with pytest.raises(DeadlineUnmeetableError):
+        scheduler.admit(make_request(2, "interactive", 1, deadline_s=now_s + 0.025), now_s)
+    scheduler.admit(make_request(3, "interactive", 1, deadline_s=now_s + 0.045), now_s)
+    scheduler.complete(run(running, run_s=0.037))
+
+
 def test_a_shape_whose_model_is_a_guess_is_not_refused_until_it_ran() -> None:
     """The probe ran rows 2 wide; rows 256 wide are guessed 128x slower, far slower than
     they run. Refused DEADLINE_UNMEETABLE on that guess, no such request ever ran, so the
