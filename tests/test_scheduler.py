@@ -2209,6 +2209,31 @@ def test_a_request_behind_a_running_batch_of_a_new_length_is_refused_if_late() -
     scheduler.complete(run(running, run_s=0.037))
 
 
+def test_a_slow_first_run_of_a_length_near_a_learned_one_does_not_refuse_it() -> None:
+    """The first run of a new shape may pay for the shape (on the CPU, up to 4.8x the
+    later runs): taken alone it set the length's model 5x too slow, and its requests
+    were refused deadlines they made. Next to a learned length it is averaged with the
+    guess; far from any, the first run still sets the level alone."""
+    scheduler = Scheduler(
+        TOP_DOWN_LANES, batch_cap=CAP, run_time=fixed_run_time(), run_time_signature=((2,),)
+    )
+    scheduler.admit(make_request(0, "standard", CAP, width=64), T0)
+    scheduler.complete(run(dispatch(scheduler, T0, math.inf), run_s=0.040))
+    now_s = T0 + 0.040
+    scheduler.admit(make_request(1, "standard", CAP, width=60), now_s)
+    scheduler.complete(run(dispatch(scheduler, now_s, math.inf), run_s=5 * 0.0375))
+    now_s += 5 * 0.0375
+    scheduler.admit(make_request(2, "standard", 1), now_s)
+    running = dispatch(scheduler, now_s, math.inf)  # busy: the idle rule does not apply
+    # Runs in ~38 ms after the running batch's 1 ms; its model says ~84 ms, not 188.
+    scheduler.admit(make_request(3, "standard", CAP, width=60, deadline_s=now_s + 0.150), now_s)
+    scheduler.complete(run(running))
+    models = RunTimeModels(fixed_run_time(), ((2,),))
+    guess_s = models.get(((2000,),)).predict_s(1)
+    models.observe(((2000,),), 1, 5 * guess_s)
+    assert models.get(((2000,),)).predict_s(1) == pytest.approx(5 * guess_s)
+
+
 def test_a_shape_whose_model_is_a_guess_is_not_refused_until_it_ran() -> None:
     """The probe ran rows 2 wide; rows 256 wide are guessed 128x slower, far slower than
     they run. Refused DEADLINE_UNMEETABLE on that guess, no such request ever ran, so the
