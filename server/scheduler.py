@@ -107,6 +107,10 @@ BALANCE_DIGITS = 9
 ROUNDING_ROWS = 1e-9
 # Why the batch cap moves (`SchedulerEvents.cap_changed`): lowered, raised back.
 CAP_CHANGE_REASONS = ("out_of_memory", "recovered")
+# Entries of other shapes the batch's own lane passes over to gather more of the batch's
+# shape (requests of mixed sequence lengths in one lane ran one per batch: each ended the
+# turn). Bounds the scan per batch; they keep their place in the lane.
+GATHER_SCAN_ENTRIES = 256
 # Suggested wait before retrying a request refused for memory pressure.
 MEMORY_PRESSURE_RETRY_S = 0.25
 
@@ -156,13 +160,16 @@ class _Filling:
         self.taken: dict[int, tuple[Entry, int]] = {}
         self.present: set[int] = set()  # priorities of the lanes with rows in the batch
 
-    def fill(self, lane: Lane, allowance: float) -> tuple[int, int]:
+    def fill(self, lane: Lane, allowance: float, *, gather: bool = False) -> tuple[int, int]:
         """Takes `lane`'s entries in FIFO order up to `allowance` rows (the one crossing
-        it whole) while they fit; an entry of another shape ends the turn, and so does
-        one that does not fit (only entries larger than the cap are split). Returns the
+        it whole) while they fit; one that does not fit ends the turn (only entries
+        larger than the cap are split), and so does an entry of another shape, unless
+        `gather`: then it is passed over (it keeps its place: the batch's lane leads the
+        next batch with its oldest entry), up to GATHER_SCAN_ENTRIES of them. Returns the
         rows taken and the rows of the entry the turn ended at for want of room (0: it
         ended for another reason)."""
         used = 0
+        passed_over = 0
         for entry in lane:
             if used >= allowance:
                 break
@@ -171,6 +178,9 @@ class _Filling:
             if left == 0:
                 continue
             if entry.request.signature != self.signature:
+                passed_over += 1
+                if gather and passed_over <= GATHER_SCAN_ENTRIES:
+                    continue
                 break
             if entry.request.rows > self.batch_cap and self.room > 0:
                 rows = min(left, self.room, math.ceil(allowance - used))
@@ -803,7 +813,8 @@ class Scheduler:
         top-down. Within a lane order is FIFO: the first entry that does not fit ends
         that lane's turn. Only entries with more rows than the cap are split. Rows batch
         together only when their signatures are equal: an entry of another shape ends
-        its lane's turn too.
+        its lane's turn too, except in the lane that leads the batch (see
+        `_fill_top_down`).
 
         Lower lanes ride along only within the time the batch's highest lane accepts:
         once that lane is in, rows of the lanes below fill the batch (beyond their
@@ -867,15 +878,19 @@ class Scheduler:
                 if owed is None:
                     plan.room_blocked.add(lane.priority)
         shape_owner = None if first.request.signature == top.request.signature else first.priority
-        self._fill_top_down(plan, batch, shape_owner)
+        self._fill_top_down(plan, batch, shape_owner, first.priority)
         plan.taken = list(batch.taken.values())
         if shape_owner is not None:
             _charge_owner(plan, first.priority, self._limit_rows(now_s, top))
         return plan
 
-    def _fill_top_down(self, plan: _Plan, batch: _Filling, owner: int | None) -> None:
+    def _fill_top_down(self, plan: _Plan, batch: _Filling, owner: int | None, leader: int) -> None:
         """Pass 2: fills what pass 1 left, lane by lane from the top, lanes below the
-        batch's highest within its ride-along budget.
+        batch's highest within its ride-along budget. The lane whose head set the batch's
+        shape (`leader`) gathers its entries of that shape past those of other shapes:
+        its head leads every batch it is in, so none waits more than a batch for them.
+        Other lanes stay in order (a lane's head of another shape ends its turn): rows
+        behind it riding along would take the share it banks for it.
 
         Rows lower lanes claimed in pass 1 can push a higher lane's next request out of
         the batch (it would fit without them). The batch then belongs to the lowest lane
@@ -902,7 +917,7 @@ class Scheduler:
         lead_seen = False
         for position, lane in enumerate(order):  # `order` may change ahead of `position`
             claims_below -= plan.share_used.get(lane.priority, (0, 0))[1]
-            used, unfit = batch.fill(lane, self.batch_cap)
+            used, unfit = batch.fill(lane, self.batch_cap, gather=lane.priority == leader)
             if lane.priority == owner:
                 allowance, claimed = plan.share_used[lane.priority]
                 plan.share_used[lane.priority] = (allowance, claimed + used)

@@ -795,9 +795,32 @@ def test_items_with_different_shapes_never_share_a_batch() -> None:
         assert len({part.shape[1:] for part in batch.parts["x"]}) == 1
         batches.append(row_ids(batch))
         scheduler.complete(run(batch))
-    # An entry of another shape ends its lane's turn, like one that does not fit.
-    assert batches == [ids(0, 1), ids(1, 1) + ids(3, 2), ids(2, 1) + ids(4, 2)]
+    # The batch's own lane gathers its shape past an entry of another (which leads the
+    # next batch); in another lane that entry ends the turn, like one that does not fit.
+    assert batches == [ids(0, 1) + ids(2, 1), ids(1, 1) + ids(3, 2), ids(4, 2)]
     assert scheduler.decide(T0 + 1, T0 + 1) is None
+
+
+def test_a_lane_of_mixed_shapes_batches_each_shape_together_oldest_first() -> None:
+    """Sequence lengths mixed in one lane: each entry of another shape ended the lane's
+    turn, so the lane ran one request per batch (eight batches here). The batch's lane
+    now gathers the head's shape past the others, which keep their place: its oldest
+    leads the next batch."""
+    scheduler = make_scheduler(TOP_DOWN_LANES)
+    for index in range(8):
+        scheduler.admit(make_request(index, "interactive", 1, width=2 + index % 2), T0)
+    batches = []
+    for step in range(1, 4):
+        now_s = T0 + step * 0.001
+        decision = scheduler.decide(now_s, now_s)
+        if decision is None:
+            break
+        assert isinstance(decision, Dispatch)
+        batches.append(row_ids(decision.batch))
+        scheduler.complete(run(decision.batch))
+    even = [row for index in (0, 2, 4, 6) for row in ids(index, 1)]
+    odd = [row for index in (1, 3, 5, 7) for row in ids(index, 1)]
+    assert batches == [even, odd]
 
 
 def test_lower_lane_share_does_not_shut_out_higher_lane_work_of_another_shape() -> None:
