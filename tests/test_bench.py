@@ -733,8 +733,8 @@ def test_expired_executed_cannot_be_measured_under_a_grpc_deadline() -> None:
         "overload_goodput_grpc",
     ], "the expired-executed verdict comes from the timeout_ms point alone"
     report = render_markdown(document)
-    assert "| 0 | 0 | - |" in report, "timeout_ms: none late, none expired, no lag"
-    assert "| 0 | - (not seen) | - |" in report, "gRPC deadline: not measurable"
+    assert "| 0 | 0 | - / - / - |" in report, "timeout_ms: none late, none expired, no lag"
+    assert "| 0 | - (not seen) | - / - / - |" in report, "gRPC deadline: not measurable"
 
 
 def test_client_lag_is_recorded_for_every_request_sent(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -804,7 +804,7 @@ def test_arrivals_the_client_could_not_send_are_neither_sent_nor_answered(
     assert summary["valid"] is False
     # Held back because the server held MAX_OUTSTANDING calls: not the generator's limit;
     # the sends it made late are.
-    assert summary["invalid_reason"].startswith("client lag p50")
+    assert summary["invalid_reason"].startswith("client lag p95")
     # The reports say so: their "under 95 % of the offered rate" read as sent/s alone.
     document = empty_document()
     for scenario, label in (("b", "single"), ("d", "default")):
@@ -815,17 +815,20 @@ def test_arrivals_the_client_could_not_send_are_neither_sent_nor_answered(
 
 def test_a_point_the_load_generator_could_not_offer_is_not_valid() -> None:
     stream = Stream("default", rate_per_s=1000.0, deadline_ms=100)
-    assert offer_problem(stream, 1950, 2.0, [0.001]) == ""
-    assert offer_problem(stream, 1800, 2.0, [0.001]) == "sent 900/s of the 1,000/s target (90%)"
-    assert offer_problem(stream, 2000, 2.0, [0.2, 0.3]) == (
-        "client lag p50 250 ms exceeds the 100 ms deadline"
+    p50 = {"latency_p50_ms": 5.0}
+    assert offer_problem(stream, 1950, 2.0, [0.001], **p50) == ""
+    assert offer_problem(stream, 1800, 2.0, [0.001], **p50) == (
+        "sent 900/s of the 1,000/s target (90%)"
+    )
+    assert offer_problem(stream, 2000, 2.0, [0.2, 0.3], **p50) == (
+        "client lag p95 295 ms exceeds the 100 ms deadline"
     )
     few = Stream("interactive", rate_per_s=100.0)
-    assert offer_problem(few, 180, 2.0, []) == "", "90 % of 200 arrivals: Poisson noise"
-    assert offer_problem(few, 150, 2.0, []) != ""
-    assert offer_problem(Stream("c", concurrency=4), 0, 2.0, []) == "", "closed loop"
+    assert offer_problem(few, 180, 2.0, [], **p50) == "", "90 % of 200 arrivals: Poisson noise"
+    assert offer_problem(few, 150, 2.0, [], **p50) != ""
+    assert offer_problem(Stream("c", concurrency=4), 0, 2.0, [], **p50) == "", "closed loop"
     bulk = Stream("bulk", rate_per_s=3000.0, via="stream")
-    assert offer_problem(bulk, 1200, 2.0, []) == "", "InferStream: the server's window holds"
+    assert offer_problem(bulk, 1200, 2.0, [], **p50) == "", "InferStream: the server's window holds"
 
     document = empty_document()
     document["capacity"] = {"throughput_per_s": 300.0}
@@ -844,6 +847,49 @@ def test_a_point_the_load_generator_could_not_offer_is_not_valid() -> None:
     report = render_markdown(document)
     assert "| 900 | 750 |" in report, "the achieved rate next to the target"
     assert "| not valid (load not offered) |" in report
+
+
+def test_client_lag_is_judged_at_its_p95_and_without_a_deadline_too() -> None:
+    """Validity looked at the median lag alone: a (d) point with lag p50 8.7 ms and p95
+    162 ms (5 % of its requests late before they left, every one of their answers
+    counted late against the server) passed; an open-loop stream without a deadline,
+    as in (b), had no lag check at all."""
+    lag_s = [0.0087] * 90 + [0.162] * 10
+    overload = Stream("default", rate_per_s=50.0, deadline_ms=100)
+    record = StreamWindow(sent=100, ok_latency_s=[0.02] * 100, lag_s=lag_s)
+    record.outcomes.update({OK: 100})
+    summary = summarize_stream(overload, record, 2.0)
+    assert summary["valid"] is False
+    assert summary["invalid_reason"] == "client lag p95 162 ms exceeds the 100 ms deadline"
+    assert summary["client_lag"]["p50_ms"] == pytest.approx(8.7)
+    assert summary["client_lag"]["p95_ms"] == pytest.approx(162.0)
+    assert summary["client_lag_limit_ms"] == 100.0
+
+    # No deadline: the lag is held against the stream's median latency (from the
+    # scheduled arrival), 20 ms here.
+    open_loop = Stream("single", rate_per_s=50.0)
+    summary = summarize_stream(open_loop, record, 2.0)
+    assert summary["valid"] is False
+    assert summary["invalid_reason"] == (
+        "client lag p95 162 ms exceeds the stream's p50 latency, 20.0 ms (no deadline)"
+    )
+    assert summary["client_lag_limit_ms"] == pytest.approx(20.0)
+    on_time = StreamWindow(sent=100, ok_latency_s=[0.02] * 100, lag_s=[0.001] * 100)
+    on_time.outcomes.update({OK: 100})
+    assert summarize_stream(open_loop, on_time, 2.0)["valid"] is True
+    # Over InferStream too: the lag is taken before an item is handed to the stream.
+    bulk = dataclasses.replace(open_loop, via="stream")
+    assert summarize_stream(bulk, record, 2.0)["valid"] is False
+    closed = summarize_stream(Stream("single", concurrency=4), record, 2.0)
+    assert (closed["valid"], closed["client_lag_limit_ms"]) == (True, None)
+
+    document = empty_document()
+    document["scenarios"]["b"].append(point_of("b", "50%", open_loop, record))
+    document["scenarios"]["d"].append(point_of("d", "300%", overload, record))
+    report = render_markdown(document)
+    assert report.count("| 8.70 ms / 162.0 ms / 162.0 ms |") == 2, "lag p50 / p95 / p99"
+    assert "its client lag p95 exceeds the stream's p50 latency" in report
+    assert "its client lag p95 exceeds the deadline" in report
 
 
 def test_the_isolation_table_shows_every_outcome_that_is_not_ok() -> None:
