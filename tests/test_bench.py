@@ -923,7 +923,48 @@ def test_isolation_with_no_interactive_answer_under_bulk_is_missed() -> None:
     (target,) = [t for t in evaluate_targets(document) if t["id"].startswith("isolation_p99")]
     assert target["met"] is False
     assert verdict_text(target) == "missed"
-    assert "no OK answer with bulk of 200 sent" in target["measured"]
+    assert "inf with bulk (0.0% of 200 calls OK" in target["measured"]
+
+
+def test_isolation_p99_counts_every_interactive_call_not_answered_ok_as_a_miss() -> None:
+    """Under the unary bulk flood 150 of 257 interactive calls were refused, and the p99
+    was taken over the 107 answered: the target could be met with most calls refused."""
+    document = empty_document()
+    interactive = Stream("interactive", lane="interactive", rate_per_s=100.0)
+    alone = StreamWindow(sent=200, ok_latency_s=[0.010] * 200, ok_batch_rows=[1] * 200)
+    alone.outcomes.update({OK: 200})
+    flooded = StreamWindow(sent=257, ok_latency_s=[0.015] * 107, ok_batch_rows=[1] * 107)
+    flooded.outcomes.update({OK: 107, "LANE_FULL": 150})
+    document["scenarios"]["c"] += [
+        point_of("c", "interactive alone", interactive, alone),
+        point_of("c", "with bulk at 200% over Infer", interactive, flooded),
+    ]
+    document["scenarios"]["c"][1]["streams"].append(
+        dataclasses.asdict(Stream("bulk", lane="bulk", rows=8, rate_per_s=50.0))
+    )
+    loaded = document["scenarios"]["c"][1]["lanes"]["interactive"]
+    assert loaded["latency"]["p99_ms"] == pytest.approx(15.0), "over OK answers, as before"
+    every = loaded["latency_all_calls"]
+    assert (every["calls"], every["p99_ms"]) == (257, None), "a refused call is +inf"
+    assert every["ok_share"] == pytest.approx(107 / 257)
+    (target,) = [t for t in evaluate_targets(document) if t["id"].startswith("isolation_p99")]
+    assert (target["met"], verdict_text(target)) == (False, "missed")
+    assert target["measured"].startswith("inf with bulk (41.6% of 257 calls OK; p99 of the OK")
+    assert target["detail"] == (
+        "150 of 257 calls not answered OK (LANE_FULL 150): each counts as +inf"
+    )
+    report = render_markdown(document)
+    assert "| 100.0% | 10.0 ms |" in report, "alone: every call OK"
+    assert "| 41.6% | inf | LANE_FULL 150 |" in report
+
+    # Fewer than 1 % not OK: the p99 stays finite, over every call.
+    mostly = StreamWindow(sent=1000, ok_latency_s=[0.001 * i for i in range(995)])
+    mostly.outcomes.update({OK: 995, "LANE_FULL": 5})
+    assert summarize_stream(interactive, mostly, 2.0)["latency_all_calls"]["p99_ms"] == (
+        pytest.approx(percentiles_ms([0.001 * i for i in range(995)] + [9.0] * 5)["p99_ms"])
+    )
+    mostly.outcomes.update({"LANE_FULL": 15})
+    assert summarize_stream(interactive, mostly, 2.0)["latency_all_calls"]["p99_ms"] is None
 
 
 def point_of(scenario: str, name: str, stream: Stream, record: StreamWindow) -> dict[str, Any]:

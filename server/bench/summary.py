@@ -180,6 +180,45 @@ def percentiles_ms(samples_s: Sequence[float]) -> dict[str, float | int | None]:
     }
 
 
+def all_calls_latency(record: StreamWindow) -> dict[str, float | int | None]:
+    """Latency percentiles over every call of a stream, not only its OK answers: a call
+    not answered OK (refused, shed, timed out, failed, still unanswered at the end of
+    the windows, or held back as client backlog) counts as +inf, an SLO miss. So the p99
+    is +inf once more than about 1 % of the calls were not OK. The calls are the
+    requests sent (or the answers received, where more came back in the windows than
+    were sent in them) plus the client backlog.
+
+    A percentile that falls on a call not answered OK is None (+inf: JSON has no
+    infinity), as are all of them when there were no calls."""
+    answered = sum(record.outcomes.values())
+    calls = max(record.sent, answered) + record.client_backlog
+    ok = sorted(record.ok_latency_s)
+    figures: dict[str, float | int | None] = {
+        "calls": calls,
+        "ok_share": len(ok) / calls if calls else None,
+    }
+    for key, q in ALL_CALLS_PERCENTILES.items():
+        figures[key] = _with_misses_ms(ok, calls, q) if calls else None
+    return figures
+
+
+# The percentiles of `all_calls_latency`, by key.
+ALL_CALLS_PERCENTILES: Final = {"p50_ms": 50.0, "p95_ms": 95.0, "p99_ms": 99.0, "p99_9_ms": 99.9}
+
+
+def _with_misses_ms(ok_sorted_s: Sequence[float], calls: int, q: float) -> float | None:
+    """The q-th percentile, in ms, of `calls` values: `ok_sorted_s` and +inf for the
+    rest; None when it is +inf. Interpolated linearly between the two nearest ranks, as
+    `percentiles_ms` (numpy's default) does; numpy itself turns inf - inf into nan."""
+    position = q / 100 * (calls - 1)
+    low = math.floor(position)
+    high = math.ceil(position)
+    if high >= len(ok_sorted_s):
+        return None  # a rank it stands on or leans towards is a miss
+    low_s, high_s = ok_sorted_s[low], ok_sorted_s[high]
+    return (low_s + (high_s - low_s) * (position - low)) * 1000
+
+
 def classify(outcomes: Mapping[str, int]) -> dict[str, dict[str, int]]:
     """Non-OK outcomes split into rejected / shed / timed_out / failed, by reason."""
     groups: dict[str, dict[str, int]] = {"rejected": {}, "shed": {}, "timed_out": {}, "failed": {}}
@@ -359,6 +398,8 @@ def summarize_stream(stream: Stream, record: StreamWindow, duration_s: float) ->
         "goodput_per_s": good / duration_s,
         "goodput_rows_per_s": good * stream.rows / duration_s,
         "latency": latency,
+        # Over every call: one not answered OK counts as +inf (None here).
+        "latency_all_calls": all_calls_latency(record),
         "queue": percentiles_ms([us / 1e6 for us in record.ok_queue_us]) if timed else None,
         "batch_rows": _batch_rows(record.ok_batch_rows) if timed else None,
         "rejected": groups["rejected"],
