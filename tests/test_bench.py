@@ -41,6 +41,7 @@ from laneserve.server.bench.cli import (
     _scenarios,
     settings_from,
     stop_signals_interrupt,
+    target_line,
 )
 from laneserve.server.bench.loadgen import (
     ClientPool,
@@ -965,6 +966,54 @@ def test_isolation_p99_counts_every_interactive_call_not_answered_ok_as_a_miss()
     )
     mostly.outcomes.update({"LANE_FULL": 15})
     assert summarize_stream(interactive, mostly, 2.0)["latency_all_calls"]["p99_ms"] is None
+
+
+def test_a_verdict_read_from_an_unstable_point_says_so() -> None:
+    """The targets table gave "met" or "missed" alike from points marked "stable: no",
+    as solid-looking as from points that settled; so did the (d) verdicts whose
+    capacity came from an unstable (a) point."""
+    document = empty_document()
+    single = Stream("single", concurrency=32)
+    fast = StreamWindow(sent=900, ok_latency_s=[0.01] * 900, ok_batch_rows=[4] * 900)
+    fast.outcomes.update({OK: 900})
+    echo = StreamWindow(sent=1000, ok_latency_s=[0.005] * 1000, ok_batch_rows=[1] * 1000)
+    echo.outcomes.update({OK: 1000})
+    ours = point_of("a", "c=32", single, fast)
+    ours["stable"] = False
+    theirs = point_of("a", "c=32", single, echo)
+    theirs["configuration"] = "echo"
+    document["scenarios"]["a"] += [ours, theirs]
+    document["capacity"] = {
+        "configuration": "laneserve",
+        "point": "c=32",
+        "throughput_per_s": 450.0,
+    }
+    overload = Stream("default", rate_per_s=500.0, deadline_ms=100)
+    late = StreamWindow(sent=1000, ok_latency_s=[0.01] * 100, ok_batch_rows=[4] * 100)
+    late.outcomes.update({OK: 100, "LANE_FULL": 900})
+    document["scenarios"]["d"].append(point_of("d", "300%, 100 ms timeout_ms", overload, late))
+    targets = {t["id"]: t for t in evaluate_targets(document)}
+
+    echo_ratio = targets["echo_ratio"]
+    assert (echo_ratio["met"], echo_ratio["stable"]) == (True, False)
+    assert echo_ratio["unstable_points"] == ["laneserve (a) c=32"]
+    assert verdict_text(echo_ratio) == "met (unstable point)"
+    assert "read from points not stable: laneserve (a) c=32" in echo_ratio["detail"]
+    goodput = targets["overload_goodput_timeout_ms"]
+    assert verdict_text(goodput) == "missed (unstable point)", "the capacity's point"
+    expired = targets["overload_expired_executed"]
+    assert (verdict_text(expired), expired["stable"]) == ("met (unstable point)", False)
+    assert verdict_text(targets["reference_p99"]) == "not measured"
+    report = render_markdown(document)
+    assert "| **missed (unstable point)** |" in report
+    assert "| met (unstable point) |" in report
+    assert target_line(goodput).startswith("  MISSED (unstable point)  under (d) goodput")
+
+    ours["stable"] = True
+    targets = {t["id"]: t for t in evaluate_targets(document)}
+    assert verdict_text(targets["echo_ratio"]) == "met"
+    assert verdict_text(targets["overload_goodput_timeout_ms"]) == "missed"
+    assert targets["echo_ratio"]["unstable_points"] == []
 
 
 def point_of(scenario: str, name: str, stream: Stream, record: StreamWindow) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from laneserve.server.bench.loadgen import ClientError
 from laneserve.server.bench.procs import ServerError, StartError
@@ -283,10 +284,17 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     for path in outputs["plots"]:
         print(f"wrote {path}")
     for target in document["targets"]:
-        verdict = verdict_text(target)
-        verdict = verdict.upper() if verdict == "missed" else verdict
-        print(f"  {verdict:>12}  {target['description']}: {target['measured']}")
+        print(target_line(target))
     return 0
+
+
+def target_line(target: dict[str, Any]) -> str:
+    """A target's verdict as the end of a run prints it, a miss in capitals (read from
+    an unstable point or not: "MISSED (unstable point)")."""
+    verdict = verdict_text(target)
+    if verdict.startswith("missed"):
+        verdict = "MISSED" + verdict.removeprefix("missed")
+    return f"  {verdict:>12}  {target['description']}: {target['measured']}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from laneserve.server.bench.settings import SCENARIO_TITLES
+from laneserve.server.bench.settings import BULK_SATURATION, SCENARIO_TITLES
 
 log = logging.getLogger("laneserve.bench")
 
@@ -170,19 +170,30 @@ def _target(
     met: bool | None,
     detail: str = "",
     *,
-    invalid_points: Sequence[dict[str, Any] | None] = (),
+    points: Sequence[dict[str, Any] | None] = (),
 ) -> dict[str, Any]:
-    """A verdict; where any of `invalid_points` (the points it is read from) is not valid
-    (the load generator could not offer its load), no verdict: `met` is None, `valid`
-    False, and `detail` says why."""
+    """A verdict read from `points`. Where any of them is not valid (the load generator
+    could not offer its load), no verdict: `met` is None, `valid` False, and `detail`
+    says why. Where any did not settle ("stable: no"), the verdict stands but says so
+    (`stable` False, `unstable_points`): it is not as solid as one from stable points."""
+    read = _distinct(point for point in points if point is not None)
     why = [
         f"({point['scenario']}) {point['name']}: {point['invalid_reason']}"
-        for point in invalid_points
-        if point is not None and point.get("valid") is False
+        for point in read
+        if point.get("valid") is False
     ]
     if why:
         met = None
         detail = "not valid, the load generator could not offer the load: " + "; ".join(why)
+    unstable = [
+        f"{point['configuration']} ({point['scenario']}) {point['name']}"
+        for point in read
+        if point.get("stable") is False
+    ]
+    if unstable and not why:
+        detail = "; ".join(
+            part for part in (detail, "read from points not stable: " + ", ".join(unstable)) if part
+        )
     return {
         "id": target_id,
         "description": description,
@@ -191,15 +202,47 @@ def _target(
         "met": met,
         # False: measured, but at a load the load generator could not offer.
         "valid": not why,
+        # False: read from a point whose windows did not agree (named in unstable_points).
+        "stable": not unstable,
+        "unstable_points": unstable,
         "detail": detail,
     }
 
 
+def _distinct(points: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`points` without repeats (the same point may feed a verdict twice), in order."""
+    seen: set[tuple[str, str, str]] = set()
+    distinct = []
+    for point in points:
+        key = (point["configuration"], point["scenario"], point["name"])
+        if key not in seen:
+            seen.add(key)
+            distinct.append(point)
+    return distinct
+
+
 def verdict_text(target: dict[str, Any]) -> str:
-    """met, missed, not valid (the load was not offered) or not measured."""
+    """met, missed, not valid (the load was not offered) or not measured; a verdict read
+    from a point that did not settle says so: "met (unstable point)"."""
     if target.get("valid") is False:
         return "not valid (load not offered)"
-    return {True: "met", False: "missed", None: "not measured"}[target["met"]]
+    text = {True: "met", False: "missed", None: "not measured"}[target["met"]]
+    if target["met"] is not None and target.get("stable") is False:
+        text += " (unstable point)"
+    return text
+
+
+def _capacity_points(document: dict[str, Any]) -> list[dict[str, Any] | None]:
+    """The points the offered rates of (b)-(d) come from: the system under test's best
+    of (a) (the capacity) and its bulk saturation point of (c)."""
+    capacity = document.get("capacity") or {}
+    configuration = capacity.get("configuration")
+    if configuration is None:
+        return []
+    return [
+        _point(document, "a", configuration, capacity.get("point", "")),
+        _point(document, "c", configuration, BULK_SATURATION),
+    ]
 
 
 def _not_measured(target_id: str, description: str, required: str, why: str) -> dict[str, Any]:
@@ -225,8 +268,9 @@ def evaluate_targets(document: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _echo_target(document: dict[str, Any], primary: str) -> dict[str, Any]:
     description = "single-row throughput >= 80 % of the echo ceiling at 32 callers"
-    ours = _single(_point(document, "a", primary, "c=32"))
-    echo = _single(_point(document, "a", "echo", "c=32"))
+    our_point = _point(document, "a", primary, "c=32")
+    echo_point = _point(document, "a", "echo", "c=32")
+    ours, echo = _single(our_point), _single(echo_point)
     if ours is None or echo is None or not echo["throughput_per_s"]:
         return _not_measured("echo_ratio", description, ">= 0.80", "needs (a) c=32 on both")
     ratio = ours["throughput_per_s"] / echo["throughput_per_s"]
@@ -236,13 +280,15 @@ def _echo_target(document: dict[str, Any], primary: str) -> dict[str, Any]:
         f"{ratio:.2f} ({ours['throughput_per_s']:.0f} / {echo['throughput_per_s']:.0f} req/s)",
         ">= 0.80",
         ratio >= 0.8,  # noqa: PLR2004 - the issue's figure
+        points=(our_point, echo_point),
     )
 
 
 def _no_batching_target(document: dict[str, Any], primary: str) -> dict[str, Any]:
     description = ">= 2x the no-batching server's throughput at 64 callers, with lower p99"
-    ours = _single(_point(document, "a", primary, "c=64"))
-    theirs = _single(_point(document, "a", "no-batching", "c=64"))
+    our_point = _point(document, "a", primary, "c=64")
+    their_point = _point(document, "a", "no-batching", "c=64")
+    ours, theirs = _single(our_point), _single(their_point)
     if ours is None or theirs is None or not theirs["throughput_per_s"]:
         return _not_measured("vs_no_batching", description, ">= 2.0x", "needs (a) c=64 on both")
     ratio = ours["throughput_per_s"] / theirs["throughput_per_s"]
@@ -255,12 +301,19 @@ def _no_batching_target(document: dict[str, Any], primary: str) -> dict[str, Any
         f"{ratio:.2f}x; p99 {_ms(our_p99)} vs {_ms(their_p99)}",
         ">= 2.0x and lower p99",
         ratio >= 2.0 and lower,  # noqa: PLR2004 - the issue's figure
+        points=(our_point, their_point),
     )
 
 
+def _best_point(document: dict[str, Any], configuration: str) -> dict[str, Any] | None:
+    """The configuration's point of (a) with the highest throughput."""
+    points = _points(document, "a", configuration)
+    return max(points, key=lambda p: p["total"]["throughput_per_s"]) if points else None
+
+
 def _best_throughput(document: dict[str, Any], configuration: str) -> float | None:
-    values = [p["total"]["throughput_per_s"] for p in _points(document, "a", configuration)]
-    return max(values) if values else None
+    best = _best_point(document, configuration)
+    return None if best is None else float(best["total"]["throughput_per_s"])
 
 
 def _workers_targets(document: dict[str, Any], primary: str) -> list[dict[str, Any]]:
@@ -304,6 +357,7 @@ def _workers_targets(document: dict[str, Any], primary: str) -> list[dict[str, A
                     f"{theirs:.0f} vs laneserve {ours:.0f} req/s",
                     "<= laneserve",
                     theirs <= ours,
+                    points=(_best_point(document, primary), _best_point(document, name)),
                 )
             )
         their_measure, their_memory = _peak_after_a(document, name)
@@ -386,7 +440,7 @@ def _isolation_targets(document: dict[str, Any], primary: str) -> list[dict[str,
                     "<= 2.0x",
                     False,
                     f"{_misses(interactive)}: each counts as +inf",
-                    invalid_points=(alone_point, point),
+                    points=(alone_point, point, *_capacity_points(document)),
                 )
             )
             continue
@@ -398,7 +452,7 @@ def _isolation_targets(document: dict[str, Any], primary: str) -> list[dict[str,
                 f"{ratio:.2f}x ({_ms(after)} with bulk vs {_ms(before)} alone; {ok_share})",
                 "<= 2.0x",
                 ratio <= 2.0,  # noqa: PLR2004 - the issue's figure
-                invalid_points=(alone_point, point),
+                points=(alone_point, point, *_capacity_points(document)),
             )
         )
     return targets
@@ -441,7 +495,7 @@ def _overload_targets(document: dict[str, Any], primary: str) -> list[dict[str, 
                 f"{ratio:.2f} ({stream['goodput_per_s']:.0f} / {capacity:.0f} req/s)",
                 ">= 0.90",
                 ratio >= 0.9,  # noqa: PLR2004 - the issue's figure
-                invalid_points=(point,),
+                points=(point, *_capacity_points(document)),
             )
         )
         # Under a gRPC deadline a request run after it is never seen (None): only the
@@ -458,7 +512,7 @@ def _overload_targets(document: dict[str, Any], primary: str) -> list[dict[str, 
                     expired == 0,
                     "an OK answer whose latency from its scheduled send, less the session's "
                     "run time (Timing.infer_us), exceeds the deadline was dispatched after it",
-                    invalid_points=(point,),
+                    points=(point, *_capacity_points(document)),
                 )
             )
     return targets
@@ -469,7 +523,8 @@ def _reference_targets(document: dict[str, Any], primary: str) -> list[dict[str,
     assert isinstance(reference, dict)
     want_throughput = reference["throughput_per_s"] * REFERENCE["throughput_factor"]
     want_p99 = reference["p99_ms"] / REFERENCE["p99_factor"]
-    ours = _single(_point(document, "a", primary, "c=64"))
+    point = _point(document, "a", primary, "c=64")
+    ours = _single(point)
     if ours is None:
         return [
             _not_measured(
@@ -485,6 +540,7 @@ def _reference_targets(document: dict[str, Any], primary: str) -> list[dict[str,
             f"{ours['throughput_per_s']:.0f} req/s",
             f">= {want_throughput:.0f} req/s",
             ours["throughput_per_s"] >= want_throughput,
+            points=(point,),
         ),
         _target(
             "reference_p99",
@@ -492,6 +548,7 @@ def _reference_targets(document: dict[str, Any], primary: str) -> list[dict[str,
             _ms(p99),
             f"<= {want_p99:.0f} ms",
             p99 is not None and p99 <= want_p99,
+            points=(point,),
         ),
     ]
 
@@ -523,7 +580,7 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
 
 def _verdict(target: dict[str, Any]) -> str:
     text = verdict_text(target)
-    return "**missed**" if text == "missed" else text
+    return f"**{text}**" if text.startswith("missed") else text
 
 
 def render_markdown(document: dict[str, Any]) -> str:

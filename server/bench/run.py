@@ -39,6 +39,7 @@ from laneserve.server.bench import procs
 from laneserve.server.bench.loadgen import ClientPool, InputSpec
 from laneserve.server.bench.profiling import PySpy, py_spy_binary
 from laneserve.server.bench.settings import (
+    BULK_SATURATION,
     DEFAULT_SCENARIOS,
     SCENARIOS,
     ConfigurationKind,
@@ -672,6 +673,8 @@ class _Runner:
             "configuration": name,
             "point": best["name"],
             "throughput_per_s": self.capacity_per_s,
+            # False: the point did not settle; the verdicts read from it say so.
+            "stable": best["stable"],
         }
 
     def _note_bulk_capacity(self, name: str) -> None:
@@ -687,9 +690,6 @@ class _Runner:
     def _warn(self, message: str) -> None:
         log.warning("%s", message)
         self.document["warnings"].append(message)
-
-
-BULK_SATURATION: Final = "bulk alone, closed loop"
 
 
 def _thread_cores(

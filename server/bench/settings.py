@@ -32,6 +32,10 @@ SCENARIO_TITLES: Final[dict[ScenarioId, str]] = {
     "x": "the given mix of streams (--mix)",
 }
 
+# The point of (c) that measures the bulk lane's capacity (closed loop, bulk alone), whose
+# rows/s set the bulk rate of the points after it.
+BULK_SATURATION: Final = "bulk alone, closed loop"
+
 # Configurations the harness can start, in the order it runs them. The first is the
 # system under test; the others are the baselines of the issue.
 ConfigurationKind = Literal["laneserve", "echo", "no-batching", "workers"]
