@@ -76,6 +76,7 @@ from laneserve.server.bench.summary import (
     percentiles_ms,
     summarize_stream,
     unanswered_reason,
+    worker_split,
 )
 from laneserve.server.cli import _parser
 from laneserve.server.engine import Engine
@@ -168,6 +169,7 @@ def test_short_run_writes_well_formed_json_with_every_key(
     saturation = written["scenarios"]["a"][0]
     assert saturation["lanes"]["single"]["ok"] > 0, "the server answered"
     assert saturation["server"]["batches"] > 0, "GetStats figures are there"
+    assert saturation["workers"] is None, "laneserve does not name its process"
     assert written["capacity"]["throughput_per_s"] > 0
     threads = written["server_threads"]["threads"]
     assert threads, "the server's CPU by thread at the highest load of (a)"
@@ -273,6 +275,51 @@ def test_baselines_start_answer_and_stop_cleanly(small_model: Path, kind: str) -
         codes = deployment.stop()
     assert codes == [0] * len(deployment.processes), "each stopped on SIGTERM, exit 0"
     assert live_children() == []
+
+
+@pytest.mark.slow
+def test_the_calls_each_of_n_workers_answered_are_counted(small_model: Path) -> None:
+    """SO_REUSEPORT hashes each client connection to one worker (3/5, 7/1, 6/2 seen over
+    8 connections), and the report could not say how the load was split."""
+    deployment = procs.start_workers(str(small_model), workers=2, intra_op_threads=1, device="cpu")
+    try:
+        with ClientPool(processes=1, channels=4) as pool:
+            run = pool.run_point(
+                deployment.target,
+                [Stream("single", concurrency=4)],
+                [InputSpec("input", "<f4", (512,))],
+                profile=PROFILES["smoke"],
+                judge=lambda _windows: False,
+            )
+        pids = [process.pid for process in deployment.processes]
+    finally:
+        deployment.stop()
+    split = worker_split(run.used, pids)
+    assert split is not None
+    assert [(worker["worker"], worker["pid"]) for worker in split] == [(0, pids[0]), (1, pids[1])]
+    assert sum(worker["connections"] for worker in split) == 4, "each connection on one worker"
+    ok = sum(window.streams["single"].outcomes[OK] for window in run.used)
+    assert ok > 0
+    assert sum(worker["ok"] for worker in split) == ok, "every OK answer counted once"
+    assert worker_split(run.used[:0], pids) is None, "no window, nothing to split"
+    assert live_children() == []
+
+
+def test_the_report_shows_how_the_workers_shared_the_load() -> None:
+    document = empty_document()
+    document["configurations"]["workers-2"] = {"kind": "workers", "memory": None}
+    record = StreamWindow(sent=800, ok_latency_s=[0.01] * 800, ok_batch_rows=[1] * 800)
+    record.outcomes.update({OK: 800})
+    point = point_of("a", "c=64", Stream("single", concurrency=64), record)
+    point["configuration"] = "workers-2"
+    point["workers"] = [
+        {"worker": 0, "pid": 11, "connections": 3, "ok": 300, "ok_share": 0.375},
+        {"worker": 1, "pid": 12, "connections": 5, "ok": 500, "ok_share": 0.625},
+    ]
+    document["scenarios"]["a"].append(point)
+    report = render_markdown(document)
+    assert "## N workers: how SO_REUSEPORT shared the load out" in report
+    assert "| workers-2 | (a) c=64 | w0: 3 conn, 300 OK (38%); w1: 5 conn, 500 OK (62%) |" in report
 
 
 def test_raw_ceiling_measures_every_power_of_two_and_the_cap(small_model: Path) -> None:

@@ -26,6 +26,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -35,6 +36,7 @@ import grpc
 import numpy as np
 
 from laneserve.client.tensors import datatype_of, encode_tensor
+from laneserve.server.bench.settings import WORKER_METADATA_KEY
 from laneserve.server.codec import check_output_names, decode_inputs, encode_response
 from laneserve.server.config import DEVICES
 from laneserve.server.engine import Engine, TensorSpec
@@ -65,6 +67,14 @@ def _model_response(engine: Engine, batch_cap: int) -> pb.GetModelResponse:
         max_batch_size=batch_cap,
         providers=engine.providers,
     )
+
+
+async def _name_this_worker(
+    context: grpc.aio.ServicerContext[pb.GetModelRequest, pb.GetModelResponse],
+) -> None:
+    """Says which process answers (its pid, in the initial metadata): the load generator
+    asks once per connection, to count the calls each of N workers on one port answered."""
+    await context.send_initial_metadata(((WORKER_METADATA_KEY, str(os.getpid())),))
 
 
 class _InferOnly(pb_grpc.InferenceServiceServicer):
@@ -129,6 +139,7 @@ class EchoServicer(_InferOnly):
         request: pb.GetModelRequest,
         context: grpc.aio.ServicerContext[pb.GetModelRequest, pb.GetModelResponse],
     ) -> pb.GetModelResponse:
+        await _name_this_worker(context)
         return _model_response(self._engine, 0)
 
 
@@ -170,6 +181,7 @@ class SingleServicer(_InferOnly):
         request: pb.GetModelRequest,
         context: grpc.aio.ServicerContext[pb.GetModelRequest, pb.GetModelResponse],
     ) -> pb.GetModelResponse:
+        await _name_this_worker(context)
         return _model_response(self._engine, 1)
 
 

@@ -20,6 +20,7 @@ queueing (no coordinated omission); how far it fell behind is reported as client
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import math
@@ -41,7 +42,7 @@ from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from laneserve.client.tensors import datatype_of, decode_tensor
-from laneserve.server.bench.settings import Profile, Stream
+from laneserve.server.bench.settings import WORKER_METADATA_KEY, Profile, Stream
 from laneserve.server.bench.summary import (
     OK,
     MergedWindow,
@@ -55,6 +56,7 @@ from laneserve.v1 import inference_pb2 as pb
 
 INFER_METHOD: Final = "/laneserve.v1.InferenceService/Infer"
 INFER_STREAM_METHOD: Final = "/laneserve.v1.InferenceService/InferStream"
+GET_MODEL_METHOD: Final = "/laneserve.v1.InferenceService/GetModel"
 # Requests one client process may have in flight in open loop; arrivals beyond it are
 # not sent, and counted apart as client backlog (the client, not the server, is then the
 # limit).
@@ -498,6 +500,9 @@ class _Client:
         self.priority_calls: list[grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]] = []
         # Per stream sent over InferStream, its call (opened on first use).
         self.bidis: dict[int, _Bidi] = {}
+        # Per main-port channel, the server process its connection reached (its pid, as
+        # the server named itself), or "" where it does not say.
+        self.channel_workers: list[str] = []
         # The first wrong answer seen; the job fails with it once the load has stopped.
         self.problem = ""
 
@@ -538,6 +543,9 @@ class _Client:
                 channel.unary_unary(INFER_METHOD) for channel in channels
             ]
             self.calls, self.priority_calls = calls[: job.channels], calls[job.channels :]
+            self.channel_workers = list(
+                await asyncio.gather(*(_worker_of(channel) for channel in channels[: job.channels]))
+            )
             first = channels[0]
             open_stream: grpc.aio.StreamStreamMultiCallable[bytes, bytes]
             open_stream = first.stream_stream(INFER_STREAM_METHOD)
@@ -592,6 +600,7 @@ class _Client:
                 streams={s.label: r for s, r in zip(job.streams, records, strict=True)},
                 wall_s=now_wall_s - wall_s,
                 cpu_s=now_cpu_s - cpu_s,
+                connections=dict(collections.Counter(w for w in self.channel_workers if w)),
             )
             cpu_s, wall_s = now_cpu_s, now_wall_s
             self.results.put(("window", report))
@@ -669,6 +678,9 @@ class _Client:
             self.verified[si] = True
         record.outcomes[OK] += 1
         record.ok_latency_s.append(latency_s)
+        worker = self._worker_for(stream, channel)
+        if worker:
+            record.ok_by_worker[worker] += 1
         timing = response.timing
         record.ok_batch_rows.append(timing.batch_size)
         record.ok_queue_us.append(timing.queue_us)
@@ -682,6 +694,14 @@ class _Client:
                 latency_s, timing.infer_us, deadline_s
             ):
                 record.expired_executed += 1
+
+    def _worker_for(self, stream: Stream, channel: int) -> str:
+        """The server process that answered a call of `stream` sent on `channel`: the
+        one its connection reached (an InferStream runs on the first channel; the
+        priority port's channels are not probed). "" where unknown."""
+        if stream.port == "priority" or not self.channel_workers:
+            return ""
+        return self.channel_workers[0 if stream.via == "stream" else channel]
 
     async def _unary(
         self,
@@ -698,6 +718,25 @@ class _Client:
             return pb.InferResponse.FromString(raw)
         except DecodeError:
             return "BAD_RESPONSE"
+
+
+async def _worker_of(channel: grpc.aio.Channel) -> str:
+    """The server process `channel`'s connection reached, as the server names itself in
+    GetModel's initial metadata (WORKER_METADATA_KEY); "" where it does not. Asked once
+    per point, when the connection opens: a connection stays on the process it reached
+    (SO_REUSEPORT picks one per connection), and the Infer path stays untouched."""
+    get_model: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]
+    get_model = channel.unary_unary(GET_MODEL_METHOD)
+    call = get_model(b"", timeout=READY_TIMEOUT_S)
+    try:
+        metadata = await call.initial_metadata()
+        await call
+    except grpc.aio.AioRpcError:
+        return ""  # no GetModel: nothing to name the process by
+    for key, value in metadata or ():
+        if key == WORKER_METADATA_KEY and isinstance(value, str):
+            return value
+    return ""
 
 
 def _check_rows(response: pb.InferResponse, rows: int) -> str:

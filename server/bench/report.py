@@ -59,6 +59,7 @@ POINT_KEYS: Final = frozenset(
         "total",
         "client",
         "server",
+        "workers",
         "host",
     }
 )
@@ -625,6 +626,7 @@ def render_markdown(document: dict[str, Any]) -> str:
     lines += _scenario_c(document)
     lines += _scenario_d(document)
     lines += _scenario_x(document)
+    lines += _workers_section(document)
     lines += _memory_section(document)
     lines += _server_section(document)
     lines += _threads_section(document)
@@ -1025,6 +1027,48 @@ def _scenario_x(document: dict[str, Any]) -> list[str]:
         ),
         "",
     ]
+
+
+def _workers_section(document: dict[str, Any]) -> list[str]:
+    """How the kernel shared the N-workers baseline's load out over its processes."""
+    rows = []
+    for scenario in ("a", "b", "c", "d", "x"):
+        for point in document["scenarios"].get(scenario) or []:
+            entry = document["configurations"].get(point["configuration"]) or {}
+            split = point.get("workers")
+            if entry.get("kind") != "workers" or not split:
+                continue
+            rows.append(
+                [
+                    point["configuration"],
+                    f"({scenario}) {point['name']}",
+                    "; ".join(_worker_cell(worker) for worker in split),
+                ]
+            )
+    if not rows:
+        return []
+    return [
+        "## N workers: how SO_REUSEPORT shared the load out",
+        "",
+        (
+            "The kernel hands each client connection to one worker when it opens (a hash "
+            "of its addresses) and it stays there, so with a few connections the split is "
+            "uneven (3/5 or 7/1 of 8) and the busiest worker bounds the point. Per worker: "
+            "the client connections it held and the OK answers it gave (share). Counted by "
+            "the client: each connection asks GetModel once as it opens and the worker "
+            "answering names itself (its pid, in the initial metadata); a connection is "
+            "taken to stay on its worker for the point."
+        ),
+        "",
+        *_table(["configuration", "point", "per worker: connections, OK answers"], rows),
+        "",
+    ]
+
+
+def _worker_cell(worker: dict[str, Any]) -> str:
+    name = f"w{worker['worker']}" if worker["worker"] is not None else f"pid {worker['pid']}"
+    share = "" if worker["ok_share"] is None else f" ({worker['ok_share']:.0%})"
+    return f"{name}: {worker['connections']} conn, {_num(worker['ok'])} OK{share}"
 
 
 def _memory_section(document: dict[str, Any]) -> list[str]:

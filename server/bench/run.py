@@ -57,6 +57,7 @@ from laneserve.server.bench.summary import (
     is_stable,
     summarize_stream,
     window_figures,
+    worker_split,
 )
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -629,6 +630,9 @@ class _Runner:
             "server": stats_delta(
                 start.stats if start is not None else None, end.stats if end is not None else None
             ),
+            # Per server process (N workers behind one port): the connections it held and
+            # the OK answers it gave; None where the server does not name its processes.
+            "workers": worker_split(run.used, [process.pid for process in deployment.processes]),
             "host": _host_figures(start, end, sum(cpu)),
         }
         self.document["scenarios"][point.scenario].append(result)

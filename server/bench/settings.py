@@ -36,6 +36,12 @@ SCENARIO_TITLES: Final[dict[ScenarioId, str]] = {
 # rows/s set the bulk rate of the points after it.
 BULK_SATURATION: Final = "bulk alone, closed loop"
 
+# The initial metadata key under which a baseline server names itself (its pid) in its
+# GetModel answers: each load generator connection asks once, when it opens, so the
+# calls it carries can be counted by the worker that answered them (the N-workers
+# baseline behind one SO_REUSEPORT port), at no cost on the Infer path being measured.
+WORKER_METADATA_KEY: Final = "laneserve-bench-worker"
+
 # Configurations the harness can start, in the order it runs them. The first is the
 # system under test; the others are the baselines of the issue.
 ConfigurationKind = Literal["laneserve", "echo", "no-batching", "workers"]

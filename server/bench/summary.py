@@ -86,6 +86,10 @@ class StreamWindow:
     expired_executed: int = 0
     # Open loop: seconds between each sent request's scheduled arrival and its send.
     lag_s: list[float] = dataclasses.field(default_factory=list)
+    # OK answers by the server process that answered (its pid, as the worker named
+    # itself on the connection that carried the call); only servers that name
+    # themselves (the baselines) are counted.
+    ok_by_worker: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -98,6 +102,9 @@ class WindowReport:
     wall_s: float
     # CPU seconds the client process used in the window (all its threads).
     cpu_s: float
+    # The process's connections by the server process they reached (its pid), where the
+    # server names itself; the same for every window of a point.
+    connections: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -109,6 +116,8 @@ class MergedWindow:
     wall_s: float
     # By client process (worker index): the CPU seconds it used and its window's wall time.
     client_cpu: dict[int, tuple[float, float]]
+    # Every client process's connections by the server process they reached (its pid).
+    connections: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def merge_window(reports: Sequence[WindowReport]) -> MergedWindow:
@@ -119,12 +128,47 @@ def merge_window(reports: Sequence[WindowReport]) -> MergedWindow:
         for label, part in report.streams.items():
             merged[label] = combine([merged[label], part]) if label in merged else part
     wall_s = sum(report.wall_s for report in reports) / len(reports)
+    connections: collections.Counter[str] = collections.Counter()
+    for report in reports:
+        connections.update(report.connections)
     return MergedWindow(
         window=reports[0].window,
         streams=merged,
         wall_s=wall_s,
         client_cpu={report.worker: (report.cpu_s, report.wall_s) for report in reports},
+        connections=dict(connections),
     )
+
+
+def worker_split(
+    windows: Sequence[MergedWindow], pids: Sequence[int]
+) -> list[dict[str, Any]] | None:
+    """How the windows' calls were shared out over a deployment's server processes
+    (`pids`, in start order): per process, the client connections it held and the OK
+    answers it gave, with their share. Processes that got no connection are listed with
+    0; a pid the deployment does not know (an external endpoint) comes after, without an
+    index. None when no server process named itself (laneserve, or any endpoint that
+    does not)."""
+    answered: collections.Counter[str] = collections.Counter()
+    for window in windows:
+        for record in window.streams.values():
+            answered.update(record.ok_by_worker)
+    connections = windows[-1].connections if windows else {}
+    named = set(answered) | set(connections)
+    if not named:
+        return None
+    known = [str(pid) for pid in pids]
+    total = sum(answered.values())
+    return [
+        {
+            "worker": known.index(pid) if pid in known else None,
+            "pid": int(pid),
+            "connections": connections.get(pid, 0),
+            "ok": answered[pid],
+            "ok_share": answered[pid] / total if total else None,
+        }
+        for pid in [*known, *sorted(named - set(known))]
+    ]
 
 
 def client_cpu_fractions(windows: Iterable[MergedWindow]) -> list[float]:
@@ -152,6 +196,7 @@ def combine(parts: Iterable[StreamWindow]) -> StreamWindow:
         total.late_ok += part.late_ok
         total.expired_executed += part.expired_executed
         total.lag_s += part.lag_s
+        total.ok_by_worker.update(part.ok_by_worker)
     return total
 
 
