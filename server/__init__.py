@@ -5,13 +5,39 @@ scheduler_thread (threads) -> engine (the session) -> service (gRPC), with error
 codec, memory (budget, watermark), idempotency and events/stats beside them;
 telemetry/ turns events into traces, metrics and logs; app assembles a serving
 process, cli runs it, process tunes the interpreter for it (GIL switching, GC).
+
+The names below are imported when first used (PEP 562): a process that imports one
+submodule (the benchmark's load generators, `laneserve top`) does not load ONNX
+Runtime and the whole server with it.
 """
 
-from laneserve.server.app import LaneServer, load_engine
-from laneserve.server.clock import Clock, ManualClock, SystemClock
-from laneserve.server.config import ConfigError, LaneConfig, ServerConfig, load_config
-from laneserve.server.engine import Engine, EngineStartError
-from laneserve.server.lifecycle import Lifecycle
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from laneserve.server.app import LaneServer, load_engine
+    from laneserve.server.clock import Clock, ManualClock, SystemClock
+    from laneserve.server.config import ConfigError, LaneConfig, ServerConfig, load_config
+    from laneserve.server.engine import Engine, EngineStartError
+    from laneserve.server.lifecycle import Lifecycle
+
+# Each public name and the submodule that defines it.
+_HOMES = {
+    "LaneServer": "app",
+    "load_engine": "app",
+    "Clock": "clock",
+    "ManualClock": "clock",
+    "SystemClock": "clock",
+    "ConfigError": "config",
+    "LaneConfig": "config",
+    "ServerConfig": "config",
+    "load_config": "config",
+    "Engine": "engine",
+    "EngineStartError": "engine",
+    "Lifecycle": "lifecycle",
+}
 
 __all__ = [
     "Clock",
@@ -27,3 +53,12 @@ __all__ = [
     "load_config",
     "load_engine",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value  # the next lookup is an ordinary one
+    return value

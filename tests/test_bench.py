@@ -1356,3 +1356,19 @@ def test_a_server_that_stops_answering_mid_run_ends_the_run_naming_it(
     monkeypatch.setattr(bench_cli, "run_bench", server_gone)
     args = _parser().parse_args(["bench", "--no-raw", "--scenarios", "a"])
     assert bench_cli.run(args, ["laneserve", "bench"]) == 2
+
+
+def test_the_load_generator_and_top_do_not_load_the_server() -> None:
+    """`laneserve.server` imported the whole server, ONNX Runtime included, for any of
+    its submodules: each load-generator process (and `laneserve top`) mapped the
+    runtime's libraries, sharing their pages with the server under test and so
+    lowering its measured PSS. Its names are imported when first used now."""
+    probe = (
+        "import sys\n"
+        "import laneserve.server.bench.loadgen, laneserve.server.top\n"
+        "print(sorted(m for m in ('onnxruntime', 'laneserve.server.engine') if m in sys.modules))\n"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert loaded.stdout.strip() == "[]"
