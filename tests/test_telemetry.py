@@ -14,6 +14,7 @@ import itertools
 import json
 import logging
 import sys
+import threading
 import types
 import urllib.error
 import urllib.request
@@ -58,6 +59,7 @@ from laneserve.server.telemetry import (
     ServerSpans,
     Telemetry,
     TextFormatter,
+    assembly,
     log_event,
     tracer_provider_from_env,
 )
@@ -1209,3 +1211,41 @@ def test_the_client_libraries_continue_the_callers_trace(small_model: Path) -> N
         assert traces == {"async": async_trace, "sync": sync_trace}
 
     asyncio.run(scenario())
+
+
+class _StuckExporter(InMemorySpanExporter):
+    """An exporter whose shutdown waits for `release` (a collector that never answers,
+    retried for the exporter's own timeout: fault injection)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def shutdown(self) -> None:
+        self.release.wait()
+        super().shutdown()
+
+
+def test_stopping_waits_a_bounded_time_for_an_exporter_that_hangs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An exporter retrying an unreachable collector held every stop for its timeout (a
+    second signal's too): stopping waits SPAN_FLUSH_S for the last spans, then goes on."""
+    monkeypatch.setattr(assembly, "SPAN_FLUSH_S", 0.05)
+    exporter = _StuckExporter()
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    telemetry = Telemetry(
+        lanes=ServerConfig(model_path="unused.onnx").lanes,
+        providers=["CPUExecutionProvider"],
+        max_batch_size=8,
+        tracer_provider=provider,
+        owns_tracer_provider=True,
+    )
+    closing = threading.Thread(target=telemetry.close, daemon=True)
+    closing.start()
+    closing.join(30)
+    stuck = not exporter.release.is_set()
+    exporter.release.set()  # the flush thread ends: nothing is left running
+    assert stuck
+    assert not closing.is_alive(), "close() waited for the exporter"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -22,6 +24,13 @@ from laneserve.server.telemetry.logs import EventLog
 from laneserve.server.telemetry.metrics import Metrics
 from laneserve.server.telemetry.server_spans import ServerSpans
 from laneserve.server.telemetry.tracing import Tracing
+
+# How long stopping waits for the spans still to export: an exporter retries an
+# unreachable collector for its own timeout (OTLP: 10 s, and backoff), which held every
+# stop, a second signal's too. Spans not exported by then are dropped, and logged.
+SPAN_FLUSH_S = 2.0
+
+log = logging.getLogger(__name__)
 
 INSTRUMENTATION_NAME = "laneserve"
 
@@ -137,13 +146,30 @@ class Telemetry:
         if self.tracing is not None:
             self.tracing.close()
         if self._tracer_provider is not None:
-            if self._owns_tracer_provider:
-                self._tracer_provider.shutdown()
-            else:
-                self._tracer_provider.force_flush()
+            provider = self._tracer_provider
+            _within(
+                SPAN_FLUSH_S,
+                provider.shutdown if self._owns_tracer_provider else provider.force_flush,
+                "exporting the last spans",
+            )
         if self._endpoint is not None:
             self._endpoint.close()
         if self._meter_provider is not None:
             self._meter_provider.shutdown()
         if self._device is not None:
             self._device.close()
+
+
+def _within(limit_s: float, work: Callable[[], object], what: str) -> None:
+    """Runs `work`, waiting for it at most `limit_s`: past that it goes on, on a daemon
+    thread the process does not wait for at exit, and the wait is logged."""
+    done = threading.Thread(target=work, name="laneserve-telemetry-flush", daemon=True)
+    done.start()
+    done.join(limit_s)
+    if done.is_alive():
+        log.warning(
+            "%s took over %.1f s (a collector unreachable?): stopping without waiting; "
+            "spans not yet exported are dropped",
+            what,
+            limit_s,
+        )
