@@ -152,11 +152,35 @@ def _bind_refusal(host: str, port: int) -> str | None:
         return str(error)
     for family, kind, proto, _, address in addresses:
         with socket.socket(family, kind, proto) as probe:
+            # As gRPC and the metrics endpoint bind: a port left in TIME_WAIT by the last
+            # run binds; one another socket listens on does not.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(address)
             except OSError as error:
                 return error.strerror or str(error)
     return None
+
+
+def check_ports_free(config: ServerConfig) -> None:
+    """Refuses, before the model loads (minutes for a large one on a GPU), a configured
+    port the OS will not bind: one another process listens on, an address not this
+    host's. Port 0 (any free one) and -1 (none) are not checked. Not a reservation: a
+    port taken between this check and the bind is refused there."""
+    ports = (
+        ("port", config.port),
+        ("priority_port", config.priority_port),
+        ("metrics_port", config.metrics_port),
+    )
+    for setting, port in ports:
+        if port <= 0:
+            continue
+        refusal = _bind_refusal(config.host, port)
+        if refusal is not None:
+            raise OSError(
+                f"cannot listen on {_host_port(config.host, port)} (server.{setting}): "
+                f"{refusal}; expected a local address and a free port (0: any free port)"
+            )
 
 
 class _HealthServicer(health.aio.HealthServicer):

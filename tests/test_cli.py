@@ -262,15 +262,47 @@ def test_json_logs_of_a_port_in_use_are_json_lines_alone_naming_the_address(
         port = held.getsockname()[1]
         args = ("--model", str(small_model), "--port", str(port), "--log-format", "json")
         stderr = refused_at_start(*args, env=environ)
-        # A GRPC_VERBOSITY the operator set is kept: the core's lines come back.
-        debugging = refused_at_start(*args, env={**environ, "GRPC_VERBOSITY": "ERROR"})
     lines = [json.loads(line) for line in stderr.splitlines()]
     assert lines[-1]["event"] == "startup_failed"
     assert lines[-1]["message"].startswith(
-        f"cannot listen on 127.0.0.1:{port} (server.port): gRPC could not bind it "
-        "(Address already in use); expected a local address and a free port"
+        f"cannot listen on 127.0.0.1:{port} (server.port): Address already in use; "
+        "expected a local address and a free port"
     )
-    assert any(not line.startswith("{") for line in debugging.splitlines()), debugging
+
+
+def test_a_grpc_verbosity_the_operator_set_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """JSON logs start the process again with GRPC_VERBOSITY=NONE, unless the operator
+    set one (debugging gRPC's core, whose lines are not JSON): then nothing restarts."""
+    started_again: list[list[str]] = []
+    monkeypatch.setattr(os, "execv", lambda _path, argv: started_again.append(argv))
+    monkeypatch.setenv("GRPC_VERBOSITY", "ERROR")
+    server_cli._start_again_without_grpc_core_lines()
+    assert started_again == []
+    assert os.environ["GRPC_VERBOSITY"] == "ERROR"
+    monkeypatch.delenv("GRPC_VERBOSITY")
+    server_cli._start_again_without_grpc_core_lines()
+    assert started_again == [sys.orig_argv]
+    assert os.environ["GRPC_VERBOSITY"] == "NONE"
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(small_model: Path) -> None:
+    """It was found once the model had loaded and been probed (minutes, for a large
+    model on a GPU): now the load never starts."""
+    with socket.socket() as held:  # listening without SO_REUSEPORT: gRPC cannot share it
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with _held_in_load(small_model, "--metrics-port", str(port)) as process:
+            try:
+                _, stderr = process.communicate(timeout=60)
+            finally:
+                if process.poll() is None:
+                    process.kill()
+    assert process.returncode == 2
+    assert "loading" not in stderr
+    assert f"cannot listen on 127.0.0.1:{port} (server.metrics_port): Address already in use" in (
+        stderr
+    )
 
 
 def test_a_memory_limit_the_idle_server_exceeds_is_refused(small_model: Path) -> None:
@@ -468,9 +500,9 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
-def _held_in_load(model: Path) -> subprocess.Popen[str]:
+def _held_in_load(model: Path, *flags: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-c", HELD_IN_LOAD, "serve", "--model", str(model), "--port", "0"],
+        [sys.executable, "-c", HELD_IN_LOAD, "serve", "--model", str(model), "--port", "0", *flags],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
