@@ -1566,6 +1566,17 @@ def test_a_moved_deadline_sheds_at_the_moved_time_only() -> None:
     assert not scheduler.move_deadline(entry_id, T0 + 9.0), "answered"
 
 
+def test_a_deadline_moves_no_later_than_the_lane_timeout_of_the_work() -> None:
+    """A retry in bulk (60 s) joining interactive work (1 s) held interactive's room for
+    a minute: the work waits in its lane at most that lane's timeout."""
+    scheduler = make_scheduler()
+    entry_id = scheduler.admit(make_request(0, "interactive", 1, deadline_s=T0 + 0.5), T0)
+    assert scheduler.move_deadline(entry_id, T0 + 60.0)
+    lane_timeout_s = INTERACTIVE.timeout_ms / 1000
+    assert scheduler.next_deadline_s() == T0 + lane_timeout_s
+    assert tokens(scheduler.shed_expired(T0 + lane_timeout_s)) == [0]
+
+
 # ---- shedding ------------------------------------------------------------------------
 
 
