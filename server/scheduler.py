@@ -882,7 +882,11 @@ class Scheduler:
                 if owed is None:
                     plan.room_blocked.add(lane.priority)
         shape_owner = None if first.request.signature == top.request.signature else first.priority
-        self._fill_top_down(plan, batch, shape_owner, first.priority)
+        # The lane whose head set the shape gathers: the top's, unless an owed lane's head
+        # of another shape set it (an owed head of the top's shape rides in the top's
+        # batch: gathering there, it took ride-along room beyond its share, uncharged).
+        leader = top.priority if shape_owner is None else shape_owner
+        self._fill_top_down(plan, batch, shape_owner, leader)
         plan.taken = list(batch.taken.values())
         if shape_owner is not None:
             _charge_owner(plan, first.priority, self._limit_rows(now_s, top))

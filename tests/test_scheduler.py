@@ -801,6 +801,21 @@ def test_items_with_different_shapes_never_share_a_batch() -> None:
     assert scheduler.decide(T0 + 1, T0 + 1) is None
 
 
+def test_the_top_lane_gathers_when_an_owed_head_of_its_shape_rides_along() -> None:
+    """An owed lane whose head has the top's shape rides in the top's batch: the top
+    lane, whose head set the shape, gathers past its other shapes, and the owed lane
+    takes its head alone (gathering, it took ride-along room beyond its share)."""
+    scheduler = make_scheduler()
+    for index, width in enumerate((2, 3, 2)):
+        scheduler.admit(make_request(index, "interactive", 1, width=width), T0)
+        scheduler.admit(make_request(10 + index, "standard", 1, width=width), T0)
+    standard = scheduler.lane("standard")
+    standard.share_balance_rows = float(CAP)  # owed: its head found no room lately
+    standard.room_blocked = True
+    batch = dispatch(scheduler, T0 + 0.001, T0 + 0.001)
+    assert sorted(row_ids(batch)) == sorted(ids(0, 1) + ids(2, 1) + ids(10, 1))
+
+
 def test_a_lane_of_mixed_shapes_batches_each_shape_together_oldest_first() -> None:
     """Sequence lengths mixed in one lane: each entry of another shape ended the lane's
     turn, so the lane ran one request per batch (eight batches here). The batch's lane
