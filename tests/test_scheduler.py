@@ -2240,16 +2240,22 @@ def test_a_new_signature_is_guessed_from_the_measured_one_nearest_in_elements() 
     )
 
 
-def test_a_request_behind_a_running_batch_of_a_new_length_is_refused_if_late() -> None:
-    """A batch of a length never run before runs as long as the near length learned
-    (37.5 ms), not as the probe's scaled rows (15 ms): a request with 25 ms left behind
-    it was admitted and answered late. Its guess now comes from the learned length."""
+def _length_64_learned() -> tuple[Scheduler, float]:
+    """A scheduler whose probe ran rows of 2 values, after one full batch of rows of 64
+    values ran in 40 ms (its model learned); and the time after that batch."""
     scheduler = Scheduler(
         TOP_DOWN_LANES, batch_cap=CAP, run_time=fixed_run_time(), run_time_signature=((2,),)
     )
     scheduler.admit(make_request(0, "standard", CAP, width=64), T0)
     scheduler.complete(run(dispatch(scheduler, T0, math.inf), run_s=0.040))
-    now_s = T0 + 0.040
+    return scheduler, T0 + 0.040
+
+
+def test_a_request_behind_a_running_batch_of_a_new_length_is_refused_if_late() -> None:
+    """A batch of a length never run before runs as long as the near length learned
+    (37.5 ms), not as the probe's scaled rows (15 ms): a request with 25 ms left behind
+    it was admitted and answered late. Its guess now comes from the learned length."""
+    scheduler, now_s = _length_64_learned()
     scheduler.admit(make_request(1, "standard", CAP, width=60), now_s)
     running = dispatch(scheduler, now_s, math.inf)
     with pytest.raises(DeadlineUnmeetableError):
@@ -2263,12 +2269,7 @@ def test_a_slow_first_run_of_a_length_near_a_learned_one_does_not_refuse_it() ->
     later runs): taken alone it set the length's model 5x too slow, and its requests
     were refused deadlines they made. Next to a learned length it is averaged with the
     guess; far from any, the first run still sets the level alone."""
-    scheduler = Scheduler(
-        TOP_DOWN_LANES, batch_cap=CAP, run_time=fixed_run_time(), run_time_signature=((2,),)
-    )
-    scheduler.admit(make_request(0, "standard", CAP, width=64), T0)
-    scheduler.complete(run(dispatch(scheduler, T0, math.inf), run_s=0.040))
-    now_s = T0 + 0.040
+    scheduler, now_s = _length_64_learned()
     scheduler.admit(make_request(1, "standard", CAP, width=60), now_s)
     scheduler.complete(run(dispatch(scheduler, now_s, math.inf), run_s=5 * 0.0375))
     now_s += 5 * 0.0375
