@@ -152,6 +152,12 @@ class RunTimeModels:
             return self.base
         return self._others.get(signature) or self._scaled(signature)
 
+    @property
+    def per_signature(self) -> bool:
+        """Whether signatures other than the probe's have models of their own (else one
+        model, learning from every run, predicts them all)."""
+        return self._base_signature is not None
+
     def knows(self, signature: Signature) -> bool:
         """Whether `signature`'s model was measured: the probe's, or learned from runs.
         A scaled guess is not: refusing on it, the signature might never run to learn

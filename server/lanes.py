@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from laneserve.server.config import LaneConfig
-from laneserve.server.items import Array, InferenceRequest
+from laneserve.server.items import Array, InferenceRequest, Signature
+
+# Seconds the session takes to serve a number of queued rows of a signature in batches
+# of their own (see `Lane.queued_as`).
+ShapePrice = Callable[[Signature, int], float]
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -38,6 +42,15 @@ class Entry:
         return self.request.rows - self.next_row
 
 
+@dataclasses.dataclass(slots=True)
+class ShapeQueue:
+    """A lane's queued work of one signature."""
+
+    rows: int = 0
+    entries: int = 0
+    seconds: float = 0.0  # its price, while kept (see `Lane._queued_s`)
+
+
 class Lane:
     """A FIFO of entries with a bound on queued rows.
 
@@ -45,7 +58,8 @@ class Lane:
     leaves a tombstone that is skipped and popped later: O(1) instead of a deque scan.
     """
 
-    def __init__(self, config: LaneConfig, priority: int) -> None:
+    def __init__(self, config: LaneConfig, priority: int, price: ShapePrice) -> None:
+        """`price` prices the queued rows of a signature (see `queued_as`)."""
         self.config = config
         self.priority = priority
         self.max_wait_s = config.max_wait_ms / 1000
@@ -54,6 +68,18 @@ class Lane:
         # queued_entries counts those live entries.
         self.queued_rows = 0
         self.queued_entries = 0
+        # The same per signature (signatures with nothing queued are absent), and the
+        # session seconds of all of it: each signature's rows priced as batches of their
+        # own (rows batch only with rows of their shape), repriced whenever they change
+        # (and by `reprice`). Kept as a running sum, so that admission reads what the
+        # work of other shapes ahead costs in O(1) per lane: while two signatures or more
+        # are queued, _queued_s == the sum of `_shapes[*].seconds`, up to rounding. With
+        # one (most models have fixed shapes), prices are not kept (pushes and takes
+        # would pay for them on every request) and _queued_s is 0.0: that shape's price
+        # is worked out when asked (`queued_as`), and kept from the push of a second.
+        self._price = price
+        self._shapes: dict[Signature, ShapeQueue] = {}
+        self._queued_s = 0.0
         # Deficit round robin for min_share: rows this lane is owed (> 0) or has
         # overdrawn (< 0) ahead of higher lanes; fractional, as shares of a batch are.
         # Only the scheduler changes it.
@@ -95,12 +121,44 @@ class Lane:
     def has_room(self, rows: int) -> bool:
         return self.queued_rows + rows <= self.config.capacity_rows
 
+    def queued_as(self, signature: Signature) -> tuple[int, int, float]:
+        """The rows and entries queued of `signature`, and the session seconds of the
+        queued work of other signatures: exactly 0.0 when there is none (a lane of one
+        shape adds nothing to admission's arithmetic, not a rounding residue). One call
+        per lane: admission asks it of every lane at or above the request's."""
+        shape = self._shapes.get(signature)
+        if shape is None:
+            if len(self._shapes) == 1:  # one other shape: its price is not kept
+                ((other, only),) = self._shapes.items()
+                return 0, 0, self._price(other, only.rows)
+            return 0, 0, self._queued_s
+        if shape.rows == self.queued_rows:
+            return shape.rows, shape.entries, 0.0
+        return shape.rows, shape.entries, max(self._queued_s - shape.seconds, 0.0)
+
+    def reprice(self, signature: Signature | None = None) -> None:
+        """Prices the queued rows of `signature` (None: of every signature) again: its
+        run-time model learned, or the batch cap moved."""
+        for key in list(self._shapes) if signature is None else [signature]:
+            shape = self._shapes.get(key)
+            if shape is not None:
+                self._set_rows(key, shape, shape.rows)
+
     def push(self, entry: Entry) -> None:
         assert entry.next_row == 0
         assert entry.in_lane
         self._entries.append(entry)
         self.queued_rows += entry.request.rows
         self.queued_entries += 1
+        signature = entry.request.signature
+        shape = self._shapes.get(signature)
+        if shape is None:
+            if len(self._shapes) == 1:  # a second shape: prices are kept from now on
+                ((other, only),) = self._shapes.items()
+                only.seconds = self._queued_s = self._price(other, only.rows)
+            shape = self._shapes[signature] = ShapeQueue()
+        shape.entries += 1
+        self._set_rows(signature, shape, shape.rows + entry.request.rows)
 
     def take(self, entry: Entry, rows: int) -> int:
         """Hands `rows` rows of the live `entry` to a batch; returns their first row."""
@@ -111,17 +169,42 @@ class Lane:
         self.queued_rows -= rows
         if entry.queued_rows == 0:
             self._leave(entry)
+        self._shape_took(entry, rows)
         return start
 
     def drop(self, entry: Entry) -> None:
         """Frees the queued rows of the live `entry` (shedding); they will never run."""
         assert entry.in_lane
-        self.queued_rows -= entry.queued_rows
+        rows = entry.queued_rows
+        self.queued_rows -= rows
         self._leave(entry)
+        self._shape_took(entry, rows)
 
     def oldest_enqueued_s(self) -> float | None:
         head = self.head()
         return None if head is None else head.enqueued_s
+
+    def _shape_took(self, entry: Entry, rows: int) -> None:
+        """`rows` rows of `entry` left the queue (it left too, unless still in the lane)."""
+        signature = entry.request.signature
+        shape = self._shapes[signature]
+        if not entry.in_lane:
+            shape.entries -= 1
+        self._set_rows(signature, shape, shape.rows - rows)
+
+    def _set_rows(self, signature: Signature, shape: ShapeQueue, rows: int) -> None:
+        """Sets `signature`'s queued rows, priced anew while prices are kept, and the
+        lane's running sum."""
+        assert (rows == 0) == (shape.entries == 0)
+        shape.rows = rows
+        if rows == 0:
+            del self._shapes[signature]
+        if len(self._shapes) <= 1:  # one shape or none: prices not kept
+            self._queued_s = 0.0  # exactly: no rounding residue outlives the mix
+            return
+        seconds = self._price(signature, rows) if rows else 0.0
+        self._queued_s += seconds - shape.seconds
+        shape.seconds = seconds
 
     def _leave(self, entry: Entry) -> None:
         entry.in_lane = False

@@ -247,7 +247,9 @@ class Scheduler:
         of other signatures get models of their own (see `RunTimeModels`; None: one model
         for all)."""
         assert batch_cap >= 1
-        self.lanes = [Lane(config, priority) for priority, config in enumerate(lanes)]
+        self.lanes = [
+            Lane(config, priority, self._alone_s) for priority, config in enumerate(lanes)
+        ]
         self._by_name = {lane.name: lane for lane in self.lanes}
         # The cap in force; out of memory lowers it, sustained success raises it back
         # step by step, never above max_batch_cap (what the start-up probe found).
@@ -426,7 +428,8 @@ class Scheduler:
         batch running now, the rows queued in `lane` and above (and those still arriving
         above), the rows lower lanes' shares put ahead (a whole request of theirs in the
         next batch, their shares in each after) and its own. A lane with a share is
-        reached by it in every batch, whatever is queued above: the earlier of the two,
+        reached by it in every batch, whatever is queued above (after its own work of
+        other shapes, in batches of their own): the earlier of the two,
         unless a lane above is backlogged and still admitting (see `_fed_above`): then
         only the share is promised."""
         start_s = now_s if self._running_until_s is None else max(now_s, self._running_until_s)
@@ -440,11 +443,15 @@ class Scheduler:
         ]
         batch_rows = min([self._batch_limit(now_s, lane.priority, signature, rows), *head_limits])
         arriving_above = any(self._active(above, now_s) for above in self.lanes[: lane.priority])
+        # Per lane at or above: its queued rows and requests of this shape, and the seconds
+        # of its work of other shapes (asked once: both estimates read them).
+        queued = [other.queued_as(signature) for other in self.lanes[: lane.priority + 1]]
         finish_s = start_s + self._queue_drain_s(
             lane,
             rows,
             signature,
             batch_rows,
+            queued,
             arriving_above=arriving_above,
             lead_s=start_s - now_s,
             now_s=now_s,
@@ -454,15 +461,55 @@ class Scheduler:
             run_time = self._run_times.get(signature)
             # The first head above is the highest queued work: its limit is known.
             top_limit = head_limits[0] if head_limits else None
-            batch_s = run_time.predict_s(
-                max(batch_rows, self._top_batch_rows(now_s, top_limit), min(rows, self.batch_cap))
+            top_rows = self._top_batch_rows(now_s, top_limit)
+            batch_s = run_time.predict_s(max(batch_rows, top_rows, min(rows, self.batch_cap)))
+            # Its share moves through the rows of every shape ahead of it in its lane; those
+            # of other shapes run, besides, in batches of their own (owed to their shape,
+            # or theirs as the highest work), at their shape's run time.
+            above_s = sum(other_s for _, _, other_s in queued[:-1])
+            share_finish_s = (
+                start_s
+                + self._share_wait_s(lane, rows, signature, own_batches, batch_s, top_rows, above_s)
+                + queued[-1][2]
             )
-            share_finish_s = start_s + own_batches * batch_s
             if self._fed_above(lane, now_s):
                 finish_s = share_finish_s
             else:
                 finish_s = min(finish_s, share_finish_s)
         return finish_s
+
+    def _share_wait_s(
+        self,
+        lane: Lane,
+        rows: int,
+        signature: Signature,
+        batches: int,
+        batch_s: float,
+        top_rows: int,
+        above_s: float,
+    ) -> float:
+        """Seconds of the `batches` batches until `lane`'s share serves `rows` rows of
+        `signature` (in the last), each `batch_s` long. While work of another shape above (of
+        `above_s` seconds in all) sets the batches' shape (the highest queued work does),
+        the lane banks its share through them until a batch of its shape is owed (see
+        `_owed_head`): it moves by its share alone then (not at the pace batches of its
+        shape gave it), through batches that run at their shape's model, for as long as
+        that work lasts. Counted at this request's model and pace, a short request behind
+        two batches of long rows (68 ms each) was promised the next batch, 0.5 ms."""
+        if above_s == 0:
+            return batches * batch_s
+        top = next((head for other in self.lanes if (head := other.head()) is not None), None)
+        if top is None or top.request.signature == signature:
+            return batches * batch_s
+        top_s = self._run_times.get(top.request.signature).predict_s(top_rows)
+        lasts = math.ceil(round(above_s / top_s, BALANCE_DIGITS)) if top_s > 0 else batches
+        owed = lane.queued_rows + min(rows, self.batch_cap) - lane.share_balance_rows
+        banking = math.ceil(round(owed / self._share_rows(lane), BALANCE_DIGITS))
+        other_batches = min(max(batches, banking), lasts)
+        # All of that work, when the lane waits through it all: its last batch may be
+        # smaller.
+        waited_s = min(other_batches * top_s, above_s)
+        return waited_s + max(batches - other_batches, 1) * batch_s
 
     def _top_batch_rows(self, now_s: float, top_limit: int | None) -> int:
         """Rows of the batches the highest queued work is served in, which a lane's share
@@ -531,21 +578,23 @@ class Scheduler:
             for above in self.lanes[: lane.priority]
         )
 
-    def _queue_drain_s(
+    def _queue_drain_s(  # noqa: PLR0915 - one pass over the lanes: it runs on every admission
         self,
         lane: Lane,
         rows: int,
         signature: Signature,
         batch_rows: int,
+        queued: Sequence[tuple[int, int, float]],
         *,
         arriving_above: bool = False,
         lead_s: float = 0.0,
         now_s: float | None = None,
     ) -> float:
         """Seconds until `rows` more rows in `lane` are served top-down in batches of
-        `batch_rows`: the rows queued in it and above, and what lower lanes' shares take
-        from each batch (work that arrives above meanwhile is not foreseen, but the room
-        it takes in each batch is, while `arriving_above`: a lane above is active).
+        `batch_rows`: the rows queued in it and above (`queued`: `Lane.queued_as` of
+        each), and what lower lanes' shares take from each batch (work that arrives above
+        meanwhile is not foreseen, but the room it takes in each batch is, while
+        `arriving_above`: a lane above is active).
         Requests stay whole, so a batch serves the whole requests that fit, counted at
         their mean size while they come in about one size (see UNIFORM_SIZES_CV2):
         counted at the limit (8-row requests fill 16 of 21 rows), admission promised
@@ -556,24 +605,37 @@ class Scheduler:
         batch forms; None: none foreseen), those of lanes below within `lane`'s max_wait
         (the budget they ride along in): costed at the rows ahead alone, a request behind
         a running batch was promised a batch of its own rows (4 ms) and ran in a full one
-        (20 ms)."""
+        (20 ms).
+
+        Only rows of `signature` batch with it; the work of other shapes queued in `lane`
+        and above runs in batches of its own shape, first, and costs what its shape's
+        model says (`Lane.queued_as`, O(1) a lane). All costed at this request's model, 128
+        rows of length 512 ahead were predicted to take 2 ms for a request of length 8
+        (it was answered 174 ms late), and 256 rows of length 8 to take 620 ms for one of
+        length 512 (refused: it would have been answered in 73 ms)."""
         run_time = self._run_times.get(signature)
-        total = rows  # rows in `lane` and above, this request's included
+        total = rows  # rows of `signature` in `lane` and above, this request's included
         requests = 1  # their requests
         # Their sizes lately: the mean of the squares, weighted by queued requests.
         squares = float(rows * rows)
         # What first fit packs of them, weighted by queued rows (see `Lane.fill_ratio`).
         fills = rows * lane.fill_ratio
+        # Seconds of the work of other shapes in `lane` and above: it runs ahead, in
+        # batches of its own shape, at its own shape's run time (see `Lane.queued_as`);
+        # the batches of this shape form after it.
+        other_shapes_s = 0.0
         first_lower = 0  # what lower lanes' shares may take ahead in the next batch
         shares = 0.0  # what they take in each batch after (fractions of a row)
         lower_share = 0.0  # their shares, as a fraction of a batch
         riders = arriving_above  # whether other work takes the room whole requests leave
         for other in self.lanes:  # one pass: this runs for every admission
             if other.priority <= lane.priority:
-                total += other.queued_rows
-                requests += other.queued_entries
-                squares += other.queued_entries * other.request_rows_square_mean
-                fills += other.queued_rows * other.fill_ratio
+                queued_rows, queued_entries, others_s = queued[other.priority]
+                total += queued_rows
+                requests += queued_entries
+                squares += queued_entries * other.request_rows_square_mean
+                fills += queued_rows * other.fill_ratio
+                other_shapes_s += others_s
             elif other.queued_rows:
                 head = other.head()
                 assert head is not None
@@ -607,7 +669,9 @@ class Scheduler:
             return math.ceil(filled)
 
         if total + first_lower <= batch_rows:
-            return run_time.predict_s(with_arrivals(total + first_lower, lead_s))
+            return other_shapes_s + run_time.predict_s(
+                with_arrivals(total + first_lower, lead_s + other_shapes_s)
+            )
 
         whole = functools.partial(
             self._packed_rows, mean_rows=mean_rows, fill_ratio=None if uniform else fills / total
@@ -632,8 +696,19 @@ class Scheduler:
         full, rest = divmod(later, per_batch)
         drain_s = (1 + int(full)) * batch_s
         if rest > ROUNDING_ROWS:
-            drain_s += run_time.predict_s(with_arrivals(rest + shares, lead_s + drain_s))
-        return drain_s
+            drain_s += run_time.predict_s(
+                with_arrivals(rest + shares, lead_s + other_shapes_s + drain_s)
+            )
+        return other_shapes_s + drain_s
+
+    def _alone_s(self, signature: Signature, rows: int) -> float:
+        """Seconds `rows` queued rows of `signature` take in batches of their own at the
+        cap (a lane's price of its queued work, see `Lane.queued_as`). Rows batch only
+        with rows of their shape, so a few rows of a shape pay a whole run: priced at a
+        full batch's cost per row, ten 1-row requests of ten lengths ahead would count as
+        a tenth of a cap's run where they take ten runs. Rows of one shape in several
+        lanes may share batches: counted per lane, at most a run per lane too many."""
+        return self._run_times.get(signature).drain_s(rows, self.batch_cap)
 
     def _packed_rows(self, room: float, *, mean_rows: float, fill_ratio: float | None) -> float:
         """The rows of whole requests that fit `room`: of one size (`fill_ratio` None),
@@ -1145,6 +1220,12 @@ class Scheduler:
         self._last_run_s += result.run_s
         if result.error is None and not result.split:
             self._run_times.observe(batch.signature, batch.rows, result.run_s)
+            # Queued rows of its shape (of every shape, where one model predicts all) at
+            # what it learned. A guess for a shape not yet run may move too (it is scaled
+            # from the nearest measured model): it is priced anew when its rows next move.
+            learned = batch.signature if self._run_times.per_signature else None
+            for lane in self.lanes:
+                lane.reprice(learned)
         self._adapt_cap(result)
         outcomes = []
         for piece in batch.slices:
@@ -1278,6 +1359,8 @@ class Scheduler:
         if rows != self.batch_cap:
             self.events.cap_changed(self.batch_cap, rows, reason)
             self.batch_cap = rows
+            for lane in self.lanes:  # queued work runs in batches of the new cap
+                lane.reprice()
 
     def update_memory(self, used_bytes: int) -> None:
         """A reading of device memory in use, for the watermark."""

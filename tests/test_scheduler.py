@@ -9,6 +9,7 @@ it check that answers are reassembled in row order. The run-time model is fixed
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -1337,9 +1338,9 @@ def test_admission_counts_only_the_arrivals_that_can_join_the_batch(
     now_s = T0
     for index in range(1, 6):
         now_s = T0 + index * 0.0001
-        scheduler.admit(make_request(index, lane, 8, width=width), now_s)
+        entry_id = scheduler.admit(make_request(index, lane, 8, width=width), now_s)
         if lane == "interactive":  # only their pace is left: they leave the queue
-            scheduler.cancel(index, now_s)
+            scheduler.cancel(entry_id, now_s)
     assert rows_within_wait(scheduler, INTERACTIVE) == 43
     finish_s = scheduler._predicted_finish_s(scheduler.lane("interactive"), 1, ((2,),), now_s)
     assert finish_s == pytest.approx(T0 + model.predict_s(64) + model.predict_s(batch_rows))
@@ -2086,7 +2087,7 @@ def make_entry(entry_id: int, rows: int) -> Entry:
 
 
 def test_lane_drop_frees_rows_at_once_and_keeps_fifo_order() -> None:
-    lane = Lane(STANDARD, priority=1)
+    lane = Lane(STANDARD, priority=1, price=lambda _signature, rows: rows * 0.001)
     first, middle, last = make_entry(1, 2), make_entry(2, 3), make_entry(3, 4)
     for entry in (first, middle, last):
         lane.push(entry)
@@ -2106,6 +2107,128 @@ def test_lane_drop_frees_rows_at_once_and_keeps_fifo_order() -> None:
     assert list(lane) == []
     assert lane.head() is None
     assert lane.oldest_enqueued_s() is None
+
+
+def test_a_lane_keeps_its_queued_rows_and_their_price_per_signature() -> None:
+    """What admission reads of the work of other shapes ahead: per signature the rows and
+    entries queued, and the price of the rest, each shape's rows priced together (a batch
+    runs rows of one shape) and priced anew as they move."""
+
+    def price(signature: tuple[tuple[int, ...], ...], rows: int) -> float:
+        return 0.5 + rows * signature[0][0]  # a run's fixed cost, and the rows'
+
+    lane = Lane(STANDARD, priority=1, price=price)
+    narrow, wide, absent = ((2,),), ((3,),), ((5,),)
+
+    def entry(entry_id: int, rows: int, width: int) -> Entry:
+        return dataclasses.replace(
+            make_entry(entry_id, rows),
+            request=make_request(entry_id, "standard", rows, width=width),
+        )
+
+    def check() -> None:
+        by_shape: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+        for queued in lane:
+            counts = by_shape.setdefault(queued.request.signature, [0, 0])
+            counts[0] += queued.queued_rows
+            counts[1] += 1
+        for signature in (narrow, wide):
+            rows, entries = by_shape.get(signature, [0, 0])
+            assert lane.queued_as(signature)[:2] == (rows, entries)
+        expected_s = sum(price(signature, rows) for signature, (rows, _) in by_shape.items())
+        assert lane.queued_as(absent)[:2] == (0, 0)
+        assert lane.queued_as(absent)[2] == pytest.approx(expected_s)
+        for signature in (narrow, wide):
+            others = {key: counts for key, counts in by_shape.items() if key != signature}
+            assert lane.queued_as(signature)[2] == pytest.approx(
+                sum(price(key, rows) for key, (rows, _) in others.items())
+            )
+            if not others:
+                assert lane.queued_as(signature)[2] == 0.0, "exactly: one shape adds nothing"
+
+    first, second, third, split = entry(1, 2, 2), entry(2, 3, 3), entry(3, 4, 2), entry(4, 40, 3)
+    for queued in (first, second, third, split):
+        lane.push(queued)
+        check()
+    assert lane.queued_as(absent)[2] == pytest.approx(price(narrow, 6) + price(wide, 43))
+    lane.take(first, 1)  # a partial take
+    check()
+    lane.drop(second)  # expiry, cancellation
+    check()
+    lane.take(split, 16)  # chunks of an entry larger than the cap
+    check()
+    assert lane.queued_as(wide)[:2] == (24, 1)
+    lane.take(split, 24)
+    check()
+    assert lane.queued_as(wide)[:2] == (0, 0)
+    assert lane.queued_as(narrow)[2] == 0.0
+    lane.take(first, 1)
+    lane.drop(third)
+    check()
+    assert (lane.queued_rows, lane.queued_as(absent)[2]) == (0, 0.0), "exactly 0 once empty"
+    lane.push(entry(5, 7, 3))  # a shape again: priced anew
+    lane.push(entry(6, 1, 2))
+    check()
+    assert lane.queued_as(narrow)[2] == pytest.approx(price(wide, 7))
+
+
+def test_a_schedulers_lanes_price_their_queued_work_at_each_shapes_model() -> None:
+    """Admissions of several shapes into several lanes, batches, cancellations, expiry and
+    a request split across batches: every lane's per-signature rows and entries match its
+    live entries, and its price is every shape's queued rows at that shape's model now
+    (repriced as a shape's model learns)."""
+    scheduler = Scheduler(
+        LANES, batch_cap=CAP, run_time=fixed_run_time(), run_time_signature=((2,),)
+    )
+    widths = (2, 3, 8)
+    rng = random.Random(7)
+    now_s = T0
+    index = 0
+    for width in widths[1:]:  # each shape's model measured: none is a guess
+        scheduler.admit(make_request(index, "standard", 1, width=width), now_s)
+        scheduler.complete(run(dispatch(scheduler, now_s, math.inf), run_s=0.001 * width))
+        index += 1
+
+    def check() -> None:
+        for lane in scheduler.lanes:
+            counts: Counter[tuple[tuple[int, ...], ...]] = Counter()
+            entries: Counter[tuple[tuple[int, ...], ...]] = Counter()
+            for entry in lane:
+                counts[entry.request.signature] += entry.queued_rows
+                entries[entry.request.signature] += 1
+            for width in widths:
+                signature = ((width,),)
+                assert lane.queued_as(signature)[:2] == (counts[signature], entries[signature])
+            assert lane.queued_as(((7,),))[2] == pytest.approx(
+                sum(scheduler._alone_s(signature, rows) for signature, rows in counts.items())
+            )
+
+    running: Batch | None = None
+    admitted: list[int] = []
+    for _ in range(400):
+        action = rng.random()
+        if action < 0.5:
+            lane = rng.choice(LANES).name
+            rows = rng.choice([1, 2, 5, CAP, 3 * CAP + 1])  # the last is split
+            deadline_s = now_s + rng.choice([0.002, 0.050, 1.0])
+            request = make_request(
+                index, lane, rows, width=rng.choice(widths), deadline_s=deadline_s
+            )
+            with contextlib.suppress(LaneserveError):  # full, or the deadline unmeetable
+                admitted.append(scheduler.admit(request, now_s))
+            index += 1
+        elif action < 0.6 and admitted:
+            scheduler.cancel(admitted.pop(rng.randrange(len(admitted))), now_s)
+        elif running is None:
+            decision = scheduler.decide(now_s, math.inf)
+            if isinstance(decision, Dispatch):
+                running = decision.batch
+        else:
+            scheduler.complete(run(running, run_s=rng.choice([0.0005, 0.002, 0.010])))
+            running = None
+        now_s += rng.choice([0.0, 0.0005, 0.003])
+        scheduler.shed_expired(now_s)
+        check()
 
 
 # ---- run-time model ------------------------------------------------------------------------
@@ -2306,6 +2429,128 @@ def test_a_shape_whose_model_is_a_guess_is_not_refused_until_it_ran() -> None:
         scheduler.admit(
             make_request(4, "standard", 4, width=256, deadline_s=T0 + 0.004), T0 + 0.003
         )
+
+
+# Rows 2 wide stand for short sequences (the probe's), 64 wide for long ones: recorded
+# run times of an attention model at lengths 8 and 512, batches of 32 rows.
+SHORT, LONG = 2, 64
+SHORT_RUN_TIME = {1: 0.0003, 32: 0.0005}
+LONG_BATCH_S = 0.068
+# Lanes with standard's share, and top-down; standard holds 512 rows.
+WIDE_LANES = {
+    "share": (INTERACTIVE, dataclasses.replace(STANDARD, capacity_rows=512), BULK),
+    "top-down": wide_standard_lanes(512),
+}
+
+
+def mixed_lengths_scheduler(lanes: Sequence[LaneConfig] = LANES) -> tuple[Scheduler, Batch]:
+    """A scheduler (cap 32) that has run a batch of each length, and runs a 1-row short
+    batch now (busy: admission judges by the models, not by the idle rule), returned with
+    it. Bulk ran them: no lane above it is active, none owes a share."""
+    scheduler = Scheduler(
+        lanes, batch_cap=32, run_time=RunTimeModel(SHORT_RUN_TIME), run_time_signature=((SHORT,),)
+    )
+    scheduler.admit(make_request(900, "bulk", 32, width=LONG), T0)
+    scheduler.complete(run(dispatch(scheduler, T0, math.inf), run_s=LONG_BATCH_S))
+    assert scheduler._run_times.get(((LONG,),)).predict_s(32) == pytest.approx(LONG_BATCH_S)
+    scheduler.admit(make_request(901, "bulk", 1, width=SHORT), T0)
+    return scheduler, dispatch(scheduler, T0, math.inf)
+
+
+def served_shapes(scheduler: Scheduler, token: int) -> list[int]:
+    """The widths of the batches run, in order, until request `token` is answered."""
+    widths = []
+    while (decision := scheduler.decide(T0, math.inf)) is not None:
+        assert isinstance(decision, Dispatch)
+        widths.append(decision.batch.signature[0][0])
+        if token in tokens(scheduler.complete(run(decision.batch))):
+            return widths
+    raise AssertionError(f"request {token} was never answered")
+
+
+@pytest.mark.parametrize("lanes", WIDE_LANES.values(), ids=WIDE_LANES.keys())
+def test_a_short_request_behind_long_sequences_is_costed_their_run_time(
+    lanes: Sequence[LaneConfig],
+) -> None:
+    """128 rows of length 512 queued (4 batches of 68 ms), then a 1-row request of length
+    8 with 100 ms left: costed at its own length's model (~2 ms) it was admitted, and
+    answered 174 ms late. The long rows now cost their own model's run time."""
+    scheduler, _ = mixed_lengths_scheduler(lanes)
+    for index in range(4):
+        scheduler.admit(make_request(index, "standard", 32, width=LONG), T0)
+    with pytest.raises(DeadlineUnmeetableError, match="128 rows are queued ahead"):
+        scheduler.admit(make_request(10, "standard", 1, deadline_s=T0 + 0.100), T0)
+    scheduler.admit(make_request(11, "standard", 1, deadline_s=T0 + 4 * LONG_BATCH_S + 0.002), T0)
+    # It runs after the long batches: its lane's head leads with their shape.
+    assert served_shapes(scheduler, 11) == [LONG] * 4 + [SHORT]
+
+
+@pytest.mark.parametrize("lanes", WIDE_LANES.values(), ids=WIDE_LANES.keys())
+def test_a_long_request_behind_short_sequences_is_costed_their_run_time(
+    lanes: Sequence[LaneConfig],
+) -> None:
+    """256 rows of length 8 queued (8 batches of 0.5 ms), then a 32-row request of length
+    512 with 172 ms left: costed at its own length's model (9 batches of 68 ms: 620 ms)
+    it was refused, though it would have been answered in 73 ms."""
+    scheduler, _ = mixed_lengths_scheduler(lanes)
+    for index in range(8):
+        scheduler.admit(make_request(index, "standard", 32), T0)
+    scheduler.admit(make_request(10, "standard", 32, width=LONG, deadline_s=T0 + 0.172), T0)
+    with pytest.raises(DeadlineUnmeetableError):  # still refused what it cannot make
+        scheduler.admit(make_request(11, "standard", 32, width=LONG, deadline_s=T0 + 0.070), T0)
+
+
+@pytest.mark.parametrize(
+    ("lanes", "long_batches_first"),
+    [(TOP_DOWN_LANES, 2), (LANES, 1)],
+    ids=["top-down", "share"],
+)
+def test_work_of_other_shapes_in_a_higher_lane_is_costed_its_run_time(
+    lanes: Sequence[LaneConfig], long_batches_first: int
+) -> None:
+    """The same across lanes: two batches of long rows queued in interactive run before a
+    short standard request, both of them top-down, one with standard's share (it banks
+    through one, then is owed a batch of its shape); short rows before a long request."""
+    scheduler, _ = mixed_lengths_scheduler(lanes)
+    for index in range(2):
+        scheduler.admit(make_request(index, "interactive", 32, width=LONG), T0)
+    ahead_s = long_batches_first * LONG_BATCH_S
+    with pytest.raises(DeadlineUnmeetableError):
+        scheduler.admit(make_request(10, "standard", 1, deadline_s=T0 + ahead_s - 0.010), T0)
+    scheduler.admit(make_request(11, "standard", 1, deadline_s=T0 + ahead_s + 0.002), T0)
+    assert served_shapes(scheduler, 11) == [LONG] * long_batches_first + [SHORT]
+    scheduler, _ = mixed_lengths_scheduler(lanes)
+    for index in range(2):  # costed at the long rows' model: 3 batches, 204 ms
+        scheduler.admit(make_request(index, "interactive", 32), T0)
+    scheduler.admit(make_request(11, "standard", 32, width=LONG, deadline_s=T0 + 0.100), T0)
+
+
+def test_a_share_lane_behind_another_shape_moves_by_its_share_not_its_pace() -> None:
+    """Standard led batches of its own lately (its pace: ~20 rows a batch) and owes two
+    shares for them. Behind long interactive rows it cannot join, it repays at its share
+    alone (8 rows a batch): owed a batch of its shape after three long ones, not after
+    the one its pace said."""
+    lanes = (dataclasses.replace(INTERACTIVE, capacity_rows=512), *WIDE_LANES["share"][1:])
+    scheduler, running = mixed_lengths_scheduler(lanes)
+    now_s = T0
+    for index in range(10):
+        scheduler.admit(make_request(index, "standard", 32), now_s)
+        scheduler.complete(run(running))
+        running = dispatch(scheduler, now_s, math.inf)
+    standard = scheduler.lane("standard")
+    assert standard.served_rows_per_batch > 2 * scheduler._share_rows(standard)
+    assert standard.share_balance_rows == -2 * scheduler._share_rows(standard)
+    for index in range(10, 14):
+        scheduler.admit(make_request(index, "interactive", 32, width=LONG), now_s)
+    with pytest.raises(DeadlineUnmeetableError):
+        scheduler.admit(
+            make_request(20, "standard", 1, deadline_s=now_s + 2.5 * LONG_BATCH_S), now_s
+        )
+    scheduler.admit(
+        make_request(21, "standard", 1, deadline_s=now_s + 3 * LONG_BATCH_S + 0.002), now_s
+    )
+    scheduler.complete(run(running))
+    assert served_shapes(scheduler, 21) == [LONG] * 3 + [SHORT]
 
 
 @pytest.mark.parametrize("measured_s", [{}, {0: 0.001}, {4: -0.001}])
