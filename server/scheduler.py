@@ -362,13 +362,19 @@ class Scheduler:
         lane = self._by_name.get(lane_name)
         if lane is None or rows > lane.config.capacity_rows or lane.has_room(rows):
             return None
-        return self._room_in_s(lane, rows, self.run_time)
+        return self._room_in_s(lane, rows)
 
-    def _room_in_s(self, lane: Lane, rows: int, run_time: RunTimeModel) -> float:
+    def _room_in_s(self, lane: Lane, rows: int) -> float:
         """About how long until full `lane` has room for `rows` more rows: the run time
         of the rows over its room, at most the lane's timeout (by then every row queued
         now has run or expired). A run-time model that is a guess (a shape not yet run)
-        or a slow outlier advised clients to stay away for minutes."""
+        or a slow outlier advised clients to stay away for minutes. The rows that leave
+        first are its oldest, in batches of its head's shape: they run at that shape's
+        model, not the probe's nor the new request's (a lane full of 512-token rows told
+        a caller of 8 tokens to come back in the time 8-token rows take)."""
+        head = lane.head()
+        assert head is not None, "a full lane holds rows"
+        run_time = self._run_times.get(head.request.signature)
         excess = lane.queued_rows + rows - lane.config.capacity_rows
         return min(run_time.drain_s(excess, self.batch_cap), lane.config.timeout_ms / 1000)
 
@@ -395,11 +401,10 @@ class Scheduler:
                 f"{lane.config.capacity_rows} rows (split it, or use a lane with more capacity)"
             )
         if not lane.has_room(request.rows):
-            run_time = self._run_times.get(request.signature)
             raise LaneFullError(
                 f"lane {lane.name!r} is full: {lane.queued_rows} of "
                 f"{lane.config.capacity_rows} rows queued, request has {request.rows}",
-                retry_after_s=max(self._room_in_s(lane, request.rows, run_time), 0.001),
+                retry_after_s=max(self._room_in_s(lane, request.rows), 0.001),
             )
         deadline_s = lane.config.deadline_s(now_s, request.deadline_s)
         if deadline_s <= now_s:  # a stream item that waited for room, up to its deadline

@@ -2553,6 +2553,21 @@ def test_a_share_lane_behind_another_shape_moves_by_its_share_not_its_pace() -> 
     assert served_shapes(scheduler, 21) == [LONG] * 3 + [SHORT]
 
 
+def test_the_retry_hint_of_a_lane_full_of_long_rows_is_their_run_time() -> None:
+    """A lane full of long rows refused a short request with the short rows' run time as
+    its hint (and `room_wait_s` with the probe's): the rows that must leave first are
+    its head's shape, and run at that shape's model."""
+    lanes = (INTERACTIVE, dataclasses.replace(STANDARD, capacity_rows=64), BULK)
+    scheduler, _ = mixed_lengths_scheduler(lanes)
+    for index in range(2):
+        scheduler.admit(make_request(index, "standard", 32, width=LONG), T0)
+    with pytest.raises(LaneFullError) as refused:
+        scheduler.admit(make_request(10, "standard", 2), T0)
+    long_s = scheduler._run_times.get(((LONG,),)).drain_s(2, 32)
+    assert refused.value.retry_after_s == pytest.approx(long_s)
+    assert scheduler.room_wait_s("standard", 2) == pytest.approx(long_s)
+
+
 @pytest.mark.parametrize("measured_s", [{}, {0: 0.001}, {4: -0.001}])
 def test_run_time_model_refuses_bad_measurements(measured_s: dict[int, float]) -> None:
     with pytest.raises(ValueError, match="batch sizes"):
