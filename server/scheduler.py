@@ -203,6 +203,17 @@ class LaneDepth:
     capacity_rows: int
 
 
+def caller_end_status(now_s: float, deadline_s: float, *, queued: bool) -> str:
+    """The status of a request whose callers went away with no answer due: its deadline
+    had come (gRPC cancels a call at it), EXPIRED_IN_QUEUE for work still queued (shed:
+    the queue's doing) and DEADLINE_EXCEEDED for work that ran (too late; the name gRPC
+    gives its caller's end, not a LaneserveError: none is sent), else CANCELLED (they
+    left)."""
+    if now_s < deadline_s - DEADLINE_SLACK_S:
+        return "CANCELLED"
+    return ExpiredInQueueError.reason if queued else "DEADLINE_EXCEEDED"
+
+
 def _capacity_failures(result: BatchResult) -> list[int]:
     """Sizes of the runs of `result` that ran out of memory for their size: a row that
     fails even alone says nothing about batch size, nor does a run that failed because
@@ -777,10 +788,7 @@ class Scheduler:
         entry.cancelled = True
         entry.finished = True
         lane = self.lanes[entry.priority]
-        status = "CANCELLED"
-        if now_s >= entry.deadline_s - DEADLINE_SLACK_S:
-            # The name gRPC gives its caller's end; not a LaneserveError: none is sent.
-            status = ExpiredInQueueError.reason if entry.in_lane else "DEADLINE_EXCEEDED"
+        status = caller_end_status(now_s, entry.deadline_s, queued=entry.in_lane)
         if entry.in_lane:
             rows = entry.queued_rows
             lane.drop(entry)

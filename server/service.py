@@ -59,7 +59,7 @@ from laneserve.server.items import InferenceRequest, Outcome
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.log_events import event_extra
 from laneserve.server.memory import MemoryFacts, WatermarkState
-from laneserve.server.scheduler import DEADLINE_SLACK_S
+from laneserve.server.scheduler import caller_end_status
 from laneserve.server.scheduler_thread import SchedulerThread
 from laneserve.server.stats import Distribution, Percentiles, StatsRecorder
 from laneserve.v1 import inference_pb2 as pb
@@ -494,7 +494,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # their deadlines passed while it ran on for replay), not OK. By the last one
             # to go (`left_s`, its deadline), not this call's: a retry may have extended
             # it and left after this call's deadline (it was counted DEADLINE_EXCEEDED).
-            status = "OK" if left_s is None else _left_status(self._clock.monotonic(), left_s)
+            status = (
+                "OK"
+                if left_s is None
+                else caller_end_status(self._clock.monotonic(), left_s, queued=False)
+            )
             try:
                 response = self._answer(request.request_id, outcome, output_names)
             except Exception as error:
@@ -680,12 +684,6 @@ def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
         (grpc.method_handlers_generic_handler(service.full_name, handlers),)
     )
     server.add_registered_method_handlers(service.full_name, handlers)
-
-
-def _left_status(now_s: float, deadline_s: float) -> str:
-    """The status a request's callers ended with when none waited for its answer: its
-    deadline passed (gRPC's name for it), else they left."""
-    return "DEADLINE_EXCEEDED" if now_s >= deadline_s - DEADLINE_SLACK_S else "CANCELLED"
 
 
 def _deadline_s(now_s: float, remaining_s: float | None, timeout_ms: int) -> float | None:
