@@ -100,6 +100,16 @@ def traced(
     return telemetry, exporter
 
 
+def cpu_telemetry(**options: Any) -> Telemetry:
+    """Telemetry of a CPU server with the default lanes and `options` (its sinks)."""
+    return Telemetry(
+        lanes=ServerConfig(model_path="m.onnx").lanes,
+        providers=["CPUExecutionProvider"],
+        max_batch_size=64,
+        **options,
+    )
+
+
 def spans_named(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
     return [span for span in exporter.get_finished_spans() if span.name == name]
 
@@ -717,12 +727,7 @@ def test_memory_and_out_of_memory_events_reach_the_metrics() -> None:
     gauges from the sink."""
     reader = InMemoryMetricReader()
     lanes = ServerConfig(model_path="m.onnx").lanes
-    telemetry = Telemetry(
-        lanes=lanes,
-        providers=["CPUExecutionProvider"],
-        max_batch_size=64,
-        metric_readers=[reader],
-    )
+    telemetry = cpu_telemetry(metric_readers=[reader])
     metrics = telemetry.metrics
     assert metrics is not None
     stats = StatsRecorder([lane.name for lane in lanes])
@@ -747,12 +752,7 @@ def test_the_memory_gauges_say_what_they_read_on_the_cpu_too() -> None:
     help said "Device memory in use" and "The device memory limit (budget)", so a
     scraper read 4 GiB as the arena's budget of 256 MiB."""
     reader = InMemoryMetricReader()
-    telemetry = Telemetry(
-        lanes=ServerConfig(model_path="m.onnx").lanes,
-        providers=["CPUExecutionProvider"],
-        max_batch_size=64,
-        metric_readers=[reader],
-    )
+    telemetry = cpu_telemetry(metric_readers=[reader])
     assert telemetry.metrics is not None
     telemetry.metrics.memory_sampled(3 << 30, 8 << 30)
     data = reader.get_metrics_data()
@@ -784,12 +784,7 @@ def test_every_counter_series_is_reported_from_the_start_at_zero() -> None:
     and end statuses, and each dispatch reason's batch statuses, are 0 from the start."""
     reader = InMemoryMetricReader()
     lanes = ServerConfig(model_path="m.onnx").lanes
-    telemetry = Telemetry(
-        lanes=lanes,
-        providers=["CPUExecutionProvider"],
-        max_batch_size=64,
-        metric_readers=[reader],
-    )
+    telemetry = cpu_telemetry(metric_readers=[reader])
     stats = StatsRecorder([lane.name for lane in lanes])
     telemetry.observe(list, lambda: 64, stats.counts, lambda: None)
     before = collect(reader)
@@ -1235,13 +1230,7 @@ def test_stopping_waits_a_bounded_time_for_an_exporter_that_hangs(
     exporter = _StuckExporter()
     provider = TracerProvider(shutdown_on_exit=False)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    telemetry = Telemetry(
-        lanes=ServerConfig(model_path="unused.onnx").lanes,
-        providers=["CPUExecutionProvider"],
-        max_batch_size=8,
-        tracer_provider=provider,
-        owns_tracer_provider=True,
-    )
+    telemetry = cpu_telemetry(tracer_provider=provider, owns_tracer_provider=True)
     closing = threading.Thread(target=telemetry.close, daemon=True)
     closing.start()
     closing.join(30)
