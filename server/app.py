@@ -408,11 +408,17 @@ class LaneServer:
         known_servers = GrpcCallCounts.server_ids()
         servers: list[grpc.aio.Server] = []
         try:
-            server, self.port = self._grpc_server(servicer, credentials, self.config.port, "port")
+            server, self.port = self._grpc_server(
+                servicer, credentials, self.config.port, "port", self.config.max_pending_calls
+            )
             servers.append(server)
             if self.config.priority_port >= 0:
                 priority, self.priority_port = self._grpc_server(
-                    servicer, credentials, self.config.priority_port, "priority_port"
+                    servicer,
+                    credentials,
+                    self.config.priority_port,
+                    "priority_port",
+                    self.config.priority_max_pending_calls,
                 )
                 servers.append(priority)
             self.metrics_port = self.telemetry.serve_metrics(
@@ -465,9 +471,11 @@ class LaneServer:
         credentials: grpc.ServerCredentials | None,
         port: int,
         setting: str,
+        max_pending_calls: int,
     ) -> tuple[grpc.aio.Server, int]:
-        """A gRPC server with every service, bound to `port` on the configured host, and
-        the port it bound; raises OSError naming `setting` when it cannot bind."""
+        """A gRPC server with every service, bound to `port` on the configured host, its
+        core holding at most `max_pending_calls` calls not yet taken, and the port it
+        bound; raises OSError naming `setting` when it cannot bind."""
         limit = self.config.max_message_bytes
         server = grpc.aio.server(
             interceptors=self.telemetry.interceptors,
@@ -478,7 +486,7 @@ class LaneServer:
                 # A port another server listens on is refused, not shared: with gRPC's
                 # default (SO_REUSEPORT) the kernel would split the connections.
                 ("grpc.so_reuseport", 0),
-                *pending_call_limits(self.config.max_pending_calls),
+                *pending_call_limits(max_pending_calls),
             ],
         )
         add_to_server(servicer, server)

@@ -54,6 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "max_message_bytes": args.max_message_bytes,
                 "max_concurrent_rpcs": args.max_concurrent_rpcs,
                 "max_pending_calls": args.max_pending_calls,
+                "priority_max_pending_calls": args.priority_max_pending_calls,
                 "intra_op_threads": args.intra_op_threads,
                 "metrics_port": args.metrics_port,
                 "tls_cert": args.tls_cert,
@@ -268,6 +269,12 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="calls gRPC's core holds before the event loop takes them; beyond 3/4 of it "
         "it refuses some, at it all (default 256)",
+    )
+    serve.add_argument(
+        "--priority-max-pending-calls",
+        type=int,
+        help="the same for the priority port's own queue (default 32: its callers wait on "
+        "deadlines, so it is kept short in time)",
     )
     serve.add_argument("--tls-cert", help="PEM certificate (chain): the port speaks TLS")
     serve.add_argument("--tls-key", help="PEM private key of --tls-cert")

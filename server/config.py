@@ -128,8 +128,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     # A second port for latency-critical callers, in front of the same lanes: gRPC's
-    # core queues the calls the event loop has not yet taken per port (each bounded by
-    # max_pending_calls), so a call here never waits behind a flood of calls queued on
+    # core queues the calls the event loop has not yet taken per port (this one bounded
+    # by priority_max_pending_calls), so a call here never waits behind a flood queued on
     # `port`. Lanes order calls only once the event loop has taken them. 0 = any free
     # port (logged at start), -1 = none.
     priority_port: int = -1
@@ -158,6 +158,13 @@ class ServerConfig:
     # calls in flight (its queue held ~0.2 s under 300 % overload here); deadline-bound
     # deployments size it near deadline x throughput / 2 (README, Lanes).
     max_pending_calls: int = 256
+    # The same bound for the priority port's own queue. Its callers are latency-bound,
+    # so it is sized in time, not for bursts: a call held longer than its deadline in a
+    # queue the lanes cannot see is worse than one refused at once (CANCELLED, retried).
+    # With the event loop taking ~500-1 000 calls/s under overload here, 32 holds
+    # ~30-60 ms; at 256 every call of a 300 % overload with 100 ms deadlines was late
+    # (bench/README.md, the pending-limit sweep).
+    priority_max_pending_calls: int = 32
     # gRPC's own message size limit, both directions.
     max_message_bytes: int = 64 * 1024 * 1024
     # ONNX Runtime intra-op threads; 0: auto (on the CPU one core fewer than the
@@ -225,6 +232,12 @@ class ServerConfig:
         )
         _check_int(
             "server.max_pending_calls", self.max_pending_calls, minimum=1, maximum=GRPC_INT_MAX
+        )
+        _check_int(
+            "server.priority_max_pending_calls",
+            self.priority_max_pending_calls,
+            minimum=1,
+            maximum=GRPC_INT_MAX,
         )
         _check_int(
             "server.intra_op_threads",

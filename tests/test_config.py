@@ -211,6 +211,11 @@ def test_keys_missing_from_the_file_keep_their_defaults(tmp_path: Path) -> None:
             "[server]\nmax_pending_calls = 0\n", "server.max_pending_calls", id="no-pending-calls"
         ),
         pytest.param(
+            "[server]\npriority_max_pending_calls = 0\n",
+            "server.priority_max_pending_calls",
+            id="no-priority-pending-calls",
+        ),
+        pytest.param(
             lane_toml().replace("capacity_rows = 64", "capacity_rows = 0"),
             "capacity_rows",
             id="zero-capacity",

@@ -902,6 +902,42 @@ def test_a_call_on_the_priority_port_does_not_queue_behind_the_main_ports_calls(
     asyncio.run(scenario())
 
 
+def test_the_priority_port_refuses_past_its_own_shorter_pending_limit(small_model: Path) -> None:
+    """The priority port's queue in gRPC's core has a bound of its own
+    (priority_max_pending_calls), kept short because its callers wait on deadlines: with
+    the event loop blocked, a flood on the priority port is refused past it, while as many
+    calls on the main port, whose bound is higher, are all held and served."""
+    sent = 32
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        settings = config(
+            small_model, max_pending_calls=4 * sent, priority_max_pending_calls=4, priority_port=0
+        )
+        async with serving(engine, settings) as s:
+            with (
+                grpc.insecure_channel(s.target) as main,
+                grpc.insecure_channel(f"127.0.0.1:{s.server.priority_port}") as priority,
+            ):
+                for channel in (main, priority):
+                    grpc.channel_ready_future(channel).result(timeout=10)
+                refused_there = flood_until_refused(priority, sent)
+                infer = pb_grpc.InferenceServiceStub(main).Infer
+                held = [
+                    infer.future(request(rows(1, start=1000 + tag)), timeout=60)
+                    for tag in range(sent)
+                ]
+                held_by_the_core(s.server, 2 * sent)  # the loop is still blocked
+                priority_codes = await asyncio.to_thread(lambda: [f.code() for f in refused_there])
+                main_codes = await asyncio.to_thread(lambda: [f.code() for f in held])
+        assert grpc.StatusCode.CANCELLED in priority_codes, "the priority port refused"
+        assert set(priority_codes) <= {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED}
+        assert main_codes == [grpc.StatusCode.OK] * sent, "the main port held every call"
+        assert {1000 + tag for tag in range(sent)} <= set(engine.ran_tags)
+
+    asyncio.run(scenario())
+
+
 def test_health_checks_are_not_refused_while_infer_calls_are(small_model: Path) -> None:
     """gRPC's core queues calls per method: with Infer's queue full and the event loop
     blocked, health checks on the same port are held, not refused with the flood, and
