@@ -165,7 +165,8 @@ def test_short_run_writes_well_formed_json_with_every_key(
     assert on_priority_port["streams"][0]["port"] == "priority"
     assert on_priority_port["lanes"]["interactive"]["ok"] > 0, "the priority port answered"
     deadlines = [point["streams"][0]["deadline_in"] for point in written["scenarios"]["d"]]
-    assert deadlines == ["timeout_ms", "grpc"]
+    assert deadlines == ["timeout_ms", "grpc", "timeout_ms"]
+    assert written["scenarios"]["d"][2]["streams"][0]["port"] == "priority"
     saturation = written["scenarios"]["a"][0]
     assert saturation["lanes"]["single"]["ok"] > 0, "the server answered"
     assert saturation["server"]["batches"] > 0, "GetStats figures are there"
@@ -185,6 +186,8 @@ def test_short_run_writes_well_formed_json_with_every_key(
         "isolation_p99_unary",
         "isolation_p99_unary_priority_port",
         "overload_expired_executed",
+        "overload_goodput_timeout_ms_priority_port",
+        "overload_expired_executed_priority_port",
     }
     report = Path(outputs["markdown"]).read_text()
     assert "## Targets (issue 6)" in report

@@ -387,7 +387,8 @@ class _Runner:
         self, scenario: ScenarioId, *, primary: bool, priority: bool = False
     ) -> Iterator[Point]:
         """The points of `scenario`; `priority`: the server has a priority port, and (c)
-        measures the unary flood once more with interactive calls sent there."""
+        measures the unary flood once more with interactive calls sent there, (d) its
+        overload once more sent there."""
         profile = self.profile
         if scenario == "a":
             for callers in profile.concurrencies:
@@ -461,18 +462,25 @@ class _Runner:
                 ("timeout_ms", "timeout_ms"),
                 ("grpc", "gRPC deadline"),
             )
+            overload = Stream(
+                "default",
+                rate_per_s=profile.overload_fraction * capacity,
+                deadline_ms=profile.overload_deadline_ms,
+            )
+            label = f"{profile.overload_fraction:.0%}, {profile.overload_deadline_ms} ms"
             for deadline_in, how in deadlines:
                 yield Point(
                     "d",
-                    f"{profile.overload_fraction:.0%}, {profile.overload_deadline_ms} ms {how}",
-                    (
-                        Stream(
-                            "default",
-                            rate_per_s=profile.overload_fraction * capacity,
-                            deadline_ms=profile.overload_deadline_ms,
-                            deadline_in=deadline_in,
-                        ),
-                    ),
+                    f"{label} {how}",
+                    (dataclasses.replace(overload, deadline_in=deadline_in),),
+                )
+            if priority:
+                # The deployment for deadline-bound callers: the priority port, whose
+                # queue in gRPC's core is bounded for deadlines (priority_max_pending_calls).
+                yield Point(
+                    "d",
+                    f"{label} timeout_ms, on the priority port",
+                    (dataclasses.replace(overload, deadline_in="timeout_ms", port="priority"),),
                 )
 
     def _read_model(self, deployment: procs.Deployment) -> None:
