@@ -194,6 +194,11 @@ def test_tls_files_that_are_not_pem_are_refused_naming_the_settings(
     assert "Traceback" not in stderr
 
 
+def test_the_priority_ports_pending_limit_flag_reaches_the_config(small_model: Path) -> None:
+    stderr = refused_at_start("--model", str(small_model), "--priority-max-pending-calls", "0")
+    assert "server.priority_max_pending_calls: expected an integer in [1," in stderr
+
+
 def test_a_probe_shape_flag_that_is_not_name_equals_sizes_is_refused(small_model: Path) -> None:
     for flag in ("input", "input=", "input=3,x", "=3"):
         stderr = refused_at_start("--model", str(small_model), "--probe-shape", flag)
