@@ -273,7 +273,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--priority-max-pending-calls",
         type=int,
-        help="the same for the priority port's own queue (default 32: its callers wait on "
+        help="the same for the priority port's own queue (default 24: its callers wait on "
         "deadlines, so it is kept short in time)",
     )
     serve.add_argument("--tls-cert", help="PEM certificate (chain): the port speaks TLS")

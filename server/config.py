@@ -161,10 +161,11 @@ class ServerConfig:
     # The same bound for the priority port's own queue. Its callers are latency-bound,
     # so it is sized in time, not for bursts: a call held longer than its deadline in a
     # queue the lanes cannot see is worse than one refused at once (CANCELLED, retried).
-    # With the event loop taking ~500-1 000 calls/s under overload here, 32 holds
-    # ~30-60 ms; at 256 every call of a 300 % overload with 100 ms deadlines was late
-    # (bench/README.md, the pending-limit sweep).
-    priority_max_pending_calls: int = 32
+    # With the event loop taking ~500-1 000 calls/s under overload here, 24 holds
+    # ~20-50 ms: at 300 % with 100 ms deadlines its p99 stayed near or under 100 ms in
+    # three runs, 32's went over in two of three, and at 256 every call was late
+    # (bench/README.md, the pending-limit sweep). Refusals start at 18 calls unread.
+    priority_max_pending_calls: int = 24
     # gRPC's own message size limit, both directions.
     max_message_bytes: int = 64 * 1024 * 1024
     # ONNX Runtime intra-op threads; 0: auto (on the CPU one core fewer than the
