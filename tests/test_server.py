@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import random
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -868,6 +870,19 @@ def test_calls_past_the_pending_limit_are_refused_unread_and_never_run(small_mod
     asyncio.run(scenario())
 
 
+@contextlib.contextmanager
+def main_and_priority_channels(s: Serving) -> Iterator[tuple[grpc.Channel, grpc.Channel]]:
+    """Sync channels to the main and the priority port, both connected: their calls go
+    out from this thread while a test blocks the event loop."""
+    with (
+        grpc.insecure_channel(s.target) as main,
+        grpc.insecure_channel(f"127.0.0.1:{s.server.priority_port}") as priority,
+    ):
+        for channel in (main, priority):
+            grpc.channel_ready_future(channel).result(timeout=10)
+        yield main, priority
+
+
 def test_a_call_on_the_priority_port_does_not_queue_behind_the_main_ports_calls(
     small_model: Path,
 ) -> None:
@@ -882,12 +897,7 @@ def test_a_call_on_the_priority_port_does_not_queue_behind_the_main_ports_calls(
         settings = config(small_model, max_pending_calls=4, priority_port=0)
         async with serving(engine, settings) as s:
             assert s.server.priority_port not in (None, s.server.port)
-            with (
-                grpc.insecure_channel(s.target) as main,
-                grpc.insecure_channel(f"127.0.0.1:{s.server.priority_port}") as priority,
-            ):
-                for channel in (main, priority):
-                    grpc.channel_ready_future(channel).result(timeout=10)
+            with main_and_priority_channels(s) as (main, priority):
                 futures = flood_until_refused(main, sent)
                 first = pb_grpc.InferenceServiceStub(priority).Infer.future(
                     request(rows(1, start=1000)), timeout=60
@@ -915,12 +925,7 @@ def test_the_priority_port_refuses_past_its_own_shorter_pending_limit(small_mode
             small_model, max_pending_calls=4 * sent, priority_max_pending_calls=4, priority_port=0
         )
         async with serving(engine, settings) as s:
-            with (
-                grpc.insecure_channel(s.target) as main,
-                grpc.insecure_channel(f"127.0.0.1:{s.server.priority_port}") as priority,
-            ):
-                for channel in (main, priority):
-                    grpc.channel_ready_future(channel).result(timeout=10)
+            with main_and_priority_channels(s) as (main, priority):
                 refused_there = flood_until_refused(priority, sent)
                 infer = pb_grpc.InferenceServiceStub(main).Infer
                 held = [

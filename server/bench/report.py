@@ -411,7 +411,7 @@ def _isolation_targets(document: dict[str, Any], primary: str) -> list[dict[str,
     targets = []
     for point in loaded:
         via = point["streams"][1]["via"]
-        on_priority_port = point["streams"][0].get("port") == "priority"
+        on_priority_port = _on_priority_port(point)
         key = f"isolation_p99_{via}" + ("_priority_port" if on_priority_port else "")
         how = f"bulk over {'InferStream' if via == 'stream' else 'unary Infer'}" + (
             ", interactive on the priority port" if on_priority_port else ""
@@ -472,6 +472,11 @@ def _misses(stream: dict[str, Any]) -> str:
     return f"{missed} of {every['calls']} calls not answered OK ({_reasons(reasons)})"
 
 
+def _on_priority_port(point: dict[str, Any]) -> bool:
+    """Whether the point's first stream went to the priority port (older JSON: no port)."""
+    return bool(point["streams"][0].get("port") == "priority")
+
+
 def _overload_targets(document: dict[str, Any], primary: str) -> list[dict[str, Any]]:
     """One goodput verdict per way of sending the deadline; the expired-executed verdict
     from the timeout_ms point, where every answer's Timing comes back."""
@@ -489,7 +494,7 @@ def _overload_targets(document: dict[str, Any], primary: str) -> list[dict[str, 
         stream = point["lanes"]["default"]
         ratio = stream["goodput_per_s"] / capacity
         how = point["streams"][0]["deadline_in"]
-        on_priority = point["streams"][0].get("port") == "priority"
+        on_priority = _on_priority_port(point)
         suffix = "_priority_port" if on_priority else ""
         where = ", on the priority port" if on_priority else ""
         targets.append(
@@ -924,7 +929,7 @@ def _scenario_d(document: dict[str, Any]) -> list[str]:
             [
                 point["configuration"],
                 (stream["deadline_in"] or "-")
-                + (", priority port" if point["streams"][0].get("port") == "priority" else ""),
+                + (", priority port" if _on_priority_port(point) else ""),
                 _num(stream["offered_rate_per_s"]),
                 _num(stream.get("achieved_rate_per_s")),
                 _num(stream["goodput_per_s"]),
