@@ -147,7 +147,8 @@ def _bind_refusal(host: str, port: int) -> str | None:
     it once more after gRPC could not: gRPC raises "Failed to bind" alone, and its core's
     own line with the reason is off with JSON logs (cli.py). None: the OS binds it now."""
     try:
-        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        # Bare, as getaddrinfo takes it: "[::1]", which gRPC binds, does not resolve.
+        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
     except OSError as error:  # a name that does not resolve
         return str(error)
     for family, kind, proto, _, address in addresses:

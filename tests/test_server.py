@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from laneserve.client import CallCancelledError, error_from_rpc
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import LaneConfig, LaneServer, ServerConfig
+from laneserve.server.app import check_ports_free
 from laneserve.server.items import Batch, BatchResult, RowsWanted
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.v1 import inference_pb2 as pb
@@ -1084,3 +1085,21 @@ def test_refusals_before_the_lanes_are_counted_in_the_lanes(small_model: Path) -
         }
 
     asyncio.run(scenario())
+
+
+def test_an_ipv6_host_in_brackets_passes_the_port_check() -> None:
+    """`laneserve serve --host [::1] --port N` was refused before the model loaded with
+    "cannot listen on [::1]:N (server.port): Name or service not known": the check ran
+    getaddrinfo on the bracketed address, which gRPC binds but getaddrinfo cannot resolve.
+    A port in use there is still refused, with the OS's reason."""
+    with socket.socket(socket.AF_INET6) as held:
+        held.bind(("::1", 0))
+        taken = held.getsockname()[1]
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+            free = probe.getsockname()[1]
+        for host in ("::1", "[::1]"):
+            check_ports_free(config(Path("m.onnx"), host=host, port=free, metrics_port=-1))
+        held.listen()
+        with pytest.raises(OSError, match=r"\(server\.port\): Address already in use"):
+            check_ports_free(config(Path("m.onnx"), host="[::1]", port=taken, metrics_port=-1))
