@@ -232,6 +232,11 @@ class ReplayCache:
             record[_HEADER.size : digest_end], pb.InferResponse.FromString(record[digest_end:])
         )
 
+    def holds(self, request_id: str) -> bool:
+        """Whether `get` would find an answer for `request_id` (without decoding it)."""
+        record = self._entries.get(request_id)
+        return record is not None and self._clock.monotonic() - _stored_s(record) < self.ttl_s
+
     def put(self, request_id: str, fingerprint: bytes, response: pb.InferResponse) -> bool:
         """Stores an answer; False when it cannot be kept (larger than the byte bound, or
         the cache is off). Evicts the least recently used answers to make room."""
@@ -318,6 +323,12 @@ class RequestLedger:
         if deadline_s > flight.deadline_s:
             self._extend(flight, deadline_s)
         return await self._wait(flight, deadline_s)
+
+    def holds(self, request_id: str) -> bool:
+        """Whether a request with `request_id` is answered here without being admitted:
+        one with that id is in flight (it joins) or stored (it replays, or is refused
+        REQUEST_ID_REUSED)."""
+        return bool(request_id) and (request_id in self._flights or self.replay.holds(request_id))
 
     def replayed(self, request_id: str, digest: bytes) -> pb.InferResponse | None:
         """The stored answer of the completed request `request_id`, counted as a replay

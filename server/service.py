@@ -515,7 +515,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         run = functools.partial(
             self._run_once, lane, request.request_id, digest, submit, finish, wait_until_s
         )
-        if room is None:
+        if room is None or self._ledger.holds(request.request_id):
+            # A stream item that joins its request in flight or replays its stored answer
+            # adds no rows to its lane: waiting for room there held it, and its stream's
+            # reading, up to its deadline for nothing.
             return await run()
         return await self._run_when_room(run, lane, rows, wait_until_s, room)
 

@@ -595,6 +595,49 @@ def test_a_stream_item_waits_for_room_in_its_full_lane(small_model: Path) -> Non
     asyncio.run(scenario())
 
 
+def test_a_stream_item_that_joins_or_replays_needs_no_room_in_its_full_lane(
+    small_model: Path,
+) -> None:
+    """A resent item whose answer is stored, or whose request is in flight, is answered
+    from the ledger while its lane stays full: it adds no rows there. It waited for room
+    first, holding its stream's reading up to its deadline (the lane's timeout: 60 s
+    here), though a unary retry of it got the stored answer at once."""
+
+    async def scenario() -> tuple[list[pb.InferStreamResponse], list[int]]:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, max_batch_size=4, lanes=bulk_lane(4))) as s:
+            await s.stub.Infer(request(rows(4, start=0), request_id="done", lane="bulk"))
+            while engine.entered.acquire(blocking=False):
+                pass  # the batch that ran "done"
+            engine.hold()
+            held = [asyncio.ensure_future(s.stub.Infer(request(rows(4, start=10), lane="bulk")))]
+            await asyncio.to_thread(engine.entered.acquire)
+            queued = request(rows(4, start=20), request_id="queued", lane="bulk")
+            held.append(asyncio.ensure_future(s.stub.Infer(queued)))
+            await until(lambda: lane_rows(s, "bulk") == 4)  # the lane is full
+            sent: asyncio.Queue[pb.InferRequest | None] = asyncio.Queue()
+            call = s.stub.InferStream(fed(sent))
+            sent.put_nowait(request(rows(4, start=0), request_id="done"))
+            replayed = await asyncio.wait_for(anext(aiter(call)), timeout=10)
+            sent.put_nowait(request(rows(4, start=20), request_id="queued"))
+            for name in ("i1", "i2"):
+                sent.put_nowait(request(rows(4, start=30), request_id=name, lane="interactive"))
+            # The stream read on past the item that joined "queued".
+            await until(lambda: lane_rows(s, "interactive") == 8)
+            engine.release()
+            sent.put_nowait(None)
+            rest = await collect(call)
+            await asyncio.gather(*held)
+        return [replayed, *rest], engine.ran_tags
+
+    answers, ran = asyncio.run(scenario())
+    assert answers[0].request_id == "done"
+    assert answers[0].WhichOneof("result") == "response"
+    assert sorted(answer.request_id for answer in answers) == ["done", "i1", "i2", "queued"]
+    assert all(answer.WhichOneof("result") == "response" for answer in answers)
+    assert sorted(ran).count(20) == 1, "the item that joined ran no row again"
+
+
 def test_a_stream_items_lane_timeout_counts_from_its_arrival_not_its_admission(
     small_model: Path,
 ) -> None:
@@ -943,6 +986,13 @@ class TaggedRequests:
             self.produced += 1
             start = self.per_item * i
             yield request(rows(self.per_item, start=start), request_id=f"{self.prefix}{i}")
+
+
+def lane_rows(s: Serving, lane: str) -> int:
+    thread = s.server._thread
+    assert thread is not None
+    (depth,) = [depth for depth in thread.depths() if depth.name == lane]
+    return depth.queued_rows
 
 
 def queued_rows(s: Serving) -> int:
