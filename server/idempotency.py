@@ -223,7 +223,7 @@ class ReplayCache:
         record = self._entries.get(request_id)
         if record is None:
             return None
-        if self._clock.monotonic() - _stored_s(record) >= self.ttl_s:
+        if self._expired(record):
             self._remove(request_id)
             return None
         self._entries.move_to_end(request_id)
@@ -235,7 +235,10 @@ class ReplayCache:
     def holds(self, request_id: str) -> bool:
         """Whether `get` would find an answer for `request_id` (without decoding it)."""
         record = self._entries.get(request_id)
-        return record is not None and self._clock.monotonic() - _stored_s(record) < self.ttl_s
+        return record is not None and not self._expired(record)
+
+    def _expired(self, record: bytes) -> bool:
+        return self._clock.monotonic() - _stored_s(record) >= self.ttl_s
 
     def put(self, request_id: str, fingerprint: bytes, response: pb.InferResponse) -> bool:
         """Stores an answer; False when it cannot be kept (larger than the byte bound, or
