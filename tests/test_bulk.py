@@ -614,7 +614,7 @@ def test_a_stream_item_that_joins_or_replays_needs_no_room_in_its_full_lane(
             await asyncio.to_thread(engine.entered.acquire)
             queued = request(rows(4, start=20), request_id="queued", lane="bulk")
             held.append(asyncio.ensure_future(s.stub.Infer(queued)))
-            await until(lambda: lane_rows(s, "bulk") == 4)  # the lane is full
+            await until(lambda: queued_rows(s, "bulk") == 4)  # the lane is full
             sent: asyncio.Queue[pb.InferRequest | None] = asyncio.Queue()
             call = s.stub.InferStream(fed(sent))
             sent.put_nowait(request(rows(4, start=0), request_id="done"))
@@ -623,7 +623,7 @@ def test_a_stream_item_that_joins_or_replays_needs_no_room_in_its_full_lane(
             for name in ("i1", "i2"):
                 sent.put_nowait(request(rows(4, start=30), request_id=name, lane="interactive"))
             # The stream read on past the item that joined "queued".
-            await until(lambda: lane_rows(s, "interactive") == 8)
+            await until(lambda: queued_rows(s, "interactive") == 8)
             engine.release()
             sent.put_nowait(None)
             rest = await collect(call)
@@ -988,17 +988,11 @@ class TaggedRequests:
             yield request(rows(self.per_item, start=start), request_id=f"{self.prefix}{i}")
 
 
-def lane_rows(s: Serving, lane: str) -> int:
+def queued_rows(s: Serving, lane: str | None = None) -> int:
+    """Rows queued in `lane`, or in every lane."""
     thread = s.server._thread
     assert thread is not None
-    (depth,) = [depth for depth in thread.depths() if depth.name == lane]
-    return depth.queued_rows
-
-
-def queued_rows(s: Serving) -> int:
-    thread = s.server._thread
-    assert thread is not None
-    return sum(depth.queued_rows for depth in thread.depths())
+    return sum(depth.queued_rows for depth in thread.depths() if lane in (None, depth.name))
 
 
 async def until_stats(
