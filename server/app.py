@@ -22,6 +22,7 @@ from grpc_channelz.v1 import channelz, channelz_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from laneserve.server.addresses import bare_host, host_port
 from laneserve.server.clock import Clock, SystemClock
 from laneserve.server.config import ConfigError, ServerConfig
 from laneserve.server.cost_model import RunTimeModel
@@ -136,19 +137,12 @@ def pending_call_limits(max_pending_calls: int) -> list[tuple[str, int]]:
     ]
 
 
-def _host_port(host: str, port: int) -> str:
-    """`host:port` as gRPC parses it: an IPv6 address in brackets ("::1" alone made
-    "::1:0", which gRPC could not bind)."""
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
 def _bind_refusal(host: str, port: int) -> str | None:
     """Why the OS refuses to bind `host:port` ("Address already in use"), found by binding
     it once more after gRPC could not: gRPC raises "Failed to bind" alone, and its core's
     own line with the reason is off with JSON logs (cli.py). None: the OS binds it now."""
     try:
-        # Bare, as getaddrinfo takes it: "[::1]", which gRPC binds, does not resolve.
-        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+        addresses = socket.getaddrinfo(bare_host(host), port, type=socket.SOCK_STREAM)
     except OSError as error:  # a name that does not resolve
         return str(error)
     for family, kind, proto, _, address in addresses:
@@ -179,7 +173,7 @@ def check_ports_free(config: ServerConfig) -> None:
         refusal = _bind_refusal(config.host, port)
         if refusal is not None:
             raise OSError(
-                f"cannot listen on {_host_port(config.host, port)} (server.{setting}): "
+                f"cannot listen on {host_port(config.host, port)} (server.{setting}): "
                 f"{refusal}; expected a local address and a free port (0: any free port)"
             )
 
@@ -451,7 +445,7 @@ class LaneServer:
             log,
             logging.INFO,
             "startup",
-            f"serving {self.config.model_path} on {_host_port(self.config.host, self.port)}"
+            f"serving {self.config.model_path} on {host_port(self.config.host, self.port)}"
             + ("" if self.priority_port is None else f", priority port {self.priority_port}"),
             model=self.config.model_path,
             port=self.port,
@@ -499,7 +493,7 @@ class LaneServer:
             (SERVICE_NAME, health.SERVICE_NAME, CHANNELZ_SERVICE_NAME, reflection.SERVICE_NAME),
             server,
         )
-        address = _host_port(self.config.host, port)
+        address = host_port(self.config.host, port)
         bound = 0
         try:
             bound = (

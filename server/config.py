@@ -216,11 +216,6 @@ class ServerConfig:
                 raise ConfigError(f"server.{key}: expected a non-empty string, got {value!r}")
         _check_int("server.port", self.port, minimum=0, maximum=65_535)
         _check_int("server.priority_port", self.priority_port, minimum=-1, maximum=65_535)
-        if self.priority_port > 0 and self.priority_port == self.port:
-            raise ConfigError(
-                f"server.priority_port: expected a port other than server.port, got "
-                f"{self.priority_port} for both"
-            )
         _check_int("server.max_batch_size", self.max_batch_size, minimum=1, maximum=UINT32_MAX)
         if self.batch_cap is not None:
             _check_int("server.batch_cap", self.batch_cap, minimum=1, maximum=self.max_batch_size)
@@ -247,6 +242,7 @@ class ServerConfig:
             maximum=MAX_INTRA_OP_THREADS,
         )
         _check_int("server.metrics_port", self.metrics_port, minimum=-1, maximum=65_535)
+        self._check_ports_distinct()
         _check_int("server.stream_window", self.stream_window, minimum=1, maximum=UINT32_MAX)
         _check_int("server.idempotency_max_entries", self.idempotency_max_entries, minimum=0)
         _check_int("server.idempotency_max_bytes", self.idempotency_max_bytes, minimum=0)
@@ -297,6 +293,21 @@ class ServerConfig:
             if lane.name == name:
                 return lane
         raise KeyError(name)
+
+    def _check_ports_distinct(self) -> None:
+        """Two listeners on one fixed port: refused here, before the model loads, not by
+        the second bind after it (0, any free port, and -1, none, never collide)."""
+        fixed: dict[int, str] = {}
+        for key in ("port", "priority_port", "metrics_port"):
+            port: int = getattr(self, key)
+            if port <= 0:
+                continue
+            if port in fixed:
+                raise ConfigError(
+                    f"server.{key}: expected a port other than server.{fixed[port]}, got "
+                    f"{port} for both"
+                )
+            fixed[port] = key
 
     def _check_tls(self) -> None:
         for key in ("tls_cert", "tls_key", "tls_client_ca"):

@@ -135,6 +135,16 @@ def test_keys_missing_from_the_file_keep_their_defaults(tmp_path: Path) -> None:
             id="priority-port-same-as-port",
         ),
         pytest.param(
+            "[server]\nport = 9000\nmetrics_port = 9000\n",
+            "server.metrics_port: expected a port other than server.port, got 9000 for both",
+            id="metrics-port-same-as-port",
+        ),
+        pytest.param(
+            "[server]\npriority_port = 9001\nmetrics_port = 9001\n",
+            "server.metrics_port: expected a port other than server.priority_port",
+            id="metrics-port-same-as-priority-port",
+        ),
+        pytest.param(
             "[server]\npriority_port = -2\n", "server.priority_port", id="priority-port-negative"
         ),
         pytest.param("[server]\ndrain_grace_s = true\n", "server.drain_grace_s", id="bool-grace"),

@@ -13,6 +13,8 @@ import dataclasses
 import itertools
 import json
 import logging
+import re
+import socket
 import sys
 import threading
 import types
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import prometheus_client
 import pytest
 from opentelemetry.sdk.metrics.export import (
     Gauge,
@@ -64,6 +67,7 @@ from laneserve.server.telemetry import (
     tracer_provider_from_env,
 )
 from laneserve.server.telemetry.device import DeviceMonitor
+from laneserve.server.telemetry.endpoint import MetricsEndpoint
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import REPO, RecordingEngine, Serving, request, rows, serving
 
@@ -1238,3 +1242,14 @@ def test_stopping_waits_a_bounded_time_for_an_exporter_that_hangs(
     exporter.release.set()  # the flush thread ends: nothing is left running
     assert stuck
     assert not closing.is_alive(), "close() waited for the exporter"
+
+
+def test_a_metrics_port_in_use_on_ipv6_is_named_as_a_reader_can_split_it() -> None:
+    """The refusal printed "cannot serve metrics on ::1:9464": host and port ran into
+    each other. It brackets the address as gRPC's own errors do."""
+    with socket.socket(socket.AF_INET6) as held:
+        held.bind(("::1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        with pytest.raises(OSError, match=re.escape(f"cannot serve metrics on [::1]:{taken}: ")):
+            MetricsEndpoint(prometheus_client.CollectorRegistry(), "::1", taken)

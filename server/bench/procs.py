@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from laneserve.server.addresses import bare_host
+
 log = logging.getLogger(__name__)
 
 READY_PATTERN: Final = re.compile(r"serving .* on ([0-9.]+|\[[0-9a-f:]+\]|localhost):(\d+)")
@@ -98,7 +100,7 @@ class ServerProcess:
             if match:
                 priority = PRIORITY_PATTERN.search(line, match.end())
                 self.priority_port = None if priority is None else int(priority.group(1))
-                return match.group(1).strip("[]"), int(match.group(2))
+                return bare_host(match.group(1)), int(match.group(2))
 
     def _remember(self, line: str) -> None:
         self._tail.append(line)

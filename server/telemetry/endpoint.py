@@ -8,6 +8,8 @@ from typing import cast
 
 import prometheus_client
 
+from laneserve.server.addresses import bare_host, host_port
+
 # A scrape connection silent this long (no TLS hello, no request) is closed.
 CONNECTION_TIMEOUT_S = 10.0
 
@@ -33,7 +35,7 @@ class MetricsEndpoint:
         port: int,
         tls: EndpointTls | None = None,
     ) -> None:
-        address = host.strip("[]")  # "[::]" as gRPC writes it
+        address = bare_host(host)  # "[::]" as gRPC writes it
         try:
             self._server, self._thread = prometheus_client.start_http_server(
                 port,
@@ -51,8 +53,8 @@ class MetricsEndpoint:
             ) from error
         except OSError as error:
             raise OSError(
-                f"cannot serve metrics on {host}:{port}: {error.strerror or error}; choose "
-                f"another --metrics-port (0: any free port, -1: no endpoint)"
+                f"cannot serve metrics on {host_port(host, port)}: {error.strerror or error}; "
+                "choose another --metrics-port (0: any free port, -1: no endpoint)"
             ) from error
         self.port: int = self._server.server_port
         # prometheus_client wraps the listening socket, so the TLS handshake would run in
