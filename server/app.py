@@ -62,6 +62,12 @@ CHANNELZ_SERVICE_NAME = channelz_pb2.DESCRIPTOR.services_by_name["Channelz"].ful
 # was told to end (its requests are already answered): a run the runtime does not end in
 # that time is left behind, and `laneserve serve` exits without it.
 RUNNING_BATCH_WAIT_S = 1.0
+# Before gRPC stops, the event loop reads what gRPC's core still holds (gRPC's stop would
+# cancel it, bare CANCELLED), each call answered DRAINING, for as long as the count of
+# calls not yet ended falls from one interval to the next (a free loop reads thousands of
+# calls a second: 256 held ones take ~0.1 s here), and at most for the bound.
+CORE_QUEUE_SETTLE_S = 0.05
+CORE_QUEUE_WAIT_S = 2.0
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
@@ -155,6 +161,10 @@ def _bind_refusal(host: str, port: int) -> str | None:
             except OSError as error:
                 return error.strerror or str(error)
     return None
+
+
+def _unended(calls: GrpcCalls | None) -> int | None:
+    return None if calls is None else calls.started - calls.succeeded - calls.failed
 
 
 def check_ports_free(config: ServerConfig) -> None:
@@ -582,8 +592,29 @@ class LaneServer:
         # Every RPC now has its answer; give them a moment to be written. Health watches
         # (NOT_SERVING sent) end now: the grace would wait for them in full.
         self._health.end_watches()
+        await self._read_what_grpc_holds()
         await asyncio.gather(*(server.stop(grace=2.0) for server in self._servers))
         return drained
+
+    async def _read_what_grpc_holds(self) -> None:
+        """Waits while the event loop reads (and answers DRAINING) the calls gRPC's core
+        still holds, so that gRPC's stop has none left to cancel. gRPC does not say how
+        many it holds; "started, not ended" holds them, plus the calls the core refused
+        or dropped (never ended) and a few in progress. It falls while the held ones are
+        read and stops falling when none are left: then gRPC stops. Not "until no call
+        ends": a client resending on its open connection, DRAINING after DRAINING, ends
+        calls all the time, and would wait for gRPC's GOAWAY (its sign to reconnect,
+        elsewhere) for the whole bound. Calls arriving faster than the loop reads keep
+        it from falling too: under such a flood those gRPC cancels are not avoidable."""
+        assert self._grpc_calls is not None
+        loop = asyncio.get_running_loop()
+        until_s = loop.time() + CORE_QUEUE_WAIT_S
+        unended = _unended(self._grpc_calls.read())
+        while unended is not None and loop.time() < until_s:
+            await asyncio.sleep(CORE_QUEUE_SETTLE_S)
+            before, unended = unended, _unended(self._grpc_calls.read())
+            if unended is not None and unended >= before:
+                return
 
     def _log_drain_incomplete(self, grace_s: float, waited_s: float) -> None:
         """What the drain left: cut short by a second signal (`end_grace`), or its grace

@@ -195,9 +195,14 @@ def test_a_draining_server_ends_its_streams_and_the_job_goes_on_elsewhere(
     OK, every row ran once. (A stream left open refused each further item DRAINING; the
     client retried them on that call until their attempts ran out. And the item the
     source produced as the call ended was dropped: every later item took the index and
-    request id of the one before it.)"""
+    request id of the one before it.)
+
+    With real backoff: A reads what gRPC still holds before it stops, and sends gRPC's
+    GOAWAY (the client's sign to reconnect) only then; a client that resent without
+    pause spent its whole resume window on A's DRAINING answers in a few milliseconds."""
     first, second = 6, 6
     go = asyncio.Event()
+    lc.set_testing(False)
 
     async def scenario() -> tuple[list[lc.StreamResult], list[int], list[int]]:
         async with behind_a_proxy(small_model) as (a, b, proxy, target):

@@ -9,7 +9,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from laneserve.client import CallCancelledError, error_from_rpc
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import LaneConfig, LaneServer, ServerConfig
 from laneserve.server.app import check_ports_free
+from laneserve.server.grpc_calls import GrpcCalls
 from laneserve.server.items import Batch, BatchResult, RowsWanted
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.v1 import inference_pb2 as pb
@@ -1103,3 +1104,56 @@ def test_an_ipv6_host_in_brackets_passes_the_port_check() -> None:
         held.listen()
         with pytest.raises(OSError, match=r"\(server\.port\): Address already in use"):
             check_ports_free(config(Path("m.onnx"), host="[::1]", port=taken, metrics_port=-1))
+
+
+def test_calls_still_queued_in_grpc_when_the_drain_ends_are_answered_draining(
+    small_model: Path,
+) -> None:
+    """Calls gRPC's core held, not yet read by the event loop, when the drain ended got a
+    bare CANCELLED from gRPC's own stop: a client could not tell them from a call it
+    cancelled itself, nor know it may retry elsewhere. Each gets UNAVAILABLE DRAINING."""
+    count = 100  # under the core's soft limit (192 of max_pending_calls 256): none refused
+    outcomes: list[BaseException | pb.InferResponse] = []
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, max_pending_calls=256)) as s:
+            grpc_calls = s.server.grpc_calls
+            baseline = grpc_calls()
+            assert baseline is not None
+
+            async def send() -> None:
+                async with grpc.aio.insecure_channel(s.target) as channel:
+                    stub = pb_grpc.InferenceServiceStub(channel)
+                    calls = [stub.Infer(request(rows(1, start=i))) for i in range(count)]
+                    outcomes.extend(await asyncio.gather(*calls, return_exceptions=True))
+
+            client = threading.Thread(target=asyncio.run, args=(send(),))
+            client.start()
+            # The event loop is held, so every call waits in gRPC's core, until all have
+            # arrived; the drain begins at the next turn.
+            _hold_the_loop_until(lambda: _started_since(grpc_calls(), baseline) >= count)
+            await s.server.stop(grace_s=5.0)
+            await asyncio.to_thread(client.join)
+
+    asyncio.run(scenario())
+    assert len(outcomes) == count
+    answers = []
+    for outcome in outcomes:
+        assert isinstance(outcome, grpc.aio.AioRpcError), outcome
+        answers.append((outcome.code(), rich_status(outcome)[0]))
+    assert set(answers) == {(grpc.StatusCode.UNAVAILABLE, "DRAINING")}, set(answers)
+
+
+def _started_since(calls: GrpcCalls | None, baseline: GrpcCalls) -> int:
+    assert calls is not None
+    return calls.started - baseline.started
+
+
+def _hold_the_loop_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Blocks the calling thread (the event loop, when called from a coroutine) until
+    `condition` holds: gRPC's core then queues every call that arrives."""
+    until_s = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < until_s, "condition not met while the loop was held"
+        time.sleep(0.001)
