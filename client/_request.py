@@ -13,6 +13,10 @@ from laneserve.client._errors import InvalidInputError
 from laneserve.client.tensors import encode_tensor
 from laneserve.v1 import inference_pb2 as pb
 
+# The server's bound on a request_id, in bytes of UTF-8 (MAX_REQUEST_ID_BYTES in
+# laneserve.server.service; documented in inference.proto).
+MAX_REQUEST_ID_BYTES = 256
+
 
 def encode_inputs(inputs: Mapping[str, npt.NDArray[Any]], request_id: str) -> list[pb.Tensor]:
     """The request's tensors.

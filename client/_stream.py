@@ -47,7 +47,7 @@ from laneserve.client._errors import (
     error_from_rpc,
     error_from_status,
 )
-from laneserve.client._request import encode_inputs
+from laneserve.client._request import MAX_REQUEST_ID_BYTES, encode_inputs
 from laneserve.client._retry import (
     RetryPolicy,
     attempts_allowed,
@@ -385,6 +385,26 @@ class BulkStream:
         self._rows_out += item.rows
         return True
 
+    def _id_refusal(self, index: int, request_id: str) -> InvalidInputError | None:
+        """Why item `index` cannot be sent with `request_id`, or None when it can."""
+        if request_id in self._items:
+            return InvalidInputError(
+                f"bulk stream item {index}: request_id {request_id!r} is already in flight "
+                "in this stream; expected a unique id per item",
+                code=grpc.StatusCode.INVALID_ARGUMENT,
+                request_id=request_id,
+            )
+        id_bytes = len(request_id.encode())
+        if id_bytes > MAX_REQUEST_ID_BYTES:  # the server's refusal would come back without it
+            return InvalidInputError(
+                f"bulk stream item {index}: request_id is {id_bytes} bytes, over the "
+                f"server's limit of {MAX_REQUEST_ID_BYTES} bytes; expected a shorter id "
+                "(or job_id)",
+                code=grpc.StatusCode.INVALID_ARGUMENT,
+                request_id=request_id,
+            )
+        return None
+
     async def _pull(self) -> _Item | None:
         """The next item from the source, encoded; None at the end of the source, or when
         the item failed to encode (it is answered with its error at once)."""
@@ -422,15 +442,10 @@ class BulkStream:
                 f"bulk stream item {index}: expected a mapping of input name to array or a "
                 f"StreamRequest, got {type(raw).__name__}"
             )
-        if request_id in self._items:  # this item's fault too: answered, never sent
-            duplicate = InvalidInputError(
-                f"bulk stream item {index}: request_id {request_id!r} is already in flight "
-                "in this stream; expected a unique id per item",
-                code=grpc.StatusCode.INVALID_ARGUMENT,
-                request_id=request_id,
-            )
-            duplicate.attempts = 0
-            self._emit(StreamResult(index, request_id, None, duplicate, 0))
+        refusal = self._id_refusal(index, request_id)
+        if refusal is not None:  # this item's fault too: answered, never sent
+            refusal.attempts = 0
+            self._emit(StreamResult(index, request_id, None, refusal, 0))
             return None
         try:
             tensors = encode_inputs(inputs, request_id)

@@ -108,12 +108,12 @@ class EngineError(LaneserveError):
 MAX_MESSAGE_BYTES = 1024
 
 
-def bounded_message(message: str) -> str:
-    """`message`, cut to at most about MAX_MESSAGE_BYTES of UTF-8, saying so if cut."""
+def bounded_message(message: str, max_bytes: int = MAX_MESSAGE_BYTES) -> str:
+    """`message`, cut to at most about `max_bytes` of UTF-8, saying so if cut."""
     encoded = message.encode()
-    if len(encoded) <= MAX_MESSAGE_BYTES:
+    if len(encoded) <= max_bytes:
         return message
-    kept = encoded[: MAX_MESSAGE_BYTES - 64].decode(errors="ignore")
+    kept = encoded[: max(max_bytes - 64, 0)].decode(errors="ignore")
     return f"{kept}... (message cut: {len(encoded)} bytes in all)"
 
 

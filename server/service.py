@@ -68,6 +68,16 @@ from laneserve.v1 import inference_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 STREAM_DEFAULT_LANE = "bulk"
+# The longest request_id accepted, in bytes of UTF-8 (documented in inference.proto). An
+# id travels in every answer (twice in a stream's: the item's and its response's), is
+# quoted in error messages, keys the ledger and the replay cache, and labels spans and
+# logs: unbounded, one near max_message_bytes made its item's answer larger than gRPC
+# sends, and the whole stream failed with it. 256 holds the ids clients generate (a UUID
+# is 36 characters; the Python client's are a 32-character job id, a dash and an index)
+# and is about Stripe's bound on its idempotency keys (255 characters); at the smallest
+# max_message_bytes (1024) it leaves room for the rest of an answer that carries it
+# twice, or beside an error.
+MAX_REQUEST_ID_BYTES = 256
 # How often a stream item waiting for room in its full lane looks again: the lane's
 # predicted drain time, within these bounds.
 ROOM_POLL_MIN_S = 0.001
@@ -276,20 +286,33 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # CopyFrom, not the constructor: 3x cheaper for large outputs under upb.
             message.response.CopyFrom(response)
         except LaneserveError as error:
-            message = pb.InferStreamResponse(
-                request_id=request.request_id, error=to_rpc_status(error)
-            )
+            message = self._stream_error(request.request_id, error)
         except Exception as error:  # every item read gets one answer, even on a bug
+            request_id = _answer_id(request.request_id)
             log.exception(
                 "stream item %r failed unexpectedly",
-                request.request_id,
-                extra=event_extra("stream_item_failed", request_id=request.request_id),
+                request_id,
+                extra=event_extra("stream_item_failed", request_id=request_id),
             )
-            message = pb.InferStreamResponse(
-                request_id=request.request_id,
-                error=to_rpc_status(EngineError(f"internal error: {error!r}")),
+            message = self._stream_error(
+                request.request_id, EngineError(f"internal error: {error!r}")
             )
         return message
+
+    def _stream_error(self, request_id: str, error: LaneserveError) -> pb.InferStreamResponse:
+        """`error` as the answer of the stream item `request_id`, within max_message_bytes:
+        gRPC refuses to send a larger message and ends the whole stream with it. The id is
+        echoed unless it is over MAX_REQUEST_ID_BYTES (refused for that: the answer has an
+        empty one); a message that quotes long fields (a lane's name) is cut to fit."""
+        status = to_rpc_status(error)
+        answer = pb.InferStreamResponse(request_id=_answer_id(request_id), error=status)
+        excess = answer.ByteSize() - self._config.max_message_bytes
+        if excess > 0:  # only at a small max_message_bytes: messages are ~1 KiB at most
+            message = status.message
+            answer.error.message = bounded_message(message, len(message.encode()) - excess)
+            # The id and the details take at most ~400 of the 1024 bytes it is at least.
+            assert answer.ByteSize() <= self._config.max_message_bytes
+        return answer
 
     def _answer(
         self, request_id: str, outcome: Outcome, output_names: list[str]
@@ -417,6 +440,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             raise self._rejected_without_lane(undecodable(request))
         lane = request.lane or default_lane
         lane_config = self._lane_configs.get(lane)
+        if _id_too_long(request.request_id):  # before any other refusal quotes or echoes it
+            raise self._rejected(
+                lane if lane_config is not None else self._config.default_lane,
+                _request_id_too_long(request.request_id),
+            )
         if lane_config is None:  # here, not only at admission: a retry that joins or
             # replays is never admitted, and must not be answered OK for a wrong lane
             raise self._rejected_without_lane(
@@ -713,6 +741,26 @@ async def abort_with(context: grpc.aio.ServicerContext[Any, Any], error: Laneser
         trailers.append(("grpc-retry-pushback-ms", str(delay_ms)))
     await context.abort(
         error.code, bounded_message(error.message), trailing_metadata=tuple(trailers)
+    )
+
+
+def _id_too_long(request_id: str) -> bool:
+    # A character is at most 4 bytes of UTF-8: a short id needs no encoding.
+    return len(request_id) * 4 > MAX_REQUEST_ID_BYTES and (
+        len(request_id.encode()) > MAX_REQUEST_ID_BYTES
+    )
+
+
+def _answer_id(request_id: str) -> str:
+    """The request_id a stream answer carries: empty for one over MAX_REQUEST_ID_BYTES."""
+    return "" if _id_too_long(request_id) else request_id
+
+
+def _request_id_too_long(request_id: str) -> InvalidInputError:
+    return InvalidInputError(
+        f"request_id is {len(request_id.encode())} bytes, over the limit of "
+        f"{MAX_REQUEST_ID_BYTES} bytes (UTF-8); expected a shorter id (this one starts "
+        f"{request_id[:16]!r})"
     )
 
 

@@ -17,12 +17,13 @@ import onnxruntime as ort
 import pytest
 
 from laneserve import client as lc
+from laneserve.client._request import MAX_REQUEST_ID_BYTES as CLIENT_MAX_REQUEST_ID_BYTES
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig
 from laneserve.server.demo_model import make_demo_model
 from laneserve.server.items import InferenceRequest
 from laneserve.server.lifecycle import Lifecycle
-from laneserve.server.service import InferenceServicer
+from laneserve.server.service import MAX_REQUEST_ID_BYTES, InferenceServicer
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
     RecordingEngine,
@@ -420,6 +421,57 @@ def test_an_answer_over_the_message_limit_fails_its_item_not_the_stream(tmp_path
     assert answered["standard"] == {"ANSWER_TOO_LARGE": 2}
 
 
+def test_an_over_long_request_id_is_refused_alone_and_the_stream_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A request_id near max_message_bytes made its item's answer (the id echoed beside a
+    status) larger than gRPC sends: the whole stream ended RESOURCE_EXHAUSTED "Sent
+    message larger than max", with every other item's answer. An id over
+    MAX_REQUEST_ID_BYTES is refused INVALID_ARGUMENT, naming the limit and its length,
+    over Infer too; its stream answer carries an empty request_id (the id is what did not
+    fit). An error message quoting a long field (a lane's name) is cut to fit its answer,
+    and an id at the limit is served, at the smallest max_message_bytes."""
+    tiny = tmp_path / "tiny.onnx"
+    make_demo_model(tiny, input_dim=4, hidden_layers=0, output_dim=4)
+    long_id = "x" * 960  # with its row, the request is within the 1024 bytes
+    at_limit = "y" * MAX_REQUEST_ID_BYTES
+
+    def item(request_id: str, **fields: Any) -> pb.InferRequest:
+        x = np.ones((1, 4), dtype=np.float32)
+        return pb.InferRequest(request_id=request_id, inputs=[encode_tensor("input", x)], **fields)
+
+    async def scenario() -> tuple[list[pb.InferStreamResponse], pb.GetStatsResponse]:
+        engine = Engine(str(tiny))
+        async with serving(engine, ServerConfig(model_path=str(tiny), max_message_bytes=1024)) as s:
+            items = [item("a"), item(long_id), item("lane", lane="l" * 900), item(at_limit)]
+            answers = [answer async for answer in s.stub.InferStream(iter(items), timeout=30)]
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await s.stub.Infer(item(long_id), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "request_id is 960 bytes, over the limit of 256 bytes" in (
+                refused.value.details() or ""
+            )
+            return answers, await s.stub.GetStats(pb.GetStatsRequest())
+
+    answers, stats = asyncio.run(scenario())
+    assert all(answer.ByteSize() <= 1024 for answer in answers)
+    by_id = {answer.request_id: answer for answer in answers}
+    assert sorted(by_id) == ["", "a", "lane", at_limit]
+    assert by_id["a"].WhichOneof("result") == by_id[at_limit].WhichOneof("result") == "response"
+    refused = by_id[""].error
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "request_id is 960 bytes, over the limit of 256 bytes" in refused.message
+    assert "xxxx" in refused.message, "its start is quoted"
+    assert len(refused.message) < 200, "not the whole id"
+    lane = by_id["lane"].error
+    assert lane.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert lane.message.startswith("unknown lane 'lll")
+    assert "(message cut: " in lane.message
+    rejected = {lane.name: dict(lane.rejected) for lane in stats.lanes}
+    assert rejected["bulk"] == {"INVALID_INPUT": 1}  # the long id's item
+    assert rejected["standard"] == {"INVALID_INPUT": 2}  # the unknown lane, the unary call
+
+
 def test_a_stream_item_without_a_request_id_is_refused_and_the_stream_goes_on(
     small_model: Path,
 ) -> None:
@@ -563,6 +615,38 @@ def test_an_item_reusing_an_id_in_flight_fails_alone(small_model: Path) -> None:
     assert "'dup' is already in flight" in error.message
     assert results[1].attempts == 0, "never sent"
     assert sorted(ran) == [0, 20]
+
+
+def test_an_item_with_an_over_long_request_id_fails_alone_and_is_never_sent(
+    small_model: Path,
+) -> None:
+    """The server refuses a request_id over its limit with an answer that carries no id
+    (the id is what would not fit): the client could not match it to its item. The
+    client answers such an item itself, with the server's limit named, never sends it,
+    and the job goes on."""
+    items: list[lc.StreamRequest | dict[str, F32]] = [
+        lc.StreamRequest({"input": rows(1, start=0)}, request_id="z" * (MAX_REQUEST_ID_BYTES + 1)),
+        {"input": rows(1, start=10)},
+    ]
+
+    async def scenario() -> tuple[list[lc.StreamResult], list[int]]:
+        engine = RecordingEngine(str(small_model))
+        async with (
+            serving(engine, config(small_model)) as s,
+            lc.AsyncClient(s.target) as client,
+        ):
+            return await collect(client.stream(items, job_id="j")), engine.ran_tags
+
+    results, ran = asyncio.run(scenario())
+    assert [result.ok for result in results] == [False, True]
+    error = results[0].error
+    assert isinstance(error, lc.InvalidInputError)
+    assert f"request_id is {MAX_REQUEST_ID_BYTES + 1} bytes, over the server's limit of " in (
+        error.message
+    )
+    assert results[0].attempts == 0, "never sent"
+    assert ran == [10]
+    assert CLIENT_MAX_REQUEST_ID_BYTES == MAX_REQUEST_ID_BYTES
 
 
 def test_a_stream_item_waits_for_room_in_its_full_lane(small_model: Path) -> None:

@@ -102,7 +102,10 @@ class InferRequest(_message.Message):
     INPUTS_FIELD_NUMBER: _builtins.int
     OUTPUT_NAMES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Client-chosen id, echoed back; retries reuse it."""
+    """Client-chosen id, echoed back; retries reuse it. At most 256 bytes of UTF-8: a
+    longer one is refused INVALID_ARGUMENT, and on InferStream its answer carries an
+    empty request_id (echoed, the id could make the answer larger than max_message_bytes).
+    """
     lane: _builtins.str
     """Lane name; empty means the server's default lane."""
     timeout_ms: _builtins.int
