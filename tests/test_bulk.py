@@ -21,6 +21,7 @@ from laneserve.client._request import MAX_REQUEST_ID_BYTES as CLIENT_MAX_REQUEST
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig
 from laneserve.server.demo_model import make_demo_model
+from laneserve.server.events import RequestTrace
 from laneserve.server.items import InferenceRequest
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.service import MAX_REQUEST_ID_BYTES, InferenceServicer
@@ -682,6 +683,75 @@ def test_a_stream_item_waits_for_room_in_its_full_lane(small_model: Path) -> Non
         assert sorted(engine.ran_tags) == list(range(items * per_item))
 
     asyncio.run(scenario())
+
+
+def test_a_stream_item_that_waited_for_room_counts_no_refusal(small_model: Path) -> None:
+    """Items of two streams wait for room in the same full lane (one batch held in the
+    session), and then all run: GetStats counts no refusal, every item is answered OK
+    once, and each request's trace starts and ends exactly once, OK. Refusals by reason
+    count only answers given as refusals, not an item's wait for room."""
+    per_item, items = 4, 6
+    waits: list[str] = []  # lanes an item found full
+    traces: dict[str, list[str]] = {}  # request_id -> "start", then its end status
+
+    async def scenario() -> tuple[list[pb.InferStreamResponse], pb.GetStatsResponse]:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model, max_batch_size=per_item, lanes=bulk_lane(per_item))
+        async with serving(engine, server_config) as s:
+            thread, servicer = s.server._thread, s.server._servicer
+            assert thread is not None
+            assert servicer is not None
+            room_wait_s, tracer = thread.room_wait_s, servicer._tracer
+
+            def recording_room_wait_s(lane: str, rows: int) -> float | None:
+                wait_s = room_wait_s(lane, rows)
+                if wait_s is not None:
+                    waits.append(lane)
+                return wait_s
+
+            class RecordingTracer:
+                def start(
+                    self, request_id: str, lane: str, rows: int, budget_s: float | None
+                ) -> RequestTrace:
+                    trace = tracer.start(request_id, lane, rows, budget_s)
+                    marks = traces.setdefault(request_id, [])
+                    marks.append("start")
+
+                    class Recorded:
+                        def replying(self) -> None:
+                            trace.replying()
+
+                        def end(self, status: str) -> None:
+                            marks.append(status)
+                            trace.end(status)
+
+                    return Recorded()
+
+            thread.room_wait_s = recording_room_wait_s  # type: ignore[method-assign]
+            servicer._tracer = RecordingTracer()
+            engine.hold()
+            calls = [
+                asyncio.ensure_future(
+                    collect(s.stub.InferStream(aiter(TaggedRequests(items, per_item, prefix))))
+                )
+                for prefix in ("a", "b")
+            ]
+            await asyncio.to_thread(engine.entered.acquire)
+            await until(lambda: queued_rows(s, "bulk") == per_item and len(waits) >= 2)
+            engine.release()
+            answers = [answer for call in calls for answer in await call]
+            return answers, await s.stub.GetStats(pb.GetStatsRequest())
+
+    answers, stats = asyncio.run(scenario())
+    ids = sorted(f"{prefix}{i}" for prefix in "ab" for i in range(items))
+    assert sorted(answer.request_id for answer in answers) == ids
+    assert all(answer.WhichOneof("result") == "response" for answer in answers)
+    assert set(waits) == {"bulk"}
+    (bulk,) = [lane for lane in stats.lanes if lane.name == "bulk"]
+    assert dict(bulk.rejected) == {}
+    assert dict(bulk.answered) == {"OK": len(ids)}
+    assert bulk.admitted == len(ids)
+    assert traces == {request_id: ["start", "OK"] for request_id in ids}
 
 
 def test_a_stream_item_that_joins_or_replays_needs_no_room_in_its_full_lane(
