@@ -358,6 +358,10 @@ class LaneServer:
         self._servers: list[grpc.aio.Server] = []  # the main port's first
         self._grpc_calls: GrpcCallCounts | None = None  # once the gRPC server runs
         self._stopped = asyncio.Event()
+        # Set once start() has returned or raised. What a start has started (threads,
+        # bound ports, the metrics endpoint) is known only then, so stop() waits for it:
+        # a stop that ran in between saw nothing started, and the start went on to serve.
+        self._start_ended: asyncio.Event | None = None
         # Set when the scheduler or engine thread failed; the server then stops itself.
         self.failure: LaneserveError | None = None
         # After stop: whether the engine thread ended (a run the runtime would not end
@@ -369,8 +373,23 @@ class LaneServer:
         self.metrics_port: int | None = None  # the Prometheus endpoint's, once started
 
     async def start(self) -> int:
-        """Binds, starts the threads and serves; returns the bound port."""
-        assert self.state is Lifecycle.STARTING
+        """Binds, starts the threads and serves; returns the bound port. A LaneServer
+        starts once: a second start, or one after stop(), raises RuntimeError."""
+        once = "a LaneServer starts once (create another to serve again)"
+        if self.state is not Lifecycle.STARTING:
+            raise RuntimeError(f"LaneServer.start(): the server is {self.state.value}; {once}")
+        if self._start_ended is not None:
+            how = "failed" if self._start_ended.is_set() else "is in progress"
+            raise RuntimeError(
+                f"LaneServer.start(): the server is STARTING and its start {how}; {once}"
+            )
+        self._start_ended = asyncio.Event()
+        try:
+            return await self._start()
+        finally:
+            self._start_ended.set()
+
+    async def _start(self) -> int:
         credentials = server_credentials(self.config)  # unreadable files fail before all else
         loop = asyncio.get_running_loop()
         router = OutcomeRouter(loop)
@@ -536,13 +555,16 @@ class LaneServer:
     async def stop(self, grace_s: float | None = None) -> None:
         """Drains: refuses new work, lets queued work finish within the grace period (or
         until `end_grace`), answers the rest UNAVAILABLE, then stops listening. Safe to
-        call twice, and before or after a failed `start`."""
+        call twice, and before, during or after a `start` (one in progress ends first)."""
+        if self._start_ended is not None:
+            await self._start_ended.wait()
         if self.state in (Lifecycle.DRAINING, Lifecycle.STOPPED):
             await self._stopped.wait()
             return
         if not self._servers:  # never started, or its start failed: nothing to drain
             self.state = Lifecycle.STOPPED
             self.telemetry.close()
+            await self._health.enter_graceful_shutdown()  # as every stopped server says
             self._stopped.set()
             return
         self.state = Lifecycle.DRAINING

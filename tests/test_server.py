@@ -578,6 +578,128 @@ def test_stop_before_start_and_after_a_failed_start(small_model: Path) -> None:
     asyncio.run(scenario())
 
 
+def _server_threads() -> set[str]:
+    return {thread.name for thread in threading.enumerate() if thread.name.startswith("laneserve-")}
+
+
+async def _assert_nothing_runs(server: LaneServer, ports: list[int]) -> None:
+    """A stopped server: its state STOPPED, health NOT_SERVING, none of its threads alive,
+    nothing listening on any of `ports`."""
+    assert not _server_threads()
+    for port in ports:
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still listens"
+    assert server.state is Lifecycle.STOPPED
+    # Asked directly: nothing may listen any more. A found service needs no context.
+    health: Any = server._health
+    answer = await health.Check(health_pb2.HealthCheckRequest(service=""), None)
+    assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _hold_grpc_starts(monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Event, asyncio.Event]:
+    """Every gRPC server's start waits for the second event; the first is set once one
+    waits (start() has then started its threads and bound every port)."""
+    concrete = grpc_aio_server.Server  # grpc.aio.Server is only its abstract base
+    grpc_start = concrete.start
+    entered, go = asyncio.Event(), asyncio.Event()
+
+    async def held_start(self: grpc_aio_server.Server) -> None:
+        entered.set()
+        await go.wait()
+        await grpc_start(self)
+
+    monkeypatch.setattr(concrete, "start", held_start)
+    return entered, go
+
+
+def _server_on_every_port(model: Path) -> LaneServer:
+    return LaneServer(
+        RecordingEngine(str(model)),
+        config(model, host="127.0.0.1", port=0, priority_port=0, metrics_port=0),
+        estimate=estimate_once,
+    )
+
+
+def test_a_stop_while_the_server_starts_waits_for_the_start_then_stops_it(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop() called while start() awaited gRPC's start took the "never started" path: it
+    returned STOPPED with the scheduler thread running and the ports bound, and the start
+    then went on to listen and set SERVING (the state went back). Two stops at once."""
+    entered, go = _hold_grpc_starts(monkeypatch)
+
+    async def scenario() -> None:
+        assert not _server_threads()
+        server = _server_on_every_port(small_model)
+        starting = asyncio.ensure_future(server.start())
+        try:
+            await entered.wait()
+            assert server.priority_port is not None
+            assert server.metrics_port is not None
+            ports = [server.port, server.priority_port, server.metrics_port]
+            stops = [asyncio.ensure_future(server.stop(grace_s=5.0)) for _ in range(2)]
+            go.set()  # tasks run in the order they were woken: both stops begin first
+            await asyncio.wait_for(asyncio.gather(*stops), timeout=60)
+            await _assert_nothing_runs(server, ports)
+            assert starting.done()
+            assert await starting == ports[0]  # it completed, and was then stopped
+            await _assert_nothing_runs(server, ports)
+        finally:
+            go.set()
+            await asyncio.gather(starting, return_exceptions=True)
+            await server.stop()  # what a failed check left running
+
+    asyncio.run(scenario())
+
+
+def test_a_second_start_while_one_is_in_progress_is_refused(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start() while another was in progress passed its STARTING assert and started a
+    second scheduler thread and metrics endpoint and bound ports again: only the last were
+    stopped."""
+    entered, go = _hold_grpc_starts(monkeypatch)
+
+    async def scenario() -> None:
+        server = _server_on_every_port(small_model)
+        starting = asyncio.ensure_future(server.start())
+        try:
+            await entered.wait()
+            threads = _server_threads()
+            with pytest.raises(RuntimeError, match="its start is in progress"):
+                # The timeout only ends the test where a second start waits on the hold.
+                await asyncio.wait_for(server.start(), timeout=10)
+            assert _server_threads() == threads
+            go.set()
+            assert await starting == server.port
+        finally:
+            go.set()
+            await asyncio.gather(starting, return_exceptions=True)
+            await server.stop()
+        await _assert_nothing_runs(server, [])
+
+    asyncio.run(scenario())
+
+
+def test_a_start_after_stop_is_refused_naming_the_state(small_model: Path) -> None:
+    """A start() that runs after stop() (an embedder's `create_task(server.start())` then
+    `await server.stop()`: the task's first step comes after the stop) failed a bare
+    assert, or with -O served after STOPPED."""
+
+    async def scenario() -> None:
+        server = _server_on_every_port(small_model)
+        starting = asyncio.ensure_future(server.start())
+        await server.stop()
+        for start in (starting, server.start()):
+            with pytest.raises(RuntimeError, match="the server is STOPPED"):
+                await start
+        assert server.port == 0  # nothing was bound
+        assert server.metrics_port is None
+        await _assert_nothing_runs(server, [])
+
+    asyncio.run(scenario())
+
+
 class BreakableGauge:
     """Device memory readings that raise once `broken` is set, as NVML does when the GPU
     is lost: the scheduler thread, which reads them, fails for good."""
