@@ -368,6 +368,7 @@ class LaneServer:
         # is still going; the process must not wait for it, see cli).
         self.threads_stopped = True
         self._failure_stop: asyncio.Future[None] | None = None
+        self._cancelled_start_stop: asyncio.Future[None] | None = None
         self.port = 0
         self.priority_port: int | None = None  # bound, when configured
         self.metrics_port: int | None = None  # the Prometheus endpoint's, once started
@@ -383,11 +384,24 @@ class LaneServer:
             raise RuntimeError(
                 f"LaneServer.start(): the server is STARTING and its start {how}; {once}"
             )
-        self._start_ended = asyncio.Event()
+        ended = self._start_ended = asyncio.Event()
+        # A start, once begun, runs to its end, and a caller that cancels it (wait_for's
+        # timeout, a task group's failure) leaves the server to stop once started:
+        # cancelled in gRPC's start, after the threads started and every port was bound,
+        # it left them running with nothing to stop them.
+        starting = asyncio.ensure_future(self._start())
+
+        def end(task: asyncio.Future[int]) -> None:
+            ended.set()
+            if not task.cancelled():
+                task.exception()  # a cancelled caller takes no error: not "never retrieved"
+
+        starting.add_done_callback(end)
         try:
-            return await self._start()
-        finally:
-            self._start_ended.set()
+            return await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            self._cancelled_start_stop = asyncio.ensure_future(self.stop())
+            raise
 
     async def _start(self) -> int:
         credentials = server_credentials(self.config)  # unreadable files fail before all else

@@ -652,6 +652,37 @@ def test_a_stop_while_the_server_starts_waits_for_the_start_then_stops_it(
     asyncio.run(scenario())
 
 
+def test_a_start_cancelled_partway_stops_the_server_once_started(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start() cancelled in gRPC's start (wait_for's timeout, a task group's failure),
+    after the threads started and every port was bound, left them running: a stop()
+    then saw nothing started. The start runs to its end and the server then stops."""
+    entered, go = _hold_grpc_starts(monkeypatch)
+
+    async def scenario() -> None:
+        server = _server_on_every_port(small_model)
+        starting = asyncio.ensure_future(server.start())
+        try:
+            await entered.wait()
+            assert _server_threads()
+            assert server.priority_port is not None
+            assert server.metrics_port is not None
+            ports = [server.port, server.priority_port, server.metrics_port]
+            starting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await starting
+            go.set()
+            await asyncio.wait_for(server.wait_stopped(), timeout=60)
+            await server.stop()
+            await _assert_nothing_runs(server, ports)
+        finally:
+            go.set()
+            await server.stop()
+
+    asyncio.run(scenario())
+
+
 def test_a_second_start_while_one_is_in_progress_is_refused(
     small_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
