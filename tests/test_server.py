@@ -612,6 +612,16 @@ def _hold_grpc_starts(monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Event, a
     return entered, go
 
 
+async def _ports_once_held(server: LaneServer, entered: asyncio.Event) -> list[int]:
+    """The main, priority and metrics ports of `server`, once its start is held in
+    gRPC's start (`_hold_grpc_starts`): its threads run and every port is bound."""
+    await entered.wait()
+    assert _server_threads()
+    assert server.priority_port is not None
+    assert server.metrics_port is not None
+    return [server.port, server.priority_port, server.metrics_port]
+
+
 def _server_on_every_port(model: Path) -> LaneServer:
     return LaneServer(
         RecordingEngine(str(model)),
@@ -633,10 +643,7 @@ def test_a_stop_while_the_server_starts_waits_for_the_start_then_stops_it(
         server = _server_on_every_port(small_model)
         starting = asyncio.ensure_future(server.start())
         try:
-            await entered.wait()
-            assert server.priority_port is not None
-            assert server.metrics_port is not None
-            ports = [server.port, server.priority_port, server.metrics_port]
+            ports = await _ports_once_held(server, entered)
             stops = [asyncio.ensure_future(server.stop(grace_s=5.0)) for _ in range(2)]
             go.set()  # tasks run in the order they were woken: both stops begin first
             await asyncio.wait_for(asyncio.gather(*stops), timeout=60)
@@ -664,11 +671,7 @@ def test_a_start_cancelled_partway_stops_the_server_once_started(
         server = _server_on_every_port(small_model)
         starting = asyncio.ensure_future(server.start())
         try:
-            await entered.wait()
-            assert _server_threads()
-            assert server.priority_port is not None
-            assert server.metrics_port is not None
-            ports = [server.port, server.priority_port, server.metrics_port]
+            ports = await _ports_once_held(server, entered)
             starting.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await starting
