@@ -163,10 +163,6 @@ def _bind_refusal(host: str, port: int) -> str | None:
     return None
 
 
-def _unended(calls: GrpcCalls | None) -> int | None:
-    return None if calls is None else calls.started - calls.succeeded - calls.failed
-
-
 def check_ports_free(config: ServerConfig) -> None:
     """Refuses, before the model loads (minutes for a large one on a GPU), a configured
     port the OS will not bind: one another process listens on, an address not this
@@ -367,8 +363,9 @@ class LaneServer:
         # After stop: whether the engine thread ended (a run the runtime would not end
         # is still going; the process must not wait for it, see cli).
         self.threads_stopped = True
-        self._failure_stop: asyncio.Future[None] | None = None
-        self._cancelled_start_stop: asyncio.Future[None] | None = None
+        # A stop the server began itself (its scheduler failed, its start was cancelled),
+        # held so that the task is not collected.
+        self._own_stop: asyncio.Future[None] | None = None
         self.port = 0
         self.priority_port: int | None = None  # bound, when configured
         self.metrics_port: int | None = None  # the Prometheus endpoint's, once started
@@ -400,7 +397,7 @@ class LaneServer:
         try:
             return await asyncio.shield(starting)
         except asyncio.CancelledError:
-            self._cancelled_start_stop = asyncio.ensure_future(self.stop())
+            self._own_stop = asyncio.ensure_future(self.stop())
             raise
 
     async def _start(self) -> int:
@@ -480,7 +477,7 @@ class LaneServer:
         self._servers = servers
         self.state = Lifecycle.SERVING
         if self.failure is not None:  # the scheduler failed while the server started
-            self._failure_stop = asyncio.ensure_future(self.stop())
+            self._own_stop = asyncio.ensure_future(self.stop())
             return self.port
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -645,11 +642,11 @@ class LaneServer:
         assert self._grpc_calls is not None
         loop = asyncio.get_running_loop()
         until_s = loop.time() + CORE_QUEUE_WAIT_S
-        unended = _unended(self._grpc_calls.read())
-        while unended is not None and loop.time() < until_s:
+        calls = self._grpc_calls.read()
+        while calls is not None and loop.time() < until_s:
             await asyncio.sleep(CORE_QUEUE_SETTLE_S)
-            before, unended = unended, _unended(self._grpc_calls.read())
-            if unended is not None and unended >= before:
+            before, calls = calls, self._grpc_calls.read()
+            if calls is not None and calls.unended >= before.unended:
                 return
 
     def _log_drain_incomplete(self, grace_s: float, waited_s: float) -> None:
@@ -686,7 +683,7 @@ class LaneServer:
             "the scheduler failed; stopping (the process must be restarted)",
         )
         if self.state is Lifecycle.SERVING:  # while STARTING, start() stops it at its end
-            self._failure_stop = asyncio.ensure_future(self.stop())
+            self._own_stop = asyncio.ensure_future(self.stop())
 
     def end_grace(self) -> None:
         """A drain in progress (or the next one) answers what is queued now instead of

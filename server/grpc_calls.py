@@ -21,6 +21,12 @@ class GrpcCalls:
     succeeded: int
     failed: int
 
+    @property
+    def unended(self) -> int:
+        """Calls neither succeeded nor failed: running, held in gRPC's core, or refused
+        or dropped there (those never end)."""
+        return self.started - self.succeeded - self.failed
+
 
 class _NoContext:
     """Stands in for the servicer context the static methods report failures to: a
