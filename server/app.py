@@ -9,6 +9,7 @@ await server.stop()                                # drains, answers everything,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import socket
@@ -161,6 +162,18 @@ def _bind_refusal(host: str, port: int) -> str | None:
             except OSError as error:
                 return error.strerror or str(error)
     return None
+
+
+async def _give_back(servers: list[grpc.aio.Server]) -> None:
+    """Closes the ports of `servers`, started or not, so that an embedder whose start
+    failed can retry on them. gRPC closes a server's listeners only once it has started
+    (an unstarted one holds them until the process exits, collected or not), so each is
+    started, where it has not been, and stopped at once; a call in between is refused
+    UNAVAILABLE (the state is not SERVING)."""
+    for server in servers:
+        with contextlib.suppress(Exception):  # started already, or its start fails again
+            await server.start()
+        await server.stop(None)
 
 
 def check_ports_free(config: ServerConfig) -> None:
@@ -460,19 +473,21 @@ class LaneServer:
                 self.config.host, self.config.metrics_port, metrics_tls(self.config)
             )
         except BaseException:
-            # Give back the ports bound so far, so that an embedder can retry on them.
-            # gRPC closes a server's listeners only once it has started (an unstarted
-            # one holds them until the process exits, collected or not), so each is
-            # started and stopped at once; a call in between is refused UNAVAILABLE
-            # (the state is not SERVING).
-            for each in servers:
-                await each.start()
-                await each.stop(None)
+            await _give_back(servers)
             self.telemetry.close()  # its exporter threads, and the metrics endpoint
             raise
         self._thread.start()
-        for each in servers:
-            await each.start()
+        try:
+            for each in servers:
+                await each.start()
+        except BaseException:
+            # gRPC's own start failed: what this start began is stopped here, since a
+            # stop() after a failed start finds nothing started. Nothing was admitted
+            # (the state is not SERVING), so no request is left without its answer.
+            await asyncio.to_thread(self._thread.close, join_timeout_s=RUNNING_BATCH_WAIT_S)
+            await _give_back(servers)
+            self.telemetry.close()
+            raise
         self._grpc_calls = GrpcCallCounts(GrpcCallCounts.server_ids() - known_servers)
         self._servers = servers
         self.state = Lifecycle.SERVING

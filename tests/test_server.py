@@ -686,6 +686,39 @@ def test_a_start_cancelled_partway_stops_the_server_once_started(
     asyncio.run(scenario())
 
 
+def test_a_grpc_start_that_fails_stops_what_the_start_began(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gRPC's own start failing for the priority port (after the scheduler and engine
+    threads started and every port was bound) raised out of start() and left the threads
+    running and the ports listening, with nothing to stop them."""
+    concrete = grpc_aio_server.Server  # grpc.aio.Server is only its abstract base
+    grpc_start = concrete.start
+    starts = 0
+
+    async def second_start_fails(self: grpc_aio_server.Server) -> None:
+        nonlocal starts
+        starts += 1
+        if starts == 2:  # the priority port's: the main port's server has started
+            raise RuntimeError("injected: gRPC could not start")
+        await grpc_start(self)
+
+    monkeypatch.setattr(concrete, "start", second_start_fails)
+
+    async def scenario() -> None:
+        server = _server_on_every_port(small_model)
+        with pytest.raises(RuntimeError, match="injected"):
+            await asyncio.wait_for(server.start(), timeout=60)
+        assert server.priority_port is not None
+        assert server.metrics_port is not None
+        ports = [server.port, server.priority_port, server.metrics_port]
+        assert not _server_threads()  # before any stop(): the failed start ended them
+        await asyncio.wait_for(server.stop(), timeout=60)
+        await _assert_nothing_runs(server, ports)
+
+    asyncio.run(scenario())
+
+
 def test_a_second_start_while_one_is_in_progress_is_refused(
     small_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
