@@ -423,13 +423,15 @@ class Scheduler:
                 f"the deadline passed {(now_s - deadline_s) * 1000:.1f} ms before the request "
                 f"reached lane {lane.name!r}"
             )
-        finish_s = self._predicted_finish_s(lane, request.rows, request.signature, now_s)
         # With nothing queued or running the prediction is the run-time model's alone:
         # the request runs, so that a model that went wrong (a slow outlier, a probe of
         # other sizes) learns; refusing it would keep the prediction wrong for good. So
         # does a request of a shape whose model is a guess, until one of it has run.
-        measured = self._run_times.knows(request.signature)
-        if finish_s > deadline_s and not idle and measured:
+        # Neither is predicted (the prediction is most of admission's cost).
+        if idle or not self._run_times.knows(request.signature):
+            return
+        finish_s = self._predicted_finish_s(lane, request.rows, request.signature, now_s)
+        if finish_s > deadline_s:
             ahead = sum(other.queued_rows for other in self.lanes[: lane.priority + 1])
             raise DeadlineUnmeetableError(
                 f"deadline in {max(deadline_s - now_s, 0) * 1000:.1f} ms cannot be met: "
