@@ -462,12 +462,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     "come back out of order, each tagged with its item's request_id)"
                 ),
             )
-        if self._state() is not Lifecycle.SERVING:
-            # A stored answer costs no work: a retry of a request that completed gets it
-            # while the server drains too (refused, it ran again on another instance).
-            stored = self._replayed(lane, request) if request.request_id else None
-            if stored is not None:
-                return stored
+        if self._state() is not Lifecycle.SERVING and not self._ledger.holds(request.request_id):
+            # A retry of a request this server holds costs no work here, so the ledger
+            # answers it while the server drains too: a completed one's stored answer, or
+            # the answer of one still queued or running, which the drain waits for.
+            # Refused, it ran again on another instance.
             raise self._rejected(
                 lane, DrainingError("server is draining; retry on another instance")
             )
@@ -622,13 +621,6 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 wait_s = self._scheduler.room_wait_s(lane, rows)
         finally:
             room.leave()
-
-    def _replayed(self, lane: str, request: pb.InferRequest) -> pb.InferResponse | None:
-        """The stored answer for `request`'s id (see `RequestLedger.replayed`)."""
-        try:
-            return self._ledger.replayed(request.request_id, fingerprint(request))
-        except RequestIdReusedError as error:
-            raise self._rejected(lane, error) from None
 
     def _rejected(self, lane: str, error: LaneserveError) -> LaneserveError:
         """`error`, counted as a refusal of `lane` (a lane the server has: see

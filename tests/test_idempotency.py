@@ -226,6 +226,37 @@ def test_a_draining_server_still_gives_a_completed_requests_stored_answer(
     asyncio.run(scenario())
 
 
+def test_a_draining_server_joins_a_retry_to_its_request_in_flight(small_model: Path) -> None:
+    """A retry of a request still queued here, sent while the server drained, was refused
+    DRAINING ("retry on another instance") although the drain waits for that very request
+    and answers it: the retry ran its rows again elsewhere. It joins it now."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model)) as s:
+            busy = await hold_engine(s, engine)  # the drain waits for it
+            first = asyncio.ensure_future(
+                s.stub.Infer(request(rows(2, start=10), request_id="queued"))
+            )
+            await until(lambda: queued_rows(s) == 2)
+            stopping = asyncio.ensure_future(s.server.stop(grace_s=30))
+            await until(lambda: s.server.state.value == "DRAINING")
+            retry = asyncio.ensure_future(
+                s.stub.Infer(request(rows(2, start=10), request_id="queued"))
+            )
+            await until_stats(s, lambda stats: stats.idempotent_joins == 1)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(request(rows(1, start=9), request_id="new"))
+            assert rich_status(caught.value)[0] == "DRAINING"
+            engine.release()
+            assert await retry == await first
+            await busy
+            await stopping
+        assert sorted(engine.ran_tags) == [0, 10, 11], "the rows ran once"
+
+    asyncio.run(scenario())
+
+
 def test_abandoned_queued_request_frees_its_rows_and_never_runs(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
