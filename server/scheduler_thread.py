@@ -132,8 +132,11 @@ class SchedulerThread:
 
     def wait_drained(self, timeout_s: float) -> bool:
         """Blocks until every admitted request has been answered (True), or `timeout_s`
-        passed or `end_grace` was called (False)."""
+        passed or `end_grace` was called (False). Only after `stop_accepting`: the engine
+        thread wakes this condition after a batch only then (see `_finish`), so a wait
+        while accepting would sleep out its timeout."""
         with self._cond:
+            assert not self._scheduler.accepting, "wait_drained follows stop_accepting"
             self._cond.wait_for(
                 lambda: self._scheduler.live_entries == 0 or self._grace_ended, timeout_s
             )
