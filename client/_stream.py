@@ -258,7 +258,9 @@ class BulkStream:
                 await asyncio.wait(tasks)  # neither outlives its call
                 if ended is None:  # the caller stopped early, or the source failed
                     self._cancel_timers()
-            if ended.error is None and self._source_done and not self._items:
+            # Every item has its final answer: the job is done, whatever the call ended
+            # with (the connection may go after the last answer, before the call's end).
+            if self._source_done and not self._items:
                 while not self._events.empty():  # results queued after the stream closed
                     event = self._events.get_nowait()
                     assert isinstance(event, StreamResult)
@@ -334,17 +336,25 @@ class BulkStream:
     async def _write(
         self, call: grpc.aio.StreamStreamCall[pb.InferRequest, pb.InferStreamResponse]
     ) -> None:
-        try:
-            while (item := await self._next_to_send()) is not None:
+        while True:
+            try:
+                item = await self._next_to_send()
+            except Exception as error:  # noqa: BLE001 - the source's failure, handed to the caller
+                self._events.put_nowait(_Failed(error))
+                return
+            try:
+                if item is None:
+                    await call.done_writing()
+                    return
                 item.state = _State.SENT
                 if item.attempts == 0:
                     item.attempts = 1
                 await call.write(item.message)
-            await call.done_writing()
-        except (grpc.RpcError, asyncio.InvalidStateError):
-            return  # the call broke or ended: the reader reports how
-        except Exception as error:  # noqa: BLE001 - the source's failure, handed to the caller
-            self._events.put_nowait(_Failed(error))
+            except Exception:  # noqa: BLE001 - gRPC's, whatever its type: the reader reports how
+                # The call broke or ended. Not only grpc.RpcError: a half-close on a lost
+                # connection raises gRPC's internal ExecuteBatchError, which went to the
+                # caller as the source's failure.
+                return
 
     async def _set_limits(self) -> None:
         limits = StreamLimits(None, None)

@@ -134,6 +134,36 @@ def test_cut_connections_mid_job_resume_with_identical_output(
     asyncio.run(scenario())
 
 
+def test_a_job_whose_items_are_all_answered_ends_though_its_call_then_breaks(
+    small_model: Path,
+) -> None:
+    """The connection went away after the last answer, before the call's own end: gRPC's
+    half-close raised its internal ExecuteBatchError, which the job took for its source's
+    failure and raised; with that caught, it reopened calls with nothing to send for
+    STREAM_RESUME_S and raised UnavailableError, every result delivered."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            proxy = TcpProxy(s.server.port)
+            target = await proxy.start()
+            try:
+                async with lc.AsyncClient(target) as client:
+                    items = [{"input": rows(1, start=10 * index)} for index in range(3)]
+                    got: list[int] = []
+                    async for result in client.stream(items, window=1):
+                        got.append(result.index)
+                        if len(got) == len(items):
+                            await proxy.close()  # the server's host goes away, for good
+                    connections = proxy.connections
+            finally:
+                await proxy.close()
+        assert got == [0, 1, 2]
+        assert connections == 1, "no call was reopened with nothing left to send"
+
+    asyncio.run(scenario())
+
+
 def test_an_async_source_waiting_for_its_next_item_survives_a_cut_connection(
     small_model: Path,
 ) -> None:
