@@ -92,6 +92,15 @@ def metadata_pair(key: str, value: str) -> tuple[str, str]:
 def channel_options(
     tls: TlsConfig | None, max_message_bytes: int, extra: Sequence[tuple[str, Any]]
 ) -> list[tuple[str, Any]]:
+    """The channel's gRPC options; ValueError for a message limit that is not a positive
+    whole number of bytes. gRPC's -1 ("no limit") is refused too: the stream client sizes
+    its items within the limit (an item over it would fail the whole call)."""
+    limit: object = max_message_bytes  # from the caller, unchecked (a bool is an int)
+    if type(limit) is not int or limit < 1:
+        raise ValueError(
+            "max_message_bytes: expected a positive whole number of bytes, got "
+            f"{max_message_bytes!r}"
+        )
     options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),

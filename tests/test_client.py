@@ -233,6 +233,17 @@ def test_metadata_grpc_would_refuse_is_a_value_error_naming_the_key(
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("limit", [0, -1, 1.5, True])
+def test_a_message_limit_that_is_not_a_positive_byte_count_is_refused(limit: Any) -> None:
+    """-1 (gRPC's "no limit") and 0 were taken: unary calls ran, and every stream item was
+    refused as "over the largest message this client and server exchange (-1 bytes)"."""
+    message = f"max_message_bytes: expected a positive whole number of bytes, got {limit!r}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        lc.AsyncClient("127.0.0.1:1", max_message_bytes=limit)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        lc.Client("127.0.0.1:1", max_message_bytes=limit)
+
+
 # ---- errors from a real server ---------------------------------------------------------
 
 
