@@ -27,9 +27,10 @@ import itertools
 import json
 import os
 import shutil
+import zipfile
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -264,8 +265,7 @@ class Checkpoint:
             # the name cannot be an array's (those end in .npy).
             staged = self.directory / "output.npz.tmp"
             with staged.open("wb") as file:
-                # numpy's stub matches **arrays against `allow_pickle: bool` as well.
-                np.savez(file, **self.arrays)  # type: ignore[arg-type]
+                write_npz(file, self.arrays)
         state_path = self.directory / "state.json"
         state_path.unlink()
         try:
@@ -278,6 +278,17 @@ class Checkpoint:
 
     def _array_path(self, name: str) -> Path:
         return self.directory / self.files[name]
+
+
+def write_npz(file: Path | IO[bytes], arrays: Mapping[str, npt.NDArray[Any]]) -> None:
+    """Writes `arrays` as numpy.savez does (an uncompressed zip of NAME.npy members, which
+    numpy.load reads), whatever their names: savez takes the arrays as keyword arguments,
+    so an output named `file` failed it with a TypeError, and one named `allow_pickle`
+    was taken for that option and left out of the file."""
+    with zipfile.ZipFile(file, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, array in arrays.items():
+            with zf.open(f"{name}.npy", mode="w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
 
 
 def _safe(name: str) -> str:

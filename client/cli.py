@@ -40,7 +40,7 @@ from laneserve.client._channel import (
     TlsConfig,
     metadata_pair,
 )
-from laneserve.client._checkpoint import Checkpoint, CheckpointError
+from laneserve.client._checkpoint import Checkpoint, CheckpointError, write_npz
 from laneserve.client._errors import LaneserveError
 from laneserve.client._retry import RetryPolicy
 from laneserve.client._stream import DEFAULT_STREAM_LANE, SERVER_STREAM_LANE
@@ -480,8 +480,7 @@ def _write_outputs(path: Path, outputs: Mapping[str, npt.NDArray[Any]]) -> None:
                 )
             np.save(path, next(iter(outputs.values())))
         else:
-            # numpy's stub matches **arrays against `allow_pickle: bool` as well.
-            np.savez(path, **outputs)  # type: ignore[arg-type]
+            write_npz(path, outputs)
     except OSError as error:
         raise UsageError(f"cannot write {path}: {error.strerror or error}") from error
 

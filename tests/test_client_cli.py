@@ -372,6 +372,30 @@ def test_a_resume_reads_each_output_from_the_file_its_first_run_wrote(tmp_path: 
         np.testing.assert_array_equal(saved["logits_0"].ravel(), [7] * 6 + [8] * 6)
 
 
+def test_outputs_named_like_savez_parameters_are_written_to_the_npz(tmp_path: Path) -> None:
+    """numpy.savez takes the arrays as keyword arguments: an output named `file` failed the
+    finish with a TypeError, and one named `allow_pickle` was left out of the file."""
+    source = tmp_path / "in.npy"
+    np.save(source, rows(4))
+    directory = tmp_path / "out.npz.partial"
+    checkpoint = Checkpoint.create(
+        directory, job_id="j", input_path=source, rows=4, rows_per_item=2
+    )
+    for item, value in enumerate((1.5, 2.5)):
+        checkpoint.store(
+            item,
+            {
+                "file": np.full((2, 3), value, np.float32),
+                "allow_pickle": np.full((2, 1), 10 * value),
+            },
+        )
+    checkpoint.finish(tmp_path / "out.npz")
+    with np.load(tmp_path / "out.npz") as saved:
+        assert sorted(saved.files) == ["allow_pickle", "file"]
+        np.testing.assert_array_equal(saved["file"].ravel(), [1.5] * 6 + [2.5] * 6)
+        np.testing.assert_array_equal(saved["allow_pickle"].ravel(), [15.0] * 2 + [25.0] * 2)
+
+
 def test_a_version_1_checkpoint_resumes_unless_two_outputs_shared_its_file(tmp_path: Path) -> None:
     """Version 1 named no files: each output's was its name made safe. Such a checkpoint
     still resumes (saved again as version 2), unless two outputs shared one file: then
