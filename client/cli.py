@@ -42,6 +42,7 @@ from laneserve.client._channel import (
 )
 from laneserve.client._checkpoint import Checkpoint, CheckpointError, write_npz
 from laneserve.client._errors import LaneserveError
+from laneserve.client._request import encode_inputs
 from laneserve.client._retry import RetryPolicy
 from laneserve.client._stream import DEFAULT_STREAM_LANE, SERVER_STREAM_LANE
 from laneserve.client._sync import Client
@@ -325,7 +326,7 @@ def _infer(client: Client, args: argparse.Namespace) -> int:
     else:
         inputs = _read_inputs(Path(args.input), model)
     _row_count(inputs, args.input or "--json")
-    _check_request_fits(model, args.lane, inputs)
+    _check_request_fits(model, args.lane, inputs, args.request_id, asked)
     outputs = client.infer(
         inputs,
         lane=args.lane,
@@ -529,7 +530,7 @@ def _bulk(client: Client, args: argparse.Namespace) -> int:
         raise UsageError(f"--input {input_path}: expected a .npy or .npz file")
     inputs = _read_inputs(input_path, model)
     rows = _row_count(inputs, input_path)
-    _check_items(model, inputs, rows, args)
+    _check_items(model, inputs, rows, args, output_names)
     checkpoint = _open_checkpoint(output, input_path, rows, args, asked, model)
     pending = [int(item) for item in np.flatnonzero(~checkpoint.done)]
     progress = Progress(rows, checkpoint.done_rows, enabled=not args.no_progress, stream=sys.stderr)
@@ -629,9 +630,16 @@ def _check_lane(model: ModelInfo, lane: str | None) -> None:
         raise UsageError(f"--lane {lane!r}: the server has no such lane; its lanes are {names}")
 
 
-def _check_request_fits(model: ModelInfo, lane_name: str | None, inputs: Arrays) -> None:
+def _check_request_fits(
+    model: ModelInfo,
+    lane_name: str | None,
+    inputs: Arrays,
+    request_id: str | None,
+    outputs: Sequence[str],
+) -> None:
     """Refuses one request the server would refuse for its size: more rows than its lane
-    holds, or more input than the message limit (it reached the server: exit 3)."""
+    holds, or a message over the limit, encoded as the client sends it (it reached the
+    server: exit 3)."""
     rows = len(next(iter(inputs.values())))
     name = lane_name or model.default_lane
     lane = next((lane for lane in model.lanes if lane.name == name), None)
@@ -641,12 +649,33 @@ def _check_request_fits(model: ModelInfo, lane_name: str | None, inputs: Arrays)
             "rows: expected at most that many (`laneserve-client bulk` splits rows into items)"
         )
     limit_bytes = _message_limit(model)
-    size = sum(array.nbytes for array in inputs.values())
+    id_chars = len(request_id or uuid.uuid4().hex)
+    size = _request_bytes(inputs, rows, id_chars, lane_name, 0, outputs)
     if size > limit_bytes:
         raise UsageError(
-            f"the request is {size} bytes of input, over the {limit_bytes}-byte message "
+            f"the request is {size} bytes encoded, over the {limit_bytes}-byte message "
             "limit: expected less (`laneserve-client bulk` splits rows into items)"
         )
+
+
+def _request_bytes(
+    inputs: Arrays,
+    rows: int,
+    request_id_chars: int,
+    lane: str | None,
+    timeout_ms: int,
+    outputs: Sequence[str],
+) -> int:
+    """The encoded size of a request of the first `rows` rows of `inputs`, as the client
+    builds it."""
+    message = pb.InferRequest(
+        request_id="0" * request_id_chars,
+        lane=lane or "",
+        timeout_ms=timeout_ms,
+        inputs=encode_inputs({name: array[:rows] for name, array in inputs.items()}, ""),
+        output_names=outputs,
+    )
+    return message.ByteSize()
 
 
 def _message_limit(model: ModelInfo) -> int:
@@ -654,7 +683,13 @@ def _message_limit(model: ModelInfo) -> int:
     return min(DEFAULT_MAX_MESSAGE_BYTES, model.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
 
 
-def _check_items(model: ModelInfo, inputs: Arrays, rows: int, args: argparse.Namespace) -> None:
+def _check_items(
+    model: ModelInfo,
+    inputs: Arrays,
+    rows: int,
+    args: argparse.Namespace,
+    output_names: Sequence[str],
+) -> None:
     """Refuses a job whose every item the server would refuse (an unknown lane, items
     larger than the lane or the message limit): it could only fail, and --resume too."""
     _check_lane(model, args.lane)
@@ -669,14 +704,28 @@ def _check_items(model: ModelInfo, inputs: Arrays, rows: int, args: argparse.Nam
             f"{lane.capacity_rows} rows, so no item would ever be queued; expected at most "
             f"{lane.capacity_rows} rows per item"
         )
-    # Before encoding: the message is larger still, so this only refuses certain failures.
-    row_bytes = sum(array.dtype.itemsize * math.prod(array.shape[1:]) for array in inputs.values())
+    # Encoded as the stream client sends it: the id of the job's last item (a new job's id
+    # is 32 characters, a resumed one's too) and the tensors' framing count.
+    id_chars = 32 + 1 + len(str(max(math.ceil(rows / args.rows_per_item) - 1, 0)))
+
+    def item_bytes(item_rows: int) -> int:
+        return _request_bytes(
+            inputs, item_rows, id_chars, args.lane, args.timeout_ms or 0, output_names
+        )
+
     limit_bytes = _message_limit(model)
-    if item_rows * row_bytes > limit_bytes:
+    size = item_bytes(item_rows)
+    if size > limit_bytes:
+        row_bytes = sum(
+            array.dtype.itemsize * math.prod(array.shape[1:]) for array in inputs.values()
+        )
+        fitting = max((limit_bytes - (item_bytes(1) - row_bytes)) // max(row_bytes, 1), 0)
+        while fitting > 0 and item_bytes(fitting) > limit_bytes:  # the lengths' varints
+            fitting -= 1
         raise UsageError(
-            f"--rows-per-item {args.rows_per_item}: an item is {item_rows * row_bytes} bytes of "
-            f"input, over the {limit_bytes}-byte message limit; expected fewer than "
-            f"{limit_bytes // row_bytes + 1} rows per item"
+            f"--rows-per-item {args.rows_per_item}: an item is {size} bytes encoded, over "
+            f"the {limit_bytes}-byte message limit; expected at most {fitting} rows per item"
+            + ("" if fitting else " (one row alone is over it)")
         )
 
 

@@ -125,9 +125,15 @@ def test_infer_refuses_what_getmodel_rules_out_with_exit_2_before_sending(
             "the request has 9 rows; lane 'interactive' holds at most 8 rows",
         ),
         (
-            # 64 rows of 512 float32: 131 072 bytes, over the server's limit.
+            # 64 rows of 512 float32: 131 072 bytes of data, over the server's limit.
             ["--input", str(tmp_path / "rows64.npy")],
-            "the request is 131072 bytes of input, over the 100000-byte message limit",
+            "the request is 131128 bytes encoded, over the 98330-byte message limit",
+        ),
+        (
+            # 98 304 bytes of data fit; with the request's framing they do not (the server
+            # refused it: exit 3).
+            ["--input", str(tmp_path / "rows48.npy")],
+            "the request is 98360 bytes encoded, over the 98330-byte message limit",
         ),
         (
             # The server refused it (exit 3), as bulk's check does not.
@@ -138,6 +144,7 @@ def test_infer_refuses_what_getmodel_rules_out_with_exit_2_before_sending(
     np.save(tmp_path / "rows0.npy", rows(0))
     np.save(tmp_path / "rows9.npy", rows(9))
     np.save(tmp_path / "rows64.npy", rows(64))
+    np.save(tmp_path / "rows48.npy", rows(48))
     lanes = (
         LaneConfig("interactive", capacity_rows=8, timeout_ms=2000, max_wait_ms=1, min_share=0),
         LaneConfig("standard", capacity_rows=2048, timeout_ms=10000, max_wait_ms=4, min_share=0.1),
@@ -145,7 +152,7 @@ def test_infer_refuses_what_getmodel_rules_out_with_exit_2_before_sending(
     engine = RecordingEngine(str(small_model))
 
     async def scenario() -> None:
-        settings = config(small_model, lanes=lanes, max_message_bytes=100_000)
+        settings = config(small_model, lanes=lanes, max_message_bytes=98_330)
         async with serving(engine, settings) as s:
             for arguments, message in cases:
                 code, _, err = await cli("infer", "--target", s.target, *arguments)
@@ -954,7 +961,7 @@ def test_a_bulk_job_no_item_of_which_could_succeed_exits_2_before_sending(
         LaneConfig("small", capacity_rows=32, timeout_ms=10_000, max_wait_ms=1, min_share=0),
     )
     engine = RecordingEngine(str(small_model))
-    served = config(small_model, lanes=lanes, default_lane="small", max_message_bytes=100_000)
+    served = config(small_model, lanes=lanes, default_lane="small", max_message_bytes=98_330)
 
     cases = [
         (
@@ -973,7 +980,15 @@ def test_a_bulk_job_no_item_of_which_could_succeed_exits_2_before_sending(
         (["--rows-per-item", "33"], "--rows-per-item 33: lane 'small' holds at most 32 rows"),
         (
             ["--rows-per-item", "64", "--lane", "standard"],
-            "an item is 131072 bytes of input, over the 100000-byte message limit",
+            "an item is 131148 bytes encoded, over the 98330-byte message limit; expected at "
+            "most 47 rows per item",
+        ),
+        (
+            # 98 304 bytes of data fit; with each item's framing they do not (every item
+            # failed, and the job left its checkpoint).
+            ["--rows-per-item", "48", "--lane", "standard"],
+            "an item is 98380 bytes encoded, over the 98330-byte message limit; expected at "
+            "most 47 rows per item",
         ),
     ]
     job = ["--input", str(tmp_path / "in.npy"), "--output", str(tmp_path / "out.npy")]
