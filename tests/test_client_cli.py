@@ -980,15 +980,19 @@ def test_a_bulk_job_no_item_of_which_could_succeed_exits_2_before_sending(
         (["--rows-per-item", "33"], "--rows-per-item 33: lane 'small' holds at most 32 rows"),
         (
             ["--rows-per-item", "64", "--lane", "standard"],
-            "an item is 131148 bytes encoded, over the 98330-byte message limit; expected at "
-            "most 47 rows per item",
+            (
+                "an item is 131148 bytes encoded, over the 98330-byte message limit; "
+                "expected at most 47 rows per item"
+            ),
         ),
         (
             # 98 304 bytes of data fit; with each item's framing they do not (every item
             # failed, and the job left its checkpoint).
             ["--rows-per-item", "48", "--lane", "standard"],
-            "an item is 98380 bytes encoded, over the 98330-byte message limit; expected at "
-            "most 47 rows per item",
+            (
+                "an item is 98380 bytes encoded, over the 98330-byte message limit; "
+                "expected at most 47 rows per item"
+            ),
         ),
     ]
     job = ["--input", str(tmp_path / "in.npy"), "--output", str(tmp_path / "out.npy")]
