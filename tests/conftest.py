@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +39,19 @@ def reference(demo_model: Path) -> ort.InferenceSession:
 def small_reference(small_model: Path) -> ort.InferenceSession:
     """A plain session on the small model."""
     return ort.InferenceSession(str(small_model), providers=["CPUExecutionProvider"])
+
+
+@pytest.fixture(autouse=True)
+def root_logging_restored() -> Iterator[None]:
+    """A test that runs a CLI's main in the test process configures the root logger: its
+    handler writes to the stderr pytest captured for that test, closed after it, and
+    a later test's warning then failed to write ("--- Logging error ---" and a
+    traceback on that test's stderr)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture

@@ -254,6 +254,40 @@ def test_metrics_endpoint_follows_the_ports_tls(small_model: Path, pki: Pki) -> 
     asyncio.run(scenario())
 
 
+def test_a_failed_scrape_of_the_https_metrics_is_one_log_line(
+    small_model: Path,
+    pki: Pki,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Plain HTTP on the HTTPS endpoint, or a scraper without the client certificate mutual
+    TLS asks for: socketserver printed its traceback to stderr, ~23 lines outside the log's
+    format (JSON included) for each, and a port scan filled the log with them."""
+    ca_only = ssl.create_default_context(cafile=str(pki.ca))
+
+    def refused(url: str, context: ssl.SSLContext | None = None) -> None:
+        with pytest.raises((OSError, http.client.HTTPException)):
+            urllib.request.urlopen(url, context=context, timeout=STEP_TIMEOUT_S)  # noqa: S310 - a test URL
+
+    async def scenario() -> None:
+        async with tls_servers(small_model, pki) as (tls, mtls):
+            await asyncio.to_thread(refused, f"http://127.0.0.1:{tls.metrics_port}/metrics")
+            await asyncio.to_thread(
+                refused, f"https://127.0.0.1:{mtls.metrics_port}/metrics", ca_only
+            )
+
+    with caplog.at_level("WARNING", logger="laneserve.server.telemetry.endpoint"):
+        asyncio.run(scenario())
+    assert "Traceback" not in capsys.readouterr().err
+    failed = [
+        record
+        for record in caplog.records
+        if getattr(record, "event", None) == "metrics_request_failed"
+    ]
+    assert len(failed) == 2, [record.getMessage() for record in failed]
+    assert all("metrics request from 127.0.0.1 failed: SSLError" in r.getMessage() for r in failed)
+
+
 def test_a_silent_connection_to_the_https_metrics_blocks_neither_scrapes_nor_stop(
     small_model: Path, pki: Pki
 ) -> None:

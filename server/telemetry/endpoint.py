@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import ssl
-from typing import cast
+import sys
+from typing import Any, cast
 
 import prometheus_client
 
 from laneserve.server.addresses import bare_host, host_port
+from laneserve.server.log_events import log_event
+
+log = logging.getLogger(__name__)
 
 # A scrape connection silent this long (no TLS hello, no request) is closed.
 CONNECTION_TIMEOUT_S = 10.0
@@ -66,6 +71,11 @@ class MetricsEndpoint:
         if isinstance(listening, ssl.SSLSocket):
             # An instance attribute accept() reads (typeshed does not declare it).
             listening.do_handshake_on_connect = False  # type: ignore[attr-defined]
+        # A failed request (plain HTTP on the HTTPS port, a scraper without the client
+        # certificate, a port scan) is one log line, not socketserver's traceback printed
+        # to stderr (~23 lines of text each, outside the log's format).
+        # An instance attribute, as a bound method would be (typeshed types it as one).
+        self._server.handle_error = _log_failed_request  # type: ignore[assignment,method-assign]
         handler = cast(type, self._server.RequestHandlerClass)
         self._server.RequestHandlerClass = type(
             handler.__name__, (handler,), {"timeout": CONNECTION_TIMEOUT_S}
@@ -75,3 +85,18 @@ class MetricsEndpoint:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
+
+
+def _log_failed_request(_request: Any, client_address: Any) -> None:
+    """socketserver's `handle_error`, called in the request's thread while its error is
+    being handled."""
+    error = sys.exc_info()[1]
+    peer = client_address[0] if isinstance(client_address, tuple) else str(client_address)
+    log_event(
+        log,
+        logging.WARNING,
+        "metrics_request_failed",
+        f"metrics request from {peer} failed: {error!r}",
+        peer=peer,
+        error=repr(error),
+    )
