@@ -44,7 +44,8 @@ def _check_size(key: str, text: object, *, fraction_ok: bool) -> None:
     if text is None:
         return
     if not isinstance(text, str):
-        raise ConfigError(f"{key}: expected a string like '6GiB', got {text!r}")
+        like = "'6GiB', or a fraction of device memory such as '0.9'" if fraction_ok else "'6GiB'"
+        raise ConfigError(f"{key}: expected a string like {like}, got {text!r}")
     try:
         limit = parse_memory_limit(text)
     except ValueError as error:
@@ -361,11 +362,15 @@ def load_config(
         try:
             document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except OSError as error:
-            raise ConfigError(f"config file {path}: {error.strerror}") from error
+            raise ConfigError(
+                f"config file {path}: {error.strerror}; expected a readable TOML file"
+            ) from error
         except UnicodeDecodeError as error:
-            raise ConfigError(f"config file {path}: not UTF-8 text ({error.reason})") from error
+            raise ConfigError(
+                f"config file {path}: not UTF-8 text ({error.reason}); expected TOML in UTF-8"
+            ) from error
         except tomllib.TOMLDecodeError as error:
-            raise ConfigError(f"config file {path}: {error}") from error
+            raise ConfigError(f"config file {path}: {error}; expected valid TOML") from error
     return config_from_mapping(document, model_path=model_path, overrides=overrides)
 
 

@@ -108,7 +108,10 @@ def choose_providers(device: Device) -> list[str]:
     if device == "cuda":
         if not cuda_usable:
             why = "no GPU is visible" if CUDA in available else "this onnxruntime has no CUDA"
-            raise EngineStartError(f"--device cuda: {why} (available providers: {available})")
+            raise EngineStartError(
+                f"--device cuda: {why} (available providers: {available}); expected a "
+                "visible GPU and onnxruntime-gpu, or --device auto / cpu to run on the CPU"
+            )
         return [CUDA, CPU]
     # auto: ask for CUDA only where it can work, so no failed CUDA load is printed.
     return [CUDA, CPU] if cuda_usable else [CPU]
@@ -207,7 +210,10 @@ class Engine:
         try:
             self._session = ort.InferenceSession(model_path, options, providers=providers)
         except Exception as error:
-            raise EngineStartError(f"cannot load model {model_path!r}: {error}") from error
+            raise EngineStartError(
+                f"cannot load model {model_path!r}: {error}; expected an ONNX model file that "
+                "this onnxruntime can run"
+            ) from error
         self.providers: list[str] = list(self._session.get_providers())
         if device == "cuda" and CUDA not in self.providers:
             raise EngineStartError(f"--device cuda: the session fell back to {self.providers}")

@@ -412,10 +412,12 @@ class Scheduler:
                 f"{lane.config.capacity_rows} rows (split it, or use a lane with more capacity)"
             )
         if not lane.has_room(request.rows):
+            retry_after_s = max(self._room_in_s(lane, request.rows), 0.001)
             raise LaneFullError(
                 f"lane {lane.name!r} is full: {lane.queued_rows} of "
-                f"{lane.config.capacity_rows} rows queued, request has {request.rows}",
-                retry_after_s=max(self._room_in_s(lane, request.rows), 0.001),
+                f"{lane.config.capacity_rows} rows queued, request has {request.rows}; "
+                f"expected a retry in about {retry_after_s * 1000:.0f} ms (its RetryInfo)",
+                retry_after_s=retry_after_s,
             )
         deadline_s = lane.config.deadline_s(now_s, request.deadline_s)
         if deadline_s <= now_s:  # a stream item that waited for room, up to its deadline

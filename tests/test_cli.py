@@ -134,6 +134,18 @@ def test_missing_model_is_refused(tmp_path: Path) -> None:
     assert "cannot load model" in stderr
 
 
+def test_a_model_file_that_is_not_onnx_is_refused_saying_what_was_expected(
+    tmp_path: Path,
+) -> None:
+    """ONNX Runtime's own message ("INVALID_PROTOBUF ... Protobuf parsing failed") named
+    what went wrong inside the runtime, not what the file should have been."""
+    model = tmp_path / "model.json"
+    model.write_text('{"not": "a model"}\n', encoding="utf-8")
+    stderr = refused_at_start("--model", str(model), "--port", "0")
+    assert f"cannot load model {str(model)!r}: " in stderr
+    assert stderr.rstrip().endswith("expected an ONNX model file that this onnxruntime can run")
+
+
 def test_log_flags_are_taken_after_serve_too(tmp_path: Path) -> None:
     """`./scripts/serve --log-format json` (the script puts its arguments after `serve`)
     was refused "unrecognized arguments": JSON logs needed `laneserve --log-format json
@@ -162,6 +174,7 @@ def test_cuda_without_a_usable_gpu_is_a_start_up_error(small_model: Path) -> Non
         return
     stderr = refused_at_start("--model", str(small_model), "--device", "cuda", "--port", "0")
     assert "--device cuda:" in stderr
+    assert "or --device auto / cpu to run on the CPU" in stderr
 
 
 def test_unreadable_tls_file_is_refused_naming_the_setting(

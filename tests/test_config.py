@@ -218,6 +218,12 @@ def test_keys_missing_from_the_file_keep_their_defaults(tmp_path: Path) -> None:
             id="memory-limit-over-64-bits",
         ),
         pytest.param(
+            "[server]\nmemory_limit = 0.9\n",
+            "server.memory_limit: expected a string like '6GiB', or a fraction of device "
+            "memory such as '0.9', got 0.9",
+            id="memory-limit-as-a-number",
+        ),
+        pytest.param(
             "[server]\nmax_pending_calls = 0\n", "server.max_pending_calls", id="no-pending-calls"
         ),
         pytest.param(
@@ -294,6 +300,20 @@ def test_a_config_file_that_is_not_utf8_is_refused_naming_it(tmp_path: Path) -> 
     path.write_bytes('[server]\nhost = "caf\u00e9"\n'.encode("latin-1"))
     with pytest.raises(ConfigError, match=rf"config file {re.escape(str(path))}: not UTF-8"):
         load_config(path, model_path="model.onnx")
+
+
+def test_a_config_file_that_is_absent_or_not_toml_is_refused_saying_what_was_expected(
+    tmp_path: Path,
+) -> None:
+    absent = tmp_path / "absent.toml"
+    with pytest.raises(ConfigError) as caught:
+        load_config(absent, model_path="model.onnx")
+    assert str(caught.value) == (
+        f"config file {absent}: No such file or directory; expected a readable TOML file"
+    )
+    broken = write(tmp_path, "[server\n")
+    with pytest.raises(ConfigError, match=r"; expected valid TOML$"):
+        load_config(broken, model_path="model.onnx")
 
 
 def test_shares_summing_to_one_report_the_sum(tmp_path: Path) -> None:

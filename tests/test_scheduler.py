@@ -1067,6 +1067,10 @@ def test_the_retry_hint_of_a_full_lane_is_at_most_its_timeout() -> None:
     with pytest.raises(LaneFullError) as refused:
         scheduler.admit(make_request(1, "interactive", 32), T0)
     assert refused.value.retry_after_s == pytest.approx(0.5)
+    assert refused.value.message == (
+        "lane 'interactive' is full: 64 of 64 rows queued, request has 32; expected a retry "
+        "in about 500 ms (its RetryInfo)"
+    )
     assert scheduler.room_wait_s("interactive", 32) == pytest.approx(0.5)
 
 
