@@ -16,6 +16,17 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 # The server's default gRPC message limit (ServerConfig.max_message_bytes).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _USER_AGENT = "laneserve-client/0.1.0"
+# HTTP/2 pings find a connection that went silent (a host gone without a reset, a network
+# black hole): without them a bulk job's stream, which has no deadline, waited for its
+# answers for ever. A ping after 5 min without traffic (what a default gRPC server takes:
+# more often are "too many pings", and it hangs up; laneserve's own takes one a minute),
+# and a ping unanswered for 20 s ends the connection; a job then resumes on a new call. A
+# caller's `options` replace these, key by key.
+KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 300_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.ping_timeout_ms", 20_000),
+)
 # gRPC's rules for metadata (validate_metadata.cc): a key is a lower-case HTTP/2 header
 # name; a key ending in -bin carries bytes, any other key printable ASCII text.
 # Metadata given to a client is text: str values.
@@ -101,15 +112,16 @@ def channel_options(
             "max_message_bytes: expected a positive whole number of bytes, got "
             f"{max_message_bytes!r}"
         )
-    options: list[tuple[str, Any]] = [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.primary_user_agent", _USER_AGENT),
-    ]
+    options: dict[str, Any] = {
+        "grpc.max_receive_message_length": max_message_bytes,
+        "grpc.max_send_message_length": max_message_bytes,
+        "grpc.primary_user_agent": _USER_AGENT,
+        **dict(KEEPALIVE_OPTIONS),
+    }
     if tls is not None and tls.server_name:
-        options.append(("grpc.ssl_target_name_override", tls.server_name))
-    options.extend(extra)
-    return options
+        options["grpc.ssl_target_name_override"] = tls.server_name
+    options.update(extra)  # the caller's, last: gRPC's reading of a repeated key is its own
+    return list(options.items())
 
 
 def open_channel(

@@ -536,6 +536,11 @@ class LaneServer:
                 # A port another server listens on is refused, not shared: with gRPC's
                 # default (SO_REUSEPORT) the kernel would split the connections.
                 ("grpc.so_reuseport", 0),
+                # Clients' keepalive pings on a connection without traffic: one a minute
+                # is taken (gRPC's default takes one per 5 min, and hangs up on a client
+                # that pings more often): the Python client pings after 5 min, and a
+                # caller may shorten that to find a dead connection sooner.
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 60_000),
                 *pending_call_limits(max_pending_calls),
             ],
         )

@@ -165,9 +165,12 @@ class TcpProxy:
 
     `sever()` aborts every open connection at once, as a network failure would (the server
     sees its RPCs cancelled, the client UNAVAILABLE); new connections are relayed as before.
+    While `silent` is set, bytes are read and dropped both ways with every connection left
+    open: a host gone without a reset, a network black hole.
     """
 
     def __init__(self, upstream_port: int) -> None:
+        self.silent = False
         self._upstream_port = upstream_port
         self._server: asyncio.Server | None = None
         self._links: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
@@ -219,8 +222,9 @@ class TcpProxy:
     ) -> None:
         try:
             while data := await source.read(1 << 16):
-                sink.write(data)
-                await sink.drain()
+                if not self.silent:
+                    sink.write(data)
+                    await sink.drain()
         except (ConnectionError, OSError):
             pass
         finally:

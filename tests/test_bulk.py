@@ -17,6 +17,7 @@ import onnxruntime as ort
 import pytest
 
 from laneserve import client as lc
+from laneserve.client import _channel as lc_channel
 from laneserve.client._request import MAX_REQUEST_ID_BYTES as CLIENT_MAX_REQUEST_ID_BYTES
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig
@@ -160,6 +161,51 @@ def test_a_job_whose_items_are_all_answered_ends_though_its_call_then_breaks(
                 await proxy.close()
         assert got == [0, 1, 2]
         assert connections == 1, "no call was reopened with nothing left to send"
+
+    asyncio.run(scenario())
+
+
+def test_a_job_whose_connection_goes_silent_does_not_wait_for_ever(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's host went silent after the first answer (no reset: a network black
+    hole): the job waited for the rest for ever, its call open with no deadline. The
+    client's HTTP/2 pings now find the connection dead (by default within ~5 min 20 s;
+    here, their times shortened, ~2 s) and the job resumes on a new call, here in vain:
+    it gives up naming what it left unanswered."""
+    monkeypatch.setattr(
+        lc_channel,
+        "KEEPALIVE_OPTIONS",
+        (
+            ("grpc.keepalive_time_ms", 500),
+            ("grpc.keepalive_timeout_ms", 1_000),
+            ("grpc.http2.ping_timeout_ms", 1_000),
+        ),
+    )
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            proxy = TcpProxy(s.server.port)
+            target = await proxy.start()
+            got: list[int] = []
+            try:
+                # Connecting through the silent relay times out after 1 s, not 20.
+                connect = [("grpc.min_reconnect_backoff_ms", 1_000)]
+                async with lc.AsyncClient(target, options=connect) as client:
+
+                    async def job() -> None:
+                        items = [{"input": rows(1, start=10 * index)} for index in range(3)]
+                        async for result in client.stream(items, window=1):
+                            got.append(result.index)
+                            proxy.silent = True
+
+                    with pytest.raises(lc.UnavailableError) as caught:
+                        await asyncio.wait_for(job(), timeout=60)
+            finally:
+                await proxy.close()
+        assert got == [0]
+        assert "1 item(s) read and unanswered" in " ".join(caught.value.__notes__)
 
     asyncio.run(scenario())
 
