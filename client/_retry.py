@@ -76,8 +76,12 @@ class RetryPolicy:
     def backoff_s(self, retry: int, rng: random.Random | None = None) -> float:
         """The jittered exponential delay before retry number `retry` (1-based)."""
         assert retry >= 1
-        exponent = min(retry - 1, 64)  # large enough to reach any cap, small enough to stay finite
-        base = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier**exponent)
+        try:
+            growth = self.multiplier ** (retry - 1)
+        except OverflowError:  # a float power past ~1e308 raises (1e6 ** 60), never inf
+            growth = math.inf
+        grown = self.initial_backoff_s * growth if self.initial_backoff_s else 0.0  # not 0 * inf
+        base = min(self.max_backoff_s, grown)
         draw = (rng or _RNG).random()
         return base * (1 - self.jitter * draw)
 

@@ -689,6 +689,14 @@ def test_server_hint_is_honoured_up_to_the_policys_longest_backoff() -> None:
     assert policy.delay_s(1, 1.5) == 1.5
 
 
+def test_a_steep_backoff_stops_at_its_cap_however_many_retries() -> None:
+    """The delay grew as multiplier ** (retry - 1), the exponent capped at 64 to "stay
+    finite": 1e6 ** 60 is past a float's range, and the power raised OverflowError."""
+    policy = lc.RetryPolicy(max_attempts=100, multiplier=1e6, max_backoff_s=3.0, jitter=0.0)
+    assert [policy.backoff_s(retry) for retry in (1, 2, 60, 99)] == [0.1, 3.0, 3.0, 3.0]
+    assert lc.RetryPolicy(initial_backoff_s=0.0, multiplier=1e6, jitter=0.0).backoff_s(99) == 0.0
+
+
 @pytest.mark.parametrize(
     "fields",
     [{"max_attempts": 0}, {"initial_backoff_s": -1.0}, {"multiplier": 0.5}, {"jitter": 1.5}],
