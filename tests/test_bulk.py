@@ -108,20 +108,17 @@ def test_cut_connections_mid_job_resume_with_identical_output(
 
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
-        async with serving(engine, config(small_model)) as s:
-            proxy = TcpProxy(s.server.port)
-            target = await proxy.start()
-            try:
-                async with lc.AsyncClient(target) as client:
-                    results: list[lc.StreamResult] = []
-                    cuts = 0
-                    async for result in client.stream({"input": x}, rows_per_item=50):
-                        results.append(result)
-                        if len(results) in (400, 800, 1200, 1600):
-                            cuts += bool(await cut_while_a_batch_runs(engine, proxy))
-                    stats = await client.stats()
-            finally:
-                await proxy.close()
+        async with (
+            proxied(engine, config(small_model)) as (proxy, target),
+            lc.AsyncClient(target) as client,
+        ):
+            results: list[lc.StreamResult] = []
+            cuts = 0
+            async for result in client.stream({"input": x}, rows_per_item=50):
+                results.append(result)
+                if len(results) in (400, 800, 1200, 1600):
+                    cuts += bool(await cut_while_a_batch_runs(engine, proxy))
+            stats = await client.stats()
         assert cuts == 4
         assert proxy.connections >= 1 + cuts, "each cut was followed by a new call"
         assert [result.index for result in results] == list(range(2000))
@@ -145,20 +142,17 @@ def test_a_job_whose_items_are_all_answered_ends_though_its_call_then_breaks(
 
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
-        async with serving(engine, config(small_model)) as s:
-            proxy = TcpProxy(s.server.port)
-            target = await proxy.start()
-            try:
-                async with lc.AsyncClient(target) as client:
-                    items = [{"input": rows(1, start=10 * index)} for index in range(3)]
-                    got: list[int] = []
-                    async for result in client.stream(items, window=1):
-                        got.append(result.index)
-                        if len(got) == len(items):
-                            await proxy.close()  # the server's host goes away, for good
-                    connections = proxy.connections
-            finally:
-                await proxy.close()
+        async with (
+            proxied(engine, config(small_model)) as (proxy, target),
+            lc.AsyncClient(target) as client,
+        ):
+            items = [{"input": rows(1, start=10 * index)} for index in range(3)]
+            got: list[int] = []
+            async for result in client.stream(items, window=1):
+                got.append(result.index)
+                if len(got) == len(items):
+                    await proxy.close()  # the server's host goes away, for good
+            connections = proxy.connections
         assert got == [0, 1, 2]
         assert connections == 1, "no call was reopened with nothing left to send"
 
@@ -185,25 +179,20 @@ def test_a_job_whose_connection_goes_silent_does_not_wait_for_ever(
 
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
-        async with serving(engine, config(small_model)) as s:
-            proxy = TcpProxy(s.server.port)
-            target = await proxy.start()
+        async with proxied(engine, config(small_model)) as (proxy, target):
             got: list[int] = []
-            try:
-                # Connecting through the silent relay times out after 1 s, not 20.
-                connect = [("grpc.min_reconnect_backoff_ms", 1_000)]
-                async with lc.AsyncClient(target, options=connect) as client:
+            # Connecting through the silent relay times out after 1 s, not 20.
+            connect = [("grpc.min_reconnect_backoff_ms", 1_000)]
+            async with lc.AsyncClient(target, options=connect) as client:
 
-                    async def job() -> None:
-                        items = [{"input": rows(1, start=10 * index)} for index in range(3)]
-                        async for result in client.stream(items, window=1):
-                            got.append(result.index)
-                            proxy.silent = True
+                async def job() -> None:
+                    items = [{"input": rows(1, start=10 * index)} for index in range(3)]
+                    async for result in client.stream(items, window=1):
+                        got.append(result.index)
+                        proxy.silent = True
 
-                    with pytest.raises(lc.UnavailableError) as caught:
-                        await asyncio.wait_for(job(), timeout=60)
-            finally:
-                await proxy.close()
+                with pytest.raises(lc.UnavailableError) as caught:
+                    await asyncio.wait_for(job(), timeout=60)
         assert got == [0]
         assert "1 item(s) read and unanswered" in " ".join(caught.value.__notes__)
 
@@ -234,30 +223,25 @@ def test_an_async_source_waiting_for_its_next_item_survives_a_cut_connection(
 
     async def scenario() -> list[lc.StreamResult]:
         engine = RecordingEngine(str(small_model))
-        async with serving(engine, config(small_model)) as s:
-            proxy = TcpProxy(s.server.port)
-            target = await proxy.start()
-            try:
+        async with proxied(engine, config(small_model)) as (proxy, target):
 
-                async def open_gate() -> None:
-                    # The job resumes on a new call meanwhile (results() runs on).
-                    await until(lambda: state["cancelled"] or proxy.connections >= 2)
-                    gate.set()
+            async def open_gate() -> None:
+                # The job resumes on a new call meanwhile (results() runs on).
+                await until(lambda: state["cancelled"] or proxy.connections >= 2)
+                gate.set()
 
-                opener: asyncio.Task[None] | None = None
-                async with lc.AsyncClient(target) as client:
-                    results: list[lc.StreamResult] = []
-                    async for result in client.stream(source(), ordered=False, job_id="j"):
-                        results.append(result)
-                        if len(results) == first:
-                            await until(lambda: state["waiting"])
-                            assert proxy.sever() >= 1
-                            opener = asyncio.create_task(open_gate())
-                    assert opener is not None
-                    await opener
-                    return results
-            finally:
-                await proxy.close()
+            opener: asyncio.Task[None] | None = None
+            async with lc.AsyncClient(target) as client:
+                results: list[lc.StreamResult] = []
+                async for result in client.stream(source(), ordered=False, job_id="j"):
+                    results.append(result)
+                    if len(results) == first:
+                        await until(lambda: state["waiting"])
+                        assert proxy.sever() >= 1
+                        opener = asyncio.create_task(open_gate())
+                assert opener is not None
+                await opener
+                return results
 
     results = asyncio.run(scenario())
     assert not state["cancelled"], "the source was not cancelled with the broken call"
@@ -1179,6 +1163,21 @@ async def behind_a_proxy(model: Path) -> AsyncIterator[tuple[Serving, Serving, T
         target = await proxy.start()
         try:
             yield a, b, proxy, target
+        finally:
+            await proxy.close()
+
+
+@contextlib.asynccontextmanager
+async def proxied(
+    engine: RecordingEngine, settings: ServerConfig
+) -> AsyncIterator[tuple[TcpProxy, str]]:
+    """A relay whose connections the test can cut or silence (`TcpProxy`) in front of a
+    server it runs, and the relay's address."""
+    async with serving(engine, settings) as s:
+        proxy = TcpProxy(s.server.port)
+        target = await proxy.start()
+        try:
+            yield proxy, target
         finally:
             await proxy.close()
 
