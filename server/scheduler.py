@@ -399,11 +399,18 @@ class Scheduler:
         idle = not self._entries and self._running_until_s is None
         if self.watermark is not None and not idle and self.watermark.refuses(lane.priority):
             used_bytes = self.watermark.used_bytes or 0
+            mark = self.watermark
+            # A lane closed above the high mark stays closed down to the low one.
+            where = (
+                f"above the high watermark ({format_bytes(mark.high_bytes)})"
+                if used_bytes >= mark.high_bytes
+                else f"still above the low watermark ({format_bytes(mark.low_bytes)}) since it "
+                f"passed the high one ({format_bytes(mark.high_bytes)})"
+            )
             raise MemoryPressureError(
-                f"device memory in use ({format_bytes(used_bytes)}) is above the high "
-                f"watermark ({format_bytes(self.watermark.high_bytes)}): lane {lane.name!r} "
-                f"admits no new work while other work is queued or running, until it "
-                f"falls below {format_bytes(self.watermark.low_bytes)}",
+                f"device memory in use ({format_bytes(used_bytes)}) is {where}: lane "
+                f"{lane.name!r} admits no new work while other work is queued or running, "
+                f"until it falls below {format_bytes(mark.low_bytes)}",
                 retry_after_s=MEMORY_PRESSURE_RETRY_S,
             )
         if request.rows > lane.config.capacity_rows:

@@ -560,6 +560,27 @@ def test_a_closed_lane_admits_while_nothing_is_queued_or_running() -> None:
     scheduler.admit(_request(5, "bulk", 1), clock.monotonic())
 
 
+def test_a_lane_kept_closed_between_the_watermarks_is_refused_saying_so() -> None:
+    """Memory fell from above the high mark to between the marks: the lane stays closed
+    until the low one (hysteresis), and its refusal said memory "is above the high
+    watermark", printing a reading under it."""
+    mark = Watermark(lanes=3, high_bytes=95 * MIB, low_bytes=85 * MIB, limit_bytes=100 * MIB)
+    scheduler = _scheduler(64, mark)
+    scheduler.admit(_request(0, "interactive", 4), 0.0)  # queued: not idle
+    scheduler.update_memory(96 * MIB)
+    with pytest.raises(MemoryPressureError) as above:
+        scheduler.admit(_request(1, "bulk", 4), 0.0)
+    assert "(96.0MiB) is above the high watermark (95.0MiB): lane 'bulk'" in above.value.message
+    scheduler.update_memory(88 * MIB)
+    with pytest.raises(MemoryPressureError) as between:
+        scheduler.admit(_request(2, "bulk", 4), 0.0)
+    assert between.value.message == (
+        "device memory in use (88.0MiB) is still above the low watermark (85.0MiB) since it "
+        "passed the high one (95.0MiB): lane 'bulk' admits no new work while other work is "
+        "queued or running, until it falls below 85.0MiB"
+    )
+
+
 _FREED_HEAP_SCRIPT = """
 import asyncio, json, sys, time
 from laneserve.server import ServerConfig
