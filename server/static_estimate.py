@@ -23,15 +23,29 @@ def static_estimate(model_path: str) -> tuple[int, int]:
     tensor of one row summed without the runtime's buffer reuse (so the estimate is high:
     a starting point that the start-up probe verifies by running)."""
     model = onnx.load(model_path, load_external_data=False)
+    # Weights are initializers, or the `value` of Constant nodes (some exporters write
+    # them so): counted from initializers alone, such a model's weights were 0 bytes and
+    # any CPU budget was taken, the weights then held outside the capped arena.
+    weights = [
+        *model.graph.initializer,
+        *(
+            attribute.t
+            for node in model.graph.node
+            if node.op_type == "Constant"
+            for attribute in node.attribute
+            if attribute.name == "value"
+        ),
+    ]
     fixed_bytes = 0
-    for init in model.graph.initializer:
-        size = math.prod(init.dims) * onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
+    for tensor in weights:
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+        size = math.prod(tensor.dims) * itemsize
         fixed_bytes += size
         if size > _KEEP_INITIALIZER_BYTES:
             # Shapes are all inference needs; dropping the weights' bytes keeps the
             # serialized copy handed to inference small.
             for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data"):
-                init.ClearField(field)
+                tensor.ClearField(field)
     graph = onnx.shape_inference.infer_shapes(model).graph
     per_row_bytes = 0
     batch_dims = {

@@ -161,6 +161,27 @@ def test_static_estimate_counts_weights_and_row_activations(tmp_path: Path) -> N
     assert estimate.rows_within(weights + 10 * estimate.per_row_bytes) == 10
 
 
+def test_static_estimate_counts_weights_written_as_constant_nodes(tmp_path: Path) -> None:
+    """Some exporters write weights as the values of Constant nodes: counted from the
+    initializers alone, the demo model's were 0 bytes, and a 4 MiB CPU budget was taken,
+    every batch then run outside the capped arena."""
+    path = tmp_path / "mlp.onnx"
+    make_demo_model(path, input_dim=16, hidden_dim=32, hidden_layers=1, output_dim=4)
+    model = onnx.load(str(path))
+    constants = [
+        helper.make_node("Constant", [], [weight.name], value=weight)
+        for weight in model.graph.initializer
+    ]
+    nodes = [*constants, *model.graph.node]
+    del model.graph.initializer[:]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    onnx.checker.check_model(model)
+    as_constants = tmp_path / "mlp_constants.onnx"
+    onnx.save(model, str(as_constants))
+    assert static_estimate(str(as_constants)) == static_estimate(str(path))
+
+
 def test_static_estimate_that_fails_is_none_and_names_the_model(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
