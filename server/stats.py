@@ -41,6 +41,7 @@ def _reasons(*errors: type[LaneserveError]) -> tuple[str, ...]:
 # (the Prometheus counters report each from the start: see telemetry/metrics.py).
 # Refused before admission, by the servicer's checks or the scheduler's. JoinExpiredError:
 # a retry whose deadline passed while it waited for the request with its id in flight.
+# EngineError: a submission after the scheduler failed for good (the server then stops).
 REJECTED_REASONS = _reasons(
     InvalidInputError,
     RequestIdReusedError,
@@ -49,6 +50,7 @@ REJECTED_REASONS = _reasons(
     JoinExpiredError,
     MemoryPressureError,
     LaneFullError,
+    EngineError,
 )
 # Reasons counted as shed (dropped after admission), not as failures.
 SHED_REASONS = frozenset({ExpiredInQueueError.reason, "CANCELLED"})

@@ -805,6 +805,7 @@ def test_every_counter_series_is_reported_from_the_start_at_zero() -> None:
         "EXPIRED_IN_QUEUE",  # a retry that waited for its request_id's flight too long
         "MEMORY_PRESSURE",
         "LANE_FULL",
+        "ENGINE_FAILURE",  # a submission after the scheduler failed for good
     )
     ends = (
         "OK",
