@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -162,6 +163,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._state = state
         self._clock = clock
         self._started_s = started_s
+        self._instance_id = uuid.uuid4().hex  # GetStats: which server answered
         self._input_specs = engine.inputs
         self._output_names = [spec.name for spec in engine.outputs]
         # The item readers of the open InferStream calls (see `stop_reading_streams`).
@@ -404,6 +406,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             rows_run=snapshot.rows_run,
             uptime_s=self._clock.monotonic() - self._started_s,
             state=self._state().value,
+            instance_id=self._instance_id,
             batch_size=_size_summary(snapshot.batch_size),
             batch_reasons=snapshot.batch_reasons,
             device_utilization=self._telemetry.device_utilization(),

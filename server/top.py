@@ -37,6 +37,9 @@ BAR_WIDTH = 20
 # Times at or above this many milliseconds are shown with one decimal, below with two.
 _COARSE_MS = 10.0
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen
+# Two samples of one server give its start within their calls' latencies; one restart
+# (a process exits, loads its model and probes it) takes longer than this.
+RESTART_SLACK_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,25 +111,17 @@ def run(args: argparse.Namespace) -> int:
             if tls is None
             else grpc.secure_channel(args.target, tls.credentials(), options)
         ) as channel:
-            stub = pb_grpc.InferenceServiceStub(channel)
-            model = stub.GetModel(pb.GetModelRequest(), timeout=args.timeout_s)
-            previous: Sample | None = None
+            poller = Poller(pb_grpc.InferenceServiceStub(channel), args.target, args.timeout_s)
             shown = 0
             while True:
                 try:
-                    sample = Sample(
-                        stub.GetStats(pb.GetStatsRequest(), timeout=args.timeout_s),
-                        time.monotonic(),
-                    )
+                    frame = poller.frame()
                 except grpc.RpcError as error:
                     if not shown:
                         raise
                     # Stopped or restarting: shown as such, and polled on; the frames
                     # after count from the new start (see `_Rates`).
                     frame = _unreachable(args.target, error, args.interval_s)
-                else:
-                    frame = render(args.target, model, sample, previous)
-                    previous = sample
                 if live:
                     sys.stdout.write(_CLEAR + frame)
                 else:
@@ -146,6 +141,35 @@ def run(args: argparse.Namespace) -> int:
         return 0
     except BrokenPipeError:
         return _stdout_closed()
+
+
+class Poller:
+    """The frames of one address: GetStats each time, GetModel at first and again whenever
+    another server may answer (after a spell unreachable, or a restart seen in the
+    counters): a server restarted with another model kept the first one's header."""
+
+    def __init__(self, stub: pb_grpc.InferenceServiceStub, target: str, timeout_s: float) -> None:
+        self._stub = stub
+        self._target = target
+        self._timeout_s = timeout_s
+        self._model: pb.GetModelResponse | None = None
+        self._previous: Sample | None = None
+
+    def frame(self) -> str:
+        """The next frame; grpc.RpcError when the server cannot be reached."""
+        try:
+            stats = self._stub.GetStats(pb.GetStatsRequest(), timeout=self._timeout_s)
+            sample = Sample(stats, time.monotonic())
+            if self._model is None or (
+                self._previous is not None and restarted(sample, self._previous)
+            ):
+                self._model = self._stub.GetModel(pb.GetModelRequest(), timeout=self._timeout_s)
+        except grpc.RpcError:
+            self._model = None  # the server that answers next may serve another model
+            raise
+        frame = render(self._target, self._model, sample, self._previous)
+        self._previous = sample
+        return frame
 
 
 def _stdout_closed() -> int:
@@ -244,22 +268,38 @@ class _Rates:
     """Per-second rates of counters: between two samples, or since the server started."""
 
     def __init__(self, sample: Sample, previous: Sample | None) -> None:
-        # A shorter uptime than the last sample's: another server answers now (restarted,
-        # or a new one behind the address); its counters start from zero, not from ours.
-        restarted = previous is not None and sample.stats.uptime_s < previous.stats.uptime_s
-        self._between = previous is not None and not restarted and sample.taken_s > previous.taken_s
+        # Another server answers now: its counters start from zero, not from ours.
+        another = previous is not None and restarted(sample, previous)
+        self._between = previous is not None and not another and sample.taken_s > previous.taken_s
         if previous is not None and self._between:
             self._seconds = sample.taken_s - previous.taken_s
             self.label = f"per second over the last {self._seconds:.1f}s"
         else:
             self._seconds = max(sample.stats.uptime_s, 1e-9)
             self.label = "per second, averaged since " + (
-                "the server restarted" if restarted else "start"
+                "the server restarted" if another else "start"
             )
 
     def of(self, now: int, before: int | None) -> str:
         delta = now - before if self._between and before is not None else now
         return f"{max(delta, 0) / self._seconds:.1f}"
+
+
+def restarted(sample: Sample, previous: Sample) -> bool:
+    """Whether another server answered `sample` than `previous` (restarted, or another
+    behind the address): its `instance_id` differs; from a server without one, its start
+    on this process's clock (when sampled, less its uptime) moved by more than two
+    calls' latencies explain, or a counter went down. A shorter uptime alone missed a
+    restart sampled later in the new server's life than the last sample was in the old
+    one's (`--interval-s 3`, a restart in 2 s)."""
+    if sample.stats.instance_id and previous.stats.instance_id:
+        return sample.stats.instance_id != previous.stats.instance_id
+    started_s = sample.taken_s - sample.stats.uptime_s
+    started_before_s = previous.taken_s - previous.stats.uptime_s
+    if abs(started_s - started_before_s) > RESTART_SLACK_S:
+        return True
+    now, before = sample.stats, previous.stats
+    return now.batches < before.batches or now.rows_run < before.rows_run
 
 
 def _bar(used: int, capacity: int) -> str:
@@ -325,4 +365,4 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
-__all__ = ["Sample", "add_arguments", "render", "run"]
+__all__ = ["Poller", "Sample", "add_arguments", "render", "restarted", "run"]

@@ -9,13 +9,24 @@ import socket
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 
-from laneserve.server import ServerConfig
+from laneserve.server import LaneServer, ServerConfig
 from laneserve.server.cli import main
-from laneserve.server.top import Sample, render
+from laneserve.server.demo_model import make_demo_model
+from laneserve.server.top import Poller, Sample, render, restarted
 from laneserve.v1 import inference_pb2 as pb
-from tests.support import CLIENT_CLI_TIMEOUT_S, RecordingEngine, request, rows, serving
+from laneserve.v1 import inference_pb2_grpc as pb_grpc
+from tests.support import (
+    CLIENT_CLI_TIMEOUT_S,
+    RecordingEngine,
+    estimate_once,
+    request,
+    rows,
+    serving,
+    unused_port,
+)
 
 GIB = 1 << 30
 MODEL = pb.GetModelResponse(
@@ -77,9 +88,10 @@ def test_frame_shows_lanes_batches_memory_and_device() -> None:
         ),
         taken_s=12.0,
     )
+    now.stats.uptime_s += 2.0  # the same server, sampled 2 s later
     frame = render("gpu-host:50051", MODEL, now, before)
     lines = frame.splitlines()
-    assert lines[0].startswith("laneserve top  gpu-host:50051  SERVING  up 1h02m03s")
+    assert lines[0].startswith("laneserve top  gpu-host:50051  SERVING  up 1h02m05s")
     assert "rates: per second over the last 2.0s" in lines[1]
     interactive = next(line for line in lines if line.startswith("interactive"))
     # 128 of 512 rows: a quarter of the bar; wait p95; 200 admitted in 2 s; 20 refused.
@@ -147,6 +159,68 @@ def test_a_frame_after_the_server_restarted_counts_from_its_start() -> None:
     assert "rates: per second, averaged since the server restarted" in frame
     interactive = next(line for line in frame.splitlines() if line.startswith("interactive"))
     assert interactive.split()[4] == "4.0"  # 200 admitted in its 50 s, not 100 in 2 s
+
+
+def test_a_restart_is_seen_though_the_new_server_has_run_longer_than_the_old_had() -> None:
+    """Sampled 60 s apart, a server up 5 s, then one up 45 s: a shorter uptime was the only
+    sign of a restart, so the rates were the second server's counters less the first's
+    (45 000 - 30 000 admitted over 60 s: 250/s, where both ran at 1 000/s)."""
+    before = stats(30_000)
+    before.uptime_s = 5.0
+    after = stats(45_000)
+    after.uptime_s = 45.0
+    frame = render("h:1", MODEL, Sample(after, 70.0), Sample(before, 10.0))
+    assert "rates: per second, averaged since the server restarted" in frame
+    interactive = next(line for line in frame.splitlines() if line.startswith("interactive"))
+    assert interactive.split()[4] == "1000.0"
+    # Behind one address, a replica that started with the first (within a second) but
+    # has run fewer batches is another server too.
+    replica = stats(20_000)
+    replica.uptime_s = 65.0
+    assert restarted(Sample(replica, 70.0), Sample(before, 10.0))
+    same = stats(31_000)
+    same.uptime_s = 65.0
+    assert not restarted(Sample(same, 70.0), Sample(before, 10.0))
+    # A server that names itself is told apart by its instance_id alone.
+    before.instance_id, same.instance_id = "a", "b"
+    assert restarted(Sample(same, 70.0), Sample(before, 10.0))
+    same.instance_id = "a"
+    replica.instance_id = "a"
+    assert not restarted(Sample(replica, 70.0), Sample(before, 10.0))
+
+
+def test_top_shows_the_model_of_the_server_that_answers_after_a_restart(
+    small_model: Path, tmp_path: Path
+) -> None:
+    """GetModel was asked once: a server restarted on the same address with another
+    model (or on the CPU where it ran CUDA) kept the first one's header."""
+    other_model = tmp_path / "other.onnx"
+    make_demo_model(other_model, hidden_dim=16, hidden_layers=1)
+
+    def server(model: Path, port: int) -> LaneServer:
+        settings = ServerConfig(model_path=str(model), host="127.0.0.1", port=port, metrics_port=-1)
+        return LaneServer(RecordingEngine(str(model)), settings, estimate=estimate_once)
+
+    async def scenario() -> list[str]:
+        port = unused_port()
+        first = server(small_model, port)
+        await first.start()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            poller = Poller(pb_grpc.InferenceServiceStub(channel), f"127.0.0.1:{port}", 10.0)
+            frames = [await asyncio.to_thread(poller.frame)]
+            await first.stop(grace_s=0.0)
+            second = server(other_model, port)
+            await second.start()
+            try:
+                frames.append(await asyncio.to_thread(poller.frame))
+            finally:
+                await second.stop(grace_s=0.0)
+        return frames
+
+    before, after = asyncio.run(scenario())
+    assert f"model {small_model} " in before
+    assert f"model {other_model} " in after
+    assert "averaged since the server restarted" in after
 
 
 def test_top_runs_headless_against_a_real_server(

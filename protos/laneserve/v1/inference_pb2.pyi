@@ -649,6 +649,7 @@ class GetStatsResponse(_message.Message):
     ROWS_RUN_FIELD_NUMBER: _builtins.int
     UPTIME_S_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     BATCH_SIZE_FIELD_NUMBER: _builtins.int
     BATCH_REASONS_FIELD_NUMBER: _builtins.int
     DEVICE_UTILIZATION_FIELD_NUMBER: _builtins.int
@@ -679,6 +680,11 @@ class GetStatsResponse(_message.Message):
     uptime_s: _builtins.float
     state: _builtins.str
     """Server lifecycle: STARTING, SERVING, DRAINING, STOPPED."""
+    instance_id: _builtins.str
+    """Chosen at random when the server started: two answers with other ids come from
+    other servers (a restart, replicas behind one address), whose counters are not
+    comparable. Empty from a server older than this field.
+    """
     device_utilization: _builtins.float
     """GPU utilisation in [0, 1] from NVML; absent (not zero) without a GPU in use."""
     failed_batches: _builtins.int
@@ -745,6 +751,7 @@ class GetStatsResponse(_message.Message):
         rows_run: _builtins.int = ...,
         uptime_s: _builtins.float = ...,
         state: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
         batch_size: Global___SizeSummary | None = ...,
         batch_reasons: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         device_utilization: _builtins.float | None = ...,
@@ -767,7 +774,7 @@ class GetStatsResponse(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_device_utilization", b"_device_utilization", "batch_size", b"batch_size", "device_utilization", b"device_utilization", "grpc_calls", b"grpc_calls", "run_time", b"run_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_device_utilization", b"_device_utilization", "batch_cap", b"batch_cap", "batch_reasons", b"batch_reasons", "batch_size", b"batch_size", "batch_splits", b"batch_splits", "batches", b"batches", "cap_changes", b"cap_changes", "device_utilization", b"device_utilization", "failed_batches", b"failed_batches", "grpc_calls", b"grpc_calls", "idempotent_joins", b"idempotent_joins", "idempotent_replays", b"idempotent_replays", "lanes", b"lanes", "lanes_closed_by_memory", b"lanes_closed_by_memory", "max_batch_cap", b"max_batch_cap", "mean_batch_size", b"mean_batch_size", "memory_high_watermark_bytes", b"memory_high_watermark_bytes", "memory_limit_bytes", b"memory_limit_bytes", "memory_low_watermark_bytes", b"memory_low_watermark_bytes", "memory_used_bytes", b"memory_used_bytes", "memory_watermark_limit_bytes", b"memory_watermark_limit_bytes", "out_of_memory_events", b"out_of_memory_events", "replay_cache_bytes", b"replay_cache_bytes", "replay_cache_entries", b"replay_cache_entries", "rows_run", b"rows_run", "run_time", b"run_time", "state", b"state", "uptime_s", b"uptime_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_device_utilization", b"_device_utilization", "batch_cap", b"batch_cap", "batch_reasons", b"batch_reasons", "batch_size", b"batch_size", "batch_splits", b"batch_splits", "batches", b"batches", "cap_changes", b"cap_changes", "device_utilization", b"device_utilization", "failed_batches", b"failed_batches", "grpc_calls", b"grpc_calls", "idempotent_joins", b"idempotent_joins", "idempotent_replays", b"idempotent_replays", "instance_id", b"instance_id", "lanes", b"lanes", "lanes_closed_by_memory", b"lanes_closed_by_memory", "max_batch_cap", b"max_batch_cap", "mean_batch_size", b"mean_batch_size", "memory_high_watermark_bytes", b"memory_high_watermark_bytes", "memory_limit_bytes", b"memory_limit_bytes", "memory_low_watermark_bytes", b"memory_low_watermark_bytes", "memory_used_bytes", b"memory_used_bytes", "memory_watermark_limit_bytes", b"memory_watermark_limit_bytes", "out_of_memory_events", b"out_of_memory_events", "replay_cache_bytes", b"replay_cache_bytes", "replay_cache_entries", b"replay_cache_entries", "rows_run", b"rows_run", "run_time", b"run_time", "state", b"state", "uptime_s", b"uptime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__device_utilization: _TypeAlias = _typing.Literal["device_utilization"]  # noqa: Y015
     _WhichOneofArgType__device_utilization: _TypeAlias = _typing.Literal["_device_utilization", b"_device_utilization"]  # noqa: Y015
