@@ -1337,6 +1337,11 @@ class Scheduler:
         if failed_batches:
             smallest = min(failed_batches)
             at_cap = [rows for rows in failed_batches if rows >= self.batch_cap]
+            if result.batch.rows in failed_batches and self._full(result.batch):
+                # Full as whole requests make it at the cap, as recovery counts a full
+                # batch: 60 rows of 20-row requests under a cap of 64 or 62. Not held,
+                # the cap climbed back to 62 and failed again every ~65 batches.
+                at_cap.append(result.batch.rows)
             if at_cap:
                 # A batch at the cap failed: a limit, held below, even when its halves
                 # failed too (rows of uneven size: without the ceiling the cap climbed

@@ -349,6 +349,29 @@ def test_a_batch_at_the_cap_whose_halves_failed_too_sets_the_ceiling() -> None:
     assert scheduler.batch_cap == 60, "held below the size that failed"
 
 
+def test_a_full_batch_of_requests_that_do_not_divide_the_cap_sets_the_ceiling() -> None:
+    """Batches over 50 rows run out of memory; requests of 20 rows. The batch that failed
+    held 60 rows under a cap of 64 (no third request fitted): full, as recovery counts
+    one, but under the cap, so no ceiling was set, and the cap climbed back to 62 and
+    failed again every ~65 batches, 86 times in 6 000 batches."""
+    clock = ManualClock()
+    scheduler = _scheduler(64)
+    failures = []
+    index = 0
+    for batch in range(3 * CAP_CEILING_BATCHES // 2):
+        while scheduler.lane("standard").queued_rows < 4 * 64:
+            scheduler.admit(_request(index, "standard", 20), clock.monotonic())
+            index += 1
+        ran = _dispatch(scheduler, clock)
+        if ran.batch.rows > 50:
+            failures.append((batch, ran.batch.rows))
+            ran = _ran_out_of_memory(ran)
+        scheduler.complete(ran)
+    # The first, then one probe of the failing size after CAP_CEILING_BATCHES held below.
+    assert len(failures) == 2, failures
+    assert failures[1][0] - failures[0][0] > CAP_CEILING_BATCHES
+
+
 def _row_two_does_not_fit(ran: BatchResult) -> BatchResult:
     """`ran` (a 6-row batch) as the engine reports it when row 2 does not fit even alone:
     the runs of 6 and 3 rows that held it ran out of memory, then the row itself."""
