@@ -237,11 +237,14 @@ class Engine:
         # them, and a larger run cannot use the smaller regions earlier runs left: under
         # 32 MiB the demo model ran 512 rows, then ran out of memory at 544 (750 fit a
         # shrunk arena). So under a budget the arena shrinks before a run larger, in
-        # input bytes, than any since it last shrank: each larger size of the probe, a
-        # cap raised at run time. `_arena_run_bytes` is that largest run (0: none yet);
-        # runs on two threads at once could race on it: one shrink too many or too few.
+        # input bytes or in rows, than any since it last shrank: each larger size of the
+        # probe, a cap raised at run time. Rows too: with a dynamic width, a batch of
+        # more, narrower rows (fewer input bytes, more activations) ran among a wide
+        # batch's regions and ran out of memory, though it fitted a shrunk arena.
+        # `_arena_run` is that largest run, (bytes, rows) ((0, 0): none yet); runs on
+        # two threads at once could race on it: one shrink too many or too few.
         self._shrinks_before_growth = memory_limit_bytes is not None
-        self._arena_run_bytes = 0
+        self._arena_run = (0, 0)
         # The options of the run in progress, so that `terminate_runs` can end it: a
         # process that exits while the runtime is inside a run aborts (SIGABRT).
         self._lock = threading.Lock()
@@ -289,9 +292,12 @@ class Engine:
         """One session run over whole arrays; runtime errors come out as LaneserveError."""
         if self._shrinks_before_growth:
             run_bytes = sum(array.nbytes for array in inputs.values())
-            if 0 < self._arena_run_bytes < run_bytes:
+            run_rows = len(next(iter(inputs.values())))
+            largest_bytes, largest_rows = self._arena_run
+            if largest_bytes > 0 and (run_bytes > largest_bytes or run_rows > largest_rows):
                 self._shrink_arena()
-            self._arena_run_bytes = max(self._arena_run_bytes, run_bytes)
+                largest_bytes, largest_rows = self._arena_run
+            self._arena_run = (max(largest_bytes, run_bytes), max(largest_rows, run_rows))
         try:
             values = self._run_session(inputs, ort.RunOptions())
         except Exception as error:
@@ -336,7 +342,7 @@ class Engine:
         it carries the request alone. It failing (a model that cannot run zero rows)
         does not matter: the runtime shrinks after a failed run too.
         """
-        self._arena_run_bytes = 0
+        self._arena_run = (0, 0)
         options = ort.RunOptions()
         options.add_run_config_entry("memory.enable_memory_arena_shrinkage", self._arena)
         # Any failure: the shrink is done either way (see above).

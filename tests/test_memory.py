@@ -1010,6 +1010,69 @@ def test_a_batch_nobody_waits_for_any_more_is_not_run_again(small_model: Path) -
 
 # ---- the real thing: a capped arena in a child process ----------------------------------
 
+_WIDTHS_IN_TURN_SCRIPT = """
+import sys
+import numpy as np
+from laneserve.server.engine import Engine
+from laneserve.server.errors import DeviceMemoryError
+from laneserve.server.memory import parse_memory_limit
+
+engine = Engine(sys.argv[1], device="cpu", memory_limit=parse_memory_limit(sys.argv[2]))
+held, ran = None, []
+for spec in sys.argv[3:]:
+    rows, width = map(int, spec.split("x"))
+    try:
+        held = engine.run({"input": np.ones((rows, width), np.float32)})  # outputs held
+        ran.append(spec + ":ok")
+    except DeviceMemoryError:
+        ran.append(spec + ":out of memory")
+print(" ".join(ran))
+"""
+
+
+def test_a_batch_of_more_narrower_rows_runs_in_a_shrunk_arena(tmp_path: Path) -> None:
+    """The input's width is dynamic and the activations' is not (4 096 per row): memory
+    grows with rows, not input bytes. The arena shrank only before a run of more input
+    bytes, so 400 rows of width 16 ran among the regions 300 rows of width 256 left, and
+    ran out of memory, though they fit a shrunk arena."""
+    hidden = 4_096
+    graph = helper.make_graph(
+        [
+            helper.make_node("ReduceSum", ["input", "axes"], ["sum"], keepdims=1),
+            helper.make_node("Mul", ["sum", "row"], ["wide"]),
+            helper.make_node("Relu", ["wide"], ["relu"]),
+            helper.make_node("MatMul", ["relu", "weight"], ["output"]),
+        ],
+        "narrow",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", "width"])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", 10])],
+        [
+            helper.make_tensor("axes", TensorProto.INT64, [1], [1]),
+            helper.make_tensor(
+                "row", TensorProto.FLOAT, [1, hidden], np.linspace(-1, 1, hidden).tolist()
+            ),
+            helper.make_tensor(
+                "weight", TensorProto.FLOAT, [hidden, 10], np.full(hidden * 10, 0.01).tolist()
+            ),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    path = tmp_path / "narrow.onnx"
+    onnx.save(model, str(path))
+    done = subprocess.run(
+        [
+            *(sys.executable, "-c", _WIDTHS_IN_TURN_SCRIPT, str(path), "8MiB"),
+            *("400x16", "300x256", "400x16"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert done.stdout.split() == ["400x16:ok", "300x256:ok", "400x16:ok"], done.stdout
+
+
 _ENGINE_SCRIPT = """
 import json, sys
 import numpy as np
