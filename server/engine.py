@@ -47,6 +47,7 @@ from laneserve.server.memory import (
     estimate_memory,
     fit_memory,
     format_bytes,
+    prefer_pci_order,
 )
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,8 @@ class Engine:
                 f"cannot load model {model_path!r}: {not_a_file}; expected an ONNX model file"
             )
         self.model_path = model_path
+        if device != "cpu":
+            prefer_pci_order()  # before anything initialises CUDA
         requested = choose_providers(device)
         on_gpu = requested[0] == CUDA
         if memory_limit is None and on_gpu:

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -118,16 +118,38 @@ class MemoryGauge(Protocol):
         ...
 
 
-class NvmlGauge:
-    """A GPU's memory as NVML reports it: used by every process on the device, since a
-    neighbour's allocations leave laneserve less room just as its own do."""
+def session_gpu(nvml: Any) -> Any:
+    """NVML's handle of the GPU the session runs on: CUDA's device 0, which is the first
+    GPU CUDA_VISIBLE_DEVICES lists (an index or a UUID), or GPU 0 when it is unset. NVML
+    numbers GPUs in PCI bus order; CUDA's indices follow it too where CUDA_DEVICE_ORDER
+    is PCI_BUS_ID, which the engine sets unless the environment says otherwise
+    (`prefer_pci_order`). Read at NVML's index 0 whatever the variable said, a server
+    started with CUDA_VISIBLE_DEVICES=3 took its memory budget and watermark readings
+    from another process's GPU."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+    if first.isdigit():
+        return nvml.nvmlDeviceGetHandleByIndex(int(first))
+    return nvml.nvmlDeviceGetHandleByUUID(first)
 
-    def __init__(self, device_index: int = 0) -> None:
+
+def prefer_pci_order() -> None:
+    """CUDA numbers GPUs fastest first by default, NVML by PCI bus: on a host of unlike
+    GPUs, index 1 in CUDA_VISIBLE_DEVICES was another GPU to each. Called before the
+    runtime initialises CUDA; a CUDA_DEVICE_ORDER already set is left as it is."""
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+
+
+class NvmlGauge:
+    """The session's GPU's memory as NVML reports it: used by every process on the
+    device, since a neighbour's allocations leave laneserve less room just as its own
+    do."""
+
+    def __init__(self) -> None:
         import pynvml  # noqa: PLC0415 - only on machines with a GPU
 
         pynvml.nvmlInit()
         self._nvml = pynvml
-        self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        self._handle = session_gpu(pynvml)
 
     def used_bytes(self) -> int | None:
         return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)

@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import re
 import socket
 import sys
@@ -54,6 +55,7 @@ from laneserve.client import AsyncClient, Client
 from laneserve.server import LaneConfig, ServerConfig
 from laneserve.server.config import ConfigError
 from laneserve.server.events import FanOut
+from laneserve.server.memory import NvmlGauge, prefer_pci_order
 from laneserve.server.stats import StatsRecorder
 from laneserve.server.telemetry import (
     BatchLinkSampler,
@@ -961,6 +963,65 @@ def test_nvml_that_cannot_start_is_logged_as_an_event(
     assert getattr(record, "fields", {}) == {"error": "NVML Shared Library Not Found"}
     document = json.loads(JsonFormatter().format(record))
     assert document["event"] == "nvml_unavailable"
+
+
+class _RecordingNvml:
+    """NVML's calls that open a GPU, recording which GPU each asked for: no GPU here."""
+
+    NVMLError = RuntimeError
+
+    def __init__(self) -> None:
+        self.opened: list[tuple[str, object]] = []
+
+    def nvmlInit(self) -> None:  # noqa: N802 - NVML's name
+        pass
+
+    def nvmlShutdown(self) -> None:  # noqa: N802 - NVML's name
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> object:  # noqa: N802 - NVML's name
+        self.opened.append(("index", index))
+        return index
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> object:  # noqa: N802 - NVML's name
+        self.opened.append(("uuid", uuid))
+        return uuid
+
+
+@pytest.mark.parametrize(
+    ("visible", "expected"),
+    [(None, ("index", 0)), ("3,1", ("index", 3)), ("GPU-5d1c-aa01,2", ("uuid", "GPU-5d1c-aa01"))],
+    ids=["unset", "indices", "uuid"],
+)
+def test_memory_and_utilisation_are_read_from_the_gpu_the_session_runs_on(
+    monkeypatch: pytest.MonkeyPatch, visible: str | None, expected: tuple[str, object]
+) -> None:
+    """The memory gauge read NVML's GPU 0 whatever CUDA_VISIBLE_DEVICES said: a server
+    on GPU 3 took its memory budget and watermark readings from another GPU (the
+    utilisation gauge read the right one). Both read CUDA's device 0 now."""
+    nvml = _RecordingNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    NvmlGauge()
+    monitor = DeviceMonitor.open(["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert monitor is not None
+    assert nvml.opened == [expected, expected]
+
+
+def test_the_engine_numbers_gpus_in_pci_order_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CUDA numbers GPUs fastest first, NVML by PCI bus: on a host of unlike GPUs an
+    index in CUDA_VISIBLE_DEVICES meant another GPU to each."""
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    prefer_pci_order()
+    assert os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
+    prefer_pci_order()
+    assert os.environ["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST", "an operator's choice stands"
 
 
 def test_device_utilization_is_scraped_under_its_documented_name() -> None:

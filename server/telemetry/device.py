@@ -10,16 +10,12 @@ from typing import Any
 
 from laneserve.server.engine import CUDA
 from laneserve.server.log_events import log_event
+from laneserve.server.memory import session_gpu
 from laneserve.server.telemetry.logs import log
 
 
 class DeviceMonitor:
-    """GPU utilisation from NVML, for the GPU the session runs on.
-
-    NVML numbers GPUs physically; CUDA numbers the ones CUDA_VISIBLE_DEVICES lists, and
-    the session uses CUDA's device 0, so that is the first entry there (an index or a
-    UUID), or NVML's device 0 when the variable is unset.
-    """
+    """GPU utilisation from NVML, for the GPU the session runs on (`session_gpu`)."""
 
     def __init__(self, nvml: Any, handle: Any) -> None:
         self._nvml = nvml
@@ -45,10 +41,7 @@ class DeviceMonitor:
             return None
         first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
         try:
-            if first.isdigit():
-                handle = pynvml.nvmlDeviceGetHandleByIndex(int(first))
-            else:
-                handle = pynvml.nvmlDeviceGetHandleByUUID(first)
+            handle = session_gpu(pynvml)
         except pynvml.NVMLError as error:
             log_event(
                 log,
