@@ -20,7 +20,7 @@ Metric names (OpenTelemetry; Prometheus adds the unit and `_total`, e.g.
     laneserve.batch.cap           gauge rows                       largest batch formed now
     laneserve.device.memory.used  gauge By                         at the last reading
     laneserve.device.memory.budget gauge By                        the memory limit
-    laneserve.device.utilization  gauge 1                          NVML; absent without a GPU
+    laneserve.device.utilization.ratio gauge 1                     NVML; absent without a GPU
     laneserve.grpc.calls          counter           state          gRPC's own count (Channelz):
                                                                    started, succeeded, failed
 
