@@ -122,18 +122,24 @@ class Checkpoint:
     ) -> Checkpoint:
         directory.mkdir(parents=True)
         items = -(-rows // rows_per_item)
-        checkpoint = cls(
-            directory,
-            job_id,
-            str(input_path),
-            InputIdentity.of(input_path),
-            rows,
-            rows_per_item,
-            tuple(sorted(output_names)),
-            {},
-            np.zeros(items, dtype=np.bool_),
-        )
-        checkpoint.save()
+        try:
+            checkpoint = cls(
+                directory,
+                job_id,
+                str(input_path),
+                InputIdentity.of(input_path),
+                rows,
+                rows_per_item,
+                tuple(sorted(output_names)),
+                {},
+                np.zeros(items, dtype=np.bool_),
+            )
+            checkpoint.save()
+        except BaseException:
+            # A directory without its state (a full disk) blocked every later run: a
+            # rerun was told to --resume, and --resume that state.json was unreadable.
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
         return checkpoint
 
     @classmethod
@@ -192,11 +198,18 @@ class Checkpoint:
                 # "r" first: "r+" would silently lengthen a short file with zeros (rows
                 # marked done would read as zeros); "r" refuses it.
                 np.lib.format.open_memmap(path, mode="r")
-                array = np.lib.format.open_memmap(path, mode="r+")
             except (OSError, ValueError) as error:
                 raise CheckpointError(
                     f"checkpoint array {path} is unreadable ({error}); expected {dtype} "
                     f"{shape}. Delete {directory} to start over"
+                ) from error
+            try:
+                array = np.lib.format.open_memmap(path, mode="r+")
+            except OSError as error:  # readable, not writable: the rows done are intact
+                raise CheckpointError(
+                    f"checkpoint array {path} cannot be written ({error}); expected a "
+                    f"checkpoint this user can write: its rows are kept, so make {directory} "
+                    "writable and --resume again"
                 ) from error
             if str(array.dtype) != dtype or array.shape != shape:
                 raise CheckpointError(
@@ -213,12 +226,22 @@ class Checkpoint:
             array = self.arrays.get(name)
             if array is None:
                 shape = (self.rows, *values.shape[1:])
-                self.files[name] = _file_for(name, self.files.values())
-                array = np.lib.format.open_memmap(
-                    self._array_path(name), mode="w+", dtype=values.dtype, shape=shape
-                )
+                file = _file_for(name, self.files.values())
+                path = self.directory / file
+                array = np.lib.format.open_memmap(path, mode="w+", dtype=values.dtype, shape=shape)
+                _reserve(path)
+                self.files[name] = file
                 self.arrays[name] = array
                 self.output_specs[name] = (str(values.dtype), shape)
+            if values.dtype != array.dtype or values.shape != array[rows].shape:
+                # Written as it came, it broadcast: a model with a narrower output since
+                # the job began filled each row with one value copied across it.
+                raise CheckpointError(
+                    f"output {name!r} of item {item} is {values.dtype} {list(values.shape)}; "
+                    f"the checkpoint holds {array.dtype} rows of {list(array.shape[1:])} "
+                    "for it; expected the model the job began with (a job resumed on a "
+                    f"changed model?), or delete {self.directory} to start over"
+                )
             array[rows] = values
         self.done[item] = True
 
@@ -278,6 +301,18 @@ class Checkpoint:
 
     def _array_path(self, name: str) -> Path:
         return self.directory / self.files[name]
+
+
+def _reserve(path: Path) -> None:
+    """Allocates the disk space of the array file `path` now: written into a sparse file
+    through its memory map, a full disk killed the client with SIGBUS, no message, where
+    this raises OSError (ENOSPC) that names the file. Without posix_fallocate (not Linux)
+    the file stays sparse."""
+    allocate = getattr(os, "posix_fallocate", None)
+    if allocate is None:
+        return
+    with path.open("r+b") as file:
+        allocate(file.fileno(), 0, os.fstat(file.fileno()).st_size)
 
 
 def write_npz(file: Path | IO[bytes], arrays: Mapping[str, npt.NDArray[Any]]) -> None:

@@ -532,8 +532,43 @@ def _bulk(client: Client, args: argparse.Namespace) -> int:
     rows = _row_count(inputs, input_path)
     _check_items(model, inputs, rows, args, output_names)
     checkpoint = _open_checkpoint(output, input_path, rows, args, asked, model)
+    failures, examples = _run_items(client, args, checkpoint, inputs, output_names)
+    if not failures:
+        try:
+            checkpoint.finish(output)
+        except OSError as error:
+            raise UsageError(
+                f"cannot write {output}: {error}; the checkpoint {checkpoint.directory} is "
+                "kept: rerun with --resume once the output can be written"
+            ) from error
+        print(f"laneserve-client: {rows} rows done; wrote {output}", file=sys.stderr)
+        return EXIT_OK
+    failed_items = sum(failures.values())
+    print(
+        f"laneserve-client: {failed_items} of {checkpoint.items} items failed "
+        f"({_counts(failures)}); {checkpoint.done_rows} of {rows} rows done. "
+        f"Checkpoint: {checkpoint.directory}; rerun with --resume to retry the failed rows.",
+        file=sys.stderr,
+    )
+    for example in examples:
+        print(f"  {example}", file=sys.stderr)
+    return EXIT_FAILED_ROWS
+
+
+def _run_items(
+    client: Client,
+    args: argparse.Namespace,
+    checkpoint: Checkpoint,
+    inputs: Arrays,
+    output_names: Sequence[str],
+) -> tuple[collections.Counter[str], list[str]]:
+    """Streams the items the checkpoint lacks and stores their answers; the failures by
+    reason, and a few examples. The checkpoint is saved as it goes and at the end, on
+    every path (Ctrl-C, SIGTERM, a lost server: --resume goes on)."""
     pending = [int(item) for item in np.flatnonzero(~checkpoint.done)]
-    progress = Progress(rows, checkpoint.done_rows, enabled=not args.no_progress, stream=sys.stderr)
+    progress = Progress(
+        checkpoint.rows, checkpoint.done_rows, enabled=not args.no_progress, stream=sys.stderr
+    )
     failures: collections.Counter[str] = collections.Counter()
     examples: list[str] = []
     saved_s = time.monotonic()
@@ -569,29 +604,27 @@ def _bulk(client: Client, args: argparse.Namespace) -> int:
             if time.monotonic() - saved_s >= args.checkpoint_interval_s:
                 checkpoint.save()
                 saved_s = time.monotonic()
+    except CheckpointError as error:  # an answer that does not fit the checkpoint
+        raise UsageError(str(error)) from error
+    except OSError as error:  # a full disk, a directory made read-only: rows kept so far
+        raise _unwritable(checkpoint, error) from error
     finally:
         progress.close()
-        checkpoint.save()  # also on Ctrl-C, SIGTERM and a lost server: --resume goes on
-    if not failures:
+        raised = sys.exc_info()[1]
         try:
-            checkpoint.finish(output)
+            checkpoint.save()  # also on Ctrl-C, SIGTERM and a lost server: --resume goes on
         except OSError as error:
-            raise UsageError(
-                f"cannot write {output}: {error}; the checkpoint {checkpoint.directory} is "
-                "kept: rerun with --resume once the output can be written"
-            ) from error
-        print(f"laneserve-client: {rows} rows done; wrote {output}", file=sys.stderr)
-        return EXIT_OK
-    failed_items = sum(failures.values())
-    print(
-        f"laneserve-client: {failed_items} of {checkpoint.items} items failed "
-        f"({_counts(failures)}); {checkpoint.done_rows} of {rows} rows done. "
-        f"Checkpoint: {checkpoint.directory}; rerun with --resume to retry the failed rows.",
-        file=sys.stderr,
+            if raised is None:  # else that error is the one to report
+                raise _unwritable(checkpoint, error) from error
+    return failures, examples
+
+
+def _unwritable(checkpoint: Checkpoint, error: OSError) -> UsageError:
+    return UsageError(
+        f"cannot write the checkpoint {checkpoint.directory}: {error}; expected room and "
+        "write permission there: the rows it saved are kept, so --resume once it can be "
+        "written"
     )
-    for example in examples:
-        print(f"  {example}", file=sys.stderr)
-    return EXIT_FAILED_ROWS
 
 
 def _rows_in(checkpoint: Checkpoint, item: int) -> int:
@@ -757,6 +790,7 @@ def _open_checkpoint(
             raise UsageError(str(error)) from error
         except OSError as error:
             raise UsageError(f"cannot read {input_path}: {error}") from error
+        _check_outputs_unchanged(checkpoint, model)
         print(
             f"laneserve-client: resuming job {checkpoint.job_id}: {checkpoint.done_rows} of "
             f"{rows} rows already done",
@@ -779,6 +813,26 @@ def _open_checkpoint(
         )
     except OSError as error:
         raise UsageError(f"cannot create the checkpoint {directory}: {error}") from error
+
+
+def _check_outputs_unchanged(checkpoint: Checkpoint, model: ModelInfo) -> None:
+    """Refuses a resume on a model whose outputs differ from the ones the checkpoint holds
+    (dtype, or a fixed size after the row axis): the answers would not be the job's."""
+    for name, (dtype, shape) in checkpoint.output_specs.items():
+        spec = next((spec for spec in model.outputs if spec.name == name), None)
+        if spec is None:
+            continue  # Checkpoint.load refused outputs the model lacks
+        fixed = all(
+            want is None or have == want
+            for have, want in zip(shape[1:], spec.shape[1:], strict=False)
+        ) and len(shape) == len(spec.shape)
+        if str(spec.dtype) != dtype or not fixed:
+            raise UsageError(
+                f"checkpoint {checkpoint.directory} holds output {name!r} as {dtype} with "
+                f"shape {list(shape)}; the model now gives {spec.dtype} with shape "
+                f"{_shape(spec.shape)}: expected the model the job began with, or delete "
+                f"{checkpoint.directory} to start over"
+            )
 
 
 class Progress:

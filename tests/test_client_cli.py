@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ from onnx import TensorProto, helper
 
 from laneserve.client._checkpoint import Checkpoint, CheckpointError
 from laneserve.server import Engine, LaneConfig, ServerConfig
+from laneserve.server.demo_model import make_demo_model
 from laneserve.server.items import Batch
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
@@ -874,6 +876,132 @@ def test_a_finish_that_cannot_move_the_output_keeps_the_checkpoint(tmp_path: Pat
         checkpoint.finish(tmp_path / "taken.npy")
     resumed = Checkpoint.load(directory, input_path=source, rows=40, rows_per_item=10)
     assert resumed.done.all()
+
+
+def test_an_answer_of_another_shape_than_the_checkpoint_holds_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Written as it came, it broadcast: a model with a narrower output since the job
+    began filled each resumed row with one value copied across it, and the job exited 0."""
+    source, directory = checkpoint_of(tmp_path)
+    checkpoint = Checkpoint.load(directory, input_path=source, rows=40, rows_per_item=10)
+    with pytest.raises(CheckpointError, match=r"output 'output' of item 2 is float32 \[10, 1\]"):
+        checkpoint.store(2, {"output": np.full((10, 1), 7.0, np.float32)})
+    assert not checkpoint.done[2]
+    assert not (np.asarray(checkpoint.arrays["output"][20:30]) == 7.0).any()
+
+
+def test_a_resume_on_a_model_whose_outputs_changed_is_refused_before_sending(
+    tmp_path: Path,
+) -> None:
+    source, directory = checkpoint_of(tmp_path)  # made on outputs of 10 values a row
+    narrower = tmp_path / "narrower.onnx"
+    make_demo_model(narrower, hidden_dim=32, hidden_layers=1, output_dim=1)
+    engine = RecordingEngine(str(narrower))
+
+    async def scenario() -> None:
+        async with serving(engine, config(narrower)) as s:
+            code, _, err = await cli(
+                "bulk",
+                "--target",
+                s.target,
+                *("--input", str(source), "--output", str(tmp_path / "out.npy")),
+                *("--rows-per-item", "10", "--resume"),
+            )
+            assert code == 2, err
+            assert (
+                f"checkpoint {directory} holds output 'output' as float32 with shape [40, 10]; "
+                "the model now gives float32 with shape [?, 1]"
+            ) in err
+
+    asyncio.run(scenario())
+    assert engine.batches == [], "nothing was sent"
+    assert Checkpoint.load(directory, input_path=source, rows=40, rows_per_item=10).done[:2].all()
+
+
+def test_a_checkpoint_that_could_not_be_created_leaves_no_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk failed the first state.json and left the directory: every later run
+    was told to --resume, and --resume that state.json was unreadable."""
+    source = tmp_path / "in.npy"
+    np.save(source, rows(40))
+
+    def full(_checkpoint: Checkpoint) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Checkpoint, "save", full)
+    directory = tmp_path / "out.npy.partial"
+    with pytest.raises(OSError, match="No space left"):
+        Checkpoint.create(directory, job_id="j", input_path=source, rows=40, rows_per_item=10)
+    assert not directory.exists()
+
+
+# laneserve-client on a disk that is full: posix_fallocate says so (ENOSPC).
+_FULL_DISK_CLIENT = """
+import errno, os, sys
+
+def full(_fd, _offset, _length):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+os.posix_fallocate = full
+from laneserve.client.cli import main
+sys.exit(main())
+"""
+
+
+def test_a_full_disk_is_an_error_that_names_the_checkpoint_not_a_crash(
+    small_model: Path, tmp_path: Path
+) -> None:
+    """The arrays were sparse files written through a memory map: on a full disk the
+    client died of SIGBUS, no message. Their space is taken up front now, and a failure
+    is an error naming the checkpoint, whose saved rows are kept."""
+    source = tmp_path / "in.npy"
+    np.save(source, rows(40))
+    output = tmp_path / "out.npy"
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            process = await asyncio.create_subprocess_exec(
+                *(sys.executable, "-c", _FULL_DISK_CLIENT, "bulk", "--target", s.target),
+                *("--input", str(source), "--output", str(output), "--rows-per-item", "10"),
+                stderr=asyncio.subprocess.PIPE,
+            )
+            _, err_bytes = await asyncio.wait_for(
+                process.communicate(), timeout=CLIENT_CLI_TIMEOUT_S
+            )
+            err = err_bytes.decode()
+            assert process.returncode == 2, err
+            assert f"cannot write the checkpoint {output}.partial: [Errno 28] No space" in err
+            assert "--resume once it can be written" in err
+            assert "Traceback" not in err
+
+    asyncio.run(scenario())
+    directory = Path(f"{output}.partial")
+    resumed = Checkpoint.load(directory, input_path=source, rows=40, rows_per_item=10)
+    assert not resumed.done.any()
+
+
+def test_a_checkpoint_that_can_be_read_but_not_written_is_not_called_unreadable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume by a user who may read the checkpoint but not write it was told the array
+    was unreadable and to delete the checkpoint: the work done, thrown away."""
+    source, directory = checkpoint_of(tmp_path)
+    open_memmap = np.lib.format.open_memmap
+
+    def read_only(path: Any, mode: str = "r+", **kwargs: Any) -> Any:
+        if mode == "r+":
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return open_memmap(path, mode=mode, **kwargs)
+
+    monkeypatch.setattr(np.lib.format, "open_memmap", read_only)
+    with pytest.raises(CheckpointError) as caught:
+        Checkpoint.load(directory, input_path=source, rows=40, rows_per_item=10)
+    message = str(caught.value)
+    assert "cannot be written ([Errno 13] Permission denied" in message
+    assert f"its rows are kept, so make {directory} writable and --resume again" in message
+    assert "Delete" not in message
 
 
 def test_paths_and_seconds_a_run_cannot_use_are_usage_errors(
