@@ -219,7 +219,13 @@ class ServerConfig:
         _check_int("server.priority_port", self.priority_port, minimum=-1, maximum=65_535)
         _check_int("server.max_batch_size", self.max_batch_size, minimum=1, maximum=UINT32_MAX)
         if self.batch_cap is not None:
-            _check_int("server.batch_cap", self.batch_cap, minimum=1, maximum=self.max_batch_size)
+            _check_int("server.batch_cap", self.batch_cap, minimum=1)
+            if self.batch_cap > self.max_batch_size:  # a bound the caller may not have set
+                raise ConfigError(
+                    f"server.batch_cap: expected at most server.max_batch_size "
+                    f"({self.max_batch_size}), got {self.batch_cap}; raise max_batch_size "
+                    "(--max-batch-size) for a larger cap"
+                )
         # gRPC takes these as C ints.
         _check_int(
             "server.max_message_bytes", self.max_message_bytes, minimum=1024, maximum=GRPC_INT_MAX

@@ -218,6 +218,12 @@ def test_keys_missing_from_the_file_keep_their_defaults(tmp_path: Path) -> None:
             id="memory-limit-over-64-bits",
         ),
         pytest.param(
+            "[server]\nbatch_cap = 256\n",
+            "server.batch_cap: expected at most server.max_batch_size (128), got 256; raise "
+            "max_batch_size (--max-batch-size) for a larger cap",
+            id="batch-cap-over-the-default-max-batch-size",
+        ),
+        pytest.param(
             "[server]\nmemory_limit = 0.9\n",
             "server.memory_limit: expected a string like '6GiB', or a fraction of device "
             "memory such as '0.9', got 0.9",
