@@ -147,6 +147,10 @@ class _Plan:
     # (lane, fill): the lane that leads the batch and the share of the room left it that
     # its whole requests filled, when its next request did not fit (see `Lane.fill_ratio`).
     fill_sample: tuple[int, float] | None = None
+    # A queued request of the batch's shape did not fit the room left (or the ride-along
+    # budget): waiting for company would hold it back, and nothing that waiting brings
+    # goes ahead of it.
+    left_out: bool = False
 
 
 class _Filling:
@@ -874,7 +878,10 @@ class Scheduler:
             return None
         rows = sum(taken for _, taken in plan.taken)
         reason: DispatchReason | None = None
-        if rows >= plan.limit_rows:
+        # Full too when a queued request did not fit beside it: a lower lane's share had
+        # pushed an interactive request out of a batch that then waited out that lane's
+        # max_wait with the session free, while the request expired in the queue.
+        if rows >= plan.limit_rows or plan.left_out:
             reason = DispatchReason.FULL
         elif any(entry.enqueued_s < idle_since_s for entry, _ in plan.taken):
             reason = DispatchReason.BACKLOG
@@ -967,6 +974,7 @@ class Scheduler:
                 else allowance
             )
             used, unfit = batch.fill(lane, take)
+            plan.left_out = plan.left_out or unfit > 0
             plan.share_used[lane.priority] = (allowance, used)
             head = lane.head()
             assert head is not None
@@ -1025,6 +1033,7 @@ class Scheduler:
         for position, lane in enumerate(order):  # `order` may change ahead of `position`
             claims_below -= plan.share_used.get(lane.priority, (0, 0))[1]
             used, unfit = batch.fill(lane, self.batch_cap, gather=lane.priority == leader)
+            plan.left_out = plan.left_out or unfit > 0
             if lane.priority == owner:
                 allowance, claimed = plan.share_used[lane.priority]
                 plan.share_used[lane.priority] = (allowance, claimed + used)

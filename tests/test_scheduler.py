@@ -369,6 +369,23 @@ def test_wait_until_is_the_earliest_max_wait_in_the_batch() -> None:
     assert row_ids(batch) == ids(1, 1) + ids(0, 1)
 
 
+def test_a_batch_a_request_did_not_fit_beside_goes_at_once() -> None:
+    """Standard's share claimed its one queued row, which pushed an 8-row interactive
+    request out of the 8-row batch: the batch was standard's, and it waited out
+    standard's max_wait (4 ms) with the session free, while the interactive request's
+    3 ms deadline passed in the queue. Waiting could add nothing that goes ahead of it."""
+    scheduler = make_scheduler(LANES, cap=8)
+    scheduler.admit(make_request(1, "standard", 1), T0)
+    scheduler.admit(make_request(2, "interactive", 8, deadline_s=T0 + 0.003), T0)
+    decision = scheduler.decide(T0, NEVER_IDLE)
+    assert isinstance(decision, Dispatch), decision
+    assert decision.batch.reason is DispatchReason.FULL
+    assert rows_by_lane(decision.batch) == {"standard": 1}
+    scheduler.complete(run(decision.batch))
+    following = dispatch(scheduler, T0 + 0.001)
+    assert rows_by_lane(following) == {"interactive": 8}
+
+
 def test_deadline_slack_dispatches_before_max_wait() -> None:
     scheduler = make_scheduler()
     scheduler.admit(make_request(0, "bulk", 2, deadline_s=T0 + 0.050), T0)
