@@ -993,13 +993,15 @@ class Scheduler:
         # of another shape set it (an owed head of the top's shape rides in the top's
         # batch: gathering there, it took ride-along room beyond its share, uncharged).
         leader = top.priority if shape_owner is None else shape_owner
-        self._fill_top_down(plan, batch, shape_owner, leader)
+        self._fill_top_down(plan, batch, shape_owner, leader, now_s)
         plan.taken = list(batch.taken.values())
         if shape_owner is not None:
             _charge_owner(plan, first.priority, self._limit_rows(now_s, top))
         return plan
 
-    def _fill_top_down(self, plan: _Plan, batch: _Filling, owner: int | None, leader: int) -> None:
+    def _fill_top_down(
+        self, plan: _Plan, batch: _Filling, owner: int | None, leader: int, now_s: float
+    ) -> None:
         """Pass 2: fills what pass 1 left, lane by lane from the top, lanes below the
         batch's highest within its ride-along budget. The lane whose head set the batch's
         shape (`leader`) gathers its entries of that shape past those of other shapes:
@@ -1054,7 +1056,13 @@ class Scheduler:
                 room = plan.limit_rows - claims_below
                 if unfit and owner is None and room > 0:
                     plan.fill_sample = (lane.priority, (rows - claims_below) / room)
-                budget_rows = max(rows, self._rows_within_wait(lane, batch.signature))
+                budget_rows = max(
+                    rows,
+                    min(
+                        self._rows_within_wait(lane, batch.signature),
+                        self._rows_by_deadline(batch, now_s),
+                    ),
+                )
                 batch.room = min(batch.room, budget_rows - rows)
 
     def _owed_head(self, top: Entry) -> Entry | None:
@@ -1100,6 +1108,15 @@ class Scheduler:
                     min(max(head_rows, own) + shares, self.batch_cap),
                 )
         return self.batch_cap
+
+    def _rows_by_deadline(self, batch: _Filling, now_s: float) -> int:
+        """The most rows a batch of `batch`'s shape starting now runs within the earliest
+        deadline of the rows it holds so far: rows riding along must not make those late.
+        Within the max_wait budget alone, an interactive request admitted for a 1-row
+        run ran beside 7 bulk rows and was answered after its deadline."""
+        earliest_s = min(entry.deadline_s for entry, _ in batch.taken.values())
+        model = self._run_times.get(batch.signature)
+        return model.rows_within_s(earliest_s - now_s, self.batch_cap)
 
     def _rows_within_wait(self, lane: Lane, signature: Signature) -> int:
         """Rows expected to run within `lane`'s max_wait beyond the shortest run (one

@@ -2608,6 +2608,24 @@ def test_rows_within_a_time_follow_the_run_time_model() -> None:
     assert model.rows_within_s(0.002, 64) < 22
 
 
+def test_rows_riding_along_never_make_the_rows_they_join_late() -> None:
+    """An interactive request was admitted for a 1-row run (1 ms) within its deadline,
+    and its batch then took 7 bulk rows within interactive's max_wait: it ran 8 rows
+    (1.333 ms) and was answered 0.233 ms after its deadline."""
+    scheduler = make_scheduler(LANES, cap=8)
+    scheduler.admit(make_request(0, "interactive", 8), T0)
+    scheduler.admit(make_request(1, "bulk", 7), T0)
+    running = dispatch(scheduler, T0)
+    assert rows_by_lane(running) == {"interactive": 8}
+    ends_s = T0 + scheduler.run_time.predict_s(8)
+    deadline_s = ends_s + 0.0011  # one row runs in 1 ms, eight in 1.333 ms
+    scheduler.admit(make_request(2, "interactive", 1, deadline_s=deadline_s), T0 + 0.001)
+    scheduler.complete(run(running, run_s=scheduler.run_time.predict_s(8)))
+    following = dispatch(scheduler, ends_s, idle_since_s=ends_s)
+    assert rows_by_lane(following) == {"interactive": 1}, "bulk's 7 rows would make it late"
+    assert ends_s + scheduler.run_time.predict_s(following.rows) <= deadline_s
+
+
 def test_lower_lanes_ride_along_only_within_the_top_lanes_max_wait() -> None:
     """An interactive request (max_wait 2 ms) with bulk queued: the batch carries bulk rows
     only up to what runs within 2 ms beyond one row's 1 ms (43 rows in all), not the
