@@ -1399,7 +1399,11 @@ class Scheduler:
                 if ceiling is not None and target >= ceiling:
                     if self._full_batches_since_change < CAP_CEILING_BATCHES:
                         return  # held at the last size that ran, below the failing one
-                    self._oom_ceiling_rows = None  # probe the failing size once more
+                    # Probe the failing size once more: that size, not a step past it
+                    # (62 -> 66 past a ceiling of 64: it then held at 62 and probed 66,
+                    # never the size that failed).
+                    self._oom_ceiling_rows = None
+                    target = max(min(target, ceiling), self.batch_cap + 1)
                 self._set_cap(target, "recovered")
 
     def _full(self, batch: Batch) -> bool:

@@ -372,6 +372,33 @@ def test_a_full_batch_of_requests_that_do_not_divide_the_cap_sets_the_ceiling() 
     assert failures[1][0] - failures[0][0] > CAP_CEILING_BATCHES
 
 
+def test_the_probe_after_the_hold_tries_the_size_that_failed_not_a_step_past_it() -> None:
+    """A batch of 100 rows (two 50-row requests, full under a cap of 128) ran out of
+    memory; the cap climbed by 8 from 50 and held at 98. After the hold it probed 106, a
+    step past the size that failed: the size itself was never tried again."""
+    clock = ManualClock()
+    scheduler = _scheduler(128)
+    index = 0
+
+    def run_full_batch(rows_per_request: int, fails_over: int) -> int:
+        nonlocal index
+        while scheduler.lane("standard").queued_rows < 4 * 128:
+            scheduler.admit(_request(index, "standard", rows_per_request), clock.monotonic())
+            index += 1
+        ran = _dispatch(scheduler, clock)
+        scheduler.complete(_ran_out_of_memory(ran) if ran.batch.rows > fails_over else ran)
+        return ran.batch.rows
+
+    assert run_full_batch(50, fails_over=99) == 100
+    caps = [scheduler.batch_cap]
+    for _ in range(CAP_CEILING_BATCHES + 8 * CAP_RECOVERY_BATCHES):
+        run_full_batch(1, fails_over=1_000)
+        if scheduler.batch_cap != caps[-1]:
+            caps.append(scheduler.batch_cap)
+    # Held at 98, the probe tries 100; it runs, and the cap climbs on from there.
+    assert caps[:9] == [50, 58, 66, 74, 82, 90, 98, 100, 108], caps
+
+
 def _row_two_does_not_fit(ran: BatchResult) -> BatchResult:
     """`ran` (a 6-row batch) as the engine reports it when row 2 does not fit even alone:
     the runs of 6 and 3 rows that held it ran out of memory, then the row itself."""
