@@ -123,6 +123,10 @@ SERVER_STREAM_LANE = "bulk"
 # (a drain, then a restart at the same address) and may take seconds to come back; the
 # policy's 6 attempts were spent in about 3 s.
 STREAM_RESUME_S = 30.0
+# Bounds on an answer's framing beyond its outputs' data (see `_answer_refusal`): the
+# envelope, the ids and the timing; and per output its name's and its shape's.
+ANSWER_FRAMING_BYTES = 256
+OUTPUT_FRAMING_BYTES = 96
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -133,6 +137,12 @@ class StreamLimits:
     capacity_rows: int | None
     # The largest item message this client may send and the server read (None: unknown).
     max_message_bytes: int | None
+    # The largest answer this client reads, where it is smaller than the largest the
+    # server sends (None: no smaller): gRPC ends the whole call on a larger one.
+    max_receive_bytes: int | None = None
+    # Bytes per row of each model output, where its size after the row axis is fixed
+    # (None: not fixed, or unknown): an answer's size, before it comes.
+    answer_row_bytes: Mapping[str, int | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -211,6 +221,9 @@ class BulkStream:
         # An item over this is answered with an error, not sent: gRPC would fail the
         # whole call with it (set with the row window).
         self._max_item_bytes = math.inf
+        # So is one whose answer is known to be over what this client reads (see
+        # `_answer_refusal`; set with the row window).
+        self._answer_limit = StreamLimits(None, None)
         # Rows of the items taken for sending and not finally answered: at most
         # `_window_rows`, or one item alone.
         self._rows_out = 0
@@ -364,6 +377,7 @@ class BulkStream:
         self._window_rows = math.inf if window_rows is None else window_rows
         if limits.max_message_bytes is not None:
             self._max_item_bytes = limits.max_message_bytes
+        self._answer_limit = limits
 
     async def _next_to_send(self) -> _Item | None:
         """The next item to write; None when every item has its final answer."""
@@ -470,28 +484,63 @@ class BulkStream:
             inputs=tensors,
             output_names=self._options.outputs,
         )
-        size = message.ByteSize()
-        if size > self._max_item_bytes:  # sent, it would end the call for every item
-            self._emit(
-                StreamResult(
-                    index,
-                    request_id,
-                    None,
-                    ResourceExhaustedError(
-                        f"bulk stream item {index} is {size} bytes, over the largest "
-                        f"message this client and server exchange ({self._max_item_bytes} "
-                        "bytes, max_message_bytes); expected fewer rows per item",
-                        code=grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        request_id=request_id,
-                    ),
-                    0,
-                )
-            )
-            return None
         rows = next((int(array.shape[0]) for array in inputs.values() if array.ndim), 0)
+        too_large = self._size_refusal(index, message, rows)
+        if too_large is not None:  # sent, it would end the call for every item
+            self._emit(StreamResult(index, request_id, None, too_large, 0))
+            return None
         item = _Item(index, request_id, message, rows)
         self._items[request_id] = item
         return item
+
+    def _size_refusal(
+        self, index: int, message: pb.InferRequest, rows: int
+    ) -> ResourceExhaustedError | None:
+        """The refusal of an item larger than this client and the server exchange, or
+        whose answer is known to be (see `_answer_refusal`): gRPC would end the whole
+        call on either (every other item unanswered), and a resumed job's call again."""
+        size = message.ByteSize()
+        if size > self._max_item_bytes:
+            return ResourceExhaustedError(
+                f"bulk stream item {index} is {size} bytes, over the largest message this "
+                f"client and server exchange ({self._max_item_bytes} bytes, "
+                "max_message_bytes); expected fewer rows per item",
+                code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+                request_id=message.request_id,
+            )
+        return self._answer_refusal(index, message.request_id, rows)
+
+    def _answer_refusal(
+        self, index: int, request_id: str, rows: int
+    ) -> ResourceExhaustedError | None:
+        """The refusal of an item whose answer is known, from the model's output sizes, to
+        be larger than this client reads where the server would send it. None when it
+        fits, or its size is not known before it comes (an output of dynamic size)."""
+        limits = self._answer_limit
+        if limits.max_receive_bytes is None or limits.answer_row_bytes is None:
+            return None
+        names = self._options.outputs or tuple(limits.answer_row_bytes)
+        row_bytes = [limits.answer_row_bytes.get(name) for name in names]
+        if any(size is None for size in row_bytes):
+            return None
+        data_bytes = rows * sum(size for size in row_bytes if size is not None)
+        # The answer's framing: its request_id twice, each output's name, shape and data
+        # length, the timing; generous, so that a refusal is never wrong by it.
+        framing_bytes = (
+            ANSWER_FRAMING_BYTES
+            + 2 * len(request_id.encode())
+            + sum(len(name.encode()) + OUTPUT_FRAMING_BYTES for name in names)
+        )
+        if data_bytes + framing_bytes <= limits.max_receive_bytes:
+            return None
+        return ResourceExhaustedError(
+            f"the answer to bulk stream item {index} ({rows} rows) is at least {data_bytes} "
+            f"bytes, over the largest message this client reads ({limits.max_receive_bytes} "
+            "bytes, its max_message_bytes; the server sends larger); expected fewer rows "
+            "per item, or a larger max_message_bytes",
+            code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+            request_id=request_id,
+        )
 
     # ---- the reader ------------------------------------------------------------------
 

@@ -199,6 +199,37 @@ def test_a_job_whose_connection_goes_silent_does_not_wait_for_ever(
     asyncio.run(scenario())
 
 
+def test_an_item_whose_answer_is_over_what_the_client_reads_fails_alone(
+    tmp_path: Path,
+) -> None:
+    """The client reads at most 1 MiB, the server sends up to 64 MiB: an 8-row item's
+    answer (1.6 MB, 50 000 floats a row) ended the whole call in the client's gRPC
+    ("Received message larger than max"), every later item unanswered and the job
+    failed, a resumed job again. Its size is known from the model: it fails alone, and
+    the job goes on."""
+    model = tmp_path / "wide.onnx"
+    make_demo_model(model, hidden_dim=16, hidden_layers=1, output_dim=50_000)
+
+    async def scenario() -> list[lc.StreamResult]:
+        engine = RecordingEngine(str(model))
+        async with (
+            serving(engine, config(model)) as s,
+            lc.AsyncClient(s.target, max_message_bytes=1 << 20) as client,
+        ):
+            items = [
+                {"input": rows(count, start=10 * index)}
+                for index, count in enumerate((1, 1, 8, 1, 1))
+            ]
+            return await collect(client.stream(items, window=1))
+
+    results = asyncio.run(scenario())
+    assert [result.ok for result in results] == [True, True, False, True, True]
+    error = results[2].error
+    assert isinstance(error, lc.ResourceExhaustedError)
+    assert "the answer to bulk stream item 2 (8 rows) is at least 1600000 bytes" in str(error)
+    assert results[2].attempts == 0, "never sent"
+
+
 def test_an_async_source_waiting_for_its_next_item_survives_a_cut_connection(
     small_model: Path,
 ) -> None:
