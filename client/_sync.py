@@ -12,6 +12,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import (
+    AsyncGenerator,
     AsyncIterable,
     AsyncIterator,
     Coroutine,
@@ -184,10 +185,11 @@ class Client:
         """See `AsyncClient.stream`. Stopping the iteration early (``break``, an
         exception) cancels the job's call; the server frees its queued items."""
         source = requests
+        reader: AsyncGenerator[StreamItem, None] | None = None
         if not isinstance(requests, Mapping | AsyncIterable | Sequence):
             # Not on the client's loop: it runs every thread's calls. A list or a tuple
             # never blocks, and is read there without a thread's hand-off per item.
-            source = _read_off_loop(iter(requests))
+            source = reader = _read_off_loop(iter(requests))
 
         async def start() -> AsyncIterator[StreamResult]:
             return self._client.stream(
@@ -204,9 +206,16 @@ class Client:
             )
 
         results = self._run(start())
-        return self._iterate(results)
+        return self._iterate(results, reader)
 
-    def _iterate(self, results: AsyncIterator[StreamResult]) -> Iterator[StreamResult]:
+    def _iterate(
+        self,
+        results: AsyncIterator[StreamResult],
+        reader: AsyncGenerator[StreamItem, None] | None = None,
+    ) -> Iterator[StreamResult]:
+        """`results` on the caller's thread; closed with them, `reader` (the source's, this
+        client's own) is closed too: left to the garbage collector, its thread and the
+        caller's generator lived on after a `break` until a collection ran."""
         # The task running the latest step: closing must wait for it, as an async
         # generator cannot be closed while it runs.
         steps: list[asyncio.Task[Any]] = []
@@ -226,6 +235,8 @@ class Client:
             aclose = getattr(results, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if reader is not None:
+                await reader.aclose()
 
         try:
             while True:
@@ -313,7 +324,7 @@ def _close_unclosed(
 _END: Final = object()
 
 
-async def _read_off_loop(items: Iterator[StreamItem]) -> AsyncIterator[StreamItem]:
+async def _read_off_loop(items: Iterator[StreamItem]) -> AsyncGenerator[StreamItem, None]:
     """`items`, each read on a thread of their own when the stream asks for it."""
     source = _SourceThread(items, asyncio.get_running_loop())
     try:

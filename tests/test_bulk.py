@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import threading
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ import pytest
 from laneserve import client as lc
 from laneserve.client import _channel as lc_channel
 from laneserve.client._request import MAX_REQUEST_ID_BYTES as CLIENT_MAX_REQUEST_ID_BYTES
+from laneserve.client._sync import SOURCE_THREAD
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig
 from laneserve.server.demo_model import make_demo_model
@@ -1067,6 +1070,40 @@ def test_leaving_a_sync_stream_early_cancels_its_queued_items(small_model: Path)
             await until(lambda: queued_rows(s) == 0)
             engine.release()
         assert sorted(engine.ran_tags) == [0, 1, 10, 11], "two batches ran, the rest never"
+
+    asyncio.run(scenario())
+
+
+def test_leaving_a_sync_stream_early_closes_its_source_and_its_thread(small_model: Path) -> None:
+    """The job's reader of a plain generator (a thread of its own) was left to the garbage
+    collector on a `break`: the thread and the caller's generator lived on until a
+    collection ran. Both end with the stream now."""
+    closed = threading.Event()
+
+    def source() -> Iterator[dict[str, F32]]:
+        try:
+            for index in range(1_000):
+                yield {"input": rows(1, start=10 * index)}
+        finally:
+            closed.set()
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+
+            def take_one() -> None:
+                with lc.Client(s.target) as client:
+                    for _ in client.stream(source(), window=4):
+                        break
+                    # At once: before the client closes, with no collection run.
+                    assert closed.is_set(), "the caller's generator is not closed"
+                    alive = [t for t in threading.enumerate() if t.name == SOURCE_THREAD]
+                    assert not alive, "the job's source thread runs on"
+
+            gc.disable()
+            try:
+                await asyncio.to_thread(take_one)
+            finally:
+                gc.enable()
 
     asyncio.run(scenario())
 
