@@ -14,7 +14,8 @@ attempt ran (the connection dropped, its deadline passed in flight, a bulk strea
   deadline extends it; when that one leaves, it returns to the latest of the others),
   and a waiter whose deadline passes first is answered alone.
 - **completed**: the id's request succeeded recently. The retry gets the stored answer.
-  Stored answers form an LRU bounded by count and by bytes, each kept at most ``ttl_s``.
+  Stored answers are bounded by count and by bytes, each kept at most ``ttl_s``; the
+  oldest stored go first.
 - Errors are not stored: a request refused or failed may be retried and run.
 
 Reusing an id for *different* inputs or outputs is refused (`RequestIdReusedError`,
@@ -38,6 +39,7 @@ import hashlib
 import logging
 import math
 import struct
+import sys
 from collections.abc import Callable, Sequence
 
 from laneserve.server.clock import Clock
@@ -57,6 +59,7 @@ from laneserve.v1 import inference_pb2 as pb
 # four). Keeps the byte bound near the memory the cache really holds, and a flood of
 # tiny answers within it too (test_the_byte_bound_counts_the_memory_the_cache_holds).
 ENTRY_OVERHEAD_BYTES = 176
+_EMPTY_STR_BYTES = sys.getsizeof("")
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +187,8 @@ def _stored_s(record: bytes) -> float:
 
 
 def _size_bytes(request_id: str, record: bytes) -> int:
-    return len(record) + len(request_id) + ENTRY_OVERHEAD_BYTES
+    # The id's characters as Python holds them: 1, 2 or 4 bytes each, by its widest.
+    return len(record) + sys.getsizeof(request_id) - _EMPTY_STR_BYTES + ENTRY_OVERHEAD_BYTES
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -196,11 +200,15 @@ class Replayed:
 
 
 class ReplayCache:
-    """Completed answers by request_id: an LRU bounded by count and bytes, with a TTL.
+    """Completed answers by request_id, bounded by count and bytes, each for at most
+    ``ttl_s`` from when it was stored; the oldest stored go first.
 
-    A hit refreshes recency but not age: an answer is never served after ``ttl_s`` from
-    when it was stored. Expired answers are dropped when looked up, and from the least
-    recently used end whenever something is stored.
+    In the order they were stored, which is the order they expire in: a hit does not move
+    an answer (it was an LRU: a replayed answer moved to the back, expired there, and a
+    store evicted the live answers ahead of it, whose retries then ran again). So the
+    expired are always at the front, and are dropped from there before the bounds evict
+    anything live: whenever something is stored, and when the cache is counted (GetStats),
+    so that an idle server does not hold them, nor report them, for good.
     """
 
     def __init__(self, *, max_entries: int, max_bytes: int, ttl_s: float, clock: Clock) -> None:
@@ -217,6 +225,7 @@ class ReplayCache:
         self.size_bytes = 0
 
     def __len__(self) -> int:
+        self._evict(self._clock.monotonic())
         return len(self._entries)
 
     def get(self, request_id: str) -> Replayed | None:
@@ -226,7 +235,6 @@ class ReplayCache:
         if self._expired(record):
             self._remove(request_id)
             return None
-        self._entries.move_to_end(request_id)
         digest_end = _HEADER.size + record[_HEADER.size - 1]
         return Replayed(
             record[_HEADER.size : digest_end], pb.InferResponse.FromString(record[digest_end:])
@@ -242,7 +250,7 @@ class ReplayCache:
 
     def put(self, request_id: str, fingerprint: bytes, response: pb.InferResponse) -> bool:
         """Stores an answer; False when it cannot be kept (larger than the byte bound, or
-        the cache is off). Evicts the least recently used answers to make room."""
+        the cache is off). Evicts the oldest stored answers to make room."""
         if self.max_entries == 0 or self.ttl_s == 0:
             return False
         now_s = self._clock.monotonic()
@@ -258,6 +266,7 @@ class ReplayCache:
         return True
 
     def _evict(self, now_s: float) -> None:
+        """Drops the expired answers, then the oldest while a bound is exceeded."""
         while self._entries:
             request_id, oldest = next(iter(self._entries.items()))
             expired = now_s - _stored_s(oldest) >= self.ttl_s
