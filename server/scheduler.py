@@ -41,6 +41,7 @@ from laneserve.server.cost_model import MAX_SIGNATURES, RunTimeModel, RunTimeMod
 from laneserve.server.errors import (
     DeadlineUnmeetableError,
     DrainingError,
+    EngineError,
     ExpiredInQueueError,
     InvalidInputError,
     LaneFullError,
@@ -1460,9 +1461,28 @@ class Scheduler:
         if len(chunks) == 1:
             outputs = chunks[0][1]
         else:
-            outputs = {
-                name: np.concatenate([chunk[name] for _, chunk in chunks]) for name in chunks[0][1]
-            }
+            try:
+                outputs = {
+                    name: np.concatenate([chunk[name] for _, chunk in chunks])
+                    for name in chunks[0][1]
+                }
+            except ValueError:
+                # An output whose size after the rows follows the batch (padded to its
+                # longest row, or [N, N]): raised here, it stopped the scheduler, and the
+                # server with it, for one request over the cap.
+                shapes = {
+                    name: [list(chunk[name].shape) for _, chunk in chunks] for name in chunks[0][1]
+                }
+                return self._finish_error(
+                    entry,
+                    EngineError(
+                        f"the request's {entry.request.rows} rows ran in {len(chunks)} "
+                        f"batches (over the batch cap), and the model's outputs for them do "
+                        f"not join along the rows: {shapes}; expected outputs whose sizes "
+                        f"after the first axis do not depend on the batch, or requests of at "
+                        f"most the batch cap's rows (GetModel's batch_cap)"
+                    ),
+                )
         self._release(entry)
         lane = self.lanes[entry.priority].name
         self.events.completed(lane, "OK")

@@ -17,6 +17,7 @@ from onnx import TensorProto, helper
 
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import Engine, EngineStartError, LaneServer, ServerConfig
+from laneserve.server.lifecycle import Lifecycle
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
@@ -234,13 +235,10 @@ def test_a_row_the_model_fails_on_fails_its_request_only(tmp_path: Path) -> None
     asyncio.run(scenario())
 
 
-def test_outputs_whose_width_depends_on_the_batch_fail_clearly_when_split(
-    tmp_path: Path,
-) -> None:
-    """ "mask" is [N, longest length in the batch]: a split batch's parts have different
-    widths. Storing them together raised a ValueError outside the runtime, and every
-    request of the batch got INTERNAL "batch failed: ValueError(...)", the rows that ran
-    too. Now a part whose shape differs fails with a message naming the output."""
+def _padded_model(tmp_path: Path) -> Path:
+    """ "looked" [N, 4] (a row of a table, by the first input column) and "mask"
+    [N, longest length in the batch] (the second column's lengths, padded): a model whose
+    output width depends on which rows are batched together."""
     nodes = [
         helper.make_node("Slice", ["input", "zero", "one", "one"], ["column0"]),
         helper.make_node("Squeeze", ["column0", "one"], ["index_f"]),
@@ -273,7 +271,44 @@ def test_outputs_whose_width_depends_on_the_batch_fail_clearly_when_split(
             onnx.numpy_helper.from_array(value, name) for name, value in constants.items()
         ],
     )
-    path = _save(tmp_path / "padded.onnx", graph)
+    return _save(tmp_path / "padded.onnx", graph)
+
+
+def test_a_request_over_the_cap_whose_chunks_do_not_join_fails_alone(tmp_path: Path) -> None:
+    """300 rows under a batch cap of 128 run in three chunks, whose "mask" widths differ
+    (5, 5 and 1): joining them raised a ValueError on the engine thread that stopped the
+    scheduler, and the server with it (every later call refused DRAINING). The request
+    fails alone, naming the outputs' shapes, and the server goes on."""
+    path = _padded_model(tmp_path)
+    x = np.array([[index % 10, 5 if index < 256 else 1] for index in range(300)], np.float32)
+
+    async def scenario() -> None:
+        async with serving(
+            RecordingEngine(str(path), device="cpu"), ServerConfig(model_path=str(path))
+        ) as s:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(pb.InferRequest(inputs=[encode_tensor("input", x)]), timeout=30)
+            assert caught.value.code() == grpc.StatusCode.INTERNAL
+            details = caught.value.details() or ""
+            assert "the request's 300 rows ran in 3 batches (over the batch cap)" in details
+            assert "'mask': [[128, 5], [128, 5], [44, 1]]" in details
+            after = await s.stub.Infer(
+                pb.InferRequest(inputs=[encode_tensor("input", x[:1])]), timeout=30
+            )
+            assert after.outputs[0].shape == [1, 4]
+            assert s.server.state is Lifecycle.SERVING
+
+    asyncio.run(scenario())
+
+
+def test_outputs_whose_width_depends_on_the_batch_fail_clearly_when_split(
+    tmp_path: Path,
+) -> None:
+    """ "mask" is [N, longest length in the batch]: a split batch's parts have different
+    widths. Storing them together raised a ValueError outside the runtime, and every
+    request of the batch got INTERNAL "batch failed: ValueError(...)", the rows that ran
+    too. Now a part whose shape differs fails with a message naming the output."""
+    path = _padded_model(tmp_path)
 
     def item(index: float, length: float) -> pb.InferRequest:
         x = np.array([[index, length]], dtype=np.float32)
