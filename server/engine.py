@@ -134,6 +134,31 @@ def default_intra_op_threads(*, on_gpu: bool) -> int:
     return max(1, cores - 1)
 
 
+def _check_batch_axis_unique(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> None:
+    """Refuses a model that names a later axis like a first one (z [N, N], the batch's
+    row count wide): batched with other requests, a request's answer took their size,
+    and values computed from their inputs."""
+    first = {
+        spec.dim_names[0]
+        for spec in (*inputs, *outputs)
+        if spec.dim_names and spec.dim_names[0] is not None
+    }
+    for role, specs in (("input", inputs), ("output", outputs)):
+        for spec in specs:
+            for axis, name in enumerate(spec.dim_names[1:], start=1):
+                if name is not None and name in first:
+                    named = [
+                        dim if dim is not None else size
+                        for dim, size in zip(spec.dim_names, spec.shape, strict=True)
+                    ]
+                    raise EngineStartError(
+                        f"model {role} {spec.name!r} has shape {named}: its axis {axis} is "
+                        f"{name!r}, a first axis, along which laneserve batches requests, "
+                        "so a request's answer would depend on the requests batched with "
+                        "it; expected sizes after the first axis that do not follow it"
+                    )
+
+
 def _not_a_file(path: Path) -> str | None:
     """What is at `path` when it is not a regular file; None when it is. Checked before
     the runtime reads it: it takes a directory for a model that fails to parse
@@ -222,6 +247,7 @@ class Engine:
             raise EngineStartError(f"--device cuda: the session fell back to {self.providers}")
         self.inputs = tuple(self._spec(arg, "input") for arg in self._session.get_inputs())
         self.outputs = tuple(self._spec(arg, "output") for arg in self._session.get_outputs())
+        _check_batch_axis_unique(self.inputs, self.outputs)
         self.output_names = [spec.name for spec in self.outputs]
         self._probe_shapes = self._check_probe_shapes(probe_shapes or {})
         # After an allocation failure the arena keeps the regions the failed run grew;

@@ -274,6 +274,28 @@ def _padded_model(tmp_path: Path) -> Path:
     return _save(tmp_path / "padded.onnx", graph)
 
 
+def test_a_model_with_a_later_axis_named_as_the_batch_axis_is_refused(tmp_path: Path) -> None:
+    """z = x xT is [N, N]: batched with another request, a 1-row request's answer was
+    [1, 2], one value of it computed from the other caller's input."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Transpose", ["x"], ["xt"]),
+            helper.make_node("MatMul", ["x", "xt"], ["z"]),
+        ],
+        "gram",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N", "N"])],
+    )
+    path = _save(tmp_path / "gram.onnx", graph)
+    with pytest.raises(EngineStartError) as caught:
+        Engine(str(path), device="cpu")
+    assert str(caught.value) == (
+        "model output 'z' has shape ['N', 'N']: its axis 1 is 'N', a first axis, along which "
+        "laneserve batches requests, so a request's answer would depend on the requests "
+        "batched with it; expected sizes after the first axis that do not follow it"
+    )
+
+
 def test_a_request_over_the_cap_whose_chunks_do_not_join_fails_alone(tmp_path: Path) -> None:
     """300 rows under a batch cap of 128 run in three chunks, whose "mask" widths differ
     (5, 5 and 1): joining them raised a ValueError on the engine thread that stopped the
