@@ -60,7 +60,7 @@ from laneserve.server.bench.report import (
     write_outputs,
 )
 from laneserve.server.bench.run import get_stats
-from laneserve.server.bench.settings import MixStream, Point, Profile, Stream
+from laneserve.server.bench.settings import BULK_SATURATION, MixStream, Point, Profile, Stream
 from laneserve.server.bench.summary import (
     CANCELLED_BEFORE_DEADLINE,
     OK,
@@ -1064,6 +1064,15 @@ def test_a_verdict_read_from_an_unstable_point_says_so() -> None:
     assert verdict_text(targets["echo_ratio"]) == "met"
     assert verdict_text(targets["overload_goodput_timeout_ms"]) == "missed"
     assert targets["echo_ratio"]["unstable_points"] == []
+
+    # (c)'s bulk saturation point sets no rate of (d): unstable, it marked (d)'s verdicts.
+    bulk = Stream("bulk", lane="bulk", rows=8, concurrency=32)
+    saturation = point_of("c", BULK_SATURATION, bulk, fast)
+    saturation["stable"] = False
+    document["scenarios"]["c"].append(saturation)
+    targets = {t["id"]: t for t in evaluate_targets(document)}
+    assert verdict_text(targets["overload_goodput_timeout_ms"]) == "missed"
+    assert verdict_text(targets["overload_expired_executed"]) == "met"
 
 
 def point_of(scenario: str, name: str, stream: Stream, record: StreamWindow) -> dict[str, Any]:
