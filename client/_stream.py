@@ -270,7 +270,7 @@ class BulkStream:
                     task.cancel()
                 await asyncio.wait(tasks)  # neither outlives its call
                 if ended is None:  # the caller stopped early, or the source failed
-                    self._cancel_timers()
+                    await self._stop_reading()
             # Every item has its final answer: the job is done, whatever the call ended
             # with (the connection may go after the last answer, before the call's end).
             if self._source_done and not self._items:
@@ -652,6 +652,15 @@ class BulkStream:
             raise ClientClosedError(
                 f"bulk stream {self.job_id}: the client was closed; {self._unanswered()}"
             ) from cause
+
+    async def _stop_reading(self) -> None:
+        """The job ends early: `_cancel_timers`, and its read of the source ends before
+        the job does: the source (an async generator) cannot be closed while a read runs
+        in it ("aclose(): asynchronous generator is already running")."""
+        reading = self._source_next
+        self._cancel_timers()
+        if reading is not None:
+            await asyncio.wait([reading])
 
     def _cancel_timers(self) -> None:
         """The job is over (done, failed, or left by the caller): nothing is resent and

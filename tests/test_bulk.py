@@ -1094,10 +1094,13 @@ def test_leaving_a_sync_stream_early_closes_its_source_and_its_thread(small_mode
                 with lc.Client(s.target) as client:
                     for _ in client.stream(source(), window=4):
                         break
-                    # At once: before the client closes, with no collection run.
-                    assert closed.is_set(), "the caller's generator is not closed"
-                    alive = [t for t in threading.enumerate() if t.name == SOURCE_THREAD]
-                    assert not alive, "the job's source thread runs on"
+                    # Before the client closes, with no collection run: at once, or as
+                    # soon as a read the source thread was in returns.
+                    assert closed.wait(timeout=30), "the caller's generator is not closed"
+                    for thread in threading.enumerate():
+                        if thread.name == SOURCE_THREAD:
+                            thread.join(timeout=30)
+                            assert not thread.is_alive(), "the job's source thread runs on"
 
             gc.disable()
             try:
