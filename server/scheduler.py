@@ -1057,13 +1057,7 @@ class Scheduler:
                 room = plan.limit_rows - claims_below
                 if unfit and owner is None and room > 0:
                     plan.fill_sample = (lane.priority, (rows - claims_below) / room)
-                budget_rows = max(
-                    rows,
-                    min(
-                        self._rows_within_wait(lane, batch.signature),
-                        self._rows_by_deadline(batch, now_s),
-                    ),
-                )
+                budget_rows = max(rows, self._ride_along_rows(lane, batch, now_s))
                 batch.room = min(batch.room, budget_rows - rows)
 
     def _owed_head(self, top: Entry) -> Entry | None:
@@ -1110,14 +1104,18 @@ class Scheduler:
                 )
         return self.batch_cap
 
-    def _rows_by_deadline(self, batch: _Filling, now_s: float) -> int:
-        """The most rows a batch of `batch`'s shape starting now runs within the earliest
-        deadline of the rows it holds so far: rows riding along must not make those late.
-        Within the max_wait budget alone, an interactive request admitted for a 1-row
-        run ran beside 7 bulk rows and was answered after its deadline."""
-        earliest_s = min(entry.deadline_s for entry, _ in batch.taken.values())
+    def _ride_along_rows(self, lead: Lane, batch: _Filling, now_s: float) -> int:
+        """The most rows `batch`, led by `lead`, may hold with lower lanes riding along:
+        what runs within `lead`'s max_wait (`_rows_within_wait`), and, starting now, by
+        the earliest deadline of the rows it holds so far: riders must not make those
+        late (within the max_wait budget alone, an interactive request admitted for a
+        1-row run ran beside 7 bulk rows and was answered after its deadline)."""
+        within_wait = self._rows_within_wait(lead, batch.signature)
         model = self._run_times.get(batch.signature)
-        return model.rows_within_s(earliest_s - now_s, self.batch_cap)
+        left_s = min(entry.deadline_s for entry, _ in batch.taken.values()) - now_s
+        if model.predict_s(within_wait) <= left_s:
+            return within_wait  # the deadline does not bind (no search, nothing memoized)
+        return model.rows_within_s(left_s, within_wait)
 
     def _rows_within_wait(self, lane: Lane, signature: Signature) -> int:
         """Rows expected to run within `lane`'s max_wait beyond the shortest run (one
