@@ -222,8 +222,12 @@ class BulkStream:
         # whole call with it (set with the row window).
         self._max_item_bytes = math.inf
         # So is one whose answer is known to be over what this client reads (see
-        # `_answer_refusal`; set with the row window).
-        self._answer_limit = StreamLimits(None, None)
+        # `_answer_refusal`; set with the row window): that bound, the bytes a row of the
+        # outputs asked for takes, and their framing (None: no smaller bound, or not
+        # known).
+        self._max_receive_bytes: int | None = None
+        self._answer_row_bytes: int | None = None
+        self._answer_framing_bytes = 0
         # Rows of the items taken for sending and not finally answered: at most
         # `_window_rows`, or one item alone.
         self._rows_out = 0
@@ -377,7 +381,18 @@ class BulkStream:
         self._window_rows = math.inf if window_rows is None else window_rows
         if limits.max_message_bytes is not None:
             self._max_item_bytes = limits.max_message_bytes
-        self._answer_limit = limits
+        if limits.max_receive_bytes is not None and limits.answer_row_bytes is not None:
+            names = self._options.outputs or tuple(limits.answer_row_bytes)
+            sizes = [limits.answer_row_bytes.get(name) for name in names]
+            if all(size is not None for size in sizes):
+                self._max_receive_bytes = limits.max_receive_bytes
+                self._answer_row_bytes = sum(size for size in sizes if size is not None)
+                # The answer's framing but for its request_id (twice in it): the
+                # envelope, the timing, each output's name, shape and data length;
+                # generous, so that a refusal is never wrong by it.
+                self._answer_framing_bytes = ANSWER_FRAMING_BYTES + sum(
+                    len(name.encode()) + OUTPUT_FRAMING_BYTES for name in names
+                )
 
     async def _next_to_send(self) -> _Item | None:
         """The next item to write; None when every item has its final answer."""
@@ -516,26 +531,15 @@ class BulkStream:
         """The refusal of an item whose answer is known, from the model's output sizes, to
         be larger than this client reads where the server would send it. None when it
         fits, or its size is not known before it comes (an output of dynamic size)."""
-        limits = self._answer_limit
-        if limits.max_receive_bytes is None or limits.answer_row_bytes is None:
+        if self._max_receive_bytes is None or self._answer_row_bytes is None:
             return None
-        names = self._options.outputs or tuple(limits.answer_row_bytes)
-        row_bytes = [limits.answer_row_bytes.get(name) for name in names]
-        if any(size is None for size in row_bytes):
-            return None
-        data_bytes = rows * sum(size for size in row_bytes if size is not None)
-        # The answer's framing: its request_id twice, each output's name, shape and data
-        # length, the timing; generous, so that a refusal is never wrong by it.
-        framing_bytes = (
-            ANSWER_FRAMING_BYTES
-            + 2 * len(request_id.encode())
-            + sum(len(name.encode()) + OUTPUT_FRAMING_BYTES for name in names)
-        )
-        if data_bytes + framing_bytes <= limits.max_receive_bytes:
+        data_bytes = rows * self._answer_row_bytes
+        framing_bytes = self._answer_framing_bytes + 2 * len(request_id.encode())
+        if data_bytes + framing_bytes <= self._max_receive_bytes:
             return None
         return ResourceExhaustedError(
             f"the answer to bulk stream item {index} ({rows} rows) is at least {data_bytes} "
-            f"bytes, over the largest message this client reads ({limits.max_receive_bytes} "
+            f"bytes, over the largest message this client reads ({self._max_receive_bytes} "
             "bytes, its max_message_bytes; the server sends larger); expected fewer rows "
             "per item, or a larger max_message_bytes",
             code=grpc.StatusCode.RESOURCE_EXHAUSTED,
