@@ -22,7 +22,7 @@ from laneserve.client._channel import (
     open_channel,
 )
 from laneserve.client._errors import ClientClosedError, LaneserveError, error_from_rpc
-from laneserve.client._request import encode_inputs
+from laneserve.client._request import encode_inputs, infer_request
 from laneserve.client._retry import RetryPolicy, call_with_retries
 from laneserve.client._stream import (
     DEFAULT_STREAM_LANE,
@@ -139,11 +139,8 @@ class AsyncClient:
             (no copy); ``.copy()`` one to write to it.
         """
         request_id = request_id or uuid.uuid4().hex
-        request = pb.InferRequest(
-            request_id=request_id,
-            lane=lane or "",
-            inputs=encode_inputs(inputs, request_id),
-            output_names=list(outputs or ()),
+        request = infer_request(
+            request_id, encode_inputs(inputs, request_id), lane=lane, outputs=outputs or ()
         )
 
         async def attempt(timeout_s: float | None) -> Outputs:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -38,3 +38,22 @@ def encode_inputs(inputs: Mapping[str, npt.NDArray[Any]], request_id: str) -> li
         raise InvalidInputError(
             str(error), code=grpc.StatusCode.INVALID_ARGUMENT, request_id=request_id
         ) from error
+
+
+def infer_request(
+    request_id: str,
+    tensors: Sequence[pb.Tensor],
+    *,
+    lane: str | None,
+    timeout_ms: int = 0,
+    outputs: Sequence[str] = (),
+) -> pb.InferRequest:
+    """The InferRequest the client sends: built in one place, so that what it checks
+    before sending (its size: laneserve-client's limits) is what it sends."""
+    return pb.InferRequest(
+        request_id=request_id,
+        lane=lane or "",
+        timeout_ms=timeout_ms,
+        inputs=tensors,
+        output_names=outputs,
+    )

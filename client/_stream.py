@@ -47,7 +47,7 @@ from laneserve.client._errors import (
     error_from_rpc,
     error_from_status,
 )
-from laneserve.client._request import MAX_REQUEST_ID_BYTES, encode_inputs
+from laneserve.client._request import MAX_REQUEST_ID_BYTES, encode_inputs, infer_request
 from laneserve.client._retry import (
     RetryPolicy,
     attempts_allowed,
@@ -492,12 +492,12 @@ class BulkStream:
             error.attempts = 0
             self._emit(StreamResult(index, request_id, None, error, 0))
             return None
-        message = pb.InferRequest(
-            request_id=request_id,
+        message = infer_request(
+            request_id,
+            tensors,
             lane=self._options.lane,
             timeout_ms=self._options.timeout_ms,
-            inputs=tensors,
-            output_names=self._options.outputs,
+            outputs=self._options.outputs,
         )
         rows = next((int(array.shape[0]) for array in inputs.values() if array.ndim), 0)
         too_large = self._size_refusal(index, message, rows)

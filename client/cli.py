@@ -42,7 +42,7 @@ from laneserve.client._channel import (
 )
 from laneserve.client._checkpoint import Checkpoint, CheckpointError, write_npz
 from laneserve.client._errors import LaneserveError
-from laneserve.client._request import encode_inputs
+from laneserve.client._request import encode_inputs, infer_request
 from laneserve.client._retry import RetryPolicy
 from laneserve.client._stream import DEFAULT_STREAM_LANE, SERVER_STREAM_LANE
 from laneserve.client._sync import Client
@@ -701,12 +701,9 @@ def _request_bytes(
 ) -> int:
     """The encoded size of a request of the first `rows` rows of `inputs`, as the client
     builds it."""
-    message = pb.InferRequest(
-        request_id="0" * request_id_chars,
-        lane=lane or "",
-        timeout_ms=timeout_ms,
-        inputs=encode_inputs({name: array[:rows] for name, array in inputs.items()}, ""),
-        output_names=outputs,
+    tensors = encode_inputs({name: array[:rows] for name, array in inputs.items()}, "")
+    message = infer_request(
+        "0" * request_id_chars, tensors, lane=lane, timeout_ms=timeout_ms, outputs=outputs
     )
     return message.ByteSize()
 
