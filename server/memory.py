@@ -126,10 +126,16 @@ def session_gpu(nvml: Any) -> Any:
     (`prefer_pci_order`). Read at NVML's index 0 whatever the variable said, a server
     started with CUDA_VISIBLE_DEVICES=3 took its memory budget and watermark readings
     from another process's GPU."""
-    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+    first = session_gpu_id()
     if first.isdigit():
         return nvml.nvmlDeviceGetHandleByIndex(int(first))
     return nvml.nvmlDeviceGetHandleByUUID(first)
+
+
+def session_gpu_id() -> str:
+    """The session's GPU as CUDA_VISIBLE_DEVICES names it (an index or a UUID; "0" when
+    it is unset): see `session_gpu`."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
 
 
 def prefer_pci_order() -> None:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
 from laneserve.server.engine import CUDA
 from laneserve.server.log_events import log_event
-from laneserve.server.memory import session_gpu
+from laneserve.server.memory import session_gpu, session_gpu_id
 from laneserve.server.telemetry.logs import log
 
 
@@ -39,7 +38,7 @@ class DeviceMonitor:
                 error=str(error),
             )
             return None
-        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+        first = session_gpu_id()
         try:
             handle = session_gpu(pynvml)
         except pynvml.NVMLError as error:
