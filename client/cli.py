@@ -819,11 +819,11 @@ def _check_outputs_unchanged(checkpoint: Checkpoint, model: ModelInfo) -> None:
         spec = next((spec for spec in model.outputs if spec.name == name), None)
         if spec is None:
             continue  # Checkpoint.load refused outputs the model lacks
-        fixed = all(
+        same_sizes = len(shape) == len(spec.shape) and all(
             want is None or have == want
-            for have, want in zip(shape[1:], spec.shape[1:], strict=False)
-        ) and len(shape) == len(spec.shape)
-        if str(spec.dtype) != dtype or not fixed:
+            for have, want in zip(shape[1:], spec.shape[1:], strict=True)
+        )
+        if str(spec.dtype) != dtype or not same_sizes:
             raise UsageError(
                 f"checkpoint {checkpoint.directory} holds output {name!r} as {dtype} with "
                 f"shape {list(shape)}; the model now gives {spec.dtype} with shape "
