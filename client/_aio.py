@@ -33,7 +33,7 @@ from laneserve.client._stream import (
     StreamSource,
 )
 from laneserve.client._tracing import trace_metadata
-from laneserve.client._types import ModelInfo, StreamResult, TensorInfo
+from laneserve.client._types import ModelInfo, StreamResult
 from laneserve.client.tensors import decode_tensor
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -252,6 +252,7 @@ class AsyncClient:
             retry or self.retry,
             server_limits=self._stream_limits,
             closed=self._closed,
+            max_receive_bytes=self._max_message_bytes,
         )
         return job.results()
 
@@ -275,14 +276,7 @@ class AsyncClient:
             (info.capacity_rows for info in self._model.lanes if info.name == name), None
         )
         server_bytes = self._model.max_message_bytes or self._max_message_bytes
-        return StreamLimits(
-            capacity,
-            min(self._max_message_bytes, server_bytes),
-            max_receive_bytes=(
-                self._max_message_bytes if self._max_message_bytes < server_bytes else None
-            ),
-            answer_row_bytes={spec.name: _row_bytes(spec) for spec in self._model.outputs},
-        )
+        return StreamLimits(capacity, min(self._max_message_bytes, server_bytes))
 
     async def _call(
         self,
@@ -328,11 +322,3 @@ def _deadline_s(timeout: object) -> float | None:
             f"inf for none; got {timeout!r}"
         )
     return time.monotonic() + seconds
-
-
-def _row_bytes(spec: TensorInfo) -> int | None:
-    """Bytes of one row of output `spec`; None when a size after the row axis is dynamic."""
-    sizes = spec.shape[1:]
-    if any(size is None for size in sizes):
-        return None
-    return spec.dtype.itemsize * math.prod(size for size in sizes if size is not None)

@@ -123,10 +123,11 @@ SERVER_STREAM_LANE = "bulk"
 # (a drain, then a restart at the same address) and may take seconds to come back; the
 # policy's 6 attempts were spent in about 3 s.
 STREAM_RESUME_S = 30.0
-# Bounds on an answer's framing beyond its outputs' data (see `_answer_refusal`): the
-# envelope, the ids and the timing; and per output its name's and its shape's.
-ANSWER_FRAMING_BYTES = 256
-OUTPUT_FRAMING_BYTES = 96
+# InferStream call metadata: the largest message this client reads. gRPC ends the whole
+# call on a larger answer, every other item unanswered; told, a laneserve server answers
+# such an item ANSWER_TOO_LARGE alone (it alone knows an answer's size before sending it:
+# an output's size may depend on the item's inputs).
+RECEIVE_LIMIT_KEY = "laneserve-max-receive-bytes"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -137,12 +138,6 @@ class StreamLimits:
     capacity_rows: int | None
     # The largest item message this client may send and the server read (None: unknown).
     max_message_bytes: int | None
-    # The largest answer this client reads, where it is smaller than the largest the
-    # server sends (None: no smaller): gRPC ends the whole call on a larger one.
-    max_receive_bytes: int | None = None
-    # Bytes per row of each model output, where its size after the row axis is fixed
-    # (None: not fixed, or unknown): an answer's size, before it comes.
-    answer_row_bytes: Mapping[str, int | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -191,11 +186,17 @@ class BulkStream:
         policy: RetryPolicy,
         server_limits: Callable[[str], Awaitable[StreamLimits]] | None = None,
         closed: asyncio.Event | None = None,
+        max_receive_bytes: int | None = None,
     ) -> None:
         self._stub = stub
         self._closed = closed  # set when the client closes: no new call starts
         self._server_limits = server_limits
-        self._metadata = metadata
+        # The call's metadata: the caller's, and the largest answer this client reads.
+        self._metadata = (
+            metadata
+            if max_receive_bytes is None
+            else (*metadata, (RECEIVE_LIMIT_KEY, str(max_receive_bytes)))
+        )
         if isinstance(source, Mapping):
             source = row_chunks(source, options.rows_per_item)
         self._sync_source: Iterator[StreamItem] | None = None
@@ -221,13 +222,6 @@ class BulkStream:
         # An item over this is answered with an error, not sent: gRPC would fail the
         # whole call with it (set with the row window).
         self._max_item_bytes = math.inf
-        # So is one whose answer is known to be over what this client reads (see
-        # `_answer_refusal`; set with the row window): that bound, the bytes a row of the
-        # outputs asked for takes, and their framing (None: no smaller bound, or not
-        # known).
-        self._max_receive_bytes: int | None = None
-        self._answer_row_bytes: int | None = None
-        self._answer_framing_bytes = 0
         # Rows of the items taken for sending and not finally answered: at most
         # `_window_rows`, or one item alone.
         self._rows_out = 0
@@ -381,18 +375,6 @@ class BulkStream:
         self._window_rows = math.inf if window_rows is None else window_rows
         if limits.max_message_bytes is not None:
             self._max_item_bytes = limits.max_message_bytes
-        if limits.max_receive_bytes is not None and limits.answer_row_bytes is not None:
-            names = self._options.outputs or tuple(limits.answer_row_bytes)
-            sizes = [limits.answer_row_bytes.get(name) for name in names]
-            if all(size is not None for size in sizes):
-                self._max_receive_bytes = limits.max_receive_bytes
-                self._answer_row_bytes = sum(size for size in sizes if size is not None)
-                # The answer's framing but for its request_id (twice in it): the
-                # envelope, the timing, each output's name, shape and data length;
-                # generous, so that a refusal is never wrong by it.
-                self._answer_framing_bytes = ANSWER_FRAMING_BYTES + sum(
-                    len(name.encode()) + OUTPUT_FRAMING_BYTES for name in names
-                )
 
     async def _next_to_send(self) -> _Item | None:
         """The next item to write; None when every item has its final answer."""
@@ -500,7 +482,7 @@ class BulkStream:
             outputs=self._options.outputs,
         )
         rows = next((int(array.shape[0]) for array in inputs.values() if array.ndim), 0)
-        too_large = self._size_refusal(index, message, rows)
+        too_large = self._size_refusal(index, message)
         if too_large is not None:  # sent, it would end the call for every item
             self._emit(StreamResult(index, request_id, None, too_large, 0))
             return None
@@ -508,42 +490,20 @@ class BulkStream:
         self._items[request_id] = item
         return item
 
-    def _size_refusal(
-        self, index: int, message: pb.InferRequest, rows: int
-    ) -> ResourceExhaustedError | None:
-        """The refusal of an item larger than this client and the server exchange, or
-        whose answer is known to be (see `_answer_refusal`): gRPC would end the whole
-        call on either (every other item unanswered), and a resumed job's call again."""
+    def _size_refusal(self, index: int, message: pb.InferRequest) -> ResourceExhaustedError | None:
+        """The refusal of an item larger than this client and the server exchange: gRPC
+        would end the whole call on it (every other item unanswered), and a resumed
+        job's call again. (An answer larger than this client reads, the server refuses
+        alone: see RECEIVE_LIMIT_KEY.)"""
         size = message.ByteSize()
-        if size > self._max_item_bytes:
-            return ResourceExhaustedError(
-                f"bulk stream item {index} is {size} bytes, over the largest message this "
-                f"client and server exchange ({self._max_item_bytes} bytes, "
-                "max_message_bytes); expected fewer rows per item",
-                code=grpc.StatusCode.RESOURCE_EXHAUSTED,
-                request_id=message.request_id,
-            )
-        return self._answer_refusal(index, message.request_id, rows)
-
-    def _answer_refusal(
-        self, index: int, request_id: str, rows: int
-    ) -> ResourceExhaustedError | None:
-        """The refusal of an item whose answer is known, from the model's output sizes, to
-        be larger than this client reads where the server would send it. None when it
-        fits, or its size is not known before it comes (an output of dynamic size)."""
-        if self._max_receive_bytes is None or self._answer_row_bytes is None:
-            return None
-        data_bytes = rows * self._answer_row_bytes
-        framing_bytes = self._answer_framing_bytes + 2 * len(request_id.encode())
-        if data_bytes + framing_bytes <= self._max_receive_bytes:
+        if size <= self._max_item_bytes:
             return None
         return ResourceExhaustedError(
-            f"the answer to bulk stream item {index} ({rows} rows) is at least {data_bytes} "
-            f"bytes, over the largest message this client reads ({self._max_receive_bytes} "
-            "bytes, its max_message_bytes; the server sends larger); expected fewer rows "
-            "per item, or a larger max_message_bytes",
+            f"bulk stream item {index} is {size} bytes, over the largest message this "
+            f"client and server exchange ({self._max_item_bytes} bytes, "
+            "max_message_bytes); expected fewer rows per item",
             code=grpc.StatusCode.RESOURCE_EXHAUSTED,
-            request_id=request_id,
+            request_id=message.request_id,
         )
 
     # ---- the reader ------------------------------------------------------------------

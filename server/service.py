@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -83,6 +83,14 @@ MAX_REQUEST_ID_BYTES = 256
 # predicted drain time, within these bounds.
 ROOM_POLL_MIN_S = 0.001
 ROOM_POLL_MAX_S = 0.05
+# InferStream call metadata: the largest message the caller reads, where it is smaller
+# than the server's max_message_bytes. gRPC ends the whole call on an answer the client
+# will not read, every other item unanswered; sent this, the server answers such an item
+# ANSWER_TOO_LARGE alone. Only the server knows an answer's size (an output's size may
+# depend on its inputs), so the check lives here, not in the client.
+RECEIVE_LIMIT_KEY = "laneserve-max-receive-bytes"
+# The smallest limit taken: an error answer quoting a request_id fits in it.
+MIN_RECEIVE_LIMIT_BYTES = 1024
 
 
 class StreamRoom:
@@ -210,6 +218,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         """
         if self._state() is not Lifecycle.SERVING:
             await abort_with(context, _stream_draining())
+        try:
+            answer_limit = _receive_limit(context.invocation_metadata(), self._config)
+        except InvalidInputError as error:
+            await abort_with(context, error)
         default_lane = (
             STREAM_DEFAULT_LANE
             if STREAM_DEFAULT_LANE in self._lane_configs
@@ -223,7 +235,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         unanswered = 0  # items read whose answer is not yet written
 
         async def answer(request: pb.InferRequest) -> None:
-            answers.put_nowait(await self._stream_answer(request, context, default_lane, room))
+            answers.put_nowait(
+                await self._stream_answer(request, context, default_lane, room, answer_limit)
+            )
 
         async def read_all() -> None:
             nonlocal unanswered
@@ -280,15 +294,18 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferStreamResponse],
         default_lane: str,
         room: StreamRoom,
+        answer_limit: int,
     ) -> pb.InferStreamResponse:
-        """One stream item's answer: its response, or its error (the stream goes on)."""
+        """One stream item's answer: its response, or its error (the stream goes on); an
+        error too where the response is over `answer_limit`, the caller's receive limit
+        (the server's own is checked when the answer is made, see `_check_sendable`)."""
         try:
             response = await self._infer(request, context, default_lane, room)
             message = pb.InferStreamResponse(request_id=request.request_id)
             # CopyFrom, not the constructor: 3x cheaper for large outputs under upb.
             message.response.CopyFrom(response)
         except LaneserveError as error:
-            message = self._stream_error(request.request_id, error)
+            message = self._stream_error(request.request_id, error, answer_limit)
         except Exception as error:  # every item read gets one answer, even on a bug
             request_id = _answer_id(request.request_id)
             log.exception(
@@ -297,23 +314,43 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 extra=event_extra("stream_item_failed", request_id=request_id),
             )
             message = self._stream_error(
-                request.request_id, EngineError(f"internal error: {error!r}")
+                request.request_id, EngineError(f"internal error: {error!r}"), answer_limit
             )
+        # The server's own limit was checked when the answer was made (`_check_sendable`);
+        # sizing costs a pass over the outputs, so only a smaller limit is checked here.
+        if answer_limit < self._config.max_message_bytes:
+            size = message.ByteSize()
+            if size > answer_limit:  # a response: an error answer is made to fit
+                # Refused to this caller alone: the answer ran and is kept for replay, so
+                # a retry with a larger limit gets it without running it again.
+                too_large = self._rejected(
+                    message.response.timing.lane,
+                    AnswerTooLargeError(
+                        f"the answer to request {message.request_id!r} is {size} bytes, "
+                        f"over the largest message this caller reads ({answer_limit} bytes, "
+                        f"its {RECEIVE_LIMIT_KEY}); expected fewer rows per request, or a "
+                        "larger receive limit"
+                    ),
+                )
+                message = self._stream_error(request.request_id, too_large, answer_limit)
         return message
 
-    def _stream_error(self, request_id: str, error: LaneserveError) -> pb.InferStreamResponse:
-        """`error` as the answer of the stream item `request_id`, within max_message_bytes:
-        gRPC refuses to send a larger message and ends the whole stream with it. The id is
-        echoed unless it is over MAX_REQUEST_ID_BYTES (refused for that: the answer has an
-        empty one); a message that quotes long fields (a lane's name) is cut to fit."""
+    def _stream_error(
+        self, request_id: str, error: LaneserveError, limit: int
+    ) -> pb.InferStreamResponse:
+        """`error` as the answer of the stream item `request_id`, within `limit` bytes:
+        gRPC does not send (or its client read) a larger message and ends the whole stream
+        with it. The id is echoed unless it is over MAX_REQUEST_ID_BYTES (refused for
+        that: the answer has an empty one); a message that quotes long fields (a lane's
+        name) is cut to fit."""
         status = to_rpc_status(error)
         answer = pb.InferStreamResponse(request_id=_answer_id(request_id), error=status)
-        excess = answer.ByteSize() - self._config.max_message_bytes
-        if excess > 0:  # only at a small max_message_bytes: messages are ~1 KiB at most
+        excess = answer.ByteSize() - limit
+        if excess > 0:  # only at a small limit: messages are ~1 KiB at most
             message = status.message
             answer.error.message = bounded_message(message, len(message.encode()) - excess)
             # The id and the details take at most ~400 of the 1024 bytes it is at least.
-            assert answer.ByteSize() <= self._config.max_message_bytes
+            assert answer.ByteSize() <= limit
         return answer
 
     def _answer(
@@ -774,6 +811,23 @@ def _stream_item_bytes(response: pb.InferResponse) -> int:
 
 def _varint_bytes(value: int) -> int:
     return max(1, (value.bit_length() + 6) // 7)
+
+
+def _receive_limit(metadata: Iterable[tuple[str, str | bytes]] | None, config: ServerConfig) -> int:
+    """The largest stream item the caller reads: its RECEIVE_LIMIT_KEY, within the
+    server's max_message_bytes (the server's own limit where it sent none)."""
+    values = [value for key, value in metadata or () if key == RECEIVE_LIMIT_KEY]
+    if not values:
+        return config.max_message_bytes
+    value = values[-1]
+    text = value.decode(errors="replace") if isinstance(value, bytes) else value
+    number = text.isascii() and text.isdigit()
+    if len(values) > 1 or not number or int(text) < MIN_RECEIVE_LIMIT_BYTES:
+        raise InvalidInputError(
+            f"call metadata {RECEIVE_LIMIT_KEY} is {[*values]!r}; expected one whole number "
+            f"of bytes, at least {MIN_RECEIVE_LIMIT_BYTES}"
+        )
+    return min(int(text), config.max_message_bytes)
 
 
 def _stream_draining() -> DrainingError:

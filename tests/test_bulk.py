@@ -15,8 +15,10 @@ from typing import Any
 import grpc
 import numpy as np
 import numpy.typing as npt
+import onnx
 import onnxruntime as ort
 import pytest
+from onnx import TensorProto, helper
 
 from laneserve import client as lc
 from laneserve.client import _channel as lc_channel
@@ -208,12 +210,12 @@ def test_an_item_whose_answer_is_over_what_the_client_reads_fails_alone(
     """The client reads at most 1 MiB, the server sends up to 64 MiB: an 8-row item's
     answer (1.6 MB, 50 000 floats a row) ended the whole call in the client's gRPC
     ("Received message larger than max"), every later item unanswered and the job
-    failed, a resumed job again. Its size is known from the model: it fails alone, and
-    the job goes on."""
+    failed, a resumed job again. The client sends its limit with the call: the server
+    answers that item ANSWER_TOO_LARGE alone, and the job goes on."""
     model = tmp_path / "wide.onnx"
     make_demo_model(model, hidden_dim=16, hidden_layers=1, output_dim=50_000)
 
-    async def scenario() -> list[lc.StreamResult]:
+    async def scenario() -> tuple[list[lc.StreamResult], pb.GetStatsResponse]:
         engine = RecordingEngine(str(model))
         async with (
             serving(engine, config(model)) as s,
@@ -223,14 +225,92 @@ def test_an_item_whose_answer_is_over_what_the_client_reads_fails_alone(
                 {"input": rows(count, start=10 * index)}
                 for index, count in enumerate((1, 1, 8, 1, 1))
             ]
-            return await collect(client.stream(items, window=1))
+            results = await collect(client.stream(items, window=1))
+            return results, await client.stats()
 
-    results = asyncio.run(scenario())
+    results, stats = asyncio.run(scenario())
     assert [result.ok for result in results] == [True, True, False, True, True]
     error = results[2].error
-    assert isinstance(error, lc.ResourceExhaustedError)
-    assert "the answer to bulk stream item 2 (8 rows) is at least 1600000 bytes" in str(error)
-    assert results[2].attempts == 0, "never sent"
+    assert isinstance(error, lc.AnswerTooLargeError)
+    assert "is 1600" in str(error)
+    assert "over the largest message this caller reads (1048576 bytes" in str(error)
+    assert results[2].attempts == 1, "not retried: a retry gets the same answer"
+    bulk = next(lane for lane in stats.lanes if lane.name == "bulk")
+    assert bulk.rejected.get("ANSWER_TOO_LARGE") == 1
+
+
+def tiled_model(path: Path, times: int) -> None:
+    """x [N, K] -> y = x tiled `times` times along K: [N, times * K]. An answer's size
+    depends on the inputs' width, so no client can know it before it comes."""
+    repeats = helper.make_tensor("repeats", TensorProto.INT64, [2], [1, times])
+    graph = helper.make_graph(
+        [helper.make_node("Tile", ["x", "repeats"], ["y"])],
+        "tiled",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "K"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", None])],
+        [repeats],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9  # what the onnxruntime in use reads
+    onnx.save(model, path)
+
+
+def test_an_answer_of_dynamic_size_over_what_the_client_reads_fails_alone(
+    tmp_path: Path,
+) -> None:
+    """An output whose size depends on the item (here 1 000 times its input's width):
+    the wide item's answer (1.2 MB) is over the 1 MiB this client reads. It fails alone,
+    and a retry of it from a client that reads more is answered from the replay cache,
+    not run again."""
+    model = tmp_path / "tiled.onnx"
+    tiled_model(model, times=1_000)
+    widths = (3, 3, 300, 3)
+
+    async def scenario() -> tuple[list[lc.StreamResult], dict[str, npt.NDArray[Any]], int]:
+        async with serving(Engine(str(model)), config(model)) as s:
+            items = [
+                {"x": np.full((1, width), index, np.float32)} for index, width in enumerate(widths)
+            ]
+            async with lc.AsyncClient(s.target, max_message_bytes=1 << 20) as client:
+                results = await collect(client.stream(items, window=1, job_id="tiled"))
+            async with lc.AsyncClient(s.target) as client:  # reads up to 64 MiB
+                runs = (await client.stats()).batches
+                retried = await client.infer(items[2], lane="bulk", request_id="tiled-2")
+                assert (await client.stats()).batches == runs, "answered from the replay cache"
+            return results, retried, runs
+
+    results, retried, runs = asyncio.run(scenario())
+    assert [result.ok for result in results] == [True, True, False, True]
+    assert runs == len(widths)
+    assert isinstance(results[2].error, lc.AnswerTooLargeError)
+    assert "is 1200" in str(results[2].error)
+    outputs = results[3].outputs
+    assert outputs is not None
+    assert outputs["y"].shape == (1, 3_000)
+    assert np.all(outputs["y"] == 3)
+    assert retried["y"].shape == (1, 300_000)
+    assert np.all(retried["y"] == 2)
+
+
+@pytest.mark.parametrize("value", ["100", "lots", "1e6", "-2048", "0x800"])
+def test_a_stream_with_a_malformed_receive_limit_is_refused_with_what_was_expected(
+    small_model: Path, value: str
+) -> None:
+    async def scenario() -> grpc.aio.AioRpcError:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            call = s.stub.InferStream(
+                iter([request(rows(1), request_id="a")]),
+                metadata=(("laneserve-max-receive-bytes", value),),
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await collect(call)
+            return raised.value
+
+    error = asyncio.run(scenario())
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert f"laneserve-max-receive-bytes is [{value!r}]" in (error.details() or "")
+    assert "expected one whole number of bytes, at least 1024" in (error.details() or "")
 
 
 def test_an_async_source_waiting_for_its_next_item_survives_a_cut_connection(

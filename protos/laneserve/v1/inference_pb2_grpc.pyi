@@ -40,7 +40,9 @@ class InferenceServiceStub:
     InferStream: _grpc.StreamStreamMultiCallable[_inference_pb2.InferRequest, _inference_pb2.InferStreamResponse]
     """Bulk jobs: many requests over one stream. Answers may come back out of order and
     carry the request_id, which every item must have; a failed item is answered with
-    `error`, the stream goes on.
+    `error`, the stream goes on. Call metadata `laneserve-max-receive-bytes` (a whole
+    number, at least 1024): the largest message the caller reads; an item whose answer
+    is larger is answered ANSWER_TOO_LARGE alone (without it, gRPC would end the call).
     """
     GetModel: _grpc.UnaryUnaryMultiCallable[_inference_pb2.GetModelRequest, _inference_pb2.GetModelResponse]
     """The served model's signature, the batch cap, the lanes and the providers in use."""
@@ -57,7 +59,9 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     InferStream: _aio.StreamStreamMultiCallable[_inference_pb2.InferRequest, _inference_pb2.InferStreamResponse]  # type: ignore[assignment]
     """Bulk jobs: many requests over one stream. Answers may come back out of order and
     carry the request_id, which every item must have; a failed item is answered with
-    `error`, the stream goes on.
+    `error`, the stream goes on. Call metadata `laneserve-max-receive-bytes` (a whole
+    number, at least 1024): the largest message the caller reads; an item whose answer
+    is larger is answered ANSWER_TOO_LARGE alone (without it, gRPC would end the call).
     """
     GetModel: _aio.UnaryUnaryMultiCallable[_inference_pb2.GetModelRequest, _inference_pb2.GetModelResponse]  # type: ignore[assignment]
     """The served model's signature, the batch cap, the lanes and the providers in use."""
@@ -83,7 +87,9 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_inference_pb2.InferStreamResponse], _abc.AsyncIterator[_inference_pb2.InferStreamResponse]]:
         """Bulk jobs: many requests over one stream. Answers may come back out of order and
         carry the request_id, which every item must have; a failed item is answered with
-        `error`, the stream goes on.
+        `error`, the stream goes on. Call metadata `laneserve-max-receive-bytes` (a whole
+        number, at least 1024): the largest message the caller reads; an item whose answer
+        is larger is answered ANSWER_TOO_LARGE alone (without it, gRPC would end the call).
         """
 
     @_abc_1.abstractmethod
