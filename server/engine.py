@@ -573,6 +573,8 @@ class Engine:
     def _probe(
         self, max_batch_size: int, repeats: int, fixed_cap: bool, gauge: MemoryGauge | None
     ) -> Probe:
+        if max_batch_size > 1:  # one row per run: nothing is batched together
+            self._check_later_axes_fixed()
         measured: dict[int, float] = {}
         memory_bytes: dict[int, int] = {}
         fits, fails = 0, None
@@ -610,6 +612,30 @@ class Engine:
             if seconds is not None:
                 measured[fits] = seconds
         return Probe(measured, fits, fails, memory_bytes, memory_fit)
+
+    def _check_later_axes_fixed(self) -> None:
+        """Refuses (EngineError) a model an output of which is sized by the batch after its
+        first axis, whatever the axes' names (`_check_batch_axis_unique` sees only
+        names): q [N, d] @ k [M, d]^T is [N, M], and M is the batch's rows too, since
+        every input of a request has its rows. Batched with other requests, a request's
+        answer then took their size, and values computed from their inputs. Seen from
+        shapes: an output that mixes rows within fixed sizes (x - mean(x, axis=0)) is
+        not caught here."""
+        try:
+            one = self.run(self.example_inputs(1))
+            two = self.run(self.example_inputs(2))
+        except DeviceMemoryError:
+            return  # the probe below meets it and reports it
+        for name in self.output_names:
+            if one[name].shape[1:] != two[name].shape[1:]:
+                raise EngineError(
+                    f"model output {name!r} has shape {list(one[name].shape)} for 1 input "
+                    f"row and {list(two[name].shape)} for 2: its axes after the first "
+                    "follow the row count, so a request batched with others would get an "
+                    "answer of their size, computed from their inputs; expected sizes "
+                    "after the first axis that do not depend on the rows (or "
+                    "max_batch_size 1)"
+                )
 
     def _time_rows(self, rows: int, repeats: int) -> float | None:
         """Best run seconds at `rows` rows after one warm-up run; None: out of memory."""

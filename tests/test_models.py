@@ -15,7 +15,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from laneserve.client.tensors import encode_tensor
+from laneserve.client.tensors import decode_tensor, encode_tensor
 from laneserve.server import Engine, EngineStartError, LaneServer, ServerConfig
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.v1 import inference_pb2 as pb
@@ -294,6 +294,69 @@ def test_a_model_with_a_later_axis_named_as_the_batch_axis_is_refused(tmp_path: 
         "laneserve batches requests, so a request's answer would depend on the requests "
         "batched with it; expected sizes after the first axis that do not follow it"
     )
+
+
+@pytest.mark.parametrize("k_rows", ["M", "N"])
+def test_an_output_sized_by_the_rows_after_its_first_axis_is_refused(
+    tmp_path: Path, k_rows: str
+) -> None:
+    """s = q kT is [N, rows of k], and k has the request's rows too: batched with another
+    request, a 1-row request's answer was [1, 2], one value of it computed from the
+    other caller's k. Its later axis has a name of its own ("P"), so only running the
+    model shows it."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Transpose", ["k"], ["kt"]),
+            helper.make_node("MatMul", ["q", "kt"], ["s"]),
+        ],
+        "attention_scores",
+        [
+            helper.make_tensor_value_info("q", TensorProto.FLOAT, ["N", 4]),
+            helper.make_tensor_value_info("k", TensorProto.FLOAT, [k_rows, 4]),
+        ],
+        [helper.make_tensor_value_info("s", TensorProto.FLOAT, ["N", "P"])],
+    )
+    message = _refused_at_start(_save(tmp_path / "scores.onnx", graph))
+    assert (
+        "model output 's' has shape [1, 1] for 1 input row and [2, 2] for 2: its axes "
+        "after the first follow the row count" in message
+    )
+    assert "expected sizes after the first axis that do not depend on the rows" in message
+
+
+def test_inputs_with_first_axes_named_apart_and_outputs_of_their_own_rows_are_served(
+    tmp_path: Path,
+) -> None:
+    """a [N, 4] and b [M, 4] (exporters name each input's dynamic axis apart), each with an
+    output of its own rows: nothing mixes, and the check above must not refuse it."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", ["a", "a"], ["doubled"]),
+            helper.make_node("Neg", ["b"], ["negated"]),
+        ],
+        "apart",
+        [
+            helper.make_tensor_value_info("a", TensorProto.FLOAT, ["N", 4]),
+            helper.make_tensor_value_info("b", TensorProto.FLOAT, ["M", 4]),
+        ],
+        [
+            helper.make_tensor_value_info("doubled", TensorProto.FLOAT, ["N", 4]),
+            helper.make_tensor_value_info("negated", TensorProto.FLOAT, ["M", 4]),
+        ],
+    )
+    path = _save(tmp_path / "apart.onnx", graph)
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+
+    async def scenario() -> pb.InferResponse:
+        engine = Engine(str(path), device="cpu")
+        async with serving(engine, ServerConfig(model_path=str(path))) as s:
+            inputs = [encode_tensor("a", a), encode_tensor("b", a + 1)]
+            return await s.stub.Infer(pb.InferRequest(inputs=inputs))
+
+    answer = asyncio.run(scenario())
+    outputs = {tensor.name: decode_tensor(tensor) for tensor in answer.outputs}
+    np.testing.assert_array_equal(outputs["doubled"], 2 * a)
+    np.testing.assert_array_equal(outputs["negated"], -(a + 1))
 
 
 def test_a_request_over_the_cap_whose_chunks_do_not_join_fails_alone(tmp_path: Path) -> None:
