@@ -64,9 +64,11 @@ _EMPTY_STR_BYTES = sys.getsizeof("")
 log = logging.getLogger(__name__)
 
 
-def fingerprint(request: pb.InferRequest) -> bytes:
+def fingerprint(request: pb.InferRequest, output_names: Sequence[str]) -> bytes:
     """A digest of what determines the answer: the inputs (in any order) and the outputs
-    asked for. Lane, timeout and request_id are left out: a retry may change them."""
+    it carries, in their order: `output_names` as resolved (`check_output_names`), so
+    that none asked for and all of them listed in the model's order are one answer. Lane,
+    timeout and request_id are left out: a retry may change them."""
     # SHA-256: with the SHA extensions of current CPUs it hashes 2-3x faster than blake2b,
     # and this runs on the event loop for every request that carries an id.
     digest = hashlib.sha256()
@@ -85,7 +87,7 @@ def fingerprint(request: pb.InferRequest) -> bytes:
         digest.update(header + name)
         digest.update(data)
     digest.update(b"outputs")
-    for output in request.output_names:
+    for output in output_names:
         name = output.encode()
         digest.update(struct.pack("<Q", len(name)) + name)
     return digest.digest()
@@ -219,14 +221,22 @@ class ReplayCache:
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self._clock = clock
-        # Invariant: size_bytes == the sum of `_size_bytes` over the entries,
-        # len(_entries) <= max_entries and size_bytes <= max_bytes. Oldest use first.
+        # Invariant: _bytes == the sum of `_size_bytes` over the entries,
+        # len(_entries) <= max_entries and _bytes <= max_bytes. Oldest stored first.
         self._entries: collections.OrderedDict[str, bytes] = collections.OrderedDict()
-        self.size_bytes = 0
+        self._bytes = 0
 
     def __len__(self) -> int:
+        """Answers held, the expired dropped first: agrees with `size_bytes` read in
+        either order."""
         self._evict(self._clock.monotonic())
         return len(self._entries)
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes held (what `max_bytes` bounds), the expired dropped first."""
+        self._evict(self._clock.monotonic())
+        return self._bytes
 
     def get(self, request_id: str) -> Replayed | None:
         record = self._entries.get(request_id)
@@ -261,7 +271,7 @@ class ReplayCache:
         if request_id in self._entries:
             self._remove(request_id)
         self._entries[request_id] = record
-        self.size_bytes += size_bytes
+        self._bytes += size_bytes
         self._evict(now_s)
         return True
 
@@ -271,13 +281,13 @@ class ReplayCache:
             request_id, oldest = next(iter(self._entries.items()))
             expired = now_s - _stored_s(oldest) >= self.ttl_s
             if not expired and (
-                len(self._entries) <= self.max_entries and self.size_bytes <= self.max_bytes
+                len(self._entries) <= self.max_entries and self._bytes <= self.max_bytes
             ):
                 return
             self._remove(request_id)
 
     def _remove(self, request_id: str) -> None:
-        self.size_bytes -= _size_bytes(request_id, self._entries.pop(request_id))
+        self._bytes -= _size_bytes(request_id, self._entries.pop(request_id))
 
 
 class RequestLedger:
@@ -285,7 +295,7 @@ class RequestLedger:
 
     Usage, from a servicer::
 
-        response = await ledger.run(request_id, fingerprint(request), submit, finish)
+        response = await ledger.run(request_id, fingerprint(request, outputs), submit, finish)
 
     where `submit(resolve)` admits the request to the scheduler with `resolve` as its
     token (or raises why not) and returns how to cancel it, and `finish(outcome, left_s)`

@@ -578,7 +578,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 self._request_over(lane, trace, status, arrived_s)
 
         # The ledger runs it at most once per request_id: a retry joins or replays.
-        digest = fingerprint(request) if request.request_id else b""
+        digest = fingerprint(request, output_names) if request.request_id else b""
         run = functools.partial(
             self._run_once, lane, request.request_id, digest, submit, finish, wait_until_s
         )

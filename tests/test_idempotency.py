@@ -90,6 +90,17 @@ def test_expired_answers_go_before_any_live_one_and_are_not_counted() -> None:
     assert replay.size_bytes == 0
 
 
+def test_the_bytes_held_drop_the_expired_answers_read_before_the_count() -> None:
+    """GetStats reads both: each drops the expired answers, so they agree in any order
+    (the bytes read first still counted the expired answers)."""
+    replay, clock = cache(ttl_s=10.0)
+    replay.put("a", b"fa", answer("a"))
+    assert replay.size_bytes > 0
+    clock.advance(10.0)
+    assert replay.size_bytes == 0
+    assert len(replay) == 0
+
+
 def test_cache_stays_within_its_byte_bound() -> None:
     one = answer("x", values=1000)
     # The record (time, fingerprint length, fingerprint b"f", answer), the id, overhead.
@@ -161,11 +172,31 @@ def test_cache_with_no_entries_keeps_nothing() -> None:
 def test_fingerprint_covers_inputs_and_outputs_but_not_lane_or_timeout() -> None:
     base = request(rows(2, seed=1), request_id="r", lane="bulk", timeout_ms=5)
     same = request(rows(2, seed=1), request_id="other", lane="interactive")
-    assert fingerprint(base) == fingerprint(same)
-    assert fingerprint(base) != fingerprint(request(rows(2, seed=2), request_id="r"))
-    assert fingerprint(base) != fingerprint(request(rows(2, seed=1)[:, :256], request_id="r"))
-    wider = request(rows(2, seed=1), request_id="r", output_names=["output"])
-    assert fingerprint(base) != fingerprint(wider)
+    outputs = ["output"]
+    assert fingerprint(base, outputs) == fingerprint(same, outputs)
+    assert fingerprint(base, outputs) != fingerprint(request(rows(2, seed=2)), outputs)
+    assert fingerprint(base, outputs) != fingerprint(request(rows(2, seed=1)[:, :256]), outputs)
+    assert fingerprint(base, ["a", "b"]) != fingerprint(base, ["b", "a"]), "another answer"
+    assert fingerprint(base, ["a"]) != fingerprint(base, ["a", "b"])
+
+
+def test_a_retry_listing_every_output_in_the_models_order_gets_the_stored_answer(
+    small_model: Path,
+) -> None:
+    """No output_names means every output, in the model's order: a retry that lists them
+    so asks for the same answer. It was refused REQUEST_ID_REUSED."""
+
+    async def scenario() -> tuple[pb.InferResponse, pb.InferResponse, list[int]]:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model)) as s:
+            first = await s.stub.Infer(request(rows(2, start=7), request_id="all"))
+            listed = request(rows(2, start=7), request_id="all", output_names=["output"])
+            again = await s.stub.Infer(listed)
+        return first, again, engine.ran_tags
+
+    first, again, ran = asyncio.run(scenario())
+    assert again == first
+    assert ran == [7, 8], "ran once"
 
 
 # ---- the server ------------------------------------------------------------------------
