@@ -214,7 +214,9 @@ class AsyncClient:
             window: items held at once (sent and unanswered, waiting for a retry, or, in
                 order mode, answered ahead of an earlier item); the source is read no
                 faster than that.
-            timeout_ms: each item's server-side budget; 0: the lane's timeout.
+            timeout_ms: each item's budget, from its first send: a retry (or a resend
+                over a new call) carries what is left, and none starts after it; 0: only
+                the lane's timeout.
             ordered: yield results in item order (default), or as they arrive.
             outputs: the outputs to return; None: all.
             job_id: the prefix of the items' request ids (``f"{job_id}-{index}"``). Give

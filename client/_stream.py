@@ -40,6 +40,7 @@ import numpy.typing as npt
 from laneserve.client._errors import (
     CallCancelledError,
     ClientClosedError,
+    DeadlineExceededError,
     InvalidInputError,
     LaneserveError,
     ResourceExhaustedError,
@@ -96,6 +97,9 @@ class _Item:
     state: _State = _State.QUEUED
     attempts: int = 0  # times sent for an answer; a resend after a broken call is not one
     timer: asyncio.TimerHandle | None = None
+    # `timeout_ms` from its first send (time.monotonic(); None: no timeout_ms): every
+    # send, a retry's or a resend's, carries what is left of it, and none starts after it.
+    deadline_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -148,7 +152,8 @@ class StreamOptions:
     # Items held at once: sent and unanswered, waiting for a retry, or answered and not
     # yet taken by the caller (in order mode, waiting for an earlier item).
     window: int = 256
-    # Per-item server-side budget; 0: only the lane's timeout applies.
+    # Per-item budget from its first send, retries and resends included; 0: only the
+    # lane's timeout applies.
     timeout_ms: int = 0
     ordered: bool = True
     outputs: tuple[str, ...] = ()
@@ -357,6 +362,8 @@ class BulkStream:
                 if item is None:
                     await call.done_writing()
                     return
+                if not self._within_timeout(item):
+                    continue
                 item.state = _State.SENT
                 if item.attempts == 0:
                     item.attempts = 1
@@ -366,6 +373,34 @@ class BulkStream:
                 # connection raises gRPC's internal ExecuteBatchError, which went to the
                 # caller as the source's failure.
                 return
+
+    def _within_timeout(self, item: _Item) -> bool:
+        """Sets the time left of `item`'s timeout_ms on its message before a send;
+        False, the item answered DeadlineExceededError, when none is left: the server
+        counts timeout_ms from each arrival, and a retried item had it whole each time."""
+        timeout_ms = self._options.timeout_ms
+        if timeout_ms == 0:
+            return True
+        now_s = time.monotonic()
+        if item.deadline_s is None:
+            item.deadline_s = now_s + timeout_ms / 1000
+            return True
+        left_ms = math.ceil((item.deadline_s - now_s) * 1000)
+        if left_ms > 0:
+            item.message.timeout_ms = left_ms
+            return True
+        self._finish(
+            item,
+            None,
+            DeadlineExceededError(
+                f"bulk stream item {item.index}: its timeout_ms ({timeout_ms} ms from its "
+                f"first send) passed before it could be sent again (sent {item.attempts} "
+                "time(s) for an answer, then the call broke or a retry waited)",
+                code=grpc.StatusCode.DEADLINE_EXCEEDED,
+                request_id=item.request_id,
+            ),
+        )
+        return False
 
     async def _set_limits(self) -> None:
         limits = StreamLimits(None, None)
@@ -557,7 +592,17 @@ class BulkStream:
         error = error_from_status(response.error, request_id=item.request_id)
         error.attempts = item.attempts
         if error.should_retry and item.attempts < self._allowed:
-            delay_s = effective_delay_s(self._policy.delay_s(item.attempts, error.retry_after_s))
+            # The decision uses the real delay; test mode only skips the waiting.
+            delay_s = self._policy.delay_s(item.attempts, error.retry_after_s)
+            if item.deadline_s is not None and time.monotonic() + delay_s >= item.deadline_s:
+                error.add_note(
+                    f"gave up after {item.attempts} attempt(s): the next would start after "
+                    f"the item's timeout_ms ({self._options.timeout_ms} ms from its first "
+                    "send)"
+                )
+                self._finish(item, None, error)
+                return
+            delay_s = effective_delay_s(delay_s)
             item.state = _State.BACKOFF
             item.timer = asyncio.get_running_loop().call_later(delay_s, self._resend, item)
             return

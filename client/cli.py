@@ -969,7 +969,7 @@ def _parser() -> argparse.ArgumentParser:
         "--timeout-ms",
         type=_timeout_ms,
         default=0,
-        help="per-request budget in ms (default 0: the lane's timeout)",
+        help="per-request budget in ms, retries included (default 0: the lane's timeout)",
     )
     bulk.add_argument(
         "--resume", action="store_true", help="continue the job in OUTPUT.partial, if any"

@@ -1081,10 +1081,12 @@ def test_a_job_naming_no_lane_goes_where_the_server_queues_it(small_model: Path)
     assert stats.lanes[0].admitted == 20
 
 
-def test_item_gives_up_after_its_attempts(small_model: Path) -> None:
+def test_an_item_is_not_retried_past_its_timeout_ms(small_model: Path) -> None:
     """Unary calls hold the 4-row bulk lane full (one in the session, one queued); the
-    job's item waits for room for its 50 ms each time, is answered LANE_FULL, and is sent
-    again until its attempts are spent."""
+    job's item waits for room for its 50 ms, and is answered LANE_FULL, retryable. The
+    server counts timeout_ms from each arrival, and the client sent the item again with
+    the whole 50 ms each time, until its 3 attempts were spent (3x the timeout). Counted
+    from the first send, none is left for a retry."""
 
     async def scenario() -> tuple[list[lc.StreamResult], pb.GetStatsResponse]:
         engine = RecordingEngine(str(small_model))
@@ -1110,9 +1112,12 @@ def test_item_gives_up_after_its_attempts(small_model: Path) -> None:
     assert [result.ok for result in results] == [False]
     error = results[0].error
     assert isinstance(error, lc.LaneFullError)
-    assert error.attempts == 3
-    assert results[0].attempts == 3
-    assert stats.lanes[1].rejected["LANE_FULL"] == 3
+    assert error.attempts == 1
+    assert results[0].attempts == 1
+    assert stats.lanes[1].rejected["LANE_FULL"] == 1
+    assert "the next would start after the item's timeout_ms (50 ms from its first send)" in (
+        "\n".join(error.__notes__)
+    )
 
 
 def test_unreachable_server_ends_the_job_with_the_connection_error() -> None:
