@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from laneserve.client._errors import LaneserveError
-from laneserve.client.tensors import numpy_dtype
+from laneserve.client.tensors import datatype_name, numpy_dtype
 from laneserve.v1 import inference_pb2 as pb
 
 __all__ = ["LaneInfo", "ModelInfo", "StreamRequest", "StreamResult", "TensorInfo"]
@@ -24,9 +24,18 @@ Arrays = Mapping[str, npt.NDArray[Any]]
 @dataclasses.dataclass(frozen=True, slots=True)
 class TensorInfo:
     name: str
-    dtype: np.dtype[Any]
+    # None: a data type this client does not know (a newer server's, say): it can
+    # neither send nor read this tensor; `datatype` names it.
+    dtype: np.dtype[Any] | None
     # None for a dynamic dimension; the first is the row (batch) axis.
     shape: tuple[int | None, ...]
+    # The data type's name, whether or not this client knows it ("float32", "unknown
+    # data type 13").
+    datatype: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.datatype and self.dtype is not None:
+            object.__setattr__(self, "datatype", datatype_name(self.dtype))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,10 +78,17 @@ class ModelInfo:
     @classmethod
     def from_proto(cls, message: pb.GetModelResponse) -> ModelInfo:
         def tensor(spec: pb.TensorSpec) -> TensorInfo:
+            # A data type this client does not know leaves that tensor's dtype unknown,
+            # not the whole description: its lanes and limits still serve the client.
+            try:
+                dtype: np.dtype[Any] | None = numpy_dtype(spec.dtype)
+            except ValueError:
+                dtype = None
             return TensorInfo(
                 spec.name,
-                numpy_dtype(spec.dtype),
+                dtype,
                 tuple(None if dim < 0 else int(dim) for dim in spec.shape),
+                datatype_name(spec.dtype),
             )
 
         return cls(

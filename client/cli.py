@@ -210,7 +210,7 @@ def _model(client: Client, args: argparse.Namespace) -> int:
         out,
         ["tensor", "name", "dtype", "shape"],
         [
-            [kind, spec.name, str(spec.dtype), _shape(spec.shape)]
+            [kind, spec.name, spec.datatype, _shape(spec.shape)]
             for kind, specs in (("input", model.inputs), ("output", model.outputs))
             for spec in specs
         ],
@@ -366,13 +366,23 @@ def _inputs_from_json(text: str, model: ModelInfo, where: str) -> Arrays:
     return arrays
 
 
+def _known_dtype(spec: TensorInfo, what: str) -> np.dtype[Any]:
+    if spec.dtype is None:
+        raise UsageError(
+            f"{what} is {spec.datatype} on the server, a data type this laneserve-client "
+            "does not know; expected a client as recent as the server"
+        )
+    return spec.dtype
+
+
 def _json_array(value: object, spec: TensorInfo, what: str) -> npt.NDArray[Any]:
     """`value` (JSON's nested lists) as an array of `spec`'s dtype, refused where the
     dtype would change a value: numpy casts 1.5 to 1 for int64 and 1e10 to inf for float16
     without a word, and raises OverflowError for an int past int64's range."""
+    dtype = _known_dtype(spec, what)
     try:
         with np.errstate(over="raise", invalid="raise"):
-            array = np.asarray(value, dtype=spec.dtype)
+            array = np.asarray(value, dtype=dtype)
     except (TypeError, ValueError, OverflowError, FloatingPointError) as error:
         raise UsageError(
             f"{what} is not a {spec.dtype} array of shape {_shape(spec.shape)}: {error}"
@@ -457,8 +467,9 @@ def _check_input(name: str, array: npt.NDArray[Any], model: ModelInfo, where: st
     after the row axis (the row count is free). The byte order is free too: the codec
     writes each request in the wire's (a `>f4` file holds float32 values)."""
     spec = model.input(name)
+    dtype = _known_dtype(spec, f"input {name!r}")
     if (
-        array.dtype.newbyteorder("=") != spec.dtype.newbyteorder("=")
+        array.dtype.newbyteorder("=") != dtype.newbyteorder("=")
         or array.ndim != len(spec.shape)
         or any(
             want is not None and have != want
@@ -823,10 +834,10 @@ def _check_outputs_unchanged(checkpoint: Checkpoint, model: ModelInfo) -> None:
             want is None or have == want
             for have, want in zip(shape[1:], spec.shape[1:], strict=True)
         )
-        if str(spec.dtype) != dtype or not same_sizes:
+        if spec.datatype != dtype or not same_sizes:
             raise UsageError(
                 f"checkpoint {checkpoint.directory} holds output {name!r} as {dtype} with "
-                f"shape {list(shape)}; the model now gives {spec.dtype} with shape "
+                f"shape {list(shape)}; the model now gives {spec.datatype} with shape "
                 f"{_shape(spec.shape)}: expected the model the job began with, or delete "
                 f"{checkpoint.directory} to start over"
             )

@@ -969,3 +969,19 @@ def test_every_server_reason_has_a_client_error_class() -> None:
         and cls is not server_errors.LaneserveError
     }
     assert reasons <= set(_errors._BY_REASON), reasons - set(_errors._BY_REASON)
+
+
+def test_a_tensor_of_a_data_type_this_client_does_not_know_leaves_the_rest_of_the_model() -> None:
+    """A newer server may describe a tensor of a data type added after this client: the
+    whole description failed (ValueError), and with it a bulk job, which asks for the
+    lanes' capacity. Now only that tensor's dtype is unknown, and named."""
+    newer = pb.GetModelResponse(
+        inputs=[pb.TensorSpec(name="x", dtype=pb.DATA_TYPE_FLOAT32, shape=[-1, 3])],
+        outputs=[pb.TensorSpec(name="y", dtype=pb.DataType.ValueType(99), shape=[-1, 3])],
+        lanes=[pb.LaneSpec(name="bulk", capacity_rows=64, is_default=True)],
+    )
+    # As it arrives: proto3 enums keep a value the schema does not name.
+    model = lc.ModelInfo.from_proto(pb.GetModelResponse.FromString(newer.SerializeToString()))
+    assert model.inputs == (lc.TensorInfo("x", np.dtype(np.float32), (None, 3), "float32"),)
+    assert model.outputs == (lc.TensorInfo("y", None, (None, 3), "unknown data type 99"),)
+    assert model.default_lane == "bulk"
