@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from laneserve.server import flag_values
-from laneserve.server.app import LaneServer, check_ports_free, load_engine
+from laneserve.server.app import LaneServer, check_ports_free, load_engine, server_credentials
 from laneserve.server.bench import cli as bench_cli
 from laneserve.server.config import DEVICES, ConfigError, ServerConfig, load_config
 from laneserve.server.engine import EngineStartError
@@ -190,7 +190,9 @@ async def _serve(config: ServerConfig) -> tuple[int, bool]:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
-    check_ports_free(config)  # in milliseconds, not after the model has loaded
+    # In milliseconds, not after the model has loaded (minutes, for a large one):
+    check_ports_free(config)
+    server_credentials(config)  # the TLS files read and checked; read again to serve
     loaded = await asyncio.to_thread(lambda: LaneServer(load_engine(config), config))
     if stop_asked.is_set():  # asked while it loaded: it never serves
         await loaded.stop()

@@ -177,13 +177,15 @@ def test_cuda_without_a_usable_gpu_is_a_start_up_error(small_model: Path) -> Non
     assert "or --device auto / cpu to run on the CPU" in stderr
 
 
-def test_unreadable_tls_file_is_refused_naming_the_setting(
-    tmp_path: Path, small_model: Path
+def test_unreadable_tls_file_is_refused_naming_the_setting_before_the_model_loads(
+    tmp_path: Path,
 ) -> None:
+    """The model named is absent too: the TLS file is reported first (it was found only
+    once the model had loaded and been probed, minutes for a large one)."""
     (tmp_path / "server.key").write_text("not used: the certificate is missing\n")
     stderr = refused_at_start(
         "--model",
-        str(small_model),
+        str(tmp_path / "absent.onnx"),
         "--tls-cert",
         str(tmp_path / "absent.pem"),
         "--tls-key",
