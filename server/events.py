@@ -57,7 +57,8 @@ class SchedulerEvents(Protocol):
         ...
 
     def batch_split(self, rows: int) -> None:
-        """A batch of `rows` rows was split in halves after running out of memory."""
+        """A batch of `rows` rows was run in parts after running out of memory (once per
+        batch, however many times its parts split again)."""
         ...
 
     def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:

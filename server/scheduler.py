@@ -1356,8 +1356,10 @@ class Scheduler:
         quick to back off, slow to probe upwards)."""
         for rows in result.out_of_memory_rows:
             self.events.out_of_memory(rows)
-            if rows > 1:
-                self.events.batch_split(rows)
+        if any(rows > 1 for rows in result.out_of_memory_rows):
+            # Once per batch, however many of its parts split again (the counter said
+            # "batches split" and counted every split run).
+            self.events.batch_split(result.batch.rows)
         failed_batches = _capacity_failures(result)
         if failed_batches:
             smallest = min(failed_batches)

@@ -433,6 +433,20 @@ def test_only_the_request_whose_row_does_not_fit_fails() -> None:
     assert scheduler.live_entries == 0
 
 
+def test_a_batch_split_more_than_once_counts_as_one_split_batch() -> None:
+    """Runs of 6 and 3 rows ran out of memory, then a row alone: three out-of-memory runs,
+    one batch split (the counter, "batches split", counted 2: every run split)."""
+    clock = ManualClock()
+    scheduler = _scheduler(8)
+    stats = scheduler.events = StatsRecorder(["interactive", "standard", "bulk"])
+    for index, count in enumerate([2, 1, 3]):
+        scheduler.admit(_request(index, "standard", count), clock.monotonic())
+    scheduler.complete(_row_two_does_not_fit(_dispatch(scheduler, clock)))
+    counts = stats.counts()
+    assert counts.out_of_memory == 3
+    assert counts.batch_splits == 1
+
+
 def test_the_cap_settles_below_a_size_that_ran_out_of_memory() -> None:
     """After running out of memory at 64 rows the cap climbs back step by step but holds
     at the last size that ran (60) instead of returning to 64 every few hundred batches;

@@ -13,7 +13,7 @@ Metric names (OpenTelemetry; Prometheus adds the unit and `_total`, e.g.
     laneserve.requests.completed  counter           lane, status   every admitted request's end
     laneserve.batches             counter           reason, status dispatch reason, outcome
     laneserve.device.out_of_memory counter                         runs out of device memory
-    laneserve.batch.splits        counter                          failed runs split in halves
+    laneserve.batch.splits        counter                          batches run in parts after OOM
     laneserve.batch.cap.changes   counter           reason         out_of_memory / recovered
     laneserve.lane.depth          gauge rows        lane           queued rows now
     laneserve.lane.capacity       gauge rows        lane
@@ -144,7 +144,7 @@ _COUNTERS: tuple[_Counter, ...] = (
     ),
     _Counter(
         "laneserve.batch.splits",
-        "Failed runs split in halves and retried",
+        "Batches run in parts after running out of memory (once per batch)",
         (),
         lambda counts: {(): counts.batch_splits},
     ),
