@@ -54,6 +54,7 @@ from laneserve.server.bench.loadgen import (
 )
 from laneserve.server.bench.profiling import summarize_collapsed
 from laneserve.server.bench.report import (
+    MEMORY_KEYS,
     evaluate_targets,
     render_markdown,
     verdict_text,
@@ -178,6 +179,7 @@ def test_short_run_writes_well_formed_json_with_every_key(
     assert laneserve["memory"]["measure"] == "PSS"
     assert laneserve["memory"]["peak_bytes"] > 0
     assert laneserve["memory_after_a"]["peak_bytes"] > 0, "sampled while (a) ran"
+    assert laneserve["memory_after_a"]["unique_peak_bytes"] > 0, "smaps read while (a) ran"
     assert laneserve["memory_after_a"]["processes"] == laneserve["memory"]["processes"]
     assert {target["id"] for target in written["targets"]} >= {
         "echo_ratio",
@@ -192,6 +194,7 @@ def test_short_run_writes_well_formed_json_with_every_key(
     report = Path(outputs["markdown"]).read_text()
     assert "## Targets (issue 6)" in report
     assert "## (d)" in report
+    assert "| unique: peak during (a) |" in report
     assert "| peak during (a) |" in report
     assert live_children() == [], "no server or client process is left"
 
@@ -274,6 +277,7 @@ def test_baselines_start_answer_and_stop_cleanly(small_model: Path, kind: str) -
         assert memory["processes"] == len(deployment.processes)
         assert memory["measure"] == "PSS"
         assert memory["bytes"] > 0
+        assert memory["unique_bytes"] > 0
     finally:
         codes = deployment.stop()
     assert codes == [0] * len(deployment.processes), "each stopped on SIGTERM, exit 0"
@@ -666,9 +670,14 @@ def test_report_of_a_run_without_baselines_says_not_measured() -> None:
     assert "not measured" in render_markdown(document)
 
 
-def memory(processes: int, peak_mib: int, measure: str = "PSS") -> dict[str, Any]:
+def memory(
+    processes: int, peak_mib: int, measure: str = "PSS", unique_mib: int | None = None
+) -> dict[str, Any]:
     peak = peak_mib * 2**20
+    unique = None if unique_mib is None else unique_mib * 2**20
     return {
+        "unique_bytes": unique,
+        "unique_peak_bytes": unique,
         "measure": measure,
         "note": None,
         "processes": processes,
@@ -707,9 +716,47 @@ def test_memory_target_compares_the_peaks_after_scenario_a() -> None:
     assert targets["workers-4_memory"]["measured"] == "not measured"
     assert targets["workers-8_memory"]["met"] is None
     report = render_markdown(document)
-    assert "| laneserve | 1 | PSS | 100 MiB | 400 MiB | 400 MiB |" in report
-    assert "| workers-4 | 4 | PSS | - | 500 MiB | 500 MiB |" in report
+    assert "| laneserve | 1 | - | - | - | PSS | 100 MiB | 400 MiB | 400 MiB |" in report
+    assert "| workers-4 | 4 | - | - | - | PSS | - | 500 MiB | 500 MiB |" in report
     assert "compares the peak during (a)" in report
+    assert missing_keys(document) == []
+    del document["configurations"]["workers-2"]["memory"]["unique_peak_bytes"]
+    assert missing_keys(document) == ["configurations.workers-2.memory.unique_peak_bytes"]
+
+
+def test_memory_target_reads_the_unique_peaks_with_pss_beside() -> None:
+    document = empty_document()
+    document["configurations"] = {
+        "laneserve": {
+            "kind": "laneserve",
+            "memory_after_a": memory(1, 100, unique_mib=120),
+            "memory": memory(1, 400, unique_mib=420),
+        },
+        "workers-2": {
+            "kind": "workers",
+            "memory_after_a": memory(2, 230, unique_mib=228),
+            "memory": memory(2, 260, unique_mib=250),
+        },
+        # smaps unreadable for one of its processes: PSS on both is compared instead.
+        "workers-4": {"kind": "workers", "memory_after_a": memory(4, 300)},
+    }
+    targets = {target["id"]: target for target in evaluate_targets(document)}
+    assert targets["workers-2_memory"]["met"] is False, "2.30x by PSS, 1.90x by unique"
+    assert targets["workers-2_memory"]["measured"] == (
+        "1.90x (228 MiB vs 120 MiB, unique peak during (a); by PSS 2.30x)"
+    )
+    assert "each resident page" in targets["workers-2_memory"]["description"]
+    assert targets["workers-4_memory"]["met"] is True
+    assert (
+        targets["workers-4_memory"]["measured"] == "3.00x (300 MiB vs 100 MiB, PSS peak during (a))"
+    )
+    assert "(PSS, summed)" in targets["workers-4_memory"]["description"]
+    report = render_markdown(document)
+    assert (
+        "| laneserve | 1 | 120 MiB | 420 MiB | 420 MiB | PSS | 100 MiB | 400 MiB | 400 MiB |"
+        in report
+    )
+    assert missing_keys(document) == []
 
 
 # ---- the measurement defects a review found, one test each -------------------------
@@ -1227,6 +1274,7 @@ def test_memory_is_pss_summed_with_its_peak_sampled_under_load(tmp_path: Path) -
         130 * 2**20,
     )
     assert figures["note"] is None
+    assert figures["unique_bytes"] is None, "no smaps in this tree"
     fallback = procs.memory_figures([first, unreadable], {"PSS": 1}, samples=1)
     assert fallback["measure"] == "RSS"
     assert fallback["peak_bytes"] is None, "no RSS sample: a PSS peak is not comparable"
@@ -1234,6 +1282,129 @@ def test_memory_is_pss_summed_with_its_peak_sampled_under_load(tmp_path: Path) -
     ours = procs.read_process_memory(os.getpid())
     assert ours.pss_bytes is not None
     assert ours.pss_bytes > 0
+    assert (procs.unique_memory([ours]) or 0) > 0
+
+
+def smaps_entry(header: str, *, shared_kb: int = 0, private_kb: int = 0) -> str:
+    """One mapping of a /proc/PID/smaps file, its fields as a 6.x kernel writes them."""
+    rss_kb = shared_kb + private_kb
+    fields = {
+        "Size": rss_kb + 64,
+        "KernelPageSize": 4,
+        "MMUPageSize": 4,
+        "Rss": rss_kb,
+        "Pss": private_kb + shared_kb // 2,
+        "Pss_Dirty": 0,
+        "Shared_Clean": shared_kb,
+        "Shared_Dirty": 0,
+        "Private_Clean": 0,
+        "Private_Dirty": private_kb,
+        "Referenced": rss_kb,
+        "Anonymous": private_kb,
+        "Swap": 0,
+    }
+    lines = [header, *(f"{name}:{value:>16} kB" for name, value in fields.items())]
+    return "\n".join([*lines, "THPeligible:           0", "VmFlags: rd mr mw me", ""])
+
+
+def fake_process(proc: Path, pid: int, pss_kb: int, mappings: list[str]) -> None:
+    folder = proc / str(pid)
+    folder.mkdir()
+    (folder / "status").write_text("Name:\tx\nVmHWM:\t1 kB\nVmRSS:\t1 kB\n")
+    (folder / "smaps_rollup").write_text(
+        f"00400000-7fff ---p 00000000 00:00 0 [rollup]\nPss: {pss_kb} kB\n"
+    )
+    (folder / "smaps").write_text("".join(mappings))
+
+
+def test_unique_memory_counts_a_library_two_workers_share_once(tmp_path: Path) -> None:
+    """PSS divides a shared page among every process that maps it, the harness's load
+    generators included, so summed over a configuration it falls short of what the
+    configuration holds; the unique measure counts each shared file mapping once."""
+    libfoo = "fe:00 4242"  # the same file in both, whatever the path says
+    fake_process(
+        tmp_path,
+        1,
+        33_807,
+        [
+            smaps_entry(f"7f00-7f10 r-xp 00000000 {libfoo} /usr/lib/libfoo.so", shared_kb=8000),
+            smaps_entry(f"7f10-7f20 rw-p 00002000 {libfoo} /usr/lib/libfoo.so", private_kb=40),
+            smaps_entry("7e00-7e10 r--s 00000000 fe:00 777 /tmp/m.onnx (deleted)", shared_kb=2000),
+            smaps_entry("7d00-7d10 r--p 00000000 fe:00 5000 /usr/lib/libbar.so", shared_kb=100),
+            # Anonymous: shared copy-on-write with a fork of its own, counted to it alone.
+            smaps_entry("5500-5600 rw-p 00000000 00:00 0 [heap]", shared_kb=100, private_kb=30_000),
+        ],
+    )
+    fake_process(
+        tmp_path,
+        2,
+        52_890,
+        [
+            smaps_entry(
+                f"7f00-7f10 r-xp 00000000 {libfoo} /opt/libfoo.so (deleted)", shared_kb=6000
+            ),
+            smaps_entry(
+                f"7f10-7f20 rw-p 00002000 {libfoo} /opt/libfoo.so (deleted)", private_kb=40
+            ),
+            smaps_entry("7e00-7e10 r--s 00000000 fe:00 777 /tmp/m.onnx (deleted)", shared_kb=1500),
+            # The same path, another file (replaced on disk since the first one loaded it).
+            smaps_entry("7d00-7d10 r--p 00000000 fe:00 5001 /usr/lib/libbar.so", shared_kb=100),
+            smaps_entry("5500-5600 rw-p 00000000 00:00 0 [heap]", shared_kb=100, private_kb=50_000),
+        ],
+    )
+    first, second = (procs.read_process_memory(pid, tmp_path) for pid in (1, 2))
+    assert first.pages is not None
+    assert first.pages.own_bytes == (40 + 100 + 30_000) * 1024
+    assert first.pages.shared_bytes == {
+        ("fe:00", "4242", "00000000"): 8000 * 1024,
+        ("fe:00", "777", "00000000"): 2000 * 1024,
+        ("fe:00", "5000", "00000000"): 100 * 1024,
+    }
+    assert procs.unique_memory([first]) == (30_140 + 8000 + 2000 + 100) * 1024
+    # Private pages of both, libfoo's text and the model once (at the larger share), both
+    # libbar files, and each heap's shared pages.
+    unique_kb = 30_140 + 50_140 + 8000 + 2000 + 100 + 100
+    assert procs.unique_memory([first, second]) == unique_kb * 1024
+    pss_kb = 33_807 + 52_890
+    assert procs.summed_memory([first, second]) == ("PSS", pss_kb * 1024)
+    assert unique_kb > pss_kb, "PSS gave part of the shared pages to others"
+
+    figures = procs.memory_figures([first, second], {"unique": 2**30, "PSS": 2**29}, samples=1)
+    assert set(figures) == MEMORY_KEYS
+    assert (figures["unique_bytes"], figures["unique_peak_bytes"]) == (unique_kb * 1024, 2**30)
+    assert figures["by_process"][0]["shared_file_bytes"] == (8000 + 2000 + 100) * 1024
+    json.dumps(figures)  # no mapping keys in the document
+    without_smaps = procs.read_process_memory(3, tmp_path)
+    assert procs.unique_memory([first, without_smaps]) is None
+
+
+class FakeProcess(procs.ServerProcess):
+    """A server process stand-in whose memory is read from a fake /proc tree."""
+
+    def __init__(self, proc: Path, pid: int) -> None:
+        self.proc = proc
+        self.fake_pid = pid
+
+    def memory(self) -> procs.ProcessMemory:
+        return procs.read_process_memory(self.fake_pid, self.proc)
+
+
+def test_sampling_keeps_the_peak_of_each_measure(tmp_path: Path) -> None:
+    heap = "5500-5600 rw-p 00000000 00:00 0 [heap]"
+    fake_process(tmp_path, 1, 900, [smaps_entry(heap, private_kb=1000)])
+    deployment = procs.Deployment(name="laneserve", kind="laneserve", target="unused")
+    deployment.processes = [FakeProcess(tmp_path, 1)]
+    deployment.sample_memory()
+    (tmp_path / "1" / "smaps").write_text(smaps_entry(heap, private_kb=500))
+    (tmp_path / "1" / "smaps_rollup").write_text("Pss: 2000 kB\n")
+    deployment.sample_memory()
+    assert deployment.memory_samples == 2
+    assert deployment.memory_peaks == {"unique": 1000 * 1024, "PSS": 2000 * 1024}
+    (tmp_path / "1" / "smaps").unlink()
+    deployment.sample_memory()
+    assert deployment.memory_samples == 3, "PSS alone is still a sample"
+    figures = deployment.memory()
+    assert (figures["unique_bytes"], figures["unique_peak_bytes"]) == (None, 1000 * 1024)
 
 
 class StubbornProcess(procs.ServerProcess):

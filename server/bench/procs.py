@@ -2,12 +2,20 @@
 
 Each server runs in its own process, so it never shares the load generator's GIL. Its
 port is read from its log line ``serving ... on HOST:PORT`` (every server here binds
-port 0 or a port chosen by the first of a group). Memory is the proportional set size
-(``Pss`` in ``/proc/PID/smaps_rollup``: each shared page divided among the processes that
-map it, so N workers sharing the interpreter's and the libraries' pages count them once
-in all), summed over a configuration's processes at one instant; its peak is the largest
-such sum the orchestrator sampled while the load ran. Where smaps_rollup cannot be read,
-the resident set (``VmRSS``) stands in, and the figures say so.
+port 0 or a port chosen by the first of a group). Memory is measured two ways at one
+instant over a configuration's processes, and each one's peak is the largest figure the
+orchestrator sampled while the load ran:
+
+- *unique* (the verdicts' measure): each resident page of the configuration counted once,
+  from ``/proc/PID/smaps`` (`unique_memory`): every process's private pages, plus each
+  file mapping's shared pages once, however many of the processes map it.
+- PSS (``Pss`` in ``/proc/PID/smaps_rollup``), summed: each shared page divided among
+  *all* the processes that map it, the harness's own among them (its load generators map
+  the same Python, numpy and gRPC libraries), so it understates a configuration, one
+  process by more than N.
+
+Where smaps_rollup cannot be read, the resident set (``VmRSS``) stands in for PSS, and the
+figures say so; where smaps cannot be read, there is no unique figure.
 """
 
 from __future__ import annotations
@@ -135,6 +143,69 @@ class ServerProcess:
         return self.process.returncode
 
 
+# A file mapping by what it maps, as smaps writes it: (device, inode, offset into the
+# file). Every process mapping that part of that file sees the same page-cache pages,
+# whatever the path says (a deleted or replaced file keeps its inode; a path may not).
+MappingKey = tuple[str, str, str]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResidentPages:
+    """One process's resident pages (/proc/PID/smaps), split so that the pages a
+    configuration's processes share can be counted once (`unique_memory`)."""
+
+    # Pages counted to this process alone, in bytes: its private pages (Private_Clean +
+    # Private_Dirty of every mapping) and the shared pages of its anonymous mappings.
+    own_bytes: int
+    # Per file mapping: its shared resident pages (Shared_Clean + Shared_Dirty), in bytes.
+    # Shared with any process, the harness's own included.
+    shared_bytes: dict[MappingKey, int]
+
+
+_PRIVATE_FIELDS: Final = frozenset({"Private_Clean", "Private_Dirty"})
+_SHARED_FIELDS: Final = frozenset({"Shared_Clean", "Shared_Dirty"})
+# A mapping's header line ("start-end perms offset dev inode path") starts with a
+# lower-case hex digit; its field lines ("Rss:  8 kB") with an upper-case letter.
+_HEADER_STARTS: Final = frozenset("0123456789abcdef")
+
+
+def read_resident_pages(path: Path) -> ResidentPages | None:
+    """A process's pages from its smaps file; None when it cannot be read (the process
+    is gone, or another user's). One pass over the lines, no regular expressions: it runs
+    on the orchestrator's thread at every window boundary, over thousands of lines."""
+    try:
+        text = path.read_text(encoding="ascii", errors="replace")  # paths are not used
+    except OSError:
+        return None
+    own_kb = 0
+    shared_kb: dict[MappingKey, int] = {}
+    key: MappingKey | None = None  # None: the current mapping is anonymous
+    for line in text.splitlines():
+        if line[:1] in _HEADER_STARTS:
+            fields = line.split(maxsplit=5)
+            # Inode 0: anonymous ([heap], [stack], malloc arenas, ...). Its shared pages are
+            # copy-on-write ones shared with a fork() relative, and the processes of a
+            # configuration are exec()'d apart, never forks of one another: none of them
+            # can hold another's anonymous page, so each counts its own. (Keying them by
+            # address would merge unrelated pages that sit at one address in two
+            # processes.) Shared anonymous memory (shmem, memfd) has an inode: keyed below.
+            key = None if fields[4] == "0" else (fields[3], fields[4], fields[2])
+            continue
+        name, _, value = line.partition(":")
+        if name in _PRIVATE_FIELDS:
+            own_kb += int(value.split()[0])
+        elif name in _SHARED_FIELDS:
+            kb = int(value.split()[0])
+            if key is None:
+                own_kb += kb
+            elif kb:
+                shared_kb[key] = shared_kb.get(key, 0) + kb
+    return ResidentPages(
+        own_bytes=own_kb * 1024,
+        shared_bytes={key: kb * 1024 for key, kb in shared_kb.items()},
+    )
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ProcessMemory:
     """One reading of one process's memory, in bytes (None: could not be read)."""
@@ -145,6 +216,8 @@ class ProcessMemory:
     # Resident set (status VmRSS) and its high-water mark (VmHWM), this process alone.
     rss_bytes: int | None
     peak_rss_bytes: int | None
+    # Its resident pages by mapping (smaps), for `unique_memory`.
+    pages: ResidentPages | None = dataclasses.field(default=None, repr=False)
 
 
 def read_process_memory(pid: int, proc: Path = Path("/proc")) -> ProcessMemory:
@@ -155,10 +228,13 @@ def read_process_memory(pid: int, proc: Path = Path("/proc")) -> ProcessMemory:
         pss_bytes=rollup.get("Pss"),
         rss_bytes=status.get("VmRSS"),
         peak_rss_bytes=status.get("VmHWM"),
+        pages=read_resident_pages(proc / str(pid) / "smaps"),
     )
 
 
 # Which measure a configuration's memory figures are.
+UNIQUE: Final = "unique"
+UNIQUE_DESCRIPTION: Final = "each resident page of the configuration's processes counted once"
 PSS: Final = "PSS"
 RSS: Final = "RSS"
 RSS_NOTE: Final = (
@@ -179,6 +255,26 @@ def summed_memory(readings: Sequence[ProcessMemory]) -> tuple[str | None, int | 
     if all(value is not None for value in rss):
         return RSS, sum(value for value in rss if value is not None)
     return None, None
+
+
+def unique_memory(readings: Sequence[ProcessMemory]) -> int | None:
+    """Bytes of the processes' resident pages with each page counted once: every
+    process's own pages, plus for each file mapping the most shared pages any of them has
+    resident in it. None when any process's smaps was not read.
+
+    Per mapping, not per page (that needs /proc/PID/pagemap, root only): the largest of
+    the processes' resident shares stands for their union, which it undercounts only where
+    they hold different parts of a mapping resident; and a file range two processes map
+    in differently split mappings counts twice. Shared libraries, mapped alike by the same
+    loader, are neither."""
+    pages = [reading.pages for reading in readings if reading.pages is not None]
+    if not readings or len(pages) < len(readings):
+        return None
+    shared: dict[MappingKey, int] = {}
+    for process in pages:
+        for key, size in process.shared_bytes.items():
+            shared[key] = max(size, shared.get(key, 0))
+    return sum(process.own_bytes for process in pages) + sum(shared.values())
 
 
 def _kb_fields(path: Path) -> dict[str, int]:
@@ -256,24 +352,29 @@ class Deployment:
     processes: list[ServerProcess] = dataclasses.field(default_factory=list)
     # What the processes were started with, for the report.
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # By measure (PSS or RSS), the largest summed memory sampled so far while load ran,
-    # and how many samples were taken. Only the orchestrator's thread touches them.
+    # By measure (UNIQUE, and PSS or RSS), the largest memory sampled so far while load
+    # ran, and how many samples were taken. Only the orchestrator's thread touches them.
     memory_peaks: dict[str, int] = dataclasses.field(default_factory=dict)
     memory_samples: int = 0
 
     def sample_memory(self) -> None:
-        """Reads every process's memory now and keeps the sum if it is the largest yet:
-        called at every window boundary, while the load runs."""
-        measure, total = summed_memory([process.memory() for process in self.processes])
-        if measure is None or total is None:
+        """Reads every process's memory now and keeps each measure's figure if it is the
+        largest yet: called at every window boundary, while the load runs."""
+        readings = [process.memory() for process in self.processes]
+        figures = {UNIQUE: unique_memory(readings)}
+        measure, total = summed_memory(readings)
+        if measure is not None:
+            figures[measure] = total
+        known = {name: value for name, value in figures.items() if value is not None}
+        if not known:
             return
         self.memory_samples += 1
-        self.memory_peaks[measure] = max(total, self.memory_peaks.get(measure, 0))
+        for name, value in known.items():
+            self.memory_peaks[name] = max(value, self.memory_peaks.get(name, 0))
 
     def memory(self) -> dict[str, Any]:
-        """The processes' memory summed now, and the largest sum sampled while the load
-        ran (None without samples); `measure` says which (PSS, or RSS where PSS could not
-        be read), `note` why when it is not PSS."""
+        """The processes' memory now, and the largest figures sampled while the load ran
+        (None without samples): see `memory_figures`."""
         readings = [process.memory() for process in self.processes]
         return memory_figures(readings, self.memory_peaks, self.memory_samples)
 
@@ -308,9 +409,15 @@ def memory_figures(
     readings: Sequence[ProcessMemory], peaks: dict[str, int], samples: int
 ) -> dict[str, Any]:
     """The memory entry of a configuration in the document: `readings` taken now, and
-    the largest sums sampled while the load ran (`peaks`, by measure)."""
+    the largest figures sampled while the load ran (`peaks`, by measure). `unique_...`
+    is the measure the verdicts read; `measure` names the one of `bytes` and `peak_bytes`
+    (PSS, or RSS where PSS could not be read, `note` saying why), kept beside it."""
     measure, total = summed_memory(readings)
     return {
+        # Each resident page of the processes counted once (UNIQUE_DESCRIPTION), now and
+        # the largest sampled at the window boundaries while the load ran.
+        "unique_bytes": unique_memory(readings),
+        "unique_peak_bytes": peaks.get(UNIQUE),
         "measure": measure,
         "note": RSS_NOTE if measure == RSS else None,
         "processes": len(readings),
@@ -319,7 +426,21 @@ def memory_figures(
         # The largest sum sampled at the window boundaries while the load ran.
         "peak_bytes": peaks.get(measure) if measure is not None else None,
         "samples": samples,
-        "by_process": [dataclasses.asdict(reading) for reading in readings],
+        "by_process": [_process_figures(reading) for reading in readings],
+    }
+
+
+def _process_figures(reading: ProcessMemory) -> dict[str, Any]:
+    pages = reading.pages
+    return {
+        "pid": reading.pid,
+        "pss_bytes": reading.pss_bytes,
+        "rss_bytes": reading.rss_bytes,
+        "peak_rss_bytes": reading.peak_rss_bytes,
+        # Pages counted to this process alone, and those it shares (with anyone) in file
+        # mappings: what `unique_memory` adds up.
+        "own_bytes": None if pages is None else pages.own_bytes,
+        "shared_file_bytes": None if pages is None else sum(pages.shared_bytes.values()),
     }
 
 
