@@ -13,6 +13,10 @@ import grpc
 __all__ = ["DEFAULT_TARGET", "TlsConfig"]
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+# The smallest message limit taken, the server's own minimum: an error answer quoting a
+# request_id fits in it, and a bulk job sends it as the largest answer it reads (the
+# server refuses a stream that asks for less).
+MIN_MESSAGE_BYTES = 1024
 # The server's default gRPC message limit (ServerConfig.max_message_bytes).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _USER_AGENT = "laneserve-client/0.1.0"
@@ -103,14 +107,15 @@ def metadata_pair(key: str, value: str) -> tuple[str, str]:
 def channel_options(
     tls: TlsConfig | None, max_message_bytes: int, extra: Sequence[tuple[str, Any]]
 ) -> list[tuple[str, Any]]:
-    """The channel's gRPC options; ValueError for a message limit that is not a positive
-    whole number of bytes. gRPC's -1 ("no limit") is refused too: the stream client sizes
-    its items within the limit (an item over it would fail the whole call)."""
+    """The channel's gRPC options; ValueError for a message limit that is not a whole
+    number of bytes of at least MIN_MESSAGE_BYTES. gRPC's -1 ("no limit") is refused too:
+    the stream client sizes its items within the limit (an item over it would fail the
+    whole call)."""
     limit: object = max_message_bytes  # from the caller, unchecked (a bool is an int)
-    if type(limit) is not int or limit < 1:
+    if type(limit) is not int or limit < MIN_MESSAGE_BYTES:
         raise ValueError(
-            "max_message_bytes: expected a positive whole number of bytes, got "
-            f"{max_message_bytes!r}"
+            f"max_message_bytes: expected a whole number of bytes, at least "
+            f"{MIN_MESSAGE_BYTES}, got {max_message_bytes!r}"
         )
     options: dict[str, Any] = {
         "grpc.max_receive_message_length": max_message_bytes,

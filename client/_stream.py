@@ -389,17 +389,15 @@ class BulkStream:
         if left_ms > 0:
             item.message.timeout_ms = left_ms
             return True
-        self._finish(
-            item,
-            None,
-            DeadlineExceededError(
-                f"bulk stream item {item.index}: its timeout_ms ({timeout_ms} ms from its "
-                f"first send) passed before it could be sent again (sent {item.attempts} "
-                "time(s) for an answer, then the call broke or a retry waited)",
-                code=grpc.StatusCode.DEADLINE_EXCEEDED,
-                request_id=item.request_id,
-            ),
+        error = DeadlineExceededError(
+            f"bulk stream item {item.index}: its timeout_ms ({timeout_ms} ms from its "
+            f"first send) passed before it could be sent again (sent {item.attempts} "
+            "time(s) for an answer, then the call broke or a retry waited)",
+            code=grpc.StatusCode.DEADLINE_EXCEEDED,
+            request_id=item.request_id,
         )
+        error.attempts = item.attempts
+        self._finish(item, None, error)
         return False
 
     async def _set_limits(self) -> None:

@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError, Message
 from laneserve.client.tensors import datatype_of
 from laneserve.server.clock import Clock
 from laneserve.server.codec import check_output_names, decode_inputs, encode_response
-from laneserve.server.config import ServerConfig
+from laneserve.server.config import LaneConfig, ServerConfig
 from laneserve.server.engine import Engine, TensorSpec
 from laneserve.server.errors import (
     AnswerTooLargeError,
@@ -218,10 +218,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         """
         if self._state() is not Lifecycle.SERVING:
             await abort_with(context, _stream_draining())
-        try:
-            answer_limit = _receive_limit(context.invocation_metadata(), self._config)
-        except InvalidInputError as error:
-            await abort_with(context, error)
+        answer_limit = await self._receive_limit(context)
+        error_limit = answer_limit or self._config.max_message_bytes
         default_lane = (
             STREAM_DEFAULT_LANE
             if STREAM_DEFAULT_LANE in self._lane_configs
@@ -236,7 +234,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
         async def answer(request: pb.InferRequest) -> None:
             answers.put_nowait(
-                await self._stream_answer(request, context, default_lane, room, answer_limit)
+                await self._stream_answer(
+                    request, context, default_lane, room, answer_limit, error_limit
+                )
             )
 
         async def read_all() -> None:
@@ -279,6 +279,17 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             for task in list(items):
                 task.cancel()
 
+    async def _receive_limit(
+        self, context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferStreamResponse]
+    ) -> int | None:
+        """The stream caller's receive limit where it is below the server's (None: none);
+        the call is refused when it sent one that is not a limit."""
+        try:
+            return _receive_limit(context.invocation_metadata(), self._config)
+        except InvalidInputError as error:
+            await abort_with(context, error)
+            raise AssertionError("unreachable: abort raises") from error
+
     def stop_reading_streams(self) -> None:
         """The server drains: every open InferStream stops reading items now. Without
         this a stream stayed open until the server stopped, each further item refused
@@ -294,18 +305,19 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferStreamResponse],
         default_lane: str,
         room: StreamRoom,
-        answer_limit: int,
+        answer_limit: int | None,
+        error_limit: int,
     ) -> pb.InferStreamResponse:
-        """One stream item's answer: its response, or its error (the stream goes on); an
-        error too where the response is over `answer_limit`, the caller's receive limit
-        (the server's own is checked when the answer is made, see `_check_sendable`)."""
+        """One stream item's answer: its response, or its error (the stream goes on),
+        within `answer_limit` (the caller's receive limit, where below the server's) and
+        `error_limit` (the smaller of the two)."""
         try:
-            response = await self._infer(request, context, default_lane, room)
+            response = await self._infer(request, context, default_lane, room, answer_limit)
             message = pb.InferStreamResponse(request_id=request.request_id)
             # CopyFrom, not the constructor: 3x cheaper for large outputs under upb.
             message.response.CopyFrom(response)
         except LaneserveError as error:
-            message = self._stream_error(request.request_id, error, answer_limit)
+            message = self._stream_error(request.request_id, error, error_limit)
         except Exception as error:  # every item read gets one answer, even on a bug
             request_id = _answer_id(request.request_id)
             log.exception(
@@ -314,25 +326,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 extra=event_extra("stream_item_failed", request_id=request_id),
             )
             message = self._stream_error(
-                request.request_id, EngineError(f"internal error: {error!r}"), answer_limit
+                request.request_id, EngineError(f"internal error: {error!r}"), error_limit
             )
-        # The server's own limit was checked when the answer was made (`_check_sendable`);
-        # sizing costs a pass over the outputs, so only a smaller limit is checked here.
-        if answer_limit < self._config.max_message_bytes:
-            size = message.ByteSize()
-            if size > answer_limit:  # a response: an error answer is made to fit
-                # Refused to this caller alone: the answer ran and is kept for replay, so
-                # a retry with a larger limit gets it without running it again.
-                too_large = self._rejected(
-                    message.response.timing.lane,
-                    AnswerTooLargeError(
-                        f"the answer to request {message.request_id!r} is {size} bytes, "
-                        f"over the largest message this caller reads ({answer_limit} bytes, "
-                        f"its {RECEIVE_LIMIT_KEY}); expected fewer rows per request, or a "
-                        "larger receive limit"
-                    ),
-                )
-                message = self._stream_error(request.request_id, too_large, answer_limit)
         return message
 
     def _stream_error(
@@ -355,21 +350,21 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
     def _answer(
         self, request_id: str, outcome: Outcome, output_names: list[str]
-    ) -> pb.InferResponse:
-        """The response for `outcome`, or its error raised."""
+    ) -> tuple[pb.InferResponse, int]:
+        """The response for `outcome` and its size as a stream item, or its error raised."""
         if outcome.error is not None:
             raise outcome.error
         assert outcome.outputs is not None
         assert outcome.timing is not None
         response = encode_response(request_id, outcome.outputs, output_names, outcome.timing)
-        self._check_sendable(response)
-        return response
+        return response, self._check_sendable(response)
 
-    def _check_sendable(self, response: pb.InferResponse) -> None:
+    def _check_sendable(self, response: pb.InferResponse) -> int:
         """gRPC refuses to send a message over max_message_bytes (and fails a whole
         InferStream with it): such an answer is this error instead, counted and traced
         as one. Measured as an InferStream item, the larger envelope: the same request
-        gets the same answer whichever call carries it, a retry joining it included."""
+        gets the same answer whichever call carries it, a retry joining it included.
+        Returns that size (sizing a message costs as much as encoding it)."""
         size = _stream_item_bytes(response)
         limit = self._config.max_message_bytes
         if size > limit:
@@ -377,6 +372,27 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 f"the answer to request {response.request_id!r} is {size} bytes, over the "
                 f"server's max_message_bytes ({limit}); expected fewer rows per request"
             )
+        return size
+
+    def _check_receivable(
+        self, response: pb.InferResponse, limit: int, size: int | None, lane: str
+    ) -> None:
+        """Refuses `response` to a caller that reads at most `limit` bytes (its
+        RECEIVE_LIMIT_KEY): sent, gRPC would end its whole call. To this caller alone: the
+        answer is kept for replay, so a retry that reads more gets it without running it
+        again. `size`: its size, where this call's own run made it and counted the
+        refusal (None: a retry joined or replayed it, counted as refused here)."""
+        counted = size is not None
+        if size is None:
+            size = _stream_item_bytes(response)
+        if size <= limit:
+            return
+        error = AnswerTooLargeError(
+            f"the answer to request {response.request_id!r} is {size} bytes, over the "
+            f"largest message this caller reads ({limit} bytes, its {RECEIVE_LIMIT_KEY}); "
+            "expected fewer rows per request, or a larger receive limit"
+        )
+        raise error if counted else self._rejected(lane, error)
 
     async def GetModel(
         self,
@@ -468,48 +484,18 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         | grpc.aio.ServicerContext[pb.InferRequest, pb.InferStreamResponse],
         default_lane: str,
         room: StreamRoom | None = None,
+        answer_limit: int | None = None,
     ) -> pb.InferResponse:
-        """Validates, queues and awaits one request; raises LaneserveError on refusal.
+        """Validates, queues and awaits one request; raises LaneserveError on refusal, and
+        on an answer over `answer_limit` (the caller's receive limit, see
+        `_check_receivable`; None: the server's alone).
 
         A stream item (`room` given) that finds its lane full waits for room, until its
         deadline (else its lane's timeout) or a drain, instead of being refused at once:
         a stream's credit window counts items, and items of many rows (or several
         streams) filled the lane and had most of their items refused LANE_FULL."""
         arrived_s = self._clock.monotonic()
-        if request is UNDECODABLE_REQUEST:
-            raise self._rejected_without_lane(undecodable(request))
-        lane = request.lane or default_lane
-        lane_config = self._lane_configs.get(lane)
-        if _id_too_long(request.request_id):  # before any other refusal quotes or echoes it
-            raise self._rejected(
-                lane if lane_config is not None else self._config.default_lane,
-                _request_id_too_long(request.request_id),
-            )
-        if lane_config is None:  # here, not only at admission: a retry that joins or
-            # replays is never admitted, and must not be answered OK for a wrong lane
-            raise self._rejected_without_lane(
-                InvalidInputError(
-                    f"unknown lane {lane!r}; expected one of {list(self._lane_configs)}"
-                )
-            )
-        if room is not None and not request.request_id:
-            # Answers come back out of order, each tagged with its item's request_id: an
-            # item without one gets an answer its caller cannot match to it.
-            raise self._rejected(
-                lane,
-                InvalidInputError(
-                    "InferStream item without a request_id; expected one per item (answers "
-                    "come back out of order, each tagged with its item's request_id)"
-                ),
-            )
-        if self._state() is not Lifecycle.SERVING and not self._ledger.holds(request.request_id):
-            # A retry of a request this server holds costs no work here, so the ledger
-            # answers it while the server drains too: a completed one's stored answer, or
-            # the answer of one still queued or running, which the drain waits for.
-            # Refused, it ran again on another instance.
-            raise self._rejected(
-                lane, DrainingError("server is draining; retry on another instance")
-            )
+        lane, lane_config = self._lane_of(request, default_lane, stream=room is not None)
         # Budgets count from arrival: decoding is part of the time the caller waits.
         deadline_s = _deadline_s(arrived_s, context.time_remaining(), request.timeout_ms)
         if deadline_s is not None and deadline_s <= arrived_s:
@@ -531,6 +517,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         wait_until_s = lane_config.deadline_s(arrived_s, deadline_s)
         # Set by `submit`, which runs only when this call (not a retry it joins) queues it.
         trace = NULL_TRACE
+        # Set by `finish`, run only for what `submit` queued: the answer's size.
+        answer_bytes: int | None = None
 
         def submit(resolve: Resolve) -> Admitted:
             nonlocal trace
@@ -556,6 +544,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             return self._admitted(entry_id, lane, trace, arrived_s)
 
         def finish(outcome: Outcome, left_s: float | None) -> pb.InferResponse:
+            nonlocal answer_bytes
             trace.replying()
             # Counted as what its callers got: when none waits any more (they left, or
             # their deadlines passed while it ran on for replay), not OK. By the last one
@@ -567,12 +556,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 else caller_end_status(self._clock.monotonic(), left_s, queued=False)
             )
             try:
-                response = self._answer(request.request_id, outcome, output_names)
+                response, answer_bytes = self._answer(request.request_id, outcome, output_names)
             except Exception as error:
                 # Counted and traced as answered: the ledger answers a bug ENGINE_FAILURE.
                 status = error.reason if isinstance(error, LaneserveError) else EngineError.reason
                 raise
             else:
+                if status == "OK" and answer_limit is not None and answer_bytes > answer_limit:
+                    status = AnswerTooLargeError.reason  # what its caller gets (see below)
                 return response
             finally:
                 self._request_over(lane, trace, status, arrived_s)
@@ -586,8 +577,53 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # A stream item that joins its request in flight or replays its stored answer
             # adds no rows to its lane: waiting for room there held it, and its stream's
             # reading, up to its deadline for nothing.
-            return await run()
-        return await self._run_when_room(run, lane, rows, wait_until_s, room)
+            response = await run()
+        else:
+            response = await self._run_when_room(run, lane, rows, wait_until_s, room)
+        if answer_limit is not None:
+            self._check_receivable(response, answer_limit, answer_bytes, lane)
+        return response
+
+    def _lane_of(
+        self, request: pb.InferRequest, default_lane: str, *, stream: bool
+    ) -> tuple[str, LaneConfig]:
+        """The lane `request` queues in, and its configuration; raises (counted) the
+        refusals that come before its inputs are read."""
+        if request is UNDECODABLE_REQUEST:
+            raise self._rejected_without_lane(undecodable(request))
+        lane = request.lane or default_lane
+        lane_config = self._lane_configs.get(lane)
+        if _id_too_long(request.request_id):  # before any other refusal quotes or echoes it
+            raise self._rejected(
+                lane if lane_config is not None else self._config.default_lane,
+                _request_id_too_long(request.request_id),
+            )
+        if lane_config is None:  # here, not only at admission: a retry that joins or
+            # replays is never admitted, and must not be answered OK for a wrong lane
+            raise self._rejected_without_lane(
+                InvalidInputError(
+                    f"unknown lane {lane!r}; expected one of {list(self._lane_configs)}"
+                )
+            )
+        if stream and not request.request_id:
+            # Answers come back out of order, each tagged with its item's request_id: an
+            # item without one gets an answer its caller cannot match to it.
+            raise self._rejected(
+                lane,
+                InvalidInputError(
+                    "InferStream item without a request_id; expected one per item (answers "
+                    "come back out of order, each tagged with its item's request_id)"
+                ),
+            )
+        if self._state() is not Lifecycle.SERVING and not self._ledger.holds(request.request_id):
+            # A retry of a request this server holds costs no work here, so the ledger
+            # answers it while the server drains too: a completed one's stored answer, or
+            # the answer of one still queued or running, which the drain waits for.
+            # Refused, it ran again on another instance.
+            raise self._rejected(
+                lane, DrainingError("server is draining; retry on another instance")
+            )
+        return lane, lane_config
 
     def _admitted(
         self, entry_id: int, lane: str, trace: RequestTrace, arrived_s: float
@@ -813,12 +849,14 @@ def _varint_bytes(value: int) -> int:
     return max(1, (value.bit_length() + 6) // 7)
 
 
-def _receive_limit(metadata: Iterable[tuple[str, str | bytes]] | None, config: ServerConfig) -> int:
-    """The largest stream item the caller reads: its RECEIVE_LIMIT_KEY, within the
-    server's max_message_bytes (the server's own limit where it sent none)."""
+def _receive_limit(
+    metadata: Iterable[tuple[str, str | bytes]] | None, config: ServerConfig
+) -> int | None:
+    """The largest stream item the caller reads, its RECEIVE_LIMIT_KEY, where it is below
+    the server's max_message_bytes; None where it sent none, or no smaller one."""
     values = [value for key, value in metadata or () if key == RECEIVE_LIMIT_KEY]
     if not values:
-        return config.max_message_bytes
+        return None
     value = values[-1]
     text = value.decode(errors="replace") if isinstance(value, bytes) else value
     number = text.isascii() and text.isdigit()
@@ -827,7 +865,8 @@ def _receive_limit(metadata: Iterable[tuple[str, str | bytes]] | None, config: S
             f"call metadata {RECEIVE_LIMIT_KEY} is {[*values]!r}; expected one whole number "
             f"of bytes, at least {MIN_RECEIVE_LIMIT_BYTES}"
         )
-    return min(int(text), config.max_message_bytes)
+    limit = int(text)
+    return limit if limit < config.max_message_bytes else None
 
 
 def _stream_draining() -> DrainingError:

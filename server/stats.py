@@ -42,7 +42,10 @@ def _reasons(*errors: type[LaneserveError]) -> tuple[str, ...]:
 # Refused before admission, by the servicer's checks or the scheduler's. JoinExpiredError:
 # a retry whose deadline passed while it waited for the request with its id in flight.
 # EngineError: a submission after the scheduler failed for good (the server then stops).
+# AnswerTooLargeError: a retry that joined or replayed an answer larger than its caller
+# reads (the call that ran it counts it among `answered`).
 REJECTED_REASONS = _reasons(
+    AnswerTooLargeError,
     InvalidInputError,
     RequestIdReusedError,
     DrainingError,

@@ -236,7 +236,9 @@ def test_an_item_whose_answer_is_over_what_the_client_reads_fails_alone(
     assert "over the largest message this caller reads (1048576 bytes" in str(error)
     assert results[2].attempts == 1, "not retried: a retry gets the same answer"
     bulk = next(lane for lane in stats.lanes if lane.name == "bulk")
-    assert bulk.rejected.get("ANSWER_TOO_LARGE") == 1
+    assert bulk.answered["ANSWER_TOO_LARGE"] == 1, "counted as what its caller got"
+    assert bulk.answered["OK"] == 4
+    assert bulk.rejected["ANSWER_TOO_LARGE"] == 0, "it was admitted"
 
 
 def tiled_model(path: Path, times: int) -> None:
@@ -273,10 +275,18 @@ def test_an_answer_of_dynamic_size_over_what_the_client_reads_fails_alone(
             ]
             async with lc.AsyncClient(s.target, max_message_bytes=1 << 20) as client:
                 results = await collect(client.stream(items, window=1, job_id="tiled"))
+            async with lc.AsyncClient(s.target, max_message_bytes=1 << 20) as client:
+                retry = lc.StreamRequest(items[2], request_id="tiled-2")
+                (again,) = await collect(client.stream([retry]))
+                assert isinstance(again.error, lc.AnswerTooLargeError), "replayed: refused"
             async with lc.AsyncClient(s.target) as client:  # reads up to 64 MiB
                 runs = (await client.stats()).batches
                 retried = await client.infer(items[2], lane="bulk", request_id="tiled-2")
-                assert (await client.stats()).batches == runs, "answered from the replay cache"
+                stats = await client.stats()
+                assert stats.batches == runs, "answered from the replay cache"
+            bulk = next(lane for lane in stats.lanes if lane.name == "bulk")
+            assert bulk.answered["ANSWER_TOO_LARGE"] == 1
+            assert bulk.rejected["ANSWER_TOO_LARGE"] == 1, "the replay refused"
             return results, retried, runs
 
     results, retried, runs = asyncio.run(scenario())

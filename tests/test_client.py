@@ -233,11 +233,13 @@ def test_metadata_grpc_would_refuse_is_a_value_error_naming_the_key(
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("limit", [0, -1, 1.5, True])
-def test_a_message_limit_that_is_not_a_positive_byte_count_is_refused(limit: Any) -> None:
+@pytest.mark.parametrize("limit", [0, -1, 1.5, True, 1023])
+def test_a_message_limit_that_is_not_a_byte_count_of_1024_or_more_is_refused(limit: Any) -> None:
     """-1 (gRPC's "no limit") and 0 were taken: unary calls ran, and every stream item was
-    refused as "over the largest message this client and server exchange (-1 bytes)"."""
-    message = f"max_message_bytes: expected a positive whole number of bytes, got {limit!r}"
+    refused as "over the largest message this client and server exchange (-1 bytes)".
+    Under 1024 (the server's minimum), a bulk job's call was refused for metadata the
+    caller never set."""
+    message = f"max_message_bytes: expected a whole number of bytes, at least 1024, got {limit!r}"
     with pytest.raises(ValueError, match=re.escape(message)):
         lc.AsyncClient("127.0.0.1:1", max_message_bytes=limit)
     with pytest.raises(ValueError, match=re.escape(message)):
