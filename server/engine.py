@@ -24,6 +24,7 @@ from laneserve.client.tensors import datatype_for_onnx_type, numpy_dtype_for_onn
 from laneserve.server.config import Device
 from laneserve.server.errors import (
     DeviceMemoryError,
+    DrainingError,
     EngineError,
     ExpiredInQueueError,
     LaneserveError,
@@ -330,6 +331,10 @@ class Engine:
         try:
             values = self._run_session(inputs, ort.RunOptions())
         except Exception as error:
+            if self._terminated:  # `terminate_runs`: the server stopped it, not the model
+                raise DrainingError(
+                    "the server stopped while this batch ran; it was ended unfinished"
+                ) from error
             translated = translate_runtime_error(error)
             if isinstance(translated, DeviceMemoryError):
                 self._shrink_arena()
@@ -401,6 +406,8 @@ class Engine:
         started = time.perf_counter()
         try:
             outputs = self.run(inputs)
+        except DrainingError as error:  # no part of it would run either
+            return BatchResult(batch, None, error, time.perf_counter() - started)
         except LaneserveError as error:
             split = _Split(batch, rows_wanted)
             self._retry_in_halves(inputs, np.arange(batch.rows), error, split)

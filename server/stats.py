@@ -69,8 +69,12 @@ ANSWERED_STATUSES = (
     "CANCELLED",
     "DEADLINE_EXCEEDED",
 )
-# How a batch run ends: OK, or the error of a batch none of whose rows ran.
-BATCH_STATUSES = ("OK", *_reasons(EngineError, DeviceMemoryError, ExpiredInQueueError))
+# How a batch run ends: OK, or the error of a batch none of whose rows ran (DRAINING: the
+# server stopped it unfinished).
+BATCH_STATUSES = (
+    "OK",
+    *_reasons(EngineError, DeviceMemoryError, ExpiredInQueueError, DrainingError),
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

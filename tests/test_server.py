@@ -524,6 +524,10 @@ def test_a_drain_does_not_wait_for_a_batch_longer_than_its_grace(small_model: Pa
             assert thread is not None
             assert await asyncio.to_thread(thread.close, join_timeout_s=30)
             assert engine.ran_tags == [0]
+            # The stop ended the batch, not the model: counted DRAINING (it was counted,
+            # and traced, ENGINE_FAILURE, which alerts on model faults fired on).
+            batches = s.server.stats.counts().batches
+            assert {status for (_, status), count in batches.items() if count} == {"DRAINING"}
 
     asyncio.run(scenario())
 

@@ -822,7 +822,7 @@ def test_every_counter_series_is_reported_from_the_start_at_zero() -> None:
     )
     shed = ("EXPIRED_IN_QUEUE", "CANCELLED")
     dispatch = ("full", "max_wait", "deadline", "backlog", "idle")
-    batch_ends = ("OK", "ENGINE_FAILURE", "DEVICE_MEMORY", "EXPIRED_IN_QUEUE")
+    batch_ends = ("OK", "ENGINE_FAILURE", "DEVICE_MEMORY", "EXPIRED_IN_QUEUE", "DRAINING")
     # Metric: its attribute names, and every key it reports from the start.
     expected: dict[str, tuple[tuple[str, ...], Iterable[tuple[str, ...]]]] = {
         "laneserve.requests.admitted": (("lane",), itertools.product(lane_names)),
