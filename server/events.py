@@ -56,9 +56,10 @@ class SchedulerEvents(Protocol):
         """A run of `rows` rows failed to allocate device memory (it will be split)."""
         ...
 
-    def batch_split(self, rows: int) -> None:
-        """A batch of `rows` rows was run in parts after running out of memory (once per
-        batch, however many times its parts split again)."""
+    def batch_split(self, batch_id: int, rows: int, out_of_memory_runs: int) -> None:
+        """Batch `batch_id` of `rows` rows was run in parts after running out of memory
+        (once per batch, however many times its parts split again; `out_of_memory_runs`
+        of its runs did). Before its `batch_done`."""
         ...
 
     def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
@@ -96,6 +97,11 @@ class RequestTracer(Protocol):
         own deadline (gRPC deadline or timeout_ms), None when it has none."""
         ...
 
+    def retried(self, request_id: str, lane: str, how: str) -> None:
+        """A request is answered by the ledger without being queued: `how` is "join" (one
+        with its request_id is in flight) or "replay" (its answer is stored)."""
+        ...
+
 
 class _NullTrace:
     def replying(self) -> None:
@@ -113,6 +119,9 @@ class NullTracer:
 
     def start(self, request_id: str, lane: str, rows: int, budget_s: float | None) -> RequestTrace:
         return NULL_TRACE
+
+    def retried(self, request_id: str, lane: str, how: str) -> None:
+        pass
 
 
 class NullEvents:
@@ -139,7 +148,7 @@ class NullEvents:
     def out_of_memory(self, rows: int) -> None:
         pass
 
-    def batch_split(self, rows: int) -> None:
+    def batch_split(self, batch_id: int, rows: int, out_of_memory_runs: int) -> None:
         pass
 
     def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
@@ -203,8 +212,8 @@ class FanOut:
     def out_of_memory(self, rows: int) -> None:
         self._each("out_of_memory", lambda sink: sink.out_of_memory(rows))
 
-    def batch_split(self, rows: int) -> None:
-        self._each("batch_split", lambda sink: sink.batch_split(rows))
+    def batch_split(self, batch_id: int, rows: int, out_of_memory_runs: int) -> None:
+        self._each("batch_split", lambda sink: sink.batch_split(batch_id, rows, out_of_memory_runs))
 
     def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
         self._each("cap_changed", lambda sink: sink.cap_changed(old_rows, new_rows, reason))

@@ -350,7 +350,16 @@ class RequestLedger:
         """Whether a request with `request_id` is answered here without being admitted:
         one with that id is in flight (it joins) or stored (it replays, or is refused
         REQUEST_ID_REUSED)."""
-        return bool(request_id) and (request_id in self._flights or self.replay.holds(request_id))
+        return self.answers_as(request_id) is not None
+
+    def answers_as(self, request_id: str) -> str | None:
+        """How `run` answers a request with `request_id` now without admitting it: "replay"
+        (its answer is stored) or "join" (one with its id is in flight); None: it runs."""
+        if not request_id:
+            return None
+        if self.replay.holds(request_id):
+            return "replay"
+        return "join" if request_id in self._flights else None
 
     def replayed(self, request_id: str, digest: bytes) -> pb.InferResponse | None:
         """The stored answer of the completed request `request_id`, counted as a replay

@@ -1359,7 +1359,9 @@ class Scheduler:
         if any(rows > 1 for rows in result.out_of_memory_rows):
             # Once per batch, however many of its parts split again (the counter said
             # "batches split" and counted every split run).
-            self.events.batch_split(result.batch.rows)
+            self.events.batch_split(
+                result.batch.batch_id, result.batch.rows, len(result.out_of_memory_rows)
+            )
         failed_batches = _capacity_failures(result)
         if failed_batches:
             smallest = min(failed_batches)

@@ -573,7 +573,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         run = functools.partial(
             self._run_once, lane, request.request_id, digest, submit, finish, wait_until_s
         )
-        if room is None or self._ledger.holds(request.request_id):
+        retry = self._ledger.answers_as(request.request_id)
+        if retry is not None:
+            self._tracer.retried(request.request_id, lane, retry)
+        if room is None or retry is not None:
             # A stream item that joins its request in flight or replays its stored answer
             # adds no rows to its lane: waiting for room there held it, and its stream's
             # reading, up to its deadline for nothing.

@@ -247,7 +247,7 @@ class StatsRecorder:
         with self._lock:
             self._out_of_memory += 1
 
-    def batch_split(self, rows: int) -> None:
+    def batch_split(self, batch_id: int, rows: int, out_of_memory_runs: int) -> None:
         with self._lock:
             self._batch_splits += 1
 

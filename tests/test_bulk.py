@@ -911,6 +911,9 @@ def test_a_stream_item_that_waited_for_room_counts_no_refusal(small_model: Path)
 
                     return Recorded()
 
+                def retried(self, request_id: str, lane: str, how: str) -> None:
+                    tracer.retried(request_id, lane, how)
+
             thread.room_wait_s = recording_room_wait_s  # type: ignore[method-assign]
             servicer._tracer = RecordingTracer()
             engine.hold()

@@ -224,8 +224,8 @@ class RecordingEvents(NullEvents):
     def out_of_memory(self, rows: int) -> None:
         self.log.append(("out_of_memory", rows))
 
-    def batch_split(self, rows: int) -> None:
-        self.log.append(("batch_split", rows))
+    def batch_split(self, batch_id: int, rows: int, out_of_memory_runs: int) -> None:
+        self.log.append(("batch_split", rows))  # (batch_id and out_of_memory_runs unused)
 
     def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
         self.log.append(("cap_changed", old_rows, new_rows, reason))

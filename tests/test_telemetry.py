@@ -21,7 +21,7 @@ import threading
 import types
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from laneserve.client import AsyncClient, Client
 from laneserve.server import LaneConfig, ServerConfig
 from laneserve.server.config import ConfigError
+from laneserve.server.errors import DeviceMemoryError
 from laneserve.server.events import FanOut
 from laneserve.server.memory import NvmlGauge, prefer_pci_order
 from laneserve.server.stats import StatsRecorder
@@ -222,6 +223,75 @@ def test_one_request_yields_the_four_span_kinds_under_its_server_span(small_mode
         assert infer.end_time <= reply.start_time
 
     asyncio.run(scenario())
+
+
+def test_a_retry_answered_by_the_ledger_says_so_on_its_call_span(small_model: Path) -> None:
+    """A retry that joins the request in flight, or replays its stored answer, queues and
+    runs nothing: its call's span had no children and no attributes, nothing saying how
+    it was answered. It carries an event now."""
+
+    async def scenario() -> list[ReadableSpan]:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model)
+        telemetry, exporter = traced(engine, server_config)
+        async with serving(engine, server_config, telemetry=telemetry) as s:
+            engine.hold()
+            first = asyncio.ensure_future(s.stub.Infer(request(rows(1), request_id="r")))
+            await asyncio.to_thread(engine.entered.acquire)
+            joined = asyncio.ensure_future(s.stub.Infer(request(rows(1), request_id="r")))
+            await until_joined(s)
+            engine.release()
+            await asyncio.gather(first, joined)
+            await s.stub.Infer(request(rows(1), request_id="r"))  # replayed
+        return sorted(spans_named(exporter, INFER_SPAN), key=lambda span: span.start_time or 0)
+
+    first, joined, replayed = asyncio.run(scenario())
+    assert not first.events
+    for span, how in ((joined, "join"), (replayed, "replay")):
+        (event,) = span.events
+        assert event.name == "laneserve.retry"
+        assert dict(event.attributes or {}) == {
+            "laneserve.idempotency": how,
+            "laneserve.request_id": "r",
+            "laneserve.lane": "standard",
+        }
+
+
+async def until_joined(s: Serving) -> None:
+    for _ in range(1_000):
+        if (await s.stub.GetStats(pb.GetStatsRequest())).idempotent_joins:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the retry never joined")
+
+
+def test_a_batch_run_in_parts_after_running_out_of_memory_says_so(small_model: Path) -> None:
+    """The batch and infer spans of a batch split after an out-of-memory looked like any
+    other: nothing said it ran in parts, how many runs ran out of memory, or that rows
+    failed alone."""
+
+    class OutOfMemoryOverOneRow(RecordingEngine):
+        armed = False  # after the start-up probe, which would set the batch cap to 1
+
+        def run(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+            if self.armed and len(next(iter(inputs.values()))) > 1:
+                raise DeviceMemoryError("injected: out of memory over one row")
+            return super().run(inputs)
+
+    async def scenario() -> ReadableSpan:
+        engine = OutOfMemoryOverOneRow(str(small_model))
+        server_config = config(small_model)
+        telemetry, exporter = traced(engine, server_config)
+        async with serving(engine, server_config, telemetry=telemetry) as s:
+            engine.armed = True
+            await s.stub.Infer(request(rows(4), request_id="four"))
+        return only(spans_named(exporter, "batch"))
+
+    batch = asyncio.run(scenario())
+    assert batch.attributes is not None
+    assert batch.attributes["laneserve.batch.split"] is True
+    assert batch.attributes["laneserve.batch.out_of_memory_runs"] == 3, "4 rows, then 2 and 2"
+    assert "laneserve.batch.failed_rows" not in batch.attributes, "every row ran alone"
 
 
 def test_caller_traceparent_becomes_the_parent(small_model: Path) -> None:
@@ -740,7 +810,7 @@ def test_memory_and_out_of_memory_events_reach_the_metrics() -> None:
     telemetry.observe(list, lambda: 64, stats.counts, lambda: None)
     events = FanOut(stats, metrics)
     events.out_of_memory(64)
-    events.batch_split(64)
+    events.batch_split(1, 64, 1)
     events.cap_changed(64, 32, "out_of_memory")
     events.memory_sampled(3 << 30, 8 << 30)
     points = collect(reader)

@@ -223,7 +223,7 @@ class EventLog:
     def completed(self, lane: str, status: str) -> None:
         pass
 
-    def batch_split(self, rows: int) -> None:
+    def batch_split(self, batch_id: int, rows: int, out_of_memory_runs: int) -> None:
         pass
 
     def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:

@@ -148,6 +148,18 @@ class Tracing:
             attributes["laneserve.deadline_ms"] = round(deadline_s * 1000, 3)
         return _RequestSpans(self._tracer, attributes)
 
+    def retried(self, request_id: str, lane: str, how: str) -> None:
+        # An event on the call's span, not spans of its own: nothing of it is queued or
+        # run. An event, not attributes: an InferStream's one span carries many items.
+        otel_trace.get_current_span().add_event(
+            "laneserve.retry",
+            {
+                "laneserve.idempotency": how,
+                "laneserve.request_id": request_id,
+                "laneserve.lane": lane,
+            },
+        )
+
     # SchedulerEvents
     def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
         requests = [
@@ -207,6 +219,8 @@ class Tracing:
                 "laneserve.infer.providers": self._providers,
             },
         )
+        if failed_rows:  # rows that failed alone, the others answered
+            span.set_attribute("laneserve.batch.failed_rows", failed_rows)
         if error is not None:
             for failed in (infer, span):
                 failed.set_attribute("laneserve.status", error.reason)
@@ -236,8 +250,11 @@ class Tracing:
     def out_of_memory(self, rows: int) -> None:
         pass
 
-    def batch_split(self, rows: int) -> None:
-        pass
+    def batch_split(self, batch_id: int, rows: int, out_of_memory_runs: int) -> None:
+        span = self._batches.get(batch_id)
+        if span is not None:  # its run, and some of its parts', ran out of memory
+            span.set_attribute("laneserve.batch.split", True)
+            span.set_attribute("laneserve.batch.out_of_memory_runs", out_of_memory_runs)
 
     def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
         pass
