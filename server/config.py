@@ -418,6 +418,11 @@ def _parse_lanes(raw: object) -> tuple[LaneConfig, ...]:
         missing = _LANE_KEYS - set(entry)
         if missing:
             raise ConfigError(f"lanes[{index}]: missing key(s) {sorted(missing)}")
+        if not isinstance(entry["name"], str):  # named by its index: lanes[5] misled
+            raise ConfigError(
+                f"lanes[{index}].name: expected a string of letters, digits, '-' or '_', "
+                f"got {entry['name']!r}"
+            )
         lanes.append(LaneConfig(**entry))
     return tuple(lanes)
 

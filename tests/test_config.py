@@ -370,9 +370,13 @@ def test_overrides_are_validated_like_the_file() -> None:
 
 
 def test_lane_name_that_is_not_a_string_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """Named by its index: the error said lanes[5].name, as if of a sixth lane."""
     text = lane_toml().replace('name = "fast"', "name = 5")
-    with pytest.raises(ConfigError, match="name"):
+    with pytest.raises(ConfigError) as refused:
         load_config(write(tmp_path, text), model_path="model.onnx")
+    assert str(refused.value) == (
+        "lanes[0].name: expected a string of letters, digits, '-' or '_', got 5"
+    )
 
 
 @pytest.mark.parametrize("value", ["nan", "inf"])

@@ -229,11 +229,15 @@ class Tracing:
         span.end(end_time=end_ns)
 
     def close(self) -> None:
-        """Ends the spans of batches that never finished (the server stopped)."""
-        for span in self._batches.values():
-            span.set_attribute("laneserve.status", "DRAINING")
-            span.end()
-        self._batches.clear()
+        """Ends the spans of batches that never finished (the server stopped). A batch
+        that still runs may end meanwhile (`batch_done`, on its thread): each span is
+        taken with one atomic pop, so it is ended once, by one of them, and the dict is
+        never iterated while it changes."""
+        for batch_id in list(self._batches):
+            span = self._batches.pop(batch_id, None)
+            if span is not None:
+                span.set_attribute("laneserve.status", "DRAINING")
+                span.end()
 
     def admitted(self, lane: str, rows: int) -> None:
         pass
