@@ -9,12 +9,14 @@
     session, each request run alone: the "just add workers" design.
 Both get the same burst of concurrent multi-row requests; the script prints completed
 rows, failures and peak memory per design, and the ratio. Peak memory is the largest
-PSS summed over the design's processes, sampled (as the benchmark harness samples it)
-every --sample-ms while the burst runs: PSS divides each shared page among the processes
-that map it, so the interpreter's and the libraries' pages the workers share count once
-in all. Beside it, each process's VmHWM (peak resident set) summed, which counts those
-shared pages once per process and so overstates N processes. Figures come from one run
-on this machine: shared and noisy, compare ratios.
+figure sampled (as the benchmark harness samples it) every --sample-ms while the burst
+runs, *unique*: each resident page of the design's processes counted once (from
+/proc/PID/smaps: their private pages, plus each shared file mapping once), so the
+interpreter's and the libraries' pages the workers share count once in all. Beside it
+the summed PSS, which divides shared pages with this script's own process too and so
+understates one process more than N, and each process's VmHWM (peak resident set)
+summed, which counts the shared pages once per process and so overstates N processes.
+Figures come from one run on this machine: shared and noisy, compare ratios.
 """
 
 from __future__ import annotations
@@ -97,11 +99,14 @@ def laneserve_stats(target: str) -> dict[str, int]:
 
 def summed_peaks(memory: dict[str, Any]) -> dict[str, Any]:
     """From a deployment's memory figures (procs.Deployment.memory, read before it
-    stops): the peak summed PSS sampled during the burst (its measure is RSS where
-    smaps_rollup could not be read; None where no sample was comparable) and the
-    processes' VmHWM summed (None where any is unknown)."""
+    stops): the peak unique memory sampled during the burst (None where smaps could not
+    be read), the peak summed PSS (its measure is RSS where smaps_rollup could not be
+    read; None where no sample was comparable) and the processes' VmHWM summed (None
+    where any is unknown)."""
     hwm = [reading["peak_rss_bytes"] for reading in memory["by_process"]]
+    unique = memory["unique_peak_bytes"]
     return {
+        "unique_peak_mib": None if unique is None else unique / MIB,
         "measure": memory["measure"],
         "peak_mib": None if memory["peak_bytes"] is None else memory["peak_bytes"] / MIB,
         "samples": memory["samples"],
@@ -132,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         "--sample-ms",
         type=float,
         default=50.0,
-        help="how often the summed PSS is read during the burst (default: 50)",
+        help="how often memory is read during the burst (default: 50)",
     )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
@@ -166,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"burst: {args.requests} concurrent requests x {args.rows} rows = {wanted_rows} rows")
     print(f"laneserve budget: {args.budget}\n")
     print(
-        "| design | completed rows | failures | peak PSS, summed (MiB) "
+        "| design | completed rows | failures | peak unique (MiB) | peak PSS, summed (MiB) "
         "| VmHWM summed (MiB; counts shared pages once per process) | notes |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for name, result in results.items():
         failures = sum(v for k, v in result.items() if k.startswith("failed:"))
         notes = [
@@ -184,12 +189,17 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(f"peak is {result['measure']}, not PSS: {RSS_NOTE}")
         print(
             f"| {name} | {result.get('ok_rows', 0)} of {wanted_rows} | {failures} | "
-            f"{_mib(result['peak_mib'])} | {_mib(result['hwm_sum_mib'])} | {', '.join(notes)} |"
+            f"{_mib(result['unique_peak_mib'])} | {_mib(result['peak_mib'])} | "
+            f"{_mib(result['hwm_sum_mib'])} | {', '.join(notes)} |"
         )
     workers = results[f"{args.workers} workers"]
     lane = results["laneserve"]
     print(
-        f"\nmemory ratio (peak PSS, summed), {args.workers} workers / laneserve: "
+        f"\nmemory ratio (peak unique: each page counted once), {args.workers} workers / "
+        f"laneserve: {_ratio(workers['unique_peak_mib'], lane['unique_peak_mib'])}"
+    )
+    print(
+        f"peak summed PSS's ratio (shared pages divided with this script's process too): "
         f"{_ratio(workers['peak_mib'], lane['peak_mib'])}"
     )
     print(
