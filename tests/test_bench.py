@@ -1475,7 +1475,7 @@ def test_scenario_c_refuses_a_single_client_process(tmp_path: Path) -> None:
         (
             "bench_memory.py",
             ["--workers", "2", "--requests", "4", "--rows", "64"],
-            "memory ratio (peak PSS, summed), 2 workers / laneserve:",
+            "memory ratio (peak unique: each page counted once), 2 workers / laneserve:",
         ),
         (
             "bench_bulk.py",
