@@ -6,6 +6,7 @@ batching path. Every refusal names the tensor and what was expected.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -27,10 +28,12 @@ def decode_inputs(
         spec = expected.get(tensor.name)
         if spec is None:
             raise InvalidInputError(
-                f"unknown input {tensor.name!r}; the model's inputs are {list(expected)}"
+                f"unknown input {tensor.name!r}; expected the model's inputs {list(expected)}"
             )
         if tensor.name in arrays:
-            raise InvalidInputError(f"input {tensor.name!r} is given twice")
+            raise InvalidInputError(
+                f"input {tensor.name!r} is given twice; expected each input once"
+            )
         try:
             array = decode_tensor(tensor)
         except ValueError as error:
@@ -61,10 +64,13 @@ def check_output_names(names: Sequence[str], available: Sequence[str]) -> list[s
     unknown = [name for name in names if name not in available]
     if unknown:
         raise InvalidInputError(
-            f"unknown output(s) {unknown}; the model's outputs are {list(available)}"
+            f"unknown output(s) {unknown}; expected some of the model's outputs {list(available)}"
         )
     if len(set(names)) != len(names):
-        raise InvalidInputError(f"output_names repeats a name: {list(names)}")
+        repeated = sorted(name for name, count in collections.Counter(names).items() if count > 1)
+        raise InvalidInputError(
+            f"output_names repeats {repeated}; expected each output at most once"
+        )
     return list(names)
 
 

@@ -109,12 +109,18 @@ MAX_MESSAGE_BYTES = 1024
 
 
 def bounded_message(message: str, max_bytes: int = MAX_MESSAGE_BYTES) -> str:
-    """`message`, cut to at most about `max_bytes` of UTF-8, saying so if cut."""
+    """`message`, cut to at most about `max_bytes` of UTF-8, saying so if cut. Cut in the
+    middle: a message names what was wrong first and what was expected last, and what
+    makes one long is the client's value quoted between (cut at its end, a 1 KiB lane
+    name left "unknown lane 'LLL..." and nothing of the lanes there are)."""
     encoded = message.encode()
     if len(encoded) <= max_bytes:
         return message
-    kept = encoded[: max(max_bytes - 64, 0)].decode(errors="ignore")
-    return f"{kept}... (message cut: {len(encoded)} bytes in all)"
+    marker = f" ... (message cut: {len(encoded)} bytes in all) ... "
+    room = max(max_bytes - len(marker.encode()), 0)
+    head = encoded[: room // 2].decode(errors="ignore")
+    tail = encoded[len(encoded) - (room - room // 2) :].decode(errors="ignore")
+    return f"{head}{marker}{tail}"
 
 
 def pushback_ms(error: LaneserveError) -> int | None:

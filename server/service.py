@@ -863,13 +863,16 @@ def _receive_limit(
     value = values[-1]
     text = value.decode(errors="replace") if isinstance(value, bytes) else value
     number = text.isascii() and text.isdigit()
-    if len(values) > 1 or not number or int(text) < MIN_RECEIVE_LIMIT_BYTES:
+    # Past 18 digits it is over any message limit: not converted (Python refuses to
+    # convert over 4 300 digits, and the call failed UNKNOWN with a traceback).
+    digits = text.lstrip("0") or "0"
+    limit = int(digits) if number and len(digits) <= 18 else None  # noqa: PLR2004
+    if len(values) > 1 or not number or (limit is not None and limit < MIN_RECEIVE_LIMIT_BYTES):
         raise InvalidInputError(
             f"call metadata {RECEIVE_LIMIT_KEY} is {[*values]!r}; expected one whole number "
             f"of bytes, at least {MIN_RECEIVE_LIMIT_BYTES}"
         )
-    limit = int(text)
-    return limit if limit < config.max_message_bytes else None
+    return limit if limit is not None and limit < config.max_message_bytes else None
 
 
 def _stream_draining() -> DrainingError:

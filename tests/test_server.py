@@ -177,6 +177,9 @@ def test_an_error_quoting_a_long_client_string_is_still_that_error(
                 details = caught.value.details() or ""
                 assert "... (message cut: " in details
                 assert len(details.encode()) <= 1024
+                # Cut in the middle: what was expected, at the end, survives (cut at the
+                # end, the long value quoted before it took its place).
+                assert "expected" in details.split("(message cut: ")[1], details
 
     asyncio.run(scenario())
 
