@@ -47,6 +47,7 @@ from laneserve.server.events import (
     RequestTracer,
     SchedulerEvents,
 )
+from laneserve.server.grpc_accept import CallGate
 from laneserve.server.grpc_calls import GrpcCalls
 from laneserve.server.idempotency import (
     Admitted,
@@ -762,11 +763,14 @@ _HANDLER_KINDS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any,
 }
 
 
-def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+def add_to_server(
+    servicer: InferenceServicer, server: grpc.aio.Server, gate: CallGate
+) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
     """What the generated `add_InferenceServiceServicer_to_server` does, with
     `read_request` as the deserializer of the requests that have an `UNDECODABLE_*`: every
     method of the service as the proto declares it (a method added there is served once
-    the servicer has it)."""
+    the servicer has it), each call counted by the port's `gate`. Returns the handlers
+    by full method name ("/laneserve.v1.InferenceService/Infer")."""
     service = pb.DESCRIPTOR.services_by_name["InferenceService"]
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in service.methods:
@@ -778,7 +782,7 @@ def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
             else request_type.FromString
         )
         handlers[method.name] = _HANDLER_KINDS[method.client_streaming, method.server_streaming](
-            getattr(servicer, method.name),
+            gate.gate(getattr(servicer, method.name), response_streaming=method.server_streaming),
             request_deserializer=read,
             response_serializer=response_type.SerializeToString,
         )
@@ -786,6 +790,7 @@ def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
         (grpc.method_handlers_generic_handler(service.full_name, handlers),)
     )
     server.add_registered_method_handlers(service.full_name, handlers)
+    return {f"/{service.full_name}/{name}": handler for name, handler in handlers.items()}
 
 
 def _deadline_s(now_s: float, remaining_s: float | None, timeout_ms: int) -> float | None:

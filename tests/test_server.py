@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from laneserve.client import CallCancelledError, error_from_rpc
 from laneserve.client.tensors import encode_tensor
-from laneserve.server import LaneConfig, LaneServer, ServerConfig
+from laneserve.server import LaneConfig, LaneServer, ServerConfig, grpc_accept
 from laneserve.server.app import check_ports_free
 from laneserve.server.grpc_calls import GrpcCalls
 from laneserve.server.items import Batch, BatchResult, RowsWanted
@@ -976,7 +976,14 @@ async def _one_running_two_rows_queued(
     return running, queued
 
 
-def test_calls_past_the_concurrency_limit_are_refused_by_grpc(small_model: Path) -> None:
+def test_calls_past_the_concurrency_limit_are_refused_as_grpc_refuses_them(
+    small_model: Path,
+) -> None:
+    """max_concurrent_rpcs counts the inference service's calls on a port however gRPC's
+    core handed them over (grpc.aio's loop or laneserve's acceptors): one over it is
+    refused at once in gRPC's own words, which clients know. Health checks are not
+    counted: a flood of Infer calls does not fail the probes."""
+
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
         async with serving(engine, config(small_model, max_concurrent_rpcs=2)) as s:
@@ -985,14 +992,84 @@ def test_calls_past_the_concurrency_limit_are_refused_by_grpc(small_model: Path)
             await asyncio.to_thread(engine.entered.acquire)
             queued = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=1))))
             await until(lambda: _queued_rows(s.server) == 1)
+            for _ in range(3):  # whichever way each is taken
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await s.stub.Infer(request(rows(1, start=2)))
+                assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert caught.value.details() == "Concurrent RPC limit exceeded!"
             with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await s.stub.Infer(request(rows(1, start=2)))
+                await s.stub.GetStats(pb.GetStatsRequest())
             assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert await health_status(s.channel) == health_pb2.HealthCheckResponse.SERVING
             engine.release()
             await asyncio.gather(running, queued)
             assert sorted(engine.ran_tags) == [0, 1]
+            await s.stub.GetStats(pb.GetStatsRequest())  # below the limit again
 
     asyncio.run(scenario())
+
+
+def test_infer_calls_are_taken_by_the_acceptors_several_at_a_time(small_model: Path) -> None:
+    """Each port keeps INFER_ACCEPTORS asks for Infer calls out beside grpc.aio's one: the
+    calls the core hands them are answered like any other."""
+
+    async def scenario() -> int:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            calls = [s.stub.Infer(request(rows(1, start=index)), timeout=30) for index in range(64)]
+            answers = await asyncio.gather(*calls)
+            assert [int(output(answer)[0, 0] != 0) for answer in answers]  # answered
+            return sum(acceptors.taken for acceptors in s.server._acceptors)
+
+    taken = asyncio.run(scenario())
+    assert taken > 0, "no call came through the acceptors"
+
+
+def test_without_the_grpc_internals_the_acceptors_stand_aside(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A grpc whose internals differ (a function gone, or other parameters): the acceptors
+    start nothing and say so once; grpc.aio's own loop takes every call."""
+    # As if a newer grpc had given the function another parameter. (Deleting it would
+    # break grpc.aio's own loop, which looks it up in the same module.)
+    expected = ("rpc_coro", "rpc_state", "loop", "method_name", "a_new_parameter")
+    monkeypatch.setitem(grpc_accept._EXPECTED, "_schedule_rpc_coro", expected)
+
+    async def scenario() -> int:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            answers = await asyncio.gather(
+                *(s.stub.Infer(request(rows(1)), timeout=30) for _ in range(16))
+            )
+            assert len(answers) == 16
+            return sum(acceptors.taken for acceptors in s.server._acceptors)
+
+    assert asyncio.run(scenario()) == 0
+    assert "lacks cygrpc._schedule_rpc_coro(" in caplog.text
+
+
+def test_a_cancelled_stream_leaves_the_call_count(small_model: Path) -> None:
+    """The count of calls in progress goes down when a stream ends early too (its
+    responses are closed then, not when collected)."""
+
+    async def scenario() -> int:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, max_concurrent_rpcs=1)) as s:
+            engine.hold()
+            stream = s.stub.InferStream(iter([request(rows(1), request_id="a")]))
+            await asyncio.to_thread(engine.entered.acquire)
+            stream.cancel()
+            engine.release()
+            codes = []
+            for _ in range(200):  # the cancellation reaches the server
+                try:
+                    return len((await s.stub.Infer(request(rows(1)), timeout=10)).outputs)
+                except grpc.aio.AioRpcError as error:
+                    codes.append(error.code())
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"the cancelled stream is still counted: {set(codes)}")
+
+    assert asyncio.run(scenario()) == 1
 
 
 def flood_until_refused(channel: grpc.Channel, sent: int) -> list[Any]:

@@ -1,0 +1,211 @@
+"""How a port takes its calls from gRPC's core: several Infer calls at a time, and at
+most `max_concurrent_rpcs` calls of the inference service in progress.
+
+grpc.aio asks its core for one call per registered method at a time: once a call is
+taken, the next is asked for only when the event loop has run the task that took it and
+the task that asks again (`AioServer._server_main_loop`), two or three turns of a loop
+busy with every other call. The core hands a call only to an ask that is out, so under
+load calls waited in the core's queue for the loop's pace, not for the server's work:
+at 128 callers gRPC counted 129 calls open while 1-18 were inside laneserve, the loop
+idle 11-25 % of the time, and the lanes never saw enough rows at once to fill a batch.
+
+`ParallelAcceptors` keeps `count` more asks out for a method and hands each call taken
+to gRPC's own handling, as the stock loop hands it (`_handle_rpc` under
+`_schedule_rpc_coro`: deserialising, the interceptors, cancellation, the status). It uses
+grpc.aio internals, checked at start: where the installed grpc lacks any, or their
+signatures differ, nothing is added and the stock loop alone takes calls (logged).
+
+Calls taken so bypass gRPC's own `maximum_concurrent_rpcs`, which counts the stock loop's
+calls alone: the limit is `CallGate`'s instead, one count per port of the inference
+service's calls in progress, however taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+# grpc's compiled core, untyped (no stubs): what is used of it is checked at start.
+cygrpc: Any = importlib.import_module("grpc._cython.cygrpc")
+
+# gRPC's words for a call over its concurrent call limit, which clients know (the
+# Python client's ServerBusyError): `CallGate` refuses in them.
+CALL_LIMIT_DETAILS = "Concurrent RPC limit exceeded!"
+
+# What is used of grpc.aio's internals, by name and the parameters expected.
+_SERVER_ASK = "_make_request_call_future"
+_EXPECTED: Mapping[str, tuple[str, ...]] = {
+    "_handle_rpc": (
+        "method_name",
+        "method_resolver",
+        "interceptors",
+        "rpc_state",
+        "loop",
+        "concurrency_exceeded",
+    ),
+    "_schedule_rpc_coro": ("rpc_coro", "rpc_state", "loop", "method_name"),
+}
+
+
+def _internals_missing(core_server: object) -> list[str]:
+    """What `ParallelAcceptors` needs and the installed grpc lacks (or has otherwise)."""
+    missing = []
+    for name, parameters in _EXPECTED.items():
+        function = getattr(cygrpc, name, None)
+        try:
+            found = tuple(inspect.signature(function).parameters) if function else None
+        except (TypeError, ValueError):
+            found = None
+        if found != parameters:
+            missing.append(f"cygrpc.{name}{parameters}")
+    if not hasattr(cygrpc, "_MethodResolver"):
+        missing.append("cygrpc._MethodResolver")
+    if not callable(getattr(core_server, _SERVER_ASK, None)):
+        missing.append(f"AioServer.{_SERVER_ASK}")
+    return missing
+
+
+class ParallelAcceptors:
+    """`count` asks kept out for each of `methods` (full names, "/pkg.Service/Method") of
+    `server`, whose handlers are `handlers` (by full name) and interceptors
+    `interceptors`. `start` after the server's own start; `wait_closed` after its stop
+    (each ask fails as the server stops, and its acceptor ends)."""
+
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        methods: Sequence[str],
+        handlers: Mapping[str, grpc.RpcMethodHandler[Any, Any]],
+        interceptors: Sequence[grpc.aio.ServerInterceptor],
+        *,
+        count: int,
+    ) -> None:
+        self._server = server
+        self._methods = list(methods)
+        self._handlers = dict(handlers)
+        self._interceptors = tuple(interceptors)
+        self._count = count
+        self._acceptors: list[asyncio.Task[None]] = []
+        # The calls taken here and not yet ended: the loop keeps weak references only.
+        self._calls: set[asyncio.Task[Any]] = set()
+        self.taken = 0  # calls taken here so far
+
+    def start(self) -> bool:
+        """Starts the acceptors; False (nothing started) where grpc lacks what they use."""
+        if self._count <= 0 or not self._methods:
+            return False
+        core_server: Any = getattr(self._server, "_server", None)
+        missing = (
+            ["grpc.aio.Server._server"] if core_server is None else _internals_missing(core_server)
+        )
+        if missing:
+            log.warning(
+                "grpc %s lacks %s: each method's calls are taken one at a time (grpc.aio's "
+                "own pace)",
+                grpc.__version__,
+                ", ".join(missing),
+            )
+            return False
+        resolver = cygrpc._MethodResolver([], self._handlers)  # noqa: SLF001
+        ask = getattr(core_server, _SERVER_ASK)
+        loop = asyncio.get_running_loop()
+        for method in self._methods:
+            for _ in range(self._count):
+                task = loop.create_task(self._accept(core_server.is_running, ask, method, resolver))
+                self._acceptors.append(task)
+        return True
+
+    async def _accept(
+        self,
+        running: Callable[[], bool],
+        ask: Callable[[bytes], Awaitable[Any]],
+        method: str,
+        resolver: object,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        method_bytes = method.encode()
+        while running():
+            try:
+                rpc_state = await ask(method_bytes)
+            except Exception:  # noqa: BLE001 - the server stops: its asks are failed
+                return
+            self.taken += 1
+            handling = cygrpc._handle_rpc(  # noqa: SLF001
+                method, resolver, self._interceptors, rpc_state, loop, False
+            )
+            call = loop.create_task(
+                cygrpc._schedule_rpc_coro(handling, rpc_state, loop, method)  # noqa: SLF001
+            )
+            self._calls.add(call)
+            call.add_done_callback(self._calls.discard)
+
+    async def wait_closed(self, timeout_s: float) -> None:
+        """Waits for the acceptors to end (the server has stopped: its asks fail), at most
+        `timeout_s`; the rest are cancelled."""
+        if not self._acceptors:
+            return
+        _, pending = await asyncio.wait(self._acceptors, timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*self._acceptors, return_exceptions=True)
+        self._acceptors.clear()
+
+
+class CallGate:
+    """The inference service's calls in progress on one port, at most `limit`
+    (max_concurrent_rpcs): a call over it is refused at once, RESOURCE_EXHAUSTED in
+    gRPC's own words, unread. Counted by the handlers (`gate`), so every call is, however
+    it was taken (see `ParallelAcceptors`)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.calls = 0
+
+    def gate(self, behavior: Callable[..., Any], *, response_streaming: bool) -> Callable[..., Any]:
+        """`behavior` (a handler's, taking the request or its iterator and the context),
+        counted while it runs and refused over the limit."""
+        if response_streaming:
+            return self._gate_stream(behavior)
+        return self._gate_unary(behavior)
+
+    async def _refuse(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, CALL_LIMIT_DETAILS)
+
+    def _gate_unary(self, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
+        async def gated(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            if self.calls >= self.limit:
+                await self._refuse(context)
+            self.calls += 1
+            try:
+                return await behavior(request, context)
+            finally:
+                self.calls -= 1
+
+        return gated
+
+    def _gate_stream(self, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
+        async def gated(
+            request: Any, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> AsyncIterator[Any]:
+            if self.calls >= self.limit:
+                await self._refuse(context)
+            self.calls += 1
+            responses = behavior(request, context)
+            try:
+                async for response in responses:
+                    yield response
+            finally:
+                self.calls -= 1
+                # Closed now, not when collected: its own cleanup (the stream's queued
+                # items cancelled) runs as the call ends.
+                await responses.aclose()  # type: ignore[attr-defined]
+
+        return gated
