@@ -8,7 +8,7 @@
     │   ├── MemoryPressureError          (any)                 MEMORY_PRESSURE      retryable
     │   ├── DeviceMemoryError            (any)                 DEVICE_MEMORY
     │   ├── AnswerTooLargeError          (any)                 ANSWER_TOO_LARGE
-    │   └── ServerBusyError              RESOURCE_EXHAUSTED    (gRPC's call limit)  retryable
+    │   └── ServerBusyError              RESOURCE_EXHAUSTED    (the call limit)     retryable
     ├── DeadlineExceededError            DEADLINE_EXCEEDED     (the caller's own deadline)
     │   ├── DeadlineUnmeetableError      DEADLINE_EXCEEDED     DEADLINE_UNMEETABLE
     │   └── ExpiredInQueueError          DEADLINE_EXCEEDED     EXPIRED_IN_QUEUE
@@ -117,8 +117,8 @@ class ResourceExhaustedError(LaneserveError):
 
 
 class ServerBusyError(ResourceExhaustedError):
-    """The server's gRPC refused the call unread: as many calls as it admits at once
-    (its ``max_concurrent_rpcs``) were in progress. The call never ran; retry."""
+    """The server refused the call at once: as many calls as it admits at once (its
+    ``max_concurrent_rpcs``) were in progress. The call never ran; retry."""
 
     retryable = True
 
@@ -220,12 +220,13 @@ _BARE_CANCELLED = (
 )
 
 # What gRPC's server says, and nothing more, when it refuses a call over its concurrent
-# call limit (grpc.aio's and the sync server's words alike).
+# call limit (grpc.aio's and the sync server's words alike); a laneserve server says the
+# same over its own (max_concurrent_rpcs).
 _GRPC_CALL_LIMIT = "Concurrent RPC limit exceeded!"
 _SERVER_BUSY = (
-    "the server's gRPC refused the call unread: it admits max_concurrent_rpcs calls at once "
-    "and that many were in progress (server setting max_concurrent_rpcs); the call never "
-    "ran; retryable with the same request_id"
+    "the server refused the call at once: it admits max_concurrent_rpcs calls at once and "
+    "that many were in progress (server setting max_concurrent_rpcs); the call never ran; "
+    "retryable with the same request_id"
 )
 
 # google.rpc.Code numbers (in a Status message) to grpc's enum.

@@ -75,6 +75,9 @@ CORE_QUEUE_WAIT_S = 2.0
 # calls/s at 32 callers and 2 123 -> 3 039 -> 3 303 at 128, with p99 falling; the asks
 # cost nothing while no call comes.
 INFER_ACCEPTORS = 8
+# ... while the port has fewer calls in progress than this many batches at the cap (see
+# grpc_accept): enough to fill the next batches.
+ACCEPT_BELOW_BATCHES = 2
 # How long a stop waits for the acceptors to see their asks fail.
 ACCEPTORS_CLOSE_S = 1.0
 
@@ -561,13 +564,19 @@ class LaneServer:
                 *pending_call_limits(max_pending_calls),
             ],
         )
-        handlers = add_to_server(servicer, server, CallGate(self.config.max_concurrent_rpcs))
+        thread = self._thread
+        assert thread is not None
+        gate = CallGate(
+            self.config.max_concurrent_rpcs, lambda: ACCEPT_BELOW_BATCHES * thread.batch_cap
+        )
+        handlers = add_to_server(servicer, server, gate)
         self._acceptors.append(
             ParallelAcceptors(
                 server,
                 [f"/{SERVICE_NAME}/Infer"],
                 handlers,
                 self.telemetry.interceptors,
+                gate,
                 count=INFER_ACCEPTORS,
             )
         )

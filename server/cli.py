@@ -264,7 +264,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-message-bytes", type=int, help="gRPC message size limit")
     serve.add_argument(
-        "--max-concurrent-rpcs", type=int, help="calls admitted by gRPC at once (default 4096)"
+        "--max-concurrent-rpcs",
+        type=int,
+        help="inference calls in progress per port at once (default 4096)",
     )
     serve.add_argument(
         "--max-pending-calls",

@@ -142,8 +142,9 @@ class ServerConfig:
     device: Device = "auto"
     # On SIGTERM/SIGINT queued work may finish within this time; the rest is refused.
     drain_grace_s: float = 10.0
-    # Calls gRPC lets in at once (streams count one each); past it gRPC refuses with
-    # RESOURCE_EXHAUSTED before any servicer code runs. It is blind to lanes, so it sits
+    # Calls of the inference service in progress on a port at once (streams count one
+    # each; health checks none); past it a call is refused RESOURCE_EXHAUSTED before the
+    # servicer runs (grpc_accept.CallGate). It is blind to lanes, so it sits
     # above what the lanes hold in ordinary use (the bulk lane's 16 384 rows are 2 048
     # calls of 8 rows): a full lane refuses by priority first. At 1 024 a unary bulk
     # flood took every slot and interactive calls were refused (bench/README.md, (c)).
