@@ -1430,3 +1430,35 @@ def _hold_the_loop_until(condition: Callable[[], bool], timeout_s: float = 10.0)
     while not condition():
         assert time.monotonic() < until_s, "condition not met while the loop was held"
         time.sleep(0.001)
+
+
+def test_the_extra_asks_are_out_only_below_two_batches_of_calls_in_progress() -> None:
+    """The gate's `below_accept`, which the acceptors wait on, is set while fewer calls
+    are in progress than `accept_below()` (here 2), whatever the calls' kind."""
+
+    async def scenario() -> list[bool]:
+        gate = grpc_accept.CallGate(limit=10, accept_below=lambda: 2)
+        release = asyncio.Event()
+        seen: list[bool] = []
+
+        async def unary(request: object, _context: object) -> object:
+            await release.wait()
+            return request
+
+        async def stream(request: object, _context: object) -> Any:
+            await release.wait()
+            yield request
+
+        calls = [
+            asyncio.ensure_future(gate.gate(unary, response_streaming=False)(1, None)),
+            asyncio.ensure_future(anext(gate.gate(stream, response_streaming=True)(2, None))),
+        ]
+        seen.append(gate.below_accept.is_set())  # none started yet
+        await asyncio.sleep(0)
+        seen.append(gate.below_accept.is_set())  # two in progress
+        release.set()
+        await asyncio.gather(*calls)
+        seen.append(gate.below_accept.is_set())  # the unary one ended
+        return seen
+
+    assert asyncio.run(scenario()) == [True, False, True]
