@@ -174,24 +174,28 @@ class CallGate:
     """The inference service's calls in progress on one port, at most `limit`
     (max_concurrent_rpcs): a call over it is refused at once, RESOURCE_EXHAUSTED in
     gRPC's own words, unread. Counted by the handlers (`gate`), so every call is, however
-    it was taken (see `ParallelAcceptors`). `below_accept` is set while there are fewer
-    than `accept_below()` (the extra asks are out only then)."""
+    it was taken (see `ParallelAcceptors`). `below_accept` is set while fewer unary calls
+    than `accept_below()` are in progress (the extra asks are out only then): a stream's
+    call stays open for a whole job, and its items do not come through asks."""
 
     def __init__(self, limit: int, accept_below: Callable[[], int]) -> None:
         self.limit = limit
         self.calls = 0
+        self.unary_calls = 0
         self._accept_below = accept_below
         self.below_accept = asyncio.Event()
         self.below_accept.set()
 
-    def _enter(self) -> None:
+    def _enter_unary(self) -> None:
         self.calls += 1
-        if self.calls >= self._accept_below():
+        self.unary_calls += 1
+        if self.unary_calls >= self._accept_below():
             self.below_accept.clear()
 
-    def _leave(self) -> None:
+    def _leave_unary(self) -> None:
         self.calls -= 1
-        if self.calls < self._accept_below():
+        self.unary_calls -= 1
+        if self.unary_calls < self._accept_below():
             self.below_accept.set()
 
     def gate(self, behavior: Callable[..., Any], *, response_streaming: bool) -> Callable[..., Any]:
@@ -208,11 +212,11 @@ class CallGate:
         async def gated(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             if self.calls >= self.limit:
                 await self._refuse(context)
-            self._enter()
+            self._enter_unary()
             try:
                 return await behavior(request, context)
             finally:
-                self._leave()
+                self._leave_unary()
 
         return gated
 
@@ -222,13 +226,13 @@ class CallGate:
         ) -> AsyncIterator[Any]:
             if self.calls >= self.limit:
                 await self._refuse(context)
-            self._enter()
+            self.calls += 1
             responses = behavior(request, context)
             try:
                 async for response in responses:
                     yield response
             finally:
-                self._leave()
+                self.calls -= 1
                 # Closed now, not when collected: its own cleanup (the stream's queued
                 # items cancelled) runs as the call ends.
                 await responses.aclose()  # type: ignore[attr-defined]

@@ -1433,8 +1433,9 @@ def _hold_the_loop_until(condition: Callable[[], bool], timeout_s: float = 10.0)
 
 
 def test_the_extra_asks_are_out_only_below_two_batches_of_calls_in_progress() -> None:
-    """The gate's `below_accept`, which the acceptors wait on, is set while fewer calls
-    are in progress than `accept_below()` (here 2), whatever the calls' kind."""
+    """The gate's `below_accept`, which the acceptors wait on, is set while fewer unary
+    calls are in progress than `accept_below()` (here 2); a stream's call (open for a
+    whole job) does not hold the asks back."""
 
     async def scenario() -> list[bool]:
         gate = grpc_accept.CallGate(limit=10, accept_below=lambda: 2)
@@ -1450,15 +1451,18 @@ def test_the_extra_asks_are_out_only_below_two_batches_of_calls_in_progress() ->
             yield request
 
         calls = [
+            asyncio.ensure_future(anext(gate.gate(stream, response_streaming=True)(0, None))),
             asyncio.ensure_future(gate.gate(unary, response_streaming=False)(1, None)),
-            asyncio.ensure_future(anext(gate.gate(stream, response_streaming=True)(2, None))),
         ]
-        seen.append(gate.below_accept.is_set())  # none started yet
         await asyncio.sleep(0)
-        seen.append(gate.below_accept.is_set())  # two in progress
+        seen.append(gate.below_accept.is_set())  # a stream and one unary call
+        calls.append(asyncio.ensure_future(gate.gate(unary, response_streaming=False)(2, None)))
+        await asyncio.sleep(0)
+        seen.append(gate.below_accept.is_set())  # two unary calls
+        assert gate.calls == 3
         release.set()
         await asyncio.gather(*calls)
-        seen.append(gate.below_accept.is_set())  # the unary one ended
+        seen.append(gate.below_accept.is_set())  # they ended
         return seen
 
     assert asyncio.run(scenario()) == [True, False, True]
