@@ -153,7 +153,8 @@ class DeadlineUnmeetableError(DeadlineExceededError):
 
 
 class ExpiredInQueueError(DeadlineExceededError):
-    """The deadline passed while the request waited in its lane; it never ran."""
+    """The deadline passed while the request waited in its lane; it never ran (one split
+    across batches, over the server's batch cap: its rows not yet run never ran)."""
 
 
 class UnavailableError(LaneserveError):

@@ -15,8 +15,8 @@ to gRPC's own handling, as the stock loop hands it (`_handle_rpc` under
 grpc.aio internals, checked at start: where the installed grpc lacks any, or their
 signatures differ, nothing is added and the stock loop alone takes calls (logged).
 
-The asks are out only while the port has fewer calls in progress than `CallGate`'s
-`accept_below` (two batches' worth): they are there to fill batches. Past it the lanes
+The asks are out only while the port has fewer unary calls in progress than
+`CallGate`'s `accept_below` (two batches' worth): they are there to fill batches. Past it the lanes
 hold what the next batches take, and calls taken faster only queue, or are refused in
 Python at the cost of the event loop's time: under a unary flood at 200 % the main
 port's extra asks took it so fast that the priority port's interactive p99 went from
@@ -47,6 +47,8 @@ cygrpc: Any = importlib.import_module("grpc._cython.cygrpc")
 # gRPC's words for a call over its concurrent call limit, which clients know (the
 # Python client's ServerBusyError): `CallGate` refuses in them.
 CALL_LIMIT_DETAILS = "Concurrent RPC limit exceeded!"
+# What `CallGate.deserializer` hands a unary handler over the limit, instead of parsing.
+OVER_LIMIT = object()
 
 # What is used of grpc.aio's internals, by name and the parameters expected.
 _SERVER_ASK = "_make_request_call_future"
@@ -144,13 +146,20 @@ class ParallelAcceptors:
         method_bytes = method.encode()
         while running():
             await self._gate.below_accept.wait()
+            if not running():  # it stopped while this waited: an ask would reach no server
+                return
             try:
                 rpc_state = await ask(method_bytes)
-            except Exception:  # noqa: BLE001 - the server stops: its asks are failed
+            except Exception as error:  # noqa: BLE001 - gRPC's, whatever its type
+                if running():  # not the stop failing the asks: said, not retried in a loop
+                    log.warning("an ask for %s calls failed (%r); one ask fewer", method, error)
                 return
             self.taken += 1
+            # Over the limit it is refused before its message is read, as gRPC's own
+            # limit refuses the calls its loop takes (see `CallGate.deserializer`).
+            over = self._gate.calls >= self._gate.limit
             handling = cygrpc._handle_rpc(  # noqa: SLF001
-                method, resolver, self._interceptors, rpc_state, loop, False
+                method, resolver, self._interceptors, rpc_state, loop, over
             )
             call = loop.create_task(
                 cygrpc._schedule_rpc_coro(handling, rpc_state, loop, method)  # noqa: SLF001
@@ -173,8 +182,9 @@ class ParallelAcceptors:
 class CallGate:
     """The inference service's calls in progress on one port, at most `limit`
     (max_concurrent_rpcs): a call over it is refused at once, RESOURCE_EXHAUSTED in
-    gRPC's own words, unread. Counted by the handlers (`gate`), so every call is, however
-    it was taken (see `ParallelAcceptors`). `below_accept` is set while fewer unary calls
+    gRPC's own words, its message not parsed (an acceptor's not even read). Counted by
+    the handlers (`gate`), so every call is, however it was taken (see
+    `ParallelAcceptors`). `below_accept` is set while fewer unary calls
     than `accept_below()` are in progress (the extra asks are out only then): a stream's
     call stays open for a whole job, and its items do not come through asks."""
 
@@ -198,6 +208,16 @@ class CallGate:
         if self.unary_calls < self._accept_below():
             self.below_accept.set()
 
+    def deserializer(self, read: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+        """`read` (a unary method's request deserializer), skipped over the limit: the
+        handler then refuses `OVER_LIMIT` without the copy and parse of a message of up
+        to max_message_bytes (gRPC's own limit refused before reading it)."""
+
+        def read_within(data: bytes) -> Any:
+            return OVER_LIMIT if self.calls >= self.limit else read(data)
+
+        return read_within
+
     def gate(self, behavior: Callable[..., Any], *, response_streaming: bool) -> Callable[..., Any]:
         """`behavior` (a handler's, taking the request or its iterator and the context),
         counted while it runs and refused over the limit."""
@@ -210,7 +230,7 @@ class CallGate:
 
     def _gate_unary(self, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
         async def gated(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            if self.calls >= self.limit:
+            if request is OVER_LIMIT or self.calls >= self.limit:
                 await self._refuse(context)
             self._enter_unary()
             try:

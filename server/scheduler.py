@@ -849,12 +849,20 @@ class Scheduler:
             lane = self.lanes[entry.priority]
             self.events.shed(lane.name, "EXPIRED_IN_QUEUE", entry.queued_rows)
             waited_ms = (now_s - entry.enqueued_s) * 1000
+            # A request split across batches may have had parts run: said, since the
+            # rest, not the request, never ran.
+            started = entry.request.rows - entry.queued_rows
+            what = (
+                "before the request could run"
+                if started == 0
+                else f"before the rest of the request could run ({started} of its "
+                f"{entry.request.rows} rows ran or were running in earlier batches)"
+            )
             outcomes.append(
                 self._finish_error(
                     entry,
                     ExpiredInQueueError(
-                        f"deadline passed after {waited_ms:.1f} ms in lane {lane.name!r} "
-                        f"before the request could run"
+                        f"deadline passed after {waited_ms:.1f} ms in lane {lane.name!r} {what}"
                     ),
                 )
             )

@@ -776,11 +776,13 @@ def add_to_server(
     for method in service.methods:
         request_type = message_factory.GetMessageClass(method.input_type)
         response_type = message_factory.GetMessageClass(method.output_type)
-        read = (
+        read: Callable[[bytes], Any] = (
             functools.partial(read_request, request_type)
             if request_type in _UNDECODABLE
             else request_type.FromString
         )
+        if not method.client_streaming:  # a stream's items are read within its call
+            read = gate.deserializer(read)
         handlers[method.name] = _HANDLER_KINDS[method.client_streaming, method.server_streaming](
             gate.gate(getattr(servicer, method.name), response_streaming=method.server_streaming),
             request_deserializer=read,

@@ -1654,6 +1654,10 @@ def test_split_item_that_expires_midway_is_answered_once_and_late_chunks_ignored
     [expired] = scheduler.shed_expired(T0 + 0.010)
     assert expired.token == 0
     assert isinstance(expired.error, ExpiredInQueueError)
+    # It said "before the request could run", of a request whose first part was running.
+    assert "before the rest of the request could run (8 of its 20 rows ran or were" in (
+        expired.error.message
+    )
     assert queued_rows(scheduler, "standard") == 0  # the 12 rows not yet run are freed
     assert scheduler.complete(run(first)) == []
     assert scheduler.decide(T0 + 0.011, T0 + 0.011) is None
