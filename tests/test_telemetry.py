@@ -237,7 +237,7 @@ def test_a_retry_answered_by_the_ledger_says_so_on_its_call_span(small_model: Pa
         async with serving(engine, server_config, telemetry=telemetry) as s:
             engine.hold()
             first = asyncio.ensure_future(s.stub.Infer(request(rows(1), request_id="r")))
-            await asyncio.to_thread(engine.entered.acquire)
+            await entered(engine)  # bounded: a batch that never starts fails the test
             joined = asyncio.ensure_future(s.stub.Infer(request(rows(1), request_id="r")))
             await until_joined(s)
             engine.release()
