@@ -155,8 +155,9 @@ class ParallelAcceptors:
                     log.warning("an ask for %s calls failed (%r); one ask fewer", method, error)
                 return
             self.taken += 1
-            # Over the limit it is refused before its message is read, as gRPC's own
-            # limit refuses the calls its loop takes (see `CallGate.deserializer`).
+            # Over the limit it is refused before its message is read, by gRPC's own
+            # refusal (the stock loop's calls are, before theirs is parsed: see
+            # `CallGate.deserializer`).
             over = self._gate.calls >= self._gate.limit
             handling = cygrpc._handle_rpc(  # noqa: SLF001
                 method, resolver, self._interceptors, rpc_state, loop, over
