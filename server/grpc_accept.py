@@ -245,7 +245,8 @@ class CallGate:
         async def gated(
             request: Any, context: grpc.aio.ServicerContext[Any, Any]
         ) -> AsyncIterator[Any]:
-            if self.calls >= self.limit:
+            # OVER_LIMIT: a unary request (deserializer) with a streamed answer.
+            if request is OVER_LIMIT or self.calls >= self.limit:
                 await self._refuse(context)
             self.calls += 1
             responses = behavior(request, context)
