@@ -84,7 +84,7 @@ def _internals_missing(core_server: object) -> list[str]:
 
 
 class ParallelAcceptors:
-    """`count` asks kept out for each of `methods` (full names, "/pkg.Service/Method") of
+    """`count` asks kept out for `method` (its full name, "/pkg.Service/Method") of
     `server`, whose handlers are `handlers` (by full name) and interceptors
     `interceptors`. `start` after the server's own start; `wait_closed` after its stop
     (each ask fails as the server stops, and its acceptor ends)."""
@@ -92,7 +92,7 @@ class ParallelAcceptors:
     def __init__(
         self,
         server: grpc.aio.Server,
-        methods: Sequence[str],
+        method: str,
         handlers: Mapping[str, grpc.RpcMethodHandler[Any, Any]],
         interceptors: Sequence[grpc.aio.ServerInterceptor],
         gate: CallGate,
@@ -101,7 +101,7 @@ class ParallelAcceptors:
     ) -> None:
         self._server = server
         self._gate = gate
-        self._methods = list(methods)
+        self._method = method
         self._handlers = dict(handlers)
         self._interceptors = tuple(interceptors)
         self._count = count
@@ -112,7 +112,7 @@ class ParallelAcceptors:
 
     def start(self) -> bool:
         """Starts the acceptors; False (nothing started) where grpc lacks what they use."""
-        if self._count <= 0 or not self._methods:
+        if self._count <= 0:
             return False
         core_server: Any = getattr(self._server, "_server", None)
         missing = (
@@ -129,20 +129,20 @@ class ParallelAcceptors:
         resolver = cygrpc._MethodResolver([], self._handlers)  # noqa: SLF001
         ask = getattr(core_server, _SERVER_ASK)
         loop = asyncio.get_running_loop()
-        for method in self._methods:
-            for _ in range(self._count):
-                task = loop.create_task(self._accept(core_server.is_running, ask, method, resolver))
-                self._acceptors.append(task)
+        self._acceptors = [
+            loop.create_task(self._accept(core_server.is_running, ask, resolver))
+            for _ in range(self._count)
+        ]
         return True
 
     async def _accept(
         self,
         running: Callable[[], bool],
         ask: Callable[[bytes], Awaitable[Any]],
-        method: str,
         resolver: object,
     ) -> None:
         loop = asyncio.get_running_loop()
+        method = self._method
         method_bytes = method.encode()
         while running():
             await self._gate.below_accept.wait()

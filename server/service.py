@@ -286,7 +286,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         """The stream caller's receive limit where it is below the server's (None: none);
         the call is refused when it sent one that is not a limit."""
         try:
-            return _receive_limit(context.invocation_metadata(), self._config)
+            return _parse_receive_limit(context.invocation_metadata(), self._config)
         except InvalidInputError as error:
             await abort_with(context, error)
             raise AssertionError("unreachable: abort raises") from error
@@ -859,7 +859,7 @@ def _varint_bytes(value: int) -> int:
     return max(1, (value.bit_length() + 6) // 7)
 
 
-def _receive_limit(
+def _parse_receive_limit(
     metadata: Iterable[tuple[str, str | bytes]] | None, config: ServerConfig
 ) -> int | None:
     """The largest stream item the caller reads, its RECEIVE_LIMIT_KEY, where it is below
@@ -867,19 +867,23 @@ def _receive_limit(
     values = [value for key, value in metadata or () if key == RECEIVE_LIMIT_KEY]
     if not values:
         return None
-    value = values[-1]
-    text = value.decode(errors="replace") if isinstance(value, bytes) else value
-    number = text.isascii() and text.isdigit()
-    # Past 18 digits it is over any message limit: not converted (Python refuses to
-    # convert over 4 300 digits, and the call failed UNKNOWN with a traceback).
-    digits = text.lstrip("0") or "0"
-    limit = int(digits) if number and len(digits) <= 18 else None  # noqa: PLR2004
-    if len(values) > 1 or not number or (limit is not None and limit < MIN_RECEIVE_LIMIT_BYTES):
-        raise InvalidInputError(
-            f"call metadata {RECEIVE_LIMIT_KEY} is {[*values]!r}; expected one whole number "
-            f"of bytes, at least {MIN_RECEIVE_LIMIT_BYTES}"
-        )
-    return limit if limit is not None and limit < config.max_message_bytes else None
+    text = values[0].decode(errors="replace") if isinstance(values[0], bytes) else values[0]
+    if len(values) > 1 or not (text.isascii() and text.isdigit()):
+        raise _receive_limit_refusal(values)
+    digits = text.lstrip("0")
+    if len(digits) > 18:  # noqa: PLR2004 - over any message limit
+        return None  # not converted: Python refuses to over 4 300 digits
+    limit = int(digits or "0")
+    if limit < MIN_RECEIVE_LIMIT_BYTES:
+        raise _receive_limit_refusal(values)
+    return limit if limit < config.max_message_bytes else None
+
+
+def _receive_limit_refusal(values: Sequence[str | bytes]) -> InvalidInputError:
+    return InvalidInputError(
+        f"call metadata {RECEIVE_LIMIT_KEY} is {[*values]!r}; expected one whole number of "
+        f"bytes, at least {MIN_RECEIVE_LIMIT_BYTES}"
+    )
 
 
 def _stream_draining() -> DrainingError:
