@@ -1425,3 +1425,14 @@ async def until_stats(
         if time.monotonic() > give_up:
             raise AssertionError("condition not reached")
         await asyncio.sleep(0.005)
+
+
+def test_the_client_and_the_server_agree_on_the_receive_limit_and_the_call_limit() -> None:
+    """Words of the protocol each side spells for itself: the stream's receive-limit
+    metadata and its least value, and the refusal a busy port gives."""
+    from laneserve.client import _channel, _errors, _stream  # noqa: PLC0415
+    from laneserve.server import grpc_accept, service  # noqa: PLC0415
+
+    assert _stream.RECEIVE_LIMIT_KEY == service.RECEIVE_LIMIT_KEY
+    assert _channel.MIN_MESSAGE_BYTES == service.MIN_RECEIVE_LIMIT_BYTES
+    assert _errors._GRPC_CALL_LIMIT == grpc_accept.CALL_LIMIT_DETAILS
