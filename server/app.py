@@ -467,13 +467,15 @@ class LaneServer:
         # main port.
         known_servers = GrpcCallCounts.server_ids()
         servers: list[grpc.aio.Server] = []
+        acceptors: list[ParallelAcceptors] = []
         try:
-            server, self.port = self._grpc_server(
+            server, self.port, accepting = self._grpc_server(
                 servicer, credentials, self.config.port, "port", self.config.max_pending_calls
             )
             servers.append(server)
+            acceptors.append(accepting)
             if self.config.priority_port >= 0:
-                priority, self.priority_port = self._grpc_server(
+                priority, self.priority_port, accepting = self._grpc_server(
                     servicer,
                     credentials,
                     self.config.priority_port,
@@ -481,33 +483,33 @@ class LaneServer:
                     self.config.priority_max_pending_calls,
                 )
                 servers.append(priority)
+                acceptors.append(accepting)
             self.metrics_port = self.telemetry.serve_metrics(
                 self.config.host, self.config.metrics_port, metrics_tls(self.config)
             )
         except BaseException:
-            await _give_back(servers)
-            self._acceptors.clear()  # none started
+            await _give_back(servers)  # no acceptor started
             self.telemetry.close()  # its exporter threads, and the metrics endpoint
             raise
         self._thread.start()
         try:
             for each in servers:
                 await each.start()
-            for acceptors in self._acceptors:
-                acceptors.start()
+            for accepting in acceptors:
+                accepting.start()
         except BaseException:
             # gRPC's own start failed: what this start began is stopped here, since a
             # stop() after a failed start finds nothing started. Nothing was admitted
             # (the state is not SERVING), so no request is left without its answer.
             await asyncio.to_thread(self._thread.close, join_timeout_s=RUNNING_BATCH_WAIT_S)
             await _give_back(servers)
-            for acceptors in self._acceptors:
-                await acceptors.wait_closed(ACCEPTORS_CLOSE_S)
-            self._acceptors.clear()
+            for accepting in acceptors:
+                await accepting.wait_closed(ACCEPTORS_CLOSE_S)
             self.telemetry.close()
             raise
         self._grpc_calls = GrpcCallCounts(GrpcCallCounts.server_ids() - known_servers)
         self._servers = servers
+        self._acceptors = acceptors
         self.state = Lifecycle.SERVING
         if self.failure is not None:  # the scheduler failed while the server started
             self._own_stop = asyncio.ensure_future(self.stop())
@@ -540,10 +542,11 @@ class LaneServer:
         port: int,
         setting: str,
         max_pending_calls: int,
-    ) -> tuple[grpc.aio.Server, int]:
+    ) -> tuple[grpc.aio.Server, int, ParallelAcceptors]:
         """A gRPC server with every service, bound to `port` on the configured host, its
-        core holding at most `max_pending_calls` calls not yet taken, and the port it
-        bound; raises OSError naming `setting` when it cannot bind."""
+        core holding at most `max_pending_calls` calls not yet taken; the port it bound;
+        and the acceptors that take its Infer calls, to start once it has started. Raises
+        OSError naming `setting` when it cannot bind."""
         limit = self.config.max_message_bytes
         server = grpc.aio.server(
             interceptors=self.telemetry.interceptors,
@@ -570,15 +573,13 @@ class LaneServer:
             self.config.max_concurrent_rpcs, lambda: ACCEPT_BELOW_BATCHES * thread.batch_cap
         )
         handlers = add_to_server(servicer, server, gate)
-        self._acceptors.append(
-            ParallelAcceptors(
-                server,
-                f"/{SERVICE_NAME}/Infer",
-                handlers,
-                self.telemetry.interceptors,
-                gate,
-                count=INFER_ACCEPTORS,
-            )
+        acceptors = ParallelAcceptors(
+            server,
+            f"/{SERVICE_NAME}/Infer",
+            handlers,
+            self.telemetry.interceptors,
+            gate,
+            count=INFER_ACCEPTORS,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         # gRPC's own view: calls started, succeeded and failed, sockets. Calls its core
@@ -612,7 +613,7 @@ class LaneServer:
                 f"cannot listen on {address} (server.{setting}): gRPC could not bind it"
                 f"{reason}; expected a local address and a free port (0: any free port)"
             )
-        return server, bound
+        return server, bound, acceptors
 
     def grpc_calls(self) -> GrpcCalls | None:
         """gRPC's own call counts, summed over this server's ports; None before start."""
