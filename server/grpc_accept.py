@@ -191,20 +191,23 @@ class CallGate:
 
     def __init__(self, limit: int, accept_below: Callable[[], int]) -> None:
         self.limit = limit
-        self.calls = 0
         self.unary_calls = 0
+        self.stream_calls = 0
         self._accept_below = accept_below
         self.below_accept = asyncio.Event()
         self.below_accept.set()
 
+    @property
+    def calls(self) -> int:
+        """The inference service's calls in progress on the port."""
+        return self.unary_calls + self.stream_calls
+
     def _enter_unary(self) -> None:
-        self.calls += 1
         self.unary_calls += 1
         if self.unary_calls >= self._accept_below():
             self.below_accept.clear()
 
     def _leave_unary(self) -> None:
-        self.calls -= 1
         self.unary_calls -= 1
         if self.unary_calls < self._accept_below():
             self.below_accept.set()
@@ -248,13 +251,13 @@ class CallGate:
             # OVER_LIMIT: a unary request (deserializer) with a streamed answer.
             if request is OVER_LIMIT or self.calls >= self.limit:
                 await self._refuse(context)
-            self.calls += 1
+            self.stream_calls += 1
             responses = behavior(request, context)
             try:
                 async for response in responses:
                     yield response
             finally:
-                self.calls -= 1
+                self.stream_calls -= 1
                 # Closed now, not when collected: its own cleanup (the stream's queued
                 # items cancelled) runs as the call ends.
                 await responses.aclose()  # type: ignore[attr-defined]

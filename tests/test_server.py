@@ -1486,6 +1486,6 @@ def test_a_unary_call_over_the_limit_is_refused_before_its_message_is_parsed() -
     gate = grpc_accept.CallGate(limit=1, accept_below=lambda: 2)
     deserialize = gate.deserializer(read)
     assert deserialize(b"first") == b"first"
-    gate.calls = 1  # one in progress: at the limit
+    gate.unary_calls = 1  # one in progress: at the limit
     assert deserialize(b"second") is grpc_accept.OVER_LIMIT
     assert parsed == [b"first"]
