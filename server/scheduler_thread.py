@@ -117,14 +117,14 @@ class SchedulerThread:
             self._cond.notify_all()
             return cancelled
 
-    def move_deadline(self, entry_id: int, deadline_s: float) -> bool:
+    def move_deadline(self, entry_id: int, deadline_s: float) -> float | None:
         """See `Scheduler.move_deadline`. Wakes the scheduler thread: a deadline moved
         earlier may come before its next wake-up (it would shed or dispatch late)."""
         with self._cond:
-            moved = self._scheduler.move_deadline(entry_id, deadline_s)
-            if moved:
+            applied_s = self._scheduler.move_deadline(entry_id, deadline_s)
+            if applied_s is not None:
                 self._cond.notify_all()
-            return moved
+            return applied_s
 
     def stop_accepting(self) -> None:
         with self._cond:
