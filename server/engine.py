@@ -487,13 +487,18 @@ class Engine:
         broken session. An input the session ran at start-up (`example_inputs`) tells:
         it failing too means the session is broken, and every row fails at once (four
         runs per batch, not two per row). Checked once per batch: a probe of the batch's
-        own rows could hit bad rows and fail good requests with them."""
+        own rows could hit bad rows and fail good requests with them. A probe out of
+        memory tells nothing (the halves are tried again) but is counted, as a run of one
+        row that did not fit: it says nothing about batch size."""
         if split.session_ok:
             return False
         try:
             self.run(self.example_inputs(1))
-        except LaneserveError as error:
-            return not isinstance(error, DeviceMemoryError)
+        except DeviceMemoryError:
+            split.out_of_memory_runs.append(OutOfMemoryRun(1, held_unfit_row=True))
+            return False
+        except LaneserveError:
+            return True
         split.session_ok = True
         return False
 

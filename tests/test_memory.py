@@ -966,6 +966,31 @@ def test_bad_rows_where_a_probe_looks_do_not_fail_their_neighbours(small_model: 
     assert [ran for ran in engine.ran if len(ran) == 1 and ran != [0.0]].count([99.0]) == 4
 
 
+def test_a_probe_out_of_memory_is_counted_and_moves_no_cap(small_model: Path) -> None:
+    """Both halves failed (a bad row in each) and the probe run that tells bad rows from
+    a broken session ran out of memory: it tells nothing, so the halves are tried again
+    (good rows answered OK), and it is counted as an out-of-memory run (it was not),
+    without moving the cap (one row says nothing about batch size)."""
+    clock = ManualClock(1_000.0)
+    engine = _ProbeOutOfMemory(small_model, 99.0, lambda: None)
+    width = engine.inputs[0].shape[1]
+    scheduler = _scheduler(4)
+    stats = scheduler.events = StatsRecorder(["interactive", "standard", "bulk"])
+    for name, first_value in (("bad0", 99.0), ("ok1", 1.0), ("bad2", 99.0), ("ok3", 3.0)):
+        x = np.ones((1, width), np.float32)
+        x[0, 0] = first_value
+        scheduler.admit(_standard(name, x), clock.monotonic())
+    answers = {answer.token: answer for answer in _answers_of(scheduler, engine, clock, 4)}
+    assert engine.probes == 1
+    for token, answer in answers.items():
+        if str(token).startswith("ok"):
+            assert answer.error is None, (token, answer.error)
+        else:
+            assert isinstance(answer.error, EngineError), (token, answer.error)
+    assert stats.counts().out_of_memory == 1
+    assert scheduler.batch_cap == 4
+
+
 class _FailsOnValue(Engine):
     """The real session, failing (as the runtime would) any run holding a row whose first
     value is `bad` (fault injection); `after_run` is called after every run."""
@@ -984,6 +1009,21 @@ class _FailsOnValue(Engine):
             return super().run(inputs)
         finally:
             self.after_run()
+
+
+class _ProbeOutOfMemory(_FailsOnValue):
+    """`_FailsOnValue`, whose one-row run of zeros (the input the session ran at start-up,
+    which tells bad rows from a broken session) runs out of device memory (fault
+    injection)."""
+
+    probes = 0
+
+    def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
+        rows = inputs["input"]
+        if len(rows) == 1 and not rows.any():
+            self.probes += 1
+            raise DeviceMemoryError("injected: out of memory")
+        return super().run(inputs)
 
 
 def test_the_probe_rows_are_asked_for_before_they_run(small_model: Path) -> None:
