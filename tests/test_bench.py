@@ -270,6 +270,21 @@ def test_baselines_start_answer_and_stop_cleanly(small_model: Path, kind: str) -
                 timeout=30,
             )
             model_info = stub.GetModel(pb.GetModelRequest(), timeout=30)
+            if kind != "echo":  # (c) sends its bulk over InferStream to them too
+                items = [
+                    pb.InferRequest(request_id="s1", inputs=[encode_tensor("input", rows)]),
+                    pb.InferRequest(
+                        request_id="s2",
+                        inputs=[encode_tensor("input", np.ones((1, 7), dtype=np.float32))],
+                    ),
+                ]
+                answers = {
+                    answer.request_id: answer
+                    for answer in stub.InferStream(iter(items), timeout=30)
+                }
+                assert decode_tensor(answers["s1"].response.outputs[0]).shape == (3, 10)
+                invalid = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+                assert answers["s2"].error.code == invalid, "an item's error ends only it"
         assert decode_tensor(response.outputs[0]).shape == (3, 10)
         assert [spec.name for spec in model_info.inputs] == ["input"]
         assert get_stats(deployment.target) is None, "a baseline keeps no statistics"

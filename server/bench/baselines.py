@@ -11,7 +11,9 @@
   Python gRPC server on this machine.
 - ``single``: the "no batching" design: validates like laneserve, then runs each request
   alone on one shared session from a thread pool of ``--threads``. With ``--reuse-port``
-  and ``--threads 1``, N of them behind one port are the "just add workers" design.
+  and ``--threads 1``, N of them behind one port are the "just add workers" design. Its
+  InferStream is the naive one: every item is read as it arrives and run alone in the
+  same pool, in arrival order, answered as it completes (no window, no priority).
 - ``raw``: the session alone, back-to-back at each power-of-two batch size, no RPC;
   prints one JSON object (rows per second by batch size and the best of them).
 
@@ -40,7 +42,7 @@ from laneserve.server.bench.settings import WORKER_METADATA_KEY
 from laneserve.server.codec import check_output_names, decode_inputs, encode_response
 from laneserve.server.config import DEVICES
 from laneserve.server.engine import Engine, TensorSpec
-from laneserve.server.errors import LaneserveError
+from laneserve.server.errors import LaneserveError, to_rpc_status
 from laneserve.server.items import Timing
 from laneserve.server.process import tune_for_serving
 from laneserve.server.service import abort_with
@@ -78,8 +80,9 @@ async def _name_this_worker(
 
 
 class _InferOnly(pb_grpc.InferenceServiceServicer):
-    """Baselines serve Infer and GetModel; the rest of the API is refused as unimplemented
-    (the harness then reports no server-side figures for them)."""
+    """Baselines serve Infer and GetModel (the no-batching one InferStream too); the rest
+    of the API is refused as unimplemented (the harness then reports no server-side
+    figures for them)."""
 
     def InferStream(
         self,
@@ -157,15 +160,60 @@ class SingleServicer(_InferOnly):
         context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferResponse],
     ) -> pb.InferResponse:
         try:
-            inputs, rows, _ = decode_inputs(request.inputs, self._engine.inputs)
-            names = check_output_names(request.output_names, self._output_names)
-            queued_s = time.perf_counter()
-            started_s, finished_s, outputs = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self._run, inputs
-            )
+            return await self._answer(request)
         except LaneserveError as error:
             await abort_with(context, error)
             raise AssertionError("unreachable: abort raises") from error
+
+    async def InferStream(
+        self,
+        request_iterator: AsyncIterator[pb.InferRequest],
+        context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferStreamResponse],
+    ) -> AsyncIterator[pb.InferStreamResponse]:
+        """Every item read as soon as it arrives and run alone in the pool, in arrival
+        order (unary calls share that queue), each answered as it completes: a stream
+        server without a window or priorities, what the naive design does with a bulk
+        job."""
+        answers: asyncio.Queue[pb.InferStreamResponse | None] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def answer(request: pb.InferRequest) -> None:
+            message = pb.InferStreamResponse(request_id=request.request_id)
+            try:
+                message.response.CopyFrom(await self._answer(request))
+            except LaneserveError as error:
+                message.error.CopyFrom(to_rpc_status(error))
+            answers.put_nowait(message)
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    task = asyncio.create_task(answer(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                while running:
+                    await asyncio.wait(tuple(running))
+            finally:
+                answers.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (message := await answers.get()) is not None:
+                yield message
+            await reader  # raises what ended the reading, if anything did
+        finally:
+            reader.cancel()
+            for task in tuple(running):
+                task.cancel()
+
+    async def _answer(self, request: pb.InferRequest) -> pb.InferResponse:
+        """`request` run alone in the pool; raises LaneserveError for invalid input."""
+        inputs, rows, _ = decode_inputs(request.inputs, self._engine.inputs)
+        names = check_output_names(request.output_names, self._output_names)
+        queued_s = time.perf_counter()
+        started_s, finished_s, outputs = await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._run, inputs
+        )
         timing = Timing(
             lane="", batch_size=rows, queue_s=started_s - queued_s, infer_s=finished_s - started_s
         )
