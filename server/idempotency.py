@@ -104,10 +104,9 @@ Cancel = Callable[[bool], bool]
 # ran (the answer is only kept for replay), and it is the deadline of the last of them
 # (the work's): whether that one left or timed out.
 Finish = Callable[[Outcome, float | None], pb.InferResponse]
-# Moves an admitted request's deadline (scheduler clock), later or earlier, and returns
-# the deadline applied (the scheduler keeps it within the lane's timeout from when the
-# work queued); None when its answer is already on its way (nothing to move).
-Move = Callable[[float], float | None]
+# Moves an admitted request's deadline (scheduler clock), later or earlier; False when
+# its answer is already on its way (nothing to move).
+Move = Callable[[float], bool]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -436,14 +435,11 @@ class RequestLedger:
         """A waiter with a later deadline than the work's joined: the work waits for it
         (the scheduler moves the entry's deadline), and the waiters with earlier ones
         get their timers (the scheduler's answer at their deadline no longer comes)."""
-        applied_s = flight.admitted.move(deadline_s)
-        if applied_s is None:
+        if not flight.admitted.move(deadline_s):
             return  # answered already: its Outcome is on its way
-        # The scheduler's deadline, not the one asked for: within the lane's timeout
-        # from when the work queued (the scheduler answers every waiter then).
-        flight.deadline_s = applied_s
+        flight.deadline_s = deadline_s
         for waiter in flight.waiters:
-            if waiter.timer is None and waiter.deadline_s < applied_s:
+            if waiter.timer is None and waiter.deadline_s < deadline_s:
                 self._arm(flight, waiter)
 
     def _shorten(self, flight: _Flight) -> None:
@@ -456,14 +452,11 @@ class RequestLedger:
         if not waiting:
             return  # each has its answer: the last to go abandons the work
         latest_s = max(waiter.deadline_s for waiter in waiting)
-        if latest_s >= flight.deadline_s:
-            return  # nothing earlier
-        applied_s = flight.admitted.move(latest_s)
-        if applied_s is None:
-            return  # answered already: its Outcome is on its way
-        flight.deadline_s = applied_s
+        if latest_s >= flight.deadline_s or not flight.admitted.move(latest_s):
+            return  # nothing earlier, or answered already: its Outcome is on its way
+        flight.deadline_s = latest_s
         for waiter in waiting:
-            if waiter.timer is not None and waiter.deadline_s >= applied_s:
+            if waiter.timer is not None and waiter.deadline_s >= latest_s:
                 waiter.timer.cancel()
                 waiter.timer = None
 

@@ -813,23 +813,22 @@ class Scheduler:
         self.events.completed(lane.name, status)
         return status
 
-    def move_deadline(self, entry_id: int, deadline_s: float) -> float | None:
+    def move_deadline(self, entry_id: int, deadline_s: float) -> bool:
         """Moves a live entry's deadline to `deadline_s`: later when a retry with a later
         deadline joined the request, earlier when the caller it waited for left (the work
         waits for the latest caller still waiting), never past its lane's timeout from
         when it queued: a retry from a lane with a longer timeout (bulk's 120 s joining
-        interactive work) held the room of the lane the work is in that long. Returns the
-        deadline applied; None when the entry has been answered (its Outcome is on its
-        way)."""
+        interactive work) held the room of the lane the work is in that long. False when
+        the entry has been answered (its Outcome is on its way)."""
         entry = self._entries.get(entry_id)
         if entry is None or entry.finished:
-            return None
+            return False
         lane = self.lanes[entry.priority]
         deadline_s = min(deadline_s, lane.config.deadline_s(entry.enqueued_s, None))
         if deadline_s != entry.deadline_s:
             entry.deadline_s = deadline_s
             heapq.heappush(self._deadlines, (deadline_s, entry_id))  # the old pair goes stale
-        return deadline_s
+        return True
 
     def stop_accepting(self) -> None:
         self.accepting = False

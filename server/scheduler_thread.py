@@ -117,14 +117,14 @@ class SchedulerThread:
             self._cond.notify_all()
             return cancelled
 
-    def move_deadline(self, entry_id: int, deadline_s: float) -> float | None:
+    def move_deadline(self, entry_id: int, deadline_s: float) -> bool:
         """See `Scheduler.move_deadline`. Wakes the scheduler thread: a deadline moved
         earlier may come before its next wake-up (it would shed or dispatch late)."""
         with self._cond:
-            applied_s = self._scheduler.move_deadline(entry_id, deadline_s)
-            if applied_s is not None:
+            moved = self._scheduler.move_deadline(entry_id, deadline_s)
+            if moved:
                 self._cond.notify_all()
-            return applied_s
+            return moved
 
     def stop_accepting(self) -> None:
         with self._cond:

@@ -640,7 +640,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 self._request_over(lane, trace, status, arrived_s)
             return status is not None
 
-        def move(deadline_s: float) -> float | None:
+        def move(deadline_s: float) -> bool:
             return self._scheduler.move_deadline(entry_id, deadline_s)
 
         return Admitted(cancel, move)

@@ -584,7 +584,7 @@ def test_a_retry_joining_in_the_turn_its_answer_arrives_gets_it() -> None:
 
         def submit(resolve: Callable[[Outcome], None]) -> Admitted:
             resolves.append(resolve)
-            return Admitted(never_cancelled, lambda later_s: later_s)
+            return Admitted(never_cancelled, lambda _later_s: True)
 
         def answer(outcome: Outcome, _left_s: float | None) -> pb.InferResponse:
             return pb.InferResponse(request_id=outcome.request_id)
