@@ -437,6 +437,10 @@ class RequestLedger:
         get their timers (the scheduler's answer at their deadline no longer comes)."""
         if not flight.admitted.move(deadline_s):
             return  # answered already: its Outcome is on its way
+        # The caller's own deadline, though the scheduler keeps the entry's within its
+        # lane's timeout from when it queued: `finish` counts a caller that left by it
+        # (the scheduler's bound counted one that left before its own DEADLINE_EXCEEDED).
+        # A waiter between the two gets a timer it never needs: the scheduler answers it.
         flight.deadline_s = deadline_s
         for waiter in flight.waiters:
             if waiter.timer is None and waiter.deadline_s < deadline_s:

@@ -601,6 +601,54 @@ def test_a_retry_joining_in_the_turn_its_answer_arrives_gets_it() -> None:
     assert asyncio.run(scenario()) == ("x", "x")
 
 
+def test_work_every_caller_left_is_counted_by_the_last_callers_own_deadline() -> None:
+    """The scheduler keeps a moved deadline within the lane's timeout from when the work
+    queued; the ledger keeps the latest caller's own. Both callers leave, the running
+    work finishes after the lane's bound but before that caller's deadline: `finish` is
+    given that caller's deadline (counted CANCELLED: it left), not the scheduler's bound
+    (which counted it DEADLINE_EXCEEDED; a review caught that change)."""
+
+    async def scenario() -> list[float | None]:
+        clock = ManualClock()
+        ledger = RequestLedger(
+            ReplayCache(max_entries=8, max_bytes=1 << 20, ttl_s=600, clock=clock), clock
+        )
+        resolves: list[Callable[[Outcome], None]] = []
+        moved_to: list[float] = []
+        given: list[float | None] = []
+        t0 = clock.monotonic()
+
+        def running(unless_running: bool) -> bool:
+            del unless_running
+            return False  # it runs: not cancelled, it finishes and is stored
+
+        def move(later_s: float) -> bool:
+            moved_to.append(min(later_s, t0 + 20.0))  # the scheduler's lane bound
+            return True
+
+        def submit(resolve: Callable[[Outcome], None]) -> Admitted:
+            resolves.append(resolve)
+            return Admitted(running, move)
+
+        def answer(outcome: Outcome, left_s: float | None) -> pb.InferResponse:
+            given.append(left_s)
+            return pb.InferResponse(request_id=outcome.request_id)
+
+        first = asyncio.create_task(ledger.run("x", b"same", submit, answer, deadline_s=t0 + 10))
+        await asyncio.sleep(0)
+        retry = asyncio.create_task(ledger.run("x", b"same", submit, answer, deadline_s=t0 + 100))
+        await asyncio.sleep(0)
+        assert moved_to == [t0 + 20]
+        for call in (first, retry):
+            call.cancel()
+        await asyncio.gather(first, retry, return_exceptions=True)
+        clock.advance(50.0)  # past the lane's bound, before the retry's own deadline
+        resolves[0](Outcome("token", "x", {}, None, Timing("standard", 1, 0.0, 0.0)))
+        return [None if left_s is None else left_s - t0 for left_s in given]
+
+    assert asyncio.run(scenario()) == [100.0]
+
+
 def test_joined_request_survives_the_first_caller_leaving(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
