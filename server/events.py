@@ -53,7 +53,8 @@ class SchedulerEvents(Protocol):
         ...
 
     def out_of_memory(self, rows: int) -> None:
-        """A run of `rows` rows failed to allocate device memory (it will be split)."""
+        """A run of `rows` rows failed to allocate device memory (split when it has more
+        than one row; one row fails alone, or was the engine's probe)."""
         ...
 
     def batch_split(self, batch_id: int, rows: int, out_of_memory_runs: int) -> None:

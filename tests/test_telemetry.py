@@ -1247,7 +1247,7 @@ def test_out_of_memory_and_recovery_are_logged(caplog: pytest.LogCaptureFixture)
     events.cap_changed(32, 36, "recovered")
     events.cap_changed(60, 64, "recovered")
     assert [(record.levelname, record.getMessage()) for record in caplog.records] == [
-        ("WARNING", "out of device memory running 64 rows; splitting and retrying"),
+        ("WARNING", "out of device memory running 64 rows; splitting them and retrying"),
         ("WARNING", "batch cap lowered 64 -> 32 (out_of_memory)"),
         ("INFO", "batch cap raised 32 -> 36 (recovered)"),
         ("INFO", "batch cap recovered 60 -> 64 (max_batch_size)"),

@@ -192,7 +192,8 @@ class EventLog:
             log,
             logging.WARNING,
             "out_of_memory",
-            f"out of device memory running {rows} rows; splitting and retrying",
+            f"out of device memory running {rows} rows"
+            + ("; splitting them and retrying" if rows > 1 else ""),
             rows=rows,
         )
 
