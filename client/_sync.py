@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import functools
 import queue
@@ -77,8 +78,10 @@ class Client:
             target=_serve, args=(self._loop,), name="laneserve-client", daemon=True
         )
         self._thread.start()
+        # Set by close(), under the lock: from then on no other call reaches the loop.
         self._closed = False
-        # Calls in progress, from any thread: close() waits for them to end.
+        # Calls in progress, from any thread: close() waits for them to end. Each is
+        # handed to the loop and recorded here in one step under the lock.
         self._running: set[concurrent.futures.Future[Any]] = set()
         self._lock = threading.Lock()
 
@@ -121,12 +124,16 @@ class Client:
     def close(self) -> None:
         """Closes the channel and stops the client's thread; calls other threads have in
         progress end with ClientClosedError. Safe to call twice."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            # Other threads' calls are refused from here (ClientClosedError): one handed
+            # to the loop after the wait below read `_running` waited forever on the
+            # stopped loop.
+            self._closed = True
         self._finalizer.detach()
         try:
-            self._run(self._client.close())
+            self._run(self._client.close(), closing=True)
             # The calls still running end now (ClientClosedError); wait for them, so
             # that none is left on a stopped loop with its caller waiting forever.
             with self._lock:
@@ -134,7 +141,7 @@ class Client:
             concurrent.futures.wait(running, timeout=CLOSE_WAIT_S)
             for future in running:
                 future.cancel()  # still running after the wait: its caller gets that
-            self._run(self._loop.shutdown_asyncgens())  # streams left unfinished
+            self._run(self._loop.shutdown_asyncgens(), closing=True)  # streams left open
         finally:
             self._stop_loop()
 
@@ -245,13 +252,13 @@ class Client:
                 except StopAsyncIteration:
                     return
         finally:
-            if not self._closed:
+            # A client closing meanwhile closes the stream itself (shutdown_asyncgens).
+            with contextlib.suppress(ClientClosedError):
                 self._run(close())
 
-    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        if self._closed and not self._thread.is_alive():
-            coroutine.close()
-            raise ClientClosedError
+    def _run(self, coroutine: Coroutine[Any, Any, T], *, closing: bool = False) -> T:
+        """Runs `coroutine` on the client's loop and returns its result; ClientClosedError
+        once the client is closed (or closing: `closing` marks close()'s own steps)."""
         # The coroutine runs on the client's loop thread, but in the caller's context:
         # its trace (and any other context variable) goes with the call.
         context = contextvars.copy_context()
@@ -259,8 +266,11 @@ class Client:
         async def in_callers_context() -> T:
             return await asyncio.create_task(coroutine, context=context)
 
-        future = asyncio.run_coroutine_threadsafe(in_callers_context(), self._loop)
         with self._lock:
+            if self._closed and not closing:
+                coroutine.close()
+                raise ClientClosedError
+            future = asyncio.run_coroutine_threadsafe(in_callers_context(), self._loop)
             self._running.add(future)
         try:
             return future.result()

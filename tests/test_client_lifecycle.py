@@ -177,6 +177,61 @@ def test_closing_the_async_client_ends_its_calls_on_the_wire_with_client_closed_
 # ---- one client shared between threads ---------------------------------------------------
 
 
+def test_calls_other_threads_make_while_the_client_closes_end_with_client_closed_error(
+    small_model: Path,
+) -> None:
+    """Threads call in a loop while another closes the client: each call is answered or
+    ends with ClientClosedError. A call handed to the loop after close() had read the calls
+    in progress waited forever on the stopped loop (a review saw 6 of 6 threads hang in
+    the first round)."""
+
+    async def scenario() -> tuple[int, set[str]]:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            return await asyncio.to_thread(close_while_called, s.target)
+
+    def close_while_called(target: str) -> tuple[int, set[str]]:
+        ended: set[str] = set()
+        for _ in range(10):
+            client = lc.Client(target)
+            closed = threading.Event()
+
+            def call_until_closed(
+                client: lc.Client = client, closed: threading.Event = closed
+            ) -> None:
+                # Calls keep coming until close() has returned, and one more after.
+                while True:
+                    last = closed.is_set()
+                    try:
+                        client.stats(timeout=HANG_S)
+                    except lc.ClientClosedError:
+                        ended.add("ClientClosedError")
+                    except BaseException as error:  # noqa: BLE001 - reported below
+                        ended.add(repr(error))
+                        return
+                    else:
+                        if last:
+                            ended.add("answered after close")
+                    if last:
+                        return
+
+            threads = [threading.Thread(target=call_until_closed, daemon=True) for _ in range(6)]
+            for thread in threads:
+                thread.start()
+            client.stats(timeout=HANG_S)  # the threads' calls are under way
+            client.close()
+            closed.set()
+            for thread in threads:
+                thread.join(HANG_S)
+            hung = sum(thread.is_alive() for thread in threads)
+            if hung:
+                return hung, ended
+        return 0, ended
+
+    hung, ended = asyncio.run(scenario())
+    assert hung == 0, "calls waited forever on the closed client"
+    assert ended == {"ClientClosedError"}, ended
+
+
 def test_a_slow_source_holds_up_its_own_stream_not_other_threads_calls(small_model: Path) -> None:
     """One Client, two threads: one streams from a plain generator that waits for its
     data after the first item; the other's infer is answered meanwhile. (The items were
