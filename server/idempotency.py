@@ -245,15 +245,22 @@ class ReplayCache:
         if self._expired(record):
             self._remove(request_id)
             return None
-        digest_end = _HEADER.size + record[_HEADER.size - 1]
+        digest_end = _HEADER.size + record[_HEADER.size - 1]  # as in `fingerprint_of`
         return Replayed(
             record[_HEADER.size : digest_end], pb.InferResponse.FromString(record[digest_end:])
         )
 
     def holds(self, request_id: str) -> bool:
         """Whether `get` would find an answer for `request_id` (without decoding it)."""
+        return self.fingerprint_of(request_id) is not None
+
+    def fingerprint_of(self, request_id: str) -> bytes | None:
+        """The fingerprint of the answer `get` would find for `request_id` (without
+        decoding it); None: none is stored."""
         record = self._entries.get(request_id)
-        return record is not None and not self._expired(record)
+        if record is None or self._expired(record):
+            return None
+        return record[_HEADER.size : _HEADER.size + record[_HEADER.size - 1]]
 
     def _expired(self, record: bytes) -> bool:
         return self._clock.monotonic() - _stored_s(record) >= self.ttl_s
@@ -350,16 +357,23 @@ class RequestLedger:
         """Whether a request with `request_id` is answered here without being admitted:
         one with that id is in flight (it joins) or stored (it replays, or is refused
         REQUEST_ID_REUSED)."""
-        return self.answers_as(request_id) is not None
+        return bool(request_id) and (self.replay.holds(request_id) or request_id in self._flights)
 
-    def answers_as(self, request_id: str) -> str | None:
-        """How `run` answers a request with `request_id` now without admitting it: "replay"
-        (its answer is stored) or "join" (one with its id is in flight); None: it runs."""
+    def answers_as(self, request_id: str, digest: bytes) -> str | None:
+        """How `run` answers a request with `request_id` and fingerprint `digest` now
+        without admitting it: "replay" (its answer is stored), "join" (one with its id is
+        in flight), "reused" (one with its id but other inputs is stored or in flight: it
+        is refused REQUEST_ID_REUSED); None: it runs."""
         if not request_id:
             return None
-        if self.replay.holds(request_id):
-            return "replay"
-        return "join" if request_id in self._flights else None
+        known = self.replay.fingerprint_of(request_id)
+        how = "replay"
+        if known is None:
+            flight = self._flights.get(request_id)
+            if flight is None:
+                return None
+            known, how = flight.fingerprint, "join"
+        return how if known == digest else "reused"
 
     def replayed(self, request_id: str, digest: bytes) -> pb.InferResponse | None:
         """The stored answer of the completed request `request_id`, counted as a replay

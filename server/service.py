@@ -574,13 +574,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         run = functools.partial(
             self._run_once, lane, request.request_id, digest, submit, finish, wait_until_s
         )
-        retry = self._ledger.answers_as(request.request_id)
-        if retry is not None:
+        retry = self._ledger.answers_as(request.request_id, digest)
+        if retry in ("join", "replay"):  # not "reused": that call is refused, not a retry
             self._tracer.retried(request.request_id, lane, retry)
         if room is None or retry is not None:
-            # A stream item that joins its request in flight or replays its stored answer
-            # adds no rows to its lane: waiting for room there held it, and its stream's
-            # reading, up to its deadline for nothing.
+            # A stream item that joins its request in flight, replays its stored answer or
+            # is refused for reusing an id adds no rows to its lane: waiting for room there
+            # held it, and its stream's reading, up to its deadline for nothing.
             response = await run()
         else:
             response = await self._run_when_room(run, lane, rows, wait_until_s, room)

@@ -240,13 +240,20 @@ def test_a_retry_answered_by_the_ledger_says_so_on_its_call_span(small_model: Pa
             await entered(engine)  # bounded: a batch that never starts fails the test
             joined = asyncio.ensure_future(s.stub.Infer(request(rows(1), request_id="r")))
             await until_joined(s)
+            # An id reused for other inputs is refused, not a retry (it had the event).
+            with pytest.raises(grpc.aio.AioRpcError):
+                await s.stub.Infer(request(rows(1, start=9), request_id="r"))
             engine.release()
             await asyncio.gather(first, joined)
             await s.stub.Infer(request(rows(1), request_id="r"))  # replayed
+            with pytest.raises(grpc.aio.AioRpcError):
+                await s.stub.Infer(request(rows(1, start=9), request_id="r"))
         return sorted(spans_named(exporter, INFER_SPAN), key=lambda span: span.start_time or 0)
 
-    first, joined, replayed = asyncio.run(scenario())
+    first, joined, reused_in_flight, replayed, reused_stored = asyncio.run(scenario())
     assert not first.events
+    assert not reused_in_flight.events
+    assert not reused_stored.events
     for span, how in ((joined, "join"), (replayed, "replay")):
         (event,) = span.events
         assert event.name == "laneserve.retry"
