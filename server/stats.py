@@ -223,7 +223,6 @@ class StatsRecorder:
 
     def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
         with self._lock:
-            self._batch_reasons[batch.reason.value] += 1
             for piece, wait_s in zip(batch.slices, queue_waits_s, strict=True):
                 if wait_s is not None:
                     self._lanes[piece.lane].queue_wait_s.append(wait_s)
@@ -233,6 +232,10 @@ class StatsRecorder:
     ) -> None:
         with self._lock:
             status = "OK" if error is None else error.reason
+            # By reason as each batch ends, as `batches` and laneserve_batches_total
+            # count them: counted as it formed, a running batch (or one a stop left
+            # running) was in batch_reasons and in neither of them.
+            self._batch_reasons[batch.reason.value] += 1
             self._batch_outcomes[batch.reason.value, status] += 1
             self._batch_rows += batch.rows
             self._batch_sizes.append(batch.rows)

@@ -699,6 +699,26 @@ def check_recorded_metrics(points: Points, max_batch_size: int) -> None:
     assert "laneserve.device.memory.used" not in names(points)
 
 
+def test_get_stats_counts_a_batch_by_reason_once_it_has_run(small_model: Path) -> None:
+    """`batch_reasons` counted a batch as it formed, `batches` (and Prometheus'
+    laneserve_batches_total{reason}) as it ended: while a batch ran they disagreed, and
+    for good when a stop left one running."""
+
+    async def scenario() -> list[tuple[int, int]]:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            engine.hold()
+            call = asyncio.ensure_future(s.stub.Infer(request(rows(1))))
+            await entered(engine)
+            running = await s.stub.GetStats(pb.GetStatsRequest())
+            engine.release()
+            await call
+            ran = await s.stub.GetStats(pb.GetStatsRequest())
+        return [(stats.batches, sum(stats.batch_reasons.values())) for stats in (running, ran)]
+
+    assert asyncio.run(scenario()) == [(0, 0), (1, 1)]
+
+
 def check_same_figures_in_get_stats(stats: pb.GetStatsResponse, points: Points) -> None:
     """GetStats after the scenario above reports what the metrics recorded."""
     lane_stats = {lane.name: lane for lane in stats.lanes}
