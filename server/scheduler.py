@@ -912,10 +912,12 @@ class Scheduler:
         """Whether holding a free session for company is worth the latency. It is not
         when the session is mostly idle: batching by waiting buys throughput nobody needs
         (a lone caller, closed loop, must not pay max_wait per call); nor when requests
-        arrive further apart than the wait left: waiting would most likely add nobody."""
+        arrive further apart than the wait left: waiting would most likely add nobody;
+        nor before two requests have come (no gap known): the first request after start
+        waited out its lane's whole max_wait on an idle server."""
         if self.utilization is not None and self.utilization < WAIT_UTILIZATION:
             return False
-        return self._arrival_gap_s is None or self._arrival_gap_s <= wait_left_s
+        return self._arrival_gap_s is not None and self._arrival_gap_s <= wait_left_s
 
     def _plan(self, now_s: float) -> _Plan:
         """The next batch, without changing any state.

@@ -208,7 +208,8 @@ def test_one_request_yields_the_four_span_kinds_under_its_server_span(small_mode
         assert [link.context.span_id for link in batch.links] == [span_id(enqueue)]
         assert batch.attributes is not None
         assert batch.attributes["laneserve.batch.size"] == 3
-        assert batch.attributes["laneserve.batch.wait_reason"] in {"max_wait", "deadline"}
+        # Alone on a fresh server: it went at once (nobody was known to be coming).
+        assert batch.attributes["laneserve.batch.wait_reason"] == "idle"
         assert parent_id(infer) == span_id(batch)
         assert infer.attributes is not None
         assert infer.attributes["laneserve.infer.providers"] == tuple(engine.providers)
