@@ -222,6 +222,11 @@ class BulkStream:
         # cancelled with its broken call (see _pull).
         self._source_next: asyncio.Future[StreamItem | object] | None = None
         self._pulled = 0  # items taken from the source
+        # Answers the server gave (results or item errors): what tells a broken call that
+        # answered something from one that answered nothing. Items this client refused
+        # itself, or gave up on, are answered too, but without the server: counted as
+        # progress, they reset the count of broken calls in a row.
+        self._server_answers = 0
         self._held = 0  # pulled and not yet handed to the caller: at most `window`
         self._window_rows = math.inf  # set from the options or the lane when results start
         # An item over this is answered with an error, not sent: gRPC would fail the
@@ -249,7 +254,7 @@ class BulkStream:
         await self._set_limits()
         while True:
             self._check_open()
-            answered_before = self._pulled - len(self._items)
+            answered_before = self._server_answers
             call = self._stub.InferStream(metadata=self._metadata)
             tasks = (
                 asyncio.create_task(self._write(call)),
@@ -287,7 +292,7 @@ class BulkStream:
             error = ended.error or UnavailableError(
                 f"the server closed the stream with {len(self._items)} item(s) unanswered"
             )
-            progressed = self._pulled - len(self._items) > answered_before
+            progressed = self._server_answers > answered_before
             failures = 0 if progressed else failures + 1
             if progressed:
                 last_answer_s = time.monotonic()
@@ -578,6 +583,7 @@ class BulkStream:
                 response.request_id,
             )
             return
+        self._server_answers += 1
         if response.WhichOneof("result") == "response":
             try:
                 answer = response.response

@@ -516,6 +516,40 @@ def test_a_stream_that_gives_up_says_how_much_of_its_source_it_read() -> None:
     assert 1 <= int(read.group(1)) <= 4, "at most the window"
 
 
+def test_items_refused_before_sending_are_no_progress_of_a_broken_call() -> None:
+    """Nothing listens; the first 49 items are refused by the client itself (an input no
+    tensor encodes), then one it sends. Answered without the server, the refusals
+    counted as the first broken call's progress and reset the count of broken calls in
+    a row: the job opened 3 calls where its policy allows 2 in a row with no answer."""
+
+    class CountCalls(grpc.aio.StreamStreamClientInterceptor):
+        calls = 0
+
+        async def intercept_stream_stream(
+            self, continuation: Any, details: Any, request_iterator: Any
+        ) -> Any:
+            CountCalls.calls += 1
+            return await continuation(details, request_iterator)
+
+    def items() -> Iterator[dict[str, Any]]:
+        for index in range(2_000):
+            if index % 50 == 49:
+                yield {"input": rows(1)}
+            else:
+                yield {"input": np.array([[object()]])}  # refused: answered, never sent
+
+    async def scenario() -> None:
+        policy = lc.RetryPolicy(max_attempts=2)
+        target = f"127.0.0.1:{unused_port()}"
+        async with lc.AsyncClient(target, retry=policy, interceptors=[CountCalls()]) as client:
+            with pytest.raises(lc.UnavailableError):
+                async for _ in client.stream(items(), window=4):
+                    pass
+
+    asyncio.run(scenario())
+    assert CountCalls.calls == 2
+
+
 # ---- the translation table, for every status and reason ----------------------------------
 
 
