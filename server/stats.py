@@ -199,9 +199,8 @@ class StatsRecorder:
         self._batch_rows = 0  # rows of every batch run, failed ones too
         self._rows_run = 0  # rows that ran and were answered from their outputs
         self._run_s: collections.deque[float] = collections.deque(maxlen=WINDOW_SAMPLES)
-        self._batch_reasons: collections.Counter[str] = collections.Counter()
         # Batches run by (dispatch reason, status): OK or the error's reason. The number of
-        # batches run, and of those that failed, are sums over it.
+        # batches run, those that failed, and those of each reason are sums over it.
         self._batch_outcomes: collections.Counter[tuple[str, ...]] = collections.Counter()
         self._out_of_memory = 0
         self._batch_splits = 0
@@ -232,10 +231,6 @@ class StatsRecorder:
     ) -> None:
         with self._lock:
             status = "OK" if error is None else error.reason
-            # By reason as each batch ends, as `batches` and laneserve_batches_total
-            # count them: counted as it formed, a running batch (or one a stop left
-            # running) was in batch_reasons and in neither of them.
-            self._batch_reasons[batch.reason.value] += 1
             self._batch_outcomes[batch.reason.value, status] += 1
             self._batch_rows += batch.rows
             self._batch_sizes.append(batch.rows)
@@ -307,10 +302,16 @@ class StatsRecorder:
             batch_outcomes = dict(self._batch_outcomes)
             batch_rows, rows_run = self._batch_rows, self._rows_run
             run_s, batch_sizes = list(self._run_s), list(self._batch_sizes)
-            batch_reasons, cap_changes = dict(self._batch_reasons), dict(self._cap_changes)
+            cap_changes = dict(self._cap_changes)
             out_of_memory, batch_splits = self._out_of_memory, self._batch_splits
             memory_used_bytes = self._memory_used_bytes
         batches = sum(batch_outcomes.values())
+        # From the batches that ended, as `batches` and laneserve_batches_total count them:
+        # counted as each formed, a running batch (or one a stop left running) was in
+        # batch_reasons and in neither of them.
+        batch_reasons: collections.Counter[str] = collections.Counter()
+        for (reason, _), count in batch_outcomes.items():
+            batch_reasons[reason] += count
         failed_batches = sum(
             count for (_, status), count in batch_outcomes.items() if status != "OK"
         )
@@ -333,7 +334,7 @@ class StatsRecorder:
             rows_run=rows_run,
             mean_batch_size=batch_rows / batches if batches else 0.0,
             run_time=percentiles_ms(run_s),
-            batch_reasons=batch_reasons,
+            batch_reasons=dict(batch_reasons),
             out_of_memory=out_of_memory,
             batch_splits=batch_splits,
             cap_changes=cap_changes,
