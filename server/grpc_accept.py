@@ -158,7 +158,7 @@ class ParallelAcceptors:
             # Over the limit it is refused before its message is read, by gRPC's own
             # refusal (the stock loop's calls are, before theirs is parsed: see
             # `CallGate.deserializer`).
-            over = self._gate.calls >= self._gate.limit
+            over = self._gate.full
             handling = cygrpc._handle_rpc(  # noqa: SLF001
                 method, resolver, self._interceptors, rpc_state, loop, over
             )
@@ -202,6 +202,11 @@ class CallGate:
         """The inference service's calls in progress on the port."""
         return self.unary_calls + self.stream_calls
 
+    @property
+    def full(self) -> bool:
+        """Whether a call taken now is refused: `limit` calls are in progress."""
+        return self.calls >= self.limit
+
     def _enter_unary(self) -> None:
         self.unary_calls += 1
         if self.unary_calls >= self._accept_below():
@@ -218,7 +223,7 @@ class CallGate:
         to max_message_bytes (gRPC's own limit refused before reading it)."""
 
         def read_within(data: bytes) -> Any:
-            return OVER_LIMIT if self.calls >= self.limit else read(data)
+            return OVER_LIMIT if self.full else read(data)
 
         return read_within
 
@@ -234,7 +239,7 @@ class CallGate:
 
     def _gate_unary(self, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
         async def gated(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            if request is OVER_LIMIT or self.calls >= self.limit:
+            if request is OVER_LIMIT or self.full:
                 await self._refuse(context)
             self._enter_unary()
             try:
@@ -249,7 +254,7 @@ class CallGate:
             request: Any, context: grpc.aio.ServicerContext[Any, Any]
         ) -> AsyncIterator[Any]:
             # OVER_LIMIT: a unary request (deserializer) with a streamed answer.
-            if request is OVER_LIMIT or self.calls >= self.limit:
+            if request is OVER_LIMIT or self.full:
                 await self._refuse(context)
             self.stream_calls += 1
             responses = behavior(request, context)
