@@ -188,6 +188,11 @@ def _stored_s(record: bytes) -> float:
     return stored_s
 
 
+def _digest_end(record: bytes) -> int:
+    """Where the fingerprint ends in `record` (its length is the header's last byte)."""
+    return _HEADER.size + record[_HEADER.size - 1]
+
+
 def _size_bytes(request_id: str, record: bytes) -> int:
     # The id's characters as Python holds them: 1, 2 or 4 bytes each, by its widest.
     return len(record) + sys.getsizeof(request_id) - _EMPTY_STR_BYTES + ENTRY_OVERHEAD_BYTES
@@ -245,7 +250,7 @@ class ReplayCache:
         if self._expired(record):
             self._remove(request_id)
             return None
-        digest_end = _HEADER.size + record[_HEADER.size - 1]  # as in `fingerprint_of`
+        digest_end = _digest_end(record)
         return Replayed(
             record[_HEADER.size : digest_end], pb.InferResponse.FromString(record[digest_end:])
         )
@@ -260,7 +265,7 @@ class ReplayCache:
         record = self._entries.get(request_id)
         if record is None or self._expired(record):
             return None
-        return record[_HEADER.size : _HEADER.size + record[_HEADER.size - 1]]
+        return record[_HEADER.size : _digest_end(record)]
 
     def _expired(self, record: bytes) -> bool:
         return self._clock.monotonic() - _stored_s(record) >= self.ttl_s
