@@ -22,6 +22,7 @@ import types
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,16 @@ def traced(
     return telemetry, exporter
 
 
+@asynccontextmanager
+async def serving_traced(
+    engine: RecordingEngine, server_config: ServerConfig, **traced_options: Any
+) -> AsyncIterator[tuple[Serving, InMemorySpanExporter]]:
+    """`serving` with telemetry that records spans (`traced`): the server and its spans."""
+    telemetry, exporter = traced(engine, server_config, **traced_options)
+    async with serving(engine, server_config, telemetry=telemetry) as s:
+        yield s, exporter
+
+
 def cpu_telemetry(**options: Any) -> Telemetry:
     """Telemetry of a CPU server with the default lanes and `options` (its sinks)."""
     return Telemetry(
@@ -179,9 +190,7 @@ async def entered(engine: RecordingEngine) -> None:
 def test_one_request_yields_the_four_span_kinds_under_its_server_span(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
-        server_config = config(small_model)
-        telemetry, exporter = traced(engine, server_config)
-        async with serving(engine, server_config, telemetry=telemetry) as s:
+        async with serving_traced(engine, config(small_model)) as (s, exporter):
             await s.stub.Infer(request(rows(3), request_id="one", lane="interactive"), timeout=10)
         server = only(spans_named(exporter, INFER_SPAN))
         enqueue = only(spans_named(exporter, "enqueue"))
@@ -233,9 +242,7 @@ def test_a_retry_answered_by_the_ledger_says_so_on_its_call_span(small_model: Pa
 
     async def scenario() -> list[ReadableSpan]:
         engine = RecordingEngine(str(small_model))
-        server_config = config(small_model)
-        telemetry, exporter = traced(engine, server_config)
-        async with serving(engine, server_config, telemetry=telemetry) as s:
+        async with serving_traced(engine, config(small_model)) as (s, exporter):
             engine.hold()
             first = asyncio.ensure_future(s.stub.Infer(request(rows(1), request_id="r")))
             await entered(engine)  # bounded: a batch that never starts fails the test
@@ -288,9 +295,7 @@ def test_a_batch_run_in_parts_after_running_out_of_memory_says_so(small_model: P
 
     async def scenario() -> ReadableSpan:
         engine = OutOfMemoryOverOneRow(str(small_model))
-        server_config = config(small_model)
-        telemetry, exporter = traced(engine, server_config)
-        async with serving(engine, server_config, telemetry=telemetry) as s:
+        async with serving_traced(engine, config(small_model)) as (s, exporter):
             engine.armed = True
             await s.stub.Infer(request(rows(4), request_id="four"))
         return only(spans_named(exporter, "batch"))
@@ -305,9 +310,7 @@ def test_a_batch_run_in_parts_after_running_out_of_memory_says_so(small_model: P
 def test_caller_traceparent_becomes_the_parent(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
-        server_config = config(small_model)
-        telemetry, exporter = traced(engine, server_config)
-        async with serving(engine, server_config, telemetry=telemetry) as s:
+        async with serving_traced(engine, config(small_model)) as (s, exporter):
             await s.stub.Infer(
                 request(rows(1)), timeout=10, metadata=(("traceparent", TRACEPARENT),)
             )
@@ -342,9 +345,7 @@ def test_a_caller_that_does_not_sample_gets_no_spans(small_model: Path) -> None:
 def test_batch_span_links_to_every_request_it_serves(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
-        server_config = config(small_model)
-        telemetry, exporter = traced(engine, server_config)
-        async with serving(engine, server_config, telemetry=telemetry) as s:
+        async with serving_traced(engine, config(small_model)) as (s, exporter):
             engine.hold()
             first = asyncio.ensure_future(s.stub.Infer(request(rows(1), request_id="first")))
             await entered(engine)  # the session is busy: the next ones queue as backlog
@@ -383,9 +384,9 @@ def test_batch_span_links_to_every_request_it_serves(small_model: Path) -> None:
 def test_batch_links_stay_within_the_sdk_link_limit(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
-        server_config = config(small_model)
-        telemetry, exporter = traced(engine, server_config, span_limits=SpanLimits(max_links=2))
-        async with serving(engine, server_config, telemetry=telemetry) as s:
+        async with serving_traced(
+            engine, config(small_model), span_limits=SpanLimits(max_links=2)
+        ) as (s, exporter):
             engine.hold()
             first = asyncio.ensure_future(s.stub.Infer(request(rows(1))))
             await entered(engine)
@@ -486,9 +487,7 @@ def test_status_codes_are_recorded_on_the_server_span(small_model: Path) -> None
 def test_stream_items_are_children_of_the_stream_span(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
-        server_config = config(small_model)
-        telemetry, exporter = traced(engine, server_config)
-        async with serving(engine, server_config, telemetry=telemetry) as s:
+        async with serving_traced(engine, config(small_model)) as (s, exporter):
             items = [request(rows(1), request_id=f"item-{index}") for index in range(3)]
             answers = [answer async for answer in s.stub.InferStream(iter(items), timeout=10)]
             assert len(answers) == 3
@@ -599,9 +598,7 @@ def test_the_infer_span_of_a_sampled_batch_is_sampled_under_a_ratio_sampler(
 
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
-        server_config = config(small_model)
-        telemetry, exporter = traced(engine, server_config, sampler=sampler)
-        async with serving(engine, server_config, telemetry=telemetry) as s:
+        async with serving_traced(engine, config(small_model), sampler=sampler) as (s, exporter):
             for _ in range(3):  # one after another: three batches
                 await s.stub.Infer(
                     request(rows(1)), timeout=10, metadata=(("traceparent", traceparent),)
@@ -1348,9 +1345,7 @@ def test_the_client_libraries_continue_the_callers_trace(small_model: Path) -> N
 
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
-        server_config = config(small_model)
-        telemetry, exporter = traced(engine, server_config)
-        async with serving(engine, server_config, telemetry=telemetry) as s:
+        async with serving_traced(engine, config(small_model)) as (s, exporter):
             with caller.start_as_current_span("async caller") as span:
                 async with AsyncClient(s.target) as client:
                     await client.infer({"input": rows(1)}, request_id="async", timeout=10)
