@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import socket
@@ -218,6 +219,13 @@ class _HealthServicer(health.aio.HealthServicer):
         self._ended = False
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> None:
+        if self._ended:
+            # Opened after the watches ended, late in a stop: its status, then its end.
+            # Waiting, it held gRPC's stop for its whole grace and ended UNAVAILABLE.
+            known = request.service in ("", SERVICE_NAME)
+            status = "NOT_SERVING" if known else "SERVICE_UNKNOWN"
+            await context.write(health_pb2.HealthCheckResponse(status=status))
+            return
         task = asyncio.current_task()
         assert task is not None
         self._watches.add(task)
@@ -233,6 +241,24 @@ class _HealthServicer(health.aio.HealthServicer):
         self._ended = True
         for task in self._watches:
             task.cancel()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Listener:
+    """One port's gRPC server: the port it bound, the acceptors that take its Infer calls
+    (to start once it has started), and its Channelz ids (gRPC's call counts)."""
+
+    server: grpc.aio.Server
+    port: int
+    acceptors: ParallelAcceptors
+    channelz_ids: frozenset[int]
+
+
+def _retrieve_error(task: asyncio.Future[Any]) -> None:
+    """Takes a shielded task's error: its caller, cancelled, takes none, and asyncio
+    would log it as "never retrieved"."""
+    if not task.cancelled():
+        task.exception()
 
 
 def load_engine(config: ServerConfig) -> Engine:
@@ -389,8 +415,9 @@ class LaneServer:
         # is still going; the process must not wait for it, see cli).
         self.threads_stopped = True
         # A stop the server began itself (its scheduler failed, its start was cancelled),
-        # held so that the task is not collected.
+        # held so that the task is not collected; and the drain a stop() began.
         self._own_stop: asyncio.Future[None] | None = None
+        self._stopping: asyncio.Future[None] | None = None
         self.port = 0
         self.priority_port: int | None = None  # bound, when configured
         self.metrics_port: int | None = None  # the Prometheus endpoint's, once started
@@ -413,12 +440,8 @@ class LaneServer:
         # it left them running with nothing to stop them.
         starting = asyncio.ensure_future(self._start())
 
-        def end(task: asyncio.Future[int]) -> None:
-            ended.set()
-            if not task.cancelled():
-                task.exception()  # a cancelled caller takes no error: not "never retrieved"
-
-        starting.add_done_callback(end)
+        starting.add_done_callback(lambda _: ended.set())
+        starting.add_done_callback(_retrieve_error)
         try:
             return await asyncio.shield(starting)
         except asyncio.CancelledError:
@@ -427,6 +450,10 @@ class LaneServer:
 
     async def _start(self) -> int:
         credentials = server_credentials(self.config)  # unreadable files fail before all else
+        # NOT_SERVING until it serves (gRPC's health servicer begins SERVING): the main
+        # port answers while the priority port starts, and refuses Infer meanwhile.
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         loop = asyncio.get_running_loop()
         router = OutcomeRouter(loop)
         thread = self._thread = SchedulerThread(
@@ -465,32 +492,35 @@ class LaneServer:
         # core queues the calls the event loop has not yet taken per server (and per
         # method), so calls on the priority port never wait behind a flood queued on the
         # main port.
-        known_servers = GrpcCallCounts.server_ids()
-        servers: list[grpc.aio.Server] = []
-        acceptors: list[ParallelAcceptors] = []
+        listeners: list[_Listener] = []  # the main port's first
         try:
-            server, self.port, accepting = self._grpc_server(
-                servicer, credentials, self.config.port, "port", self.config.max_pending_calls
-            )
-            servers.append(server)
-            acceptors.append(accepting)
-            if self.config.priority_port >= 0:
-                priority, self.priority_port, accepting = self._grpc_server(
-                    servicer,
-                    credentials,
-                    self.config.priority_port,
-                    "priority_port",
-                    self.config.priority_max_pending_calls,
+            listeners.append(
+                self._grpc_server(
+                    servicer, credentials, self.config.port, "port", self.config.max_pending_calls
                 )
-                servers.append(priority)
-                acceptors.append(accepting)
+            )
+            if self.config.priority_port >= 0:
+                listeners.append(
+                    self._grpc_server(
+                        servicer,
+                        credentials,
+                        self.config.priority_port,
+                        "priority_port",
+                        self.config.priority_max_pending_calls,
+                    )
+                )
             self.metrics_port = self.telemetry.serve_metrics(
                 self.config.host, self.config.metrics_port, metrics_tls(self.config)
             )
         except BaseException:
-            await _give_back(servers)  # no acceptor started
+            await _give_back([each.server for each in listeners])  # no acceptor started
             self.telemetry.close()  # its exporter threads, and the metrics endpoint
             raise
+        self.port = listeners[0].port
+        if len(listeners) > 1:
+            self.priority_port = listeners[1].port
+        servers = [each.server for each in listeners]
+        acceptors = [each.acceptors for each in listeners]
         self._thread.start()
         try:
             for each in servers:
@@ -507,7 +537,7 @@ class LaneServer:
                 await accepting.wait_closed(ACCEPTORS_CLOSE_S)
             self.telemetry.close()
             raise
-        self._grpc_calls = GrpcCallCounts(GrpcCallCounts.server_ids() - known_servers)
+        self._grpc_calls = GrpcCallCounts(set().union(*(each.channelz_ids for each in listeners)))
         self._servers = servers
         self._acceptors = acceptors
         self.state = Lifecycle.SERVING
@@ -542,12 +572,12 @@ class LaneServer:
         port: int,
         setting: str,
         max_pending_calls: int,
-    ) -> tuple[grpc.aio.Server, int, ParallelAcceptors]:
+    ) -> _Listener:
         """A gRPC server with every service, bound to `port` on the configured host, its
-        core holding at most `max_pending_calls` calls not yet taken; the port it bound;
-        and the acceptors that take its Infer calls, to start once it has started. Raises
-        OSError naming `setting` when it cannot bind."""
+        core holding at most `max_pending_calls` calls not yet taken. Raises OSError
+        naming `setting` when it cannot bind."""
         limit = self.config.max_message_bytes
+        known = GrpcCallCounts.server_ids()
         server = grpc.aio.server(
             interceptors=self.telemetry.interceptors,
             # max_concurrent_rpcs is the CallGate's: gRPC's count misses the calls the
@@ -581,6 +611,9 @@ class LaneServer:
             gate,
             count=INFER_ACCEPTORS,
         )
+        # Its own Channelz id, read with no await since the server was made: ids read
+        # around start()'s awaits counted a server made meanwhile as this one's.
+        channelz_ids = frozenset(GrpcCallCounts.server_ids() - known)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         # gRPC's own view: calls started, succeeded and failed, sockets. Calls its core
         # refused (max_pending_calls) count as started and neither succeeded nor failed.
@@ -613,7 +646,7 @@ class LaneServer:
                 f"cannot listen on {address} (server.{setting}): gRPC could not bind it"
                 f"{reason}; expected a local address and a free port (0: any free port)"
             )
-        return server, bound, acceptors
+        return _Listener(server, bound, acceptors, channelz_ids)
 
     def grpc_calls(self) -> GrpcCalls | None:
         """gRPC's own call counts, summed over this server's ports; None before start."""
@@ -622,7 +655,9 @@ class LaneServer:
     async def stop(self, grace_s: float | None = None) -> None:
         """Drains: refuses new work, lets queued work finish within the grace period (or
         until `end_grace`), answers the rest UNAVAILABLE, then stops listening. Safe to
-        call twice, and before, during or after a `start` (one in progress ends first)."""
+        call twice, and before, during or after a `start` (one in progress ends first).
+        A caller that cancels it ends the grace (`end_grace`) and stops waiting; the stop
+        goes on to its end (`wait_stopped`)."""
         if self._start_ended is not None:
             await self._start_ended.wait()
         if self.state in (Lifecycle.DRAINING, Lifecycle.STOPPED):
@@ -635,8 +670,22 @@ class LaneServer:
             self._stopped.set()
             return
         self.state = Lifecycle.DRAINING
+        # A stop, once begun, runs to its end. Cancelled mid-drain (wait_for's timeout),
+        # it said STOPPED with its ports open, its threads running and admitted calls
+        # unanswered, and every later stop returned at once.
+        stopping = self._stopping = asyncio.ensure_future(
+            self._drain_then_stop(self.config.drain_grace_s if grace_s is None else grace_s)
+        )
+        stopping.add_done_callback(_retrieve_error)
         try:
-            drained = await self._drain(self.config.drain_grace_s if grace_s is None else grace_s)
+            await asyncio.shield(stopping)
+        except asyncio.CancelledError:
+            self.end_grace()  # the caller gave up waiting: what is queued is answered now
+            raise
+
+    async def _drain_then_stop(self, grace_s: float) -> None:
+        try:
+            drained = await self._drain(grace_s)
         finally:
             self.telemetry.close()
             self.state = Lifecycle.STOPPED

@@ -47,7 +47,7 @@ class GrpcCallCounts:
     """Reads the summed call counts of some of this process's gRPC servers, by Channelz id.
 
     known = GrpcCallCounts.server_ids()
-    ... create and start the servers ...
+    server = grpc.aio.server(...)  # no await in between: no other server is made meanwhile
     counts = GrpcCallCounts(GrpcCallCounts.server_ids() - known)
     """
 

@@ -693,6 +693,90 @@ def test_a_start_cancelled_partway_stops_the_server_once_started(
     asyncio.run(scenario())
 
 
+def test_a_stop_its_caller_cancels_ends_the_grace_and_goes_on_to_its_end(
+    small_model: Path,
+) -> None:
+    """A stop() cancelled mid-drain (an embedder's wait_for timeout) said STOPPED at once
+    with its ports open, its threads running and admitted calls unanswered, and every
+    later stop() returned at once. It now goes on to its end, its grace ended: what is
+    queued is answered DRAINING without waiting for the grace."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server = LaneServer(
+            engine,
+            config(small_model, host="127.0.0.1", port=0, drain_grace_s=600.0),
+            estimate=estimate_once,
+        )
+        port = await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.InferenceServiceStub(channel)
+                engine.hold()
+                running = asyncio.ensure_future(stub.Infer(request(rows(1)), timeout=60))
+                assert await asyncio.to_thread(engine.entered.acquire, True, 10)
+                queued = asyncio.ensure_future(stub.Infer(request(rows(1)), timeout=60))
+                await until(lambda: _queued_rows(server) == 1)
+                stopping = asyncio.ensure_future(server.stop())
+                await until(lambda: server.state is Lifecycle.DRAINING)
+                stopping.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await stopping
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await queued  # answered while the session still holds the batch
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert rich_status(refused.value)[0] == "DRAINING"
+                engine.release()
+                await asyncio.gather(running, return_exceptions=True)  # answered, either way
+            await asyncio.wait_for(server.wait_stopped(), timeout=60)
+            await server.stop()
+            await _assert_nothing_runs(server, [port])
+        finally:
+            engine.release()
+            await server.stop()
+
+    asyncio.run(scenario())
+
+
+def test_two_servers_started_together_each_count_only_their_own_grpc_calls(
+    small_model: Path,
+) -> None:
+    """A server's Channelz ids were "every id after its start minus every id before", so
+    a server another task made during its start's awaits was counted as its own: its
+    grpc_calls counted the other's calls, and read None once the other was gone."""
+
+    async def scenario() -> None:
+        servers = [
+            LaneServer(
+                RecordingEngine(str(small_model)),
+                config(small_model, host="127.0.0.1", port=0, metrics_port=-1),
+                estimate=estimate_once,
+            )
+            for _ in range(2)
+        ]
+        try:
+            _, called_port = await asyncio.gather(*(each.start() for each in servers))
+            idle, called = servers
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{called_port}") as channel:
+                stub = pb_grpc.InferenceServiceStub(channel)
+                for _ in range(3):
+                    await stub.Infer(request(rows(1)))
+            await until(lambda: _started(called) == 3)
+            assert _started(idle) == 0
+            await called.stop()
+            assert idle.grpc_calls() is not None
+        finally:
+            await asyncio.gather(*(each.stop() for each in servers))
+
+    asyncio.run(scenario())
+
+
+def _started(server: LaneServer) -> int:
+    calls = server.grpc_calls()
+    assert calls is not None
+    return calls.started
+
+
 def test_a_grpc_start_that_fails_stops_what_the_start_began(
     small_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -842,6 +926,62 @@ def test_health_watches_end_when_the_server_stops(small_model: Path) -> None:
                 health_pb2.HealthCheckResponse.NOT_SERVING,
             )
             assert statuses == [serving_, not_serving]
+
+    asyncio.run(scenario())
+
+
+def test_a_health_watch_opened_late_in_a_stop_ends_at_once(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Watch opened after the stop ended the open watches, while it waited for gRPC's
+    core to hand over its last calls, waited on: gRPC's stop held for its whole grace,
+    then ended it UNAVAILABLE. It gets NOT_SERVING and ends OK."""
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            stub: Any = health_pb2_grpc.HealthStub(s.channel)
+            late: list[Any] = []
+            reading = s.server._read_what_grpc_holds
+
+            async def open_a_watch_then_read() -> None:
+                late.append(stub.Watch(health_pb2.HealthCheckRequest(service="")))
+                late.append((await late[0].read()).status)
+                await reading()
+
+            monkeypatch.setattr(s.server, "_read_what_grpc_holds", open_a_watch_then_read)
+            await s.server.stop(grace_s=1.0)
+            watch, first = late
+            assert first == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert await watch.read() is grpc.aio.EOF
+            assert await watch.code() == grpc.StatusCode.OK
+
+    asyncio.run(scenario())
+
+
+def test_health_says_not_serving_until_the_server_serves(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gRPC's health servicer begins SERVING: while the priority port started, the main
+    port answered health checks SERVING and refused Infer as draining."""
+    entered, go = _hold_grpc_starts(monkeypatch)
+
+    async def scenario() -> None:
+        server = _server_on_every_port(small_model)
+        starting = asyncio.ensure_future(server.start())
+        try:
+            await _ports_once_held(server, entered)
+            health: Any = server._health
+            for service in ("", "laneserve.v1.InferenceService"):
+                answer = await health.Check(health_pb2.HealthCheckRequest(service=service), None)
+                assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            go.set()
+            await starting
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=""), None)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            go.set()
+            await asyncio.gather(starting, return_exceptions=True)
+            await server.stop()
 
     asyncio.run(scenario())
 
