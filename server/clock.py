@@ -5,6 +5,11 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+# A call that ends this close to its deadline ended by it: gRPC times a deadline from its
+# own reading (the caller's, carried in the call; the server's, from when the call came),
+# a few microseconds to a millisecond apart from the scheduler's.
+DEADLINE_SLACK_S = 0.001
+
 
 class Clock(Protocol):
     def monotonic(self) -> float:

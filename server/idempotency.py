@@ -42,7 +42,7 @@ import struct
 import sys
 from collections.abc import Callable, Sequence
 
-from laneserve.server.clock import Clock
+from laneserve.server.clock import DEADLINE_SLACK_S, Clock
 from laneserve.server.errors import (
     EngineError,
     JoinExpiredError,
@@ -118,17 +118,52 @@ class Admitted:
     move: Move
 
 
+def _reachable() -> bool:
+    return True
+
+
+def _unreported(_error: JoinExpiredError) -> None:
+    pass
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Caller:
+    """What the ledger asks of, and tells, one RPC waiting for an answer: `reachable()`,
+    whether an answer handed out now still reaches it (False once gRPC's deadline for
+    it has passed: `finish` then counts the answer as its caller got it); `expired`,
+    told when it is answered alone at its deadline (JoinExpiredError) while the work
+    goes on for another caller, so that it can be counted."""
+
+    reachable: Callable[[], bool] = _reachable
+    expired: Callable[[JoinExpiredError], object] = _unreported
+
+
+# A caller always reachable, whose expiry nobody counts.
+ANY_CALLER = Caller()
+
+
 class _Waiter:
     """One RPC waiting for a flight's answer, with its own deadline (`math.inf`: none).
     A timer answers it alone at that deadline while the work waits longer (for a waiter
     with a later deadline); otherwise the scheduler's answer at the deadline reaches it."""
 
-    __slots__ = ("deadline_s", "future", "timer")
+    __slots__ = ("deadline_s", "future", "reachable", "timer")
 
-    def __init__(self, future: asyncio.Future[pb.InferResponse], deadline_s: float) -> None:
+    def __init__(
+        self,
+        future: asyncio.Future[pb.InferResponse],
+        deadline_s: float,
+        reachable: Callable[[], bool],
+    ) -> None:
         self.future = future
         self.deadline_s = deadline_s
+        self.reachable = reachable  # whether an answer handed out now still reaches it
         self.timer: asyncio.TimerHandle | None = None
+
+    def takes_answer(self) -> bool:
+        """Whether it still waits and its caller can take the answer (no gRPC deadline
+        has passed: gRPC ends that call DEADLINE_EXCEEDED, whatever it is handed)."""
+        return not self.future.done() and self.reachable()
 
 
 class _Flight:
@@ -332,6 +367,7 @@ class RequestLedger:
         finish: Finish,
         *,
         deadline_s: float = math.inf,
+        caller: Caller = ANY_CALLER,
     ) -> pb.InferResponse:
         """The request's answer, running it only if no request with its id is in flight
         or stored. `submit(resolve)` admits the request with `resolve` as the token its
@@ -341,9 +377,10 @@ class RequestLedger:
         A retry that joins a request in flight waits until its own `deadline_s` (on the
         ledger's clock) at most; a later one than the work's extends the work's. A waiter
         whose deadline passes while the work waits on for another is answered
-        JoinExpiredError alone."""
+        JoinExpiredError alone, and reported to `caller.expired`."""
         if not request_id:
-            return await self._wait(self._start("", b"", submit, finish, deadline_s), deadline_s)
+            alone = self._start("", b"", submit, finish, deadline_s)
+            return await self._wait(alone, deadline_s, caller)
         stored = self.replayed(request_id, digest)
         if stored is not None:
             return stored
@@ -351,12 +388,12 @@ class RequestLedger:
         if flight is None:
             flight = self._start(request_id, digest, submit, finish, deadline_s)
             self._flights[request_id] = flight
-            return await self._wait(flight, deadline_s)
+            return await self._wait(flight, deadline_s, caller)
         _check_same(request_id, flight.fingerprint, digest, "still queued or running")
         self.joins += 1
         if deadline_s > flight.deadline_s:
             self._extend(flight, deadline_s)
-        return await self._wait(flight, deadline_s)
+        return await self._wait(flight, deadline_s, caller)
 
     def holds(self, request_id: str) -> bool:
         """Whether a request with `request_id` is answered here without being admitted:
@@ -405,7 +442,7 @@ class RequestLedger:
                 del self._flights[request_id]
             if flight.answered:  # every waiter has gone and the work was cancelled
                 return
-            waited = any(not waiter.future.done() for waiter in flight.waiters)
+            waited = any(waiter.takes_answer() for waiter in flight.waiters)
             try:
                 response = finish(outcome, None if waited else flight.deadline_s)
             except Exception as error:
@@ -428,18 +465,29 @@ class RequestLedger:
         flight = _Flight(request_id, digest, submit(resolve), deadline_s)
         return flight
 
-    async def _wait(self, flight: _Flight, deadline_s: float) -> pb.InferResponse:
+    async def _wait(self, flight: _Flight, deadline_s: float, caller: Caller) -> pb.InferResponse:
         """Waits for `flight`'s answer, until `deadline_s` at most (then JoinExpiredError).
         The waiter joins in the caller's step, before anything is awaited: a wait in a
         task of its own (`asyncio.wait_for`, Python 3.11) began one loop turn later, and a
         retry whose flight was answered in between joined a dead flight and waited out
         its timeout."""
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), deadline_s)
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), deadline_s, caller.reachable)
         flight.waiters.append(waiter)
         if deadline_s < flight.deadline_s:
             self._arm(flight, waiter)
         try:
             return await waiter.future
+        except JoinExpiredError as error:
+            caller.expired(error)
+            raise
+        except asyncio.CancelledError:
+            # gRPC cancels the call at its deadline too, in the same instant as the timer:
+            # when its cancel came first, the caller was answered alone at its deadline
+            # all the same (gRPC's DEADLINE_EXCEEDED), and was counted nowhere.
+            now_s = self._clock.monotonic()
+            if waiter.timer is not None and now_s >= waiter.deadline_s - DEADLINE_SLACK_S:
+                caller.expired(_join_expired(flight.request_id))
+            raise
         finally:
             if waiter.timer is not None:
                 waiter.timer.cancel()
@@ -489,13 +537,7 @@ class RequestLedger:
 
         def expire() -> None:
             if not waiter.future.done():
-                waiter.future.set_exception(
-                    JoinExpiredError(
-                        f"deadline passed while this request waited for the answer of "
-                        f"request_id {request_id!r} (queued or running); the request goes "
-                        "on for its other callers, whose deadlines are later"
-                    )
-                )
+                waiter.future.set_exception(_join_expired(request_id))
 
         delay_s = max(waiter.deadline_s - self._clock.monotonic(), 0.0)
         waiter.timer = asyncio.get_running_loop().call_later(delay_s, expire)
@@ -511,6 +553,14 @@ class RequestLedger:
             flight.answered = True
 
 
+def _join_expired(request_id: str) -> JoinExpiredError:
+    return JoinExpiredError(
+        f"deadline passed while this request waited for the answer of request_id "
+        f"{request_id!r} (queued or running); the request goes on for its other callers, "
+        "whose deadlines are later"
+    )
+
+
 def _check_same(request_id: str, known: bytes, digest: bytes, state: str) -> None:
     if known != digest:
         raise RequestIdReusedError(
@@ -521,8 +571,10 @@ def _check_same(request_id: str, known: bytes, digest: bytes, state: str) -> Non
 
 
 __all__ = [
+    "ANY_CALLER",
     "ENTRY_OVERHEAD_BYTES",
     "Admitted",
+    "Caller",
     "Cancel",
     "Finish",
     "Move",

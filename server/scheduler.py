@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from laneserve.server.clock import DEADLINE_SLACK_S
 from laneserve.server.config import LaneConfig
 from laneserve.server.cost_model import MAX_SIGNATURES, RunTimeModel, RunTimeModels
 from laneserve.server.errors import (
@@ -99,9 +100,6 @@ WAIT_UTILIZATION = 0.5
 # then runs no longer than its max_wait (see `_plan`), so its next request does not
 # wait behind a long run of lower lanes.
 ACTIVE_LANE_S = 0.1
-# A queued entry cancelled this close to its deadline was cancelled by it (see `cancel`):
-# gRPC times the deadline from its own reading, a few microseconds apart from ours.
-DEADLINE_SLACK_S = 0.001
 # Decimal places a lane's share balance is kept to (see `_commit`).
 BALANCE_DIGITS = 9
 # Admission's arithmetic in fractions of a row: a remainder too small to be a row.

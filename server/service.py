@@ -31,7 +31,6 @@ from laneserve.server.errors import (
     DrainingError,
     EngineError,
     InvalidInputError,
-    JoinExpiredError,
     LaneFullError,
     LaneserveError,
     RequestIdReusedError,
@@ -51,6 +50,7 @@ from laneserve.server.grpc_accept import CallGate
 from laneserve.server.grpc_calls import GrpcCalls
 from laneserve.server.idempotency import (
     Admitted,
+    Caller,
     Finish,
     ReplayCache,
     RequestLedger,
@@ -571,8 +571,15 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
         # The ledger runs it at most once per request_id: a retry joins or replays.
         digest = fingerprint(request, output_names) if request.request_id else b""
+        # Its caller, as the ledger sees it: a call whose gRPC deadline has passed takes
+        # no answer (gRPC ends it DEADLINE_EXCEEDED; the answer was counted OK), and a
+        # caller answered alone at its deadline is counted as its lane's refusal.
+        caller = Caller(
+            functools.partial(_before_grpc_deadline, context),
+            functools.partial(self._rejected, lane),
+        )
         run = functools.partial(
-            self._run_once, lane, request.request_id, digest, submit, finish, wait_until_s
+            self._run_once, lane, request.request_id, digest, submit, finish, wait_until_s, caller
         )
         retry = self._ledger.answers_as(request.request_id, digest)
         if retry in ("join", "replay"):  # not "reused": that call is refused, not a retry
@@ -653,18 +660,18 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         submit: Callable[[Resolve], Admitted],
         finish: Finish,
         wait_until_s: float,
+        caller: Caller,
     ) -> pb.InferResponse:
         """The request's answer from the ledger (see `RequestLedger.run`): it waits until
         `wait_until_s` at most, a retry joining the request in flight too."""
         try:
             return await self._ledger.run(
-                request_id, digest, submit, finish, deadline_s=wait_until_s
+                request_id, digest, submit, finish, deadline_s=wait_until_s, caller=caller
             )
-        except (JoinExpiredError, RequestIdReusedError) as error:
-            # Answered, but no entry of its own was shed (a waiter whose deadline passed
-            # while the request waited on for a later one, an id reused for other
-            # inputs): counted as its lane's refusal (they were counted nowhere, and the
-            # counters missed an answer).
+        except RequestIdReusedError as error:
+            # Answered, but no entry of its own was shed: counted as its lane's refusal
+            # (it was counted nowhere, and the counters missed an answer). So is a waiter
+            # answered alone at its deadline, by `caller.expired`.
             raise self._rejected(lane, error) from None
 
     async def _run_when_room(
@@ -793,6 +800,12 @@ def add_to_server(
     )
     server.add_registered_method_handlers(service.full_name, handlers)
     return {f"/{service.full_name}/{name}": handler for name, handler in handlers.items()}
+
+
+def _before_grpc_deadline(context: grpc.aio.ServicerContext[Any, Any]) -> bool:
+    """Whether the call's gRPC deadline, if it has one, is still ahead."""
+    remaining_s: float | None = context.time_remaining()  # None: no deadline
+    return remaining_s is None or remaining_s > 0
 
 
 def _deadline_s(now_s: float, remaining_s: float | None, timeout_ms: int) -> float | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import time
 import tracemalloc
@@ -17,9 +18,12 @@ import pytest
 
 from laneserve import client as lc
 from laneserve.server import LaneConfig, ManualClock, ServerConfig
+from laneserve.server.errors import JoinExpiredError
 from laneserve.server.idempotency import (
+    ANY_CALLER,
     ENTRY_OVERHEAD_BYTES,
     Admitted,
+    Caller,
     ReplayCache,
     RequestLedger,
     fingerprint,
@@ -647,6 +651,89 @@ def test_work_every_caller_left_is_counted_by_the_last_callers_own_deadline() ->
         return [None if left_s is None else left_s - t0 for left_s in given]
 
     assert asyncio.run(scenario()) == [100.0]
+
+
+class _OneFlight:
+    """A ledger on a manual clock whose requests are admitted and never cancelled (they
+    run): what `finish` was given (`left_s`), and the Outcome's way back (`resolve`)."""
+
+    def __init__(self) -> None:
+        self.clock = ManualClock()
+        self.ledger = RequestLedger(
+            ReplayCache(max_entries=8, max_bytes=1 << 20, ttl_s=600, clock=self.clock),
+            self.clock,
+        )
+        self.resolves: list[Callable[[Outcome], None]] = []
+        self.given: list[float | None] = []
+
+    def run(self, deadline_s: float, caller: Caller = ANY_CALLER) -> asyncio.Task[pb.InferResponse]:
+        def running(unless_running: bool) -> bool:
+            del unless_running
+            return False
+
+        def submit(resolve: Callable[[Outcome], None]) -> Admitted:
+            self.resolves.append(resolve)
+            return Admitted(running, lambda _later_s: True)
+
+        def answer(outcome: Outcome, left_s: float | None) -> pb.InferResponse:
+            self.given.append(left_s)
+            return pb.InferResponse(request_id=outcome.request_id)
+
+        return asyncio.create_task(
+            self.ledger.run("x", b"same", submit, answer, deadline_s=deadline_s, caller=caller)
+        )
+
+    def answer(self) -> None:
+        self.resolves[0](Outcome("token", "x", {}, None, Timing("standard", 1, 0.0, 0.0)))
+
+
+def test_a_joined_caller_cancelled_at_its_deadline_is_reported_expired() -> None:
+    """gRPC cancels a call at its deadline in the same instant as the ledger's timer for a
+    caller that joined work waiting on for a later one. When the cancel came first, the
+    caller (answered DEADLINE_EXCEEDED by gRPC) was counted nowhere (a review saw 1 in 8
+    of them). A caller cancelled before its deadline left: it is not reported."""
+
+    async def scenario() -> list[list[str]]:
+        reported: list[list[str]] = []
+        for leaves_after_s in (10.0, 5.0):  # at its deadline; before it
+            flight = _OneFlight()
+            t0 = flight.clock.monotonic()
+            expired: list[JoinExpiredError] = []
+            first = flight.run(t0 + 100)
+            await asyncio.sleep(0)
+            joined = flight.run(t0 + 10, Caller(expired=expired.append))
+            await asyncio.sleep(0)  # joined, with a timer (real time: it does not fire here)
+            flight.clock.advance(leaves_after_s)
+            joined.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await joined
+            flight.answer()
+            await first
+            reported.append([error.reason for error in expired])
+        return reported
+
+    assert asyncio.run(scenario()) == [["EXPIRED_IN_QUEUE"], []]
+
+
+def test_an_answer_no_caller_can_take_any_more_is_counted_by_their_deadline() -> None:
+    """An answer that came once its caller's gRPC deadline had passed, before gRPC's cancel
+    reached the call, was counted OK: gRPC answered the caller DEADLINE_EXCEEDED. `finish`
+    is given the deadline (as for a caller that left) unless a caller can still take it."""
+
+    async def scenario() -> list[float | None]:
+        given: list[float | None] = []
+        for reachable in (False, True):
+            flight = _OneFlight()
+            t0 = flight.clock.monotonic()
+            call = flight.run(t0 + 10, Caller(reachable=functools.partial(bool, reachable)))
+            await asyncio.sleep(0)
+            flight.clock.advance(10.0)
+            flight.answer()
+            await call  # handed the answer all the same: gRPC decides what the caller gets
+            given += [None if left_s is None else left_s - t0 for left_s in flight.given]
+        return given
+
+    assert asyncio.run(scenario()) == [10.0, None]
 
 
 def test_joined_request_survives_the_first_caller_leaving(small_model: Path) -> None:

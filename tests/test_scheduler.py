@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from laneserve.server.clock import ManualClock
+from laneserve.server.clock import DEADLINE_SLACK_S, ManualClock
 from laneserve.server.config import LaneConfig
 from laneserve.server.cost_model import MAX_SIGNATURES, RunTimeModel, RunTimeModels
 from laneserve.server.errors import (
@@ -47,7 +47,6 @@ from laneserve.server.items import (
 from laneserve.server.lanes import Entry, Lane
 from laneserve.server.scheduler import (
     ACTIVE_LANE_S,
-    DEADLINE_SLACK_S,
     Dispatch,
     Scheduler,
     WaitUntil,
