@@ -414,6 +414,7 @@ class LaneServer:
         # After stop: whether the engine thread ended (a run the runtime would not end
         # is still going; the process must not wait for it, see cli).
         self.threads_stopped = True
+        self._grace_ended = False  # end_grace() was called (see there)
         # A stop the server began itself (its scheduler failed, its start was cancelled),
         # held so that the task is not collected; and the drain a stop() began.
         self._own_stop: asyncio.Future[None] | None = None
@@ -464,6 +465,8 @@ class LaneServer:
             memory_gauge=self.memory_gauge,
             on_failure=lambda error: loop.call_soon_threadsafe(self._scheduler_failed, error),
         )
+        if self._grace_ended:
+            thread.end_grace()
         self.telemetry.observe(
             thread.depths, lambda: thread.batch_cap, self.stats.counts, self.grpc_calls
         )
@@ -795,6 +798,7 @@ class LaneServer:
     def end_grace(self) -> None:
         """A drain in progress (or the next one) answers what is queued now instead of
         waiting out its grace (a second SIGTERM or Ctrl-C)."""
+        self._grace_ended = True  # for a thread not made yet: asked before start() made it
         if self._thread is not None:
             self._thread.end_grace()
 

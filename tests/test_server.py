@@ -738,6 +738,31 @@ def test_a_stop_its_caller_cancels_ends_the_grace_and_goes_on_to_its_end(
     asyncio.run(scenario())
 
 
+def test_a_grace_ended_before_the_start_made_its_thread_still_ends_the_next_drain(
+    small_model: Path,
+) -> None:
+    """A second signal that came before start() had made the scheduler thread (the first
+    asked for the stop as the server started) was dropped: the drain waited out its
+    whole grace."""
+
+    async def scenario() -> bool:
+        server = LaneServer(
+            RecordingEngine(str(small_model)),
+            config(small_model, host="127.0.0.1", port=0, metrics_port=-1),
+            estimate=estimate_once,
+        )
+        server.end_grace()
+        await server.start()
+        try:
+            thread = server._thread
+            assert thread is not None
+            return thread.grace_ended
+        finally:
+            await server.stop()
+
+    assert asyncio.run(scenario())
+
+
 def test_two_servers_started_together_each_count_only_their_own_grpc_calls(
     small_model: Path,
 ) -> None:
