@@ -1044,7 +1044,11 @@ class Scheduler:
         for position, lane in enumerate(order):  # `order` may change ahead of `position`
             claims_below -= plan.share_used.get(lane.priority, (0, 0))[1]
             used, unfit = batch.fill(lane, self.batch_cap, gather=lane.priority == leader)
-            plan.left_out = plan.left_out or unfit > 0
+            # Only a request of the batch's highest lane or above: waiting could bring
+            # nothing that goes ahead of it. A lower lane's rider that does not fit the
+            # room left leaves room for the requests waiting would bring ahead of it (it
+            # sent a lone interactive row at once, as FULL, while bulk was queued).
+            plan.left_out = plan.left_out or (unfit > 0 and not lead_seen)
             if lane.priority == owner:
                 allowance, claimed = plan.share_used[lane.priority]
                 plan.share_used[lane.priority] = (allowance, claimed + used)

@@ -384,6 +384,29 @@ def test_a_batch_a_request_did_not_fit_beside_goes_at_once() -> None:
     assert rows_by_lane(following) == {"interactive": 8}
 
 
+def test_a_lower_request_that_does_not_ride_along_leaves_the_batch_waiting_for_company() -> None:
+    """A busy session with dense arrivals: one interactive row waits its max_wait for
+    company. A queued bulk request too large for the ride-along room sent it at once, as
+    FULL: waiting would bring interactive rows, which go ahead of that bulk request."""
+    decisions = []
+    for bulk_rows in (0, 1, 4):
+        scheduler = Scheduler(
+            TOP_DOWN_LANES, batch_cap=8, run_time=RunTimeModel({1: 0.001, 8: 0.008})
+        )
+        now_s = T0
+        for index in range(0, 40, 2):  # back to back, two arrivals a batch
+            scheduler.admit(make_request(index, "interactive", 1), now_s)
+            scheduler.admit(make_request(index + 1, "interactive", 1), now_s)
+            scheduler.complete(run(dispatch(scheduler, now_s, idle_since_s=math.inf), 0.002))
+            now_s += 0.002
+        if bulk_rows:
+            scheduler.admit(make_request(100, "bulk", bulk_rows), now_s)
+        scheduler.admit(make_request(101, "interactive", 1), now_s)
+        decisions.append(scheduler.decide(now_s, NEVER_IDLE))
+    due_s = now_s + INTERACTIVE.max_wait_ms / 1000
+    assert decisions == [WaitUntil(due_s)] * 3
+
+
 def test_deadline_slack_dispatches_before_max_wait() -> None:
     scheduler = make_scheduler()
     scheduler.admit(make_request(0, "bulk", 2, deadline_s=T0 + 0.050), T0)
