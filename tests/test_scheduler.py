@@ -389,6 +389,7 @@ def test_a_lower_request_that_does_not_ride_along_leaves_the_batch_waiting_for_c
     company. A queued bulk request too large for the ride-along room sent it at once, as
     FULL: waiting would bring interactive rows, which go ahead of that bulk request."""
     decisions = []
+    now_s = T0
     for bulk_rows in (0, 1, 4):
         scheduler = Scheduler(
             TOP_DOWN_LANES, batch_cap=8, run_time=RunTimeModel({1: 0.001, 8: 0.008})
