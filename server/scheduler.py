@@ -898,6 +898,7 @@ class Scheduler:
             latest_start_s = min(entry.deadline_s for entry, _ in plan.taken) - run_s
             if now_s >= latest_start_s:
                 reason = DispatchReason.DEADLINE
+                self._trim_to_deadline(plan, now_s)
             elif now_s >= wait_until_s:
                 reason = DispatchReason.MAX_WAIT
             elif not self._waiting_pays(wait_until_s - now_s):
@@ -905,6 +906,30 @@ class Scheduler:
             else:
                 return WaitUntil(min(wait_until_s, latest_start_s))
         return Dispatch(self._commit(plan, reason, now_s))
+
+    def _trim_to_deadline(self, plan: _Plan, now_s: float) -> None:
+        """Holds a batch its deadline sends out to the rows predicted to end by the
+        earliest deadline among them, in lane then FIFO order (at least its first entry):
+        rows that came while it waited for that deadline joined it unbounded (only lower
+        lanes' riders were bounded), and made the request it waited for late. Rows left
+        out go next; a lane with a share banks what it did not get."""
+        model = self._run_times.get(plan.taken[0][0].request.signature)
+        ordered = sorted(plan.taken, key=lambda pair: (pair[0].priority, pair[0].entry_id))
+        kept = ordered[:1]
+        rows = kept[0][1]
+        earliest_s = kept[0][0].deadline_s
+        for entry, taken in ordered[1:]:
+            earliest_s = min(earliest_s, entry.deadline_s)
+            if now_s + model.predict_s(rows + taken) > earliest_s:
+                break
+            kept.append((entry, taken))
+            rows += taken
+        if len(kept) == len(ordered):
+            return
+        plan.taken = kept
+        for priority, (allowance, used) in plan.share_used.items():
+            kept_rows = sum(taken for entry, taken in kept if entry.priority == priority)
+            plan.share_used[priority] = (allowance, min(used, kept_rows))
 
     def _waiting_pays(self, wait_left_s: float) -> bool:
         """Whether holding a free session for company is worth the latency. It is not

@@ -424,6 +424,35 @@ def test_deadline_slack_dispatches_before_max_wait() -> None:
     assert row_ids(batch) == ids(0, 2) + ids(1, 2)
 
 
+def test_rows_that_come_while_a_batch_waits_for_its_deadline_do_not_make_it_late() -> None:
+    """A request waits for company until its deadline less its run; twenty rows of its
+    lane come just before that. They joined it unbounded (only lower lanes' riders were
+    held to the deadline): the batch went out predicted 2.5 ms past that deadline. It
+    now holds what ends by the deadline; the rest go next."""
+    scheduler = Scheduler(
+        TOP_DOWN_LANES, batch_cap=64, run_time=RunTimeModel({1: 0.0005, 64: 0.010})
+    )
+    now_s = T0
+    for index in range(30):  # back to back, dense arrivals: it waits for company
+        scheduler.admit(make_request(index, "standard", 1), now_s)
+        scheduler.complete(run(dispatch(scheduler, now_s, idle_since_s=math.inf), 0.0005))
+        now_s += 0.0005
+    deadline_s = now_s + 0.004
+    scheduler.admit(make_request(100, "standard", 1, deadline_s=deadline_s), now_s)
+    assert scheduler.decide(now_s, NEVER_IDLE) == WaitUntil(
+        deadline_s - scheduler.run_time.predict_s(1)
+    )
+    later_s = now_s + 0.0034
+    for index in range(101, 121):
+        scheduler.admit(make_request(index, "standard", 1), later_s)
+    batch = dispatch(scheduler, later_s)
+    assert batch.reason is DispatchReason.DEADLINE
+    assert row_ids(batch)[0] == ids(100, 1)[0]
+    assert later_s + scheduler.run_time.predict_s(batch.rows) <= deadline_s
+    scheduler.complete(run(batch))
+    assert batch.rows + dispatch(scheduler, later_s + 0.001, math.inf).rows == 21
+
+
 def test_backlog_goes_out_at_once_without_waiting() -> None:
     scheduler = make_scheduler()
     # Both queued while the session was running an earlier batch.
