@@ -463,6 +463,7 @@ class LaneServer:
             router.deliver,
             clock=self.clock,
             memory_gauge=self.memory_gauge,
+            release_memory=self.engine.release_idle_memory,
             on_failure=lambda error: loop.call_soon_threadsafe(self._scheduler_failed, error),
         )
         if self._grace_ended:

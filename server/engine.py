@@ -365,6 +365,12 @@ class Engine:
                 self._running = None
         return values
 
+    def release_idle_memory(self) -> None:
+        """Gives back the arena's regions no run uses (with none running): a burst of
+        large batches grew regions the arena keeps, and resident memory never fell back
+        below the watermark's low mark."""
+        self._shrink_arena()
+
     def _shrink_arena(self) -> None:
         """Has the arena give back every region with nothing in use, now.
 

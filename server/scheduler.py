@@ -1467,6 +1467,10 @@ class Scheduler:
             self.watermark.update(used_bytes)
             self.events.memory_sampled(used_bytes, self.watermark.limit_bytes)
 
+    @property
+    def memory_holds_lanes_closed(self) -> bool:
+        return self.watermark is not None and self.watermark.closed > 0
+
     def watermark_state(self) -> WatermarkState | None:
         if self.watermark is None:
             return None

@@ -50,17 +50,25 @@ class SchedulerThread:
         *,
         clock: Clock | None = None,
         memory_gauge: MemoryGauge | None = None,
+        release_memory: Callable[[], object] | None = None,
         on_failure: Callable[[LaneserveError], object] | None = None,
     ) -> None:
         """`on_failure` is called (from the failing thread) once the scheduler or engine
         thread has failed for good and every live request has been answered with the
-        error: the server cannot serve any more."""
+        error: the server cannot serve any more. `release_memory` (the engine's
+        `release_idle_memory`) is called, with no batch running, before the first memory
+        reading of an idle spell in which the watermark holds lanes closed."""
         self._scheduler = scheduler
         self._on_failure = on_failure
         # Read at most every MEMORY_SAMPLE_PERIOD_S by the scheduler thread, which then
         # never sleeps longer than that: a closed lane must reopen while idle too.
         self._memory_gauge = memory_gauge
         self._memory_sampled_s = -math.inf
+        # The runtime's arena keeps the regions a burst of large batches grew, and the
+        # watermark's reading with them held every lane closed, interactive too, for
+        # good: it is asked to give them back once per idle spell while lanes are closed.
+        self._release_memory = release_memory
+        self._memory_released = False  # in this idle spell (a batch dispatched resets it)
         self._run_batch = run_batch
         self._deliver = deliver
         self._clock = clock or SystemClock()
@@ -243,6 +251,14 @@ class SchedulerThread:
             and now_s - self._memory_sampled_s >= MEMORY_SAMPLE_PERIOD_S
         ):
             self._memory_sampled_s = now_s
+            if (
+                self._release_memory is not None
+                and not self._busy  # the engine thread is idle: nothing else runs
+                and not self._memory_released
+                and scheduler.memory_holds_lanes_closed
+            ):
+                self._memory_released = True
+                self._release_memory()
             used_bytes = self._memory_gauge.used_bytes()
             if used_bytes is not None:
                 scheduler.update_memory(used_bytes)
@@ -253,6 +269,7 @@ class SchedulerThread:
             decision = scheduler.decide(now_s, self._idle_since_s)
             if isinstance(decision, Dispatch):
                 self._busy = True
+                self._memory_released = False
                 self._work.put(decision.batch)
             elif isinstance(decision, WaitUntil):
                 timeout_s = decision.at_s - now_s
@@ -348,6 +365,7 @@ class SchedulerThread:
             following = None
             if isinstance(decision, Dispatch):
                 self._busy = True
+                self._memory_released = False
                 following = decision.batch
             # The scheduler thread is woken only when it has a timer to set: the dispatch
             # time of work left waiting (it plans none while a batch runs), or a drain
