@@ -6,7 +6,6 @@ import asyncio
 import logging
 import math
 import numbers
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
@@ -22,7 +21,7 @@ from laneserve.client._channel import (
     open_channel,
 )
 from laneserve.client._errors import ClientClosedError, LaneserveError, error_from_rpc
-from laneserve.client._request import encode_inputs, infer_request
+from laneserve.client._request import encode_inputs, infer_request, output_names
 from laneserve.client._retry import RetryPolicy, call_with_retries
 from laneserve.client._stream import (
     DEFAULT_STREAM_LANE,
@@ -48,6 +47,8 @@ T = TypeVar("T")
 # limit: a deadline as int64 nanoseconds since the epoch, which a timeout of ~7e9 s
 # overflows (the call then failed at once with DEADLINE_EXCEEDED).
 MAX_TIMEOUT_S: Final = (2**32 - 1) / 1000
+# How long a bulk job waits for the server's GetModel answer (its limits) before a call.
+STREAM_LIMITS_TIMEOUT_S: Final = 10.0
 MetadataLike = Mapping[str, str] | Sequence[tuple[str, str]]
 # True: TLS with the system's roots; None or False: plaintext.
 TlsLike = TlsConfig | bool | None
@@ -95,7 +96,6 @@ class AsyncClient:
             interceptors=interceptors,
         )
         self._stub: pb_grpc.InferenceServiceAsyncStub = pb_grpc.InferenceServiceStub(self._channel)
-        self._model: ModelInfo | None = None  # cached by _stream_limits
         # Set by close(): no call starts or retries after it (ClientClosedError).
         self._closed = asyncio.Event()
 
@@ -140,7 +140,7 @@ class AsyncClient:
         """
         request_id = request_id or uuid.uuid4().hex
         request = infer_request(
-            request_id, encode_inputs(inputs, request_id), lane=lane, outputs=outputs or ()
+            request_id, encode_inputs(inputs, request_id), lane=lane, outputs=output_names(outputs)
         )
 
         async def attempt(timeout_s: float | None) -> Outputs:
@@ -150,22 +150,30 @@ class AsyncClient:
         return await call_with_retries(
             attempt,
             policy=retry or self.retry,
-            deadline_s=_deadline_s(timeout),
+            timeout_s=_timeout_s(timeout),
             what=f"Infer {request_id!r}",
             closed=self._closed,
         )
 
     async def model(self, *, timeout: float | None = None) -> ModelInfo:  # noqa: ASYNC109
-        """The served model's signature, batch cap, lanes and providers."""
+        """The served model's signature, batch cap, lanes and providers, asked of the
+        server at each call: never cached, as a server restarted at the same address may
+        differ (a bulk job asks afresh too, before each of its calls)."""
+        return await self._model(self.retry, timeout)
 
+    async def _model(
+        self,
+        policy: RetryPolicy,
+        timeout: float | None,  # noqa: ASYNC109 - a gRPC deadline, as in infer()
+    ) -> ModelInfo:
         async def attempt(timeout_s: float | None) -> ModelInfo:
             response = await self._call(self._stub.GetModel, pb.GetModelRequest(), timeout_s, "")
             return ModelInfo.from_proto(response)
 
         return await call_with_retries(
             attempt,
-            policy=self.retry,
-            deadline_s=_deadline_s(timeout),
+            policy=policy,
+            timeout_s=_timeout_s(timeout),
             what="GetModel",
             closed=self._closed,
         )
@@ -184,7 +192,7 @@ class AsyncClient:
         return await call_with_retries(
             attempt,
             policy=self.retry,
-            deadline_s=_deadline_s(timeout),
+            timeout_s=_timeout_s(timeout),
             what="GetStats",
             closed=self._closed,
         )
@@ -239,7 +247,7 @@ class AsyncClient:
             window=window,
             timeout_ms=timeout_ms,
             ordered=ordered,
-            outputs=tuple(outputs or ()),
+            outputs=output_names(outputs),
             job_id=job_id,
             rows_per_item=rows_per_item,
             window_rows=window_rows,
@@ -254,31 +262,26 @@ class AsyncClient:
             retry or self.retry,
             server_limits=self._stream_limits,
             closed=self._closed,
-            max_receive_bytes=self._max_message_bytes,
+            max_message_bytes=self._max_message_bytes,
         )
         return job.results()
 
-    async def _stream_limits(self, lane: str) -> StreamLimits:
-        """What bounds a bulk job here: the lane's capacity in rows, from `model()` (asked
-        once per client: a running server's lanes are fixed), and the largest item this
-        client may send and the server read."""
-        limits = StreamLimits(None, self._max_message_bytes)
-        if self._model is None:
-            try:
-                self._model = await self.model(timeout=10.0)
-            except LaneserveError as error:
-                log.debug("no server limits for the stream: %s", error)
-                return limits
-        names = [info.name for info in self._model.lanes]
+    async def _stream_limits(self, lane: str, policy: RetryPolicy) -> StreamLimits | None:
+        """The server's bounds on a bulk job in `lane`, from `model()`: the lane's capacity
+        in rows, and the largest message the server reads; None when it did not answer.
+        Asked before each call of a job, never kept: a server restarted at the same
+        address may have others (a smaller message limit ended the whole call on an item
+        within the old one)."""
+        try:
+            model = await self._model(policy, STREAM_LIMITS_TIMEOUT_S)
+        except LaneserveError as error:
+            log.debug("no server limits for the stream: %s", error)
+            return None
+        names = [info.name for info in model.lanes]
         # The lane the server queues the items in (its rule for streams, when none is named).
-        name = lane or (
-            SERVER_STREAM_LANE if SERVER_STREAM_LANE in names else self._model.default_lane
-        )
-        capacity = next(
-            (info.capacity_rows for info in self._model.lanes if info.name == name), None
-        )
-        server_bytes = self._model.max_message_bytes or self._max_message_bytes
-        return StreamLimits(capacity, min(self._max_message_bytes, server_bytes))
+        name = lane or (SERVER_STREAM_LANE if SERVER_STREAM_LANE in names else model.default_lane)
+        capacity = next((info.capacity_rows for info in model.lanes if info.name == name), None)
+        return StreamLimits(capacity, model.max_message_bytes or None)
 
     async def _call(
         self,
@@ -307,8 +310,8 @@ class AsyncClient:
             raise
 
 
-def _deadline_s(timeout: object) -> float | None:
-    """The call's deadline (monotonic seconds) for `timeout`; None: none."""
+def _timeout_s(timeout: object) -> float | None:
+    """The call's `timeout` in seconds, checked; None: none."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
@@ -323,4 +326,4 @@ def _deadline_s(timeout: object) -> float | None:
             f"timeout: expected seconds > 0 and <= {MAX_TIMEOUT_S} (2**32 - 1 ms), or None or "
             f"inf for none; got {timeout!r}"
         )
-    return time.monotonic() + seconds
+    return seconds

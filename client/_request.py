@@ -18,6 +18,24 @@ from laneserve.v1 import inference_pb2 as pb
 MAX_REQUEST_ID_BYTES = 256
 
 
+def checked_inputs(inputs: object) -> dict[str, npt.NDArray[Any]]:
+    """`inputs` as a dict, read once: a mapping may compute its values on each read (numpy's
+    NpzFile, from ``np.load("x.npz")``, decompresses every array again).
+
+    Raises:
+        TypeError: `inputs` is not a mapping of names to numpy arrays (a caller's bug).
+    """
+    if not isinstance(inputs, Mapping):
+        raise TypeError(
+            f"inputs: expected a mapping of input name to numpy array, got {type(inputs).__name__}"
+        )
+    arrays = dict(inputs.items())
+    for name, array in arrays.items():
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"input {name!r}: expected a numpy array, got {type(array).__name__}")
+    return arrays
+
+
 def encode_inputs(inputs: Mapping[str, npt.NDArray[Any]], request_id: str) -> list[pb.Tensor]:
     """The request's tensors.
 
@@ -25,19 +43,45 @@ def encode_inputs(inputs: Mapping[str, npt.NDArray[Any]], request_id: str) -> li
         TypeError: `inputs` is not a mapping of names to numpy arrays (a caller's bug).
         InvalidInputError: an array's dtype has no wire type (names the input).
     """
-    if not isinstance(inputs, Mapping):
-        raise TypeError(
-            f"inputs: expected a mapping of input name to numpy array, got {type(inputs).__name__}"
-        )
-    for name, array in inputs.items():
-        if not isinstance(array, np.ndarray):
-            raise TypeError(f"input {name!r}: expected a numpy array, got {type(array).__name__}")
+    arrays = checked_inputs(inputs)
     try:
-        return [encode_tensor(name, array) for name, array in inputs.items()]
+        return [encode_tensor(name, array) for name, array in arrays.items()]
     except ValueError as error:
         raise InvalidInputError(
             str(error), code=grpc.StatusCode.INVALID_ARGUMENT, request_id=request_id
         ) from error
+
+
+def output_names(outputs: Sequence[str] | None) -> tuple[str, ...]:
+    """The names of the outputs asked for; () for all of them.
+
+    Raises:
+        TypeError: `outputs` is one str: its characters would be taken for the names.
+    """
+    if isinstance(outputs, str):
+        raise TypeError(
+            f"outputs: expected a sequence of output names, got str ({outputs!r}); "
+            f"[{outputs!r}] for that one output"
+        )
+    return tuple(outputs or ())
+
+
+def utf8_bytes(field: str, text: str, *, request_id: str = "") -> int:
+    """The length of `text` in bytes of UTF-8, which protobuf sends it as.
+
+    Raises:
+        InvalidInputError: `text` has a character with no UTF-8 encoding (a lone
+            surrogate, as ``os.fsdecode`` makes of bytes that are not UTF-8), naming `field`.
+    """
+    try:
+        return len(text.encode())
+    except UnicodeEncodeError as error:
+        raise InvalidInputError(
+            f"{field} {text!r}: expected UTF-8 text; the character at position "
+            f"{error.start} has no UTF-8 encoding (a lone surrogate)",
+            code=grpc.StatusCode.INVALID_ARGUMENT,
+            request_id=request_id,
+        ) from None
 
 
 def infer_request(
@@ -49,7 +93,16 @@ def infer_request(
     outputs: Sequence[str] = (),
 ) -> pb.InferRequest:
     """The InferRequest the client sends: built in one place, so that what it checks
-    before sending (its size: laneserve-client's limits) is what it sends."""
+    before sending (its size: laneserve-client's limits) is what it sends.
+
+    Raises:
+        InvalidInputError: a name or id is not UTF-8 text (protobuf raised a bare
+            UnicodeEncodeError), naming the field.
+    """
+    utf8_bytes("request_id", request_id, request_id=request_id)
+    utf8_bytes("lane", lane or "", request_id=request_id)
+    for name in outputs:
+        utf8_bytes("output name", name, request_id=request_id)
     return pb.InferRequest(
         request_id=request_id,
         lane=lane or "",

@@ -33,7 +33,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from laneserve.client._errors import ClientClosedError, LaneserveError
+from laneserve.client._errors import ClientClosedError, DeadlineExceededError, LaneserveError
 
 __all__ = ["NO_RETRIES", "RetryPolicy", "is_testing", "set_testing"]
 
@@ -138,25 +138,27 @@ async def call_with_retries(
     attempt: Callable[[float | None], Awaitable[T]],
     *,
     policy: RetryPolicy,
-    deadline_s: float | None,
+    timeout_s: float | None,
     what: str,
     closed: asyncio.Event | None = None,
 ) -> T:
-    """Runs `attempt(timeout_s)` until it succeeds, fails for good, runs out of attempts,
-    or the next attempt would start after `deadline_s` (``time.monotonic()`` seconds).
+    """Runs `attempt(left_s)` until it succeeds, fails for good, runs out of attempts, or
+    the next attempt would start after the call's deadline, `timeout_s` seconds from now
+    (None: none).
 
-    `timeout_s` is what is left of the deadline (None: no deadline): each attempt passes it
+    `left_s` is what is left of the deadline (None: no deadline): each attempt passes it
     on as its gRPC deadline, so no attempt runs past the caller's. Once `closed` is set
     (the client was closed) no retry is made and a backoff in progress ends at once:
     ClientClosedError, with the last error as its cause.
     """
+    deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
     allowed = attempts_allowed(policy)
     number = 0
     last: LaneserveError | None = None
     while True:
         number += 1
-        timeout_s = None if deadline_s is None else deadline_s - time.monotonic()
-        if last is not None and timeout_s is not None and timeout_s <= 0:
+        left_s = None if deadline_s is None else deadline_s - time.monotonic()
+        if last is not None and left_s is not None and left_s <= 0:
             # The backoff overran the deadline (a busy machine): the next attempt would
             # start after it, so the last real error is the answer, as decided above.
             last.add_note(
@@ -165,10 +167,12 @@ async def call_with_retries(
             )
             raise last
         try:
-            return await attempt(timeout_s)
+            return await attempt(left_s)
         except LaneserveError as error:
             last = error
             error.attempts = number
+            if timeout_s is not None and _is_own_deadline(error):
+                raise _timed_out(error, what, timeout_s) from error
             if not error.should_retry:
                 raise
             if number >= allowed:
@@ -196,6 +200,24 @@ async def call_with_retries(
                     f"(after {number} attempt(s))",
                     request_id=error.request_id,
                 ) from error
+
+
+def _is_own_deadline(error: LaneserveError) -> bool:
+    """Whether `error` is gRPC's for a call whose deadline passed (the server's own
+    deadline answers name a reason: EXPIRED_IN_QUEUE, DEADLINE_UNMEETABLE)."""
+    return type(error) is DeadlineExceededError and not error.reason
+
+
+def _timed_out(error: LaneserveError, what: str, timeout_s: float) -> DeadlineExceededError:
+    """`error` (gRPC's bare "Deadline Exceeded") with the call's timeout and attempts."""
+    timed_out = DeadlineExceededError(
+        f"{what}: the call's timeout of {timeout_s:g} s passed after {error.attempts} "
+        "attempt(s); expected an answer within it (a longer timeout, or a less busy server)",
+        code=error.code,
+        request_id=error.request_id,
+    )
+    timed_out.attempts = error.attempts
+    return timed_out
 
 
 async def closed_within(closed: asyncio.Event | None, delay_s: float) -> bool:

@@ -48,8 +48,15 @@ from laneserve.client._errors import (
     error_from_rpc,
     error_from_status,
 )
-from laneserve.client._request import MAX_REQUEST_ID_BYTES, encode_inputs, infer_request
+from laneserve.client._request import (
+    MAX_REQUEST_ID_BYTES,
+    checked_inputs,
+    encode_inputs,
+    infer_request,
+    utf8_bytes,
+)
 from laneserve.client._retry import (
+    NO_RETRIES,
     RetryPolicy,
     attempts_allowed,
     closed_within,
@@ -71,15 +78,41 @@ Metadata = tuple[tuple[str, str], ...]
 
 
 def row_chunks(inputs: Arrays, rows_per_item: int) -> Iterator[Arrays]:
-    """Views of `inputs` of `rows_per_item` rows each (the last may be shorter)."""
+    """Views of `inputs` of `rows_per_item` rows each (the last may be shorter).
+
+    `inputs` is read once (a mapping may compute its arrays at each read) and checked at
+    once, as `infer` checks its inputs: what is wrong with them would be wrong with every
+    item, or leave no item at all.
+
+    Raises:
+        TypeError: `inputs` is not a mapping of names to numpy arrays.
+        InvalidInputError: no inputs, an input without a row (first) axis, or inputs of
+            different row counts.
+    """
     if rows_per_item < 1:
         raise ValueError(f"rows_per_item: expected >= 1, got {rows_per_item}")
-    counts = {name: array.shape[0] if array.ndim else 0 for name, array in inputs.items()}
+    arrays = checked_inputs(inputs)
+    if not arrays:
+        raise _invalid("inputs: expected at least one input, got an empty mapping")
+    for name, array in arrays.items():
+        if array.ndim == 0:
+            raise _invalid(
+                f"input {name!r}: expected an array with a row (first) axis to split into "
+                "items, got a 0-d array (a scalar)"
+            )
+    counts = {name: array.shape[0] for name, array in arrays.items()}
     if len(set(counts.values())) > 1:
-        raise ValueError(f"inputs must have the same number of rows (first axis), got {counts}")
-    total = next(iter(counts.values()), 0)
+        raise _invalid(f"inputs must have the same number of rows (first axis), got {counts}")
+    return _chunks(arrays, next(iter(counts.values())), rows_per_item)
+
+
+def _chunks(arrays: Arrays, total: int, rows_per_item: int) -> Iterator[Arrays]:
     for start in range(0, total, rows_per_item):
-        yield {name: array[start : start + rows_per_item] for name, array in inputs.items()}
+        yield {name: array[start : start + rows_per_item] for name, array in arrays.items()}
+
+
+def _invalid(message: str) -> InvalidInputError:
+    return InvalidInputError(message, code=grpc.StatusCode.INVALID_ARGUMENT)
 
 
 class _State(enum.Enum):
@@ -136,11 +169,11 @@ RECEIVE_LIMIT_KEY = "laneserve-max-receive-bytes"
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StreamLimits:
-    """The server's bounds on a bulk job, asked when its results start."""
+    """The server's bounds on a bulk job, asked before each of its calls."""
 
     # Rows the job's lane holds (None: unknown): the row window's default.
     capacity_rows: int | None
-    # The largest item message this client may send and the server read (None: unknown).
+    # The largest message the server reads (None: unknown).
     max_message_bytes: int | None
 
 
@@ -177,6 +210,13 @@ class StreamOptions:
             raise ValueError(f"rows_per_item: expected >= 1, got {self.rows_per_item}")
         if self.window_rows is not None and self.window_rows < 1:
             raise ValueError(f"window_rows: expected >= 1 row or None, got {self.window_rows}")
+        # Every item carries these: one protobuf cannot encode is refused once, here, not
+        # as every item's error (InvalidInputError, naming the field).
+        utf8_bytes("lane", self.lane)
+        for name in self.outputs:
+            utf8_bytes("output name", name)
+        if self.job_id is not None:
+            utf8_bytes("job_id", self.job_id)
 
 
 class BulkStream:
@@ -189,19 +229,22 @@ class BulkStream:
         source: StreamSource,
         options: StreamOptions,
         policy: RetryPolicy,
-        server_limits: Callable[[str], Awaitable[StreamLimits]] | None = None,
+        server_limits: Callable[[str, RetryPolicy], Awaitable[StreamLimits | None]] | None = None,
         closed: asyncio.Event | None = None,
-        max_receive_bytes: int | None = None,
+        max_message_bytes: int | None = None,
     ) -> None:
         self._stub = stub
         self._closed = closed  # set when the client closes: no new call starts
+        # The server's bounds for a lane, asked with a retry policy; None: no answer.
         self._server_limits = server_limits
-        # The call's metadata: the caller's, and the largest answer this client reads.
+        # The call's metadata: the caller's, and the largest answer this client reads
+        # (its message limit, both ways).
         self._metadata = (
             metadata
-            if max_receive_bytes is None
-            else (*metadata, (RECEIVE_LIMIT_KEY, str(max_receive_bytes)))
+            if max_message_bytes is None
+            else (*metadata, (RECEIVE_LIMIT_KEY, str(max_message_bytes)))
         )
+        self._client_max_bytes = math.inf if max_message_bytes is None else max_message_bytes
         if isinstance(source, Mapping):
             source = row_chunks(source, options.rows_per_item)
         self._sync_source: Iterator[StreamItem] | None = None
@@ -228,10 +271,12 @@ class BulkStream:
         # progress, they reset the count of broken calls in a row.
         self._server_answers = 0
         self._held = 0  # pulled and not yet handed to the caller: at most `window`
-        self._window_rows = math.inf  # set from the options or the lane when results start
+        # The options', else the lane's capacity once known (see _set_limits).
+        self._window_rows: float = options.window_rows or math.inf
         # An item over this is answered with an error, not sent: gRPC would fail the
-        # whole call with it (set with the row window).
-        self._max_item_bytes = math.inf
+        # whole call with it. This client's limit, and the server's once known (the
+        # server the next call goes to: see _set_limits).
+        self._max_item_bytes = self._client_max_bytes
         # Rows of the items taken for sending and not finally answered: at most
         # `_window_rows`, or one item alone.
         self._rows_out = 0
@@ -251,8 +296,12 @@ class BulkStream:
         """Final results: ordered by index, or as they come when not `ordered`."""
         failures = 0  # consecutive broken calls that answered nothing
         last_answer_s: float | None = None  # when a call last answered an item
-        await self._set_limits()
+        # The first call's limits are asked with the job's retries; a later call's once:
+        # the job's own resumption retries it.
+        limits_policy = self._policy
         while True:
+            await self._set_limits(limits_policy)
+            limits_policy = NO_RETRIES
             self._check_open()
             answered_before = self._server_answers
             call = self._stub.InferStream(metadata=self._metadata)
@@ -367,7 +416,7 @@ class BulkStream:
                 if item is None:
                     await call.done_writing()
                     return
-                if not self._within_timeout(item):
+                if not self._within_timeout(item) or not self._within_message_limit(item):
                     continue
                 item.state = _State.SENT
                 if item.attempts == 0:
@@ -405,14 +454,19 @@ class BulkStream:
         self._finish(item, None, error)
         return False
 
-    async def _set_limits(self) -> None:
-        limits = StreamLimits(None, None)
-        if self._server_limits is not None:
-            limits = await self._server_limits(self._options.lane)
+    async def _set_limits(self, policy: RetryPolicy) -> None:
+        """The limits of the server the next call goes to, asked afresh before each call:
+        a server restarted at the same address (a resumed job's, or a later job's) may
+        have others. Unanswered, the last known stay (at first, this client's own)."""
+        if self._server_limits is None:
+            return
+        limits = await self._server_limits(self._options.lane, policy)
+        if limits is None:
+            return
         window_rows = self._options.window_rows or limits.capacity_rows
         self._window_rows = math.inf if window_rows is None else window_rows
         if limits.max_message_bytes is not None:
-            self._max_item_bytes = limits.max_message_bytes
+            self._max_item_bytes = min(self._client_max_bytes, limits.max_message_bytes)
 
     async def _next_to_send(self) -> _Item | None:
         """The next item to write; None when every item has its final answer."""
@@ -453,7 +507,12 @@ class BulkStream:
                 code=grpc.StatusCode.INVALID_ARGUMENT,
                 request_id=request_id,
             )
-        id_bytes = len(request_id.encode())
+        try:
+            id_bytes = utf8_bytes(
+                f"bulk stream item {index}: request_id", request_id, request_id=request_id
+            )
+        except InvalidInputError as refusal:
+            return refusal
         if id_bytes > MAX_REQUEST_ID_BYTES:  # the server's refusal would come back without it
             return InvalidInputError(
                 f"bulk stream item {index}: request_id is {id_bytes} bytes, over the "
@@ -507,42 +566,42 @@ class BulkStream:
             self._emit(StreamResult(index, request_id, None, refusal, 0))
             return None
         try:
-            tensors = encode_inputs(inputs, request_id)
+            message = infer_request(
+                request_id,
+                encode_inputs(inputs, request_id),
+                lane=self._options.lane,
+                timeout_ms=self._options.timeout_ms,
+                outputs=self._options.outputs,
+            )
         except InvalidInputError as error:  # this item's fault: answered, the job goes on
             error.attempts = 0
             self._emit(StreamResult(index, request_id, None, error, 0))
             return None
-        message = infer_request(
-            request_id,
-            tensors,
-            lane=self._options.lane,
-            timeout_ms=self._options.timeout_ms,
-            outputs=self._options.outputs,
-        )
-        rows = next((int(array.shape[0]) for array in inputs.values() if array.ndim), 0)
-        too_large = self._size_refusal(index, message)
-        if too_large is not None:  # sent, it would end the call for every item
-            self._emit(StreamResult(index, request_id, None, too_large, 0))
-            return None
+        # From the message, not `inputs`: a mapping may compute its arrays at each read.
+        rows = next((int(tensor.shape[0]) for tensor in message.inputs if tensor.shape), 0)
         item = _Item(index, request_id, message, rows)
         self._items[request_id] = item
         return item
 
-    def _size_refusal(self, index: int, message: pb.InferRequest) -> ResourceExhaustedError | None:
-        """The refusal of an item larger than this client and the server exchange: gRPC
-        would end the whole call on it (every other item unanswered), and a resumed
-        job's call again. (An answer larger than this client reads, the server refuses
-        alone: see RECEIVE_LIMIT_KEY.)"""
-        size = message.ByteSize()
+    def _within_message_limit(self, item: _Item) -> bool:
+        """False, the item answered ResourceExhaustedError, when it is larger than this
+        client and the server of this call exchange: gRPC would end the whole call on it
+        (every other item unanswered), and a resumed job's call again. Checked at each
+        send: the limits are the current call's server's. (An answer larger than this
+        client reads, the server refuses alone: see RECEIVE_LIMIT_KEY.)"""
+        size = item.message.ByteSize()
         if size <= self._max_item_bytes:
-            return None
-        return ResourceExhaustedError(
-            f"bulk stream item {index} is {size} bytes, over the largest message this "
+            return True
+        error = ResourceExhaustedError(
+            f"bulk stream item {item.index} is {size} bytes, over the largest message this "
             f"client and server exchange ({self._max_item_bytes} bytes, "
             "max_message_bytes); expected fewer rows per item",
             code=grpc.StatusCode.RESOURCE_EXHAUSTED,
-            request_id=message.request_id,
+            request_id=item.request_id,
         )
+        error.attempts = item.attempts
+        self._finish(item, None, error)
+        return False
 
     # ---- the reader ------------------------------------------------------------------
 

@@ -8,8 +8,10 @@ import concurrent.futures
 import contextlib
 import contextvars
 import functools
+import gc
 import queue
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import (
@@ -84,6 +86,9 @@ class Client:
         # handed to the loop and recorded here in one step under the lock.
         self._running: set[concurrent.futures.Future[Any]] = set()
         self._lock = threading.Lock()
+        # Closes of streams collected on the loop thread, running there. Only the loop
+        # thread touches it; it keeps the tasks alive (the loop holds them weakly).
+        self._closing: set[asyncio.Task[None]] = set()
 
         async def create() -> AsyncClient:
             # The channel binds to the loop it is created on: create it there.
@@ -239,11 +244,10 @@ class Client:
                 task.cancel()
             if running:
                 await asyncio.wait(running)
-            aclose = getattr(results, "aclose", None)
-            if aclose is not None:
-                await aclose()
-            if reader is not None:
-                await reader.aclose()
+            # The results first: their job's end ends a read of `reader` in progress.
+            for generator in (results, reader):
+                if isinstance(generator, types.AsyncGeneratorType) and _ours_to_close(generator):
+                    await generator.aclose()
 
         try:
             while True:
@@ -252,13 +256,40 @@ class Client:
                 except StopAsyncIteration:
                     return
         finally:
-            # A client closing meanwhile closes the stream itself (shutdown_asyncgens).
-            with contextlib.suppress(ClientClosedError):
-                self._run(close())
+            if threading.current_thread() is self._thread:
+                # Collected on the loop's own thread (the collector runs on whichever
+                # thread allocates): waiting there for the loop would wait for ever.
+                self._close_later(close())
+            else:
+                # A client closing meanwhile closes the stream itself (shutdown_asyncgens).
+                with contextlib.suppress(ClientClosedError):
+                    self._run(close())
+
+    def _close_later(self, closing: Coroutine[Any, Any, None]) -> None:
+        """Runs `closing` (a stream's close) next on the loop, from the loop's thread."""
+        if not self._loop.is_running():  # stopped: its streams were closed as it stopped
+            closing.close()
+            return
+
+        def start() -> None:
+            task = self._loop.create_task(closing)
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+        # Not created here: this may run inside a garbage collection, in the middle of
+        # another callback (asyncio's own finalizer of async generators defers so too).
+        self._loop.call_soon(start)
 
     def _run(self, coroutine: Coroutine[Any, Any, T], *, closing: bool = False) -> T:
         """Runs `coroutine` on the client's loop and returns its result; ClientClosedError
         once the client is closed (or closing: `closing` marks close()'s own steps)."""
+        if threading.current_thread() is self._thread:
+            coroutine.close()
+            raise RuntimeError(
+                "a laneserve Client call was made on the client's own thread "
+                "(laneserve-client: from an async stream source, say), where it would wait "
+                "for itself for ever; expected a call from any other thread"
+            )
         # The coroutine runs on the client's loop thread, but in the caller's context:
         # its trace (and any other context variable) goes with the call.
         context = contextvars.copy_context()
@@ -329,6 +360,14 @@ def _close_unclosed(
             # stops once this returns; joining it here would wait for ever.
             if threading.current_thread() is not thread:
                 thread.join(CLOSE_WAIT_S)
+
+
+def _ours_to_close(generator: types.AsyncGeneratorType[Any, Any]) -> bool:
+    """Whether the stream's close must close the async `generator`: not when it runs (a
+    close is in progress), nor when the collector has finalized it (collected in a cycle
+    with the stream's iterator: asyncio's finalizer hook closes it). Closed twice, one
+    close failed with "aclose(): asynchronous generator is already running"."""
+    return not generator.ag_running and not gc.is_finalized(generator)
 
 
 _END: Final = object()

@@ -12,7 +12,7 @@ import re
 import threading
 import time
 import types
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from laneserve import client as lc
 from laneserve.server import Engine, LaneConfig, ServerConfig
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.v1 import inference_pb2 as pb
-from tests.support import RecordingEngine, Serving, rows, serving, unused_port
+from tests.support import RecordingEngine, Serving, TcpProxy, rows, serving, unused_port
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads", "no_backoff_sleeps")
 
@@ -360,6 +360,32 @@ def test_caller_deadline_is_deadline_exceeded_error(small_model: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_the_callers_own_timeout_names_itself_and_the_attempts_made(small_model: Path) -> None:
+    """The request is in the session when the call's timeout passes: gRPC's own bare
+    "Deadline Exceeded" said neither which timeout nor after how many attempts."""
+
+    async def scenario() -> lc.DeadlineExceededError:
+        engine = RecordingEngine(str(small_model))
+        async with client_for(engine, config(small_model)) as (_s, client):
+            engine.hold()  # the server cannot answer before the caller's deadline
+            call = asyncio.ensure_future(
+                client.infer({"input": rows(1)}, timeout=0.5, request_id="held")
+            )
+            assert await asyncio.to_thread(engine.entered.acquire, timeout=10.0)
+            with pytest.raises(lc.DeadlineExceededError) as caught:
+                await call
+            engine.release()
+        return caught.value
+
+    error = asyncio.run(scenario())
+    assert type(error) is lc.DeadlineExceededError
+    assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert error.attempts == 1
+    assert error.message.startswith(
+        "Infer 'held': the call's timeout of 0.5 s passed after 1 attempt(s); expected"
+    ), error.message
+
+
 def test_draining_server_is_server_draining_error(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
@@ -548,6 +574,183 @@ def test_items_refused_before_sending_are_no_progress_of_a_broken_call() -> None
 
     asyncio.run(scenario())
     assert CountCalls.calls == 2
+
+
+# ---- what the client refuses before sending, and the limits it asks for -------------------
+
+# A message limit under 64 rows of the small model's input (~131 KB), over 8 rows.
+SMALLER_LIMIT = 100_000
+
+
+def test_a_job_takes_the_message_limit_of_the_server_it_starts_on(small_model: Path) -> None:
+    """The server is restarted at the same address with a smaller message limit: the next
+    job of a client that ran one on the old server answers its one item over the new
+    limit alone. (The client kept the old server's GetModel answer for its lifetime: it
+    sent that item, gRPC ended the whole call on it, and the job failed, every item
+    unanswered.)"""
+    items = [{"input": rows(count)} for count in (8, 64, 8)]
+
+    async def scenario() -> list[lc.StreamResult]:
+        async with (
+            an_address_restarted_smaller(small_model) as (restart, target),
+            lc.AsyncClient(target) as client,
+        ):
+            assert [result.ok async for result in client.stream(items)] == [True] * 3
+            restart()
+            return [result async for result in client.stream(items)]
+
+    results = asyncio.run(scenario())
+    assert [result.ok for result in results] == [True, False, True]
+    assert isinstance(results[1].error, lc.ResourceExhaustedError)
+    assert f"({SMALLER_LIMIT} bytes, max_message_bytes)" in results[1].error.message
+
+
+def test_a_resumed_job_takes_the_message_limit_of_the_server_it_resumes_on(
+    small_model: Path,
+) -> None:
+    """The connection drops after the first answer, and the address now leads to a
+    server with a smaller message limit: the job's next call answers the one item over
+    it alone. (The job asked for the limits once, at its start: its next call sent the
+    item, gRPC ended that call on it, and the job failed.)"""
+    go = asyncio.Event()
+
+    async def items() -> AsyncIterator[dict[str, npt.NDArray[Any]]]:
+        yield {"input": rows(8)}
+        await go.wait()  # the rest once the address leads to the other server
+        for count in (64, 8):
+            yield {"input": rows(count)}
+
+    async def scenario() -> list[lc.StreamResult]:
+        async with (
+            an_address_restarted_smaller(small_model) as (restart, target),
+            lc.AsyncClient(target) as client,
+        ):
+            results = []
+            async for result in client.stream(items()):
+                results.append(result)
+                if len(results) == 1:
+                    restart()
+                    go.set()
+            return results
+
+    results = asyncio.run(scenario())
+    assert [result.ok for result in results] == [True, False, True]
+    assert isinstance(results[1].error, lc.ResourceExhaustedError)
+    assert f"({SMALLER_LIMIT} bytes, max_message_bytes)" in results[1].error.message
+
+
+def test_a_stream_reads_each_array_of_its_inputs_once(small_model: Path, tmp_path: Path) -> None:
+    """An NpzFile (``np.load("x.npz")``) decompresses an array at each read of it: a
+    stream of one read every array again for each item, the whole archive 10 times over
+    here; and each item of a stream of items was read three times."""
+    np.savez(tmp_path / "rows.npz", input=rows(40))
+
+    async def scenario(
+        whole: CountedReads, items: list[CountedReads]
+    ) -> tuple[list[lc.StreamResult], list[lc.StreamResult]]:
+        async with client_for(RecordingEngine(str(small_model)), config(small_model)) as (
+            _s,
+            client,
+        ):
+            split = [result async for result in client.stream(whole, rows_per_item=4)]
+            return split, [result async for result in client.stream(items)]
+
+    with np.load(tmp_path / "rows.npz") as archive:
+        whole = CountedReads(archive)
+        items = [CountedReads(archive) for _ in range(3)]
+        split, one_each = asyncio.run(scenario(whole, items))
+    assert [result.ok for result in split + one_each] == [True] * 13
+    assert [inputs.reads for inputs in [whole, *items]] == [1, 1, 1, 1]
+
+
+def test_a_stream_of_one_mapping_refuses_inputs_infer_refuses(small_model: Path) -> None:
+    """A stream of one mapping of arrays refuses what `infer` refuses of its inputs, at
+    once: a value that is not an array with the same TypeError (it was an AttributeError),
+    a 0-d array and an empty mapping as InvalidInputError (the job ended with no item and
+    no error)."""
+    scalar = {"input": np.array(1.0, np.float32)}
+    listed: dict[str, Any] = {"input": rows(1).tolist()}
+    not_an_array = re.escape("input 'input': expected a numpy array, got list")
+
+    async def scenario() -> None:
+        async with client_for(RecordingEngine(str(small_model)), config(small_model)) as (
+            _s,
+            client,
+        ):
+            for inputs, infer_refusal in ((scalar, "has shape []"), ({}, "missing input(s)")):
+                with pytest.raises(lc.InvalidInputError, match=re.escape(infer_refusal)):
+                    await client.infer(inputs)
+            with pytest.raises(
+                lc.InvalidInputError,
+                match=re.escape("input 'input': expected an array with a row (first) axis"),
+            ):
+                client.stream(scalar)
+            with pytest.raises(
+                lc.InvalidInputError, match=re.escape("inputs: expected at least one input")
+            ):
+                client.stream({})
+            with pytest.raises(TypeError, match=not_an_array):
+                await client.infer(listed)
+            with pytest.raises(TypeError, match=not_an_array):
+                client.stream(listed)
+
+    asyncio.run(scenario())
+
+
+def test_an_id_or_lane_that_is_not_utf8_is_invalid_input_naming_it(small_model: Path) -> None:
+    """A lone surrogate (``os.fsdecode`` of bytes that are not UTF-8) has no UTF-8
+    encoding, which protobuf sends text as: a bare UnicodeEncodeError escaped `infer`,
+    and ended a stream on an item's own request_id, the answers of the items before it
+    lost. It is InvalidInputError naming the field, that item's answer alone."""
+    x = {"input": rows(1)}
+    surrogate = "\ud800"
+
+    def refusal(field: str) -> str:
+        return re.escape(f"{field} '\\ud800': expected UTF-8 text")
+
+    async def scenario() -> list[lc.StreamResult]:
+        async with client_for(RecordingEngine(str(small_model)), config(small_model)) as (
+            _s,
+            client,
+        ):
+            with pytest.raises(lc.InvalidInputError, match=refusal("request_id")):
+                await client.infer(x, request_id=surrogate)
+            with pytest.raises(lc.InvalidInputError, match=refusal("lane")):
+                await client.infer(x, lane=surrogate)
+            with pytest.raises(lc.InvalidInputError, match=refusal("lane")):
+                client.stream([x], lane=surrogate)
+            items: list[dict[str, Any] | lc.StreamRequest] = [
+                x,
+                lc.StreamRequest(x, request_id=surrogate),
+                x,
+            ]
+            return [result async for result in client.stream(items)]
+
+    results = asyncio.run(scenario())
+    assert [result.ok for result in results] == [True, False, True]
+    error = results[1].error
+    assert isinstance(error, lc.InvalidInputError)
+    assert re.search(refusal("bulk stream item 1: request_id"), error.message), error.message
+
+
+def test_outputs_given_as_one_name_is_a_type_error(small_model: Path) -> None:
+    """``outputs="output"`` was taken for the outputs 'o', 'u', 't', ... (and a one-letter
+    name worked by accident)."""
+    x = {"input": rows(1)}
+    expected = re.escape("outputs: expected a sequence of output names, got str")
+
+    async def scenario() -> None:
+        async with client_for(RecordingEngine(str(small_model)), config(small_model)) as (
+            _s,
+            client,
+        ):
+            with pytest.raises(TypeError, match=expected):
+                await client.infer(x, outputs="output")
+            with pytest.raises(TypeError, match=expected):
+                client.stream([x], outputs="output")
+            assert list(await client.infer(x, outputs=["output"])) == ["output"]
+
+    asyncio.run(scenario())
 
 
 # ---- the translation table, for every status and reason ----------------------------------
@@ -881,7 +1084,7 @@ def test_a_backoff_that_overruns_the_deadline_raises_the_last_error(
 
     policy = lc.RetryPolicy(initial_backoff_s=0.01, jitter=0.0)
     with pytest.raises(lc.LaneFullError) as caught:
-        asyncio.run(call_with_retries(attempt, policy=policy, deadline_s=101.0, what="Infer"))
+        asyncio.run(call_with_retries(attempt, policy=policy, timeout_s=1.0, what="Infer"))
     assert attempts == [pytest.approx(1.0), pytest.approx(0.4)], "no attempt with no time left"
     assert "the next would start after the deadline (the wait overran it)" in "".join(
         caught.value.__notes__
@@ -924,6 +1127,48 @@ async def client_for(
     """A served server and an AsyncClient to it (`options` go to the client)."""
     async with serving(engine, server_config) as s, lc.AsyncClient(s.target, **options) as client:
         yield s, client
+
+
+@contextlib.asynccontextmanager
+async def an_address_restarted_smaller(
+    model: Path,
+) -> AsyncIterator[tuple[Callable[[], None], str]]:
+    """An address (a relay's) that leads to a server of the default message limit, and
+    `restart`: from then on the address leads to one whose limit is SMALLER_LIMIT, the
+    open connections cut."""
+    async with (
+        serving(RecordingEngine(str(model)), config(model)) as old,
+        serving(RecordingEngine(str(model)), config(model, max_message_bytes=SMALLER_LIMIT)) as new,
+    ):
+        proxy = TcpProxy(old.server.port)
+        target = await proxy.start()
+
+        def restart() -> None:
+            proxy.retarget(new.server.port)
+            proxy.sever()
+
+        try:
+            yield restart, target
+        finally:
+            await proxy.close()
+
+
+class CountedReads(Mapping[str, npt.NDArray[Any]]):
+    """A mapping of arrays that counts reads of them (an NpzFile decompresses at each)."""
+
+    def __init__(self, arrays: Mapping[str, npt.NDArray[Any]]) -> None:
+        self._arrays = arrays
+        self.reads = 0
+
+    def __getitem__(self, name: str) -> npt.NDArray[Any]:
+        self.reads += 1
+        return self._arrays[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
 
 
 def one_lane(*, capacity_rows: int, timeout_ms: int = 60_000) -> tuple[LaneConfig, ...]:

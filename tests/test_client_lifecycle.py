@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -292,6 +294,109 @@ def test_a_plain_source_that_fails_ends_the_sync_stream_with_its_error(small_mod
     asyncio.run(scenario())
 
 
+# ---- a stream left to the garbage collector -------------------------------------------------
+
+
+def test_a_stream_collected_on_the_clients_own_thread_is_closed_without_waiting_for_itself(
+    small_model: Path,
+) -> None:
+    """A partly read stream left in a reference cycle is freed by the collector on
+    whichever thread allocates, the client's own included: its close waited there for
+    that very thread, and the client hung for good. The close runs next on the loop
+    instead: the job's call ends, and the client serves on."""
+
+    def left_then_collected_on_the_loop(target: str) -> list[str]:
+        calls = EndedCalls()
+        client = lc.Client(target, interceptors=[calls])
+        freed_on: list[str] = []
+        gc.disable()  # the collection runs where the test says
+        try:
+            left_in_a_cycle(client.stream([{"input": rows(2)} for _ in range(10)]), freed_on)
+            asyncio.run_coroutine_threadsafe(collect_garbage(), client._loop).result(HANG_S)
+        finally:
+            gc.enable()
+        assert calls.ended.acquire(timeout=HANG_S), "the job's call ended"
+        client.infer({"input": rows(1)}, timeout=HANG_S)
+        client.close()
+        return freed_on
+
+    async def scenario() -> list[str]:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            return await asyncio.to_thread(left_then_collected_on_the_loop, s.target)
+
+    assert asyncio.run(scenario()) == ["laneserve-client"], "collected on the loop thread"
+
+
+def test_a_stream_collected_in_a_cycle_is_closed_once(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Collected in a reference cycle, a partly read stream's iterator and its job are
+    finalized together: asyncio's own finalizer closed the job, and so did the
+    iterator's close; in one collection in four or so, one of the two closes failed with
+    "aclose(): asynchronous generator is already running" (printed, ignored). Each job's
+    call ends, and nothing is printed."""
+    unraisable: list[str] = []
+    monkeypatch.setattr(
+        sys, "unraisablehook", lambda hooked: unraisable.append(repr(hooked.exc_value))
+    )
+    jobs = 20
+
+    def left_then_collected(target: str) -> list[str]:
+        calls = EndedCalls()
+        freed_on: list[str] = []
+        with lc.Client(target, interceptors=[calls]) as client:
+            gc.disable()  # the collection runs where the test says
+            try:
+                for _ in range(jobs):
+                    left_in_a_cycle(client.stream([{"input": rows(2)}] * 10), freed_on)
+                    gc.collect()
+            finally:
+                gc.enable()
+            for _ in range(jobs):
+                assert calls.ended.acquire(timeout=HANG_S), "every job's call ended"
+        return freed_on
+
+    async def scenario() -> list[str]:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            return await asyncio.to_thread(left_then_collected, s.target)
+
+    assert len(asyncio.run(scenario())) == jobs, "each job was collected"
+    assert unraisable == []
+
+
+def test_a_call_made_on_the_clients_own_thread_is_refused_not_left_waiting_for_itself(
+    small_model: Path,
+) -> None:
+    """A sync stream's async source is read on the client's loop thread; a call of the
+    same client made there waited for that very thread, and the job with it, for ever.
+    It is a RuntimeError saying so, which ends the job as a source's failure does."""
+    failed: list[BaseException] = []
+
+    def job(target: str) -> None:
+        with lc.Client(target) as client:
+
+            async def source() -> AsyncIterator[dict[str, F32]]:
+                client.infer({"input": rows(1)}, timeout=HANG_S)
+                yield {"input": rows(1)}
+
+            try:
+                list(client.stream(source()))
+            except RuntimeError as error:
+                failed.append(error)
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            # Not a pool's thread: one waiting for ever would hold up the test's end.
+            thread = threading.Thread(target=job, args=(s.target,), daemon=True)
+            thread.start()
+            await asyncio.to_thread(thread.join, HANG_S)
+            assert not thread.is_alive(), "the job waited for ever"
+
+    asyncio.run(scenario())
+    assert len(failed) == 1
+    assert "call was made on the client's own thread" in str(failed[0])
+
+
 # ---- a client never closed ------------------------------------------------------------------
 
 
@@ -337,6 +442,33 @@ def test_a_client_collected_on_its_own_thread_stops_it_without_waiting_for_itsel
 
 
 # ---- helpers ---------------------------------------------------------------------------
+
+
+def left_in_a_cycle(results: Iterator[lc.StreamResult], freed_on: list[str]) -> None:
+    """Reads the first of `results`, then leaves them in a reference cycle, which only
+    the garbage collector frees; `freed_on` gets the name of the thread it does it on."""
+    next(results)
+    cycle: list[object] = [results]
+    cycle.append(cycle)
+    weakref.finalize(results, lambda: freed_on.append(threading.current_thread().name))
+
+
+async def collect_garbage() -> None:
+    gc.collect()
+
+
+class EndedCalls(grpc.aio.StreamStreamClientInterceptor):
+    """Releases `ended` once for each stream call that ends, however it ends."""
+
+    def __init__(self) -> None:
+        self.ended = threading.Semaphore(0)
+
+    async def intercept_stream_stream(
+        self, continuation: Any, client_call_details: Any, request_iterator: Any
+    ) -> Any:
+        call = await continuation(client_call_details, request_iterator)
+        call.add_done_callback(lambda _call: self.ended.release())
+        return call
 
 
 def queued_rows(s: Serving) -> int:
