@@ -100,6 +100,9 @@ WAIT_UTILIZATION = 0.5
 # then runs no longer than its max_wait (see `_plan`), so its next request does not
 # wait behind a long run of lower lanes.
 ACTIVE_LANE_S = 0.1
+# Admission: the least share of batches lanes above are counted as served in, however
+# many whole batches lower lanes' claims are counted as taking (see `_queue_drain_s`).
+MIN_SERVED_SHARE = 0.1
 # Decimal places a lane's share balance is kept to (see `_commit`).
 BALANCE_DIGITS = 9
 # Admission's arithmetic in fractions of a row: a remainder too small to be a row.
@@ -657,6 +660,7 @@ class Scheduler:
         first_lower = 0  # what lower lanes' shares may take ahead in the next batch
         shares = 0.0  # what they take in each batch after (fractions of a row)
         lower_share = 0.0  # their shares, as a fraction of a batch
+        lower_heads: list[tuple[float, int]] = []  # (share in rows, head's rows) of each
         riders = arriving_above  # whether other work takes the room whole requests leave
         for other in self.lanes:  # one pass: this runs for every admission
             if other.priority <= lane.priority:
@@ -675,8 +679,7 @@ class Scheduler:
                 if other.config.min_share == 0:
                     continue
                 share = self._share_rows(other)
-                shares += share
-                lower_share += other.config.min_share
+                lower_heads.append((share, head.queued_rows))
                 allowance = share + other.share_balance_rows
                 if allowance > 0:
                     # Its allowance, or its head request whole (pass 1 takes the request
@@ -685,6 +688,21 @@ class Scheduler:
         mean_rows = total / requests
         # Whether requests come in about one size (see UNIFORM_SIZES_CV2).
         uniform = squares / requests <= (1 + UNIFORM_SIZES_CV2) * mean_rows * mean_rows
+        # A lower lane's share is rows out of each batch while its requests fit beside
+        # these; one that does not takes a whole batch (its claim owns it, see
+        # `_fill_top_down`) every head / share batches. Counted as rows out of each,
+        # interactive requests behind a standard backlog of 5-row requests (cap 8,
+        # share 0.25) were promised 5 rows a batch and got 3: they expired in the queue.
+        shut_out = 0.0  # the share of batches lower lanes' claims take whole
+        for share, head_rows in lower_heads:
+            if head_rows + min(mean_rows, batch_rows) > batch_rows and head_rows > share:
+                shut_out += share / head_rows
+            else:
+                shares += share
+                lower_share += share / self.batch_cap
+        # Their shares sum below 1: the guard keeps an estimate of several claims at
+        # once (they take turns) from reading as none served at all.
+        served_share = max(1.0 - shut_out, MIN_SERVED_SHARE)
 
         def with_arrivals(known_rows: float, forms_in_s: float) -> int:
             # The rows of the batch that serves this request's last rows: `known_rows`,
@@ -711,7 +729,7 @@ class Scheduler:
         # share may be a fraction of a row: at a cap of 1, 0.85 of a row a batch), and
         # never less than their fraction of it leaves (batches an active lane keeps
         # smaller than the shares of a full one).
-        per_batch = whole(max(batch_rows - shares, batch_rows * (1 - lower_share)))
+        per_batch = served_share * whole(max(batch_rows - shares, batch_rows * (1 - lower_share)))
         # A batch runs at its limit while other work takes the room whole requests leave
         # (rows of lower lanes riding along, or of an active lane above: costed without
         # them, standard requests admitted at their deadline's edge beside interactive

@@ -1461,6 +1461,27 @@ def test_admission_counts_what_first_fit_packs_of_a_mix_of_sizes() -> None:
     assert now_s <= finish_s
 
 
+def test_a_request_admitted_behind_a_lower_lanes_whole_batch_claims_meets_its_deadline() -> None:
+    """Cap 8, standard's share a quarter (2 rows a batch) over a backlog of 5-row
+    requests: one does not fit beside a 5-row interactive request, so each claim takes a
+    whole batch, every 2.5 batches. Admission counted the share as 2 rows out of every
+    batch, 5 interactive rows a batch where 3 came: an interactive request admitted at
+    its deadline's edge behind 30 others ran 45 % late."""
+    lanes = (
+        LaneConfig("interactive", 512, timeout_ms=1_000, max_wait_ms=1, min_share=0.0),
+        LaneConfig("standard", 512, timeout_ms=100_000, max_wait_ms=4, min_share=0.25),
+    )
+    scheduler = Scheduler(lanes, batch_cap=8, run_time=fixed_run_time())
+    for index in range(100):
+        scheduler.admit(make_request(index, "standard", 5), T0)
+    for index in range(100, 130):
+        scheduler.admit(make_request(index, "interactive", 5), T0)
+    finish_s = scheduler._predicted_finish_s(scheduler.lane("interactive"), 5, ((2,),), T0)
+    scheduler.admit(make_request(999, "interactive", 5, deadline_s=finish_s), T0)
+    _, now_s = run_until_answered(scheduler, T0, 999)
+    assert now_s <= finish_s
+
+
 def _tightest_admitted_batches(scheduler: Scheduler, lane: str, now_s: float) -> int:
     """The fewest whole batches of 1 ms a 1-row request of `lane` is admitted for."""
     for batches in range(1, 1000):
