@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from laneserve.server.addresses import bare_host, host_port
 from laneserve.server.clock import Clock, SystemClock
-from laneserve.server.config import ConfigError, ServerConfig
+from laneserve.server.config import DEFAULT_MEMORY_LOW_WATERMARK, ConfigError, ServerConfig
 from laneserve.server.cost_model import RunTimeModel
 from laneserve.server.engine import CUDA, Engine
 from laneserve.server.errors import DrainingError, LaneserveError
@@ -292,10 +292,23 @@ def make_watermark(config: ServerConfig, engine: Engine) -> Watermark | None:
         limit_bytes = None
     if limit_bytes is None:
         return None
+    high_bytes = int(limit_bytes * config.memory_high_watermark)
+    low_bytes = int(limit_bytes * config.memory_low_watermark)
+    if low_bytes == 0:  # a mark of 0 bytes; the high mark is never below the low one
+        limit_key = "server.memory_limit" if on_gpu else "server.host_memory_limit"
+        keys, marks = "server.memory_low_watermark", f"{config.memory_low_watermark:g} is"
+        if high_bytes == 0:
+            keys += ", server.memory_high_watermark"
+            marks = f"{config.memory_low_watermark:g} and {config.memory_high_watermark:g} are"
+        raise ConfigError(
+            f"{keys}: {marks} 0 bytes of {limit_key} ({format_bytes(limit_bytes)}); expected "
+            "a fraction of the limit above what the server holds idle (the default low "
+            f"watermark is {DEFAULT_MEMORY_LOW_WATERMARK})"
+        )
     return Watermark(
         lanes=len(config.lanes),
-        high_bytes=int(limit_bytes * config.memory_high_watermark),
-        low_bytes=int(limit_bytes * config.memory_low_watermark),
+        high_bytes=high_bytes,
+        low_bytes=low_bytes,
         limit_bytes=limit_bytes,
     )
 
@@ -307,18 +320,37 @@ def _check_idle_memory(
     below the low mark, so it would stay closed with nothing queued or running. The limit
     it names is a floor: after a burst the demo model's server held 8-16 MiB more than
     idle, its free heap given back (at 150 MiB, above the 130 MiB named, its lanes
-    reopened in one run of two)."""
+    reopened in one run of two). Where the limit holds the idle server below the default
+    low mark, the low mark set lower is what fails, and is named instead: a low mark of
+    1e-9 asked for a limit above 100 PiB."""
     if used_bytes is None or used_bytes < watermark.low_bytes:
         return
-    setting = "memory_limit" if engine.providers[0] == CUDA else "host_memory_limit"
+    on_gpu = engine.providers[0] == CUDA
+    setting, flag = (
+        ("memory_limit", "--memory-limit")
+        if on_gpu
+        else ("host_memory_limit", "--host-memory-limit")
+    )
+    held = (
+        f"the server holds {format_bytes(used_bytes)} idle after loading the model, at or "
+        f"above the low watermark {format_bytes(watermark.low_bytes)} (memory_low_watermark "
+        f"{config.memory_low_watermark:g} of {format_bytes(watermark.limit_bytes)}), so lanes "
+        "closed by memory pressure could never reopen"
+    )
+    room = "with room above it for what serving keeps in use (buffers and caches a burst leaves)"
+    if used_bytes >= int(watermark.limit_bytes * DEFAULT_MEMORY_LOW_WATERMARK):
+        raise ConfigError(
+            f"server.{setting}: {held}; expected a limit above "
+            f"{format_bytes(int(used_bytes / config.memory_low_watermark))} ({flag}), {room}"
+        )
+    keys = "server.memory_low_watermark"
+    expected = f"memory_low_watermark above {used_bytes / watermark.limit_bytes:.3g}"
+    if used_bytes >= watermark.high_bytes:
+        keys += ", server.memory_high_watermark"
+        expected += " and memory_high_watermark at least as high"
     raise ConfigError(
-        f"server.{setting}: the server holds {format_bytes(used_bytes)} idle after loading "
-        f"the model, at or above the low watermark {format_bytes(watermark.low_bytes)} "
-        f"(memory_low_watermark {config.memory_low_watermark} of "
-        f"{format_bytes(watermark.limit_bytes)}), so lanes closed by memory pressure could "
-        "never reopen; expected a limit above "
-        f"{format_bytes(int(used_bytes / config.memory_low_watermark))}, with room above "
-        "it for what serving keeps in use (buffers and caches a burst leaves)"
+        f"{keys}: {held}; expected {expected} (the share of server.{setting} the server "
+        f"holds idle; the default low watermark is {DEFAULT_MEMORY_LOW_WATERMARK}), {room}"
     )
 
 

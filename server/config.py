@@ -40,18 +40,16 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_size(key: str, text: object, *, fraction_ok: bool) -> None:
+def _check_size(key: str, flag: str, text: object, *, fraction_ok: bool) -> None:
     if text is None:
         return
     if not isinstance(text, str):
         like = "'6GiB', or a fraction of device memory such as '0.9'" if fraction_ok else "'6GiB'"
         raise ConfigError(f"{key}: expected a string like {like}, got {text!r}")
     try:
-        limit = parse_memory_limit(text)
+        parse_memory_limit(text, fraction_ok=fraction_ok)
     except ValueError as error:
-        raise ConfigError(f"{key}: {error}") from error
-    if limit.fraction is not None and not fraction_ok:
-        raise ConfigError(f"{key}: expected bytes like '8GiB', got {text!r}")
+        raise ConfigError(f"{key} ({flag}): {error}") from error
 
 
 GRPC_INT_MAX = 2**31 - 1
@@ -121,6 +119,9 @@ DEFAULT_LANES: tuple[LaneConfig, ...] = (
 # The lane of a request that names none, unless server.default_lane says otherwise: one
 # of DEFAULT_LANES, so a config with lanes of its own must name one of them.
 DEFAULT_LANE = "standard"
+# Where lanes closed by memory pressure reopen, as a fraction of the limit; a limit that
+# holds the idle server below it leaves the usual room (app._check_idle_memory).
+DEFAULT_MEMORY_LOW_WATERMARK = 0.85
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -186,7 +187,7 @@ class ServerConfig:
     # host_memory_limit on the CPU): at `high` the lowest lane stops admitting,
     # more lanes as memory nears the limit; all reopen below `low`.
     memory_high_watermark: float = 0.95
-    memory_low_watermark: float = 0.85
+    memory_low_watermark: float = DEFAULT_MEMORY_LOW_WATERMARK
     # CPU only: the process's resident memory the watermarks refer to ("8GiB").
     # None: no watermark on the CPU (the arena cap still holds).
     host_memory_limit: str | None = None
@@ -259,8 +260,13 @@ class ServerConfig:
                 "server.idempotency_ttl_s: expected finite seconds >= 0, "
                 f"got {self.idempotency_ttl_s!r}"
             )
-        _check_size("server.memory_limit", self.memory_limit, fraction_ok=True)
-        _check_size("server.host_memory_limit", self.host_memory_limit, fraction_ok=False)
+        _check_size("server.memory_limit", "--memory-limit", self.memory_limit, fraction_ok=True)
+        _check_size(
+            "server.host_memory_limit",
+            "--host-memory-limit",
+            self.host_memory_limit,
+            fraction_ok=False,
+        )
         low: object = self.memory_low_watermark
         high: object = self.memory_high_watermark
         if not (_is_number(low) and _is_number(high) and 0 < low <= high <= 1):  # type: ignore[operator]
@@ -399,9 +405,11 @@ def config_from_mapping(
     settings: dict[str, Any] = dict(server)
     given = {key: value for key, value in (overrides or {}).items() if value is not None}
     _refuse_unknown("overrides", given, _SERVER_KEYS)
-    if isinstance(settings.get("probe_shapes"), Mapping) and "probe_shapes" in given:
-        # Per input: a flag for one input keeps the file's shapes of the others.
-        given["probe_shapes"] = {**settings["probe_shapes"], **given["probe_shapes"]}
+    if "probe_shapes" in settings and "probe_shapes" in given:
+        # Per input: a flag for one input keeps the file's shapes of the others. The file's
+        # are checked first: merged, a mistyped one was replaced by the flag's unseen.
+        files = _parse_probe_shapes(settings["probe_shapes"])
+        given["probe_shapes"] = {**files, **given["probe_shapes"]}
     settings.update(given)
     if "lanes" in document:
         settings["lanes"] = _parse_lanes(document["lanes"])

@@ -28,20 +28,25 @@ from laneserve.server.log_events import log_event
 
 log = logging.getLogger(__name__)
 
-_UNITS = {
-    "": 1,
-    "b": 1,
+# The units a size may take, in any case (1gib, 1GiB), as a refused one lists them: a
+# bare k, m, g or t is decimal, as KB is.
+_UNIT_NAMES: dict[str, int] = {
+    "B": 1,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+    "KiB": 1024,
+    "MiB": 1024**2,
+    "GiB": 1024**3,
+    "TiB": 1024**4,
     "k": 1000,
-    "kb": 1000,
     "m": 1000**2,
-    "mb": 1000**2,
     "g": 1000**3,
-    "gb": 1000**3,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
+    "t": 1000**4,
 }
+_UNITS = {"": 1} | {name.lower(): factor for name, factor in _UNIT_NAMES.items()}
+_UNITS_TEXT = f"no unit (bytes) or one of {', '.join(_UNIT_NAMES)} (any case)"
 _KIB = 1024
 MAX_MEMORY_LIMIT_BYTES = 1 << 50
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
@@ -69,24 +74,31 @@ class MemoryLimit:
         return int(device_total_bytes * self.fraction)
 
 
-def parse_memory_limit(text: str) -> MemoryLimit:
-    """`6GiB`, `512MiB`, `2000000000` (bytes) or `0.9` (a fraction of device memory)."""
+def parse_memory_limit(text: str, *, fraction_ok: bool = True) -> MemoryLimit:
+    """`6GiB`, `512MiB`, `2000000000` (bytes) or, with `fraction_ok`, `0.9` (a fraction
+    of device memory). The errors offer only the forms accepted: a limit without a
+    device to take a fraction of (the host's) was refused with "or a fraction such as
+    0.9"."""
+    bytes_like = "bytes like 6GiB"
+    expected = f"{bytes_like} or a fraction like 0.9" if fraction_ok else bytes_like
     match = _SIZE.match(text)
     if match is None:
-        raise ValueError(f"memory limit {text!r}: expected bytes like 6GiB or a fraction like 0.9")
+        raise ValueError(f"memory limit {text!r}: expected {expected}")
     number, unit = float(match.group(1)), match.group(2).lower()
     if unit == "" and 0 < number <= 1 and "." in match.group(1):
+        if not fraction_ok:
+            raise ValueError(f"memory limit {text!r}: expected {bytes_like}, not a fraction")
         return MemoryLimit(fraction=number)
     if unit not in _UNITS:
         raise ValueError(
-            f"memory limit {text!r}: unknown unit {unit!r}; expected one of KiB, MiB, GiB"
+            f"memory limit {text!r}: unknown unit {match.group(2)!r}; expected {_UNITS_TEXT}"
         )
     limit_bytes = int(number * _UNITS[unit])
     if limit_bytes < 1024 * 1024:
         # Said how it was read: "1.5" is bytes, as a fraction it is out of range.
+        fraction = ", or a fraction of device memory in (0, 1] such as 0.9" if fraction_ok else ""
         raise ValueError(
-            f"memory limit {text!r} is {limit_bytes} bytes; expected at least 1MiB, or a "
-            "fraction of device memory in (0, 1] such as 0.9"
+            f"memory limit {text!r} is {limit_bytes} bytes; expected at least 1MiB{fraction}"
         )
     if limit_bytes > MAX_MEMORY_LIMIT_BYTES:  # the runtime takes a 64-bit size
         raise ValueError(f"memory limit {text!r}: expected at most 1PiB")
@@ -237,8 +249,8 @@ class Watermark:
 
     At or above `high_bytes` the lowest-priority lane closes; the closer memory gets to
     `limit_bytes`, the more lanes close, bottom up; the highest lane closes only at the
-    limit itself. Closed lanes stay closed until memory falls below `low_bytes`
-    (hysteresis: no flapping at the boundary).
+    limit itself (a single lane too: it is the highest). Closed lanes stay closed until
+    memory falls below `low_bytes` (hysteresis: no flapping at the boundary).
     """
 
     def __init__(self, *, lanes: int, high_bytes: int, low_bytes: int, limit_bytes: int) -> None:
@@ -265,6 +277,9 @@ class Watermark:
             else:
                 span = max(self.limit_bytes - self.high_bytes, 1)
                 wanted = 1 + math.floor((used_bytes - self.high_bytes) / span * (self.lanes - 1))
+                # Below the limit the highest lane stays open: with one lane, 1 + 0 closed it
+                # at the high mark.
+                wanted = min(wanted, self.lanes - 1)
             self.closed = max(self.closed, min(wanted, self.lanes))
 
     def refuses(self, priority: int) -> bool:

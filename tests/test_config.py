@@ -214,7 +214,8 @@ def test_keys_missing_from_the_file_keep_their_defaults(tmp_path: Path) -> None:
         ),
         pytest.param(
             '[server]\nmemory_limit = "99999999999999999999TiB"\n',
-            "server.memory_limit: memory limit '99999999999999999999TiB': expected at most 1PiB",
+            "server.memory_limit (--memory-limit): memory limit '99999999999999999999TiB': "
+            "expected at most 1PiB",
             id="memory-limit-over-64-bits",
         ),
         pytest.param(
@@ -365,6 +366,62 @@ def test_overrides_are_validated_like_the_file() -> None:
         config_from_mapping({}, model_path="model.onnx", overrides={"max_batch_size": 0})
 
 
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        pytest.param(
+            {"host_memory_limit": "100"},
+            "server.host_memory_limit (--host-memory-limit): memory limit '100' is 100 bytes; "
+            "expected at least 1MiB",
+            id="host-bytes-under-1mib",
+        ),
+        pytest.param(
+            {"host_memory_limit": "0.5"},
+            "server.host_memory_limit (--host-memory-limit): memory limit '0.5': expected "
+            "bytes like 6GiB, not a fraction",
+            id="host-fraction",
+        ),
+        pytest.param(
+            {"host_memory_limit": "lots"},
+            "server.host_memory_limit (--host-memory-limit): memory limit 'lots': expected "
+            "bytes like 6GiB",
+            id="host-not-a-size",
+        ),
+        pytest.param(
+            {"memory_limit": "100"},
+            "server.memory_limit (--memory-limit): memory limit '100' is 100 bytes; expected "
+            "at least 1MiB, or a fraction of device memory in (0, 1] such as 0.9",
+            id="device-bytes-under-1mib",
+        ),
+        pytest.param(
+            {"memory_limit": "1XB"},
+            "server.memory_limit (--memory-limit): memory limit '1XB': unknown unit 'XB'; "
+            "expected no unit (bytes) or one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, k, m, "
+            "g, t (any case)",
+            id="unknown-unit",
+        ),
+    ],
+)
+def test_a_refused_memory_size_offers_only_the_forms_its_key_accepts(
+    settings: dict[str, str], message: str
+) -> None:
+    """host_memory_limit = '100' was told "or a fraction of device memory such as 0.9",
+    which host_memory_limit refuses, and an unknown unit listed KiB, MiB, GiB alone."""
+    with pytest.raises(ConfigError) as from_the_file:
+        config_from_mapping({"server": settings}, model_path="model.onnx")
+    assert str(from_the_file.value) == message
+    with pytest.raises(ConfigError) as from_a_flag:
+        config_from_mapping({}, model_path="model.onnx", overrides=settings)
+    assert str(from_a_flag.value) == message
+
+
+def test_memory_sizes_take_terabytes_as_they_take_gigabytes() -> None:
+    config = config_from_mapping(
+        {}, model_path="model.onnx", overrides={"memory_limit": "1TB", "host_memory_limit": "2t"}
+    )
+    assert (config.memory_limit, config.host_memory_limit) == ("1TB", "2t")
+
+
 # Known gaps in config.py's validation (reported; config.py is not this change's to fix).
 # Strict: when the validation is fixed, these pass and the marker must go.
 
@@ -410,3 +467,23 @@ def test_a_probe_shape_flag_keeps_the_files_shapes_of_other_inputs() -> None:
         document, model_path="m", overrides={"probe_shapes": {"a": [1, 16, 16]}}
     )
     assert config.probe_shapes == {"a": (1, 16, 16), "b": (1, 8, 8)}
+
+
+@pytest.mark.parametrize(
+    "in_the_file",
+    [
+        pytest.param('"x"', id="not-a-table"),
+        pytest.param("{ input = [0] }", id="bad-sizes-of-the-flags-input"),
+    ],
+)
+def test_a_mistyped_probe_shapes_in_the_file_is_refused_beside_a_probe_shape_flag(
+    tmp_path: Path, in_the_file: str
+) -> None:
+    """Merged only when the file's value was a table, and then by input: the flag's
+    replaced a mistyped value (or the same input's bad sizes) unchecked."""
+    path = write(tmp_path, f"[server]\nprobe_shapes = {in_the_file}\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"^server\.probe_shapes: expected a table of input name = \[dimension, \.\.\.\]",
+    ):
+        load_config(path, model_path="m", overrides={"probe_shapes": {"input": [512]}})

@@ -25,7 +25,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from laneserve.client.tensors import decode_tensor, encode_tensor
-from laneserve.server import LaneConfig, ServerConfig
+from laneserve.server import ConfigError, LaneConfig, LaneServer, ServerConfig
 from laneserve.server.clock import ManualClock
 from laneserve.server.cost_model import RunTimeModel
 from laneserve.server.demo_model import make_demo_model
@@ -69,6 +69,7 @@ from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
     RecordingEngine,
     ServerProcess,
+    estimate_once,
     request,
     rich_status,
     rows,
@@ -241,6 +242,201 @@ def test_a_failed_estimate_runs_once_under_a_cpu_budget(tmp_path: Path) -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
     )
     assert done.stdout.split() == ["1", "None"]
+
+
+# Every unit a size may take, in a size of it that parses: decimal and binary alike.
+UNIT_SIZES = [
+    ("2097152B", 2 * MIB),
+    ("2000KB", 2_000_000),
+    ("2MB", 2_000_000),
+    ("2GB", 2 * 1000**3),
+    ("2TB", 2 * 1000**4),
+    ("2048KiB", 2 * MIB),
+    ("2MiB", 2 * MIB),
+    ("2GiB", 2 * 1024**3),
+    ("2TiB", 2 * 1024**4),
+    ("2000k", 2_000_000),
+    ("2m", 2_000_000),
+    ("2g", 2 * 1000**3),
+    ("2t", 2 * 1000**4),
+]
+
+
+@pytest.mark.parametrize(("text", "limit_bytes"), UNIT_SIZES)
+def test_memory_limit_takes_every_unit_up_to_terabytes_in_any_case(
+    text: str, limit_bytes: int
+) -> None:
+    """1TB was an unknown unit beside GB and TiB."""
+    for spelled in (text, text.lower(), text.upper()):
+        assert parse_memory_limit(spelled) == MemoryLimit(limit_bytes=limit_bytes)
+
+
+def test_an_unknown_unit_is_refused_listing_every_unit_taken() -> None:
+    """The refusal listed KiB, MiB, GiB: KB, MB, GB, TiB and k, m, g were taken too."""
+    with pytest.raises(ValueError, match="unknown unit") as refused:
+        parse_memory_limit("1XB")
+    listed = re.search(
+        r"expected no unit \(bytes\) or one of (.*) \(any case\)$", str(refused.value)
+    )
+    assert listed is not None, str(refused.value)
+    assert listed.group(1).split(", ") == [text.lstrip("0123456789") for text, _ in UNIT_SIZES]
+
+
+def test_a_limit_without_fractions_offers_none() -> None:
+    """host_memory_limit takes bytes only: its refusals offered "or a fraction of device
+    memory such as 0.9"."""
+    for text, message in (
+        ("100", "memory limit '100' is 100 bytes; expected at least 1MiB"),
+        ("0.5", "memory limit '0.5': expected bytes like 6GiB, not a fraction"),
+        ("lots", "memory limit 'lots': expected bytes like 6GiB"),
+    ):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            parse_memory_limit(text, fraction_ok=False)
+    assert parse_memory_limit("8GiB", fraction_ok=False) == MemoryLimit(limit_bytes=8 * 1024**3)
+
+
+def test_a_single_lane_closes_only_at_the_limit() -> None:
+    """It is the highest lane: at the high mark 1 + 0 * (lanes - 1) lanes closed it."""
+    mark = Watermark(lanes=1, high_bytes=95, low_bytes=85, limit_bytes=100)
+    mark.update(95)
+    assert not mark.refuses(0)
+    mark.update(99)
+    assert not mark.refuses(0)
+    mark.update(100)
+    assert mark.refuses(0)
+    mark.update(90)  # between the watermarks: it stays closed
+    assert mark.refuses(0)
+    mark.update(84)
+    assert not mark.refuses(0)
+
+
+@pytest.mark.parametrize("low", ["1e-10", "1e-9"], ids=["zero-bytes", "one-byte"])
+def test_a_tiny_low_watermark_is_refused_at_start_naming_it(
+    small_model: Path, tmp_path: Path, low: str
+) -> None:
+    """A low mark of 0 bytes failed the watermark's own check (exit 1, a traceback); one
+    of 1 byte was refused naming host_memory_limit, asking for a limit above 100 PiB."""
+    config = tmp_path / "laneserve.toml"
+    config.write_text(f"[server]\nmemory_low_watermark = {low}\n", encoding="utf-8")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "laneserve.server.cli",
+            "serve",
+            "--model",
+            str(small_model),
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--host-memory-limit",
+            "1GiB",
+            "--config",
+            str(config),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("laneserve: ")]
+    assert line.startswith("laneserve: server.memory_low_watermark: "), line
+    assert "expected" in line
+
+
+class _Resident:
+    """Memory in use as the test says, always: the idle server's reading at start."""
+
+    def __init__(self, used_bytes: int) -> None:
+        self.used = used_bytes
+
+    def used_bytes(self) -> int | None:
+        return self.used
+
+    def total_bytes(self) -> int | None:
+        return 64 * 1024 * MIB
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "limit", "message"),
+    [
+        pytest.param(
+            1e-10,
+            0.95,
+            "1GiB",
+            "server.memory_low_watermark: 1e-10 is 0 bytes of server.host_memory_limit "
+            "(1.0GiB); expected a fraction of the limit above what the server holds idle "
+            "(the default low watermark is 0.85)",
+            id="low-mark-of-0-bytes",
+        ),
+        pytest.param(
+            1e-10,
+            1e-10,
+            "1GiB",
+            "server.memory_low_watermark, server.memory_high_watermark: 1e-10 and 1e-10 are 0 "
+            "bytes of server.host_memory_limit (1.0GiB)",
+            id="both-marks-of-0-bytes",
+        ),
+        pytest.param(
+            1e-9,
+            0.95,
+            "1GiB",
+            "server.memory_low_watermark: the server holds 100.0MiB idle after loading the "
+            "model, at or above the low watermark 1B (memory_low_watermark 1e-09 of 1.0GiB), "
+            "so lanes closed by memory pressure could never reopen; expected "
+            "memory_low_watermark above 0.0977 (the share of server.host_memory_limit the "
+            "server holds idle; the default low watermark is 0.85), with room above it",
+            id="low-mark-under-the-idle-server",
+        ),
+        pytest.param(
+            0.01,
+            0.05,
+            "1GiB",
+            "server.memory_low_watermark, server.memory_high_watermark: the server holds "
+            "100.0MiB idle",
+            id="both-marks-under-the-idle-server",
+        ),
+        pytest.param(
+            0.85,
+            0.95,
+            "110MiB",
+            "server.host_memory_limit: the server holds 100.0MiB idle after loading the model, "
+            "at or above the low watermark 93.5MiB (memory_low_watermark 0.85 of 110.0MiB), so "
+            "lanes closed by memory pressure could never reopen; expected a limit above "
+            "117.6MiB (--host-memory-limit), with room above it",
+            id="limit-under-the-idle-server",
+        ),
+    ],
+)
+def test_a_watermark_the_idle_server_cannot_get_below_names_the_setting_at_fault(
+    small_model: Path, low: float, high: float, limit: str, message: str
+) -> None:
+    """The limit was named whatever the marks were: a low mark of 1e-9 of 1 GiB asked for a
+    limit above 100 PiB, and one of 0 bytes failed the watermark's own check (ValueError,
+    a traceback at start). The limit is named where it holds the idle server above the
+    default low mark; below it, the marks set lower are."""
+    config = ServerConfig(
+        model_path=str(small_model),
+        device="cpu",
+        metrics_port=-1,
+        host_memory_limit=limit,
+        memory_low_watermark=low,
+        memory_high_watermark=high,
+    )
+    with pytest.raises(ConfigError) as refused:
+        LaneServer(
+            Engine(str(small_model), device="cpu"),
+            config,
+            memory_gauge=_Resident(100 * MIB),
+            estimate=estimate_once,
+        )
+    assert str(refused.value).startswith(message)
 
 
 # ---- the scheduler's reaction: cap, failed rows, admission ------------------------------
