@@ -8,6 +8,7 @@ thread through `OutcomeRouter.deliver`, one loop callback per batch.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -177,6 +178,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._output_names = [spec.name for spec in engine.outputs]
         # The item readers of the open InferStream calls (see `stop_reading_streams`).
         self._stream_readers: set[asyncio.Task[None]] = set()
+        # Per lane, the stream items waiting for room in it, oldest first: each one's
+        # turn, set when it is the oldest (see `_wait_for_room`).
+        self._room_lines: collections.defaultdict[str, collections.deque[asyncio.Future[None]]]
+        self._room_lines = collections.defaultdict(collections.deque)
         self._ledger = RequestLedger(
             ReplayCache(
                 max_entries=config.idempotency_max_entries,
@@ -686,28 +691,54 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         another caller took the room first, while there is time."""
         while True:
             await self._wait_for_room(lane, rows, until_s, room)
+            if self._state() is not Lifecycle.SERVING:
+                # The wait ends at the drain, whose scheduler may still admit a moment:
+                # retried there, a full lane refused it in a loop that never yielded
+                # (the drain could not start; a LANE_FULL counted each turn).
+                raise self._rejected(lane, _item_draining())
             try:
                 return await run()
             except LaneFullError:
                 if self._clock.monotonic() >= until_s:
                     raise
+            await asyncio.sleep(ROOM_POLL_MIN_S)  # a retry never spins the loop
 
     async def _wait_for_room(self, lane: str, rows: int, until_s: float, room: StreamRoom) -> None:
-        """Returns once `lane` has room for `rows` more rows, at `until_s`, or when the
-        server stops serving (admission then answers)."""
+        """Returns once `lane` has room for `rows` more rows and no stream item that began
+        waiting for room in it earlier still waits, at `until_s`, or when the server stops
+        serving. First come, first served: polling each on its own, the small items of
+        one stream took every row that freed, and a stream of large items in the same
+        lane waited until its items' deadlines (answered LANE_FULL). Only the oldest
+        polls; the others wait for their turn."""
+        line = self._room_lines[lane]
         wait_s = self._scheduler.room_wait_s(lane, rows)
-        if wait_s is None:
+        if wait_s is None and not line:
             return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        line.append(turn)
+        if line[0] is turn:
+            turn.set_result(None)
         room.enter()
         try:
-            while wait_s is not None and self._state() is Lifecycle.SERVING:
+            while self._state() is Lifecycle.SERVING:
                 left_s = until_s - self._clock.monotonic()
                 if left_s <= 0:
                     return
-                await asyncio.sleep(min(max(wait_s, ROOM_POLL_MIN_S), ROOM_POLL_MAX_S, left_s))
+                if not turn.done():  # re-checked at least every ROOM_POLL_MAX_S: a drain
+                    await asyncio.wait([turn], timeout=min(ROOM_POLL_MAX_S, left_s))
+                    continue
                 wait_s = self._scheduler.room_wait_s(lane, rows)
+                if wait_s is None:
+                    return
+                await asyncio.sleep(min(max(wait_s, ROOM_POLL_MIN_S), ROOM_POLL_MAX_S, left_s))
         finally:
             room.leave()
+            oldest = line[0] is turn
+            line.remove(turn)
+            if oldest and line and not line[0].done():
+                line[0].set_result(None)  # its turn, after this one's admission (same step)
+            if not line:
+                del self._room_lines[lane]
 
     def _rejected(self, lane: str, error: LaneserveError) -> LaneserveError:
         """`error`, counted as a refusal of `lane` (a lane the server has: see
@@ -896,6 +927,13 @@ def _receive_limit_refusal(values: Sequence[str | bytes]) -> InvalidInputError:
     return InvalidInputError(
         f"call metadata {RECEIVE_LIMIT_KEY} is {[*values]!r}; expected one whole number of "
         f"bytes, at least {MIN_RECEIVE_LIMIT_BYTES}"
+    )
+
+
+def _item_draining() -> DrainingError:
+    return DrainingError(
+        "server is draining: this item waited for room in its lane and was not run; resend "
+        "it on a new call, to another instance"
     )
 
 

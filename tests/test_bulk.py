@@ -888,6 +888,84 @@ def test_a_stream_item_waits_for_room_in_its_full_lane(small_model: Path) -> Non
     asyncio.run(scenario())
 
 
+def _waiting_for_room(s: Serving, lane: str) -> int:
+    servicer = s.server._servicer
+    assert servicer is not None
+    return len(servicer._room_lines.get(lane, ()))
+
+
+def test_stream_items_waiting_for_room_in_a_lane_are_admitted_oldest_first(
+    small_model: Path,
+) -> None:
+    """Two streams share a 64-row lane: one of 1-row items, one with a 48-row item that
+    comes once the lane is full. Each waiting item polled for room on its own: the 1-row
+    items took every row that freed, and the 48-row item waited until the other stream
+    was done (until its deadline, answered LANE_FULL, under a longer job). Now the items
+    waiting in a lane go in the order they began to wait."""
+    small_items, large_rows = 200, 48
+
+    async def scenario() -> list[int]:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model, max_batch_size=8, lanes=bulk_lane(64))
+        async with serving(engine, server_config) as s:
+            engine.hold()
+            small = asyncio.ensure_future(
+                collect(s.stub.InferStream(aiter(TaggedRequests(small_items, 1, "a"))))
+            )
+            await asyncio.to_thread(engine.entered.acquire)  # a batch held in the session
+            await until(lambda: _waiting_for_room(s, "bulk") > 0)  # the lane is full
+            # The stream reads no more while an item waits; those it had read wait too.
+            for _ in range(10):
+                await asyncio.sleep(0)
+            small_waiting = _waiting_for_room(s, "bulk")
+            large_item = request(rows(large_rows, start=10_000), request_id="b", lane="bulk")
+            large = asyncio.ensure_future(collect(s.stub.InferStream(iter([large_item]))))
+            await until(lambda: _waiting_for_room(s, "bulk") == small_waiting + 1)
+            engine.release()
+            answered = await small + await large
+        assert all(r.WhichOneof("result") == "response" for r in answered)
+        return engine.ran_tags
+
+    ran = asyncio.run(scenario())
+    assert ran.index(10_000) < ran.index(small_items - 1), "the large item went in its turn"
+
+
+def test_a_stream_item_waiting_for_room_at_the_drain_is_answered_draining(
+    small_model: Path,
+) -> None:
+    """The drain ends the wait for room while the scheduler still admits (it stops a step
+    later): the item was retried against the full lane in a loop that never yielded,
+    holding the event loop until its timeout (the drain could not start) and counting a
+    LANE_FULL each turn. It is answered DRAINING, counted once."""
+
+    async def scenario() -> tuple[pb.InferStreamResponse, dict[str, int]]:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model, max_batch_size=4, lanes=bulk_lane(4))
+        async with serving(engine, server_config) as s:
+            engine.hold()
+            held = asyncio.ensure_future(s.stub.Infer(request(rows(4), lane="bulk")))
+            await asyncio.to_thread(engine.entered.acquire)
+            queued = asyncio.ensure_future(s.stub.Infer(request(rows(4), lane="bulk")))
+            await until(lambda: queued_rows(s, "bulk") == 4)  # the lane is full
+            item = request(rows(4), request_id="w", lane="bulk", timeout_ms=3_000)
+            answers = s.stub.InferStream(iter([item]))
+            await until(lambda: _waiting_for_room(s, "bulk") == 1)
+            s.server.state = Lifecycle.DRAINING  # as stop() sets it, one step before the rest
+            answer = await asyncio.wait_for(answers.read(), timeout=10)
+            s.server.state = Lifecycle.SERVING  # the real stop() follows, below
+            engine.release()
+            await asyncio.gather(held, queued)
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+        assert isinstance(answer, pb.InferStreamResponse)
+        return answer, dict(stats.lanes[1].rejected)
+
+    answer, rejected = asyncio.run(scenario())
+    assert answer.WhichOneof("result") == "error"
+    assert answer.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert "draining: this item waited for room in its lane" in answer.error.message
+    assert rejected == {"DRAINING": 1}
+
+
 def test_a_stream_item_that_waited_for_room_counts_no_refusal(small_model: Path) -> None:
     """Items of two streams wait for room in the same full lane (one batch held in the
     session), and then all run: GetStats counts no refusal, every item is answered OK
