@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any, cast
 
@@ -432,7 +433,7 @@ def test_stream_summary_counts_goodput_within_the_deadline() -> None:
         expired_executed=1,
     )
     record.outcomes.update({OK: 3, "LANE_FULL": 2, "EXPIRED_IN_QUEUE": 1})
-    summary = summarize_stream(stream, record, duration_s=2.0)
+    summary = summarize_stream(stream, record, duration_s=2.0, window_s=1.0)
     assert summary["throughput_per_s"] == 1.5
     assert summary["goodput_per_s"] == 1.0
     assert summary["rejected"] == {"LANE_FULL": 2}
@@ -823,7 +824,7 @@ def test_an_answer_that_ran_after_its_deadline_counts_as_expired_executed(
         asyncio.run(client._call(0, 0, time.monotonic() - 0.3))
         record = client.records[0]
         assert record.late_ok == 1
-        summary = summarize_stream(stream, record, 1.0)
+        summary = summarize_stream(stream, record, 1.0, window_s=1.0)
         if deadline_in == "timeout_ms":
             assert record.expired_executed == 1
             assert summary["expired_executed"] == 1
@@ -873,7 +874,7 @@ def test_a_bare_cancelled_long_before_the_deadline_counts_as_refused_not_timed_o
     client = open_loop_client(stream)
     monkeypatch.setattr(client, "_unary", answer("CANCELLED"))
     asyncio.run(client._call(0, 0, time.monotonic()))
-    summary = summarize_stream(stream, client.records[0], 1.0)
+    summary = summarize_stream(stream, client.records[0], 1.0, window_s=1.0)
     assert summary["timed_out"] == {}
     assert summary["rejected"] == {CANCELLED_BEFORE_DEADLINE: 1}
     # At its deadline it is a timeout: the server's core timed the deadline out first.
@@ -910,7 +911,7 @@ def test_arrivals_the_client_could_not_send_are_neither_sent_nor_answered(
     assert record.sent == 3, "only MAX_OUTSTANDING requests went out"
     assert record.client_backlog > 50
     assert sum(record.outcomes.values()) == 0
-    summary = summarize_stream(stream, record, 1.0)
+    summary = summarize_stream(stream, record, 1.0, window_s=1.0)
     assert (summary["sent"], summary["answered"], summary["failed"]) == (3, 0, {})
     assert summary["client_backlog"] == record.client_backlog
     assert summary["achieved_rate_per_s"] == 3.0
@@ -955,11 +956,11 @@ def test_a_point_the_load_generator_could_not_offer_is_not_valid() -> None:
         t for t in evaluate_targets(document) if t["id"] == "overload_goodput_timeout_ms"
     )
     assert (goodput["met"], goodput["valid"]) == (None, False), "not missed: not valid"
-    assert verdict_text(goodput) == "not valid (load not offered)"
+    assert verdict_text(goodput) == "not valid (load generator the limit)"
     assert "sent 750/s of the 900/s target" in goodput["detail"]
     report = render_markdown(document)
     assert "| 900 | 750 |" in report, "the achieved rate next to the target"
-    assert "| not valid (load not offered) |" in report
+    assert "| not valid (load generator the limit) |" in report
 
 
 def test_client_lag_is_judged_at_its_p95_and_without_a_deadline_too() -> None:
@@ -971,7 +972,7 @@ def test_client_lag_is_judged_at_its_p95_and_without_a_deadline_too() -> None:
     overload = Stream("default", rate_per_s=50.0, deadline_ms=100)
     record = StreamWindow(sent=100, ok_latency_s=[0.02] * 100, lag_s=lag_s)
     record.outcomes.update({OK: 100})
-    summary = summarize_stream(overload, record, 2.0)
+    summary = summarize_stream(overload, record, 2.0, window_s=1.0)
     assert summary["valid"] is False
     assert summary["invalid_reason"] == "client lag p95 162 ms exceeds the 100 ms deadline"
     assert summary["client_lag"]["p50_ms"] == pytest.approx(8.7)
@@ -981,7 +982,7 @@ def test_client_lag_is_judged_at_its_p95_and_without_a_deadline_too() -> None:
     # No deadline: the lag is held against the stream's median latency (from the
     # scheduled arrival), 20 ms here.
     open_loop = Stream("single", rate_per_s=50.0)
-    summary = summarize_stream(open_loop, record, 2.0)
+    summary = summarize_stream(open_loop, record, 2.0, window_s=1.0)
     assert summary["valid"] is False
     assert summary["invalid_reason"] == (
         "client lag p95 162 ms exceeds the stream's p50 latency, 20.0 ms (no deadline)"
@@ -989,11 +990,11 @@ def test_client_lag_is_judged_at_its_p95_and_without_a_deadline_too() -> None:
     assert summary["client_lag_limit_ms"] == pytest.approx(20.0)
     on_time = StreamWindow(sent=100, ok_latency_s=[0.02] * 100, lag_s=[0.001] * 100)
     on_time.outcomes.update({OK: 100})
-    assert summarize_stream(open_loop, on_time, 2.0)["valid"] is True
+    assert summarize_stream(open_loop, on_time, 2.0, window_s=1.0)["valid"] is True
     # Over InferStream too: the lag is taken before an item is handed to the stream.
     bulk = dataclasses.replace(open_loop, via="stream")
-    assert summarize_stream(bulk, record, 2.0)["valid"] is False
-    closed = summarize_stream(Stream("single", concurrency=4), record, 2.0)
+    assert summarize_stream(bulk, record, 2.0, window_s=1.0)["valid"] is False
+    closed = summarize_stream(Stream("single", concurrency=4), record, 2.0, window_s=1.0)
     assert (closed["valid"], closed["client_lag_limit_ms"]) == (True, None)
 
     document = empty_document()
@@ -1003,6 +1004,178 @@ def test_client_lag_is_judged_at_its_p95_and_without_a_deadline_too() -> None:
     assert report.count("| 8.70 ms / 162.0 ms / 162.0 ms |") == 2, "lag p50 / p95 / p99"
     assert "its client lag p95 exceeds the stream's p50 latency" in report
     assert "its client lag p95 exceeds the deadline" in report
+
+
+def test_answers_held_in_a_starved_client_make_the_point_not_valid() -> None:
+    """A full run's (d) point with a 100 ms gRPC deadline read OK answers 9 s after their
+    send, its send lag p95 36 ms: valid, as the rule looked only at when requests left.
+    Calls seen ending past their gRPC deadline, and the loop's lateness, now count."""
+    overload = Stream("default", rate_per_s=1000.0, deadline_ms=100, deadline_in="grpc")
+    record = StreamWindow(sent=2000, ok_latency_s=[8.969] * 20, lag_s=[0.001] * 2000)
+    record.outcomes.update({OK: 20, "DEADLINE_EXCEEDED": 1980})
+    # 10 % of the calls were seen ending 8.9 s past their deadline, the rest on time.
+    record.past_deadline_s = [0.0] * 1800 + [8.9] * 200
+    summary = summarize_stream(overload, record, 2.0, window_s=3.0)
+    assert summary["valid"] is False
+    assert summary["invalid_reason"] == (
+        "client late past the gRPC deadline p95 8,900 ms exceeds the 100 ms deadline"
+    )
+    assert summary["client_past_grpc_deadline"]["p95_ms"] == pytest.approx(8900.0)
+    assert summary["client_late_limit_ms"] == 100.0
+    assert summary["client_loop_late"]["count"] == 0, "no heartbeat here: not judged"
+
+    # The loop's lateness alone: one heartbeat tick in ten 1.5 s late.
+    record.past_deadline_s = []
+    record.loop_late_s = [0.001] * 90 + [1.5] * 10
+    summary = summarize_stream(overload, record, 2.0, window_s=3.0)
+    assert summary["invalid_reason"] == (
+        "client loop late p95 1,500 ms exceeds the 100 ms deadline"
+    )
+    # One in twenty-five: within the deadline at the p95.
+    record.loop_late_s = [0.001] * 96 + [1.5] * 4
+    summary = summarize_stream(overload, record, 2.0, window_s=3.0)
+    assert (summary["valid"], summary["client_loop_late"]["p95_ms"]) == (True, 1.0)
+
+
+def test_a_late_client_loop_is_held_to_the_deadline_the_median_or_a_tenth_of_a_window() -> None:
+    """Full run: (b) points whose 3 s client windows lasted 0.68-7.33 s, the machine's 2
+    cores busy and no client process saturated, were valid: their p50 latency (10-21 s)
+    was above any lag. A loop later than a tenth of a window cuts the client's windows
+    where the server's readings are not taken, so the window bounds every stream."""
+    starved = [0.001] * 90 + [2.0] * 10
+    record = StreamWindow(sent=1000, ok_latency_s=[21.0] * 500, loop_late_s=starved)
+    record.outcomes.update({OK: 500})
+    open_loop = Stream("single", rate_per_s=100.0)
+    summary = summarize_stream(open_loop, record, 9.0, window_s=3.0)
+    assert summary["client_late_limit_ms"] == pytest.approx(300.0)
+    assert summary["invalid_reason"] == (
+        "client loop late p95 2,000 ms exceeds 10% of the 3 s window (300 ms)"
+    )
+    # Closed loop: the window's tenth alone, whatever its median latency.
+    closed = Stream("single", concurrency=4)
+    assert summarize_stream(closed, record, 9.0, window_s=3.0)["valid"] is False
+    late = [0.001] * 90 + [0.04] * 10  # p95 40 ms: 20 times the 2 ms median
+    fast = StreamWindow(sent=1000, ok_latency_s=[0.002] * 1000, loop_late_s=late)
+    fast.outcomes.update({OK: 1000})
+    closed_summary = summarize_stream(closed, fast, 9.0, window_s=3.0)
+    assert closed_summary["valid"] is True
+    assert closed_summary["client_late_limit_ms"] == pytest.approx(300.0)
+    # Open loop without a deadline: its median latency, as for the lag.
+    open_summary = summarize_stream(open_loop, fast, 9.0, window_s=3.0)
+    assert open_summary["client_late_limit_ms"] == pytest.approx(2.0)
+    assert open_summary["invalid_reason"] == (
+        "client loop late p95 40 ms exceeds the stream's p50 latency, 2.0 ms (no deadline)"
+    )
+
+
+def test_the_heartbeat_weighs_a_stall_by_its_length_for_the_streams_it_carries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sleep after each wake would leave one sample of a 1 s stall among the on-time
+    ones; ticks on a fixed grid leave one per 10 ms it lasted."""
+    carried = Stream("default", rate_per_s=100.0)
+    other = Stream("bulk", lane="bulk", concurrency=1)
+    job = dataclasses.replace(
+        open_loop_client(carried).job,
+        streams=(carried, other),
+        callers=(0, 0),
+        rates_per_s=(100.0, 0.0),
+    )
+    client = _Client(0, job, cast("Any", None), cast("Any", None), cast("Any", None))
+    start_s = 1000.0
+    # The process's clock, not asyncio's: 1 s after the start, the loop was stalled.
+    monkeypatch.setattr(loadgen, "time", types.SimpleNamespace(monotonic=lambda: start_s + 1.0))
+
+    async def one_wake() -> None:
+        heartbeat = asyncio.create_task(client._heartbeat(start_s))
+        await asyncio.sleep(0)  # it runs the ticks due, then sleeps until the next
+        client.stopping = True
+        heartbeat.cancel()
+        await asyncio.gather(heartbeat, return_exceptions=True)
+
+    asyncio.run(one_wake())
+    late_s = client.records[0].loop_late_s
+    assert len(late_s) == 101, "every tick from the start to the wake, both included"
+    assert late_s[0] == pytest.approx(1.0)
+    assert late_s[-1] == pytest.approx(0.0, abs=1e-6)
+    assert client.records[1].loop_late_s == [], "a stream this process does not carry"
+
+
+def test_a_call_seen_ending_past_its_grpc_deadline_counts_the_time_past_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gRPC ends every call by its deadline: an answer seen 300 ms after its send under a
+    100 ms gRPC deadline waited 200 ms in the client."""
+    clock = iter([10.0, 10.3, 20.0, 20.05])  # (send, end) of two calls
+    monkeypatch.setattr(loadgen, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+    stream = Stream("default", rate_per_s=1.0, deadline_ms=100, deadline_in="grpc")
+    client = open_loop_client(stream)
+    monkeypatch.setattr(client, "_unary", answer(pb.InferResponse(timing=pb.Timing())))
+    asyncio.run(client._call(0, 0, 10.0))
+    monkeypatch.setattr(client, "_unary", answer("DEADLINE_EXCEEDED"))
+    asyncio.run(client._call(0, 0, 20.0))
+    assert client.records[0].past_deadline_s == pytest.approx([0.2, 0.0])
+    # Over InferStream an item has no gRPC deadline of its own: nothing to hold it to.
+    bidi = open_loop_client(dataclasses.replace(stream, via="stream"))
+    clock = iter([30.0, 30.3])
+
+    class Bidi:
+        async def call(self, _request_id: str, _payload: bytes) -> str:
+            return "EXPIRED_IN_QUEUE"
+
+    bidi.bidis = {0: cast("Any", Bidi())}
+    asyncio.run(bidi._call(0, 0, 30.0))
+    assert bidi.records[0].past_deadline_s == []
+
+
+def test_a_point_whose_client_loop_stalled_is_not_valid_in_verdicts_and_warnings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Closed loop too: in every window of this c=64 point, one heartbeat tick in ten
+    was half a second late."""
+    pool = Windows(loop_late_s=(*[0.001] * 90, *[0.5] * 10))
+    monkeypatch.setattr(bench_run, "get_stats", pool.stats)
+    settings = BenchSettings(profile=PROFILES["full"], out_dir=tmp_path)
+    document = bench_run._new_document(settings, None)
+    runner = bench_run._Runner(settings, cast("Any", pool), document)
+    deployment = procs.Deployment(name="laneserve", kind="external", target="unused")
+    runner._measure(deployment, Point("a", "c=64", (Stream("single", concurrency=64),)))
+    document["primary"] = "laneserve"
+    (point,) = document["scenarios"]["a"]
+    reason = "single: client loop late p95 500 ms exceeds 10% of the 3 s window (300 ms)"
+    assert (point["valid"], point["invalid_reason"]) == (False, reason)
+    assert point["client"]["loop_late_p95_ms"] == 500.0
+    assert point["client"]["saturated"] is False, "starved, not busy"
+    assert document["warnings"] == [
+        "laneserve (a) c=64: not stable within 8 windows",
+        f"laneserve (a) c=64: not valid, the load generator was the limit ({reason})",
+    ]
+    targets = {t["id"]: t for t in evaluate_targets(document)}
+    assert verdict_text(targets["reference_p99"]) == "not valid (load generator the limit)"
+    report = render_markdown(document)
+    assert "| no | no |" in report, "(a): neither stable nor valid"
+
+
+def test_a_stream_not_valid_for_its_lag_is_not_reported_as_unsent() -> None:
+    """(c)'s table read "(sent X/s: not valid)" for every stream not valid, though the
+    rate was sent in full and the lag was why."""
+    interactive = Stream("interactive", lane="interactive", rate_per_s=100.0)
+    record = StreamWindow(sent=200, ok_latency_s=[0.01] * 200, lag_s=[0.05] * 200)
+    record.outcomes.update({OK: 200})
+    unsent = StreamWindow(sent=100, ok_latency_s=[0.01] * 100, lag_s=[0.0] * 100)
+    unsent.outcomes.update({OK: 100})
+    document = empty_document()
+    document["scenarios"]["c"] += [
+        point_of("c", "late", interactive, record),
+        point_of("c", "unsent", interactive, unsent),
+    ]
+    report = render_markdown(document)
+    assert (
+        "| 100/s (not valid: client lag p95 50 ms exceeds the stream's p50 latency, "
+        "10.0 ms (no deadline)) |"
+    ) in report
+    assert "| 100/s (not valid: sent 50/s of the 100/s target (50%)) |" in report
+    assert "(sent 100/s: not valid)" not in report
 
 
 def test_the_isolation_table_shows_every_outcome_that_is_not_ok() -> None:
@@ -1031,7 +1204,7 @@ def test_isolation_with_no_interactive_answer_under_bulk_is_missed() -> None:
     bulk_record.outcomes.update({OK: 100})
     loaded = point_of("c", "with bulk at 200% over Infer", interactive, flooded)
     loaded["streams"].append(dataclasses.asdict(bulk))
-    loaded["lanes"]["bulk"] = summarize_stream(bulk, bulk_record, 2.0)
+    loaded["lanes"]["bulk"] = summarize_stream(bulk, bulk_record, 2.0, window_s=1.0)
     document["scenarios"]["c"] += [point_of("c", "interactive alone", interactive, alone), loaded]
     (target,) = [t for t in evaluate_targets(document) if t["id"].startswith("isolation_p99")]
     assert target["met"] is False
@@ -1073,11 +1246,14 @@ def test_isolation_p99_counts_every_interactive_call_not_answered_ok_as_a_miss()
     # Fewer than 1 % not OK: the p99 stays finite, over every call.
     mostly = StreamWindow(sent=1000, ok_latency_s=[0.001 * i for i in range(995)])
     mostly.outcomes.update({OK: 995, "LANE_FULL": 5})
-    assert summarize_stream(interactive, mostly, 2.0)["latency_all_calls"]["p99_ms"] == (
-        pytest.approx(percentiles_ms([0.001 * i for i in range(995)] + [9.0] * 5)["p99_ms"])
-    )
+    assert summarize_stream(interactive, mostly, 2.0, window_s=1.0)["latency_all_calls"][
+        "p99_ms"
+    ] == (pytest.approx(percentiles_ms([0.001 * i for i in range(995)] + [9.0] * 5)["p99_ms"]))
     mostly.outcomes.update({"LANE_FULL": 15})
-    assert summarize_stream(interactive, mostly, 2.0)["latency_all_calls"]["p99_ms"] is None
+    assert (
+        summarize_stream(interactive, mostly, 2.0, window_s=1.0)["latency_all_calls"]["p99_ms"]
+        is None
+    )
 
 
 def test_a_verdict_read_from_an_unstable_point_says_so() -> None:
@@ -1139,7 +1315,7 @@ def test_a_verdict_read_from_an_unstable_point_says_so() -> None:
 
 def point_of(scenario: str, name: str, stream: Stream, record: StreamWindow) -> dict[str, Any]:
     """A point of the document as the orchestrator writes it, over 2 s of windows."""
-    lane = summarize_stream(stream, record, 2.0)
+    lane = summarize_stream(stream, record, 2.0, window_s=1.0)
     return {
         "configuration": "laneserve",
         "scenario": scenario,
@@ -1162,8 +1338,10 @@ class Windows:
     processes = 1
     channels = 1
 
-    def __init__(self) -> None:
+    def __init__(self, loop_late_s: tuple[float, ...] = ()) -> None:
         self.batches = 0
+        # The heartbeat's samples of every window (the client's loop lateness).
+        self.loop_late_s = loop_late_s
 
     def stats(self, _target: str) -> pb.GetStatsResponse:
         return pb.GetStatsResponse(batches=self.batches, rows_run=4 * self.batches)
@@ -1183,7 +1361,7 @@ class Windows:
         on_boundary(0)
         for index in range(profile.max_windows):
             self.batches += 100
-            record = StreamWindow(sent=400)
+            record = StreamWindow(sent=400, loop_late_s=list(self.loop_late_s))
             record.outcomes[OK] = 400
             windows.append(MergedWindow(index, {"single": record}, 1.0, {0: (0.1, 1.0)}))
             on_boundary(index + 1)

@@ -15,6 +15,9 @@ its own besides grpc's).
 Closed-loop latency runs from a request's send to its answer. Open-loop latency runs
 from its *scheduled* arrival, so a client that falls behind cannot hide the server's
 queueing (no coordinated omission); how far it fell behind is reported as client lag.
+An answer is timed when the process's event loop gets to it, so each process also times
+its own loop (a heartbeat): a starved or flooded loop holds answers back, which the
+latency would otherwise count against the server.
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ MAX_OUTSTANDING: Final = 20_000
 READY_TIMEOUT_S: Final = 60.0
 # How often a waiting client process looks at the stop event.
 POLL_S: Final = 0.02
+# The heartbeat's ticks, due on a fixed grid this far apart: each records how late the
+# event loop ran it (summary.StreamWindow.loop_late_s).
+HEARTBEAT_S: Final = 0.01
 # A window report later than its boundary by this much means a client process is stuck.
 REPORT_GRACE_S: Final = 30.0
 MESSAGE_LIMIT_BYTES: Final = 64 * 1024 * 1024
@@ -564,6 +570,7 @@ class _Client:
                 for si, rate in enumerate(job.rates_per_s)
                 if rate > 0
             ]
+            generators.append(asyncio.create_task(self._heartbeat(start_s)))
             try:
                 await self._windows(start_s)
             finally:
@@ -615,6 +622,30 @@ class _Client:
             await asyncio.sleep(min(remaining_s, POLL_S))
         return not self.stop.is_set()
 
+    async def _heartbeat(self, start_s: float) -> None:
+        """Times this process's event loop: ticks are due every HEARTBEAT_S from
+        `start_s`, and each records, in the records of every stream this process carries,
+        how late the loop ran it. On a fixed grid, not a sleep after each wake: a stall of
+        one second leaves 100 ticks late by 1 s down to 0, so the samples weigh a stall by
+        its length, as the answers it holds back do (a sleep after each wake would leave
+        one sample, lost among the on-time ones)."""
+        job = self.job
+        carried = [
+            si
+            for si, (callers, rate_per_s) in enumerate(
+                zip(job.callers, job.rates_per_s, strict=True)
+            )
+            if callers > 0 or rate_per_s > 0
+        ]
+        due_s = start_s
+        while not self.stopping:
+            now_s = time.monotonic()
+            while due_s <= now_s:
+                for si in carried:
+                    self.records[si].loop_late_s.append(now_s - due_s)
+                due_s += HEARTBEAT_S
+            await asyncio.sleep(due_s - now_s)
+
     async def _caller(self, si: int, start_s: float, caller: int) -> None:
         await asyncio.sleep(max(0.0, start_s - time.monotonic()))
         channel = caller % len(self.calls)
@@ -659,9 +690,13 @@ class _Client:
             answer = await self._unary(calls[channel], payload, stream.call_timeout_s)
         done_s = time.monotonic()
         record = self.records[si]  # the window the answer completed in
+        # An InferStream item has no gRPC deadline of its own.
+        timeout_s = stream.call_timeout_s if stream.via == "unary" else math.inf
+        if timeout_s < math.inf:
+            # gRPC ends every call by its deadline: time past it before this loop saw the
+            # end was spent in the client (its gRPC core or this loop), answer or not.
+            record.past_deadline_s.append(max(0.0, done_s - sent_s - timeout_s))
         if isinstance(answer, str):
-            # An InferStream call has no gRPC deadline of its own.
-            timeout_s = stream.call_timeout_s if stream.via == "unary" else math.inf
             record.outcomes[unanswered_reason(answer, done_s - sent_s, timeout_s)] += 1
             if answer == "BAD_RESPONSE":
                 self.problem = self.problem or f"stream {stream.label!r}: an answer did not parse"

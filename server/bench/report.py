@@ -101,6 +101,9 @@ STREAM_KEYS: Final = frozenset(
         "expired_executed",
         "client_lag",
         "client_lag_limit_ms",
+        "client_loop_late",
+        "client_past_grpc_deadline",
+        "client_late_limit_ms",
     }
 )
 LATENCY_KEYS: Final = frozenset(
@@ -197,9 +200,10 @@ def _target(
     points: Sequence[dict[str, Any] | None] = (),
 ) -> dict[str, Any]:
     """A verdict read from `points`. Where any of them is not valid (the load generator
-    could not offer its load), no verdict: `met` is None, `valid` False, and `detail`
-    says why. Where any did not settle ("stable: no"), the verdict stands but says so
-    (`stable` False, `unstable_points`): it is not as solid as one from stable points."""
+    was the limit: it could not offer the load, or its answers waited in it), no
+    verdict: `met` is None, `valid` False, and `detail` says why. Where any did not
+    settle ("stable: no"), the verdict stands but says so (`stable` False,
+    `unstable_points`): it is not as solid as one from stable points."""
     read = _distinct(point for point in points if point is not None)
     why = [
         f"({point['scenario']}) {point['name']}: {point['invalid_reason']}"
@@ -208,7 +212,7 @@ def _target(
     ]
     if why:
         met = None
-        detail = "not valid, the load generator could not offer the load: " + "; ".join(why)
+        detail = "not valid, the load generator was the limit: " + "; ".join(why)
     unstable = [
         f"{point['configuration']} ({point['scenario']}) {point['name']}"
         for point in read
@@ -224,7 +228,7 @@ def _target(
         "measured": measured,
         "required": required,
         "met": met,
-        # False: measured, but at a load the load generator could not offer.
+        # False: measured, but the load generator was the limit (see detail).
         "valid": not why,
         # False: read from a point whose windows did not agree (named in unstable_points).
         "stable": not unstable,
@@ -246,10 +250,10 @@ def _distinct(points: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def verdict_text(target: dict[str, Any]) -> str:
-    """met, missed, not valid (the load was not offered) or not measured; a verdict read
-    from a point that did not settle says so: "met (unstable point)"."""
+    """met, missed, not valid (the load generator was the limit) or not measured; a
+    verdict read from a point that did not settle says so: "met (unstable point)"."""
     if target.get("valid") is False:
-        return "not valid (load not offered)"
+        return "not valid (load generator the limit)"
     text = {True: "met", False: "missed", None: "not measured"}[target["met"]]
     if target["met"] is not None and target.get("stable") is False:
         text += " (unstable point)"
@@ -743,6 +747,7 @@ def _scenario_a(document: dict[str, Any]) -> list[str]:
                 _cpu_per_request(point["host"]["server_cores"], stream["answered_per_s"]),
                 _cores(point["host"]["other_cores"]),
                 "yes" if point["stable"] else "no",
+                _valid(point),
             ]
         )
     return [
@@ -754,7 +759,7 @@ def _scenario_a(document: dict[str, Any]) -> list[str]:
             "machine (other users included) while the point ran; server CPU per request is "
             "the server's CPU time divided by the requests it answered. Mean batch: of the "
             "batches the answers came in, per answer (the server's own mean, per batch, is "
-            "in the server-side table)."
+            f"in the server-side table). {CLIENT_LATE_NOTE}"
         ),
         "",
         *_table(
@@ -772,6 +777,7 @@ def _scenario_a(document: dict[str, Any]) -> list[str]:
                 "server CPU per request",
                 "others",
                 "stable",
+                "valid",
             ],
             rows,
         ),
@@ -822,6 +828,7 @@ def _scenario_b(document: dict[str, Any]) -> list[str]:
                 _ms(latency["p99_ms"]),
                 _ms(latency["p99_9_ms"]),
                 _lag(stream),
+                _late(stream),
                 _host(point),
                 "yes" if point["stable"] else "no",
                 _valid(point),
@@ -837,7 +844,7 @@ def _scenario_b(document: dict[str, Any]) -> list[str]:
             "rate (beyond Poisson noise), or where its client lag p95 exceeds the stream's "
             "p50 latency (no deadline here: more than 5 % of the requests waited in the "
             "load generator longer than the typical request took in all), is not valid: "
-            "the load generator, not the server, was the limit."
+            f"the load generator, not the server, was the limit. {CLIENT_LATE_NOTE}"
         ),
         "",
         *_table(
@@ -852,6 +859,7 @@ def _scenario_b(document: dict[str, Any]) -> list[str]:
                 "p99",
                 "p99.9",
                 LAG_HEADER,
+                LATE_HEADER,
                 HOST_HEADER,
                 "stable",
                 "valid",
@@ -863,6 +871,16 @@ def _scenario_b(document: dict[str, Any]) -> list[str]:
 
 
 LAG_HEADER: Final = "client lag p50 / p95 / p99"
+LATE_HEADER: Final = "client late p95: loop / past gRPC deadline"
+# The rule of summary.late_problem, as the tables' notes give it.
+CLIENT_LATE_NOTE: Final = (
+    "Client late: how late each client process's event loop was to a heartbeat every "
+    "10 ms, and how long past its gRPC deadline the client saw each call end (0 within "
+    "it: gRPC ends every call by its deadline, so the rest was the client's). Where the "
+    "p95 of either exceeds the stream's deadline, or without one its p50 latency (open "
+    "loop), or 10 % of the window, answers waited in the load generator: the point is "
+    "not valid."
+)
 
 
 def _lag(stream: dict[str, Any]) -> str:
@@ -871,19 +889,29 @@ def _lag(stream: dict[str, Any]) -> str:
     return " / ".join(_ms(lag.get(key)) for key in ("p50_ms", "p95_ms", "p99_ms"))
 
 
+def _late(stream: dict[str, Any]) -> str:
+    """The p95s of the client's lateness that the validity rule reads."""
+    return " / ".join(
+        _ms((stream[key] or {}).get("p95_ms"))
+        for key in ("client_loop_late", "client_past_grpc_deadline")
+    )
+
+
 def _valid(point: dict[str, Any]) -> str:
-    """Whether the load generator offered the point's load (the reason is a warning)."""
+    """Whether the load generator was not the limit (the reason is a warning)."""
     return "no" if point.get("valid") is False else "yes"
 
 
 def _offered(stream: dict[str, Any]) -> str:
-    """A stream's load: its callers (closed loop) or its rate (open loop), with the rate
-    achieved where the load generator could not offer it."""
+    """A stream's load: its callers (closed loop) or its rate (open loop), with why the
+    stream is not valid where it is not (the rate achieved is in that reason where the
+    load generator could not send the rate)."""
     if stream["mode"] == "closed":
-        return f"{stream['concurrency']} callers"
-    offered = f"{_num(stream['offered_rate_per_s'])}/s"
+        offered = f"{stream['concurrency']} callers"
+    else:
+        offered = f"{_num(stream['offered_rate_per_s'])}/s"
     if stream.get("valid") is False:
-        offered += f" (sent {_num(stream['achieved_rate_per_s'])}/s: not valid)"
+        offered += f" (not valid: {stream['invalid_reason']})"
     return offered
 
 
@@ -985,6 +1013,7 @@ def _scenario_d(document: dict[str, Any]) -> list[str]:
                 str(stream["late_ok"]),
                 "- (not seen)" if expired is None else str(expired),
                 _lag(stream),
+                _late(stream),
                 _host(point),
                 _valid(point),
             ]
@@ -999,7 +1028,8 @@ def _scenario_d(document: dict[str, Any]) -> list[str]:
             "such an answer: not measurable there. Sent/s is the rate the load generator "
             f"achieved; with the arrivals held back as {BACKLOG_NOTE} under 95 % of the "
             "offered rate, or where its client lag p95 exceeds the deadline (more than 5 % "
-            "of the requests were late before they left), the point is not valid."
+            f"of the requests were late before they left), the point is not valid. "
+            f"{CLIENT_LATE_NOTE}"
         ),
         "",
         *_table(
@@ -1017,6 +1047,7 @@ def _scenario_d(document: dict[str, Any]) -> list[str]:
                 "OK but late",
                 "expired executed",
                 LAG_HEADER,
+                LATE_HEADER,
                 HOST_HEADER,
                 "valid",
             ],

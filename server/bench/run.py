@@ -585,6 +585,7 @@ class _Runner:
                 stream,
                 combine(window.streams[stream.label] for window in run.used),
                 duration_s,
+                window_s=profile.window_s,
             )
             for stream in point.streams
         }
@@ -601,7 +602,7 @@ class _Runner:
             "name": point.name,
             "streams": [dataclasses.asdict(stream) for stream in point.streams],
             "stable": run.stable,
-            # False: the load generator could not offer the point's load (see
+            # False: the load generator was the limit for one of the streams (see
             # invalid_reason); its figures do not describe the server at that load.
             "valid": not invalid,
             "invalid_reason": "; ".join(invalid) or None,
@@ -634,6 +635,10 @@ class _Runner:
                 "cpu_fraction_max": max(cpu),
                 "cpu_fraction_mean": sum(cpu) / len(cpu),
                 "saturated": saturated,
+                # The client's lateness at the validity rule's percentile, the largest
+                # of the streams' (None: not measured); per stream in `lanes`.
+                "loop_late_p95_ms": _largest(lanes, "client_loop_late"),
+                "past_grpc_deadline_p95_ms": _largest(lanes, "client_past_grpc_deadline"),
             },
             "server": stats_delta(
                 start.stats if start is not None else None, end.stats if end is not None else None
@@ -649,8 +654,7 @@ class _Runner:
             self._warn(f"{where}: not stable within {len(run.windows)} windows")
         if invalid:
             self._warn(
-                f"{where}: not valid, the load generator could not offer the load "
-                f"({result['invalid_reason']})"
+                f"{where}: not valid, the load generator was the limit ({result['invalid_reason']})"
             )
         if saturated:
             self._warn(
@@ -702,6 +706,14 @@ class _Runner:
     def _warn(self, message: str) -> None:
         log.warning("%s", message)
         self.document["warnings"].append(message)
+
+
+def _largest(lanes: dict[str, dict[str, Any]], key: str) -> float | None:
+    """The largest p95 of the percentiles under `key` over the streams of a point."""
+    return max(
+        (late for lane in lanes.values() if (late := lane[key]["p95_ms"]) is not None),
+        default=None,
+    )
 
 
 def _thread_cores(

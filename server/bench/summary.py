@@ -57,6 +57,14 @@ ARRIVAL_NOISE_SIGMAS: Final = 3.0
 # ... and when this percentile of its client lag (how late each request was sent behind
 # its schedule) is within the stream's deadline, or its median latency without one.
 LAG_PERCENTILE: Final = 95
+# A stream's answers were timed as they came when this percentile of its client
+# lateness, measured twice (the event loop's lateness to its heartbeat, and how long
+# after their gRPC deadline the client saw calls end), is within its deadline, or, open
+# loop without one, its median latency, and never more than this share of a window: a
+# loop later than that cuts its windows where the server's readings (taken on time at
+# the window boundaries) do not, so the two no longer cover the same interval.
+CLIENT_LATE_PERCENTILE: Final = 95
+CLIENT_LATE_WINDOW_SHARE: Final = 0.1
 
 
 @dataclasses.dataclass(slots=True)
@@ -90,6 +98,15 @@ class StreamWindow:
     # itself on the connection that carried the call); only servers that name
     # themselves (the baselines) are counted.
     ok_by_worker: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    # Seconds the event loop of the client process carrying the stream was late to each
+    # heartbeat tick in the window (loadgen.HEARTBEAT_S apart): how long an answer that
+    # came then waited before the client timed it. Every process carrying the stream
+    # adds its own.
+    loop_late_s: list[float] = dataclasses.field(default_factory=list)
+    # Per call that ended in the window under a gRPC deadline (unary), the seconds past
+    # that deadline when the client saw it end (0 within it): gRPC ends a call by its
+    # deadline, so any time past it was the client's own (its gRPC core's or its loop's).
+    past_deadline_s: list[float] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -197,6 +214,8 @@ def combine(parts: Iterable[StreamWindow]) -> StreamWindow:
         total.expired_executed += part.expired_executed
         total.lag_s += part.lag_s
         total.ok_by_worker.update(part.ok_by_worker)
+        total.loop_late_s += part.loop_late_s
+        total.past_deadline_s += part.past_deadline_s
     return total
 
 
@@ -399,8 +418,69 @@ def offer_problem(
     return "; ".join(problems)
 
 
-def summarize_stream(stream: Stream, record: StreamWindow, duration_s: float) -> dict[str, Any]:
-    """Every client-side figure of one stream over `duration_s` seconds of windows."""
+def client_late_limit_ms(stream: Stream, latency_p50_ms: float | None, window_s: float) -> float:
+    """The most the CLIENT_LATE_PERCENTILE of a stream's client lateness may be:
+    CLIENT_LATE_WINDOW_SHARE of a `window_s` window, or less where the stream's deadline,
+    or, open loop without one, its median latency, is less (the bound `lag_limit_ms`
+    holds the lag to: an answer the client sees late is as late as a request it sent
+    late). A closed-loop stream without a deadline has the window's share alone, as its
+    lag is not judged either: its latency is the round trip one caller sees, client
+    included, and a client that sends late offers less, which its throughput shows."""
+    limits_ms = [window_s * 1000 * CLIENT_LATE_WINDOW_SHARE]
+    if stream.deadline_ms is not None:
+        limits_ms.append(float(stream.deadline_ms))
+    elif stream.mode == "open" and latency_p50_ms is not None:
+        limits_ms.append(latency_p50_ms)
+    return min(limits_ms)
+
+
+def late_problem(
+    stream: Stream,
+    record: StreamWindow,
+    *,
+    latency_p50_ms: float | None,
+    window_s: float,
+) -> str:
+    """Empty when the client processes carrying a stream saw its answers as they came;
+    else why not: the CLIENT_LATE_PERCENTILE of their event loops' lateness to the
+    heartbeat (`loop_late_s`), or of the time past their gRPC deadline at which they saw
+    calls end (`past_deadline_s`), exceeds `client_late_limit_ms`. Either way more than
+    5 % of the time, or of the calls, an answer waited in the load generator longer than
+    the limit before it was timed (a (d) point read OK answers 9 s after their send
+    under a 100 ms gRPC deadline, with its send lag within the deadline), or the client
+    cut its windows where the server's readings do not. The loop's lateness alone
+    misses a wait in the client's gRPC core (in a starved run, OK answers were seen over
+    a second later than the server, the send lag and the loop's lateness together could
+    make them); the calls past their deadline alone see nothing without a short gRPC
+    deadline. Without samples, nothing is judged."""
+    limit_ms = client_late_limit_ms(stream, latency_p50_ms, window_s)
+    if stream.deadline_ms is not None and limit_ms == stream.deadline_ms:
+        against = f"the {stream.deadline_ms} ms deadline"
+    elif limit_ms == latency_p50_ms:
+        against = f"the stream's p50 latency, {limit_ms:,.1f} ms (no deadline)"
+    else:
+        against = (
+            f"{CLIENT_LATE_WINDOW_SHARE:.0%} of the {window_s:g} s window ({limit_ms:,.0f} ms)"
+        )
+    problems = []
+    for what, samples_s in (
+        ("client loop late", record.loop_late_s),
+        ("client late past the gRPC deadline", record.past_deadline_s),
+    ):
+        if not samples_s:
+            continue
+        late_ms = float(np.percentile(samples_s, CLIENT_LATE_PERCENTILE)) * 1000
+        if late_ms > limit_ms:
+            problems.append(f"{what} p{CLIENT_LATE_PERCENTILE} {late_ms:,.0f} ms exceeds {against}")
+    return "; ".join(problems)
+
+
+def summarize_stream(
+    stream: Stream, record: StreamWindow, duration_s: float, *, window_s: float
+) -> dict[str, Any]:
+    """Every client-side figure of one stream over `duration_s` seconds of windows of
+    `window_s` seconds each (nominally: the server's readings are taken at their
+    boundaries)."""
     ok = record.outcomes.get(OK, 0)
     answered = sum(record.outcomes.values())
     groups = classify(record.outcomes)
@@ -408,13 +488,17 @@ def summarize_stream(stream: Stream, record: StreamWindow, duration_s: float) ->
     timed = any(rows > 0 for rows in record.ok_batch_rows)
     latency = percentiles_ms(record.ok_latency_s)
     latency_p50_ms = latency["p50_ms"]
-    problem = offer_problem(
-        stream,
-        record.sent + record.client_backlog,
-        duration_s,
-        record.lag_s,
-        latency_p50_ms=latency_p50_ms,
-    )
+    problems = [
+        offer_problem(
+            stream,
+            record.sent + record.client_backlog,
+            duration_s,
+            record.lag_s,
+            latency_p50_ms=latency_p50_ms,
+        ),
+        late_problem(stream, record, latency_p50_ms=latency_p50_ms, window_s=window_s),
+    ]
+    problem = "; ".join(part for part in problems if part)
     # Under a gRPC deadline an answer later than the deadline is cancelled, never seen.
     expired_seen = stream.deadline_in == "timeout_ms" or stream.deadline_ms is None
     return {
@@ -433,8 +517,8 @@ def summarize_stream(stream: Stream, record: StreamWindow, duration_s: float) ->
         "sent_per_s": record.sent / duration_s,
         # Open loop: the rate the load generator achieved, next to offered_rate_per_s.
         "achieved_rate_per_s": record.sent / duration_s if stream.mode == "open" else None,
-        # False: the load generator could not offer the load; the figures do not
-        # describe the server at that load.
+        # False: the load generator was the limit (it could not offer the load, or answers
+        # waited in it); the figures do not describe the server at that load.
         "valid": not problem,
         "invalid_reason": problem or None,
         "answered_per_s": answered / duration_s,
@@ -460,6 +544,13 @@ def summarize_stream(stream: Stream, record: StreamWindow, duration_s: float) ->
         # What the validity rule holds the client lag's LAG_PERCENTILE against (None:
         # closed loop, or no OK answer).
         "client_lag_limit_ms": lag_limit_ms(stream, latency_p50_ms),
+        # The client's lateness, twice: how late the event loops of the client processes
+        # carrying the stream were to their heartbeat, and how long past its gRPC
+        # deadline each call (unary) was seen to end (0 within it); and what the
+        # validity rule holds the CLIENT_LATE_PERCENTILE of each against.
+        "client_loop_late": percentiles_ms(record.loop_late_s),
+        "client_past_grpc_deadline": percentiles_ms(record.past_deadline_s),
+        "client_late_limit_ms": client_late_limit_ms(stream, latency_p50_ms, window_s),
     }
 
 
