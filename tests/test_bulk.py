@@ -902,27 +902,34 @@ def test_stream_items_waiting_for_room_in_a_lane_are_admitted_oldest_first(
     items took every row that freed, and the 48-row item waited until the other stream
     was done (until its deadline, answered LANE_FULL, under a longer job). Now the items
     waiting in a lane go in the order they began to wait."""
-    small_items, large_rows = 200, 48
+    small_items, large_rows, capacity = 200, 48, 64
+
+    def small(index: int) -> pb.InferRequest:
+        return request(rows(1, start=index), request_id=f"a{index}", lane="bulk")
 
     async def scenario() -> list[int]:
         engine = RecordingEngine(str(small_model))
-        server_config = config(small_model, max_batch_size=8, lanes=bulk_lane(64))
+        server_config = config(small_model, max_batch_size=8, lanes=bulk_lane(capacity))
         async with serving(engine, server_config) as s:
             engine.hold()
-            small = asyncio.ensure_future(
-                collect(s.stub.InferStream(aiter(TaggedRequests(small_items, 1, "a"))))
-            )
+            sent: asyncio.Queue[pb.InferRequest | None] = asyncio.Queue()
+            smalls = asyncio.ensure_future(collect(s.stub.InferStream(fed(sent))))
+            sent.put_nowait(small(0))
             await asyncio.to_thread(engine.entered.acquire)  # a batch held in the session
-            await until(lambda: _waiting_for_room(s, "bulk") > 0)  # the lane is full
-            # The stream reads no more while an item waits; those it had read wait too.
-            for _ in range(10):
-                await asyncio.sleep(0)
-            small_waiting = _waiting_for_room(s, "bulk")
+            for index in range(1, capacity + 2):  # the lane full, and one more waiting
+                sent.put_nowait(small(index))
+            await until(
+                lambda: queued_rows(s, "bulk") == capacity and _waiting_for_room(s, "bulk") == 1
+            )
             large_item = request(rows(large_rows, start=10_000), request_id="b", lane="bulk")
             large = asyncio.ensure_future(collect(s.stub.InferStream(iter([large_item]))))
-            await until(lambda: _waiting_for_room(s, "bulk") == small_waiting + 1)
+            await until(lambda: _waiting_for_room(s, "bulk") == 2)  # behind the small one
+            for index in range(capacity + 2, small_items):
+                sent.put_nowait(small(index))
+            sent.put_nowait(None)
             engine.release()
-            answered = await small + await large
+            answered = await smalls + await large
+        assert len(answered) == small_items + 1
         assert all(r.WhichOneof("result") == "response" for r in answered)
         return engine.ran_tags
 
