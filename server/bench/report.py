@@ -804,7 +804,8 @@ def _host(point: dict[str, Any]) -> str:
 # Arrivals not sent count as offered for validity (summary.offer_problem): the server
 # held the calls that kept them back.
 BACKLOG_NOTE: Final = (
-    "client backlog (a client process held 20 000 unanswered calls: the server's doing)"
+    "client backlog (a client process held 20 000 unanswered calls: the server's doing, "
+    "unless the client was late to see them end, which the client lateness rule judges)"
 )
 
 
