@@ -586,16 +586,15 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         run = functools.partial(
             self._run_once, lane, request.request_id, digest, submit, finish, wait_until_s, caller
         )
-        retry = self._ledger.answers_as(request.request_id, digest)
-        if retry in ("join", "replay"):  # not "reused": that call is refused, not a retry
-            self._tracer.retried(request.request_id, lane, retry)
-        if room is None or retry is not None:
+        if room is None or self._ledger.holds(request.request_id):
             # A stream item that joins its request in flight, replays its stored answer or
             # is refused for reusing an id adds no rows to its lane: waiting for room there
             # held it, and its stream's reading, up to its deadline for nothing.
             response = await run()
         else:
-            response = await self._run_when_room(run, lane, rows, wait_until_s, room)
+            response = await self._run_when_room(
+                run, lane, rows, wait_until_s, room, request.request_id
+            )
         if answer_limit is not None:
             self._check_receivable(response, answer_limit, answer_bytes, lane)
         return response
@@ -669,6 +668,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     ) -> pb.InferResponse:
         """The request's answer from the ledger (see `RequestLedger.run`): it waits until
         `wait_until_s` at most, a retry joining the request in flight too."""
+        # Told here, as the ledger is asked: a stream item may have waited for room first.
+        retry = self._ledger.answers_as(request_id, digest)
+        if retry in ("join", "replay"):  # not "reused": that call is refused, not a retry
+            self._tracer.retried(request_id, lane, retry)
         try:
             return await self._ledger.run(
                 request_id, digest, submit, finish, deadline_s=wait_until_s, caller=caller
@@ -686,11 +689,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         rows: int,
         until_s: float,
         room: StreamRoom,
+        request_id: str,
     ) -> pb.InferResponse:
-        """`run()` once `lane` has room for `rows` rows (see `_wait_for_room`); again when
-        another caller took the room first, while there is time."""
+        """`run()` once `lane` has room for `rows` rows (see `_wait_for_room`), or at once
+        once a request with its `request_id` is in flight (it joins: no room needed);
+        again when another caller took the room first, while there is time."""
         while True:
-            await self._wait_for_room(lane, rows, until_s, room)
+            await self._wait_for_room(lane, rows, until_s, room, request_id)
             if self._state() is not Lifecycle.SERVING:
                 # The wait ends at the drain, whose scheduler may still admit a moment:
                 # retried there, a full lane refused it in a loop that never yielded
@@ -703,13 +708,17 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     raise
             await asyncio.sleep(ROOM_POLL_MIN_S)  # a retry never spins the loop
 
-    async def _wait_for_room(self, lane: str, rows: int, until_s: float, room: StreamRoom) -> None:
+    async def _wait_for_room(
+        self, lane: str, rows: int, until_s: float, room: StreamRoom, request_id: str
+    ) -> None:
         """Returns once `lane` has room for `rows` more rows and no stream item that began
-        waiting for room in it earlier still waits, at `until_s`, or when the server stops
-        serving. First come, first served: polling each on its own, the small items of
-        one stream took every row that freed, and a stream of large items in the same
-        lane waited until its items' deadlines (answered LANE_FULL). Only the oldest
-        polls; the others wait for their turn."""
+        waiting for room in it earlier still waits, at `until_s`, when the server stops
+        serving, or once the ledger holds `request_id` (a call with it began meanwhile, in
+        another lane: the item joins it instead of waiting for room it will not use).
+        First come, first served: polling each on its own, the small items of one stream
+        took every row that freed, and a stream of large items in the same lane waited
+        until its items' deadlines (answered LANE_FULL). Only the oldest polls; the
+        others wait for their turn (re-checking the rest every ROOM_POLL_MAX_S)."""
         line = self._room_lines[lane]
         wait_s = self._scheduler.room_wait_s(lane, rows)
         if wait_s is None and not line:
@@ -720,7 +729,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             turn.set_result(None)
         room.enter()
         try:
-            while self._state() is Lifecycle.SERVING:
+            while self._state() is Lifecycle.SERVING and not self._ledger.holds(request_id):
                 left_s = until_s - self._clock.monotonic()
                 if left_s <= 0:
                     return

@@ -937,6 +937,41 @@ def test_stream_items_waiting_for_room_in_a_lane_are_admitted_oldest_first(
     assert ran.index(10_000) < ran.index(small_items - 1), "the large item went in its turn"
 
 
+def test_a_stream_item_waiting_for_room_joins_a_call_with_its_id_that_began_meanwhile(
+    small_model: Path,
+) -> None:
+    """A stream item waits for room in the full bulk lane; a call with its request_id and
+    inputs comes in another lane and is queued. The item decided once, before its wait,
+    that nothing held its id: it waited on for room it would not use (its answer then
+    came from the ledger). It joins that call now, and the row runs once."""
+
+    async def scenario() -> tuple[list[pb.InferStreamResponse], pb.InferResponse, list[int]]:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model, max_batch_size=4, lanes=bulk_lane(4))
+        async with serving(engine, server_config) as s:
+            engine.hold()
+            held = asyncio.ensure_future(s.stub.Infer(request(rows(4), lane="bulk")))
+            await asyncio.to_thread(engine.entered.acquire)
+            queued = asyncio.ensure_future(s.stub.Infer(request(rows(4), lane="bulk")))
+            await until(lambda: queued_rows(s, "bulk") == 4)  # the lane is full
+            x = rows(1, start=77)
+            item = request(x, request_id="x", lane="bulk")
+            answers = asyncio.ensure_future(collect(s.stub.InferStream(iter([item]))))
+            await until(lambda: _waiting_for_room(s, "bulk") == 1)
+            call = asyncio.ensure_future(
+                s.stub.Infer(request(x, request_id="x", lane="interactive"))
+            )
+            await until(lambda: _waiting_for_room(s, "bulk") == 0)  # joined, the lane full
+            engine.release()
+            await asyncio.gather(held, queued)
+            return await answers, await call, engine.ran_tags
+
+    (answer,), direct, ran = asyncio.run(scenario())
+    assert answer.WhichOneof("result") == "response"
+    assert output(answer.response).tolist() == output(direct).tolist()
+    assert ran.count(77) == 1
+
+
 def test_a_stream_item_waiting_for_room_at_the_drain_is_answered_draining(
     small_model: Path,
 ) -> None:
