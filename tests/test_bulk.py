@@ -937,6 +937,19 @@ def test_stream_items_waiting_for_room_in_a_lane_are_admitted_oldest_first(
     assert ran.index(10_000) < ran.index(small_items - 1), "the large item went in its turn"
 
 
+async def _fill_the_bulk_lane(
+    s: Serving, engine: RecordingEngine
+) -> tuple[asyncio.Future[pb.InferResponse], asyncio.Future[pb.InferResponse]]:
+    """A 4-row bulk lane full: a 4-row call held in the session, another queued (their
+    calls, to await once the engine is released)."""
+    engine.hold()
+    held = asyncio.ensure_future(s.stub.Infer(request(rows(4), lane="bulk")))
+    await asyncio.to_thread(engine.entered.acquire)
+    queued = asyncio.ensure_future(s.stub.Infer(request(rows(4), lane="bulk")))
+    await until(lambda: queued_rows(s, "bulk") == 4)
+    return held, queued
+
+
 def test_a_stream_item_waiting_for_room_joins_a_call_with_its_id_that_began_meanwhile(
     small_model: Path,
 ) -> None:
@@ -949,11 +962,7 @@ def test_a_stream_item_waiting_for_room_joins_a_call_with_its_id_that_began_mean
         engine = RecordingEngine(str(small_model))
         server_config = config(small_model, max_batch_size=4, lanes=bulk_lane(4))
         async with serving(engine, server_config) as s:
-            engine.hold()
-            held = asyncio.ensure_future(s.stub.Infer(request(rows(4), lane="bulk")))
-            await asyncio.to_thread(engine.entered.acquire)
-            queued = asyncio.ensure_future(s.stub.Infer(request(rows(4), lane="bulk")))
-            await until(lambda: queued_rows(s, "bulk") == 4)  # the lane is full
+            held, queued = await _fill_the_bulk_lane(s, engine)
             x = rows(1, start=77)
             item = request(x, request_id="x", lane="bulk")
             answers = asyncio.ensure_future(collect(s.stub.InferStream(iter([item]))))
@@ -984,11 +993,7 @@ def test_a_stream_item_waiting_for_room_at_the_drain_is_answered_draining(
         engine = RecordingEngine(str(small_model))
         server_config = config(small_model, max_batch_size=4, lanes=bulk_lane(4))
         async with serving(engine, server_config) as s:
-            engine.hold()
-            held = asyncio.ensure_future(s.stub.Infer(request(rows(4), lane="bulk")))
-            await asyncio.to_thread(engine.entered.acquire)
-            queued = asyncio.ensure_future(s.stub.Infer(request(rows(4), lane="bulk")))
-            await until(lambda: queued_rows(s, "bulk") == 4)  # the lane is full
+            held, queued = await _fill_the_bulk_lane(s, engine)
             item = request(rows(4), request_id="w", lane="bulk", timeout_ms=3_000)
             answers = s.stub.InferStream(iter([item]))
             await until(lambda: _waiting_for_room(s, "bulk") == 1)
