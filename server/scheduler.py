@@ -927,17 +927,22 @@ class Scheduler:
 
     def _trim_to_deadline(self, plan: _Plan, now_s: float) -> None:
         """Holds a batch its deadline sends out to the rows predicted to end by the
-        earliest deadline among them, in lane then FIFO order (at least its first entry):
+        earliest deadline among them: those of that deadline, then the others in lane
+        then FIFO order while they fit:
         rows that came while it waited for that deadline joined it unbounded (only lower
         lanes' riders were bounded), and made the request it waited for late. Rows left
         out go next; a lane with a share banks what it did not get."""
         model = self._run_times.get(plan.taken[0][0].request.signature)
         ordered = sorted(plan.taken, key=lambda pair: (pair[0].priority, pair[0].entry_id))
-        kept = ordered[:1]
-        rows = kept[0][1]
-        earliest_s = kept[0][0].deadline_s
-        for entry, taken in ordered[1:]:
-            earliest_s = min(earliest_s, entry.deadline_s)
+        # The request the deadline sent the batch out for goes whatever its place in
+        # order (an older one of its lane with a later deadline, a higher lane's, came
+        # first, and it was the one left out, to expire in the queue).
+        earliest_s = min(entry.deadline_s for entry, _ in ordered)
+        kept = [pair for pair in ordered if pair[0].deadline_s == earliest_s]
+        rows = sum(taken for _, taken in kept)
+        for entry, taken in ordered:
+            if entry.deadline_s == earliest_s:
+                continue
             if now_s + model.predict_s(rows + taken) > earliest_s:
                 break
             kept.append((entry, taken))

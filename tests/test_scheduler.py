@@ -453,6 +453,31 @@ def test_rows_that_come_while_a_batch_waits_for_its_deadline_do_not_make_it_late
     assert batch.rows + dispatch(scheduler, later_s + 0.001, math.inf).rows == 21
 
 
+def test_a_batch_its_deadline_sends_out_holds_that_request_whatever_its_place() -> None:
+    """An older request of the lane, with a later deadline, comes first in lane order; the
+    one whose deadline sends the batch out comes second. Trimmed in that order from the
+    first, the batch left out the very request it went for (a review: the thread woke
+    50 us late, and it expired in the queue)."""
+    scheduler = Scheduler(
+        TOP_DOWN_LANES, batch_cap=64, run_time=RunTimeModel({1: 0.0005, 64: 0.010})
+    )
+    now_s = T0
+    for index in range(30):  # back to back, dense arrivals: it waits for company
+        scheduler.admit(make_request(index, "standard", 1), now_s)
+        scheduler.complete(run(dispatch(scheduler, now_s, idle_since_s=math.inf), 0.0005))
+        now_s += 0.0005
+    scheduler.admit(make_request(100, "standard", 1), now_s)  # the lane's timeout: later
+    deadline_s = now_s + 0.004
+    scheduler.admit(make_request(101, "standard", 1, deadline_s=deadline_s), now_s)
+    decision = scheduler.decide(now_s, NEVER_IDLE)
+    assert isinstance(decision, WaitUntil)
+    woke_s = decision.at_s + 0.00005  # the scheduler thread wakes a little late
+    batch = dispatch(scheduler, woke_s)
+    assert batch.reason is DispatchReason.DEADLINE
+    assert ids(101, 1)[0] in row_ids(batch)
+    assert woke_s + scheduler.run_time.predict_s(batch.rows) <= deadline_s
+
+
 def test_backlog_goes_out_at_once_without_waiting() -> None:
     scheduler = make_scheduler()
     # Both queued while the session was running an earlier batch.
