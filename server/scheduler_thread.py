@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 RunBatch = Callable[[Batch, RowsWanted], BatchResult]
 MEMORY_SAMPLE_PERIOD_S = 0.05
+# While the watermark holds lanes closed and no batch runs, the engine is asked to give
+# back what its arena keeps at most this often (see `_give_back_memory`).
+MEMORY_RELEASE_PERIOD_S = 1.0
 Deliver = Callable[[Sequence[Outcome]], None]
 
 
@@ -56,8 +59,9 @@ class SchedulerThread:
         """`on_failure` is called (from the failing thread) once the scheduler or engine
         thread has failed for good and every live request has been answered with the
         error: the server cannot serve any more. `release_memory` (the engine's
-        `release_idle_memory`) is called, with no batch running, before the first memory
-        reading of an idle spell in which the watermark holds lanes closed."""
+        `release_idle_memory`) is called, with no batch running and outside the lock,
+        before a memory reading, at most every MEMORY_RELEASE_PERIOD_S, while the
+        watermark holds lanes closed."""
         self._scheduler = scheduler
         self._on_failure = on_failure
         # Read at most every MEMORY_SAMPLE_PERIOD_S by the scheduler thread, which then
@@ -66,9 +70,11 @@ class SchedulerThread:
         self._memory_sampled_s = -math.inf
         # The runtime's arena keeps the regions a burst of large batches grew, and the
         # watermark's reading with them held every lane closed, interactive too, for
-        # good: it is asked to give them back once per idle spell while lanes are closed.
+        # good: it is asked to give them back, at most every MEMORY_RELEASE_PERIOD_S, while
+        # lanes are closed (once per idle spell, lanes stayed closed in 2 of 3 runs).
         self._release_memory = release_memory
-        self._memory_released = False  # in this idle spell (a batch dispatched resets it)
+        self._memory_released_s = -math.inf  # when it was last asked to
+        self._release_due = False  # `_step` asked for it: the scheduler thread runs it next
         self._run_batch = run_batch
         self._deliver = deliver
         self._clock = clock or SystemClock()
@@ -224,14 +230,19 @@ class SchedulerThread:
             while True:
                 with self._cond:
                     timeout_s = self._step(outcomes)
-                    if not outcomes:
+                    release = self._release_due
+                    if not outcomes and not release:
                         if self._closing:
                             return
                         self._cond.wait(timeout_s)
                         continue
-                    self._cond.notify_all()  # wait_drained may be waiting on these
-                ready, outcomes = outcomes, []
-                self._deliver(ready)
+                    if outcomes:
+                        self._cond.notify_all()  # wait_drained may be waiting on these
+                if release:
+                    self._give_back_memory()
+                if outcomes:
+                    ready, outcomes = outcomes, []
+                    self._deliver(ready)
         except Exception:  # logged with its traceback; the thread ends here
             log.exception(
                 "scheduler thread failed; answering all queued work",
@@ -240,6 +251,20 @@ class SchedulerThread:
             if outcomes:
                 self._deliver(outcomes)
             self._fail(EngineError("the scheduler failed; the server must be restarted"))
+
+    def _give_back_memory(self) -> None:
+        """Runs `release_memory` (a session run of its own) outside the lock: admissions
+        from the event loop take the lock, and waited for the run under it. `_step` set
+        the engine busy for it; it is free again after, and memory is read at once."""
+        assert self._release_memory is not None
+        try:
+            self._release_memory()
+        finally:
+            with self._cond:
+                self._release_due = False
+                self._busy = False
+                self._memory_sampled_s = -math.inf
+                self._cond.notify_all()
 
     def _step(self, outcomes: list[Outcome]) -> float | None:
         """One pass under the lock: adds what to answer now to `outcomes`; returns how
@@ -254,22 +279,25 @@ class SchedulerThread:
             if (
                 self._release_memory is not None
                 and not self._busy  # the engine thread is idle: nothing else runs
-                and not self._memory_released
+                and now_s - self._memory_released_s >= MEMORY_RELEASE_PERIOD_S
                 and scheduler.memory_holds_lanes_closed
             ):
-                self._memory_released = True
-                self._release_memory()
-            used_bytes = self._memory_gauge.used_bytes()
-            if used_bytes is not None:
-                scheduler.update_memory(used_bytes)
-            now_s = self._clock.monotonic()  # a reading takes time: shed with the time after
+                # Given back outside the lock, then read (see `_give_back_memory`); the
+                # engine counts as busy meanwhile, so that nothing is dispatched to it.
+                self._memory_released_s = now_s
+                self._release_due = True
+                self._busy = True
+            else:
+                used_bytes = self._memory_gauge.used_bytes()
+                if used_bytes is not None:
+                    scheduler.update_memory(used_bytes)
+                now_s = self._clock.monotonic()  # a reading takes time: shed with the time after
         outcomes += scheduler.shed_expired(now_s)
         timeout_s: float | None = None
         if not self._busy and not self._closing:
             decision = scheduler.decide(now_s, self._idle_since_s)
             if isinstance(decision, Dispatch):
                 self._busy = True
-                self._memory_released = False
                 self._work.put(decision.batch)
             elif isinstance(decision, WaitUntil):
                 timeout_s = decision.at_s - now_s
@@ -365,7 +393,6 @@ class SchedulerThread:
             following = None
             if isinstance(decision, Dispatch):
                 self._busy = True
-                self._memory_released = False
                 following = decision.batch
             # The scheduler thread is woken only when it has a timer to set: the dispatch
             # time of work left waiting (it plans none while a batch runs), or a drain

@@ -61,7 +61,11 @@ from laneserve.server.scheduler import (
     Dispatch,
     Scheduler,
 )
-from laneserve.server.scheduler_thread import SchedulerThread
+from laneserve.server.scheduler_thread import (
+    MEMORY_RELEASE_PERIOD_S,
+    MEMORY_SAMPLE_PERIOD_S,
+    SchedulerThread,
+)
 from laneserve.server.static_estimate import static_estimate
 from laneserve.server.stats import StatsRecorder
 from laneserve.v1 import inference_pb2 as pb
@@ -905,13 +909,41 @@ def test_lanes_closed_with_no_batch_running_have_the_engine_give_back_its_arena(
         release_memory=gauge.release,
     )
     thread._step([])  # the first reading: lanes close (nothing was closed to release)
-    assert (mark.closed, gauge.releases) == (2, 0)
+    assert (mark.closed, gauge.releases, thread._release_due) == (2, 0, False)
     clock.advance(0.1)
-    thread._step([])  # closed, idle: given back, then read
-    assert (mark.closed, gauge.releases) == (0, 1)
+    thread._step([])  # closed, idle: a release is due, outside the lock, as the thread does
+    assert thread._release_due
+    thread._give_back_memory()
+    assert gauge.releases == 1
+    thread._step([])  # read at once after it
+    assert mark.closed == 0
     clock.advance(0.1)
     thread._step([])
-    assert gauge.releases == 1
+    assert (gauge.releases, thread._release_due) == (1, False)
+
+    # Memory that stays up (given back once, a burst's buffers still held): asked again,
+    # at most every MEMORY_RELEASE_PERIOD_S. Asked once per idle spell, lanes stayed
+    # closed in 2 of 3 runs of the review's burst.
+    held = _HeldUntilReleased(held_bytes=99 * MIB, free_bytes=99 * MIB)
+    thread = SchedulerThread(
+        _scheduler(64, mark),
+        _never_run,
+        list[Outcome]().extend,
+        clock=clock,
+        memory_gauge=held,
+        release_memory=held.release,
+    )
+    due = []
+    for _ in range(30):  # 1.5 s of readings every 50 ms
+        clock.advance(MEMORY_SAMPLE_PERIOD_S)
+        thread._step([])
+        due.append(thread._release_due)
+        if thread._release_due:
+            thread._give_back_memory()
+    assert held.releases == 2
+    assert due.index(True) + round(MEMORY_RELEASE_PERIOD_S / MEMORY_SAMPLE_PERIOD_S) == (
+        len(due) - 1 - due[::-1].index(True)
+    )
 
 
 _FREED_HEAP_SCRIPT = """
