@@ -424,19 +424,26 @@ def test_deadline_slack_dispatches_before_max_wait() -> None:
     assert row_ids(batch) == ids(0, 2) + ids(1, 2)
 
 
+def _busy_with_dense_arrivals() -> tuple[Scheduler, float]:
+    """A scheduler (cap 64, 0.5 ms a row alone) after 30 back-to-back batches of dense
+    arrivals, so that a request waits for company; and the time it is then."""
+    scheduler = Scheduler(
+        TOP_DOWN_LANES, batch_cap=64, run_time=RunTimeModel({1: 0.0005, 64: 0.010})
+    )
+    now_s = T0
+    for index in range(30):
+        scheduler.admit(make_request(index, "standard", 1), now_s)
+        scheduler.complete(run(dispatch(scheduler, now_s, idle_since_s=math.inf), 0.0005))
+        now_s += 0.0005
+    return scheduler, now_s
+
+
 def test_rows_that_come_while_a_batch_waits_for_its_deadline_do_not_make_it_late() -> None:
     """A request waits for company until its deadline less its run; twenty rows of its
     lane come just before that. They joined it unbounded (only lower lanes' riders were
     held to the deadline): the batch went out predicted 2.5 ms past that deadline. It
     now holds what ends by the deadline; the rest go next."""
-    scheduler = Scheduler(
-        TOP_DOWN_LANES, batch_cap=64, run_time=RunTimeModel({1: 0.0005, 64: 0.010})
-    )
-    now_s = T0
-    for index in range(30):  # back to back, dense arrivals: it waits for company
-        scheduler.admit(make_request(index, "standard", 1), now_s)
-        scheduler.complete(run(dispatch(scheduler, now_s, idle_since_s=math.inf), 0.0005))
-        now_s += 0.0005
+    scheduler, now_s = _busy_with_dense_arrivals()
     deadline_s = now_s + 0.004
     scheduler.admit(make_request(100, "standard", 1, deadline_s=deadline_s), now_s)
     assert scheduler.decide(now_s, NEVER_IDLE) == WaitUntil(
@@ -458,14 +465,7 @@ def test_a_batch_its_deadline_sends_out_holds_that_request_whatever_its_place() 
     one whose deadline sends the batch out comes second. Trimmed in that order from the
     first, the batch left out the very request it went for (a review: the thread woke
     50 us late, and it expired in the queue)."""
-    scheduler = Scheduler(
-        TOP_DOWN_LANES, batch_cap=64, run_time=RunTimeModel({1: 0.0005, 64: 0.010})
-    )
-    now_s = T0
-    for index in range(30):  # back to back, dense arrivals: it waits for company
-        scheduler.admit(make_request(index, "standard", 1), now_s)
-        scheduler.complete(run(dispatch(scheduler, now_s, idle_since_s=math.inf), 0.0005))
-        now_s += 0.0005
+    scheduler, now_s = _busy_with_dense_arrivals()
     scheduler.admit(make_request(100, "standard", 1), now_s)  # the lane's timeout: later
     deadline_s = now_s + 0.004
     scheduler.admit(make_request(101, "standard", 1, deadline_s=deadline_s), now_s)
