@@ -280,6 +280,14 @@ def device_gauge(engine: Engine, watermark: Watermark | None = None) -> MemoryGa
     return NvmlGauge() if engine.providers[0] == CUDA else ProcessRssGauge(watermark)
 
 
+def _limit_setting(engine: Engine) -> tuple[str, str]:
+    """The setting the watermark's limit comes from, and its flag: the memory limit on a
+    GPU, host_memory_limit on the CPU."""
+    if engine.providers[0] == CUDA:
+        return "memory_limit", "--memory-limit"
+    return "host_memory_limit", "--host-memory-limit"
+
+
 def make_watermark(config: ServerConfig, engine: Engine) -> Watermark | None:
     """The admission watermark, where there is a limit to watch: the memory limit on a
     GPU (read with NVML), host_memory_limit on the CPU (resident memory)."""
@@ -295,7 +303,7 @@ def make_watermark(config: ServerConfig, engine: Engine) -> Watermark | None:
     high_bytes = int(limit_bytes * config.memory_high_watermark)
     low_bytes = int(limit_bytes * config.memory_low_watermark)
     if low_bytes == 0:  # a mark of 0 bytes; the high mark is never below the low one
-        limit_key = "server.memory_limit" if on_gpu else "server.host_memory_limit"
+        limit_key = f"server.{_limit_setting(engine)[0]}"
         keys, marks = "server.memory_low_watermark", f"{config.memory_low_watermark:g} is"
         if high_bytes == 0:
             keys += ", server.memory_high_watermark"
@@ -325,12 +333,7 @@ def _check_idle_memory(
     1e-9 asked for a limit above 100 PiB."""
     if used_bytes is None or used_bytes < watermark.low_bytes:
         return
-    on_gpu = engine.providers[0] == CUDA
-    setting, flag = (
-        ("memory_limit", "--memory-limit")
-        if on_gpu
-        else ("host_memory_limit", "--host-memory-limit")
-    )
+    setting, flag = _limit_setting(engine)
     held = (
         f"the server holds {format_bytes(used_bytes)} idle after loading the model, at or "
         f"above the low watermark {format_bytes(watermark.low_bytes)} (memory_low_watermark "

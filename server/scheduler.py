@@ -928,10 +928,10 @@ class Scheduler:
     def _trim_to_deadline(self, plan: _Plan, now_s: float) -> None:
         """Holds a batch its deadline sends out to the rows predicted to end by the
         earliest deadline among them: those of that deadline, then the others in lane
-        then FIFO order while they fit:
-        rows that came while it waited for that deadline joined it unbounded (only lower
-        lanes' riders were bounded), and made the request it waited for late. Rows left
-        out go next; a lane with a share banks what it did not get."""
+        then FIFO order while they fit. Rows that came while it waited for that deadline
+        joined it unbounded (only lower lanes' riders were bounded), and made the request
+        it waited for late. Rows left out go next; a lane with a share banks what it did
+        not get."""
         model = self._run_times.get(plan.taken[0][0].request.signature)
         ordered = sorted(plan.taken, key=lambda pair: (pair[0].priority, pair[0].entry_id))
         # The request the deadline sent the batch out for goes whatever its place in
