@@ -99,14 +99,18 @@ def infer_request(
         InvalidInputError: a name or id is not UTF-8 text (protobuf raised a bare
             UnicodeEncodeError), naming the field.
     """
-    utf8_bytes("request_id", request_id, request_id=request_id)
-    utf8_bytes("lane", lane or "", request_id=request_id)
-    for name in outputs:
-        utf8_bytes("output name", name, request_id=request_id)
-    return pb.InferRequest(
-        request_id=request_id,
-        lane=lane or "",
-        timeout_ms=timeout_ms,
-        inputs=tensors,
-        output_names=outputs,
-    )
+    try:
+        return pb.InferRequest(
+            request_id=request_id,
+            lane=lane or "",
+            timeout_ms=timeout_ms,
+            inputs=tensors,
+            output_names=outputs,
+        )
+    except UnicodeEncodeError:
+        # Which one, worked out only when protobuf refused: not on every request.
+        utf8_bytes("request_id", request_id, request_id=request_id)
+        utf8_bytes("lane", lane or "", request_id=request_id)
+        for name in outputs:
+            utf8_bytes("output name", name, request_id=request_id)
+        raise
