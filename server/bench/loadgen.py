@@ -45,7 +45,7 @@ from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from laneserve.client.tensors import datatype_of, decode_tensor
-from laneserve.server.bench.settings import WORKER_METADATA_KEY, Profile, Stream
+from laneserve.server.bench.settings import HEARTBEAT_S, WORKER_METADATA_KEY, Profile, Stream
 from laneserve.server.bench.summary import (
     OK,
     MergedWindow,
@@ -67,9 +67,6 @@ MAX_OUTSTANDING: Final = 20_000
 READY_TIMEOUT_S: Final = 60.0
 # How often a waiting client process looks at the stop event.
 POLL_S: Final = 0.02
-# The heartbeat's ticks, due on a fixed grid this far apart: each records how late the
-# event loop ran it (summary.StreamWindow.loop_late_s).
-HEARTBEAT_S: Final = 0.01
 # A window report later than its boundary by this much means a client process is stuck.
 REPORT_GRACE_S: Final = 30.0
 MESSAGE_LIMIT_BYTES: Final = 64 * 1024 * 1024

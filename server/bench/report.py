@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from laneserve.server.bench.procs import PSS, RSS, UNIQUE, UNIQUE_DESCRIPTION
-from laneserve.server.bench.settings import BULK_SATURATION, SCENARIO_TITLES
+from laneserve.server.bench.settings import BULK_SATURATION, HEARTBEAT_S, SCENARIO_TITLES
+from laneserve.server.bench.summary import CLIENT_LATE_PERCENTILE, CLIENT_LATE_WINDOW_SHARE
 
 log = logging.getLogger("laneserve.bench")
 
@@ -876,11 +877,12 @@ LATE_HEADER: Final = "client late p95: loop / past gRPC deadline"
 # The rule of summary.late_problem, as the tables' notes give it.
 CLIENT_LATE_NOTE: Final = (
     "Client late: how late each client process's event loop was to a heartbeat every "
-    "10 ms, and how long past its gRPC deadline the client saw each call end (0 within "
-    "it: gRPC ends every call by its deadline, so the rest was the client's). Where the "
-    "p95 of either exceeds the stream's deadline, or without one its p50 latency (open "
-    "loop), or 10 % of the window, answers waited in the load generator: the point is "
-    "not valid."
+    f"{HEARTBEAT_S * 1000:g} ms, and how long past its gRPC deadline the client saw each "
+    "call end (0 within it: gRPC ends every call by its deadline, so the rest was the "
+    f"client's). Where the p{CLIENT_LATE_PERCENTILE} of either exceeds the stream's "
+    "deadline, or without one its p50 latency (open loop), or "
+    f"{CLIENT_LATE_WINDOW_SHARE * 100:g} % of the window, answers waited in the load "
+    "generator: the point is not valid."
 )
 
 

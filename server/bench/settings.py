@@ -41,6 +41,9 @@ BULK_SATURATION: Final = "bulk alone, closed loop"
 # calls it carries can be counted by the worker that answered them (the N-workers
 # baseline behind one SO_REUSEPORT port), at no cost on the Infer path being measured.
 WORKER_METADATA_KEY: Final = "laneserve-bench-worker"
+# The load generator's heartbeat: ticks due on a fixed grid this far apart, each
+# recording how late the event loop ran it (summary.StreamWindow.loop_late_s).
+HEARTBEAT_S: Final = 0.01
 
 # Configurations the harness can start, in the order it runs them. The first is the
 # system under test; the others are the baselines of the issue.

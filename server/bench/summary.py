@@ -99,7 +99,7 @@ class StreamWindow:
     # themselves (the baselines) are counted.
     ok_by_worker: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     # Seconds the event loop of the client process carrying the stream was late to each
-    # heartbeat tick in the window (loadgen.HEARTBEAT_S apart): how long an answer that
+    # heartbeat tick in the window (settings.HEARTBEAT_S apart): how long an answer that
     # came then waited before the client timed it. Every process carrying the stream
     # adds its own.
     loop_late_s: list[float] = dataclasses.field(default_factory=list)
