@@ -436,8 +436,7 @@ class LaneServer:
         self._health = _HealthServicer()
         self._thread: SchedulerThread | None = None
         self._servicer: InferenceServicer | None = None
-        self._servers: list[grpc.aio.Server] = []  # the main port's first
-        self._acceptors: list[ParallelAcceptors] = []
+        self._listeners: list[_Listener] = []  # the main port's first, once started
         self._grpc_calls: GrpcCallCounts | None = None  # once the gRPC server runs
         self._stopped = asyncio.Event()
         # Set once start() has returned or raised. What a start has started (threads,
@@ -559,26 +558,24 @@ class LaneServer:
         if len(listeners) > 1:
             self.priority_port = listeners[1].port
         servers = [each.server for each in listeners]
-        acceptors = [each.acceptors for each in listeners]
         self._thread.start()
         try:
             for each in servers:
                 await each.start()
-            for accepting in acceptors:
-                accepting.start()
+            for listener in listeners:
+                listener.acceptors.start()
         except BaseException:
             # gRPC's own start failed: what this start began is stopped here, since a
             # stop() after a failed start finds nothing started. Nothing was admitted
             # (the state is not SERVING), so no request is left without its answer.
             await asyncio.to_thread(self._thread.close, join_timeout_s=RUNNING_BATCH_WAIT_S)
             await _give_back(servers)
-            for accepting in acceptors:
-                await accepting.wait_closed(ACCEPTORS_CLOSE_S)
+            for listener in listeners:
+                await listener.acceptors.wait_closed(ACCEPTORS_CLOSE_S)
             self.telemetry.close()
             raise
         self._grpc_calls = GrpcCallCounts(set().union(*(each.channelz_ids for each in listeners)))
-        self._servers = servers
-        self._acceptors = acceptors
+        self._listeners = listeners
         self.state = Lifecycle.SERVING
         if self.failure is not None:  # the scheduler failed while the server started
             self._own_stop = asyncio.ensure_future(self.stop())
@@ -702,7 +699,7 @@ class LaneServer:
         if self.state in (Lifecycle.DRAINING, Lifecycle.STOPPED):
             await self._stopped.wait()
             return
-        if not self._servers:  # never started, or its start failed: nothing to drain
+        if not self._listeners:  # never started, or its start failed: nothing to drain
             self.state = Lifecycle.STOPPED
             self.telemetry.close()
             await self._health.enter_graceful_shutdown()  # as every stopped server says
@@ -770,9 +767,9 @@ class LaneServer:
         # (NOT_SERVING sent) end now: the grace would wait for them in full.
         self._health.end_watches()
         await self._read_what_grpc_holds()
-        await asyncio.gather(*(server.stop(grace=2.0) for server in self._servers))
-        for acceptors in self._acceptors:  # their asks failed as the servers stopped
-            await acceptors.wait_closed(ACCEPTORS_CLOSE_S)
+        await asyncio.gather(*(each.server.stop(grace=2.0) for each in self._listeners))
+        for each in self._listeners:  # their asks failed as the servers stopped
+            await each.acceptors.wait_closed(ACCEPTORS_CLOSE_S)
         return drained
 
     async def _read_what_grpc_holds(self) -> None:

@@ -1189,7 +1189,7 @@ def test_infer_calls_are_taken_by_the_acceptors_several_at_a_time(small_model: P
             calls = [s.stub.Infer(request(rows(1, start=index)), timeout=30) for index in range(64)]
             answers = await asyncio.gather(*calls)
             assert [int(output(answer)[0, 0] != 0) for answer in answers]  # answered
-            return sum(acceptors.taken for acceptors in s.server._acceptors)
+            return sum(each.acceptors.taken for each in s.server._listeners)
 
     taken = asyncio.run(scenario())
     assert taken > 0, "no call came through the acceptors"
@@ -1212,7 +1212,7 @@ def test_without_the_grpc_internals_the_acceptors_stand_aside(
                 *(s.stub.Infer(request(rows(1)), timeout=30) for _ in range(16))
             )
             assert len(answers) == 16
-            return sum(acceptors.taken for acceptors in s.server._acceptors)
+            return sum(each.acceptors.taken for each in s.server._listeners)
 
     assert asyncio.run(scenario()) == 0
     assert "lacks cygrpc._schedule_rpc_coro(" in caplog.text
