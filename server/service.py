@@ -740,6 +740,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 if wait_s is None:
                     return
                 await asyncio.sleep(min(max(wait_s, ROOM_POLL_MIN_S), ROOM_POLL_MAX_S, left_s))
+        except asyncio.CancelledError:
+            # Its stream ended while it waited: read, never admitted, it was counted
+            # nowhere. Counted as its lane's refusal, by why its caller went (see
+            # `caller_end_status`: a stream call's gRPC deadline ends its items too).
+            now_s = self._clock.monotonic()
+            self._events.rejected(lane, caller_end_status(now_s, until_s, queued=True))
+            raise
         finally:
             room.leave()
             oldest = line[0] is turn

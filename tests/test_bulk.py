@@ -1013,6 +1013,34 @@ def test_a_stream_item_waiting_for_room_at_the_drain_is_answered_draining(
     assert rejected == {"DRAINING": 1}
 
 
+def test_a_stream_item_whose_stream_ends_while_it_waits_for_room_counts_cancelled(
+    small_model: Path,
+) -> None:
+    """A stream item waits for room in the full bulk lane and its client cancels the
+    stream: the item was read and never admitted, and was counted nowhere (GetStats'
+    refusals and answers missed a request the server had read). It counts as its lane's
+    refusal CANCELLED: its caller left."""
+
+    async def scenario() -> dict[str, int]:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model, max_batch_size=4, lanes=bulk_lane(4))
+        async with serving(engine, server_config) as s:
+            held, queued = await _fill_the_bulk_lane(s, engine)
+            item = request(rows(4), request_id="w", lane="bulk")
+            answers = s.stub.InferStream(iter([item]))
+            await until(lambda: _waiting_for_room(s, "bulk") == 1)
+            answers.cancel()
+            await until(lambda: _waiting_for_room(s, "bulk") == 0)
+            engine.release()
+            await asyncio.gather(held, queued)
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+        (bulk,) = [lane for lane in stats.lanes if lane.name == "bulk"]
+        assert dict(bulk.answered) == {"OK": 2}
+        return dict(bulk.rejected)
+
+    assert asyncio.run(scenario()) == {"CANCELLED": 1}
+
+
 def test_a_stream_item_that_waited_for_room_counts_no_refusal(small_model: Path) -> None:
     """Items of two streams wait for room in the same full lane (one batch held in the
     session), and then all run: GetStats counts no refusal, every item is answered OK
