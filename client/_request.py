@@ -18,6 +18,15 @@ from laneserve.v1 import inference_pb2 as pb
 MAX_REQUEST_ID_BYTES = 256
 
 
+def refused(message: str, request_id: str = "") -> InvalidInputError:
+    """An InvalidInputError for a request this client refused to send: its attempts 0
+    (a LaneserveError counts 1, the one attempt a server answered), so that a caller
+    reading `attempts` tells a request never sent from one the server refused."""
+    error = InvalidInputError(message, code=grpc.StatusCode.INVALID_ARGUMENT, request_id=request_id)
+    error.attempts = 0
+    return error
+
+
 def checked_inputs(inputs: object) -> dict[str, npt.NDArray[Any]]:
     """`inputs` as a dict, read once: a mapping may compute its values on each read (numpy's
     NpzFile, from ``np.load("x.npz")``, decompresses every array again).
@@ -47,9 +56,7 @@ def encode_inputs(inputs: Mapping[str, npt.NDArray[Any]], request_id: str) -> li
     try:
         return [encode_tensor(name, array) for name, array in arrays.items()]
     except ValueError as error:
-        raise InvalidInputError(
-            str(error), code=grpc.StatusCode.INVALID_ARGUMENT, request_id=request_id
-        ) from error
+        raise refused(str(error), request_id) from error
 
 
 def output_names(outputs: Sequence[str] | None) -> tuple[str, ...]:
@@ -76,11 +83,10 @@ def utf8_bytes(field: str, text: str, *, request_id: str = "") -> int:
     try:
         return len(text.encode())
     except UnicodeEncodeError as error:
-        raise InvalidInputError(
+        raise refused(
             f"{field} {text!r}: expected UTF-8 text; the character at position "
             f"{error.start} has no UTF-8 encoding (a lone surrogate)",
-            code=grpc.StatusCode.INVALID_ARGUMENT,
-            request_id=request_id,
+            request_id,
         ) from None
 
 

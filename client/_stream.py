@@ -53,6 +53,7 @@ from laneserve.client._request import (
     checked_inputs,
     encode_inputs,
     infer_request,
+    refused,
     utf8_bytes,
 )
 from laneserve.client._retry import (
@@ -93,26 +94,22 @@ def row_chunks(inputs: Arrays, rows_per_item: int) -> Iterator[Arrays]:
         raise ValueError(f"rows_per_item: expected >= 1, got {rows_per_item}")
     arrays = checked_inputs(inputs)
     if not arrays:
-        raise _invalid("inputs: expected at least one input, got an empty mapping")
+        raise refused("inputs: expected at least one input, got an empty mapping")
     for name, array in arrays.items():
         if array.ndim == 0:
-            raise _invalid(
+            raise refused(
                 f"input {name!r}: expected an array with a row (first) axis to split into "
                 "items, got a 0-d array (a scalar)"
             )
     counts = {name: array.shape[0] for name, array in arrays.items()}
     if len(set(counts.values())) > 1:
-        raise _invalid(f"inputs must have the same number of rows (first axis), got {counts}")
+        raise refused(f"inputs must have the same number of rows (first axis), got {counts}")
     return _chunks(arrays, next(iter(counts.values())), rows_per_item)
 
 
 def _chunks(arrays: Arrays, total: int, rows_per_item: int) -> Iterator[Arrays]:
     for start in range(0, total, rows_per_item):
         yield {name: array[start : start + rows_per_item] for name, array in arrays.items()}
-
-
-def _invalid(message: str) -> InvalidInputError:
-    return InvalidInputError(message, code=grpc.StatusCode.INVALID_ARGUMENT)
 
 
 class _State(enum.Enum):
@@ -501,11 +498,10 @@ class BulkStream:
     def _id_refusal(self, index: int, request_id: str) -> InvalidInputError | None:
         """Why item `index` cannot be sent with `request_id`, or None when it can."""
         if request_id in self._items:
-            return InvalidInputError(
+            return refused(
                 f"bulk stream item {index}: request_id {request_id!r} is already in flight "
                 "in this stream; expected a unique id per item",
-                code=grpc.StatusCode.INVALID_ARGUMENT,
-                request_id=request_id,
+                request_id,
             )
         try:
             id_bytes = utf8_bytes(
@@ -514,12 +510,11 @@ class BulkStream:
         except InvalidInputError as refusal:
             return refusal
         if id_bytes > MAX_REQUEST_ID_BYTES:  # the server's refusal would come back without it
-            return InvalidInputError(
+            return refused(
                 f"bulk stream item {index}: request_id is {id_bytes} bytes, over the "
                 f"server's limit of {MAX_REQUEST_ID_BYTES} bytes; expected a shorter id "
                 "(or job_id)",
-                code=grpc.StatusCode.INVALID_ARGUMENT,
-                request_id=request_id,
+                request_id,
             )
         return None
 
@@ -562,7 +557,6 @@ class BulkStream:
             )
         refusal = self._id_refusal(index, request_id)
         if refusal is not None:  # this item's fault too: answered, never sent
-            refusal.attempts = 0
             self._emit(StreamResult(index, request_id, None, refusal, 0))
             return None
         try:
@@ -574,7 +568,6 @@ class BulkStream:
                 outputs=self._options.outputs,
             )
         except InvalidInputError as error:  # this item's fault: answered, the job goes on
-            error.attempts = 0
             self._emit(StreamResult(index, request_id, None, error, 0))
             return None
         # From the message, not `inputs`: a mapping may compute its arrays at each read.

@@ -267,10 +267,19 @@ def test_invalid_input_is_invalid_input_error_and_not_retried(small_model: Path)
 
 
 def test_unsupported_dtype_is_refused_before_sending() -> None:
+    """Refused by the client, never sent: its attempts are 0 (they said 1, as if a
+    server had answered it)."""
+
     async def scenario() -> None:
         async with lc.AsyncClient("127.0.0.1:1") as client:  # nothing listens there
-            with pytest.raises(lc.InvalidInputError, match="'input': numpy dtype complex64"):
+            with pytest.raises(
+                lc.InvalidInputError, match="'input': numpy dtype complex64"
+            ) as refused:
                 await client.infer({"input": np.zeros((1, 2), np.complex64)})
+            assert refused.value.attempts == 0
+            with pytest.raises(lc.InvalidInputError, match="request_id") as refused:
+                await client.infer({"input": np.zeros((1, 2), np.float32)}, request_id="\ud800")
+            assert refused.value.attempts == 0
             with pytest.raises(TypeError, match="'input': expected a numpy array, got list"):
                 await client.infer({"input": [[1.0]]})  # type: ignore[dict-item]
 
