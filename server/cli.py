@@ -11,6 +11,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from laneserve.server import flag_values
 from laneserve.server.app import LaneServer, check_ports_free, load_engine, server_credentials
@@ -26,7 +27,7 @@ log = logging.getLogger("laneserve")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
+    parser = _parser(json_errors=_asked_log_format(argv) == "json")
     args = parser.parse_args(argv)
     if argv is None and args.command == "serve" and args.log_format == "json":
         _start_again_without_grpc_core_lines()
@@ -173,7 +174,7 @@ async def _serve(config: ServerConfig) -> tuple[int, bool]:
                 log,
                 logging.INFO,
                 "drain_started",
-                f"{name}: draining (grace {config.drain_grace_s:.1f}s)",
+                f"{name}: draining (grace {config.drain_grace_s:g}s)",
                 signal=name,
                 grace_s=config.drain_grace_s,
             )
@@ -228,8 +229,32 @@ def _signal_while_starting(name: str, signum: int, *, again: bool) -> None:
     os._exit(128 + signum)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="laneserve", description=__doc__)
+def _asked_log_format(argv: Sequence[str] | None) -> str | None:
+    """The last --log-format on the command line, read before the whole of it is parsed
+    (None: not given, or given no value), so that a refusal of the rest is written in it."""
+    probe = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    probe.add_argument("--log-format")
+    try:
+        known, _rest = probe.parse_known_args(argv)
+    except argparse.ArgumentError:  # --log-format without a value: the full parse says so
+        return None
+    log_format: str | None = known.log_format
+    return log_format
+
+
+def _parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
+    """The command line's parser; with `json_errors`, a refusal of the command line is one
+    JSON log line (`usage_error`), not argparse's text: log shippers parse every line."""
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> NoReturn:
+            if not json_errors:
+                super().error(message)
+            configure_logging("info", json_lines=True)
+            log_event(log, logging.ERROR, "usage_error", f"{self.prog}: {message}", exit_code=2)
+            sys.exit(2)
+
+    parser = Parser(prog="laneserve", description=__doc__)
     _add_log_arguments(parser, level="info", log_format="text")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve an ONNX model over gRPC")

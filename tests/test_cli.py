@@ -157,6 +157,25 @@ def test_log_flags_are_taken_after_serve_too(tmp_path: Path) -> None:
     assert "cannot load model" in line["message"]
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--log-format", "json", "serve", "--model", "m.onnx", "--port", "abc"),
+        ("serve", "--log-format=json", "--model", "m.onnx", "--bogus"),
+        ("--log-format", "json"),
+    ],
+)
+def test_a_command_line_refused_under_json_logs_is_one_json_line(args: tuple[str, ...]) -> None:
+    """argparse wrote its usage and error as text, before logging was set up: a log
+    shipper reading JSON lines got ~20 lines it could not parse. The refusal is one JSON
+    line naming what was wrong."""
+    stderr = refused(*args)
+    (line,) = [json.loads(text) for text in stderr.splitlines()]
+    assert line["event"] == "usage_error"
+    assert line["exit_code"] == 2
+    assert line["message"].startswith("laneserve")
+
+
 def test_a_model_path_that_is_a_directory_is_refused_saying_so(tmp_path: Path) -> None:
     """ONNX Runtime's own message was INVALID_PROTOBUF, "Protobuf parsing failed"."""
     stderr = refused_at_start("--model", str(tmp_path), "--port", "0")
@@ -435,7 +454,7 @@ def test_every_log_line_of_a_drain_is_a_json_event(small_model: Path) -> None:
     events = {line["event"]: line for line in lines}
     assert events["drain_started"]["signal"] == "SIGTERM"
     assert events["drain_started"]["grace_s"] == 3600.0
-    assert events["drain_started"]["message"] == "SIGTERM: draining (grace 3600.0s)"
+    assert events["drain_started"]["message"] == "SIGTERM: draining (grace 3600s)"
     assert events["drain_cut_short"]["signal"] == "SIGTERM"
     assert events["drain_incomplete"]["grace_s"] == 3600.0
     # Cut short by the second signal, not at the end of its grace: the line said "drain
