@@ -234,13 +234,14 @@ class CallGate:
             return self._gate_stream(behavior)
         return self._gate_unary(behavior)
 
-    async def _refuse(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, CALL_LIMIT_DETAILS)
-
     def _gate_unary(self, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
         async def gated(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             if request is OVER_LIMIT or self.full:
-                await self._refuse(context)
+                # Not `context.abort`: gRPC keeps its AbortError in a reference cycle
+                # with the call's frames, the request's bytes too (see service.refuse).
+                context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+                context.set_details(CALL_LIMIT_DETAILS)
+                return None
             self._enter_unary()
             try:
                 return await behavior(request, context)
@@ -255,7 +256,7 @@ class CallGate:
         ) -> AsyncIterator[Any]:
             # OVER_LIMIT: a unary request (deserializer) with a streamed answer.
             if request is OVER_LIMIT or self.full:
-                await self._refuse(context)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, CALL_LIMIT_DETAILS)
             self.stream_calls += 1
             responses = behavior(request, context)
             try:

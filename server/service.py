@@ -200,8 +200,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         try:
             return await self._infer(request, context, self._config.default_lane)
         except LaneserveError as error:
-            await abort_with(context, error)
-            raise AssertionError("unreachable: abort raises") from error
+            refuse(context, error)
+            return pb.InferResponse()  # not sent: gRPC sends a message only with OK
 
     async def InferStream(
         self,
@@ -406,7 +406,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         context: grpc.aio.ServicerContext[pb.GetModelRequest, pb.GetModelResponse],
     ) -> pb.GetModelResponse:
         if request is UNDECODABLE_GET_MODEL:
-            await abort_with(context, undecodable(request))
+            refuse(context, undecodable(request))
+            return pb.GetModelResponse()  # not sent: gRPC sends a message only with OK
         return pb.GetModelResponse(
             model_path=self._config.model_path,
             inputs=[_tensor_spec(spec) for spec in self._engine.inputs],
@@ -437,7 +438,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         context: grpc.aio.ServicerContext[pb.GetStatsRequest, pb.GetStatsResponse],
     ) -> pb.GetStatsResponse:
         if request is UNDECODABLE_GET_STATS:
-            await abort_with(context, undecodable(request))
+            refuse(context, undecodable(request))
+            return pb.GetStatsResponse()  # not sent: gRPC sends a message only with OK
         snapshot = self._stats.snapshot()
         depths = {depth.name: depth for depth in self._scheduler.depths()}
         return pb.GetStatsResponse(
@@ -865,21 +867,41 @@ def _deadline_s(now_s: float, remaining_s: float | None, timeout_ms: int) -> flo
     return min(candidates) if candidates else None
 
 
-async def abort_with(context: grpc.aio.ServicerContext[Any, Any], error: LaneserveError) -> None:
-    """Ends the RPC with `error`'s status, rich details and, if retryable, the pushback."""
+def refuse(context: grpc.aio.ServicerContext[Any, Any], error: LaneserveError) -> None:
+    """Sets `error`'s status, rich details and, if retryable, the pushback on a unary
+    RPC, whose handler then returns (gRPC discards a response with a status other than
+    OK). Not `context.abort`: the AbortError it raises is kept by gRPC's handler in a
+    reference cycle with every frame of the call, so each refused request (its bytes and
+    decoded inputs) stayed in memory until a full garbage collection: hundreds of MiB
+    after a burst of LANE_FULL refusals, enough to close every lane at the host memory
+    watermark, which refused more."""
     if context.cancelled():
         # The caller went away or its deadline passed: no status can be sent any more,
         # and trying would log a traceback per call under overload.
         raise asyncio.CancelledError
+    context.set_code(error.code)
+    context.set_details(bounded_message(error.message))
+    context.set_trailing_metadata(_status_trailers(error))
+
+
+async def abort_with(context: grpc.aio.ServicerContext[Any, Any], error: LaneserveError) -> None:
+    """Ends a streaming RPC with `error`'s status, rich details and, if retryable, the
+    pushback (a unary one returns instead: see `refuse`)."""
+    if context.cancelled():
+        raise asyncio.CancelledError  # as in `refuse`
+    await context.abort(
+        error.code, bounded_message(error.message), trailing_metadata=_status_trailers(error)
+    )
+
+
+def _status_trailers(error: LaneserveError) -> tuple[tuple[str, str | bytes], ...]:
     trailers: list[tuple[str, str | bytes]] = [
         ("grpc-status-details-bin", to_rpc_status(error).SerializeToString())
     ]
     delay_ms = pushback_ms(error)
     if delay_ms is not None:
         trailers.append(("grpc-retry-pushback-ms", str(delay_ms)))
-    await context.abort(
-        error.code, bounded_message(error.message), trailing_metadata=tuple(trailers)
-    )
+    return tuple(trailers)
 
 
 def _id_too_long(request_id: str) -> bool:

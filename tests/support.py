@@ -300,6 +300,13 @@ class ServerProcess:
         return lines
 
 
+def queued_rows(s: Serving, lane: str | None = None) -> int:
+    """Rows queued in `lane`, or in every lane."""
+    thread = s.server._thread
+    assert thread is not None
+    return sum(depth.queued_rows for depth in thread.depths() if lane in (None, depth.name))
+
+
 async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
     """Polls `condition`: a state the server reaches, not an assumption about timing."""
     loop = asyncio.get_running_loop()

@@ -38,6 +38,7 @@ from tests.support import (
     TcpProxy,
     cut_while_a_batch_runs,
     output,
+    queued_rows,
     request,
     rich_status,
     rows,
@@ -1561,13 +1562,6 @@ class TaggedRequests:
             self.produced += 1
             start = self.per_item * i
             yield request(rows(self.per_item, start=start), request_id=f"{self.prefix}{i}")
-
-
-def queued_rows(s: Serving, lane: str | None = None) -> int:
-    """Rows queued in `lane`, or in every lane."""
-    thread = s.server._thread
-    assert thread is not None
-    return sum(depth.queued_rows for depth in thread.depths() if lane in (None, depth.name))
 
 
 async def until_stats(

@@ -30,7 +30,15 @@ from laneserve import client as lc
 from laneserve.server import Engine, LaneConfig, ServerConfig
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.v1 import inference_pb2 as pb
-from tests.support import RecordingEngine, Serving, TcpProxy, rows, serving, unused_port
+from tests.support import (
+    RecordingEngine,
+    Serving,
+    TcpProxy,
+    queued_rows,
+    rows,
+    serving,
+    unused_port,
+)
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads", "no_backoff_sleeps")
 
@@ -1214,12 +1222,6 @@ def packed(message: error_details_pb2.ErrorInfo | error_details_pb2.RetryInfo) -
     result = any_pb2.Any()
     result.Pack(message)
     return result
-
-
-def queued_rows(s: Serving) -> int:
-    thread = s.server._thread
-    assert thread is not None
-    return sum(depth.queued_rows for depth in thread.depths())
 
 
 async def rejected(client: lc.AsyncClient) -> int:

@@ -20,7 +20,14 @@ import pytest
 
 from laneserve import client as lc
 from laneserve.server import ServerConfig
-from tests.support import RecordingEngine, Serving, rows, serving, until, unused_port
+from tests.support import (
+    RecordingEngine,
+    queued_rows,
+    rows,
+    serving,
+    until,
+    unused_port,
+)
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads", "no_backoff_sleeps")
 
@@ -469,12 +476,6 @@ class EndedCalls(grpc.aio.StreamStreamClientInterceptor):
         call = await continuation(client_call_details, request_iterator)
         call.add_done_callback(lambda _call: self.ended.release())
         return call
-
-
-def queued_rows(s: Serving) -> int:
-    thread = s.server._thread
-    assert thread is not None
-    return sum(depth.queued_rows for depth in thread.depths())
 
 
 def resuming(caplog: pytest.LogCaptureFixture) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import random
 import socket
 import threading
@@ -26,6 +27,7 @@ from laneserve.client import CallCancelledError, error_from_rpc
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import LaneConfig, LaneServer, ServerConfig, grpc_accept
 from laneserve.server.app import check_ports_free
+from laneserve.server.errors import LaneserveError
 from laneserve.server.grpc_calls import GrpcCalls
 from laneserve.server.items import Batch, BatchResult, RowsWanted
 from laneserve.server.lifecycle import Lifecycle
@@ -37,6 +39,7 @@ from tests.support import (
     estimate_once,
     health_status,
     output,
+    queued_rows,
     request,
     rich_status,
     rows,
@@ -89,7 +92,7 @@ def test_batches_form_across_callers(demo_model: Path) -> None:
             rest = [
                 asyncio.ensure_future(s.stub.Infer(request(rows(1, seed=i)))) for i in range(40)
             ]
-            await until(lambda: _queued_rows(s.server) == 40)
+            await until(lambda: queued_rows(s) == 40)
             engine.release()
             await asyncio.gather(first, *rest)
             assert engine.batches == [1, 40], "work queued while busy goes out as one batch"
@@ -135,6 +138,68 @@ def test_bad_input_is_invalid_argument_naming_what_was_expected(
             assert output(await s.stub.Infer(request(rows(1)))).shape == (1, 10)
 
     asyncio.run(scenario())
+
+
+def test_a_refused_call_leaves_no_reference_cycle_holding_its_request(small_model: Path) -> None:
+    """`context.abort` raised an AbortError that gRPC's handler kept in a reference
+    cycle with every frame of the call: each refused request (its bytes, its decoded
+    inputs) stayed in memory until a full garbage collection, ~80 MiB per burst of 24
+    large refusals, enough to close every lane at the host memory watermark. Refusals
+    (invalid input, a full lane, an undecodable GetStats) now leave no cycle of
+    the server's behind: its frames and errors go with the call."""
+
+    def server_garbage() -> list[str]:
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            gc.collect()
+            found = [
+                type(thing).__name__
+                for thing in gc.garbage
+                if isinstance(thing, (LaneserveError, grpc.aio.AbortError))
+                or (
+                    type(thing).__name__ == "frame"
+                    and "laneserve/server" in thing.f_code.co_filename
+                )
+            ]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+        return found
+
+    async def scenario() -> list[str]:
+        lanes = (
+            LaneConfig("standard", capacity_rows=4, timeout_ms=60_000, max_wait_ms=0, min_share=0),
+        )
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, lanes=lanes)) as s:
+            gc.collect()
+            engine.hold()
+            held = asyncio.ensure_future(s.stub.Infer(request(rows(4))))
+            await asyncio.to_thread(engine.entered.acquire)
+            queued = asyncio.ensure_future(s.stub.Infer(request(rows(4))))
+            await until(lambda: queued_rows(s, "standard") == 4)
+            # Lane full, more rows than the lane holds, unknown lane; at once, as a burst.
+            refusals = [request(rows(2)), request(rows(8)), request(rows(1), lane="vip")] * 8
+            answers = await asyncio.gather(
+                *(s.stub.Infer(refused) for refused in refusals), return_exceptions=True
+            )
+            assert all(isinstance(answer, grpc.aio.AioRpcError) for answer in answers)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await s.channel.unary_unary(
+                    "/laneserve.v1.InferenceService/GetStats",
+                    request_serializer=lambda raw: raw,
+                    response_deserializer=pb.GetStatsResponse.FromString,
+                )(b"\xff\xff")
+            found = server_garbage()
+            engine.release()
+            await asyncio.gather(held, queued)
+        return found
+
+    gc.disable()
+    try:
+        assert asyncio.run(scenario()) == []
+    finally:
+        gc.enable()
 
 
 def test_message_over_the_limit_is_resource_exhausted(small_model: Path) -> None:
@@ -262,7 +327,7 @@ def test_full_lane_refuses_with_pushback(small_model: Path) -> None:
             queued = [
                 asyncio.ensure_future(s.stub.Infer(request(rows(4, start=10 * i)))) for i in (1, 2)
             ]
-            await until(lambda: _queued_rows(s.server) == 8)
+            await until(lambda: queued_rows(s) == 8)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await s.stub.Infer(request(rows(1)))
             error = caught.value
@@ -305,7 +370,7 @@ def test_unmeetable_deadline_is_refused_at_once(small_model: Path) -> None:
             running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
             await asyncio.to_thread(engine.entered.acquire)
             ahead = asyncio.ensure_future(s.stub.Infer(request(rows(2000, start=1))))
-            await until(lambda: _queued_rows(s.server) == 2000)
+            await until(lambda: queued_rows(s) == 2000)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await s.stub.Infer(request(rows(1, start=5000), timeout_ms=1))
             assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -329,7 +394,7 @@ def test_expired_in_queue_is_answered_and_never_runs(small_model: Path) -> None:
                 await s.stub.Infer(request(rows(3, start=100), timeout_ms=50))
             assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert rich_status(caught.value)[0] == "EXPIRED_IN_QUEUE"
-            assert _queued_rows(s.server) == 0, "its rows are freed at once"
+            assert queued_rows(s) == 0, "its rows are freed at once"
             engine.release()
             await running
             await s.stub.Infer(request(rows(1, start=200)))
@@ -383,7 +448,7 @@ def test_grpc_deadline_is_honoured_without_configuration(small_model: Path) -> N
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await s.stub.Infer(request(rows(1, start=7)), timeout=0.2)
             assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            await until(lambda: _queued_rows(s.server) == 0)
+            await until(lambda: queued_rows(s) == 0)
             engine.release()
             await running
             assert 7 not in engine.ran_tags
@@ -399,9 +464,9 @@ def test_cancelled_call_frees_its_rows_and_never_runs(small_model: Path) -> None
             running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
             await asyncio.to_thread(engine.entered.acquire)
             call = s.stub.Infer(request(rows(5, start=10)))
-            await until(lambda: _queued_rows(s.server) == 5)
+            await until(lambda: queued_rows(s) == 5)
             call.cancel()
-            await until(lambda: _queued_rows(s.server) == 0)
+            await until(lambda: queued_rows(s) == 0)
             engine.release()
             await running
             assert engine.ran_tags == [0]
@@ -716,7 +781,9 @@ def test_a_stop_its_caller_cancels_ends_the_grace_and_goes_on_to_its_end(
                 running = asyncio.ensure_future(stub.Infer(request(rows(1)), timeout=60))
                 assert await asyncio.to_thread(engine.entered.acquire, True, 10)
                 queued = asyncio.ensure_future(stub.Infer(request(rows(1)), timeout=60))
-                await until(lambda: _queued_rows(server) == 1)
+                thread = server._thread
+                assert thread is not None
+                await until(lambda: sum(d.queued_rows for d in thread.depths()) == 1)
                 stopping = asyncio.ensure_future(server.stop())
                 await until(lambda: server.state is Lifecycle.DRAINING)
                 stopping.cancel()
@@ -1129,10 +1196,6 @@ def test_every_request_gets_exactly_one_answer(small_model: Path) -> None:
     asyncio.run(scenario())
 
 
-def _queued_rows(server: object) -> int:
-    return sum(depth.queued_rows for depth in server._thread.depths())  # type: ignore[attr-defined]
-
-
 async def _one_running_two_rows_queued(
     s: Serving, engine: RecordingEngine
 ) -> tuple[asyncio.Future[pb.InferResponse], asyncio.Future[pb.InferResponse]]:
@@ -1142,7 +1205,7 @@ async def _one_running_two_rows_queued(
     running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
     await asyncio.to_thread(engine.entered.acquire)
     queued = asyncio.ensure_future(s.stub.Infer(request(rows(2, start=1))))
-    await until(lambda: _queued_rows(s.server) == 2)
+    await until(lambda: queued_rows(s) == 2)
     return running, queued
 
 
@@ -1161,7 +1224,7 @@ def test_calls_past_the_concurrency_limit_are_refused_as_grpc_refuses_them(
             running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
             await asyncio.to_thread(engine.entered.acquire)
             queued = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=1))))
-            await until(lambda: _queued_rows(s.server) == 1)
+            await until(lambda: queued_rows(s) == 1)
             for _ in range(3):  # whichever way each is taken
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
                     await s.stub.Infer(request(rows(1, start=2)))

@@ -45,7 +45,7 @@ from laneserve.server.engine import Engine, TensorSpec
 from laneserve.server.errors import LaneserveError, to_rpc_status
 from laneserve.server.items import Timing
 from laneserve.server.process import tune_for_serving
-from laneserve.server.service import abort_with
+from laneserve.server.service import refuse
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -162,8 +162,8 @@ class SingleServicer(_InferOnly):
         try:
             return await self._answer(request)
         except LaneserveError as error:
-            await abort_with(context, error)
-            raise AssertionError("unreachable: abort raises") from error
+            refuse(context, error)  # as laneserve refuses: no AbortError (see `refuse`)
+            return pb.InferResponse()
 
     async def InferStream(
         self,
