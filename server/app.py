@@ -33,6 +33,7 @@ from laneserve.server.errors import DrainingError, LaneserveError
 from laneserve.server.events import FanOut, NullTracer, SchedulerEvents
 from laneserve.server.grpc_accept import CallGate, ParallelAcceptors
 from laneserve.server.grpc_calls import GrpcCallCounts, GrpcCalls
+from laneserve.server.idempotency import LedgerCounts
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.memory import (
     MemoryEstimate,
@@ -503,7 +504,11 @@ class LaneServer:
         if self._grace_ended:
             thread.end_grace()
         self.telemetry.observe(
-            thread.depths, lambda: thread.batch_cap, self.stats.counts, self.grpc_calls
+            thread.depths,
+            lambda: thread.batch_cap,
+            self.stats.counts,
+            self.grpc_calls,
+            self.ledger_counts,
         )
         servicer = self._servicer = InferenceServicer(
             self.config,
@@ -652,7 +657,7 @@ class LaneServer:
         channelz_ids = frozenset(GrpcCallCounts.server_ids() - known)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         # gRPC's own view: calls started, succeeded and failed, sockets. Calls its core
-        # refused (max_pending_calls) count as started and neither succeeded nor failed.
+        # refused (max_pending_calls) count as started and never end.
         channelz.add_channelz_servicer(server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, CHANNELZ_SERVICE_NAME, reflection.SERVICE_NAME),
@@ -688,6 +693,12 @@ class LaneServer:
         """gRPC's own call counts, summed over this server's ports; None before start."""
         return None if self._grpc_calls is None else self._grpc_calls.read()
 
+    def ledger_counts(self) -> LedgerCounts | None:
+        """The idempotency ledger's joins, replays and replay cache; None before start.
+        Safe from any thread (the metric reader's)."""
+        servicer = self._servicer
+        return None if servicer is None else servicer.ledger_counts()
+
     async def stop(self, grace_s: float | None = None) -> None:
         """Drains: refuses new work, lets queued work finish within the grace period (or
         until `end_grace`), answers the rest UNAVAILABLE, then stops listening. Safe to
@@ -701,6 +712,8 @@ class LaneServer:
             return
         if not self._listeners:  # never started, or its start failed: nothing to drain
             self.state = Lifecycle.STOPPED
+            if self._servicer is not None:
+                self._servicer.close()
             self.telemetry.close()
             await self._health.enter_graceful_shutdown()  # as every stopped server says
             self._stopped.set()
@@ -723,6 +736,10 @@ class LaneServer:
         try:
             drained = await self._drain(grace_s)
         finally:
+            assert self._servicer is not None
+            # The ledger's sweep timer goes, and none is armed again (an answer of a run
+            # that would not end may still be stored): no timer outlives the server.
+            self._servicer.close()
             self.telemetry.close()
             self.state = Lifecycle.STOPPED
             self._stopped.set()

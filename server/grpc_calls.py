@@ -1,8 +1,9 @@
 """gRPC's own count of the calls of this server's ports (Channelz, read in-process).
 
-laneserve's counters start where its servicer does; calls gRPC's core refused before
-that (`max_pending_calls`) or dropped there (expired before the event loop took them)
-appear only here: started, and neither succeeded nor failed.
+laneserve's counters start where its servicer does; calls that end before it appear
+only here. Those gRPC's core refused (`max_pending_calls`) count as started and never
+end; those whose caller cancelled, or whose deadline passed, before the event loop took
+them count as failed, as does every call that ends with a status other than OK.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class GrpcCalls:
     @property
     def unended(self) -> int:
         """Calls neither succeeded nor failed: running, held in gRPC's core, or refused
-        or dropped there (those never end)."""
+        there (`max_pending_calls`: those never end)."""
         return self.started - self.succeeded - self.failed
 
 

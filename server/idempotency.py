@@ -27,7 +27,8 @@ lane and the timeout of a retry may differ from the first attempt's.
 Requests without a request_id run as before, with no bookkeeping.
 
 Ownership: the event loop. Only coroutines and loop callbacks touch the ledger, so it
-needs no lock.
+needs no lock; the one exception is `RequestLedger.counts`, which another thread (a
+metric reader) may call: it only reads.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import math
 import struct
 import sys
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from laneserve.server.clock import DEADLINE_SLACK_S, Clock
 from laneserve.server.errors import (
@@ -60,6 +62,12 @@ from laneserve.v1 import inference_pb2 as pb
 # tiny answers within it too (test_the_byte_bound_counts_the_memory_the_cache_holds).
 ENTRY_OVERHEAD_BYTES = 176
 _EMPTY_STR_BYTES = sys.getsizeof("")
+
+# How long past its TTL a stored answer may still be held while no request comes (the
+# TTL itself, when shorter): the ledger's sweep fires this long after the oldest stored
+# answer expires. So a busy cache is swept at most once per this long, each sweep
+# dropping every answer that expired meanwhile, not once per answer stored.
+SWEEP_SLACK_S = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +148,25 @@ class Caller:
 
 # A caller always reachable, whose expiry nobody counts.
 ANY_CALLER = Caller()
+
+
+class TimerHandle(Protocol):
+    def cancel(self) -> None: ...
+
+
+# Runs the callback on the event loop after the delay (seconds), unless cancelled: the
+# running loop's `call_later` by default; tests pass a fake they fire by hand.
+CallLater = Callable[[float, Callable[[], None]], TimerHandle]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LedgerCounts:
+    """What `RequestLedger.counts` reads; the fields are GetStats' of the same names."""
+
+    idempotent_joins: int  # requests that joined the one in flight with their id
+    idempotent_replays: int  # requests answered from the replay cache
+    replay_cache_entries: int  # answers stored now
+    replay_cache_bytes: int  # bytes they take (what idempotency_max_bytes bounds)
 
 
 class _Waiter:
@@ -249,8 +276,9 @@ class ReplayCache:
     an answer (it was an LRU: a replayed answer moved to the back, expired there, and a
     store evicted the live answers ahead of it, whose retries then ran again). So the
     expired are always at the front, and are dropped from there before the bounds evict
-    anything live: whenever something is stored, and when the cache is counted (GetStats),
-    so that an idle server does not hold them, nor report them, for good.
+    anything live: whenever something is stored, when the cache is counted (GetStats),
+    and at the ledger's sweep (`drop_expired`, see `RequestLedger`), so that an idle
+    server does not hold them, nor report them, for good.
     """
 
     def __init__(self, *, max_entries: int, max_bytes: int, ttl_s: float, clock: Clock) -> None:
@@ -277,6 +305,29 @@ class ReplayCache:
         """Bytes held (what `max_bytes` bounds), the expired dropped first."""
         self._evict(self._clock.monotonic())
         return self._bytes
+
+    @property
+    def held_entries(self) -> int:
+        """Answers held now, the expired not dropped first: for a reader on another thread,
+        which must not touch the entries (the event loop owns them)."""
+        return len(self._entries)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes held now, the expired not dropped first (see `held_entries`)."""
+        return self._bytes
+
+    def oldest_expires_in_s(self) -> float | None:
+        """Seconds until the oldest stored answer expires (0 when it has); None: none is
+        stored. Every other expires no earlier: they were stored no earlier."""
+        if not self._entries:
+            return None
+        oldest = next(iter(self._entries.values()))
+        return max(_stored_s(oldest) + self.ttl_s - self._clock.monotonic(), 0.0)
+
+    def drop_expired(self) -> None:
+        """Drops the answers past their TTL (the bounds already hold)."""
+        self._evict(self._clock.monotonic())
 
     def get(self, request_id: str) -> Replayed | None:
         record = self._entries.get(request_id)
@@ -349,15 +400,28 @@ class RequestLedger:
     turns its Outcome into the answer (or raises its error); `left_s` is None while a
     caller still waits for it, else the deadline of the last caller to go (the answer is
     only kept for replay).
+
+    Stored answers expire with no request coming too: one loop timer, the sweep, fires
+    `SWEEP_SLACK_S` (or the TTL, when shorter) after the oldest stored answer expires and
+    drops every expired one; without it an idle server held them all (up to
+    idempotency_max_bytes) until the next store or GetStats. `close` cancels it, at stop.
     """
 
-    def __init__(self, replay: ReplayCache, clock: Clock) -> None:
+    def __init__(
+        self, replay: ReplayCache, clock: Clock, *, call_later: CallLater | None = None
+    ) -> None:
         self.replay = replay
         self._clock = clock  # the deadlines' clock (the scheduler's)
         self._flights: dict[str, _Flight] = {}
         # Requests answered from the replay cache, and requests that joined a flight.
         self.replays = 0
         self.joins = 0
+        self._call_later = call_later  # None: the running loop's
+        # Invariant: while the ledger is open and answers it stored are held, the sweep is
+        # armed, due no later than the slack past the oldest one's expiry. Never armed
+        # once closed, nor when nothing can be stored (idempotency_max_entries 0).
+        self._sweep: TimerHandle | None = None
+        self._closed = False
 
     async def run(
         self,
@@ -394,6 +458,44 @@ class RequestLedger:
         if deadline_s > flight.deadline_s:
             self._extend(flight, deadline_s)
         return await self._wait(flight, deadline_s, caller)
+
+    def counts(self) -> LedgerCounts:
+        """Joins and replays so far, and what the replay cache holds. Safe from another
+        thread (a metric reader): it only reads, and drops nothing (the sweep drops the
+        expired); the four are read one after another, not as one snapshot."""
+        return LedgerCounts(
+            idempotent_joins=self.joins,
+            idempotent_replays=self.replays,
+            replay_cache_entries=self.replay.held_entries,
+            replay_cache_bytes=self.replay.held_bytes,
+        )
+
+    def close(self) -> None:
+        """Cancels the sweep, for good: at stop, on the loop (no timer outlives the
+        server). Answers stored afterwards are still replayed, and dropped only as before
+        the sweep existed: by a store, a read or a count."""
+        self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+
+    def _arm_sweep(self) -> None:
+        """Arms the sweep for the oldest stored answer, unless it is armed already (then
+        for an answer stored no later) or the ledger is closed."""
+        if self._sweep is not None or self._closed:
+            return
+        expires_in_s = self.replay.oldest_expires_in_s()
+        if expires_in_s is None:
+            return
+        # The slack keeps each delay above 0: a sweep never re-arms itself for "now".
+        delay_s = expires_in_s + min(self.replay.ttl_s, SWEEP_SLACK_S)
+        call_later = self._call_later or asyncio.get_running_loop().call_later
+        self._sweep = call_later(delay_s, self._swept)
+
+    def _swept(self) -> None:
+        self._sweep = None
+        self.replay.drop_expired()
+        self._arm_sweep()  # for the answers left, which expire later
 
     def holds(self, request_id: str) -> bool:
         """Whether a request with `request_id` is answered here without being admitted:
@@ -457,8 +559,8 @@ class RequestLedger:
                     failure = EngineError(f"internal error: {error!r}")
                 flight.fail(failure)
                 return
-            if request_id:
-                self.replay.put(request_id, digest, response)
+            if request_id and self.replay.put(request_id, digest, response):
+                self._arm_sweep()
             flight.succeed(response)
 
         # Raises when refused: nothing is recorded then.
@@ -573,13 +675,17 @@ def _check_same(request_id: str, known: bytes, digest: bytes, state: str) -> Non
 __all__ = [
     "ANY_CALLER",
     "ENTRY_OVERHEAD_BYTES",
+    "SWEEP_SLACK_S",
     "Admitted",
+    "CallLater",
     "Caller",
     "Cancel",
     "Finish",
+    "LedgerCounts",
     "Move",
     "ReplayCache",
     "RequestLedger",
     "Resolve",
+    "TimerHandle",
     "fingerprint",
 ]

@@ -53,6 +53,7 @@ from laneserve.server.idempotency import (
     Admitted,
     Caller,
     Finish,
+    LedgerCounts,
     ReplayCache,
     RequestLedger,
     Resolve,
@@ -304,6 +305,15 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         had not yet taken is not read: unanswered, its client resends it."""
         for reader in self._stream_readers:
             reader.cancel()
+
+    def ledger_counts(self) -> LedgerCounts:
+        """The idempotency ledger's joins, replays and replay cache, for the metrics: safe
+        from the metric reader's thread (`RequestLedger.counts`)."""
+        return self._ledger.counts()
+
+    def close(self) -> None:
+        """The server stopped: the ledger's sweep timer goes (`RequestLedger.close`)."""
+        self._ledger.close()
 
     async def _stream_answer(
         self,

@@ -234,14 +234,15 @@ def render(target: str, model: pb.GetModelResponse, sample: Sample, previous: Sa
 
 def _grpc_line(calls: pb.GrpcCalls, old: pb.GrpcCalls | None, rate: _Rates) -> str:
     """gRPC's own count: what it neither answered OK nor failed was refused by its core
-    (max_pending_calls), cancelled, or is still running."""
+    (max_pending_calls) or is still running; `failed` holds every call ended with a
+    status other than OK, those cancelled or expired before laneserve saw them too."""
     other = calls.started - calls.succeeded - calls.failed
     old_other = None if old is None else old.started - old.succeeded - old.failed
     return (
         f"grpc     calls {rate.of(calls.started, old.started if old else None)}/s  "
         f"ok {rate.of(calls.succeeded, old.succeeded if old else None)}/s  "
         f"failed {rate.of(calls.failed, old.failed if old else None)}/s  "
-        f"refused by gRPC, cancelled or running {rate.of(other, old_other)}/s"
+        f"refused by gRPC or running {rate.of(other, old_other)}/s"
     )
 
 

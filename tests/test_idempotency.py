@@ -22,8 +22,10 @@ from laneserve.server.errors import JoinExpiredError
 from laneserve.server.idempotency import (
     ANY_CALLER,
     ENTRY_OVERHEAD_BYTES,
+    SWEEP_SLACK_S,
     Admitted,
     Caller,
+    LedgerCounts,
     ReplayCache,
     RequestLedger,
     fingerprint,
@@ -220,6 +222,32 @@ def test_retry_of_a_completed_request_gets_the_stored_answer(small_model: Path) 
         assert stats.replay_cache_bytes >= first.ByteSize()
 
     asyncio.run(scenario())
+
+
+def test_an_idle_server_drops_expired_answers_with_no_request_coming(small_model: Path) -> None:
+    """No store and no GetStats after the answers expire: the loop's sweep drops them
+    (the server's counts are read as the metrics read them, dropping nothing), and the
+    server's stop cancels the sweep of the answers still live."""
+
+    async def scenario() -> tuple[LedgerCounts | None, RequestLedger]:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model, idempotency_ttl_s=0.05)) as s:
+            for index in range(3):
+                await s.stub.Infer(request(rows(2), request_id=f"r{index}"))
+            await until(lambda: held_answers(s) == 0, timeout_s=5.0)
+            idle = s.server.ledger_counts()
+        engine = RecordingEngine(str(small_model))  # a stopped server's engine runs no more
+        async with served(engine, config(small_model)) as s:  # a TTL of 600 s
+            await s.stub.Infer(request(rows(2), request_id="live"))
+            assert s.server._servicer is not None
+            ledger = s.server._servicer._ledger
+            assert ledger._sweep is not None
+        return idle, ledger
+
+    idle, ledger = asyncio.run(scenario())
+    assert idle == LedgerCounts(0, 0, 0, 0)
+    assert ledger._sweep is None, "cancelled at stop"
+    assert ledger.counts().replay_cache_entries == 1
 
 
 def test_retry_while_queued_joins_it(small_model: Path) -> None:
@@ -736,6 +764,109 @@ def test_an_answer_no_caller_can_take_any_more_is_counted_by_their_deadline() ->
     assert asyncio.run(scenario()) == [10.0, None]
 
 
+class FakeTimers:
+    """The ledger's sweep timers, fired by hand (`call_later`): each one armed, in order."""
+
+    class Timer:
+        def __init__(self, delay_s: float, action: Callable[[], None]) -> None:
+            self.delay_s = delay_s
+            self.action = action
+            self.cancelled = False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    def __init__(self) -> None:
+        self.armed: list[FakeTimers.Timer] = []
+
+    def __call__(self, delay_s: float, action: Callable[[], None]) -> FakeTimers.Timer:
+        timer = FakeTimers.Timer(delay_s, action)
+        self.armed.append(timer)
+        return timer
+
+    def fire(self) -> None:
+        """Runs the last timer armed, as the loop would at its time."""
+        timer = self.armed[-1]
+        assert not timer.cancelled
+        timer.action()
+
+
+def swept_ledger(**bounds: Any) -> tuple[RequestLedger, ManualClock, FakeTimers]:
+    """A ledger on a manual clock whose sweep timers `FakeTimers` holds."""
+    clock = ManualClock()
+    timers = FakeTimers()
+    settings = {"max_entries": 8, "max_bytes": 1 << 20, "ttl_s": 10.0} | bounds
+    ledger = RequestLedger(ReplayCache(clock=clock, **settings), clock, call_later=timers)
+    return ledger, clock, timers
+
+
+async def completed(ledger: RequestLedger, request_id: str) -> None:
+    """Runs one request with `request_id` through `ledger` to its answer (then stored)."""
+    resolves: list[Callable[[Outcome], None]] = []
+
+    def running(unless_running: bool) -> bool:
+        del unless_running
+        return False
+
+    def submit(resolve: Callable[[Outcome], None]) -> Admitted:
+        resolves.append(resolve)
+        return Admitted(running, lambda _later_s: True)
+
+    def finish(outcome: Outcome, _left_s: float | None) -> pb.InferResponse:
+        return pb.InferResponse(request_id=outcome.request_id)
+
+    call = asyncio.create_task(ledger.run(request_id, b"same", submit, finish))
+    await asyncio.sleep(0)  # in flight
+    resolves[0](Outcome("token", request_id, {}, None, Timing("standard", 1, 0.0, 0.0)))
+    await call
+
+
+def test_an_idle_ledger_drops_each_expired_answer_at_its_sweep() -> None:
+    """README: expired answers are neither held nor counted once past their TTL. They were
+    dropped only when an answer was stored or the cache counted (GetStats): an idle
+    server, one watched by Prometheus alone, held every one (up to idempotency_max_bytes)
+    until then. One timer, armed for the oldest answer's expiry plus the slack, sweeps."""
+
+    async def scenario() -> None:
+        ledger, clock, timers = swept_ledger(ttl_s=10.0)
+        await completed(ledger, "a")  # expires at 10 s
+        clock.advance(4.0)
+        await completed(ledger, "b")  # expires at 14 s
+        assert [timer.delay_s for timer in timers.armed] == [10.0 + SWEEP_SLACK_S]
+        clock.advance(10.0 + SWEEP_SLACK_S - 4.0)
+        timers.fire()
+        assert ledger.counts().replay_cache_entries == 1, "a is dropped, b is live"
+        assert timers.armed[-1].delay_s == 4.0, "due at b's expiry plus the slack, as a's was"
+        clock.advance(timers.armed[-1].delay_s)
+        timers.fire()
+        assert ledger.counts() == LedgerCounts(0, 0, 0, 0)
+        assert len(timers.armed) == 2, "nothing left to sweep: no timer armed"
+
+    asyncio.run(scenario())
+
+
+def test_closing_the_ledger_cancels_its_sweep_and_arms_no_other() -> None:
+    """The server closes its ledger at stop: no timer may outlive the server or its loop."""
+
+    async def scenario() -> None:
+        ledger, _, timers = swept_ledger()
+        await completed(ledger, "a")
+        ledger.close()
+        await completed(ledger, "b")  # an answer of a run that would not end, stored late
+        assert [timer.cancelled for timer in timers.armed] == [True]
+
+    asyncio.run(scenario())
+
+
+def test_a_ledger_that_stores_no_answer_arms_no_sweep() -> None:
+    async def scenario() -> None:
+        ledger, _, timers = swept_ledger(max_entries=0)
+        await completed(ledger, "a")
+        assert timers.armed == []
+
+    asyncio.run(scenario())
+
+
 def test_joined_request_survives_the_first_caller_leaving(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
@@ -839,6 +970,14 @@ async def hold_engine(s: Serving, engine: RecordingEngine) -> asyncio.Future[pb.
     busy = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
     await asyncio.to_thread(engine.entered.acquire)
     return busy
+
+
+def held_answers(s: Serving) -> int:
+    """The answers the server's replay cache holds, read as the metrics read them: without
+    dropping the expired (GetStats drops them first)."""
+    counts = s.server.ledger_counts()
+    assert counts is not None
+    return counts.replay_cache_entries
 
 
 def queued_rows(s: Serving) -> int:

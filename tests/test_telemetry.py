@@ -832,7 +832,7 @@ def test_memory_and_out_of_memory_events_reach_the_metrics() -> None:
     metrics = telemetry.metrics
     assert metrics is not None
     stats = StatsRecorder([lane.name for lane in lanes])
-    telemetry.observe(list, lambda: 64, stats.counts, lambda: None)
+    telemetry.observe(list, lambda: 64, stats.counts, lambda: None, lambda: None)
     events = FanOut(stats, metrics)
     events.out_of_memory(64)
     events.batch_split(1, 64, 1)
@@ -887,7 +887,7 @@ def test_every_counter_series_is_reported_from_the_start_at_zero() -> None:
     lanes = ServerConfig(model_path="m.onnx").lanes
     telemetry = cpu_telemetry(metric_readers=[reader])
     stats = StatsRecorder([lane.name for lane in lanes])
-    telemetry.observe(list, lambda: 64, stats.counts, lambda: None)
+    telemetry.observe(list, lambda: 64, stats.counts, lambda: None, lambda: None)
     before = collect(reader)
     stats.rejected("bulk", "LANE_FULL")
     after = collect(reader)
@@ -1026,6 +1026,65 @@ def test_prometheus_endpoint_serves_the_metrics_over_http(small_model: Path) -> 
             await asyncio.to_thread(fetch, f"http://127.0.0.1:{port}/metrics")
 
     asyncio.run(scenario())
+
+
+def test_retries_answered_by_request_id_are_counted_and_the_replay_cache_measured(
+    small_model: Path,
+) -> None:
+    """A retry joined to its request in flight, or answered from the stored answer, is
+    neither admitted nor refused: no Prometheus counter saw it, and README's rule read
+    the gap such retries open between grpc_calls started and the requests counted as
+    calls gRPC's core refused. They are counted by how, from the start at 0, and the
+    replay cache's gauges say what GetStats says it holds."""
+
+    async def scenario() -> tuple[list[str], pb.GetStatsResponse]:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            url = f"http://127.0.0.1:{s.server.metrics_port}/metrics"
+            scrapes = [await asyncio.to_thread(fetch, url)]
+            await s.stub.Infer(request(rows(1), request_id="once"), timeout=10)
+            await s.stub.Infer(request(rows(1), request_id="once"), timeout=10)  # replayed
+            engine.hold()
+            first = asyncio.ensure_future(s.stub.Infer(request(rows(2), request_id="held")))
+            await entered(engine)
+            joined = asyncio.ensure_future(s.stub.Infer(request(rows(2), request_id="held")))
+            await until_joined(s)
+            engine.release()
+            await asyncio.gather(first, joined)
+            scrapes.append(await asyncio.to_thread(fetch, url))
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+        return scrapes, stats
+
+    scrapes, stats = asyncio.run(scenario())
+
+    def figures(text: str) -> dict[str, float]:
+        families = {family.name: family for family in text_string_to_metric_families(text)}
+        found = {
+            sample.labels["how"]: sample.value
+            for sample in families["laneserve_requests_idempotent"].samples
+            if sample.name == "laneserve_requests_idempotent_total"
+        }
+        for gauge in ("laneserve_replay_cache_entries", "laneserve_replay_cache_size_bytes"):
+            (sample,) = families[gauge].samples
+            found[gauge] = sample.value
+        return found
+
+    before, after = (figures(text) for text in scrapes)
+    assert before == {
+        "join": 0.0,
+        "replay": 0.0,
+        "laneserve_replay_cache_entries": 0.0,
+        "laneserve_replay_cache_size_bytes": 0.0,
+    }
+    assert (stats.idempotent_joins, stats.idempotent_replays) == (1, 1)
+    assert stats.replay_cache_entries == 2  # "once" and "held"
+    assert stats.replay_cache_bytes > 0
+    assert after == {
+        "join": stats.idempotent_joins,
+        "replay": stats.idempotent_replays,
+        "laneserve_replay_cache_entries": stats.replay_cache_entries,
+        "laneserve_replay_cache_size_bytes": stats.replay_cache_bytes,
+    }
 
 
 class _StandInNvml:

@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from laneserve.server.config import LaneConfig, ServerConfig
 from laneserve.server.events import SchedulerEvents
 from laneserve.server.grpc_calls import GrpcCalls
+from laneserve.server.idempotency import LedgerCounts
 from laneserve.server.scheduler import LaneDepth
 from laneserve.server.stats import Counts
 from laneserve.server.telemetry.device import DeviceMonitor
@@ -42,7 +43,7 @@ class Telemetry:
     sinks = telemetry.events                 # SchedulerEvents sinks
     tracer = telemetry.tracing               # RequestTracer, or None: tracing off
     interceptors = telemetry.interceptors    # for grpc.aio.server
-    telemetry.observe(thread.depths, lambda: thread.batch_cap, stats.counts, grpc_calls)
+    telemetry.observe(thread.depths, lambda: thread.batch_cap, stats.counts, grpc_calls, ledger)
     port = telemetry.serve_metrics(host, config.metrics_port)
     ...
     telemetry.close()
@@ -122,12 +123,14 @@ class Telemetry:
         batch_cap: Callable[[], int],
         counts: Callable[[], Counts],
         grpc_calls: Callable[[], GrpcCalls | None],
+        ledger: Callable[[], LedgerCounts | None],
     ) -> None:
         """Where the gauges read lane depths and the batch cap, and the counters their
-        counts (the stats recorder's, which GetStats reports too) and gRPC's own call
-        counts (None until the gRPC server runs)."""
+        counts (the stats recorder's, which GetStats reports too), gRPC's own call
+        counts (None until the gRPC server runs) and the idempotency ledger's joins,
+        replays and replay cache (None until the servicer exists)."""
         if self.metrics is not None:
-            self.metrics.observe(depths, batch_cap, counts, grpc_calls)
+            self.metrics.observe(depths, batch_cap, counts, grpc_calls, ledger)
 
     def serve_metrics(self, host: str, port: int, tls: EndpointTls | None = None) -> int | None:
         """Starts the Prometheus endpoint (HTTPS with `tls`); returns its port (None: not

@@ -23,13 +23,21 @@ Metric names (OpenTelemetry; Prometheus adds the unit and `_total`, e.g.
     laneserve.device.utilization.ratio gauge 1                     NVML; absent without a GPU
     laneserve.grpc.calls          counter           state          gRPC's own count (Channelz):
                                                                    started, succeeded, failed
+    laneserve.requests.idempotent counter           how            answered by request_id, not
+                                                                   admitted: join, replay
+    laneserve.replay_cache.entries gauge answers                   stored for replay now
+    laneserve.replay_cache.size   gauge By                         the bytes they take
 
 `laneserve.requests.completed` is GetStats' `lanes[].answered` (every end, by status),
-not its `lanes[].completed` (the OK ends alone).
+not its `lanes[].completed` (the OK ends alone). `laneserve.requests.idempotent` is
+GetStats' `idempotent_joins` and `idempotent_replays`: a retry the ledger answers is not
+admitted, so no other request counter sees it, unless the answer cannot reach its caller
+(a join answered alone at its deadline, an answer over the caller's receive limit): that
+one is refused too, in `laneserve.requests.rejected`.
 
-Calls gRPC's core refused (max_pending_calls) or dropped before the servicer saw them
-count in `laneserve.grpc.calls` as started and neither succeeded nor failed; no other
-counter sees them.
+Calls that end before the servicer sees them count in `laneserve.grpc.calls` alone: those
+gRPC's core refused (max_pending_calls) as started and never ended, those cancelled or
+expired in gRPC's queue as failed (as is every call ended with a status other than OK).
 
 The counters report every series known in advance from the start, at 0: each lane with
 each refusal and shed reason and each end status, each dispatch reason with each batch
@@ -48,6 +56,7 @@ from laneserve.server.config import LaneConfig
 from laneserve.server.errors import LaneserveError
 from laneserve.server.events import NullEvents
 from laneserve.server.grpc_calls import GrpcCalls
+from laneserve.server.idempotency import LedgerCounts
 from laneserve.server.items import Batch, DispatchReason
 from laneserve.server.scheduler import CAP_CHANGE_REASONS, LaneDepth
 from laneserve.server.stats import (
@@ -79,6 +88,8 @@ class _Sources:
     counts: Callable[[], Counts]
     # gRPC's own call counts; None until the gRPC server runs, or when gRPC cannot say.
     grpc_calls: Callable[[], GrpcCalls | None]
+    # The idempotency ledger's; None until the servicer exists.
+    ledger: Callable[[], LedgerCounts | None]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -216,6 +227,25 @@ class Metrics(NullEvents):
             description="gRPC's own count of this server's calls (Channelz), by state: "
             "started, succeeded, failed",
         )
+        meter.create_observable_counter(
+            "laneserve.requests.idempotent",
+            callbacks=[self._observe_idempotent],
+            unit="{request}",
+            description="Requests answered by request_id without being admitted, by how: "
+            "join (one with its id was in flight), replay (its answer was stored)",
+        )
+        meter.create_observable_gauge(
+            "laneserve.replay_cache.entries",
+            callbacks=[self._observe_replay_entries],
+            unit="{answer}",
+            description="Answers stored for replay to a retry with the same request_id",
+        )
+        meter.create_observable_gauge(
+            "laneserve.replay_cache.size",
+            callbacks=[self._observe_replay_bytes],
+            unit="By",
+            description="Bytes the stored answers take (what idempotency_max_bytes bounds)",
+        )
         meter.create_observable_gauge(
             "laneserve.lane.depth",
             callbacks=[self._observe_depth],
@@ -265,8 +295,9 @@ class Metrics(NullEvents):
         batch_cap: Callable[[], int],
         counts: Callable[[], Counts],
         grpc_calls: Callable[[], GrpcCalls | None],
+        ledger: Callable[[], LedgerCounts | None],
     ) -> None:
-        self._sources = _Sources(depths, batch_cap, counts, grpc_calls)
+        self._sources = _Sources(depths, batch_cap, counts, grpc_calls, ledger)
 
     def _observe_grpc_calls(self, options: CallbackOptions) -> Iterable[Observation]:
         calls = None if self._sources is None else self._sources.grpc_calls()
@@ -277,6 +308,27 @@ class Metrics(NullEvents):
             Observation(calls.succeeded, {"state": "succeeded"}),
             Observation(calls.failed, {"state": "failed"}),
         ]
+
+    def _ledger(self) -> LedgerCounts | None:
+        return None if self._sources is None else self._sources.ledger()
+
+    def _observe_idempotent(self, options: CallbackOptions) -> Iterable[Observation]:
+        # Both series from the servicer's start, at 0 (see `_Counter.known`).
+        ledger = self._ledger()
+        if ledger is None:
+            return []
+        return [
+            Observation(ledger.idempotent_joins, {"how": "join"}),
+            Observation(ledger.idempotent_replays, {"how": "replay"}),
+        ]
+
+    def _observe_replay_entries(self, options: CallbackOptions) -> Iterable[Observation]:
+        ledger = self._ledger()
+        return [] if ledger is None else [Observation(ledger.replay_cache_entries)]
+
+    def _observe_replay_bytes(self, options: CallbackOptions) -> Iterable[Observation]:
+        ledger = self._ledger()
+        return [] if ledger is None else [Observation(ledger.replay_cache_bytes)]
 
     def _lane(self, lane: str) -> dict[str, str]:
         attributes = self._lane_attributes.get(lane)
