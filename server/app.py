@@ -189,18 +189,23 @@ async def _give_back(servers: list[grpc.aio.Server]) -> None:
         await server.stop(None)
 
 
+def _rows_or_none(rows: int | None) -> str:
+    return "none" if rows is None else f"{rows} rows"
+
+
 def check_ports_free(config: ServerConfig) -> None:
     """Refuses, before the model loads (minutes for a large one on a GPU), a configured
     port the OS will not bind: one another process listens on, an address not this
-    host's. Port 0 (any free one) and -1 (none) are not checked. Not a reservation: a
-    port taken between this check and the bind is refused there."""
+    host's (port 0, any free one, is checked for the address alone; -1, none, is not
+    checked). Not a reservation: a port taken between this check and the bind is
+    refused there."""
     ports = (
         ("port", config.port),
         ("priority_port", config.priority_port),
         ("metrics_port", config.metrics_port),
     )
     for setting, port in ports:
-        if port <= 0:
+        if port < 0:
             continue
         refusal = _bind_refusal(config.host, port)
         if refusal is not None:
@@ -405,7 +410,7 @@ class LaneServer:
             logging.INFO,
             "probe",
             f"probe: batch_cap={self.probe.batch_cap} (max_batch_size {config.max_batch_size}, "
-            f"first out-of-memory at {self.probe.first_failing_rows} rows) "
+            f"first out-of-memory at {_rows_or_none(self.probe.first_failing_rows)}) "
             f"memory_limit={'none' if limit is None else format_bytes(limit)} "
             f"estimate={_line(self.memory_estimate)} measured={_line(self.probe.memory_fit)} "
             f"run time by batch size { {rows: f'{ms:.2f}ms' for rows, ms in run_ms.items()} }",

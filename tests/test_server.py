@@ -1717,3 +1717,13 @@ def test_a_unary_call_over_the_limit_is_refused_before_its_message_is_parsed() -
     gate.unary_calls = 1  # one in progress: at the limit
     assert deserialize(b"second") is grpc_accept.OVER_LIMIT
     assert parsed == [b"first"]
+
+
+def test_an_address_not_this_hosts_is_refused_before_the_model_loads_with_port_0() -> None:
+    """`--host 10.255.255.1 --port 0` passed the check (port 0 was not checked) and was
+    refused only by gRPC's bind, after the model had loaded and been probed (minutes on a
+    GPU). Port 0 is checked for its address; -1 (none) is not checked."""
+    foreign = "192.0.2.1"  # TEST-NET-1 (RFC 5737): never a local address
+    with pytest.raises(OSError, match=r"cannot listen on 192\.0\.2\.1:0 \(server\.port\): "):
+        check_ports_free(config(Path("m.onnx"), host=foreign, port=0, metrics_port=-1))
+    check_ports_free(config(Path("m.onnx"), host="127.0.0.1", port=0, metrics_port=-1))
