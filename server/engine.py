@@ -271,10 +271,18 @@ class Engine:
         # probe, a cap raised at run time. Rows too: with a dynamic width, a batch of
         # more, narrower rows (fewer input bytes, more activations) ran among a wide
         # batch's regions and ran out of memory, though it fitted a shrunk arena.
-        # `_arena_run` is that largest run, (bytes, rows) ((0, 0): none yet); runs on
-        # two threads at once could race on it: one shrink too many or too few.
+        # `_arena_run` is that largest run since the arena last shrank, (bytes, rows):
+        # None when none has run since; (0, 0) when none has run yet, and the arena has
+        # not shrunk either. Still, memory need is not monotonic in input bytes and rows
+        # (a dynamic width): under 18 MiB one row of width 2 048 ran out of memory after
+        # four rows of width 512 (equal bytes, fewer rows), though it had just run alone,
+        # and was answered DEVICE_MEMORY; two rows of width 1 400 after eight of 512 were
+        # split, and the batch cap fell from 8 to 1 for everyone. So a run out of memory
+        # with another run since the last shrink runs once more after the shrink that
+        # follows the failure, and only that run counts (see `run`). Runs on two threads
+        # at once could race on `_arena_run`: one shrink or retry too many or too few.
         self._shrinks_before_growth = memory_limit_bytes is not None
-        self._arena_run = (0, 0)
+        self._arena_run: tuple[int, int] | None = (0, 0)
         # The options of the run in progress, so that `terminate_runs` can end it: a
         # process that exits while the runtime is inside a run aborts (SIGABRT).
         self._lock = threading.Lock()
@@ -319,27 +327,38 @@ class Engine:
         return TensorSpec(arg.name, dtype, shape, names)
 
     def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
-        """One session run over whole arrays; runtime errors come out as LaneserveError."""
-        if self._shrinks_before_growth:
-            run_bytes = sum(array.nbytes for array in inputs.values())
-            run_rows = len(next(iter(inputs.values())))
-            largest_bytes, largest_rows = self._arena_run
-            if largest_bytes > 0 and (run_bytes > largest_bytes or run_rows > largest_rows):
-                self._shrink_arena()
-                largest_bytes, largest_rows = self._arena_run
-            self._arena_run = (max(largest_bytes, run_bytes), max(largest_rows, run_rows))
+        """One session run over whole arrays; runtime errors come out as LaneserveError.
+
+        Out of memory with another run in the arena since it last shrank, it runs once
+        more after the shrink that follows the failure, and only that run counts: its
+        error, or its outputs (a batch that fits is then no failure, for the split and
+        for the cap alike). On the normal path nothing is added: no shrink, no retry."""
+        size = (sum(array.nbytes for array in inputs.values()), len(next(iter(inputs.values()))))
+        largest = self._arena_run
+        if (
+            self._shrinks_before_growth
+            and largest is not None
+            and largest[0] > 0
+            and (size[0] > largest[0] or size[1] > largest[1])
+        ):
+            self._shrink_arena()
+        fresh = self._arena_run is None
         try:
-            values = self._run_session(inputs, ort.RunOptions())
-        except Exception as error:
-            if self._terminated:  # `terminate_runs`: the server stopped it, not the model
-                raise DrainingError(
-                    "the server stopped while this batch ran; it was ended unfinished"
-                ) from error
-            translated = translate_runtime_error(error)
-            if isinstance(translated, DeviceMemoryError):
-                self._shrink_arena()
-            raise translated from error
-        rows = len(next(iter(inputs.values())))
+            values = self._run_once(inputs, size)
+        except DeviceMemoryError as error:
+            if fresh:
+                raise
+            log_event(
+                log,
+                logging.DEBUG,
+                "arena_fragmented",
+                f"out of memory among earlier runs' regions ({size[1]} rows, {size[0]} input "
+                f"bytes): running again in the arena shrunk after it ({error.message})",
+                rows=size[1],
+                input_bytes=size[0],
+            )
+            values = self._run_once(inputs, size)
+        rows = size[1]
         for name, value in zip(self.output_names, values, strict=True):
             # Answers are cut from the outputs by row position: an output of another
             # length would hand callers each other's rows.
@@ -352,6 +371,23 @@ class Engine:
         if self._copies_outputs:
             values = [np.array(value, copy=True) for value in values]
         return dict(zip(self.output_names, values, strict=True))
+
+    def _run_once(self, inputs: Mapping[str, Array], size: tuple[int, int]) -> list[Array]:
+        """One session run of `inputs` (`size`: input bytes, rows), its error translated;
+        out of memory, the arena is shrunk before the error is raised."""
+        largest = self._arena_run or (0, 0)
+        self._arena_run = (max(largest[0], size[0]), max(largest[1], size[1]))
+        try:
+            return self._run_session(inputs, ort.RunOptions())
+        except Exception as error:
+            if self._terminated:  # `terminate_runs`: the server stopped it, not the model
+                raise DrainingError(
+                    "the server stopped while this batch ran; it was ended unfinished"
+                ) from error
+            translated = translate_runtime_error(error)
+            if isinstance(translated, DeviceMemoryError):
+                self._shrink_arena()
+            raise translated from error
 
     def _run_session(self, inputs: Mapping[str, Array], options: ort.RunOptions) -> list[Array]:
         """The runtime's run, registered with `terminate_runs` while it lasts."""
@@ -382,7 +418,7 @@ class Engine:
         it carries the request alone. It failing (a model that cannot run zero rows)
         does not matter: the runtime shrinks after a failed run too.
         """
-        self._arena_run = (0, 0)
+        self._arena_run = None
         options = ort.RunOptions()
         options.add_run_config_entry("memory.enable_memory_arena_shrinkage", self._arena)
         # Any failure: the shrink is done either way (see above).
@@ -407,6 +443,8 @@ class Engine:
         takes the requests batched with it down. Each retry is a new execution, so
         before it `rows_wanted` (the scheduler's view at that moment) says which rows
         still have a caller waiting within its deadline: the others are not run again.
+        A run out of memory among earlier runs' regions that fits once the arena shrank
+        is no failure (see `run`): the batch is not split.
         """
         inputs = {name: _concat(parts) for name, parts in batch.parts.items()}
         started = time.perf_counter()
@@ -415,7 +453,7 @@ class Engine:
         except DrainingError as error:  # no part of it would run either
             return BatchResult(batch, None, error, time.perf_counter() - started)
         except LaneserveError as error:
-            split = _Split(batch, rows_wanted)
+            split = _Split(batch, rows_wanted, self.memory_limit_bytes)
             self._retry_in_halves(inputs, np.arange(batch.rows), error, split)
             return BatchResult(
                 batch,
@@ -439,7 +477,9 @@ class Engine:
         half's rows still wanted (asked just before it runs), splits again a half that
         fails, and records every row's outcome in `split`. A single row fails alone.
         When both halves fail with an error other than out of memory, the failure may be
-        no row's (a broken session): see `_session_broken`."""
+        no row's (a broken session): see `_session_broken`. Each run out of memory here
+        ran in a shrunk arena (or ran again in one: see `run`), so a single row that
+        fails does not fit alone, whatever ran before it."""
         out_of_memory = isinstance(error, DeviceMemoryError)
         run = len(split.out_of_memory_runs)
         if out_of_memory:
@@ -688,9 +728,22 @@ class _Split:
     """One batch being run in parts after a failed run: which rows ran, which failed and
     why, and the runs that ran out of memory."""
 
-    def __init__(self, batch: Batch, rows_wanted: RowsWanted | None) -> None:
+    def __init__(
+        self, batch: Batch, rows_wanted: RowsWanted | None, memory_limit_bytes: int | None
+    ) -> None:
         self.rows = batch.rows
         self.rows_wanted = rows_wanted
+        self._slices = batch.slices
+        # What a row that does not fit alone failed against, and what would let it run
+        # (fewer rows would not: it failed alone).
+        self._budget, self._remedy = (
+            ("the device's memory", "narrower rows")
+            if memory_limit_bytes is None
+            else (
+                f"the memory limit of {format_bytes(memory_limit_bytes)}",
+                "a larger --memory-limit, or narrower rows",
+            )
+        )
         # For each row, the slice (request) it belongs to: once one row of a request
         # fails, its other rows need not run (the request's answer is that failure).
         self._owner = np.empty(batch.rows, dtype=np.intp)
@@ -753,11 +806,14 @@ class _Split:
     def fail_alone(self, row: IndexArray, error: LaneserveError) -> None:
         """One row failed when run alone: it is the row's fault (or it does not fit)."""
         if isinstance(error, DeviceMemoryError):
+            # The runtime's words alone ("Available memory of 16776960 is smaller than
+            # requested bytes of 20971520") named neither the row nor the budget.
             self.fail(
                 row,
                 DeviceMemoryError(
-                    "one row of this request needs more device memory than the budget "
-                    f"allows ({error.message})"
+                    f"row {self._request_row(int(row[0]))} of this request needs more device "
+                    f"memory than {self._budget} allows, even run alone; expected "
+                    f"{self._remedy}: {error.message}"
                 ),
             )
             self.unfit_rows += 1
@@ -765,6 +821,11 @@ class _Split:
             self.fail(
                 row, EngineError(f"the model failed on a row of this request: {error.message}")
             )
+
+    def _request_row(self, position: int) -> int:
+        """The index within its request of the batch's row at `position`."""
+        piece = self._slices[int(self._owner[position])]
+        return piece.row_start + position - piece.offset
 
     def fail(self, positions: IndexArray, error: LaneserveError) -> None:
         self._failed += [(int(position), error) for position in positions]

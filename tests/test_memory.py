@@ -29,7 +29,7 @@ from laneserve.server import ConfigError, LaneConfig, LaneServer, ServerConfig
 from laneserve.server.clock import ManualClock
 from laneserve.server.cost_model import RunTimeModel
 from laneserve.server.demo_model import make_demo_model
-from laneserve.server.engine import Engine, EngineStartError, translate_runtime_error
+from laneserve.server.engine import Engine, EngineStartError, _Split, translate_runtime_error
 from laneserve.server.errors import (
     DeviceMemoryError,
     EngineError,
@@ -40,6 +40,8 @@ from laneserve.server.items import (
     Array,
     Batch,
     BatchResult,
+    BatchSlice,
+    DispatchReason,
     FailedRows,
     InferenceRequest,
     Outcome,
@@ -1434,6 +1436,94 @@ def test_a_batch_of_more_narrower_rows_runs_in_a_shrunk_arena(tmp_path: Path) ->
     assert done.stdout.split() == ["400x16:ok", "300x256:ok", "400x16:ok"], done.stdout
 
 
+def _outer_model(path: Path) -> Path:
+    """input [batch, width] -> the sum of each row's outer product with itself: a row's
+    memory grows with its width squared, its input bytes with its width."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Unsqueeze", ["input", "last"], ["column"]),
+            helper.make_node("Unsqueeze", ["input", "middle"], ["row"]),
+            helper.make_node("Mul", ["column", "row"], ["outer"]),
+            helper.make_node("ReduceSum", ["outer", "axes"], ["output"], keepdims=0),
+        ],
+        "outer",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", "width"])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch"])],
+        [
+            helper.make_tensor("last", TensorProto.INT64, [1], [2]),
+            helper.make_tensor("middle", TensorProto.INT64, [1], [1]),
+            helper.make_tensor("axes", TensorProto.INT64, [2], [1, 2]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, path)
+    return path
+
+
+_BATCHES_IN_TURN_SCRIPT = """
+import json, sys
+import numpy as np
+from laneserve.server.engine import Engine
+from laneserve.server.items import Batch, BatchSlice, DispatchReason
+from laneserve.server.memory import parse_memory_limit
+
+engine = Engine(sys.argv[1], device="cpu", memory_limit=parse_memory_limit(sys.argv[2]))
+report = []
+for batch_id, spec in enumerate(sys.argv[3:]):
+    rows, width = map(int, spec.split("x"))
+    x = np.ones((rows, width), np.float32)
+    batch = Batch(batch_id, (BatchSlice(batch_id, "standard", 0, rows, 0),), rows,
+                  DispatchReason.FULL, 0.0, {"input": (x,)})
+    result = engine.run_batch(batch)
+    report.append({
+        "split": result.split,
+        "out_of_memory_rows": list(result.out_of_memory_rows),
+        "failed": [failed.error.message for failed in result.failed_rows],
+        "outputs": None if result.outputs is None else result.outputs["output"].tolist(),
+    })
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [
+        # Equal input bytes, fewer rows: no shrink before the last run, and its single
+        # row was answered DEVICE_MEMORY, though it had just run alone.
+        ("1x2048", "4x512", "1x2048"),
+        # Fewer input bytes, fewer rows: split into rows that all ran, and the failure
+        # of two rows took the batch cap from 8 to 1.
+        ("2x1400", "8x512", "2x1400"),
+    ],
+)
+def test_a_batch_that_fits_alone_runs_whole_after_other_shapes(
+    tmp_path: Path, specs: tuple[str, ...]
+) -> None:
+    """With a dynamic width, memory does not follow input bytes or rows: a batch ran out
+    of memory among the regions a batch of another shape left, though it fits a shrunk
+    arena (it ran first). It is run again once the arena shrank, and only that run
+    counts: no row fails, nothing is split, and no out-of-memory run reaches the
+    scheduler's cap learning."""
+    model = _outer_model(tmp_path / "outer.onnx")
+    done = subprocess.run(
+        [sys.executable, "-c", _BATCHES_IN_TURN_SCRIPT, str(model), "18MiB", *specs],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    for spec, ran in zip(specs, report, strict=True):
+        rows, width = map(int, spec.split("x"))
+        assert ran == {
+            "split": False,
+            "out_of_memory_rows": [],
+            "failed": [],
+            "outputs": [float(width * width)] * rows,
+        }, spec
+
+
 _ENGINE_SCRIPT = """
 import json, sys
 import numpy as np
@@ -1730,6 +1820,65 @@ def test_single_row_larger_than_the_budget_fails_alone(tmp_path: Path) -> None:
         assert stats.out_of_memory_events >= 1
     finally:
         server.close()
+
+
+_UNFIT_ROWS_SCRIPT = """
+import json, sys
+import numpy as np
+from laneserve.server.engine import Engine
+from laneserve.server.items import Batch, BatchSlice, DispatchReason
+from laneserve.server.memory import parse_memory_limit
+
+engine = Engine(sys.argv[1], device="cpu", memory_limit=parse_memory_limit(sys.argv[2]))
+x = np.ones((3, 5 * 1024 * 1024), np.float32)  # 20 MiB a row
+# Request 1's rows 0-1, and request 2's row 3 (its rows 0-2 ran in an earlier batch).
+slices = (BatchSlice(1, "standard", 0, 2, 0), BatchSlice(2, "standard", 3, 1, 2))
+result = engine.run_batch(Batch(1, slices, 3, DispatchReason.FULL, 0.0, {"input": (x,)}))
+print(json.dumps([
+    [failed.offset, failed.rows, failed.error.reason, failed.error.message]
+    for failed in result.failed_rows
+]))
+"""
+
+
+def test_a_row_too_large_alone_is_named_with_the_limit_and_the_remedy(tmp_path: Path) -> None:
+    """The caller of a row that did not fit alone read the runtime's words ("Available
+    memory of 16776960 is smaller than requested bytes of 20971520"): neither its row nor
+    the budget, nor what to change. The row's index is within its request."""
+    model = _ragged_model(tmp_path / "ragged.onnx")
+    done = subprocess.run(
+        [sys.executable, "-c", _UNFIT_ROWS_SCRIPT, str(model), "16MiB"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    failed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [(offset, count, reason) for offset, count, reason, _ in failed] == [
+        (0, 2, "DEVICE_MEMORY"),
+        (2, 1, "DEVICE_MEMORY"),
+    ]
+    for (_, _, _, message), row in zip(failed, (0, 3), strict=True):
+        assert message.startswith(
+            f"row {row} of this request needs more device memory than the memory limit "
+            "of 16.0MiB allows, even run alone; expected a larger --memory-limit, or "
+            "narrower rows: "
+        ), message
+        assert re.search(r"Available memory of \d+ is smaller than requested bytes", message)
+
+
+def test_a_row_too_large_alone_without_a_limit_names_the_device() -> None:
+    split = _Split(
+        Batch(1, (BatchSlice(1, "standard", 5, 2, 0),), 2, DispatchReason.FULL, 0.0, {}),
+        None,
+        None,
+    )
+    split.fail_alone(np.array([1]), DeviceMemoryError("CUDA failure 2: out of memory"))
+    (failed,) = split.failed_rows()
+    assert failed.error.message == (
+        "row 6 of this request needs more device memory than the device's memory allows, "
+        "even run alone; expected narrower rows: CUDA failure 2: out of memory"
+    )
 
 
 def test_memory_fit_is_a_line_through_the_readings() -> None:
