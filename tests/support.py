@@ -251,13 +251,13 @@ class ServerProcess:
     """A real `laneserve serve` process (or `command`, e.g. scripts/serve); `close()`
     always, even after a failure."""
 
-    def __init__(self, args: list[str], command: list[str] = SERVE) -> None:
+    def __init__(self, args: list[str], command: list[str] = SERVE, cwd: Path = REPO) -> None:
         self.process = subprocess.Popen(
             [*command, *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            cwd=REPO,
+            cwd=cwd,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []

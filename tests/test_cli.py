@@ -38,11 +38,15 @@ def server_process(small_model: Path) -> Iterator[ServerProcess]:
 
 def test_scripts_serve_takes_host_and_port_from_a_config_file(tmp_path: Path) -> None:
     """./scripts/serve passed --host and --port itself, and flags beat the file: the
-    README's `./scripts/serve --config laneserve.toml` ignored the file's port."""
+    README's `./scripts/serve --config laneserve.toml` ignored the file's port. Run from
+    another directory, a relative --config is the caller's: the script changes to the
+    repository to set up, and looked for it there."""
     port = unused_port()
     config = tmp_path / "laneserve.toml"
     config.write_text(f'[server]\nhost = "127.0.0.1"\nport = {port}\nmetrics_port = -1\n')
-    server = ServerProcess(["--config", str(config)], command=[str(REPO / "scripts" / "serve")])
+    server = ServerProcess(
+        ["--config", config.name], command=[str(REPO / "scripts" / "serve")], cwd=tmp_path
+    )
     try:
         assert server.port() == port
         server.process.send_signal(signal.SIGINT)
