@@ -5,6 +5,8 @@ Layout, beside the output file ``OUT``::
     OUT.partial/state.json      job id, input identity, rows per item, done bitmap, and
                                 each output's dtype, shape and file
     OUT.partial/<file>.npy      one memory-mapped array per model output, rows in place
+    OUT.partial.finished/       a finished job's checkpoint, renamed away once OUT was
+                                written, while it is removed (see `Checkpoint.finish`)
 
 An output's file is named after it when its name is a short file name of letters,
 digits, '-', '_' and '.' that no other output's file has (in any case); otherwise after
@@ -160,9 +162,14 @@ class Checkpoint:
         files' making (OSError on `input_path` is the caller's).
         """
         state = _State.read(directory / "state.json")
+        reasons = []
         mismatches = []
-        if state.input_identity != InputIdentity.of(input_path):
-            mismatches.append(f"input file (it was made for {state.input_path})")
+        identity = InputIdentity.of(input_path)
+        if state.input_identity != identity:
+            if _same_path(Path(state.input_path), input_path):
+                reasons.append(_changed(input_path, state.input_identity, identity))
+            else:
+                mismatches.append(f"input file (it was made for {state.input_path})")
         if state.rows != rows:
             mismatches.append(f"rows ({state.rows} then, {rows} now)")
         if state.rows_per_item != rows_per_item:
@@ -173,10 +180,11 @@ class Checkpoint:
                 f"{', '.join(sorted(output_names)) or 'all'} now)"
             )
         if mismatches:
+            reasons.append(f"different {', '.join(mismatches)}")
+        if reasons:
             raise CheckpointError(
-                f"checkpoint {directory} belongs to another job: different "
-                f"{', '.join(mismatches)}; expected the same input and options, or delete "
-                f"{directory} to start over"
+                f"checkpoint {directory} belongs to another job: {'; '.join(reasons)}; "
+                f"expected the same input and options, or delete {directory} to start over"
             )
         done = state.done_items(-(-rows // rows_per_item))
         state.check_outputs(state.output_names or model_outputs, any_done=bool(done.any()))
@@ -274,33 +282,68 @@ class Checkpoint:
         """Moves the outputs to `output` (.npy: the one output; .npz: all) and removes the
         checkpoint. Every item must be done.
 
-        state.json is removed before the output moves: interrupted at any point, the
-        directory never holds a state that names an array no longer in it. Should the move
-        itself fail (OSError, raised), state.json is written back and the job can resume.
+        The checkpoint stays whole until `output` is: the output is staged beside the
+        arrays (.npy: a hard link to the array, which stays; .npz: the archive) and
+        renamed over `output`, and only then is the directory renamed away, to
+        `DIR.finished`, and removed. Interrupted (or failing: OSError, raised) anywhere
+        before that rename, the checkpoint resumes with every item done and finishes
+        again; after it, `output` is whole and no checkpoint is left (at worst part of
+        `DIR.finished`, which the next finish beside it removes). A staged file that did
+        not become `output` is removed.
         """
         assert self.done.all()
         self.save()
-        if output.suffix == ".npy":
-            (name,) = self.arrays
-            staged = self._array_path(name)
-        else:
-            # Written beside the arrays first, so that `output` appears whole or not at all;
-            # the name cannot be an array's (those end in .npy).
-            staged = self.directory / "output.npz.tmp"
-            with staged.open("wb") as file:
-                write_npz(file, self.arrays)
-        state_path = self.directory / "state.json"
-        state_path.unlink()
+        # Not an array's name: those end in .npy.
+        staged = self.directory / f"output{output.suffix.lower()}.tmp"
         try:
+            staged.unlink(missing_ok=True)  # an interrupted finish's
+            if output.suffix.lower() == ".npy":
+                (name,) = self.arrays
+                _link_or_copy(self._array_path(name), staged)
+            else:
+                with staged.open("wb") as file:
+                    write_npz(file, self.arrays)
             staged.replace(output)
-        except OSError:
-            self.save()
+        except BaseException:
+            staged.unlink(missing_ok=True)
             raise
         self.arrays.clear()
-        shutil.rmtree(self.directory)
+        finished = self.directory.with_name(f"{self.directory.name}.finished")
+        if finished.exists():
+            shutil.rmtree(finished, ignore_errors=True)
+        self.directory.rename(finished)
+        shutil.rmtree(finished, ignore_errors=True)
 
     def _array_path(self, name: str) -> Path:
         return self.directory / self.files[name]
+
+
+def _same_path(recorded: Path, given: Path) -> bool:
+    """Whether the input path a checkpoint recorded names the file given now (the same
+    spelling, or another path to the same file)."""
+    if recorded == given:
+        return True
+    try:
+        return recorded.samefile(given)
+    except OSError:  # the recorded one is gone, or relative to another directory
+        return False
+
+
+def _changed(path: Path, then: InputIdentity, now: InputIdentity) -> str:
+    if then.size_bytes != now.size_bytes:
+        how = f"{then.size_bytes} bytes then, {now.size_bytes} now"
+    else:
+        how = f"the same {now.size_bytes} bytes, but the digest of its first and last MiB differs"
+    return f"the input {path} changed since the checkpoint was made ({how})"
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """`target` as a hard link to `source` (no copy of the data); a copy where the file
+    system has no hard links."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
 
 
 def _reserve(path: Path) -> None:

@@ -25,6 +25,8 @@ import signal
 import sys
 import time
 import uuid
+import zipfile
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
@@ -65,6 +67,18 @@ _MAGIC: Final[dict[str, tuple[tuple[bytes, ...], str]]] = {
     ".npy": ((np.lib.format.MAGIC_PREFIX,), "an array written by numpy.save"),
     ".npz": ((b"PK\x03\x04", b"PK\x05\x06"), "arrays written by numpy.savez (a zip archive)"),
 }
+
+# What zipfile raises, beyond OSError and ValueError, for an archive it cannot read: one
+# cut short or otherwise damaged (BadZipFile: no end record, a bad CRC), a compressed member
+# whose data is damaged (zlib.error) or cut short (EOFError), a compression method it lacks
+# (NotImplementedError), an encrypted member (RuntimeError).
+_DAMAGED_ARCHIVE: Final = (
+    zipfile.BadZipFile,
+    zlib.error,
+    EOFError,
+    NotImplementedError,
+    RuntimeError,
+)
 
 Arrays = dict[str, npt.NDArray[Any]]
 Handler = Callable[[Client, argparse.Namespace], int]
@@ -315,10 +329,19 @@ def _table(out: TextIO, header: list[str], rows: list[list[str]]) -> None:
 def _infer(client: Client, args: argparse.Namespace) -> int:
     if args.output is not None:
         input_path = None if args.input is None else Path(args.input)
-        _check_output_path(Path(args.output), "--output", input_path)
+        output = Path(args.output)
+        _check_output_path(output, "--output", input_path)
+        # Written in place (bulk's output replaces the file: its own permissions are moot).
+        if output.exists() and not os.access(output, os.W_OK):
+            raise UsageError(
+                f"--output {output}: cannot write it (permission denied); expected a file "
+                "this user can write"
+            )
     model = client.model(timeout=args.timeout)
     # bulk's checks against the model: the server would refuse the call for any of these.
     asked = _asked_outputs(model, args)
+    if args.output is not None:  # else the answer, run, could not be written
+        _check_one_array(Path(args.output), asked, model)
     _check_lane(model, args.lane)
     # argparse lets exactly one of them through.
     if args.json is not None:
@@ -347,6 +370,10 @@ def _inputs_from_json(text: str, model: ModelInfo, where: str) -> Arrays:
         document = json.loads(text)
     except ValueError as error:
         raise UsageError(f"{where}: not JSON ({error})") from error
+    except RecursionError as error:  # nested deeper than the parser recurses
+        raise UsageError(
+            f"cannot read {where}: {error}; expected nested lists as deep as the input's shape"
+        ) from error
     if not isinstance(document, dict):
         if len(model.inputs) != 1:
             raise UsageError(
@@ -399,10 +426,15 @@ def _json_array(value: object, spec: TensorInfo, what: str) -> npt.NDArray[Any]:
     return array
 
 
-def _read_inputs(path: Path, model: ModelInfo) -> Arrays:
+def _read_inputs(path: Path, model: ModelInfo, kinds: str = ".npy, .npz or .json") -> Arrays:
     """The model's inputs from .npy (one input), .npz (by name) or .json; .npy is
-    memory-mapped, so a large bulk input is not read into memory at once."""
+    memory-mapped, so a large bulk input is not read into memory at once. `kinds`: the
+    files the command reads, for a message."""
     if not path.is_file():
+        if path.is_dir():
+            raise UsageError(f"input {path} is a directory; expected a {kinds} file")
+        if path.exists():  # a FIFO, a device
+            raise UsageError(f"input {path} is not a regular file; expected a {kinds} file")
         raise UsageError(f"input file {path} does not exist")
     suffix = path.suffix.lower()
     try:
@@ -418,12 +450,15 @@ def _read_inputs(path: Path, model: ModelInfo) -> Arrays:
             arrays: Arrays = {model.inputs[0].name: np.load(path, mmap_mode="r")}
         elif suffix == ".npz":
             _check_magic(path, suffix)
-            with np.load(path) as archive:
-                _check_only_inputs(model, archive.files, str(path))
-                _check_all_inputs(model, archive.files, str(path))
-                arrays = {spec.name: archive[spec.name] for spec in model.inputs}
+            try:
+                with np.load(path) as archive:
+                    _check_only_inputs(model, archive.files, str(path))
+                    _check_all_inputs(model, archive.files, str(path))
+                    arrays = {spec.name: archive[spec.name] for spec in model.inputs}
+            except _DAMAGED_ARCHIVE as error:
+                raise UsageError(f"cannot read {path}: {error}") from error
         else:
-            raise UsageError(f"input file {path}: expected a .npy, .npz or .json file")
+            raise UsageError(f"input file {path}: expected a {kinds} file")
     except (OSError, ValueError) as error:
         raise UsageError(f"cannot read {path}: {error}") from error
     for name, array in arrays.items():
@@ -483,24 +518,39 @@ def _check_input(name: str, array: npt.NDArray[Any], model: ModelInfo, where: st
 
 
 def _write_outputs(path: Path, outputs: Mapping[str, npt.NDArray[Any]]) -> None:
+    """Writes the answer `_check_one_array` let through."""
     try:
-        if path.suffix == ".npy":
-            if len(outputs) != 1:
+        if path.suffix.lower() == ".npy":
+            if len(outputs) != 1:  # a server that answered more than was asked
                 raise UsageError(
                     f"{path}: .npy holds one array, the answer has {sorted(outputs)}; use "
                     ".npz or --output-name"
                 )
-            np.save(path, next(iter(outputs.values())))
+            # Opened here: np.save given a name adds ".npy" to one that lacks it, case
+            # sensitively (Q.NPY became Q.NPY.npy).
+            with path.open("wb") as file:
+                np.save(file, next(iter(outputs.values())))
         else:
             write_npz(path, outputs)
     except OSError as error:
         raise UsageError(f"cannot write {path}: {error.strerror or error}") from error
 
 
+def _check_one_array(output: Path, asked: Sequence[str], model: ModelInfo) -> None:
+    """Refuses a .npy `output` for an answer of several outputs: .npy holds one array."""
+    names = list(asked) or [spec.name for spec in model.outputs]
+    if output.suffix.lower() == ".npy" and len(names) != 1:
+        whose = "--output-name asks for" if asked else "the model has"
+        raise UsageError(
+            f"--output {output}: .npy holds one array and {whose} outputs {names}; choose "
+            "one with --output-name, or write .npz"
+        )
+
+
 def _check_output_path(path: Path, option: str, input_path: Path | None = None) -> None:
     """Refuses an output that could not be written, or that is the input file (by any
     path: a link, another spelling), before any work is done."""
-    if path.suffix not in (".npy", ".npz"):
+    if path.suffix.lower() not in (".npy", ".npz"):
         raise UsageError(f"{option} {path}: expected a .npy or .npz file")
     parent = path.parent
     if not parent.is_dir():
@@ -508,6 +558,12 @@ def _check_output_path(path: Path, option: str, input_path: Path | None = None) 
         raise UsageError(f"{option} {path}: {parent} {found}; expected an existing directory")
     if path.is_dir():
         raise UsageError(f"{option} {path} is a directory; expected a file name")
+    # Both write into the directory: infer the output, bulk its checkpoint beside it.
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(
+            f"{option} {path}: cannot write in {parent} (permission denied); expected a "
+            "directory this user can write"
+        )
     if input_path is not None and _same_file(path, input_path):
         raise UsageError(
             f"{option} {path} is the input file {input_path}: writing it would destroy the "
@@ -531,15 +587,11 @@ def _bulk(client: Client, args: argparse.Namespace) -> int:
     model = client.model(timeout=args.timeout)
     asked = _asked_outputs(model, args)
     output_names = asked or [spec.name for spec in model.outputs]
-    if output.suffix == ".npy" and len(output_names) != 1:
-        raise UsageError(
-            f"--output {output}: .npy holds one array and the model has outputs "
-            f"{output_names}; choose one with --output-name, or write .npz"
-        )
+    _check_one_array(output, asked, model)
     input_path = Path(args.input)
     if input_path.suffix.lower() not in (".npy", ".npz"):
         raise UsageError(f"--input {input_path}: expected a .npy or .npz file")
-    inputs = _read_inputs(input_path, model)
+    inputs = _read_inputs(input_path, model, ".npy or .npz")
     rows = _row_count(inputs, input_path)
     _check_items(model, inputs, rows, args, output_names)
     checkpoint = _open_checkpoint(output, input_path, rows, args, asked, model)

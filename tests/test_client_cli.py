@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import json
 import os
+import pathlib
 import shutil
 import signal
 import socket
+import struct
 import sys
-from collections.abc import Callable
+import zipfile
+from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import IO, Any
 
 import numpy as np
 import onnx
@@ -20,6 +25,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from laneserve.client import _checkpoint as checkpoint_module
 from laneserve.client._checkpoint import Checkpoint, CheckpointError
 from laneserve.server import Engine, LaneConfig, ServerConfig
 from laneserve.server.demo_model import make_demo_model
@@ -324,6 +330,43 @@ def test_a_resume_asking_for_other_outputs_is_refused(tmp_path: Path) -> None:
     assert resumed.output_names == ("output",)
 
 
+def test_a_resume_on_a_changed_input_file_says_it_changed_not_that_it_is_another(
+    tmp_path: Path,
+) -> None:
+    """It said "different input file (it was made for in.npy)", naming the very file the
+    user passed."""
+    source, directory = checkpoint_of(tmp_path)
+    size = source.stat().st_size
+
+    def refusal(input_path: Path, row_count: int = 40) -> str:
+        with pytest.raises(CheckpointError) as raised:
+            Checkpoint.load(directory, input_path=input_path, rows=row_count, rows_per_item=10)
+        return str(raised.value)
+
+    np.save(source, rows(40, seed=9))  # regenerated: the same size, other values
+    message = refusal(source)
+    assert (
+        f"checkpoint {directory} belongs to another job: the input {source} changed since "
+        f"the checkpoint was made (the same {size} bytes, but the digest of its first and "
+        "last MiB differs); expected the same input and options"
+    ) in message
+    assert "it was made for" not in message
+    np.save(source, rows(48))  # rows added
+    message = refusal(source, row_count=48)
+    assert (
+        f"the input {source} changed since the checkpoint was made ({size} bytes then, "
+        f"{source.stat().st_size} now); different rows (40 then, 48 now)"
+    ) in message
+    (tmp_path / "link.npy").symlink_to(source)  # another path to the same file
+    message = refusal(tmp_path / "link.npy", row_count=48)
+    assert f"the input {tmp_path / 'link.npy'} changed since the checkpoint was made" in message
+    other = tmp_path / "other.npy"
+    np.save(other, rows(40, seed=3))
+    message = refusal(other)
+    assert f"different input file (it was made for {source})" in message
+    assert "changed since" not in message
+
+
 def test_outputs_whose_names_make_one_file_name_keep_their_own_rows(
     tmp_path: Path, colliding_model: Path
 ) -> None:
@@ -504,6 +547,130 @@ def test_an_input_that_is_not_the_npy_or_npz_its_name_says_is_refused_saying_so(
 
     asyncio.run(scenario())
     assert engine.batches == []
+
+
+def damage_first_member(path: Path) -> None:
+    """Makes the compressed data of `path`'s first member an invalid deflate stream: its
+    first block says it is of the reserved type."""
+    with zipfile.ZipFile(path) as archive:
+        offset = archive.infolist()[0].header_offset
+    with path.open("r+b") as file:
+        file.seek(offset + 26)  # the local header's name and extra field lengths
+        name_bytes, extra_bytes = struct.unpack("<HH", file.read(4))
+        file.seek(offset + 30 + name_bytes + extra_bytes)
+        file.write(b"\xff")
+
+
+def test_a_damaged_npz_or_json_nested_too_deep_is_unreadable_input_exit_2(
+    small_model: Path, tmp_path: Path
+) -> None:
+    """zipfile's own errors (an archive cut short, a bad CRC, damaged compressed data) and
+    the JSON parser's RecursionError ended infer and bulk with a traceback and exit 1,
+    the code of a job some of whose items failed."""
+    np.savez(tmp_path / "good.npz", input=rows(4))
+    whole = (tmp_path / "good.npz").read_bytes()
+    (tmp_path / "cut.npz").write_bytes(whole[: len(whole) // 2])
+    flipped = bytearray(whole)
+    flipped[len(whole) // 2] ^= 0xFF  # in the array's data: the CRC no longer matches
+    (tmp_path / "crc.npz").write_bytes(bytes(flipped))
+    np.savez_compressed(tmp_path / "deflate.npz", input=rows(4))
+    damage_first_member(tmp_path / "deflate.npz")
+    cases = [
+        ("cut.npz", "File is not a zip file"),
+        ("crc.npz", "Bad CRC-32 for file 'input.npy'"),
+        ("deflate.npz", "Error -3 while decompressing data: invalid block type"),
+    ]
+    engine = RecordingEngine(str(small_model))
+
+    async def scenario() -> None:
+        async with serving(engine, config(small_model)) as s:
+            for name, why in cases:
+                path = tmp_path / name
+                for command in (
+                    ["infer", "--input", str(path)],
+                    ["bulk", "--input", str(path), "--output", str(tmp_path / "out.npy")],
+                ):
+                    code, _, err = await cli(*command, "--target", s.target)
+                    assert (code, "Traceback" in err) == (2, False), (command, err)
+                    assert f"laneserve-client: cannot read {path}: {why}" in err, err
+            deep = "[" * 30_000 + "]" * 30_000  # one argument holds 128 KiB at most
+            (tmp_path / "deep.json").write_text(deep, encoding="utf-8")
+            for arguments, where in (
+                (["--json", deep], "--json"),
+                (["--input", str(tmp_path / "deep.json")], str(tmp_path / "deep.json")),
+            ):
+                code, _, err = await cli("infer", "--target", s.target, *arguments)
+                assert (code, "Traceback" in err) == (2, False), err
+                assert (
+                    f"laneserve-client: cannot read {where}: maximum recursion depth exceeded"
+                ) in err, err
+
+    asyncio.run(scenario())
+    assert engine.batches == []
+    assert not (tmp_path / "out.npy.partial").exists()
+
+
+def test_an_input_that_is_a_directory_is_refused_saying_so(
+    small_model: Path, tmp_path: Path
+) -> None:
+    """It said "input file adir.npy does not exist"."""
+    directory = tmp_path / "adir.npy"
+    directory.mkdir()
+    engine = RecordingEngine(str(small_model))
+
+    async def scenario() -> None:
+        async with serving(engine, config(small_model)) as s:
+            for command, kinds in (
+                (["infer"], ".npy, .npz or .json"),
+                (["bulk", "--output", str(tmp_path / "out.npy")], ".npy or .npz"),
+            ):
+                code, _, err = await cli(*command, "--input", str(directory), "--target", s.target)
+                assert code == 2, err
+                assert f"input {directory} is a directory; expected a {kinds} file" in err
+                assert "does not exist" not in err
+
+    asyncio.run(scenario())
+    assert engine.batches == []
+
+
+def test_upper_case_suffixes_are_read_and_written_as_lower_case_ones(
+    small_model: Path, small_reference: ort.InferenceSession, tmp_path: Path
+) -> None:
+    """--input IN.NPY was read, --output OUT.NPY refused; and np.save, given the name,
+    wrote OUT.NPY.npy."""
+    x = rows(30, seed=2)
+    expected = small_reference.run(None, {"input": x})[0]
+    source = tmp_path / "IN.NPY"
+    with source.open("wb") as file:
+        np.save(file, x)
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            for command, name in (
+                (["bulk", "--rows-per-item", "8"], "BULK.NPY"),
+                (["bulk", "--rows-per-item", "8"], "BULK.NPZ"),
+                (["infer"], "INFER.NPY"),
+                (["infer"], "INFER.Npz"),
+            ):
+                output = tmp_path / name
+                code, _, err = await cli(
+                    *command, "--target", s.target, "--input", str(source), "--output", str(output)
+                )
+                assert code == 0, (command, name, err)
+                if name.lower().endswith(".npy"):
+                    np.testing.assert_allclose(np.load(output), expected, rtol=1e-5, atol=1e-6)
+                else:
+                    with np.load(output) as saved:
+                        np.testing.assert_allclose(saved["output"], expected, rtol=1e-5, atol=1e-6)
+
+    asyncio.run(scenario())
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "BULK.NPY",
+        "BULK.NPZ",
+        "IN.NPY",
+        "INFER.NPY",
+        "INFER.Npz",
+    ]
 
 
 def test_json_values_the_input_dtype_cannot_hold_are_usage_errors(tmp_path: Path) -> None:
@@ -848,24 +1015,109 @@ def test_bulk_resume_from_a_damaged_checkpoint_exits_2_without_a_traceback(
     asyncio.run(scenario())
 
 
-def test_a_finished_job_leaves_no_state_naming_a_moved_array(
+def interrupt_at_call(step: int, files: Collection[str]) -> Callable[[FrameType, str, Any], Any]:
+    """A trace function that raises KeyboardInterrupt as the `step`th call of a function
+    defined in `files` begins, as a Ctrl-C that arrives there does (the trace then
+    stops, as after any error in it). With pathlib's and shutil's among them, that is
+    before and after each step on the file system."""
+    calls = 0
+
+    def trace(frame: FrameType, event: str, _arg: Any) -> None:
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename in files:
+            calls += 1
+            if calls == step:
+                raise KeyboardInterrupt
+
+    return trace
+
+
+@pytest.mark.parametrize("output_name", ["out.npy", "out.npz"])
+def test_a_finish_interrupted_at_any_step_leaves_a_job_done_or_one_resume_completes(
+    tmp_path: Path, output_name: str
+) -> None:
+    """state.json was removed before the output moved: a Ctrl-C between the two left the
+    arrays without their state, and --resume refused the checkpoint as unreadable,
+    throwing every row away. Interrupted before and after each step of finish in turn
+    (those of its `save` and of the removal of its directory included), either the
+    output is whole and no checkpoint is left, or the checkpoint resumes with every item
+    done and finishes; no staged file is left either way."""
+    output = tmp_path / output_name
+    directory = tmp_path / "out.npy.partial"
+    finished = tmp_path / "out.npy.partial.finished"
+    expected = np.ones((40, 10), np.float32)
+
+    def written() -> object:
+        if output_name.endswith(".npy"):
+            return np.load(output)
+        with np.load(output) as saved:
+            assert saved.files == ["output"]
+            return saved["output"]
+
+    traced = {checkpoint_module.__file__, pathlib.__file__, shutil.__file__}
+    outcomes = set()
+    for step in itertools.count(1):
+        for path in (output, directory, finished):
+            if path.is_dir():
+                shutil.rmtree(path)
+            path.unlink(missing_ok=True)
+        source, _ = checkpoint_of(tmp_path, items_done=4)
+        checkpoint = Checkpoint.load(directory, input_path=source, rows=40, rows_per_item=10)
+        sys.settrace(interrupt_at_call(step, traced))
+        try:
+            checkpoint.finish(output)
+        except KeyboardInterrupt:
+            pass
+        else:
+            break
+        finally:
+            sys.settrace(None)
+        if directory.exists():
+            assert not list(directory.glob("output.*.tmp")), step
+            resumed = Checkpoint.load(directory, input_path=source, rows=40, rows_per_item=10)
+            assert resumed.done.all(), step
+            resumed.finish(output)
+            assert not finished.exists(), step
+            outcomes.add("resumed")
+        else:
+            outcomes.add("done")
+            if finished.exists():  # interrupted removing it: the next finish beside it does
+                outcomes.add("left over")
+                np.testing.assert_array_equal(written(), expected, err_msg=f"step {step}")
+                source, _ = checkpoint_of(tmp_path, items_done=4)
+                Checkpoint.load(directory, input_path=source, rows=40, rows_per_item=10).finish(
+                    output
+                )
+                assert not finished.exists(), step
+        assert not directory.exists(), step
+        np.testing.assert_array_equal(written(), expected, err_msg=f"step {step}")
+    assert step > 20, "finish made too few calls for the test to mean anything"
+    assert outcomes == {"resumed", "done", "left over"}
+    np.testing.assert_array_equal(written(), expected)
+    assert not directory.exists()
+    assert not finished.exists()
+
+
+def test_a_failed_npz_write_leaves_no_partial_file_and_the_checkpoint_resumes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Interrupted after the output moved and before the checkpoint is removed: what is
-    left must not be a checkpoint whose array is gone."""
-    _, directory = checkpoint_of(tmp_path, items_done=4)
-    checkpoint = Checkpoint.load(
-        directory, input_path=tmp_path / "in.npy", rows=40, rows_per_item=10
-    )
+    source, directory = checkpoint_of(tmp_path, items_done=4)
+    checkpoint = Checkpoint.load(directory, input_path=source, rows=40, rows_per_item=10)
 
-    def interrupted(_path: object) -> None:
-        raise KeyboardInterrupt
+    def full(file: IO[bytes], _arrays: object) -> None:
+        file.write(b"PK\x03\x04 half an archive")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(shutil, "rmtree", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        checkpoint.finish(tmp_path / "out.npy")
-    assert np.load(tmp_path / "out.npy").shape == (40, 10)
-    assert not (directory / "state.json").exists()
+    monkeypatch.setattr(checkpoint_module, "write_npz", full)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.finish(tmp_path / "out.npz")
+    assert sorted(path.name for path in directory.iterdir()) == ["output.npy", "state.json"]
+    assert not (tmp_path / "out.npz").exists()
+    monkeypatch.undo()
+    resumed = Checkpoint.load(directory, input_path=source, rows=40, rows_per_item=10)
+    resumed.finish(tmp_path / "out.npz")
+    with np.load(tmp_path / "out.npz") as saved:
+        np.testing.assert_array_equal(saved["output"], np.ones((40, 10), np.float32))
 
 
 def test_a_finish_that_cannot_move_the_output_keeps_the_checkpoint(tmp_path: Path) -> None:
@@ -1044,6 +1296,108 @@ def test_paths_and_seconds_a_run_cannot_use_are_usage_errors(
     assert not list(tmp_path.glob("*.partial")), "a corrected rerun needs no --resume"
 
     asyncio.run(scenario())
+
+
+# laneserve-client as a user who may not write the paths its first argument lists
+# (os.pathsep between them): as root, os.access would allow them whatever their mode.
+_NO_WRITE_CLIENT = """
+import os, sys
+
+denied = set(sys.argv.pop(1).split(os.pathsep))
+access = os.access
+
+def no_write(path, mode, **kwargs):
+    if os.fspath(path) in denied and mode & os.W_OK:
+        return False
+    return access(path, mode, **kwargs)
+
+os.access = no_write
+from laneserve.client.cli import main
+sys.exit(main())
+"""
+
+
+def test_infer_refuses_an_output_it_could_not_write_before_sending(
+    tmp_path: Path, colliding_model: Path
+) -> None:
+    """infer sent the request and only then found that .npy holds one array of its
+    answer's two, or that the output's directory or file could not be written; bulk
+    refused the first before sending, and README says infer's checks send nothing."""
+    np.save(tmp_path / "in.npy", np.ones((2, 3), np.float32))
+    read_only = tmp_path / "read_only"
+    read_only.mkdir(mode=0o555)
+    kept = tmp_path / "kept.npz"
+    kept.write_bytes(b"")
+    kept.chmod(0o444)
+    denied = os.pathsep.join([str(read_only), str(kept)])
+    cases = [
+        (
+            tmp_path / "out.npy",
+            (
+                f"--output {tmp_path / 'out.npy'}: .npy holds one array and the model has "
+                "outputs ['logits:0', 'logits_0']; choose one with --output-name, or write .npz"
+            ),
+        ),
+        (
+            read_only / "out.npz",
+            (
+                f"--output {read_only / 'out.npz'}: cannot write in {read_only} (permission "
+                "denied); expected a directory this user can write"
+            ),
+        ),
+        (
+            kept,
+            (
+                f"--output {kept}: cannot write it (permission denied); expected a file this "
+                "user can write"
+            ),
+        ),
+    ]
+    engine = RecordingEngine(str(colliding_model))
+
+    async def scenario() -> None:
+        async with serving(engine, config(colliding_model)) as s:
+            for output, message in cases:
+                process = await asyncio.create_subprocess_exec(
+                    *(sys.executable, "-c", _NO_WRITE_CLIENT, denied, "infer"),
+                    *("--target", s.target, "--input", str(tmp_path / "in.npy")),
+                    *("--output", str(output)),
+                    stderr=asyncio.subprocess.PIPE,
+                )
+                _, err_bytes = await asyncio.wait_for(
+                    process.communicate(), timeout=CLIENT_CLI_TIMEOUT_S
+                )
+                err = err_bytes.decode()
+                assert process.returncode == 2, (output, err)
+                assert message in err, err
+            # bulk says the same of .npy, and one output asked for fits it.
+            code, _, err = await cli(
+                "bulk",
+                "--target",
+                s.target,
+                "--input",
+                str(tmp_path / "in.npy"),
+                "--output",
+                str(tmp_path / "out.npy"),
+            )
+            assert code == 2, err
+            assert cases[0][1] in err
+            code, _, err = await cli(
+                "infer",
+                "--target",
+                s.target,
+                "--input",
+                str(tmp_path / "in.npy"),
+                "--output",
+                str(tmp_path / "out.npy"),
+                "--output-name",
+                "logits_0",
+            )
+            assert code == 0, err
+
+    asyncio.run(scenario())
+    assert engine.batches == [2], "only the last call ran"
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), np.ones((2, 3), np.int64))
 
 
 def test_an_output_that_is_the_input_file_is_refused_before_sending(
