@@ -247,6 +247,28 @@ def unused_port() -> int:
     return port  # closed again: nothing listens on it
 
 
+class FakeTimers:
+    """A `call_later(delay_s, action)` whose timers run by hand: each one started, in
+    order, in `started` (call its `action` as the loop would at its time)."""
+
+    class Timer:
+        def __init__(self, delay_s: float, action: Callable[[], None]) -> None:
+            self.delay_s = delay_s
+            self.action = action
+            self.cancelled = False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    def __init__(self) -> None:
+        self.started: list[FakeTimers.Timer] = []
+
+    def __call__(self, delay_s: float, action: Callable[[], None]) -> FakeTimers.Timer:
+        timer = FakeTimers.Timer(delay_s, action)
+        self.started.append(timer)
+        return timer
+
+
 class ServerProcess:
     """A real `laneserve serve` process (or `command`, e.g. scripts/serve); `close()`
     always, even after a failure."""

@@ -33,6 +33,7 @@ from laneserve.server.idempotency import (
 from laneserve.server.items import Outcome, Timing
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
+    FakeTimers,
     RecordingEngine,
     Serving,
     TcpProxy,
@@ -764,33 +765,6 @@ def test_an_answer_no_caller_can_take_any_more_is_counted_by_their_deadline() ->
     assert asyncio.run(scenario()) == [10.0, None]
 
 
-class FakeTimers:
-    """The ledger's sweep timers, fired by hand (`call_later`): each one armed, in order."""
-
-    class Timer:
-        def __init__(self, delay_s: float, action: Callable[[], None]) -> None:
-            self.delay_s = delay_s
-            self.action = action
-            self.cancelled = False
-
-        def cancel(self) -> None:
-            self.cancelled = True
-
-    def __init__(self) -> None:
-        self.armed: list[FakeTimers.Timer] = []
-
-    def __call__(self, delay_s: float, action: Callable[[], None]) -> FakeTimers.Timer:
-        timer = FakeTimers.Timer(delay_s, action)
-        self.armed.append(timer)
-        return timer
-
-    def fire(self) -> None:
-        """Runs the last timer armed, as the loop would at its time."""
-        timer = self.armed[-1]
-        assert not timer.cancelled
-        timer.action()
-
-
 def swept_ledger(**bounds: Any) -> tuple[RequestLedger, ManualClock, FakeTimers]:
     """A ledger on a manual clock whose sweep timers `FakeTimers` holds."""
     clock = ManualClock()
@@ -832,15 +806,15 @@ def test_an_idle_ledger_drops_each_expired_answer_at_its_sweep() -> None:
         await completed(ledger, "a")  # expires at 10 s
         clock.advance(4.0)
         await completed(ledger, "b")  # expires at 14 s
-        assert [timer.delay_s for timer in timers.armed] == [10.0 + SWEEP_SLACK_S]
+        assert [timer.delay_s for timer in timers.started] == [10.0 + SWEEP_SLACK_S]
         clock.advance(10.0 + SWEEP_SLACK_S - 4.0)
-        timers.fire()
+        timers.started[-1].action()
         assert ledger.counts().replay_cache_entries == 1, "a is dropped, b is live"
-        assert timers.armed[-1].delay_s == 4.0, "due at b's expiry plus the slack, as a's was"
-        clock.advance(timers.armed[-1].delay_s)
-        timers.fire()
+        assert timers.started[-1].delay_s == 4.0, "due at b's expiry plus the slack, as a's was"
+        clock.advance(timers.started[-1].delay_s)
+        timers.started[-1].action()
         assert ledger.counts() == LedgerCounts(0, 0, 0, 0)
-        assert len(timers.armed) == 2, "nothing left to sweep: no timer armed"
+        assert len(timers.started) == 2, "nothing left to sweep: no timer armed"
 
     asyncio.run(scenario())
 
@@ -853,7 +827,7 @@ def test_closing_the_ledger_cancels_its_sweep_and_arms_no_other() -> None:
         await completed(ledger, "a")
         ledger.close()
         await completed(ledger, "b")  # an answer of a run that would not end, stored late
-        assert [timer.cancelled for timer in timers.armed] == [True]
+        assert [timer.cancelled for timer in timers.started] == [True]
 
     asyncio.run(scenario())
 
@@ -862,7 +836,7 @@ def test_a_ledger_that_stores_no_answer_arms_no_sweep() -> None:
     async def scenario() -> None:
         ledger, _, timers = swept_ledger(max_entries=0)
         await completed(ledger, "a")
-        assert timers.armed == []
+        assert timers.started == []
 
     asyncio.run(scenario())
 

@@ -73,7 +73,7 @@ from laneserve.server.telemetry import (
 from laneserve.server.telemetry.device import DeviceMonitor
 from laneserve.server.telemetry.endpoint import MetricsEndpoint
 from laneserve.v1 import inference_pb2 as pb
-from tests.support import REPO, RecordingEngine, Serving, request, rows, serving
+from tests.support import REPO, FakeTimers, RecordingEngine, Serving, request, rows, serving
 
 # A caller's W3C trace context: version 00, trace id, parent span id, sampled.
 CALLER_TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
@@ -1231,27 +1231,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now_s
-
-
-class FakeTimers:
-    """`EventLog`'s timers, run by hand: (delay, action, cancelled) per timer started."""
-
-    class Timer:
-        def __init__(self, delay_s: float, action: Callable[[], None]) -> None:
-            self.delay_s = delay_s
-            self.action = action
-            self.cancelled = False
-
-        def cancel(self) -> None:
-            self.cancelled = True
-
-    def __init__(self) -> None:
-        self.started: list[FakeTimers.Timer] = []
-
-    def __call__(self, delay_s: float, action: Callable[[], None]) -> FakeTimers.Timer:
-        timer = FakeTimers.Timer(delay_s, action)
-        self.started.append(timer)
-        return timer
 
 
 def test_refusals_are_logged_in_aggregate_at_most_once_per_interval(
