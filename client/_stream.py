@@ -606,7 +606,7 @@ class BulkStream:
                 assert isinstance(response, pb.InferStreamResponse)
                 self._on_answer(response)
         except grpc.RpcError as error:
-            self._events.put_nowait(_CallEnded(error_from_rpc(error)))
+            self._events.put_nowait(_CallEnded(_call_error(error)))
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -750,11 +750,25 @@ async def _anext(source: AsyncIterator[StreamItem]) -> StreamItem | object:
 _SOURCE_END: Final = object()
 
 
+def _call_error(error: grpc.RpcError) -> LaneserveError:
+    """How a stream call ended, as the job reports it. gRPC ends a call whose write
+    failed with INTERNAL ("Internal error from Core") in place of the status the server
+    sent: a drain's UNAVAILABLE (DRAINING), or none on a dropped connection. The server
+    never sends INTERNAL for a whole stream (item failures come back as items), so an
+    INTERNAL without a laneserve reason is UnavailableError (retryable); a job that gave
+    up raised it as a bare INTERNAL LaneserveError, not retryable, naming no drain."""
+    ended = error_from_rpc(error)
+    if ended.code != grpc.StatusCode.INTERNAL or ended.reason:
+        return ended
+    unavailable = UnavailableError(
+        "the stream call broke while this client was sending (the server ended it, e.g. "
+        f"draining, or the connection dropped); gRPC said INTERNAL {ended.message!r}",
+        code=grpc.StatusCode.UNAVAILABLE,
+    )
+    unavailable.__cause__ = ended
+    return unavailable
+
+
 def _call_may_resume(error: LaneserveError) -> bool:
-    """Whether a broken stream call is worth a new one. Besides the retryable statuses,
-    gRPC ends a call whose write failed on a dropped connection with INTERNAL ("Internal
-    error from Core"): the server never sends INTERNAL for a whole stream (item failures
-    come back as items), so an INTERNAL without a laneserve reason is the transport's."""
-    if error.should_retry:
-        return True
-    return error.code == grpc.StatusCode.INTERNAL and not error.reason
+    """Whether a broken stream call is worth a new one (see `_call_error`)."""
+    return error.should_retry

@@ -588,6 +588,36 @@ def test_a_stream_opened_as_the_drain_begins_ends_draining_at_once(
     assert rich_status(ended)[0] == "DRAINING"
 
 
+def test_a_job_that_gives_up_on_a_draining_server_says_unavailable(small_model: Path) -> None:
+    """A job started while the server drains, still writing items when the server ended
+    its call DRAINING: gRPC's client put INTERNAL "Internal error from Core" in place of
+    that status, and the job, out of attempts, raised it as a bare LaneserveError
+    (INTERNAL, no reason, not retryable) that named no drain. It is UnavailableError."""
+    items = [{"input": rows(4, start=index * 4)} for index in range(3000)]
+
+    async def scenario() -> lc.LaneserveError:
+        engine = RecordingEngine(str(small_model))
+        async with (
+            serving(engine, config(small_model)) as s,
+            lc.AsyncClient(s.target) as client,
+        ):
+            engine.hold()  # the drain waits for this call
+            busy = asyncio.ensure_future(client.infer({"input": rows(1)}))
+            await asyncio.to_thread(engine.entered.acquire)
+            stopping = asyncio.ensure_future(s.server.stop(grace_s=5.0))
+            await until(lambda: s.server.state is Lifecycle.DRAINING)
+            with pytest.raises(lc.LaneserveError) as ended:
+                async for _ in client.stream(items, window=256, retry=lc.NO_RETRIES):
+                    pass
+            engine.release()
+            await asyncio.gather(stopping, busy)
+        return ended.value
+
+    error = asyncio.run(scenario())
+    assert isinstance(error, lc.UnavailableError), repr(error)
+    assert error.should_retry
+
+
 def test_an_answer_over_the_message_limit_fails_its_item_not_the_stream(tmp_path: Path) -> None:
     """gRPC refuses to send a message over max_message_bytes and would end the stream
     with it, losing the other items' answers: that one item is answered with an error
