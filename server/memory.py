@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -367,6 +368,19 @@ def estimate_memory(model_path: str, *, timeout_s: float = 120.0) -> MemoryEstim
             "GetModel reports 0",
             model=model_path,
             timeout_s=timeout_s,
+        )
+        return None
+    if child.returncode < 0:
+        # Killed by a signal: Ctrl-C at a terminal reaches the child with the server (one
+        # process group), which is stopping: no failure of the estimate to warn about.
+        name = signal.Signals(-child.returncode).name
+        log_event(
+            log,
+            logging.INFO,
+            "static_estimate_stopped",
+            f"static memory estimate of {model_path} stopped by {name}; GetModel reports 0",
+            model=model_path,
+            signal=name,
         )
         return None
     fields = child.stdout.split()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -205,6 +206,26 @@ def test_static_estimate_that_fails_is_none_and_names_the_model(
     # An event, as every operator-facing line is (with --log-format json, its members).
     assert getattr(record, "event", None) == "static_estimate_failed"
     assert getattr(record, "fields", {})["exit_code"] == 1
+
+
+def test_static_estimate_stopped_by_a_signal_is_no_failure(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C during start-up reaches the estimate's child with the server (one process
+    group): it warned "static memory estimate ... failed (exit -2: no output)" as the
+    server stopped. A child ended by a signal is said to have stopped, at INFO."""
+    child = tmp_path / "python"
+    child.write_text("#!/bin/sh\nkill -TERM $$\n")
+    child.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(child))
+    caplog.set_level(logging.INFO, "laneserve")
+    assert estimate_memory("model.onnx") is None
+    (record,) = [r for r in caplog.records if "static memory estimate" in r.getMessage()]
+    assert record.getMessage() == (
+        "static memory estimate of model.onnx stopped by SIGTERM; GetModel reports 0"
+    )
+    assert record.levelno == logging.INFO
+    assert getattr(record, "event", None) == "static_estimate_stopped"
 
 
 @pytest.mark.parametrize("memory_limit", [None, "64MiB"], ids=["no-budget", "cpu-budget"])
