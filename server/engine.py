@@ -696,16 +696,19 @@ class Engine:
                 )
 
     def _time_rows(self, rows: int, repeats: int) -> float | None:
-        """Best run seconds at `rows` rows after one warm-up run; None: out of memory."""
-        inputs = self.example_inputs(rows)
+        """Best run seconds at `rows` rows after one warm-up run; None: out of memory,
+        the session's or the host's (MemoryError: building the inputs or copying the
+        outputs, on the CPU without a memory limit, where only the host's memory ends
+        the probe's growth: it failed the start with a traceback)."""
         best = float("inf")
         try:
+            inputs = self.example_inputs(rows)
             self.run(inputs)  # warm-up: first runs allocate and pick kernels
             for _ in range(repeats):
                 started = time.perf_counter()
                 self.run(inputs)
                 best = min(best, time.perf_counter() - started)
-        except DeviceMemoryError:
+        except (DeviceMemoryError, MemoryError):
             return None
         return best
 

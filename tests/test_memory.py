@@ -1704,6 +1704,38 @@ def test_the_probe_finds_the_largest_batch_that_fits(demo_model: Path) -> None:
     assert _fits_in_turn(demo_model, DEMO_BUDGET, [cap * 9 // 8]) == [False], cap
 
 
+_HOST_LIMITED_PROBE = """
+import resource, sys
+from laneserve.server.engine import Engine
+engine = Engine(sys.argv[1], device="cpu")
+mapped = int(open("/proc/self/statm").read().split()[0]) * 4096
+limit = mapped + 300 * (1 << 20)
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+probe = engine.probe(1_000_000, repeats=1)
+print(probe.batch_cap, probe.first_failing_rows)
+"""
+
+
+def test_a_probe_without_a_memory_limit_stops_where_the_hosts_memory_ends(
+    small_model: Path,
+) -> None:
+    """On the CPU without --memory-limit the probe grows until an allocation fails, and
+    with a large max_batch_size that is the host's: numpy's MemoryError building the
+    inputs ended the start with a traceback. The probe stops at the last size that fit
+    (here the host is an address-space limit 300 MiB above the loaded model)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _HOST_LIMITED_PROBE, str(small_model)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    cap, first_failing = done.stdout.split()
+    assert first_failing != "None"
+    assert 1 <= int(cap) < int(first_failing) <= 1_000_000
+
+
 def test_burst_larger_than_memory_completes_and_the_cap_converges(
     demo_model: Path, reference: ort.InferenceSession
 ) -> None:
