@@ -70,6 +70,10 @@ def _check_int(key: str, value: object, *, minimum: int, maximum: int | None = N
         raise ConfigError(f"{key}: expected an integer {bound}, got {value}")
 
 
+# What a lane's name may be: it is a label of every lane metric, and clients send it.
+LANE_NAME_RULE = "letters, digits, '-' and '_', at least one a letter or digit"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class LaneConfig:
     name: str
@@ -92,9 +96,7 @@ class LaneConfig:
             or not name
             or not name.replace("_", "").replace("-", "").isalnum()
         ):
-            raise ConfigError(
-                f"{where}.name: expected letters, digits, '-' or '_', got {self.name!r}"
-            )
+            raise ConfigError(f"{where}.name: expected {LANE_NAME_RULE}, got {self.name!r}")
         _check_int(f"{where}.capacity_rows", self.capacity_rows, minimum=1, maximum=UINT32_MAX)
         _check_int(f"{where}.timeout_ms", self.timeout_ms, minimum=1, maximum=UINT32_MAX)
         _check_int(f"{where}.max_wait_ms", self.max_wait_ms, minimum=0, maximum=UINT32_MAX)
@@ -429,8 +431,7 @@ def _parse_lanes(raw: object) -> tuple[LaneConfig, ...]:
             raise ConfigError(f"lanes[{index}]: missing key(s) {sorted(missing)}")
         if not isinstance(entry["name"], str):  # named by its index: lanes[5] misled
             raise ConfigError(
-                f"lanes[{index}].name: expected a string of letters, digits, '-' or '_', "
-                f"got {entry['name']!r}"
+                f"lanes[{index}].name: expected a string of {LANE_NAME_RULE}, got {entry['name']!r}"
             )
         lanes.append(LaneConfig(**entry))
     return tuple(lanes)

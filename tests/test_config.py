@@ -422,17 +422,27 @@ def test_memory_sizes_take_terabytes_as_they_take_gigabytes() -> None:
     assert (config.memory_limit, config.host_memory_limit) == ("1TB", "2t")
 
 
-# Known gaps in config.py's validation (reported; config.py is not this change's to fix).
-# Strict: when the validation is fixed, these pass and the marker must go.
-
-
 def test_lane_name_that_is_not_a_string_is_refused_naming_the_key(tmp_path: Path) -> None:
     """Named by its index: the error said lanes[5].name, as if of a sixth lane."""
     text = lane_toml().replace('name = "fast"', "name = 5")
     with pytest.raises(ConfigError) as refused:
         load_config(write(tmp_path, text), model_path="model.onnx")
     assert str(refused.value) == (
-        "lanes[0].name: expected a string of letters, digits, '-' or '_', got 5"
+        "lanes[0].name: expected a string of letters, digits, '-' and '_', at least one a "
+        "letter or digit, got 5"
+    )
+
+
+@pytest.mark.parametrize("name", ["-", "_", "--", "a b"])
+def test_a_lane_name_is_refused_saying_what_it_lacks(tmp_path: Path, name: str) -> None:
+    """'-' was refused "expected letters, digits, '-' or '_'": the rule it broke (at
+    least one letter or digit) went unsaid."""
+    text = lane_toml().replace('name = "fast"', f'name = "{name}"')
+    with pytest.raises(ConfigError) as refused:
+        load_config(write(tmp_path, text), model_path="model.onnx")
+    assert str(refused.value) == (
+        f"lanes[{name!r}].name: expected letters, digits, '-' and '_', at least one a letter "
+        f"or digit, got {name!r}"
     )
 
 
