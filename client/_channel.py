@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import ssl
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,7 @@ class TlsConfig:
         def read(path: str | Path | None) -> bytes | None:
             return None if path is None else Path(path).read_bytes()
 
+        check_pem_files(ca, cert, key, names=("ca", "cert", "key"))
         return cls(read(ca), read(key), read(cert), server_name)
 
     def credentials(self) -> grpc.ChannelCredentials:
@@ -79,6 +81,46 @@ class TlsConfig:
             private_key=self.private_key,
             certificate_chain=self.certificate_chain,
         )
+
+
+def check_pem_files(
+    ca: str | Path | None,
+    cert: str | Path | None,
+    key: str | Path | None,
+    *,
+    names: tuple[str, str, str],
+) -> None:
+    """Loads the PEM files as Python's TLS would, raising ValueError that names the one
+    (by `names`: how the caller calls the ca, cert and key) that cannot be used: gRPC
+    takes any bytes and fails each call's handshake instead ("Failed to create security
+    handshaker"), retried as if the server were down, naming neither file nor fault."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ca_name, cert_name, key_name = names
+    if ca is not None:
+        try:
+            context.load_verify_locations(cafile=ca)
+        except ssl.SSLError as error:
+            raise ValueError(
+                f"{ca_name} {ca}: holds no PEM CA certificate ({error.reason or error}); "
+                "expected the PEM certificate(s) of the CA that signed the server's"
+            ) from error
+    if cert is not None and key is not None:
+
+        def refuse_passphrase() -> str:
+            # Called only for an encrypted key; without it OpenSSL prompts on the terminal.
+            raise ValueError(
+                f"{key_name} {key}: an encrypted private key; gRPC takes no passphrase: "
+                "expected an unencrypted PEM key"
+            )
+
+        try:
+            context.load_cert_chain(cert, key, password=refuse_passphrase)
+        except ssl.SSLError as error:
+            raise ValueError(
+                f"{cert_name} {cert} and {key_name} {key}: not a PEM certificate and its "
+                f"private key ({error.reason or error}); expected PEM files of a matching "
+                "certificate and key"
+            ) from error
 
 
 def metadata_pair(key: str, value: str) -> tuple[str, str]:

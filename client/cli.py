@@ -40,6 +40,7 @@ from laneserve.client._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TARGET,
     TlsConfig,
+    check_pem_files,
     metadata_pair,
 )
 from laneserve.client._checkpoint import Checkpoint, CheckpointError, write_npz
@@ -165,12 +166,16 @@ def tls_config(args: argparse.Namespace) -> TlsConfig | None:
                 f"--tls-cert and --tls-key go together (mutual TLS); got only {given}: "
                 "expected both or neither"
             )
-        return TlsConfig(
+        tls = TlsConfig(
             root_certificates=_read_pem(args.tls_ca, "--tls-ca"),
             private_key=_read_pem(args.tls_key, "--tls-key"),
             certificate_chain=_read_pem(args.tls_cert, "--tls-cert"),
             server_name=args.tls_server_name,
         )
+        check_pem_files(
+            args.tls_ca, args.tls_cert, args.tls_key, names=("--tls-ca", "--tls-cert", "--tls-key")
+        )
+        return tls
     return TlsConfig() if args.tls else None
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import http.client
 import json
 import os
+import re
 import shutil
 import socket
 import ssl
@@ -365,6 +366,30 @@ def test_cli_tls_flags(small_model: Path, pki: Pki) -> None:
         assert "input   input   float32  [?, 512]" in out
 
     asyncio.run(scenario())
+
+
+def test_tls_files_that_cannot_be_used_are_refused_naming_them(pki: Pki, tmp_path: Path) -> None:
+    """A CA file that holds no certificate, or a key not the certificate's, went to gRPC
+    unchecked: every call failed "Failed to create security handshaker", retried as if
+    the server were down (the command line's exit 3, "could not be reached"). Refused at
+    once, naming the file: exit 2 on the command line, ValueError in the library."""
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n", encoding="ascii")
+    nobody = "127.0.0.1:1"  # never dialled: refused before any call
+    bad_ca = ["--tls-ca", str(garbage)]
+    mismatched = ["--tls-cert", str(pki.client_cert), "--tls-key", str(pki.server_key)]
+    for arguments, expected in (
+        (bad_ca, f"--tls-ca {garbage}: holds no PEM CA certificate"),
+        (mismatched, f"--tls-cert {pki.client_cert} and --tls-key {pki.server_key}: not a PEM"),
+    ):
+        code, _, err = asyncio.run(cli("model", "--target", nobody, *arguments))
+        assert code == 2, err
+        assert expected in err, err
+    with pytest.raises(ValueError, match=re.escape(f"ca {garbage}: holds no PEM CA")):
+        TlsConfig.from_files(ca=garbage)
+    with pytest.raises(ValueError, match="private key"):
+        TlsConfig.from_files(cert=pki.client_cert, key=pki.server_key)
+    TlsConfig.from_files(ca=pki.ca, cert=pki.client_cert, key=pki.client_key)
 
 
 # ---- 2. --metadata ----------------------------------------------------------------------
