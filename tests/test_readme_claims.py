@@ -29,7 +29,9 @@ from google.rpc import code_pb2, error_details_pb2
 
 from laneserve.client import NO_RETRIES, Client, LaneserveError, StreamResult, TlsConfig
 from laneserve.server import LaneServer, ServerConfig
+from laneserve.server.app import server_credentials
 from laneserve.server.cli import main as laneserve_main
+from laneserve.server.config import ConfigError
 from laneserve.server.telemetry import Telemetry
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import F32, RecordingEngine, request, rows, serving
@@ -224,6 +226,37 @@ def test_top_watches_a_server_over_tls_and_mutual_tls(
     captured = capsys.readouterr()
     assert captured.out.count("SERVING") == 2
     assert "UNAVAILABLE" in captured.err
+
+
+def test_an_expired_server_certificate_is_refused_at_start(tmp_path: Path) -> None:
+    """The server started with an expired certificate and logged nothing; every
+    client's handshake failed ("certificate has expired"). It is refused before the
+    model loads, naming the setting and why clients would refuse it."""
+    openssl = shutil.which("openssl")
+    assert openssl is not None, "the TLS tests generate their certificates with `openssl`"
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], cwd=tmp_path, check=True, capture_output=True, timeout=60)
+
+    (tmp_path / "ca.cnf").write_text(
+        "[ca]\ndefault_ca = d\n[d]\ndatabase = index.txt\nserial = serial\npolicy = p\n"
+        "default_md = sha256\nnew_certs_dir = .\n[p]\ncommonName = supplied\n",
+        encoding="ascii",
+    )
+    (tmp_path / "index.txt").touch()
+    (tmp_path / "serial").write_text("01\n", encoding="ascii")
+    new_key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
+    run(*f"req -x509 {new_key} -keyout ca.key -out ca.pem -days 2".split(), "-subj", "/CN=ca")
+    run(*f"req -new {new_key} -keyout old.key -out old.csr".split(), "-subj", "/CN=old")
+    sign = "ca -batch -config ca.cnf -keyfile ca.key -cert ca.pem -in old.csr -out old.pem"
+    run(*sign.split(), "-startdate", "20200101000000Z", "-enddate", "20200102000000Z")
+    cert, key = str(tmp_path / "old.pem"), str(tmp_path / "old.key")
+    config = ServerConfig(model_path="m.onnx", tls_cert=cert, tls_key=key)
+    with pytest.raises(ConfigError) as refused:
+        server_credentials(config)
+    assert str(refused.value).startswith(
+        f"server.tls_cert: {cert!r} would be refused by every client (certificate has expired)"
+    )
 
 
 def test_metrics_endpoint_follows_the_ports_tls(small_model: Path, pki: Pki) -> None:
