@@ -236,15 +236,16 @@ class CallGate:
 
     def _gate_unary(self, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
         async def gated(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            # This frame lets go of the request before anything is awaited: an abort
+            # below keeps the frames it passes through (see service.abort_with).
             if request is OVER_LIMIT or self.full:
-                # Not `context.abort`: gRPC keeps its AbortError in a reference cycle
-                # with the call's frames, the request's bytes too (see service.refuse).
-                context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
-                context.set_details(CALL_LIMIT_DETAILS)
-                return None
+                del request
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, CALL_LIMIT_DETAILS)
+            handling = behavior(request, context)
+            del request
             self._enter_unary()
             try:
-                return await behavior(request, context)
+                return await handling
             finally:
                 self._leave_unary()
 

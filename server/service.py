@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import traceback
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -201,8 +202,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         try:
             return await self._infer(request, context, self._config.default_lane)
         except LaneserveError as error:
-            refuse(context, error)
-            return pb.InferResponse()  # not sent: gRPC sends a message only with OK
+            refusal = error
+        # Nothing of the request stays reachable from the abort (see `abort_with`).
+        del request
+        await abort_with(context, release_frames(refusal))
+        raise AssertionError("unreachable: abort raises")
 
     async def InferStream(
         self,
@@ -416,8 +420,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         context: grpc.aio.ServicerContext[pb.GetModelRequest, pb.GetModelResponse],
     ) -> pb.GetModelResponse:
         if request is UNDECODABLE_GET_MODEL:
-            refuse(context, undecodable(request))
-            return pb.GetModelResponse()  # not sent: gRPC sends a message only with OK
+            await abort_with(context, undecodable(request))
         return pb.GetModelResponse(
             model_path=self._config.model_path,
             inputs=[_tensor_spec(spec) for spec in self._engine.inputs],
@@ -448,8 +451,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         context: grpc.aio.ServicerContext[pb.GetStatsRequest, pb.GetStatsResponse],
     ) -> pb.GetStatsResponse:
         if request is UNDECODABLE_GET_STATS:
-            refuse(context, undecodable(request))
-            return pb.GetStatsResponse()  # not sent: gRPC sends a message only with OK
+            await abort_with(context, undecodable(request))
         snapshot = self._stats.snapshot()
         depths = {depth.name: depth for depth in self._scheduler.depths()}
         return pb.GetStatsResponse(
@@ -797,6 +799,7 @@ UNDECODABLE_REQUEST = pb.InferRequest()
 UNDECODABLE_GET_MODEL = pb.GetModelRequest()
 UNDECODABLE_GET_STATS = pb.GetStatsRequest()
 _M = TypeVar("_M", bound=Message)
+_E = TypeVar("_E", bound=BaseException)
 _UNDECODABLE: dict[type[Message], Message] = {
     type(message): message
     for message in (UNDECODABLE_REQUEST, UNDECODABLE_GET_MODEL, UNDECODABLE_GET_STATS)
@@ -877,31 +880,41 @@ def _deadline_s(now_s: float, remaining_s: float | None, timeout_ms: int) -> flo
     return min(candidates) if candidates else None
 
 
-def refuse(context: grpc.aio.ServicerContext[Any, Any], error: LaneserveError) -> None:
-    """Sets `error`'s status, rich details and, if retryable, the pushback on a unary
-    RPC, whose handler then returns (gRPC discards a response with a status other than
-    OK). Not `context.abort`: the AbortError it raises is kept by gRPC's handler in a
-    reference cycle with every frame of the call, so each refused request (its bytes and
-    decoded inputs) stayed in memory until a full garbage collection: hundreds of MiB
-    after a burst of LANE_FULL refusals, enough to close every lane at the host memory
-    watermark, which refused more."""
+async def abort_with(context: grpc.aio.ServicerContext[Any, Any], error: LaneserveError) -> None:
+    """Ends the RPC with `error`'s status, rich details and, if retryable, the pushback:
+    trailers only, no message (a handler that sets its status and returns sends an empty
+    message before it, which a JSON transcoder answers as a body).
+
+    gRPC keeps the AbortError this raises in a reference cycle with every frame it passes
+    through, freed only by a full garbage collection: a frame on the way that still holds
+    the request kept its bytes and decoded inputs as long, hundreds of MiB after a burst of
+    large refusals, enough to close every lane at the host memory watermark. So the
+    callers let go of the request first (`release_frames`, and the wrappers of
+    grpc_accept and server_spans)."""
     if context.cancelled():
         # The caller went away or its deadline passed: no status can be sent any more,
         # and trying would log a traceback per call under overload.
         raise asyncio.CancelledError
-    context.set_code(error.code)
-    context.set_details(bounded_message(error.message))
-    context.set_trailing_metadata(_status_trailers(error))
-
-
-async def abort_with(context: grpc.aio.ServicerContext[Any, Any], error: LaneserveError) -> None:
-    """Ends a streaming RPC with `error`'s status, rich details and, if retryable, the
-    pushback (a unary one returns instead: see `refuse`)."""
-    if context.cancelled():
-        raise asyncio.CancelledError  # as in `refuse`
     await context.abort(
         error.code, bounded_message(error.message), trailing_metadata=_status_trailers(error)
     )
+
+
+def release_frames(error: _E) -> _E:
+    """`error`, with the locals of the finished frames its traceback (and those of the
+    errors chained to it) passed through cleared: they held the request and its decoded
+    inputs (see `abort_with`)."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        chained = pending.pop()
+        if chained is None or id(chained) in seen:
+            continue
+        seen.add(id(chained))
+        traceback.clear_frames(chained.__traceback__)
+        chained.__traceback__ = None
+        pending += (chained.__context__, chained.__cause__)
+    return error
 
 
 def _status_trailers(error: LaneserveError) -> tuple[tuple[str, str | bytes], ...]:

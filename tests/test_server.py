@@ -10,7 +10,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +22,16 @@ import pytest
 from grpc_channelz.v1 import channelz_pb2, channelz_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from opentelemetry.sdk.trace import TracerProvider
 
 from laneserve.client import CallCancelledError, error_from_rpc
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import LaneConfig, LaneServer, ServerConfig, grpc_accept
 from laneserve.server.app import check_ports_free
-from laneserve.server.errors import LaneserveError
 from laneserve.server.grpc_calls import GrpcCalls
 from laneserve.server.items import Batch, BatchResult, RowsWanted
 from laneserve.server.lifecycle import Lifecycle
+from laneserve.server.telemetry import Telemetry
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
@@ -140,26 +141,27 @@ def test_bad_input_is_invalid_argument_naming_what_was_expected(
     asyncio.run(scenario())
 
 
-def test_a_refused_call_leaves_no_reference_cycle_holding_its_request(small_model: Path) -> None:
-    """`context.abort` raised an AbortError that gRPC's handler kept in a reference
-    cycle with every frame of the call: each refused request (its bytes, its decoded
-    inputs) stayed in memory until a full garbage collection, ~80 MiB per burst of 24
-    large refusals, enough to close every lane at the host memory watermark. Refusals
-    (invalid input, a full lane, an undecodable GetStats) now leave no cycle of
-    the server's behind: its frames and errors go with the call."""
+@pytest.mark.parametrize("spans", [False, True], ids=["untraced", "traced"])
+def test_a_refused_call_leaves_no_reference_cycle_holding_its_request(
+    small_model: Path, spans: bool
+) -> None:
+    """gRPC keeps an abort's AbortError in a reference cycle with every frame it passed
+    through, freed only by a full garbage collection, and those frames held the refused
+    request (its bytes, its decoded inputs): ~80 MiB per burst of 24 large refusals,
+    enough to close every lane at the host memory watermark. Refusals (a full lane, more
+    rows than the lane, an unknown lane, an undecodable GetStats) still end trailers
+    only, but no frame left to the garbage collector holds a request or its inputs, with
+    the server's spans and without."""
 
-    def server_garbage() -> list[str]:
+    def frames_holding_requests() -> list[str]:
         gc.set_debug(gc.DEBUG_SAVEALL)
         try:
             gc.collect()
             found = [
-                type(thing).__name__
+                f"{thing.f_code.co_name}: {sorted(held)}"
                 for thing in gc.garbage
-                if isinstance(thing, (LaneserveError, grpc.aio.AbortError))
-                or (
-                    type(thing).__name__ == "frame"
-                    and "laneserve/server" in thing.f_code.co_filename
-                )
+                if type(thing).__name__ == "frame"
+                and (held := set(thing.f_locals) & {"request", "inputs", "requests"})
             ]
         finally:
             gc.set_debug(0)
@@ -171,7 +173,18 @@ def test_a_refused_call_leaves_no_reference_cycle_holding_its_request(small_mode
             LaneConfig("standard", capacity_rows=4, timeout_ms=60_000, max_wait_ms=0, min_share=0),
         )
         engine = RecordingEngine(str(small_model))
-        async with serving(engine, config(small_model, lanes=lanes)) as s:
+        server_config = config(small_model, lanes=lanes)
+        telemetry = (
+            Telemetry(
+                lanes=lanes,
+                providers=engine.providers,
+                max_batch_size=server_config.max_batch_size,
+                tracer_provider=TracerProvider(shutdown_on_exit=False),
+            )
+            if spans
+            else None
+        )
+        async with serving(engine, server_config, telemetry=telemetry) as s:
             gc.collect()
             engine.hold()
             held = asyncio.ensure_future(s.stub.Infer(request(rows(4))))
@@ -190,7 +203,7 @@ def test_a_refused_call_leaves_no_reference_cycle_holding_its_request(small_mode
                     request_serializer=lambda raw: raw,
                     response_deserializer=pb.GetStatsResponse.FromString,
                 )(b"\xff\xff")
-            found = server_garbage()
+            found = frames_holding_requests()
             engine.release()
             await asyncio.gather(held, queued)
         return found
@@ -200,6 +213,32 @@ def test_a_refused_call_leaves_no_reference_cycle_holding_its_request(small_mode
         assert asyncio.run(scenario()) == []
     finally:
         gc.enable()
+
+
+def test_a_refusal_is_trailers_only(small_model: Path) -> None:
+    """A refused unary call carries no message before its status (a handler that set its
+    status and returned sent an empty one, which a JSON transcoder answers as a body)."""
+
+    async def scenario() -> tuple[list[bytes], grpc.StatusCode]:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            # The unary method read as a stream: every message on the wire is seen.
+            call = s.channel.unary_stream(
+                "/laneserve.v1.InferenceService/Infer",
+                request_serializer=pb.InferRequest.SerializeToString,
+                response_deserializer=lambda raw: raw,
+            )(request(rows(1), lane="vip"))
+            messages = [message async for message in _read_until_status(call)]
+            return messages, await call.code()
+
+    messages, code = asyncio.run(scenario())
+    assert messages == []
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def _read_until_status(call: Any) -> AsyncIterator[bytes]:
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        async for message in call:
+            yield message
 
 
 def test_message_over_the_limit_is_resource_exhausted(small_model: Path) -> None:

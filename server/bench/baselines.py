@@ -45,7 +45,7 @@ from laneserve.server.engine import Engine, TensorSpec
 from laneserve.server.errors import LaneserveError, to_rpc_status
 from laneserve.server.items import Timing
 from laneserve.server.process import tune_for_serving
-from laneserve.server.service import refuse
+from laneserve.server.service import abort_with, release_frames
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -162,8 +162,10 @@ class SingleServicer(_InferOnly):
         try:
             return await self._answer(request)
         except LaneserveError as error:
-            refuse(context, error)  # as laneserve refuses: no AbortError (see `refuse`)
-            return pb.InferResponse()
+            refusal = error
+        del request  # as laneserve lets go of it (see `abort_with`)
+        await abort_with(context, release_frames(refusal))
+        raise AssertionError("unreachable: abort raises")
 
     async def InferStream(
         self,

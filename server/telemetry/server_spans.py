@@ -97,14 +97,20 @@ class ServerSpans(grpc.aio.ServerInterceptor):
         async def traced(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             span = self._start(method, carrier)
             token = otel_context.attach(otel_trace.set_span_in_context(span))
+            # Neither the request nor the error stays in this frame: gRPC keeps an abort's
+            # AbortError in a reference cycle with the frames it passed through, and they
+            # held the request's bytes (see laneserve.server.service.abort_with).
+            handling = behavior(request, context)
+            del request
             error: BaseException | None = None
             try:
-                return await behavior(request, context)
+                return await handling
             except BaseException as raised:
                 error = raised
                 raise
             finally:
                 _end_server_span(span, context, error)
+                error = None
                 otel_context.detach(token)
 
         return traced
