@@ -108,10 +108,18 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     )
 
 
+# OpenSSL cipher list at security level 0: Python's checks of TLS files judge them as
+# gRPC's BoringSSL does, which has no security levels.
+_ANY_SECURITY_LEVEL = "DEFAULT:@SECLEVEL=0"
+
+
 def _check_pem(cert: str, key: str, client_ca: str | None) -> None:
     """Loads the files as Python's TLS would: gRPC takes any bytes here and fails later
     with "Failed to bind" and nothing on what was wrong."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    # Refused only for what gRPC's TLS refuses too: OpenSSL's security level turned away
+    # keys and signatures BoringSSL (which has none) takes ("EE_KEY_TOO_SMALL").
+    context.set_ciphers(_ANY_SECURITY_LEVEL)
 
     def refuse_passphrase() -> str:
         # Called only for an encrypted key; without it OpenSSL prompts on the terminal.
@@ -155,8 +163,10 @@ def _certificate_refusal(cert: str, key: str) -> str | None:
     their own way), nor the chain above the file's certificates (their roots are the
     clients' to hold)."""
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.set_ciphers(_ANY_SECURITY_LEVEL)
     server.load_cert_chain(cert, key)
     client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.set_ciphers(_ANY_SECURITY_LEVEL)
     client.check_hostname = False
     client.load_verify_locations(cafile=cert)  # every certificate of the file, as a root
     client.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN

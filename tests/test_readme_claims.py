@@ -425,6 +425,29 @@ def test_tls_files_that_cannot_be_used_are_refused_naming_them(pki: Pki, tmp_pat
     TlsConfig.from_files(ca=pki.ca, cert=pki.client_cert, key=pki.client_key)
 
 
+def test_tls_files_grpc_takes_are_taken_whatever_the_openssl_security_level(
+    pki: Pki, tmp_path: Path
+) -> None:
+    """The checks of TLS files loaded them at OpenSSL's security level, which gRPC's
+    TLS (BoringSSL) does not have: an RSA-1024 certificate that served and called was
+    refused "not a PEM certificate and its private key (EE_KEY_TOO_SMALL)"."""
+    openssl = shutil.which("openssl")
+    assert openssl is not None, "the TLS tests generate their certificates with `openssl`"
+    ca_key = pki.ca.with_suffix(".key")
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], cwd=tmp_path, check=True, capture_output=True, timeout=60)
+
+    run(
+        *"req -new -newkey rsa:1024 -nodes -keyout weak.key -out weak.csr".split(), "-subj", "/CN=w"
+    )
+    sign = f"x509 -req -in weak.csr -CA {pki.ca} -CAkey {ca_key} -set_serial 9 -days 2"
+    run(*sign.split(), "-out", "weak.pem")
+    weak_cert, weak_key = tmp_path / "weak.pem", tmp_path / "weak.key"
+    TlsConfig.from_files(ca=pki.ca, cert=weak_cert, key=weak_key)
+    server_credentials(ServerConfig(model_path="m", tls_cert=str(weak_cert), tls_key=str(weak_key)))
+
+
 # ---- 2. --metadata ----------------------------------------------------------------------
 
 
