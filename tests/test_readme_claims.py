@@ -439,7 +439,19 @@ def test_tls_files_grpc_takes_are_taken_whatever_the_openssl_security_level(
         subprocess.run([openssl, *args], cwd=tmp_path, check=True, capture_output=True, timeout=60)
 
     run(
-        *"req -new -newkey rsa:1024 -nodes -keyout weak.key -out weak.csr".split(), "-subj", "/CN=w"
+        *[
+            "req",
+            "-new",
+            "-newkey",
+            "rsa:1024",
+            "-nodes",
+            "-keyout",
+            "weak.key",
+            "-out",
+            "weak.csr",
+        ],
+        "-subj",
+        "/CN=w",
     )
     sign = f"x509 -req -in weak.csr -CA {pki.ca} -CAkey {ca_key} -set_serial 9 -days 2"
     run(*sign.split(), "-out", "weak.pem")
