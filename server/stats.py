@@ -43,17 +43,21 @@ def _reasons(*errors: type[LaneserveError]) -> tuple[str, ...]:
 # a retry whose deadline passed while it waited for the request with its id in flight.
 # EngineError: a submission after the scheduler failed for good (the server then stops).
 # AnswerTooLargeError: a retry that joined or replayed an answer larger than its caller
-# reads (the call that ran it counts it among `answered`).
-REJECTED_REASONS = _reasons(
-    AnswerTooLargeError,
-    InvalidInputError,
-    RequestIdReusedError,
-    DrainingError,
-    DeadlineUnmeetableError,
-    JoinExpiredError,
-    MemoryPressureError,
-    LaneFullError,
-    EngineError,
+# reads (the call that ran it counts it among `answered`). CANCELLED: a stream item whose
+# stream ended while it waited for room in its full lane (read, never admitted).
+REJECTED_REASONS = (
+    *_reasons(
+        AnswerTooLargeError,
+        InvalidInputError,
+        RequestIdReusedError,
+        DrainingError,
+        DeadlineUnmeetableError,
+        JoinExpiredError,
+        MemoryPressureError,
+        LaneFullError,
+        EngineError,
+    ),
+    "CANCELLED",
 )
 # Reasons counted as shed (dropped after admission), not as failures.
 SHED_REASONS = frozenset({ExpiredInQueueError.reason, "CANCELLED"})

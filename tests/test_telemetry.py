@@ -904,6 +904,7 @@ def test_every_counter_series_is_reported_from_the_start_at_zero() -> None:
         "MEMORY_PRESSURE",
         "LANE_FULL",
         "ENGINE_FAILURE",  # a submission after the scheduler failed for good
+        "CANCELLED",  # a stream item whose stream ended while it waited for room
     )
     ends = (
         "OK",
