@@ -444,7 +444,10 @@ class Engine:
         before it `rows_wanted` (the scheduler's view at that moment) says which rows
         still have a caller waiting within its deadline: the others are not run again.
         A run out of memory among earlier runs' regions that fits once the arena shrank
-        is no failure (see `run`): the batch is not split.
+        is no failure (see `run`): the batch is not split. That second run is the same
+        execution's, whole, without asking `rows_wanted`: rows whose callers left during
+        the failed run run once more (rare: a fragmented arena; asking, and splitting off
+        the rows no longer wanted, would count the failure against the cap).
         """
         inputs = {name: _concat(parts) for name, parts in batch.parts.items()}
         started = time.perf_counter()

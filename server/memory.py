@@ -339,6 +339,11 @@ def fit_memory(used_bytes_by_rows: dict[int, int]) -> MemoryEstimate | None:
     return MemoryEstimate(fixed_bytes=max(round(fixed), 0), per_row_bytes=max(round(per_row), 0))
 
 
+# The signals that stop a server, sent to its process group: the estimate's child
+# ended by one of them was stopped with the server, it did not fail.
+_STOPPING_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+
+
 def estimate_memory(model_path: str, *, timeout_s: float = 120.0) -> MemoryEstimate | None:
     """Weights plus per-row activations from the model file (`static_estimate`), worked
     out in a child process; None, with a warning, when that fails: the estimate only
@@ -370,9 +375,10 @@ def estimate_memory(model_path: str, *, timeout_s: float = 120.0) -> MemoryEstim
             timeout_s=timeout_s,
         )
         return None
-    if child.returncode < 0:
-        # Killed by a signal: Ctrl-C at a terminal reaches the child with the server (one
-        # process group), which is stopping: no failure of the estimate to warn about.
+    if -child.returncode in _STOPPING_SIGNALS:
+        # Ctrl-C at a terminal (or a stop sent to the process group) reaches the child
+        # with the server, which is stopping: no failure of the estimate to warn about.
+        # Another signal (SIGKILL from the OOM killer, SIGSEGV) is a failure, below.
         name = signal.Signals(-child.returncode).name
         log_event(
             log,

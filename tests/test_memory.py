@@ -228,6 +228,21 @@ def test_static_estimate_stopped_by_a_signal_is_no_failure(
     assert getattr(record, "event", None) == "static_estimate_stopped"
 
 
+def test_static_estimate_killed_by_another_signal_is_a_failure(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILL (the kernel's OOM killer) is no stop of the server's: a warning, as any
+    failure of the estimate."""
+    child = tmp_path / "python"
+    child.write_text("#!/bin/sh\nkill -KILL $$\n")
+    child.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(child))
+    assert estimate_memory("model.onnx") is None
+    (record,) = [r for r in caplog.records if "static memory estimate" in r.getMessage()]
+    assert record.levelno == logging.WARNING
+    assert "failed (exit -9: no output)" in record.getMessage()
+
+
 @pytest.mark.parametrize("memory_limit", [None, "64MiB"], ids=["no-budget", "cpu-budget"])
 def test_serving_process_never_imports_onnx(tmp_path: Path, memory_limit: str | None) -> None:
     """The estimate's child takes onnx and the parsed weights with it when it exits; a
