@@ -5,8 +5,9 @@ Layout, beside the output file ``OUT``::
     OUT.partial/state.json      job id, input identity, rows per item, done bitmap, and
                                 each output's dtype, shape and file
     OUT.partial/<file>.npy      one memory-mapped array per model output, rows in place
-    OUT.partial.finished/       a finished job's checkpoint, renamed away once OUT was
-                                written, while it is removed (see `Checkpoint.finish`)
+    OUT.partial.finished-XXXX/  a finished job's checkpoint, renamed away (a fresh name)
+                                once OUT was written, while it is removed (see
+                                `Checkpoint.finish`)
 
 An output's file is named after it when its name is a short file name of letters,
 digits, '-', '_' and '.' that no other output's file has (in any case); otherwise after
@@ -24,11 +25,13 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import glob
 import hashlib
 import itertools
 import json
 import os
 import shutil
+import tempfile
 import zipfile
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
@@ -284,12 +287,14 @@ class Checkpoint:
 
         The checkpoint stays whole until `output` is: the output is staged beside the
         arrays (.npy: a hard link to the array, which stays; .npz: the archive) and
-        renamed over `output`, and only then is the directory renamed away, to
-        `DIR.finished`, and removed. Interrupted (or failing: OSError, raised) anywhere
-        before that rename, the checkpoint resumes with every item done and finishes
-        again; after it, `output` is whole and no checkpoint is left (at worst part of
-        `DIR.finished`, which the next finish beside it removes). A staged file that did
-        not become `output` is removed.
+        renamed over `output`, and only then is the directory renamed away, to a fresh
+        `DIR.finished-XXXX`, and removed. Interrupted (or failing: OSError, raised)
+        anywhere before that rename, the checkpoint resumes with every item done and
+        finishes again; after it, `output` is whole and no checkpoint is left (at worst
+        part of a `DIR.finished-XXXX`, which the next finish beside it removes, if it
+        holds nothing but a checkpoint's files). A staged file that did not become
+        `output` is removed. A fresh name, not a fixed one: a user's file or directory of
+        that name was removed, or failed every finish.
         """
         assert self.done.all()
         self.save()
@@ -308,14 +313,34 @@ class Checkpoint:
             staged.unlink(missing_ok=True)
             raise
         self.arrays.clear()
-        finished = self.directory.with_name(f"{self.directory.name}.finished")
-        if finished.exists():
-            shutil.rmtree(finished, ignore_errors=True)
-        self.directory.rename(finished)
+        prefix = f"{self.directory.name}.finished-"
+        for leftover in self.directory.parent.glob(f"{glob.escape(prefix)}*"):
+            if _only_checkpoint_files(leftover):  # an interrupted finish's
+                shutil.rmtree(leftover, ignore_errors=True)
+        # An empty directory of a fresh name, which the rename replaces.
+        finished = Path(tempfile.mkdtemp(prefix=prefix, dir=self.directory.parent))
+        self.directory.replace(finished)
         shutil.rmtree(finished, ignore_errors=True)
 
     def _array_path(self, name: str) -> Path:
         return self.directory / self.files[name]
+
+
+def _only_checkpoint_files(directory: Path) -> bool:
+    """Whether `directory` (not a link) holds nothing but files a checkpoint has: its
+    state, its arrays, a staged output."""
+    if directory.is_symlink() or not directory.is_dir():
+        return False
+    return all(
+        entry.is_file()
+        and not entry.is_symlink()
+        and (
+            entry.name == "state.json"
+            or entry.suffix == ".npy"
+            or (entry.name.startswith("output.") and entry.suffix == ".tmp")
+        )
+        for entry in directory.iterdir()
+    )
 
 
 def _same_path(recorded: Path, given: Path) -> bool:

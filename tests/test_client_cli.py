@@ -1044,8 +1044,10 @@ def test_a_finish_interrupted_at_any_step_leaves_a_job_done_or_one_resume_comple
     done and finishes; no staged file is left either way."""
     output = tmp_path / output_name
     directory = tmp_path / "out.npy.partial"
-    finished = tmp_path / "out.npy.partial.finished"
     expected = np.ones((40, 10), np.float32)
+
+    def finished() -> list[Path]:
+        return sorted(tmp_path.glob("out.npy.partial.finished-*"))
 
     def written() -> object:
         if output_name.endswith(".npy"):
@@ -1057,7 +1059,7 @@ def test_a_finish_interrupted_at_any_step_leaves_a_job_done_or_one_resume_comple
     traced = {checkpoint_module.__file__, pathlib.__file__, shutil.__file__}
     outcomes = set()
     for step in itertools.count(1):
-        for path in (output, directory, finished):
+        for path in (output, directory, *finished()):
             if path.is_dir():
                 shutil.rmtree(path)
             path.unlink(missing_ok=True)
@@ -1077,25 +1079,56 @@ def test_a_finish_interrupted_at_any_step_leaves_a_job_done_or_one_resume_comple
             resumed = Checkpoint.load(directory, input_path=source, rows=40, rows_per_item=10)
             assert resumed.done.all(), step
             resumed.finish(output)
-            assert not finished.exists(), step
+            assert finished() == [], step
             outcomes.add("resumed")
         else:
             outcomes.add("done")
-            if finished.exists():  # interrupted removing it: the next finish beside it does
+            if finished():  # interrupted removing it: the next finish beside it does
                 outcomes.add("left over")
                 np.testing.assert_array_equal(written(), expected, err_msg=f"step {step}")
                 source, _ = checkpoint_of(tmp_path, items_done=4)
                 Checkpoint.load(directory, input_path=source, rows=40, rows_per_item=10).finish(
                     output
                 )
-                assert not finished.exists(), step
+                assert finished() == [], step
         assert not directory.exists(), step
         np.testing.assert_array_equal(written(), expected, err_msg=f"step {step}")
     assert step > 20, "finish made too few calls for the test to mean anything"
     assert outcomes == {"resumed", "done", "left over"}
     np.testing.assert_array_equal(written(), expected)
     assert not directory.exists()
-    assert not finished.exists()
+    assert finished() == []
+
+
+def test_a_finish_leaves_a_users_files_beside_it_alone(tmp_path: Path) -> None:
+    """The checkpoint was renamed to OUT.partial.finished, whatever was there: a user's
+    directory of that name was removed with its contents, and a file of that name failed
+    every finish (NotADirectoryError after OUT was written; --resume failed the same
+    way). Only directories of the finish's own fresh names, holding nothing but a
+    checkpoint's files, are removed."""
+    mine = tmp_path / "out.npy.partial.finished"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine", encoding="utf-8")
+    lookalike = tmp_path / "out.npy.partial.finished-mine"
+    lookalike.mkdir()
+    (lookalike / "notes.txt").write_text("mine", encoding="utf-8")
+    source, directory = checkpoint_of(tmp_path, items_done=4)
+    Checkpoint.load(directory, input_path=source, rows=40, rows_per_item=10).finish(
+        tmp_path / "out.npy"
+    )
+    assert not directory.exists()
+    assert (mine / "notes.txt").read_text(encoding="utf-8") == "mine"
+    assert (lookalike / "notes.txt").read_text(encoding="utf-8") == "mine"
+    (tmp_path / "out.npy").unlink()
+    mine.rename(tmp_path / "moved")
+    mine.write_text("a file of the old name", encoding="utf-8")
+    source, directory = checkpoint_of(tmp_path, items_done=4)
+    Checkpoint.load(directory, input_path=source, rows=40, rows_per_item=10).finish(
+        tmp_path / "out.npy"
+    )
+    assert not directory.exists()
+    assert mine.read_text(encoding="utf-8") == "a file of the old name"
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), np.ones((40, 10), np.float32))
 
 
 def test_a_failed_npz_write_leaves_no_partial_file_and_the_checkpoint_resumes(
