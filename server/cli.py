@@ -18,6 +18,7 @@ from laneserve.server.app import LaneServer, check_ports_free, load_engine, serv
 from laneserve.server.bench import cli as bench_cli
 from laneserve.server.config import DEVICES, ConfigError, ServerConfig, load_config
 from laneserve.server.engine import EngineStartError
+from laneserve.server.log_events import refuse_usage
 from laneserve.server.process import tune_for_serving
 from laneserve.server.telemetry import configure_logging, log_event
 from laneserve.server.top import add_arguments as add_top_arguments
@@ -251,7 +252,7 @@ def _parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
             if not json_errors:
                 super().error(message)
             configure_logging("info", json_lines=True)
-            log_event(log, logging.ERROR, "usage_error", f"{self.prog}: {message}", exit_code=2)
+            refuse_usage(log, f"{self.prog}: {message}", json_lines=True)
             sys.exit(2)
 
     parser = Parser(prog="laneserve", description=__doc__)

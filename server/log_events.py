@@ -9,6 +9,7 @@ log events too, and could not import it from there (an import cycle).
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 
@@ -25,3 +26,12 @@ def log_event(logger: logging.Logger, level: int, event: str, message: str, **fi
 
 
 __all__ = ["event_extra", "log_event"]
+
+
+def refuse_usage(logger: logging.Logger, message: str, *, json_lines: bool) -> None:
+    """A refused command line (its command exits 2): under JSON logs one JSON line, the
+    event `usage_error` (log shippers parse every line), else `message` on stderr."""
+    if json_lines:
+        log_event(logger, logging.ERROR, "usage_error", message, exit_code=2)
+    else:
+        print(message, file=sys.stderr)

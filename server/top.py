@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import sys
 import time
@@ -29,6 +30,7 @@ import grpc
 
 from laneserve.client._channel import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from laneserve.client.cli import EXIT_BROKEN_PIPE, add_tls_arguments, tls_config
+from laneserve.server.log_events import refuse_usage
 from laneserve.server.memory import format_bytes
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -40,6 +42,8 @@ _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen
 # Two samples of one server give its start within their calls' latencies; one restart
 # (a process exits, loads its model and probes it) takes longer than this.
 RESTART_SLACK_S = 1.0
+
+log = logging.getLogger("laneserve")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         _check_numbers(args, frames)
         tls = tls_config(args)
     except ValueError as error:
-        print(f"laneserve top: {error}", file=sys.stderr)
+        refuse_usage(log, f"laneserve top: {error}", json_lines=args.log_format == "json")
         return 2
     live = frames is None and sys.stdout.isatty()
     options = channel_options(tls, DEFAULT_MAX_MESSAGE_BYTES, ())

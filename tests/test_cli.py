@@ -167,6 +167,7 @@ def test_log_flags_are_taken_after_serve_too(tmp_path: Path) -> None:
         ("--log-format", "json", "serve", "--model", "m.onnx", "--port", "abc"),
         ("serve", "--log-format=json", "--model", "m.onnx", "--bogus"),
         ("--log-format", "json"),
+        ("--log-format", "json", "top", "--iterations", "0"),  # top's own check
     ],
 )
 def test_a_command_line_refused_under_json_logs_is_one_json_line(args: tuple[str, ...]) -> None:
