@@ -338,6 +338,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             message.response.CopyFrom(response)
         except LaneserveError as error:
             message = self._stream_error(request.request_id, error, error_limit)
+            # Its traceback's frames held the item's request and inputs, in a cycle with
+            # the ledger's waiter future that raised it (see `abort_with`).
+            release_frames(error)
         except Exception as error:  # every item read gets one answer, even on a bug
             request_id = _answer_id(request.request_id)
             log.exception(
