@@ -16,6 +16,7 @@ import logging
 import socket
 import ssl
 from collections.abc import Callable
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -103,14 +104,25 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
         None if config.tls_client_ca is None else read("tls_client_ca", config.tls_client_ca)
     )
     _check_pem(config.tls_cert, config.tls_key, config.tls_client_ca)
-    return grpc.ssl_server_credentials(
+    credentials = grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
     )
+    refusal = _grpc_refusal(credentials)
+    if refusal is not None:
+        raise ConfigError(
+            f"server.tls_cert, server.tls_key: gRPC's TLS cannot serve with "
+            f"{config.tls_cert!r} and {config.tls_key!r} ({refusal}); expected an RSA "
+            "(PKCS#1 v1.5 key) or ECDSA certificate whose keyUsage, where it has one, "
+            "includes digitalSignature"
+        )
+    return credentials
 
 
 # OpenSSL cipher list at security level 0: Python's checks of TLS files judge them as
 # gRPC's BoringSSL does, which has no security levels.
 _ANY_SECURITY_LEVEL = "DEFAULT:@SECLEVEL=0"
+# OpenSSL's verify codes of a certificate outside its validity window.
+_DATE_ERRORS = frozenset({9, 10})  # X509_V_ERR_CERT_NOT_YET_VALID, X509_V_ERR_CERT_HAS_EXPIRED
 
 
 def _check_pem(cert: str, key: str, client_ca: str | None) -> None:
@@ -149,19 +161,18 @@ def _check_pem(cert: str, key: str, client_ca: str | None) -> None:
     if refusal is not None:
         raise ConfigError(
             f"server.tls_cert: {cert!r} would be refused by every client ({refusal}); "
-            "expected a certificate valid now, for a server (extendedKeyUsage serverAuth, "
-            "where it has one)"
+            "expected a certificate valid now"
         )
 
 
 def _certificate_refusal(cert: str, key: str) -> str | None:
-    """Why a client trusting this certificate's own chain would refuse it (OpenSSL's
-    words: "certificate has expired", "certificate is not yet valid", "unsupported
-    certificate purpose"), found by a TLS handshake in memory; None: it would take it.
-    Without this an expired certificate served: the start logged nothing and every
-    client's handshake failed. The host name is not checked (clients name the server
-    their own way), nor the chain above the file's certificates (their roots are the
-    clients' to hold)."""
+    """Why a client trusting this certificate's own chain would refuse it for its dates
+    (OpenSSL's words: "certificate has expired", "certificate is not yet valid"), found
+    by a TLS handshake in memory; None: its dates are no reason. Without this an expired
+    certificate served: the start logged nothing and every client's handshake failed.
+    Only the dates: OpenSSL's other judgments (a purpose, a chain) are not gRPC's TLS's
+    (BoringSSL takes a self-signed certificate of another purpose as its own root), and
+    refusing what clients take is worse than letting through what they refuse."""
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server.set_ciphers(_ANY_SECURITY_LEVEL)
     server.load_cert_chain(cert, key)
@@ -184,12 +195,40 @@ def _certificate_refusal(cert: str, key: str) -> str | None:
             except ssl.SSLWantReadError:
                 pass
             except ssl.SSLCertVerificationError as error:
-                return str(error.verify_message)
-            except ssl.SSLError as error:  # the other side's alert, seen by the server
-                if side is client_side:
-                    return str(error.reason or error)
+                return str(error.verify_message) if error.verify_code in _DATE_ERRORS else None
+            except ssl.SSLError:  # a handshake this check cannot finish: no judgment
+                return None
         if done == 2:  # noqa: PLR2004 - both sides
             return None
+    return None
+
+
+def _grpc_refusal(credentials: grpc.ServerCredentials) -> str | None:
+    """Why gRPC's own TLS cannot serve with `credentials` (a key type or key usage it
+    takes no certificate with: an RSA-PSS key, an EC key for key agreement only), found
+    by a throwaway server binding a loopback port with them; None: it binds, or the
+    loopback binds nothing at all (no judgment of the certificate then). Otherwise the
+    start failed at the real bind, after the model loaded, blaming the address."""
+    refusal = _loopback_bind_refusal(credentials)
+    if refusal is None or _loopback_bind_refusal(None) is not None:
+        return None
+    return refusal
+
+
+def _loopback_bind_refusal(credentials: grpc.ServerCredentials | None) -> str | None:
+    """Why a throwaway gRPC server cannot bind a loopback port (with TLS `credentials`;
+    None: plaintext); None: it binds."""
+    probe = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    try:
+        if credentials is None:
+            probe.add_insecure_port("127.0.0.1:0")
+        else:
+            probe.add_secure_port("127.0.0.1:0", credentials)
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        probe.start()  # an unstarted server holds its port until the process exits
+        probe.stop(None)
     return None
 
 

@@ -259,6 +259,42 @@ def test_an_expired_server_certificate_is_refused_at_start(tmp_path: Path) -> No
     )
 
 
+@pytest.mark.parametrize(
+    ("extension", "refused"),
+    [
+        # gRPC's TLS binds no port with it: the start failed after the model loaded,
+        # blaming the address ("cannot listen on 127.0.0.1:...").
+        ("keyUsage=critical,keyAgreement", "gRPC's TLS cannot serve with"),
+        # Self-signed for another purpose: gRPC's clients pinning it as their root take
+        # it; the start check refused it ("unsuitable certificate purpose").
+        ("extendedKeyUsage=clientAuth", None),
+    ],
+    ids=["key-agreement-only", "self-signed-client-purpose"],
+)
+def test_a_server_certificate_is_judged_as_grpcs_tls_judges_it(
+    tmp_path: Path, extension: str, refused: str | None
+) -> None:
+    openssl = shutil.which("openssl")
+    assert openssl is not None, "the TLS tests generate their certificates with `openssl`"
+    new_key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
+    command = f"req -x509 {new_key} -keyout s.key -out s.pem -days 2 -subj /CN=s".split()
+    subprocess.run(
+        [openssl, *command, "-addext", extension],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    config = ServerConfig(
+        model_path="m.onnx", tls_cert=str(tmp_path / "s.pem"), tls_key=str(tmp_path / "s.key")
+    )
+    if refused is None:
+        server_credentials(config)
+        return
+    with pytest.raises(ConfigError, match=re.escape(refused)):
+        server_credentials(config)
+
+
 def test_metrics_endpoint_follows_the_ports_tls(small_model: Path, pki: Pki) -> None:
     """With tls_cert and tls_key the Prometheus endpoint speaks HTTPS with the same
     certificate; with tls_client_ca it requires the scraper's client certificate, as the
