@@ -24,6 +24,7 @@ idempotency by request_id answers them without running them twice (same job id).
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -291,8 +292,8 @@ class Checkpoint:
         `DIR.finished-XXXX`, and removed. Interrupted (or failing: OSError, raised)
         anywhere before that rename, the checkpoint resumes with every item done and
         finishes again; after it, `output` is whole and no checkpoint is left (at worst
-        part of a `DIR.finished-XXXX`, which the next finish beside it removes, if it
-        holds nothing but a checkpoint's files). A staged file that did not become
+        part of a `DIR.finished-XXXX`, marked finished, which the next finish beside it
+        removes: see `_finished_leftover`). A staged file that did not become
         `output` is removed. A fresh name, not a fixed one: a user's file or directory of
         that name was removed, or failed every finish.
         """
@@ -315,32 +316,63 @@ class Checkpoint:
         self.arrays.clear()
         prefix = f"{self.directory.name}.finished-"
         for leftover in self.directory.parent.glob(f"{glob.escape(prefix)}*"):
-            if _only_checkpoint_files(leftover):  # an interrupted finish's
-                shutil.rmtree(leftover, ignore_errors=True)
+            if _finished_leftover(leftover, prefix):  # an interrupted finish's
+                _remove_finished(leftover)
+        # Marked as finished before it moves: only a marked directory (or an empty one
+        # of a name mkdtemp made) is ever removed as a leftover. The mark does not stop
+        # a resume: a checkpoint reads its state and arrays alone.
+        (self.directory / _FINISHED_MARK).touch()
         # An empty directory of a fresh name, which the rename replaces.
         finished = Path(tempfile.mkdtemp(prefix=prefix, dir=self.directory.parent))
         self.directory.replace(finished)
-        shutil.rmtree(finished, ignore_errors=True)
+        _remove_finished(finished)
 
     def _array_path(self, name: str) -> Path:
         return self.directory / self.files[name]
 
 
-def _only_checkpoint_files(directory: Path) -> bool:
-    """Whether `directory` (not a link) holds nothing but files a checkpoint has: its
-    state, its arrays, a staged output."""
+# Written into a checkpoint just before `finish` renames it away.
+_FINISHED_MARK = ".finished"
+
+
+def _finished_leftover(directory: Path, prefix: str) -> bool:
+    """Whether `directory` is what an interrupted `finish` left: named by mkdtemp after
+    `prefix` (eight of its letters, digits and '_'), not a link, and empty (made, not yet
+    renamed onto) or marked finished and holding nothing but a checkpoint's files. A
+    user's directory of another name, or unmarked, or holding anything else, stays
+    (any directory of the prefix's was removed, another job's checkpoint among them)."""
+    suffix = directory.name.removeprefix(prefix)
+    if len(suffix) != 8 or not all(char in _MKDTEMP_CHARACTERS for char in suffix):  # noqa: PLR2004 - mkdtemp's length
+        return False
     if directory.is_symlink() or not directory.is_dir():
         return False
-    return all(
+    entries = list(directory.iterdir())
+    if not entries:
+        return True
+    names = {entry.name for entry in entries}
+    return _FINISHED_MARK in names and all(
         entry.is_file()
         and not entry.is_symlink()
         and (
-            entry.name == "state.json"
+            entry.name in (_FINISHED_MARK, "state.json")
             or entry.suffix == ".npy"
             or (entry.name.startswith("output.") and entry.suffix == ".tmp")
         )
-        for entry in directory.iterdir()
+        for entry in entries
     )
+
+
+_MKDTEMP_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
+
+
+def _remove_finished(directory: Path) -> None:
+    """Removes a finished checkpoint's files, its mark last, then the directory: cut
+    short, what is left is still marked, and the next finish beside it removes it."""
+    entries = sorted(directory.iterdir(), key=lambda entry: entry.name == _FINISHED_MARK)
+    with contextlib.suppress(OSError):
+        for entry in entries:
+            entry.unlink()
+        directory.rmdir()
 
 
 def _same_path(recorded: Path, given: Path) -> bool:

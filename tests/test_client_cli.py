@@ -1112,6 +1112,14 @@ def test_a_finish_leaves_a_users_files_beside_it_alone(tmp_path: Path) -> None:
     lookalike = tmp_path / "out.npy.partial.finished-mine"
     lookalike.mkdir()
     (lookalike / "notes.txt").write_text("mine", encoding="utf-8")
+    # Holding only a checkpoint's files, but not marked by a finish: a kept copy, and
+    # another job's live checkpoint whose output is named after this one's.
+    kept = tmp_path / "out.npy.partial.finished-kept1234"
+    other_job = tmp_path / "out.npy.partial.finished-2.npz.partial"
+    for directory in (kept, other_job):
+        directory.mkdir()
+        (directory / "state.json").write_text("{}", encoding="utf-8")
+        np.save(directory / "output.npy", np.zeros(3))
     source, directory = checkpoint_of(tmp_path, items_done=4)
     Checkpoint.load(directory, input_path=source, rows=40, rows_per_item=10).finish(
         tmp_path / "out.npy"
@@ -1119,6 +1127,8 @@ def test_a_finish_leaves_a_users_files_beside_it_alone(tmp_path: Path) -> None:
     assert not directory.exists()
     assert (mine / "notes.txt").read_text(encoding="utf-8") == "mine"
     assert (lookalike / "notes.txt").read_text(encoding="utf-8") == "mine"
+    assert (kept / "state.json").exists()
+    assert (other_job / "state.json").exists()
     (tmp_path / "out.npy").unlink()
     mine.rename(tmp_path / "moved")
     mine.write_text("a file of the old name", encoding="utf-8")
