@@ -7,6 +7,7 @@ import logging
 import math
 import numbers
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
@@ -98,6 +99,8 @@ class AsyncClient:
         self._stub: pb_grpc.InferenceServiceAsyncStub = pb_grpc.InferenceServiceStub(self._channel)
         # Set by close(): no call starts or retries after it (ClientClosedError).
         self._closed = asyncio.Event()
+        # The bulk jobs started and not yet collected: close() ends their source reads.
+        self._jobs: weakref.WeakSet[BulkStream] = weakref.WeakSet()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -109,7 +112,14 @@ class AsyncClient:
         """Closes the channel; calls in progress end with ClientClosedError, those on the
         wire cancelled, those waiting to retry at once. Safe to call twice."""
         self._closed.set()
+        # A job's read of its source in progress (an async generator running in a task
+        # of its own) ends first: left running, the loop's shutdown could not close that
+        # generator ("aclose(): asynchronous generator is already running"), whose
+        # `finally` (a source thread's stop) then never ran.
+        reads = [read for job in list(self._jobs) if (read := job.cancel_source_read())]
         await self._channel.close()
+        if reads:
+            await asyncio.wait(reads)
 
     async def infer(
         self,
@@ -264,6 +274,7 @@ class AsyncClient:
             closed=self._closed,
             max_message_bytes=self._max_message_bytes,
         )
+        self._jobs.add(job)
         return job.results()
 
     async def _stream_limits(self, lane: str, policy: RetryPolicy) -> StreamLimits | None:

@@ -727,6 +727,16 @@ class BulkStream:
         if reading is not None:
             await asyncio.wait([reading])
 
+    def cancel_source_read(self) -> asyncio.Future[StreamItem | object] | None:
+        """The client closes: a read of the source in progress is cancelled, returned to
+        await (None: none runs). The job reads no further."""
+        reading = self._source_next
+        self._source_next = None
+        if reading is None or reading.done():
+            return None
+        reading.cancel()
+        return reading
+
     def _cancel_timers(self) -> None:
         """The job is over (done, failed, or left by the caller): nothing is resent and
         the source is not read further."""

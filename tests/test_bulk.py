@@ -1375,6 +1375,60 @@ def test_leaving_a_sync_stream_early_cancels_its_queued_items(small_model: Path)
     asyncio.run(scenario())
 
 
+def test_a_client_closed_with_a_stream_left_open_stops_its_source_thread(
+    small_model: Path,
+) -> None:
+    """A sync stream still referenced when its client closes (`for ...: break` inside the
+    `with`): the loop's shutdown closed the stream's async generators in no set order,
+    and when the source's reader came first its read was still running ("aclose():
+    asynchronous generator is already running", logged by asyncio): its `finally` never
+    ran, and the source's thread lived on. The order is forced here (readers first); the
+    client cancels a job's source read as it closes."""
+    unclosed: list[BaseException] = []
+    later = threading.Event()  # the source's third read waits for it: a read in progress
+
+    def source() -> Iterator[dict[str, F32]]:
+        for index in range(1_000):
+            if index == 2:
+                later.wait(timeout=30)
+            yield {"input": rows(1, start=10 * index)}
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+
+            def take_one() -> None:
+                with lc.Client(s.target) as client:
+                    loop = client._loop
+                    shutdown_asyncgens = loop.shutdown_asyncgens
+
+                    async def readers_first() -> None:
+                        generators = sorted(
+                            loop._asyncgens,  # type: ignore[attr-defined]
+                            key=lambda generator: generator.ag_code.co_name != "_read_off_loop",
+                        )
+                        for generator in generators:
+                            try:
+                                await generator.aclose()
+                            except RuntimeError as error:
+                                unclosed.append(error)
+                        await shutdown_asyncgens()
+
+                    loop.shutdown_asyncgens = readers_first  # type: ignore[method-assign]
+                    stream = client.stream(source(), window=4)
+                    for _ in stream:
+                        break
+                later.set()
+                for thread in threading.enumerate():
+                    if thread.name == SOURCE_THREAD:
+                        thread.join(timeout=30)
+                        assert not thread.is_alive(), "the job's source thread runs on"
+
+            await asyncio.to_thread(take_one)
+
+    asyncio.run(scenario())
+    assert unclosed == []
+
+
 def test_leaving_a_sync_stream_early_closes_its_source_and_its_thread(small_model: Path) -> None:
     """The job's reader of a plain generator (a thread of its own) was left to the garbage
     collector on a `break`: the thread and the caller's generator lived on until a
