@@ -123,6 +123,10 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
 _ANY_SECURITY_LEVEL = "DEFAULT:@SECLEVEL=0"
 # OpenSSL's verify codes of a certificate outside its validity window.
 _DATE_ERRORS = frozenset({9, 10})  # X509_V_ERR_CERT_NOT_YET_VALID, X509_V_ERR_CERT_HAS_EXPIRED
+_INVALID_PURPOSE = 26  # X509_V_ERR_INVALID_PURPOSE
+# The issuer is not among the roots: X509_V_ERR_UNABLE_TO_GET_ISSUER_CERT(_LOCALLY),
+# X509_V_ERR_UNABLE_TO_VERIFY_LEAF_SIGNATURE.
+_ISSUER_UNKNOWN = frozenset({2, 20, 21})
 
 
 def _check_pem(cert: str, key: str, client_ca: str | None) -> None:
@@ -157,35 +161,120 @@ def _check_pem(cert: str, key: str, client_ca: str | None) -> None:
                 f"server.tls_client_ca: {client_ca!r} holds no PEM CA certificate "
                 f"({error.reason or error}); expected the CA that signs client certificates"
             ) from error
+        if context.cert_store_stats()["x509"] == 0:
+            # A file of CRLs alone loads: gRPC then refused the bind, blaming the
+            # server's own certificate and key.
+            raise ConfigError(
+                f"server.tls_client_ca: {client_ca!r} holds no certificate (only other PEM "
+                "blocks); expected the CA that signs client certificates"
+            )
     refusal = _certificate_refusal(cert, key)
     if refusal is not None:
         raise ConfigError(
             f"server.tls_cert: {cert!r} would be refused by every client ({refusal}); "
-            "expected a certificate valid now"
+            "expected a certificate valid now, and for a server (extendedKeyUsage serverAuth, "
+            "where it has one) unless it is self-signed"
         )
 
 
 def _certificate_refusal(cert: str, key: str) -> str | None:
-    """Why a client trusting this certificate's own chain would refuse it for its dates
-    (OpenSSL's words: "certificate has expired", "certificate is not yet valid"), found
-    by a TLS handshake in memory; None: its dates are no reason. Without this an expired
-    certificate served: the start logged nothing and every client's handshake failed.
-    Only the dates: OpenSSL's other judgments (a purpose, a chain) are not gRPC's TLS's
-    (BoringSSL takes a self-signed certificate of another purpose as its own root), and
-    refusing what clients take is worse than letting through what they refuse."""
-    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    server.set_ciphers(_ANY_SECURITY_LEVEL)
-    server.load_cert_chain(cert, key)
+    """Why a client trusting this certificate's own chain would refuse it, in OpenSSL's
+    words, found by TLS handshakes in memory; None: no reason found. Without this an
+    expired certificate served: the start logged nothing and every client's handshake
+    failed. Refused: its dates ("certificate has expired", "certificate is not yet
+    valid"), and a purpose not a server's ("unsupported certificate purpose") unless the
+    certificate is self-signed (gRPC's TLS takes a self-signed certificate its client
+    pins as its root whatever its purpose; OpenSSL did not). OpenSSL's other judgments
+    are not gRPC's TLS's: refusing what clients take is worse than letting through what
+    they refuse."""
+    trusting_the_file = _client_context(cert, partial_chain=True)
+    verified = _handshake(cert, key, trusting_the_file)
+    if verified is None:
+        return None
+    code, message = verified
+    if code in _DATE_ERRORS:
+        return message
+    if code == _INVALID_PURPOSE and not _self_signed(cert, key):
+        return message
+    return None
+
+
+def _self_signed(cert: str, key: str) -> bool:
+    """Whether the certificate served with `key` is its own issuer: trusted alone, with
+    no partial chain, its chain ends at itself (no "unable to get issuer certificate")."""
+    blind = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    blind.set_ciphers(_ANY_SECURITY_LEVEL)
+    blind.check_hostname = False
+    blind.verify_mode = ssl.CERT_NONE
+    leaf = _served_certificate(cert, key, blind)
+    if leaf is None:
+        return False
+    trusting_the_leaf = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    trusting_the_leaf.set_ciphers(_ANY_SECURITY_LEVEL)
+    trusting_the_leaf.check_hostname = False
+    trusting_the_leaf.load_verify_locations(cadata=ssl.DER_cert_to_PEM_cert(leaf))
+    verified = _handshake(cert, key, trusting_the_leaf)
+    return verified is None or verified[0] not in _ISSUER_UNKNOWN
+
+
+def _client_context(cert: str, *, partial_chain: bool) -> ssl.SSLContext:
     client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     client.set_ciphers(_ANY_SECURITY_LEVEL)
     client.check_hostname = False
     client.load_verify_locations(cafile=cert)  # every certificate of the file, as a root
-    client.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    if partial_chain:
+        client.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    return client
+
+
+def _handshake(cert: str, key: str, client: ssl.SSLContext) -> tuple[int, str] | None:
+    """A TLS handshake in memory between a server of `cert` and `key` and `client`: the
+    client's verify code and message when it refused the certificate; None otherwise
+    (accepted, or a handshake this check cannot finish: no judgment)."""
+    sides = _sides(cert, key, client)
+    if sides is None:
+        return None
+    try:
+        _shake(*sides)
+    except ssl.SSLCertVerificationError as error:
+        return error.verify_code, str(error.verify_message)
+    except ssl.SSLError:
+        return None
+    return None
+
+
+def _served_certificate(cert: str, key: str, client: ssl.SSLContext) -> bytes | None:
+    """The DER of the certificate a server of `cert` and `key` presents to `client`."""
+    sides = _sides(cert, key, client)
+    if sides is None:
+        return None
+    try:
+        _shake(*sides)
+    except ssl.SSLError:
+        return None
+    return sides[0].getpeercert(binary_form=True)
+
+
+def _sides(
+    cert: str, key: str, client: ssl.SSLContext
+) -> tuple[ssl.SSLObject, ssl.SSLObject] | None:
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.set_ciphers(_ANY_SECURITY_LEVEL)
+    try:
+        server.load_cert_chain(cert, key)
+    except ssl.SSLError:
+        return None
     to_server, to_client = ssl.MemoryBIO(), ssl.MemoryBIO()
-    server_side = server.wrap_bio(to_server, to_client, server_side=True)
-    client_side = client.wrap_bio(to_client, to_server)
-    # Client and server speak in turn through the two buffers: a TLS 1.3 handshake is
-    # done in a few turns; the bound only keeps a protocol surprise from spinning.
+    return (
+        client.wrap_bio(to_client, to_server),
+        server.wrap_bio(to_server, to_client, server_side=True),
+    )
+
+
+def _shake(client_side: ssl.SSLObject, server_side: ssl.SSLObject) -> None:
+    """Runs the handshake to its end (or its error): client and server speak in turn
+    through the two buffers; a TLS 1.3 handshake takes a few turns, and the bound only
+    keeps a protocol surprise from spinning."""
     for _ in range(16):
         done = 0
         for side in (client_side, server_side):
@@ -194,13 +283,8 @@ def _certificate_refusal(cert: str, key: str) -> str | None:
                 done += 1
             except ssl.SSLWantReadError:
                 pass
-            except ssl.SSLCertVerificationError as error:
-                return str(error.verify_message) if error.verify_code in _DATE_ERRORS else None
-            except ssl.SSLError:  # a handshake this check cannot finish: no judgment
-                return None
         if done == 2:  # noqa: PLR2004 - both sides
-            return None
-    return None
+            return
 
 
 def _grpc_refusal(credentials: grpc.ServerCredentials) -> str | None:

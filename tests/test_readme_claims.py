@@ -295,6 +295,43 @@ def test_a_server_certificate_is_judged_as_grpcs_tls_judges_it(
         server_credentials(config)
 
 
+def test_a_ca_issued_certificate_for_another_purpose_is_refused_at_start(pki: Pki) -> None:
+    """A CA-issued client certificate served as the server's: every gRPC client refuses
+    it ("unsupported certificate purpose"). Unlike a self-signed one of another purpose
+    (pinned by its clients as their root), it is refused at start."""
+    config = ServerConfig(
+        model_path="m.onnx", tls_cert=str(pki.client_cert), tls_key=str(pki.client_key)
+    )
+    with pytest.raises(ConfigError, match=re.escape("(unsuitable certificate purpose)")):
+        server_credentials(config)
+
+
+def test_a_client_ca_file_of_crls_alone_is_refused_naming_it(pki: Pki, tmp_path: Path) -> None:
+    """PEM that loads but holds no certificate (a CRL): gRPC refused the bind, and the
+    start blamed the server's own certificate and key."""
+    openssl = shutil.which("openssl")
+    assert openssl is not None, "the TLS tests generate their certificates with `openssl`"
+    (tmp_path / "ca.cnf").write_text(
+        "[ca]\ndefault_ca = d\n[d]\ndatabase = index.txt\ndefault_md = sha256\n"
+        "default_crl_days = 2\n",
+        encoding="ascii",
+    )
+    (tmp_path / "index.txt").touch()
+    ca_key = pki.ca.with_suffix(".key")
+    gencrl = ["ca", "-gencrl", "-config", "ca.cnf", "-keyfile", str(ca_key), "-cert", str(pki.ca)]
+    subprocess.run(
+        [openssl, *gencrl, "-out", "crl.pem"],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    tls = pki.server_tls(require_client_auth=True) | {"tls_client_ca": str(tmp_path / "crl.pem")}
+    config = ServerConfig(model_path="m.onnx", **tls)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=re.escape("server.tls_client_ca: ")):
+        server_credentials(config)
+
+
 def test_metrics_endpoint_follows_the_ports_tls(small_model: Path, pki: Pki) -> None:
     """With tls_cert and tls_key the Prometheus endpoint speaks HTTPS with the same
     certificate; with tls_client_ca it requires the scraper's client certificate, as the
