@@ -658,8 +658,8 @@ class RequestLedger:
 def _join_expired(request_id: str) -> JoinExpiredError:
     return JoinExpiredError(
         f"deadline passed while this request waited for the answer of request_id "
-        f"{request_id!r} (queued or running); the request goes on for its other callers, "
-        "whose deadlines are later"
+        f"{request_id!r} (queued or running); the request goes on, for a caller with a "
+        "later deadline or, once it runs, to keep its answer for a retry"
     )
 
 

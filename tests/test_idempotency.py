@@ -514,7 +514,7 @@ def test_a_retry_with_a_later_deadline_keeps_the_request_for_itself(small_model:
     expired, answer, still_queued = asyncio.run(scenario())
     assert expired.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert rich_status(expired)[0] == "EXPIRED_IN_QUEUE"
-    assert "goes on for its other callers" in (expired.details() or "")
+    assert "goes on, for a caller with a later deadline" in (expired.details() or "")
     assert still_queued == 2, "queued for the retry"
     assert output(answer).shape == (2, 10)
 
