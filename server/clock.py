@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 # A call that ends this close to its deadline ended by it: gRPC times a deadline from its
@@ -15,6 +16,15 @@ class Clock(Protocol):
     def monotonic(self) -> float:
         """Seconds on a clock that never goes backwards; only differences mean anything."""
         ...
+
+
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+# Runs the action (no argument) after the delay in seconds, unless cancelled first: how a
+# component that acts later is given its timers (a test passes one it fires by hand).
+StartTimer = Callable[[float, Callable[[], None]], Timer]
 
 
 class SystemClock:

@@ -42,9 +42,8 @@ import math
 import struct
 import sys
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
-from laneserve.server.clock import DEADLINE_SLACK_S, Clock
+from laneserve.server.clock import DEADLINE_SLACK_S, Clock, StartTimer, Timer
 from laneserve.server.errors import (
     EngineError,
     JoinExpiredError,
@@ -148,15 +147,6 @@ class Caller:
 
 # A caller always reachable, whose expiry nobody counts.
 ANY_CALLER = Caller()
-
-
-class TimerHandle(Protocol):
-    def cancel(self) -> None: ...
-
-
-# Runs the callback on the event loop after the delay (seconds), unless cancelled: the
-# running loop's `call_later` by default; tests pass a fake they fire by hand.
-CallLater = Callable[[float, Callable[[], None]], TimerHandle]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -408,7 +398,7 @@ class RequestLedger:
     """
 
     def __init__(
-        self, replay: ReplayCache, clock: Clock, *, call_later: CallLater | None = None
+        self, replay: ReplayCache, clock: Clock, *, call_later: StartTimer | None = None
     ) -> None:
         self.replay = replay
         self._clock = clock  # the deadlines' clock (the scheduler's)
@@ -416,11 +406,11 @@ class RequestLedger:
         # Requests answered from the replay cache, and requests that joined a flight.
         self.replays = 0
         self.joins = 0
-        self._call_later = call_later  # None: the running loop's
+        self._call_later = call_later  # on the event loop; None: the running loop's
         # Invariant: while the ledger is open and answers it stored are held, the sweep is
         # armed, due no later than the slack past the oldest one's expiry. Never armed
         # once closed, nor when nothing can be stored (idempotency_max_entries 0).
-        self._sweep: TimerHandle | None = None
+        self._sweep: Timer | None = None
         self._closed = False
 
     async def run(
@@ -677,7 +667,6 @@ __all__ = [
     "ENTRY_OVERHEAD_BYTES",
     "SWEEP_SLACK_S",
     "Admitted",
-    "CallLater",
     "Caller",
     "Cancel",
     "Finish",
@@ -686,6 +675,5 @@ __all__ = [
     "ReplayCache",
     "RequestLedger",
     "Resolve",
-    "TimerHandle",
     "fingerprint",
 ]

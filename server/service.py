@@ -457,6 +457,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             await abort_with(context, undecodable(request))
         snapshot = self._stats.snapshot()
         depths = {depth.name: depth for depth in self._scheduler.depths()}
+        self._ledger.replay.drop_expired()  # reported neither held nor counted (README)
         return pb.GetStatsResponse(
             lanes=[
                 pb.LaneStats(
@@ -488,10 +489,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             device_utilization=self._telemetry.device_utilization(),
             grpc_calls=_grpc_calls(self._telemetry.grpc_calls()),
             failed_batches=snapshot.failed_batches,
-            idempotent_replays=self._ledger.replays,
-            idempotent_joins=self._ledger.joins,
-            replay_cache_entries=len(self._ledger.replay),
-            replay_cache_bytes=self._ledger.replay.size_bytes,
+            **dataclasses.asdict(self._ledger.counts()),
             out_of_memory_events=snapshot.out_of_memory,
             batch_splits=snapshot.batch_splits,
             cap_changes=snapshot.cap_changes,

@@ -10,8 +10,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
+from laneserve.server.clock import StartTimer, Timer
 from laneserve.server.errors import LaneserveError
 from laneserve.server.items import Batch
 from laneserve.server.log_events import log_event
@@ -27,10 +28,6 @@ LATE_LINE_S = 0.1
 # asyncio, onnxruntime's Python layer): log shippers key on `event`, so every JSON line
 # has one.
 OTHER_LOG_EVENT = "log"
-
-
-class Timer(Protocol):
-    def cancel(self) -> None: ...
 
 
 def start_timer(delay_s: float, action: Callable[[], None]) -> Timer:
@@ -109,7 +106,7 @@ class EventLog:
         max_batch_size: int,
         interval_s: float = REFUSAL_LOG_INTERVAL_S,
         monotonic: Callable[[], float] = time.monotonic,
-        timer: Callable[[float, Callable[[], None]], Timer] = start_timer,
+        timer: StartTimer = start_timer,
     ) -> None:
         self._max_batch_size = max_batch_size
         self._interval_s = interval_s
