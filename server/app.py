@@ -187,11 +187,11 @@ def _certificate_refusal(cert: str, key: str) -> str | None:
     pins as its root whatever its purpose; OpenSSL did not). OpenSSL's other judgments
     are not gRPC's TLS's: refusing what clients take is worse than letting through what
     they refuse."""
-    trusting_the_file = _client_context(cert, partial_chain=True)
-    verified = _handshake(cert, key, trusting_the_file)
-    if verified is None:
+    trusting_the_file = _client_context(trusted_file=cert, partial_chain=True)
+    refused = _handshake(cert, key, trusting_the_file).refused
+    if refused is None:
         return None
-    code, message = verified
+    code, message = refused
     if code in _DATE_ERRORS:
         return message
     if code == _INVALID_PURPOSE and not _self_signed(cert, key):
@@ -202,73 +202,59 @@ def _certificate_refusal(cert: str, key: str) -> str | None:
 def _self_signed(cert: str, key: str) -> bool:
     """Whether the certificate served with `key` is its own issuer: trusted alone, with
     no partial chain, its chain ends at itself (no "unable to get issuer certificate")."""
-    blind = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    blind.set_ciphers(_ANY_SECURITY_LEVEL)
-    blind.check_hostname = False
-    blind.verify_mode = ssl.CERT_NONE
-    leaf = _served_certificate(cert, key, blind)
+    leaf = _handshake(cert, key, _client_context()).served
     if leaf is None:
         return False
-    trusting_the_leaf = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    trusting_the_leaf.set_ciphers(_ANY_SECURITY_LEVEL)
-    trusting_the_leaf.check_hostname = False
-    trusting_the_leaf.load_verify_locations(cadata=ssl.DER_cert_to_PEM_cert(leaf))
-    verified = _handshake(cert, key, trusting_the_leaf)
-    return verified is None or verified[0] not in _ISSUER_UNKNOWN
+    trusting_the_leaf = _client_context(trusted_pem=ssl.DER_cert_to_PEM_cert(leaf))
+    refused = _handshake(cert, key, trusting_the_leaf).refused
+    return refused is None or refused[0] not in _ISSUER_UNKNOWN
 
 
-def _client_context(cert: str, *, partial_chain: bool) -> ssl.SSLContext:
+def _client_context(
+    *, trusted_file: str | None = None, trusted_pem: str | None = None, partial_chain: bool = False
+) -> ssl.SSLContext:
+    """A client of the in-memory handshakes: no host name checked; trusting as its roots
+    the certificates of `trusted_file` or `trusted_pem` (neither: verifying nothing)."""
     client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     client.set_ciphers(_ANY_SECURITY_LEVEL)
     client.check_hostname = False
-    client.load_verify_locations(cafile=cert)  # every certificate of the file, as a root
+    if trusted_file is None and trusted_pem is None:
+        client.verify_mode = ssl.CERT_NONE
+    else:
+        client.load_verify_locations(cafile=trusted_file, cadata=trusted_pem)
     if partial_chain:
         client.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
     return client
 
 
-def _handshake(cert: str, key: str, client: ssl.SSLContext) -> tuple[int, str] | None:
-    """A TLS handshake in memory between a server of `cert` and `key` and `client`: the
-    client's verify code and message when it refused the certificate; None otherwise
-    (accepted, or a handshake this check cannot finish: no judgment)."""
-    sides = _sides(cert, key, client)
-    if sides is None:
-        return None
-    try:
-        _shake(*sides)
-    except ssl.SSLCertVerificationError as error:
-        return error.verify_code, str(error.verify_message)
-    except ssl.SSLError:
-        return None
-    return None
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Handshake:
+    """How an in-memory handshake ended; both None when it could not be made or finish
+    (no judgment)."""
+
+    # The client's verify code and message, when it refused the server's certificate.
+    refused: tuple[int, str] | None = None
+    # The certificate the server presented (DER), when the handshake completed.
+    served: bytes | None = None
 
 
-def _served_certificate(cert: str, key: str, client: ssl.SSLContext) -> bytes | None:
-    """The DER of the certificate a server of `cert` and `key` presents to `client`."""
-    sides = _sides(cert, key, client)
-    if sides is None:
-        return None
-    try:
-        _shake(*sides)
-    except ssl.SSLError:
-        return None
-    return sides[0].getpeercert(binary_form=True)
-
-
-def _sides(
-    cert: str, key: str, client: ssl.SSLContext
-) -> tuple[ssl.SSLObject, ssl.SSLObject] | None:
+def _handshake(cert: str, key: str, client: ssl.SSLContext) -> _Handshake:
+    """A TLS handshake in memory between a server of `cert` and `key` and `client`."""
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server.set_ciphers(_ANY_SECURITY_LEVEL)
     try:
         server.load_cert_chain(cert, key)
     except ssl.SSLError:
-        return None
+        return _Handshake()
     to_server, to_client = ssl.MemoryBIO(), ssl.MemoryBIO()
-    return (
-        client.wrap_bio(to_client, to_server),
-        server.wrap_bio(to_server, to_client, server_side=True),
-    )
+    client_side = client.wrap_bio(to_client, to_server)
+    try:
+        _shake(client_side, server.wrap_bio(to_server, to_client, server_side=True))
+    except ssl.SSLCertVerificationError as error:
+        return _Handshake(refused=(error.verify_code, str(error.verify_message)))
+    except ssl.SSLError:
+        return _Handshake()
+    return _Handshake(served=client_side.getpeercert(binary_form=True))
 
 
 def _shake(client_side: ssl.SSLObject, server_side: ssl.SSLObject) -> None:
