@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from laneserve.server.errors import LaneserveError
-from laneserve.server.items import Batch
+from laneserve.server.items import Batch, Signature
 from laneserve.server.log_events import event_extra
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,9 @@ class SchedulerEvents(Protocol):
         of its runs did). Before its `batch_done`."""
         ...
 
-    def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
-        """The batch cap moved: reason "out_of_memory" (down) or "recovered" (up)."""
+    def cap_changed(self, old_rows: int, new_rows: int, reason: str, signature: Signature) -> None:
+        """The batch cap of rows of `signature` (each input's shape after the row axis)
+        moved: reason "out_of_memory" (down) or "recovered" (up)."""
         ...
 
     def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:
@@ -152,7 +153,7 @@ class NullEvents:
     def batch_split(self, batch_id: int, rows: int, out_of_memory_runs: int) -> None:
         pass
 
-    def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
+    def cap_changed(self, old_rows: int, new_rows: int, reason: str, signature: Signature) -> None:
         pass
 
     def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:
@@ -216,8 +217,10 @@ class FanOut:
     def batch_split(self, batch_id: int, rows: int, out_of_memory_runs: int) -> None:
         self._each("batch_split", lambda sink: sink.batch_split(batch_id, rows, out_of_memory_runs))
 
-    def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
-        self._each("cap_changed", lambda sink: sink.cap_changed(old_rows, new_rows, reason))
+    def cap_changed(self, old_rows: int, new_rows: int, reason: str, signature: Signature) -> None:
+        self._each(
+            "cap_changed", lambda sink: sink.cap_changed(old_rows, new_rows, reason, signature)
+        )
 
     def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:
         self._each("memory_sampled", lambda sink: sink.memory_sampled(used_bytes, budget_bytes))

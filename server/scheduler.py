@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from laneserve.server.batch_caps import BatchCaps
 from laneserve.server.clock import DEADLINE_SLACK_S
 from laneserve.server.config import LaneConfig
 from laneserve.server.cost_model import MAX_SIGNATURES, RunTimeModel, RunTimeModels
@@ -64,15 +65,6 @@ from laneserve.server.items import (
 from laneserve.server.lanes import Entry, Lane
 from laneserve.server.memory import Watermark, WatermarkState, format_bytes
 
-# Full batches that must succeed in a row before the cap rises one step after an
-# out-of-memory; and the step, as a fraction (1/n) of the probed cap.
-CAP_RECOVERY_BATCHES = 64
-CAP_RECOVERY_STEPS = 16
-# The cap does not rise to a size that ran out of memory until this many full batches in
-# a row have succeeded below it: then it probes once more (memory may have been freed).
-# Without that ceiling it climbed straight back past the failing size, every few hundred
-# batches.
-CAP_CEILING_BATCHES = 16 * CAP_RECOVERY_BATCHES
 # Weight of the newest gap in the moving average of times between admissions.
 ARRIVAL_GAP_ALPHA = 0.1
 # Weight of the newest batch in a lane's moving average of the rows batches give it.
@@ -107,8 +99,6 @@ MIN_SERVED_SHARE = 0.1
 BALANCE_DIGITS = 9
 # Admission's arithmetic in fractions of a row: a remainder too small to be a row.
 ROUNDING_ROWS = 1e-9
-# Why the batch cap moves (`SchedulerEvents.cap_changed`): lowered, raised back.
-CAP_CHANGE_REASONS = ("out_of_memory", "recovered")
 # Entries of other shapes the batch's own lane passes over to gather more of the batch's
 # shape (requests of mixed sequence lengths in one lane ran one per batch: each ended the
 # turn). Bounds the scan per batch; they keep their place in the lane.
@@ -220,14 +210,6 @@ def caller_end_status(now_s: float, deadline_s: float, *, queued: bool) -> str:
     return ExpiredInQueueError.reason if queued else "DEADLINE_EXCEEDED"
 
 
-def _capacity_failures(result: BatchResult) -> list[int]:
-    """Sizes of the runs of `result` that ran out of memory for their size: a row that
-    fails even alone says nothing about batch size, nor does a run that failed because
-    it held such a row (a two-row run of rows too large alone would otherwise pull the
-    cap to one for everybody's traffic)."""
-    return [run.rows for run in result.out_of_memory_runs if not run.held_unfit_row]
-
-
 def _folded_gap(gap_s: float | None, last_s: float | None, now_s: float) -> float | None:
     """The moving average `gap_s` of the times between admissions, the last at `last_s`,
     with one at `now_s` folded in (None until two were seen)."""
@@ -268,16 +250,10 @@ class Scheduler:
             Lane(config, priority, self._alone_s) for priority, config in enumerate(lanes)
         ]
         self._by_name = {lane.name: lane for lane in self.lanes}
-        # The cap in force; out of memory lowers it, sustained success raises it back
-        # step by step, never above max_batch_cap (what the start-up probe found).
-        self.batch_cap = batch_cap
-        self.max_batch_cap = batch_cap
-        self._full_batches_since_change = 0
-        # The smallest size that ran out of memory for its size, until probed again.
-        self._oom_ceiling_rows: int | None = None
-        # The last cap that ran CAP_RECOVERY_BATCHES full batches, until a run at or
-        # below it fails: where a failed probe above it returns.
-        self._proven_cap_rows: int | None = None
+        self.events = events or NullEvents()
+        # The cap in force per signature; out of memory lowers one, sustained success
+        # raises it back step by step, never above `batch_cap` (what the probe found).
+        self.caps = BatchCaps(batch_cap, self.events)
         self.watermark = watermark
         assert watermark is None or watermark.lanes == len(self.lanes)
         # Moving average of the time between admissions (None until two were seen): how
@@ -300,7 +276,6 @@ class Scheduler:
         self._running_until_s: float | None = None
         self.run_time = run_time
         self._run_times = RunTimeModels(run_time, run_time_signature)
-        self.events = events or NullEvents()
         self.accepting = True
         # Live entries: admitted and not yet answered (queued or in a running batch).
         self._entries: dict[int, Entry] = {}
@@ -309,6 +284,16 @@ class Scheduler:
         self._deadlines: list[tuple[float, int]] = []
         self._entry_ids = itertools.count(1)
         self._batch_ids = itertools.count(1)
+
+    @property
+    def batch_cap(self) -> int:
+        """The lowest cap in force, of any signature (one, for fixed shapes)."""
+        return self.caps.lowest
+
+    @property
+    def max_batch_cap(self) -> int:
+        """The cap every signature starts at and recovers to: the probe's."""
+        return self.caps.max_rows
 
     # ---- admission ---------------------------------------------------------------
 
@@ -393,7 +378,8 @@ class Scheduler:
         assert head is not None, "a full lane holds rows"
         run_time = self._run_times.get(head.request.signature)
         excess = lane.queued_rows + rows - lane.config.capacity_rows
-        return min(run_time.drain_s(excess, self.batch_cap), lane.config.timeout_ms / 1000)
+        cap = self.caps.rows(head.request.signature)
+        return min(run_time.drain_s(excess, cap), lane.config.timeout_ms / 1000)
 
     def _check_admission(self, request: InferenceRequest, lane: Lane, now_s: float) -> None:
         if not self.accepting:
@@ -495,7 +481,8 @@ class Scheduler:
             # The first head above is the highest queued work: its limit is known.
             top_limit = head_limits[0] if head_limits else None
             top_rows = self._top_batch_rows(now_s, top_limit)
-            batch_s = run_time.predict_s(max(batch_rows, top_rows, min(rows, self.batch_cap)))
+            own_rows = min(rows, self.caps.rows(signature))
+            batch_s = run_time.predict_s(max(batch_rows, top_rows, own_rows))
             # Its share moves through the rows of every shape ahead of it in its lane; those
             # of other shapes run, besides, in batches of their own (owed to their shape,
             # or theirs as the highest work), at their shape's run time.
@@ -536,8 +523,8 @@ class Scheduler:
             return batches * batch_s
         top_s = self._run_times.get(top.request.signature).predict_s(top_rows)
         lasts = math.ceil(round(above_s / top_s, BALANCE_DIGITS)) if top_s > 0 else batches
-        owed = lane.queued_rows + min(rows, self.batch_cap) - lane.share_balance_rows
-        banking = math.ceil(round(owed / self._share_rows(lane), BALANCE_DIGITS))
+        owed = lane.queued_rows + min(rows, self.caps.rows(signature)) - lane.share_balance_rows
+        banking = math.ceil(round(owed / self._share_rows(lane, signature), BALANCE_DIGITS))
         other_batches = min(max(batches, banking), lasts)
         # All of that work, when the lane waits through it all: its last batch may be
         # smaller.
@@ -556,7 +543,9 @@ class Scheduler:
             return 0
         lane = self.lanes[top.priority]
         shares = sum(
-            self._share_rows(below) for below in self.lanes[top.priority + 1 :] if below.queued_rows
+            self._share_rows(below, top.request.signature)
+            for below in self.lanes[top.priority + 1 :]
+            if below.queued_rows
         )
         filled = max(lane.queued_rows, self._rows_within_wait(lane, top.request.signature))
         limit = self._limit_rows(now_s, top) if top_limit is None else top_limit
@@ -579,6 +568,7 @@ class Scheduler:
         Requests of other signatures cannot join its batches: counted, a lone request
         behind a running batch was costed a full batch of another shape's traffic."""
         above = below = 0.0
+        cap = self.caps.rows(signature)
         for other in self.lanes:
             gap_s = self._arrival_gap_at(other.priority, signature, now_s)
             if gap_s is None:
@@ -586,7 +576,7 @@ class Scheduler:
             # A gap of 0, or one that decayed towards it (admissions at one instant),
             # fills a batch: counted up to the cap (every request has a row), it cannot
             # overflow.
-            requests = min(within_s / gap_s, self.batch_cap) if gap_s > 0 else self.batch_cap
+            requests = min(within_s / gap_s, cap) if gap_s > 0 else cap
             rows = math.floor(requests) * other.request_rows_mean
             if other.priority <= lane.priority:
                 above += rows
@@ -647,6 +637,7 @@ class Scheduler:
         (it was answered 174 ms late), and 256 rows of length 8 to take 620 ms for one of
         length 512 (refused: it would have been answered in 73 ms)."""
         run_time = self._run_times.get(signature)
+        cap = self.caps.rows(signature)
         total = rows  # rows of `signature` in `lane` and above, this request's included
         requests = 1  # their requests
         # Their sizes lately: the mean of the squares, weighted by queued requests.
@@ -678,13 +669,13 @@ class Scheduler:
                 riders = True
                 if other.config.min_share == 0:
                     continue
-                share = self._share_rows(other)
+                share = self._share_rows(other, signature)
                 lower_heads.append((share, head.queued_rows))
                 allowance = share + other.share_balance_rows
                 if allowance > 0:
                     # Its allowance, or its head request whole (pass 1 takes the request
                     # crossing it).
-                    first_lower += min(self.batch_cap, max(math.ceil(allowance), head.queued_rows))
+                    first_lower += min(cap, max(math.ceil(allowance), head.queued_rows))
         mean_rows = total / requests
         # Whether requests come in about one size (see UNIFORM_SIZES_CV2).
         uniform = squares / requests <= (1 + UNIFORM_SIZES_CV2) * mean_rows * mean_rows
@@ -699,7 +690,7 @@ class Scheduler:
                 shut_out += share / head_rows
             else:
                 shares += share
-                lower_share += share / self.batch_cap
+                lower_share += share / cap
         # Their shares sum below 1: the guard keeps an estimate of several claims at
         # once (they take turns) from reading as none served at all.
         served_share = max(1.0 - shut_out, MIN_SERVED_SHARE)
@@ -722,7 +713,10 @@ class Scheduler:
             )
 
         whole = functools.partial(
-            self._packed_rows, mean_rows=mean_rows, fill_ratio=None if uniform else fills / total
+            self._packed_rows,
+            mean_rows=mean_rows,
+            fill_ratio=None if uniform else fills / total,
+            cap=cap,
         )
 
         # Rows of `lane` and above each batch serves: what lower lanes' shares leave (a
@@ -756,18 +750,19 @@ class Scheduler:
         full batch's cost per row, ten 1-row requests of ten lengths ahead would count as
         a tenth of a cap's run where they take ten runs. Rows of one shape in several
         lanes may share batches: counted per lane, at most a run per lane too many."""
-        return self._run_times.get(signature).drain_s(rows, self.batch_cap)
+        return self._run_times.get(signature).drain_s(rows, self.caps.rows(signature))
 
-    def _packed_rows(self, room: float, *, mean_rows: float, fill_ratio: float | None) -> float:
+    @staticmethod
+    def _packed_rows(room: float, *, mean_rows: float, fill_ratio: float | None, cap: int) -> float:
         """The rows of whole requests that fit `room`: of one size (`fill_ratio` None),
         those of the mean size; of a mix, the share `fill_ratio` of the room that first
         fit in order filled in the batches their lanes led lately (packed at their mean
         size, 1- and 64-row requests were counted 3 a batch where a batch holds 65 rows
         or 128). Room for less than one request is an average over batches (a share of a
         fraction of a row, a request crossing its allowance), and requests larger than
-        the cap are split: both fill it."""
+        the cap (`cap`, of their signature) are split: both fill it."""
         fits = math.floor(room / mean_rows)
-        if fits < 1 or mean_rows > self.batch_cap:
+        if fits < 1 or mean_rows > cap:
             return room
         if fill_ratio is None:
             return fits * mean_rows
@@ -780,14 +775,14 @@ class Scheduler:
         that batches lately gave more than its share (rows riding along in room the lanes
         above left) moves at that pace: at its share alone, every bulk request behind a
         saturated standard lane was refused a deadline it then met."""
-        share = self._share_rows(lane)
+        share = self._share_rows(lane, signature)
         served = lane.served_rows_per_batch
         pace = served if served >= PACE_MARGIN * share else share
         ahead = lane.queued_rows - lane.share_balance_rows
         claims_above = sum(
             self._share_take_rows(above, signature) for above in self.lanes[: lane.priority]
         )
-        if rows > self.batch_cap:
+        if rows > self.caps.rows(signature):
             # Not taken whole: it moves on by `pace` rows a batch.
             batches = math.ceil((ahead + rows) / pace)
         elif rows > batch_rows - claims_above:
@@ -1010,11 +1005,13 @@ class Scheduler:
         if owed is not None and owed.request.signature == top.request.signature:
             # Owed for want of room: the batch is sized for the highest work as usual,
             # and holds the owed head whole.
-            limit = max(self._limit_rows(now_s, top), min(owed.queued_rows, self.batch_cap))
+            owed_rows = min(owed.queued_rows, self.caps.rows(owed.request.signature))
+            limit = max(self._limit_rows(now_s, top), owed_rows)
         else:
             limit = self._limit_rows(now_s, first)
         plan.limit_rows = limit
-        batch = _Filling(first.request.signature, limit, self.batch_cap)
+        signature = first.request.signature
+        batch = _Filling(signature, limit, self.caps.rows(signature))
 
         share_lanes = [
             lane for lane in self.lanes if lane.config.min_share > 0 and lane.queued_rows
@@ -1022,7 +1019,7 @@ class Scheduler:
         if owed is not None:  # the owed lane's claim comes first
             share_lanes.sort(key=lambda lane: lane.priority != owed.priority)
         for lane in share_lanes:
-            allowance = self._allowance(lane)
+            allowance = self._allowance(lane, signature)
             # An owed head goes first, alone: the rest of its lane's allowance must not
             # push the top lane's rows out of the batch raised for that head.
             take = (
@@ -1040,9 +1037,11 @@ class Scheduler:
             # the one it runs (see `_owed_head`). Room an owed head took makes nobody
             # owed in turn (each owed batch made the next lane owed: a chain).
             if head.request.signature != batch.signature:
-                plan.bank_to[lane.priority] = self._bank_target(lane, head.queued_rows)
+                plan.bank_to[lane.priority] = self._bank_target(
+                    lane, head.queued_rows, head.request.signature
+                )
             elif unfit:
-                plan.bank_to[lane.priority] = self._bank_target(lane, unfit)
+                plan.bank_to[lane.priority] = self._bank_target(lane, unfit, signature)
                 if owed is None:
                     plan.room_blocked.add(lane.priority)
         shape_owner = None if first.request.signature == top.request.signature else first.priority
@@ -1091,7 +1090,7 @@ class Scheduler:
         lead_seen = False
         for position, lane in enumerate(order):  # `order` may change ahead of `position`
             claims_below -= plan.share_used.get(lane.priority, (0, 0))[1]
-            used, unfit = batch.fill(lane, self.batch_cap, gather=lane.priority == leader)
+            used, unfit = batch.fill(lane, batch.batch_cap, gather=lane.priority == leader)
             # Only a request of the batch's highest lane or above: waiting could bring
             # nothing that goes ahead of it. A lower lane's rider that does not fit the
             # room left leaves room for the requests waiting would bring ahead of it (it
@@ -1134,7 +1133,9 @@ class Scheduler:
             assert head is not None
             if head.request.signature == top.request.signature and not lane.room_blocked:
                 continue
-            if lane.share_balance_rows >= min(head.queued_rows, self.batch_cap):
+            if lane.share_balance_rows >= min(
+                head.queued_rows, self.caps.rows(head.request.signature)
+            ):
                 return head
         return None
 
@@ -1152,6 +1153,7 @@ class Scheduler:
         lanes, so they come on top of the head's rows, not out of them (else a head as
         large as the limit never fits once a lower lane took its share, and the lower
         lanes fill every batch: a priority inversion)."""
+        cap = self.caps.rows(signature)
         for lane in self.lanes[:priority]:
             if self._active(lane, now_s):
                 own = self._share_take_rows(self.lanes[priority], signature)
@@ -1160,9 +1162,9 @@ class Scheduler:
                 )
                 return max(
                     self._rows_within_wait(lane, signature),
-                    min(max(head_rows, own) + shares, self.batch_cap),
+                    min(max(head_rows, own) + shares, cap),
                 )
-        return self.batch_cap
+        return cap
 
     def _ride_along_rows(self, lead: Lane, batch: _Filling, now_s: float) -> int:
         """The most rows `batch`, led by `lead`, may hold with lower lanes riding along:
@@ -1184,7 +1186,7 @@ class Scheduler:
         model whose one row takes longer than the max_wait (a GPU's fixed cost) held
         every batch of lower lanes to a row while the lane was active."""
         model = self._run_times.get(signature)
-        return model.rows_within_s(lane.max_wait_s + model.predict_s(1), self.batch_cap)
+        return model.rows_within_s(lane.max_wait_s + model.predict_s(1), self.caps.rows(signature))
 
     def _share_take_rows(self, lane: Lane, signature: Signature) -> int:
         """The rows pass 1 is expected to give `lane` for its share in a batch of
@@ -1196,34 +1198,39 @@ class Scheduler:
         join)."""
         if lane.config.min_share == 0 or lane.queued_rows == 0:
             return 0
-        allowance = self._allowance(lane)
+        allowance = self._allowance(lane, signature)
         head = lane.head()
         assert head is not None
         if allowance <= 0 or head.request.signature != signature:
             return 0
-        share = self._share_rows(lane)
+        share = self._share_rows(lane, signature)
         take = min(allowance, share)
         head_rows = head.queued_rows
         return head_rows if take < head_rows <= take + share else math.ceil(take)
 
-    def _bank_target(self, lane: Lane, head_rows: int) -> float:
+    def _bank_target(self, lane: Lane, head_rows: int, signature: Signature) -> float:
         """Credit a blocked lane banks up to: its head (at most a batch) and the share
         that may cross it (its balance is below the head before a batch's share comes
-        in, so it never exceeds this: none is lost)."""
-        return min(head_rows, self.batch_cap) + self._share_rows(lane)
+        in, so it never exceeds this: none is lost). `signature`: the head's."""
+        return min(head_rows, self.caps.rows(signature)) + self._share_rows(lane, signature)
 
-    def _allowance(self, lane: Lane) -> float:
-        """Rows `lane` may take in pass 1 of the next batch: its share and its balance."""
-        return self._share_rows(lane) + lane.share_balance_rows
+    def _allowance(self, lane: Lane, signature: Signature) -> float:
+        """Rows `lane` may take in pass 1 of a batch of `signature`: its share and its
+        balance."""
+        return self._share_rows(lane, signature) + lane.share_balance_rows
 
-    def _share_rows(self, lane: Lane) -> float:
+    def _share_rows(self, lane: Lane, signature: Signature) -> float:
         """The lane's share of one batch, in rows, unrounded: a share under one row (a
         small cap) is one row every few batches, not one in each. Rounded up per batch,
-        the default shares took every row at a cap of 2 (interactive starved)."""
-        return lane.config.min_share * self.batch_cap
+        the default shares took every row at a cap of 2 (interactive starved). A batch is
+        of `signature` (the batch the share is taken in, or the head it banks for), at
+        that signature's cap."""
+        return lane.config.min_share * self.caps.rows(signature)
 
     def _commit(self, plan: _Plan, reason: DispatchReason, now_s: float) -> Batch:
         self._observe_utilization(now_s)
+        signature = plan.taken[0][0].request.signature
+        cap = self.caps.rows(signature)
         if plan.fill_sample is not None:
             led, fill = plan.fill_sample
             lane = self.lanes[led]
@@ -1236,20 +1243,21 @@ class Scheduler:
                 # lane's shape is shut out and up to its head while that finds no room
                 # (see `_owed_head`), and credit banked so is kept while the lane gets
                 # nothing; an overdraft is repaid from the next allowances.
-                banked = max(self._share_rows(lane), plan.bank_to.get(lane.priority, 0))
+                share = self._share_rows(lane, signature)
+                banked = max(share, plan.bank_to.get(lane.priority, 0))
                 if used == 0:
                     banked = max(banked, lane.share_balance_rows)
                 if lane.priority == plan.owed_priority:
                     # What its credit held beyond the head it ran (less than a share,
                     # with this batch's share under two) is kept: a share that does not
                     # divide the head evenly lost the overshoot every time.
-                    banked = max(banked, min(allowance - used, 2 * self._share_rows(lane)))
+                    banked = max(banked, min(allowance - used, 2 * share))
                 # Rounded so that sums of fractional shares do not drift below a whole
                 # request (ten shares of 0.1 must cover a row). Debt is bounded by a
                 # batch: a lane charged for a batch it owned (or more, while in debt) is
                 # never shut out for longer than a batch's worth of its shares.
                 balance = round(min(allowance - used, banked), BALANCE_DIGITS)
-                lane.share_balance_rows = max(balance, -self.batch_cap)
+                lane.share_balance_rows = max(balance, -cap)
             else:
                 # An idle lane banks nothing, but still owes what it took ahead of higher
                 # lanes: a lane whose next request always came after the next batch was
@@ -1294,7 +1302,7 @@ class Scheduler:
             reason=reason,
             formed_s=now_s,
             parts=parts,
-            signature=taken[0][0].request.signature,
+            signature=signature,
         )
         self._running_until_s = now_s + self._run_times.get(batch.signature).predict_s(batch.rows)
         self.events.batch_formed(
@@ -1411,9 +1419,8 @@ class Scheduler:
         return wanted, outcomes
 
     def _adapt_cap(self, result: BatchResult) -> None:
-        """Out of memory halves the cap below the smallest batch that failed; a run of
-        full batches that succeeded raises it one step (AIMD, as in congestion control:
-        quick to back off, slow to probe upwards)."""
+        """Reports the batch's out-of-memory runs and moves its signature's cap (see
+        `BatchCaps.adapt`); queued work is priced again at the cap it now runs at."""
         for rows in result.out_of_memory_rows:
             self.events.out_of_memory(rows)
         if any(rows > 1 for rows in result.out_of_memory_rows):
@@ -1422,65 +1429,7 @@ class Scheduler:
             self.events.batch_split(
                 result.batch.batch_id, result.batch.rows, len(result.out_of_memory_rows)
             )
-        failed_batches = _capacity_failures(result)
-        if failed_batches:
-            smallest = min(failed_batches)
-            at_cap = [rows for rows in failed_batches if rows >= self.batch_cap]
-            if result.batch.rows in failed_batches and self._full(result.batch):
-                # Full as whole requests make it at the cap, as recovery counts a full
-                # batch: 60 rows of 20-row requests under a cap of 64 or 62. Not held,
-                # the cap climbed back to 62 and failed again every ~65 batches.
-                at_cap.append(result.batch.rows)
-            if at_cap:
-                # A batch at the cap failed: a limit, held below, even when its halves
-                # failed too (rows of uneven size: without the ceiling the cap climbed
-                # back and failed again every ~65 batches). A failure only smaller than
-                # the cap (larger batches ran) is a passing shortage and sets no ceiling.
-                ceiling = self._oom_ceiling_rows
-                failed_at = min(at_cap)
-                self._oom_ceiling_rows = failed_at if ceiling is None else min(ceiling, failed_at)
-            proven = self._proven_cap_rows
-            if proven is not None and proven < smallest:
-                # A probe above a size that ran CAP_RECOVERY_BATCHES full batches failed:
-                # back to that size, not to half the probe (60 -> 64 failed: 32).
-                self._set_cap(min(self.batch_cap, proven), "out_of_memory")
-            else:
-                self._proven_cap_rows = None  # it failed at or below it: memory shrank
-                self._set_cap(min(self.batch_cap, smallest // 2), "out_of_memory")
-        elif result.error is None and not result.split and self._full(result.batch):
-            # Only a full batch that ran whole shows the cap fits: a split one (rows that
-            # failed, a broken session) says nothing of the kind.
-            self._full_batches_since_change += 1
-            if (
-                self._full_batches_since_change >= CAP_RECOVERY_BATCHES
-                and self.batch_cap < self.max_batch_cap
-            ):
-                self._proven_cap_rows = self.batch_cap
-                step = max(1, self.max_batch_cap // CAP_RECOVERY_STEPS)
-                target = min(self.max_batch_cap, self.batch_cap + step)
-                ceiling = self._oom_ceiling_rows
-                if ceiling is not None and target >= ceiling:
-                    if self._full_batches_since_change < CAP_CEILING_BATCHES:
-                        return  # held at the last size that ran, below the failing one
-                    # Probe the failing size once more: that size, not a step past it
-                    # (62 -> 66 past a ceiling of 64: it then held at 62 and probed 66,
-                    # never the size that failed).
-                    self._oom_ceiling_rows = None
-                    target = max(min(target, ceiling), self.batch_cap + 1)
-                self._set_cap(target, "recovered")
-
-    def _full(self, batch: Batch) -> bool:
-        """Whether `batch` is as full as whole requests make it at the cap: no request
-        of its size would fit beside it. Requests whose size does not divide the cap (48
-        rows under a cap of 120) never fill it to the row, and the cap never recovered."""
-        return batch.rows + max(piece.rows for piece in batch.slices) > self.batch_cap
-
-    def _set_cap(self, rows: int, reason: str) -> None:
-        rows = max(rows, 1)
-        self._full_batches_since_change = 0
-        if rows != self.batch_cap:
-            self.events.cap_changed(self.batch_cap, rows, reason)
-            self.batch_cap = rows
+        if self.caps.adapt(result):
             for lane in self.lanes:  # queued work runs in batches of the new cap
                 lane.reprice()
 

@@ -28,7 +28,7 @@ from laneserve.server.errors import (
     MemoryPressureError,
     RequestIdReusedError,
 )
-from laneserve.server.items import Batch
+from laneserve.server.items import Batch, Signature
 
 WINDOW_SAMPLES = 4096
 
@@ -253,7 +253,7 @@ class StatsRecorder:
         with self._lock:
             self._batch_splits += 1
 
-    def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
+    def cap_changed(self, old_rows: int, new_rows: int, reason: str, signature: Signature) -> None:
         with self._lock:
             self._cap_changes[reason] += 1
 

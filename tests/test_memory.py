@@ -27,8 +27,9 @@ from onnx import TensorProto, helper
 
 from laneserve.client.tensors import decode_tensor, encode_tensor
 from laneserve.server import ConfigError, LaneConfig, LaneServer, ServerConfig
+from laneserve.server.batch_caps import CAP_CEILING_BATCHES, CAP_RECOVERY_BATCHES, BatchCaps
 from laneserve.server.clock import ManualClock
-from laneserve.server.cost_model import RunTimeModel
+from laneserve.server.cost_model import MAX_SIGNATURES, RunTimeModel
 from laneserve.server.demo_model import make_demo_model
 from laneserve.server.engine import Engine, EngineStartError, _Split, translate_runtime_error
 from laneserve.server.errors import (
@@ -37,6 +38,7 @@ from laneserve.server.errors import (
     ExpiredInQueueError,
     MemoryPressureError,
 )
+from laneserve.server.events import NullEvents
 from laneserve.server.items import (
     Array,
     Batch,
@@ -58,12 +60,7 @@ from laneserve.server.memory import (
     fit_memory,
     parse_memory_limit,
 )
-from laneserve.server.scheduler import (
-    CAP_CEILING_BATCHES,
-    CAP_RECOVERY_BATCHES,
-    Dispatch,
-    Scheduler,
-)
+from laneserve.server.scheduler import Dispatch, Scheduler
 from laneserve.server.scheduler_thread import (
     MEMORY_RELEASE_PERIOD_S,
     MEMORY_SAMPLE_PERIOD_S,
@@ -77,6 +74,7 @@ from tests.support import (
     RecordingEngine,
     ServerProcess,
     estimate_once,
+    output,
     request,
     rich_status,
     rows,
@@ -484,13 +482,13 @@ def test_a_watermark_the_idle_server_cannot_get_below_names_the_setting_at_fault
 # ---- the scheduler's reaction: cap, failed rows, admission ------------------------------
 
 
-def _request(index: int, lane: str, count: int) -> InferenceRequest:
+def _request(index: int, lane: str, count: int, width: int = 2) -> InferenceRequest:
     return InferenceRequest(
         request_id=f"r{index}",
         lane=lane,
-        inputs={"input": np.full((count, 2), index, dtype=np.float32)},
+        inputs={"input": np.full((count, width), index, dtype=np.float32)},
         rows=count,
-        signature=((2,),),
+        signature=((width,),),
         deadline_s=None,
         token=index,
     )
@@ -766,6 +764,63 @@ def test_rows_too_large_alone_do_not_move_the_cap() -> None:
     ordinary = _dispatch(scheduler, clock)
     scheduler.complete(_ran_out_of_memory(ordinary))
     assert scheduler.batch_cap == 4, "a run of ordinary rows that failed halves the cap"
+
+
+def test_out_of_memory_lowers_the_cap_of_its_shape_alone() -> None:
+    """Rows batch only with rows of their shape, and memory follows the shape: 64 rows of
+    width 512 that ran out of memory say nothing of rows of width 2. With one cap for
+    all, narrow traffic was held to 32-row batches until ~1 000 full batches had run."""
+    clock = ManualClock()
+    scheduler = _scheduler(64)
+    wide, narrow = ((512,),), ((2,),)
+    scheduler.admit(_request(0, "standard", 64, width=512), clock.monotonic())
+    scheduler.complete(_ran_out_of_memory(_dispatch(scheduler, clock)))
+    assert (scheduler.caps.rows(wide), scheduler.caps.rows(narrow)) == (32, 64)
+    assert (scheduler.batch_cap, scheduler.max_batch_cap) == (32, 64), "the lowest in force"
+    for index in range(1, 65):
+        scheduler.admit(_request(index, "standard", 1), clock.monotonic())
+        scheduler.admit(_request(100 + index, "standard", 1, width=512), clock.monotonic())
+    ran = [_dispatch(scheduler, clock), _dispatch(scheduler, clock)]
+    assert [(each.batch.signature, each.batch.rows) for each in ran] == [(narrow, 64), (wide, 32)]
+    # A request larger than its shape's cap is split at that cap, and no other's.
+    scheduler.admit(_request(200, "interactive", 48, width=512), clock.monotonic())
+    ran += [_dispatch(scheduler, clock), _dispatch(scheduler, clock)]
+    assert [each.batch.rows for each in ran[2:]] == [32, 16]
+    for each in ran:
+        scheduler.complete(each)
+    # A narrow batch that runs out of memory lowers the narrow cap, from its own.
+    scheduler.admit(_request(201, "interactive", 64), clock.monotonic())
+    narrow_ran = _dispatch(scheduler, clock)
+    assert narrow_ran.batch.rows == 64
+    scheduler.complete(_ran_out_of_memory(narrow_ran))
+    assert (scheduler.caps.rows(wide), scheduler.caps.rows(narrow)) == (32, 32)
+    # Recovery counts each shape's own full batches.
+    for index in range(CAP_RECOVERY_BATCHES):
+        scheduler.admit(_request(300 + index, "interactive", 32), clock.monotonic())
+        scheduler.complete(_dispatch(scheduler, clock))
+    assert (scheduler.caps.rows(wide), scheduler.caps.rows(narrow)) == (32, 32 + 64 // 16)
+
+
+def test_the_caps_of_shapes_not_seen_lately_are_forgotten() -> None:
+    """Caps are kept for the MAX_SIGNATURES shapes that most recently changed: bounded
+    for a model whose widths have no end. The lowest in force (GetStats' batch_cap)
+    stays that of the shapes kept."""
+    caps = BatchCaps(64, NullEvents())
+
+    def failed(width: int, rows: int) -> BatchResult:
+        piece = BatchSlice(width, "standard", 0, rows, 0)
+        batch = Batch(width, (piece,), rows, DispatchReason.FULL, 0.0, {}, ((width,),))
+        oom = OutOfMemoryRun(rows, held_unfit_row=False)
+        outputs = {"out": np.zeros((rows, width), dtype=np.float32)}
+        return BatchResult(batch, outputs, None, 0.001, out_of_memory_runs=(oom,), split=True)
+
+    assert caps.adapt(failed(1, 4))
+    assert caps.lowest == 2
+    for width in range(2, MAX_SIGNATURES + 2):
+        assert caps.adapt(failed(width, 64))
+    assert caps.rows(((1,),)) == 64, "forgotten: back at the probed cap"
+    assert caps.lowest == 32
+    assert caps.rows(((MAX_SIGNATURES + 1,),)) == 32
 
 
 def test_memory_pressure_refuses_bulk_before_standard_before_interactive() -> None:
@@ -1558,6 +1613,34 @@ def test_a_batch_that_fits_alone_runs_whole_after_other_shapes(
             "failed": [],
             "outputs": [float(width * width)] * rows,
         }, spec
+
+
+def test_rows_of_another_width_keep_their_cap_after_wide_rows_run_out(tmp_path: Path) -> None:
+    """Served end to end under a memory limit: 8 rows of width 1 400 run out of memory
+    (a row's memory grows with its width squared) and lower that width's cap to 2; 8
+    rows of width 16 after them still run in one batch of 8, not in four of 2."""
+    model = _outer_model(tmp_path / "outer.onnx")
+    server = ServerProcess(
+        [
+            *("--model", str(model), "--port", "0", "--memory-limit", "18MiB"),
+            *("--max-batch-size", "8", "--batch-cap", "8"),
+        ]
+    )
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port()}") as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            widths: dict[int, list[int]] = {}
+            for width in (1400, 16, 1400):
+                x = np.ones((8, width), np.float32)
+                answer = stub.Infer(request(x, lane="bulk"), timeout=120)
+                assert output(answer).tolist() == [float(width * width)] * 8
+                widths.setdefault(width, []).append(answer.timing.batch_size)
+            stats = stub.GetStats(pb.GetStatsRequest(), timeout=10)
+    finally:
+        server.close()
+    assert widths == {1400: [8, 2], 16: [8]}, "the wide rows split at first, then ran at 2"
+    assert (stats.batch_cap, stats.max_batch_cap) == (2, 8)
+    assert stats.cap_changes["out_of_memory"] == 1
 
 
 _ENGINE_SCRIPT = """

@@ -43,6 +43,7 @@ from laneserve.server.items import (
     InferenceRequest,
     Outcome,
     RowsWanted,
+    Signature,
 )
 from laneserve.server.lanes import Entry, Lane
 from laneserve.server.scheduler import (
@@ -226,7 +227,7 @@ class RecordingEvents(NullEvents):
     def batch_split(self, batch_id: int, rows: int, out_of_memory_runs: int) -> None:
         self.log.append(("batch_split", rows))  # (batch_id and out_of_memory_runs unused)
 
-    def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
+    def cap_changed(self, old_rows: int, new_rows: int, reason: str, signature: Signature) -> None:
         self.log.append(("cap_changed", old_rows, new_rows, reason))
 
 
@@ -2660,8 +2661,9 @@ def test_a_share_lane_behind_another_shape_moves_by_its_share_not_its_pace() -> 
         scheduler.complete(run(running))
         running = dispatch(scheduler, now_s, math.inf)
     standard = scheduler.lane("standard")
-    assert standard.served_rows_per_batch > 2 * scheduler._share_rows(standard)
-    assert standard.share_balance_rows == -2 * scheduler._share_rows(standard)
+    share = scheduler._share_rows(standard, ((2,),))
+    assert standard.served_rows_per_batch > 2 * share
+    assert standard.share_balance_rows == -2 * share
     for index in range(10, 14):
         scheduler.admit(make_request(index, "interactive", 32, width=LONG), now_s)
     with pytest.raises(DeadlineUnmeetableError):

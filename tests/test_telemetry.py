@@ -836,7 +836,7 @@ def test_memory_and_out_of_memory_events_reach_the_metrics() -> None:
     events = FanOut(stats, metrics)
     events.out_of_memory(64)
     events.batch_split(1, 64, 1)
-    events.cap_changed(64, 32, "out_of_memory")
+    events.cap_changed(64, 32, "out_of_memory", ((4,),))
     events.memory_sampled(3 << 30, 8 << 30)
     points = collect(reader)
     telemetry.close()
@@ -1307,15 +1307,16 @@ def test_out_of_memory_and_recovery_are_logged(caplog: pytest.LogCaptureFixture)
     events = EventLog(max_batch_size=64, timer=FakeTimers())
     caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
     events.out_of_memory(64)
-    events.cap_changed(64, 32, "out_of_memory")
-    events.cap_changed(32, 36, "recovered")
-    events.cap_changed(60, 64, "recovered")
+    events.cap_changed(64, 32, "out_of_memory", ((512,),))
+    events.cap_changed(32, 36, "recovered", ((512,),))
+    events.cap_changed(60, 64, "recovered", ((8,), (3, 2)))
     assert [(record.levelname, record.getMessage()) for record in caplog.records] == [
         ("WARNING", "out of device memory running 64 rows; splitting them and retrying"),
-        ("WARNING", "batch cap lowered 64 -> 32 (out_of_memory)"),
-        ("INFO", "batch cap raised 32 -> 36 (recovered)"),
-        ("INFO", "batch cap recovered 60 -> 64 (max_batch_size)"),
+        ("WARNING", "batch cap of rows shaped [512] lowered 64 -> 32 (out_of_memory)"),
+        ("INFO", "batch cap of rows shaped [512] raised 32 -> 36 (recovered)"),
+        ("INFO", "batch cap of rows shaped [8], [3, 2] recovered 60 -> 64 (max_batch_size)"),
     ]
+    assert caplog.records[1].fields["shape"] == [[512]]  # type: ignore[attr-defined]
 
 
 def test_log_lines_carry_their_fields_as_text_or_json() -> None:

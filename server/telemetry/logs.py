@@ -14,7 +14,7 @@ from typing import Any
 
 from laneserve.server.clock import StartTimer, Timer
 from laneserve.server.errors import LaneserveError
-from laneserve.server.items import Batch
+from laneserve.server.items import Batch, Signature
 from laneserve.server.log_events import log_event
 
 # Every telemetry log line under one name, the package's (filters and tests use it).
@@ -194,14 +194,17 @@ class EventLog:
             rows=rows,
         )
 
-    def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
+    def cap_changed(self, old_rows: int, new_rows: int, reason: str, signature: Signature) -> None:
         lowered = new_rows < old_rows
+        # Each input's shape after the row axis: rows of another shape keep their own cap.
+        shape = [list(dims) for dims in signature]
+        of = f"batch cap of rows shaped {', '.join(map(str, shape))}"
         if lowered:
-            message = f"batch cap lowered {old_rows} -> {new_rows} ({reason})"
+            message = f"{of} lowered {old_rows} -> {new_rows} ({reason})"
         elif new_rows >= self._max_batch_size:
-            message = f"batch cap recovered {old_rows} -> {new_rows} (max_batch_size)"
+            message = f"{of} recovered {old_rows} -> {new_rows} (max_batch_size)"
         else:
-            message = f"batch cap raised {old_rows} -> {new_rows} ({reason})"
+            message = f"{of} raised {old_rows} -> {new_rows} ({reason})"
         log_event(
             log,
             logging.WARNING if lowered else logging.INFO,
@@ -210,6 +213,7 @@ class EventLog:
             old_rows=old_rows,
             new_rows=new_rows,
             reason=reason,
+            shape=shape,
         )
 
     def shed(self, lane: str, reason: str, rows: int) -> None:

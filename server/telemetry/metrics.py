@@ -52,13 +52,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
+from laneserve.server.batch_caps import CAP_CHANGE_REASONS
 from laneserve.server.config import LaneConfig
 from laneserve.server.errors import LaneserveError
 from laneserve.server.events import NullEvents
 from laneserve.server.grpc_calls import GrpcCalls
 from laneserve.server.idempotency import LedgerCounts
 from laneserve.server.items import Batch, DispatchReason
-from laneserve.server.scheduler import CAP_CHANGE_REASONS, LaneDepth
+from laneserve.server.scheduler import LaneDepth
 from laneserve.server.stats import (
     ANSWERED_STATUSES,
     BATCH_STATUSES,
@@ -262,7 +263,7 @@ class Metrics(NullEvents):
             "laneserve.batch.cap",
             callbacks=[self._observe_cap],
             unit="{row}",
-            description="Largest batch the scheduler forms now",
+            description="Largest batch the scheduler forms now (the lowest cap of any input shape)",
         )
         meter.create_observable_gauge(
             "laneserve.device.memory.used",

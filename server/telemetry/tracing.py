@@ -22,7 +22,7 @@ from opentelemetry.util.types import Attributes
 from laneserve.server.config import LaneConfig
 from laneserve.server.errors import LaneserveError
 from laneserve.server.events import NULL_TRACE, RequestTrace
-from laneserve.server.items import Batch
+from laneserve.server.items import Batch, Signature
 
 # Request ends that are not failures of the request's own span.
 _NOT_ERRORS = frozenset({"OK", "CANCELLED"})
@@ -260,7 +260,7 @@ class Tracing:
             span.set_attribute("laneserve.batch.split", True)
             span.set_attribute("laneserve.batch.out_of_memory_runs", out_of_memory_runs)
 
-    def cap_changed(self, old_rows: int, new_rows: int, reason: str) -> None:
+    def cap_changed(self, old_rows: int, new_rows: int, reason: str, signature: Signature) -> None:
         pass
 
     def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:

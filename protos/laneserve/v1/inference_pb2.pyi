@@ -325,7 +325,10 @@ class GetModelResponse(_message.Message):
     MEASURED_ROW_BYTES_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     batch_cap: _builtins.int
-    """The largest batch (in rows) the scheduler forms now."""
+    """The largest batch (in rows) the scheduler forms now. Each input shape has its own
+    cap (out of memory lowers only the cap of the shape that ran out): the lowest in
+    force; a model with fixed shapes has one.
+    """
     max_batch_size: _builtins.int
     """The configured upper bound of the batch cap."""
     stream_window: _builtins.int
@@ -672,6 +675,7 @@ class GetStatsResponse(_message.Message):
     batches: _builtins.int
     mean_batch_size: _builtins.float
     batch_cap: _builtins.int
+    """The lowest batch cap in force, of any input shape (see GetModelResponse.batch_cap)."""
     rows_run: _builtins.int
     """Rows the session ran to outputs: rows of batches that failed whole, and rows of a
     split batch that failed, are not counted; rows whose caller left while they ran are
@@ -697,7 +701,7 @@ class GetStatsResponse(_message.Message):
     """
     batch_splits: _builtins.int
     max_batch_cap: _builtins.int
-    """The cap's ceiling (from the probe) and the memory limit (0 = the runtime's default)."""
+    """The caps' ceiling (from the probe) and the memory limit (0 = the runtime's default)."""
     memory_limit_bytes: _builtins.int
     memory_used_bytes: _builtins.int
     """Memory in use at the last watermark reading, the watermarks, and the lanes now
