@@ -8,7 +8,7 @@ import math
 import numbers
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
 import grpc
@@ -22,7 +22,7 @@ from laneserve.client._channel import (
     open_channel,
 )
 from laneserve.client._errors import ClientClosedError, LaneserveError, error_from_rpc
-from laneserve.client._request import encode_inputs, infer_request, output_names
+from laneserve.client._request import checked_str, encode_inputs, infer_request, output_names
 from laneserve.client._retry import RetryPolicy, call_with_retries
 from laneserve.client._stream import (
     DEFAULT_STREAM_LANE,
@@ -148,6 +148,9 @@ class AsyncClient:
             Output name to array. The arrays are read-only views of the received bytes
             (no copy); ``.copy()`` one to write to it.
         """
+        # Checked first: a falsy id of another type (0) is refused, not taken for none.
+        if request_id is not None:
+            checked_str("request_id", request_id)
         request_id = request_id or uuid.uuid4().hex
         request = infer_request(
             request_id, encode_inputs(inputs, request_id), lane=lane, outputs=output_names(outputs)
@@ -220,8 +223,14 @@ class AsyncClient:
         rows_per_item: int = 64,
         window_rows: int | None = None,
         retry: RetryPolicy | None = None,
-    ) -> AsyncIterator[StreamResult]:
+    ) -> AsyncGenerator[StreamResult, None]:
         """Runs a bulk job over one InferStream call and yields one result per item.
+
+        Leaving the iteration early (``break``, an exception) cancels the job (its call,
+        the server's queued items, the reading of `requests`) only once the generator is
+        closed: ``async with contextlib.aclosing(client.stream(...)) as results:``, or
+        ``await results.aclose()``. One that nothing refers to any more is closed by
+        garbage collection; one still referenced runs on until then.
 
         Args:
             requests: either one mapping of input name to array, sent as items of

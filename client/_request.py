@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,7 +33,7 @@ def checked_inputs(inputs: object) -> dict[str, npt.NDArray[Any]]:
     NpzFile, from ``np.load("x.npz")``, decompresses every array again).
 
     Raises:
-        TypeError: `inputs` is not a mapping of names to numpy arrays (a caller's bug).
+        TypeError: `inputs` is not a mapping of str names to numpy arrays (a caller's bug).
     """
     if not isinstance(inputs, Mapping):
         raise TypeError(
@@ -40,6 +41,7 @@ def checked_inputs(inputs: object) -> dict[str, npt.NDArray[Any]]:
         )
     arrays = dict(inputs.items())
     for name, array in arrays.items():
+        checked_str("input name", name)
         if not isinstance(array, np.ndarray):
             raise TypeError(f"input {name!r}: expected a numpy array, got {type(array).__name__}")
     return arrays
@@ -49,12 +51,18 @@ def encode_inputs(inputs: Mapping[str, npt.NDArray[Any]], request_id: str) -> li
     """The request's tensors.
 
     Raises:
-        TypeError: `inputs` is not a mapping of names to numpy arrays (a caller's bug).
-        InvalidInputError: an array's dtype has no wire type (names the input).
+        TypeError: `inputs` is not a mapping of str names to numpy arrays (a caller's bug).
+        InvalidInputError: an array's dtype has no wire type, or a name is not UTF-8 text
+            (names the input).
     """
     arrays = checked_inputs(inputs)
     try:
         return [encode_tensor(name, array) for name, array in arrays.items()]
+    except UnicodeEncodeError:  # before ValueError, which it is
+        # Which one, worked out only when protobuf refused: not on every request.
+        for name in arrays:
+            utf8_bytes("input name", name, request_id=request_id)
+        raise
     except ValueError as error:
         raise refused(str(error), request_id) from error
 
@@ -73,13 +81,28 @@ def output_names(outputs: Sequence[str] | None) -> tuple[str, ...]:
     return tuple(outputs or ())
 
 
-def utf8_bytes(field: str, text: str, *, request_id: str = "") -> int:
+def checked_str(field: str, value: object) -> str:
+    """`value`, a str, for a string field of a message.
+
+    Raises:
+        TypeError: `value` is not a str, naming `field` (protobuf's own TypeError says only
+            "bad argument type for built-in operation").
+    """
+    if not isinstance(value, str):
+        # reprlib: the value is the caller's, of any type and size.
+        raise TypeError(f"{field} {reprlib.repr(value)}: expected str, got {type(value).__name__}")
+    return value
+
+
+def utf8_bytes(field: str, text: object, *, request_id: str = "") -> int:
     """The length of `text` in bytes of UTF-8, which protobuf sends it as.
 
     Raises:
+        TypeError: `text` is not a str, naming `field`.
         InvalidInputError: `text` has a character with no UTF-8 encoding (a lone
             surrogate, as ``os.fsdecode`` makes of bytes that are not UTF-8), naming `field`.
     """
+    text = checked_str(field, text)
     try:
         return len(text.encode())
     except UnicodeEncodeError as error:
@@ -102,21 +125,24 @@ def infer_request(
     before sending (its size: laneserve-client's limits) is what it sends.
 
     Raises:
+        TypeError: a name or id is not a str (protobuf raised a bare TypeError), naming
+            the field.
         InvalidInputError: a name or id is not UTF-8 text (protobuf raised a bare
             UnicodeEncodeError), naming the field.
     """
     try:
         return pb.InferRequest(
             request_id=request_id,
-            lane=lane or "",
+            # Not `lane or ""`: a falsy lane of another type is refused, not taken for none.
+            lane="" if lane is None else lane,
             timeout_ms=timeout_ms,
             inputs=tensors,
             output_names=outputs,
         )
-    except UnicodeEncodeError:
+    except (UnicodeEncodeError, TypeError):
         # Which one, worked out only when protobuf refused: not on every request.
         utf8_bytes("request_id", request_id, request_id=request_id)
-        utf8_bytes("lane", lane or "", request_id=request_id)
+        utf8_bytes("lane", "" if lane is None else lane, request_id=request_id)
         for name in outputs:
             utf8_bytes("output name", name, request_id=request_id)
         raise

@@ -24,6 +24,7 @@ import math
 import time
 import uuid
 from collections.abc import (
+    AsyncGenerator,
     AsyncIterable,
     AsyncIterator,
     Awaitable,
@@ -289,8 +290,10 @@ class BulkStream:
 
     # ---- the caller's side -----------------------------------------------------------
 
-    async def results(self) -> AsyncIterator[StreamResult]:
-        """Final results: ordered by index, or as they come when not `ordered`."""
+    async def results(self) -> AsyncGenerator[StreamResult, None]:
+        """Final results: ordered by index, or as they come when not `ordered`. The job
+        ends early (its call cancelled, its source read no further) only when this
+        generator is closed: its `finally` runs then, not at the caller's ``break``."""
         failures = 0  # consecutive broken calls that answered nothing
         last_answer_s: float | None = None  # when a call last answered an item
         # The first call's limits are asked with the job's retries; a later call's once:
@@ -496,19 +499,24 @@ class BulkStream:
         return True
 
     def _id_refusal(self, index: int, request_id: str) -> InvalidInputError | None:
-        """Why item `index` cannot be sent with `request_id`, or None when it can."""
-        if request_id in self._items:
-            return refused(
-                f"bulk stream item {index}: request_id {request_id!r} is already in flight "
-                "in this stream; expected a unique id per item",
-                request_id,
-            )
+        """Why item `index` cannot be sent with `request_id`, or None when it can.
+
+        Raises:
+            TypeError: `request_id` is not a str (a caller's bug: it ends the job).
+        """
+        # Its type checked first: an id of another type may not even be hashable.
         try:
             id_bytes = utf8_bytes(
                 f"bulk stream item {index}: request_id", request_id, request_id=request_id
             )
         except InvalidInputError as refusal:
             return refusal
+        if request_id in self._items:
+            return refused(
+                f"bulk stream item {index}: request_id {request_id!r} is already in flight "
+                "in this stream; expected a unique id per item",
+                request_id,
+            )
         if id_bytes > MAX_REQUEST_ID_BYTES:  # the server's refusal would come back without it
             return refused(
                 f"bulk stream item {index}: request_id is {id_bytes} bytes, over the "
@@ -546,15 +554,7 @@ class BulkStream:
         index = self._pulled
         self._pulled += 1
         self._held += 1
-        if isinstance(raw, StreamRequest):
-            inputs, request_id = raw.inputs, raw.request_id or f"{self.job_id}-{index}"
-        elif isinstance(raw, Mapping):
-            inputs, request_id = raw, f"{self.job_id}-{index}"
-        else:
-            raise TypeError(
-                f"bulk stream item {index}: expected a mapping of input name to array or a "
-                f"StreamRequest, got {type(raw).__name__}"
-            )
+        inputs, request_id = self._unpack(raw, index)
         refusal = self._id_refusal(index, request_id)
         if refusal is not None:  # this item's fault too: answered, never sent
             self._emit(StreamResult(index, request_id, None, refusal, 0))
@@ -570,11 +570,31 @@ class BulkStream:
         except InvalidInputError as error:  # this item's fault: answered, the job goes on
             self._emit(StreamResult(index, request_id, None, error, 0))
             return None
+        except TypeError as error:  # its inputs': a caller's bug, which ends the job
+            raise TypeError(f"bulk stream item {index}: {error}") from error
         # From the message, not `inputs`: a mapping may compute its arrays at each read.
         rows = next((int(tensor.shape[0]) for tensor in message.inputs if tensor.shape), 0)
         item = _Item(index, request_id, message, rows)
         self._items[request_id] = item
         return item
+
+    def _unpack(self, raw: object, index: int) -> tuple[Arrays, str]:
+        """Item `index`'s inputs and request_id (its own, else the job's for it).
+
+        Raises:
+            TypeError: the item is neither a mapping nor a StreamRequest.
+        """
+        if isinstance(raw, StreamRequest):
+            # Not `or`: a falsy id of another type (0) is refused, not taken for none.
+            if raw.request_id is None or raw.request_id == "":
+                return raw.inputs, f"{self.job_id}-{index}"
+            return raw.inputs, raw.request_id
+        if isinstance(raw, Mapping):
+            return raw, f"{self.job_id}-{index}"
+        raise TypeError(
+            f"bulk stream item {index}: expected a mapping of input name to array or a "
+            f"StreamRequest, got {type(raw).__name__}"
+        )
 
     def _within_message_limit(self, item: _Item) -> bool:
         """False, the item answered ResourceExhaustedError, when it is larger than this

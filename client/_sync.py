@@ -17,8 +17,8 @@ import weakref
 from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
-    AsyncIterator,
     Coroutine,
+    Generator,
     Iterator,
     Mapping,
     Sequence,
@@ -193,9 +193,13 @@ class Client:
         rows_per_item: int = 64,
         window_rows: int | None = None,
         retry: RetryPolicy | None = None,
-    ) -> Iterator[StreamResult]:
-        """See `AsyncClient.stream`. Stopping the iteration early (``break``, an
-        exception) cancels the job's call; the server frees its queued items."""
+    ) -> Generator[StreamResult, None, None]:
+        """See `AsyncClient.stream`. Leaving the iteration early (``break``, an
+        exception) cancels the job's call (the server frees its queued items) and stops
+        reading `requests` only once the generator is closed:
+        ``with contextlib.closing(client.stream(...)) as results:``, or
+        ``results.close()``. One that nothing refers to any more is closed by garbage
+        collection; one still referenced runs on until then."""
         source = requests
         reader: AsyncGenerator[StreamItem, None] | None = None
         if not isinstance(requests, Mapping | AsyncIterable | Sequence):
@@ -203,7 +207,7 @@ class Client:
             # never blocks, and is read there without a thread's hand-off per item.
             source = reader = _read_off_loop(iter(requests))
 
-        async def start() -> AsyncIterator[StreamResult]:
+        async def start() -> AsyncGenerator[StreamResult, None]:
             return self._client.stream(
                 source,
                 lane=lane,
@@ -222,9 +226,9 @@ class Client:
 
     def _iterate(
         self,
-        results: AsyncIterator[StreamResult],
+        results: AsyncGenerator[StreamResult, None],
         reader: AsyncGenerator[StreamItem, None] | None = None,
-    ) -> Iterator[StreamResult]:
+    ) -> Generator[StreamResult, None, None]:
         """`results` on the caller's thread; closed with them, `reader` (the source's, this
         client's own) is closed too: left to the garbage collector, its thread and the
         caller's generator lived on after a `break` until a collection ran."""

@@ -9,6 +9,8 @@ import logging
 import math
 import random
 import re
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -768,6 +770,118 @@ def test_outputs_given_as_one_name_is_a_type_error(small_model: Path) -> None:
             assert list(await client.infer(x, outputs=["output"])) == ["output"]
 
     asyncio.run(scenario())
+
+
+def test_names_and_ids_of_another_type_are_a_type_error_naming_the_field(
+    small_model: Path,
+) -> None:
+    """An input name, request_id, lane or output name that is not a str was protobuf's
+    bare "TypeError: bad argument type for built-in operation", naming nothing (a stream
+    item's request_id ended the job with AttributeError 'int' object has no attribute
+    'encode'), and an input name with no UTF-8 encoding the codec's own message. Each
+    names its field and what was expected; a stream item's, its index too."""
+    x = {"input": rows(1)}
+    wrong: Any = 0
+
+    def type_error(field: str) -> str:
+        return re.escape(f"{field}: expected str, got int")
+
+    async def scenario() -> None:
+        async with client_for(RecordingEngine(str(small_model)), config(small_model)) as (
+            _s,
+            client,
+        ):
+            with pytest.raises(TypeError, match=type_error("input name 0")):
+                await client.infer({wrong: rows(1)})
+            with pytest.raises(TypeError, match=type_error("request_id 0")):
+                await client.infer(x, request_id=wrong)
+            with pytest.raises(TypeError, match=type_error("request_id 5")):
+                await client.infer(x, request_id=5)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match=type_error("lane 0")):
+                await client.infer(x, lane=wrong)
+            with pytest.raises(TypeError, match=type_error("output name 0")):
+                await client.infer(x, outputs=[wrong])
+            with pytest.raises(
+                lc.InvalidInputError,
+                match=re.escape("input name 'input\\ud800': expected UTF-8 text"),
+            ):
+                await client.infer({"input\ud800": rows(1)})
+            with pytest.raises(TypeError, match=type_error("lane 0")):
+                client.stream([x], lane=wrong)
+            with pytest.raises(TypeError, match=type_error("output name 0")):
+                client.stream([x], outputs=[wrong])
+            with pytest.raises(TypeError, match=type_error("input name 0")):
+                client.stream({wrong: rows(2)}, rows_per_item=1)
+            for item, field in (
+                (lc.StreamRequest(x, request_id=wrong), "request_id 0"),
+                (lc.StreamRequest(x, request_id=5), "request_id 5"),  # type: ignore[arg-type]
+                ({wrong: rows(1)}, "input name 0"),
+            ):
+                with pytest.raises(TypeError, match=type_error(f"bulk stream item 1: {field}")):
+                    async for _ in client.stream([x, item]):
+                        pass
+            results = [result async for result in client.stream([x, {"input\ud800": rows(1)}])]
+            assert [result.ok for result in results] == [True, False]
+            assert isinstance(results[1].error, lc.InvalidInputError)
+            assert "input name 'input\\ud800': expected UTF-8 text" in results[1].error.message
+
+    asyncio.run(scenario())
+
+
+# A caller that leaves a stream early, holding it, closes it: the job goes on until then.
+CLOSING_A_STREAM = """
+import contextlib
+
+import numpy as np
+import numpy.typing as npt
+
+from laneserve.client import AsyncClient, Client
+
+
+async def first_async(client: AsyncClient, rows: npt.NDArray[np.float32]) -> int:
+    async with contextlib.aclosing(client.stream({"input": rows})) as results:
+        async for result in results:
+            return result.index
+    results = client.stream({"input": rows})
+    await results.aclose()
+    return -1
+
+
+def first_sync(client: Client, rows: npt.NDArray[np.float32]) -> int:
+    with contextlib.closing(client.stream({"input": rows})) as results:
+        for result in results:
+            return result.index
+    client.stream({"input": rows}).close()
+    return -1
+"""
+
+
+def test_a_stream_types_as_a_generator_its_caller_may_close(tmp_path: Path) -> None:
+    """A `break` out of a stream still referenced leaves its job running until the
+    stream is closed (`aclose()`/`close()`, or garbage collection): declared an
+    AsyncIterator/Iterator, it was refused by mypy --strict in contextlib.aclosing and
+    contextlib.closing, and its aclose()/close() were unknown attributes."""
+    sample = tmp_path / "closing_a_stream.py"
+    sample.write_text(CLOSING_A_STREAM)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--strict",
+            "--config-file",
+            str(Path(__file__).parents[1] / "pyproject.toml"),
+            "--cache-dir",
+            str(tmp_path / "mypy_cache"),
+            str(sample),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 # ---- the translation table, for every status and reason ----------------------------------
