@@ -103,6 +103,9 @@ ROUNDING_ROWS = 1e-9
 # shape (requests of mixed sequence lengths in one lane ran one per batch: each ended the
 # turn). Bounds the scan per batch; they keep their place in the lane.
 GATHER_SCAN_ENTRIES = 256
+# Entries of a lower lane admission reads to count what pass 1 takes for its share
+# ahead of a request (see `_share_claim_rows`): a bound per admission, not the queue.
+SHARE_SCAN_ENTRIES = 16
 # Suggested wait before retrying a request refused for memory pressure.
 MEMORY_PRESSURE_RETRY_S = 0.25
 
@@ -653,6 +656,10 @@ class Scheduler:
         lower_share = 0.0  # their shares, as a fraction of a batch
         lower_heads: list[tuple[float, int]] = []  # (share in rows, head's rows) of each
         riders = arriving_above  # whether other work takes the room whole requests leave
+        # Seconds of the work of other shapes in the lane that leads the next batch with
+        # this request's shape: it gathers that shape past them (see `_gathered_s`).
+        gathered_s = 0.0
+        led = False  # whether the lane that leads the next batch was seen
         for other in self.lanes:  # one pass: this runs for every admission
             if other.priority <= lane.priority:
                 queued_rows, queued_entries, others_s = queued[other.priority]
@@ -661,6 +668,9 @@ class Scheduler:
                 squares += queued_entries * other.request_rows_square_mean
                 fills += queued_rows * other.fill_ratio
                 other_shapes_s += others_s
+                if other.queued_rows and not led:  # the highest queued work leads
+                    led = True
+                    gathered_s = self._gathered_s(other, signature, queued_entries, others_s)
             elif other.queued_rows:
                 head = other.head()
                 assert head is not None
@@ -673,9 +683,9 @@ class Scheduler:
                 lower_heads.append((share, head.queued_rows))
                 allowance = share + other.share_balance_rows
                 if allowance > 0:
-                    # Its allowance, or its head request whole (pass 1 takes the request
-                    # crossing it).
-                    first_lower += min(cap, max(math.ceil(allowance), head.queued_rows))
+                    first_lower += self._share_claim_rows(
+                        other, signature, allowance, cap - first_lower
+                    )
         mean_rows = total / requests
         # Whether requests come in about one size (see UNIFORM_SIZES_CV2).
         uniform = squares / requests <= (1 + UNIFORM_SIZES_CV2) * mean_rows * mean_rows
@@ -708,8 +718,11 @@ class Scheduler:
             return math.ceil(filled)
 
         if total + first_lower <= batch_rows:
-            return other_shapes_s + run_time.predict_s(
-                with_arrivals(total + first_lower, lead_s + other_shapes_s)
+            # One batch serves this shape's rows: the work of other shapes its leading
+            # lane gathers past runs after it.
+            first_s = other_shapes_s - gathered_s
+            return first_s + run_time.predict_s(
+                with_arrivals(total + first_lower, lead_s + first_s)
             )
 
         whole = functools.partial(
@@ -742,6 +755,58 @@ class Scheduler:
                 with_arrivals(rest + shares, lead_s + other_shapes_s + drain_s)
             )
         return other_shapes_s + drain_s
+
+    def _gathered_s(self, lane: Lane, signature: Signature, entries: int, others_s: float) -> float:
+        """Seconds of `lane`'s queued work of other shapes (`others_s`, of its queued
+        entries besides its `entries` of `signature`) that the next batch passes over, when
+        `lane` holds the highest queued work: its head of `signature` leads that batch, and
+        the lane gathers that shape past up to GATHER_SCAN_ENTRIES entries of others
+        (`_Filling.fill`), which keep their place and run after it. 0.0 when another shape
+        leads (the head's, or an owed lane's, `_owed_head`). Counted as running first, an
+        8-row request behind 200 wide rows, whose shape led the lane, was refused a 30 ms
+        deadline (about 54 ms) and, admitted, was answered in the next batch (23 ms)."""
+        head = lane.head()
+        if head is None or head.request.signature != signature or others_s == 0.0:
+            return 0.0
+        if lane.queued_entries - entries > GATHER_SCAN_ENTRIES:
+            return 0.0  # the scan stops short of some of this shape's rows
+        owed = self._owed_head(head)
+        if owed is not None and owed.request.signature != signature:
+            return 0.0
+        return others_s
+
+    def _share_claim_rows(
+        self, lane: Lane, signature: Signature, allowance: float, room: int
+    ) -> int:
+        """The rows pass 1 takes from `lane` for its `allowance` in a batch of `signature`
+        with `room` rows left, as `_Filling.fill` takes them: entries in order while under
+        the allowance, the one crossing it whole, one larger than the cap split to the
+        allowance's rows, and one that does not fit, or of another shape, ends the turn.
+        Counted as the head alone (up to the cap), a 2-row head before a 40-row request
+        was counted 4 rows where pass 1 took 42 (a standard request was answered late),
+        and a head larger than the cap 64 rows where pass 1 took 4 (an interactive request
+        was refused a deadline it met). At most SHARE_SCAN_ENTRIES entries are read: past
+        them (entries that small cross the allowance by little) the rest of the allowance
+        is counted."""
+        cap = self.caps.rows(signature)
+        used = 0
+        for scanned, entry in enumerate(lane):
+            if used >= allowance or room <= 0:
+                break
+            if scanned == SHARE_SCAN_ENTRIES:
+                return used + min(room, math.ceil(allowance - used))
+            if entry.request.signature != signature:
+                break
+            left = entry.queued_rows
+            if entry.request.rows > cap:
+                taken = min(left, room, math.ceil(allowance - used))
+            elif left <= room:
+                taken = left
+            else:
+                break
+            used += taken
+            room -= taken
+        return used
 
     def _alone_s(self, signature: Signature, rows: int) -> float:
         """Seconds `rows` queued rows of `signature` take in batches of their own at the

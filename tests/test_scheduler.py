@@ -1630,6 +1630,60 @@ def test_admission_counts_the_running_batch_and_a_lower_lanes_whole_request() ->
     scheduler.admit(make_request(903, "interactive", 1, deadline_s=after_s + 2 * own_s), after_s)
 
 
+def test_a_share_lanes_crossing_request_counts_ahead_of_a_higher_request() -> None:
+    """Bulk (share 3.2 of 64 rows) holds a 2-row request, then a 40-row one: pass 1 takes
+    the 2 rows and the 40 whole, as the request crossing the allowance. Admission counted
+    bulk's head alone (4 rows), promised a standard request a 12-row batch, and it rode in
+    a 50-row one, after its deadline."""
+    scheduler = make_scheduler(DEFAULT_LIKE_LANES, cap=64)
+    model = scheduler.run_time
+    scheduler.admit(make_request(0, "standard", 64), T0)
+    running = dispatch(scheduler, T0, math.inf)  # until T0 + 4 ms
+    scheduler.admit(make_request(1, "bulk", 2), T0)
+    scheduler.admit(make_request(2, "bulk", 40), T0)
+    now_s = T0 + 0.003
+    finish_s = scheduler._predicted_finish_s(scheduler.lane("standard"), 8, ((2,),), now_s)
+    assert finish_s >= T0 + model.predict_s(64) + model.predict_s(50) - 1e-9
+    scheduler.admit(make_request(3, "standard", 8, deadline_s=finish_s), now_s)
+    now_s = T0 + model.predict_s(64)
+    scheduler.complete(run(running, run_s=model.predict_s(64)))
+    batch = dispatch(scheduler, now_s, now_s)
+    assert rows_by_lane(batch) == Counter(standard=8, bulk=42)
+    now_s += model.predict_s(batch.rows)
+    assert 3 in tokens(scheduler.complete(run(batch, run_s=model.predict_s(batch.rows))))
+    assert now_s <= finish_s
+
+
+@pytest.mark.parametrize(("bulk_rows", "admitted"), [(64, False), (65, True), (999, True)])
+def test_a_share_lanes_head_larger_than_the_cap_counts_only_its_share_ahead(
+    bulk_rows: int, admitted: bool
+) -> None:
+    """A bulk request larger than the cap (share 3.2 of 64 rows) is split: pass 1 takes 4
+    of its rows, and an interactive row goes in the next batch. Admission counted the
+    head whole, up to the cap (a 4 ms batch), and refused it a 4 ms deadline it met; a
+    64-row head is taken whole, and the same deadline is still refused."""
+    scheduler = make_scheduler(DEFAULT_LIKE_LANES, cap=64)
+    scheduler.admit(make_request(0, "bulk", bulk_rows), T0)
+    deadline_s = T0 + 0.004
+    request = make_request(1, "interactive", 1, deadline_s=deadline_s)
+    if not admitted:
+        with pytest.raises(DeadlineUnmeetableError):
+            scheduler.admit(request, T0)
+        return
+    scheduler.admit(request, T0)
+    now_s = T0
+    decision = scheduler.decide(now_s, NEVER_IDLE)
+    while isinstance(decision, WaitUntil):  # the scheduler thread comes back then
+        now_s = decision.at_s
+        decision = scheduler.decide(now_s, NEVER_IDLE)
+    assert isinstance(decision, Dispatch)
+    batch = decision.batch
+    now_s += scheduler.run_time.predict_s(batch.rows)
+    outcomes = scheduler.complete(run(batch, run_s=scheduler.run_time.predict_s(batch.rows)))
+    assert 1 in tokens(outcomes)
+    assert now_s <= deadline_s
+
+
 def test_a_share_lanes_request_larger_than_the_cap_moves_a_share_a_batch() -> None:
     """A 256-row bulk request (share 4 rows of 64) is not taken whole: its share moves it
     4 rows a batch. Its own bound counted it as one row, and admitted it to expire."""
@@ -2646,6 +2700,27 @@ def test_work_of_other_shapes_in_a_higher_lane_is_costed_its_run_time(
     for index in range(2):  # costed at the long rows' model: 3 batches, 204 ms
         scheduler.admit(make_request(index, "interactive", 32), T0)
     scheduler.admit(make_request(11, "standard", 32, width=LONG, deadline_s=T0 + 0.100), T0)
+
+
+def test_a_request_whose_shape_leads_its_lane_is_not_costed_the_shapes_behind_the_head() -> None:
+    """Bulk holds 1 row of width 2, 200 of width 8, then 40 of width 2: its head's shape
+    leads the next batch, and the lane gathers its rows of that shape past the wide ones
+    (which keep their place and run after). An 8-row request of width 2 goes in that
+    batch (49 rows, 3.3 ms); counted behind the wide rows (about 54 ms), it was refused
+    a 30 ms deadline."""
+    scheduler = Scheduler(
+        TOP_DOWN_LANES, batch_cap=64, run_time=fixed_run_time(), run_time_signature=((2,),)
+    )
+    scheduler.admit(make_request(0, "bulk", 1), T0)
+    scheduler.admit(make_request(1, "bulk", 200, width=8), T0)
+    scheduler.admit(make_request(2, "bulk", 40), T0)
+    with pytest.raises(DeadlineUnmeetableError):  # still refused what it cannot make
+        copy.deepcopy(scheduler).admit(make_request(3, "bulk", 8, deadline_s=T0 + 0.003), T0)
+    deadline_s = T0 + 0.030
+    scheduler.admit(make_request(3, "bulk", 8, deadline_s=deadline_s), T0)
+    ran, now_s = run_until_answered(scheduler, T0, 3)
+    assert ran == [49]
+    assert now_s <= deadline_s
 
 
 def test_a_share_lane_behind_another_shape_moves_by_its_share_not_its_pace() -> None:
