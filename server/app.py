@@ -29,7 +29,7 @@ from laneserve.server.addresses import bare_host, host_port
 from laneserve.server.clock import Clock, SystemClock
 from laneserve.server.config import DEFAULT_MEMORY_LOW_WATERMARK, ConfigError, ServerConfig
 from laneserve.server.cost_model import RunTimeModel
-from laneserve.server.engine import CUDA, Engine
+from laneserve.server.engine import CUDA, Engine, nvml_start_error, open_nvml_gauge
 from laneserve.server.errors import DrainingError, LaneserveError
 from laneserve.server.events import FanOut, NullTracer, SchedulerEvents
 from laneserve.server.grpc_accept import CallGate, ParallelAcceptors
@@ -40,12 +40,13 @@ from laneserve.server.memory import (
     MemoryEstimate,
     MemoryFacts,
     MemoryGauge,
-    NvmlGauge,
+    NvmlUnavailableError,
     ProcessRssGauge,
     Watermark,
     estimate_memory,
     format_bytes,
     parse_memory_limit,
+    release_free_heap,
 )
 from laneserve.server.scheduler import Scheduler
 from laneserve.server.scheduler_thread import SchedulerThread
@@ -446,7 +447,7 @@ def device_gauge(engine: Engine, watermark: Watermark | None = None) -> MemoryGa
     """Memory in use where the session allocates: the GPU's (NVML) or this process's
     (fed to `watermark`, it gives back the free heap first when that decides: see
     ProcessRssGauge)."""
-    return NvmlGauge() if engine.providers[0] == CUDA else ProcessRssGauge(watermark)
+    return open_nvml_gauge() if engine.providers[0] == CUDA else ProcessRssGauge(watermark)
 
 
 def _limit_setting(engine: Engine) -> tuple[str, str]:
@@ -526,6 +527,30 @@ def _check_idle_memory(
     )
 
 
+def _watch_memory(
+    config: ServerConfig, engine: Engine, memory_gauge: MemoryGauge | None
+) -> tuple[Watermark | None, MemoryGauge | None]:
+    """The watermark, where there is a limit to watch, and its reading (`memory_gauge`,
+    else the device's), once the idle server is seen to fit below its low mark
+    (ConfigError otherwise)."""
+    watermark = make_watermark(config, engine)
+    if watermark is None:
+        return None, None
+    gauge = memory_gauge or device_gauge(engine, watermark)
+    # Read as an idle running server reads itself once lanes close: the arena's regions
+    # given back (`release_idle_memory`) and the C library's free heap. Read with the
+    # largest probe batch's regions still held, a start with max_batch_size 2048 and a
+    # 200 MiB host limit was refused at 187 MiB, though idle it held 123.
+    engine.release_idle_memory()
+    release_free_heap()
+    try:
+        used_bytes = gauge.used_bytes()
+    except NvmlUnavailableError as error:
+        raise nvml_start_error(error) from error
+    _check_idle_memory(config, engine, watermark, used_bytes)
+    return watermark, gauge
+
+
 def _line(estimate: MemoryEstimate | None) -> str:
     if estimate is None:
         return "n/a"
@@ -544,12 +569,14 @@ class LaneServer:
         clock: Clock | None = None,
         memory_gauge: MemoryGauge | None = None,
         telemetry: Telemetry | None = None,
-        estimate: Callable[[str], MemoryEstimate | None] = estimate_memory,
+        estimate: Callable[[str], MemoryEstimate | None] | None = None,
     ) -> None:
         """`telemetry`: traces, metrics and event logs; by default from the config and the
-        OTEL_* variables (Telemetry.from_config). `events`: one more sink, for tests.
-        `estimate`: the model file's static memory estimate (by default from a child
-        process, ~1 s; tests that start many servers pass one computed once)."""
+        OTEL_* variables (Telemetry.from_config). A server refused at start closes the
+        telemetry it built; one passed in stays the caller's to close. `events`: one more
+        sink, for tests. `estimate`: the model file's static memory estimate (by default
+        `estimate_memory` with the probe's shapes, from a child process, ~1 s; tests that
+        start many servers pass one computed once)."""
         self.config = config
         self.engine = engine
         self.clock = clock or SystemClock()
@@ -558,9 +585,14 @@ class LaneServer:
         # Before the probe, not beside it: the probe times runs for the cost model.
         # The engine's, when it worked it out (a failed one too: the child ran ~1 s and
         # logged why; a second run would do both again).
-        self.memory_estimate = (
-            engine.static_estimate if engine.static_estimate_tried else estimate(config.model_path)
-        )
+        if engine.static_estimate_tried:
+            self.memory_estimate = engine.static_estimate
+        elif estimate is None:
+            self.memory_estimate = estimate_memory(
+                config.model_path, probe_shapes=engine.probe_shapes
+            )
+        else:
+            self.memory_estimate = estimate(config.model_path)
         self.probe = engine.probe(
             config.batch_cap or config.max_batch_size,
             fixed_cap=config.batch_cap is not None,
@@ -585,15 +617,16 @@ class LaneServer:
         )
         self.stats = StatsRecorder([lane.name for lane in config.lanes])
         self.telemetry = telemetry or Telemetry.from_config(config, engine.providers)
+        try:
+            # The watermark's reading: the device's, unless a test supplies its own.
+            watermark, self.memory_gauge = _watch_memory(config, engine, memory_gauge)
+        except BaseException:
+            # Refused, no stop() will close it: its exporters' threads stayed behind.
+            if telemetry is None:
+                self.telemetry.close()
+            raise
         sinks = [self.stats, *self.telemetry.events, *([] if events is None else [events])]
         self.events = FanOut(*sinks)
-        watermark = make_watermark(config, engine)
-        # The watermark's reading: the device's, unless a test supplies its own.
-        self.memory_gauge = (
-            None if watermark is None else (memory_gauge or device_gauge(engine, watermark))
-        )
-        if watermark is not None and self.memory_gauge is not None:
-            _check_idle_memory(config, engine, watermark, self.memory_gauge.used_bytes())
         self.scheduler = Scheduler(
             config.lanes,
             batch_cap=self.probe.batch_cap,
@@ -809,7 +842,10 @@ class LaneServer:
         thread = self._thread
         assert thread is not None
         gate = CallGate(
-            self.config.max_concurrent_rpcs, lambda: ACCEPT_BELOW_BATCHES * thread.batch_cap
+            # The probed cap, not the lowest in force: one shape's out-of-memory leaves
+            # the others' batches at it.
+            self.config.max_concurrent_rpcs,
+            lambda: ACCEPT_BELOW_BATCHES * thread.max_batch_cap,
         )
         handlers = add_to_server(servicer, server, gate)
         acceptors = ParallelAcceptors(

@@ -44,11 +44,13 @@ from laneserve.server.memory import (
     MemoryGauge,
     MemoryLimit,
     NvmlGauge,
+    NvmlUnavailableError,
     ProcessRssGauge,
     estimate_memory,
     fit_memory,
     format_bytes,
     prefer_pci_order,
+    session_gpu_id,
 )
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,38 @@ def gpu_present() -> bool:
         return int(pynvml.nvmlDeviceGetCount()) > 0
     finally:
         pynvml.nvmlShutdown()
+
+
+def open_nvml_gauge() -> NvmlGauge:
+    """The session GPU's memory gauge; EngineStartError (exit 2, no traceback) when NVML
+    cannot read that GPU."""
+    try:
+        return NvmlGauge()
+    except NvmlUnavailableError as error:
+        raise nvml_start_error(error) from error
+
+
+def nvml_start_error(error: NvmlUnavailableError) -> EngineStartError:
+    """Why the server cannot start when NVML cannot open or read the session's GPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return EngineStartError(
+        f"cannot read the memory of the session's GPU {session_gpu_id()!r} "
+        f"(CUDA_VISIBLE_DEVICES={'unset' if visible is None else repr(visible)}): "
+        f"{error}; expected nvidia-ml-py installed and CUDA_VISIBLE_DEVICES naming the "
+        "GPU by its index or its whole UUID as `nvidia-smi -L` lists it (NVML takes no "
+        "shortened UUID), or --device cpu"
+    )
+
+
+def _resolve_limit(limit: MemoryLimit, device_total_bytes: int | None) -> int:
+    """`limit` in bytes; EngineStartError when it is a fraction of a total unknown."""
+    try:
+        return limit.resolve(device_total_bytes)
+    except ValueError as error:
+        raise EngineStartError(
+            f"server.memory_limit (--memory-limit; {DEFAULT_GPU_MEMORY_LIMIT.fraction:g} on a "
+            f"GPU when unset): {error}"
+        ) from error
 
 
 def choose_providers(device: Device) -> list[str]:
@@ -204,8 +238,9 @@ class Engine:
         self.memory_limit_bytes = (
             None
             if memory_limit is None
-            else memory_limit.resolve(
-                NvmlGauge().total_bytes() if on_gpu else ProcessRssGauge().total_bytes()
+            else _resolve_limit(
+                memory_limit,
+                open_nvml_gauge().total_bytes() if on_gpu else ProcessRssGauge().total_bytes(),
             )
         )
         memory_limit_bytes = self.memory_limit_bytes
@@ -232,7 +267,9 @@ class Engine:
                     },
                 )
             else:
-                self.static_estimate = _check_cpu_budget(model_path, memory_limit_bytes)
+                self.static_estimate = _check_cpu_budget(
+                    model_path, memory_limit_bytes, probe_shapes or {}
+                )
                 self.static_estimate_tried = True
                 _cap_cpu_arena(memory_limit_bytes)
                 options.add_session_config_entry("session.use_env_allocators", "1")
@@ -579,6 +616,11 @@ class Engine:
         return checked
 
     @property
+    def probe_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each input's shape after the row axis in the rows the probe runs."""
+        return dict(self._probe_shapes)
+
+    @property
     def probe_signature(self) -> Signature:
         """The batching signature of `example_inputs` (the rows the probe timed)."""
         return tuple(self._probe_shapes[spec.name] for spec in self.inputs)
@@ -618,6 +660,8 @@ class Engine:
         """
         try:
             return self._probe(max_batch_size, repeats, fixed_cap, gauge)
+        except NvmlUnavailableError as error:  # a memory reading after a probe size
+            raise nvml_start_error(error) from error
         except EngineError as error:  # the model cannot be batched (see `run`)
             shapes = {name: [1, *shape] for name, shape in self._probe_shapes.items()}
             hint = (
@@ -860,13 +904,15 @@ def _powers_of_two_up_to(limit: int) -> list[int]:
 _CPU_ARENA_LIMIT_BYTES: int | None = None
 
 
-def _check_cpu_budget(model_path: str, limit_bytes: int) -> MemoryEstimate | None:
+def _check_cpu_budget(
+    model_path: str, limit_bytes: int, probe_shapes: Mapping[str, tuple[int, ...]]
+) -> MemoryEstimate | None:
     """Refuses a CPU budget that cannot hold the model's weights: ONNX Runtime then keeps
     them, and runs every batch, outside the capped arena, so the budget is silently not
     enforced (measured with the demo model's 20.1 MiB of weights: budgets up to 20 MiB
     ran 4 096-row batches, 21 MiB failed at 64 rows). The weights come from the static
     estimate (a child process: the server never imports onnx), returned for reuse."""
-    estimate = estimate_memory(model_path)
+    estimate = estimate_memory(model_path, probe_shapes=probe_shapes)
     if estimate is not None and limit_bytes <= estimate.fixed_bytes:
         weights = format_bytes(estimate.fixed_bytes)
         raise EngineStartError(

@@ -9,9 +9,11 @@ until memory in use falls below the low watermark.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
+import json
 import logging
 import math
 import os
@@ -19,7 +21,7 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -158,23 +160,60 @@ def prefer_pci_order() -> None:
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
 
 
+class NvmlUnavailableError(RuntimeError):
+    """NVML cannot read the session's GPU: pynvml is missing, NVML does not start, or it
+    knows no GPU by the id CUDA_VISIBLE_DEVICES gives (the engine turns it into an
+    EngineStartError)."""
+
+
 class NvmlGauge:
     """The session's GPU's memory as NVML reports it: used by every process on the
     device, since a neighbour's allocations leave laneserve less room just as its own
-    do."""
+    do. A reading NVML fails raises NvmlUnavailableError: the start is refused naming the
+    GPU (see `engine.nvml_start_error`); while serving the scheduler fails and the server
+    stops for its supervisor to restart it (a lost device's readings: memory is a hard
+    limit, not watched blind)."""
 
     def __init__(self) -> None:
-        import pynvml  # noqa: PLC0415 - only on machines with a GPU
-
-        pynvml.nvmlInit()
+        """Raises NvmlUnavailableError, saying why, when the GPU cannot be read: CUDA
+        takes a UUID's prefix in CUDA_VISIBLE_DEVICES (GPU-8932f937), NVML's look-up by
+        UUID only the whole UUID, and its NVMLError_NotFound escaped as a traceback."""
+        try:
+            import pynvml  # noqa: PLC0415 - only on machines with a GPU
+        except ImportError as error:
+            raise NvmlUnavailableError(f"cannot import pynvml ({error})") from error
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as error:
+            raise NvmlUnavailableError(f"NVML did not start ({_nvml_error(error)})") from error
+        try:
+            self._handle = session_gpu(pynvml)
+        except pynvml.NVMLError as error:
+            with contextlib.suppress(pynvml.NVMLError):
+                pynvml.nvmlShutdown()
+            raise NvmlUnavailableError(
+                f"NVML has no GPU {session_gpu_id()!r} ({_nvml_error(error)})"
+            ) from error
         self._nvml = pynvml
-        self._handle = session_gpu(pynvml)
 
     def used_bytes(self) -> int | None:
-        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+        return int(self._memory_info().used)
 
     def total_bytes(self) -> int | None:
-        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).total)
+        return int(self._memory_info().total)
+
+    def _memory_info(self) -> Any:
+        try:
+            return self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+        except self._nvml.NVMLError as error:
+            raise NvmlUnavailableError(
+                f"NVML cannot read the memory of GPU {session_gpu_id()!r} ({_nvml_error(error)})"
+            ) from error
+
+
+def _nvml_error(error: Exception) -> str:
+    """NVML's error with its kind: pynvml's messages alone are terse ("Not Found")."""
+    return f"{type(error).__name__}: {error}"
 
 
 class ProcessRssGauge:
@@ -344,10 +383,17 @@ def fit_memory(used_bytes_by_rows: dict[int, int]) -> MemoryEstimate | None:
 _STOPPING_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 
 
-def estimate_memory(model_path: str, *, timeout_s: float = 120.0) -> MemoryEstimate | None:
-    """Weights plus per-row activations from the model file (`static_estimate`), worked
-    out in a child process; None, with a warning, when that fails: the estimate only
-    informs (GetModel), so a model shape inference cannot read still serves.
+def estimate_memory(
+    model_path: str,
+    *,
+    probe_shapes: Mapping[str, Sequence[int]] | None = None,
+    timeout_s: float = 120.0,
+) -> MemoryEstimate | None:
+    """Weights plus per-row activations from the model file (`static_estimate`), a row of
+    the shape the probe runs (`probe_shapes`: an input's dynamic sizes after the row axis;
+    those not given are 1), worked out in a child process; None, with a warning, when
+    that fails: the estimate only informs (GetModel), so a model shape inference cannot
+    read still serves.
 
     In the serving process the estimate would cost what it estimates: importing onnx and
     parsing the model with its weights kept ~35 MiB resident for good (110 -> 146 MiB on
@@ -357,7 +403,12 @@ def estimate_memory(model_path: str, *, timeout_s: float = 120.0) -> MemoryEstim
     script = Path(__file__).with_name("static_estimate.py")
     try:
         child = subprocess.run(  # noqa: S603 - our own script, this interpreter
-            [sys.executable, str(script), model_path],
+            [
+                sys.executable,
+                str(script),
+                model_path,
+                json.dumps({name: list(shape) for name, shape in (probe_shapes or {}).items()}),
+            ],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,

@@ -31,7 +31,13 @@ from laneserve.server.batch_caps import CAP_CEILING_BATCHES, CAP_RECOVERY_BATCHE
 from laneserve.server.clock import ManualClock
 from laneserve.server.cost_model import MAX_SIGNATURES, RunTimeModel
 from laneserve.server.demo_model import make_demo_model
-from laneserve.server.engine import Engine, EngineStartError, _Split, translate_runtime_error
+from laneserve.server.engine import (
+    CUDA,
+    Engine,
+    EngineStartError,
+    _Split,
+    translate_runtime_error,
+)
 from laneserve.server.errors import (
     DeviceMemoryError,
     EngineError,
@@ -268,7 +274,7 @@ def test_a_failed_estimate_runs_once_under_a_cpu_budget(tmp_path: Path) -> None:
         "import laneserve.server.engine as engine\n"
         "from laneserve.server import LaneServer, ServerConfig, load_engine\n"
         "calls = []\n"
-        "def failing(path):\n"
+        "def failing(path, **options):\n"
         "    calls.append(path)\n"
         "    return None\n"
         "engine.estimate_memory = failing\n"
@@ -2036,3 +2042,195 @@ def test_memory_fit_is_a_line_through_the_readings() -> None:
     fit = fit_memory({1: 1_000 + 10, 2: 1_000 + 20, 4: 1_000 + 40, 8: 1_000 + 80})
     assert fit == MemoryEstimate(fixed_bytes=1_000, per_row_bytes=10)
     assert fit_memory({4: 123}) is None
+
+
+# ---- the start's memory checks: what they read, what they leave --------------------------
+
+_IDLE_AFTER_RELEASE_SCRIPT = """
+import dataclasses, sys
+from laneserve.server import LaneServer, ServerConfig
+from laneserve.server.engine import Engine
+from laneserve.server.memory import ProcessRssGauge, release_free_heap
+from laneserve.server.telemetry import Telemetry
+
+MIB = 2**20
+engine = Engine(sys.argv[1], device="cpu")
+config = ServerConfig(model_path=sys.argv[1], metrics_port=-1, max_batch_size=2048)
+Telemetry.from_config(config, engine.providers).close()  # its libraries are idle memory too
+release_free_heap()
+idle = ProcessRssGauge().used_bytes()
+# The probe's 2 048-row batches leave ~65 MiB in the arena and the free heap; given back,
+# the server holds a few MiB more than before the probe. The low mark lies between.
+limit = int((idle + 32 * MIB) / config.memory_low_watermark)
+LaneServer(
+    engine,
+    dataclasses.replace(config, host_memory_limit=f"{limit}B"),
+    estimate=lambda path: None,
+)
+print("accepted")
+"""
+
+
+def test_the_idle_check_reads_memory_with_the_probes_arena_and_heap_given_back(
+    demo_model: Path,
+) -> None:
+    """The start read memory right after the probe, its largest batch's arena regions and
+    the heap it freed still held, where a running server reads after giving both back:
+    max_batch_size 2048 under a 200 MiB host limit was refused at 187 MiB, though the idle
+    server held 123 MiB."""
+    done = subprocess.run(
+        [sys.executable, "-c", _IDLE_AFTER_RELEASE_SCRIPT, str(demo_model)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["accepted"]
+
+
+def test_a_server_refused_at_start_leaves_no_telemetry_thread(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused by the idle-memory check, a server never stops, and the telemetry it had
+    built kept its span exporter's thread running (one per refused server)."""
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    config = ServerConfig(
+        model_path=str(small_model), device="cpu", metrics_port=-1, host_memory_limit="110MiB"
+    )
+    engine = Engine(str(small_model), device="cpu")
+    before = set(threading.enumerate())
+    with pytest.raises(ConfigError, match=r"server\.host_memory_limit: the server holds"):
+        LaneServer(engine, config, memory_gauge=_Resident(100 * MIB), estimate=estimate_once)
+    assert [thread.name for thread in set(threading.enumerate()) - before] == []
+
+
+def test_the_static_estimate_counts_a_row_of_the_probes_shape(tmp_path: Path) -> None:
+    """Each dynamic size was counted 1 wide: a model of dynamic width was estimated at 20
+    bytes a row where the probe's 256-wide rows took ~264 KiB (a [batch, width, width]
+    outer product). Sizes not given are 1, as the probe runs them."""
+    model = str(_outer_model(tmp_path / "outer.onnx"))
+    float_bytes = 4
+    _, narrow = static_estimate(model)
+    _, wide = static_estimate(model, {"input": (256,)})
+    assert narrow < 64
+    assert wide >= 256 * 256 * float_bytes
+    as_child = estimate_memory(model, probe_shapes={"input": (256,)})
+    assert as_child == MemoryEstimate(*static_estimate(model, {"input": (256,)}))
+
+
+def test_the_server_estimates_memory_for_its_probe_shapes(tmp_path: Path) -> None:
+    model = str(_outer_model(tmp_path / "outer.onnx"))
+    engine = Engine(model, device="cpu", probe_shapes={"input": (256,)})
+    config = ServerConfig(model_path=model, device="cpu", metrics_port=-1, max_batch_size=4)
+    server = LaneServer(engine, config)  # the estimate by default: the child's
+    server.telemetry.close()
+    assert server.memory_estimate is not None
+    assert server.memory_estimate.per_row_bytes >= 256 * 256 * 4
+
+
+class _NvmlError(Exception):
+    """pynvml's NVMLError."""
+
+
+class _NvmlNotFoundError(_NvmlError):
+    """NVMLError_NotFound, as pynvml raises it for a UUID no GPU has."""
+
+
+def _fake_nvml(
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    missing: bool = False,
+    handle_error: Exception | None = None,
+    memory_error: Exception | None = None,
+) -> None:
+    """A pynvml whose look-ups or readings fail as the test says (one GPU, 80 GiB)."""
+    if missing:
+        monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml: ImportError
+        return
+    fake: Any = type(sys)("pynvml")
+    fake.NVMLError = _NvmlError
+
+    def handle(gpu: object) -> object:
+        if handle_error is not None:
+            raise handle_error
+        return gpu
+
+    def memory_info(_handle: object) -> object:
+        if memory_error is not None:
+            raise memory_error
+        return type("Memory", (), {"used": 1 << 30, "total": 80 << 30})()
+
+    fake.nvmlInit = fake.nvmlShutdown = lambda: None
+    fake.nvmlDeviceGetCount = lambda: 1
+    fake.nvmlDeviceGetHandleByIndex = handle
+    fake.nvmlDeviceGetHandleByUUID = handle
+    fake.nvmlDeviceGetMemoryInfo = memory_info
+    fake.nvmlDeviceGetUtilizationRates = lambda _handle: type("Rates", (), {"gpu": 10})()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+
+
+def _as_if_on_a_gpu(engine: Engine) -> Engine:
+    """The real CPU session, taken for a CUDA one with an 8 GiB memory limit: the server
+    then reads memory with NVML (the fake's) for the probe and the watermark."""
+    engine.providers = [CUDA, "CPUExecutionProvider"]
+    engine.memory_limit_bytes = 8 << 30
+    return engine
+
+
+@pytest.mark.parametrize(
+    ("fault", "visible", "why"),
+    [
+        ({"missing": True}, None, "cannot import pynvml"),
+        (
+            {"handle_error": _NvmlNotFoundError("Not Found")},
+            "GPU-8932f937",
+            "NVML has no GPU 'GPU-8932f937' (_NvmlNotFoundError: Not Found)",
+        ),
+    ],
+    ids=["no-pynvml", "shortened-uuid"],
+)
+def test_a_gpu_nvml_cannot_open_refuses_the_start_naming_it(
+    small_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fault: dict[str, Any],
+    visible: str | None,
+    why: str,
+) -> None:
+    """NVML's failures escaped as tracebacks (exit 1): CUDA takes a UUID's prefix in
+    CUDA_VISIBLE_DEVICES, NVML's look-up by UUID only the whole UUID."""
+    _fake_nvml(monkeypatch, **fault)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    engine = _as_if_on_a_gpu(Engine(str(small_model), device="cpu"))
+    config = ServerConfig(model_path=str(small_model), metrics_port=-1, max_batch_size=8)
+    with pytest.raises(EngineStartError) as refused:
+        LaneServer(engine, config, estimate=estimate_once)
+    message = str(refused.value)
+    gpu = visible or "0"
+    set_as = "unset" if visible is None else repr(visible)
+    assert message.startswith(
+        f"cannot read the memory of the session's GPU {gpu!r} (CUDA_VISIBLE_DEVICES={set_as}): "
+    ), message
+    assert why in message
+    assert "expected nvidia-ml-py installed and CUDA_VISIBLE_DEVICES naming the GPU" in message
+
+
+def test_a_gpu_reading_nvml_fails_refuses_the_start_naming_it(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NVML's "Unknown Error" on the probe's first reading failed the start with a
+    traceback (exit 1, which asks a supervisor to restart it): refused naming the GPU.
+    While serving, a reading that fails stops the server (README: a lost device's memory
+    readings), as before."""
+    _fake_nvml(monkeypatch, memory_error=_NvmlError("Unknown Error"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    engine = _as_if_on_a_gpu(Engine(str(small_model), device="cpu"))
+    config = ServerConfig(model_path=str(small_model), metrics_port=-1, max_batch_size=8)
+    with pytest.raises(EngineStartError) as refused:
+        LaneServer(engine, config, estimate=estimate_once)
+    message = str(refused.value)
+    assert message.startswith("cannot read the memory of the session's GPU '0'"), message
+    assert "NVML cannot read the memory of GPU '0' (_NvmlError: Unknown Error)" in message

@@ -19,7 +19,8 @@ Metric names (OpenTelemetry; Prometheus adds the unit and `_total`, e.g.
     laneserve.lane.capacity       gauge rows        lane
     laneserve.batch.cap           gauge rows                       largest batch formed now
     laneserve.device.memory.used  gauge By                         at the last reading
-    laneserve.device.memory.budget gauge By                        the memory limit
+    laneserve.device.memory.budget gauge By                        memory_limit on a GPU,
+                                                                   host_memory_limit on the CPU
     laneserve.device.utilization.ratio gauge 1                     NVML; absent without a GPU
     laneserve.grpc.calls          counter           state          gRPC's own count (Channelz):
                                                                    started, succeeded, failed

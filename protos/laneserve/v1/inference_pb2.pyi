@@ -339,7 +339,8 @@ class GetModelResponse(_message.Message):
     """The hard limit on the session's device memory in bytes; 0 = the runtime's default."""
     probed_batch_cap: _builtins.int
     """The largest batch the start-up probe found to fit the memory limit (the cap's
-    ceiling); 0 when no size failed up to max_batch_size.
+    ceiling): max_batch_size when every size up to it fit; batch_cap, when configured
+    (then nothing is searched).
     """
     estimated_fixed_bytes: _builtins.int
     """Static estimate from the model file: weights, and per-row activations (no reuse).
