@@ -33,6 +33,7 @@ from laneserve.server.errors import (
     DrainingError,
     EngineError,
     InvalidInputError,
+    JoinExpiredError,
     LaneFullError,
     LaneserveError,
     RequestIdReusedError,
@@ -536,7 +537,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         # from admission gave a stream item that waited for room the whole timeout again.
         # A retry that joins the request in flight waits no longer than this either.
         wait_until_s = lane_config.deadline_s(arrived_s, deadline_s)
-        # Set by `submit`, which runs only when this call (not a retry it joins) queues it.
+        # Set by `submit`, which runs only when this call (not a retry it joins) queues it;
+        # NULL_TRACE again once this call is answered alone (see `expired`).
         trace = NULL_TRACE
         # Set by `finish`, run only for what `submit` queued: the answer's size.
         answer_bytes: int | None = None
@@ -591,13 +593,15 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
         # The ledger runs it at most once per request_id: a retry joins or replays.
         digest = fingerprint(request, output_names) if request.request_id else b""
+
+        def expired(error: JoinExpiredError) -> None:
+            nonlocal trace
+            trace = self._answered_alone(lane, trace, error)
+
         # Its caller, as the ledger sees it: a call whose gRPC deadline has passed takes
         # no answer (gRPC ends it DEADLINE_EXCEEDED; the answer was counted OK), and a
         # caller answered alone at its deadline is counted as its lane's refusal.
-        caller = Caller(
-            functools.partial(_before_grpc_deadline, context),
-            functools.partial(self._rejected, lane),
-        )
+        caller = Caller(functools.partial(_before_grpc_deadline, context), expired)
         run = functools.partial(
             self._run_once, lane, request.request_id, digest, submit, finish, wait_until_s, caller
         )
@@ -770,6 +774,19 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 line[0].set_result(None)  # its turn, after this one's admission (same step)
             if not line:
                 del self._room_lines[lane]
+
+    def _answered_alone(
+        self, lane: str, trace: RequestTrace, error: JoinExpiredError
+    ) -> RequestTrace:
+        """Counts a call answered alone at its deadline while the work goes on for a
+        retry that joined it with a later deadline; the trace the call keeps (none).
+
+        The answer will be that retry's: the spans of work this call queued (`trace`)
+        end now, with what the call got, and no reply of that answer is traced as this
+        call's (it was, status OK, after this call had ended in error)."""
+        self._rejected(lane, error)
+        trace.end(error.reason)
+        return NULL_TRACE
 
     def _rejected(self, lane: str, error: LaneserveError) -> LaneserveError:
         """`error`, counted as a refusal of `lane` (a lane the server has: see

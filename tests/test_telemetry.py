@@ -272,9 +272,9 @@ def test_a_retry_answered_by_the_ledger_says_so_on_its_call_span(small_model: Pa
         }
 
 
-async def until_joined(s: Serving) -> None:
+async def until_joined(s: Serving, joins: int = 1) -> None:
     for _ in range(1_000):
-        if (await s.stub.GetStats(pb.GetStatsRequest())).idempotent_joins:
+        if (await s.stub.GetStats(pb.GetStatsRequest())).idempotent_joins >= joins:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("the retry never joined")
@@ -482,6 +482,146 @@ def test_status_codes_are_recorded_on_the_server_span(small_model: Path) -> None
         assert len(failed_infer) == 1
 
     asyncio.run(scenario())
+
+
+def traceparent(trace: int) -> tuple[tuple[str, str]]:
+    """Call metadata that puts the call in trace `trace` (sampled)."""
+    return (("traceparent", f"00-{trace:032x}-{CALLER_SPAN_ID:016x}-01"),)
+
+
+def in_trace(exporter: InMemorySpanExporter, trace: int) -> dict[str, list[ReadableSpan]]:
+    """The finished spans of trace `trace`, by name."""
+    found: dict[str, list[ReadableSpan]] = {}
+    for span in exporter.get_finished_spans():
+        if trace_id(span) == trace:
+            found.setdefault(span.name, []).append(span)
+    return found
+
+
+def test_a_request_that_ends_while_its_batch_runs_says_how_on_a_reply_span(
+    small_model: Path,
+) -> None:
+    """A call without a request_id that is cancelled, or whose gRPC deadline passes, while
+    its batch runs ends there (the scheduler's cancel), with no answer to reply with: its
+    `enqueue` had ended at dispatch, and how it ended was recorded on no span of its own."""
+
+    async def scenario() -> InMemorySpanExporter:
+        engine = RecordingEngine(str(small_model))
+        async with serving_traced(engine, config(small_model)) as (s, exporter):
+            while engine.entered.acquire(blocking=False):
+                pass  # forget the start's batches: `entered` below waits for the next one
+            engine.hold()
+            cancelled = s.stub.Infer(request(rows(1)), metadata=traceparent(1))
+            await entered(engine)
+            cancelled.cancel()
+            await until(lambda: INFER_SPAN in in_trace(exporter, 1))  # the call ended
+            engine.release()
+            await until(lambda: "batch" in {span.name for span in exporter.get_finished_spans()})
+            engine.hold()
+            late = s.stub.Infer(request(rows(1)), metadata=traceparent(2), timeout=0.2)
+            await entered(engine)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await late
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await until(lambda: INFER_SPAN in in_trace(exporter, 2))  # the call ended
+            engine.release()
+        return exporter
+
+    exporter = asyncio.run(scenario())
+    for trace, status, code in (
+        (1, "CANCELLED", StatusCode.UNSET),
+        (2, "DEADLINE_EXCEEDED", StatusCode.ERROR),
+    ):
+        spans = in_trace(exporter, trace)
+        server, enqueue, reply = (only(spans[name]) for name in (INFER_SPAN, "enqueue", "reply"))
+        assert attr(reply, "laneserve.status") == status
+        assert reply.status.status_code is code
+        assert parent_id(reply) == span_id(server)
+        assert reply.start_time == reply.end_time, "nothing was encoded"
+        assert server.end_time is not None
+        assert reply.end_time is not None
+        assert reply.end_time <= server.end_time, "said within the call"
+        assert enqueue.attributes is not None
+        assert "laneserve.status" not in enqueue.attributes, "it ended at dispatch"
+
+
+def test_a_caller_answered_alone_at_its_deadline_gets_no_reply_of_the_retrys_answer(
+    small_model: Path,
+) -> None:
+    """A request_id call whose retry joined with a later deadline is answered alone at its
+    own deadline (EXPIRED_IN_QUEUE) while the work goes on for the retry. The answer's
+    `reply`, status OK, was made in the first call's trace, after its server span had
+    ended in error; and its `enqueue` never said how it ended (CANCELLED instead, when the
+    retry left too and the work was cancelled)."""
+
+    async def scenario() -> InMemorySpanExporter:
+        engine = RecordingEngine(str(small_model))
+        async with serving_traced(engine, config(small_model)) as (s, exporter):
+            engine.hold()
+            busy = asyncio.ensure_future(s.stub.Infer(request(rows(1)), timeout=60))
+            await entered(engine)
+            # Queued behind the held batch until their deadlines pass (the only waits).
+            # Deadlines of timeout_ms, which the server alone keeps: a gRPC deadline may
+            # reach the server as the client's cancel first (CANCELLED, not answered alone).
+            first = [
+                s.stub.Infer(
+                    request(rows(1, seed=seed), request_id=rid, timeout_ms=1_000), metadata=tp
+                )
+                for seed, rid, tp in ((5, "C", traceparent(3)), (6, "D", traceparent(5)))
+            ]
+            await until(lambda: queued_requests(s) == 2)
+            retry_c = s.stub.Infer(
+                request(rows(1, seed=5), request_id="C"), metadata=traceparent(4), timeout=60
+            )
+            retry_d = s.stub.Infer(
+                request(rows(1, seed=6), request_id="D"), metadata=traceparent(6), timeout=60
+            )
+            await until_joined(s, joins=2)
+            for call in first:
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await call
+                assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            retry_d.cancel()  # its work, still queued, is cancelled
+            await until(lambda: queued_requests(s) == 1)
+            engine.release()
+            await asyncio.gather(busy, retry_c)
+        return exporter
+
+    exporter = asyncio.run(scenario())
+    for first, retry in ((3, 4), (5, 6)):
+        spans = in_trace(exporter, first)
+        assert sorted(spans) == sorted([INFER_SPAN, "enqueue"]), "no reply: it got no answer"
+        enqueue = only(spans["enqueue"])
+        assert attr(enqueue, "laneserve.status") == "EXPIRED_IN_QUEUE"
+        assert enqueue.status.status_code is StatusCode.ERROR
+        (event,) = only(in_trace(exporter, retry)[INFER_SPAN]).events
+        assert event.name == "laneserve.retry"
+
+
+def test_a_batch_still_running_at_stop_ends_its_span_in_error(small_model: Path) -> None:
+    """A batch that outlives the stop's wait has its span ended by the stop, status DRAINING:
+    it was left UNSET there, where a batch answered DRAINING by its run is an ERROR."""
+
+    async def scenario() -> InMemorySpanExporter:
+        engine = RecordingEngine(str(small_model))
+        async with serving_traced(engine, config(small_model)) as (s, exporter):
+            engine.hold()
+            call = s.stub.Infer(request(rows(1)), metadata=traceparent(7))
+            await entered(engine)
+            await asyncio.wait_for(s.server.stop(grace_s=0.05), timeout=60)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            engine.release()  # the held batch ends; its result is discarded
+            thread = s.server._thread  # its engine thread must end before the test does
+            assert thread is not None
+            assert await asyncio.to_thread(thread.close, join_timeout_s=30)
+        return exporter
+
+    batch = only(spans_named(asyncio.run(scenario()), "batch"))
+    assert attr(batch, "laneserve.status") == "DRAINING"
+    assert batch.status.status_code is StatusCode.ERROR
+    assert batch.status.description == "DRAINING"
 
 
 def test_stream_items_are_children_of_the_stream_span(small_model: Path) -> None:

@@ -2,7 +2,8 @@
 `SchedulerEvents` sink) and the sampler that keeps a batch span with its requests.
 
 One `enqueue` span per queued request (admission to first dispatch) and one `reply`
-span (answer back on the event loop to encoded), both children of the gRPC server span
+span (answer back on the event loop to encoded; zero-length when the request ended
+running, with no answer, for its status), both children of the gRPC server span
 (server_spans.py). Each batch gets a root `batch` span with a link to every request span
 it serves, and an `infer` child for the session run.
 """
@@ -20,7 +21,7 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.util.types import Attributes
 
 from laneserve.server.config import LaneConfig
-from laneserve.server.errors import LaneserveError
+from laneserve.server.errors import DrainingError, LaneserveError
 from laneserve.server.events import NULL_TRACE, RequestTrace
 from laneserve.server.items import Batch, Signature
 
@@ -72,11 +73,13 @@ class _RequestSpans:
     `enqueue` runs from admission to the request's first dispatch (its queue wait), or to
     its end when it never ran (refused, expired, cancelled, shut down), and then carries
     that status. `reply` runs from the answer's return to the event loop to its encoding.
-    Dispatch comes from the scheduler thread, the rest from the event loop: the lock
-    makes ending `enqueue` happen once.
+    A request that ends once dispatched with no answer to encode (its caller left while
+    its batch ran) gets a zero-length `reply` for its status: every request's trace says
+    how it ended. Dispatch comes from the scheduler thread, the rest from the event loop:
+    the lock makes ending `enqueue` happen once.
     """
 
-    __slots__ = ("_enqueue_open", "_lock", "_parent", "_reply", "_tracer", "enqueue")
+    __slots__ = ("_ended", "_enqueue_open", "_lock", "_parent", "_reply", "_tracer", "enqueue")
 
     def __init__(self, tracer: otel_trace.Tracer, attributes: Attributes) -> None:
         self._tracer = tracer
@@ -86,6 +89,7 @@ class _RequestSpans:
         self._reply: otel_trace.Span | None = None
         self._lock = threading.Lock()
         self._enqueue_open = True
+        self._ended = False  # on the event loop only, as `end`
 
     def dispatched(self) -> None:
         self._end_enqueue(None)
@@ -94,19 +98,35 @@ class _RequestSpans:
         self._reply = self._tracer.start_span("reply", context=self._parent)
 
     def end(self, status: str) -> None:
-        self._end_enqueue(status)
+        # Once: a caller answered alone at its deadline ends its request's spans then, while
+        # the work goes on for a retry that joined it, and may still be cancelled later.
+        if self._ended:
+            return
+        self._ended = True
+        if self._end_enqueue(status) and self._reply is None:
+            return  # it never ran: `enqueue` says how it ended
         if self._reply is not None:
             _set_request_status(self._reply, status)
             self._reply.end()
+            return
+        # It ran, and ends with no answer to encode (its caller left while its batch ran):
+        # a `reply` of no length says how, or none of its spans would.
+        now_ns = time.time_ns()
+        reply = self._tracer.start_span("reply", context=self._parent, start_time=now_ns)
+        _set_request_status(reply, status)
+        reply.end(end_time=now_ns)
 
-    def _end_enqueue(self, status: str | None) -> None:
+    def _end_enqueue(self, status: str | None) -> bool:
+        """Ends `enqueue` with `status` (None: dispatched) unless it has ended already;
+        whether this call ended it."""
         with self._lock:
             if not self._enqueue_open:
-                return
+                return False
             self._enqueue_open = False
         if status is not None:
             _set_request_status(self.enqueue, status)
         self.enqueue.end()
+        return True
 
 
 def _set_request_status(span: otel_trace.Span, status: str) -> None:
@@ -235,8 +255,9 @@ class Tracing:
         never iterated while it changes."""
         for batch_id in list(self._batches):
             span = self._batches.pop(batch_id, None)
-            if span is not None:
-                span.set_attribute("laneserve.status", "DRAINING")
+            if span is not None:  # an ERROR, as `batch_done` has a run answered DRAINING
+                span.set_attribute("laneserve.status", DrainingError.reason)
+                span.set_status(Status(StatusCode.ERROR, DrainingError.reason))
                 span.end()
 
     def admitted(self, lane: str, rows: int) -> None:
