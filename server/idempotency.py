@@ -109,8 +109,10 @@ Cancel = Callable[[bool], bool]
 # Turns a request's Outcome into its answer (or raises its error). The second argument is
 # None while a caller still waits for it; else every caller left or timed out while it
 # ran (the answer is only kept for replay), and it is the deadline of the last of them
-# (the work's): whether that one left or timed out.
-Finish = Callable[[Outcome, float | None], pb.InferResponse]
+# (the work's): whether that one left or timed out. The third is the largest answer in
+# bytes the callers that take it read (None: one of them reads what the server sends, or
+# none takes it): the answer's status is what the best placed of them gets.
+Finish = Callable[[Outcome, float | None, int | None], pb.InferResponse]
 # Moves an admitted request's deadline (scheduler clock), later or earlier; False when
 # its answer is already on its way (nothing to move).
 Move = Callable[[float], bool]
@@ -139,10 +141,12 @@ class Caller:
     whether an answer handed out now still reaches it (False once gRPC's deadline for
     it has passed: `finish` then counts the answer as its caller got it); `expired`,
     told when it is answered alone at its deadline (JoinExpiredError) while the work
-    goes on for another caller, so that it can be counted."""
+    goes on for another caller, so that it can be counted; `read_limit`, the largest
+    answer in bytes it reads (a stream's receive limit; None: what the server sends)."""
 
     reachable: Callable[[], bool] = _reachable
     expired: Callable[[JoinExpiredError], object] = _unreported
+    read_limit: int | None = None
 
 
 # A caller always reachable, whose expiry nobody counts.
@@ -164,17 +168,19 @@ class _Waiter:
     A timer answers it alone at that deadline while the work waits longer (for a waiter
     with a later deadline); otherwise the scheduler's answer at the deadline reaches it."""
 
-    __slots__ = ("deadline_s", "future", "reachable", "timer")
+    __slots__ = ("deadline_s", "future", "reachable", "read_limit", "timer")
 
     def __init__(
         self,
         future: asyncio.Future[pb.InferResponse],
         deadline_s: float,
         reachable: Callable[[], bool],
+        read_limit: int | None,
     ) -> None:
         self.future = future
         self.deadline_s = deadline_s
         self.reachable = reachable  # whether an answer handed out now still reaches it
+        self.read_limit = read_limit  # the largest answer it reads (None: any sent)
         self.timer: asyncio.TimerHandle | None = None
 
     def takes_answer(self) -> bool:
@@ -534,9 +540,11 @@ class RequestLedger:
                 del self._flights[request_id]
             if flight.answered:  # every waiter has gone and the work was cancelled
                 return
-            waited = any(waiter.takes_answer() for waiter in flight.waiters)
+            takers = [waiter for waiter in flight.waiters if waiter.takes_answer()]
             try:
-                response = finish(outcome, None if waited else flight.deadline_s)
+                response = finish(
+                    outcome, None if takers else flight.deadline_s, _largest_read(takers)
+                )
             except Exception as error:
                 # Every waiter gets an answer on every path, a bug in `finish` included.
                 failure = error
@@ -563,7 +571,12 @@ class RequestLedger:
         task of its own (`asyncio.wait_for`, Python 3.11) began one loop turn later, and a
         retry whose flight was answered in between joined a dead flight and waited out
         its timeout."""
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), deadline_s, caller.reachable)
+        waiter = _Waiter(
+            asyncio.get_running_loop().create_future(),
+            deadline_s,
+            caller.reachable,
+            caller.read_limit,
+        )
         flight.waiters.append(waiter)
         if deadline_s < flight.deadline_s:
             self._arm(flight, waiter)
@@ -643,6 +656,16 @@ class RequestLedger:
             if self._flights.get(flight.request_id) is flight:
                 del self._flights[flight.request_id]
             flight.answered = True
+
+
+def _largest_read(takers: list[_Waiter]) -> int | None:
+    """The largest answer any of `takers` reads; None when one reads what the server
+    sends, or there is none. Judged by the caller that submitted the work alone, an
+    answer a joined retry read was counted ANSWER_TOO_LARGE after that caller left."""
+    limits = [waiter.read_limit for waiter in takers]
+    if not limits or None in limits:
+        return None
+    return max(limit for limit in limits if limit is not None)
 
 
 def _join_expired(request_id: str) -> JoinExpiredError:

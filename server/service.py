@@ -399,16 +399,24 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         return size
 
     def _check_receivable(
-        self, response: pb.InferResponse, limit: int, size: int | None, lane: str
+        self,
+        response: pb.InferResponse,
+        limit: int | None,
+        counted_size: int | None,
+        lane: str,
     ) -> None:
         """Refuses `response` to a caller that reads at most `limit` bytes (its
-        RECEIVE_LIMIT_KEY): sent, gRPC would end its whole call. To this caller alone: the
+        RECEIVE_LIMIT_KEY; None: what the server sends, nothing to check): sent, gRPC
+        would end its whole call. To this caller alone: the
         answer is kept for replay, so a retry that reads more gets it without running it
-        again. `size`: its size, where this call's own run made it and counted the
-        refusal (None: a retry joined or replayed it, counted as refused here)."""
-        counted = size is not None
-        if size is None:
-            size = _stream_item_bytes(response)
+        again. `counted_size`: its size, where the refusal is counted already, as the
+        status of the request this call submitted (no caller taking the answer read it);
+        None: it is counted here as a refusal of `lane` (a retry that joined or replayed
+        it, or the submitter of an answer a joined retry read)."""
+        if limit is None:
+            return
+        counted = counted_size is not None
+        size = _stream_item_bytes(response) if counted_size is None else counted_size
         if size <= limit:
             return
         error = AnswerTooLargeError(
@@ -540,7 +548,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         # Set by `submit`, which runs only when this call (not a retry it joins) queues it;
         # NULL_TRACE again once this call is answered alone (see `expired`).
         trace = NULL_TRACE
-        # Set by `finish`, run only for what `submit` queued: the answer's size.
+        # Set by `finish`, run only for what `submit` queued, when it counted the request
+        # ANSWER_TOO_LARGE (no caller taking the answer read it): the answer's size.
         answer_bytes: int | None = None
 
         def submit(resolve: Resolve) -> Admitted:
@@ -566,7 +575,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
             return self._admitted(entry_id, lane, trace, arrived_s)
 
-        def finish(outcome: Outcome, left_s: float | None) -> pb.InferResponse:
+        def finish(
+            outcome: Outcome, left_s: float | None, read_limit: int | None
+        ) -> pb.InferResponse:
             nonlocal answer_bytes
             trace.replying()
             # Counted as what its callers got: when none waits any more (they left, or
@@ -579,14 +590,18 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 else caller_end_status(self._clock.monotonic(), left_s, queued=False)
             )
             try:
-                response, answer_bytes = self._answer(request.request_id, outcome, output_names)
+                response, size = self._answer(request.request_id, outcome, output_names)
             except Exception as error:
                 # Counted and traced as answered: the ledger answers a bug ENGINE_FAILURE.
                 status = error.reason if isinstance(error, LaneserveError) else EngineError.reason
                 raise
             else:
-                if status == "OK" and answer_limit is not None and answer_bytes > answer_limit:
-                    status = AnswerTooLargeError.reason  # what its caller gets (see below)
+                # By the callers that take it (`read_limit`, the largest they read), not by
+                # this call's limit alone: it may have left, and a retry that joined it
+                # with a larger limit took the answer (it was counted ANSWER_TOO_LARGE).
+                if status == "OK" and read_limit is not None and size > read_limit:
+                    status = AnswerTooLargeError.reason  # what they get (see below)
+                    answer_bytes = size
                 return response
             finally:
                 self._request_over(lane, trace, status, arrived_s)
@@ -601,7 +616,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         # Its caller, as the ledger sees it: a call whose gRPC deadline has passed takes
         # no answer (gRPC ends it DEADLINE_EXCEEDED; the answer was counted OK), and a
         # caller answered alone at its deadline is counted as its lane's refusal.
-        caller = Caller(functools.partial(_before_grpc_deadline, context), expired)
+        caller = Caller(functools.partial(_before_grpc_deadline, context), expired, answer_limit)
         run = functools.partial(
             self._run_once, lane, request.request_id, digest, submit, finish, wait_until_s, caller
         )
@@ -614,8 +629,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             response = await self._run_when_room(
                 run, lane, rows, wait_until_s, room, request.request_id
             )
-        if answer_limit is not None:
-            self._check_receivable(response, answer_limit, answer_bytes, lane)
+        self._check_receivable(response, answer_limit, answer_bytes, lane)
         return response
 
     def _lane_of(

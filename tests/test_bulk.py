@@ -242,6 +242,51 @@ def test_an_item_whose_answer_is_over_what_the_client_reads_fails_alone(
     assert bulk.rejected["ANSWER_TOO_LARGE"] == 0, "it was admitted"
 
 
+def test_an_answer_too_large_for_its_submitter_but_read_by_a_joined_retry_counts_ok(
+    tmp_path: Path,
+) -> None:
+    """A stream item that reads at most 1 KiB queues a request whose answer is 4 KiB; a
+    unary retry with its id, which reads what the server sends, joins it. The answer goes
+    to the retry, OK, and to the item, ANSWER_TOO_LARGE: the request is counted OK (what
+    the best placed of its callers got) and the item's refusal as its lane's. Judged by the
+    submitting item's limit alone, the request was counted ANSWER_TOO_LARGE, and no caller
+    was counted as answered OK."""
+    wide = tmp_path / "wide.onnx"
+    make_demo_model(wide, input_dim=4, hidden_layers=0, output_dim=1024)  # 4 KiB per row
+    x = np.ones((1, 4), dtype=np.float32)
+    shared = pb.InferRequest(request_id="shared", lane="bulk", inputs=[encode_tensor("input", x)])
+
+    async def scenario() -> tuple[pb.InferStreamResponse, pb.InferResponse, pb.GetStatsResponse]:
+        engine = RecordingEngine(str(wide))
+        async with serving(engine, config(wide)) as s:
+            engine.hold()
+            call = s.stub.InferStream(
+                iter([shared]), metadata=(("laneserve-max-receive-bytes", "1024"),)
+            )
+            item = asyncio.ensure_future(anext(aiter(call)))
+            assert await asyncio.to_thread(engine.entered.acquire, True, 10)
+            retry = asyncio.ensure_future(s.stub.Infer(shared, timeout=30))
+
+            for _ in range(1_000):  # until the retry joined
+                if (await s.stub.GetStats(pb.GetStatsRequest())).idempotent_joins:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the retry never joined")
+            engine.release()
+            answered = (await item, await retry)
+            call.cancel()
+            return *answered, await s.stub.GetStats(pb.GetStatsRequest())
+
+    item, retry, stats = asyncio.run(scenario())
+    assert item.error.message.startswith("the answer to request 'shared' is ")
+    assert "over the largest message this caller reads (1024 bytes" in item.error.message
+    assert len(retry.outputs) == 1
+    bulk = next(lane for lane in stats.lanes if lane.name == "bulk")
+    assert (bulk.admitted, dict(bulk.answered)) == (1, {"OK": 1})
+    assert bulk.rejected["ANSWER_TOO_LARGE"] == 1, "the item's refusal, counted once"
+
+
 def tiled_model(path: Path, times: int) -> None:
     """x [N, K] -> y = x tiled `times` times along K: [N, times * K]. An answer's size
     depends on the inputs' width, so no client can know it before it comes."""

@@ -619,7 +619,9 @@ def test_a_retry_joining_in_the_turn_its_answer_arrives_gets_it() -> None:
             resolves.append(resolve)
             return Admitted(never_cancelled, lambda _later_s: True)
 
-        def answer(outcome: Outcome, _left_s: float | None) -> pb.InferResponse:
+        def answer(
+            outcome: Outcome, _left_s: float | None, _read_limit: int | None
+        ) -> pb.InferResponse:
             return pb.InferResponse(request_id=outcome.request_id)
 
         first = asyncio.create_task(ledger.run("x", b"same", submit, answer))
@@ -663,7 +665,9 @@ def test_work_every_caller_left_is_counted_by_the_last_callers_own_deadline() ->
             resolves.append(resolve)
             return Admitted(running, move)
 
-        def answer(outcome: Outcome, left_s: float | None) -> pb.InferResponse:
+        def answer(
+            outcome: Outcome, left_s: float | None, _read_limit: int | None
+        ) -> pb.InferResponse:
             given.append(left_s)
             return pb.InferResponse(request_id=outcome.request_id)
 
@@ -704,7 +708,9 @@ class _OneFlight:
             self.resolves.append(resolve)
             return Admitted(running, lambda _later_s: True)
 
-        def answer(outcome: Outcome, left_s: float | None) -> pb.InferResponse:
+        def answer(
+            outcome: Outcome, left_s: float | None, _read_limit: int | None
+        ) -> pb.InferResponse:
             self.given.append(left_s)
             return pb.InferResponse(request_id=outcome.request_id)
 
@@ -786,7 +792,9 @@ async def completed(ledger: RequestLedger, request_id: str) -> None:
         resolves.append(resolve)
         return Admitted(running, lambda _later_s: True)
 
-    def finish(outcome: Outcome, _left_s: float | None) -> pb.InferResponse:
+    def finish(
+        outcome: Outcome, _left_s: float | None, _read_limit: int | None
+    ) -> pb.InferResponse:
         return pb.InferResponse(request_id=outcome.request_id)
 
     call = asyncio.create_task(ledger.run(request_id, b"same", submit, finish))
