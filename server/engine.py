@@ -100,8 +100,11 @@ def gpu_present() -> bool:
         return False
     try:
         return int(pynvml.nvmlDeviceGetCount()) > 0
+    except Exception:  # noqa: BLE001 - the count's failure too ("Unknown Error" escaped)
+        return False
     finally:
-        pynvml.nvmlShutdown()
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
 
 
 def open_nvml_gauge() -> NvmlGauge:
@@ -109,6 +112,17 @@ def open_nvml_gauge() -> NvmlGauge:
     cannot read that GPU."""
     try:
         return NvmlGauge()
+    except NvmlUnavailableError as error:
+        raise nvml_start_error(error) from error
+
+
+def _gpu_total_bytes() -> int | None:
+    """The session GPU's memory, at start; EngineStartError when NVML cannot read it: the
+    engine's first reading on a GPU (a limit is a share of it), whose failure escaped as
+    a traceback, exit 1."""
+    gauge = open_nvml_gauge()
+    try:
+        return gauge.total_bytes()
     except NvmlUnavailableError as error:
         raise nvml_start_error(error) from error
 
@@ -240,7 +254,7 @@ class Engine:
             if memory_limit is None
             else _resolve_limit(
                 memory_limit,
-                open_nvml_gauge().total_bytes() if on_gpu else ProcessRssGauge().total_bytes(),
+                _gpu_total_bytes() if on_gpu else ProcessRssGauge().total_bytes(),
             )
         )
         memory_limit_bytes = self.memory_limit_bytes

@@ -36,6 +36,7 @@ from laneserve.server.engine import (
     Engine,
     EngineStartError,
     _Split,
+    choose_providers,
     translate_runtime_error,
 )
 from laneserve.server.errors import (
@@ -2234,3 +2235,34 @@ def test_a_gpu_reading_nvml_fails_refuses_the_start_naming_it(
     message = str(refused.value)
     assert message.startswith("cannot read the memory of the session's GPU '0'"), message
     assert "NVML cannot read the memory of GPU '0' (_NvmlError: Unknown Error)" in message
+
+
+def test_an_engine_on_a_gpu_nvml_cannot_read_refuses_the_start_naming_it(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the engine's first reading is the device's total (its memory limit is a
+    share of it): NVML's "Unknown Error" there escaped as a traceback, exit 1, where a
+    supervisor restarts the server in a loop. The session is never made: the limit comes
+    first."""
+    _fake_nvml(monkeypatch, memory_error=_NvmlError("Unknown Error"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [CUDA, "CPUExecutionProvider"])
+    with pytest.raises(EngineStartError) as refused:
+        Engine(str(small_model), device="auto")
+    message = str(refused.value)
+    assert message.startswith("cannot read the memory of the session's GPU '0'"), message
+    assert "(_NvmlError: Unknown Error)" in message
+
+
+def test_a_gpu_count_nvml_fails_means_no_usable_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML that starts but cannot count its GPUs escaped as a traceback from the choice
+    of providers: with --device auto the server runs on the CPU."""
+    _fake_nvml(monkeypatch)
+    fake: Any = sys.modules["pynvml"]
+
+    def count() -> int:
+        raise _NvmlError("Unknown Error")
+
+    fake.nvmlDeviceGetCount = count
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [CUDA, "CPUExecutionProvider"])
+    assert choose_providers("auto") == ["CPUExecutionProvider"]
