@@ -52,8 +52,10 @@ def _capacity_failures(result: BatchResult) -> list[int]:
 
 class BatchCaps:
     """The cap in force for each signature. A signature that never ran out of memory has
-    the probed cap, `max_rows`; the MAX_SIGNATURES that most recently did keep their own
-    (one forgotten meets its limit again, and is split like any out-of-memory)."""
+    the probed cap, `max_rows`; of those that did, the MAX_SIGNATURES run most recently
+    keep their own. One forgotten is back at the probed cap (reported as recovered: the
+    logs and GetStats' lowest cap moved), meets its limit again, and is split like any
+    out-of-memory."""
 
     def __init__(self, max_rows: int, events: SchedulerEvents) -> None:
         assert max_rows >= 1
@@ -90,9 +92,8 @@ class BatchCaps:
                 return False  # at the probed cap already: nothing to recover
             cap = self._caps[signature] = _Cap(self.max_rows)
             if len(self._caps) > MAX_SIGNATURES:
-                self._caps.popitem(last=False)
-                self._find_lowest()
-        self._caps.move_to_end(signature)
+                self._forget_oldest()
+        self._caps.move_to_end(signature)  # run most recently: kept longest
         if failed_batches:
             return self._lower(cap, signature, result, min(failed_batches), failed_batches)
         if result.error is None and not result.split and self.full(result.batch):
@@ -157,6 +158,13 @@ class BatchCaps:
         cap.rows = rows
         self._find_lowest()
         return True
+
+    def _forget_oldest(self) -> None:
+        """Drops the cap of the signature run least recently: back at the probed cap."""
+        signature, cap = self._caps.popitem(last=False)
+        if cap.rows < self.max_rows:
+            self._events.cap_changed(cap.rows, self.max_rows, "recovered", signature)
+            self._find_lowest()
 
     def _find_lowest(self) -> None:
         self.lowest = min((cap.rows for cap in self._caps.values()), default=self.max_rows)

@@ -456,14 +456,23 @@ class Scheduler:
         only the share is promised."""
         start_s = now_s if self._running_until_s is None else max(now_s, self._running_until_s)
         # Batches hold what the limit of the work they serve allows: an active higher
-        # lane keeps them small. The smallest limit among the heads of this lane and the
-        # lanes above (and this request's own) is the rate the queue drains at.
+        # lane keeps them small. The smallest limit among the heads of this shape in this
+        # lane and the lanes above (and this request's own) is the rate the queue drains
+        # at. A head of another shape leads batches of its own (their time is counted as
+        # that shape's work, `Lane.queued_as`), at its shape's cap: counted, a wide head
+        # whose cap out of memory had lowered to 1 costed 200 narrow rows in batches of
+        # one (refused as 209 ms; admitted, answered in 17 ms).
         head_limits = [
-            self._limit_rows(now_s, head)
+            (head, self._limit_rows(now_s, head))
             for other in self.lanes[: lane.priority + 1]
             if (head := other.head()) is not None
         ]
-        batch_rows = min([self._batch_limit(now_s, lane.priority, signature, rows), *head_limits])
+        batch_rows = min(
+            [
+                self._batch_limit(now_s, lane.priority, signature, rows),
+                *(limit for head, limit in head_limits if head.request.signature == signature),
+            ]
+        )
         arriving_above = any(self._active(above, now_s) for above in self.lanes[: lane.priority])
         # Per lane at or above: its queued rows and requests of this shape, and the seconds
         # of its work of other shapes (asked once: both estimates read them).
@@ -482,7 +491,7 @@ class Scheduler:
             own_batches = self._share_batches(lane, rows, signature, batch_rows)
             run_time = self._run_times.get(signature)
             # The first head above is the highest queued work: its limit is known.
-            top_limit = head_limits[0] if head_limits else None
+            top_limit = head_limits[0][1] if head_limits else None
             top_rows = self._top_batch_rows(now_s, top_limit)
             own_rows = min(rows, self.caps.rows(signature))
             batch_s = run_time.predict_s(max(batch_rows, top_rows, own_rows))
@@ -527,7 +536,11 @@ class Scheduler:
         top_s = self._run_times.get(top.request.signature).predict_s(top_rows)
         lasts = math.ceil(round(above_s / top_s, BALANCE_DIGITS)) if top_s > 0 else batches
         owed = lane.queued_rows + min(rows, self.caps.rows(signature)) - lane.share_balance_rows
-        banking = math.ceil(round(owed / self._share_rows(lane, signature), BALANCE_DIGITS))
+        # It banks its share of the batches of the top's shape it waits through, at their
+        # cap: at this request's shape's (lowered to 1 by out of memory), it was promised
+        # 8 rows after 8 batches, banking 0.1 of a row each, and expired after 31.
+        share = self._share_rows(lane, top.request.signature)
+        banking = math.ceil(round(owed / share, BALANCE_DIGITS))
         other_batches = min(max(batches, banking), lasts)
         # All of that work, when the lane waits through it all: its last batch may be
         # smaller.
@@ -656,10 +669,6 @@ class Scheduler:
         lower_share = 0.0  # their shares, as a fraction of a batch
         lower_heads: list[tuple[float, int]] = []  # (share in rows, head's rows) of each
         riders = arriving_above  # whether other work takes the room whole requests leave
-        # Seconds of the work of other shapes in the lane that leads the next batch with
-        # this request's shape: it gathers that shape past them (see `_gathered_s`).
-        gathered_s = 0.0
-        led = False  # whether the lane that leads the next batch was seen
         for other in self.lanes:  # one pass: this runs for every admission
             if other.priority <= lane.priority:
                 queued_rows, queued_entries, others_s = queued[other.priority]
@@ -668,9 +677,6 @@ class Scheduler:
                 squares += queued_entries * other.request_rows_square_mean
                 fills += queued_rows * other.fill_ratio
                 other_shapes_s += others_s
-                if other.queued_rows and not led:  # the highest queued work leads
-                    led = True
-                    gathered_s = self._gathered_s(other, signature, queued_entries, others_s)
             elif other.queued_rows:
                 head = other.head()
                 assert head is not None
@@ -718,9 +724,9 @@ class Scheduler:
             return math.ceil(filled)
 
         if total + first_lower <= batch_rows:
-            # One batch serves this shape's rows: the work of other shapes its leading
-            # lane gathers past runs after it.
-            first_s = other_shapes_s - gathered_s
+            # One batch serves this shape's rows: the work of other shapes in this lane,
+            # when it leads, which it gathers past, runs after it (see `_gathered_s`).
+            first_s = other_shapes_s - self._gathered_s(lane, signature, queued[lane.priority])
             return first_s + run_time.predict_s(
                 with_arrivals(total + first_lower, lead_s + first_s)
             )
@@ -756,17 +762,25 @@ class Scheduler:
             )
         return other_shapes_s + drain_s
 
-    def _gathered_s(self, lane: Lane, signature: Signature, entries: int, others_s: float) -> float:
-        """Seconds of `lane`'s queued work of other shapes (`others_s`, of its queued
-        entries besides its `entries` of `signature`) that the next batch passes over, when
-        `lane` holds the highest queued work: its head of `signature` leads that batch, and
-        the lane gathers that shape past up to GATHER_SCAN_ENTRIES entries of others
-        (`_Filling.fill`), which keep their place and run after it. 0.0 when another shape
-        leads (the head's, or an owed lane's, `_owed_head`). Counted as running first, an
-        8-row request behind 200 wide rows, whose shape led the lane, was refused a 30 ms
-        deadline (about 54 ms) and, admitted, was answered in the next batch (23 ms)."""
+    def _gathered_s(
+        self, lane: Lane, signature: Signature, queued: tuple[int, int, float]
+    ) -> float:
+        """Seconds of `lane`'s queued work of other shapes that the next batch passes
+        over (`queued`: its `Lane.queued_as(signature)`), when `lane` holds the highest
+        queued work: its head of `signature` leads that batch, and the lane gathers that
+        shape past up to GATHER_SCAN_ENTRIES entries of others (`_Filling.fill`), which
+        keep their place and run after it. 0.0 when a lane above has work (only the
+        leading lane gathers: a lower lane's turn ends at its head of another shape, and
+        a request there was promised the gathered batch and expired behind the leader's
+        other shapes), or another shape leads (the head's, or an owed lane's,
+        `_owed_head`). Counted as running first, an 8-row request behind 200 wide rows,
+        whose shape led the lane, was refused a 30 ms deadline (about 54 ms) and,
+        admitted, was answered in the next batch (23 ms)."""
+        _, entries, others_s = queued
         head = lane.head()
         if head is None or head.request.signature != signature or others_s == 0.0:
+            return 0.0
+        if any(above.queued_rows for above in self.lanes[: lane.priority]):
             return 0.0
         if lane.queued_entries - entries > GATHER_SCAN_ENTRIES:
             return 0.0  # the scan stops short of some of this shape's rows
@@ -1295,7 +1309,6 @@ class Scheduler:
     def _commit(self, plan: _Plan, reason: DispatchReason, now_s: float) -> Batch:
         self._observe_utilization(now_s)
         signature = plan.taken[0][0].request.signature
-        cap = self.caps.rows(signature)
         if plan.fill_sample is not None:
             led, fill = plan.fill_sample
             lane = self.lanes[led]
@@ -1322,7 +1335,11 @@ class Scheduler:
                 # batch: a lane charged for a batch it owned (or more, while in debt) is
                 # never shut out for longer than a batch's worth of its shares.
                 balance = round(min(allowance - used, banked), BALANCE_DIGITS)
-                lane.share_balance_rows = max(balance, -cap)
+                # At the probed cap, not this batch's shape's: a lane is charged the rows of
+                # the top's shape a batch of its own shut out (see `_charge_owner`), and its
+                # debt bound by its own shape's cap lowered to 1 was forgiven each batch (it
+                # took 44 % of the batches for a share of 0.1).
+                lane.share_balance_rows = max(balance, -self.caps.max_rows)
             else:
                 # An idle lane banks nothing, but still owes what it took ahead of higher
                 # lanes: a lane whose next request always came after the next batch was

@@ -57,6 +57,7 @@ from laneserve.server.items import (
     Outcome,
     OutOfMemoryRun,
     RowsWanted,
+    Signature,
 )
 from laneserve.server.memory import (
     MemoryEstimate,
@@ -808,26 +809,44 @@ def test_out_of_memory_lowers_the_cap_of_its_shape_alone() -> None:
     assert (scheduler.caps.rows(wide), scheduler.caps.rows(narrow)) == (32, 32 + 64 // 16)
 
 
-def test_the_caps_of_shapes_not_seen_lately_are_forgotten() -> None:
-    """Caps are kept for the MAX_SIGNATURES shapes that most recently changed: bounded
-    for a model whose widths have no end. The lowest in force (GetStats' batch_cap)
-    stays that of the shapes kept."""
-    caps = BatchCaps(64, NullEvents())
+def test_the_caps_of_shapes_not_run_lately_are_forgotten() -> None:
+    """Caps are kept for the MAX_SIGNATURES lowered shapes run most recently: bounded for
+    a model whose widths have no end. A shape that keeps running keeps its cap; one
+    forgotten is back at the probed cap, reported as recovered (its return moved
+    GetStats' lowest cap with no log line or count), and the lowest in force is that of
+    the shapes kept."""
+    changes: list[tuple[int, int, str, Signature]] = []
 
-    def failed(width: int, rows: int) -> BatchResult:
+    class Changes(NullEvents):
+        def cap_changed(
+            self, old_rows: int, new_rows: int, reason: str, signature: Signature
+        ) -> None:
+            changes.append((old_rows, new_rows, reason, signature))
+
+    caps = BatchCaps(64, Changes())
+
+    def ran(width: int, rows: int, *, failed: bool) -> BatchResult:
         piece = BatchSlice(width, "standard", 0, rows, 0)
         batch = Batch(width, (piece,), rows, DispatchReason.FULL, 0.0, {}, ((width,),))
-        oom = OutOfMemoryRun(rows, held_unfit_row=False)
         outputs = {"out": np.zeros((rows, width), dtype=np.float32)}
+        if not failed:
+            return BatchResult(batch, outputs, None, 0.001)
+        oom = OutOfMemoryRun(rows, held_unfit_row=False)
         return BatchResult(batch, outputs, None, 0.001, out_of_memory_runs=(oom,), split=True)
 
-    assert caps.adapt(failed(1, 4))
+    assert caps.adapt(ran(1, 4, failed=True))  # 2 rows
+    assert caps.adapt(ran(2, 64, failed=True))  # 32 rows
+    assert not caps.adapt(ran(1, 2, failed=False)), "ran, unchanged: kept the longest"
     assert caps.lowest == 2
-    for width in range(2, MAX_SIGNATURES + 2):
-        assert caps.adapt(failed(width, 64))
-    assert caps.rows(((1,),)) == 64, "forgotten: back at the probed cap"
+    for width in range(3, MAX_SIGNATURES + 2):  # one more than MAX_SIGNATURES shapes
+        assert caps.adapt(ran(width, 64, failed=True))
+    assert caps.rows(((1,),)) == 2, "run after width 2's change: kept"
+    assert caps.rows(((2,),)) == 64, "forgotten: back at the probed cap"
+    assert changes[-2] == (32, 64, "recovered", ((2,),))
+    assert caps.lowest == 2
+    assert caps.adapt(ran(MAX_SIGNATURES + 2, 64, failed=True))  # forgets width 1
+    assert changes[-2] == (2, 64, "recovered", ((1,),))
     assert caps.lowest == 32
-    assert caps.rows(((MAX_SIGNATURES + 1,),)) == 32
 
 
 def test_memory_pressure_refuses_bulk_before_standard_before_interactive() -> None:

@@ -42,6 +42,7 @@ from laneserve.server.items import (
     DispatchReason,
     InferenceRequest,
     Outcome,
+    OutOfMemoryRun,
     RowsWanted,
     Signature,
 )
@@ -3150,3 +3151,113 @@ def test_a_failing_telemetry_sink_neither_stops_events_nor_serving(
         "admitted",
     )
     assert "RuntimeError: telemetry bug" in document["exception"]
+
+
+# ---- caps per shape, and admission across shapes --------------------------------------
+
+_HI = LaneConfig("hi", capacity_rows=4096, timeout_ms=600_000, max_wait_ms=2, min_share=0.0)
+_MID = LaneConfig("mid", capacity_rows=4096, timeout_ms=600_000, max_wait_ms=4, min_share=0.0)
+_LO = LaneConfig("lo", capacity_rows=4096, timeout_ms=600_000, max_wait_ms=20, min_share=0.1)
+_WIDE = ((512,),)
+
+
+def _shapes_scheduler(lanes: Sequence[LaneConfig], *, wide_lowered: bool = True) -> Scheduler:
+    """Cap 64, a row alone 1 ms and 64 rows 4 ms; with `wide_lowered`, rows of width 512
+    have run out of memory two at a time: their cap is 1, width 2's stays 64."""
+    scheduler = Scheduler(lanes, batch_cap=64, run_time=RunTimeModel({1: 0.001, 64: 0.004}))
+    if wide_lowered:
+        scheduler.admit(make_request(0, lanes[-1].name, 2, width=512), T0 - 1)
+        ran = run(dispatch(scheduler, T0 - 1))
+        oom = OutOfMemoryRun(ran.batch.rows, held_unfit_row=False)
+        scheduler.complete(dataclasses.replace(ran, out_of_memory_runs=(oom,), split=True))
+        assert scheduler.caps.rows(_WIDE) == 1
+    return scheduler
+
+
+def _answered(scheduler: Scheduler, index: int, now_s: float) -> tuple[str, float]:
+    """Runs batches for their predicted time until request `index` is answered: its
+    status and when."""
+    while True:
+        for outcome in scheduler.shed_expired(now_s):
+            if outcome.token == index:
+                assert outcome.error is not None
+                return outcome.error.reason, now_s
+        decision = scheduler.decide(now_s, math.inf)
+        if isinstance(decision, WaitUntil):
+            now_s = decision.at_s
+            continue
+        assert isinstance(decision, Dispatch)
+        run_s = scheduler.run_time.predict_s(decision.batch.rows)
+        now_s += run_s
+        for outcome in scheduler.complete(run(decision.batch, run_s)):
+            if outcome.token == index:
+                return ("OK" if outcome.error is None else outcome.error.reason), now_s
+
+
+def test_a_share_lane_whose_shapes_cap_was_lowered_takes_its_share_and_no_more() -> None:
+    """Lo (a share of 0.1) queues wide rows whose cap out of memory lowered to 1, hi is
+    saturated with narrow rows (cap 64). Lo owns a batch of its own shape now and then,
+    charged the 64 narrow rows it shuts out; its debt was bound by its own shape's cap
+    (1 row), forgiven at once, and it took 44 % of the batches."""
+    scheduler = _shapes_scheduler((_HI, _LO))
+    now_s, index, wide_batches = T0, 1, 0
+    for _ in range(200):
+        while scheduler.lane("hi").queued_rows < 256:
+            scheduler.admit(make_request(index, "hi", 8), now_s)
+            index += 1
+        while scheduler.lane("lo").queued_rows < 64:
+            scheduler.admit(make_request(index, "lo", 1, width=512), now_s)
+            index += 1
+        batch = dispatch(scheduler, now_s)
+        wide_batches += batch.signature == _WIDE
+        now_s += 0.004
+        scheduler.complete(run(batch))
+    assert 0.07 <= wide_batches / 200 <= 0.12, wide_batches
+
+
+def test_a_share_lane_banking_behind_another_shape_is_promised_at_that_shapes_cap() -> None:
+    """Lo banks its share of the batches of wide rows ahead of it, at their cap (lowered
+    to 1): 0.1 of a row a batch, 80 batches for 8 rows. Counted at its own shape's cap
+    (6.4 rows a batch), an 8-row request was admitted for 30 ms and expired after 31."""
+    scheduler = _shapes_scheduler((_HI, _LO))
+    scheduler.admit(make_request(1, "lo", 8), T0)  # a narrow run: its model is known
+    scheduler.complete(run(dispatch(scheduler, T0), run_s=0.002))
+    now_s = T0 + 1
+    for index in range(10, 110):
+        scheduler.admit(make_request(index, "hi", 1, width=512), now_s)
+    with pytest.raises(DeadlineUnmeetableError):
+        scheduler.admit(make_request(999, "lo", 8, deadline_s=now_s + 0.030), now_s)
+
+
+def test_a_head_of_another_shape_does_not_size_this_shapes_batches() -> None:
+    """A wide head above (its cap lowered to 1) leads batches of its own: counted as the
+    size of the narrow batches, 200 narrow rows were costed at a row a batch, and an
+    8-row request refused as 209 ms was answered in 17 ms."""
+    scheduler = _shapes_scheduler((_HI, _MID))
+    now_s = T0 + 1
+    scheduler.admit(make_request(1, "hi", 1, width=512), now_s)
+    for index in range(2, 27):
+        scheduler.admit(make_request(index, "mid", 8), now_s)
+    scheduler.admit(make_request(999, "mid", 8, deadline_s=now_s + 0.040), now_s)
+    assert _answered(scheduler, 999, now_s)[0] == "OK"
+
+
+@pytest.mark.parametrize("mid_queued", [True, False])
+def test_only_the_leading_lane_gathers_its_shape_past_other_shapes(mid_queued: bool) -> None:
+    """Hi leads with [1 narrow row, 200 rows of another shape]. A narrow request in mid
+    does not ride in hi's gathered batch: mid's turn ends at its own head of a third
+    shape, or its 60 rows are over hi's ride-along budget. Counted as gathered, it was
+    promised that batch and expired behind hi's 200 rows."""
+    scheduler = _shapes_scheduler((_HI, _MID), wide_lowered=False)
+    now_s = T0
+    scheduler.admit(make_request(1, "hi", 1), now_s)
+    for index in range(2, 6):
+        scheduler.admit(make_request(index, "hi", 50, width=8), now_s)
+    if mid_queued:
+        scheduler.admit(make_request(10, "mid", 64, width=4), now_s)
+        request = make_request(999, "mid", 1, deadline_s=now_s + 0.010)
+    else:
+        now_s += 1  # hi idle since
+        request = make_request(999, "mid", 60, deadline_s=now_s + 0.012)
+    with pytest.raises(DeadlineUnmeetableError):
+        scheduler.admit(request, now_s)
