@@ -137,6 +137,9 @@ class _Plan:
     bank_to: dict[int, float] = dataclasses.field(default_factory=dict)
     # The most rows this batch may hold: the cap, or less where a higher lane is active.
     limit_rows: int = 0
+    # The most a lane's share may owe after this batch: a batch, of the larger cap of the
+    # batch's shape and the top's (see `_commit`).
+    debt_bound_rows: int = 0
     # The lane whose banked credit covered its head, which goes first (see `_owed_head`).
     owed_priority: int | None = None
     # (lane, fill): the lane that leads the batch and the share of the room left it that
@@ -857,7 +860,19 @@ class Scheduler:
         share = self._share_rows(lane, signature)
         served = lane.served_rows_per_batch
         pace = served if served >= PACE_MARGIN * share else share
-        ahead = lane.queued_rows - lane.share_balance_rows
+        balance, repaying = lane.share_balance_rows, 0
+        top = next((head for other in self.lanes if (head := other.head()) is not None), None)
+        if balance < 0 and top is not None and top.request.signature != signature:
+            # Its debt is in rows of the top's shape (a batch of its own it owned, charged
+            # what it shut out, `_charge_owner`), repaid at its share of the top's batches:
+            # counted at its own shape's share (a cap lowered to 1: 0.1 of a row a batch),
+            # 57 rows owed were 575 batches, and every request was refused for 430 ms
+            # where it waited 45.
+            repaying = math.ceil(
+                round(-balance / self._share_rows(lane, top.request.signature), BALANCE_DIGITS)
+            )
+            balance = 0.0
+        ahead = lane.queued_rows - balance
         claims_above = sum(
             self._share_take_rows(above, signature) for above in self.lanes[: lane.priority]
         )
@@ -871,7 +886,7 @@ class Scheduler:
         else:
             # Rounded as balances are: 0.1 * 19 must not floor to 18.
             batches = math.floor(round(ahead / pace, BALANCE_DIGITS)) + 1
-        return max(1, batches)
+        return max(1, repaying + batches)
 
     def cancel(self, entry_id: int, now_s: float, *, unless_running: bool = False) -> str | None:
         """The client went away: its queued rows are freed now and no answer is due.
@@ -1091,6 +1106,7 @@ class Scheduler:
         plan.limit_rows = limit
         signature = first.request.signature
         batch = _Filling(signature, limit, self.caps.rows(signature))
+        plan.debt_bound_rows = max(batch.batch_cap, self.caps.rows(top.request.signature))
 
         share_lanes = [
             lane for lane in self.lanes if lane.config.min_share > 0 and lane.queued_rows
@@ -1335,11 +1351,13 @@ class Scheduler:
                 # batch: a lane charged for a batch it owned (or more, while in debt) is
                 # never shut out for longer than a batch's worth of its shares.
                 balance = round(min(allowance - used, banked), BALANCE_DIGITS)
-                # At the probed cap, not this batch's shape's: a lane is charged the rows of
-                # the top's shape a batch of its own shut out (see `_charge_owner`), and its
-                # debt bound by its own shape's cap lowered to 1 was forgiven each batch (it
-                # took 44 % of the batches for a share of 0.1).
-                lane.share_balance_rows = max(balance, -self.caps.max_rows)
+                # A batch of the larger cap of this batch's shape and the top's: a lane
+                # owning a batch of its shape is charged the rows of the top's shape it shut
+                # out (see `_charge_owner`). Bound at its own shape's cap lowered to 1, that
+                # debt was forgiven each batch (it took 44 % of the batches for a share of
+                # 0.1); at the probed cap, a lane in debt when the only cap was lowered from
+                # 64 to 1 got no rows for 149 batches.
+                lane.share_balance_rows = max(balance, -plan.debt_bound_rows)
             else:
                 # An idle lane banks nothing, but still owes what it took ahead of higher
                 # lanes: a lane whose next request always came after the next batch was

@@ -3261,3 +3261,52 @@ def test_only_the_leading_lane_gathers_its_shape_past_other_shapes(mid_queued: b
         request = make_request(999, "mid", 60, deadline_s=now_s + 0.012)
     with pytest.raises(DeadlineUnmeetableError):
         scheduler.admit(request, now_s)
+
+
+def test_a_share_lane_in_debt_for_a_batch_of_its_shape_is_promised_at_its_repaying_pace() -> None:
+    """Lo owned a batch of its wide rows (cap 1) and owes the 64 narrow rows it shut out
+    of hi's batch: it repays at its share of hi's narrow batches, 6.4 rows each. Counted
+    at its own shape's share (0.1 of a row a batch), 57 rows owed were 575 batches, and
+    a wide row with 400 ms to go was refused though it waits ~45 ms."""
+    scheduler = _shapes_scheduler((_HI, _LO))
+    now_s, index = T0, 1
+    scheduler.admit(make_request(index, "lo", 1, width=512), now_s)
+    while scheduler.lane("lo").queued_rows:
+        while scheduler.lane("hi").queued_rows < 128:
+            index += 1
+            scheduler.admit(make_request(index, "hi", 8), now_s)
+        batch = dispatch(scheduler, now_s)
+        now_s += 0.004
+        scheduler.complete(run(batch))
+    assert scheduler.lane("lo").share_balance_rows < -50, "it owes what it shut out"
+    scheduler.admit(make_request(999, "lo", 1, width=512, deadline_s=now_s + 0.4), now_s)
+    status, answered_s = _answered(scheduler, 999, now_s)
+    assert status == "OK"
+    assert answered_s - now_s < 0.1
+
+
+def test_after_the_only_cap_is_lowered_a_share_lane_owes_at_most_a_batch_at_it() -> None:
+    """Lo owned a 64-row batch (its share pushed hi's 60-row request out) and owes ~58
+    rows; the batch ran out of memory down to 2 rows, and the only cap fell to 1. Its
+    debt is bounded by a batch at that cap: it gets a row again within ~10 batches (its
+    share, 0.1), not after 149 (the debt bound at the probed cap)."""
+    scheduler = _shapes_scheduler((_HI, _LO), wide_lowered=False)
+    scheduler.admit(make_request(1, "hi", 60), T0)
+    for index in range(2, 12):
+        scheduler.admit(make_request(index, "lo", 8), T0)
+    ran = run(dispatch(scheduler, T0))
+    failed = tuple(OutOfMemoryRun(rows, held_unfit_row=False) for rows in (64, 32, 16, 8, 4, 2))
+    scheduler.complete(dataclasses.replace(ran, out_of_memory_runs=failed, split=True))
+    assert scheduler.caps.rows(((2,),)) == 1
+    now_s, index, shut_out = T0 + 0.01, 100, 0
+    while True:
+        while scheduler.lane("hi").queued_rows < 64:
+            index += 1
+            scheduler.admit(make_request(index, "hi", 1), now_s)
+        batch = dispatch(scheduler, now_s)
+        if any(piece.lane == "lo" for piece in batch.slices):
+            break
+        shut_out += 1
+        assert shut_out <= 11, "bounded by a batch's worth of its shares"
+        now_s += 0.002
+        scheduler.complete(run(batch))
