@@ -515,7 +515,7 @@ class Engine:
                 None,
                 time.perf_counter() - started,
                 failed_rows=split.failed_rows(),
-                out_of_memory_runs=tuple(split.out_of_memory_runs),
+                out_of_memory_runs=split.out_of_memory_runs(),
                 split=True,
             )
         return BatchResult(batch, outputs, None, time.perf_counter() - started)
@@ -535,10 +535,8 @@ class Engine:
         ran in a shrunk arena (or ran again in one: see `run`), so a single row that
         fails does not fit alone, whatever ran before it."""
         out_of_memory = isinstance(error, DeviceMemoryError)
-        run = len(split.out_of_memory_runs)
         if out_of_memory:
-            split.out_of_memory_runs.append(OutOfMemoryRun(len(positions), held_unfit_row=False))
-        unfit_before = split.unfit_rows
+            split.ran_out_of_memory(positions)
         if len(positions) == 1:
             split.fail_alone(positions, error)
         else:
@@ -559,10 +557,6 @@ class Engine:
                     )
                 else:
                     self._retry_in_halves(failed_inputs, failed_positions, failure, split)
-        if out_of_memory and split.unfit_rows > unfit_before:
-            split.out_of_memory_runs[run] = OutOfMemoryRun(
-                split.out_of_memory_runs[run].rows, held_unfit_row=True
-            )
 
     def _run_halves(
         self, inputs: Mapping[str, Array], positions: IndexArray, split: _Split
@@ -595,7 +589,7 @@ class Engine:
         try:
             self.run(self.example_inputs(1))
         except DeviceMemoryError:
-            split.out_of_memory_runs.append(OutOfMemoryRun(1, held_unfit_row=True))
+            split.ran_out_of_memory(None)
             return False
         except LaneserveError:
             return True
@@ -814,13 +808,15 @@ class _Split:
         for index, piece in enumerate(batch.slices):
             self._owner[piece.offset : piece.offset + piece.rows] = index
         self._owner_failed = np.zeros(len(batch.slices), dtype=bool)
+        # Per slice (request): one of its rows failed alone for want of memory.
+        self._owner_unfit = np.zeros(len(batch.slices), dtype=bool)
         self._owner_error: dict[int, LaneserveError] = {}
         # Output name -> `rows` rows, allocated by the first run that succeeds; rows
         # without a valid output stay zero and are listed in `_failed`.
         self.outputs: dict[str, Array] | None = None
         self._failed: list[tuple[int, LaneserveError]] = []
-        self.out_of_memory_runs: list[OutOfMemoryRun] = []
-        self.unfit_rows = 0  # rows that failed even alone
+        # The rows of each run that ran out of memory (None: the session probe's row).
+        self._out_of_memory: list[IndexArray | None] = []
         self.session_ok = False  # an input it ran at start-up ran during this split
         # The error of rows not run again because nobody wanted them any more. No caller
         # is answered with it: `rows_wanted` (the scheduler) answered the callers whose
@@ -880,7 +876,7 @@ class _Split:
                     f"{self._remedy}: {error.message}"
                 ),
             )
-            self.unfit_rows += 1
+            self._owner_unfit[self._owner[row]] = True
         else:
             self.fail(
                 row, EngineError(f"the model failed on a row of this request: {error.message}")
@@ -890,6 +886,29 @@ class _Split:
         """The index within its request of the batch's row at `position`."""
         piece = self._slices[int(self._owner[position])]
         return piece.row_start + position - piece.offset
+
+    def ran_out_of_memory(self, positions: IndexArray | None) -> None:
+        """A run of the rows at `positions` (None: the session probe's one row) ran out
+        of memory."""
+        self._out_of_memory.append(positions)
+
+    def out_of_memory_runs(self) -> tuple[OutOfMemoryRun, ...]:
+        """The runs that ran out of memory, once the batch is done. A run held an unfit row
+        when a request it held rows of has a row that failed alone, wherever in the
+        batch: the halves run before either is retried, and a request's rows left once
+        one of them failed alone never run again. Judged by the rows each run's own
+        retries found, a request of 16 rows too large alone pulled its shape's cap from
+        16 to 1 for good (no full batch of it could ever run). The probe's row says
+        nothing about batch size either."""
+        return tuple(
+            OutOfMemoryRun(1, held_unfit_row=True)
+            if positions is None
+            else OutOfMemoryRun(
+                len(positions),
+                held_unfit_row=bool(self._owner_unfit[self._owner[positions]].any()),
+            )
+            for positions in self._out_of_memory
+        )
 
     def fail(self, positions: IndexArray, error: LaneserveError) -> None:
         self._failed += [(int(position), error) for position in positions]

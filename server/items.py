@@ -94,8 +94,8 @@ class OutOfMemoryRun:
     """A run of `rows` rows that failed to allocate device memory (it was then split)."""
 
     rows: int
-    # It held a row that failed even when run alone: its failure says nothing about
-    # batch size (see `Scheduler._adapt_cap`).
+    # It held a row that failed even when run alone, or a row of a request that had such
+    # a row: its failure says nothing about batch size (see `BatchCaps.adapt`).
     held_unfit_row: bool
 
 

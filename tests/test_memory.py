@@ -1669,6 +1669,36 @@ def test_rows_of_another_width_keep_their_cap_after_wide_rows_run_out(tmp_path: 
     assert stats.cap_changes["out_of_memory"] == 1
 
 
+@pytest.mark.parametrize("rows", [3, 8])
+def test_a_request_of_rows_too_large_alone_moves_no_cap(tmp_path: Path, rows: int) -> None:
+    """Rows of width 2 400 need more than 18 MiB even alone: the request is answered
+    DEVICE_MEMORY, and its shape's cap stays. Once one of its rows failed alone, its
+    other rows never run again, and the runs that held only them were counted as want
+    of room: the cap fell from 8 to 1 for good (no full batch of the shape could run
+    to raise it), and GetStats' batch_cap with it."""
+    model = _outer_model(tmp_path / "outer.onnx")
+    server = ServerProcess(
+        [
+            *("--model", str(model), "--port", "0", "--memory-limit", "18MiB"),
+            *("--max-batch-size", "8", "--batch-cap", "8"),
+        ]
+    )
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port()}") as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            x = np.ones((rows, 2400), np.float32)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Infer(request(x, lane="bulk"), timeout=120)
+            stats = stub.GetStats(pb.GetStatsRequest(), timeout=10)
+    finally:
+        server.close()
+    error: Any = refused.value  # the sync stub's RpcError is also a grpc.Call
+    assert rich_status(error)[0] == "DEVICE_MEMORY"
+    assert "even run alone" in (error.details() or "")
+    assert stats.out_of_memory_events >= 2
+    assert (stats.batch_cap, dict(stats.cap_changes)) == (8, {})
+
+
 _ENGINE_SCRIPT = """
 import json, sys
 import numpy as np
