@@ -146,7 +146,9 @@ class Timing(_message.Message):
     lane: _builtins.str
     """The lane the request ran in."""
     batch_size: _builtins.int
-    """Rows in the (last) batch that carried this request."""
+    """Rows in the (last) batch that carried this request, as it was formed: a batch that
+    ran out of memory ran in smaller parts (GetStats' batch_splits counts them).
+    """
     queue_us: _builtins.int
     """Microseconds from admission to the dispatch of the request's first batch."""
     infer_us: _builtins.int
