@@ -80,10 +80,14 @@ class Lane:
         self._price = price
         self._shapes: dict[Signature, ShapeQueue] = {}
         self._queued_s = 0.0
-        # Deficit round robin for min_share: rows this lane is owed (> 0) or has
-        # overdrawn (< 0) ahead of higher lanes; fractional, as shares of a batch are.
-        # Only the scheduler changes it.
-        self.share_balance_rows = 0.0
+        # Deficit round robin for min_share: what this lane is owed (> 0) or has
+        # overdrawn (< 0) ahead of higher lanes, in batches: each amount is counted as a
+        # fraction of the cap of the batch it was taken in (`Scheduler._balance_rows`
+        # gives it in rows of a shape). In rows, a debt charged at one shape's cap was
+        # repaid, or bounded, at another's: a lane whose shape's cap out of memory had
+        # lowered to 1 took half the batches for a share of 0.1. Only the scheduler
+        # changes it.
+        self.share_balance = 0.0
         # Whether the last batch left this lane's share unused because its head (of the
         # batch's shape) did not fit the room left: it then banks up to that head and,
         # once its credit covers it, goes first (see `Scheduler._owed_head`).

@@ -129,17 +129,15 @@ class _Plan:
     # The next batch: (entry, rows) in the order they were taken.
     taken: list[tuple[Entry, int]] = dataclasses.field(default_factory=list)
     # Per lane priority served in pass 1: (allowance, rows taken against it).
-    share_used: dict[int, tuple[float, int]] = dataclasses.field(default_factory=dict)
+    share_used: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
     # Lanes with a share and credit whose head (of the batch's shape) did not fit the room
     # left (see `_owed_head`).
     room_blocked: set[int] = dataclasses.field(default_factory=set)
-    # Per blocked lane (by shape or room), the credit it banks up to (see `_plan`).
+    # Per blocked lane (by shape or room), the credit it banks up to, in batches (see
+    # `_plan`, `Lane.share_balance`).
     bank_to: dict[int, float] = dataclasses.field(default_factory=dict)
     # The most rows this batch may hold: the cap, or less where a higher lane is active.
     limit_rows: int = 0
-    # The most a lane's share may owe after this batch: a batch, of the larger cap of the
-    # batch's shape and the top's (see `_commit`).
-    debt_bound_rows: int = 0
     # The lane whose banked credit covered its head, which goes first (see `_owed_head`).
     owed_priority: int | None = None
     # (lane, fill): the lane that leads the batch and the share of the room left it that
@@ -224,7 +222,7 @@ def _folded_gap(gap_s: float | None, last_s: float | None, now_s: float) -> floa
     return now_s - last_s if gap_s is None else gap_s + ARRIVAL_GAP_ALPHA * (now_s - last_s - gap_s)
 
 
-def _charge_owner(plan: _Plan, priority: int, shut_out_rows: int) -> None:
+def _charge_owner(plan: _Plan, priority: int, shut_out_rows: float) -> None:
     """The batch is the owed lane's (its shape): it costs the lanes it shuts out the batch
     they would have had (`shut_out_rows`), so it counts against the lane's credit as that
     at least. Charged only its rows, a batch held to a few rows by an active lane's bound
@@ -538,12 +536,12 @@ class Scheduler:
             return batches * batch_s
         top_s = self._run_times.get(top.request.signature).predict_s(top_rows)
         lasts = math.ceil(round(above_s / top_s, BALANCE_DIGITS)) if top_s > 0 else batches
-        owed = lane.queued_rows + min(rows, self.caps.rows(signature)) - lane.share_balance_rows
-        # It banks its share of the batches of the top's shape it waits through, at their
-        # cap: at this request's shape's (lowered to 1 by out of memory), it was promised
-        # 8 rows after 8 batches, banking 0.1 of a row each, and expired after 31.
-        share = self._share_rows(lane, top.request.signature)
-        banking = math.ceil(round(owed / share, BALANCE_DIGITS))
+        # It banks its share of each batch it waits through (in batches, see
+        # `Lane.share_balance`) until its credit covers its rows ahead and this request's,
+        # each row a fraction of its shape's cap.
+        cap = self.caps.rows(signature)
+        owed = (lane.queued_rows + min(rows, cap)) / cap - lane.share_balance
+        banking = math.ceil(round(owed / lane.config.min_share, BALANCE_DIGITS))
         other_batches = min(max(batches, banking), lasts)
         # All of that work, when the lane waits through it all: its last batch may be
         # smaller.
@@ -690,7 +688,7 @@ class Scheduler:
                     continue
                 share = self._share_rows(other, signature)
                 lower_heads.append((share, head.queued_rows))
-                allowance = share + other.share_balance_rows
+                allowance = share + self._balance_rows(other, signature)
                 if allowance > 0:
                     first_lower += self._share_claim_rows(
                         other, signature, allowance, cap - first_lower
@@ -860,17 +858,16 @@ class Scheduler:
         share = self._share_rows(lane, signature)
         served = lane.served_rows_per_batch
         pace = served if served >= PACE_MARGIN * share else share
-        balance, repaying = lane.share_balance_rows, 0
+        balance, repaying = self._balance_rows(lane, signature), 0
         top = next((head for other in self.lanes if (head := other.head()) is not None), None)
         if balance < 0 and top is not None and top.request.signature != signature:
-            # Its debt is in rows of the top's shape (a batch of its own it owned, charged
-            # what it shut out, `_charge_owner`), repaid at its share of the top's batches:
-            # counted at its own shape's share (a cap lowered to 1: 0.1 of a row a batch),
-            # 57 rows owed were 575 batches, and every request was refused for 430 ms
+            # Its debt (a batch of its own shape it owned, charged what it shut out,
+            # `_charge_owner`) is repaid by its share of each batch of the top's shape, not
+            # at its own shape's rows: counted so (a cap lowered to 1, 0.1 of a row a
+            # batch), a debt was 575 batches, and every request was refused for 430 ms
             # where it waited 45.
-            repaying = math.ceil(
-                round(-balance / self._share_rows(lane, top.request.signature), BALANCE_DIGITS)
-            )
+            share_of_batch = lane.config.min_share
+            repaying = math.ceil(round(-lane.share_balance / share_of_batch, BALANCE_DIGITS))
             balance = 0.0
         ahead = lane.queued_rows - balance
         claims_above = sum(
@@ -1106,7 +1103,6 @@ class Scheduler:
         plan.limit_rows = limit
         signature = first.request.signature
         batch = _Filling(signature, limit, self.caps.rows(signature))
-        plan.debt_bound_rows = max(batch.batch_cap, self.caps.rows(top.request.signature))
 
         share_lanes = [
             lane for lane in self.lanes if lane.config.min_share > 0 and lane.queued_rows
@@ -1147,7 +1143,10 @@ class Scheduler:
         self._fill_top_down(plan, batch, shape_owner, leader, now_s)
         plan.taken = list(batch.taken.values())
         if shape_owner is not None:
-            _charge_owner(plan, first.priority, self._limit_rows(now_s, top))
+            # What it shut out, in rows of this batch: a batch of the top's, at that cap.
+            top_cap = self.caps.rows(top.request.signature)
+            shut_out = self._limit_rows(now_s, top) * batch.batch_cap / top_cap
+            _charge_owner(plan, first.priority, shut_out)
         return plan
 
     def _fill_top_down(
@@ -1228,8 +1227,9 @@ class Scheduler:
             assert head is not None
             if head.request.signature == top.request.signature and not lane.room_blocked:
                 continue
-            if lane.share_balance_rows >= min(
-                head.queued_rows, self.caps.rows(head.request.signature)
+            signature = head.request.signature
+            if self._balance_rows(lane, signature) >= min(
+                head.queued_rows, self.caps.rows(signature)
             ):
                 return head
         return None
@@ -1304,15 +1304,22 @@ class Scheduler:
         return head_rows if take < head_rows <= take + share else math.ceil(take)
 
     def _bank_target(self, lane: Lane, head_rows: int, signature: Signature) -> float:
-        """Credit a blocked lane banks up to: its head (at most a batch) and the share
-        that may cross it (its balance is below the head before a batch's share comes
-        in, so it never exceeds this: none is lost). `signature`: the head's."""
-        return min(head_rows, self.caps.rows(signature)) + self._share_rows(lane, signature)
+        """Credit a blocked lane banks up to, in batches (see `Lane.share_balance`): its
+        head (at most a batch) and the share that may cross it (its balance is below the
+        head before a batch's share comes in, so it never exceeds this: none is lost).
+        `signature`: the head's."""
+        cap = self.caps.rows(signature)
+        return min(head_rows, cap) / cap + lane.config.min_share
 
     def _allowance(self, lane: Lane, signature: Signature) -> float:
         """Rows `lane` may take in pass 1 of a batch of `signature`: its share and its
         balance."""
-        return self._share_rows(lane, signature) + lane.share_balance_rows
+        return self._share_rows(lane, signature) + self._balance_rows(lane, signature)
+
+    def _balance_rows(self, lane: Lane, signature: Signature) -> float:
+        """`lane`'s share balance in rows of `signature`, at its cap (rounded as balances
+        are, so that ten shares of 0.1 still cover a row)."""
+        return round(lane.share_balance * self.caps.rows(signature), BALANCE_DIGITS)
 
     def _share_rows(self, lane: Lane, signature: Signature) -> float:
         """The lane's share of one batch, in rows, unrounded: a share under one row (a
@@ -1325,6 +1332,7 @@ class Scheduler:
     def _commit(self, plan: _Plan, reason: DispatchReason, now_s: float) -> Batch:
         self._observe_utilization(now_s)
         signature = plan.taken[0][0].request.signature
+        cap = self.caps.rows(signature)
         if plan.fill_sample is not None:
             led, fill = plan.fill_sample
             lane = self.lanes[led]
@@ -1338,9 +1346,9 @@ class Scheduler:
                 # (see `_owed_head`), and credit banked so is kept while the lane gets
                 # nothing; an overdraft is repaid from the next allowances.
                 share = self._share_rows(lane, signature)
-                banked = max(share, plan.bank_to.get(lane.priority, 0))
+                banked = max(share, plan.bank_to.get(lane.priority, 0) * cap)
                 if used == 0:
-                    banked = max(banked, lane.share_balance_rows)
+                    banked = max(banked, self._balance_rows(lane, signature))
                 if lane.priority == plan.owed_priority:
                     # What its credit held beyond the head it ran (less than a share,
                     # with this batch's share under two) is kept: a share that does not
@@ -1350,20 +1358,14 @@ class Scheduler:
                 # request (ten shares of 0.1 must cover a row). Debt is bounded by a
                 # batch: a lane charged for a batch it owned (or more, while in debt) is
                 # never shut out for longer than a batch's worth of its shares.
-                balance = round(min(allowance - used, banked), BALANCE_DIGITS)
-                # A batch of the larger cap of this batch's shape and the top's: a lane
-                # owning a batch of its shape is charged the rows of the top's shape it shut
-                # out (see `_charge_owner`). Bound at its own shape's cap lowered to 1, that
-                # debt was forgiven each batch (it took 44 % of the batches for a share of
-                # 0.1); at the probed cap, a lane in debt when the only cap was lowered from
-                # 64 to 1 got no rows for 149 batches.
-                lane.share_balance_rows = max(balance, -plan.debt_bound_rows)
+                balance = round(min(allowance - used, banked) / cap, BALANCE_DIGITS)
+                lane.share_balance = max(balance, -1.0)
             else:
                 # An idle lane banks nothing, but still owes what it took ahead of higher
                 # lanes: a lane whose next request always came after the next batch was
                 # formed (a closed-loop caller) had its debt forgiven every time and took
                 # twice its share.
-                lane.share_balance_rows = min(lane.share_balance_rows, 0)
+                lane.share_balance = min(lane.share_balance, 0.0)
         taken = plan.taken
         served = [0] * len(self.lanes)
         for entry, rows in taken:
