@@ -35,7 +35,7 @@ import importlib
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -180,6 +180,32 @@ class ParallelAcceptors:
         self._acceptors.clear()
 
 
+async def abort_unless_gone(
+    context: grpc.aio.ServicerContext[Any, Any],
+    code: grpc.StatusCode,
+    details: str,
+    trailing_metadata: Sequence[tuple[str, str | bytes]] = (),
+) -> NoReturn:
+    """Ends the call with `code` and `details` (trailers only). A call that has ended (its
+    caller left, or its deadline passed: nothing can be sent any more) ends as the cancel
+    it is: trying raised, and gRPC logged a traceback at ERROR per call under overload.
+    It may end in gRPC's core between the check and the abort (a caller whose deadline is
+    the request's own timeout): sending the status then fails with ExecuteBatchError,
+    logged so 40 times in 20 s of such load. (The status sent raises AbortError, a
+    BaseError beside it.)"""
+    if context.cancelled():
+        raise asyncio.CancelledError
+    try:
+        await context.abort(code, details, trailing_metadata=trailing_metadata)
+    except grpc.aio.InternalError:
+        raise asyncio.CancelledError from None
+
+
+async def refuse_over_limit(context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
+    """Ends a call over the limit RESOURCE_EXHAUSTED, in gRPC's own words."""
+    await abort_unless_gone(context, grpc.StatusCode.RESOURCE_EXHAUSTED, CALL_LIMIT_DETAILS)
+
+
 class CallGate:
     """The inference service's calls in progress on one port, at most `limit`
     (max_concurrent_rpcs): a call over it is refused at once, RESOURCE_EXHAUSTED in
@@ -240,7 +266,7 @@ class CallGate:
             # below keeps the frames it passes through (see service.abort_with).
             if request is OVER_LIMIT or self.full:
                 del request
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, CALL_LIMIT_DETAILS)
+                await refuse_over_limit(context)
             handling = behavior(request, context)
             del request
             self._enter_unary()
@@ -257,7 +283,7 @@ class CallGate:
         ) -> AsyncIterator[Any]:
             # OVER_LIMIT: a unary request (deserializer) with a streamed answer.
             if request is OVER_LIMIT or self.full:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, CALL_LIMIT_DETAILS)
+                await refuse_over_limit(context)
             self.stream_calls += 1
             responses = behavior(request, context)
             try:

@@ -49,7 +49,7 @@ from laneserve.server.events import (
     RequestTracer,
     SchedulerEvents,
 )
-from laneserve.server.grpc_accept import CallGate
+from laneserve.server.grpc_accept import CallGate, abort_unless_gone
 from laneserve.server.grpc_calls import GrpcCalls
 from laneserve.server.idempotency import (
     Admitted,
@@ -923,21 +923,9 @@ async def abort_with(context: grpc.aio.ServicerContext[Any, Any], error: Laneser
     large refusals, enough to close every lane at the host memory watermark. So the
     callers let go of the request first (`release_frames`, and the wrappers of
     grpc_accept and server_spans)."""
-    if context.cancelled():
-        # The caller went away or its deadline passed: no status can be sent any more,
-        # and trying would log a traceback per call under overload.
-        raise asyncio.CancelledError
-    try:
-        await context.abort(
-            error.code, bounded_message(error.message), trailing_metadata=_status_trailers(error)
-        )
-    except grpc.aio.InternalError:
-        # Sending the status failed (ExecuteBatchError): the call ended in gRPC's core
-        # between the check above and now (a caller whose deadline is the request's own
-        # timeout). Raised, gRPC logged it at ERROR with a traceback ("ExecuteBatchError
-        # raised in core by servicer method"): 40 a run under such load. A cancel is what
-        # it is. (The status sent is AbortError, a BaseError beside this one.)
-        raise asyncio.CancelledError from None
+    await abort_unless_gone(
+        context, error.code, bounded_message(error.message), _status_trailers(error)
+    )
 
 
 def release_frames(error: _E) -> _E:

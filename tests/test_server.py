@@ -1837,3 +1837,5 @@ def test_an_error_answer_whose_call_ended_meanwhile_ends_as_a_cancel() -> None:
     call: Any = EndedCall()
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(service.abort_with(call, LaneFullError("lane 'bulk' is full")))
+    with pytest.raises(asyncio.CancelledError):  # the call gate's refusal, the same way
+        asyncio.run(grpc_accept.refuse_over_limit(call))
