@@ -1358,8 +1358,11 @@ class Scheduler:
                 # request (ten shares of 0.1 must cover a row). Debt is bounded by a
                 # batch: a lane charged for a batch it owned (or more, while in debt) is
                 # never shut out for longer than a batch's worth of its shares.
-                balance = round(min(allowance - used, banked) / cap, BALANCE_DIGITS)
-                lane.share_balance = max(balance, -1.0)
+                # Rounded in rows, then kept unrounded in batches: read back at the same cap
+                # (`_balance_rows`) it is those rows again. Rounded in batches at a cap such
+                # as 7, the error grew by 1.4e-10 rows a batch, and ties broke.
+                balance = round(min(allowance - used, banked), BALANCE_DIGITS)
+                lane.share_balance = max(balance / cap, -1.0)
             else:
                 # An idle lane banks nothing, but still owes what it took ahead of higher
                 # lanes: a lane whose next request always came after the next batch was

@@ -3322,3 +3322,27 @@ def test_after_the_only_cap_is_lowered_a_share_lane_owes_at_most_a_batch_at_it()
         assert shut_out <= 11, "bounded by a batch's worth of its shares"
         now_s += 0.002
         scheduler.complete(run(batch))
+
+
+def test_share_balances_stay_exact_sums_of_shares_at_any_cap() -> None:
+    """Balances are kept in batches and read in rows at a cap: rounded in batches at a
+    cap such as 7 (0.05 of it is 0.35 rows), each batch's round trip added ~1.4e-10 rows,
+    the error grew without bound, and ties between credit and a head's rows broke.
+    Rounded in rows, a balance stays on its grid (here twentieths of a row)."""
+    lanes = (
+        INTERACTIVE,
+        dataclasses.replace(STANDARD, capacity_rows=4096, min_share=0.15),
+        dataclasses.replace(BULK, capacity_rows=4096, min_share=0.05),
+    )
+    scheduler = Scheduler(lanes, batch_cap=7, run_time=RunTimeModel({1: 0.001, 7: 0.002}))
+    now_s, index = T0, 0
+    for batch_number in range(3_000):
+        for name, rows in (("interactive", 2), ("standard", 3), ("bulk", 1 + batch_number % 3)):
+            while scheduler.lane(name).queued_rows < 20:
+                index += 1
+                scheduler.admit(make_request(index % 900, name, rows), now_s)
+        now_s += 0.002
+        scheduler.complete(run(dispatch(scheduler, now_s)))
+    for lane in scheduler.lanes:
+        twentieths = scheduler._balance_rows(lane, ((2,),)) * 20
+        assert abs(twentieths - round(twentieths)) < 1e-9, (lane.name, twentieths)
