@@ -140,6 +140,13 @@ class Lane:
             return shape.rows, shape.entries, 0.0
         return shape.rows, shape.entries, max(self._queued_s - shape.seconds, 0.0)
 
+    def queued_s(self) -> float:
+        """The session seconds of all its queued work, each shape in batches of its own."""
+        if len(self._shapes) == 1:  # one shape: its price is not kept
+            ((signature, only),) = self._shapes.items()
+            return self._price(signature, only.rows)
+        return self._queued_s
+
     def reprice(self, signature: Signature | None = None) -> None:
         """Prices the queued rows of `signature` (None: of every signature) again: its
         run-time model learned, or the batch cap moved."""

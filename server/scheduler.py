@@ -377,13 +377,23 @@ class Scheduler:
         or a slow outlier advised clients to stay away for minutes. The rows that leave
         first are its oldest, in batches of its head's shape: they run at that shape's
         model, not the probe's nor the new request's (a lane full of 512-token rows told
-        a caller of 8 tokens to come back in the time 8-token rows take)."""
+        a caller of 8 tokens to come back in the time 8-token rows take). The work queued
+        in the lanes above runs first, or, for a lane with a share, its share of each
+        batch moves its rows: the earlier of the two. Counted at its own rows alone, bulk
+        full under a saturated standard lane advised 1.4 ms where room came after 212."""
         head = lane.head()
         assert head is not None, "a full lane holds rows"
-        run_time = self._run_times.get(head.request.signature)
+        signature = head.request.signature
+        run_time = self._run_times.get(signature)
         excess = lane.queued_rows + rows - lane.config.capacity_rows
-        cap = self.caps.rows(head.request.signature)
-        return min(run_time.drain_s(excess, cap), lane.config.timeout_ms / 1000)
+        cap = self.caps.rows(signature)
+        wait_s = run_time.drain_s(excess, cap) + sum(
+            above.queued_s() for above in self.lanes[: lane.priority]
+        )
+        if lane.config.min_share > 0:
+            batches = math.ceil(round(excess / self._share_rows(lane, signature), BALANCE_DIGITS))
+            wait_s = min(wait_s, batches * run_time.predict_s(cap))
+        return min(wait_s, lane.config.timeout_ms / 1000)
 
     def _check_admission(self, request: InferenceRequest, lane: Lane, now_s: float) -> None:
         if not self.accepting:

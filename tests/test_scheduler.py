@@ -2753,6 +2753,30 @@ def test_a_share_lane_behind_another_shape_moves_by_its_share_not_its_pace() -> 
     assert served_shapes(scheduler, 21) == [LONG] * 3 + [SHORT]
 
 
+def test_the_retry_hint_of_a_full_lane_counts_the_work_queued_above_it() -> None:
+    """Bulk (no share) is full under a standard lane with work queued: its rows leave
+    only once standard's have run. Counted at its own rows alone, the hint was one run
+    (1.4 ms where room came after 212), and clients retried into a full lane. A lane
+    with a share moves by it: the earlier of the two."""
+    scheduler = make_scheduler()
+    for index in range(8):
+        scheduler.admit(make_request(index, "standard", 8), T0)
+    for index in range(8, 40):
+        scheduler.admit(make_request(index, "bulk", 8), T0)
+    with pytest.raises(LaneFullError) as refused:
+        scheduler.admit(make_request(99, "bulk", 1), T0)
+    model = fixed_run_time()
+    above_s = model.drain_s(64, CAP)
+    assert refused.value.retry_after_s == pytest.approx(above_s + model.predict_s(1))
+    shared = make_scheduler((INTERACTIVE, STANDARD, dataclasses.replace(BULK, min_share=0.25)))
+    for index in range(8):
+        shared.admit(make_request(index, "standard", 8), T0)
+    for index in range(8, 40):
+        shared.admit(make_request(index, "bulk", 8), T0)
+    # 2 rows a batch (a quarter of 8): one row over its room leaves after one batch.
+    assert shared.room_wait_s("bulk", 1) == pytest.approx(model.predict_s(CAP))
+
+
 def test_the_retry_hint_of_a_lane_full_of_long_rows_is_their_run_time() -> None:
     """A lane full of long rows refused a short request with the short rows' run time as
     its hint (and `room_wait_s` with the probe's): the rows that must leave first are
