@@ -41,7 +41,7 @@ from typing import IO, Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Checkpoint", "CheckpointError", "InputIdentity"]
+__all__ = ["Checkpoint", "CheckpointError", "InputIdentity", "same_file"]
 
 # Version 2 records each output's file. Version 1 is still read: each output's file was
 # its name with other characters than letters, digits, '-', '_' and '.' replaced by '_'
@@ -170,7 +170,7 @@ class Checkpoint:
         mismatches = []
         identity = InputIdentity.of(input_path)
         if state.input_identity != identity:
-            if _same_path(Path(state.input_path), input_path):
+            if same_file(Path(state.input_path), input_path):
                 reasons.append(_changed(input_path, state.input_identity, identity))
             else:
                 mismatches.append(f"input file (it was made for {state.input_path})")
@@ -375,14 +375,11 @@ def _remove_finished(directory: Path) -> None:
         directory.rmdir()
 
 
-def _same_path(recorded: Path, given: Path) -> bool:
-    """Whether the input path a checkpoint recorded names the file given now (the same
-    spelling, or another path to the same file)."""
-    if recorded == given:
-        return True
+def same_file(path: Path, other: Path) -> bool:
+    """Whether `path` and `other` name one existing file (by any spelling)."""
     try:
-        return recorded.samefile(given)
-    except OSError:  # the recorded one is gone, or relative to another directory
+        return path.samefile(other)
+    except OSError:  # either does not exist (any more, or yet): they are not one file
         return False
 
 

@@ -376,7 +376,7 @@ class BulkStream:
         """Whether the job ends with `error` (then noted why) after its call broke:
         for good, or after `failures` broken calls in a row that answered nothing, once
         STREAM_RESUME_S have passed since its last answer (if it had any)."""
-        if not _call_may_resume(error):
+        if not error.should_retry:  # no new call mends it (see `_call_error`)
             error.add_note(
                 f"bulk stream {self.job_id}: the call failed for good; {self._unanswered()}"
             )
@@ -742,7 +742,7 @@ class BulkStream:
         """The job ends early: `_cancel_timers`, and its read of the source ends before
         the job does: the source (an async generator) cannot be closed while a read runs
         in it ("aclose(): asynchronous generator is already running")."""
-        reading = self._source_next
+        reading = self.cancel_source_read()
         self._cancel_timers()
         if reading is not None:
             await asyncio.wait([reading])
@@ -764,9 +764,7 @@ class BulkStream:
             if item.timer is not None:
                 item.timer.cancel()
                 item.timer = None
-        if self._source_next is not None:
-            self._source_next.cancel()
-            self._source_next = None
+        self.cancel_source_read()
 
 
 async def _anext(source: AsyncIterator[StreamItem]) -> StreamItem | object:
@@ -797,8 +795,3 @@ def _call_error(error: grpc.RpcError) -> LaneserveError:
     )
     unavailable.__cause__ = ended
     return unavailable
-
-
-def _call_may_resume(error: LaneserveError) -> bool:
-    """Whether a broken stream call is worth a new one (see `_call_error`)."""
-    return error.should_retry

@@ -43,7 +43,7 @@ from laneserve.client._channel import (
     check_pem_files,
     metadata_pair,
 )
-from laneserve.client._checkpoint import Checkpoint, CheckpointError, write_npz
+from laneserve.client._checkpoint import Checkpoint, CheckpointError, same_file, write_npz
 from laneserve.client._errors import LaneserveError
 from laneserve.client._request import encode_inputs, infer_request
 from laneserve.client._retry import RetryPolicy
@@ -569,18 +569,11 @@ def _check_output_path(path: Path, option: str, input_path: Path | None = None) 
             f"{option} {path}: cannot write in {parent} (permission denied); expected a "
             "directory this user can write"
         )
-    if input_path is not None and _same_file(path, input_path):
+    if input_path is not None and same_file(path, input_path):
         raise UsageError(
             f"{option} {path} is the input file {input_path}: writing it would destroy the "
             "input; expected another file"
         )
-
-
-def _same_file(path: Path, other: Path) -> bool:
-    try:
-        return path.samefile(other)
-    except OSError:  # either does not exist (yet): they are not one file
-        return False
 
 
 # ---- bulk ------------------------------------------------------------------------------

@@ -843,9 +843,9 @@ class LaneServer:
         assert thread is not None
         gate = CallGate(
             # The probed cap, not the lowest in force: one shape's out-of-memory leaves
-            # the others' batches at it.
+            # the others' batches at it (a number fixed at start, not asked per call).
             self.config.max_concurrent_rpcs,
-            lambda: ACCEPT_BELOW_BATCHES * thread.max_batch_cap,
+            ACCEPT_BELOW_BATCHES * thread.max_batch_cap,
         )
         handlers = add_to_server(servicer, server, gate)
         acceptors = ParallelAcceptors(

@@ -212,10 +212,10 @@ class CallGate:
     gRPC's own words, its message not parsed (an acceptor's not even read). Counted by
     the handlers (`gate`), so every call is, however it was taken (see
     `ParallelAcceptors`). `below_accept` is set while fewer unary calls
-    than `accept_below()` are in progress (the extra asks are out only then): a stream's
+    than `accept_below` are in progress (the extra asks are out only then): a stream's
     call stays open for a whole job, and its items do not come through asks."""
 
-    def __init__(self, limit: int, accept_below: Callable[[], int]) -> None:
+    def __init__(self, limit: int, accept_below: int) -> None:
         self.limit = limit
         self.unary_calls = 0
         self.stream_calls = 0
@@ -235,12 +235,12 @@ class CallGate:
 
     def _enter_unary(self) -> None:
         self.unary_calls += 1
-        if self.unary_calls >= self._accept_below():
+        if self.unary_calls >= self._accept_below:
             self.below_accept.clear()
 
     def _leave_unary(self) -> None:
         self.unary_calls -= 1
-        if self.unary_calls < self._accept_below():
+        if self.unary_calls < self._accept_below:
             self.below_accept.set()
 
     def deserializer(self, read: Callable[[bytes], Any]) -> Callable[[bytes], Any]:

@@ -541,7 +541,7 @@ class Scheduler:
         two batches of long rows (68 ms each) was promised the next batch, 0.5 ms."""
         if above_s == 0:
             return batches * batch_s
-        top = next((head for other in self.lanes if (head := other.head()) is not None), None)
+        top = self._top_head()
         if top is None or top.request.signature == signature:
             return batches * batch_s
         top_s = self._run_times.get(top.request.signature).predict_s(top_rows)
@@ -565,7 +565,7 @@ class Scheduler:
         limit alone, a standard request behind one interactive request a batch was
         predicted to take twice as long as it did, and refused. `top_limit`: the top
         head's batch limit when the caller has it (None: worked out here)."""
-        top = next((head for other in self.lanes if (head := other.head()) is not None), None)
+        top = self._top_head()
         if top is None:
             return 0
         lane = self.lanes[top.priority]
@@ -577,6 +577,10 @@ class Scheduler:
         filled = max(lane.queued_rows, self._rows_within_wait(lane, top.request.signature))
         limit = self._limit_rows(now_s, top) if top_limit is None else top_limit
         return min(limit, math.ceil(filled + shares))
+
+    def _top_head(self) -> Entry | None:
+        """The highest queued work: the head of the highest lane with work (None: none)."""
+        return next((head for lane in self.lanes if (head := lane.head()) is not None), None)
 
     def _arrival_gap_at(self, priority: int, signature: Signature, now_s: float) -> float | None:
         """The time between admissions of `signature` to lane `priority` now (None: none
@@ -869,15 +873,14 @@ class Scheduler:
         served = lane.served_rows_per_batch
         pace = served if served >= PACE_MARGIN * share else share
         balance, repaying = self._balance_rows(lane, signature), 0
-        top = next((head for other in self.lanes if (head := other.head()) is not None), None)
+        top = self._top_head()
         if balance < 0 and top is not None and top.request.signature != signature:
             # Its debt (a batch of its own shape it owned, charged what it shut out,
             # `_charge_owner`) is repaid by its share of each batch of the top's shape, not
             # at its own shape's rows: counted so (a cap lowered to 1, 0.1 of a row a
             # batch), a debt was 575 batches, and every request was refused for 430 ms
             # where it waited 45.
-            share_of_batch = lane.config.min_share
-            repaying = math.ceil(round(-lane.share_balance / share_of_batch, BALANCE_DIGITS))
+            repaying = math.ceil(round(-lane.share_balance / lane.config.min_share, BALANCE_DIGITS))
             balance = 0.0
         ahead = lane.queued_rows - balance
         claims_above = sum(
@@ -1097,7 +1100,7 @@ class Scheduler:
         # shaped work out of every batch. Unless a lane with a share has banked a batch
         # of its own shape (`_owed_head`): its shape never fitted the batches it was
         # owed rows in.
-        top: Entry | None = next((entry for lane in self.lanes for entry in lane), None)
+        top = self._top_head()
         if top is None:
             return plan
         owed = self._owed_head(top)

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,15 @@ async def serving(engine: Engine, config: ServerConfig, **options: Any) -> Async
         if engine_gate is not None:
             engine_gate.set()
         await server.stop(grace_s=5.0)
+
+
+def item_reason(answer: pb.InferStreamResponse) -> str:
+    """The ErrorInfo reason of a stream item's error answer ("" when it has none)."""
+    for detail in answer.error.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info.reason
+    return ""
 
 
 def rich_status(error: grpc.aio.AioRpcError | grpc.Call) -> tuple[str, dict[str, Any]]:
@@ -337,6 +347,17 @@ async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         if loop.time() > give_up:
             raise AssertionError("condition not reached")
         await asyncio.sleep(0.002)
+
+
+async def until_stats(
+    s: Serving, condition: Callable[[pb.GetStatsResponse], bool], timeout_s: float = 10.0
+) -> None:
+    """Polls GetStats until `condition` holds: a state the server reaches."""
+    give_up = time.monotonic() + timeout_s
+    while not condition(await s.stub.GetStats(pb.GetStatsRequest())):
+        if time.monotonic() > give_up:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.005)
 
 
 async def cut_while_a_batch_runs(engine: RecordingEngine, proxy: TcpProxy) -> int | None:

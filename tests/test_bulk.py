@@ -8,7 +8,7 @@ import contextlib
 import gc
 import threading
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from tests.support import (
     rows,
     serving,
     until,
+    until_stats,
     unused_port,
 )
 
@@ -267,12 +268,7 @@ def test_an_answer_too_large_for_its_submitter_but_read_by_a_joined_retry_counts
             assert await asyncio.to_thread(engine.entered.acquire, True, 10)
             retry = asyncio.ensure_future(s.stub.Infer(shared, timeout=30))
 
-            for _ in range(1_000):  # until the retry joined
-                if (await s.stub.GetStats(pb.GetStatsRequest())).idempotent_joins:
-                    break
-                await asyncio.sleep(0.01)
-            else:
-                raise AssertionError("the retry never joined")
+            await until_stats(s, lambda stats: stats.idempotent_joins >= 1)
             engine.release()
             answered = (await item, await retry)
             call.cancel()
@@ -1691,16 +1687,6 @@ class TaggedRequests:
             self.produced += 1
             start = self.per_item * i
             yield request(rows(self.per_item, start=start), request_id=f"{self.prefix}{i}")
-
-
-async def until_stats(
-    s: Serving, condition: Callable[[pb.GetStatsResponse], bool], timeout_s: float = 10.0
-) -> None:
-    give_up = time.monotonic() + timeout_s
-    while not condition(await s.stub.GetStats(pb.GetStatsRequest())):
-        if time.monotonic() > give_up:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.005)
 
 
 def test_the_client_and_the_server_agree_on_the_receive_limit_and_the_call_limit() -> None:

@@ -42,6 +42,7 @@ from tests.support import (
     request,
     rich_status,
     rows,
+    until_stats,
 )
 from tests.support import serving as served
 
@@ -974,16 +975,6 @@ async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         if time.monotonic() > give_up:
             raise AssertionError("condition not reached")
         await asyncio.sleep(0.002)
-
-
-async def until_stats(
-    s: Serving, condition: Callable[[pb.GetStatsResponse], bool], timeout_s: float = 10.0
-) -> None:
-    give_up = time.monotonic() + timeout_s
-    while not condition(await s.stub.GetStats(pb.GetStatsRequest())):
-        if time.monotonic() > give_up:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.005)
 
 
 def test_stored_answers_are_not_walked_by_the_garbage_collector() -> None:

@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 import onnxruntime as ort
 import pytest
-from google.rpc import code_pb2, error_details_pb2
+from google.rpc import code_pb2
 
 from laneserve.client import NO_RETRIES, Client, LaneserveError, StreamResult, TlsConfig
 from laneserve.server import LaneServer, ServerConfig
@@ -34,7 +34,7 @@ from laneserve.server.cli import main as laneserve_main
 from laneserve.server.config import ConfigError
 from laneserve.server.telemetry import Telemetry
 from laneserve.v1 import inference_pb2 as pb
-from tests.support import F32, RecordingEngine, request, rows, serving
+from tests.support import F32, RecordingEngine, item_reason, request, rows, serving
 from tests.support import client_cli as cli
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
@@ -653,7 +653,7 @@ def test_stream_item_past_its_timeout_ms_is_answered_deadline_and_the_stream_goe
     assert late.request_id == "late"
     assert late.WhichOneof("result") == "error"
     assert late.error.code == code_pb2.DEADLINE_EXCEEDED
-    assert reason_of(late) in {"EXPIRED_IN_QUEUE", "DEADLINE_UNMEETABLE"}
+    assert item_reason(late) in {"EXPIRED_IN_QUEUE", "DEADLINE_UNMEETABLE"}
     assert sorted(response.request_id for response in rest) == ["after", "first"]
     assert all(response.WhichOneof("result") == "response" for response in rest)
     assert sorted(engine.ran_tags) == [0, 2], "the late item never ran"
@@ -663,14 +663,6 @@ async def read(call: Any) -> pb.InferStreamResponse:
     message = await asyncio.wait_for(call.read(), STEP_TIMEOUT_S)
     assert isinstance(message, pb.InferStreamResponse), message
     return message
-
-
-def reason_of(response: pb.InferStreamResponse) -> str:
-    for detail in response.error.details:
-        info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info):
-            return info.reason
-    return ""
 
 
 # ---- 5. job_id replay ------------------------------------------------------------------

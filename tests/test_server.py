@@ -19,7 +19,6 @@ import grpc.aio._server as grpc_aio_server
 import numpy as np
 import onnxruntime as ort
 import pytest
-from google.rpc import error_details_pb2
 from grpc_channelz.v1 import channelz_pb2, channelz_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -41,6 +40,7 @@ from tests.support import (
     Serving,
     estimate_once,
     health_status,
+    item_reason,
     output,
     queued_rows,
     request,
@@ -231,7 +231,7 @@ def test_refused_stream_items_leave_no_reference_cycle_holding_their_requests(
             found = _frames_holding_requests()
             engine.release()
             await held
-        return sorted({rich_status_of(answer) for answer in answers}), found
+        return sorted({item_reason(answer) for answer in answers}), found
 
     gc.disable()
     try:
@@ -240,15 +240,6 @@ def test_refused_stream_items_leave_no_reference_cycle_holding_their_requests(
         gc.enable()
     assert reasons == ["EXPIRED_IN_QUEUE", "INVALID_INPUT"]
     assert found == []
-
-
-def rich_status_of(answer: pb.InferStreamResponse) -> str:
-    """The ErrorInfo reason of a stream item's error answer."""
-    for detail in answer.error.details:
-        info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info):
-            return info.reason
-    return ""
 
 
 def _frames_holding_requests() -> list[str]:
@@ -1758,11 +1749,11 @@ def _hold_the_loop_until(condition: Callable[[], bool], timeout_s: float = 10.0)
 
 def test_the_extra_asks_are_out_only_below_two_batches_of_calls_in_progress() -> None:
     """The gate's `below_accept`, which the acceptors wait on, is set while fewer unary
-    calls are in progress than `accept_below()` (here 2); a stream's call (open for a
+    calls are in progress than `accept_below` (here 2); a stream's call (open for a
     whole job) does not hold the asks back."""
 
     async def scenario() -> list[bool]:
-        gate = grpc_accept.CallGate(limit=10, accept_below=lambda: 2)
+        gate = grpc_accept.CallGate(limit=10, accept_below=2)
         release = asyncio.Event()
         seen: list[bool] = []
 
@@ -1802,7 +1793,7 @@ def test_a_unary_call_over_the_limit_is_refused_before_its_message_is_parsed() -
         parsed.append(data)
         return data
 
-    gate = grpc_accept.CallGate(limit=1, accept_below=lambda: 2)
+    gate = grpc_accept.CallGate(limit=1, accept_below=2)
     deserialize = gate.deserializer(read)
     assert deserialize(b"first") == b"first"
     gate.unary_calls = 1  # one in progress: at the limit

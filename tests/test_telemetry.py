@@ -73,7 +73,16 @@ from laneserve.server.telemetry import (
 from laneserve.server.telemetry.device import DeviceMonitor
 from laneserve.server.telemetry.endpoint import MetricsEndpoint
 from laneserve.v1 import inference_pb2 as pb
-from tests.support import REPO, FakeTimers, RecordingEngine, Serving, request, rows, serving
+from tests.support import (
+    REPO,
+    FakeTimers,
+    RecordingEngine,
+    Serving,
+    request,
+    rows,
+    serving,
+    until_stats,
+)
 
 # A caller's W3C trace context: version 00, trace id, parent span id, sampled.
 CALLER_TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
@@ -273,11 +282,7 @@ def test_a_retry_answered_by_the_ledger_says_so_on_its_call_span(small_model: Pa
 
 
 async def until_joined(s: Serving, joins: int = 1) -> None:
-    for _ in range(1_000):
-        if (await s.stub.GetStats(pb.GetStatsRequest())).idempotent_joins >= joins:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the retry never joined")
+    await until_stats(s, lambda stats: stats.idempotent_joins >= joins)
 
 
 def test_a_batch_run_in_parts_after_running_out_of_memory_says_so(small_model: Path) -> None:
