@@ -104,6 +104,12 @@ class RequestTracer(Protocol):
         with its request_id is in flight) or "replay" (its answer is stored)."""
         ...
 
+    def joined(self, request_id: str, lane: str) -> RequestTrace:
+        """A call joins the request `request_id` in flight: the trace of the answer it
+        takes, a `reply` alone (`replying` as the answer reaches it, then `end` with what
+        it got); it queued nothing, and the request's spans are the submitter's."""
+        ...
+
 
 class _NullTrace:
     def replying(self) -> None:
@@ -124,6 +130,9 @@ class NullTracer:
 
     def retried(self, request_id: str, lane: str, how: str) -> None:
         pass
+
+    def joined(self, request_id: str, lane: str) -> RequestTrace:
+        return NULL_TRACE
 
 
 class NullEvents:

@@ -111,8 +111,11 @@ Cancel = Callable[[bool], bool]
 # ran (the answer is only kept for replay), and it is the deadline of the last of them
 # (the work's): whether that one left or timed out. The third is the largest answer in
 # bytes the callers that take it read (None: one of them reads what the server sends, or
-# none takes it): the answer's status is what the best placed of them gets.
-Finish = Callable[[Outcome, float | None, int | None], pb.InferResponse]
+# none takes it): the answer's status is what the best placed of them gets. The fourth is
+# the caller that status stands for when it is a refusal of the answer (ANY_CALLER when
+# none takes it): the first still taking it, the one that submitted it while it does.
+# `finish` tells it (`Caller.counted`), so that its own refusal is not counted again.
+Finish = Callable[[Outcome, float | None, int | None, "Caller"], pb.InferResponse]
 # Moves an admitted request's deadline (scheduler clock), later or earlier; False when
 # its answer is already on its way (nothing to move).
 Move = Callable[[float], bool]
@@ -135,6 +138,10 @@ def _unreported(_error: JoinExpiredError) -> None:
     pass
 
 
+def _untold(*_facts: object) -> None:
+    pass
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Caller:
     """What the ledger asks of, and tells, one RPC waiting for an answer: `reachable()`,
@@ -142,11 +149,17 @@ class Caller:
     it has passed: `finish` then counts the answer as its caller got it); `expired`,
     told when it is answered alone at its deadline (JoinExpiredError) while the work
     goes on for another caller, so that it can be counted; `read_limit`, the largest
-    answer in bytes it reads (a stream's receive limit; None: what the server sends)."""
+    answer in bytes it reads (a stream's receive limit; None: what the server sends);
+    `joined`, told when it joins a request in flight (it queues nothing, and the answer
+    it takes is that request's); `counted`, told with the answer's size before the answer
+    reaches it, when its refusal of the answer (over its `read_limit`) is counted already
+    as the request's own status: every caller refused is counted once."""
 
     reachable: Callable[[], bool] = _reachable
     expired: Callable[[JoinExpiredError], object] = _unreported
     read_limit: int | None = None
+    joined: Callable[[], object] = _untold
+    counted: Callable[[int], object] = _untold
 
 
 # A caller always reachable, whose expiry nobody counts.
@@ -168,25 +181,20 @@ class _Waiter:
     A timer answers it alone at that deadline while the work waits longer (for a waiter
     with a later deadline); otherwise the scheduler's answer at the deadline reaches it."""
 
-    __slots__ = ("deadline_s", "future", "reachable", "read_limit", "timer")
+    __slots__ = ("caller", "deadline_s", "future", "timer")
 
     def __init__(
-        self,
-        future: asyncio.Future[pb.InferResponse],
-        deadline_s: float,
-        reachable: Callable[[], bool],
-        read_limit: int | None,
+        self, future: asyncio.Future[pb.InferResponse], deadline_s: float, caller: Caller
     ) -> None:
         self.future = future
         self.deadline_s = deadline_s
-        self.reachable = reachable  # whether an answer handed out now still reaches it
-        self.read_limit = read_limit  # the largest answer it reads (None: any sent)
+        self.caller = caller
         self.timer: asyncio.TimerHandle | None = None
 
     def takes_answer(self) -> bool:
         """Whether it still waits and its caller can take the answer (no gRPC deadline
         has passed: gRPC ends that call DEADLINE_EXCEEDED, whatever it is handed)."""
-        return not self.future.done() and self.reachable()
+        return not self.future.done() and self.caller.reachable()
 
 
 class _Flight:
@@ -392,10 +400,10 @@ class RequestLedger:
         response = await ledger.run(request_id, fingerprint(request, outputs), submit, finish)
 
     where `submit(resolve)` admits the request to the scheduler with `resolve` as its
-    token (or raises why not) and returns how to cancel it, and `finish(outcome, left_s)`
-    turns its Outcome into the answer (or raises its error); `left_s` is None while a
-    caller still waits for it, else the deadline of the last caller to go (the answer is
-    only kept for replay).
+    token (or raises why not) and returns how to cancel it, and `finish(outcome, left_s,
+    read_limit, own)` turns its Outcome into the answer (or raises its error); `left_s`
+    is None while a caller still waits for it, else the deadline of the last caller to
+    go (the answer is only kept for replay); see `Finish` for the others.
 
     Stored answers expire with no request coming too: one loop timer, the sweep, fires
     `SWEEP_SLACK_S` (or the TTL, when shorter) after the oldest stored answer expires and
@@ -451,6 +459,7 @@ class RequestLedger:
             return await self._wait(flight, deadline_s, caller)
         _check_same(request_id, flight.fingerprint, digest, "still queued or running")
         self.joins += 1
+        caller.joined()
         if deadline_s > flight.deadline_s:
             self._extend(flight, deadline_s)
         return await self._wait(flight, deadline_s, caller)
@@ -541,9 +550,11 @@ class RequestLedger:
             if flight.answered:  # every waiter has gone and the work was cancelled
                 return
             takers = [waiter for waiter in flight.waiters if waiter.takes_answer()]
+            # Waiters in the order they came: the submitter's first while it waits.
+            own = takers[0].caller if takers else ANY_CALLER
             try:
                 response = finish(
-                    outcome, None if takers else flight.deadline_s, _largest_read(takers)
+                    outcome, None if takers else flight.deadline_s, _largest_read(takers), own
                 )
             except Exception as error:
                 # Every waiter gets an answer on every path, a bug in `finish` included.
@@ -571,12 +582,7 @@ class RequestLedger:
         task of its own (`asyncio.wait_for`, Python 3.11) began one loop turn later, and a
         retry whose flight was answered in between joined a dead flight and waited out
         its timeout."""
-        waiter = _Waiter(
-            asyncio.get_running_loop().create_future(),
-            deadline_s,
-            caller.reachable,
-            caller.read_limit,
-        )
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), deadline_s, caller)
         flight.waiters.append(waiter)
         if deadline_s < flight.deadline_s:
             self._arm(flight, waiter)
@@ -662,7 +668,7 @@ def _largest_read(takers: list[_Waiter]) -> int | None:
     """The largest answer any of `takers` reads; None when one reads what the server
     sends, or there is none. Judged by the caller that submitted the work alone, an
     answer a joined retry read was counted ANSWER_TOO_LARGE after that caller left."""
-    limits = [waiter.read_limit for waiter in takers]
+    limits = [waiter.caller.read_limit for waiter in takers]
     if not limits or None in limits:
         return None
     return max(limit for limit in limits if limit is not None)

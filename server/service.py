@@ -150,6 +150,37 @@ class ServiceTelemetry:
     grpc_calls: Callable[[], GrpcCalls | None] = lambda: None
 
 
+class _Taken:
+    """What the ledger tells one call of the answer it takes (see `Caller`), acted on once
+    the answer has reached the call. Only the event loop touches it."""
+
+    __slots__ = ("_lane", "_request_id", "_tracer", "counted_bytes", "reply")
+
+    def __init__(self, tracer: RequestTracer, request_id: str, lane: str) -> None:
+        self._tracer = tracer
+        self._request_id = request_id
+        self._lane = lane
+        # The answer's size, when this call's refusal of it is counted already, as the
+        # status of the request it submitted or joined (`Caller.counted`); None: it is not.
+        self.counted_bytes: int | None = None
+        # The trace of the answer this call takes when it joins a request in flight
+        # (`RequestTracer.joined`); the spans of work the call queued are not in it.
+        self.reply: RequestTrace = NULL_TRACE
+
+    def joined(self) -> None:
+        self.reply = self._tracer.joined(self._request_id, self._lane)
+
+    def counted(self, size_bytes: int) -> None:
+        self.counted_bytes = size_bytes
+
+    def replied(self, context: grpc.aio.ServicerContext[Any, Any], status: str) -> None:
+        """Ends a joined call's `reply` with what it got: `status`, or DEADLINE_EXCEEDED
+        once its gRPC deadline has passed (gRPC ends the call so, whatever it is handed).
+        Nothing for any other call: its gRPC deadline is not read on every answer."""
+        if self.reply is not NULL_TRACE:
+            self.reply.end(status if _before_grpc_deadline(context) else "DEADLINE_EXCEEDED")
+
+
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
     # Built in one place (LaneServer.start), from what the server assembled.
     def __init__(  # noqa: PLR0913, PLR0917
@@ -410,9 +441,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         would end its whole call. To this caller alone: the
         answer is kept for replay, so a retry that reads more gets it without running it
         again. `counted_size`: its size, where the refusal is counted already, as the
-        status of the request this call submitted (no caller taking the answer read it);
-        None: it is counted here as a refusal of `lane` (a retry that joined or replayed
-        it, or the submitter of an answer a joined retry read)."""
+        status of the request this call submitted or joined (no caller taking the answer
+        read it, and the ledger chose this call's refusal for it: `Caller.counted`);
+        None: it is counted here as a refusal of `lane` (any other caller refused)."""
         if limit is None:
             return
         counted = counted_size is not None
@@ -548,9 +579,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         # Set by `submit`, which runs only when this call (not a retry it joins) queues it;
         # NULL_TRACE again once this call is answered alone (see `expired`).
         trace = NULL_TRACE
-        # Set by `finish`, run only for what `submit` queued, when it counted the request
-        # ANSWER_TOO_LARGE (no caller taking the answer read it): the answer's size.
-        answer_bytes: int | None = None
+        # What the ledger tells this call of the answer it takes (`Caller`).
+        taken = _Taken(self._tracer, request.request_id, lane)
 
         def submit(resolve: Resolve) -> Admitted:
             nonlocal trace
@@ -576,9 +606,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             return self._admitted(entry_id, lane, trace, arrived_s)
 
         def finish(
-            outcome: Outcome, left_s: float | None, read_limit: int | None
+            outcome: Outcome, left_s: float | None, read_limit: int | None, own: Caller
         ) -> pb.InferResponse:
-            nonlocal answer_bytes
             trace.replying()
             # Counted as what its callers got: when none waits any more (they left, or
             # their deadlines passed while it ran on for replay), not OK. By the last one
@@ -600,8 +629,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 # this call's limit alone: it may have left, and a retry that joined it
                 # with a larger limit took the answer (it was counted ANSWER_TOO_LARGE).
                 if status == "OK" and read_limit is not None and size > read_limit:
-                    status = AnswerTooLargeError.reason  # what they get (see below)
-                    answer_bytes = size
+                    # What they get: counted here once, for the caller `own` (this call
+                    # while it takes the answer), not again as its refusal.
+                    status = AnswerTooLargeError.reason
+                    own.counted(size)
                 return response
             finally:
                 self._request_over(lane, trace, status, arrived_s)
@@ -616,7 +647,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         # Its caller, as the ledger sees it: a call whose gRPC deadline has passed takes
         # no answer (gRPC ends it DEADLINE_EXCEEDED; the answer was counted OK), and a
         # caller answered alone at its deadline is counted as its lane's refusal.
-        caller = Caller(functools.partial(_before_grpc_deadline, context), expired, answer_limit)
+        caller = Caller(
+            functools.partial(_before_grpc_deadline, context),
+            expired,
+            answer_limit,
+            joined=taken.joined,
+            counted=taken.counted,
+        )
         run = functools.partial(
             self._run_once, lane, request.request_id, digest, submit, finish, wait_until_s, caller
         )
@@ -624,12 +661,31 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # A stream item that joins its request in flight, replays its stored answer or
             # is refused for reusing an id adds no rows to its lane: waiting for room there
             # held it, and its stream's reading, up to its deadline for nothing.
-            response = await run()
+            answer = run()
         else:
-            response = await self._run_when_room(
-                run, lane, rows, wait_until_s, room, request.request_id
-            )
-        self._check_receivable(response, answer_limit, answer_bytes, lane)
+            answer = self._run_when_room(run, lane, rows, wait_until_s, room, request.request_id)
+        return await self._take(answer, taken, context, answer_limit, lane)
+
+    async def _take(
+        self,
+        answer: Awaitable[pb.InferResponse],
+        taken: _Taken,
+        context: grpc.aio.ServicerContext[Any, Any],
+        answer_limit: int | None,
+        lane: str,
+    ) -> pb.InferResponse:
+        """The call's `answer`, refused where over `answer_limit` (`_check_receivable`);
+        a call that joined a request in flight has its reply traced, with what it got."""
+        try:
+            response = await answer
+            taken.reply.replying()
+            self._check_receivable(response, answer_limit, taken.counted_bytes, lane)
+        except JoinExpiredError:
+            raise  # answered alone, before any answer came: no reply (nor the submitter's)
+        except LaneserveError as error:
+            taken.replied(context, error.reason)  # the request's error, or its refusal
+            raise
+        taken.replied(context, "OK")
         return response
 
     def _lane_of(

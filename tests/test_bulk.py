@@ -1158,6 +1158,9 @@ def test_a_stream_item_that_waited_for_room_counts_no_refusal(small_model: Path)
                 def retried(self, request_id: str, lane: str, how: str) -> None:
                     tracer.retried(request_id, lane, how)
 
+                def joined(self, request_id: str, lane: str) -> RequestTrace:
+                    return tracer.joined(request_id, lane)
+
             thread.room_wait_s = recording_room_wait_s  # type: ignore[method-assign]
             servicer._tracer = RecordingTracer()
             engine.hold()

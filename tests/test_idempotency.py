@@ -17,7 +17,9 @@ import onnxruntime as ort
 import pytest
 
 from laneserve import client as lc
+from laneserve.client.tensors import encode_tensor
 from laneserve.server import LaneConfig, ManualClock, ServerConfig
+from laneserve.server.demo_model import make_demo_model
 from laneserve.server.errors import JoinExpiredError
 from laneserve.server.idempotency import (
     ANY_CALLER,
@@ -621,7 +623,7 @@ def test_a_retry_joining_in_the_turn_its_answer_arrives_gets_it() -> None:
             return Admitted(never_cancelled, lambda _later_s: True)
 
         def answer(
-            outcome: Outcome, _left_s: float | None, _read_limit: int | None
+            outcome: Outcome, _left_s: float | None, _read_limit: int | None, _own: Caller
         ) -> pb.InferResponse:
             return pb.InferResponse(request_id=outcome.request_id)
 
@@ -667,7 +669,7 @@ def test_work_every_caller_left_is_counted_by_the_last_callers_own_deadline() ->
             return Admitted(running, move)
 
         def answer(
-            outcome: Outcome, left_s: float | None, _read_limit: int | None
+            outcome: Outcome, left_s: float | None, _read_limit: int | None, _own: Caller
         ) -> pb.InferResponse:
             given.append(left_s)
             return pb.InferResponse(request_id=outcome.request_id)
@@ -710,7 +712,7 @@ class _OneFlight:
             return Admitted(running, lambda _later_s: True)
 
         def answer(
-            outcome: Outcome, left_s: float | None, _read_limit: int | None
+            outcome: Outcome, left_s: float | None, _read_limit: int | None, _own: Caller
         ) -> pb.InferResponse:
             self.given.append(left_s)
             return pb.InferResponse(request_id=outcome.request_id)
@@ -794,7 +796,7 @@ async def completed(ledger: RequestLedger, request_id: str) -> None:
         return Admitted(running, lambda _later_s: True)
 
     def finish(
-        outcome: Outcome, _left_s: float | None, _read_limit: int | None
+        outcome: Outcome, _left_s: float | None, _read_limit: int | None, _own: Caller
     ) -> pb.InferResponse:
         return pb.InferResponse(request_id=outcome.request_id)
 
@@ -871,6 +873,54 @@ def test_joined_request_survives_the_first_caller_leaving(small_model: Path) -> 
         assert engine.ran_tags.count(5) == 1
 
     asyncio.run(scenario())
+
+
+def test_an_answer_none_of_its_callers_read_counts_each_refusal_once(tmp_path: Path) -> None:
+    """A stream item that reads at most 1 KiB queues a request whose answer is 4 KiB; two
+    stream items with its id and the same limit join it, and so does a unary retry. The
+    item that queued it and the unary retry leave before it is answered: no caller still
+    waiting reads the answer. The request is counted once in `answered`, ANSWER_TOO_LARGE
+    (what its callers got), standing for one joined item's refusal, and the other's
+    refusal once in `rejected`. Judged for the item that queued it, the request's status
+    stood for nobody's refusal: both joined items were counted in `rejected` as well."""
+    wide = tmp_path / "wide.onnx"
+    make_demo_model(wide, input_dim=4, hidden_layers=0, output_dim=1024)  # 4 KiB per row
+    x = np.ones((1, 4), dtype=np.float32)
+    shared = pb.InferRequest(request_id="shared", lane="bulk", inputs=[encode_tensor("input", x)])
+    small = (("laneserve-max-receive-bytes", "1024"),)
+
+    async def scenario() -> tuple[list[pb.InferStreamResponse], pb.GetStatsResponse]:
+        engine = RecordingEngine(str(wide))
+        async with served(engine, config(wide)) as s:
+            assert s.server._servicer is not None
+            ledger = s.server._servicer._ledger
+            engine.hold()
+            streams = [s.stub.InferStream(iter([shared]), metadata=small)]
+            items = [asyncio.ensure_future(anext(aiter(streams[0])))]
+            assert await asyncio.to_thread(engine.entered.acquire, True, 10)  # it runs
+            streams += [s.stub.InferStream(iter([shared]), metadata=small) for _ in range(2)]
+            items += [asyncio.ensure_future(anext(aiter(stream))) for stream in streams[1:]]
+            retry_call = s.stub.Infer(shared, timeout=30)
+            retry = asyncio.ensure_future(retry_call)
+            await until_stats(s, lambda stats: stats.idempotent_joins == 3)
+            streams[0].cancel()  # the item that queued it goes
+            retry_call.cancel()
+            await until(lambda: len(ledger._flights["shared"].waiters) == 2)
+            engine.release()
+            answers = list(await asyncio.gather(*items[1:]))
+            for stream in streams[1:]:
+                stream.cancel()
+            for gone in (items[0], retry):
+                with pytest.raises(asyncio.CancelledError):
+                    await gone
+            return answers, await s.stub.GetStats(pb.GetStatsRequest())
+
+    answers, stats = asyncio.run(scenario())
+    for item in answers:
+        assert "over the largest message this caller reads (1024 bytes" in item.error.message
+    bulk = next(lane for lane in stats.lanes if lane.name == "bulk")
+    assert (bulk.admitted, dict(bulk.answered)) == (1, {"ANSWER_TOO_LARGE": 1})
+    assert bulk.rejected["ANSWER_TOO_LARGE"] == 1, "two callers refused: each counted once"
 
 
 def test_requests_without_an_id_are_not_deduplicated(small_model: Path) -> None:

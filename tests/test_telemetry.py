@@ -603,6 +603,54 @@ def test_a_caller_answered_alone_at_its_deadline_gets_no_reply_of_the_retrys_ans
         assert event.name == "laneserve.retry"
 
 
+def test_a_retry_that_joins_a_request_in_flight_gets_a_reply_of_its_own(
+    small_model: Path,
+) -> None:
+    """A retry that joins the request with its id in flight queues and runs nothing: the
+    request's spans are in the trace of the call that queued it. Its own trace had the
+    `laneserve.retry` event alone, nothing saying what answer it got; every other answered
+    call has a `reply`. It has one now, with what it got: the answer, or the request's
+    error. The trace of the call that queued it keeps its spans, one `reply` among them."""
+
+    async def scenario() -> InMemorySpanExporter:
+        engine = RecordingEngine(str(small_model))
+        engine.fail_when = lambda batch: batch.rows == 3
+        async with serving_traced(engine, config(small_model)) as (s, exporter):
+            for joins, (first_trace, retry_trace, count) in enumerate(((11, 12, 1), (13, 14, 3))):
+                while engine.entered.acquire(blocking=False):
+                    pass  # forget the batches before: `entered` below waits for the next one
+                engine.hold()
+                shared = request(rows(count), request_id=f"shared-{count}")
+                first = s.stub.Infer(shared, metadata=traceparent(first_trace))
+                await entered(engine)
+                retry = s.stub.Infer(shared, metadata=traceparent(retry_trace))
+                await until_joined(s, joins=joins + 1)
+                engine.release()
+                await asyncio.gather(first, retry, return_exceptions=True)
+            await until(lambda: len(spans_named(exporter, INFER_SPAN)) == 4)
+        return exporter
+
+    exporter = asyncio.run(scenario())
+    for first_trace, retry_trace, status, code in (
+        (11, 12, "OK", StatusCode.UNSET),
+        (13, 14, "ENGINE_FAILURE", StatusCode.ERROR),
+    ):
+        first = in_trace(exporter, first_trace)
+        assert sorted(first) == sorted([INFER_SPAN, "enqueue", "reply"])
+        assert attr(only(first["reply"]), "laneserve.status") == status
+        spans = in_trace(exporter, retry_trace)
+        assert sorted(spans) == sorted([INFER_SPAN, "reply"]), "nothing queued: no enqueue"
+        server, reply = only(spans[INFER_SPAN]), only(spans["reply"])  # ended once
+        (event,) = server.events
+        assert event.name == "laneserve.retry"
+        assert parent_id(reply) == span_id(server)
+        assert attr(reply, "laneserve.status") == status
+        assert reply.status.status_code is code
+        assert server.end_time is not None
+        assert reply.end_time is not None
+        assert reply.end_time <= server.end_time, "said within the call"
+
+
 def test_a_batch_still_running_at_stop_ends_its_span_in_error(small_model: Path) -> None:
     """A batch that outlives the stop's wait has its span ended by the stop, status DRAINING:
     it was left UNSET there, where a batch answered DRAINING by its run is an ERROR."""

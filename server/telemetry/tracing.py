@@ -4,8 +4,9 @@
 One `enqueue` span per queued request (admission to first dispatch) and one `reply`
 span (answer back on the event loop to encoded; zero-length when the request ended
 running, with no answer, for its status), both children of the gRPC server span
-(server_spans.py). Each batch gets a root `batch` span with a link to every request span
-it serves, and an `infer` child for the session run.
+(server_spans.py). A call that joins a request in flight queues nothing: it gets a
+`reply` alone, with what it got (`Tracing.joined`). Each batch gets a root `batch` span
+with a link to every request span it serves, and an `infer` child for the session run.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ from laneserve.server.items import Batch, Signature
 
 # Request ends that are not failures of the request's own span.
 _NOT_ERRORS = frozenset({"OK", "CANCELLED"})
+
+
+def _unsampled() -> bool:
+    """Whether the current call's trace was not sampled: the request's spans would be
+    dropped too (the samplers decide per trace), and even a dropped span costs the SDK
+    ~8 us."""
+    server_span = otel_trace.get_current_span()
+    return server_span.get_span_context().is_valid and not server_span.is_recording()
 
 
 class BatchLinkSampler(Sampler):
@@ -111,10 +120,7 @@ class _RequestSpans:
             return
         # It ran, and ends with no answer to encode (its caller left while its batch ran):
         # a `reply` of no length says how, or none of its spans would.
-        now_ns = time.time_ns()
-        reply = self._tracer.start_span("reply", context=self._parent, start_time=now_ns)
-        _set_request_status(reply, status)
-        reply.end(end_time=now_ns)
+        _empty_reply(self._tracer, self._parent, status)
 
     def _end_enqueue(self, status: str | None) -> bool:
         """Ends `enqueue` with `status` (None: dispatched) unless it has ended already;
@@ -127,6 +133,43 @@ class _RequestSpans:
             _set_request_status(self.enqueue, status)
         self.enqueue.end()
         return True
+
+
+class _JoinedReply:
+    """The `reply` of a call that joined a request in flight (a `RequestTrace`), a child
+    of that call's server span: from the answer reaching it to its end, with what it got
+    (the answer, its refusal, or the request's error; of no length when nothing of the
+    answer was handed to it). Only the event loop touches it; `end` ends it once."""
+
+    __slots__ = ("_ended", "_parent", "_reply", "_tracer")
+
+    def __init__(self, tracer: otel_trace.Tracer) -> None:
+        self._tracer = tracer
+        self._parent = otel_context.get_current()  # the joined call's server span
+        self._reply: otel_trace.Span | None = None
+        self._ended = False
+
+    def replying(self) -> None:
+        if self._reply is None and not self._ended:
+            self._reply = self._tracer.start_span("reply", context=self._parent)
+
+    def end(self, status: str) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        if self._reply is None:
+            _empty_reply(self._tracer, self._parent, status)
+            return
+        _set_request_status(self._reply, status)
+        self._reply.end()
+
+
+def _empty_reply(tracer: otel_trace.Tracer, parent: otel_context.Context, status: str) -> None:
+    """A `reply` of no length under `parent`, saying how a request ended with no answer."""
+    now_ns = time.time_ns()
+    reply = tracer.start_span("reply", context=parent, start_time=now_ns)
+    _set_request_status(reply, status)
+    reply.end(end_time=now_ns)
 
 
 def _set_request_status(span: otel_trace.Span, status: str) -> None:
@@ -153,10 +196,7 @@ class Tracing:
 
     # RequestTracer
     def start(self, request_id: str, lane: str, rows: int, budget_s: float | None) -> RequestTrace:
-        server_span = otel_trace.get_current_span()
-        if server_span.get_span_context().is_valid and not server_span.is_recording():
-            # Its trace was not sampled: the request's spans would be dropped too (the
-            # samplers decide per trace), and even a dropped span costs the SDK ~8 us.
+        if _unsampled():
             return NULL_TRACE
         lane_config = self._lanes.get(lane)
         # The effective deadline, by the scheduler's own rule (relative: now = 0).
@@ -167,6 +207,10 @@ class Tracing:
         if deadline_s is not None:
             attributes["laneserve.deadline_ms"] = round(deadline_s * 1000, 3)
         return _RequestSpans(self._tracer, attributes)
+
+    def joined(self, request_id: str, lane: str) -> RequestTrace:
+        del request_id, lane  # on the call's `laneserve.retry` event (`retried`)
+        return NULL_TRACE if _unsampled() else _JoinedReply(self._tracer)
 
     def retried(self, request_id: str, lane: str, how: str) -> None:
         # An event on the call's span, not spans of its own: nothing of it is queued or
