@@ -107,6 +107,13 @@ def check_pem_files(
                 f"{ca_name} {ca}: holds no PEM CA certificate ({error.reason or error}); "
                 "expected the PEM certificate(s) of the CA that signed the server's"
             ) from error
+        if context.cert_store_stats()["x509"] == 0:
+            # A file of CRLs (with a key or not) loads: gRPC took it as the roots, and
+            # every call failed, as with a file that does not load.
+            raise ValueError(
+                f"{ca_name} {ca}: holds no PEM CA certificate (only CRLs or other PEM "
+                "blocks); expected the PEM certificate(s) of the CA that signed the server's"
+            )
     if cert is not None and key is not None:
 
         def refuse_passphrase() -> str:

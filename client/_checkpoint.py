@@ -299,11 +299,11 @@ class Checkpoint:
         """
         assert self.done.all()
         self.save()
-        # Not an array's name: those end in .npy.
-        staged = self.directory / f"output{output.suffix.lower()}.tmp"
+        suffix = output.suffix.lower()
+        staged = self.directory / f"{_STAGED_STEM}{suffix}.tmp"
         try:
             staged.unlink(missing_ok=True)  # an interrupted finish's
-            if output.suffix.lower() == ".npy":
+            if suffix == ".npy":
                 (name,) = self.arrays
                 _link_or_copy(self._array_path(name), staged)
             else:
@@ -333,6 +333,9 @@ class Checkpoint:
 
 # Written into a checkpoint just before `finish` renames it away.
 _FINISHED_MARK = ".finished"
+# `finish` stages the output in the checkpoint as output.npy.tmp (or .npz.tmp): not an
+# array's name (those end in .npy), and one `_finished_leftover` knows as a checkpoint's.
+_STAGED_STEM = "output"
 
 
 def _finished_leftover(directory: Path, prefix: str) -> bool:
@@ -356,7 +359,7 @@ def _finished_leftover(directory: Path, prefix: str) -> bool:
         and (
             entry.name in (_FINISHED_MARK, "state.json")
             or entry.suffix == ".npy"
-            or (entry.name.startswith("output.") and entry.suffix == ".tmp")
+            or (entry.name.startswith(f"{_STAGED_STEM}.") and entry.suffix == ".tmp")
         )
         for entry in entries
     )

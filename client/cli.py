@@ -332,9 +332,9 @@ def _table(out: TextIO, header: list[str], rows: list[list[str]]) -> None:
 
 
 def _infer(client: Client, args: argparse.Namespace) -> int:
-    if args.output is not None:
-        input_path = None if args.input is None else Path(args.input)
-        output = Path(args.output)
+    input_path = None if args.input is None else Path(args.input)
+    output = None if args.output is None else Path(args.output)
+    if output is not None:
         _check_output_path(output, "--output", input_path)
         # Written in place (bulk's output replaces the file: its own permissions are moot).
         if output.exists() and not os.access(output, os.W_OK):
@@ -345,14 +345,14 @@ def _infer(client: Client, args: argparse.Namespace) -> int:
     model = client.model(timeout=args.timeout)
     # bulk's checks against the model: the server would refuse the call for any of these.
     asked = _asked_outputs(model, args)
-    if args.output is not None:  # else the answer, run, could not be written
-        _check_one_array(Path(args.output), asked, model)
+    if output is not None:  # else the answer, run, could not be written
+        _check_one_array(output, asked, model)
     _check_lane(model, args.lane)
-    # argparse lets exactly one of them through.
     if args.json is not None:
         inputs = _inputs_from_json(args.json, model, "--json")
     else:
-        inputs = _read_inputs(Path(args.input), model)
+        assert input_path is not None, "argparse lets exactly one of --json, --input through"
+        inputs = _read_inputs(input_path, model)
     _row_count(inputs, args.input or "--json")
     _check_request_fits(model, args.lane, inputs, args.request_id, asked)
     outputs = client.infer(
@@ -362,11 +362,11 @@ def _infer(client: Client, args: argparse.Namespace) -> int:
         request_id=args.request_id,
         outputs=asked or None,
     )
-    if args.output is None:
+    if output is None:
         json.dump({name: array.tolist() for name, array in outputs.items()}, sys.stdout)
         print()
     else:
-        _write_outputs(Path(args.output), outputs)
+        _write_outputs(output, outputs)
     return EXIT_OK
 
 
@@ -580,13 +580,12 @@ def _check_output_path(path: Path, option: str, input_path: Path | None = None) 
 
 
 def _bulk(client: Client, args: argparse.Namespace) -> int:
-    output = Path(args.output)
-    _check_output_path(output, "--output", Path(args.input))
+    output, input_path = Path(args.output), Path(args.input)
+    _check_output_path(output, "--output", input_path)
     model = client.model(timeout=args.timeout)
     asked = _asked_outputs(model, args)
     output_names = asked or [spec.name for spec in model.outputs]
     _check_one_array(output, asked, model)
-    input_path = Path(args.input)
     if input_path.suffix.lower() not in (".npy", ".npz"):
         raise UsageError(f"--input {input_path}: expected a .npy or .npz file")
     inputs = _read_inputs(input_path, model, ".npy or .npz")
