@@ -94,6 +94,35 @@ MIB = 1024 * 1024
 # The demo MLP under this budget runs up to ~750 rows and fails at 768 (weights take
 # 20 MiB); its probe settles on 736.
 DEMO_BUDGET = "32MiB"
+# A child process is killed past this: its test fails, never hangs.
+CHILD_TIMEOUT_S = 120
+
+
+def _run_python(*argv: str, exit_code: int = 0) -> subprocess.CompletedProcess[str]:
+    """`python ARGV` in a child process (its own process-wide arena and budget), which
+    must exit with `exit_code`; its stdout and stderr are text."""
+    done = subprocess.run(
+        [sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == exit_code, (
+        f"the child exited {done.returncode}, expected {exit_code}; its stderr:\n{done.stderr}"
+    )
+    return done
+
+
+def _run_script(script: str, *args: str) -> str:
+    """The stdout of `python -c SCRIPT ARGS`, which must succeed."""
+    return _run_python("-c", script, *args).stdout
+
+
+def _script_report(script: str, *args: str) -> Any:
+    """The JSON document a successful `python -c SCRIPT ARGS` printed last."""
+    return json.loads(_run_script(script, *args).strip().splitlines()[-1])
 
 
 # ---- the budget and the watermark --------------------------------------------------------
@@ -263,10 +292,7 @@ def test_serving_process_never_imports_onnx(tmp_path: Path, memory_limit: str | 
         "print('onnx' in sys.modules)\n"
     )
     make_demo_model(tmp_path / "mlp.onnx", input_dim=16, hidden_dim=32, hidden_layers=1)
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert done.stdout.strip() == "False"
+    assert _run_script(script).strip() == "False"
 
 
 def test_a_failed_estimate_runs_once_under_a_cpu_budget(tmp_path: Path) -> None:
@@ -286,10 +312,7 @@ def test_a_failed_estimate_runs_once_under_a_cpu_budget(tmp_path: Path) -> None:
         "print(len(calls), server.memory_estimate)\n"
     )
     make_demo_model(tmp_path / "mlp.onnx", input_dim=16, hidden_dim=32, hidden_layers=1)
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert done.stdout.split() == ["1", "None"]
+    assert _run_script(script).split() == ["1", "None"]
 
 
 # Every unit a size may take, in a size of it that parses: decimal and binary alike.
@@ -366,32 +389,12 @@ def test_a_tiny_low_watermark_is_refused_at_start_naming_it(
     of 1 byte was refused naming host_memory_limit, asking for a limit above 100 PiB."""
     config = tmp_path / "laneserve.toml"
     config.write_text(f"[server]\nmemory_low_watermark = {low}\n", encoding="utf-8")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "laneserve.server.cli",
-            "serve",
-            "--model",
-            str(small_model),
-            "--device",
-            "cpu",
-            "--port",
-            "0",
-            "--metrics-port",
-            "-1",
-            "--host-memory-limit",
-            "1GiB",
-            "--config",
-            str(config),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        stdin=subprocess.DEVNULL,
+    done = _run_python(
+        *("-m", "laneserve.server.cli", "serve", "--model", str(small_model)),
+        *("--device", "cpu", "--port", "0", "--metrics-port", "-1"),
+        *("--host-memory-limit", "1GiB", "--config", str(config)),
+        exit_code=2,
     )
-    assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     (line,) = [line for line in done.stderr.splitlines() if line.startswith("laneserve: ")]
     assert line.startswith("laneserve: server.memory_low_watermark: "), line
@@ -1110,14 +1113,7 @@ def test_lanes_closed_by_a_burst_reopen_when_its_memory_is_freed(small_model: Pa
     low watermark with nothing in use, and every lane stayed closed, interactive too
     (each admitting one request at a time). The reading gives the free heap back first
     while lanes are closed."""
-    done = subprocess.run(
-        [sys.executable, "-c", _FREED_HEAP_SCRIPT, str(small_model)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = _script_report(_FREED_HEAP_SCRIPT, str(small_model))
     assert report["closed"], "memory in use above the limit closed every lane"
     assert report["reopened"], report
 
@@ -1540,17 +1536,8 @@ def test_a_batch_of_more_narrower_rows_runs_in_a_shrunk_arena(tmp_path: Path) ->
     model.ir_version = 9
     path = tmp_path / "narrow.onnx"
     onnx.save(model, str(path))
-    done = subprocess.run(
-        [
-            *(sys.executable, "-c", _WIDTHS_IN_TURN_SCRIPT, str(path), "8MiB"),
-            *("400x16", "300x256", "400x16"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    assert done.stdout.split() == ["400x16:ok", "300x256:ok", "400x16:ok"], done.stdout
+    out = _run_script(_WIDTHS_IN_TURN_SCRIPT, str(path), "8MiB", "400x16", "300x256", "400x16")
+    assert out.split() == ["400x16:ok", "300x256:ok", "400x16:ok"], out
 
 
 def _outer_model(path: Path) -> Path:
@@ -1623,14 +1610,7 @@ def test_a_batch_that_fits_alone_runs_whole_after_other_shapes(
     counts: no row fails, nothing is split, and no out-of-memory run reaches the
     scheduler's cap learning."""
     model = _outer_model(tmp_path / "outer.onnx")
-    done = subprocess.run(
-        [sys.executable, "-c", _BATCHES_IN_TURN_SCRIPT, str(model), "18MiB", *specs],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = _script_report(_BATCHES_IN_TURN_SCRIPT, str(model), "18MiB", *specs)
     for spec, ran in zip(specs, report, strict=True):
         rows, width = map(int, spec.split("x"))
         assert ran == {
@@ -1759,14 +1739,7 @@ def test_engine_splits_a_batch_that_does_not_fit_and_recovers(
     demo_model: Path, reference: ort.InferenceSession, tmp_path: Path
 ) -> None:
     out = tmp_path / "out.npy"
-    done = subprocess.run(
-        [sys.executable, "-c", _ENGINE_SCRIPT, str(demo_model), DEMO_BUDGET, str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = _script_report(_ENGINE_SCRIPT, str(demo_model), DEMO_BUDGET, str(out))
     # A batch that fitted before an out-of-memory still fits after it.
     assert report["before"] is True
     assert report["too_big"] is False
@@ -1800,14 +1773,7 @@ print(json.dumps(fitted))
 
 def _fits_in_turn(model: Path, budget: str, sizes: Sequence[int]) -> list[bool]:
     """Whether each run of `sizes` rows fitted, run in turn by one engine under `budget`."""
-    done = subprocess.run(
-        [sys.executable, "-c", _IN_TURN_SCRIPT, str(model), budget, *map(str, sizes)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    fitted: list[bool] = json.loads(done.stdout.strip().splitlines()[-1])
+    fitted: list[bool] = _script_report(_IN_TURN_SCRIPT, str(model), budget, *map(str, sizes))
     return fitted
 
 
@@ -1847,14 +1813,8 @@ def test_the_probe_finds_the_largest_batch_that_fits(demo_model: Path) -> None:
     """The probe's sizes grew by powers of two, each in the regions the smaller ones left,
     and settled on 352 rows under 32 MiB, where 750 fit. Its cap is now within an eighth
     of the largest batch that fits a fresh arena."""
-    done = subprocess.run(
-        [sys.executable, "-c", _PROBE_SCRIPT, str(demo_model), DEMO_BUDGET, "1024"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    cap = int(done.stdout.strip().splitlines()[-1])
+    out = _run_script(_PROBE_SCRIPT, str(demo_model), DEMO_BUDGET, "1024")
+    cap = int(out.strip().splitlines()[-1])
     assert _fits_in_turn(demo_model, DEMO_BUDGET, [cap * 9 // 8]) == [False], cap
 
 
@@ -1877,15 +1837,7 @@ def test_a_probe_without_a_memory_limit_stops_where_the_hosts_memory_ends(
     with a large max_batch_size that is the host's: numpy's MemoryError building the
     inputs ended the start with a traceback. The probe stops at the last size that fit
     (here the host is an address-space limit 300 MiB above the loaded model)."""
-    done = subprocess.run(
-        [sys.executable, "-c", _HOST_LIMITED_PROBE, str(small_model)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    cap, first_failing = done.stdout.split()
+    cap, first_failing = _run_script(_HOST_LIMITED_PROBE, str(small_model)).split()
     assert first_failing != "None"
     assert 1 <= int(cap) < int(first_failing) <= 1_000_000
 
@@ -2053,14 +2005,7 @@ def test_a_row_too_large_alone_is_named_with_the_limit_and_the_remedy(tmp_path: 
     memory of 16776960 is smaller than requested bytes of 20971520"): neither its row nor
     the budget, nor what to change. The row's index is within its request."""
     model = _ragged_model(tmp_path / "ragged.onnx")
-    done = subprocess.run(
-        [sys.executable, "-c", _UNFIT_ROWS_SCRIPT, str(model), "16MiB"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    failed = json.loads(done.stdout.strip().splitlines()[-1])
+    failed = _script_report(_UNFIT_ROWS_SCRIPT, str(model), "16MiB")
     assert [(offset, count, reason) for offset, count, reason, _ in failed] == [
         (0, 2, "DEVICE_MEMORY"),
         (2, 1, "DEVICE_MEMORY"),
@@ -2128,15 +2073,7 @@ def test_the_idle_check_reads_memory_with_the_probes_arena_and_heap_given_back(
     the heap it freed still held, where a running server reads after giving both back:
     max_batch_size 2048 under a 200 MiB host limit was refused at 187 MiB, though the idle
     server held 123 MiB."""
-    done = subprocess.run(
-        [sys.executable, "-c", _IDLE_AFTER_RELEASE_SCRIPT, str(demo_model)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["accepted"]
+    assert _run_script(_IDLE_AFTER_RELEASE_SCRIPT, str(demo_model)).split() == ["accepted"]
 
 
 def test_a_server_refused_at_start_leaves_no_telemetry_thread(

@@ -75,32 +75,39 @@ class Pki:
         }
 
 
+# `openssl req` options for a new P-256 key, written unencrypted.
+NEW_KEY = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
+
+
+def openssl(directory: Path, *args: str) -> None:
+    """Runs `openssl ARGS` in `directory`, where the files it reads and writes are."""
+    # The `cryptography` package is not installed in .venv; the openssl command is.
+    command = shutil.which("openssl")
+    assert command is not None, "the TLS tests generate their certificates with `openssl`"
+    done = subprocess.run(
+        [command, *args], cwd=directory, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, f"openssl {' '.join(args)} exited {done.returncode}: {done.stderr}"
+
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    # The `cryptography` package is not installed in .venv; the openssl command is.
-    openssl = shutil.which("openssl")
-    assert openssl is not None, "the TLS tests generate their certificates with `openssl`"
     directory = tmp_path_factory.mktemp("pki")
-
-    def run(*args: str) -> None:
-        subprocess.run([openssl, *args], cwd=directory, check=True, capture_output=True, timeout=60)
-
-    new_key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
-    ca = f"req -x509 {new_key} -keyout ca.key -out ca.pem -days 2"
-    run(*ca.split(), "-subj", "/CN=laneserve test CA")
+    ca = f"req -x509 {NEW_KEY} -keyout ca.key -out ca.pem -days 2"
+    openssl(directory, *ca.split(), "-subj", "/CN=laneserve test CA")
     extensions = {
         "server": f"subjectAltName=DNS:{SERVER_NAME},IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
         "client": "extendedKeyUsage=clientAuth\n",
     }
     for serial, (name, text) in enumerate(extensions.items(), start=2):
         (directory / f"{name}.ext").write_text(text, encoding="ascii")
-        csr = f"req -new {new_key} -keyout {name}.key -out {name}.csr"
-        run(*csr.split(), "-subj", f"/CN=laneserve test {name}")
+        csr = f"req -new {NEW_KEY} -keyout {name}.key -out {name}.csr"
+        openssl(directory, *csr.split(), "-subj", f"/CN=laneserve test {name}")
         sign = (
             f"x509 -req -in {name}.csr -CA ca.pem -CAkey ca.key -set_serial {serial} "
             f"-days 2 -extfile {name}.ext -out {name}.pem"
         )
-        run(*sign.split())
+        openssl(directory, *sign.split())
     return Pki(
         ca=directory / "ca.pem",
         server_cert=directory / "server.pem",
@@ -232,12 +239,6 @@ def test_an_expired_server_certificate_is_refused_at_start(tmp_path: Path) -> No
     """The server started with an expired certificate and logged nothing; every
     client's handshake failed ("certificate has expired"). It is refused before the
     model loads, naming the setting and why clients would refuse it."""
-    openssl = shutil.which("openssl")
-    assert openssl is not None, "the TLS tests generate their certificates with `openssl`"
-
-    def run(*args: str) -> None:
-        subprocess.run([openssl, *args], cwd=tmp_path, check=True, capture_output=True, timeout=60)
-
     (tmp_path / "ca.cnf").write_text(
         "[ca]\ndefault_ca = d\n[d]\ndatabase = index.txt\nserial = serial\npolicy = p\n"
         "default_md = sha256\nnew_certs_dir = .\n[p]\ncommonName = supplied\n",
@@ -245,11 +246,12 @@ def test_an_expired_server_certificate_is_refused_at_start(tmp_path: Path) -> No
     )
     (tmp_path / "index.txt").touch()
     (tmp_path / "serial").write_text("01\n", encoding="ascii")
-    new_key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
-    run(*f"req -x509 {new_key} -keyout ca.key -out ca.pem -days 2".split(), "-subj", "/CN=ca")
-    run(*f"req -new {new_key} -keyout old.key -out old.csr".split(), "-subj", "/CN=old")
+    ca = f"req -x509 {NEW_KEY} -keyout ca.key -out ca.pem -days 2"
+    openssl(tmp_path, *ca.split(), "-subj", "/CN=ca")
+    csr = f"req -new {NEW_KEY} -keyout old.key -out old.csr"
+    openssl(tmp_path, *csr.split(), "-subj", "/CN=old")
     sign = "ca -batch -config ca.cnf -keyfile ca.key -cert ca.pem -in old.csr -out old.pem"
-    run(*sign.split(), "-startdate", "20200101000000Z", "-enddate", "20200102000000Z")
+    openssl(tmp_path, *sign.split(), "-startdate", "20200101000000Z", "-enddate", "20200102000000Z")
     cert, key = str(tmp_path / "old.pem"), str(tmp_path / "old.key")
     config = ServerConfig(model_path="m.onnx", tls_cert=cert, tls_key=key)
     with pytest.raises(ConfigError) as refused:
@@ -274,17 +276,8 @@ def test_an_expired_server_certificate_is_refused_at_start(tmp_path: Path) -> No
 def test_a_server_certificate_is_judged_as_grpcs_tls_judges_it(
     tmp_path: Path, extension: str, refused: str | None
 ) -> None:
-    openssl = shutil.which("openssl")
-    assert openssl is not None, "the TLS tests generate their certificates with `openssl`"
-    new_key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
-    command = f"req -x509 {new_key} -keyout s.key -out s.pem -days 2 -subj /CN=s".split()
-    subprocess.run(
-        [openssl, *command, "-addext", extension],
-        cwd=tmp_path,
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
+    command = f"req -x509 {NEW_KEY} -keyout s.key -out s.pem -days 2 -subj /CN=s".split()
+    openssl(tmp_path, *command, "-addext", extension)
     config = ServerConfig(
         model_path="m.onnx", tls_cert=str(tmp_path / "s.pem"), tls_key=str(tmp_path / "s.key")
     )
@@ -309,8 +302,6 @@ def test_a_ca_issued_certificate_for_another_purpose_is_refused_at_start(pki: Pk
 def test_a_client_ca_file_of_crls_alone_is_refused_naming_it(pki: Pki, tmp_path: Path) -> None:
     """PEM that loads but holds no certificate (a CRL): gRPC refused the bind, and the
     start blamed the server's own certificate and key."""
-    openssl = shutil.which("openssl")
-    assert openssl is not None, "the TLS tests generate their certificates with `openssl`"
     (tmp_path / "ca.cnf").write_text(
         "[ca]\ndefault_ca = d\n[d]\ndatabase = index.txt\ndefault_md = sha256\n"
         "default_crl_days = 2\n",
@@ -319,13 +310,7 @@ def test_a_client_ca_file_of_crls_alone_is_refused_naming_it(pki: Pki, tmp_path:
     (tmp_path / "index.txt").touch()
     ca_key = pki.ca.with_suffix(".key")
     gencrl = ["ca", "-gencrl", "-config", "ca.cnf", "-keyfile", str(ca_key), "-cert", str(pki.ca)]
-    subprocess.run(
-        [openssl, *gencrl, "-out", "crl.pem"],
-        cwd=tmp_path,
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
+    openssl(tmp_path, *gencrl, "-out", "crl.pem")
     tls = pki.server_tls(require_client_auth=True) | {"tls_client_ca": str(tmp_path / "crl.pem")}
     config = ServerConfig(model_path="m.onnx", **tls)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=re.escape("server.tls_client_ca: ")):
@@ -504,30 +489,11 @@ def test_tls_files_grpc_takes_are_taken_whatever_the_openssl_security_level(
     """The checks of TLS files loaded them at OpenSSL's security level, which gRPC's
     TLS (BoringSSL) does not have: an RSA-1024 certificate that served and called was
     refused "not a PEM certificate and its private key (EE_KEY_TOO_SMALL)"."""
-    openssl = shutil.which("openssl")
-    assert openssl is not None, "the TLS tests generate their certificates with `openssl`"
     ca_key = pki.ca.with_suffix(".key")
-
-    def run(*args: str) -> None:
-        subprocess.run([openssl, *args], cwd=tmp_path, check=True, capture_output=True, timeout=60)
-
-    run(
-        *[
-            "req",
-            "-new",
-            "-newkey",
-            "rsa:1024",
-            "-nodes",
-            "-keyout",
-            "weak.key",
-            "-out",
-            "weak.csr",
-        ],
-        "-subj",
-        "/CN=w",
-    )
+    csr = "req -new -newkey rsa:1024 -nodes -keyout weak.key -out weak.csr"
+    openssl(tmp_path, *csr.split(), "-subj", "/CN=w")
     sign = f"x509 -req -in weak.csr -CA {pki.ca} -CAkey {ca_key} -set_serial 9 -days 2"
-    run(*sign.split(), "-out", "weak.pem")
+    openssl(tmp_path, *sign.split(), "-out", "weak.pem")
     weak_cert, weak_key = tmp_path / "weak.pem", tmp_path / "weak.key"
     TlsConfig.from_files(ca=pki.ca, cert=weak_cert, key=weak_key)
     server_credentials(ServerConfig(model_path="m", tls_cert=str(weak_cert), tls_key=str(weak_key)))
