@@ -19,6 +19,7 @@ Errors (each carries the server's message, ``reason``, ``code`` and ``retry_afte
     ├── ResourceExhaustedError
     │   ├── LaneFullError                retryable
     │   ├── MemoryPressureError          retryable
+    │   ├── JoinLimitError               retryable
     │   ├── DeviceMemoryError
     │   ├── AnswerTooLargeError
     │   └── ServerBusyError              retryable (gRPC's call limit)
@@ -47,6 +48,7 @@ from laneserve.client._errors import (
     EngineError,
     ExpiredInQueueError,
     InvalidInputError,
+    JoinLimitError,
     LaneFullError,
     LaneserveError,
     MemoryPressureError,
@@ -89,6 +91,7 @@ __all__ = [
     "EngineError",
     "ExpiredInQueueError",
     "InvalidInputError",
+    "JoinLimitError",
     "LaneFullError",
     "LaneInfo",
     "LaneserveError",

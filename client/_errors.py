@@ -8,6 +8,7 @@
     │   ├── MemoryPressureError          (any)                 MEMORY_PRESSURE      retryable
     │   ├── DeviceMemoryError            (any)                 DEVICE_MEMORY
     │   ├── AnswerTooLargeError          (any)                 ANSWER_TOO_LARGE
+    │   ├── JoinLimitError               RESOURCE_EXHAUSTED    JOIN_LIMIT           retryable
     │   └── ServerBusyError              RESOURCE_EXHAUSTED    (the call limit)     retryable
     ├── DeadlineExceededError            DEADLINE_EXCEEDED     (the caller's own deadline)
     │   ├── DeadlineUnmeetableError      DEADLINE_EXCEEDED     DEADLINE_UNMEETABLE
@@ -47,6 +48,7 @@ __all__ = [
     "EngineError",
     "ExpiredInQueueError",
     "InvalidInputError",
+    "JoinLimitError",
     "LaneFullError",
     "LaneserveError",
     "MemoryPressureError",
@@ -114,6 +116,14 @@ class RequestIdReusedError(InvalidInputError):
 
 class ResourceExhaustedError(LaneserveError):
     """The server or gRPC refused for lack of a resource (e.g. the message size limit)."""
+
+
+class JoinLimitError(ResourceExhaustedError):
+    """The request's request_id is queued or running with as many callers waiting for it
+    as one request may have (retries and hedges of it): retried after a pause, it joins
+    or gets the stored answer without running again."""
+
+    retryable = True
 
 
 class ServerBusyError(ResourceExhaustedError):
@@ -199,6 +209,7 @@ _BY_REASON: Mapping[str, type[LaneserveError]] = {
     "MEMORY_PRESSURE": MemoryPressureError,
     "DEVICE_MEMORY": DeviceMemoryError,
     "ANSWER_TOO_LARGE": AnswerTooLargeError,
+    "JOIN_LIMIT": JoinLimitError,
     "DEADLINE_UNMEETABLE": DeadlineUnmeetableError,
     "EXPIRED_IN_QUEUE": ExpiredInQueueError,
     "DRAINING": ServerDrainingError,

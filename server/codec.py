@@ -7,15 +7,109 @@ batching path. Every refusal names the tensor and what was expected.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from laneserve.client.tensors import datatype_name, decode_tensor, encode_tensor
+from laneserve.client.tensors import (
+    MAX_DIMS,
+    datatype_name,
+    decode_tensor,
+    encode_tensor,
+    numpy_dtype,
+)
 from laneserve.server.engine import TensorSpec
 from laneserve.server.errors import InvalidInputError
 from laneserve.server.items import Array, Signature, Timing
 from laneserve.v1 import inference_pb2 as pb
+
+# The most bytes an InferRequest may carry besides its tensors' data, as their shapes and
+# dtypes size it, and one copy of each of its fields (`extra_bytes`): fields this server
+# does not know (protobuf keeps them), fields sent more than once (the last counts),
+# data beyond its shape. A queued request's message stays in memory while its caller
+# waits, and lanes count its rows, not its bytes: 60 one-row requests padded with 8 MiB
+# each held 1 GiB at depth 60/2048. Far above what a newer client's added fields take.
+MAX_EXTRA_BYTES = 64 * 1024
+
+_ITEM_BYTES: dict[int, int] = {
+    datatype: numpy_dtype(datatype).itemsize
+    for datatype in pb.DataType.values()
+    if datatype != pb.DATA_TYPE_UNSPECIFIED
+}
+
+
+def check_counts(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> None:
+    """Refuses more inputs, or dimensions, than any request the model takes, before
+    anything walks them: hashing them (a request_id) cost the event loop time in
+    proportion, up to a whole message of them (`check_output_names` bounds the names)."""
+    if len(tensors) > len(specs):
+        raise InvalidInputError(
+            f"request has {len(tensors)} inputs; expected the model's inputs "
+            f"{[spec.name for spec in specs]}, each once"
+        )
+    for tensor in tensors:
+        if len(tensor.shape) > MAX_DIMS:  # decode_tensor's refusal, in its words
+            raise InvalidInputError(
+                f"tensor {tensor.name!r}: shape has {len(tensor.shape)} dimensions; expected "
+                f"at most {MAX_DIMS}"
+            )
+
+
+def leading_rows(tensors: Sequence[pb.Tensor]) -> int | None:
+    """The rows `decode_inputs` counts if it accepts `tensors` (the first one's shape[0]),
+    read without decoding them; None when there is no first dimension to read."""
+    if not tensors or not tensors[0].shape:
+        return None
+    return tensors[0].shape[0]
+
+
+def extra_bytes(request: pb.InferRequest, wire_bytes: int) -> int | None:
+    """How many of the `wire_bytes` `request` was read from are neither its tensors' data,
+    as their shapes and dtypes size it, nor one copy of each of its fields (see
+    MAX_EXTRA_BYTES). None when a tensor's dtype or shape sizes no data (a request that
+    validation refuses). Reads no tensor's data (each read is a copy), and its cost is in
+    proportion to its inputs, dimensions and output names: `check_counts` bounds them."""
+    known = _text_bytes(request.request_id) + _text_bytes(request.lane)
+    if request.timeout_ms:
+        known += 1 + _varint_bytes(request.timeout_ms)
+    for name in request.output_names:  # a repeated field's every element, empty ones too
+        known += 1 + _length_prefixed_bytes(_utf8_bytes(name))
+    for tensor in request.inputs:
+        item_bytes = _ITEM_BYTES.get(tensor.dtype)
+        if item_bytes is None or len(tensor.shape) > MAX_DIMS:
+            return None
+        shape = list(tensor.shape)
+        if min(shape, default=0) < 0:
+            return None
+        size = _text_bytes(tensor.name) + 1 + _varint_bytes(tensor.dtype)
+        if shape:  # packed
+            size += 1 + _length_prefixed_bytes(sum(map(_varint_bytes, shape)))
+        data_bytes = math.prod(shape) * item_bytes
+        if data_bytes:
+            size += 1 + _length_prefixed_bytes(data_bytes)
+        known += 1 + _length_prefixed_bytes(size)
+    return wire_bytes - known
+
+
+def _text_bytes(text: str) -> int:
+    """A string field's encoded size (none when empty: proto3 leaves it out)."""
+    return 1 + _length_prefixed_bytes(_utf8_bytes(text)) if text else 0
+
+
+def _utf8_bytes(text: str) -> int:
+    # isascii() is O(1) in CPython: most names and ids need no encoding to be measured.
+    return len(text) if text.isascii() else len(text.encode())
+
+
+def _length_prefixed_bytes(size: int) -> int:
+    return _varint_bytes(size) + size
+
+
+def _varint_bytes(value: int) -> int:
+    if value < 0:  # an int64 or enum below zero: ten bytes, as two's complement
+        return 10
+    return max(1, (value.bit_length() + 6) // 7)
 
 
 def decode_inputs(
@@ -61,6 +155,11 @@ def check_output_names(names: Sequence[str], available: Sequence[str]) -> list[s
     """The outputs to return: all when `names` is empty, else `names` if they all exist."""
     if not names:
         return list(available)
+    if len(names) > len(available):  # before they are walked: up to a message of them
+        raise InvalidInputError(
+            f"output_names has {len(names)} names; expected at most {len(available)}, each "
+            f"of the model's outputs {list(available)} at most once"
+        )
     unknown = [name for name in names if name not in available]
     if unknown:
         raise InvalidInputError(

@@ -10,6 +10,7 @@
     ├── DeviceMemoryError          RESOURCE_EXHAUSTED   DEVICE_MEMORY        (one row too large)
     ├── AnswerTooLargeError        RESOURCE_EXHAUSTED   ANSWER_TOO_LARGE     (> max_message_bytes)
     ├── MemoryPressureError        RESOURCE_EXHAUSTED   MEMORY_PRESSURE      (retry after pushback)
+    ├── JoinLimitError             RESOURCE_EXHAUSTED   JOIN_LIMIT           (retry once answered)
     └── EngineError                INTERNAL             ENGINE_FAILURE
 
 Servicers never choose status codes: they raise or receive one of these and hand it to
@@ -94,6 +95,14 @@ class AnswerTooLargeError(LaneserveError):
 class MemoryPressureError(LaneserveError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "MEMORY_PRESSURE"
+
+
+class JoinLimitError(LaneserveError):
+    """A retry that would join its request in flight, which enough callers wait on
+    already: gRPC holds each waiting call's request message, which no lane counts."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "JOIN_LIMIT"
 
 
 class EngineError(LaneserveError):

@@ -12,7 +12,9 @@ attempt ran (the connection dropped, its deadline passed in flight, a bulk strea
   for the retry that is likely on its way. Each waiter keeps its own deadline: the work
   waits as long as the latest of those still waiting (a retry or hedge with a later
   deadline extends it; when that one leaves, it returns to the latest of the others),
-  and a waiter whose deadline passes first is answered alone.
+  and a waiter whose deadline passes first is answered alone. At most
+  `MAX_CALLERS_WAITING` callers wait on one request: a retry past them is refused
+  (`JoinLimitError`, RESOURCE_EXHAUSTED) and gets the stored answer once it is answered.
 - **completed**: the id's request succeeded recently. The retry gets the stored answer.
   Stored answers are bounded by count and by bytes, each kept at most ``ttl_s``; the
   oldest stored go first.
@@ -47,6 +49,7 @@ from laneserve.server.clock import DEADLINE_SLACK_S, Clock, StartTimer, Timer
 from laneserve.server.errors import (
     EngineError,
     JoinExpiredError,
+    JoinLimitError,
     LaneserveError,
     RequestIdReusedError,
 )
@@ -67,6 +70,14 @@ _EMPTY_STR_BYTES = sys.getsizeof("")
 # answer expires. So a busy cache is swept at most once per this long, each sweep
 # dropping every answer that expired meanwhile, not once per answer stored.
 SWEEP_SLACK_S = 1.0
+
+# The most callers that wait on one request in flight: the one that queued it and retries
+# (or hedges) that joined it. A join queues no rows, so no lane's capacity bounds it, but
+# gRPC holds a unary call's request message until the call is answered: unbounded, 80
+# joins of a 4 MiB request held 1 GiB. So what joined callers hold is at most this many
+# times the request, which its lane counts once. A client retries a request whose fate
+# it cannot know, or hedges it once or twice: more at a time is a retry loop.
+MAX_CALLERS_WAITING = 5
 
 log = logging.getLogger(__name__)
 
@@ -440,7 +451,8 @@ class RequestLedger:
         """The request's answer, running it only if no request with its id is in flight
         or stored. `submit(resolve)` admits the request with `resolve` as the token its
         Outcome comes back to and `deadline_s` as its deadline (or raises why not).
-        Raises the request's LaneserveError, or RequestIdReusedError.
+        Raises the request's LaneserveError, RequestIdReusedError, or JoinLimitError (a
+        retry that would join it past MAX_CALLERS_WAITING).
 
         A retry that joins a request in flight waits until its own `deadline_s` (on the
         ledger's clock) at most; a later one than the work's extends the work's. A waiter
@@ -458,6 +470,9 @@ class RequestLedger:
             self._flights[request_id] = flight
             return await self._wait(flight, deadline_s, caller)
         _check_same(request_id, flight.fingerprint, digest, "still queued or running")
+        refusal = self.join_refusal(request_id)
+        if refusal is not None:
+            raise refusal
         self.joins += 1
         caller.joined()
         if deadline_s > flight.deadline_s:
@@ -523,6 +538,23 @@ class RequestLedger:
                 return None
             known, how = flight.fingerprint, "join"
         return how if known == digest else "reused"
+
+    def join_refusal(self, request_id: str) -> JoinLimitError | None:
+        """Why a retry may not join the request `request_id` in flight now: as many
+        callers as MAX_CALLERS_WAITING wait for it. None: it may, or none is in flight."""
+        flight = self._flights.get(request_id)
+        if flight is None:
+            return None
+        # An expired waiter's future is done, and it leaves in its next step.
+        waiting = sum(1 for waiter in flight.waiters if not waiter.future.done())
+        if waiting < MAX_CALLERS_WAITING:
+            return None
+        return JoinLimitError(
+            f"request_id {request_id!r} is queued or running with {waiting} callers "
+            f"waiting for its answer, the most one request has ({MAX_CALLERS_WAITING}); "
+            "expected a retry once it is answered (its answer is then stored and given "
+            "without running it again), or fewer retries and hedges of it at a time"
+        )
 
     def replayed(self, request_id: str, digest: bytes) -> pb.InferResponse | None:
         """The stored answer of the completed request `request_id`, counted as a replay
@@ -694,6 +726,7 @@ def _check_same(request_id: str, known: bytes, digest: bytes, state: str) -> Non
 __all__ = [
     "ANY_CALLER",
     "ENTRY_OVERHEAD_BYTES",
+    "MAX_CALLERS_WAITING",
     "SWEEP_SLACK_S",
     "Admitted",
     "Caller",

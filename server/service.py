@@ -24,7 +24,15 @@ from google.protobuf.message import DecodeError, Message
 
 from laneserve.client.tensors import datatype_of
 from laneserve.server.clock import Clock
-from laneserve.server.codec import check_output_names, decode_inputs, encode_response
+from laneserve.server.codec import (
+    MAX_EXTRA_BYTES,
+    check_counts,
+    check_output_names,
+    decode_inputs,
+    encode_response,
+    extra_bytes,
+    leading_rows,
+)
 from laneserve.server.config import LaneConfig, ServerConfig
 from laneserve.server.engine import Engine, TensorSpec
 from laneserve.server.errors import (
@@ -34,8 +42,10 @@ from laneserve.server.errors import (
     EngineError,
     InvalidInputError,
     JoinExpiredError,
+    JoinLimitError,
     LaneFullError,
     LaneserveError,
+    MemoryPressureError,
     RequestIdReusedError,
     bounded_message,
     pushback_ms,
@@ -61,17 +71,20 @@ from laneserve.server.idempotency import (
     Resolve,
     fingerprint,
 )
-from laneserve.server.items import InferenceRequest, Outcome
+from laneserve.server.items import Array, InferenceRequest, Outcome, Signature
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.log_events import event_extra
-from laneserve.server.memory import MemoryFacts, WatermarkState
-from laneserve.server.scheduler import caller_end_status
+from laneserve.server.memory import MemoryFacts, WatermarkState, format_bytes
+from laneserve.server.scheduler import MEMORY_PRESSURE_RETRY_S, caller_end_status
 from laneserve.server.scheduler_thread import SchedulerThread
 from laneserve.server.stats import Distribution, Percentiles, StatsRecorder
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+# A request's decoded inputs by name, its rows and its batching signature (`decode_inputs`).
+Decoded = tuple[dict[str, Array], int, Signature]
 
 STREAM_DEFAULT_LANE = "bulk"
 # The longest request_id accepted, in bytes of UTF-8 (documented in inference.proto). An
@@ -84,8 +97,8 @@ STREAM_DEFAULT_LANE = "bulk"
 # max_message_bytes (1024) it leaves room for the rest of an answer that carries it
 # twice, or beside an error.
 MAX_REQUEST_ID_BYTES = 256
-# How often a stream item waiting for room in its full lane looks again: the lane's
-# predicted drain time, within these bounds.
+# How often the oldest stream item waiting for room in its full lane looks again: the
+# lane's predicted drain time, within these bounds (the others sleep: `RoomWaiter`).
 ROOM_POLL_MIN_S = 0.001
 ROOM_POLL_MAX_S = 0.05
 # InferStream call metadata: the largest message the caller reads, where it is smaller
@@ -116,6 +129,28 @@ class StreamRoom:
         self._waiting -= 1
         if self._waiting == 0:
             self.free.set()
+
+
+class RoomWaiter:
+    """A stream item in its lane's line for room (see `_wait_for_room`), on the event
+    loop. It sleeps until woken: by its turn, the drain, or a call with its request_id
+    beginning (it joins). Each waiter woke every ROOM_POLL_MAX_S for its whole wait to
+    look at the last two: 2 500 waiting kept an idle server at 63 % of a core."""
+
+    def __init__(self) -> None:
+        self.oldest = False  # its turn: it alone looks for room, and is first in its line
+        self._woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def wake(self) -> None:
+        if not self._woken.done():
+            self._woken.set_result(None)
+
+    async def sleep(self, timeout_s: float) -> None:
+        """Until woken, or `timeout_s`; at once when woken since the last sleep."""
+        if not self._woken.done():
+            await asyncio.wait([self._woken], timeout=timeout_s)
+        if self._woken.done():
+            self._woken = asyncio.get_running_loop().create_future()
 
 
 class OutcomeRouter:
@@ -212,10 +247,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._output_names = [spec.name for spec in engine.outputs]
         # The item readers of the open InferStream calls (see `stop_reading_streams`).
         self._stream_readers: set[asyncio.Task[None]] = set()
-        # Per lane, the stream items waiting for room in it, oldest first: each one's
-        # turn, set when it is the oldest (see `_wait_for_room`).
-        self._room_lines: collections.defaultdict[str, collections.deque[asyncio.Future[None]]]
+        # Per lane, the stream items waiting for room in it, oldest first; per request_id,
+        # the same items again, for the call with their id that wakes them (see
+        # `_wait_for_room`). Each waiter is in both, or neither.
+        self._room_lines: collections.defaultdict[str, collections.deque[RoomWaiter]]
         self._room_lines = collections.defaultdict(collections.deque)
+        self._room_waiters: dict[str, list[RoomWaiter]] = {}
         self._ledger = RequestLedger(
             ReplayCache(
                 max_entries=config.idempotency_max_entries,
@@ -338,9 +375,21 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         this a stream stayed open until the server stopped, each further item refused
         DRAINING on a call that leads nowhere; a client retrying items on that call ran
         out of attempts instead of reconnecting. An item gRPC had received but the reader
-        had not yet taken is not read: unanswered, its client resends it."""
+        had not yet taken is not read: unanswered, its client resends it. An item waiting
+        for room is woken: it leaves its line, answered DRAINING (`_run_when_room`)."""
         for reader in self._stream_readers:
             reader.cancel()
+        for line in self._room_lines.values():
+            for waiter in line:
+                waiter.wake()
+
+    @property
+    def input_specs(self) -> Sequence[TensorSpec]:
+        return self._input_specs
+
+    @property
+    def output_names(self) -> Sequence[str]:
+        return self._output_names
 
     def ledger_counts(self) -> LedgerCounts:
         """The idempotency ledger's joins, replays and replay cache, for the metrics: safe
@@ -566,10 +615,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 lane, DeadlineUnmeetableError("the deadline had passed when the request was read")
             )
         try:
-            inputs, rows, signature = decode_inputs(request.inputs, self._input_specs)
             output_names = check_output_names(request.output_names, self._output_names)
+            # The ledger runs it at most once per request_id: a retry joins or replays.
+            digest, decoded = self._read_inputs(request, lane_config, output_names)
         except LaneserveError as error:  # counted as the scheduler counts its own
             raise self._rejected(lane, error) from None
+        # None: a retry that joins or replays, which waits for no room (see `_read_inputs`).
+        rows = 0 if decoded is None else decoded[1]
 
         # The earliest of its deadline and its lane's timeout, both counted from arrival:
         # given to the scheduler as the request's deadline. The lane's timeout counted
@@ -584,6 +636,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
         def submit(resolve: Resolve) -> Admitted:
             nonlocal trace
+            # None: its request left the ledger since it was read (see `_read_inputs`).
+            inputs, rows, signature = decoded or self._decoded(request, lane)
             budget_s = None if deadline_s is None else deadline_s - self._clock.monotonic()
             trace = self._tracer.start(request.request_id, lane, rows, budget_s)
             try:
@@ -637,9 +691,6 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             finally:
                 self._request_over(lane, trace, status, arrived_s)
 
-        # The ledger runs it at most once per request_id: a retry joins or replays.
-        digest = fingerprint(request, output_names) if request.request_id else b""
-
         def expired(error: JoinExpiredError) -> None:
             nonlocal trace
             trace = self._answered_alone(lane, trace, error)
@@ -688,6 +739,43 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         taken.replied(context, "OK")
         return response
 
+    def _read_inputs(
+        self, request: pb.InferRequest, lane_config: LaneConfig, output_names: list[str]
+    ) -> tuple[bytes, Decoded | None]:
+        """The request's fingerprint (b"" without a request_id) and its decoded inputs, rows
+        and signature; None for a retry that joins its request in flight or replays its
+        stored answer. Raises why the request is refused.
+
+        A retry's fingerprint equals the first attempt's, which was decoded and validated:
+        it is not decoded again (a join kept that copy of its inputs as long as it waited;
+        gRPC keeps its message, which `RequestLedger` bounds). Told so in the step the
+        ledger answers it in, it is never decoded; `submit` decodes it should it run."""
+        check_counts(request.inputs, self._input_specs)  # before anything walks them
+        if self._ledger.holds(request.request_id):
+            digest = fingerprint(request, output_names)
+            if self._ledger.answers_as(request.request_id, digest) in ("join", "replay"):
+                return digest, None
+            return digest, decode_inputs(request.inputs, self._input_specs)
+        rows = leading_rows(request.inputs)
+        capacity_rows = lane_config.capacity_rows
+        if rows is not None and rows > capacity_rows:
+            # The scheduler's refusal, in its words, before the inputs are copied and hashed:
+            # refused after, a 62 MiB request cost the event loop 143-223 ms. Not a retry's:
+            # it queues no rows.
+            raise InvalidInputError(
+                f"request has {rows} rows; lane {lane_config.name!r} holds at most "
+                f"{capacity_rows} rows (split it, or use a lane with more capacity)"
+            )
+        decoded = decode_inputs(request.inputs, self._input_specs)
+        return (fingerprint(request, output_names) if request.request_id else b""), decoded
+
+    def _decoded(self, request: pb.InferRequest, lane: str) -> Decoded:
+        """`decode_inputs` of `request`, its refusal counted as one of `lane`."""
+        try:
+            return decode_inputs(request.inputs, self._input_specs)
+        except LaneserveError as error:
+            raise self._rejected(lane, error) from None
+
     def _lane_of(
         self, request: pb.InferRequest, default_lane: str, *, stream: bool
     ) -> tuple[str, LaneConfig]:
@@ -695,6 +783,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         refusals that come before its inputs are read."""
         if request is UNDECODABLE_REQUEST:
             raise self._rejected_without_lane(undecodable(request))
+        if request is OVERSIZED_REQUEST:
+            raise self._rejected_without_lane(oversized())
         lane = request.lane or default_lane
         lane_config = self._lane_configs.get(lane)
         if _id_too_long(request.request_id):  # before any other refusal quotes or echoes it
@@ -759,17 +849,45 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         `wait_until_s` at most, a retry joining the request in flight too."""
         # Told here, as the ledger is asked: a stream item may have waited for room first.
         retry = self._ledger.answers_as(request_id, digest)
+        if retry == "join":  # refused before it is told a retry: it joins nothing
+            refusal = self._join_refusal(lane, request_id)
+            if refusal is not None:
+                raise self._rejected(lane, refusal)
         if retry in ("join", "replay"):  # not "reused": that call is refused, not a retry
             self._tracer.retried(request_id, lane, retry)
+        if retry is None:
+            # It starts a flight (unless refused): the stream items with its id that wait
+            # for room join it instead. Woken now, each looks once this task yields, and
+            # the ledger records the flight before its first await.
+            for waiter in self._room_waiters.get(request_id, ()):
+                waiter.wake()
         try:
             return await self._ledger.run(
                 request_id, digest, submit, finish, deadline_s=wait_until_s, caller=caller
             )
-        except RequestIdReusedError as error:
+        except (RequestIdReusedError, JoinLimitError) as error:
             # Answered, but no entry of its own was shed: counted as its lane's refusal
             # (it was counted nowhere, and the counters missed an answer). So is a waiter
             # answered alone at its deadline, by `caller.expired`.
             raise self._rejected(lane, error) from None
+
+    def _join_refusal(self, lane: str, request_id: str) -> LaneserveError | None:
+        """Why a retry in `lane` may not join the request `request_id` in flight (None: it
+        may). It queues nothing, but gRPC holds its request message as long as a new
+        request's: so it is refused where the memory watermark closed its lane, as new
+        work is (the client retries after the pushback, by then likely a replay), and
+        past the callers one request may have (`RequestLedger.join_refusal`)."""
+        state = self._scheduler.watermark_state()
+        if state is not None and lane in state.closed_lanes:
+            return MemoryPressureError(
+                f"memory in use ({format_bytes(state.used_bytes or 0)}) is over the "
+                f"watermark: lane {lane!r} takes no new work, nor a retry joining "
+                f"request_id {request_id!r} in flight (gRPC holds its message as a new "
+                f"request's), until it falls below {format_bytes(state.low_bytes)}; expected "
+                "a retry after the pushback",
+                retry_after_s=MEMORY_PRESSURE_RETRY_S,
+            )
+        return self._ledger.join_refusal(request_id)
 
     async def _run_when_room(
         self,
@@ -807,28 +925,31 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         First come, first served: polling each on its own, the small items of one stream
         took every row that freed, and a stream of large items in the same lane waited
         until its items' deadlines (answered LANE_FULL). Only the oldest polls; the
-        others wait for their turn (re-checking the rest every ROOM_POLL_MAX_S)."""
+        others sleep until woken (`RoomWaiter`: their turn, the drain, a call with their
+        id) or their deadline."""
         line = self._room_lines[lane]
         wait_s = self._scheduler.room_wait_s(lane, rows)
         if wait_s is None and not line:
             return
-        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        line.append(turn)
-        if line[0] is turn:
-            turn.set_result(None)
+        # Invariant: the first waiter of a line, and it alone, is `oldest`.
+        waiter = RoomWaiter()
+        waiter.oldest = not line
+        line.append(waiter)
+        # Before the ledger is asked below: a call with its id that begins later wakes it.
+        self._room_waiters.setdefault(request_id, []).append(waiter)
         room.enter()
         try:
             while self._state() is Lifecycle.SERVING and not self._ledger.holds(request_id):
                 left_s = until_s - self._clock.monotonic()
                 if left_s <= 0:
                     return
-                if not turn.done():  # re-checked at least every ROOM_POLL_MAX_S: a drain
-                    await asyncio.wait([turn], timeout=min(ROOM_POLL_MAX_S, left_s))
-                    continue
-                wait_s = self._scheduler.room_wait_s(lane, rows)
-                if wait_s is None:
-                    return
-                await asyncio.sleep(min(max(wait_s, ROOM_POLL_MIN_S), ROOM_POLL_MAX_S, left_s))
+                sleep_s = left_s
+                if waiter.oldest:
+                    wait_s = self._scheduler.room_wait_s(lane, rows)
+                    if wait_s is None:
+                        return
+                    sleep_s = min(max(wait_s, ROOM_POLL_MIN_S), ROOM_POLL_MAX_S, left_s)
+                await waiter.sleep(sleep_s)
         except asyncio.CancelledError:
             # Its stream ended while it waited: read, never admitted, it was counted
             # nowhere. Counted as its lane's refusal, by why its caller went (see
@@ -838,10 +959,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             raise
         finally:
             room.leave()
-            oldest = line[0] is turn
-            line.remove(turn)
-            if oldest and line and not line[0].done():
-                line[0].set_result(None)  # its turn, after this one's admission (same step)
+            line.remove(waiter)
+            same_id = self._room_waiters[request_id]
+            same_id.remove(waiter)
+            if not same_id:
+                del self._room_waiters[request_id]
+            if waiter.oldest and line:
+                line[0].oldest = True
+                line[0].wake()  # its turn, after this one's admission (same step)
             if not line:
                 del self._room_lines[lane]
 
@@ -903,6 +1028,36 @@ def read_request(request_type: type[_M], data: bytes) -> _M:
         return undecodable
 
 
+# What the servicer receives for an InferRequest carrying more than MAX_EXTRA_BYTES besides
+# its tensors' data and one copy of each field (`read_infer_request`): refused
+# INVALID_ARGUMENT (`oversized`), as an undecodable one is. Compared by identity; never
+# changed.
+OVERSIZED_REQUEST = pb.InferRequest()
+
+
+def read_infer_request(data: bytes, max_inputs: int, max_outputs: int) -> pb.InferRequest:
+    """`data` read as an InferRequest (`read_request`), or OVERSIZED_REQUEST. Measured here,
+    where its size on the wire is known: a message's own ByteSize() encodes it again (1 ms
+    per MiB of data). A request with more inputs than `max_inputs` or more output names
+    than `max_outputs` is passed on unmeasured: validation refuses it on those counts."""
+    request = read_request(pb.InferRequest, data)
+    if len(request.inputs) > max_inputs or len(request.output_names) > max_outputs:
+        return request
+    extra = extra_bytes(request, len(data))
+    return OVERSIZED_REQUEST if extra is not None and extra > MAX_EXTRA_BYTES else request
+
+
+def oversized() -> InvalidInputError:
+    """The refusal of OVERSIZED_REQUEST."""
+    return InvalidInputError(
+        f"the request carries more than {MAX_EXTRA_BYTES} bytes besides its tensors' data "
+        "(as their shapes and dtypes size it) and one copy of each of its fields: fields "
+        "this server does not know, fields sent more than once, or data longer than its "
+        f"shape; expected at most {MAX_EXTRA_BYTES} bytes besides the data, with the "
+        "fields of protos/laneserve/v1/inference.proto"
+    )
+
+
 def undecodable(request: Message) -> InvalidInputError:
     """The refusal of an `UNDECODABLE_*` request."""
     return InvalidInputError(
@@ -938,6 +1093,12 @@ def add_to_server(
             if request_type in _UNDECODABLE
             else request_type.FromString
         )
+        if request_type is pb.InferRequest:
+            read = functools.partial(
+                read_infer_request,
+                max_inputs=len(servicer.input_specs),
+                max_outputs=len(servicer.output_names),
+            )
         if not method.client_streaming:  # a stream's items are read within its call
             read = gate.deserializer(read)
         handlers[method.name] = _HANDLER_KINDS[method.client_streaming, method.server_streaming](

@@ -4,6 +4,7 @@ client's ordered results, retries and resumption after a cut connection."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import gc
 import threading
@@ -30,7 +31,7 @@ from laneserve.server.demo_model import make_demo_model
 from laneserve.server.events import RequestTrace
 from laneserve.server.items import InferenceRequest
 from laneserve.server.lifecycle import Lifecycle
-from laneserve.server.service import MAX_REQUEST_ID_BYTES, InferenceServicer
+from laneserve.server.service import MAX_REQUEST_ID_BYTES, ROOM_POLL_MAX_S, InferenceServicer
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
     RecordingEngine,
@@ -1083,6 +1084,125 @@ def test_a_stream_item_waiting_for_room_at_the_drain_is_answered_draining(
     assert answer.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
     assert "draining: this item waited for room in its lane" in answer.error.message
     assert rejected == {"DRAINING": 1}
+
+
+async def _in_line_for_room(
+    s: Serving, ids: list[str]
+) -> list[grpc.aio.StreamStreamCall[pb.InferRequest, pb.InferStreamResponse]]:
+    """One stream per id, whose one 4-row item (tagged 1000 + 10 * its index) waits for
+    room in the full bulk lane; in the order of `ids`: the first is the oldest."""
+    calls: list[grpc.aio.StreamStreamCall[pb.InferRequest, pb.InferStreamResponse]] = []
+    for index, request_id in enumerate(ids):
+        item = request(rows(4, start=1000 + 10 * index), request_id=request_id, lane="bulk")
+        calls.append(s.stub.InferStream(iter([item])))
+        await until(lambda: _waiting_for_room(s, "bulk") == len(calls))
+    return calls
+
+
+def test_stream_items_waiting_behind_the_oldest_for_room_sleep_while_nothing_changes(
+    small_model: Path,
+) -> None:
+    """Items of many streams wait for room in the full bulk lane (how a bulk backlog over
+    many streams looks). Only the oldest looks for room, but each of the others woke
+    every ROOM_POLL_MAX_S for its whole wait to look at the drain and the ledger: 2 500
+    of them kept an idle server at 63 % of a core. While nothing changes they sleep: the
+    oldest looks at its lane again and again, and the others' loops do not turn (each
+    turn asks the ledger whether the item's id is held)."""
+    ids, looks = [f"w{index}" for index in range(6)], 10
+
+    async def scenario() -> list[pb.InferStreamResponse]:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model, max_batch_size=4, lanes=bulk_lane(4))
+        async with serving(engine, server_config) as s:
+            thread, servicer = s.server._thread, s.server._servicer
+            assert thread is not None
+            assert servicer is not None
+            room_wait_s, holds = thread.room_wait_s, servicer._ledger.holds
+            turns: collections.Counter[str] = collections.Counter()  # by request_id
+            lane_looks = 0
+
+            def counted_holds(request_id: str) -> bool:
+                turns[request_id] += 1
+                return holds(request_id)
+
+            def slowest_room_wait_s(lane: str, rows: int) -> float | None:
+                # The oldest looks again after ROOM_POLL_MAX_S, its longest: its looks
+                # count a stretch of time at least that long each.
+                nonlocal lane_looks
+                wait_s = room_wait_s(lane, rows)
+                if wait_s is None:
+                    return None
+                lane_looks += 1
+                return max(wait_s, ROOM_POLL_MAX_S)
+
+            servicer._ledger.holds = counted_holds  # type: ignore[method-assign]
+            thread.room_wait_s = slowest_room_wait_s  # type: ignore[method-assign]
+            held, queued = await _fill_the_bulk_lane(s, engine)
+            calls = await _in_line_for_room(s, ids)
+            behind = {request_id: turns[request_id] for request_id in ids[1:]}
+            looked = lane_looks
+            await until(lambda: lane_looks >= looked + looks)
+            woken = {request_id: turns[request_id] for request_id in ids[1:]}
+            assert woken == behind, "the items behind the oldest woke while nothing changed"
+            assert _waiting_for_room(s, "bulk") == len(ids)
+            engine.release()
+            await asyncio.gather(held, queued)
+            return [answer for call in calls for answer in await collect(call)]
+
+    answers = asyncio.run(scenario())
+    assert [answer.request_id for answer in answers] == ids
+    assert all(answer.WhichOneof("result") == "response" for answer in answers)
+
+
+def test_a_stream_item_in_the_middle_of_the_line_for_room_joins_and_leaves_when_woken(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Items wait for room in the full bulk lane, none of them looking again for an hour
+    (ROOM_POLL_MAX_S and the lane's predicted wait): only the event itself ends a wait.
+    A call with the id of the item in the middle begins, in another lane: that item
+    joins it while the others still wait and the lane is still full. The drain begins:
+    every item leaves the line, answered DRAINING, before the batch held in the session
+    ends (it waited on, woken only every ROOM_POLL_MAX_S to look)."""
+    monkeypatch.setattr("laneserve.server.service.ROOM_POLL_MAX_S", 3600.0)
+    ids = ["w0", "w1", "w2"]
+
+    async def scenario() -> tuple[list[pb.InferStreamResponse], pb.InferResponse, list[int]]:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model, max_batch_size=4, lanes=bulk_lane(4))
+        async with serving(engine, server_config) as s:
+            thread = s.server._thread
+            assert thread is not None
+            room_wait_s = thread.room_wait_s
+
+            def an_hour_while_full(lane: str, rows: int) -> float | None:
+                return None if room_wait_s(lane, rows) is None else 3600.0
+
+            thread.room_wait_s = an_hour_while_full  # type: ignore[method-assign]
+            held, queued = await _fill_the_bulk_lane(s, engine)
+            calls = await _in_line_for_room(s, ids)
+            same = request(rows(4, start=1010), request_id="w1", lane="interactive")
+            direct = asyncio.ensure_future(s.stub.Infer(same))
+            await until(lambda: _waiting_for_room(s, "bulk") == 2)
+            assert queued_rows(s, "bulk") == 4
+            stopping = asyncio.ensure_future(s.server.stop())
+            await until(lambda: _waiting_for_room(s, "bulk") == 0)
+            first, last = await calls[0].read(), await calls[2].read()
+            assert not held.done()
+            engine.release()
+            await asyncio.gather(held, queued, stopping)
+            joined = await calls[1].read()
+            assert isinstance(first, pb.InferStreamResponse)
+            assert isinstance(joined, pb.InferStreamResponse)
+            assert isinstance(last, pb.InferStreamResponse)
+            return [first, joined, last], await direct, engine.ran_tags
+
+    (first, joined, last), direct, ran = asyncio.run(scenario())
+    for left in (first, last):
+        assert left.WhichOneof("result") == "error"
+        assert "draining: this item waited for room in its lane" in left.error.message
+    assert joined.WhichOneof("result") == "response"
+    assert output(joined.response).tolist() == output(direct).tolist()
+    assert ran.count(1010) == 1, "the item that joined ran no row again"
 
 
 def test_a_stream_item_whose_stream_ends_while_it_waits_for_room_counts_cancelled(

@@ -9,6 +9,7 @@ import pytest
 
 from laneserve.client import tensors
 from laneserve.client.tensors import decode_tensor, encode_tensor
+from laneserve.server.codec import extra_bytes
 from laneserve.v1 import inference_pb2 as pb
 
 # numpy dtype, wire data type, ONNX Runtime type: the table the codec must implement.
@@ -228,3 +229,29 @@ def test_numpy_dtypes_without_wire_type_are_refused_and_keep_their_name() -> Non
     with pytest.raises(ValueError, match="numpy dtype complex128 is not supported"):
         tensors.datatype_of(np.complex128)
     assert tensors.datatype_name(np.complex64) == "complex64"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_extra_bytes_of_a_request_as_any_encoder_writes_it_is_zero(
+    dtype: str, shape: tuple[int, ...]
+) -> None:
+    """`extra_bytes` sizes each field as protobuf encodes it, with no tensor data read."""
+    message = pb.InferRequest(
+        request_id="é" * 40,
+        lane="bulk",
+        timeout_ms=70_000,
+        inputs=[encode_tensor("a", sample(dtype, shape)), encode_tensor("", sample(dtype, (3,)))],
+        output_names=["output", ""],
+    )
+    wire = message.SerializeToString()
+    assert extra_bytes(pb.InferRequest.FromString(wire), len(wire)) == 0
+    unknown = b"\xc2\x3e\x03abc"  # field 1000, 3 bytes
+    padded = wire + unknown
+    assert extra_bytes(pb.InferRequest.FromString(padded), len(padded)) == len(unknown)
+
+
+def test_extra_bytes_are_not_measured_for_a_tensor_that_sizes_no_data() -> None:
+    for tensor in (pb.Tensor(name="a"), pb.Tensor(name="a", dtype=pb.DATA_TYPE_INT8, shape=[-1])):
+        message = pb.InferRequest(inputs=[tensor])
+        assert extra_bytes(message, message.ByteSize()) is None

@@ -18,7 +18,8 @@ import pytest
 
 from laneserve import client as lc
 from laneserve.client.tensors import encode_tensor
-from laneserve.server import LaneConfig, ManualClock, ServerConfig
+from laneserve.server import LaneConfig, ManualClock, ServerConfig, idempotency, service
+from laneserve.server.codec import decode_inputs
 from laneserve.server.demo_model import make_demo_model
 from laneserve.server.errors import JoinExpiredError
 from laneserve.server.idempotency import (
@@ -848,6 +849,141 @@ def test_a_ledger_that_stores_no_answer_arms_no_sweep() -> None:
         ledger, _, timers = swept_ledger(max_entries=0)
         await completed(ledger, "a")
         assert timers.started == []
+
+    asyncio.run(scenario())
+
+
+def test_callers_waiting_on_one_request_are_bounded_and_the_rest_refused(
+    small_model: Path,
+) -> None:
+    """Retries that join a request in flight queue no rows, so the lane's capacity never
+    bounded them, but gRPC holds each call's request message until it is answered: 80
+    joins of a 4 MiB request held 1 GiB on a server whose host_memory_limit was 300 MiB.
+    At most MAX_CALLERS_WAITING callers wait on one request; the others are refused at
+    once, told to retry once it is answered (its answer is then stored: a replay)."""
+    most = idempotency.MAX_CALLERS_WAITING
+    retries = most + 3
+
+    def refusals(stats: pb.GetStatsResponse) -> int:
+        return sum(lane.rejected["JOIN_LIMIT"] for lane in stats.lanes)
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model)) as s:
+            busy = await hold_engine(s, engine)
+            body = request(rows(2, start=10), request_id="j")
+            first = asyncio.ensure_future(s.stub.Infer(body))
+            await until(lambda: queued_rows(s) == 2)
+            calls = [asyncio.ensure_future(s.stub.Infer(body)) for _ in range(retries)]
+            await until_stats(s, lambda stats: stats.idempotent_joins + refusals(stats) == retries)
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+            assert stats.idempotent_joins == most - 1, "the first caller and the joins"
+            assert refusals(stats) == retries - (most - 1)
+            refused = [call for call in calls if call.done()]
+            assert len(refused) == retries - (most - 1)
+            for call in refused:
+                error = call.exception()
+                assert isinstance(error, grpc.aio.AioRpcError)
+                assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert rich_status(error)[0] == "JOIN_LIMIT"
+                details = error.details() or ""
+                assert f"request_id 'j' is queued or running with {most} callers" in details
+                assert "retry once it is answered" in details
+            engine.release()
+            answers = [await call for call in calls if call not in refused]
+            assert answers == [await first] * (most - 1)
+            assert await s.stub.Infer(body) == await first, "the retry after it: a replay"
+            await busy
+        assert sorted(engine.ran_tags) == [0, 10, 11]
+
+    asyncio.run(scenario())
+
+
+def test_a_join_or_a_replay_does_not_decode_its_inputs(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retry that joins or replays was decoded as if it would run: a copy of its inputs
+    held as long as it waited. Its fingerprint equals the first attempt's, which was
+    decoded and validated: it is not decoded again."""
+    decoded: list[str] = []
+
+    def counted(*args: Any) -> Any:
+        decoded.append("decoded")
+        return decode_inputs(*args)
+
+    monkeypatch.setattr(f"{service.__name__}.decode_inputs", counted)
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model)) as s:
+            busy = await hold_engine(s, engine)
+            assert decoded == ["decoded"]
+            body = request(rows(2, start=10), request_id="d")
+            first = asyncio.ensure_future(s.stub.Infer(body))
+            await until(lambda: queued_rows(s) == 2)
+            joined = asyncio.ensure_future(s.stub.Infer(body, timeout=30))
+            await until_stats(s, lambda stats: stats.idempotent_joins == 1)
+            assert len(decoded) == 2, "the join decoded nothing"
+            engine.release()
+            assert await joined == await first
+            assert await s.stub.Infer(body) == await first
+            await refused_as_reused(s, request(rows(2, start=99), request_id="d"), "completed")
+            assert len(decoded) == 3, "the replay decoded nothing; the reused id is decoded"
+            await busy
+        assert sorted(engine.ran_tags) == [0, 10, 11]
+
+    asyncio.run(scenario())
+
+
+class SettableGauge:
+    """Memory in use as the test sets it: the watermark's reading."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def used_bytes(self) -> int | None:
+        return self.value
+
+    def total_bytes(self) -> int | None:
+        return 1 << 30
+
+
+def test_a_join_in_a_lane_closed_by_memory_is_refused_as_new_work_is(small_model: Path) -> None:
+    """A retry joining a request in flight holds its request message as a new request
+    does; it was joined in a lane the memory watermark had closed. It is refused
+    MEMORY_PRESSURE there, with the pushback new work gets; in an open lane it joins."""
+
+    async def scenario() -> None:
+        gauge = SettableGauge()
+        engine = RecordingEngine(str(small_model))
+        settings = config(small_model, host_memory_limit="100MiB")
+        async with served(engine, settings, memory_gauge=gauge) as s:
+            watermark = s.server.scheduler.watermark
+            assert watermark is not None
+            busy = await hold_engine(s, engine)
+            body = request(rows(2, start=10), request_id="m", lane="standard")
+            first = asyncio.ensure_future(s.stub.Infer(body))
+            await until(lambda: queued_rows(s) == 2)
+            gauge.value = 96 << 20  # over the high watermark: bulk closes
+            await until(lambda: watermark.used_bytes == gauge.value)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(
+                    request(rows(2, start=10), request_id="m", lane="bulk"), timeout=5
+                )
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            reason, details = rich_status(caught.value)
+            assert reason == "MEMORY_PRESSURE"
+            assert details["pushback_ms"] > 0
+            assert "request_id 'm'" in (caught.value.details() or "")
+            joined = asyncio.ensure_future(s.stub.Infer(body))
+            await until_stats(s, lambda stats: stats.idempotent_joins == 1)
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+            refused = {lane.name: dict(lane.rejected) for lane in stats.lanes}
+            assert refused["bulk"] == {"MEMORY_PRESSURE": 1}
+            gauge.value = 0
+            engine.release()
+            assert await joined == await first
+            await busy
 
     asyncio.run(scenario())
 

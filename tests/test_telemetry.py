@@ -1095,6 +1095,7 @@ def test_every_counter_series_is_reported_from_the_start_at_zero() -> None:
         "DEADLINE_UNMEETABLE",
         "EXPIRED_IN_QUEUE",  # a retry that waited for its request_id's flight too long
         "MEMORY_PRESSURE",
+        "JOIN_LIMIT",  # a retry past the callers one request in flight may have
         "LANE_FULL",
         "ENGINE_FAILURE",  # a submission after the scheduler failed for good
         "CANCELLED",  # a stream item whose stream ended while it waited for room

@@ -27,6 +27,7 @@ REJECTED_REASONS: Final = frozenset(
         "LANE_FULL",
         "DEADLINE_UNMEETABLE",
         "MEMORY_PRESSURE",
+        "JOIN_LIMIT",
         "DRAINING",
         "RESOURCE_EXHAUSTED",
         "UNAVAILABLE",
