@@ -99,6 +99,11 @@ class Lane:
         # When this lane last admitted a request (None: never): it is active for
         # ACTIVE_LANE_S after, and batches of lower lanes then keep within its max_wait.
         self.last_admit_s: float | None = None
+        # The share of the session's time lately spent on this lane's rows (each batch's
+        # run time split by rows, averaged as the utilisation is): what arriving work of
+        # this lane takes from the lanes below (see `Scheduler._load_above`). Only the
+        # scheduler changes it.
+        self.time_share = 0.0
         # Moving averages of the rows of the requests it admitted lately, and of their
         # squares (0 until the first): how much request sizes vary (see
         # `Scheduler._queue_drain_s`). Only the scheduler changes them.
