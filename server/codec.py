@@ -56,10 +56,14 @@ def check_counts(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> N
             )
 
 
-def leading_rows(tensors: Sequence[pb.Tensor]) -> int | None:
+def leading_rows(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> int | None:
     """The rows `decode_inputs` counts if it accepts `tensors` (the first one's shape[0]),
-    read without decoding them; None when there is no first dimension to read."""
+    read without decoding them; None when there is no first dimension to read, or the
+    first is none of the model's inputs (`decode_inputs` says so: counted, a misspelled
+    input of 3 000 rows was refused as too many rows, to be split)."""
     if not tensors or not tensors[0].shape:
+        return None
+    if all(spec.name != tensors[0].name for spec in specs):
         return None
     return tensors[0].shape[0]
 

@@ -509,7 +509,8 @@ class Scheduler:
         )
         # Work still arriving above goes first: of each second, the lanes above take their
         # load, and the queue ahead drains in what is left.
-        finish_s = start_s + drain_s / max(1.0 - self._load_above(lane), MIN_LEFT_BELOW)
+        left = 1.0 - self._load_above(lane, now_s)
+        finish_s = start_s + drain_s / max(left, MIN_LEFT_BELOW)
         if lane.config.min_share > 0:
             own_batches = self._share_batches(lane, rows, signature, batch_rows)
             run_time = self._run_times.get(signature)
@@ -633,12 +634,25 @@ class Scheduler:
         way, and batches of lower lanes keep within its max_wait."""
         return lane.last_admit_s is not None and now_s - lane.last_admit_s < ACTIVE_LANE_S
 
-    def _load_above(self, lane: Lane) -> float:
+    def _idle_decay(self, now_s: float) -> float:
+        """What the utilisation and the lanes' time shares keep of their weight at
+        `now_s`: they are folded in at dispatches only, and a session free since its last
+        batch ended has had none of their time since (1.0 while a batch runs, or before
+        one ran). Read as they stood, a minute after interactive traffic stopped, its
+        share still stretched every promise, and a request was refused a 2.5 ms deadline
+        it met in 1.3."""
+        if self._running_until_s is not None or self._last_dispatch_s is None:
+            return 1.0
+        free_s = now_s - self._last_dispatch_s - self._last_run_s
+        return math.exp(-max(free_s, 0.0) / UTILIZATION_WINDOW_S)
+
+    def _load_above(self, lane: Lane, now_s: float) -> float:
         """The share of the session's time the lanes above `lane` took lately: what the
         work still arriving there takes while `lane`'s queue drains. Foreseeing none, a
         standard request behind 1 040 rows, while interactive rows of another shape took
         a quarter of the time, was promised 79 ms and expired (answered in 109)."""
-        return sum(above.time_share for above in self.lanes[: lane.priority])
+        load = sum(above.time_share for above in self.lanes[: lane.priority])
+        return load * self._idle_decay(now_s)
 
     def _fed_above(self, lane: Lane, now_s: float) -> bool:
         """Whether a lane above `lane` has work queued and is still admitting more (it
@@ -651,7 +665,8 @@ class Scheduler:
         estimate, with the load above counted (`_load_above`), holds. Applied at a third
         of the session's time, 14 of 20 bulk requests were refused 60 ms deadlines they
         met in 9 ms."""
-        if self.utilization is not None and self.utilization < FED_UTILIZATION:
+        utilization = self.utilization
+        if utilization is not None and utilization * self._idle_decay(now_s) < FED_UTILIZATION:
             return False
         return any(
             above.queued_rows > 0 and self._active(above, now_s)

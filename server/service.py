@@ -756,7 +756,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             if self._ledger.answers_as(request.request_id, digest) in ("join", "replay"):
                 return digest, None
             return digest, decode_inputs(request.inputs, self._input_specs)
-        rows = leading_rows(request.inputs)
+        rows = leading_rows(request.inputs, self._input_specs)
         capacity_rows = lane_config.capacity_rows
         if rows is not None and rows > capacity_rows:
             # The scheduler's refusal, in its words, before the inputs are copied and hashed:
@@ -1041,6 +1041,8 @@ def read_infer_request(data: bytes, max_inputs: int, max_outputs: int) -> pb.Inf
     per MiB of data). A request with more inputs than `max_inputs` or more output names
     than `max_outputs` is passed on unmeasured: validation refuses it on those counts."""
     request = read_request(pb.InferRequest, data)
+    if request is UNDECODABLE_REQUEST:
+        return request  # empty: measured, every byte read would count as extra
     if len(request.inputs) > max_inputs or len(request.output_names) > max_outputs:
         return request
     extra = extra_bytes(request, len(data))

@@ -1351,6 +1351,30 @@ def test_work_still_arriving_in_a_lane_above_lengthens_the_wait_it_is_promised()
     assert done_s <= deadline_s
 
 
+def test_the_load_above_is_forgotten_while_the_session_is_free() -> None:
+    """Interactive took half the session's time, then all traffic stopped for a minute.
+    The time shares are folded in at dispatches only: read as they stood, the first
+    requests after the pause were promised twice their time, and a second 4-row request
+    was refused a 2.5 ms deadline it met in 1.3 ms (nothing was queued above it)."""
+    scheduler = make_scheduler(wide_standard_lanes(4096), cap=64)
+    arrivals = [
+        (T0 + cycle * 0.002, make_request(cycle, "interactive", 3, width=8)) for cycle in range(300)
+    ]
+    arrivals += [
+        (T0 + cycle * 0.002, make_request(10_000 + cycle, "standard", 4)) for cycle in range(300)
+    ]
+    arrivals.sort(key=lambda arrival: arrival[0])
+    assert serve_arrivals(scheduler, T0, T0 + 2.0, arrivals) is None
+    assert scheduler.lane("interactive").time_share > 0.3
+    now_s = T0 + 62.0
+    scheduler.admit(make_request(90_000, "standard", 4), now_s)  # idle: not predicted
+    deadline_s = now_s + 0.0025
+    scheduler.admit(make_request(90_001, "standard", 4, deadline_s=deadline_s), now_s)
+    done_s = serve_arrivals(scheduler, now_s, now_s + 1.0, [], token=90_001)
+    assert done_s is not None
+    assert done_s <= deadline_s
+
+
 def test_a_share_lane_served_beyond_its_share_is_predicted_at_that_pace() -> None:
     """Standard is saturated with 28-row requests, so each batch leaves bulk the room two
     of them do not fill: bulk gets 8 rows a batch, not its share's 3.2. Predicted at its

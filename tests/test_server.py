@@ -354,6 +354,14 @@ def test_bytes_that_are_not_an_infer_request_are_invalid_argument(small_model: P
             assert "does not parse as a laneserve.v1.InferRequest" in (
                 refused.value.details() or ""
             )
+            # As large as a request carrying 64 KiB besides its data: the bytes that do
+            # not parse are named, not as fields this server does not know.
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await infer(b"\x0a\x80\x80\x08" + bytes(70_000), timeout=10)
+            assert rich_status(refused.value)[0] == "INVALID_INPUT"
+            assert "does not parse as a laneserve.v1.InferRequest" in (
+                refused.value.details() or ""
+            )
             stream = s.channel.stream_stream(
                 "/laneserve.v1.InferenceService/InferStream",
                 request_serializer=bytes,
@@ -573,10 +581,16 @@ def test_a_request_larger_than_its_lane_is_refused_before_it_is_decoded_or_hashe
             assert item_reason(answer) == "INVALID_INPUT"
             assert refusal in answer.error.message
             assert work == []
+            # Rows of no input of the model's are not counted: the input is named.
+            misnamed = pb.InferRequest(inputs=[encode_tensor("inptu", rows(9))])
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(misnamed)
+            assert "unknown input 'inptu'" in (caught.value.details() or "")
+            work.clear()
             assert output(await s.stub.Infer(request(rows(8), request_id="fits"))).shape == (8, 10)
             assert work == ["decode", "hash"]
             stats = await s.stub.GetStats(pb.GetStatsRequest())
-            assert dict(stats.lanes[0].rejected) == {"INVALID_INPUT": 2}
+            assert dict(stats.lanes[0].rejected) == {"INVALID_INPUT": 3}
 
     asyncio.run(scenario())
 
