@@ -279,6 +279,20 @@ class FakeTimers:
         return timer
 
 
+class SettableGauge:
+    """Memory readings chosen by the test (the watermark's input, like a clock's time), of
+    a device of 1 GiB."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def used_bytes(self) -> int | None:
+        return self.value
+
+    def total_bytes(self) -> int | None:
+        return 1 << 30
+
+
 class ServerProcess:
     """A real `laneserve serve` process (or `command`, e.g. scripts/serve); `close()`
     always, even after a failure."""

@@ -39,6 +39,7 @@ from tests.support import (
     FakeTimers,
     RecordingEngine,
     Serving,
+    SettableGauge,
     TcpProxy,
     cut_while_a_batch_runs,
     output,
@@ -933,19 +934,6 @@ def test_a_join_or_a_replay_does_not_decode_its_inputs(
         assert sorted(engine.ran_tags) == [0, 10, 11]
 
     asyncio.run(scenario())
-
-
-class SettableGauge:
-    """Memory in use as the test sets it: the watermark's reading."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def used_bytes(self) -> int | None:
-        return self.value
-
-    def total_bytes(self) -> int | None:
-        return 1 << 30
 
 
 def test_a_join_in_a_lane_closed_by_memory_is_refused_as_new_work_is(small_model: Path) -> None:

@@ -81,6 +81,7 @@ from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
     RecordingEngine,
     ServerProcess,
+    SettableGauge,
     estimate_once,
     output,
     request,
@@ -875,19 +876,6 @@ def test_memory_pressure_refuses_bulk_before_standard_before_interactive() -> No
     assert [admitted(lane) for lane in ("interactive", "standard", "bulk")] == [True, False, False]
     scheduler.update_memory(80 * MIB)
     assert [admitted(lane) for lane in ("interactive", "standard", "bulk")] == [True, True, True]
-
-
-class SettableGauge:
-    """Memory readings chosen by the test (the watermark's input, like a clock's time)."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def used_bytes(self) -> int | None:
-        return self.value
-
-    def total_bytes(self) -> int | None:
-        return 1024 * MIB
 
 
 def test_memory_pressure_over_grpc_refuses_bulk_first_with_pushback(small_model: Path) -> None:

@@ -334,6 +334,15 @@ def test_an_error_quoting_a_long_client_string_is_still_that_error(
     asyncio.run(scenario())
 
 
+def raw_infer(s: Serving) -> grpc.aio.UnaryUnaryMultiCallable[bytes, pb.InferResponse]:
+    """Infer on `s`, sent as the bytes given: a message no client library would encode."""
+    return s.channel.unary_unary(
+        "/laneserve.v1.InferenceService/Infer",
+        request_serializer=bytes,
+        response_deserializer=pb.InferResponse.FromString,
+    )
+
+
 def test_bytes_that_are_not_an_infer_request_are_invalid_argument(small_model: Path) -> None:
     """A message that does not parse (another schema, truncated, invalid UTF-8 in a string
     field) was gRPC's UNKNOWN "Unexpected DecodeError", and ended a whole InferStream; it
@@ -342,11 +351,7 @@ def test_bytes_that_are_not_an_infer_request_are_invalid_argument(small_model: P
 
     async def scenario() -> None:
         async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
-            infer = s.channel.unary_unary(
-                "/laneserve.v1.InferenceService/Infer",
-                request_serializer=bytes,
-                response_deserializer=pb.InferResponse.FromString,
-            )
+            infer = raw_infer(s)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await infer(garbage, timeout=10)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -408,11 +413,7 @@ def test_a_request_carrying_over_64_kib_besides_its_data_is_refused(small_model:
 
     async def scenario() -> None:
         async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
-            infer = s.channel.unary_unary(
-                "/laneserve.v1.InferenceService/Infer",
-                request_serializer=bytes,
-                response_deserializer=pb.InferResponse.FromString,
-            )
+            infer = raw_infer(s)
             served = await infer(one_row + _bytes_field(1000, b"x" * 1024), timeout=10)
             assert output(served).shape == (1, 10), "a few unknown bytes are served"
             for what, message in padded.items():
@@ -1797,11 +1798,7 @@ def test_refusals_before_the_lanes_are_counted_in_the_lanes(small_model: Path) -
             for name in ("vip", "x" * 100):
                 with pytest.raises(grpc.aio.AioRpcError):
                     await s.stub.Infer(request(rows(1), lane=name))
-            infer = s.channel.unary_unary(
-                "/laneserve.v1.InferenceService/Infer",
-                request_serializer=bytes,
-                response_deserializer=pb.InferResponse.FromString,
-            )
+            infer = raw_infer(s)
             with pytest.raises(grpc.aio.AioRpcError):
                 await infer(garbage, timeout=10)
             await s.stub.Infer(request(rows(1, seed=1), lane="bulk", request_id="r1"))
