@@ -532,6 +532,11 @@ class BulkStream:
         if self._async_source is not None:
             pending = self._source_next
             if pending is None:
+                # A closed client's job reads its source no further: a read started while
+                # the client closed (after `cancel_source_read`, as its channel closed)
+                # still ran when the sync client's loop shut its generators down, which
+                # could not close the source's reader then, and its thread lived on.
+                self._check_open()
                 pending = self._source_next = asyncio.ensure_future(_anext(self._async_source))
             # Shielded: when a call breaks, its writer is cancelled, possibly while the
             # source is producing the next item. Cancelling the source there would end

@@ -1539,6 +1539,36 @@ def test_leaving_a_sync_stream_early_cancels_its_queued_items(small_model: Path)
     asyncio.run(scenario())
 
 
+def test_a_job_of_a_closed_client_starts_no_read_of_its_source(small_model: Path) -> None:
+    """Closing a client cancels its jobs' source reads in progress; a job whose writer
+    asked for its next item after that (its window freed as the channel closed) started a
+    new read, which the sync client's loop shutdown then found running: the source's
+    reader could not be closed, and its thread lived on (a rare CI failure of
+    test_leaving_a_sync_stream_early_cancels_its_queued_items)."""
+    reads = 0
+
+    async def source() -> AsyncIterator[dict[str, F32]]:
+        nonlocal reads
+        for index in range(100):
+            reads += 1
+            yield {"input": rows(1, start=10 * index)}
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            client = lc.AsyncClient(s.target)
+            results = client.stream(source(), window=2)
+            await anext(results)
+            (job,) = list(client._jobs)
+            await client.close()
+            before = reads
+            with pytest.raises(lc.ClientClosedError):
+                await job._pull()
+            assert reads == before
+            await results.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_a_client_closed_with_a_stream_left_open_stops_its_source_thread(
     small_model: Path,
 ) -> None:
