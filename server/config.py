@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from laneserve.server.errors import InvalidInputError
 from laneserve.server.memory import parse_memory_limit
 
 Device = Literal["auto", "cuda", "cpu"]
@@ -103,6 +104,15 @@ class LaneConfig:
         if not _is_number(self.min_share) or not 0.0 <= self.min_share < 1.0:
             raise ConfigError(
                 f"{where}.min_share: expected a number in [0, 1), got {self.min_share!r}"
+            )
+
+    def check_rows(self, rows: int) -> None:
+        """Refuses a request of more rows than this lane holds: it could never be queued.
+        Asked by admission, and by the servicer before it decodes a request."""
+        if rows > self.capacity_rows:
+            raise InvalidInputError(
+                f"request has {rows} rows; lane {self.name!r} holds at most "
+                f"{self.capacity_rows} rows (split it, or use a lane with more capacity)"
             )
 
     def deadline_s(self, now_s: float, own_deadline_s: float | None) -> float:

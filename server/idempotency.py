@@ -470,9 +470,7 @@ class RequestLedger:
             self._flights[request_id] = flight
             return await self._wait(flight, deadline_s, caller)
         _check_same(request_id, flight.fingerprint, digest, "still queued or running")
-        refusal = self.join_refusal(request_id)
-        if refusal is not None:
-            raise refusal
+        _check_room(flight)
         self.joins += 1
         caller.joined()
         if deadline_s > flight.deadline_s:
@@ -538,23 +536,6 @@ class RequestLedger:
                 return None
             known, how = flight.fingerprint, "join"
         return how if known == digest else "reused"
-
-    def join_refusal(self, request_id: str) -> JoinLimitError | None:
-        """Why a retry may not join the request `request_id` in flight now: as many
-        callers as MAX_CALLERS_WAITING wait for it. None: it may, or none is in flight."""
-        flight = self._flights.get(request_id)
-        if flight is None:
-            return None
-        # An expired waiter's future is done, and it leaves in its next step.
-        waiting = sum(1 for waiter in flight.waiters if not waiter.future.done())
-        if waiting < MAX_CALLERS_WAITING:
-            return None
-        return JoinLimitError(
-            f"request_id {request_id!r} is queued or running with {waiting} callers "
-            f"waiting for its answer, the most one request has ({MAX_CALLERS_WAITING}); "
-            "expected a retry once it is answered (its answer is then stored and given "
-            "without running it again), or fewer retries and hedges of it at a time"
-        )
 
     def replayed(self, request_id: str, digest: bytes) -> pb.InferResponse | None:
         """The stored answer of the completed request `request_id`, counted as a replay
@@ -712,6 +693,20 @@ def _join_expired(request_id: str) -> JoinExpiredError:
         f"{request_id!r} (queued or running); the request goes on, for a caller with a "
         "later deadline or, once it runs, to keep its answer for a retry"
     )
+
+
+def _check_room(flight: _Flight) -> None:
+    """Raises JoinLimitError when as many callers as MAX_CALLERS_WAITING wait for
+    `flight`: a retry may not join it now."""
+    # An expired waiter's future is done, and it leaves in its next step.
+    waiting = sum(1 for waiter in flight.waiters if not waiter.future.done())
+    if waiting >= MAX_CALLERS_WAITING:
+        raise JoinLimitError(
+            f"request_id {flight.request_id!r} is queued or running with {waiting} callers "
+            f"waiting for its answer, the most one request has ({MAX_CALLERS_WAITING}); "
+            "expected a retry once it is answered (its answer is then stored and given "
+            "without running it again), or fewer retries and hedges of it at a time"
+        )
 
 
 def _check_same(request_id: str, known: bytes, digest: bytes, state: str) -> None:

@@ -427,11 +427,7 @@ class Scheduler:
                 f"until it falls below {format_bytes(mark.low_bytes)}",
                 retry_after_s=MEMORY_PRESSURE_RETRY_S,
             )
-        if request.rows > lane.config.capacity_rows:
-            raise InvalidInputError(
-                f"request has {request.rows} rows; lane {lane.name!r} holds at most "
-                f"{lane.config.capacity_rows} rows (split it, or use a lane with more capacity)"
-            )
+        lane.config.check_rows(request.rows)
         if not lane.has_room(request.rows):
             retry_after_s = max(self._room_in_s(lane, request.rows), 0.001)
             raise LaneFullError(
@@ -652,7 +648,7 @@ class Scheduler:
         standard request behind 1 040 rows, while interactive rows of another shape took
         a quarter of the time, was promised 79 ms and expired (answered in 109)."""
         load = sum(above.time_share for above in self.lanes[: lane.priority])
-        return load * self._idle_decay(now_s)
+        return load * self._idle_decay(now_s) if load else 0.0
 
     def _fed_above(self, lane: Lane, now_s: float) -> bool:
         """Whether a lane above `lane` has work queued and is still admitting more (it

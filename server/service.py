@@ -203,6 +203,9 @@ class _Taken:
         self.reply: RequestTrace = NULL_TRACE
 
     def joined(self) -> None:
+        """The ledger let this call join the request in flight (past its bound, it raised
+        JoinLimitError instead): a retry, and the trace of the answer it takes."""
+        self._tracer.retried(self._request_id, self._lane, "join")
         self.reply = self._tracer.joined(self._request_id, self._lane)
 
     def counted(self, size_bytes: int) -> None:
@@ -757,15 +760,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 return digest, None
             return digest, decode_inputs(request.inputs, self._input_specs)
         rows = leading_rows(request.inputs, self._input_specs)
-        capacity_rows = lane_config.capacity_rows
-        if rows is not None and rows > capacity_rows:
-            # The scheduler's refusal, in its words, before the inputs are copied and hashed:
-            # refused after, a 62 MiB request cost the event loop 143-223 ms. Not a retry's:
-            # it queues no rows.
-            raise InvalidInputError(
-                f"request has {rows} rows; lane {lane_config.name!r} holds at most "
-                f"{capacity_rows} rows (split it, or use a lane with more capacity)"
-            )
+        if rows is not None:
+            # Admission's refusal, before the inputs are copied and hashed: refused after, a
+            # 62 MiB request cost the event loop 143-223 ms. Not a retry's: it queues no rows.
+            lane_config.check_rows(rows)
         decoded = decode_inputs(request.inputs, self._input_specs)
         return (fingerprint(request, output_names) if request.request_id else b""), decoded
 
@@ -849,11 +847,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         `wait_until_s` at most, a retry joining the request in flight too."""
         # Told here, as the ledger is asked: a stream item may have waited for room first.
         retry = self._ledger.answers_as(request_id, digest)
-        if retry == "join":  # refused before it is told a retry: it joins nothing
-            refusal = self._join_refusal(lane, request_id)
+        if retry == "join":  # refused before it joins: traced a retry once it does (`_Taken`)
+            refusal = self._join_memory_refusal(lane, request_id)
             if refusal is not None:
                 raise self._rejected(lane, refusal)
-        if retry in ("join", "replay"):  # not "reused": that call is refused, not a retry
+        elif retry == "replay":  # not "reused": that call is refused, not a retry
             self._tracer.retried(request_id, lane, retry)
         if retry is None:
             # It starts a flight (unless refused): the stream items with its id that wait
@@ -871,12 +869,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # answered alone at its deadline, by `caller.expired`.
             raise self._rejected(lane, error) from None
 
-    def _join_refusal(self, lane: str, request_id: str) -> LaneserveError | None:
-        """Why a retry in `lane` may not join the request `request_id` in flight (None: it
-        may). It queues nothing, but gRPC holds its request message as long as a new
-        request's: so it is refused where the memory watermark closed its lane, as new
-        work is (the client retries after the pushback, by then likely a replay), and
-        past the callers one request may have (`RequestLedger.join_refusal`)."""
+    def _join_memory_refusal(self, lane: str, request_id: str) -> LaneserveError | None:
+        """Why a retry in `lane` may not join the request `request_id` in flight for
+        memory (None: it may). It queues nothing, but gRPC holds its request message as
+        long as a new request's: so it is refused where the memory watermark closed its
+        lane, as new work is (the client retries after the pushback, by then likely a
+        replay). The callers one request may have are the ledger's bound (`JoinLimitError`
+        from `RequestLedger.run`)."""
         state = self._scheduler.watermark_state()
         if state is not None and lane in state.closed_lanes:
             return MemoryPressureError(
@@ -887,7 +886,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 "a retry after the pushback",
                 retry_after_s=MEMORY_PRESSURE_RETRY_S,
             )
-        return self._ledger.join_refusal(request_id)
+        return None
 
     async def _run_when_room(
         self,
