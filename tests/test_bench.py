@@ -1688,6 +1688,11 @@ def test_scenario_c_refuses_a_single_client_process(tmp_path: Path) -> None:
         ),
         ("bench_tracing.py", ["--requests", "20", "--rounds", "1"], "spans exported per request"),
         ("bench_admit.py", ["--requests", "10", "--rounds", "1"], "us per admission"),
+        (
+            "simulate_admission.py",
+            ["--seeds", "1", "--loads", "1.5", "--shapes", "two", "--counterfactual"],
+            "unmeetable",
+        ),
     ],
 )
 def test_the_measurement_scripts_run_and_print_their_figures(
