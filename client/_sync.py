@@ -82,6 +82,9 @@ class Client:
         self._thread.start()
         # Set by close(), under the lock: from then on no other call reaches the loop.
         self._closed = False
+        # Set once the close that set `_closed` has ended, however it ended: the other
+        # close() calls wait for it, so that none returns with the channel still open.
+        self._close_done = threading.Event()
         # Calls in progress, from any thread: close() waits for them to end. Each is
         # handed to the loop and recorded here in one step under the lock.
         self._running: set[concurrent.futures.Future[Any]] = set()
@@ -128,14 +131,20 @@ class Client:
 
     def close(self) -> None:
         """Closes the channel and stops the client's thread; calls other threads have in
-        progress end with ClientClosedError. Safe to call twice."""
+        progress end with ClientClosedError. Safe to call twice, and from several threads
+        at once: each returns once the client is closed."""
         with self._lock:
-            if self._closed:
-                return
+            closed_before = self._closed
             # Other threads' calls are refused from here (ClientClosedError): one handed
             # to the loop after the wait below read `_running` waited forever on the
             # stopped loop.
             self._closed = True
+        if closed_before:
+            # Another close() is under way, or done: wait for it, except on the client's
+            # own thread, which that close waits for (waiting there would hang both).
+            if threading.current_thread() is not self._thread:
+                self._close_done.wait()
+            return
         self._finalizer.detach()
         try:
             self._run(self._client.close(), closing=True)
@@ -148,7 +157,10 @@ class Client:
                 future.cancel()  # still running after the wait: its caller gets that
             self._run(self._loop.shutdown_asyncgens(), closing=True)  # streams left open
         finally:
-            self._stop_loop()
+            try:
+                self._stop_loop()
+            finally:
+                self._close_done.set()  # a close that failed must not hang the others
 
     def infer(
         self,

@@ -4,6 +4,7 @@ streams in progress, sharing one between threads, and dropping it unclosed."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import gc
 import logging
 import sys
@@ -241,6 +242,82 @@ def test_calls_other_threads_make_while_the_client_closes_end_with_client_closed
     assert ended == {"ClientClosedError"}, ended
 
 
+def test_a_second_close_from_another_thread_returns_once_the_client_is_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two threads close one client: the second close() returns only once the first has
+    closed the channel and stopped the client's thread. (It returned at once, seeing the
+    client marked closed, with the channel open and the thread running.) The first close
+    is held until the second has either returned or begun to wait for it."""
+    held_closes: list[lc.AsyncClient] = []
+    first_entered = threading.Event()
+    first_released: concurrent.futures.Future[None] = concurrent.futures.Future()
+    original = lc.AsyncClient.close
+
+    async def held_close(self: lc.AsyncClient) -> None:
+        first_entered.set()
+        await asyncio.wrap_future(first_released)  # e.g. a source's read ending
+        await original(self)
+        held_closes.append(self)
+
+    monkeypatch.setattr(lc.AsyncClient, "close", held_close)
+    client = lc.Client(f"127.0.0.1:{unused_port()}")
+    decided = threading.Event()  # the second close() returned, or waits for the first
+    client._close_done = WaitWatched(decided)
+    seen_on_return: list[tuple[bool, int]] = []
+
+    def second_close() -> None:
+        client.close()
+        seen_on_return.append((client._thread.is_alive(), len(held_closes)))
+        decided.set()
+
+    first = threading.Thread(target=client.close, daemon=True)
+    second = threading.Thread(target=second_close, daemon=True)
+    try:
+        first.start()
+        assert first_entered.wait(HANG_S)
+        second.start()
+        assert decided.wait(HANG_S)
+        assert not seen_on_return, "the second close() returned while the first was held"
+    finally:
+        first_released.set_result(None)
+        second.join(HANG_S)
+        first.join(HANG_S)
+    assert seen_on_return == [(False, 1)], "on return: the thread stopped, the channel closed"
+
+
+def test_a_second_close_on_the_clients_own_thread_returns_without_waiting_for_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While another thread's close() is under way, one made on the client's own thread
+    (from an async stream source, say) returns at once: waiting there for the first close,
+    which waits for that very thread, would hang both for ever."""
+    first_entered = threading.Event()
+    first_released: concurrent.futures.Future[None] = concurrent.futures.Future()
+    original = lc.AsyncClient.close
+
+    async def held_close(self: lc.AsyncClient) -> None:
+        first_entered.set()
+        await asyncio.wrap_future(first_released)
+        await original(self)
+
+    monkeypatch.setattr(lc.AsyncClient, "close", held_close)
+    client = lc.Client(f"127.0.0.1:{unused_port()}")
+
+    async def close_there() -> None:
+        client.close()
+
+    first = threading.Thread(target=client.close, daemon=True)
+    try:
+        first.start()
+        assert first_entered.wait(HANG_S)
+        asyncio.run_coroutine_threadsafe(close_there(), client._loop).result(HANG_S)
+    finally:
+        first_released.set_result(None)
+        first.join(HANG_S)
+    assert not client._thread.is_alive()
+
+
 def test_a_slow_source_holds_up_its_own_stream_not_other_threads_calls(small_model: Path) -> None:
     """One Client, two threads: one streams from a plain generator that waits for its
     data after the first item; the other's infer is answered meanwhile. (The items were
@@ -458,6 +535,18 @@ def left_in_a_cycle(results: Iterator[lc.StreamResult], freed_on: list[str]) -> 
     cycle: list[object] = [results]
     cycle.append(cycle)
     weakref.finalize(results, lambda: freed_on.append(threading.current_thread().name))
+
+
+class WaitWatched(threading.Event):
+    """A threading.Event that sets `waiting` as a wait on it begins."""
+
+    def __init__(self, waiting: threading.Event) -> None:
+        super().__init__()
+        self.waiting = waiting
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait(timeout)
 
 
 async def collect_garbage() -> None:
