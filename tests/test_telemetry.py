@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 import prometheus_client
 import pytest
+from opentelemetry.exporter import prometheus as otel_prometheus
 from opentelemetry.sdk.metrics.export import (
     Gauge,
     Histogram,
@@ -601,6 +602,49 @@ def test_a_caller_answered_alone_at_its_deadline_gets_no_reply_of_the_retrys_ans
         assert enqueue.status.status_code is StatusCode.ERROR
         (event,) = only(in_trace(exporter, retry)[INFER_SPAN]).events
         assert event.name == "laneserve.retry"
+
+
+def test_a_request_that_expires_in_its_queue_is_told_by_its_enqueue_alone(
+    small_model: Path,
+) -> None:
+    """A request shed EXPIRED_IN_QUEUE never ran: its `enqueue` ends in error with that
+    status. It had a `reply` too, in error with the same status, though no answer came
+    back to encode: one end told twice, as two failures."""
+
+    async def scenario() -> InMemorySpanExporter:
+        engine = RecordingEngine(str(small_model))
+        async with serving_traced(engine, config(small_model)) as (s, exporter):
+            while engine.entered.acquire(blocking=False):
+                pass  # forget the start's batches: `entered` below waits for the next one
+            engine.hold()
+            busy = asyncio.ensure_future(s.stub.Infer(request(rows(1)), timeout=60))
+            await entered(engine)
+            # Queued behind the held batch until its deadline passes (the only wait): one
+            # of timeout_ms, which the server alone keeps (see the test above).
+            late = s.stub.Infer(
+                request(rows(1, seed=5), timeout_ms=200), metadata=traceparent(7), timeout=60
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await late
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await until(lambda: INFER_SPAN in in_trace(exporter, 7))  # the call ended
+            engine.release()
+            await busy
+        return exporter
+
+    exporter = asyncio.run(scenario())
+    spans = in_trace(exporter, 7)
+    assert sorted(spans) == sorted([INFER_SPAN, "enqueue"]), "no reply: it never ran"
+    enqueue = only(spans["enqueue"])
+    assert attr(enqueue, "laneserve.status") == "EXPIRED_IN_QUEUE"
+    assert enqueue.status.status_code is StatusCode.ERROR
+    told = [
+        span.name
+        for found in spans.values()
+        for span in found
+        if span.status.description == "EXPIRED_IN_QUEUE"
+    ]
+    assert told == ["enqueue"], "one end, told once"
 
 
 def test_a_retry_that_joins_a_request_in_flight_gets_a_reply_of_its_own(
@@ -1223,6 +1267,63 @@ def test_prometheus_endpoint_serves_the_metrics_over_http(small_model: Path) -> 
     asyncio.run(scenario())
 
 
+# How long the first of two scrapes waits for the second to collect beside it. Scrapes
+# taken one at a time never do: the wait lapses, and its length is asserted nowhere.
+SCRAPE_OVERLAP_WAIT_S = 2.0
+
+
+def type_lines(body: str) -> list[str]:
+    return sorted(line for line in body.splitlines() if line.startswith("# TYPE"))
+
+
+def test_scrapes_at_the_same_time_each_get_every_metric_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two scrapers at once (an HA pair of Prometheus servers, a scrape and a curl): the
+    exporter queues each scrape's collection in one shared deque and writes out all it
+    finds there, so one scrape wrote every family twice (duplicate `# TYPE` lines, which
+    Prometheus rejects) and the other came back empty (every series stale)."""
+    stats = StatsRecorder([lane.name for lane in ServerConfig(model_path="m.onnx").lanes])
+    telemetry = cpu_telemetry(prometheus=True)
+    telemetry.observe(list, lambda: 64, stats.counts, lambda: None, lambda: None)
+    first_collected, second_collected = threading.Event(), threading.Event()
+    add_metrics_data = otel_prometheus._CustomCollector.add_metrics_data
+    overlap = False  # the scrape alone first: it waits for none
+
+    def add_then_wait(collector: Any, data: Any) -> None:
+        add_metrics_data(collector, data)
+        if first_collected.is_set():
+            second_collected.set()
+        elif overlap:
+            first_collected.set()
+            second_collected.wait(SCRAPE_OVERLAP_WAIT_S)
+
+    monkeypatch.setattr(otel_prometheus._CustomCollector, "add_metrics_data", add_then_wait)
+    bodies: dict[str, str] = {}
+
+    def scrape(name: str) -> None:
+        bodies[name] = fetch(f"http://127.0.0.1:{port}/metrics")
+
+    try:
+        port = telemetry.serve_metrics("127.0.0.1", 0)
+        scrape("alone")
+        overlap = True
+        first = threading.Thread(target=scrape, args=("first",))
+        first.start()
+        assert first_collected.wait(30), "the first scrape collected nothing"
+        second = threading.Thread(target=scrape, args=("second",))
+        second.start()
+        first.join(30)
+        second.join(30)
+    finally:
+        telemetry.close()
+    alone = type_lines(bodies["alone"])
+    assert "# TYPE laneserve_requests_rejected_total counter" in alone
+    assert len(alone) == len(set(alone))
+    assert type_lines(bodies["first"]) == alone, "each family once"
+    assert type_lines(bodies["second"]) == alone, "every family"
+
+
 def test_retries_answered_by_request_id_are_counted_and_the_replay_cache_measured(
     small_model: Path,
 ) -> None:
@@ -1495,6 +1596,39 @@ def test_the_last_refusals_of_a_burst_are_logged_when_their_interval_ends(
     events.close()
     assert timers.started[1].cancelled
     assert caplog.records[-1].getMessage() == "admission refused 1 request(s) in 0.0s"
+
+
+def test_refusals_held_while_an_old_timer_fires_get_a_timer_of_their_own(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A burst's timer woken at its due time may wait (for the GIL) while a refusal on the
+    loop writes the line the interval allows, and another refusal is held: no timer was
+    armed for that one (the old one was still set), and the old one, run at last, found
+    the interval not yet over, so it was written only at the next event or at close."""
+    clock, timers = FakeClock(), FakeTimers()
+    events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock, timer=timers)
+    caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
+    events.rejected("standard", "LANE_FULL")  # logged at once
+    clock.now_s += 2
+    events.rejected("standard", "LANE_FULL")  # held: a timer due when the interval ends
+    (late,) = timers.started
+    clock.now_s += 8  # the timer is due, and not yet run
+    events.rejected("standard", "LANE_FULL")  # the interval is over: both written now
+    events.rejected("bulk", "LANE_FULL")  # held: the old timer is still set
+    assert len(caplog.records) == 2
+    late.action()  # nothing to write yet: the interval began at the line just written
+    assert len(caplog.records) == 2
+    assert len(timers.started) == 2, "the held refusal has no timer"
+    due = timers.started[1]
+    assert due.delay_s == pytest.approx(10.0)
+    clock.now_s += 10
+    due.action()
+    assert (
+        caplog.records[-1].getMessage()
+        == "admission refused 1 request(s) in 0.0s, the last 10.0s ago"
+    )
+    events.close()
+    assert len(caplog.records) == 3
 
 
 def test_out_of_memory_and_recovery_are_logged(caplog: pytest.LogCaptureFixture) -> None:

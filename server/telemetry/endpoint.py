@@ -6,9 +6,13 @@ import dataclasses
 import logging
 import ssl
 import sys
+import threading
+from collections.abc import Iterable
 from typing import Any, cast
 
 import prometheus_client
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from laneserve.server.addresses import bare_host, host_port
 from laneserve.server.log_events import log_event
@@ -45,7 +49,7 @@ class MetricsEndpoint:
             self._server, self._thread = prometheus_client.start_http_server(
                 port,
                 addr=address,
-                registry=registry,
+                registry=_OneScrapeAtATime(registry, threading.Lock()),
                 certfile=None if tls is None else tls.cert,
                 keyfile=None if tls is None else tls.key,
                 client_cafile=None if tls is None else tls.client_ca,
@@ -85,6 +89,38 @@ class MetricsEndpoint:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
+
+
+class _OneScrapeAtATime(Collector):
+    """`registry` collected by one scrape at a time (each request has its own thread).
+
+    OpenTelemetry's Prometheus reader queues each collection in one deque shared by all
+    scrapes and writes out all it finds there: two scrapes at once wrote every family
+    twice in one body (duplicate `# TYPE` lines, which Prometheus rejects) and none in
+    the other (every series stale). The lock is held until a scrape's metrics are all
+    collected; the text is written from them outside it.
+    """
+
+    def __init__(
+        self,
+        registry: prometheus_client.CollectorRegistry,
+        lock: threading.Lock,
+        names: frozenset[str] | None = None,
+    ) -> None:
+        self._registry = registry
+        self._lock = lock
+        self._names = names  # None: every family
+
+    def collect(self) -> Iterable[Metric]:
+        source: Collector = self._registry
+        if self._names is not None:
+            source = self._registry.restricted_registry(self._names)
+        with self._lock:
+            return list(source.collect())
+
+    def restricted_registry(self, names: Iterable[str]) -> _OneScrapeAtATime:
+        """The families `names` alone (a scrape's `name[]` parameters), under the same lock."""
+        return _OneScrapeAtATime(self._registry, self._lock, frozenset(names))
 
 
 def _log_failed_request(_request: Any, client_address: Any) -> None:

@@ -131,15 +131,24 @@ class EventLog:
             self._last_refused_s = now_s
             self._refused[key] = self._refused.get(key, 0) + 1
         self._maybe_flush()
-        with self._lock:
-            if self._refused and self._timer is None and not self._closed:
-                due_s = self._last_line_s + self._interval_s - self._monotonic()
-                self._timer = self._start_timer(max(due_s, 0.0), self._on_timer)
+        self._arm_timer()
 
     def _on_timer(self) -> None:
         with self._lock:
             self._timer = None
         self._maybe_flush()
+        # Refusals held while this timer waited to run (a refusal meanwhile wrote the line
+        # it was due for, and the next found it still set) are due an interval after that
+        # line: no other timer was armed for them.
+        self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        """Arms the timer that writes the refusals held, due when the interval since the
+        last line ends, unless one is armed already or the log is closed."""
+        with self._lock:
+            if self._refused and self._timer is None and not self._closed:
+                due_s = self._last_line_s + self._interval_s - self._monotonic()
+                self._timer = self._start_timer(max(due_s, 0.0), self._on_timer)
 
     def close(self) -> None:
         """Writes what is left and stops the timer: call once, at stop."""

@@ -1,9 +1,10 @@
 """Request and batch spans: `Tracing` (the service's `RequestTracer` and a
 `SchedulerEvents` sink) and the sampler that keeps a batch span with its requests.
 
-One `enqueue` span per queued request (admission to first dispatch) and one `reply`
-span (answer back on the event loop to encoded; zero-length when the request ended
-running, with no answer, for its status), both children of the gRPC server span
+One `enqueue` span per queued request (admission to first dispatch, or to its end, with
+its status, when it never ran) and, once it ran, one `reply` span (answer back on the
+event loop to encoded; zero-length when the request ended running, with no answer, for
+its status), both children of the gRPC server span
 (server_spans.py). A call that joins a request in flight queues nothing: it gets a
 `reply` alone, with what it got (`Tracing.joined`). Each batch gets a root `batch` span
 with a link to every request span it serves, and an `infer` child for the session run.
@@ -81,7 +82,8 @@ class _RequestSpans:
 
     `enqueue` runs from admission to the request's first dispatch (its queue wait), or to
     its end when it never ran (refused, expired, cancelled, shut down), and then carries
-    that status. `reply` runs from the answer's return to the event loop to its encoding.
+    that status, alone: such a request gets no `reply`. `reply` runs from the answer's
+    return to the event loop to its encoding.
     A request that ends once dispatched with no answer to encode (its caller left while
     its batch ran) gets a zero-length `reply` for its status: every request's trace says
     how it ended. Dispatch comes from the scheduler thread, the rest from the event loop:
@@ -104,7 +106,13 @@ class _RequestSpans:
         self._end_enqueue(None)
 
     def replying(self) -> None:
-        self._reply = self._tracer.start_span("reply", context=self._parent)
+        with self._lock:
+            dispatched = not self._enqueue_open
+        # An outcome of a request never dispatched (expired in its queue, shut down) is an
+        # error and no answer: `enqueue` alone says how it ended (`end`). Dispatch happens
+        # before its batch runs, on the scheduler thread, so an answer finds it ended.
+        if dispatched:
+            self._reply = self._tracer.start_span("reply", context=self._parent)
 
     def end(self, status: str) -> None:
         # Once: a caller answered alone at its deadline ends its request's spans then, while
