@@ -133,8 +133,15 @@ class Client:
         """Closes the channel and stops the client's thread; calls other threads have in
         progress end with ClientClosedError. Safe to call twice, and from several threads
         at once: each returns once the client is closed."""
+        on_own_thread = threading.current_thread() is self._thread
         with self._lock:
             closed_before = self._closed
+            if on_own_thread and not closed_before:
+                # Closing waits for this very thread to stop: refused before anything
+                # changes, so the client stays usable and closable from another thread.
+                # (It stopped the loop, then failed to join itself: the channel was never
+                # closed and the RuntimeError named the join, not the call.)
+                raise RuntimeError(_OWN_THREAD.format(call="close()"))
             # Other threads' calls are refused from here (ClientClosedError): one handed
             # to the loop after the wait below read `_running` waited forever on the
             # stopped loop.
@@ -142,7 +149,7 @@ class Client:
         if closed_before:
             # Another close() is under way, or done: wait for it, except on the client's
             # own thread, which that close waits for (waiting there would hang both).
-            if threading.current_thread() is not self._thread:
+            if not on_own_thread:
                 self._close_done.wait()
             return
         self._finalizer.detach()
@@ -301,11 +308,7 @@ class Client:
         once the client is closed (or closing: `closing` marks close()'s own steps)."""
         if threading.current_thread() is self._thread:
             coroutine.close()
-            raise RuntimeError(
-                "a laneserve Client call was made on the client's own thread "
-                "(laneserve-client: from an async stream source, say), where it would wait "
-                "for itself for ever; expected a call from any other thread"
-            )
+            raise RuntimeError(_OWN_THREAD.format(call="call"))
         # The coroutine runs on the client's loop thread, but in the caller's context:
         # its trace (and any other context variable) goes with the call.
         context = contextvars.copy_context()
@@ -337,6 +340,13 @@ class Client:
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()  # the thread closes the loop as it ends (see _serve)
+
+
+_OWN_THREAD = (
+    "a laneserve Client {call} was made on the client's own thread "
+    "(laneserve-client: from an async stream source, say), where it would wait "
+    "for itself for ever; expected a call from any other thread"
+)
 
 
 def _serve(loop: asyncio.AbstractEventLoop) -> None:

@@ -570,3 +570,33 @@ class EndedCalls(grpc.aio.StreamStreamClientInterceptor):
 def resuming(caplog: pytest.LogCaptureFixture) -> bool:
     """Whether a bulk stream has logged that it waits to open its next call."""
     return any("call broke" in record.getMessage() for record in caplog.records)
+
+
+def test_a_first_close_on_the_clients_own_thread_is_refused_and_leaves_the_client_usable(
+    small_model: Path,
+) -> None:
+    """close() made on the client's own thread (from an async stream source, say) stopped
+    the loop and then failed to join its own thread: the channel was never closed and
+    the RuntimeError named the join. It is refused before anything changes: a clear
+    RuntimeError, and the client still answers and closes from another thread."""
+    refused: list[BaseException] = []
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            client = await asyncio.to_thread(lc.Client, s.target)
+
+            async def close_there() -> None:
+                try:
+                    client.close()
+                except RuntimeError as error:
+                    refused.append(error)
+
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(close_there(), client._loop))
+            answer = await asyncio.to_thread(client.infer, {"input": rows(1)}, timeout=HANG_S)
+            assert answer["output"].shape[0] == 1
+            await asyncio.to_thread(client.close)
+            assert not client._thread.is_alive()
+
+    asyncio.run(scenario())
+    assert len(refused) == 1
+    assert "Client close() was made on the client's own thread" in str(refused[0])
