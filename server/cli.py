@@ -195,7 +195,7 @@ async def _serve(config: ServerConfig) -> tuple[int, bool]:
     # In milliseconds, not after the model has loaded (minutes, for a large one):
     check_ports_free(config)
     server_credentials(config)  # the TLS files read and checked; read again to serve
-    loaded = await asyncio.to_thread(lambda: LaneServer(load_engine(config), config))
+    loaded = await asyncio.to_thread(_load_server, config)
     if stop_asked.is_set():  # asked while it loaded: it never serves
         await loaded.stop()
         log_event(log, logging.INFO, "shutdown", "stopped before serving", drained=True)
@@ -209,6 +209,21 @@ async def _serve(config: ServerConfig) -> tuple[int, bool]:
     asked.cancel()
     await server.stop()
     return (0 if server.failure is None else 1), server.threads_stopped
+
+
+def _load_server(config: ServerConfig) -> LaneServer:
+    """The server, its model loaded and probed: run on a thread (see `_serve`). Whatever
+    it raises must reach the awaiting future, and asyncio cannot put a StopIteration into
+    one ("cannot be raised into a Future"): the future never finished and the start hung
+    for good, a SIGTERM only saying it would stop once the model had loaded. A
+    StopIteration out of the load is a bug; it ends the start as one (a RuntimeError)."""
+    try:
+        return LaneServer(load_engine(config), config)
+    except StopIteration as error:
+        raise RuntimeError(
+            "loading the model raised StopIteration, a bug in laneserve (its traceback "
+            "is above); expected a loaded server or a start-up error"
+        ) from error
 
 
 def _signal_while_starting(name: str, signum: int, *, again: bool) -> None:

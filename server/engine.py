@@ -79,6 +79,15 @@ class EngineStartError(RuntimeError):
     """The model or the requested device cannot be used; raised before serving."""
 
 
+class _ModelRunError(EngineError):
+    """The runtime failed a run, not for want of memory (see `translate_runtime_error`);
+    `runtime_message` keeps its words apart from where the run failed."""
+
+    def __init__(self, runtime_message: str) -> None:
+        super().__init__(f"the model failed on this batch: {runtime_message}")
+        self.runtime_message = runtime_message
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class TensorSpec:
     name: str
@@ -297,7 +306,7 @@ class Engine:
         self.providers: list[str] = list(self._session.get_providers())
         if device == "cuda" and CUDA not in self.providers:
             raise EngineStartError(f"--device cuda: the session fell back to {self.providers}")
-        self.inputs = tuple(self._spec(arg, "input") for arg in self._session.get_inputs())
+        self.inputs = self._input_specs(model_path)
         self.outputs = tuple(self._spec(arg, "output") for arg in self._session.get_outputs())
         _check_batch_axis_unique(self.inputs, self.outputs)
         self.output_names = [spec.name for spec in self.outputs]
@@ -349,6 +358,19 @@ class Engine:
             providers=list(self.providers),
             memory_limit_bytes=memory_limit_bytes,
         )
+
+    def _input_specs(self, model_path: str) -> tuple[TensorSpec, ...]:
+        """The specs of the model's inputs; EngineStartError when it has none. Checked
+        before the outputs: a model with no inputs has no rows to batch along, whatever
+        its outputs declare (and a run counts a batch's rows on its first input)."""
+        inputs = tuple(self._spec(arg, "input") for arg in self._session.get_inputs())
+        if not inputs:
+            raise EngineStartError(
+                f"model {model_path!r} has no inputs: laneserve batches requests along the "
+                "inputs' first axis; expected at least one input whose first axis is the "
+                "batch (rows) axis, e.g. ['N', ...]"
+            )
+        return inputs
 
     @staticmethod
     def _spec(arg: ort.NodeArg, role: str) -> TensorSpec:
@@ -878,8 +900,15 @@ class _Split:
             )
             self._owner_unfit[self._owner[row]] = True
         else:
+            # The runtime's words alone: translated, they began "the model failed on this
+            # batch", and a row run alone is no batch.
+            cause = error.runtime_message if isinstance(error, _ModelRunError) else error.message
             self.fail(
-                row, EngineError(f"the model failed on a row of this request: {error.message}")
+                row,
+                EngineError(
+                    f"the model failed on a row of this request (row "
+                    f"{self._request_row(int(row[0]))}, run alone): {cause}"
+                ),
             )
 
     def _request_row(self, position: int) -> int:
@@ -981,7 +1010,7 @@ def translate_runtime_error(error: Exception) -> LaneserveError:
         return DeviceMemoryError(
             f"device memory exhausted while running the batch: {_tail(message)}"
         )
-    return EngineError(f"the model failed on this batch: {_tail(message)}")
+    return _ModelRunError(_tail(message))
 
 
 def _tail(message: str, limit: int = 300) -> str:

@@ -22,8 +22,10 @@ from typing import Any
 import grpc
 import numpy as np
 import numpy.typing as npt
+import onnx
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from onnx import TensorProto, helper
 
 from laneserve.client.tensors import decode_tensor, encode_tensor
 from laneserve.server import Engine, LaneServer, ServerConfig
@@ -446,3 +448,42 @@ def done_items(state: Path) -> int:
     except (OSError, ValueError):
         return 0
     return int(np.unpackbits(np.frombuffer(base64.b64decode(document["done"]), np.uint8)).sum())
+
+
+def no_input_model(path: Path, *, inferable: bool) -> Path:
+    """A model with no inputs whose output "y" is declared ["N"]: a constant [1] (ONNX
+    Runtime infers [1]) or, not `inferable`, an `If` whose branches give [1] and [2] (it
+    infers nothing, and the start-up probe ran it with no rows to count)."""
+
+    def constant(name: str, value: npt.NDArray[Any]) -> onnx.NodeProto:
+        return helper.make_node(
+            "Constant", [], [name], value=onnx.numpy_helper.from_array(value, name)
+        )
+
+    def branch(name: str, value: npt.NDArray[Any]) -> onnx.GraphProto:
+        out = helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT, [None])
+        return helper.make_graph([constant(f"{name}_y", value)], name, [], [out])
+
+    one = np.array([1.0], np.float32)
+    nodes = (
+        [constant("y", one)]
+        if inferable
+        else [
+            constant("cond", np.array(True)),
+            helper.make_node(
+                "If",
+                ["cond"],
+                ["y"],
+                then_branch=branch("then", one),
+                else_branch=branch("else", np.array([1.0, 2.0], np.float32)),
+            ),
+        ]
+    )
+    graph = helper.make_graph(
+        nodes, "no_input", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N"])]
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path

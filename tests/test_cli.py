@@ -24,7 +24,16 @@ from laneserve.client import cli as client_cli
 from laneserve.server import cli as server_cli
 from laneserve.server.engine import CPU, CUDA, choose_providers, gpu_present
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
-from tests.support import REPO, SERVE, ServerProcess, output, request, rows, unused_port
+from tests.support import (
+    REPO,
+    SERVE,
+    ServerProcess,
+    no_input_model,
+    output,
+    request,
+    rows,
+    unused_port,
+)
 
 
 @pytest.fixture
@@ -347,6 +356,46 @@ def test_a_port_in_use_is_refused_before_the_model_loads(small_model: Path) -> N
     assert f"cannot listen on 127.0.0.1:{port} (server.metrics_port): Address already in use" in (
         stderr
     )
+
+
+def test_a_model_with_no_inputs_is_refused_at_start_not_hung(tmp_path: Path) -> None:
+    """Its output's shape not inferable, the start-up probe counted the rows of no input
+    on the load's thread: StopIteration, which asyncio cannot put into the load's future
+    ("cannot be raised into a Future"); `serve` waited for it for good, and a SIGTERM
+    only said "stopping once the model has loaded". It exits 2 saying why."""
+    model = no_input_model(tmp_path / "no_input.onnx", inferable=False)
+    stderr = refused_at_start("--model", str(model), "--port", "0", "--metrics-port", "-1")
+    assert f"laneserve: model {str(model)!r} has no inputs: " in stderr
+    assert "expected at least one input whose first axis is the batch (rows) axis" in stderr
+
+
+# `laneserve serve` whose model load raises StopIteration (a bug in the load).
+STOPS_IN_LOAD = """
+import sys
+import laneserve.server.cli as cli
+def stops(config):
+    raise StopIteration
+cli.load_engine = stops
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_stop_iteration_out_of_the_model_load_ends_the_start(small_model: Path) -> None:
+    """asyncio cannot put a StopIteration into the future the load runs under: that
+    future never finished and `serve` hung for good. Whatever the load raises, the start
+    ends: here as the bug it is (status 1, with its traceback)."""
+    args = ["serve", "--model", str(small_model), "--port", "0", "--metrics-port", "-1"]
+    done = subprocess.run(
+        [sys.executable, "-c", STOPS_IN_LOAD, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "RuntimeError: loading the model raised StopIteration" in done.stderr
+    assert "cannot be raised into a Future" not in done.stderr
 
 
 def test_a_memory_limit_the_idle_server_exceeds_is_refused(small_model: Path) -> None:
