@@ -1324,6 +1324,37 @@ def test_scrapes_at_the_same_time_each_get_every_metric_once(
     assert type_lines(bodies["second"]) == alone, "every family"
 
 
+def test_a_scrape_for_some_names_gets_those_samples_alone() -> None:
+    """`?name[]=...` (prometheus_client's filter, for a curl of one family) came back
+    empty: the registry keeps only collectors that declare their names, and
+    OpenTelemetry's declares none."""
+    stats = StatsRecorder([lane.name for lane in ServerConfig(model_path="m.onnx").lanes])
+    telemetry = cpu_telemetry(prometheus=True)
+    telemetry.observe(list, lambda: 64, stats.counts, lambda: None, lambda: None)
+    try:
+        port = telemetry.serve_metrics("127.0.0.1", 0)
+        whole = fetch(f"http://127.0.0.1:{port}/metrics")
+        some = fetch(
+            f"http://127.0.0.1:{port}/metrics"
+            "?name[]=laneserve_requests_rejected_total&name[]=laneserve_batch_cap"
+        )
+    finally:
+        telemetry.close()
+    wanted = {"laneserve_requests_rejected_total", "laneserve_batch_cap"}
+
+    def named(body: str) -> list[str]:
+        return [line for line in body.splitlines() if re.split("[{ ]", line)[0] in wanted]
+
+    samples = [line for line in some.splitlines() if line and not line.startswith("#")]
+    assert samples, some
+    assert samples == named(some), "those names alone"
+    assert samples == named(whole), "every sample of them"
+    assert sorted(type_lines(some)) == [
+        "# TYPE laneserve_batch_cap gauge",
+        "# TYPE laneserve_requests_rejected_total counter",
+    ]
+
+
 def test_retries_answered_by_request_id_are_counted_and_the_replay_cache_measured(
     small_model: Path,
 ) -> None:

@@ -112,15 +112,27 @@ class _OneScrapeAtATime(Collector):
         self._names = names  # None: every family
 
     def collect(self) -> Iterable[Metric]:
-        source: Collector = self._registry
-        if self._names is not None:
-            source = self._registry.restricted_registry(self._names)
         with self._lock:
-            return list(source.collect())
+            metrics = list(self._registry.collect())
+        if self._names is None:
+            return metrics
+        return [kept for metric in metrics if (kept := _samples_named(metric, self._names))]
 
     def restricted_registry(self, names: Iterable[str]) -> _OneScrapeAtATime:
-        """The families `names` alone (a scrape's `name[]` parameters), under the same lock."""
+        """The samples named `names` alone (a scrape's `name[]` parameters), filtered
+        here: the registry's own filter keeps only collectors that declare their names,
+        and OpenTelemetry's declares none (`?name[]=...` got an empty body)."""
         return _OneScrapeAtATime(self._registry, self._lock, frozenset(names))
+
+
+def _samples_named(metric: Metric, names: frozenset[str]) -> Metric | None:
+    """`metric` with only its samples named in `names` (None: none is)."""
+    samples = [sample for sample in metric.samples if sample.name in names]
+    if not samples:
+        return None
+    kept = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+    kept.samples = samples
+    return kept
 
 
 def _log_failed_request(_request: Any, client_address: Any) -> None:
