@@ -287,7 +287,7 @@ class Scheduler:
         # When the batch running now is predicted to end (None: none runs).
         self._running_until_s: float | None = None
         self.run_time = run_time
-        self._run_times = RunTimeModels(run_time, run_time_signature)
+        self._run_times = RunTimeModels(run_time, run_time_signature, max_rows=batch_cap)
         self.accepting = True
         # Live entries: admitted and not yet answered (queued or in a running batch).
         self._entries: dict[int, Entry] = {}

@@ -2722,6 +2722,47 @@ def test_a_shape_whose_model_is_a_guess_is_not_refused_until_it_ran() -> None:
         )
 
 
+# A probe's sizes (powers of two up to a cap of 128) and its run times: a fixed cost and
+# one per value, rows of one value.
+PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def probed_run_s(rows: float, width: int = 1) -> float:
+    return 1e-4 + 1e-6 * rows * width
+
+
+@pytest.mark.parametrize("max_rows", [None, 128])
+def test_models_guessed_one_from_another_keep_a_bounded_set_of_sizes(
+    max_rows: int | None,
+) -> None:
+    """One row each of widths 400, 399, ..., 2: each new width is guessed from the last
+    one run (the nearest) and keeps that guess. A guess kept the sizes of the model it
+    was scaled from and added those they map to: after 399 widths one model held 12 777
+    sizes up to 17 964 rows (cap 128), and each admission rebuilt a guess that large
+    (115 ms a request, from 2.4). A model now holds the probe's sizes, the rows it ran and
+    the sizes the probe's and its source's runs map to (at most `max_rows`)."""
+    probe = RunTimeModel({rows: probed_run_s(rows) for rows in PROBE_SIZES})
+    models = RunTimeModels(probe, ((1,),), max_rows=max_rows)
+    for width in range(400, 1, -1):
+        models.get(((width,),)).predict_s(1)  # priced at admission: stores nothing
+        models.observe(((width,),), 1, probed_run_s(1, width))
+        sizes = models.get(((width,),)).snapshot()
+        # The probe's, their images from the probe and from the model scaled from, 1 row
+        # run here and 1 there.
+        assert len(sizes) <= 3 * len(PROBE_SIZES) + 2, (width, sorted(sizes))
+        assert max_rows is None or max(sizes) <= max_rows, (width, sorted(sizes))
+
+
+def test_a_model_not_observed_keeps_a_bounded_set_of_answered_budgets() -> None:
+    """`rows_within_s` answers are kept until the next observation; a batch's deadline
+    budget is any number, and a shape whose batches stop succeeding (failing, split) is
+    not observed: it kept one answer per budget asked."""
+    model = RunTimeModel({rows: probed_run_s(rows) for rows in PROBE_SIZES})
+    for step in range(10_000):
+        assert model.rows_within_s(1e-4 + step * 1e-8, 128) >= 1
+    assert len(model._within) <= 64
+
+
 # Rows 2 wide stand for short sequences (the probe's), 64 wide for long ones: recorded
 # run times of an attention model at lengths 8 and 512, batches of 32 rows.
 SHORT, LONG = 2, 64
