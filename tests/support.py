@@ -89,6 +89,13 @@ class RecordingEngine(Engine):
         """The next batch blocks inside the engine (the session is busy) until release."""
         self.gate.clear()
 
+    def hold_next(self) -> None:
+        """`hold`, after forgetting the batches that started so far: `entered` then waits
+        for the batch that is held, not for one that ran before."""
+        while self.entered.acquire(blocking=False):
+            pass
+        self.hold()
+
     def release(self) -> None:
         self.gate.set()
 
@@ -380,9 +387,7 @@ async def cut_while_a_batch_runs(engine: RecordingEngine, proxy: TcpProxy) -> in
     """Holds the next batch in the session, cuts every connection through `proxy`, then
     lets the batch go on: its requests lose their callers while they run. Returns the
     connections cut, or None when no batch started within seconds (the work is done)."""
-    while engine.entered.acquire(blocking=False):
-        pass  # batches that started earlier
-    engine.hold()
+    engine.hold_next()
     try:
         if not await asyncio.to_thread(engine.entered.acquire, timeout=5.0):
             return None

@@ -1320,9 +1320,7 @@ def test_a_stream_item_that_joins_or_replays_needs_no_room_in_its_full_lane(
         engine = RecordingEngine(str(small_model))
         async with serving(engine, config(small_model, max_batch_size=4, lanes=bulk_lane(4))) as s:
             await s.stub.Infer(request(rows(4, start=0), request_id="done", lane="bulk"))
-            while engine.entered.acquire(blocking=False):
-                pass  # the batch that ran "done"
-            engine.hold()
+            engine.hold_next()
             held = [asyncio.ensure_future(s.stub.Infer(request(rows(4, start=10), lane="bulk")))]
             await asyncio.to_thread(engine.entered.acquire)
             queued = request(rows(4, start=20), request_id="queued", lane="bulk")

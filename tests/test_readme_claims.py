@@ -594,9 +594,7 @@ def test_stream_item_past_its_timeout_ms_is_answered_deadline_and_the_stream_goe
     async def scenario() -> tuple[pb.InferStreamResponse, list[pb.InferStreamResponse], Any]:
         engine = RecordingEngine(str(small_model))
         async with serving(engine, config(small_model)) as s:
-            while engine.entered.acquire(blocking=False):
-                pass
-            engine.hold()
+            engine.hold_next()
             call = s.stub.InferStream()
             try:
                 await call.write(request(rows(1, start=0), request_id="first"))

@@ -435,9 +435,7 @@ def test_status_codes_are_recorded_on_the_server_span(small_model: Path) -> None
                 await code_of(s.stub.Infer(request(rows(1), request_id="bad", lane="nope"))),
                 await code_of(s.stub.Infer(request(rows(3), request_id="failing"))),
             ]
-            while engine.entered.acquire(blocking=False):
-                pass  # forget the batches above: `entered` below waits for the next one
-            engine.hold()
+            engine.hold_next()
             busy = asyncio.ensure_future(s.stub.Infer(request(rows(1), request_id="busy")))
             await entered(engine)
             filler = asyncio.ensure_future(s.stub.Infer(request(rows(4), request_id="filler")))
@@ -514,9 +512,7 @@ def test_a_request_that_ends_while_its_batch_runs_says_how_on_a_reply_span(
     async def scenario() -> InMemorySpanExporter:
         engine = RecordingEngine(str(small_model))
         async with serving_traced(engine, config(small_model)) as (s, exporter):
-            while engine.entered.acquire(blocking=False):
-                pass  # forget the start's batches: `entered` below waits for the next one
-            engine.hold()
+            engine.hold_next()
             cancelled = s.stub.Infer(request(rows(1)), metadata=traceparent(1))
             await entered(engine)
             cancelled.cancel()
@@ -614,9 +610,7 @@ def test_a_request_that_expires_in_its_queue_is_told_by_its_enqueue_alone(
     async def scenario() -> InMemorySpanExporter:
         engine = RecordingEngine(str(small_model))
         async with serving_traced(engine, config(small_model)) as (s, exporter):
-            while engine.entered.acquire(blocking=False):
-                pass  # forget the start's batches: `entered` below waits for the next one
-            engine.hold()
+            engine.hold_next()
             busy = asyncio.ensure_future(s.stub.Infer(request(rows(1)), timeout=60))
             await entered(engine)
             # Queued behind the held batch until its deadline passes (the only wait): one
@@ -661,9 +655,7 @@ def test_a_retry_that_joins_a_request_in_flight_gets_a_reply_of_its_own(
         engine.fail_when = lambda batch: batch.rows == 3
         async with serving_traced(engine, config(small_model)) as (s, exporter):
             for joins, (first_trace, retry_trace, count) in enumerate(((11, 12, 1), (13, 14, 3))):
-                while engine.entered.acquire(blocking=False):
-                    pass  # forget the batches before: `entered` below waits for the next one
-                engine.hold()
+                engine.hold_next()
                 shared = request(rows(count), request_id=f"shared-{count}")
                 first = s.stub.Infer(shared, metadata=traceparent(first_trace))
                 await entered(engine)
