@@ -132,7 +132,9 @@ class Client:
     def close(self) -> None:
         """Closes the channel and stops the client's thread; calls other threads have in
         progress end with ClientClosedError. Safe to call twice, and from several threads
-        at once: each returns once the client is closed."""
+        at once: each returns once the client is closed (but on the client's own thread,
+        which that close waits for: there a first close() is refused, RuntimeError, and a
+        later one returns at once)."""
         on_own_thread = threading.current_thread() is self._thread
         with self._lock:
             closed_before = self._closed

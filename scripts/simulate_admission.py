@@ -9,12 +9,13 @@ scheduler thread does (admit each arrival when its time comes, shed, dispatch wh
 session is free, complete each batch when its run ends), on simulated time. So a run is
 deterministic: the same arguments print the same figures on any machine, however busy.
 
-Traffic: Poisson arrivals for one second into the default lanes, at `--load` times
+Traffic: Poisson arrivals for one second into the default lanes, at each of `--loads` times
 300/s interactive (1-2 rows, 10-50 ms deadlines), 600/s standard (1-8 rows, 20-200 ms)
 and 100/s bulk (8-100 rows, `--bulk-deadline-ms`). Rows are 2 wide, or 2 or 8 at random
-(`--shapes two`). A batch of r rows runs for exactly 1 ms + 3 ms * (r-1)/63, times the
-width / 2: the scheduler is told the 2-wide time and learns the other from the batches
-it completes, so at load 1.0 one shape keeps the session about 85 % busy.
+(`--shapes two`). A batch of r 2-wide rows runs for exactly 1 ms + 3 ms * (r-1)/63 (for
+r up to 64; proportionally beyond), and r rows of width w as long as r * w/2 2-wide rows
+(its elements): the scheduler is told the 2-wide time and learns the other from the
+batches it completes. At load 1.0 one shape keeps the session about 85 % busy.
 
 Per load and lane it prints the requests admitted and how they ended (ok: answered by
 the deadline; late: answered after it; expired: shed in the queue) and those refused
@@ -310,28 +311,39 @@ def _pair(text: str) -> tuple[float, float]:
         raise argparse.ArgumentTypeError(
             f"expected LOW,HIGH in milliseconds, got {text!r}"
         ) from None
-    if not 0 < pair[0] <= pair[1]:
-        raise argparse.ArgumentTypeError(f"expected 0 < LOW <= HIGH, got {text!r}")
+    if not 0 < pair[0] <= pair[1] < math.inf:
+        raise argparse.ArgumentTypeError(f"expected finite 0 < LOW <= HIGH, got {text!r}")
     return pair
 
 
-def _numbers(kind: type[int] | type[float]) -> Callable[[str], list[float]]:
-    def parse(text: str) -> list[float]:
-        try:
-            return [kind(part) for part in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected comma-separated numbers, got {text!r}"
-            ) from None
+def _seeds(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
 
-    return parse
+
+def _loads(text: str) -> list[float]:
+    """Positive and finite: arrivals are drawn until one second has passed, which a load
+    of 0, below 0, NaN or infinity never reaches."""
+    try:
+        loads = [float(part) for part in text.split(",")]
+    except ValueError:
+        loads = []
+    if not loads or not all(0 < load < math.inf for load in loads):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive finite numbers, got {text!r}"
+        )
+    return loads
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--seeds", type=_numbers(int), default=[1, 2, 3], help="default: 1,2,3")
+    parser.add_argument("--seeds", type=_seeds, default=[1, 2, 3], help="default: 1,2,3")
     parser.add_argument(
-        "--loads", type=_numbers(float), default=[0.5, 1.0, 1.5, 2.5], help="default: 0.5,1,1.5,2.5"
+        "--loads", type=_loads, default=[0.5, 1.0, 1.5, 2.5], help="default: 0.5,1,1.5,2.5"
     )
     parser.add_argument("--shapes", choices=("one", "two"), default="one")
     parser.add_argument(
@@ -347,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     widths = (BASE_WIDTH,) if args.shapes == "one" else (BASE_WIDTH, 8)
     print(
-        f"seeds {','.join(str(int(s)) for s in args.seeds)}, shapes {args.shapes}, "
+        f"seeds {','.join(str(s) for s in args.seeds)}, shapes {args.shapes}, "
         f"bulk deadlines {low_ms:g}-{high_ms:g} ms (sums over the seeds)"
     )
     print(f"{'load':>5} {'busy':>5} {'lane':<12}" + "".join(f"{c:>11}" for c in COLUMNS))
@@ -357,10 +369,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         busy = 0.0
         for seed in args.seeds:
             counts, busy_fraction, errors = simulate(
-                int(seed), load, traffic, widths, args.counterfactual
+                seed, load, traffic, widths, args.counterfactual
             )
             busy += busy_fraction / len(args.seeds)
-            broken += [f"seed {int(seed)}, load {load:g}: {error}" for error in errors]
+            broken += [f"seed {seed}, load {load:g}: {error}" for error in errors]
             for lane in LANE_ORDER:
                 totals[lane].update(counts[lane])
         for lane in LANE_ORDER:
