@@ -680,6 +680,13 @@ def _run_items(
 
 
 def _unwritable(checkpoint: Checkpoint, error: OSError) -> UsageError:
+    if not checkpoint.directory.is_dir():
+        # Removed while the job ran: nothing saved is left to resume from.
+        return UsageError(
+            f"cannot write the checkpoint {checkpoint.directory}: {error}; it is gone "
+            "(removed while the job ran?), and the rows it saved with it; expected it to "
+            "stay until the job ends: run the job again, without --resume"
+        )
     return UsageError(
         f"cannot write the checkpoint {checkpoint.directory}: {error}; expected room and "
         "write permission there: the rows it saved are kept, so --resume once it can be "

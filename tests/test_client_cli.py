@@ -29,6 +29,7 @@ from onnx import TensorProto, helper
 
 from laneserve.client import TlsConfig
 from laneserve.client import _checkpoint as checkpoint_module
+from laneserve.client import cli as client_cli_module
 from laneserve.client._checkpoint import Checkpoint, CheckpointError
 from laneserve.server import Engine, LaneConfig, ServerConfig
 from laneserve.server.demo_model import make_demo_model
@@ -1297,6 +1298,23 @@ def test_a_full_disk_is_an_error_that_names_the_checkpoint_not_a_crash(
     directory = Path(f"{output}.partial")
     resumed = load_checkpoint(source, directory)
     assert not resumed.done.any()
+
+
+def test_a_checkpoint_removed_while_its_job_ran_is_not_said_to_keep_its_rows(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint whose directory was removed mid-job failed its next save, and the
+    error said the rows it saved were kept, to --resume: they were gone with it."""
+    _source, directory = checkpoint_of(tmp_path)
+    checkpoint = load_checkpoint(tmp_path / "in.npy", directory)
+    shutil.rmtree(directory)
+    with pytest.raises(FileNotFoundError) as failed:
+        checkpoint.save()
+    message = str(client_cli_module._unwritable(checkpoint, failed.value))
+    assert f"cannot write the checkpoint {directory}: " in message
+    assert "it is gone (removed while the job ran?), and the rows it saved with it" in message
+    assert "run the job again, without --resume" in message
+    assert "are kept" not in message
 
 
 def test_a_checkpoint_that_can_be_read_but_not_written_is_not_called_unreadable(
