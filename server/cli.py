@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ from laneserve.server.engine import EngineStartError
 from laneserve.server.log_events import refuse_usage
 from laneserve.server.process import tune_for_serving
 from laneserve.server.telemetry import configure_logging, log_event
+from laneserve.server.telemetry.environment import check_tracing_env
 from laneserve.server.top import add_arguments as add_top_arguments
 from laneserve.server.top import run as run_top
 
@@ -69,8 +71,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, EngineStartError, OSError) as error:
         if args.log_format == "json":  # log shippers parse every line: this one too
             log_event(log, logging.ERROR, "startup_failed", str(error), exit_code=2)
-        else:
-            print(f"laneserve: {error}", file=sys.stderr)
+        elif sys.stderr is not None:  # None: started with fd 2 closed
+            # Its reader gone (EPIPE), the line is lost; the exit code still says it.
+            with contextlib.suppress(OSError):
+                print(f"laneserve: {error}", file=sys.stderr)
         return 2
     if not clean:
         # A run the runtime would not end is still going: exiting normally would wait
@@ -92,8 +96,12 @@ def _start_again_without_grpc_core_lines() -> None:
     if "GRPC_VERBOSITY" in os.environ or not sys.executable:
         return
     os.environ["GRPC_VERBOSITY"] = "NONE"  # exec passes os.environ on
-    sys.stdout.flush()
-    sys.stderr.flush()
+    # A stream is None where the process started with its fd closed (some daemonisers
+    # do), and one whose reader is gone cannot be flushed: neither stops the start.
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.flush()
     os.execv(sys.executable, sys.orig_argv)  # noqa: S606 - this process's own command line
 
 
@@ -195,6 +203,7 @@ async def _serve(config: ServerConfig) -> tuple[int, bool]:
     # In milliseconds, not after the model has loaded (minutes, for a large one):
     check_ports_free(config)
     server_credentials(config)  # the TLS files read and checked; read again to serve
+    check_tracing_env()  # the OTEL_* variables tracing reads; read again to serve
     loaded = await asyncio.to_thread(_load_server, config)
     if stop_asked.is_set():  # asked while it loaded: it never serves
         await loaded.stop()

@@ -681,3 +681,49 @@ def test_every_commands_help_renders(parser: argparse.ArgumentParser) -> None:
     assert len(commands) > 2
     for command in commands:
         assert command.format_help()
+
+
+def test_a_start_up_error_with_stderr_broken_still_exits_2(tmp_path: Path) -> None:
+    """stderr's reader gone (EPIPE): printing the reason raised BrokenPipeError, and the
+    process exited 1, which README gives to a server that failed while serving."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [*SERVE, "--model", str(tmp_path / "absent.onnx"), "--port", "0"],
+            stdout=subprocess.DEVNULL,
+            stderr=write_end,
+            stdin=subprocess.DEVNULL,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 2
+
+
+def test_json_logs_with_stderr_closed_still_serve(small_model: Path) -> None:
+    """Started with fd 2 closed (as some daemonisers do), sys.stderr is None: the restart
+    that JSON logs make flushed it (AttributeError), and the server never served."""
+    port = unused_port()
+    serve = [*SERVE, "--model", str(small_model), "--port", str(port), "--log-format", "json"]
+    environ = {name: value for name, value in os.environ.items() if name != "GRPC_VERBOSITY"}
+    process = subprocess.Popen(
+        ["/bin/sh", "-c", 'exec "$@" 2>&-', "sh", *serve],  # 2>&-: fd 2 closed
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        env=environ,
+    )
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            # The health stubs' types lack the RPC attributes; the call itself is plain.
+            health: Any = health_pb2_grpc.HealthStub(channel)
+            asked = health_pb2.HealthCheckRequest(service="")
+            status = health.Check(asked, timeout=60, wait_for_ready=True).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=60)

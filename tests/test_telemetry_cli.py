@@ -143,3 +143,36 @@ def test_a_failed_start_is_one_json_line_too(tmp_path: Path) -> None:
     (failed,) = [line for line in lines if line.get("event") == "startup_failed"]
     assert str(missing) in failed["message"]
     assert failed["exit_code"] == 2
+
+
+def test_a_tracing_number_that_cannot_be_read_is_refused_by_name_before_the_model_loads(
+    tmp_path: Path,
+) -> None:
+    """The SDK raised a bare ValueError out of the server's construction, once the model
+    had loaded and been probed (minutes, for a large model): a 40-line traceback, none of
+    it JSON, and exit 1; the OTLP exporter's did not name its variable ("could not convert
+    string to float"). The model named is absent: the refusal comes first, before the
+    model is read."""
+    missing = tmp_path / "absent.onnx"
+    cases = [
+        ({"OTEL_SPAN_LINK_COUNT_LIMIT": "x"}, "OTEL_SPAN_LINK_COUNT_LIMIT must be a non-neg"),
+        ({"OTEL_BSP_SCHEDULE_DELAY": "0"}, "schedule_delay_millis must be positive"),
+        ({"OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4096"}, "max_export_batch_size must be less"),
+        (
+            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TIMEOUT": "x"},
+            "OTEL_TRACES_EXPORTER=otlp: the exporter refused its OTEL_EXPORTER_* settings: ",
+        ),
+    ]
+    for variables, expected in cases:
+        done = subprocess.run(
+            [*SERVE, "--model", str(missing), "--port", "0", "--metrics-port", "-1"],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            check=False,
+            env=otel_env(**{"OTEL_TRACES_EXPORTER": "console", **variables}),
+        )
+        assert done.returncode == 2, done.stderr
+        (failed,) = [json.loads(line) for line in done.stderr.splitlines()]  # one, JSON
+        assert failed["event"] == "startup_failed"
+        assert expected in failed["message"]

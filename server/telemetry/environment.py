@@ -51,7 +51,13 @@ def _load_exporter(name: str, environ: Mapping[str, str]) -> SpanExporter:
             f"install {package}, or set OTEL_TRACES_EXPORTER to console or none"
         )
     exporter_class = next(iter(found)).load()
-    exporter = exporter_class()
+    try:
+        exporter = exporter_class()
+    except ValueError as error:  # e.g. OTEL_EXPORTER_OTLP_TIMEOUT=x, which it does not name
+        raise ConfigError(
+            f"OTEL_TRACES_EXPORTER={name}: the exporter refused its OTEL_EXPORTER_* "
+            f"settings: {error}; expected values it can read"
+        ) from error
     if not isinstance(exporter, SpanExporter):
         raise ConfigError(f"OTEL_TRACES_EXPORTER={name}: {exporter_class!r} is not a span exporter")
     return exporter
@@ -80,12 +86,34 @@ def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> Tracer
     if not names:
         return None
     exporters = [_load_exporter(name, environ) for name in names]
-    provider = TracerProvider(resource=resource_from_env())
+    try:
+        # Span limits (OTEL_SPAN_*_LIMIT, ...) and batch settings (OTEL_BSP_*) are read
+        # here; the SDK's ValueError names the variable, or the setting.
+        provider = TracerProvider(resource=resource_from_env())
+        processors = [BatchSpanProcessor(exporter) for exporter in exporters]
+    except ValueError as error:
+        for exporter in exporters:
+            exporter.shutdown()
+        raise ConfigError(
+            "tracing's OTEL_* variables (span limits OTEL_SPAN_*, OTEL_ATTRIBUTE_*; batch "
+            f"settings OTEL_BSP_*): the OpenTelemetry SDK refused them: {error}; expected "
+            "values it can read"
+        ) from error
     # The sampler the variables chose, wrapped before any tracer exists (tracers copy it).
     provider.sampler = BatchLinkSampler(provider.sampler)
-    for exporter in exporters:
-        provider.add_span_processor(BatchSpanProcessor(exporter))
+    for processor in processors:
+        provider.add_span_processor(processor)
     return provider
+
+
+def check_tracing_env() -> None:
+    """Raises the ConfigError that `tracer_provider_from_env` would (an exporter not
+    installed, a setting the SDK or an exporter refuses), by building what it builds and
+    shutting it down: `laneserve serve` runs it before the model loads (minutes, for a
+    large one), not after, when the server is built."""
+    provider = tracer_provider_from_env()
+    if provider is not None:
+        provider.shutdown()
 
 
 def resource_from_env() -> Resource:
