@@ -79,28 +79,32 @@ class BatchCaps:
         under a cap of 120) never fill it to the row, and the cap never recovered."""
         return batch.rows + max(piece.rows for piece in batch.slices) > self.rows(batch.signature)
 
-    def adapt(self, result: BatchResult) -> bool:
+    def adapt(self, result: BatchResult) -> list[Signature]:
         """Out of memory halves the cap of the batch's signature below the smallest run
         that failed; a run of full batches that succeeded raises it one step (AIMD, as in
-        congestion control: quick to back off, slow to probe upwards). Returns whether the
-        cap moved."""
+        congestion control: quick to back off, slow to probe upwards). Returns the
+        signatures whose cap moved (none, the batch's, or besides it one forgotten, back
+        at the probed cap): only their queued work is priced again."""
         signature = result.batch.signature
         failed_batches = _capacity_failures(result)
+        moved: list[Signature] = []
         cap = self._caps.get(signature)
         if cap is None:
             if not failed_batches:
-                return False  # at the probed cap already: nothing to recover
+                return moved  # at the probed cap already: nothing to recover
             cap = self._caps[signature] = _Cap(self.max_rows)
             if len(self._caps) > MAX_SIGNATURES:
-                self._forget_oldest()
+                forgotten = self._forget_oldest()
+                if forgotten is not None:
+                    moved.append(forgotten)
         self._caps.move_to_end(signature)  # run most recently: kept longest
         if failed_batches:
-            return self._lower(cap, signature, result, min(failed_batches), failed_batches)
-        if result.error is None and not result.split and self.full(result.batch):
-            # Only a full batch that ran whole shows the cap fits: a split one (rows that
-            # failed, a broken session) says nothing of the kind.
-            return self._recover(cap, signature)
-        return False
+            lowered = self._lower(cap, signature, result, min(failed_batches), failed_batches)
+            return [*moved, signature] if lowered else moved
+        # Only a full batch that ran whole shows the cap fits: a split one (rows that
+        # failed, a broken session) says nothing of the kind.
+        ran_full = result.error is None and not result.split and self.full(result.batch)
+        return [*moved, signature] if ran_full and self._recover(cap, signature) else moved
 
     def _lower(
         self,
@@ -159,12 +163,15 @@ class BatchCaps:
         self._find_lowest()
         return True
 
-    def _forget_oldest(self) -> None:
-        """Drops the cap of the signature run least recently: back at the probed cap."""
+    def _forget_oldest(self) -> Signature | None:
+        """Drops the cap of the signature run least recently: back at the probed cap.
+        Returns that signature if its cap moved so (None: it was there already)."""
         signature, cap = self._caps.popitem(last=False)
-        if cap.rows < self.max_rows:
-            self._events.cap_changed(cap.rows, self.max_rows, "recovered", signature)
-            self._find_lowest()
+        if cap.rows >= self.max_rows:
+            return None
+        self._events.cap_changed(cap.rows, self.max_rows, "recovered", signature)
+        self._find_lowest()
+        return signature
 
     def _find_lowest(self) -> None:
         self.lowest = min((cap.rows for cap in self._caps.values()), default=self.max_rows)

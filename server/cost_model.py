@@ -33,6 +33,9 @@ _NEAR_GUESS_RATIO = 2.0
 # dropped. A model is about 1 kB: the probe's sizes, up to twice as many they map to
 # and the batch sizes it ran (see `RunTimeModel.scaled`).
 MAX_SIGNATURES = 1024
+# Guesses kept for shapes not yet run (see `RunTimeModels.get`): one per shape priced
+# between the changes that move them, as many as the models kept.
+_GUESS_ENTRIES = MAX_SIGNATURES
 # `RunTimeModel.rows_within_s` answers kept until the next observation: a lane's max_wait
 # is asked again and again, a batch's deadline budget (any number) seldom twice, and a
 # shape whose batches stop succeeding (failing, split) is not observed at all.
@@ -70,6 +73,8 @@ class RunTimeModel:
         # rows_within_s answers until the next observation: asked for each lane's
         # max_wait on every admission and plan, a bisection of ~7 predictions each time.
         self._within: dict[tuple[float, int], int] = {}
+        # Runs folded in so far: a model scaled from this one is stale once it grows.
+        self.observations = 0
 
     def predict_s(self, rows: float) -> float:
         """Seconds one batch of `rows` rows is expected to run."""
@@ -114,6 +119,7 @@ class RunTimeModel:
         """Folds one measured run into the nearest measured size (or adds the size)."""
         if rows <= 0 or not math.isfinite(run_s) or run_s < 0:
             return
+        self.observations += 1
         self._within.clear()
         self._ran.add(rows)
         predicted_s = self.predict_s(rows)
@@ -200,13 +206,22 @@ class RunTimeModels:
         self._by_elements: list[tuple[int, Signature]] = (
             [] if base_signature is None else [(elements_per_row(base_signature), base_signature)]
         )
+        # Per signature not yet run, its guess (`_scaled`), the model it was scaled from
+        # and that model's `observations` then. A guess is asked at every price of its
+        # queued rows (each push, take and re-pricing): built each time, a lane's
+        # re-pricing of 16 000 queued lengths took ~1 s. Invariant: a guess kept whose
+        # source's `observations` has not grown is the one `_scaled` builds now. It moves
+        # only when its source learns (it is built again when next asked) or the set of
+        # measured models changes (another may be the nearest: all are dropped).
+        self._guesses: dict[Signature, tuple[RunTimeModel, RunTimeModel, int]] = {}
 
     def get(self, signature: Signature) -> RunTimeModel:
-        """The model to predict `signature`'s runs with (nothing is stored: a signature
-        that never runs, refused or cancelled, evicts no model that learned)."""
+        """The model to predict `signature`'s runs with (no model is stored: a signature
+        that never runs, refused or cancelled, evicts no model that learned; its guess is
+        kept, see `_guesses`)."""
         if self._shares_base(signature):
             return self.base
-        return self._others.get(signature) or self._scaled(signature)
+        return self._others.get(signature) or self._guess(signature)
 
     @property
     def per_signature(self) -> bool:
@@ -239,7 +254,7 @@ class RunTimeModels:
         # paid for the new shape (on the CPU, over 1.5x the later runs for 1 length in
         # 12, up to 4.8x); taken alone, that run had its shape refused on a model 4x
         # too slow.
-        guess = self._scaled(signature)
+        guess = self._guess(signature)
         predicted_s = guess.predict_s(rows)
         level = run_s / predicted_s if predicted_s > 0 else 1.0
         if self._near_elements_ratio(signature) <= _NEAR_GUESS_RATIO:
@@ -250,21 +265,36 @@ class RunTimeModels:
         if len(self._others) > MAX_SIGNATURES:
             evicted, _ = self._others.popitem(last=False)
             self._by_elements.remove((elements_per_row(evicted), evicted))
+        self._guesses.clear()  # a guess's nearest measured model may be another now
 
     def _shares_base(self, signature: Signature) -> bool:
         return self._base_signature is None or signature == self._base_signature or not signature
 
-    def _scaled(self, signature: Signature) -> RunTimeModel:
-        """The guess for `signature`: the measured model nearest in elements per row (by
-        their ratio), scaled. Run time grows faster than the elements where a row's cost
-        does (attention over a sequence: its length squared), so a near shape's model
-        guesses better than a far one's: scaled from a probe at length 8, length 512 was
-        predicted at 0.36 of its run time, from a learned length near it at ~1.0."""
+    def _guess(self, signature: Signature) -> RunTimeModel:
+        """`_scaled(signature)`, kept until it may move (see `_guesses`)."""
+        kept = self._guesses.get(signature)
+        if kept is not None:
+            guess, source, observations = kept
+            if source.observations == observations:
+                return guess
+        guess, source = self._scaled(signature)
+        if kept is None and len(self._guesses) >= _GUESS_ENTRIES:
+            del self._guesses[next(iter(self._guesses))]  # the one built first
+        self._guesses[signature] = (guess, source, source.observations)
+        return guess
+
+    def _scaled(self, signature: Signature) -> tuple[RunTimeModel, RunTimeModel]:
+        """The guess for `signature`, and the model it is scaled from: the measured model
+        nearest in elements per row (by their ratio), scaled. Run time grows faster than
+        the elements where a row's cost does (attention over a sequence: its length
+        squared), so a near shape's model guesses better than a far one's: scaled from a
+        probe at length 8, length 512 was predicted at 0.36 of its run time, from a
+        learned length near it at ~1.0."""
         near_elements, near_signature = self._nearest(signature)
         model = (
             self.base if near_signature == self._base_signature else self._others[near_signature]
         )
-        return model.scaled(elements_per_row(signature) / near_elements, self._max_rows)
+        return model.scaled(elements_per_row(signature) / near_elements, self._max_rows), model
 
     def _near_elements_ratio(self, signature: Signature) -> float:
         """How many times more (or fewer) elements a row of `signature` holds than one of

@@ -154,7 +154,7 @@ class Lane:
 
     def reprice(self, signature: Signature | None = None) -> None:
         """Prices the queued rows of `signature` (None: of every signature) again: its
-        run-time model learned, or the batch cap moved."""
+        run-time model learned, or its batch cap moved."""
         for key in list(self._shapes) if signature is None else [signature]:
             shape = self._shapes.get(key)
             if shape is not None:
