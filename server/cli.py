@@ -23,6 +23,7 @@ from laneserve.server.log_events import refuse_usage
 from laneserve.server.process import tune_for_serving
 from laneserve.server.telemetry import configure_logging, log_event
 from laneserve.server.telemetry.environment import check_tracing_env
+from laneserve.server.telemetry.logs import flush_logs
 from laneserve.server.top import add_arguments as add_top_arguments
 from laneserve.server.top import run as run_top
 
@@ -72,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.log_format == "json":  # log shippers parse every line: this one too
             log_event(log, logging.ERROR, "startup_failed", str(error), exit_code=2)
         elif sys.stderr is not None:  # None: started with fd 2 closed
+            flush_logs()  # the lines logged before it come first
             # Its reader gone (EPIPE), the line is lost; the exit code still says it.
             with contextlib.suppress(OSError):
                 print(f"laneserve: {error}", file=sys.stderr)

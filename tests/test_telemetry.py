@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import io
 import itertools
 import json
 import logging
@@ -73,6 +74,7 @@ from laneserve.server.telemetry import (
 )
 from laneserve.server.telemetry.device import DeviceMonitor
 from laneserve.server.telemetry.endpoint import MetricsEndpoint
+from laneserve.server.telemetry.logs import QueuedStreamHandler, configure_logging, flush_logs
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
     REPO,
@@ -1715,6 +1717,132 @@ def test_a_json_line_of_another_library_has_an_event_too() -> None:
         "grpc._cython",
         "boom 7",
     )
+
+
+class HeldStream(io.StringIO):
+    """A stream whose writes wait until `opened` is set: a pipe nobody reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened = threading.Event()
+        self.entered = threading.Event()  # a write is waiting
+
+    def write(self, text: str) -> int:
+        self.entered.set()
+        assert self.opened.wait(timeout=60), "the test never opened the stream"
+        return super().write(text)
+
+
+def queued_log(handler: QueuedStreamHandler) -> logging.Logger:
+    """A logger of its own writing to `handler` alone."""
+    logger = logging.getLogger(f"laneserve.test.queued.{id(handler)}")
+    logger.propagate = False
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO)
+    return logger
+
+
+def test_log_lines_wait_in_a_queue_while_stderr_is_not_read() -> None:
+    """Each line was written by the thread that logged it: with stderr a full pipe, the
+    event loop's first refusal line stopped the event loop and the scheduler thread."""
+    stream = HeldStream()
+    handler = QueuedStreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = queued_log(handler)
+    try:
+        for index in range(3):
+            logger.warning("line %d", index)  # returns while the first write waits
+        assert stream.entered.wait(timeout=60)
+        assert stream.getvalue() == ""
+        stream.opened.set()
+        assert handler.flush_lines()
+        assert stream.getvalue() == "line 0\nline 1\nline 2\n"
+        assert handler.dropped_lines == 0
+    finally:
+        stream.opened.set()
+        handler.close()
+
+
+@pytest.mark.parametrize("json_lines", [False, True])
+def test_log_lines_past_the_queue_are_dropped_and_counted(json_lines: bool) -> None:
+    stream = HeldStream()
+    handler = QueuedStreamHandler(stream, max_lines=2)
+    handler.setFormatter(JsonFormatter() if json_lines else TextFormatter())
+    logger = queued_log(handler)
+    try:
+        logger.warning("line 0")
+        assert stream.entered.wait(timeout=60)  # the writer holds line 0: 2 may wait
+        for index in range(1, 6):
+            logger.warning("line %d", index)
+        assert handler.dropped_lines == 3
+        stream.opened.set()
+        assert handler.flush_lines()
+    finally:
+        stream.opened.set()
+        handler.close()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 4, lines
+    if json_lines:
+        documents = [json.loads(line) for line in lines]
+        assert [document["message"] for document in documents[:3]] == ["line 0", "line 1", "line 2"]
+        assert documents[3]["event"] == "log_lines_dropped"
+        assert documents[3]["dropped"] == 3
+        assert documents[3]["level"] == "WARNING"
+    else:
+        assert [line.rpartition(": ")[2] for line in lines[:3]] == ["line 0", "line 1", "line 2"]
+        assert "WARNING laneserve.server.telemetry: dropped 3 log line(s)" in lines[3]
+        assert lines[3].endswith("dropped=3 queue_lines=2")
+    assert handler.dropped_lines == 3  # in all: the line that said so reset nothing
+
+
+def test_closing_the_log_writes_its_queued_lines_then_writes_at_once() -> None:
+    stream = HeldStream()
+    handler = QueuedStreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = queued_log(handler)
+    logger.warning("queued")
+    assert stream.entered.wait(timeout=60)
+    logger.warning("queued too")
+    stream.opened.set()
+    handler.close()
+    assert stream.getvalue() == "queued\nqueued too\n"
+    logger.warning("after close")  # at exit, by atexit hooks: written where it is logged
+    assert stream.getvalue() == "queued\nqueued too\nafter close\n"
+
+
+def test_closing_the_log_gives_up_on_a_stream_that_never_drains() -> None:
+    """The process's exit waits for its log lines a bounded time (the writer's stall),
+    not for ever: a supervisor that stopped reading would have kept it from exiting."""
+    stream = HeldStream()
+    handler = QueuedStreamHandler(stream, stall_s=0.05)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = queued_log(handler)
+    try:
+        logger.warning("stuck")
+        assert stream.entered.wait(timeout=60)
+        logger.warning("behind it")
+        assert not handler.flush_lines()
+        handler.close()  # returns: the writer is given up on
+        logger.warning("after close")  # does not block either: it waits behind them
+        assert stream.getvalue() == ""
+    finally:
+        stream.opened.set()  # the writer given up on writes what it holds, and ends
+
+
+def test_configured_logging_writes_every_logger_to_stderr_through_the_queue(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    configure_logging("info", json_lines=True)
+    (handler,) = logging.getLogger().handlers
+    try:
+        assert isinstance(handler, QueuedStreamHandler)
+        log_event(logging.getLogger("laneserve.test"), logging.INFO, "ours", "one", n=1)
+        logging.getLogger("grpc._cython").warning("two")  # another library's, via the root
+        assert flush_logs()
+        documents = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+        assert [(d["event"], d["message"]) for d in documents] == [("ours", "one"), ("log", "two")]
+    finally:
+        handler.close()
 
 
 def test_a_late_refusal_burst_is_timed_from_its_first_refusal(

@@ -1,21 +1,25 @@
-"""Event logs: the formatters of event lines (`log_events.log_event`), text or JSON
-(`configure_logging`), and `EventLog`, the `SchedulerEvents` sink for what an operator
-must hear of unasked (refusals in aggregate, out of memory, batch cap moves)."""
+"""Event logs: the formatters of event lines (`log_events.log_event`), text or JSON, the
+handler that writes them to stderr without ever making the logging thread wait
+(`configure_logging`, `QueuedStreamHandler`), and `EventLog`, the `SchedulerEvents` sink
+for what an operator must hear of unasked (refusals in aggregate, out of memory, batch cap
+moves)."""
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 from laneserve.server.clock import StartTimer, Timer
 from laneserve.server.errors import LaneserveError
 from laneserve.server.items import Batch, Signature
-from laneserve.server.log_events import log_event
+from laneserve.server.log_events import event_extra, log_event
 
 # Every telemetry log line under one name, the package's (filters and tests use it).
 log = logging.getLogger("laneserve.server.telemetry")
@@ -28,6 +32,14 @@ LATE_LINE_S = 0.1
 # asyncio, onnxruntime's Python layer): log shippers key on `event`, so every JSON line
 # has one.
 OTHER_LOG_EVENT = "log"
+# Log lines waiting for stderr, at most (a few MiB of them); past it a line is dropped and
+# counted, and the event LOG_LINES_DROPPED says how many once the writer catches up.
+LOG_QUEUE_LINES = 10_000
+LOG_LINES_DROPPED = "log_lines_dropped"
+# Flushing or closing the log (at exit: `logging.shutdown` does both) waits for its queued
+# lines while they are being written, and gives up once one write has waited this long: a
+# stderr nobody reads (a stuck supervisor) would otherwise hold the exit for ever.
+LOG_STALL_S = 2.0
 
 
 def start_timer(delay_s: float, action: Callable[[], None]) -> Timer:
@@ -82,10 +94,170 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str, *, json_lines: bool = False) -> None:
-    """The process's log handler: one line per event on stderr, text or JSON."""
-    handler = logging.StreamHandler()
+    """The process's log handler, the root logger's (every library's lines go through it
+    too): one line per event on stderr, text or JSON, written by a thread of its own (see
+    `QueuedStreamHandler`). The handler it replaces is closed: its lines are written first."""
+    handler = QueuedStreamHandler()
     handler.setFormatter(JsonFormatter() if json_lines else TextFormatter())
     logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)
+
+
+def flush_logs() -> bool:
+    """Waits until the lines `configure_logging`'s handler holds are written (within
+    LOG_STALL_S of a write that does not end): before a line written to stderr directly
+    must come after them, or a test reads stderr. False: gave up on a write."""
+    flushed = [
+        handler.flush_lines()
+        for handler in logging.getLogger().handlers
+        if isinstance(handler, QueuedStreamHandler)
+    ]
+    return all(flushed)
+
+
+class QueuedStreamHandler(logging.Handler):
+    """Writes each record's line to `stream` (stderr by default) from a thread of its
+    own, in the order they were logged; the thread that logs never waits for the stream.
+
+    Written where it was logged, a line blocked its thread while stderr was a full pipe
+    (a supervisor that stopped reading): the event loop, or the scheduler thread with
+    the scheduler's lock held, and with them every call, health checks included. Lines
+    are formatted where they are logged (they say what was true then) and queued, at
+    most `max_lines`; past it a line is dropped and counted (`dropped_lines`), and once
+    the writer has written every queued line it writes one, the event
+    LOG_LINES_DROPPED, that says how many. `flush_lines` and `close` wait for the
+    queued lines (bounded by `stall_s`, see LOG_STALL_S); a line logged after `close`
+    is written at once, where it is logged, as `logging.StreamHandler` would.
+    """
+
+    def __init__(
+        self,
+        stream: TextIO | None = None,
+        *,
+        max_lines: int = LOG_QUEUE_LINES,
+        stall_s: float = LOG_STALL_S,
+    ) -> None:
+        super().__init__()
+        self._stream = sys.stderr if stream is None else stream
+        self._max_lines = max_lines
+        self._stall_s = stall_s
+        # Guards everything below. Only the writer thread takes lines off `_lines`.
+        self._cond = threading.Condition(threading.Lock())
+        self._lines: collections.deque[str] = collections.deque()
+        self._writing_since_s: float | None = None  # the line the writer holds: since when
+        self._unsaid_drops = 0  # dropped since the last LOG_LINES_DROPPED line
+        self._dropped_lines = 0
+        self._closed = False
+        # Started by the first line, ended by `close` once every line is written.
+        self._writer: threading.Thread | None = None
+        self._writer_done = False
+
+    @property
+    def dropped_lines(self) -> int:
+        """Lines dropped, in all, because the queue was full."""
+        with self._cond:
+            return self._dropped_lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:  # noqa: BLE001 - logging.Handler's convention: report, go on
+            self.handleError(record)
+            return
+        with self._cond:
+            write_now = self._closed and (self._writer is None or self._writer_done)
+            if not write_now:
+                # Closed with the writer still at work (or given up on), it queues too.
+                if len(self._lines) >= self._max_lines:
+                    self._unsaid_drops += 1
+                    self._dropped_lines += 1
+                    return
+                self._lines.append(line)
+                if self._writer is None:
+                    self._writer = threading.Thread(
+                        target=self._write_lines, name="laneserve-log-writer", daemon=True
+                    )
+                    self._writer.start()
+                self._cond.notify_all()
+                return
+        self._write(line)  # after close: emit runs under the handler's lock, in order
+
+    def flush(self) -> None:
+        self.flush_lines()
+
+    def flush_lines(self) -> bool:
+        """Waits until every queued line is written; False if a write stalled (took
+        `stall_s`) first."""
+        return self._wait_for(
+            lambda: not self._lines and self._writing_since_s is None and not self._unsaid_drops
+        )
+
+    def close(self) -> None:
+        """Writes the queued lines and ends the writer, or gives up on it once a write
+        has stalled (`stall_s`): it is a daemon thread, and does not hold up the exit."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        done = self._wait_for(lambda: self._writer is None or self._writer_done)
+        if done and self._writer is not None:
+            self._writer.join()  # it has returned, or is returning
+        super().close()
+
+    def _wait_for(self, done: Callable[[], bool]) -> bool:
+        with self._cond:
+            while not done():
+                writing_s = (
+                    0.0
+                    if self._writing_since_s is None
+                    else time.monotonic() - self._writing_since_s
+                )
+                if writing_s >= self._stall_s:
+                    return False
+                self._cond.wait(self._stall_s - writing_s)
+            return True
+
+    def _write_lines(self) -> None:
+        """The writer thread: the queued lines in order, then how many were dropped,
+        until closed with nothing left to write."""
+        while True:
+            with self._cond:
+                while not (self._lines or self._unsaid_drops or self._closed):
+                    self._cond.wait()
+                line: str | None = None
+                dropped = 0
+                if self._lines:
+                    line = self._lines.popleft()
+                elif self._unsaid_drops:
+                    dropped, self._unsaid_drops = self._unsaid_drops, 0
+                else:
+                    self._writer_done = True
+                    self._cond.notify_all()
+                    return
+                self._writing_since_s = time.monotonic()
+            self._write(self._dropped_line(dropped) if line is None else line)
+            with self._cond:
+                self._writing_since_s = None
+                self._cond.notify_all()
+
+    def _dropped_line(self, dropped: int) -> str:
+        record = log.makeRecord(
+            log.name,
+            logging.WARNING,
+            __file__,
+            0,
+            f"dropped {dropped} log line(s): stderr was not read while {self._max_lines} "
+            "waited to be written",
+            (),
+            None,
+            extra=event_extra(LOG_LINES_DROPPED, dropped=dropped, queue_lines=self._max_lines),
+        )
+        return self.format(record)
+
+    def _write(self, line: str) -> None:
+        try:
+            self._stream.write(line + "\n")
+            self._stream.flush()
+        except Exception:  # noqa: BLE001 - logging.Handler's convention: report, go on
+            self.handleError(logging.makeLogRecord({"msg": line}))
 
 
 class EventLog:
