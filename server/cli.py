@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -70,13 +71,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         code, clean = asyncio.run(_serve(config))
     except (ConfigError, EngineStartError, OSError) as error:
+        message = _start_failure(error)
         if args.log_format == "json":  # log shippers parse every line: this one too
-            log_event(log, logging.ERROR, "startup_failed", str(error), exit_code=2)
+            log_event(log, logging.ERROR, "startup_failed", message, exit_code=2)
         elif sys.stderr is not None:  # None: started with fd 2 closed
             flush_logs()  # the lines logged before it come first
             # Its reader gone (EPIPE), the line is lost; the exit code still says it.
             with contextlib.suppress(OSError):
-                print(f"laneserve: {error}", file=sys.stderr)
+                print(f"laneserve: {message}", file=sys.stderr)
         return 2
     if not clean:
         # A run the runtime would not end is still going: exiting normally would wait
@@ -85,6 +87,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.shutdown()
         os._exit(code)
     return code
+
+
+def _start_failure(error: Exception) -> str:
+    """What a start-up error says. Out of file descriptors, the OSError named neither (the
+    static estimate's pipe, a port's socket): "[Errno 24] Too many open files"."""
+    if isinstance(error, OSError) and error.errno in (errno.EMFILE, errno.ENFILE):
+        return (
+            f"{error}; expected a higher open-file limit (`ulimit -n`: the server holds a "
+            "few dozen files of its own and one per client connection)"
+        )
+    return str(error)
 
 
 def _start_again_without_grpc_core_lines() -> None:

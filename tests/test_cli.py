@@ -702,6 +702,26 @@ def test_a_start_up_error_with_stderr_broken_still_exits_2(tmp_path: Path) -> No
     assert done.returncode == 2
 
 
+def test_too_low_an_open_file_limit_is_a_start_up_error_that_names_the_limit(
+    small_model: Path,
+) -> None:
+    """Under `ulimit -n 12` the start failed with "laneserve: [Errno 24] Too many open
+    files" alone: neither what ran out nor what to raise."""
+    done = subprocess.run(
+        [
+            *("/bin/sh", "-c", 'ulimit -n 12; exec "$@"', "sh", *SERVE),
+            *("--model", str(small_model), "--port", "0", "--metrics-port", "-1"),
+        ],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Too many open files; expected a higher open-file limit (`ulimit -n`" in done.stderr
+
+
 def test_json_logs_with_stderr_closed_still_serve(small_model: Path) -> None:
     """Started with fd 2 closed (as some daemonisers do), sys.stderr is None: the restart
     that JSON logs make flushed it (AttributeError), and the server never served."""
