@@ -162,6 +162,10 @@ def test_a_tracing_number_that_cannot_be_read_is_refused_by_name_before_the_mode
             {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TIMEOUT": "x"},
             "OTEL_TRACES_EXPORTER=otlp: the exporter refused its OTEL_EXPORTER_* settings: ",
         ),
+        (  # an exception of the exporter's own, not a ValueError
+            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_COMPRESSION": "bogus"},
+            "OTEL_TRACES_EXPORTER=otlp: the exporter refused its OTEL_EXPORTER_* settings: ",
+        ),
     ]
     for variables, expected in cases:
         done = subprocess.run(

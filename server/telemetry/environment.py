@@ -53,7 +53,9 @@ def _load_exporter(name: str, environ: Mapping[str, str]) -> SpanExporter:
     exporter_class = next(iter(found)).load()
     try:
         exporter = exporter_class()
-    except ValueError as error:  # e.g. OTEL_EXPORTER_OTLP_TIMEOUT=x, which it does not name
+    except Exception as error:  # e.g. OTEL_EXPORTER_OTLP_TIMEOUT=x (a ValueError that does
+        # not name it), OTEL_EXPORTER_OTLP_COMPRESSION=bogus (an exception of the exporter's
+        # own): whatever the exporter refuses in its settings ends the start as a ConfigError
         raise ConfigError(
             f"OTEL_TRACES_EXPORTER={name}: the exporter refused its OTEL_EXPORTER_* "
             f"settings: {error}; expected values it can read"
@@ -88,7 +90,8 @@ def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> Tracer
     exporters = [_load_exporter(name, environ) for name in names]
     try:
         # Span limits (OTEL_SPAN_*_LIMIT, ...) and batch settings (OTEL_BSP_*) are read
-        # here; the SDK's ValueError names the variable, or the setting.
+        # here; the SDK's ValueError names the variable, or the setting. (Not
+        # OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT: the SDK reads it as it is imported, see README.)
         provider = TracerProvider(resource=resource_from_env())
         processors = [BatchSpanProcessor(exporter) for exporter in exporters]
     except ValueError as error:
