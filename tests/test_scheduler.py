@@ -3606,24 +3606,64 @@ def test_a_shape_whose_lowered_cap_is_forgotten_has_its_queued_work_priced_again
     assert scheduler.lane("bulk").queued_s() == pytest.approx(expected_s)
 
 
+def busy_with_many_lanes(lane_count: int, share: float) -> tuple[Scheduler, Batch]:
+    """A top lane and `lane_count` - 1 lanes below with `share` each, every one with a
+    head; a batch running (admission predicts) and the top lane active."""
+    lanes = [LaneConfig("top", 10**6, timeout_ms=10**6, max_wait_ms=1, min_share=0.0)] + [
+        LaneConfig(f"l{k}", 10**6, timeout_ms=10**6, max_wait_ms=4 + k, min_share=share)
+        for k in range(1, lane_count)
+    ]
+    scheduler = Scheduler(lanes, batch_cap=32, run_time=fixed_run_time())
+    for index in range(16 * lane_count):
+        scheduler.admit(make_request(index, lanes[1 + index % (lane_count - 1)].name, 1), T0)
+    running = dispatch(scheduler, T0, math.inf)
+    scheduler.admit(make_request(900, "top", 1), T0)
+    assert all(lane.queued_rows for lane in scheduler.lanes), "a head in every lane"
+    return scheduler, running
+
+
+@pytest.mark.parametrize(("lane_count", "share"), [(6, 0.1), (32, 0.5 / 32)])
+def test_the_lanes_batch_limits_are_those_worked_out_head_by_head(
+    lane_count: int, share: float
+) -> None:
+    """Worked out for several heads at once (the share takes below summed once), each
+    limit is the one its definition gives a head alone: the highest active lane above's
+    max_wait, or the head (or its lane's share) and the shares below, within the cap."""
+    scheduler, running = busy_with_many_lanes(lane_count, share)
+    signature: Signature = ((2,),)
+    cap = scheduler.caps.rows(signature)
+
+    def per_head_limit(priority: int, head_rows: int) -> int:
+        for above in scheduler.lanes[:priority]:
+            if scheduler._active(above, T0):
+                own = scheduler._share_take_rows(scheduler.lanes[priority], signature)
+                below = scheduler.lanes[priority + 1 :]
+                shares = sum(scheduler._share_take_rows(lane, signature) for lane in below)
+                return max(
+                    scheduler._rows_within_wait(above, signature),
+                    min(max(head_rows, own) + shares, cap),
+                )
+        return cap
+
+    limits = {
+        (priority, head_rows): scheduler._batch_limit(T0, priority, signature, head_rows)
+        for priority in range(lane_count)
+        for head_rows in (1, 24)
+    }
+    assert limits == {key: per_head_limit(*key) for key in limits}
+    assert len(set(limits.values())) >= 3, "the max_wait, the cap and shares all bind"
+    scheduler.complete(run(running))
+
+
 def test_admission_works_out_the_lanes_batch_limits_in_time_linear_in_the_lanes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """While the top lane is active, the batch limit of each lane's head counts the
     shares of the lanes below it, and admission asks it of the head of every lane at or
     above the request's: with 64 lanes an admission took 2.2 ms (43 us with 3). The
-    lanes' share takes are summed once an admission; the limits are the same."""
+    lanes' share takes are summed once an admission (the limits: the test above)."""
     lane_count = 32
-    lanes = [LaneConfig("top", 10**6, timeout_ms=10**6, max_wait_ms=1, min_share=0.0)] + [
-        LaneConfig(f"l{k}", 10**6, timeout_ms=10**6, max_wait_ms=4 + k, min_share=0.5 / lane_count)
-        for k in range(1, lane_count)
-    ]
-    scheduler = Scheduler(lanes, batch_cap=32, run_time=fixed_run_time())
-    for index in range(16 * lane_count):
-        scheduler.admit(make_request(index, lanes[1 + index % (lane_count - 1)].name, 1), T0)
-    running = dispatch(scheduler, T0, math.inf)  # busy: admission predicts
-    scheduler.admit(make_request(900, "top", 1), T0)  # the top lane is active
-    assert all(lane.queued_rows for lane in scheduler.lanes), "a head in every lane"
+    scheduler, running = busy_with_many_lanes(lane_count, 0.5 / lane_count)
     takes: list[str] = []
     take_rows = scheduler._share_take_rows
 
@@ -3633,7 +3673,7 @@ def test_admission_works_out_the_lanes_batch_limits_in_time_linear_in_the_lanes(
 
     monkeypatch.setattr(scheduler, "_share_take_rows", counting)
     limit = scheduler._batch_limit(T0, lane_count - 1, ((2,),), 1)
-    scheduler.admit(make_request(901, lanes[-1].name, 1), T0)
+    scheduler.admit(make_request(901, scheduler.lanes[-1].name, 1), T0)
     assert len(takes) <= 3 * lane_count, len(takes)
     takes.clear()
     assert scheduler._batch_limit(T0, lane_count - 1, ((2,),), 1) == limit
