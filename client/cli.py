@@ -680,7 +680,11 @@ def _run_items(
 
 
 def _unwritable(checkpoint: Checkpoint, error: OSError) -> UsageError:
-    if not checkpoint.directory.is_dir():
+    try:
+        gone = not checkpoint.directory.is_dir()
+    except OSError:  # its parent not searchable: it may be there still
+        gone = False
+    if gone:
         # Removed while the job ran: nothing saved is left to resume from.
         return UsageError(
             f"cannot write the checkpoint {checkpoint.directory}: {error}; it is gone "
