@@ -130,6 +130,12 @@ def infer_request(
         InvalidInputError: a name or id is not UTF-8 text (protobuf raised a bare
             UnicodeEncodeError), naming the field.
     """
+    # protobuf takes UTF-8 bytes for a string field: a bytes lane or output name was sent
+    # (b"nosuch" came back the server's INVALID_INPUT, counted there). A type check each.
+    if lane is not None:
+        checked_str("lane", lane)
+    for name in outputs:
+        checked_str("output name", name)
     try:
         return pb.InferRequest(
             request_id=request_id,

@@ -801,6 +801,13 @@ def test_names_and_ids_of_another_type_are_a_type_error_naming_the_field(
                 await client.infer(x, lane=wrong)
             with pytest.raises(TypeError, match=type_error("output name 0")):
                 await client.infer(x, outputs=[wrong])
+            # protobuf takes bytes for a string field: they were sent, and answered.
+            raw: Any = b"interactive"
+            bytes_error = re.escape("b'interactive': expected str, got bytes")
+            with pytest.raises(TypeError, match="lane " + bytes_error):
+                await client.infer(x, lane=raw)
+            with pytest.raises(TypeError, match="output name " + bytes_error):
+                await client.infer(x, outputs=[raw])
             with pytest.raises(
                 lc.InvalidInputError,
                 match=re.escape("input name 'input\\ud800': expected UTF-8 text"),
