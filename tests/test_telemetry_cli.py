@@ -162,6 +162,13 @@ def test_a_tracing_number_that_cannot_be_read_is_refused_by_name_before_the_mode
             {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TIMEOUT": "x"},
             "OTEL_TRACES_EXPORTER=otlp: the exporter refused its OTEL_EXPORTER_* settings: ",
         ),
+        # The SDK warns and takes a default: every request traced, a 5 s delay.
+        (
+            {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "O.01"},
+            "Could not convert TRACES_SAMPLER_ARG to float",
+        ),
+        ({"OTEL_TRACES_SAMPLER": "traceidratio_typo"}, "recognize sampler traceidratio_typo"),
+        ({"OTEL_BSP_SCHEDULE_DELAY": "x"}, "Unable to parse value for OTEL_BSP_SCHEDULE_DELAY"),
         (  # an exception of the exporter's own, not a ValueError
             {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_COMPRESSION": "bogus"},
             "OTEL_TRACES_EXPORTER=otlp: the exporter refused its OTEL_EXPORTER_* settings: ",

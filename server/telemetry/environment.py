@@ -6,9 +6,11 @@ Tracing is off unless `OTEL_TRACES_EXPORTER` names an exporter (see
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -89,24 +91,64 @@ def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> Tracer
         return None
     exporters = [_load_exporter(name, environ) for name in names]
     try:
-        # Span limits (OTEL_SPAN_*_LIMIT, ...) and batch settings (OTEL_BSP_*) are read
-        # here; the SDK's ValueError names the variable, or the setting. (Not
-        # OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT: the SDK reads it as it is imported, see README.)
-        provider = TracerProvider(resource=resource_from_env())
-        processors = [BatchSpanProcessor(exporter) for exporter in exporters]
+        # Span limits (OTEL_SPAN_*_LIMIT, ...), the sampler (OTEL_TRACES_SAMPLER[_ARG]) and
+        # batch settings (OTEL_BSP_*) are read here; the SDK's ValueError names the
+        # variable, or the setting. (Not OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT: the SDK reads it
+        # as it is imported, see README.)
+        with _sdk_complaints() as complaints:
+            provider = TracerProvider(resource=resource_from_env())
+            processors = [BatchSpanProcessor(exporter) for exporter in exporters]
     except ValueError as error:
         for exporter in exporters:
             exporter.shutdown()
-        raise ConfigError(
-            "tracing's OTEL_* variables (span limits OTEL_SPAN_*, OTEL_ATTRIBUTE_*; batch "
-            f"settings OTEL_BSP_*): the OpenTelemetry SDK refused them: {error}; expected "
-            "values it can read"
-        ) from error
+        raise _refused(str(error)) from error
+    if complaints:
+        for processor in processors:
+            processor.shutdown()  # type: ignore[no-untyped-call]  # its exporter too
+        raise _refused(" ".join(complaints))
     # The sampler the variables chose, wrapped before any tracer exists (tracers copy it).
     provider.sampler = BatchLinkSampler(provider.sampler)
     for processor in processors:
         provider.add_span_processor(processor)
     return provider
+
+
+def _refused(what: str) -> ConfigError:
+    return ConfigError(
+        "tracing's OTEL_* variables (sampler OTEL_TRACES_SAMPLER[_ARG]; span limits "
+        "OTEL_SPAN_*, OTEL_ATTRIBUTE_*; batch settings OTEL_BSP_*): the OpenTelemetry SDK "
+        f"refused them: {what}; expected values it can read"
+    )
+
+
+class _Complaints(logging.Handler):
+    """What the tracing SDK warns of: a value it cannot take is, for some variables, a
+    warning and a default (`OTEL_TRACES_SAMPLER_ARG=O.01` traced every request, a sampler
+    name misspelt too; `OTEL_BSP_SCHEDULE_DELAY=x` took 5 s), not an error."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _sdk_complaints() -> Iterator[list[str]]:
+    """The warnings the tracing SDK logs meanwhile, kept from the log (they become the
+    start-up error). Only `opentelemetry.sdk.trace`'s: the metrics SDK's, from other
+    threads, are none of these."""
+    logger = logging.getLogger("opentelemetry.sdk.trace")
+    handler = _Complaints()
+    propagate = logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield handler.messages
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 def check_tracing_env() -> None:
