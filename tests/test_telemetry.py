@@ -74,7 +74,12 @@ from laneserve.server.telemetry import (
 )
 from laneserve.server.telemetry.device import DeviceMonitor
 from laneserve.server.telemetry.endpoint import MetricsEndpoint
-from laneserve.server.telemetry.logs import QueuedStreamHandler, configure_logging, flush_logs
+from laneserve.server.telemetry.logs import (
+    LOG_QUEUE_CHARS,
+    QueuedStreamHandler,
+    configure_logging,
+    flush_logs,
+)
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
     REPO,
@@ -1791,7 +1796,7 @@ def test_log_lines_past_the_queue_are_dropped_and_counted(json_lines: bool) -> N
     else:
         assert [line.rpartition(": ")[2] for line in lines[:3]] == ["line 0", "line 1", "line 2"]
         assert "WARNING laneserve.server.telemetry: dropped 3 log line(s)" in lines[3]
-        assert lines[3].endswith("dropped=3 queue_lines=2")
+        assert lines[3].endswith(f"dropped=3 queue_lines=2 queue_chars={LOG_QUEUE_CHARS}")
     assert handler.dropped_lines == 3  # in all: the line that said so reset nothing
 
 
@@ -1827,6 +1832,183 @@ def test_closing_the_log_gives_up_on_a_stream_that_never_drains() -> None:
         assert stream.getvalue() == ""
     finally:
         stream.opened.set()  # the writer given up on writes what it holds, and ends
+
+
+def returns_within(action: Callable[[], object], timeout_s: float = 60.0) -> object:
+    """`action()`'s result, run on a thread of its own: a guard against a hang (the test
+    fails instead of waiting for ever), not a timing check."""
+    results: list[object] = []
+    thread = threading.Thread(target=lambda: results.append(action()), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert results, f"{action} had not returned after {timeout_s} s"
+    return results[0]
+
+
+def test_a_log_writer_that_cannot_start_leaves_the_line_written_where_it_was_logged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No thread can start at the thread limit, nor at interpreter shutdown on Python >=
+    3.12 (a first line logged from an atexit hook): the logging call raised, and flushing
+    or closing the log (at exit) waited for ever for the writer that never ran."""
+    stream = io.StringIO()
+    handler = QueuedStreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = queued_log(handler)
+    start = threading.Thread.start
+
+    def refuse_once(_thread: threading.Thread) -> None:
+        monkeypatch.setattr(threading.Thread, "start", start)
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse_once)
+    logger.warning("no writer")  # does not raise
+    assert stream.getvalue() == "no writer\n"
+    assert returns_within(handler.flush_lines)
+    logger.warning("a writer")  # threads start again: this line goes through one
+    assert returns_within(handler.flush_lines)
+    assert stream.getvalue() == "no writer\na writer\n"
+    returns_within(handler.close)
+
+
+class WriterKilled(BaseException):
+    """Ends the thread it is raised in (`logging.Handler` catches `Exception` alone)."""
+
+
+class DyingStream(io.StringIO):
+    """Its first write logs one more line, from the writer thread, then ends that thread."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__()
+        self.logger = logger
+        self.killed = False
+
+    def write(self, text: str) -> int:
+        written = super().write(text)
+        if not self.killed:
+            self.killed = True
+            self.logger.warning("behind it")  # queued while the writer is alive
+            raise WriterKilled
+        return written
+
+
+def test_a_log_writer_that_died_is_replaced_and_not_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The writer thread's excepthook (`configure_logging`'s: it flushes the log) waited
+    for the writer itself, for ever, with a line queued; and the lines logged after it
+    died were never written, while each flush waited for them."""
+    died = threading.Event()
+    seen: list[threading.ExceptHookArgs] = []
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        seen.append(args)
+        died.set()
+
+    monkeypatch.setattr(threading, "excepthook", hook)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # configure_logging wraps both
+    logger = logging.getLogger("laneserve.test.dying")
+    stream = DyingStream(logger)
+    monkeypatch.setattr(sys, "stderr", stream)
+    configure_logging("info")
+    logger.warning("first")
+    assert died.wait(timeout=60)  # the hook ran: it did not wait for its own thread
+    (args,) = seen
+    assert args.exc_type is WriterKilled
+    assert args.thread is not None
+    args.thread.join(timeout=60)
+    assert not args.thread.is_alive()
+    logger.warning("after")  # a new writer writes the line left queued, then this one
+    assert flush_logs()
+    messages = [line.rpartition(": ")[2] for line in stream.getvalue().splitlines()]
+    assert messages == ["first", "behind it", "after"]
+
+
+class WriterHeldStream(HeldStream):
+    """Holds the log writer's writes until `opened` is set; another thread's (a
+    traceback's) go through at once."""
+
+    def write(self, text: str) -> int:
+        if threading.current_thread().name == "laneserve-log-writer":
+            return super().write(text)
+        return io.StringIO.write(self, text)
+
+
+def crash() -> None:
+    raise RuntimeError("crash")
+
+
+@pytest.mark.parametrize("hook", ["sys", "threading"])
+def test_lines_logged_before_an_uncaught_exception_come_before_its_traceback(
+    hook: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python writes an uncaught exception's traceback to stderr directly: the lines
+    logged before it, still queued for the writer, came after it."""
+    stream = WriterHeldStream()
+    monkeypatch.setattr(sys, "stderr", stream)
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
+    configure_logging("info")
+    configure_logging("info")  # again, as tests do: the hooks are wrapped once
+    (handler,) = logging.getLogger().handlers
+    assert isinstance(handler, QueuedStreamHandler)
+    flushes: list[bool] = []
+    flush_lines = handler.flush_lines
+
+    def open_then_flush() -> bool:
+        stream.opened.set()  # stderr is read again once the hook waits for its lines
+        flushes.append(flush_lines())
+        return flushes[-1]
+
+    monkeypatch.setattr(handler, "flush_lines", open_then_flush)
+    logger = logging.getLogger("laneserve.test.crash")
+    try:
+        for index in range(3):
+            logger.warning("line %d", index)
+        assert stream.entered.wait(timeout=60)
+        try:
+            crash()
+        except RuntimeError as error:
+            if hook == "sys":
+                sys.excepthook(type(error), error, error.__traceback__)
+            else:
+                threading.excepthook(
+                    threading.ExceptHookArgs(
+                        [type(error), error, error.__traceback__, threading.current_thread()]
+                    )
+                )
+        assert flushes == [True]
+    finally:
+        stream.opened.set()
+    assert handler.flush_lines()
+    text = stream.getvalue()
+    assert text.index("line 2") < text.index("Traceback") < text.index("RuntimeError: crash")
+
+
+def test_log_lines_past_the_queues_characters_are_dropped_and_counted() -> None:
+    """A line with a traceback is kilobytes: 10 000 of them waiting held tens of MiB."""
+    stream = HeldStream()
+    handler = QueuedStreamHandler(stream, max_chars=12)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = queued_log(handler)
+    try:
+        logger.warning("line 0")
+        assert stream.entered.wait(timeout=60)  # the writer holds line 0: 12 chars may wait
+        for index in range(1, 6):
+            logger.warning("line %d", index)  # 6 characters each
+        assert handler.dropped_lines == 3
+        stream.opened.set()
+        assert handler.flush_lines()
+        logger.warning("a line longer than the bound")  # nothing waits: it is written
+        assert handler.flush_lines()
+    finally:
+        stream.opened.set()
+        handler.close()
+    lines = stream.getvalue().splitlines()
+    assert lines[:3] == ["line 0", "line 1", "line 2"]
+    assert lines[3].startswith("dropped 3 log line(s)")
+    assert lines[4:] == ["a line longer than the bound"]
+    assert handler.dropped_lines == 3
 
 
 def test_configured_logging_writes_every_logger_to_stderr_through_the_queue(

@@ -13,6 +13,7 @@ import logging
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
@@ -32,9 +33,13 @@ LATE_LINE_S = 0.1
 # asyncio, onnxruntime's Python layer): log shippers key on `event`, so every JSON line
 # has one.
 OTHER_LOG_EVENT = "log"
-# Log lines waiting for stderr, at most (a few MiB of them); past it a line is dropped and
-# counted, and the event LOG_LINES_DROPPED says how many once the writer catches up.
+# Log lines waiting for stderr, at most: so many lines, or so many characters of them (a
+# line with a traceback is kilobytes), whichever comes first; the line that reaches the
+# character bound is kept, so a line longer than it is written when nothing waits. Past
+# either a line is dropped and counted, and the event LOG_LINES_DROPPED says how many once
+# the writer catches up.
 LOG_QUEUE_LINES = 10_000
+LOG_QUEUE_CHARS = 8 * 2**20
 LOG_LINES_DROPPED = "log_lines_dropped"
 # Flushing or closing the log (at exit: `logging.shutdown` does both) waits for its queued
 # lines while they are being written, and gives up once one write has waited this long: a
@@ -96,10 +101,47 @@ class JsonFormatter(logging.Formatter):
 def configure_logging(level: str, *, json_lines: bool = False) -> None:
     """The process's log handler, the root logger's (every library's lines go through it
     too): one line per event on stderr, text or JSON, written by a thread of its own (see
-    `QueuedStreamHandler`). The handler it replaces is closed: its lines are written first."""
+    `QueuedStreamHandler`). The handler it replaces is closed: its lines are written first.
+    An uncaught exception's traceback, which Python writes to stderr directly, waits for the
+    lines logged before it (`sys.excepthook` and `threading.excepthook` flush the log)."""
     handler = QueuedStreamHandler()
     handler.setFormatter(JsonFormatter() if json_lines else TextFormatter())
     logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)
+    _flush_logs_before_tracebacks()
+
+
+# Marks the exception hooks `_flush_logs_before_tracebacks` installed.
+_FLUSHES_LOGS = "_laneserve_flushes_logs"
+
+
+def _flush_logs_before_tracebacks() -> None:
+    """Wraps `sys.excepthook` and `threading.excepthook` in hooks that flush the log, then
+    call the hook they wrap. Once: a hook of ours is not wrapped again (configure_logging
+    runs more than once in a process: tests, a CLI's re-exec). Each wrapper holds the hook
+    it wraps, and `flush_logs` looks up the root logger's handlers when it runs: a handler
+    closed since is not flushed (it writes at once)."""
+    if not getattr(sys.excepthook, _FLUSHES_LOGS, False):
+        previous = sys.excepthook
+
+        def excepthook(
+            exc_type: type[BaseException],
+            exc_value: BaseException,
+            traceback: types.TracebackType | None,
+        ) -> None:
+            flush_logs()
+            previous(exc_type, exc_value, traceback)
+
+        setattr(excepthook, _FLUSHES_LOGS, True)
+        sys.excepthook = excepthook
+    if not getattr(threading.excepthook, _FLUSHES_LOGS, False):
+        previous_in_thread = threading.excepthook
+
+        def thread_excepthook(args: threading.ExceptHookArgs) -> None:
+            flush_logs()
+            previous_in_thread(args)
+
+        setattr(thread_excepthook, _FLUSHES_LOGS, True)
+        threading.excepthook = thread_excepthook
 
 
 def flush_logs() -> bool:
@@ -122,11 +164,15 @@ class QueuedStreamHandler(logging.Handler):
     (a supervisor that stopped reading): the event loop, or the scheduler thread with
     the scheduler's lock held, and with them every call, health checks included. Lines
     are formatted where they are logged (they say what was true then) and queued, at
-    most `max_lines`; past it a line is dropped and counted (`dropped_lines`), and once
-    the writer has written every queued line it writes one, the event
-    LOG_LINES_DROPPED, that says how many. `flush_lines` and `close` wait for the
-    queued lines (bounded by `stall_s`, see LOG_STALL_S); a line logged after `close`
-    is written at once, where it is logged, as `logging.StreamHandler` would.
+    most `max_lines` or `max_chars` (see LOG_QUEUE_CHARS); past either a line is dropped
+    and counted (`dropped_lines`), and once the writer has written every queued line it
+    writes one, the event LOG_LINES_DROPPED, that says how many. `flush_lines` and
+    `close` wait for the queued lines (bounded by `stall_s`, see LOG_STALL_S, and not at
+    all without a live writer); a line logged after `close` is written at once, where it
+    is logged, as `logging.StreamHandler` would, and so is one no writer thread can start
+    for (the thread limit; interpreter shutdown on Python >= 3.12: a line logged from an
+    atexit hook). A writer that died (an exception its stream raised that `Exception`
+    does not catch) is replaced by the next line.
     """
 
     def __init__(
@@ -134,15 +180,18 @@ class QueuedStreamHandler(logging.Handler):
         stream: TextIO | None = None,
         *,
         max_lines: int = LOG_QUEUE_LINES,
+        max_chars: int = LOG_QUEUE_CHARS,
         stall_s: float = LOG_STALL_S,
     ) -> None:
         super().__init__()
         self._stream = sys.stderr if stream is None else stream
         self._max_lines = max_lines
+        self._max_chars = max_chars
         self._stall_s = stall_s
         # Guards everything below. Only the writer thread takes lines off `_lines`.
         self._cond = threading.Condition(threading.Lock())
         self._lines: collections.deque[str] = collections.deque()
+        self._queued_chars = 0  # of `_lines`
         self._writing_since_s: float | None = None  # the line the writer holds: since when
         self._unsaid_drops = 0  # dropped since the last LOG_LINES_DROPPED line
         self._dropped_lines = 0
@@ -164,22 +213,41 @@ class QueuedStreamHandler(logging.Handler):
             self.handleError(record)
             return
         with self._cond:
-            write_now = self._closed and (self._writer is None or self._writer_done)
-            if not write_now:
+            if self._closed and (self._writer is None or self._writer_done):
+                unqueued = [line]
+            else:
                 # Closed with the writer still at work (or given up on), it queues too.
-                if len(self._lines) >= self._max_lines:
-                    self._unsaid_drops += 1
-                    self._dropped_lines += 1
-                    return
-                self._lines.append(line)
-                if self._writer is None:
-                    self._writer = threading.Thread(
-                        target=self._write_lines, name="laneserve-log-writer", daemon=True
-                    )
-                    self._writer.start()
-                self._cond.notify_all()
-                return
-        self._write(line)  # after close: emit runs under the handler's lock, in order
+                unqueued = self._queue(line)
+        for line in unqueued:
+            self._write(line)  # emit runs under the handler's lock: in order
+
+    def _queue(self, line: str) -> list[str]:
+        """Queues `line` for the writer, starting one if none is alive, or drops it. The
+        lines the caller is to write itself: every queued one when no thread can start."""
+        if len(self._lines) >= self._max_lines or self._queued_chars >= self._max_chars:
+            self._unsaid_drops += 1
+            self._dropped_lines += 1
+            return []
+        self._lines.append(line)
+        self._queued_chars += len(line)
+        self._cond.notify_all()
+        if self._writer is not None and self._writer.is_alive():
+            return []
+        self._writer = threading.Thread(
+            target=self._write_lines, name="laneserve-log-writer", daemon=True
+        )
+        try:
+            self._writer.start()
+        except RuntimeError:
+            # Written here, they block this thread only if stderr is not read as well;
+            # dropped, they would be lost whenever no thread can start (at exit, Python >=
+            # 3.12: every line an atexit hook logs), stderr read or not.
+            self._writer = None
+            unqueued = list(self._lines)
+            self._lines.clear()
+            self._queued_chars = 0
+            return unqueued
+        return []
 
     def flush(self) -> None:
         self.flush_lines()
@@ -205,6 +273,11 @@ class QueuedStreamHandler(logging.Handler):
     def _wait_for(self, done: Callable[[], bool]) -> bool:
         with self._cond:
             while not done():
+                # Nothing would make it so: no writer (none could start, or it died), or
+                # this is the writer (its thread's excepthook, see configure_logging).
+                writer = self._writer
+                if writer is None or writer is threading.current_thread() or not writer.is_alive():
+                    return False
                 writing_s = (
                     0.0
                     if self._writing_since_s is None
@@ -226,6 +299,7 @@ class QueuedStreamHandler(logging.Handler):
                 dropped = 0
                 if self._lines:
                     line = self._lines.popleft()
+                    self._queued_chars -= len(line)
                 elif self._unsaid_drops:
                     dropped, self._unsaid_drops = self._unsaid_drops, 0
                 else:
@@ -233,10 +307,13 @@ class QueuedStreamHandler(logging.Handler):
                     self._cond.notify_all()
                     return
                 self._writing_since_s = time.monotonic()
-            self._write(self._dropped_line(dropped) if line is None else line)
-            with self._cond:
-                self._writing_since_s = None
-                self._cond.notify_all()
+            try:
+                self._write(self._dropped_line(dropped) if line is None else line)
+            finally:
+                # Also when this thread dies of it: a dead writer is not writing.
+                with self._cond:
+                    self._writing_since_s = None
+                    self._cond.notify_all()
 
     def _dropped_line(self, dropped: int) -> str:
         record = log.makeRecord(
@@ -244,11 +321,16 @@ class QueuedStreamHandler(logging.Handler):
             logging.WARNING,
             __file__,
             0,
-            f"dropped {dropped} log line(s): stderr was not read while {self._max_lines} "
-            "waited to be written",
+            f"dropped {dropped} log line(s): stderr was not read while its queue was full "
+            f"({self._max_lines} lines or {self._max_chars} characters waiting)",
             (),
             None,
-            extra=event_extra(LOG_LINES_DROPPED, dropped=dropped, queue_lines=self._max_lines),
+            extra=event_extra(
+                LOG_LINES_DROPPED,
+                dropped=dropped,
+                queue_lines=self._max_lines,
+                queue_chars=self._max_chars,
+            ),
         )
         return self.format(record)
 
