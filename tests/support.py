@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +257,22 @@ class TcpProxy:
 SERVE = [sys.executable, "-m", "laneserve.server.cli", "serve", "--metrics-port", "0"]
 START_TIMEOUT_S = 60
 REPO = Path(__file__).resolve().parent.parent
+
+
+def run_text(
+    command: Sequence[str], *, timeout_s: float, **options: Any
+) -> subprocess.CompletedProcess[str]:
+    """`command` run to its end (killed past `timeout_s`) with nothing on stdin, its
+    stdout and stderr captured as text; its exit status is the caller's to check."""
+    return subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+        stdin=subprocess.DEVNULL,
+        **options,
+    )
 
 
 def unused_port() -> int:

@@ -84,7 +84,7 @@ from laneserve.server.cli import _parser
 from laneserve.server.engine import Engine
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
-from tests.support import REPO, unused_port
+from tests.support import REPO, run_text, unused_port
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 
@@ -96,14 +96,10 @@ BENCH_TIMEOUT_S = 120
 def bench_refused(tmp_path: Path, *args: str) -> str:
     """Runs `laneserve bench ARGS` in `tmp_path`, which must refuse (exit 2) with one
     line and no traceback; its stderr."""
-    done = subprocess.run(
+    done = run_text(
         [*BENCH, "--no-raw", "--no-plots", "--out", str(tmp_path / "out"), *args],
-        capture_output=True,
-        text=True,
-        timeout=BENCH_TIMEOUT_S,
-        check=False,
+        timeout_s=BENCH_TIMEOUT_S,
         cwd=tmp_path,
-        stdin=subprocess.DEVNULL,
     )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
@@ -1701,12 +1697,9 @@ def test_the_measurement_scripts_run_and_print_their_figures(
     """Each script of scripts/ the READMEs quote, on a tiny load: bench_memory.py died
     with a KeyError after the procs module renamed its memory figures, and nothing ran
     it."""
-    done = subprocess.run(
+    done = run_text(
         [sys.executable, str(REPO / "scripts" / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+        timeout_s=120,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert figure in done.stdout, done.stdout
@@ -1718,12 +1711,9 @@ def test_the_admission_simulator_refuses_a_load_it_could_not_draw_naming_the_fla
 ) -> None:
     """Arrivals are drawn until one second has passed: a load below 0, NaN or infinity
     never got there, and the list grew by ~150 MB/s; 0 died of a ZeroDivisionError."""
-    done = subprocess.run(
+    done = run_text(
         [sys.executable, str(REPO / "scripts" / "simulate_admission.py"), "--loads", load],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+        timeout_s=60,
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "argument --loads: expected comma-separated positive finite numbers" in done.stderr

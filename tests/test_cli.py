@@ -32,6 +32,7 @@ from tests.support import (
     output,
     request,
     rows,
+    run_text,
     unused_port,
 )
 
@@ -87,13 +88,9 @@ def refused_at_start(*args: str, env: dict[str, str] | None = None) -> str:
 def refused(*args: str, env: dict[str, str] | None = None) -> str:
     """Runs `laneserve ARGS` (in `env`: this one's by default), which must refuse (exit 2)
     with no traceback; its stderr."""
-    done = subprocess.run(
+    done = run_text(
         [sys.executable, "-m", "laneserve.server.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        stdin=subprocess.DEVNULL,
+        timeout_s=60,
         env=env,
     )
     assert done.returncode == 2, done.stderr
@@ -385,13 +382,9 @@ def test_a_stop_iteration_out_of_the_model_load_ends_the_start(small_model: Path
     future never finished and `serve` hung for good. Whatever the load raises, the start
     ends: here as the bug it is (status 1, with its traceback)."""
     args = ["serve", "--model", str(small_model), "--port", "0", "--metrics-port", "-1"]
-    done = subprocess.run(
+    done = run_text(
         [sys.executable, "-c", STOPS_IN_LOAD, *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        stdin=subprocess.DEVNULL,
+        timeout_s=60,
     )
     assert done.returncode == 1, done.stderr
     assert "RuntimeError: loading the model raised StopIteration" in done.stderr
@@ -707,16 +700,12 @@ def test_too_low_an_open_file_limit_is_a_start_up_error_that_names_the_limit(
 ) -> None:
     """Under `ulimit -n 12` the start failed with "laneserve: [Errno 24] Too many open
     files" alone: neither what ran out nor what to raise."""
-    done = subprocess.run(
+    done = run_text(
         [
             *("/bin/sh", "-c", 'ulimit -n 12; exec "$@"', "sh", *SERVE),
             *("--model", str(small_model), "--port", "0", "--metrics-port", "-1"),
         ],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+        timeout_s=120,
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Too many open files; expected a higher open-file limit (`ulimit -n`" in done.stderr

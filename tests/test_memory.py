@@ -87,6 +87,7 @@ from tests.support import (
     request,
     rich_status,
     rows,
+    run_text,
     serving,
     until,
 )
@@ -102,13 +103,9 @@ CHILD_TIMEOUT_S = 120
 def _run_python(*argv: str, exit_code: int = 0) -> subprocess.CompletedProcess[str]:
     """`python ARGV` in a child process (its own process-wide arena and budget), which
     must exit with `exit_code`; its stdout and stderr are text."""
-    done = subprocess.run(
+    done = run_text(
         [sys.executable, *argv],
-        capture_output=True,
-        text=True,
-        timeout=CHILD_TIMEOUT_S,
-        check=False,
-        stdin=subprocess.DEVNULL,
+        timeout_s=CHILD_TIMEOUT_S,
     )
     assert done.returncode == exit_code, (
         f"the child exited {done.returncode}, expected {exit_code}; its stderr:\n{done.stderr}"

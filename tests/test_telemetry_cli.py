@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
-from tests.support import output, request, rows
+from tests.support import output, request, rows, run_text
 
 SERVE = [sys.executable, "-m", "laneserve.server.cli", "--log-format", "json", "serve"]
 TIMEOUT_S = 60
@@ -114,12 +114,9 @@ def test_console_traces_json_logs_and_metrics_from_a_real_process(small_model: P
 
 
 def test_an_exporter_that_is_not_installed_is_refused_by_name(small_model: Path) -> None:
-    done = subprocess.run(
+    done = run_text(
         [*SERVE, "--model", str(small_model), "--port", "0", "--metrics-port", "-1"],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
+        timeout_s=TIMEOUT_S,
         env=otel_env(OTEL_TRACES_EXPORTER="zipkin_json"),
     )
     assert done.returncode == 2
@@ -130,12 +127,9 @@ def test_a_failed_start_is_one_json_line_too(tmp_path: Path) -> None:
     """With --log-format json the reason the process exited was a plain text line, which a
     log shipper that parses JSON loses."""
     missing = tmp_path / "absent.onnx"
-    done = subprocess.run(
+    done = run_text(
         [*SERVE, "--model", str(missing), "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
+        timeout_s=TIMEOUT_S,
         env=otel_env(),
     )
     assert done.returncode == 2, done.stderr
@@ -175,12 +169,9 @@ def test_a_tracing_number_that_cannot_be_read_is_refused_by_name_before_the_mode
         ),
     ]
     for variables, expected in cases:
-        done = subprocess.run(
+        done = run_text(
             [*SERVE, "--model", str(missing), "--port", "0", "--metrics-port", "-1"],
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-            check=False,
+            timeout_s=TIMEOUT_S,
             env=otel_env(**{"OTEL_TRACES_EXPORTER": "console", **variables}),
         )
         assert done.returncode == 2, done.stderr
