@@ -92,11 +92,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _start_failure(error: Exception) -> str:
     """What a start-up error says. Out of file descriptors, the OSError named neither (the
     static estimate's pipe, a port's socket): "[Errno 24] Too many open files"."""
-    if isinstance(error, OSError) and error.errno in (errno.EMFILE, errno.ENFILE):
+    if isinstance(error, OSError) and error.errno == errno.EMFILE:
         return (
             f"{error}; expected a higher open-file limit (`ulimit -n`: the server holds a "
             "few dozen files of its own and one per client connection)"
         )
+    if isinstance(error, OSError) and error.errno == errno.ENFILE:
+        return f"{error}; the system's open-file table is full (see fs.file-max)"
     return str(error)
 
 

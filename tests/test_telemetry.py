@@ -1924,6 +1924,33 @@ def test_a_log_writer_that_died_is_replaced_and_not_waited_for(
     assert messages == ["first", "behind it", "after"]
 
 
+def test_a_log_writer_that_died_with_its_queue_full_is_replaced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The queue full when the writer died, the next line was dropped before a writer was
+    looked for: none was started, the queued lines were never written and every later
+    line was dropped too."""
+    died = threading.Event()
+    monkeypatch.setattr(threading, "excepthook", lambda _args: died.set())
+    logger = logging.getLogger("laneserve.test.dying_full")
+    logger.propagate = False
+    stream = DyingStream(logger)
+    handler = QueuedStreamHandler(stream, max_lines=1)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    try:
+        logger.warning("first")  # its write queues "behind it" (the queue is full), then dies
+        assert died.wait(timeout=60)
+        logger.warning("after")  # dropped: the queue is still full
+        assert handler.flush_lines(), "a new writer wrote what waited"
+        lines = stream.getvalue().splitlines()
+        assert lines[:2] == ["first", "behind it"]
+        assert lines[2].startswith("dropped 1 log line(s)")
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+
+
 class WriterHeldStream(HeldStream):
     """Holds the log writer's writes until `opened` is set; another thread's (a
     traceback's) go through at once."""

@@ -168,9 +168,19 @@ def test_a_tracing_number_that_cannot_be_read_is_refused_by_name_before_the_mode
             "OTEL_TRACES_EXPORTER=otlp: the exporter refused its OTEL_EXPORTER_* settings: ",
         ),
     ]
+    # At --log-level error the SDK's warnings were never made, and the sampler taken; a
+    # ratio sampler with no argument is the specification's 1.0, not a refusal.
+    cases += [
+        ({"OTEL_TRACES_SAMPLER": "traceidratio_typo", "--log-level": "error"}, "recognize"),
+        ({"OTEL_TRACES_SAMPLER": "traceidratio"}, f"cannot load model '{missing}'"),
+    ]
     for variables, expected in cases:
+        level = variables.pop("--log-level", "info")
         done = run_text(
-            [*SERVE, "--model", str(missing), "--port", "0", "--metrics-port", "-1"],
+            [
+                *(*SERVE, "--model", str(missing), "--port", "0"),
+                *("--metrics-port", "-1", "--log-level", level),
+            ],
             timeout_s=TIMEOUT_S,
             env=otel_env(**{"OTEL_TRACES_EXPORTER": "console", **variables}),
         )

@@ -10,6 +10,7 @@ import contextlib
 import importlib.metadata
 import logging
 import os
+import threading
 from collections.abc import Iterator, Mapping
 
 from opentelemetry.sdk.resources import Resource
@@ -95,7 +96,7 @@ def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> Tracer
         # batch settings (OTEL_BSP_*) are read here; the SDK's ValueError names the
         # variable, or the setting. (Not OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT: the SDK reads it
         # as it is imported, see README.)
-        with _sdk_complaints() as complaints:
+        with _sdk_complaints(environ) as complaints:
             provider = TracerProvider(resource=resource_from_env())
             processors = [BatchSpanProcessor(exporter) for exporter in exporters]
     except ValueError as error:
@@ -124,31 +125,47 @@ def _refused(what: str) -> ConfigError:
 class _Complaints(logging.Handler):
     """What the tracing SDK warns of: a value it cannot take is, for some variables, a
     warning and a default (`OTEL_TRACES_SAMPLER_ARG=O.01` traced every request, a sampler
-    name misspelt too; `OTEL_BSP_SCHEDULE_DELAY=x` took 5 s), not an error."""
+    name misspelt too; `OTEL_BSP_SCHEDULE_DELAY=x` took 5 s), not an error. Not the one
+    warning the specification makes a default of: a ratio sampler with no argument is
+    sampled at 1.0, and the SDK warns that it could not read the empty argument."""
 
-    def __init__(self) -> None:
+    def __init__(self, sampler_arg_given: bool) -> None:
         super().__init__(logging.WARNING)
         self.messages: list[str] = []
+        self._sampler_arg_given = sampler_arg_given
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+        message = record.getMessage()
+        if not self._sampler_arg_given and message.startswith(_NO_SAMPLER_ARG):
+            return
+        self.messages.append(message)
+
+
+# The start of the SDK's warning for an OTEL_TRACES_SAMPLER_ARG it cannot read as a float.
+_NO_SAMPLER_ARG = "Could not convert TRACES_SAMPLER_ARG to float"
+# One window at a time: each saves and restores the logger's state.
+_COMPLAINTS_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _sdk_complaints() -> Iterator[list[str]]:
+def _sdk_complaints(environ: Mapping[str, str]) -> Iterator[list[str]]:
     """The warnings the tracing SDK logs meanwhile, kept from the log (they become the
-    start-up error). Only `opentelemetry.sdk.trace`'s: the metrics SDK's, from other
-    threads, are none of these."""
+    start-up error), whatever the log level (at `--log-level error` a warning was never
+    made, and the setting taken). Only `opentelemetry.sdk.trace`'s: the metrics SDK's,
+    from other threads, are none of these."""
     logger = logging.getLogger("opentelemetry.sdk.trace")
-    handler = _Complaints()
-    propagate = logger.propagate
-    logger.addHandler(handler)
-    logger.propagate = False
-    try:
-        yield handler.messages
-    finally:
-        logger.removeHandler(handler)
-        logger.propagate = propagate
+    handler = _Complaints(bool(environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip()))
+    with _COMPLAINTS_LOCK:
+        propagate, level = logger.propagate, logger.level
+        logger.addHandler(handler)
+        logger.propagate = False
+        logger.setLevel(logging.WARNING)
+        try:
+            yield handler.messages
+        finally:
+            logger.removeHandler(handler)
+            logger.propagate = propagate
+            logger.setLevel(level)
 
 
 def check_tracing_env() -> None:

@@ -227,10 +227,12 @@ class QueuedStreamHandler(logging.Handler):
         if len(self._lines) >= self._max_lines or self._queued_chars >= self._max_chars:
             self._unsaid_drops += 1
             self._dropped_lines += 1
-            return []
-        self._lines.append(line)
-        self._queued_chars += len(line)
-        self._cond.notify_all()
+        else:
+            self._lines.append(line)
+            self._queued_chars += len(line)
+            self._cond.notify_all()
+        # Also when the line was dropped: a writer that died with the queue full is
+        # replaced, or every later line would be dropped and none written.
         if self._writer is not None and self._writer.is_alive():
             return []
         self._writer = threading.Thread(
@@ -332,7 +334,10 @@ class QueuedStreamHandler(logging.Handler):
                 queue_chars=self._max_chars,
             ),
         )
-        return self.format(record)
+        try:
+            return self.format(record)
+        except Exception:  # noqa: BLE001 - the writer must not die of its own line
+            return record.getMessage()
 
     def _write(self, line: str) -> None:
         try:
