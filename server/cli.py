@@ -89,6 +89,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def _unset_blank_otel_variables() -> None:
+    """An OTEL_* variable set to nothing is unset, as the specification reads it
+    (deployment templates write `${X:-}`): the SDK warned of an empty sampler or batch
+    setting and took its default, which the tracing check refuses as a setting it could
+    not take."""
+    for name in [name for name, value in os.environ.items() if name.startswith("OTEL_")]:
+        if not os.environ[name].strip():
+            del os.environ[name]
+
+
 def _start_failure(error: Exception) -> str:
     """What a start-up error says. Out of file descriptors, the OSError named neither (the
     static estimate's pipe, a port's socket): "[Errno 24] Too many open files"."""
@@ -220,6 +230,7 @@ async def _serve(config: ServerConfig) -> tuple[int, bool]:
     # In milliseconds, not after the model has loaded (minutes, for a large one):
     check_ports_free(config)
     server_credentials(config)  # the TLS files read and checked; read again to serve
+    _unset_blank_otel_variables()
     check_tracing_env()  # the OTEL_* variables tracing reads; read again to serve
     loaded = await asyncio.to_thread(_load_server, config)
     if stop_asked.is_set():  # asked while it loaded: it never serves

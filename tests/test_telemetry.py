@@ -1930,8 +1930,8 @@ def test_a_log_writer_that_died_with_its_queue_full_is_replaced(
     """The queue full when the writer died, the next line was dropped before a writer was
     looked for: none was started, the queued lines were never written and every later
     line was dropped too."""
-    died = threading.Event()
-    monkeypatch.setattr(threading, "excepthook", lambda _args: died.set())
+    died: list[threading.Thread | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.thread))
     logger = logging.getLogger("laneserve.test.dying_full")
     logger.propagate = False
     stream = DyingStream(logger)
@@ -1940,7 +1940,10 @@ def test_a_log_writer_that_died_with_its_queue_full_is_replaced(
     logger.addHandler(handler)
     try:
         logger.warning("first")  # its write queues "behind it" (the queue is full), then dies
-        assert died.wait(timeout=60)
+        writer = handler._writer
+        assert writer is not None
+        writer.join(timeout=60)
+        assert died == [writer]
         logger.warning("after")  # dropped: the queue is still full
         assert handler.flush_lines(), "a new writer wrote what waited"
         lines = stream.getvalue().splitlines()
@@ -1949,6 +1952,30 @@ def test_a_log_writer_that_died_with_its_queue_full_is_replaced(
     finally:
         logger.removeHandler(handler)
         handler.close()
+
+
+def test_closing_the_log_writes_the_lines_left_behind_a_writer_that_died(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A writer that died with a line queued behind it, and no line logged since to
+    replace it: close() found no live writer and returned, the line lost at exit."""
+    monkeypatch.setattr(threading, "excepthook", lambda _args: None)
+    logger = logging.getLogger("laneserve.test.dying_close")
+    logger.propagate = False
+    stream = DyingStream(logger)
+    handler = QueuedStreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    try:
+        logger.warning("first")  # its write queues "behind it", then the writer dies
+        writer = handler._writer
+        assert writer is not None
+        writer.join(timeout=60)
+        assert not writer.is_alive()
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    assert stream.getvalue().splitlines() == ["first", "behind it"]
 
 
 class WriterHeldStream(HeldStream):

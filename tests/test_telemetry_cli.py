@@ -173,6 +173,13 @@ def test_a_tracing_number_that_cannot_be_read_is_refused_by_name_before_the_mode
     cases += [
         ({"OTEL_TRACES_SAMPLER": "traceidratio_typo", "--log-level": "error"}, "recognize"),
         ({"OTEL_TRACES_SAMPLER": "traceidratio"}, f"cannot load model '{missing}'"),
+        # Set to nothing is unset (templates write ${X:-}): the SDK warned, and took its default.
+        ({"OTEL_TRACES_SAMPLER": "", "OTEL_BSP_SCHEDULE_DELAY": " "}, "cannot load model"),
+        # The exporter warns of a header it cannot read, and sends every span without it.
+        (
+            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_HEADERS": "api-key"},
+            "Header format invalid",
+        ),
     ]
     for variables, expected in cases:
         level = variables.pop("--log-level", "info")

@@ -90,19 +90,20 @@ def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> Tracer
     names = [name for name in names if name != "none"]
     if not names:
         return None
-    exporters = [_load_exporter(name, environ) for name in names]
-    try:
-        # Span limits (OTEL_SPAN_*_LIMIT, ...), the sampler (OTEL_TRACES_SAMPLER[_ARG]) and
-        # batch settings (OTEL_BSP_*) are read here; the SDK's ValueError names the
-        # variable, or the setting. (Not OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT: the SDK reads it
-        # as it is imported, see README.)
-        with _sdk_complaints(environ) as complaints:
+    # The exporters read their settings (OTEL_EXPORTER_*) as they are built; span limits
+    # (OTEL_SPAN_*_LIMIT, ...), the sampler (OTEL_TRACES_SAMPLER[_ARG]) and batch settings
+    # (OTEL_BSP_*) are read by the provider and processors. A ValueError names the
+    # variable, or the setting; what is only warned of comes in `complaints`. (Not
+    # OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT: the SDK reads it as it is imported, see README.)
+    with _sdk_complaints() as complaints:
+        exporters = [_load_exporter(name, environ) for name in names]
+        try:
             provider = TracerProvider(resource=resource_from_env())
             processors = [BatchSpanProcessor(exporter) for exporter in exporters]
-    except ValueError as error:
-        for exporter in exporters:
-            exporter.shutdown()
-        raise _refused(str(error)) from error
+        except ValueError as error:
+            for exporter in exporters:
+                exporter.shutdown()
+            raise _refused(str(error)) from error
     if complaints:
         for processor in processors:
             processor.shutdown()  # type: ignore[no-untyped-call]  # its exporter too
@@ -147,25 +148,33 @@ _NO_SAMPLER_ARG = "Could not convert TRACES_SAMPLER_ARG to float"
 _COMPLAINTS_LOCK = threading.Lock()
 
 
+# The loggers that warn of a setting taken as a default: the tracing SDK's (sampler, batch
+# settings) and the exporters' (OTLP headers, through opentelemetry.util.re). Not the
+# metrics SDK's, whose warnings from other threads are none of these.
+_COMPLAINING_LOGGERS = ("opentelemetry.sdk.trace", "opentelemetry.exporter", "opentelemetry.util")
+
+
 @contextlib.contextmanager
-def _sdk_complaints(environ: Mapping[str, str]) -> Iterator[list[str]]:
-    """The warnings the tracing SDK logs meanwhile, kept from the log (they become the
+def _sdk_complaints() -> Iterator[list[str]]:
+    """The warnings those loggers log meanwhile, kept from the log (they become the
     start-up error), whatever the log level (at `--log-level error` a warning was never
-    made, and the setting taken). Only `opentelemetry.sdk.trace`'s: the metrics SDK's,
-    from other threads, are none of these."""
-    logger = logging.getLogger("opentelemetry.sdk.trace")
-    handler = _Complaints(bool(environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip()))
+    made, and the setting taken)."""
+    # The SDK reads the sampler's argument from the process's environment.
+    handler = _Complaints(bool(os.environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip()))
+    loggers = [logging.getLogger(name) for name in _COMPLAINING_LOGGERS]
     with _COMPLAINTS_LOCK:
-        propagate, level = logger.propagate, logger.level
-        logger.addHandler(handler)
-        logger.propagate = False
-        logger.setLevel(logging.WARNING)
+        saved = [(logger.propagate, logger.level) for logger in loggers]
+        for logger in loggers:
+            logger.addHandler(handler)
+            logger.propagate = False
+            logger.setLevel(logging.WARNING)
         try:
             yield handler.messages
         finally:
-            logger.removeHandler(handler)
-            logger.propagate = propagate
-            logger.setLevel(level)
+            for logger, (propagate, level) in zip(loggers, saved, strict=True):
+                logger.removeHandler(handler)
+                logger.propagate = propagate
+                logger.setLevel(level)
 
 
 def check_tracing_env() -> None:

@@ -270,6 +270,16 @@ class QueuedStreamHandler(logging.Handler):
         done = self._wait_for(lambda: self._writer is None or self._writer_done)
         if done and self._writer is not None:
             self._writer.join()  # it has returned, or is returning
+        with self._cond:
+            # Left behind a writer that died (and no line since to replace it): written
+            # here, or they were lost at exit.
+            orphaned: list[str] = []
+            if self._writer is None or not self._writer.is_alive():
+                orphaned = list(self._lines)
+                self._lines.clear()
+                self._queued_chars = 0
+        for line in orphaned:
+            self._write(line)
         super().close()
 
     def _wait_for(self, done: Callable[[], bool]) -> bool:
