@@ -71,12 +71,13 @@ def output_names(outputs: Sequence[str] | None) -> tuple[str, ...]:
     """The names of the outputs asked for; () for all of them.
 
     Raises:
-        TypeError: `outputs` is one str: its characters would be taken for the names.
+        TypeError: `outputs` is one str (its characters would be taken for the names) or
+            bytes (its byte values: "output name 121").
     """
-    if isinstance(outputs, str):
+    if isinstance(outputs, (str, bytes)):
         raise TypeError(
-            f"outputs: expected a sequence of output names, got str ({outputs!r}); "
-            f"[{outputs!r}] for that one output"
+            f"outputs: expected a sequence of output names, got {type(outputs).__name__} "
+            f"({outputs!r}); [{outputs!r}] for that one output"
         )
     return tuple(outputs or ())
 

@@ -808,6 +808,8 @@ def test_names_and_ids_of_another_type_are_a_type_error_naming_the_field(
                 await client.infer(x, lane=raw)
             with pytest.raises(TypeError, match="output name " + bytes_error):
                 await client.infer(x, outputs=[raw])
+            with pytest.raises(TypeError, match=re.escape("outputs: expected a sequence of")):
+                await client.infer(x, outputs=raw)  # its byte values were the names
             with pytest.raises(
                 lc.InvalidInputError,
                 match=re.escape("input name 'input\\ud800': expected UTF-8 text"),
