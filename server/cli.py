@@ -99,17 +99,21 @@ def _unset_blank_otel_variables() -> None:
             del os.environ[name]
 
 
+# What a start-up error out of file descriptors adds: the OSError named neither what ran
+# out nor what to raise (the static estimate's pipe, a port's socket).
+_FILE_LIMIT_HINTS = {
+    errno.EMFILE: (
+        "expected a higher open-file limit (`ulimit -n`: the server holds a few dozen "
+        "files of its own and one per client connection)"
+    ),
+    errno.ENFILE: "the system's open-file table is full (see fs.file-max)",
+}
+
+
 def _start_failure(error: Exception) -> str:
-    """What a start-up error says. Out of file descriptors, the OSError named neither (the
-    static estimate's pipe, a port's socket): "[Errno 24] Too many open files"."""
-    if isinstance(error, OSError) and error.errno == errno.EMFILE:
-        return (
-            f"{error}; expected a higher open-file limit (`ulimit -n`: the server holds a "
-            "few dozen files of its own and one per client connection)"
-        )
-    if isinstance(error, OSError) and error.errno == errno.ENFILE:
-        return f"{error}; the system's open-file table is full (see fs.file-max)"
-    return str(error)
+    """What a start-up error says: its own words, and a hint where they give none."""
+    hint = _FILE_LIMIT_HINTS.get(error.errno or 0) if isinstance(error, OSError) else None
+    return str(error) if hint is None else f"{error}; {hint}"
 
 
 def _start_again_without_grpc_core_lines() -> None:

@@ -13,9 +13,8 @@ import logging
 import sys
 import threading
 import time
-import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TextIO
+from typing import Any, ParamSpec, TextIO
 
 from laneserve.server.clock import StartTimer, Timer
 from laneserve.server.errors import LaneserveError
@@ -112,6 +111,7 @@ def configure_logging(level: str, *, json_lines: bool = False) -> None:
 
 # Marks the exception hooks `_flush_logs_before_tracebacks` installed.
 _FLUSHES_LOGS = "_laneserve_flushes_logs"
+_P = ParamSpec("_P")
 
 
 def _flush_logs_before_tracebacks() -> None:
@@ -121,27 +121,20 @@ def _flush_logs_before_tracebacks() -> None:
     it wraps, and `flush_logs` looks up the root logger's handlers when it runs: a handler
     closed since is not flushed (it writes at once)."""
     if not getattr(sys.excepthook, _FLUSHES_LOGS, False):
-        previous = sys.excepthook
-
-        def excepthook(
-            exc_type: type[BaseException],
-            exc_value: BaseException,
-            traceback: types.TracebackType | None,
-        ) -> None:
-            flush_logs()
-            previous(exc_type, exc_value, traceback)
-
-        setattr(excepthook, _FLUSHES_LOGS, True)
-        sys.excepthook = excepthook
+        sys.excepthook = _flushing_first(sys.excepthook)
     if not getattr(threading.excepthook, _FLUSHES_LOGS, False):
-        previous_in_thread = threading.excepthook
+        threading.excepthook = _flushing_first(threading.excepthook)
 
-        def thread_excepthook(args: threading.ExceptHookArgs) -> None:
-            flush_logs()
-            previous_in_thread(args)
 
-        setattr(thread_excepthook, _FLUSHES_LOGS, True)
-        threading.excepthook = thread_excepthook
+def _flushing_first(hook: Callable[_P, object]) -> Callable[_P, None]:
+    """`hook`, after `flush_logs`; marked as ours (_FLUSHES_LOGS)."""
+
+    def flushing(*args: _P.args, **kwargs: _P.kwargs) -> None:
+        flush_logs()
+        hook(*args, **kwargs)
+
+    setattr(flushing, _FLUSHES_LOGS, True)
+    return flushing
 
 
 def flush_logs() -> bool:
@@ -245,11 +238,16 @@ class QueuedStreamHandler(logging.Handler):
             # dropped, they would be lost whenever no thread can start (at exit, Python >=
             # 3.12: every line an atexit hook logs), stderr read or not.
             self._writer = None
-            unqueued = list(self._lines)
-            self._lines.clear()
-            self._queued_chars = 0
-            return unqueued
+            return self._take_queued()
         return []
+
+    def _take_queued(self) -> list[str]:
+        """The queued lines, taken off the queue (for the caller to write): called with
+        `_cond` held."""
+        lines = list(self._lines)
+        self._lines.clear()
+        self._queued_chars = 0
+        return lines
 
     def flush(self) -> None:
         self.flush_lines()
@@ -273,11 +271,8 @@ class QueuedStreamHandler(logging.Handler):
         with self._cond:
             # Left behind a writer that died (and no line since to replace it): written
             # here, or they were lost at exit.
-            orphaned: list[str] = []
-            if self._writer is None or not self._writer.is_alive():
-                orphaned = list(self._lines)
-                self._lines.clear()
-                self._queued_chars = 0
+            alive = self._writer is not None and self._writer.is_alive()
+            orphaned = [] if alive else self._take_queued()
         for line in orphaned:
             self._write(line)
         super().close()
