@@ -242,8 +242,9 @@ class AsyncClient:
                 order mode, answered ahead of an earlier item); the source is read no
                 faster than that.
             timeout_ms: each item's budget, from its first send: a retry (or a resend
-                over a new call) carries what is left, and none starts after it; 0: only
-                the lane's timeout.
+                over a new call) carries what is left, and none starts after it; an item
+                unanswered when it passes is answered `DeadlineExceededError` then (the
+                server's later answer dropped); 0: only the lane's timeout.
             ordered: yield results in item order (default), or as they arrive.
             outputs: the outputs to return; None: all.
             job_id: the prefix of the items' request ids (``f"{job_id}-{index}"``). Give

@@ -131,6 +131,8 @@ class _Item:
     # `timeout_ms` from its first send (time.monotonic(); None: no timeout_ms): every
     # send, a retry's or a resend's, carries what is left of it, and none starts after it.
     deadline_s: float | None = None
+    # Fires at `deadline_s`: the item is answered then, whatever the server has done.
+    expiry: asyncio.TimerHandle | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -268,7 +270,9 @@ class BulkStream:
         # itself, or gave up on, are answered too, but without the server: counted as
         # progress, they reset the count of broken calls in a row.
         self._server_answers = 0
-        self._held = 0  # pulled and not yet handed to the caller: at most `window`
+        # Pulled and not yet handed to the caller. The source is read only while these and
+        # `_expired` are fewer than `window` (an expired item not yet taken counts twice).
+        self._held = 0
         # The options', else the lane's capacity once known (see _set_limits).
         self._window_rows: float = options.window_rows or math.inf
         # An item over this is answered with an error, not sent: gRPC would fail the
@@ -282,6 +286,12 @@ class BulkStream:
         self._stashed: _Item | None = None
         # Items pulled and not finally answered, by request_id.
         self._items: dict[str, _Item] = {}
+        # Items answered DeadlineExceededError while sent on the current call and not
+        # answered by the server, by request_id: the server holds them still (in its lane,
+        # its engine, or unread in gRPC's flow control), so they keep their place in the
+        # window and their rows in `_rows_out` until its answer, which is dropped, or the
+        # call's end.
+        self._expired: dict[str, _Item] = {}
         self._to_send: collections.deque[_Item] = collections.deque()
         self._ready: dict[int, StreamResult] = {}  # ordered mode: answers ahead of their turn
         self._next_index = 0  # ordered mode: the next index to hand out
@@ -326,6 +336,7 @@ class BulkStream:
                 for task in tasks:
                     task.cancel()
                 await asyncio.wait(tasks)  # neither outlives its call
+                self._forget_expired()
                 if ended is None:  # the caller stopped early, or the source failed
                     await self._stop_reading()
             # Every item has its final answer: the job is done, whatever the call ended
@@ -414,6 +425,12 @@ class BulkStream:
                 return
             try:
                 if item is None:
+                    if self._expired:
+                        # Every item is answered; the server's answers to these would
+                        # be dropped: the call ends now, and the server frees them, not
+                        # once it has run them. The reader reports the end, as always.
+                        call.cancel()
+                        return
                     await call.done_writing()
                     return
                 if not self._within_timeout(item) or not self._within_message_limit(item):
@@ -431,13 +448,19 @@ class BulkStream:
     def _within_timeout(self, item: _Item) -> bool:
         """Sets the time left of `item`'s timeout_ms on its message before a send;
         False, the item answered DeadlineExceededError, when none is left: the server
-        counts timeout_ms from each arrival, and a retried item had it whole each time."""
+        counts timeout_ms from each arrival, and a retried item had it whole each time.
+        At its first send, its whole timeout_ms is left (this runs just before the write),
+        and its expiry starts: the server counts from its read of the item, which can
+        come long after (see `_expire`)."""
         timeout_ms = self._options.timeout_ms
         if timeout_ms == 0:
             return True
         now_s = time.monotonic()
         if item.deadline_s is None:
             item.deadline_s = now_s + timeout_ms / 1000
+            item.expiry = asyncio.get_running_loop().call_later(
+                timeout_ms / 1000, self._expire, item
+            )
             return True
         left_ms = math.ceil((item.deadline_s - now_s) * 1000)
         if left_ms > 0:
@@ -478,7 +501,7 @@ class BulkStream:
                 if self._take(stashed):
                     self._stashed = None
                     return stashed
-            elif not self._source_done and self._held < self._window:
+            elif not self._source_done and self._held + len(self._expired) < self._window:
                 pulled = await self._pull()
                 if pulled is None:
                     continue
@@ -511,7 +534,7 @@ class BulkStream:
             )
         except InvalidInputError as refusal:
             return refusal
-        if request_id in self._items:
+        if request_id in self._items or request_id in self._expired:
             return refused(
                 f"bulk stream item {index}: request_id {request_id!r} is already in flight "
                 "in this stream; expected a unique id per item",
@@ -653,6 +676,18 @@ class BulkStream:
 
     def _on_answer(self, response: pb.InferStreamResponse) -> None:
         item = self._items.get(response.request_id)
+        late = self._expired.pop(response.request_id, None)
+        if late is not None:
+            self._server_answers += 1
+            self._rows_out -= late.rows
+            self._wakeup.set()  # its place in the window is free
+            log.debug(
+                "bulk stream %s: answer for %r after its timeout_ms; dropped (the item was "
+                "answered DeadlineExceededError)",
+                self.job_id,
+                response.request_id,
+            )
+            return
         if item is None or item.state is not _State.SENT:
             log.warning(
                 "bulk stream %s: answer for %r, which is not awaiting one; ignored",
@@ -691,6 +726,28 @@ class BulkStream:
             error.add_note(f"gave up after {item.attempts} attempt(s) (max_attempts)")
         self._finish(item, None, error)
 
+    def _expire(self, item: _Item) -> None:
+        """`item`'s timeout_ms from its first send has passed: it is answered
+        DeadlineExceededError now, unless it was already. The server counts timeout_ms
+        from its read of the item, which may come long after its send (unread in gRPC's
+        flow control while the stream's credit window is full or another of its items
+        waits for room in a lane), and then gives it timeout_ms afresh: only this side
+        keeps the item's budget. An answer the server sends it later is dropped."""
+        item.expiry = None
+        if self._items.get(item.request_id) is not item:
+            return
+        error = DeadlineExceededError(
+            f"bulk stream item {item.index}: no answer within its timeout_ms "
+            f"({self._options.timeout_ms} ms from its first send; sent {item.attempts} "
+            "time(s) for an answer); a later answer from the server is dropped",
+            code=grpc.StatusCode.DEADLINE_EXCEEDED,
+            request_id=item.request_id,
+        )
+        error.attempts = item.attempts
+        if item.state is _State.QUEUED:  # waiting to be sent again: it never will be
+            self._to_send.remove(item)
+        self._finish(item, None, error, in_flight=item.state is _State.SENT)
+
     def _resend(self, item: _Item) -> None:
         item.timer = None
         if self._items.get(item.request_id) is item and item.state is _State.BACKOFF:
@@ -704,9 +761,19 @@ class BulkStream:
         item: _Item,
         outputs: dict[str, npt.NDArray[Any]] | None,
         error: LaneserveError | None,
+        *,
+        in_flight: bool = False,
     ) -> None:
+        """`item`'s final answer. `in_flight`: the server has it still (see `_expired`)."""
         del self._items[item.request_id]
-        self._rows_out -= item.rows
+        for timer in (item.timer, item.expiry):
+            if timer is not None:
+                timer.cancel()
+        item.timer = item.expiry = None
+        if in_flight:
+            self._expired[item.request_id] = item
+        else:
+            self._rows_out -= item.rows
         self._emit(StreamResult(item.index, item.request_id, outputs, error, item.attempts))
         self._wakeup.set()  # the writer may be waiting to half-close
 
@@ -733,6 +800,12 @@ class BulkStream:
         queued = [item for item in self._to_send if item.state is _State.QUEUED]
         self._to_send = collections.deque(sent + queued)
         return len(sent)
+
+    def _forget_expired(self) -> None:
+        """The call ended: the server has dropped the items it held of it, and answers
+        none of them any more."""
+        self._rows_out -= sum(item.rows for item in self._expired.values())
+        self._expired.clear()
 
     def _check_open(self, cause: LaneserveError | None = None) -> None:
         """Before each new call, and when one ended: a closed client starts none. `cause`:
@@ -766,9 +839,10 @@ class BulkStream:
         """The job is over (done, failed, or left by the caller): nothing is resent and
         the source is not read further."""
         for item in self._items.values():
-            if item.timer is not None:
-                item.timer.cancel()
-                item.timer = None
+            for timer in (item.timer, item.expiry):
+                if timer is not None:
+                    timer.cancel()
+            item.timer = item.expiry = None
         self.cancel_source_read()
 
 

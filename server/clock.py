@@ -11,6 +11,15 @@ from typing import Protocol
 # a few microseconds to a millisecond apart from the scheduler's.
 DEADLINE_SLACK_S = 0.001
 
+# A caller that goes this close before its deadline is taken to have gone by it
+# (`caller_end_status`: DEADLINE_EXCEEDED, not CANCELLED). Wider than DEADLINE_SLACK_S:
+# gRPC's deadline on the server is the caller's plus the time the call took to arrive,
+# and a deadline that passes at the caller reaches the server as a plain cancel, up to
+# that transit time before the server's copy of the deadline (a network's latency; a
+# busy event loop shared by client and server, in-process). Of the two errors, a caller
+# that truly left in the last 50 ms counted DEADLINE_EXCEEDED is the lesser one.
+CALLER_END_SLACK_S = 0.050
+
 
 class Clock(Protocol):
     def monotonic(self) -> float:

@@ -95,8 +95,8 @@ class RequestTrace(Protocol):
 
 class RequestTracer(Protocol):
     def start(self, request_id: str, lane: str, rows: int, budget_s: float | None) -> RequestTrace:
-        """A validated request is about to be queued. `budget_s`: the time left before its
-        own deadline (gRPC deadline or timeout_ms), None when it has none."""
+        """A validated request is about to be queued. `budget_s`: the time left before the
+        deadline the scheduler keeps (its own, or its lane's timeout from its arrival)."""
         ...
 
     def retried(self, request_id: str, lane: str, how: str) -> None:

@@ -45,7 +45,7 @@ import struct
 import sys
 from collections.abc import Callable, Sequence
 
-from laneserve.server.clock import DEADLINE_SLACK_S, Clock, StartTimer, Timer
+from laneserve.server.clock import CALLER_END_SLACK_S, Clock, StartTimer, Timer
 from laneserve.server.errors import (
     EngineError,
     JoinExpiredError,
@@ -55,6 +55,7 @@ from laneserve.server.errors import (
 )
 from laneserve.server.items import Outcome
 from laneserve.server.log_events import event_extra
+from laneserve.server.scheduler import caller_end_status
 from laneserve.v1 import inference_pb2 as pb
 
 # Bytes counted per stored answer on top of its id and its record: the objects' headers
@@ -119,14 +120,17 @@ Resolve = Callable[[Outcome], None]
 Cancel = Callable[[bool], bool]
 # Turns a request's Outcome into its answer (or raises its error). The second argument is
 # None while a caller still waits for it; else every caller left or timed out while it
-# ran (the answer is only kept for replay), and it is the deadline of the last of them
-# (the work's): whether that one left or timed out. The third is the largest answer in
-# bytes the callers that take it read (None: one of them reads what the server sends, or
-# none takes it): the answer's status is what the best placed of them gets. The fourth is
-# the caller that status stands for when it is a refusal of the answer (ANY_CALLER when
-# none takes it): the first still taking it, the one that submitted it while it does.
-# `finish` tells it (`Caller.counted`), so that its own refusal is not counted again.
-Finish = Callable[[Outcome, float | None, int | None, "Caller"], pb.InferResponse]
+# ran (the answer is only kept for replay), and it is how the last of them ended, judged
+# as it went, against its own deadline (`caller_end_status`): CANCELLED (it left) or
+# DEADLINE_EXCEEDED. Judged when the answer came, against its deadline, a caller that
+# left long before was counted DEADLINE_EXCEEDED once the work ran past it. The third is
+# the largest answer in bytes the callers that take it read (None: one of them reads what
+# the server sends, or none takes it): the answer's status is what the best placed of
+# them gets. The fourth is the caller that status stands for when it is a refusal of the
+# answer (ANY_CALLER when none takes it): the first still taking it, the one that
+# submitted it while it does. `finish` tells it (`Caller.counted`), so that its own
+# refusal is not counted again.
+Finish = Callable[[Outcome, str | None, int | None, "Caller"], pb.InferResponse]
 # Moves an admitted request's deadline (scheduler clock), later or earlier; False when
 # its answer is already on its way (nothing to move).
 Move = Callable[[float], bool]
@@ -216,7 +220,15 @@ class _Flight:
     that brought the Outcome (no hop through further futures).
     """
 
-    __slots__ = ("admitted", "answered", "deadline_s", "fingerprint", "request_id", "waiters")
+    __slots__ = (
+        "admitted",
+        "answered",
+        "deadline_s",
+        "ended",
+        "fingerprint",
+        "request_id",
+        "waiters",
+    )
 
     def __init__(
         self, request_id: str, fingerprint: bytes, admitted: Admitted, deadline_s: float
@@ -228,6 +240,11 @@ class _Flight:
         # Invariant: a waiter with an earlier deadline has its timer, the others none.
         self.deadline_s = deadline_s
         self.waiters: list[_Waiter] = []
+        # How the last waiter to go ended (`RequestLedger._gone`), set as it went: what
+        # `finish` is given when none waits. Read only while `waiters` is empty, which it
+        # is after `__init__` only once a waiter has gone and set it (a retry that joins
+        # afterwards is a waiter again, and sets it anew when it goes).
+        self.ended = "CANCELLED"
         # Set once: the answer was handed out, or the work was cancelled (no answer comes).
         self.answered = False
 
@@ -411,10 +428,10 @@ class RequestLedger:
         response = await ledger.run(request_id, fingerprint(request, outputs), submit, finish)
 
     where `submit(resolve)` admits the request to the scheduler with `resolve` as its
-    token (or raises why not) and returns how to cancel it, and `finish(outcome, left_s,
-    read_limit, own)` turns its Outcome into the answer (or raises its error); `left_s`
-    is None while a caller still waits for it, else the deadline of the last caller to
-    go (the answer is only kept for replay); see `Finish` for the others.
+    token (or raises why not) and returns how to cancel it, and `finish(outcome, ended,
+    read_limit, own)` turns its Outcome into the answer (or raises its error); `ended`
+    is None while a caller still waits for it, else how the last caller to go ended (the
+    answer is only kept for replay); see `Finish` for the others.
 
     Stored answers expire with no request coming too: one loop timer, the sweep, fires
     `SWEEP_SLACK_S` (or the TTL, when shorter) after the oldest stored answer expires and
@@ -565,10 +582,9 @@ class RequestLedger:
             takers = [waiter for waiter in flight.waiters if waiter.takes_answer()]
             # Waiters in the order they came: the submitter's first while it waits.
             own = takers[0].caller if takers else ANY_CALLER
+            ended = None if takers else self._ended(flight)
             try:
-                response = finish(
-                    outcome, None if takers else flight.deadline_s, _largest_read(takers), own
-                )
+                response = finish(outcome, ended, _largest_read(takers), own)
             except Exception as error:
                 # Every waiter gets an answer on every path, a bug in `finish` included.
                 failure = error
@@ -605,11 +621,13 @@ class RequestLedger:
             caller.expired(error)
             raise
         except asyncio.CancelledError:
-            # gRPC cancels the call at its deadline too, in the same instant as the timer:
-            # when its cancel came first, the caller was answered alone at its deadline
-            # all the same (gRPC's DEADLINE_EXCEEDED), and was counted nowhere.
+            # gRPC cancels the call at its deadline too, around the timer's instant (the
+            # caller's own deadline reaches the server as a cancel, early by the call's
+            # transit: CALLER_END_SLACK_S): when its cancel came first, the caller was
+            # answered alone at its deadline all the same (gRPC's DEADLINE_EXCEEDED), and
+            # was counted nowhere.
             now_s = self._clock.monotonic()
-            if waiter.timer is not None and now_s >= waiter.deadline_s - DEADLINE_SLACK_S:
+            if waiter.timer is not None and now_s >= waiter.deadline_s - CALLER_END_SLACK_S:
                 caller.expired(_join_expired(flight.request_id))
             raise
         finally:
@@ -618,9 +636,31 @@ class RequestLedger:
             if not flight.answered:
                 flight.waiters.remove(waiter)
                 if not flight.waiters:
+                    flight.ended = self._gone(waiter)
                     self._abandon(flight)
                 elif waiter.deadline_s >= flight.deadline_s:
                     self._shorten(flight)
+
+    def _gone(self, waiter: _Waiter) -> str:
+        """How `waiter`'s caller ended, judged now, as it goes, against its own deadline:
+        by the last one to go, not the work's deadline (a retry may have extended it), and
+        not when the answer comes (the work ran on past the deadline of a caller that had
+        left long before: it was counted DEADLINE_EXCEEDED)."""
+        now_s = self._clock.monotonic()
+        if waiter.future.done() and not waiter.future.cancelled():
+            # Answered alone at its deadline (JoinExpiredError): its timer runs on the
+            # loop's clock, which the ledger's need not match.
+            now_s = max(now_s, waiter.deadline_s)
+        return caller_end_status(now_s, waiter.deadline_s, queued=False)
+
+    def _ended(self, flight: _Flight) -> str:
+        """How the callers of `flight` ended, none of whom takes its answer: as the last
+        to go did when it went; while some are still going (cancelled, or past gRPC's
+        deadline, in this instant), judged now, by the latest deadline among them."""
+        if not flight.waiters:
+            return flight.ended
+        latest_s = max(waiter.deadline_s for waiter in flight.waiters)
+        return caller_end_status(self._clock.monotonic(), latest_s, queued=False)
 
     def _extend(self, flight: _Flight, deadline_s: float) -> None:
         """A waiter with a later deadline than the work's joined: the work waits for it

@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from laneserve.server.batch_caps import BatchCaps
-from laneserve.server.clock import DEADLINE_SLACK_S
+from laneserve.server.clock import CALLER_END_SLACK_S
 from laneserve.server.config import LaneConfig
 from laneserve.server.cost_model import MAX_SIGNATURES, RunTimeModel, RunTimeModels
 from laneserve.server.errors import (
@@ -214,8 +214,9 @@ def caller_end_status(now_s: float, deadline_s: float, *, queued: bool) -> str:
     had come (gRPC cancels a call at it), EXPIRED_IN_QUEUE for work still queued (shed:
     the queue's doing) and DEADLINE_EXCEEDED for work that ran (too late; the name gRPC
     gives its caller's end, not a LaneserveError: none is sent), else CANCELLED (they
-    left)."""
-    if now_s < deadline_s - DEADLINE_SLACK_S:
+    left). A caller gone within CALLER_END_SLACK_S of its deadline went by it: its
+    deadline passing at its end reached the server as a cancel, a little early."""
+    if now_s < deadline_s - CALLER_END_SLACK_S:
         return "CANCELLED"
     return ExpiredInQueueError.reason if queued else "DEADLINE_EXCEEDED"
 

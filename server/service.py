@@ -641,7 +641,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             nonlocal trace
             # None: its request left the ledger since it was read (see `_read_inputs`).
             inputs, rows, signature = decoded or self._decoded(request, lane)
-            budget_s = None if deadline_s is None else deadline_s - self._clock.monotonic()
+            # The deadline the scheduler keeps (`wait_until_s`), from now: a stream item's
+            # lane timeout counted from its arrival, not again from here after its wait for
+            # room (`enqueue` showed a deadline later than the one it was shed at).
+            budget_s = wait_until_s - self._clock.monotonic()
             trace = self._tracer.start(request.request_id, lane, rows, budget_s)
             try:
                 entry_id = self._scheduler.submit(
@@ -663,18 +666,18 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             return self._admitted(entry_id, lane, trace, arrived_s)
 
         def finish(
-            outcome: Outcome, left_s: float | None, read_limit: int | None, own: Caller
+            outcome: Outcome, ended: str | None, read_limit: int | None, own: Caller
         ) -> pb.InferResponse:
             trace.replying()
             # Counted as what its callers got: when none waits any more (they left, or
             # their deadlines passed while it ran on for replay), not OK. By the last one
-            # to go (`left_s`, its deadline), not this call's: a retry may have extended
-            # it and left after this call's deadline (it was counted DEADLINE_EXCEEDED).
-            status = (
-                "OK"
-                if left_s is None
-                else caller_end_status(self._clock.monotonic(), left_s, queued=False)
-            )
+            # to go (`ended`), not this call's: a retry may have extended it and left after
+            # this call's deadline (it was counted DEADLINE_EXCEEDED). That one is judged
+            # against its own deadline at its own going, not when the answer comes: a
+            # caller that left was counted DEADLINE_EXCEEDED once the work ran past its
+            # deadline, and one whose deadline passed CANCELLED when the work beat the
+            # server's reading of that deadline.
+            status = "OK" if ended is None else ended
             try:
                 response, size = self._answer(request.request_id, outcome, output_names)
             except Exception as error:

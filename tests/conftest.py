@@ -73,17 +73,28 @@ def no_backoff_sleeps() -> Iterator[None]:
     lc.set_testing(False)
 
 
-@pytest.fixture
+# How long a thread the test told to end as it ended (a held stream let go in its
+# `finally`) is given to end before it counts as left running.
+THREAD_END_S = 10.0
+
+
+@pytest.fixture(autouse=True)
 def no_leaked_threads() -> Iterator[None]:
-    before = {thread.name for thread in threading.enumerate()}
+    """Every test: no laneserve thread that it started is still running after it. The
+    threads themselves are compared, not their names: a second server's engine thread
+    left running is named as the first one left (which passed as already there)."""
+    before = set(threading.enumerate())
     handlers = logging.getLogger().handlers[:]
     yield
-    # Before the check (`root_logging_restored` ends after this fixture): the log writer of
-    # a CLI's main run here is the test's to stop, not a leak of the code under test.
+    # Before the check, whichever of the two autouse fixtures ends first: the log writer
+    # of a CLI's main run here is the test's to stop, not a leak of the code under test.
     _close_new_root_handlers(handlers)
-    leaked = {
-        thread.name
+    started = [
+        thread
         for thread in threading.enumerate()
-        if thread.name.startswith("laneserve-") and thread.name not in before
-    }
+        if thread.name.startswith("laneserve-") and thread not in before
+    ]
+    for thread in started:  # one told to end as the test ended (a stream let go) ends
+        thread.join(timeout=THREAD_END_S)
+    leaked = sorted(thread.name for thread in started if thread.is_alive())
     assert not leaked, f"threads left running: {leaked}"

@@ -378,6 +378,16 @@ def queued_rows(s: Serving, lane: str | None = None) -> int:
     return sum(depth.queued_rows for depth in thread.depths() if lane in (None, depth.name))
 
 
+def flight_waiters(s: Serving, request_id: str) -> int:
+    """Callers the server's ledger has waiting on the request `request_id` in flight (0:
+    none still waits, or it is not in flight): a call's cancel has reached the server
+    once its count goes down."""
+    servicer = s.server._servicer
+    assert servicer is not None
+    flight = servicer._ledger._flights.get(request_id)
+    return 0 if flight is None else len(flight.waiters)
+
+
 async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
     """Polls `condition`: a state the server reaches, not an assumption about timing."""
     loop = asyncio.get_running_loop()

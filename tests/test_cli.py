@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -46,17 +47,48 @@ def server_process(small_model: Path) -> Iterator[ServerProcess]:
         server.close()
 
 
-def test_scripts_serve_takes_host_and_port_from_a_config_file(tmp_path: Path) -> None:
+def checkout_set_up(root: Path, model: Path) -> Path:
+    """The path of scripts/serve copied, with the _env.sh it sources, into `root`: a
+    checkout already set up as the script leaves one, so that it neither builds a model
+    nor installs anything (run in the repository, it built a 21 MB models/demo.onnx there
+    on a fresh checkout). Its demo model is a link to `model`; its .venv has the install
+    stamp of the copied pyproject.toml and runs this test's Python: `laneserve` as the
+    server's CLI, `python` for _env.sh's `-c` checks alone (a pip install is refused)."""
+    (root / "scripts").mkdir(parents=True)
+    for name in ("serve", "_env.sh"):
+        shutil.copy2(REPO / "scripts" / name, root / "scripts" / name)
+    shutil.copy2(REPO / "pyproject.toml", root / "pyproject.toml")
+    (root / "models").mkdir()
+    (root / "models" / "demo.onnx").symlink_to(model)
+    bin_dir = root / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    shims = {
+        "python": '[ "$1" = -c ] || { echo "not a -c check: $*" >&2; exit 1; }\n'
+        f'exec "{sys.executable}" "$@"',
+        "laneserve": f'exec "{sys.executable}" -m laneserve.server.cli "$@"',
+    }
+    for name, body in shims.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    digest = hashlib.sha256((root / "pyproject.toml").read_bytes()).hexdigest()
+    (root / ".venv" / ".laneserve-installed-base").write_text(f"{digest}\n")
+    return root / "scripts" / "serve"
+
+
+def test_scripts_serve_takes_host_and_port_from_a_config_file(
+    tmp_path: Path, small_model: Path
+) -> None:
     """./scripts/serve passed --host and --port itself, and flags beat the file: the
     README's `./scripts/serve --config laneserve.toml` ignored the file's port. Run from
     another directory, a relative --config is the caller's: the script changes to the
     repository to set up, and looked for it there."""
+    script = checkout_set_up(tmp_path / "checkout", small_model)
+    caller_dir = tmp_path / "elsewhere"
+    caller_dir.mkdir()
     port = unused_port()
-    config = tmp_path / "laneserve.toml"
+    config = caller_dir / "laneserve.toml"
     config.write_text(f'[server]\nhost = "127.0.0.1"\nport = {port}\nmetrics_port = -1\n')
-    server = ServerProcess(
-        ["--config", config.name], command=[str(REPO / "scripts" / "serve")], cwd=tmp_path
-    )
+    server = ServerProcess(["--config", config.name], command=[str(script)], cwd=caller_dir)
     try:
         assert server.port() == port
         server.process.send_signal(signal.SIGINT)

@@ -36,6 +36,7 @@ from tests.support import (
     RecordingEngine,
     Serving,
     TcpProxy,
+    client_cli,
     queued_rows,
     rows,
     serving,
@@ -656,6 +657,130 @@ def test_a_resumed_job_takes_the_message_limit_of_the_server_it_resumes_on(
     assert [result.ok for result in results] == [True, False, True]
     assert isinstance(results[1].error, lc.ResourceExhaustedError)
     assert f"({SMALLER_LIMIT} bytes, max_message_bytes)" in results[1].error.message
+
+
+# A stream item's budget in the tests of it: long enough that an answer could come within
+# it, short enough to wait out; the tests hold the engine, so none does.
+ITEM_BUDGET_MS = 300
+
+
+def test_a_stream_item_unanswered_past_its_timeout_ms_is_answered_deadline_exceeded(
+    small_model: Path,
+) -> None:
+    """The server reads one item at a time (stream_window=1) and its engine is held: the
+    items written after the first wait unread in gRPC's flow control, and the server
+    would give each its timeout_ms afresh once it read it. Each is answered
+    DeadlineExceededError once its timeout_ms from its first send has passed, and the job
+    ends without waiting for the server. (Nothing answered an item in flight: every item
+    came back OK long after its budget, once the engine was released.)"""
+    engine = RecordingEngine(str(small_model))
+
+    async def scenario() -> list[lc.StreamResult]:
+        async with (
+            serving(engine, config(small_model, stream_window=1)) as s,
+            lc.AsyncClient(s.target) as client,
+        ):
+            engine.hold_next()
+            items = [{"input": rows(1, start=index)} for index in range(4)]
+            job = client.stream(items, timeout_ms=ITEM_BUDGET_MS, window=16)
+            async with contextlib.aclosing(job):
+                # The engine is never released: the job cannot wait for the server.
+                results = await asyncio.wait_for(all_of(job), 30)
+            assert engine.ran_tags == []  # every answer came from this side
+            return results
+
+    results = asyncio.run(scenario())
+    assert [result.index for result in results] == [0, 1, 2, 3]
+    for result in results:
+        assert isinstance(result.error, lc.DeadlineExceededError), result.error
+        assert result.error.attempts == 1
+        assert (
+            f"no answer within its timeout_ms ({ITEM_BUDGET_MS} ms from its first send;"
+            in result.error.message
+        )
+
+
+def test_a_late_answer_to_an_item_past_its_timeout_ms_is_dropped_and_holds_its_place(
+    small_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two items pass their timeout_ms unanswered (the engine held); the server answers
+    them once released. Their late answers are dropped without a warning, neither item
+    is yielded twice, and until the server answers one of them both keep their places in
+    the window (the server holds them still): the third item is read from the source only
+    then."""
+    engine = RecordingEngine(str(small_model))
+    pulled: list[int] = []
+
+    def items() -> Iterator[dict[str, npt.NDArray[Any]]]:
+        for index in range(3):
+            pulled.append(index)
+            yield {"input": rows(1, start=index)}
+
+    async def scenario() -> list[lc.StreamResult]:
+        async with (
+            serving(engine, config(small_model, stream_window=1)) as s,
+            lc.AsyncClient(s.target) as client,
+        ):
+            engine.hold_next()
+            results: list[lc.StreamResult] = []
+            job = client.stream(items(), timeout_ms=ITEM_BUDGET_MS, window=2)
+            async with contextlib.aclosing(job):
+                while len(results) < 2:
+                    results.append(await asyncio.wait_for(anext(job), 30))
+                await asyncio.sleep(0.05)  # room for a read the window would allow
+                assert pulled == [0, 1]
+                engine.release()
+                results.append(await asyncio.wait_for(anext(job), 30))
+                with pytest.raises(StopAsyncIteration):
+                    await asyncio.wait_for(anext(job), 30)
+            return results
+
+    caplog.set_level(logging.DEBUG, logger="laneserve.client")
+    results = asyncio.run(scenario())
+    assert [result.index for result in results] == [0, 1, 2]
+    assert all(isinstance(result.error, lc.DeadlineExceededError) for result in results[:2])
+    assert not [record for record in caplog.records if record.levelno >= logging.WARNING]
+    assert any("dropped" in record.getMessage() for record in caplog.records)
+
+
+def test_a_bulk_job_counts_items_past_their_timeout_ms_failed_and_resumes_them(
+    small_model: Path, small_reference: ort.InferenceSession, tmp_path: Path
+) -> None:
+    """`laneserve-client bulk --timeout-ms` on a server that reads one item at a time,
+    its engine held: every item fails DEADLINE_EXCEEDED once its budget from its first
+    send has passed (exit 1, the checkpoint kept), and `--resume` runs them once the
+    engine is free. (The job waited for the engine: its items came back OK long after
+    their budget.)"""
+    x = rows(40, seed=3)
+    np.save(tmp_path / "in.npy", x)
+    out = tmp_path / "out.npy"
+    args = ["--input", str(tmp_path / "in.npy"), "--output", str(out), "--rows-per-item", "10"]
+    args.append("--no-progress")
+    engine = RecordingEngine(str(small_model))
+
+    async def scenario() -> None:
+        async with serving(engine, config(small_model, stream_window=1)) as s:
+            engine.hold_next()
+            # The engine is released only once the job has ended. The rerun has no
+            # --timeout-ms: a slow machine must not fail it.
+            code, _, err = await asyncio.wait_for(
+                client_cli("bulk", "--target", s.target, *args, "--timeout-ms", "300"), 60
+            )
+            assert code == 1, err
+            assert "4 of 4 items failed (DEADLINE_EXCEEDED 4)" in err, err
+            assert (tmp_path / "out.npy.partial").is_dir()
+            engine.release()
+            code, _, err = await client_cli("bulk", "--target", s.target, *args, "--resume")
+            assert code == 0, err
+
+    asyncio.run(scenario())
+    np.testing.assert_allclose(
+        np.load(out), small_reference.run(None, {"input": x})[0], rtol=1e-5, atol=1e-6
+    )
+
+
+async def all_of(results: AsyncIterator[lc.StreamResult]) -> list[lc.StreamResult]:
+    return [result async for result in results]
 
 
 def test_a_stream_reads_each_array_of_its_inputs_once(small_model: Path, tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from laneserve.server.idempotency import (
     fingerprint,
 )
 from laneserve.server.items import Outcome, Timing
+from laneserve.server.scheduler import caller_end_status
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
     FakeTimers,
@@ -42,6 +43,7 @@ from tests.support import (
     SettableGauge,
     TcpProxy,
     cut_while_a_batch_runs,
+    flight_waiters,
     output,
     request,
     rich_status,
@@ -50,7 +52,7 @@ from tests.support import (
 )
 from tests.support import serving as served
 
-pytestmark = pytest.mark.usefixtures("no_leaked_threads", "no_backoff_sleeps")
+pytestmark = pytest.mark.usefixtures("no_backoff_sleeps")
 
 
 def config(model: Path, **fields: Any) -> ServerConfig:
@@ -379,8 +381,9 @@ def test_abandoned_running_request_finishes_and_is_replayed(small_model: Path) -
             call = s.stub.Infer(request(rows(2, start=70), request_id="running"))
             task = asyncio.ensure_future(call)
             await asyncio.to_thread(engine.entered.acquire)  # it is in the session
+            assert flight_waiters(s, "running") == 1
             call.cancel()
-            await asyncio.sleep(0.05)  # let the server see the cancellation first
+            await until(lambda: flight_waiters(s, "running") == 0)  # the server saw it go
             engine.release()
             await until_stats(s, lambda stats: stats.replay_cache_entries == 1)
             retried = await s.stub.Infer(request(rows(2, start=70), request_id="running"))
@@ -591,7 +594,7 @@ def test_work_that_ran_on_after_its_last_caller_left_is_counted_cancelled(
             with pytest.raises(grpc.aio.AioRpcError):
                 await first
             retry.cancel()
-            await asyncio.sleep(0.05)  # let the server see the retry go
+            await until(lambda: flight_waiters(s, "x") == 0)  # the server saw the retry go
             engine.release()
             await until_stats(s, lambda stats: stats.replay_cache_entries == 1)
             stats = await s.stub.GetStats(pb.GetStatsRequest())
@@ -625,7 +628,7 @@ def test_a_retry_joining_in_the_turn_its_answer_arrives_gets_it() -> None:
             return Admitted(never_cancelled, lambda _later_s: True)
 
         def answer(
-            outcome: Outcome, _left_s: float | None, _read_limit: int | None, _own: Caller
+            outcome: Outcome, _ended: str | None, _read_limit: int | None, _own: Caller
         ) -> pb.InferResponse:
             return pb.InferResponse(request_id=outcome.request_id)
 
@@ -645,17 +648,17 @@ def test_work_every_caller_left_is_counted_by_the_last_callers_own_deadline() ->
     """The scheduler keeps a moved deadline within the lane's timeout from when the work
     queued; the ledger keeps the latest caller's own. Both callers leave, the running
     work finishes after the lane's bound but before that caller's deadline: `finish` is
-    given that caller's deadline (counted CANCELLED: it left), not the scheduler's bound
-    (which counted it DEADLINE_EXCEEDED; a review caught that change)."""
+    told how that caller ended by its own deadline (CANCELLED: it left), not by the
+    scheduler's bound (which counted it DEADLINE_EXCEEDED; a review caught that change)."""
 
-    async def scenario() -> list[float | None]:
+    async def scenario() -> list[str | None]:
         clock = ManualClock()
         ledger = RequestLedger(
             ReplayCache(max_entries=8, max_bytes=1 << 20, ttl_s=600, clock=clock), clock
         )
         resolves: list[Callable[[Outcome], None]] = []
         moved_to: list[float] = []
-        given: list[float | None] = []
+        given: list[str | None] = []
         t0 = clock.monotonic()
 
         def running(unless_running: bool) -> bool:
@@ -671,9 +674,9 @@ def test_work_every_caller_left_is_counted_by_the_last_callers_own_deadline() ->
             return Admitted(running, move)
 
         def answer(
-            outcome: Outcome, left_s: float | None, _read_limit: int | None, _own: Caller
+            outcome: Outcome, ended: str | None, _read_limit: int | None, _own: Caller
         ) -> pb.InferResponse:
-            given.append(left_s)
+            given.append(ended)
             return pb.InferResponse(request_id=outcome.request_id)
 
         first = asyncio.create_task(ledger.run("x", b"same", submit, answer, deadline_s=t0 + 10))
@@ -686,14 +689,14 @@ def test_work_every_caller_left_is_counted_by_the_last_callers_own_deadline() ->
         await asyncio.gather(first, retry, return_exceptions=True)
         clock.advance(50.0)  # past the lane's bound, before the retry's own deadline
         resolves[0](Outcome("token", "x", {}, None, Timing("standard", 1, 0.0, 0.0)))
-        return [None if left_s is None else left_s - t0 for left_s in given]
+        return given
 
-    assert asyncio.run(scenario()) == [100.0]
+    assert asyncio.run(scenario()) == ["CANCELLED"]
 
 
 class _OneFlight:
     """A ledger on a manual clock whose requests are admitted and never cancelled (they
-    run): what `finish` was given (`left_s`), and the Outcome's way back (`resolve`)."""
+    run): what `finish` was given (`ended`), and the Outcome's way back (`resolve`)."""
 
     def __init__(self) -> None:
         self.clock = ManualClock()
@@ -702,7 +705,7 @@ class _OneFlight:
             self.clock,
         )
         self.resolves: list[Callable[[Outcome], None]] = []
-        self.given: list[float | None] = []
+        self.given: list[str | None] = []
 
     def run(self, deadline_s: float, caller: Caller = ANY_CALLER) -> asyncio.Task[pb.InferResponse]:
         def running(unless_running: bool) -> bool:
@@ -714,9 +717,9 @@ class _OneFlight:
             return Admitted(running, lambda _later_s: True)
 
         def answer(
-            outcome: Outcome, left_s: float | None, _read_limit: int | None, _own: Caller
+            outcome: Outcome, ended: str | None, _read_limit: int | None, _own: Caller
         ) -> pb.InferResponse:
-            self.given.append(left_s)
+            self.given.append(ended)
             return pb.InferResponse(request_id=outcome.request_id)
 
         return asyncio.create_task(
@@ -758,10 +761,11 @@ def test_a_joined_caller_cancelled_at_its_deadline_is_reported_expired() -> None
 def test_an_answer_no_caller_can_take_any_more_is_counted_by_their_deadline() -> None:
     """An answer that came once its caller's gRPC deadline had passed, before gRPC's cancel
     reached the call, was counted OK: gRPC answered the caller DEADLINE_EXCEEDED. `finish`
-    is given the deadline (as for a caller that left) unless a caller can still take it."""
+    is told they ended by their deadline (as for a caller that went) unless a caller can
+    still take it."""
 
-    async def scenario() -> list[float | None]:
-        given: list[float | None] = []
+    async def scenario() -> list[str | None]:
+        given: list[str | None] = []
         for reachable in (False, True):
             flight = _OneFlight()
             t0 = flight.clock.monotonic()
@@ -770,10 +774,10 @@ def test_an_answer_no_caller_can_take_any_more_is_counted_by_their_deadline() ->
             flight.clock.advance(10.0)
             flight.answer()
             await call  # handed the answer all the same: gRPC decides what the caller gets
-            given += [None if left_s is None else left_s - t0 for left_s in flight.given]
+            given += flight.given
         return given
 
-    assert asyncio.run(scenario()) == [10.0, None]
+    assert asyncio.run(scenario()) == ["DEADLINE_EXCEEDED", None]
 
 
 def swept_ledger(**bounds: Any) -> tuple[RequestLedger, ManualClock, FakeTimers]:
@@ -798,7 +802,7 @@ async def completed(ledger: RequestLedger, request_id: str) -> None:
         return Admitted(running, lambda _later_s: True)
 
     def finish(
-        outcome: Outcome, _left_s: float | None, _read_limit: int | None, _own: Caller
+        outcome: Outcome, _ended: str | None, _read_limit: int | None, _own: Caller
     ) -> pb.InferResponse:
         return pb.InferResponse(request_id=outcome.request_id)
 
@@ -987,7 +991,7 @@ def test_joined_request_survives_the_first_caller_leaving(small_model: Path) -> 
             second = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=5), request_id="k")))
             await until_stats(s, lambda stats: stats.idempotent_joins == 1)
             first_call.cancel()
-            await asyncio.sleep(0.05)  # the server sees one waiter go
+            await until(lambda: flight_waiters(s, "k") == 1)  # the server saw one waiter go
             assert queued_rows(s) == 1, "the other waiter keeps it queued"
             engine.release()
             answer = await second
@@ -1162,3 +1166,71 @@ def test_stored_answers_are_not_walked_by_the_garbage_collector() -> None:
     replayed = replay.get("a")
     assert replayed is not None
     assert replayed.response == response, "the stored bytes are the same answer"
+
+
+def test_a_caller_that_left_is_counted_cancelled_when_its_work_ends_past_its_deadline(
+    small_model: Path,
+) -> None:
+    """A call with a request_id leaves (cancelled) long before its 0.5 s deadline while
+    its batch runs; the work runs on for a retry's replay and finishes after that
+    deadline. It was judged when its answer came, against the deadline: counted
+    DEADLINE_EXCEEDED, though its caller left. The last caller's end is judged as it
+    goes."""
+
+    async def scenario() -> pb.LaneStats:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model)) as s:
+            engine.hold_next()
+            call = s.stub.Infer(request(rows(2, start=70), request_id="left"), timeout=0.5)
+            task = asyncio.ensure_future(call)
+            await asyncio.to_thread(engine.entered.acquire)  # it is in the session
+            call.cancel()
+            await asyncio.sleep(0.6)  # the server saw it go; its deadline has passed
+            engine.release()
+            await until_stats(s, lambda stats: stats.replay_cache_entries == 1)
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+        assert task.cancelled()
+        (standard,) = [lane for lane in stats.lanes if lane.name == "standard"]
+        return standard
+
+    standard = asyncio.run(scenario())
+    assert dict(standard.answered) == {"CANCELLED": 1}
+
+
+def test_the_last_caller_to_go_is_judged_as_it_goes_not_when_the_answer_comes() -> None:
+    """Work with a request_id runs on after its last caller goes; `finish` is told how
+    that caller ended, judged as it went against its own deadline. Judged when the answer
+    came: one that left at 0.1 s of 10 s, its work ending at 20 s, was DEADLINE_EXCEEDED;
+    one whose deadline passed (its client's, a cancel 10 ms before the server's reading),
+    its work ending 5 ms before that reading, was CANCELLED."""
+
+    async def scenario() -> list[str | None]:
+        given: list[str | None] = []
+        for goes_at_s, answered_at_s in ((0.1, 20.0), (9.99, 9.995)):
+            flight = _OneFlight()
+            t0 = flight.clock.monotonic()
+            call = flight.run(t0 + 10)
+            await asyncio.sleep(0)
+            flight.clock.advance(goes_at_s)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            flight.clock.advance(answered_at_s - goes_at_s)
+            flight.answer()
+            given += flight.given
+        return given
+
+    assert asyncio.run(scenario()) == ["CANCELLED", "DEADLINE_EXCEEDED"]
+
+
+def test_a_cancel_a_few_ms_before_the_deadline_is_the_deadline() -> None:
+    """gRPC's deadline on the server is the client's plus the call's transit, and a
+    client's deadline reaches the server as a plain cancel: up to that transit before the
+    server's deadline. Within 1 ms only, such callers (a few ms, in-process on a busy
+    loop) were counted CANCELLED."""
+    deadline_s = ManualClock().monotonic() + 1.0
+    ended = [
+        caller_end_status(deadline_s - gone_before_s, deadline_s, queued=queued)
+        for gone_before_s, queued in ((0.005, False), (0.005, True), (0.2, False), (0.2, True))
+    ]
+    assert ended == ["DEADLINE_EXCEEDED", "EXPIRED_IN_QUEUE", "CANCELLED", "CANCELLED"]

@@ -49,6 +49,9 @@ LANES = (
 # a full batch of 1 024 rows is split for real.
 ARENA = "32MiB"
 CAP = 1024
+# The deadline of the requests that expire in the queue: met, were the session not held
+# (a shorter one can be refused DEADLINE_UNMEETABLE on a loaded machine).
+EXPIRES_MS = 400
 RECEIVE_LIMIT = (("laneserve-max-receive-bytes", "1024"),)  # 25 rows' answer is over it
 
 
@@ -247,7 +250,7 @@ async def every_end(mix: Mix, bad_tag: int) -> None:
         mix.s, lambda stats: sum(lane.rejected["JOIN_LIMIT"] for lane in stats.lanes) == 2
     )
     await mix.queue("standard", 4, bad_tag - 1)  # the bad row is its second
-    mix.call("standard", request(rows(2, start=3200), lane="standard", timeout_ms=50))
+    mix.call("standard", request(rows(2, start=3200), lane="standard", timeout_ms=EXPIRES_MS))
     await mix.shed(1, "EXPIRED_IN_QUEUE")
     leaving = mix.call("bulk", request(rows(3, start=3300), lane="bulk"))
     await until(lambda: queued_rows(mix.s) == mix.queued + 3)
@@ -260,7 +263,7 @@ async def stream_items(mix: Mix) -> Any:
     queued, one's answer is over the limit. Returns the call, to read once released."""
     items = [
         request(rows(1, start=3400), lane="bulk", request_id="item-0"),
-        request(rows(1, start=3401), lane="bulk", request_id="item-1", timeout_ms=50),
+        request(rows(1, start=3401), lane="bulk", request_id="item-1", timeout_ms=EXPIRES_MS),
         request(rows(30, start=3410), lane="bulk", request_id="item-2"),
     ]
     stream = mix.s.stub.InferStream(iter(items), metadata=RECEIVE_LIMIT)
@@ -321,19 +324,13 @@ def test_every_end_a_request_can_have_is_counted_once_and_alike_everywhere(
                 tally.item("bulk", answer)
             assert await mix.outcomes() >= {"OK", "LEFT", "ENGINE_FAILURE"}
 
-            # gRPC's deadline passes while the request's batch runs. Its end is judged by
-            # the server's reading of the deadline, later than the caller's by the time
-            # the call took to arrive: its answer comes once that has passed too. (With
-            # an id, the work runs on after its caller goes, for a retry's replay.)
+            # gRPC's deadline passes while the request's batch runs (with an id, the work
+            # runs on after its caller goes, for a retry's replay).
             engine.hold_next()
             late_body = request(rows(1, start=3500), lane="standard", request_id="late")
             late = s.stub.Infer(late_body, timeout=1.0)
             assert await asyncio.to_thread(engine.entered.acquire, True, 30)
             assert await tally.unary("standard", late) == "DEADLINE_EXCEEDED"
-            servicer = s.server._servicer
-            assert servicer is not None
-            flight = servicer._ledger._flights["late"]
-            await until(lambda: servicer._clock.monotonic() > flight.deadline_s)
             engine.release()
             await until_stats(s, lambda stats: stats.lanes[1].answered["DEADLINE_EXCEEDED"] == 1)
             joined = request(rows(4, start=300), lane="standard", request_id="joined")

@@ -50,9 +50,8 @@ from tests.support import (
     rows,
     serving,
     until,
+    until_stats,
 )
-
-pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 
 
 def config(model: Path, **fields: object) -> ServerConfig:
@@ -673,6 +672,11 @@ def test_a_grpc_deadline_that_passes_while_the_batch_runs_is_counted_deadline_ex
 
 
 def test_grpc_deadline_is_honoured_without_configuration(small_model: Path) -> None:
+    """A call's gRPC deadline alone (no timeout_ms) is its deadline on the server: queued
+    behind a held batch past it, the request is shed EXPIRED_IN_QUEUE and never runs. (A
+    server that ignored it had only the lane's timeout: the cancel that gRPC sends at the
+    deadline freed the rows all the same, but was counted CANCELLED, a caller that left.)"""
+
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
         async with serving(engine, config(small_model)) as s:
@@ -683,9 +687,16 @@ def test_grpc_deadline_is_honoured_without_configuration(small_model: Path) -> N
                 await s.stub.Infer(request(rows(1, start=7)), timeout=0.2)
             assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             await until(lambda: queued_rows(s) == 0)
+
+            def standard(stats: pb.GetStatsResponse) -> pb.LaneStats:
+                return next(lane for lane in stats.lanes if lane.name == "standard")
+
+            await until_stats(s, lambda stats: sum(standard(stats).shed.values()) == 1)
+            shed = dict(standard(await s.stub.GetStats(pb.GetStatsRequest())).shed)
             engine.release()
             await running
             assert 7 not in engine.ran_tags
+        assert shed == {"EXPIRED_IN_QUEUE": 1}, "shed at its deadline, not a caller that left"
 
     asyncio.run(scenario())
 
@@ -1476,19 +1487,25 @@ def test_calls_past_the_concurrency_limit_are_refused_as_grpc_refuses_them(
     asyncio.run(scenario())
 
 
-def test_infer_calls_are_taken_by_the_acceptors_several_at_a_time(small_model: Path) -> None:
+def test_infer_calls_are_taken_by_the_acceptors_several_at_a_time(
+    small_model: Path, small_reference: ort.InferenceSession
+) -> None:
     """Each port keeps INFER_ACCEPTORS asks for Infer calls out beside grpc.aio's one: the
-    calls the core hands them are answered like any other."""
+    calls the core hands them are answered like any other, each with its own rows'
+    outputs."""
+    inputs = [rows(1, start=index) for index in range(64)]
 
-    async def scenario() -> int:
+    async def scenario() -> tuple[list[pb.InferResponse], int]:
         engine = RecordingEngine(str(small_model))
         async with serving(engine, config(small_model)) as s:
-            calls = [s.stub.Infer(request(rows(1, start=index)), timeout=30) for index in range(64)]
+            calls = [s.stub.Infer(request(x), timeout=30) for x in inputs]
             answers = await asyncio.gather(*calls)
-            assert [int(output(answer)[0, 0] != 0) for answer in answers]  # answered
-            return sum(each.acceptors.taken for each in s.server._listeners)
+            return answers, sum(each.acceptors.taken for each in s.server._listeners)
 
-    taken = asyncio.run(scenario())
+    answers, taken = asyncio.run(scenario())
+    for x, answer in zip(inputs, answers, strict=True):
+        expected = small_reference.run(None, {"input": x})[0]
+        np.testing.assert_allclose(output(answer), expected, rtol=1e-4, atol=1e-5)
     assert taken > 0, "no call came through the acceptors"
 
 

@@ -55,7 +55,7 @@ from opentelemetry.trace import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from laneserve.client import AsyncClient, Client
-from laneserve.server import LaneConfig, ServerConfig
+from laneserve.server import LaneConfig, ManualClock, ServerConfig
 from laneserve.server.config import ConfigError
 from laneserve.server.errors import DeviceMemoryError
 from laneserve.server.events import FanOut
@@ -86,6 +86,7 @@ from tests.support import (
     FakeTimers,
     RecordingEngine,
     Serving,
+    queued_rows,
     request,
     rows,
     serving,
@@ -2164,3 +2165,47 @@ def test_a_metrics_port_in_use_on_ipv6_is_named_as_a_reader_can_split_it() -> No
         taken = held.getsockname()[1]
         with pytest.raises(OSError, match=re.escape(f"cannot serve metrics on [::1]:{taken}: ")):
             MetricsEndpoint(prometheus_client.CollectorRegistry(), "::1", taken)
+
+
+def test_enqueue_carries_the_deadline_of_a_stream_item_that_waited_for_room(
+    small_model: Path,
+) -> None:
+    """A stream item waits 1 s (a manual clock) for room in the full bulk lane, whose
+    timeout is 3 s. The scheduler counts that timeout from the item's arrival: 2 s are
+    left when it is queued. `enqueue`'s laneserve.deadline_ms counted the timeout in full
+    from then (3000 ms), a second past the deadline the item is shed at."""
+    lanes = (
+        LaneConfig("interactive", capacity_rows=64, timeout_ms=60_000, max_wait_ms=0, min_share=0),
+        LaneConfig("bulk", capacity_rows=2, timeout_ms=3_000, max_wait_ms=0, min_share=0),
+    )
+
+    async def scenario() -> Any:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model, lanes=lanes, default_lane="bulk")
+        telemetry, exporter = traced(engine, server_config)
+        clock = ManualClock()
+        async with serving(engine, server_config, telemetry=telemetry, clock=clock) as s:
+            servicer = s.server._servicer
+            assert servicer is not None
+            engine.hold_next()
+            held = asyncio.ensure_future(s.stub.Infer(request(rows(2), lane="bulk")))
+            await entered(engine)
+            queued = asyncio.ensure_future(s.stub.Infer(request(rows(2), lane="bulk")))
+            await until(lambda: queued_rows(s, "bulk") == 2)  # the lane is full
+            item = request(rows(2), request_id="waited", lane="bulk")
+            answers = s.stub.InferStream(iter([item]))
+            await until(lambda: bool(servicer._room_lines.get("bulk")))  # it waits for room
+            clock.advance(1.0)
+            engine.release()
+            await asyncio.gather(held, queued)
+            answer = await answers.read()
+            assert isinstance(answer, pb.InferStreamResponse)
+            assert answer.WhichOneof("result") == "response"
+        (enqueue,) = [
+            span
+            for span in spans_named(exporter, "enqueue")
+            if span.attributes and span.attributes.get("laneserve.request_id") == "waited"
+        ]
+        return attr(enqueue, "laneserve.deadline_ms")
+
+    assert asyncio.run(scenario()) == 2000.0

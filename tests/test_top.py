@@ -25,6 +25,7 @@ from tests.support import (
     request,
     rows,
     serving,
+    until,
     unused_port,
 )
 
@@ -264,9 +265,17 @@ def test_top_shows_a_server_that_stopped_as_unreachable_and_polls_on(
             argv = ["top", "--target", s.target, "--iterations", "10", "--interval-s", "0.1"]
             top = asyncio.ensure_future(asyncio.to_thread(main, argv))
             out = ""
-            while "laneserve top" not in out:
+
+            def first_frame() -> bool:
+                nonlocal out
                 out += capsys.readouterr().out
-                await asyncio.sleep(0.01)
+                if "laneserve top" in out:
+                    return True
+                if top.done():  # its error, if it raised, is the test's
+                    raise AssertionError(f"top ended {top.result()} before a frame:\n{out}")
+                return False
+
+            await until(first_frame, timeout_s=CLIENT_CLI_TIMEOUT_S)
             await s.server.stop(grace_s=1.0)
             code = await top
         return code, out + capsys.readouterr().out

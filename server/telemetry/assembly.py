@@ -99,7 +99,7 @@ class Telemetry:
         self.interceptors: list[grpc.aio.ServerInterceptor] = []
         if tracer_provider is not None:
             tracer = tracer_provider.get_tracer(INSTRUMENTATION_NAME)
-            self.tracing = Tracing(tracer, lanes, providers)
+            self.tracing = Tracing(tracer, providers)
             self.events.append(self.tracing)
             self.interceptors.append(ServerSpans(tracer))
 

@@ -12,7 +12,7 @@ from opentelemetry import propagate
 from opentelemetry import trace as otel_trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from laneserve.server.clock import DEADLINE_SLACK_S
+from laneserve.server.clock import CALLER_END_SLACK_S
 
 # gRPC methods that get a server span: the inference path. GetStats is polled (by
 # `laneserve top`, every second) and would drown the traces that matter.
@@ -152,10 +152,10 @@ def _end_server_span(
 ) -> None:
     """Records the status the caller receives, as gRPC decides it."""
     remaining_s: float | None = context.time_remaining()  # None: no deadline
-    # A cancel this close to the deadline came from the caller's own timer, which runs a
-    # little ahead of the server's copy of the deadline (see DEADLINE_SLACK_S).
+    # A cancel this close to the deadline came from the caller's own timer, which runs
+    # ahead of the server's copy of the deadline (see CALLER_END_SLACK_S).
     cancelled = error is not None and not isinstance(error, Exception)
-    if remaining_s is not None and remaining_s <= (DEADLINE_SLACK_S if cancelled else 0.0):
+    if remaining_s is not None and remaining_s <= (CALLER_END_SLACK_S if cancelled else 0.0):
         # gRPC ended the call at its deadline, whatever the handler did after (an abort
         # then fails inside gRPC): the caller gets DEADLINE_EXCEEDED.
         code = grpc.StatusCode.DEADLINE_EXCEEDED

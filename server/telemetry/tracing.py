@@ -22,7 +22,6 @@ from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.util.types import Attributes
 
-from laneserve.server.config import LaneConfig
 from laneserve.server.errors import DrainingError, LaneserveError
 from laneserve.server.events import NULL_TRACE, RequestTrace
 from laneserve.server.items import Batch, Signature
@@ -192,11 +191,9 @@ class Tracing:
     def __init__(
         self,
         tracer: otel_trace.Tracer,
-        lanes: Sequence[LaneConfig],
         providers: Sequence[str],
     ) -> None:
         self._tracer = tracer
-        self._lanes = {lane.name: lane for lane in lanes}
         self._providers = tuple(providers)
         # Open batch spans by batch id. Only the scheduler's owner touches it (under its
         # lock), and `close` once the scheduler has stopped.
@@ -206,14 +203,14 @@ class Tracing:
     def start(self, request_id: str, lane: str, rows: int, budget_s: float | None) -> RequestTrace:
         if _unsampled():
             return NULL_TRACE
-        lane_config = self._lanes.get(lane)
-        # The effective deadline, by the scheduler's own rule (relative: now = 0).
-        deadline_s = budget_s if lane_config is None else lane_config.deadline_s(0.0, budget_s)
         attributes: dict[str, str | int | float] = {"laneserve.lane": lane, "laneserve.rows": rows}
         if request_id:
             attributes["laneserve.request_id"] = request_id
-        if deadline_s is not None:
-            attributes["laneserve.deadline_ms"] = round(deadline_s * 1000, 3)
+        # The deadline the scheduler keeps, as given: re-derived here from the request's
+        # own and the lane's timeout counted from now, it overstated a stream item's that
+        # had waited for room (its lane's timeout counts from its arrival).
+        if budget_s is not None:
+            attributes["laneserve.deadline_ms"] = round(budget_s * 1000, 3)
         return _RequestSpans(self._tracer, attributes)
 
     def joined(self, request_id: str, lane: str) -> RequestTrace:
