@@ -289,6 +289,9 @@ class Scheduler:
         self._running_until_s: float | None = None
         self.run_time = run_time
         self._run_times = RunTimeModels(run_time, run_time_signature, max_rows=batch_cap)
+        # Per signature, the longest a batch of 1 to its cap rows is predicted to run (see
+        # `_slowest_batch_s`), with the model, its `observations` and the cap it holds for.
+        self._slowest: dict[Signature, tuple[RunTimeModel, int, int, float]] = {}
         self.accepting = True
         # Live entries: admitted and not yet answered (queued or in a running batch).
         self._entries: dict[int, Entry] = {}
@@ -450,6 +453,10 @@ class Scheduler:
         # Neither is predicted (the prediction is most of admission's cost).
         if idle or not self._run_times.knows(request.signature):
             return
+        # A deadline the bound meets, the prediction (never later) meets too.
+        bound_s = self._finish_bound_s(lane, request.rows, request.signature, now_s)
+        if bound_s is not None and bound_s <= deadline_s:
+            return
         finish_s = self._predicted_finish_s(lane, request.rows, request.signature, now_s)
         if finish_s > deadline_s:
             ahead = sum(other.queued_rows for other in self.lanes[: lane.priority + 1])
@@ -538,6 +545,104 @@ class Scheduler:
             else:
                 finish_s = min(finish_s, share_finish_s)
         return finish_s
+
+    def _finish_bound_s(
+        self, lane: Lane, rows: int, signature: Signature, now_s: float
+    ) -> float | None:
+        """An upper bound of `_predicted_finish_s(lane, rows, signature, now_s)` in
+        O(lanes), from the counts the lanes keep (None: not bounded, when a lane above
+        is fed: then only the share's promise stands, which is not bounded here). The
+        prediction took 33 of the ~45 us of an admission, paid even by requests whose
+        deadline is seconds away; admission skips it while this is within the deadline.
+
+        It bounds the top-down estimate, which bounds the prediction unless a lane above
+        is fed (the prediction is then the earlier of it and the share's). That estimate
+        is `start_s + drain_s / max(left, MIN_LEFT_BELOW)`, `start_s` and `left` as it
+        works them out, and `_queue_drain_s` is at most: the work of other shapes at and
+        above, plus `2 + later / per_batch` batches (the next, `full` more and the rest),
+        each at most the slowest batch of up to the cap (every batch it costs holds at
+        most `batch_rows` <= the cap). Here `later` <= the rows of this shape at and above
+        (this request's included), plus the cap minus the batch limit while a lower
+        lane's share may claim the next batch's room; `per_batch` >= `_packed_rows`
+        (monotone in the room) of the least room: the least batch limit (the cap, or
+        `_rows_within_wait` of the active lane above) less every lower lane's share, in
+        the least served share (every lower claim counted as shutting out its head). One
+        batch more absorbs rounding."""
+        if lane.config.min_share > 0 and self._fed_above(lane, now_s):
+            return None
+        start_s = now_s if self._running_until_s is None else max(now_s, self._running_until_s)
+        cap = self.caps.rows(signature)
+        # The rows of this shape at and above, as `_queue_drain_s` sums them (the same
+        # floats, in the same order).
+        total, requests = rows, 1
+        squares = float(rows * rows)
+        fills = rows * lane.fill_ratio
+        other_shapes_s = 0.0
+        for other in self.lanes[: lane.priority + 1]:
+            queued_rows, queued_entries, others_s = other.queued_as(signature)
+            total += queued_rows
+            requests += queued_entries
+            squares += queued_entries * other.request_rows_square_mean
+            fills += queued_rows * other.fill_ratio
+            other_shapes_s += others_s
+        # Lower lanes whose shares may claim room in this shape's batches.
+        lower_claims = False
+        lower_share = 0.0  # >= `_queue_drain_s`'s: every such share
+        shut_out = 0.0  # >= its: every head larger than its share counted shut out
+        for other in self.lanes[lane.priority + 1 :]:
+            if other.config.min_share == 0 or not other.queued_rows:
+                continue
+            head = other.head()
+            assert head is not None
+            if head.request.signature != signature:
+                continue
+            lower_claims = True
+            share = self._share_rows(other, signature)
+            lower_share += share / cap
+            if head.queued_rows > share:
+                shut_out += share / head.queued_rows
+        active = next((other for other in self.lanes if self._active(other, now_s)), None)
+        least_rows = (
+            cap
+            if active is None or active.priority >= lane.priority
+            else self._rows_within_wait(active, signature)
+        )
+        least_room = least_rows * (1 - lower_share)
+        if least_room <= 0:
+            return None
+        mean_rows = total / requests
+        uniform = squares / requests <= (1 + UNIFORM_SIZES_CV2) * mean_rows * mean_rows
+        per_batch = max(1.0 - shut_out, MIN_SERVED_SHARE) * self._packed_rows(
+            least_room,
+            mean_rows=mean_rows,
+            fill_ratio=None if uniform else fills / total,
+            cap=cap,
+        )
+        later = total + max((cap if lower_claims else 0) - least_rows, 0)
+        batch_s = self._slowest_batch_s(signature, cap)
+        drain_s = other_shapes_s + (3 + later / per_batch) * batch_s
+        left = 1.0 - self._load_above(lane, now_s)
+        return start_s + drain_s / max(left, MIN_LEFT_BELOW)
+
+    def _slowest_batch_s(self, signature: Signature, cap: int) -> float:
+        """The longest `signature`'s model predicts a batch of 0 to `cap` rows to run:
+        its run time is linear between its measured sizes, flat below the smallest and
+        proportional beyond the largest, so the most of its sizes up to the cap and the
+        cap's. Not the cap's alone: a model learned from noisy runs may predict fewer
+        rows to run longer. Kept until the model learns or the cap moves."""
+        model = self._run_times.get(signature)
+        kept = self._slowest.get(signature)
+        if kept is not None:
+            kept_model, observations, kept_cap, seconds = kept
+            if kept_model is model and observations == model.observations and kept_cap == cap:
+                return seconds
+        seconds = max(
+            [model.predict_s(cap), *(s for size, s in model.snapshot().items() if size <= cap)]
+        )
+        if kept is None and len(self._slowest) > MAX_SIGNATURES:
+            self._slowest.clear()  # signatures whose models were dropped
+        self._slowest[signature] = (model, model.observations, cap, seconds)
+        return seconds
 
     def _share_wait_s(
         self,

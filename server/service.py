@@ -1047,6 +1047,10 @@ def read_infer_request(data: bytes, max_inputs: int, max_outputs: int) -> pb.Inf
         return request  # empty: measured, every byte read would count as extra
     if len(request.inputs) > max_inputs or len(request.output_names) > max_outputs:
         return request
+    if len(data) <= MAX_EXTRA_BYTES:
+        # Its extra bytes are some of its bytes: never more than MAX_EXTRA_BYTES. Not
+        # walked (4.8 us a one-row request, where it parsed in 0.4).
+        return request
     extra = extra_bytes(request, len(data))
     return OVERSIZED_REQUEST if extra is not None and extra > MAX_EXTRA_BYTES else request
 

@@ -1476,8 +1476,8 @@ def test_an_item_is_not_retried_past_its_timeout_ms(small_model: Path) -> None:
     job's item waits for room. The server counts timeout_ms from each arrival, and the
     client sent the item again with the whole 50 ms each time, until its 3 attempts were
     spent (3x the timeout). Counted from the first send, the item is answered at its
-    timeout_ms by the client itself, once, and the server's refusal (LANE_FULL, at its
-    own reading of the deadline, later) is counted there and dropped by the client."""
+    timeout_ms by the client itself, once, and the server's refusal (at its own reading
+    of the deadline, later) is counted there and dropped by the client."""
 
     async def scenario() -> tuple[list[lc.StreamResult], pb.GetStatsResponse]:
         engine = RecordingEngine(str(small_model))
@@ -1494,7 +1494,10 @@ def test_an_item_is_not_retried_past_its_timeout_ms(small_model: Path) -> None:
             )
             await until(lambda: queued_rows(s) == 4)
             results = await collect(client.stream([{"input": rows(4, start=20)}], timeout_ms=50))
-            await until_stats(s, lambda stats: stats.lanes[1].rejected["LANE_FULL"] == 1)
+            # The server's end of it, whichever came first: its reading of the deadline
+            # (LANE_FULL or EXPIRED_IN_QUEUE) or the client's cancel of the call, nothing
+            # else being due on it (CANCELLED: its stream ended while it waited for room).
+            await until_stats(s, lambda stats: sum(stats.lanes[1].rejected.values()) == 1)
             stats = await client.stats()
             engine.release()
             await asyncio.gather(*held)
@@ -1507,7 +1510,7 @@ def test_an_item_is_not_retried_past_its_timeout_ms(small_model: Path) -> None:
     assert isinstance(error, lc.DeadlineExceededError)
     assert results[0].attempts == 1
     assert "(50 ms from its first send" in str(error)
-    assert dict(stats.lanes[1].rejected) == {"LANE_FULL": 1}, "one attempt, refused once"
+    assert sum(stats.lanes[1].rejected.values()) == 1, "one attempt, refused once"
 
 
 def test_unreachable_server_ends_the_job_with_the_connection_error() -> None:
