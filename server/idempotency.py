@@ -254,10 +254,12 @@ class _Flight:
         # Invariant: a waiter with an earlier deadline has its timer, the others none.
         self.deadline_s = deadline_s
         self.waiters: list[_Waiter] = []
-        # How the last waiter to go ended (`RequestLedger._gone`), set as it went: what
-        # `finish` is given when none waits. Read only while `waiters` is empty, which it
-        # is after `__init__` only once a waiter has gone and set it (a retry that joins
-        # afterwards is a waiter again, and sets it anew when it goes).
+        # How the last waiter to go that was counted nowhere else ended (`_gone`), set as
+        # it went: what `finish` is given when none waits. Read only while `waiters` is
+        # empty, once a waiter has gone (a retry that joins afterwards sets it anew when
+        # it goes, unless it is counted as its refusal). Until set, CANCELLED: the last
+        # to go was counted as its refusal, and the one before it, not the work's
+        # deadline-keeper any more, left.
         self.ended = "CANCELLED"
         # Set once: the answer was handed out, or the work was cancelled (no answer comes).
         self.answered = False
@@ -629,9 +631,11 @@ class RequestLedger:
         flight.waiters.append(waiter)
         if deadline_s < flight.deadline_s:
             self._arm(flight, waiter)
+        counted = False  # its end counted as its lane's refusal (`caller.expired`)
         try:
             return await waiter.future
         except JoinExpiredError as error:
+            counted = True
             caller.expired(error)
             raise
         except asyncio.CancelledError:
@@ -642,6 +646,7 @@ class RequestLedger:
             # was counted nowhere.
             now_s = self._clock.monotonic()
             if waiter.timer is not None and now_s >= waiter.deadline_s - CALLER_END_SLACK_S:
+                counted = True
                 caller.expired(_join_expired(flight.request_id))
             raise
         finally:
@@ -650,7 +655,11 @@ class RequestLedger:
             if not flight.answered:
                 flight.waiters.remove(waiter)
                 if not flight.waiters:
-                    flight.ended = self._gone(waiter)
+                    # The work's status stands for a caller counted nowhere else: a last
+                    # caller counted as its refusal keeps how the one before it ended (it
+                    # was counted twice, and the caller before it not at all).
+                    if not counted:
+                        flight.ended = self._gone(waiter)
                     self._abandon(flight)
                 elif waiter.deadline_s >= flight.deadline_s:
                     self._shorten(flight)
@@ -660,12 +669,7 @@ class RequestLedger:
         by the last one to go, not the work's deadline (a retry may have extended it), and
         not when the answer comes (the work ran on past the deadline of a caller that had
         left long before: it was counted DEADLINE_EXCEEDED)."""
-        now_s = self._clock.monotonic()
-        if waiter.future.done() and not waiter.future.cancelled():
-            # Answered alone at its deadline (JoinExpiredError): its timer runs on the
-            # loop's clock, which the ledger's need not match.
-            now_s = max(now_s, waiter.deadline_s)
-        return caller_end_status(now_s, waiter.deadline_s, queued=False)
+        return caller_end_status(self._clock.monotonic(), waiter.deadline_s, queued=False)
 
     def _ended(self, flight: _Flight) -> str:
         """How the callers of `flight` ended, none of whom takes its answer: as the last

@@ -1225,6 +1225,38 @@ def test_the_last_caller_to_go_is_judged_as_it_goes_not_when_the_answer_comes() 
     assert asyncio.run(scenario()) == ["CANCELLED", "DEADLINE_EXCEEDED"]
 
 
+def test_a_retry_answered_alone_after_the_last_caller_left_is_not_counted_again() -> None:
+    """The submitter leaves 99 s before its deadline while its work runs on; a retry joins
+    with an earlier deadline, is answered alone at it (counted as its lane's refusal) and
+    goes last. It set how the work ended, DEADLINE_EXCEEDED: the retry was counted twice
+    and the submitter's CANCELLED nowhere. The work stays counted as the submitter
+    ended."""
+
+    async def scenario() -> tuple[list[str | None], list[str]]:
+        flight = _OneFlight()
+        expired: list[str] = []
+        t0 = flight.clock.monotonic()
+        first = flight.run(t0 + 100)
+        await asyncio.sleep(0)
+        flight.clock.advance(1.0)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        retry = flight.run(
+            flight.clock.monotonic() + 0.001,
+            Caller(expired=lambda error: expired.append(error.reason)),
+        )
+        with pytest.raises(JoinExpiredError):
+            await retry  # its timer, on the loop's clock, answers it alone
+        flight.clock.advance(1.0)
+        flight.answer()
+        return flight.given, expired
+
+    given, expired = asyncio.run(scenario())
+    assert expired == ["EXPIRED_IN_QUEUE"]
+    assert given == ["CANCELLED"]
+
+
 def test_a_cancel_a_few_ms_before_the_deadline_is_the_deadline() -> None:
     """gRPC's deadline on the server is the client's plus the call's transit, and a
     client's deadline reaches the server as a plain cancel: up to that transit before the
