@@ -1101,13 +1101,20 @@ class Scheduler:
 
     # ---- shedding ----------------------------------------------------------------
 
-    def shed_expired(self, now_s: float) -> list[Outcome]:
-        """Answers every queued entry whose deadline has passed; they never run.
+    def shed_expired(self, now_s: float, limit: int | None = None) -> list[Outcome]:
+        """Answers the queued entries whose deadline has passed, at most `limit` of them
+        (None: every one), earliest deadline first; they never run. Fewer than `limit`
+        answers: none is left. Work is not dispatched while some are left (it could take
+        them).
 
         An entry whose rows are all in a running batch is left to finish: it is running.
         """
-        outcomes = []
-        while self._deadlines and self._deadlines[0][0] <= now_s:
+        outcomes: list[Outcome] = []
+        while (
+            self._deadlines
+            and self._deadlines[0][0] <= now_s
+            and (limit is None or len(outcomes) < limit)
+        ):
             deadline_s, entry_id = heapq.heappop(self._deadlines)
             entry = self._entries.get(entry_id)
             if entry is None or not entry.in_lane or entry.deadline_s != deadline_s:

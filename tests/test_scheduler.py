@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from laneserve.server import scheduler_thread
 from laneserve.server.clock import CALLER_END_SLACK_S, ManualClock
 from laneserve.server.config import LaneConfig
 from laneserve.server.cost_model import MAX_SIGNATURES, RunTimeModel, RunTimeModels
@@ -3880,3 +3881,64 @@ def test_the_bound_on_the_predicted_finish_holds_and_leaves_admission_unchanged(
     assert harness.seen["bounded"] > 100, harness.seen
     assert harness.seen["admitted"] > 20, harness.seen
     assert harness.seen["DEADLINE_UNMEETABLE"] > 5, harness.seen
+
+
+def test_expired_work_is_answered_a_chunk_at_a_time_earliest_first() -> None:
+    """`shed_expired` with a limit answers at most that many, earliest deadline first;
+    the rest on later calls, none twice, and fewer than the limit means none is left."""
+    scheduler = make_scheduler(TOP_DOWN_LANES, cap=1)
+    for index in range(7):
+        scheduler.admit(make_request(index, "bulk", 1, deadline_s=T0 + 1.0 + index), T0)
+    scheduler.admit(make_request(7, "bulk", 1, deadline_s=T0 + 100.0), T0)
+    now_s = T0 + 50.0
+    chunks = [tokens(scheduler.shed_expired(now_s, 3)) for _ in range(4)]
+    assert chunks == [[0, 1, 2], [3, 4, 5], [6], []]
+    assert scheduler.live_entries == 1
+
+
+def test_a_burst_of_expired_work_lets_the_lock_go_between_chunks_and_never_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Requests that expired together were answered in one pass under the scheduler's
+    lock (16 000 held it ~85 ms, and every admission with it). They are answered a chunk
+    a pass, each chunk delivered before the next is taken (delivery is outside the
+    lock); none of them runs, and the live request behind them runs once they are all
+    answered, whichever thread (the engine's, as its batch ends, or the scheduler's)
+    finds them."""
+    monkeypatch.setattr(scheduler_thread, "SHED_CHUNK", 2)
+    clock = WatchedClock()
+    scheduler = make_scheduler(TOP_DOWN_LANES, cap=1)  # one request per batch
+    ran: list[list[int]] = []
+    running, release, done = threading.Event(), threading.Event(), threading.Event()
+    deliveries: list[list[object]] = []
+
+    def run_batch(batch: Batch, _rows_wanted: RowsWanted) -> BatchResult:
+        ran.append(row_ids(batch))
+        running.set()
+        assert release.wait(10)
+        return run(batch)
+
+    def deliver(outcomes: Sequence[Outcome]) -> None:
+        deliveries.append(tokens(outcomes))
+        if sum(map(len, deliveries)) == 9:
+            done.set()
+
+    thread = SchedulerThread(scheduler, run_batch, deliver, clock=clock)
+    thread.start()
+    try:
+        thread.submit(make_request(1, "standard", 1))
+        assert running.wait(10)
+        for index in range(2, 9):
+            thread.submit(make_request(index, "bulk", 1, deadline_s=T0 + 10.0))
+        thread.submit(make_request(9, "bulk", 1, deadline_s=T0 + 1_000.0))
+        clock.advance(20.0)  # 2-8 expire while request 1 runs
+        release.set()
+        assert done.wait(10)
+    finally:
+        release.set()
+        thread.close()
+    assert ran == [ids(1, 1), ids(9, 1)], "none of the expired ran; the live one did"
+    # Each delivery (request 1's answer came with the first chunk) holds a chunk at most.
+    shed = [[token for token in delivered if token in range(2, 9)] for delivered in deliveries]
+    assert Counter(token for chunk in shed for token in chunk) == Counter(range(2, 9))
+    assert max(map(len, shed)) == 2, deliveries
