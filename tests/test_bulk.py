@@ -499,6 +499,8 @@ def test_a_job_outlasts_a_restart_longer_than_its_retry_attempts(small_model: Pa
             ):
                 results.append(result)
                 if len(results) == first:
+                    # Nothing listens at unused_port(): a refused connection is the point.
+                    # (Picked, then closed: a listener that took it since fails this test.)
                     proxy.retarget(unused_port())  # the address is down
                     await a.server.stop(grace_s=5.0)
                     asyncio.get_running_loop().call_later(1.5, proxy.retarget, b.server.port)
@@ -532,6 +534,8 @@ def test_in_test_mode_the_resume_window_counts_the_skipped_backoff(small_model: 
                 async for result in client.stream(paused_at(first, first + 2, go), job_id="gone"):
                     results.append(result)
                     if len(results) == first:
+                        # Nothing listens at unused_port(): a refused connection is the point.
+                        # (Picked, then closed: a listener that took it since fails this test.)
                         proxy.retarget(unused_port())  # the address is down for good
                         await a.server.stop(grace_s=5.0)
                         go.set()
@@ -1515,6 +1519,8 @@ def test_an_item_is_not_retried_past_its_timeout_ms(small_model: Path) -> None:
 
 def test_unreachable_server_ends_the_job_with_the_connection_error() -> None:
     async def scenario() -> None:
+        # Nothing listens at unused_port(): a refused connection is the point.
+        # (Picked, then closed: a listener that took it since fails this test.)
         port = unused_port()
         async with lc.AsyncClient(f"127.0.0.1:{port}", retry=lc.RetryPolicy(max_attempts=2)) as c:
             with pytest.raises(lc.UnavailableError) as caught:
@@ -1676,10 +1682,38 @@ def test_leaving_a_sync_stream_early_closes_its_source_and_its_thread(small_mode
 # ---- the server: credit window, per-item answers, cancellation --------------------------
 
 
-def test_fast_producer_keeps_the_server_queue_bounded_by_the_window(small_model: Path) -> None:
+def test_fast_producer_keeps_the_server_queue_bounded_by_the_window(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A producer that never waits: the server reads at most `stream_window` requests
-    ahead of its answers, so its queued rows stay within window x rows per request."""
+    ahead of its answers, so its queued rows stay within window x rows per request.
+    Counted at the servicer itself, at every item it takes from gRPC: the stream's items
+    read and not yet answered (it asserted the producer was held back after a 0.1 s
+    look, a timing assertion that held whatever the server read)."""
     window, per_item, items = 8, 4, 1000
+    # At each read of the stream, its items read (that one included) and not answered.
+    ahead: list[int] = []
+    original = InferenceServicer.InferStream
+
+    async def counted(
+        self: InferenceServicer, requests: AsyncIterator[pb.InferRequest], context: Any
+    ) -> AsyncIterator[pb.InferStreamResponse]:
+        read = written = 0
+
+        async def reads() -> AsyncIterator[pb.InferRequest]:
+            nonlocal read
+            async for item in requests:
+                read += 1
+                ahead.append(read - written)
+                yield item
+
+        async for message in original(self, reads(), context):
+            yield message
+            # Written: its credit comes back only after this, as the servicer resumes,
+            # so `read - written` is never below the credits it has out.
+            written += 1
+
+    monkeypatch.setattr(InferenceServicer, "InferStream", counted)
 
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
@@ -1692,15 +1726,16 @@ def test_fast_producer_keeps_the_server_queue_bounded_by_the_window(small_model:
             call = s.stub.InferStream(aiter(producer))
             answers = asyncio.ensure_future(collect(call))
             await asyncio.to_thread(engine.entered.acquire)
-            await until(lambda: queued_rows(s) == (window - 1) * per_item)
-            peak = 0
-            for _ in range(50):  # the producer keeps pushing; the queue does not grow
-                peak = max(peak, queued_rows(s))
-                await asyncio.sleep(0.002)
-            assert peak == (window - 1) * per_item, "one item runs, the rest of the window queues"
-            assert producer.produced < items, "gRPC flow control holds the producer back"
+            # A full window: one item runs, held, and the rest of it queues; nothing is
+            # answered, so no credit has come back and nothing more can be read.
+            await until(lambda: queued_rows(s) >= (window - 1) * per_item)
+            assert ahead == list(range(1, window + 1)), "read up to the window, no further"
+            assert queued_rows(s) == (window - 1) * per_item
             engine.release()
             responses = await answers
+        assert producer.produced == items
+        assert max(ahead) == window, "never more than the window read ahead of its answers"
+        assert len(ahead) == items, "each item read once"
         assert sorted(r.request_id for r in responses) == sorted(f"p{i}" for i in range(items))
         assert all(r.WhichOneof("result") == "response" for r in responses)
         assert sorted(engine.ran_tags) == list(range(items * per_item))

@@ -489,6 +489,8 @@ def test_reused_request_id_with_other_inputs_is_refused(small_model: Path) -> No
 def test_no_server_is_unavailable_error_after_the_capped_attempts() -> None:
     async def scenario() -> None:
         policy = lc.RetryPolicy(max_attempts=3)
+        # Nothing listens at unused_port(): a refused connection is the point.
+        # (Picked, then closed: a listener that took it since fails this test.)
         async with lc.AsyncClient(f"127.0.0.1:{unused_port()}", retry=policy) as client:
             with pytest.raises(lc.UnavailableError) as caught:
                 await client.infer({"input": rows(1)})
@@ -545,6 +547,8 @@ def test_a_stream_that_gives_up_says_how_much_of_its_source_it_read() -> None:
     async def scenario() -> lc.UnavailableError:
         policy = lc.RetryPolicy(max_attempts=2)
         items = ({"input": rows(1)} for _ in range(1000))
+        # Nothing listens at unused_port(): a refused connection is the point.
+        # (Picked, then closed: a listener that took it since fails this test.)
         async with lc.AsyncClient(f"127.0.0.1:{unused_port()}", retry=policy) as client:
             with pytest.raises(lc.UnavailableError) as caught:
                 async for _ in client.stream(items, window=4):
@@ -586,6 +590,8 @@ def test_items_refused_before_sending_are_no_progress_of_a_broken_call() -> None
 
     async def scenario() -> None:
         policy = lc.RetryPolicy(max_attempts=2)
+        # Nothing listens at unused_port(): a refused connection is the point.
+        # (Picked, then closed: a listener that took it since fails this test.)
         target = f"127.0.0.1:{unused_port()}"
         async with lc.AsyncClient(target, retry=policy, interceptors=[CountCalls()]) as client:
             with pytest.raises(lc.UnavailableError):
@@ -1113,60 +1119,94 @@ def test_retries_stop_at_the_cap_reusing_one_request_id(small_model: Path) -> No
     asyncio.run(scenario())
 
 
-def test_retries_stop_before_the_deadline(small_model: Path) -> None:
-    """Real backoff sleeps: a lane that stays full is retried only while the next attempt
-    can still start before the caller's deadline; the call never outlives it."""
-    lc.set_testing(False)
+def test_retries_stop_before_the_deadline(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lane that stays full is retried only while the next attempt can still start
+    before the caller's deadline; then its refusal is raised (not DEADLINE_EXCEEDED), and
+    each attempt's gRPC deadline is what is left of the call's. On the retry loop's clock,
+    which only its waits move (it slept for real against a 0.4 s deadline)."""
+    lc.set_testing(False)  # the waits are faked; they must be asked for the real delays
+    backoff = FakeBackoff(monkeypatch)
+    deadlines: list[float | None] = []
     lanes = (
         LaneConfig("standard", capacity_rows=1, timeout_ms=60_000, max_wait_ms=0, min_share=0),
     )
 
-    async def scenario() -> None:
+    async def scenario() -> tuple[lc.LaneFullError, pb.GetStatsResponse]:
         engine = RecordingEngine(str(small_model))
-        async with serving(engine, config(small_model, lanes=lanes)) as s:
-            policy = lc.RetryPolicy(max_attempts=1000, initial_backoff_s=0.02, max_backoff_s=0.1)
-            async with lc.AsyncClient(s.target, retry=policy) as client:
-                engine.hold()
-                running = asyncio.ensure_future(client.infer({"input": rows(1)}))
-                await asyncio.to_thread(engine.entered.acquire)
-                queued = asyncio.ensure_future(client.infer({"input": rows(1)}))
-                await until(lambda: queued_rows(s) == 1)
-                # A sleep across the deadline would end in DEADLINE_EXCEEDED instead.
-                with pytest.raises(lc.LaneFullError) as caught:
-                    await client.infer({"input": rows(1)}, timeout=0.4)
-                engine.release()
-                await asyncio.gather(running, queued)
-        assert 2 <= caught.value.attempts < 1000
-        assert "the next would start after the deadline" in caught.value.__notes__[0]
+        # Delays of 20, 40, 80, 100, 100 s without jitter: the next, 100 s after 340 s of
+        # waits, would start after the deadline of 400 s. Seconds this long keep every
+        # attempt's real gRPC deadline (60 s at least) far from a slow machine's.
+        policy = lc.RetryPolicy(
+            max_attempts=1000, initial_backoff_s=20.0, max_backoff_s=100.0, jitter=0.0
+        )
+        async with (
+            serving(engine, config(small_model, lanes=lanes)) as s,
+            lc.AsyncClient(s.target, retry=policy, interceptors=[Deadlines(deadlines)]) as client,
+            one_running(engine, client),
+        ):
+            queued = asyncio.ensure_future(client.infer({"input": rows(1)}))
+            await until(lambda: queued_rows(s) == 1)
+            deadlines.clear()
+            with pytest.raises(lc.LaneFullError) as caught:
+                await client.infer({"input": rows(1)}, timeout=400.0)
+            stats = await client.stats()
+            engine.release()
+            await queued
+        return caught.value, stats
 
-    asyncio.run(scenario())
+    error, stats = asyncio.run(scenario())
+    assert backoff.waits_s == [20.0, 40.0, 80.0, 100.0, 100.0]
+    assert error.attempts == 6
+    assert stats.lanes[0].rejected["LANE_FULL"] == 6, "every attempt reached the server"
+    assert deadlines[:6] == [pytest.approx(left) for left in (400, 380, 340, 260, 160, 60)]
+    assert error.__notes__ == [
+        (
+            f"Infer {error.request_id!r}: gave up after 6 attempt(s): the next would start "
+            "after the deadline (in 100000 ms)"
+        )
+    ]
 
 
-def test_retry_succeeds_once_the_lane_has_room(small_model: Path) -> None:
-    lc.set_testing(False)
+def test_retry_succeeds_once_the_lane_has_room(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused LANE_FULL twice; the lane has room when the second wait ends: the third
+    attempt runs, once. (The waits are held by hand: it slept for real until the server
+    had counted two refusals.)"""
+    lc.set_testing(False)  # the waits are faked; they must be asked for the real delays
+    backoff = FakeBackoff(monkeypatch, held_at=2)
     lanes = (
         LaneConfig("standard", capacity_rows=1, timeout_ms=60_000, max_wait_ms=0, min_share=0),
     )
 
-    async def scenario() -> None:
+    async def scenario() -> tuple[dict[str, npt.NDArray[Any]], int, list[int]]:
         engine = RecordingEngine(str(small_model))
-        async with serving(engine, config(small_model, lanes=lanes)) as s:
-            policy = lc.RetryPolicy(max_attempts=100, initial_backoff_s=0.005, max_backoff_s=0.02)
-            async with lc.AsyncClient(s.target, retry=policy) as client:
-                engine.hold()
-                running = asyncio.ensure_future(client.infer({"input": rows(1)}))
-                await asyncio.to_thread(engine.entered.acquire)
-                queued = asyncio.ensure_future(client.infer({"input": rows(1)}))
-                await until(lambda: queued_rows(s) == 1)
-                retrying = asyncio.ensure_future(client.infer({"input": rows(1, start=7)}))
-                await until_async(lambda: rejected(client), lambda count: count >= 2)
-                engine.release()
-                outputs = await retrying
-                await asyncio.gather(running, queued)
-        assert outputs["output"].shape == (1, 10)
-        assert engine.ran_tags.count(7) == 1
+        policy = lc.RetryPolicy(max_attempts=100, initial_backoff_s=0.005, max_backoff_s=0.02)
+        async with (
+            serving(engine, config(small_model, lanes=lanes)) as s,
+            lc.AsyncClient(s.target, retry=policy) as client,
+        ):
+            engine.hold()
+            running = asyncio.ensure_future(client.infer({"input": rows(1)}))
+            await asyncio.to_thread(engine.entered.acquire)
+            queued = asyncio.ensure_future(client.infer({"input": rows(1)}))
+            await until(lambda: queued_rows(s) == 1)
+            retrying = asyncio.ensure_future(client.infer({"input": rows(1, start=7)}))
+            await until(lambda: len(backoff.waits_s) == 2)  # refused twice, waiting
+            refused = await rejected(client)
+            engine.release()
+            await asyncio.gather(running, queued)  # the lane is empty again
+            backoff.go.set()
+            outputs = await retrying
+        return outputs, refused, engine.ran_tags
 
-    asyncio.run(scenario())
+    outputs, refused, ran_tags = asyncio.run(scenario())
+    assert refused == 2
+    assert len(backoff.waits_s) == 2, "the third attempt was answered"
+    assert outputs["output"].shape == (1, 10)
+    assert ran_tags.count(7) == 1
 
 
 def test_backoff_grows_exponentially_within_its_jitter_and_cap() -> None:
@@ -1215,6 +1255,8 @@ def test_testing_switch_caps_attempts_without_sleeping() -> None:
 
     async def scenario() -> None:
         slow = lc.RetryPolicy(max_attempts=10, initial_backoff_s=60.0)
+        # Nothing listens at unused_port(): a refused connection is the point.
+        # (Picked, then closed: a listener that took it since fails this test.)
         async with lc.AsyncClient(f"127.0.0.1:{unused_port()}", retry=slow) as client:
             with pytest.raises(lc.UnavailableError) as caught:
                 await asyncio.wait_for(client.infer({"input": rows(1)}), timeout=30)
@@ -1466,6 +1508,47 @@ class Recorder(grpc.aio.UnaryUnaryClientInterceptor):
         return await continuation(client_call_details, request)
 
 
+class Deadlines(grpc.aio.UnaryUnaryClientInterceptor):
+    """Records each attempt's gRPC deadline (its timeout in seconds; None: none)."""
+
+    def __init__(self, seen: list[float | None]) -> None:
+        self.seen = seen
+
+    async def intercept_unary_unary(
+        self,
+        continuation: Callable[[Any, Any], Awaitable[Any]],
+        client_call_details: grpc.aio.ClientCallDetails,
+        request: Any,
+    ) -> Any:
+        self.seen.append(client_call_details.timeout)
+        return await continuation(client_call_details, request)
+
+
+class FakeBackoff:
+    """The unary retry loop's clock and its waits before a retry, by hand: its time moves
+    only by those waits, each exactly as long as asked, and wait number `held_at`
+    (1-based) lasts until `go` is set. The client offers no clock to inject, so its retry
+    module's `time` and `closed_within` are replaced; test mode must be off (it asks for
+    waits of 0)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, held_at: int | None = None) -> None:
+        self.now_s = 1000.0
+        self.waits_s: list[float] = []
+        self.held_at = held_at
+        self.go = asyncio.Event()
+        clock = types.SimpleNamespace(monotonic=lambda: self.now_s)
+        monkeypatch.setattr("laneserve.client._retry.time", clock)
+        monkeypatch.setattr("laneserve.client._retry.closed_within", self.wait)
+
+    async def wait(self, _closed: asyncio.Event | None, delay_s: float) -> bool:
+        """`closed_within`: False, the client still open."""
+        self.waits_s.append(delay_s)
+        if len(self.waits_s) == self.held_at:
+            await self.go.wait()
+        self.now_s += delay_s
+        return False
+
+
 def packed(message: error_details_pb2.ErrorInfo | error_details_pb2.RetryInfo) -> any_pb2.Any:
     result = any_pb2.Any()
     result.Pack(message)
@@ -1484,16 +1567,6 @@ async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         if time.monotonic() > give_up:
             raise AssertionError("condition not reached")
         await asyncio.sleep(0.002)
-
-
-async def until_async(
-    value: Callable[[], Awaitable[int]], condition: Callable[[int], bool], timeout_s: float = 10.0
-) -> None:
-    give_up = time.monotonic() + timeout_s
-    while not condition(await value()):
-        if time.monotonic() > give_up:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.005)
 
 
 def test_every_server_reason_has_a_client_error_class() -> None:

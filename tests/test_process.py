@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import re
 import select
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from laneserve.server.process import GC_THRESHOLDS, GIL_SWITCH_INTERVAL_S, tune_for_serving
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
-from tests.support import SERVE, START_TIMEOUT_S, output, request, rows, unused_port
+from tests.support import SERVE, START_TIMEOUT_S, output, request, rows
 
 
 def test_tune_for_serving_sets_switch_interval_and_freezes_the_start_up_heap() -> None:
@@ -53,24 +54,20 @@ def test_a_stderr_nobody_reads_does_not_stop_the_server(small_model: Path, tmp_p
         '[server]\ndefault_lane = "interactive"\n\n[[lanes]]\nname = "interactive"\n'
         "capacity_rows = 2\ntimeout_ms = 2000\nmax_wait_ms = 1\nmin_share = 0.0\n"
     )
-    port = unused_port()
     read_end, write_end = os.pipe()
     process = subprocess.Popen(
-        [*SERVE, "--model", str(small_model), "--config", str(config), "--port", str(port)],
+        [*SERVE, "--model", str(small_model), "--config", str(config), "--port", "0"],
         stdout=subprocess.DEVNULL,
         stderr=write_end,
     )
     chunks: list[bytes] = []
     reader = threading.Thread(target=_read_to_the_end, args=(read_end, chunks), daemon=True)
     try:
+        port = _serving_port(read_end, process)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             # The health stubs' types lack the RPC attributes; the call itself is plain.
             health: Any = health_pb2_grpc.HealthStub(channel)
-            until_s = time.monotonic() + START_TIMEOUT_S
-            while not _serving(health):
-                assert process.poll() is None, _written_so_far(read_end)
-                assert time.monotonic() < until_s, "the server did not start serving"
-                time.sleep(0.1)
+            assert _serving(health, timeout_s=STUCK_CALL_TIMEOUT_S), "logged as serving"
             _fill_pipe(write_end)
             os.close(write_end)  # the server's copy is the pipe's only writer now
             write_end = -1
@@ -125,10 +122,21 @@ def _fill_pipe(write_end: int) -> None:
         os.close(filler)
 
 
-def _written_so_far(read_end: int) -> str:
-    """What the pipe holds, without waiting (the test holds a write end: no end of file)."""
-    readable, _, _ = select.select([read_end], [], [], 0)
-    return os.read(read_end, 65536).decode() if readable else ""
+def _serving_port(read_end: int, process: subprocess.Popen[bytes]) -> int:
+    """The port of the server's `serving ... on 127.0.0.1:PORT` line (logged once its
+    health says SERVING), read from its stderr pipe: it binds port 0, so no other process
+    can take its port between a pick and its bind. The test holds a write end of the
+    pipe, so an exited server gives no end of file: each read waits a little, then
+    checks that the server still runs."""
+    written = b""
+    until_s = time.monotonic() + START_TIMEOUT_S
+    while (serving := re.search(rb"serving .* on 127\.0\.0\.1:(\d+)", written)) is None:
+        assert process.poll() is None, f"the server exited:\n{written.decode()}"
+        assert time.monotonic() < until_s, f"the server did not start serving:\n{written.decode()}"
+        readable, _, _ = select.select([read_end], [], [], 0.1)
+        if readable:
+            written += os.read(read_end, 65536)
+    return int(serving.group(1))
 
 
 def _read_to_the_end(fd: int, chunks: list[bytes]) -> None:

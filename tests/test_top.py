@@ -21,12 +21,12 @@ from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
     CLIENT_CLI_TIMEOUT_S,
     RecordingEngine,
+    TcpProxy,
     estimate_once,
     request,
     rows,
     serving,
     until,
-    unused_port,
 )
 
 GIB = 1 << 30
@@ -197,24 +197,31 @@ def test_top_shows_the_model_of_the_server_that_answers_after_a_restart(
     other_model = tmp_path / "other.onnx"
     make_demo_model(other_model, hidden_dim=16, hidden_layers=1)
 
-    def server(model: Path, port: int) -> LaneServer:
-        settings = ServerConfig(model_path=str(model), host="127.0.0.1", port=port, metrics_port=-1)
+    def server(model: Path) -> LaneServer:
+        settings = ServerConfig(model_path=str(model), host="127.0.0.1", port=0, metrics_port=-1)
         return LaneServer(RecordingEngine(str(model)), settings, estimate=estimate_once)
 
     async def scenario() -> list[str]:
-        port = unused_port()
-        first = server(small_model, port)
-        await first.start()
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            poller = Poller(pb_grpc.InferenceServiceStub(channel), f"127.0.0.1:{port}", 10.0)
-            frames = [await asyncio.to_thread(poller.frame)]
-            await first.stop(grace_s=0.0)
-            second = server(other_model, port)
-            await second.start()
-            try:
-                frames.append(await asyncio.to_thread(poller.frame))
-            finally:
-                await second.stop(grace_s=0.0)
+        # One address, a relay's, in front of both servers (each on a port of its own,
+        # bound as 0): a restart at the same address with no port picked, closed and
+        # bound again later, which another process could take in between.
+        first = server(small_model)
+        proxy = TcpProxy(await first.start())
+        target = await proxy.start()
+        try:
+            with grpc.insecure_channel(target) as channel:
+                poller = Poller(pb_grpc.InferenceServiceStub(channel), target, 10.0)
+                frames = [await asyncio.to_thread(poller.frame)]
+                second = server(other_model)
+                proxy.retarget(await second.start())
+                try:
+                    await first.stop(grace_s=0.0)
+                    proxy.sever()  # the first server's connections end with it
+                    frames.append(await asyncio.to_thread(poller.frame))
+                finally:
+                    await second.stop(grace_s=0.0)
+        finally:
+            await proxy.close()
         return frames
 
     before, after = asyncio.run(scenario())
