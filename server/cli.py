@@ -29,6 +29,10 @@ from laneserve.server.top import add_arguments as add_top_arguments
 from laneserve.server.top import run as run_top
 
 log = logging.getLogger("laneserve")
+# The signals that stop `serve` (a drain once it serves). SIGHUP too: its terminal or
+# ssh session closed, or a supervisor's stop; its default killed the process at once,
+# queued work unanswered.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -229,8 +233,11 @@ async def _serve(config: ServerConfig) -> tuple[int, bool]:
             )
             server.end_grace()
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
+    # Not SIGHUP where it was ignored at start: under `nohup` the server is to outlive
+    # its terminal.
+    for signum in _STOP_SIGNALS:
+        if signum != signal.SIGHUP or signal.getsignal(signum) != signal.SIG_IGN:
+            loop.add_signal_handler(signum, on_signal, signum)
     # In milliseconds, not after the model has loaded (minutes, for a large one):
     check_ports_free(config)
     server_credentials(config)  # the TLS files read and checked; read again to serve

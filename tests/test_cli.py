@@ -618,9 +618,10 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
-def _held_in_load(model: Path, *flags: str) -> subprocess.Popen[str]:
+def _held_in_load(model: Path, *flags: str, prelude: str = "") -> subprocess.Popen[str]:
+    script = prelude + HELD_IN_LOAD
     return subprocess.Popen(
-        [sys.executable, "-c", HELD_IN_LOAD, "serve", "--model", str(model), "--port", "0", *flags],
+        [sys.executable, "-c", script, "serve", "--model", str(model), "--port", "0", *flags],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -685,6 +686,73 @@ def test_a_second_signal_while_the_model_loads_exits_at_once(small_model: Path) 
         finally:
             if process.poll() is None:
                 process.kill()
+
+
+# `laneserve serve` run as `python -m` runs it, with SIGHUP's disposition set first (as a
+# terminal's session or `nohup` leaves it): the test's own is whatever its runner's was.
+def _serve_with_sighup(disposition: str) -> list[str]:
+    return [
+        sys.executable,
+        "-c",
+        (
+            f"import runpy, signal; signal.signal(signal.SIGHUP, signal.{disposition}); "
+            "runpy.run_module('laneserve.server.cli', run_name='__main__', alter_sys=True)"
+        ),
+        *SERVE[3:],
+    ]
+
+
+def test_a_sighup_drains_like_sigterm(small_model: Path) -> None:
+    """A closed terminal or ssh session sends SIGHUP: its default action killed the server
+    at once, queued work unanswered, with no drain."""
+    server = ServerProcess(
+        ["--model", str(small_model), "--port", "0"], command=_serve_with_sighup("SIG_DFL")
+    )
+    try:
+        server.port()
+        server.process.send_signal(signal.SIGHUP)
+        server.wait_for(r"SIGHUP: draining")
+        server.wait_for(r"stopped")
+        assert server.process.wait(timeout=30) == 0
+    finally:
+        server.close()
+
+
+def test_a_sighup_ignored_at_start_stays_ignored(small_model: Path) -> None:
+    """Under `nohup` (SIGHUP ignored) the operator asked for the server to outlive its
+    terminal: a hangup neither kills nor drains it."""
+    server = ServerProcess(
+        ["--model", str(small_model), "--port", "0"], command=_serve_with_sighup("SIG_IGN")
+    )
+    try:
+        port = server.port()
+        server.process.send_signal(signal.SIGHUP)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            answer = pb_grpc.InferenceServiceStub(channel).Infer(request(rows(2)), timeout=30)
+            assert output(answer).shape == (2, 10)
+        server.process.send_signal(signal.SIGTERM)
+        server.wait_for(r"SIGTERM: draining")
+        assert server.process.wait(timeout=30) == 0
+    finally:
+        server.close()
+    assert not any("SIGHUP" in line for line in server.log)
+
+
+def test_a_sighup_while_the_model_loads_stops_it_without_serving(small_model: Path) -> None:
+    # SIGHUP's default first: a test run under `nohup` passes it on ignored (and ignored,
+    # it stays so: the test above).
+    prelude = "import signal; signal.signal(signal.SIGHUP, signal.SIG_DFL)\n"
+    with _held_in_load(small_model, prelude=prelude) as process:
+        try:
+            _until_line(process, "loading")
+            process.send_signal(signal.SIGHUP)
+            _until_line(process, "SIGHUP while starting")
+            stderr = _released(process)
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert "stopped before serving" in stderr
+    assert f"serving {small_model}" not in stderr
 
 
 def _parsers_within(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:

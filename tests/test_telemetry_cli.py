@@ -150,6 +150,12 @@ def test_a_tracing_number_that_cannot_be_read_is_refused_by_name_before_the_mode
     missing = tmp_path / "absent.onnx"
     cases = [
         ({"OTEL_SPAN_LINK_COUNT_LIMIT": "x"}, "OTEL_SPAN_LINK_COUNT_LIMIT must be a non-neg"),
+        # The SDK reads this one as it is imported too: a ValueError out of the import.
+        (
+            {"OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "x"},
+            "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT must be a non-negative integer but got x",
+        ),
+        ({"OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "-1"}, "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT must be"),
         ({"OTEL_BSP_SCHEDULE_DELAY": "0"}, "schedule_delay_millis must be positive"),
         ({"OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4096"}, "max_export_batch_size must be less"),
         (
@@ -195,3 +201,17 @@ def test_a_tracing_number_that_cannot_be_read_is_refused_by_name_before_the_mode
         (failed,) = [json.loads(line) for line in done.stderr.splitlines()]  # one, JSON
         assert failed["event"] == "startup_failed"
         assert expected in failed["message"]
+
+
+def test_a_span_limit_that_cannot_be_read_leaves_commands_without_tracing_alone() -> None:
+    """The SDK reads OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT as it is imported, and laneserve's
+    modules import it: a value that was not an integer failed every command, `--help`
+    and `top` too, with the SDK's traceback. Like every span limit, it matters to traces
+    alone (refused when they are on, see above)."""
+    done = run_text(
+        [sys.executable, "-m", "laneserve.server.cli", "--help"],
+        timeout_s=TIMEOUT_S,
+        env=otel_env(OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT="x"),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr

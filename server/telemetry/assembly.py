@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 
@@ -10,7 +11,21 @@ import grpc
 import prometheus_client
 from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
-from opentelemetry.sdk.trace import TracerProvider
+
+# The tracing SDK reads OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT as it is imported, into a constant
+# it keeps for backward compatibility and never reads, and a value it cannot take failed
+# the import: every `laneserve` command, `--help` too, ended in its traceback. It is
+# imported without the variable; the limit that applies is read where every span limit
+# is, as a tracer provider is built, and refused there as a start-up error when tracing
+# is on (`tracer_provider_from_env`). This must stay the process's first import of
+# opentelemetry.sdk.trace (the package's __init__ imports this module first; the modules
+# below import it too).
+try:
+    _SPAN_ATTRIBUTE_COUNT_LIMIT = os.environ.pop("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", None)
+    from opentelemetry.sdk.trace import TracerProvider
+finally:
+    if _SPAN_ATTRIBUTE_COUNT_LIMIT is not None:
+        os.environ["OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT"] = _SPAN_ATTRIBUTE_COUNT_LIMIT
 
 from laneserve.server.config import LaneConfig, ServerConfig
 from laneserve.server.events import SchedulerEvents

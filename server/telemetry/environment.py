@@ -93,8 +93,8 @@ def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> Tracer
     # The exporters read their settings (OTEL_EXPORTER_*) as they are built; span limits
     # (OTEL_SPAN_*_LIMIT, ...), the sampler (OTEL_TRACES_SAMPLER[_ARG]) and batch settings
     # (OTEL_BSP_*) are read by the provider and processors. A ValueError names the
-    # variable, or the setting; what is only warned of comes in `complaints`. (Not
-    # OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT: the SDK reads it as it is imported, see README.)
+    # variable, or the setting; what is only warned of comes in `complaints`. (The SDK
+    # reads OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT as it is imported too: see assembly.py.)
     with _sdk_complaints() as complaints:
         exporters = [_load_exporter(name, environ) for name in names]
         try:
