@@ -1102,19 +1102,20 @@ class Scheduler:
     # ---- shedding ----------------------------------------------------------------
 
     def shed_expired(self, now_s: float, limit: int | None = None) -> list[Outcome]:
-        """Answers the queued entries whose deadline has passed, at most `limit` of them
-        (None: every one), earliest deadline first; they never run. Fewer than `limit`
-        answers: none is left. Work is not dispatched while some are left (it could take
-        them).
+        """Answers the queued entries whose deadline has passed, earliest deadline first;
+        they never run. Takes at most `limit` deadlines off the heap (None: all that are
+        due), answered or stale (their entries answered, running or moved): `expired_left`
+        says whether some are left, and work is not dispatched while they are (it could
+        take them).
 
         An entry whose rows are all in a running batch is left to finish: it is running.
         """
         outcomes: list[Outcome] = []
+        taken = 0
         while (
-            self._deadlines
-            and self._deadlines[0][0] <= now_s
-            and (limit is None or len(outcomes) < limit)
+            self._deadlines and self._deadlines[0][0] <= now_s and (limit is None or taken < limit)
         ):
+            taken += 1
             deadline_s, entry_id = heapq.heappop(self._deadlines)
             entry = self._entries.get(entry_id)
             if entry is None or not entry.in_lane or entry.deadline_s != deadline_s:
@@ -1141,14 +1142,27 @@ class Scheduler:
             )
         return outcomes
 
-    def next_deadline_s(self) -> float | None:
-        """The earliest deadline of a queued entry, when `shed_expired` has work."""
+    def expired_left(self, now_s: float) -> bool:
+        """Whether deadlines that have passed are still on the heap (`shed_expired` left
+        them, at its limit): some may be of queued entries."""
+        return bool(self._deadlines) and self._deadlines[0][0] <= now_s
+
+    def next_deadline_s(self, limit: int | None = None) -> float | None:
+        """The earliest deadline of a queued entry, when `shed_expired` has work. Stale
+        deadlines before it are dropped, at most `limit` of them (None: all): past that,
+        the earliest left, stale or not (a wake-up too early drops more then). Stale ones
+        pile up from cancelled and finished work until an admission compacts the heap:
+        16 000 were dropped in one call, under the scheduler's lock."""
+        dropped = 0
         while self._deadlines:
             deadline_s, entry_id = self._deadlines[0]
             entry = self._entries.get(entry_id)
             if entry is not None and entry.in_lane and entry.deadline_s == deadline_s:
                 return deadline_s
+            if limit is not None and dropped >= limit:
+                return deadline_s
             heapq.heappop(self._deadlines)
+            dropped += 1
         return None
 
     # ---- batch formation -----------------------------------------------------------

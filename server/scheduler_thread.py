@@ -42,10 +42,11 @@ MEMORY_SAMPLE_PERIOD_S = 0.05
 # back what its arena keeps at most this often (see `_give_back_memory`).
 MEMORY_RELEASE_PERIOD_S = 1.0
 Deliver = Callable[[Sequence[Outcome]], None]
-# Expired requests answered a pass under the lock, at most: 16 000 that expired together
-# (a burst of bulk requests with one deadline) held it ~85 ms in one pass, and every
-# admission on the event loop with it. Between passes the lock is let go and the
-# answers go out.
+# Deadlines taken off the scheduler's heap a pass under the lock, at most (expired
+# requests answered, and stale deadlines of work answered, running or moved): 16 000
+# requests that expired together (a burst of bulk work with one deadline) held it ~85 ms
+# in one pass, and every admission on the event loop with it; 16 000 stale deadlines,
+# ~10 ms. Between passes the lock is let go and the answers go out.
 SHED_CHUNK = 512
 
 
@@ -122,7 +123,7 @@ class SchedulerThread:
             # While a batch runs the scheduler has nothing to decide about new work, so
             # it is woken only if this entry's deadline comes before its next wake-up:
             # under load, submissions do not each wake a thread.
-            deadline_s = self._scheduler.next_deadline_s()
+            deadline_s = self._scheduler.next_deadline_s(SHED_CHUNK)
             if not self._busy or (deadline_s is not None and deadline_s < self._wake_at_s):
                 self._cond.notify_all()
             return entry_id
@@ -297,9 +298,8 @@ class SchedulerThread:
                 if used_bytes is not None:
                     scheduler.update_memory(used_bytes)
                 now_s = self._clock.monotonic()  # a reading takes time: shed with the time after
-        shed = scheduler.shed_expired(now_s, SHED_CHUNK)
-        outcomes += shed
-        if len(shed) == SHED_CHUNK:
+        outcomes += scheduler.shed_expired(now_s, SHED_CHUNK)
+        if scheduler.expired_left(now_s):
             return 0.0  # more may be due: answered first, the lock let go, then the rest
         timeout_s: float | None = None
         if not self._busy and not self._closing:
@@ -315,7 +315,7 @@ class SchedulerThread:
                 if timeout_s is None
                 else min(timeout_s, MEMORY_SAMPLE_PERIOD_S)
             )
-        next_deadline_s = scheduler.next_deadline_s()
+        next_deadline_s = scheduler.next_deadline_s(SHED_CHUNK)
         if next_deadline_s is not None:
             until_deadline_s = next_deadline_s - now_s
             timeout_s = until_deadline_s if timeout_s is None else min(timeout_s, until_deadline_s)
@@ -395,10 +395,9 @@ class SchedulerThread:
             # must not become the next batch, and the scheduler thread, asleep until that
             # deadline, may not have woken yet.
             now_s = self._clock.monotonic()
-            shed = self._scheduler.shed_expired(now_s, SHED_CHUNK)
-            outcomes += shed
+            outcomes += self._scheduler.shed_expired(now_s, SHED_CHUNK)
             self._busy = False
-            if len(shed) == SHED_CHUNK:
+            if self._scheduler.expired_left(now_s):
                 # More may be due: the scheduler thread sheds the rest, a chunk a pass,
                 # and decides after them (a batch must not take them).
                 self._cond.notify_all()

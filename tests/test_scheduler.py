@@ -3885,15 +3885,44 @@ def test_the_bound_on_the_predicted_finish_holds_and_leaves_admission_unchanged(
 
 def test_expired_work_is_answered_a_chunk_at_a_time_earliest_first() -> None:
     """`shed_expired` with a limit answers at most that many, earliest deadline first;
-    the rest on later calls, none twice, and fewer than the limit means none is left."""
+    the rest on later calls, none twice, and `expired_left` says when none is left."""
     scheduler = make_scheduler(TOP_DOWN_LANES, cap=1)
     for index in range(7):
         scheduler.admit(make_request(index, "bulk", 1, deadline_s=T0 + 1.0 + index), T0)
     scheduler.admit(make_request(7, "bulk", 1, deadline_s=T0 + 100.0), T0)
     now_s = T0 + 50.0
-    chunks = [tokens(scheduler.shed_expired(now_s, 3)) for _ in range(4)]
-    assert chunks == [[0, 1, 2], [3, 4, 5], [6], []]
+    chunks = []
+    while scheduler.expired_left(now_s):
+        chunks.append(tokens(scheduler.shed_expired(now_s, 3)))
+    assert chunks == [[0, 1, 2], [3, 4, 5], [6]]
     assert scheduler.live_entries == 1
+
+
+def test_stale_deadlines_are_dropped_a_chunk_at_a_time_too() -> None:
+    """Deadlines of work answered or cancelled stay on the heap until an admission
+    compacts it: after a burst of cancels, one `shed_expired` or `next_deadline_s` dropped them
+    all under the lock (16 000: ~10 ms). Each drops at most its limit; the deadline
+    `next_deadline_s` gives at its limit is no later than the live one's (a wake-up too
+    early drops more then)."""
+    scheduler = make_scheduler(TOP_DOWN_LANES, cap=1)
+    gone = [
+        scheduler.admit(make_request(index, "bulk", 1, deadline_s=T0 + 1.0), T0)
+        for index in range(200)
+    ]
+    scheduler.admit(make_request(200, "bulk", 1, deadline_s=T0 + 1.0), T0)
+    scheduler.admit(make_request(201, "bulk", 1, deadline_s=T0 + 5.0), T0)
+    for entry_id in gone:
+        scheduler.cancel(entry_id, T0 + 0.5)
+    before = len(scheduler._deadlines)
+    assert scheduler.next_deadline_s(20) == T0 + 1.0
+    assert before - len(scheduler._deadlines) == 20
+    now_s = T0 + 2.0
+    passes = []
+    while scheduler.expired_left(now_s):
+        passes.append(tokens(scheduler.shed_expired(now_s, 20)))
+    assert len(passes) == 10, "181 deadlines left to take, 20 a pass"
+    assert [token for taken in passes for token in taken] == [200]
+    assert scheduler.next_deadline_s(20) == T0 + 5.0
 
 
 def test_a_burst_of_expired_work_lets_the_lock_go_between_chunks_and_never_runs(
