@@ -188,17 +188,21 @@ class ParallelAcceptors:
 # caller's deadline decided it (see `Caller.reachable`).
 _UNSENT_ANSWER = "ExecuteBatchError raised in core by servicer method"
 _GRPC_CORE_LOGGER = "grpc._cython.cygrpc"
+_OUR_METHODS = "/laneserve.v1."
 
 
 class _AnswersToEndedCalls(logging.Filter):
-    """Drops gRPC's ERROR for an answer to a call that had ended (see _UNSENT_ANSWER)."""
+    """Drops gRPC's ERROR for an answer of laneserve's service to a call that had ended
+    (see _UNSENT_ANSWER); another service's (an embedding application's) is its own."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
+        method = record.args[0] if isinstance(record.args, tuple) and record.args else ""
         return not (
             type(error).__name__ == "ExecuteBatchError"
             and isinstance(record.msg, str)
             and record.msg.startswith(_UNSENT_ANSWER)
+            and str(method).startswith(_OUR_METHODS)
         )
 
 
