@@ -466,15 +466,16 @@ class BulkStream:
         if left_ms > 0:
             item.message.timeout_ms = left_ms
             return True
-        error = DeadlineExceededError(
-            f"bulk stream item {item.index}: its timeout_ms ({timeout_ms} ms from its "
-            f"first send) passed before it could be sent again (sent {item.attempts} "
-            "time(s) for an answer, then the call broke or a retry waited)",
-            code=grpc.StatusCode.DEADLINE_EXCEEDED,
-            request_id=item.request_id,
+        self._finish(
+            item,
+            None,
+            _timed_out(
+                item,
+                f"its timeout_ms ({timeout_ms} ms from its first send) passed before it "
+                f"could be sent again (sent {item.attempts} time(s) for an answer, then the "
+                "call broke or a retry waited)",
+            ),
         )
-        error.attempts = item.attempts
-        self._finish(item, None, error)
         return False
 
     async def _set_limits(self, policy: RetryPolicy) -> None:
@@ -736,14 +737,12 @@ class BulkStream:
         item.expiry = None
         if self._items.get(item.request_id) is not item:
             return
-        error = DeadlineExceededError(
-            f"bulk stream item {item.index}: no answer within its timeout_ms "
-            f"({self._options.timeout_ms} ms from its first send; sent {item.attempts} "
-            "time(s) for an answer); a later answer from the server is dropped",
-            code=grpc.StatusCode.DEADLINE_EXCEEDED,
-            request_id=item.request_id,
+        error = _timed_out(
+            item,
+            f"no answer within its timeout_ms ({self._options.timeout_ms} ms from its first "
+            f"send; sent {item.attempts} time(s) for an answer); a later answer from the "
+            "server is dropped",
         )
-        error.attempts = item.attempts
         if item.state is _State.QUEUED:  # waiting to be sent again: it never will be
             self._to_send.remove(item)
         self._finish(item, None, error, in_flight=item.state is _State.SENT)
@@ -855,6 +854,17 @@ async def _anext(source: AsyncIterator[StreamItem]) -> StreamItem | object:
 
 
 _SOURCE_END: Final = object()
+
+
+def _timed_out(item: _Item, why: str) -> DeadlineExceededError:
+    """Item `item`'s answer once its timeout_ms has passed (`why`), its attempts counted."""
+    error = DeadlineExceededError(
+        f"bulk stream item {item.index}: {why}",
+        code=grpc.StatusCode.DEADLINE_EXCEEDED,
+        request_id=item.request_id,
+    )
+    error.attempts = item.attempts
+    return error
 
 
 def _call_error(error: grpc.RpcError) -> LaneserveError:

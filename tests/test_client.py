@@ -1143,7 +1143,9 @@ def test_retries_stop_before_the_deadline(
         )
         async with (
             serving(engine, config(small_model, lanes=lanes)) as s,
-            lc.AsyncClient(s.target, retry=policy, interceptors=[Deadlines(deadlines)]) as client,
+            lc.AsyncClient(
+                s.target, retry=policy, interceptors=[Recorder([], timeouts=deadlines)]
+            ) as client,
             one_running(engine, client),
         ):
             queued = asyncio.ensure_future(client.infer({"input": rows(1)}))
@@ -1483,15 +1485,18 @@ def one_lane(*, capacity_rows: int, timeout_ms: int = 60_000) -> tuple[LaneConfi
 
 
 class Recorder(grpc.aio.UnaryUnaryClientInterceptor):
-    """Records each attempt's method and metadata (and request_id, when given a list)."""
+    """Records each attempt's method and metadata (and request_id, when given a list; its
+    gRPC timeout in seconds, None for none, when given `timeouts`)."""
 
     def __init__(
         self,
         seen: list[tuple[str, tuple[tuple[str, str], ...]]],
         ids: list[str] | None = None,
+        timeouts: list[float | None] | None = None,
     ) -> None:
         self.seen = seen
         self.ids = ids
+        self.timeouts = timeouts
 
     async def intercept_unary_unary(
         self,
@@ -1505,22 +1510,8 @@ class Recorder(grpc.aio.UnaryUnaryClientInterceptor):
         self.seen.append((name, metadata))
         if self.ids is not None and isinstance(request, pb.InferRequest):
             self.ids.append(request.request_id)
-        return await continuation(client_call_details, request)
-
-
-class Deadlines(grpc.aio.UnaryUnaryClientInterceptor):
-    """Records each attempt's gRPC deadline (its timeout in seconds; None: none)."""
-
-    def __init__(self, seen: list[float | None]) -> None:
-        self.seen = seen
-
-    async def intercept_unary_unary(
-        self,
-        continuation: Callable[[Any, Any], Awaitable[Any]],
-        client_call_details: grpc.aio.ClientCallDetails,
-        request: Any,
-    ) -> Any:
-        self.seen.append(client_call_details.timeout)
+        if self.timeouts is not None:
+            self.timeouts.append(client_call_details.timeout)
         return await continuation(client_call_details, request)
 
 
