@@ -3133,28 +3133,38 @@ class WatchedClock(ManualClock):
         return super().monotonic()
 
 
+class HeldRuns:
+    """A stand-in engine whose runs record their rows (`ran`), say they started
+    (`running`) and wait for `release`."""
+
+    def __init__(self) -> None:
+        self.ran: list[list[int]] = []
+        self.running = threading.Event()
+        self.release = threading.Event()
+
+    def run_batch(self, batch: Batch, _rows_wanted: RowsWanted) -> BatchResult:
+        self.ran.append(row_ids(batch))
+        self.running.set()
+        assert self.release.wait(10)
+        return run(batch)
+
+
 def test_work_that_expired_while_a_batch_ran_is_shed_not_taken_as_the_next_batch() -> None:
     """When a batch finishes the engine thread takes the next one itself. A request whose
     deadline passed during the run is answered EXPIRED_IN_QUEUE and never runs, though
     the scheduler thread, asleep until that deadline on the real clock, has not woken."""
     clock = WatchedClock()
     scheduler = make_scheduler(TOP_DOWN_LANES, cap=1)  # one request per batch
-    ran: list[list[int]] = []
-    running, release, done = threading.Event(), threading.Event(), threading.Event()
+    held = HeldRuns()
+    ran, running, release, done = held.ran, held.running, held.release, threading.Event()
     answers: list[Outcome] = []
-
-    def run_batch(batch: Batch, _rows_wanted: RowsWanted) -> BatchResult:
-        ran.append(row_ids(batch))
-        running.set()
-        assert release.wait(10)
-        return run(batch)
 
     def deliver(outcomes: Sequence[Outcome]) -> None:
         answers.extend(outcomes)
         if len(answers) == 2:
             done.set()
 
-    thread = SchedulerThread(scheduler, run_batch, deliver, clock=clock)
+    thread = SchedulerThread(scheduler, held.run_batch, deliver, clock=clock)
     thread.start()
     try:
         thread.submit(make_request(1, "standard", 1))
@@ -3937,22 +3947,16 @@ def test_a_burst_of_expired_work_lets_the_lock_go_between_chunks_and_never_runs(
     monkeypatch.setattr(scheduler_thread, "SHED_CHUNK", 2)
     clock = WatchedClock()
     scheduler = make_scheduler(TOP_DOWN_LANES, cap=1)  # one request per batch
-    ran: list[list[int]] = []
-    running, release, done = threading.Event(), threading.Event(), threading.Event()
+    held = HeldRuns()
+    ran, running, release, done = held.ran, held.running, held.release, threading.Event()
     deliveries: list[list[object]] = []
-
-    def run_batch(batch: Batch, _rows_wanted: RowsWanted) -> BatchResult:
-        ran.append(row_ids(batch))
-        running.set()
-        assert release.wait(10)
-        return run(batch)
 
     def deliver(outcomes: Sequence[Outcome]) -> None:
         deliveries.append(tokens(outcomes))
         if sum(map(len, deliveries)) == 9:
             done.set()
 
-    thread = SchedulerThread(scheduler, run_batch, deliver, clock=clock)
+    thread = SchedulerThread(scheduler, held.run_batch, deliver, clock=clock)
     thread.start()
     try:
         thread.submit(make_request(1, "standard", 1))
