@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
 import ssl
@@ -189,8 +190,19 @@ def open_channel(
     options: Sequence[tuple[str, Any]],
     interceptors: Sequence[grpc.aio.ClientInterceptor] | None,
 ) -> grpc.aio.Channel:
-    """An asyncio channel; create it on the event loop it is used from."""
+    """An asyncio channel; create it on the event loop it is used from (RuntimeError,
+    saying so, with none running: the arguments are checked first)."""
     merged = channel_options(tls, max_message_bytes, options)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        # gRPC's channel binds to the loop it is made on; without one running it said
+        # only "There is no current event loop in thread 'MainThread'".
+        raise RuntimeError(
+            "AsyncClient(...) was created with no event loop running in this thread; "
+            "expected it created inside the event loop it is used on (in a coroutine: "
+            "`async with AsyncClient(...)`), or Client for code without one"
+        ) from None
     if tls is None:
         return grpc.aio.insecure_channel(target, options=merged, interceptors=interceptors)
     return grpc.aio.secure_channel(

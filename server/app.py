@@ -15,6 +15,7 @@ import functools
 import logging
 import socket
 import ssl
+import threading
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
@@ -65,6 +66,8 @@ from laneserve.server.telemetry import EndpointTls, Telemetry, log_event
 from laneserve.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
+# Held while a gRPC server is made and its Channelz id read (see `_grpc_server`).
+_SERVERS_BEING_MADE = threading.Lock()
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 CHANNELZ_SERVICE_NAME = channelz_pb2.DESCRIPTOR.services_by_name["Channelz"].full_name
@@ -575,12 +578,15 @@ class LaneServer:
         telemetry: Telemetry | None = None,
         estimate: Callable[[str], MemoryEstimate | None] | None = None,
     ) -> None:
-        """`telemetry`: traces, metrics and event logs; by default from the config and the
+        """`engine`: this server's alone (its stop ends the engine's runs for good): a
+        new Engine for each LaneServer; one already taken is refused (RuntimeError).
+        `telemetry`: traces, metrics and event logs; by default from the config and the
         OTEL_* variables (Telemetry.from_config). A server refused at start closes the
         telemetry it built; one passed in stays the caller's to close. `events`: one more
         sink, for tests. `estimate`: the model file's static memory estimate (by default
         `estimate_memory` with the probe's shapes, from a child process, ~1 s; tests that
         start many servers pass one computed once)."""
+        engine.claim()  # first: a spent or shared engine is refused before its probe
         self.config = config
         self.engine = engine
         self.clock = clock or SystemClock()
@@ -812,20 +818,9 @@ class LaneServer:
         )
         return self.port
 
-    def _grpc_server(
-        self,
-        servicer: InferenceServicer,
-        credentials: grpc.ServerCredentials | None,
-        port: int,
-        setting: str,
-        max_pending_calls: int,
-    ) -> _Listener:
-        """A gRPC server with every service, bound to `port` on the configured host, its
-        core holding at most `max_pending_calls` calls not yet taken. Raises OSError
-        naming `setting` when it cannot bind."""
-        limit = self.config.max_message_bytes
-        known = GrpcCallCounts.server_ids()
-        server = grpc.aio.server(
+    def _bare_grpc_server(self, limit: int, max_pending_calls: int) -> grpc.aio.Server:
+        """A gRPC server with laneserve's options, no service yet (see `_grpc_server`)."""
+        return grpc.aio.server(
             interceptors=self.telemetry.interceptors,
             # max_concurrent_rpcs is the CallGate's: gRPC's count misses the calls the
             # ParallelAcceptors take.
@@ -844,6 +839,26 @@ class LaneServer:
                 *pending_call_limits(max_pending_calls),
             ],
         )
+
+    def _grpc_server(
+        self,
+        servicer: InferenceServicer,
+        credentials: grpc.ServerCredentials | None,
+        port: int,
+        setting: str,
+        max_pending_calls: int,
+    ) -> _Listener:
+        """A gRPC server with every service, bound to `port` on the configured host, its
+        core holding at most `max_pending_calls` calls not yet taken. Raises OSError
+        naming `setting` when it cannot bind."""
+        limit = self.config.max_message_bytes
+        # Its own Channelz id: the ids made while it was made. Read with no await between,
+        # and under a lock of the process's: ids read around start()'s awaits, or while
+        # a server started on another thread's loop, counted that server's as this one's.
+        with _SERVERS_BEING_MADE:
+            known = GrpcCallCounts.server_ids()
+            server = self._bare_grpc_server(limit, max_pending_calls)
+            channelz_ids = frozenset(GrpcCallCounts.server_ids() - known)
         thread = self._thread
         assert thread is not None
         gate = CallGate(
@@ -861,9 +876,6 @@ class LaneServer:
             gate,
             count=INFER_ACCEPTORS,
         )
-        # Its own Channelz id, read with no await since the server was made: ids read
-        # around start()'s awaits counted a server made meanwhile as this one's.
-        channelz_ids = frozenset(GrpcCallCounts.server_ids() - known)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         # gRPC's own view: calls started, succeeded and failed, sockets. Calls its core
         # refused (max_pending_calls) count as started and never end.

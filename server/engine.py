@@ -21,7 +21,7 @@ import numpy.typing as npt
 import onnxruntime as ort
 
 from laneserve.client.tensors import datatype_for_onnx_type, numpy_dtype_for_onnx_type
-from laneserve.server.config import Device
+from laneserve.server.config import DEVICES, Device
 from laneserve.server.errors import (
     DeviceMemoryError,
     DrainingError,
@@ -159,6 +159,18 @@ def _resolve_limit(limit: MemoryLimit, device_total_bytes: int | None) -> int:
         ) from error
 
 
+def _check_arguments(model_path: str, device: Device) -> None:
+    """Raises EngineStartError for a model path that is not a file, or a device that is
+    not one of DEVICES (an embedder's Engine(device="tpu") ran as "auto")."""
+    not_a_file = _not_a_file(Path(model_path))
+    if not_a_file is not None:
+        raise EngineStartError(
+            f"cannot load model {model_path!r}: {not_a_file}; expected an ONNX model file"
+        )
+    if device not in DEVICES:
+        raise EngineStartError(f"device: expected one of {DEVICES}, got {device!r}")
+
+
 def choose_providers(device: Device) -> list[str]:
     available = ort.get_available_providers()
     if device == "cpu":
@@ -240,11 +252,7 @@ class Engine:
     ) -> None:
         """`probe_shapes`: input name -> its shape after the row axis for the inputs the
         start-up probe (and the broken-session check) runs; else dynamic sizes are 1."""
-        not_a_file = _not_a_file(Path(model_path))
-        if not_a_file is not None:
-            raise EngineStartError(
-                f"cannot load model {model_path!r}: {not_a_file}; expected an ONNX model file"
-            )
+        _check_arguments(model_path, device)
         self.model_path = model_path
         if device != "cpu":
             prefer_pci_order()  # before anything initialises CUDA
@@ -347,7 +355,9 @@ class Engine:
         # process that exits while the runtime is inside a run aborts (SIGABRT).
         self._lock = threading.Lock()
         self._running: ort.RunOptions | None = None
-        self._terminated = False
+        # `_claimed`: set once by the LaneServer it serves (`claim`): a server's stop ends
+        # the engine's runs for good (`_terminated`, `terminate_runs`): it serves one.
+        self._terminated = self._claimed = False
         limit = "none" if memory_limit_bytes is None else format_bytes(memory_limit_bytes)
         log_event(
             log,
@@ -497,6 +507,19 @@ class Engine:
         # Any failure: the shrink is done either way (see above).
         with contextlib.suppress(Exception):
             self._run_session(self.example_inputs(0), options)
+
+    def claim(self) -> None:
+        """Taken by the LaneServer it is to serve; raises RuntimeError when a server took
+        it already: a server's stop ends its runs for good, and another server on it was
+        left SERVING and answering every request DRAINING."""
+        with self._lock:
+            if self._claimed:
+                raise RuntimeError(
+                    "LaneServer(engine): this Engine serves another LaneServer, or served "
+                    "one that stopped (a stop ends its runs for good); expected a new "
+                    "Engine for each LaneServer"
+                )
+            self._claimed = True
 
     def terminate_runs(self) -> None:
         """Ends the run in progress, and every later one, with an error (the server stops

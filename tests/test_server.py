@@ -27,9 +27,10 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from laneserve.client import CallCancelledError, error_from_rpc
 from laneserve.client.tensors import encode_tensor
-from laneserve.server import LaneConfig, LaneServer, ServerConfig, grpc_accept, service
+from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig, grpc_accept, service
 from laneserve.server.app import check_ports_free
 from laneserve.server.codec import decode_inputs
+from laneserve.server.engine import EngineStartError
 from laneserve.server.errors import LaneFullError
 from laneserve.server.grpc_calls import GrpcCalls
 from laneserve.server.idempotency import fingerprint
@@ -2032,3 +2033,72 @@ def test_grpc_failing_to_send_an_answer_to_an_ended_call_is_not_an_error(
         f"Unexpected [Boom] raised by servicer method [{method}]",
         "ExecuteBatchError raised in core by servicer method [/other.Service/Call]",
     ]
+
+
+def test_servers_started_on_two_threads_at_once_each_count_their_own_grpc_calls(
+    small_model: Path,
+) -> None:
+    """Each server finds its own Channelz id as the ids that appeared while it was made;
+    two servers made at once on two threads' event loops (two models in one embedding
+    process) took each other's, and counted each other's calls (GetStats' grpc_calls,
+    laneserve_grpc_calls_total, and the calls a drain waits for)."""
+    per_thread = 3
+    barrier = threading.Barrier(2)
+    ids: list[frozenset[int]] = []
+    lock = threading.Lock()
+
+    def serve_several() -> None:
+        async def scenario() -> None:
+            for _ in range(per_thread):
+                engine = RecordingEngine(str(small_model))
+                settings = dataclasses.replace(
+                    config(small_model), host="127.0.0.1", port=0, metrics_port=-1
+                )
+                server = LaneServer(engine, settings, estimate=estimate_once)
+                barrier.wait(timeout=60)
+                await server.start()
+                try:
+                    assert server._grpc_calls is not None
+                    with lock:
+                        ids.append(server._grpc_calls._ids)
+                finally:
+                    await server.stop(grace_s=1.0)
+
+        asyncio.run(scenario())
+
+    threads = [threading.Thread(target=serve_several) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(ids) == 2 * per_thread
+    assert [len(own) for own in ids] == [1] * len(ids), ids
+    assert len(frozenset().union(*ids)) == len(ids), "no id is two servers'"
+
+
+def test_an_engine_serves_one_server(small_model: Path) -> None:
+    """A server's stop ends its engine's runs for good: a second server on the same
+    engine stayed SERVING and answered every request DRAINING (retryable) once the first
+    stopped, and one made after it failed with "the server stopped while this batch
+    ran". An engine already serving, or spent, is refused by name when the server is
+    made."""
+    engine = RecordingEngine(str(small_model))
+    shared = "this Engine serves another LaneServer, or served one that stopped"
+
+    async def scenario() -> None:
+        async with serving(engine, config(small_model)) as s:
+            assert output(await s.stub.Infer(request(rows(1)))).shape == (1, 10)
+            with pytest.raises(RuntimeError, match=shared):
+                LaneServer(engine, config(small_model), estimate=estimate_once)
+        with pytest.raises(RuntimeError, match="expected a new Engine for each LaneServer"):
+            LaneServer(engine, config(small_model), estimate=estimate_once)
+
+    asyncio.run(scenario())
+
+
+def test_an_engine_for_a_device_that_is_not_one_is_refused_by_name(small_model: Path) -> None:
+    """The configuration refuses `device = "tpu"` by name; an Engine made in code ran it
+    as "auto"."""
+    with pytest.raises(EngineStartError) as refused:
+        Engine(str(small_model), device="tpu")  # type: ignore[arg-type]
+    assert str(refused.value) == "device: expected one of ('auto', 'cuda', 'cpu'), got 'tpu'"

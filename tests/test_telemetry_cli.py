@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import output, request, rows, run_text
@@ -215,3 +216,37 @@ def test_a_span_limit_that_cannot_be_read_leaves_commands_without_tracing_alone(
     )
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
+
+
+# Imports laneserve's telemetry with an audit hook on the environment: prints each change
+# made to OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT while it imports, then its value after.
+WATCHED_IMPORT = """
+import os, sys
+def watch(event, args):
+    if event in ("os.putenv", "os.unsetenv") and b"OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT" in (
+        args[0] if isinstance(args[0], bytes) else str(args[0]).encode()
+    ):
+        print(event)
+sys.addaudithook(watch)
+import laneserve.server.telemetry
+print("after", os.environ.get("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT"))
+"""
+
+
+@pytest.mark.parametrize(
+    ("value", "changes"),
+    [("64", []), ("x", ["os.unsetenv", "os.putenv"]), ("-1", ["os.unsetenv", "os.putenv"])],
+)
+def test_a_span_limit_the_sdk_can_read_is_left_in_the_environment(
+    value: str, changes: list[str]
+) -> None:
+    """The environment is the process's, read meanwhile by other threads (an embedding
+    application's, gRPC's, the runtime's): the variable was taken out of it for the
+    import whatever its value. Only one the import would fail on is, and it is put back."""
+    done = run_text(
+        [sys.executable, "-c", WATCHED_IMPORT],
+        timeout_s=TIMEOUT_S,
+        env=otel_env(OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT=value),
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [*changes, f"after {value}"]
