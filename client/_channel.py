@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import re
 import ssl
@@ -191,20 +190,21 @@ def open_channel(
     interceptors: Sequence[grpc.aio.ClientInterceptor] | None,
 ) -> grpc.aio.Channel:
     """An asyncio channel; create it on the event loop it is used from (RuntimeError,
-    saying so, with none running: the arguments are checked first)."""
+    saying so, with none: the arguments are checked first)."""
     merged = channel_options(tls, max_message_bytes, options)
     try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        # gRPC's channel binds to the loop it is made on; without one running it said
-        # only "There is no current event loop in thread 'MainThread'".
+        if tls is None:
+            return grpc.aio.insecure_channel(target, options=merged, interceptors=interceptors)
+        return grpc.aio.secure_channel(
+            target, tls.credentials(), options=merged, interceptors=interceptors
+        )
+    except RuntimeError as error:
+        # gRPC's channel binds to the thread's event loop (running, or set and to be run):
+        # with none it said only "There is no current event loop in thread 'MainThread'".
+        if "event loop" not in str(error):
+            raise
         raise RuntimeError(
-            "AsyncClient(...) was created with no event loop running in this thread; "
-            "expected it created inside the event loop it is used on (in a coroutine: "
-            "`async with AsyncClient(...)`), or Client for code without one"
+            "AsyncClient(...) was created with no event loop in this thread; expected it "
+            "created on the event loop it is used on (in a coroutine: `async with "
+            f"AsyncClient(...)`), or Client for code without one (gRPC: {error})"
         ) from None
-    if tls is None:
-        return grpc.aio.insecure_channel(target, options=merged, interceptors=interceptors)
-    return grpc.aio.secure_channel(
-        target, tls.credentials(), options=merged, interceptors=interceptors
-    )

@@ -579,14 +579,16 @@ class LaneServer:
         estimate: Callable[[str], MemoryEstimate | None] | None = None,
     ) -> None:
         """`engine`: this server's alone (its stop ends the engine's runs for good): a
-        new Engine for each LaneServer; one already taken is refused (RuntimeError).
+        new Engine for each LaneServer; one serving another, or spent by a stop, is
+        refused (RuntimeError). One whose server could not be made, or failed to start,
+        may serve another.
         `telemetry`: traces, metrics and event logs; by default from the config and the
         OTEL_* variables (Telemetry.from_config). A server refused at start closes the
         telemetry it built; one passed in stays the caller's to close. `events`: one more
         sink, for tests. `estimate`: the model file's static memory estimate (by default
         `estimate_memory` with the probe's shapes, from a child process, ~1 s; tests that
         start many servers pass one computed once)."""
-        engine.claim()  # first: a spent or shared engine is refused before its probe
+        engine.check_free()  # first: a spent or shared engine is refused before its probe
         self.config = config
         self.engine = engine
         self.clock = clock or SystemClock()
@@ -668,6 +670,8 @@ class LaneServer:
         self.port = 0
         self.priority_port: int | None = None  # bound, when configured
         self.metrics_port: int | None = None  # the Prometheus endpoint's, once started
+        # Last: a server that could not be made leaves its engine free for another.
+        engine.claim()
 
     async def start(self) -> int:
         """Binds, starts the threads and serves; returns the bound port. A LaneServer
@@ -693,6 +697,11 @@ class LaneServer:
             return await asyncio.shield(starting)
         except asyncio.CancelledError:
             self._own_stop = asyncio.ensure_future(self.stop())
+            raise
+        except BaseException:
+            # A start that failed (a port in use) served nothing: its engine may serve
+            # another server (an embedder retrying on other ports).
+            self.engine.release_claim()
             raise
 
     async def _start(self) -> int:

@@ -508,18 +508,35 @@ class Engine:
         with contextlib.suppress(Exception):
             self._run_session(self.example_inputs(0), options)
 
-    def claim(self) -> None:
-        """Taken by the LaneServer it is to serve; raises RuntimeError when a server took
-        it already: a server's stop ends its runs for good, and another server on it was
-        left SERVING and answering every request DRAINING."""
+    def check_free(self) -> None:
+        """Raises RuntimeError, saying why, when this engine cannot serve a new LaneServer:
+        one serves on it (a server's stop ends its runs for good: another server on it was
+        left SERVING and answering every request DRAINING), or one stopped on it."""
         with self._lock:
-            if self._claimed:
-                raise RuntimeError(
-                    "LaneServer(engine): this Engine serves another LaneServer, or served "
-                    "one that stopped (a stop ends its runs for good); expected a new "
-                    "Engine for each LaneServer"
-                )
+            self._check_free()
+
+    def claim(self) -> None:
+        """Taken by the LaneServer it is to serve, once that server is made (`check_free`
+        says why not); `release_claim` when its start fails: it served nothing."""
+        with self._lock:
+            self._check_free()
             self._claimed = True
+
+    def release_claim(self) -> None:
+        with self._lock:
+            self._claimed = False
+
+    def _check_free(self) -> None:
+        expected = "expected a new Engine for each LaneServer"
+        if self._terminated:
+            raise RuntimeError(
+                "LaneServer(engine): this Engine served a LaneServer that stopped (a stop "
+                f"ends its runs for good); {expected}"
+            )
+        if self._claimed:
+            raise RuntimeError(
+                f"LaneServer(engine): this Engine serves another LaneServer; {expected}"
+            )
 
     def terminate_runs(self) -> None:
         """Ends the run in progress, and every later one, with an error (the server stops

@@ -1602,5 +1602,14 @@ def test_an_async_client_made_with_no_loop_running_says_where_to_make_it() -> No
     with pytest.raises(RuntimeError) as refused:
         lc.AsyncClient("127.0.0.1:1")
     message = str(refused.value)
-    assert "AsyncClient(...) was created with no event loop running in this thread" in message
-    assert "expected it created inside the event loop it is used on" in message
+    assert "AsyncClient(...) was created with no event loop in this thread" in message
+    assert "expected it created on the event loop it is used on" in message
+    # A loop set for the thread, run after: the client is made on it, as it was.
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        client = lc.AsyncClient("127.0.0.1:1")
+        loop.run_until_complete(client.close())
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()

@@ -2080,17 +2080,25 @@ def test_an_engine_serves_one_server(small_model: Path) -> None:
     """A server's stop ends its engine's runs for good: a second server on the same
     engine stayed SERVING and answered every request DRAINING (retryable) once the first
     stopped, and one made after it failed with "the server stopped while this batch
-    ran". An engine already serving, or spent, is refused by name when the server is
-    made."""
+    ran". An engine serving, or spent, is refused by name when the server is made; one
+    whose server failed to start (its port in use) serves the next."""
     engine = RecordingEngine(str(small_model))
-    shared = "this Engine serves another LaneServer, or served one that stopped"
 
     async def scenario() -> None:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            in_use = dataclasses.replace(
+                config(small_model), host="127.0.0.1", port=taken.getsockname()[1]
+            )
+            failed = LaneServer(engine, in_use, estimate=estimate_once)
+            with pytest.raises(OSError, match="port"):
+                await failed.start()
         async with serving(engine, config(small_model)) as s:
             assert output(await s.stub.Infer(request(rows(1)))).shape == (1, 10)
-            with pytest.raises(RuntimeError, match=shared):
+            with pytest.raises(RuntimeError, match="this Engine serves another LaneServer"):
                 LaneServer(engine, config(small_model), estimate=estimate_once)
-        with pytest.raises(RuntimeError, match="expected a new Engine for each LaneServer"):
+        with pytest.raises(RuntimeError, match="this Engine served a LaneServer that stopped"):
             LaneServer(engine, config(small_model), estimate=estimate_once)
 
     asyncio.run(scenario())

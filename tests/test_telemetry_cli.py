@@ -235,7 +235,13 @@ print("after", os.environ.get("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT"))
 
 @pytest.mark.parametrize(
     ("value", "changes"),
-    [("64", []), ("x", ["os.unsetenv", "os.putenv"]), ("-1", ["os.unsetenv", "os.putenv"])],
+    [
+        ("64", []),
+        (" ", []),
+        ("unset", ["os.unsetenv", "os.putenv"]),
+        ("x", ["os.unsetenv", "os.putenv"]),
+        ("-1", ["os.unsetenv", "os.putenv"]),
+    ],
 )
 def test_a_span_limit_the_sdk_can_read_is_left_in_the_environment(
     value: str, changes: list[str]

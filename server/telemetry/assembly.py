@@ -14,19 +14,21 @@ from opentelemetry.sdk.metrics.export import MetricReader
 
 # The tracing SDK reads OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT as it is imported, into a constant
 # it keeps for backward compatibility and never reads, and a value it cannot take (not a
-# non-negative integer) failed the import: every `laneserve` command, `--help` too, ended
-# in its traceback. Such a value, and only such a one (the environment is the process's,
-# read meanwhile by other threads: an embedding application's, gRPC's, the runtime's),
-# is kept out of the environment while it is imported; the limit that applies is read
-# where every span limit is, as a tracer provider is built, and refused there as a
-# start-up error when tracing is on (`tracer_provider_from_env`). This must stay the
-# process's first import of opentelemetry.sdk.trace (the package's __init__ imports this
-# module first; the modules below import it too).
+# non-negative integer, nor blank) failed the import: every `laneserve` command,
+# `--help` too, ended in its traceback. Such a value, and only such a one (the
+# environment is the process's, read meanwhile by other threads: an embedding
+# application's, gRPC's, the runtime's), is kept out of the environment while it is
+# imported; the limit that applies is read where every span limit is, as a tracer
+# provider is built, and refused there as a start-up error when tracing is on
+# (`tracer_provider_from_env`). This must stay the process's first import of
+# opentelemetry.sdk.trace (the package's __init__ imports this module first; the modules
+# below import it too).
 try:
     _SPAN_ATTRIBUTE_COUNT_LIMIT = os.environ.get("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT")
-    try:
+    _READ_AS = (_SPAN_ATTRIBUTE_COUNT_LIMIT or "").strip().lower()
+    try:  # the SDK's rule: blank (unset), or an integer not below 0
         _TAKEN_OUT = (
-            _SPAN_ATTRIBUTE_COUNT_LIMIT is not None and int(_SPAN_ATTRIBUTE_COUNT_LIMIT) < 0
+            _SPAN_ATTRIBUTE_COUNT_LIMIT is not None and _READ_AS != "" and int(_READ_AS) < 0
         )
     except ValueError:
         _TAKEN_OUT = True
