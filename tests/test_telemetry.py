@@ -1739,8 +1739,12 @@ class HeldStream(io.StringIO):
         return super().write(text)
 
 
-def queued_log(handler: QueuedStreamHandler) -> logging.Logger:
-    """A logger of its own writing to `handler` alone."""
+def queued_log(
+    handler: QueuedStreamHandler, formatter: logging.Formatter | None = None
+) -> logging.Logger:
+    """A logger of its own writing to `handler` alone, with `formatter` (by default the
+    message alone)."""
+    handler.setFormatter(formatter or logging.Formatter("%(message)s"))
     logger = logging.getLogger(f"laneserve.test.queued.{id(handler)}")
     logger.propagate = False
     logger.handlers[:] = [handler]
@@ -1753,7 +1757,6 @@ def test_log_lines_wait_in_a_queue_while_stderr_is_not_read() -> None:
     event loop's first refusal line stopped the event loop and the scheduler thread."""
     stream = HeldStream()
     handler = QueuedStreamHandler(stream)
-    handler.setFormatter(logging.Formatter("%(message)s"))
     logger = queued_log(handler)
     try:
         for index in range(3):
@@ -1773,8 +1776,7 @@ def test_log_lines_wait_in_a_queue_while_stderr_is_not_read() -> None:
 def test_log_lines_past_the_queue_are_dropped_and_counted(json_lines: bool) -> None:
     stream = HeldStream()
     handler = QueuedStreamHandler(stream, max_lines=2)
-    handler.setFormatter(JsonFormatter() if json_lines else TextFormatter())
-    logger = queued_log(handler)
+    logger = queued_log(handler, JsonFormatter() if json_lines else TextFormatter())
     try:
         logger.warning("line 0")
         assert stream.entered.wait(timeout=60)  # the writer holds line 0: 2 may wait
@@ -1804,7 +1806,6 @@ def test_log_lines_past_the_queue_are_dropped_and_counted(json_lines: bool) -> N
 def test_closing_the_log_writes_its_queued_lines_then_writes_at_once() -> None:
     stream = HeldStream()
     handler = QueuedStreamHandler(stream)
-    handler.setFormatter(logging.Formatter("%(message)s"))
     logger = queued_log(handler)
     logger.warning("queued")
     assert stream.entered.wait(timeout=60)
@@ -1821,7 +1822,6 @@ def test_closing_the_log_gives_up_on_a_stream_that_never_drains() -> None:
     not for ever: a supervisor that stopped reading would have kept it from exiting."""
     stream = HeldStream()
     handler = QueuedStreamHandler(stream, stall_s=0.05)
-    handler.setFormatter(logging.Formatter("%(message)s"))
     logger = queued_log(handler)
     try:
         logger.warning("stuck")
@@ -1854,7 +1854,6 @@ def test_a_log_writer_that_cannot_start_leaves_the_line_written_where_it_was_log
     or closing the log (at exit) waited for ever for the writer that never ran."""
     stream = io.StringIO()
     handler = QueuedStreamHandler(stream)
-    handler.setFormatter(logging.Formatter("%(message)s"))
     logger = queued_log(handler)
     start = threading.Thread.start
 
@@ -2044,7 +2043,6 @@ def test_log_lines_past_the_queues_characters_are_dropped_and_counted() -> None:
     """A line with a traceback is kilobytes: 10 000 of them waiting held tens of MiB."""
     stream = HeldStream()
     handler = QueuedStreamHandler(stream, max_chars=12)
-    handler.setFormatter(logging.Formatter("%(message)s"))
     logger = queued_log(handler)
     try:
         logger.warning("line 0")
