@@ -59,7 +59,8 @@ def encode_inputs(inputs: Mapping[str, npt.NDArray[Any]], request_id: str) -> li
     try:
         return [encode_tensor(name, array) for name, array in arrays.items()]
     except UnicodeEncodeError:  # before ValueError, which it is
-        # Which one, worked out only when protobuf refused: not on every request.
+        # Which one, and what is wrong with its text, worked out only when protobuf
+        # refused (the types are checked on every request, above).
         for name in arrays:
             utf8_bytes("input name", name, request_id=request_id)
         raise

@@ -765,10 +765,7 @@ class BulkStream:
     ) -> None:
         """`item`'s final answer. `in_flight`: the server has it still (see `_expired`)."""
         del self._items[item.request_id]
-        for timer in (item.timer, item.expiry):
-            if timer is not None:
-                timer.cancel()
-        item.timer = item.expiry = None
+        _stop_timers(item)
         if in_flight:
             self._expired[item.request_id] = item
         else:
@@ -838,10 +835,7 @@ class BulkStream:
         """The job is over (done, failed, or left by the caller): nothing is resent and
         the source is not read further."""
         for item in self._items.values():
-            for timer in (item.timer, item.expiry):
-                if timer is not None:
-                    timer.cancel()
-            item.timer = item.expiry = None
+            _stop_timers(item)
         self.cancel_source_read()
 
 
@@ -854,6 +848,14 @@ async def _anext(source: AsyncIterator[StreamItem]) -> StreamItem | object:
 
 
 _SOURCE_END: Final = object()
+
+
+def _stop_timers(item: _Item) -> None:
+    """Cancels `item`'s resend and expiry timers: nothing more is due to it."""
+    for timer in (item.timer, item.expiry):
+        if timer is not None:
+            timer.cancel()
+    item.timer = item.expiry = None
 
 
 def _timed_out(item: _Item, why: str) -> DeadlineExceededError:

@@ -173,7 +173,7 @@ async def bench(args: argparse.Namespace, model: str) -> None:
     tracer = NullTracer()
 
     def off_call_sites() -> None:
-        tracer.start("", "standard", 1, None).end("OK")
+        tracer.start("", "standard", 1, 1.0).end("OK")
 
     repeats = 200_000
     cost_s = min(timeit.repeat(off_call_sites, number=repeats, repeat=5)) / repeats

@@ -827,8 +827,9 @@ class LaneServer:
         )
         return self.port
 
-    def _bare_grpc_server(self, limit: int, max_pending_calls: int) -> grpc.aio.Server:
+    def _bare_grpc_server(self, max_pending_calls: int) -> grpc.aio.Server:
         """A gRPC server with laneserve's options, no service yet (see `_grpc_server`)."""
+        limit = self.config.max_message_bytes
         return grpc.aio.server(
             interceptors=self.telemetry.interceptors,
             # max_concurrent_rpcs is the CallGate's: gRPC's count misses the calls the
@@ -860,13 +861,12 @@ class LaneServer:
         """A gRPC server with every service, bound to `port` on the configured host, its
         core holding at most `max_pending_calls` calls not yet taken. Raises OSError
         naming `setting` when it cannot bind."""
-        limit = self.config.max_message_bytes
         # Its own Channelz id: the ids made while it was made. Read with no await between,
         # and under a lock of the process's: ids read around start()'s awaits, or while
         # a server started on another thread's loop, counted that server's as this one's.
         with _SERVERS_BEING_MADE:
             known = GrpcCallCounts.server_ids()
-            server = self._bare_grpc_server(limit, max_pending_calls)
+            server = self._bare_grpc_server(max_pending_calls)
             channelz_ids = frozenset(GrpcCallCounts.server_ids() - known)
         thread = self._thread
         assert thread is not None

@@ -98,9 +98,10 @@ def _unset_blank_otel_variables() -> None:
     (deployment templates write `${X:-}`): the SDK warned of an empty sampler or batch
     setting and took its default, which the tracing check refuses as a setting it could
     not take."""
-    for name in [name for name, value in os.environ.items() if name.startswith("OTEL_")]:
-        if not os.environ[name].strip():
-            del os.environ[name]
+    for name in [
+        n for n, value in os.environ.items() if n.startswith("OTEL_") and not value.strip()
+    ]:
+        del os.environ[name]
 
 
 # What a start-up error out of file descriptors adds: the OSError named neither what ran

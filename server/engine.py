@@ -355,8 +355,9 @@ class Engine:
         # process that exits while the runtime is inside a run aborts (SIGABRT).
         self._lock = threading.Lock()
         self._running: ort.RunOptions | None = None
-        # `_claimed`: set once by the LaneServer it serves (`claim`): a server's stop ends
-        # the engine's runs for good (`_terminated`, `terminate_runs`): it serves one.
+        # `_claimed`: set by the LaneServer it serves (`claim`), cleared when that server's
+        # start fails (`release_claim`): a server's stop ends the engine's runs for good
+        # (`_terminated`, `terminate_runs`): it serves one.
         self._terminated = self._claimed = False
         limit = "none" if memory_limit_bytes is None else format_bytes(memory_limit_bytes)
         log_event(

@@ -94,7 +94,7 @@ class RequestTrace(Protocol):
 
 
 class RequestTracer(Protocol):
-    def start(self, request_id: str, lane: str, rows: int, budget_s: float | None) -> RequestTrace:
+    def start(self, request_id: str, lane: str, rows: int, budget_s: float) -> RequestTrace:
         """A validated request is about to be queued. `budget_s`: the time left before the
         deadline the scheduler keeps (its own, or its lane's timeout from its arrival)."""
         ...
@@ -125,7 +125,7 @@ NULL_TRACE: RequestTrace = _NullTrace()
 class NullTracer:
     """Tracing off: one shared do-nothing trace, nothing allocated per request."""
 
-    def start(self, request_id: str, lane: str, rows: int, budget_s: float | None) -> RequestTrace:
+    def start(self, request_id: str, lane: str, rows: int, budget_s: float) -> RequestTrace:
         return NULL_TRACE
 
     def retried(self, request_id: str, lane: str, how: str) -> None:

@@ -1112,9 +1112,7 @@ class Scheduler:
         """
         outcomes: list[Outcome] = []
         taken = 0
-        while (
-            self._deadlines and self._deadlines[0][0] <= now_s and (limit is None or taken < limit)
-        ):
+        while self.expired_left(now_s) and (limit is None or taken < limit):
             taken += 1
             deadline_s, entry_id = heapq.heappop(self._deadlines)
             entry = self._entries.get(entry_id)

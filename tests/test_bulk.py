@@ -1275,7 +1275,7 @@ def test_a_stream_item_that_waited_for_room_counts_no_refusal(small_model: Path)
 
             class RecordingTracer:
                 def start(
-                    self, request_id: str, lane: str, rows: int, budget_s: float | None
+                    self, request_id: str, lane: str, rows: int, budget_s: float
                 ) -> RequestTrace:
                     trace = tracer.start(request_id, lane, rows, budget_s)
                     marks = traces.setdefault(request_id, [])

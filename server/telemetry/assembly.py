@@ -24,20 +24,18 @@ from opentelemetry.sdk.metrics.export import MetricReader
 # opentelemetry.sdk.trace (the package's __init__ imports this module first; the modules
 # below import it too).
 try:
-    _SPAN_ATTRIBUTE_COUNT_LIMIT = os.environ.get("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT")
-    _READ_AS = (_SPAN_ATTRIBUTE_COUNT_LIMIT or "").strip().lower()
-    try:  # the SDK's rule: blank (unset), or an integer not below 0
-        _TAKEN_OUT = (
-            _SPAN_ATTRIBUTE_COUNT_LIMIT is not None and _READ_AS != "" and int(_READ_AS) < 0
-        )
+    _SET_TO = os.environ.get("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "")
+    _READ_AS = _SET_TO.strip().lower()
+    try:  # the SDK's rule: blank (unset, or not set), or an integer not below 0
+        _TAKEN_OUT = _READ_AS != "" and int(_READ_AS) < 0
     except ValueError:
         _TAKEN_OUT = True
     if _TAKEN_OUT:
         del os.environ["OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT"]
     from opentelemetry.sdk.trace import TracerProvider
 finally:
-    if _TAKEN_OUT and _SPAN_ATTRIBUTE_COUNT_LIMIT is not None:
-        os.environ["OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT"] = _SPAN_ATTRIBUTE_COUNT_LIMIT
+    if _TAKEN_OUT:
+        os.environ["OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT"] = _SET_TO
 
 from laneserve.server.config import LaneConfig, ServerConfig
 from laneserve.server.events import SchedulerEvents

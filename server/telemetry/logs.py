@@ -211,8 +211,8 @@ class QueuedStreamHandler(logging.Handler):
             else:
                 # Closed with the writer still at work (or given up on), it queues too.
                 unqueued = self._queue(line)
-        for line in unqueued:
-            self._write(line)  # emit runs under the handler's lock: in order
+        for pending in unqueued:
+            self._write(pending)  # emit runs under the handler's lock: in order
 
     def _queue(self, line: str) -> list[str]:
         """Queues `line` for the writer, starting one if none is alive, or drops it. The

@@ -200,7 +200,7 @@ class Tracing:
         self._batches: dict[int, otel_trace.Span] = {}
 
     # RequestTracer
-    def start(self, request_id: str, lane: str, rows: int, budget_s: float | None) -> RequestTrace:
+    def start(self, request_id: str, lane: str, rows: int, budget_s: float) -> RequestTrace:
         if _unsampled():
             return NULL_TRACE
         attributes: dict[str, str | int | float] = {"laneserve.lane": lane, "laneserve.rows": rows}
@@ -209,8 +209,7 @@ class Tracing:
         # The deadline the scheduler keeps, as given: re-derived here from the request's
         # own and the lane's timeout counted from now, it overstated a stream item's that
         # had waited for room (its lane's timeout counts from its arrival).
-        if budget_s is not None:
-            attributes["laneserve.deadline_ms"] = round(budget_s * 1000, 3)
+        attributes["laneserve.deadline_ms"] = round(budget_s * 1000, 3)
         return _RequestSpans(self._tracer, attributes)
 
     def joined(self, request_id: str, lane: str) -> RequestTrace:
