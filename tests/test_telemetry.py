@@ -40,7 +40,7 @@ from opentelemetry.sdk.metrics.export import (
     Sum,
 )
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Decision, Sampler, TraceIdRatioBased
 from opentelemetry.trace import (
@@ -805,6 +805,20 @@ def test_exporters_come_from_the_standard_variables() -> None:
         tracer_provider_from_env(
             {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "carrier-pigeon"}
         )
+
+
+def test_exporters_built_before_one_that_fails_are_shut_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    shut: list[ConsoleSpanExporter] = []
+
+    def shutdown(exporter: ConsoleSpanExporter) -> None:
+        shut.append(exporter)
+
+    monkeypatch.setattr(ConsoleSpanExporter, "shutdown", shutdown)
+    with pytest.raises(ConfigError, match=r"no span exporter 'nope'"):
+        tracer_provider_from_env({"OTEL_TRACES_EXPORTER": "console,nope"})
+    assert len(shut) == 1
 
 
 def test_batch_spans_are_sampled_with_the_requests_they_serve() -> None:

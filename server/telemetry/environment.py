@@ -96,7 +96,7 @@ def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> Tracer
     # variable, or the setting; what is only warned of comes in `complaints`. (The SDK
     # reads OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT as it is imported too: see assembly.py.)
     with _sdk_complaints() as complaints:
-        exporters = [_load_exporter(name, environ) for name in names]
+        exporters = _load_exporters(names, environ)
         try:
             provider = TracerProvider(resource=resource_from_env())
             processors = [BatchSpanProcessor(exporter) for exporter in exporters]
@@ -113,6 +113,20 @@ def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> Tracer
     for processor in processors:
         provider.add_span_processor(processor)
     return provider
+
+
+def _load_exporters(names: list[str], environ: Mapping[str, str]) -> list[SpanExporter]:
+    """The exporters `names` ask for, in order; when one cannot be built, those built
+    before it are shut down (an OTLP exporter holds a gRPC channel) and its error raised."""
+    exporters: list[SpanExporter] = []
+    try:
+        for name in names:  # one at a time, so that a failure leaves those built
+            exporters.append(_load_exporter(name, environ))  # noqa: PERF401
+    except BaseException:
+        for exporter in exporters:
+            exporter.shutdown()
+        raise
+    return exporters
 
 
 def _refused(what: str) -> ConfigError:
