@@ -268,11 +268,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
     async def Infer(
         self,
-        request: pb.InferRequest,
+        request: pb.InferRequest | OversizedRequest,
         context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferResponse],
     ) -> pb.InferResponse:
         try:
-            return await self._infer(request, context, self._config.default_lane)
+            return await self._infer(self._read(request), context, self._config.default_lane)
         except LaneserveError as error:
             refusal = error
         # Nothing of the request stays reachable from the abort (see `abort_with`).
@@ -282,7 +282,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
     async def InferStream(
         self,
-        request_iterator: AsyncIterator[pb.InferRequest],
+        request_iterator: AsyncIterator[pb.InferRequest | OversizedRequest],
         context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferStreamResponse],
     ) -> AsyncIterator[pb.InferStreamResponse]:
         """Answers each request as it completes, out of order, tagged with its request_id.
@@ -315,7 +315,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         items: set[asyncio.Task[None]] = set()
         unanswered = 0  # items read whose answer is not yet written
 
-        async def answer(request: pb.InferRequest) -> None:
+        async def answer(request: pb.InferRequest | OversizedRequest) -> None:
             answers.put_nowait(
                 await self._stream_answer(
                     request, context, default_lane, room, answer_limit, error_limit
@@ -405,7 +405,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
     async def _stream_answer(
         self,
-        request: pb.InferRequest,
+        request: pb.InferRequest | OversizedRequest,
         context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferStreamResponse],
         default_lane: str,
         room: StreamRoom,
@@ -416,7 +416,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         within `answer_limit` (the caller's receive limit, where below the server's) and
         `error_limit` (the smaller of the two)."""
         try:
-            response = await self._infer(request, context, default_lane, room, answer_limit)
+            response = await self._infer(
+                self._read(request), context, default_lane, room, answer_limit
+            )
             message = pb.InferStreamResponse(request_id=request.request_id)
             # CopyFrom, not the constructor: 3x cheaper for large outputs under upb.
             message.response.CopyFrom(response)
@@ -777,6 +779,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         except LaneserveError as error:
             raise self._rejected(lane, error) from None
 
+    def _read(self, request: pb.InferRequest | OversizedRequest) -> pb.InferRequest:
+        """`request`, unless it is an OversizedRequest: refused unread, counted (only its
+        id was kept, for its stream answer)."""
+        if isinstance(request, OversizedRequest):
+            raise self._rejected_without_lane(oversized())
+        return request
+
     def _lane_of(
         self, request: pb.InferRequest, default_lane: str, *, stream: bool
     ) -> tuple[str, LaneConfig]:
@@ -784,8 +793,6 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         refusals that come before its inputs are read."""
         if request is UNDECODABLE_REQUEST:
             raise self._rejected_without_lane(undecodable(request))
-        if request is OVERSIZED_REQUEST:
-            raise self._rejected_without_lane(oversized())
         lane = request.lane or default_lane
         lane_config = self._lane_configs.get(lane)
         if _id_too_long(request.request_id):  # before any other refusal quotes or echoes it
@@ -1030,18 +1037,26 @@ def read_request(request_type: type[_M], data: bytes) -> _M:
         return undecodable
 
 
-# What the servicer receives for an InferRequest carrying more than MAX_EXTRA_BYTES besides
-# its tensors' data and one copy of each field (`read_infer_request`): refused
-# INVALID_ARGUMENT (`oversized`), as an undecodable one is. Compared by identity; never
-# changed.
-OVERSIZED_REQUEST = pb.InferRequest()
+@dataclasses.dataclass(frozen=True, slots=True)
+class OversizedRequest:
+    """What the servicer receives for an InferRequest carrying more than MAX_EXTRA_BYTES
+    besides its tensors' data and one copy of each field (`read_infer_request`): refused
+    INVALID_ARGUMENT (`oversized`), as an undecodable one is. Its id alone is kept, not
+    its message: a stream answers the refusal tagged with it, as it answers its items'
+    other refusals (an empty id left its client unable to tell which item it was)."""
+
+    # As a stream answer echoes it (`_answer_id`): empty where over MAX_REQUEST_ID_BYTES.
+    request_id: str
 
 
-def read_infer_request(data: bytes, max_inputs: int, max_outputs: int) -> pb.InferRequest:
-    """`data` read as an InferRequest (`read_request`), or OVERSIZED_REQUEST. Measured here,
-    where its size on the wire is known: a message's own ByteSize() encodes it again (1 ms
-    per MiB of data). A request with more inputs than `max_inputs` or more output names
-    than `max_outputs` is passed on unmeasured: validation refuses it on those counts."""
+def read_infer_request(
+    data: bytes, max_inputs: int, max_outputs: int
+) -> pb.InferRequest | OversizedRequest:
+    """`data` read as an InferRequest (`read_request`), or an OversizedRequest. Measured
+    here, where its size on the wire is known: a message's own ByteSize() encodes it again
+    (1 ms per MiB of data). A request with more inputs than `max_inputs` or more output
+    names than `max_outputs` is passed on unmeasured: validation refuses it on those
+    counts."""
     request = read_request(pb.InferRequest, data)
     if request is UNDECODABLE_REQUEST:
         return request  # empty: measured, every byte read would count as extra
@@ -1052,11 +1067,14 @@ def read_infer_request(data: bytes, max_inputs: int, max_outputs: int) -> pb.Inf
         # walked (4.8 us a one-row request, where it parsed in 0.4).
         return request
     extra = extra_bytes(request, len(data))
-    return OVERSIZED_REQUEST if extra is not None and extra > MAX_EXTRA_BYTES else request
+    if extra is not None and extra > MAX_EXTRA_BYTES:
+        # The id is a copy: nothing of the message, or of its bytes, stays reachable.
+        return OversizedRequest(_answer_id(request.request_id))
+    return request
 
 
 def oversized() -> InvalidInputError:
-    """The refusal of OVERSIZED_REQUEST."""
+    """The refusal of an OversizedRequest."""
     return InvalidInputError(
         f"the request carries more than {MAX_EXTRA_BYTES} bytes besides its tensors' data "
         "(as their shapes and dtypes size it) and one copy of each of its fields: fields "

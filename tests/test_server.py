@@ -429,21 +429,33 @@ def test_a_request_carrying_over_64_kib_besides_its_data_is_refused(small_model:
                 request_serializer=bytes,
                 response_deserializer=pb.InferStreamResponse.FromString,
             )
-            good = request(rows(1), request_id="a").SerializeToString()
-            call = stream(iter([padded["request"], good]), timeout=10)
-            answers = [answer async for answer in call]
+            good = [request(rows(1), request_id=name).SerializeToString() for name in ("a", "b")]
+            call = stream(iter([padded["request"], good[0], padded["tensor"], good[1]]), timeout=10)
+            answers = {answer.request_id: answer async for answer in call}
             assert await call.code() == grpc.StatusCode.OK, "the stream goes on"
             stats = await s.stub.GetStats(pb.GetStatsRequest())
-        assert sorted(str(answer.WhichOneof("result")) for answer in answers) == [
-            "error",
-            "response",
-        ]
-        (error,) = (answer.error for answer in answers if answer.WhichOneof("result") == "error")
-        assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        # Each refusal is tagged with its item's request_id ("p", "t"), as the stream's other
+        # refusals are: it was answered with none, and its client could not tell which.
+        assert sorted(answers) == ["a", "b", "p", "t"]
+        assert answers["a"].WhichOneof("result") == answers["b"].WhichOneof("result") == "response"
+        for refused_id in ("p", "t"):
+            error = answers[refused_id].error
+            assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], refused_id
+            assert "more than 65536 bytes besides its tensors' data" in error.message
         refusals = {lane.name: dict(lane.rejected) for lane in stats.lanes}
-        assert refusals["standard"] == {"INVALID_INPUT": 4}  # the default lane: unread
+        assert refusals["standard"] == {"INVALID_INPUT": 5}  # the default lane: unread
 
     asyncio.run(scenario())
+
+
+def test_an_oversized_request_keeps_only_its_id_within_the_id_limit() -> None:
+    """Refused unread, an oversized request is kept as its request_id alone (nothing of its
+    message); one over MAX_REQUEST_ID_BYTES is not echoed, as no stream answer echoes it."""
+    padding = _bytes_field(1000, b"x" * (64 << 10))
+    for request_id, kept in (("p", "p"), ("i" * service.MAX_REQUEST_ID_BYTES + "x", "")):
+        data = request(rows(1), request_id=request_id).SerializeToString() + padding
+        oversized = service.read_infer_request(data, max_inputs=1, max_outputs=1)
+        assert oversized == service.OversizedRequest(kept)
 
 
 def test_more_output_names_than_the_model_has_outputs_are_refused_on_their_count(
