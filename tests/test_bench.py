@@ -1705,6 +1705,88 @@ def test_the_measurement_scripts_run_and_print_their_figures(
     assert figure in done.stdout, done.stdout
 
 
+# What bench_request_path.py's JSON holds: the document, each tree's run in a round, and
+# the figures it compares (a ratio and a median of each).
+AB_DOCUMENT_KEYS = {"schema", "settings", "machine", "trees", "rounds", "median", "command"}
+AB_FIGURES = {
+    "answers_per_s",
+    "latency_p50_ms",
+    "latency_p99_ms",
+    "event_loop_us_per_request",
+    "server_us_per_request",
+}
+AB_RUN_KEYS = AB_FIGURES | {
+    "server_pid",
+    "measured_s",
+    "sent",
+    "ok",
+    "not_ok",
+    "latency",
+    "threads_us_per_request",
+    "server_cores",
+    "client_cores",
+    "machine_busy_cores",
+    "other_cores",
+    "exit_code",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tree_a", ["--a", "--a-rev"])
+def test_the_request_path_ab_driver_writes_every_figure_and_leaves_nothing_behind(
+    small_model: Path, tmp_path: Path, tree_a: str
+) -> None:
+    """scripts/bench_request_path.py, which bench/README.md's stop 31 quotes, on a tiny
+    load with both trees this checkout (A as its src, or exported from HEAD): every
+    figure is in its JSON and every count positive, and neither a server nor an
+    exported tree is left. No figure is judged: the machine is shared."""
+    if tree_a == "--a-rev" and not (REPO / ".git").exists():
+        pytest.skip("--a-rev exports a revision with git: this is not a git checkout")
+    scratch = tmp_path / "tmp"  # the script's temporary folders, the exported tree's
+    scratch.mkdir()
+    out = tmp_path / "ab.json"
+    a = str(REPO / "src") if tree_a == "--a" else "HEAD"
+    done = run_text(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "bench_request_path.py"),
+            *(tree_a, a),
+            *("--b", str(REPO / "src")),
+            *("--rounds", "1", "--seconds", "0.4", "--warmup-s", "0.1", "--callers", "2"),
+            *("--client-procs", "1", "--channels", "1"),
+            *("--model", str(small_model), "--json", str(out)),
+        ],
+        timeout_s=180,
+        env={**os.environ, "TMPDIR": str(scratch)},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| median of 1 | A |" in done.stdout, done.stdout
+
+    document = json.loads(out.read_text())
+    assert set(document) == AB_DOCUMENT_KEYS
+    assert document["trees"]["b"]["src"] == str(REPO / "src")
+    if tree_a == "--a-rev":
+        assert document["trees"]["a"]["rev"] == "HEAD"
+        assert len(document["trees"]["a"]["commit"]) == 40
+    (only,) = document["rounds"]
+    assert only["order"] == ["a", "b"]
+    for key in ("a", "b"):
+        run = only[key]
+        assert set(run) == AB_RUN_KEYS
+        assert run["sent"] > 0
+        assert run["ok"] > 0
+        assert run["measured_s"] > 0
+        assert run["exit_code"] == 0, "the server drained and stopped"
+        assert all(run[figure] is not None for figure in AB_FIGURES), run
+        assert "event loop (main thread)" in run["threads_us_per_request"]
+        assert not Path(f"/proc/{run['server_pid']}").exists(), "the server is gone"
+    assert set(only["ratio"]) == AB_FIGURES
+    assert set(document["median"]["ratio"]) == AB_FIGURES
+    assert set(document["median"]["a"]) >= AB_FIGURES
+    left = [path.name for path in scratch.iterdir() if path.name.startswith("laneserve-")]
+    assert left == [], "the exported tree is removed"
+
+
 @pytest.mark.parametrize("load", ["0", "-1", "nan", "inf"])
 def test_the_admission_simulator_refuses_a_load_it_could_not_draw_naming_the_flag(
     load: str,
