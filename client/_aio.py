@@ -6,6 +6,7 @@ import asyncio
 import logging
 import math
 import numbers
+import reprlib
 import uuid
 import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
@@ -18,12 +19,20 @@ from laneserve.client._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TARGET,
     TlsConfig,
-    metadata_pair,
+    checked_metadata,
     open_channel,
 )
 from laneserve.client._errors import ClientClosedError, LaneserveError, error_from_rpc
-from laneserve.client._request import checked_str, encode_inputs, infer_request, output_names
-from laneserve.client._retry import RetryPolicy, call_with_retries
+from laneserve.client._request import (
+    MAX_REQUEST_ID_BYTES,
+    checked_str,
+    encode_inputs,
+    infer_request,
+    output_names,
+    refused,
+    utf8_bytes,
+)
+from laneserve.client._retry import RetryPolicy, call_with_retries, checked_policy
 from laneserve.client._stream import (
     DEFAULT_STREAM_LANE,
     SERVER_STREAM_LANE,
@@ -81,13 +90,14 @@ class AsyncClient:
         options: Sequence[tuple[str, Any]] = (),
         interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
     ) -> None:
+        # Each argument is checked here, naming it: taken unchecked, a wrong type failed
+        # later, at each call, with an AttributeError or an unpacking error naming none.
         self.target = target
-        self.retry = retry or RetryPolicy()
-        pairs = metadata.items() if isinstance(metadata, Mapping) else (metadata or ())
+        self.retry = checked_policy(retry, "retry") or RetryPolicy()
         # Sent with every call (e.g. authorization); refused here, naming the key, when
         # gRPC would fail every call with it.
-        self.metadata: tuple[tuple[str, str], ...] = tuple(metadata_pair(k, v) for k, v in pairs)
-        tls_config = TlsConfig() if tls is True else (tls or None)
+        self.metadata: tuple[tuple[str, str], ...] = checked_metadata(metadata)
+        tls_config = _tls_config(tls)
         self._max_message_bytes = max_message_bytes
         self._channel = open_channel(
             target,
@@ -148,9 +158,10 @@ class AsyncClient:
             Output name to array. The arrays are read-only views of the received bytes
             (no copy); ``.copy()`` one to write to it.
         """
+        policy = checked_policy(retry, "retry") or self.retry
         # Checked first: a falsy id of another type (0) is refused, not taken for none.
         if request_id is not None:
-            checked_str("request_id", request_id)
+            _check_request_id(request_id)
         request_id = request_id or uuid.uuid4().hex
         request = infer_request(
             request_id, encode_inputs(inputs, request_id), lane=lane, outputs=output_names(outputs)
@@ -162,7 +173,7 @@ class AsyncClient:
 
         return await call_with_retries(
             attempt,
-            policy=retry or self.retry,
+            policy=policy,
             timeout_s=_timeout_s(timeout),
             what=f"Infer {request_id!r}",
             closed=self._closed,
@@ -262,6 +273,7 @@ class AsyncClient:
             resumed on a new call, resending only the unanswered items; when that
             keeps failing the iteration raises the connection's `LaneserveError`.
         """
+        policy = checked_policy(retry, "retry") or self.retry
         options = StreamOptions(
             lane=lane,
             window=window,
@@ -279,7 +291,7 @@ class AsyncClient:
             self.metadata + trace_metadata(),  # the context the job was started in
             requests,
             options,
-            retry or self.retry,
+            policy,
             server_limits=self._stream_limits,
             closed=self._closed,
             max_message_bytes=self._max_message_bytes,
@@ -292,13 +304,20 @@ class AsyncClient:
         in rows, and the largest message the server reads; None when it did not answer.
         Asked before each call of a job, never kept: a server restarted at the same
         address may have others (a smaller message limit ended the whole call on an item
-        within the old one)."""
+        within the old one).
+
+        Raises:
+            InvalidInputError: the server has no lane `lane`: every item would be
+                answered so, one by one (a job of 2000 items, 2000 errors).
+        """
         try:
             model = await self._model(policy, STREAM_LIMITS_TIMEOUT_S)
         except LaneserveError as error:
             log.debug("no server limits for the stream: %s", error)
             return None
         names = [info.name for info in model.lanes]
+        if lane and names and lane not in names:  # no lanes: a server that names none
+            raise refused(f"unknown lane {lane!r}; expected one of the server's lanes {names}")
         # The lane the server queues the items in (its rule for streams, when none is named).
         name = lane or (SERVER_STREAM_LANE if SERVER_STREAM_LANE in names else model.default_lane)
         capacity = next((info.capacity_rows for info in model.lanes if info.name == name), None)
@@ -329,6 +348,41 @@ class AsyncClient:
             if self._closed.is_set() and task is not None and not task.cancelling():
                 raise ClientClosedError(request_id=request_id) from cancelled
             raise
+
+
+def _tls_config(tls: object) -> TlsConfig | None:
+    """The `tls` argument's settings; None: plaintext.
+
+    Raises:
+        TypeError: `tls` is not a TlsConfig, a bool or None (a string was taken for a
+            TlsConfig, and failed with AttributeError on its `server_name`).
+    """
+    if tls is None or isinstance(tls, bool):
+        return TlsConfig() if tls else None
+    if not isinstance(tls, TlsConfig):
+        raise TypeError(
+            f"tls: expected True (the system's roots), False or None (plaintext), or a "
+            f"TlsConfig; got {type(tls).__name__} ({reprlib.repr(tls)})"
+        )
+    return tls
+
+
+def _check_request_id(request_id: object) -> None:
+    """Refuses, before sending, a request_id the server would refuse (one over
+    MAX_REQUEST_ID_BYTES, as a bulk job's item's is refused) or protobuf could not send.
+
+    Raises:
+        TypeError: `request_id` is not a str.
+        InvalidInputError: not UTF-8 text, or longer than the server takes.
+    """
+    text = checked_str("request_id", request_id)
+    id_bytes = utf8_bytes("request_id", text, request_id=text)
+    if id_bytes > MAX_REQUEST_ID_BYTES:
+        raise refused(
+            f"request_id is {id_bytes} bytes, over the server's limit of "
+            f"{MAX_REQUEST_ID_BYTES} bytes (UTF-8); expected a shorter id",
+            text,
+        )
 
 
 def _timeout_s(timeout: object) -> float | None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import reprlib
 import ssl
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,24 @@ KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
 # Metadata given to a client is text: str values.
 _METADATA_KEY = re.compile(r"[0-9a-z_.-]+")
 _METADATA_TEXT = re.compile(r"[\x20-\x7e]*")
+# InferStream call metadata: the largest message this client reads. gRPC ends the whole
+# call on a larger answer, every other item unanswered; told, a laneserve server answers
+# such an item ANSWER_TOO_LARGE alone (it alone knows an answer's size before sending it:
+# an output's size may depend on the item's inputs). The client sets it from its
+# max_message_bytes: a caller's own value of it is refused (the server refuses a call
+# with two values of it, and a bulk job sends its own).
+RECEIVE_LIMIT_KEY = "laneserve-max-receive-bytes"
+# The ports a client can connect to. gRPC takes a larger port number modulo 65536 (and
+# -1 as 65535): "127.0.0.1:105405" connected to port 39869, to whatever listens there.
+MAX_PORT = 65535
+# gRPC's target forms: a URI whose scheme names a resolver, else `host[:port]` resolved
+# by DNS (gRPC prepends "dns:///"). A URI scheme, as gRPC's parser reads one.
+_URI_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(.*)", re.DOTALL)
+# gRPC's resolvers whose addresses are not `host[:port]`: not checked here.
+_OTHER_SCHEMES = frozenset({"unix", "unix-abstract", "vsock", "xds", "google-c2p"})
+# A target quoted in a message: the caller's, of any length.
+_TARGET_REPR = reprlib.Repr()
+_TARGET_REPR.maxstring = 200
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -133,10 +152,133 @@ def check_pem_files(
             ) from error
 
 
+def check_target(target: object, *, what: str = "target") -> str:
+    """`target`, checked where gRPC would take it for another address or fail every call
+    with words that name neither (`what`: how the caller names it). Only what is certainly
+    wrong is refused: a `host:port` (bare, or after ``dns:``, ``ipv4:``, ``ipv6:``) whose
+    port is not a whole number from 1 to 65535, and an empty target. A host alone (gRPC's
+    default port, 443), ``[::1]:port``, ``unix:`` paths and other URIs pass as they are.
+
+    Raises:
+        TypeError: `target` is not a str.
+        ValueError: an empty target, or a port out of range, naming the target.
+    """
+    if not isinstance(target, str):
+        raise TypeError(
+            f"{what} {reprlib.repr(target)}: expected str (HOST:PORT), got {type(target).__name__}"
+        )
+    if not target:
+        # gRPC: a bare UNKNOWN "Failed to create channel to ''" at each call, and its
+        # C-core's lines on stderr.
+        raise ValueError(
+            f"{what} '': expected HOST:PORT (or a gRPC target URI such as unix:/path/to.sock)"
+        )
+    shown = _TARGET_REPR.repr(target)
+    expected = f"expected HOST:PORT with a port from 1 to {MAX_PORT}"
+    for address in _host_ports(target):
+        port = _port_of(address)
+        if port is None:
+            continue
+        if not port:  # gRPC takes it for its default port
+            raise ValueError(
+                f"{what} {shown}: no port after the ':'; {expected}, or HOST alone for "
+                "gRPC's default (443)"
+            )
+        if not (port.isascii() and port.isdigit()):  # gRPC: -1 is 65535, " 80" 80
+            raise ValueError(
+                f"{what} {shown}: port {_TARGET_REPR.repr(port)} is not a whole number; {expected}"
+            )
+        digits = port.lstrip("0")
+        if len(digits) > len(str(MAX_PORT)) or not 1 <= int(digits or "0") <= MAX_PORT:
+            raise ValueError(
+                f"{what} {shown}: port {_TARGET_REPR.repr(port)} is out of range; "
+                f"{expected}{_wrapped(digits)}"
+            )
+    return target
+
+
+def _wrapped(digits: str) -> str:
+    """What gRPC makes of a port over MAX_PORT: it reads one that fits an int (up to
+    2**31 - 1; a longer one it refuses) and keeps its low 16 bits."""
+    if len(digits) > len(str(2**31)) or not MAX_PORT < int(digits or "0") < 2**31:
+        return ""
+    return f" (gRPC would connect to port {int(digits) % (MAX_PORT + 1)} instead)"
+
+
+def _host_ports(target: str) -> list[str]:
+    """The `host[:port]` addresses of `target` as gRPC resolves it; [] for a URI whose
+    addresses are of another form (a unix socket's path, an xDS name)."""
+    uri = _URI_SCHEME.fullmatch(target)
+    if uri is None:  # "127.0.0.1:50051", "[::1]:50051": no scheme, resolved by DNS
+        return [target]
+    scheme, rest = uri.groups()
+    if scheme == "dns":  # dns:host:port, dns:///host:port, dns://resolver/host:port
+        if rest.startswith("//"):
+            rest = rest[2:].partition("/")[2]
+        return [rest.removeprefix("/")]
+    if scheme in ("ipv4", "ipv6"):  # a comma-separated list of addresses
+        return [address.removeprefix("/") for address in rest.removeprefix("//").split(",")]
+    if scheme in _OTHER_SCHEMES or rest.startswith("/"):
+        return []
+    # "localhost:50051" reads as a URI of scheme "localhost": gRPC, which has no resolver
+    # of that name, resolves the whole target by DNS.
+    return [target]
+
+
+def _port_of(address: str) -> str | None:
+    """The port of a `host[:port]` address as gRPC splits it; None for none (or for an
+    address gRPC refuses itself, an unclosed "[")."""
+    if address.startswith("["):  # [v6 address] or [v6 address]:port
+        _, close, after = address.partition("]")
+        return after[1:] if close and after.startswith(":") else None
+    if address.count(":") != 1:  # no port, or a bare IPv6 address (gRPC's reading)
+        return None
+    return address.partition(":")[2]
+
+
+def checked_metadata(metadata: object) -> tuple[tuple[str, str], ...]:
+    """A client's `metadata` (a mapping of key to value, or a sequence of (key, value)
+    pairs), each pair as `metadata_pair` makes it.
+
+    Raises:
+        TypeError: `metadata` is neither, or a key or value is not a str, naming it.
+        ValueError: a pair gRPC would refuse, or a key the client sets itself.
+    """
+    if metadata is None:
+        return ()
+    if isinstance(metadata, Mapping):
+        pairs: list[object] = list(metadata.items())
+    elif isinstance(metadata, Sequence) and not isinstance(metadata, (str, bytes)):
+        pairs = list(metadata)
+    else:
+        raise TypeError(
+            "metadata: expected a mapping of key to value or a sequence of (key, value) "
+            f"pairs, got {type(metadata).__name__} ({reprlib.repr(metadata)})"
+        )
+    checked = []
+    for pair in pairs:
+        if not (isinstance(pair, Sequence) and not isinstance(pair, (str, bytes))) or (
+            len(pair) != 2  # noqa: PLR2004 - a pair
+        ):
+            raise TypeError(
+                f"metadata: expected (key, value) pairs, got {reprlib.repr(pair)} "
+                f"({type(pair).__name__}); a mapping, or [(key, value), ...]"
+            )
+        key, value = pair
+        for field, text in (("key", key), ("value", value)):
+            if not isinstance(text, str):
+                raise TypeError(
+                    f"metadata {field} {reprlib.repr(text)}: expected str, got "
+                    f"{type(text).__name__}"
+                )
+        checked.append(metadata_pair(key, value))
+    return tuple(checked)
+
+
 def metadata_pair(key: str, value: str) -> tuple[str, str]:
     """(key in lower case, value), as gRPC sends it. Raises ValueError naming the key when
     gRPC would refuse the pair: it fails every call with a TypeError or an internal error
-    that names neither the key nor the rule."""
+    that names neither the key nor the rule; and for a key the client sets itself."""
     lower = key.lower()
     if not (key.isascii() and _METADATA_KEY.fullmatch(lower)):
         raise ValueError(
@@ -152,6 +294,12 @@ def metadata_pair(key: str, value: str) -> tuple[str, str]:
         raise ValueError(
             f"metadata key {key!r}: value {value!r} is not printable ASCII; expected "
             "characters from ' ' to '~' (gRPC's rule for text values)"
+        )
+    if lower == RECEIVE_LIMIT_KEY:
+        raise ValueError(
+            f"metadata key {key!r}: the client sends its own value of it, its "
+            "max_message_bytes (the server refuses a bulk job's call with two values); "
+            "expected the client's max_message_bytes=N instead"
         )
     return lower, value
 
@@ -191,6 +339,7 @@ def open_channel(
 ) -> grpc.aio.Channel:
     """An asyncio channel; create it on the event loop it is used from (RuntimeError,
     saying so, with none: the arguments are checked first)."""
+    check_target(target)
     merged = channel_options(tls, max_message_bytes, options)
     try:
         if tls is None:

@@ -17,13 +17,22 @@ from laneserve.v1 import inference_pb2 as pb
 # The server's bound on a request_id, in bytes of UTF-8 (MAX_REQUEST_ID_BYTES in
 # laneserve.server.service; documented in inference.proto).
 MAX_REQUEST_ID_BYTES = 256
+# The server's ErrorInfo reason for a request it refuses as wrong for its model or lanes.
+INVALID_INPUT = "INVALID_INPUT"
 
 
 def refused(message: str, request_id: str = "") -> InvalidInputError:
     """An InvalidInputError for a request this client refused to send: its attempts 0
     (a LaneserveError counts 1, the one attempt a server answered), so that a caller
-    reading `attempts` tells a request never sent from one the server refused."""
-    error = InvalidInputError(message, code=grpc.StatusCode.INVALID_ARGUMENT, request_id=request_id)
+    reading `attempts` tells a request never sent from one the server refused. Its
+    reason is the server's for a refused input, INVALID_INPUT: code that sorts errors
+    by reason (laneserve-client's bulk summary) counts both alike."""
+    error = InvalidInputError(
+        message,
+        code=grpc.StatusCode.INVALID_ARGUMENT,
+        reason=INVALID_INPUT,
+        request_id=request_id,
+    )
     error.attempts = 0
     return error
 

@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import math
 import random
+import reprlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -97,6 +98,23 @@ class RetryPolicy:
 
 
 NO_RETRIES = RetryPolicy(max_attempts=1)
+
+
+def checked_policy(retry: object, field: str) -> RetryPolicy | None:
+    """`retry` (a client's or a call's `field`), a RetryPolicy or None.
+
+    Raises:
+        TypeError: anything else, naming `field` (``retry=3`` failed at the call with
+            "'int' object has no attribute 'max_attempts'").
+    """
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        raise TypeError(
+            f"{field}: expected a RetryPolicy or None, got {type(retry).__name__} "
+            f"({reprlib.repr(retry)}); RetryPolicy(max_attempts=N) for N attempts"
+        )
+    return retry
+
+
 _RNG = random.Random()  # noqa: S311 - jitter spreads retries; it guards no secret
 
 

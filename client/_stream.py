@@ -21,6 +21,8 @@ import dataclasses
 import enum
 import logging
 import math
+import numbers
+import reprlib
 import time
 import uuid
 from collections.abc import (
@@ -38,6 +40,7 @@ from typing import Any, Final
 import grpc
 import numpy.typing as npt
 
+from laneserve.client._channel import RECEIVE_LIMIT_KEY
 from laneserve.client._errors import (
     CallCancelledError,
     ClientClosedError,
@@ -160,11 +163,6 @@ SERVER_STREAM_LANE = "bulk"
 # (a drain, then a restart at the same address) and may take seconds to come back; the
 # policy's 6 attempts were spent in about 3 s.
 STREAM_RESUME_S = 30.0
-# InferStream call metadata: the largest message this client reads. gRPC ends the whole
-# call on a larger answer, every other item unanswered; told, a laneserve server answers
-# such an item ANSWER_TOO_LARGE alone (it alone knows an answer's size before sending it:
-# an output's size may depend on the item's inputs).
-RECEIVE_LIMIT_KEY = "laneserve-max-receive-bytes"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -202,6 +200,14 @@ class StreamOptions:
     window_rows: int | None = None
 
     def __post_init__(self) -> None:
+        # Types first: a str compared with an int was a bare TypeError naming no option,
+        # and a float timeout_ms failed at the first item ("bulk stream item 0: 'float'
+        # object cannot be interpreted as an integer"). Stored as int (a numpy integer
+        # is taken, and protobuf's fields take it as an int).
+        for key in ("window", "timeout_ms", "rows_per_item"):
+            object.__setattr__(self, key, _integer(key, getattr(self, key)))
+        if self.window_rows is not None:
+            object.__setattr__(self, "window_rows", _integer("window_rows", self.window_rows))
         if self.window < 1:
             raise ValueError(f"window: expected >= 1 item, got {self.window}")
         if not 0 <= self.timeout_ms < 2**32:
@@ -217,6 +223,14 @@ class StreamOptions:
             utf8_bytes("output name", name)
         if self.job_id is not None:
             utf8_bytes("job_id", self.job_id)
+
+
+def _integer(key: str, value: object) -> int:
+    """`value` as an int; TypeError naming `key` where it is no integer (nor is a bool: a
+    count of True is a caller's bug, as RetryPolicy decides)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{key}: expected an integer, got {reprlib.repr(value)}")
+    return int(value)
 
 
 class BulkStream:
@@ -238,7 +252,8 @@ class BulkStream:
         # The server's bounds for a lane, asked with a retry policy; None: no answer.
         self._server_limits = server_limits
         # The call's metadata: the caller's, and the largest answer this client reads
-        # (its message limit, both ways).
+        # (its message limit, both ways). The caller's holds no value of that key:
+        # the server refuses a call with two (`metadata_pair` refuses it).
         self._metadata = (
             metadata
             if max_message_bytes is None
@@ -481,10 +496,22 @@ class BulkStream:
     async def _set_limits(self, policy: RetryPolicy) -> None:
         """The limits of the server the next call goes to, asked afresh before each call:
         a server restarted at the same address (a resumed job's, or a later job's) may
-        have others. Unanswered, the last known stay (at first, this client's own)."""
+        have others. Unanswered, the last known stay (at first, this client's own).
+
+        Raises:
+            InvalidInputError: the server has no lane of the job's `lane` (the job ends:
+                every item would be refused alike).
+        """
         if self._server_limits is None:
             return
-        limits = await self._server_limits(self._options.lane, policy)
+        try:
+            limits = await self._server_limits(self._options.lane, policy)
+        except InvalidInputError as refusal:
+            refusal.add_note(
+                f"bulk stream {self.job_id}: refused before its call; {self._unanswered()}"
+            )
+            self._cancel_timers()
+            raise
         if limits is None:
             return
         window_rows = self._options.window_rows or limits.capacity_rows

@@ -8,9 +8,11 @@
 Every subcommand takes ``--target HOST:PORT`` (default 127.0.0.1:50051) and the TLS
 options. Exit codes: 0 everything done; 1 some rows failed (bulk: rerun with --resume to
 retry them); 2 bad usage or input (infer and bulk: checked against the server's model
-and lanes before anything is sent); 3 the server could not be reached or refused the call;
-130 / 143 interrupted by SIGINT / SIGTERM (bulk: the checkpoint is saved); 141 standard
-output closed early (a pipe into `head`), as a shell reports a command that SIGPIPE ended.
+and lanes before anything is sent), refused by this client or by the server
+(INVALID_INPUT); 3 the server could not be reached, or refused the call for its own
+reasons (a full lane, a drain, its limits); 130 / 143 interrupted by SIGINT / SIGTERM
+(bulk: the checkpoint is saved); 141 standard output closed early (a pipe into `head`),
+as a shell reports a command that SIGPIPE ended.
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ from laneserve.client._channel import (
     DEFAULT_TARGET,
     TlsConfig,
     check_pem_files,
+    check_target,
     metadata_pair,
 )
 from laneserve.client._checkpoint import Checkpoint, CheckpointError, same_file, write_npz
-from laneserve.client._errors import LaneserveError
+from laneserve.client._errors import InvalidInputError, LaneserveError
 from laneserve.client._request import encode_inputs, infer_request
 from laneserve.client._retry import RetryPolicy
 from laneserve.client._stream import DEFAULT_STREAM_LANE, SERVER_STREAM_LANE
@@ -128,7 +131,9 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"laneserve-client: {error}", file=sys.stderr)
         for note in getattr(error, "__notes__", ()):
             print(f"  {note}", file=sys.stderr)
-        return EXIT_SERVER
+        # The input's fault, whoever refused it (this client before sending, or the
+        # server: INVALID_INPUT, REQUEST_ID_REUSED): the same input fails again.
+        return EXIT_USAGE if isinstance(error, InvalidInputError) else EXIT_SERVER
     except KeyboardInterrupt:
         print("laneserve-client: interrupted", file=sys.stderr)
         return EXIT_SIGINT
@@ -194,6 +199,7 @@ def _read_pem(path: str | None, option: str) -> bytes | None:
 
 def _client(args: argparse.Namespace) -> Client:
     try:
+        check_target(args.target, what="--target")
         tls = tls_config(args)
     except ValueError as error:
         raise UsageError(str(error)) from error
@@ -742,8 +748,8 @@ def _check_request_fits(
     outputs: Sequence[str],
 ) -> None:
     """Refuses one request the server would refuse for its size: more rows than its lane
-    holds, or a message over the limit, encoded as the client sends it (it reached the
-    server: exit 3)."""
+    holds, or a message over the limit, encoded as the client sends it (sent, gRPC's
+    refusal of its size, RESOURCE_EXHAUSTED, was exit 3, as if the server were at fault)."""
     rows = len(next(iter(inputs.values())))
     name = lane_name or model.default_lane
     lane = next((lane for lane in model.lanes if lane.name == name), None)

@@ -155,12 +155,13 @@ class ServerConfig:
     device: Device = "auto"
     # On SIGTERM/SIGINT queued work may finish within this time; the rest is refused.
     drain_grace_s: float = 10.0
-    # Calls of the inference service in progress on a port at once (streams count one
-    # each; health checks none); past it a call is refused RESOURCE_EXHAUSTED before the
-    # servicer runs (grpc_accept.CallGate). It is blind to lanes, so it sits
-    # above what the lanes hold in ordinary use (the bulk lane's 16 384 rows are 2 048
-    # calls of 8 rows): a full lane refuses by priority first. At 1 024 a unary bulk
-    # flood took every slot and interactive calls were refused (bench/README.md, (c)).
+    # Infer and InferStream calls in progress on a port at once (streams count one each,
+    # at most half of it; GetModel, GetStats and health checks none); past it a call is
+    # refused RESOURCE_EXHAUSTED before the servicer runs (grpc_accept.CallGate). It is
+    # blind to lanes, so it sits above what the lanes hold in ordinary use (the bulk
+    # lane's 16 384 rows are 2 048 calls of 8 rows): a full lane refuses by priority
+    # first. At 1 024 a unary bulk flood took every slot and interactive calls were
+    # refused (bench/README.md, (c)).
     # The calls still waiting in gRPC's core are bounded by max_pending_calls.
     max_concurrent_rpcs: int = 4096
     # Calls gRPC's core may hold that the event loop has not yet taken (the backlog in

@@ -12,6 +12,8 @@ import argparse
 import math
 from collections.abc import Callable
 
+from laneserve.client._channel import check_target
+
 
 def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     """An integer in [minimum, maximum] (no upper bound when `maximum` is None)."""
@@ -49,4 +51,13 @@ def seconds(*, zero_ok: bool, maximum_s: float) -> Callable[[str], float]:
     return parse
 
 
-__all__ = ["integer", "seconds"]
+def target(text: str) -> str:
+    """A gRPC target, refused where gRPC would take it for another port or fail every call
+    (`check_target`: a port outside 1..65535 wraps around; an empty target)."""
+    try:
+        return check_target(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+__all__ = ["integer", "seconds", "target"]

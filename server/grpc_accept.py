@@ -1,5 +1,5 @@
 """How a port takes its calls from gRPC's core: several Infer calls at a time, and at
-most `max_concurrent_rpcs` calls of the inference service in progress.
+most `max_concurrent_rpcs` inference calls in progress, of which at most half streams.
 
 grpc.aio asks its core for one call per registered method at a time: once a call is
 taken, the next is asked for only when the event loop has run the task that took it and
@@ -25,12 +25,13 @@ the core, whose queue sheds cheaply (max_pending_calls).
 
 Calls taken so bypass gRPC's own `maximum_concurrent_rpcs`, which counts the stock loop's
 calls alone: the limit is `CallGate`'s instead, one count per port of the inference
-service's calls in progress, however taken.
+calls in progress, however taken.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import inspect
 import logging
@@ -47,8 +48,26 @@ cygrpc: Any = importlib.import_module("grpc._cython.cygrpc")
 # gRPC's words for a call over its concurrent call limit, which clients know (the
 # Python client's ServerBusyError): `CallGate` refuses in them.
 CALL_LIMIT_DETAILS = "Concurrent RPC limit exceeded!"
-# What `CallGate.deserializer` hands a unary handler over the limit, instead of parsing.
-OVER_LIMIT = object()
+# How the refusal of a stream over the streams' own bound begins (the rest names the
+# bound): not gRPC's words, which say the port is full, while unary calls still get in.
+STREAM_LIMIT_DETAILS = "Concurrent InferStream limit exceeded"
+# The service's methods that read the server's state and wait on nothing (no lane, no
+# other call): an operator's, called most when the server is overloaded. The gate does
+# not count them: each ends in the loop turn it starts in, so they cannot pile up in
+# progress, and those not yet taken wait in gRPC's core, bounded per method
+# (max_pending_calls), as health checks do.
+OPERATOR_METHODS = frozenset({"GetModel", "GetStats"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OverLimit:
+    """What `CallGate.deserializer` hands a unary handler in place of its request while
+    the port is at the limit: the message unread. An inference call is refused without
+    it; an operator's call, which the limit does not count, reads it then."""
+
+    data: bytes = dataclasses.field(repr=False)
+    read: Callable[[bytes], Any] = dataclasses.field(repr=False)
+
 
 # What is used of grpc.aio's internals, by name and the parameters expected.
 _SERVER_ASK = "_make_request_call_future"
@@ -241,16 +260,26 @@ async def refuse_over_limit(context: grpc.aio.ServicerContext[Any, Any]) -> NoRe
 
 
 class CallGate:
-    """The inference service's calls in progress on one port, at most `limit`
+    """The inference calls (Infer, InferStream) in progress on one port, at most `limit`
     (max_concurrent_rpcs): a call over it is refused at once, RESOURCE_EXHAUSTED in
-    gRPC's own words, its message not parsed (an acceptor's not even read). Counted by
-    the handlers (`gate`), so every call is, however it was taken (see
+    gRPC's own words, its message not parsed (an acceptor's not even read). Of them at
+    most `stream_limit` streams: one more is refused at once, RESOURCE_EXHAUSTED, in
+    words naming that bound. Operator calls (OPERATOR_METHODS) are not counted. Counted
+    by the handlers (`gate`), so every call is, however it was taken (see
     `ParallelAcceptors`). `below_accept` is set while fewer unary calls
     than `accept_below` are in progress (the extra asks are out only then): a stream's
     call stays open for a whole job, and its items do not come through asks."""
 
     def __init__(self, limit: int, accept_below: int) -> None:
         self.limit = limit
+        # Streams hold at most half the slots (at least one, so that a port of limit 1
+        # still takes a stream): the rest always stays for unary calls. A stream is a
+        # whole bulk job, open while its source is read, sending or not: 4 200 that sent
+        # nothing took every slot of the default 4 096, and every Infer and GetStats was
+        # refused while the health check said SERVING. Thousands of concurrent bulk jobs
+        # on one server is no workload; thousands of unary calls is (the bulk lane's
+        # 16 384 rows are 2 048 calls of 8 rows), and the lanes bound those by priority.
+        self.stream_limit = max(1, limit // 2)
         self.unary_calls = 0
         self.stream_calls = 0
         self._accept_below = accept_below
@@ -259,13 +288,29 @@ class CallGate:
 
     @property
     def calls(self) -> int:
-        """The inference service's calls in progress on the port."""
+        """The inference calls in progress on the port."""
         return self.unary_calls + self.stream_calls
 
     @property
     def full(self) -> bool:
         """Whether a call taken now is refused: `limit` calls are in progress."""
         return self.calls >= self.limit
+
+    @property
+    def streams_full(self) -> bool:
+        """Whether a stream taken now is refused: `stream_limit` streams are in progress."""
+        return self.stream_calls >= self.stream_limit
+
+    async def refuse_stream(self, context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
+        """Ends a stream over `stream_limit` RESOURCE_EXHAUSTED, naming the bound."""
+        await abort_unless_gone(
+            context,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{STREAM_LIMIT_DETAILS}: this port takes at most {self.stream_limit} "
+            f"InferStream calls at once (half of server setting max_concurrent_rpcs, "
+            f"{self.limit}; unary calls keep the rest), and that many are in progress; the "
+            "call never ran: retry once a stream has ended",
+        )
 
     def _enter_unary(self) -> None:
         self.unary_calls += 1
@@ -278,18 +323,22 @@ class CallGate:
             self.below_accept.set()
 
     def deserializer(self, read: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-        """`read` (a unary method's request deserializer), skipped over the limit: the
-        handler then refuses `OVER_LIMIT` without the copy and parse of a message of up
-        to max_message_bytes (gRPC's own limit refused before reading it)."""
+        """`read` (a unary method's request deserializer), skipped over the limit: an
+        inference handler then refuses the `OverLimit` without the copy and parse of a
+        message of up to max_message_bytes (gRPC's own limit refused before reading it);
+        an operator's reads it (the deserializer is not told whose it is)."""
 
         def read_within(data: bytes) -> Any:
-            return OVER_LIMIT if self.full else read(data)
+            return OverLimit(data, read) if self.full else read(data)
 
         return read_within
 
     def gate(self, behavior: Callable[..., Any], *, response_streaming: bool) -> Callable[..., Any]:
-        """`behavior` (a handler's, taking the request or its iterator and the context),
-        counted while it runs and refused over the limit."""
+        """`behavior` (a handler's, a servicer method taking the request or its iterator
+        and the context), counted while it runs and refused over the limit; an operator
+        method's (OPERATOR_METHODS, by name) neither."""
+        if getattr(behavior, "__name__", None) in OPERATOR_METHODS and not response_streaming:
+            return _ungated(behavior)
         if response_streaming:
             return self._gate_stream(behavior)
         return self._gate_unary(behavior)
@@ -298,7 +347,7 @@ class CallGate:
         async def gated(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             # This frame lets go of the request before anything is awaited: an abort
             # below keeps the frames it passes through (see service.abort_with).
-            if request is OVER_LIMIT or self.full:
+            if isinstance(request, OverLimit) or self.full:
                 del request
                 await refuse_over_limit(context)
             handling = behavior(request, context)
@@ -315,8 +364,10 @@ class CallGate:
         async def gated(
             request: Any, context: grpc.aio.ServicerContext[Any, Any]
         ) -> AsyncIterator[Any]:
-            # OVER_LIMIT: a unary request (deserializer) with a streamed answer.
-            if request is OVER_LIMIT or self.full:
+            # OverLimit: a unary request (deserializer) with a streamed answer.
+            if self.streams_full:
+                await self.refuse_stream(context)
+            if isinstance(request, OverLimit) or self.full:
                 await refuse_over_limit(context)
             self.stream_calls += 1
             responses = behavior(request, context)
@@ -330,3 +381,15 @@ class CallGate:
                 await responses.aclose()  # type: ignore[attr-defined]
 
         return gated
+
+
+def _ungated(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
+    """`behavior` (an operator's unary handler), neither counted nor refused: it reads
+    a request the gate's deserializer left unread (see `OverLimit`)."""
+
+    async def answered(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        if isinstance(request, OverLimit):
+            request = request.read(request.data)
+        return await behavior(request, context)
+
+    return answered

@@ -30,6 +30,7 @@ import grpc
 
 from laneserve.client._channel import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from laneserve.client.cli import EXIT_BROKEN_PIPE, add_tls_arguments, tls_config
+from laneserve.server import flag_values
 from laneserve.server.log_events import refuse_usage
 from laneserve.server.memory import format_bytes
 from laneserve.v1 import inference_pb2 as pb
@@ -56,7 +57,10 @@ class Sample:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--target", default="127.0.0.1:50051", help="server address (default 127.0.0.1:50051)"
+        "--target",
+        type=flag_values.target,
+        default="127.0.0.1:50051",
+        help="server address (default 127.0.0.1:50051)",
     )
     parser.add_argument(
         "--interval-s", type=float, default=1.0, help="seconds between refreshes (default 1)"

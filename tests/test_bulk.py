@@ -1893,9 +1893,10 @@ class TaggedRequests:
 def test_the_client_and_the_server_agree_on_the_receive_limit_and_the_call_limit() -> None:
     """Words of the protocol each side spells for itself: the stream's receive-limit
     metadata and its least value, and the refusal a busy port gives."""
-    from laneserve.client import _channel, _errors, _stream  # noqa: PLC0415
+    from laneserve.client import _channel, _errors  # noqa: PLC0415
     from laneserve.server import grpc_accept, service  # noqa: PLC0415
 
-    assert _stream.RECEIVE_LIMIT_KEY == service.RECEIVE_LIMIT_KEY
+    assert _channel.RECEIVE_LIMIT_KEY == service.RECEIVE_LIMIT_KEY
     assert _channel.MIN_MESSAGE_BYTES == service.MIN_RECEIVE_LIMIT_BYTES
     assert _errors._GRPC_CALL_LIMIT == grpc_accept.CALL_LIMIT_DETAILS
+    assert grpc_accept.STREAM_LIMIT_DETAILS.startswith(_errors._STREAM_LIMIT)

@@ -444,6 +444,34 @@ def test_grpcs_own_call_limit_is_a_retryable_server_busy_error(small_model: Path
     asyncio.run(scenario())
 
 
+def test_a_stream_over_the_servers_stream_bound_is_a_retryable_server_busy_error(
+    small_model: Path,
+) -> None:
+    """A port takes InferStream calls up to half of max_concurrent_rpcs; the one over it
+    never ran, as a call over gRPC's own limit: retryable, not the end of the job."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model, max_concurrent_rpcs=2)  # one stream
+        async with client_for(engine, server_config, retry=lc.NO_RETRIES) as (s, client):
+            stop = asyncio.Event()
+
+            async def idle() -> AsyncIterator[pb.InferRequest]:
+                await stop.wait()
+                yield pb.InferRequest()  # never: the stream is cancelled first
+
+            held = s.stub.InferStream(idle())
+            await until(lambda: s.server._listeners[0].acceptors._gate.stream_calls == 1)
+            with pytest.raises(lc.ServerBusyError) as caught:
+                async for _result in client.stream([{"input": rows(1)}]):
+                    pass
+            held.cancel()
+        assert caught.value.retryable
+        assert "InferStream limit" in caught.value.message
+
+    asyncio.run(scenario())
+
+
 def test_model_failure_is_engine_error(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
@@ -964,6 +992,255 @@ def test_names_and_ids_of_another_type_are_a_type_error_naming_the_field(
             assert [result.ok for result in results] == [True, False]
             assert isinstance(results[1].error, lc.InvalidInputError)
             assert "input name 'input\\ud800': expected UTF-8 text" in results[1].error.message
+
+    asyncio.run(scenario())
+
+
+def test_a_target_port_grpc_would_wrap_or_an_empty_target_is_refused_naming_it(
+    small_model: Path,
+) -> None:
+    """gRPC takes a port over 65535 modulo 65536: a client aimed at P + 65536 talked to
+    the server on P. And an empty target failed each call with a bare UNKNOWN ("Failed to
+    create channel to ''") and gRPC's C-core lines on stderr. Both are refused when the
+    client is made, naming the target; the forms gRPC takes still work."""
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            port = s.server.port
+            for target, message in (
+                (
+                    f"127.0.0.1:{port + 65536}",
+                    (
+                        f"target '127.0.0.1:{port + 65536}': port '{port + 65536}' is out of "
+                        f"range; expected HOST:PORT with a port from 1 to 65535 (gRPC would "
+                        f"connect to port {port} instead)"
+                    ),
+                ),
+                (f"[::1]:{port + 65536}", f"port '{port + 65536}' is out of range"),
+                (f"ipv4:127.0.0.1:{port + 65536}", f"port '{port + 65536}' is out of range"),
+                ("127.0.0.1:0", "port '0' is out of range"),
+                ("127.0.0.1:-1", "port '-1' is not a whole number"),  # gRPC: port 65535
+                ("127.0.0.1:", "no port after the ':'"),  # gRPC: port 443
+                ("", "target '': expected HOST:PORT"),
+            ):
+                with pytest.raises(ValueError, match=re.escape(message)):
+                    lc.AsyncClient(target)
+                with pytest.raises(ValueError, match=re.escape(message)):
+                    await asyncio.to_thread(lc.Client, target)
+            with pytest.raises(TypeError, match=re.escape("target 5: expected str")):
+                lc.AsyncClient(5)  # type: ignore[arg-type]
+            for target in (
+                f"127.0.0.1:{port}",
+                f"127.0.0.1:0{port}",
+                f"dns:///127.0.0.1:{port}",
+                f"ipv4:127.0.0.1:{port}",
+            ):
+                async with lc.AsyncClient(target) as client:
+                    assert (await client.infer({"input": rows(1)}))["output"].shape == (1, 10)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "127.0.0.1",  # gRPC's default port, 443
+        "::1",
+        "[::1]",
+        "[::1]:50051",
+        "dns://8.8.8.8/example.com:50051",
+        "ipv6:[::1]:50051",
+        "unix:/tmp/laneserve.sock",
+        "unix:///tmp/laneserve.sock",
+        "unix-abstract:laneserve",
+    ],
+)
+def test_every_target_form_grpc_takes_is_taken(target: str) -> None:
+    """Only what is certainly wrong is refused: these make a client (no call is made)."""
+
+    async def scenario() -> None:
+        async with lc.AsyncClient(target) as client:
+            assert client.target == target
+
+    asyncio.run(scenario())
+
+
+def test_metadata_the_client_sets_itself_is_refused_naming_max_message_bytes(
+    small_model: Path,
+) -> None:
+    """A caller's laneserve-max-receive-bytes made every stream() fail: a bulk job sends
+    its own value (its max_message_bytes), and the server refuses a call with two. It is
+    refused when the client is made, saying what to use instead."""
+    message = re.escape(
+        "metadata key 'Laneserve-Max-Receive-Bytes': the client sends its own value of it, "
+        "its max_message_bytes"
+    )
+    metadata = [("Laneserve-Max-Receive-Bytes", "4096")]
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            with pytest.raises(ValueError, match=message):
+                lc.AsyncClient(s.target, metadata=metadata)
+            with pytest.raises(ValueError, match=message):
+                await asyncio.to_thread(lc.Client, s.target, metadata=metadata)
+            # What to use instead: the limit reaches the server, and the job runs.
+            async with lc.AsyncClient(s.target, max_message_bytes=4096) as client:
+                results = [result async for result in client.stream([{"input": rows(1)}])]
+            assert [result.ok for result in results] == [True]
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"window": "8"}, "window: expected an integer, got '8'"),
+        ({"window": 1.5}, "window: expected an integer, got 1.5"),
+        ({"window": True}, "window: expected an integer, got True"),
+        ({"rows_per_item": "2"}, "rows_per_item: expected an integer, got '2'"),
+        ({"rows_per_item": 1.5}, "rows_per_item: expected an integer, got 1.5"),
+        ({"timeout_ms": "100"}, "timeout_ms: expected an integer, got '100'"),
+        ({"timeout_ms": 2.5}, "timeout_ms: expected an integer, got 2.5"),
+        ({"window_rows": "4"}, "window_rows: expected an integer, got '4'"),
+    ],
+    ids=lambda value: repr(value) if isinstance(value, dict) else "",
+)
+def test_stream_options_that_are_not_integers_are_a_type_error_naming_the_option(
+    options: dict[str, Any], message: str
+) -> None:
+    """They were bare TypeErrors naming no option ("'<' not supported between instances
+    of 'str' and 'int'"), a float timeout_ms one blaming "bulk stream item 0", and a
+    float window was taken. As RetryPolicy decides, a bool is not an integer here."""
+
+    async def scenario() -> None:
+        async with lc.AsyncClient("127.0.0.1:1") as client:  # nothing is sent
+            with pytest.raises(TypeError, match=re.escape(message)):
+                client.stream({"input": rows(2)}, **options)
+
+    asyncio.run(scenario())
+    with (
+        lc.Client("127.0.0.1:1") as client,
+        pytest.raises(TypeError, match=re.escape(message)),
+    ):
+        client.stream({"input": rows(2)}, **options)
+
+
+def test_stream_options_may_be_numpy_integers(small_model: Path) -> None:
+    async def scenario() -> list[lc.StreamResult]:
+        async with client_for(RecordingEngine(str(small_model)), config(small_model)) as (
+            _s,
+            client,
+        ):
+            return await all_of(
+                client.stream(
+                    {"input": rows(5)},
+                    rows_per_item=np.int64(2),  # type: ignore[arg-type]
+                    window=np.int32(2),  # type: ignore[arg-type]
+                    timeout_ms=np.uint32(60_000),  # type: ignore[arg-type]
+                    window_rows=np.int64(4),  # type: ignore[arg-type]
+                )
+            )
+
+    assert [result.ok for result in asyncio.run(scenario())] == [True] * 3
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"retry": 3}, "retry: expected a RetryPolicy or None, got int (3)"),
+        ({"tls": "yes"}, "tls: expected True (the system's roots), False or None"),
+        ({"metadata": ["k=v"]}, "metadata: expected (key, value) pairs, got 'k=v' (str)"),
+        ({"metadata": "k=v"}, "metadata: expected a mapping of key to value or a sequence"),
+        ({"metadata": [("k", 1)]}, "metadata value 1: expected str, got int"),
+        ({"metadata": {1: "v"}}, "metadata key 1: expected str, got int"),
+    ],
+    ids=lambda value: repr(value) if isinstance(value, dict) else "",
+)
+def test_client_arguments_of_another_type_are_a_type_error_naming_them(
+    arguments: dict[str, Any], message: str
+) -> None:
+    """They were taken, and each call failed later: AttributeError "'int' object has no
+    attribute 'max_attempts'", "'str' object has no attribute 'server_name'", "too many
+    values to unpack"."""
+    with pytest.raises(TypeError, match=re.escape(message)):
+        lc.Client("127.0.0.1:1", **arguments)
+
+    async def scenario() -> None:
+        with pytest.raises(TypeError, match=re.escape(message)):
+            lc.AsyncClient("127.0.0.1:1", **arguments)
+
+    asyncio.run(scenario())
+
+
+def test_a_calls_retry_of_another_type_is_a_type_error_naming_it() -> None:
+    wrong: Any = 3
+    message = re.escape("retry: expected a RetryPolicy or None, got int (3)")
+
+    async def scenario() -> None:
+        async with lc.AsyncClient("127.0.0.1:1") as client:  # nothing is sent
+            with pytest.raises(TypeError, match=message):
+                await client.infer({"input": rows(1)}, retry=wrong)
+            with pytest.raises(TypeError, match=message):
+                client.stream({"input": rows(1)}, retry=wrong)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_the_client_refuses_is_invalid_input_never_sent() -> None:
+    """A request_id over the server's 256 bytes was sent (a bulk job's item's was refused
+    before sending), to be refused there; and a request the client refused carried no
+    reason, where the server's refusal of the same input says INVALID_INPUT. Nothing
+    listens: a request that were sent would fail UNAVAILABLE."""
+
+    async def scenario() -> None:
+        async with lc.AsyncClient(f"127.0.0.1:{unused_port()}") as client:
+            x = {"input": rows(1)}
+            for request_id, message in (
+                ("y" * 300, "request_id is 300 bytes, over the server's limit of 256 bytes"),
+                ("\u00e9" * 129, "request_id is 258 bytes, over the server's limit of 256"),
+                ("a\udcff", "request_id 'a\\udcff': expected UTF-8 text"),
+            ):
+                with pytest.raises(lc.InvalidInputError, match=re.escape(message)) as refused:
+                    await client.infer(x, request_id=request_id)
+                assert (refused.value.reason, refused.value.attempts) == ("INVALID_INPUT", 0)
+                assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(lc.InvalidInputError, match="numpy dtype complex64") as refused:
+                await client.infer({"input": np.zeros((1, 2), np.complex64)})
+            assert (refused.value.reason, refused.value.attempts) == ("INVALID_INPUT", 0)
+            # The longest id the server takes is the client's too.
+            with pytest.raises(lc.UnavailableError):
+                await client.infer(x, request_id="y" * 256, retry=lc.NO_RETRIES)
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_to_a_lane_the_server_lacks_is_refused_once_before_its_call(
+    small_model: Path,
+) -> None:
+    """Every item was sent, and each answered "unknown lane" (a job of 2000 items, 2000
+    errors). The job asks the server's lanes before its call (GetModel): it is refused
+    once, naming the lane and the server's lanes, and no InferStream call is made."""
+    message = re.escape(
+        "unknown lane 'fast'; expected one of the server's lanes ['interactive', 'standard', "
+        "'bulk']"
+    )
+
+    async def scenario() -> None:
+        async with client_for(RecordingEngine(str(small_model)), config(small_model)) as (
+            s,
+            client,
+        ):
+            with pytest.raises(lc.InvalidInputError, match=message) as refused:
+                await all_of(client.stream({"input": rows(50)}, rows_per_item=1, lane="fast"))
+            calls = s.server.grpc_calls()
+            assert calls is not None
+            assert (calls.started, calls.failed) == (1, 0), "GetModel alone"
+            error = refused.value
+            assert (error.reason, error.attempts) == ("INVALID_INPUT", 0)
+            assert "refused before its call; 0 item(s) read" in "".join(error.__notes__)
+            # A lane it has runs.
+            results = await all_of(client.stream({"input": rows(2)}, lane="standard"))
+            assert [result.ok for result in results] == [True]
 
     asyncio.run(scenario())
 

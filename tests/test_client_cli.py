@@ -894,6 +894,79 @@ def test_a_non_integer_for_an_integer_flag_says_an_integer_was_expected(
     assert "invalid" not in err, "argparse's message, which names the type function"
 
 
+def test_a_target_port_grpc_would_wrap_or_an_empty_target_exits_2_naming_it(
+    small_model: Path,
+) -> None:
+    """gRPC takes a port over 65535 modulo 65536: `--target 127.0.0.1:P+65536` talked to
+    the server on P, exit 0; an empty --target failed UNKNOWN, exit 3, with gRPC's C-core
+    lines on stderr."""
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            wrapped = s.server.port + 65536
+            await refused(
+                f"laneserve-client: --target '127.0.0.1:{wrapped}': port '{wrapped}' is out "
+                "of range; expected HOST:PORT with a port from 1 to 65535 (gRPC would "
+                f"connect to port {s.server.port} instead)",
+                "model",
+                "--target",
+                f"127.0.0.1:{wrapped}",
+            )
+            err = await refused(
+                "laneserve-client: --target '': expected HOST:PORT", "model", "--target", ""
+            )
+            assert err.count("\n") == 1, "one line: nothing from gRPC's core"
+
+    asyncio.run(scenario())
+
+
+def test_input_the_client_refuses_exits_2_before_sending(small_model: Path) -> None:
+    """A --request-id the server would refuse (over its 256 bytes; `bulk` refuses its
+    items' ids before sending too) or protobuf cannot send (bytes that are not UTF-8):
+    refused before sending, the input's fault. They exited 3, "the server could not be
+    reached or refused the call" (the second was never sent)."""
+    one_row = ["infer", "--json", json.dumps({"input": rows(1).tolist()})]
+    refused_before_sending(
+        small_model,
+        [
+            (
+                [*one_row, "--request-id", "z" * 300],
+                (
+                    "laneserve-client: INVALID_INPUT: request_id is 300 bytes, over the server's "
+                    "limit of 256 bytes"
+                ),
+            ),
+            (
+                # os.fsdecode(b"ab\xff"): how Python passes bytes that are not UTF-8.
+                [*one_row, "--request-id", "ab\udcff"],
+                "laneserve-client: INVALID_INPUT: request_id 'ab\\udcff': expected UTF-8 text",
+            ),
+        ],
+    )
+
+
+def test_input_the_server_refuses_exits_2_as_the_clients_own_refusals_do(
+    small_model: Path,
+) -> None:
+    """Exit 2 is the input's fault, whoever refused it: a request_id reused for other
+    inputs is refused by the server alone (REQUEST_ID_REUSED, an INVALID_INPUT), and the
+    same input fails again. It exited 3, as an unreachable server does."""
+    first, second = (
+        ["--json", json.dumps({"input": rows(1, seed=seed).tolist()})] for seed in (1, 2)
+    )
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            target = ["--target", s.target]
+            code, _, err = await cli("infer", *target, *first, "--request-id", "r1")
+            assert code == 0, err
+            code, _, err = await cli("infer", *target, *second, "--request-id", "r1")
+            assert (code, "Traceback" in err) == (2, False), err
+            assert "laneserve-client: REQUEST_ID_REUSED: " in err
+
+    asyncio.run(scenario())
+
+
 def test_unreachable_server_exits_3_naming_the_error() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -1586,6 +1659,14 @@ def test_metadata_grpc_would_refuse_exits_2_naming_the_pair(small_model: Path) -
         ("x-bin=abc", "--metadata 'x-bin=abc': metadata key 'x-bin' ends in '-bin'"),
         ("a b=1", "--metadata 'a b=1': metadata key 'a b': expected one or more ASCII letters"),
         ("k=\u00e9", "--metadata 'k=\u00e9': metadata key 'k': value '\u00e9' is not printable"),
+        # The client sends its own (a bulk job's call with two was refused: exit 3).
+        (
+            "laneserve-max-receive-bytes=4096",
+            (
+                "--metadata 'laneserve-max-receive-bytes=4096': metadata key "
+                "'laneserve-max-receive-bytes': the client sends its own value of it"
+            ),
+        ),
     ]
 
     async def scenario() -> None:

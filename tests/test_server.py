@@ -1471,10 +1471,11 @@ async def _one_running_two_rows_queued(
 def test_calls_past_the_concurrency_limit_are_refused_as_grpc_refuses_them(
     small_model: Path,
 ) -> None:
-    """max_concurrent_rpcs counts the inference service's calls on a port however gRPC's
-    core handed them over (grpc.aio's loop or laneserve's acceptors): one over it is
-    refused at once in gRPC's own words, which clients know. Health checks are not
-    counted: a flood of Infer calls does not fail the probes."""
+    """max_concurrent_rpcs counts the inference calls on a port however gRPC's core
+    handed them over (grpc.aio's loop or laneserve's acceptors): one over it is refused
+    at once in gRPC's own words, which clients know. Health checks are not counted: a
+    flood of Infer calls does not fail the probes. Nor are an operator's calls: GetStats
+    and GetModel were refused with the rest, just when an operator asks why."""
 
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
@@ -1489,14 +1490,13 @@ def test_calls_past_the_concurrency_limit_are_refused_as_grpc_refuses_them(
                     await s.stub.Infer(request(rows(1, start=2)))
                 assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert caught.value.details() == "Concurrent RPC limit exceeded!"
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await s.stub.GetStats(pb.GetStatsRequest())
-            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+            assert sum(lane.depth_rows for lane in stats.lanes) == 1
+            assert (await s.stub.GetModel(pb.GetModelRequest())).max_batch_size > 0
             assert await health_status(s.channel) == health_pb2.HealthCheckResponse.SERVING
             engine.release()
             await asyncio.gather(running, queued)
             assert sorted(engine.ran_tags) == [0, 1]
-            await s.stub.GetStats(pb.GetStatsRequest())  # below the limit again
 
     asyncio.run(scenario())
 
@@ -1544,6 +1544,51 @@ def test_without_the_grpc_internals_the_acceptors_stand_aside(
 
     assert asyncio.run(scenario()) == 0
     assert "lacks cygrpc._schedule_rpc_coro(" in caplog.text
+
+
+def test_idle_streams_take_at_most_half_the_calls_and_unary_calls_are_answered(
+    small_model: Path,
+) -> None:
+    """A stream is a whole bulk job, open while its source is read, sending or not: 4 200
+    that sent nothing took every slot of max_concurrent_rpcs 4 096, and every Infer and
+    GetStats was refused, indefinitely, while the health check said SERVING. Streams take
+    at most half the slots (here 4 of 8): the one over it is refused at once, in words
+    naming that bound (not gRPC's, which say the port is full), and unary calls are
+    answered."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, max_concurrent_rpcs=8)) as s:
+            gate = s.server._listeners[0].acceptors._gate
+            stop = asyncio.Event()
+
+            async def idle() -> AsyncIterator[pb.InferRequest]:
+                await stop.wait()
+                yield request(rows(1))  # never: the streams are cancelled first
+
+            streams = []
+            for _ in range(4):
+                streams.append(s.stub.InferStream(idle()))
+                await until(lambda: gate.stream_calls == len(streams))
+            over = s.stub.InferStream(idle())
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await asyncio.wait_for(over.read(), 10)
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            details = caught.value.details() or ""
+            assert details.startswith(
+                "Concurrent InferStream limit exceeded: this port takes at most 4 "
+                "InferStream calls at once (half of server setting max_concurrent_rpcs, 8;"
+            ), details
+            assert gate.stream_calls == 4
+            answer = await s.stub.Infer(request(rows(1), lane="interactive"), timeout=10)
+            assert len(answer.outputs) == 1
+            stats = await s.stub.GetStats(pb.GetStatsRequest(), timeout=10)
+            assert [lane.name for lane in stats.lanes]
+            for stream in streams:
+                stream.cancel()
+            await until(lambda: gate.stream_calls == 0)
+
+    asyncio.run(scenario())
 
 
 def test_a_cancelled_stream_leaves_the_call_count(small_model: Path) -> None:
@@ -1965,7 +2010,8 @@ def test_the_extra_asks_are_out_only_below_two_batches_of_calls_in_progress() ->
 def test_a_unary_call_over_the_limit_is_refused_before_its_message_is_parsed() -> None:
     """gRPC's own limit refused before reading a message; the gate's deserializer does not
     parse one over the limit either (up to max_message_bytes each, under a flood), and
-    the handler refuses what it hands over."""
+    the handler refuses what it hands over (an operator's reads it: see
+    test_calls_past_the_concurrency_limit_are_refused_as_grpc_refuses_them)."""
     parsed: list[bytes] = []
 
     def read(data: bytes) -> bytes:
@@ -1976,7 +2022,7 @@ def test_a_unary_call_over_the_limit_is_refused_before_its_message_is_parsed() -
     deserialize = gate.deserializer(read)
     assert deserialize(b"first") == b"first"
     gate.unary_calls = 1  # one in progress: at the limit
-    assert deserialize(b"second") is grpc_accept.OVER_LIMIT
+    assert isinstance(deserialize(b"second"), grpc_accept.OverLimit)
     assert parsed == [b"first"]
 
 

@@ -338,6 +338,14 @@ def test_top_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     for interval in ("nan", "inf", "1e300"):
         assert main(["top", "--interval-s", interval]) == 2
         assert "--interval-s: expected seconds in (0, 3600]" in capsys.readouterr().err
+    # gRPC would wrap the port round (105405: 39869) and connect there; bench alike.
+    for command in (["top", "--target"], ["bench", "--target"], ["bench", "--target-priority"]):
+        with pytest.raises(SystemExit) as exited:  # argparse's own refusal
+            main([*command, "127.0.0.1:105405"])
+        assert exited.value.code == 2
+    for err in capsys.readouterr().err.split("usage:")[1:]:
+        assert "'127.0.0.1:105405'" in err
+        assert "expected HOST:PORT with a port from 1 to 65535" in err
     # laneserve-client's TLS options, named as they are given.
     assert main(["top", "--tls-cert", "client.pem"]) == 2
     assert (

@@ -38,7 +38,7 @@ from laneserve.server.bench.settings import (
     ScenarioId,
 )
 from laneserve.server.config import DEVICES, MAX_INTRA_OP_THREADS, UINT32_MAX
-from laneserve.server.flag_values import integer, seconds
+from laneserve.server.flag_values import integer, seconds, target
 
 RESULTS_DIR = Path("bench/results")
 # Signals that end a run as Ctrl-C does: `timeout`, a CI job's cancel, a closed terminal.
@@ -53,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", help="ONNX model for every configuration (default: the demo)")
     parser.add_argument(
-        "--target", help="HOST:PORT of a laneserve.v1 endpoint to measure instead of laneserve"
+        "--target",
+        type=target,
+        help="HOST:PORT of a laneserve.v1 endpoint to measure instead of laneserve",
     )
     parser.add_argument(
         "--configs",
@@ -62,7 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"configurations, comma-separated (default: all of {','.join(CONFIGURATION_KINDS)})",
     )
     parser.add_argument(
-        "--target-priority", help="HOST:PORT of the --target's priority port, if it has one"
+        "--target-priority",
+        type=target,
+        help="HOST:PORT of the --target's priority port, if it has one",
     )
     parser.add_argument(
         "--scenarios",
@@ -283,8 +287,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(f"wrote {outputs['markdown']} and {outputs['json']}")
     for path in outputs["plots"]:
         print(f"wrote {path}")
-    for target in document["targets"]:
-        print(target_line(target))
+    for verdict in document["targets"]:
+        print(target_line(verdict))
     return 0
 
 
