@@ -609,6 +609,8 @@ class LaneServer:
             config.batch_cap or config.max_batch_size,
             fixed_cap=config.batch_cap is not None,
             gauge=device,
+            # No batch holds more rows than the lanes queue together.
+            queue_rows=sum(lane.capacity_rows for lane in config.lanes),
         )
         run_ms = {rows: round(seconds * 1000, 3) for rows, seconds in self.probe.run_s.items()}
         limit = engine.memory_limit_bytes
@@ -617,13 +619,15 @@ class LaneServer:
             logging.INFO,
             "probe",
             f"probe: batch_cap={self.probe.batch_cap} (max_batch_size {config.max_batch_size}, "
-            f"first out-of-memory at {_rows_or_none(self.probe.first_failing_rows)}) "
+            f"first out-of-memory at {_rows_or_none(self.probe.first_failing_rows)}; "
+            f"stopped by {self.probe.stop_reason}) "
             f"memory_limit={'none' if limit is None else format_bytes(limit)} "
             f"estimate={_line(self.memory_estimate)} measured={_line(self.probe.memory_fit)} "
             f"run time by batch size { {rows: f'{ms:.2f}ms' for rows, ms in run_ms.items()} }",
             batch_cap=self.probe.batch_cap,
             max_batch_size=config.max_batch_size,
             first_failing_rows=self.probe.first_failing_rows,
+            stop_reason=self.probe.stop_reason,
             memory_limit_bytes=limit,
             run_ms=run_ms,
         )

@@ -13,7 +13,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +49,7 @@ from laneserve.server.memory import (
     estimate_memory,
     fit_memory,
     format_bytes,
+    host_available_bytes,
     prefer_pci_order,
     session_gpu_id,
 )
@@ -62,6 +63,16 @@ _FailedPart = tuple[Mapping[str, Array], IndexArray, LaneserveError]
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 DEFAULT_GPU_MEMORY_LIMIT = MemoryLimit(fraction=0.9)
+# On the CPU without a memory limit, the share of the host's available memory the probe's
+# next size may be predicted to need (see `_HostRoom`): the arena grows by powers of two
+# (up to twice what a run needs), and the lanes' queued inputs and the answers being
+# sent live in the same memory while serving.
+HOST_PROBE_SHARE = 0.5
+# Why the probe's sizes stopped growing (`Probe.stop_reason`): the configured maximum
+# reached; the lanes' capacity together reached (no batch can hold more rows); a size
+# ran out of memory (`Probe.first_failing_rows`); the next size was predicted to need
+# more than HOST_PROBE_SHARE of the host's available memory.
+PROBE_STOP_REASONS = ("max_batch_size", "queue_rows", "out_of_memory", "host_memory")
 
 # Messages of allocation failures: the BFC arena (CPU and CUDA), CUDA itself, and the
 # CUDA libraries' own workspaces ("CUBLAS failure 3: CUBLAS_STATUS_ALLOC_FAILED", cuDNN's
@@ -711,9 +722,17 @@ class Engine:
         repeats: int = 3,
         fixed_cap: bool = False,
         gauge: MemoryGauge | None = None,
+        queue_rows: int | None = None,
+        host_available: Callable[[], int | None] = host_available_bytes,
     ) -> Probe:
         """Warms the session up, finds the largest batch that fits the memory budget and
         measures run seconds at powers of two up to it.
+
+        No size above `queue_rows` is run, nor the cap set above it: the rows the lanes
+        can queue together, more than any batch can hold. On the CPU without a memory
+        limit only the host's memory would end the sizes' growth, so there the probe
+        stops before a size predicted to need more than HOST_PROBE_SHARE of what
+        `host_available` reads (see `_HostRoom`), and the last size run is the cap.
 
         Sizes grow until one fails to allocate or the cap is reached; between the last
         size that fitted and the first that failed a bisection finds the boundary. Each
@@ -729,8 +748,11 @@ class Engine:
         fixed + per_row * rows: the measured counterpart of the static estimate (NVML on
         a GPU; resident memory on the CPU, where the arena grows by what runs need).
         """
+        host_room = None
+        if self.memory_limit_bytes is None and self.providers[0] != CUDA:
+            host_room = _HostRoom(host_available, gauge or ProcessRssGauge())
         try:
-            return self._probe(max_batch_size, repeats, fixed_cap, gauge)
+            return self._probe(max_batch_size, repeats, fixed_cap, gauge, queue_rows, host_room)
         except NvmlUnavailableError as error:  # a memory reading after a probe size
             raise nvml_start_error(error) from error
         except EngineError as error:  # the model cannot be batched (see `run`)
@@ -747,47 +769,88 @@ class Engine:
             ) from error
 
     def _probe(
-        self, max_batch_size: int, repeats: int, fixed_cap: bool, gauge: MemoryGauge | None
+        self,
+        max_batch_size: int,
+        repeats: int,
+        fixed_cap: bool,
+        gauge: MemoryGauge | None,
+        queue_rows: int | None,
+        host_room: _HostRoom | None,
     ) -> Probe:
         if max_batch_size > 1:  # one row per run: nothing is batched together
             self._check_later_axes_fixed()
         measured: dict[int, float] = {}
         memory_bytes: dict[int, int] = {}
         fits, fails = 0, None
-        for rows in _powers_of_two_up_to(max_batch_size):
+        largest = max_batch_size if queue_rows is None else min(max_batch_size, queue_rows)
+        stop_reason = "max_batch_size" if largest == max_batch_size else "queue_rows"
+        for rows in _powers_of_two_up_to(largest):
+            if host_room is not None and fits > 0 and not host_room.admits(rows, fits):
+                stop_reason = "host_memory"
+                break
             seconds = self._time_rows(rows, repeats)
             if seconds is None:
-                fails = rows
+                fails, stop_reason = rows, "out_of_memory"
                 break
             measured[rows], fits = seconds, rows
             used_bytes = None if gauge is None else gauge.used_bytes()
             if used_bytes is not None:
                 memory_bytes[rows] = used_bytes
+            if host_room is not None:
+                host_room.ran(rows, self._row_bytes() if rows == 1 else None)
         memory_fit = fit_memory(memory_bytes)
         if fits == 0:
             raise EngineStartError(
                 "the model does not run even one row within the memory budget of "
                 f"{format_bytes(self.memory_limit_bytes or 0)}; raise --memory-limit"
             )
+        if stop_reason == "queue_rows":
+            log_event(
+                log,
+                logging.INFO,
+                "probe_queue_rows",
+                f"probe: sizes up to {largest} rows, what the lanes queue together (no "
+                f"batch holds more), not max_batch_size {max_batch_size}",
+                queue_rows=largest,
+                max_batch_size=max_batch_size,
+            )
         if fixed_cap:
-            return Probe(measured, max_batch_size, fails, memory_bytes, memory_fit)
+            return Probe(measured, max_batch_size, fails, memory_bytes, memory_fit, stop_reason)
         if fails is not None:
-            low, high = fits, fails
-            while high - low > max(1, low // 16):  # within ~6 % of the boundary
-                middle = (low + high) // 2
-                if self._time_rows(middle, 1) is None:
-                    high = middle
-                else:
-                    low = middle
-            fits = low
-            # The boundary itself is verified after the failures above (the arena
-            # shrinks back first): the cap must be a size that fits after an OOM.
-            while fits > 1 and self._time_rows(fits, repeats) is None:
-                fits = max(1, fits * 7 // 8)
-            seconds = self._time_rows(fits, repeats)
-            if seconds is not None:
-                measured[fits] = seconds
-        return Probe(measured, fits, fails, memory_bytes, memory_fit)
+            fits = self._search_boundary(fits, fails, repeats, measured)
+        return Probe(measured, fits, fails, memory_bytes, memory_fit, stop_reason)
+
+    def _search_boundary(
+        self, fits: int, fails: int, repeats: int, measured: dict[int, float]
+    ) -> int:
+        """The largest size that fits, between `fits` and `fails` rows (within ~6 %); its
+        run seconds go into `measured`."""
+        low, high = fits, fails
+        while high - low > max(1, low // 16):  # within ~6 % of the boundary
+            middle = (low + high) // 2
+            if self._time_rows(middle, 1) is None:
+                high = middle
+            else:
+                low = middle
+        fits = low
+        # The boundary itself is verified after the failures above (the arena
+        # shrinks back first): the cap must be a size that fits after an OOM.
+        while fits > 1 and self._time_rows(fits, repeats) is None:
+            fits = max(1, fits * 7 // 8)
+        seconds = self._time_rows(fits, repeats)
+        if seconds is not None:
+            measured[fits] = seconds
+        return fits
+
+    def _row_bytes(self) -> int:
+        """The bytes of one probe row's inputs and outputs (a run of one row): held beside
+        the session's own memory during a run, and given back after it."""
+        inputs = self.example_inputs(1)
+        try:
+            outputs = self.run(inputs)
+        except DeviceMemoryError:  # one row ran just now: the outputs are left uncounted
+            outputs = {}
+        return sum(array.nbytes for array in (*inputs.values(), *outputs.values()))
 
     def _check_later_axes_fixed(self) -> None:
         """Refuses (EngineError) a model an output of which is sized by the batch after its
@@ -816,8 +879,10 @@ class Engine:
     def _time_rows(self, rows: int, repeats: int) -> float | None:
         """Best run seconds at `rows` rows after one warm-up run; None: out of memory,
         the session's or the host's (MemoryError: building the inputs or copying the
-        outputs, on the CPU without a memory limit, where only the host's memory ends
-        the probe's growth: it failed the start with a traceback)."""
+        outputs, on the CPU without a memory limit, where the host's memory ends the
+        probe's growth, before `_HostRoom`'s prediction where an address-space limit
+        ends it or the host's available memory is unknown: it failed the start with a
+        traceback)."""
         best = float("inf")
         try:
             inputs = self.example_inputs(rows)
@@ -835,7 +900,8 @@ class Engine:
 class Probe:
     # Best run seconds by batch size.
     run_s: dict[int, float]
-    # The largest batch that fits the memory budget (at most the configured maximum).
+    # The largest batch that fits the memory budget (at most the configured maximum, and
+    # the rows the lanes queue together); with a fixed cap, that cap.
     batch_cap: int
     # The smallest size seen to fail with out-of-memory; None if none failed.
     first_failing_rows: int | None
@@ -843,6 +909,78 @@ class Probe:
     # few sizes to fit).
     memory_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
     memory_fit: MemoryEstimate | None = None
+    # Why the sizes stopped growing: one of PROBE_STOP_REASONS.
+    stop_reason: str = "max_batch_size"
+
+
+class _HostRoom:
+    """Whether the host has room for the probe's next size, on the CPU without a memory
+    limit. There only the host's memory ends the sizes' growth, and it ends it late:
+    max_batch_size 4294967295 (which the config accepts) on the demo model was still
+    probing after 114 s (four runs of 65 536 rows took 40 s; 131 072 need ~4.5 GiB),
+    and where memory is overcommitted the OOM killer, not a MemoryError, ends it, maybe
+    in another process.
+
+    A size's peak is predicted as its rows times the bytes a row took so far: a row's
+    inputs and outputs (held during a run, given back after it, so not in the readings)
+    plus the growth of memory in use per row from the first size to the last one run
+    (the arena keeps what runs needed). Before each larger size the host's available
+    memory is read again: what earlier sizes took is no longer in it.
+    """
+
+    def __init__(self, available: Callable[[], int | None], resident: MemoryGauge) -> None:
+        self._available = available
+        self._resident = resident
+        self._io_bytes_per_row = 0
+        # (rows, memory in use after them) of the first size and of the last one run.
+        self._first: tuple[int, int] | None = None
+        self._last: tuple[int, int] | None = None
+
+    def ran(self, rows: int, io_bytes_per_row: int | None) -> None:
+        """Size `rows` ran; `io_bytes_per_row`: one row's inputs and outputs, once known."""
+        if io_bytes_per_row is not None:
+            self._io_bytes_per_row = io_bytes_per_row
+        used_bytes = self._resident.used_bytes()
+        if used_bytes is None:
+            return
+        if self._first is None:
+            self._first = (rows, used_bytes)
+        else:
+            self._last = (rows, used_bytes)
+
+    def row_bytes(self) -> int:
+        """The bytes a row is predicted to take at a larger size."""
+        if self._first is None or self._last is None:
+            return self._io_bytes_per_row
+        (first_rows, first_bytes), (last_rows, last_bytes) = self._first, self._last
+        growth = max(last_bytes - first_bytes, 0) // (last_rows - first_rows)
+        return self._io_bytes_per_row + growth
+
+    def admits(self, rows: int, fits: int) -> bool:
+        """Whether size `rows` is predicted to fit HOST_PROBE_SHARE of the available
+        memory (`fits`: the last size that ran, the cap if not); logs why not."""
+        available_bytes = self._available()
+        if available_bytes is None:  # unknown (not Linux): the old growth, until it fails
+            return True
+        row_bytes = self.row_bytes()
+        need_bytes = rows * row_bytes
+        if need_bytes <= available_bytes * HOST_PROBE_SHARE:
+            return True
+        log_event(
+            log,
+            logging.WARNING,
+            "probe_host_memory",
+            f"probe: stopped at {fits} rows: {rows} rows are predicted to need "
+            f"{format_bytes(need_bytes)} ({format_bytes(row_bytes)} a row), over "
+            f"{HOST_PROBE_SHARE:.0%} of the host's available {format_bytes(available_bytes)}; "
+            "set --memory-limit for a cap measured against a budget",
+            rows=rows,
+            batch_cap=fits,
+            need_bytes=need_bytes,
+            row_bytes=row_bytes,
+            available_bytes=available_bytes,
+        )
+        return False
 
 
 class _Split:

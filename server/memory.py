@@ -281,6 +281,69 @@ def _malloc_trim() -> Callable[[int], object] | None:
     return trim
 
 
+# A cgroup memory limit at or above this is none (v1 writes "no limit" as ~2^63).
+_NO_CGROUP_LIMIT_BYTES = 1 << 60
+
+
+def host_available_bytes(
+    proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """Memory the host could still give this process: the kernel's MemAvailable, or less
+    where the process's cgroup (a container's limit, v2 or v1) leaves less; None where
+    neither can be read (not Linux). In a container MemAvailable is the whole machine's,
+    and past the cgroup's limit the OOM killer ends the process. `proc` and `cgroups`
+    are where the kernel's files are read from (tests give others)."""
+    rooms = [_meminfo_available_bytes(proc), _cgroup_room_bytes(proc, cgroups)]
+    known = [room for room in rooms if room is not None]
+    return min(known) if known else None
+
+
+def _meminfo_available_bytes(proc: Path) -> int | None:
+    try:
+        lines = (proc / "meminfo").read_text(encoding="ascii").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        name, _, value = line.partition(":")
+        if name == "MemAvailable":
+            with contextlib.suppress(ValueError):
+                return int(value.split()[0]) * _KIB  # "MemAvailable: 23882396 kB"
+    return None
+
+
+def _cgroup_room_bytes(proc: Path, cgroups: Path) -> int | None:
+    """The process's cgroup's memory limit less its usage; None without a limit, or where
+    it cannot be read. The cgroup's path is looked for under its controller's mount, then
+    at the mount itself (a container's own cgroup namespace mounts its cgroup there)."""
+    try:
+        lines = (proc / "self" / "cgroup").read_text(encoding="ascii").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:  # noqa: PLR2004 - hierarchy:controllers:path
+            continue
+        _, controllers, path = fields
+        if controllers == "":  # v2, "0::/path"
+            mount, files = cgroups, ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):  # v1, "4:memory:/path"
+            mount, files = cgroups / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        for folder in (mount / path.lstrip("/"), mount):
+            try:
+                limit_text, used_text = (
+                    (folder / name).read_text(encoding="ascii") for name in files
+                )
+                limit, used = (int(text) for text in (limit_text, used_text))
+            except (OSError, ValueError):  # not there, or "max": no limit here
+                continue
+            if limit < _NO_CGROUP_LIMIT_BYTES:
+                return max(limit - used, 0)
+            break
+    return None
+
+
 # ---- the watermark -----------------------------------------------------------------------
 
 

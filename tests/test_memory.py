@@ -33,6 +33,7 @@ from laneserve.server.cost_model import MAX_SIGNATURES, RunTimeModel
 from laneserve.server.demo_model import make_demo_model
 from laneserve.server.engine import (
     CUDA,
+    HOST_PROBE_SHARE,
     Engine,
     EngineStartError,
     _Split,
@@ -66,6 +67,7 @@ from laneserve.server.memory import (
     Watermark,
     estimate_memory,
     fit_memory,
+    host_available_bytes,
     parse_memory_limit,
 )
 from laneserve.server.scheduler import Dispatch, Scheduler
@@ -1810,7 +1812,8 @@ engine = Engine(sys.argv[1], device="cpu")
 mapped = int(open("/proc/self/statm").read().split()[0]) * 4096
 limit = mapped + 300 * (1 << 20)
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-probe = engine.probe(1_000_000, repeats=1)
+# The host's available memory unread, as off Linux: the growth ends where allocation fails.
+probe = engine.probe(1_000_000, repeats=1, host_available=lambda: None)
 print(probe.batch_cap, probe.first_failing_rows)
 """
 
@@ -1825,6 +1828,104 @@ def test_a_probe_without_a_memory_limit_stops_where_the_hosts_memory_ends(
     cap, first_failing = _run_script(_HOST_LIMITED_PROBE, str(small_model)).split()
     assert first_failing != "None"
     assert 1 <= int(cap) < int(first_failing) <= 1_000_000
+
+
+def test_a_probe_runs_no_size_larger_than_the_lanes_queue_together(small_model: Path) -> None:
+    """max_batch_size 4294967295 (the config's largest) on the CPU with no memory limit:
+    the probe doubled sizes until the host ran out of memory (still probing after
+    114 s). No batch holds more rows than the lanes queue together: no larger size runs,
+    and the cap is that."""
+    engine = Engine(str(small_model), device="cpu")
+    probe = engine.probe(2**32 - 1, repeats=1, queue_rows=24)
+    assert sorted(probe.run_s) == [1, 2, 4, 8, 16, 24]
+    assert (probe.batch_cap, probe.stop_reason, probe.first_failing_rows) == (
+        24,
+        "queue_rows",
+        None,
+    )
+
+
+def test_a_server_probes_no_batch_larger_than_its_lanes_hold(small_model: Path) -> None:
+    lanes = (
+        LaneConfig("interactive", capacity_rows=16, timeout_ms=1_000, max_wait_ms=1, min_share=0),
+        LaneConfig("standard", capacity_rows=8, timeout_ms=1_000, max_wait_ms=1, min_share=0),
+    )
+    config = ServerConfig(
+        model_path=str(small_model), device="cpu", metrics_port=-1, max_batch_size=4096, lanes=lanes
+    )
+    server = LaneServer(Engine(str(small_model), device="cpu"), config, estimate=estimate_once)
+    server.telemetry.close()
+    assert max(server.probe.run_s) == server.probe.batch_cap == 24
+
+
+def _row_bytes(engine: Engine) -> int:
+    """One probe row's inputs and outputs: what a row takes where memory in use does not
+    grow with the rows."""
+    inputs = engine.example_inputs(1)
+    arrays = [*inputs.values(), *engine.run(inputs).values()]
+    return sum(array.nbytes for array in arrays)
+
+
+def test_a_probe_without_a_memory_limit_stops_before_the_host_runs_out(
+    small_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On the CPU without --memory-limit only the host's memory ended the probe's growth,
+    by a MemoryError or, where memory is overcommitted, the OOM killer. It stops before a
+    size predicted (rows x the bytes a row took so far) to need more than
+    HOST_PROBE_SHARE of the host's available memory: here that has room for 12 rows of a
+    model whose memory in use (the gauge) does not grow, so 8 rows run and 16 do not."""
+    engine = Engine(str(small_model), device="cpu")
+    available_bytes = int(12 * _row_bytes(engine) / HOST_PROBE_SHARE)
+    caplog.set_level(logging.INFO, "laneserve")
+    probe = engine.probe(
+        2**32 - 1, repeats=1, gauge=SettableGauge(), host_available=lambda: available_bytes
+    )
+    assert sorted(probe.run_s) == [1, 2, 4, 8]
+    assert (probe.batch_cap, probe.stop_reason, probe.first_failing_rows) == (
+        8,
+        "host_memory",
+        None,
+    )
+    (record,) = [r for r in caplog.records if getattr(r, "event", None) == "probe_host_memory"]
+    assert "stopped at 8 rows: 16 rows are predicted to need" in record.getMessage()
+
+
+def test_a_probe_with_room_on_the_host_runs_every_size_as_before(small_model: Path) -> None:
+    engine = Engine(str(small_model), device="cpu")
+    probe = engine.probe(128, repeats=1, host_available=lambda: 1 << 40)
+    assert sorted(probe.run_s) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert (probe.batch_cap, probe.stop_reason) == (128, "max_batch_size")
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "files", "expected_mib"),
+    [
+        pytest.param("0::/pod\n", {"pod/memory.max": 512, "pod/memory.current": 128}, 384, id="v2"),
+        pytest.param("0::/\n", {"memory.max": 512, "memory.current": 500}, 12, id="v2-namespace"),
+        pytest.param(
+            "4:memory:/job\n0::/\n",
+            {"memory/job/memory.limit_in_bytes": 256, "memory/job/memory.usage_in_bytes": 56},
+            200,
+            id="v1",
+        ),
+        pytest.param("0::/pod\n", {"pod/memory.current": 128}, 1000, id="no-limit"),
+    ],
+)
+def test_the_hosts_available_memory_is_the_cgroups_room_where_that_is_less(
+    tmp_path: Path, cgroup: str, files: dict[str, int], expected_mib: int
+) -> None:
+    """In a container MemAvailable is the whole machine's; past the cgroup's limit the OOM
+    killer ends the server."""
+    proc, cgroups = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemTotal: 4096000 kB\nMemAvailable: {1000 * 1024} kB\n")
+    (proc / "self" / "cgroup").write_text(cgroup)
+    for name, mib in files.items():
+        (cgroups / name).parent.mkdir(parents=True, exist_ok=True)
+        (cgroups / name).write_text(f"{mib * MIB}\n")
+    if "pod/memory.current" in files and "pod/memory.max" not in files:
+        (cgroups / "pod" / "memory.max").write_text("max\n")
+    assert host_available_bytes(proc, cgroups) == expected_mib * MIB
 
 
 def test_burst_larger_than_memory_completes_and_the_cap_converges(
