@@ -93,9 +93,13 @@ class Lane:
         # once its credit covers it, goes first (see `Scheduler._owed_head`).
         self.room_blocked = False
         # Rows a batch gave this lane lately while it had work queued (a moving average
-        # over batches): its share, and what it rode along with. Only the scheduler
-        # changes it.
+        # over batches): its share, and what it rode along with. Forgotten once the lane
+        # has had nothing queued for a while (`Scheduler._forget_idle_pace`). Only the
+        # scheduler changes it.
         self.served_rows_per_batch = 0.0
+        # When a batch last formed while this lane had work queued (None: never): when
+        # `served_rows_per_batch` last learned. Only the scheduler changes it.
+        self.served_at_s: float | None = None
         # When this lane last admitted a request (None: never): it is active for
         # ACTIVE_LANE_S after, and batches of lower lanes then keep within its max_wait.
         self.last_admit_s: float | None = None

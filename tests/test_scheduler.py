@@ -614,6 +614,26 @@ def test_a_lane_idle_when_a_batch_is_formed_still_repays_what_it_took_ahead() ->
     assert taken["interactive"] >= batches * (CAP - share_rows) - CAP
 
 
+def test_a_lane_served_its_share_in_room_left_over_banks_no_credit_ahead() -> None:
+    """Bulk (share 3.2 of 64 rows) runs alone: its first 64-row request crosses its
+    allowance (a batch in debt), and every batch after gives it 64 rows in the room the
+    lanes above leave. It banked its share in each all the same, and once its debt was
+    repaid (batch 21) it claimed a whole request ahead of an interactive row that came
+    then: the row waited a whole 4 ms run. Served its share so, it is owed nothing: an
+    interactive row goes in the next batch whenever it comes."""
+    scheduler = make_scheduler(DEFAULT_LIKE_LANES, cap=64)
+    for index in range(60):
+        scheduler.admit(make_request(index, "bulk", 64), T0)
+    now_s = T0
+    for number in range(40):
+        if number > 0:  # after the crossing request: an interactive row comes now
+            probe = copy.deepcopy(scheduler)
+            probe.admit(make_request(999, "interactive", 1), now_s)
+            assert rows_by_lane(dispatch(probe, now_s, math.inf))["interactive"] == 1, number
+        batch, _, now_s = run_next(scheduler, now_s)
+        assert rows_by_lane(batch) == Counter({"bulk": 64})
+
+
 # Interactive without a share, standard 0.1, bulk 0.05, lanes that never fill: what each
 # lane gets under saturation, whatever the queues hold.
 UNBOUNDED_SHARE_LANES = (
@@ -1089,6 +1109,35 @@ def test_a_lane_of_another_shape_does_not_own_every_batch_under_an_active_lane()
     assert taken["standard"] > 5 * taken["bulk"] > 0, taken
 
 
+@pytest.mark.parametrize("bulk_rows", [64, 200])
+def test_a_lane_of_another_shape_gets_its_share_under_an_active_lane_whatever_its_sizes(
+    bulk_rows: int,
+) -> None:
+    """Bulk's requests have another shape; interactive (a request every 10 batches) keeps
+    batches of the lanes below it small. Bulk banks a batch of credit and is owed a batch
+    of its shape, which holds what that covers: its head, or a cap's worth of it. Held
+    to interactive's bound because a head over the cap is split anyway, the owed batch
+    of 200-row requests ran 22 rows for the 64 its credit paid, and bulk got 55 % of its
+    share (64-row requests, taken whole, got all of it)."""
+    scheduler = make_scheduler(DEFAULT_LIKE_LANES, cap=64)
+    index, now_s = 1000, T0
+    taken: Counter[str] = Counter()
+    batches = 600
+    for step in range(batches):
+        if step % 10 == 0:
+            scheduler.admit(make_request(index, "interactive", 1), now_s)
+            index += 1
+        while queued_rows(scheduler, "standard") < 192:
+            scheduler.admit(make_request(index, "standard", 1), now_s)
+            index += 1
+        while queued_rows(scheduler, "bulk") < 2 * bulk_rows:
+            scheduler.admit(make_request(index, "bulk", bulk_rows, width=3), now_s)
+            index += 1
+        batch, _, now_s = run_next(scheduler, now_s)
+        taken += rows_by_lane(batch)
+    assert taken["bulk"] >= 0.9 * batches * 0.05 * 64, taken
+
+
 def test_an_owed_head_goes_first_alone() -> None:
     """Bulk's 60-row head never fits beside an active interactive lane, so bulk banks
     until it is owed. Its owed batch took its whole allowance: the head and four more
@@ -1404,6 +1453,32 @@ def test_a_share_lane_served_beyond_its_share_is_predicted_at_that_pace() -> Non
         _, outcomes, now_s = run_next(scheduler, now_s)
         answered = 9999 in tokens(outcomes)
     assert now_s <= deadline_s
+
+
+def test_a_share_lane_idle_for_a_while_is_promised_its_share_not_its_old_pace() -> None:
+    """Bulk ran alone (~61 rows a batch), then had nothing queued for an hour; now
+    standard has 1 600 rows queued and bulk 40. Its pace learns only from batches that
+    find its work queued, so it was still ~61 rows a batch: a bulk request was promised
+    the next batch or so and ran in the 23rd. Forgotten, its share is what is promised
+    (and the request runs after 10 batches, as the refusal says)."""
+    scheduler = make_scheduler(DEFAULT_LIKE_LANES, cap=64)
+    for index in range(30):
+        scheduler.admit(make_request(index, "bulk", 64), T0)
+    now_s = T0
+    for _ in range(30):
+        _, _, now_s = run_next(scheduler, now_s)
+    assert scheduler.lane("bulk").served_rows_per_batch > 60
+    now_s += 3600
+    for index in range(100, 300):
+        scheduler.admit(make_request(index, "standard", 8), now_s)
+    for index in range(300, 310):
+        scheduler.admit(make_request(index, "bulk", 4), now_s)
+    batch_s = scheduler.run_time.predict_s(64)
+    with pytest.raises(DeadlineUnmeetableError):
+        scheduler.admit(make_request(998, "bulk", 1, deadline_s=now_s + 10 * batch_s), now_s)
+    scheduler.admit(make_request(999, "bulk", 1), now_s)
+    ran, _ = run_until_answered(scheduler, now_s, 999)
+    assert len(ran) > 10
 
 
 def test_admission_predicts_a_share_smaller_than_a_row() -> None:
@@ -2925,10 +3000,11 @@ def test_a_request_whose_shape_leads_its_lane_is_not_costed_the_shapes_behind_th
 
 
 def test_a_share_lane_behind_another_shape_moves_by_its_share_not_its_pace() -> None:
-    """Standard led batches of its own lately (its pace: ~20 rows a batch) and owes two
-    shares for them. Behind long interactive rows it cannot join, it repays at its share
-    alone (8 rows a batch): owed a batch of its shape after three long ones, not after
-    the one its pace said."""
+    """Standard led batches of its own lately (its pace: ~20 rows a batch) and owes three
+    shares for them (its first request crossed its allowance; the rest came in room left
+    over, which repays nothing). Behind long interactive rows it cannot join, it repays
+    at its share alone (8 rows a batch): owed a batch of its shape after four long ones,
+    not after the one its pace said."""
     lanes = (dataclasses.replace(INTERACTIVE, capacity_rows=512), *WIDE_LANES["share"][1:])
     scheduler, running = mixed_lengths_scheduler(lanes)
     now_s = T0
@@ -2939,18 +3015,18 @@ def test_a_share_lane_behind_another_shape_moves_by_its_share_not_its_pace() -> 
     standard = scheduler.lane("standard")
     share = scheduler._share_rows(standard, ((2,),))
     assert standard.served_rows_per_batch > 2 * share
-    assert scheduler._balance_rows(standard, ((2,),)) == -2 * share
-    for index in range(10, 14):
+    assert scheduler._balance_rows(standard, ((2,),)) == -3 * share
+    for index in range(10, 15):
         scheduler.admit(make_request(index, "interactive", 32, width=LONG), now_s)
     with pytest.raises(DeadlineUnmeetableError):
         scheduler.admit(
-            make_request(20, "standard", 1, deadline_s=now_s + 2.5 * LONG_BATCH_S), now_s
+            make_request(20, "standard", 1, deadline_s=now_s + 3.5 * LONG_BATCH_S), now_s
         )
     scheduler.admit(
-        make_request(21, "standard", 1, deadline_s=now_s + 3 * LONG_BATCH_S + 0.002), now_s
+        make_request(21, "standard", 1, deadline_s=now_s + 4 * LONG_BATCH_S + 0.002), now_s
     )
     scheduler.complete(run(running))
-    assert served_shapes(scheduler, 21) == [LONG] * 3 + [SHORT]
+    assert served_shapes(scheduler, 21) == [LONG] * 4 + [SHORT]
 
 
 def test_the_retry_hint_of_a_full_lane_counts_the_work_queued_above_it() -> None:
@@ -3077,6 +3153,78 @@ def test_an_active_lane_still_lets_one_whole_request_of_a_lower_lane_run() -> No
     scheduler.admit(make_request(1, "bulk", 40), T0)
     scheduler.admit(make_request(2, "bulk", 10), T0)
     assert rows_by_lane(dispatch(scheduler, T0, math.inf)) == Counter({"bulk": 40})
+
+
+def test_an_active_lane_bounds_a_lower_request_larger_than_the_cap() -> None:
+    """A bulk request over the cap is split whatever the room, so the one-whole-request
+    exception has nothing to keep whole: its chunks keep to what runs within
+    interactive's max_wait (43 rows), what is left of it after the first (57 rows, under
+    the cap) too. Counted whole, it lifted the limit to the cap: a 64-row batch ran
+    ahead of interactive's next row."""
+    scheduler = make_scheduler(TOP_DOWN_LANES, cap=64)
+    scheduler.admit(make_request(500, "interactive", 1), T0)
+    scheduler.complete(run(dispatch(scheduler, T0, math.inf), run_s=0.001))
+    request = make_request(1, "bulk", 100)
+    scheduler.admit(request, T0 + 0.001)
+    within = rows_within_wait(scheduler, INTERACTIVE)
+    chunks: list[list[int]] = []
+    outcomes: list[Outcome] = []
+    now_s = T0 + 0.001
+    while scheduler.live_entries:
+        batch = dispatch(scheduler, now_s, math.inf)
+        chunks.append(row_ids(batch))
+        run_s = scheduler.run_time.predict_s(batch.rows)  # as predicted: the bound stays
+        outcomes += scheduler.complete(run(batch, run_s=run_s))
+        now_s += run_s
+    assert [len(chunk) for chunk in chunks] == [within, within, 100 - 2 * within]
+    assert [row for chunk in chunks for row in chunk] == ids(1, 100)
+    assert len(outcomes) == 1
+    assert_answered(outcomes[0], request)
+
+
+def test_an_active_lane_bounds_what_is_left_of_a_split_lower_request() -> None:
+    """A 120-row bulk request ran its first 64 rows while interactive was quiet; then
+    interactive became active. The 56 rows left fit the cap, but are split anyway (the
+    request is over it): they keep to the 43 rows that run within interactive's max_wait.
+    Counted whole, they ran as one 56-row batch ahead of interactive's next row."""
+    scheduler = make_scheduler(TOP_DOWN_LANES, cap=64)
+    scheduler.admit(make_request(1, "bulk", 120), T0)
+    first = dispatch(scheduler, T0, math.inf)
+    assert first.rows == 64
+    scheduler.complete(run(first, run_s=scheduler.run_time.predict_s(64)))
+    now_s = T0 + scheduler.run_time.predict_s(64)
+    # Of another shape, so that no bulk row rides along with it.
+    scheduler.admit(make_request(500, "interactive", 1, width=3), now_s)
+    batch = dispatch(scheduler, now_s, math.inf)
+    assert rows_by_lane(batch) == Counter({"interactive": 1})
+    scheduler.complete(run(batch))
+    now_s += 0.001
+    within = rows_within_wait(scheduler, INTERACTIVE)
+    batch = dispatch(scheduler, now_s, math.inf)
+    assert row_ids(batch) == ids(1, within, start=64)
+
+
+def test_an_active_lane_leaves_a_lowered_cap_full_batches_to_recover_by() -> None:
+    """Out of memory lowered the cap to 32, so bulk's 64-row requests are split: but only
+    until the cap recovers, which counts full batches. Held to interactive's bound (22
+    rows within its 1 ms), none was full, and the cap stayed low while interactive was
+    active; requests over the probed cap are the ones split whatever the cap."""
+    lanes = tuple(dataclasses.replace(lane, min_share=0.0) for lane in DEFAULT_LIKE_LANES)
+    scheduler = make_scheduler(lanes, cap=64)
+    for index in range(4):
+        scheduler.admit(make_request(index, "bulk", 64), T0)
+    ran = run(dispatch(scheduler, T0, math.inf))
+    oom = OutOfMemoryRun(64, held_unfit_row=False)
+    scheduler.complete(dataclasses.replace(ran, out_of_memory_runs=(oom,), split=True))
+    assert scheduler.batch_cap == 32
+    now_s = T0 + 0.004
+    # Of another shape, so that no bulk row rides along with it.
+    scheduler.admit(make_request(500, "interactive", 1, width=3), now_s)
+    scheduler.complete(run(dispatch(scheduler, now_s, math.inf)))
+    assert rows_within_wait(scheduler, lanes[0]) == 22
+    batch = dispatch(scheduler, now_s + 0.001, math.inf)
+    assert rows_by_lane(batch) == Counter({"bulk": 32})
+    assert scheduler.caps.full(batch)
 
 
 def test_the_top_lanes_own_rows_are_never_cut_by_the_budget() -> None:
