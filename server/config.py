@@ -207,6 +207,14 @@ class ServerConfig:
     # Requests one InferStream may have read and not yet answered; the stream is not read
     # further until one of them is answered, so a fast producer cannot flood the lanes.
     stream_window: int = 256
+    # Bytes of tensor data in one InferStream's answers finished and not yet written:
+    # while they are at or over it the stream reads no more items, so a caller that reads
+    # slowly holds about this much (and the answers of the items it had read:
+    # service.StreamWindow), not stream_window answers (256 MiB of 1 MiB ones). A reader
+    # that keeps up never reaches it; one that falls behind still has ~40 ms of answers
+    # queued at 16 MiB (a Python client reads ~400 MiB/s on loopback) while new items
+    # are read and run. An answer larger than it is written alone.
+    stream_answer_buffer_bytes: int = 16 * 1024 * 1024
     # Idempotency by request_id: answers of completed requests are kept for replay to a
     # retry, bounded by count, bytes and age. 0 entries turns the replay off (a retry that
     # arrives while its request is still queued or running joins it regardless).
@@ -266,6 +274,7 @@ class ServerConfig:
         _check_int("server.metrics_port", self.metrics_port, minimum=-1, maximum=65_535)
         self._check_ports_distinct()
         _check_int("server.stream_window", self.stream_window, minimum=1, maximum=UINT32_MAX)
+        _check_int("server.stream_answer_buffer_bytes", self.stream_answer_buffer_bytes, minimum=1)
         _check_int("server.idempotency_max_entries", self.idempotency_max_entries, minimum=0)
         _check_int("server.idempotency_max_bytes", self.idempotency_max_bytes, minimum=0)
         if not _is_number(self.idempotency_ttl_s) or not 0 <= self.idempotency_ttl_s < math.inf:

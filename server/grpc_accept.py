@@ -31,7 +31,6 @@ calls in progress, however taken.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import importlib
 import inspect
 import logging
@@ -52,21 +51,13 @@ CALL_LIMIT_DETAILS = "Concurrent RPC limit exceeded!"
 # bound): not gRPC's words, which say the port is full, while unary calls still get in.
 STREAM_LIMIT_DETAILS = "Concurrent InferStream limit exceeded"
 # The service's methods that read the server's state and wait on nothing (no lane, no
-# other call): an operator's, called most when the server is overloaded. The gate does
-# not count them: each ends in the loop turn it starts in, so they cannot pile up in
-# progress, and those not yet taken wait in gRPC's core, bounded per method
+# other call): an operator's, called most when the server is overloaded. No gate counts
+# them (service.add_to_server): each ends in the loop turn it starts in, so they cannot
+# pile up in progress, and those not yet taken wait in gRPC's core, bounded per method
 # (max_pending_calls), as health checks do.
 OPERATOR_METHODS = frozenset({"GetModel", "GetStats"})
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class OverLimit:
-    """What `CallGate.deserializer` hands a unary handler in place of its request while
-    the port is at the limit: the message unread. An inference call is refused without
-    it; an operator's call, which the limit does not count, reads it then."""
-
-    data: bytes = dataclasses.field(repr=False)
-    read: Callable[[bytes], Any] = dataclasses.field(repr=False)
+# What `CallGate.deserializer` hands a unary handler over the limit, instead of parsing.
+OVER_LIMIT = object()
 
 
 # What is used of grpc.aio's internals, by name and the parameters expected.
@@ -323,22 +314,18 @@ class CallGate:
             self.below_accept.set()
 
     def deserializer(self, read: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-        """`read` (a unary method's request deserializer), skipped over the limit: an
-        inference handler then refuses the `OverLimit` without the copy and parse of a
-        message of up to max_message_bytes (gRPC's own limit refused before reading it);
-        an operator's reads it (the deserializer is not told whose it is)."""
+        """`read` (a unary method's request deserializer), skipped over the limit: the
+        handler then refuses `OVER_LIMIT` without the copy and parse of a message of up
+        to max_message_bytes (gRPC's own limit refused before reading it)."""
 
         def read_within(data: bytes) -> Any:
-            return OverLimit(data, read) if self.full else read(data)
+            return OVER_LIMIT if self.full else read(data)
 
         return read_within
 
     def gate(self, behavior: Callable[..., Any], *, response_streaming: bool) -> Callable[..., Any]:
-        """`behavior` (a handler's, a servicer method taking the request or its iterator
-        and the context), counted while it runs and refused over the limit; an operator
-        method's (OPERATOR_METHODS, by name) neither."""
-        if getattr(behavior, "__name__", None) in OPERATOR_METHODS and not response_streaming:
-            return _ungated(behavior)
+        """`behavior` (a handler's, taking the request or its iterator and the context),
+        counted while it runs and refused over the limit."""
         if response_streaming:
             return self._gate_stream(behavior)
         return self._gate_unary(behavior)
@@ -347,7 +334,7 @@ class CallGate:
         async def gated(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             # This frame lets go of the request before anything is awaited: an abort
             # below keeps the frames it passes through (see service.abort_with).
-            if isinstance(request, OverLimit) or self.full:
+            if request is OVER_LIMIT or self.full:
                 del request
                 await refuse_over_limit(context)
             handling = behavior(request, context)
@@ -364,10 +351,10 @@ class CallGate:
         async def gated(
             request: Any, context: grpc.aio.ServicerContext[Any, Any]
         ) -> AsyncIterator[Any]:
-            # OverLimit: a unary request (deserializer) with a streamed answer.
+            # OVER_LIMIT: a unary request (deserializer) with a streamed answer.
             if self.streams_full:
                 await self.refuse_stream(context)
-            if isinstance(request, OverLimit) or self.full:
+            if request is OVER_LIMIT or self.full:
                 await refuse_over_limit(context)
             self.stream_calls += 1
             responses = behavior(request, context)
@@ -381,15 +368,3 @@ class CallGate:
                 await responses.aclose()  # type: ignore[attr-defined]
 
         return gated
-
-
-def _ungated(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
-    """`behavior` (an operator's unary handler), neither counted nor refused: it reads
-    a request the gate's deserializer left unread (see `OverLimit`)."""
-
-    async def answered(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        if isinstance(request, OverLimit):
-            request = request.read(request.data)
-        return await behavior(request, context)
-
-    return answered

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import traceback
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -22,7 +23,7 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import DecodeError, Message
 
-from laneserve.client.tensors import datatype_of
+from laneserve.client.tensors import datatype_of, numpy_dtype
 from laneserve.server.clock import Clock
 from laneserve.server.codec import (
     MAX_EXTRA_BYTES,
@@ -59,7 +60,7 @@ from laneserve.server.events import (
     RequestTracer,
     SchedulerEvents,
 )
-from laneserve.server.grpc_accept import CallGate, abort_unless_gone
+from laneserve.server.grpc_accept import OPERATOR_METHODS, CallGate, abort_unless_gone
 from laneserve.server.grpc_calls import GrpcCalls
 from laneserve.server.idempotency import (
     Admitted,
@@ -129,6 +130,70 @@ class StreamRoom:
         self._waiting -= 1
         if self._waiting == 0:
             self.free.set()
+
+
+class StreamWindow:
+    """One InferStream's credit window, on the event loop: the stream reads an item only
+    while `open`; while it is not, the producer is held back by gRPC's flow control.
+
+    Open while fewer than `items` of the stream's items are read and unanswered (their
+    answers not yet written), and while its answers finished and not yet written (queued,
+    and the one gRPC is taking) hold under `answer_bytes` of tensor data
+    (`held_answer_bytes`). Lanes bound the rows waiting to run, not the answers waiting
+    to be written: counted in items alone, four streams whose caller stopped reading held
+    1 040 answers of 1 MiB. A fast reader's answers are written as they come, so its
+    reading never waits on the bytes. With nothing unanswered it is open whatever the
+    bytes: an answer larger than `answer_bytes` is written alone, then the next is read.
+
+    The bound: an item is read only while the held bytes are under `answer_bytes`, and
+    the items read before still finish. So the held bytes stay under `answer_bytes` plus
+    the answers of the items read and unfinished at the last read: at most `items` of
+    them, each at most max_message_bytes (a larger answer is an error:
+    `_check_sendable`)."""
+
+    def __init__(self, items: int, answer_bytes: int) -> None:
+        self._items = items
+        self._answer_bytes = answer_bytes
+        self.unanswered = 0  # items read whose answer is not yet written
+        self.held_bytes = 0  # of the answers finished and not yet written
+        self.open = asyncio.Event()
+        self.open.set()
+
+    def read(self) -> None:
+        self.unanswered += 1
+        self._update()
+
+    def finished(self, answer: pb.InferStreamResponse) -> None:
+        """`answer` is queued to be written."""
+        self.held_bytes += held_answer_bytes(answer)
+        self._update()
+
+    def written(self, answer: pb.InferStreamResponse) -> None:
+        """gRPC has taken `answer`: its credit and its bytes come back."""
+        self.unanswered -= 1
+        self.held_bytes -= held_answer_bytes(answer)
+        self._update()
+
+    def _update(self) -> None:
+        # Every held byte is an answer unanswered: with none, nothing is held.
+        assert self.unanswered > 0 or self.held_bytes == 0
+        has_room = self.unanswered < self._items and (
+            self.unanswered == 0 or self.held_bytes < self._answer_bytes
+        )
+        if has_room:
+            self.open.set()
+        else:
+            self.open.clear()
+
+
+def held_answer_bytes(answer: pb.InferStreamResponse) -> int:
+    """The bytes of `answer`'s tensor data (an error's: none), from the shapes and dtypes
+    the server encoded them with: reading `data`, or sizing the message, copies it
+    (1 ms per MiB)."""
+    return sum(
+        math.prod(tensor.shape) * numpy_dtype(tensor.dtype).itemsize
+        for tensor in answer.response.outputs
+    )
 
 
 class RoomWaiter:
@@ -287,17 +352,20 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     ) -> AsyncIterator[pb.InferStreamResponse]:
         """Answers each request as it completes, out of order, tagged with its request_id.
 
-        Credit window: a request is read only while fewer than `stream_window` of this
-        stream's requests are read and unanswered, and a credit comes back only once the
-        answer is written; so a fast producer holds at most that many items in the lanes
-        and in the answer queue, and the rest waits in gRPC's flow control. An item that
-        finds its lane full waits for room, and the stream reads no more meanwhile (see
-        `StreamRoom`): the window counts items, not rows. A failed item
-        is answered with `error` and the stream goes on. When the stream ends early (the
-        client cancelled, the connection dropped) its queued items are cancelled. When
-        the server drains, the stream reads no more items, answers those it read and ends
-        UNAVAILABLE (DRAINING): its client resends the rest on a new call, to another
-        instance or this one restarted (see `stop_reading_streams`).
+        Credit window (`StreamWindow`): a request is read only while fewer than
+        `stream_window` of this stream's requests are read and unanswered, and while its
+        answers finished and not yet written hold under `stream_answer_buffer_bytes`; a
+        credit comes back only once the answer is written. So a fast producer holds at
+        most that many items in the lanes and in the answer queue, a slow reader that many
+        bytes of answers and those of the items it had read (the bound: `StreamWindow`),
+        and the rest waits in gRPC's flow control. An item that finds its lane full waits
+        for room, and the stream reads no more meanwhile (see `StreamRoom`): the window
+        counts items, not rows. A failed item is answered with `error` and the stream
+        goes on. When the stream ends early (the client cancelled, the connection
+        dropped) its queued items are cancelled. When the server drains, the stream reads
+        no more items, answers those it read and ends UNAVAILABLE (DRAINING): its client
+        resends the rest on a new call, to another instance or this one restarted (see
+        `stop_reading_streams`).
         """
         if self._state() is not Lifecycle.SERVING:
             await abort_with(context, _stream_draining())
@@ -308,30 +376,30 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             if STREAM_DEFAULT_LANE in self._lane_configs
             else self._config.default_lane
         )
-        window = asyncio.Semaphore(self._config.stream_window)
+        window = StreamWindow(self._config.stream_window, self._config.stream_answer_buffer_bytes)
         room = StreamRoom()
         # Every item read puts exactly one answer here; `_READ_DONE` follows the last read.
         answers: asyncio.Queue[pb.InferStreamResponse | object] = asyncio.Queue()
         items: set[asyncio.Task[None]] = set()
-        unanswered = 0  # items read whose answer is not yet written
 
         async def answer(request: pb.InferRequest | OversizedRequest) -> None:
-            answers.put_nowait(
-                await self._stream_answer(
-                    request, context, default_lane, room, answer_limit, error_limit
-                )
+            message = await self._stream_answer(
+                request, context, default_lane, room, answer_limit, error_limit
             )
+            window.finished(message)
+            answers.put_nowait(message)
 
         async def read_all() -> None:
-            nonlocal unanswered
             while True:
-                await window.acquire()
-                await room.free.wait()
+                # Both hold as it reads: either may have changed while it waited on the other.
+                while not (window.open.is_set() and room.free.is_set()):
+                    await window.open.wait()
+                    await room.free.wait()
                 try:
                     request = await anext(request_iterator)
                 except StopAsyncIteration:
                     return
-                unanswered += 1
+                window.read()
                 task = asyncio.create_task(answer(request))
                 items.add(task)
                 task.add_done_callback(items.discard)
@@ -343,15 +411,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._stream_readers.add(reader)
         try:
             reading = True
-            while reading or unanswered:
+            while reading or window.unanswered:
                 message = await answers.get()
                 if message is _READ_DONE:
                     reading = False
                     continue
                 assert isinstance(message, pb.InferStreamResponse)
-                yield message
-                unanswered -= 1
-                window.release()
+                yield message  # returns once gRPC has taken it: a slow reader holds it here
+                window.written(message)
             if reader.cancelled():  # only stop_reading_streams cancels it before this
                 await abort_with(context, _stream_draining())
             await reader  # re-raises a read failure
@@ -1107,7 +1174,8 @@ def add_to_server(
     """What the generated `add_InferenceServiceServicer_to_server` does, with
     `read_request` as the deserializer of the requests that have an `UNDECODABLE_*`: every
     method of the service as the proto declares it (a method added there is served once
-    the servicer has it), each call counted by the port's `gate`. Returns the handlers
+    the servicer has it), each inference call counted by the port's `gate`
+    (OPERATOR_METHODS' are not). Returns the handlers
     by full method name ("/laneserve.v1.InferenceService/Infer")."""
     service = pb.DESCRIPTOR.services_by_name["InferenceService"]
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
@@ -1125,10 +1193,13 @@ def add_to_server(
                 max_inputs=len(servicer.input_specs),
                 max_outputs=len(servicer.output_names),
             )
-        if not method.client_streaming:  # a stream's items are read within its call
-            read = gate.deserializer(read)
+        behavior = getattr(servicer, method.name)
+        if method.name not in OPERATOR_METHODS:  # an operator's call is not counted
+            if not method.client_streaming:  # a stream's items are read within its call
+                read = gate.deserializer(read)
+            behavior = gate.gate(behavior, response_streaming=method.server_streaming)
         handlers[method.name] = _HANDLER_KINDS[method.client_streaming, method.server_streaming](
-            gate.gate(getattr(servicer, method.name), response_streaming=method.server_streaming),
+            behavior,
             request_deserializer=read,
             response_serializer=response_type.SerializeToString,
         )

@@ -26,13 +26,14 @@ from laneserve.client import _channel as lc_channel
 from laneserve.client._request import MAX_REQUEST_ID_BYTES as CLIENT_MAX_REQUEST_ID_BYTES
 from laneserve.client._sync import SOURCE_THREAD
 from laneserve.client.tensors import encode_tensor
-from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig
+from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig, service
 from laneserve.server.demo_model import make_demo_model
 from laneserve.server.events import RequestTrace
 from laneserve.server.items import InferenceRequest
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.service import MAX_REQUEST_ID_BYTES, ROOM_POLL_MAX_S, InferenceServicer
 from laneserve.v1 import inference_pb2 as pb
+from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
     RecordingEngine,
     Serving,
@@ -1739,6 +1740,81 @@ def test_fast_producer_keeps_the_server_queue_bounded_by_the_window(
         assert sorted(r.request_id for r in responses) == sorted(f"p{i}" for i in range(items))
         assert all(r.WhichOneof("result") == "response" for r in responses)
         assert sorted(engine.ran_tags) == list(range(items * per_item))
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_whose_caller_reads_nothing_holds_its_answer_bytes_not_its_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A raw InferStream sends 128 items whose answers are 256 KiB each, with a credit
+    window larger than the job, and reads nothing: the server read every item and held
+    each answer (a stream held stream_window answers: lanes bound rows waiting to run,
+    not answers waiting to be written). It reads an item only while under 2 MiB of its
+    answers wait to be written, and the items read by then still finish: in a 1-row lane
+    a handful (one running, one queued, two waiting for room). Once the caller reads,
+    every item is answered, once."""
+    model = tmp_path / "tiled.onnx"
+    tiled_model(model, times=65_536)  # 1 row of 1 value -> 65 536 float32: 256 KiB
+    answer_bytes, budget_bytes, items = 256 * 1024, 2 * 1024 * 1024, 128
+    windows: list[service.StreamWindow] = []
+
+    class Observed(service.StreamWindow):
+        def __init__(self, *args: int) -> None:
+            super().__init__(*args)
+            windows.append(self)
+
+    monkeypatch.setattr(service, "StreamWindow", Observed)
+
+    def item(index: int) -> pb.InferRequest:
+        x = np.full((1, 1), index, np.float32)
+        return pb.InferRequest(inputs=[encode_tensor("x", x)], request_id=f"s{index}")
+
+    def bulk(stats: pb.GetStatsResponse) -> pb.LaneStats:
+        return next(lane for lane in stats.lanes if lane.name == "bulk")
+
+    async def scenario() -> None:
+        server_config = config(
+            model,
+            max_batch_size=1,
+            lanes=bulk_lane(1),
+            stream_window=1_000,
+            stream_answer_buffer_bytes=budget_bytes,
+        )
+        async with (
+            serving(Engine(str(model)), server_config) as s,
+            # Without BDP probes the client's stream window stays at 64 KiB, under one
+            # answer: gRPC takes none of them, and every answer read stays in the server.
+            grpc.aio.insecure_channel(s.target, options=[("grpc.http2.bdp_probe", 0)]) as channel,
+        ):
+            # ~40 bytes each: gRPC takes them all at once, the server's reading decides.
+            requests = [item(index) for index in range(items)]
+            call = pb_grpc.InferenceServiceStub(channel).InferStream(iter(requests))
+            await until(lambda: len(windows) == 1 and not windows[0].open.is_set())
+            # The items read by then finish; nothing more is read.
+            await until_stats(
+                s,
+                lambda stats: (
+                    queued_rows(s) == 0
+                    and _waiting_for_room(s, "bulk") == 0
+                    and bulk(stats).admitted == bulk(stats).answered["OK"]
+                ),
+            )
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+            (window,) = windows
+            assert not window.open.is_set(), "shut by its answers' bytes, not its credits"
+            assert window.held_bytes == window.unanswered * answer_bytes >= budget_bytes
+            # Under the budget at its last read (7 answers), and the few in flight then.
+            assert bulk(stats).admitted == window.unanswered < 2 * budget_bytes // answer_bytes
+            answers = await collect(call)
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+        assert sorted(answer.request_id for answer in answers) == sorted(
+            f"s{index}" for index in range(items)
+        ), "every item answered, once"
+        for answer in answers:
+            (tensor,) = answer.response.outputs
+            assert tensor.data == np.full(65_536, answer.request_id[1:], np.float32).tobytes()
+        assert (bulk(stats).admitted, dict(bulk(stats).answered)) == (items, {"OK": items})
 
     asyncio.run(scenario())
 

@@ -208,6 +208,11 @@ def test_keys_missing_from_the_file_keep_their_defaults(tmp_path: Path) -> None:
             id="stream-window-over-uint32",
         ),
         pytest.param(
+            "[server]\nstream_answer_buffer_bytes = 0\n",
+            "server.stream_answer_buffer_bytes: expected an integer >= 1",
+            id="stream-answer-buffer-zero",
+        ),
+        pytest.param(
             "[server]\nintra_op_threads = 2147483648\n",
             "server.intra_op_threads: expected an integer in [0, 1024]",
             id="threads-over-c-int",

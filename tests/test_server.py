@@ -2010,8 +2010,7 @@ def test_the_extra_asks_are_out_only_below_two_batches_of_calls_in_progress() ->
 def test_a_unary_call_over_the_limit_is_refused_before_its_message_is_parsed() -> None:
     """gRPC's own limit refused before reading a message; the gate's deserializer does not
     parse one over the limit either (up to max_message_bytes each, under a flood), and
-    the handler refuses what it hands over (an operator's reads it: see
-    test_calls_past_the_concurrency_limit_are_refused_as_grpc_refuses_them)."""
+    the handler refuses what it hands over."""
     parsed: list[bytes] = []
 
     def read(data: bytes) -> bytes:
@@ -2022,7 +2021,7 @@ def test_a_unary_call_over_the_limit_is_refused_before_its_message_is_parsed() -
     deserialize = gate.deserializer(read)
     assert deserialize(b"first") == b"first"
     gate.unary_calls = 1  # one in progress: at the limit
-    assert isinstance(deserialize(b"second"), grpc_accept.OverLimit)
+    assert deserialize(b"second") is grpc_accept.OVER_LIMIT
     assert parsed == [b"first"]
 
 
