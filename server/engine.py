@@ -732,7 +732,8 @@ class Engine:
         can queue together, more than any batch can hold. On the CPU without a memory
         limit only the host's memory would end the sizes' growth, so there the probe
         stops before a size predicted to need more than HOST_PROBE_SHARE of what
-        `host_available` reads (see `_HostRoom`), and the last size run is the cap.
+        `host_available` reads (see `_HostRoom`), and the last size run is the cap (with
+        `fixed_cap`, the largest size timed: the cap stays).
 
         Sizes grow until one fails to allocate or the cap is reached; between the last
         size that fitted and the first that failed a bisection finds the boundary. Each
@@ -750,7 +751,11 @@ class Engine:
         """
         host_room = None
         if self.memory_limit_bytes is None and self.providers[0] != CUDA:
-            host_room = _HostRoom(host_available, gauge or ProcessRssGauge())
+            host_room = _HostRoom(
+                host_available,
+                gauge or ProcessRssGauge(),
+                fixed_cap=max_batch_size if fixed_cap else None,
+            )
         try:
             return self._probe(max_batch_size, repeats, fixed_cap, gauge, queue_rows, host_room)
         except NvmlUnavailableError as error:  # a memory reading after a probe size
@@ -926,11 +931,23 @@ class _HostRoom:
     plus the growth of memory in use per row from the first size to the last one run
     (the arena keeps what runs needed). Before each larger size the host's available
     memory is read again: what earlier sizes took is no longer in it.
+
+    Under a fixed cap (--batch-cap) it bounds only the sizes timed: the operator chose
+    the cap, and it stays; but a start-up that runs every power of two up to it, each
+    twice the last, must not take the host's memory (the OOM killer, maybe in another
+    process) before anything is served, so the larger sizes go untimed.
     """
 
-    def __init__(self, available: Callable[[], int | None], resident: MemoryGauge) -> None:
+    def __init__(
+        self,
+        available: Callable[[], int | None],
+        resident: MemoryGauge,
+        *,
+        fixed_cap: int | None = None,
+    ) -> None:
         self._available = available
         self._resident = resident
+        self._fixed_cap = fixed_cap
         self._io_bytes_per_row = 0
         # (rows, memory in use after them) of the first size and of the last one run.
         self._first: tuple[int, int] | None = None
@@ -966,16 +983,25 @@ class _HostRoom:
         need_bytes = rows * row_bytes
         if need_bytes <= available_bytes * HOST_PROBE_SHARE:
             return True
+        if self._fixed_cap is None:
+            stopped = f"stopped at {fits} rows"
+            outcome = "set --memory-limit for a cap measured against a budget"
+        else:  # the operator's cap: only the sizes timed stop here
+            stopped = f"timed sizes up to {fits} rows"
+            outcome = (
+                f"the batch cap stays --batch-cap {self._fixed_cap}, its larger batches untimed"
+            )
         log_event(
             log,
             logging.WARNING,
             "probe_host_memory",
-            f"probe: stopped at {fits} rows: {rows} rows are predicted to need "
+            f"probe: {stopped}: {rows} rows are predicted to need "
             f"{format_bytes(need_bytes)} ({format_bytes(row_bytes)} a row), over "
             f"{HOST_PROBE_SHARE:.0%} of the host's available {format_bytes(available_bytes)}; "
-            "set --memory-limit for a cap measured against a budget",
+            f"{outcome}",
             rows=rows,
-            batch_cap=fits,
+            timed_rows=fits,
+            batch_cap=fits if self._fixed_cap is None else self._fixed_cap,
             need_bytes=need_bytes,
             row_bytes=row_bytes,
             available_bytes=available_bytes,

@@ -285,14 +285,39 @@ def _malloc_trim() -> Callable[[int], object] | None:
 _NO_CGROUP_LIMIT_BYTES = 1 << 60
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _CgroupMemoryFiles:
+    """Where one cgroup version keeps a cgroup's memory limit and usage."""
+
+    limit: str
+    usage: str
+    # memory.stat's inactive page cache: counted in the usage, but reclaimed before the
+    # OOM killer runs (kubelet's working set leaves it out too). A model file copied in
+    # held a container's usage at its limit: no room, and the probe capped at 1 row.
+    inactive_file: str
+    # memory.stat's effective limit, the least of its own and its ancestors' (v1 only).
+    hierarchical_limit: str | None
+
+
+_CGROUP_V2 = _CgroupMemoryFiles("memory.max", "memory.current", "inactive_file", None)
+_CGROUP_V1 = _CgroupMemoryFiles(
+    "memory.limit_in_bytes",
+    "memory.usage_in_bytes",
+    "total_inactive_file",
+    "hierarchical_memory_limit",
+)
+
+
 def host_available_bytes(
     proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")
 ) -> int | None:
     """Memory the host could still give this process: the kernel's MemAvailable, or less
-    where the process's cgroup (a container's limit, v2 or v1) leaves less; None where
-    neither can be read (not Linux). In a container MemAvailable is the whole machine's,
-    and past the cgroup's limit the OOM killer ends the process. `proc` and `cgroups`
-    are where the kernel's files are read from (tests give others)."""
+    where a cgroup the process is in leaves less (a container's limit, or a parent's: a
+    systemd slice's MemoryMax; v2 or v1); None where neither can be read (not Linux). In
+    a container MemAvailable is the whole machine's, and past a cgroup's limit the OOM
+    killer ends the process. Neither counts page cache the kernel reclaims first as
+    taken (MemAvailable counts it available). `proc` and `cgroups` are where the
+    kernel's files are read from (tests give others)."""
     rooms = [_meminfo_available_bytes(proc), _cgroup_room_bytes(proc, cgroups)]
     known = [room for room in rooms if room is not None]
     return min(known) if known else None
@@ -312,36 +337,80 @@ def _meminfo_available_bytes(proc: Path) -> int | None:
 
 
 def _cgroup_room_bytes(proc: Path, cgroups: Path) -> int | None:
-    """The process's cgroup's memory limit less its usage; None without a limit, or where
-    it cannot be read. The cgroup's path is looked for under its controller's mount, then
-    at the mount itself (a container's own cgroup namespace mounts its cgroup there)."""
+    """The least room (limit less usage) the process's memory cgroups leave: its own
+    and each one above it up to its controller's mount, since a parent's limit holds
+    its children's usage together. None without a limit, or where none can be read."""
     try:
         lines = (proc / "self" / "cgroup").read_text(encoding="ascii").splitlines()
     except OSError:
         return None
+    rooms: list[int] = []
     for line in lines:
         fields = line.split(":", 2)
         if len(fields) != 3:  # noqa: PLR2004 - hierarchy:controllers:path
             continue
         _, controllers, path = fields
         if controllers == "":  # v2, "0::/path"
-            mount, files = cgroups, ("memory.max", "memory.current")
+            mount, files = cgroups, _CGROUP_V2
         elif "memory" in controllers.split(","):  # v1, "4:memory:/path"
-            mount, files = cgroups / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            mount, files = cgroups / "memory", _CGROUP_V1
         else:
             continue
-        for folder in (mount / path.lstrip("/"), mount):
-            try:
-                limit_text, used_text = (
-                    (folder / name).read_text(encoding="ascii") for name in files
-                )
-                limit, used = (int(text) for text in (limit_text, used_text))
-            except (OSError, ValueError):  # not there, or "max": no limit here
-                continue
-            if limit < _NO_CGROUP_LIMIT_BYTES:
-                return max(limit - used, 0)
-            break
-    return None
+        for folder in _cgroup_folders(mount, path):
+            room = _cgroup_level_room_bytes(folder, files)
+            if room is not None:
+                rooms.append(room)
+    return min(rooms) if rooms else None
+
+
+def _cgroup_folders(mount: Path, path: str) -> list[Path]:
+    """The folders of the cgroup at `path` and of its ancestors up to `mount`, the mount
+    last. Only the mount where the cgroup is not found under it: a container's own
+    cgroup namespace mounts its cgroup there, and a path climbing out of the namespace
+    ("/../..") must not be followed out of the mount."""
+    names = [name for name in path.split("/") if name not in ("", ".")]
+    leaf = mount.joinpath(*names)
+    if ".." in names or not leaf.is_dir():
+        return [mount]
+    return [mount.joinpath(*names[:depth]) for depth in range(len(names), -1, -1)]
+
+
+def _cgroup_level_room_bytes(folder: Path, files: _CgroupMemoryFiles) -> int | None:
+    """One cgroup's limit less its usage without its inactive page cache (at least 0);
+    None without a limit ("max", ~2^63), or where it cannot be read."""
+    stat = _memory_stat(folder)
+    limits = [_read_bytes(folder / files.limit)]
+    if files.hierarchical_limit is not None:
+        limits.append(stat.get(files.hierarchical_limit))
+    known = [limit for limit in limits if limit is not None]
+    used = _read_bytes(folder / files.usage)
+    if not known or used is None or min(known) >= _NO_CGROUP_LIMIT_BYTES:
+        return None
+    # The inactive cache can read larger than the usage read a moment before it.
+    working_set = max(used - stat.get(files.inactive_file, 0), 0)
+    return max(min(known) - working_set, 0)
+
+
+def _read_bytes(path: Path) -> int | None:
+    """A cgroup file's one number; None where it is missing or not a number ("max")."""
+    try:
+        return int(path.read_text(encoding="ascii"))
+    except (OSError, ValueError):
+        return None
+
+
+def _memory_stat(folder: Path) -> dict[str, int]:
+    """A cgroup's memory.stat ("inactive_file 1234" a line); empty where unreadable."""
+    try:
+        lines = (folder / "memory.stat").read_text(encoding="ascii").splitlines()
+    except OSError:
+        return {}
+    stat: dict[str, int] = {}
+    for line in lines:
+        name, _, value = line.partition(" ")
+        with contextlib.suppress(ValueError):
+            stat[name] = int(value)
+    return stat
 
 
 # ---- the watermark -----------------------------------------------------------------------

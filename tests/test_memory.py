@@ -1928,6 +1928,163 @@ def test_the_hosts_available_memory_is_the_cgroups_room_where_that_is_less(
     assert host_available_bytes(proc, cgroups) == expected_mib * MIB
 
 
+def _host_available_in(tmp_path: Path, cgroup: str, files: Mapping[str, str]) -> int | None:
+    """`host_available_bytes` of fake /proc and /sys/fs/cgroup trees: MemAvailable
+    20 GiB, the process in `cgroup` (/proc/self/cgroup's text), `files` under the cgroup
+    mount (their texts)."""
+    proc, cgroups = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemTotal: 33554432 kB\nMemAvailable: {20 * 1024 * 1024} kB\n")
+    (proc / "self" / "cgroup").write_text(cgroup)
+    for name, text in files.items():
+        (cgroups / name).parent.mkdir(parents=True, exist_ok=True)
+        (cgroups / name).write_text(f"{text}\n")
+    return host_available_bytes(proc, cgroups)
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "files", "expected_mib"),
+    [
+        pytest.param(
+            "0::/\n",
+            {
+                "memory.max": f"{2048 * MIB}",
+                "memory.current": f"{2044 * MIB}",
+                "memory.stat": f"anon {100 * MIB}\nfile {1900 * MIB}\ninactive_file {1850 * MIB}",
+            },
+            2048 - (2044 - 1850),
+            id="v2",
+        ),
+        pytest.param(
+            "4:memory:/docker/abc\n",
+            {
+                "memory/docker/abc/memory.limit_in_bytes": f"{2048 * MIB}",
+                "memory/docker/abc/memory.usage_in_bytes": f"{2048 * MIB}",
+                "memory/docker/abc/memory.stat": (
+                    f"cache {1900 * MIB}\nrss {100 * MIB}\ntotal_inactive_file {1850 * MIB}"
+                ),
+            },
+            2048 - (2048 - 1850),
+            id="v1",
+        ),
+        pytest.param(
+            "0::/\n",
+            {
+                "memory.max": f"{512 * MIB}",
+                "memory.current": f"{100 * MIB}",
+                "memory.stat": f"inactive_file {101 * MIB}",  # read a moment later
+            },
+            512,
+            id="cache-read-above-usage",
+        ),
+    ],
+)
+def test_the_cgroups_room_leaves_out_the_page_cache_the_kernel_reclaims(
+    tmp_path: Path, cgroup: str, files: dict[str, str], expected_mib: int
+) -> None:
+    """A cgroup's usage counts the page cache its files left (a model copied into the
+    container, 1.9 GiB of a 2 GiB limit): the room read ~0 and the probe capped the batch
+    at 1 row, ~9x less throughput, at default settings. The inactive cache is reclaimed
+    before the OOM killer runs, and is room (kubelet's working set leaves it out too)."""
+    assert _host_available_in(tmp_path, cgroup, files) == expected_mib * MIB
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "files", "expected_mib"),
+    [
+        pytest.param(
+            "0::/user.slice/user-1000.slice/session-3.scope\n",
+            {
+                "user.slice/user-1000.slice/memory.max": f"{1024 * MIB}",
+                "user.slice/user-1000.slice/memory.current": f"{200 * MIB}",
+                "user.slice/user-1000.slice/memory.stat": f"inactive_file {10 * MIB}",
+                "user.slice/user-1000.slice/session-3.scope/memory.max": "max",
+                "user.slice/user-1000.slice/session-3.scope/memory.current": f"{150 * MIB}",
+            },
+            1024 - (200 - 10),
+            id="v2-slice",
+        ),
+        pytest.param(
+            "0::/pod/container\n",
+            {
+                "pod/memory.max": f"{1024 * MIB}",
+                "pod/memory.current": f"{900 * MIB}",
+                "pod/container/memory.max": f"{768 * MIB}",
+                "pod/container/memory.current": f"{300 * MIB}",
+            },
+            1024 - 900,
+            id="v2-parent-tighter",
+        ),
+        pytest.param(
+            "4:memory:/parent/leaf\n",
+            {
+                "memory/parent/memory.limit_in_bytes": f"{1024 * MIB}",
+                "memory/parent/memory.usage_in_bytes": f"{200 * MIB}",
+                "memory/parent/leaf/memory.limit_in_bytes": "9223372036854771712",
+                "memory/parent/leaf/memory.usage_in_bytes": f"{150 * MIB}",
+                "memory/parent/leaf/memory.stat": f"hierarchical_memory_limit {1024 * MIB}",
+            },
+            1024 - 200,
+            id="v1-parent",
+        ),
+        pytest.param(
+            # The container's own cgroup mounted, its parent's limit seen only in its
+            # memory.stat.
+            "4:memory:/kubepods/pod1/abc\n",
+            {
+                "memory/memory.limit_in_bytes": "9223372036854771712",
+                "memory/memory.usage_in_bytes": f"{150 * MIB}",
+                "memory/memory.stat": (
+                    f"hierarchical_memory_limit {1024 * MIB}\ntotal_inactive_file {50 * MIB}"
+                ),
+            },
+            1024 - (150 - 50),
+            id="v1-hierarchical-limit",
+        ),
+        pytest.param(
+            # A path out of the cgroup namespace: only the mount (the namespace's root).
+            "0::/../../elsewhere\n",
+            {"memory.max": f"{1024 * MIB}", "memory.current": f"{24 * MIB}"},
+            1000,
+            id="v2-outside-namespace",
+        ),
+    ],
+)
+def test_a_memory_limit_on_a_parent_cgroup_bounds_the_hosts_available_memory(
+    tmp_path: Path, cgroup: str, files: dict[str, str], expected_mib: int
+) -> None:
+    """A parent's limit holds its children's usage together (a systemd slice's MemoryMax
+    over a session's scope; a pod's over its containers): only the process's own cgroup
+    was read, "max" there, and the room was the whole machine's MemAvailable."""
+    assert _host_available_in(tmp_path, cgroup, files) == expected_mib * MIB
+
+
+def test_a_fixed_cap_stays_where_the_host_bounds_the_sizes_timed(
+    small_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With --batch-cap the operator chose the cap: the host's room bounds only the sizes
+    the probe times (a start-up must not take the host's memory before serving), and the
+    cap stays. The warning said "stopped at 8 rows", batch_cap=8, for a cap of 64."""
+    engine = Engine(str(small_model), device="cpu")
+    available_bytes = int(12 * _row_bytes(engine) / HOST_PROBE_SHARE)
+    caplog.set_level(logging.INFO, "laneserve")
+    probe = engine.probe(
+        64,
+        repeats=1,
+        fixed_cap=True,
+        gauge=SettableGauge(),
+        host_available=lambda: available_bytes,
+    )
+    assert sorted(probe.run_s) == [1, 2, 4, 8]
+    assert (probe.batch_cap, probe.stop_reason) == (64, "host_memory")
+    (record,) = [r for r in caplog.records if getattr(r, "event", None) == "probe_host_memory"]
+    message = record.getMessage()
+    assert message.startswith("probe: timed sizes up to 8 rows: 16 rows are predicted"), message
+    assert message.endswith("the batch cap stays --batch-cap 64, its larger batches untimed")
+    fields = getattr(record, "fields", {})
+    assert (fields["batch_cap"], fields["timed_rows"]) == (64, 8)
+
+
 def test_burst_larger_than_memory_completes_and_the_cap_converges(
     demo_model: Path, reference: ort.InferenceSession
 ) -> None:
