@@ -13,12 +13,14 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequen
 from typing import Any, Final, TypeVar
 
 import grpc
+import numpy as np
 import numpy.typing as npt
 
 from laneserve.client._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TARGET,
     TlsConfig,
+    checked_message_bytes,
     checked_metadata,
     open_channel,
 )
@@ -98,11 +100,12 @@ class AsyncClient:
         # gRPC would fail every call with it.
         self.metadata: tuple[tuple[str, str], ...] = checked_metadata(metadata)
         tls_config = _tls_config(tls)
-        self._max_message_bytes = max_message_bytes
+        # An int: a bulk job sends it as call metadata, and sizes its items within it.
+        self._max_message_bytes = checked_message_bytes(max_message_bytes)
         self._channel = open_channel(
             target,
             tls=tls_config,
-            max_message_bytes=max_message_bytes,
+            max_message_bytes=self._max_message_bytes,
             options=options,
             interceptors=interceptors,
         )
@@ -354,10 +357,11 @@ def _tls_config(tls: object) -> TlsConfig | None:
     """The `tls` argument's settings; None: plaintext.
 
     Raises:
-        TypeError: `tls` is not a TlsConfig, a bool or None (a string was taken for a
-            TlsConfig, and failed with AttributeError on its `server_name`).
+        TypeError: `tls` is not a TlsConfig, a bool (numpy's too, as numpy's integers are
+            integers) or None (a string was taken for a TlsConfig, and failed with
+            AttributeError on its `server_name`).
     """
-    if tls is None or isinstance(tls, bool):
+    if tls is None or isinstance(tls, bool | np.bool_):
         return TlsConfig() if tls else None
     if not isinstance(tls, TlsConfig):
         raise TypeError(

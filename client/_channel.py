@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import numbers
 import re
 import reprlib
 import ssl
@@ -51,8 +53,18 @@ MAX_PORT = 65535
 # gRPC's target forms: a URI whose scheme names a resolver, else `host[:port]` resolved
 # by DNS (gRPC prepends "dns:///"). A URI scheme, as gRPC's parser reads one.
 _URI_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(.*)", re.DOTALL)
-# gRPC's resolvers whose addresses are not `host[:port]`: not checked here.
-_OTHER_SCHEMES = frozenset({"unix", "unix-abstract", "vsock", "xds", "google-c2p"})
+# The resolvers gRPC's core registers (grpcio 1.85), by scheme; gRPC reads a scheme in
+# any case ("DNS:///host:99999" is dns's, and wraps its port as dns: does). Those whose
+# addresses are `host[:port]`:
+_HOST_PORT_SCHEMES = frozenset({"dns", "ipv4", "ipv6"})
+# And those whose addresses are of other forms (a socket's path, an xDS name): not checked
+# here. "vsock" where the build has it (grpcio 1.85's Linux wheel resolves it by DNS);
+# "fake", gRPC's test resolver, is registered too.
+_OTHER_SCHEMES = frozenset(
+    {"unix", "unix-abstract", "vsock", "xds", "google-c2p", "google-c2p-experimental", "fake"}
+)
+# The schemes a refusal offers (not the test resolver, nor a superseded name).
+_SCHEMES_SHOWN = "dns:, ipv4:, ipv6:, unix:, unix-abstract:, vsock:, xds: or google-c2p:"
 # A target quoted in a message: the caller's, of any length.
 _TARGET_REPR = reprlib.Repr()
 _TARGET_REPR.maxstring = 200
@@ -155,13 +167,16 @@ def check_pem_files(
 def check_target(target: object, *, what: str = "target") -> str:
     """`target`, checked where gRPC would take it for another address or fail every call
     with words that name neither (`what`: how the caller names it). Only what is certainly
-    wrong is refused: a `host:port` (bare, or after ``dns:``, ``ipv4:``, ``ipv6:``) whose
-    port is not a whole number from 1 to 65535, and an empty target. A host alone (gRPC's
-    default port, 443), ``[::1]:port``, ``unix:`` paths and other URIs pass as they are.
+    wrong is refused: a `host:port` (bare, or after ``dns:``, ``ipv4:``, ``ipv6:``, in
+    any case) whose port is not a whole number from 1 to 65535, a URI of a scheme gRPC
+    has no resolver for (``http://host:port``), and an empty target. A host alone (gRPC's
+    default port, 443), ``[::1]:port``, ``unix:`` paths and gRPC's other URIs pass as
+    they are.
 
     Raises:
         TypeError: `target` is not a str.
-        ValueError: an empty target, or a port out of range, naming the target.
+        ValueError: an empty target, a port out of range, or a scheme gRPC lacks, naming
+            the target.
     """
     if not isinstance(target, str):
         raise TypeError(
@@ -174,8 +189,17 @@ def check_target(target: object, *, what: str = "target") -> str:
             f"{what} '': expected HOST:PORT (or a gRPC target URI such as unix:/path/to.sock)"
         )
     shown = _TARGET_REPR.repr(target)
+    scheme, addresses = _resolution(target)
+    if scheme not in _HOST_PORT_SCHEMES | _OTHER_SCHEMES:
+        # gRPC looked the whole target up as one DNS name, and failed every call as if
+        # no server were there ("Misformatted domain name"), retries and all.
+        raise ValueError(
+            f"{what} {shown}: gRPC has no resolver for its scheme {scheme + ':'!r}, and "
+            f"it is no HOST:PORT; expected HOST:PORT (no scheme), or a gRPC target URI of "
+            f"{_SCHEMES_SHOWN}"
+        )
     expected = f"expected HOST:PORT with a port from 1 to {MAX_PORT}"
-    for address in _host_ports(target):
+    for address in addresses:
         port = _port_of(address)
         if port is None:
             continue
@@ -192,7 +216,8 @@ def check_target(target: object, *, what: str = "target") -> str:
         if len(digits) > len(str(MAX_PORT)) or not 1 <= int(digits or "0") <= MAX_PORT:
             raise ValueError(
                 f"{what} {shown}: port {_TARGET_REPR.repr(port)} is out of range; "
-                f"{expected}{_wrapped(digits)}"
+                # Only DNS wraps it: ipv4: and ipv6: refuse it ("target uri is not valid").
+                f"{expected}{_wrapped(digits) if scheme == 'dns' else ''}"
             )
     return target
 
@@ -205,24 +230,38 @@ def _wrapped(digits: str) -> str:
     return f" (gRPC would connect to port {int(digits) % (MAX_PORT + 1)} instead)"
 
 
-def _host_ports(target: str) -> list[str]:
-    """The `host[:port]` addresses of `target` as gRPC resolves it; [] for a URI whose
-    addresses are of another form (a unix socket's path, an xDS name)."""
+def _resolution(target: str) -> tuple[str, list[str]]:
+    """(the scheme of the resolver gRPC gives `target` to, in lower case; the
+    `host[:port]` addresses it reads there): [] for a resolver whose addresses are of
+    another form (a unix socket's path, an xDS name), and for a scheme gRPC has no
+    resolver for where the target is no `host[:port]` either ("http://host:port")."""
     uri = _URI_SCHEME.fullmatch(target)
     if uri is None:  # "127.0.0.1:50051", "[::1]:50051": no scheme, resolved by DNS
-        return [target]
-    scheme, rest = uri.groups()
+        return "dns", [target]
+    scheme, rest = uri[1].lower(), uri[2]
     if scheme == "dns":  # dns:host:port, dns:///host:port, dns://resolver/host:port
         if rest.startswith("//"):
             rest = rest[2:].partition("/")[2]
-        return [rest.removeprefix("/")]
-    if scheme in ("ipv4", "ipv6"):  # a comma-separated list of addresses
-        return [address.removeprefix("/") for address in rest.removeprefix("//").split(",")]
-    if scheme in _OTHER_SCHEMES or rest.startswith("/"):
-        return []
-    # "localhost:50051" reads as a URI of scheme "localhost": gRPC, which has no resolver
-    # of that name, resolves the whole target by DNS.
-    return [target]
+        return scheme, [rest.removeprefix("/")]
+    if scheme in _HOST_PORT_SCHEMES:  # ipv4:, ipv6: a comma-separated list of addresses
+        return scheme, [address.removeprefix("/") for address in rest.removeprefix("//").split(",")]
+    if scheme in _OTHER_SCHEMES:
+        return scheme, []
+    # A scheme gRPC has no resolver for: it resolves the whole target by DNS, as a
+    # `host[:port]`. "localhost:50051" parses as a URI of scheme "localhost", and
+    # "fe80::1" of scheme "fe80" (gRPC reads more than one ':' unbracketed as an IPv6
+    # address without a port); no host name holds a '/' or another ':'.
+    if not rest.startswith("/") and (target.count(":") == 1 or _is_ipv6(target)):
+        return "dns", [target]
+    return scheme, []
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)  # with a %zone too: "fe80::1%eth0"
+    except ValueError:
+        return False
+    return True
 
 
 def _port_of(address: str) -> str | None:
@@ -304,22 +343,45 @@ def metadata_pair(key: str, value: str) -> tuple[str, str]:
     return lower, value
 
 
+def checked_integer(field: str, value: object) -> int:
+    """`value`, a caller's integer argument `field`, as an int: any `numbers.Integral`
+    (numpy's integers too) but a bool (a count of True is a caller's bug). The client's
+    one rule for integer arguments; each caller checks the range itself (ValueError).
+
+    Raises:
+        TypeError: `value` is no integer, naming `field`.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{field}: expected an integer, got {reprlib.repr(value)}")
+    return int(value)
+
+
+def checked_message_bytes(max_message_bytes: object) -> int:
+    """A client's `max_message_bytes`, as an int. gRPC's -1 ("no limit") is refused: the
+    stream client sizes its items within the limit (an item over it would fail the whole
+    call).
+
+    Raises:
+        TypeError: it is no integer.
+        ValueError: under MIN_MESSAGE_BYTES.
+    """
+    limit = checked_integer("max_message_bytes", max_message_bytes)
+    if limit < MIN_MESSAGE_BYTES:
+        raise ValueError(
+            f"max_message_bytes: expected a whole number of bytes, at least "
+            f"{MIN_MESSAGE_BYTES}, got {limit}"
+        )
+    return limit
+
+
 def channel_options(
     tls: TlsConfig | None, max_message_bytes: int, extra: Sequence[tuple[str, Any]]
 ) -> list[tuple[str, Any]]:
-    """The channel's gRPC options; ValueError for a message limit that is not a whole
-    number of bytes of at least MIN_MESSAGE_BYTES. gRPC's -1 ("no limit") is refused too:
-    the stream client sizes its items within the limit (an item over it would fail the
-    whole call)."""
-    limit: object = max_message_bytes  # from the caller, unchecked (a bool is an int)
-    if type(limit) is not int or limit < MIN_MESSAGE_BYTES:
-        raise ValueError(
-            f"max_message_bytes: expected a whole number of bytes, at least "
-            f"{MIN_MESSAGE_BYTES}, got {max_message_bytes!r}"
-        )
+    """The channel's gRPC options, `max_message_bytes` checked by `checked_message_bytes`."""
+    limit = checked_message_bytes(max_message_bytes)
     options: dict[str, Any] = {
-        "grpc.max_receive_message_length": max_message_bytes,
-        "grpc.max_send_message_length": max_message_bytes,
+        "grpc.max_receive_message_length": limit,
+        "grpc.max_send_message_length": limit,
         "grpc.primary_user_agent": _USER_AGENT,
         **dict(KEEPALIVE_OPTIONS),
     }

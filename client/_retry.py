@@ -28,12 +28,14 @@ import asyncio
 import dataclasses
 import logging
 import math
+import numbers
 import random
 import reprlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from laneserve.client._channel import checked_integer
 from laneserve.client._errors import ClientClosedError, DeadlineExceededError, LaneserveError
 
 __all__ = ["NO_RETRIES", "RetryPolicy", "is_testing", "set_testing"]
@@ -41,6 +43,14 @@ __all__ = ["NO_RETRIES", "RetryPolicy", "is_testing", "set_testing"]
 log = logging.getLogger("laneserve.client")
 
 T = TypeVar("T")
+
+
+def _checked_real(field: str, value: object) -> float:
+    """`value`, a policy's number `field`, as a float; TypeError naming `field` where it
+    is no real number (or is a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{field}: expected a number, got {reprlib.repr(value)}")
+    return float(value)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -61,8 +71,11 @@ class RetryPolicy:
     jitter: float = 0.5
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
-            raise TypeError(f"max_attempts: expected an integer, got {self.max_attempts!r}")
+        # Types first, by the client's one rule (a numpy number is taken, a bool is not),
+        # stored as int and float: a str failed in math.isfinite naming no field.
+        object.__setattr__(self, "max_attempts", checked_integer("max_attempts", self.max_attempts))
+        for key in ("initial_backoff_s", "max_backoff_s", "multiplier", "jitter"):
+            object.__setattr__(self, key, _checked_real(key, getattr(self, key)))
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts: expected >= 1, got {self.max_attempts}")
         for key in ("initial_backoff_s", "max_backoff_s"):

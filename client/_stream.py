@@ -21,8 +21,6 @@ import dataclasses
 import enum
 import logging
 import math
-import numbers
-import reprlib
 import time
 import uuid
 from collections.abc import (
@@ -40,7 +38,7 @@ from typing import Any, Final
 import grpc
 import numpy.typing as npt
 
-from laneserve.client._channel import RECEIVE_LIMIT_KEY
+from laneserve.client._channel import RECEIVE_LIMIT_KEY, checked_integer
 from laneserve.client._errors import (
     CallCancelledError,
     ClientClosedError,
@@ -205,9 +203,11 @@ class StreamOptions:
         # object cannot be interpreted as an integer"). Stored as int (a numpy integer
         # is taken, and protobuf's fields take it as an int).
         for key in ("window", "timeout_ms", "rows_per_item"):
-            object.__setattr__(self, key, _integer(key, getattr(self, key)))
+            object.__setattr__(self, key, checked_integer(key, getattr(self, key)))
         if self.window_rows is not None:
-            object.__setattr__(self, "window_rows", _integer("window_rows", self.window_rows))
+            object.__setattr__(
+                self, "window_rows", checked_integer("window_rows", self.window_rows)
+            )
         if self.window < 1:
             raise ValueError(f"window: expected >= 1 item, got {self.window}")
         if not 0 <= self.timeout_ms < 2**32:
@@ -223,14 +223,6 @@ class StreamOptions:
             utf8_bytes("output name", name)
         if self.job_id is not None:
             utf8_bytes("job_id", self.job_id)
-
-
-def _integer(key: str, value: object) -> int:
-    """`value` as an int; TypeError naming `key` where it is no integer (nor is a bool: a
-    count of True is a caller's bug, as RetryPolicy decides)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{key}: expected an integer, got {reprlib.repr(value)}")
-    return int(value)
 
 
 class BulkStream:

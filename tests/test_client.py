@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import math
 import random
@@ -244,17 +245,74 @@ def test_metadata_grpc_would_refuse_is_a_value_error_naming_the_key(
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("limit", [0, -1, 1.5, True, 1023])
+@pytest.mark.parametrize("limit", [0, -1, 1023, np.int64(1023)])
 def test_a_message_limit_that_is_not_a_byte_count_of_1024_or_more_is_refused(limit: Any) -> None:
     """-1 (gRPC's "no limit") and 0 were taken: unary calls ran, and every stream item was
     refused as "over the largest message this client and server exchange (-1 bytes)".
     Under 1024 (the server's minimum), a bulk job's call was refused for metadata the
     caller never set."""
-    message = f"max_message_bytes: expected a whole number of bytes, at least 1024, got {limit!r}"
+    message = f"max_message_bytes: expected a whole number of bytes, at least 1024, got {limit}"
     with pytest.raises(ValueError, match=re.escape(message)):
         lc.AsyncClient("127.0.0.1:1", max_message_bytes=limit)
     with pytest.raises(ValueError, match=re.escape(message)):
         lc.Client("127.0.0.1:1", max_message_bytes=limit)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"max_attempts": "3"}, "max_attempts: expected an integer, got '3'"),
+        ({"max_attempts": True}, "max_attempts: expected an integer, got True"),
+        ({"max_attempts": 3.0}, "max_attempts: expected an integer, got 3.0"),
+        ({"jitter": "0.5"}, "jitter: expected a number, got '0.5'"),
+        ({"multiplier": True}, "multiplier: expected a number, got True"),
+        (
+            {"max_message_bytes": "67108864"},
+            "max_message_bytes: expected an integer, got '67108864'",
+        ),
+        ({"max_message_bytes": 1.5}, "max_message_bytes: expected an integer, got 1.5"),
+        ({"max_message_bytes": True}, "max_message_bytes: expected an integer, got True"),
+        ({"max_message_bytes": np.True_}, "max_message_bytes: expected an integer, got np.True_"),
+    ],
+    ids=lambda value: repr(value) if isinstance(value, dict) else "",
+)
+def test_a_number_argument_of_another_type_is_a_type_error_naming_it(
+    arguments: dict[str, Any], message: str
+) -> None:
+    """One rule for the client's integer arguments: a bool or a non-integer is a
+    TypeError naming the argument (max_message_bytes='67108864' was a ValueError, and a
+    RetryPolicy float a TypeError from math.isfinite naming no field)."""
+    make: Callable[..., object] = (
+        functools.partial(lc.Client, "127.0.0.1:1")
+        if "max_message_bytes" in arguments
+        else lc.RetryPolicy
+    )
+    with pytest.raises(TypeError, match=re.escape(message)):
+        make(**arguments)
+
+
+def test_integer_arguments_may_be_numpy_integers_and_bool_arguments_numpy_bools() -> None:
+    """StreamOptions took np.int64; RetryPolicy(max_attempts=np.int64(3)) was a TypeError,
+    max_message_bytes=np.int64(1 << 26) a ValueError saying it was no whole number of
+    bytes, and tls=np.True_ a TypeError "expected True ...; got bool (np.True_)". Each is
+    stored as Python's int, float or the TLS it says (nothing is sent)."""
+    attempts: Any = np.int64(3)
+    backoff: Any = np.float32(0.5)
+    policy = lc.RetryPolicy(max_attempts=attempts, initial_backoff_s=backoff)
+    assert (policy.max_attempts, policy.initial_backoff_s) == (3, 0.5)
+    assert (type(policy.max_attempts), type(policy.initial_backoff_s)) == (int, float)
+    limit: Any = np.int64(1 << 26)
+    with lc.Client("127.0.0.1:1", max_message_bytes=limit, retry=policy):
+        pass
+    for tls in (np.True_, np.False_):
+        with lc.Client("127.0.0.1:1", tls=tls):  # type: ignore[arg-type]
+            pass
+
+    async def scenario() -> None:
+        async with lc.AsyncClient("127.0.0.1:1", max_message_bytes=limit) as client:
+            assert type(client._max_message_bytes) is int  # sent as metadata by a bulk job
+
+    asyncio.run(scenario())
 
 
 # ---- errors from a real server ---------------------------------------------------------
@@ -1041,6 +1099,75 @@ def test_a_target_port_grpc_would_wrap_or_an_empty_target_is_refused_naming_it(
     asyncio.run(scenario())
 
 
+def test_an_upper_case_resolver_scheme_is_checked_as_grpc_reads_it(small_model: Path) -> None:
+    """gRPC reads a scheme in any case: "DNS:///127.0.0.1:P+65536" and "Dns:..." were
+    taken unchecked and reached the server on P. They are refused when the client is
+    made, before any channel; in range they reach it."""
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            port = s.server.port
+            wrapped = port + 65536
+            for target in (f"DNS:///127.0.0.1:{wrapped}", f"Dns:127.0.0.1:{wrapped}"):
+                message = (
+                    f"target '{target}': port '{wrapped}' is out of range; expected HOST:PORT "
+                    f"with a port from 1 to 65535 (gRPC would connect to port {port} instead)"
+                )
+                with pytest.raises(ValueError, match=re.escape(message)):
+                    lc.AsyncClient(target)
+                with pytest.raises(ValueError, match=re.escape(message)):
+                    await asyncio.to_thread(lc.Client, target)
+            with pytest.raises(ValueError, match=f"port '{wrapped}' is out of range"):
+                lc.AsyncClient(f"IPV4:127.0.0.1:{wrapped}")
+            for target in (f"DNS:///127.0.0.1:{port}", f"Ipv4:127.0.0.1:{port}"):
+                async with lc.AsyncClient(target) as client:
+                    assert (await client.infer({"input": rows(1)}))["output"].shape == (1, 10)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("target", "scheme"),
+    [
+        ("http://127.0.0.1:50051", "http:"),
+        ("HTTPS://example.com:443", "https:"),
+        ("grpc://example.com:50051", "grpc:"),
+        ("passthrough:///127.0.0.1:50051", "passthrough:"),
+        ("grpc:example.com:50051", "grpc:"),
+    ],
+)
+def test_a_target_uri_of_a_scheme_grpc_has_no_resolver_for_is_refused_naming_it(
+    target: str, scheme: str
+) -> None:
+    """gRPC looks such a target up whole as one DNS name: every call failed as if no
+    server were there ("Misformatted domain name"), after its 6 attempts, exit 3 in
+    laneserve-client. Refused when the client is made, naming the scheme."""
+    message = (
+        f"target '{target}': gRPC has no resolver for its scheme '{scheme}', and it is no "
+        "HOST:PORT; expected HOST:PORT (no scheme), or a gRPC target URI of dns:, ipv4:"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        lc.Client(target)
+
+    async def scenario() -> None:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            lc.AsyncClient(target)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("target", ["ipv4:127.0.0.1:115587", "ipv6:[::1]:115587"])
+def test_an_ipv4_or_ipv6_port_over_65535_is_refused_claiming_no_wrap(target: str) -> None:
+    """The refusal said "(gRPC would connect to port 50051 instead)"; for these schemes
+    gRPC refuses the target itself ("the target uri is not valid"): only DNS wraps."""
+    message = (
+        f"target '{target}': port '115587' is out of range; expected HOST:PORT with a port "
+        "from 1 to 65535"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        lc.Client(target)
+
+
 @pytest.mark.parametrize(
     "target",
     [
@@ -1053,6 +1180,21 @@ def test_a_target_port_grpc_would_wrap_or_an_empty_target_is_refused_naming_it(
         "unix:/tmp/laneserve.sock",
         "unix:///tmp/laneserve.sock",
         "unix-abstract:laneserve",
+        # In any case, as gRPC reads a scheme.
+        "DNS:///127.0.0.1:50051",
+        "Dns:localhost:50051",
+        "IPV4:127.0.0.1:50051",
+        "Ipv6:[::1]:50051",
+        "UNIX:/tmp/laneserve.sock",
+        "Unix-Abstract:laneserve",
+        # A URI-looking host: gRPC, with no resolver "localhost", resolves it by DNS.
+        "localhost:50051",
+        "fe80::1%eth0",
+        "[fe80::1%eth0]:50051",
+        "ipv4:127.0.0.1:50051,127.0.0.2:50051",
+        "xds:///laneserve",
+        "google-c2p:///laneserve",
+        "vsock:3:50051",
     ],
 )
 def test_every_target_form_grpc_takes_is_taken(target: str) -> None:
