@@ -207,13 +207,12 @@ class ServerConfig:
     # Requests one InferStream may have read and not yet answered; the stream is not read
     # further until one of them is answered, so a fast producer cannot flood the lanes.
     stream_window: int = 256
-    # Bytes of tensor data in one InferStream's answers finished and not yet written:
-    # while they are at or over it the stream reads no more items, so a caller that reads
-    # slowly holds about this much (and the answers of the items it had read:
-    # service.StreamWindow), not stream_window answers (256 MiB of 1 MiB ones). A reader
-    # that keeps up never reaches it; one that falls behind still has ~40 ms of answers
-    # queued at 16 MiB (a Python client reads ~400 MiB/s on loopback) while new items
-    # are read and run. An answer larger than it is written alone.
+    # Bytes of tensor data in one InferStream's answers not yet written, those not yet
+    # finished counted at the stream's largest answer (service.StreamWindow): while they
+    # come to it or more the stream reads no more items, so a caller that reads slowly
+    # holds about this much, not stream_window answers (256 MiB of 1 MiB ones). A reader
+    # that keeps up has this much of answers in flight: at 16 MiB ~40 ms of writing (a
+    # Python client reads ~400 MiB/s on loopback). An answer larger than it goes alone.
     stream_answer_buffer_bytes: int = 16 * 1024 * 1024
     # Idempotency by request_id: answers of completed requests are kept for replay to a
     # retry, bounded by count, bytes and age. 0 entries turns the replay off (a retry that

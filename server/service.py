@@ -138,34 +138,43 @@ class StreamWindow:
 
     Open while fewer than `items` of the stream's items are read and unanswered (their
     answers not yet written), and while its answers finished and not yet written (queued,
-    and the one gRPC is taking) hold under `answer_bytes` of tensor data
-    (`held_answer_bytes`). Lanes bound the rows waiting to run, not the answers waiting
-    to be written: counted in items alone, four streams whose caller stopped reading held
-    1 040 answers of 1 MiB. A fast reader's answers are written as they come, so its
-    reading never waits on the bytes. With nothing unanswered it is open whatever the
-    bytes: an answer larger than `answer_bytes` is written alone, then the next is read.
+    and the one gRPC is taking; `held_answer_bytes`), with those of the items read and
+    not yet finished counted at the largest answer the stream has had, come to under
+    `answer_bytes`. Lanes bound the rows waiting to run, not the answers waiting to be
+    written: counted in items alone, four streams whose caller stopped reading held 1 040
+    answers of 1 MiB. Counted only once finished, answers of batches that took 100 ms
+    were none while the reader read the whole window (256 of 1 MiB again). A fast
+    reader's answers are written as they come, so it waits on the bytes only for what
+    runs at once: `answer_bytes` of answers in flight. With nothing unanswered it is open
+    whatever the bytes: an answer larger than `answer_bytes` is written alone, then the
+    next is read.
 
-    The bound: an item is read only while the held bytes are under `answer_bytes`, and
-    the items read before still finish. So the held bytes stay under `answer_bytes` plus
-    the answers of the items read and unfinished at the last read: at most `items` of
-    them, each at most max_message_bytes (a larger answer is an error:
-    `_check_sendable`)."""
+    The bound: an item is read only while the forecast is under `answer_bytes`; it errs
+    only where an answer is larger than any before it (at most max_message_bytes: a
+    larger answer is an error, `_check_sendable`), or before the first answer, when the
+    items read until then (at most `items`) are counted at nothing."""
 
     def __init__(self, items: int, answer_bytes: int) -> None:
         self._items = items
         self._answer_bytes = answer_bytes
         self.unanswered = 0  # items read whose answer is not yet written
+        self.unfinished = 0  # of them, those whose answer is not yet finished
         self.held_bytes = 0  # of the answers finished and not yet written
+        self.largest_answer_bytes = 0  # of the stream's answers so far
         self.open = asyncio.Event()
         self.open.set()
 
     def read(self) -> None:
         self.unanswered += 1
+        self.unfinished += 1
         self._update()
 
     def finished(self, answer: pb.InferStreamResponse) -> None:
         """`answer` is queued to be written."""
-        self.held_bytes += held_answer_bytes(answer)
+        size = held_answer_bytes(answer)
+        self.unfinished -= 1
+        self.held_bytes += size
+        self.largest_answer_bytes = max(self.largest_answer_bytes, size)
         self._update()
 
     def written(self, answer: pb.InferStreamResponse) -> None:
@@ -177,8 +186,9 @@ class StreamWindow:
     def _update(self) -> None:
         # Every held byte is an answer unanswered: with none, nothing is held.
         assert self.unanswered > 0 or self.held_bytes == 0
+        forecast = self.held_bytes + self.unfinished * self.largest_answer_bytes
         has_room = self.unanswered < self._items and (
-            self.unanswered == 0 or self.held_bytes < self._answer_bytes
+            self.unanswered == 0 or forecast < self._answer_bytes
         )
         if has_room:
             self.open.set()

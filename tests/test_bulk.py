@@ -1744,6 +1744,26 @@ def test_fast_producer_keeps_the_server_queue_bounded_by_the_window(
     asyncio.run(scenario())
 
 
+def test_a_streams_window_counts_items_not_yet_finished_at_its_largest_answer() -> None:
+    """Counted only once finished, the answers of batches that took 100 ms were none
+    while a reader that read nothing had the whole window read (256 answers of 1 MiB,
+    held once they finished). Items read and not yet finished count at the largest
+    answer the stream has had."""
+    mib = 1024 * 1024
+    answer = pb.InferStreamResponse(request_id="a")
+    answer.response.outputs.append(encode_tensor("y", np.zeros((1, mib // 4), np.float32)))
+    window = service.StreamWindow(256, 4 * mib)
+    window.read()
+    window.finished(answer)  # 1 MiB held
+    window.read()
+    window.read()  # + 2 unfinished at 1 MiB: 3 MiB
+    assert window.open.is_set()
+    window.read()  # 4 MiB forecast: at the budget
+    assert not window.open.is_set()
+    window.written(answer)  # 3 MiB forecast
+    assert window.open.is_set()
+
+
 def test_a_stream_whose_caller_reads_nothing_holds_its_answer_bytes_not_its_window(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
