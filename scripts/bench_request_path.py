@@ -354,24 +354,8 @@ def run_rounds(trees: Sequence[Tree], model: Path, args: argparse.Namespace) -> 
 
 
 def serve_args(model: Path, max_batch_size: int) -> list[str]:
-    return [
-        "--log-level",
-        "info",
-        "serve",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--max-batch-size",
-        str(max_batch_size),
-        # Off: a Prometheus reader records every request, and a fixed port may be taken.
-        "--metrics-port",
-        "-1",
-        "--drain-grace-s",
-        "2",
-    ]
+    # Metrics off: a Prometheus reader records every request.
+    return procs.serve_arguments(str(model), max_batch_size, metrics_port=-1)
 
 
 def measure(

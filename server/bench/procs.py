@@ -478,17 +478,10 @@ def _refuse_port(name: str, bound: int, expected: int) -> None:
     raise StartError(f"{name} bound port {bound}; expected the group's port {expected}")
 
 
-def start_laneserve(
-    model_path: str,
-    *,
-    max_batch_size: int,
-    intra_op_threads: int,
-    device: str,
-    config_path: str | None = None,
-    extra_args: Sequence[str] = (),
-) -> Deployment:
-    """`laneserve serve` as the benchmarks run it; `extra_args` go to `serve` last."""
-    args = [
+def serve_arguments(model_path: str, max_batch_size: int, *, metrics_port: int) -> list[str]:
+    """`python -m laneserve.server.cli`'s arguments for a benchmarked `serve`: loopback,
+    any free port, a 2 s drain."""
+    return [
         "--log-level",
         "info",
         "serve",
@@ -500,15 +493,30 @@ def start_laneserve(
         "0",
         "--max-batch-size",
         str(max_batch_size),
-        "--intra-op-threads",
-        str(intra_op_threads),
         "--drain-grace-s",
         "2",
+        "--metrics-port",
+        str(metrics_port),
+    ]
+
+
+def start_laneserve(
+    model_path: str,
+    *,
+    max_batch_size: int,
+    intra_op_threads: int,
+    device: str,
+    config_path: str | None = None,
+    extra_args: Sequence[str] = (),
+) -> Deployment:
+    """`laneserve serve` as the benchmarks run it; `extra_args` go to `serve` last."""
+    args = [
+        # Metrics stay on, as served by default, on a free port: a fixed one may be taken.
+        *serve_arguments(model_path, max_batch_size, metrics_port=0),
+        "--intra-op-threads",
+        str(intra_op_threads),
         "--device",
         device,
-        # Metrics stay on, as served by default, on a free port: a fixed one may be taken.
-        "--metrics-port",
-        "0",
         # For (c): interactive calls on a port of their own, queued apart in gRPC's core.
         "--priority-port",
         "0",
