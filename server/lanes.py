@@ -97,8 +97,9 @@ class Lane:
         # has had nothing queued for a while (`Scheduler._forget_idle_pace`). Only the
         # scheduler changes it.
         self.served_rows_per_batch = 0.0
-        # When a batch last formed while this lane had work queued (None: never): when
-        # `served_rows_per_batch` last learned. Only the scheduler changes it.
+        # When a batch last formed while this lane had work queued, or one that served it
+        # ended, whichever is later (None: never): `served_rows_per_batch` is forgotten
+        # ACTIVE_LANE_S after. Only the scheduler changes it.
         self.served_at_s: float | None = None
         # When this lane last admitted a request (None: never): it is active for
         # ACTIVE_LANE_S after, and batches of lower lanes then keep within its max_wait.

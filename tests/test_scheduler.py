@@ -1481,6 +1481,24 @@ def test_a_share_lane_idle_for_a_while_is_promised_its_share_not_its_old_pace() 
     assert len(ran) > 10
 
 
+def test_a_lane_whose_batches_outlast_the_idle_time_keeps_its_pace() -> None:
+    """Batches of 150 ms (a GPU model's fixed cost), every bulk row in each: the lane
+    was served until each ended, but counted from when it formed it looked idle for
+    ACTIVE_LANE_S at its next request, and its pace was forgotten every batch (29 % of
+    bulk requests refused in a simulation where they had all met their deadlines)."""
+    scheduler = make_scheduler(DEFAULT_LIKE_LANES, cap=64)
+    now_s = T0
+    for round_number in range(20):
+        for index in range(16):
+            scheduler.admit(make_request(100 * round_number + index, "bulk", 4), now_s)
+        batch = dispatch(scheduler, now_s, math.inf)
+        assert batch.rows == 64
+        now_s += 0.150
+        scheduler.complete(run(batch, run_s=0.150))
+    scheduler.admit(make_request(9_999, "bulk", 4), now_s)
+    assert scheduler.lane("bulk").served_rows_per_batch > 32
+
+
 def test_admission_predicts_a_share_smaller_than_a_row() -> None:
     """Cap 1, interactive saturated, standard's share 0.1 of a row a batch: its first
     request goes in the next batch (the allowance's crossing row), the next one ten
