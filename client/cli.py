@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import io
 import json
 import logging
 import math
@@ -225,7 +226,7 @@ def _client(args: argparse.Namespace) -> Client:
 
 def _model(client: Client, args: argparse.Namespace) -> int:
     model = client.model(timeout=args.timeout)
-    out = sys.stdout
+    out = io.StringIO()
     print(f"model        {model.model_path}", file=out)
     print(f"providers    {', '.join(model.providers)}", file=out)
     print(f"batch cap    {model.batch_cap} rows (max_batch_size {model.max_batch_size})", file=out)
@@ -257,12 +258,22 @@ def _model(client: Client, args: argparse.Namespace) -> int:
             for lane in model.lanes
         ],
     )
+    _write_once(out.getvalue())
     return EXIT_OK
+
+
+def _write_once(text: str) -> None:
+    """`text` to standard output in one write: line by line, unbuffered
+    (PYTHONUNBUFFERED=1, common in containers), `model | head -1` got EPIPE on the second
+    line and exited 141 about half the time, where README promises 0 for an answer that
+    fits the pipe."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def _stats(client: Client, args: argparse.Namespace) -> int:
     stats = client.stats(timeout=args.timeout)
-    out = sys.stdout
+    out = io.StringIO()
     run = stats.run_time
     print(f"state        {stats.state}   uptime {stats.uptime_s:.0f} s", file=out)
     print(
@@ -308,6 +319,7 @@ def _stats(client: Client, args: argparse.Namespace) -> int:
             for lane in stats.lanes
         ],
     )
+    _write_once(out.getvalue())
     return EXIT_OK
 
 

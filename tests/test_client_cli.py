@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import errno
+import io
 import itertools
 import json
 import os
@@ -27,7 +29,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from laneserve.client import TlsConfig
+from laneserve.client import Client, TlsConfig
 from laneserve.client import _checkpoint as checkpoint_module
 from laneserve.client import cli as client_cli_module
 from laneserve.client._checkpoint import Checkpoint, CheckpointError
@@ -1652,6 +1654,36 @@ def test_output_piped_into_a_reader_that_stops_exits_141_quietly(small_model: Pa
             assert err == ""
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("command", ["_model", "_stats"])
+def test_model_and_stats_write_their_answer_at_once(
+    small_model: Path, command: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Line by line, unbuffered (PYTHONUNBUFFERED=1), `model | head -1` met EPIPE on its
+    second line and exited 141 about half the time: the answer goes in one write."""
+    writes: list[str] = []
+
+    class Unbuffered(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr(sys, "stdout", Unbuffered())
+    answer = getattr(client_cli_module, command)
+
+    def answered(target: str) -> int:
+        with Client(target) as client:
+            code: int = answer(client, argparse.Namespace(timeout=CLIENT_CLI_TIMEOUT_S))
+            return code
+
+    async def scenario() -> int:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            return await asyncio.to_thread(answered, s.target)
+
+    assert asyncio.run(scenario()) == 0
+    assert len(writes) == 1
+    assert writes[0].count("\n") > 5
 
 
 def test_metadata_grpc_would_refuse_exits_2_naming_the_pair(small_model: Path) -> None:
