@@ -7,7 +7,9 @@ time (the engine thread); `Engine.run` is safe from any thread, as the session i
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import importlib.metadata
 import logging
 import os
 import re
@@ -46,6 +48,7 @@ from laneserve.server.memory import (
     NvmlGauge,
     NvmlUnavailableError,
     ProcessRssGauge,
+    cuda_visible_hides_every_gpu,
     estimate_memory,
     fit_memory,
     format_bytes,
@@ -77,11 +80,19 @@ PROBE_STOP_REASONS = ("max_batch_size", "queue_rows", "out_of_memory", "host_mem
 # Messages of allocation failures: the BFC arena (CPU and CUDA), CUDA itself, and the
 # CUDA libraries' own workspaces ("CUBLAS failure 3: CUBLAS_STATUS_ALLOC_FAILED", cuDNN's
 # and cuFFT's alike): taken for a model failure, they lowered no cap and a row that
-# failed alone was answered ENGINE_FAILURE.
+# failed alone was answered ENGINE_FAILURE. cuDNN 9 names its allocation failures
+# CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED (4004) and _HOST_ (4003), which
+# "_ALLOC_FAILED" does not match; and cudnnCreate on a full GPU fails with the bare
+# CUDNN_STATUS_INTERNAL_ERROR (ONNX Runtime creates the handle when a run first needs
+# it). A bare internal error elsewhere, and CUDNN_STATUS_EXECUTION_FAILED, stay model
+# failures: a kernel that failed to run (a bad launch, an illegal address that leaves
+# the context broken) is no want of memory, and splitting would only halve a broken
+# session's batches down to rows answered DEVICE_MEMORY.
 _OUT_OF_MEMORY = re.compile(
     r"Failed to allocate memory|BFCArena|bfc_arena|out of memory|"
     r"Available memory of \d+ is smaller than requested bytes|"
-    r"_ALLOC_FAILED|cudaErrorMemoryAllocation",
+    r"_ALLOC_FAILED|_ALLOCATION_FAILED|cudaErrorMemoryAllocation|"
+    r"CUDNN_STATUS_INTERNAL_ERROR\b[^\n]*expr=cudnnCreate\(",
     re.IGNORECASE,
 )
 
@@ -186,17 +197,28 @@ def choose_providers(device: Device) -> list[str]:
     available = ort.get_available_providers()
     if device == "cpu":
         return [CPU]
-    cuda_usable = CUDA in available and gpu_present()
+    hidden = cuda_visible_hides_every_gpu()
+    cuda_usable = CUDA in available and not hidden and gpu_present()
     if device == "cuda":
         if not cuda_usable:
-            why = "no GPU is visible" if CUDA in available else "this onnxruntime has no CUDA"
             raise EngineStartError(
-                f"--device cuda: {why} (available providers: {available}); expected a "
-                "visible GPU and onnxruntime-gpu, or --device auto / cpu to run on the CPU"
+                f"--device cuda: {_why_no_cuda(available, hidden=hidden)} (available "
+                f"providers: {available}); expected a visible GPU and onnxruntime-gpu, or "
+                "--device auto / cpu to run on the CPU"
             )
         return [CUDA, CPU]
-    # auto: ask for CUDA only where it can work, so no failed CUDA load is printed.
+    # auto: ask for CUDA only where it can work, so no failed CUDA load is printed (and
+    # where CUDA_VISIBLE_DEVICES hides every GPU, NVML's count is not CUDA's).
     return [CUDA, CPU] if cuda_usable else [CPU]
+
+
+def _why_no_cuda(available: Sequence[str], *, hidden: bool) -> str:
+    if CUDA not in available:
+        return "this onnxruntime has no CUDA"
+    if hidden:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU from CUDA"
+    return "no GPU is visible"
 
 
 def default_intra_op_threads(*, on_gpu: bool) -> int:
@@ -213,6 +235,57 @@ def default_intra_op_threads(*, on_gpu: bool) -> int:
     affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere all the cores
     cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
     return max(1, cores - 1)
+
+
+def cuda_provider_options(memory_limit_bytes: int) -> dict[str, str]:
+    """The CUDA provider's options for a session capped at `memory_limit_bytes`."""
+    return {
+        "gpu_mem_limit": str(memory_limit_bytes),
+        # Near a hard limit, growing by powers of two would fail allocations that fit.
+        "arena_extend_strategy": "kSameAsRequested",
+        # The default, EXHAUSTIVE, benchmarks every cuDNN convolution algorithm for each
+        # new input shape (0.3-1.3 s a shape: onnxruntime issues #709, #6978), and the
+        # scheduler forms batches of every size from 1 to the cap: each size's first
+        # batch would stall its callers that long. HEURISTIC asks cuDNN's heuristics
+        # instead, without running anything.
+        "cudnn_conv_algo_search": "HEURISTIC",
+    }
+
+
+def _cuda_unavailable_cause() -> str:
+    """Why the runtime left its CUDA provider out of a session, as far as Python can
+    tell. The runtime prints its own reason on stderr ("Failed to create
+    CUDAExecutionProvider"), where no caller reads it; loading the provider's library
+    again gives the loader's words for the usual cause, a CUDA or cuDNN library it
+    cannot find."""
+    needs = (
+        f"the CUDA {_built_for()} libraries on the loader's path (LD_LIBRARY_PATH) and "
+        "an NVIDIA driver that supports that CUDA"
+    )
+    library = Path(ort.__file__).parent / "capi" / "libonnxruntime_providers_cuda.so"
+    if not library.is_file():
+        return f"this onnxruntime's CUDA provider did not start; it needs {needs}"
+    try:
+        ctypes.CDLL(str(library))
+    except OSError as error:
+        return f"its CUDA provider library does not load ({error}); it needs {needs}"
+    return (
+        "its CUDA provider library loads but the provider did not start (onnxruntime's "
+        f"reason is on stderr); it needs {needs}"
+    )
+
+
+def _built_for() -> str:
+    """The CUDA and cuDNN versions this onnxruntime was built for ("13.0 / cuDNN 9"):
+    CUDA's from its build information, cuDNN's major from its wheel's `cudnn` extra."""
+    cuda = getattr(ort, "cuda_version", None) or "?"
+    cudnn = "?"
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        for requirement in importlib.metadata.requires("onnxruntime-gpu") or []:
+            found = re.match(r"nvidia-cudnn-cu\d+\s*~=\s*(\d+)", requirement)
+            if found is not None:
+                cudnn = found.group(1)
+    return f"{cuda} / cuDNN {cudnn}"
 
 
 def _check_batch_axis_unique(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> None:
@@ -268,63 +341,21 @@ class Engine:
         if device != "cpu":
             prefer_pci_order()  # before anything initialises CUDA
         requested = choose_providers(device)
-        on_gpu = requested[0] == CUDA
-        if memory_limit is None and on_gpu:
-            memory_limit = DEFAULT_GPU_MEMORY_LIMIT
         # The model file's static memory estimate, when the start needed it (a CPU
         # budget is checked against the weights): `static_estimate_tried` says it was
         # worked out here, and None then means it failed (not to be run again).
         self.static_estimate: MemoryEstimate | None = None
         self.static_estimate_tried = False
         # The hard limit on the session's device memory; None: the runtime's default.
-        self.memory_limit_bytes = (
-            None
-            if memory_limit is None
-            else _resolve_limit(
-                memory_limit,
-                _gpu_total_bytes() if on_gpu else ProcessRssGauge().total_bytes(),
-            )
+        self.memory_limit_bytes: int | None
+        self._session, self.memory_limit_bytes = self._open_session(
+            requested, memory_limit, intra_op_threads, probe_shapes or {}
         )
-        memory_limit_bytes = self.memory_limit_bytes
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = intra_op_threads or default_intra_op_threads(on_gpu=on_gpu)
-        # The scheduler runs one batch at a time: no inter-op pool is needed.
-        options.inter_op_num_threads = 1
-        # Idle intra-op threads sleep instead of spinning: the event loop and the
-        # scheduler need those cores between runs (measured on 2 cores: a spinning
-        # pool burned 0.4 of a core and made runs 3x slower under load).
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        # 4 = fatal only: every runtime error is translated, and logged once, by us.
-        options.log_severity_level = 4
-        providers: list[str | tuple[str, dict[str, str]]] = list(requested)
-        if memory_limit_bytes is not None:
-            if on_gpu:
-                # kSameAsRequested: near a hard limit, growing by powers of two would
-                # fail allocations that fit.
-                providers[0] = (
-                    CUDA,
-                    {
-                        "gpu_mem_limit": str(memory_limit_bytes),
-                        "arena_extend_strategy": "kSameAsRequested",
-                    },
-                )
-            else:
-                self.static_estimate = _check_cpu_budget(
-                    model_path, memory_limit_bytes, probe_shapes or {}
-                )
-                self.static_estimate_tried = True
-                _cap_cpu_arena(memory_limit_bytes)
-                options.add_session_config_entry("session.use_env_allocators", "1")
-        try:
-            self._session = ort.InferenceSession(model_path, options, providers=providers)
-        except Exception as error:
-            raise EngineStartError(
-                f"cannot load model {model_path!r}: {error}; expected an ONNX model file that "
-                "this onnxruntime can run"
-            ) from error
         self.providers: list[str] = list(self._session.get_providers())
-        if device == "cuda" and CUDA not in self.providers:
-            raise EngineStartError(f"--device cuda: the session fell back to {self.providers}")
+        if requested[0] == CUDA and CUDA not in self.providers:
+            self._fall_back_to_cpu(device, requested, memory_limit, intra_op_threads, probe_shapes)
+        on_gpu = self.providers[0] == CUDA
+        memory_limit_bytes = self.memory_limit_bytes
         self.inputs = self._input_specs(model_path)
         self.outputs = tuple(self._spec(arg, "output") for arg in self._session.get_outputs())
         _check_batch_axis_unique(self.inputs, self.outputs)
@@ -362,6 +393,7 @@ class Engine:
         # at once could race on `_arena_run`: one shrink or retry too many or too few.
         self._shrinks_before_growth = memory_limit_bytes is not None
         self._arena_run: tuple[int, int] | None = (0, 0)
+        self._shrink_failure_logged = False  # `_shrink_failed` logs the first failure
         # The options of the run in progress, so that `terminate_runs` can end it: a
         # process that exits while the runtime is inside a run aborts (SIGABRT).
         self._lock = threading.Lock()
@@ -380,6 +412,95 @@ class Engine:
             providers=list(self.providers),
             memory_limit_bytes=memory_limit_bytes,
         )
+
+    def _open_session(
+        self,
+        requested: Sequence[str],
+        memory_limit: MemoryLimit | None,
+        intra_op_threads: int,
+        probe_shapes: Mapping[str, tuple[int, ...]],
+    ) -> tuple[ort.InferenceSession, int | None]:
+        """A session asking for the `requested` providers, and its memory limit in bytes
+        (None: the runtime's default; on a GPU DEFAULT_GPU_MEMORY_LIMIT when none is
+        given). Under a CPU budget the model's weights are checked against it first and
+        the process-wide CPU arena is capped at it."""
+        on_gpu = requested[0] == CUDA
+        if memory_limit is None and on_gpu:
+            memory_limit = DEFAULT_GPU_MEMORY_LIMIT
+        limit_bytes = (
+            None
+            if memory_limit is None
+            else _resolve_limit(
+                memory_limit,
+                _gpu_total_bytes() if on_gpu else ProcessRssGauge().total_bytes(),
+            )
+        )
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = intra_op_threads or default_intra_op_threads(on_gpu=on_gpu)
+        # The scheduler runs one batch at a time: no inter-op pool is needed.
+        options.inter_op_num_threads = 1
+        # Idle intra-op threads sleep instead of spinning: the event loop and the
+        # scheduler need those cores between runs (measured on 2 cores: a spinning
+        # pool burned 0.4 of a core and made runs 3x slower under load).
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # 4 = fatal only: every runtime error is translated, and logged once, by us.
+        options.log_severity_level = 4
+        providers: list[str | tuple[str, dict[str, str]]] = list(requested)
+        if limit_bytes is not None:
+            if on_gpu:
+                providers[0] = (CUDA, cuda_provider_options(limit_bytes))
+            else:
+                self.static_estimate = _check_cpu_budget(self.model_path, limit_bytes, probe_shapes)
+                self.static_estimate_tried = True
+                _cap_cpu_arena(limit_bytes)
+                options.add_session_config_entry("session.use_env_allocators", "1")
+        try:
+            session = ort.InferenceSession(self.model_path, options, providers=providers)
+        except Exception as error:
+            raise EngineStartError(
+                f"cannot load model {self.model_path!r}: {error}; expected an ONNX model "
+                "file that this onnxruntime can run"
+            ) from error
+        return session, limit_bytes
+
+    def _fall_back_to_cpu(
+        self,
+        device: Device,
+        requested: Sequence[str],
+        memory_limit: MemoryLimit | None,
+        intra_op_threads: int,
+        probe_shapes: Mapping[str, tuple[int, ...]] | None,
+    ) -> None:
+        """The runtime built the session without CUDA although NVML sees a GPU (its CUDA
+        provider did not load: a CUDA or cuDNN library missing, a driver too old). It
+        says so only on stderr, and the session ran on the CPU under a limit worked out
+        from the GPU's memory (72 GiB of an 80 GiB GPU), which capped nothing, while the
+        probe skipped the host-memory guard it keeps for the CPU without a limit. With
+        --device cuda that is refused; with auto the engine becomes a CPU engine, warned
+        about: the session is made again as on the CPU, so a limit given applies to the
+        CPU arena (a fraction to the host's memory), and none is taken from the GPU."""
+        cause = _cuda_unavailable_cause()
+        if device == "cuda":
+            raise EngineStartError(
+                f"--device cuda: the session fell back to {self.providers}: {cause}; "
+                "expected the GPU usable by onnxruntime, or --device auto / cpu to run on "
+                "the CPU"
+            )
+        log_event(
+            log,
+            logging.WARNING,
+            "cuda_unavailable",
+            f"CUDA unavailable: asked onnxruntime for {list(requested)} (NVML sees a GPU), "
+            f"got {self.providers}: {cause}; serving on the CPU, with the CPU's memory "
+            "limits (--device cuda refuses to start instead)",
+            requested=list(requested),
+            providers=list(self.providers),
+            cause=cause,
+        )
+        self._session, self.memory_limit_bytes = self._open_session(
+            [CPU], memory_limit, intra_op_threads, probe_shapes or {}
+        )
+        self.providers = list(self._session.get_providers())
 
     def _input_specs(self, model_path: str) -> tuple[TensorSpec, ...]:
         """The specs of the model's inputs; EngineStartError when it has none. Checked
@@ -516,9 +637,30 @@ class Engine:
         self._arena_run = None
         options = ort.RunOptions()
         options.add_run_config_entry("memory.enable_memory_arena_shrinkage", self._arena)
-        # Any failure: the shrink is done either way (see above).
-        with contextlib.suppress(Exception):
+        try:
             self._run_session(self.example_inputs(0), options)
+        except Exception as error:  # noqa: BLE001 - the shrink is done either way (see above)
+            self._shrink_failed(error)
+
+    def _shrink_failed(self, error: Exception) -> None:
+        """Logs the first failed shrink run: a model that cannot run zero rows is no
+        harm, but a failure before the run ("Did not find an arena based allocator
+        registered for device-id combination in the memory arena shrink list", for a
+        name the runtime does not know) shrinks nothing, and swallowed it left a GPU
+        whose arena never gave back what a burst took, with no line saying so."""
+        if self._shrink_failure_logged or self._terminated:  # the server stopped it
+            return
+        self._shrink_failure_logged = True
+        log_event(
+            log,
+            logging.WARNING,
+            "arena_shrink_failed",
+            f"the run that shrinks the {self._arena} arena failed (logged once): "
+            f"{_tail(str(error))}; if the model cannot run zero rows the arena shrank "
+            "anyway, else it keeps the regions runs grew",
+            arena=self._arena,
+            error=_tail(str(error)),
+        )
 
     def check_free(self) -> None:
         """Raises RuntimeError, saying why, when this engine cannot serve a new LaneServer:

@@ -153,6 +153,19 @@ def session_gpu_id() -> str:
     return os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
 
 
+def cuda_visible_hides_every_gpu() -> bool:
+    """Whether CUDA_VISIBLE_DEVICES leaves CUDA no GPU: set empty, or its first id
+    negative ("-1", the usual way to hide them all: CUDA reads the list up to the first
+    invalid id). NVML ignores the variable and still counts every GPU: taken for a
+    visible GPU, "-1" refused the start (NVML has no GPU '-1') and "" took its memory
+    limit from a GPU that CUDA could not see."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return False
+    first = visible.split(",")[0].strip()
+    return first == "" or re.fullmatch(r"-\d+", first) is not None
+
+
 def prefer_pci_order() -> None:
     """CUDA numbers GPUs fastest first by default, NVML by PCI bus: on a host of unlike
     GPUs, index 1 in CUDA_VISIBLE_DEVICES was another GPU to each. Called before the

@@ -32,12 +32,14 @@ from laneserve.server.clock import ManualClock
 from laneserve.server.cost_model import MAX_SIGNATURES, RunTimeModel
 from laneserve.server.demo_model import make_demo_model
 from laneserve.server.engine import (
+    CPU,
     CUDA,
     HOST_PROBE_SHARE,
     Engine,
     EngineStartError,
     _Split,
     choose_providers,
+    cuda_provider_options,
     translate_runtime_error,
 )
 from laneserve.server.errors import (
@@ -1693,6 +1695,24 @@ print(json.dumps(report))
 """
 
 
+# Out of memory in cuDNN, as ONNX Runtime reports it: cuDNN 9's status for a device
+# allocation that failed, and cudnnCreate on a full GPU (hacksider/Deep-Live-Cam#1318).
+_CUDNN9_DEVICE_ALLOCATION = (
+    "[ONNXRuntimeError] : 1 : FAIL : CUDNN failure 4004: "
+    "CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED ; GPU=0 ; hostname=h ; "
+    "file=conv.cc ; line=1 ; expr=cudnnBackendExecute(...);"
+)
+# Where a convolution fails to run.
+_CUDNN_CONV = "hostname=h ; file=conv.cc ; line=1 ; expr=cudnnConvolutionForward(...);"
+_CUDNN_CREATE_ON_A_FULL_GPU = (
+    "[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned while "
+    "running Gemm node. Name:'Gemm_128' Status Message: CUDNN failure 4: "
+    "CUDNN_STATUS_INTERNAL_ERROR ; GPU=0 ; hostname=h ; "
+    "file=/onnxruntime_src/onnxruntime/core/providers/cuda/cuda_execution_provider.cc ; "
+    "line=172 ; expr=cudnnCreate(&cudnn_handle_);"
+)
+
+
 @pytest.mark.parametrize(
     ("message", "out_of_memory"),
     [
@@ -1701,17 +1721,64 @@ print(json.dumps(report))
         ("CUDNN failure 4: CUDNN_STATUS_ALLOC_FAILED ; GPU=0", True),
         ("CUDA failure 2: cudaErrorMemoryAllocation", True),
         ("Failed to allocate memory for requested buffer of size 1048576", True),
+        (_CUDNN9_DEVICE_ALLOCATION, True),
+        (_CUDNN9_DEVICE_ALLOCATION.replace("4004", "4003").replace("DEVICE", "HOST"), True),
+        (_CUDNN_CREATE_ON_A_FULL_GPU, True),
         ("CUBLAS failure 13: CUBLAS_STATUS_EXECUTION_FAILED ; GPU=0", False),
         ("Non-zero status code returned while running Gemm node", False),
+        (f"CUDNN failure 5000: CUDNN_STATUS_EXECUTION_FAILED ; GPU=0 ; {_CUDNN_CONV}", False),
+        (f"CUDNN failure 4000: CUDNN_STATUS_INTERNAL_ERROR ; GPU=0 ; {_CUDNN_CONV}", False),
     ],
 )
 def test_allocation_failures_of_the_cuda_libraries_count_as_out_of_memory(
     message: str, out_of_memory: bool
 ) -> None:
     """cuBLAS's and cuDNN's workspaces failing to allocate were taken for a model
-    failure: no cap was lowered, and a row that failed alone got ENGINE_FAILURE."""
+    failure: no cap was lowered, and a row that failed alone got ENGINE_FAILURE. cuDNN
+    9's names (..._ALLOCATION_FAILED) and cudnnCreate's internal error on a full GPU
+    were still taken so. A kernel that failed to run is no want of memory."""
     error = translate_runtime_error(RuntimeError(message))
     assert isinstance(error, DeviceMemoryError) is out_of_memory, error
+
+
+class _RuntimeFailsAbove(Engine):
+    """The real session, whose runs of more than `fit_rows` rows fail with the runtime's
+    `message` (fault injection where the runtime raises, below the engine's translation)."""
+
+    def __init__(self, model_path: Path, fit_rows: int, message: str) -> None:
+        super().__init__(str(model_path), device="cpu")
+        self.fit_rows, self.message = fit_rows, message
+
+    def _run_session(self, inputs: Mapping[str, Array], options: ort.RunOptions) -> list[Array]:
+        if len(inputs["input"]) > self.fit_rows:
+            raise RuntimeError(self.message)
+        return super()._run_session(inputs, options)
+
+
+@pytest.mark.parametrize(
+    "message", [_CUDNN9_DEVICE_ALLOCATION, _CUDNN_CREATE_ON_A_FULL_GPU], ids=["4004", "cudnnCreate"]
+)
+def test_cudnn_out_of_memory_splits_the_batch_and_counts_against_the_cap(
+    small_model: Path, small_reference: ort.InferenceSession, message: str
+) -> None:
+    """A full GPU's cuDNN failures failed a row that did not fit alone with
+    ENGINE_FAILURE and lowered no cap: they are out-of-memory runs now."""
+    engine = _RuntimeFailsAbove(small_model, 2, message)
+    x = rows(4)
+    batch = Batch(
+        1, (BatchSlice(1, "standard", 0, 4, 0),), 4, DispatchReason.FULL, 0.0, {"input": (x,)}
+    )
+    result = engine.run_batch(batch)
+    assert result.failed_rows == ()
+    assert result.out_of_memory_runs == (OutOfMemoryRun(4, held_unfit_row=False),)
+    assert result.outputs is not None
+    expected = small_reference.run(None, {"input": x})[0]
+    np.testing.assert_allclose(np.asarray(result.outputs["output"], np.float32), expected)
+    one = Batch(
+        2, (BatchSlice(2, "standard", 0, 1, 0),), 1, DispatchReason.FULL, 0.0, {"input": (x[:1],)}
+    )
+    (failed,) = _RuntimeFailsAbove(small_model, 0, message).run_batch(one).failed_rows
+    assert failed.error.reason == "DEVICE_MEMORY", failed.error
 
 
 def test_a_cpu_budget_that_does_not_hold_the_weights_is_refused(demo_model: Path) -> None:
@@ -2495,3 +2562,163 @@ def test_a_gpu_count_nvml_fails_means_no_usable_gpu(monkeypatch: pytest.MonkeyPa
     fake.nvmlDeviceGetCount = count
     monkeypatch.setattr(ort, "get_available_providers", lambda: [CUDA, "CPUExecutionProvider"])
     assert choose_providers("auto") == ["CPUExecutionProvider"]
+
+
+@pytest.mark.parametrize("visible", ["", "-1", " -1 ", "-1,0", "-2"])
+def test_cuda_visible_devices_hiding_every_gpu_means_no_gpu(
+    monkeypatch: pytest.MonkeyPatch, visible: str
+) -> None:
+    """NVML counts GPUs whatever CUDA_VISIBLE_DEVICES says: with -1 (CUDA reads the list
+    up to its first invalid id) --device auto refused the start (NVML has no GPU '-1'),
+    and with "" it took its memory limit from a GPU CUDA could not see. auto runs on the
+    CPU; --device cuda is refused naming the variable."""
+    _fake_nvml(monkeypatch)
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [CUDA, CPU])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert choose_providers("auto") == [CPU]
+    with pytest.raises(EngineStartError) as refused:
+        choose_providers("cuda")
+    assert str(refused.value).startswith(
+        f"--device cuda: CUDA_VISIBLE_DEVICES={visible!r} hides every GPU from CUDA"
+    ), refused.value
+
+
+@pytest.mark.parametrize("visible", [None, "0", "1,-1", "GPU-8932f937"])
+def test_cuda_visible_devices_naming_a_gpu_first_leaves_it_visible(
+    monkeypatch: pytest.MonkeyPatch, visible: str | None
+) -> None:
+    _fake_nvml(monkeypatch)
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [CUDA, CPU])
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert choose_providers("auto") == [CUDA, CPU]
+    assert choose_providers("cuda") == [CUDA, CPU]
+
+
+def test_cuda_sessions_pick_convolution_algorithms_by_heuristics() -> None:
+    """EXHAUSTIVE (the runtime's default) benchmarks cuDNN's convolution algorithms for
+    each new input shape, 0.3-1.3 s each, and batches come in every size up to the cap."""
+    assert cuda_provider_options(8 << 30) == {
+        "gpu_mem_limit": str(8 << 30),
+        "arena_extend_strategy": "kSameAsRequested",
+        "cudnn_conv_algo_search": "HEURISTIC",
+    }
+
+
+def _cuda_provider_does_not_load(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """ONNX Runtime as on a GPU host whose CUDA provider cannot load (libcublasLt.so.13
+    or libcudnn.so.9 missing): a real session, built without CUDA as the runtime builds
+    it then (it prints why on stderr and carries on), whatever this machine has (fault
+    injection). Returns the providers each session asked for."""
+    asked: list[list[str]] = []
+    real = ort.InferenceSession
+
+    def session(path: str, options: ort.SessionOptions, *, providers: list[Any]) -> Any:
+        names = [provider if isinstance(provider, str) else provider[0] for provider in providers]
+        asked.append(names)
+        kept = [provider for provider, name in zip(providers, names, strict=True) if name != CUDA]
+        return real(path, options, providers=kept)
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [CUDA, CPU])
+    monkeypatch.setattr(ort, "InferenceSession", session)
+    return asked
+
+
+def test_a_gpu_whose_cuda_provider_does_not_load_serves_as_a_cpu_engine(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NVML saw an 80 GiB GPU, the runtime could not load CUDA and ran the session on the
+    CPU, quietly: the engine kept a 72 GiB limit (0.9 of the GPU) that capped nothing,
+    and so its probe skipped the host-memory guard of the CPU without a limit. It is a
+    CPU engine now, and says why."""
+    _fake_nvml(monkeypatch)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    asked = _cuda_provider_does_not_load(monkeypatch)
+    caplog.set_level(logging.INFO, "laneserve")
+    engine = Engine(str(small_model), device="auto")
+    assert asked[0] == [CUDA, CPU]
+    assert engine.providers == [CPU]
+    assert engine.memory_limit_bytes is None
+    (record,) = [r for r in caplog.records if getattr(r, "event", None) == "cuda_unavailable"]
+    assert record.levelno == logging.WARNING
+    message = record.getMessage()
+    assert f"asked onnxruntime for {[CUDA, CPU]} (NVML sees a GPU), got {[CPU]}: " in message
+    assert "it needs the CUDA " in message
+    probe = engine.probe(4096, repeats=1, host_available=lambda: 8 * MIB)
+    assert probe.stop_reason == "host_memory", probe
+
+
+def test_cuda_demanded_where_its_provider_does_not_load_is_refused_saying_why(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_nvml(monkeypatch)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    _cuda_provider_does_not_load(monkeypatch)
+    with pytest.raises(EngineStartError) as refused:
+        Engine(str(small_model), device="cuda")
+    message = str(refused.value)
+    assert message.startswith(f"--device cuda: the session fell back to {[CPU]}: "), message
+    assert "it needs the CUDA " in message
+
+
+_CUDA_FALLBACK_BUDGET_SCRIPT = """
+import json, os, sys, types
+import onnxruntime as ort
+from laneserve.server.engine import Engine
+from laneserve.server.errors import DeviceMemoryError
+from laneserve.server.memory import parse_memory_limit
+
+os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+nvml = types.ModuleType("pynvml")  # NVML seeing one 80 GiB GPU
+nvml.NVMLError = RuntimeError
+nvml.nvmlInit = nvml.nvmlShutdown = lambda: None
+nvml.nvmlDeviceGetCount = lambda: 1
+nvml.nvmlDeviceGetHandleByIndex = lambda index: index
+nvml.nvmlDeviceGetMemoryInfo = lambda handle: types.SimpleNamespace(used=1 << 30, total=80 << 30)
+sys.modules["pynvml"] = nvml
+real = ort.InferenceSession
+
+def without_cuda(path, options, *, providers):  # the CUDA provider does not load
+    named = [(p if isinstance(p, str) else p[0], p) for p in providers]
+    kept = [p for name, p in named if name != "CUDAExecutionProvider"]
+    return real(path, options, providers=kept)
+
+ort.get_available_providers = lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"]
+ort.InferenceSession = without_cuda
+engine = Engine(sys.argv[1], device="auto", memory_limit=parse_memory_limit(sys.argv[2]))
+try:
+    engine.run(engine.example_inputs(1024))
+    fitted = True
+except DeviceMemoryError:
+    fitted = False
+limit = engine.memory_limit_bytes
+print(json.dumps({"providers": engine.providers, "limit": limit, "fitted": fitted}))
+"""
+
+
+def test_a_limit_given_caps_the_cpu_arena_when_cuda_does_not_load(demo_model: Path) -> None:
+    """--memory-limit 32MiB on a GPU host whose CUDA provider did not load became the
+    GPU arena's limit, of a session that ran on the CPU, uncapped: 1 024 rows of the
+    demo model ran. It caps the CPU arena, as on the CPU (750 rows fit)."""
+    report = _script_report(_CUDA_FALLBACK_BUDGET_SCRIPT, str(demo_model), DEMO_BUDGET)
+    assert report == {"providers": [CPU], "limit": 32 * MIB, "fitted": False}
+
+
+def test_an_arena_that_cannot_shrink_is_logged_once(
+    small_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every failure of the run that shrinks the arena was swallowed: one before the run
+    (a name the runtime has no arena for) shrinks nothing, and a GPU's arena then never
+    gave back what a burst took, unseen."""
+    caplog.set_level(logging.INFO, "laneserve")
+    engine = Engine(str(small_model), device="cpu")
+    engine.release_idle_memory()
+    engine._arena = "gpu:0"  # as if the session's arena had another name
+    engine.release_idle_memory()
+    engine.release_idle_memory()
+    records = [r for r in caplog.records if getattr(r, "event", None) == "arena_shrink_failed"]
+    assert len(records) == 1, records
+    assert records[0].levelno == logging.WARNING
+    assert "Did not find an arena based allocator" in records[0].getMessage()
