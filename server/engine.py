@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import dataclasses
 import importlib.metadata
+import io
 import logging
 import os
 import re
@@ -82,17 +83,17 @@ PROBE_STOP_REASONS = ("max_batch_size", "queue_rows", "out_of_memory", "host_mem
 # and cuFFT's alike): taken for a model failure, they lowered no cap and a row that
 # failed alone was answered ENGINE_FAILURE. cuDNN 9 names its allocation failures
 # CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED (4004) and _HOST_ (4003), which
-# "_ALLOC_FAILED" does not match; and cudnnCreate on a full GPU fails with the bare
-# CUDNN_STATUS_INTERNAL_ERROR (ONNX Runtime creates the handle when a run first needs
-# it). A bare internal error elsewhere, and CUDNN_STATUS_EXECUTION_FAILED, stay model
-# failures: a kernel that failed to run (a bad launch, an illegal address that leaves
-# the context broken) is no want of memory, and splitting would only halve a broken
-# session's batches down to rows answered DEVICE_MEMORY.
+# "_ALLOC_FAILED" does not match. A bare CUDNN_STATUS_INTERNAL_ERROR (cudnnCreate's on a
+# full GPU, and on a CUDA/cuDNN/driver version mismatch alike), and
+# CUDNN_STATUS_EXECUTION_FAILED, stay model failures: a handle that cannot be made or a
+# kernel that failed to run (a bad launch, an illegal address that leaves the context
+# broken) is no sure want of memory, and splitting would halve a broken session's
+# batches down to rows answered DEVICE_MEMORY (and a start refused as "raise
+# --memory-limit", which cannot help).
 _OUT_OF_MEMORY = re.compile(
     r"Failed to allocate memory|BFCArena|bfc_arena|out of memory|"
     r"Available memory of \d+ is smaller than requested bytes|"
-    r"_ALLOC_FAILED|_ALLOCATION_FAILED|cudaErrorMemoryAllocation|"
-    r"CUDNN_STATUS_INTERNAL_ERROR\b[^\n]*expr=cudnnCreate\(",
+    r"_ALLOC_FAILED|_ALLOCATION_FAILED|cudaErrorMemoryAllocation",
     re.IGNORECASE,
 )
 
@@ -455,7 +456,12 @@ class Engine:
                 _cap_cpu_arena(limit_bytes)
                 options.add_session_config_entry("session.use_env_allocators", "1")
         try:
-            session = ort.InferenceSession(self.model_path, options, providers=providers)
+            # What the runtime's Python constructor prints when CUDA's provider raised
+            # and it built the session on the CPU instead ("EP Error ...": a busy or
+            # full GPU, a driver error): on stdout, where no caller reads it.
+            with contextlib.redirect_stdout(io.StringIO()) as printed:
+                session = ort.InferenceSession(self.model_path, options, providers=providers)
+            self._runtime_printed = printed.getvalue().strip()
         except Exception as error:
             raise EngineStartError(
                 f"cannot load model {self.model_path!r}: {error}; expected an ONNX model "
@@ -479,7 +485,11 @@ class Engine:
         --device cuda that is refused; with auto the engine becomes a CPU engine, warned
         about: the session is made again as on the CPU, so a limit given applies to the
         CPU arena (a fraction to the host's memory), and none is taken from the GPU."""
-        cause = _cuda_unavailable_cause()
+        cause = (
+            f"onnxruntime fell back itself, saying {self._runtime_printed[:500]!r}"
+            if "EP Error" in self._runtime_printed
+            else _cuda_unavailable_cause()
+        )
         if device == "cuda":
             raise EngineStartError(
                 f"--device cuda: the session fell back to {self.providers}: {cause}; "
@@ -497,6 +507,9 @@ class Engine:
             providers=list(self.providers),
             cause=cause,
         )
+        # Let go of the first session before the second loads: both held the model (a
+        # 400 MiB model's start peaked 400 MiB higher, on hosts sized for one copy).
+        del self._session
         self._session, self.memory_limit_bytes = self._open_session(
             [CPU], memory_limit, intra_op_threads, probe_shapes or {}
         )

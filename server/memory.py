@@ -154,16 +154,17 @@ def session_gpu_id() -> str:
 
 
 def cuda_visible_hides_every_gpu() -> bool:
-    """Whether CUDA_VISIBLE_DEVICES leaves CUDA no GPU: set empty, or its first id
-    negative ("-1", the usual way to hide them all: CUDA reads the list up to the first
-    invalid id). NVML ignores the variable and still counts every GPU: taken for a
-    visible GPU, "-1" refused the start (NVML has no GPU '-1') and "" took its memory
-    limit from a GPU that CUDA could not see."""
+    """Whether CUDA_VISIBLE_DEVICES leaves CUDA no GPU: set empty, or its first entry no
+    GPU at all: a negative id ("-1", the usual way to hide them all: CUDA reads the list
+    up to the first invalid id) or a word that is neither an index nor a GPU-/MIG- UUID
+    (SLURM's "NoDevFiles" for a job that asked for none). NVML ignores the variable and
+    still counts every GPU: taken for a visible GPU, "-1" refused the start (NVML has no
+    GPU '-1') and "" took its memory limit from a GPU that CUDA could not see."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return False
     first = visible.split(",")[0].strip()
-    return first == "" or re.fullmatch(r"-\d+", first) is not None
+    return re.fullmatch(r"\d+|(GPU|MIG)-[0-9A-Za-z/-]+", first) is None
 
 
 def prefer_pci_order() -> None:

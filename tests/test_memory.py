@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import logging
 import re
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -1696,7 +1698,9 @@ print(json.dumps(report))
 
 
 # Out of memory in cuDNN, as ONNX Runtime reports it: cuDNN 9's status for a device
-# allocation that failed, and cudnnCreate on a full GPU (hacksider/Deep-Live-Cam#1318).
+# allocation that failed. cudnnCreate's bare internal error comes on a full GPU
+# (hacksider/Deep-Live-Cam#1318) and on a CUDA/cuDNN/driver version mismatch alike
+# (tensorflow/tensorflow#14111): no sure want of memory.
 _CUDNN9_DEVICE_ALLOCATION = (
     "[ONNXRuntimeError] : 1 : FAIL : CUDNN failure 4004: "
     "CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED ; GPU=0 ; hostname=h ; "
@@ -1723,7 +1727,7 @@ _CUDNN_CREATE_ON_A_FULL_GPU = (
         ("Failed to allocate memory for requested buffer of size 1048576", True),
         (_CUDNN9_DEVICE_ALLOCATION, True),
         (_CUDNN9_DEVICE_ALLOCATION.replace("4004", "4003").replace("DEVICE", "HOST"), True),
-        (_CUDNN_CREATE_ON_A_FULL_GPU, True),
+        (_CUDNN_CREATE_ON_A_FULL_GPU, False),
         ("CUBLAS failure 13: CUBLAS_STATUS_EXECUTION_FAILED ; GPU=0", False),
         ("Non-zero status code returned while running Gemm node", False),
         (f"CUDNN failure 5000: CUDNN_STATUS_EXECUTION_FAILED ; GPU=0 ; {_CUDNN_CONV}", False),
@@ -1735,8 +1739,10 @@ def test_allocation_failures_of_the_cuda_libraries_count_as_out_of_memory(
 ) -> None:
     """cuBLAS's and cuDNN's workspaces failing to allocate were taken for a model
     failure: no cap was lowered, and a row that failed alone got ENGINE_FAILURE. cuDNN
-    9's names (..._ALLOCATION_FAILED) and cudnnCreate's internal error on a full GPU
-    were still taken so. A kernel that failed to run is no want of memory."""
+    9's names (..._ALLOCATION_FAILED) were still taken so. A kernel that failed to run,
+    or a cuDNN handle that could not be made (a version mismatch too: split, a broken
+    session's batches went down to rows answered DEVICE_MEMORY), is no sure want of
+    memory."""
     error = translate_runtime_error(RuntimeError(message))
     assert isinstance(error, DeviceMemoryError) is out_of_memory, error
 
@@ -1755,15 +1761,12 @@ class _RuntimeFailsAbove(Engine):
         return super()._run_session(inputs, options)
 
 
-@pytest.mark.parametrize(
-    "message", [_CUDNN9_DEVICE_ALLOCATION, _CUDNN_CREATE_ON_A_FULL_GPU], ids=["4004", "cudnnCreate"]
-)
 def test_cudnn_out_of_memory_splits_the_batch_and_counts_against_the_cap(
-    small_model: Path, small_reference: ort.InferenceSession, message: str
+    small_model: Path, small_reference: ort.InferenceSession
 ) -> None:
     """A full GPU's cuDNN failures failed a row that did not fit alone with
     ENGINE_FAILURE and lowered no cap: they are out-of-memory runs now."""
-    engine = _RuntimeFailsAbove(small_model, 2, message)
+    engine = _RuntimeFailsAbove(small_model, 2, _CUDNN9_DEVICE_ALLOCATION)
     x = rows(4)
     batch = Batch(
         1, (BatchSlice(1, "standard", 0, 4, 0),), 4, DispatchReason.FULL, 0.0, {"input": (x,)}
@@ -1777,7 +1780,9 @@ def test_cudnn_out_of_memory_splits_the_batch_and_counts_against_the_cap(
     one = Batch(
         2, (BatchSlice(2, "standard", 0, 1, 0),), 1, DispatchReason.FULL, 0.0, {"input": (x[:1],)}
     )
-    (failed,) = _RuntimeFailsAbove(small_model, 0, message).run_batch(one).failed_rows
+    (failed,) = (
+        _RuntimeFailsAbove(small_model, 0, _CUDNN9_DEVICE_ALLOCATION).run_batch(one).failed_rows
+    )
     assert failed.error.reason == "DEVICE_MEMORY", failed.error
 
 
@@ -2564,7 +2569,7 @@ def test_a_gpu_count_nvml_fails_means_no_usable_gpu(monkeypatch: pytest.MonkeyPa
     assert choose_providers("auto") == ["CPUExecutionProvider"]
 
 
-@pytest.mark.parametrize("visible", ["", "-1", " -1 ", "-1,0", "-2"])
+@pytest.mark.parametrize("visible", ["", "-1", " -1 ", "-1,0", "-2", "NoDevFiles"])
 def test_cuda_visible_devices_hiding_every_gpu_means_no_gpu(
     monkeypatch: pytest.MonkeyPatch, visible: str
 ) -> None:
@@ -2583,7 +2588,9 @@ def test_cuda_visible_devices_hiding_every_gpu_means_no_gpu(
     ), refused.value
 
 
-@pytest.mark.parametrize("visible", [None, "0", "1,-1", "GPU-8932f937"])
+@pytest.mark.parametrize(
+    "visible", [None, "0", " 0", "1,-1", "GPU-8932f937", "MIG-4f3e2b1a-9c8d-5e6f-a7b8-c9d0e1f2a3b4"]
+)
 def test_cuda_visible_devices_naming_a_gpu_first_leaves_it_visible(
     monkeypatch: pytest.MonkeyPatch, visible: str | None
 ) -> None:
@@ -2607,19 +2614,30 @@ def test_cuda_sessions_pick_convolution_algorithms_by_heuristics() -> None:
     }
 
 
-def _cuda_provider_does_not_load(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+def _cuda_provider_does_not_load(
+    monkeypatch: pytest.MonkeyPatch, printed: str = ""
+) -> list[list[str]]:
     """ONNX Runtime as on a GPU host whose CUDA provider cannot load (libcublasLt.so.13
-    or libcudnn.so.9 missing): a real session, built without CUDA as the runtime builds
-    it then (it prints why on stderr and carries on), whatever this machine has (fault
-    injection). Returns the providers each session asked for."""
+    missing; cuDNN is loaded only when a run needs it): a real session, built without
+    CUDA as the runtime builds it then (it says why on stderr and carries on; its Python
+    constructor, where the provider raised, prints `printed` on stdout first), whatever
+    this machine has (fault injection). Returns the providers each session asked for;
+    a session is asked for only once the one before it is gone."""
     asked: list[list[str]] = []
+    made: list[weakref.ref[Any]] = []
     real = ort.InferenceSession
 
     def session(path: str, options: ort.SessionOptions, *, providers: list[Any]) -> Any:
+        gc.collect()
+        assert all(ref() is None for ref in made), "the session before it is still held"
         names = [provider if isinstance(provider, str) else provider[0] for provider in providers]
         asked.append(names)
         kept = [provider for provider, name in zip(providers, names, strict=True) if name != CUDA]
-        return real(path, options, providers=kept)
+        if printed and CUDA in names:
+            print(printed)
+        built = real(path, options, providers=kept)
+        made.append(weakref.ref(built))
+        return built
 
     monkeypatch.setattr(ort, "get_available_providers", lambda: [CUDA, CPU])
     monkeypatch.setattr(ort, "InferenceSession", session)
@@ -2648,6 +2666,23 @@ def test_a_gpu_whose_cuda_provider_does_not_load_serves_as_a_cpu_engine(
     assert "it needs the CUDA " in message
     probe = engine.probe(4096, repeats=1, host_available=lambda: 8 * MIB)
     assert probe.stop_reason == "host_memory", probe
+
+
+def test_a_cuda_provider_that_raised_is_reported_in_the_runtimes_words(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where CUDA's provider raised (a busy or full GPU, a driver error), the runtime's
+    Python constructor prints "EP Error ..." on stdout and builds the session on the
+    CPU: the warning said the libraries were missing, and the reason went unread."""
+    _fake_nvml(monkeypatch)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    said = "EP Error CUDA failure 46: all CUDA-capable devices are busy or unavailable"
+    _cuda_provider_does_not_load(monkeypatch, printed=said)
+    caplog.set_level(logging.INFO, "laneserve")
+    engine = Engine(str(small_model), device="auto")
+    assert engine.providers == [CPU]
+    (record,) = [r for r in caplog.records if getattr(r, "event", None) == "cuda_unavailable"]
+    assert f"onnxruntime fell back itself, saying {said!r}" in record.getMessage()
 
 
 def test_cuda_demanded_where_its_provider_does_not_load_is_refused_saying_why(
