@@ -9,7 +9,7 @@ import numbers
 import reprlib
 import uuid
 import weakref
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
 import grpc
@@ -61,7 +61,7 @@ T = TypeVar("T")
 MAX_TIMEOUT_S: Final = (2**32 - 1) / 1000
 # How long a bulk job waits for the server's GetModel answer (its limits) before a call.
 STREAM_LIMITS_TIMEOUT_S: Final = 10.0
-MetadataLike = Mapping[str, str] | Sequence[tuple[str, str]]
+MetadataLike = Mapping[str, str] | Iterable[tuple[str, str]]
 # True: TLS with the system's roots; None or False: plaintext.
 TlsLike = TlsConfig | bool | None
 Outputs = dict[str, npt.NDArray[Any]]

@@ -8,7 +8,7 @@ import numbers
 import re
 import reprlib
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -276,8 +276,9 @@ def _port_of(address: str) -> str | None:
 
 
 def checked_metadata(metadata: object) -> tuple[tuple[str, str], ...]:
-    """A client's `metadata` (a mapping of key to value, or a sequence of (key, value)
-    pairs), each pair as `metadata_pair` makes it.
+    """A client's `metadata` (a mapping of key to value, or any other iterable of (key,
+    value) pairs, as gRPC takes it: `dict.items()`, a generator), each pair as
+    `metadata_pair` makes it.
 
     Raises:
         TypeError: `metadata` is neither, or a key or value is not a str, naming it.
@@ -287,11 +288,11 @@ def checked_metadata(metadata: object) -> tuple[tuple[str, str], ...]:
         return ()
     if isinstance(metadata, Mapping):
         pairs: list[object] = list(metadata.items())
-    elif isinstance(metadata, Sequence) and not isinstance(metadata, (str, bytes)):
+    elif isinstance(metadata, Iterable) and not isinstance(metadata, (str, bytes)):
         pairs = list(metadata)
     else:
         raise TypeError(
-            "metadata: expected a mapping of key to value or a sequence of (key, value) "
+            "metadata: expected a mapping of key to value or an iterable of (key, value) "
             f"pairs, got {type(metadata).__name__} ({reprlib.repr(metadata)})"
         )
     checked = []

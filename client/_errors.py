@@ -236,13 +236,10 @@ _BARE_CANCELLED = (
 # call limit (grpc.aio's and the sync server's words alike); a laneserve server says the
 # same over its own (max_concurrent_rpcs).
 _GRPC_CALL_LIMIT = "Concurrent RPC limit exceeded!"
-# The start of a laneserve server's words when it refuses an InferStream call over its
-# stream bound (half of max_concurrent_rpcs); the rest names the bound.
-_STREAM_LIMIT = "Concurrent InferStream limit exceeded"
 _SERVER_BUSY = (
-    "the server refused the call at once: it admits max_concurrent_rpcs calls at once and "
-    "that many were in progress (server setting max_concurrent_rpcs); the call never ran; "
-    "retryable with the same request_id"
+    "the server refused the call at once: it admits max_concurrent_rpcs calls at once "
+    "(InferStream calls half of them) and that many were in progress (server setting "
+    "max_concurrent_rpcs); the call never ran; retryable with the same request_id"
 )
 
 # google.rpc.Code numbers (in a Status message) to grpc's enum.
@@ -299,8 +296,6 @@ def error_from_rpc(error: grpc.RpcError, *, request_id: str = "") -> LaneserveEr
     if status is None or status.code != _number(code):
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED and details == _GRPC_CALL_LIMIT:
             return ServerBusyError(_SERVER_BUSY, code=code, request_id=request_id)
-        if code is grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(_STREAM_LIMIT):
-            return ServerBusyError(details, code=code, request_id=request_id)
         status = status_pb2.Status(code=_number(code), message=details)
     return error_from_status(status, request_id=request_id, pushback_ms=pushback)
 

@@ -47,9 +47,11 @@ cygrpc: Any = importlib.import_module("grpc._cython.cygrpc")
 # gRPC's words for a call over its concurrent call limit, which clients know (the
 # Python client's ServerBusyError): `CallGate` refuses in them.
 CALL_LIMIT_DETAILS = "Concurrent RPC limit exceeded!"
-# How the refusal of a stream over the streams' own bound begins (the rest names the
-# bound): not gRPC's words, which say the port is full, while unary calls still get in.
-STREAM_LIMIT_DETAILS = "Concurrent InferStream limit exceeded"
+# The trailer that names the bound a stream over the streams' own bound met: its status
+# is in gRPC's own words for a port at its limit (CALL_LIMIT_DETAILS), which every
+# version of the Python client retries (words of their own were final to clients that
+# predate the bound: their bulk jobs failed where they had waited).
+STREAM_LIMIT_KEY = "laneserve-stream-limit"
 # The service's methods that read the server's state and wait on nothing (no lane, no
 # other call): an operator's, called most when the server is overloaded. No gate counts
 # them (service.add_to_server): each ends in the loop turn it starts in, so they cannot
@@ -293,14 +295,17 @@ class CallGate:
         return self.stream_calls >= self.stream_limit
 
     async def refuse_stream(self, context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
-        """Ends a stream over `stream_limit` RESOURCE_EXHAUSTED, naming the bound."""
+        """Ends a stream over `stream_limit` RESOURCE_EXHAUSTED in gRPC's words for a full
+        port, the bound in the STREAM_LIMIT_KEY trailer."""
+        bound = (
+            f"{self.stream_limit} InferStream calls at once, half of server setting "
+            f"max_concurrent_rpcs {self.limit}; unary calls keep the rest"
+        )
         await abort_unless_gone(
             context,
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"{STREAM_LIMIT_DETAILS}: this port takes at most {self.stream_limit} "
-            f"InferStream calls at once (half of server setting max_concurrent_rpcs, "
-            f"{self.limit}; unary calls keep the rest), and that many are in progress; the "
-            "call never ran: retry once a stream has ended",
+            CALL_LIMIT_DETAILS,
+            ((STREAM_LIMIT_KEY, bound),),
         )
 
     def _enter_unary(self) -> None:

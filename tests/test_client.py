@@ -525,7 +525,7 @@ def test_a_stream_over_the_servers_stream_bound_is_a_retryable_server_busy_error
                     pass
             held.cancel()
         assert caught.value.retryable
-        assert "InferStream limit" in caught.value.message
+        assert "InferStream calls half of them" in caught.value.message
 
     asyncio.run(scenario())
 
@@ -1292,7 +1292,7 @@ def test_stream_options_may_be_numpy_integers(small_model: Path) -> None:
         ({"retry": 3}, "retry: expected a RetryPolicy or None, got int (3)"),
         ({"tls": "yes"}, "tls: expected True (the system's roots), False or None"),
         ({"metadata": ["k=v"]}, "metadata: expected (key, value) pairs, got 'k=v' (str)"),
-        ({"metadata": "k=v"}, "metadata: expected a mapping of key to value or a sequence"),
+        ({"metadata": "k=v"}, "metadata: expected a mapping of key to value or an iterable"),
         ({"metadata": [("k", 1)]}, "metadata value 1: expected str, got int"),
         ({"metadata": {1: "v"}}, "metadata key 1: expected str, got int"),
     ],
@@ -1312,6 +1312,18 @@ def test_client_arguments_of_another_type_are_a_type_error_naming_them(
             lc.AsyncClient("127.0.0.1:1", **arguments)
 
     asyncio.run(scenario())
+
+
+def test_metadata_may_be_any_iterable_of_pairs_as_grpc_takes_it() -> None:
+    """`dict.items()`, a generator or a set of pairs worked before the client checked
+    its arguments (gRPC takes any iterable), and were then refused as a TypeError."""
+    from laneserve.client._channel import checked_metadata  # noqa: PLC0415
+
+    expected = (("x-team", "a"),)
+    assert checked_metadata({"x-team": "a"}.items()) == expected
+    assert checked_metadata(pair for pair in [("x-team", "a")]) == expected
+    assert checked_metadata({("x-team", "a")}) == expected
+    lc.Client("127.0.0.1:1", metadata={"x-team": "a"}.items()).close()
 
 
 def test_a_calls_retry_of_another_type_is_a_type_error_naming_it() -> None:
