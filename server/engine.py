@@ -14,6 +14,7 @@ import io
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -455,18 +456,24 @@ class Engine:
                 self.static_estimate_tried = True
                 _cap_cpu_arena(limit_bytes)
                 options.add_session_config_entry("session.use_env_allocators", "1")
+        # What the runtime's Python constructor prints when CUDA's provider raised and it
+        # built the session on the CPU instead ("EP Error ...": a busy or full GPU, a
+        # driver error): on stdout, where no caller reads it. Caught only where CUDA is
+        # asked for, and written on afterwards: sys.stdout is the process's, and an
+        # embedding application's prints meanwhile are its own.
+        printed = io.StringIO()
         try:
-            # What the runtime's Python constructor prints when CUDA's provider raised
-            # and it built the session on the CPU instead ("EP Error ...": a busy or
-            # full GPU, a driver error): on stdout, where no caller reads it.
-            with contextlib.redirect_stdout(io.StringIO()) as printed:
+            with contextlib.redirect_stdout(printed) if on_gpu else contextlib.nullcontext():
                 session = ort.InferenceSession(self.model_path, options, providers=providers)
-            self._runtime_printed = printed.getvalue().strip()
         except Exception as error:
             raise EngineStartError(
                 f"cannot load model {self.model_path!r}: {error}; expected an ONNX model "
                 "file that this onnxruntime can run"
             ) from error
+        finally:
+            self._runtime_printed = printed.getvalue().strip()
+            if self._runtime_printed:
+                sys.stdout.write(printed.getvalue())
         return session, limit_bytes
 
     def _fall_back_to_cpu(

@@ -2669,7 +2669,10 @@ def test_a_gpu_whose_cuda_provider_does_not_load_serves_as_a_cpu_engine(
 
 
 def test_a_cuda_provider_that_raised_is_reported_in_the_runtimes_words(
-    small_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    small_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Where CUDA's provider raised (a busy or full GPU, a driver error), the runtime's
     Python constructor prints "EP Error ..." on stdout and builds the session on the
@@ -2683,6 +2686,9 @@ def test_a_cuda_provider_that_raised_is_reported_in_the_runtimes_words(
     assert engine.providers == [CPU]
     (record,) = [r for r in caplog.records if getattr(r, "event", None) == "cuda_unavailable"]
     assert f"onnxruntime fell back itself, saying {said!r}" in record.getMessage()
+    # Caught to be read, not kept from stdout: whatever else was printed meanwhile (an
+    # embedding application's own lines) still reaches it.
+    assert said in capsys.readouterr().out
 
 
 def test_cuda_demanded_where_its_provider_does_not_load_is_refused_saying_why(
