@@ -14,6 +14,8 @@ from typing import Any
 
 import grpc
 
+from laneserve.client._request import checked_str
+
 __all__ = ["DEFAULT_TARGET", "TlsConfig"]
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -63,6 +65,7 @@ _HOST_PORT_SCHEMES = frozenset({"dns", "ipv4", "ipv6"})
 _OTHER_SCHEMES = frozenset(
     {"unix", "unix-abstract", "vsock", "xds", "google-c2p", "google-c2p-experimental", "fake"}
 )
+_KNOWN_SCHEMES = _HOST_PORT_SCHEMES | _OTHER_SCHEMES
 # The schemes a refusal offers (not the test resolver, nor a superseded name).
 _SCHEMES_SHOWN = "dns:, ipv4:, ipv6:, unix:, unix-abstract:, vsock:, xds: or google-c2p:"
 # A target quoted in a message: the caller's, of any length.
@@ -190,7 +193,7 @@ def check_target(target: object, *, what: str = "target") -> str:
         )
     shown = _TARGET_REPR.repr(target)
     scheme, addresses = _resolution(target)
-    if scheme not in _HOST_PORT_SCHEMES | _OTHER_SCHEMES:
+    if scheme not in _KNOWN_SCHEMES:
         # gRPC looked the whole target up as one DNS name, and failed every call as if
         # no server were there ("Misformatted domain name"), retries and all.
         raise ValueError(
@@ -306,11 +309,7 @@ def checked_metadata(metadata: object) -> tuple[tuple[str, str], ...]:
             )
         key, value = pair
         for field, text in (("key", key), ("value", value)):
-            if not isinstance(text, str):
-                raise TypeError(
-                    f"metadata {field} {reprlib.repr(text)}: expected str, got "
-                    f"{type(text).__name__}"
-                )
+            checked_str(f"metadata {field}", text)
         checked.append(metadata_pair(key, value))
     return tuple(checked)
 

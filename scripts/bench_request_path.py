@@ -46,7 +46,6 @@ import math
 import os
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -59,10 +58,10 @@ from typing import Any, Final
 
 import grpc
 
-from laneserve.client.tensors import numpy_dtype
 from laneserve.server.bench import procs
-from laneserve.server.bench.cli import SIGNAL_EXIT_BASE, Stopped, stop_signals_interrupt
+from laneserve.server.bench.cli import interrupted, stop_signals_interrupt
 from laneserve.server.bench.loadgen import ClientError, ClientPool, InputSpec, PointRun
+from laneserve.server.bench.run import load_inputs
 from laneserve.server.bench.settings import MAX_WINDOW_S, MIN_STABLE_WINDOWS, Profile, Stream
 from laneserve.server.bench.summary import OK, client_cpu_fractions, combine, percentiles_ms
 from laneserve.server.config import UINT32_MAX
@@ -152,9 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bench_request_path: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as error:
-        print("bench_request_path: stopped; every process it started was stopped", file=sys.stderr)
-        signum = error.signum if isinstance(error, Stopped) else signal.SIGINT
-        return SIGNAL_EXIT_BASE + signum
+        return interrupted("bench_request_path", error)
     document["command"] = shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     print_tables(document)
     if args.json is not None:
@@ -399,19 +396,12 @@ def measure(
 
 
 def model_inputs(target: str) -> tuple[InputSpec, ...]:
-    """The served model's inputs as the load generator fills them (dynamic sizes 1)."""
+    """The served model's inputs as the load generator fills them (`run.load_inputs`)."""
     with grpc.insecure_channel(target) as channel:
         model = pb_grpc.InferenceServiceStub(channel).GetModel(
             pb.GetModelRequest(), timeout=RPC_TIMEOUT_S
         )
-    return tuple(
-        InputSpec(
-            name=spec.name,
-            dtype=numpy_dtype(spec.dtype).str,
-            trailing_shape=tuple(dim if dim > 0 else 1 for dim in spec.shape[1:]),
-        )
-        for spec in model.inputs
-    )
+    return load_inputs(model)
 
 
 def run_figures(run: PointRun, start: Reading, end: Reading, pid: int) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -77,7 +78,7 @@ HOST_PROBE_SHARE = 0.5
 # reached; the lanes' capacity together reached (no batch can hold more rows); a size
 # ran out of memory (`Probe.first_failing_rows`); the next size was predicted to need
 # more than HOST_PROBE_SHARE of the host's available memory.
-PROBE_STOP_REASONS = ("max_batch_size", "queue_rows", "out_of_memory", "host_memory")
+ProbeStopReason = Literal["max_batch_size", "queue_rows", "out_of_memory", "host_memory"]
 
 # Messages of allocation failures: the BFC arena (CPU and CUDA), CUDA itself, and the
 # CUDA libraries' own workspaces ("CUBLAS failure 3: CUBLAS_STATUS_ALLOC_FAILED", cuDNN's
@@ -339,6 +340,7 @@ class Engine:
         """`probe_shapes`: input name -> its shape after the row axis for the inputs the
         start-up probe (and the broken-session check) runs; else dynamic sizes are 1."""
         _check_arguments(model_path, device)
+        probe_shapes = probe_shapes or {}
         self.model_path = model_path
         if device != "cpu":
             prefer_pci_order()  # before anything initialises CUDA
@@ -351,7 +353,7 @@ class Engine:
         # The hard limit on the session's device memory; None: the runtime's default.
         self.memory_limit_bytes: int | None
         self._session, self.memory_limit_bytes = self._open_session(
-            requested, memory_limit, intra_op_threads, probe_shapes or {}
+            requested, memory_limit, intra_op_threads, probe_shapes
         )
         self.providers: list[str] = list(self._session.get_providers())
         if requested[0] == CUDA and CUDA not in self.providers:
@@ -362,7 +364,7 @@ class Engine:
         self.outputs = tuple(self._spec(arg, "output") for arg in self._session.get_outputs())
         _check_batch_axis_unique(self.inputs, self.outputs)
         self.output_names = [spec.name for spec in self.outputs]
-        self._probe_shapes = self._check_probe_shapes(probe_shapes or {})
+        self._probe_shapes = self._check_probe_shapes(probe_shapes)
         # After an allocation failure the arena keeps the regions the failed run grew;
         # it is asked to shrink back at once (`_shrink_arena`), so a batch that fitted
         # before the failure fits after it.
@@ -482,7 +484,7 @@ class Engine:
         requested: Sequence[str],
         memory_limit: MemoryLimit | None,
         intra_op_threads: int,
-        probe_shapes: Mapping[str, tuple[int, ...]] | None,
+        probe_shapes: Mapping[str, tuple[int, ...]],
     ) -> None:
         """The runtime built the session without CUDA although NVML sees a GPU (its CUDA
         provider did not load: a CUDA or cuDNN library missing, a driver too old). It
@@ -518,7 +520,7 @@ class Engine:
         # 400 MiB model's start peaked 400 MiB higher, on hosts sized for one copy).
         del self._session
         self._session, self.memory_limit_bytes = self._open_session(
-            [CPU], memory_limit, intra_op_threads, probe_shapes or {}
+            [CPU], memory_limit, intra_op_threads, probe_shapes
         )
         self.providers = list(self._session.get_providers())
 
@@ -890,9 +892,10 @@ class Engine:
         """Warms the session up, finds the largest batch that fits the memory budget and
         measures run seconds at powers of two up to it.
 
-        No size above `queue_rows` is run, nor the cap set above it: the rows the lanes
-        can queue together, more than any batch can hold. On the CPU without a memory
-        limit only the host's memory would end the sizes' growth, so there the probe
+        No size above `queue_rows` is run, nor, without `fixed_cap`, the cap set above
+        it: the rows the lanes can queue together, more than any batch can hold. On the
+        CPU without a memory limit only the host's memory would end the sizes' growth,
+        so there the probe
         stops before a size predicted to need more than HOST_PROBE_SHARE of what
         `host_available` reads (see `_HostRoom`), and the last size run is the cap (with
         `fixed_cap`, the largest size timed: the cap stays).
@@ -950,7 +953,9 @@ class Engine:
         memory_bytes: dict[int, int] = {}
         fits, fails = 0, None
         largest = max_batch_size if queue_rows is None else min(max_batch_size, queue_rows)
-        stop_reason = "max_batch_size" if largest == max_batch_size else "queue_rows"
+        stop_reason: ProbeStopReason = (
+            "max_batch_size" if largest == max_batch_size else "queue_rows"
+        )
         for rows in _powers_of_two_up_to(largest):
             if host_room is not None and fits > 0 and not host_room.admits(rows, fits):
                 stop_reason = "host_memory"
@@ -963,8 +968,8 @@ class Engine:
             used_bytes = None if gauge is None else gauge.used_bytes()
             if used_bytes is not None:
                 memory_bytes[rows] = used_bytes
-            if host_room is not None:
-                host_room.ran(rows, self._row_bytes() if rows == 1 else None)
+            if host_room is not None:  # its gauge is `gauge` where one was given: read above
+                host_room.ran(rows, self._row_bytes() if rows == 1 else None, used_bytes)
         memory_fit = fit_memory(memory_bytes)
         if fits == 0:
             raise EngineStartError(
@@ -1076,8 +1081,8 @@ class Probe:
     # few sizes to fit).
     memory_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
     memory_fit: MemoryEstimate | None = None
-    # Why the sizes stopped growing: one of PROBE_STOP_REASONS.
-    stop_reason: str = "max_batch_size"
+    # Why the sizes stopped growing.
+    stop_reason: ProbeStopReason = "max_batch_size"
 
 
 class _HostRoom:
@@ -1115,11 +1120,13 @@ class _HostRoom:
         self._first: tuple[int, int] | None = None
         self._last: tuple[int, int] | None = None
 
-    def ran(self, rows: int, io_bytes_per_row: int | None) -> None:
-        """Size `rows` ran; `io_bytes_per_row`: one row's inputs and outputs, once known."""
+    def ran(self, rows: int, io_bytes_per_row: int | None, used_bytes: int | None) -> None:
+        """Size `rows` ran; `io_bytes_per_row`: one row's inputs and outputs, once known;
+        `used_bytes`: its gauge's reading since, if the caller took one."""
         if io_bytes_per_row is not None:
             self._io_bytes_per_row = io_bytes_per_row
-        used_bytes = self._resident.used_bytes()
+        if used_bytes is None:
+            used_bytes = self._resident.used_bytes()
         if used_bytes is None:
             return
         if self._first is None:

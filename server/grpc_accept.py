@@ -247,19 +247,24 @@ async def abort_unless_gone(
         raise asyncio.CancelledError from None
 
 
-async def refuse_over_limit(context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
+async def refuse_over_limit(
+    context: grpc.aio.ServicerContext[Any, Any],
+    trailing_metadata: Sequence[tuple[str, str | bytes]] = (),
+) -> NoReturn:
     """Ends a call over the limit RESOURCE_EXHAUSTED, in gRPC's own words."""
-    await abort_unless_gone(context, grpc.StatusCode.RESOURCE_EXHAUSTED, CALL_LIMIT_DETAILS)
+    await abort_unless_gone(
+        context, grpc.StatusCode.RESOURCE_EXHAUSTED, CALL_LIMIT_DETAILS, trailing_metadata
+    )
 
 
 class CallGate:
     """The inference calls (Infer, InferStream) in progress on one port, at most `limit`
     (max_concurrent_rpcs): a call over it is refused at once, RESOURCE_EXHAUSTED in
     gRPC's own words, its message not parsed (an acceptor's not even read). Of them at
-    most `stream_limit` streams: one more is refused at once, RESOURCE_EXHAUSTED, in
-    words naming that bound. Operator calls (OPERATOR_METHODS) are not counted. Counted
-    by the handlers (`gate`), so every call is, however it was taken (see
-    `ParallelAcceptors`). `below_accept` is set while fewer unary calls
+    most `stream_limit` streams: one more is refused at once in the same words, the
+    bound in the STREAM_LIMIT_KEY trailer. Operator calls (OPERATOR_METHODS) are not
+    counted. Counted by the handlers (`gate`), so every call is, however it was taken
+    (see `ParallelAcceptors`). `below_accept` is set while fewer unary calls
     than `accept_below` are in progress (the extra asks are out only then): a stream's
     call stays open for a whole job, and its items do not come through asks."""
 
@@ -301,12 +306,7 @@ class CallGate:
             f"{self.stream_limit} InferStream calls at once, half of server setting "
             f"max_concurrent_rpcs {self.limit}; unary calls keep the rest"
         )
-        await abort_unless_gone(
-            context,
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            CALL_LIMIT_DETAILS,
-            ((STREAM_LIMIT_KEY, bound),),
-        )
+        await refuse_over_limit(context, ((STREAM_LIMIT_KEY, bound),))
 
     def _enter_unary(self) -> None:
         self.unary_calls += 1
@@ -356,9 +356,9 @@ class CallGate:
         async def gated(
             request: Any, context: grpc.aio.ServicerContext[Any, Any]
         ) -> AsyncIterator[Any]:
-            # OVER_LIMIT: a unary request (deserializer) with a streamed answer.
             if self.streams_full:
                 await self.refuse_stream(context)
+            # OVER_LIMIT: a unary request (deserializer) with a streamed answer.
             if request is OVER_LIMIT or self.full:
                 await refuse_over_limit(context)
             self.stream_calls += 1

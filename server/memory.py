@@ -392,8 +392,11 @@ def _cgroup_folders(mount: Path, path: str) -> list[Path]:
 def _cgroup_level_room_bytes(folder: Path, files: _CgroupMemoryFiles) -> int | None:
     """One cgroup's limit less its usage without its inactive page cache (at least 0);
     None without a limit ("max", ~2^63), or where it cannot be read."""
+    limit = _read_bytes(folder / files.limit)
+    if files.hierarchical_limit is None and (limit is None or limit >= _NO_CGROUP_LIMIT_BYTES):
+        return None  # v2, no limit at this level (most of a path's): nothing more to read
     stat = _memory_stat(folder)
-    limits = [_read_bytes(folder / files.limit)]
+    limits = [limit]
     if files.hierarchical_limit is not None:
         limits.append(stat.get(files.hierarchical_limit))
     known = [limit for limit in limits if limit is not None]

@@ -169,18 +169,20 @@ class StreamWindow:
         self.unfinished += 1
         self._update()
 
-    def finished(self, answer: pb.InferStreamResponse) -> None:
-        """`answer` is queued to be written."""
+    def finished(self, answer: pb.InferStreamResponse) -> int:
+        """`answer` is queued to be written; returns its bytes, for `written`."""
         size = held_answer_bytes(answer)
         self.unfinished -= 1
         self.held_bytes += size
         self.largest_answer_bytes = max(self.largest_answer_bytes, size)
         self._update()
+        return size
 
-    def written(self, answer: pb.InferStreamResponse) -> None:
-        """gRPC has taken `answer`: its credit and its bytes come back."""
+    def written(self, size: int) -> None:
+        """gRPC has taken an answer of `size` bytes (`finished`'s): its credit and its
+        bytes come back."""
         self.unanswered -= 1
-        self.held_bytes -= held_answer_bytes(answer)
+        self.held_bytes -= size
         self._update()
 
     def _update(self) -> None:
@@ -388,16 +390,16 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         )
         window = StreamWindow(self._config.stream_window, self._config.stream_answer_buffer_bytes)
         room = StreamRoom()
-        # Every item read puts exactly one answer here; `_READ_DONE` follows the last read.
-        answers: asyncio.Queue[pb.InferStreamResponse | object] = asyncio.Queue()
+        # Every item read puts exactly one answer here, with its bytes (`window.finished`);
+        # `_READ_DONE` follows the last read.
+        answers: asyncio.Queue[tuple[pb.InferStreamResponse, int] | object] = asyncio.Queue()
         items: set[asyncio.Task[None]] = set()
 
         async def answer(request: pb.InferRequest | OversizedRequest) -> None:
             message = await self._stream_answer(
                 request, context, default_lane, room, answer_limit, error_limit
             )
-            window.finished(message)
-            answers.put_nowait(message)
+            answers.put_nowait((message, window.finished(message)))
 
         async def read_all() -> None:
             while True:
@@ -422,13 +424,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         try:
             reading = True
             while reading or window.unanswered:
-                message = await answers.get()
-                if message is _READ_DONE:
+                queued = await answers.get()
+                if queued is _READ_DONE:
                     reading = False
                     continue
-                assert isinstance(message, pb.InferStreamResponse)
+                assert isinstance(queued, tuple)
+                message, size = queued
                 yield message  # returns once gRPC has taken it: a slow reader holds it here
-                window.written(message)
+                window.written(size)
             if reader.cancelled():  # only stop_reading_streams cancels it before this
                 await abort_with(context, _stream_draining())
             await reader  # re-raises a read failure

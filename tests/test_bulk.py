@@ -1754,13 +1754,13 @@ def test_a_streams_window_counts_items_not_yet_finished_at_its_largest_answer() 
     answer.response.outputs.append(encode_tensor("y", np.zeros((1, mib // 4), np.float32)))
     window = service.StreamWindow(256, 4 * mib)
     window.read()
-    window.finished(answer)  # 1 MiB held
+    size = window.finished(answer)  # 1 MiB held
     window.read()
     window.read()  # + 2 unfinished at 1 MiB: 3 MiB
     assert window.open.is_set()
     window.read()  # 4 MiB forecast: at the budget
     assert not window.open.is_set()
-    window.written(answer)  # 3 MiB forecast
+    window.written(size)  # 3 MiB forecast
     assert window.open.is_set()
 
 

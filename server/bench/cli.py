@@ -269,6 +269,14 @@ def stop_signals_interrupt() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
+def interrupted(prog: str, error: KeyboardInterrupt) -> int:
+    """The exit code of a run `prog` stopped on Ctrl-C, SIGTERM or SIGHUP (`Stopped`), said
+    on stderr: every process it started has been stopped by then."""
+    print(f"{prog}: stopped; every process it started was stopped", file=sys.stderr)
+    signum = error.signum if isinstance(error, Stopped) else signal.SIGINT
+    return SIGNAL_EXIT_BASE + signum
+
+
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Runs the benchmark of parsed `args` (`argv`: the whole command line, for the
     report); 0 when it completed, whatever the verdicts."""
@@ -280,9 +288,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"laneserve bench: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as error:
-        print("laneserve bench: stopped; every process it started was stopped", file=sys.stderr)
-        signum = error.signum if isinstance(error, Stopped) else signal.SIGINT
-        return SIGNAL_EXIT_BASE + signum
+        return interrupted("laneserve bench", error)
     outputs = write_outputs(document, settings.out_dir, plots=not args.no_plots)
     print(f"wrote {outputs['markdown']} and {outputs['json']}")
     for path in outputs["plots"]:

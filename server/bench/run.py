@@ -289,6 +289,18 @@ def _raw_ceiling(settings: BenchSettings, model_path: str) -> dict[str, Any]:
     return result
 
 
+def load_inputs(model: pb.GetModelResponse) -> tuple[InputSpec, ...]:
+    """The served model's inputs as the load generator fills them (dynamic sizes 1)."""
+    return tuple(
+        InputSpec(
+            name=spec.name,
+            dtype=numpy_dtype(spec.dtype).str,
+            trailing_shape=tuple(dim if dim > 0 else 1 for dim in spec.shape[1:]),
+        )
+        for spec in model.inputs
+    )
+
+
 class _Runner:
     def __init__(self, settings: BenchSettings, pool: ClientPool, document: dict[str, Any]):
         self.settings = settings
@@ -503,14 +515,7 @@ class _Runner:
                     f"{where}: {call.code().name}: {call.details()} (GetModel); expected a "
                     "reachable laneserve.v1 endpoint"
                 ) from None
-        self.inputs = tuple(
-            InputSpec(
-                name=spec.name,
-                dtype=numpy_dtype(spec.dtype).str,
-                trailing_shape=tuple(dim if dim > 0 else 1 for dim in spec.shape[1:]),
-            )
-            for spec in model.inputs
-        )
+        self.inputs = load_inputs(model)
         self.lanes = [lane.name for lane in model.lanes]
         self.document["model"].update(
             {
