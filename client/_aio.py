@@ -26,13 +26,11 @@ from laneserve.client._channel import (
 )
 from laneserve.client._errors import ClientClosedError, LaneserveError, error_from_rpc
 from laneserve.client._request import (
-    MAX_REQUEST_ID_BYTES,
-    checked_str,
+    check_request_id,
     encode_inputs,
     infer_request,
     output_names,
     refused,
-    utf8_bytes,
 )
 from laneserve.client._retry import RetryPolicy, call_with_retries, checked_policy
 from laneserve.client._stream import (
@@ -164,7 +162,7 @@ class AsyncClient:
         policy = checked_policy(retry, "retry") or self.retry
         # Checked first: a falsy id of another type (0) is refused, not taken for none.
         if request_id is not None:
-            _check_request_id(request_id)
+            check_request_id(request_id)
         request_id = request_id or uuid.uuid4().hex
         request = infer_request(
             request_id, encode_inputs(inputs, request_id), lane=lane, outputs=output_names(outputs)
@@ -369,24 +367,6 @@ def _tls_config(tls: object) -> TlsConfig | None:
             f"TlsConfig; got {type(tls).__name__} ({reprlib.repr(tls)})"
         )
     return tls
-
-
-def _check_request_id(request_id: object) -> None:
-    """Refuses, before sending, a request_id the server would refuse (one over
-    MAX_REQUEST_ID_BYTES, as a bulk job's item's is refused) or protobuf could not send.
-
-    Raises:
-        TypeError: `request_id` is not a str.
-        InvalidInputError: not UTF-8 text, or longer than the server takes.
-    """
-    text = checked_str("request_id", request_id)
-    id_bytes = utf8_bytes("request_id", text, request_id=text)
-    if id_bytes > MAX_REQUEST_ID_BYTES:
-        raise refused(
-            f"request_id is {id_bytes} bytes, over the server's limit of "
-            f"{MAX_REQUEST_ID_BYTES} bytes (UTF-8); expected a shorter id",
-            text,
-        )
 
 
 def _timeout_s(timeout: object) -> float | None:

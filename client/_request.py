@@ -124,6 +124,28 @@ def utf8_bytes(field: str, text: object, *, request_id: str = "") -> int:
         ) from None
 
 
+def check_request_id(
+    request_id: str, *, field: str = "request_id", expected: str = "a shorter id"
+) -> None:
+    """Refuses, before sending, a request_id the server would refuse or protobuf could not
+    send. The server's refusal of one over MAX_REQUEST_ID_BYTES carries no id (the id is
+    what would not fit): a bulk job could not match it to its item. `field` names the id
+    in the refusal (a bulk job's item: with its index); `expected` is what the refusal
+    asks for instead (a bulk job's: "or job_id" too, which its ids are made of).
+
+    Raises:
+        TypeError: `request_id` is not a str, naming `field`.
+        InvalidInputError: not UTF-8 text, or longer than the server takes, naming `field`.
+    """
+    id_bytes = utf8_bytes(field, request_id, request_id=request_id)
+    if id_bytes > MAX_REQUEST_ID_BYTES:
+        raise refused(
+            f"{field} is {id_bytes} bytes, over the server's limit of "
+            f"{MAX_REQUEST_ID_BYTES} bytes (UTF-8); expected {expected}",
+            request_id,
+        )
+
+
 def infer_request(
     request_id: str,
     tensors: Sequence[pb.Tensor],
@@ -133,33 +155,32 @@ def infer_request(
     outputs: Sequence[str] = (),
 ) -> pb.InferRequest:
     """The InferRequest the client sends: built in one place, so that what it checks
-    before sending (its size: laneserve-client's limits) is what it sends.
+    before sending (its size: laneserve-client's limits) is what it sends. `request_id`
+    is not checked here: every caller checks it first (`check_request_id`), before its
+    inputs are encoded, or makes it of ASCII (a uuid's hex; the CLI's zeros for a size).
 
     Raises:
-        TypeError: a name or id is not a str (protobuf raised a bare TypeError), naming
-            the field.
-        InvalidInputError: a name or id is not UTF-8 text (protobuf raised a bare
-            UnicodeEncodeError), naming the field.
+        TypeError: a lane or output name is not a str, naming the field.
+        InvalidInputError: a lane or output name is not UTF-8 text (protobuf raised a
+            bare UnicodeEncodeError), naming the field.
     """
     # protobuf takes UTF-8 bytes for a string field: a bytes lane or output name was sent
     # (b"nosuch" came back the server's INVALID_INPUT, counted there). A type check each.
-    if lane is not None:
-        checked_str("lane", lane)
+    # Not `lane or ""`: a falsy lane of another type is refused, not taken for none.
+    lane_name = "" if lane is None else checked_str("lane", lane)
     for name in outputs:
         checked_str("output name", name)
     try:
         return pb.InferRequest(
             request_id=request_id,
-            # Not `lane or ""`: a falsy lane of another type is refused, not taken for none.
-            lane="" if lane is None else lane,
+            lane=lane_name,
             timeout_ms=timeout_ms,
             inputs=tensors,
             output_names=outputs,
         )
-    except (UnicodeEncodeError, TypeError):
+    except UnicodeEncodeError:
         # Which one, worked out only when protobuf refused: not on every request.
-        utf8_bytes("request_id", request_id, request_id=request_id)
-        utf8_bytes("lane", "" if lane is None else lane, request_id=request_id)
+        utf8_bytes("lane", lane_name, request_id=request_id)
         for name in outputs:
             utf8_bytes("output name", name, request_id=request_id)
         raise

@@ -51,7 +51,7 @@ from laneserve.client._errors import (
     error_from_status,
 )
 from laneserve.client._request import (
-    MAX_REQUEST_ID_BYTES,
+    check_request_id,
     checked_inputs,
     encode_inputs,
     infer_request,
@@ -547,10 +547,13 @@ class BulkStream:
         Raises:
             TypeError: `request_id` is not a str (a caller's bug: it ends the job).
         """
-        # Its type checked first: an id of another type may not even be hashable.
+        # Its type checked first: an id of another type may not even be hashable. Its
+        # length too, before the lookup: no id over the limit is ever in flight.
         try:
-            id_bytes = utf8_bytes(
-                f"bulk stream item {index}: request_id", request_id, request_id=request_id
+            check_request_id(
+                request_id,
+                field=f"bulk stream item {index}: request_id",
+                expected="a shorter id (or job_id)",
             )
         except InvalidInputError as refusal:
             return refusal
@@ -558,13 +561,6 @@ class BulkStream:
             return refused(
                 f"bulk stream item {index}: request_id {request_id!r} is already in flight "
                 "in this stream; expected a unique id per item",
-                request_id,
-            )
-        if id_bytes > MAX_REQUEST_ID_BYTES:  # the server's refusal would come back without it
-            return refused(
-                f"bulk stream item {index}: request_id is {id_bytes} bytes, over the "
-                f"server's limit of {MAX_REQUEST_ID_BYTES} bytes; expected a shorter id "
-                "(or job_id)",
                 request_id,
             )
         return None
