@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from grpc_channelz.v1 import channelz, channelz_pb2
@@ -52,6 +52,7 @@ from laneserve.server.memory import (
     format_bytes,
     parse_memory_limit,
     release_free_heap,
+    session_gpu_id,
 )
 from laneserve.server.scheduler import Scheduler
 from laneserve.server.scheduler_thread import SchedulerThread
@@ -450,27 +451,38 @@ def load_engine(config: ServerConfig) -> Engine:
     )
 
 
+def _on_gpu(engine: Engine) -> bool:
+    """Whether the session runs on CUDA (the runtime may have built it on the CPU)."""
+    return engine.providers[0] == CUDA
+
+
 def device_gauge(engine: Engine, watermark: Watermark | None = None) -> MemoryGauge:
     """Memory in use where the session allocates: the GPU's (NVML) or this process's
     (fed to `watermark`, it gives back the free heap first when that decides: see
     ProcessRssGauge)."""
-    return open_nvml_gauge() if engine.providers[0] == CUDA else ProcessRssGauge(watermark)
+    return open_nvml_gauge() if _on_gpu(engine) else ProcessRssGauge(watermark)
 
 
-def _limit_setting(engine: Engine) -> tuple[str, str]:
-    """The setting the watermark's limit comes from, and its flag: the memory limit on a
-    GPU, host_memory_limit on the CPU."""
-    if engine.providers[0] == CUDA:
-        return "memory_limit", "--memory-limit"
-    return "host_memory_limit", "--host-memory-limit"
+def _watermark_limit_name(engine: Engine) -> str:
+    """What the watermark's marks are fractions of, as messages name it."""
+    if _on_gpu(engine):
+        return f"the memory of GPU {session_gpu_id()!r}"
+    return "server.host_memory_limit"
 
 
-def make_watermark(config: ServerConfig, engine: Engine) -> Watermark | None:
-    """The admission watermark, where there is a limit to watch: the memory limit on a
-    GPU (read with NVML), host_memory_limit on the CPU (resident memory)."""
-    on_gpu = engine.providers[0] == CUDA
-    if on_gpu:
-        limit_bytes = engine.memory_limit_bytes
+def make_watermark(
+    config: ServerConfig, engine: Engine, device_total_bytes: int | None
+) -> Watermark | None:
+    """The admission watermark, where there is a limit to watch: on a GPU the device's
+    total memory (`device_total_bytes`, NVML's), on the CPU host_memory_limit (resident
+    memory). Neither is the arena's budget (memory_limit): NVML reads the whole device,
+    every process's use and the CUDA context beside the arena, so marks taken from the
+    budget closed lanes at the server's own full batch (an 80 GiB GPU: the arena at its
+    72 GiB cap, and the context, read 72.6 GiB, above a high mark of 68.4). On a GPU
+    queued inputs wait in host memory and the arena is capped by the runtime: what
+    presses the device is the device filling up as a whole."""
+    if _on_gpu(engine):
+        limit_bytes = device_total_bytes
     elif config.host_memory_limit is not None:
         limit_bytes = parse_memory_limit(config.host_memory_limit).resolve(None)
     else:
@@ -480,15 +492,14 @@ def make_watermark(config: ServerConfig, engine: Engine) -> Watermark | None:
     high_bytes = int(limit_bytes * config.memory_high_watermark)
     low_bytes = int(limit_bytes * config.memory_low_watermark)
     if low_bytes == 0:  # a mark of 0 bytes; the high mark is never below the low one
-        limit_key = f"server.{_limit_setting(engine)[0]}"
         keys, marks = "server.memory_low_watermark", f"{config.memory_low_watermark:g} is"
         if high_bytes == 0:
             keys += ", server.memory_high_watermark"
             marks = f"{config.memory_low_watermark:g} and {config.memory_high_watermark:g} are"
         raise ConfigError(
-            f"{keys}: {marks} 0 bytes of {limit_key} ({format_bytes(limit_bytes)}); expected "
-            "a fraction of the limit above what the server holds idle (the default low "
-            f"watermark is {DEFAULT_MEMORY_LOW_WATERMARK})"
+            f"{keys}: {marks} 0 bytes of {_watermark_limit_name(engine)} "
+            f"({format_bytes(limit_bytes)}); expected a fraction of the limit above what the "
+            f"server holds idle (the default low watermark is {DEFAULT_MEMORY_LOW_WATERMARK})"
         )
     return Watermark(
         lanes=len(config.lanes),
@@ -498,40 +509,140 @@ def make_watermark(config: ServerConfig, engine: Engine) -> Watermark | None:
     )
 
 
+# What a server needs above its idle reading; the low mark must leave it.
+_ROOM = "with room above it for what serving keeps in use (buffers and caches a burst leaves)"
+
+
 def _check_idle_memory(
     config: ServerConfig, engine: Engine, watermark: Watermark, used_bytes: int | None
 ) -> None:
-    """Refuses a limit the server exceeds idle: a lane the watermark closes reopens only
-    below the low mark, so it would stay closed with nothing queued or running. The limit
-    it names is a floor: after a burst the demo model's server held 8-16 MiB more than
-    idle, its free heap given back (at 150 MiB, above the 130 MiB named, its lanes
-    reopened in one run of two). Where the limit holds the idle server below the default
-    low mark, the low mark set lower is what fails, and is named instead: a low mark of
-    1e-9 asked for a limit above 100 PiB."""
+    """Refuses a start whose idle reading is at or above the low mark: a lane the
+    watermark closes reopens only below it, so it would stay closed with nothing queued
+    or running."""
     if used_bytes is None or used_bytes < watermark.low_bytes:
         return
-    setting, flag = _limit_setting(engine)
+    if _on_gpu(engine):
+        _refuse_full_gpu(config, watermark, used_bytes)
+    _refuse_host_limit(config, watermark, used_bytes)
+
+
+def _idle_marks_expected(watermark: Watermark, used_bytes: int) -> tuple[str, str]:
+    """The watermark keys at fault for an idle reading of `used_bytes`, and what they
+    are expected to be: the low mark above the share of the limit held idle, the high
+    one too where the reading reaches it."""
+    keys = "server.memory_low_watermark"
+    expected = f"memory_low_watermark above {used_bytes / watermark.limit_bytes:.3g}"
+    if used_bytes >= watermark.high_bytes:
+        keys += ", server.memory_high_watermark"
+        expected += " and memory_high_watermark at least as high"
+    return keys, expected
+
+
+def _refuse_full_gpu(config: ServerConfig, watermark: Watermark, used_bytes: int) -> NoReturn:
+    """On a GPU the reading is every process's use of the device, this server's context
+    and weights among it, against the device's total: no setting of laneserve's holds
+    it lower (memory_limit caps the arena, not the device), so the GPU is named with what
+    it holds, and the marks as the setting that could still move."""
+    keys, expected = _idle_marks_expected(watermark, used_bytes)
+    raise ConfigError(
+        f"{keys}: GPU {session_gpu_id()!r} has {format_bytes(used_bytes)} of its "
+        f"{format_bytes(watermark.limit_bytes)} in use with the server idle after loading "
+        "the model (every process's use, this server's among it), at or above the low "
+        f"watermark {format_bytes(watermark.low_bytes)} (memory_low_watermark "
+        f"{config.memory_low_watermark:g} of the GPU's memory), so lanes closed by memory "
+        "pressure could never reopen; expected a GPU with more free memory, or "
+        f"{expected} (the share of the GPU's memory in use idle; the default low watermark "
+        f"is {DEFAULT_MEMORY_LOW_WATERMARK}), {_ROOM}"
+    )
+
+
+def _refuse_host_limit(config: ServerConfig, watermark: Watermark, used_bytes: int) -> NoReturn:
+    """On the CPU the limit it names is a floor: after a burst the demo model's server
+    held 8-16 MiB more than idle, its free heap given back (at 150 MiB, above the 130 MiB
+    named, its lanes reopened in one run of two). Where the limit holds the idle server
+    below the default low mark, the low mark set lower is what fails, and is named
+    instead: a low mark of 1e-9 asked for a limit above 100 PiB."""
     held = (
         f"the server holds {format_bytes(used_bytes)} idle after loading the model, at or "
         f"above the low watermark {format_bytes(watermark.low_bytes)} (memory_low_watermark "
         f"{config.memory_low_watermark:g} of {format_bytes(watermark.limit_bytes)}), so lanes "
         "closed by memory pressure could never reopen"
     )
-    room = "with room above it for what serving keeps in use (buffers and caches a burst leaves)"
     if used_bytes >= int(watermark.limit_bytes * DEFAULT_MEMORY_LOW_WATERMARK):
         raise ConfigError(
-            f"server.{setting}: {held}; expected a limit above "
-            f"{format_bytes(int(used_bytes / config.memory_low_watermark))} ({flag}), {room}"
+            f"server.host_memory_limit: {held}; expected a limit above "
+            f"{format_bytes(int(used_bytes / config.memory_low_watermark))} "
+            f"(--host-memory-limit), {_ROOM}"
         )
-    keys = "server.memory_low_watermark"
-    expected = f"memory_low_watermark above {used_bytes / watermark.limit_bytes:.3g}"
-    if used_bytes >= watermark.high_bytes:
-        keys += ", server.memory_high_watermark"
-        expected += " and memory_high_watermark at least as high"
+    keys, expected = _idle_marks_expected(watermark, used_bytes)
     raise ConfigError(
-        f"{keys}: {held}; expected {expected} (the share of server.{setting} the server "
-        f"holds idle; the default low watermark is {DEFAULT_MEMORY_LOW_WATERMARK}), {room}"
+        f"{keys}: {held}; expected {expected} (the share of server.host_memory_limit the "
+        f"server holds idle; the default low watermark is {DEFAULT_MEMORY_LOW_WATERMARK}), "
+        f"{_ROOM}"
     )
+
+
+def _warn_if_a_full_arena_closes_lanes(
+    config: ServerConfig, engine: Engine, watermark: Watermark, used_bytes: int | None
+) -> None:
+    """On a GPU, warns where a batch that fills the arena would take the device to the
+    high mark by itself: lanes would close at the server's own work, and reopen only
+    once the arena gave its regions back. Not refused: a model whose batches never fill
+    the arena (most small ones) never gets there.
+
+    The device at a full arena is read as the idle reading plus the arena's whole cap,
+    not the probe's fitted readings: those predict a full batch of the probe's own rows,
+    while rows of another width, or regions the arena keeps from batches of several
+    sizes, fill it to its cap all the same; and no reading tells the arena's idle part
+    (the weights) from the rest of the device. The weights count in both figures, so
+    this errs toward warning by their size."""
+    arena_bytes = engine.memory_limit_bytes
+    if not _on_gpu(engine) or arena_bytes is None or used_bytes is None:
+        return
+    full_bytes = used_bytes + arena_bytes
+    if full_bytes < watermark.high_bytes:
+        return
+    # Below the high mark less the idle reading (positive: the idle check passed, so the
+    # reading is below the low mark, at most the high one).
+    limit_below_bytes = watermark.high_bytes - used_bytes
+    share = full_bytes / watermark.limit_bytes
+    remedy = f"--memory-limit below {format_bytes(limit_below_bytes)}"
+    if share < 1:  # at or above the whole device, no mark can be above it
+        remedy += f" or server.memory_high_watermark above {share:.3g}"
+    gpu = session_gpu_id()
+    log_event(
+        log,
+        logging.WARNING,
+        "watermark_below_full_arena",
+        f"GPU {gpu!r}: {format_bytes(used_bytes)} of {format_bytes(watermark.limit_bytes)} "
+        "is in use with the server idle (every process's use), and the session's arena may "
+        f"grow to its memory_limit of {format_bytes(arena_bytes)}: together "
+        f"{format_bytes(full_bytes)}, at or above the high watermark "
+        f"{format_bytes(watermark.high_bytes)} (memory_high_watermark "
+        f"{config.memory_high_watermark:g} of the GPU's memory), so a batch that fills the "
+        "arena would close lanes by itself, until the arena gives its regions back; "
+        f"expected {remedy}",
+        gpu=gpu,
+        used_bytes=used_bytes,
+        memory_limit_bytes=arena_bytes,
+        full_arena_bytes=full_bytes,
+        high_watermark_bytes=watermark.high_bytes,
+        total_bytes=watermark.limit_bytes,
+        memory_limit_below_bytes=limit_below_bytes,
+    )
+
+
+def _watermark_and_gauge(
+    config: ServerConfig, engine: Engine, memory_gauge: MemoryGauge | None
+) -> tuple[Watermark | None, MemoryGauge]:
+    """The watermark, where there is a limit to watch, and its reading (`memory_gauge`,
+    else the device's). On a GPU the gauge comes first, its total being the watermark's
+    limit; on the CPU the watermark does, the process's gauge taking it."""
+    if _on_gpu(engine):
+        gauge = memory_gauge or device_gauge(engine)
+        return make_watermark(config, engine, gauge.total_bytes()), gauge
+    watermark = make_watermark(config, engine, None)
+    return watermark, memory_gauge or device_gauge(engine, watermark)
 
 
 def _watch_memory(
@@ -540,21 +651,21 @@ def _watch_memory(
     """The watermark, where there is a limit to watch, and its reading (`memory_gauge`,
     else the device's), once the idle server is seen to fit below its low mark
     (ConfigError otherwise)."""
-    watermark = make_watermark(config, engine)
-    if watermark is None:
-        return None, None
-    gauge = memory_gauge or device_gauge(engine, watermark)
-    # Read as an idle running server reads itself once lanes close: the arena's regions
-    # given back (`release_idle_memory`) and the C library's free heap. Read with the
-    # largest probe batch's regions still held, a start with max_batch_size 2048 and a
-    # 200 MiB host limit was refused at 187 MiB, though idle it held 123.
-    engine.release_idle_memory()
-    release_free_heap()
     try:
+        watermark, gauge = _watermark_and_gauge(config, engine, memory_gauge)
+        if watermark is None:
+            return None, None
+        # Read as an idle running server reads itself once lanes close: the arena's
+        # regions given back (`release_idle_memory`) and the C library's free heap. Read
+        # with the largest probe batch's regions still held, a start with max_batch_size
+        # 2048 and a 200 MiB host limit was refused at 187 MiB, though idle it held 123.
+        engine.release_idle_memory()
+        release_free_heap()
         used_bytes = gauge.used_bytes()
     except NvmlUnavailableError as error:
         raise nvml_start_error(error) from error
     _check_idle_memory(config, engine, watermark, used_bytes)
+    _warn_if_a_full_arena_closes_lanes(config, engine, watermark, used_bytes)
     return watermark, gauge
 
 

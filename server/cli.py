@@ -13,12 +13,12 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from laneserve.server import flag_values
 from laneserve.server.app import LaneServer, check_ports_free, load_engine, server_credentials
 from laneserve.server.bench import cli as bench_cli
-from laneserve.server.config import DEVICES, ConfigError, ServerConfig, load_config
+from laneserve.server.config import DEVICES, UINT32_MAX, ConfigError, ServerConfig, load_config
 from laneserve.server.engine import EngineStartError
 from laneserve.server.log_events import refuse_usage
 from laneserve.server.process import tune_for_serving
@@ -48,31 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "make-model":
         return _make_model(args.path, seed=args.seed)
     try:
-        config = load_config(
-            args.config,
-            model_path=args.model,
-            overrides={
-                "host": args.host,
-                "port": args.port,
-                "priority_port": args.priority_port,
-                "max_batch_size": args.max_batch_size,
-                "batch_cap": args.batch_cap,
-                "memory_limit": args.memory_limit,
-                "host_memory_limit": args.host_memory_limit,
-                "device": args.device,
-                "drain_grace_s": args.drain_grace_s,
-                "max_message_bytes": args.max_message_bytes,
-                "max_concurrent_rpcs": args.max_concurrent_rpcs,
-                "max_pending_calls": args.max_pending_calls,
-                "priority_max_pending_calls": args.priority_max_pending_calls,
-                "intra_op_threads": args.intra_op_threads,
-                "metrics_port": args.metrics_port,
-                "tls_cert": args.tls_cert,
-                "tls_key": args.tls_key,
-                "tls_client_ca": args.tls_client_ca,
-                "probe_shapes": _probe_shapes(args.probe_shape),
-            },
-        )
+        config = _serve_config(args)
         code, clean = asyncio.run(_serve(config))
     except (ConfigError, EngineStartError, OSError) as error:
         message = _start_failure(error)
@@ -91,6 +67,58 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.shutdown()
         os._exit(code)
     return code
+
+
+# The [server] key each `serve` flag sets. The overrides are read through it (a flag's
+# argparse dest is its name with "_" for "-"), and a value a flag gave that the config
+# refuses is named by the flag: `--max-batch-size 0` was refused as server.max_batch_size,
+# a key its user never wrote.
+_SERVE_FLAGS = {
+    "host": "--host",
+    "port": "--port",
+    "priority_port": "--priority-port",
+    "max_batch_size": "--max-batch-size",
+    "batch_cap": "--batch-cap",
+    "memory_limit": "--memory-limit",
+    "host_memory_limit": "--host-memory-limit",
+    "device": "--device",
+    "drain_grace_s": "--drain-grace-s",
+    "max_message_bytes": "--max-message-bytes",
+    "max_concurrent_rpcs": "--max-concurrent-rpcs",
+    "max_pending_calls": "--max-pending-calls",
+    "priority_max_pending_calls": "--priority-max-pending-calls",
+    "intra_op_threads": "--intra-op-threads",
+    "metrics_port": "--metrics-port",
+    "tls_cert": "--tls-cert",
+    "tls_key": "--tls-key",
+    "tls_client_ca": "--tls-client-ca",
+    "probe_shapes": "--probe-shape",
+}
+
+
+def _serve_config(args: argparse.Namespace) -> ServerConfig:
+    """The config file (--config), `serve`'s flags over it. A flag's value the config
+    refuses is named by the flag (`ConfigError.key`); the file's, by its key."""
+    overrides: dict[str, Any] = {
+        key: getattr(args, flag.removeprefix("--").replace("-", "_"))
+        for key, flag in _SERVE_FLAGS.items()
+    }
+    overrides["probe_shapes"] = _probe_shapes(overrides["probe_shapes"])
+    try:
+        return load_config(args.config, model_path=args.model, overrides=overrides)
+    except ConfigError as error:
+        # A flag's value replaced the file's (None: not given), so it is the one refused.
+        # (server.probe_shapes, merged by input, is refused unkeyed: `_probe_shapes`
+        # checks the flag's.)
+        given = {
+            f"server.{key}": flag
+            for key, flag in _SERVE_FLAGS.items()
+            if overrides[key] is not None
+        }
+        flag = given.get(error.key or "")
+        if flag is None:
+            raise
+        raise error.naming(flag) from error
 
 
 def _unset_blank_otel_variables() -> None:
@@ -180,21 +208,24 @@ def _unwritable_file(target: Path) -> str | None:
 
 
 def _probe_shapes(flags: Sequence[str] | None) -> dict[str, list[int]] | None:
-    """--probe-shape NAME=D1,D2,... (repeated) as server.probe_shapes; None: not given."""
+    """--probe-shape NAME=D1,D2,... (repeated) as server.probe_shapes; None: not given.
+    Its sizes are checked here, as server.probe_shapes checks them: refused there, a size
+    of 0 was named by that key, which its user never wrote."""
     if not flags:
         return None
     shapes: dict[str, list[int]] = {}
     for flag in flags:
         name, _, dims = flag.partition("=")
         try:
-            shapes[name] = [int(dim) for dim in dims.split(",")]
+            sizes = [int(dim) for dim in dims.split(",")]
         except ValueError:  # no "=", an empty size, or one that is not a number
-            name = ""
-        if not name:
+            sizes = []
+        if not name or not sizes or not all(1 <= size <= UINT32_MAX for size in sizes):
             raise ConfigError(
                 f"--probe-shape: expected NAME=D1,D2,... (an input and its sizes after the "
-                f"row axis, e.g. image=3,224,224), got {flag!r}"
+                f"row axis, each in [1, {UINT32_MAX}], e.g. image=3,224,224), got {flag!r}"
             )
+        shapes[name] = sizes
     return shapes
 
 

@@ -19,6 +19,7 @@ from laneserve.client.tensors import (
     encode_tensor,
     numpy_dtype,
 )
+from laneserve.server.config import GRPC_INT_MAX
 from laneserve.server.engine import TensorSpec
 from laneserve.server.errors import InvalidInputError
 from laneserve.server.items import Array, Signature, Timing
@@ -58,14 +59,25 @@ def check_counts(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> N
 
 def leading_rows(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> int | None:
     """The rows `decode_inputs` counts if it accepts `tensors` (the first one's shape[0]),
-    read without decoding them; None when there is no first dimension to read, or the
-    first is none of the model's inputs (`decode_inputs` says so: counted, a misspelled
-    input of 3 000 rows was refused as too many rows, to be split)."""
+    read without decoding them; None when there is no first dimension to read, the first
+    is none of the model's inputs, or its dtype and shape size no data a request can
+    carry (more than GRPC_INT_MAX bytes, the most max_message_bytes allows):
+    `decode_inputs` says what is wrong. Counted, a misspelled input of 3 000 rows was
+    refused as too many rows, to be split, and so was a shape of 2**40 rows over one
+    row's data, whose fault was its data's length.
+
+    The data is not read, so not measured: each read is a copy (~80 ms for 64 MiB), and
+    this runs for every request. A shape that sizes at most GRPC_INT_MAX bytes over data
+    that does not match it is still counted by its shape."""
     if not tensors or not tensors[0].shape:
         return None
-    if all(spec.name != tensors[0].name for spec in specs):
+    first = tensors[0]
+    if all(spec.name != first.name for spec in specs):
         return None
-    return tensors[0].shape[0]
+    data_bytes = _data_bytes(first)
+    if data_bytes is None or data_bytes > GRPC_INT_MAX:
+        return None
+    return first.shape[0]
 
 
 def extra_bytes(request: pb.InferRequest, wire_bytes: int) -> int | None:
@@ -80,20 +92,29 @@ def extra_bytes(request: pb.InferRequest, wire_bytes: int) -> int | None:
     for name in request.output_names:  # a repeated field's every element, empty ones too
         known += 1 + _length_prefixed_bytes(_utf8_bytes(name))
     for tensor in request.inputs:
-        item_bytes = _ITEM_BYTES.get(tensor.dtype)
-        if item_bytes is None or len(tensor.shape) > MAX_DIMS:
-            return None
-        shape = list(tensor.shape)
-        if min(shape, default=0) < 0:
+        data_bytes = _data_bytes(tensor)
+        if data_bytes is None:
             return None
         size = _text_bytes(tensor.name) + 1 + _varint_bytes(tensor.dtype)
-        if shape:  # packed
-            size += 1 + _length_prefixed_bytes(sum(map(_varint_bytes, shape)))
-        data_bytes = math.prod(shape) * item_bytes
+        if tensor.shape:  # packed
+            size += 1 + _length_prefixed_bytes(sum(map(_varint_bytes, tensor.shape)))
         if data_bytes:
             size += 1 + _length_prefixed_bytes(data_bytes)
         known += 1 + _length_prefixed_bytes(size)
     return wire_bytes - known
+
+
+def _data_bytes(tensor: pb.Tensor) -> int | None:
+    """The bytes of data `tensor`'s dtype and shape size, its data unread; None where they
+    size none (an unknown dtype, more than MAX_DIMS dimensions, a negative one), which
+    `decode_tensor` refuses."""
+    item_bytes = _ITEM_BYTES.get(tensor.dtype)
+    if item_bytes is None or len(tensor.shape) > MAX_DIMS:
+        return None
+    shape = list(tensor.shape)
+    if min(shape, default=0) < 0:
+        return None
+    return math.prod(shape) * item_bytes
 
 
 def _text_bytes(text: str) -> int:

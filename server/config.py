@@ -32,7 +32,22 @@ DEVICES: tuple[Device, ...] = ("auto", "cuda", "cpu")
 
 
 class ConfigError(ValueError):
-    """A configuration value is missing, of the wrong type or out of range."""
+    """A configuration value is missing, of the wrong type or out of range.
+
+    Where it refuses one setting's value, `key` names that setting and the message reads
+    "KEY: PROBLEM": `serve` names the flag that gave the value instead (`naming`), as its
+    user wrote no key. None where a refusal names several settings, or none.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message if key is None else f"{key}: {message}")
+        self.key = key
+        self._problem = message
+
+    def naming(self, name: str) -> ConfigError:
+        """The same refusal of `key`'s value, naming `name` (its flag) instead."""
+        assert self.key is not None, "only a refusal of one setting names it"
+        return ConfigError(self._problem, key=name)
 
 
 def _is_number(value: object) -> bool:
@@ -65,10 +80,10 @@ MAX_INTRA_OP_THREADS = 1_024
 
 def _check_int(key: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        raise ConfigError(f"expected an integer, got {value!r}", key=key)
     if value < minimum or (maximum is not None and value > maximum):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ConfigError(f"{key}: expected an integer {bound}, got {value}")
+        raise ConfigError(f"expected an integer {bound}, got {value}", key=key)
 
 
 # What a lane's name may be: it is a label of every lane metric, and clients send it.
@@ -196,7 +211,7 @@ class ServerConfig:
     # Hard limit on the session's device memory: bytes ("6GiB") or a fraction of the
     # device ("0.9"). None: 0.9 on a GPU, the runtime's own default on the CPU.
     memory_limit: str | None = None
-    # Admission watermarks, as fractions of the memory limit on a GPU (or of
+    # Admission watermarks, as fractions of the GPU's total memory (or of
     # host_memory_limit on the CPU): at `high` the lowest lane stops admitting,
     # more lanes as memory nears the limit; all reopen below `low`.
     memory_high_watermark: float = 0.95
@@ -236,7 +251,9 @@ class ServerConfig:
         for key in ("host", "default_lane"):
             value: object = getattr(self, key)
             if not isinstance(value, str) or not value:
-                raise ConfigError(f"server.{key}: expected a non-empty string, got {value!r}")
+                raise ConfigError(
+                    f"expected a non-empty string, got {value!r}", key=f"server.{key}"
+                )
         _check_int("server.port", self.port, minimum=0, maximum=65_535)
         _check_int("server.priority_port", self.priority_port, minimum=-1, maximum=65_535)
         _check_int("server.max_batch_size", self.max_batch_size, minimum=1, maximum=UINT32_MAX)
@@ -244,9 +261,9 @@ class ServerConfig:
             _check_int("server.batch_cap", self.batch_cap, minimum=1)
             if self.batch_cap > self.max_batch_size:  # a bound the caller may not have set
                 raise ConfigError(
-                    f"server.batch_cap: expected at most server.max_batch_size "
-                    f"({self.max_batch_size}), got {self.batch_cap}; raise max_batch_size "
-                    "(--max-batch-size) for a larger cap"
+                    f"expected at most server.max_batch_size ({self.max_batch_size}), got "
+                    f"{self.batch_cap}; raise max_batch_size (--max-batch-size) for a larger cap",
+                    key="server.batch_cap",
                 )
         # gRPC takes these as C ints.
         _check_int(
@@ -301,8 +318,8 @@ class ServerConfig:
             raise ConfigError(f"server.device: expected one of {DEVICES}, got {self.device!r}")
         if not _is_number(self.drain_grace_s) or not 0 <= self.drain_grace_s <= MAX_DRAIN_GRACE_S:
             raise ConfigError(
-                f"server.drain_grace_s: expected seconds in [0, {MAX_DRAIN_GRACE_S:g}], "
-                f"got {self.drain_grace_s!r}"
+                f"expected seconds in [0, {MAX_DRAIN_GRACE_S:g}], got {self.drain_grace_s!r}",
+                key="server.drain_grace_s",
             )
         if not self.lanes:
             raise ConfigError("lanes: expected at least one lane")
@@ -339,8 +356,8 @@ class ServerConfig:
                 continue
             if port in fixed:
                 raise ConfigError(
-                    f"server.{key}: expected a port other than server.{fixed[port]}, got "
-                    f"{port} for both"
+                    f"expected a port other than server.{fixed[port]}, got {port} for both",
+                    key=f"server.{key}",
                 )
             fixed[port] = key
 
@@ -348,7 +365,7 @@ class ServerConfig:
         for key in ("tls_cert", "tls_key", "tls_client_ca"):
             path: object = getattr(self, key)
             if path is not None and (not isinstance(path, str) or not path):
-                raise ConfigError(f"server.{key}: expected a PEM file path, got {path!r}")
+                raise ConfigError(f"expected a PEM file path, got {path!r}", key=f"server.{key}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError(
                 "server.tls_cert, server.tls_key: expected both (TLS) or neither (plaintext), "

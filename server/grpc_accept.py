@@ -53,12 +53,24 @@ CALL_LIMIT_DETAILS = "Concurrent RPC limit exceeded!"
 # predate the bound: their bulk jobs failed where they had waited).
 STREAM_LIMIT_KEY = "laneserve-stream-limit"
 # The service's methods that read the server's state and wait on nothing (no lane, no
-# other call): an operator's, called most when the server is overloaded. No gate counts
-# them (service.add_to_server): each ends in the loop turn it starts in, so they cannot
-# pile up in progress, and those not yet taken wait in gRPC's core, bounded per method
-# (max_pending_calls), as health checks do.
+# other call): an operator's, called most when the server is overloaded. They are counted
+# apart from the inference calls (`CallGate.gate_operator`), so that a port whose every
+# inference slot is taken still answers them; those not yet taken wait in gRPC's core,
+# bounded per method (max_pending_calls), as health checks do.
 OPERATOR_METHODS = frozenset({"GetModel", "GetStats"})
-# What `CallGate.deserializer` hands a unary handler over the limit, instead of parsing.
+# The operator calls in progress on one port, at most: a bound of their own, not a share
+# of max_concurrent_rpcs, which a flood of inference calls fills. Each is answered in the
+# loop turn it starts in, so in ordinary use one or two are in progress at once; 64 is
+# room for every dashboard, scraper and grpcurl pointed at a port together. Unbounded,
+# they were the only calls nothing bounded: each holds its request's bytes (as gRPC's
+# core received them) until its handler ends, and a handler that awaits (an
+# interceptor's, or one added later) let them pile up.
+OPERATOR_LIMIT = 64
+# The trailer that names the operator calls' bound, on the refusal of the one over it
+# (in gRPC's words for a full port, CALL_LIMIT_DETAILS, as a stream over its bound is).
+OPERATOR_LIMIT_KEY = "laneserve-operator-limit"
+# What `CallGate.deserializer` hands a unary handler over the limit (and
+# `operator_deserializer` an operator's over its own), instead of parsing.
 OVER_LIMIT = object()
 
 
@@ -262,14 +274,20 @@ class CallGate:
     (max_concurrent_rpcs): a call over it is refused at once, RESOURCE_EXHAUSTED in
     gRPC's own words, its message not parsed (an acceptor's not even read). Of them at
     most `stream_limit` streams: one more is refused at once in the same words, the
-    bound in the STREAM_LIMIT_KEY trailer. Operator calls (OPERATOR_METHODS) are not
-    counted. Counted by the handlers (`gate`), so every call is, however it was taken
-    (see `ParallelAcceptors`). `below_accept` is set while fewer unary calls
-    than `accept_below` are in progress (the extra asks are out only then): a stream's
-    call stays open for a whole job, and its items do not come through asks."""
+    bound in the STREAM_LIMIT_KEY trailer. Operator calls (OPERATOR_METHODS) are counted
+    apart, at most `operator_limit` (`gate_operator`): one more is refused in the same
+    words, the bound in the OPERATOR_LIMIT_KEY trailer. Counted by the handlers (`gate`),
+    so every call is, however it was taken (see `ParallelAcceptors`). `below_accept` is
+    set while fewer unary calls than `accept_below` are in progress (the extra asks are
+    out only then): a stream's call stays open for a whole job, and its items do not
+    come through asks."""
 
     def __init__(self, limit: int, accept_below: int) -> None:
         self.limit = limit
+        self.operator_limit = OPERATOR_LIMIT
+        # Not in `calls`: an operator call neither takes an inference slot nor holds the
+        # asks back (see OPERATOR_LIMIT).
+        self.operator_calls = 0
         # Streams hold at most half the slots (at least one, so that a port of limit 1
         # still takes a stream): the rest always stays for unary calls. A stream is a
         # whole bulk job, open while its source is read, sending or not: 4 200 that sent
@@ -299,6 +317,21 @@ class CallGate:
         """Whether a stream taken now is refused: `stream_limit` streams are in progress."""
         return self.stream_calls >= self.stream_limit
 
+    @property
+    def operators_full(self) -> bool:
+        """Whether an operator call taken now is refused: `operator_limit` are in progress."""
+        return self.operator_calls >= self.operator_limit
+
+    async def refuse_operator(self, context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
+        """Ends an operator call over `operator_limit` RESOURCE_EXHAUSTED in gRPC's words
+        for a full port, the bound in the OPERATOR_LIMIT_KEY trailer."""
+        methods = " and ".join(sorted(OPERATOR_METHODS))
+        bound = (
+            f"{self.operator_limit} {methods} calls at once, counted apart from the "
+            f"inference calls (server setting max_concurrent_rpcs {self.limit})"
+        )
+        await refuse_over_limit(context, ((OPERATOR_LIMIT_KEY, bound),))
+
     async def refuse_stream(self, context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
         """Ends a stream over `stream_limit` RESOURCE_EXHAUSTED in gRPC's words for a full
         port, the bound in the STREAM_LIMIT_KEY trailer."""
@@ -327,6 +360,36 @@ class CallGate:
             return OVER_LIMIT if self.full else read(data)
 
         return read_within
+
+    def operator_deserializer(self, read: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+        """`read` (an operator method's request deserializer), skipped over
+        `operator_limit`: the handler (`gate_operator`) then refuses `OVER_LIMIT`, as
+        `deserializer` has it for the inference calls."""
+
+        def read_within(data: bytes) -> Any:
+            return OVER_LIMIT if self.operators_full else read(data)
+
+        return read_within
+
+    def gate_operator(self, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
+        """`behavior` (an operator method's handler, unary), counted in `operator_calls`
+        while it runs and refused over `operator_limit`; not in `calls`, so that it is
+        answered while every inference slot is taken."""
+
+        async def gated(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            # The request let go of before anything is awaited, as in `_gate_unary`.
+            if request is OVER_LIMIT or self.operators_full:
+                del request
+                await self.refuse_operator(context)
+            handling = behavior(request, context)
+            del request
+            self.operator_calls += 1
+            try:
+                return await handling
+            finally:
+                self.operator_calls -= 1
+
+        return gated
 
     def gate(self, behavior: Callable[..., Any], *, response_streaming: bool) -> Callable[..., Any]:
         """`behavior` (a handler's, taking the request or its iterator and the context),

@@ -2,9 +2,12 @@
 
 The budget is a hard limit given to the runtime (the CUDA arena's `gpu_mem_limit`, or a
 capped CPU arena), so an allocation past it fails inside ONNX Runtime instead of taking
-the process down; the engine then splits the batch. The watermark is the soft limit in
-front of it: above the high watermark lanes stop admitting work, lowest priority first,
-until memory in use falls below the low watermark.
+the process down; the engine then splits the batch. The watermark is the soft limit
+beside it: above the high watermark lanes stop admitting work, lowest priority first,
+until memory in use falls below the low watermark. Its marks are fractions of a limit of
+their own, not of the budget: the GPU's total memory (NVML reads the whole device, every
+process's use beside the arena), or on the CPU the process's host memory limit (the
+arena, queued inputs and outputs all live there).
 """
 
 from __future__ import annotations
@@ -481,7 +484,8 @@ class WatermarkState:
     high_bytes: int
     low_bytes: int
     closed_lanes: tuple[str, ...]
-    # What used_bytes and the marks refer to (on the CPU the host limit, not the arena's).
+    # What used_bytes and the marks refer to, never the arena's budget: the GPU's total
+    # memory, or on the CPU the host limit.
     limit_bytes: int = 0
 
 

@@ -271,9 +271,106 @@ def test_tls_files_that_are_not_pem_are_refused_naming_the_settings(
     assert "Traceback" not in stderr
 
 
-def test_the_priority_ports_pending_limit_flag_reaches_the_config(small_model: Path) -> None:
-    stderr = refused_at_start("--model", str(small_model), "--priority-max-pending-calls", "0")
-    assert "server.priority_max_pending_calls: expected an integer in [1," in stderr
+# A `serve` flag, a value of it the config refuses, and the refusal's message.
+REFUSED_FLAGS = [
+    ("--port", "70000", "--port: expected an integer in [0, 65535], got 70000"),
+    ("--priority-port", "-2", "--priority-port: expected an integer in [-1, 65535], got -2"),
+    (
+        "--max-batch-size",
+        "0",
+        "--max-batch-size: expected an integer in [1, 4294967295], got 0",
+    ),
+    ("--batch-cap", "0", "--batch-cap: expected an integer >= 1, got 0"),
+    (
+        "--batch-cap",
+        "999",
+        (
+            "--batch-cap: expected at most server.max_batch_size (128), got 999; raise "
+            "max_batch_size (--max-batch-size) for a larger cap"
+        ),
+    ),
+    ("--drain-grace-s", "nan", "--drain-grace-s: expected seconds in [0, 3600], got nan"),
+    (
+        "--max-message-bytes",
+        "10",
+        "--max-message-bytes: expected an integer in [1024, 2147483647], got 10",
+    ),
+    (
+        "--max-concurrent-rpcs",
+        "0",
+        "--max-concurrent-rpcs: expected an integer in [1, 2147483647], got 0",
+    ),
+    (
+        "--max-pending-calls",
+        "0",
+        "--max-pending-calls: expected an integer in [1, 2147483647], got 0",
+    ),
+    (
+        "--priority-max-pending-calls",
+        "0",
+        "--priority-max-pending-calls: expected an integer in [1, 2147483647], got 0",
+    ),
+    (
+        "--intra-op-threads",
+        "2000",
+        "--intra-op-threads: expected an integer in [0, 1024], got 2000",
+    ),
+    ("--metrics-port", "-5", "--metrics-port: expected an integer in [-1, 65535], got -5"),
+    (
+        "--probe-shape",
+        "input=0",
+        (
+            "--probe-shape: expected NAME=D1,D2,... (an input and its sizes after the row "
+            "axis, each in [1, 4294967295], e.g. image=3,224,224), got 'input=0'"
+        ),
+    ),
+    # The memory sizes named their flag beside the key already.
+    (
+        "--memory-limit",
+        "100",
+        (
+            "server.memory_limit (--memory-limit): memory limit '100' is 100 bytes; "
+            "expected at least 1MiB, or a fraction of device memory in (0, 1] such as 0.9"
+        ),
+    ),
+    (
+        "--host-memory-limit",
+        "0.5",
+        (
+            "server.host_memory_limit (--host-memory-limit): memory limit '0.5': expected "
+            "bytes like 6GiB, not a fraction"
+        ),
+    ),
+    ("--host", "", "--host: expected a non-empty string, got ''"),
+]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    REFUSED_FLAGS,
+    ids=[f"{flag}={value}" for flag, value, _ in REFUSED_FLAGS],
+)
+def test_a_flags_refused_value_is_named_by_the_flag(
+    small_model: Path, flag: str, value: str, message: str
+) -> None:
+    """`--max-batch-size 0` was refused as "server.max_batch_size: ...", a config key its
+    user never wrote; so was every numeric flag's refused value."""
+    stderr = refused_at_start("--model", str(small_model), "--port", "0", flag, value)
+    assert stderr.splitlines() == [f"laneserve: {message}"]
+
+
+def test_a_config_files_refused_value_is_named_by_its_key_beside_flags(
+    tmp_path: Path, small_model: Path
+) -> None:
+    """Only the value a flag gave is named by the flag: the file's, by its key."""
+    config = tmp_path / "laneserve.toml"
+    config.write_text("[server]\nmax_batch_size = 0\n")
+    stderr = refused_at_start(
+        "--model", str(small_model), "--config", str(config), "--port", "0", "--batch-cap", "4"
+    )
+    assert stderr.splitlines() == [
+        "laneserve: server.max_batch_size: expected an integer in [1, 4294967295], got 0"
+    ]
 
 
 def test_a_probe_shape_flag_that_is_not_name_equals_sizes_is_refused(small_model: Path) -> None:

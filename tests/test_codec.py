@@ -1,16 +1,24 @@
 """The wire codec (laneserve.client.tensors): round trips, byte layout and refusals."""
 
+import asyncio
 import re
+from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import numpy.typing as npt
 import pytest
 
 from laneserve.client import tensors
 from laneserve.client.tensors import decode_tensor, encode_tensor
-from laneserve.server.codec import extra_bytes
+from laneserve.server import Engine, ServerConfig
+from laneserve.server.codec import decode_inputs, extra_bytes, leading_rows
+from laneserve.server.config import GRPC_INT_MAX
+from laneserve.server.engine import TensorSpec
+from laneserve.server.errors import InvalidInputError
 from laneserve.v1 import inference_pb2 as pb
+from tests.support import rich_status, rows, serving
 
 # numpy dtype, wire data type, ONNX Runtime type: the table the codec must implement.
 TYPES: list[tuple[str, int, str]] = [
@@ -255,3 +263,58 @@ def test_extra_bytes_are_not_measured_for_a_tensor_that_sizes_no_data() -> None:
     for tensor in (pb.Tensor(name="a"), pb.Tensor(name="a", dtype=pb.DATA_TYPE_INT8, shape=[-1])):
         message = pb.InferRequest(inputs=[tensor])
         assert extra_bytes(message, message.ByteSize()) is None
+
+
+ROWS_SPEC = TensorSpec("input", np.dtype(np.float32), (-1, 4))
+# One row of data under a shape of 2**40 rows: more data than any request can carry.
+MISSHAPEN = pb.Tensor(name="input", dtype=pb.DATA_TYPE_FLOAT32, shape=[2**40, 4], data=b"\0" * 16)
+
+
+def test_a_shape_no_request_could_carry_is_refused_for_its_data_not_counted_as_rows() -> None:
+    """Its 2**40 rows were counted (and refused as too many, "split it"): its fault is
+    its data's length, which `decode_inputs` names."""
+    assert leading_rows([MISSHAPEN], [ROWS_SPEC]) is None
+    with pytest.raises(InvalidInputError) as refused:
+        decode_inputs([MISSHAPEN], [ROWS_SPEC])
+    assert str(refused.value) == (
+        "tensor 'input': data is 16 bytes; expected 17592186044416 (4398046511104 float32 "
+        "of 4 bytes for shape [1099511627776, 4])"
+    )
+
+
+def test_leading_rows_count_a_shape_up_to_the_largest_request_unread() -> None:
+    """The bound is the most bytes a message may have (max_message_bytes is at most
+    GRPC_INT_MAX); within it the shape is counted without its data read."""
+    spec = TensorSpec("input", np.dtype(np.uint8), (-1,))
+
+    def shaped(row_count: int) -> pb.Tensor:
+        return pb.Tensor(name="input", dtype=pb.DATA_TYPE_UINT8, shape=[row_count])
+
+    assert leading_rows([shaped(GRPC_INT_MAX)], [spec]) == GRPC_INT_MAX
+    assert leading_rows([shaped(GRPC_INT_MAX + 1)], [spec]) is None
+    unknown_dtype = pb.Tensor(name="input", shape=[2**40])
+    assert leading_rows([unknown_dtype], [spec]) is None
+
+
+def test_a_shape_no_request_could_carry_is_refused_for_its_data_over_grpc(
+    small_model: Path,
+) -> None:
+    async def scenario() -> None:
+        engine = Engine(str(small_model))
+        async with serving(engine, ServerConfig(model_path=str(small_model))) as s:
+            one_row = rows(1)
+            misshapen = pb.Tensor(
+                name="input",
+                dtype=pb.DATA_TYPE_FLOAT32,
+                shape=[2**40, one_row.shape[1]],
+                data=one_row.tobytes(),
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(pb.InferRequest(inputs=[misshapen]))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert rich_status(caught.value)[0] == "INVALID_INPUT"
+            details = caught.value.details() or ""
+            assert "tensor 'input': data is 2048 bytes; expected" in details
+            assert "split it" not in details
+
+    asyncio.run(scenario())

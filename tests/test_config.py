@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -369,6 +370,39 @@ def test_overrides_apply_without_a_file() -> None:
 def test_overrides_are_validated_like_the_file() -> None:
     with pytest.raises(ConfigError, match=re.escape("server.max_batch_size")):
         config_from_mapping({}, model_path="model.onnx", overrides={"max_batch_size": 0})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        pytest.param({"max_batch_size": 0}, "server.max_batch_size", id="integer-range"),
+        pytest.param({"port": "80"}, "server.port", id="integer-type"),
+        pytest.param({"batch_cap": 256}, "server.batch_cap", id="over-max-batch-size"),
+        pytest.param({"drain_grace_s": math.nan}, "server.drain_grace_s", id="seconds"),
+        pytest.param({"metrics_port": 50051}, "server.metrics_port", id="port-taken"),
+        pytest.param({"host": ""}, "server.host", id="host"),
+    ],
+)
+def test_a_refusal_of_one_settings_value_carries_its_key_for_a_flag_to_name(
+    overrides: dict[str, object], key: str
+) -> None:
+    """The command line names the flag that gave a refused value by this key
+    (`ConfigError.naming`): `--max-batch-size 0` was refused as server.max_batch_size."""
+    with pytest.raises(ConfigError) as refused:
+        config_from_mapping({}, model_path="model.onnx", overrides=overrides)
+    assert refused.value.key == key
+    problem = str(refused.value).removeprefix(f"{key}: ")
+    assert problem != str(refused.value)
+    named = refused.value.naming("--a-flag")
+    assert str(named) == f"--a-flag: {problem}"
+    assert named.key == "--a-flag"
+
+
+def test_a_refusal_of_several_settings_carries_no_key() -> None:
+    with pytest.raises(ConfigError) as refused:
+        config_from_mapping({}, model_path="model.onnx", overrides={"tls_cert": "cert.pem"})
+    assert str(refused.value).startswith("server.tls_cert, server.tls_key: expected both")
+    assert refused.value.key is None
 
 
 @pytest.mark.parametrize(

@@ -87,6 +87,7 @@ from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
     RecordingEngine,
     ServerProcess,
+    Serving,
     SettableGauge,
     estimate_once,
     output,
@@ -99,6 +100,7 @@ from tests.support import (
 )
 
 MIB = 1024 * 1024
+GIB = 1024 * MIB
 # The demo MLP under this budget runs up to ~750 rows and fails at 768 (weights take
 # 20 MiB); its probe settles on 736.
 DEMO_BUDGET = "32MiB"
@@ -2439,14 +2441,26 @@ class _NvmlNotFoundError(_NvmlError):
     """NVMLError_NotFound, as pynvml raises it for a UUID no GPU has."""
 
 
+class _GpuMemory:
+    """What the fake NVML reads of its one GPU: every process's use, as the test sets it
+    (the watermark's input, like a clock's time)."""
+
+    def __init__(self, used_bytes: int = 1 << 30, total_bytes: int = 80 << 30) -> None:
+        self.used_bytes = used_bytes
+        self.total_bytes = total_bytes
+
+
 def _fake_nvml(
     monkeypatch: pytest.MonkeyPatch,
     *,
     missing: bool = False,
     handle_error: Exception | None = None,
     memory_error: Exception | None = None,
+    memory: _GpuMemory | None = None,
 ) -> None:
-    """A pynvml whose look-ups or readings fail as the test says (one GPU, 80 GiB)."""
+    """A pynvml whose look-ups or readings fail as the test says (one GPU, 80 GiB, 1 GiB
+    in use unless `memory` reads otherwise)."""
+    gpu = memory or _GpuMemory()
     if missing:
         monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml: ImportError
         return
@@ -2461,7 +2475,7 @@ def _fake_nvml(
     def memory_info(_handle: object) -> object:
         if memory_error is not None:
             raise memory_error
-        return type("Memory", (), {"used": 1 << 30, "total": 80 << 30})()
+        return type("Memory", (), {"used": gpu.used_bytes, "total": gpu.total_bytes})()
 
     fake.nvmlInit = fake.nvmlShutdown = lambda: None
     fake.nvmlDeviceGetCount = lambda: 1
@@ -2553,6 +2567,177 @@ def test_an_engine_on_a_gpu_nvml_cannot_read_refuses_the_start_naming_it(
     message = str(refused.value)
     assert message.startswith("cannot read the memory of the session's GPU '0'"), message
     assert "(_NvmlError: Unknown Error)" in message
+
+
+# The default arena budget on the fake's 80 GiB GPU: memory_limit 0.9.
+ARENA_ON_80_GIB = int(0.9 * 80 * GIB)
+
+
+def _on_a_fake_gpu(
+    monkeypatch: pytest.MonkeyPatch, model: Path, gpu: _GpuMemory, arena_bytes: int
+) -> Engine:
+    """The real CPU session taken for a CUDA one whose arena is capped at `arena_bytes`,
+    on the fake NVML's GPU '0' reading as `gpu` says."""
+    _fake_nvml(monkeypatch, memory=gpu)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    engine = _as_if_on_a_gpu(Engine(str(model), device="cpu"))
+    engine.memory_limit_bytes = arena_bytes
+    return engine
+
+
+async def _lanes_closed_at(s: Serving, gpu: _GpuMemory, used_bytes: int) -> pb.GetStatsResponse:
+    """GetStats once the watermark has read `used_bytes` from the GPU."""
+    gpu.used_bytes = used_bytes
+    watermark = s.server.scheduler.watermark
+    assert watermark is not None
+    await until(lambda: watermark.used_bytes == used_bytes)  # sampled every 50 ms
+    return await s.stub.GetStats(pb.GetStatsRequest())
+
+
+def test_a_gpu_arena_at_its_cap_closes_no_lane(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watermark's marks were fractions of the arena's budget, while NVML reads the
+    whole device: after one full batch the arena keeps its regions at its cap (72 GiB of
+    80), and with the CUDA context NVML read 72.6 GiB, above the high mark of 68.4: the
+    server's own full batch closed every lane. The marks are fractions of the GPU's
+    total memory now; the budget stays the arena's."""
+    gpu = _GpuMemory()
+    engine = _on_a_fake_gpu(monkeypatch, small_model, gpu, ARENA_ON_80_GIB)
+    config = ServerConfig(model_path=str(small_model), metrics_port=-1, max_batch_size=8)
+
+    async def scenario() -> None:
+        async with serving(engine, config) as s:
+            stats = await _lanes_closed_at(s, gpu, ARENA_ON_80_GIB + 600 * MIB)
+            assert list(stats.lanes_closed_by_memory) == []
+            assert stats.memory_watermark_limit_bytes == 80 * GIB
+            assert stats.memory_high_watermark_bytes == int(80 * GIB * 0.95)
+            assert stats.memory_low_watermark_bytes == int(80 * GIB * 0.85)
+            assert stats.memory_limit_bytes == ARENA_ON_80_GIB, "the budget is the arena's"
+            answer = await s.stub.Infer(request(rows(1), lane="bulk"))
+            assert output(answer).shape[0] == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_neighbour_filling_the_gpu_closes_lanes_bottom_up(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What presses the device is the device filling up as a whole: another process
+    taking it to 0.96 of its memory closes bulk, nearer the whole device standard too,
+    and all reopen below the low mark (0.85 of the GPU's memory)."""
+    gpu = _GpuMemory()
+    engine = _on_a_fake_gpu(monkeypatch, small_model, gpu, ARENA_ON_80_GIB)
+    config = ServerConfig(model_path=str(small_model), metrics_port=-1, max_batch_size=8)
+
+    async def scenario() -> None:
+        async with serving(engine, config) as s:
+            stats = await _lanes_closed_at(s, gpu, int(80 * GIB * 0.96))
+            assert list(stats.lanes_closed_by_memory) == ["bulk"]
+            stats = await _lanes_closed_at(s, gpu, int(80 * GIB * 0.99))
+            assert list(stats.lanes_closed_by_memory) == ["standard", "bulk"]
+            stats = await _lanes_closed_at(s, gpu, int(80 * GIB * 0.9))  # hysteresis
+            assert list(stats.lanes_closed_by_memory) == ["standard", "bulk"]
+            stats = await _lanes_closed_at(s, gpu, int(80 * GIB * 0.8))
+            assert list(stats.lanes_closed_by_memory) == []
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("used_gib", "expected"),
+    [
+        pytest.param(
+            70,
+            "server.memory_low_watermark: GPU '0' has 70.0GiB of its 80.0GiB in use with the "
+            "server idle after loading the model (every process's use, this server's among "
+            "it), at or above the low watermark 68.0GiB (memory_low_watermark 0.85 of the "
+            "GPU's memory), so lanes closed by memory pressure could never reopen; expected a "
+            "GPU with more free memory, or memory_low_watermark above 0.875 (the share of the "
+            "GPU's memory in use idle; the default low watermark is 0.85), with room above it",
+            id="above-the-low-mark",
+        ),
+        pytest.param(
+            77,
+            "server.memory_low_watermark, server.memory_high_watermark: GPU '0' has 77.0GiB of "
+            "its 80.0GiB in use",
+            id="above-the-high-mark",
+        ),
+    ],
+)
+def test_a_gpu_full_while_the_server_is_idle_is_refused_naming_its_use(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch, used_gib: int, expected: str
+) -> None:
+    """The idle check asked for "a limit above 82.4GiB (--memory-limit)" of an 80 GiB
+    GPU: no memory_limit holds the device lower, other processes' use counting in it.
+    The GPU's use and total are named, and what would do: a GPU with more free memory,
+    or the marks above the share in use."""
+    gpu = _GpuMemory(used_bytes=used_gib * GIB)
+    engine = _on_a_fake_gpu(monkeypatch, small_model, gpu, ARENA_ON_80_GIB)
+    config = ServerConfig(model_path=str(small_model), metrics_port=-1, max_batch_size=8)
+    with pytest.raises(ConfigError) as refused:
+        LaneServer(engine, config, estimate=estimate_once)
+    message = str(refused.value)
+    assert message.startswith(expected), message
+    assert "memory-limit" not in message
+    assert "memory_limit" not in message
+
+
+@pytest.mark.parametrize(
+    ("idle_gib", "remedy"),
+    [
+        pytest.param(
+            5,
+            "expected --memory-limit below 71.0GiB or server.memory_high_watermark above 0.963",
+            id="over-the-high-mark",
+        ),
+        pytest.param(10, "expected --memory-limit below 66.0GiB", id="over-the-whole-gpu"),
+        pytest.param(1, None, id="fits"),
+    ],
+)
+def test_a_full_arena_that_reaches_the_high_mark_is_warned_at_start(
+    small_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    idle_gib: int,
+    remedy: str | None,
+) -> None:
+    """An arena that fills to its cap takes the device to the idle reading plus the cap:
+    at or above the high mark the server's own work would close lanes. Warned, naming
+    the figures and what to set; not refused (a small model never fills its arena)."""
+    gpu = _GpuMemory(used_bytes=idle_gib * GIB)
+    engine = _on_a_fake_gpu(monkeypatch, small_model, gpu, ARENA_ON_80_GIB)
+    config = ServerConfig(model_path=str(small_model), metrics_port=-1, max_batch_size=8)
+    caplog.set_level(logging.INFO, "laneserve")
+    server = LaneServer(engine, config, estimate=estimate_once)
+    server.telemetry.close()
+    records = [
+        r for r in caplog.records if getattr(r, "event", None) == "watermark_below_full_arena"
+    ]
+    if remedy is None:
+        assert records == []
+        return
+    (record,) = records
+    assert record.levelno == logging.WARNING
+    message = record.getMessage()
+    full_gib = idle_gib + 72
+    assert message.startswith(
+        f"GPU '0': {idle_gib:.1f}GiB of 80.0GiB is in use with the server idle (every "
+        "process's use), and the session's arena may grow to its memory_limit of 72.0GiB: "
+        f"together {full_gib:.1f}GiB, at or above the high watermark 76.0GiB "
+        "(memory_high_watermark 0.95 of the GPU's memory), so a batch that fills the arena "
+        "would close lanes by itself"
+    ), message
+    assert message.endswith(remedy), message
+    assert getattr(record, "fields", {}) == {
+        "gpu": "0",
+        "used_bytes": idle_gib * GIB,
+        "memory_limit_bytes": ARENA_ON_80_GIB,
+        "full_arena_bytes": idle_gib * GIB + ARENA_ON_80_GIB,
+        "high_watermark_bytes": int(80 * GIB * 0.95),
+        "total_bytes": 80 * GIB,
+        "memory_limit_below_bytes": int(80 * GIB * 0.95) - idle_gib * GIB,
+    }
 
 
 def test_a_gpu_count_nvml_fails_means_no_usable_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

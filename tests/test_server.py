@@ -506,6 +506,65 @@ def test_bytes_that_are_not_the_request_of_get_model_or_get_stats_are_invalid_ar
     asyncio.run(scenario())
 
 
+def unknown_field(size_bytes: int) -> bytes:
+    """A message of `size_bytes` on the wire: one field (15, bytes) that no request has,
+    which every request parses and keeps as an unknown field."""
+    for length_bytes in range(1, 6):
+        payload = size_bytes - 1 - length_bytes
+        length = bytearray()
+        rest = payload
+        while rest > 0x7F:
+            length.append(rest & 0x7F | 0x80)
+            rest >>= 7
+        length.append(rest)
+        if payload >= 0 and len(length) == length_bytes:
+            return b"\x7a" + bytes(length) + bytes(payload)
+    raise AssertionError(f"no field of {size_bytes} bytes")
+
+
+@pytest.mark.parametrize(
+    ("method", "message"), [("GetModel", "GetModelRequest"), ("GetStats", "GetStatsRequest")]
+)
+def test_an_operator_request_over_its_bound_is_refused_unparsed(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch, method: str, message: str
+) -> None:
+    """GetModel's and GetStats' requests are empty messages, yet one was parsed up to
+    max_message_bytes (its unknown fields copied beside its bytes): concurrent callers
+    sending large bodies took the server's RSS past 1 GiB. One over
+    MAX_OPERATOR_REQUEST_BYTES is refused INVALID_ARGUMENT, never parsed; one of the
+    bound is answered (unknown fields stay readable, as a newer client's would be)."""
+    bound = service.MAX_OPERATOR_REQUEST_BYTES
+    parsed_bytes: list[int] = []
+    read_request = service.read_request
+
+    def recording(request_type: Any, data: bytes) -> Any:
+        parsed_bytes.append(len(data))
+        return read_request(request_type, data)
+
+    monkeypatch.setattr(service, "read_request", recording)
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            call = s.channel.unary_unary(
+                f"/laneserve.v1.InferenceService/{method}",
+                request_serializer=bytes,
+                response_deserializer=bytes,
+            )
+            assert await call(unknown_field(bound), timeout=10) is not None
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call(unknown_field(bound + 1), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert rich_status(refused.value)[0] == "INVALID_INPUT"
+            assert refused.value.details() == (
+                f"the {method} request is {bound + 1} bytes, over the limit of {bound} bytes "
+                f"for GetModel and GetStats requests; expected a laneserve.v1.{message} "
+                "message encoded from protos/laneserve/v1/inference.proto"
+            )
+
+    asyncio.run(scenario())
+    assert parsed_bytes == [bound], "only the request within the bound was parsed"
+
+
 def test_full_lane_refuses_with_pushback(small_model: Path) -> None:
     lanes = (
         LaneConfig("standard", capacity_rows=8, timeout_ms=60_000, max_wait_ms=0, min_share=0.0),
@@ -1593,6 +1652,61 @@ def test_idle_streams_take_at_most_half_the_calls_and_unary_calls_are_answered(
     asyncio.run(scenario())
 
 
+def test_operator_calls_past_their_own_bound_are_refused_as_grpc_refuses_them(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GetModel and GetStats are counted apart from max_concurrent_rpcs (answered while
+    every inference slot is taken), and were counted by nothing: each holding its
+    request's bytes while it ran, they could pile up without bound. At most
+    OPERATOR_LIMIT are in progress on a port: the one over is refused at once in gRPC's
+    words for a full port, the bound in a trailer; inference calls go on meanwhile, and
+    once the held calls end every one is answered and the port answers again."""
+    limit = grpc_accept.OPERATOR_LIMIT
+    release: list[asyncio.Event] = []
+    get_stats = service.InferenceServicer.GetStats
+
+    async def held(
+        self: service.InferenceServicer, request: Any, context: Any
+    ) -> pb.GetStatsResponse:
+        await release[0].wait()  # fault injection: an operator call that awaits
+        return await get_stats(self, request, context)
+
+    monkeypatch.setattr(service.InferenceServicer, "GetStats", held)
+
+    async def scenario() -> None:
+        release.append(asyncio.Event())
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            gate = s.server._listeners[0].acceptors._gate
+            calls = [
+                asyncio.ensure_future(s.stub.GetStats(pb.GetStatsRequest(), timeout=30))
+                for _ in range(limit)
+            ]
+            await until(lambda: gate.operator_calls == limit)
+            for over in (
+                s.stub.GetStats(pb.GetStatsRequest()),
+                s.stub.GetModel(pb.GetModelRequest()),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await over
+                assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert caught.value.details() == grpc_accept.CALL_LIMIT_DETAILS
+                trailers = dict(caught.value.trailing_metadata() or ())
+                assert trailers[grpc_accept.OPERATOR_LIMIT_KEY] == (
+                    f"{limit} GetModel and GetStats calls at once, counted apart from the "
+                    "inference calls (server setting max_concurrent_rpcs 4096)"
+                )
+            assert gate.calls == 0, "the operator calls take no inference slot"
+            assert len((await s.stub.Infer(request(rows(1)), timeout=10)).outputs) == 1
+            release[0].set()
+            answers = await asyncio.gather(*calls)
+            assert all(answer.instance_id == answers[0].instance_id for answer in answers)
+            assert gate.operator_calls == 0
+            assert (await s.stub.GetModel(pb.GetModelRequest(), timeout=10)).max_batch_size > 0
+
+    asyncio.run(scenario())
+
+
 def test_a_cancelled_stream_leaves_the_call_count(small_model: Path) -> None:
     """The count of calls in progress goes down when a stream ends early too (its
     responses are closed then, not when collected)."""
@@ -2023,6 +2137,24 @@ def test_a_unary_call_over_the_limit_is_refused_before_its_message_is_parsed() -
     deserialize = gate.deserializer(read)
     assert deserialize(b"first") == b"first"
     gate.unary_calls = 1  # one in progress: at the limit
+    assert deserialize(b"second") is grpc_accept.OVER_LIMIT
+    assert parsed == [b"first"]
+
+
+def test_an_operator_call_over_its_bound_is_refused_before_its_message_is_parsed() -> None:
+    """The operator calls' bound is their own: the inference calls at their limit do not
+    refuse one, and one over the operator bound is not parsed (the handler refuses it)."""
+    parsed: list[bytes] = []
+
+    def read(data: bytes) -> bytes:
+        parsed.append(data)
+        return data
+
+    gate = grpc_accept.CallGate(limit=1, accept_below=2)
+    deserialize = gate.operator_deserializer(read)
+    gate.unary_calls = 1  # the inference calls at their limit
+    assert deserialize(b"first") == b"first"
+    gate.operator_calls = gate.operator_limit
     assert deserialize(b"second") is grpc_accept.OVER_LIMIT
     assert parsed == [b"first"]
 

@@ -56,7 +56,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from laneserve.client import AsyncClient, Client
 from laneserve.server import LaneConfig, ManualClock, ServerConfig
-from laneserve.server.config import ConfigError
+from laneserve.server.config import DEFAULT_LANES, ConfigError
 from laneserve.server.errors import DeviceMemoryError
 from laneserve.server.events import FanOut
 from laneserve.server.memory import NvmlGauge, prefer_pci_order
@@ -208,7 +208,13 @@ async def entered(engine: RecordingEngine) -> None:
 def test_one_request_yields_the_four_span_kinds_under_its_server_span(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
-        async with serving_traced(engine, config(small_model)) as (s, exporter):
+        # interactive's max_wait long: the default 1 ms passed before a loaded machine's
+        # scheduler thread woke, and the batch went out for max_wait, not as idle.
+        lanes = tuple(
+            dataclasses.replace(lane, max_wait_ms=10_000) if lane.name == "interactive" else lane
+            for lane in DEFAULT_LANES
+        )
+        async with serving_traced(engine, config(small_model, lanes=lanes)) as (s, exporter):
             await s.stub.Infer(request(rows(3), request_id="one", lane="interactive"), timeout=10)
         server = only(spans_named(exporter, INFER_SPAN))
         enqueue = only(spans_named(exporter, "enqueue"))

@@ -19,7 +19,7 @@ Metric names (OpenTelemetry; Prometheus adds the unit and `_total`, e.g.
     laneserve.lane.capacity       gauge rows        lane
     laneserve.batch.cap           gauge rows                       largest batch formed now
     laneserve.device.memory.used  gauge By                         at the last reading
-    laneserve.device.memory.budget gauge By                        memory_limit on a GPU,
+    laneserve.device.memory.budget gauge By                        the GPU's total memory,
                                                                    host_memory_limit on the CPU
     laneserve.device.utilization.ratio gauge 1                     NVML; absent without a GPU
     laneserve.grpc.calls          counter           state          gRPC's own count (Channelz):
@@ -277,7 +277,7 @@ class Metrics(NullEvents):
             "laneserve.device.memory.budget",
             callbacks=[self._observe_memory_budget],
             unit="By",
-            description="The limit memory in use is measured against: memory_limit on a GPU, "
+            description="The limit memory in use is measured against: the GPU's total memory, "
             "host_memory_limit on the CPU",
         )
         if device is not None:

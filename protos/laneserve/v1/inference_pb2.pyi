@@ -713,8 +713,9 @@ class GetStatsResponse(_message.Message):
     memory_high_watermark_bytes: _builtins.int
     memory_low_watermark_bytes: _builtins.int
     memory_watermark_limit_bytes: _builtins.int
-    """The limit memory_used_bytes and the watermarks refer to: memory_limit_bytes on a GPU,
-    the host memory limit (resident memory) on the CPU. 0 without a watermark.
+    """The limit memory_used_bytes and the watermarks refer to: the GPU's total memory (NVML
+    reads every process's use; memory_limit_bytes caps the session's arena alone), the
+    host memory limit (resident memory) on the CPU. 0 without a watermark.
     """
     idempotent_replays: _builtins.int
     """Idempotency by request_id. Requests answered with the stored answer of a completed
