@@ -771,8 +771,10 @@ def _check_request_fits(
             "rows: expected at most that many (`laneserve-client bulk` splits rows into items)"
         )
     limit_bytes = _message_limit(model)
-    id_chars = len(request_id or uuid.uuid4().hex)
-    size = _request_bytes(inputs, rows, id_chars, lane_name, 0, outputs)
+    # Its UTF-8 bytes, as sent: counted in characters, an id of 64 four-byte characters
+    # was 192 bytes short, and a request that far under the limit was sent and refused.
+    id_bytes = len((request_id or uuid.uuid4().hex).encode("utf-8", "surrogatepass"))
+    size = _request_bytes(inputs, rows, id_bytes, lane_name, 0, outputs)
     if size > limit_bytes:
         raise UsageError(
             f"the request is {size} bytes encoded, over the {limit_bytes}-byte message "
@@ -783,16 +785,16 @@ def _check_request_fits(
 def _request_bytes(
     inputs: Arrays,
     rows: int,
-    request_id_chars: int,
+    request_id_bytes: int,
     lane: str | None,
     timeout_ms: int,
     outputs: Sequence[str],
 ) -> int:
     """The encoded size of a request of the first `rows` rows of `inputs`, as the client
-    builds it."""
+    builds it, its request_id `request_id_bytes` long in UTF-8."""
     tensors = encode_inputs({name: array[:rows] for name, array in inputs.items()}, "")
     message = infer_request(
-        "0" * request_id_chars, tensors, lane=lane, timeout_ms=timeout_ms, outputs=outputs
+        "0" * request_id_bytes, tensors, lane=lane, timeout_ms=timeout_ms, outputs=outputs
     )
     return message.ByteSize()
 
@@ -825,11 +827,11 @@ def _check_items(
         )
     # Encoded as the stream client sends it: the id of the job's last item (a new job's id
     # is 32 characters, a resumed one's too) and the tensors' framing count.
-    id_chars = 32 + 1 + len(str(max(math.ceil(rows / args.rows_per_item) - 1, 0)))
+    id_bytes = 32 + 1 + len(str(max(math.ceil(rows / args.rows_per_item) - 1, 0)))
 
     def item_bytes(item_rows: int) -> int:
         return _request_bytes(
-            inputs, item_rows, id_chars, args.lane, args.timeout_ms or 0, output_names
+            inputs, item_rows, id_bytes, args.lane, args.timeout_ms or 0, output_names
         )
 
     limit_bytes = _message_limit(model)

@@ -16,7 +16,6 @@ import logging
 import socket
 import ssl
 import threading
-from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 from typing import Any, NoReturn
@@ -30,7 +29,13 @@ from laneserve.server.addresses import bare_host, host_port
 from laneserve.server.clock import Clock, SystemClock
 from laneserve.server.config import DEFAULT_MEMORY_LOW_WATERMARK, ConfigError, ServerConfig
 from laneserve.server.cost_model import RunTimeModel
-from laneserve.server.engine import CUDA, Engine, nvml_start_error, open_nvml_gauge
+from laneserve.server.engine import (
+    CUDA,
+    Engine,
+    Probe,
+    nvml_start_error,
+    open_nvml_gauge,
+)
 from laneserve.server.errors import DrainingError, LaneserveError
 from laneserve.server.events import FanOut, NullTracer, SchedulerEvents
 from laneserve.server.grpc_accept import (
@@ -48,7 +53,6 @@ from laneserve.server.memory import (
     NvmlUnavailableError,
     ProcessRssGauge,
     Watermark,
-    estimate_memory,
     format_bytes,
     parse_memory_limit,
     release_free_heap,
@@ -92,6 +96,15 @@ INFER_ACCEPTORS = 8
 ACCEPT_BELOW_BATCHES = 2
 # How long a stop waits for the acceptors to see their asks fail.
 ACCEPTORS_CLOSE_S = 1.0
+# The shortest interval between a client's keepalive pings on a connection without
+# traffic that the server takes (`_bare_grpc_server`). gRPC's default takes one per 5 min
+# and, at the third ping sooner, hangs up (GOAWAY too_many_pings, which grpc-js and
+# grpc-go answer by doubling their interval): clients ping to find a dead connection
+# sooner than that.
+MIN_CLIENT_PING_INTERVAL_MS = 60_000
+# gRPC's bitset of the compression algorithms it takes (bit 0: identity): identity only
+# refuses a compressed request UNIMPLEMENTED on its header, before inflating it.
+IDENTITY_ONLY_ALGORITHMS = 1
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
@@ -514,16 +527,21 @@ _ROOM = "with room above it for what serving keeps in use (buffers and caches a 
 
 
 def _check_idle_memory(
-    config: ServerConfig, engine: Engine, watermark: Watermark, used_bytes: int | None
+    config: ServerConfig,
+    engine: Engine,
+    watermark: Watermark,
+    used_bytes: int | None,
+    probe: Probe,
 ) -> None:
     """Refuses a start whose idle reading is at or above the low mark: a lane the
     watermark closes reopens only below it, so it would stay closed with nothing queued
-    or running."""
+    or running. `probe`: the start-up probe, whose fitted readings tell what a full
+    batch keeps in use."""
     if used_bytes is None or used_bytes < watermark.low_bytes:
         return
     if _on_gpu(engine):
         _refuse_full_gpu(config, watermark, used_bytes)
-    _refuse_host_limit(config, watermark, used_bytes)
+    _refuse_host_limit(config, watermark, used_bytes, probe)
 
 
 def _idle_marks_expected(watermark: Watermark, used_bytes: int) -> tuple[str, str]:
@@ -556,12 +574,19 @@ def _refuse_full_gpu(config: ServerConfig, watermark: Watermark, used_bytes: int
     )
 
 
-def _refuse_host_limit(config: ServerConfig, watermark: Watermark, used_bytes: int) -> NoReturn:
-    """On the CPU the limit it names is a floor: after a burst the demo model's server
-    held 8-16 MiB more than idle, its free heap given back (at 150 MiB, above the 130 MiB
-    named, its lanes reopened in one run of two). Where the limit holds the idle server
-    below the default low mark, the low mark set lower is what fails, and is named
-    instead: a low mark of 1e-9 asked for a limit above 100 PiB."""
+def _refuse_host_limit(
+    config: ServerConfig, watermark: Watermark, used_bytes: int, probe: Probe
+) -> NoReturn:
+    """On the CPU the limit it names is a floor: the idle reading plus what a full batch
+    keeps in use (`_full_batch_bytes`: the probe's fitted bytes per row times the cap),
+    over the low mark. Named from the idle reading alone, it let a server start whose
+    lanes all stayed closed after one burst: for 272 MiB of weights and 512-row batches
+    ~426 MiB was named, and under 440 MiB the server held 431 MiB with nothing running,
+    62 MiB above idle, against a low mark of 374 MiB. The probe measured 33 MiB for that
+    batch: what a burst keeps beyond it (queued requests, gRPC's buffers, the heap) is
+    the room the message asks for. Where the limit holds the idle server below the
+    default low mark, the low mark set lower is what fails, and is named instead: a low
+    mark of 1e-9 asked for a limit above 100 PiB."""
     held = (
         f"the server holds {format_bytes(used_bytes)} idle after loading the model, at or "
         f"above the low watermark {format_bytes(watermark.low_bytes)} (memory_low_watermark "
@@ -569,10 +594,19 @@ def _refuse_host_limit(config: ServerConfig, watermark: Watermark, used_bytes: i
         "closed by memory pressure could never reopen"
     )
     if used_bytes >= int(watermark.limit_bytes * DEFAULT_MEMORY_LOW_WATERMARK):
+        batch_bytes = _full_batch_bytes(probe)
+        floor_bytes = int((used_bytes + batch_bytes) / config.memory_low_watermark)
+        counted = (
+            f"; the idle reading plus a full batch of {probe.batch_cap} rows at "
+            f"{format_bytes(batch_bytes // probe.batch_cap)} a row as the probe measured, "
+            f"{format_bytes(batch_bytes)}, over memory_low_watermark "
+            f"{config.memory_low_watermark:g}"
+            if batch_bytes
+            else ""
+        )
         raise ConfigError(
             f"server.host_memory_limit: {held}; expected a limit above "
-            f"{format_bytes(int(used_bytes / config.memory_low_watermark))} "
-            f"(--host-memory-limit), {_ROOM}"
+            f"{format_bytes(floor_bytes)} (--host-memory-limit{counted}), {_ROOM}"
         )
     keys, expected = _idle_marks_expected(watermark, used_bytes)
     raise ConfigError(
@@ -582,29 +616,43 @@ def _refuse_host_limit(config: ServerConfig, watermark: Watermark, used_bytes: i
     )
 
 
+def _full_batch_bytes(probe: Probe) -> int:
+    """What a full batch keeps in use above the idle reading, as the probe measured it:
+    its fitted bytes per row times the batch cap; 0 where memory in use could not be
+    fitted (fewer than two sizes read)."""
+    fit = probe.memory_fit
+    return 0 if fit is None else fit.per_row_bytes * probe.batch_cap
+
+
 def _warn_if_a_full_arena_closes_lanes(
-    config: ServerConfig, engine: Engine, watermark: Watermark, used_bytes: int | None
+    config: ServerConfig,
+    engine: Engine,
+    watermark: Watermark,
+    used_bytes: int | None,
+    weights_bytes: int,
 ) -> None:
     """On a GPU, warns where a batch that fills the arena would take the device to the
     high mark by itself: lanes would close at the server's own work, and reopen only
     once the arena gave its regions back. Not refused: a model whose batches never fill
     the arena (most small ones) never gets there.
 
-    The device at a full arena is read as the idle reading plus the arena's whole cap,
-    not the probe's fitted readings: those predict a full batch of the probe's own rows,
-    while rows of another width, or regions the arena keeps from batches of several
-    sizes, fill it to its cap all the same; and no reading tells the arena's idle part
-    (the weights) from the rest of the device. The weights count in both figures, so
-    this errs toward warning by their size."""
+    The device at a full arena is read as the idle reading plus the arena's whole cap
+    less the weights (`weights_bytes`, the static estimate's: the arena holds them idle,
+    so the idle reading has them already), not the probe's fitted readings: those
+    predict a full batch of the probe's own rows, while rows of another width, or
+    regions the arena keeps from batches of several sizes, fill it to its cap all the
+    same. Where the estimate failed (0) the weights count twice: it errs toward warning
+    by their size."""
     arena_bytes = engine.memory_limit_bytes
     if not _on_gpu(engine) or arena_bytes is None or used_bytes is None:
         return
-    full_bytes = used_bytes + arena_bytes
+    in_both_bytes = min(weights_bytes, arena_bytes)
+    full_bytes = used_bytes + arena_bytes - in_both_bytes
     if full_bytes < watermark.high_bytes:
         return
-    # Below the high mark less the idle reading (positive: the idle check passed, so the
-    # reading is below the low mark, at most the high one).
-    limit_below_bytes = watermark.high_bytes - used_bytes
+    # Below the high mark less the idle reading, the weights given back (positive: the
+    # idle check passed, so the reading is below the low mark, at most the high one).
+    limit_below_bytes = watermark.high_bytes - used_bytes + in_both_bytes
     share = full_bytes / watermark.limit_bytes
     remedy = f"--memory-limit below {format_bytes(limit_below_bytes)}"
     if share < 1:  # at or above the whole device, no mark can be above it
@@ -616,7 +664,8 @@ def _warn_if_a_full_arena_closes_lanes(
         "watermark_below_full_arena",
         f"GPU {gpu!r}: {format_bytes(used_bytes)} of {format_bytes(watermark.limit_bytes)} "
         "is in use with the server idle (every process's use), and the session's arena may "
-        f"grow to its memory_limit of {format_bytes(arena_bytes)}: together "
+        f"grow to its memory_limit of {format_bytes(arena_bytes)}: together (its weights "
+        f"counted once) "
         f"{format_bytes(full_bytes)}, at or above the high watermark "
         f"{format_bytes(watermark.high_bytes)} (memory_high_watermark "
         f"{config.memory_high_watermark:g} of the GPU's memory), so a batch that fills the "
@@ -646,11 +695,16 @@ def _watermark_and_gauge(
 
 
 def _watch_memory(
-    config: ServerConfig, engine: Engine, memory_gauge: MemoryGauge | None
+    config: ServerConfig,
+    engine: Engine,
+    memory_gauge: MemoryGauge | None,
+    weights_bytes: int,
+    probe: Probe,
 ) -> tuple[Watermark | None, MemoryGauge | None]:
     """The watermark, where there is a limit to watch, and its reading (`memory_gauge`,
     else the device's), once the idle server is seen to fit below its low mark
-    (ConfigError otherwise)."""
+    (ConfigError otherwise). `weights_bytes`: the model's weights, as far as known (0).
+    `probe`: the start-up probe's findings."""
     try:
         watermark, gauge = _watermark_and_gauge(config, engine, memory_gauge)
         if watermark is None:
@@ -664,8 +718,8 @@ def _watch_memory(
         used_bytes = gauge.used_bytes()
     except NvmlUnavailableError as error:
         raise nvml_start_error(error) from error
-    _check_idle_memory(config, engine, watermark, used_bytes)
-    _warn_if_a_full_arena_closes_lanes(config, engine, watermark, used_bytes)
+    _check_idle_memory(config, engine, watermark, used_bytes, probe)
+    _warn_if_a_full_arena_closes_lanes(config, engine, watermark, used_bytes, weights_bytes)
     return watermark, gauge
 
 
@@ -687,7 +741,6 @@ class LaneServer:
         clock: Clock | None = None,
         memory_gauge: MemoryGauge | None = None,
         telemetry: Telemetry | None = None,
-        estimate: Callable[[str], MemoryEstimate | None] | None = None,
     ) -> None:
         """`engine`: this server's alone (its stop ends the engine's runs for good): a
         new Engine for each LaneServer; one serving another, or spent by a stop, is
@@ -696,26 +749,16 @@ class LaneServer:
         `telemetry`: traces, metrics and event logs; by default from the config and the
         OTEL_* variables (Telemetry.from_config). A server refused at start closes the
         telemetry it built; one passed in stays the caller's to close. `events`: one more
-        sink, for tests. `estimate`: the model file's static memory estimate (by default
-        `estimate_memory` with the probe's shapes, from a child process, ~1 s; tests that
-        start many servers pass one computed once)."""
+        sink, for tests."""
         engine.check_free()  # first: a spent or shared engine is refused before its probe
         self.config = config
         self.engine = engine
         self.clock = clock or SystemClock()
         self.state = Lifecycle.STARTING
         device = device_gauge(engine)
-        # Before the probe, not beside it: the probe times runs for the cost model.
-        # The engine's, when it worked it out (a failed one too: the child ran ~1 s and
-        # logged why; a second run would do both again).
-        if engine.static_estimate_tried:
-            self.memory_estimate = engine.static_estimate
-        elif estimate is None:
-            self.memory_estimate = estimate_memory(
-                config.model_path, probe_shapes=engine.probe_shapes
-            )
-        else:
-            self.memory_estimate = estimate(config.model_path)
+        # The engine's, worked out before its session (a failed one too, None: the child
+        # ran ~1 s and logged why; a second run would do both again).
+        self.memory_estimate = engine.static_estimate
         self.probe = engine.probe(
             config.batch_cap or config.max_batch_size,
             fixed_cap=config.batch_cap is not None,
@@ -746,7 +789,11 @@ class LaneServer:
         self.telemetry = telemetry or Telemetry.from_config(config, engine.providers)
         try:
             # The watermark's reading: the device's, unless a test supplies its own.
-            watermark, self.memory_gauge = _watch_memory(config, engine, memory_gauge)
+            # The weights (the static estimate's, 0 unknown) count in the idle reading.
+            weights_bytes = self.memory_estimate.fixed_bytes if self.memory_estimate else 0
+            watermark, self.memory_gauge = _watch_memory(
+                config, engine, memory_gauge, weights_bytes, self.probe
+            )
         except BaseException:
             # Refused, no stop() will close it: its exporters' threads stayed behind.
             if telemetry is None:
@@ -945,6 +992,13 @@ class LaneServer:
     def _bare_grpc_server(self, max_pending_calls: int) -> grpc.aio.Server:
         """A gRPC server with laneserve's options, no service yet (see `_grpc_server`)."""
         limit = self.config.max_message_bytes
+        # gRPC inflates a compressed request up to `limit` before laneserve reads a byte
+        # of it (78 KiB of gzip took 0.4 s to refuse): off, none is inflated.
+        compression = (
+            []
+            if self.config.compressed_requests
+            else [("grpc.compression_enabled_algorithms_bitset", IDENTITY_ONLY_ALGORITHMS)]
+        )
         return grpc.aio.server(
             interceptors=self.telemetry.interceptors,
             # max_concurrent_rpcs is the CallGate's: gRPC's count misses the calls the
@@ -956,11 +1010,15 @@ class LaneServer:
                 # A port another server listens on is refused, not shared: with gRPC's
                 # default (SO_REUSEPORT) the kernel would split the connections.
                 ("grpc.so_reuseport", 0),
-                # Clients' keepalive pings on a connection without traffic: one a minute
-                # is taken (gRPC's default takes one per 5 min, and hangs up on a client
-                # that pings more often): the Python client pings after 5 min, and a
-                # caller may shorten that to find a dead connection sooner.
-                ("grpc.http2.min_recv_ping_interval_without_data_ms", 60_000),
+                # gRPC ignores an option name it does not know: this is the string the
+                # core reads (GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS's).
+                ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+                # ... and on a connection with no call too (else one per 2 h is taken):
+                # grpc-js' keepalive_permit_without_calls and grpc-go's
+                # PermitWithoutStream ping idle connections. At one a minute at most, an
+                # idle connection costs a few bytes a minute.
+                ("grpc.keepalive_permit_without_calls", 1),
+                *compression,
                 *pending_call_limits(max_pending_calls),
             ],
         )

@@ -79,6 +79,9 @@ HOST_PROBE_SHARE = 0.5
 # ran out of memory (`Probe.first_failing_rows`); the next size was predicted to need
 # more than HOST_PROBE_SHARE of the host's available memory.
 ProbeStopReason = Literal["max_batch_size", "queue_rows", "out_of_memory", "host_memory"]
+# The model file's static memory estimate from its path (`estimate_memory`'s, the probe's
+# shapes given): None when it could not be worked out.
+StaticEstimate = Callable[[str], MemoryEstimate | None]
 
 # Messages of allocation failures: the BFC arena (CPU and CUDA), CUDA itself, and the
 # CUDA libraries' own workspaces ("CUBLAS failure 3: CUBLAS_STATUS_ALLOC_FAILED", cuDNN's
@@ -336,28 +339,37 @@ class Engine:
         intra_op_threads: int = 0,
         memory_limit: MemoryLimit | None = None,
         probe_shapes: Mapping[str, tuple[int, ...]] | None = None,
+        estimate: StaticEstimate | None = None,
     ) -> None:
         """`probe_shapes`: input name -> its shape after the row axis for the inputs the
-        start-up probe (and the broken-session check) runs; else dynamic sizes are 1."""
+        start-up probe (and the broken-session check) runs; else dynamic sizes are 1.
+        `estimate`: the model file's static memory estimate (by default `estimate_memory`
+        with `probe_shapes`, from a child process, ~1 s; tests that build many engines
+        pass one computed once)."""
         _check_arguments(model_path, device)
         probe_shapes = probe_shapes or {}
         self.model_path = model_path
         if device != "cpu":
             prefer_pci_order()  # before anything initialises CUDA
         requested = choose_providers(device)
-        # The model file's static memory estimate, when the start needed it (a CPU
-        # budget is checked against the weights): `static_estimate_tried` says it was
-        # worked out here, and None then means it failed (not to be run again).
-        self.static_estimate: MemoryEstimate | None = None
-        self.static_estimate_tried = False
+        # The model file's static memory estimate (None: it could not be worked out; it
+        # is not tried again), before any session is made: its child parses the whole
+        # model, file and message (584 MiB at its peak for 272 MiB of weights), and made
+        # beside a session that held the weights already, server and child peaked at
+        # 945 MiB, 629 with the estimate first. A CPU budget is checked against it.
+        self.static_estimate = (
+            estimate_memory(model_path, probe_shapes=probe_shapes)
+            if estimate is None
+            else estimate(model_path)
+        )
         # The hard limit on the session's device memory; None: the runtime's default.
         self.memory_limit_bytes: int | None
         self._session, self.memory_limit_bytes = self._open_session(
-            requested, memory_limit, intra_op_threads, probe_shapes
+            requested, memory_limit, intra_op_threads
         )
         self.providers: list[str] = list(self._session.get_providers())
         if requested[0] == CUDA and CUDA not in self.providers:
-            self._fall_back_to_cpu(device, requested, memory_limit, intra_op_threads, probe_shapes)
+            self._fall_back_to_cpu(device, requested, memory_limit, intra_op_threads)
         on_gpu = self.providers[0] == CUDA
         memory_limit_bytes = self.memory_limit_bytes
         self.inputs = self._input_specs(model_path)
@@ -422,12 +434,11 @@ class Engine:
         requested: Sequence[str],
         memory_limit: MemoryLimit | None,
         intra_op_threads: int,
-        probe_shapes: Mapping[str, tuple[int, ...]],
     ) -> tuple[ort.InferenceSession, int | None]:
         """A session asking for the `requested` providers, and its memory limit in bytes
         (None: the runtime's default; on a GPU DEFAULT_GPU_MEMORY_LIMIT when none is
-        given). Under a CPU budget the model's weights are checked against it first and
-        the process-wide CPU arena is capped at it."""
+        given). Under a CPU budget the model's weights (`static_estimate`'s) are checked
+        against it first and the process-wide CPU arena is capped at it."""
         on_gpu = requested[0] == CUDA
         if memory_limit is None and on_gpu:
             memory_limit = DEFAULT_GPU_MEMORY_LIMIT
@@ -454,8 +465,7 @@ class Engine:
             if on_gpu:
                 providers[0] = (CUDA, cuda_provider_options(limit_bytes))
             else:
-                self.static_estimate = _check_cpu_budget(self.model_path, limit_bytes, probe_shapes)
-                self.static_estimate_tried = True
+                _check_cpu_budget(self.static_estimate, limit_bytes)
                 _cap_cpu_arena(limit_bytes)
                 options.add_session_config_entry("session.use_env_allocators", "1")
         # What the runtime's Python constructor prints when CUDA's provider raised and it
@@ -484,7 +494,6 @@ class Engine:
         requested: Sequence[str],
         memory_limit: MemoryLimit | None,
         intra_op_threads: int,
-        probe_shapes: Mapping[str, tuple[int, ...]],
     ) -> None:
         """The runtime built the session without CUDA although NVML sees a GPU (its CUDA
         provider did not load: a CUDA or cuDNN library missing, a driver too old). It
@@ -520,7 +529,7 @@ class Engine:
         # 400 MiB model's start peaked 400 MiB higher, on hosts sized for one copy).
         del self._session
         self._session, self.memory_limit_bytes = self._open_session(
-            [CPU], memory_limit, intra_op_threads, probe_shapes
+            [CPU], memory_limit, intra_op_threads
         )
         self.providers = list(self._session.get_providers())
 
@@ -1006,10 +1015,13 @@ class Engine:
                 low = middle
         fits = low
         # The boundary itself is verified after the failures above (the arena
-        # shrinks back first): the cap must be a size that fits after an OOM.
-        while fits > 1 and self._time_rows(fits, repeats) is None:
-            fits = max(1, fits * 7 // 8)
+        # shrinks back first): the cap must be a size that fits after an OOM. The
+        # verifying runs are its timing: timed again, the cap ran a warm-up and
+        # `repeats` runs more (4 more runs of 1.8 s each for 272 MiB of weights).
         seconds = self._time_rows(fits, repeats)
+        while seconds is None and fits > 1:
+            fits = max(1, fits * 7 // 8)
+            seconds = self._time_rows(fits, repeats)
         if seconds is not None:
             measured[fits] = seconds
         return fits
@@ -1340,15 +1352,12 @@ def _powers_of_two_up_to(limit: int) -> list[int]:
 _CPU_ARENA_LIMIT_BYTES: int | None = None
 
 
-def _check_cpu_budget(
-    model_path: str, limit_bytes: int, probe_shapes: Mapping[str, tuple[int, ...]]
-) -> MemoryEstimate | None:
+def _check_cpu_budget(estimate: MemoryEstimate | None, limit_bytes: int) -> None:
     """Refuses a CPU budget that cannot hold the model's weights: ONNX Runtime then keeps
     them, and runs every batch, outside the capped arena, so the budget is silently not
     enforced (measured with the demo model's 20.1 MiB of weights: budgets up to 20 MiB
     ran 4 096-row batches, 21 MiB failed at 64 rows). The weights come from the static
-    estimate (a child process: the server never imports onnx), returned for reuse."""
-    estimate = estimate_memory(model_path, probe_shapes=probe_shapes)
+    `estimate` (None: unknown, nothing is refused)."""
     if estimate is not None and limit_bytes <= estimate.fixed_bytes:
         weights = format_bytes(estimate.fixed_bytes)
         raise EngineStartError(
@@ -1356,7 +1365,6 @@ def _check_cpu_budget(
             f"({weights}), and ONNX Runtime would run without the cap; expected more than "
             f"{weights}, plus the activations of a batch"
         )
-    return estimate
 
 
 def _cap_cpu_arena(limit_bytes: int) -> None:

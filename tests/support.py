@@ -60,10 +60,13 @@ def output(response: pb.InferResponse) -> F32:
 class RecordingEngine(Engine):
     """The real engine, which records the tagged rows it ran and can be held or broken.
 
-    Fault injection only: outputs always come from the real session.
+    Fault injection only: outputs always come from the real session. Its static memory
+    estimate is `estimate_once`'s unless one is given (the child's ~1 s, for each of the
+    many engines the tests build).
     """
 
     def __init__(self, model_path: str, **kwargs: Any) -> None:
+        kwargs.setdefault("estimate", estimate_once)
         super().__init__(model_path, **kwargs)
         self.ran_tags: list[int] = []
         self.batches: list[int] = []
@@ -119,9 +122,10 @@ async def health_status(channel: grpc.aio.Channel, service: str = "") -> int:
 
 @functools.cache
 def estimate_once(model_path: str) -> MemoryEstimate:
-    """The static memory estimate, worked out once per model in this process: a server
-    started by `serving` takes it instead of starting its child process (~1 s each; the
-    child itself is tested in test_memory and by every server started otherwise)."""
+    """The static memory estimate, worked out once per model in this process: an engine
+    given it (`RecordingEngine`'s by default) takes it instead of starting its child
+    process (~1 s each; the child itself is tested in test_memory and by every engine
+    built otherwise). Dynamic sizes count 1: no probe shapes."""
     return MemoryEstimate(*static_estimate(model_path))
 
 
@@ -132,7 +136,6 @@ async def serving(engine: Engine, config: ServerConfig, **options: Any) -> Async
     # Ephemeral ports for gRPC and for the metrics endpoint (unless it is off, -1):
     # tests never collide.
     metrics_port = min(config.metrics_port, 0)
-    options.setdefault("estimate", estimate_once)
     server = LaneServer(
         engine,
         dataclasses.replace(config, host="127.0.0.1", port=0, metrics_port=metrics_port),

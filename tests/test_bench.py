@@ -84,7 +84,7 @@ from laneserve.server.cli import _parser
 from laneserve.server.engine import Engine
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
-from tests.support import REPO, run_text, unused_port
+from tests.support import REPO, estimate_once, run_text, unused_port
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 
@@ -342,7 +342,7 @@ def test_the_report_shows_how_the_workers_shared_the_load() -> None:
 
 
 def test_raw_ceiling_measures_every_power_of_two_and_the_cap(small_model: Path) -> None:
-    engine = Engine(str(small_model), device="cpu", intra_op_threads=1)
+    engine = Engine(str(small_model), device="cpu", intra_op_threads=1, estimate=estimate_once)
     result = raw_ceiling(engine, max_batch_size=12, seconds_per_size=0.001)
     by_size = result["rows_per_s_by_batch_rows"]
     assert isinstance(by_size, dict)

@@ -39,6 +39,7 @@ from tests.support import (
     Serving,
     TcpProxy,
     cut_while_a_batch_runs,
+    estimate_once,
     output,
     queued_rows,
     request,
@@ -313,7 +314,7 @@ def test_an_answer_of_dynamic_size_over_what_the_client_reads_fails_alone(
     widths = (3, 3, 300, 3)
 
     async def scenario() -> tuple[list[lc.StreamResult], dict[str, npt.NDArray[Any]], int]:
-        async with serving(Engine(str(model)), config(model)) as s:
+        async with serving(Engine(str(model), estimate=estimate_once), config(model)) as s:
             items = [
                 {"x": np.full((1, width), index, np.float32)} for index, width in enumerate(widths)
             ]
@@ -678,7 +679,7 @@ def test_an_answer_over_the_message_limit_fails_its_item_not_the_stream(tmp_path
         return pb.InferRequest(request_id=request_id, inputs=[encode_tensor("input", x)])
 
     async def scenario() -> tuple[dict[str, pb.InferStreamResponse], pb.GetStatsResponse]:
-        engine = Engine(str(wide))
+        engine = Engine(str(wide), estimate=estimate_once)
         async with serving(engine, ServerConfig(model_path=str(wide), max_message_bytes=8192)) as s:
             call = s.stub.InferStream(iter([item("ok1", 1), item("huge", 4), item("ok2", 1)]))
             answers = {answer.request_id: answer async for answer in call}
@@ -723,7 +724,7 @@ def test_an_over_long_request_id_is_refused_alone_and_the_stream_goes_on(
         return pb.InferRequest(request_id=request_id, inputs=[encode_tensor("input", x)], **fields)
 
     async def scenario() -> tuple[list[pb.InferStreamResponse], pb.GetStatsResponse]:
-        engine = Engine(str(tiny))
+        engine = Engine(str(tiny), estimate=estimate_once)
         async with serving(engine, ServerConfig(model_path=str(tiny), max_message_bytes=1024)) as s:
             items = [item("a"), item(long_id), item("lane", lane="l" * 900), item(at_limit)]
             answers = [answer async for answer in s.stub.InferStream(iter(items), timeout=30)]
@@ -761,7 +762,7 @@ def test_a_stream_item_without_a_request_id_is_refused_and_the_stream_goes_on(
     run and answered with an empty id, which its caller could not match to it."""
 
     async def scenario() -> tuple[list[pb.InferStreamResponse], pb.GetStatsResponse]:
-        engine = Engine(str(small_model))
+        engine = Engine(str(small_model), estimate=estimate_once)
         async with serving(engine, ServerConfig(model_path=str(small_model))) as s:
             items = [request(rows(1, start=1), request_id="a"), request(rows(1, start=2))]
             answers = [answer async for answer in s.stub.InferStream(iter(items), timeout=30)]
@@ -1802,7 +1803,7 @@ def test_a_stream_whose_caller_reads_nothing_holds_its_answer_bytes_not_its_wind
             stream_answer_buffer_bytes=budget_bytes,
         )
         async with (
-            serving(Engine(str(model)), server_config) as s,
+            serving(Engine(str(model), estimate=estimate_once), server_config) as s,
             # Without BDP probes the client's stream window stays at 64 KiB, under one
             # answer: gRPC takes none of them, and every answer read stays in the server.
             grpc.aio.insecure_channel(s.target, options=[("grpc.http2.bdp_probe", 0)]) as channel,

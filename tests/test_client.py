@@ -38,6 +38,7 @@ from tests.support import (
     Serving,
     TcpProxy,
     client_cli,
+    estimate_once,
     queued_rows,
     rows,
     serving,
@@ -105,7 +106,9 @@ def sample(dtype: str, count: int, seed: int) -> npt.NDArray[Any]:
 
 def test_every_dtype_round_trips_through_the_sync_client(every_dtype_model: Path) -> None:
     async def scenario() -> None:
-        async with serving(Engine(str(every_dtype_model)), config(every_dtype_model)) as s:
+        async with serving(
+            Engine(str(every_dtype_model), estimate=estimate_once), config(every_dtype_model)
+        ) as s:
             inputs = {f"in_{name}": sample(name, 5, seed) for seed, name in enumerate(DTYPES)}
 
             def call() -> dict[str, npt.NDArray[Any]]:
@@ -126,7 +129,7 @@ def test_every_dtype_round_trips_through_the_async_client(every_dtype_model: Pat
     """Concurrent callers with different row counts: batched together, split back."""
 
     async def scenario() -> None:
-        engine = Engine(str(every_dtype_model))
+        engine = Engine(str(every_dtype_model), estimate=estimate_once)
         server_config = config(every_dtype_model)
         async with client_for(engine, server_config) as (_s, client):
             model = await client.model()

@@ -33,6 +33,7 @@ from laneserve.client import Client, TlsConfig
 from laneserve.client import _checkpoint as checkpoint_module
 from laneserve.client import cli as client_cli_module
 from laneserve.client._checkpoint import Checkpoint, CheckpointError
+from laneserve.client._request import encode_inputs, infer_request
 from laneserve.server import Engine, LaneConfig, ServerConfig
 from laneserve.server.demo_model import make_demo_model
 from laneserve.server.items import Batch
@@ -43,6 +44,7 @@ from tests.support import (
     MeteredEngine,
     RecordingEngine,
     done_items,
+    estimate_once,
     rows,
     serving,
     until,
@@ -58,6 +60,30 @@ def config(model: Path, **fields: Any) -> ServerConfig:
 
 def small_reference(small_model: Path) -> ort.InferenceSession:
     return ort.InferenceSession(str(small_model), providers=["CPUExecutionProvider"])
+
+
+def test_a_request_over_the_limit_by_its_ids_utf8_bytes_is_refused_before_sending(
+    small_model: Path, tmp_path: Path
+) -> None:
+    """The size check counted the request_id in characters: an id of 64 four-byte
+    characters (256 bytes, the most the server takes) was counted 64, and a request under
+    the limit by that count, over it as sent, was sent and refused by gRPC (exit 3)."""
+    request_id = "\N{GRINNING FACE}" * 64
+    data = rows(47)
+    sent = infer_request(request_id, encode_inputs({"input": data}, ""), lane=None)
+    limit = sent.ByteSize() - 1  # over by one byte as sent; under by 191 counted in chars
+    np.save(tmp_path / "rows47.npy", data)
+    settings = config(small_model, max_message_bytes=limit)
+    refused_before_sending(
+        small_model,
+        [
+            (
+                ["infer", "--input", str(tmp_path / "rows47.npy"), "--request-id", request_id],
+                f"the request is {sent.ByteSize()} bytes encoded, over the {limit}-byte",
+            )
+        ],
+        settings,
+    )
 
 
 async def refused(message: str, *arguments: str) -> str:
@@ -437,7 +463,9 @@ def test_outputs_whose_names_make_one_file_name_keep_their_own_rows(
     out = tmp_path / "out.npz"
 
     async def scenario() -> None:
-        async with serving(Engine(str(colliding_model)), config(colliding_model)) as s:
+        async with serving(
+            Engine(str(colliding_model), estimate=estimate_once), config(colliding_model)
+        ) as s:
             code, _, err = await cli(
                 "bulk",
                 "--target",

@@ -18,7 +18,7 @@ from laneserve.server.config import GRPC_INT_MAX
 from laneserve.server.engine import TensorSpec
 from laneserve.server.errors import InvalidInputError
 from laneserve.v1 import inference_pb2 as pb
-from tests.support import rich_status, rows, serving
+from tests.support import estimate_once, rich_status, rows, serving
 
 # numpy dtype, wire data type, ONNX Runtime type: the table the codec must implement.
 TYPES: list[tuple[str, int, str]] = [
@@ -300,7 +300,7 @@ def test_a_shape_no_request_could_carry_is_refused_for_its_data_over_grpc(
     small_model: Path,
 ) -> None:
     async def scenario() -> None:
-        engine = Engine(str(small_model))
+        engine = Engine(str(small_model), estimate=estimate_once)
         async with serving(engine, ServerConfig(model_path=str(small_model))) as s:
             one_row = rows(1)
             misshapen = pb.Tensor(

@@ -91,6 +91,14 @@ min_share = 0.2
         config.lane("bulk")
 
 
+def test_compressed_requests_are_taken_by_default_and_turned_off_by_the_file(
+    tmp_path: Path,
+) -> None:
+    assert ServerConfig(model_path="model.onnx").compressed_requests is True
+    path = write(tmp_path, "[server]\ncompressed_requests = false\n")
+    assert load_config(path, model_path="model.onnx").compressed_requests is False
+
+
 def test_keys_missing_from_the_file_keep_their_defaults(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, "[server]\nport = 9000\n"), model_path="m.onnx")
     assert config == ServerConfig(model_path="m.onnx", port=9000)
@@ -120,6 +128,16 @@ def test_keys_missing_from_the_file_keep_their_defaults(tmp_path: Path) -> None:
             "[server]\nmax_batch_size = true\n", "server.max_batch_size", id="bool-batch-size"
         ),
         pytest.param("[server]\nport = false\n", "server.port", id="bool-port"),
+        pytest.param(
+            '[server]\ncompressed_requests = "false"\n',
+            "server.compressed_requests: expected true or false, got 'false'",
+            id="compressed-requests-string",
+        ),
+        pytest.param(
+            "[server]\ncompressed_requests = 0\n",
+            "server.compressed_requests: expected true or false, got 0",
+            id="compressed-requests-int",
+        ),
         pytest.param(
             "[server]\nmax_message_bytes = 2147483648\n",
             "server.max_message_bytes: expected an integer in [1024, 2147483647]",

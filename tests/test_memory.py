@@ -28,7 +28,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from laneserve.client.tensors import decode_tensor, encode_tensor
-from laneserve.server import ConfigError, LaneConfig, LaneServer, ServerConfig
+from laneserve.server import ConfigError, LaneConfig, LaneServer, ServerConfig, load_engine
 from laneserve.server.batch_caps import CAP_CEILING_BATCHES, CAP_RECOVERY_BATCHES, BatchCaps
 from laneserve.server.clock import ManualClock
 from laneserve.server.cost_model import MAX_SIGNATURES, RunTimeModel
@@ -39,6 +39,7 @@ from laneserve.server.engine import (
     HOST_PROBE_SHARE,
     Engine,
     EngineStartError,
+    Probe,
     _Split,
     choose_providers,
     cuda_provider_options,
@@ -71,6 +72,7 @@ from laneserve.server.memory import (
     Watermark,
     estimate_memory,
     fit_memory,
+    format_bytes,
     host_available_bytes,
     parse_memory_limit,
 )
@@ -301,9 +303,11 @@ def test_serving_process_never_imports_onnx(tmp_path: Path, memory_limit: str | 
     assert _run_script(script).strip() == "False"
 
 
-def test_a_failed_estimate_runs_once_under_a_cpu_budget(tmp_path: Path) -> None:
+@pytest.mark.parametrize("memory_limit", [None, "64MiB"], ids=["no-budget", "cpu-budget"])
+def test_a_failed_estimate_runs_once(tmp_path: Path, memory_limit: str | None) -> None:
     """The budget check's estimate failed (None), and the server took None for "not
-    worked out": it ran the ~1 s child again and logged the failure twice."""
+    worked out": it ran the ~1 s child again and logged the failure twice. The engine
+    works it out, with a budget or without, and the server takes the engine's."""
     script = (
         "import laneserve.server.engine as engine\n"
         "from laneserve.server import LaneServer, ServerConfig, load_engine\n"
@@ -313,12 +317,39 @@ def test_a_failed_estimate_runs_once_under_a_cpu_budget(tmp_path: Path) -> None:
         "    return None\n"
         "engine.estimate_memory = failing\n"
         f"config = ServerConfig(model_path={str(tmp_path / 'mlp.onnx')!r}, "
-        "memory_limit='64MiB')\n"
-        "server = LaneServer(load_engine(config), config, estimate=failing)\n"
+        f"memory_limit={memory_limit!r})\n"
+        "server = LaneServer(load_engine(config), config)\n"
         "print(len(calls), server.memory_estimate)\n"
     )
     make_demo_model(tmp_path / "mlp.onnx", input_dim=16, hidden_dim=32, hidden_layers=1)
     assert _run_script(script).split() == ["1", "None"]
+
+
+def test_the_estimate_runs_before_the_session_is_made(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The estimate's child parses the whole model (584 MiB at its peak for 272 MiB of
+    weights). Without a CPU budget it ran once the server's session held the weights:
+    server and child peaked at 945 MiB together, 629 with the child first."""
+    order: list[str] = []
+    run_child, make_session = subprocess.run, ort.InferenceSession
+
+    def recorded_child(argv: Sequence[str], *args: Any, **kwargs: Any) -> Any:
+        if any(str(arg).endswith("static_estimate.py") for arg in argv):
+            order.append("estimate")
+        return run_child(argv, *args, **kwargs)
+
+    def recorded_session(*args: Any, **kwargs: Any) -> ort.InferenceSession:
+        order.append("session")
+        return make_session(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", recorded_child)
+    monkeypatch.setattr(ort, "InferenceSession", recorded_session)
+    config = ServerConfig(model_path=str(small_model), device="cpu", metrics_port=-1)
+    server = LaneServer(load_engine(config), config)
+    server.telemetry.close()
+    assert order == ["estimate", "session"], "the child first, and once"
+    assert server.memory_estimate == estimate_once(str(small_model)), "the child's"
 
 
 # Every unit a size may take, in a size of it that parses: decimal and binary alike.
@@ -420,6 +451,24 @@ class _Resident:
         return 64 * 1024 * MIB
 
 
+class _ProbeReadsRows(Engine):
+    """The real engine, whose start-up probe reads memory in use as `idle_bytes` plus
+    `row_bytes` for each row of the run before the reading (fault injection of the
+    readings, as _Resident's: the line the probe fits through them is known exactly)."""
+
+    def __init__(self, model_path: Path, *, idle_bytes: int, row_bytes: int) -> None:
+        super().__init__(str(model_path), device="cpu", estimate=estimate_once)
+        self.reading = _Resident(idle_bytes)
+        self.idle_bytes, self.reading_row_bytes = idle_bytes, row_bytes
+
+    def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
+        self.reading.used = self.idle_bytes + self.reading_row_bytes * len(inputs["input"])
+        return super().run(inputs)
+
+    def probe(self, max_batch_size: int, **options: Any) -> Probe:
+        return super().probe(max_batch_size, **{**options, "gauge": self.reading})
+
+
 @pytest.mark.parametrize(
     ("low", "high", "limit", "message"),
     [
@@ -466,34 +515,55 @@ class _Resident:
             "server.host_memory_limit: the server holds 100.0MiB idle after loading the model, "
             "at or above the low watermark 93.5MiB (memory_low_watermark 0.85 of 110.0MiB), so "
             "lanes closed by memory pressure could never reopen; expected a limit above "
-            "117.6MiB (--host-memory-limit), with room above it",
+            "127.1MiB (--host-memory-limit; the idle reading plus a full batch of 128 rows at "
+            "64.0KiB a row as the probe measured, 8.0MiB, over memory_low_watermark 0.85), "
+            "with room above it",
             id="limit-under-the-idle-server",
         ),
     ],
 )
 def test_a_watermark_the_idle_server_cannot_get_below_names_the_setting_at_fault(
-    small_model: Path, low: float, high: float, limit: str, message: str
+    demo_model: Path, low: float, high: float, limit: str, message: str
 ) -> None:
     """The limit was named whatever the marks were: a low mark of 1e-9 of 1 GiB asked for a
     limit above 100 PiB, and one of 0 bytes failed the watermark's own check (ValueError,
     a traceback at start). The limit is named where it holds the idle server above the
-    default low mark; below it, the marks set lower are."""
+    default low mark; below it, the marks set lower are. The limit named counts a full
+    batch, as the probe measured it, beside the idle server: named from the idle reading
+    alone, a server for 272 MiB of weights started under it and kept every lane closed
+    after one burst of full batches (431 MiB resident, idle, against a low mark of 374)."""
     config = ServerConfig(
-        model_path=str(small_model),
+        model_path=str(demo_model),
         device="cpu",
         metrics_port=-1,
         host_memory_limit=limit,
         memory_low_watermark=low,
         memory_high_watermark=high,
     )
+    engine = _ProbeReadsRows(demo_model, idle_bytes=100 * MIB, row_bytes=64 * 1024)
     with pytest.raises(ConfigError) as refused:
-        LaneServer(
-            Engine(str(small_model), device="cpu"),
-            config,
-            memory_gauge=_Resident(100 * MIB),
-            estimate=estimate_once,
-        )
+        LaneServer(engine, config, memory_gauge=_Resident(100 * MIB))
     assert str(refused.value).startswith(message)
+
+
+def test_a_limit_under_the_idle_server_is_named_from_it_where_the_probe_fitted_nothing(
+    demo_model: Path,
+) -> None:
+    """One size probed (max_batch_size 1): no line through the readings, no batch's share
+    known; the limit named is the idle reading's over the low mark, as before."""
+    config = ServerConfig(
+        model_path=str(demo_model),
+        device="cpu",
+        metrics_port=-1,
+        host_memory_limit="110MiB",
+        max_batch_size=1,
+    )
+    engine = _ProbeReadsRows(demo_model, idle_bytes=100 * MIB, row_bytes=64 * 1024)
+    with pytest.raises(ConfigError) as refused:
+        LaneServer(engine, config, memory_gauge=_Resident(100 * MIB))
+    assert "; expected a limit above 117.6MiB (--host-memory-limit), with room above it" in str(
+        refused.value
+    )
 
 
 # ---- the scheduler's reaction: cap, failed rows, admission ------------------------------
@@ -1079,7 +1149,8 @@ async def main():
         model_path=sys.argv[1], host="127.0.0.1", port=0, metrics_port=-1,
         host_memory_limit="400MiB",
     )
-    server = LaneServer(Engine(sys.argv[1], device="cpu"), config, estimate=lambda path: None)
+    engine = Engine(sys.argv[1], device="cpu", estimate=lambda path: None)
+    server = LaneServer(engine, config)
     await server.start()
     try:
         mark = server.scheduler.watermark
@@ -1123,7 +1194,7 @@ class _OutOfMemoryAbove(Engine):
         on_failure: Callable[[], None],
         on_success: Callable[[], None] = lambda: None,
     ) -> None:
-        super().__init__(str(model_path), device="cpu")
+        super().__init__(str(model_path), device="cpu", estimate=estimate_once)
         self.fit_rows = fit_rows
         self.on_failure = on_failure
         self.on_success = on_success
@@ -1143,7 +1214,7 @@ class _BrokenSession(Engine):
     """The real session, failing every run as a broken device would (fault injection)."""
 
     def __init__(self, model_path: Path) -> None:
-        super().__init__(str(model_path), device="cpu")
+        super().__init__(str(model_path), device="cpu", estimate=estimate_once)
         self.runs = 0
 
     def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
@@ -1384,7 +1455,7 @@ class _FailsOnValue(Engine):
     value is `bad` (fault injection); `after_run` is called after every run."""
 
     def __init__(self, model_path: Path, bad: float, after_run: Callable[[], None]) -> None:
-        super().__init__(str(model_path), device="cpu")
+        super().__init__(str(model_path), device="cpu", estimate=estimate_once)
         self.bad, self.after_run = bad, after_run
         self.ran: list[list[float]] = []
 
@@ -1754,7 +1825,7 @@ class _RuntimeFailsAbove(Engine):
     `message` (fault injection where the runtime raises, below the engine's translation)."""
 
     def __init__(self, model_path: Path, fit_rows: int, message: str) -> None:
-        super().__init__(str(model_path), device="cpu")
+        super().__init__(str(model_path), device="cpu", estimate=estimate_once)
         self.fit_rows, self.message = fit_rows, message
 
     def _run_session(self, inputs: Mapping[str, Array], options: ort.RunOptions) -> list[Array]:
@@ -1793,7 +1864,12 @@ def test_a_cpu_budget_that_does_not_hold_the_weights_is_refused(demo_model: Path
     Runtime then ran every batch outside it: a "4MiB" budget ran 4 096-row batches. The
     check comes before the process-wide arena is registered, so nothing is left behind."""
     with pytest.raises(EngineStartError, match=r"does not hold the model's weights \(20\.1MiB\)"):
-        Engine(str(demo_model), device="cpu", memory_limit=parse_memory_limit("20MiB"))
+        Engine(
+            str(demo_model),
+            device="cpu",
+            memory_limit=parse_memory_limit("20MiB"),
+            estimate=estimate_once,
+        )
 
 
 def test_engine_splits_a_batch_that_does_not_fit_and_recovers(
@@ -1879,10 +1955,40 @@ def test_the_probe_finds_the_largest_batch_that_fits(demo_model: Path) -> None:
     assert _fits_in_turn(demo_model, DEMO_BUDGET, [cap * 9 // 8]) == [False], cap
 
 
+_PROBE_RUNS_SCRIPT = """
+import collections, json, sys
+from laneserve.server.engine import Engine
+from laneserve.server.memory import parse_memory_limit
+
+class CountsRuns(Engine):
+    # The session's runs by their rows, failed ones too (fault injection's wrapper).
+    runs = collections.Counter()
+
+    def _run_session(self, inputs, options):
+        self.runs[len(inputs["input"])] += 1
+        return super()._run_session(inputs, options)
+
+engine = CountsRuns(sys.argv[1], device="cpu", memory_limit=parse_memory_limit(sys.argv[2]))
+probe = engine.probe(1024, repeats=3)
+cap = probe.batch_cap
+print(json.dumps({"cap": cap, "runs": engine.runs[cap], "timed": cap in probe.run_s}))
+"""
+
+
+def test_the_probe_times_its_cap_in_the_runs_that_verify_it(demo_model: Path) -> None:
+    """After the bisection the cap is verified with a warm-up and `repeats` runs, whose
+    timing was thrown away and the cap timed again: 4 runs more of the largest batch (of
+    1.8 s each for 272 MiB of weights). Under 32 MiB the demo model's cap comes from the
+    bisection: a warm-up and one run there, then the verification's warm-up and 3."""
+    report = _script_report(_PROBE_RUNS_SCRIPT, str(demo_model), DEMO_BUDGET)
+    assert report["timed"], report
+    assert report["runs"] <= 2 + 1 + 3, report
+
+
 _HOST_LIMITED_PROBE = """
 import resource, sys
 from laneserve.server.engine import Engine
-engine = Engine(sys.argv[1], device="cpu")
+engine = Engine(sys.argv[1], device="cpu", estimate=lambda path: None)
 mapped = int(open("/proc/self/statm").read().split()[0]) * 4096
 limit = mapped + 300 * (1 << 20)
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -1909,7 +2015,7 @@ def test_a_probe_runs_no_size_larger_than_the_lanes_queue_together(small_model: 
     the probe doubled sizes until the host ran out of memory (still probing after
     114 s). No batch holds more rows than the lanes queue together: no larger size runs,
     and the cap is that."""
-    engine = Engine(str(small_model), device="cpu")
+    engine = Engine(str(small_model), device="cpu", estimate=estimate_once)
     probe = engine.probe(2**32 - 1, repeats=1, queue_rows=24)
     assert sorted(probe.run_s) == [1, 2, 4, 8, 16, 24]
     assert (probe.batch_cap, probe.stop_reason, probe.first_failing_rows) == (
@@ -1927,7 +2033,7 @@ def test_a_server_probes_no_batch_larger_than_its_lanes_hold(small_model: Path) 
     config = ServerConfig(
         model_path=str(small_model), device="cpu", metrics_port=-1, max_batch_size=4096, lanes=lanes
     )
-    server = LaneServer(Engine(str(small_model), device="cpu"), config, estimate=estimate_once)
+    server = LaneServer(Engine(str(small_model), device="cpu", estimate=estimate_once), config)
     server.telemetry.close()
     assert max(server.probe.run_s) == server.probe.batch_cap == 24
 
@@ -1948,7 +2054,7 @@ def test_a_probe_without_a_memory_limit_stops_before_the_host_runs_out(
     size predicted (rows x the bytes a row took so far) to need more than
     HOST_PROBE_SHARE of the host's available memory: here that has room for 12 rows of a
     model whose memory in use (the gauge) does not grow, so 8 rows run and 16 do not."""
-    engine = Engine(str(small_model), device="cpu")
+    engine = Engine(str(small_model), device="cpu", estimate=estimate_once)
     available_bytes = int(12 * _row_bytes(engine) / HOST_PROBE_SHARE)
     caplog.set_level(logging.INFO, "laneserve")
     probe = engine.probe(
@@ -1965,7 +2071,7 @@ def test_a_probe_without_a_memory_limit_stops_before_the_host_runs_out(
 
 
 def test_a_probe_with_room_on_the_host_runs_every_size_as_before(small_model: Path) -> None:
-    engine = Engine(str(small_model), device="cpu")
+    engine = Engine(str(small_model), device="cpu", estimate=estimate_once)
     probe = engine.probe(128, repeats=1, host_available=lambda: 1 << 40)
     assert sorted(probe.run_s) == [1, 2, 4, 8, 16, 32, 64, 128]
     assert (probe.batch_cap, probe.stop_reason) == (128, "max_batch_size")
@@ -2139,7 +2245,7 @@ def test_a_fixed_cap_stays_where_the_host_bounds_the_sizes_timed(
     """With --batch-cap the operator chose the cap: the host's room bounds only the sizes
     the probe times (a start-up must not take the host's memory before serving), and the
     cap stays. The warning said "stopped at 8 rows", batch_cap=8, for a cap of 64."""
-    engine = Engine(str(small_model), device="cpu")
+    engine = Engine(str(small_model), device="cpu", estimate=estimate_once)
     available_bytes = int(12 * _row_bytes(engine) / HOST_PROBE_SHARE)
     caplog.set_level(logging.INFO, "laneserve")
     probe = engine.probe(
@@ -2366,7 +2472,7 @@ from laneserve.server.memory import ProcessRssGauge, release_free_heap
 from laneserve.server.telemetry import Telemetry
 
 MIB = 2**20
-engine = Engine(sys.argv[1], device="cpu")
+engine = Engine(sys.argv[1], device="cpu", estimate=lambda path: None)
 config = ServerConfig(model_path=sys.argv[1], metrics_port=-1, max_batch_size=2048)
 Telemetry.from_config(config, engine.providers).close()  # its libraries are idle memory too
 release_free_heap()
@@ -2374,11 +2480,7 @@ idle = ProcessRssGauge().used_bytes()
 # The probe's 2 048-row batches leave ~65 MiB in the arena and the free heap; given back,
 # the server holds a few MiB more than before the probe. The low mark lies between.
 limit = int((idle + 32 * MIB) / config.memory_low_watermark)
-LaneServer(
-    engine,
-    dataclasses.replace(config, host_memory_limit=f"{limit}B"),
-    estimate=lambda path: None,
-)
+LaneServer(engine, dataclasses.replace(config, host_memory_limit=f"{limit}B"))
 print("accepted")
 """
 
@@ -2402,10 +2504,10 @@ def test_a_server_refused_at_start_leaves_no_telemetry_thread(
     config = ServerConfig(
         model_path=str(small_model), device="cpu", metrics_port=-1, host_memory_limit="110MiB"
     )
-    engine = Engine(str(small_model), device="cpu")
+    engine = Engine(str(small_model), device="cpu", estimate=estimate_once)
     before = set(threading.enumerate())
     with pytest.raises(ConfigError, match=r"server\.host_memory_limit: the server holds"):
-        LaneServer(engine, config, memory_gauge=_Resident(100 * MIB), estimate=estimate_once)
+        LaneServer(engine, config, memory_gauge=_Resident(100 * MIB))
     assert [thread.name for thread in set(threading.enumerate()) - before] == []
 
 
@@ -2520,10 +2622,10 @@ def test_a_gpu_nvml_cannot_open_refuses_the_start_naming_it(
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    engine = _as_if_on_a_gpu(Engine(str(small_model), device="cpu"))
+    engine = _as_if_on_a_gpu(Engine(str(small_model), device="cpu", estimate=estimate_once))
     config = ServerConfig(model_path=str(small_model), metrics_port=-1, max_batch_size=8)
     with pytest.raises(EngineStartError) as refused:
-        LaneServer(engine, config, estimate=estimate_once)
+        LaneServer(engine, config)
     message = str(refused.value)
     gpu = visible or "0"
     set_as = "unset" if visible is None else repr(visible)
@@ -2543,10 +2645,10 @@ def test_a_gpu_reading_nvml_fails_refuses_the_start_naming_it(
     readings), as before."""
     _fake_nvml(monkeypatch, memory_error=_NvmlError("Unknown Error"))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    engine = _as_if_on_a_gpu(Engine(str(small_model), device="cpu"))
+    engine = _as_if_on_a_gpu(Engine(str(small_model), device="cpu", estimate=estimate_once))
     config = ServerConfig(model_path=str(small_model), metrics_port=-1, max_batch_size=8)
     with pytest.raises(EngineStartError) as refused:
-        LaneServer(engine, config, estimate=estimate_once)
+        LaneServer(engine, config)
     message = str(refused.value)
     assert message.startswith("cannot read the memory of the session's GPU '0'"), message
     assert "NVML cannot read the memory of GPU '0' (_NvmlError: Unknown Error)" in message
@@ -2563,7 +2665,7 @@ def test_an_engine_on_a_gpu_nvml_cannot_read_refuses_the_start_naming_it(
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(ort, "get_available_providers", lambda: [CUDA, "CPUExecutionProvider"])
     with pytest.raises(EngineStartError) as refused:
-        Engine(str(small_model), device="auto")
+        Engine(str(small_model), device="auto", estimate=estimate_once)
     message = str(refused.value)
     assert message.startswith("cannot read the memory of the session's GPU '0'"), message
     assert "(_NvmlError: Unknown Error)" in message
@@ -2580,7 +2682,7 @@ def _on_a_fake_gpu(
     on the fake NVML's GPU '0' reading as `gpu` says."""
     _fake_nvml(monkeypatch, memory=gpu)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    engine = _as_if_on_a_gpu(Engine(str(model), device="cpu"))
+    engine = _as_if_on_a_gpu(Engine(str(model), device="cpu", estimate=estimate_once))
     engine.memory_limit_bytes = arena_bytes
     return engine
 
@@ -2676,7 +2778,7 @@ def test_a_gpu_full_while_the_server_is_idle_is_refused_naming_its_use(
     engine = _on_a_fake_gpu(monkeypatch, small_model, gpu, ARENA_ON_80_GIB)
     config = ServerConfig(model_path=str(small_model), metrics_port=-1, max_batch_size=8)
     with pytest.raises(ConfigError) as refused:
-        LaneServer(engine, config, estimate=estimate_once)
+        LaneServer(engine, config)
     message = str(refused.value)
     assert message.startswith(expected), message
     assert "memory-limit" not in message
@@ -2684,15 +2786,11 @@ def test_a_gpu_full_while_the_server_is_idle_is_refused_naming_its_use(
 
 
 @pytest.mark.parametrize(
-    ("idle_gib", "remedy"),
+    ("idle_gib", "warned", "mark_named"),
     [
-        pytest.param(
-            5,
-            "expected --memory-limit below 71.0GiB or server.memory_high_watermark above 0.963",
-            id="over-the-high-mark",
-        ),
-        pytest.param(10, "expected --memory-limit below 66.0GiB", id="over-the-whole-gpu"),
-        pytest.param(1, None, id="fits"),
+        pytest.param(5, True, True, id="over-the-high-mark"),
+        pytest.param(10, True, False, id="over-the-whole-gpu"),
+        pytest.param(1, False, False, id="fits"),
     ],
 )
 def test_a_full_arena_that_reaches_the_high_mark_is_warned_at_start(
@@ -2700,43 +2798,52 @@ def test_a_full_arena_that_reaches_the_high_mark_is_warned_at_start(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
     idle_gib: int,
-    remedy: str | None,
+    warned: bool,
+    mark_named: bool,
 ) -> None:
-    """An arena that fills to its cap takes the device to the idle reading plus the cap:
-    at or above the high mark the server's own work would close lanes. Warned, naming
-    the figures and what to set; not refused (a small model never fills its arena)."""
+    """An arena that fills to its cap takes the device to the idle reading plus the cap,
+    less the weights the idle reading holds already: at or above the high mark the
+    server's own work would close lanes. Warned, naming the figures and what to set; not
+    refused (a small model never fills its arena)."""
     gpu = _GpuMemory(used_bytes=idle_gib * GIB)
     engine = _on_a_fake_gpu(monkeypatch, small_model, gpu, ARENA_ON_80_GIB)
     config = ServerConfig(model_path=str(small_model), metrics_port=-1, max_batch_size=8)
     caplog.set_level(logging.INFO, "laneserve")
-    server = LaneServer(engine, config, estimate=estimate_once)
+    server = LaneServer(engine, config)
     server.telemetry.close()
     records = [
         r for r in caplog.records if getattr(r, "event", None) == "watermark_below_full_arena"
     ]
-    if remedy is None:
+    if not warned:
         assert records == []
         return
     (record,) = records
     assert record.levelno == logging.WARNING
+    assert server.memory_estimate is not None
+    weights = server.memory_estimate.fixed_bytes
+    assert weights > 0
+    full = idle_gib * GIB + ARENA_ON_80_GIB - weights
+    high = int(80 * GIB * 0.95)
     message = record.getMessage()
-    full_gib = idle_gib + 72
     assert message.startswith(
         f"GPU '0': {idle_gib:.1f}GiB of 80.0GiB is in use with the server idle (every "
         "process's use), and the session's arena may grow to its memory_limit of 72.0GiB: "
-        f"together {full_gib:.1f}GiB, at or above the high watermark 76.0GiB "
-        "(memory_high_watermark 0.95 of the GPU's memory), so a batch that fills the arena "
-        "would close lanes by itself"
+        f"together (its weights counted once) {format_bytes(full)}, at or above the high "
+        "watermark 76.0GiB (memory_high_watermark 0.95 of the GPU's memory), so a batch "
+        "that fills the arena would close lanes by itself"
     ), message
+    remedy = f"expected --memory-limit below {format_bytes(high - idle_gib * GIB + weights)}"
+    if mark_named:
+        remedy += f" or server.memory_high_watermark above {full / (80 * GIB):.3g}"
     assert message.endswith(remedy), message
     assert getattr(record, "fields", {}) == {
         "gpu": "0",
         "used_bytes": idle_gib * GIB,
         "memory_limit_bytes": ARENA_ON_80_GIB,
-        "full_arena_bytes": idle_gib * GIB + ARENA_ON_80_GIB,
-        "high_watermark_bytes": int(80 * GIB * 0.95),
+        "full_arena_bytes": full,
+        "high_watermark_bytes": high,
         "total_bytes": 80 * GIB,
-        "memory_limit_below_bytes": int(80 * GIB * 0.95) - idle_gib * GIB,
+        "memory_limit_below_bytes": high - idle_gib * GIB + weights,
     }
 
 
@@ -2840,7 +2947,7 @@ def test_a_gpu_whose_cuda_provider_does_not_load_serves_as_a_cpu_engine(
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     asked = _cuda_provider_does_not_load(monkeypatch)
     caplog.set_level(logging.INFO, "laneserve")
-    engine = Engine(str(small_model), device="auto")
+    engine = Engine(str(small_model), device="auto", estimate=estimate_once)
     assert asked[0] == [CUDA, CPU]
     assert engine.providers == [CPU]
     assert engine.memory_limit_bytes is None
@@ -2867,7 +2974,7 @@ def test_a_cuda_provider_that_raised_is_reported_in_the_runtimes_words(
     said = "EP Error CUDA failure 46: all CUDA-capable devices are busy or unavailable"
     _cuda_provider_does_not_load(monkeypatch, printed=said)
     caplog.set_level(logging.INFO, "laneserve")
-    engine = Engine(str(small_model), device="auto")
+    engine = Engine(str(small_model), device="auto", estimate=estimate_once)
     assert engine.providers == [CPU]
     (record,) = [r for r in caplog.records if getattr(r, "event", None) == "cuda_unavailable"]
     assert f"onnxruntime fell back itself, saying {said!r}" in record.getMessage()
@@ -2883,7 +2990,7 @@ def test_cuda_demanded_where_its_provider_does_not_load_is_refused_saying_why(
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     _cuda_provider_does_not_load(monkeypatch)
     with pytest.raises(EngineStartError) as refused:
-        Engine(str(small_model), device="cuda")
+        Engine(str(small_model), device="cuda", estimate=estimate_once)
     message = str(refused.value)
     assert message.startswith(f"--device cuda: the session fell back to {[CPU]}: "), message
     assert "it needs the CUDA " in message
@@ -2939,7 +3046,7 @@ def test_an_arena_that_cannot_shrink_is_logged_once(
     (a name the runtime has no arena for) shrinks nothing, and a GPU's arena then never
     gave back what a burst took, unseen."""
     caplog.set_level(logging.INFO, "laneserve")
-    engine = Engine(str(small_model), device="cpu")
+    engine = Engine(str(small_model), device="cpu", estimate=estimate_once)
     engine.release_idle_memory()
     engine._arena = "gpu:0"  # as if the session's arena had another name
     engine.release_idle_memory()

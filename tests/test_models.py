@@ -46,9 +46,8 @@ def _refused_at_start(path: Path) -> str:
     """What a server for the model at `path` says when it refuses to start."""
     with pytest.raises(EngineStartError) as refused:
         LaneServer(
-            Engine(str(path), device="cpu"),
+            Engine(str(path), device="cpu", estimate=estimate_once),
             ServerConfig(model_path=str(path)),
-            estimate=estimate_once,
         )
     return str(refused.value)
 
@@ -178,7 +177,8 @@ def test_inputs_sharing_a_named_dimension_must_agree_on_its_size(tmp_path: Path)
 
     async def scenario() -> None:
         async with serving(
-            Engine(str(path), device="cpu"), ServerConfig(model_path=str(path))
+            Engine(str(path), device="cpu", estimate=estimate_once),
+            ServerConfig(model_path=str(path)),
         ) as s:
             mismatched = pb.InferRequest(
                 inputs=[encode_tensor("a", a), encode_tensor("b", np.ones((2, 4), np.float32))]
@@ -362,7 +362,7 @@ def test_a_model_with_a_later_axis_named_as_the_batch_axis_is_refused(tmp_path: 
     )
     path = _save(tmp_path / "gram.onnx", graph)
     with pytest.raises(EngineStartError) as caught:
-        Engine(str(path), device="cpu")
+        Engine(str(path), device="cpu", estimate=estimate_once)
     assert str(caught.value) == (
         "model output 'z' has shape ['N', 'N']: its axis 1 is 'N', a first axis, along which "
         "laneserve batches requests, so a request's answer would depend on the requests "
@@ -422,7 +422,7 @@ def test_inputs_with_first_axes_named_apart_and_outputs_of_their_own_rows_are_se
     a = np.arange(8, dtype=np.float32).reshape(2, 4)
 
     async def scenario() -> pb.InferResponse:
-        engine = Engine(str(path), device="cpu")
+        engine = Engine(str(path), device="cpu", estimate=estimate_once)
         async with serving(engine, ServerConfig(model_path=str(path))) as s:
             inputs = [encode_tensor("a", a), encode_tensor("b", a + 1)]
             return await s.stub.Infer(pb.InferRequest(inputs=inputs))
@@ -528,12 +528,15 @@ def test_a_model_whose_dynamic_sizes_cannot_be_1_is_served_with_probe_shapes(
     assert "zero-filled inputs of shapes {'x': [1, 1, 1, 1]}" in message
     assert "server.probe_shapes (--probe-shape NAME=D1,D2,...)" in message
     with pytest.raises(EngineStartError, match="expected one that fits the model's"):
-        Engine(str(path), device="cpu", probe_shapes={"x": (3, 8, 8)})
+        Engine(str(path), device="cpu", probe_shapes={"x": (3, 8, 8)}, estimate=estimate_once)
 
     async def scenario() -> None:
         config = ServerConfig(model_path=str(path), probe_shapes={"x": (1, 8, 8)})
         async with serving(
-            Engine(str(path), device="cpu", probe_shapes=config.probe_shapes), config
+            Engine(
+                str(path), device="cpu", probe_shapes=config.probe_shapes, estimate=estimate_once
+            ),
+            config,
         ) as s:
             for size in (5, 16):
                 x = np.arange(2 * size * size, dtype=np.float32).reshape(2, 1, size, size)

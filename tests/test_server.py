@@ -20,6 +20,7 @@ import grpc.aio._server as grpc_aio_server
 import numpy as np
 import onnxruntime as ort
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_channelz.v1 import channelz_pb2, channelz_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -27,7 +28,15 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from laneserve.client import CallCancelledError, error_from_rpc
 from laneserve.client.tensors import encode_tensor
-from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig, grpc_accept, service
+from laneserve.server import (
+    Engine,
+    LaneConfig,
+    LaneServer,
+    ServerConfig,
+    app,
+    grpc_accept,
+    service,
+)
 from laneserve.server.app import check_ports_free
 from laneserve.server.codec import decode_inputs
 from laneserve.server.engine import EngineStartError
@@ -42,7 +51,6 @@ from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
     RecordingEngine,
     Serving,
-    estimate_once,
     health_status,
     item_reason,
     output,
@@ -677,8 +685,11 @@ def test_unmeetable_deadline_is_refused_at_once(small_model: Path) -> None:
             await asyncio.to_thread(engine.entered.acquire)
             ahead = asyncio.ensure_future(s.stub.Infer(request(rows(2000, start=1))))
             await until(lambda: queued_rows(s) == 2000)
+            # 5 rows: wider than the room the split request leaves beside its half of a
+            # batch (4 of 8), so all of its 2 000 rows are ahead (a 1-row request would go
+            # in the next batch beside it).
             with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await s.stub.Infer(request(rows(1, start=5000), timeout_ms=1))
+                await s.stub.Infer(request(rows(5, start=5000), timeout_ms=1))
             assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert rich_status(caught.value)[0] == "DEADLINE_UNMEETABLE"
             engine.release()
@@ -945,9 +956,7 @@ def test_stop_before_start_and_after_a_failed_start(small_model: Path) -> None:
     and a second stop() never returned."""
 
     async def scenario() -> None:
-        fresh = LaneServer(
-            RecordingEngine(str(small_model)), config(small_model), estimate=estimate_once
-        )
+        fresh = LaneServer(RecordingEngine(str(small_model)), config(small_model))
         await asyncio.wait_for(fresh.stop(), timeout=60)
         assert fresh.state is Lifecycle.STOPPED
         with socket.socket() as held:  # a port another socket listens on: bind fails
@@ -957,7 +966,6 @@ def test_stop_before_start_and_after_a_failed_start(small_model: Path) -> None:
             failed = LaneServer(
                 RecordingEngine(str(small_model)),
                 config(small_model, host="127.0.0.1", port=busy, metrics_port=-1),
-                estimate=estimate_once,
             )
             with pytest.raises(OSError, match="cannot listen on"):
                 await failed.start()
@@ -1016,7 +1024,6 @@ def _server_on_every_port(model: Path) -> LaneServer:
     return LaneServer(
         RecordingEngine(str(model)),
         config(model, host="127.0.0.1", port=0, priority_port=0, metrics_port=0),
-        estimate=estimate_once,
     )
 
 
@@ -1087,9 +1094,7 @@ def test_a_stop_its_caller_cancels_ends_the_grace_and_goes_on_to_its_end(
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
         server = LaneServer(
-            engine,
-            config(small_model, host="127.0.0.1", port=0, drain_grace_s=600.0),
-            estimate=estimate_once,
+            engine, config(small_model, host="127.0.0.1", port=0, drain_grace_s=600.0)
         )
         port = await server.start()
         try:
@@ -1134,7 +1139,6 @@ def test_a_grace_ended_before_the_start_made_its_thread_still_ends_the_next_drai
         server = LaneServer(
             RecordingEngine(str(small_model)),
             config(small_model, host="127.0.0.1", port=0, metrics_port=-1),
-            estimate=estimate_once,
         )
         server.end_grace()
         await server.start()
@@ -1160,7 +1164,6 @@ def test_two_servers_started_together_each_count_only_their_own_grpc_calls(
             LaneServer(
                 RecordingEngine(str(small_model)),
                 config(small_model, host="127.0.0.1", port=0, metrics_port=-1),
-                estimate=estimate_once,
             )
             for _ in range(2)
         ]
@@ -1290,7 +1293,6 @@ def _watermarked_server(model: Path, gauge: BreakableGauge) -> LaneServer:
         RecordingEngine(str(model)),
         config(model, host="127.0.0.1", port=0, metrics_port=-1, host_memory_limit="64GiB"),
         memory_gauge=gauge,
-        estimate=estimate_once,
     )
 
 
@@ -1405,7 +1407,6 @@ def test_an_ipv6_host_is_served_written_bare_or_in_brackets(small_model: Path) -
             server = LaneServer(
                 RecordingEngine(str(small_model)),
                 config(small_model, host=host, port=0, metrics_port=0),
-                estimate=estimate_once,
             )
             port = await server.start()
             try:
@@ -1448,6 +1449,207 @@ def test_reflection_and_health_work_out_of_the_box(small_model: Path) -> None:
             assert [lane.name for lane in model.lanes] == ["interactive", "standard", "bulk"]
 
     asyncio.run(scenario())
+
+
+def test_reflection_is_v1alpha_and_serves_the_error_details_types_by_name(
+    small_model: Path,
+) -> None:
+    """What a client in another language learns by reflection (README): the v1alpha
+    service only, and error_details.proto (ErrorInfo, RetryInfo: the error details'
+    types) when asked for by name, though inference.proto does not import it."""
+    asks = [
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol="google.rpc.ErrorInfo"),
+        reflection_pb2.ServerReflectionRequest(file_by_filename="google/rpc/error_details.proto"),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol=app.SERVICE_NAME),
+    ]
+
+    async def scenario() -> tuple[grpc.StatusCode, list[list[str]]]:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            v1 = s.channel.stream_stream(
+                "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await v1(iter(asks[:1])).read()
+            # The reflection stubs' types know only sync channels.
+            stub: Any = reflection_pb2_grpc.ServerReflectionStub(s.channel)  # type: ignore[arg-type]
+            files = [
+                [
+                    descriptor_pb2.FileDescriptorProto.FromString(serialized).name
+                    for serialized in answer.file_descriptor_response.file_descriptor_proto
+                ]
+                async for answer in stub.ServerReflectionInfo(iter(asks))
+            ]
+        return caught.value.code(), files
+
+    v1_code, (by_symbol, by_name, service) = asyncio.run(scenario())
+    assert v1_code == grpc.StatusCode.UNIMPLEMENTED
+    assert by_symbol[0] == by_name[0] == "google/rpc/error_details.proto"
+    assert service[0] == "laneserve/v1/inference.proto"
+    assert "google/rpc/error_details.proto" not in service
+
+
+# Keepalive pings a quiet connection outlives: with gRPC's default minimum interval (5
+# min) the server took the fifth ping 1 s apart on a quiet stream as its third strike and
+# hung up (the stream's first window update reset the count). Counted, not timed: a
+# loaded machine only spreads them.
+QUIET_PINGS = 5
+# A client that pings every second, with a call or without (grpc-js' and grpc-go's
+# keepalive options do the same); the server's minimum is lowered below it.
+PINGING = [
+    ("grpc.keepalive_time_ms", 1_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # Channelz counts every ping the channel sends: none for flow control here.
+    ("grpc.http2.bdp_probe", 0),
+]
+LOWERED_MIN_CLIENT_PING_INTERVAL_MS = 500
+
+
+async def channel_id(channelz: Any, target: str) -> int:
+    """The Channelz id of this process's newest client channel to `target`, as given (the
+    server's Channelz answers for the whole process)."""
+    ids: list[int] = []
+    start = 0
+    while True:
+        page = await channelz.GetTopChannels(
+            channelz_pb2.GetTopChannelsRequest(start_channel_id=start)
+        )
+        ids += [c.ref.channel_id for c in page.channel if c.data.target == target]
+        if page.end or not page.channel:
+            return max(ids)
+        start = page.channel[-1].ref.channel_id + 1
+
+
+async def keepalives_sent(channelz: Any, channel_id: int) -> int:
+    """Keepalive pings a client channel has sent over its connections now open."""
+    sent = 0
+    channel = await channelz.GetChannel(channelz_pb2.GetChannelRequest(channel_id=channel_id))
+    for ref in channel.channel.subchannel_ref:
+        subchannel = await channelz.GetSubchannel(
+            channelz_pb2.GetSubchannelRequest(subchannel_id=ref.subchannel_id)
+        )
+        for socket_ref in subchannel.subchannel.socket_ref:
+            socket = await channelz.GetSocket(
+                channelz_pb2.GetSocketRequest(socket_id=socket_ref.socket_id)
+            )
+            sent += socket.socket.data.keep_alives_sent
+    return sent
+
+
+@contextlib.asynccontextmanager
+async def pinging_channel(s: Serving) -> AsyncIterator[tuple[grpc.aio.Channel, str]]:
+    """A channel to `s` that pings every second, and the target that names it in
+    Channelz (one of its own: not s.channel's)."""
+    target = f"ipv4:{s.target}"
+    async with grpc.aio.insecure_channel(target, options=PINGING) as channel:
+        yield channel, target
+
+
+async def stay_quiet_through_pings(
+    s: Serving, channel: grpc.aio.Channel, target: str, call: grpc.aio.Call | None = None
+) -> None:
+    """Sends nothing on `channel` until it has sent QUIET_PINGS keepalive pings; fails
+    if the server hangs up first (`call` ends, or the channel leaves READY)."""
+    # The channelz stubs' types know only sync channels.
+    channelz: Any = channelz_pb2_grpc.ChannelzStub(s.channel)  # type: ignore[arg-type]
+    pinger = await channel_id(channelz, target)
+    give_up = time.monotonic() + 30
+    while await keepalives_sent(channelz, pinger) < QUIET_PINGS:
+        if call is not None and call.done():
+            code, details = await call.code(), await call.details()
+            raise AssertionError(f"the server hung up: {code} {details!r}")
+        state = channel.get_state()
+        assert state == grpc.ChannelConnectivity.READY, f"the server hung up: {state}"
+        assert time.monotonic() < give_up, "the client stopped pinging"
+        await asyncio.sleep(0.05)
+
+
+def test_client_pings_no_oftener_than_the_minimum_keep_a_quiet_stream_open(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that pings to find a dead connection (grpc-js and grpc-go callers ping
+    every 61 s to 5 min) was hung up on, GOAWAY too_many_pings, ending its open calls:
+    the minimum the server takes was set under a name gRPC does not read. The minimum
+    lowered to 0.5 s, a stream quiet through pings 1 s apart still answers."""
+    monkeypatch.setattr(app, "MIN_CLIENT_PING_INTERVAL_MS", LOWERED_MIN_CLIENT_PING_INTERVAL_MS)
+
+    async def scenario() -> pb.InferStreamResponse:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            gate = s.server._listeners[0].acceptors._gate
+            async with pinging_channel(s) as (channel, target):
+                stream = pb_grpc.InferenceServiceStub(channel).InferStream(timeout=60)
+                await until(lambda: gate.stream_calls == 1)
+                await stay_quiet_through_pings(s, channel, target, stream)
+                await stream.write(request(rows(1), request_id="after-the-pings"))
+                answer = await stream.read()
+                await stream.done_writing()
+                assert isinstance(answer, pb.InferStreamResponse), answer
+                return answer
+
+    answer = asyncio.run(scenario())
+    assert answer.request_id == "after-the-pings"
+    assert answer.WhichOneof("result") == "response"
+
+
+def test_client_pings_keep_a_connection_without_calls_open(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """grpc-js' keepalive_permit_without_calls and grpc-go's PermitWithoutStream ping a
+    connection with no call open: gRPC's default takes one per 2 h there and hangs up on
+    more. The minimum lowered to 0.5 s, pings 1 s apart keep it."""
+    monkeypatch.setattr(app, "MIN_CLIENT_PING_INTERVAL_MS", LOWERED_MIN_CLIENT_PING_INTERVAL_MS)
+
+    async def scenario() -> pb.InferResponse:
+        async with (
+            serving(RecordingEngine(str(small_model)), config(small_model)) as s,
+            pinging_channel(s) as (channel, target),
+        ):
+            stub = pb_grpc.InferenceServiceStub(channel)
+            await stub.GetModel(pb.GetModelRequest(), timeout=30)  # connected
+            await stay_quiet_through_pings(s, channel, target)
+            return await stub.Infer(request(rows(1)), timeout=30)
+
+    assert output(asyncio.run(scenario())).shape == (1, 10)
+
+
+def test_compressed_requests_turned_off_are_refused_before_they_run(small_model: Path) -> None:
+    """gRPC inflates a compressed request up to max_message_bytes before laneserve reads
+    it (78 KiB of gzip became 64 MiB); with compressed_requests off its core refuses one
+    on its header, naming the algorithm, and plain requests are answered."""
+
+    async def scenario() -> tuple[list[tuple[grpc.StatusCode, str]], list[int]]:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, compressed_requests=False)) as s:
+            refusals = []
+            for algorithm in (grpc.Compression.Gzip, grpc.Compression.Deflate):
+                async with grpc.aio.insecure_channel(s.target, compression=algorithm) as channel:
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await pb_grpc.InferenceServiceStub(channel).Infer(
+                            request(rows(1)), timeout=30
+                        )
+                refusals.append((caught.value.code(), caught.value.details() or ""))
+            assert output(await s.stub.Infer(request(rows(1)), timeout=30)).shape == (1, 10)
+        return refusals, engine.batches
+
+    refusals, batches = asyncio.run(scenario())
+    assert refusals == [
+        (grpc.StatusCode.UNIMPLEMENTED, "Compression algorithm 'gzip' is disabled."),
+        (grpc.StatusCode.UNIMPLEMENTED, "Compression algorithm 'deflate' is disabled."),
+    ]
+    assert batches == [1], "only the plain request ran"
+
+
+def test_compressed_requests_are_answered_by_default(small_model: Path) -> None:
+    async def scenario() -> pb.InferResponse:
+        async with (
+            serving(RecordingEngine(str(small_model)), config(small_model)) as s,
+            grpc.aio.insecure_channel(s.target, compression=grpc.Compression.Gzip) as channel,
+        ):
+            return await pb_grpc.InferenceServiceStub(channel).Infer(request(rows(2)), timeout=30)
+
+    assert output(asyncio.run(scenario())).shape == (2, 10)
 
 
 def test_every_request_gets_exactly_one_answer(small_model: Path) -> None:
@@ -1945,7 +2147,7 @@ def test_a_start_that_fails_to_bind_the_priority_port_releases_the_main_port(
                 priority_port=held.getsockname()[1],
                 metrics_port=-1,
             )
-            server = LaneServer(engine, settings, estimate=estimate_once)
+            server = LaneServer(engine, settings)
             with pytest.raises(OSError, match=r"server\.priority_port"):
                 await server.start()
             with socket.socket() as again:
@@ -1963,7 +2165,6 @@ def test_a_port_another_server_serves_is_refused_not_shared(small_model: Path) -
             second = LaneServer(
                 RecordingEngine(str(small_model)),
                 config(small_model, host="127.0.0.1", port=s.server.port, metrics_port=-1),
-                estimate=estimate_once,
             )
             with pytest.raises(OSError, match=rf"cannot listen on 127.0.0.1:{s.server.port}"):
                 await second.start()
@@ -2245,7 +2446,7 @@ def test_servers_started_on_two_threads_at_once_each_count_their_own_grpc_calls(
                 settings = dataclasses.replace(
                     config(small_model), host="127.0.0.1", port=0, metrics_port=-1
                 )
-                server = LaneServer(engine, settings, estimate=estimate_once)
+                server = LaneServer(engine, settings)
                 barrier.wait(timeout=60)
                 await server.start()
                 try:
@@ -2282,15 +2483,15 @@ def test_an_engine_serves_one_server(small_model: Path) -> None:
             in_use = dataclasses.replace(
                 config(small_model), host="127.0.0.1", port=taken.getsockname()[1]
             )
-            failed = LaneServer(engine, in_use, estimate=estimate_once)
+            failed = LaneServer(engine, in_use)
             with pytest.raises(OSError, match="port"):
                 await failed.start()
         async with serving(engine, config(small_model)) as s:
             assert output(await s.stub.Infer(request(rows(1)))).shape == (1, 10)
             with pytest.raises(RuntimeError, match="this Engine serves another LaneServer"):
-                LaneServer(engine, config(small_model), estimate=estimate_once)
+                LaneServer(engine, config(small_model))
         with pytest.raises(RuntimeError, match="this Engine served a LaneServer that stopped"):
-            LaneServer(engine, config(small_model), estimate=estimate_once)
+            LaneServer(engine, config(small_model))
 
     asyncio.run(scenario())
 

@@ -22,7 +22,6 @@ from tests.support import (
     CLIENT_CLI_TIMEOUT_S,
     RecordingEngine,
     TcpProxy,
-    estimate_once,
     request,
     rows,
     serving,
@@ -199,7 +198,7 @@ def test_top_shows_the_model_of_the_server_that_answers_after_a_restart(
 
     def server(model: Path) -> LaneServer:
         settings = ServerConfig(model_path=str(model), host="127.0.0.1", port=0, metrics_port=-1)
-        return LaneServer(RecordingEngine(str(model)), settings, estimate=estimate_once)
+        return LaneServer(RecordingEngine(str(model)), settings)
 
     async def scenario() -> list[str]:
         # One address, a relay's, in front of both servers (each on a port of its own,
