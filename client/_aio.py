@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import numbers
+import os
 import reprlib
 import uuid
 import weakref
@@ -20,8 +22,10 @@ from laneserve.client._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TARGET,
     TlsConfig,
+    channel_spec,
     checked_message_bytes,
     checked_metadata,
+    forked_message,
     open_channel,
 )
 from laneserve.client._errors import ClientClosedError, LaneserveError, error_from_rpc
@@ -66,7 +70,10 @@ Outputs = dict[str, npt.NDArray[Any]]
 
 
 class AsyncClient:
-    """A laneserve client for asyncio code. Create it inside the event loop it is used on.
+    """A laneserve client for asyncio code. It serves the event loop it is first used on:
+    it may be made anywhere (at import, with no loop running), and opens its channel at
+    its first call, on that call's loop. A call from another loop is refused
+    (RuntimeError): make one client per event loop (per ``asyncio.run``, per test's loop).
 
     Example::
 
@@ -100,14 +107,18 @@ class AsyncClient:
         tls_config = _tls_config(tls)
         # An int: a bulk job sends it as call metadata, and sizes its items within it.
         self._max_message_bytes = checked_message_bytes(max_message_bytes)
-        self._channel = open_channel(
+        self._channel_spec = channel_spec(
             target,
             tls=tls_config,
             max_message_bytes=self._max_message_bytes,
             options=options,
             interceptors=interceptors,
         )
-        self._stub: pb_grpc.InferenceServiceAsyncStub = pb_grpc.InferenceServiceStub(self._channel)
+        # Set by the first call (`_stub_here`), once: the channel, on that call's loop. Made
+        # here, it bound to whichever loop was current (at import, one never run), and
+        # every call from the app's own loop failed with gRPC's "attached to a different
+        # loop".
+        self._opened: _Opened | None = None
         # Set by close(): no call starts or retries after it (ClientClosedError).
         self._closed = asyncio.Event()
         # The bulk jobs started and not yet collected: close() ends their source reads.
@@ -121,14 +132,29 @@ class AsyncClient:
 
     async def close(self) -> None:
         """Closes the channel; calls in progress end with ClientClosedError, those on the
-        wire cancelled, those waiting to retry at once. Safe to call twice."""
+        wire cancelled, those waiting to retry at once. Safe to call twice, and before any
+        call (there is no channel yet). Made on the loop the client serves, or on any once
+        that loop is closed; in a child forked from the process that opened the channel
+        it returns at once, leaving gRPC alone (its state did not survive the fork)."""
+        opened = self._opened
+        if opened is None:
+            self._closed.set()
+            return
+        if opened.pid != os.getpid():
+            return
+        loop = asyncio.get_running_loop()
+        if loop is not opened.loop and not opened.loop.is_closed():
+            # Refused before anything changes: its calls run on that loop, in another
+            # thread, and gRPC's channel is not safe to close from this one.
+            raise RuntimeError(_other_loop("close()", opened.loop))
         self._closed.set()
         # A job's read of its source in progress (an async generator running in a task
         # of its own) ends first: left running, the loop's shutdown could not close that
         # generator ("aclose(): asynchronous generator is already running"), whose
-        # `finally` (a source thread's stop) then never ran.
-        reads = [read for job in list(self._jobs) if (read := job.cancel_source_read())]
-        await self._channel.close()
+        # `finally` (a source thread's stop) then never ran. (A closed loop's are over.)
+        jobs = list(self._jobs) if loop is opened.loop else []
+        reads = [read for job in jobs if (read := job.cancel_source_read())]
+        await opened.channel.close()
         if reads:
             await asyncio.wait(reads)
 
@@ -169,7 +195,7 @@ class AsyncClient:
         )
 
         async def attempt(timeout_s: float | None) -> Outputs:
-            response = await self._call(self._stub.Infer, request, timeout_s, request_id)
+            response = await self._call(_infer, request, timeout_s, request_id)
             return {tensor.name: decode_tensor(tensor) for tensor in response.outputs}
 
         return await call_with_retries(
@@ -192,7 +218,7 @@ class AsyncClient:
         timeout: float | None,  # noqa: ASYNC109 - a gRPC deadline, as in infer()
     ) -> ModelInfo:
         async def attempt(timeout_s: float | None) -> ModelInfo:
-            response = await self._call(self._stub.GetModel, pb.GetModelRequest(), timeout_s, "")
+            response = await self._call(_get_model, pb.GetModelRequest(), timeout_s, "")
             return ModelInfo.from_proto(response)
 
         return await call_with_retries(
@@ -212,7 +238,7 @@ class AsyncClient:
         adds later are visible without a client release."""
 
         async def attempt(timeout_s: float | None) -> pb.GetStatsResponse:
-            return await self._call(self._stub.GetStats, pb.GetStatsRequest(), timeout_s, "")
+            return await self._call(_get_stats, pb.GetStatsRequest(), timeout_s, "")
 
         return await call_with_retries(
             attempt,
@@ -288,7 +314,7 @@ class AsyncClient:
         if self._closed.is_set():
             raise ClientClosedError
         job = BulkStream(
-            self._stub,
+            self._stub_here("stream()"),
             self.metadata + trace_metadata(),  # the context the job was started in
             requests,
             options,
@@ -324,15 +350,49 @@ class AsyncClient:
         capacity = next((info.capacity_rows for info in model.lanes if info.name == name), None)
         return StreamLimits(capacity, model.max_message_bytes or None)
 
+    def _stub_here(self, call: str) -> pb_grpc.InferenceServiceAsyncStub:
+        """The stub of the client's channel, for a `call` on the running loop; the first
+        call opens the channel on its loop, which the client serves from then on.
+
+        Raises:
+            RuntimeError: the call is made with no loop running, on a loop other than
+                the client's, or in a child forked from the process that opened the
+                channel; before gRPC is called (its refusal left a coroutine of its own
+                never awaited, and a RuntimeWarning).
+        """
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError(
+                f"AsyncClient.{call} was called with no event loop running; expected a "
+                "call in a coroutine on the loop the client serves (`async for result in "
+                "client.stream(...)`)"
+            ) from None
+        if self._opened is None:
+            channel = open_channel(self._channel_spec)
+            self._opened = _Opened(
+                channel, pb_grpc.InferenceServiceStub(channel), loop, os.getpid()
+            )
+        opened = self._opened
+        # The process first: a child forked inside a running loop runs that very loop.
+        if opened.pid != os.getpid():
+            raise RuntimeError(
+                forked_message("the channel of this laneserve AsyncClient", opened.pid)
+            )
+        if loop is not opened.loop:
+            raise RuntimeError(_other_loop(call, opened.loop))
+        return opened.stub
+
     async def _call(
         self,
-        method: Callable[..., Awaitable[T]],
+        method_of: Callable[[pb_grpc.InferenceServiceAsyncStub], Callable[..., Awaitable[T]]],
         request: Any,
         timeout_s: float | None,
         request_id: str,
     ) -> T:
         if self._closed.is_set():
             raise ClientClosedError(request_id=request_id)
+        method = method_of(self._stub_here("a call"))
         try:
             metadata = self.metadata + trace_metadata()
             return await method(request, timeout=timeout_s, metadata=metadata)
@@ -349,6 +409,45 @@ class AsyncClient:
             if self._closed.is_set() and task is not None and not task.cancelling():
                 raise ClientClosedError(request_id=request_id) from cancelled
             raise
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Opened:
+    """A client's channel, from its first call on: the client serves `loop`, in `pid`."""
+
+    channel: grpc.aio.Channel
+    stub: pb_grpc.InferenceServiceAsyncStub
+    loop: asyncio.AbstractEventLoop
+    pid: int
+
+
+def _infer(
+    stub: pb_grpc.InferenceServiceAsyncStub,
+) -> Callable[..., Awaitable[pb.InferResponse]]:
+    return stub.Infer
+
+
+def _get_model(
+    stub: pb_grpc.InferenceServiceAsyncStub,
+) -> Callable[..., Awaitable[pb.GetModelResponse]]:
+    return stub.GetModel
+
+
+def _get_stats(
+    stub: pb_grpc.InferenceServiceAsyncStub,
+) -> Callable[..., Awaitable[pb.GetStatsResponse]]:
+    return stub.GetStats
+
+
+def _other_loop(call: str, first: asyncio.AbstractEventLoop) -> str:
+    """The refusal of a `call` made on another event loop than `first`, the client's."""
+    state = "since closed" if first.is_closed() else "still open, in another thread or idle"
+    return (
+        f"this laneserve AsyncClient serves the event loop it was first used on ({state}), "
+        f"and {call} was made on another loop: a gRPC channel belongs to the loop it was "
+        "opened on. Expected one AsyncClient per event loop (per asyncio.run, per "
+        "thread's loop, per test's loop), made or first used on it and closed there"
+    )
 
 
 def _tls_config(tls: object) -> TlsConfig | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import numbers
+import os
 import re
 import reprlib
 import ssl
@@ -28,10 +29,11 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _USER_AGENT = "laneserve-client/0.1.0"
 # HTTP/2 pings find a connection that went silent (a host gone without a reset, a network
 # black hole): without them a bulk job's stream, which has no deadline, waited for its
-# answers for ever. A ping after 5 min without traffic (what a default gRPC server takes:
-# more often are "too many pings", and it hangs up; laneserve's own takes one a minute),
-# and a ping unanswered for 20 s ends the connection; a job then resumes on a new call. A
-# caller's `options` replace these, key by key.
+# answers for ever. A ping after 5 min without traffic, while a call is open (what a
+# default gRPC server takes: more often are "too many pings", and at the third it hangs
+# up; laneserve's takes one a minute, server.app.MIN_CLIENT_PING_INTERVAL_MS, with or
+# without a call), and a ping unanswered for 20 s ends the connection; a job then resumes
+# on a new call. A caller's `options` replace these, key by key.
 KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_time_ms", 300_000),
     ("grpc.keepalive_timeout_ms", 20_000),
@@ -391,31 +393,120 @@ def channel_options(
     return list(options.items())
 
 
-def open_channel(
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChannelSpec:
+    """A client's channel, checked when the client is made (`channel_spec`) and opened by
+    its first call (`open_channel`), on that call's event loop: a gRPC channel binds to
+    the loop it is made on, and none may be running when the client is made (at import)."""
+
+    target: str
+    # None: plaintext.
+    credentials: grpc.ChannelCredentials | None = dataclasses.field(repr=False)
+    options: tuple[tuple[str, Any], ...]
+    interceptors: tuple[grpc.aio.ClientInterceptor, ...]
+
+
+# The interceptors a grpc.aio channel takes (it refuses any other object).
+_INTERCEPTOR_TYPES = (
+    grpc.aio.UnaryUnaryClientInterceptor,
+    grpc.aio.UnaryStreamClientInterceptor,
+    grpc.aio.StreamUnaryClientInterceptor,
+    grpc.aio.StreamStreamClientInterceptor,
+)
+# An integer option is a C int in gRPC's core (it refuses a larger one).
+_OPTION_INT_RANGE = range(-(2**31), 2**31)
+
+
+def channel_spec(
     target: str,
     *,
     tls: TlsConfig | None,
     max_message_bytes: int,
     options: Sequence[tuple[str, Any]],
     interceptors: Sequence[grpc.aio.ClientInterceptor] | None,
-) -> grpc.aio.Channel:
-    """An asyncio channel; create it on the event loop it is used from (RuntimeError,
-    saying so, with none: the arguments are checked first)."""
+) -> ChannelSpec:
+    """Checks what gRPC would check as the channel opens, so that a client's arguments
+    fail when it is made, naming the one at fault, not at its first call.
+
+    Raises:
+        TypeError: an option or interceptor of a type gRPC refuses, naming it; the
+            `tls` roots or key not bytes.
+        ValueError: a target `check_target` refuses; an integer option out of gRPC's
+            range (a C int), naming it.
+    """
     check_target(target)
-    merged = channel_options(tls, max_message_bytes, options)
-    try:
-        if tls is None:
-            return grpc.aio.insecure_channel(target, options=merged, interceptors=interceptors)
-        return grpc.aio.secure_channel(
-            target, tls.credentials(), options=merged, interceptors=interceptors
+    merged = tuple(channel_options(tls, max_message_bytes, options))
+    for key, value in merged:
+        _check_option(key, value)
+    return ChannelSpec(
+        target,
+        None if tls is None else tls.credentials(),  # checks the PEM fields' types
+        merged,
+        _checked_interceptors(interceptors),
+    )
+
+
+def _check_option(key: object, value: object) -> None:
+    """gRPC's rule for a channel option (its _ChannelArg): a str or bytes key; an int,
+    str, bytes or an object with __int__ (taken as a C pointer) for the value."""
+    if not isinstance(key, str | bytes):
+        raise TypeError(f"options: key {reprlib.repr(key)}: expected a str")
+    if isinstance(value, int) and value not in _OPTION_INT_RANGE:
+        raise ValueError(
+            f"options: {key!r}: {value} is out of gRPC's range for an integer option; "
+            f"expected {_OPTION_INT_RANGE.start} to {_OPTION_INT_RANGE.stop - 1}"
         )
-    except RuntimeError as error:
-        # gRPC's channel binds to the thread's event loop (running, or set and to be run):
-        # with none it said only "There is no current event loop in thread 'MainThread'".
-        if "event loop" not in str(error):
-            raise
-        raise RuntimeError(
-            "AsyncClient(...) was created with no event loop in this thread; expected it "
-            "created on the event loop it is used on (in a coroutine: `async with "
-            f"AsyncClient(...)`), or Client for code without one (gRPC: {error})"
-        ) from None
+    if not isinstance(value, int | str | bytes) and not hasattr(value, "__int__"):
+        raise TypeError(
+            f"options: {key!r}: expected an int or str value (gRPC's option types), got "
+            f"{type(value).__name__} ({reprlib.repr(value)})"
+        )
+
+
+def _checked_interceptors(
+    interceptors: object,
+) -> tuple[grpc.aio.ClientInterceptor, ...]:
+    if interceptors is None:
+        return ()
+    if isinstance(interceptors, _INTERCEPTOR_TYPES) or not isinstance(interceptors, Iterable):
+        raise TypeError(
+            f"interceptors: expected a sequence of grpc.aio client interceptors, got "
+            f"{type(interceptors).__name__}"
+        )
+    checked = tuple(interceptors)
+    for index, interceptor in enumerate(checked):
+        if not isinstance(interceptor, _INTERCEPTOR_TYPES):
+            raise TypeError(
+                f"interceptors[{index}]: expected a grpc.aio UnaryUnaryClientInterceptor, "
+                "UnaryStreamClientInterceptor, StreamUnaryClientInterceptor or "
+                f"StreamStreamClientInterceptor, got {type(interceptor).__name__}"
+            )
+    return checked
+
+
+def open_channel(spec: ChannelSpec) -> grpc.aio.Channel:
+    """`spec`'s channel, bound to the running event loop: call it there."""
+    if spec.credentials is None:
+        return grpc.aio.insecure_channel(
+            spec.target, options=spec.options, interceptors=spec.interceptors
+        )
+    return grpc.aio.secure_channel(
+        spec.target, spec.credentials, options=spec.options, interceptors=spec.interceptors
+    )
+
+
+def forked_message(what: str, pid: int) -> str:
+    """The refusal of a call made in a child forked from process `pid`, where `what` (the
+    client, or its channel) was made: gRPC's state does not survive a fork (neither does
+    a Client's thread), and the call would wait for ever or abort the process."""
+    return (
+        f"{what} was made in process {pid}, and this call is made in process "
+        f"{os.getpid()}, a child forked from it (gunicorn --preload, multiprocessing's "
+        "'fork' start method, Celery's prefork pool): a client's channel (and a Client's "
+        "thread) does not survive a fork, and a call there would hang or abort the "
+        "process. Expected a client created after the fork, in the process that uses it "
+        "(gunicorn's post_fork hook, a Pool initializer, Celery's worker_process_init), or "
+        "worker processes started with multiprocessing's 'spawn' or 'forkserver' method: "
+        "the safe choice, as once a process has made gRPC calls, gRPC may abort a child "
+        "forked from it that makes any, even on a new client"
+    )

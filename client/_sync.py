@@ -9,6 +9,7 @@ import contextlib
 import contextvars
 import functools
 import gc
+import os
 import queue
 import threading
 import types
@@ -29,7 +30,11 @@ import grpc
 import numpy.typing as npt
 
 from laneserve.client._aio import AsyncClient, MetadataLike, Outputs, TlsLike
-from laneserve.client._channel import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET
+from laneserve.client._channel import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_TARGET,
+    forked_message,
+)
 from laneserve.client._errors import ClientClosedError
 from laneserve.client._retry import RetryPolicy
 from laneserve.client._stream import DEFAULT_STREAM_LANE, StreamItem, StreamSource
@@ -62,6 +67,11 @@ class Client:
     stream's own (``laneserve-client-source``), one at a time and in order, as the job's
     window allows: a slow source (a database, a file on a slow disk) holds up its own
     job, never the calls other threads make meanwhile.
+
+    A client serves the process that made it: in a child forked from that process
+    (gunicorn ``--preload``, multiprocessing's ``fork`` start method) its thread is gone,
+    and every call is refused (RuntimeError) and `close()` returns at once. Make clients
+    after the fork, in the process that uses them, or start workers with ``spawn``.
     """
 
     def __init__(
@@ -75,6 +85,21 @@ class Client:
         options: Sequence[tuple[str, Any]] = (),
         interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
     ) -> None:
+        # Checks every argument, and opens nothing: its channel opens at the first call,
+        # on the client's loop, the one it serves from then on.
+        self._client = AsyncClient(
+            target,
+            tls=tls,
+            metadata=metadata,
+            retry=retry,
+            max_message_bytes=max_message_bytes,
+            options=options,
+            interceptors=interceptors,
+        )
+        # The process the client's thread runs in. A child forked from it has the
+        # client, but neither its thread nor gRPC's state: there every call waited for
+        # ever on the loop no thread runs, and so did close().
+        self._pid = os.getpid()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=_serve, args=(self._loop,), name="laneserve-client", daemon=True
@@ -92,30 +117,12 @@ class Client:
         # Closes of streams collected on the loop thread, running there. Only the loop
         # thread touches it; it keeps the tasks alive (the loop holds them weakly).
         self._closing: set[asyncio.Task[None]] = set()
-
-        async def create() -> AsyncClient:
-            # The channel binds to the loop it is created on: create it there.
-            return AsyncClient(
-                target,
-                tls=tls,
-                metadata=metadata,
-                retry=retry,
-                max_message_bytes=max_message_bytes,
-                options=options,
-                interceptors=interceptors,
-            )
-
-        try:
-            self._client = self._run(create())
-        except BaseException:
-            self._stop_loop()
-            raise
         # A client collected unclosed closes its channel and stops its thread (they
         # leaked: a thread per client). What the finalizer holds (the loop, the thread,
         # the AsyncClient) refers to nothing that refers to this Client, so it does not
         # keep it alive. Not run at interpreter exit: the thread is a daemon.
         self._finalizer = weakref.finalize(
-            self, _close_unclosed, self._loop, self._thread, self._client
+            self, _close_unclosed, self._loop, self._thread, self._client, self._pid
         )
         self._finalizer.atexit = False
 
@@ -134,7 +141,11 @@ class Client:
         progress end with ClientClosedError. Safe to call twice, and from several threads
         at once: each returns once the client is closed (but on the client's own thread,
         which that close waits for: there a first close() is refused, RuntimeError, and a
-        later one returns at once)."""
+        later one returns at once). In a child forked from the client's process it returns
+        at once: the channel and the thread are the parent's."""
+        if not self._in_own_process():
+            # Before the lock: another thread may have held it at the fork, for good here.
+            return
         on_own_thread = threading.current_thread() is self._thread
         with self._lock:
             closed_before = self._closed
@@ -281,14 +292,21 @@ class Client:
                 except StopAsyncIteration:
                     return
         finally:
-            if threading.current_thread() is self._thread:
-                # Collected on the loop's own thread (the collector runs on whichever
-                # thread allocates): waiting there for the loop would wait for ever.
-                self._close_later(close())
-            else:
-                # A client closing meanwhile closes the stream itself (shutdown_asyncgens).
-                with contextlib.suppress(ClientClosedError):
-                    self._run(close())
+            # In a child forked from the client's process the stream is the parent's:
+            # nothing of it runs here (see _run).
+            if self._in_own_process():
+                self._close_stream(close())
+
+    def _close_stream(self, closing: Coroutine[Any, Any, None]) -> None:
+        """Runs a stream's `closing` on the loop, from the stream's caller or the collector."""
+        if threading.current_thread() is self._thread:
+            # Collected on the loop's own thread (the collector runs on whichever thread
+            # allocates): waiting there for the loop would wait for ever.
+            self._close_later(closing)
+        else:
+            # A client closing meanwhile closes the stream itself (shutdown_asyncgens).
+            with contextlib.suppress(ClientClosedError):
+                self._run(closing)
 
     def _close_later(self, closing: Coroutine[Any, Any, None]) -> None:
         """Runs `closing` (a stream's close) next on the loop, from the loop's thread."""
@@ -308,6 +326,9 @@ class Client:
     def _run(self, coroutine: Coroutine[Any, Any, T], *, closing: bool = False) -> T:
         """Runs `coroutine` on the client's loop and returns its result; ClientClosedError
         once the client is closed (or closing: `closing` marks close()'s own steps)."""
+        if not self._in_own_process():
+            coroutine.close()
+            raise RuntimeError(forked_message("this laneserve Client", self._pid))
         if threading.current_thread() is self._thread:
             coroutine.close()
             raise RuntimeError(_OWN_THREAD.format(call="call"))
@@ -339,6 +360,10 @@ class Client:
             with self._lock:
                 self._running.discard(future)
 
+    def _in_own_process(self) -> bool:
+        """False in a child forked from the process that made the client."""
+        return os.getpid() == self._pid
+
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()  # the thread closes the loop as it ends (see _serve)
@@ -361,11 +386,14 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def _close_unclosed(
-    loop: asyncio.AbstractEventLoop, thread: threading.Thread, client: AsyncClient
+    loop: asyncio.AbstractEventLoop, thread: threading.Thread, client: AsyncClient, pid: int
 ) -> None:
     """A Client collected unclosed: its channel is closed and its thread stopped, and a
     ResourceWarning says so, as for an unclosed file. The warning first: made an error
-    (``-W error``), it must not keep the rest from being freed."""
+    (``-W error``), it must not keep the rest from being freed. Nothing in a child forked
+    from process `pid`: the client is the parent's to close."""
+    if os.getpid() != pid:
+        return
     try:
         warnings.warn(
             f"unclosed laneserve Client to {client.target!r}; call close() or use it in a "

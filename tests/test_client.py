@@ -2023,27 +2023,3 @@ def test_a_tensor_of_a_data_type_this_client_does_not_know_leaves_the_rest_of_th
     assert model.inputs == (lc.TensorInfo("x", np.dtype(np.float32), (None, 3), "float32"),)
     assert model.outputs == (lc.TensorInfo("y", None, (None, 3), "unknown data type 99"),)
     assert model.default_lane == "bulk"
-
-
-def test_an_async_client_made_with_no_loop_running_says_where_to_make_it() -> None:
-    """Made outside its event loop (after `asyncio.run` has ended one), gRPC said only
-    "There is no current event loop in thread 'MainThread'"."""
-
-    async def nothing() -> None:
-        pass
-
-    asyncio.run(nothing())
-    with pytest.raises(RuntimeError) as refused:
-        lc.AsyncClient("127.0.0.1:1")
-    message = str(refused.value)
-    assert "AsyncClient(...) was created with no event loop in this thread" in message
-    assert "expected it created on the event loop it is used on" in message
-    # A loop set for the thread, run after: the client is made on it, as it was.
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    try:
-        client = lc.AsyncClient("127.0.0.1:1")
-        loop.run_until_complete(client.close())
-    finally:
-        asyncio.set_event_loop(None)
-        loop.close()

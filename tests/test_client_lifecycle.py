@@ -9,10 +9,11 @@ import gc
 import logging
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -22,9 +23,11 @@ import pytest
 from laneserve import client as lc
 from laneserve.server import ServerConfig
 from tests.support import (
+    REPO,
     RecordingEngine,
     queued_rows,
     rows,
+    run_text,
     serving,
     until,
     unused_port,
@@ -523,6 +526,254 @@ def test_a_client_collected_on_its_own_thread_stops_it_without_waiting_for_itsel
     thread.join(HANG_S)
     assert not thread.is_alive()
     assert loop.is_closed()
+
+
+# ---- a client and the process it serves (fork) ---------------------------------------------
+
+# Run with the server's target in a process of its own (the test process never forks: gRPC's
+# threads are running in it). A Client is made and used, then a child forked from the process
+# (multiprocessing's fork start method, as gunicorn --preload or a Pool's workers) calls it,
+# closes it, and exits; the parent uses it again.
+FORKED_CLIENT = f"""
+import multiprocessing, sys
+import numpy as np
+from laneserve.client import Client
+
+ROWS = {{"input": np.zeros((1, 512), np.float32)}}
+client = Client(sys.argv[1])
+
+def child():
+    try:
+        client.infer(ROWS, timeout=2)
+        print("child: answered", flush=True)
+    except RuntimeError as error:
+        print(f"child: RuntimeError: {{error}}", flush=True)
+    client.close()
+    print("child: closed", flush=True)
+
+print("parent:", client.infer(ROWS, timeout=5)["output"].shape, flush=True)
+process = multiprocessing.get_context("fork").Process(target=child)
+process.start()
+process.join({HANG_S})
+if process.is_alive():
+    process.kill()
+    process.join()
+    print("child: hung", flush=True)
+print(f"child: exit code {{process.exitcode}}", flush=True)
+print("parent again:", client.infer(ROWS, timeout=5)["output"].shape, flush=True)
+client.close()
+"""
+
+# The same for an AsyncClient, made at import with no loop running (a module-level client):
+# first used in a forked child (its channel opens there), then used in the parent, then by
+# a second child.
+FORKED_ASYNC_CLIENT = f"""
+import asyncio, multiprocessing, sys
+import numpy as np
+from laneserve.client import AsyncClient
+
+ROWS = {{"input": np.zeros((1, 512), np.float32)}}
+client = AsyncClient(sys.argv[1])
+
+def child(label):
+    try:
+        asyncio.run(client.infer(ROWS, timeout=5))
+        print(f"{{label}}: answered", flush=True)
+    except RuntimeError as error:
+        print(f"{{label}}: RuntimeError: {{error}}", flush=True)
+    asyncio.run(client.close())
+    print(f"{{label}}: closed", flush=True)
+
+def fork(label):
+    process = multiprocessing.get_context("fork").Process(target=child, args=(label,))
+    process.start()
+    process.join({HANG_S})
+    if process.is_alive():
+        process.kill()
+        process.join()
+        print(f"{{label}}: hung", flush=True)
+    print(f"{{label}}: exit code {{process.exitcode}}", flush=True)
+
+async def parent():
+    print("parent:", (await client.infer(ROWS, timeout=5))["output"].shape, flush=True)
+    fork("child of a used client")
+    print("parent again:", (await client.infer(ROWS, timeout=5))["output"].shape, flush=True)
+    await client.close()
+
+fork("child of an unused client")
+asyncio.run(parent())
+"""
+
+
+def run_script(script: str, target: str) -> list[str]:
+    """`script` run by this Python with `target` as its argument: its stdout's lines."""
+    done = run_text([sys.executable, "-c", script, target], timeout_s=3 * HANG_S, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_a_client_used_in_a_child_forked_after_it_was_made_is_refused_at_once(
+    small_model: Path,
+) -> None:
+    """gunicorn --preload, a fork Pool, Celery's prefork workers: the child's
+    `infer(timeout=2)` waited for ever (its future on a loop no thread runs there), and
+    so did its close(). The call is refused at once, saying why and what to do; close()
+    returns at once; the child exits cleanly, and the parent's client goes on."""
+
+    async def scenario() -> list[str]:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            return await asyncio.to_thread(run_script, FORKED_CLIENT, s.target)
+
+    lines = asyncio.run(scenario())
+    refused = next((line for line in lines if line.startswith("child: RuntimeError")), "")
+    assert "this laneserve Client was made in process" in refused, lines
+    assert "a child forked from it" in refused
+    assert "Expected a client created after the fork, in the process that uses it" in refused
+    assert "'spawn' or 'forkserver'" in refused
+    assert lines[-3:] == ["child: closed", "child: exit code 0", "parent again: (1, 10)"]
+
+
+def test_an_async_client_first_used_after_a_fork_serves_that_process_alone(
+    small_model: Path,
+) -> None:
+    """An AsyncClient made before a fork and not yet used opens its channel in the child
+    that first uses it, and answers there (a module-level client under gunicorn
+    --preload). One whose channel the parent opened is refused in a child at once, as a
+    Client is, and its close() there leaves the parent's channel alone."""
+
+    async def scenario() -> list[str]:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            return await asyncio.to_thread(run_script, FORKED_ASYNC_CLIENT, s.target)
+
+    lines = asyncio.run(scenario())
+    assert lines[:4] == [
+        "child of an unused client: answered",
+        "child of an unused client: closed",
+        "child of an unused client: exit code 0",
+        "parent: (1, 10)",
+    ], lines
+    assert lines[4].startswith(
+        "child of a used client: RuntimeError: the channel of this laneserve AsyncClient "
+        "was made in process"
+    ), lines
+    assert "'spawn' or 'forkserver'" in lines[4]
+    assert lines[5:] == [
+        "child of a used client: closed",
+        "child of a used client: exit code 0",
+        "parent again: (1, 10)",
+    ]
+
+
+# ---- an AsyncClient and the event loop it serves -------------------------------------------
+
+
+def test_an_async_client_made_with_no_loop_serves_the_loop_of_its_first_call(
+    small_model: Path,
+) -> None:
+    """Made where no loop runs (at import: FastAPI's module-level client), the channel
+    bound to a loop never run (or, with none set, the client was refused), and each call
+    from the app's loop failed with gRPC's "attached to a different loop". It opens at
+    the first call, on that call's loop. A later asyncio.run's call failed with "Event
+    loop is closed" and left a coroutine of gRPC's never awaited: it is refused before
+    gRPC is called, naming the rule. Closed from any loop once its own has ended."""
+
+    def at_import_then_run_twice(target: str) -> tuple[Any, str]:
+        # A pool's thread: no event loop in it, as at a module's import.
+        client = lc.AsyncClient(target)
+        answer = asyncio.run(client.infer({"input": rows(2)}, timeout=HANG_S))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(RuntimeError) as refused:
+                asyncio.run(client.infer({"input": rows(2)}, timeout=HANG_S))
+            gc.collect()
+        assert not [warning.message for warning in caught], "nothing left never awaited"
+        asyncio.run(client.close())
+        with pytest.raises(lc.ClientClosedError):
+            asyncio.run(client.model(timeout=HANG_S))
+        return answer["output"].shape, str(refused.value)
+
+    async def scenario() -> tuple[Any, str]:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            return await asyncio.to_thread(at_import_then_run_twice, s.target)
+
+    shape, refused = asyncio.run(scenario())
+    assert shape == (2, 10)
+    assert "serves the event loop it was first used on (since closed)" in refused
+    assert "Expected one AsyncClient per event loop" in refused
+
+
+def test_an_async_client_refuses_calls_and_close_from_another_loop_while_its_own_runs(
+    small_model: Path,
+) -> None:
+    """Used on one loop, called from another thread's loop meanwhile: gRPC's "attached to
+    a different loop". Each call, a stream, and close() are refused there, naming the
+    rule, and the client goes on answering on its own loop."""
+
+    def from_another_loop(client: lc.AsyncClient) -> list[str]:
+        async def infer() -> None:
+            await client.infer({"input": rows(1)}, timeout=HANG_S)
+
+        async def stream() -> None:
+            client.stream({"input": rows(2)})
+
+        refused = []
+        for call in (infer, stream, client.close):
+            with pytest.raises(RuntimeError) as error:
+                asyncio.run(call())
+            refused.append(str(error.value))
+        # And outside any loop: stream() is called in a coroutine on the client's loop.
+        with pytest.raises(RuntimeError, match=r"AsyncClient.stream\(\) was called with no"):
+            client.stream({"input": rows(2)})
+        return refused
+
+    async def scenario() -> list[str]:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            async with lc.AsyncClient(s.target) as client:
+                await client.model(timeout=HANG_S)
+                refused = await asyncio.to_thread(from_another_loop, client)
+                answer = await client.infer({"input": rows(1)}, timeout=HANG_S)
+                assert answer["output"].shape == (1, 10)
+            return refused
+
+    refused = asyncio.run(scenario())
+    assert [message.split(", and ")[1].split(" was made")[0] for message in refused] == [
+        "a call",
+        "stream()",
+        "close()",
+    ]
+    assert all("first used on (still open" in message for message in refused)
+
+
+def test_an_async_client_closed_before_any_call_opens_no_channel() -> None:
+    """close() before the first call: there is no channel to close, and no call opens one."""
+    client = lc.AsyncClient(f"127.0.0.1:{unused_port()}")
+    asyncio.run(client.close())
+    with pytest.raises(lc.ClientClosedError):
+        asyncio.run(client.infer({"input": rows(1)}, timeout=HANG_S))
+    assert client._opened is None
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "words"),
+    [
+        ({"target": "127.0.0.1:0"}, ValueError, "port '0' is out of range"),
+        ({"options": [("grpc.enable_retries", None)]}, TypeError, "'grpc.enable_retries'"),
+        ({"options": [("grpc.enable_retries", 2**31)]}, ValueError, "out of gRPC's range"),
+        ({"interceptors": [object()]}, TypeError, r"interceptors\[0\]"),
+        # PEM text, not bytes: gRPC's credentials refuse it.
+        ({"tls": lc.TlsConfig(root_certificates=cast(bytes, "PEM"))}, TypeError, "bytes"),
+    ],
+)
+def test_an_async_client_made_with_no_loop_checks_its_arguments_at_once(
+    arguments: dict[str, Any], error: type[Exception], words: str
+) -> None:
+    """The channel opens at the first call; what gRPC would refuse then is refused as the
+    client is made, naming the argument (gRPC's interceptor check said ValueError)."""
+    arguments = {"target": "127.0.0.1:50051", **arguments}
+    with pytest.raises(error, match=words):
+        lc.AsyncClient(**arguments)
+    with pytest.raises(error, match=words):
+        lc.Client(**arguments)
 
 
 # ---- helpers ---------------------------------------------------------------------------
