@@ -42,7 +42,7 @@ import onnxruntime as ort
 from laneserve.client import AsyncClient
 from laneserve.server.bench.procs import Deployment, process_cpu_s, start_laneserve
 from laneserve.server.demo_model import make_demo_model
-from laneserve.server.engine import Engine
+from laneserve.server.engine import Engine, no_static_estimate
 
 
 def main() -> int:
@@ -54,7 +54,11 @@ def main() -> int:
         if not args.model:
             make_demo_model(model)
         print(f"# bench_bulk: {describe_host()}", file=sys.stderr)
-        engine = Engine(str(model), intra_op_threads=args.intra_op_threads)
+        # The raw sweep's session alone (the server it compares is a process of its
+        # own): no static estimate is read, and no CPU budget checked against it.
+        engine = Engine(
+            str(model), intra_op_threads=args.intra_op_threads, estimate=no_static_estimate
+        )
         sweep = {batch: raw_rate(engine, batch, args.seconds) for batch in args.batch_sizes}
         for batch, rate in sweep.items():
             print(f"# sweep: raw session, batch {batch}: {rate:,.0f} rows/s", file=sys.stderr)

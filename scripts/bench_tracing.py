@@ -40,6 +40,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased, TraceIdRati
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import Engine, LaneServer, ServerConfig
 from laneserve.server.demo_model import make_demo_model
+from laneserve.server.engine import no_static_estimate
 from laneserve.server.events import NullTracer
 from laneserve.server.telemetry import BatchLinkSampler, Telemetry
 from laneserve.v1 import inference_pb2 as pb
@@ -119,7 +120,9 @@ async def bench(args: argparse.Namespace, model: str) -> None:
     warm_up = max(args.requests // 10, 10)
     exporters: dict[str, DroppingExporter | None] = {}
     for name in ("bare", "metrics", "traced", "sampled"):
-        engine = Engine(model, intra_op_threads=1)
+        # Nothing here asks GetModel or sets a CPU budget: the static estimate's child
+        # (~1 s, twice the weights at its peak) would run four times for nothing.
+        engine = Engine(model, intra_op_threads=1, estimate=no_static_estimate)
         telemetry, exporter = telemetry_for(name, config, engine, args.ratio)
         exporters[name] = exporter
         server = LaneServer(engine, config, telemetry=telemetry)

@@ -54,9 +54,11 @@ from laneserve.server.memory import (
     ProcessRssGauge,
     Watermark,
     format_bytes,
+    format_bytes_beyond,
     parse_memory_limit,
     release_free_heap,
     session_gpu_id,
+    share_above,
 )
 from laneserve.server.scheduler import Scheduler
 from laneserve.server.scheduler_thread import SchedulerThread
@@ -544,13 +546,14 @@ def _check_idle_memory(
     _refuse_host_limit(config, watermark, used_bytes, probe)
 
 
-def _idle_marks_expected(watermark: Watermark, used_bytes: int) -> tuple[str, str]:
-    """The watermark keys at fault for an idle reading of `used_bytes`, and what they
-    are expected to be: the low mark above the share of the limit held idle, the high
-    one too where the reading reaches it."""
+def _marks_expected(config: ServerConfig, share: float) -> tuple[str, str]:
+    """The watermark keys at fault where the server needs `share` of the limit below its
+    low mark (`share_above`'s), and what they are expected to be: the low mark above the
+    share, the high one too where the low mark above it would be above the high one (the
+    config refuses that)."""
     keys = "server.memory_low_watermark"
-    expected = f"memory_low_watermark above {used_bytes / watermark.limit_bytes:.3g}"
-    if used_bytes >= watermark.high_bytes:
+    expected = f"memory_low_watermark above {share:g}"
+    if share > config.memory_high_watermark:
         keys += ", server.memory_high_watermark"
         expected += " and memory_high_watermark at least as high"
     return keys, expected
@@ -561,7 +564,7 @@ def _refuse_full_gpu(config: ServerConfig, watermark: Watermark, used_bytes: int
     and weights among it, against the device's total: no setting of laneserve's holds
     it lower (memory_limit caps the arena, not the device), so the GPU is named with what
     it holds, and the marks as the setting that could still move."""
-    keys, expected = _idle_marks_expected(watermark, used_bytes)
+    keys, expected = _marks_expected(config, share_above(used_bytes, watermark.limit_bytes))
     raise ConfigError(
         f"{keys}: GPU {session_gpu_id()!r} has {format_bytes(used_bytes)} of its "
         f"{format_bytes(watermark.limit_bytes)} in use with the server idle after loading "
@@ -585,35 +588,54 @@ def _refuse_host_limit(
     62 MiB above idle, against a low mark of 374 MiB. The probe measured 33 MiB for that
     batch: what a burst keeps beyond it (queued requests, gRPC's buffers, the heap) is
     the room the message asks for. Where the limit holds the idle server below the
-    default low mark, the low mark set lower is what fails, and is named instead: a low
-    mark of 1e-9 asked for a limit above 100 PiB."""
+    default low mark, the low mark set lower is what fails, and is named instead, above
+    the same sum's share of the limit: above the idle reading's alone (0.581 of 200 MiB
+    for the demo model with 4 096-row batches), lanes a burst closed stayed closed. A low
+    mark of 1e-9 asked for a limit above 100 PiB. Where that share reaches the whole
+    limit no mark can hold it, and the limit is named after all."""
     held = (
         f"the server holds {format_bytes(used_bytes)} idle after loading the model, at or "
         f"above the low watermark {format_bytes(watermark.low_bytes)} (memory_low_watermark "
         f"{config.memory_low_watermark:g} of {format_bytes(watermark.limit_bytes)}), so lanes "
         "closed by memory pressure could never reopen"
     )
-    if used_bytes >= int(watermark.limit_bytes * DEFAULT_MEMORY_LOW_WATERMARK):
-        batch_bytes = _full_batch_bytes(probe)
-        floor_bytes = int((used_bytes + batch_bytes) / config.memory_low_watermark)
-        counted = (
-            f"; the idle reading plus a full batch of {probe.batch_cap} rows at "
-            f"{format_bytes(batch_bytes // probe.batch_cap)} a row as the probe measured, "
-            f"{format_bytes(batch_bytes)}, over memory_low_watermark "
-            f"{config.memory_low_watermark:g}"
-            if batch_bytes
-            else ""
-        )
+    batch_bytes = _full_batch_bytes(probe)
+    share = share_above(used_bytes + batch_bytes, watermark.limit_bytes)
+    if used_bytes < int(watermark.limit_bytes * DEFAULT_MEMORY_LOW_WATERMARK) and share < 1:
+        keys, expected = _marks_expected(config, share)
+        counted = f" plus {_a_full_batch(probe, batch_bytes)}" if batch_bytes else ""
         raise ConfigError(
-            f"server.host_memory_limit: {held}; expected a limit above "
-            f"{format_bytes(floor_bytes)} (--host-memory-limit{counted}), {_ROOM}"
+            f"{keys}: {held}; expected {expected} (the share of server.host_memory_limit the "
+            f"server holds idle{counted}; the default low watermark is "
+            f"{DEFAULT_MEMORY_LOW_WATERMARK}), {_ROOM}"
         )
-    keys, expected = _idle_marks_expected(watermark, used_bytes)
+    counted = (
+        f"; the idle reading plus {_a_full_batch(probe, batch_bytes)}, over "
+        f"memory_low_watermark {config.memory_low_watermark:g}"
+        if batch_bytes
+        else ""
+    )
+    floor_bytes = _host_limit_floor(config, used_bytes, batch_bytes)
     raise ConfigError(
-        f"{keys}: {held}; expected {expected} (the share of server.host_memory_limit the "
-        f"server holds idle; the default low watermark is {DEFAULT_MEMORY_LOW_WATERMARK}), "
+        f"server.host_memory_limit: {held}; expected a limit above "
+        f"{format_bytes_beyond(floor_bytes, above=True)} (--host-memory-limit{counted}), "
         f"{_ROOM}"
     )
+
+
+def _a_full_batch(probe: Probe, batch_bytes: int) -> str:
+    """A full batch (`batch_bytes`, `_full_batch_bytes`'s, not 0) as messages name it."""
+    return (
+        f"a full batch of {probe.batch_cap} rows at "
+        f"{format_bytes(batch_bytes // probe.batch_cap)} a row as the probe measured, "
+        f"{format_bytes(batch_bytes)}"
+    )
+
+
+def _host_limit_floor(config: ServerConfig, used_bytes: int, batch_bytes: int) -> int:
+    """The least host_memory_limit whose low mark lies above the idle reading plus a
+    full batch: lanes a burst of full batches closes can reopen below it."""
+    return int((used_bytes + batch_bytes) / config.memory_low_watermark)
 
 
 def _full_batch_bytes(probe: Probe) -> int:
@@ -644,7 +666,7 @@ def _warn_if_a_full_arena_closes_lanes(
     same. Where the estimate failed (0) the weights count twice: it errs toward warning
     by their size."""
     arena_bytes = engine.memory_limit_bytes
-    if not _on_gpu(engine) or arena_bytes is None or used_bytes is None:
+    if arena_bytes is None or used_bytes is None:
         return
     in_both_bytes = min(weights_bytes, arena_bytes)
     full_bytes = used_bytes + arena_bytes - in_both_bytes
@@ -653,10 +675,8 @@ def _warn_if_a_full_arena_closes_lanes(
     # Below the high mark less the idle reading, the weights given back (positive: the
     # idle check passed, so the reading is below the low mark, at most the high one).
     limit_below_bytes = watermark.high_bytes - used_bytes + in_both_bytes
-    share = full_bytes / watermark.limit_bytes
-    remedy = f"--memory-limit below {format_bytes(limit_below_bytes)}"
-    if share < 1:  # at or above the whole device, no mark can be above it
-        remedy += f" or server.memory_high_watermark above {share:.3g}"
+    remedy = f"--memory-limit below {format_bytes_beyond(limit_below_bytes, above=False)}"
+    remedy += _or_a_high_mark_above(full_bytes, watermark)
     gpu = session_gpu_id()
     log_event(
         log,
@@ -679,6 +699,64 @@ def _warn_if_a_full_arena_closes_lanes(
         total_bytes=watermark.limit_bytes,
         memory_limit_below_bytes=limit_below_bytes,
     )
+
+
+def _warn_if_a_full_batch_closes_lanes(
+    config: ServerConfig, watermark: Watermark, used_bytes: int | None, probe: Probe
+) -> None:
+    """On the CPU, warns where the idle reading plus a full batch as the probe measured
+    it (`_full_batch_bytes`) reaches the high mark: the server's own batches would close
+    lanes, and they reopen only below the low mark, which what a burst keeps may hold
+    them above (the demo model with 4 096-row batches under a 140 MiB limit: 120 MiB
+    idle, 137 MiB with every lane closed 10 s after one burst, against a low mark of
+    119). Not refused, as on a GPU: a server whose requests never fill a batch never
+    gets there, and limits like 150 MiB serve the demo model's small batches.
+
+    Its own event, beside the GPU's watermark_below_full_arena: what fills is a batch
+    the probe measured, not an arena at its cap, and the limit the remedy raises is
+    host_memory_limit, not the arena's memory_limit. The limit named is the floor a
+    refused start names (the sum over the low mark, not the high one): above it lanes a
+    burst closes can reopen as well."""
+    batch_bytes = _full_batch_bytes(probe)
+    if used_bytes is None or used_bytes + batch_bytes < watermark.high_bytes:
+        return
+    full_bytes = used_bytes + batch_bytes
+    floor_bytes = _host_limit_floor(config, used_bytes, batch_bytes)
+    remedy = f"--host-memory-limit above {format_bytes_beyond(floor_bytes, above=True)}"
+    remedy += (
+        f" (the idle reading plus the batch, over memory_low_watermark "
+        f"{config.memory_low_watermark:g}), {_ROOM}"
+    )
+    limit = format_bytes(watermark.limit_bytes)
+    log_event(
+        log,
+        logging.WARNING,
+        "watermark_below_full_batch",
+        f"the server holds {format_bytes(used_bytes)} idle of server.host_memory_limit "
+        f"{limit}; with {_a_full_batch(probe, batch_bytes)}, it holds "
+        f"{format_bytes(full_bytes)}, at or above the high watermark "
+        f"{format_bytes(watermark.high_bytes)} (memory_high_watermark "
+        f"{config.memory_high_watermark:g} of {limit}), so a full batch would close lanes "
+        "by itself, and they reopen only below the low watermark "
+        f"{format_bytes(watermark.low_bytes)}; expected {remedy}"
+        f"{_or_a_high_mark_above(full_bytes, watermark)}",
+        used_bytes=used_bytes,
+        batch_cap=probe.batch_cap,
+        batch_bytes=batch_bytes,
+        full_batch_bytes=full_bytes,
+        high_watermark_bytes=watermark.high_bytes,
+        low_watermark_bytes=watermark.low_bytes,
+        host_memory_limit_bytes=watermark.limit_bytes,
+        host_memory_limit_above_bytes=floor_bytes,
+    )
+
+
+def _or_a_high_mark_above(full_bytes: int, watermark: Watermark) -> str:
+    """The high mark that leaves `full_bytes` below it, as a warning's second remedy;
+    "" where rounded up it reaches the whole limit: the config refuses marks above 1,
+    and a mark of 1 would keep lanes open until the memory is gone."""
+    share = share_above(full_bytes, watermark.limit_bytes)
+    return "" if share >= 1 else f" or server.memory_high_watermark above {share:g}"
 
 
 def _watermark_and_gauge(
@@ -719,7 +797,10 @@ def _watch_memory(
     except NvmlUnavailableError as error:
         raise nvml_start_error(error) from error
     _check_idle_memory(config, engine, watermark, used_bytes, probe)
-    _warn_if_a_full_arena_closes_lanes(config, engine, watermark, used_bytes, weights_bytes)
+    if _on_gpu(engine):
+        _warn_if_a_full_arena_closes_lanes(config, engine, watermark, used_bytes, weights_bytes)
+    else:
+        _warn_if_a_full_batch_closes_lanes(config, watermark, used_bytes, probe)
     return watermark, gauge
 
 

@@ -83,6 +83,16 @@ ProbeStopReason = Literal["max_batch_size", "queue_rows", "out_of_memory", "host
 # shapes given): None when it could not be worked out.
 StaticEstimate = Callable[[str], MemoryEstimate | None]
 
+
+def no_static_estimate(_model_path: str) -> MemoryEstimate | None:
+    """The `estimate` of an Engine whose static estimate nothing reads: no caller asks
+    its server's GetModel for the figures (0 without it), and it has no CPU budget (one
+    is checked against the estimate's weights; with none known nothing is refused).
+    Every Engine otherwise runs the estimate's child, ~1 s and a peak of about twice the
+    weights: the bench's baselines and raw sweeps paid it for nothing."""
+    return None
+
+
 # Messages of allocation failures: the BFC arena (CPU and CUDA), CUDA itself, and the
 # CUDA libraries' own workspaces ("CUBLAS failure 3: CUBLAS_STATUS_ALLOC_FAILED", cuDNN's
 # and cuFFT's alike): taken for a model failure, they lowered no cap and a row that
@@ -345,7 +355,7 @@ class Engine:
         start-up probe (and the broken-session check) runs; else dynamic sizes are 1.
         `estimate`: the model file's static memory estimate (by default `estimate_memory`
         with `probe_shapes`, from a child process, ~1 s; tests that build many engines
-        pass one computed once)."""
+        pass one computed once, callers that never read it `no_static_estimate`)."""
         _check_arguments(model_path, device)
         probe_shapes = probe_shapes or {}
         self.model_path = model_path
@@ -356,7 +366,7 @@ class Engine:
         # is not tried again), before any session is made: its child parses the whole
         # model, file and message (584 MiB at its peak for 272 MiB of weights), and made
         # beside a session that held the weights already, server and child peaked at
-        # 945 MiB, 629 with the estimate first. A CPU budget is checked against it.
+        # 927 MiB, 657 with the estimate first. A CPU budget is checked against it.
         self.static_estimate = (
             estimate_memory(model_path, probe_shapes=probe_shapes)
             if estimate is None

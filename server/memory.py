@@ -123,6 +123,37 @@ def format_bytes(count: int) -> str:
     return f"{size:.1f}{unit}"
 
 
+def format_bytes_beyond(count: int, *, above: bool) -> str:
+    """`count` bytes as format_bytes writes them, rounded away from `count` (up where
+    `above`, else down) to the last digit shown and by 2 bytes or more: a bound a message
+    names as "above X" or "below X", where the figure printed must lie on the side asked
+    for itself. Rounded to nearest, "--memory-limit below 71.5GiB" named a figure above
+    the bound (71.49 GiB), and setting it brought the same warning back. The 2 bytes
+    cover the float product parse_memory_limit truncates to whole bytes."""
+    if count < _KIB:
+        return f"{max(count + 2 if above else count - 2, 0)}B"
+    unit_bytes, unit = _KIB, "KiB"
+    for larger in ("MiB", "GiB"):
+        if count < unit_bytes * _KIB:
+            break
+        unit_bytes, unit = unit_bytes * _KIB, larger
+    # In tenths of the unit: the first past count + 2, or the last at or below count - 2.
+    tenths = (count + 2) * 10 // unit_bytes + 1 if above else (count - 2) * 10 // unit_bytes
+    return f"{tenths / 10:.1f}{unit}"
+
+
+def share_above(part_bytes: int, whole_bytes: int) -> float:
+    """`part_bytes` as a fraction of `whole_bytes`, rounded up to 3 significant digits and
+    past it by 2 bytes or more: a watermark set to it (int(limit * mark) bytes, as the
+    server takes it) lies above `part_bytes`, so a message's "memory_high_watermark
+    above S" holds for S itself. Rounded to nearest, 0.9996 was named "above 1", a mark
+    the config refuses, and 0.9564 "above 0.956", below the share."""
+    assert part_bytes > 0 < whole_bytes
+    decimals = max(2 - math.floor(math.log10(part_bytes / whole_bytes)), 0)
+    scale = int(10**decimals)  # decimals >= 0: an int (mypy reads int ** int as Any)
+    return ((part_bytes + 2) * scale // whole_bytes + 1) / scale
+
+
 # ---- reading memory in use -------------------------------------------------------------
 
 
@@ -545,8 +576,10 @@ def estimate_memory(
     """Weights plus per-row activations from the model file (`static_estimate`), a row of
     the shape the probe runs (`probe_shapes`: an input's dynamic sizes after the row axis;
     those not given are 1), worked out in a child process; None, with a warning, when
-    that fails: the estimate only informs (GetModel), so a model shape inference cannot
-    read still serves.
+    that fails: a model shape inference cannot read still serves, unestimated (GetModel
+    reports 0, a CPU budget goes unchecked against its weights). The warning promises
+    nothing of the kind: it comes before the session is made, and a file the runtime
+    cannot load either ("GetModel reports 0" said a garbage file's) is refused next.
 
     In the serving process the estimate would cost what it estimates: importing onnx and
     parsing the model with its weights kept ~35 MiB resident for good (110 -> 146 MiB on
@@ -573,8 +606,7 @@ def estimate_memory(
             log,
             logging.WARNING,
             "static_estimate_failed",
-            f"static memory estimate of {model_path}: no answer within {timeout_s:.0f}s; "
-            "GetModel reports 0",
+            f"static memory estimate of {model_path}: no answer within {timeout_s:.0f}s",
             model=model_path,
             timeout_s=timeout_s,
         )
@@ -588,7 +620,7 @@ def estimate_memory(
             log,
             logging.INFO,
             "static_estimate_stopped",
-            f"static memory estimate of {model_path} stopped by {name}; GetModel reports 0",
+            f"static memory estimate of {model_path} stopped by {name}",
             model=model_path,
             signal=name,
         )
@@ -600,8 +632,7 @@ def estimate_memory(
             log,
             logging.WARNING,
             "static_estimate_failed",
-            f"static memory estimate of {model_path} failed (exit {child.returncode}: {last}); "
-            "GetModel reports 0",
+            f"static memory estimate of {model_path} failed (exit {child.returncode}: {last})",
             model=model_path,
             exit_code=child.returncode,
             error=last,

@@ -1705,6 +1705,63 @@ def test_the_measurement_scripts_run_and_print_their_figures(
     assert figure in done.stdout, done.stdout
 
 
+# Runs a script or module (argv[1]: a path, or -m and a module) as its __main__, printing
+# a line to stderr for each static-estimate child this process starts (fault injection:
+# the child still runs, recorded on its way).
+_RECORDING_ESTIMATES = """
+import runpy, subprocess, sys
+run = subprocess.run
+def recorded(argv, *args, **kwargs):
+    if any(str(arg).endswith("static_estimate.py") for arg in argv):
+        print("static estimate child started", file=sys.stderr, flush=True)
+    return run(argv, *args, **kwargs)
+subprocess.run = recorded
+if sys.argv[1] == "-m":
+    sys.argv = sys.argv[2:]
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+else:
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        pytest.param(
+            ["-m", "laneserve.server.bench.baselines", "raw", "--max-batch-size", "2"],
+            id="baselines",
+        ),
+        pytest.param(
+            [
+                *(str(REPO / "scripts" / "bench_bulk.py"), "--rows", "256"),
+                *("--rows-per-item", "64", "--batch-sizes", "32", "--seconds", "0.1"),
+                *("--rounds", "1"),
+            ],
+            id="bench_bulk",
+        ),
+        pytest.param(
+            [str(REPO / "scripts" / "bench_tracing.py"), "--requests", "10", "--rounds", "1"],
+            id="bench_tracing",
+        ),
+    ],
+)
+def test_engines_the_bench_makes_for_itself_run_no_static_estimate(
+    small_model: Path, command: list[str]
+) -> None:
+    """Every Engine ran the static estimate's child (~1 s, a peak of twice the weights),
+    the baselines' (single, echo, raw: one Engine in main), bench_bulk.py's raw sweep and
+    bench_tracing.py's four servers too, though none of them reads it or sets a CPU
+    budget. The laneserve server bench_bulk.py starts is a process of its own, and
+    estimates as every server does."""
+    if command[0] == "-m":
+        command = [*command, "--model", str(small_model), "--seconds-per-size", "0.01"]
+        command += ["--device", "cpu"]
+    done = run_text([sys.executable, "-c", _RECORDING_ESTIMATES, *command], timeout_s=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "static estimate child started" not in done.stderr
+
+
 # What bench_request_path.py's JSON holds: the document, each tree's run in a round, and
 # the figures it compares (a ratio and a median of each).
 AB_DOCUMENT_KEYS = {"schema", "settings", "machine", "trees", "rounds", "median", "command"}

@@ -238,14 +238,17 @@ def test_static_estimate_counts_weights_written_as_constant_nodes(tmp_path: Path
 def test_static_estimate_that_fails_is_none_and_names_the_model(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The estimate only informs GetModel: a model shape inference cannot read must not
-    stop the server, and the log says which file and why."""
+    """A model shape inference cannot read must not stop the server, and the log says
+    which file and why. It said "GetModel reports 0" as well, before a garbage file the
+    runtime cannot load either was refused: the server may not start at all."""
     path = tmp_path / "not-a-model.onnx"
     path.write_bytes(b"\x00not protobuf")
     assert estimate_memory(str(path)) is None
     (record,) = [r for r in caplog.records if "static memory estimate" in r.getMessage()]
     assert str(path) in record.getMessage()
     assert "failed (exit 1:" in record.getMessage()
+    assert record.getMessage().endswith(")"), "the child's last line, and nothing after it"
+    assert "GetModel" not in record.getMessage()
     # An event, as every operator-facing line is (with --log-format json, its members).
     assert getattr(record, "event", None) == "static_estimate_failed"
     assert getattr(record, "fields", {})["exit_code"] == 1
@@ -264,9 +267,7 @@ def test_static_estimate_stopped_by_a_signal_is_no_failure(
     caplog.set_level(logging.INFO, "laneserve")
     assert estimate_memory("model.onnx") is None
     (record,) = [r for r in caplog.records if "static memory estimate" in r.getMessage()]
-    assert record.getMessage() == (
-        "static memory estimate of model.onnx stopped by SIGTERM; GetModel reports 0"
-    )
+    assert record.getMessage() == "static memory estimate of model.onnx stopped by SIGTERM"
     assert record.levelno == logging.INFO
     assert getattr(record, "event", None) == "static_estimate_stopped"
 
@@ -283,7 +284,7 @@ def test_static_estimate_killed_by_another_signal_is_a_failure(
     assert estimate_memory("model.onnx") is None
     (record,) = [r for r in caplog.records if "static memory estimate" in r.getMessage()]
     assert record.levelno == logging.WARNING
-    assert "failed (exit -9: no output)" in record.getMessage()
+    assert record.getMessage() == "static memory estimate of model.onnx failed (exit -9: no output)"
 
 
 @pytest.mark.parametrize("memory_limit", [None, "64MiB"], ids=["no-budget", "cpu-budget"])
@@ -330,7 +331,7 @@ def test_the_estimate_runs_before_the_session_is_made(
 ) -> None:
     """The estimate's child parses the whole model (584 MiB at its peak for 272 MiB of
     weights). Without a CPU budget it ran once the server's session held the weights:
-    server and child peaked at 945 MiB together, 629 with the child first."""
+    server and child peaked at 927 MiB together, 657 with the child first."""
     order: list[str] = []
     run_child, make_session = subprocess.run, ort.InferenceSession
 
@@ -496,8 +497,9 @@ class _ProbeReadsRows(Engine):
             "server.memory_low_watermark: the server holds 100.0MiB idle after loading the "
             "model, at or above the low watermark 1B (memory_low_watermark 1e-09 of 1.0GiB), "
             "so lanes closed by memory pressure could never reopen; expected "
-            "memory_low_watermark above 0.0977 (the share of server.host_memory_limit the "
-            "server holds idle; the default low watermark is 0.85), with room above it",
+            "memory_low_watermark above 0.106 (the share of server.host_memory_limit the "
+            "server holds idle plus a full batch of 128 rows at 64.0KiB a row as the probe "
+            "measured, 8.0MiB; the default low watermark is 0.85), with room above it",
             id="low-mark-under-the-idle-server",
         ),
         pytest.param(
@@ -550,7 +552,8 @@ def test_a_limit_under_the_idle_server_is_named_from_it_where_the_probe_fitted_n
     demo_model: Path,
 ) -> None:
     """One size probed (max_batch_size 1): no line through the readings, no batch's share
-    known; the limit named is the idle reading's over the low mark, as before."""
+    known; the limit named is the idle reading's over the low mark, as before, rounded
+    up (117.65 MiB was named 117.6MiB, a limit still refused)."""
     config = ServerConfig(
         model_path=str(demo_model),
         device="cpu",
@@ -561,7 +564,7 @@ def test_a_limit_under_the_idle_server_is_named_from_it_where_the_probe_fitted_n
     engine = _ProbeReadsRows(demo_model, idle_bytes=100 * MIB, row_bytes=64 * 1024)
     with pytest.raises(ConfigError) as refused:
         LaneServer(engine, config, memory_gauge=_Resident(100 * MIB))
-    assert "; expected a limit above 117.6MiB (--host-memory-limit), with room above it" in str(
+    assert "; expected a limit above 117.7MiB (--host-memory-limit), with room above it" in str(
         refused.value
     )
 
@@ -2755,7 +2758,7 @@ def test_a_neighbour_filling_the_gpu_closes_lanes_bottom_up(
             "server idle after loading the model (every process's use, this server's among "
             "it), at or above the low watermark 68.0GiB (memory_low_watermark 0.85 of the "
             "GPU's memory), so lanes closed by memory pressure could never reopen; expected a "
-            "GPU with more free memory, or memory_low_watermark above 0.875 (the share of the "
+            "GPU with more free memory, or memory_low_watermark above 0.876 (the share of the "
             "GPU's memory in use idle; the default low watermark is 0.85), with room above it",
             id="above-the-low-mark",
         ),
@@ -2773,7 +2776,8 @@ def test_a_gpu_full_while_the_server_is_idle_is_refused_naming_its_use(
     """The idle check asked for "a limit above 82.4GiB (--memory-limit)" of an 80 GiB
     GPU: no memory_limit holds the device lower, other processes' use counting in it.
     The GPU's use and total are named, and what would do: a GPU with more free memory,
-    or the marks above the share in use."""
+    or the marks above the share in use, rounded up past it (0.875 of 80 GiB is the 70
+    GiB in use, a low mark still refused)."""
     gpu = _GpuMemory(used_bytes=used_gib * GIB)
     engine = _on_a_fake_gpu(monkeypatch, small_model, gpu, ARENA_ON_80_GIB)
     config = ServerConfig(model_path=str(small_model), metrics_port=-1, max_batch_size=8)
@@ -2786,11 +2790,15 @@ def test_a_gpu_full_while_the_server_is_idle_is_refused_naming_its_use(
 
 
 @pytest.mark.parametrize(
-    ("idle_gib", "warned", "mark_named"),
+    ("idle_gib", "remedy"),
     [
-        pytest.param(5, True, True, id="over-the-high-mark"),
-        pytest.param(10, True, False, id="over-the-whole-gpu"),
-        pytest.param(1, False, False, id="fits"),
+        pytest.param(
+            5,
+            "expected --memory-limit below 71.0GiB or server.memory_high_watermark above 0.963",
+            id="over-the-high-mark",
+        ),
+        pytest.param(10, "expected --memory-limit below 66.0GiB", id="over-the-whole-gpu"),
+        pytest.param(1, None, id="fits"),
     ],
 )
 def test_a_full_arena_that_reaches_the_high_mark_is_warned_at_start(
@@ -2798,8 +2806,7 @@ def test_a_full_arena_that_reaches_the_high_mark_is_warned_at_start(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
     idle_gib: int,
-    warned: bool,
-    mark_named: bool,
+    remedy: str | None,
 ) -> None:
     """An arena that fills to its cap takes the device to the idle reading plus the cap,
     less the weights the idle reading holds already: at or above the high mark the
@@ -2814,7 +2821,7 @@ def test_a_full_arena_that_reaches_the_high_mark_is_warned_at_start(
     records = [
         r for r in caplog.records if getattr(r, "event", None) == "watermark_below_full_arena"
     ]
-    if not warned:
+    if remedy is None:
         assert records == []
         return
     (record,) = records
@@ -2832,9 +2839,6 @@ def test_a_full_arena_that_reaches_the_high_mark_is_warned_at_start(
         "watermark 76.0GiB (memory_high_watermark 0.95 of the GPU's memory), so a batch "
         "that fills the arena would close lanes by itself"
     ), message
-    remedy = f"expected --memory-limit below {format_bytes(high - idle_gib * GIB + weights)}"
-    if mark_named:
-        remedy += f" or server.memory_high_watermark above {full / (80 * GIB):.3g}"
     assert message.endswith(remedy), message
     assert getattr(record, "fields", {}) == {
         "gpu": "0",
@@ -2845,6 +2849,194 @@ def test_a_full_arena_that_reaches_the_high_mark_is_warned_at_start(
         "total_bytes": 80 * GIB,
         "memory_limit_below_bytes": high - idle_gib * GIB + weights,
     }
+
+
+def _warned(caplog: pytest.LogCaptureFixture, event: str) -> list[str]:
+    """The messages of the `event` records logged so far."""
+    return [r.getMessage() for r in caplog.records if getattr(r, "event", None) == event]
+
+
+def _start_on_a_fake_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+    model: Path,
+    gpu: _GpuMemory,
+    arena_bytes: int,
+    **settings: Any,
+) -> None:
+    """A server made (not started) on `_on_a_fake_gpu`'s engine, with `settings`."""
+    engine = _on_a_fake_gpu(monkeypatch, model, gpu, arena_bytes)
+    config = ServerConfig(model_path=str(model), metrics_port=-1, max_batch_size=8, **settings)
+    LaneServer(engine, config).telemetry.close()
+
+
+@pytest.mark.parametrize(
+    ("idle_bytes", "mark_named"),
+    [
+        pytest.param(int(4.512 * GIB), True, id="both-fell-short-rounded-to-nearest"),
+        pytest.param(int(7.968 * GIB), False, id="the-mark-rounded-up-reaches-1"),
+    ],
+)
+def test_the_full_arena_warnings_remedies_set_as_printed_silence_it(
+    small_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    idle_bytes: int,
+    mark_named: bool,
+) -> None:
+    """The remedies were rounded to nearest: "--memory-limit below 71.5GiB" for a bound
+    of 71.49 GiB and "memory_high_watermark above 0.956" for a share of 0.9564, and set
+    as printed, each brought the warning back; 0.9996 of the GPU was "above 1", a mark
+    the config refuses. The limit is rounded down, the mark up, and a mark that rounds
+    up to 1 is not offered."""
+    gpu = _GpuMemory(used_bytes=idle_bytes)
+    caplog.set_level(logging.WARNING, "laneserve")
+    _start_on_a_fake_gpu(monkeypatch, small_model, gpu, ARENA_ON_80_GIB)
+    (message,) = _warned(caplog, "watermark_below_full_arena")
+    found = re.search(
+        r"expected --memory-limit below (\S+?)(?: or server\.memory_high_watermark above (\S+))?$",
+        message,
+    )
+    assert found is not None, message
+    limit, mark = found.groups()
+    assert (mark is not None) == mark_named, message
+    caplog.clear()
+    arena_bytes = parse_memory_limit(limit).resolve(gpu.total_bytes)
+    _start_on_a_fake_gpu(monkeypatch, small_model, gpu, arena_bytes)
+    assert _warned(caplog, "watermark_below_full_arena") == [], f"--memory-limit {limit}"
+    if mark is not None:
+        settings = {"memory_high_watermark": float(mark)}
+        _start_on_a_fake_gpu(monkeypatch, small_model, gpu, ARENA_ON_80_GIB, **settings)
+        assert _warned(caplog, "watermark_below_full_arena") == [], f"high mark {mark}"
+
+
+def _cpu_server(demo_model: Path, **settings: Any) -> LaneServer:
+    """A CPU server (made, not started) whose idle reading is 100 MiB and whose probe
+    reads 64 KiB more for each row (`_ProbeReadsRows`), with `settings`."""
+    config = ServerConfig(model_path=str(demo_model), device="cpu", metrics_port=-1, **settings)
+    engine = _ProbeReadsRows(demo_model, idle_bytes=100 * MIB, row_bytes=64 * 1024)
+    server = LaneServer(engine, config, memory_gauge=_Resident(100 * MIB))
+    server.telemetry.close()
+    return server
+
+
+@pytest.mark.parametrize(
+    ("limit", "warned", "mark"),
+    [
+        pytest.param("135MiB", True, "0.978", id="over-the-high-mark"),
+        pytest.param("120MiB", True, None, id="over-the-whole-limit"),
+        pytest.param("160MiB", False, None, id="fits"),
+    ],
+)
+def test_a_full_batch_that_reaches_the_high_mark_on_the_cpu_is_warned_at_start(
+    demo_model: Path,
+    caplog: pytest.LogCaptureFixture,
+    limit: str,
+    warned: bool,
+    mark: str | None,
+) -> None:
+    """The GPU's full-arena warning had no CPU counterpart: the demo model with 4 096-row
+    batches under a 140 MiB limit started without a word, below its low mark idle, and
+    after one burst held 137 MiB with every lane closed for good (low mark 119 MiB). The
+    idle reading plus a full batch as the probe measured it (100 + 512 x 64 KiB = 132
+    MiB here) at or above the high mark is warned, naming the limit a refused start
+    names ((100 + 32) / 0.85 = 155.3 MiB) and the high mark; not refused (limits like
+    150 MiB serve the demo model's default batches). Either remedy, set as printed,
+    starts the server without it."""
+    caplog.set_level(logging.WARNING, "laneserve")
+    server = _cpu_server(demo_model, host_memory_limit=limit, max_batch_size=512)
+    assert server.probe.batch_cap == 512
+    records = [
+        r for r in caplog.records if getattr(r, "event", None) == "watermark_below_full_batch"
+    ]
+    if not warned:
+        assert records == []
+        return
+    (record,) = records
+    assert record.levelno == logging.WARNING
+    limit_bytes = parse_memory_limit(limit).resolve(None)
+    high, low = int(limit_bytes * 0.95), int(limit_bytes * 0.85)
+    message = record.getMessage()
+    assert message.startswith(
+        f"the server holds 100.0MiB idle of server.host_memory_limit {format_bytes(limit_bytes)}; "
+        "with a full batch of 512 rows at 64.0KiB a row as the probe measured, 32.0MiB, it "
+        f"holds 132.0MiB, at or above the high watermark {format_bytes(high)} "
+        f"(memory_high_watermark 0.95 of {format_bytes(limit_bytes)}), so a full batch would "
+        "close lanes by itself, and they reopen only below the low watermark "
+        f"{format_bytes(low)}; expected --host-memory-limit above 155.3MiB (the idle reading "
+        "plus the batch, over memory_low_watermark 0.85), with room above it"
+    ), message
+    or_mark = "" if mark is None else f" or server.memory_high_watermark above {mark}"
+    assert message.endswith(f"(buffers and caches a burst leaves){or_mark}"), message
+    assert getattr(record, "fields", {}) == {
+        "used_bytes": 100 * MIB,
+        "batch_cap": 512,
+        "batch_bytes": 32 * MIB,
+        "full_batch_bytes": 132 * MIB,
+        "high_watermark_bytes": high,
+        "low_watermark_bytes": low,
+        "host_memory_limit_bytes": limit_bytes,
+        "host_memory_limit_above_bytes": int(132 * MIB / 0.85),
+    }
+    remedies: list[dict[str, Any]] = [{"host_memory_limit": "155.3MiB"}]
+    if mark is not None:
+        remedies.append({"host_memory_limit": limit, "memory_high_watermark": float(mark)})
+    for settings in remedies:
+        caplog.clear()
+        _cpu_server(demo_model, max_batch_size=512, **settings)
+        assert _warned(caplog, "watermark_below_full_batch") == [], settings
+
+
+@pytest.mark.parametrize(
+    ("max_batch_size", "message"),
+    [
+        pytest.param(
+            128,
+            "server.memory_low_watermark, server.memory_high_watermark: the server holds "
+            "100.0MiB idle after loading the model, at or above the low watermark 90.0MiB "
+            "(memory_low_watermark 0.5 of 180.0MiB), so lanes closed by memory pressure could "
+            "never reopen; expected memory_low_watermark above 0.601 and memory_high_watermark "
+            "at least as high (the share of server.host_memory_limit the server holds idle "
+            "plus a full batch of 128 rows at 64.0KiB a row as the probe measured, 8.0MiB; "
+            "the default low watermark is 0.85), with room above it",
+            id="a-mark-that-holds-it",
+        ),
+        pytest.param(
+            2048,
+            "server.host_memory_limit: the server holds 100.0MiB idle after loading the model, "
+            "at or above the low watermark 90.0MiB (memory_low_watermark 0.5 of 180.0MiB), so "
+            "lanes closed by memory pressure could never reopen; expected a limit above "
+            "456.1MiB (--host-memory-limit; the idle reading plus a full batch of 2048 rows at "
+            "64.0KiB a row as the probe measured, 128.0MiB, over memory_low_watermark 0.5), "
+            "with room above it",
+            id="no-mark-holds-it",
+        ),
+    ],
+)
+def test_a_low_mark_named_at_start_leaves_a_full_batch_below_it(
+    demo_model: Path, max_batch_size: int, message: str
+) -> None:
+    """The low mark a refused start named counted the idle reading alone: following it
+    (0.581 of 200 MiB, the demo model with 4 096-row batches), one burst closed standard
+    and bulk for good. It counts a full batch beside the idle reading, as the limit
+    named does, so that memory a full batch took falls below it again; where that sum
+    is the whole limit or more no mark holds it, and the limit is named."""
+    settings: dict[str, Any] = {
+        "host_memory_limit": "180MiB",
+        "memory_low_watermark": 0.5,
+        "memory_high_watermark": 0.6,
+        "max_batch_size": max_batch_size,
+    }
+    with pytest.raises(ConfigError) as refused:
+        _cpu_server(demo_model, **settings)
+    assert str(refused.value).startswith(message), str(refused.value)
+    found = re.search(r"expected memory_low_watermark above (\S+)", str(refused.value))
+    if found is None:
+        return
+    mark = float(found[1])
+    settings |= {"memory_low_watermark": mark, "memory_high_watermark": max(mark, 0.6)}
+    watermark = _cpu_server(demo_model, **settings).scheduler.watermark
+    assert watermark is not None
+    assert watermark.low_bytes > (100 + 8) * MIB, "the idle reading and a full batch below it"
 
 
 def test_a_gpu_count_nvml_fails_means_no_usable_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,7 +41,7 @@ from laneserve.client.tensors import datatype_of, encode_tensor
 from laneserve.server.bench.settings import WORKER_METADATA_KEY
 from laneserve.server.codec import check_output_names, decode_inputs, encode_response
 from laneserve.server.config import DEVICES
-from laneserve.server.engine import Engine, TensorSpec
+from laneserve.server.engine import Engine, TensorSpec, no_static_estimate
 from laneserve.server.errors import LaneserveError, to_rpc_status
 from laneserve.server.items import Timing
 from laneserve.server.process import tune_for_serving
@@ -326,7 +326,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    engine = Engine(args.model, device=args.device, intra_op_threads=args.intra_op_threads)
+    # No baseline reads the static estimate (their GetModel has no memory figures) or
+    # sets a CPU budget: its child would cost each start ~1 s and twice the weights.
+    engine = Engine(
+        args.model,
+        device=args.device,
+        intra_op_threads=args.intra_op_threads,
+        estimate=no_static_estimate,
+    )
     if args.command == "raw":
         result = raw_ceiling(
             engine, max_batch_size=args.max_batch_size, seconds_per_size=args.seconds_per_size
