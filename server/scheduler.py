@@ -113,6 +113,17 @@ GATHER_SCAN_ENTRIES = 256
 # Entries of a lower lane admission reads to count what pass 1 takes for its share
 # ahead of a request (see `_share_claim_rows`): a bound per admission, not the queue.
 SHARE_SCAN_ENTRIES = 16
+# A request split across batches (over the cap) yields each batch's room to the whole
+# requests queued behind it in its lane, in FIFO order, but keeps at least this share of
+# the batch's cap (see `_Filling.fill`). Taken in order alone, a 512-row interactive
+# request held the 1-row requests behind it for four batches (5 % of them refused, and
+# a queue-wait p99 of 36 ms where they waited 0.8 alone); the floor bounds what yielding
+# costs it (its batches at most about double under a flood of small ones).
+SPLIT_FLOOR_SHARE = 0.5
+# Entries of its lane admission reads behind a request being split ahead of a whole one
+# (see `Lane.split_ahead`): a bound per admission; past it, the split request's rows are
+# counted whole ahead, as any request's.
+SPLIT_SCAN_ENTRIES = 64
 # Suggested wait before retrying a request refused for memory pressure.
 MEMORY_PRESSURE_RETRY_S = 0.25
 
@@ -166,6 +177,9 @@ class _Filling:
         # entry_id -> (entry, rows taken from it), in the order they were taken.
         self.taken: dict[int, tuple[Entry, int]] = {}
         self.present: set[int] = set()  # priorities of the lanes with rows in the batch
+        # Per lane priority, the rows its entries larger than the cap have in the batch
+        # (over both passes): together they keep at least SPLIT_FLOOR_SHARE of the cap.
+        self.split_rows: dict[int, int] = {}
 
     def fill(self, lane: Lane, allowance: float, *, gather: bool = False) -> tuple[int, int]:
         """Takes `lane`'s entries in FIFO order up to `allowance` rows (the one crossing
@@ -174,14 +188,24 @@ class _Filling:
         `gather`: then it is passed over (it keeps its place: the batch's lane leads the
         next batch with its oldest entry), up to GATHER_SCAN_ENTRIES of them. Returns the
         rows taken and the rows of the entry the turn ended at for want of room (0: it
-        ended for another reason)."""
+        ended for another reason).
+
+        An entry larger than the cap (split across batches; its last chunk too) takes at
+        first only what is left of its lane's floor in the batch (SPLIT_FLOOR_SHARE of
+        the cap, less what entries of its lane larger than the cap already have in it):
+        the whole requests behind it take the room they fit, in order, and it gets what
+        they leave when the turn ends, within the allowance. Taking its last chunk whole,
+        it held the requests behind it a batch more. Its rows still go in order
+        (`Lane.take`), so it is reassembled as before."""
         used = 0
         passed_over = 0
+        unfit = 0
+        split: list[Entry] = []  # entries larger than the cap, oldest first: they fill last
+        floor_rows = math.ceil(self.batch_cap * SPLIT_FLOOR_SHARE)
         for entry in lane:
             if used >= allowance:
                 break
-            already = self.taken[entry.entry_id][1] if entry.entry_id in self.taken else 0
-            left = entry.queued_rows - already
+            left = entry.queued_rows - self._rows_of(entry)
             if left == 0:
                 continue
             if entry.request.signature != self.signature:
@@ -190,16 +214,36 @@ class _Filling:
                     continue
                 break
             if entry.request.rows > self.batch_cap and self.room > 0:
-                rows = min(left, self.room, math.ceil(allowance - used))
+                split.append(entry)
+                floor_left = floor_rows - self.split_rows.get(lane.priority, 0)
+                rows = min(left, self.room, math.ceil(allowance - used), max(floor_left, 0))
             elif left <= self.room:
                 rows = left
             else:
-                return used, left
-            self.taken[entry.entry_id] = (entry, already + rows)
-            self.room -= rows
-            used += rows
-            self.present.add(lane.priority)
-        return used, 0
+                unfit = left
+                break
+            used += self._take(lane, entry, rows)
+        for entry in split:
+            if self.room == 0 or used >= allowance:
+                break
+            left = entry.queued_rows - self._rows_of(entry)
+            used += self._take(lane, entry, min(left, self.room, math.ceil(allowance - used)))
+        return used, unfit
+
+    def _rows_of(self, entry: Entry) -> int:
+        """The rows of `entry` taken so far."""
+        return self.taken[entry.entry_id][1] if entry.entry_id in self.taken else 0
+
+    def _take(self, lane: Lane, entry: Entry, rows: int) -> int:
+        """Takes `rows` more rows of `lane`'s `entry` (0: none); returns them."""
+        if rows == 0:
+            return 0
+        self.taken[entry.entry_id] = (entry, self._rows_of(entry) + rows)
+        self.room -= rows
+        self.present.add(lane.priority)
+        if entry.request.rows > self.batch_cap:
+            self.split_rows[lane.priority] = self.split_rows.get(lane.priority, 0) + rows
+        return rows
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -259,7 +303,8 @@ class Scheduler:
         for all)."""
         assert batch_cap >= 1
         self.lanes = [
-            Lane(config, priority, self._alone_s) for priority, config in enumerate(lanes)
+            Lane(config, priority, self._alone_s, split_over_rows=batch_cap)
+            for priority, config in enumerate(lanes)
         ]
         self._by_name = {lane.name: lane for lane in self.lanes}
         self.events = events or NullEvents()
@@ -376,11 +421,16 @@ class Scheduler:
     def _observe_request(self, lane: Lane, request: InferenceRequest, now_s: float) -> None:
         """Folds an admitted request into the pace of admissions (all, for `decide`; per
         lane and signature, see `_arrival_gap_at`), its lane's activity and its lane's
-        size averages."""
+        size averages. Those are of what a request adds to one batch: one larger than the
+        cap counts as the cap. Split, it fills the room a batch leaves it, at most that
+        (`_Filling.fill`): counted at its half-cap floor, it would price a batch it fills
+        at half its run; at its 512 rows, one such request among 1-row ones lifted the
+        size of the requests expected to join a newcomer's batch from 1 to 52 rows, and
+        three in five of the newcomers then refused would have met their deadlines."""
         lane.last_admit_s = now_s
         self._arrival_gap_s = _folded_gap(self._arrival_gap_s, self._last_admit_s, now_s)
         self._last_admit_s = now_s
-        rows = request.rows
+        rows = min(request.rows, self.caps.rows(request.signature))
         if lane.request_rows_mean == 0:
             lane.request_rows_mean, lane.request_rows_square_mean = rows, rows * rows
         else:
@@ -531,16 +581,35 @@ class Scheduler:
         # Per lane at or above: its queued rows and requests of this shape, and the seconds
         # of its work of other shapes (asked once: both estimates read them).
         queued = [other.queued_as(signature) for other in self.lanes[: lane.priority + 1]]
-        drain_s = self._queue_drain_s(
+        drain = functools.partial(
+            self._queue_drain_s,
             lane,
             rows,
             signature,
             batch_rows,
-            queued,
             arriving_above=arriving_above,
             lead_s=start_s - now_s,
             now_s=now_s,
         )
+        drain_s = drain(queued)
+        # Requests being split ahead in its lane yield it the room of every batch but
+        # their floor (`_Filling.fill`), when it is whole: counted all ahead, a 1-row
+        # request behind 2 000 rows was refused a deadline the next batch met.
+        # Under a cap lowered out of memory, requests up to the probed cap are split too:
+        # not counted so here, they count whole ahead, as before.
+        split = (
+            lane.split_ahead(signature, SPLIT_SCAN_ENTRIES)
+            if rows <= self.caps.rows(signature) == self.caps.max_rows
+            else None
+        )
+        if split is not None and split[0]:
+            split_rows, split_entries, widest_rows = split
+            own_rows, own_entries, own_others_s = queued[-1]
+            whole = [
+                *queued[:-1],
+                (own_rows - split_rows, own_entries - split_entries, own_others_s),
+            ]
+            drain_s = min(drain_s, drain(whole, split=(split_rows, max(widest_rows, rows))))
         # Work still arriving above goes first: of each second, the lanes above take their
         # load, and the queue ahead drains in what is left.
         left = 1.0 - self._load_above(lane, now_s)
@@ -587,8 +656,9 @@ class Scheduler:
         lane's share may claim the next batch's room; `per_batch` >= `_packed_rows`
         (monotone in the room) of the least room: the least batch limit (the cap, or
         `_rows_within_wait` of the active lane above) less every lower lane's share, in
-        the least served share (every lower claim counted as shutting out its head). One
-        batch more absorbs rounding."""
+        the least served share (every lower claim counted as shutting out its head), or,
+        for a request split in an active lane, no more than its floor of that room,
+        which it is counted at there. One batch more absorbs rounding."""
         if lane.config.min_share > 0 and self._fed_above(lane, now_s):
             return None
         start_s = now_s if self._running_until_s is None else max(now_s, self._running_until_s)
@@ -633,12 +703,16 @@ class Scheduler:
             return None
         mean_rows = total / requests
         uniform = squares / requests <= (1 + UNIFORM_SIZES_CV2) * mean_rows * mean_rows
-        per_batch = max(1.0 - shut_out, MIN_SERVED_SHARE) * self._packed_rows(
+        served_share = max(1.0 - shut_out, MIN_SERVED_SHARE)
+        per_batch = served_share * self._packed_rows(
             least_room,
             mean_rows=mean_rows,
             fill_ratio=None if uniform else fills / total,
             cap=cap,
         )
+        if rows > cap and self._active(lane, now_s):
+            floor_rows = math.ceil(cap * SPLIT_FLOOR_SHARE)
+            per_batch = min(per_batch, served_share * min(floor_rows, least_room))
         later = total + max((cap if lower_claims else 0) - least_rows, 0)
         batch_s = self._slowest_batch_s(signature, cap)
         drain_s = other_shapes_s + (3 + later / per_batch) * batch_s
@@ -804,7 +878,7 @@ class Scheduler:
             for above in self.lanes[: lane.priority]
         )
 
-    def _queue_drain_s(  # noqa: PLR0915 - one pass over the lanes: it runs on every admission
+    def _queue_drain_s(  # noqa: PLR0912, PLR0913, PLR0915 - one pass over the lanes, every admission
         self,
         lane: Lane,
         rows: int,
@@ -815,6 +889,7 @@ class Scheduler:
         arriving_above: bool = False,
         lead_s: float = 0.0,
         now_s: float | None = None,
+        split: tuple[int, int] = (0, 0),
     ) -> float:
         """Seconds until `rows` more rows in `lane` are served top-down in batches of
         `batch_rows`: the rows queued in it and above (`queued`: `Lane.queued_as` of
@@ -838,9 +913,27 @@ class Scheduler:
         model says (`Lane.queued_as`, O(1) a lane). All costed at this request's model, 128
         rows of length 512 ahead were predicted to take 2 ms for a request of length 8
         (it was answered 174 ms late), and 256 rows of length 8 to take 620 ms for one of
-        length 512 (refused: it would have been answered in 73 ms)."""
+        length 512 (refused: it would have been answered in 73 ms).
+
+        `split`: the rows of requests larger than the cap queued ahead in `lane`, left out
+        of `queued` (this request is whole), and the rows of the widest whole request from
+        the first of them on, this one included (see `Lane.split_ahead`). A batch gives
+        them the room the whole requests behind them leave, but at least
+        SPLIT_FLOOR_SHARE of the cap (`_Filling.fill`): they are counted as taking that
+        out of every batch and filling the room left, for as long as this request waits.
+        That is too long when they run out first: then their rows counted whole ahead
+        (the call without them) is the earlier estimate, and the caller takes the
+        earlier of the two. A whole request wider than the room beside that floor waits
+        until they are done: then only that call holds (this one is infinite).
+
+        This request larger than the cap is split, and yields the room of each batch to
+        the whole requests admitted behind it down to the same floor: while its lane is
+        active, its rows and those ahead are counted at that floor a batch."""
         run_time = self._run_times.get(signature)
         cap = self.caps.rows(signature)
+        split_rows, widest_rows = split
+        # What requests being split ahead in `lane` take from each batch while they last.
+        split_take = min(split_rows, math.ceil(cap * SPLIT_FLOOR_SHARE))
         total = rows  # rows of `signature` in `lane` and above, this request's included
         requests = 1  # their requests
         # Their sizes lately: the mean of the squares, weighted by queued requests.
@@ -855,7 +948,8 @@ class Scheduler:
         shares = 0.0  # what they take in each batch after (fractions of a row)
         lower_share = 0.0  # their shares, as a fraction of a batch
         lower_heads: list[tuple[float, int]] = []  # (share in rows, head's rows) of each
-        riders = arriving_above  # whether other work takes the room whole requests leave
+        # Whether other work takes the room whole requests leave.
+        riders = arriving_above or split_take > 0
         for other in self.lanes:  # one pass: this runs for every admission
             if other.priority <= lane.priority:
                 queued_rows, queued_entries, others_s = queued[other.priority]
@@ -910,12 +1004,12 @@ class Scheduler:
                 filled = max(filled, min(known_rows + above + below, budget))
             return math.ceil(filled)
 
-        if total + first_lower <= batch_rows:
+        if total + first_lower + split_take <= batch_rows:
             # One batch serves this shape's rows: the work of other shapes in this lane,
             # when it leads, which it gathers past, runs after it (see `_gathered_s`).
             first_s = other_shapes_s - self._gathered_s(lane, signature, queued[lane.priority])
             return first_s + run_time.predict_s(
-                with_arrivals(total + first_lower, lead_s + first_s)
+                with_arrivals(total + first_lower + split_rows, lead_s + first_s)
             )
 
         whole = functools.partial(
@@ -929,7 +1023,10 @@ class Scheduler:
         # share may be a fraction of a row: at a cap of 1, 0.85 of a row a batch), and
         # never less than their fraction of it leaves (batches an active lane keeps
         # smaller than the shares of a full one).
-        per_batch = served_share * whole(max(batch_rows - shares, batch_rows * (1 - lower_share)))
+        room = max(batch_rows - shares, batch_rows * (1 - lower_share)) - split_take
+        if split_take and widest_rows > room:
+            return math.inf  # a request ahead, or this one, never fits beside them
+        per_batch = served_share * whole(room)
         # A batch runs at its limit while other work takes the room whole requests leave
         # (rows of lower lanes riding along, or of an active lane above: costed without
         # them, standard requests admitted at their deadline's edge beside interactive
@@ -940,12 +1037,28 @@ class Scheduler:
         # Rows left after the next batch; lower lanes' whole requests crossing their
         # shares may take more than that batch (then the excess comes first after it).
         first_room = batch_rows - first_lower
-        later = total - (whole(first_room) if first_room > 0 else first_room)
+        first_whole = first_room - split_take
+        later = total - (whole(first_whole) if first_whole > 0 else min(first_room, 0))
+        if rows > cap and now_s is not None and self._active(lane, now_s):
+            # This request is split, and its lane is busy: each batch gives the whole
+            # requests admitted behind it the room they fit, and it what they leave, at
+            # least its floor (`_Filling.fill`). From the next batch on, every batch that
+            # serves its lane serves that many of its rows and those ahead (a request
+            # split ahead keeps the floor for itself): counted so, the price holds
+            # whatever arrives, and is up to twice what it takes when little does (512-row
+            # requests beside 1-row ones at 500-3 000/s took 0.55-0.73 of it, simulated),
+            # for requests over the cap only. Counted in full batches (as in an idle
+            # lane), 512-row requests admitted at their deadline's edge beside 1-row ones
+            # arriving at 500-1 500/s all ran late (by up to 21 %); at 3 000/s, all
+            # expired in the queue.
+            floor_rows = math.ceil(cap * SPLIT_FLOOR_SHARE)
+            per_batch = min(per_batch, served_share * min(floor_rows, room))
+            later = max(later, total - floor_rows)
         full, rest = divmod(later, per_batch)
         drain_s = (1 + int(full)) * batch_s
         if rest > ROUNDING_ROWS:
             drain_s += run_time.predict_s(
-                with_arrivals(rest + shares, lead_s + other_shapes_s + drain_s)
+                with_arrivals(rest + shares + split_rows, lead_s + other_shapes_s + drain_s)
             )
         return other_shapes_s + drain_s
 
@@ -1267,11 +1380,13 @@ class Scheduler:
         higher lane's next request out belongs to the lowest claimant, charged for all
         its rows (`_fill_top_down`), and a lane whose head finds no room banks credit up
         to that head and then goes first (`_owed_head`). Pass 2 fills what is left
-        top-down. Within a lane order is FIFO: the first entry that does not fit ends
-        that lane's turn. Only entries with more rows than the cap are split. Rows batch
-        together only when their signatures are equal: an entry of another shape ends
-        its lane's turn too, except in the lane that leads the batch (see
-        `_fill_top_down`).
+        top-down. Within a lane order is FIFO: the first whole entry that does not fit
+        ends that lane's turn. Only entries with more rows than the cap are split, and
+        one being split yields: it takes at first only its floor (SPLIT_FLOOR_SHARE of
+        the cap), the whole entries behind it take the room they fit, in order, and it
+        gets what they leave (`_Filling.fill`). Rows batch together only when their
+        signatures are equal: an entry of another shape ends its lane's turn too, except
+        in the lane that leads the batch (see `_fill_top_down`).
 
         Lower lanes ride along only within the time the batch's highest lane accepts:
         once that lane is in, rows of the lanes below fill the batch (beyond their
@@ -1648,8 +1763,10 @@ class Scheduler:
                     served[lane.priority] - lane.served_rows_per_batch
                 )
                 lane.served_at_s = now_s
-        # Slices in lane-priority then FIFO order, so each lane's entries leave its
-        # deque head-first.
+        # Slices in lane-priority then FIFO order: the batch's rows in the order their
+        # requests were queued (whole ones served ahead of a split request's chunks
+        # included), and each lane's entries leave its deque in that order: right behind
+        # its head when that is being split (`Lane._leave` deletes them there).
         taken.sort(key=lambda pair: (pair[0].priority, pair[0].entry_id))
         slices = []
         offset = 0

@@ -48,7 +48,7 @@ from laneserve.server.items import (
     RowsWanted,
     Signature,
 )
-from laneserve.server.lanes import Entry, Lane, ShapePrice
+from laneserve.server.lanes import MIN_TOMBSTONES, Entry, Lane, ShapePrice
 from laneserve.server.scheduler import (
     ACTIVE_LANE_S,
     Dispatch,
@@ -899,6 +899,216 @@ def test_chunks_of_a_split_request_fill_whole_batches_when_alone() -> None:
     assert outcomes[0].timing.infer_s == pytest.approx(0.003)
 
 
+def test_a_whole_request_behind_a_split_one_in_its_lane_goes_in_the_next_batch() -> None:
+    """A request larger than the cap yields each batch's room to the whole requests queued
+    behind it in its lane, down to half the cap: a 1-row request that came while its first
+    chunk ran goes in the next batch, not after its last chunk (four batches: a 512-row
+    request held 1-row requests refused or 36 ms queued, simulated, at a cap of 128)."""
+    scheduler = make_scheduler(TOP_DOWN_LANES)
+    big = make_request(0, "interactive", 4 * CAP)
+    scheduler.admit(big, T0)
+    first = dispatch(scheduler, T0)
+    assert row_ids(first) == ids(0, CAP)
+    small = make_request(1, "interactive", 1)
+    scheduler.admit(small, T0 + 0.0005)
+    assert scheduler.complete(run(first)) == []
+    second = dispatch(scheduler, T0 + 0.001, T0 + 0.001)
+    # Its rows keep their order; the request behind it takes the room it fits.
+    assert row_ids(second) == ids(0, CAP - 1, start=CAP) + ids(1, 1)
+    [answered] = scheduler.complete(run(second))
+    assert_answered(answered, small)
+    _, now_s = run_until_answered(scheduler, T0 + 0.002, big.token)
+    assert scheduler.live_entries == 0
+    assert scheduler.decide(now_s, now_s) is None
+
+
+def test_a_split_request_keeps_half_of_every_batch_under_a_flood_of_small_ones() -> None:
+    """More 1-row requests arrive in its lane each batch than a batch holds: the request
+    split across batches still gets half the cap of each (at most twice its batches
+    alone), the 1-row requests the other half, in order, and every row runs once, each
+    request reassembled in order."""
+    lanes = (dataclasses.replace(INTERACTIVE, capacity_rows=256), *TOP_DOWN_LANES[1:])
+    scheduler = make_scheduler(lanes)
+    big = make_request(0, "interactive", 4 * CAP)
+    scheduler.admit(big, T0)
+    requests = {big.token: big}
+    index = 1
+    big_rows: list[int] = []
+    small_rows: list[int] = []
+    answered: list[Outcome] = []
+    now_s = T0
+    while big.token not in tokens(answered):
+        for _ in range(CAP):
+            small = make_request(index, "interactive", 1)
+            scheduler.admit(small, now_s)
+            requests[small.token] = small
+            index += 1
+        batch = dispatch(scheduler, now_s, now_s)
+        assert batch.rows == CAP
+        rows = row_ids(batch)
+        big_rows += [row for row in rows if row < ROW_STRIDE]
+        small_rows += [row for row in rows if row >= ROW_STRIDE]
+        assert len([row for row in rows if row < ROW_STRIDE]) == CAP // 2
+        answered += scheduler.complete(run(batch))
+        now_s += 0.001
+    assert big_rows == ids(0, 4 * CAP)
+    assert len(small_rows) == len(big_rows)
+    assert small_rows == sorted(small_rows), "the whole requests go in their order"
+    for outcome in answered:
+        assert_answered(outcome, requests[outcome.token])
+    assert len(tokens(answered)) == len(set(tokens(answered))) == 1 + len(small_rows)
+
+
+def test_a_whole_request_behind_a_split_one_is_admitted_for_the_batch_it_goes_in() -> None:
+    """Admission counts a request being split ahead in the lane as taking half of each
+    batch, not all its rows ahead: a 1-row request whose deadline is one batch after the
+    running one is admitted behind 1 872 rows of a 2 000-row request (counted ahead, it
+    was refused), and that batch answers it by its deadline."""
+    cap = 128
+    lanes = (dataclasses.replace(INTERACTIVE, capacity_rows=4096), *TOP_DOWN_LANES[1:])
+    scheduler = make_scheduler(lanes, cap=cap)
+    big = dataclasses.replace(
+        make_request(0, "interactive", 1), inputs={"x": np.zeros((2000, 2))}, rows=2000
+    )
+    scheduler.admit(big, T0)
+    first = dispatch(scheduler, T0)
+    run_s = scheduler.run_time.predict_s(cap)
+    assert first.rows == cap
+    deadline_s = T0 + run_s + run_s  # one full batch after the running one ends
+    small = make_request(1, "interactive", 1, deadline_s=deadline_s)
+    scheduler.admit(small, T0 + 0.001)
+    scheduler.complete(run(first, run_s))
+    second = dispatch(scheduler, T0 + run_s, T0 + run_s)
+    assert [piece.entry_id for piece in second.slices][-1] == 2
+    [answered] = scheduler.complete(run(second, run_s))
+    assert_answered(answered, small)
+    assert T0 + run_s + scheduler.run_time.predict_s(second.rows) <= deadline_s
+
+
+def test_one_request_larger_than_the_cap_counts_as_a_batch_in_the_arriving_size() -> None:
+    """The rows expected to join a newcomer's batch are priced at its lane's recent request
+    size, in which a request larger than the cap counts as the cap (it fills a batch's
+    room, no more). Counted at its 512 rows, one such request among 1-row ones lifted that
+    size from 1 to 52 rows, and a 1-row request that came while its last chunk ran was
+    priced a full batch behind it and refused a deadline it met (simulated: 60 % of such
+    refusals were wrong)."""
+    cap = 128
+    lanes = (dataclasses.replace(INTERACTIVE, capacity_rows=1024), *TOP_DOWN_LANES[1:])
+    scheduler = make_scheduler(lanes, cap=cap)
+    model = scheduler.run_time
+
+    def run_at_once(batch: Batch) -> list[Outcome]:
+        return scheduler.complete(run(batch, run_s=model.predict_s(batch.rows)))
+
+    now_s = T0
+    for index in range(20):  # 1-row requests 1 ms apart
+        scheduler.admit(make_request(index, "interactive", 1), now_s)
+        run_at_once(dispatch(scheduler, now_s, math.inf))
+        now_s += 0.001
+    big = dataclasses.replace(
+        make_request(20, "interactive", 1), inputs={"x": np.zeros((4 * cap, 2))}, rows=4 * cap
+    )
+    scheduler.admit(big, now_s)
+    for _ in range(3):
+        run_at_once(dispatch(scheduler, now_s, math.inf))
+    last = dispatch(scheduler, now_s, math.inf)  # its last chunk: a full batch runs 8 ms
+    ends_s = now_s + model.predict_s(cap)
+    # Six requests are due before the next batch forms: at the lane's recent size (13.7
+    # rows, the big one counted as 128), the batch holds 84 rows (5.3 ms); at 52 rows
+    # each (the big one counted whole), a full batch (8 ms).
+    deadline_s = ends_s + (model.predict_s(84) + model.predict_s(cap)) / 2
+    late = make_request(21, "interactive", 1, deadline_s=deadline_s)
+    scheduler.admit(late, now_s + 0.0005)
+    [answered] = run_at_once(last)
+    assert answered.token == big.token
+    batch = dispatch(scheduler, ends_s, math.inf)
+    [outcome] = run_at_once(batch)
+    assert_answered(outcome, late)
+    assert ends_s + model.predict_s(batch.rows) <= deadline_s
+
+
+def test_a_split_request_admitted_at_its_predicted_finish_meets_it_as_requests_arrive() -> None:
+    """1-row requests keep coming into its lane (one every 0.4 ms, about three in a batch
+    of the cap), and each batch gives them the room they fit before the split request
+    (`_Filling.fill`): admission prices its rows at its floor of each batch while its
+    lane is active, so one admitted at its deadline's edge is answered by it. Priced in
+    full batches, it was promised 5 batches' time and took 7 (simulated at 500-3 000/s,
+    512-row requests admitted so all ran late, or all expired in the queue)."""
+    lanes = (dataclasses.replace(INTERACTIVE, capacity_rows=256), *TOP_DOWN_LANES[1:])
+    scheduler = make_scheduler(lanes)
+    model = scheduler.run_time
+    gap_s = 0.0004
+    big = make_request(0, "interactive", 4 * CAP)
+    deadline_s = math.inf
+    answered: list[tuple[float, Outcome]] = []
+    shared = 0  # batches that held rows of both
+    running: tuple[Batch, float] | None = None
+    now_s = next_arrival_s = idle_since_s = T0
+    wake_s = math.inf
+    index = 1
+    while not answered:
+        now_s = min(next_arrival_s, running[1] if running else math.inf, wake_s)
+        if running is not None and running[1] <= now_s:
+            batch = running[0]
+            outcomes = scheduler.complete(run(batch, model.predict_s(batch.rows)))
+            answered += [(now_s, outcome) for outcome in outcomes if outcome.token == 0]
+            running, idle_since_s = None, now_s
+        if next_arrival_s <= now_s:
+            scheduler.admit(make_request(index, "interactive", 1), now_s)
+            index += 1
+            next_arrival_s += gap_s
+            if index == 40:  # the lane's pace is known: the split request comes
+                lane = scheduler.lane("interactive")
+                deadline_s = scheduler._predicted_finish_s(lane, big.rows, big.signature, now_s)
+                big = dataclasses.replace(big, deadline_s=deadline_s)
+                scheduler.admit(big, now_s)
+        if running is None:
+            decision = scheduler.decide(now_s, idle_since_s)
+            wake_s = decision.at_s if isinstance(decision, WaitUntil) else math.inf
+            if isinstance(decision, Dispatch):
+                running = (decision.batch, now_s + model.predict_s(decision.batch.rows))
+                shared += len({row < ROW_STRIDE for row in row_ids(decision.batch)}) == 2
+    [(answered_s, outcome)] = answered
+    assert_answered(outcome, big)
+    assert shared > 1, "the requests behind it took room in its batches"
+    assert answered_s <= deadline_s
+
+
+def test_a_split_request_admitted_at_its_predicted_finish_meets_it_under_a_flood() -> None:
+    """Admission counts a request split in a busy lane (one that admitted a request within
+    ACTIVE_LANE_S) as served at its floor of each batch, whatever arrives behind it: one
+    admitted at its predicted finish where 1-row requests came every 20 ms meets it when
+    a batch's worth of them then comes each batch (they take all but its floor). Priced
+    at the room less the arrivals seen (twice over), it was promised 4.5 batches' time
+    and expired in the queue with 12 of its 32 rows left (3 batches' worth)."""
+    lanes = (dataclasses.replace(INTERACTIVE, capacity_rows=256), *TOP_DOWN_LANES[1:])
+    # Run times of powers of two: the batches' times add up exactly to the prediction.
+    run_time = RunTimeModel({1: 2**-10, CAP: 2**-9})
+    scheduler = Scheduler(lanes, batch_cap=CAP, run_time=run_time)
+    now_s = T0
+    for index in range(1, 6):  # the lane's pace: a request every 20 ms, each run at once
+        scheduler.admit(make_request(index, "interactive", 1), now_s)
+        _, _, now_s = run_next(scheduler, now_s)
+        now_s += 0.02
+    big = make_request(0, "interactive", 4 * CAP)
+    lane = scheduler.lane("interactive")
+    deadline_s = scheduler._predicted_finish_s(lane, big.rows, big.signature, now_s)
+    big = dataclasses.replace(big, deadline_s=deadline_s)
+    scheduler.admit(big, now_s)
+    index = 6
+    answered: list[Outcome] = []
+    while big.token not in tokens(answered):
+        for _ in range(CAP):
+            scheduler.admit(make_request(index, "interactive", 1), now_s)
+            index += 1
+        batch, outcomes, now_s = run_next(scheduler, now_s)
+        assert len([row for row in row_ids(batch) if row < ROW_STRIDE]) == CAP // 2
+        answered += outcomes + scheduler.shed_expired(now_s)
+    [outcome] = [outcome for outcome in answered if outcome.token == big.token]
+    assert_answered(outcome, big)
+    assert now_s <= deadline_s
+
+
 def test_items_with_different_shapes_never_share_a_batch() -> None:
     scheduler = make_scheduler(TOP_DOWN_LANES)
     scheduler.admit(make_request(0, "interactive", 1, width=2), T0)
@@ -1237,13 +1447,14 @@ def test_unknown_lane_is_invalid() -> None:
 def test_unmeetable_deadline_is_refused_at_once() -> None:
     scheduler = make_scheduler()
     scheduler.admit(make_request(0, "standard", 40), T0)
-    # Serving the 40 rows ahead and the request's own row, in batches of the cap.
-    finish_s = T0 + scheduler.run_time.drain_s(40 + 1, CAP)
+    # 5 rows do not fit beside the 4 that the 40-row request keeps of each batch while it
+    # is split (`SPLIT_FLOOR_SHARE`): they wait for all its rows, then run.
+    finish_s = T0 + scheduler.run_time.drain_s(40 + 5, CAP)
     with pytest.raises(DeadlineUnmeetableError):
-        scheduler.admit(make_request(1, "standard", 1, deadline_s=math.nextafter(finish_s, 0)), T0)
+        scheduler.admit(make_request(1, "standard", 5, deadline_s=math.nextafter(finish_s, 0)), T0)
     assert queued_rows(scheduler, "standard") == 40
-    scheduler.admit(make_request(2, "standard", 1, deadline_s=finish_s), T0)
-    assert queued_rows(scheduler, "standard") == 41
+    scheduler.admit(make_request(2, "standard", 5, deadline_s=finish_s), T0)
+    assert queued_rows(scheduler, "standard") == 45
 
 
 def test_a_request_whose_deadline_passed_before_admission_is_refused_saying_so() -> None:
@@ -2162,10 +2373,10 @@ def test_engine_error_answers_every_item_in_the_batch_once() -> None:
 def test_engine_error_on_one_chunk_drops_the_rest_of_the_split_request() -> None:
     scheduler = make_scheduler(TOP_DOWN_LANES)
     scheduler.admit(make_request(0, "standard", 20), T0)
-    behind = make_request(1, "standard", 2)
-    scheduler.admit(behind, T0)
     first = dispatch(scheduler, T0)
     assert row_ids(first) == ids(0, 8)
+    behind = make_request(1, "standard", 2)  # queued behind its other chunks
+    scheduler.admit(behind, T0)
     [failed] = scheduler.complete(fail(first))
     assert failed.token == 0
     assert isinstance(failed.error, EngineError)
@@ -2473,8 +2684,31 @@ def make_entry(entry_id: int, rows: int) -> Entry:
     )
 
 
+def expected_split_ahead(lane: Lane, signature: Signature) -> tuple[int, int, int] | None:
+    """`Lane.split_ahead` of `lane` (all its entries read), from its live entries."""
+    live = list(lane)
+    first = next(
+        (
+            k
+            for k, entry in enumerate(live)
+            if entry.request.signature == signature and entry.request.rows > CAP
+        ),
+        None,
+    )
+    if first is None:
+        return 0, 0, 0
+    behind = live[first:]
+    if any(entry.request.signature != signature for entry in behind):
+        return None
+    split = [entry.queued_rows for entry in behind if entry.request.rows > CAP]
+    whole = [entry.queued_rows for entry in behind if entry.request.rows <= CAP]
+    return sum(split), len(split), max(whole, default=0)
+
+
 def test_lane_drop_frees_rows_at_once_and_keeps_fifo_order() -> None:
-    lane = Lane(STANDARD, priority=1, price=lambda _signature, rows: rows * 0.001)
+    lane = Lane(
+        STANDARD, priority=1, price=lambda _signature, rows: rows * 0.001, split_over_rows=CAP
+    )
     first, middle, last = make_entry(1, 2), make_entry(2, 3), make_entry(3, 4)
     for entry in (first, middle, last):
         lane.push(entry)
@@ -2496,6 +2730,65 @@ def test_lane_drop_frees_rows_at_once_and_keeps_fifo_order() -> None:
     assert lane.oldest_enqueued_s() is None
 
 
+def test_requests_served_behind_a_split_one_leave_no_tombstones() -> None:
+    """1-row requests go ahead of the chunks of a 2 000-row request at the head of their
+    lane (`_Filling.fill`): served, each leaves right behind that head, in FIFO order,
+    and is deleted there, so the lane's deque holds its live entries alone and every
+    walk of the lane (each batch's fill, admission's `split_ahead`) costs what is queued.
+    Kept as tombstones, 400 of them were walked in every batch after 100 (behind a
+    60 000-row bulk request, ~900 batches' worth); compacted once they outnumbered the
+    live entries, up to as many again were (decide() ~2.5 times as long)."""
+    lanes = (*TOP_DOWN_LANES[:2], dataclasses.replace(BULK, capacity_rows=4096))
+    scheduler = make_scheduler(lanes)
+    big = dataclasses.replace(
+        make_request(0, "bulk", 1), inputs={"x": np.zeros((2000, 2))}, rows=2000
+    )
+    scheduler.admit(big, T0)
+    lane = scheduler.lane("bulk")
+    now_s = T0
+    answered = 0
+    for index in range(1, 401, CAP // 2):
+        smalls = range(index, index + CAP // 2)
+        for small in smalls:
+            scheduler.admit(make_request(small, "bulk", 1), now_s)
+        batch = dispatch(scheduler, now_s, now_s)
+        assert row_ids(batch)[CAP // 2 :] == [ids(small, 1)[0] for small in smalls]
+        answered += len(scheduler.complete(run(batch)))
+        assert len(lane._entries) == lane.queued_entries, index
+        now_s += 0.001
+    assert answered == 400
+    assert list(lane._entries) == [scheduler._entries[1]], "the split request, at its head"
+
+
+def test_a_lane_keeps_no_more_tombstones_than_live_entries() -> None:
+    """Entries dropped from the middle (expiry, cancellation) leave tombstones there; the
+    lane compacts them once they outnumber its live entries and MIN_TOMBSTONES, so a walk
+    costs what is queued, and its live entries keep their order."""
+    lane = Lane(
+        dataclasses.replace(STANDARD, capacity_rows=1024),
+        priority=1,
+        price=lambda _signature, rows: rows * 0.001,
+        split_over_rows=CAP,
+    )
+    live = [make_entry(1, 1), make_entry(2, 1)]
+    for entry in live:
+        lane.push(entry)
+    most = 0
+    for entry_id in range(3, 3 + 4 * MIN_TOMBSTONES):
+        entry = make_entry(entry_id, 1)
+        lane.push(entry)
+        if entry_id % 8 == 0:
+            live.append(entry)
+        else:
+            lane.drop(entry)
+        tombstones = len(lane._entries) - lane.queued_entries
+        assert tombstones <= max(lane.queued_entries, MIN_TOMBSTONES), entry_id
+        most = max(most, tombstones)
+        assert list(lane) == live
+    assert most > MIN_TOMBSTONES // 2, "tombstones were kept, and compacted"
+    assert lane.head() is live[0]
+
+
 def test_a_lane_keeps_its_queued_rows_and_their_price_per_signature() -> None:
     """What admission reads of the work of other shapes ahead: per signature the rows and
     entries queued, and the price of the rest, each shape's rows priced together (a batch
@@ -2504,7 +2797,7 @@ def test_a_lane_keeps_its_queued_rows_and_their_price_per_signature() -> None:
     def price(signature: tuple[tuple[int, ...], ...], rows: int) -> float:
         return 0.5 + rows * signature[0][0]  # a run's fixed cost, and the rows'
 
-    lane = Lane(STANDARD, priority=1, price=price)
+    lane = Lane(STANDARD, priority=1, price=price, split_over_rows=CAP)
     narrow, wide, absent = ((2,),), ((3,),), ((5,),)
 
     def entry(entry_id: int, rows: int, width: int) -> Entry:
@@ -2522,6 +2815,7 @@ def test_a_lane_keeps_its_queued_rows_and_their_price_per_signature() -> None:
         for signature in (narrow, wide):
             rows, entries = by_shape.get(signature, [0, 0])
             assert lane.queued_as(signature)[:2] == (rows, entries)
+            assert lane.split_ahead(signature, 1_000) == expected_split_ahead(lane, signature)
         expected_s = sum(price(signature, rows) for signature, (rows, _) in by_shape.items())
         assert lane.queued_as(absent)[:2] == (0, 0)
         assert lane.queued_as(absent)[2] == pytest.approx(expected_s)
@@ -2586,6 +2880,7 @@ def test_a_schedulers_lanes_price_their_queued_work_at_each_shapes_model() -> No
             for width in widths:
                 signature = ((width,),)
                 assert lane.queued_as(signature)[:2] == (counts[signature], entries[signature])
+                assert lane.split_ahead(signature, 1_000) == expected_split_ahead(lane, signature)
             assert lane.queued_as(((7,),))[2] == pytest.approx(
                 sum(scheduler._alone_s(signature, rows) for signature, rows in counts.items())
             )
