@@ -128,8 +128,9 @@ class JoinLimitError(ResourceExhaustedError):
 
 class ServerBusyError(ResourceExhaustedError):
     """The server refused the call at once: as many calls as it admits at once (its
-    ``max_concurrent_rpcs``, or for InferStream half of it) were in progress. The call
-    never ran; retry."""
+    ``max_concurrent_rpcs``; for InferStream half of it, for GetModel and GetStats a
+    bound of their own, which the message names) were in progress. The call never ran;
+    retry."""
 
     retryable = True
 
@@ -242,6 +243,12 @@ _SERVER_BUSY = (
     "max_concurrent_rpcs); the call never ran; retryable with the same request_id"
 )
 
+# The trailers a laneserve server adds to its refusal in those words over a bound of its
+# own, each naming the bound (server/grpc_accept.py's STREAM_LIMIT_KEY and
+# OPERATOR_LIMIT_KEY): InferStream calls at once (half of max_concurrent_rpcs), and
+# GetModel and GetStats calls at once (counted apart, without a request_id).
+_LIMIT_KEYS = ("laneserve-stream-limit", "laneserve-operator-limit")
+
 # google.rpc.Code numbers (in a Status message) to grpc's enum.
 _CODES_BY_NUMBER: Mapping[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -286,18 +293,32 @@ def error_from_rpc(error: grpc.RpcError, *, request_id: str = "") -> LaneserveEr
     code, details, trailers = _parts(error)
     pushback: str | None = None
     status: status_pb2.Status | None = None
+    bound: str | None = None
     for key, value in trailers:
         if key == _DETAILS_KEY and isinstance(value, bytes):
             status = status_pb2.Status.FromString(value)
         elif key == _PUSHBACK_KEY:
             pushback = value.decode() if isinstance(value, bytes) else value
+        elif key in _LIMIT_KEYS:
+            bound = value.decode(errors="replace") if isinstance(value, bytes) else value
     if code is grpc.StatusCode.CANCELLED and details in ("", "CANCELLED"):
         details = _BARE_CANCELLED
     if status is None or status.code != _number(code):
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED and details == _GRPC_CALL_LIMIT:
-            return ServerBusyError(_SERVER_BUSY, code=code, request_id=request_id)
+            return ServerBusyError(_server_busy(bound), code=code, request_id=request_id)
         status = status_pb2.Status(code=_number(code), message=details)
     return error_from_status(status, request_id=request_id, pushback_ms=pushback)
+
+
+def _server_busy(bound: str | None) -> str:
+    """What a refusal in gRPC's words for a full port means: over max_concurrent_rpcs,
+    or over the bound a laneserve server named in its trailer (`_LIMIT_KEYS`)."""
+    if bound is None:
+        return _SERVER_BUSY
+    return (
+        "the server refused the call at once: as many calls were in progress as its bound "
+        f"admits ({bound}); the call never ran; retryable"
+    )
 
 
 def _parts(

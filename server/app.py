@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import functools
 import logging
 import socket
@@ -22,7 +23,7 @@ from typing import Any, NoReturn
 
 import grpc
 from grpc_channelz.v1 import channelz, channelz_pb2
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from laneserve.server.addresses import bare_host, host_port
@@ -66,6 +67,7 @@ from laneserve.server.service import (
     InferenceServicer,
     OutcomeRouter,
     ServiceTelemetry,
+    add_grpc_service,
     add_to_server,
 )
 from laneserve.server.stats import StatsRecorder
@@ -119,7 +121,7 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
             return Path(path).read_bytes()
         except OSError as error:
             raise ConfigError(
-                f"server.{key}: cannot read {path!r} ({error.strerror}); expected a PEM file"
+                f"cannot read {path!r} ({error.strerror}); expected a PEM file", key=f"server.{key}"
             ) from error
 
     cert = read("tls_cert", config.tls_cert)
@@ -137,11 +139,14 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
             f"server.tls_cert, server.tls_key: gRPC's TLS cannot serve with "
             f"{config.tls_cert!r} and {config.tls_key!r} ({refusal}); expected an RSA "
             "(PKCS#1 v1.5 key) or ECDSA certificate whose keyUsage, where it has one, "
-            "includes digitalSignature"
+            "includes digitalSignature",
+            cites=_CERT_AND_KEY,
         )
     return credentials
 
 
+# The settings a refusal of the certificate and key together names (`ConfigError.cites`).
+_CERT_AND_KEY = ("server.tls_cert", "server.tls_key")
 # OpenSSL cipher list at security level 0: Python's checks of TLS files judge them as
 # gRPC's BoringSSL does, which has no security levels.
 _ANY_SECURITY_LEVEL = "DEFAULT:@SECLEVEL=0"
@@ -164,9 +169,10 @@ def _check_pem(cert: str, key: str, client_ca: str | None) -> None:
     def refuse_passphrase() -> str:
         # Called only for an encrypted key; without it OpenSSL prompts on the terminal.
         raise ConfigError(
-            f"server.tls_key: {key!r} is an encrypted private key; gRPC takes no "
-            "passphrase: expected an unencrypted PEM key (e.g. `openssl pkey -in KEY -out "
-            "PLAIN`), readable only by the server's user"
+            f"{key!r} is an encrypted private key; gRPC takes no passphrase: expected an "
+            "unencrypted PEM key (e.g. `openssl pkey -in KEY -out PLAIN`), readable only by "
+            "the server's user",
+            key="server.tls_key",
         )
 
     try:
@@ -175,29 +181,33 @@ def _check_pem(cert: str, key: str, client_ca: str | None) -> None:
         raise ConfigError(
             f"server.tls_cert, server.tls_key: {cert!r} and {key!r} are not a PEM "
             f"certificate (chain) and its private key ({error.reason or error}); expected "
-            "PEM files of a matching certificate and key"
+            "PEM files of a matching certificate and key",
+            cites=_CERT_AND_KEY,
         ) from error
     if client_ca is not None:
         try:
             context.load_verify_locations(cafile=client_ca)
         except ssl.SSLError as error:
             raise ConfigError(
-                f"server.tls_client_ca: {client_ca!r} holds no PEM CA certificate "
-                f"({error.reason or error}); expected the CA that signs client certificates"
+                f"{client_ca!r} holds no PEM CA certificate ({error.reason or error}); "
+                "expected the CA that signs client certificates",
+                key="server.tls_client_ca",
             ) from error
         if context.cert_store_stats()["x509"] == 0:
             # A file of CRLs alone loads: gRPC then refused the bind, blaming the
             # server's own certificate and key.
             raise ConfigError(
-                f"server.tls_client_ca: {client_ca!r} holds no certificate (only other PEM "
-                "blocks); expected the CA that signs client certificates"
+                f"{client_ca!r} holds no certificate (only other PEM blocks); expected the "
+                "CA that signs client certificates",
+                key="server.tls_client_ca",
             )
     refusal = _certificate_refusal(cert, key)
     if refusal is not None:
         raise ConfigError(
-            f"server.tls_cert: {cert!r} would be refused by every client ({refusal}); "
-            "expected a certificate valid now, and for a server (extendedKeyUsage serverAuth, "
-            "where it has one) unless it is self-signed"
+            f"{cert!r} would be refused by every client ({refusal}); expected a certificate "
+            "valid now, and for a server (extendedKeyUsage serverAuth, where it has one) "
+            "unless it is self-signed",
+            key="server.tls_cert",
         )
 
 
@@ -344,24 +354,43 @@ def pending_call_limits(max_pending_calls: int) -> list[tuple[str, int]]:
     ]
 
 
-def _bind_refusal(host: str, port: int) -> str | None:
+def _bind_refusal(host: str, port: int, setting: str) -> ConfigError | None:
     """Why the OS refuses to bind `host:port` ("Address already in use"), found by binding
     it once more after gRPC could not: gRPC raises "Failed to bind" alone, and its core's
-    own line with the reason is off with JSON logs (cli.py). None: the OS binds it now."""
+    own line with the reason is off with JSON logs (cli.py). Keyed by the setting at
+    fault: server.host for a name that does not resolve or an address not this host's,
+    else `setting` (the port's: "port", "priority_port", "metrics_port"). None: the OS
+    binds it now."""
+    address = host_port(host, port)
     try:
         addresses = socket.getaddrinfo(bare_host(host), port, type=socket.SOCK_STREAM)
     except OSError as error:  # a name that does not resolve
-        return str(error)
-    for family, kind, proto, _, address in addresses:
+        return _not_this_hosts(address, str(error))
+    for family, kind, proto, _, resolved in addresses:
         with socket.socket(family, kind, proto) as probe:
             # As gRPC and the metrics endpoint bind: a port left in TIME_WAIT by the last
             # run binds; one another socket listens on does not.
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                probe.bind(address)
+                probe.bind(resolved)
             except OSError as error:
-                return error.strerror or str(error)
+                reason = error.strerror or str(error)
+                if error.errno == errno.EADDRNOTAVAIL:
+                    return _not_this_hosts(address, reason)
+                return ConfigError(
+                    f"cannot listen on {address}: {reason}; expected a free port (0: any "
+                    "free port)",
+                    key=f"server.{setting}",
+                )
     return None
+
+
+def _not_this_hosts(address: str, reason: str) -> ConfigError:
+    return ConfigError(
+        f"cannot listen on {address}: {reason}; expected an address of this host, or a "
+        "name that resolves to one",
+        key="server.host",
+    )
 
 
 async def _give_back(servers: list[grpc.aio.Server]) -> None:
@@ -384,8 +413,9 @@ def check_ports_free(config: ServerConfig) -> None:
     """Refuses, before the model loads (minutes for a large one on a GPU), a configured
     port the OS will not bind: one another process listens on, an address not this
     host's (port 0, any free one, is checked for the address alone; -1, none, is not
-    checked). Not a reservation: a port taken between this check and the bind is
-    refused there."""
+    checked): a ConfigError keyed by the setting at fault, the port's or server.host,
+    which `serve` names by its flag. Not a reservation: a port taken between this check
+    and the bind is refused there (an OSError)."""
     ports = (
         ("port", config.port),
         ("priority_port", config.priority_port),
@@ -394,12 +424,9 @@ def check_ports_free(config: ServerConfig) -> None:
     for setting, port in ports:
         if port < 0:
             continue
-        refusal = _bind_refusal(config.host, port)
+        refusal = _bind_refusal(config.host, port, setting)
         if refusal is not None:
-            raise OSError(
-                f"cannot listen on {host_port(config.host, port)} (server.{setting}): "
-                f"{refusal}; expected a local address and a free port (0: any free port)"
-            )
+            raise refusal
 
 
 class _HealthServicer(health.aio.HealthServicer):
@@ -1139,13 +1166,18 @@ class LaneServer:
             gate,
             count=INFER_ACCEPTORS,
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        # gRPC's own services, as their add_*_to_server and enable_server_reflection add
+        # them, each request read only up to a bound (see `add_grpc_service`).
+        add_grpc_service(server, health.SERVICE_NAME, self._health)
         # gRPC's own view: calls started, succeeded and failed, sockets. Calls its core
         # refused (max_pending_calls) count as started and never end.
-        channelz.add_channelz_servicer(server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, CHANNELZ_SERVICE_NAME, reflection.SERVICE_NAME),
+        add_grpc_service(server, CHANNELZ_SERVICE_NAME, channelz.aio.ChannelzServicer())
+        add_grpc_service(
             server,
+            reflection.SERVICE_NAME,
+            reflection.aio.ReflectionServicer(
+                (SERVICE_NAME, health.SERVICE_NAME, CHANNELZ_SERVICE_NAME, reflection.SERVICE_NAME)
+            ),
         )
         address = host_port(self.config.host, port)
         bound = 0
@@ -1165,11 +1197,13 @@ class LaneServer:
                 error=str(error),
             )
         if bound == 0:
-            refusal = _bind_refusal(self.config.host, port)
-            reason = "" if refusal is None else f" ({refusal})"
+            refusal = _bind_refusal(self.config.host, port, setting)
+            # An OSError, as ever, for an embedder's start (`serve` checked the ports).
             raise OSError(
-                f"cannot listen on {address} (server.{setting}): gRPC could not bind it"
-                f"{reason}; expected a local address and a free port (0: any free port)"
+                f"cannot listen on {address} (server.{setting}): gRPC could not bind it; "
+                "expected a local address and a free port (0: any free port)"
+                if refusal is None
+                else str(refusal)
             )
         return _Listener(server, bound, acceptors, channelz_ids)
 

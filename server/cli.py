@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -48,8 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "make-model":
         return _make_model(args.path, seed=args.seed)
     try:
-        config = _serve_config(args)
-        code, clean = asyncio.run(_serve(config))
+        config, flags = _serve_config(args)
+        with _named_by_flags(flags):  # the start-up's refusals of settings too
+            code, clean = asyncio.run(_serve(config))
     except (ConfigError, EngineStartError, OSError) as error:
         message = _start_failure(error)
         if args.log_format == "json":  # log shippers parse every line: this one too
@@ -96,29 +97,38 @@ _SERVE_FLAGS = {
 }
 
 
-def _serve_config(args: argparse.Namespace) -> ServerConfig:
-    """The config file (--config), `serve`'s flags over it. A flag's value the config
-    refuses is named by the flag (`ConfigError.key`); the file's, by its key."""
+def _serve_config(args: argparse.Namespace) -> tuple[ServerConfig, dict[str, str]]:
+    """The config file (--config), `serve`'s flags over it; and the flag that gave each
+    setting a flag gave ("server.port": "--port"), by which a refusal of its value is
+    named (`_named_by_flags`): the file's values, by their keys."""
     overrides: dict[str, Any] = {
         key: getattr(args, flag.removeprefix("--").replace("-", "_"))
         for key, flag in _SERVE_FLAGS.items()
     }
     overrides["probe_shapes"] = _probe_shapes(overrides["probe_shapes"])
+    # A flag's value replaced the file's (None: not given), so it is the one refused.
+    flags = {
+        f"server.{key}": flag for key, flag in _SERVE_FLAGS.items() if overrides[key] is not None
+    }
+    with _named_by_flags(flags):
+        config = load_config(args.config, model_path=args.model, overrides=overrides)
+    if set(config.probe_shapes) != set(overrides["probe_shapes"] or ()):
+        # Merged with the file's by input: an input refused may be the file's. (The
+        # config refuses server.probe_shapes unkeyed: `_probe_shapes` checks the flag's.)
+        flags.pop("server.probe_shapes", None)
+    return config, flags
+
+
+@contextlib.contextmanager
+def _named_by_flags(flags: Mapping[str, str]) -> Iterator[None]:
+    """A ConfigError raised within, each setting it names that a flag gave (`flags`)
+    named by that flag (`ConfigError.naming_flags`): `--max-batch-size 0` was refused as
+    server.max_batch_size, a key its user never wrote, and so were a busy `--port` and
+    an unreadable `--tls-cert`, refused as the server started."""
     try:
-        return load_config(args.config, model_path=args.model, overrides=overrides)
+        yield
     except ConfigError as error:
-        # A flag's value replaced the file's (None: not given), so it is the one refused.
-        # (server.probe_shapes, merged by input, is refused unkeyed: `_probe_shapes`
-        # checks the flag's.)
-        given = {
-            f"server.{key}": flag
-            for key, flag in _SERVE_FLAGS.items()
-            if overrides[key] is not None
-        }
-        flag = given.get(error.key or "")
-        if flag is None:
-            raise
-        raise error.naming(flag) from error
+        raise error.naming_flags(flags) from error
 
 
 def _unset_blank_otel_variables() -> None:

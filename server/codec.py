@@ -19,7 +19,6 @@ from laneserve.client.tensors import (
     encode_tensor,
     numpy_dtype,
 )
-from laneserve.server.config import GRPC_INT_MAX
 from laneserve.server.engine import TensorSpec
 from laneserve.server.errors import InvalidInputError
 from laneserve.server.items import Array, Signature, Timing
@@ -57,25 +56,28 @@ def check_counts(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> N
             )
 
 
-def leading_rows(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> int | None:
+def leading_rows(
+    tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec], *, max_message_bytes: int
+) -> int | None:
     """The rows `decode_inputs` counts if it accepts `tensors` (the first one's shape[0]),
     read without decoding them; None when there is no first dimension to read, the first
-    is none of the model's inputs, or its dtype and shape size no data a request can
-    carry (more than GRPC_INT_MAX bytes, the most max_message_bytes allows):
-    `decode_inputs` says what is wrong. Counted, a misspelled input of 3 000 rows was
-    refused as too many rows, to be split, and so was a shape of 2**40 rows over one
-    row's data, whose fault was its data's length.
+    is none of the model's inputs, or its dtype and shape size more data than the request
+    could carry (more than `max_message_bytes`, the server's): `decode_inputs` says what
+    is wrong. Counted, a misspelled input of 3 000 rows was refused as too many rows, to
+    be split, and so was a shape of 2**40 rows over one row's data, whose fault was its
+    data's length; and so, with the bound at gRPC's largest message (2 GiB), was one of
+    100 000 rows of 512 float32 (205 MB) against a 64 MiB limit.
 
     The data is not read, so not measured: each read is a copy (~80 ms for 64 MiB), and
-    this runs for every request. A shape that sizes at most GRPC_INT_MAX bytes over data
-    that does not match it is still counted by its shape."""
+    this runs for every request. A shape that sizes at most `max_message_bytes` over
+    data that does not match it is still counted by its shape."""
     if not tensors or not tensors[0].shape:
         return None
     first = tensors[0]
     if all(spec.name != first.name for spec in specs):
         return None
     data_bytes = _data_bytes(first)
-    if data_bytes is None or data_bytes > GRPC_INT_MAX:
+    if data_bytes is None or data_bytes > max_message_bytes:
         return None
     return first.shape[0]
 

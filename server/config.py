@@ -36,18 +36,31 @@ class ConfigError(ValueError):
 
     Where it refuses one setting's value, `key` names that setting and the message reads
     "KEY: PROBLEM": `serve` names the flag that gave the value instead (`naming`), as its
-    user wrote no key. None where a refusal names several settings, or none.
+    user wrote no key. None where a refusal names several settings, or none. `cites`: the
+    settings the message names by key besides `key` (one whose value bounds it, those a
+    refusal of several names), which `serve` names by their flags too (`naming_flags`).
     """
 
-    def __init__(self, message: str, *, key: str | None = None) -> None:
+    def __init__(self, message: str, *, key: str | None = None, cites: Sequence[str] = ()) -> None:
         super().__init__(message if key is None else f"{key}: {message}")
         self.key = key
+        self.cites = tuple(cites)
         self._problem = message
 
     def naming(self, name: str) -> ConfigError:
         """The same refusal of `key`'s value, naming `name` (its flag) instead."""
         assert self.key is not None, "only a refusal of one setting names it"
-        return ConfigError(self._problem, key=name)
+        return ConfigError(self._problem, key=name, cites=self.cites)
+
+    def naming_flags(self, flags: Mapping[str, str]) -> ConfigError:
+        """The same refusal, each setting it names (`key`, `cites`) that `flags` maps (key
+        -> the flag that gave its value) named by that flag instead."""
+        problem = self._problem
+        for cited in self.cites:
+            if cited in flags:  # "server.NAME": no setting's key starts another's
+                problem = problem.replace(cited, flags[cited])
+        key = None if self.key is None else flags.get(self.key, self.key)
+        return ConfigError(problem, key=key, cites=self.cites)
 
 
 def _is_number(value: object) -> bool:
@@ -277,6 +290,7 @@ class ServerConfig:
                     f"expected at most server.max_batch_size ({self.max_batch_size}), got "
                     f"{self.batch_cap}; raise max_batch_size (--max-batch-size) for a larger cap",
                     key="server.batch_cap",
+                    cites=("server.max_batch_size",),
                 )
         # gRPC takes these as C ints.
         _check_int(
@@ -372,6 +386,7 @@ class ServerConfig:
                 raise ConfigError(
                     f"expected a port other than server.{fixed[port]}, got {port} for both",
                     key=f"server.{key}",
+                    cites=(f"server.{fixed[port]}",),
                 )
             fixed[port] = key
 
@@ -383,12 +398,13 @@ class ServerConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError(
                 "server.tls_cert, server.tls_key: expected both (TLS) or neither (plaintext), "
-                f"got tls_cert={self.tls_cert!r} tls_key={self.tls_key!r}"
+                f"got tls_cert={self.tls_cert!r} tls_key={self.tls_key!r}",
+                cites=("server.tls_cert", "server.tls_key"),
             )
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ConfigError(
-                "server.tls_client_ca: mutual TLS needs the server's own tls_cert and tls_key "
-                "too; expected all three"
+                "mutual TLS needs the server's own tls_cert and tls_key too; expected all three",
+                key="server.tls_client_ca",
             )
 
 

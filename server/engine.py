@@ -26,7 +26,7 @@ import numpy.typing as npt
 import onnxruntime as ort
 
 from laneserve.client.tensors import datatype_for_onnx_type, numpy_dtype_for_onnx_type
-from laneserve.server.config import DEVICES, Device
+from laneserve.server.config import DEVICES, ConfigError, Device
 from laneserve.server.errors import (
     DeviceMemoryError,
     DrainingError,
@@ -857,13 +857,14 @@ class Engine:
         self, shapes: Mapping[str, tuple[int, ...]]
     ) -> dict[str, tuple[int, ...]]:
         """Each input's shape after the row axis for `example_inputs`: the configured one
-        (checked against the model), else its fixed sizes with dynamic ones at 1."""
+        (checked against the model), else its fixed sizes with dynamic ones at 1. An input
+        the model lacks is the setting's refusal, keyed (`serve` names its flag)."""
         specs = {spec.name: spec for spec in self.inputs}
         unknown = sorted(set(shapes) - set(specs))
         if unknown:
-            raise EngineStartError(
-                f"server.probe_shapes: unknown input(s) {unknown}; the model's inputs are "
-                f"{sorted(specs)}"
+            raise ConfigError(
+                f"unknown input(s) {unknown}; the model's inputs are {sorted(specs)}",
+                key="server.probe_shapes",
             )
         checked = {}
         for name, spec in specs.items():

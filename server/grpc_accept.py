@@ -62,9 +62,12 @@ OPERATOR_METHODS = frozenset({"GetModel", "GetStats"})
 # of max_concurrent_rpcs, which a flood of inference calls fills. Each is answered in the
 # loop turn it starts in, so in ordinary use one or two are in progress at once; 64 is
 # room for every dashboard, scraper and grpcurl pointed at a port together. Unbounded,
-# they were the only calls nothing bounded: each holds its request's bytes (as gRPC's
-# core received them) until its handler ends, and a handler that awaits (an
-# interceptor's, or one added later) let them pile up.
+# they were the only calls nothing bounded, and a handler that awaits (an interceptor's,
+# or one added later) let them pile up. It bounds calls, not memory: gRPC's core holds
+# each body whole before any Python runs, up to max_message_bytes (service.py's
+# MAX_OPERATOR_REQUEST_BYTES spares the parse and ends the call at once), and the calls
+# not yet taken too (max_pending_calls): bodies in memory are bounded by
+# max_message_bytes times the calls gRPC holds, those and the calls in progress.
 OPERATOR_LIMIT = 64
 # The trailer that names the operator calls' bound, on the refusal of the one over it
 # (in gRPC's words for a full port, CALL_LIMIT_DETAILS, as a stream over its bound is).

@@ -12,6 +12,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import math
 import traceback
@@ -20,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequen
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf import message_factory
+from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.message import DecodeError, Message
 
 from laneserve.client.tensors import datatype_of, numpy_dtype
@@ -110,13 +111,18 @@ ROOM_POLL_MAX_S = 0.05
 RECEIVE_LIMIT_KEY = "laneserve-max-receive-bytes"
 # The smallest limit taken: an error answer quoting a request_id fits in it.
 MIN_RECEIVE_LIMIT_BYTES = 1024
-# The largest request an operator method (OPERATOR_METHODS) reads, in bytes on the wire;
-# one larger is refused unparsed (`read_operator_request`). Their requests are empty
-# messages (GetModelRequest, GetStatsRequest): a field added later, a filter or a flag,
-# is tens of bytes, and 64 KiB leaves room for that a thousand times over. Bounded only
-# by max_message_bytes (64 MiB by default), a body of unknown fields was parsed into a
-# copy kept beside its bytes: a review measured 16 concurrent GetStats callers taking the
-# server's RSS to 1.1 GiB.
+# The largest request an operator method (OPERATOR_METHODS) reads, in bytes on the wire,
+# and gRPC's own services beside laneserve's (health, Channelz, reflection:
+# `add_grpc_service`); one larger is refused unparsed (`read_operator_request`). Their
+# requests are empty messages (GetModelRequest, GetStatsRequest) or a name or an id: a
+# field added later, a filter or a flag, is tens of bytes, and 64 KiB leaves room for that
+# a thousand times over. What it spares is Python's share of a large body: no parsed copy
+# (its unknown fields copied beside its bytes), no echo (reflection's answer repeats its
+# request), and the call ended at once. Not the body: gRPC's core holds it whole before
+# any Python runs (16 concurrent GetStats of 48 MiB raised the server's RSS by 1.2-1.5 GiB
+# parsed, by 0.8-0.9 GiB refused unparsed). The bound on bodies in memory is
+# max_message_bytes times the calls gRPC holds (max_pending_calls not yet taken, and the
+# calls in progress): a port exposed to untrusted callers lowers max_message_bytes.
 MAX_OPERATOR_REQUEST_BYTES = 64 * 1024
 
 
@@ -856,7 +862,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             if self._ledger.answers_as(request.request_id, digest) in ("join", "replay"):
                 return digest, None
             return digest, decode_inputs(request.inputs, self._input_specs)
-        rows = leading_rows(request.inputs, self._input_specs)
+        rows = leading_rows(
+            request.inputs, self._input_specs, max_message_bytes=self._config.max_message_bytes
+        )
         if rows is not None:
             # Admission's refusal, before the inputs are copied and hashed: refused after, a
             # 62 MiB request cost the event loop 143-223 ms. Not a retry's: it queues no rows.
@@ -1172,7 +1180,7 @@ class OversizedOperatorRequest:
     (`operator_request_too_large`), as an undecodable one is. Its size alone is kept,
     not its bytes."""
 
-    method: str  # "GetStats"
+    method: str  # "GetStats"; of gRPC's own services, "/grpc.health.v1.Health/Check"
     size_bytes: int  # on the wire
 
 
@@ -1194,6 +1202,17 @@ def operator_request_too_large(request: OversizedOperatorRequest) -> InvalidInpu
         f"{MAX_OPERATOR_REQUEST_BYTES} bytes for {' and '.join(sorted(OPERATOR_METHODS))} "
         f"requests; expected a laneserve.v1.{request.method}Request message encoded from "
         "protos/laneserve/v1/inference.proto"
+    )
+
+
+def grpc_request_too_large(request: OversizedOperatorRequest) -> InvalidInputError:
+    """The refusal of an OversizedOperatorRequest to one of gRPC's own services
+    (`add_grpc_service`)."""
+    return InvalidInputError(
+        f"the {request.method} request is {request.size_bytes} bytes, over the limit of "
+        f"{MAX_OPERATOR_REQUEST_BYTES} bytes for the requests of gRPC's health, Channelz and "
+        "reflection services; expected that method's request message (names and ids, tens "
+        "of bytes)"
     )
 
 
@@ -1267,11 +1286,91 @@ def add_to_server(
             request_deserializer=read,
             response_serializer=response_type.SerializeToString,
         )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
-    )
-    server.add_registered_method_handlers(service.full_name, handlers)
+    _register(server, service.full_name, handlers)
     return {f"/{service.full_name}/{name}": handler for name, handler in handlers.items()}
+
+
+def add_grpc_service(server: grpc.aio.Server, service_name: str, servicer: object) -> None:
+    """What gRPC's generated `add_*Servicer_to_server` does for one of its own services
+    beside laneserve's (health, Channelz, reflection), with `read_operator_request` as
+    each method's deserializer: a request over MAX_OPERATOR_REQUEST_BYTES ends its call
+    INVALID_ARGUMENT (`grpc_request_too_large`), unparsed. Their requests are names and
+    ids, yet were read up to max_message_bytes, and reflection's answer repeats its
+    request, unknown fields included: 16 streams of 48 MiB took the server to a 3.7 GiB
+    peak. `service_name`: its full name, its generated module imported (which puts it in
+    protobuf's default pool). `servicer`: grpc.aio's, whose methods are coroutine or async
+    generator functions (one that reads its requests through `context.read()` would get
+    the refusal's stand-in: none of gRPC's does)."""
+    service = descriptor_pool.Default().FindServiceByName(service_name)
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for method in service.methods:
+        request_type = message_factory.GetMessageClass(method.input_type)
+        response_type = message_factory.GetMessageClass(method.output_type)
+        full_name = f"/{service.full_name}/{method.name}"
+        behavior = getattr(servicer, method.name)
+        if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
+            # Not implemented by the grpc.aio servicer (health's List): the generated
+            # base's stub, answering UNIMPLEMENTED, as gRPC does a method it lacks.
+            continue
+        handlers[method.name] = _HANDLER_KINDS[method.client_streaming, method.server_streaming](
+            _refusing_oversized(behavior, requests_streamed=method.client_streaming),
+            request_deserializer=functools.partial(
+                read_operator_request, request_type.FromString, full_name
+            ),
+            response_serializer=response_type.SerializeToString,
+        )
+    _register(server, service.full_name, handlers)
+
+
+def _register(
+    server: grpc.aio.Server, service_name: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
+) -> None:
+    """`handlers` (by method name) as a generated `add_*Servicer_to_server` adds them:
+    registered (each asked for from gRPC's core by name), and generic for the rest."""
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
+    server.add_registered_method_handlers(service_name, handlers)
+
+
+def _refusing_oversized(
+    behavior: Callable[..., Any], *, requests_streamed: bool
+) -> Callable[..., Any]:
+    """`behavior` (a grpc.aio handler), its call ended INVALID_ARGUMENT where a request is
+    an OversizedOperatorRequest: before it runs, or, its requests streamed, when it reads
+    that one. A coroutine function or an async generator function as `behavior` is: gRPC
+    tells how to call a handler by its kind."""
+
+    async def checked(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        if isinstance(request, OversizedOperatorRequest):
+            await abort_with(context, grpc_request_too_large(request))
+        return request
+
+    async def each_checked(
+        requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Any]:
+        async for request in requests:
+            yield await checked(request, context)
+
+    async def given(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        return (
+            each_checked(request, context) if requests_streamed else await checked(request, context)
+        )
+
+    if inspect.isasyncgenfunction(behavior):
+
+        async def answers(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            responses = behavior(await given(request, context), context)
+            try:
+                async for response in responses:
+                    yield response
+            finally:
+                await responses.aclose()  # its cleanup as the call ends, not when collected
+
+        return answers
+
+    async def answer(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        return await behavior(await given(request, context), context)
+
+    return answer
 
 
 def _before_grpc_deadline(context: grpc.aio.ServicerContext[Any, Any]) -> bool:

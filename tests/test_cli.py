@@ -253,7 +253,7 @@ def test_unreadable_tls_file_is_refused_naming_the_setting_before_the_model_load
         "--tls-key",
         str(tmp_path / "server.key"),
     )
-    assert "server.tls_cert: cannot read" in stderr
+    assert "--tls-cert: cannot read" in stderr
     assert "absent.pem" in stderr
 
 
@@ -266,59 +266,53 @@ def test_tls_files_that_are_not_pem_are_refused_naming_the_settings(
     stderr = refused_at_start(
         "--model", str(small_model), "--tls-cert", str(garbage), "--tls-key", str(garbage)
     )
-    assert "server.tls_cert, server.tls_key:" in stderr
+    assert "--tls-cert, --tls-key:" in stderr
     assert "are not a PEM certificate (chain) and its private key" in stderr
     assert "Traceback" not in stderr
 
 
-# A `serve` flag, a value of it the config refuses, and the refusal's message.
+# `serve` flags, a value of which the config or the start refuses, and the refusal's
+# message. Stand-ins for values made by the test: BUSY, a port another socket listens
+# on; NOT_PEM, a file that is not PEM; ABSENT, a file that does not exist.
 REFUSED_FLAGS = [
-    ("--port", "70000", "--port: expected an integer in [0, 65535], got 70000"),
-    ("--priority-port", "-2", "--priority-port: expected an integer in [-1, 65535], got -2"),
+    (("--port", "70000"), "--port: expected an integer in [0, 65535], got 70000"),
+    (("--priority-port", "-2"), "--priority-port: expected an integer in [-1, 65535], got -2"),
     (
-        "--max-batch-size",
-        "0",
+        ("--max-batch-size", "0"),
         "--max-batch-size: expected an integer in [1, 4294967295], got 0",
     ),
-    ("--batch-cap", "0", "--batch-cap: expected an integer >= 1, got 0"),
+    (("--batch-cap", "0"), "--batch-cap: expected an integer >= 1, got 0"),
     (
-        "--batch-cap",
-        "999",
+        ("--batch-cap", "999"),
         (
             "--batch-cap: expected at most server.max_batch_size (128), got 999; raise "
             "max_batch_size (--max-batch-size) for a larger cap"
         ),
     ),
-    ("--drain-grace-s", "nan", "--drain-grace-s: expected seconds in [0, 3600], got nan"),
+    (("--drain-grace-s", "nan"), "--drain-grace-s: expected seconds in [0, 3600], got nan"),
     (
-        "--max-message-bytes",
-        "10",
+        ("--max-message-bytes", "10"),
         "--max-message-bytes: expected an integer in [1024, 2147483647], got 10",
     ),
     (
-        "--max-concurrent-rpcs",
-        "0",
+        ("--max-concurrent-rpcs", "0"),
         "--max-concurrent-rpcs: expected an integer in [1, 2147483647], got 0",
     ),
     (
-        "--max-pending-calls",
-        "0",
+        ("--max-pending-calls", "0"),
         "--max-pending-calls: expected an integer in [1, 2147483647], got 0",
     ),
     (
-        "--priority-max-pending-calls",
-        "0",
+        ("--priority-max-pending-calls", "0"),
         "--priority-max-pending-calls: expected an integer in [1, 2147483647], got 0",
     ),
     (
-        "--intra-op-threads",
-        "2000",
+        ("--intra-op-threads", "2000"),
         "--intra-op-threads: expected an integer in [0, 1024], got 2000",
     ),
-    ("--metrics-port", "-5", "--metrics-port: expected an integer in [-1, 65535], got -5"),
+    (("--metrics-port", "-5"), "--metrics-port: expected an integer in [-1, 65535], got -5"),
     (
-        "--probe-shape",
-        "input=0",
+        ("--probe-shape", "input=0"),
         (
             "--probe-shape: expected NAME=D1,D2,... (an input and its sizes after the row "
             "axis, each in [1, 4294967295], e.g. image=3,224,224), got 'input=0'"
@@ -326,43 +320,109 @@ REFUSED_FLAGS = [
     ),
     # The memory sizes named their flag beside the key already.
     (
-        "--memory-limit",
-        "100",
+        ("--memory-limit", "100"),
         (
             "server.memory_limit (--memory-limit): memory limit '100' is 100 bytes; "
             "expected at least 1MiB, or a fraction of device memory in (0, 1] such as 0.9"
         ),
     ),
     (
-        "--host-memory-limit",
-        "0.5",
+        ("--host-memory-limit", "0.5"),
         (
             "server.host_memory_limit (--host-memory-limit): memory limit '0.5': expected "
             "bytes like 6GiB, not a fraction"
         ),
     ),
-    ("--host", "", "--host: expected a non-empty string, got ''"),
+    (("--host", ""), "--host: expected a non-empty string, got ''"),
+    # A bound another flag set is named by that flag.
+    (
+        ("--max-batch-size", "2", "--batch-cap", "5"),
+        (
+            "--batch-cap: expected at most --max-batch-size (2), got 5; raise "
+            "max_batch_size (--max-batch-size) for a larger cap"
+        ),
+    ),
+    (
+        ("--port", "40123", "--metrics-port", "40123"),
+        "--metrics-port: expected a port other than --port, got 40123 for both",
+    ),
+    # Refused as the server starts: the ports, the TLS files, the model's inputs.
+    (
+        ("--host", "192.0.2.1"),
+        (
+            "--host: cannot listen on 192.0.2.1:0: Cannot assign requested address; "
+            "expected an address of this host, or a name that resolves to one"
+        ),
+    ),
+    *[
+        (
+            (flag, "BUSY"),
+            (
+                f"{flag}: cannot listen on 127.0.0.1:BUSY: Address already in use; expected "
+                "a free port (0: any free port)"
+            ),
+        )
+        for flag in ("--port", "--priority-port", "--metrics-port")
+    ],
+    (
+        ("--tls-cert", "NOT_PEM"),
+        (
+            "--tls-cert, server.tls_key: expected both (TLS) or neither (plaintext), got "
+            "tls_cert='NOT_PEM' tls_key=None"
+        ),
+    ),
+    (
+        ("--tls-client-ca", "NOT_PEM"),
+        (
+            "--tls-client-ca: mutual TLS needs the server's own tls_cert and tls_key too; "
+            "expected all three"
+        ),
+    ),
+    (
+        ("--tls-cert", "ABSENT", "--tls-key", "NOT_PEM"),
+        "--tls-cert: cannot read 'ABSENT' (No such file or directory); expected a PEM file",
+    ),
+    (
+        ("--probe-shape", "nosuch=3"),
+        "--probe-shape: unknown input(s) ['nosuch']; the model's inputs are ['input']",
+    ),
 ]
 
 
 @pytest.mark.parametrize(
-    ("flag", "value", "message"),
-    REFUSED_FLAGS,
-    ids=[f"{flag}={value}" for flag, value, _ in REFUSED_FLAGS],
+    ("flags", "message"), REFUSED_FLAGS, ids=[" ".join(flags) for flags, _ in REFUSED_FLAGS]
 )
 def test_a_flags_refused_value_is_named_by_the_flag(
-    small_model: Path, flag: str, value: str, message: str
+    tmp_path: Path, small_model: Path, flags: tuple[str, ...], message: str
 ) -> None:
     """`--max-batch-size 0` was refused as "server.max_batch_size: ...", a config key its
-    user never wrote; so was every numeric flag's refused value."""
-    stderr = refused_at_start("--model", str(small_model), "--port", "0", flag, value)
+    user never wrote; so was every numeric flag's refused value, and the values refused
+    as the server started (a port in use, a TLS file, an input the model lacks), a bound
+    another flag set, and an address not this host's as its port."""
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("not a certificate\n")
+    with socket.socket() as held:  # listening without SO_REUSEPORT: gRPC cannot share it
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        made = {
+            "BUSY": str(held.getsockname()[1]),
+            "NOT_PEM": str(not_pem),
+            "ABSENT": str(tmp_path / "absent.pem"),
+        }
+        args = [made.get(flag, flag) for flag in flags]
+        # The metrics port off: its default (9464) is checked before the TLS files.
+        base = ("--model", str(small_model), "--port", "0", "--metrics-port", "-1")
+        stderr = refused_at_start(*base, *args)
+    for stand_in, value in made.items():
+        message = message.replace(stand_in, value)
     assert stderr.splitlines() == [f"laneserve: {message}"]
 
 
 def test_a_config_files_refused_value_is_named_by_its_key_beside_flags(
     tmp_path: Path, small_model: Path
 ) -> None:
-    """Only the value a flag gave is named by the flag: the file's, by its key."""
+    """Only the value a flag gave is named by the flag: the file's, by its key, and a
+    bound on it a flag set, by that flag."""
     config = tmp_path / "laneserve.toml"
     config.write_text("[server]\nmax_batch_size = 0\n")
     stderr = refused_at_start(
@@ -371,6 +431,16 @@ def test_a_config_files_refused_value_is_named_by_its_key_beside_flags(
     assert stderr.splitlines() == [
         "laneserve: server.max_batch_size: expected an integer in [1, 4294967295], got 0"
     ]
+    config.write_text("[server]\nbatch_cap = 5\n")
+    stderr = refused_at_start(
+        "--model", str(small_model), "--config", str(config), "--port", "0", "--max-batch-size", "2"
+    )
+    assert stderr.splitlines() == [
+        (
+            "laneserve: server.batch_cap: expected at most --max-batch-size (2), got 5; "
+            "raise max_batch_size (--max-batch-size) for a larger cap"
+        )
+    ]
 
 
 def test_a_probe_shape_flag_that_is_not_name_equals_sizes_is_refused(small_model: Path) -> None:
@@ -378,7 +448,7 @@ def test_a_probe_shape_flag_that_is_not_name_equals_sizes_is_refused(small_model
         stderr = refused_at_start("--model", str(small_model), "--probe-shape", flag)
         assert "--probe-shape: expected NAME=D1,D2,..." in stderr
     stderr = refused_at_start("--model", str(small_model), "--probe-shape", "image=3,8")
-    assert "server.probe_shapes: unknown input(s) ['image']" in stderr
+    assert "--probe-shape: unknown input(s) ['image']" in stderr
 
 
 def test_an_encrypted_tls_key_is_refused_naming_the_setting(
@@ -410,7 +480,7 @@ def test_an_encrypted_tls_key_is_refused_naming_the_setting(
         start_new_session=True,  # no controlling terminal: a prompt could not block the test
     )
     assert done.returncode == 2, done.stderr
-    assert "server.tls_key:" in done.stderr
+    assert "--tls-key:" in done.stderr
     assert "is an encrypted private key" in done.stderr
     assert "pass phrase" not in done.stderr + done.stdout
 
@@ -425,7 +495,7 @@ def test_a_priority_port_that_cannot_be_bound_is_refused_naming_the_setting(
         stderr = refused_at_start(
             "--model", str(small_model), "--port", "0", "--priority-port", str(port)
         )
-    assert f"cannot listen on 127.0.0.1:{port} (server.priority_port)" in stderr
+    assert f"--priority-port: cannot listen on 127.0.0.1:{port}: " in stderr
     assert "Traceback" not in stderr
 
 
@@ -444,8 +514,7 @@ def test_json_logs_of_a_port_in_use_are_json_lines_alone_naming_the_address(
     lines = [json.loads(line) for line in stderr.splitlines()]
     assert lines[-1]["event"] == "startup_failed"
     assert lines[-1]["message"].startswith(
-        f"cannot listen on 127.0.0.1:{port} (server.port): Address already in use; "
-        "expected a local address and a free port"
+        f"--port: cannot listen on 127.0.0.1:{port}: Address already in use; expected a free port"
     )
 
 
@@ -479,9 +548,7 @@ def test_a_port_in_use_is_refused_before_the_model_loads(small_model: Path) -> N
                     process.kill()
     assert process.returncode == 2
     assert "loading" not in stderr
-    assert f"cannot listen on 127.0.0.1:{port} (server.metrics_port): Address already in use" in (
-        stderr
-    )
+    assert f"--metrics-port: cannot listen on 127.0.0.1:{port}: Address already in use" in stderr
 
 
 def test_a_model_with_no_inputs_is_refused_at_start_not_hung(tmp_path: Path) -> None:
@@ -534,7 +601,7 @@ def test_a_memory_limit_the_idle_server_exceeds_is_refused(small_model: Path) ->
 
 def test_an_address_that_cannot_be_bound_is_refused_naming_it(small_model: Path) -> None:
     stderr = refused_at_start("--model", str(small_model), "--host", "192.0.2.1", "--port", "0")
-    assert "cannot listen on 192.0.2.1:0" in stderr
+    assert "--host: cannot listen on 192.0.2.1:0" in stderr
     assert "Traceback" not in stderr
 
 

@@ -30,9 +30,10 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from onnx import helper
 
 from laneserve import client as lc
-from laneserve.server import Engine, LaneConfig, ServerConfig
+from laneserve.server import Engine, LaneConfig, ServerConfig, service
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.v1 import inference_pb2 as pb
+from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
     RecordingEngine,
     Serving,
@@ -528,7 +529,53 @@ def test_a_stream_over_the_servers_stream_bound_is_a_retryable_server_busy_error
                     pass
             held.cancel()
         assert caught.value.retryable
-        assert "InferStream calls half of them" in caught.value.message
+        assert caught.value.message == (
+            "the server refused the call at once: as many calls were in progress as its "
+            "bound admits (1 InferStream calls at once, half of server setting "
+            "max_concurrent_rpcs 2; unary calls keep the rest); the call never ran; retryable"
+        )
+
+    asyncio.run(scenario())
+
+
+def test_an_operator_call_over_its_bound_is_a_server_busy_error_naming_that_bound(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GetModel and GetStats have a bound of their own (64 at once per port), which the
+    refusal's trailer names: the client said max_concurrent_rpcs was full, and "retryable
+    with the same request_id", which a GetStats call does not have."""
+    release = asyncio.Event()
+    get_stats = service.InferenceServicer.GetStats
+
+    async def held(self: service.InferenceServicer, request: Any, context: Any) -> Any:
+        await release.wait()  # fault injection: an operator call that awaits
+        return await get_stats(self, request, context)
+
+    monkeypatch.setattr(service.InferenceServicer, "GetStats", held)
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with client_for(engine, config(small_model), retry=lc.NO_RETRIES) as (s, client):
+            gate = s.server._listeners[0].acceptors._gate
+            stub = pb_grpc.InferenceServiceStub(s.channel)
+            calls = [
+                asyncio.ensure_future(stub.GetStats(pb.GetStatsRequest(), timeout=30))
+                for _ in range(gate.operator_limit)
+            ]
+            await until(lambda: gate.operator_calls == gate.operator_limit)
+            try:
+                with pytest.raises(lc.ServerBusyError) as caught:
+                    await client.stats()
+            finally:
+                release.set()
+                await asyncio.gather(*calls)
+        assert caught.value.retryable
+        assert caught.value.message == (
+            "the server refused the call at once: as many calls were in progress as its "
+            "bound admits (64 GetModel and GetStats calls at once, counted apart from the "
+            "inference calls (server setting max_concurrent_rpcs 4096)); the call never ran; "
+            "retryable"
+        )
 
     asyncio.run(scenario())
 

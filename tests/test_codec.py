@@ -273,7 +273,7 @@ MISSHAPEN = pb.Tensor(name="input", dtype=pb.DATA_TYPE_FLOAT32, shape=[2**40, 4]
 def test_a_shape_no_request_could_carry_is_refused_for_its_data_not_counted_as_rows() -> None:
     """Its 2**40 rows were counted (and refused as too many, "split it"): its fault is
     its data's length, which `decode_inputs` names."""
-    assert leading_rows([MISSHAPEN], [ROWS_SPEC]) is None
+    assert leading_rows([MISSHAPEN], [ROWS_SPEC], max_message_bytes=GRPC_INT_MAX) is None
     with pytest.raises(InvalidInputError) as refused:
         decode_inputs([MISSHAPEN], [ROWS_SPEC])
     assert str(refused.value) == (
@@ -282,23 +282,31 @@ def test_a_shape_no_request_could_carry_is_refused_for_its_data_not_counted_as_r
     )
 
 
-def test_leading_rows_count_a_shape_up_to_the_largest_request_unread() -> None:
-    """The bound is the most bytes a message may have (max_message_bytes is at most
-    GRPC_INT_MAX); within it the shape is counted without its data read."""
+def test_leading_rows_count_a_shape_up_to_the_servers_largest_request_unread() -> None:
+    """The bound is the most bytes a message to this server may have (its
+    max_message_bytes, at most GRPC_INT_MAX): it was GRPC_INT_MAX whatever the server's,
+    so a shape of 205 MB against a 64 MiB limit was counted as rows, to be split. Within
+    it the shape is counted without its data read."""
     spec = TensorSpec("input", np.dtype(np.uint8), (-1,))
 
     def shaped(row_count: int) -> pb.Tensor:
         return pb.Tensor(name="input", dtype=pb.DATA_TYPE_UINT8, shape=[row_count])
 
-    assert leading_rows([shaped(GRPC_INT_MAX)], [spec]) == GRPC_INT_MAX
-    assert leading_rows([shaped(GRPC_INT_MAX + 1)], [spec]) is None
+    for limit in (64 * 2**20, GRPC_INT_MAX):
+        assert leading_rows([shaped(limit)], [spec], max_message_bytes=limit) == limit
+        assert leading_rows([shaped(limit + 1)], [spec], max_message_bytes=limit) is None
     unknown_dtype = pb.Tensor(name="input", shape=[2**40])
-    assert leading_rows([unknown_dtype], [spec]) is None
+    assert leading_rows([unknown_dtype], [spec], max_message_bytes=GRPC_INT_MAX) is None
 
 
+@pytest.mark.parametrize("row_count", [2**40, 100_000], ids=["over-2GiB", "over-64MiB"])
 def test_a_shape_no_request_could_carry_is_refused_for_its_data_over_grpc(
-    small_model: Path,
+    small_model: Path, row_count: int
 ) -> None:
+    """Neither is counted as rows over the lane's capacity ("split it"): 100 000 rows of
+    512 float32 are 205 MB, more than the server's max_message_bytes (64 MiB) lets a
+    request carry, though less than gRPC's largest message."""
+
     async def scenario() -> None:
         engine = Engine(str(small_model), estimate=estimate_once)
         async with serving(engine, ServerConfig(model_path=str(small_model))) as s:
@@ -306,7 +314,7 @@ def test_a_shape_no_request_could_carry_is_refused_for_its_data_over_grpc(
             misshapen = pb.Tensor(
                 name="input",
                 dtype=pb.DATA_TYPE_FLOAT32,
-                shape=[2**40, one_row.shape[1]],
+                shape=[row_count, one_row.shape[1]],
                 data=one_row.tobytes(),
             )
             with pytest.raises(grpc.aio.AioRpcError) as caught:
