@@ -9,6 +9,7 @@ import math
 import numbers
 import os
 import reprlib
+import threading
 import uuid
 import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -72,8 +73,10 @@ Outputs = dict[str, npt.NDArray[Any]]
 class AsyncClient:
     """A laneserve client for asyncio code. It serves the event loop it is first used on:
     it may be made anywhere (at import, with no loop running), and opens its channel at
-    its first call, on that call's loop. A call from another loop is refused
-    (RuntimeError): make one client per event loop (per ``asyncio.run``, per test's loop).
+    its first call, on that call's loop. A call from another loop while that one is open
+    is refused (RuntimeError): make one client per event loop that runs at once (per
+    thread's loop). Once its loop is closed (an ``asyncio.run`` ended, a test's loop), the
+    next call opens a new channel on its own loop, which the client serves from then on.
 
     Example::
 
@@ -114,15 +117,23 @@ class AsyncClient:
             options=options,
             interceptors=interceptors,
         )
-        # Set by the first call (`_stub_here`), once: the channel, on that call's loop. Made
-        # here, it bound to whichever loop was current (at import, one never run), and
-        # every call from the app's own loop failed with gRPC's "attached to a different
-        # loop".
+        # Set by the first call (`_stub_here`): the channel, on that call's loop; set again
+        # by the first call on another loop once that one is closed. Made here, it bound
+        # to whichever loop was current (at import, one never run), and every call from
+        # the app's own loop failed with gRPC's "attached to a different loop".
         self._opened: _Opened | None = None
-        # Set by close(): no call starts or retries after it (ClientClosedError).
+        # Set by close(): no call starts or retries after it (ClientClosedError). Replaced
+        # (unset) with the channel when the client moves to a new loop: an asyncio.Event
+        # binds to the first loop that waits on it, and a wait on another loop failed
+        # ("bound to a different event loop").
         self._closed = asyncio.Event()
-        # The bulk jobs started and not yet collected: close() ends their source reads.
+        # The bulk jobs started on the client's loop and not yet collected: close() ends
+        # their source reads. Replaced with the channel, as `_closed` is.
         self._jobs: weakref.WeakSet[BulkStream] = weakref.WeakSet()
+        # Held while `_opened` is read to be replaced, or `_closed` to be set, so that one
+        # channel is open at a time: threads' loops making their first calls at once each
+        # opened one, every one but the last leaked, and their later calls failed.
+        self._lock = threading.Lock()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -137,17 +148,19 @@ class AsyncClient:
         that loop is closed; in a child forked from the process that opened the channel
         it returns at once, leaving gRPC alone (its state did not survive the fork)."""
         opened = self._opened
-        if opened is None:
-            self._closed.set()
-            return
-        if opened.pid != os.getpid():
+        # Before the lock: another thread may have held it at the fork, for good here.
+        if opened is not None and opened.pid != os.getpid():
             return
         loop = asyncio.get_running_loop()
-        if loop is not opened.loop and not opened.loop.is_closed():
-            # Refused before anything changes: its calls run on that loop, in another
-            # thread, and gRPC's channel is not safe to close from this one.
-            raise RuntimeError(_other_loop("close()", opened.loop))
-        self._closed.set()
+        with self._lock:
+            opened = self._opened
+            if opened is not None and loop is not opened.loop and not opened.loop.is_closed():
+                # Refused before anything changes: its calls run on that loop, in another
+                # thread, and gRPC's channel is not safe to close from this one.
+                raise RuntimeError(_other_loop("close()"))
+            self._closed.set()  # under the lock: no call opens a channel after it
+        if opened is None:
+            return
         # A job's read of its source in progress (an async generator running in a task
         # of its own) ends first: left running, the loop's shutdown could not close that
         # generator ("aclose(): asynchronous generator is already running"), whose
@@ -198,12 +211,12 @@ class AsyncClient:
             response = await self._call(_infer, request, timeout_s, request_id)
             return {tensor.name: decode_tensor(tensor) for tensor in response.outputs}
 
-        return await call_with_retries(
+        return await self._retried(
             attempt,
             policy=policy,
-            timeout_s=_timeout_s(timeout),
+            timeout=timeout,
             what=f"Infer {request_id!r}",
-            closed=self._closed,
+            request_id=request_id,
         )
 
     async def model(self, *, timeout: float | None = None) -> ModelInfo:  # noqa: ASYNC109
@@ -221,13 +234,7 @@ class AsyncClient:
             response = await self._call(_get_model, pb.GetModelRequest(), timeout_s, "")
             return ModelInfo.from_proto(response)
 
-        return await call_with_retries(
-            attempt,
-            policy=policy,
-            timeout_s=_timeout_s(timeout),
-            what="GetModel",
-            closed=self._closed,
-        )
+        return await self._retried(attempt, policy=policy, timeout=timeout, what="GetModel")
 
     async def stats(
         self,
@@ -240,13 +247,7 @@ class AsyncClient:
         async def attempt(timeout_s: float | None) -> pb.GetStatsResponse:
             return await self._call(_get_stats, pb.GetStatsRequest(), timeout_s, "")
 
-        return await call_with_retries(
-            attempt,
-            policy=self.retry,
-            timeout_s=_timeout_s(timeout),
-            what="GetStats",
-            closed=self._closed,
-        )
+        return await self._retried(attempt, policy=self.retry, timeout=timeout, what="GetStats")
 
     def stream(  # noqa: PLR0913 - keyword-only options of one call, each with a default
         self,
@@ -313,8 +314,10 @@ class AsyncClient:
         )
         if self._closed.is_set():
             raise ClientClosedError
+        # First: on a new loop it replaces `_closed`, which the job waits on.
+        stub = self._stub_here("stream()")
         job = BulkStream(
-            self._stub_here("stream()"),
+            stub,
             self.metadata + trace_metadata(),  # the context the job was started in
             requests,
             options,
@@ -350,15 +353,37 @@ class AsyncClient:
         capacity = next((info.capacity_rows for info in model.lanes if info.name == name), None)
         return StreamLimits(capacity, model.max_message_bytes or None)
 
-    def _stub_here(self, call: str) -> pb_grpc.InferenceServiceAsyncStub:
+    async def _retried(
+        self,
+        attempt: Callable[[float | None], Awaitable[T]],
+        *,
+        policy: RetryPolicy,
+        timeout: object,  # noqa: ASYNC109 - a gRPC deadline, as in infer()
+        what: str,
+        request_id: str = "",
+    ) -> T:
+        """`attempt` run by `call_with_retries` within the call's `timeout`, on the client's
+        channel for the running loop, opened (or moved to this loop) first: its backoffs
+        wait on the `_closed` of the loop they run on."""
+        timeout_s = _timeout_s(timeout)
+        if not self._closed.is_set():  # a closed client's attempt says so itself
+            self._stub_here("a call", request_id)
+        return await call_with_retries(
+            attempt, policy=policy, timeout_s=timeout_s, what=what, closed=self._closed
+        )
+
+    def _stub_here(self, call: str, request_id: str = "") -> pb_grpc.InferenceServiceAsyncStub:
         """The stub of the client's channel, for a `call` on the running loop; the first
-        call opens the channel on its loop, which the client serves from then on.
+        call opens the channel on its loop, which the client serves from then on (until
+        that loop is closed: see `_open_here`).
 
         Raises:
             RuntimeError: the call is made with no loop running, on a loop other than
-                the client's, or in a child forked from the process that opened the
-                channel; before gRPC is called (its refusal left a coroutine of its own
-                never awaited, and a RuntimeWarning).
+                the client's while that one is open, or in a child forked from the
+                process that opened the channel; before gRPC is called (its refusal left
+                a coroutine of its own never awaited, and a RuntimeWarning).
+            ClientClosedError: the client was closed (from another loop, its own being
+                closed) as this call was about to open a channel.
         """
         try:
             loop = asyncio.get_running_loop()
@@ -368,20 +393,41 @@ class AsyncClient:
                 "call in a coroutine on the loop the client serves (`async for result in "
                 "client.stream(...)`)"
             ) from None
-        if self._opened is None:
+        opened = self._opened
+        if opened is None or opened.loop is not loop or opened.pid != os.getpid():
+            opened = self._open_here(loop, call, request_id)
+        return opened.stub
+
+    def _open_here(self, loop: asyncio.AbstractEventLoop, call: str, request_id: str) -> _Opened:
+        """The client's channel for a `call` on `loop`: opened there when the client has
+        none yet, or when the loop it served is closed. The old channel cannot be closed
+        on its closed loop: it is dropped, and gRPC's channel closes itself as it is freed
+        (nothing of it runs on that loop, and nothing is printed). Raises as `_stub_here`."""
+        opened = self._opened
+        # The process first: a child forked inside a running loop runs that very loop.
+        # Before the lock: another thread may have held it at the fork, for good here.
+        if opened is not None and opened.pid != os.getpid():
+            raise RuntimeError(
+                forked_message("the channel of this laneserve AsyncClient", opened.pid)
+            )
+        with self._lock:
+            opened = self._opened
+            # Read again under the lock: another thread, on its own loop, may have opened it.
+            if opened is not None and opened.loop is loop:
+                return opened
+            if opened is not None and not opened.loop.is_closed():
+                raise RuntimeError(_other_loop(call))
+            if self._closed.is_set():
+                raise ClientClosedError(request_id=request_id)
+            if opened is not None:
+                # The old loop's are over: its calls and jobs ended as it closed.
+                self._closed = asyncio.Event()
+                self._jobs = weakref.WeakSet()
             channel = open_channel(self._channel_spec)
             self._opened = _Opened(
                 channel, pb_grpc.InferenceServiceStub(channel), loop, os.getpid()
             )
-        opened = self._opened
-        # The process first: a child forked inside a running loop runs that very loop.
-        if opened.pid != os.getpid():
-            raise RuntimeError(
-                forked_message("the channel of this laneserve AsyncClient", opened.pid)
-            )
-        if loop is not opened.loop:
-            raise RuntimeError(_other_loop(call, opened.loop))
-        return opened.stub
+            return self._opened
 
     async def _call(
         self,
@@ -392,7 +438,7 @@ class AsyncClient:
     ) -> T:
         if self._closed.is_set():
             raise ClientClosedError(request_id=request_id)
-        method = method_of(self._stub_here("a call"))
+        method = method_of(self._stub_here("a call", request_id))
         try:
             metadata = self.metadata + trace_metadata()
             return await method(request, timeout=timeout_s, metadata=metadata)
@@ -413,7 +459,8 @@ class AsyncClient:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Opened:
-    """A client's channel, from its first call on: the client serves `loop`, in `pid`."""
+    """A client's channel, from its first call on `loop` (in `pid`) until a call on
+    another loop once `loop` is closed: the client serves `loop`, in `pid`."""
 
     channel: grpc.aio.Channel
     stub: pb_grpc.InferenceServiceAsyncStub
@@ -439,14 +486,14 @@ def _get_stats(
     return stub.GetStats
 
 
-def _other_loop(call: str, first: asyncio.AbstractEventLoop) -> str:
-    """The refusal of a `call` made on another event loop than `first`, the client's."""
-    state = "since closed" if first.is_closed() else "still open, in another thread or idle"
+def _other_loop(call: str) -> str:
+    """The refusal of a `call` made on another event loop than the client's, still open."""
     return (
-        f"this laneserve AsyncClient serves the event loop it was first used on ({state}), "
-        f"and {call} was made on another loop: a gRPC channel belongs to the loop it was "
-        "opened on. Expected one AsyncClient per event loop (per asyncio.run, per "
-        "thread's loop, per test's loop), made or first used on it and closed there"
+        "this laneserve AsyncClient serves the event loop it was first used on (still "
+        f"open, in another thread or idle), and {call} was made on another loop: a gRPC "
+        "channel belongs to the loop it was opened on. Expected one AsyncClient per event "
+        "loop that runs at the same time (per thread's loop), made or first used on it and "
+        "closed there; a client moves to another loop only once its loop is closed"
     )
 
 

@@ -9,6 +9,7 @@ import os
 import re
 import reprlib
 import ssl
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -484,29 +485,69 @@ def _checked_interceptors(
     return checked
 
 
+# Every channel `open_channel` opened in this process, held weakly; and, in a child forked
+# from it, the parent's channels held for good. gRPC's state does not survive a fork: a
+# parent's channel deallocated in the child (its client dropped or replaced there, as in
+# "create clients after the fork") crashed the child (SIGSEGV) or hung it. The child keeps
+# them and never touches them; only their memory (copied at the fork) is kept.
+_OPENED: weakref.WeakSet[grpc.aio.Channel] = weakref.WeakSet()
+_KEPT_FROM_PARENT: set[grpc.aio.Channel] = set()
+# The processes in which a channel was opened, as this process knows them: its own (once
+# it opens one) and, copied at each fork, its ancestors' up to that fork. Once a process
+# has made gRPC calls, a child forked from it that makes any may hang (its timeout
+# ignored) or abort, on a client made in the child too.
+_OPENED_IN_PIDS: set[int] = set()
+
+
+def _keep_parents_channels() -> None:
+    """In a child, just forked: the parent's channels are never deallocated here."""
+    _KEPT_FROM_PARENT.update(_OPENED)
+
+
+if hasattr(os, "register_at_fork"):  # POSIX: elsewhere no process forks
+    os.register_at_fork(after_in_child=_keep_parents_channels)
+
+
 def open_channel(spec: ChannelSpec) -> grpc.aio.Channel:
     """`spec`'s channel, bound to the running event loop: call it there."""
     if spec.credentials is None:
-        return grpc.aio.insecure_channel(
+        channel = grpc.aio.insecure_channel(
             spec.target, options=spec.options, interceptors=spec.interceptors
         )
-    return grpc.aio.secure_channel(
-        spec.target, spec.credentials, options=spec.options, interceptors=spec.interceptors
-    )
+    else:
+        channel = grpc.aio.secure_channel(
+            spec.target, spec.credentials, options=spec.options, interceptors=spec.interceptors
+        )
+    _OPENED.add(channel)
+    _OPENED_IN_PIDS.add(os.getpid())
+    return channel
 
 
 def forked_message(what: str, pid: int) -> str:
     """The refusal of a call made in a child forked from process `pid`, where `what` (the
     client, or its channel) was made: gRPC's state does not survive a fork (neither does
-    a Client's thread), and the call would wait for ever or abort the process."""
-    return (
+    a Client's thread), and the call would wait for ever or abort the process. Once
+    process `pid` had opened a channel before the fork, a client made in the child may
+    hang or abort too: the message leads with 'spawn' or 'forkserver' then."""
+    refusal = (
         f"{what} was made in process {pid}, and this call is made in process "
         f"{os.getpid()}, a child forked from it (gunicorn --preload, multiprocessing's "
         "'fork' start method, Celery's prefork pool): a client's channel (and a Client's "
-        "thread) does not survive a fork, and a call there would hang or abort the "
-        "process. Expected a client created after the fork, in the process that uses it "
+        "thread) does not survive a fork, and a call there would hang or abort the process"
+    )
+    if pid in _OPENED_IN_PIDS:
+        return (
+            f"{refusal}. Process {pid} had made gRPC calls before the fork, so a client "
+            "created in this child may hang too (its timeout ignored) or abort. Expected "
+            "worker processes started with multiprocessing's 'spawn' or 'forkserver' "
+            "method, or forked before any gRPC call is made (gunicorn without --preload), "
+            "each creating its own client after the fork (gunicorn's post_fork hook, a "
+            "Pool initializer, Celery's worker_process_init)"
+        )
+    return (
+        f"{refusal}. Expected a client created after the fork, in the process that uses it "
         "(gunicorn's post_fork hook, a Pool initializer, Celery's worker_process_init), or "
         "worker processes started with multiprocessing's 'spawn' or 'forkserver' method: "
-        "the safe choice, as once a process has made gRPC calls, gRPC may abort a child "
-        "forked from it that makes any, even on a new client"
+        "the safe choice, as once a process has made gRPC calls, gRPC may hang or abort a "
+        "child forked from it that makes any, even on a new client"
     )

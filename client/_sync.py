@@ -70,8 +70,11 @@ class Client:
 
     A client serves the process that made it: in a child forked from that process
     (gunicorn ``--preload``, multiprocessing's ``fork`` start method) its thread is gone,
-    and every call is refused (RuntimeError) and `close()` returns at once. Make clients
-    after the fork, in the process that uses them, or start workers with ``spawn``.
+    and every call is refused (RuntimeError) and `close()` returns at once; dropping it
+    there is safe. Start workers with ``spawn`` or ``forkserver``, or fork them before
+    the process makes any call and make their clients after the fork: once a process has
+    made gRPC calls, a client made in a child forked from it may hang (its timeout
+    ignored) or abort.
     """
 
     def __init__(

@@ -643,10 +643,13 @@ def _refuse_host_limit(
         else ""
     )
     floor_bytes = _host_limit_floor(config, used_bytes, batch_bytes)
+    # Keyed: `serve` names --host-memory-limit where the flag gave it, the key where the
+    # file did (the message had named both, the flag where the file set it).
+    counted = f" ({counted.removeprefix('; ')})" if counted else ""
     raise ConfigError(
-        f"server.host_memory_limit: {held}; expected a limit above "
-        f"{format_bytes_beyond(floor_bytes, above=True)} (--host-memory-limit{counted}), "
-        f"{_ROOM}"
+        f"{held}; expected a limit above {format_bytes_beyond(floor_bytes, above=True)}"
+        f"{counted}, {_ROOM}",
+        key="server.host_memory_limit",
     )
 
 

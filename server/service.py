@@ -1205,6 +1205,35 @@ def operator_request_too_large(request: OversizedOperatorRequest) -> InvalidInpu
     )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class UndecodableGrpcRequest:
+    """What a handler of one of gRPC's own services (`add_grpc_service`) receives for a
+    request that does not parse: refused INVALID_ARGUMENT (`grpc_request_undecodable`).
+    Left to the generated deserializer, the DecodeError ended the call UNKNOWN and logged
+    a traceback at ERROR for each such call."""
+
+    method: str  # "/grpc.health.v1.Health/Check"
+    message: str  # the request's full type name
+
+
+def read_grpc_request(request_type: type[Message], method: str, data: bytes) -> Any:
+    """`data` as `request_type`, or its refusal's stand-in: an OversizedOperatorRequest
+    (over MAX_OPERATOR_REQUEST_BYTES, measured before the parse) or an
+    UndecodableGrpcRequest."""
+    try:
+        return read_operator_request(request_type.FromString, method, data)
+    except DecodeError:
+        return UndecodableGrpcRequest(method, request_type.DESCRIPTOR.full_name)
+
+
+def grpc_request_undecodable(request: UndecodableGrpcRequest) -> InvalidInputError:
+    """The refusal of an UndecodableGrpcRequest."""
+    return InvalidInputError(
+        f"the {request.method} request does not parse as a {request.message} message; "
+        "expected that message, encoded"
+    )
+
+
 def grpc_request_too_large(request: OversizedOperatorRequest) -> InvalidInputError:
     """The refusal of an OversizedOperatorRequest to one of gRPC's own services
     (`add_grpc_service`)."""
@@ -1314,9 +1343,7 @@ def add_grpc_service(server: grpc.aio.Server, service_name: str, servicer: objec
             continue
         handlers[method.name] = _HANDLER_KINDS[method.client_streaming, method.server_streaming](
             _refusing_oversized(behavior, requests_streamed=method.client_streaming),
-            request_deserializer=functools.partial(
-                read_operator_request, request_type.FromString, full_name
-            ),
+            request_deserializer=functools.partial(read_grpc_request, request_type, full_name),
             response_serializer=response_type.SerializeToString,
         )
     _register(server, service.full_name, handlers)
@@ -1335,13 +1362,15 @@ def _refusing_oversized(
     behavior: Callable[..., Any], *, requests_streamed: bool
 ) -> Callable[..., Any]:
     """`behavior` (a grpc.aio handler), its call ended INVALID_ARGUMENT where a request is
-    an OversizedOperatorRequest: before it runs, or, its requests streamed, when it reads
-    that one. A coroutine function or an async generator function as `behavior` is: gRPC
-    tells how to call a handler by its kind."""
+    an OversizedOperatorRequest or an UndecodableGrpcRequest: before it runs, or, its
+    requests streamed, when it reads that one. A coroutine function or an async generator
+    function as `behavior` is: gRPC tells how to call a handler by its kind."""
 
     async def checked(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         if isinstance(request, OversizedOperatorRequest):
             await abort_with(context, grpc_request_too_large(request))
+        if isinstance(request, UndecodableGrpcRequest):
+            await abort_with(context, grpc_request_undecodable(request))
         return request
 
     async def each_checked(

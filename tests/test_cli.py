@@ -593,7 +593,7 @@ def test_a_memory_limit_the_idle_server_exceeds_is_refused(small_model: Path) ->
     stderr = refused_at_start(
         "--model", str(small_model), "--port", "0", "--host-memory-limit", "16MiB"
     )
-    assert "server.host_memory_limit: the server holds" in stderr
+    assert "--host-memory-limit: the server holds" in stderr  # the flag gave it
     assert "idle after loading the model, at or above the low watermark" in stderr
     assert "expected a limit above" in stderr
     assert "Traceback" not in stderr

@@ -11,7 +11,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -531,9 +531,10 @@ def test_a_client_collected_on_its_own_thread_stops_it_without_waiting_for_itsel
 # ---- a client and the process it serves (fork) ---------------------------------------------
 
 # Run with the server's target in a process of its own (the test process never forks: gRPC's
-# threads are running in it). A Client is made and used, then a child forked from the process
+# threads are running in it). A Client is made; a child forked from the process
 # (multiprocessing's fork start method, as gunicorn --preload or a Pool's workers) calls it,
-# closes it, and exits; the parent uses it again.
+# closes it, and exits; the parent uses it, and a second child does the same; the parent
+# uses it again.
 FORKED_CLIENT = f"""
 import multiprocessing, sys
 import numpy as np
@@ -542,24 +543,28 @@ from laneserve.client import Client
 ROWS = {{"input": np.zeros((1, 512), np.float32)}}
 client = Client(sys.argv[1])
 
-def child():
+def child(label):
     try:
         client.infer(ROWS, timeout=2)
-        print("child: answered", flush=True)
+        print(f"{{label}}: answered", flush=True)
     except RuntimeError as error:
-        print(f"child: RuntimeError: {{error}}", flush=True)
+        print(f"{{label}}: RuntimeError: {{error}}", flush=True)
     client.close()
-    print("child: closed", flush=True)
+    print(f"{{label}}: closed", flush=True)
 
+def fork(label):
+    process = multiprocessing.get_context("fork").Process(target=child, args=(label,))
+    process.start()
+    process.join({HANG_S})
+    if process.is_alive():
+        process.kill()
+        process.join()
+        print(f"{{label}}: hung", flush=True)
+    print(f"{{label}}: exit code {{process.exitcode}}", flush=True)
+
+fork("child of an unused client")
 print("parent:", client.infer(ROWS, timeout=5)["output"].shape, flush=True)
-process = multiprocessing.get_context("fork").Process(target=child)
-process.start()
-process.join({HANG_S})
-if process.is_alive():
-    process.kill()
-    process.join()
-    print("child: hung", flush=True)
-print(f"child: exit code {{process.exitcode}}", flush=True)
+fork("child of a used client")
 print("parent again:", client.infer(ROWS, timeout=5)["output"].shape, flush=True)
 client.close()
 """
@@ -605,6 +610,38 @@ asyncio.run(parent())
 """
 
 
+# Both clients made at import and used by the parent (a warm-up call before the workers
+# fork); a forked child follows "create clients after the fork": it replaces the
+# AsyncClient with one of its own and drops the Client, making no call, and exits.
+FORKED_CLIENTS_REPLACED = f"""
+import asyncio, gc, multiprocessing, sys
+from laneserve.client import AsyncClient, Client
+
+async_client = AsyncClient(sys.argv[1])
+sync_client = Client(sys.argv[1])
+
+def child():
+    global async_client, sync_client
+    async_client = AsyncClient(sys.argv[1])
+    sync_client = None
+    gc.collect()
+    print("child: replaced", flush=True)
+
+asyncio.run(async_client.model(timeout=5))
+sync_client.model(timeout=5)
+process = multiprocessing.get_context("fork").Process(target=child)
+process.start()
+process.join({HANG_S})
+if process.is_alive():
+    process.kill()
+    process.join()
+    print("child: hung", flush=True)
+print(f"child: exit code {{process.exitcode}}", flush=True)
+sync_client.close()
+asyncio.run(async_client.close())
+"""
+
+
 def run_script(script: str, target: str) -> list[str]:
     """`script` run by this Python with `target` as its argument: its stdout's lines."""
     done = run_text([sys.executable, "-c", script, target], timeout_s=3 * HANG_S, cwd=REPO)
@@ -618,19 +655,50 @@ def test_a_client_used_in_a_child_forked_after_it_was_made_is_refused_at_once(
     """gunicorn --preload, a fork Pool, Celery's prefork workers: the child's
     `infer(timeout=2)` waited for ever (its future on a loop no thread runs there), and
     so did its close(). The call is refused at once, saying why and what to do; close()
-    returns at once; the child exits cleanly, and the parent's client goes on."""
+    returns at once; the child exits cleanly, and the parent's client goes on. Once the
+    parent has made calls, a client made in the child may hang or abort too: the refusal
+    leads with 'spawn' or 'forkserver' then, not with a client made after the fork."""
 
     async def scenario() -> list[str]:
         async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
             return await asyncio.to_thread(run_script, FORKED_CLIENT, s.target)
 
     lines = asyncio.run(scenario())
-    refused = next((line for line in lines if line.startswith("child: RuntimeError")), "")
-    assert "this laneserve Client was made in process" in refused, lines
-    assert "a child forked from it" in refused
-    assert "Expected a client created after the fork, in the process that uses it" in refused
-    assert "'spawn' or 'forkserver'" in refused
-    assert lines[-3:] == ["child: closed", "child: exit code 0", "parent again: (1, 10)"]
+    unused, used = (line for line in lines if ": RuntimeError: " in line)
+    for refused in (unused, used):
+        assert "this laneserve Client was made in process" in refused, lines
+        assert "a child forked from it" in refused
+        assert "'spawn' or 'forkserver'" in refused
+    assert unused.startswith("child of an unused client: RuntimeError")
+    assert "Expected a client created after the fork, in the process that uses it" in unused
+    assert "had made gRPC calls" not in unused
+    assert used.startswith("child of a used client: RuntimeError")
+    assert (
+        "had made gRPC calls before the fork, so a client created in this child may hang "
+        "too (its timeout ignored) or abort. Expected worker processes started with "
+        "multiprocessing's 'spawn' or 'forkserver' method" in used
+    )
+    assert [line for line in lines if ": RuntimeError: " not in line] == [
+        "child of an unused client: closed",
+        "child of an unused client: exit code 0",
+        "parent: (1, 10)",
+        "child of a used client: closed",
+        "child of a used client: exit code 0",
+        "parent again: (1, 10)",
+    ]
+
+
+def test_a_child_replacing_the_parents_used_clients_exits_cleanly(small_model: Path) -> None:
+    """A child forked after the parent's warm-up call that replaces its AsyncClient with
+    its own and drops its Client (what "create clients after the fork" asks) crashed
+    (SIGSEGV) or hung: gRPC's channel, deallocated in the child. The parent's channels
+    are kept in the child, never freed there; it exits cleanly."""
+
+    async def scenario() -> list[str]:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            return await asyncio.to_thread(run_script, FORKED_CLIENTS_REPLACED, s.target)
+
+    assert asyncio.run(scenario()) == ["child: replaced", "child: exit code 0"]
 
 
 def test_an_async_client_first_used_after_a_fork_serves_that_process_alone(
@@ -656,6 +724,7 @@ def test_an_async_client_first_used_after_a_fork_serves_that_process_alone(
         "child of a used client: RuntimeError: the channel of this laneserve AsyncClient "
         "was made in process"
     ), lines
+    assert "may hang too (its timeout ignored) or abort. Expected worker processes" in lines[4]
     assert "'spawn' or 'forkserver'" in lines[4]
     assert lines[5:] == [
         "child of a used client: closed",
@@ -673,33 +742,145 @@ def test_an_async_client_made_with_no_loop_serves_the_loop_of_its_first_call(
     """Made where no loop runs (at import: FastAPI's module-level client), the channel
     bound to a loop never run (or, with none set, the client was refused), and each call
     from the app's loop failed with gRPC's "attached to a different loop". It opens at
-    the first call, on that call's loop. A later asyncio.run's call failed with "Event
-    loop is closed" and left a coroutine of gRPC's never awaited: it is refused before
-    gRPC is called, naming the rule. Closed from any loop once its own has ended."""
+    the first call, on that call's loop. Closed from any loop once its own has ended; a
+    closed client opens no channel on a later loop."""
 
-    def at_import_then_run_twice(target: str) -> tuple[Any, str]:
+    def at_import_then_closed_later(target: str) -> Any:
         # A pool's thread: no event loop in it, as at a module's import.
         client = lc.AsyncClient(target)
         answer = asyncio.run(client.infer({"input": rows(2)}, timeout=HANG_S))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with pytest.raises(RuntimeError) as refused:
-                asyncio.run(client.infer({"input": rows(2)}, timeout=HANG_S))
-            gc.collect()
-        assert not [warning.message for warning in caught], "nothing left never awaited"
+        first = client._opened
         asyncio.run(client.close())
         with pytest.raises(lc.ClientClosedError):
             asyncio.run(client.model(timeout=HANG_S))
-        return answer["output"].shape, str(refused.value)
+        with pytest.raises(lc.ClientClosedError):
+            asyncio.run(anext(client.stream({"input": rows(2)})))
+        assert client._opened is first
+        return answer["output"].shape
 
-    async def scenario() -> tuple[Any, str]:
+    async def scenario() -> Any:
         async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
-            return await asyncio.to_thread(at_import_then_run_twice, s.target)
+            return await asyncio.to_thread(at_import_then_closed_later, s.target)
 
-    shape, refused = asyncio.run(scenario())
-    assert shape == (2, 10)
-    assert "serves the event loop it was first used on (since closed)" in refused
-    assert "Expected one AsyncClient per event loop" in refused
+    assert asyncio.run(scenario()) == (2, 10)
+
+
+def test_an_async_client_serves_a_new_loop_once_its_own_is_closed(
+    small_model: Path, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """pytest-asyncio's loop per test, Starlette's TestClient, asyncio.run twice: a client
+    first used on a loop since closed was refused on every later loop, for good. While
+    its loop is open (idle, not closed) another loop's call is still refused; once it is
+    closed, the next call opens a new channel on its own loop (calls and streams), and
+    the old channel is dropped quietly: no warning, nothing printed (gRPC's "Event loop
+    is closed" callback tracebacks), not kept."""
+
+    def on_three_loops(target: str) -> list[int]:
+        client = lc.AsyncClient(target)
+        first = asyncio.new_event_loop()
+        first.run_until_complete(client.infer({"input": rows(1)}, timeout=HANG_S))
+        with pytest.raises(RuntimeError, match=r"first used on \(still open"):
+            asyncio.run(client.model(timeout=HANG_S))
+        first.close()
+        old = weakref.ref(client._opened.channel) if client._opened else None
+
+        async def answers() -> int:
+            reply = await client.infer({"input": rows(2)}, timeout=HANG_S)
+            results = [result async for result in client.stream({"input": rows(4)})]
+            assert all(result.error is None for result in results)
+            return int(reply["output"].shape[0]) + len(results)
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            counts = [asyncio.run(answers()), asyncio.run(answers())]
+            gc.collect()
+        assert not [warning.message for warning in caught]
+        assert old is not None
+        assert old() is None
+        asyncio.run(client.close())
+        return counts
+
+    async def scenario() -> list[int]:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            return await asyncio.to_thread(on_three_loops, s.target)
+
+    assert asyncio.run(scenario()) == [3, 3]
+    assert "Event loop is closed" not in capfd.readouterr().err
+    assert not [record for record in caplog.records if record.name == "asyncio"]
+
+
+def test_an_async_client_retries_on_each_loop_it_serves_in_turn() -> None:
+    """A retry's backoff waits on the client's closed event, which binds to the loop of
+    its first wait: on the next loop the client served, a retried call failed with "is
+    bound to a different event loop". Each loop's calls wait on one of their own."""
+    lc.set_testing(False)  # a backoff of no wait at all binds nothing: a real one, 1 ms
+    policy = lc.RetryPolicy(max_attempts=2, initial_backoff_s=0.001, max_backoff_s=0.001)
+    client = lc.AsyncClient(f"127.0.0.1:{unused_port()}", retry=policy)
+    for _ in range(2):
+        with pytest.raises(lc.UnavailableError) as failed:
+            asyncio.run(client.model(timeout=HANG_S))
+        assert failed.value.attempts == 2
+    asyncio.run(client.close())
+
+
+def test_loops_making_their_first_calls_at_once_open_one_channel(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module-level client first used by several threads' loops at once: each saw no
+    channel and opened its own, all but the last leaked, and the later calls of all but
+    one loop failed. One loop's first call opens the channel; the others' calls are
+    refused (its loop still runs), the first and the later ones."""
+    loops = 8
+    # The first channel's opening is held until every loop's first call has come to the
+    # client's lock (or, with none, to an opening of its own): the race, made certain.
+    changed = threading.Condition()
+    come: set[int] = set()
+    opened: list[grpc.aio.Channel] = []
+    real_open = lc._channel.open_channel
+
+    def arrived() -> None:
+        with changed:
+            come.add(threading.get_ident())
+            changed.notify_all()
+
+    def held_open(spec: Any) -> grpc.aio.Channel:
+        arrived()
+        with changed:
+            assert changed.wait_for(lambda: len(come) == loops, HANG_S)
+        channel = real_open(spec)
+        opened.append(channel)
+        return channel
+
+    monkeypatch.setattr(lc._aio, "open_channel", held_open)
+    both = threading.Barrier(loops, timeout=HANG_S)
+
+    def one_loop(client: lc.AsyncClient) -> tuple[str, ...]:
+        async def twice() -> tuple[str, ...]:
+            outcomes = []
+            for _ in range(2):
+                try:
+                    await client.model(timeout=HANG_S)
+                    outcomes.append("answered")
+                except RuntimeError:
+                    outcomes.append("refused")
+                both.wait()  # every loop stays open until all have called
+            return tuple(outcomes)
+
+        return asyncio.run(twice())
+
+    async def scenario() -> list[tuple[str, ...]]:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            client = lc.AsyncClient(s.target)
+            monkeypatch.setattr(client, "_lock", ArrivalsLock(arrived), raising=False)
+            with concurrent.futures.ThreadPoolExecutor(loops) as pool:
+                futures = [pool.submit(one_loop, client) for _ in range(loops)]
+                outcomes = [await asyncio.wrap_future(future) for future in futures]
+            await client.close()  # from any loop: the one it served is closed
+            return outcomes
+
+    outcomes = asyncio.run(scenario())
+    assert len(opened) == 1
+    assert sorted(outcomes) == [("answered", "answered")] + [("refused", "refused")] * 7
 
 
 def test_an_async_client_refuses_calls_and_close_from_another_loop_while_its_own_runs(
@@ -777,6 +958,22 @@ def test_an_async_client_made_with_no_loop_checks_its_arguments_at_once(
 
 
 # ---- helpers ---------------------------------------------------------------------------
+
+
+class ArrivalsLock:
+    """A threading.Lock that calls `arrived` as a thread comes to take it (before it waits
+    for it)."""
+
+    def __init__(self, arrived: Callable[[], None]) -> None:
+        self._lock = threading.Lock()
+        self._arrived = arrived
+
+    def __enter__(self) -> bool:
+        self._arrived()
+        return self._lock.acquire()
+
+    def __exit__(self, *_exc: object) -> None:
+        self._lock.release()
 
 
 def left_in_a_cycle(results: Iterator[lc.StreamResult], freed_on: list[str]) -> None:

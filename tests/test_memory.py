@@ -517,7 +517,7 @@ class _ProbeReadsRows(Engine):
             "server.host_memory_limit: the server holds 100.0MiB idle after loading the model, "
             "at or above the low watermark 93.5MiB (memory_low_watermark 0.85 of 110.0MiB), so "
             "lanes closed by memory pressure could never reopen; expected a limit above "
-            "127.1MiB (--host-memory-limit; the idle reading plus a full batch of 128 rows at "
+            "127.1MiB (the idle reading plus a full batch of 128 rows at "
             "64.0KiB a row as the probe measured, 8.0MiB, over memory_low_watermark 0.85), "
             "with room above it",
             id="limit-under-the-idle-server",
@@ -564,9 +564,8 @@ def test_a_limit_under_the_idle_server_is_named_from_it_where_the_probe_fitted_n
     engine = _ProbeReadsRows(demo_model, idle_bytes=100 * MIB, row_bytes=64 * 1024)
     with pytest.raises(ConfigError) as refused:
         LaneServer(engine, config, memory_gauge=_Resident(100 * MIB))
-    assert "; expected a limit above 117.7MiB (--host-memory-limit), with room above it" in str(
-        refused.value
-    )
+    assert "; expected a limit above 117.7MiB, with room above it" in str(refused.value)
+    assert refused.value.key == "server.host_memory_limit"  # `serve` names the flag by it
 
 
 # ---- the scheduler's reaction: cap, failed rows, admission ------------------------------
@@ -3005,7 +3004,7 @@ def test_a_full_batch_that_reaches_the_high_mark_on_the_cpu_is_warned_at_start(
             "server.host_memory_limit: the server holds 100.0MiB idle after loading the model, "
             "at or above the low watermark 90.0MiB (memory_low_watermark 0.5 of 180.0MiB), so "
             "lanes closed by memory pressure could never reopen; expected a limit above "
-            "456.1MiB (--host-memory-limit; the idle reading plus a full batch of 2048 rows at "
+            "456.1MiB (the idle reading plus a full batch of 2048 rows at "
             "64.0KiB a row as the probe measured, 128.0MiB, over memory_low_watermark 0.5), "
             "with room above it",
             id="no-mark-holds-it",

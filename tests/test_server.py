@@ -625,6 +625,15 @@ def test_a_grpc_service_request_over_the_operator_bound_is_refused_naming_it(
                 "for the requests of gRPC's health, Channelz and reflection services; "
                 "expected that method's request message (names and ids, tens of bytes)"
             )
+            # A body that does not parse: INVALID_ARGUMENT too (it was UNKNOWN, and a
+            # traceback logged at ERROR for each such call).
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await first_answer(s, b"\xff\xff")
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert rich_status(refused.value)[0] == "INVALID_INPUT"
+            assert str(refused.value.details()).startswith(
+                f"the {method} request does not parse as a "
+            )
             assert await health_status(s.channel) == health_pb2.HealthCheckResponse.SERVING
 
     asyncio.run(scenario())
