@@ -134,6 +134,17 @@ class AsyncClient:
         # channel is open at a time: threads' loops making their first calls at once each
         # opened one, every one but the last leaked, and their later calls failed.
         self._lock = threading.Lock()
+        self._lock_pid = os.getpid()
+
+    def _own_lock(self) -> threading.Lock:
+        """`_lock`, new in a child forked while another thread of the parent held it (it
+        stays held there for good: a child whose parent forked during a first call's open
+        blocked its every call and close(), their timeouts ignored). A fresh child runs
+        one thread: nothing else holds or waits for the new one."""
+        if self._lock_pid != os.getpid():
+            self._lock = threading.Lock()
+            self._lock_pid = os.getpid()
+        return self._lock
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -148,11 +159,12 @@ class AsyncClient:
         that loop is closed; in a child forked from the process that opened the channel
         it returns at once, leaving gRPC alone (its state did not survive the fork)."""
         opened = self._opened
-        # Before the lock: another thread may have held it at the fork, for good here.
+        # Before the lock, which a child replaces (`_own_lock`): gRPC's state is the
+        # parent's.
         if opened is not None and opened.pid != os.getpid():
             return
         loop = asyncio.get_running_loop()
-        with self._lock:
+        with self._own_lock():
             opened = self._opened
             if opened is not None and loop is not opened.loop and not opened.loop.is_closed():
                 # Refused before anything changes: its calls run on that loop, in another
@@ -405,12 +417,11 @@ class AsyncClient:
         (nothing of it runs on that loop, and nothing is printed). Raises as `_stub_here`."""
         opened = self._opened
         # The process first: a child forked inside a running loop runs that very loop.
-        # Before the lock: another thread may have held it at the fork, for good here.
         if opened is not None and opened.pid != os.getpid():
             raise RuntimeError(
                 forked_message("the channel of this laneserve AsyncClient", opened.pid)
             )
-        with self._lock:
+        with self._own_lock():
             opened = self._opened
             # Read again under the lock: another thread, on its own loop, may have opened it.
             if opened is not None and opened.loop is loop:

@@ -642,6 +642,43 @@ asyncio.run(async_client.close())
 """
 
 
+# A fork while another thread of the parent holds the client's lock (opening its first
+# channel): the child, which runs no such thread, makes its own first call and closes.
+FORKED_DURING_AN_OPEN = f"""
+import asyncio, multiprocessing, sys, threading
+from laneserve.client import AsyncClient
+
+client = AsyncClient(sys.argv[1])
+
+def child():
+    lanes = asyncio.run(client.model(timeout=5)).lanes
+    print("child:", [lane.name for lane in lanes][:1], flush=True)
+    asyncio.run(client.close())
+    print("child: closed", flush=True)
+
+held, release = threading.Event(), threading.Event()
+
+def opening():
+    with client._lock:  # as `_open_here` holds it while it opens the channel
+        held.set()
+        release.wait()
+
+thread = threading.Thread(target=opening)
+thread.start()
+held.wait()
+process = multiprocessing.get_context("fork").Process(target=child)
+process.start()
+release.set()
+thread.join()
+process.join({HANG_S})
+if process.is_alive():
+    process.kill()
+    process.join()
+    print("child: hung", flush=True)
+print(f"child: exit code {{process.exitcode}}", flush=True)
+"""
+
+
 def run_script(script: str, target: str) -> list[str]:
     """`script` run by this Python with `target` as its argument: its stdout's lines."""
     done = run_text([sys.executable, "-c", script, target], timeout_s=3 * HANG_S, cwd=REPO)
@@ -699,6 +736,22 @@ def test_a_child_replacing_the_parents_used_clients_exits_cleanly(small_model: P
             return await asyncio.to_thread(run_script, FORKED_CLIENTS_REPLACED, s.target)
 
     assert asyncio.run(scenario()) == ["child: replaced", "child: exit code 0"]
+
+
+def test_a_child_forked_while_the_parent_opened_the_channel_makes_its_own(
+    small_model: Path,
+) -> None:
+    """Forked while another thread held the client's lock (opening its first channel),
+    the child found it held for good: its first call and its close() blocked, their
+    timeouts ignored. A child takes a lock of its own; it opens its own channel."""
+
+    async def scenario() -> list[str]:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            return await asyncio.to_thread(run_script, FORKED_DURING_AN_OPEN, s.target)
+
+    lines = asyncio.run(scenario())
+    assert lines[1:] == ["child: closed", "child: exit code 0"], lines
+    assert lines[0].startswith("child: ["), lines
 
 
 def test_an_async_client_first_used_after_a_fork_serves_that_process_alone(
