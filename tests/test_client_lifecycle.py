@@ -535,6 +535,20 @@ def test_a_client_collected_on_its_own_thread_stops_it_without_waiting_for_itsel
 # (multiprocessing's fork start method, as gunicorn --preload or a Pool's workers) calls it,
 # closes it, and exits; the parent uses it, and a second child does the same; the parent
 # uses it again.
+# The scripts' fork: `child(label)` in a child process (multiprocessing's fork start
+# method), killed if it has not ended within HANG_S; prints how it ended.
+FORK_CHILD = f"""
+def fork(label):
+    process = multiprocessing.get_context("fork").Process(target=child, args=(label,))
+    process.start()
+    process.join({HANG_S})
+    if process.is_alive():
+        process.kill()
+        process.join()
+        print(f"{{label}}: hung", flush=True)
+    print(f"{{label}}: exit code {{process.exitcode}}", flush=True)
+"""
+
 FORKED_CLIENT = f"""
 import multiprocessing, sys
 import numpy as np
@@ -552,16 +566,7 @@ def child(label):
     client.close()
     print(f"{{label}}: closed", flush=True)
 
-def fork(label):
-    process = multiprocessing.get_context("fork").Process(target=child, args=(label,))
-    process.start()
-    process.join({HANG_S})
-    if process.is_alive():
-        process.kill()
-        process.join()
-        print(f"{{label}}: hung", flush=True)
-    print(f"{{label}}: exit code {{process.exitcode}}", flush=True)
-
+{FORK_CHILD}
 fork("child of an unused client")
 print("parent:", client.infer(ROWS, timeout=5)["output"].shape, flush=True)
 fork("child of a used client")
@@ -589,16 +594,7 @@ def child(label):
     asyncio.run(client.close())
     print(f"{{label}}: closed", flush=True)
 
-def fork(label):
-    process = multiprocessing.get_context("fork").Process(target=child, args=(label,))
-    process.start()
-    process.join({HANG_S})
-    if process.is_alive():
-        process.kill()
-        process.join()
-        print(f"{{label}}: hung", flush=True)
-    print(f"{{label}}: exit code {{process.exitcode}}", flush=True)
-
+{FORK_CHILD}
 async def parent():
     print("parent:", (await client.infer(ROWS, timeout=5))["output"].shape, flush=True)
     fork("child of a used client")

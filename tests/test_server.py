@@ -2393,16 +2393,22 @@ def test_the_extra_asks_are_out_only_below_two_batches_of_calls_in_progress() ->
     assert asyncio.run(scenario()) == [True, False, True]
 
 
-def test_a_unary_call_over_the_limit_is_refused_before_its_message_is_parsed() -> None:
-    """gRPC's own limit refused before reading a message; the gate's deserializer does not
-    parse one over the limit either (up to max_message_bytes each, under a flood), and
-    the handler refuses what it hands over."""
+def _recording_reader() -> tuple[list[bytes], Callable[[bytes], bytes]]:
+    """A deserializer that records the bodies it parsed, and its record."""
     parsed: list[bytes] = []
 
     def read(data: bytes) -> bytes:
         parsed.append(data)
         return data
 
+    return parsed, read
+
+
+def test_a_unary_call_over_the_limit_is_refused_before_its_message_is_parsed() -> None:
+    """gRPC's own limit refused before reading a message; the gate's deserializer does not
+    parse one over the limit either (up to max_message_bytes each, under a flood), and
+    the handler refuses what it hands over."""
+    parsed, read = _recording_reader()
     gate = grpc_accept.CallGate(limit=1, accept_below=2)
     deserialize = gate.deserializer(read)
     assert deserialize(b"first") == b"first"
@@ -2414,12 +2420,7 @@ def test_a_unary_call_over_the_limit_is_refused_before_its_message_is_parsed() -
 def test_an_operator_call_over_its_bound_is_refused_before_its_message_is_parsed() -> None:
     """The operator calls' bound is their own: the inference calls at their limit do not
     refuse one, and one over the operator bound is not parsed (the handler refuses it)."""
-    parsed: list[bytes] = []
-
-    def read(data: bytes) -> bytes:
-        parsed.append(data)
-        return data
-
+    parsed, read = _recording_reader()
     gate = grpc_accept.CallGate(limit=1, accept_below=2)
     deserialize = gate.operator_deserializer(read)
     gate.unary_calls = 1  # the inference calls at their limit
