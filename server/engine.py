@@ -874,9 +874,12 @@ class Engine:
                 dim > 0 and dim != size for dim, size in zip(fixed, shape, strict=True)
             ):
                 model_shape = ["?" if dim < 0 else dim for dim in fixed]
-                raise EngineStartError(
-                    f"server.probe_shapes: input {name!r} given shape {list(shape)} after the "
-                    f"row axis; expected one that fits the model's {model_shape}"
+                # Keyed, as the unknown input's: `serve` names --probe-shape where the
+                # flag gave it.
+                raise ConfigError(
+                    f"input {name!r} given shape {list(shape)} after the row axis; expected "
+                    f"one that fits the model's {model_shape}",
+                    key="server.probe_shapes",
                 )
             checked[name] = shape
         return checked

@@ -386,6 +386,13 @@ REFUSED_FLAGS = [
         ("--probe-shape", "nosuch=3"),
         "--probe-shape: unknown input(s) ['nosuch']; the model's inputs are ['input']",
     ),
+    (
+        ("--probe-shape", "input=3"),
+        (
+            "--probe-shape: input 'input' given shape [3] after the row axis; expected one "
+            "that fits the model's [512]"
+        ),
+    ),
 ]
 
 

@@ -17,6 +17,7 @@ from onnx import TensorProto, helper
 
 from laneserve.client.tensors import decode_tensor, encode_tensor
 from laneserve.server import Engine, EngineStartError, LaneServer, ServerConfig
+from laneserve.server.config import ConfigError
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -527,8 +528,9 @@ def test_a_model_whose_dynamic_sizes_cannot_be_1_is_served_with_probe_shapes(
     message = _refused_at_start(path)
     assert "zero-filled inputs of shapes {'x': [1, 1, 1, 1]}" in message
     assert "server.probe_shapes (--probe-shape NAME=D1,D2,...)" in message
-    with pytest.raises(EngineStartError, match="expected one that fits the model's"):
+    with pytest.raises(ConfigError, match="expected one that fits the model's") as refused:
         Engine(str(path), device="cpu", probe_shapes={"x": (3, 8, 8)}, estimate=estimate_once)
+    assert refused.value.key == "server.probe_shapes"  # `serve` names --probe-shape by it
 
     async def scenario() -> None:
         config = ServerConfig(model_path=str(path), probe_shapes={"x": (1, 8, 8)})
