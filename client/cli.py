@@ -773,7 +773,7 @@ def _check_request_fits(
     limit_bytes = _message_limit(model)
     # Its UTF-8 bytes, as sent: counted in characters, an id of 64 four-byte characters
     # was 192 bytes short, and a request that far under the limit was sent and refused.
-    id_bytes = len((request_id or uuid.uuid4().hex).encode("utf-8", "surrogatepass"))
+    id_bytes = len(request_id.encode("utf-8", "surrogatepass")) if request_id else 32  # uuid4().hex
     size = _request_bytes(inputs, rows, id_bytes, lane_name, 0, outputs)
     if size > limit_bytes:
         raise UsageError(

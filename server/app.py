@@ -570,7 +570,8 @@ def _check_idle_memory(
         return
     if _on_gpu(engine):
         _refuse_full_gpu(config, watermark, used_bytes)
-    _refuse_host_limit(config, watermark, used_bytes, probe)
+    else:
+        _refuse_host_limit(config, watermark, used_bytes, probe)
 
 
 def _marks_expected(config: ServerConfig, share: float) -> tuple[str, str]:
@@ -637,15 +638,14 @@ def _refuse_host_limit(
             f"{DEFAULT_MEMORY_LOW_WATERMARK}), {_ROOM}"
         )
     counted = (
-        f"; the idle reading plus {_a_full_batch(probe, batch_bytes)}, over "
-        f"memory_low_watermark {config.memory_low_watermark:g}"
+        f" (the idle reading plus {_a_full_batch(probe, batch_bytes)}, over "
+        f"memory_low_watermark {config.memory_low_watermark:g})"
         if batch_bytes
         else ""
     )
     floor_bytes = _host_limit_floor(config, used_bytes, batch_bytes)
     # Keyed: `serve` names --host-memory-limit where the flag gave it, the key where the
-    # file did (the message had named both, the flag where the file set it).
-    counted = f" ({counted.removeprefix('; ')})" if counted else ""
+    # file did.
     raise ConfigError(
         f"{held}; expected a limit above {format_bytes_beyond(floor_bytes, above=True)}"
         f"{counted}, {_ROOM}",
@@ -747,10 +747,12 @@ def _warn_if_a_full_batch_closes_lanes(
     host_memory_limit, not the arena's memory_limit. The limit named is the floor a
     refused start names (the sum over the low mark, not the high one): above it lanes a
     burst closes can reopen as well."""
-    batch_bytes = _full_batch_bytes(probe)
-    if used_bytes is None or used_bytes + batch_bytes < watermark.high_bytes:
+    if used_bytes is None:
         return
+    batch_bytes = _full_batch_bytes(probe)
     full_bytes = used_bytes + batch_bytes
+    if full_bytes < watermark.high_bytes:
+        return
     floor_bytes = _host_limit_floor(config, used_bytes, batch_bytes)
     remedy = f"--host-memory-limit above {format_bytes_beyond(floor_bytes, above=True)}"
     remedy += (
@@ -902,8 +904,14 @@ class LaneServer:
             # The watermark's reading: the device's, unless a test supplies its own.
             # The weights (the static estimate's, 0 unknown) count in the idle reading.
             weights_bytes = self.memory_estimate.fixed_bytes if self.memory_estimate else 0
+            # On a GPU the probe's NVML gauge reads for the watermark too (one opened, not
+            # two); the CPU's takes the watermark, made after.
             watermark, self.memory_gauge = _watch_memory(
-                config, engine, memory_gauge, weights_bytes, self.probe
+                config,
+                engine,
+                memory_gauge or (device if _on_gpu(engine) else None),
+                weights_bytes,
+                self.probe,
             )
         except BaseException:
             # Refused, no stop() will close it: its exporters' threads stayed behind.

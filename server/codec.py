@@ -76,8 +76,8 @@ def leading_rows(
     first = tensors[0]
     if all(spec.name != first.name for spec in specs):
         return None
-    data_bytes = _data_bytes(first)
-    if data_bytes is None or data_bytes > max_message_bytes:
+    claimed_bytes = data_bytes(first)
+    if claimed_bytes is None or claimed_bytes > max_message_bytes:
         return None
     return first.shape[0]
 
@@ -94,19 +94,19 @@ def extra_bytes(request: pb.InferRequest, wire_bytes: int) -> int | None:
     for name in request.output_names:  # a repeated field's every element, empty ones too
         known += 1 + _length_prefixed_bytes(_utf8_bytes(name))
     for tensor in request.inputs:
-        data_bytes = _data_bytes(tensor)
-        if data_bytes is None:
+        tensor_bytes = data_bytes(tensor)
+        if tensor_bytes is None:
             return None
         size = _text_bytes(tensor.name) + 1 + _varint_bytes(tensor.dtype)
         if tensor.shape:  # packed
             size += 1 + _length_prefixed_bytes(sum(map(_varint_bytes, tensor.shape)))
-        if data_bytes:
-            size += 1 + _length_prefixed_bytes(data_bytes)
+        if tensor_bytes:
+            size += 1 + _length_prefixed_bytes(tensor_bytes)
         known += 1 + _length_prefixed_bytes(size)
     return wire_bytes - known
 
 
-def _data_bytes(tensor: pb.Tensor) -> int | None:
+def data_bytes(tensor: pb.Tensor) -> int | None:
     """The bytes of data `tensor`'s dtype and shape size, its data unread; None where they
     size none (an unknown dtype, more than MAX_DIMS dimensions, a negative one), which
     `decode_tensor` refuses."""

@@ -35,7 +35,7 @@ class ConfigError(ValueError):
     """A configuration value is missing, of the wrong type or out of range.
 
     Where it refuses one setting's value, `key` names that setting and the message reads
-    "KEY: PROBLEM": `serve` names the flag that gave the value instead (`naming`), as its
+    "KEY: PROBLEM": `serve` names the flag that gave the value instead (`naming_flags`), as its
     user wrote no key. None where a refusal names several settings, or none. `cites`: the
     settings the message names by key besides `key` (one whose value bounds it, those a
     refusal of several names), which `serve` names by their flags too (`naming_flags`).
@@ -50,7 +50,7 @@ class ConfigError(ValueError):
     def naming(self, name: str) -> ConfigError:
         """The same refusal of `key`'s value, naming `name` (its flag) instead."""
         assert self.key is not None, "only a refusal of one setting names it"
-        return ConfigError(self._problem, key=name, cites=self.cites)
+        return self.naming_flags({self.key: name})
 
     def naming_flags(self, flags: Mapping[str, str]) -> ConfigError:
         """The same refusal, each setting it names (`key`, `cites`) that `flags` maps (key

@@ -184,7 +184,13 @@ def session_gpu(nvml: Any) -> Any:
 def session_gpu_id() -> str:
     """The session's GPU as CUDA_VISIBLE_DEVICES names it (an index or a UUID; "0" when
     it is unset): see `session_gpu`."""
-    return os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+    return _first_visible_entry() or "0"
+
+
+def _first_visible_entry() -> str | None:
+    """CUDA_VISIBLE_DEVICES' first entry, stripped; None where it is unset."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if visible is None else visible.split(",")[0].strip()
 
 
 def cuda_visible_hides_every_gpu() -> bool:
@@ -194,10 +200,9 @@ def cuda_visible_hides_every_gpu() -> bool:
     (SLURM's "NoDevFiles" for a job that asked for none). NVML ignores the variable and
     still counts every GPU: taken for a visible GPU, "-1" refused the start (NVML has no
     GPU '-1') and "" took its memory limit from a GPU that CUDA could not see."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
+    first = _first_visible_entry()
+    if first is None:
         return False
-    first = visible.split(",")[0].strip()
     return re.fullmatch(r"\d+|(GPU|MIG)-[0-9A-Za-z/-]+", first) is None
 
 
@@ -577,9 +582,9 @@ def estimate_memory(
     the shape the probe runs (`probe_shapes`: an input's dynamic sizes after the row axis;
     those not given are 1), worked out in a child process; None, with a warning, when
     that fails: a model shape inference cannot read still serves, unestimated (GetModel
-    reports 0, a CPU budget goes unchecked against its weights). The warning promises
-    nothing of the kind: it comes before the session is made, and a file the runtime
-    cannot load either ("GetModel reports 0" said a garbage file's) is refused next.
+    reports 0, a CPU budget goes unchecked against its weights). The warning says
+    nothing of what follows: it comes before the session is made, and a file the runtime
+    cannot load either is refused next.
 
     In the serving process the estimate would cost what it estimates: importing onnx and
     parsing the model with its weights kept ~35 MiB resident for good (110 -> 146 MiB on

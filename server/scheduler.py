@@ -128,6 +128,11 @@ SPLIT_SCAN_ENTRIES = 64
 MEMORY_PRESSURE_RETRY_S = 0.25
 
 
+def split_floor(cap: int) -> int:
+    """The rows a request being split keeps of a batch of `cap` (SPLIT_FLOOR_SHARE)."""
+    return math.ceil(cap * SPLIT_FLOOR_SHARE)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Dispatch:
     batch: Batch
@@ -201,7 +206,7 @@ class _Filling:
         passed_over = 0
         unfit = 0
         split: list[Entry] = []  # entries larger than the cap, oldest first: they fill last
-        floor_rows = math.ceil(self.batch_cap * SPLIT_FLOOR_SHARE)
+        floor_rows = split_floor(self.batch_cap)
         for entry in lane:
             if used >= allowance:
                 break
@@ -711,7 +716,7 @@ class Scheduler:
             cap=cap,
         )
         if rows > cap and self._active(lane, now_s):
-            floor_rows = math.ceil(cap * SPLIT_FLOOR_SHARE)
+            floor_rows = split_floor(cap)
             per_batch = min(per_batch, served_share * min(floor_rows, least_room))
         later = total + max((cap if lower_claims else 0) - least_rows, 0)
         batch_s = self._slowest_batch_s(signature, cap)
@@ -933,7 +938,7 @@ class Scheduler:
         cap = self.caps.rows(signature)
         split_rows, widest_rows = split
         # What requests being split ahead in `lane` take from each batch while they last.
-        split_take = min(split_rows, math.ceil(cap * SPLIT_FLOOR_SHARE))
+        split_take = min(split_rows, split_floor(cap))
         total = rows  # rows of `signature` in `lane` and above, this request's included
         requests = 1  # their requests
         # Their sizes lately: the mean of the squares, weighted by queued requests.
@@ -1051,7 +1056,7 @@ class Scheduler:
             # lane), 512-row requests admitted at their deadline's edge beside 1-row ones
             # arriving at 500-1 500/s all ran late (by up to 21 %); at 3 000/s, all
             # expired in the queue.
-            floor_rows = math.ceil(cap * SPLIT_FLOOR_SHARE)
+            floor_rows = split_floor(cap)
             per_batch = min(per_batch, served_share * min(floor_rows, room))
             later = max(later, total - floor_rows)
         full, rest = divmod(later, per_batch)

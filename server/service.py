@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import inspect
 import logging
-import math
 import traceback
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -24,12 +23,13 @@ import grpc
 from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.message import DecodeError, Message
 
-from laneserve.client.tensors import datatype_of, numpy_dtype
+from laneserve.client.tensors import datatype_of
 from laneserve.server.clock import Clock
 from laneserve.server.codec import (
     MAX_EXTRA_BYTES,
     check_counts,
     check_output_names,
+    data_bytes,
     decode_inputs,
     encode_response,
     extra_bytes,
@@ -216,10 +216,8 @@ def held_answer_bytes(answer: pb.InferStreamResponse) -> int:
     """The bytes of `answer`'s tensor data (an error's: none), from the shapes and dtypes
     the server encoded them with: reading `data`, or sizing the message, copies it
     (1 ms per MiB)."""
-    return sum(
-        math.prod(tensor.shape) * numpy_dtype(tensor.dtype).itemsize
-        for tensor in answer.response.outputs
-    )
+    # The server's own tensors: their dtype and shape always size them (never None).
+    return sum(data_bytes(tensor) or 0 for tensor in answer.response.outputs)
 
 
 class RoomWaiter:
@@ -1197,11 +1195,20 @@ def read_operator_request(
 
 def operator_request_too_large(request: OversizedOperatorRequest) -> InvalidInputError:
     """The refusal of an OversizedOperatorRequest."""
+    return _too_large(
+        request,
+        f"{' and '.join(sorted(OPERATOR_METHODS))} requests; expected a "
+        f"laneserve.v1.{request.method}Request message encoded from "
+        "protos/laneserve/v1/inference.proto",
+    )
+
+
+def _too_large(request: OversizedOperatorRequest, bound_and_expected: str) -> InvalidInputError:
+    """The refusal of an OversizedOperatorRequest: its size over MAX_OPERATOR_REQUEST_BYTES
+    for `bound_and_expected` (what the bound is for, and what was expected)."""
     return InvalidInputError(
         f"the {request.method} request is {request.size_bytes} bytes, over the limit of "
-        f"{MAX_OPERATOR_REQUEST_BYTES} bytes for {' and '.join(sorted(OPERATOR_METHODS))} "
-        f"requests; expected a laneserve.v1.{request.method}Request message encoded from "
-        "protos/laneserve/v1/inference.proto"
+        f"{MAX_OPERATOR_REQUEST_BYTES} bytes for {bound_and_expected}"
     )
 
 
@@ -1237,11 +1244,10 @@ def grpc_request_undecodable(request: UndecodableGrpcRequest) -> InvalidInputErr
 def grpc_request_too_large(request: OversizedOperatorRequest) -> InvalidInputError:
     """The refusal of an OversizedOperatorRequest to one of gRPC's own services
     (`add_grpc_service`)."""
-    return InvalidInputError(
-        f"the {request.method} request is {request.size_bytes} bytes, over the limit of "
-        f"{MAX_OPERATOR_REQUEST_BYTES} bytes for the requests of gRPC's health, Channelz and "
-        "reflection services; expected that method's request message (names and ids, tens "
-        "of bytes)"
+    return _too_large(
+        request,
+        "the requests of gRPC's health, Channelz and reflection services; expected that "
+        "method's request message (names and ids, tens of bytes)",
     )
 
 

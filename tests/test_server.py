@@ -353,6 +353,15 @@ def raw_infer(s: Serving) -> grpc.aio.UnaryUnaryMultiCallable[bytes, pb.InferRes
     )
 
 
+def raw_call(s: Serving, method: str) -> grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]:
+    """The service's unary `method` on `s`, its request and answer as bytes."""
+    return s.channel.unary_unary(
+        f"/laneserve.v1.InferenceService/{method}",
+        request_serializer=bytes,
+        response_deserializer=bytes,
+    )
+
+
 def test_bytes_that_are_not_an_infer_request_are_invalid_argument(small_model: Path) -> None:
     """A message that does not parse (another schema, truncated, invalid UTF-8 in a string
     field) was gRPC's UNKNOWN "Unexpected DecodeError", and ended a whole InferStream; it
@@ -498,11 +507,7 @@ def test_bytes_that_are_not_the_request_of_get_model_or_get_stats_are_invalid_ar
 
     async def scenario() -> None:
         async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
-            call = s.channel.unary_unary(
-                f"/laneserve.v1.InferenceService/{method}",
-                request_serializer=bytes,
-                response_deserializer=bytes,
-            )
+            call = raw_call(s, method)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await call(garbage, timeout=10)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -554,11 +559,7 @@ def test_an_operator_request_over_its_bound_is_refused_unparsed(
 
     async def scenario() -> None:
         async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
-            call = s.channel.unary_unary(
-                f"/laneserve.v1.InferenceService/{method}",
-                request_serializer=bytes,
-                response_deserializer=bytes,
-            )
+            call = raw_call(s, method)
             assert await call(unknown_field(bound), timeout=10) is not None
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await call(unknown_field(bound + 1), timeout=10)
