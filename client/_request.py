@@ -42,7 +42,8 @@ def checked_inputs(inputs: object) -> dict[str, npt.NDArray[Any]]:
     NpzFile, from ``np.load("x.npz")``, decompresses every array again).
 
     Raises:
-        TypeError: `inputs` is not a mapping of str names to numpy arrays (a caller's bug).
+        TypeError: `inputs` is not a mapping of str names to numpy arrays (a caller's bug),
+            or one is a masked array.
     """
     if not isinstance(inputs, Mapping):
         raise TypeError(
@@ -53,6 +54,13 @@ def checked_inputs(inputs: object) -> dict[str, npt.NDArray[Any]]:
         checked_str("input name", name)
         if not isinstance(array, np.ndarray):
             raise TypeError(f"input {name!r}: expected a numpy array, got {type(array).__name__}")
+        if isinstance(array, np.ma.MaskedArray):
+            # An ndarray whose buffer holds the masked values too: the model would read
+            # them, the mask dropped without a word.
+            raise TypeError(
+                f"input {name!r}: expected a plain numpy array, got a masked array (the model "
+                "would read the values under its mask); fill them first: array.filled(value)"
+            )
     return arrays
 
 

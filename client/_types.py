@@ -32,6 +32,10 @@ class TensorInfo:
     # The data type's name, whether or not this client knows it ("float32", "unknown
     # data type 13").
     datatype: str = ""
+    # Per dimension, its symbolic name in the model (None: fixed or unnamed); inputs that
+    # name a dimension alike (K in a[N, K] and b[N, K]) must agree on its size. Empty
+    # from a server older than the field: the names are unknown, and nothing is checked.
+    dim_names: tuple[str | None, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.datatype and self.dtype is not None:
@@ -64,6 +68,22 @@ class ModelInfo:
     stream_window: int
     # The largest message the server receives or sends, in bytes (0: not reported).
     max_message_bytes: int = 0
+    # Which model answers (GetModelResponse's fields; "" / None from a server older than
+    # them). model_sha256: hex SHA-256 of the model file (and its external data files),
+    # e.g. to check a rollout against `sha256sum model.onnx`; "" when the server could
+    # not work it out.
+    model_sha256: str = ""
+    # The model's own metadata, as its author set it: None / "" / {} where it sets none.
+    model_version: int | None = None
+    producer_name: str = ""
+    graph_name: str = ""
+    domain: str = ""
+    description: str = ""
+    # Left out of hash() (a dict has none; equality still compares it): a ModelInfo
+    # stays hashable, as it was before the field.
+    custom_metadata: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)
+    # The laneserve release that serves ("" from a server older than the field).
+    server_version: str = ""
 
     @property
     def default_lane(self) -> str:
@@ -84,11 +104,15 @@ class ModelInfo:
                 dtype: np.dtype[Any] | None = numpy_dtype(spec.dtype)
             except ValueError:
                 dtype = None
+            # One name per dimension, or none (a server older than dim_names); a list of
+            # another length cannot say which dimension a name is for.
+            names = tuple(name or None for name in spec.dim_names)
             return TensorInfo(
                 spec.name,
                 dtype,
                 tuple(None if dim < 0 else int(dim) for dim in spec.shape),
                 datatype_name(spec.dtype),
+                names if len(names) == len(spec.shape) else (),
             )
 
         return cls(
@@ -112,6 +136,14 @@ class ModelInfo:
             providers=tuple(message.providers),
             stream_window=message.stream_window,
             max_message_bytes=message.max_message_bytes,
+            model_sha256=message.model_sha256,
+            model_version=message.model_version if message.HasField("model_version") else None,
+            producer_name=message.producer_name,
+            graph_name=message.graph_name,
+            domain=message.domain,
+            description=message.description,
+            custom_metadata=dict(message.custom_metadata),
+            server_version=message.server_version,
         )
 
 

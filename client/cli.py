@@ -1,6 +1,6 @@
 """`laneserve-client`: call a laneserve server from the shell.
 
-    laneserve-client model                                   the model, lanes, providers
+    laneserve-client model                                   the model (sha256, version), lanes
     laneserve-client stats                                   live counters as a table
     laneserve-client infer --json '{"input": [[0.1, ...]]}'  one request, outputs as JSON
     laneserve-client bulk --input rows.npy --output out.npy  a bulk job with a checkpoint
@@ -228,6 +228,13 @@ def _model(client: Client, args: argparse.Namespace) -> int:
     model = client.model(timeout=args.timeout)
     out = io.StringIO()
     print(f"model        {model.model_path}", file=out)
+    print(f"sha256       {model.model_sha256 or 'unknown'}", file=out)
+    # The model's own version and producer, as its author set them ("none" / "-": unset).
+    print(
+        f"version      {'none' if model.model_version is None else model.model_version}", file=out
+    )
+    print(f"producer     {model.producer_name or '-'}", file=out)
+    print(f"server       laneserve {model.server_version or 'unknown'}", file=out)
     print(f"providers    {', '.join(model.providers)}", file=out)
     print(f"batch cap    {model.batch_cap} rows (max_batch_size {model.max_batch_size})", file=out)
     print(f"window       {model.stream_window} requests per stream", file=out)
@@ -381,11 +388,31 @@ def _infer(client: Client, args: argparse.Namespace) -> int:
         outputs=asked or None,
     )
     if output is None:
-        json.dump({name: array.tolist() for name, array in outputs.items()}, sys.stdout)
+        # Strict JSON, for jq and JSON.parse: Python's default writes NaN and Infinity,
+        # which they refuse (`_json_values` writes them as strings).
+        json.dump(
+            {name: _json_values(array) for name, array in outputs.items()},
+            sys.stdout,
+            allow_nan=False,
+        )
         print()
     else:
         _write_outputs(output, outputs)
     return EXIT_OK
+
+
+def _json_values(array: npt.NDArray[Any]) -> Any:
+    """`array` as nested lists for JSON, every value exact (a float as the shortest text
+    that reads back as it). JSON has no number for NaN or ±inf: those are the strings
+    "NaN", "Infinity" and "-Infinity", Python's and JavaScript's names for them, which
+    `--json` reads back as the values."""
+    if array.dtype.kind != "f" or np.isfinite(array).all():
+        return array.tolist()
+    values = array.astype(object)  # Python floats, as tolist gives
+    values[np.isnan(array)] = "NaN"
+    values[np.isposinf(array)] = "Infinity"
+    values[np.isneginf(array)] = "-Infinity"
+    return values.tolist()
 
 
 def _inputs_from_json(text: str, model: ModelInfo, where: str) -> Arrays:
@@ -413,6 +440,7 @@ def _inputs_from_json(text: str, model: ModelInfo, where: str) -> Arrays:
         arrays[name] = _json_array(value, spec, f"{where}: input {name!r}")
         _check_input(name, arrays[name], model, where)
     _check_all_inputs(model, list(arrays), where)
+    _check_named_dimensions(arrays, model, where)
     return arrays
 
 
@@ -486,6 +514,7 @@ def _read_inputs(path: Path, model: ModelInfo, kinds: str = ".npy, .npz or .json
         raise UsageError(f"cannot read {path}: {error}") from error
     for name, array in arrays.items():
         _check_input(name, array, model, str(path))
+    _check_named_dimensions(arrays, model, str(path))
     return arrays
 
 
@@ -538,6 +567,27 @@ def _check_input(name: str, array: npt.NDArray[Any], model: ModelInfo, where: st
             f"input {name!r} in {where} is {array.dtype} with shape {list(array.shape)}; "
             f"the model expects {spec.dtype} with shape {_shape(spec.shape)}"
         )
+
+
+def _check_named_dimensions(inputs: Arrays, model: ModelInfo, where: str) -> None:
+    """The server's check of the dimensions the model names alike (K in a[N, K] and
+    b[N, K]): one size across `inputs`, or it refuses every request (INVALID_INPUT), each
+    item of a bulk job that could only fail. The row axis is `_row_count`'s; `inputs`
+    hold every input, each of its rank (`_check_input`). A server older than dim_names
+    names no dimension: nothing is checked here, and the server still refuses."""
+    seen: dict[str, tuple[str, int, int]] = {}  # dimension name -> (input, axis, size)
+    for spec in model.inputs:
+        for axis, dim_name in enumerate(spec.dim_names[1:], start=1):
+            if dim_name is None:
+                continue
+            size = int(inputs[spec.name].shape[axis])
+            first = seen.setdefault(dim_name, (spec.name, axis, size))
+            if first[2] != size:
+                raise UsageError(
+                    f"inputs {first[0]!r} and {spec.name!r} in {where} must agree on the "
+                    f"model's dimension {dim_name!r}: axis {first[1]} of {first[0]!r} is "
+                    f"{first[2]}, axis {axis} of {spec.name!r} is {size}"
+                )
 
 
 def _write_outputs(path: Path, outputs: Mapping[str, npt.NDArray[Any]]) -> None:
@@ -1025,7 +1075,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    model = commands.add_parser("model", parents=[common], help="the served model and lanes")
+    model = commands.add_parser(
+        "model", parents=[common], help="the served model (its sha256, version) and lanes"
+    )
     model.set_defaults(handler=_model)
 
     stats = commands.add_parser("stats", parents=[common], help="live counters as a table")

@@ -4,7 +4,8 @@ The request path, module by module: config -> lanes -> scheduler (policy) ->
 scheduler_thread (threads) -> engine (the session) -> service (gRPC), with errors,
 codec, memory (budget, watermark), idempotency and events/stats beside them;
 telemetry/ turns events into traces, metrics and logs; app assembles a serving
-process, cli runs it, process tunes the interpreter for it (GIL switching, GC).
+process, cli runs it (entry first: the console script, which catches the stop signals
+before the heavy imports), process tunes the interpreter for it (GIL switching, GC).
 
 The names below are imported when first used (PEP 562): a process that imports one
 submodule (the benchmark's load generators, `laneserve top`) does not load ONNX

@@ -54,6 +54,7 @@ from laneserve.server.memory import (
     NvmlUnavailableError,
     ProcessRssGauge,
     Watermark,
+    cgroup_memory_limit,
     format_bytes,
     format_bytes_beyond,
     parse_memory_limit,
@@ -71,7 +72,7 @@ from laneserve.server.service import (
     add_to_server,
 )
 from laneserve.server.stats import StatsRecorder
-from laneserve.server.telemetry import EndpointTls, Telemetry, log_event
+from laneserve.server.telemetry import EndpointTls, MetricSources, Telemetry, log_event
 from laneserve.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -517,8 +518,11 @@ def make_watermark(
 ) -> Watermark | None:
     """The admission watermark, where there is a limit to watch: on a GPU the device's
     total memory (`device_total_bytes`, NVML's), on the CPU host_memory_limit (resident
-    memory). Neither is the arena's budget (memory_limit): NVML reads the whole device,
-    every process's use and the CUDA context beside the arena, so marks taken from the
+    memory), or where that is unset the least memory limit of the process's cgroups, as
+    logged (a container's: past it the OOM killer ends the server, and with no watermark
+    queued request bodies took a 512 MiB pod's server from 95 to 761 MiB, none refused).
+    Neither is the arena's budget (memory_limit): NVML reads the whole device, every
+    process's use and the CUDA context beside the arena, so marks taken from the
     budget closed lanes at the server's own full batch (an 80 GiB GPU: the arena at its
     72 GiB cap, and the context, read 72.6 GiB, above a high mark of 68.4). On a GPU
     queued inputs wait in host memory and the arena is capped by the runtime: what
@@ -527,6 +531,18 @@ def make_watermark(
         limit_bytes = device_total_bytes
     elif config.host_memory_limit is not None:
         limit_bytes = parse_memory_limit(config.host_memory_limit).resolve(None)
+    elif (cgroup := cgroup_memory_limit()) is not None:
+        limit_bytes = cgroup.limit_bytes
+        log_event(
+            log,
+            logging.INFO,
+            "host_memory_limit_from_cgroup",
+            f"server.host_memory_limit unset: the host memory watermarks are fractions of "
+            f"the cgroup memory limit, {format_bytes(limit_bytes)} ({cgroup.source}); "
+            "--host-memory-limit overrides it",
+            host_memory_limit_bytes=limit_bytes,
+            source=cgroup.source,
+        )
     else:
         limit_bytes = None
     if limit_bytes is None:
@@ -814,7 +830,11 @@ def _watch_memory(
     """The watermark, where there is a limit to watch, and its reading (`memory_gauge`,
     else the device's), once the idle server is seen to fit below its low mark
     (ConfigError otherwise). `weights_bytes`: the model's weights, as far as known (0).
-    `probe`: the start-up probe's findings."""
+    `probe`: the start-up probe's findings. Under a limit taken from the cgroup
+    (host_memory_limit unset) an idle reading at or above the low mark is no refusal:
+    the server serves as it did without a limit, with no watermark, and says so (a
+    default must not refuse a start that serves, a container sized for the model but
+    not for the default marks)."""
     try:
         watermark, gauge = _watermark_and_gauge(config, engine, memory_gauge)
         if watermark is None:
@@ -828,6 +848,25 @@ def _watch_memory(
         used_bytes = gauge.used_bytes()
     except NvmlUnavailableError as error:
         raise nvml_start_error(error) from error
+    from_cgroup = not _on_gpu(engine) and config.host_memory_limit is None
+    if from_cgroup and used_bytes is not None and used_bytes >= watermark.low_bytes:
+        limit = format_bytes(watermark.limit_bytes)
+        log_event(
+            log,
+            logging.WARNING,
+            "host_watermark_off",
+            f"the server holds {format_bytes(used_bytes)} idle after loading the model, at "
+            f"or above the low watermark {format_bytes(watermark.low_bytes)} "
+            f"(memory_low_watermark {config.memory_low_watermark:g} of the cgroup memory "
+            f"limit {limit}), so lanes closed by memory pressure could never reopen: serving "
+            "without a host memory watermark, queued requests bounded by the lanes alone; "
+            "expected a cgroup memory limit with room above the idle server, or "
+            "--host-memory-limit set (a start it cannot hold is refused, naming one that can)",
+            used_bytes=used_bytes,
+            low_watermark_bytes=watermark.low_bytes,
+            host_memory_limit_bytes=watermark.limit_bytes,
+        )
+        return None, None
     _check_idle_memory(config, engine, watermark, used_bytes, probe)
     if _on_gpu(engine):
         _warn_if_a_full_arena_closes_lanes(config, engine, watermark, used_bytes, weights_bytes)
@@ -1005,12 +1044,22 @@ class LaneServer:
         )
         if self._grace_ended:
             thread.end_grace()
+        watermark = self.scheduler.watermark  # its marks are set once, when it is made
         self.telemetry.observe(
-            thread.depths,
-            lambda: thread.batch_cap,
-            self.stats.counts,
-            self.grpc_calls,
-            self.ledger_counts,
+            MetricSources(
+                depths=thread.depths,
+                batch_cap=lambda: thread.batch_cap,
+                counts=self.stats.counts,
+                grpc_calls=self.grpc_calls,
+                ledger=self.ledger_counts,
+                watermark=thread.watermark_state,  # what GetStats reports
+                high_watermark_bytes=None if watermark is None else watermark.high_bytes,
+                low_watermark_bytes=None if watermark is None else watermark.low_bytes,
+                state=lambda: self.state,
+                model_path=self.config.model_path,  # as GetModel names it
+                model_sha256=self.engine.identity.sha256,
+                memory_limit_bytes=self.engine.memory_limit_bytes,
+            )
         )
         servicer = self._servicer = InferenceServicer(
             self.config,
@@ -1032,6 +1081,8 @@ class LaneServer:
                 device_utilization=self.telemetry.device_utilization,
                 grpc_calls=self.grpc_calls,
             ),
+            # One id for GetStats and the metrics' target_info.
+            instance_id=self.telemetry.instance_id,
         )
         # One gRPC server per port, all in front of the same servicer and lanes: gRPC's
         # core queues the calls the event loop has not yet taken per server (and per
@@ -1089,13 +1140,20 @@ class LaneServer:
             return self.port
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        identity = self.engine.identity
         log_event(
             log,
             logging.INFO,
             "startup",
-            f"serving {self.config.model_path} on {host_port(self.config.host, self.port)}"
+            # Which model this instance ran: its files' hash (short here, whole in the
+            # field) and its own version, as GetModel reports them.
+            f"serving {self.config.model_path} (sha256 {identity.sha256[:12] or 'unknown'}, "
+            f"model_version {'none' if identity.version is None else identity.version}) "
+            f"on {host_port(self.config.host, self.port)}"
             + ("" if self.priority_port is None else f", priority port {self.priority_port}"),
             model=self.config.model_path,
+            model_sha256=identity.sha256,
+            model_version=identity.version,
             port=self.port,
             priority_port=self.priority_port,
             providers=self.engine.providers,
@@ -1227,6 +1285,12 @@ class LaneServer:
         Safe from any thread (the metric reader's)."""
         servicer = self._servicer
         return None if servicer is None else servicer.ledger_counts()
+
+    async def announce_not_serving(self) -> None:
+        """Health says NOT_SERVING from now on, for good (gRPC's health servicer takes no
+        status after it), while the server still admits and serves: a lame-duck period
+        before `stop` (`drain_delay_s`), for health checks to send callers elsewhere."""
+        await self._health.enter_graceful_shutdown()
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drains: refuses new work, lets queued work finish within the grace period (or

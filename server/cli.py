@@ -11,17 +11,25 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from laneserve.server import flag_values
 from laneserve.server.app import LaneServer, check_ports_free, load_engine, server_credentials
 from laneserve.server.bench import cli as bench_cli
+from laneserve.server.clock import Clock, SystemClock
 from laneserve.server.config import DEVICES, UINT32_MAX, ConfigError, ServerConfig, load_config
 from laneserve.server.engine import EngineStartError
+from laneserve.server.lifecycle import REPEAT_WINDOW_S, SignalMeaning, StopSignals
 from laneserve.server.log_events import refuse_usage
-from laneserve.server.process import tune_for_serving
+from laneserve.server.process import (
+    STOP_SIGNALS,
+    catch_stop_signals_early,
+    release_stop_signals,
+    stop_signals_taken,
+    tune_for_serving,
+)
 from laneserve.server.telemetry import configure_logging, log_event
 from laneserve.server.telemetry.environment import check_tracing_env
 from laneserve.server.telemetry.logs import flush_logs
@@ -29,15 +37,15 @@ from laneserve.server.top import add_arguments as add_top_arguments
 from laneserve.server.top import run as run_top
 
 log = logging.getLogger("laneserve")
-# The signals that stop `serve` (a drain once it serves). SIGHUP too: its terminal or
-# ssh session closed, or a supervisor's stop; its default killed the process at once,
-# queued work unanswered.
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # this process's own command line (PID 1, maybe): see there
+        catch_stop_signals_early()
     parser = _parser(json_errors=_asked_log_format(argv) == "json")
     args = parser.parse_args(argv)
+    if argv is None and args.command != "serve":
+        release_stop_signals()  # theirs to take: Ctrl-C ends `top` with 0, for one
     if argv is None and args.command == "serve" and args.log_format == "json":
         _start_again_without_grpc_core_lines()
     configure_logging(args.log_level, json_lines=args.log_format == "json")
@@ -84,6 +92,7 @@ _SERVE_FLAGS = {
     "host_memory_limit": "--host-memory-limit",
     "device": "--device",
     "drain_grace_s": "--drain-grace-s",
+    "drain_delay_s": "--drain-delay-s",
     "max_message_bytes": "--max-message-bytes",
     "max_concurrent_rpcs": "--max-concurrent-rpcs",
     "max_pending_calls": "--max-pending-calls",
@@ -166,7 +175,10 @@ def _start_again_without_grpc_core_lines() -> None:
     extension module loads, which this module's imports have done: the process starts
     again (exec: the same pid, arguments and streams) with GRPC_VERBOSITY=NONE, before it
     has logged or bound anything. A GRPC_VERBOSITY already set is the operator's choice
-    (debugging the core, whose lines are not JSON): it is kept, and nothing restarts."""
+    (debugging the core, whose lines are not JSON): it is kept, and nothing restarts.
+    The stop signals are blocked across the exec (the mask is inherited): one sent
+    meanwhile waits for the new process's first handler (`catch_stop_signals_early`)
+    instead of meeting none, which as PID 1 ignored it."""
     if "GRPC_VERBOSITY" in os.environ or not sys.executable:
         return
     os.environ["GRPC_VERBOSITY"] = "NONE"  # exec passes os.environ on
@@ -176,7 +188,11 @@ def _start_again_without_grpc_core_lines() -> None:
         if stream is not None:
             with contextlib.suppress(OSError):
                 stream.flush()
-    os.execv(sys.executable, sys.orig_argv)  # noqa: S606 - this process's own command line
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        os.execv(sys.executable, sys.orig_argv)  # noqa: S606 - this process's own command line
+    finally:  # reached only where the exec failed
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _make_model(path: str, *, seed: int) -> int:
@@ -224,6 +240,7 @@ def _probe_shapes(flags: Sequence[str] | None) -> dict[str, list[int]] | None:
     if not flags:
         return None
     shapes: dict[str, list[int]] = {}
+    given: dict[str, str] = {}  # input -> the flag that gave its shape
     for flag in flags:
         name, _, dims = flag.partition("=")
         try:
@@ -235,6 +252,14 @@ def _probe_shapes(flags: Sequence[str] | None) -> dict[str, list[int]] | None:
                 f"--probe-shape: expected NAME=D1,D2,... (an input and its sizes after the "
                 f"row axis, each in [1, {UINT32_MAX}], e.g. image=3,224,224), got {flag!r}"
             )
+        if name in given:
+            # The probe runs one shape per input: a later flag replaced an earlier one
+            # unsaid (sequence lengths 128, 256 and 512 were probed at 512 alone).
+            raise ConfigError(
+                f"--probe-shape: input {name!r} is given twice ({given[name]!r} and "
+                f"{flag!r}); expected one shape per input"
+            )
+        given[name] = flag
         shapes[name] = sizes
     return shapes
 
@@ -247,25 +272,91 @@ async def _serve(config: ServerConfig) -> tuple[int, bool]:
     # then means "do not serve", a second one "exit now" (nothing is served yet), never
     # the default action nor a wait for the load.
     loop = asyncio.get_running_loop()
-    stop_asked = asyncio.Event()
-    server: LaneServer | None = None
+    stopper = _Stopper()
+    for signum in stop_signals_taken():
+        loop.add_signal_handler(signum, stopper.on_signal, signum)
+    # In milliseconds, not after the model has loaded (minutes, for a large one):
+    check_ports_free(config)
+    server_credentials(config)  # the TLS files read and checked; read again to serve
+    _unset_blank_otel_variables()
+    check_tracing_env()  # the OTEL_* variables tracing reads; read again to serve
+    loaded = await asyncio.to_thread(_load_server, config)
+    if stopper.asked.is_set():  # asked while it loaded: it never serves
+        await loaded.stop()
+        log_event(log, logging.INFO, "shutdown", "stopped before serving", drained=True)
+        return 0, True
+    stopper.attach(loaded)
+    await loaded.start()
+    tune_for_serving()
+    await stopper.stop_when_asked()
+    return (0 if loaded.failure is None else 1), loaded.threads_stopped
 
-    def on_signal(signum: int) -> None:
+
+class _Stopper:
+    """What `serve` does on each stop signal (`on_signal`), from the start to the end of
+    its drain. Before it serves, see `_signal_while_starting`. Once it serves, the first
+    signal stops it (`stop_when_asked`): where `drain_delay_s` is set, health NOT_SERVING
+    while it serves on that long; then a drain within `drain_grace_s`. A later signal
+    (not the first one again within REPEAT_WINDOW_S: that is the same request delivered
+    twice) means "stop now" wherever it comes, in the delay as in the drain: what is
+    queued is answered UNAVAILABLE at once. One meaning for a second signal throughout
+    (a second Ctrl-C, a supervisor's second SIGTERM): a drain after the rest of the delay
+    would have asked for a third. Only the event loop touches it.
+
+    `clock` times the signals; `wait_s` waits out the drain delay (a test passes one it
+    ends by hand)."""
+
+    def __init__(
+        self,
+        *,
+        clock: Clock | None = None,
+        wait_s: Callable[[float], Awaitable[object]] = asyncio.sleep,
+    ) -> None:
+        self._signals = StopSignals(clock or SystemClock())
+        self._wait_s = wait_s
+        self.asked = asyncio.Event()  # the first signal came
+        self._now = asyncio.Event()  # a later one: no more waiting, for the delay or grace
+        self._first_name = ""  # the first signal's, once one came while serving
+        self._server: LaneServer | None = None  # once it starts to serve
+
+    def attach(self, server: LaneServer) -> None:
+        """`server`, loaded, is about to start: a signal from now on stops it."""
+        self._server = server
+
+    def on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
-        if server is None:
-            _signal_while_starting(name, signum, again=stop_asked.is_set())
-            stop_asked.set()
-        elif not stop_asked.is_set():
+        meaning = self._signals.meaning(signum)
+        if meaning is SignalMeaning.REPEAT:
             log_event(
                 log,
                 logging.INFO,
-                "drain_started",
-                f"{name}: draining (grace {config.drain_grace_s:g}s)",
+                "signal_repeated",
+                f"{name} again within {REPEAT_WINDOW_S:g}s: taken as the same request, "
+                f"delivered twice (a wrapper that forwards it to this process and to its "
+                f"group); {name} again later stops at once",
                 signal=name,
-                grace_s=config.drain_grace_s,
             )
-            stop_asked.set()
-        else:  # draining, or about to: no grace either way
+            return
+        server = self._server
+        if server is None:
+            _signal_while_starting(name, signum, again=meaning is SignalMeaning.STOP_NOW)
+        elif meaning is SignalMeaning.STOP:
+            self._first_name = name
+            if server.config.drain_delay_s > 0:
+                log_event(
+                    log,
+                    logging.INFO,
+                    "drain_delayed",
+                    f"{name}: health NOT_SERVING; serving {server.config.drain_delay_s:g}s "
+                    f"more, for load balancers to stop sending, then draining (grace "
+                    f"{server.config.drain_grace_s:g}s)",
+                    signal=name,
+                    delay_s=server.config.drain_delay_s,
+                    grace_s=server.config.drain_grace_s,
+                )
+            else:
+                self._log_drain_started(server)
+        else:  # delaying the drain, draining, or about to: no more waiting either way
             log_event(
                 log,
                 logging.WARNING,
@@ -274,31 +365,46 @@ async def _serve(config: ServerConfig) -> tuple[int, bool]:
                 signal=name,
             )
             server.end_grace()
+            self._now.set()
+        self.asked.set()
 
-    # Not SIGHUP where it was ignored at start: under `nohup` the server is to outlive
-    # its terminal.
-    for signum in _STOP_SIGNALS:
-        if signum != signal.SIGHUP or signal.getsignal(signum) != signal.SIG_IGN:
-            loop.add_signal_handler(signum, on_signal, signum)
-    # In milliseconds, not after the model has loaded (minutes, for a large one):
-    check_ports_free(config)
-    server_credentials(config)  # the TLS files read and checked; read again to serve
-    _unset_blank_otel_variables()
-    check_tracing_env()  # the OTEL_* variables tracing reads; read again to serve
-    loaded = await asyncio.to_thread(_load_server, config)
-    if stop_asked.is_set():  # asked while it loaded: it never serves
-        await loaded.stop()
-        log_event(log, logging.INFO, "shutdown", "stopped before serving", drained=True)
-        return 0, True
-    server = loaded
-    await server.start()
-    tune_for_serving()
-    asked = asyncio.ensure_future(stop_asked.wait())
-    stopped = asyncio.ensure_future(server.wait_stopped())  # it failed and stopped itself
-    await asyncio.wait((asked, stopped), return_when=asyncio.FIRST_COMPLETED)
-    asked.cancel()
-    await server.stop()
-    return (0 if server.failure is None else 1), server.threads_stopped
+    async def stop_when_asked(self) -> None:
+        """Waits for the first signal (or for the server to stop itself: its scheduler
+        failed), then stops the server: after the drain delay, a drain."""
+        server = self._server
+        assert server is not None, "attach(server) first"
+        asked = asyncio.ensure_future(self.asked.wait())
+        stopped = asyncio.ensure_future(server.wait_stopped())
+        await asyncio.wait((asked, stopped), return_when=asyncio.FIRST_COMPLETED)
+        asked.cancel()
+        if not stopped.done() and server.config.drain_delay_s > 0:
+            await self._delay_drain(server, stopped)
+        stopped.cancel()
+        await server.stop()
+
+    async def _delay_drain(self, server: LaneServer, stopped: asyncio.Future[None]) -> None:
+        """Health NOT_SERVING while the server admits and serves on, for `drain_delay_s`:
+        health checks every second or so take that long to send callers elsewhere, and
+        a drain at the signal refused their calls meanwhile. Ends early at a later
+        signal, or when the server stops itself."""
+        await server.announce_not_serving()
+        waited = asyncio.ensure_future(self._wait_s(server.config.drain_delay_s))
+        now = asyncio.ensure_future(self._now.wait())
+        await asyncio.wait((waited, now, stopped), return_when=asyncio.FIRST_COMPLETED)
+        waited.cancel()
+        now.cancel()
+        if not self._now.is_set() and not stopped.done():
+            self._log_drain_started(server)
+
+    def _log_drain_started(self, server: LaneServer) -> None:
+        log_event(
+            log,
+            logging.INFO,
+            "drain_started",
+            f"{self._first_name}: draining (grace {server.config.drain_grace_s:g}s)",
+            signal=self._first_name,
+            grace_s=server.config.drain_grace_s,
+        )
 
 
 def _load_server(config: ServerConfig) -> LaneServer:
@@ -318,8 +424,9 @@ def _load_server(config: ServerConfig) -> LaneServer:
 
 def _signal_while_starting(name: str, signum: int, *, again: bool) -> None:
     """A signal before the server serves: the first stops it once the model has loaded
-    (the load cannot be interrupted); the next ends the process at once, as the shell
-    reports a death by that signal (128 + its number): nothing is served to lose."""
+    (the load cannot be interrupted); the next (not the first again within
+    REPEAT_WINDOW_S, see `_Stopper`) ends the process at once, as the shell reports a
+    death by that signal (128 + its number): nothing is served to lose."""
     if not again:
         log_event(
             log,
@@ -393,6 +500,12 @@ def _parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
     serve.add_argument(
         "--drain-grace-s", type=float, help="seconds queued work may finish on SIGTERM"
     )
+    serve.add_argument(
+        "--drain-delay-s",
+        type=float,
+        help="seconds a SIGTERM leaves it serving, health NOT_SERVING, before the drain "
+        "(default 0)",
+    )
     serve.add_argument("--max-message-bytes", type=int, help="gRPC message size limit")
     serve.add_argument(
         "--max-concurrent-rpcs",
@@ -424,7 +537,10 @@ def _parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
         "dimensions cannot be 1 (e.g. image=3,224,224); repeat per input",
     )
     serve.add_argument(
-        "--intra-op-threads", type=int, help="ONNX Runtime threads (0 = auto: cores - 1 on the CPU)"
+        "--intra-op-threads",
+        type=int,
+        help="ONNX Runtime threads (0 = auto: on the CPU the cores, capped by the "
+        "cgroup's CPU quota, less 1)",
     )
     serve.add_argument(
         "--metrics-port",

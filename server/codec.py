@@ -44,9 +44,10 @@ def check_counts(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> N
     anything walks them: hashing them (a request_id) cost the event loop time in
     proportion, up to a whole message of them (`check_output_names` bounds the names)."""
     if len(tensors) > len(specs):
+        expected = [spec.name for spec in specs]
         raise InvalidInputError(
-            f"request has {len(tensors)} inputs; expected the model's inputs "
-            f"{[spec.name for spec in specs]}, each once"
+            f"request has {len(tensors)} inputs; {_extra_inputs(tensors, expected)}; expected "
+            f"the model's inputs {expected}, each once"
         )
     for tensor in tensors:
         if len(tensor.shape) > MAX_DIMS:  # decode_tensor's refusal, in its words
@@ -54,6 +55,29 @@ def check_counts(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> N
                 f"tensor {tensor.name!r}: shape has {len(tensor.shape)} dimensions; expected "
                 f"at most {MAX_DIMS}"
             )
+
+
+def _extra_inputs(tensors: Sequence[pb.Tensor], expected: Sequence[str]) -> str:
+    """Which of more inputs than `expected` made them too many ("request has 4 inputs"
+    named none): the names none of the model's inputs, and those given more than once,
+    among the first len(expected) + 1 only, so that the work stays bounded however many
+    the request holds. Among that many, one name at least is either."""
+    known = set(expected)
+    read = [tensor.name for tensor in tensors[: len(expected) + 1]]
+    unknown = [name for name in dict.fromkeys(read) if name not in known]
+    repeated = [
+        name for name, count in collections.Counter(read).items() if count > 1 and name in known
+    ]
+    assert unknown or repeated, "len(expected) + 1 names hold one unknown or repeated"
+    found = []
+    if unknown:
+        verb = "is not an input" if len(unknown) == 1 else "are not inputs"
+        found.append(f"{', '.join(map(repr, unknown))} {verb} of the model")
+    if repeated:
+        verb = "is" if len(repeated) == 1 else "are"
+        found.append(f"{', '.join(map(repr, repeated))} {verb} given more than once")
+    among = f"among its first {len(read)}, " if len(read) < len(tensors) else ""
+    return among + " and ".join(found)
 
 
 def leading_rows(

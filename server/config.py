@@ -87,6 +87,8 @@ UINT32_MAX = 2**32 - 1
 # The longest drain: threads wait with timeouts, and an hour is longer than any rollout
 # waits for one instance.
 MAX_DRAIN_GRACE_S = 3_600.0
+# The same bound for the delay before a drain (load balancers' checks take seconds).
+MAX_DRAIN_DELAY_S = 3_600.0
 # More session threads than this is a typo, and ONNX Runtime takes a C int.
 MAX_INTRA_OP_THREADS = 1_024
 
@@ -97,6 +99,11 @@ def _check_int(key: str, value: object, *, minimum: int, maximum: int | None = N
     if value < minimum or (maximum is not None and value > maximum):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise ConfigError(f"expected an integer {bound}, got {value}", key=key)
+
+
+def _check_seconds(key: str, value: object, *, maximum: float) -> None:
+    if not _is_number(value) or not 0 <= value <= maximum:  # type: ignore[operator]
+        raise ConfigError(f"expected seconds in [0, {maximum:g}], got {value!r}", key=key)
 
 
 def _check_bool(key: str, value: object) -> None:
@@ -114,8 +121,10 @@ class LaneConfig:
     name: str
     # Bound on queued rows (not requests); a request that would exceed it is refused.
     capacity_rows: int
-    # Default deadline of an item in this lane; the gRPC deadline or the request's
-    # timeout_ms win when earlier.
+    # The longest an item may take in this lane, from its admission: a cap, not a default.
+    # Its deadline is the earliest of this, the gRPC deadline and the request's own
+    # timeout_ms, so a caller's longer timeout is cut to this (a refusal or expiry says
+    # so, naming this key); a shorter one applies.
     timeout_ms: int
     # Longest a batch waits for more rows once this lane's oldest item is queued.
     max_wait_ms: int
@@ -189,6 +198,11 @@ class ServerConfig:
     device: Device = "auto"
     # On SIGTERM/SIGINT queued work may finish within this time; the rest is refused.
     drain_grace_s: float = 10.0
+    # Seconds a stop signal leaves the server admitting and serving with its health
+    # NOT_SERVING before it drains (drain_grace_s counts after it): a load balancer's
+    # health checks (a readiness probe every second or more) see it leaving before it
+    # refuses any call. 0: the drain begins at the signal.
+    drain_delay_s: float = 0.0
     # Infer and InferStream calls in progress on a port at once (streams count one each,
     # at most half of it; GetModel, GetStats and health checks none); past it a call is
     # refused RESOURCE_EXHAUSTED before the servicer runs (grpc_accept.CallGate). It is
@@ -226,7 +240,8 @@ class ServerConfig:
     # compressed.
     compressed_requests: bool = True
     # ONNX Runtime intra-op threads; 0: auto (on the CPU one core fewer than the
-    # process may use, left to the event loop; see engine.default_intra_op_threads).
+    # process may use, its cgroup's CPU quota included, left to the event loop; see
+    # engine.default_intra_op_threads).
     intra_op_threads: int = 0
     # Prometheus scrape endpoint (GET /metrics) on `host`: 0 = any free port (logged at
     # start), -1 = no endpoint (and no metric is recorded).
@@ -344,11 +359,8 @@ class ServerConfig:
         object.__setattr__(self, "probe_shapes", _parse_probe_shapes(self.probe_shapes))
         if self.device not in DEVICES:
             raise ConfigError(f"server.device: expected one of {DEVICES}, got {self.device!r}")
-        if not _is_number(self.drain_grace_s) or not 0 <= self.drain_grace_s <= MAX_DRAIN_GRACE_S:
-            raise ConfigError(
-                f"expected seconds in [0, {MAX_DRAIN_GRACE_S:g}], got {self.drain_grace_s!r}",
-                key="server.drain_grace_s",
-            )
+        _check_seconds("server.drain_grace_s", self.drain_grace_s, maximum=MAX_DRAIN_GRACE_S)
+        _check_seconds("server.drain_delay_s", self.drain_delay_s, maximum=MAX_DRAIN_DELAY_S)
         if not self.lanes:
             raise ConfigError("lanes: expected at least one lane")
         names = [lane.name for lane in self.lanes]

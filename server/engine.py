@@ -12,6 +12,7 @@ import dataclasses
 import importlib.metadata
 import io
 import logging
+import math
 import os
 import re
 import sys
@@ -33,6 +34,7 @@ from laneserve.server.errors import (
     EngineError,
     ExpiredInQueueError,
     LaneserveError,
+    SessionBrokenError,
 )
 from laneserve.server.items import (
     Array,
@@ -51,6 +53,7 @@ from laneserve.server.memory import (
     NvmlGauge,
     NvmlUnavailableError,
     ProcessRssGauge,
+    cgroup_cpu_limit,
     cuda_visible_hides_every_gpu,
     estimate_memory,
     fit_memory,
@@ -58,6 +61,10 @@ from laneserve.server.memory import (
     host_available_bytes,
     prefer_pci_order,
     session_gpu_id,
+)
+from laneserve.server.model_identity import (
+    find_model_files,
+    model_identity,
 )
 
 log = logging.getLogger(__name__)
@@ -237,19 +244,27 @@ def _why_no_cuda(available: Sequence[str], *, hidden: bool) -> str:
     return "no GPU is visible"
 
 
-def default_intra_op_threads(*, on_gpu: bool) -> int:
+def default_intra_op_threads(
+    *, on_gpu: bool, cpu_limit: Callable[[], float | None] = cgroup_cpu_limit
+) -> int:
     """ONNX Runtime's intra-op threads when the configuration says 0 (auto).
 
     On the CPU the runtime's own default takes every core, but the event loop, gRPC's
     pollers and the scheduler need one between runs: measured on 2 cores, one runtime
     thread served 32-64 single-row callers 30-50 % faster than two (a bulk-only stream
-    ran ~20 % slower: README, "Bulk jobs"). On a GPU the runtime's threads only run the
-    few CPU-side kernels: its default stands (0).
+    ran ~20 % slower: README, "Bulk jobs"). The cores are those the process may run on,
+    and no more than its cgroup's CPU quota rounds up to (`cpu_limit`, the CPUs it
+    allows; None: no quota): a pod limited to 2 CPUs on a 32-core node sees all 32, and
+    took 31 threads that only wait for the quota's share. On a GPU the runtime's
+    threads only run the few CPU-side kernels: its default stands (0).
     """
     if on_gpu:
         return 0
     affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere all the cores
     cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    quota_cpus = cpu_limit()
+    if quota_cpus is not None:
+        cores = min(cores, math.ceil(quota_cpus))
     return max(1, cores - 1)
 
 
@@ -372,6 +387,11 @@ class Engine:
             if estimate is None
             else estimate(model_path)
         )
+        # The model's files as found before the session reads them: hashed after it has
+        # (the hash costs no load of its own; the session's read warmed the page cache),
+        # they are checked to be the same files (if not, the hash is left empty, warned
+        # about: the session loaded fine, so the server serves).
+        files = find_model_files(model_path)
         # The hard limit on the session's device memory; None: the runtime's default.
         self.memory_limit_bytes: int | None
         self._session, self.memory_limit_bytes = self._open_session(
@@ -380,6 +400,7 @@ class Engine:
         self.providers: list[str] = list(self._session.get_providers())
         if requested[0] == CUDA and CUDA not in self.providers:
             self._fall_back_to_cpu(device, requested, memory_limit, intra_op_threads)
+        self.identity = model_identity(model_path, files, self._session.get_modelmeta())
         on_gpu = self.providers[0] == CUDA
         memory_limit_bytes = self.memory_limit_bytes
         self.inputs = self._input_specs(model_path)
@@ -787,15 +808,22 @@ class Engine:
         """After `inputs` (the batch's rows at `positions`) failed with `error`: runs each
         half's rows still wanted (asked just before it runs), splits again a half that
         fails, and records every row's outcome in `split`. A single row fails alone.
-        When both halves fail with an error other than out of memory, the failure may be
-        no row's (a broken session): see `_session_broken`. Each run out of memory here
-        ran in a shrunk arena (or ran again in one: see `run`), so a single row that
-        fails does not fit alone, whatever ran before it."""
+        When both halves fail with an error other than out of memory, or a batch of one
+        row does, the failure may be no row's (a broken session): see `_session_broken`;
+        its rows then fail with SessionBrokenError, which stops the server. Each run out
+        of memory here ran in a shrunk arena (or ran again in one: see `run`), so a
+        single row that fails does not fit alone, whatever ran before it."""
         out_of_memory = isinstance(error, DeviceMemoryError)
         if out_of_memory:
             split.ran_out_of_memory(positions)
         if len(positions) == 1:
-            split.fail_alone(positions, error)
+            # A batch of one row has no halves: a server serving a row at a time (an
+            # interactive lane at low load) on a broken session answered every call
+            # ENGINE_FAILURE behind SERVING, never running the start-up input.
+            if split.rows == 1 and not out_of_memory and self._session_broken(split):
+                split.fail(positions, _session_broken_error("this request's row", error))
+            else:
+                split.fail_alone(positions, error)
         else:
             failures = self._run_halves(inputs, positions, split)
             both_failed = len(failures) == 2 and not any(  # noqa: PLR2004 - two halves
@@ -806,10 +834,8 @@ class Engine:
                 if broken:
                     split.fail(
                         failed_positions,
-                        EngineError(
-                            "the model failed on the batch holding this request, on both "
-                            "halves of it, and on an input it ran at start-up: the session "
-                            f"is broken ({failure.message})"
+                        _session_broken_error(
+                            "the batch holding this request, on both halves of it", failure
                         ),
                     )
                 else:
@@ -1407,6 +1433,17 @@ def translate_runtime_error(error: Exception) -> LaneserveError:
             f"device memory exhausted while running the batch: {_tail(message)}"
         )
     return _ModelRunError(_tail(message))
+
+
+def _session_broken_error(failed_on: str, error: LaneserveError) -> SessionBrokenError:
+    """The error of rows whose failure was the session's: it failed `failed_on` with
+    `error`, and an input it ran at start-up too (`Engine._session_broken`)."""
+    cause = error.runtime_message if isinstance(error, _ModelRunError) else error.message
+    return SessionBrokenError(
+        f"the model failed on {failed_on}, and on an input it ran at start-up: the session "
+        f"is broken ({cause}); the server is stopping and must be restarted",
+        cause=cause,
+    )
 
 
 def _tail(message: str, limit: int = 300) -> str:

@@ -12,6 +12,7 @@
     ├── MemoryPressureError        RESOURCE_EXHAUSTED   MEMORY_PRESSURE      (retry after pushback)
     ├── JoinLimitError             RESOURCE_EXHAUSTED   JOIN_LIMIT           (retry once answered)
     └── EngineError                INTERNAL             ENGINE_FAILURE
+        └── SessionBrokenError     INTERNAL             ENGINE_FAILURE       (the server stops)
 
 Servicers never choose status codes: they raise or receive one of these and hand it to
 `to_rpc_status`. Foreign errors (from the runtime) are translated in the engine module.
@@ -108,6 +109,18 @@ class JoinLimitError(LaneserveError):
 class EngineError(LaneserveError):
     code = grpc.StatusCode.INTERNAL
     reason = "ENGINE_FAILURE"
+
+
+class SessionBrokenError(EngineError):
+    """The session failed an input it ran at start-up, after a batch failed: no request
+    can run on it any more (a sticky CUDA error, a GPU off the bus). The engine answers
+    that batch's failed rows with it; the scheduler thread, seeing it, fails for good and
+    the server stops, so that health says NOT_SERVING and a supervisor restarts it.
+    `cause` keeps the runtime's words apart from the request the message speaks of."""
+
+    def __init__(self, message: str, *, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 # The most bytes of an error message sent: messages quote what the client sent (names,

@@ -389,31 +389,72 @@ def _meminfo_available_bytes(proc: Path) -> int | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class CgroupMemoryLimit:
+    """The least memory limit of the cgroups the process is in, and where it was read."""
+
+    limit_bytes: int
+    source: str  # the file (and, for memory.stat, the entry) it was read from
+
+
+def cgroup_memory_limit(
+    proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")
+) -> CgroupMemoryLimit | None:
+    """The least memory limit of the process's cgroups, its own and each one above it (a
+    container's, a pod's, a systemd slice's MemoryMax; v2 or v1): past it the OOM killer
+    ends the process. None without one ("max"), or where none can be read (not Linux).
+    `proc` and `cgroups` as `host_available_bytes`'s."""
+    limits = [
+        limit
+        for folder, files in _memory_cgroup_folders(proc, cgroups)
+        if (limit := _cgroup_level_limit(folder, files)) is not None
+    ]
+    return min(limits, key=lambda limit: limit.limit_bytes, default=None)
+
+
 def _cgroup_room_bytes(proc: Path, cgroups: Path) -> int | None:
     """The least room (limit less usage) the process's memory cgroups leave: its own
     and each one above it up to its controller's mount, since a parent's limit holds
     its children's usage together. None without a limit, or where none can be read."""
+    rooms = [
+        room
+        for folder, files in _memory_cgroup_folders(proc, cgroups)
+        if (room := _cgroup_level_room_bytes(folder, files)) is not None
+    ]
+    return min(rooms) if rooms else None
+
+
+def _memory_cgroup_folders(proc: Path, cgroups: Path) -> list[tuple[Path, _CgroupMemoryFiles]]:
+    """The folders of the process's memory cgroups, each with its version's files: for
+    each hierarchy it is in, its own cgroup's and each one's above it (`_cgroup_folders`)."""
+    return [
+        (folder, _CGROUP_V2 if v2 else _CGROUP_V1)
+        for v2, mount, path in _own_cgroups(proc, cgroups, "memory")
+        for folder in _cgroup_folders(mount, path)
+    ]
+
+
+def _own_cgroups(proc: Path, cgroups: Path, controller: str) -> list[tuple[bool, Path, str]]:
+    """The process's cgroups where `controller` ("memory", "cpu") may apply, from
+    /proc/self/cgroup: for each, whether it is v2's, its controller's mount, and its path
+    under the mount."""
     try:
         lines = (proc / "self" / "cgroup").read_text(encoding="ascii").splitlines()
     except OSError:
-        return None
-    rooms: list[int] = []
+        return []
+    found: list[tuple[bool, Path, str]] = []
     for line in lines:
         fields = line.split(":", 2)
         if len(fields) != 3:  # noqa: PLR2004 - hierarchy:controllers:path
             continue
         _, controllers, path = fields
         if controllers == "":  # v2, "0::/path"
-            mount, files = cgroups, _CGROUP_V2
-        elif "memory" in controllers.split(","):  # v1, "4:memory:/path"
-            mount, files = cgroups / "memory", _CGROUP_V1
-        else:
-            continue
-        for folder in _cgroup_folders(mount, path):
-            room = _cgroup_level_room_bytes(folder, files)
-            if room is not None:
-                rooms.append(room)
-    return min(rooms) if rooms else None
+            found.append((True, cgroups, path))
+        elif controller in controllers.split(","):  # v1, "4:memory:/path", "2:cpu,cpuacct:/"
+            # v1 mounts a hierarchy at its controllers' names ("cpu,cpuacct", "cpu" a link
+            # to it where systemd mounts them): the controller's own name is looked for.
+            found.append((False, cgroups / controller, path))
+    return found
 
 
 def _cgroup_folders(mount: Path, path: str) -> list[Path]:
@@ -431,20 +472,75 @@ def _cgroup_folders(mount: Path, path: str) -> list[Path]:
 def _cgroup_level_room_bytes(folder: Path, files: _CgroupMemoryFiles) -> int | None:
     """One cgroup's limit less its usage without its inactive page cache (at least 0);
     None without a limit ("max", ~2^63), or where it cannot be read."""
-    limit = _read_bytes(folder / files.limit)
-    if files.hierarchical_limit is None and (limit is None or limit >= _NO_CGROUP_LIMIT_BYTES):
-        return None  # v2, no limit at this level (most of a path's): nothing more to read
-    stat = _memory_stat(folder)
-    limits = [limit]
-    if files.hierarchical_limit is not None:
-        limits.append(stat.get(files.hierarchical_limit))
-    known = [limit for limit in limits if limit is not None]
+    limit = _cgroup_level_limit(folder, files)
+    if limit is None:
+        return None  # no limit at this level (most of a path's): nothing more to read
     used = _read_bytes(folder / files.usage)
-    if not known or used is None or min(known) >= _NO_CGROUP_LIMIT_BYTES:
+    if used is None:
         return None
     # The inactive cache can read larger than the usage read a moment before it.
-    working_set = max(used - stat.get(files.inactive_file, 0), 0)
-    return max(min(known) - working_set, 0)
+    working_set = max(used - _memory_stat(folder).get(files.inactive_file, 0), 0)
+    return max(limit.limit_bytes - working_set, 0)
+
+
+def _cgroup_level_limit(folder: Path, files: _CgroupMemoryFiles) -> CgroupMemoryLimit | None:
+    """One cgroup's memory limit (v1: or the effective one of memory.stat, its
+    ancestors' counted); None without one ("max", ~2^63), or where it cannot be read."""
+    path = folder / files.limit
+    limit = _read_bytes(path)
+    limits = [] if limit is None else [CgroupMemoryLimit(limit, str(path))]
+    if files.hierarchical_limit is not None:
+        stat = _memory_stat(folder)
+        hierarchical = stat.get(files.hierarchical_limit)
+        if hierarchical is not None:
+            source = f"{folder / 'memory.stat'} {files.hierarchical_limit}"
+            limits.append(CgroupMemoryLimit(hierarchical, source))
+    return min(
+        (limit for limit in limits if limit.limit_bytes < _NO_CGROUP_LIMIT_BYTES),
+        key=lambda limit: limit.limit_bytes,
+        default=None,
+    )
+
+
+def cgroup_cpu_limit(
+    proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")
+) -> float | None:
+    """The CPUs the process's cgroups let it use, as the least quota over period of its
+    own cgroup and each one above it (v2 cpu.max "200000 100000": 2.0; v1
+    cpu.cfs_quota_us over cpu.cfs_period_us); None without a quota ("max", -1), or where
+    none can be read. A container's CPU limit leaves the machine's CPUs all visible:
+    more threads than the quota only wait for their share. `proc` and `cgroups` as
+    `host_available_bytes`'s."""
+    quotas = [
+        quota
+        for v2, mount, path in _own_cgroups(proc, cgroups, "cpu")
+        for folder in _cgroup_folders(mount, path)
+        if (quota := _cpu_quota(folder, v2=v2)) is not None
+    ]
+    return min(quotas, default=None)
+
+
+def _cpu_quota(folder: Path, *, v2: bool) -> float | None:
+    """One cgroup's CPU quota in CPUs; None without one, or where it cannot be read."""
+    if v2:  # "200000 100000", or "max 100000" without a quota
+        quota, _, period = _read_text(folder / "cpu.max").partition(" ")
+    else:  # -1 without a quota
+        quota, period = (
+            _read_text(folder / name) for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        )
+    try:
+        quota_us, period_us = int(quota), int(period)
+    except ValueError:  # "max", or a file that could not be read
+        return None
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+
+
+def _read_text(path: Path) -> str:
+    """A cgroup file's text; "" where it cannot be read."""
+    try:
+        return path.read_text(encoding="ascii")
+    except OSError:
+        return ""
 
 
 def _read_bytes(path: Path) -> int | None:

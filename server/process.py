@@ -1,5 +1,6 @@
 """Interpreter settings for a serving process, applied once by `laneserve serve` (and by
-the benchmark's baselines, so that the comparison is of designs, not of tuning).
+the benchmark's baselines, so that the comparison is of designs, not of tuning); and the
+stop signals' dispositions before `serve` handles them itself (`catch_stop_signals_early`).
 
 Both exist because one process runs the event loop, the scheduler thread and the engine
 thread under one GIL:
@@ -24,10 +25,25 @@ thread under one GIL:
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 GIL_SWITCH_INTERVAL_S = 0.001
 GC_THRESHOLDS = (2_000, 10, 100)
+
+# The signals that stop `serve` (a drain once it serves). SIGHUP too: its terminal or
+# ssh session closed, or a supervisor's stop; its default killed the process at once,
+# queued work unanswered.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+# A signal's disposition as `signal.getsignal` gives it (None: not set from Python).
+_Disposition = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+# The dispositions `catch_stop_signals_early` replaced, for `release_stop_signals`.
+_before_caught: dict[int, _Disposition] = {}
 
 
 def tune_for_serving() -> None:
@@ -38,4 +54,52 @@ def tune_for_serving() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-__all__ = ["GC_THRESHOLDS", "GIL_SWITCH_INTERVAL_S", "tune_for_serving"]
+def stop_signals_taken() -> tuple[signal.Signals, ...]:
+    """The stop signals this process acts on: not SIGHUP where it was ignored at start,
+    as under `nohup` (the server is to outlive its terminal)."""
+    return tuple(
+        signum
+        for signum in STOP_SIGNALS
+        if signum != signal.SIGHUP or signal.getsignal(signum) != signal.SIG_IGN
+    )
+
+
+def catch_stop_signals_early() -> None:
+    """Until `serve` handles them itself (cli._serve), a stop signal ends the process at
+    once with 128 + its number, as the shell reports a death by it: nothing is accepted
+    yet. The console script calls it first (laneserve.server.entry), before the imports
+    of ONNX Runtime and gRPC (about a second, twice with JSON logs' restart): as PID 1 (a
+    container's entrypoint) a signal with no handler is ignored, and a SIGTERM then was
+    lost, the pod waiting out its whole termination grace period. Unblocks them too: the
+    restart for JSON logs blocks them across its exec, so that one sent meanwhile waits
+    for this handler instead of meeting none. Call it on the main thread."""
+    for signum in stop_signals_taken():
+        _before_caught.setdefault(signum, signal.getsignal(signum))
+        signal.signal(signum, _exit_at_once)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def release_stop_signals() -> None:
+    """The dispositions `catch_stop_signals_early` replaced, back: for the commands that
+    take signals their own way (Ctrl-C ends `laneserve top` with 0, through
+    KeyboardInterrupt)."""
+    for signum, handler in _before_caught.items():
+        if handler is not None:  # None: not set from Python, nothing to restore
+            signal.signal(signum, handler)
+    _before_caught.clear()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def _exit_at_once(signum: int, _frame: FrameType | None) -> None:
+    os._exit(128 + signum)
+
+
+__all__ = [
+    "GC_THRESHOLDS",
+    "GIL_SWITCH_INTERVAL_S",
+    "STOP_SIGNALS",
+    "catch_stop_signals_early",
+    "release_stop_signals",
+    "stop_signals_taken",
+    "tune_for_serving",
+]

@@ -271,6 +271,26 @@ def caller_end_status(now_s: float, deadline_s: float, *, queued: bool) -> str:
     return ExpiredInQueueError.reason if queued else "DEADLINE_EXCEEDED"
 
 
+def _lane_cap_note(
+    lane: LaneConfig, queued_s: float, own_deadline_s: float | None, deadline_s: float
+) -> str:
+    """What a refusal or expiry message adds when `lane`'s timeout_ms, counted from
+    `queued_s`, set `deadline_s`, not the caller's own deadline (gRPC's or its
+    timeout_ms): refused "deadline in 199.7 ms cannot be met", a caller that had asked
+    for 5 s could not tell that lane 'standard' caps every request at 200 ms. Empty when
+    the caller's own (or a retry's it was moved to) set it. Asked only on those paths:
+    admission keeps no note of which bound applied."""
+    if deadline_s != lane.deadline_s(queued_s, None):
+        return ""
+    where = f"lane {lane.name!r} timeout_ms={lane.timeout_ms}"
+    if own_deadline_s is None:
+        return f" ({where}: the request set no timeout of its own)"
+    if own_deadline_s <= deadline_s:  # the two agree: the caller's own applies
+        return ""
+    own_ms = (own_deadline_s - queued_s) * 1000
+    return f" ({where} caps this request's {own_ms:.0f} ms timeout)"
+
+
 def _folded_gap(gap_s: float | None, last_s: float | None, now_s: float) -> float | None:
     """The moving average `gap_s` of the times between admissions, the last at `last_s`,
     with one at `now_s` folded in (None until two were seen)."""
@@ -540,6 +560,7 @@ class Scheduler:
                 f"deadline in {max(deadline_s - now_s, 0) * 1000:.1f} ms cannot be met: "
                 f"{ahead} rows are queued ahead in lane {lane.name!r} or above, serving them "
                 f"and this request takes about {(finish_s - now_s) * 1000:.1f} ms"
+                + _lane_cap_note(lane.config, now_s, request.deadline_s, deadline_s)
             )
 
     def _predicted_finish_s(
@@ -1269,11 +1290,15 @@ class Scheduler:
                 else f"before the rest of the request could run ({started} of its "
                 f"{entry.request.rows} rows ran or were running in earlier batches)"
             )
+            note = _lane_cap_note(
+                lane.config, entry.enqueued_s, entry.request.deadline_s, entry.deadline_s
+            )
             outcomes.append(
                 self._finish_error(
                     entry,
                     ExpiredInQueueError(
-                        f"deadline passed after {waited_ms:.1f} ms in lane {lane.name!r} {what}"
+                        f"deadline passed after {waited_ms:.1f} ms in lane {lane.name!r} "
+                        f"{what}{note}"
                     ),
                 )
             )
@@ -1915,14 +1940,17 @@ class Scheduler:
             if entry.deadline_s > now_s:
                 wanted[piece.offset : piece.offset + piece.rows] = True
                 continue
-            lane = self.lanes[entry.priority].name
-            self.events.shed(lane, ExpiredInQueueError.reason, piece.rows + entry.queued_rows)
+            lane = self.lanes[entry.priority].config
+            self.events.shed(lane.name, ExpiredInQueueError.reason, piece.rows + entry.queued_rows)
+            note = _lane_cap_note(
+                lane, entry.enqueued_s, entry.request.deadline_s, entry.deadline_s
+            )
             outcomes.append(
                 self._finish_error(
                     entry,
                     ExpiredInQueueError(
                         "deadline passed while its batch was being retried in parts after "
-                        "a failed run; its rows were not run again"
+                        f"a failed run; its rows were not run again{note}"
                     ),
                 )
             )

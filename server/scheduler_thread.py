@@ -28,9 +28,14 @@ import numpy as np
 import numpy.typing as npt
 
 from laneserve.server.clock import Clock, SystemClock
-from laneserve.server.errors import DrainingError, EngineError, LaneserveError
+from laneserve.server.errors import (
+    DrainingError,
+    EngineError,
+    LaneserveError,
+    SessionBrokenError,
+)
 from laneserve.server.items import Batch, BatchResult, InferenceRequest, Outcome, RowsWanted
-from laneserve.server.log_events import event_extra
+from laneserve.server.log_events import event_extra, log_event
 from laneserve.server.memory import MemoryGauge, WatermarkState
 from laneserve.server.scheduler import Dispatch, LaneDepth, Scheduler, WaitUntil
 
@@ -356,9 +361,10 @@ class SchedulerThread:
                     extra=event_extra("batch_failed", batch_id=batch.batch_id),
                 )
                 result = BatchResult(batch, None, EngineError(f"batch failed: {error!r}"), 0.0)
+            failure = _session_failure(result)
             outcomes: list[Outcome] = []
             try:
-                batch = self._finish(result, outcomes)
+                batch = self._finish(result, outcomes, failure)
             except Exception:  # logged with its traceback; the thread ends here
                 log.exception(
                     "applying a batch result failed; answering all queued work",
@@ -370,6 +376,18 @@ class SchedulerThread:
                 return
             if outcomes:
                 self._deliver(outcomes)
+            if failure is not None:  # this batch's answers are out: now the rest
+                log_event(
+                    log,
+                    logging.ERROR,
+                    "session_broken",
+                    f"the session is broken ({failure.cause}); answering all queued work "
+                    "and stopping (the process must be restarted)",
+                    batch_id=result.batch.batch_id,
+                    error=failure.cause,
+                )
+                self._fail(failure)
+                return
             if batch is None:
                 batch = self._work.get()
 
@@ -384,10 +402,20 @@ class SchedulerThread:
             self._deliver(outcomes)
         return wanted
 
-    def _finish(self, result: BatchResult, outcomes: list[Outcome]) -> Batch | None:
+    def _finish(
+        self,
+        result: BatchResult,
+        outcomes: list[Outcome],
+        failure: SessionBrokenError | None = None,
+    ) -> Batch | None:
         """Under the lock: adds the answers of a finished batch to `outcomes`; returns the
-        next batch if due."""
+        next batch if due. `failure`: the batch found the session broken (see
+        `_session_failure`); nothing is due then."""
         with self._cond:
+            if failure is not None:
+                # No batch can run any more: none is dispatched (by either thread), and
+                # submissions are refused with it, until `_fail` answers what is left.
+                self._failure, self._closing = failure, True
             self._idle_since_s = self._clock.monotonic()
             outcomes += self._scheduler.complete(result)
             # Shed before deciding, as the scheduler thread does, with the time after
@@ -417,3 +445,25 @@ class SchedulerThread:
             if isinstance(decision, WaitUntil) or self._closing or not self._scheduler.accepting:
                 self._cond.notify_all()
             return following
+
+
+def _session_failure(result: BatchResult) -> SessionBrokenError | None:
+    """The error the server fails with when `result` found the session broken (rows failed
+    with SessionBrokenError: the engine ran an input it ran at start-up, and that failed
+    too), for the requests that were not in the batch; None otherwise. Every later batch
+    would fail the same way, behind health that said SERVING."""
+    broken = next(
+        (
+            failed.error
+            for failed in result.failed_rows
+            if isinstance(failed.error, SessionBrokenError)
+        ),
+        None,
+    )
+    if broken is None:
+        return None
+    return SessionBrokenError(
+        f"the model's session is broken ({broken.cause}); the server is stopping and must "
+        "be restarted",
+        cause=broken.cause,
+    )

@@ -77,6 +77,7 @@ from laneserve.server.items import Array, InferenceRequest, Outcome, Signature
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.log_events import event_extra
 from laneserve.server.memory import MemoryFacts, WatermarkState, format_bytes
+from laneserve.server.model_identity import SERVER_VERSION, ModelIdentity
 from laneserve.server.scheduler import MEMORY_PRESSURE_RETRY_S, caller_end_status
 from laneserve.server.scheduler_thread import SchedulerThread
 from laneserve.server.stats import Distribution, Percentiles, StatsRecorder
@@ -321,7 +322,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         started_s: float,
         memory: MemoryFacts | None = None,
         telemetry: ServiceTelemetry | None = None,
+        instance_id: str | None = None,
     ) -> None:
+        """`instance_id`: GetStats' (a new one by default); the server gives its
+        telemetry's, so that Prometheus' target_info names the same instance."""
         self._memory = memory
         self._telemetry = telemetry or ServiceTelemetry()
         self._events = self._telemetry.events
@@ -334,7 +338,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._state = state
         self._clock = clock
         self._started_s = started_s
-        self._instance_id = uuid.uuid4().hex  # GetStats: which server answered
+        self._instance_id = instance_id or uuid.uuid4().hex  # GetStats: which server answered
         self._input_specs = engine.inputs
         self._output_names = [spec.name for spec in engine.outputs]
         # The item readers of the open InferStream calls (see `stop_reading_streams`).
@@ -633,6 +637,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             providers=self._engine.providers,
             stream_window=self._config.stream_window,
             max_message_bytes=self._config.max_message_bytes,
+            server_version=SERVER_VERSION,
+            **_identity_fields(self._engine.identity),
             **_memory_fields(self._memory),
         )
 
@@ -1546,13 +1552,32 @@ def _stream_draining() -> DrainingError:
 
 
 def _tensor_spec(spec: TensorSpec) -> pb.TensorSpec:
-    return pb.TensorSpec(name=spec.name, dtype=datatype_of(spec.dtype), shape=list(spec.shape))
+    # A name per dimension, "" for a fixed or unnamed one: a client checks the dimensions
+    # inputs share before sending (dim_names is empty only from servers older than it).
+    return pb.TensorSpec(
+        name=spec.name,
+        dtype=datatype_of(spec.dtype),
+        shape=list(spec.shape),
+        dim_names=[name or "" for name in spec.dim_names],
+    )
 
 
 def _grpc_calls(calls: GrpcCalls | None) -> pb.GrpcCalls | None:
     if calls is None:
         return None
     return pb.GrpcCalls(started=calls.started, succeeded=calls.succeeded, failed=calls.failed)
+
+
+def _identity_fields(identity: ModelIdentity) -> dict[str, Any]:
+    return {
+        "model_sha256": identity.sha256,
+        "model_version": identity.version,  # None: the field absent
+        "producer_name": identity.producer_name,
+        "graph_name": identity.graph_name,
+        "domain": identity.domain,
+        "description": identity.description,
+        "custom_metadata": identity.custom_metadata,
+    }
 
 
 def _memory_fields(memory: MemoryFacts | None) -> dict[str, Any]:

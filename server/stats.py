@@ -2,7 +2,11 @@
 
 Written by the scheduler's owner (under its lock), read by the event loop: a lock of its
 own keeps each reading consistent. Percentiles are over a window of recent samples, the
-view an operator wants of "now"; Prometheus histograms keep the long view.
+view an operator wants of "now"; Prometheus histograms keep the long view. The window is
+the samples of the last WINDOW_S seconds, at most the newest WINDOW_SAMPLES of them: by
+count alone, a burst's p99 was still reported after 20 s idle, and after 300 fast calls
+that followed it. A summary's `count` is the number of samples in its window when read
+(0 after WINDOW_S without any), not a running total: the counters are those.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from laneserve.server.clock import Clock, SystemClock
 from laneserve.server.errors import (
     AnswerTooLargeError,
     DeadlineUnmeetableError,
@@ -32,6 +37,7 @@ from laneserve.server.errors import (
 from laneserve.server.items import Batch, Signature
 
 WINDOW_SAMPLES = 4096
+WINDOW_S = 60.0
 
 
 def _reasons(*errors: type[LaneserveError]) -> tuple[str, ...]:
@@ -118,6 +124,41 @@ def distribution(samples: Iterable[float]) -> Distribution:
     return Distribution(int(values.size), float(values.mean()), float(p50), float(p95), float(p99))
 
 
+class _Window:
+    """Samples of the last WINDOW_S seconds, at most the newest WINDOW_SAMPLES. Guarded
+    by the recorder's lock. Adding is O(1); older samples are dropped as they are read,
+    each once, so O(1) amortised too, and a window nobody reads holds WINDOW_SAMPLES."""
+
+    __slots__ = ("_at_s", "_values")
+
+    def __init__(self) -> None:
+        # Parallel: `_at_s[i]` is when `_values[i]` was added, read under the recorder's
+        # lock, so the times never go down and the oldest are on the left. Same maxlen,
+        # so they drop their oldest together.
+        self._at_s: collections.deque[float] = collections.deque(maxlen=WINDOW_SAMPLES)
+        self._values: collections.deque[float] = collections.deque(maxlen=WINDOW_SAMPLES)
+
+    def add(self, now_s: float, value: float) -> None:
+        self._at_s.append(now_s)
+        self._values.append(value)
+
+    @property
+    def samples(self) -> Iterable[float]:
+        return self._values
+
+    def copy(self, now_s: float) -> _Window:
+        """A copy of the samples added within WINDOW_S before `now_s` (older ones are
+        dropped from this window too) that this window's changes leave alone."""
+        oldest_s = now_s - WINDOW_S
+        while self._at_s and self._at_s[0] < oldest_s:
+            self._at_s.popleft()
+            self._values.popleft()
+        copy = _Window()
+        copy._at_s.extend(self._at_s)
+        copy._values.extend(self._values)
+        return copy
+
+
 @dataclasses.dataclass(slots=True)
 class _LaneCounters:
     admitted: int = 0
@@ -129,16 +170,13 @@ class _LaneCounters:
     # "DEADLINE_EXCEEDED" (see ANSWERED_STATUSES).
     # Invariant once idle: admitted == sum(answered.values()).
     answered: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
-    queue_wait_s: collections.deque[float] = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=WINDOW_SAMPLES)
-    )
+    queue_wait_s: _Window = dataclasses.field(default_factory=_Window)
     # Arrival to answer of the requests answered OK (see `request_finished`).
-    request_s: collections.deque[float] = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=WINDOW_SAMPLES)
-    )
+    request_s: _Window = dataclasses.field(default_factory=_Window)
 
-    def copy(self) -> _LaneCounters:
-        """A copy whose containers the recorder will not change (taken under its lock)."""
+    def copy(self, now_s: float) -> _LaneCounters:
+        """A copy whose containers the recorder will not change (taken under its lock),
+        its windows as they stand at `now_s`."""
         return _LaneCounters(
             self.admitted,
             self.completed,
@@ -146,8 +184,8 @@ class _LaneCounters:
             collections.Counter(self.rejected),
             collections.Counter(self.shed),
             collections.Counter(self.answered),
-            collections.deque(self.queue_wait_s),
-            collections.deque(self.request_s),
+            self.queue_wait_s.copy(now_s),
+            self.request_s.copy(now_s),
         )
 
 
@@ -199,12 +237,15 @@ class StatsRecorder:
     """A `SchedulerEvents` sink that keeps what GetStats reports (and what the Prometheus
     counters read, through `counts`)."""
 
-    def __init__(self, lane_names: Sequence[str]) -> None:
+    def __init__(self, lane_names: Sequence[str], clock: Clock | None = None) -> None:
+        # Times each sample as it is recorded, and the window's end as it is read (under
+        # the lock, so that samples are added in the order of their times).
+        self._clock = clock or SystemClock()
         self._lock = threading.Lock()
         self._lanes = {name: _LaneCounters() for name in lane_names}
         self._batch_rows = 0  # rows of every batch run, failed ones too
         self._rows_run = 0  # rows that ran and were answered from their outputs
-        self._run_s: collections.deque[float] = collections.deque(maxlen=WINDOW_SAMPLES)
+        self._run_s = _Window()
         # Batches run by (dispatch reason, status): OK or the error's reason. The number of
         # batches run, those that failed, and those of each reason are sums over it.
         self._batch_outcomes: collections.Counter[tuple[str, ...]] = collections.Counter()
@@ -212,7 +253,7 @@ class StatsRecorder:
         self._batch_splits = 0
         self._cap_changes: collections.Counter[str] = collections.Counter()
         self._memory_used_bytes: int | None = None
-        self._batch_sizes: collections.deque[int] = collections.deque(maxlen=WINDOW_SAMPLES)
+        self._batch_sizes = _Window()
 
     def admitted(self, lane: str, rows: int) -> None:
         with self._lock:
@@ -228,21 +269,23 @@ class StatsRecorder:
 
     def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
         with self._lock:
+            now_s = self._clock.monotonic()
             for piece, wait_s in zip(batch.slices, queue_waits_s, strict=True):
                 if wait_s is not None:
-                    self._lanes[piece.lane].queue_wait_s.append(wait_s)
+                    self._lanes[piece.lane].queue_wait_s.add(now_s, wait_s)
 
     def batch_done(
         self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
     ) -> None:
         with self._lock:
+            now_s = self._clock.monotonic()
             status = "OK" if error is None else error.reason
             self._batch_outcomes[batch.reason.value, status] += 1
             self._batch_rows += batch.rows
-            self._batch_sizes.append(batch.rows)
+            self._batch_sizes.add(now_s, batch.rows)
             if error is None:
                 self._rows_run += batch.rows - failed_rows
-                self._run_s.append(run_s)
+                self._run_s.add(now_s, run_s)
 
     def completed(self, lane: str, status: str) -> None:
         pass  # counted as the caller was answered: see `request_finished`
@@ -267,11 +310,12 @@ class StatsRecorder:
         """Counts each admitted request's end as its caller saw it: the scheduler's
         outcome, unless answering failed after it (an answer over max_message_bytes)."""
         with self._lock:
+            now_s = self._clock.monotonic()
             counters = self._lanes[lane]
             counters.answered[status] += 1
             if status == "OK":
                 counters.completed += 1
-                counters.request_s.append(duration_s)
+                counters.request_s.add(now_s, duration_s)
             elif status not in SHED_REASONS:
                 counters.failed += 1
 
@@ -304,10 +348,11 @@ class StatsRecorder:
         # Copy under the lock (microseconds), compute percentiles after it (milliseconds):
         # the scheduler's threads record into this lock while holding theirs.
         with self._lock:
-            lanes = {name: counters.copy() for name, counters in self._lanes.items()}
+            now_s = self._clock.monotonic()
+            lanes = {name: counters.copy(now_s) for name, counters in self._lanes.items()}
             batch_outcomes = dict(self._batch_outcomes)
             batch_rows, rows_run = self._batch_rows, self._rows_run
-            run_s, batch_sizes = list(self._run_s), list(self._batch_sizes)
+            run_s, batch_sizes = self._run_s.copy(now_s), self._batch_sizes.copy(now_s)
             cap_changes = dict(self._cap_changes)
             out_of_memory, batch_splits = self._out_of_memory, self._batch_splits
             memory_used_bytes = self._memory_used_bytes
@@ -331,20 +376,20 @@ class StatsRecorder:
                     rejected=dict(counters.rejected),
                     shed=dict(counters.shed),
                     answered=dict(counters.answered),
-                    queue_wait=percentiles_ms(counters.queue_wait_s),
-                    request_duration=percentiles_ms(counters.request_s),
+                    queue_wait=percentiles_ms(counters.queue_wait_s.samples),
+                    request_duration=percentiles_ms(counters.request_s.samples),
                 )
                 for name, counters in lanes.items()
             ],
             batches=batches,
             rows_run=rows_run,
             mean_batch_size=batch_rows / batches if batches else 0.0,
-            run_time=percentiles_ms(run_s),
+            run_time=percentiles_ms(run_s.samples),
             batch_reasons=dict(batch_reasons),
             out_of_memory=out_of_memory,
             batch_splits=batch_splits,
             cap_changes=cap_changes,
             memory_used_bytes=memory_used_bytes,
-            batch_size=distribution(batch_sizes),
+            batch_size=distribution(batch_sizes.samples),
             failed_batches=failed_batches,
         )

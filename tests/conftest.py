@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 
 from laneserve import client as lc
+from laneserve.server import app as app_module
 from laneserve.server.demo_model import make_demo_model
 
 
@@ -62,6 +63,14 @@ def _close_new_root_handlers(before: list[logging.Handler]) -> None:
     for handler in logging.getLogger().handlers:
         if handler not in before:
             handler.close()
+
+
+@pytest.fixture(autouse=True)
+def no_cgroup_memory_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process servers take no host watermark from the cgroup the tests run in: a CI
+    runner's container limit would otherwise close lanes at the whole test process's
+    resident memory. Tests of that default patch it again (theirs comes later)."""
+    monkeypatch.setattr(app_module, "cgroup_memory_limit", lambda: None)
 
 
 @pytest.fixture

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -22,18 +24,28 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from laneserve.client import cli as client_cli
+from laneserve.server import ManualClock, ServerConfig
 from laneserve.server import cli as server_cli
 from laneserve.server.engine import CPU, CUDA, choose_providers, gpu_present
+from laneserve.server.lifecycle import REPEAT_WINDOW_S, Lifecycle, SignalMeaning, StopSignals
+from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
     REPO,
     SERVE,
+    RecordingEngine,
     ServerProcess,
+    Serving,
+    health_status,
     no_input_model,
     output,
+    queued_rows,
     request,
+    rich_status,
     rows,
     run_text,
+    serving,
+    until,
     unused_port,
 )
 
@@ -290,6 +302,7 @@ REFUSED_FLAGS = [
         ),
     ),
     (("--drain-grace-s", "nan"), "--drain-grace-s: expected seconds in [0, 3600], got nan"),
+    (("--drain-delay-s", "-1"), "--drain-delay-s: expected seconds in [0, 3600], got -1.0"),
     (
         ("--max-message-bytes", "10"),
         "--max-message-bytes: expected an integer in [1024, 2147483647], got 10",
@@ -456,6 +469,21 @@ def test_a_probe_shape_flag_that_is_not_name_equals_sizes_is_refused(small_model
         assert "--probe-shape: expected NAME=D1,D2,..." in stderr
     stderr = refused_at_start("--model", str(small_model), "--probe-shape", "image=3,8")
     assert "--probe-shape: unknown input(s) ['image']" in stderr
+
+
+def test_a_probe_shape_repeated_for_one_input_is_refused(small_model: Path) -> None:
+    """The probe runs one shape per input: `--probe-shape x=128 --probe-shape x=256`
+    started, probing 256 alone, with nothing said of 128 (here the later flag's shape,
+    which the model refuses, was all it checked)."""
+    stderr = refused_at_start(
+        "--model", str(small_model), "--probe-shape", "input=512", "--probe-shape", "input=8"
+    )
+    assert stderr.splitlines() == [
+        (
+            "laneserve: --probe-shape: input 'input' is given twice ('input=512' and "
+            "'input=8'); expected one shape per input"
+        )
+    ]
 
 
 def test_an_encrypted_tls_key_is_refused_naming_the_setting(
@@ -645,7 +673,9 @@ sys.exit(cli.main(sys.argv[1:]))
 
 def test_a_second_signal_ends_the_drain_now(small_model: Path) -> None:
     """With a long grace, a second SIGTERM ended nothing: the drain waited for queued work
-    (and for a batch still running) however long that took."""
+    (and for a batch still running) however long that took. (SIGINT second: the same
+    signal again within a second is the first one delivered twice, see
+    test_a_repeat_of_the_first_signal_within_a_second_is_the_same_request.)"""
     server = ServerProcess(
         ["serve", "--model", str(small_model), "--port", "0", "--drain-grace-s", "3600"],
         command=[sys.executable, "-c", STUCK_ON_777],
@@ -659,8 +689,8 @@ def test_a_second_signal_ends_the_drain_now(small_model: Path) -> None:
             queued = stub.Infer.future(request(rows(2, start=1)), timeout=120)
             server.process.send_signal(signal.SIGTERM)
             server.wait_for(r"SIGTERM: draining")
-            server.process.send_signal(signal.SIGTERM)
-            server.wait_for(r"SIGTERM again: ending the drain now")
+            server.process.send_signal(signal.SIGINT)
+            server.wait_for(r"SIGINT again: ending the drain now")
             for call in (running, queued):
                 with pytest.raises(grpc.RpcError) as caught:
                     call.result()
@@ -690,7 +720,7 @@ def test_every_log_line_of_a_drain_is_a_json_event(small_model: Path) -> None:
             server.wait_for("stuck batch started")
             server.process.send_signal(signal.SIGTERM)
             server.wait_for(r"SIGTERM: draining")
-            server.process.send_signal(signal.SIGTERM)
+            server.process.send_signal(signal.SIGINT)  # not SIGTERM: see the test above
             with pytest.raises(grpc.RpcError):
                 running.result()
         assert server.process.wait(timeout=60) == 0
@@ -705,7 +735,7 @@ def test_every_log_line_of_a_drain_is_a_json_event(small_model: Path) -> None:
     assert events["drain_started"]["signal"] == "SIGTERM"
     assert events["drain_started"]["grace_s"] == 3600.0
     assert events["drain_started"]["message"] == "SIGTERM: draining (grace 3600s)"
-    assert events["drain_cut_short"]["signal"] == "SIGTERM"
+    assert events["drain_cut_short"]["signal"] == "SIGINT"
     assert events["drain_incomplete"]["grace_s"] == 3600.0
     # Cut short by the second signal, not at the end of its grace: the line said "drain
     # ended after at most 3600.0s" after a drain of a fraction of a second.
@@ -852,14 +882,15 @@ def test_a_sigterm_while_the_model_loads_stops_it_without_serving(
 
 def test_a_second_signal_while_the_model_loads_exits_at_once(small_model: Path) -> None:
     """The load is still going (it never ends here): the second signal ends the process,
-    as the shell reports a death by SIGTERM. It waited for the load."""
+    as the shell reports a death by that signal. It waited for the load. (SIGINT second:
+    SIGTERM again within a second is the first one delivered twice.)"""
     with _held_in_load(small_model) as process:
         try:
             _until_line(process, "loading")
             process.send_signal(signal.SIGTERM)
             _until_line(process, "SIGTERM while starting")
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=60) == 128 + signal.SIGTERM
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=60) == 128 + signal.SIGINT
         finally:
             if process.poll() is None:
                 process.kill()
@@ -996,3 +1027,233 @@ def test_json_logs_with_stderr_closed_still_serve(small_model: Path) -> None:
         if process.poll() is None:
             process.kill()
             process.wait(timeout=60)
+
+
+# ---- What each stop signal asks of a serving server: `serve`'s handler, called here as
+# its event loop calls it, on a real server in this process. ----
+
+
+def test_a_repeat_of_the_first_signal_within_a_second_is_the_same_request() -> None:
+    """GNU `timeout` (and `tini -g`, a shell's `kill 0`) forwards one SIGTERM both to its
+    child and to the child's process group: laneserve got it twice, and the second cut
+    the drain short (2 runs of 5: queued work answered UNAVAILABLE)."""
+    clock = ManualClock()
+    signals = StopSignals(clock)
+    assert signals.meaning(signal.SIGTERM) is SignalMeaning.STOP
+    assert signals.meaning(signal.SIGTERM) is SignalMeaning.REPEAT  # the forwarded copy
+    clock.advance(REPEAT_WINDOW_S / 2)
+    assert signals.meaning(signal.SIGTERM) is SignalMeaning.REPEAT
+    assert signals.meaning(signal.SIGINT) is SignalMeaning.STOP_NOW  # another one is no copy
+    clock.advance(REPEAT_WINDOW_S / 2)
+    assert signals.meaning(signal.SIGTERM) is SignalMeaning.STOP_NOW
+
+
+def _config(model: Path, **fields: Any) -> ServerConfig:
+    return ServerConfig(model_path=str(model), metrics_port=-1, **fields)
+
+
+async def _one_running_two_rows_queued(
+    s: Serving, engine: RecordingEngine
+) -> tuple[asyncio.Future[pb.InferResponse], asyncio.Future[pb.InferResponse]]:
+    """A request held running in the engine, and one of two rows queued behind it."""
+    engine.hold_next()
+    running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
+    await asyncio.to_thread(engine.entered.acquire)
+    queued = asyncio.ensure_future(s.stub.Infer(request(rows(2, start=1))))
+    await until(lambda: queued_rows(s) == 2)
+    return running, queued
+
+
+# The events a stop logs, in order.
+STOP_EVENTS = {
+    "drain_delayed",
+    "drain_started",
+    "signal_repeated",
+    "drain_cut_short",
+    "drain_incomplete",
+    "shutdown",
+}
+
+
+def _events(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [event for r in caplog.records if (event := getattr(r, "event", None)) in STOP_EVENTS]
+
+
+def test_one_sigterm_delivered_twice_does_not_cut_the_drain_short(
+    small_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, _config(small_model, drain_grace_s=600.0)) as s:
+            stopper = server_cli._Stopper(clock=ManualClock())  # the copy comes at once
+            stopper.attach(s.server)
+            stopping = asyncio.ensure_future(stopper.stop_when_asked())
+            running, queued = await _one_running_two_rows_queued(s, engine)
+            stopper.on_signal(signal.SIGTERM)
+            stopper.on_signal(signal.SIGTERM)
+            await until(lambda: s.server.state is Lifecycle.DRAINING)
+            engine.release()
+            assert output(await queued).shape == (2, 10)  # run, not refused by a cut drain
+            assert output(await running).shape == (1, 10)
+            await asyncio.wait_for(stopping, timeout=60)
+
+    asyncio.run(scenario())
+    assert _events(caplog) == ["drain_started", "signal_repeated", "shutdown"]
+
+
+@pytest.mark.parametrize(
+    ("second", "after_s"),
+    [(signal.SIGTERM, REPEAT_WINDOW_S), (signal.SIGINT, 0.0)],
+    ids=["the-same-a-second-later", "another-at-once"],
+)
+def test_a_later_or_another_signal_ends_the_drain_now(
+    small_model: Path, second: signal.Signals, after_s: float
+) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, _config(small_model, drain_grace_s=600.0)) as s:
+            clock = ManualClock()
+            stopper = server_cli._Stopper(clock=clock)
+            stopper.attach(s.server)
+            stopping = asyncio.ensure_future(stopper.stop_when_asked())
+            running, queued = await _one_running_two_rows_queued(s, engine)
+            stopper.on_signal(signal.SIGTERM)
+            await until(lambda: s.server.state is Lifecycle.DRAINING)
+            clock.advance(after_s)
+            stopper.on_signal(second)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await queued
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "before this request could run" in (caught.value.details() or "")
+            engine.release()
+            await asyncio.wait_for(stopping, timeout=60)
+            await asyncio.gather(running, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+class _HandTimer:
+    """A drain delay's wait that ends when the test says (`over`), recording each asked."""
+
+    def __init__(self) -> None:
+        self.asked_s: list[float] = []
+        self.over = asyncio.Event()
+
+    async def __call__(self, seconds: float) -> None:
+        self.asked_s.append(seconds)
+        await self.over.wait()
+
+
+def test_a_drain_delay_serves_on_with_health_not_serving_then_drains(
+    small_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Health went NOT_SERVING and calls were refused DRAINING within milliseconds of the
+    SIGTERM: health checks (a readiness probe every second or more) could not send
+    callers elsewhere first, and plain stubs got UNAVAILABLE (38 in 60 ms). With
+    drain_delay_s the server says NOT_SERVING at once but admits and serves on for that
+    long, then drains."""
+    caplog.set_level(logging.INFO)
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        settings = _config(small_model, drain_delay_s=30.0, drain_grace_s=600.0)
+        async with serving(engine, settings) as s:
+            delay = _HandTimer()
+            stopper = server_cli._Stopper(wait_s=delay)
+            stopper.attach(s.server)
+            stopping = asyncio.ensure_future(stopper.stop_when_asked())
+            stopper.on_signal(signal.SIGTERM)
+            await until(lambda: delay.asked_s == [30.0])  # health is set before it begins
+            assert await health_status(s.channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert output(await s.stub.Infer(request(rows(3)))).shape == (3, 10)
+            engine.hold_next()
+            running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=5))))
+            await asyncio.to_thread(engine.entered.acquire)  # admitted in the delay, held
+            assert s.server.state is Lifecycle.SERVING
+            delay.over.set()
+            await until(lambda: s.server.state is Lifecycle.DRAINING)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await s.stub.Infer(request(rows(1)))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert rich_status(refused.value)[0] == "DRAINING"
+            engine.release()
+            assert output(await running).shape == (1, 10)  # the drain waited for it
+            await asyncio.wait_for(stopping, timeout=60)
+
+    asyncio.run(scenario())
+    assert _events(caplog) == ["drain_delayed", "drain_started", "shutdown"]
+
+
+def test_a_second_signal_in_the_drain_delay_stops_at_once(
+    small_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The second signal means what it does in the drain: stop now (its grace ended),
+    not a drain after the rest of the delay."""
+    caplog.set_level(logging.INFO)
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        settings = _config(small_model, drain_delay_s=3600.0, drain_grace_s=600.0)
+        async with serving(engine, settings) as s:
+            delay = _HandTimer()  # never over
+            stopper = server_cli._Stopper(wait_s=delay)
+            stopper.attach(s.server)
+            stopping = asyncio.ensure_future(stopper.stop_when_asked())
+            stopper.on_signal(signal.SIGTERM)
+            await until(lambda: delay.asked_s == [3600.0])
+            stopper.on_signal(signal.SIGINT)
+            await asyncio.wait_for(stopping, timeout=60)
+            assert s.server.state is Lifecycle.STOPPED
+
+    asyncio.run(scenario())
+    assert _events(caplog) == ["drain_delayed", "drain_cut_short", "shutdown"]
+
+
+def test_without_a_drain_delay_the_drain_begins_at_the_signal(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, _config(small_model)) as s:
+            delay = _HandTimer()
+            stopper = server_cli._Stopper(wait_s=delay)
+            stopper.attach(s.server)
+            stopping = asyncio.ensure_future(stopper.stop_when_asked())
+            stopper.on_signal(signal.SIGTERM)
+            await asyncio.wait_for(stopping, timeout=60)
+            assert delay.asked_s == []
+
+    asyncio.run(scenario())
+
+
+def test_drain_delay_flag_serves_on_not_serving_until_a_second_signal(small_model: Path) -> None:
+    """`--drain-delay-s` reaches the stop: after a SIGTERM, health NOT_SERVING and calls
+    still answered; a second signal (another one: no copy) ends the delay and the process."""
+    server = ServerProcess(
+        [
+            *("--model", str(small_model), "--port", "0", "--metrics-port", "-1"),
+            *("--drain-delay-s", "3600"),
+        ]
+    )
+    try:
+        port = server.port()
+        server.process.send_signal(signal.SIGTERM)
+        server.wait_for(r"SIGTERM: health NOT_SERVING; serving 3600s more")
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            # The health stubs' types lack the RPC attributes; the call itself is plain.
+            health: Any = health_pb2_grpc.HealthStub(channel)
+            asked = health_pb2.HealthCheckRequest(service="")
+            # Set by the stop's task, just after the line: polled, not assumed.
+            status = health.Check(asked, timeout=10).status
+            for _ in range(1000):
+                if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                status = health.Check(asked, timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            answer = pb_grpc.InferenceServiceStub(channel).Infer(request(rows(2)), timeout=30)
+            assert output(answer).shape == (2, 10)
+        server.process.send_signal(signal.SIGINT)
+        server.wait_for(r"SIGINT again: ending the drain now")
+        assert server.process.wait(timeout=60) == 0
+    finally:
+        server.close()

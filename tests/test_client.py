@@ -6,6 +6,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import hashlib
+import importlib.metadata
 import logging
 import math
 import random
@@ -31,6 +33,7 @@ from onnx import helper
 
 from laneserve import client as lc
 from laneserve.server import Engine, LaneConfig, ServerConfig, service
+from laneserve.server.engine import no_static_estimate
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -190,8 +193,16 @@ def test_model_and_stats_describe_the_server(small_model: Path) -> None:
         server_config = config(small_model)
         async with client_for(engine, server_config) as (_s, client):
             model = await client.model()
-            assert model.inputs == (lc.TensorInfo("input", np.dtype(np.float32), (None, 512)),)
-            assert model.outputs == (lc.TensorInfo("output", np.dtype(np.float32), (None, 10)),)
+            assert model.inputs == (
+                lc.TensorInfo(
+                    "input", np.dtype(np.float32), (None, 512), dim_names=("batch", None)
+                ),
+            )
+            assert model.outputs == (
+                lc.TensorInfo(
+                    "output", np.dtype(np.float32), (None, 10), dim_names=("batch", None)
+                ),
+            )
             assert model.default_lane == "standard"
             assert [lane.name for lane in model.lanes] == ["interactive", "standard", "bulk"]
             assert model.stream_window == 256
@@ -202,6 +213,47 @@ def test_model_and_stats_describe_the_server(small_model: Path) -> None:
             assert stats.state == "SERVING"
 
     asyncio.run(scenario())
+
+
+def test_model_info_says_which_model_and_server_answer(small_model: Path, tmp_path: Path) -> None:
+    """The sync and the async client's ModelInfo carry GetModel's identity of the model:
+    the SHA-256 of its file, its own version and metadata, and the server's version."""
+    path = tmp_path / "versioned.onnx"
+    model = onnx.load(str(small_model))
+    model.model_version = 7
+    model.domain = "ai.example"
+    model.doc_string = "scores rows"
+    model.metadata_props.add(key="trained_on", value="2024-06")
+    onnx.save(model, str(path))
+    expected = {
+        "model_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "model_version": 7,
+        "producer_name": "laneserve.demo_model",
+        "graph_name": "laneserve_demo_mlp",
+        "domain": "ai.example",
+        "description": "scores rows",
+        "custom_metadata": {"trained_on": "2024-06"},
+        "server_version": importlib.metadata.version("laneserve"),
+    }
+
+    def identity(info: lc.ModelInfo) -> dict[str, object]:
+        return {key: getattr(info, key) for key in expected}
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(path), estimate=no_static_estimate)
+        async with client_for(engine, config(path)) as (s, client):
+            assert identity(await client.model()) == expected
+            with lc.Client(s.target) as sync_client:
+                sync_model = await asyncio.to_thread(sync_client.model)
+            assert identity(sync_model) == expected
+
+    asyncio.run(scenario())
+
+
+def test_model_info_from_a_server_older_than_the_identity_fields_leaves_them_empty() -> None:
+    info = lc.ModelInfo.from_proto(pb.GetModelResponse(model_path="m.onnx"))
+    assert (info.model_sha256, info.model_version, info.server_version) == ("", None, "")
+    assert info.custom_metadata == {}
 
 
 def test_metadata_is_sent_with_every_call(small_model: Path) -> None:
@@ -355,6 +407,22 @@ def test_unsupported_dtype_is_refused_before_sending() -> None:
             assert refused.value.attempts == 0
             with pytest.raises(TypeError, match="'input': expected a numpy array, got list"):
                 await client.infer({"input": [[1.0]]})  # type: ignore[dict-item]
+
+    asyncio.run(scenario())
+
+
+def test_a_masked_array_is_refused_before_sending() -> None:
+    """A masked array is an ndarray whose buffer holds the masked values: sent, the model
+    read them (-999 for a masked 2.0), the mask dropped without a word."""
+    masked = np.ma.masked_array(np.array([[1.0, -999.0, 3.0]], np.float32), [[False, True, False]])
+
+    async def scenario() -> None:
+        async with lc.AsyncClient("127.0.0.1:1") as client:  # nothing listens there
+            with pytest.raises(TypeError, match=r"'input': .*masked array.*array\.filled"):
+                await client.infer({"input": masked})
+            with pytest.raises(TypeError, match=r"'input': .*masked array"):
+                async for _ in client.stream([{"input": masked}]):
+                    pass
 
     asyncio.run(scenario())
 
@@ -2070,3 +2138,56 @@ def test_a_tensor_of_a_data_type_this_client_does_not_know_leaves_the_rest_of_th
     assert model.inputs == (lc.TensorInfo("x", np.dtype(np.float32), (None, 3), "float32"),)
     assert model.outputs == (lc.TensorInfo("y", None, (None, 3), "unknown data type 99"),)
     assert model.default_lane == "bulk"
+
+
+def test_the_model_names_each_dimension_and_a_server_older_than_that_names_none(
+    tmp_path: Path,
+) -> None:
+    """GetModel said each dimension's size alone, so a client could not tell that
+    a[N, K] and b[N, K] must agree on K (the server refuses them otherwise): it names
+    each now, None for a fixed or unnamed one (-1 reads as unnamed, as in the engine)."""
+    path = tmp_path / "shared_k.onnx"
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["a"], ["y"]), helper.make_node("Identity", ["b"], ["z"])],
+        "shared_k",
+        [
+            helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, ["N", "K", 2]),
+            helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, ["N", "K", None]),
+        ],
+        [
+            helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", "K", 2]),
+            helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, ["N", "K", -1]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, path)
+
+    async def scenario() -> None:
+        async with client_for(Engine(str(path), device="cpu"), config(path)) as (_s, client):
+            info = await client.model()
+        assert [(spec.name, spec.shape, spec.dim_names) for spec in info.inputs] == [
+            ("a", (None, None, 2), ("N", "K", None)),
+            ("b", (None, None, None), ("N", "K", None)),
+        ]
+        assert [spec.dim_names for spec in info.outputs] == [("N", "K", None)] * 2
+
+    asyncio.run(scenario())
+    older = pb.GetModelResponse(
+        inputs=[pb.TensorSpec(name="a", dtype=pb.DATA_TYPE_FLOAT32, shape=[-1, -1, 2])]
+    )
+    assert lc.ModelInfo.from_proto(older).inputs[0].dim_names == (), "unknown, not unnamed"
+
+
+def test_model_info_is_hashable_and_still_compares_its_custom_metadata() -> None:
+    """ModelInfo, frozen and all tuples, was hashable until custom_metadata (a dict)
+    joined it; the hash leaves that field out, equality does not."""
+
+    def info(metadata: dict[str, str]) -> lc.ModelInfo:
+        message = pb.GetModelResponse(model_path="m.onnx", custom_metadata=metadata)
+        return lc.ModelInfo.from_proto(message)
+
+    first, same, other = info({"k": "1"}), info({"k": "1"}), info({"k": "2"})
+    assert hash(first) == hash(same)
+    assert first == same != other
+    assert len({first, same, other}) == 2

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import hashlib
+import importlib.metadata
 import io
 import itertools
 import json
@@ -36,6 +38,7 @@ from laneserve.client._checkpoint import Checkpoint, CheckpointError
 from laneserve.client._request import encode_inputs, infer_request
 from laneserve.server import Engine, LaneConfig, ServerConfig
 from laneserve.server.demo_model import make_demo_model
+from laneserve.server.engine import no_static_estimate
 from laneserve.server.items import Batch
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
@@ -167,6 +170,42 @@ def test_model_and_stats_print_readable_tables(small_model: Path) -> None:
             assert "state        SERVING" in out
             assert "bulk         0/16384" in out
             assert "idempotency  0 replayed" in out
+
+    asyncio.run(scenario())
+
+
+def test_model_prints_which_model_and_server_answer(small_model: Path, tmp_path: Path) -> None:
+    """`model` names the served model's SHA-256 (to compare with `sha256sum` of the file
+    rolled out), its own model_version and producer, and the server's release."""
+    path = tmp_path / "versioned.onnx"
+    model = onnx.load(str(small_model))
+    model.model_version = 5
+    onnx.save(model, str(path))
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(path), estimate=no_static_estimate)
+        async with serving(engine, config(path)) as s:
+            code, out, err = await cli("model", "--target", s.target)
+        assert code == 0, err
+        version = importlib.metadata.version("laneserve")
+        assert out.startswith(
+            f"model        {path}\n"
+            f"sha256       {digest}\n"
+            "version      5\n"
+            "producer     laneserve.demo_model\n"
+            f"server       laneserve {version}\n"
+        ), out
+
+    asyncio.run(scenario())
+
+
+def test_model_prints_none_for_a_model_version_the_model_does_not_set(small_model: Path) -> None:
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            code, out, err = await cli("model", "--target", s.target)
+        assert code == 0, err
+        assert "\nversion      none\n" in out
 
     asyncio.run(scenario())
 
@@ -820,6 +859,117 @@ def test_an_npz_holding_arrays_the_model_has_no_input_for_is_refused_naming_them
         ["bulk", "--input", str(path), "--output", str(tmp_path / "out.npz")],
     ]
     refused_before_sending(small_model, [(command, message) for command in commands])
+
+
+def identity_model(directory: Path, name: str, inputs: dict[str, tuple[int, list[Any]]]) -> Path:
+    """A model answering each input (name -> ONNX type, shape) as output `NAME_out`."""
+    path = directory / f"{name}.onnx"
+    graph = helper.make_graph(
+        [helper.make_node("Identity", [i], [f"{i}_out"]) for i in inputs],
+        name,
+        [helper.make_tensor_value_info(i, kind, shape) for i, (kind, shape) in inputs.items()],
+        [
+            helper.make_tensor_value_info(f"{i}_out", kind, shape)
+            for i, (kind, shape) in inputs.items()
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
+def test_inputs_that_disagree_on_a_dimension_the_model_names_alike_are_refused_before_sending(
+    tmp_path: Path,
+) -> None:
+    """a[N, K] and b[N, K] given K = 3 and K = 4: bulk sent every item, each refused
+    INVALID_INPUT by the server, and exited 1 with a checkpoint and "rerun with --resume",
+    which could only fail again. GetModel names each dimension now, and the client
+    checks them as the server does: exit 2, nothing sent, no checkpoint."""
+    model = identity_model(
+        tmp_path,
+        "shared_k",
+        {"a": (TensorProto.INT64, ["N", "K"]), "b": (TensorProto.FLOAT, ["N", "K", 2])},
+    )
+    bad = tmp_path / "k_bad.npz"
+    np.savez(bad, a=np.zeros((20, 3), np.int64), b=np.zeros((20, 4, 2), np.float32))
+    bad_json = json.dumps({"a": [[0, 0, 0]], "b": [[[0.0, 0.0]] * 4]})
+    output = tmp_path / "out.npz"
+    disagree = "must agree on the model's dimension 'K': axis 1 of 'a' is 3, axis 1 of 'b' is 4"
+    refused_before_sending(
+        model,
+        [
+            (
+                ["bulk", "--input", str(bad), "--output", str(output), "--rows-per-item", "2"],
+                f"inputs 'a' and 'b' in {bad} {disagree}",
+            ),
+            (["infer", "--input", str(bad)], f"inputs 'a' and 'b' in {bad} {disagree}"),
+            (["infer", "--json", bad_json], f"inputs 'a' and 'b' in --json {disagree}"),
+        ],
+    )
+    assert not output.exists()
+    assert not Path(f"{output}.partial").exists(), "a job that could only fail leaves none"
+    good = tmp_path / "k_good.npz"
+    a = np.arange(60, dtype=np.int64).reshape(20, 3)
+    b = np.linspace(-1.0, 1.0, 120, dtype=np.float32).reshape(20, 3, 2)
+    np.savez(good, a=a, b=b)
+
+    async def scenario() -> None:
+        async with serving(Engine(str(model), device="cpu"), config(model)) as s:
+            code, _, err = await cli(
+                "bulk", "--target", s.target, "--input", str(good), "--output", str(output)
+            )
+            assert code == 0, err
+
+    asyncio.run(scenario())
+    with np.load(output) as answer:
+        np.testing.assert_array_equal(answer["a_out"], a)
+        np.testing.assert_array_equal(answer["b_out"], b)
+
+
+def test_infer_writes_strict_json_with_non_finite_floats_as_strings(tmp_path: Path) -> None:
+    """infer wrote NaN and Infinity bare (Python's json default), which jq and
+    JSON.parse refuse. Now the answer is strict JSON: those values are the strings
+    "NaN", "Infinity" and "-Infinity", every other value exact, and --json reads the
+    answer back as the same values."""
+    model = identity_model(
+        tmp_path,
+        "floats",
+        {"x": (TensorProto.FLOAT, ["N", 4]), "h": (TensorProto.FLOAT16, ["N", 4])},
+    )
+    x = np.array([[np.nan, np.inf, -np.inf, 0.1]], np.float32)
+    h = np.array([[-np.inf, 0.1, np.nan, 65504.0]], np.float16)
+    np.savez(tmp_path / "in.npz", x=x, h=h)
+
+    def strict(text: str) -> Any:
+        def refuse(constant: str) -> None:
+            raise AssertionError(f"{constant} is not JSON")
+
+        return json.loads(text, parse_constant=refuse)
+
+    async def scenario() -> None:
+        async with serving(Engine(str(model), device="cpu"), config(model)) as s:
+            code, out, err = await cli(
+                "infer", "--target", s.target, "--input", str(tmp_path / "in.npz")
+            )
+            assert code == 0, err
+            answer = strict(out)
+            assert answer == {
+                "x_out": [["NaN", "Infinity", "-Infinity", float(np.float32(0.1))]],
+                "h_out": [["-Infinity", float(np.float16(0.1)), "NaN", 65504.0]],
+            }
+            code, again, err = await cli(
+                "infer",
+                "--target",
+                s.target,
+                "--json",
+                json.dumps({"x": answer["x_out"], "h": answer["h_out"]}),
+            )
+            assert code == 0, err
+            assert strict(again) == answer
+
+    asyncio.run(scenario())
 
 
 def test_a_big_endian_input_of_the_models_dtype_is_answered_as_its_values(

@@ -13,7 +13,7 @@ import pytest
 from laneserve.client import tensors
 from laneserve.client.tensors import decode_tensor, encode_tensor
 from laneserve.server import Engine, ServerConfig
-from laneserve.server.codec import decode_inputs, extra_bytes, leading_rows
+from laneserve.server.codec import check_counts, decode_inputs, extra_bytes, leading_rows
 from laneserve.server.config import GRPC_INT_MAX
 from laneserve.server.engine import TensorSpec
 from laneserve.server.errors import InvalidInputError
@@ -324,5 +324,53 @@ def test_a_shape_no_request_could_carry_is_refused_for_its_data_over_grpc(
             details = caught.value.details() or ""
             assert "tensor 'input': data is 2048 bytes; expected" in details
             assert "split it" not in details
+
+    asyncio.run(scenario())
+
+
+def test_too_many_inputs_are_refused_naming_the_unknown_or_repeated_ones() -> None:
+    """ "request has 4 inputs; expected the model's inputs ['a', 'b', 's'], each once" did
+    not say which one was extra. The names are read from the first len(specs) + 1 inputs
+    only (the count bounds the work a hostile request makes), and among that many, one at
+    least is unknown or repeated."""
+    specs = [TensorSpec(name, np.dtype(np.float32), (-1,)) for name in ("a", "b", "s")]
+    expected = "expected the model's inputs ['a', 'b', 's'], each once"
+
+    def refusal(*names: str) -> str:
+        with pytest.raises(InvalidInputError) as caught:
+            check_counts([pb.Tensor(name=name) for name in names], specs)
+        return caught.value.message
+
+    assert refusal("a", "b", "s", "extra") == (
+        f"request has 4 inputs; 'extra' is not an input of the model; {expected}"
+    )
+    assert refusal("a", "b", "a", "s") == (
+        f"request has 4 inputs; 'a' is given more than once; {expected}"
+    )
+    assert refusal("x", "a", "x", "a", "y") == (
+        "request has 5 inputs; among its first 4, 'x' is not an input of the model and 'a' "
+        f"is given more than once; {expected}"
+    )
+    assert refusal("x", "y", "z", "w", *["a"] * 10_000) == (
+        f"request has 10004 inputs; among its first 4, 'x', 'y', 'z', 'w' are not inputs of "
+        f"the model; {expected}"
+    )
+    check_counts([pb.Tensor(name=name) for name in ("b", "a")], specs)  # counted, not named
+
+
+def test_an_extra_input_is_named_in_the_refusal_over_grpc(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = Engine(str(small_model), estimate=estimate_once)
+        async with serving(engine, ServerConfig(model_path=str(small_model))) as s:
+            given = encode_tensor("input", rows(1))
+            extra = encode_tensor("mask", rows(1))
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(pb.InferRequest(inputs=[given, extra]))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert rich_status(caught.value)[0] == "INVALID_INPUT"
+            assert caught.value.details() == (
+                "request has 2 inputs; 'mask' is not an input of the model; expected the "
+                "model's inputs ['input'], each once"
+            )
 
     asyncio.run(scenario())

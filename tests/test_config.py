@@ -554,3 +554,22 @@ def test_a_mistyped_probe_shapes_in_the_file_is_refused_beside_a_probe_shape_fla
         match=r"^server\.probe_shapes: expected a table of input name = \[dimension, \.\.\.\]",
     ):
         load_config(path, model_path="m", overrides={"probe_shapes": {"input": [512]}})
+
+
+def test_drain_delay_defaults_to_zero_and_is_read_from_the_file(tmp_path: Path) -> None:
+    assert ServerConfig(model_path="m").drain_delay_s == 0.0
+    config = load_config(write(tmp_path, "[server]\ndrain_delay_s = 5\n"), model_path="m")
+    assert config.drain_delay_s == 5
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [("-1.0", "-1.0"), ("true", "True"), ('"5"', "'5'"), ("inf", "inf"), ("3601", "3601")],
+)
+def test_a_drain_delay_out_of_range_is_refused_naming_the_key(
+    tmp_path: Path, value: str, shown: str
+) -> None:
+    path = write(tmp_path, f"[server]\ndrain_delay_s = {value}\n")
+    expected = f"server.drain_delay_s: expected seconds in [0, 3600], got {shown}"
+    with pytest.raises(ConfigError, match=f"^{re.escape(expected)}$"):
+        load_config(path, model_path="m")

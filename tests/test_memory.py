@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import gc
 import json
 import logging
+import os
+import queue
 import re
 import subprocess
 import sys
@@ -29,6 +32,7 @@ from onnx import TensorProto, helper
 
 from laneserve.client.tensors import decode_tensor, encode_tensor
 from laneserve.server import ConfigError, LaneConfig, LaneServer, ServerConfig, load_engine
+from laneserve.server import app as app_module
 from laneserve.server.batch_caps import CAP_CEILING_BATCHES, CAP_RECOVERY_BATCHES, BatchCaps
 from laneserve.server.clock import ManualClock
 from laneserve.server.cost_model import MAX_SIGNATURES, RunTimeModel
@@ -43,13 +47,16 @@ from laneserve.server.engine import (
     _Split,
     choose_providers,
     cuda_provider_options,
+    default_intra_op_threads,
     translate_runtime_error,
 )
 from laneserve.server.errors import (
     DeviceMemoryError,
     EngineError,
     ExpiredInQueueError,
+    LaneserveError,
     MemoryPressureError,
+    SessionBrokenError,
 )
 from laneserve.server.events import NullEvents
 from laneserve.server.items import (
@@ -70,6 +77,8 @@ from laneserve.server.memory import (
     MemoryLimit,
     ProcessRssGauge,
     Watermark,
+    cgroup_cpu_limit,
+    cgroup_memory_limit,
     estimate_memory,
     fit_memory,
     format_bytes,
@@ -1399,6 +1408,113 @@ def test_a_broken_session_costs_four_runs_and_blames_no_request(small_model: Pat
         assert "on both halves of it, and on an input it ran at start-up" in answer.error.message
 
 
+def _serve_until_failed(
+    scheduler: Scheduler, engine: Engine, clock: ManualClock
+) -> tuple[list[Outcome], list[LaneserveError], SchedulerThread]:
+    """Runs the scheduler's queued work through `engine` until the thread fails for good
+    (`on_failure`), then closes it: the answers, each failure, the closed thread."""
+    answers: list[Outcome] = []
+    failures: list[LaneserveError] = []
+    failed = threading.Event()
+
+    def on_failure(error: LaneserveError) -> None:
+        failures.append(error)
+        failed.set()
+
+    thread = SchedulerThread(
+        scheduler, engine.run_batch, answers.extend, clock=clock, on_failure=on_failure
+    )
+    thread.start()
+    try:
+        assert failed.wait(30), f"the thread did not fail; answers: {answers}"
+    finally:
+        thread.close()
+    return answers, failures, thread
+
+
+def test_a_broken_session_fails_the_thread_once_its_batch_is_answered(small_model: Path) -> None:
+    """The engine saw the session broken and failed that batch only: every later batch
+    failed the same way, four runs each, behind health that said SERVING. The batch's
+    requests are answered with its error, the one queued behind it with the thread's
+    failure without running (no fifth run), each once, and the thread fails for good
+    (`on_failure` stops the server): later work is refused with the same failure."""
+    clock = ManualClock(1_000.0)
+    engine = _BrokenSession(small_model)
+    width = engine.inputs[0].shape[1]
+    scheduler = _scheduler(8)
+    for index in range(5):  # a batch of 8 rows, and 2 rows queued behind it
+        request = _standard(f"r{index}", np.full((2, width), index, np.float32))
+        scheduler.admit(request, clock.monotonic())
+    answers, failures, thread = _serve_until_failed(scheduler, engine, clock)
+    assert engine.runs == 4
+    assert sorted(str(answer.token) for answer in answers) == [f"r{i}" for i in range(5)]
+    by_token = {answer.token: answer.error for answer in answers}
+    for index in range(4):
+        error = by_token[f"r{index}"]
+        assert isinstance(error, SessionBrokenError)
+        assert "on both halves of it, and on an input it ran at start-up" in error.message
+    (failure,) = failures
+    assert by_token["r4"] is failure
+    assert isinstance(failure, SessionBrokenError)
+    assert failure.message == (
+        "the model's session is broken (injected: CUDA failure 700: an illegal memory "
+        "access); the server is stopping and must be restarted"
+    )
+    with pytest.raises(SessionBrokenError):
+        thread.submit(_standard("later", np.zeros((1, width), np.float32)))
+
+
+def test_a_batch_of_one_row_tells_a_broken_session_from_a_bad_row(small_model: Path) -> None:
+    """A batch of one row that failed was the row's fault, always: a server serving a row
+    at a time on a broken session answered every call ENGINE_FAILURE behind SERVING. The
+    start-up input tells: failing too, the session is broken (two runs, and the thread
+    fails); running, the row failed alone, as before, and serving goes on."""
+    clock = ManualClock(1_000.0)
+    broken = _BrokenSession(small_model)
+    width = broken.inputs[0].shape[1]
+    scheduler = _scheduler(8)
+    scheduler.admit(_standard("one", np.ones((1, width), np.float32)), clock.monotonic())
+    (answer,), (failure,), _ = _serve_until_failed(scheduler, broken, clock)
+    assert broken.runs == 2, "the row, then the start-up input"
+    assert isinstance(answer.error, SessionBrokenError)
+    assert answer.error.message.startswith(
+        "the model failed on this request's row, and on an input it ran at start-up: the "
+        "session is broken (injected: CUDA failure 700"
+    )
+    assert isinstance(failure, SessionBrokenError)
+
+    engine = _FailsOnValue(small_model, 99.0, lambda: None)
+    failures: list[LaneserveError] = []
+    answers: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+
+    def deliver(outcomes: Sequence[Outcome]) -> None:
+        for outcome in outcomes:
+            answers.put(outcome)
+
+    thread = SchedulerThread(
+        _scheduler(8), engine.run_batch, deliver, clock=clock, on_failure=failures.append
+    )
+    bad = np.ones((1, width), np.float32)
+    bad[0, 0] = 99.0
+    thread.start()
+    errors: dict[object, LaneserveError | None] = {}
+    try:
+        for name, x in (("bad", bad), ("ok", np.ones((1, width), np.float32))):
+            thread.submit(_standard(name, x))  # each a batch of its own: one at a time
+            answer = answers.get(timeout=30)
+            errors[answer.token] = answer.error
+    finally:
+        thread.close()
+    assert errors["ok"] is None
+    bad_error = errors["bad"]
+    assert type(bad_error) is EngineError
+    assert bad_error.message == (
+        "the model failed on a row of this request (row 0, run alone): injected: index out of range"
+    )
+    assert failures == []
+    assert engine.ran == [[99.0], [0.0], [1.0]], "the bad row, the start-up input, the good row"
+
+
 def test_bad_rows_where_a_probe_looks_do_not_fail_their_neighbours(small_model: Path) -> None:
     """Both halves failed, and one row of each (the first) ran alone to tell bad rows
     from a broken session; when those rows were the bad ones every request of the batch
@@ -2239,6 +2355,189 @@ def test_a_memory_limit_on_a_parent_cgroup_bounds_the_hosts_available_memory(
     over a session's scope; a pod's over its containers): only the process's own cgroup
     was read, "max" there, and the room was the whole machine's MemAvailable."""
     assert _host_available_in(tmp_path, cgroup, files) == expected_mib * MIB
+
+
+def _kernel_files(tmp_path: Path, cgroup: str, files: Mapping[str, str]) -> tuple[Path, Path]:
+    """Fake /proc and /sys/fs/cgroup trees (in that order): the process in `cgroup`
+    (/proc/self/cgroup's text), `files` under the cgroup mount (their texts)."""
+    proc, cgroups = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text(cgroup)
+    for name, text in files.items():
+        (cgroups / name).parent.mkdir(parents=True, exist_ok=True)
+        (cgroups / name).write_text(f"{text}\n")
+    return proc, cgroups
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "files", "expected"),
+    [
+        pytest.param("0::/\n", {"memory.max": f"{512 * MIB}"}, (512, "memory.max"), id="v2"),
+        pytest.param(
+            "0::/pod/container\n",
+            {"pod/memory.max": f"{768 * MIB}", "pod/container/memory.max": f"{1024 * MIB}"},
+            (768, "pod/memory.max"),
+            id="v2-parent-tighter",
+        ),
+        pytest.param(
+            "0::/pod\n", {"pod/memory.max": "max", "memory.max": "max"}, None, id="v2-max"
+        ),
+        pytest.param(
+            "4:memory:/job\n",
+            {"memory/job/memory.limit_in_bytes": f"{256 * MIB}"},
+            (256, "memory/job/memory.limit_in_bytes"),
+            id="v1",
+        ),
+        pytest.param(
+            "4:memory:/kubepods/pod1/abc\n",
+            {
+                "memory/memory.limit_in_bytes": "9223372036854771712",
+                "memory/memory.stat": f"hierarchical_memory_limit {1024 * MIB}",
+            },
+            (1024, "memory/memory.stat hierarchical_memory_limit"),
+            id="v1-hierarchical-limit",
+        ),
+        pytest.param(
+            # This machine's shape (cgroup v1, no limit): the test suite's servers get none.
+            "4:memory:/process_api/c48\n0::/\n",
+            {
+                "memory/process_api/c48/memory.limit_in_bytes": "9223372036854771712",
+                "memory/process_api/c48/memory.stat": "hierarchical_memory_limit "
+                "9223372036854771712",
+                "memory/memory.limit_in_bytes": "9223372036854771712",
+            },
+            None,
+            id="v1-none",
+        ),
+    ],
+)
+def test_the_cgroup_memory_limit_is_the_least_of_the_process_and_its_parents(
+    tmp_path: Path, cgroup: str, files: dict[str, str], expected: tuple[int, str] | None
+) -> None:
+    """What the host watermark defaults to without --host-memory-limit (see below), and
+    the file that said so, for the log line."""
+    proc, cgroups = _kernel_files(tmp_path, cgroup, files)
+    limit = cgroup_memory_limit(proc, cgroups)
+    if expected is None:
+        assert limit is None
+        return
+    assert limit is not None
+    assert (limit.limit_bytes, limit.source) == (expected[0] * MIB, str(cgroups / expected[1]))
+
+
+@pytest.mark.parametrize(
+    ("cgroup_mib", "settings", "limit_mib", "events"),
+    [
+        pytest.param(1024, {}, 1024, ["host_memory_limit_from_cgroup"], id="taken"),
+        pytest.param(
+            110,
+            {},
+            None,
+            ["host_memory_limit_from_cgroup", "host_watermark_off"],
+            id="idle-above-the-low-mark",
+        ),
+        pytest.param(1024, {"host_memory_limit": "2GiB"}, 2048, [], id="the-flag-overrides"),
+        pytest.param(None, {}, None, [], id="no-cgroup-limit"),
+    ],
+)
+def test_without_a_host_memory_limit_the_watermark_takes_the_cgroups(
+    demo_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    cgroup_mib: int | None,
+    settings: dict[str, Any],
+    limit_mib: int | None,
+    events: list[str],
+) -> None:
+    """On the CPU without --host-memory-limit there was no watermark at all, though the
+    container's limit was read (for the probe): queued request bodies took a 512 MiB
+    pod's server from 95 to 761 MiB resident, none refused, until the OOM killer came.
+    The cgroup's limit stands in for the flag, and the marks are its fractions; logged
+    with where it came from. Where the idle server is at or above its low mark (100 MiB
+    idle, 93.5 the low mark of 110 MiB) that is no refusal, as the flag's is: a start
+    that served without a watermark serves as before, without one, and is warned."""
+    files = {"memory.max": "max" if cgroup_mib is None else f"{cgroup_mib * MIB}"}
+    proc, cgroups = _kernel_files(tmp_path, "0::/\n", files)
+    monkeypatch.setattr(
+        app_module, "cgroup_memory_limit", lambda: cgroup_memory_limit(proc, cgroups)
+    )
+    caplog.set_level(logging.INFO, "laneserve")
+    server = _cpu_server(demo_model, **settings)
+    watermark = server.scheduler.watermark
+    assert (None if watermark is None else watermark.limit_bytes) == (
+        None if limit_mib is None else limit_mib * MIB
+    )
+    logged = [r for r in caplog.records if getattr(r, "event", None) in _CGROUP_EVENTS]
+    assert [getattr(r, "event", None) for r in logged] == events
+    if events:
+        assert cgroup_mib is not None
+        taken = logged[0].getMessage()
+        limit = f"{format_bytes(cgroup_mib * MIB)} ({cgroups / 'memory.max'})"
+        assert f"fractions of the cgroup memory limit, {limit}" in taken
+        assert taken.endswith("--host-memory-limit overrides it")
+    if len(events) == 2:
+        warning = logged[1]
+        assert warning.levelno == logging.WARNING
+        assert warning.getMessage().startswith(
+            "the server holds 100.0MiB idle after loading the model, at or above the low "
+            "watermark 93.5MiB (memory_low_watermark 0.85 of the cgroup memory limit "
+            "110.0MiB), so lanes closed by memory pressure could never reopen: serving "
+            "without a host memory watermark"
+        )
+
+
+_CGROUP_EVENTS = ("host_memory_limit_from_cgroup", "host_watermark_off")
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "files", "cpus", "threads"),
+    [
+        pytest.param("0::/\n", {"cpu.max": "200000 100000"}, 2.0, 1, id="v2"),
+        pytest.param("0::/\n", {"cpu.max": "max 100000"}, None, 31, id="v2-max"),
+        pytest.param("0::/\n", {"cpu.max": "450000 100000"}, 4.5, 4, id="v2-rounded-up"),
+        pytest.param(
+            "0::/pod/c\n",
+            {"pod/cpu.max": "150000 100000", "pod/c/cpu.max": "max 100000"},
+            1.5,
+            1,
+            id="v2-parent",
+        ),
+        pytest.param(
+            "2:cpu,cpuacct:/job\n",
+            {"cpu/job/cpu.cfs_quota_us": "400000", "cpu/job/cpu.cfs_period_us": "100000"},
+            4.0,
+            3,
+            id="v1",
+        ),
+        pytest.param(
+            "2:cpu,cpuacct:/\n0::/\n",
+            {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"},
+            None,
+            31,
+            id="v1-none",
+        ),
+        pytest.param("0::/\n", {"cpu.max": "6400000 100000"}, 64.0, 31, id="above-the-cores"),
+    ],
+)
+def test_the_default_intra_op_threads_leave_a_core_of_the_cgroups_cpu_quota(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    cgroup: str,
+    files: dict[str, str],
+    cpus: float | None,
+    threads: int,
+) -> None:
+    """A pod limited to 2 CPUs on a 32-core node sees all 32 CPUs (sched_getaffinity),
+    and took 31 intra-op threads, which only wait for the quota's share (2 cores, 16-row
+    calls: p99 118.6 ms with 15 threads, 83.3 ms with 1). The quota rounded up is the
+    cores there are: one is left to the event loop, at least one thread runs."""
+    proc, cgroups = _kernel_files(tmp_path, cgroup, files)
+    assert cgroup_cpu_limit(proc, cgroups) == cpus
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(32)), raising=False)
+    cpu_limit = functools.partial(cgroup_cpu_limit, proc, cgroups)
+    assert default_intra_op_threads(on_gpu=False, cpu_limit=cpu_limit) == threads
+    assert default_intra_op_threads(on_gpu=True, cpu_limit=cpu_limit) == 0
 
 
 def test_a_fixed_cap_stays_where_the_host_bounds_the_sizes_timed(

@@ -4,6 +4,7 @@ whose stderr is not read."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
 import re
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +22,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from laneserve.server.process import GC_THRESHOLDS, GIL_SWITCH_INTERVAL_S, tune_for_serving
+from laneserve.server.process import (
+    GC_THRESHOLDS,
+    GIL_SWITCH_INTERVAL_S,
+    catch_stop_signals_early,
+    release_stop_signals,
+    tune_for_serving,
+)
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
-from tests.support import SERVE, START_TIMEOUT_S, output, request, rows
+from tests.support import REPO, SERVE, START_TIMEOUT_S, output, request, rows
 
 
 def test_tune_for_serving_sets_switch_interval_and_freezes_the_start_up_heap() -> None:
@@ -142,3 +150,114 @@ def _serving_port(read_end: int, process: subprocess.Popen[bytes]) -> int:
 def _read_to_the_end(fd: int, chunks: list[bytes]) -> None:
     while chunk := os.read(fd, 65536):
         chunks.append(chunk)
+
+
+def _console_script_target() -> tuple[str, str]:
+    """The module and function of the `laneserve` script, as pyproject.toml names them."""
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    module, function = scripts["laneserve"].split(":")
+    return module, function
+
+
+def _console_script() -> list[str]:
+    """What the installed `laneserve` script runs (pip's script imports the function and
+    exits with what it returns)."""
+    module, function = _console_script_target()
+    return [
+        sys.executable,
+        "-c",
+        f"import sys; from {module} import {function}; sys.exit({function}())",
+    ]
+
+
+def test_the_console_scripts_module_imports_neither_the_runtime_nor_grpc() -> None:
+    """The script's module was the CLI's, whose imports load ONNX Runtime and gRPC (about
+    a second) before any handler of the stop signals could exist."""
+    module, _ = _console_script_target()
+    check = (
+        f"import sys, {module}\n"
+        "heavy = {'onnxruntime', 'grpc', 'numpy', 'laneserve.server.cli'} & set(sys.modules)\n"
+        "assert not heavy, sorted(heavy)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_a_sigterm_before_serve_handles_signals_ends_the_process_at_once(
+    tmp_path: Path, log_format: str
+) -> None:
+    """As PID 1 (a container's entrypoint) a signal with no handler is ignored: a SIGTERM
+    in the first second of `laneserve serve` (its imports, twice with JSON logs' restart)
+    was lost, and the pod waited out its whole termination grace period. Outside PID 1 it
+    was the default action (killed, -15). Now it ends the process at once with 128 + 15.
+    Held where it provably is: reading its config file, a FIFO nobody has written to yet
+    (before `serve`'s own handlers, after the console script's first step)."""
+    fifo = tmp_path / "config.toml"
+    os.mkfifo(fifo)
+    # No GRPC_VERBOSITY: with JSON logs the process starts itself again (exec) first.
+    environ = {name: value for name, value in os.environ.items() if name != "GRPC_VERBOSITY"}
+    process = subprocess.Popen(
+        [
+            *_console_script(),
+            *("--log-format", log_format, "serve", "--model", str(tmp_path / "m.onnx")),
+            *("--config", str(fifo), "--port", "0", "--metrics-port", "-1"),
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=environ,
+    )
+    writer = -1
+    try:
+        writer = _open_once_read(fifo, process)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=START_TIMEOUT_S) == 128 + signal.SIGTERM
+    finally:
+        if writer >= 0:
+            os.close(writer)
+        if process.poll() is None:
+            process.kill()
+        _, stderr = process.communicate(timeout=START_TIMEOUT_S)
+    assert b"Traceback" not in stderr, stderr.decode()
+
+
+def _open_once_read(fifo: Path, process: subprocess.Popen[bytes]) -> int:
+    """The FIFO's write end, opened once `process` is opening it to read (it then waits
+    in its read for data that never comes)."""
+    until_s = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as error:
+            if error.errno != errno.ENXIO:  # ENXIO: no reader yet
+                raise
+        assert process.poll() is None, f"exited {process.returncode} before reading its config"
+        assert time.monotonic() < until_s, "never read its config"
+        time.sleep(0.01)
+
+
+def test_early_stop_handlers_are_released_as_they_were() -> None:
+    """`laneserve top` and the other commands take signals their own way: Ctrl-C raises
+    KeyboardInterrupt again once released. A SIGHUP ignored at start (nohup) stays so."""
+    before = {
+        signum: signal.getsignal(signum)
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    }
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        catch_stop_signals_early()
+        assert signal.getsignal(signal.SIGINT) not in (before[signal.SIGINT], signal.SIG_DFL)
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        release_stop_signals()
+        assert signal.getsignal(signal.SIGINT) == before[signal.SIGINT]
+        assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        for signum, handler in before.items():
+            if handler is not None:
+                signal.signal(signum, handler)

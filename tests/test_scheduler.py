@@ -56,6 +56,13 @@ from laneserve.server.scheduler import (
     WaitUntil,
 )
 from laneserve.server.scheduler_thread import SchedulerThread
+from laneserve.server.stats import (
+    WINDOW_S,
+    LaneSnapshot,
+    Percentiles,
+    StatsRecorder,
+    StatsSnapshot,
+)
 from laneserve.server.telemetry import JsonFormatter
 
 T0 = 1_000.0
@@ -2186,6 +2193,74 @@ def test_a_deadline_moves_no_later_than_the_lane_timeout_of_the_work() -> None:
     assert tokens(scheduler.shed_expired(T0 + lane_timeout_s)) == [0]
 
 
+def capped_standard_lanes(timeout_ms: int) -> tuple[LaneConfig, ...]:
+    """TOP_DOWN_LANES with an interactive lane that holds 512 rows and a standard lane
+    that caps at `timeout_ms`."""
+    interactive, standard, bulk = TOP_DOWN_LANES
+    return (
+        dataclasses.replace(interactive, capacity_rows=512),
+        dataclasses.replace(standard, timeout_ms=timeout_ms),
+        bulk,
+    )
+
+
+def test_a_refusal_says_when_the_lanes_timeout_capped_the_callers() -> None:
+    """Lane standard caps at 20 ms; 256 interactive rows are queued (about 43 ms). A caller
+    that asked for 5 s was refused "deadline in 20.0 ms cannot be met", with nothing to
+    tell it that its 5 s were cut to the lane's 20 ms: the refusal names the lane's
+    timeout_ms when that set the deadline, and not when the caller's own shorter one did."""
+    scheduler = make_scheduler(capped_standard_lanes(20))
+    for index in range(256):
+        scheduler.admit(make_request(index, "interactive", 1), T0)
+    with pytest.raises(DeadlineUnmeetableError) as capped:
+        scheduler.admit(make_request(1000, "standard", 1, deadline_s=T0 + 5.0), T0)
+    assert capped.value.message.startswith("deadline in 20.0 ms cannot be met: 256 rows")
+    assert capped.value.message.endswith(
+        "(lane 'standard' timeout_ms=20 caps this request's 5000 ms timeout)"
+    )
+    with pytest.raises(DeadlineUnmeetableError) as unset:
+        scheduler.admit(make_request(1001, "standard", 1), T0)
+    assert unset.value.message.endswith(
+        "(lane 'standard' timeout_ms=20: the request set no timeout of its own)"
+    )
+    with pytest.raises(DeadlineUnmeetableError) as own:
+        scheduler.admit(make_request(1002, "standard", 1, deadline_s=T0 + 0.010), T0)
+    assert own.value.message.startswith("deadline in 10.0 ms cannot be met")
+    assert "timeout_ms" not in own.value.message
+
+
+def test_an_expiry_says_when_the_lanes_timeout_capped_the_callers() -> None:
+    """As for a refusal (see above): an item shed at its lane's 20 ms cap, though its
+    caller allowed 5 s, says so; one shed at its caller's own 10 ms does not."""
+    scheduler = make_scheduler(capped_standard_lanes(20))
+    scheduler.admit(make_request(0, "standard", 1, deadline_s=T0 + 5.0), T0)
+    scheduler.admit(make_request(1, "standard", 1, deadline_s=T0 + 0.010), T0)
+    [own] = scheduler.shed_expired(T0 + 0.010)
+    assert isinstance(own.error, ExpiredInQueueError)
+    assert own.error.message == (
+        "deadline passed after 10.0 ms in lane 'standard' before the request could run"
+    )
+    [capped] = scheduler.shed_expired(T0 + 0.020)
+    assert isinstance(capped.error, ExpiredInQueueError)
+    assert capped.error.message == (
+        "deadline passed after 20.0 ms in lane 'standard' before the request could run "
+        "(lane 'standard' timeout_ms=20 caps this request's 5000 ms timeout)"
+    )
+
+
+def test_an_expiry_while_retried_in_parts_says_when_the_lanes_timeout_capped_it() -> None:
+    scheduler = make_scheduler(capped_standard_lanes(20))
+    scheduler.admit(make_request(0, "standard", 2, deadline_s=T0 + 5.0), T0)
+    batch = dispatch(scheduler, T0)
+    wanted, [expired] = scheduler.rows_wanted(batch, T0 + 0.020)
+    assert not wanted.any()
+    assert isinstance(expired.error, ExpiredInQueueError)
+    assert expired.error.message.endswith(
+        "its rows were not run again (lane 'standard' timeout_ms=20 caps this request's "
+        "5000 ms timeout)"
+    )
+
+
 # ---- shedding ------------------------------------------------------------------------
 
 
@@ -2668,6 +2743,63 @@ def test_a_split_request_has_one_queue_wait_until_its_first_batch() -> None:
     assert answer.timing is not None
     assert answer.timing.queue_s == pytest.approx(0.001)
     assert answer.timing.infer_s == pytest.approx(0.3)
+
+
+def serve_a_burst(
+    scheduler: Scheduler, stats: StatsRecorder, clock: ManualClock, requests: int, wait_s: float
+) -> None:
+    """`requests` 1-row standard requests queue for `wait_s`, run in one batch for 20 ms
+    and are answered (as the servicer reports them: `request_finished`); the clock is
+    at their answer after it."""
+    queued_s = clock.monotonic()
+    for index in range(requests):
+        scheduler.admit(make_request(index, "standard", 1), queued_s)
+    clock.advance(wait_s)
+    scheduler.complete(run(dispatch(scheduler, clock.monotonic(), math.inf), run_s=0.020))
+    clock.advance(0.020)
+    for _ in range(requests):
+        stats.request_finished("standard", "OK", wait_s + 0.020)
+
+
+def test_getstats_latency_windows_forget_samples_older_than_window_s() -> None:
+    """GetStats' percentiles are of "now": a burst's p99 was reported 20 s after it, idle,
+    and after 300 fast calls that followed (the window held the last 4096 samples, of
+    any age). Samples older than WINDOW_S leave every window; `count` says how many the
+    window holds."""
+    clock = ManualClock(T0)
+    stats = StatsRecorder([lane.name for lane in LANES], clock=clock)
+    scheduler = Scheduler(LANES, batch_cap=CAP, run_time=fixed_run_time(), events=stats)
+    serve_a_burst(scheduler, stats, clock, requests=8, wait_s=0.100)
+
+    def standard(snapshot: StatsSnapshot) -> LaneSnapshot:
+        return next(lane for lane in snapshot.lanes if lane.name == "standard")
+
+    burst = stats.snapshot()
+    assert standard(burst).request_duration.count == 8
+    assert standard(burst).request_duration.p99_ms == pytest.approx(120.0)
+    assert standard(burst).queue_wait.p99_ms == pytest.approx(100.0)
+    assert (burst.run_time.count, burst.batch_size.count) == (1, 1)
+    burst_s = clock.monotonic()  # its last sample's time
+    clock.advance(WINDOW_S / 2)
+    serve_a_burst(scheduler, stats, clock, requests=1, wait_s=0.0)  # 20 ms, 0 in the queue
+    both = standard(stats.snapshot())
+    assert (both.request_duration.count, both.queue_wait.count) == (9, 9)
+    clock.advance(burst_s + WINDOW_S - 0.001 - clock.monotonic())
+    assert standard(stats.snapshot()).request_duration.count == 9  # the burst's: in it
+    clock.advance(0.002)  # the burst's samples are older than WINDOW_S; the fast call's not
+    later = stats.snapshot()
+    assert standard(later).request_duration.count == 1
+    assert standard(later).request_duration.p99_ms == pytest.approx(20.0)
+    assert standard(later).queue_wait.count == 1
+    assert standard(later).queue_wait.p99_ms == pytest.approx(0.0)
+    assert (later.run_time.count, later.batch_size.count) == (1, 1)
+    assert later.batch_size.p99 == 1
+    clock.advance(WINDOW_S)  # nothing since: nothing in the windows, the counters stay
+    idle = stats.snapshot()
+    assert standard(idle).request_duration == Percentiles(0, 0.0, 0.0, 0.0)
+    assert standard(idle).queue_wait.count == 0
+    assert (idle.run_time.count, idle.batch_size.count) == (0, 0)
+    assert (standard(idle).completed, idle.batches, idle.rows_run) == (9, 2, 9)
 
 
 # ---- lanes -------------------------------------------------------------------------------

@@ -6,7 +6,10 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import hashlib
+import importlib.metadata
 import logging
+import os
 import random
 import socket
 import threading
@@ -18,12 +21,14 @@ from typing import Any
 import grpc
 import grpc.aio._server as grpc_aio_server
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from google.protobuf import descriptor_pb2
 from grpc_channelz.v1 import channelz_pb2, channelz_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from onnx import external_data_helper, numpy_helper
 from opentelemetry.sdk.trace import TracerProvider
 
 from laneserve.client import CallCancelledError, error_from_rpc
@@ -40,12 +45,17 @@ from laneserve.server import (
 from laneserve.server.app import check_ports_free
 from laneserve.server.codec import decode_inputs
 from laneserve.server.config import ConfigError
-from laneserve.server.engine import EngineStartError
-from laneserve.server.errors import LaneFullError
+from laneserve.server.engine import EngineStartError, no_static_estimate
+from laneserve.server.errors import LaneFullError, SessionBrokenError
 from laneserve.server.grpc_calls import GrpcCalls
 from laneserve.server.idempotency import fingerprint
 from laneserve.server.items import Batch, BatchResult, RowsWanted
 from laneserve.server.lifecycle import Lifecycle
+from laneserve.server.model_identity import (
+    CUSTOM_METADATA_MAX_BYTES,
+    DESCRIPTION_MAX_BYTES,
+    model_files,
+)
 from laneserve.server.telemetry import Telemetry
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -1386,6 +1396,76 @@ def test_a_failed_scheduler_stops_the_server(small_model: Path) -> None:
     asyncio.run(scenario())
 
 
+class _BrokenSession:
+    """An ONNX Runtime session whose every run fails as a sticky CUDA error leaves it (the
+    start-up input too); everything else is the real session's (fault injection)."""
+
+    def __init__(self, real: ort.InferenceSession) -> None:
+        self.real = real
+
+    def run(self, *_args: object) -> None:
+        raise RuntimeError(
+            "[ONNXRuntimeError] : 1 : FAIL : CUDA failure 700: an illegal memory access "
+            "was encountered"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+@pytest.mark.parametrize("running_rows", [2, 1], ids=["halves", "one-row"])
+def test_a_broken_session_stops_the_server_after_answering_every_request(
+    small_model: Path, caplog: pytest.LogCaptureFixture, running_rows: int
+) -> None:
+    """The engine saw the session broken (its start-up input failed too) and failed that
+    batch only: the server answered every call INTERNAL for good (7 936 in 5 s) while
+    health said SERVING, and never exited for its supervisor to restart it. Now the
+    batch's request is answered with the session's failure, the request queued behind it
+    with the same (it never runs), each once, and the server stops as when its scheduler
+    fails. A batch of one row has no halves: the start-up input tells there too."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            running, queued = await _one_running_and_queued(s, engine, running_rows)
+            engine._session = _BrokenSession(engine._session)  # the fault, after start
+            engine.release()
+            messages = []
+            for call in (running, queued):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await call
+                assert caught.value.code() == grpc.StatusCode.INTERNAL
+                assert rich_status(caught.value)[0] == "ENGINE_FAILURE"
+                messages.append(caught.value.details() or "")
+            assert "and on an input it ran at start-up: the session is broken" in messages[0]
+            assert "CUDA failure 700" in messages[1]
+            await asyncio.wait_for(s.server.wait_stopped(), timeout=60)
+            assert s.server.state is Lifecycle.STOPPED
+            assert isinstance(s.server.failure, SessionBrokenError)
+            health: Any = s.server._health
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=""), None)
+            assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert engine.ran_tags == list(range(running_rows)), "the queued request never ran"
+
+    asyncio.run(scenario())
+    (line,) = [r for r in caplog.records if getattr(r, "event", None) == "session_broken"]
+    assert line.levelno == logging.ERROR
+    assert "CUDA failure 700" in line.getMessage()
+
+
+async def _one_running_and_queued(
+    s: Serving, engine: RecordingEngine, running_rows: int
+) -> tuple[asyncio.Future[pb.InferResponse], asyncio.Future[pb.InferResponse]]:
+    """A request of `running_rows` rows (tags from 0) held running in the engine, and one
+    of two rows (tags 100, 101) queued behind it."""
+    engine.hold()
+    running = asyncio.ensure_future(s.stub.Infer(request(rows(running_rows, start=0))))
+    await asyncio.to_thread(engine.entered.acquire)
+    queued = asyncio.ensure_future(s.stub.Infer(request(rows(2, start=100))))
+    await until(lambda: queued_rows(s) == 2)
+    return running, queued
+
+
 def test_health_watches_end_when_the_server_stops(small_model: Path) -> None:
     """An open Watch (clients with client-side health checking keep one) held every
     stop for gRPC's whole grace, then ended CANCELLED; it now ends OK once NOT_SERVING
@@ -2579,3 +2659,376 @@ def test_an_engine_for_a_device_that_is_not_one_is_refused_by_name(small_model: 
     with pytest.raises(EngineStartError) as refused:
         Engine(str(small_model), device="tpu")  # type: ignore[arg-type]
     assert str(refused.value) == "device: expected one of ('auto', 'cuda', 'cpu'), got 'tpu'"
+
+
+# ---- which model answers ------------------------------------------------------------------
+
+
+def _variant(
+    source: Path, path: Path, version: int, metadata: dict[str, str] | None = None
+) -> None:
+    """`source` with its first weights scaled by `version`, its model_version `version`
+    and `metadata` as its metadata_props, written to `path` (weights kept inline)."""
+    model = onnx.load(str(source))
+    model.model_version = version
+    del model.metadata_props[:]
+    for key, value in (metadata or {}).items():
+        model.metadata_props.add(key=key, value=value)
+    weights = model.graph.initializer[0]
+    weights.CopyFrom(
+        numpy_helper.from_array(numpy_helper.to_array(weights) * version, weights.name)
+    )
+    onnx.save(model, str(path))
+
+
+async def _get_model(path: Path) -> pb.GetModelResponse:
+    engine = RecordingEngine(str(path), estimate=no_static_estimate)
+    async with serving(engine, config(path)) as s:
+        return await s.stub.GetModel(pb.GetModelRequest())
+
+
+def test_get_model_tells_two_models_at_one_path_apart(small_model: Path, tmp_path: Path) -> None:
+    """Two models that differ only in their weights and model_version, served one after
+    the other from the same path, gave identical GetModel answers: nothing said which
+    model answered. GetModel names the file's SHA-256 (`sha256sum`'s), the model's own
+    metadata and the server's version."""
+    path = tmp_path / "current.onnx"
+    answers, digests = [], []
+    for version in (1, 2):
+        _variant(small_model, path, version, {"version": f"v{version}"})
+        digests.append(hashlib.sha256(path.read_bytes()).hexdigest())
+        answers.append(asyncio.run(_get_model(path)))
+    assert digests[0] != digests[1]
+    assert [answer.model_sha256 for answer in answers] == digests
+    assert [answer.model_version for answer in answers] == [1, 2]
+    assert [dict(answer.custom_metadata) for answer in answers] == [
+        {"version": "v1"},
+        {"version": "v2"},
+    ]
+    assert answers[0].producer_name == "laneserve.demo_model"
+    assert answers[0].graph_name == "laneserve_demo_mlp"
+    assert answers[0].server_version == importlib.metadata.version("laneserve")
+
+
+def test_get_model_leaves_out_a_model_version_the_model_does_not_set(small_model: Path) -> None:
+    """ONNX Runtime reads an unset model_version as INT64_MAX: GetModel leaves the field
+    out instead of reporting that number (a version of 0 set is reported as 0)."""
+    answer = asyncio.run(_get_model(small_model))
+    assert not answer.HasField("model_version")
+    assert answer.model_sha256 == hashlib.sha256(small_model.read_bytes()).hexdigest()
+
+
+def test_the_model_hash_covers_its_external_data_files(small_model: Path, tmp_path: Path) -> None:
+    """With its weights in external data files the model file alone is the graph: weights
+    rewritten in place leave it as it was. The hash is of the model file and then of each
+    external data file, in the order the model names them (`cat model data | sha256sum`)."""
+    path, data = tmp_path / "external.onnx", tmp_path / "external.data"
+    onnx.save(
+        onnx.load(str(small_model)),
+        str(path),
+        save_as_external_data=True,
+        location=data.name,
+        size_threshold=0,
+    )
+    model_bytes = path.read_bytes()
+    first = Engine(str(path), device="cpu", estimate=no_static_estimate).identity.sha256
+    assert first == hashlib.sha256(model_bytes + data.read_bytes()).hexdigest()
+    weights = bytearray(data.read_bytes())
+    weights[:4] = np.float32(7.0).tobytes()  # the first weight, same file size
+    data.write_bytes(bytes(weights))
+    second = Engine(str(path), device="cpu", estimate=no_static_estimate).identity.sha256
+    assert path.read_bytes() == model_bytes
+    assert second == hashlib.sha256(model_bytes + bytes(weights)).hexdigest() != first
+
+
+def _nested_model() -> onnx.ModelProto:
+    """A model with tensors everywhere one can be: graph initializers, a Constant node's
+    attribute, an If's branches (each with an initializer and a Constant) and a model
+    function's Constant. Never run: only where its tensors are counts."""
+    counter = iter(range(100))
+
+    def tensor(name: str) -> onnx.TensorProto:
+        return numpy_helper.from_array(np.full(4, next(counter), np.float32), name)
+
+    def constant(output: str) -> onnx.NodeProto:
+        return onnx.helper.make_node("Constant", [], [output], value=tensor(""))
+
+    def branch(name: str) -> onnx.GraphProto:
+        out = onnx.helper.make_tensor_value_info(f"{name}_out", onnx.TensorProto.FLOAT, [4])
+        add = onnx.helper.make_node("Add", [f"{name}_c", f"{name}_w"], [f"{name}_out"])
+        return onnx.helper.make_graph(
+            [constant(f"{name}_c"), add], name, [], [out], [tensor(f"{name}_w")]
+        )
+
+    function = onnx.helper.make_function(
+        "local",
+        "plus_one",
+        ["x"],
+        ["y"],
+        [constant("one"), onnx.helper.make_node("Add", ["x", "one"], ["y"])],
+        [onnx.helper.make_opsetid("", 17)],
+    )
+    cond = onnx.helper.make_tensor_value_info("cond", onnx.TensorProto.BOOL, [])
+    out = onnx.helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [4])
+    graph = onnx.helper.make_graph(
+        [
+            constant("k"),
+            onnx.helper.make_node(
+                "If", ["cond"], ["chosen"], then_branch=branch("then"), else_branch=branch("else")
+            ),
+            onnx.helper.make_node("plus_one", ["chosen"], ["out"], domain="local"),
+        ],
+        "nested",
+        [cond],
+        [out],
+        [tensor("w1"), tensor("w2")],
+    )
+    return onnx.helper.make_model(
+        graph,
+        opset_imports=[onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("local", 1)],
+        functions=[function],
+    )
+
+
+@pytest.mark.parametrize(
+    ("layout", "to_one_file"),
+    [("inline", False), ("one_file", True), ("file_per_tensor", False)],
+)
+@pytest.mark.parametrize("source", ["small_model", "nested"])
+def test_the_external_data_files_hashed_are_those_onnx_names(
+    small_model: Path, tmp_path: Path, layout: str, to_one_file: bool, source: str
+) -> None:
+    """The hash's files are found by walking the model's protobuf by hand (model_identity:
+    onnx.load would parse inline weights into the server's memory): the files it finds
+    are those onnx's own external_data_helper names, each once, for weights inline, in
+    one file, and one file per tensor, in subgraphs, node attributes and functions."""
+    model = onnx.load(str(small_model)) if source == "small_model" else _nested_model()
+    path = tmp_path / "model.onnx"
+    if layout == "inline":
+        onnx.save(model, str(path))
+    else:
+        onnx.save(
+            model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=to_one_file,
+            location="weights.data",
+            size_threshold=0,
+            convert_attribute=True,
+        )
+    saved = onnx.load(str(path), load_external_data=False)
+    named = [
+        external_data_helper.ExternalDataInfo(each).location
+        # The helper's own walk (private: onnx has no public list of the locations).
+        for each in external_data_helper._get_all_tensors(saved)
+        if external_data_helper.uses_external_data(each)
+    ]
+    found = [each.relative_to(tmp_path).as_posix() for each, _ in model_files(str(path))]
+    assert found[0] == path.name
+    assert sorted(found[1:]) == sorted(set(named))
+    if layout == "inline":
+        assert named == []
+    elif layout == "one_file":
+        assert found[1:] == ["weights.data"]
+    else:
+        assert len(found[1:]) == len(named) > 1
+
+
+def _save_with_external_data(source: Path, path: Path) -> Path:
+    """`source` saved to `path` with every weight in one external data file beside it,
+    whose path is returned."""
+    data = path.with_suffix(".data")
+    onnx.save(
+        onnx.load(str(source)),
+        str(path),
+        save_as_external_data=True,
+        location=data.name,
+        size_threshold=0,
+    )
+    return data
+
+
+def _hash_unavailable(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if getattr(r, "event", None) == "model_hash_unavailable"
+    ]
+
+
+@pytest.mark.parametrize("change", ["replaced", "touched", "data_removed"])
+def test_a_model_file_changed_while_the_session_loads_it_is_served_with_no_hash(
+    small_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, change: str
+) -> None:
+    """The hash is read after the session loaded the model: a file changed in between
+    would be hashed as a model the server may not serve, so the hash is left empty and
+    the warning names the file and why. The start is never refused for it: the session
+    loaded fine (a touch, or NFS's and overlayfs's stat, refused starts that served)."""
+    path = tmp_path / "model.onnx"
+    _variant(small_model, path, 1)
+    data = _save_with_external_data(path, path) if change == "data_removed" else None
+
+    class ChangedWhileLoading(Engine):
+        def _open_session(self, *args: Any, **kwargs: Any) -> Any:
+            opened = super()._open_session(*args, **kwargs)
+            if change == "replaced":
+                _variant(small_model, tmp_path / "next.onnx", 2)
+                (tmp_path / "next.onnx").replace(path)  # a rollout's rename over the file
+            elif change == "touched":
+                status = path.stat()
+                os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns + 10**9))
+            else:
+                assert data is not None
+                data.unlink()
+            return opened
+
+    with caplog.at_level(logging.WARNING):
+        engine = ChangedWhileLoading(str(path), device="cpu", estimate=no_static_estimate)
+    assert engine.identity.sha256 == ""
+    (warning,) = _hash_unavailable(caplog)
+    if change == "data_removed":
+        assert f"No such file or directory: '{data}'" in warning
+    else:
+        assert f"{path} changed while loading" in warning
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [(bytes(4096), "field number 0 at byte 0"), (b"\xff" * 4096, "varint at byte 0 runs past")],
+    ids=["zeros", "bytes_0xff"],
+)
+def test_a_model_file_of_zeros_or_garbage_is_refused_by_the_runtime_not_walked(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, content: bytes, why: str
+) -> None:
+    """A file of zeros was walked a byte at a time as field 0 (100 MB: 13 s before ONNX
+    Runtime refused it in 0.01 s), a run of bytes >= 0x80 read as one varint in time
+    quadratic in its length. The walk stops at the first such byte and the runtime's
+    own refusal follows."""
+    path = tmp_path / "garbage.onnx"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=why):
+        model_files(str(path))
+    with (
+        caplog.at_level(logging.WARNING),
+        pytest.raises(EngineStartError, match="INVALID_PROTOBUF"),
+    ):
+        Engine(str(path), device="cpu", estimate=no_static_estimate)
+
+
+@pytest.mark.parametrize("location", [".", "gone.bin", "weights.bin"])
+def test_external_data_entries_beside_inline_data_are_left_out_of_the_model_hash(
+    small_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, location: str
+) -> None:
+    """A tensor's external_data entries name its file only when its data_location is
+    EXTERNAL (ONNX Runtime's test, and onnx's uses_external_data): entries left beside
+    inline data are not read, whether they name a directory, no file, or a file."""
+    path = tmp_path / "model.onnx"
+    (tmp_path / "weights.bin").write_bytes(b"not the weights")
+    model = onnx.load(str(small_model))
+    for tensor in model.graph.initializer:
+        assert tensor.HasField("raw_data")
+        tensor.external_data.add(key="location", value=location)
+    onnx.save(model, str(path))
+    with caplog.at_level(logging.WARNING):
+        engine = Engine(str(path), device="cpu", estimate=no_static_estimate)
+    assert engine.identity.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert _hash_unavailable(caplog) == []
+
+
+def _length_delimited(field: int, payload: bytes) -> bytes:
+    """A protobuf length-delimited field: its tag, its length, `payload`."""
+
+    def varint(value: int) -> bytes:
+        out = bytearray()
+        while value >= 0x80:
+            out.append(value & 0x7F | 0x80)
+            value >>= 7
+        return bytes([*out, value])
+
+    return varint(field << 3 | 2) + varint(len(payload)) + payload
+
+
+def test_a_model_tensors_data_location_may_come_before_its_external_data(
+    small_model: Path, tmp_path: Path
+) -> None:
+    """onnx writes a tensor's external_data (field 13) before its data_location (14);
+    protobuf allows either order, and the runtime reads either: the walk too."""
+    path = tmp_path / "model.onnx"
+    data = _save_with_external_data(small_model, path)
+    model = onnx.load(str(path), load_external_data=False)
+    tensors = list(model.graph.initializer)
+    model.graph.ClearField("initializer")
+    reordered = b""
+    for tensor in tensors:
+        rest = onnx.TensorProto()
+        rest.CopyFrom(tensor)
+        rest.ClearField("data_location")
+        location_first = onnx.TensorProto(data_location=onnx.TensorProto.EXTERNAL)
+        # Two serialized messages one after the other are read as one, merged.
+        tensor_bytes = location_first.SerializeToString() + rest.SerializeToString()
+        reordered += _length_delimited(5, tensor_bytes)  # GraphProto.initializer
+    model_bytes = model.SerializeToString() + _length_delimited(7, reordered)  # .graph
+    path.write_bytes(model_bytes)
+    read = onnx.load_model_from_string(model_bytes)
+    assert [t.name for t in read.graph.initializer] == [t.name for t in tensors]
+    assert all(external_data_helper.uses_external_data(t) for t in read.graph.initializer)
+    engine = Engine(str(path), device="cpu", estimate=no_static_estimate)
+    assert engine.identity.sha256 == hashlib.sha256(model_bytes + data.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_model_data_location_that_is_not_a_regular_file_is_not_opened(
+    small_model: Path, tmp_path: Path, kind: str
+) -> None:
+    """Opening a FIFO waits for a writer: the hash's open would hang the start. A
+    location that is not a regular file is refused by its path, unopened (the hash is
+    then empty, warned about; the runtime's load says the rest)."""
+    path = tmp_path / "model.onnx"
+    data = _save_with_external_data(small_model, path)
+    data.unlink()
+    if kind == "fifo":
+        os.mkfifo(data)
+    else:
+        data.mkdir()
+    with pytest.raises(ValueError, match=f"{data} is not a regular file"):
+        model_files(str(path))
+
+
+def test_the_model_authors_metadata_is_bounded_and_what_is_left_out_logged(
+    small_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """metadata_props and the doc string are the model author's: a tokenizer or a config
+    kept there would be repeated in every GetModel answer. Entries are kept in key order
+    within CUSTOM_METADATA_MAX_BYTES, the description is cut to DESCRIPTION_MAX_BYTES."""
+    path = tmp_path / "annotated.onnx"
+    big = "x" * CUSTOM_METADATA_MAX_BYTES
+    _variant(small_model, path, 3, {"a_small": "1", "b_config": big, "c_small": "2"})
+    model = onnx.load(str(path))
+    model.doc_string = "é" * DESCRIPTION_MAX_BYTES
+    onnx.save(model, str(path))
+    with caplog.at_level(logging.WARNING):
+        answer = asyncio.run(_get_model(path))
+    assert dict(answer.custom_metadata) == {"a_small": "1", "c_small": "2"}
+    description = answer.description.encode()
+    assert len(description) <= DESCRIPTION_MAX_BYTES
+    assert answer.description.endswith("…")
+    (left_out,) = [
+        r for r in caplog.records if getattr(r, "event", None) == "model_metadata_left_out"
+    ]
+    assert left_out.fields["left_out"] == ["b_config"]  # type: ignore[attr-defined]
+
+
+def test_the_startup_line_names_the_models_hash_and_version(
+    small_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Logs show which model each instance served: the `startup` line names the model's
+    SHA-256 (short in the message, whole in its field) and its model_version."""
+    path = tmp_path / "model.onnx"
+    _variant(small_model, path, 4)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    with caplog.at_level(logging.INFO):
+        asyncio.run(_get_model(path))
+    (startup,) = [r for r in caplog.records if getattr(r, "event", None) == "startup"]
+    assert f"(sha256 {digest[:12]}, model_version 4) on 127.0.0.1:" in startup.getMessage()
+    fields = startup.fields  # type: ignore[attr-defined]
+    assert (fields["model_sha256"], fields["model_version"]) == (digest, 4)

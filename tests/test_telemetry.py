@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import importlib.metadata
 import io
 import itertools
 import json
@@ -59,7 +60,13 @@ from laneserve.server import LaneConfig, ManualClock, ServerConfig
 from laneserve.server.config import DEFAULT_LANES, ConfigError
 from laneserve.server.errors import DeviceMemoryError
 from laneserve.server.events import FanOut
-from laneserve.server.memory import NvmlGauge, prefer_pci_order
+from laneserve.server.lifecycle import Lifecycle
+from laneserve.server.memory import (
+    NvmlGauge,
+    WatermarkState,
+    parse_memory_limit,
+    prefer_pci_order,
+)
 from laneserve.server.stats import StatsRecorder
 from laneserve.server.telemetry import (
     BatchLinkSampler,
@@ -80,12 +87,14 @@ from laneserve.server.telemetry.logs import (
     configure_logging,
     flush_logs,
 )
+from laneserve.server.telemetry.metrics import MetricSources
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
     REPO,
     FakeTimers,
     RecordingEngine,
     Serving,
+    SettableGauge,
     queued_rows,
     request,
     rows,
@@ -143,6 +152,25 @@ def cpu_telemetry(**options: Any) -> Telemetry:
         providers=["CPUExecutionProvider"],
         max_batch_size=64,
         **options,
+    )
+
+
+def cpu_sources(stats: StatsRecorder) -> MetricSources:
+    """What the metrics of `cpu_telemetry` read with no scheduler behind them: nothing
+    queued, a cap of 64, `stats`' counts, no watermark (no memory limit)."""
+    return MetricSources(
+        depths=list,
+        batch_cap=lambda: 64,
+        counts=stats.counts,
+        grpc_calls=lambda: None,
+        ledger=lambda: None,
+        watermark=lambda: None,
+        high_watermark_bytes=None,
+        low_watermark_bytes=None,
+        state=lambda: Lifecycle.SERVING,
+        model_path="m.onnx",
+        model_sha256="",
+        memory_limit_bytes=None,
     )
 
 
@@ -1089,7 +1117,7 @@ def test_memory_and_out_of_memory_events_reach_the_metrics() -> None:
     metrics = telemetry.metrics
     assert metrics is not None
     stats = StatsRecorder([lane.name for lane in lanes])
-    telemetry.observe(list, lambda: 64, stats.counts, lambda: None, lambda: None)
+    telemetry.observe(cpu_sources(stats))
     events = FanOut(stats, metrics)
     events.out_of_memory(64)
     events.batch_split(1, 64, 1)
@@ -1144,7 +1172,7 @@ def test_every_counter_series_is_reported_from_the_start_at_zero() -> None:
     lanes = ServerConfig(model_path="m.onnx").lanes
     telemetry = cpu_telemetry(metric_readers=[reader])
     stats = StatsRecorder([lane.name for lane in lanes])
-    telemetry.observe(list, lambda: 64, stats.counts, lambda: None, lambda: None)
+    telemetry.observe(cpu_sources(stats))
     before = collect(reader)
     stats.rejected("bulk", "LANE_FULL")
     after = collect(reader)
@@ -1287,6 +1315,293 @@ def test_prometheus_endpoint_serves_the_metrics_over_http(small_model: Path) -> 
     asyncio.run(scenario())
 
 
+# ---- what Prometheus sees, against GetStats ---------------------------------------------
+
+MIB = 1 << 20
+
+
+def scrape(port: int | None) -> dict[str, Any]:
+    """The server's /metrics, as metric families by name."""
+    assert port is not None
+    text = fetch(f"http://127.0.0.1:{port}/metrics")
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def values(families: dict[str, Any], name: str, key: str) -> dict[str, float]:
+    """The samples of gauge `name`, by the value of their label `key`."""
+    return {sample.labels[key]: sample.value for sample in families[name].samples}
+
+
+def only_value(families: dict[str, Any], name: str) -> float:
+    (sample,) = families[name].samples
+    return float(sample.value)
+
+
+def histogram_quantile(q: float, families: dict[str, Any], name: str) -> float:
+    """Prometheus' histogram_quantile over the buckets of histogram `name` (one series):
+    linear interpolation inside the bucket that holds the rank q * count."""
+    buckets: list[tuple[float, float]] = sorted(
+        (float(sample.labels["le"]), float(sample.value))
+        for sample in families[name].samples
+        if sample.name == f"{name}_bucket"
+    )
+    rank = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            if upper == float("inf"):
+                return lower
+            return lower + (upper - lower) * (rank - below) / (count - below)
+        lower, below = upper, count
+    raise AssertionError("no bucket holds the rank")
+
+
+def test_lanes_closed_by_the_memory_watermark_and_its_marks_are_scraped(
+    small_model: Path,
+) -> None:
+    """GetStats showed the lanes the watermark closed; /metrics showed nothing of it, and
+    rejected{reason="MEMORY_PRESSURE"} stops moving while lanes stay closed (nobody
+    calls a closed lane for long), so no alert could see it. Each lane's closed state is
+    scraped (0 or 1, from the first scrape), with both marks in the units of
+    laneserve_device_memory_used_bytes (`used >= high` is the alert), the budget they
+    are fractions of, and the arena's cap (memory_limit) as its own gauge."""
+    lanes = ("interactive", "standard", "bulk")
+
+    async def scenario() -> None:
+        gauge = SettableGauge()
+        # 32 MiB: the CPU arena's cap is one per process, and other tests' engines in this
+        # process take that one (test_ledger's ARENA, test_memory's DEMO_BUDGET).
+        server_config = config(small_model, host_memory_limit="100MiB", memory_limit="32MiB")
+        engine = RecordingEngine(str(small_model), memory_limit=parse_memory_limit("32MiB"))
+        async with serving(engine, server_config, memory_gauge=gauge) as s:
+            watermark = s.server.scheduler.watermark
+            assert watermark is not None
+            port = s.server.metrics_port
+
+            async def closed_at(used_bytes: int) -> tuple[dict[str, Any], pb.GetStatsResponse]:
+                gauge.value = used_bytes
+                await until(lambda: watermark.used_bytes == used_bytes)  # sampled every 50 ms
+                families = await asyncio.to_thread(scrape, port)
+                return families, await s.stub.GetStats(pb.GetStatsRequest())
+
+            for used_bytes, closed in (
+                (50 * MIB, []),
+                (99 * MIB, ["standard", "bulk"]),
+                (90 * MIB, ["standard", "bulk"]),  # hysteresis: closed above the low mark
+                (80 * MIB, []),
+            ):
+                families, stats = await closed_at(used_bytes)
+                assert list(stats.lanes_closed_by_memory) == closed
+                assert values(families, "laneserve_lane_closed_by_memory", "lane") == {
+                    lane: float(lane in closed) for lane in lanes
+                }
+                used = only_value(families, "laneserve_device_memory_used_bytes")
+                high = only_value(families, "laneserve_device_memory_high_watermark_bytes")
+                low = only_value(families, "laneserve_device_memory_low_watermark_bytes")
+                assert used == stats.memory_used_bytes == used_bytes
+                assert (high, low) == (
+                    stats.memory_high_watermark_bytes,
+                    stats.memory_low_watermark_bytes,
+                )
+                assert (used >= high) == (used_bytes == 99 * MIB)
+                budget = only_value(families, "laneserve_device_memory_budget_bytes")
+                assert budget == stats.memory_watermark_limit_bytes == 100 * MIB
+                limit = only_value(families, "laneserve_device_memory_limit_bytes")
+                assert limit == stats.memory_limit_bytes == 32 * MIB
+            help_of = {
+                name: family.documentation
+                for name, family in (await asyncio.to_thread(scrape, port)).items()
+            }
+            assert "host_memory_limit on the CPU" in help_of["laneserve_device_memory_budget_bytes"]
+            assert "memory_limit" in help_of["laneserve_device_memory_limit_bytes"]
+
+    asyncio.run(scenario())
+
+
+def test_without_a_memory_limit_every_lane_is_open_and_no_mark_is_scraped(
+    small_model: Path,
+) -> None:
+    """On the CPU without host_memory_limit there is no watermark: every lane is scraped
+    open (an alert on laneserve_lane_closed_by_memory needs no other series), and the
+    figures in bytes that do not exist are absent, not 0."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            families = await asyncio.to_thread(scrape, s.server.metrics_port)
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+        assert values(families, "laneserve_lane_closed_by_memory", "lane") == {
+            "interactive": 0.0,
+            "standard": 0.0,
+            "bulk": 0.0,
+        }
+        assert stats.memory_high_watermark_bytes == 0  # no watermark
+        for absent in ("used", "budget", "high_watermark", "low_watermark", "limit"):
+            assert f"laneserve_device_memory_{absent}_bytes" not in families
+
+    asyncio.run(scenario())
+
+
+def test_a_collection_reads_the_watermark_once() -> None:
+    """Each read of the watermark takes the scheduler's lock, which admission and batch
+    forming wait on: a scrape read it three times (the closed lanes and each mark). The
+    marks never change and are handed over as values; the closed lanes are read once."""
+    reader = InMemoryMetricReader()
+    telemetry = cpu_telemetry(metric_readers=[reader])
+    reads: list[WatermarkState] = []
+
+    def watermark() -> WatermarkState:
+        reads.append(WatermarkState(None, 90, 80, ("bulk",), limit_bytes=100))
+        return reads[-1]
+
+    sources = dataclasses.replace(
+        cpu_sources(StatsRecorder(["interactive", "standard", "bulk"])),
+        watermark=watermark,
+        high_watermark_bytes=90,
+        low_watermark_bytes=80,
+    )
+    telemetry.observe(sources)
+    points = collect(reader)
+    telemetry.close()
+    assert len(reads) == 1
+    assert at(points, "laneserve.device.memory.high_watermark") == 90
+    assert at(points, "laneserve.device.memory.low_watermark") == 80
+    assert series(points, "laneserve.lane.closed_by_memory", "lane") == {
+        ("interactive",): 0,
+        ("standard",): 0,
+        ("bulk",): 1,
+    }
+
+
+def test_build_info_and_the_server_state_say_what_serves_and_whether_it_drains(
+    small_model: Path,
+) -> None:
+    """A CUDA session the runtime built on the CPU (cuda_unavailable) and a server that
+    drains were invisible to Prometheus: laneserve_build_info names the version, the model
+    and the session's providers as GetModel does, and laneserve_server_state is 1 for
+    the lifecycle state now, 0 for the others. The model is the file's name and the start
+    of its SHA-256: its path as typed (./m.onnx or absolute) named the same model two ways
+    and stayed the same when the file was replaced."""
+    states = ("STARTING", "SERVING", "DRAINING", "STOPPED")
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            port = s.server.metrics_port
+            model = await s.stub.GetModel(pb.GetModelRequest())
+            serving_now = await asyncio.to_thread(scrape, port)
+            engine.hold()
+            running = asyncio.ensure_future(s.stub.Infer(request(rows(1))))
+            await entered(engine)
+            stopping = asyncio.ensure_future(s.server.stop(grace_s=30.0))
+            await until(lambda: s.server.state is Lifecycle.DRAINING)
+            draining = await asyncio.to_thread(scrape, port)
+            engine.release()
+            await running
+            await stopping
+        (info,) = serving_now["laneserve_build_info"].samples
+        assert info.value == 1
+        keys = ("version", "model", "model_sha256", "providers")
+        assert {key: info.labels[key] for key in keys} == {
+            "version": importlib.metadata.version("laneserve"),
+            "model": Path(model.model_path).name,
+            "model_sha256": model.model_sha256[:12],
+            "providers": ",".join(model.providers),
+        }
+        assert model.server_version == info.labels["version"]
+        assert model.model_path == str(small_model) != small_model.name
+        assert len(model.model_sha256) == 64  # hex SHA-256: the label is its start
+        for families, now in ((serving_now, "SERVING"), (draining, "DRAINING")):
+            assert values(families, "laneserve_server_state", "state") == {
+                state: float(state == now) for state in states
+            }
+
+    asyncio.run(scenario())
+
+
+def test_target_info_names_the_instance_get_stats_names(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """target_info's service_instance_id (the SDK's, one per process) was not GetStats'
+    instance_id (the servicer's): a dashboard could not join the two. One id is made per
+    server and given to both. An instance named in OTEL_RESOURCE_ATTRIBUTES wins in
+    target_info (the operator's join key); GetStats keeps its per-start id, which
+    `laneserve top` reads to tell a restart from the same server."""
+
+    async def instance_ids() -> tuple[str, str]:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            families = await asyncio.to_thread(scrape, s.server.metrics_port)
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+        (target,) = families["target_info"].samples
+        return target.labels["service_instance_id"], stats.instance_id
+
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    scraped, reported = asyncio.run(instance_ids())
+    assert scraped == reported != ""
+    again, reported_again = asyncio.run(instance_ids())
+    assert again == reported_again != reported  # one per server, not per process
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.instance.id=replica-7")
+    scraped, reported = asyncio.run(instance_ids())
+    assert scraped == "replica-7"
+    assert reported not in ("", "replica-7", reported_again)
+
+
+def test_latency_buckets_are_fine_enough_for_histogram_quantile(small_model: Path) -> None:
+    """histogram_quantile() interpolates inside a bucket, so adjacent bounds 2-2.5x apart
+    (1-2-5 per decade from 0.5 ms) read p99 at 1.4-1.7x GetStats' exact one, and a small
+    model's 43 us median as 282 us. Bounds from 50 us or less to 120 s, at most 5/3
+    apart, and few enough that buckets x lanes x statuses stays moderate."""
+
+    async def scenario() -> dict[str, Any]:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            await s.stub.Infer(request(rows(1)))
+            return await asyncio.to_thread(scrape, s.server.metrics_port)
+
+    families = asyncio.run(scenario())
+    for name in (
+        "laneserve_queue_wait_seconds",
+        "laneserve_infer_duration_seconds",
+        "laneserve_request_duration_seconds",
+    ):
+        bounds = sorted(
+            {
+                float(sample.labels["le"])
+                for sample in families[name].samples
+                if sample.name.endswith("_bucket") and sample.labels["le"] != "+Inf"
+            }
+        )
+        assert bounds[0] <= 0.00005, name
+        assert bounds[-1] >= 120.0, name
+        assert max(upper / lower for lower, upper in itertools.pairwise(bounds)) <= 5 / 3 + 1e-9
+        assert len(bounds) <= 45, name
+
+
+def test_the_median_of_mostly_full_batches_reads_near_get_stats_median(
+    small_model: Path,
+) -> None:
+    """Batch sizes at powers-of-two bounds alone put every full batch at a cap of 32 in
+    (16, 32]: histogram_quantile(0.5) read 18.5 rows where GetStats' p50 was 32. With
+    steps of a quarter between powers of two it reads within 15% (rows are exact: each
+    request below runs as a batch of its own)."""
+
+    async def scenario() -> tuple[dict[str, Any], pb.GetStatsResponse]:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, max_batch_size=32)) as s:
+            for size in (5, 5, 5) + (32,) * 9:  # one after another: one batch each
+                await s.stub.Infer(request(rows(size), lane="standard"))
+            families = await asyncio.to_thread(scrape, s.server.metrics_port)
+            return families, await s.stub.GetStats(pb.GetStatsRequest())
+
+    families, stats = asyncio.run(scenario())
+    assert stats.batch_cap == 32
+    assert stats.batch_size.count == 12
+    assert stats.batch_size.p50 == 32
+    median = histogram_quantile(0.5, families, "laneserve_batch_size")
+    assert abs(median / stats.batch_size.p50 - 1) <= 0.15, median
+
+
 # How long the first of two scrapes waits for the second to collect beside it. Scrapes
 # taken one at a time never do: the wait lapses, and its length is asserted nowhere.
 SCRAPE_OVERLAP_WAIT_S = 2.0
@@ -1305,7 +1620,7 @@ def test_scrapes_at_the_same_time_each_get_every_metric_once(
     Prometheus rejects) and the other came back empty (every series stale)."""
     stats = StatsRecorder([lane.name for lane in ServerConfig(model_path="m.onnx").lanes])
     telemetry = cpu_telemetry(prometheus=True)
-    telemetry.observe(list, lambda: 64, stats.counts, lambda: None, lambda: None)
+    telemetry.observe(cpu_sources(stats))
     first_collected, second_collected = threading.Event(), threading.Event()
     add_metrics_data = otel_prometheus._CustomCollector.add_metrics_data
     overlap = False  # the scrape alone first: it waits for none
@@ -1350,7 +1665,7 @@ def test_a_scrape_for_some_names_gets_those_samples_alone() -> None:
     OpenTelemetry's declares none."""
     stats = StatsRecorder([lane.name for lane in ServerConfig(model_path="m.onnx").lanes])
     telemetry = cpu_telemetry(prometheus=True)
-    telemetry.observe(list, lambda: 64, stats.counts, lambda: None, lambda: None)
+    telemetry.observe(cpu_sources(stats))
     try:
         port = telemetry.serve_metrics("127.0.0.1", 0)
         whole = fetch(f"http://127.0.0.1:{port}/metrics")

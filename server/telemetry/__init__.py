@@ -34,7 +34,7 @@ from laneserve.server.telemetry.logs import (
     TextFormatter,
     configure_logging,
 )
-from laneserve.server.telemetry.metrics import Metrics
+from laneserve.server.telemetry.metrics import Metrics, MetricSources
 from laneserve.server.telemetry.server_spans import ServerSpans
 from laneserve.server.telemetry.tracing import BatchLinkSampler, Tracing
 
@@ -44,6 +44,7 @@ __all__ = [
     "EndpointTls",
     "EventLog",
     "JsonFormatter",
+    "MetricSources",
     "Metrics",
     "MetricsEndpoint",
     "ServerSpans",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -39,15 +40,11 @@ finally:
 
 from laneserve.server.config import LaneConfig, ServerConfig
 from laneserve.server.events import SchedulerEvents
-from laneserve.server.grpc_calls import GrpcCalls
-from laneserve.server.idempotency import LedgerCounts
-from laneserve.server.scheduler import LaneDepth
-from laneserve.server.stats import Counts
 from laneserve.server.telemetry.device import DeviceMonitor
 from laneserve.server.telemetry.endpoint import EndpointTls, MetricsEndpoint
 from laneserve.server.telemetry.environment import resource_from_env, tracer_provider_from_env
 from laneserve.server.telemetry.logs import EventLog
-from laneserve.server.telemetry.metrics import Metrics
+from laneserve.server.telemetry.metrics import Metrics, MetricSources
 from laneserve.server.telemetry.server_spans import ServerSpans
 from laneserve.server.telemetry.tracing import Tracing
 
@@ -68,13 +65,14 @@ class Telemetry:
     sinks = telemetry.events                 # SchedulerEvents sinks
     tracer = telemetry.tracing               # RequestTracer, or None: tracing off
     interceptors = telemetry.interceptors    # for grpc.aio.server
-    telemetry.observe(thread.depths, lambda: thread.batch_cap, stats.counts, grpc_calls, ledger)
+    telemetry.observe(MetricSources(thread.depths, ...))  # what the gauges read
+    servicer = InferenceServicer(..., instance_id=telemetry.instance_id)
     port = telemetry.serve_metrics(host, config.metrics_port)
     ...
     telemetry.close()
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - keyword-only, one per part it assembles
         self,
         *,
         lanes: Sequence[LaneConfig],
@@ -85,9 +83,15 @@ class Telemetry:
         prometheus: bool = False,
         owns_tracer_provider: bool = False,
         device: DeviceMonitor | None = None,
+        instance_id: str | None = None,
     ) -> None:
         """`tracer_provider` None: tracing off. `metric_readers` and, with `prometheus`,
-        a Prometheus reader collect the metrics; with neither, no metric is recorded."""
+        a Prometheus reader collect the metrics; with neither, no metric is recorded.
+        `instance_id`: this server's (a new one by default), see `instance_id`."""
+        # Which server this is, made once per server: GetStats' instance_id and the
+        # metrics' service.instance.id (Prometheus' target_info), unless
+        # OTEL_RESOURCE_ATTRIBUTES names the instance (see `resource_from_env`).
+        self.instance_id = instance_id or new_instance_id()
         self._tracer_provider = tracer_provider
         self._owns_tracer_provider = owns_tracer_provider
         self._device = device
@@ -111,13 +115,13 @@ class Telemetry:
             # Closed by `close`; no exit hook, so servers in tests leave nothing behind.
             self._meter_provider = MeterProvider(
                 metric_readers=readers,
-                resource=resource_from_env(),
+                resource=resource_from_env(self.instance_id),
                 shutdown_on_exit=False,
                 # Exemplars would look up the current span on every measurement.
                 exemplar_filter=AlwaysOffExemplarFilter(),
             )
             self.metrics = Metrics(
-                self._meter_provider.get_meter(INSTRUMENTATION_NAME), lanes, device
+                self._meter_provider.get_meter(INSTRUMENTATION_NAME), lanes, device, providers
             )
             self.events.append(self.metrics)
         self.tracing: Tracing | None = None
@@ -131,7 +135,8 @@ class Telemetry:
     @classmethod
     def from_config(cls, config: ServerConfig, providers: Sequence[str]) -> Telemetry:
         """Tracing from the OTEL_* variables; Prometheus unless metrics_port is -1."""
-        tracer_provider = tracer_provider_from_env()
+        instance_id = new_instance_id()  # the spans' resource's too
+        tracer_provider = tracer_provider_from_env(instance_id=instance_id)
         return cls(
             lanes=config.lanes,
             providers=providers,
@@ -140,22 +145,17 @@ class Telemetry:
             owns_tracer_provider=tracer_provider is not None,
             prometheus=config.metrics_port >= 0,
             device=DeviceMonitor.open(providers),
+            instance_id=instance_id,
         )
 
-    def observe(
-        self,
-        depths: Callable[[], Sequence[LaneDepth]],
-        batch_cap: Callable[[], int],
-        counts: Callable[[], Counts],
-        grpc_calls: Callable[[], GrpcCalls | None],
-        ledger: Callable[[], LedgerCounts | None],
-    ) -> None:
-        """Where the gauges read lane depths and the batch cap, and the counters their
-        counts (the stats recorder's, which GetStats reports too), gRPC's own call
-        counts (None until the gRPC server runs) and the idempotency ledger's joins,
-        replays and replay cache (None until the servicer exists)."""
+    def observe(self, sources: MetricSources) -> None:
+        """Where the gauges read lane depths, the batch cap, the watermark and the
+        lifecycle state, and the counters their counts (the stats recorder's, which
+        GetStats reports too), gRPC's own call counts (None until the gRPC server runs)
+        and the idempotency ledger's joins, replays and replay cache (None until the
+        servicer exists)."""
         if self.metrics is not None:
-            self.metrics.observe(depths, batch_cap, counts, grpc_calls, ledger)
+            self.metrics.observe(sources)
 
     def serve_metrics(self, host: str, port: int, tls: EndpointTls | None = None) -> int | None:
         """Starts the Prometheus endpoint (HTTPS with `tls`); returns its port (None: not
@@ -186,6 +186,11 @@ class Telemetry:
             self._meter_provider.shutdown()
         if self._device is not None:
             self._device.close()
+
+
+def new_instance_id() -> str:
+    """A random id for one server's run (a UUID v4, as the SDK's own service.instance.id)."""
+    return str(uuid.uuid4())
 
 
 def _within(limit_s: float, work: Callable[[], object], what: str) -> None:

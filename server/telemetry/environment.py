@@ -13,7 +13,7 @@ import os
 import threading
 from collections.abc import Iterator, Mapping
 
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
@@ -68,7 +68,9 @@ def _load_exporter(name: str, environ: Mapping[str, str]) -> SpanExporter:
     return exporter
 
 
-def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> TracerProvider | None:
+def tracer_provider_from_env(
+    environ: Mapping[str, str] | None = None, instance_id: str | None = None
+) -> TracerProvider | None:
     """The tracer provider the standard variables ask for, or None: tracing off.
 
     `OTEL_TRACES_EXPORTER`: comma-separated exporters, `none` (the default here, unlike
@@ -77,7 +79,8 @@ def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> Tracer
     exporter itself) or any installed exporter's entry point name. `OTEL_SDK_DISABLED=true`
     turns tracing off. Sampling: `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG`; batch
     spans are sampled whenever a request they serve is, with their `infer` child (see
-    `BatchLinkSampler`).
+    `BatchLinkSampler`). `instance_id`: the resource's service.instance.id (see
+    `resource_from_env`).
     """
     environ = os.environ if environ is None else environ
     if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
@@ -98,7 +101,7 @@ def tracer_provider_from_env(environ: Mapping[str, str] | None = None) -> Tracer
     with _sdk_complaints() as complaints:
         exporters = _load_exporters(names, environ)
         try:
-            provider = TracerProvider(resource=resource_from_env())
+            provider = TracerProvider(resource=resource_from_env(instance_id))
             processors = [BatchSpanProcessor(exporter) for exporter in exporters]
         except ValueError as error:
             for exporter in exporters:
@@ -201,9 +204,28 @@ def check_tracing_env() -> None:
         provider.shutdown()
 
 
-def resource_from_env() -> Resource:
-    """OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME, with service.name laneserve by default."""
+def resource_from_env(instance_id: str | None = None) -> Resource:
+    """OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME, with service.name laneserve by default,
+    and service.instance.id `instance_id` (None: the SDK's, one random id per process).
+
+    A service.instance.id in OTEL_RESOURCE_ATTRIBUTES wins over `instance_id`: the
+    operator named the instance (a pod, a host) to join the metrics and traces to it, as
+    the specification has that variable override detected values. `instance_id` then
+    stays GetStats' alone, where it tells one run of the server from the next
+    (`laneserve top`), which a name kept across restarts would not."""
     resource = Resource.create()
     if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
         resource = resource.merge(Resource({"service.name": "laneserve"}))
+    if instance_id is not None and not _names_the_instance(os.environ):
+        resource = resource.merge(Resource({SERVICE_INSTANCE_ID: instance_id}))
     return resource
+
+
+def _names_the_instance(environ: Mapping[str, str]) -> bool:
+    """Whether OTEL_RESOURCE_ATTRIBUTES sets service.instance.id, its keys read as the SDK
+    reads them (before the first "=", stripped; an item without one is skipped). Read
+    here, not by the SDK's detector again: that warned twice of an item it cannot read."""
+    items = environ.get("OTEL_RESOURCE_ATTRIBUTES", "").split(",")
+    return any(
+        item.split("=", 1)[0].strip() == SERVICE_INSTANCE_ID for item in items if "=" in item
+    )

@@ -19,8 +19,18 @@ Metric names (OpenTelemetry; Prometheus adds the unit and `_total`, e.g.
     laneserve.lane.capacity       gauge rows        lane
     laneserve.batch.cap           gauge rows                       largest batch formed now
     laneserve.device.memory.used  gauge By                         at the last reading
-    laneserve.device.memory.budget gauge By                        the GPU's total memory,
-                                                                   host_memory_limit on the CPU
+    laneserve.device.memory.budget gauge By                        what the watermarks are
+                                                                   fractions of: the GPU's total
+                                                                   memory, host_memory_limit on
+                                                                   the CPU
+    laneserve.device.memory.high_watermark gauge By                lanes close at or above it
+    laneserve.device.memory.low_watermark gauge By                 closed lanes reopen below it
+    laneserve.device.memory.limit gauge By                         the arena's cap (memory_limit)
+    laneserve.lane.closed_by_memory gauge           lane           1 while the watermark closes it
+    laneserve.build_info          gauge             version,       1
+                                                    model, model_sha256,
+                                                    providers
+    laneserve.server.state        gauge             state          1 for the lifecycle state now
     laneserve.device.utilization.ratio gauge 1                     NVML; absent without a GPU
     laneserve.grpc.calls          counter           state          gRPC's own count (Channelz):
                                                                    started, succeeded, failed
@@ -36,13 +46,21 @@ admitted, so no other request counter sees it, unless the answer cannot reach it
 (a join answered alone at its deadline, an answer over the caller's receive limit): that
 one is refused too, in `laneserve.requests.rejected`.
 
-Calls that end before the servicer sees them count in `laneserve.grpc.calls` alone: those
-gRPC's core refused (max_pending_calls) as started and never ended, those cancelled or
-expired in gRPC's queue as failed (as is every call ended with a status other than OK).
+`laneserve.grpc.calls` counts every call on the server's ports, the operator's too
+(GetStats, GetModel, health checks, reflection, Channelz: `laneserve top` makes one a
+second): Channelz counts per server, not per method, and a count of our own would take
+an interceptor on every call of the request path. Calls that end before the servicer
+sees them count there alone: those gRPC's core refused (max_pending_calls) as started
+and never ended, those cancelled or expired in gRPC's queue as failed (as is every call
+ended with a status other than OK).
 
 The counters report every series known in advance from the start, at 0: each lane with
 each refusal and shed reason and each end status, each dispatch reason with each batch
-status, both cap moves (see `_Counter.known`).
+status, both cap moves (see `_Counter.known`); so do `laneserve.lane.closed_by_memory`
+(each lane, 0 without a watermark: nothing closes it then) and `laneserve.server.state`
+(each lifecycle state). The memory figures in bytes exist where their value does: used,
+budget and the two watermarks where the watermark takes readings (always on a GPU, with
+host_memory_limit on the CPU), the limit where memory_limit caps the arena.
 """
 
 from __future__ import annotations
@@ -50,6 +68,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import PurePath
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
@@ -60,6 +79,9 @@ from laneserve.server.events import NullEvents
 from laneserve.server.grpc_calls import GrpcCalls
 from laneserve.server.idempotency import LedgerCounts
 from laneserve.server.items import Batch, DispatchReason
+from laneserve.server.lifecycle import Lifecycle
+from laneserve.server.memory import WatermarkState
+from laneserve.server.model_identity import SERVER_VERSION
 from laneserve.server.scheduler import LaneDepth
 from laneserve.server.stats import (
     ANSWERED_STATUSES,
@@ -70,20 +92,46 @@ from laneserve.server.stats import (
 )
 from laneserve.server.telemetry.device import DeviceMonitor
 
-# Bucket boundaries. Times: from a fraction of a millisecond (an interactive batch on a
-# GPU) to the bulk lane's two-minute timeout, roughly 1-2-5 per decade. Sizes: powers
-# of two, the sizes the probe measures and batch caps usually are.
+# Bucket boundaries. histogram_quantile() interpolates linearly inside the bucket the
+# quantile falls in, so its error is bounded by the ratio of adjacent bounds: at 1-2-5 per
+# decade (2-2.5x) the p99 read 1.4-1.7x GetStats' exact one, and with 0.5 ms first a small
+# model's runs (43 us median, 236 of 266 in the first bucket) read a 0.28 ms median.
+# Times: 20 us to the bulk lane's two-minute timeout, at 1-1.5-2-3-5-7 per decade
+# (adjacent bounds at most 5/3 apart). The first bucket reads as if spread from 0: a
+# small model's runs on the CPU took 30-45 us, mostly below a first bound of 50 us, and
+# their median read 0.76x. Not finer: every bucket is one series per lane and status
+# (request duration: up to 3 lanes x 8 statuses x 43), and 1.25x steps would take ~70
+# buckets for little more.
 SECONDS_BUCKETS: tuple[float, ...] = (
-    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
-    60.0, 120.0,
+    0.00002, 0.00003, 0.00005, 0.00007,
+    0.0001, 0.00015, 0.0002, 0.0003, 0.0005, 0.0007,
+    0.001, 0.0015, 0.002, 0.003, 0.005, 0.007,
+    0.01, 0.015, 0.02, 0.03, 0.05, 0.07,
+    0.1, 0.15, 0.2, 0.3, 0.5, 0.7,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.0,
+    10.0, 15.0, 20.0, 30.0, 50.0, 70.0,
+    100.0, 120.0,
 )  # fmt: skip
-ROWS_BUCKETS: tuple[float, ...] = tuple(float(1 << power) for power in range(15))
+# Sizes: 1 to 8 one by one, then four steps per power of two (8, 10, 12, 14, 16, 20, ...)
+# up to 16384. Batch caps are usually powers of two, and at powers-of-two bounds alone
+# full batches at a cap of 32 all fell in (16, 32]: their median read 18.5, not 32. Now a
+# power of two is the top of a bucket 1.14x wide (28, 32]. One series (no attributes),
+# so the 52 buckets cost little.
+ROWS_BUCKETS: tuple[float, ...] = (
+    *(float(rows) for rows in range(1, 8)),
+    *(
+        float(octave * step // 4)
+        for octave in (1 << power for power in range(3, 14))
+        for step in (4, 5, 6, 7)
+    ),
+    float(1 << 14),
+)
 
 
-@dataclasses.dataclass(slots=True)
-class _Sources:
-    """What the gauges and counters read at collection time; set once the scheduler
-    thread exists."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class MetricSources:
+    """What the gauges and counters read at collection time (a scrape); handed over once
+    the scheduler thread exists (`Telemetry.observe`)."""
 
     depths: Callable[[], Sequence[LaneDepth]]
     batch_cap: Callable[[], int]
@@ -92,6 +140,18 @@ class _Sources:
     grpc_calls: Callable[[], GrpcCalls | None]
     # The idempotency ledger's; None until the servicer exists.
     ledger: Callable[[], LedgerCounts | None]
+    # The scheduler's watermark, as GetStats reads it; None: no limit to watch. Read once
+    # a collection (it takes the scheduler's lock), for the lanes it closes.
+    watermark: Callable[[], WatermarkState | None]
+    # Its marks, which never change (GetStats' memory_high_watermark_bytes and
+    # memory_low_watermark_bytes); None: no watermark.
+    high_watermark_bytes: int | None
+    low_watermark_bytes: int | None
+    state: Callable[[], Lifecycle]
+    model_path: str  # as GetModel names it
+    model_sha256: str  # GetModel's, hex; "" when unknown
+    # The arena's cap (memory_limit), GetStats' memory_limit_bytes; None: uncapped.
+    memory_limit_bytes: int | None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -183,10 +243,17 @@ class Metrics(NullEvents):
     """
 
     def __init__(
-        self, meter: Meter, lanes: Sequence[LaneConfig], device: DeviceMonitor | None = None
+        self,
+        meter: Meter,
+        lanes: Sequence[LaneConfig],
+        device: DeviceMonitor | None = None,
+        providers: Sequence[str] = (),
     ) -> None:
-        self._sources: _Sources | None = None
+        """`providers`: the session's, for laneserve.build_info."""
+        self._sources: MetricSources | None = None
+        self._lane_names = [lane.name for lane in lanes]
         self._capacities = [(lane.name, lane.capacity_rows) for lane in lanes]
+        self._providers = ",".join(providers)
         self._device = device
         self._memory: tuple[int, int | None] | None = None  # (used, budget) bytes
         self._lane_attributes: dict[str, dict[str, str]] = {}
@@ -214,11 +281,10 @@ class Metrics(NullEvents):
             description="Arrival in the server to answer, per lane and final status",
             explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
         )
-        lane_names = [lane.name for lane in lanes]
         for counter in _COUNTERS:
             meter.create_observable_counter(
                 counter.name,
-                callbacks=[self._counter_callback(counter, lane_names)],
+                callbacks=[self._counter_callback(counter, self._lane_names)],
                 unit="{event}",
                 description=counter.description,
             )
@@ -227,7 +293,8 @@ class Metrics(NullEvents):
             callbacks=[self._observe_grpc_calls],
             unit="{call}",
             description="gRPC's own count of this server's calls (Channelz), by state: "
-            "started, succeeded, failed",
+            "started, succeeded, failed; every call on its ports, GetStats, GetModel and "
+            "health checks too",
         )
         meter.create_observable_counter(
             "laneserve.requests.idempotent",
@@ -277,8 +344,50 @@ class Metrics(NullEvents):
             "laneserve.device.memory.budget",
             callbacks=[self._observe_memory_budget],
             unit="By",
-            description="The limit memory in use is measured against: the GPU's total memory, "
-            "host_memory_limit on the CPU",
+            description="What the watermark fractions (memory_high_watermark, "
+            "memory_low_watermark) are of, and memory in use is measured against: the GPU's "
+            "total memory, host_memory_limit on the CPU; not the arena's cap "
+            "(laneserve_device_memory_limit_bytes)",
+        )
+        meter.create_observable_gauge(
+            "laneserve.device.memory.high_watermark",
+            callbacks=[self._observe_high_watermark],
+            unit="By",
+            description="Memory in use at or above which the watermark closes lanes, lowest "
+            "priority first (memory_high_watermark of the budget)",
+        )
+        meter.create_observable_gauge(
+            "laneserve.device.memory.low_watermark",
+            callbacks=[self._observe_low_watermark],
+            unit="By",
+            description="Memory in use below which lanes closed by the watermark reopen "
+            "(memory_low_watermark of the budget)",
+        )
+        meter.create_observable_gauge(
+            "laneserve.device.memory.limit",
+            callbacks=[self._observe_memory_limit],
+            unit="By",
+            description="The cap on the session's memory arena (memory_limit, GetStats' "
+            "memory_limit_bytes); absent when uncapped",
+        )
+        meter.create_observable_gauge(
+            "laneserve.lane.closed_by_memory",
+            callbacks=[self._observe_closed_by_memory],
+            description="1 while the memory watermark closes the lane (it refuses new "
+            "requests with MEMORY_PRESSURE), else 0",
+        )
+        meter.create_observable_gauge(
+            "laneserve.build_info",
+            callbacks=[self._observe_build_info],
+            description="1, with the package version, the model file's name and the first "
+            "12 hex digits of its SHA-256 (GetModel's model_sha256; empty when unknown), and "
+            "the session's execution providers (a CUDA session the runtime built on the "
+            "CPU says CPUExecutionProvider)",
+        )
+        meter.create_observable_gauge(
+            "laneserve.server.state",
+            callbacks=[self._observe_state],
+            description="1 for the server's lifecycle state now, 0 for the others",
         )
         if device is not None:
             # Registered only with a GPU in use: absent, not zero, without one.
@@ -291,15 +400,8 @@ class Metrics(NullEvents):
                 description="GPU utilisation over NVML's last sample period, in [0, 1]",
             )
 
-    def observe(
-        self,
-        depths: Callable[[], Sequence[LaneDepth]],
-        batch_cap: Callable[[], int],
-        counts: Callable[[], Counts],
-        grpc_calls: Callable[[], GrpcCalls | None],
-        ledger: Callable[[], LedgerCounts | None],
-    ) -> None:
-        self._sources = _Sources(depths, batch_cap, counts, grpc_calls, ledger)
+    def observe(self, sources: MetricSources) -> None:
+        self._sources = sources
 
     def _observe_grpc_calls(self, options: CallbackOptions) -> Iterable[Observation]:
         calls = None if self._sources is None else self._sources.grpc_calls()
@@ -400,3 +502,42 @@ class Metrics(NullEvents):
         assert self._device is not None
         utilization = self._device.utilization()
         return [] if utilization is None else [Observation(utilization)]
+
+    def _observe_high_watermark(self, options: CallbackOptions) -> Iterable[Observation]:
+        mark = None if self._sources is None else self._sources.high_watermark_bytes
+        return [] if mark is None else [Observation(mark)]
+
+    def _observe_low_watermark(self, options: CallbackOptions) -> Iterable[Observation]:
+        mark = None if self._sources is None else self._sources.low_watermark_bytes
+        return [] if mark is None else [Observation(mark)]
+
+    def _observe_memory_limit(self, options: CallbackOptions) -> Iterable[Observation]:
+        limit = None if self._sources is None else self._sources.memory_limit_bytes
+        return [] if limit is None else [Observation(limit)]
+
+    def _observe_closed_by_memory(self, options: CallbackOptions) -> Iterable[Observation]:
+        # Every lane, 0 without a watermark: an alert on it needs no other series.
+        if self._sources is None:
+            return []
+        state = self._sources.watermark()
+        closed = () if state is None else state.closed_lanes
+        return [Observation(int(name in closed), self._lane(name)) for name in self._lane_names]
+
+    def _observe_build_info(self, options: CallbackOptions) -> Iterable[Observation]:
+        if self._sources is None:
+            return []
+        # The file's name, not the path as typed: the same label whether the model was
+        # named ./m.onnx or by its absolute path; its hash says when the file changed.
+        info = {
+            "version": SERVER_VERSION,
+            "model": PurePath(self._sources.model_path).name,
+            "model_sha256": self._sources.model_sha256[:12],
+            "providers": self._providers,
+        }
+        return [Observation(1, info)]
+
+    def _observe_state(self, options: CallbackOptions) -> Iterable[Observation]:
+        if self._sources is None:
+            return []
+        now = self._sources.state()
+        return [Observation(int(state is now), {"state": state.value}) for state in Lifecycle]

@@ -247,11 +247,20 @@ class TensorSpec(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
     SHAPE_FIELD_NUMBER: _builtins.int
+    DIM_NAMES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     dtype: Global___DataType.ValueType
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """-1 for a dynamic dimension."""
+
+    @_builtins.property
+    def dim_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """One per dimension of `shape`: its symbolic name in the model, "" for a fixed or
+        unnamed one. Inputs that name a dimension alike (K in a[N, K] and b[N, K]) must
+        agree on its size, or the request is refused (INVALID_INPUT). Empty from a server
+        older than the field: the names are then unknown, not absent.
+        """
 
     def __init__(
         self,
@@ -259,10 +268,11 @@ class TensorSpec(_message.Message):
         name: _builtins.str = ...,
         dtype: Global___DataType.ValueType = ...,
         shape: _abc.Iterable[_builtins.int] | None = ...,
+        dim_names: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "shape", b"shape"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dim_names", b"dim_names", "dtype", b"dtype", "name", b"name", "shape", b"shape"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -310,6 +320,26 @@ Global___LaneSpec: _TypeAlias = LaneSpec  # noqa: Y015
 class GetModelResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class CustomMetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     MODEL_PATH_FIELD_NUMBER: _builtins.int
     INPUTS_FIELD_NUMBER: _builtins.int
     OUTPUTS_FIELD_NUMBER: _builtins.int
@@ -317,6 +347,14 @@ class GetModelResponse(_message.Message):
     MAX_BATCH_SIZE_FIELD_NUMBER: _builtins.int
     LANES_FIELD_NUMBER: _builtins.int
     PROVIDERS_FIELD_NUMBER: _builtins.int
+    MODEL_SHA256_FIELD_NUMBER: _builtins.int
+    MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    PRODUCER_NAME_FIELD_NUMBER: _builtins.int
+    GRAPH_NAME_FIELD_NUMBER: _builtins.int
+    DOMAIN_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    CUSTOM_METADATA_FIELD_NUMBER: _builtins.int
+    SERVER_VERSION_FIELD_NUMBER: _builtins.int
     STREAM_WINDOW_FIELD_NUMBER: _builtins.int
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _builtins.int
     MEMORY_LIMIT_BYTES_FIELD_NUMBER: _builtins.int
@@ -333,6 +371,25 @@ class GetModelResponse(_message.Message):
     """
     max_batch_size: _builtins.int
     """The configured upper bound of the batch cap."""
+    model_sha256: _builtins.str
+    """Which model answers: hex SHA-256 of the bytes the session was loaded from, read once
+    at start. The model file alone: `sha256sum model.onnx`. A model with external data:
+    the model file's bytes followed by each external data file's, whole, in the order the
+    model first names them (`cat model.onnx weights.bin | sha256sum`): the weights are
+    what an audit needs to tell apart, and a file rewritten in place keeps the model
+    file's bytes. Empty when it could not be worked out (the server logs why).
+    """
+    model_version: _builtins.int
+    """The model's own metadata, as the model's author wrote it (ONNX ModelProto fields,
+    read by ONNX Runtime): model_version, producer_name, the graph's name, domain and
+    doc string (`description`, cut to 1 KiB). Absent / empty where the model sets none.
+    """
+    producer_name: _builtins.str
+    graph_name: _builtins.str
+    domain: _builtins.str
+    description: _builtins.str
+    server_version: _builtins.str
+    """The laneserve release that serves (the package's version)."""
     stream_window: _builtins.int
     """Requests one InferStream may have read and not yet answered (its credit window)."""
     max_message_bytes: _builtins.int
@@ -364,6 +421,13 @@ class GetModelResponse(_message.Message):
     def providers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """ONNX Runtime execution providers in use, in order of preference."""
 
+    @_builtins.property
+    def custom_metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The model's metadata_props, in key order while keys and values together stay within
+        8 KiB (the answer is the operator's, not a store of the author's): an entry that
+        does not fit is left out and named in the server's log.
+        """
+
     def __init__(
         self,
         *,
@@ -374,6 +438,14 @@ class GetModelResponse(_message.Message):
         max_batch_size: _builtins.int = ...,
         lanes: _abc.Iterable[Global___LaneSpec] | None = ...,
         providers: _abc.Iterable[_builtins.str] | None = ...,
+        model_sha256: _builtins.str = ...,
+        model_version: _builtins.int | None = ...,
+        producer_name: _builtins.str = ...,
+        graph_name: _builtins.str = ...,
+        domain: _builtins.str = ...,
+        description: _builtins.str = ...,
+        custom_metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        server_version: _builtins.str = ...,
         stream_window: _builtins.int = ...,
         max_message_bytes: _builtins.int = ...,
         memory_limit_bytes: _builtins.int = ...,
@@ -383,11 +455,13 @@ class GetModelResponse(_message.Message):
         measured_fixed_bytes: _builtins.int = ...,
         measured_row_bytes: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_model_version", b"_model_version", "model_version", b"model_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_cap", b"batch_cap", "estimated_fixed_bytes", b"estimated_fixed_bytes", "estimated_row_bytes", b"estimated_row_bytes", "inputs", b"inputs", "lanes", b"lanes", "max_batch_size", b"max_batch_size", "max_message_bytes", b"max_message_bytes", "measured_fixed_bytes", b"measured_fixed_bytes", "measured_row_bytes", b"measured_row_bytes", "memory_limit_bytes", b"memory_limit_bytes", "model_path", b"model_path", "outputs", b"outputs", "probed_batch_cap", b"probed_batch_cap", "providers", b"providers", "stream_window", b"stream_window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_model_version", b"_model_version", "batch_cap", b"batch_cap", "custom_metadata", b"custom_metadata", "description", b"description", "domain", b"domain", "estimated_fixed_bytes", b"estimated_fixed_bytes", "estimated_row_bytes", b"estimated_row_bytes", "graph_name", b"graph_name", "inputs", b"inputs", "lanes", b"lanes", "max_batch_size", b"max_batch_size", "max_message_bytes", b"max_message_bytes", "measured_fixed_bytes", b"measured_fixed_bytes", "measured_row_bytes", b"measured_row_bytes", "memory_limit_bytes", b"memory_limit_bytes", "model_path", b"model_path", "model_sha256", b"model_sha256", "model_version", b"model_version", "outputs", b"outputs", "probed_batch_cap", b"probed_batch_cap", "producer_name", b"producer_name", "providers", b"providers", "server_version", b"server_version", "stream_window", b"stream_window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__model_version: _TypeAlias = _typing.Literal["model_version"]  # noqa: Y015
+    _WhichOneofArgType__model_version: _TypeAlias = _typing.Literal["_model_version", b"_model_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__model_version) -> _WhichOneofReturnType__model_version | None: ...
 
 Global___GetModelResponse: _TypeAlias = GetModelResponse  # noqa: Y015
 
@@ -415,6 +489,10 @@ class LatencySummary(_message.Message):
     P95_MS_FIELD_NUMBER: _builtins.int
     P99_MS_FIELD_NUMBER: _builtins.int
     count: _builtins.int
+    """The samples the percentiles are over: those in the window when read (the last 60 s,
+    at most the newest 4 096), not a running total (0 after a minute with none). Totals are the counters beside this summary, or Prometheus'
+    histogram `_count`.
+    """
     p50_ms: _builtins.float
     p95_ms: _builtins.float
     p99_ms: _builtins.float
@@ -446,6 +524,7 @@ class SizeSummary(_message.Message):
     P95_FIELD_NUMBER: _builtins.int
     P99_FIELD_NUMBER: _builtins.int
     count: _builtins.int
+    """As LatencySummary.count: the samples in the window, not a running total."""
     mean: _builtins.float
     p50: _builtins.float
     p95: _builtins.float
