@@ -35,7 +35,9 @@ class TensorInfo:
     # Per dimension, its symbolic name in the model (None: fixed or unnamed); inputs that
     # name a dimension alike (K in a[N, K] and b[N, K]) must agree on its size. Empty
     # from a server older than the field: the names are unknown, and nothing is checked.
-    dim_names: tuple[str | None, ...] = ()
+    # Not compared: a spec written as TensorInfo(name, dtype, shape) still equals the
+    # server's (the names came later, and a caller's own spec rarely has them).
+    dim_names: tuple[str | None, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if not self.datatype and self.dtype is not None:

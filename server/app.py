@@ -37,7 +37,7 @@ from laneserve.server.engine import (
     nvml_start_error,
     open_nvml_gauge,
 )
-from laneserve.server.errors import DrainingError, LaneserveError
+from laneserve.server.errors import DrainingError, LaneserveError, SessionBrokenError
 from laneserve.server.events import FanOut, NullTracer, SchedulerEvents
 from laneserve.server.grpc_accept import (
     CallGate,
@@ -748,7 +748,11 @@ def _warn_if_a_full_arena_closes_lanes(
 
 
 def _warn_if_a_full_batch_closes_lanes(
-    config: ServerConfig, watermark: Watermark, used_bytes: int | None, probe: Probe
+    config: ServerConfig,
+    watermark: Watermark,
+    used_bytes: int | None,
+    probe: Probe,
+    cgroup_source: str | None,
 ) -> None:
     """On the CPU, warns where the idle reading plus a full batch as the probe measured
     it (`_full_batch_bytes`) reaches the high mark: the server's own batches would close
@@ -760,9 +764,13 @@ def _warn_if_a_full_batch_closes_lanes(
 
     Its own event, beside the GPU's watermark_below_full_arena: what fills is a batch
     the probe measured, not an arena at its cap, and the limit the remedy raises is
-    host_memory_limit, not the arena's memory_limit. The limit named is the floor a
-    refused start names (the sum over the low mark, not the high one): above it lanes a
-    burst closes can reopen as well."""
+    host_memory_limit (or the container's), not the arena's memory_limit. The limit
+    named is the floor a refused start names (the sum over the low mark, not the high
+    one): above it lanes a burst closes can reopen as well. `cgroup_source`: the file
+    the limit was read from where the cgroup's stands in for an unset host_memory_limit
+    (None: the setting's). Then the limit to raise is the container's: the warning had
+    named a --host-memory-limit never set, and one above the container's limit lets the
+    OOM killer come before the watermark acts."""
     if used_bytes is None:
         return
     batch_bytes = _full_batch_bytes(probe)
@@ -770,18 +778,25 @@ def _warn_if_a_full_batch_closes_lanes(
     if full_bytes < watermark.high_bytes:
         return
     floor_bytes = _host_limit_floor(config, used_bytes, batch_bytes)
-    remedy = f"--host-memory-limit above {format_bytes_beyond(floor_bytes, above=True)}"
+    limit = format_bytes(watermark.limit_bytes)
+    limit_named, raised = f"server.host_memory_limit {limit}", "--host-memory-limit"
+    source: dict[str, str] = {}
+    if cgroup_source is not None:
+        limit_named = (
+            f"the cgroup memory limit {limit} ({cgroup_source}; server.host_memory_limit unset)"
+        )
+        raised, source = "a container memory limit", {"source": cgroup_source}
+    remedy = f"{raised} above {format_bytes_beyond(floor_bytes, above=True)}"
     remedy += (
         f" (the idle reading plus the batch, over memory_low_watermark "
         f"{config.memory_low_watermark:g}), {_ROOM}"
     )
-    limit = format_bytes(watermark.limit_bytes)
     log_event(
         log,
         logging.WARNING,
         "watermark_below_full_batch",
-        f"the server holds {format_bytes(used_bytes)} idle of server.host_memory_limit "
-        f"{limit}; with {_a_full_batch(probe, batch_bytes)}, it holds "
+        f"the server holds {format_bytes(used_bytes)} idle of {limit_named}; with "
+        f"{_a_full_batch(probe, batch_bytes)}, it holds "
         f"{format_bytes(full_bytes)}, at or above the high watermark "
         f"{format_bytes(watermark.high_bytes)} (memory_high_watermark "
         f"{config.memory_high_watermark:g} of {limit}), so a full batch would close lanes "
@@ -796,6 +811,7 @@ def _warn_if_a_full_batch_closes_lanes(
         low_watermark_bytes=watermark.low_bytes,
         host_memory_limit_bytes=watermark.limit_bytes,
         host_memory_limit_above_bytes=floor_bytes,
+        **source,
     )
 
 
@@ -871,7 +887,10 @@ def _watch_memory(
     if _on_gpu(engine):
         _warn_if_a_full_arena_closes_lanes(config, engine, watermark, used_bytes, weights_bytes)
     else:
-        _warn_if_a_full_batch_closes_lanes(config, watermark, used_bytes, probe)
+        # The file make_watermark took the limit from, read again for the warning's sake.
+        cgroup = cgroup_memory_limit() if from_cgroup else None
+        source = None if cgroup is None else cgroup.source
+        _warn_if_a_full_batch_closes_lanes(config, watermark, used_bytes, probe, source)
     return watermark, gauge
 
 
@@ -937,7 +956,7 @@ class LaneServer:
             memory_limit_bytes=limit,
             run_ms=run_ms,
         )
-        self.stats = StatsRecorder([lane.name for lane in config.lanes])
+        self.stats = StatsRecorder([lane.name for lane in config.lanes], clock=self.clock)
         self.telemetry = telemetry or Telemetry.from_config(config, engine.providers)
         try:
             # The watermark's reading: the device's, unless a test supplies its own.
@@ -1423,17 +1442,25 @@ class LaneServer:
         )
 
     def _scheduler_failed(self, error: LaneserveError) -> None:
-        """The scheduler or engine thread failed for good (every live request has its
-        answer): the server stops, so that health checks say NOT_SERVING and load
-        balancers and supervisors act, instead of every call failing behind SERVING."""
+        """The scheduler or engine thread failed for good, or the engine found the session
+        broken (every live request has its answer): the server stops, so that health
+        checks say NOT_SERVING and load balancers and supervisors act, instead of every
+        call failing behind SERVING. The line says which, with the error: after
+        session_broken it had said "the scheduler failed", the scheduler being sound."""
         if self.failure is not None:
             return
         self.failure = error
+        failed = (
+            f"the model's session is broken ({error.cause})"
+            if isinstance(error, SessionBrokenError)
+            else "the scheduler failed"
+        )
         log_event(
             log,
             logging.ERROR,
             "scheduler_failed",
-            "the scheduler failed; stopping (the process must be restarted)",
+            f"{failed}; stopping (the process must be restarted)",
+            error=error.message,
         )
         if self.state is Lifecycle.SERVING:  # while STARTING, start() stops it at its end
             self._own_stop = asyncio.ensure_future(self.stop())

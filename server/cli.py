@@ -3,6 +3,19 @@ the demo model."""
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":
+    # `python -m laneserve.server.cli` (the benchmark, container images, the tests' and
+    # scripts' shims) goes the console script's way (laneserve.server.entry): the stop
+    # signals are caught first, then this module is imported again, as
+    # laneserve.server.cli with the heavy imports below, and its `main` runs. Caught in
+    # `main` alone, after those imports, a SIGTERM in their first second was lost as
+    # PID 1. This copy, __main__, goes no further.
+    from laneserve.server.entry import main as entry_main
+
+    sys.exit(entry_main())
+
 import argparse
 import asyncio
 import contextlib
@@ -10,7 +23,6 @@ import errno
 import logging
 import os
 import signal
-import sys
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -26,6 +38,7 @@ from laneserve.server.log_events import refuse_usage
 from laneserve.server.process import (
     STOP_SIGNALS,
     catch_stop_signals_early,
+    die_by_signal,
     release_stop_signals,
     stop_signals_taken,
     tune_for_serving,
@@ -331,9 +344,9 @@ class _Stopper:
                 log,
                 logging.INFO,
                 "signal_repeated",
-                f"{name} again within {REPEAT_WINDOW_S:g}s: taken as the same request, "
-                f"delivered twice (a wrapper that forwards it to this process and to its "
-                f"group); {name} again later stops at once",
+                f"{name} again within {REPEAT_WINDOW_S:g}s: taken as the same request (a "
+                f"wrapper's forwarded copy, or pressed twice quickly); {name} again later "
+                "stops at once",
                 signal=name,
             )
             return
@@ -425,21 +438,21 @@ def _load_server(config: ServerConfig) -> LaneServer:
 def _signal_while_starting(name: str, signum: int, *, again: bool) -> None:
     """A signal before the server serves: the first stops it once the model has loaded
     (the load cannot be interrupted); the next (not the first again within
-    REPEAT_WINDOW_S, see `_Stopper`) ends the process at once, as the shell reports a
-    death by that signal (128 + its number): nothing is served to lose."""
+    REPEAT_WINDOW_S, see `_Stopper`) ends the process at once, by that signal
+    (`die_by_signal`): nothing is served to lose."""
     if not again:
         log_event(
             log,
             logging.INFO,
             "stop_while_starting",
             f"{name} while starting: stopping once the model has loaded, without serving "
-            f"({name} again exits now)",
+            f"({name} again exits now; within {REPEAT_WINDOW_S:g}s it counts as this one)",
             signal=name,
         )
         return
     log_event(log, logging.WARNING, "exit_while_starting", f"{name} again: exiting", signal=name)
     logging.shutdown()
-    os._exit(128 + signum)
+    die_by_signal(signum)
 
 
 def _asked_log_format(argv: Sequence[str] | None) -> str | None:
@@ -494,7 +507,8 @@ def _parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--host-memory-limit",
-        help="CPU only: resident memory the admission watermarks refer to (e.g. 8GiB)",
+        help="CPU only: resident memory the admission watermarks refer to (e.g. 8GiB; "
+        "default: the cgroup's memory limit, if any)",
     )
     serve.add_argument("--device", choices=DEVICES, help="execution device (default auto)")
     serve.add_argument(
@@ -569,7 +583,3 @@ def _add_log_arguments(parser: argparse.ArgumentParser, *, level: str, log_forma
         choices=["text", "json"],
         help="one line per event: text with key=value fields, or one JSON object",
     )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

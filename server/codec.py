@@ -177,7 +177,7 @@ def decode_inputs(
             )
         if tensor.name in arrays:
             raise InvalidInputError(
-                f"input {tensor.name!r} is given twice; expected each input once"
+                f"input {tensor.name!r} is given more than once; expected each input once"
             )
         try:
             array = decode_tensor(tensor)

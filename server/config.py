@@ -258,7 +258,9 @@ class ServerConfig:
     memory_high_watermark: float = 0.95
     memory_low_watermark: float = DEFAULT_MEMORY_LOW_WATERMARK
     # CPU only: the process's resident memory the watermarks refer to ("8GiB").
-    # None: no watermark on the CPU (the arena cap still holds).
+    # None: the least memory limit of the process's cgroups (a container's), as logged
+    # (host_memory_limit_from_cgroup); no watermark on the CPU without one (the arena
+    # cap still holds).
     host_memory_limit: str | None = None
     # Requests one InferStream may have read and not yet answered; the stream is not read
     # further until one of them is answered, so a fast producer cannot flood the lanes.

@@ -449,6 +449,10 @@ class Engine:
         # start fails (`release_claim`): a server's stop ends the engine's runs for good
         # (`_terminated`, `terminate_runs`): it serves one.
         self._terminated = self._claimed = False
+        # The last batch failed and nothing showed the session sound since: none of its
+        # runs succeeded, and it ran no start-up input (`_session_broken`). Only the engine
+        # thread (`run_batch`) reads and sets it.
+        self._last_batch_failed = False
         limit = "none" if memory_limit_bytes is None else format_bytes(memory_limit_bytes)
         log_event(
             log,
@@ -787,6 +791,7 @@ class Engine:
         except LaneserveError as error:
             split = _Split(batch, rows_wanted, self.memory_limit_bytes)
             self._retry_in_halves(inputs, np.arange(batch.rows), error, split)
+            self._last_batch_failed = split.outputs is None and not split.session_ok
             return BatchResult(
                 batch,
                 split.outputs,
@@ -796,6 +801,7 @@ class Engine:
                 out_of_memory_runs=split.out_of_memory_runs(),
                 split=True,
             )
+        self._last_batch_failed = False
         return BatchResult(batch, outputs, None, time.perf_counter() - started)
 
     def _retry_in_halves(
@@ -809,25 +815,39 @@ class Engine:
         half's rows still wanted (asked just before it runs), splits again a half that
         fails, and records every row's outcome in `split`. A single row fails alone.
         When both halves fail with an error other than out of memory, or a batch of one
-        row does, the failure may be no row's (a broken session): see `_session_broken`;
-        its rows then fail with SessionBrokenError, which stops the server. Each run out
-        of memory here ran in a shrunk arena (or ran again in one: see `run`), so a
-        single row that fails does not fit alone, whatever ran before it."""
+        row does after the batch before it failed too, the failure may be no row's (a
+        broken session): see `_session_broken`; its rows then fail with
+        SessionBrokenError, which stops the server. Rows the server's stop ended
+        (DrainingError, `terminate_runs`) fail with it, as a batch it ends whole does:
+        every later run would end so, and it says nothing of the rows or the session.
+        Each run out of memory here ran in a shrunk arena (or ran again in one: see
+        `run`), so a single row that fails does not fit alone, whatever ran before it."""
+        if isinstance(error, DrainingError):
+            split.fail(positions, error)
+            return
         out_of_memory = isinstance(error, DeviceMemoryError)
         if out_of_memory:
             split.ran_out_of_memory(positions)
         if len(positions) == 1:
             # A batch of one row has no halves: a server serving a row at a time (an
             # interactive lane at low load) on a broken session answered every call
-            # ENGINE_FAILURE behind SERVING, never running the start-up input.
-            if split.rows == 1 and not out_of_memory and self._session_broken(split):
+            # ENGINE_FAILURE behind SERVING, never running the start-up input. It runs
+            # only when the batch before failed too: a broken session fails every batch
+            # (seen one answer later), and run after each failed row it doubled the work
+            # of a model that fails many single rows (max_batch_size 1, low load).
+            if (
+                split.rows == 1
+                and not out_of_memory
+                and self._last_batch_failed
+                and self._session_broken(split)
+            ):
                 split.fail(positions, _session_broken_error("this request's row", error))
             else:
                 split.fail_alone(positions, error)
         else:
             failures = self._run_halves(inputs, positions, split)
             both_failed = len(failures) == 2 and not any(  # noqa: PLR2004 - two halves
-                isinstance(failure, DeviceMemoryError) for _, _, failure in failures
+                isinstance(failure, DeviceMemoryError | DrainingError) for _, _, failure in failures
             )
             broken = both_failed and self._session_broken(split)
             for failed_inputs, failed_positions, failure in failures:
@@ -866,13 +886,17 @@ class Engine:
         runs per batch, not two per row). Checked once per batch: a probe of the batch's
         own rows could hit bad rows and fail good requests with them. A probe out of
         memory tells nothing (the halves are tried again) but is counted, as a run of one
-        row that did not fit: it says nothing about batch size."""
+        row that did not fit: it says nothing about batch size. Nor does a probe the
+        server's stop ended (DrainingError): every run fails so after `terminate_runs`,
+        and a drain was taken for a broken session (the server failed, exit 1)."""
         if split.session_ok:
             return False
         try:
             self.run(self.example_inputs(1))
         except DeviceMemoryError:
             split.ran_out_of_memory(None)
+            return False
+        except DrainingError:
             return False
         except LaneserveError:
             return True

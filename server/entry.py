@@ -1,5 +1,6 @@
-"""The `laneserve` console script: the stop signals are caught before anything heavy is
-imported, then the command line runs (laneserve.server.cli).
+"""The `laneserve` console script, and `python -m laneserve.server.cli` (which comes
+here first): the stop signals are caught before anything heavy is imported, then the
+command line runs (laneserve.server.cli).
 
 Importing the CLI loads ONNX Runtime and gRPC, about a second (twice with JSON logs,
 which start the process again). As PID 1 of a container a SIGTERM that came meanwhile

@@ -33,14 +33,21 @@ class InferenceRequest:
     inputs: Mapping[str, Array] = dataclasses.field(repr=False)
     rows: int
     signature: Signature
-    # Monotonic seconds by which the answer is due, from the gRPC deadline and the
-    # request's timeout_ms; None when neither was given (the lane's timeout applies).
+    # Monotonic seconds by which the answer is due. The service always gives one: the
+    # earliest of the gRPC deadline, the request's timeout_ms and its lane's timeout, all
+    # counted from arrival (`LaneConfig.deadline_s`). None: the lane's timeout counted from
+    # admission (a caller other than the service).
     deadline_s: float | None
     # Opaque to the scheduler: handed back in the request's `Outcome`.
     token: object = dataclasses.field(repr=False, compare=False)
     # Opaque to the scheduler: the request's `RequestTrace` (events.py), copied into every
     # slice of it so that telemetry can link a batch to the requests it serves.
     trace: object = dataclasses.field(default=None, repr=False, compare=False)
+    # For messages only: the caller's own budget in seconds from arrival, before its lane's
+    # timeout capped it (the shorter of its gRPC deadline's remaining time and its
+    # timeout_ms); None when it set neither. `deadline_s` holds the cap already, so a
+    # refusal or expiry could not tell whether the lane's timeout or the caller's set it.
+    own_timeout_s: float | None = None
 
 
 class DispatchReason(enum.Enum):

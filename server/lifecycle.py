@@ -18,9 +18,14 @@ class Lifecycle(enum.Enum):
 # The same stop signal again this soon after the first is the same request delivered
 # twice, not "stop now": a wrapper that forwards a signal both to its child and to the
 # child's process group (GNU `timeout`, `tini -g`, a shell's `kill 0`) delivers one
-# SIGTERM twice, microseconds apart, and cut the drain short (2 runs of 5). A person's
-# second Ctrl-C within it counts once too: pressed again after it, it ends the drain.
-REPEAT_WINDOW_S = 1.0
+# SIGTERM twice, microseconds apart, and cut the drain short (2 runs of 5). Both copies
+# are written to the event loop's wake-up pipe at once, and their handlers run at most a
+# loop turn or two apart: milliseconds, 25-40 ms where a garbage collection under a bulk
+# flood stalls the loop (laneserve.server.process), five times less than this window.
+# Short for a person: with a window of 1 s, a second Ctrl-C 0.3 s after the first was
+# swallowed, the drain going on. One pressed within 0.2 s still counts once, and its line
+# (`signal_repeated`) says to press it again.
+REPEAT_WINDOW_S = 0.2
 
 
 class SignalMeaning(enum.Enum):

@@ -30,7 +30,7 @@ import signal
 import sys
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 GIL_SWITCH_INTERVAL_S = 0.001
 GC_THRESHOLDS = (2_000, 10, 100)
@@ -39,6 +39,13 @@ GC_THRESHOLDS = (2_000, 10, 100)
 # ssh session closed, or a supervisor's stop; its default killed the process at once,
 # queued work unanswered.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# The stop signals an ignored disposition at start is kept for: the caller asked for the
+# server to be left alone by them. SIGHUP under `nohup` (it is to outlive its terminal);
+# SIGINT in a background job of a non-interactive shell (`laneserve serve &` in a script:
+# the shell ignores it there, so that the script's Ctrl-C is not the job's; Python keeps
+# it ignored too, raising no KeyboardInterrupt). Not SIGTERM: no caller ignores it to
+# ask anything, and it is how a supervisor or a container runtime stops the server.
+LEFT_IGNORED = (signal.SIGINT, signal.SIGHUP)
 
 # A signal's disposition as `signal.getsignal` gives it (None: not set from Python).
 _Disposition = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
@@ -55,20 +62,22 @@ def tune_for_serving() -> None:
 
 
 def stop_signals_taken() -> tuple[signal.Signals, ...]:
-    """The stop signals this process acts on: not SIGHUP where it was ignored at start,
-    as under `nohup` (the server is to outlive its terminal)."""
+    """The stop signals this process acts on: not SIGHUP nor SIGINT where it was ignored
+    at start (`LEFT_IGNORED`). Read before anything here replaced them, and again by
+    `serve`, which finds them as `catch_stop_signals_early` left them."""
     return tuple(
         signum
         for signum in STOP_SIGNALS
-        if signum != signal.SIGHUP or signal.getsignal(signum) != signal.SIG_IGN
+        if signum not in LEFT_IGNORED or signal.getsignal(signum) != signal.SIG_IGN
     )
 
 
 def catch_stop_signals_early() -> None:
     """Until `serve` handles them itself (cli._serve), a stop signal ends the process at
-    once with 128 + its number, as the shell reports a death by it: nothing is accepted
-    yet. The console script calls it first (laneserve.server.entry), before the imports
-    of ONNX Runtime and gRPC (about a second, twice with JSON logs' restart): as PID 1 (a
+    once, by that signal (`die_by_signal`): nothing is accepted yet. Both ways of running
+    the command line call it first (laneserve.server.entry: the console script, and
+    `python -m laneserve.server.cli`, which goes there), before the imports of ONNX
+    Runtime and gRPC (about a second, twice with JSON logs' restart): as PID 1 (a
     container's entrypoint) a signal with no handler is ignored, and a SIGTERM then was
     lost, the pod waiting out its whole termination grace period. Unblocks them too: the
     restart for JSON logs blocks them across its exec, so that one sent meanwhile waits
@@ -90,15 +99,32 @@ def release_stop_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
-def _exit_at_once(signum: int, _frame: FrameType | None) -> None:
+def die_by_signal(signum: int) -> NoReturn:
+    """Ends the process by `signum`'s default action, at once (no cleanup, nothing
+    flushed): its parent sees a death by the signal, as from a process with no handler.
+    An exit with 128 + the number instead read as a failure: systemd counts a death by
+    SIGTERM as a clean stop and an exit with 143 as a failed unit (unless listed in
+    SuccessExitStatus), and bash ends the script it runs when a child dies by a Ctrl-C's
+    SIGINT, but goes on after an exit with 130. As PID 1 (a container's entrypoint) the
+    kernel drops a signal with no handler, this process's own too: it exits with 128 +
+    the number then, as the container runtime reports a death by it. Main thread only."""
+    signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signum,))
+    os.kill(os.getpid(), signum)
     os._exit(128 + signum)
+
+
+def _exit_at_once(signum: int, _frame: FrameType | None) -> None:
+    die_by_signal(signum)
 
 
 __all__ = [
     "GC_THRESHOLDS",
     "GIL_SWITCH_INTERVAL_S",
+    "LEFT_IGNORED",
     "STOP_SIGNALS",
     "catch_stop_signals_early",
+    "die_by_signal",
     "release_stop_signals",
     "stop_signals_taken",
     "tune_for_serving",

@@ -271,24 +271,33 @@ def caller_end_status(now_s: float, deadline_s: float, *, queued: bool) -> str:
     return ExpiredInQueueError.reason if queued else "DEADLINE_EXCEEDED"
 
 
-def _lane_cap_note(
-    lane: LaneConfig, queued_s: float, own_deadline_s: float | None, deadline_s: float
-) -> str:
-    """What a refusal or expiry message adds when `lane`'s timeout_ms, counted from
-    `queued_s`, set `deadline_s`, not the caller's own deadline (gRPC's or its
-    timeout_ms): refused "deadline in 199.7 ms cannot be met", a caller that had asked
-    for 5 s could not tell that lane 'standard' caps every request at 200 ms. Empty when
-    the caller's own (or a retry's it was moved to) set it. Asked only on those paths:
-    admission keeps no note of which bound applied."""
-    if deadline_s != lane.deadline_s(queued_s, None):
-        return ""
+def _lane_cap_note(lane: LaneConfig, own_timeout_s: float | None) -> str:
+    """What a refusal or expiry message adds when `lane`'s timeout_ms, not the caller's
+    own timeout (`InferenceRequest.own_timeout_s`: its gRPC deadline or its timeout_ms),
+    set its deadline: refused "deadline in 199.7 ms cannot be met", a caller that had
+    asked for 5 s could not tell that lane 'standard' caps every request at 200 ms. Empty
+    when the caller's own is no longer than the lane's: its own applied. Told by the
+    budgets, not by comparing deadlines: the service hands over the capped deadline only,
+    and one computed from arrival never equals one computed again from admission (the
+    note never appeared over gRPC)."""
     where = f"lane {lane.name!r} timeout_ms={lane.timeout_ms}"
-    if own_deadline_s is None:
+    if own_timeout_s is None:
         return f" ({where}: the request set no timeout of its own)"
-    if own_deadline_s <= deadline_s:  # the two agree: the caller's own applies
+    if own_timeout_s * 1000 <= lane.timeout_ms:
         return ""
-    own_ms = (own_deadline_s - queued_s) * 1000
-    return f" ({where} caps this request's {own_ms:.0f} ms timeout)"
+    return f" ({where} caps this request's {own_timeout_s * 1000:.0f} ms timeout)"
+
+
+def _expiry_note(lane: LaneConfig, entry: Entry) -> str:
+    """`_lane_cap_note` for `entry`, shed at its deadline. Empty when a retry that joined
+    moved that deadline before the one it was admitted with (the caller the work waited
+    for left, see `Scheduler.move_deadline`): the retry's own timeout set it. A deadline
+    moved later stays within the lane's timeout from admission, so the note still holds
+    of the request as it was queued."""
+    admitted_s = lane.deadline_s(entry.enqueued_s, entry.request.deadline_s)
+    if entry.deadline_s < admitted_s:
+        return ""
+    return _lane_cap_note(lane, entry.request.own_timeout_s)
 
 
 def _folded_gap(gap_s: float | None, last_s: float | None, now_s: float) -> float | None:
@@ -540,7 +549,7 @@ class Scheduler:
         if deadline_s <= now_s:  # a stream item that waited for room, up to its deadline
             raise DeadlineUnmeetableError(
                 f"the deadline passed {(now_s - deadline_s) * 1000:.1f} ms before the request "
-                f"reached lane {lane.name!r}"
+                f"reached lane {lane.name!r}" + _lane_cap_note(lane.config, request.own_timeout_s)
             )
         # With nothing queued or running the prediction is the run-time model's alone:
         # the request runs, so that a model that went wrong (a slow outlier, a probe of
@@ -560,7 +569,7 @@ class Scheduler:
                 f"deadline in {max(deadline_s - now_s, 0) * 1000:.1f} ms cannot be met: "
                 f"{ahead} rows are queued ahead in lane {lane.name!r} or above, serving them "
                 f"and this request takes about {(finish_s - now_s) * 1000:.1f} ms"
-                + _lane_cap_note(lane.config, now_s, request.deadline_s, deadline_s)
+                + _lane_cap_note(lane.config, request.own_timeout_s)
             )
 
     def _predicted_finish_s(
@@ -1290,9 +1299,7 @@ class Scheduler:
                 else f"before the rest of the request could run ({started} of its "
                 f"{entry.request.rows} rows ran or were running in earlier batches)"
             )
-            note = _lane_cap_note(
-                lane.config, entry.enqueued_s, entry.request.deadline_s, entry.deadline_s
-            )
+            note = _expiry_note(lane.config, entry)
             outcomes.append(
                 self._finish_error(
                     entry,
@@ -1942,9 +1949,7 @@ class Scheduler:
                 continue
             lane = self.lanes[entry.priority].config
             self.events.shed(lane.name, ExpiredInQueueError.reason, piece.rows + entry.queued_rows)
-            note = _lane_cap_note(
-                lane, entry.enqueued_s, entry.request.deadline_s, entry.deadline_s
-            )
+            note = _expiry_note(lane, entry)
             outcomes.append(
                 self._finish_error(
                     entry,

@@ -761,6 +761,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                         deadline_s=wait_until_s,
                         token=resolve,
                         trace=trace,
+                        # Its messages say whether the lane's timeout cut it
+                        # (`wait_until_s` holds the cap already).
+                        own_timeout_s=None if deadline_s is None else deadline_s - arrived_s,
                     )
                 )
             except LaneserveError as error:

@@ -11,8 +11,10 @@ that followed it. A summary's `count` is the number of samples in its window whe
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
+import itertools
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -126,8 +128,11 @@ def distribution(samples: Iterable[float]) -> Distribution:
 
 class _Window:
     """Samples of the last WINDOW_S seconds, at most the newest WINDOW_SAMPLES. Guarded
-    by the recorder's lock. Adding is O(1); older samples are dropped as they are read,
-    each once, so O(1) amortised too, and a window nobody reads holds WINDOW_SAMPLES."""
+    by the recorder's lock. Adding is O(1) (the scheduler's threads add while holding
+    their own lock); reading changes nothing: samples older than WINDOW_S stay until
+    newer ones push them out. A read that dropped them popped up to WINDOW_SAMPLES per
+    window under the lock (~2 ms for GetStats' eight after a quiet minute, the
+    scheduler's threads waiting) and copied the times with the values."""
 
     __slots__ = ("_at_s", "_values")
 
@@ -142,21 +147,15 @@ class _Window:
         self._at_s.append(now_s)
         self._values.append(value)
 
-    @property
-    def samples(self) -> Iterable[float]:
-        return self._values
-
-    def copy(self, now_s: float) -> _Window:
-        """A copy of the samples added within WINDOW_S before `now_s` (older ones are
-        dropped from this window too) that this window's changes leave alone."""
-        oldest_s = now_s - WINDOW_S
-        while self._at_s and self._at_s[0] < oldest_s:
-            self._at_s.popleft()
-            self._values.popleft()
-        copy = _Window()
-        copy._at_s.extend(self._at_s)
-        copy._values.extend(self._values)
-        return copy
+    def recent(self, now_s: float) -> list[float]:
+        """The samples added within WINDOW_S before `now_s`, oldest first, as a copy.
+        The cut is a binary search of the (sorted) times, each probe a walk of at most
+        WINDOW_SAMPLES / 128 of a deque's 64-item blocks; the copy is the values after it,
+        without the times: O(WINDOW_SAMPLES) at most, all in C (~20 us a full window).
+        The deques stay, not numpy rings (reads of ~5 us): `add` is the hot path, and
+        a ring's element stores took twice a deque's append."""
+        cut = bisect.bisect_left(self._at_s, now_s - WINDOW_S)
+        return list(itertools.islice(self._values, cut, None))
 
 
 @dataclasses.dataclass(slots=True)
@@ -174,18 +173,48 @@ class _LaneCounters:
     # Arrival to answer of the requests answered OK (see `request_finished`).
     request_s: _Window = dataclasses.field(default_factory=_Window)
 
-    def copy(self, now_s: float) -> _LaneCounters:
-        """A copy whose containers the recorder will not change (taken under its lock),
-        its windows as they stand at `now_s`."""
-        return _LaneCounters(
+    def read(self, name: str, now_s: float) -> _LaneReading:
+        """Its counters, and its windows as they stand at `now_s`, in containers the
+        recorder will not change (taken under its lock)."""
+        return _LaneReading(
+            name,
             self.admitted,
             self.completed,
             self.failed,
-            collections.Counter(self.rejected),
-            collections.Counter(self.shed),
-            collections.Counter(self.answered),
-            self.queue_wait_s.copy(now_s),
-            self.request_s.copy(now_s),
+            dict(self.rejected),
+            dict(self.shed),
+            dict(self.answered),
+            self.queue_wait_s.recent(now_s),
+            self.request_s.recent(now_s),
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _LaneReading:
+    """A lane's `_LaneCounters` as read under the recorder's lock; its percentiles are
+    worked out after it."""
+
+    name: str
+    admitted: int
+    completed: int
+    failed: int
+    rejected: dict[str, int]
+    shed: dict[str, int]
+    answered: dict[str, int]
+    queue_wait_s: list[float]
+    request_s: list[float]
+
+    def snapshot(self) -> LaneSnapshot:
+        return LaneSnapshot(
+            name=self.name,
+            admitted=self.admitted,
+            completed=self.completed,
+            failed=self.failed,
+            rejected=self.rejected,
+            shed=self.shed,
+            answered=self.answered,
+            queue_wait=percentiles_ms(self.queue_wait_s),
+            request_duration=percentiles_ms(self.request_s),
         )
 
 
@@ -349,10 +378,10 @@ class StatsRecorder:
         # the scheduler's threads record into this lock while holding theirs.
         with self._lock:
             now_s = self._clock.monotonic()
-            lanes = {name: counters.copy(now_s) for name, counters in self._lanes.items()}
+            lanes = [counters.read(name, now_s) for name, counters in self._lanes.items()]
             batch_outcomes = dict(self._batch_outcomes)
             batch_rows, rows_run = self._batch_rows, self._rows_run
-            run_s, batch_sizes = self._run_s.copy(now_s), self._batch_sizes.copy(now_s)
+            run_s, batch_sizes = self._run_s.recent(now_s), self._batch_sizes.recent(now_s)
             cap_changes = dict(self._cap_changes)
             out_of_memory, batch_splits = self._out_of_memory, self._batch_splits
             memory_used_bytes = self._memory_used_bytes
@@ -367,29 +396,16 @@ class StatsRecorder:
             count for (_, status), count in batch_outcomes.items() if status != "OK"
         )
         return StatsSnapshot(
-            lanes=[
-                LaneSnapshot(
-                    name=name,
-                    admitted=counters.admitted,
-                    completed=counters.completed,
-                    failed=counters.failed,
-                    rejected=dict(counters.rejected),
-                    shed=dict(counters.shed),
-                    answered=dict(counters.answered),
-                    queue_wait=percentiles_ms(counters.queue_wait_s.samples),
-                    request_duration=percentiles_ms(counters.request_s.samples),
-                )
-                for name, counters in lanes.items()
-            ],
+            lanes=[lane.snapshot() for lane in lanes],
             batches=batches,
             rows_run=rows_run,
             mean_batch_size=batch_rows / batches if batches else 0.0,
-            run_time=percentiles_ms(run_s.samples),
+            run_time=percentiles_ms(run_s),
             batch_reasons=dict(batch_reasons),
             out_of_memory=out_of_memory,
             batch_splits=batch_splits,
             cap_changes=cap_changes,
             memory_used_bytes=memory_used_bytes,
-            batch_size=distribution(batch_sizes.samples),
+            batch_size=distribution(batch_sizes),
             failed_batches=failed_batches,
         )

@@ -358,6 +358,16 @@ def test_too_many_inputs_are_refused_naming_the_unknown_or_repeated_ones() -> No
     check_counts([pb.Tensor(name=name) for name in ("b", "a")], specs)  # counted, not named
 
 
+def test_a_repeated_input_within_the_count_is_refused_in_the_counts_words() -> None:
+    """Within the model's count, `decode_inputs` finds the repeat: in the words the count's
+    refusal uses ("given more than once"; it said "given twice", the same fault)."""
+    specs = [TensorSpec(name, np.dtype(np.float32), (-1,)) for name in ("a", "b")]
+    column = np.zeros(2, dtype=np.float32)
+    with pytest.raises(InvalidInputError) as caught:
+        decode_inputs([encode_tensor("a", column), encode_tensor("a", column)], specs)
+    assert caught.value.message == "input 'a' is given more than once; expected each input once"
+
+
 def test_an_extra_input_is_named_in_the_refusal_over_grpc(small_model: Path) -> None:
     async def scenario() -> None:
         engine = Engine(str(small_model), estimate=estimate_once)

@@ -52,6 +52,7 @@ from laneserve.server.engine import (
 )
 from laneserve.server.errors import (
     DeviceMemoryError,
+    DrainingError,
     EngineError,
     ExpiredInQueueError,
     LaneserveError,
@@ -1467,17 +1468,28 @@ def test_a_broken_session_fails_the_thread_once_its_batch_is_answered(small_mode
 def test_a_batch_of_one_row_tells_a_broken_session_from_a_bad_row(small_model: Path) -> None:
     """A batch of one row that failed was the row's fault, always: a server serving a row
     at a time on a broken session answered every call ENGINE_FAILURE behind SERVING. The
-    start-up input tells: failing too, the session is broken (two runs, and the thread
-    fails); running, the row failed alone, as before, and serving goes on."""
+    start-up input tells, run after a one-row batch that fails when the batch before it
+    failed too: failing too, the session is broken (the second row's request is answered
+    so, and the thread fails); running, the row failed alone, as before, and serving goes
+    on. Run after every failed row, it doubled the work of a model that fails many rows
+    alone: now once per two failed batches in a row."""
     clock = ManualClock(1_000.0)
     broken = _BrokenSession(small_model)
     width = broken.inputs[0].shape[1]
-    scheduler = _scheduler(8)
-    scheduler.admit(_standard("one", np.ones((1, width), np.float32)), clock.monotonic())
-    (answer,), (failure,), _ = _serve_until_failed(scheduler, broken, clock)
-    assert broken.runs == 2, "the row, then the start-up input"
-    assert isinstance(answer.error, SessionBrokenError)
-    assert answer.error.message.startswith(
+    scheduler = _scheduler(1)  # a batch per request
+    for name in ("first", "second"):
+        scheduler.admit(_standard(name, np.ones((1, width), np.float32)), clock.monotonic())
+    answers, (failure,), _ = _serve_until_failed(scheduler, broken, clock)
+    assert broken.runs == 3, "the first row, the second, then the start-up input"
+    by_token = {answer.token: answer.error for answer in answers}
+    first, second = by_token["first"], by_token["second"]
+    assert type(first) is EngineError, "the first failure tells nothing yet"
+    assert first.message == (
+        "the model failed on a row of this request (row 0, run alone): injected: CUDA "
+        "failure 700: an illegal memory access"
+    )
+    assert isinstance(second, SessionBrokenError)
+    assert second.message.startswith(
         "the model failed on this request's row, and on an input it ran at start-up: the "
         "session is broken (injected: CUDA failure 700"
     )
@@ -1485,11 +1497,11 @@ def test_a_batch_of_one_row_tells_a_broken_session_from_a_bad_row(small_model: P
 
     engine = _FailsOnValue(small_model, 99.0, lambda: None)
     failures: list[LaneserveError] = []
-    answers: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+    answered: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
 
     def deliver(outcomes: Sequence[Outcome]) -> None:
         for outcome in outcomes:
-            answers.put(outcome)
+            answered.put(outcome)
 
     thread = SchedulerThread(
         _scheduler(8), engine.run_batch, deliver, clock=clock, on_failure=failures.append
@@ -1499,20 +1511,85 @@ def test_a_batch_of_one_row_tells_a_broken_session_from_a_bad_row(small_model: P
     thread.start()
     errors: dict[object, LaneserveError | None] = {}
     try:
-        for name, x in (("bad", bad), ("ok", np.ones((1, width), np.float32))):
+        for name, x in (
+            ("bad1", bad),
+            ("bad2", bad),
+            ("bad3", bad),
+            ("ok", np.ones((1, width), np.float32)),
+        ):
             thread.submit(_standard(name, x))  # each a batch of its own: one at a time
-            answer = answers.get(timeout=30)
+            answer = answered.get(timeout=30)
             errors[answer.token] = answer.error
     finally:
         thread.close()
     assert errors["ok"] is None
-    bad_error = errors["bad"]
-    assert type(bad_error) is EngineError
-    assert bad_error.message == (
-        "the model failed on a row of this request (row 0, run alone): injected: index out of range"
-    )
+    for name in ("bad1", "bad2", "bad3"):
+        bad_error = errors[name]
+        assert type(bad_error) is EngineError
+        assert bad_error.message == (
+            "the model failed on a row of this request (row 0, run alone): injected: index "
+            "out of range"
+        )
     assert failures == []
-    assert engine.ran == [[99.0], [0.0], [1.0]], "the bad row, the start-up input, the good row"
+    # The start-up input after the second bad row only: the third followed a failed
+    # batch, but one whose start-up input showed the session sound.
+    assert engine.ran == [[99.0], [99.0], [0.0], [99.0], [1.0]]
+
+
+class _StoppedWhileSplit(Engine):
+    """The real engine, whose first run fails (a bad row, fault injection) and whose
+    second (the split's first half) has the server's stop end runs (`terminate_runs`)
+    before it runs, as a drain may while a batch is retried in halves."""
+
+    def __init__(self, model_path: Path) -> None:
+        super().__init__(str(model_path), device="cpu", estimate=estimate_once)
+        self.runs = 0
+
+    def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
+        self.runs += 1
+        if self.runs == 1:
+            raise EngineError("injected: index out of range")
+        if self.runs == 2:  # the first half
+            self.terminate_runs()
+        return super().run(inputs)
+
+
+def test_a_drain_that_ends_a_split_batch_is_no_broken_session(small_model: Path) -> None:
+    """After `terminate_runs` (a drain's) every run fails with DrainingError, the
+    start-up input's too: a batch being retried in halves then looked like a broken
+    session, its rows were answered SessionBrokenError and the scheduler failed, and a
+    healthy server draining on SIGTERM exited 1. The rows are answered as a drain answers
+    a batch it ends (DrainingError), no start-up input runs, and nothing fails."""
+    clock = ManualClock(1_000.0)
+    engine = _StoppedWhileSplit(small_model)
+    width = engine.inputs[0].shape[1]
+    scheduler = _scheduler(8)
+    for name in ("A", "B"):
+        scheduler.admit(_standard(name, np.ones((2, width), np.float32)), clock.monotonic())
+    failures: list[LaneserveError] = []
+    answers: list[Outcome] = []
+    answered = threading.Event()
+
+    def deliver(outcomes: Sequence[Outcome]) -> None:
+        answers.extend(outcomes)
+        if len(answers) >= 2:  # A and B
+            answered.set()
+
+    thread = SchedulerThread(
+        scheduler, engine.run_batch, deliver, clock=clock, on_failure=failures.append
+    )
+    thread.start()
+    try:
+        assert answered.wait(30), f"answers: {answers}"
+    finally:
+        thread.close()
+    assert failures == []
+    for answer in answers:
+        assert type(answer.error) is DrainingError, (answer.token, answer.error)
+        assert answer.error.message == (
+            "the server stopped while this batch ran; it was ended unfinished"
+        )
+    assert engine.runs == 3, "the batch, then its halves: no start-up input"
 
 
 def test_bad_rows_where_a_probe_looks_do_not_fail_their_neighbours(small_model: Path) -> None:
@@ -3282,6 +3359,50 @@ def test_a_full_batch_that_reaches_the_high_mark_on_the_cpu_is_warned_at_start(
         caplog.clear()
         _cpu_server(demo_model, max_batch_size=512, **settings)
         assert _warned(caplog, "watermark_below_full_batch") == [], settings
+
+
+def test_a_full_batch_warning_under_the_cgroups_limit_names_the_container_limit(
+    demo_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With the limit taken from the cgroup (no --host-memory-limit), the warning said
+    "of server.host_memory_limit 135.0MiB" and "expected --host-memory-limit above
+    155.3MiB": a flag never set, and one above the container's limit would let the OOM
+    killer come before the watermark acts. It names the cgroup's limit and its file, and
+    a container limit as the remedy; either remedy, set as printed, starts without it."""
+    proc, cgroups = _kernel_files(tmp_path, "0::/\n", {"memory.max": f"{135 * MIB}"})
+    monkeypatch.setattr(
+        app_module, "cgroup_memory_limit", lambda: cgroup_memory_limit(proc, cgroups)
+    )
+    caplog.set_level(logging.WARNING, "laneserve")
+    _cpu_server(demo_model, max_batch_size=512)
+    (record,) = [
+        r for r in caplog.records if getattr(r, "event", None) == "watermark_below_full_batch"
+    ]
+    message = record.getMessage()
+    source = str(cgroups / "memory.max")
+    assert message.startswith(
+        f"the server holds 100.0MiB idle of the cgroup memory limit 135.0MiB ({source}; "
+        "server.host_memory_limit unset); with a full batch of 512 rows"
+    ), message
+    assert (
+        "; expected a container memory limit above 155.3MiB (the idle reading plus the "
+        "batch, over memory_low_watermark 0.85), with room above it"
+    ) in message, message
+    assert message.endswith(" or server.memory_high_watermark above 0.978"), message
+    assert "--host-memory-limit" not in message
+    fields = getattr(record, "fields", {})
+    assert (fields["host_memory_limit_bytes"], fields["source"]) == (135 * MIB, source)
+    for container_bytes, settings in (
+        (parse_memory_limit("155.3MiB").resolve(None), {}),
+        (135 * MIB, {"memory_high_watermark": 0.978}),
+    ):
+        (cgroups / "memory.max").write_text(f"{container_bytes}\n")
+        caplog.clear()
+        _cpu_server(demo_model, max_batch_size=512, **settings)
+        assert _warned(caplog, "watermark_below_full_batch") == [], (container_bytes, settings)
 
 
 @pytest.mark.parametrize(

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import gc
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,8 +27,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from laneserve.server.process import (
     GC_THRESHOLDS,
     GIL_SWITCH_INTERVAL_S,
+    STOP_SIGNALS,
     catch_stop_signals_early,
     release_stop_signals,
+    stop_signals_taken,
     tune_for_serving,
 )
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -185,24 +189,157 @@ def test_the_console_scripts_module_imports_neither_the_runtime_nor_grpc() -> No
     assert done.returncode == 0, done.stderr
 
 
+# The two ways of running the command line: the installed `laneserve` script, and
+# `python -m laneserve.server.cli` (the benchmark's servers, the tests' and scripts'
+# shims, container images), as `python -m` runs it.
+ENTRIES = {
+    "console script": _console_script(),
+    "python -m": [
+        sys.executable,
+        "-c",
+        (
+            "import runpy; runpy.run_module('laneserve.server.cli', run_name='__main__', "
+            "alter_sys=True)"
+        ),
+    ],
+}
+
+
+def _entry(name: str, prelude: str = "") -> list[str]:
+    """`ENTRIES[name]` with `prelude` run first, in the same process."""
+    python, flag, code = ENTRIES[name]
+    return [python, flag, f"{prelude}\n{code}"]
+
+
+# Holds the process at its first import of a heavy module (ONNX Runtime, gRPC, numpy:
+# the second or so before `serve` handles the stop signals) until a line arrives on
+# stdin, first writing which stop signals have a handler then. SIGINT and SIGHUP start
+# at their defaults, as a terminal's session leaves them (the test's own are whatever its
+# runner's were: ignored ones are kept, see test_a_sigint_ignored_at_start_stays_ignored).
+HELD_AT_FIRST_HEAVY_IMPORT = """
+import signal, sys
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
+class HeldAtFirstHeavyImport:
+    def find_spec(self, name, path=None, target=None):
+        if name in ("grpc", "numpy", "onnxruntime"):
+            sys.meta_path.remove(self)
+            stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+            caught = [s.name for s in stops if callable(signal.getsignal(s))]
+            print("importing", name, "caught", *caught, file=sys.stderr, flush=True)
+            sys.stdin.readline()
+        return None
+sys.meta_path.insert(0, HeldAtFirstHeavyImport())
+"""
+
+# `serve`'s arguments for a process stopped before it reads them.
+NEVER_READ = ("serve", "--model", "absent.onnx", "--port", "0", "--metrics-port", "-1")
+
+
+def _held_at_first_heavy_import(command: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*command, *NEVER_READ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _first_line(process: subprocess.Popen[str]) -> str:
+    """The first line of `process`'s stderr; a process that writes none within the start
+    timeout is killed (its stderr ends: the test fails instead of hanging)."""
+    assert process.stderr is not None
+    watchdog = threading.Timer(START_TIMEOUT_S, process.kill)
+    watchdog.start()
+    try:
+        return process.stderr.readline()
+    finally:
+        watchdog.cancel()
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_each_entry_catches_the_stop_signals_before_its_heavy_imports(entry: str) -> None:
+    """`python -m laneserve.server.cli` caught them only once the CLI's imports were
+    done (a second, twice with JSON logs' restart): as PID 1 a SIGTERM meanwhile was
+    ignored (test_a_sigterm_in_the_heavy_imports_of_pid_1_exits_143). Caught at the first
+    heavy import, a SIGTERM ends the process by that signal."""
+    with _held_at_first_heavy_import(_entry(entry, HELD_AT_FIRST_HEAVY_IMPORT)) as process:
+        try:
+            line = _first_line(process)
+            assert line.split()[2:] == ["caught", "SIGTERM", "SIGINT", "SIGHUP"], line
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=START_TIMEOUT_S) == -signal.SIGTERM
+        finally:
+            if process.poll() is None:
+                process.kill()
+
+
+@functools.cache
+def _as_pid_1() -> tuple[str, ...]:
+    """What runs a command as PID 1 of a new PID namespace (`unshare`, in a user
+    namespace of its own); () where this user cannot (no unshare, or user namespaces
+    off, as in many containers), or where /proc lists no process's children (`_child`)."""
+    unshare = shutil.which("unshare")
+    if unshare is None or not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists():
+        return ()
+    prefix = (unshare, "--user", "--map-root-user", "--pid", "--fork")
+    done = subprocess.run(
+        [*prefix, sys.executable, "-c", ""], capture_output=True, timeout=60, check=False
+    )
+    return prefix if done.returncode == 0 else ()
+
+
+def _child(pid: int) -> int:
+    """The one child of process `pid`, once it has one."""
+    until_s = time.monotonic() + START_TIMEOUT_S
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    while not (found := children.read_text().split()):
+        assert time.monotonic() < until_s, "no child"
+        time.sleep(0.01)
+    (child,) = found
+    return int(child)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _as_pid_1(), reason="needs unshare and user namespaces")
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_sigterm_in_the_heavy_imports_of_pid_1_exits_143(entry: str) -> None:
+    """A container's entrypoint: as PID 1 a signal with no handler is ignored, and
+    `python -m laneserve.server.cli` (the benchmark's and many images' command) lost a
+    SIGTERM in its imports, the pod waiting out its whole termination grace period. The
+    kernel drops the process's own signal too (`die_by_signal`): it exits 128 + 15."""
+    command = [*_as_pid_1(), *_entry(entry, HELD_AT_FIRST_HEAVY_IMPORT)]
+    with _held_at_first_heavy_import(command) as process:
+        try:
+            pid_1 = _child(process.pid)  # unshare's: PID 1 in its namespace
+            assert "importing" in _first_line(process)
+            os.kill(pid_1, signal.SIGTERM)
+            assert process.wait(timeout=START_TIMEOUT_S) == 128 + signal.SIGTERM
+        finally:
+            if process.poll() is None:
+                process.kill()  # unshare: its namespace's processes go with it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("log_format", ["text", "json"])
 def test_a_sigterm_before_serve_handles_signals_ends_the_process_at_once(
-    tmp_path: Path, log_format: str
+    tmp_path: Path, log_format: str, entry: str
 ) -> None:
-    """As PID 1 (a container's entrypoint) a signal with no handler is ignored: a SIGTERM
-    in the first second of `laneserve serve` (its imports, twice with JSON logs' restart)
-    was lost, and the pod waited out its whole termination grace period. Outside PID 1 it
-    was the default action (killed, -15). Now it ends the process at once with 128 + 15.
-    Held where it provably is: reading its config file, a FIFO nobody has written to yet
-    (before `serve`'s own handlers, after the console script's first step)."""
+    """After the imports (and JSON logs' restart), before `serve`'s own handlers: a
+    SIGTERM ends the process at once, by that signal. Outside PID 1 that was the default
+    action (killed, -15); the early handler exited 128 + 15 instead, which systemd counts
+    as a failed stop where the death by SIGTERM is a clean one. Held where it provably
+    is: reading its config file, a FIFO nobody has written to yet."""
     fifo = tmp_path / "config.toml"
     os.mkfifo(fifo)
     # No GRPC_VERBOSITY: with JSON logs the process starts itself again (exec) first.
     environ = {name: value for name, value in os.environ.items() if name != "GRPC_VERBOSITY"}
     process = subprocess.Popen(
         [
-            *_console_script(),
+            *ENTRIES[entry],
             *("--log-format", log_format, "serve", "--model", str(tmp_path / "m.onnx")),
             *("--config", str(fifo), "--port", "0", "--metrics-port", "-1"),
         ],
@@ -215,7 +352,7 @@ def test_a_sigterm_before_serve_handles_signals_ends_the_process_at_once(
     try:
         writer = _open_once_read(fifo, process)
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=START_TIMEOUT_S) == 128 + signal.SIGTERM
+        assert process.wait(timeout=START_TIMEOUT_S) == -signal.SIGTERM
     finally:
         if writer >= 0:
             os.close(writer)
@@ -242,22 +379,48 @@ def _open_once_read(fifo: Path, process: subprocess.Popen[bytes]) -> int:
 
 def test_early_stop_handlers_are_released_as_they_were() -> None:
     """`laneserve top` and the other commands take signals their own way: Ctrl-C raises
-    KeyboardInterrupt again once released. A SIGHUP ignored at start (nohup) stays so."""
+    KeyboardInterrupt again once released. A SIGHUP ignored at start (nohup) stays so.
+    (SIGINT as Python sets it, whatever the test runner's: an ignored one stays so too,
+    see test_a_sigint_ignored_at_start_stays_ignored.)"""
     before = {
         signum: signal.getsignal(signum)
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     }
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         catch_stop_signals_early()
-        assert signal.getsignal(signal.SIGINT) not in (before[signal.SIGINT], signal.SIG_DFL)
+        assert signal.getsignal(signal.SIGINT) not in (signal.default_int_handler, signal.SIG_DFL)
         assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
         assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
         release_stop_signals()
-        assert signal.getsignal(signal.SIGINT) == before[signal.SIGINT]
+        assert signal.getsignal(signal.SIGINT) == signal.default_int_handler
         assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]
         assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
     finally:
+        release_stop_signals()
+        for signum, handler in before.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+
+
+def test_a_sigint_ignored_at_start_stays_ignored() -> None:
+    """A background job of a non-interactive shell (`laneserve serve &` in a script)
+    starts with SIGINT ignored, so that the script's Ctrl-C is not the job's: the early
+    handler took it, and so did `serve`, and the script's Ctrl-C stopped the server. Left
+    ignored by both, as SIGHUP under `nohup` (`serve`: see test_cli's
+    test_a_stop_signal_ignored_at_start_stays_ignored)."""
+    before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        catch_stop_signals_early()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        assert callable(signal.getsignal(signal.SIGTERM))
+        assert signal.SIGINT not in stop_signals_taken()  # what `serve` handles
+        release_stop_signals()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        release_stop_signals()
         for signum, handler in before.items():
             if handler is not None:
                 signal.signal(signum, handler)

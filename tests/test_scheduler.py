@@ -58,10 +58,12 @@ from laneserve.server.scheduler import (
 from laneserve.server.scheduler_thread import SchedulerThread
 from laneserve.server.stats import (
     WINDOW_S,
+    WINDOW_SAMPLES,
     LaneSnapshot,
     Percentiles,
     StatsRecorder,
     StatsSnapshot,
+    _Window,
 )
 from laneserve.server.telemetry import JsonFormatter
 
@@ -2204,53 +2206,111 @@ def capped_standard_lanes(timeout_ms: int) -> tuple[LaneConfig, ...]:
     )
 
 
+# Decoding between a request's arrival and its admission: the service counts budgets
+# from arrival, so the deadline it hands over is never the lane's timeout from admission.
+DECODE_S = 0.0005
+
+
+def served_request(
+    index: int, lane: LaneConfig, rows: int, *, own_timeout_s: float | None = None
+) -> InferenceRequest:
+    """A request as the service builds it, arrived at T0 - DECODE_S: its deadline the
+    earlier of its own timeout and its lane's, both from arrival (`wait_until_s`), and
+    its own timeout kept for messages."""
+    arrived_s = T0 - DECODE_S
+    own_deadline_s = None if own_timeout_s is None else arrived_s + own_timeout_s
+    request = make_request(
+        index, lane.name, rows, deadline_s=lane.deadline_s(arrived_s, own_deadline_s)
+    )
+    return dataclasses.replace(request, own_timeout_s=own_timeout_s)
+
+
 def test_a_refusal_says_when_the_lanes_timeout_capped_the_callers() -> None:
     """Lane standard caps at 20 ms; 256 interactive rows are queued (about 43 ms). A caller
     that asked for 5 s was refused "deadline in 20.0 ms cannot be met", with nothing to
     tell it that its 5 s were cut to the lane's 20 ms: the refusal names the lane's
-    timeout_ms when that set the deadline, and not when the caller's own shorter one did."""
-    scheduler = make_scheduler(capped_standard_lanes(20))
+    timeout_ms when that set the deadline, and not when the caller's own shorter one did.
+    Built as the service builds them (deadlines from arrival, capped already): told by
+    comparing deadlines, the note never appeared over gRPC."""
+    lanes = capped_standard_lanes(20)
+    standard = lanes[1]
+    scheduler = make_scheduler(lanes)
     for index in range(256):
         scheduler.admit(make_request(index, "interactive", 1), T0)
     with pytest.raises(DeadlineUnmeetableError) as capped:
-        scheduler.admit(make_request(1000, "standard", 1, deadline_s=T0 + 5.0), T0)
-    assert capped.value.message.startswith("deadline in 20.0 ms cannot be met: 256 rows")
+        scheduler.admit(served_request(1000, standard, 1, own_timeout_s=5.0), T0)
+    assert capped.value.message.startswith("deadline in 19.5 ms cannot be met: 256 rows")
     assert capped.value.message.endswith(
         "(lane 'standard' timeout_ms=20 caps this request's 5000 ms timeout)"
     )
     with pytest.raises(DeadlineUnmeetableError) as unset:
-        scheduler.admit(make_request(1001, "standard", 1), T0)
+        scheduler.admit(served_request(1001, standard, 1), T0)
     assert unset.value.message.endswith(
         "(lane 'standard' timeout_ms=20: the request set no timeout of its own)"
     )
-    with pytest.raises(DeadlineUnmeetableError) as own:
-        scheduler.admit(make_request(1002, "standard", 1, deadline_s=T0 + 0.010), T0)
-    assert own.value.message.startswith("deadline in 10.0 ms cannot be met")
-    assert "timeout_ms" not in own.value.message
+    for own_timeout_s in (0.010, 0.020):  # shorter than the lane's, or the same
+        with pytest.raises(DeadlineUnmeetableError) as own:
+            scheduler.admit(served_request(1002, standard, 1, own_timeout_s=own_timeout_s), T0)
+        assert "timeout_ms" not in own.value.message
+
+
+def test_a_stream_item_that_waited_past_the_lanes_timeout_says_it_capped_the_callers() -> None:
+    """A stream item waits for room up to its deadline, the lane's timeout from arrival
+    when that is the earlier: refused then, it names the lane's cap too."""
+    lanes = capped_standard_lanes(20)
+    standard = lanes[1]
+    scheduler = make_scheduler(lanes)
+    with pytest.raises(DeadlineUnmeetableError) as capped:
+        scheduler.admit(served_request(0, standard, 1, own_timeout_s=5.0), T0 + 0.0205)
+    assert capped.value.message == (
+        "the deadline passed 1.0 ms before the request reached lane 'standard' "
+        "(lane 'standard' timeout_ms=20 caps this request's 5000 ms timeout)"
+    )
 
 
 def test_an_expiry_says_when_the_lanes_timeout_capped_the_callers() -> None:
     """As for a refusal (see above): an item shed at its lane's 20 ms cap, though its
-    caller allowed 5 s, says so; one shed at its caller's own 10 ms does not."""
-    scheduler = make_scheduler(capped_standard_lanes(20))
-    scheduler.admit(make_request(0, "standard", 1, deadline_s=T0 + 5.0), T0)
-    scheduler.admit(make_request(1, "standard", 1, deadline_s=T0 + 0.010), T0)
+    caller allowed 5 s, says so, and so does one whose caller set no timeout; one shed at
+    its caller's own 10 ms does not."""
+    lanes = capped_standard_lanes(20)
+    standard = lanes[1]
+    scheduler = make_scheduler(lanes)
+    scheduler.admit(served_request(0, standard, 1, own_timeout_s=5.0), T0)
+    scheduler.admit(served_request(1, standard, 1, own_timeout_s=0.010), T0)
+    scheduler.admit(served_request(2, standard, 1), T0)
     [own] = scheduler.shed_expired(T0 + 0.010)
     assert isinstance(own.error, ExpiredInQueueError)
     assert own.error.message == (
         "deadline passed after 10.0 ms in lane 'standard' before the request could run"
     )
-    [capped] = scheduler.shed_expired(T0 + 0.020)
+    capped, unset = scheduler.shed_expired(T0 + 0.020)
     assert isinstance(capped.error, ExpiredInQueueError)
     assert capped.error.message == (
         "deadline passed after 20.0 ms in lane 'standard' before the request could run "
         "(lane 'standard' timeout_ms=20 caps this request's 5000 ms timeout)"
     )
+    assert isinstance(unset.error, ExpiredInQueueError)
+    assert unset.error.message.endswith(
+        "(lane 'standard' timeout_ms=20: the request set no timeout of its own)"
+    )
+
+
+def test_an_expiry_at_a_deadline_a_retry_moved_earlier_names_no_lane_cap() -> None:
+    """The caller the work waited for left and a retry with a shorter deadline waits: the
+    work is shed at the retry's deadline, which the lane's timeout did not set."""
+    lanes = capped_standard_lanes(20)
+    scheduler = make_scheduler(lanes)
+    entry_id = scheduler.admit(served_request(0, lanes[1], 1, own_timeout_s=5.0), T0)
+    assert scheduler.move_deadline(entry_id, T0 + 0.005)
+    [expired] = scheduler.shed_expired(T0 + 0.005)
+    assert isinstance(expired.error, ExpiredInQueueError)
+    assert "timeout_ms" not in expired.error.message
 
 
 def test_an_expiry_while_retried_in_parts_says_when_the_lanes_timeout_capped_it() -> None:
-    scheduler = make_scheduler(capped_standard_lanes(20))
-    scheduler.admit(make_request(0, "standard", 2, deadline_s=T0 + 5.0), T0)
+    lanes = capped_standard_lanes(20)
+    scheduler = make_scheduler(lanes)
+    scheduler.admit(served_request(0, lanes[1], 2, own_timeout_s=5.0), T0)
     batch = dispatch(scheduler, T0)
     wanted, [expired] = scheduler.rows_wanted(batch, T0 + 0.020)
     assert not wanted.any()
@@ -2800,6 +2860,24 @@ def test_getstats_latency_windows_forget_samples_older_than_window_s() -> None:
     assert standard(idle).queue_wait.count == 0
     assert (idle.run_time.count, idle.batch_size.count) == (0, 0)
     assert (standard(idle).completed, idle.batches, idle.rows_run) == (9, 2, 9)
+
+
+def test_reading_a_latency_window_leaves_it_as_it_was() -> None:
+    """GetStats read a window by dropping its samples older than WINDOW_S: up to
+    WINDOW_SAMPLES popped per window under the recorder's lock, which the scheduler's
+    threads wait on while holding theirs (~2 ms for GetStats' eight windows). A read cuts
+    by the times and changes nothing: after a read as of a later time, one as of an earlier
+    time still finds its samples. A sample exactly WINDOW_S old is in; the oldest beyond
+    WINDOW_SAMPLES are gone."""
+    window = _Window()
+    added = WINDOW_SAMPLES + 10
+    for index in range(added):  # one a second
+        window.add(T0 + index, float(index))
+    last_s = T0 + added - 1
+    assert window.recent(last_s + WINDOW_S + 1) == []
+    first = added - 1 - int(WINDOW_S)
+    assert window.recent(last_s) == [float(index) for index in range(first, added)]
+    assert window.recent(T0 + WINDOW_S) == [float(index) for index in range(10, added)]
 
 
 # ---- lanes -------------------------------------------------------------------------------

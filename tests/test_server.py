@@ -43,8 +43,9 @@ from laneserve.server import (
     service,
 )
 from laneserve.server.app import check_ports_free
+from laneserve.server.clock import ManualClock
 from laneserve.server.codec import decode_inputs
-from laneserve.server.config import ConfigError
+from laneserve.server.config import DEFAULT_LANES, ConfigError
 from laneserve.server.engine import EngineStartError, no_static_estimate
 from laneserve.server.errors import LaneFullError, SessionBrokenError
 from laneserve.server.grpc_calls import GrpcCalls
@@ -56,6 +57,7 @@ from laneserve.server.model_identity import (
     DESCRIPTION_MAX_BYTES,
     model_files,
 )
+from laneserve.server.stats import WINDOW_S
 from laneserve.server.telemetry import Telemetry
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -862,6 +864,130 @@ def test_grpc_deadline_is_honoured_without_configuration(small_model: Path) -> N
     asyncio.run(scenario())
 
 
+def _standard_capped_at(timeout_ms: int) -> tuple[LaneConfig, ...]:
+    """The default lanes with a standard lane that caps every request at `timeout_ms` and
+    claims no share (work queued above is all ahead of it), and room in interactive."""
+    interactive, standard, bulk = DEFAULT_LANES
+    return (
+        dataclasses.replace(interactive, capacity_rows=4096),
+        dataclasses.replace(standard, timeout_ms=timeout_ms, min_share=0.0),
+        bulk,
+    )
+
+
+# How a caller bounds its call: its request's timeout_ms (0: none) and its gRPC timeout.
+OWN_TIMEOUTS: dict[str, tuple[int, float | None]] = {
+    "timeout_ms 5000": (5000, None),
+    "grpc timeout 5 s": (0, 5.0),
+    "no timeout": (0, None),
+}
+
+
+def assert_names_the_lane_cap(details: str, how: str, lane_timeout_ms: int) -> None:
+    where = f"(lane 'standard' timeout_ms={lane_timeout_ms}"
+    if how == "no timeout":
+        assert details.endswith(f"{where}: the request set no timeout of its own)"), details
+    elif how == "timeout_ms 5000":
+        assert details.endswith(f"{where} caps this request's 5000 ms timeout)"), details
+    else:  # gRPC's remaining time when the call was read: a little under 5 s
+        assert f"{where} caps this request's " in details, details
+        assert details.endswith(" ms timeout)"), details
+
+
+@pytest.mark.parametrize("how", [*OWN_TIMEOUTS, "timeout_ms 100"])
+def test_an_expiry_over_grpc_names_the_lane_timeout_that_capped_the_callers(
+    small_model: Path, how: str
+) -> None:
+    """Lane standard caps at 200 ms; the request waits behind a held batch. Shed at the
+    cap, its answer says the lane's timeout_ms cut the caller's 5 s (or stood in for a
+    timeout it never set); one shed at its caller's own shorter 100 ms does not. The note
+    never appeared over gRPC: the service hands the scheduler the capped deadline, and
+    the scheduler told the cap by comparing deadlines (its unit tests built requests
+    otherwise)."""
+    timeout_ms, timeout_s = OWN_TIMEOUTS.get(how, (100, None))
+    server_config = config(small_model, lanes=_standard_capped_at(200))
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, server_config) as s:
+            engine.hold()
+            running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
+            await asyncio.to_thread(engine.entered.acquire)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(
+                    request(rows(3, start=100), timeout_ms=timeout_ms), timeout=timeout_s
+                )
+            engine.release()
+            await running
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        details = caught.value.details() or ""
+        if how == "timeout_ms 100":
+            assert "timeout_ms" not in details, details
+        else:
+            assert rich_status(caught.value)[0] == "EXPIRED_IN_QUEUE"
+            assert_names_the_lane_cap(details, how, 200)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("how", OWN_TIMEOUTS)
+def test_an_unmeetable_refusal_over_grpc_names_the_lane_timeout_that_capped_the_callers(
+    small_model: Path, how: str
+) -> None:
+    """As an expiry (see above), for a request refused at once: lane standard caps at
+    1 ms, and 4 000 interactive rows are queued ahead of it behind a held batch."""
+    timeout_ms, timeout_s = OWN_TIMEOUTS[how]
+    server_config = config(small_model, max_batch_size=8, lanes=_standard_capped_at(1))
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, server_config) as s:
+            engine.hold()
+            running = asyncio.ensure_future(
+                s.stub.Infer(request(rows(1, start=0), lane="interactive"))
+            )
+            await asyncio.to_thread(engine.entered.acquire)
+            ahead = asyncio.ensure_future(
+                s.stub.Infer(request(rows(4000, start=1), lane="interactive"))
+            )
+            await until(lambda: queued_rows(s) == 4000)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(
+                    request(rows(5, start=5000), timeout_ms=timeout_ms), timeout=timeout_s
+                )
+            engine.release()
+            await asyncio.gather(running, ahead)
+            assert 5000 not in engine.ran_tags
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert rich_status(caught.value)[0] == "DEADLINE_UNMEETABLE"
+        assert_names_the_lane_cap(caught.value.details() or "", how, 1)
+
+    asyncio.run(scenario())
+
+
+def test_getstats_windows_keep_the_servers_clock(small_model: Path) -> None:
+    """The server's stats time their samples and their window by the clock it was given:
+    on the system's, a test's clock moved past WINDOW_S left every sample in GetStats."""
+    clock = ManualClock()
+    server = LaneServer(
+        RecordingEngine(str(small_model)), config(small_model, metrics_port=-1), clock=clock
+    )
+    try:
+        server.stats.request_finished("standard", "OK", 0.010)
+
+        def answered_in_window() -> int:
+            standard = next(
+                lane for lane in server.stats.snapshot().lanes if lane.name == "standard"
+            )
+            return standard.request_duration.count
+
+        assert answered_in_window() == 1
+        clock.advance(WINDOW_S + 1)
+        assert answered_in_window() == 0
+    finally:
+        asyncio.run(server.stop())
+
+
 def test_cancelled_call_frees_its_rows_and_never_runs(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
@@ -1422,11 +1548,14 @@ def test_a_broken_session_stops_the_server_after_answering_every_request(
     health said SERVING, and never exited for its supervisor to restart it. Now the
     batch's request is answered with the session's failure, the request queued behind it
     with the same (it never runs), each once, and the server stops as when its scheduler
-    fails. A batch of one row has no halves: the start-up input tells there too."""
+    fails. A batch of one row has no halves: the start-up input tells there too, after a
+    second one-row batch that failed (max_batch_size 1: the running row fails as its own,
+    the queued request's first row tells, its second never runs)."""
 
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
-        async with serving(engine, config(small_model)) as s:
+        settings = {"max_batch_size": 1} if running_rows == 1 else {}
+        async with serving(engine, config(small_model, **settings)) as s:
             running, queued = await _one_running_and_queued(s, engine, running_rows)
             engine._session = _BrokenSession(engine._session)  # the fault, after start
             engine.release()
@@ -1437,20 +1566,38 @@ def test_a_broken_session_stops_the_server_after_answering_every_request(
                 assert caught.value.code() == grpc.StatusCode.INTERNAL
                 assert rich_status(caught.value)[0] == "ENGINE_FAILURE"
                 messages.append(caught.value.details() or "")
-            assert "and on an input it ran at start-up: the session is broken" in messages[0]
-            assert "CUDA failure 700" in messages[1]
+            broken = "and on an input it ran at start-up: the session is broken"
+            if running_rows == 1:
+                assert messages[0].startswith("the model failed on a row of this request")
+                assert "CUDA failure 700" in messages[0]
+                assert messages[1].startswith(f"the model failed on this request's row, {broken}")
+            else:
+                assert broken in messages[0]
+                assert "CUDA failure 700" in messages[1]
             await asyncio.wait_for(s.server.wait_stopped(), timeout=60)
             assert s.server.state is Lifecycle.STOPPED
             assert isinstance(s.server.failure, SessionBrokenError)
+            failures.append(s.server.failure)
             health: Any = s.server._health
             answer = await health.Check(health_pb2.HealthCheckRequest(service=""), None)
             assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
-            assert engine.ran_tags == list(range(running_rows)), "the queued request never ran"
+            # One row: the queued request's first row told, its second never ran.
+            ran = [0, 100] if running_rows == 1 else [0, 1]
+            assert engine.ran_tags == ran, "the queued request never ran (but to tell)"
 
+    failures: list[SessionBrokenError] = []
     asyncio.run(scenario())
     (line,) = [r for r in caplog.records if getattr(r, "event", None) == "session_broken"]
     assert line.levelno == logging.ERROR
     assert "CUDA failure 700" in line.getMessage()
+    # The server's own line names the session, not the scheduler, and carries the error.
+    (failure,) = failures
+    (stopping,) = [r for r in caplog.records if getattr(r, "event", None) == "scheduler_failed"]
+    assert stopping.getMessage() == (
+        f"the model's session is broken ({failure.cause}); stopping (the process must be restarted)"
+    )
+    assert "CUDA failure 700" in failure.cause
+    assert getattr(stopping, "fields", {}) == {"error": failure.message}
 
 
 async def _one_running_and_queued(
@@ -1464,6 +1611,71 @@ async def _one_running_and_queued(
     queued = asyncio.ensure_future(s.stub.Infer(request(rows(2, start=100))))
     await until(lambda: queued_rows(s) == 2)
     return running, queued
+
+
+class _TerminatedEngine(RecordingEngine):
+    """RecordingEngine that says when the server's stop ended its runs (`terminated`)."""
+
+    def __init__(self, model_path: str) -> None:
+        super().__init__(model_path)
+        self.terminated = threading.Event()
+
+    def terminate_runs(self) -> None:
+        super().terminate_runs()
+        self.terminated.set()
+
+
+class _BadRowsUntilStopped:
+    """An ONNX Runtime session whose first two runs fail as a bad row makes them fail (a
+    batch, then its first half), and whose third (the second half) runs once the server's
+    stop has ended runs (`terminated`), so that it fails as a drain ends it; everything
+    else is the real session's (fault injection)."""
+
+    def __init__(self, real: ort.InferenceSession, terminated: threading.Event) -> None:
+        self.real, self.terminated = real, terminated
+        self.runs = 0
+        self.second_half = threading.Event()
+
+    def run(self, names: Any, feeds: Any, options: ort.RunOptions) -> Any:
+        self.runs += 1
+        if self.runs <= 2:  # the batch, then its first half
+            raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : index out of range")
+        if self.runs == 3:  # the second half: the stop comes meanwhile
+            self.second_half.set()
+            assert self.terminated.wait(30)
+        return self.real.run(names, feeds, options)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def test_a_drain_that_ends_a_split_batch_does_not_fail_the_server(
+    small_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A batch retried in halves (its first half failed on a bad row) whose second half
+    the drain ended (`terminate_runs`: every run fails after it, the start-up input's
+    too) was taken for a broken session: session_broken at ERROR, the server's failure
+    set, and `laneserve serve` stopped by SIGTERM exited 1. The call is answered as a
+    drain answers a running batch (UNAVAILABLE), no start-up input runs, and the server
+    stops without a failure."""
+
+    async def scenario() -> None:
+        engine = _TerminatedEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            session = _BadRowsUntilStopped(engine._session, engine.terminated)
+            engine._session = session  # the fault, after start
+            call = asyncio.ensure_future(s.stub.Infer(request(rows(2))))
+            await asyncio.to_thread(session.second_half.wait, 30)
+            await s.server.stop(grace_s=0.0)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert s.server.failure is None
+            assert session.runs == 3, "no start-up input after the stop"
+
+    asyncio.run(scenario())
+    events = {getattr(r, "event", None) for r in caplog.records}
+    assert not events & {"session_broken", "scheduler_failed"}
 
 
 def test_health_watches_end_when_the_server_stops(small_model: Path) -> None:

@@ -490,8 +490,8 @@ class LatencySummary(_message.Message):
     P99_MS_FIELD_NUMBER: _builtins.int
     count: _builtins.int
     """The samples the percentiles are over: those in the window when read (the last 60 s,
-    at most the newest 4 096), not a running total (0 after a minute with none). Totals are the counters beside this summary, or Prometheus'
-    histogram `_count`.
+    at most the newest 4 096), not a running total (0 after a minute with none). Totals
+    are the counters beside this summary, or Prometheus' histogram `_count`.
     """
     p50_ms: _builtins.float
     p95_ms: _builtins.float
