@@ -86,6 +86,12 @@ class ModelInfo:
     custom_metadata: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)
     # The laneserve release that serves ("" from a server older than the field).
     server_version: str = ""
+    # Per input, in the model's order: (name, the shape of the rows the server's start-up
+    # probe ran, after the row axis), e.g. (("input_ids", (512,)),). The server's memory
+    # figures per row hold for such rows; dynamic sizes are its probe_shapes
+    # (--probe-shape), else 1. Pairs, not a dict: a ModelInfo stays hashable. Empty from
+    # a server older than the field.
+    probe_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @property
     def default_lane(self) -> str:
@@ -146,6 +152,11 @@ class ModelInfo:
             description=message.description,
             custom_metadata=dict(message.custom_metadata),
             server_version=message.server_version,
+            probe_shapes=tuple(
+                (spec.name, tuple(message.probe_shapes[spec.name].dims))
+                for spec in message.inputs
+                if spec.name in message.probe_shapes
+            ),
         )
 
 

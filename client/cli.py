@@ -239,11 +239,21 @@ def _model(client: Client, args: argparse.Namespace) -> int:
     print(f"batch cap    {model.batch_cap} rows (max_batch_size {model.max_batch_size})", file=out)
     print(f"window       {model.stream_window} requests per stream", file=out)
     print(file=out)
+    # Each input as the start-up probe ran it, its dynamic sizes filled in: the server's
+    # memory figures per row hold for rows of that shape, and sizes no --probe-shape gave
+    # ran at 1 ("unknown": a server older than GetModel's probe_shapes).
+    probed = {name: _shape((None, *dims)) for name, dims in model.probe_shapes}
     _table(
         out,
-        ["tensor", "name", "dtype", "shape"],
+        ["tensor", "name", "dtype", "shape", "probe shape"],
         [
-            [kind, spec.name, spec.datatype, _shape(spec.shape)]
+            [
+                kind,
+                spec.name,
+                spec.datatype,
+                _shape(spec.shape),
+                "" if kind == "output" else probed.get(spec.name, "unknown"),
+            ]
             for kind, specs in (("input", model.inputs), ("output", model.outputs))
             for spec in specs
         ],

@@ -1964,9 +1964,10 @@ class Scheduler:
     def _adapt_cap(self, result: BatchResult) -> None:
         """Reports the batch's out-of-memory runs and moves its signature's cap (see
         `BatchCaps.adapt`); the queued work of the signatures whose cap moved is priced
-        again at the cap it now runs at. No other shape's price depends on that cap:
-        every queued shape priced again, 16 000 one-row requests of distinct lengths held
-        the scheduler ~1 s."""
+        again at the cap it now runs at. Shapes with no cap of their own whose guess came
+        from a cap that moved keep their price until their rows next move
+        (`BatchCaps.adapt`): every queued shape priced again, 16 000 one-row requests of
+        distinct lengths held the scheduler ~1 s."""
         for rows in result.out_of_memory_rows:
             self.events.out_of_memory(rows)
         if any(rows > 1 for rows in result.out_of_memory_rows):

@@ -640,6 +640,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             server_version=SERVER_VERSION,
             **_identity_fields(self._engine.identity),
             **_memory_fields(self._memory),
+            # The rows the per-row bytes were measured on: a row's bytes depend on its
+            # dynamic sizes, which the probe ran at 1 unless probe_shapes gave them.
+            probe_shapes={
+                name: pb.RowShape(dims=shape) for name, shape in self._engine.probe_shapes.items()
+            },
         )
 
     async def GetStats(

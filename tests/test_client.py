@@ -2184,3 +2184,48 @@ def test_model_info_is_hashable_and_still_compares_its_custom_metadata() -> None
     assert hash(first) == hash(same)
     assert first == same != other
     assert len({first, same, other}) == 2
+
+
+def test_model_info_names_each_inputs_probed_row_shape_in_the_models_order(
+    tmp_path: Path,
+) -> None:
+    """The server's bytes per row hold for rows of the probe's shapes, which no client
+    could see (a text model's rows probed at S = 1 read 214 B where 512 took 535 KiB):
+    ModelInfo carries them as (name, sizes after the row axis) pairs, in the model's
+    input order, and stays hashable. A server older than the field gives none."""
+    path = tmp_path / "tokens.onnx"
+    graph = helper.make_graph(
+        [
+            helper.make_node("Identity", ["tokens"], ["tokens_out"]),
+            helper.make_node("Identity", ["scores"], ["scores_out"]),
+        ],
+        "tokens",
+        [
+            helper.make_tensor_value_info("tokens", onnx.TensorProto.INT64, ["N", "S"]),
+            helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, ["N", 3]),
+        ],
+        [
+            helper.make_tensor_value_info("tokens_out", onnx.TensorProto.INT64, ["N", "S"]),
+            helper.make_tensor_value_info("scores_out", onnx.TensorProto.FLOAT, ["N", 3]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, path)
+
+    async def model_info(probe_shapes: dict[str, tuple[int, ...]]) -> lc.ModelInfo:
+        engine = Engine(
+            str(path), device="cpu", probe_shapes=probe_shapes, estimate=no_static_estimate
+        )
+        async with client_for(engine, config(path, probe_shapes=probe_shapes)) as (_s, client):
+            return await client.model()
+
+    at_1 = asyncio.run(model_info({}))
+    assert at_1.probe_shapes == (("tokens", (1,)), ("scores", (3,)))
+    given = asyncio.run(model_info({"tokens": (128,)}))
+    assert given.probe_shapes == (("tokens", (128,)), ("scores", (3,)))
+    assert len({at_1, given}) == 2  # hashable; the two differ in their shapes
+    older = pb.GetModelResponse(
+        inputs=[pb.TensorSpec(name="tokens", dtype=pb.DATA_TYPE_INT64, shape=[-1, -1])]
+    )
+    assert lc.ModelInfo.from_proto(older).probe_shapes == ()

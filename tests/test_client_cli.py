@@ -1957,3 +1957,33 @@ def test_infer_refuses_both_json_and_input() -> None:
 
 def batch_tags(batch: Batch) -> list[int]:
     return [int(tag) for part in batch.parts["input"] for tag in part[:, 0]]
+
+
+def test_model_prints_each_inputs_shape_as_the_probe_ran_it(tmp_path: Path) -> None:
+    """The server's memory figures per row hold for rows of the probe's shapes, and a
+    model with a dynamic sequence length was probed at S = 1 unless --probe-shape said
+    otherwise: `model` shows each input's shape as the probe ran it beside its own."""
+    path = identity_model(
+        tmp_path,
+        "sequence",
+        {"ids": (TensorProto.INT64, ["N", "S"]), "features": (TensorProto.FLOAT, ["N", 4])},
+    )
+
+    async def printed(probe_shapes: dict[str, tuple[int, ...]]) -> str:
+        engine = Engine(
+            str(path), device="cpu", probe_shapes=probe_shapes, estimate=no_static_estimate
+        )
+        async with serving(engine, config(path, probe_shapes=probe_shapes)) as s:
+            code, out, err = await cli("model", "--target", s.target)
+        assert code == 0, err
+        return out
+
+    table = (
+        "tensor  name          dtype    shape   probe shape\n"
+        "input   ids           int64    [?, ?]  [?, {}]\n"
+        "input   features      float32  [?, 4]  [?, 4]\n"
+        "output  ids_out       int64    [?, ?]\n"
+        "output  features_out  float32  [?, 4]\n"
+    )
+    assert table.format(1) in asyncio.run(printed({}))
+    assert table.format(512) in asyncio.run(printed({"ids": (512,)}))

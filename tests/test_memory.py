@@ -903,9 +903,10 @@ def test_out_of_memory_lowers_the_cap_of_its_shape_alone() -> None:
 def test_the_caps_of_shapes_not_run_lately_are_forgotten() -> None:
     """Caps are kept for the MAX_SIGNATURES lowered shapes run most recently: bounded for
     a model whose widths have no end. A shape that keeps running keeps its cap; one
-    forgotten is back at the probed cap, reported as recovered (its return moved
-    GetStats' lowest cap with no log line or count), and the lowest in force is that of
-    the shapes kept."""
+    forgotten is back at its guess from the caps kept (the probed cap while none is
+    lowered), reported as recovered where that is higher (its return moved GetStats'
+    lowest cap with no log line or count), and the lowest in force is that of the shapes
+    kept."""
     changes: list[tuple[int, int, str, Signature]] = []
 
     class Changes(NullEvents):
@@ -925,18 +926,26 @@ def test_the_caps_of_shapes_not_run_lately_are_forgotten() -> None:
         oom = OutOfMemoryRun(rows, held_unfit_row=False)
         return BatchResult(batch, outputs, None, 0.001, out_of_memory_runs=(oom,), split=True)
 
-    assert caps.adapt(ran(1, 4, failed=True))  # 2 rows
+    # Wide enough that the guesses scaled down from its cap are the probed cap (2 rows
+    # of 100 000 values: 64 of up to 3 125).
+    wide = ((100_000,),)
+    assert caps.adapt(ran(100_000, 4, failed=True)) == [wide]  # 2 rows
     assert caps.adapt(ran(2, 64, failed=True))  # 32 rows
-    assert not caps.adapt(ran(1, 2, failed=False)), "ran, unchanged: kept the longest"
+    assert not caps.adapt(ran(100_000, 2, failed=False)), "ran, unchanged: kept the longest"
     assert caps.lowest == 2
     for width in range(3, MAX_SIGNATURES + 2):  # one more than MAX_SIGNATURES shapes
         assert caps.adapt(ran(width, 64, failed=True))
-    assert caps.rows(((1,),)) == 2, "run after width 2's change: kept"
-    assert caps.rows(((2,),)) == 64, "forgotten: back at the probed cap"
-    assert changes[-2] == (32, 64, "recovered", ((2,),))
+    assert caps.rows(wide) == 2, "run after width 2's change: kept"
+    # Forgotten: back at a guess from the caps kept, 32 rows of width 3 (the nearest).
+    assert caps.rows(((2,),)) == 32 * 3 // 2
+    assert changes[-2] == (32, 48, "recovered", ((2,),))
     assert caps.lowest == 2
-    assert caps.adapt(ran(MAX_SIGNATURES + 2, 64, failed=True))  # forgets width 1
-    assert changes[-2] == (2, 64, "recovered", ((1,),))
+    last = ((MAX_SIGNATURES + 2,),)
+    assert caps.adapt(ran(MAX_SIGNATURES + 2, 64, failed=True)) == [wide, last], "forgotten"
+    # Its guess, scaled up from the widest kept, is a row: lower, not a recovery, and a
+    # guess is reported by no event. The lowest is of the caps kept.
+    assert caps.rows(wide) == 1
+    assert [change[2:] for change in changes if change[3] == wide] == [("out_of_memory", wide)]
     assert caps.lowest == 32
 
 
@@ -3666,3 +3675,174 @@ def test_an_arena_that_cannot_shrink_is_logged_once(
     assert len(records) == 1, records
     assert records[0].levelno == logging.WARNING
     assert "Did not find an arena based allocator" in records[0].getMessage()
+
+
+# ---- first caps of new shapes, guessed from those learned ------------------------------
+
+
+class _CapChanges(NullEvents):
+    def __init__(self) -> None:
+        self.changes: list[tuple[int, int, str, Signature]] = []
+
+    def cap_changed(self, old_rows: int, new_rows: int, reason: str, signature: Signature) -> None:
+        self.changes.append((old_rows, new_rows, reason, signature))
+
+
+def _ran(
+    width: int, rows: int, *, failed: bool = False, piece_rows: int | None = None
+) -> BatchResult:
+    """A batch of `rows` rows of width `width` (in requests of `piece_rows`, all of it by
+    default) as the engine reports it: run, or run out of memory whole and then in
+    halves."""
+    each = rows if piece_rows is None else piece_rows
+    pieces = tuple(BatchSlice(k, "standard", 0, each, k * each) for k in range(rows // each))
+    batch = Batch(width, pieces, rows, DispatchReason.FULL, 0.0, {}, ((width,),))
+    outputs = {"out": np.zeros((rows, 1), dtype=np.float32)}
+    if not failed:
+        return BatchResult(batch, outputs, None, 0.001)
+    oom = OutOfMemoryRun(rows, held_unfit_row=False)
+    return BatchResult(batch, outputs, None, 0.001, out_of_memory_runs=(oom,), split=True)
+
+
+def test_a_new_shape_gets_a_cap_scaled_from_the_nearest_learned_ones() -> None:
+    """Every new sequence length ran out of memory once before it batched safely (96 of
+    100 lengths under 40 MiB): a shape with no cap of its own had the probed cap. Its
+    first cap is scaled now from the caps out of memory taught, by elements per row:
+    down from a larger shape in proportion, up from a smaller one by the square (memory
+    may grow so, as attention's), the larger of the two. No event tells of a guess; the
+    shape's first batch to complete keeps it as the shape's own cap."""
+    events = _CapChanges()
+    caps = BatchCaps(128, events)
+    assert caps.adapt(_ran(800, 128)) == [], "ran whole at the probed cap: kept there"
+    assert caps.adapt(_ran(400, 100, failed=True)) == [((400,),)]
+    assert caps.rows(((400,),)) == 50
+    assert caps.rows(((500,),)) == 50 * 400 * 400 // (500 * 500) == 32, "up: by the square"
+    assert caps.rows(((300,),)) == 50 * 400 // 300 == 66, "down: in proportion"
+    assert caps.rows(((100,),)) == 128, "at most the probed cap"
+    assert caps.rows(((700,),)) == 50 * 400 * 400 // (700 * 700) == 16
+    assert caps.lowest == 50, "asked, a guess is not kept"
+    assert caps.adapt(_ran(500, 32)) == [], "kept as it was: nothing moved"
+    assert caps.lowest == 32, "kept, a guess is a cap in force"
+    assert caps.adapt(_ran(800, 40, failed=True)) == [((800,),)]  # 20 rows
+    assert caps.rows(((600,),)) == max(20 * 800 // 600, 50 * 400 * 400 // (600 * 600)) == 26
+    assert caps.rows(((700,),)) == 20 * 800 // 700 == 22, "not kept: worked out again"
+    assert caps.rows(((500,),)) == 32, "kept"
+    assert [change[:3] for change in events.changes] == [
+        (128, 50, "out_of_memory"),
+        (128, 20, "out_of_memory"),
+    ]
+
+
+def test_shapes_keep_the_probed_cap_while_no_cap_says_what_fits() -> None:
+    """Without an out-of-memory every shape has the probed cap, and so it has again once
+    the only cap lowered recovered there: a cap at the probed cap says nothing of memory."""
+    caps = BatchCaps(128, _CapChanges())
+    for width in (2, 400, 100_000):
+        assert caps.adapt(_ran(width, 128)) == []
+        assert caps.rows(((width + 1,),)) == 128
+    # A passing shortage (a batch of 40 rows, in 8-row requests, below the cap) halves the
+    # cap and sets no ceiling: it recovers a step (8 rows) per CAP_RECOVERY_BATCHES.
+    assert caps.adapt(_ran(400, 40, failed=True, piece_rows=8)) == [((400,),)]
+    assert caps.rows(((400,),)) == 20
+    while caps.rows(((400,),)) < 128:
+        caps.adapt(_ran(400, caps.rows(((400,),))))
+    assert caps.rows(((500,),)) == 128
+    assert caps.lowest == 128
+
+
+def test_a_guessed_cap_recovers_and_is_lowered_as_a_learned_one() -> None:
+    """A guess moves as any cap: lowered by out of memory at its size, raised a step by
+    CAP_RECOVERY_BATCHES full batches (each move reported), and once lowered it says
+    what fits: new shapes are scaled from it."""
+    events = _CapChanges()
+    caps = BatchCaps(128, events)
+    caps.adapt(_ran(400, 100, failed=True))  # 50 rows
+    wide, wider = ((500,),), ((1000,),)
+    assert caps.rows(wide) == 32
+    assert caps.adapt(_ran(500, 32, failed=True)) == [wide]
+    assert (caps.rows(wide), caps.lowest) == (16, 16)
+    for _ in range(CAP_RECOVERY_BATCHES - 1):
+        assert caps.adapt(_ran(500, 16)) == []
+    assert caps.adapt(_ran(500, 16)) == [wide]
+    assert (caps.rows(wide), caps.lowest) == (16 + 128 // 16, 24)
+    assert [change[:3] for change in events.changes[1:]] == [
+        (32, 16, "out_of_memory"),
+        (16, 24, "recovered"),
+    ]
+    # Scaled up from the nearest learned below: 24 rows of width 500 (not 50 of 400).
+    assert caps.rows(wider) == 24 * 500 * 500 // (1000 * 1000) == 6
+
+
+def test_new_shapes_forget_no_learned_cap_and_move_few_caps_a_batch() -> None:
+    """Asking the caps of new shapes (as their requests are admitted) keeps nothing:
+    kept then, 1 023 new shapes pushed a learned cap out (logged as recovered, and back
+    at the probed cap it failed again), and with more shapes queued than are kept every
+    batch priced again ~1 000 of them. Kept as their batches complete, guesses count
+    among the MAX_SIGNATURES caps kept, and one forgotten is told of by no event (none
+    told of it): each batch moves at most the cap it forgets, here none (its guess again,
+    from the same learned cap)."""
+    events = _CapChanges()
+    caps = BatchCaps(64, events)
+    source = ((100,),)
+    caps.adapt(_ran(100, 64, failed=True))  # 32 rows
+    widths = range(201, 201 + 2 * MAX_SIGNATURES)
+    for width in widths:  # all queued
+        assert caps.rows(((width,),)) == max(1, 32 * 100 * 100 // (width * width))
+    assert caps.rows(source) == 32
+    assert caps.lowest == 32
+    moved: list[Signature] = []
+    for k, width in enumerate(widths):
+        if k % 500 == 0:
+            assert caps.adapt(_ran(100, 1)) == [], "run: kept"
+        moved += caps.adapt(_ran(width, 1))
+    assert moved == [], "forgotten guesses have the same guess again: their prices hold"
+    assert caps.rows(source) == 32
+    assert caps.lowest == 1, "kept guesses count"
+    assert len(events.changes) == 1, "only the out-of-memory"
+
+
+def test_a_shape_proven_at_the_probed_cap_keeps_it_after_another_runs_out() -> None:
+    """Width 300 ran full batches at the probed cap; after width 400 ran out of memory
+    at 100 rows (50 now), a guess cut it to 66 (~500 full batches to recover). A full
+    batch that ran whole at the probed cap proves it: kept, not guessed. A batch not full
+    proves nothing: its shape is guessed as a new one."""
+    caps = BatchCaps(128, _CapChanges())
+    proven, unproven = ((300,),), ((301,),)
+    assert caps.adapt(_ran(300, 128)) == []
+    assert caps.adapt(_ran(301, 64)) == []
+    assert caps.adapt(_ran(400, 100, failed=True)) == [((400,),)]
+    assert caps.rows(proven) == 128
+    assert caps.rows(unproven) == 50 * 400 // 301 == 66
+    assert caps.lowest == 50
+    assert caps.adapt(_ran(300, 128, failed=True)) == [proven], "lowered as any cap"
+    assert caps.rows(proven) == 64
+
+
+def test_new_widths_after_one_runs_out_of_memory_batch_without_running_out(
+    tmp_path: Path,
+) -> None:
+    """Served end to end under a memory limit, 8-row requests of ten widths, one after
+    another (a row's memory grows with its width squared: 4 rows of width 1 000 fit
+    18 MiB): each width ran out of memory once, split, before it batched at its own cap.
+    Only the first does now; the others start at a cap scaled from its."""
+    model = _outer_model(tmp_path / "outer.onnx")
+    server = ServerProcess(
+        [
+            *("--model", str(model), "--port", "0", "--memory-limit", "18MiB"),
+            *("--max-batch-size", "8", "--batch-cap", "8"),
+        ]
+    )
+    widths = range(1000, 1100, 10)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port()}") as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            for width in widths:
+                x = np.ones((8, width), np.float32)
+                answer = stub.Infer(request(x, lane="bulk"), timeout=120)
+                assert output(answer).tolist() == [float(width * width)] * 8
+            stats = stub.GetStats(pb.GetStatsRequest(), timeout=10)
+    finally:
+        server.close()
+    assert stats.out_of_memory_events == 1, "width 1 000's batch of 8 alone"
+    assert dict(stats.cap_changes) == {"out_of_memory": 1}
+    assert stats.batch_cap < 4

@@ -63,6 +63,7 @@ from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
     RecordingEngine,
+    ServerProcess,
     Serving,
     health_status,
     item_reason,
@@ -3244,3 +3245,92 @@ def test_the_startup_line_names_the_models_hash_and_version(
     assert f"(sha256 {digest[:12]}, model_version 4) on 127.0.0.1:" in startup.getMessage()
     fields = startup.fields  # type: ignore[attr-defined]
     assert (fields["model_sha256"], fields["model_version"]) == (digest, 4)
+
+
+def _sequence_model(path: Path) -> Path:
+    """A text model's signature: ids[N, S] and mask[N, S] (S dynamic, as a tokenizer's
+    sequence length) beside features[N, 4]; each answered as itself (`NAME_out`)."""
+    inputs: dict[str, tuple[int, list[str | int | None]]] = {
+        "ids": (onnx.TensorProto.INT64, ["N", "S"]),
+        "mask": (onnx.TensorProto.INT64, ["N", "S"]),
+        "features": (onnx.TensorProto.FLOAT, ["N", 4]),
+    }
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", [name], [f"{name}_out"]) for name in inputs],
+        "sequence",
+        [onnx.helper.make_tensor_value_info(n, kind, dims) for n, (kind, dims) in inputs.items()],
+        [
+            onnx.helper.make_tensor_value_info(f"{n}_out", kind, dims)
+            for n, (kind, dims) in inputs.items()
+        ],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, str(path))
+    return path
+
+
+def _probe_shapes(answer: pb.GetModelResponse) -> dict[str, list[int]]:
+    return {name: list(shape.dims) for name, shape in answer.probe_shapes.items()}
+
+
+@pytest.mark.parametrize(
+    ("given", "probed", "note"),
+    [
+        ({}, {"ids": [1], "mask": [1], "features": [4]}, True),
+        ({"ids": (512,), "mask": (512,)}, {"ids": [512], "mask": [512], "features": [4]}, False),
+    ],
+    ids=["dynamic_sizes_at_1", "probe_shapes_given"],
+)
+def test_get_model_and_the_probe_line_name_the_row_shapes_the_probe_ran(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    given: dict[str, tuple[int, ...]],
+    probed: dict[str, list[int]],
+    note: bool,
+) -> None:
+    """GetModel's bytes per row and probed_batch_cap, and the `probe` line's, said
+    nothing of the rows they were measured on: a text model probed at S = 1 read 214 B
+    a row where its rows at S = 512 took 535 KiB. Both name each input's row shape as the
+    probe ran it (dynamic sizes at 1 unless probe_shapes gives them), and the line says
+    where sizes were left at 1."""
+    path = _sequence_model(tmp_path / "sequence.onnx")
+
+    async def scenario() -> pb.GetModelResponse:
+        engine = Engine(str(path), device="cpu", probe_shapes=given, estimate=no_static_estimate)
+        async with serving(engine, config(path, probe_shapes=given)) as s:
+            return await s.stub.GetModel(pb.GetModelRequest())
+
+    with caplog.at_level(logging.INFO):
+        answer = asyncio.run(scenario())
+    assert _probe_shapes(answer) == probed
+    (line,) = [r for r in caplog.records if getattr(r, "event", None) == "probe"]
+    assert line.fields["probe_shapes"] == probed  # type: ignore[attr-defined]
+    at_1 = (
+        " (dynamic sizes not configured are 1, longer rows take more: set server.probe_shapes, "
+        "--probe-shape NAME=D1,D2,...)"
+    )
+    assert f" probe_shapes={probed}{at_1 if note else ''} estimate=" in line.getMessage()
+
+
+def test_a_probe_shape_flag_is_the_row_shape_get_model_and_the_probe_line_report(
+    tmp_path: Path,
+) -> None:
+    """`laneserve serve --probe-shape`: GetModel and the `probe` line report the sizes
+    given, and the per-row estimate is a row of that shape (the ids and mask alone are
+    2 x 512 int64s in and out)."""
+    path = _sequence_model(tmp_path / "sequence.onnx")
+    flags = ("--probe-shape", "ids=512", "--probe-shape", "mask=512")
+    server = ServerProcess(["--model", str(path), "--port", "0", "--device", "cpu", *flags])
+    try:
+        line = server.wait_for(r"probe: .* probe_shapes=(\{[^}]*\}) estimate=")
+        with grpc.insecure_channel(f"127.0.0.1:{server.port()}") as channel:
+            answer = pb_grpc.InferenceServiceStub(channel).GetModel(
+                pb.GetModelRequest(), timeout=30
+            )
+    finally:
+        server.close()
+    probed = {"ids": [512], "mask": [512], "features": [4]}
+    assert line.group(1) == str(probed)
+    assert _probe_shapes(answer) == probed
+    assert answer.estimated_row_bytes >= 2 * 2 * 512 * 8

@@ -340,6 +340,27 @@ class GetModelResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class ProbeShapesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___RowShape: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___RowShape | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     MODEL_PATH_FIELD_NUMBER: _builtins.int
     INPUTS_FIELD_NUMBER: _builtins.int
     OUTPUTS_FIELD_NUMBER: _builtins.int
@@ -363,11 +384,13 @@ class GetModelResponse(_message.Message):
     ESTIMATED_ROW_BYTES_FIELD_NUMBER: _builtins.int
     MEASURED_FIXED_BYTES_FIELD_NUMBER: _builtins.int
     MEASURED_ROW_BYTES_FIELD_NUMBER: _builtins.int
+    PROBE_SHAPES_FIELD_NUMBER: _builtins.int
     model_path: _builtins.str
     batch_cap: _builtins.int
     """The largest batch (in rows) the scheduler forms now. Each input shape has its own
-    cap (out of memory lowers only the cap of the shape that ran out): the lowest in
-    force; a model with fixed shapes has one.
+    cap (out of memory lowers only the cap of the shape that ran out; once one has, a
+    shape not run before starts at a guess scaled from it): the lowest kept, which may be
+    a new shape's guess once its first batch ran; a model with fixed shapes has one.
     """
     max_batch_size: _builtins.int
     """The configured upper bound of the batch cap."""
@@ -428,6 +451,15 @@ class GetModelResponse(_message.Message):
         does not fit is left out and named in the server's log.
         """
 
+    @_builtins.property
+    def probe_shapes(self) -> _containers.MessageMap[_builtins.str, Global___RowShape]:
+        """Per input, the shape of the rows the start-up probe ran (the sizes after the row
+        axis): the per-row bytes above, and the probe's search for probed_batch_cap, are for
+        rows of these shapes. Dynamic sizes are the server's probe_shapes (--probe-shape),
+        else 1: longer rows served (a text model's sequence length) take more memory. Empty
+        from a server older than the field.
+        """
+
     def __init__(
         self,
         *,
@@ -454,16 +486,39 @@ class GetModelResponse(_message.Message):
         estimated_row_bytes: _builtins.int = ...,
         measured_fixed_bytes: _builtins.int = ...,
         measured_row_bytes: _builtins.int = ...,
+        probe_shapes: _abc.Mapping[_builtins.str, Global___RowShape] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_model_version", b"_model_version", "model_version", b"model_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_model_version", b"_model_version", "batch_cap", b"batch_cap", "custom_metadata", b"custom_metadata", "description", b"description", "domain", b"domain", "estimated_fixed_bytes", b"estimated_fixed_bytes", "estimated_row_bytes", b"estimated_row_bytes", "graph_name", b"graph_name", "inputs", b"inputs", "lanes", b"lanes", "max_batch_size", b"max_batch_size", "max_message_bytes", b"max_message_bytes", "measured_fixed_bytes", b"measured_fixed_bytes", "measured_row_bytes", b"measured_row_bytes", "memory_limit_bytes", b"memory_limit_bytes", "model_path", b"model_path", "model_sha256", b"model_sha256", "model_version", b"model_version", "outputs", b"outputs", "probed_batch_cap", b"probed_batch_cap", "producer_name", b"producer_name", "providers", b"providers", "server_version", b"server_version", "stream_window", b"stream_window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_model_version", b"_model_version", "batch_cap", b"batch_cap", "custom_metadata", b"custom_metadata", "description", b"description", "domain", b"domain", "estimated_fixed_bytes", b"estimated_fixed_bytes", "estimated_row_bytes", b"estimated_row_bytes", "graph_name", b"graph_name", "inputs", b"inputs", "lanes", b"lanes", "max_batch_size", b"max_batch_size", "max_message_bytes", b"max_message_bytes", "measured_fixed_bytes", b"measured_fixed_bytes", "measured_row_bytes", b"measured_row_bytes", "memory_limit_bytes", b"memory_limit_bytes", "model_path", b"model_path", "model_sha256", b"model_sha256", "model_version", b"model_version", "outputs", b"outputs", "probe_shapes", b"probe_shapes", "probed_batch_cap", b"probed_batch_cap", "producer_name", b"producer_name", "providers", b"providers", "server_version", b"server_version", "stream_window", b"stream_window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__model_version: _TypeAlias = _typing.Literal["model_version"]  # noqa: Y015
     _WhichOneofArgType__model_version: _TypeAlias = _typing.Literal["_model_version", b"_model_version"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__model_version) -> _WhichOneofReturnType__model_version | None: ...
 
 Global___GetModelResponse: _TypeAlias = GetModelResponse  # noqa: Y015
+
+@_typing.final
+class RowShape(_message.Message):
+    """The sizes of one row of a tensor: its shape after the row axis."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DIMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def dims(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        dims: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dims", b"dims"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RowShape: _TypeAlias = RowShape  # noqa: Y015
 
 @_typing.final
 class GetStatsRequest(_message.Message):
