@@ -54,6 +54,7 @@ from laneserve.client._retry import RetryPolicy
 from laneserve.client._stream import DEFAULT_STREAM_LANE, SERVER_STREAM_LANE
 from laneserve.client._sync import Client
 from laneserve.client._types import ModelInfo, StreamRequest, TensorInfo
+from laneserve.client.tensors import named_dimension_conflict
 from laneserve.v1 import inference_pb2 as pb
 
 EXIT_OK: Final = 0
@@ -585,19 +586,10 @@ def _check_named_dimensions(inputs: Arrays, model: ModelInfo, where: str) -> Non
     item of a bulk job that could only fail. The row axis is `_row_count`'s; `inputs`
     hold every input, each of its rank (`_check_input`). A server older than dim_names
     names no dimension: nothing is checked here, and the server still refuses."""
-    seen: dict[str, tuple[str, int, int]] = {}  # dimension name -> (input, axis, size)
-    for spec in model.inputs:
-        for axis, dim_name in enumerate(spec.dim_names[1:], start=1):
-            if dim_name is None:
-                continue
-            size = int(inputs[spec.name].shape[axis])
-            first = seen.setdefault(dim_name, (spec.name, axis, size))
-            if first[2] != size:
-                raise UsageError(
-                    f"inputs {first[0]!r} and {spec.name!r} in {where} must agree on the "
-                    f"model's dimension {dim_name!r}: axis {first[1]} of {first[0]!r} is "
-                    f"{first[2]}, axis {axis} of {spec.name!r} is {size}"
-                )
+    conflict = named_dimension_conflict(inputs, model.inputs)
+    if conflict is not None:
+        first, other, how = conflict
+        raise UsageError(f"inputs {first!r} and {other!r} in {where} {how}")
 
 
 def _write_outputs(path: Path, outputs: Mapping[str, npt.NDArray[Any]]) -> None:

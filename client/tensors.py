@@ -37,10 +37,10 @@ Example::
 """
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Final, TypeAlias
+from typing import Any, Final, Protocol, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -251,3 +251,37 @@ def decode_tensor(tensor: inference_pb2.Tensor) -> npt.NDArray[Any]:
     if wire.datatype == inference_pb2.DATA_TYPE_BOOL and array.view(np.uint8).max(initial=0) > 1:
         raise ValueError(f"{what}: bool data has bytes other than 0 and 1")
     return array
+
+
+class NamedDimensions(Protocol):
+    """A tensor's spec as far as `named_dimension_conflict` reads it: the server's and
+    the client's both."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dim_names(self) -> Sequence[str | None]: ...
+
+
+def named_dimension_conflict(
+    arrays: Mapping[str, npt.NDArray[Any]], specs: Iterable[NamedDimensions]
+) -> tuple[str, str, str] | None:
+    """The first two inputs that disagree on the size of a dimension the model names alike
+    (K in a[N, K] and b[N, K]), and how ("must agree on the model's dimension 'K': ..."),
+    or None. The row axis is not looked at; every spec's input is in `arrays`, of its
+    rank. One check for the server's refusal and `laneserve-client`'s, worded alike."""
+    seen: dict[str, tuple[str, int, int]] = {}  # dimension name -> (input, axis, size)
+    for spec in specs:
+        for axis, dim_name in enumerate(spec.dim_names[1:], start=1):
+            if dim_name is None:
+                continue
+            size = int(arrays[spec.name].shape[axis])
+            first = seen.setdefault(dim_name, (spec.name, axis, size))
+            if first[2] != size:
+                how = (
+                    f"must agree on the model's dimension {dim_name!r}: axis {first[1]} of "
+                    f"{first[0]!r} is {first[2]}, axis {axis} of {spec.name!r} is {size}"
+                )
+                return first[0], spec.name, how
+    return None

@@ -48,6 +48,7 @@ from laneserve.server.grpc_calls import GrpcCallCounts, GrpcCalls
 from laneserve.server.idempotency import LedgerCounts
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.memory import (
+    CgroupMemoryLimit,
     MemoryEstimate,
     MemoryFacts,
     MemoryGauge,
@@ -514,13 +515,17 @@ def _watermark_limit_name(engine: Engine) -> str:
 
 
 def make_watermark(
-    config: ServerConfig, engine: Engine, device_total_bytes: int | None
+    config: ServerConfig,
+    engine: Engine,
+    device_total_bytes: int | None,
+    cgroup: CgroupMemoryLimit | None,
 ) -> Watermark | None:
     """The admission watermark, where there is a limit to watch: on a GPU the device's
     total memory (`device_total_bytes`, NVML's), on the CPU host_memory_limit (resident
-    memory), or where that is unset the least memory limit of the process's cgroups, as
-    logged (a container's: past it the OOM killer ends the server, and with no watermark
-    queued request bodies took a 512 MiB pod's server from 95 to 761 MiB, none refused).
+    memory), or where that is unset the least memory limit of the process's cgroups
+    (`cgroup`, read by the caller: its warnings name the file), as logged (a
+    container's: past it the OOM killer ends the server, and with no watermark queued
+    request bodies took a 512 MiB pod's server from 95 to 761 MiB, none refused).
     Neither is the arena's budget (memory_limit): NVML reads the whole device, every
     process's use and the CUDA context beside the arena, so marks taken from the
     budget closed lanes at the server's own full batch (an 80 GiB GPU: the arena at its
@@ -531,7 +536,7 @@ def make_watermark(
         limit_bytes = device_total_bytes
     elif config.host_memory_limit is not None:
         limit_bytes = parse_memory_limit(config.host_memory_limit).resolve(None)
-    elif (cgroup := cgroup_memory_limit()) is not None:
+    elif cgroup is not None:
         limit_bytes = cgroup.limit_bytes
         log_event(
             log,
@@ -824,15 +829,18 @@ def _or_a_high_mark_above(full_bytes: int, watermark: Watermark) -> str:
 
 
 def _watermark_and_gauge(
-    config: ServerConfig, engine: Engine, memory_gauge: MemoryGauge | None
+    config: ServerConfig,
+    engine: Engine,
+    memory_gauge: MemoryGauge | None,
+    cgroup: CgroupMemoryLimit | None,
 ) -> tuple[Watermark | None, MemoryGauge]:
     """The watermark, where there is a limit to watch, and its reading (`memory_gauge`,
     else the device's). On a GPU the gauge comes first, its total being the watermark's
     limit; on the CPU the watermark does, the process's gauge taking it."""
     if _on_gpu(engine):
         gauge = memory_gauge or device_gauge(engine)
-        return make_watermark(config, engine, gauge.total_bytes()), gauge
-    watermark = make_watermark(config, engine, None)
+        return make_watermark(config, engine, gauge.total_bytes(), None), gauge
+    watermark = make_watermark(config, engine, None, cgroup)
     return watermark, memory_gauge or device_gauge(engine, watermark)
 
 
@@ -851,8 +859,11 @@ def _watch_memory(
     the server serves as it did without a limit, with no watermark, and says so (a
     default must not refuse a start that serves, a container sized for the model but
     not for the default marks)."""
+    from_cgroup = not _on_gpu(engine) and config.host_memory_limit is None
+    # Read once: the watermark's limit, and the file the warnings below name.
+    cgroup = cgroup_memory_limit() if from_cgroup else None
     try:
-        watermark, gauge = _watermark_and_gauge(config, engine, memory_gauge)
+        watermark, gauge = _watermark_and_gauge(config, engine, memory_gauge, cgroup)
         if watermark is None:
             return None, None
         # Read as an idle running server reads itself once lanes close: the arena's
@@ -864,7 +875,6 @@ def _watch_memory(
         used_bytes = gauge.used_bytes()
     except NvmlUnavailableError as error:
         raise nvml_start_error(error) from error
-    from_cgroup = not _on_gpu(engine) and config.host_memory_limit is None
     if from_cgroup and used_bytes is not None and used_bytes >= watermark.low_bytes:
         limit = format_bytes(watermark.limit_bytes)
         log_event(
@@ -887,8 +897,6 @@ def _watch_memory(
     if _on_gpu(engine):
         _warn_if_a_full_arena_closes_lanes(config, engine, watermark, used_bytes, weights_bytes)
     else:
-        # The file make_watermark took the limit from, read again for the warning's sake.
-        cgroup = cgroup_memory_limit() if from_cgroup else None
         source = None if cgroup is None else cgroup.source
         _warn_if_a_full_batch_closes_lanes(config, watermark, used_bytes, probe, source)
     return watermark, gauge

@@ -128,8 +128,8 @@ class BatchCaps:
         forgotten for it: O(1) signatures priced again a batch, however many shapes are
         queued. Queued work of other shapes with no cap of their own keeps the price of
         the guess it was priced at when a source of that guess moves, until its rows next
-        move (a trade for O(1) pricing: 60 rows priced at a 2.5x too large guess until
-        then, in a re-read's run; admission is that much optimistic meanwhile)."""
+        move (a trade for O(1) pricing: 60 rows priced 2.5x too cheap until then,
+        in a re-read's run; admission is that much optimistic meanwhile)."""
         signature = result.batch.signature
         failed_batches = _capacity_failures(result)
         # Only a full batch that ran whole shows the cap fits: a split one (rows that

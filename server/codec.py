@@ -17,6 +17,7 @@ from laneserve.client.tensors import (
     datatype_name,
     decode_tensor,
     encode_tensor,
+    named_dimension_conflict,
     numpy_dtype,
 )
 from laneserve.server.engine import TensorSpec
@@ -64,10 +65,9 @@ def _extra_inputs(tensors: Sequence[pb.Tensor], expected: Sequence[str]) -> str:
     the request holds. Among that many, one name at least is either."""
     known = set(expected)
     read = [tensor.name for tensor in tensors[: len(expected) + 1]]
-    unknown = [name for name in dict.fromkeys(read) if name not in known]
-    repeated = [
-        name for name, count in collections.Counter(read).items() if count > 1 and name in known
-    ]
+    counts = collections.Counter(read)  # in first-read order
+    unknown = [name for name in counts if name not in known]
+    repeated = [name for name, count in counts.items() if count > 1 and name in known]
     assert unknown or repeated, "len(expected) + 1 names hold one unknown or repeated"
     found = []
     if unknown:
@@ -257,19 +257,10 @@ def _check_named_dimensions(arrays: Mapping[str, Array], specs: Sequence[TensorS
     """Dimensions the model names alike (say K in a[N, K] and b[N, K]) have one size; the
     runtime would otherwise fail the whole batch, every request in it, with INTERNAL.
     The row axis is checked above, for every input."""
-    seen: dict[str, tuple[str, int, int]] = {}  # dimension name -> (input, axis, size)
-    for spec in specs:
-        for axis, dim_name in enumerate(spec.dim_names[1:], start=1):
-            if dim_name is None:
-                continue
-            size = arrays[spec.name].shape[axis]
-            first = seen.setdefault(dim_name, (spec.name, axis, size))
-            if first[2] != size:
-                raise InvalidInputError(
-                    f"inputs {first[0]!r} and {spec.name!r} must agree on the model's "
-                    f"dimension {dim_name!r}: axis {first[1]} of {first[0]!r} is {first[2]}, "
-                    f"axis {axis} of {spec.name!r} is {size}"
-                )
+    conflict = named_dimension_conflict(arrays, specs)
+    if conflict is not None:
+        first, other, how = conflict
+        raise InvalidInputError(f"inputs {first!r} and {other!r} {how}")
 
 
 def _describe(spec: TensorSpec) -> str:

@@ -88,7 +88,7 @@ UINT32_MAX = 2**32 - 1
 # waits for one instance.
 MAX_DRAIN_GRACE_S = 3_600.0
 # The same bound for the delay before a drain (load balancers' checks take seconds).
-MAX_DRAIN_DELAY_S = 3_600.0
+MAX_DRAIN_DELAY_S = MAX_DRAIN_GRACE_S
 # More session threads than this is a typo, and ONNX Runtime takes a C int.
 MAX_INTRA_OP_THREADS = 1_024
 

@@ -388,9 +388,10 @@ class Engine:
             else estimate(model_path)
         )
         # The model's files as found before the session reads them: hashed after it has
-        # (the hash costs no load of its own; the session's read warmed the page cache),
-        # they are checked to be the same files (if not, the hash is left empty, warned
-        # about: the session loaded fine, so the server serves).
+        # (its read warmed the page cache; the hash's CPU time, ~0.7-0.9 s a GiB as
+        # measured here, is still the start's), they are checked to be the same files (if
+        # not, the hash is left empty, warned about: the session loaded fine, so the
+        # server serves).
         files = find_model_files(model_path)
         # The hard limit on the session's device memory; None: the runtime's default.
         self.memory_limit_bytes: int | None

@@ -151,7 +151,8 @@ class _Window:
         """The samples added within WINDOW_S before `now_s`, oldest first, as a copy.
         The cut is a binary search of the (sorted) times, each probe a walk of at most
         WINDOW_SAMPLES / 128 of a deque's 64-item blocks; the copy is the values after it,
-        without the times: O(WINDOW_SAMPLES) at most, all in C (~20 us a full window).
+        without the times: O(WINDOW_SAMPLES) at most, all in C (~20 us a full window,
+        measured once).
         The deques stay, not numpy rings (reads of ~5 us): `add` is the hot path, and
         a ring's element stores took twice a deque's append."""
         cut = bisect.bisect_left(self._at_s, now_s - WINDOW_S)

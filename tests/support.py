@@ -23,6 +23,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 import onnx
+import pytest
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnx import TensorProto, helper
@@ -389,6 +390,36 @@ def flight_waiters(s: Serving, request_id: str) -> int:
     assert servicer is not None
     flight = servicer._ledger._flights.get(request_id)
     return 0 if flight is None else len(flight.waiters)
+
+
+async def one_running_and_queued(
+    s: Serving, engine: RecordingEngine, *, running_rows: int = 1, queued_start: int = 1
+) -> tuple[asyncio.Future[pb.InferResponse], asyncio.Future[pb.InferResponse]]:
+    """A request of `running_rows` rows (tags from 0) held running in the engine, and one
+    of two rows (tags `queued_start`, `queued_start` + 1) queued behind it."""
+    engine.hold_next()
+    running = asyncio.ensure_future(s.stub.Infer(request(rows(running_rows, start=0))))
+    await asyncio.to_thread(engine.entered.acquire)
+    queued = asyncio.ensure_future(s.stub.Infer(request(rows(2, start=queued_start))))
+    await until(lambda: queued_rows(s) == 2)
+    return running, queued
+
+
+async def queued_never_ran_as_the_drain_ended(
+    running: asyncio.Future[pb.InferResponse],
+    queued: asyncio.Future[pb.InferResponse],
+    engine: RecordingEngine,
+    stopping: asyncio.Future[Any],
+) -> None:
+    """`one_running_and_queued`'s queued call is answered UNAVAILABLE, saying it never
+    ran, as the drain's grace ended; then the held batch is let go and the stop ends."""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await queued
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "before this request could run" in (caught.value.details() or "")
+    engine.release()
+    await asyncio.wait_for(stopping, timeout=60)
+    await asyncio.gather(running, return_exceptions=True)
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:

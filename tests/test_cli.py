@@ -28,18 +28,17 @@ from laneserve.server import ManualClock, ServerConfig
 from laneserve.server import cli as server_cli
 from laneserve.server.engine import CPU, CUDA, choose_providers, gpu_present
 from laneserve.server.lifecycle import REPEAT_WINDOW_S, Lifecycle, SignalMeaning, StopSignals
-from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
     REPO,
     SERVE,
     RecordingEngine,
     ServerProcess,
-    Serving,
     health_status,
     no_input_model,
+    one_running_and_queued,
     output,
-    queued_rows,
+    queued_never_ran_as_the_drain_ended,
     request,
     rich_status,
     rows,
@@ -1115,18 +1114,6 @@ def _config(model: Path, **fields: Any) -> ServerConfig:
     return ServerConfig(model_path=str(model), metrics_port=-1, **fields)
 
 
-async def _one_running_two_rows_queued(
-    s: Serving, engine: RecordingEngine
-) -> tuple[asyncio.Future[pb.InferResponse], asyncio.Future[pb.InferResponse]]:
-    """A request held running in the engine, and one of two rows queued behind it."""
-    engine.hold_next()
-    running = asyncio.ensure_future(s.stub.Infer(request(rows(1, start=0))))
-    await asyncio.to_thread(engine.entered.acquire)
-    queued = asyncio.ensure_future(s.stub.Infer(request(rows(2, start=1))))
-    await until(lambda: queued_rows(s) == 2)
-    return running, queued
-
-
 # The events a stop logs, in order.
 STOP_EVENTS = {
     "drain_delayed",
@@ -1153,7 +1140,7 @@ def test_one_sigterm_delivered_twice_does_not_cut_the_drain_short(
             stopper = server_cli._Stopper(clock=ManualClock())  # the copy comes at once
             stopper.attach(s.server)
             stopping = asyncio.ensure_future(stopper.stop_when_asked())
-            running, queued = await _one_running_two_rows_queued(s, engine)
+            running, queued = await one_running_and_queued(s, engine)
             stopper.on_signal(signal.SIGTERM)
             stopper.on_signal(signal.SIGTERM)
             await until(lambda: s.server.state is Lifecycle.DRAINING)
@@ -1186,18 +1173,12 @@ def test_a_later_or_another_signal_ends_the_drain_now(
             stopper = server_cli._Stopper(clock=clock)
             stopper.attach(s.server)
             stopping = asyncio.ensure_future(stopper.stop_when_asked())
-            running, queued = await _one_running_two_rows_queued(s, engine)
+            running, queued = await one_running_and_queued(s, engine)
             stopper.on_signal(signal.SIGTERM)
             await until(lambda: s.server.state is Lifecycle.DRAINING)
             clock.advance(after_s)
             stopper.on_signal(second)
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await queued
-            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "before this request could run" in (caught.value.details() or "")
-            engine.release()
-            await asyncio.wait_for(stopping, timeout=60)
-            await asyncio.gather(running, return_exceptions=True)
+            await queued_never_ran_as_the_drain_ended(running, queued, engine, stopping)
 
     asyncio.run(scenario())
 
@@ -1270,17 +1251,12 @@ def test_a_second_signal_in_the_drain_delay_stops_at_once(
             stopper = server_cli._Stopper(wait_s=delay)
             stopper.attach(s.server)
             stopping = asyncio.ensure_future(stopper.stop_when_asked())
-            running, queued = await _one_running_two_rows_queued(s, engine)
+            running, queued = await one_running_and_queued(s, engine)
             stopper.on_signal(signal.SIGTERM)
             await until(lambda: delay.asked_s == [3600.0])
             stopper.on_signal(signal.SIGINT)
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await queued  # in a drain that waited: DEADLINE_EXCEEDED, its lane's timeout
-            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "before this request could run" in (caught.value.details() or "")
-            engine.release()
-            await asyncio.wait_for(stopping, timeout=60)
-            await asyncio.gather(running, return_exceptions=True)
+            # In a drain that waited the queued call was DEADLINE_EXCEEDED, its lane's timeout.
+            await queued_never_ran_as_the_drain_ended(running, queued, engine, stopping)
             assert s.server.state is Lifecycle.STOPPED
 
     asyncio.run(scenario())

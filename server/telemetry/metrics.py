@@ -99,9 +99,9 @@ from laneserve.server.telemetry.device import DeviceMonitor
 # Times: 20 us to the bulk lane's two-minute timeout, at 1-1.5-2-3-5-7 per decade
 # (adjacent bounds at most 5/3 apart). The first bucket reads as if spread from 0: a
 # small model's runs on the CPU took 30-45 us, mostly below a first bound of 50 us, and
-# their median read 0.76x. Not finer: every bucket is one series per lane and status
-# (request duration: up to 3 lanes x 8 statuses x 43), and 1.25x steps would take ~70
-# buckets for little more.
+# their median read 0.76x (one run of a reviewer's script). Not finer: every bucket is
+# one series per lane and status (request duration: up to 3 lanes x 8 statuses x 43),
+# and 1.25x steps would take ~70 buckets for little more.
 SECONDS_BUCKETS: tuple[float, ...] = (
     0.00002, 0.00003, 0.00005, 0.00007,
     0.0001, 0.00015, 0.0002, 0.0003, 0.0005, 0.0007,
@@ -351,21 +351,21 @@ class Metrics(NullEvents):
         )
         meter.create_observable_gauge(
             "laneserve.device.memory.high_watermark",
-            callbacks=[self._observe_high_watermark],
+            callbacks=[self._fixed_gauge(lambda sources: sources.high_watermark_bytes)],
             unit="By",
             description="Memory in use at or above which the watermark closes lanes, lowest "
             "priority first (memory_high_watermark of the budget)",
         )
         meter.create_observable_gauge(
             "laneserve.device.memory.low_watermark",
-            callbacks=[self._observe_low_watermark],
+            callbacks=[self._fixed_gauge(lambda sources: sources.low_watermark_bytes)],
             unit="By",
             description="Memory in use below which lanes closed by the watermark reopen "
             "(memory_low_watermark of the budget)",
         )
         meter.create_observable_gauge(
             "laneserve.device.memory.limit",
-            callbacks=[self._observe_memory_limit],
+            callbacks=[self._fixed_gauge(lambda sources: sources.memory_limit_bytes)],
             unit="By",
             description="The cap on the session's memory arena (memory_limit, GetStats' "
             "memory_limit_bytes); absent when uncapped",
@@ -503,17 +503,16 @@ class Metrics(NullEvents):
         utilization = self._device.utilization()
         return [] if utilization is None else [Observation(utilization)]
 
-    def _observe_high_watermark(self, options: CallbackOptions) -> Iterable[Observation]:
-        mark = None if self._sources is None else self._sources.high_watermark_bytes
-        return [] if mark is None else [Observation(mark)]
+    def _fixed_gauge(
+        self, read: Callable[[MetricSources], int | None]
+    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        """A gauge of a value the sources hold from the start (None: absent)."""
 
-    def _observe_low_watermark(self, options: CallbackOptions) -> Iterable[Observation]:
-        mark = None if self._sources is None else self._sources.low_watermark_bytes
-        return [] if mark is None else [Observation(mark)]
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            value = None if self._sources is None else read(self._sources)
+            return [] if value is None else [Observation(value)]
 
-    def _observe_memory_limit(self, options: CallbackOptions) -> Iterable[Observation]:
-        limit = None if self._sources is None else self._sources.memory_limit_bytes
-        return [] if limit is None else [Observation(limit)]
+        return observe
 
     def _observe_closed_by_memory(self, options: CallbackOptions) -> Iterable[Observation]:
         # Every lane, 0 without a watermark: an alert on it needs no other series.
