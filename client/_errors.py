@@ -243,11 +243,12 @@ _SERVER_BUSY = (
     "max_concurrent_rpcs); the call never ran; retryable with the same request_id"
 )
 
-# The trailers a laneserve server adds to its refusal in those words over a bound of its
-# own, each naming the bound (server/grpc_accept.py's STREAM_LIMIT_KEY and
-# OPERATOR_LIMIT_KEY): InferStream calls at once (half of max_concurrent_rpcs), and
-# GetModel and GetStats calls at once (counted apart, without a request_id).
-_LIMIT_KEYS = ("laneserve-stream-limit", "laneserve-operator-limit")
+# The trailers a laneserve server adds to its refusal in those words, each naming the
+# bound (server/grpc_accept.py's CALL_LIMIT_KEY, STREAM_LIMIT_KEY and
+# OPERATOR_LIMIT_KEY): inference calls at once (max_concurrent_rpcs), InferStream calls
+# at once (half of it), and GetModel and GetStats calls at once (counted apart, without a
+# request_id). A server that predates a trailer sends the words alone (_SERVER_BUSY).
+_LIMIT_KEYS = ("laneserve-call-limit", "laneserve-stream-limit", "laneserve-operator-limit")
 
 # google.rpc.Code numbers (in a Status message) to grpc's enum.
 _CODES_BY_NUMBER: Mapping[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}

@@ -264,8 +264,16 @@ class NamedDimensions(Protocol):
     def dim_names(self) -> Sequence[str | None]: ...
 
 
+class Shaped(Protocol):
+    """An input as far as `named_dimension_conflict` reads it: an array, or a Tensor
+    message read without decoding its data (the server's `codec.leading_rows`)."""
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+
 def named_dimension_conflict(
-    arrays: Mapping[str, npt.NDArray[Any]], specs: Iterable[NamedDimensions]
+    arrays: Mapping[str, Shaped], specs: Iterable[NamedDimensions]
 ) -> tuple[str, str, str] | None:
     """The first two inputs that disagree on the size of a dimension the model names alike
     (K in a[N, K] and b[N, K]), and how ("must agree on the model's dimension 'K': ..."),

@@ -16,15 +16,20 @@
 The best round of each is reported (neighbours on a shared machine only ever slow a
 round down), with the median beside it. Client and server share this machine's cores:
 the ratio is what one host gets end to end, not the server's overhead alone. Prints a
-Markdown table (the README's "Bulk jobs" table). Not a test: numbers depend on the
-machine and its load.
+Markdown table: path | batch cap | rows per item | rows/s (best) | rows/s (median) | of
+ceiling | CPU ms per 1000 rows (by process). The README's table under "Bulk jobs" >
+"Throughput" merges two runs of it (default and `--intra-op-threads 2`, a column saying
+which) and keeps the best rows/s only. Not a test: numbers depend on the machine and its
+load.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import importlib.metadata
 import os
 import platform
 import signal
@@ -37,7 +42,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import onnxruntime as ort
 
 from laneserve.client import AsyncClient
 from laneserve.server.bench.procs import Deployment, process_cpu_s, start_laneserve
@@ -103,8 +107,18 @@ def _sizes(text: str) -> list[int]:
 def describe_host() -> str:
     return (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"load {os.getloadavg()[0]:.1f}, onnxruntime {ort.__version__}"
+        f"load {os.getloadavg()[0]:.1f}, onnxruntime {_installed('onnxruntime-gpu', 'onnxruntime')}"
     )
+
+
+def _installed(*packages: str) -> str:
+    """The version of the first of `packages` installed (read from its metadata: this
+    process does not import onnxruntime itself before laneserve.server has turned its
+    telemetry off)."""
+    for package in packages:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(package)
+    return "not installed"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,15 @@ Runtime and the whole server with it.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
+
+# ONNX Runtime (1.29 on, Linux too) writes a device id under ~/.cache/Microsoft and
+# uploads usage events to Microsoft unless ORT_DISABLE_TELEMETRY is set when it is first
+# imported: a server must not call out of its network unasked. Set here, as every module
+# that imports onnxruntime (the engine) is imported through this package; an operator's
+# own value (0 lets it send) is kept.
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
 if TYPE_CHECKING:
     from laneserve.server.app import LaneServer, load_engine

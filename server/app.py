@@ -902,6 +902,28 @@ def _watch_memory(
     return watermark, gauge
 
 
+def _warn_if_the_fixed_cap_exceeds_the_fit(config: ServerConfig, probe: Probe) -> None:
+    """A fixed cap (--batch-cap) at or above a size the probe saw run out of memory: the
+    probe line said so at INFO only, and the first full batch then ran out of memory,
+    split and lowered the cap, seconds into serving, with no WARNING before it."""
+    fails = probe.first_failing_rows
+    if config.batch_cap is None or fails is None or config.batch_cap < fails:
+        return
+    fitted = max(probe.run_s)  # the largest size that ran (the probe runs one at least)
+    log_event(
+        log,
+        logging.WARNING,
+        "batch_cap_exceeds_fit",
+        f"--batch-cap {config.batch_cap} is above what fits: the probe ran out of memory at "
+        f"{fails} rows ({fitted} ran). The first batch too large to fit will run out of "
+        "memory, be split in halves and retried, and lower the cap, which then learns back "
+        f"up; set --batch-cap below {fails}, or leave it out for the probe to find the cap",
+        batch_cap=config.batch_cap,
+        first_failing_rows=fails,
+        largest_fitting_rows=fitted,
+    )
+
+
 def _line(estimate: MemoryEstimate | None) -> str:
     if estimate is None:
         return "n/a"
@@ -980,8 +1002,10 @@ class LaneServer:
             probe_shapes=probe_shapes,
             run_ms=run_ms,
         )
+        _warn_if_the_fixed_cap_exceeds_the_fit(config, self.probe)
         self.stats = StatsRecorder([lane.name for lane in config.lanes], clock=self.clock)
         self.telemetry = telemetry or Telemetry.from_config(config, engine.providers)
+        self.telemetry.event_log.arena = "device" if _on_gpu(engine) else "host arena"
         try:
             # The watermark's reading: the device's, unless a test supplies its own.
             # The weights (the static estimate's, 0 unknown) count in the idle reading.
@@ -1447,22 +1471,46 @@ class LaneServer:
 
     def _log_drain_incomplete(self, grace_s: float, waited_s: float) -> None:
         """What the drain left: cut short by a second signal (`end_grace`), or its grace
-        over. A drain cut short after a moment said it "ended after at most" its grace."""
+        over; how much was queued and which batch ran, all of it answered UNAVAILABLE. A
+        drain cut short after a moment said it "ended after at most" its grace."""
         assert self._thread is not None
         cut_short = self._thread.grace_ended
+        depths = self._thread.depths()
+        queued_requests = sum(depth.queued_requests for depth in depths)
+        queued_rows = sum(depth.queued_rows for depth in depths)
+        running = self.telemetry.event_log.running_batch
         why = (
             f"drain cut short by a second signal after {waited_s:.1f}s of its {grace_s:.1f}s grace"
             if cut_short
             else f"drain grace of {grace_s:.1f}s over"
         )
+        queued = (
+            f"{queued_requests} request(s) ({queued_rows} rows) still queued"
+            if queued_requests
+            else "nothing queued"
+        )
+        ran = "no batch" if running is None else f"batch {running.batch_id} ({running.rows} rows)"
+        # The operator's second signal asked for it; a grace too short for the queue is
+        # the operator's setting to change.
+        remedy = (
+            ""
+            if cut_short
+            else " (raise --drain-grace-s for the queue to finish, keeping --drain-delay-s "
+            "plus it below the supervisor's kill grace: Kubernetes' "
+            "terminationGracePeriodSeconds, systemd's TimeoutStopSec)"
+        )
         log_event(
             log,
             logging.WARNING,
             "drain_incomplete",
-            f"{why}; answering what is left UNAVAILABLE",
+            f"{why} with {queued} and {ran} running; answering them UNAVAILABLE{remedy}",
             grace_s=grace_s,
             waited_s=round(waited_s, 3),
             cut_short=cut_short,
+            queued_requests=queued_requests,
+            queued_rows=queued_rows,
+            running_batch_id=None if running is None else running.batch_id,
+            running_rows=0 if running is None else running.rows,
         )
 
     def _scheduler_failed(self, error: LaneserveError) -> None:

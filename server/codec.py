@@ -83,27 +83,44 @@ def _extra_inputs(tensors: Sequence[pb.Tensor], expected: Sequence[str]) -> str:
 def leading_rows(
     tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec], *, max_message_bytes: int
 ) -> int | None:
-    """The rows `decode_inputs` counts if it accepts `tensors` (the first one's shape[0]),
-    read without decoding them; None when there is no first dimension to read, the first
-    is none of the model's inputs, or its dtype and shape size more data than the request
-    could carry (more than `max_message_bytes`, the server's): `decode_inputs` says what
-    is wrong. Counted, a misspelled input of 3 000 rows was refused as too many rows, to
-    be split, and so was a shape of 2**40 rows over one row's data, whose fault was its
-    data's length; and so, with the bound at gRPC's largest message (2 GiB), was one of
-    100 000 rows of 512 float32 (205 MB) against a 64 MiB limit.
+    """The rows `decode_inputs` counts if it accepts `tensors` (their shape[0]), read
+    without decoding them; None unless they are the model's inputs, each once, each of
+    its input's dtype and shape (`_takes`), all of one shape[0], their dtypes and shapes
+    sizing at most the data a request could carry (`max_message_bytes`, the server's),
+    agreeing on the dimensions the model names alike (`_check_named_dimensions`):
+    `decode_inputs` says what is wrong. Counted, a misspelled input of 3 000 rows was
+    refused as too many rows, to be split, and so was a shape of 2**40 rows over one
+    row's data, whose fault was its data's length; and so, with the bound at gRPC's
+    largest message (2 GiB), was one of 100 000 rows of 512 float32 (205 MB) against a
+    64 MiB limit; and so, in a lane smaller than its shape[0] (but not in one with room),
+    a flattened batch, a wrong width, rank or dtype, and inputs with K = 3 and K = 4 for
+    a[N, K] and b[N, K], every part split from which is refused for K.
 
     The data is not read, so not measured: each read is a copy (~80 ms for 64 MiB), and
     this runs for every request. A shape that sizes at most `max_message_bytes` over
     data that does not match it is still counted by its shape."""
-    if not tensors or not tensors[0].shape:
+    expected = {spec.name: spec for spec in specs}
+    if len(tensors) != len(expected) or {tensor.name for tensor in tensors} != expected.keys():
+        return None  # an unknown, missing or repeated input
+    claimed_bytes = 0
+    for tensor in tensors:
+        tensor_bytes = data_bytes(tensor)  # None for a negative dynamic dimension
+        if tensor_bytes is None or not _takes(expected[tensor.name], tensor):
+            return None
+        claimed_bytes += tensor_bytes
+    row_counts = {tensor.shape[0] for tensor in tensors}
+    if len(row_counts) != 1 or claimed_bytes > max_message_bytes:
         return None
-    first = tensors[0]
-    if all(spec.name != first.name for spec in specs):
+    # Each input is here, of its rank (`_takes`), as the check needs; its cost is in
+    # proportion to the inputs' dimensions, which `check_counts` bounds.
+    if named_dimension_conflict({tensor.name: tensor for tensor in tensors}, specs) is not None:
         return None
-    claimed_bytes = data_bytes(first)
-    if claimed_bytes is None or claimed_bytes > max_message_bytes:
-        return None
-    return first.shape[0]
+    return row_counts.pop()
+
+
+def _takes(spec: TensorSpec, tensor: pb.Tensor) -> bool:
+    """Whether `spec`'s input takes `tensor`'s dtype and shape, its data unread."""
+    return _is_dtype(spec, tensor.dtype) and _fits_shape(spec, tensor.shape)
 
 
 def extra_bytes(request: pb.InferRequest, wire_bytes: int) -> int | None:
@@ -179,6 +196,7 @@ def decode_inputs(
             raise InvalidInputError(
                 f"input {tensor.name!r} is given more than once; expected each input once"
             )
+        _check_dtype(tensor, spec)
         try:
             array = decode_tensor(tensor)
         except ValueError as error:
@@ -239,18 +257,66 @@ def encode_response(
     )
 
 
-def _check_against_spec(name: str, array: Array, spec: TensorSpec) -> None:
-    if array.dtype != spec.dtype:
-        raise InvalidInputError(
-            f"input {name!r} has dtype {datatype_name(array.dtype)}; expected {_describe(spec)}"
-        )
-    shape_ok = array.ndim == len(spec.shape) and all(
-        want < 0 or got == want for got, want in zip(array.shape, spec.shape, strict=True)
+def dtype_refusal(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> str | None:
+    """The refusal `_check_dtype` gives the first of `tensors` with a known dtype other
+    than its model input's, or None; reads no data. None as well where an input before
+    it is unknown or repeated: `decode_inputs` refuses that first, for a fault this
+    request's own refusal covers (the unknown name is not quoted), not for a dtype
+    ([a float32, a float16] was told a's dtype, not "'a' is given more than once"). For
+    a request refused unread (`service.read_infer_request`), whose dtype is the fault to
+    name before its data's length: float32 data labelled float16."""
+    expected = {spec.name: spec for spec in specs}
+    seen: set[str] = set()
+    for tensor in tensors:
+        spec = expected.get(tensor.name)
+        if spec is None or tensor.name in seen:
+            return None
+        if _is_other_dtype(spec, tensor.dtype):
+            return _wrong_dtype(tensor, spec)
+        seen.add(tensor.name)
+    return None
+
+
+def _check_dtype(tensor: pb.Tensor, spec: TensorSpec) -> None:
+    """Refuses a known dtype other than the model's input's before `decode_tensor` sizes
+    the data by it: float32 data labelled DATA_TYPE_FLOAT64 was told "data is 2048 bytes;
+    expected 4096 (512 float64 ...)", which steered its client to send twice the data.
+    This server converts no dtype. An unspecified or unknown one is `decode_tensor`'s to
+    refuse: its words list the dtypes there are."""
+    if _is_other_dtype(spec, tensor.dtype):
+        raise InvalidInputError(_wrong_dtype(tensor, spec))
+
+
+def _wrong_dtype(tensor: pb.Tensor, spec: TensorSpec) -> str:
+    return (
+        f"input {tensor.name!r} has dtype {datatype_name(tensor.dtype)}; expected {_describe(spec)}"
     )
-    if not shape_ok:
+
+
+def _is_dtype(spec: TensorSpec, datatype: pb.DataType.ValueType) -> bool:
+    """Whether `datatype` is a known dtype, `spec`'s input's."""
+    return datatype in _ITEM_BYTES and numpy_dtype(datatype) == spec.dtype
+
+
+def _is_other_dtype(spec: TensorSpec, datatype: pb.DataType.ValueType) -> bool:
+    """Whether `datatype` is a known dtype other than `spec`'s input's."""
+    return datatype in _ITEM_BYTES and not _is_dtype(spec, datatype)
+
+
+def _check_against_spec(name: str, array: Array, spec: TensorSpec) -> None:
+    # Its dtype is the model's (`_check_dtype`): the array's is the tensor's.
+    assert array.dtype == spec.dtype, (name, array.dtype, spec.dtype)
+    if not _fits_shape(spec, array.shape):
         raise InvalidInputError(
             f"input {name!r} has shape {list(array.shape)}; expected {_describe(spec)}"
         )
+
+
+def _fits_shape(spec: TensorSpec, shape: Sequence[int]) -> bool:
+    """Whether `shape` is of `spec`'s rank, each fixed dimension of its size."""
+    return len(shape) == len(spec.shape) and all(
+        want < 0 or got == want for got, want in zip(shape, spec.shape, strict=True)
+    )
 
 
 def _check_named_dimensions(arrays: Mapping[str, Array], specs: Sequence[TensorSpec]) -> None:

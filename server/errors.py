@@ -12,7 +12,8 @@
     ├── MemoryPressureError        RESOURCE_EXHAUSTED   MEMORY_PRESSURE      (retry after pushback)
     ├── JoinLimitError             RESOURCE_EXHAUSTED   JOIN_LIMIT           (retry once answered)
     └── EngineError                INTERNAL             ENGINE_FAILURE
-        └── SessionBrokenError     INTERNAL             ENGINE_FAILURE       (the server stops)
+        ├── SessionBrokenError     INTERNAL             ENGINE_FAILURE       (the server stops)
+        └── ServerFaultError       INTERNAL             ENGINE_FAILURE       (laneserve's own)
 
 Servicers never choose status codes: they raise or receive one of these and hand it to
 `to_rpc_status`. Foreign errors (from the runtime) are translated in the engine module.
@@ -121,6 +122,15 @@ class SessionBrokenError(EngineError):
     def __init__(self, message: str, *, cause: str) -> None:
         super().__init__(message)
         self.cause = cause
+
+
+class ServerFaultError(EngineError):
+    """A request failed by laneserve's own failure, not the model's: the scheduler thread
+    failed (a bug, or a lost device whose memory readings fail: every live request is
+    answered with it), or a batch failed outside the runtime. The same answer on the
+    wire; the failure is logged once, at ERROR with its traceback, where it happened, so
+    the event log does not count these requests among those the model failed on
+    (`requests_failed`)."""
 
 
 # The most bytes of an error message sent: messages quote what the client sent (names,

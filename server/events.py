@@ -46,10 +46,18 @@ class SchedulerEvents(Protocol):
         (a split batch) and the rest ran."""
         ...
 
-    def completed(self, lane: str, status: str) -> None:
+    def completed(
+        self,
+        lane: str,
+        status: str,
+        *,
+        request_id: str | None = None,
+        error: LaneserveError | None = None,
+    ) -> None:
         """An admitted request ended: "OK", the error's reason, "CANCELLED" (its caller left:
         no answer due) or "DEADLINE_EXCEEDED" (its gRPC deadline passed while it ran:
-        gRPC answered the caller)."""
+        gRPC answered the caller). `request_id` and `error`: given when it was answered
+        with an error (the event log names the requests a model failed on)."""
         ...
 
     def out_of_memory(self, rows: int) -> None:
@@ -153,7 +161,14 @@ class NullEvents:
     ) -> None:
         pass
 
-    def completed(self, lane: str, status: str) -> None:
+    def completed(
+        self,
+        lane: str,
+        status: str,
+        *,
+        request_id: str | None = None,
+        error: LaneserveError | None = None,
+    ) -> None:
         pass
 
     def out_of_memory(self, rows: int) -> None:
@@ -217,8 +232,18 @@ class FanOut:
     ) -> None:
         self._each("batch_done", lambda sink: sink.batch_done(batch, run_s, error, failed_rows))
 
-    def completed(self, lane: str, status: str) -> None:
-        self._each("completed", lambda sink: sink.completed(lane, status))
+    def completed(
+        self,
+        lane: str,
+        status: str,
+        *,
+        request_id: str | None = None,
+        error: LaneserveError | None = None,
+    ) -> None:
+        self._each(
+            "completed",
+            lambda sink: sink.completed(lane, status, request_id=request_id, error=error),
+        )
 
     def out_of_memory(self, rows: int) -> None:
         self._each("out_of_memory", lambda sink: sink.out_of_memory(rows))

@@ -52,6 +52,11 @@ CALL_LIMIT_DETAILS = "Concurrent RPC limit exceeded!"
 # version of the Python client retries (words of their own were final to clients that
 # predate the bound: their bulk jobs failed where they had waited).
 STREAM_LIMIT_KEY = "laneserve-stream-limit"
+# The trailer that names max_concurrent_rpcs on the refusal of an inference call over it.
+# Its words alone (CALL_LIMIT_DETAILS) are gRPC's, and RESOURCE_EXHAUSTED is also gRPC's
+# final refusal of a message over its size limit: a client in another language told this
+# retryable refusal from that one only by matching text.
+CALL_LIMIT_KEY = "laneserve-call-limit"
 # The service's methods that read the server's state and wait on nothing (no lane, no
 # other call): an operator's, called most when the server is overloaded. They are counted
 # apart from the inference calls (`CallGate.gate_operator`), so that a port whose every
@@ -182,12 +187,16 @@ class ParallelAcceptors:
                     log.warning("an ask for %s calls failed (%r); one ask fewer", method, error)
                 return
             self.taken += 1
-            # Over the limit it is refused before its message is read, by gRPC's own
-            # refusal (the stock loop's calls are, before theirs is parsed: see
-            # `CallGate.deserializer`).
-            over = self._gate.full
+            # Never gRPC's own refusal (concurrency_exceeded): it sends no trailer, and
+            # the CALL_LIMIT_KEY trailer is what tells a full port from a message too
+            # large. Over the limit the handler refuses it (`CallGate.refuse_call`), its
+            # message read but not parsed (`CallGate.deserializer`), as the stock loop's
+            # calls are. Rare: the asks are out only below `accept_below` unary calls, so
+            # a call they take is over the limit only where max_concurrent_rpcs is below
+            # `accept_below` plus the streams' half, or (at most `count` of them each
+            # time the port fills) by an ask already out when it filled.
             handling = cygrpc._handle_rpc(  # noqa: SLF001
-                method, resolver, self._interceptors, rpc_state, loop, over
+                method, resolver, self._interceptors, rpc_state, loop, False
             )
             call = loop.create_task(
                 cygrpc._schedule_rpc_coro(handling, rpc_state, loop, method)  # noqa: SLF001
@@ -275,7 +284,8 @@ async def refuse_over_limit(
 class CallGate:
     """The inference calls (Infer, InferStream) in progress on one port, at most `limit`
     (max_concurrent_rpcs): a call over it is refused at once, RESOURCE_EXHAUSTED in
-    gRPC's own words, its message not parsed (an acceptor's not even read). Of them at
+    gRPC's own words, its message not parsed, the bound in the CALL_LIMIT_KEY trailer
+    (`refuse_call`). Of them at
     most `stream_limit` streams: one more is refused at once in the same words, the
     bound in the STREAM_LIMIT_KEY trailer. Operator calls (OPERATOR_METHODS) are counted
     apart, at most `operator_limit` (`gate_operator`): one more is refused in the same
@@ -334,6 +344,16 @@ class CallGate:
             f"inference calls (server setting max_concurrent_rpcs {self.limit})"
         )
         await refuse_over_limit(context, ((OPERATOR_LIMIT_KEY, bound),))
+
+    async def refuse_call(self, context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
+        """Ends an inference call over `limit` RESOURCE_EXHAUSTED in gRPC's words for a
+        full port (which older Python clients match), the bound in the CALL_LIMIT_KEY
+        trailer."""
+        bound = (
+            f"{self.limit} inference calls at once (Infer and InferStream), server setting "
+            f"max_concurrent_rpcs {self.limit}"
+        )
+        await refuse_over_limit(context, ((CALL_LIMIT_KEY, bound),))
 
     async def refuse_stream(self, context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
         """Ends a stream over `stream_limit` RESOURCE_EXHAUSTED in gRPC's words for a full
@@ -407,7 +427,7 @@ class CallGate:
             # below keeps the frames it passes through (see service.abort_with).
             if request is OVER_LIMIT or self.full:
                 del request
-                await refuse_over_limit(context)
+                await self.refuse_call(context)
             handling = behavior(request, context)
             del request
             self._enter_unary()
@@ -426,7 +446,7 @@ class CallGate:
                 await self.refuse_stream(context)
             # OVER_LIMIT: a unary request (deserializer) with a streamed answer.
             if request is OVER_LIMIT or self.full:
-                await refuse_over_limit(context)
+                await self.refuse_call(context)
             self.stream_calls += 1
             responses = behavior(request, context)
             try:

@@ -167,8 +167,8 @@ class _Plan:
     # its whole requests filled, when its next request did not fit (see `Lane.fill_ratio`).
     fill_sample: tuple[int, float] | None = None
     # A queued request of the batch's shape did not fit the room left (or the ride-along
-    # budget): waiting for company would hold it back, and nothing that waiting brings
-    # goes ahead of it.
+    # budget), or the highest queued work has another shape than an owed batch: waiting
+    # for company would hold it back, and nothing that waiting brings goes ahead of it.
     left_out: bool = False
 
 
@@ -1270,16 +1270,18 @@ class Scheduler:
 
     # ---- shedding ----------------------------------------------------------------
 
-    def shed_expired(self, now_s: float, limit: int | None = None) -> list[Outcome]:
+    def shed_expired(
+        self, now_s: float, limit: int | None = None, *, into: list[Outcome] | None = None
+    ) -> list[Outcome]:
         """Answers the queued entries whose deadline has passed, earliest deadline first;
         they never run. Takes at most `limit` deadlines off the heap (None: all that are
         due), answered or stale (their entries answered, running or moved): `expired_left`
         says whether some are left, and work is not dispatched while they are (it could
-        take them).
+        take them). The answers go into `into` as `complete`'s do.
 
         An entry whose rows are all in a running batch is left to finish: it is running.
         """
-        outcomes: list[Outcome] = []
+        outcomes: list[Outcome] = [] if into is None else into
         taken = 0
         while self.expired_left(now_s) and (limit is None or taken < limit):
             taken += 1
@@ -1343,13 +1345,15 @@ class Scheduler:
             return None
         rows = sum(taken for _, taken in plan.taken)
         reason: DispatchReason | None = None
-        # Full too when a queued request did not fit beside it: a lower lane's share had
-        # pushed an interactive request out of a batch that then waited out that lane's
-        # max_wait with the session free, while the request expired in the queue.
-        if rows >= plan.limit_rows or plan.left_out:
+        if rows >= plan.limit_rows:
             reason = DispatchReason.FULL
         elif any(entry.enqueued_s < idle_since_s for entry, _ in plan.taken):
             reason = DispatchReason.BACKLOG
+        elif plan.left_out:
+            # Full too when queued work is left out of it (`_Plan.left_out`): waiting
+            # could only hold that work back. Tested after the backlog, so that a batch
+            # that went at once anyway keeps the reason that says why.
+            reason = DispatchReason.FULL
         else:
             wait_until_s = min(entry.dispatch_by_s for entry, _ in plan.taken)
             run_s = self._run_times.get(plan.taken[0][0].request.signature).predict_s(rows)
@@ -1512,6 +1516,12 @@ class Scheduler:
             top_cap = self.caps.rows(top.request.signature)
             shut_out = self._limit_rows(now_s, top) * batch.batch_cap / top_cap
             _charge_owner(plan, first.priority, shut_out)
+            # The highest queued work is left out of it too (another shape): waiting for
+            # company would hold it back, and it leads the next batch (unless another lane
+            # is owed one). Led by the owed lane's max_wait, a batch of bulk's shape waited
+            # 20 ms (its default max_wait) with the session free while an interactive
+            # request expired in the queue.
+            plan.left_out = True
         return plan
 
     def _fill_top_down(
@@ -1863,8 +1873,15 @@ class Scheduler:
 
     # ---- completion ----------------------------------------------------------------
 
-    def complete(self, result: BatchResult) -> list[Outcome]:
-        """Hands each request its rows of a finished batch; answers the completed ones."""
+    def complete(self, result: BatchResult, *, into: list[Outcome] | None = None) -> list[Outcome]:
+        """Hands each request its rows of a finished batch; answers the completed ones.
+
+        Each answer is appended to `into` (None: a new list) as it is made, and that list
+        is returned (a caller that passes `into` ignores it: added again, each answer
+        would go out twice). A request answered is no longer live, so `abort_all` will not answer
+        it again: when this raises partway (a bug), the answers already made are in
+        `into`, for the caller to deliver. Returned in a list of its own, they were lost
+        with it (the callers waited until gRPC stopped)."""
         batch = result.batch
         self._running_until_s = None
         self._last_run_s += result.run_s
@@ -1886,7 +1903,7 @@ class Scheduler:
             lane = self._by_name[piece.lane]
             if lane.served_at_s is None or lane.served_at_s < ended_s:
                 lane.served_at_s = ended_s
-        outcomes = []
+        outcomes = [] if into is None else into
         for piece in batch.slices:
             entry = self._entries.get(piece.entry_id)
             if entry is None or entry.finished:
@@ -1932,14 +1949,15 @@ class Scheduler:
         return outcomes
 
     def rows_wanted(
-        self, batch: Batch, now_s: float
+        self, batch: Batch, now_s: float, *, into: list[Outcome] | None = None
     ) -> tuple[npt.NDArray[np.bool_], list[Outcome]]:
         """For each row of `batch` (running, retried in parts after a failed run), whether
         a caller still waits for it within its deadline: the engine runs no other row
         again. The callers whose deadline has passed are answered now, not when the last
-        part of the batch has run (which may take as long again)."""
+        part of the batch has run (which may take as long again); their answers go into
+        `into` as `complete`'s do."""
         wanted = np.zeros(batch.rows, dtype=bool)
-        outcomes = []
+        outcomes: list[Outcome] = [] if into is None else into
         for piece in batch.slices:
             entry = self._entries.get(piece.entry_id)
             if entry is None or entry.finished:
@@ -2059,7 +2077,12 @@ class Scheduler:
     def _finish_error(self, entry: Entry, error: LaneserveError) -> Outcome:
         assert not entry.finished, "every request is answered exactly once"
         self._release(entry)
-        self.events.completed(self.lanes[entry.priority].name, error.reason)
+        self.events.completed(
+            self.lanes[entry.priority].name,
+            error.reason,
+            request_id=entry.request.request_id,
+            error=error,
+        )
         return Outcome(
             token=entry.request.token,
             request_id=entry.request.request_id,

@@ -30,8 +30,8 @@ import numpy.typing as npt
 from laneserve.server.clock import Clock, SystemClock
 from laneserve.server.errors import (
     DrainingError,
-    EngineError,
     LaneserveError,
+    ServerFaultError,
     SessionBrokenError,
 )
 from laneserve.server.items import Batch, BatchResult, InferenceRequest, Outcome, RowsWanted
@@ -99,7 +99,10 @@ class SchedulerThread:
         self._idle_since_s = -math.inf
         self._closing = False
         self._grace_ended = False  # end_grace: wait_drained returns at once
-        self._failure: LaneserveError | None = None
+        # Set once the server cannot serve any more: every later submission is refused
+        # with it. After a broken session, a DrainingError (that work never runs, and may
+        # run elsewhere), not the error the server fails with (see `_fail`).
+        self._refusal: LaneserveError | None = None
         self._work: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(
@@ -117,7 +120,7 @@ class SchedulerThread:
     def submit(self, request: InferenceRequest) -> int:
         """Admits `request` (its answer comes through `deliver`) or raises why not."""
         with self._cond:
-            refusal: LaneserveError | None = self._failure
+            refusal = self._refusal
             if refusal is None and self._closing:
                 refusal = DrainingError("server is shutting down; retry on another instance")
             if refusal is not None:
@@ -234,8 +237,10 @@ class SchedulerThread:
     # ---- the scheduler thread ----------------------------------------------------
 
     def _schedule_forever(self) -> None:
-        # Answers made but not yet handed to `deliver`: a failure after they were taken
-        # from the scheduler must not lose them (_fail answers only what it still holds).
+        # Answers made but not yet handed to `deliver`, each added as it is made (the
+        # scheduler fills it: see `Scheduler.complete`): a failure after, or while, they
+        # were taken from the scheduler must not lose them (_fail answers only what it
+        # still holds).
         outcomes: list[Outcome] = []
         try:
             while True:
@@ -261,7 +266,7 @@ class SchedulerThread:
             )
             if outcomes:
                 self._deliver(outcomes)
-            self._fail(EngineError("the scheduler failed; the server must be restarted"))
+            self._fail(ServerFaultError("the scheduler failed; the server must be restarted"))
 
     def _give_back_memory(self) -> None:
         """Runs `release_memory` (a session run of its own) outside the lock: admissions
@@ -303,7 +308,7 @@ class SchedulerThread:
                 if used_bytes is not None:
                     scheduler.update_memory(used_bytes)
                 now_s = self._clock.monotonic()  # a reading takes time: shed with the time after
-        outcomes += scheduler.shed_expired(now_s, SHED_CHUNK)
+        scheduler.shed_expired(now_s, SHED_CHUNK, into=outcomes)
         if scheduler.expired_left(now_s):
             return 0.0  # more may be due: answered first, the lock let go, then the rest
         timeout_s: float | None = None
@@ -328,11 +333,26 @@ class SchedulerThread:
         self._wake_at_s = math.inf if timeout_s is None else now_s + timeout_s
         return timeout_s
 
-    def _fail(self, error: LaneserveError) -> None:
+    def _fail(
+        self,
+        error: LaneserveError,
+        refusal: LaneserveError | None = None,
+        partly_run: LaneserveError | None = None,
+    ) -> None:
+        """The server fails with `error` (handed to `on_failure`). Every live request is
+        answered: one with rows handed to a batch (some may have run) with `partly_run`,
+        the rest, and every later submission, with `refusal` (each defaults to `error`).
+        A broken session's are DrainingErrors (`_never_ran`, `_part_ran`): no row of such
+        a request was in the batch that failed, so it could not have broken the session,
+        and it is retried elsewhere (UNAVAILABLE is what clients and gRPC retry policies
+        retry); after a scheduler failure everything gets `error`: the rows of the batch
+        it was applying may have run."""
+        refusal = error if refusal is None else refusal
+        partly_run = error if partly_run is None else partly_run
         with self._cond:
-            self._failure = error
+            self._refusal = refusal
             self._closing = True
-            outcomes = self._scheduler.abort_all(error)
+            outcomes = self._scheduler.abort_all(refusal, partly_run)
             self._cond.notify_all()
         if outcomes:
             self._deliver(outcomes)
@@ -360,19 +380,22 @@ class SchedulerThread:
                     batch.batch_id,
                     extra=event_extra("batch_failed", batch_id=batch.batch_id),
                 )
-                result = BatchResult(batch, None, EngineError(f"batch failed: {error!r}"), 0.0)
+                result = BatchResult(batch, None, ServerFaultError(f"batch failed: {error!r}"), 0.0)
             failure = _session_failure(result)
+            refusal = None if failure is None else _never_ran(failure)
             outcomes: list[Outcome] = []
             try:
-                batch = self._finish(result, outcomes, failure)
+                batch = self._finish(result, outcomes, refusal)
             except Exception:  # logged with its traceback; the thread ends here
                 log.exception(
                     "applying a batch result failed; answering all queued work",
                     extra=event_extra("scheduler_thread_failed"),
                 )
-                if outcomes:  # answers already made: _fail answers only what is left
+                # Answers already made, those made before the scheduler raised among
+                # them (it adds each as it makes it): _fail answers only what is left.
+                if outcomes:
                     self._deliver(outcomes)
-                self._fail(EngineError("the scheduler failed; the server must be restarted"))
+                self._fail(ServerFaultError("the scheduler failed; the server must be restarted"))
                 return
             if outcomes:
                 self._deliver(outcomes)
@@ -386,7 +409,7 @@ class SchedulerThread:
                     batch_id=result.batch.batch_id,
                     error=failure.cause,
                 )
-                self._fail(failure)
+                self._fail(failure, refusal, _part_ran(failure))
                 return
             if batch is None:
                 batch = self._work.get()
@@ -394,36 +417,44 @@ class SchedulerThread:
     def _rows_wanted(self, batch: Batch) -> npt.NDArray[np.bool_]:
         """Asked by the engine before each part of a split batch: the rows to run; the
         callers whose deadline passed are answered now, not when the batch ends."""
-        with self._cond:
-            wanted, outcomes = self._scheduler.rows_wanted(batch, self._clock.monotonic())
+        outcomes: list[Outcome] = []
+        try:
+            with self._cond:
+                wanted, _ = self._scheduler.rows_wanted(
+                    batch, self._clock.monotonic(), into=outcomes
+                )
+                if outcomes:
+                    self._cond.notify_all()  # wait_drained may be waiting on these
+        finally:
+            # Delivered when the scheduler raised partway too: the batch then fails, and
+            # its answers reach only the requests still live.
             if outcomes:
-                self._cond.notify_all()  # wait_drained may be waiting on these
-        if outcomes:
-            self._deliver(outcomes)
+                self._deliver(outcomes)
         return wanted
 
     def _finish(
         self,
         result: BatchResult,
         outcomes: list[Outcome],
-        failure: SessionBrokenError | None = None,
+        refusal: DrainingError | None = None,
     ) -> Batch | None:
         """Under the lock: adds the answers of a finished batch to `outcomes`; returns the
-        next batch if due. `failure`: the batch found the session broken (see
-        `_session_failure`); nothing is due then."""
+        next batch if due. `refusal`: the batch found the session broken (see
+        `_session_failure`), and what never runs is answered with it; nothing is due
+        then."""
         with self._cond:
-            if failure is not None:
+            if refusal is not None:
                 # No batch can run any more: none is dispatched (by either thread), and
                 # submissions are refused with it, until `_fail` answers what is left.
-                self._failure, self._closing = failure, True
+                self._refusal, self._closing = refusal, True
             self._idle_since_s = self._clock.monotonic()
-            outcomes += self._scheduler.complete(result)
+            self._scheduler.complete(result, into=outcomes)
             # Shed before deciding, as the scheduler thread does, with the time after
             # completing (it takes time): work whose deadline passed while this batch ran
             # must not become the next batch, and the scheduler thread, asleep until that
             # deadline, may not have woken yet.
             now_s = self._clock.monotonic()
-            outcomes += self._scheduler.shed_expired(now_s, SHED_CHUNK)
+            self._scheduler.shed_expired(now_s, SHED_CHUNK, into=outcomes)
             self._busy = False
             if self._scheduler.expired_left(now_s):
                 # More may be due: the scheduler thread sheds the rest, a chunk a pass,
@@ -450,8 +481,9 @@ class SchedulerThread:
 def _session_failure(result: BatchResult) -> SessionBrokenError | None:
     """The error the server fails with when `result` found the session broken (rows failed
     with SessionBrokenError: the engine ran an input it ran at start-up, and that failed
-    too), for the requests that were not in the batch; None otherwise. Every later batch
-    would fail the same way, behind health that said SERVING."""
+    too); None otherwise. The live requests not in that batch are answered `_never_ran`
+    or `_part_ran`. Every later batch would fail the same way, behind health that said
+    SERVING."""
     broken = next(
         (
             failed.error
@@ -466,4 +498,26 @@ def _session_failure(result: BatchResult) -> SessionBrokenError | None:
         f"the model's session is broken ({broken.cause}); the server is stopping and must "
         "be restarted",
         cause=broken.cause,
+    )
+
+
+def _never_ran(failure: SessionBrokenError) -> DrainingError:
+    """The answer, after the session was found broken, for the requests none of whose
+    rows were handed to a batch, and for every later submission: UNAVAILABLE (DRAINING),
+    which clients and gRPC retry policies retry on another instance. INTERNAL told them
+    not to, for work that never ran. The server still fails with `failure`."""
+    return DrainingError(
+        f"the model's session is broken ({failure.cause}); this request never ran: retry "
+        "on another instance (this server is stopping)"
+    )
+
+
+def _part_ran(failure: SessionBrokenError) -> DrainingError:
+    """The answer, after the session was found broken, for a request split over batches
+    some of whose rows ran (in earlier batches, which succeeded) and none of whose rows
+    were in the batch that failed: its answer cannot be completed here, and it did not
+    break the session (the batch's own requests keep the SessionBrokenError)."""
+    return DrainingError(
+        f"the model's session is broken ({failure.cause}); part of this request ran, but "
+        "its answer was not kept: retry on another instance (this server is stopping)"
     )

@@ -31,6 +31,7 @@ from laneserve.server.codec import (
     check_output_names,
     data_bytes,
     decode_inputs,
+    dtype_refusal,
     encode_response,
     extra_bytes,
     leading_rows,
@@ -895,7 +896,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         """`request`, unless it is an OversizedRequest: refused unread, counted (only its
         id was kept, for its stream answer)."""
         if isinstance(request, OversizedRequest):
-            raise self._rejected_without_lane(oversized())
+            raise self._rejected_without_lane(oversized(request))
         return request
 
     def _lane_of(
@@ -1159,16 +1160,26 @@ class OversizedRequest:
 
     # As a stream answer echoes it (`_answer_id`): empty where over MAX_REQUEST_ID_BYTES.
     request_id: str
+    # The refusal of an input's dtype other than the model's input's (`dtype_refusal`),
+    # its words made of the model's names and dtypes: float32 data labelled float16, over
+    # 64 rows of 512, is more than 64 KiB longer than its shape, and was told that, not
+    # its dtype. None where each input's dtype is its model input's, or unknown.
+    dtype_refusal: str | None = None
 
 
 def read_infer_request(
-    data: bytes, max_inputs: int, max_outputs: int
+    data: bytes,
+    max_inputs: int,
+    max_outputs: int,
+    *,
+    input_specs: Sequence[TensorSpec] = (),
 ) -> pb.InferRequest | OversizedRequest:
     """`data` read as an InferRequest (`read_request`), or an OversizedRequest. Measured
     here, where its size on the wire is known: a message's own ByteSize() encodes it again
     (1 ms per MiB of data). A request with more inputs than `max_inputs` or more output
     names than `max_outputs` is passed on unmeasured: validation refuses it on those
-    counts."""
+    counts. An OversizedRequest's inputs are checked against `input_specs` (the model's)
+    for a dtype other than theirs, the fault to name first."""
     request = read_request(pb.InferRequest, data)
     if request is UNDECODABLE_REQUEST:
         return request  # empty: measured, every byte read would count as extra
@@ -1181,7 +1192,9 @@ def read_infer_request(
     extra = extra_bytes(request, len(data))
     if extra is not None and extra > MAX_EXTRA_BYTES:
         # The id is a copy: nothing of the message, or of its bytes, stays reachable.
-        return OversizedRequest(_answer_id(request.request_id))
+        return OversizedRequest(
+            _answer_id(request.request_id), dtype_refusal(request.inputs, input_specs)
+        )
     return request
 
 
@@ -1265,8 +1278,11 @@ def grpc_request_too_large(request: OversizedOperatorRequest) -> InvalidInputErr
     )
 
 
-def oversized() -> InvalidInputError:
-    """The refusal of an OversizedRequest."""
+def oversized(request: OversizedRequest) -> InvalidInputError:
+    """The refusal of an OversizedRequest: its dtype's where one is wrong (the data of
+    another dtype is why it is longer than its shape), its extra bytes' otherwise."""
+    if request.dtype_refusal is not None:
+        return InvalidInputError(request.dtype_refusal)
     return InvalidInputError(
         f"the request carries more than {MAX_EXTRA_BYTES} bytes besides its tensors' data "
         "(as their shapes and dtypes size it) and one copy of each of its fields: fields "
@@ -1318,6 +1334,7 @@ def add_to_server(
                 read_infer_request,
                 max_inputs=len(servicer.input_specs),
                 max_outputs=len(servicer.output_names),
+                input_specs=servicer.input_specs,
             )
         behavior = getattr(servicer, method.name)
         if method.name in OPERATOR_METHODS:  # counted apart: answered while inference is full

@@ -50,7 +50,8 @@ def _reasons(*errors: type[LaneserveError]) -> tuple[str, ...]:
 # (the Prometheus counters report each from the start: see telemetry/metrics.py).
 # Refused before admission, by the servicer's checks or the scheduler's. JoinExpiredError:
 # a retry whose deadline passed while it waited for the request with its id in flight.
-# EngineError: a submission after the scheduler failed for good (the server then stops).
+# EngineError: a submission after the scheduler failed for good (the server then stops;
+# after a broken session such submissions are refused DRAINING instead).
 # AnswerTooLargeError: a retry that joined or replayed an answer larger than its caller
 # reads (the call that ran it counts it among `answered`). CANCELLED: a stream item whose
 # stream ended while it waited for room in its full lane (read, never admitted).
@@ -317,7 +318,14 @@ class StatsRecorder:
                 self._rows_run += batch.rows - failed_rows
                 self._run_s.add(now_s, run_s)
 
-    def completed(self, lane: str, status: str) -> None:
+    def completed(
+        self,
+        lane: str,
+        status: str,
+        *,
+        request_id: str | None = None,
+        error: LaneserveError | None = None,
+    ) -> None:
         pass  # counted as the caller was answered: see `request_finished`
 
     def out_of_memory(self, rows: int) -> None:

@@ -53,7 +53,7 @@ from laneserve.server.bench.loadgen import (
     request_body,
     with_request_id,
 )
-from laneserve.server.bench.profiling import summarize_collapsed
+from laneserve.server.bench.profiling import PySpy, summarize_collapsed
 from laneserve.server.bench.report import (
     MEMORY_KEYS,
     evaluate_targets,
@@ -62,7 +62,14 @@ from laneserve.server.bench.report import (
     write_outputs,
 )
 from laneserve.server.bench.run import get_stats
-from laneserve.server.bench.settings import BULK_SATURATION, MixStream, Point, Profile, Stream
+from laneserve.server.bench.settings import (
+    BULK_SATURATION,
+    BUSY_OTHER_CORES,
+    MixStream,
+    Point,
+    Profile,
+    Stream,
+)
 from laneserve.server.bench.summary import (
     CANCELLED_BEFORE_DEADLINE,
     OK,
@@ -1309,6 +1316,337 @@ def test_a_verdict_read_from_an_unstable_point_says_so() -> None:
     assert verdict_text(targets["overload_expired_executed"]) == "met"
 
 
+def host_mark(
+    at_s: float,
+    server_cpu_s: float | None,
+    machine_busy_s: float,
+    harness_cpu_s: float | None = None,
+) -> bench_run.Mark:
+    """A reading at a window boundary with the given clocks (no GetStats, no threads)."""
+    return bench_run.Mark(at_s, None, server_cpu_s, machine_busy_s, None, harness_cpu_s)
+
+
+def test_a_point_measured_while_other_processes_held_the_machine_is_marked_busy(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The harness measured the cores other processes used and judged nothing by them:
+    verdicts came from points a neighbour shared (1.12 cores of 2) and flipped between
+    identical runs."""
+    # 2 s between the readings; the server used 1 core of them, the clients 0.5.
+    quiet = bench_run._host_figures(host_mark(10.0, 5.0, 100.0), host_mark(12.0, 7.0, 103.2), 0.5)
+    assert quiet["other_cores"] == pytest.approx(0.1)
+    assert bench_run.machine_busy(quiet["other_cores"]) is False
+    shared = bench_run._host_figures(host_mark(10.0, 5.0, 100.0), host_mark(12.0, 7.0, 104.0), 0.5)
+    assert shared["other_cores"] == pytest.approx(0.5)
+    assert bench_run.machine_busy(shared["other_cores"]) is True
+
+    # A point whose boundary readings say the machine was 2 cores busy each second: the
+    # server 1, the clients 0.1 (Windows), others 0.9.
+    readings = iter(host_mark(float(index), float(index), 2.0 * index) for index in range(9))
+    monkeypatch.setattr(bench_run, "take_mark", lambda _deployment, **_kwargs: next(readings))
+    settings = BenchSettings(profile=PROFILES["full"], out_dir=tmp_path)
+    document = bench_run._new_document(settings, None)
+    runner = bench_run._Runner(settings, cast("Any", Windows()), document)
+    deployment = procs.Deployment(name="laneserve", kind="laneserve", target="unused")
+    runner._measure(deployment, Point("a", "c=32", (Stream("single", concurrency=32),)))
+    (point,) = document["scenarios"]["a"]
+    assert point["host"]["other_cores"] == pytest.approx(0.9)
+    assert point["busy"] is True
+    assert (
+        "laneserve (a) c=32: machine busy: 0.90 cores used by other processes (more than 0.25)"
+        in "\n".join(document["warnings"])
+    )
+    evaluate_targets(document)
+    assert "| 0.90 (busy) |" in render_markdown(document)
+
+
+def test_an_external_servers_cpu_is_reported_with_the_others_and_never_marks_busy(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With --target the harness has no server process to read: the server's cores were
+    reported as the others' ("- / 0.16 / 1.84"), which a busy rule would misread."""
+    figures = bench_run._host_figures(
+        host_mark(10.0, None, 100.0), host_mark(12.0, None, 104.0), 0.1
+    )
+    assert (figures["server_cores"], figures["other_cores"]) == (None, None)
+    assert figures["server_and_other_cores"] == pytest.approx(1.9)
+    assert bench_run.machine_busy(figures["other_cores"]) is None
+
+    readings = iter(host_mark(float(index), None, 2.0 * index) for index in range(9))
+    monkeypatch.setattr(bench_run, "take_mark", lambda _deployment, **_kwargs: next(readings))
+    settings = BenchSettings(profile=PROFILES["full"], out_dir=tmp_path, target="unused")
+    document = bench_run._new_document(settings, None)
+    runner = bench_run._Runner(settings, cast("Any", Windows()), document)
+    deployment = procs.Deployment(name="target", kind="external", target="unused")
+    runner._measure(deployment, Point("b", "50%", (Stream("single", rate_per_s=400.0),)))
+    (point,) = document["scenarios"]["b"]
+    assert point["busy"] is None
+    assert not [warning for warning in document["warnings"] if "machine busy" in warning]
+    evaluate_targets(document)
+    report = render_markdown(document)
+    assert "| - / 0.10 / - / 1.90 (server + others) |" in report
+    assert "its CPU cannot be told from other processes'" in report
+
+
+def test_a_verdict_read_from_a_point_on_a_busy_machine_is_no_verdict() -> None:
+    """quick1 read "met (unstable point)" from an echo point that shared the machine with
+    1.12 cores of other work, quick2 "missed" from the same command: neither is a
+    verdict on the server."""
+    document = empty_document()
+    single = Stream("single", concurrency=32)
+    fast = StreamWindow(sent=900, ok_latency_s=[0.01] * 900, ok_batch_rows=[4] * 900)
+    fast.outcomes.update({OK: 900})
+    echo = StreamWindow(sent=1000, ok_latency_s=[0.005] * 1000, ok_batch_rows=[1] * 1000)
+    echo.outcomes.update({OK: 1000})
+    ours = point_of("a", "c=32", single, fast)
+    theirs = point_of("a", "c=32", single, echo)
+    theirs["configuration"] = "echo"
+    theirs["busy"] = True
+    theirs["host"]["other_cores"] = 1.12
+    document["scenarios"]["a"] += [ours, theirs]
+    document["capacity"] = {
+        "configuration": "laneserve",
+        "point": "c=32",
+        "throughput_per_s": 450.0,
+    }
+    overload = Stream("default", rate_per_s=500.0, deadline_ms=100)
+    late = StreamWindow(sent=1000, ok_latency_s=[0.01] * 100, ok_batch_rows=[4] * 100)
+    late.outcomes.update({OK: 100, "LANE_FULL": 900})
+    document["scenarios"]["d"].append(point_of("d", "300%, 100 ms timeout_ms", overload, late))
+    targets = {t["id"]: t for t in evaluate_targets(document)}
+
+    echo_ratio = targets["echo_ratio"]
+    assert (echo_ratio["met"], echo_ratio["met_on_busy_machine"]) == (None, True)
+    assert echo_ratio["busy_points"] == ["echo (a) c=32"]
+    busy_text = (
+        "no verdict: met (machine busy at echo (a) c=32: 1.12 cores used by other processes)"
+    )
+    assert verdict_text(echo_ratio) == busy_text
+    assert "echo (a) c=32 (1.12 cores)" in echo_ratio["detail"]
+    assert target_line(echo_ratio).startswith(f"  {busy_text}  single-row throughput")
+    assert f"| {busy_text} |" in render_markdown(document)
+    goodput = targets["overload_goodput_timeout_ms"]
+    assert verdict_text(goodput) == "missed", "(d) does not read echo's point"
+
+    # The capacity's point busy: (d)'s offered rate came from it.
+    ours["busy"] = True
+    ours["host"]["other_cores"] = 0.6
+    targets = {t["id"]: t for t in evaluate_targets(document)}
+    goodput = targets["overload_goodput_timeout_ms"]
+    assert verdict_text(goodput) == (
+        "no verdict: missed (machine busy at laneserve (a) c=32: 0.60 cores used by other "
+        "processes)"
+    )
+    assert not target_line(goodput).startswith("  MISSED"), "no verdict, no miss"
+    # Both points busy: the verdict names the busier.
+    echo_ratio = targets["echo_ratio"]
+    assert echo_ratio["busy_points"] == ["laneserve (a) c=32", "echo (a) c=32"]
+    assert verdict_text(echo_ratio) == busy_text
+
+    # A point not valid is the stronger finding.
+    theirs["valid"], theirs["invalid_reason"] = False, "client lag"
+    assert verdict_text({t["id"]: t for t in evaluate_targets(document)}["echo_ratio"]) == (
+        "not valid (load generator the limit)"
+    )
+    theirs["valid"], theirs["busy"], ours["busy"] = True, False, None
+    assert verdict_text({t["id"]: t for t in evaluate_targets(document)}["echo_ratio"]) == "met"
+
+
+def test_the_raw_ceiling_sweep_records_the_cores_other_processes_used(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The raw sweep ran before any figure was checked against the machine's: a busy one
+    gave a low ceiling with nothing to say so."""
+    sweep = {"rows_per_s_by_batch_rows": {"1": 10.0}, "best_batch_rows": 1, "best_rows_per_s": 10.0}
+    # The sweep's process is a child that prints a sweep and uses next to no CPU.
+    monkeypatch.setattr(
+        procs,
+        "python_module",
+        lambda *_args: [sys.executable, "-c", f"print({json.dumps(sweep)!r})"],
+    )
+    settings = BenchSettings(profile=PROFILES["smoke"], out_dir=tmp_path)
+    # The machine 20 CPU seconds busier over a sweep of a fraction of a second.
+    busy_readings = iter([100.0, 120.0])
+    monkeypatch.setattr(procs, "machine_busy_s", lambda: next(busy_readings))
+    raw = bench_run._raw_ceiling(settings, "m.onnx")
+    assert raw["best_rows_per_s"] == 10.0
+    assert raw["busy"] is True
+    assert raw["host"]["other_cores"] > BUSY_OTHER_CORES
+    document = empty_document()
+    document["raw_ceiling"] = raw
+    evaluate_targets(document)
+    assert "Best: 10 rows/s at 1 rows per run (machine busy: " in render_markdown(document)
+
+    quiet_readings = iter([100.0, 100.0])
+    monkeypatch.setattr(procs, "machine_busy_s", lambda: next(quiet_readings))
+    raw = bench_run._raw_ceiling(settings, "m.onnx")
+    assert (raw["busy"], raw["host"]["other_cores"]) == (False, 0.0)
+    document["raw_ceiling"] = raw
+    assert "Best: 10 rows/s at 1 rows per run.\n" in render_markdown(document)
+
+
+def test_the_harness_own_cpu_is_not_counted_as_other_processes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """py-spy, the harness's own child at laneserve's profiled point (0.20-0.25 cores at
+    250 Hz), and the orchestrator were counted as other processes': `--py-spy` alone
+    could mark the capacity point busy on a quiet machine and take (d)'s verdicts."""
+    # 2 s between the readings: the server 1 core, the clients 0.5, the harness 0.25
+    # (py-spy and the orchestrator), others 0.05.
+    figures = bench_run._host_figures(
+        host_mark(10.0, 5.0, 100.0, 1.0), host_mark(12.0, 7.0, 103.6, 1.5), 0.5
+    )
+    assert figures["harness_cores"] == pytest.approx(0.25)
+    assert figures["other_cores"] == pytest.approx(0.05)
+    assert bench_run.machine_busy(figures["other_cores"]) is False
+    # The harness not known (py-spy gone): its cores stay among the others'.
+    figures = bench_run._host_figures(
+        host_mark(10.0, 5.0, 100.0, 1.0), host_mark(12.0, 7.0, 103.6, None), 0.5
+    )
+    assert (figures["harness_cores"], figures["other_cores"]) == (None, pytest.approx(0.3))
+    # With --target, the server's and the others' cores together, the harness's apart.
+    figures = bench_run._host_figures(
+        host_mark(10.0, None, 100.0, 1.0), host_mark(12.0, None, 103.6, 1.5), 0.5
+    )
+    assert figures["server_and_other_cores"] == pytest.approx(1.05)
+
+    # The point: the machine 2 cores busy each second, the server 1, the clients 0.1
+    # (Windows), the harness 0.7, others 0.2: not busy.
+    readings = iter(
+        host_mark(float(index), float(index), 2.0 * index, 0.7 * index) for index in range(9)
+    )
+    monkeypatch.setattr(bench_run, "take_mark", lambda _deployment, **_kwargs: next(readings))
+    settings = BenchSettings(profile=PROFILES["full"], out_dir=tmp_path)
+    document = bench_run._new_document(settings, None)
+    runner = bench_run._Runner(settings, cast("Any", Windows()), document)
+    deployment = procs.Deployment(name="laneserve", kind="laneserve", target="unused")
+    runner._measure(deployment, Point("a", "c=32", (Stream("single", concurrency=32),)))
+    (point,) = document["scenarios"]["a"]
+    assert point["host"]["harness_cores"] == pytest.approx(0.7)
+    assert point["host"]["other_cores"] == pytest.approx(0.2)
+    assert point["busy"] is False
+    assert not [warning for warning in document["warnings"] if "machine busy" in warning]
+    evaluate_targets(document)
+    report = render_markdown(document)
+    assert "| server CPU per request | harness | others |" in report
+    assert "| 1.00 | 2.50 ms | 0.70 | 0.20 |" in report
+
+
+def test_py_spys_cpu_is_read_at_every_boundary_of_the_point_it_samples(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The boundaries of the profiled point read py-spy's process with the orchestrator's
+    (a stand-in py-spy here: a process that waits for its SIGINT)."""
+    stand_in = tmp_path / "py-spy"
+    stand_in.write_text(
+        f"#!{sys.executable}\n"
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGINT, lambda *_: sys.exit(0))\n"
+        "while True:\n"
+        "    time.sleep(0.01)\n"
+    )
+    stand_in.chmod(0o755)
+    monkeypatch.setattr(bench_run, "py_spy_binary", lambda: str(stand_in))
+    spies: list[PySpy] = []
+
+    class RecordedSpy(PySpy):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            spies.append(self)
+
+    monkeypatch.setattr(bench_run, "PySpy", RecordedSpy)
+    helpers: list[tuple[int, ...]] = []
+    take_mark = bench_run.take_mark
+
+    def recorded_mark(
+        deployment: procs.Deployment, *, by_thread: bool, helper_pids: Any
+    ) -> bench_run.Mark:
+        helpers.append(tuple(helper_pids))
+        return take_mark(deployment, by_thread=by_thread, helper_pids=helper_pids)
+
+    monkeypatch.setattr(bench_run, "take_mark", recorded_mark)
+    pool = Windows()
+    monkeypatch.setattr(bench_run, "get_stats", pool.stats)
+    profile = PROFILES["full"]
+    settings = BenchSettings(profile=profile, out_dir=tmp_path, py_spy=True)
+    document = bench_run._new_document(settings, None)
+    runner = bench_run._Runner(settings, cast("Any", pool), document)
+    # A server process that only waits: the profiled point needs one to sample.
+    server = procs.ServerProcess("laneserve", [sys.executable, "-c", "import time; time.sleep(60)"])
+    deployment = procs.Deployment(
+        name="laneserve", kind="laneserve", target="unused", processes=[server]
+    )
+    try:
+        busiest = f"c={max(profile.concurrencies)}"
+        runner._measure(deployment, Point("a", busiest, (Stream("single", concurrency=64),)))
+        runner._measure(deployment, Point("a", "c=1", (Stream("single", concurrency=1),)))
+    finally:
+        deployment.stop()
+    (spy,) = spies
+    assert spy.process.returncode is not None, "stopped with its point"
+    windows = profile.max_windows + 1
+    assert helpers == [(spy.pid,)] * windows + [()] * windows
+    profiled, other = document["scenarios"]["a"]
+    assert profiled["host"]["harness_cores"] is not None
+    assert other["host"]["harness_cores"] is not None
+
+
+def test_the_harness_cpu_is_this_process_and_its_helpers() -> None:
+    """The orchestrator's CPU with its helpers' (py-spy); None once a helper is gone, as
+    a sum without it would drop its seconds so far."""
+    assert bench_run.harness_cpu_s(()) is not None
+    # A helper that has used at least 0.3 CPU seconds when it says so, then waits.
+    burn = (
+        "import time\n"
+        "while time.process_time() < 0.3:\n"
+        "    pass\n"
+        "print('done', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    helper = subprocess.Popen(
+        [sys.executable, "-c", burn],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert helper.stdout is not None
+        assert helper.stdout.readline() == "done\n"
+        harness = bench_run.harness_cpu_s((helper.pid,))
+        assert harness is not None
+        # /proc counts in clock ticks (10 ms): a tick or two less than the helper's 0.3.
+        assert harness - time.process_time() >= 0.25
+    finally:
+        helper.kill()
+        helper.wait()
+        assert helper.stdout is not None
+        helper.stdout.close()
+    assert bench_run.harness_cpu_s((helper.pid,)) is None
+
+
+def test_a_document_written_before_the_busy_rule_is_not_judged_by_it() -> None:
+    """A document from before the busy rule (no `busy` on its points) was reported as
+    judged by it, and missing_keys flagged every point."""
+    document = empty_document()
+    stream = Stream("single", concurrency=32)
+    record = StreamWindow(sent=900, ok_latency_s=[0.01] * 900, ok_batch_rows=[4] * 900)
+    record.outcomes.update({OK: 900})
+    document["scenarios"]["a"].append(point_of("a", "c=32", stream, record))
+    evaluate_targets(document)
+    rule = "A point where others used more than 0.25 cores is *busy*"
+    assert rule in render_markdown(document)
+    del document["scenarios"]["a"][0]["busy"]
+    report = render_markdown(document)
+    assert rule not in report
+    assert "Measured before the busy rule (verdicts stand as they were)." in report
+    assert not [key for key in missing_keys(document) if key.endswith(".busy")]
+    # Since the rule, every point has it.
+    document["scenarios"]["a"].append({**document["scenarios"]["a"][0], "busy": False})
+    assert [key for key in missing_keys(document) if key.endswith(".busy")] == [
+        "scenarios.a[0].busy"
+    ]
+
+
 def point_of(scenario: str, name: str, stream: Stream, record: StreamWindow) -> dict[str, Any]:
     """A point of the document as the orchestrator writes it, over 2 s of windows."""
     lane = summarize_stream(stream, record, 2.0, window_s=1.0)
@@ -1324,6 +1662,7 @@ def point_of(scenario: str, name: str, stream: Stream, record: StreamWindow) -> 
         "client": {"cpu_fraction_max": 0.1, "saturated": False},
         "server": None,
         "host": {"server_cores": None, "client_cores": 0.1, "other_cores": None},
+        "busy": None,
     }
 
 

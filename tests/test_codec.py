@@ -13,7 +13,13 @@ import pytest
 from laneserve.client import tensors
 from laneserve.client.tensors import decode_tensor, encode_tensor
 from laneserve.server import Engine, ServerConfig
-from laneserve.server.codec import check_counts, decode_inputs, extra_bytes, leading_rows
+from laneserve.server.codec import (
+    check_counts,
+    decode_inputs,
+    dtype_refusal,
+    extra_bytes,
+    leading_rows,
+)
 from laneserve.server.config import GRPC_INT_MAX
 from laneserve.server.engine import TensorSpec
 from laneserve.server.errors import InvalidInputError
@@ -299,6 +305,99 @@ def test_leading_rows_count_a_shape_up_to_the_servers_largest_request_unread() -
     assert leading_rows([unknown_dtype], [spec], max_message_bytes=GRPC_INT_MAX) is None
 
 
+def test_leading_rows_are_not_counted_for_a_dtype_or_shape_the_input_does_not_take() -> None:
+    """Counted, each was refused as too many rows ("split it") in a lane too small for its
+    shape[0], and for its real fault in a lane with room: a flattened batch, a wrong
+    width, a wrong dtype, a wrong rank. `decode_inputs` names it. A dtype and shape the
+    input takes are counted, the data unread: one whose data is short still is."""
+
+    def tensor(datatype: int, shape: list[int], name: str = "input") -> pb.Tensor:
+        return pb.Tensor(name=name, dtype=pb.DataType.ValueType(datatype), shape=shape)
+
+    float32 = pb.DATA_TYPE_FLOAT32
+    misfits = {
+        "flattened": tensor(float32, [3000 * 4]),
+        "wrong width": tensor(float32, [3000, 2]),
+        "wrong dtype": tensor(pb.DATA_TYPE_FLOAT64, [3000, 4]),
+        "wrong rank": tensor(float32, [3000, 4, 1]),
+    }
+    for what, misfit in misfits.items():
+        assert leading_rows([misfit], [ROWS_SPEC], max_message_bytes=GRPC_INT_MAX) is None, what
+    short = pb.Tensor(name="input", dtype=float32, shape=[3000, 4], data=b"\0")
+    assert leading_rows([short], [ROWS_SPEC], max_message_bytes=GRPC_INT_MAX) == 3000
+    # Each input is read so, not the first alone; and they are the model's, each once.
+    specs = [ROWS_SPEC, TensorSpec("mask", np.dtype(np.uint8), (-1, 2))]
+    first = tensor(float32, [3000, 4])
+    mask = tensor(pb.DATA_TYPE_UINT8, [3000, 2], "mask")
+    assert leading_rows([first, mask], specs, max_message_bytes=GRPC_INT_MAX) == 3000
+    for what, others in {
+        "second misfit": [tensor(pb.DATA_TYPE_UINT8, [3000, 3], "mask")],
+        "rows differ": [tensor(pb.DATA_TYPE_UINT8, [2, 2], "mask")],
+        "missing": [],
+        "repeated": [first],
+        "unknown": [tensor(pb.DATA_TYPE_UINT8, [3000, 2], "maks")],
+    }.items():
+        assert leading_rows([first, *others], specs, max_message_bytes=GRPC_INT_MAX) is None, what
+
+
+# Add(a[N, K], b[N, K]): inputs that must agree on K.
+NAMED_SPECS = [TensorSpec(name, np.dtype(np.float32), (-1, -1), ("N", "K")) for name in ("a", "b")]
+
+
+def test_leading_rows_are_not_counted_for_inputs_that_disagree_on_a_named_dimension() -> None:
+    """K = 3 in a and 4 in b, 3000 rows: counted, a lane smaller than 3000 refused it as
+    too many rows ("split it"), though every part split from it is refused for K, which
+    `decode_inputs` names. Agreeing on K, they are counted."""
+
+    def named(name: str, width: int) -> pb.Tensor:
+        return pb.Tensor(name=name, dtype=pb.DATA_TYPE_FLOAT32, shape=[3000, width])
+
+    disagreeing = [named("a", 3), named("b", 4)]
+    assert leading_rows(disagreeing, NAMED_SPECS, max_message_bytes=GRPC_INT_MAX) is None
+    filled = [encode_tensor(t.name, np.zeros(list(t.shape), np.float32)) for t in disagreeing]
+    with pytest.raises(InvalidInputError) as refused:
+        decode_inputs(filled, NAMED_SPECS)
+    assert refused.value.message == (
+        "inputs 'a' and 'b' must agree on the model's dimension 'K': axis 1 of 'a' is 3, "
+        "axis 1 of 'b' is 4"
+    )
+    agreeing = [named("a", 3), named("b", 3)]
+    assert leading_rows(agreeing, NAMED_SPECS, max_message_bytes=GRPC_INT_MAX) == 3000
+
+
+def test_dtype_refusal_is_the_one_decode_inputs_gives_first() -> None:
+    """For a request refused unread: an unknown or repeated input is refused by
+    `decode_inputs` before a later input's dtype, so its dtype was named for [a float32,
+    a float16], refused for "'a' is given more than once". None there (the oversized
+    request's own refusal is given); the dtype's where `decode_inputs` names it first."""
+
+    def tensor(name: str, datatype: int) -> pb.Tensor:
+        wire = pb.DataType.ValueType(datatype)
+        return pb.Tensor(name=name, dtype=wire, shape=[1, 4], data=bytes(16))
+
+    float32, float16 = pb.DATA_TYPE_FLOAT32, pb.DATA_TYPE_FLOAT16
+    cases = {
+        "repeated": [tensor("a", float32), tensor("a", float16)],
+        "unknown first": [tensor("x", float16), tensor("b", float16)],
+        "unknown of its dtype first": [tensor("x", float32), tensor("b", float16)],
+        "dtype first": [tensor("a", float16), tensor("x", float32)],
+        "dtype second": [tensor("a", float32), tensor("b", float16)],
+    }
+    for what, given in cases.items():
+        with pytest.raises(InvalidInputError) as refused:
+            decode_inputs(given, NAMED_SPECS)
+        first = refused.value.message
+        found = dtype_refusal(given, NAMED_SPECS)
+        if found is not None:
+            assert found == first, what
+        else:
+            assert "has dtype" not in first, what
+    assert dtype_refusal(cases["repeated"], NAMED_SPECS) is None
+    assert dtype_refusal(cases["dtype second"], NAMED_SPECS) == (
+        "input 'b' has dtype float16; expected float32 with shape [-1, -1], -1 = any size"
+    )
+
+
 @pytest.mark.parametrize("row_count", [2**40, 100_000], ids=["over-2GiB", "over-64MiB"])
 def test_a_shape_no_request_could_carry_is_refused_for_its_data_over_grpc(
     small_model: Path, row_count: int
@@ -324,6 +423,60 @@ def test_a_shape_no_request_could_carry_is_refused_for_its_data_over_grpc(
             details = caught.value.details() or ""
             assert "tensor 'input': data is 2048 bytes; expected" in details
             assert "split it" not in details
+
+    asyncio.run(scenario())
+
+
+def test_a_dtype_other_than_the_models_is_named_before_the_data_is_sized() -> None:
+    """float32 data labelled DATA_TYPE_FLOAT64 (a client's wrong enum) was told "data is
+    2048 bytes; expected 4096 (512 float64 ...)": its data's length, sized by the wrong
+    dtype, which steered the client to send twice the data. The server converts no
+    dtype: one other than the model's is the fault, named first, whatever the data's
+    length. An unspecified or unknown one is refused in the words that list them all."""
+    data = np.zeros((2, 4), dtype=np.float32).tobytes()
+
+    def refusal(datatype: int) -> str:
+        wire = pb.DataType.ValueType(datatype)
+        tensor = pb.Tensor(name="input", dtype=wire, shape=[2, 4], data=data)
+        with pytest.raises(InvalidInputError) as caught:
+            decode_inputs([tensor], [ROWS_SPEC])
+        return caught.value.message
+
+    for datatype, name in [
+        (pb.DATA_TYPE_FLOAT64, "float64"),  # the data is shorter than its dtype sizes
+        (pb.DATA_TYPE_FLOAT16, "float16"),  # longer
+        (pb.DATA_TYPE_INT32, "int32"),  # as long
+    ]:
+        assert refusal(datatype) == (
+            f"input 'input' has dtype {name}; expected float32 with shape [-1, 4], -1 = any size"
+        )
+    assert refusal(pb.DATA_TYPE_UNSPECIFIED).startswith(
+        "tensor 'input': dtype is unspecified; expected one of float32, "
+    )
+    assert refusal(99).startswith("tensor 'input': dtype is unknown data type 99; expected one")
+    tensor = pb.Tensor(name="input", dtype=pb.DATA_TYPE_FLOAT32, shape=[2, 4], data=data)
+    assert decode_inputs([tensor], [ROWS_SPEC])[1] == 2
+
+
+def test_float32_data_labelled_float64_is_told_its_dtype_over_grpc(small_model: Path) -> None:
+    async def scenario() -> None:
+        engine = Engine(str(small_model), estimate=estimate_once)
+        async with serving(engine, ServerConfig(model_path=str(small_model))) as s:
+            one_row = rows(1)
+            mislabelled = pb.Tensor(
+                name="input",
+                dtype=pb.DATA_TYPE_FLOAT64,
+                shape=one_row.shape,
+                data=one_row.tobytes(),
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(pb.InferRequest(inputs=[mislabelled]))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert rich_status(caught.value)[0] == "INVALID_INPUT"
+            assert caught.value.details() == (
+                "input 'input' has dtype float64; expected float32 with shape [-1, 512], "
+                "-1 = any size"
+            )
 
     asyncio.run(scenario())
 

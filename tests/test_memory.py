@@ -15,6 +15,7 @@ import logging
 import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -1445,9 +1446,10 @@ def _serve_until_failed(
 def test_a_broken_session_fails_the_thread_once_its_batch_is_answered(small_model: Path) -> None:
     """The engine saw the session broken and failed that batch only: every later batch
     failed the same way, four runs each, behind health that said SERVING. The batch's
-    requests are answered with its error, the one queued behind it with the thread's
-    failure without running (no fifth run), each once, and the thread fails for good
-    (`on_failure` stops the server): later work is refused with the same failure."""
+    requests are answered with its error, the one queued behind it UNAVAILABLE (DRAINING)
+    without running (no fifth run), each once, and the thread fails for good with the
+    session's failure (`on_failure` stops the server): later work is refused as the
+    queued request was (INTERNAL told clients not to retry work that never ran)."""
     clock = ManualClock(1_000.0)
     engine = _BrokenSession(small_model)
     width = engine.inputs[0].shape[1]
@@ -1464,14 +1466,83 @@ def test_a_broken_session_fails_the_thread_once_its_batch_is_answered(small_mode
         assert isinstance(error, SessionBrokenError)
         assert "on both halves of it, and on an input it ran at start-up" in error.message
     (failure,) = failures
-    assert by_token["r4"] is failure
     assert isinstance(failure, SessionBrokenError)
     assert failure.message == (
         "the model's session is broken (injected: CUDA failure 700: an illegal memory "
         "access); the server is stopping and must be restarted"
     )
-    with pytest.raises(SessionBrokenError):
+    never_ran = (
+        "the model's session is broken (injected: CUDA failure 700: an illegal memory "
+        "access); this request never ran: retry on another instance (this server is stopping)"
+    )
+    queued = by_token["r4"]
+    assert isinstance(queued, DrainingError)
+    assert queued.message == never_ran
+    with pytest.raises(DrainingError, match=re.escape(never_ran)):
         thread.submit(_standard("later", np.zeros((1, width), np.float32)))
+
+
+class _BreaksWhileRunning(_BrokenSession):
+    """The real session for its first run, during which `arrive` is called (a request
+    comes while it runs); then failing every run as a broken device would."""
+
+    def __init__(self, model_path: Path) -> None:
+        super().__init__(model_path)
+        self.arrive: Callable[[], object] = lambda: None
+
+    def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
+        if self.runs == 0:
+            self.runs += 1
+            self.arrive()
+            return Engine.run(self, inputs)
+        return super().run(inputs)
+
+
+def test_a_request_split_over_batches_is_retried_elsewhere_when_a_later_batch_breaks(
+    small_model: Path,
+) -> None:
+    """A 4-row request at cap 2 ran its first two rows; an interactive request came
+    meanwhile and its batch, the next, found the session broken. The split request had
+    no row in that batch (it could not have broken the session), and its answer cannot be
+    completed: UNAVAILABLE (DRAINING), saying part of it ran; it had been INTERNAL, which
+    clients do not retry. The interactive request keeps the session's error."""
+    clock = ManualClock(1_000.0)
+    engine = _BreaksWhileRunning(small_model)
+    width = engine.inputs[0].shape[1]
+    scheduler = _scheduler(2)
+    scheduler.admit(_standard("split", np.zeros((4, width), np.float32)), clock.monotonic())
+    answers: list[Outcome] = []
+    failures: list[LaneserveError] = []
+    failed = threading.Event()
+
+    def on_failure(error: LaneserveError) -> None:
+        failures.append(error)
+        failed.set()
+
+    thread = SchedulerThread(
+        scheduler, engine.run_batch, answers.extend, clock=clock, on_failure=on_failure
+    )
+    interactive = dataclasses.replace(
+        _standard("interactive", np.ones((2, width), np.float32)), lane="interactive"
+    )
+    engine.arrive = lambda: thread.submit(interactive)
+    thread.start()
+    try:
+        assert failed.wait(30), f"the thread did not fail; answers: {answers}"
+    finally:
+        thread.close()
+    by_token = {answer.token: answer.error for answer in answers}
+    assert sorted(map(str, by_token)) == ["interactive", "split"]
+    assert isinstance(by_token["interactive"], SessionBrokenError)
+    split = by_token["split"]
+    assert isinstance(split, DrainingError)
+    assert split.message == (
+        "the model's session is broken (injected: CUDA failure 700: an illegal memory "
+        "access); part of this request ran, but its answer was not kept: retry on another "
+        "instance (this server is stopping)"
+    )
+    (failure,) = failures
+    assert isinstance(failure, SessionBrokenError)
 
 
 def test_a_batch_of_one_row_tells_a_broken_session_from_a_bad_row(small_model: Path) -> None:
@@ -2674,6 +2745,44 @@ def test_burst_larger_than_memory_completes_and_the_cap_converges(
     assert stats.cap_changes["out_of_memory"] >= 1
     bulk = next(lane for lane in stats.lanes if lane.name == "bulk")
     assert (bulk.admitted, bulk.completed, bulk.failed) == (6, 6, 0)
+
+
+def test_a_fixed_cap_above_the_fit_is_warned_of_and_its_out_of_memory_named(
+    demo_model: Path, reference: ort.InferenceSession
+) -> None:
+    """--batch-cap 1024 where the probe saw 1024 rows run out of memory: the probe line
+    said so at INFO only, and the first full batch's out-of-memory read "out of device
+    memory" on the CPU, naming no batch. The start warns now (batch_cap_exceeds_fit),
+    and each out-of-memory names the host arena and its batch."""
+    server = ServerProcess(
+        [
+            *("--model", str(demo_model), "--port", "0", "--memory-limit", DEMO_BUDGET),
+            *("--max-batch-size", "1024", "--batch-cap", "1024", "--log-format", "json"),
+        ]
+    )
+    try:
+        _burst(server.port(), reference)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=CHILD_TIMEOUT_S) == 0
+        lines = [json.loads(line) for line in server.log + server.rest()]
+    finally:
+        server.close()
+    (warning,) = [line for line in lines if line["event"] == "batch_cap_exceeds_fit"]
+    fails, fitted = warning["first_failing_rows"], warning["largest_fitting_rows"]
+    assert (warning["level"], warning["batch_cap"]) == ("WARNING", 1024)
+    assert fitted < fails <= 1024, warning
+    assert warning["message"].startswith(
+        f"--batch-cap 1024 is above what fits: the probe ran out of memory at {fails} rows "
+        f"({fitted} ran)."
+    ), warning
+    assert f"set --batch-cap below {fails}" in warning["message"]
+    out_of_memory = [line for line in lines if line["event"] == "out_of_memory"]
+    assert out_of_memory, "the first full batch ran out of memory"
+    for line in out_of_memory:
+        assert (line["level"], line["memory"]) == ("WARNING", "host arena"), line
+        assert line["message"].startswith(
+            f"out of memory (host arena) running {line['rows']} rows of batch {line['batch_id']}"
+        ), line
 
 
 def _burst(port: int, reference: ort.InferenceSession) -> pb.GetStatsResponse:

@@ -424,3 +424,49 @@ def test_a_sigint_ignored_at_start_stays_ignored() -> None:
         for signum, handler in before.items():
             if handler is not None:
                 signal.signal(signum, handler)
+
+
+# The variables by which ONNX Runtime takes a process for a CI job and sends nothing
+# (the strings in its library): removed, so the control run below shows what a server
+# on a plain machine does.
+_ORT_CI_VARIABLES = (
+    "TF_BUILD",
+    "GITHUB_ACTIONS",
+    "GITLAB_CI",
+    "CIRCLECI",
+    "TRAVIS",
+    "JENKINS_URL",
+    "CODEBUILD_BUILD_ID",
+    "BUILDKITE",
+    "TEAMCITY_VERSION",
+    "APPVEYOR",
+    "BITBUCKET_BUILD_NUMBER",
+)
+
+
+@pytest.mark.parametrize(("setting", "sends"), [(None, False), ("0", True)])
+def test_the_server_keeps_onnx_runtime_telemetry_off_unless_told(
+    tmp_path: Path, setting: str | None, *, sends: bool
+) -> None:
+    """ONNX Runtime 1.29+ writes a device id under ~/.cache/Microsoft and uploads usage
+    events when it is imported, unless ORT_DISABLE_TELEMETRY is set by then: importing
+    the server sets it, and an operator's own value (0: send) is kept. The device id file
+    is what shows it here (the upload cannot be seen without a network); the control run
+    shows the check can fail."""
+    env = {k: v for k, v in os.environ.items() if k not in _ORT_CI_VARIABLES}
+    env.pop("ORT_DISABLE_TELEMETRY", None)  # the test package sets it for its own runs
+    if setting is not None:
+        env["ORT_DISABLE_TELEMETRY"] = setting
+    env["HOME"] = str(tmp_path)
+    env["XDG_CACHE_HOME"] = str(tmp_path / ".cache")  # where ONNX Runtime looks first
+    done = subprocess.run(
+        [sys.executable, "-c", "import laneserve.server.engine"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    device_ids = list(tmp_path.rglob("deviceid"))
+    assert bool(device_ids) is sends, device_ids

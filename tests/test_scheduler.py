@@ -35,6 +35,7 @@ from laneserve.server.errors import (
     InvalidInputError,
     LaneFullError,
     LaneserveError,
+    ServerFaultError,
 )
 from laneserve.server.events import FanOut, NullEvents
 from laneserve.server.items import (
@@ -230,7 +231,14 @@ class RecordingEvents(NullEvents):
     ) -> None:
         self.log.append(("batch_done", batch.batch_id, None if error is None else error.reason))
 
-    def completed(self, lane: str, status: str) -> None:
+    def completed(
+        self,
+        lane: str,
+        status: str,
+        *,
+        request_id: str | None = None,
+        error: LaneserveError | None = None,
+    ) -> None:
         self.log.append(("completed", lane, status))
 
     def out_of_memory(self, rows: int) -> None:
@@ -1403,6 +1411,59 @@ def test_credit_banked_by_a_lane_of_another_shape_does_not_lift_the_limit() -> N
         assert rows_by_lane(batch)["standard"] <= within, rows_by_lane(batch)
         scheduler.complete(run(batch, scheduler.run_time.predict_s(batch.rows)))
         now_s += 0.001
+
+
+def test_an_owed_batch_of_another_shape_goes_at_once_ahead_of_a_higher_lanes_request() -> None:
+    """Bulk (rows 2 wide) banked its share behind standard's batches (3 wide) and kept
+    the credit when its caller left. After 10 ms idle a 1-row bulk request and an
+    interactive request (3 wide, 15 ms deadline) come at one instant: bulk is owed a
+    batch of its shape, which leads. Led by bulk's max_wait (20 ms), that batch waited
+    with the session free, the interactive request not in it, and the request expired in
+    the queue. The owed batch now goes at once, and the interactive request right after
+    it: within its max_wait, which is the longest it waits for lower lanes' sake."""
+    lanes = (
+        INTERACTIVE,
+        dataclasses.replace(STANDARD, min_share=0.1),
+        dataclasses.replace(BULK, min_share=0.05),
+    )
+    scheduler = make_scheduler(lanes)
+    now_s = T0
+    bulk_id = scheduler.admit(make_request(1, "bulk", 4), now_s)
+    for index in range(2, 6):  # the session busy with standard's batches, back to back
+        scheduler.admit(make_request(index, "standard", CAP, width=3), now_s)
+        batch = dispatch(scheduler, now_s, math.inf)
+        assert rows_by_lane(batch) == {"standard": CAP}
+        scheduler.complete(run(batch, run_s=0.002))
+        now_s += 0.002
+    assert scheduler.cancel(bulk_id, now_s) == "CANCELLED"
+    assert scheduler.lane("bulk").share_balance * CAP >= 1, "credit for a 1-row request"
+    idle_since_s = now_s
+    arrived_s = now_s + 0.010
+    scheduler.admit(make_request(6, "bulk", 1), arrived_s)
+    interactive = make_request(7, "interactive", 1, width=3, deadline_s=arrived_s + 0.015)
+    scheduler.admit(interactive, arrived_s)
+    # Driven as `SchedulerThread` drives it: shed, decide, wait until told, run.
+    now_s = arrived_s
+    started: dict[str, float] = {}
+    answered_s = None
+    while answered_s is None:
+        assert interactive.token not in tokens(scheduler.shed_expired(now_s)), "expired"
+        decision = scheduler.decide(now_s, idle_since_s)
+        assert decision is not None, "the interactive request was never run"
+        if isinstance(decision, WaitUntil):
+            now_s = decision.at_s
+            continue
+        batch = decision.batch
+        for lane in rows_by_lane(batch):
+            started.setdefault(lane, now_s)
+        run_s = scheduler.run_time.predict_s(batch.rows)
+        outcomes = scheduler.complete(run(batch, run_s))
+        now_s = idle_since_s = now_s + run_s
+        if interactive.token in tokens(outcomes):
+            answered_s = now_s
+    assert started["bulk"] == arrived_s, "the owed batch went first, at once"
+    assert started["interactive"] <= arrived_s + INTERACTIVE.max_wait_ms / 1000, started
+    assert answered_s <= arrived_s + 0.015
 
 
 # ---- admission -------------------------------------------------------------------------
@@ -4022,7 +4083,7 @@ def test_answers_made_before_a_scheduler_failure_are_not_lost() -> None:
         thread.close()
     assert sorted((o.token, type(o.error)) for o in answers) == [
         (1, type(None)),
-        (2, EngineError),
+        (2, ServerFaultError),  # an EngineError: INTERNAL, ENGINE_FAILURE on the wire
     ]
 
 
@@ -4650,3 +4711,85 @@ def test_a_burst_of_expired_work_lets_the_lock_go_between_chunks_and_never_runs(
     shed = [[token for token in delivered if token in range(2, 9)] for delivered in deliveries]
     assert Counter(token for chunk in shed for token in chunk) == Counter(range(2, 9))
     assert max(map(len, shed)) == 2, deliveries
+
+
+# ---- answers made before the scheduler raised -----------------------------------------
+
+
+class FailingSecondAnswer(Scheduler):
+    """A stand-in for a scheduler bug that raises partway through answering: making its
+    second answer raises (once: `abort_all` then answers what is left)."""
+
+    answers = 0
+
+    def _answer_made(self) -> None:
+        self.answers += 1
+        if self.answers == 2:
+            raise RuntimeError("scheduler bug")
+
+    def _finish_ok(self, entry: Entry) -> Outcome:
+        self._answer_made()
+        return super()._finish_ok(entry)
+
+    def _finish_error(self, entry: Entry, error: LaneserveError) -> Outcome:
+        self._answer_made()
+        return super()._finish_error(entry, error)
+
+
+def answers_when_the_scheduler_raises(
+    clock: ManualClock, run_batch: scheduler_thread.RunBatch, *, start_late_s: float = 0.0
+) -> list[tuple[object, type[LaneserveError] | None]]:
+    """Requests 1 and 2 (deadlines T0 + 5 and T0 + 6, one row each) fill a batch, through
+    a real SchedulerThread whose scheduler raises making its second answer; the threads
+    start `start_late_s` after. Every answer delivered (request 2's comes last), as
+    (token, type of error)."""
+    scheduler = FailingSecondAnswer(TOP_DOWN_LANES, batch_cap=2, run_time=fixed_run_time())
+    answers: list[Outcome] = []
+    last_answered = threading.Event()
+
+    def deliver(outcomes: Sequence[Outcome]) -> None:
+        answers.extend(outcomes)
+        if 2 in tokens(outcomes):
+            last_answered.set()
+
+    thread = SchedulerThread(scheduler, run_batch, deliver, clock=clock)
+    for index in (1, 2):
+        thread.submit(make_request(index, "standard", 1, deadline_s=T0 + 4.0 + index))
+    clock.advance(start_late_s)
+    thread.start()
+    try:
+        assert last_answered.wait(10)
+    finally:
+        thread.close()
+    assert scheduler.live_entries == 0
+    return sorted((o.token, None if o.error is None else type(o.error)) for o in answers)
+
+
+def test_answers_made_before_completing_a_batch_raised_are_delivered() -> None:
+    """complete() answered request 1 (OK), then raised: request 1, no longer live, was
+    answered neither by the thread (its answers were in complete's own list) nor by the
+    failure (it answers the live requests), and its caller waited until gRPC stopped."""
+    answers = answers_when_the_scheduler_raises(ManualClock(T0), lambda batch, _: run(batch))
+    assert answers == [(1, None), (2, ServerFaultError)]
+
+
+def test_answers_made_before_shedding_raised_are_delivered() -> None:
+    """The same for the scheduler thread's shedding: request 1 expired and was answered,
+    then shedding raised."""
+    answers = answers_when_the_scheduler_raises(ManualClock(T0), never_run, start_late_s=10.0)
+    assert answers == [(1, ExpiredInQueueError), (2, ServerFaultError)]
+
+
+def test_answers_made_before_asking_the_rows_wanted_raised_are_delivered() -> None:
+    """The same for the engine's question before each part of a split batch: request 1's
+    deadline had passed and it was answered, then the question raised (the batch fails,
+    and its failure answers request 2, still live)."""
+    clock = ManualClock(T0)
+
+    def run_batch(batch: Batch, rows_wanted: RowsWanted) -> BatchResult:
+        clock.advance(10.0)  # both deadlines pass while the batch runs
+        rows_wanted()  # as the engine asks, before a part of the batch runs again
+        return run(batch)
+
+    answers = answers_when_the_scheduler_raises(clock, run_batch)
+    assert answers == [(1, ExpiredInQueueError), (2, ServerFaultError)]

@@ -14,7 +14,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ from laneserve.server.clock import ManualClock
 from laneserve.server.codec import decode_inputs
 from laneserve.server.config import DEFAULT_LANES, ConfigError
 from laneserve.server.engine import EngineStartError, no_static_estimate
-from laneserve.server.errors import LaneFullError, SessionBrokenError
+from laneserve.server.errors import LaneFullError, LaneserveError, SessionBrokenError
 from laneserve.server.grpc_calls import GrpcCalls
 from laneserve.server.idempotency import fingerprint
 from laneserve.server.items import Batch, BatchResult, RowsWanted
@@ -491,6 +491,40 @@ def test_an_oversized_request_keeps_only_its_id_within_the_id_limit() -> None:
         assert oversized == service.OversizedRequest(kept)
 
 
+@pytest.mark.parametrize("name", ["float16", "int8", "uint8", "bool"])
+def test_data_mislabelled_a_smaller_dtype_is_told_its_dtype_however_much_longer(
+    small_model: Path, name: str
+) -> None:
+    """80 rows of 512 float32 labelled float16 are 80 KiB longer than their dtype and
+    shape size: over MAX_EXTRA_BYTES, they were refused unread as "data longer than its
+    shape", where a few rows are told their dtype. The dtype is named first either way,
+    to a call and to a stream item (tagged with its id)."""
+    datatype = pb.DataType.Value(f"DATA_TYPE_{name.upper()}")
+    mislabelled = pb.Tensor(name="input", dtype=datatype, shape=[80, 512])
+    mislabelled.data = rows(80).tobytes()
+    refusal = (
+        f"input 'input' has dtype {name}; expected float32 with shape [-1, 512], -1 = any size"
+    )
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(pb.InferRequest(inputs=[mislabelled]), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert rich_status(caught.value)[0] == "INVALID_INPUT"
+            assert caught.value.details() == refusal
+            items = [
+                pb.InferRequest(request_id="m", inputs=[mislabelled]),
+                request(rows(1), request_id="good"),
+            ]
+            answers = {a.request_id: a async for a in s.stub.InferStream(iter(items), timeout=10)}
+        assert answers["m"].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert answers["m"].error.message == refusal
+        assert answers["good"].WhichOneof("result") == "response"
+
+    asyncio.run(scenario())
+
+
 def test_more_output_names_than_the_model_has_outputs_are_refused_on_their_count(
     small_model: Path,
 ) -> None:
@@ -754,6 +788,59 @@ def test_a_request_larger_than_its_lane_is_refused_before_it_is_decoded_or_hashe
             assert work == ["decode", "hash"]
             stats = await s.stub.GetStats(pb.GetStatsRequest())
             assert dict(stats.lanes[0].rejected) == {"INVALID_INPUT": 3}
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("tensor", "refusal"),
+    [
+        (
+            pb.Tensor(name="input", dtype=pb.DATA_TYPE_FLOAT32, shape=[1024], data=bytes(4096)),
+            "input 'input' has shape [1024]; expected",
+        ),
+        (
+            encode_tensor("input", np.zeros((9, 256), np.float32)),
+            "input 'input' has shape [9, 256]; expected",
+        ),
+        (
+            encode_tensor("input", np.zeros((9, 512), np.float64)),
+            "input 'input' has dtype float64; expected",
+        ),
+        (
+            encode_tensor("input", np.zeros((9, 512, 1), np.float32)),
+            "input 'input' has shape [9, 512, 1]; expected",
+        ),
+    ],
+    ids=["flattened", "wrong-width", "wrong-dtype", "wrong-rank"],
+)
+def test_a_malformed_request_over_its_lanes_rows_is_refused_for_its_fault(
+    small_model: Path, tensor: pb.Tensor, refusal: str
+) -> None:
+    """Its shape[0] was counted as its rows, and refused as too many for the lane ("split
+    it") where the lane was smaller, for its real fault where the lane had room: a
+    flattened 2-row batch in 'interactive' (512 rows) was told "request has 1024 rows".
+    Rows are counted unread only of a dtype and shape the input takes."""
+    lanes = (
+        LaneConfig("standard", capacity_rows=8, timeout_ms=60_000, max_wait_ms=0, min_share=0.0),
+    )
+    expected = f"{refusal} float32 with shape [-1, 512], -1 = any size"
+
+    async def scenario() -> None:
+        async with serving(
+            RecordingEngine(str(small_model)), config(small_model, lanes=lanes)
+        ) as s:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(pb.InferRequest(inputs=[tensor]))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert rich_status(caught.value)[0] == "INVALID_INPUT"
+            assert caught.value.details() == expected
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.stub.Infer(request(rows(9)))
+            assert caught.value.details() == (
+                "request has 9 rows; lane 'standard' holds at most 8 rows (split it, or use a "
+                "lane with more capacity)"
+            )
 
     asyncio.run(scenario())
 
@@ -1536,30 +1623,78 @@ class _BrokenSession:
         return getattr(self.real, name)
 
 
+class _HeldFailure:
+    """Holds `server`'s stop on a failure of its scheduler thread until `let_go` (every
+    live request is answered by then): a call made meanwhile reaches the scheduler
+    thread, as one that came in the moment after the failure does, not the drain."""
+
+    def __init__(self, server: LaneServer, monkeypatch: pytest.MonkeyPatch) -> None:
+        self._stop_on_failure = server._scheduler_failed
+        self._errors: list[LaneserveError] = []
+        self._failed = asyncio.Event()
+        monkeypatch.setattr(server, "_scheduler_failed", self._hold)
+
+    def _hold(self, error: LaneserveError) -> None:  # on the event loop
+        self._errors.append(error)
+        self._failed.set()
+
+    async def failure(self) -> LaneserveError:
+        await asyncio.wait_for(self._failed.wait(), timeout=60)
+        (error,) = self._errors
+        return error
+
+    def let_go(self) -> None:
+        (error,) = self._errors
+        self._stop_on_failure(error)
+
+
+async def _answered_never_ran(
+    call: Awaitable[pb.InferResponse], failure: SessionBrokenError
+) -> None:
+    """`call` is answered UNAVAILABLE (DRAINING), saying that it never ran on the broken
+    session: its client retries it on another instance."""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert rich_status(caught.value)[0] == "DRAINING"
+    assert caught.value.details() == (
+        f"the model's session is broken ({failure.cause}); this request never ran: retry "
+        "on another instance (this server is stopping)"
+    )
+
+
 @pytest.mark.parametrize("running_rows", [2, 1], ids=["halves", "one-row"])
 def test_a_broken_session_stops_the_server_after_answering_every_request(
-    small_model: Path, caplog: pytest.LogCaptureFixture, running_rows: int
+    small_model: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    running_rows: int,
 ) -> None:
     """The engine saw the session broken (its start-up input failed too) and failed that
     batch only: the server answered every call INTERNAL for good (7 936 in 5 s) while
     health said SERVING, and never exited for its supervisor to restart it. Now the
-    batch's request is answered with the session's failure, the request queued behind it
-    with the same (it never runs), each once, and the server stops as when its scheduler
-    fails. A batch of one row has no halves: the start-up input tells there too, after a
-    second one-row batch that failed (max_batch_size 1: the running row fails as its own,
-    the queued request's first row tells, its second never runs)."""
+    batch's request is answered with the session's failure, each call once, and the
+    server stops as when its scheduler fails. A request queued behind it never runs: it
+    is answered UNAVAILABLE (DRAINING), as is a call that comes after the failure, so
+    that clients and retry policies retry it elsewhere (INTERNAL told them not to). A
+    batch of one row has no halves: the start-up input tells there too, after a second
+    one-row batch that failed (max_batch_size 1: the running row fails as its own, the
+    queued request's first row tells, and, that row being in the batch that found the
+    session broken, it keeps INTERNAL)."""
 
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
         settings = {"max_batch_size": 1} if running_rows == 1 else {}
         async with serving(engine, config(small_model, **settings)) as s:
+            held = _HeldFailure(s.server, monkeypatch)
             running, queued = await one_running_and_queued(
                 s, engine, running_rows=running_rows, queued_start=100
             )
             engine._session = _BrokenSession(engine._session)  # the fault, after start
             engine.release()
+            calls = [running, queued] if running_rows == 1 else [running]
             messages = []
-            for call in (running, queued):
+            for call in calls:
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
                     await call
                 assert caught.value.code() == grpc.StatusCode.INTERNAL
@@ -1572,11 +1707,17 @@ def test_a_broken_session_stops_the_server_after_answering_every_request(
                 assert messages[1].startswith(f"the model failed on this request's row, {broken}")
             else:
                 assert broken in messages[0]
-                assert "CUDA failure 700" in messages[1]
+            failure = await held.failure()
+            assert isinstance(failure, SessionBrokenError)
+            if running_rows == 2:
+                await _answered_never_ran(queued, failure)
+            # A call after the failure, before the server's stop: refused the same way.
+            await _answered_never_ran(s.stub.Infer(request(rows(1, start=200))), failure)
+            held.let_go()
             await asyncio.wait_for(s.server.wait_stopped(), timeout=60)
             assert s.server.state is Lifecycle.STOPPED
-            assert isinstance(s.server.failure, SessionBrokenError)
-            failures.append(s.server.failure)
+            assert s.server.failure is failure
+            failures.append(failure)
             health: Any = s.server._health
             answer = await health.Check(health_pb2.HealthCheckRequest(service=""), None)
             assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -2066,9 +2207,13 @@ def test_calls_past_the_concurrency_limit_are_refused_as_grpc_refuses_them(
 ) -> None:
     """max_concurrent_rpcs counts the inference calls on a port however gRPC's core
     handed them over (grpc.aio's loop or laneserve's acceptors): one over it is refused
-    at once in gRPC's own words, which clients know. Health checks are not counted: a
-    flood of Infer calls does not fail the probes. Nor are an operator's calls: GetStats
-    and GetModel were refused with the rest, just when an operator asks why."""
+    at once in gRPC's own words, which clients know, the bound in a trailer (it had none).
+    Health checks are not counted: a flood of Infer calls does not fail the probes. Nor
+    are an operator's calls: GetStats and GetModel were refused with the rest, just when
+    an operator asks why."""
+    bound = (
+        "2 inference calls at once (Infer and InferStream), server setting max_concurrent_rpcs 2"
+    )
 
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
@@ -2083,6 +2228,11 @@ def test_calls_past_the_concurrency_limit_are_refused_as_grpc_refuses_them(
                     await s.stub.Infer(request(rows(1, start=2)))
                 assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert caught.value.details() == "Concurrent RPC limit exceeded!"
+                # The bound in a trailer: a client in another language tells this refusal
+                # from gRPC's final one of a message too large by it, not by the words.
+                trailers = dict(caught.value.trailing_metadata() or ())
+                assert trailers[grpc_accept.CALL_LIMIT_KEY] == bound
+                assert bound in error_from_rpc(caught.value).message
             stats = await s.stub.GetStats(pb.GetStatsRequest())
             assert sum(lane.depth_rows for lane in stats.lanes) == 1
             assert (await s.stub.GetModel(pb.GetModelRequest())).max_batch_size > 0

@@ -16,6 +16,7 @@ import itertools
 import json
 import logging
 import os
+import queue
 import re
 import socket
 import sys
@@ -29,8 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
+import onnx
 import prometheus_client
 import pytest
+from onnx import TensorProto, helper
 from opentelemetry.exporter import prometheus as otel_prometheus
 from opentelemetry.sdk.metrics.export import (
     Gauge,
@@ -56,10 +60,26 @@ from opentelemetry.trace import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from laneserve.client import AsyncClient, Client
+from laneserve.client.tensors import encode_tensor
 from laneserve.server import LaneConfig, ManualClock, ServerConfig
 from laneserve.server.config import DEFAULT_LANES, ConfigError
-from laneserve.server.errors import DeviceMemoryError
+from laneserve.server.cost_model import RunTimeModel
+from laneserve.server.errors import (
+    DeviceMemoryError,
+    EngineError,
+    LaneserveError,
+    ServerFaultError,
+)
 from laneserve.server.events import FanOut
+from laneserve.server.items import (
+    Batch,
+    BatchResult,
+    DispatchReason,
+    FailedRows,
+    InferenceRequest,
+    Outcome,
+    RowsWanted,
+)
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.memory import (
     NvmlGauge,
@@ -67,6 +87,8 @@ from laneserve.server.memory import (
     parse_memory_limit,
     prefer_pci_order,
 )
+from laneserve.server.scheduler import Dispatch, Scheduler
+from laneserve.server.scheduler_thread import SchedulerThread
 from laneserve.server.stats import StatsRecorder
 from laneserve.server.telemetry import (
     BatchLinkSampler,
@@ -82,10 +104,13 @@ from laneserve.server.telemetry import (
 from laneserve.server.telemetry.device import DeviceMonitor
 from laneserve.server.telemetry.endpoint import MetricsEndpoint
 from laneserve.server.telemetry.logs import (
+    GRPC_PER_CALL_LOGGER,
     LOG_QUEUE_CHARS,
+    MAX_REQUEST_IDS,
     QueuedStreamHandler,
     configure_logging,
     flush_logs,
+    start_timer,
 )
 from laneserve.server.telemetry.metrics import MetricSources
 from laneserve.v1 import inference_pb2 as pb
@@ -95,6 +120,8 @@ from tests.support import (
     RecordingEngine,
     Serving,
     SettableGauge,
+    one_running_and_queued,
+    queued_never_ran_as_the_drain_ended,
     queued_rows,
     request,
     rows,
@@ -1898,18 +1925,18 @@ class FakeClock:
 def test_refusals_are_logged_in_aggregate_at_most_once_per_interval(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    clock = FakeClock()
-    events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock, timer=FakeTimers())
+    clock, timers = FakeClock(), FakeTimers()
+    events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock, timer=timers)
     caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
     events.rejected("standard", "LANE_FULL")  # the first is logged at once
     for _ in range(500):
         events.rejected("standard", "LANE_FULL")
     events.rejected("bulk", "MEMORY_PRESSURE")
     clock.now_s += 5
-    events.admitted("standard", 1)
     assert len(caplog.records) == 1
     clock.now_s += 5
-    events.admitted("standard", 1)  # the interval is over: the burst is summed up
+    (timer,) = timers.started
+    timer.action()  # the interval is over: the burst is summed up
     events.rejected("standard", "LANE_FULL")
     events.flush()  # at shutdown: whatever is left
     lines = [(record.getMessage(), record.fields) for record in caplog.records]  # type: ignore[attr-defined]
@@ -2005,12 +2032,571 @@ def test_out_of_memory_and_recovery_are_logged(caplog: pytest.LogCaptureFixture)
     events.cap_changed(32, 36, "recovered", ((512,),))
     events.cap_changed(60, 64, "recovered", ((8,), (3, 2)))
     assert [(record.levelname, record.getMessage()) for record in caplog.records] == [
-        ("WARNING", "out of device memory running 64 rows; splitting them and retrying"),
+        ("WARNING", "out of memory (device) running 64 rows; splitting them and retrying"),
         ("WARNING", "batch cap of rows shaped [512] lowered 64 -> 32 (out_of_memory)"),
         ("INFO", "batch cap of rows shaped [512] raised 32 -> 36 (recovered)"),
         ("INFO", "batch cap of rows shaped [8], [3, 2] recovered 60 -> 64 (max_batch_size)"),
     ]
     assert caplog.records[1].fields["shape"] == [[512]]  # type: ignore[attr-defined]
+
+
+def _events_of(caplog: pytest.LogCaptureFixture, event: str) -> list[logging.LogRecord]:
+    return [record for record in caplog.records if getattr(record, "event", None) == event]
+
+
+def _fields(record: logging.LogRecord) -> dict[str, Any]:
+    fields: dict[str, Any] = getattr(record, "fields", {})
+    return fields
+
+
+def test_refusals_for_overload_and_routine_ones_are_logged_apart(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A deploy's drain (DRAINING) and clients' bugs (INVALID_INPUT) were summed with
+    overload into one WARNING line: each kind has its own line and window now, the
+    routine one at INFO, and admission_refused keeps overload alone. An answer over the
+    caller's own receive limit (ANSWER_TOO_LARGE) is the client's choice, not overload."""
+    clock, timers = FakeClock(), FakeTimers()
+    events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock, timer=timers)
+    caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
+    events.rejected("standard", "LANE_FULL")  # each kind's first is logged at once
+    events.rejected("bulk", "DRAINING")
+    clock.now_s += 1
+    events.rejected("standard", "INVALID_INPUT")  # held: the routine line's interval runs
+    events.rejected("standard", "REQUEST_ID_REUSED")
+    events.rejected("standard", "ANSWER_TOO_LARGE")  # over the caller's own receive limit
+    events.rejected("interactive", "DEADLINE_UNMEETABLE")  # held: overload's interval runs
+    assert len(timers.started) == 2, "a timer for each held line"
+    clock.now_s += 9
+    for timer in timers.started:
+        timer.action()
+    lines = [(r.levelname, r.event, r.getMessage(), _fields(r)) for r in caplog.records]  # type: ignore[attr-defined]
+    assert lines == [
+        (
+            "WARNING",
+            "admission_refused",
+            "admission refused 1 request(s) in 0.0s",
+            {"refused": {"standard/LANE_FULL": 1}, "window_s": 0.0, "last_ago_s": 0.0},
+        ),
+        (
+            "INFO",
+            "admission_refused_routine",
+            (
+                "admission refused 1 request(s) in 0.0s, none for overload (draining, invalid or "
+                "withdrawn requests, answers over a caller's receive limit)"
+            ),
+            {"refused": {"bulk/DRAINING": 1}, "window_s": 0.0, "last_ago_s": 0.0},
+        ),
+        (
+            "INFO",
+            "admission_refused_routine",
+            (
+                "admission refused 3 request(s) in 0.0s, the last 9.0s ago, none for overload "
+                "(draining, invalid or withdrawn requests, answers over a caller's receive "
+                "limit)"
+            ),
+            {
+                "refused": {
+                    "standard/INVALID_INPUT": 1,
+                    "standard/REQUEST_ID_REUSED": 1,
+                    "standard/ANSWER_TOO_LARGE": 1,
+                },
+                "window_s": 0.0,
+                "last_ago_s": 9.0,
+            },
+        ),
+        (
+            "WARNING",
+            "admission_refused",
+            "admission refused 1 request(s) in 0.0s, the last 9.0s ago",
+            {"refused": {"interactive/DEADLINE_UNMEETABLE": 1}, "window_s": 0.0, "last_ago_s": 9.0},
+        ),
+    ]
+
+
+def test_sheds_are_logged_in_aggregate_at_warning_once_any_expired(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Work accepted, then dropped unrun (its deadline passed in the queue, or its caller
+    left) left no line at all. Callers that left are no overload: INFO; a window with an
+    expiry in it is: WARNING."""
+    clock, timers = FakeClock(), FakeTimers()
+    events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock, timer=timers)
+    caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
+    events.shed("standard", "CANCELLED", 2)  # logged at once
+    clock.now_s += 2
+    events.shed("bulk", "EXPIRED_IN_QUEUE", 64)
+    events.shed("bulk", "EXPIRED_IN_QUEUE", 64)
+    events.shed("standard", "CANCELLED", 1)
+    (timer,) = timers.started
+    assert timer.delay_s == pytest.approx(8.0)
+    clock.now_s += 8
+    timer.action()
+    lines = [(r.levelname, r.event, r.getMessage(), _fields(r)) for r in caplog.records]  # type: ignore[attr-defined]
+    assert lines == [
+        (
+            "INFO",
+            "requests_shed",
+            "dropped 1 queued request(s) (2 rows) without running them in 0.0s; their callers left",
+            {"shed": {"standard/CANCELLED": 1}, "rows": 2, "window_s": 0.0, "last_ago_s": 0.0},
+        ),
+        (
+            "WARNING",
+            "requests_shed",
+            (
+                "dropped 3 queued request(s) (129 rows) without running them in 0.0s, the last "
+                "8.0s ago; 2 of them expired in the queue (overload: the lanes hold more than "
+                "the session serves within their deadlines)"
+            ),
+            {
+                "shed": {"bulk/EXPIRED_IN_QUEUE": 2, "standard/CANCELLED": 1},
+                "rows": 129,
+                "window_s": 0.0,
+                "last_ago_s": 8.0,
+            },
+        ),
+    ]
+
+
+def test_failed_requests_are_logged_with_the_first_error_and_their_first_ids(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A model failing on an input left no server line at all: a client's INTERNAL could
+    not be matched to anything. Failures are logged as refusals are, with the window's
+    first error and the first MAX_REQUEST_IDS request ids; other ends are not failures."""
+    clock, timers = FakeClock(), FakeTimers()
+    events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock, timer=timers)
+    caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
+    events.completed("standard", "OK")
+    events.completed(
+        "standard", "DRAINING", request_id="d", error=DeviceMemoryError("not a failure")
+    )
+    events.completed(
+        "standard", "ENGINE_FAILURE", request_id="poison-1", error=EngineError("idx=99 (first)")
+    )
+    clock.now_s += 1
+    for index in range(7):
+        lane = "bulk" if index < 5 else "interactive"
+        events.completed(
+            lane, "ENGINE_FAILURE", request_id=f"p{index}", error=EngineError(f"idx={index}")
+        )
+    events.completed("bulk", "DEVICE_MEMORY", request_id="big", error=DeviceMemoryError("big"))
+    (timer,) = timers.started
+    clock.now_s += 9
+    timer.action()
+    assert [r.levelname for r in caplog.records] == ["WARNING", "WARNING"]
+    first, burst = _events_of(caplog, "requests_failed")
+    assert first.getMessage() == "1 request(s) failed in the model in 0.0s"
+    assert _fields(first) == {
+        "failed": {"standard/ENGINE_FAILURE": 1},
+        "first_error": "idx=99 (first)",
+        "request_ids": ["poison-1"],
+        "window_s": 0.0,
+        "last_ago_s": 0.0,
+    }
+    assert burst.getMessage() == "8 request(s) failed in the model in 0.0s, the last 9.0s ago"
+    assert _fields(burst) == {
+        "failed": {
+            "bulk/ENGINE_FAILURE": 5,
+            "interactive/ENGINE_FAILURE": 2,
+            "bulk/DEVICE_MEMORY": 1,
+        },
+        "first_error": "idx=0",
+        "request_ids": [f"p{index}" for index in range(MAX_REQUEST_IDS)],
+        "window_s": 0.0,
+        "last_ago_s": 9.0,
+    }
+
+
+def _lookup_model(path: Path) -> Path:
+    """value[N, 1] = table[input[N, 1]] over a table of 10: an index past it fails in
+    the runtime (Gather), as a model fails on a bad input."""
+    table = helper.make_tensor("table", TensorProto.FLOAT, [10], [float(i) for i in range(10)])
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "input"], ["value"], axis=0)],
+        "lookup",
+        [helper.make_tensor_value_info("input", TensorProto.INT64, ["N", 1])],
+        [helper.make_tensor_value_info("value", TensorProto.FLOAT, ["N", 1])],
+        initializer=[table],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+def _lookup(request_id: str, index: int) -> pb.InferRequest:
+    value = np.full((1, 1), index, dtype=np.int64)
+    return pb.InferRequest(request_id=request_id, inputs=[encode_tensor("input", value)])
+
+
+def test_requests_the_model_fails_on_are_logged_naming_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Real runtime failures (Gather past its table): the first is logged at once with
+    its request id and the runtime's words, the second at the stop, and the good
+    request between them in neither."""
+    path = _lookup_model(tmp_path / "lookup.onnx")
+    caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(path), device="cpu")
+        async with serving(engine, ServerConfig(model_path=str(path))) as s:
+            with pytest.raises(grpc.aio.AioRpcError) as first:
+                await s.stub.Infer(_lookup("poison-1", 99), timeout=10)
+            assert first.value.code() == grpc.StatusCode.INTERNAL
+            assert len(_events_of(caplog, "requests_failed")) == 1, "the first at once"
+            await s.stub.Infer(_lookup("good-1", 3), timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await s.stub.Infer(_lookup("poison-2", 98), timeout=10)
+
+    asyncio.run(scenario())
+    first, rest = _events_of(caplog, "requests_failed")
+    assert first.levelno == logging.WARNING
+    assert _fields(first)["failed"] == {"standard/ENGINE_FAILURE": 1}
+    assert _fields(first)["request_ids"] == ["poison-1"]
+    error = _fields(first)["first_error"]
+    assert error.startswith("the model failed on a row of this request"), error
+    assert "Gather" in error, error
+    assert _fields(rest)["request_ids"] == ["poison-2"]
+    assert _fields(rest)["failed"] == {"standard/ENGINE_FAILURE": 1}
+
+
+def _request(request_id: str, lane: str, count: int, deadline_s: float) -> InferenceRequest:
+    return InferenceRequest(
+        request_id=request_id,
+        lane=lane,
+        inputs={"input": np.zeros((count, 2), np.float32)},
+        rows=count,
+        signature=((2,),),
+        deadline_s=deadline_s,
+        token=request_id,
+    )
+
+
+def _running_batch_id(events: EventLog) -> int | None:
+    batch = events.running_batch
+    return None if batch is None else batch.batch_id
+
+
+def test_the_scheduler_tells_the_event_log_what_failed_and_what_it_shed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The scheduler hands each failed request's id and error to the log, and each
+    expiry in its queue (a scheduler on a manual clock: no sleeps)."""
+    clock = ManualClock(1_000.0)
+    events = EventLog(max_batch_size=8, monotonic=clock.monotonic, timer=FakeTimers())
+    caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
+    lanes = [
+        LaneConfig("standard", capacity_rows=64, timeout_ms=60_000, max_wait_ms=0, min_share=0),
+    ]
+    scheduler = Scheduler(lanes, batch_cap=8, run_time=RunTimeModel({1: 0.001}), events=events)
+    scheduler.admit(_request("good", "standard", 2, 1_010.0), clock.monotonic())
+    scheduler.admit(_request("bad", "standard", 1, 1_010.0), clock.monotonic())
+    decision = scheduler.decide(clock.monotonic(), clock.monotonic())
+    assert isinstance(decision, Dispatch)
+    batch = decision.batch
+    assert _running_batch_id(events) == batch.batch_id
+    failure = EngineError("the model failed on a row of this request (row 0, run alone): x")
+    scheduler.complete(
+        BatchResult(
+            batch,
+            {"out": np.zeros((3, 1), np.float32)},
+            None,
+            0.001,
+            failed_rows=(FailedRows(2, 1, failure),),
+        )
+    )
+    assert _running_batch_id(events) is None
+    scheduler.admit(_request("late", "standard", 3, 1_001.0), clock.monotonic())
+    clock.advance(2.0)
+    scheduler.shed_expired(clock.monotonic())
+    events.close()
+    (failed,) = _events_of(caplog, "requests_failed")
+    assert _fields(failed)["failed"] == {"standard/ENGINE_FAILURE": 1}
+    assert _fields(failed)["request_ids"] == ["bad"]
+    assert _fields(failed)["first_error"] == failure.message
+    (shed,) = _events_of(caplog, "requests_shed")
+    assert shed.levelno == logging.WARNING
+    assert (_fields(shed)["shed"], _fields(shed)["rows"]) == ({"standard/EXPIRED_IN_QUEUE": 1}, 3)
+
+
+class _LostGauge:
+    """Memory readings that raise, as NVML does once the GPU is lost: the scheduler
+    thread, which reads them first thing, fails for good."""
+
+    def used_bytes(self) -> int | None:
+        raise RuntimeError("injected fault: the device is lost")
+
+    def total_bytes(self) -> int | None:
+        return 2**34
+
+
+def _fails_outside_the_runtime(_batch: Batch, _rows_wanted: RowsWanted) -> BatchResult:
+    """An engine that fails every batch in laneserve's own code, not the runtime's."""
+    raise RuntimeError("injected fault: stacking the outputs")
+
+
+def test_requests_failed_by_laneserve_itself_are_not_blamed_on_the_model(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A scheduler thread that failed answered every live request ENGINE_FAILURE, as did a
+    batch that failed outside the runtime, and requests_failed said "N request(s) failed
+    in the model" of each, beside the ERROR line with its traceback that says what did
+    fail. They are ServerFaultErrors (the same answer on the wire): left out of it."""
+    clock = ManualClock(1_000.0)
+    events = EventLog(max_batch_size=8, monotonic=clock.monotonic, timer=FakeTimers())
+    caplog.set_level(logging.INFO)
+    lanes = [
+        LaneConfig("standard", capacity_rows=64, timeout_ms=60_000, max_wait_ms=0, min_share=0),
+    ]
+    answered: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+
+    def deliver(outcomes: Sequence[Outcome]) -> None:
+        for outcome in outcomes:
+            answered.put(outcome)
+
+    def scheduler() -> Scheduler:
+        return Scheduler(lanes, batch_cap=8, run_time=RunTimeModel({1: 0.001}), events=events)
+
+    # A batch that fails outside the runtime: the server goes on.
+    engine_fault = SchedulerThread(scheduler(), _fails_outside_the_runtime, deliver, clock=clock)
+    engine_fault.start()
+    try:
+        engine_fault.submit(_request("batch-fault", "standard", 1, 1_010.0))
+        batch_fault = answered.get(timeout=30)
+    finally:
+        engine_fault.close()
+    # A scheduler thread that fails (its first memory reading) with a request queued.
+    failures: list[LaneserveError] = []
+    crashed = SchedulerThread(
+        scheduler(),
+        _fails_outside_the_runtime,
+        deliver,
+        clock=clock,
+        memory_gauge=_LostGauge(),
+        on_failure=failures.append,
+    )
+    crashed.submit(_request("queued", "standard", 1, 1_010.0))
+    crashed.start()
+    try:
+        queued = answered.get(timeout=30)
+        # Once it has answered what was live, every submission is refused with its error,
+        # counted among the WARNING's refusals: the server is stopping, not draining.
+        with pytest.raises(ServerFaultError):
+            crashed.submit(_request("after", "standard", 1, 1_010.0))
+    finally:
+        crashed.close()
+    for outcome in (batch_fault, queued):
+        assert isinstance(outcome.error, ServerFaultError), outcome
+        assert outcome.error.reason == EngineError.reason  # the same answer on the wire
+    (failure,) = failures
+    assert isinstance(failure, ServerFaultError)
+    assert failure.message == "the scheduler failed; the server must be restarted"
+    events.completed("standard", "ENGINE_FAILURE", request_id="model", error=EngineError("x"))
+    events.close()
+    (failed,) = _events_of(caplog, "requests_failed")  # the model's failure alone
+    assert _fields(failed)["request_ids"] == ["model"]
+    (refused,) = _events_of(caplog, "admission_refused")
+    assert refused.levelname == "WARNING"
+    assert _fields(refused)["refused"] == {"standard/ENGINE_FAILURE": 1}
+    logged = {getattr(record, "event", None) for record in caplog.records}
+    assert {"batch_failed", "scheduler_thread_failed"} <= logged
+
+
+class _CountingClock(FakeClock):
+    def __init__(self) -> None:
+        super().__init__()
+        self.readings = 0
+
+    def __call__(self) -> float:
+        self.readings += 1
+        return self.now_s
+
+
+def test_admissions_and_batch_ends_leave_the_event_log_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """admitted() and batch_done() run under the scheduler's lock, on every admission and
+    batch; each read the clock and took every aggregated line's lock while one held
+    counts, to write lines that their timers write when due anyway."""
+    clock, timers = _CountingClock(), FakeTimers()
+    events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock, timer=timers)
+    caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
+    for _ in range(2):  # the first of each is written, the second held
+        events.rejected("standard", "LANE_FULL")
+        events.rejected("standard", "DRAINING")
+        events.shed("standard", "EXPIRED_IN_QUEUE", 1)
+        events.completed("standard", "ENGINE_FAILURE", error=EngineError("x"))
+    assert (len(caplog.records), len(timers.started)) == (4, 4)
+    batch = Batch(7, (), 64, DispatchReason.FULL, 0.0, {})
+    events.batch_formed(batch, [])
+    clock.now_s += 10  # every held line is due
+    readings = clock.readings
+    events.admitted("standard", 1)
+    events.batch_done(batch, 0.1, None)
+    assert clock.readings == readings, "the clock is not read"
+    assert len(caplog.records) == 4, "the held lines are their timers' to write"
+    assert events.running_batch is None
+    for timer in timers.started:
+        timer.action()
+    assert len(caplog.records) == 8
+
+
+def test_an_occurrence_after_the_log_closed_is_written_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A refusal after close (a call the stop had not yet answered) was held within its
+    interval, for a timer that close no longer arms: never written."""
+    clock, timers = FakeClock(), FakeTimers()
+    events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock, timer=timers)
+    caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
+    events.rejected("standard", "LANE_FULL")  # written at once
+    events.close()
+    clock.now_s += 1
+    events.rejected("standard", "LANE_FULL")  # within the interval
+    assert [record.getMessage() for record in caplog.records] == [
+        "admission refused 1 request(s) in 0.0s",
+        "admission refused 1 request(s) in 0.0s",
+    ]
+    assert timers.started == []
+
+
+def test_the_log_timers_are_named_as_laneserves_threads() -> None:
+    """They were Thread-N: the tests' check for laneserve threads left running did not
+    see them."""
+    ran = threading.Event()
+    timer = start_timer(0.0, ran.set)
+    assert isinstance(timer, threading.Thread)
+    assert timer.name == "laneserve-log-timer"
+    assert ran.wait(timeout=30)
+    timer.join(timeout=30)
+
+
+def test_an_out_of_memory_names_the_memory_and_its_batch(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """It said "out of device memory" on a CPU server too, and named no batch."""
+    events = EventLog(max_batch_size=64, timer=FakeTimers())
+    events.arena = "host arena"  # the server's, from where its session runs
+    caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
+    batch = Batch(7, (), 64, DispatchReason.FULL, 0.0, {})
+    events.batch_formed(batch, [])
+    events.out_of_memory(64)
+    events.out_of_memory(1)
+    events.batch_done(batch, 0.1, None)
+    events.out_of_memory(1)  # no batch runs: the engine's own run
+    assert [(r.getMessage(), _fields(r)) for r in caplog.records] == [
+        (
+            "out of memory (host arena) running 64 rows of batch 7; splitting them and retrying",
+            {"rows": 64, "batch_id": 7, "memory": "host arena"},
+        ),
+        (
+            "out of memory (host arena) running 1 rows of batch 7",
+            {"rows": 1, "batch_id": 7, "memory": "host arena"},
+        ),
+        (
+            "out of memory (host arena) running 1 rows",
+            {"rows": 1, "batch_id": None, "memory": "host arena"},
+        ),
+    ]
+
+
+def test_a_server_on_the_cpu_says_its_out_of_memory_is_the_host_arenas(
+    small_model: Path,
+) -> None:
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model), device="cpu")
+        async with serving(engine, config(small_model, metrics_port=-1)) as s:
+            assert s.server.telemetry.event_log.arena == "host arena"
+
+    asyncio.run(scenario())
+
+
+def test_an_incomplete_drain_says_what_it_left_and_what_to_change(
+    small_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ "drain grace of 0.2s over; answering what is left UNAVAILABLE" said neither how
+    much was left nor what to do about it."""
+    caplog.set_level(logging.INFO, logger="laneserve.server.app")
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, metrics_port=-1)) as s:
+            running, queued = await one_running_and_queued(s, engine)
+            held = s.server.telemetry.event_log.running_batch
+            assert held is not None
+            stopping = asyncio.ensure_future(s.server.stop(grace_s=0.0))
+            await queued_never_ran_as_the_drain_ended(running, queued, engine, stopping)
+        (record,) = _events_of(caplog, "drain_incomplete")
+        assert record.levelno == logging.WARNING
+        assert _fields(record) == {
+            "grace_s": 0.0,
+            "waited_s": _fields(record)["waited_s"],
+            "cut_short": False,
+            "queued_requests": 1,
+            "queued_rows": 2,
+            "running_batch_id": held.batch_id,
+            "running_rows": 1,
+        }
+        assert record.getMessage() == (
+            f"drain grace of 0.0s over with 1 request(s) (2 rows) still queued and batch "
+            f"{held.batch_id} (1 rows) running; answering them UNAVAILABLE (raise "
+            "--drain-grace-s for the queue to finish, keeping --drain-delay-s plus it below "
+            "the supervisor's kill grace: Kubernetes' terminationGracePeriodSeconds, "
+            "systemd's TimeoutStopSec)"
+        )
+
+    asyncio.run(scenario())
+
+
+class _Keep(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("verbosity", [None, "debug"])
+def test_debug_logs_leave_out_grpcs_per_call_lines_unless_grpc_verbosity_asks(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch, verbosity: str | None
+) -> None:
+    """At --log-level debug grpc's asyncio layer logged "[_cygrpc] Loaded running loop" at
+    DEBUG on every call and "RPC cancelled for servicer method" on every cancelled one
+    (5 819 and 868: with one more at start, its logger wrote 6 688 of 6 698 lines in 25 s
+    of overload). GRPC_VERBOSITY=DEBUG, which asks for gRPC's debugging, lets them
+    through."""
+    if verbosity is None:
+        monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+    else:
+        monkeypatch.setenv("GRPC_VERBOSITY", verbosity)
+    keep = _Keep()
+    try:
+        configure_logging("debug")
+        logging.getLogger().addHandler(keep)
+
+        async def scenario() -> None:
+            engine = RecordingEngine(str(small_model))
+            async with serving(engine, config(small_model, metrics_port=-1)) as s:
+                for _ in range(3):
+                    await s.stub.Infer(request(rows(1)), timeout=10)
+
+        asyncio.run(scenario())
+    finally:
+        logging.getLogger(GRPC_PER_CALL_LOGGER).setLevel(logging.NOTSET)
+    per_call = [
+        record
+        for record in keep.records
+        if record.name == GRPC_PER_CALL_LOGGER and record.levelno == logging.DEBUG
+    ]
+    ours = [record for record in keep.records if record.name.startswith("laneserve")]
+    assert ours, "laneserve's lines are logged"
+    if verbosity is None:
+        assert per_call == []
+    else:
+        assert any("Loaded running loop" in record.getMessage() for record in per_call)
 
 
 def test_log_lines_carry_their_fields_as_text_or_json() -> None:

@@ -50,6 +50,10 @@ class PySpy:
             text=True,
         )
 
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
     def stop(self) -> dict[str, Any]:
         """Ends the recording (SIGINT makes py-spy write its file) and summarizes it."""
         if self.process.poll() is None:

@@ -15,7 +15,12 @@ from pathlib import Path
 from typing import Any, Final
 
 from laneserve.server.bench.procs import PSS, RSS, UNIQUE, UNIQUE_DESCRIPTION
-from laneserve.server.bench.settings import BULK_SATURATION, HEARTBEAT_S, SCENARIO_TITLES
+from laneserve.server.bench.settings import (
+    BULK_SATURATION,
+    BUSY_OTHER_CORES,
+    HEARTBEAT_S,
+    SCENARIO_TITLES,
+)
 from laneserve.server.bench.summary import CLIENT_LATE_PERCENTILE, CLIENT_LATE_WINDOW_SHARE
 
 log = logging.getLogger("laneserve.bench")
@@ -65,6 +70,9 @@ POINT_KEYS: Final = frozenset(
         "host",
     }
 )
+# Keys of a point since the busy rule (BUSY_OTHER_CORES): every point of a document
+# written since has them, none of one written before (the schema did not change).
+BUSY_RULE_POINT_KEYS: Final = frozenset({"busy"})
 STREAM_KEYS: Final = frozenset(
     {
         "label",
@@ -151,10 +159,11 @@ def missing_keys(document: dict[str, Any]) -> list[str]:
                     f"configurations.{name}.{figures}.{key}"
                     for key in sorted(MEMORY_KEYS - set(entry[figures]))
                 ]
+    point_keys = POINT_KEYS | BUSY_RULE_POINT_KEYS if busy_rule(document) else POINT_KEYS
     for scenario, points in document.get("scenarios", {}).items():
         for index, point in enumerate(points):
             where = f"scenarios.{scenario}[{index}]"
-            missing += [f"{where}.{key}" for key in sorted(POINT_KEYS - set(point))]
+            missing += [f"{where}.{key}" for key in sorted(point_keys - set(point))]
             for label, stream in point.get("lanes", {}).items():
                 missing += [
                     f"{where}.lanes.{label}.{key}" for key in sorted(STREAM_KEYS - set(stream))
@@ -165,6 +174,13 @@ def missing_keys(document: dict[str, Any]) -> list[str]:
                     for key in sorted(LATENCY_KEYS - set(latency))
                 ]
     return missing
+
+
+def busy_rule(document: dict[str, Any]) -> bool:
+    """Whether the document's points were judged by the busy rule: False for one
+    written before it (its points carry no `busy`, and its verdicts stand as they were)."""
+    points = [point for points in document.get("scenarios", {}).values() for point in points]
+    return not points or any("busy" in point for point in points)
 
 
 # ---- targets -------------------------------------------------------------------
@@ -202,9 +218,11 @@ def _target(
 ) -> dict[str, Any]:
     """A verdict read from `points`. Where any of them is not valid (the load generator
     was the limit: it could not offer the load, or its answers waited in it), no
-    verdict: `met` is None, `valid` False, and `detail` says why. Where any did not
-    settle ("stable: no"), the verdict stands but says so (`stable` False,
-    `unstable_points`): it is not as solid as one from stable points."""
+    verdict: `met` is None, `valid` False, and `detail` says why. Where any was measured
+    while other processes kept the machine busy (the point's `busy`), no verdict either:
+    `met` is None, what the figures read is `met_on_busy_machine`, and the points are in
+    `busy_points`. Where any did not settle ("stable: no"), the verdict stands but says
+    so (`stable` False, `unstable_points`): it is not as solid as one from stable points."""
     read = _distinct(point for point in points if point is not None)
     why = [
         f"({point['scenario']}) {point['name']}: {point['invalid_reason']}"
@@ -214,11 +232,25 @@ def _target(
     if why:
         met = None
         detail = "not valid, the load generator was the limit: " + "; ".join(why)
-    unstable = [
-        f"{point['configuration']} ({point['scenario']}) {point['name']}"
-        for point in read
-        if point.get("stable") is False
-    ]
+    # Not valid is the stronger finding: a busy machine is not added to it.
+    busy = [point for point in read if point.get("busy") is True] if not why else []
+    busiest = max(busy, key=lambda point: point["host"]["other_cores"], default=None)
+    met_on_busy_machine = None
+    if busy:
+        met_on_busy_machine, met = met, None
+        detail = "; ".join(
+            part
+            for part in (
+                detail,
+                "no verdict, read from points measured while other processes kept the machine "
+                "busy: "
+                + ", ".join(
+                    f"{_where(point)} ({point['host']['other_cores']:.2f} cores)" for point in busy
+                ),
+            )
+            if part
+        )
+    unstable = [_where(point) for point in read if point.get("stable") is False]
     if unstable and not why:
         detail = "; ".join(
             part for part in (detail, "read from points not stable: " + ", ".join(unstable)) if part
@@ -231,11 +263,23 @@ def _target(
         "met": met,
         # False: measured, but the load generator was the limit (see detail).
         "valid": not why,
+        # Read from points measured while other processes kept more than BUSY_OTHER_CORES
+        # busy (none where not valid): `met` is None, and what the figures read is
+        # `met_on_busy_machine`; `busy_other_cores` is the most those processes used, at
+        # `busy_point`.
+        "busy_points": [_where(point) for point in busy],
+        "busy_point": None if busiest is None else _where(busiest),
+        "busy_other_cores": None if busiest is None else busiest["host"]["other_cores"],
+        "met_on_busy_machine": met_on_busy_machine,
         # False: read from a point whose windows did not agree (named in unstable_points).
         "stable": not unstable,
         "unstable_points": unstable,
         "detail": detail,
     }
+
+
+def _where(point: dict[str, Any]) -> str:
+    return f"{point['configuration']} ({point['scenario']}) {point['name']}"
 
 
 def _distinct(points: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -252,9 +296,20 @@ def _distinct(points: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def verdict_text(target: dict[str, Any]) -> str:
     """met, missed, not valid (the load generator was the limit) or not measured; a
-    verdict read from a point that did not settle says so: "met (unstable point)"."""
+    verdict read from a point that did not settle says so: "met (unstable point)"; one
+    read from a point measured on a busy machine is none, and says what the figures
+    read and where others were busiest: "no verdict: met (machine busy at laneserve (a)
+    c=2: 0.97 cores used by other processes)"."""
     if target.get("valid") is False:
         return "not valid (load generator the limit)"
+    if target.get("busy_points"):
+        read = {True: "met", False: "missed", None: "not measured"}[target["met_on_busy_machine"]]
+        # No `busy_point` in a verdict written before it was named.
+        at = f" at {target['busy_point']}" if target.get("busy_point") else ""
+        return (
+            f"no verdict: {read} (machine busy{at}: "
+            f"{target['busy_other_cores']:.2f} cores used by other processes)"
+        )
     text = {True: "met", False: "missed", None: "not measured"}[target["met"]]
     if target["met"] is not None and target.get("stable") is False:
         text += " (unstable point)"
@@ -666,6 +721,7 @@ def render_markdown(document: dict[str, Any]) -> str:
             f"{profile['max_windows']})."
         ),
         "",
+        *_host_note(document),
         "## Targets (issue 6)",
         "",
         *_table(
@@ -713,9 +769,20 @@ def _raw_section(document: dict[str, Any]) -> list[str]:
             ([rows, _num(value)] for rows, value in raw["rows_per_s_by_batch_rows"].items()),
         ),
         "",
-        f"Best: {_num(raw['best_rows_per_s'])} rows/s at {raw['best_batch_rows']} rows per run.",
+        (
+            f"Best: {_num(raw['best_rows_per_s'])} rows/s at {raw['best_batch_rows']} rows per "
+            f"run{_raw_busy(raw)}."
+        ),
         "",
     ]
+
+
+def _raw_busy(raw: dict[str, Any]) -> str:
+    """The mark of a sweep measured while other processes kept the machine busy."""
+    if not raw.get("busy"):
+        return ""
+    cores = raw["host"]["other_cores"]
+    return f" (machine busy: {cores:.2f} cores used by other processes; it may read low)"
 
 
 def _client(point: dict[str, Any]) -> str:
@@ -746,7 +813,8 @@ def _scenario_a(document: dict[str, Any]) -> list[str]:
                 _client(point),
                 _cores(point["host"]["server_cores"]),
                 _cpu_per_request(point["host"]["server_cores"], stream["answered_per_s"]),
-                _cores(point["host"]["other_cores"]),
+                _cores(point["host"].get("harness_cores")),
+                _others(point),
                 "yes" if point["stable"] else "no",
                 _valid(point),
             ]
@@ -755,12 +823,13 @@ def _scenario_a(document: dict[str, Any]) -> list[str]:
         f"## (a) {SCENARIO_TITLES['a']}",
         "",
         (
-            "Client CPU: the busiest load generator process (share of one core). Server cores "
-            "and others: cores used by the server's processes and by everything else on the "
-            "machine (other users included) while the point ran; server CPU per request is "
-            "the server's CPU time divided by the requests it answered. Mean batch: of the "
-            "batches the answers came in, per answer (the server's own mean, per batch, is "
-            f"in the server-side table). {CLIENT_LATE_NOTE}"
+            "Client CPU: the busiest load generator process (share of one core). Server cores, "
+            "harness and others: cores used by the server's processes, by the harness's own "
+            "and by everything else on the machine (other users included) while the point "
+            "ran; server CPU per request is the server's CPU time divided by the requests it "
+            "answered. Mean batch: of the batches the answers came in, per answer (the "
+            "server's own mean, per batch, is in the server-side table). "
+            f"{CLIENT_LATE_NOTE}"
         ),
         "",
         *_table(
@@ -776,6 +845,7 @@ def _scenario_a(document: dict[str, Any]) -> list[str]:
                 "client CPU",
                 "server cores",
                 "server CPU per request",
+                "harness",
                 "others",
                 "stable",
                 "valid",
@@ -794,12 +864,59 @@ def _cpu_per_request(cores: float | None, per_s: float) -> str:
     return "-" if cores is None or not per_s else _ms(cores * 1000 / per_s)
 
 
-HOST_HEADER: Final = "cores: server / clients / others"
+HOST_HEADER: Final = "cores: server / clients / harness / others"
 
 
 def _host(point: dict[str, Any]) -> str:
     host = point["host"]
-    return " / ".join(_cores(host[key]) for key in ("server_cores", "client_cores", "other_cores"))
+    return " / ".join(
+        (
+            _cores(host["server_cores"]),
+            _cores(host["client_cores"]),
+            # None also in a document written before the harness was counted apart.
+            _cores(host.get("harness_cores")),
+            _others(point),
+        )
+    )
+
+
+def _others(point: dict[str, Any]) -> str:
+    """The cores other processes used while the point ran, marked where that made the
+    point busy; with a server the harness did not start, its cores and the others'
+    together, which cannot be told apart."""
+    host = point["host"]
+    together = host.get("server_and_other_cores")
+    if together is not None:
+        return f"{_cores(together)} (server + others)"
+    others = _cores(host["other_cores"])
+    return f"{others} (busy)" if point.get("busy") else others
+
+
+def _host_note(document: dict[str, Any]) -> list[str]:
+    """What harness and others are, and the rule that marks a point busy, or that the
+    points were measured before it; with --target, why it marks none."""
+    note = (
+        "Harness: the cores the harness's own processes used while a point ran (the "
+        "orchestrator reading /proc and GetStats, and py-spy where it samples, 0.20-0.25 "
+        "cores at 250 Hz). Others: the cores busy on the machine beyond the server's "
+        "processes, the load generator's and the harness's (where harness shows -, its "
+        "cores are among them): other users of the machine, and the kernel's work for "
+        "loopback traffic, which no process is charged for."
+    )
+    if not busy_rule(document):
+        return [f"{note} Measured before the busy rule (verdicts stand as they were).", ""]
+    note += (
+        f" A point where others used more than {BUSY_OTHER_CORES} cores is *busy*: its "
+        "figures describe a shared machine, a target read from it gets no verdict, and it "
+        "is listed under warnings."
+    )
+    if document["settings"].get("target"):
+        note += (
+            " The server under test runs outside the harness (--target, no process id "
+            "here): its CPU cannot be told from other processes', so its points show "
+            "server + others together and none of them is marked busy."
+        )
+    return [note, ""]
 
 
 # Arrivals not sent count as offered for validity (summary.offer_problem): the server

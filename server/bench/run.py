@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import platform
+import resource
 import shlex
 import subprocess
 import time
@@ -40,6 +41,7 @@ from laneserve.server.bench.loadgen import ClientPool, InputSpec
 from laneserve.server.bench.profiling import PySpy, py_spy_binary
 from laneserve.server.bench.settings import (
     BULK_SATURATION,
+    BUSY_OTHER_CORES,
     DEFAULT_SCENARIOS,
     SCENARIOS,
     ConfigurationKind,
@@ -124,7 +126,10 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
     document = _new_document(settings, model_path)
     if settings.raw_ceiling and model_path is not None:
         log.info("raw ceiling: back-to-back session runs, no RPC")
-        document["raw_ceiling"] = _raw_ceiling(settings, model_path)
+        raw = _raw_ceiling(settings, model_path)
+        document["raw_ceiling"] = raw
+        if raw["busy"]:
+            _warn(document, busy_warning("raw ceiling", raw["host"]["other_cores"]))
     with ClientPool(
         processes=settings.client_processes,
         channels=settings.channels_per_process,
@@ -280,13 +285,44 @@ def _raw_ceiling(settings: BenchSettings, model_path: str) -> dict[str, Any]:
         "--device",
         settings.device,
     )
+    # The sweep's process stands in the server's place: the machine's busy cores less its
+    # own and the orchestrator's (waiting for it) are the others'.
+    start = _sweep_mark()
     done = subprocess.run(  # noqa: S603 - argv is built here, never from input
         argv, capture_output=True, text=True, timeout=RAW_TIMEOUT_S, check=False
     )
+    end = _sweep_mark()
     if done.returncode != 0:
         raise procs.StartError(f"raw ceiling failed (exit {done.returncode}):\n{done.stderr}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    # Over the whole sweep, the session's start-up included; no clients run.
+    host = _host_figures(start, end, 0.0)
+    result["host"] = {
+        "cpu_count": host["cpu_count"],
+        "raw_cores": host["server_cores"],
+        "harness_cores": host["harness_cores"],
+        "machine_busy_cores": host["machine_busy_cores"],
+        "other_cores": host["other_cores"],
+    }
+    result["busy"] = machine_busy(host["other_cores"])
     return result
+
+
+def _sweep_mark() -> Mark:
+    return Mark(
+        at_s=time.monotonic(),
+        stats=None,
+        server_cpu_s=_children_cpu_s(),
+        machine_busy_s=procs.machine_busy_s(),
+        threads=None,
+        harness_cpu_s=harness_cpu_s(()),
+    )
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds used by this process's children that have ended and been waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def load_inputs(model: pb.GetModelResponse) -> tuple[InputSpec, ...]:
@@ -546,10 +582,13 @@ class _Runner:
         # The server's CPU by thread, at the point where the server is profiled.
         by_thread = self._profiled_point(deployment, point)
 
-        def at_boundary(index: int) -> None:
-            marks[index] = take_mark(deployment, by_thread=by_thread)
-
         spy = self._maybe_spy(deployment, point)
+        # py-spy is the harness's: its CPU is not counted as other processes'.
+        helper_pids = (spy.pid,) if spy is not None else ()
+
+        def at_boundary(index: int) -> None:
+            marks[index] = take_mark(deployment, by_thread=by_thread, helper_pids=helper_pids)
+
         try:
             run = self.pool.run_point(
                 deployment.target,
@@ -653,8 +692,14 @@ class _Runner:
             "workers": worker_split(run.used, [process.pid for process in deployment.processes]),
             "host": _host_figures(start, end, sum(cpu)),
         }
+        # True: other processes kept the machine busy (`host.other_cores` over
+        # BUSY_OTHER_CORES), and no target verdict is read from the point; None: not
+        # known (no /proc, or a server the harness did not start: its CPU is the others').
+        result["busy"] = machine_busy(result["host"]["other_cores"])
         self.document["scenarios"][point.scenario].append(result)
         where = f"{deployment.name} ({point.scenario}) {point.name}"
+        if result["busy"]:
+            self._warn(busy_warning(where, result["host"]["other_cores"]))
         if not run.stable:
             self._warn(f"{where}: not stable within {len(run.windows)} windows")
         if invalid:
@@ -709,8 +754,25 @@ class _Runner:
         self.document["capacity"]["bulk_rows_per_s"] = self.bulk_capacity_rows_per_s
 
     def _warn(self, message: str) -> None:
-        log.warning("%s", message)
-        self.document["warnings"].append(message)
+        _warn(self.document, message)
+
+
+def _warn(document: dict[str, Any], message: str) -> None:
+    log.warning("%s", message)
+    document["warnings"].append(message)
+
+
+def machine_busy(other_cores: float | None) -> bool | None:
+    """Whether processes other than the ones measured kept more than BUSY_OTHER_CORES
+    busy; None where that is not known."""
+    return None if other_cores is None else other_cores > BUSY_OTHER_CORES
+
+
+def busy_warning(where: str, other_cores: float) -> str:
+    return (
+        f"{where}: machine busy: {other_cores:.2f} cores used by other processes (more than "
+        f"{BUSY_OTHER_CORES}); its figures describe a shared machine"
+    )
 
 
 def _largest(lanes: dict[str, dict[str, Any]], key: str) -> float | None:
@@ -752,17 +814,21 @@ class Mark:
     machine_busy_s: float | None
     # By thread of the server's first process: its name and CPU seconds (None: not read).
     threads: dict[int, tuple[str, float]] | None
+    # CPU seconds used so far by the harness itself (harness_cpu_s; None: not known).
+    harness_cpu_s: float | None
 
 
-def take_mark(deployment: procs.Deployment, *, by_thread: bool) -> Mark:
+def take_mark(deployment: procs.Deployment, *, by_thread: bool, helper_pids: Sequence[int]) -> Mark:
     """Readings at a window boundary; samples the deployment's memory too. The clocks
-    are read first, the GetStats call (milliseconds) last."""
+    are read first, the GetStats call (milliseconds) last; its CPU is the harness's,
+    read at the next boundary."""
     mark = Mark(
         at_s=time.monotonic(),
         stats=None,
         server_cpu_s=deployment.cpu_s(),
         machine_busy_s=procs.machine_busy_s(),
         threads=procs.thread_cpu_s(deployment.processes[0].pid) if by_thread else None,
+        harness_cpu_s=harness_cpu_s(helper_pids),
     )
     deployment.sample_memory()
     # On the priority port where there is one: gRPC's core queues calls per port, so the
@@ -771,16 +837,36 @@ def take_mark(deployment: procs.Deployment, *, by_thread: bool) -> Mark:
     return dataclasses.replace(mark, stats=stats)
 
 
+def harness_cpu_s(helper_pids: Sequence[int]) -> float | None:
+    """CPU seconds used so far by the harness itself: this process (the orchestrator:
+    its /proc readings, GetStats calls, the client pool's pipes; the client processes
+    count apart) and the helpers it runs beside the server (py-spy: 0.20-0.25 cores at
+    250 Hz). None where a helper cannot be read (gone, or no /proc): its seconds so far
+    would be missing from the sum."""
+    used = time.process_time()
+    for pid in helper_pids:
+        helper = procs.process_cpu_s(pid)
+        if helper is None:
+            return None
+        used += helper
+    return used
+
+
 def _host_figures(start: Mark | None, end: Mark | None, client_cores: float) -> dict[str, Any]:
     """Cores busy between two boundaries: the server's processes, the client processes,
-    the whole machine, and what is left for everything else (other users of the
-    machine)."""
+    the harness's own (`harness_cpu_s`), the whole machine, and what is left for
+    everything else (other users of the machine; `other_cores` counts the harness there
+    only where its CPU is not known). Where the server's CPU is not known (an endpoint
+    the harness did not start: no pid) it cannot be told from the others': the rest of
+    the machine is `server_and_other_cores`, and `other_cores` None."""
     figures: dict[str, Any] = {
         "cpu_count": os.cpu_count(),
         "server_cores": None,
         "client_cores": client_cores,
+        "harness_cores": None,
         "machine_busy_cores": None,
         "other_cores": None,
+        "server_and_other_cores": None,
     }
     if start is None or end is None or end.at_s <= start.at_s:
         return figures
@@ -789,11 +875,15 @@ def _host_figures(start: Mark | None, end: Mark | None, client_cores: float) -> 
     wall_s = end.at_s - start.at_s
     if server_start is not None and server_end is not None:
         figures["server_cores"] = (server_end - server_start) / wall_s
+    if start.harness_cpu_s is not None and end.harness_cpu_s is not None:
+        figures["harness_cores"] = (end.harness_cpu_s - start.harness_cpu_s) / wall_s
     if busy_start is not None and busy_end is not None:
         figures["machine_busy_cores"] = (busy_end - busy_start) / wall_s
-        figures["other_cores"] = max(
-            0.0, figures["machine_busy_cores"] - (figures["server_cores"] or 0.0) - client_cores
-        )
+        rest = figures["machine_busy_cores"] - client_cores - (figures["harness_cores"] or 0.0)
+        if figures["server_cores"] is None:
+            figures["server_and_other_cores"] = max(0.0, rest)
+        else:
+            figures["other_cores"] = max(0.0, rest - figures["server_cores"])
     return figures
 
 

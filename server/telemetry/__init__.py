@@ -6,7 +6,8 @@ The only package that imports opentelemetry. Everything here listens; nothing de
   called by the scheduler's owner under its lock (or, for `request_finished`, on the
   event loop), so each call stays small: a count, a histogram sample, span bookkeeping;
   never a wait. Spans leave through the SDK's batch processor thread; the only I/O is a
-  log line, rate-limited for refusals and rare for memory events.
+  log line, aggregated (at most one per 10 s each) for refusals, sheds and failed
+  requests, and rare for memory events.
 - `Tracing` is also the service's `RequestTracer`: one `enqueue` span per queued request
   (admission to first dispatch) and one `reply` span (answer back on the event loop to
   encoded), both children of the gRPC server span that `ServerSpans` opens from the

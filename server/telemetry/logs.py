@@ -1,15 +1,17 @@
 """Event logs: the formatters of event lines (`log_events.log_event`), text or JSON, the
 handler that writes them to stderr without ever making the logging thread wait
 (`configure_logging`, `QueuedStreamHandler`), and `EventLog`, the `SchedulerEvents` sink
-for what an operator must hear of unasked (refusals in aggregate, out of memory, batch cap
-moves)."""
+for what an operator must hear of unasked (refusals, sheds and failures in aggregate, each
+through an `AggregatedLine`; out of memory, batch cap moves)."""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -17,17 +19,55 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ParamSpec, TextIO
 
 from laneserve.server.clock import StartTimer, Timer
-from laneserve.server.errors import LaneserveError
+from laneserve.server.errors import (
+    AnswerTooLargeError,
+    DeviceMemoryError,
+    DrainingError,
+    EngineError,
+    ExpiredInQueueError,
+    InvalidInputError,
+    LaneserveError,
+    RequestIdReusedError,
+    ServerFaultError,
+    bounded_message,
+)
 from laneserve.server.items import Batch, Signature
 from laneserve.server.log_events import event_extra, log_event
 
 # Every telemetry log line under one name, the package's (filters and tests use it).
 log = logging.getLogger("laneserve.server.telemetry")
 
-# Refusals are logged in aggregate: the first at once, then at most one line per interval.
+# Every aggregated line (refusals, sheds, failures: see `AggregatedLine`) writes its first
+# occurrence at once, then at most one line per interval.
 REFUSAL_LOG_INTERVAL_S = 10.0
-# A refusal line written this long after the last refusal it counts says how long ago.
+# An aggregated line written this long after the last occurrence it counts says how long
+# ago.
 LATE_LINE_S = 0.1
+# Refusals that say nothing of overload: a deploy's drain, clients' invalid requests (a
+# bug on their side), answers over a client's own receive limit, and callers that left
+# while they waited for room. Logged apart from the overload refusals
+# (`admission_refused`), at INFO: a deploy drew WARNINGs. ENGINE_FAILURE (a submission
+# after the scheduler failed for good: the server is stopping) stays with the WARNINGs.
+ROUTINE_REFUSALS = frozenset(
+    {
+        DrainingError.reason,
+        InvalidInputError.reason,
+        RequestIdReusedError.reason,
+        AnswerTooLargeError.reason,
+        "CANCELLED",
+    }
+)
+# The ends of requests that the model failed on (logged as `requests_failed`): an error
+# of the runtime's (INTERNAL), or a row too large for the memory even alone
+# (RESOURCE_EXHAUSTED). A ServerFaultError, laneserve's own failure, has the reason
+# ENGINE_FAILURE too and is left out: it is logged at ERROR where it happened.
+FAILED_REASONS = frozenset({EngineError.reason, DeviceMemoryError.reason})
+# A requests_failed line names at most so many of its requests (the first ones), for an
+# operator to match a client's error (INTERNAL, or RESOURCE_EXHAUSTED DEVICE_MEMORY) to it.
+MAX_REQUEST_IDS = 5
+# The name of the threads `start_timer` starts: laneserve's, as the tests' leak check
+# looks for.
+LOG_TIMER_THREAD = "laneserve-log-timer"
 # The event of a line that is not one of laneserve's events (another library's: grpc,
 # asyncio, onnxruntime's Python layer): log shippers key on `event`, so every JSON line
 # has one.
@@ -40,6 +80,11 @@ OTHER_LOG_EVENT = "log"
 LOG_QUEUE_LINES = 10_000
 LOG_QUEUE_CHARS = 8 * 2**20
 LOG_LINES_DROPPED = "log_lines_dropped"
+# grpc's asyncio layer logs at DEBUG per call ("[_cygrpc] Loaded running loop" on every
+# RPC, "RPC cancelled for servicer method" on every cancelled one): at --log-level debug
+# 6 688 of 6 698 lines in 25 s of overload, drowning laneserve's own. This logger is kept
+# at INFO unless GRPC_VERBOSITY=DEBUG asks for gRPC's debugging.
+GRPC_PER_CALL_LOGGER = "grpc._cython.cygrpc"
 # Flushing or closing the log (at exit: `logging.shutdown` does both) waits for its queued
 # lines while they are being written, and gives up once one write has waited this long: a
 # stderr nobody reads (a stuck supervisor) would otherwise hold the exit for ever.
@@ -49,6 +94,7 @@ LOG_STALL_S = 2.0
 def start_timer(delay_s: float, action: Callable[[], None]) -> Timer:
     """Runs `action` on a daemon thread after `delay_s` (it does not hold up exit)."""
     timer = threading.Timer(delay_s, action)
+    timer.name = LOG_TIMER_THREAD
     timer.daemon = True
     timer.start()
     return timer
@@ -101,12 +147,24 @@ def configure_logging(level: str, *, json_lines: bool = False) -> None:
     """The process's log handler, the root logger's (every library's lines go through it
     too): one line per event on stderr, text or JSON, written by a thread of its own (see
     `QueuedStreamHandler`). The handler it replaces is closed: its lines are written first.
+    At `level` debug gRPC's per-call lines stay out (GRPC_PER_CALL_LOGGER) unless
+    GRPC_VERBOSITY=DEBUG asks for them.
     An uncaught exception's traceback, which Python writes to stderr directly, waits for the
     lines logged before it (`sys.excepthook` and `threading.excepthook` flush the log)."""
     handler = QueuedStreamHandler()
     handler.setFormatter(JsonFormatter() if json_lines else TextFormatter())
     logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)
+    # Set on every call (not only at debug): a later call's environment decides anew.
+    logging.getLogger(GRPC_PER_CALL_LOGGER).setLevel(
+        logging.NOTSET if _grpc_debugging() else logging.INFO
+    )
     _flush_logs_before_tracebacks()
+
+
+def _grpc_debugging() -> bool:
+    """Whether the operator asked for gRPC's own debugging: GRPC_VERBOSITY=DEBUG, which
+    turns on its C core's debug lines too (see cli.py)."""
+    return os.environ.get("GRPC_VERBOSITY", "").strip().upper() == "DEBUG"
 
 
 # Marks the exception hooks `_flush_logs_before_tracebacks` installed.
@@ -352,16 +410,161 @@ class QueuedStreamHandler(logging.Handler):
             self.handleError(logging.makeLogRecord({"msg": line}))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Window:
+    """What an `AggregatedLine` writes: the occurrences of its event since its last line."""
+
+    counts: dict[tuple[str, str], int]  # by (lane, reason), in the order first seen
+    rows: int  # the rows the occurrences carried (those that gave any)
+    window_s: float  # from the first occurrence to the last
+    ago_s: float  # from the last occurrence to the line
+    first_detail: str | None  # the first occurrence's detail (an error's message)
+    request_ids: tuple[str, ...]  # of the first MAX_REQUEST_IDS occurrences that gave one
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def by_key(self) -> dict[str, int]:
+        """The counts keyed "lane/reason", as the line's fields give them."""
+        return {f"{lane}/{reason}": count for (lane, reason), count in self.counts.items()}
+
+    def late(self) -> str:
+        """What the message adds when the line comes well after its last occurrence."""
+        return f", the last {self.ago_s:.1f}s ago" if self.ago_s >= LATE_LINE_S else ""
+
+
+class AggregatedLine:
+    """One event that comes in bursts of thousands (refusals, sheds, failures), logged
+    in aggregate: its first occurrence at once, then at most one line per `interval_s`
+    with the counts by lane and reason. A burst's last line is due when its interval
+    ends, whatever happens next: a timer writes it (it waited for the next event, which
+    a server idle after a flood may not see for hours, or for `close`).
+
+    `add` is called on the scheduler's thread (under its lock) or the event loop: it
+    counts and keeps references, and formats nothing; `write` makes the line, outside
+    this object's lock, only when one is due.
+    """
+
+    def __init__(
+        self,
+        write: Callable[[Window], None],
+        *,
+        interval_s: float,
+        monotonic: Callable[[], float],
+        timer: StartTimer,
+    ) -> None:
+        self._write = write
+        self._interval_s = interval_s
+        self._monotonic = monotonic
+        self._start_timer = timer
+        self._lock = threading.Lock()
+        # The timer due to write the occurrences not yet logged (None: none pending).
+        self._timer: Timer | None = None
+        self._closed = False
+        # Since the last line: the counts, and what the line says beside them.
+        self._counts: dict[tuple[str, str], int] = {}
+        self._rows = 0
+        self._first_detail: str | None = None
+        self._request_ids: list[str] = []
+        self._window_start_s = monotonic()
+        self._last_s = self._window_start_s
+        self._last_line_s = -float("inf")
+
+    def add(
+        self,
+        lane: str,
+        reason: str,
+        *,
+        rows: int = 0,
+        detail: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        key = (lane, reason)
+        with self._lock:
+            now_s = self._monotonic()
+            if not self._counts:
+                # A burst's window opens at its first occurrence, not at the last line.
+                self._window_start_s = now_s
+                self._first_detail = detail
+            self._last_s = now_s
+            self._counts[key] = self._counts.get(key, 0) + 1
+            self._rows += rows
+            if request_id and len(self._request_ids) < MAX_REQUEST_IDS:
+                self._request_ids.append(request_id)
+            window = self._take_if_due(now_s)
+        if window is not None:
+            self._write(window)
+
+    def flush(self) -> None:
+        """Writes whatever is held, due or not."""
+        with self._lock:
+            window = self._take(self._monotonic()) if self._counts else None
+        if window is not None:
+            self._write(window)
+
+    def close(self) -> None:
+        """Writes what is left and stops the timer: call once, at stop. An occurrence
+        after it is written at once (no timer would write it)."""
+        with self._lock:
+            self._closed = True
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+        self.flush()
+
+    def _on_timer(self) -> None:
+        with self._lock:
+            self._timer = None
+            # Occurrences held while this timer waited to run (one meanwhile wrote the
+            # line it was due for, and the next found it still set) are due an interval
+            # after that line: `_take_if_due` arms a timer of their own.
+            window = self._take_if_due(self._monotonic())
+        if window is not None:
+            self._write(window)
+
+    def _take_if_due(self, now_s: float) -> Window | None:
+        """Under the lock: the window to write now if the interval since the last line is
+        over, or once closed (no timer would write it); else None, with a timer armed for
+        when it is (unless one is)."""
+        if not self._counts:
+            return None
+        if self._closed or now_s - self._last_line_s >= self._interval_s:
+            return self._take(now_s)
+        if self._timer is None:
+            due_s = self._last_line_s + self._interval_s - now_s
+            self._timer = self._start_timer(max(due_s, 0.0), self._on_timer)
+        return None
+
+    def _take(self, now_s: float) -> Window:
+        """Under the lock: what is held, as a window; the next one starts empty."""
+        window = Window(
+            counts=self._counts,
+            rows=self._rows,
+            # From the first occurrence to the last: a line written late (by the next
+            # event, or at shutdown) does not stretch a short burst over the quiet after.
+            window_s=self._last_s - self._window_start_s,
+            ago_s=now_s - self._last_s,
+            first_detail=self._first_detail,
+            request_ids=tuple(self._request_ids),
+        )
+        self._counts, self._rows, self._first_detail, self._request_ids = {}, 0, None, []
+        self._window_start_s = self._last_line_s = now_s
+        return window
+
+
 class EventLog:
     """A `SchedulerEvents` sink for the events an operator must hear of unasked.
 
-    Refusals come in bursts of thousands, so they are logged in aggregate: the first at
-    once, then at most one line per `interval_s` with the counts by lane and reason. A
-    burst's last line is due when its interval ends, whatever happens next: a timer
-    writes it (it waited for the next event, which a server idle after a flood may not
-    see for hours, or for `close`). Out of
-    memory and each move of the batch cap are logged as they happen; they are rare by
-    construction (the cap halves on each).
+    Refusals, sheds and failures come in bursts of thousands, so each is logged in
+    aggregate (`AggregatedLine`): `admission_refused` (overload, and submissions after
+    the scheduler failed: WARNING) and `admission_refused_routine` (draining, invalid or
+    withdrawn requests, answers over a caller's receive limit: INFO), `requests_shed`
+    (queued work dropped unrun: WARNING when any expired in its queue, INFO when its
+    callers all left) and `requests_failed` (the model failed on them, not laneserve:
+    WARNING, with the first error and the first few request ids). Out of memory and each
+    move of the batch cap are logged as they happen; they are rare by construction (the
+    cap halves on each).
     """
 
     def __init__(
@@ -373,98 +576,144 @@ class EventLog:
         timer: StartTimer = start_timer,
     ) -> None:
         self._max_batch_size = max_batch_size
-        self._interval_s = interval_s
-        self._monotonic = monotonic
-        self._start_timer = timer
-        self._lock = threading.Lock()
-        # The timer due to write the refusals not yet logged (None: none pending).
-        self._timer: Timer | None = None
-        self._closed = False
-        self._refused: dict[str, int] = {}
-        self._window_start_s = monotonic()
-        self._last_refused_s = self._window_start_s
-        self._last_line_s = -float("inf")
+
+        def line(write: Callable[[Window], None]) -> AggregatedLine:
+            return AggregatedLine(write, interval_s=interval_s, monotonic=monotonic, timer=timer)
+
+        self._refused = line(self._write_refused)
+        self._refused_routine = line(self._write_refused_routine)
+        self._shed = line(self._write_shed)
+        self._failed = line(self._write_failed)
+        self._lines = (self._refused, self._refused_routine, self._shed, self._failed)
+        # What an out-of-memory ran out of, as its line says: the server sets it from
+        # where its session runs ("device": the GPU's memory; "host arena": the CPU
+        # arena that --memory-limit caps).
+        self.arena = "device"
+        # The batch formed and not yet done: the one running (the scheduler hands the
+        # session one batch at a time). Its out-of-memory runs are reported while it is
+        # done (before `batch_done`), and a drain that ends says which one it left.
+        self.running_batch: Batch | None = None
 
     def rejected(self, lane: str, reason: str) -> None:
-        key = f"{lane}/{reason}"
-        with self._lock:
-            now_s = self._monotonic()
-            if not self._refused:
-                # A burst's window opens at its first refusal, not at the last line.
-                self._window_start_s = now_s
-            self._last_refused_s = now_s
-            self._refused[key] = self._refused.get(key, 0) + 1
-        self._maybe_flush()
-        self._arm_timer()
+        line = self._refused_routine if reason in ROUTINE_REFUSALS else self._refused
+        line.add(lane, reason)
 
-    def _on_timer(self) -> None:
-        with self._lock:
-            self._timer = None
-        self._maybe_flush()
-        # Refusals held while this timer waited to run (a refusal meanwhile wrote the line
-        # it was due for, and the next found it still set) are due an interval after that
-        # line: no other timer was armed for them.
-        self._arm_timer()
+    def shed(self, lane: str, reason: str, rows: int) -> None:
+        self._shed.add(lane, reason, rows=rows)
 
-    def _arm_timer(self) -> None:
-        """Arms the timer that writes the refusals held, due when the interval since the
-        last line ends, unless one is armed already or the log is closed."""
-        with self._lock:
-            if self._refused and self._timer is None and not self._closed:
-                due_s = self._last_line_s + self._interval_s - self._monotonic()
-                self._timer = self._start_timer(max(due_s, 0.0), self._on_timer)
-
-    def close(self) -> None:
-        """Writes what is left and stops the timer: call once, at stop."""
-        with self._lock:
-            self._closed = True
-            timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
-        self.flush()
-
-    def _maybe_flush(self) -> None:
-        if self._refused and self._monotonic() - self._last_line_s >= self._interval_s:
-            self.flush()
+    def completed(
+        self,
+        lane: str,
+        status: str,
+        *,
+        request_id: str | None = None,
+        error: LaneserveError | None = None,
+    ) -> None:
+        if (
+            error is not None
+            and status in FAILED_REASONS
+            and not isinstance(error, ServerFaultError)
+        ):
+            self._failed.add(lane, status, detail=error.message, request_id=request_id)
 
     def flush(self) -> None:
-        with self._lock:
-            if not self._refused:
-                return
-            refused, self._refused = self._refused, {}
-            now_s = self._monotonic()
-            # From the first refusal to the last: a line flushed late (by the next event,
-            # or at shutdown) does not stretch a short burst over the quiet after it.
-            window_s = self._last_refused_s - self._window_start_s
-            ago_s = now_s - self._last_refused_s
-            self._window_start_s = self._last_line_s = now_s
-        late = f", the last {ago_s:.1f}s ago" if ago_s >= LATE_LINE_S else ""
+        for line in self._lines:
+            line.flush()
+
+    def close(self) -> None:
+        """Writes what is left and stops the timers: call once, at stop."""
+        for line in self._lines:
+            line.close()
+
+    def _write_refused(self, window: Window) -> None:
         log_event(
             log,
             logging.WARNING,
             "admission_refused",
-            f"admission refused {sum(refused.values())} request(s) in {window_s:.1f}s{late}",
-            refused=refused,
-            window_s=round(window_s, 3),
-            last_ago_s=round(ago_s, 3),
+            f"admission refused {window.total} request(s) in {window.window_s:.1f}s{window.late()}",
+            refused=window.by_key(),
+            window_s=round(window.window_s, 3),
+            last_ago_s=round(window.ago_s, 3),
+        )
+
+    def _write_refused_routine(self, window: Window) -> None:
+        log_event(
+            log,
+            logging.INFO,
+            "admission_refused_routine",
+            f"admission refused {window.total} request(s) in {window.window_s:.1f}s"
+            f"{window.late()}, none for overload (draining, invalid or withdrawn requests, "
+            "answers over a caller's receive limit)",
+            refused=window.by_key(),
+            window_s=round(window.window_s, 3),
+            last_ago_s=round(window.ago_s, 3),
+        )
+
+    def _write_shed(self, window: Window) -> None:
+        expired = sum(
+            count
+            for (_, reason), count in window.counts.items()
+            if reason == ExpiredInQueueError.reason
+        )
+        why = (
+            f"; {expired} of them expired in the queue (overload: the lanes hold more than "
+            "the session serves within their deadlines)"
+            if expired
+            else "; their callers left"
+        )
+        log_event(
+            log,
+            logging.WARNING if expired else logging.INFO,
+            "requests_shed",
+            f"dropped {window.total} queued request(s) ({window.rows} rows) without running "
+            f"them in {window.window_s:.1f}s{window.late()}{why}",
+            shed=window.by_key(),
+            rows=window.rows,
+            window_s=round(window.window_s, 3),
+            last_ago_s=round(window.ago_s, 3),
+        )
+
+    def _write_failed(self, window: Window) -> None:
+        # The error and the ids in fields alone, as other events' errors: a text line
+        # appends the fields to the message, and 1 KiB of the runtime's words came twice.
+        log_event(
+            log,
+            logging.WARNING,
+            "requests_failed",
+            f"{window.total} request(s) failed in the model in {window.window_s:.1f}s"
+            f"{window.late()}",
+            failed=window.by_key(),
+            first_error=bounded_message(window.first_detail or ""),
+            request_ids=list(window.request_ids),
+            window_s=round(window.window_s, 3),
+            last_ago_s=round(window.ago_s, 3),
         )
 
     def admitted(self, lane: str, rows: int) -> None:
-        self._maybe_flush()
+        """Nothing: called under the scheduler's lock on every admission, and each line
+        that falls due is written by its own timer."""
+
+    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
+        self.running_batch = batch
 
     def batch_done(
         self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
     ) -> None:
-        self._maybe_flush()
+        if self.running_batch is batch:
+            self.running_batch = None
 
     def out_of_memory(self, rows: int) -> None:
+        batch = self.running_batch
+        of_batch = "" if batch is None else f" of batch {batch.batch_id}"
         log_event(
             log,
             logging.WARNING,
             "out_of_memory",
-            f"out of device memory running {rows} rows"
+            f"out of memory ({self.arena}) running {rows} rows{of_batch}"
             + ("; splitting them and retrying" if rows > 1 else ""),
             rows=rows,
+            batch_id=None if batch is None else batch.batch_id,
+            memory=self.arena,
         )
 
     def cap_changed(self, old_rows: int, new_rows: int, reason: str, signature: Signature) -> None:
@@ -488,15 +737,6 @@ class EventLog:
             reason=reason,
             shape=shape,
         )
-
-    def shed(self, lane: str, reason: str, rows: int) -> None:
-        pass
-
-    def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
-        pass
-
-    def completed(self, lane: str, status: str) -> None:
-        pass
 
     def batch_split(self, batch_id: int, rows: int, out_of_memory_runs: int) -> None:
         pass

@@ -317,7 +317,14 @@ class Tracing:
     def shed(self, lane: str, reason: str, rows: int) -> None:
         pass
 
-    def completed(self, lane: str, status: str) -> None:
+    def completed(
+        self,
+        lane: str,
+        status: str,
+        *,
+        request_id: str | None = None,
+        error: LaneserveError | None = None,
+    ) -> None:
         pass
 
     def out_of_memory(self, rows: int) -> None:
