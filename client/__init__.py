@@ -7,9 +7,10 @@
 
 `Client` blocks; `AsyncClient` is the same for asyncio. Both send numpy arrays and return
 numpy arrays, raise the typed errors below (never a bare ``grpc.RpcError``), retry what
-is retryable with the same request_id within the call's timeout (`RetryPolicy`), and run
-bulk jobs over the bidirectional stream with `stream()`. `set_testing(True)` removes the
-backoff sleeps in tests.
+is retryable with the same request_id within the call's timeout (`RetryPolicy`; overload
+refusals within the client's `RetryBudget` too), and run bulk jobs over the bidirectional
+stream with `stream()`.
+`set_testing(True)` removes the backoff sleeps in tests.
 
 Errors (each carries the server's message, ``reason``, ``code`` and ``retry_after_s``)::
 
@@ -60,7 +61,7 @@ from laneserve.client._errors import (
     error_from_rpc,
     error_from_status,
 )
-from laneserve.client._retry import NO_RETRIES, RetryPolicy, is_testing, set_testing
+from laneserve.client._retry import NO_RETRIES, RetryBudget, RetryPolicy, is_testing, set_testing
 from laneserve.client._stream import row_chunks
 from laneserve.client._sync import Client
 from laneserve.client._types import LaneInfo, ModelInfo, StreamRequest, StreamResult, TensorInfo
@@ -99,6 +100,7 @@ __all__ = [
     "ModelInfo",
     "RequestIdReusedError",
     "ResourceExhaustedError",
+    "RetryBudget",
     "RetryPolicy",
     "ServerBusyError",
     "ServerDrainingError",

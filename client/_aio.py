@@ -37,7 +37,14 @@ from laneserve.client._request import (
     output_names,
     refused,
 )
-from laneserve.client._retry import RetryPolicy, call_with_retries, checked_policy
+from laneserve.client._retry import (
+    RetryBudget,
+    RetryPolicy,
+    RetryTokens,
+    call_with_retries,
+    checked_budget,
+    checked_policy,
+)
 from laneserve.client._stream import (
     DEFAULT_STREAM_LANE,
     SERVER_STREAM_LANE,
@@ -86,7 +93,8 @@ class AsyncClient:
                 ...
 
     Every call raises a `LaneserveError` subclass on failure and retries the retryable
-    ones (`RetryPolicy`) with the same request_id, within its `timeout`.
+    ones (`RetryPolicy`) with the same request_id, within its `timeout`; its overload
+    refusals also within the client's `RetryBudget`, which all its unary calls share.
     """
 
     def __init__(
@@ -99,11 +107,17 @@ class AsyncClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         options: Sequence[tuple[str, Any]] = (),
         interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
+        retry_budget: RetryBudget | None = None,
     ) -> None:
         # Each argument is checked here, naming it: taken unchecked, a wrong type failed
         # later, at each call, with an AttributeError or an unpacking error naming none.
         self.target = target
         self.retry = checked_policy(retry, "retry") or RetryPolicy()
+        # The client's, not a call's (a call's `retry` replaces the policy, never the
+        # budget): the overload refusals of every unary call on any loop draw on these
+        # tokens, so that all of them together send an overloaded server few retries.
+        self.retry_budget = checked_budget(retry_budget, "retry_budget") or RetryBudget()
+        self._retry_tokens = RetryTokens(self.retry_budget)
         # Sent with every call (e.g. authorization); refused here, naming the key, when
         # gRPC would fail every call with it.
         self.metadata: tuple[tuple[str, str], ...] = checked_metadata(metadata)
@@ -381,7 +395,12 @@ class AsyncClient:
         if not self._closed.is_set():  # a closed client's attempt says so itself
             self._stub_here("a call", request_id)
         return await call_with_retries(
-            attempt, policy=policy, timeout_s=timeout_s, what=what, closed=self._closed
+            attempt,
+            policy=policy,
+            timeout_s=timeout_s,
+            what=what,
+            closed=self._closed,
+            budget=self._retry_tokens,
         )
 
     def _stub_here(self, call: str, request_id: str = "") -> pb_grpc.InferenceServiceAsyncStub:

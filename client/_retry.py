@@ -4,18 +4,30 @@ never past the caller's deadline.
 The delay before retry ``n`` (1 for the first retry) is::
 
     base = min(max_backoff_s, initial_backoff_s * multiplier ** (n - 1))
-    delay = max(min(server_hint_s, max_backoff_s), base * uniform(1 - jitter, 1))
+    hinted = min(server_hint_s * uniform(1, 1 + jitter), max_backoff_s)
+    delay = max(hinted, base * uniform(1 - jitter, 1))
 
 so a server that says "retry in 40 ms" (``RetryInfo`` / ``grpc-retry-pushback-ms``) is
-never asked again sooner, and clients that failed together do not retry together. A
-hint beyond ``max_backoff_s`` is honoured up to it: no server's hint stalls a caller
-longer than its own policy allows (a retry that comes too soon is refused again, and
-attempts stay capped). A
-retry that would start after the caller's deadline is not made: the last error is raised
-at once, with a note saying why the retries stopped.
+never asked again sooner, and clients that failed together do not retry together, the
+server's hint included: it is jittered upward, as a server answers every caller refused
+at once with the same hint (MEMORY_PRESSURE's constant 0.25 s sent 1000 of them back at
+exactly 250 ms). A hint beyond ``max_backoff_s`` is honoured up to it: no server's hint
+stalls a caller longer than its own policy allows (a retry that comes too soon is
+refused again, and attempts stay capped). A retry that would start after the caller's
+deadline is not made: the last error is raised at once, with a note saying why the
+retries stopped.
+
+A client's calls also share one `RetryBudget` (gRPC's retryThrottling) against
+amplifying overload: each refusal that says the server is overloaded (`is_overload`)
+takes a token, each success puts back ``token_ratio``, and such a refusal is retried only
+while more than half of ``max_tokens`` is left. An overloaded server is then sent at most
+about ``token_ratio`` retries per success, not up to ``max_attempts - 1`` per request. A
+draining, unreachable or cut-off server's refusals neither take tokens nor wait for them:
+their retries go to another instance or a restarted one, and ``max_attempts`` bounds them
+per call.
 
 For tests, ``set_testing(True)`` turns every backoff sleep into no sleep (like stamina's
-switch of the same name), optionally capping attempts too::
+switch of the same name), and optionally caps attempts too::
 
     from laneserve import client
 
@@ -31,14 +43,20 @@ import math
 import numbers
 import random
 import reprlib
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from laneserve.client._channel import checked_integer
-from laneserve.client._errors import ClientClosedError, DeadlineExceededError, LaneserveError
+from laneserve.client._errors import (
+    ClientClosedError,
+    DeadlineExceededError,
+    LaneserveError,
+    ResourceExhaustedError,
+)
 
-__all__ = ["NO_RETRIES", "RetryPolicy", "is_testing", "set_testing"]
+__all__ = ["NO_RETRIES", "RetryBudget", "RetryPolicy", "is_testing", "set_testing"]
 
 log = logging.getLogger("laneserve.client")
 
@@ -103,11 +121,130 @@ class RetryPolicy:
         self, retry: int, server_hint_s: float | None, rng: random.Random | None = None
     ) -> float:
         """The delay before retry `retry`: the backoff, but never less than the server's
-        hint, honoured up to `max_backoff_s`."""
+        hint, honoured up to `max_backoff_s`.
+
+        The hint is jittered upward, within [hint, min(hint * (1 + jitter), cap)]: never
+        sooner than the server asked, and spread apart (the callers it refused at once all
+        got the same hint; taken as is, they all came back at the same instant). A hint at
+        or above the cap gives the cap itself: going sooner would go further against what
+        the server asked, and the call's deadline is judged by it (a hint of 10 s with 5 s
+        left is not retried).
+        """
         backoff = self.backoff_s(retry, rng)
         if server_hint_s is None:
             return backoff
-        return max(min(server_hint_s, self.max_backoff_s), backoff)
+        draw = (rng or _RNG).random()
+        cap = self.max_backoff_s
+        if server_hint_s >= cap:
+            return cap
+        top = min(server_hint_s * (1 + self.jitter), cap)
+        return max(server_hint_s + (top - server_hint_s) * draw, backoff)
+
+
+# The least `token_ratio`: tokens are counted in thousandths.
+_MILLI = 0.001
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RetryBudget:
+    """How many retries of overload refusals one client makes across its unary calls:
+    gRPC's retryThrottling (proposal A6), a bucket of tokens, full at first.
+
+    Each attempt refused as overloaded (`is_overload`: LANE_FULL, MEMORY_PRESSURE,
+    JOIN_LIMIT, a server busy at its call limits) takes a token, each success puts back
+    `token_ratio`, and such a refusal is retried only while more than ``max_tokens / 2``
+    tokens are left after its own. A `RetryPolicy` caps the attempts of one call; the
+    budget caps what all of them send an overloaded server: since each retry takes a
+    token from above the half-way mark, which only successes refill, the retries made
+    from a full bucket number at most ``max_tokens / 2 + token_ratio * successes`` (about
+    `token_ratio` per success in steady state: 0.1 by default, where the policy alone
+    allowed 5 per request).
+
+    DRAINING, UNAVAILABLE and a network's CANCELLED take no token and are retried
+    whatever is left: they say nothing of load, and their retry goes to another instance
+    or a restarted one (charged, a rolling restart failed every call past the 50th in
+    flight, where one retry reached a healthy instance).
+
+    The default 100 tokens keep every retry of a lone call on a fresh client (its 6
+    attempts take 5 tokens before their last retry: ``max_tokens >= 2 * (max_attempts -
+    1) + 1`` is needed), and of eight such calls refused together (48 tokens); with no
+    success between them, the 50th overload refusal is the first the budget stops, and
+    a storm then runs at its steady state.
+
+    Not counted (a departure from A6, which charges every retryable status): a bare
+    CANCELLED from gRPC's core refusing a call at its backlog (max_pending_calls) cannot be
+    told from a network cut, nor a proxy's UNAVAILABLE from a lost connection. Nor are
+    `stream()`'s item resends: a resent item keeps its place in the job's window through
+    its backoff, so retries slow a job's sending rather than add to it.
+    """
+
+    # Tokens in the bucket, which starts full; retries stop at half of them.
+    max_tokens: int = 100
+    # Tokens a successful attempt puts back (an overload refusal takes 1). Counted in
+    # thousandths of a token, as gRPC does: ten successes of 0.1 make exactly one.
+    token_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_tokens", checked_integer("max_tokens", self.max_tokens))
+        object.__setattr__(self, "token_ratio", _checked_real("token_ratio", self.token_ratio))
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens: expected >= 1, got {self.max_tokens}")
+        if not math.isfinite(self.token_ratio) or self.token_ratio < _MILLI:
+            raise ValueError(
+                f"token_ratio: expected a finite number >= {_MILLI} (thousandths of a "
+                f"token), got {self.token_ratio!r}"
+            )
+
+
+class RetryTokens:
+    """The bucket of a client's `RetryBudget`, shared by all its calls."""
+
+    def __init__(self, budget: RetryBudget) -> None:
+        self.budget = budget
+        self._full_milli = budget.max_tokens * 1000
+        self._ratio_milli = round(budget.token_ratio * 1000)
+        # Guarded by `_lock`; 0 <= `_milli` <= `_full_milli`. A client's calls run on
+        # the loop it serves, but a sync Client's run on its thread and a client moves
+        # to another thread's loop once its own is closed: the take and its verdict stay
+        # one step whichever thread records.
+        self._lock = threading.Lock()
+        self._milli = self._full_milli
+
+    @property
+    def tokens(self) -> float:
+        return self._milli / 1000
+
+    def record_success(self) -> None:
+        with self._lock:
+            self._milli = min(self._full_milli, self._milli + self._ratio_milli)
+
+    def record_failure(self) -> bool:
+        """Takes a token for an overload refusal; True while a retry may follow it
+        (more than half the bucket left)."""
+        with self._lock:
+            self._milli = max(0, self._milli - 1000)
+            return self._milli * 2 > self._full_milli
+
+
+def is_overload(error: LaneserveError) -> bool:
+    """Whether `error` says the server is overloaded, the refusals a `RetryBudget`
+    counts and stops: the retryable ResourceExhaustedErrors, exactly LaneFullError,
+    MemoryPressureError, JoinLimitError and ServerBusyError (max_concurrent_rpcs, the
+    stream and operator bounds). The others of that class (the message size limit,
+    DEVICE_MEMORY, ANSWER_TOO_LARGE) are not retried; DRAINING, UNAVAILABLE and
+    CANCELLED are retryable, but say the server is going or the network cut the call."""
+    return error.retryable and isinstance(error, ResourceExhaustedError)
+
+
+def checked_budget(budget: object, field: str) -> RetryBudget | None:
+    """`budget` (a client's `field`), a RetryBudget or None; TypeError naming `field`
+    for anything else."""
+    if budget is not None and not isinstance(budget, RetryBudget):
+        raise TypeError(
+            f"{field}: expected a RetryBudget or None, got {type(budget).__name__} "
+            f"({reprlib.repr(budget)})"
+        )
+    return budget
 
 
 NO_RETRIES = RetryPolicy(max_attempts=1)
@@ -142,7 +279,9 @@ _testing: _Testing | None = None
 def set_testing(enabled: bool, *, max_attempts: int | None = None) -> None:
     """Test mode: no backoff sleeps at all, and optionally at most `max_attempts` attempts.
 
-    Deadlines, caps and the retry decisions stay as they are; only the waiting goes.
+    Deadlines, caps and the retry decisions stay as they are, the client's
+    `RetryBudget` included; only the waiting goes. (DRAINING, UNAVAILABLE and a network's
+    CANCELLED take no tokens.)
     """
     global _testing  # noqa: PLW0603 - the switch is process-wide on purpose, like stamina's
     if max_attempts is not None and max_attempts < 1:
@@ -172,10 +311,11 @@ async def call_with_retries(
     timeout_s: float | None,
     what: str,
     closed: asyncio.Event | None = None,
+    budget: RetryTokens | None = None,
 ) -> T:
-    """Runs `attempt(left_s)` until it succeeds, fails for good, runs out of attempts, or
-    the next attempt would start after the call's deadline, `timeout_s` seconds from now
-    (None: none).
+    """Runs `attempt(left_s)` until it succeeds, fails for good, runs out of attempts or
+    of the client's `budget` (None: no budget), or the next attempt would start after the
+    call's deadline, `timeout_s` seconds from now (None: none).
 
     `left_s` is what is left of the deadline (None: no deadline): each attempt passes it
     on as its gRPC deadline, so no attempt runs past the caller's. Once `closed` is set
@@ -198,16 +338,25 @@ async def call_with_retries(
             )
             raise last
         try:
-            return await attempt(left_s)
+            result = await attempt(left_s)
         except LaneserveError as error:
             last = error
             error.attempts = number
+            # Every overload refusal takes its token, the last attempt's and a negative
+            # pushback's too (as in gRPC): the bucket gauges the server's load, not this
+            # call. No other failure takes one or is stopped by the bucket: a draining or
+            # unreachable server's retry goes elsewhere, and max_attempts bounds it.
+            budget_left = budget is None or not is_overload(error) or budget.record_failure()
             if timeout_s is not None and _is_own_deadline(error):
                 raise _timed_out(error, what, timeout_s) from error
             if not error.should_retry:
                 raise
             if number >= allowed:
                 error.add_note(f"{what}: gave up after {number} attempt(s) (max_attempts)")
+                raise
+            if not budget_left:
+                assert budget is not None
+                error.add_note(_budget_spent(what, number, budget))
                 raise
             # The decision uses the real delay; test mode only skips the waiting.
             delay_s = policy.delay_s(number, error.retry_after_s)
@@ -231,6 +380,21 @@ async def call_with_retries(
                     f"(after {number} attempt(s))",
                     request_id=error.request_id,
                 ) from error
+        else:
+            if budget is not None:
+                budget.record_success()
+            return result
+
+
+def _budget_spent(what: str, number: int, budget: RetryTokens) -> str:
+    """The note of a call whose retry the client's budget stopped."""
+    limit = budget.budget
+    return (
+        f"{what}: gave up after {number} attempt(s): retry budget spent: too many of this "
+        f"client's attempts were refused as overloaded of late ({budget.tokens:g} of "
+        f"{limit.max_tokens} tokens left; retries resume above {limit.max_tokens / 2:g}, "
+        f"each success puts back {limit.token_ratio:g}: RetryBudget)"
+    )
 
 
 def _is_own_deadline(error: LaneserveError) -> bool:

@@ -36,7 +36,7 @@ from laneserve.client._channel import (
     forked_message,
 )
 from laneserve.client._errors import ClientClosedError
-from laneserve.client._retry import RetryPolicy
+from laneserve.client._retry import RetryBudget, RetryPolicy
 from laneserve.client._stream import DEFAULT_STREAM_LANE, StreamItem, StreamSource
 from laneserve.client._types import ModelInfo, StreamResult
 from laneserve.v1 import inference_pb2 as pb
@@ -87,6 +87,7 @@ class Client:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         options: Sequence[tuple[str, Any]] = (),
         interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
+        retry_budget: RetryBudget | None = None,
     ) -> None:
         # Checks every argument, and opens nothing: its channel opens at the first call,
         # on the client's loop, the one it serves from then on.
@@ -98,6 +99,7 @@ class Client:
             max_message_bytes=max_message_bytes,
             options=options,
             interceptors=interceptors,
+            retry_budget=retry_budget,
         )
         # The process the client's thread runs in. A child forked from it has the
         # client, but neither its thread nor gRPC's state: there every call waited for

@@ -5,7 +5,8 @@
 #   laneserve_env        # .venv with the project installed (editable)
 #   laneserve_env dev    # ... with the dev extra (pytest, mypy, ruff, protoc)
 #
-# Needs only Python 3.11+ ($LANESERVE_PYTHON, default python3). The install is redone
+# Needs only Python 3.11+ ($LANESERVE_PYTHON, default python3; an existing .venv of
+# another major.minor than $LANESERVE_PYTHON is rebuilt with it). The install is redone
 # only when pyproject.toml changes: .venv/.laneserve-installed-<extra> holds the
 # SHA-256 of the pyproject.toml it was made from, so a re-run costs a hash.
 #
@@ -29,8 +30,9 @@ with open(sys.argv[1], "rb") as f:
 ' "$ROOT/pyproject.toml"
 }
 
-_laneserve_make_venv() {
-    local base="${LANESERVE_PYTHON:-python3}"
+# _laneserve_check_python PYTHON: fails, saying why, unless PYTHON runs and is 3.11+.
+_laneserve_check_python() {
+    local base="$1"
     if ! command -v "$base" >/dev/null 2>&1; then
         _laneserve_say "'$base' not found; install Python 3.11+ or set LANESERVE_PYTHON"
         return 1
@@ -40,6 +42,16 @@ _laneserve_make_venv() {
             "(set LANESERVE_PYTHON)"
         return 1
     fi
+}
+
+# _laneserve_python_version PYTHON: its major.minor (3.12), or nothing if it does not run.
+_laneserve_python_version() {
+    "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true
+}
+
+_laneserve_make_venv() {
+    local base="${LANESERVE_PYTHON:-python3}"
+    _laneserve_check_python "$base" || return 1
     _laneserve_say "creating $VENV with $("$base" --version 2>&1)"
     rm -rf "$VENV"
     if ! "$base" -m venv "$VENV"; then
@@ -55,9 +67,21 @@ _laneserve_make_venv() {
 laneserve_env() {
     local extra="${1:-}"
     local name="${extra:-base}"
-    # A venv whose interpreter is gone (Python upgraded or moved) is rebuilt.
+    # A venv whose interpreter is gone (Python upgraded or moved) is rebuilt, and so is
+    # one of another Python than LANESERVE_PYTHON names (it was read only to make one, so
+    # an existing venv silently kept the Python it was made with).
     if ! "$VENV/bin/python" -c '' >/dev/null 2>&1; then
-        _laneserve_make_venv
+        _laneserve_make_venv || return 1
+    elif [[ -n "${LANESERVE_PYTHON:-}" ]]; then
+        _laneserve_check_python "$LANESERVE_PYTHON" || return 1
+        local have asked
+        have="$(_laneserve_python_version "$VENV/bin/python")"
+        asked="$(_laneserve_python_version "$LANESERVE_PYTHON")"
+        if [[ "$have" != "$asked" ]]; then
+            _laneserve_say "$VENV has Python $have, LANESERVE_PYTHON ($LANESERVE_PYTHON)" \
+                "is Python $asked: rebuilding it"
+            _laneserve_make_venv || return 1
+        fi
     fi
     local want
     want="$(_laneserve_pyproject_hash)"

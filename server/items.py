@@ -51,7 +51,10 @@ class InferenceRequest:
 
 
 class DispatchReason(enum.Enum):
-    FULL = "full"  # the batch reached the cap
+    # It reached its limit (the cap, or less while a higher lane is active), or queued
+    # work was left out of it (a request that did not fit, work of another shape):
+    # waiting could only hold that work back.
+    FULL = "full"
     MAX_WAIT = "max_wait"  # its most urgent item waited its lane's max_wait_ms
     DEADLINE = "deadline"  # waiting longer would miss the earliest deadline in it
     BACKLOG = "backlog"  # its work queued while the session was busy: no reason to wait

@@ -21,7 +21,8 @@ ACTIVE_LANE_S) a batch of lower lanes alone holds only what runs within it (or i
 request, unless it is split anyway (over the probed cap), with the minimum shares of the
 lanes below on top; or what an owed lane's credit covers), so the session is busy with
 bulk work for little longer than an interactive request accepts to wait (see `_plan`).
-A full batch is one at that limit.
+A full batch is one at that limit, or one that left queued work out (`_Plan.left_out`):
+waiting for company could only hold that work back.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import collections
 import dataclasses
 import functools
 import heapq
-import itertools
+import logging
 import math
 from collections.abc import Sequence
 
@@ -64,7 +65,10 @@ from laneserve.server.items import (
     Timing,
 )
 from laneserve.server.lanes import Entry, Lane
+from laneserve.server.log_events import event_extra
 from laneserve.server.memory import Watermark, WatermarkState, format_bytes
+
+log = logging.getLogger(__name__)
 
 # Weight of the newest gap in the moving average of times between admissions.
 ARRIVAL_GAP_ALPHA = 0.1
@@ -378,8 +382,12 @@ class Scheduler:
         # (deadline_s, entry_id) of live entries; stale pairs (answered, or a deadline since
         # moved) are skipped when popped.
         self._deadlines: list[tuple[float, int]] = []
-        self._entry_ids = itertools.count(1)
-        self._batch_ids = itertools.count(1)
+        # The ids given last, advanced as each is given (under the scheduler thread's
+        # lock, as all of this state is). Plain ints, not itertools.count: a Scheduler is
+        # deep-copied (simulate_admission's counterfactual, the tests), and copying a count
+        # is deprecated from Python 3.12 and refused from 3.14.
+        self._last_entry_id = 0
+        self._last_batch_id = 0
 
     @property
     def batch_cap(self) -> int:
@@ -411,8 +419,9 @@ class Scheduler:
             self.events.rejected(lane.name, error.reason)
             raise
         deadline_s = lane.config.deadline_s(now_s, request.deadline_s)
+        self._last_entry_id += 1
         entry = Entry(
-            entry_id=next(self._entry_ids),
+            entry_id=self._last_entry_id,
             request=request,
             priority=lane.priority,
             enqueued_s=now_s,
@@ -1834,8 +1843,9 @@ class Scheduler:
             )
             for name in names
         }
+        self._last_batch_id += 1
         batch = Batch(
-            batch_id=next(self._batch_ids),
+            batch_id=self._last_batch_id,
             slices=tuple(slices),
             rows=offset,
             reason=reason,
@@ -2026,14 +2036,30 @@ class Scheduler:
     ) -> list[Outcome]:
         """Answers every live entry with `error` (shutdown), or with `running_error` if
         given for those with rows handed to a batch (they may have run): nothing is left
-        unanswered."""
-        # _finish_error frees each entry's queued rows too.
-        return [
-            self._finish_error(
-                entry, error if running_error is None or entry.next_row == 0 else running_error
-            )
-            for entry in list(self._entries.values())
-        ]
+        unanswered, not even an entry whose bookkeeping raises (a bug: one that raised
+        once, in a lane's drop, tripped here and left every entry after it unanswered,
+        under the scheduler thread's lock). Such an entry is answered without it: the
+        server is stopping, and the lanes' books no longer matter."""
+        outcomes: list[Outcome] = []
+        logged = False
+        for entry in list(self._entries.values()):
+            entry_error = error if running_error is None or entry.next_row == 0 else running_error
+            try:
+                # It frees the entry's queued rows too.
+                outcomes.append(self._finish_error(entry, entry_error))
+            except Exception:  # logged once, with its traceback; answered all the same
+                if not logged:
+                    logged = True
+                    log.exception(
+                        "answering request %r at the stop failed (a scheduler bug); it "
+                        "and any other such are answered without their bookkeeping",
+                        entry.request.request_id,
+                        extra=event_extra("scheduler_thread_failed"),
+                    )
+                self._entries.pop(entry.entry_id, None)
+                entry.finished = True
+                outcomes.append(self._error_outcome(entry, entry_error))
+        return outcomes
 
     def _finish_ok(self, entry: Entry) -> Outcome:
         chunks = sorted(entry.chunks, key=lambda chunk: chunk[0])
@@ -2063,26 +2089,31 @@ class Scheduler:
                         f"most the batch cap's rows (GetModel's batch_cap)"
                     ),
                 )
-        self._release(entry)
-        lane = self.lanes[entry.priority].name
-        self.events.completed(lane, "OK")
-        return Outcome(
+        outcome = Outcome(
             token=entry.request.token,
             request_id=entry.request.request_id,
             outputs=outputs,
             error=None,
             timing=self._timing(entry),
         )
+        self.events.completed(self.lanes[entry.priority].name, "OK")
+        self._release(entry)
+        return outcome
 
     def _finish_error(self, entry: Entry, error: LaneserveError) -> Outcome:
         assert not entry.finished, "every request is answered exactly once"
-        self._release(entry)
+        outcome = self._error_outcome(entry, error)
         self.events.completed(
             self.lanes[entry.priority].name,
             error.reason,
             request_id=entry.request.request_id,
             error=error,
         )
+        self._release(entry)
+        return outcome
+
+    @staticmethod
+    def _error_outcome(entry: Entry, error: LaneserveError) -> Outcome:
         return Outcome(
             token=entry.request.token,
             request_id=entry.request.request_id,
@@ -2092,13 +2123,19 @@ class Scheduler:
         )
 
     def _release(self, entry: Entry) -> None:
+        """Marks `entry` answered, which ends it: the last step of `_finish_ok` and
+        `_finish_error`, once its Outcome is made and its event sent. Released first, an
+        entry whose Outcome then raised (a bug, or a sink outside `FanOut`) was no longer
+        live, and its answer went nowhere: `abort_all` answers only live entries."""
         assert not entry.finished
-        entry.finished = True
-        entry.chunks = []
         # A finished entry holds no queued rows: when one chunk of a split request
-        # fails, the chunks still queued must neither run nor hold lane capacity.
+        # fails, the chunks still queued must neither run nor hold lane capacity. Marked
+        # finished only once they are dropped: a drop that raises leaves it live, for
+        # `abort_all` to answer (left in `_entries` marked finished, it tripped there).
         if entry.in_lane:
             self.lanes[entry.priority].drop(entry)
+        entry.finished = True
+        entry.chunks = []
         del self._entries[entry.entry_id]
 
     def _timing(self, entry: Entry) -> Timing:

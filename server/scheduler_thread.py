@@ -55,6 +55,11 @@ Deliver = Callable[[Sequence[Outcome]], None]
 SHED_CHUNK = 512
 
 
+class _SchedulerFailedError(Exception):
+    """The scheduler raised answering the engine's question (`_rows_wanted`): a bug. It
+    reaches `_run_forever` through the engine's run, and stops the server there."""
+
+
 class SchedulerThread:
     def __init__(
         self,
@@ -374,6 +379,15 @@ class SchedulerThread:
                     return
             try:
                 result = self._run_batch(batch, functools.partial(self._rows_wanted, batch))
+            except _SchedulerFailedError:  # logged with its traceback; the thread ends here
+                log.exception(
+                    "the scheduler failed while batch %d ran; answering all queued work",
+                    batch.batch_id,
+                    extra=event_extra("scheduler_thread_failed"),
+                )
+                # The answers it made before it raised are out (`_rows_wanted`).
+                self._fail(ServerFaultError("the scheduler failed; the server must be restarted"))
+                return
             except Exception as error:
                 log.exception(
                     "batch %d failed outside the runtime",
@@ -425,9 +439,15 @@ class SchedulerThread:
                 )
                 if outcomes:
                     self._cond.notify_all()  # wait_drained may be waiting on these
+        except Exception as error:
+            # A scheduler bug stops the server, as one in `_step` or `_finish` does: taken
+            # for the batch's own failure (the engine's run raised), it failed the batch
+            # alone and the server went on serving on a scheduler it may have left
+            # half-updated. `_run_forever` catches it.
+            raise _SchedulerFailedError from error
         finally:
-            # Delivered when the scheduler raised partway too: the batch then fails, and
-            # its answers reach only the requests still live.
+            # Delivered when the scheduler raised partway too, before the failure
+            # answers the requests still live.
             if outcomes:
                 self._deliver(outcomes)
         return wanted

@@ -8,11 +8,16 @@ It is a plain gRPC client: any reachable laneserve works, nothing else is needed
 TLS it takes laneserve-client's --tls, --tls-ca, --tls-cert, --tls-key options. Each
 frame answers the operator's first question, where the time goes: per lane, the queue
 depth against its capacity, the wait p95 and the admission, shed and refusal rates
-(entry); batch size, dispatch reasons and run time (batcher and session); device memory
-against its limit and watermark, utilisation and out-of-memory events (device). Rates are
-per second between two frames; the first frame shows averages since the server started.
-On a terminal each frame replaces the last; otherwise (a pipe, a file) frames follow one
-another, separated by a blank line.
+(entry), and the requests that ran and failed; batch size, dispatch reasons and run time
+(batcher and session); device memory against its limit and watermark, utilisation and
+out-of-memory events (device). Rates and dispatch shares are of the time between two
+frames, on the server's clock (its uptime) while the same instance answers; the first
+frame, and the first after a restart, shows them since the server started. Live (on a
+terminal, without `--once` or `--iterations`) each frame replaces the last, its lines cut
+to the terminal's width, the time (UTC) on its first line; otherwise (a pipe, a file,
+`--once`, `--iterations`) frames follow one another, each opened by a line
+`--- laneserve top 2026-12-06T18:40:01Z ---` (UTC, when it was polled). `--once` and
+`--iterations` exit 1 when the last frame found the server unreachable.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Mapping
@@ -40,6 +46,8 @@ BAR_WIDTH = 20
 # Times at or above this many milliseconds are shown with one decimal, below with two.
 _COARSE_MS = 10.0
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen
+# Every frame's first line starts with it (see `_show`).
+_TITLE = "laneserve top"
 # Two samples of one server give its start within their calls' latencies; one restart
 # (a process exits, loads its model and probes it) takes longer than this.
 RESTART_SLACK_S = 1.0
@@ -79,12 +87,27 @@ MAX_INTERVAL_S = 3600.0  # finite, and within what time.sleep takes
 MAX_TIMEOUT_S = 3600.0
 
 
-def _unreachable(target: str, error: grpc.RpcError, interval_s: float) -> str:
-    call: Any = error  # an RpcError that is also a Call (see `run`)
-    return (
-        f"laneserve top  {target}  unreachable: {call.code().name}: {call.details()}\n"
-        f"(polling again every {interval_s:g} s)\n"
-    )
+def _unreachable(
+    target: str, error: grpc.RpcError, plaintext: bool, interval_s: float | None
+) -> str:
+    """The frame of a server that did not answer; `interval_s` None: the last frame, which
+    promises no other poll."""
+    frame = f"{_TITLE}  {target}  unreachable: {_failure(error, plaintext)}\n"
+    if interval_s is not None:
+        frame += f"(polling again every {interval_s:g} s)\n"
+    return frame
+
+
+def _failure(error: grpc.RpcError, plaintext: bool) -> str:
+    call: Any = error  # grpc raises an RpcError that is also a Call; typeshed cannot say so
+    details = call.details() or ""
+    text = f"{call.code().name}: {details}"
+    # A TLS-only server closes a plaintext connection at its first bytes, and gRPC says
+    # no more than this, as it fails to connect. A plaintext server killed while polled
+    # says "Stream removed (Socket closed)": connected, so no hint.
+    if plaintext and "failed to connect to all addresses" in details and "Socket closed" in details:
+        text += " (a TLS server? try --tls-ca PEM, or --tls for the system's roots)"
+    return text
 
 
 def _check_numbers(args: argparse.Namespace, frames: int | None) -> None:
@@ -103,7 +126,8 @@ def _check_numbers(args: argparse.Namespace, frames: int | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Polls and renders until the frames asked for are shown, or Ctrl-C; 1 when the
-    server cannot be reached, 141 when the output's reader has gone (`| head`)."""
+    server cannot be reached at the first frame or the last one asked for, 141 when the
+    output's reader has gone (`| head`)."""
     frames: int | None = 1 if args.once else args.iterations
     try:
         _check_numbers(args, frames)
@@ -122,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
             poller = Poller(pb_grpc.InferenceServiceStub(channel), args.target, args.timeout_s)
             shown = 0
             while True:
+                last = frames is not None and shown + 1 >= frames
+                reached = True
                 try:
                     frame = poller.frame()
                 except grpc.RpcError as error:
@@ -129,26 +155,41 @@ def run(args: argparse.Namespace) -> int:
                         raise
                     # Stopped or restarting: shown as such, and polled on; the frames
                     # after count from the new start (see `_Rates`).
-                    frame = _unreachable(args.target, error, args.interval_s)
-                if live:
-                    sys.stdout.write(_CLEAR + frame)
-                else:
-                    sys.stdout.write(("\n" if shown else "") + frame)
-                sys.stdout.flush()
+                    reached = False
+                    frame = _unreachable(
+                        args.target, error, tls is None, None if last else args.interval_s
+                    )
+                _show(frame, live)
                 shown += 1
-                if frames is not None and shown >= frames:
-                    return 0
+                if last:
+                    # Exit 1 when the last frame found none: `top --iterations 3 || alert`
+                    # passed against a server gone away.
+                    return 0 if reached else 1
                 time.sleep(args.interval_s)
     except grpc.RpcError as error:
-        call: Any = error  # grpc raises an RpcError that is also a Call; typeshed cannot say so
-        print(
-            f"laneserve top: {args.target}: {call.code().name}: {call.details()}", file=sys.stderr
-        )
+        print(f"laneserve top: {args.target}: {_failure(error, tls is None)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0
     except BrokenPipeError:
         return _stdout_closed()
+
+
+def _show(frame: str, live: bool) -> None:
+    """Writes a frame with the time (UTC) it was polled on its first line. Live, in place
+    of the last, each line cut to the terminal's width, read each frame (it may have
+    been resized): a wrapped line took several rows, and a frame taller than the screen
+    scrolled its header away at each redraw. Otherwise after the last, opened by a line
+    that no frame holds, so that a file of frames splits at it."""
+    polled = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    if live:
+        assert frame.startswith(_TITLE)  # render's and _unreachable's first line
+        columns = shutil.get_terminal_size().columns
+        timed = f"{_TITLE} {polled}{frame.removeprefix(_TITLE)}"
+        sys.stdout.write(_CLEAR + "".join(line[:columns] + "\n" for line in timed.splitlines()))
+    else:
+        sys.stdout.write(f"--- {_TITLE} {polled} ---\n{frame}")
+    sys.stdout.flush()
 
 
 class Poller:
@@ -199,14 +240,15 @@ def render(target: str, model: pb.GetModelResponse, sample: Sample, previous: Sa
     rate = _Rates(sample, previous)
     lines = [
         (
-            f"laneserve top  {target}  {stats.state or '?'}  up {_duration(stats.uptime_s)}  "
+            f"{_TITLE}  {target}  {stats.state or '?'}  up {_duration(stats.uptime_s)}  "
             f"providers {','.join(model.providers) or '?'}"
         ),
         f"model {model.model_path}   rates: {rate.label}",
         "",
         (
             f"{'lane':<12} {'depth':<{BAR_WIDTH + 2}} {'rows':^13} {'wait p95':>9} "
-            f"{'admit/s':>8} {'done/s':>8} {'shed/s':>7} {'refuse/s':>8} {'req p95':>9}"
+            f"{'admit/s':>8} {'done/s':>8} {'fail/s':>7} {'shed/s':>7} {'refuse/s':>8} "
+            f"{'req p95':>9}"
         ),
     ]
     old_lanes = {lane.name: lane for lane in old.lanes} if old is not None else {}
@@ -224,7 +266,7 @@ def render(target: str, model: pb.GetModelResponse, sample: Sample, previous: Sa
             f"cap {stats.batch_cap}/{stats.max_batch_cap or model.max_batch_size}  "
             f"failed {stats.failed_batches}"
         ),
-        f"dispatch {_shares(stats.batch_reasons)}",
+        _dispatch_line(stats, old if rate.between else None),
         (
             f"run time p50 {_ms(run.p50_ms, run.count)}  p95 {_ms(run.p95_ms, run.count)}  "
             f"p99 {_ms(run.p99_ms, run.count)}"
@@ -238,6 +280,21 @@ def render(target: str, model: pb.GetModelResponse, sample: Sample, previous: Sa
     if stats.HasField("grpc_calls"):
         lines.append(_grpc_line(stats.grpc_calls, old.grpc_calls if old else None, rate))
     return "\n".join(lines) + "\n"
+
+
+def _dispatch_line(stats: pb.GetStatsResponse, old: pb.GetStatsResponse | None) -> str:
+    """Why the batches of the interval were dispatched: counted since the start they
+    said "full" an hour after the overload had gone. `old` None: no earlier sample of this
+    server, so since its start, and labelled so."""
+    if old is None:
+        return f"dispatch since start {_shares(stats.batch_reasons)}"
+    before = old.batch_reasons
+    return "dispatch " + _shares(
+        {
+            reason: max(count - before.get(reason, 0), 0)
+            for reason, count in stats.batch_reasons.items()
+        }
+    )
 
 
 def _grpc_line(calls: pb.GrpcCalls, old: pb.GrpcCalls | None, rate: _Rates) -> str:
@@ -263,14 +320,30 @@ def _lane_lines(lane: pb.LaneStats, old: pb.LaneStats | None, rate: _Rates) -> l
         f"{_ms(lane.queue_wait.p95_ms, lane.queue_wait.count):>9} "
         f"{rate.of(lane.admitted, old.admitted if old else None):>8} "
         f"{rate.of(lane.completed, old.completed if old else None):>8} "
+        f"{rate.of(lane.failed, old.failed if old else None):>7} "
         f"{rate.of(shed, sum(old.shed.values()) if old else None):>7} "
         f"{rate.of(refused, sum(old.rejected.values()) if old else None):>8} "
         f"{_ms(lane.request_duration.p95_ms, lane.request_duration.count):>9}"
     )
-    problems = " ".join(part for part in (_reasons(lane.rejected), _reasons(lane.shed)) if part)
+    refused_shed = " ".join(part for part in (_reasons(lane.rejected), _reasons(lane.shed)) if part)
+    # Every end of an admitted request but OK and the shed ones (`answered` counts each
+    # shed request too, which the refused/shed part shows already): those that ran and
+    # failed (`failed`, by status).
+    not_ok = _reasons(
+        {
+            status: count - lane.shed.get(status, 0)
+            for status, count in lane.answered.items()
+            if status != "OK"
+        }
+    )
+    problems = [
+        f"{label} {counts}"
+        for label, counts in (("refused/shed", refused_shed), ("ended not OK", not_ok))
+        if counts
+    ]
     if not problems:
         return [line]
-    return [line, f"{'':<12}   refused/shed since start: {problems}"]
+    return [line, f"{'':<12}   since start: {', '.join(problems)}"]
 
 
 class _Rates:
@@ -279,9 +352,11 @@ class _Rates:
     def __init__(self, sample: Sample, previous: Sample | None) -> None:
         # Another server answers now: its counters start from zero, not from ours.
         another = previous is not None and restarted(sample, previous)
-        self._between = previous is not None and not another and sample.taken_s > previous.taken_s
-        if previous is not None and self._between:
-            self._seconds = sample.taken_s - previous.taken_s
+        elapsed_s = 0.0 if previous is None or another else _elapsed_s(sample, previous)
+        # Whether the rates are of the time since `previous` (of the same server).
+        self.between = elapsed_s > 0
+        if self.between:
+            self._seconds = elapsed_s
             self.label = f"per second over the last {self._seconds:.1f}s"
         else:
             self._seconds = max(sample.stats.uptime_s, 1e-9)
@@ -290,8 +365,17 @@ class _Rates:
             )
 
     def of(self, now: int, before: int | None) -> str:
-        delta = now - before if self._between and before is not None else now
+        delta = now - before if self.between and before is not None else now
         return f"{max(delta, 0) / self._seconds:.1f}"
+
+
+def _elapsed_s(sample: Sample, previous: Sample) -> float:
+    """Seconds between two samples of one server: on its clock (its uptime) when its
+    `instance_id` says the same instance answered both; else on this process's, taken
+    after each answer came, which adds the difference of the two calls' latencies."""
+    if sample.stats.instance_id and sample.stats.instance_id == previous.stats.instance_id:
+        return sample.stats.uptime_s - previous.stats.uptime_s
+    return sample.taken_s - previous.taken_s
 
 
 def restarted(sample: Sample, previous: Sample) -> bool:

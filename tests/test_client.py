@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -1808,6 +1808,308 @@ def test_testing_switch_caps_attempts_without_sleeping() -> None:
 
     asyncio.run(scenario())
     assert lc.is_testing()
+
+
+def test_a_server_hint_is_jittered_upward_never_sooner_than_asked() -> None:
+    """Callers refused at once get the same hint (MEMORY_PRESSURE's is a constant 0.25 s):
+    taken as is, 1000 of them all came back at exactly 250 ms. Jittered upward, within
+    the policy's jitter and cap: never sooner than asked, spread apart."""
+    policy = lc.RetryPolicy()  # jitter 0.5, max_backoff_s 5
+    rng = random.Random(35)
+    for hint_s in (0.25, 0.16):
+        delays = [policy.delay_s(1, hint_s, rng) for _ in range(1000)]
+        assert all(hint_s <= delay <= hint_s * 1.5 for delay in delays), hint_s
+        assert len(set(delays)) > 500, "spread apart, not one instant"
+        assert max(delays) - min(delays) > hint_s * 0.4
+    near_cap = [policy.delay_s(1, 4.9, rng) for _ in range(1000)]
+    assert all(4.9 <= delay <= 5.0 for delay in near_cap), "capped, never below the hint"
+    assert len(set(near_cap)) > 1
+    assert {policy.delay_s(1, 60.0, rng) for _ in range(100)} == {5.0}, "honoured up to the cap"
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"max_tokens": 0}, ValueError),
+        ({"max_tokens": 1.5}, TypeError),
+        ({"max_tokens": True}, TypeError),
+        ({"token_ratio": 0.0}, ValueError),
+        ({"token_ratio": math.nan}, ValueError),
+        ({"token_ratio": "0.1"}, TypeError),
+    ],
+)
+def test_invalid_retry_budget_is_refused_naming_the_field(
+    fields: dict[str, Any], error: type[Exception]
+) -> None:
+    with pytest.raises(error, match=next(iter(fields))):
+        lc.RetryBudget(**fields)
+
+
+def test_a_clients_retry_budget_of_another_type_is_a_type_error_naming_it() -> None:
+    with pytest.raises(TypeError, match="retry_budget: expected a RetryBudget or None"):
+        lc.AsyncClient(retry_budget=10)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="retry_budget: expected a RetryBudget or None"):
+        lc.Client(retry_budget=lc.RetryPolicy())  # type: ignore[arg-type]
+
+
+def test_a_clients_calls_share_one_retry_budget_that_bounds_a_storm(small_model: Path) -> None:
+    """Against a lane that stays full, a fresh client's calls draw on one budget (100
+    tokens by default; each refusal takes one, retries stop at half): a lone call keeps
+    its 6 attempts, and so do eight in all (48 tokens); the ninth retries once (its
+    second refusal is the 50th) and the tenth not at all, each saying why. Without it
+    every call made its 6 attempts: callers at twice a server's capacity sent it 3.5
+    attempts per request. In test mode, as here: it keeps the budget (it left it out)."""
+
+    async def scenario() -> tuple[list[lc.LaneFullError], int]:
+        engine = RecordingEngine(str(small_model))
+        errors: list[lc.LaneFullError] = []
+        async with (
+            serving(engine, config(small_model, lanes=one_lane(capacity_rows=1))) as s,
+            lc.AsyncClient(s.target) as filler,
+            lc.AsyncClient(s.target) as client,
+        ):
+            async with one_running(engine, filler):
+                queued = asyncio.ensure_future(filler.infer({"input": rows(1)}))
+                await until(lambda: queued_rows(s) == 1)
+                for _ in range(10):
+                    with pytest.raises(lc.LaneFullError) as caught:
+                        await client.infer({"input": rows(1)})
+                    errors.append(caught.value)
+                refused = await rejected(filler)
+            await queued
+        return errors, refused
+
+    assert lc.is_testing()
+    errors, refused = asyncio.run(scenario())
+    assert [error.attempts for error in errors] == [6] * 8 + [2, 1]
+    assert refused == 8 * 6 + 2 + 1, "every attempt reached the server"
+    assert "gave up after 6 attempt(s) (max_attempts)" in errors[0].__notes__[0]
+    assert "gave up after 6 attempt(s) (max_attempts)" in errors[7].__notes__[0]
+    for error, attempts, tokens in [(errors[8], 2, 50), (errors[9], 1, 49)]:
+        (note,) = error.__notes__
+        assert f"gave up after {attempts} attempt(s): retry budget spent: " in note
+        assert f"({tokens} of 100 tokens left; retries resume above 50" in note
+
+
+def test_a_burst_of_calls_refused_draining_each_retries(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server restarting under 60 calls of a fresh client refuses them all DRAINING:
+    each makes its 6 attempts (a retry goes to another instance, or a restarted one).
+    Charged to the retry budget, the 50th refusal stopped the retries, and the calls
+    still in flight failed though one retry would have reached a healthy instance.
+    Test mode off, the waits faked: the burst meets the budget as a deployed client's
+    calls do."""
+    lc.set_testing(False)
+    FakeBackoff(monkeypatch)
+
+    async def scenario() -> Sequence[object]:
+        engine = RecordingEngine(str(small_model))
+        async with (
+            serving(engine, config(small_model)) as s,
+            lc.AsyncClient(s.target) as filler,
+            lc.AsyncClient(s.target) as client,
+        ):
+            async with one_running(engine, filler):  # holds the drain open
+                stopping = asyncio.ensure_future(s.server.stop(grace_s=60))
+                await until(lambda: s.server.state is Lifecycle.DRAINING)
+                calls = [client.infer({"input": rows(1)}) for _ in range(60)]
+                outcomes = await asyncio.gather(*calls, return_exceptions=True)
+            await stopping
+        return outcomes
+
+    outcomes = asyncio.run(scenario())
+    assert all(isinstance(outcome, lc.ServerDrainingError) for outcome in outcomes), outcomes
+    errors = [outcome for outcome in outcomes if isinstance(outcome, lc.ServerDrainingError)]
+    assert [error.attempts for error in errors] == [6] * 60
+    assert all("(max_attempts)" in error.__notes__[0] for error in errors)
+
+
+def test_successes_refill_the_retry_budget(small_model: Path) -> None:
+    """12 tokens, 0.5 back per success, retries stop at 6 left. Refused throughout, one
+    call makes its 6 attempts (6 left) and the next no retry (5 left); five successes
+    later (7.5 left) a refused call retries once again (6.5 left), and no more (5.5)."""
+    budget = lc.RetryBudget(max_tokens=12, token_ratio=0.5)
+
+    async def refused_once_full(
+        s: Serving, engine: RecordingEngine, filler: lc.AsyncClient, client: lc.AsyncClient
+    ) -> lc.LaneFullError:
+        async with one_running(engine, filler):
+            queued = asyncio.ensure_future(filler.infer({"input": rows(1)}))
+            await until(lambda: queued_rows(s) == 1)
+            with pytest.raises(lc.LaneFullError) as caught:
+                await client.infer({"input": rows(1)})
+        await queued
+        return caught.value
+
+    async def scenario() -> list[lc.LaneFullError]:
+        engine = RecordingEngine(str(small_model))
+        async with (
+            serving(engine, config(small_model, lanes=one_lane(capacity_rows=1))) as s,
+            lc.AsyncClient(s.target) as filler,
+            lc.AsyncClient(s.target, retry_budget=budget) as client,
+        ):
+            errors = [await refused_once_full(s, engine, filler, client)]
+            errors.append(await refused_once_full(s, engine, filler, client))
+            for _ in range(5):
+                await client.infer({"input": rows(1)})
+            engine.hold_next()  # `entered` counts the held batch, not the five before
+            errors.append(await refused_once_full(s, engine, filler, client))
+        return errors
+
+    errors = asyncio.run(scenario())
+    assert [error.attempts for error in errors] == [6, 1, 2]
+    assert "(max_attempts)" in errors[0].__notes__[0]
+    assert "retry budget spent: " in errors[1].__notes__[0]
+    assert "gave up after 2 attempt(s): retry budget spent: " in errors[2].__notes__[0]
+    assert (
+        "(5.5 of 12 tokens left; retries resume above 6, each success puts back 0.5"
+        in (errors[2].__notes__[0])
+    )
+
+
+def test_a_sync_clients_threads_share_its_retry_budget() -> None:
+    """A budget of 3 tokens (retries stop at 1.5 left), calls from two threads: the
+    first call retries once (2 left), then stops (1 left); the second, on another
+    thread, draws on the same tokens: no retry (0 left)."""
+    outcomes: list[lc.LaneFullError] = []
+    with (
+        lane_full_server(retry_s=0.01) as target,
+        lc.Client(target, retry_budget=lc.RetryBudget(max_tokens=3)) as client,
+    ):
+
+        def call() -> None:
+            try:
+                client.infer({"input": rows(1)})
+            except lc.LaneFullError as error:
+                outcomes.append(error)
+
+        for _ in range(2):
+            worker = threading.Thread(target=call)
+            worker.start()
+            worker.join(30)
+    assert [error.attempts for error in outcomes] == [2, 1]
+    assert all("retry budget spent" in error.__notes__[0] for error in outcomes)
+
+
+def every_client_error() -> list[lc.LaneserveError]:
+    """One of each of the client's error classes (its public tree)."""
+    classes = [getattr(lc, name) for name in lc.__all__]
+    return [
+        cls("refused", code=grpc.StatusCode.UNKNOWN)
+        for cls in classes
+        if isinstance(cls, type) and issubclass(cls, lc.LaneserveError)
+    ]
+
+
+def test_the_overload_refusals_are_the_retryable_resource_refusals_exactly() -> None:
+    """The refusals that say the server is overloaded, which the retry budget counts:
+    LANE_FULL, MEMORY_PRESSURE, JOIN_LIMIT and a server busy at its call limits; not
+    the other retryable ones (DRAINING, UNAVAILABLE, a network's CANCELLED)."""
+    from laneserve.client._retry import is_overload  # noqa: PLC0415 - the private rule
+
+    errors = every_client_error()
+    overload = {type(error) for error in errors if is_overload(error)}
+    assert overload == {
+        lc.LaneFullError,
+        lc.MemoryPressureError,
+        lc.JoinLimitError,
+        lc.ServerBusyError,
+    }
+    retryable = {type(error) for error in errors if error.retryable}
+    assert retryable - overload == {
+        lc.UnavailableError,
+        lc.ServerDrainingError,
+        lc.CallCancelledError,
+    }
+
+
+def test_only_overload_refusals_take_retry_tokens() -> None:
+    """At the retry loop (its `attempt` raising the client's real errors): an invalid
+    input takes no token, nor does a DRAINING, UNAVAILABLE or CANCELLED refusal; an
+    overload refusal takes one, a negative pushback's (do not retry) too, as gRPC's
+    retry throttling counts them, and a success puts one back."""
+    from laneserve.client._retry import RetryTokens, call_with_retries  # noqa: PLC0415
+
+    tokens = RetryTokens(lc.RetryBudget(max_tokens=10, token_ratio=1.0))
+    raised: list[lc.LaneserveError] = []
+
+    async def attempt(_timeout_s: float | None) -> str:
+        if raised:
+            raise raised.pop(0)
+        return "ok"
+
+    def run(policy: lc.RetryPolicy, *errors: lc.LaneserveError) -> str:
+        raised.extend(errors)
+        return asyncio.run(
+            call_with_retries(attempt, policy=policy, timeout_s=None, what="Infer", budget=tokens)
+        )
+
+    with pytest.raises(lc.InvalidInputError):
+        run(lc.RetryPolicy(), lc.InvalidInputError("bad shape"))
+    assert tokens.tokens == 10, "not the server's health: no token"
+    not_load = [
+        lc.ServerDrainingError("draining", code=grpc.StatusCode.UNAVAILABLE, reason="DRAINING"),
+        lc.UnavailableError("connection refused", code=grpc.StatusCode.UNAVAILABLE),
+        lc.CallCancelledError("cut", code=grpc.StatusCode.CANCELLED),
+    ]
+    for error in not_load:
+        with pytest.raises(type(error)):
+            run(lc.NO_RETRIES, error)
+    assert tokens.tokens == 10, "a server going, or a network cut: no token"
+    assert run(lc.RetryPolicy(), lc.LaneFullError("lane full")) == "ok"
+    assert tokens.tokens == 10, "the refusal took one, the success put it back"
+    told_not_to = lc.MemoryPressureError("short of memory")
+    told_not_to.no_retry = True
+    with pytest.raises(lc.MemoryPressureError):
+        run(lc.RetryPolicy(), told_not_to)
+    assert tokens.tokens == 9
+    with pytest.raises(lc.ServerBusyError):
+        run(lc.NO_RETRIES, lc.ServerBusyError("busy"))
+    assert tokens.tokens == 8, "a call that never retries still gauges the server"
+
+
+def test_overload_refusals_across_calls_stop_at_the_budget_and_no_others() -> None:
+    """10 tokens, retries stop at 5 left. Refused throughout: LANE_FULL retries 4 times
+    (the 5th refusal leaves 5), then MEMORY_PRESSURE, a busy server and JOIN_LIMIT are not
+    retried, each taking its token; DRAINING, UNAVAILABLE and CANCELLED then make all 6
+    attempts on the spent budget, and leave it as it was. In test mode, as here."""
+    from laneserve.client._retry import RetryTokens, call_with_retries  # noqa: PLC0415
+
+    tokens = RetryTokens(lc.RetryBudget(max_tokens=10))
+
+    def refused_throughout(error: lc.LaneserveError) -> lc.LaneserveError:
+        async def attempt(_timeout_s: float | None) -> str:
+            raise type(error)(error.message, code=error.code, reason=error.reason)
+
+        with pytest.raises(type(error)) as caught:
+            asyncio.run(
+                call_with_retries(
+                    attempt, policy=lc.RetryPolicy(), timeout_s=None, what="Infer", budget=tokens
+                )
+            )
+        return caught.value
+
+    assert lc.is_testing()
+    overload = [
+        lc.LaneFullError("full", code=grpc.StatusCode.RESOURCE_EXHAUSTED, reason="LANE_FULL"),
+        lc.MemoryPressureError("short", reason="MEMORY_PRESSURE"),
+        lc.ServerBusyError("busy", code=grpc.StatusCode.RESOURCE_EXHAUSTED),
+        lc.JoinLimitError("joined", code=grpc.StatusCode.RESOURCE_EXHAUSTED, reason="JOIN_LIMIT"),
+    ]
+    stopped = [refused_throughout(error) for error in overload]
+    assert [error.attempts for error in stopped] == [5, 1, 1, 1]
+    assert all("retry budget spent" in error.__notes__[0] for error in stopped)
+    assert tokens.tokens == 2
+    not_load = [
+        lc.ServerDrainingError("draining", code=grpc.StatusCode.UNAVAILABLE, reason="DRAINING"),
+        lc.UnavailableError("connection refused", code=grpc.StatusCode.UNAVAILABLE),
+        lc.CallCancelledError("cut", code=grpc.StatusCode.CANCELLED),
+    ]
+    retried = [refused_throughout(error) for error in not_load]
+    assert [error.attempts for error in retried] == [6, 6, 6]
+    assert all("(max_attempts)" in error.__notes__[0] for error in retried)
+    assert tokens.tokens == 2, "not drawn on"
 
 
 # ---- closing a client with calls in progress ----------------------------------------------

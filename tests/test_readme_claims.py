@@ -93,11 +93,30 @@ def openssl(directory: Path, *args: str) -> None:
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     directory = tmp_path_factory.mktemp("pki")
+    # Valid under VERIFY_X509_STRICT, which ssl.create_default_context sets from Python
+    # 3.13: the CA has a key usage (without one Python 3.13 refused it: "CA cert does not
+    # include key usage extension"); so do the leaves, with both key identifiers, which
+    # OpenSSL 3's `x509 -req` adds by default and older versions did not. The CA's key
+    # identifiers and basic constraints come from openssl's configuration (v3_ca).
     ca = f"req -x509 {NEW_KEY} -keyout ca.key -out ca.pem -days 2"
-    openssl(directory, *ca.split(), "-subj", "/CN=laneserve test CA")
+    openssl(
+        directory,
+        *ca.split(),
+        "-subj",
+        "/CN=laneserve test CA",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    )
+    leaf = (
+        "keyUsage=critical,digitalSignature\n"
+        "subjectKeyIdentifier=hash\n"
+        "authorityKeyIdentifier=keyid\n"
+    )
     extensions = {
-        "server": f"subjectAltName=DNS:{SERVER_NAME},IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
-        "client": "extendedKeyUsage=clientAuth\n",
+        "server": (
+            f"{leaf}subjectAltName=DNS:{SERVER_NAME},IP:127.0.0.1\nextendedKeyUsage=serverAuth\n"
+        ),
+        "client": f"{leaf}extendedKeyUsage=clientAuth\n",
     }
     for serial, (name, text) in enumerate(extensions.items(), start=2):
         (directory / f"{name}.ext").write_text(text, encoding="ascii")

@@ -48,6 +48,7 @@ from laneserve.server.items import (
     OutOfMemoryRun,
     RowsWanted,
     Signature,
+    Timing,
 )
 from laneserve.server.lanes import MIN_TOMBSTONES, Entry, Lane, ShapePrice
 from laneserve.server.scheduler import (
@@ -4737,14 +4738,21 @@ class FailingSecondAnswer(Scheduler):
 
 
 def answers_when_the_scheduler_raises(
-    clock: ManualClock, run_batch: scheduler_thread.RunBatch, *, start_late_s: float = 0.0
+    clock: ManualClock,
+    run_batch: scheduler_thread.RunBatch,
+    *,
+    start_late_s: float = 0.0,
+    scheduler: Scheduler | None = None,
 ) -> list[tuple[object, type[LaneserveError] | None]]:
     """Requests 1 and 2 (deadlines T0 + 5 and T0 + 6, one row each) fill a batch, through
-    a real SchedulerThread whose scheduler raises making its second answer; the threads
-    start `start_late_s` after. Every answer delivered (request 2's comes last), as
-    (token, type of error)."""
-    scheduler = FailingSecondAnswer(TOP_DOWN_LANES, batch_cap=2, run_time=fixed_run_time())
+    a real SchedulerThread whose scheduler raises (by default, making its second answer);
+    the threads start `start_late_s` after. Every answer delivered (request 2's comes
+    last), as (token, type of error). The server has failed: a scheduler bug stops it,
+    wherever it raised."""
+    if scheduler is None:
+        scheduler = FailingSecondAnswer(TOP_DOWN_LANES, batch_cap=2, run_time=fixed_run_time())
     answers: list[Outcome] = []
+    failures: list[LaneserveError] = []
     last_answered = threading.Event()
 
     def deliver(outcomes: Sequence[Outcome]) -> None:
@@ -4752,7 +4760,7 @@ def answers_when_the_scheduler_raises(
         if 2 in tokens(outcomes):
             last_answered.set()
 
-    thread = SchedulerThread(scheduler, run_batch, deliver, clock=clock)
+    thread = SchedulerThread(scheduler, run_batch, deliver, clock=clock, on_failure=failures.append)
     for index in (1, 2):
         thread.submit(make_request(index, "standard", 1, deadline_s=T0 + 4.0 + index))
     clock.advance(start_late_s)
@@ -4760,8 +4768,9 @@ def answers_when_the_scheduler_raises(
     try:
         assert last_answered.wait(10)
     finally:
-        thread.close()
+        thread.close()  # joins both threads: a failure's on_failure has been called
     assert scheduler.live_entries == 0
+    assert [type(failure) for failure in failures] == [ServerFaultError]
     return sorted((o.token, None if o.error is None else type(o.error)) for o in answers)
 
 
@@ -4782,8 +4791,10 @@ def test_answers_made_before_shedding_raised_are_delivered() -> None:
 
 def test_answers_made_before_asking_the_rows_wanted_raised_are_delivered() -> None:
     """The same for the engine's question before each part of a split batch: request 1's
-    deadline had passed and it was answered, then the question raised (the batch fails,
-    and its failure answers request 2, still live)."""
+    deadline had passed and it was answered, then the question raised. That stops the
+    server, as the same bug does in completing or shedding (it failed the batch alone,
+    and the server went on serving on a scheduler it may have left half-updated), and
+    the failure answers request 2, still live."""
     clock = ManualClock(T0)
 
     def run_batch(batch: Batch, rows_wanted: RowsWanted) -> BatchResult:
@@ -4793,3 +4804,128 @@ def test_answers_made_before_asking_the_rows_wanted_raised_are_delivered() -> No
 
     answers = answers_when_the_scheduler_raises(clock, run_batch)
     assert answers == [(1, ExpiredInQueueError), (2, ServerFaultError)]
+
+
+class FailingTiming(Scheduler):
+    """A stand-in for a bug in making an answer after its request was marked answered:
+    the answer's timing raises (once)."""
+
+    raised = False
+
+    def _timing(self, entry: Entry) -> Timing:
+        if not self.raised:
+            self.raised = True
+            raise RuntimeError("scheduler bug")
+        return super()._timing(entry)
+
+
+class FailingCompletedEvent(RecordingEvents):
+    """A sink outside `FanOut` (which would catch it) whose `completed` raises once."""
+
+    raised = False
+
+    def completed(
+        self,
+        lane: str,
+        status: str,
+        *,
+        request_id: str | None = None,
+        error: LaneserveError | None = None,
+    ) -> None:
+        if not self.raised:
+            self.raised = True
+            raise RuntimeError("telemetry bug")
+        super().completed(lane, status, request_id=request_id, error=error)
+
+
+@pytest.mark.parametrize("failing", ["timing", "completed_event"])
+def test_a_request_whose_answer_raised_while_made_is_answered_by_abort_all(failing: str) -> None:
+    """Request 1 was marked answered (no longer live) before its Outcome was made: when
+    making it raised (its timing, or a `completed` sink outside `FanOut`), the answer
+    was lost, and `abort_all`, which answers the live requests, did not answer it
+    either. It is marked answered once its answer is made: until then it is live."""
+    if failing == "timing":
+        scheduler: Scheduler = FailingTiming(
+            TOP_DOWN_LANES, batch_cap=CAP, run_time=fixed_run_time()
+        )
+    else:
+        scheduler = make_scheduler(TOP_DOWN_LANES, events=FailingCompletedEvent())
+    scheduler.admit(make_request(1, "standard", CAP), T0)
+    batch = dispatch(scheduler, T0)
+    answers: list[Outcome] = []
+    with pytest.raises(RuntimeError, match="bug"):
+        scheduler.complete(run(batch), into=answers)
+    answers += scheduler.abort_all(ServerFaultError("the scheduler failed"))
+    assert [(o.token, type(o.error)) for o in answers] == [(1, ServerFaultError)]
+    assert scheduler.live_entries == 0
+
+
+def failing_drop(
+    monkeypatch: pytest.MonkeyPatch, scheduler: Scheduler, lane: str, failing: set[object]
+) -> None:
+    """A stand-in for a bug in `lane`'s books: dropping the queued rows of the requests
+    whose tokens are in `failing` raises, every time."""
+    drop = scheduler.lane(lane).drop
+
+    def drop_or_raise(entry: Entry) -> None:
+        if entry.request.token in failing:
+            raise RuntimeError(f"lane bug dropping request {entry.request.token}")
+        drop(entry)
+
+    monkeypatch.setattr(scheduler.lane(lane), "drop", drop_or_raise)
+
+
+def test_a_lane_drop_that_raises_leaves_abort_all_answering_every_request(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Shedding request 1 marked it answered, then its lane's drop raised (a bug): it
+    stayed in the scheduler's entries marked answered, and `abort_all` tripped on it
+    (under the scheduler thread's lock), leaving every other request unanswered. It is
+    marked answered only once its rows are dropped; and `abort_all` answers every
+    request, those whose bookkeeping raises again too (the first is logged)."""
+    scheduler = make_scheduler(TOP_DOWN_LANES)
+    for index in (1, 2, 3):
+        scheduler.admit(make_request(index, "standard", 1, deadline_s=T0 + index), T0)
+    failing_drop(monkeypatch, scheduler, "standard", {1, 3})
+    with pytest.raises(RuntimeError, match="lane bug"):
+        scheduler.shed_expired(T0 + 1.5)
+    assert scheduler.live_entries == 3, "request 1 is not answered: still live"
+    answers = scheduler.abort_all(ServerFaultError("the scheduler failed"))
+    assert [(o.token, type(o.error)) for o in answers] == [
+        (index, ServerFaultError) for index in (1, 2, 3)
+    ]
+    assert scheduler.live_entries == 0
+    failed = [r for r in caplog.records if getattr(r, "event", None) == "scheduler_thread_failed"]
+    assert len(failed) == 1, "logged once"
+
+
+def test_a_lane_drop_that_raises_still_answers_every_request_and_fails_the_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same through a real SchedulerThread: request 1 expired, and shedding it raised
+    in its lane's drop. The failure answers both requests and calls on_failure (it
+    raised inside `_fail`, under the lock: request 2 and on_failure never came)."""
+    scheduler = Scheduler(TOP_DOWN_LANES, batch_cap=2, run_time=fixed_run_time())
+    failing_drop(monkeypatch, scheduler, "standard", {1})
+    answers = answers_when_the_scheduler_raises(
+        ManualClock(T0), never_run, start_late_s=10.0, scheduler=scheduler
+    )
+    assert answers == [(1, ServerFaultError), (2, ServerFaultError)]
+
+
+def test_a_batch_that_left_work_out_says_backlog_when_its_work_queued_while_busy() -> None:
+    """decide()'s reasons in order: FULL at the batch's limit, then BACKLOG, then FULL for
+    a batch that left queued work out. Standard's one row, with the 8-row interactive
+    request that did not fit beside it left out (1 row of 8: not at the cap), is FULL
+    when it queued with the session free, and BACKLOG (why it went at once anyway) when
+    it queued while the session was busy."""
+    for idle_since_s, reason in (
+        (NEVER_IDLE, DispatchReason.FULL),
+        (T0 + 0.001, DispatchReason.BACKLOG),
+    ):
+        scheduler = make_scheduler(LANES, cap=8)
+        scheduler.admit(make_request(1, "standard", 1), T0)
+        scheduler.admit(make_request(2, "interactive", 8, deadline_s=T0 + 0.003), T0)
+        batch = dispatch(scheduler, T0 + 0.001, idle_since_s)
+        assert rows_by_lane(batch) == {"standard": 1}, "work left out, under the cap"
+        assert batch.reason is reason

@@ -4,9 +4,18 @@ headless (--once / --iterations) against a real server."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
+import pty
+import re
+import shutil
+import signal
 import socket
+import struct
+import subprocess
 import sys
+import termios
+import threading
 from pathlib import Path
 
 import grpc
@@ -29,6 +38,8 @@ from tests.support import (
 )
 
 GIB = 1 << 30
+# The line that opens each frame written to a pipe or a file: the time it was polled (UTC).
+SEPARATOR = re.compile(r"^--- laneserve top \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ ---\n", re.MULTILINE)
 MODEL = pb.GetModelResponse(
     model_path="models/demo.onnx",
     providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
@@ -88,6 +99,7 @@ def test_frame_shows_lanes_batches_memory_and_device() -> None:
         ),
         taken_s=12.0,
     )
+    now.stats.batch_reasons["backlog"] += 30  # 30 more batches: 30 full, 40 backlog
     now.stats.uptime_s += 2.0  # the same server, sampled 2 s later
     frame = render("gpu-host:50051", MODEL, now, before)
     lines = frame.splitlines()
@@ -97,14 +109,14 @@ def test_frame_shows_lanes_batches_memory_and_device() -> None:
     # 128 of 512 rows: a quarter of the bar; wait p95; 200 admitted in 2 s; 20 refused.
     assert "[#####...............]" in interactive
     assert "128/512" in interactive
-    assert interactive.split()[3:8] == ["1.25ms", "100.0", "100.0", "0.0", "10.0"]
+    assert interactive.split()[3:9] == ["1.25ms", "100.0", "100.0", "0.0", "0.0", "10.0"]
     assert interactive.endswith("12.5ms")
-    assert "refused/shed since start: LANE_FULL=30 EXPIRED_IN_QUEUE=4" in frame
+    assert "since start: refused/shed LANE_FULL=30 EXPIRED_IN_QUEUE=4\n" in frame
     bulk = next(line for line in lines if line.startswith("bulk"))
     assert "[....................]" in bulk
     assert bulk.split()[3] == "-"  # no wait measured yet
     assert "batches  50.0/s  rows 400.0/s  size mean 48.5 p50 64 p95 64  cap 64/128" in frame
-    assert "dispatch backlog 25%  full 75%" in frame
+    assert "dispatch backlog 100%  full 0%" in frame  # of the 2 s, not since the start
     assert "run time p50 2.00ms  p95 3.50ms  p99 4.25ms" in frame
     assert "memory   [##########..........] 4.0GiB / 8.0GiB (50%)  watermark 7.0GiB" in frame
     assert "lanes closed: bulk" in frame
@@ -113,6 +125,70 @@ def test_frame_shows_lanes_batches_memory_and_device() -> None:
     assert (
         "grpc     calls 200.0/s  ok 100.0/s  failed 5.0/s  refused by gRPC or running 95.0/s"
     ) in frame
+
+
+def test_a_lane_shows_the_requests_that_ran_and_failed() -> None:
+    """Admitted requests that ended neither OK nor shed (DEADLINE_EXCEEDED while they ran,
+    ENGINE_FAILURE) were nowhere in the frame: admit/s exceeded done/s + shed/s, unexplained."""
+    ended = {"OK": 62, "EXPIRED_IN_QUEUE": 4, "DEADLINE_EXCEEDED": 2}  # each shed one too
+    before = stats(100)
+    now = stats(300)
+    now.uptime_s += 2.0
+    before.lanes[0].failed, now.lanes[0].failed = 2, 12
+    now.lanes[0].answered.update(ended)
+    frame = render("h:1", MODEL, Sample(now, taken_s=12.0), Sample(before, taken_s=10.0))
+    lines = frame.splitlines()
+    assert lines[3].split()[5:9] == ["admit/s", "done/s", "fail/s", "shed/s"]
+    interactive = next(line for line in lines if line.startswith("interactive"))
+    assert interactive.split()[4:7] == ["100.0", "100.0", "5.0"]  # 10 failed in 2 s
+    assert (
+        "since start: refused/shed LANE_FULL=30 EXPIRED_IN_QUEUE=4, "
+        "ended not OK DEADLINE_EXCEEDED=2\n"
+    ) in frame
+    # A lane with failures alone has its line too.
+    failing = lane("bulk", capacity_rows=16, failed=3, answered={"ENGINE_FAILURE": 3})
+    only_failures = stats(100)
+    del only_failures.lanes[:]
+    only_failures.lanes.append(failing)
+    alone = render("h:1", MODEL, Sample(only_failures, taken_s=1.0), None)
+    assert "since start: ended not OK ENGINE_FAILURE=3\n" in alone
+
+
+def test_dispatch_shares_are_of_the_interval_and_since_start_only_when_labelled() -> None:
+    """The shares were counted since the server started, beside rates of the last
+    interval: an hour after an overload they still said "full"."""
+    overload, calm = stats(100), stats(100)
+    calm.uptime_s += 2.0
+    for sample, reasons in (
+        (overload, {"full": 900, "idle": 100}),
+        (calm, {"full": 900, "idle": 300}),
+    ):
+        sample.batch_reasons.clear()
+        sample.batch_reasons.update(reasons)
+    first = render("h:1", MODEL, Sample(overload, taken_s=10.0), None)
+    assert "\ndispatch since start full 90%  idle 10%\n" in first
+    frame = render("h:1", MODEL, Sample(calm, taken_s=12.0), Sample(overload, taken_s=10.0))
+    assert "\ndispatch full 0%  idle 100%\n" in frame
+    # After a restart the counters start again: since the new server's start.
+    calm.instance_id, overload.instance_id = "b", "a"
+    again = render("h:1", MODEL, Sample(calm, taken_s=12.0), Sample(overload, taken_s=10.0))
+    assert "\ndispatch since start full 75%  idle 25%\n" in again
+
+
+def test_rates_are_timed_on_the_servers_clock_when_the_same_instance_answers() -> None:
+    """The interval was this process's, taken after each GetStats came back: a slow answer
+    stretched it. The server's uptime times it exactly while one instance answers."""
+    before, now = stats(100, instance_id="a"), stats(300, instance_id="a")
+    now.uptime_s += 2.0
+    # This process saw 2.5 s go by (the second answer took 0.5 s longer to come).
+    frame = render("h:1", MODEL, Sample(now, taken_s=12.5), Sample(before, taken_s=10.0))
+    assert "rates: per second over the last 2.0s" in frame
+    interactive = next(line for line in frame.splitlines() if line.startswith("interactive"))
+    assert interactive.split()[4] == "100.0"  # 200 admitted in the server's 2 s
+    # A server without an instance_id is timed on this process's clock.
+    before.instance_id = now.instance_id = ""
+    frame = render("h:1", MODEL, Sample(now, taken_s=12.5), Sample(before, taken_s=10.0))
+    assert "rates: per second over the last 2.5s" in frame
 
 
 def test_memory_in_use_is_shown_against_the_limit_it_is_measured_for() -> None:
@@ -143,6 +219,7 @@ def test_first_frame_averages_since_start_and_shows_absent_figures_as_absent() -
     assert "rates: per second, averaged since start" in frame
     interactive = next(line for line in frame.splitlines() if line.startswith("interactive"))
     assert interactive.split()[4] == "1.0"  # 3723 admitted in 3723 s
+    assert "dispatch since start backlog 25%  full 75%" in frame
     assert "util - (no GPU)" in frame
     assert "memory   no limit set" in frame
     assert "grpc " not in frame, "no line where the server does not report gRPC's count"
@@ -242,9 +319,13 @@ def test_top_runs_headless_against_a_real_server(
 
     assert asyncio.run(scenario()) == 0
     out = capsys.readouterr().out
-    frames = out.split("\n\nlaneserve top")
+    # Each frame opens with a line no frame holds, with the time (UTC): a file of frames
+    # splits at it and lines up with logs.
+    before, *frames = SEPARATOR.split(out)
+    assert before == ""
     assert len(frames) == 2
     first, second = frames
+    assert first.startswith("laneserve top  127.0.0.1:")
     assert "rates: per second, averaged since start" in first
     assert "rates: per second over the last" in second
     for frame in frames:
@@ -258,12 +339,15 @@ def test_top_runs_headless_against_a_real_server(
     assert "\x1b[" not in out  # not a terminal: no screen control codes
 
 
-def test_top_shows_a_server_that_stopped_as_unreachable_and_polls_on(
+def test_top_shows_a_server_that_stopped_as_unreachable_polls_on_and_exits_1(
     small_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`laneserve top` exited 1 as soon as the server it watched stopped, so it could not
     show a restart (its rates handle one). It now shows the server as unreachable and
-    polls on; only a server unreachable from the start ends it."""
+    polls on; only a server unreachable from the start ends it. With --iterations it
+    exits 1 when the last frame found the server unreachable (it exited 0, and the last
+    frame promised another poll): `top --iterations 3 || alert` passed against a server
+    gone away."""
 
     async def scenario() -> tuple[int, str]:
         engine = RecordingEngine(str(small_model))
@@ -287,11 +371,14 @@ def test_top_shows_a_server_that_stopped_as_unreachable_and_polls_on(
         return code, out + capsys.readouterr().out
 
     code, out = asyncio.run(scenario())
-    assert code == 0
-    frames = out.split("\n\nlaneserve top")
+    assert code == 1
+    _, *frames = SEPARATOR.split(out)
     assert len(frames) == 10
     assert "SERVING" in frames[0]
+    assert "unreachable: UNAVAILABLE" in frames[-2]
+    assert frames[-2].endswith("(polling again every 0.1 s)\n")
     assert "unreachable: UNAVAILABLE" in frames[-1]
+    assert "polling again" not in frames[-1], "the last frame promises no other poll"
 
 
 def test_top_piped_into_a_reader_that_stops_exits_141_quietly(small_model: Path) -> None:
@@ -329,6 +416,114 @@ def test_top_reports_an_unreachable_target(capsys: pytest.CaptureFixture[str]) -
     assert code == 1
     err = capsys.readouterr().err
     assert f"laneserve top: 127.0.0.1:{port}: UNAVAILABLE" in err
+
+
+def test_top_in_plaintext_against_a_tls_server_says_to_try_tls(
+    small_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A TLS-only server closes a plaintext connection, and all gRPC said was "Socket
+    closed": the hint names top's TLS options."""
+    openssl = shutil.which("openssl")
+    assert openssl is not None, "the test generates its certificate with `openssl`"
+    key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
+    subprocess.run(
+        [openssl, *f"req -x509 {key} -keyout s.key -out s.pem -days 2 -subj /CN=s".split()],
+        cwd=tmp_path,
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+    tls = ServerConfig(
+        model_path=str(small_model),
+        tls_cert=str(tmp_path / "s.pem"),
+        tls_key=str(tmp_path / "s.key"),
+        metrics_port=-1,
+    )
+
+    async def scenario() -> int:
+        async with serving(RecordingEngine(str(small_model)), tls) as s:
+            argv = ["top", "--target", s.target, "--once", "--timeout-s", "2"]
+            return await asyncio.to_thread(main, argv)
+
+    assert asyncio.run(scenario()) == 1
+    err = capsys.readouterr().err
+    assert "UNAVAILABLE: " in err
+    assert "Socket closed" in err
+    assert "(a TLS server? try --tls-ca PEM, or --tls for the system's roots)" in err
+
+
+def test_live_top_cuts_each_line_to_the_terminal_width(small_model: Path) -> None:
+    """On a terminal a frame's lines (up to 104 characters) wrapped: at 40 columns a
+    16-line frame took 35 rows, and each redraw scrolled its header away. Each line is
+    now cut to the terminal's width, read at each frame (the terminal may be resized);
+    the first line has the time (UTC)."""
+    entry_point = (
+        "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "from laneserve.server.cli import main; sys.exit(main())"
+    )
+    clear = "\x1b[H\x1b[2J"
+    env = {name: value for name, value in os.environ.items() if name not in ("COLUMNS", "LINES")}
+    screen, terminal = pty.openpty()
+    output = bytearray()
+
+    def resize(columns: int) -> None:
+        fcntl.ioctl(screen, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+
+    def read_screen() -> None:
+        while True:
+            try:
+                chunk = os.read(screen, 65536)
+            except OSError:  # EIO: the terminal's last writer has gone
+                return
+            if not chunk:
+                return
+            output.extend(chunk)
+
+    def frames() -> list[str]:
+        return bytes(output).decode().replace("\r", "").split(clear)[1:]
+
+    async def scenario() -> tuple[int | None, int]:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, ServerConfig(model_path=str(small_model))) as s:
+            resize(40)
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    *(sys.executable, "-c", entry_point, "top", "--target", s.target),
+                    *("--interval-s", "0.05"),
+                    stdin=subprocess.DEVNULL,
+                    stdout=terminal,
+                    stderr=terminal,
+                    env=env,
+                )
+            finally:
+                os.close(terminal)
+            reader = threading.Thread(target=read_screen, daemon=True)
+            reader.start()
+            try:
+                await until(lambda: len(frames()) >= 3, timeout_s=CLIENT_CLI_TIMEOUT_S)
+                resize(60)
+                # The frame being polled may have read the width before: the one after not.
+                resized = len(frames()) + 1
+                await until(lambda: len(frames()) > resized + 1, timeout_s=CLIENT_CLI_TIMEOUT_S)
+                process.send_signal(signal.SIGINT)
+                code = await asyncio.wait_for(process.wait(), timeout=CLIENT_CLI_TIMEOUT_S)
+            finally:
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
+                await asyncio.to_thread(reader.join, 10.0)
+                os.close(screen)
+        return code, resized
+
+    code, resized = asyncio.run(scenario())
+    assert code == 0
+    shown = frames()
+    narrow, wide = shown[0].splitlines(), shown[resized].splitlines()
+    assert max(len(line) for line in narrow) == 40, narrow
+    assert re.match(r"laneserve top \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ  127\.", narrow[0]), narrow
+    assert any(line.startswith("interactive ") for line in narrow)
+    assert max(len(line) for line in wide) == 60, wide
+    assert "SERVING" in wide[0]
 
 
 def test_top_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
