@@ -4,7 +4,8 @@ never past the caller's deadline.
 The delay before retry ``n`` (1 for the first retry) is::
 
     base = min(max_backoff_s, initial_backoff_s * multiplier ** (n - 1))
-    hinted = min(server_hint_s * uniform(1, 1 + jitter), max_backoff_s)
+    hinted = uniform(server_hint_s, min(server_hint_s * (1 + jitter), max_backoff_s))
+    # (max_backoff_s itself for a hint at or above it)
     delay = max(hinted, base * uniform(1 - jitter, 1))
 
 so a server that says "retry in 40 ms" (``RetryInfo`` / ``grpc-retry-pushback-ms``) is
@@ -133,11 +134,11 @@ class RetryPolicy:
         backoff = self.backoff_s(retry, rng)
         if server_hint_s is None:
             return backoff
-        draw = (rng or _RNG).random()
         cap = self.max_backoff_s
         if server_hint_s >= cap:
             return cap
         top = min(server_hint_s * (1 + self.jitter), cap)
+        draw = (rng or _RNG).random()
         return max(server_hint_s + (top - server_hint_s) * draw, backoff)
 
 
@@ -280,8 +281,7 @@ def set_testing(enabled: bool, *, max_attempts: int | None = None) -> None:
     """Test mode: no backoff sleeps at all, and optionally at most `max_attempts` attempts.
 
     Deadlines, caps and the retry decisions stay as they are, the client's
-    `RetryBudget` included; only the waiting goes. (DRAINING, UNAVAILABLE and a network's
-    CANCELLED take no tokens.)
+    `RetryBudget` included; only the waiting goes.
     """
     global _testing  # noqa: PLW0603 - the switch is process-wide on purpose, like stamina's
     if max_attempts is not None and max_attempts < 1:

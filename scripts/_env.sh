@@ -8,7 +8,8 @@
 # Needs only Python 3.11+ ($LANESERVE_PYTHON, default python3; an existing .venv of
 # another major.minor than $LANESERVE_PYTHON is rebuilt with it). The install is redone
 # only when pyproject.toml changes: .venv/.laneserve-installed-<extra> holds the
-# SHA-256 of the pyproject.toml it was made from, so a re-run costs a hash.
+# SHA-256 of the pyproject.toml it was made from, so a re-run costs a hash (and, with
+# LANESERVE_PYTHON set, three interpreter starts to compare versions).
 #
 # Sets ROOT (the repository root) and VENV (ROOT/.venv), and cd's to ROOT.
 

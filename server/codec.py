@@ -87,7 +87,7 @@ def leading_rows(
     without decoding them; None unless they are the model's inputs, each once, each of
     its input's dtype and shape (`_takes`), all of one shape[0], their dtypes and shapes
     sizing at most the data a request could carry (`max_message_bytes`, the server's),
-    agreeing on the dimensions the model names alike (`_check_named_dimensions`):
+    agreeing on the dimensions the model names alike (`named_dimension_conflict`):
     `decode_inputs` says what is wrong. Counted, a misspelled input of 3 000 rows was
     refused as too many rows, to be split, and so was a shape of 2**40 rows over one
     row's data, whose fault was its data's length; and so, with the bound at gRPC's

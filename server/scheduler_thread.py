@@ -269,9 +269,16 @@ class SchedulerThread:
                 "scheduler thread failed; answering all queued work",
                 extra=event_extra("scheduler_thread_failed"),
             )
-            if outcomes:
-                self._deliver(outcomes)
-            self._fail(ServerFaultError("the scheduler failed; the server must be restarted"))
+            self._fail_for_a_bug(outcomes)
+
+    def _fail_for_a_bug(self, outcomes: list[Outcome]) -> None:
+        """After the scheduler raised (a bug, or a lost device's readings; logged by the
+        caller with its traceback): the answers made before it raised are delivered (the
+        scheduler adds each as it makes it), then the server fails: `_fail` answers only
+        what is left."""
+        if outcomes:
+            self._deliver(outcomes)
+        self._fail(ServerFaultError("the scheduler failed; the server must be restarted"))
 
     def _give_back_memory(self) -> None:
         """Runs `release_memory` (a session run of its own) outside the lock: admissions
@@ -347,7 +354,7 @@ class SchedulerThread:
         """The server fails with `error` (handed to `on_failure`). Every live request is
         answered: one with rows handed to a batch (some may have run) with `partly_run`,
         the rest, and every later submission, with `refusal` (each defaults to `error`).
-        A broken session's are DrainingErrors (`_never_ran`, `_part_ran`): no row of such
+        A broken session's are DrainingErrors (`_broken`): no row of such
         a request was in the batch that failed, so it could not have broken the session,
         and it is retried elsewhere (UNAVAILABLE is what clients and gRPC retry policies
         retry); after a scheduler failure everything gets `error`: the rows of the batch
@@ -386,7 +393,7 @@ class SchedulerThread:
                     extra=event_extra("scheduler_thread_failed"),
                 )
                 # The answers it made before it raised are out (`_rows_wanted`).
-                self._fail(ServerFaultError("the scheduler failed; the server must be restarted"))
+                self._fail_for_a_bug([])
                 return
             except Exception as error:
                 log.exception(
@@ -396,7 +403,7 @@ class SchedulerThread:
                 )
                 result = BatchResult(batch, None, ServerFaultError(f"batch failed: {error!r}"), 0.0)
             failure = _session_failure(result)
-            refusal = None if failure is None else _never_ran(failure)
+            refusal = None if failure is None else _broken(failure, "this request never ran")
             outcomes: list[Outcome] = []
             try:
                 batch = self._finish(result, outcomes, refusal)
@@ -405,11 +412,7 @@ class SchedulerThread:
                     "applying a batch result failed; answering all queued work",
                     extra=event_extra("scheduler_thread_failed"),
                 )
-                # Answers already made, those made before the scheduler raised among
-                # them (it adds each as it makes it): _fail answers only what is left.
-                if outcomes:
-                    self._deliver(outcomes)
-                self._fail(ServerFaultError("the scheduler failed; the server must be restarted"))
+                self._fail_for_a_bug(outcomes)
                 return
             if outcomes:
                 self._deliver(outcomes)
@@ -423,7 +426,11 @@ class SchedulerThread:
                     batch_id=result.batch.batch_id,
                     error=failure.cause,
                 )
-                self._fail(failure, refusal, _part_ran(failure))
+                self._fail(
+                    failure,
+                    refusal,
+                    _broken(failure, "part of this request ran, but its answer was not kept"),
+                )
                 return
             if batch is None:
                 batch = self._work.get()
@@ -501,9 +508,8 @@ class SchedulerThread:
 def _session_failure(result: BatchResult) -> SessionBrokenError | None:
     """The error the server fails with when `result` found the session broken (rows failed
     with SessionBrokenError: the engine ran an input it ran at start-up, and that failed
-    too); None otherwise. The live requests not in that batch are answered `_never_ran`
-    or `_part_ran`. Every later batch would fail the same way, behind health that said
-    SERVING."""
+    too); None otherwise. The live requests not in that batch are answered `_broken`.
+    Every later batch would fail the same way, behind health that said SERVING."""
     broken = next(
         (
             failed.error
@@ -521,23 +527,14 @@ def _session_failure(result: BatchResult) -> SessionBrokenError | None:
     )
 
 
-def _never_ran(failure: SessionBrokenError) -> DrainingError:
-    """The answer, after the session was found broken, for the requests none of whose
-    rows were handed to a batch, and for every later submission: UNAVAILABLE (DRAINING),
-    which clients and gRPC retry policies retry on another instance. INTERNAL told them
-    not to, for work that never ran. The server still fails with `failure`."""
+def _broken(failure: SessionBrokenError, what: str) -> DrainingError:
+    """The answer, after the session was found broken, for a request with no row in the
+    batch that found it (it could not have broken the session): "this request never ran"
+    (none of its rows handed to a batch; every later submission too), or "part of this
+    request ran, but its answer was not kept" (split over batches, rows run in earlier
+    ones). UNAVAILABLE (DRAINING), which clients and gRPC retry policies retry on another
+    instance: INTERNAL told them not to. The server still fails with `failure`."""
     return DrainingError(
-        f"the model's session is broken ({failure.cause}); this request never ran: retry "
-        "on another instance (this server is stopping)"
-    )
-
-
-def _part_ran(failure: SessionBrokenError) -> DrainingError:
-    """The answer, after the session was found broken, for a request split over batches
-    some of whose rows ran (in earlier batches, which succeeded) and none of whose rows
-    were in the batch that failed: its answer cannot be completed here, and it did not
-    break the session (the batch's own requests keep the SessionBrokenError)."""
-    return DrainingError(
-        f"the model's session is broken ({failure.cause}); part of this request ran, but "
-        "its answer was not kept: retry on another instance (this server is stopping)"
+        f"the model's session is broken ({failure.cause}); {what}: retry on another "
+        "instance (this server is stopping)"
     )

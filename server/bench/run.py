@@ -840,8 +840,8 @@ def take_mark(deployment: procs.Deployment, *, by_thread: bool, helper_pids: Seq
 def harness_cpu_s(helper_pids: Sequence[int]) -> float | None:
     """CPU seconds used so far by the harness itself: this process (the orchestrator:
     its /proc readings, GetStats calls, the client pool's pipes; the client processes
-    count apart) and the helpers it runs beside the server (py-spy: 0.20-0.25 cores at
-    250 Hz). None where a helper cannot be read (gone, or no /proc): its seconds so far
+    count apart) and the helpers it runs beside the server (py-spy; see
+    BUSY_OTHER_CORES). None where a helper cannot be read (gone, or no /proc): its seconds so far
     would be missing from the sum."""
     used = time.process_time()
     for pid in helper_pids:

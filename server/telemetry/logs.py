@@ -82,8 +82,8 @@ LOG_QUEUE_CHARS = 8 * 2**20
 LOG_LINES_DROPPED = "log_lines_dropped"
 # grpc's asyncio layer logs at DEBUG per call ("[_cygrpc] Loaded running loop" on every
 # RPC, "RPC cancelled for servicer method" on every cancelled one): at --log-level debug
-# 6 688 of 6 698 lines in 25 s of overload, drowning laneserve's own. This logger is kept
-# at INFO unless GRPC_VERBOSITY=DEBUG asks for gRPC's debugging.
+# nearly every line under overload (README, Observability), drowning laneserve's own.
+# This logger is kept at INFO unless GRPC_VERBOSITY=DEBUG asks for gRPC's debugging.
 GRPC_PER_CALL_LOGGER = "grpc._cython.cygrpc"
 # Flushing or closing the log (at exit: `logging.shutdown` does both) waits for its queued
 # lines while they are being written, and gives up once one write has waited this long: a
