@@ -942,6 +942,7 @@ class LaneServer:
         clock: Clock | None = None,
         memory_gauge: MemoryGauge | None = None,
         telemetry: Telemetry | None = None,
+        stopping: threading.Event | None = None,
     ) -> None:
         """`engine`: this server's alone (its stop ends the engine's runs for good): a
         new Engine for each LaneServer; one serving another, or spent by a stop, is
@@ -950,7 +951,9 @@ class LaneServer:
         `telemetry`: traces, metrics and event logs; by default from the config and the
         OTEL_* variables (Telemetry.from_config). A server refused at start closes the
         telemetry it built; one passed in stays the caller's to close. `events`: one more
-        sink, for tests."""
+        sink, for tests. `stopping`: set from another thread (a stop signal while
+        starting), the start-up probe times no further batch size and the server is not
+        made (ProbeStopped)."""
         engine.check_free()  # first: a spent or shared engine is refused before its probe
         self.config = config
         self.engine = engine
@@ -966,6 +969,7 @@ class LaneServer:
             gauge=device,
             # No batch holds more rows than the lanes queue together.
             queue_rows=sum(lane.capacity_rows for lane in config.lanes),
+            stopping=stopping,
         )
         run_ms = {rows: round(seconds * 1000, 3) for rows, seconds in self.probe.run_s.items()}
         limit = engine.memory_limit_bytes

@@ -23,6 +23,8 @@ import errno
 import logging
 import os
 import signal
+import stat
+import threading
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -32,9 +34,10 @@ from laneserve.server.app import LaneServer, check_ports_free, load_engine, serv
 from laneserve.server.bench import cli as bench_cli
 from laneserve.server.clock import Clock, SystemClock
 from laneserve.server.config import DEVICES, UINT32_MAX, ConfigError, ServerConfig, load_config
-from laneserve.server.engine import EngineStartError
+from laneserve.server.engine import EngineStartError, ProbeStopped
 from laneserve.server.lifecycle import REPEAT_WINDOW_S, SignalMeaning, StopSignals
 from laneserve.server.log_events import refuse_usage
+from laneserve.server.memory import format_bytes, stop_estimates
 from laneserve.server.process import (
     STOP_SIGNALS,
     catch_stop_signals_early,
@@ -293,9 +296,11 @@ async def _serve(config: ServerConfig) -> tuple[int, bool]:
     server_credentials(config)  # the TLS files read and checked; read again to serve
     _unset_blank_otel_variables()
     check_tracing_env()  # the OTEL_* variables tracing reads; read again to serve
-    loaded = await asyncio.to_thread(_load_server, config)
-    if stopper.asked.is_set():  # asked while it loaded: it never serves
-        await loaded.stop()
+    _log_loading(config.model_path)
+    loaded = await asyncio.to_thread(_load_server, config, stopper.stopping)
+    if loaded is None or stopper.asked.is_set():  # asked while it loaded: it never serves
+        if loaded is not None:
+            await loaded.stop()
         log_event(log, logging.INFO, "shutdown", "stopped before serving", drained=True)
         return 0, True
     stopper.attach(loaded)
@@ -328,6 +333,8 @@ class _Stopper:
         self._signals = StopSignals(clock or SystemClock())
         self._wait_s = wait_s
         self.asked = asyncio.Event()  # the first signal came
+        # The same, for the loading thread: its probe stops at the next batch size.
+        self.stopping = threading.Event()
         self._now = asyncio.Event()  # a later one: no more waiting, for the delay or grace
         self._first_name = ""  # the first signal's, once one came while serving
         self._server: LaneServer | None = None  # once it starts to serve
@@ -379,6 +386,7 @@ class _Stopper:
             )
             server.end_grace()
             self._now.set()
+        self.stopping.set()
         self.asked.set()
 
     async def stop_when_asked(self) -> None:
@@ -420,14 +428,38 @@ class _Stopper:
         )
 
 
-def _load_server(config: ServerConfig) -> LaneServer:
-    """The server, its model loaded and probed: run on a thread (see `_serve`). Whatever
-    it raises must reach the awaiting future, and asyncio cannot put a StopIteration into
-    one ("cannot be raised into a Future"): the future never finished and the start hung
-    for good, a SIGTERM only saying it would stop once the model had loaded. A
-    StopIteration out of the load is a bug; it ends the start as one (a RuntimeError)."""
+def _log_loading(model_path: str) -> None:
+    """Says the load begins, and how large the model's file is (its external data files
+    apart: counting them means parsing the graph): the log said nothing more for the tens
+    of seconds a large model takes to load and probe."""
     try:
-        return LaneServer(load_engine(config), config)
+        status = Path(model_path).stat()
+    except OSError:  # the load says why it cannot read it, in one line
+        return
+    if not stat.S_ISREG(status.st_mode):  # a directory, say: refused at once, as above
+        return
+    log_event(
+        log,
+        logging.INFO,
+        "loading",
+        f"loading {model_path} (its file {format_bytes(status.st_size)}, external data apart)",
+        model=model_path,
+        file_bytes=status.st_size,
+    )
+
+
+def _load_server(config: ServerConfig, stopping: threading.Event) -> LaneServer | None:
+    """The server, its model loaded and probed: run on a thread (see `_serve`); None
+    where `stopping` was set (a stop signal) before its probe was done: the probe timed
+    no further batch size, and nothing is to be served. Whatever it raises must reach
+    the awaiting future, and asyncio cannot put a StopIteration into one ("cannot be
+    raised into a Future"): the future never finished and the start hung for good, a
+    SIGTERM only saying it would stop once the model had loaded. A StopIteration out of
+    the load is a bug; it ends the start as one (a RuntimeError)."""
+    try:
+        return LaneServer(load_engine(config), config, stopping=stopping)
+    except ProbeStopped:
+        return None
     except StopIteration as error:
         raise RuntimeError(
             "loading the model raised StopIteration, a bug in laneserve (its traceback "
@@ -436,21 +468,27 @@ def _load_server(config: ServerConfig) -> LaneServer:
 
 
 def _signal_while_starting(name: str, signum: int, *, again: bool) -> None:
-    """A signal before the server serves: the first stops it once the model has loaded
-    (the load cannot be interrupted); the next (not the first again within
-    REPEAT_WINDOW_S, see `_Stopper`) ends the process at once, by that signal
-    (`die_by_signal`): nothing is served to lose."""
+    """A signal before the server serves: the first ends the static estimate's child (its
+    answer would go unused) and stops the server once the model's session is made (its
+    making cannot be interrupted) and the probe's batch size then running is done (it
+    times no other); the next (not the first again
+    within REPEAT_WINDOW_S, see `_Stopper`) ends the process at once, by that signal
+    (`die_by_signal`): nothing is served to lose. Its static estimate's child is ended
+    first: orphaned, it ran on, parsing the model (up to 120 s, GBs resident)."""
     if not again:
         log_event(
             log,
             logging.INFO,
             "stop_while_starting",
-            f"{name} while starting: stopping once the model has loaded, without serving "
-            f"({name} again exits now; within {REPEAT_WINDOW_S:g}s it counts as this one)",
+            f"{name} while starting: stopping once the model's session is made (the "
+            f"start-up probe times no further batch size), without serving ({name} again "
+            f"exits now; within {REPEAT_WINDOW_S:g}s it counts as this one)",
             signal=name,
         )
+        stop_estimates()
         return
     log_event(log, logging.WARNING, "exit_while_starting", f"{name} again: exiting", signal=name)
+    stop_estimates()
     logging.shutdown()
     die_by_signal(signum)
 

@@ -124,6 +124,11 @@ class EngineStartError(RuntimeError):
     """The model or the requested device cannot be used; raised before serving."""
 
 
+class ProbeStopped(Exception):  # noqa: N818 - not a failure: the start was stopped
+    """The start-up probe was asked to stop (`Engine.probe`'s `stopping`: a stop signal
+    while starting) and timed no further batch size: the server will not serve."""
+
+
 class _ModelRunError(EngineError):
     """The runtime failed a run, not for want of memory (see `translate_runtime_error`);
     `runtime_message` keeps its words apart from where the run failed."""
@@ -962,6 +967,7 @@ class Engine:
         gauge: MemoryGauge | None = None,
         queue_rows: int | None = None,
         host_available: Callable[[], int | None] = host_available_bytes,
+        stopping: threading.Event | None = None,
     ) -> Probe:
         """Warms the session up, finds the largest batch that fits the memory budget and
         measures run seconds at powers of two up to it.
@@ -987,6 +993,10 @@ class Engine:
         With a `gauge`, memory in use is read after each growing size and fitted as
         fixed + per_row * rows: the measured counterpart of the static estimate (NVML on
         a GPU; resident memory on the CPU, where the arena grows by what runs need).
+
+        Once `stopping` is set (from another thread: a stop signal while starting) no
+        further size is timed: ProbeStopped. A size already running is finished (a run
+        cannot be interrupted here), so the probe ends within one size's runs.
         """
         host_room = None
         if self.memory_limit_bytes is None and self.providers[0] != CUDA:
@@ -996,7 +1006,9 @@ class Engine:
                 fixed_cap=max_batch_size if fixed_cap else None,
             )
         try:
-            return self._probe(max_batch_size, repeats, fixed_cap, gauge, queue_rows, host_room)
+            return self._probe(
+                max_batch_size, repeats, fixed_cap, gauge, queue_rows, host_room, stopping
+            )
         except NvmlUnavailableError as error:  # a memory reading after a probe size
             raise nvml_start_error(error) from error
         except EngineError as error:  # the model cannot be batched (see `run`)
@@ -1020,6 +1032,7 @@ class Engine:
         gauge: MemoryGauge | None,
         queue_rows: int | None,
         host_room: _HostRoom | None,
+        stopping: threading.Event | None,
     ) -> Probe:
         if max_batch_size > 1:  # one row per run: nothing is batched together
             self._check_later_axes_fixed()
@@ -1031,6 +1044,7 @@ class Engine:
             "max_batch_size" if largest == max_batch_size else "queue_rows"
         )
         for rows in _powers_of_two_up_to(largest):
+            _check_not_stopping(stopping)
             if host_room is not None and fits > 0 and not host_room.admits(rows, fits):
                 stop_reason = "host_memory"
                 break
@@ -1063,17 +1077,23 @@ class Engine:
         if fixed_cap:
             return Probe(measured, max_batch_size, fails, memory_bytes, memory_fit, stop_reason)
         if fails is not None:
-            fits = self._search_boundary(fits, fails, repeats, measured)
+            fits = self._search_boundary(fits, fails, repeats, measured, stopping)
         return Probe(measured, fits, fails, memory_bytes, memory_fit, stop_reason)
 
     def _search_boundary(
-        self, fits: int, fails: int, repeats: int, measured: dict[int, float]
+        self,
+        fits: int,
+        fails: int,
+        repeats: int,
+        measured: dict[int, float],
+        stopping: threading.Event | None,
     ) -> int:
         """The largest size that fits, between `fits` and `fails` rows (within ~6 %); its
-        run seconds go into `measured`."""
+        run seconds go into `measured`. ProbeStopped once `stopping` is set."""
         low, high = fits, fails
         while high - low > max(1, low // 16):  # within ~6 % of the boundary
             middle = (low + high) // 2
+            _check_not_stopping(stopping)
             if self._time_rows(middle, 1) is None:
                 high = middle
             else:
@@ -1083,9 +1103,11 @@ class Engine:
         # shrinks back first): the cap must be a size that fits after an OOM. The
         # verifying runs are its timing: timed again, the cap ran a warm-up and
         # `repeats` runs more (4 more runs of 1.8 s each for 272 MiB of weights).
+        _check_not_stopping(stopping)
         seconds = self._time_rows(fits, repeats)
         while seconds is None and fits > 1:
             fits = max(1, fits * 7 // 8)
+            _check_not_stopping(stopping)
             seconds = self._time_rows(fits, repeats)
         if seconds is not None:
             measured[fits] = seconds
@@ -1143,6 +1165,12 @@ class Engine:
         except (DeviceMemoryError, MemoryError):
             return None
         return best
+
+
+def _check_not_stopping(stopping: threading.Event | None) -> None:
+    """ProbeStopped where the probe is asked to stop: checked before each size it times."""
+    if stopping is not None and stopping.is_set():
+        raise ProbeStopped("the start-up probe stopped: a stop was asked while starting")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -667,6 +668,31 @@ def fit_memory(used_bytes_by_rows: dict[int, int]) -> MemoryEstimate | None:
 # ended by one of them was stopped with the server, it did not fail.
 _STOPPING_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 
+# The estimates' children running now, and whether the process is ending
+# (`stop_estimates`). Only under the lock, which is held from a child's start to its
+# entry here: a child starting while `stop_estimates` runs is either ended there or
+# never started.
+_ESTIMATES_LOCK = threading.Lock()
+_running_estimates: set[subprocess.Popen[str]] = set()
+_estimates_stopped = threading.Event()  # set once, under the lock
+# How long `stop_estimates` waits for a killed child to be gone (it dies at once).
+_KILLED_WAIT_S = 1.0
+
+
+def stop_estimates() -> None:
+    """Ends the estimates' children now (SIGKILL), and starts none after: a stop signal
+    while starting (the estimate's answer would go unused), and the second one, after
+    which the process ends without waiting for its threads (`die_by_signal`): an
+    estimate's child, parsing the whole model, had run on orphaned for up to its timeout
+    with GBs resident. Any thread; waits at most _KILLED_WAIT_S for each to end."""
+    with _ESTIMATES_LOCK:
+        _estimates_stopped.set()
+        children = list(_running_estimates)
+    for child in children:
+        child.kill()  # nothing, where its thread has reaped it already
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=_KILLED_WAIT_S)
+
 
 def estimate_memory(
     model_path: str,
@@ -688,8 +714,10 @@ def estimate_memory(
     child hands all of it back when it exits (~1 s, most of it importing onnx).
     """
     script = Path(__file__).with_name("static_estimate.py")
-    try:
-        child = subprocess.run(  # noqa: S603 - our own script, this interpreter
+    with _ESTIMATES_LOCK:
+        if _estimates_stopped.is_set():  # the process is ending: see stop_estimates
+            return None
+        child = subprocess.Popen(  # noqa: S603 - our own script, this interpreter
             [
                 sys.executable,
                 str(script),
@@ -697,11 +725,13 @@ def estimate_memory(
                 json.dumps({name: list(shape) for name, shape in (probe_shapes or {}).items()}),
             ],
             stdin=subprocess.DEVNULL,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=timeout_s,
-            check=False,
         )
+        _running_estimates.add(child)
+    try:
+        stdout, stderr = _child_output(child, timeout_s)
     except subprocess.TimeoutExpired:
         log_event(
             log,
@@ -711,6 +741,12 @@ def estimate_memory(
             model=model_path,
             timeout_s=timeout_s,
         )
+        return None
+    finally:
+        with _ESTIMATES_LOCK:
+            _running_estimates.discard(child)
+            stopped = _estimates_stopped.is_set()
+    if stopped:  # killed by stop_estimates: no failure to warn of, the process is ending
         return None
     if -child.returncode in _STOPPING_SIGNALS:
         # Ctrl-C at a terminal (or a stop sent to the process group) reaches the child
@@ -726,9 +762,9 @@ def estimate_memory(
             signal=name,
         )
         return None
-    fields = child.stdout.split()
+    fields = stdout.split()
     if child.returncode != 0 or len(fields) != 2:  # noqa: PLR2004 - two numbers
-        last = (child.stderr.strip().splitlines() or ["no output"])[-1]
+        last = (stderr.strip().splitlines() or ["no output"])[-1]
         log_event(
             log,
             logging.WARNING,
@@ -740,3 +776,18 @@ def estimate_memory(
         )
         return None
     return MemoryEstimate(fixed_bytes=int(fields[0]), per_row_bytes=int(fields[1]))
+
+
+def _child_output(child: subprocess.Popen[str], timeout_s: float) -> tuple[str, str]:
+    """`child`'s stdout and stderr once it exits, as `subprocess.run` waits: past
+    `timeout_s`, or on any error here, the child is killed and reaped first."""
+    with child:
+        try:
+            return child.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            raise
+        except BaseException:
+            child.kill()
+            raise

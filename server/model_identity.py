@@ -24,9 +24,9 @@ import logging
 import mmap
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from laneserve.server.log_events import log_event
 
@@ -191,7 +191,7 @@ def _file_identity(file: io.FileIO) -> _FileIdentity:
     return (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
 
 
-def _varint(data: mmap.mmap, position: int) -> tuple[int, int]:
+def read_varint(data: mmap.mmap, position: int) -> tuple[int, int]:
     """The protobuf varint at `position`, and the position after it. ValueError past its
     tenth byte: read on, a run of bytes >= 0x80 (garbage, not a model) would grow one
     number as long as the run, in time quadratic in its length."""
@@ -206,6 +206,48 @@ def _varint(data: mmap.mmap, position: int) -> tuple[int, int]:
         shift += 7
         if shift > _VARINT_MAX_SHIFT:
             raise ValueError(f"a protobuf varint at byte {start} runs past 10 bytes")
+
+
+class ProtobufField(NamedTuple):
+    """One field of a protobuf message as the wire holds it (`protobuf_fields`)."""
+
+    number: int
+    wire_type: int  # 0 varint, 1 fixed 64 bits, 2 length-delimited, 5 fixed 32 bits
+    value: int  # a varint's value, a length-delimited field's length; 0 for fixed
+    start: int  # the tag's first byte
+    value_start: int  # the value's first byte (after a length-delimited field's length)
+    end: int  # the byte after the field
+
+
+def protobuf_fields(data: mmap.mmap, start: int, end: int) -> Iterator[ProtobufField]:
+    """The fields of the protobuf message in `data[start:end]`, in the order written,
+    each read up to its value, never into it: a 2 GiB weight is one field stepped over.
+    ValueError (or IndexError) when the message is not well-formed: one of zeros (field
+    0, which protobuf never writes) is refused at its first byte, not stepped through a
+    byte at a time. model_identity and static_estimate walk a model with it."""
+    position = start
+    while position < end:
+        tag_start = position
+        tag, position = read_varint(data, position)
+        number, wire_type = tag >> 3, tag & 7
+        if number == 0:
+            raise ValueError(f"protobuf field number 0 at byte {tag_start}")
+        value = 0
+        value_start = position
+        if wire_type == 0:
+            value, position = read_varint(data, position)
+        elif wire_type in (1, 5):  # fixed 64 and 32 bits
+            position += 8 if wire_type == 1 else 4
+        elif wire_type == 2:  # noqa: PLR2004 - length-delimited; groups are not ONNX's
+            value, value_start = read_varint(data, position)
+            position = value_start + value
+            if position > end:
+                raise ValueError(f"a field at byte {value_start} runs past its message")
+        else:
+            raise ValueError(f"protobuf wire type {wire_type} at byte {position}")
+        yield ProtobufField(number, wire_type, value, tag_start, value_start, position)
+    if position != end:
+        raise ValueError(f"a field at byte {position} runs past its message")
 
 
 def _external_locations(data: mmap.mmap) -> list[str]:
@@ -225,35 +267,18 @@ def _external_locations(data: mmap.mmap) -> list[str]:
         # reads. The two fields may come in either order.
         location: str | None = None
         external = False
-        position = start
-        while position < end:
-            tag_start = position
-            tag, position = _varint(data, position)
-            field, wire_type = tag >> 3, tag & 7
-            if field == 0:
-                raise ValueError(f"protobuf field number 0 at byte {tag_start}")
-            if wire_type == 0:
-                value, position = _varint(data, position)
-                if kind == _TENSOR and field == _TENSOR_DATA_LOCATION:
-                    external = value == _EXTERNAL
+        for field in protobuf_fields(data, start, end):
+            if field.wire_type == 0:
+                if kind == _TENSOR and field.number == _TENSOR_DATA_LOCATION:
+                    external = field.value == _EXTERNAL
+            elif field.wire_type != 2:  # noqa: PLR2004 - length-delimited
                 continue
-            if wire_type in (1, 5):  # fixed 64 and 32 bits
-                position += 8 if wire_type == 1 else 4
-                continue
-            if wire_type != 2:  # noqa: PLR2004 - length-delimited; groups are not ONNX's
-                raise ValueError(f"protobuf wire type {wire_type} at byte {position}")
-            length, position = _varint(data, position)
-            if position + length > end:
-                raise ValueError(f"a field at byte {position} runs past its message")
-            if kind == _TENSOR and field == _TENSOR_EXTERNAL_DATA:
-                key, entry = _string_entry(data, position, position + length)
+            elif kind == _TENSOR and field.number == _TENSOR_EXTERNAL_DATA:
+                key, entry = _string_entry(data, field.value_start, field.end)
                 if key == "location":
                     location = entry
-            elif (inner := _HOLDS.get(kind, {}).get(field)) is not None:
-                walk(inner, position, position + length)
-            position += length
-        if position != end:
-            raise ValueError(f"a field at byte {position} runs past its message")
+            elif (inner := _HOLDS.get(kind, {}).get(field.number)) is not None:
+                walk(inner, field.value_start, field.end)
         if external and location is not None:
             locations.setdefault(location)
 
@@ -266,10 +291,10 @@ def _string_entry(data: mmap.mmap, start: int, end: int) -> tuple[str, str]:
     fields = {1: "", 2: ""}
     position = start
     while position < end:
-        tag, position = _varint(data, position)
+        tag, position = read_varint(data, position)
         if tag & 7 != 2:  # noqa: PLR2004 - both fields are strings
             raise ValueError(f"an external_data entry at byte {start} holds a non-string")
-        length, position = _varint(data, position)
+        length, position = read_varint(data, position)
         fields[tag >> 3] = data[position : position + length].decode()
         position += length
     return fields[1], fields[2]

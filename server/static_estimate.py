@@ -1,6 +1,7 @@
 """A model's memory from its file alone: weights, and per-row activations from ONNX shape
-inference. Run as a script in a child process (`memory.estimate_memory`), so it imports
-nothing from laneserve and the serving process never imports onnx or parses the weights.
+inference. Run as a script in a child process (`memory.estimate_memory`), so the serving
+process never imports onnx or parses the weights; of laneserve it imports only
+model_identity's protobuf walk, which nothing of onnx's or the server's comes with.
 
     python .../static_estimate.py MODEL [PROBE_SHAPES]   # prints: FIXED_BYTES PER_ROW_BYTES
 
@@ -12,14 +13,32 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import onnx
+
+from laneserve.server.model_identity import protobuf_fields, read_varint
 
 # Initializers larger than this lose their data before shape inference (small ones may
 # be shape constants that inference folds, e.g. a Reshape target).
 _KEEP_INITIALIZER_BYTES = 4 * 1024
+
+# ONNX's field numbers (onnx.proto) on the way to the weights, and the fields of a
+# tensor that hold its data inline (float_data, int32_data, int64_data, raw_data,
+# double_data, uint64_data; string_data is kept: a STRING weight is counted 8 bytes an
+# element whatever its strings, as ever).
+_MODEL_GRAPH = 7
+_GRAPH_NODE, _GRAPH_INITIALIZER = 1, 5
+_NODE_OP_TYPE, _NODE_ATTRIBUTE = 4, 5
+_ATTRIBUTE_NAME, _ATTRIBUTE_TENSOR = 1, 5
+_TENSOR_DIMS, _TENSOR_DATA_TYPE = 1, 2
+_TENSOR_DATA = frozenset({4, 5, 7, 9, 10, 11})
+_LENGTH_DELIMITED = 2
+# int64 dims as the wire holds them: a negative one is its two's complement in 64 bits.
+_INT64_SIGN = 1 << 63
 
 # Bits per element of the types ONNX packs below a byte (onnx.proto, TensorProto.raw_data:
 # two 4-bit, four 2-bit, or four 6-bit elements in three bytes, the last byte padded).
@@ -45,7 +64,7 @@ def static_estimate(
     a starting point that the start-up probe verifies by running). A row is one of the
     shapes the probe runs: `probe_shapes` (input name -> its shape after the row axis)
     for the inputs' dynamic sizes, 1 for those not given."""
-    model = onnx.load(model_path, load_external_data=False)
+    model = _load_without_weights(model_path)
     _fix_input_sizes(model.graph, probe_shapes or {})
     # Weights are initializers, or the `value` of Constant nodes (some exporters write
     # them so): counted from initializers alone, such a model's weights were 0 bytes and
@@ -60,15 +79,7 @@ def static_estimate(
             if attribute.name == "value"
         ),
     ]
-    fixed_bytes = 0
-    for tensor in weights:
-        size = _tensor_bytes(tensor.data_type, math.prod(tensor.dims))
-        fixed_bytes += size
-        if size > _KEEP_INITIALIZER_BYTES:
-            # Shapes are all inference needs; dropping the weights' bytes keeps the
-            # serialized copy handed to inference small.
-            for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data"):
-                tensor.ClearField(field)
+    fixed_bytes = sum(_tensor_bytes(tensor.data_type, math.prod(tensor.dims)) for tensor in weights)
     graph = onnx.shape_inference.infer_shapes(model).graph
     per_row_bytes = 0
     batch_dims = {
@@ -84,6 +95,127 @@ def static_estimate(
         row_elements = math.prod(dim.dim_value or 1 for dim in dims[1:])
         per_row_bytes += _tensor_bytes(tensor_type.elem_type, row_elements)
     return int(fixed_bytes), int(per_row_bytes)
+
+
+def _load_without_weights(model_path: str) -> onnx.ModelProto:
+    """The model in `model_path` (protobuf, its external data not read), parsed from a
+    copy without its weights' data: the weights larger than _KEEP_INITIALIZER_BYTES lose
+    their inline data, keeping their dims and data_type. Parsed whole (`onnx.load`), a
+    model of 1.5 GiB of inline weights took 3.1 GiB to estimate, its weights read into
+    the protobuf and copied again, only to be dropped: a pod sized for twice its model
+    could be killed for memory at start-up. The file is mapped and walked field by field
+    (`protobuf_fields`), the weights' data stepped over unread."""
+    with (
+        Path(model_path).open("rb") as file,
+        mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data,
+    ):
+        try:
+            stripped = model_without_weights(data)
+        except (IndexError, ValueError) as error:  # IndexError: a varint cut by the end
+            raise ValueError(
+                f"{model_path}: not a well-formed ONNX model file ({error})"
+            ) from error
+    return onnx.load_from_string(stripped)
+
+
+def model_without_weights(data: mmap.mmap) -> bytes:
+    """The serialized ModelProto in `data` without the data of its weights larger than
+    _KEEP_INITIALIZER_BYTES: the main graph's initializers and the `value` of its
+    Constant nodes, the weights `static_estimate` counts. Every other field is copied as
+    it is: a message's fields in their order, only the lengths of those holding a weight
+    rewritten. ValueError (or IndexError) when `data` is not a well-formed protobuf."""
+    return _copy(data, 0, len(data), {_MODEL_GRAPH: _graph})
+
+
+_Rewrite = Callable[[mmap.mmap, int, int], bytes]
+
+
+def _copy(data: mmap.mmap, start: int, end: int, rewrites: Mapping[int, _Rewrite]) -> bytes:
+    """The message in `data[start:end]` with its length-delimited fields numbered in
+    `rewrites` rewritten by theirs, and every other field as it is."""
+    parts: list[bytes] = []
+    for field in protobuf_fields(data, start, end):
+        rewrite = rewrites.get(field.number)
+        if rewrite is None or field.wire_type != _LENGTH_DELIMITED:
+            parts.append(data[field.start : field.end])
+            continue
+        value = rewrite(data, field.value_start, field.end)
+        parts += [
+            _varint_bytes(field.number << 3 | _LENGTH_DELIMITED),
+            _varint_bytes(len(value)),
+            value,
+        ]
+    return b"".join(parts)
+
+
+def _graph(data: mmap.mmap, start: int, end: int) -> bytes:
+    return _copy(data, start, end, {_GRAPH_NODE: _node, _GRAPH_INITIALIZER: _tensor})
+
+
+def _node(data: mmap.mmap, start: int, end: int) -> bytes:
+    """A node, the `value` of a Constant node without its weight's data (as
+    `static_estimate` counts them, from any domain)."""
+    op_type = _last_string(data, start, end, _NODE_OP_TYPE)
+    if op_type != b"Constant":
+        return data[start:end]
+    return _copy(data, start, end, {_NODE_ATTRIBUTE: _attribute})
+
+
+def _attribute(data: mmap.mmap, start: int, end: int) -> bytes:
+    if _last_string(data, start, end, _ATTRIBUTE_NAME) != b"value":
+        return data[start:end]
+    return _copy(data, start, end, {_ATTRIBUTE_TENSOR: _tensor})
+
+
+def _tensor(data: mmap.mmap, start: int, end: int) -> bytes:
+    """A tensor, without its inline data where it weighs more than
+    _KEEP_INITIALIZER_BYTES: its dims (packed or not) and data_type are all inference
+    needs of it."""
+    dims: list[int] = []
+    data_type = 0
+    for field in protobuf_fields(data, start, end):
+        if field.number == _TENSOR_DATA_TYPE and field.wire_type == 0:
+            data_type = field.value
+        elif field.number == _TENSOR_DIMS and field.wire_type == 0:
+            dims.append(field.value)
+        elif field.number == _TENSOR_DIMS and field.wire_type == _LENGTH_DELIMITED:
+            position = field.value_start
+            while position < field.end:
+                dim, position = read_varint(data, position)
+                dims.append(dim)
+    signed_dims = [dim - 2 * _INT64_SIGN if dim >= _INT64_SIGN else dim for dim in dims]
+    try:
+        size = _tensor_bytes(data_type, math.prod(signed_dims))
+    except KeyError:  # no data_type here (a tensor written twice, merged by protobuf)
+        return data[start:end]  # kept whole: the count after parsing sizes it
+    if size <= _KEEP_INITIALIZER_BYTES:
+        # Small ones may be shape constants that inference folds (a Reshape target).
+        return data[start:end]
+    return b"".join(
+        data[field.start : field.end]
+        for field in protobuf_fields(data, start, end)
+        if field.number not in _TENSOR_DATA
+    )
+
+
+def _last_string(data: mmap.mmap, start: int, end: int, number: int) -> bytes | None:
+    """The bytes of field `number` of the message in `data[start:end]` (the last written,
+    as protobuf reads a field written twice), None where it is not set."""
+    value = None
+    for field in protobuf_fields(data, start, end):
+        if field.number == number and field.wire_type == _LENGTH_DELIMITED:
+            value = data[field.value_start : field.end]
+    return value
+
+
+def _varint_bytes(value: int) -> bytes:
+    """`value` (>= 0) as a protobuf varint."""
+    encoded = bytearray()
+    while value >= 0x80:  # noqa: PLR2004 - the continuation bit
+        encoded.append(value & 0x7F | 0x80)
+        value >>= 7
+    encoded.append(value)
+    return bytes(encoded)
 
 
 def _tensor_bytes(data_type: int, elements: int) -> int:

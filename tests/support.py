@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import base64
 import contextlib
 import dataclasses
@@ -280,10 +281,35 @@ def run_text(
 
 
 def unused_port() -> int:
+    """A port free now, for a server a test starts on it (closed again: another process
+    on the machine may take it meanwhile; for a port nothing may answer on, see
+    `refusing_port`)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
     return port  # closed again: nothing listens on it
+
+
+# Sockets bound and never listening, held until the test process ends (see
+# `refusing_port`).
+_REFUSING: list[socket.socket] = []
+
+
+@atexit.register
+def _close_refusing() -> None:
+    for sock in _REFUSING:
+        sock.close()
+
+
+def refusing_port() -> int:
+    """A port where every connect is refused: bound and never listening, held for the
+    test process's life, so that no server (this run's, or another's on the machine)
+    takes it meanwhile, as one could a port picked and closed again."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    _REFUSING.append(sock)
+    port: int = sock.getsockname()[1]
+    return port
 
 
 class FakeTimers:

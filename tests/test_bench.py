@@ -91,7 +91,7 @@ from laneserve.server.cli import _parser
 from laneserve.server.engine import Engine
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
-from tests.support import REPO, estimate_once, run_text, unused_port
+from tests.support import REPO, estimate_once, refusing_port, run_text
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 
@@ -2199,7 +2199,7 @@ def test_the_admission_simulator_refuses_a_load_it_could_not_draw_naming_the_fla
 
 def test_a_target_nothing_listens_on_is_refused_naming_it(tmp_path: Path) -> None:
     """GetModel's UNAVAILABLE left `laneserve bench` as a gRPC traceback, exit 1."""
-    target = f"127.0.0.1:{unused_port()}"
+    target = f"127.0.0.1:{refusing_port()}"
     stderr = bench_refused(tmp_path, "--target", target, "--scenarios", "a")
     assert f"laneserve bench: --target {target}: UNAVAILABLE: " in stderr
     assert "expected a reachable laneserve.v1 endpoint" in stderr
@@ -2212,7 +2212,7 @@ def test_a_server_that_stops_answering_mid_run_ends_the_run_naming_it(
     """A server under test that exited mid-run (its GetStats at a window boundary got
     UNAVAILABLE) left `laneserve bench` as a gRPC traceback, exit 1, though every process
     it started was stopped."""
-    target = f"127.0.0.1:{unused_port()}"
+    target = f"127.0.0.1:{refusing_port()}"
     with pytest.raises(procs.ServerError, match=f"GetStats on {target}: UNAVAILABLE: "):
         get_stats(target)
 

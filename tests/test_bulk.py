@@ -42,13 +42,13 @@ from tests.support import (
     estimate_once,
     output,
     queued_rows,
+    refusing_port,
     request,
     rich_status,
     rows,
     serving,
     until,
     until_stats,
-    unused_port,
 )
 
 pytestmark = pytest.mark.usefixtures("no_backoff_sleeps")
@@ -501,9 +501,8 @@ def test_a_job_outlasts_a_restart_longer_than_its_retry_attempts(small_model: Pa
             ):
                 results.append(result)
                 if len(results) == first:
-                    # Nothing listens at unused_port(): a refused connection is the point.
-                    # (Picked, then closed: a listener that took it since fails this test.)
-                    proxy.retarget(unused_port())  # the address is down
+                    # Nothing listens at refusing_port(): a refused connection is the point.
+                    proxy.retarget(refusing_port())  # the address is down
                     await a.server.stop(grace_s=5.0)
                     asyncio.get_running_loop().call_later(1.5, proxy.retarget, b.server.port)
                     go.set()
@@ -536,9 +535,8 @@ def test_in_test_mode_the_resume_window_counts_the_skipped_backoff(small_model: 
                 async for result in client.stream(paused_at(first, first + 2, go), job_id="gone"):
                     results.append(result)
                     if len(results) == first:
-                        # Nothing listens at unused_port(): a refused connection is the point.
-                        # (Picked, then closed: a listener that took it since fails this test.)
-                        proxy.retarget(unused_port())  # the address is down for good
+                        # Nothing listens at refusing_port(): a refused connection is the point.
+                        proxy.retarget(refusing_port())  # the address is down for good
                         await a.server.stop(grace_s=5.0)
                         go.set()
 
@@ -1521,9 +1519,8 @@ def test_an_item_is_not_retried_past_its_timeout_ms(small_model: Path) -> None:
 
 def test_unreachable_server_ends_the_job_with_the_connection_error() -> None:
     async def scenario() -> None:
-        # Nothing listens at unused_port(): a refused connection is the point.
-        # (Picked, then closed: a listener that took it since fails this test.)
-        port = unused_port()
+        # Nothing listens at refusing_port(): a refused connection is the point.
+        port = refusing_port()
         async with lc.AsyncClient(f"127.0.0.1:{port}", retry=lc.RetryPolicy(max_attempts=2)) as c:
             with pytest.raises(lc.UnavailableError) as caught:
                 await collect(c.stream([{"input": rows(1)}]))

@@ -44,9 +44,9 @@ from tests.support import (
     client_cli,
     estimate_once,
     queued_rows,
+    refusing_port,
     rows,
     serving,
-    unused_port,
 )
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads", "no_backoff_sleeps")
@@ -686,9 +686,8 @@ def test_reused_request_id_with_other_inputs_is_refused(small_model: Path) -> No
 def test_no_server_is_unavailable_error_after_the_capped_attempts() -> None:
     async def scenario() -> None:
         policy = lc.RetryPolicy(max_attempts=3)
-        # Nothing listens at unused_port(): a refused connection is the point.
-        # (Picked, then closed: a listener that took it since fails this test.)
-        async with lc.AsyncClient(f"127.0.0.1:{unused_port()}", retry=policy) as client:
+        # Nothing listens at refusing_port(): a refused connection is the point.
+        async with lc.AsyncClient(f"127.0.0.1:{refusing_port()}", retry=policy) as client:
             with pytest.raises(lc.UnavailableError) as caught:
                 await client.infer({"input": rows(1)})
             with pytest.raises(lc.UnavailableError):
@@ -744,9 +743,8 @@ def test_a_stream_that_gives_up_says_how_much_of_its_source_it_read() -> None:
     async def scenario() -> lc.UnavailableError:
         policy = lc.RetryPolicy(max_attempts=2)
         items = ({"input": rows(1)} for _ in range(1000))
-        # Nothing listens at unused_port(): a refused connection is the point.
-        # (Picked, then closed: a listener that took it since fails this test.)
-        async with lc.AsyncClient(f"127.0.0.1:{unused_port()}", retry=policy) as client:
+        # Nothing listens at refusing_port(): a refused connection is the point.
+        async with lc.AsyncClient(f"127.0.0.1:{refusing_port()}", retry=policy) as client:
             with pytest.raises(lc.UnavailableError) as caught:
                 async for _ in client.stream(items, window=4):
                     pass
@@ -787,9 +785,8 @@ def test_items_refused_before_sending_are_no_progress_of_a_broken_call() -> None
 
     async def scenario() -> None:
         policy = lc.RetryPolicy(max_attempts=2)
-        # Nothing listens at unused_port(): a refused connection is the point.
-        # (Picked, then closed: a listener that took it since fails this test.)
-        target = f"127.0.0.1:{unused_port()}"
+        # Nothing listens at refusing_port(): a refused connection is the point.
+        target = f"127.0.0.1:{refusing_port()}"
         async with lc.AsyncClient(target, retry=policy, interceptors=[CountCalls()]) as client:
             with pytest.raises(lc.UnavailableError):
                 async for _ in client.stream(items(), window=4):
@@ -1458,7 +1455,7 @@ def test_a_request_the_client_refuses_is_invalid_input_never_sent() -> None:
     listens: a request that were sent would fail UNAVAILABLE."""
 
     async def scenario() -> None:
-        async with lc.AsyncClient(f"127.0.0.1:{unused_port()}") as client:
+        async with lc.AsyncClient(f"127.0.0.1:{refusing_port()}") as client:
             x = {"input": rows(1)}
             for request_id, message in (
                 ("y" * 300, "request_id is 300 bytes, over the server's limit of 256 bytes"),
@@ -1799,9 +1796,8 @@ def test_testing_switch_caps_attempts_without_sleeping() -> None:
 
     async def scenario() -> None:
         slow = lc.RetryPolicy(max_attempts=10, initial_backoff_s=60.0)
-        # Nothing listens at unused_port(): a refused connection is the point.
-        # (Picked, then closed: a listener that took it since fails this test.)
-        async with lc.AsyncClient(f"127.0.0.1:{unused_port()}", retry=slow) as client:
+        # Nothing listens at refusing_port(): a refused connection is the point.
+        async with lc.AsyncClient(f"127.0.0.1:{refusing_port()}", retry=slow) as client:
             with pytest.raises(lc.UnavailableError) as caught:
                 await asyncio.wait_for(client.infer({"input": rows(1)}), timeout=30)
         assert caught.value.attempts == 2

@@ -26,11 +26,11 @@ from tests.support import (
     REPO,
     RecordingEngine,
     queued_rows,
+    refusing_port,
     rows,
     run_text,
     serving,
     until,
-    unused_port,
 )
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads", "no_backoff_sleeps")
@@ -264,7 +264,7 @@ def test_a_second_close_from_another_thread_returns_once_the_client_is_closed(
         held_closes.append(self)
 
     monkeypatch.setattr(lc.AsyncClient, "close", held_close)
-    client = lc.Client(f"127.0.0.1:{unused_port()}")
+    client = lc.Client(f"127.0.0.1:{refusing_port()}")
     decided = threading.Event()  # the second close() returned, or waits for the first
     client._close_done = WaitWatched(decided)
     seen_on_return: list[tuple[bool, int]] = []
@@ -305,7 +305,7 @@ def test_a_second_close_on_the_clients_own_thread_returns_without_waiting_for_it
         await original(self)
 
     monkeypatch.setattr(lc.AsyncClient, "close", held_close)
-    client = lc.Client(f"127.0.0.1:{unused_port()}")
+    client = lc.Client(f"127.0.0.1:{refusing_port()}")
 
     async def close_there() -> None:
         client.close()
@@ -515,7 +515,7 @@ def test_a_client_collected_unclosed_warns_and_stops_its_thread(small_model: Pat
 def test_a_client_collected_on_its_own_thread_stops_it_without_waiting_for_itself() -> None:
     """The last reference goes on the client's own loop thread: the finalizer there
     stops the loop once it returns, rather than joining its own thread."""
-    holder = [lc.Client(f"127.0.0.1:{unused_port()}")]
+    holder = [lc.Client(f"127.0.0.1:{refusing_port()}")]
     loop, thread = holder[0]._loop, holder[0]._thread
 
     async def drop() -> None:
@@ -864,7 +864,7 @@ def test_an_async_client_retries_on_each_loop_it_serves_in_turn() -> None:
     bound to a different event loop". Each loop's calls wait on one of their own."""
     lc.set_testing(False)  # a backoff of no wait at all binds nothing: a real one, 1 ms
     policy = lc.RetryPolicy(max_attempts=2, initial_backoff_s=0.001, max_backoff_s=0.001)
-    client = lc.AsyncClient(f"127.0.0.1:{unused_port()}", retry=policy)
+    client = lc.AsyncClient(f"127.0.0.1:{refusing_port()}", retry=policy)
     for _ in range(2):
         with pytest.raises(lc.UnavailableError) as failed:
             asyncio.run(client.model(timeout=HANG_S))
@@ -976,7 +976,7 @@ def test_an_async_client_refuses_calls_and_close_from_another_loop_while_its_own
 
 def test_an_async_client_closed_before_any_call_opens_no_channel() -> None:
     """close() before the first call: there is no channel to close, and no call opens one."""
-    client = lc.AsyncClient(f"127.0.0.1:{unused_port()}")
+    client = lc.AsyncClient(f"127.0.0.1:{refusing_port()}")
     asyncio.run(client.close())
     with pytest.raises(lc.ClientClosedError):
         asyncio.run(client.infer({"input": rows(1)}, timeout=HANG_S))

@@ -344,7 +344,7 @@ def test_the_estimate_runs_before_the_session_is_made(
     weights). Without a CPU budget it ran once the server's session held the weights:
     server and child peaked at 927 MiB together, 657 with the child first."""
     order: list[str] = []
-    run_child, make_session = subprocess.run, ort.InferenceSession
+    run_child, make_session = subprocess.Popen, ort.InferenceSession
 
     def recorded_child(argv: Sequence[str], *args: Any, **kwargs: Any) -> Any:
         if any(str(arg).endswith("static_estimate.py") for arg in argv):
@@ -355,7 +355,7 @@ def test_the_estimate_runs_before_the_session_is_made(
         order.append("session")
         return make_session(*args, **kwargs)
 
-    monkeypatch.setattr(subprocess, "run", recorded_child)
+    monkeypatch.setattr(subprocess, "Popen", recorded_child)
     monkeypatch.setattr(ort, "InferenceSession", recorded_session)
     config = ServerConfig(model_path=str(small_model), device="cpu", metrics_port=-1)
     server = LaneServer(load_engine(config), config)

@@ -470,3 +470,166 @@ def test_the_server_keeps_onnx_runtime_telemetry_off_unless_told(
     assert done.returncode == 0, done.stderr
     device_ids = list(tmp_path.rglob("deviceid"))
     assert bool(device_ids) is sends, device_ids
+
+
+# `laneserve serve` whose start-up probe holds at its first batch size until a line
+# arrives on stdin, and says on stderr which sizes it times (a large model's probe: tens
+# of seconds). The engine's own timing runs once released: nothing is faked.
+# SIGINT starts at its default, as a terminal's session leaves it (a test run in the
+# background of a non-interactive shell ignores it, and a server keeps it ignored).
+HELD_IN_PROBE = """
+import signal, sys
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+from laneserve.server import cli, engine
+time_rows = engine.Engine._time_rows
+def held(self, rows, repeats):
+    sys.stderr.write(f"probe timing {rows} rows\\n")  # one write: log lines go between
+    sys.stderr.flush()
+    if rows == 1:
+        sys.stdin.readline()
+    return time_rows(self, rows, repeats)
+engine.Engine._time_rows = held
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def _lines_until(process: subprocess.Popen[str], text: str) -> list[str]:
+    """stderr's lines up to and with the first holding `text`; a process that writes none
+    within the start timeout is killed (its stderr ends: the test fails, not hangs)."""
+    assert process.stderr is not None
+    watchdog = threading.Timer(START_TIMEOUT_S, process.kill)
+    watchdog.start()
+    lines: list[str] = []
+    try:
+        for line in process.stderr:
+            lines.append(line)
+            if text in line:
+                return lines
+    finally:
+        watchdog.cancel()
+    raise AssertionError(f"no line with {text!r}:\n{''.join(lines)}")
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_during_the_probe_skips_its_remaining_sizes(
+    small_model: Path, stop: signal.Signals
+) -> None:
+    """A SIGTERM while starting waited for the whole load and probe (a 1.5 GiB model:
+    18.8 s from the signal), though nothing would be served. The probe stops before its
+    next batch size: no `probe` line, and the start ends as stopped before serving (exit
+    0). The load itself is announced first (`loading`, with the model's size): a log
+    that said nothing for tens of seconds."""
+    command = [sys.executable, "-c", HELD_IN_PROBE, "serve", "--model", str(small_model)]
+    with subprocess.Popen(
+        [*command, "--port", "0", "--metrics-port", "0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as process:
+        assert process.stdin is not None
+        assert process.stderr is not None
+        try:
+            before = _lines_until(process, "probe timing 1 rows")
+            process.send_signal(stop)
+            before += _lines_until(process, f"{stop.name} while starting")
+            process.stdin.write("\n")
+            process.stdin.flush()
+            watchdog = threading.Timer(START_TIMEOUT_S, process.kill)  # fails, not hangs
+            watchdog.start()
+            try:
+                after = process.stderr.read()
+            finally:
+                watchdog.cancel()
+            assert process.wait(timeout=START_TIMEOUT_S) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert "stopped before serving" in after
+    assert "probe timing" not in after, "a batch size after the signal was timed"
+    assert " probe: " not in after
+    assert "serving " not in after.replace("stopped before serving", "")
+    loading = [line for line in [*before, *after.splitlines()] if " loading " in line]
+    assert len(loading) == 1, before
+    assert f"file_bytes={small_model.stat().st_size}" in loading[0]
+
+
+# Holds the static memory estimate's child (`python static_estimate.py MODEL SHAPES`)
+# before it reads the model, writing its pid to the file named by
+# LANESERVE_TEST_ESTIMATE_PID: a large model's estimate (up to 120 s, GBs resident).
+# Every other process on that PYTHONPATH goes on untouched.
+HELD_ESTIMATE_SITECUSTOMIZE = """
+import os, sys, time
+if any(arg.endswith("static_estimate.py") for arg in sys.orig_argv):
+    with open(os.environ["LANESERVE_TEST_ESTIMATE_PID"], "w") as pid_file:
+        pid_file.write(str(os.getpid()))
+    time.sleep(600)
+"""
+
+
+def _children(pid: int) -> set[int]:
+    """The children of process `pid`, each thread's (/proc lists them by the thread
+    that started them: the estimate's is the loading thread's)."""
+    children: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            children.update(int(child) for child in (task / "children").read_text().split())
+    return children
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not: it has ended, unreaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads processes from /proc")
+def test_a_stop_signal_while_starting_ends_the_static_estimate_child(
+    small_model: Path, tmp_path: Path
+) -> None:
+    """A stop signal while starting ends the static estimate's child (its answer would go
+    unused: the start waited up to 120 s for it), and the second signal ends the process
+    at once (`die_by_signal`): the child, still parsing the model, had run on (PPID 1,
+    GBs resident)."""
+    customize = tmp_path / "customize"
+    customize.mkdir()
+    (customize / "sitecustomize.py").write_text(HELD_ESTIMATE_SITECUSTOMIZE)
+    pid_file = tmp_path / "estimate.pid"
+    environ = dict(os.environ, LANESERVE_TEST_ESTIMATE_PID=str(pid_file))
+    environ["PYTHONPATH"] = os.pathsep.join(
+        [str(customize), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    process = subprocess.Popen(
+        [*SERVE, "--model", str(small_model), "--port", "0"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environ,
+    )
+    estimate_pid = None
+    try:
+        until_s = time.monotonic() + START_TIMEOUT_S
+        while not pid_file.exists() or not pid_file.read_text():  # held, before the model
+            assert process.poll() is None, "the server ended before its estimate started"
+            assert time.monotonic() < until_s, "the estimate child never started"
+            time.sleep(0.01)
+        estimate_pid = int(pid_file.read_text())
+        assert estimate_pid in _children(process.pid)
+        process.send_signal(signal.SIGTERM)
+        _lines_until(process, "SIGTERM while starting")
+        until_s = time.monotonic() + START_TIMEOUT_S
+        while _alive(estimate_pid):  # the first signal ends it
+            assert time.monotonic() < until_s, "the estimate child outlived the first signal"
+            time.sleep(0.01)
+        process.send_signal(signal.SIGINT)  # not SIGTERM again: that may count as one
+        assert process.wait(timeout=START_TIMEOUT_S) in (0, -signal.SIGINT)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate(timeout=START_TIMEOUT_S)
+        if estimate_pid is not None and _alive(estimate_pid):
+            os.kill(estimate_pid, signal.SIGKILL)

@@ -2404,7 +2404,8 @@ def test_a_cancelled_stream_leaves_the_call_count(small_model: Path) -> None:
             stream.cancel()
             engine.release()
             codes = []
-            for _ in range(200):  # the cancellation reaches the server
+            until_s = time.monotonic() + 30  # the cancellation reaches the server
+            while time.monotonic() < until_s:
                 try:
                     return len((await s.stub.Infer(request(rows(1)), timeout=10)).outputs)
                 except grpc.aio.AioRpcError as error:
