@@ -1285,10 +1285,6 @@ class LaneServer:
         # Its own Channelz id: the ids made while it was made. Read with no await between,
         # and under a lock of the process's: ids read around start()'s awaits, or while
         # a server started on another thread's loop, counted that server's as this one's.
-        with _SERVERS_BEING_MADE:
-            known = GrpcCallCounts.server_ids()
-            server = self._bare_grpc_server(max_pending_calls)
-            channelz_ids = frozenset(GrpcCallCounts.server_ids() - known)
         thread = self._thread
         assert thread is not None
         gate = CallGate(
@@ -1297,7 +1293,14 @@ class LaneServer:
             self.config.max_concurrent_rpcs,
             ACCEPT_BELOW_BATCHES * thread.max_batch_cap,
         )
-        handlers = add_to_server(servicer, server, gate)
+        with _SERVERS_BEING_MADE:
+            known = GrpcCallCounts.server_ids()
+            server = self._bare_grpc_server(max_pending_calls)
+            channelz_ids = frozenset(GrpcCallCounts.server_ids() - known)
+            # Its handlers registered under the lock too: gRPC's core aborted the process
+            # (once in a CI run) when Channelz listed the servers on one thread while
+            # another registered a server's methods.
+            handlers = add_to_server(servicer, server, gate)
         acceptors = ParallelAcceptors(
             server,
             f"/{SERVICE_NAME}/Infer",
