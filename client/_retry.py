@@ -4,8 +4,8 @@ never past the caller's deadline.
 The delay before retry ``n`` (1 for the first retry) is::
 
     base = min(max_backoff_s, initial_backoff_s * multiplier ** (n - 1))
-    hinted = uniform(server_hint_s, min(server_hint_s * (1 + jitter), max_backoff_s))
-    # (max_backoff_s itself for a hint at or above it)
+    hint = min(server_hint_s, max_backoff_s)
+    hinted = uniform(hint, min(hint * (1 + jitter), max_backoff_s))
     delay = max(hinted, base * uniform(1 - jitter, 1))
 
 so a server that says "retry in 40 ms" (``RetryInfo`` / ``grpc-retry-pushback-ms``) is
@@ -135,11 +135,10 @@ class RetryPolicy:
         if server_hint_s is None:
             return backoff
         cap = self.max_backoff_s
-        if server_hint_s >= cap:
-            return cap
-        top = min(server_hint_s * (1 + self.jitter), cap)
+        hint = min(server_hint_s, cap)
+        top = min(hint * (1 + self.jitter), cap)  # the cap itself for a hint at it
         draw = (rng or _RNG).random()
-        return max(server_hint_s + (top - server_hint_s) * draw, backoff)
+        return max(hint + (top - hint) * draw, backoff)
 
 
 # The least `token_ratio`: tokens are counted in thousandths.
@@ -240,12 +239,7 @@ def is_overload(error: LaneserveError) -> bool:
 def checked_budget(budget: object, field: str) -> RetryBudget | None:
     """`budget` (a client's `field`), a RetryBudget or None; TypeError naming `field`
     for anything else."""
-    if budget is not None and not isinstance(budget, RetryBudget):
-        raise TypeError(
-            f"{field}: expected a RetryBudget or None, got {type(budget).__name__} "
-            f"({reprlib.repr(budget)})"
-        )
-    return budget
+    return _checked_optional(budget, RetryBudget, field)
 
 
 NO_RETRIES = RetryPolicy(max_attempts=1)
@@ -258,12 +252,19 @@ def checked_policy(retry: object, field: str) -> RetryPolicy | None:
         TypeError: anything else, naming `field` (``retry=3`` failed at the call with
             "'int' object has no attribute 'max_attempts'").
     """
-    if retry is not None and not isinstance(retry, RetryPolicy):
+    return _checked_optional(
+        retry, RetryPolicy, field, "; RetryPolicy(max_attempts=N) for N attempts"
+    )
+
+
+def _checked_optional(value: object, kind: type[T], field: str, hint: str = "") -> T | None:
+    """`value` if it is a `kind` or None; TypeError naming `field` and what came."""
+    if value is not None and not isinstance(value, kind):
         raise TypeError(
-            f"{field}: expected a RetryPolicy or None, got {type(retry).__name__} "
-            f"({reprlib.repr(retry)}); RetryPolicy(max_attempts=N) for N attempts"
+            f"{field}: expected a {kind.__name__} or None, got {type(value).__name__} "
+            f"({reprlib.repr(value)}){hint}"
         )
-    return retry
+    return value
 
 
 _RNG = random.Random()  # noqa: S311 - jitter spreads retries; it guards no secret

@@ -8,8 +8,8 @@ batches had run. A model with fixed shapes has one signature, and so one cap.
 
 A shape not yet run gets its first cap from the caps out of memory taught (`BatchCaps.rows`):
 given the probed cap, every new sequence length ran out of memory once before it batched
-safely (96 of 100 lengths 400..499 under 40 MiB, each answered late after a split, with
-two warnings; now the first alone).
+safely (96 of 100 lengths 400..499 under 40 MiB in a one-off run, each answered late after a
+split, with two warnings; now the first alone: test_memory pins it on other widths).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ class BatchCaps:
         queued. Queued work of other shapes with no cap of their own keeps the price of
         the guess it was priced at when a source of that guess moves, until its rows next
         move (a trade for O(1) pricing: 60 rows priced 2.5x too cheap until then,
-        in a re-read's run; admission is that much optimistic meanwhile)."""
+        in a one-off run; admission is that much optimistic meanwhile)."""
         signature = result.batch.signature
         failed_batches = _capacity_failures(result)
         # Only a full batch that ran whole shows the cap fits: a split one (rows that
@@ -230,7 +230,7 @@ class BatchCaps:
         elements per row fit. Memory per row grows at least as fast as the elements (a
         text model's embeddings: 68 rows of length 400 fitted under 40 MiB, 34 of 800,
         17 of 1 600) and at most as their square (attention over a sequence; a row's
-        outer product: 52 rows of width 300 fitted under 18 MiB, 13 of 600). So from a
+        outer product: 52 rows of width 300 fitted under 18 MiB, 13 of 600; one-off runs). So from a
         larger shape c * e / e_new rows fit, from a smaller one c * (e / e_new)^2, and
         the larger of the two is taken: each fits. Scaled up by the elements alone, a
         cap that had recovered near its limit (52 at width 300: 26 at 600) fails at the

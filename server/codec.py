@@ -300,7 +300,7 @@ def _is_dtype(spec: TensorSpec, datatype: pb.DataType.ValueType) -> bool:
 
 def _is_other_dtype(spec: TensorSpec, datatype: pb.DataType.ValueType) -> bool:
     """Whether `datatype` is a known dtype other than `spec`'s input's."""
-    return datatype in _ITEM_BYTES and not _is_dtype(spec, datatype)
+    return datatype in _ITEM_BYTES and numpy_dtype(datatype) != spec.dtype
 
 
 def _check_against_spec(name: str, array: Array, spec: TensorSpec) -> None:

@@ -208,6 +208,10 @@ def read_varint(data: mmap.mmap, position: int) -> tuple[int, int]:
             raise ValueError(f"a protobuf varint at byte {start} runs past 10 bytes")
 
 
+# The wire type of length-delimited fields: strings, bytes, messages, packed repeats.
+LENGTH_DELIMITED = 2
+
+
 class ProtobufField(NamedTuple):
     """One field of a protobuf message as the wire holds it (`protobuf_fields`)."""
 
@@ -238,7 +242,7 @@ def protobuf_fields(data: mmap.mmap, start: int, end: int) -> Iterator[ProtobufF
             value, position = read_varint(data, position)
         elif wire_type in (1, 5):  # fixed 64 and 32 bits
             position += 8 if wire_type == 1 else 4
-        elif wire_type == 2:  # noqa: PLR2004 - length-delimited; groups are not ONNX's
+        elif wire_type == LENGTH_DELIMITED:  # groups are not ONNX's
             value, value_start = read_varint(data, position)
             position = value_start + value
             if position > end:
@@ -271,7 +275,7 @@ def _external_locations(data: mmap.mmap) -> list[str]:
             if field.wire_type == 0:
                 if kind == _TENSOR and field.number == _TENSOR_DATA_LOCATION:
                     external = field.value == _EXTERNAL
-            elif field.wire_type != 2:  # noqa: PLR2004 - length-delimited
+            elif field.wire_type != LENGTH_DELIMITED:
                 continue
             elif kind == _TENSOR and field.number == _TENSOR_EXTERNAL_DATA:
                 key, entry = _string_entry(data, field.value_start, field.end)
@@ -292,7 +296,7 @@ def _string_entry(data: mmap.mmap, start: int, end: int) -> tuple[str, str]:
     position = start
     while position < end:
         tag, position = read_varint(data, position)
-        if tag & 7 != 2:  # noqa: PLR2004 - both fields are strings
+        if tag & 7 != LENGTH_DELIMITED:  # both fields are strings
             raise ValueError(f"an external_data entry at byte {start} holds a non-string")
         length, position = read_varint(data, position)
         fields[tag >> 3] = data[position : position + length].decode()

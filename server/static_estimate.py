@@ -20,7 +20,7 @@ from pathlib import Path
 
 import onnx
 
-from laneserve.server.model_identity import protobuf_fields, read_varint
+from laneserve.server.model_identity import LENGTH_DELIMITED, protobuf_fields, read_varint
 
 # Initializers larger than this lose their data before shape inference (small ones may
 # be shape constants that inference folds, e.g. a Reshape target).
@@ -36,7 +36,6 @@ _NODE_OP_TYPE, _NODE_ATTRIBUTE = 4, 5
 _ATTRIBUTE_NAME, _ATTRIBUTE_TENSOR = 1, 5
 _TENSOR_DIMS, _TENSOR_DATA_TYPE = 1, 2
 _TENSOR_DATA = frozenset({4, 5, 7, 9, 10, 11})
-_LENGTH_DELIMITED = 2
 # int64 dims as the wire holds them: a negative one is its two's complement in 64 bits.
 _INT64_SIGN = 1 << 63
 
@@ -100,9 +99,9 @@ def static_estimate(
 def _load_without_weights(model_path: str) -> onnx.ModelProto:
     """The model in `model_path` (protobuf, its external data not read), parsed from a
     copy without its weights' data: the weights larger than _KEEP_INITIALIZER_BYTES lose
-    their inline data, keeping their dims and data_type. Parsed whole (`onnx.load`), a
-    model of 1.5 GiB of inline weights took 3.1 GiB to estimate, its weights read into
-    the protobuf and copied again, only to be dropped: a pod sized for twice its model
+    their inline data, keeping their dims and data_type. Parsed whole (`onnx.load`), the
+    child peaked at about twice the model's size (README: measured once), its weights
+    read into the protobuf and copied again, only to be dropped: a pod sized for twice its model
     could be killed for memory at start-up. The file is mapped and walked field by field
     (`protobuf_fields`), the weights' data stepped over unread."""
     with (
@@ -136,12 +135,12 @@ def _copy(data: mmap.mmap, start: int, end: int, rewrites: Mapping[int, _Rewrite
     parts: list[bytes] = []
     for field in protobuf_fields(data, start, end):
         rewrite = rewrites.get(field.number)
-        if rewrite is None or field.wire_type != _LENGTH_DELIMITED:
+        if rewrite is None or field.wire_type != LENGTH_DELIMITED:
             parts.append(data[field.start : field.end])
             continue
         value = rewrite(data, field.value_start, field.end)
         parts += [
-            _varint_bytes(field.number << 3 | _LENGTH_DELIMITED),
+            _varint_bytes(field.number << 3 | LENGTH_DELIMITED),
             _varint_bytes(len(value)),
             value,
         ]
@@ -178,7 +177,7 @@ def _tensor(data: mmap.mmap, start: int, end: int) -> bytes:
             data_type = field.value
         elif field.number == _TENSOR_DIMS and field.wire_type == 0:
             dims.append(field.value)
-        elif field.number == _TENSOR_DIMS and field.wire_type == _LENGTH_DELIMITED:
+        elif field.number == _TENSOR_DIMS and field.wire_type == LENGTH_DELIMITED:
             position = field.value_start
             while position < field.end:
                 dim, position = read_varint(data, position)
@@ -203,7 +202,7 @@ def _last_string(data: mmap.mmap, start: int, end: int, number: int) -> bytes | 
     as protobuf reads a field written twice), None where it is not set."""
     value = None
     for field in protobuf_fields(data, start, end):
-        if field.number == number and field.wire_type == _LENGTH_DELIMITED:
+        if field.number == number and field.wire_type == LENGTH_DELIMITED:
             value = data[field.value_start : field.end]
     return value
 

@@ -287,7 +287,7 @@ def unused_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
-    return port  # closed again: nothing listens on it
+    return port
 
 
 # Sockets bound and never listening, held until the test process ends (see
@@ -578,3 +578,20 @@ def no_input_model(path: Path, *, inferable: bool) -> Path:
     onnx.checker.check_model(model)
     onnx.save(model, path)
     return path
+
+
+def stderr_lines_until(process: subprocess.Popen[str], text: str) -> list[str]:
+    """stderr's lines up to and with the first holding `text`; a process that writes none
+    within the start timeout is killed (its stderr ends: the test fails, not hangs)."""
+    assert process.stderr is not None
+    watchdog = threading.Timer(START_TIMEOUT_S, process.kill)
+    watchdog.start()
+    lines: list[str] = []
+    try:
+        for line in process.stderr:
+            lines.append(line)
+            if text in line:
+                return lines
+    finally:
+        watchdog.cancel()
+    raise AssertionError(f"no line with {text!r}:\n{''.join(lines)}")

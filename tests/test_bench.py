@@ -1259,10 +1259,10 @@ def test_isolation_p99_counts_every_interactive_call_not_answered_ok_as_a_miss()
     )
 
 
-def test_a_verdict_read_from_an_unstable_point_says_so() -> None:
-    """The targets table gave "met" or "missed" alike from points marked "stable: no",
-    as solid-looking as from points that settled; so did the (d) verdicts whose
-    capacity came from an unstable (a) point."""
+def _echo_and_overload_points() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """A document with laneserve's and echo's (a) points at 32 callers (`ours` and
+    `theirs`, returned to be marked), the capacity read from ours, and a (d) point at
+    300 %: what the echo ratio and the (d) targets read."""
     document = empty_document()
     single = Stream("single", concurrency=32)
     fast = StreamWindow(sent=900, ok_latency_s=[0.01] * 900, ok_batch_rows=[4] * 900)
@@ -1270,7 +1270,6 @@ def test_a_verdict_read_from_an_unstable_point_says_so() -> None:
     echo = StreamWindow(sent=1000, ok_latency_s=[0.005] * 1000, ok_batch_rows=[1] * 1000)
     echo.outcomes.update({OK: 1000})
     ours = point_of("a", "c=32", single, fast)
-    ours["stable"] = False
     theirs = point_of("a", "c=32", single, echo)
     theirs["configuration"] = "echo"
     document["scenarios"]["a"] += [ours, theirs]
@@ -1283,6 +1282,15 @@ def test_a_verdict_read_from_an_unstable_point_says_so() -> None:
     late = StreamWindow(sent=1000, ok_latency_s=[0.01] * 100, ok_batch_rows=[4] * 100)
     late.outcomes.update({OK: 100, "LANE_FULL": 900})
     document["scenarios"]["d"].append(point_of("d", "300%, 100 ms timeout_ms", overload, late))
+    return document, ours, theirs
+
+
+def test_a_verdict_read_from_an_unstable_point_says_so() -> None:
+    """The targets table gave "met" or "missed" alike from points marked "stable: no",
+    as solid-looking as from points that settled; so did the (d) verdicts whose
+    capacity came from an unstable (a) point."""
+    document, ours, _theirs = _echo_and_overload_points()
+    ours["stable"] = False
     targets = {t["id"]: t for t in evaluate_targets(document)}
 
     echo_ratio = targets["echo_ratio"]
@@ -1308,7 +1316,9 @@ def test_a_verdict_read_from_an_unstable_point_says_so() -> None:
 
     # (c)'s bulk saturation point sets no rate of (d): unstable, it marked (d)'s verdicts.
     bulk = Stream("bulk", lane="bulk", rows=8, concurrency=32)
-    saturation = point_of("c", BULK_SATURATION, bulk, fast)
+    saturated = StreamWindow(sent=900, ok_latency_s=[0.01] * 900, ok_batch_rows=[4] * 900)
+    saturated.outcomes.update({OK: 900})
+    saturation = point_of("c", BULK_SATURATION, bulk, saturated)
     saturation["stable"] = False
     document["scenarios"]["c"].append(saturation)
     targets = {t["id"]: t for t in evaluate_targets(document)}
@@ -1392,27 +1402,9 @@ def test_a_verdict_read_from_a_point_on_a_busy_machine_is_no_verdict() -> None:
     """quick1 read "met (unstable point)" from an echo point that shared the machine with
     1.12 cores of other work, quick2 "missed" from the same command: neither is a
     verdict on the server."""
-    document = empty_document()
-    single = Stream("single", concurrency=32)
-    fast = StreamWindow(sent=900, ok_latency_s=[0.01] * 900, ok_batch_rows=[4] * 900)
-    fast.outcomes.update({OK: 900})
-    echo = StreamWindow(sent=1000, ok_latency_s=[0.005] * 1000, ok_batch_rows=[1] * 1000)
-    echo.outcomes.update({OK: 1000})
-    ours = point_of("a", "c=32", single, fast)
-    theirs = point_of("a", "c=32", single, echo)
-    theirs["configuration"] = "echo"
+    document, ours, theirs = _echo_and_overload_points()
     theirs["busy"] = True
     theirs["host"]["other_cores"] = 1.12
-    document["scenarios"]["a"] += [ours, theirs]
-    document["capacity"] = {
-        "configuration": "laneserve",
-        "point": "c=32",
-        "throughput_per_s": 450.0,
-    }
-    overload = Stream("default", rate_per_s=500.0, deadline_ms=100)
-    late = StreamWindow(sent=1000, ok_latency_s=[0.01] * 100, ok_batch_rows=[4] * 100)
-    late.outcomes.update({OK: 100, "LANE_FULL": 900})
-    document["scenarios"]["d"].append(point_of("d", "300%, 100 ms timeout_ms", overload, late))
     targets = {t["id"]: t for t in evaluate_targets(document)}
 
     echo_ratio = targets["echo_ratio"]

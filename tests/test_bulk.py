@@ -501,7 +501,6 @@ def test_a_job_outlasts_a_restart_longer_than_its_retry_attempts(small_model: Pa
             ):
                 results.append(result)
                 if len(results) == first:
-                    # Nothing listens at refusing_port(): a refused connection is the point.
                     proxy.retarget(refusing_port())  # the address is down
                     await a.server.stop(grace_s=5.0)
                     asyncio.get_running_loop().call_later(1.5, proxy.retarget, b.server.port)
@@ -535,7 +534,6 @@ def test_in_test_mode_the_resume_window_counts_the_skipped_backoff(small_model: 
                 async for result in client.stream(paused_at(first, first + 2, go), job_id="gone"):
                     results.append(result)
                     if len(results) == first:
-                        # Nothing listens at refusing_port(): a refused connection is the point.
                         proxy.retarget(refusing_port())  # the address is down for good
                         await a.server.stop(grace_s=5.0)
                         go.set()
@@ -1519,7 +1517,6 @@ def test_an_item_is_not_retried_past_its_timeout_ms(small_model: Path) -> None:
 
 def test_unreachable_server_ends_the_job_with_the_connection_error() -> None:
     async def scenario() -> None:
-        # Nothing listens at refusing_port(): a refused connection is the point.
         port = refusing_port()
         async with lc.AsyncClient(f"127.0.0.1:{port}", retry=lc.RetryPolicy(max_attempts=2)) as c:
             with pytest.raises(lc.UnavailableError) as caught:

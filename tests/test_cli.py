@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from tests.support import (
     rows,
     run_text,
     serving,
+    stderr_lines_until,
     until,
     unused_port,
 )
@@ -887,21 +887,6 @@ def _released(process: subprocess.Popen[str]) -> str:
     return stderr
 
 
-def _until_line(process: subprocess.Popen[str], text: str) -> None:
-    """Reads stderr up to a line holding `text`; a process that says nothing of the kind
-    within 60 s is killed (its stderr ends: the test fails instead of hanging)."""
-    assert process.stderr is not None
-    watchdog = threading.Timer(60, process.kill)
-    watchdog.start()
-    try:
-        for line in process.stderr:
-            if text in line:
-                return
-    finally:
-        watchdog.cancel()
-    raise AssertionError(f"no line with {text!r}")
-
-
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_a_sigterm_while_the_model_loads_stops_it_without_serving(
     small_model: Path, stop: signal.Signals
@@ -915,9 +900,9 @@ def test_a_sigterm_while_the_model_loads_stops_it_without_serving(
         assert process.stderr is not None
         assert process.stdin is not None
         try:
-            _until_line(process, "loading")
+            stderr_lines_until(process, "loading")
             process.send_signal(stop)
-            _until_line(process, f"{stop.name} while starting")
+            stderr_lines_until(process, f"{stop.name} while starting")
             stderr = _released(process)
         finally:
             if process.poll() is None:
@@ -933,9 +918,9 @@ def test_a_second_signal_while_the_model_loads_exits_at_once(small_model: Path) 
     again at once is taken as the first one delivered twice.)"""
     with _held_in_load(small_model) as process:
         try:
-            _until_line(process, "loading")
+            stderr_lines_until(process, "loading")
             process.send_signal(signal.SIGTERM)
-            _until_line(process, "SIGTERM while starting")
+            stderr_lines_until(process, "SIGTERM while starting")
             process.send_signal(signal.SIGINT)
             assert process.wait(timeout=60) == -signal.SIGINT
         finally:

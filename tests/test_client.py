@@ -686,7 +686,6 @@ def test_reused_request_id_with_other_inputs_is_refused(small_model: Path) -> No
 def test_no_server_is_unavailable_error_after_the_capped_attempts() -> None:
     async def scenario() -> None:
         policy = lc.RetryPolicy(max_attempts=3)
-        # Nothing listens at refusing_port(): a refused connection is the point.
         async with lc.AsyncClient(f"127.0.0.1:{refusing_port()}", retry=policy) as client:
             with pytest.raises(lc.UnavailableError) as caught:
                 await client.infer({"input": rows(1)})
@@ -743,7 +742,6 @@ def test_a_stream_that_gives_up_says_how_much_of_its_source_it_read() -> None:
     async def scenario() -> lc.UnavailableError:
         policy = lc.RetryPolicy(max_attempts=2)
         items = ({"input": rows(1)} for _ in range(1000))
-        # Nothing listens at refusing_port(): a refused connection is the point.
         async with lc.AsyncClient(f"127.0.0.1:{refusing_port()}", retry=policy) as client:
             with pytest.raises(lc.UnavailableError) as caught:
                 async for _ in client.stream(items, window=4):
@@ -785,7 +783,6 @@ def test_items_refused_before_sending_are_no_progress_of_a_broken_call() -> None
 
     async def scenario() -> None:
         policy = lc.RetryPolicy(max_attempts=2)
-        # Nothing listens at refusing_port(): a refused connection is the point.
         target = f"127.0.0.1:{refusing_port()}"
         async with lc.AsyncClient(target, retry=policy, interceptors=[CountCalls()]) as client:
             with pytest.raises(lc.UnavailableError):
@@ -1796,7 +1793,6 @@ def test_testing_switch_caps_attempts_without_sleeping() -> None:
 
     async def scenario() -> None:
         slow = lc.RetryPolicy(max_attempts=10, initial_backoff_s=60.0)
-        # Nothing listens at refusing_port(): a refused connection is the point.
         async with lc.AsyncClient(f"127.0.0.1:{refusing_port()}", retry=slow) as client:
             with pytest.raises(lc.UnavailableError) as caught:
                 await asyncio.wait_for(client.infer({"input": rows(1)}), timeout=30)
@@ -1949,7 +1945,6 @@ def test_successes_refill_the_retry_budget(small_model: Path) -> None:
             errors.append(await refused_once_full(s, engine, filler, client))
             for _ in range(5):
                 await client.infer({"input": rows(1)})
-            engine.hold_next()  # `entered` counts the held batch, not the five before
             errors.append(await refused_once_full(s, engine, filler, client))
         return errors
 
@@ -2258,8 +2253,10 @@ def test_test_mode_keeps_the_deadline_decision() -> None:
 @contextlib.asynccontextmanager
 async def one_running(engine: RecordingEngine, client: lc.AsyncClient) -> AsyncIterator[None]:
     """A 1-row request held in the session while the body runs, released and answered
-    after it: the server is busy, so what the body sends queues or is refused."""
-    engine.hold()
+    after it: the server is busy, so what the body sends queues or is refused. The
+    batches that started before are forgotten (`hold_next`): counted, a second use went on
+    before its request was held, and what the body sent ran beside it or waited on it."""
+    engine.hold_next()
     running = asyncio.ensure_future(client.infer({"input": rows(1)}))
     try:
         await asyncio.to_thread(engine.entered.acquire)

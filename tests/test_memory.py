@@ -1420,10 +1420,14 @@ def test_a_broken_session_costs_four_runs_and_blames_no_request(small_model: Pat
 
 
 def _serve_until_failed(
-    scheduler: Scheduler, engine: Engine, clock: ManualClock
+    scheduler: Scheduler,
+    engine: Engine,
+    clock: ManualClock,
+    before_start: Callable[[SchedulerThread], object] = lambda _thread: None,
 ) -> tuple[list[Outcome], list[LaneserveError], SchedulerThread]:
     """Runs the scheduler's queued work through `engine` until the thread fails for good
-    (`on_failure`), then closes it: the answers, each failure, the closed thread."""
+    (`on_failure`), then closes it: the answers, each failure, the closed thread.
+    `before_start` is given the thread before it starts (to submit through it later)."""
     answers: list[Outcome] = []
     failures: list[LaneserveError] = []
     failed = threading.Event()
@@ -1435,6 +1439,7 @@ def _serve_until_failed(
     thread = SchedulerThread(
         scheduler, engine.run_batch, answers.extend, clock=clock, on_failure=on_failure
     )
+    before_start(thread)
     thread.start()
     try:
         assert failed.wait(30), f"the thread did not fail; answers: {answers}"
@@ -1511,26 +1516,16 @@ def test_a_request_split_over_batches_is_retried_elsewhere_when_a_later_batch_br
     width = engine.inputs[0].shape[1]
     scheduler = _scheduler(2)
     scheduler.admit(_standard("split", np.zeros((4, width), np.float32)), clock.monotonic())
-    answers: list[Outcome] = []
-    failures: list[LaneserveError] = []
-    failed = threading.Event()
-
-    def on_failure(error: LaneserveError) -> None:
-        failures.append(error)
-        failed.set()
-
-    thread = SchedulerThread(
-        scheduler, engine.run_batch, answers.extend, clock=clock, on_failure=on_failure
-    )
     interactive = dataclasses.replace(
         _standard("interactive", np.ones((2, width), np.float32)), lane="interactive"
     )
-    engine.arrive = lambda: thread.submit(interactive)
-    thread.start()
-    try:
-        assert failed.wait(30), f"the thread did not fail; answers: {answers}"
-    finally:
-        thread.close()
+
+    def arrives_while_the_first_batch_runs(thread: SchedulerThread) -> None:
+        engine.arrive = lambda: thread.submit(interactive)
+
+    answers, failures, _ = _serve_until_failed(
+        scheduler, engine, clock, arrives_while_the_first_batch_runs
+    )
     by_token = {answer.token: answer.error for answer in answers}
     assert sorted(map(str, by_token)) == ["interactive", "split"]
     assert isinstance(by_token["interactive"], SessionBrokenError)

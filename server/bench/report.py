@@ -294,6 +294,10 @@ def _distinct(points: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return distinct
 
 
+# A target's `met` (or `met_on_busy_machine`) in words.
+_VERDICT_WORDS = {True: "met", False: "missed", None: "not measured"}
+
+
 def verdict_text(target: dict[str, Any]) -> str:
     """met, missed, not valid (the load generator was the limit) or not measured; a
     verdict read from a point that did not settle says so: "met (unstable point)"; one
@@ -303,14 +307,14 @@ def verdict_text(target: dict[str, Any]) -> str:
     if target.get("valid") is False:
         return "not valid (load generator the limit)"
     if target.get("busy_points"):
-        read = {True: "met", False: "missed", None: "not measured"}[target["met_on_busy_machine"]]
+        read = _VERDICT_WORDS[target["met_on_busy_machine"]]
         # No `busy_point` in a verdict written before it was named.
         at = f" at {target['busy_point']}" if target.get("busy_point") else ""
         return (
             f"no verdict: {read} (machine busy{at}: "
             f"{target['busy_other_cores']:.2f} cores used by other processes)"
         )
-    text = {True: "met", False: "missed", None: "not measured"}[target["met"]]
+    text = _VERDICT_WORDS[target["met"]]
     if target["met"] is not None and target.get("stable") is False:
         text += " (unstable point)"
     return text
@@ -897,8 +901,8 @@ def _host_note(document: dict[str, Any]) -> list[str]:
     points were measured before it; with --target, why it marks none."""
     note = (
         "Harness: the cores the harness's own processes used while a point ran (the "
-        "orchestrator reading /proc and GetStats, and py-spy where it samples, 0.20-0.25 "
-        "cores at 250 Hz). Others: the cores busy on the machine beyond the server's "
+        "orchestrator reading /proc and GetStats, and py-spy where it samples). Others: "
+        "the cores busy on the machine beyond the server's "
         "processes, the load generator's and the harness's (where harness shows -, its "
         "cores are among them): other users of the machine, and the kernel's work for "
         "loopback traffic, which no process is charged for."

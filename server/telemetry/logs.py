@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from laneserve.server.errors import (
     ServerFaultError,
     bounded_message,
 )
+from laneserve.server.events import NullEvents
 from laneserve.server.items import Batch, Signature
 from laneserve.server.log_events import event_extra, log_event
 
@@ -553,7 +555,7 @@ class AggregatedLine:
         return window
 
 
-class EventLog:
+class EventLog(NullEvents):
     """A `SchedulerEvents` sink for the events an operator must hear of unasked.
 
     Refusals, sheds and failures come in bursts of thousands, so each is logged in
@@ -580,8 +582,18 @@ class EventLog:
         def line(write: Callable[[Window], None]) -> AggregatedLine:
             return AggregatedLine(write, interval_s=interval_s, monotonic=monotonic, timer=timer)
 
-        self._refused = line(self._write_refused)
-        self._refused_routine = line(self._write_refused_routine)
+        self._refused = line(
+            functools.partial(self._write_refused, logging.WARNING, "admission_refused", "")
+        )
+        self._refused_routine = line(
+            functools.partial(
+                self._write_refused,
+                logging.INFO,
+                "admission_refused_routine",
+                ", none for overload (draining, invalid or withdrawn requests, answers over "
+                "a caller's receive limit)",
+            )
+        )
         self._shed = line(self._write_shed)
         self._failed = line(self._write_failed)
         self._lines = (self._refused, self._refused_routine, self._shed, self._failed)
@@ -625,25 +637,14 @@ class EventLog:
         for line in self._lines:
             line.close()
 
-    def _write_refused(self, window: Window) -> None:
+    @staticmethod
+    def _write_refused(level: int, event: str, why: str, window: Window) -> None:
         log_event(
             log,
-            logging.WARNING,
-            "admission_refused",
-            f"admission refused {window.total} request(s) in {window.window_s:.1f}s{window.late()}",
-            refused=window.by_key(),
-            window_s=round(window.window_s, 3),
-            last_ago_s=round(window.ago_s, 3),
-        )
-
-    def _write_refused_routine(self, window: Window) -> None:
-        log_event(
-            log,
-            logging.INFO,
-            "admission_refused_routine",
+            level,
+            event,
             f"admission refused {window.total} request(s) in {window.window_s:.1f}s"
-            f"{window.late()}, none for overload (draining, invalid or withdrawn requests, "
-            "answers over a caller's receive limit)",
+            f"{window.late()}{why}",
             refused=window.by_key(),
             window_s=round(window.window_s, 3),
             last_ago_s=round(window.ago_s, 3),
@@ -689,9 +690,8 @@ class EventLog:
             last_ago_s=round(window.ago_s, 3),
         )
 
-    def admitted(self, lane: str, rows: int) -> None:
-        """Nothing: called under the scheduler's lock on every admission, and each line
-        that falls due is written by its own timer."""
+    # `admitted` stays NullEvents' no-op: it is called under the scheduler's lock on
+    # every admission, and each line that falls due is written by its own timer.
 
     def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
         self.running_batch = batch
@@ -737,12 +737,3 @@ class EventLog:
             reason=reason,
             shape=shape,
         )
-
-    def batch_split(self, batch_id: int, rows: int, out_of_memory_runs: int) -> None:
-        pass
-
-    def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:
-        pass
-
-    def request_finished(self, lane: str, status: str, duration_s: float) -> None:
-        pass

@@ -23,8 +23,8 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.util.types import Attributes
 
 from laneserve.server.errors import DrainingError, LaneserveError
-from laneserve.server.events import NULL_TRACE, RequestTrace
-from laneserve.server.items import Batch, Signature
+from laneserve.server.events import NULL_TRACE, NullEvents, RequestTrace
+from laneserve.server.items import Batch
 
 # Request ends that are not failures of the request's own span.
 _NOT_ERRORS = frozenset({"OK", "CANCELLED"})
@@ -185,7 +185,7 @@ def _set_request_status(span: otel_trace.Span, status: str) -> None:
         span.set_status(Status(StatusCode.ERROR, status))
 
 
-class Tracing:
+class Tracing(NullEvents):
     """The service's `RequestTracer`, and a `SchedulerEvents` sink for batch spans."""
 
     def __init__(
@@ -308,39 +308,8 @@ class Tracing:
                 span.set_status(Status(StatusCode.ERROR, DrainingError.reason))
                 span.end()
 
-    def admitted(self, lane: str, rows: int) -> None:
-        pass
-
-    def rejected(self, lane: str, reason: str) -> None:
-        pass
-
-    def shed(self, lane: str, reason: str, rows: int) -> None:
-        pass
-
-    def completed(
-        self,
-        lane: str,
-        status: str,
-        *,
-        request_id: str | None = None,
-        error: LaneserveError | None = None,
-    ) -> None:
-        pass
-
-    def out_of_memory(self, rows: int) -> None:
-        pass
-
     def batch_split(self, batch_id: int, rows: int, out_of_memory_runs: int) -> None:
         span = self._batches.get(batch_id)
         if span is not None:  # its run, and some of its parts', ran out of memory
             span.set_attribute("laneserve.batch.split", True)
             span.set_attribute("laneserve.batch.out_of_memory_runs", out_of_memory_runs)
-
-    def cap_changed(self, old_rows: int, new_rows: int, reason: str, signature: Signature) -> None:
-        pass
-
-    def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:
-        pass
-
-    def request_finished(self, lane: str, status: str, duration_s: float) -> None:
-        pass
