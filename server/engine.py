@@ -86,6 +86,11 @@ HOST_PROBE_SHARE = 0.5
 # ran out of memory (`Probe.first_failing_rows`); the next size was predicted to need
 # more than HOST_PROBE_SHARE of the host's available memory.
 ProbeStopReason = Literal["max_batch_size", "queue_rows", "out_of_memory", "host_memory"]
+# The probe's timed runs of one size end once they took this long together (at least one
+# run, at most `repeats`): the repeats are there for noise, which is large against a run
+# of a few milliseconds and small against one of a second. A 1.5 GiB model's start spent
+# about half its time in repeats of runs over a second (three more of each size).
+PROBE_REPEATS_WITHIN_S = 0.25
 # The model file's static memory estimate from its path (`estimate_memory`'s, the probe's
 # shapes given): None when it could not be worked out.
 StaticEstimate = Callable[[str], MemoryEstimate | None]
@@ -984,8 +989,9 @@ class Engine:
         size that fitted and the first that failed a bisection finds the boundary. Each
         size larger than the one before runs in an arena shrunk first (see `run`; in the
         regions smaller sizes left, the demo model under 32 MiB settled on 352 rows where
-        750 fit). The best of `repeats` runs is kept: the figure the scheduler plans
-        with is what a warm session does, not what a noisy neighbour did once. With
+        750 fit). The best of `repeats` runs is kept (fewer where they are long:
+        PROBE_REPEATS_WITHIN_S): the figure the scheduler plans with is what a warm
+        session does, not what a noisy neighbour did once. With
         `fixed_cap` the operator has chosen the cap: sizes are measured while they fit,
         nothing is searched, and the cap stays `max_batch_size` (out of memory at run
         time then lowers it like any other).
@@ -1102,7 +1108,7 @@ class Engine:
         # The boundary itself is verified after the failures above (the arena
         # shrinks back first): the cap must be a size that fits after an OOM. The
         # verifying runs are its timing: timed again, the cap ran a warm-up and
-        # `repeats` runs more (4 more runs of 1.8 s each for 272 MiB of weights).
+        # `repeats` runs more (2 more runs of 1.8 s each for 272 MiB of weights).
         _check_not_stopping(stopping)
         seconds = self._time_rows(fits, repeats)
         while seconds is None and fits > 1:
@@ -1147,8 +1153,12 @@ class Engine:
                     "max_batch_size 1)"
                 )
 
+    # What the probe times runs with (a test gives a clock it moves itself).
+    _timer: Callable[[], float] = staticmethod(time.perf_counter)
+
     def _time_rows(self, rows: int, repeats: int) -> float | None:
-        """Best run seconds at `rows` rows after one warm-up run; None: out of memory,
+        """Best run seconds at `rows` rows after one warm-up run, of `repeats` runs or as
+        many as PROBE_REPEATS_WITHIN_S holds (at least one); None: out of memory,
         the session's or the host's (MemoryError: building the inputs or copying the
         outputs, on the CPU without a memory limit, where the host's memory ends the
         probe's growth, before `_HostRoom`'s prediction where an address-space limit
@@ -1158,10 +1168,14 @@ class Engine:
         try:
             inputs = self.example_inputs(rows)
             self.run(inputs)  # warm-up: first runs allocate and pick kernels
+            timed_s = 0.0
             for _ in range(repeats):
-                started = time.perf_counter()
+                started = self._timer()
                 self.run(inputs)
-                best = min(best, time.perf_counter() - started)
+                seconds = self._timer() - started
+                best, timed_s = min(best, seconds), timed_s + seconds
+                if timed_s >= PROBE_REPEATS_WITHIN_S:
+                    break
         except (DeviceMemoryError, MemoryError):
             return None
         return best

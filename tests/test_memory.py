@@ -2255,6 +2255,43 @@ def test_the_probe_times_its_cap_in_the_runs_that_verify_it(demo_model: Path) ->
     assert report["runs"] <= 2 + 1 + 3, report
 
 
+_PROBE_REPEATS_SCRIPT = """
+import collections, json, sys
+from laneserve.server.engine import Engine
+from laneserve.server.memory import parse_memory_limit
+
+class SlowClock(Engine):
+    # Each run the probe times reads as `step` seconds: the probe's clock, moved by hand.
+    runs = collections.Counter()
+    now = [0.0]
+
+    @staticmethod
+    def _timer():
+        SlowClock.now[0] += float(sys.argv[3])  # read before and after each timed run
+        return SlowClock.now[0]
+
+    def _run_session(self, inputs, options):
+        self.runs[len(inputs["input"])] += 1
+        return super()._run_session(inputs, options)
+
+engine = SlowClock(sys.argv[1], device="cpu", memory_limit=parse_memory_limit(sys.argv[2]))
+probe = engine.probe(8, repeats=3)
+print(json.dumps({"runs": engine.runs[8], "run_s": probe.run_s[8]}))
+"""
+
+
+@pytest.mark.parametrize(("step_s", "timed_runs"), [(0.001, 3), (0.1, 3), (0.2, 2), (1.5, 1)])
+def test_the_probe_repeats_a_size_only_while_its_runs_are_short(
+    demo_model: Path, step_s: float, timed_runs: int
+) -> None:
+    """The probe's repeats are for noise: a size whose timed runs took
+    PROBE_REPEATS_WITHIN_S (0.25 s) together is timed no more (a 1.5 GiB model spent
+    half its start in three more runs of a second and more at each size). A warm-up and
+    up to `repeats` timed runs, the best kept."""
+    report = _script_report(_PROBE_REPEATS_SCRIPT, str(demo_model), DEMO_BUDGET, str(step_s))
+    assert report == {"runs": 1 + timed_runs, "run_s": pytest.approx(step_s)}, report
+
+
 _HOST_LIMITED_PROBE = """
 import resource, sys
 from laneserve.server.engine import Engine

@@ -140,8 +140,49 @@ def test_a_failed_start_is_one_json_line_too(tmp_path: Path) -> None:
     assert failed["exit_code"] == 2
 
 
+# Settings of the OTEL_* variables a start refuses by name, with what its one line says.
+_UNREADABLE_TRACING = [
+    ({"OTEL_SPAN_LINK_COUNT_LIMIT": "x"}, "OTEL_SPAN_LINK_COUNT_LIMIT must be a non-neg"),
+    # The SDK reads this one as it is imported too: a ValueError out of the import.
+    (
+        {"OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "x"},
+        "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT must be a non-negative integer but got x",
+    ),
+    ({"OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "-1"}, "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT must be"),
+    ({"OTEL_BSP_SCHEDULE_DELAY": "0"}, "schedule_delay_millis must be positive"),
+    ({"OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4096"}, "max_export_batch_size must be less"),
+    (
+        {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TIMEOUT": "x"},
+        "OTEL_TRACES_EXPORTER=otlp: the exporter refused its OTEL_EXPORTER_* settings: ",
+    ),
+    # The SDK warns and takes a default: every request traced, a 5 s delay.
+    (
+        {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "O.01"},
+        "Could not convert TRACES_SAMPLER_ARG to float",
+    ),
+    ({"OTEL_TRACES_SAMPLER": "traceidratio_typo"}, "recognize sampler traceidratio_typo"),
+    ({"OTEL_BSP_SCHEDULE_DELAY": "x"}, "Unable to parse value for OTEL_BSP_SCHEDULE_DELAY"),
+    (  # an exception of the exporter's own, not a ValueError
+        {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_COMPRESSION": "bogus"},
+        "OTEL_TRACES_EXPORTER=otlp: the exporter refused its OTEL_EXPORTER_* settings: ",
+    ),
+    # At --log-level error the SDK's warnings were never made, and the sampler taken; a
+    # ratio sampler with no argument is the specification's 1.0, not a refusal.
+    ({"OTEL_TRACES_SAMPLER": "traceidratio_typo", "--log-level": "error"}, "recognize"),
+    ({"OTEL_TRACES_SAMPLER": "traceidratio"}, "cannot load model '{missing}'"),
+    # Set to nothing is unset (templates write ${X:-}): the SDK warned, and took its default.
+    ({"OTEL_TRACES_SAMPLER": "", "OTEL_BSP_SCHEDULE_DELAY": " "}, "cannot load model"),
+    # The exporter warns of a header it cannot read, and sends every span without it.
+    (
+        {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_HEADERS": "api-key"},
+        "Header format invalid",
+    ),
+]
+
+
+@pytest.mark.parametrize(("variables", "expected"), _UNREADABLE_TRACING)
 def test_a_tracing_number_that_cannot_be_read_is_refused_by_name_before_the_model_loads(
-    tmp_path: Path,
+    tmp_path: Path, variables: dict[str, str], expected: str
 ) -> None:
     """The SDK raised a bare ValueError out of the server's construction, once the model
     had loaded and been probed (minutes, for a large model): a 40-line traceback, none of
@@ -149,59 +190,20 @@ def test_a_tracing_number_that_cannot_be_read_is_refused_by_name_before_the_mode
     string to float"). The model named is absent: the refusal comes first, before the
     model is read."""
     missing = tmp_path / "absent.onnx"
-    cases = [
-        ({"OTEL_SPAN_LINK_COUNT_LIMIT": "x"}, "OTEL_SPAN_LINK_COUNT_LIMIT must be a non-neg"),
-        # The SDK reads this one as it is imported too: a ValueError out of the import.
-        (
-            {"OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "x"},
-            "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT must be a non-negative integer but got x",
-        ),
-        ({"OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "-1"}, "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT must be"),
-        ({"OTEL_BSP_SCHEDULE_DELAY": "0"}, "schedule_delay_millis must be positive"),
-        ({"OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4096"}, "max_export_batch_size must be less"),
-        (
-            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TIMEOUT": "x"},
-            "OTEL_TRACES_EXPORTER=otlp: the exporter refused its OTEL_EXPORTER_* settings: ",
-        ),
-        # The SDK warns and takes a default: every request traced, a 5 s delay.
-        (
-            {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "O.01"},
-            "Could not convert TRACES_SAMPLER_ARG to float",
-        ),
-        ({"OTEL_TRACES_SAMPLER": "traceidratio_typo"}, "recognize sampler traceidratio_typo"),
-        ({"OTEL_BSP_SCHEDULE_DELAY": "x"}, "Unable to parse value for OTEL_BSP_SCHEDULE_DELAY"),
-        (  # an exception of the exporter's own, not a ValueError
-            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_COMPRESSION": "bogus"},
-            "OTEL_TRACES_EXPORTER=otlp: the exporter refused its OTEL_EXPORTER_* settings: ",
-        ),
-    ]
-    # At --log-level error the SDK's warnings were never made, and the sampler taken; a
-    # ratio sampler with no argument is the specification's 1.0, not a refusal.
-    cases += [
-        ({"OTEL_TRACES_SAMPLER": "traceidratio_typo", "--log-level": "error"}, "recognize"),
-        ({"OTEL_TRACES_SAMPLER": "traceidratio"}, f"cannot load model '{missing}'"),
-        # Set to nothing is unset (templates write ${X:-}): the SDK warned, and took its default.
-        ({"OTEL_TRACES_SAMPLER": "", "OTEL_BSP_SCHEDULE_DELAY": " "}, "cannot load model"),
-        # The exporter warns of a header it cannot read, and sends every span without it.
-        (
-            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_HEADERS": "api-key"},
-            "Header format invalid",
-        ),
-    ]
-    for variables, expected in cases:
-        level = variables.pop("--log-level", "info")
-        done = run_text(
-            [
-                *(*SERVE, "--model", str(missing), "--port", "0"),
-                *("--metrics-port", "-1", "--log-level", level),
-            ],
-            timeout_s=TIMEOUT_S,
-            env=otel_env(**{"OTEL_TRACES_EXPORTER": "console", **variables}),
-        )
-        assert done.returncode == 2, done.stderr
-        (failed,) = [json.loads(line) for line in done.stderr.splitlines()]  # one, JSON
-        assert failed["event"] == "startup_failed"
-        assert expected in failed["message"]
+    variables = dict(variables)  # the case's own dict is shared by every run of it
+    level = variables.pop("--log-level", "info")
+    done = run_text(
+        [
+            *(*SERVE, "--model", str(missing), "--port", "0"),
+            *("--metrics-port", "-1", "--log-level", level),
+        ],
+        timeout_s=TIMEOUT_S,
+        env=otel_env(**{"OTEL_TRACES_EXPORTER": "console", **variables}),
+    )
+    assert done.returncode == 2, done.stderr
+    (failed,) = [json.loads(line) for line in done.stderr.splitlines()]  # one, JSON
+    assert failed["event"] == "startup_failed"
+    assert expected.format(missing=missing) in failed["message"]
 
 
 def test_a_span_limit_that_cannot_be_read_leaves_commands_without_tracing_alone() -> None:
