@@ -1,8 +1,9 @@
 """laneserve server: one ONNX model, bounded priority lanes, one batching scheduler.
 
 The request path, module by module: config -> lanes -> scheduler (policy) ->
-scheduler_thread (threads) -> engine (the session) -> service (gRPC), with errors,
-codec, memory (budget, watermark), idempotency and events/stats beside them;
+scheduler_thread (threads) -> engine (the session) -> service (gRPC; kserve, the KServe
+v2 front end in front of it), with errors, codec, memory (budget, watermark),
+idempotency and events/stats beside them;
 telemetry/ turns events into traces, metrics and logs; app assembles a serving
 process, cli runs it (entry first: the console script, which catches the stop signals
 before the heavy imports), process tunes the interpreter for it (GIL switching, GC).

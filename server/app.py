@@ -46,6 +46,8 @@ from laneserve.server.grpc_accept import (
 )
 from laneserve.server.grpc_calls import GrpcCallCounts, GrpcCalls
 from laneserve.server.idempotency import LedgerCounts
+from laneserve.server.kserve import SERVICE_NAME as KSERVE_SERVICE_NAME
+from laneserve.server.kserve import KServeServicer, add_kserve_to_server
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.memory import (
     CgroupMemoryLimit,
@@ -1301,6 +1303,15 @@ class LaneServer:
             # (once in a CI run) when Channelz listed the servers on one thread while
             # another registered a server's methods.
             handlers = add_to_server(servicer, server, gate)
+            # KServe v2 / Triton clients' service, in front of the same servicer, counted
+            # by the same gate (server/kserve.py).
+            add_kserve_to_server(
+                KServeServicer(
+                    servicer, self.config, self.engine.inputs, self.engine.outputs, self._health
+                ),
+                server,
+                gate,
+            )
         acceptors = ParallelAcceptors(
             server,
             f"/{SERVICE_NAME}/Infer",
@@ -1319,7 +1330,13 @@ class LaneServer:
             server,
             reflection.SERVICE_NAME,
             reflection.aio.ReflectionServicer(
-                (SERVICE_NAME, health.SERVICE_NAME, CHANNELZ_SERVICE_NAME, reflection.SERVICE_NAME)
+                (
+                    SERVICE_NAME,
+                    KSERVE_SERVICE_NAME,
+                    health.SERVICE_NAME,
+                    CHANNELZ_SERVICE_NAME,
+                    reflection.SERVICE_NAME,
+                )
             ),
         )
         address = host_port(self.config.host, port)

@@ -99,6 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 # refuses is named by the flag: `--max-batch-size 0` was refused as server.max_batch_size,
 # a key its user never wrote.
 _SERVE_FLAGS = {
+    "model_name": "--model-name",
     "host": "--host",
     "port": "--port",
     "priority_port": "--priority-port",
@@ -526,6 +527,11 @@ def _parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
     # they leave what was given before `serve` (or its default) as it is.
     _add_log_arguments(serve, level=argparse.SUPPRESS, log_format=argparse.SUPPRESS)
     serve.add_argument("--model", required=True, help="path of the ONNX model")
+    serve.add_argument(
+        "--model-name",
+        help="the model's name to KServe v2 / Triton clients (default: the model file's "
+        "name without its suffix)",
+    )
     serve.add_argument("--config", help="TOML file with [server] settings and [[lanes]]")
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (default 50051; 0 = any)")

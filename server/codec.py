@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -47,7 +48,7 @@ def check_counts(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> N
     if len(tensors) > len(specs):
         expected = [spec.name for spec in specs]
         raise InvalidInputError(
-            f"request has {len(tensors)} inputs; {_extra_inputs(tensors, expected)}; expected "
+            f"request has {len(tensors)} inputs; {extra_inputs(tensors, expected)}; expected "
             f"the model's inputs {expected}, each once"
         )
     for tensor in tensors:
@@ -58,11 +59,20 @@ def check_counts(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> N
             )
 
 
-def _extra_inputs(tensors: Sequence[pb.Tensor], expected: Sequence[str]) -> str:
+class Named(Protocol):
+    """A request's input, of either front end (laneserve's Tensor, KServe's
+    InferInputTensor)."""
+
+    @property
+    def name(self) -> str: ...
+
+
+def extra_inputs(tensors: Sequence[Named], expected: Sequence[str]) -> str:
     """Which of more inputs than `expected` made them too many ("request has 4 inputs"
     named none): the names none of the model's inputs, and those given more than once,
     among the first len(expected) + 1 only, so that the work stays bounded however many
-    the request holds. Among that many, one name at least is either."""
+    the request holds. Among that many, one name at least is either. Infer's words, and
+    ModelInfer's (`kserve._check_counts`)."""
     known = set(expected)
     read = [tensor.name for tensor in tensors[: len(expected) + 1]]
     counts = collections.Counter(read)  # in first-read order

@@ -20,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
+import unicodedata
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Literal
 
 from laneserve.server.errors import InvalidInputError
@@ -112,6 +113,54 @@ def _check_bool(key: str, value: object) -> None:
         raise ConfigError(f"expected true or false, got {value!r}", key=key)
 
 
+# What server.model_name may be: KServe and Triton clients send it in every call, to be
+# matched exactly (a space at an end is invisible in a log or a config), every ModelInfer
+# answer carries it (in the size held to max_message_bytes), and refusals quote it.
+MAX_MODEL_NAME_BYTES = 256
+MODEL_NAME_RULE = (
+    f"1 to {MAX_MODEL_NAME_BYTES} bytes of UTF-8 text, without control characters or "
+    "whitespace at either end"
+)
+
+
+def _check_model_name(value: object, model_path: str) -> None:
+    """server.model_name (--model-name), where set; where not, the model file's stem,
+    which is served then and is held to the same rule (a file " lead.onnx" was served as
+    " lead"). The words fit the flag as well as the key (`ConfigError.naming`)."""
+    if value is None:
+        stem = PurePath(model_path).stem
+        problem = _model_name_problem(stem)
+        if problem is not None:
+            raise ConfigError(
+                f"not set, and the model file's name without its suffix is not a name to "
+                f"serve: expected {MODEL_NAME_RULE}, got {problem}; set a name for KServe "
+                f"and Triton clients to call the model by",
+                key="server.model_name",
+            )
+        return
+    problem = _model_name_problem(value)
+    if problem is not None:
+        raise ConfigError(f"expected {MODEL_NAME_RULE}, got {problem}", key="server.model_name")
+
+
+def _model_name_problem(value: object) -> str | None:
+    """What is wrong with `value` as a model's name (what the refusal says it got)."""
+    if not isinstance(value, str):  # a TOML file's value may be of any type
+        return repr(value)
+    try:
+        size = len(value.encode())
+    except UnicodeEncodeError:  # a lone surrogate: an argument's bytes were not UTF-8
+        return f"{value[:32]!r}, which is not UTF-8"
+    if size > MAX_MODEL_NAME_BYTES:
+        return f"{size} bytes (starting {value[:32]!r})"
+    controls = [char for char in value if unicodedata.category(char) == "Cc"]
+    if controls:
+        return f"{value!r}, which holds the control character {controls[0]!r}"
+    if not value or value != value.strip():
+        return repr(value)
+    return None
+
+
 # What a lane's name may be: it is a label of every lane metric, and clients send it.
 LANE_NAME_RULE = "letters, digits, '-' and '_', at least one a letter or digit"
 
@@ -182,6 +231,9 @@ DEFAULT_MEMORY_LOW_WATERMARK = 0.85
 @dataclasses.dataclass(frozen=True, slots=True)
 class ServerConfig:
     model_path: str
+    # The model's name to KServe v2 / Triton clients (ModelInfer's model_name, the
+    # metadata RPCs); None: the model file's name without its suffix (`served_model_name`).
+    model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 50051
     # A second port for latency-critical callers, in front of the same lanes: gRPC's
@@ -297,6 +349,7 @@ class ServerConfig:
                 raise ConfigError(
                     f"expected a non-empty string, got {value!r}", key=f"server.{key}"
                 )
+        _check_model_name(self.model_name, self.model_path)
         _check_int("server.port", self.port, minimum=0, maximum=65_535)
         _check_int("server.priority_port", self.priority_port, minimum=-1, maximum=65_535)
         _check_int("server.max_batch_size", self.max_batch_size, minimum=1, maximum=UINT32_MAX)
@@ -381,6 +434,12 @@ class ServerConfig:
         total_share = sum(lane.min_share for lane in self.lanes)
         if total_share >= 1.0:
             raise ConfigError(f"lanes: min_share must sum to less than 1, got {total_share:g}")
+
+    @property
+    def served_model_name(self) -> str:
+        """The model's name to KServe v2 clients: `model_name`, else the model file's stem
+        ("demo" for models/demo.onnx)."""
+        return self.model_name or PurePath(self.model_path).stem
 
     def lane(self, name: str) -> LaneConfig:
         for lane in self.lanes:

@@ -11,6 +11,7 @@
     ├── AnswerTooLargeError        RESOURCE_EXHAUSTED   ANSWER_TOO_LARGE     (> max_message_bytes)
     ├── MemoryPressureError        RESOURCE_EXHAUSTED   MEMORY_PRESSURE      (retry after pushback)
     ├── JoinLimitError             RESOURCE_EXHAUSTED   JOIN_LIMIT           (retry once answered)
+    ├── ModelNotFoundError         NOT_FOUND            MODEL_NOT_FOUND      (KServe: other model)
     └── EngineError                INTERNAL             ENGINE_FAILURE
         ├── SessionBrokenError     INTERNAL             ENGINE_FAILURE       (the server stops)
         └── ServerFaultError       INTERNAL             ENGINE_FAILURE       (laneserve's own)
@@ -105,6 +106,15 @@ class JoinLimitError(LaneserveError):
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "JOIN_LIMIT"
+
+
+class ModelNotFoundError(LaneserveError):
+    """A KServe v2 call that names a model (or version) other than the one served: this
+    server has one model, and a client that meant another must hear so, not be answered
+    by this one."""
+
+    code = grpc.StatusCode.NOT_FOUND
+    reason = "MODEL_NOT_FOUND"
 
 
 class EngineError(LaneserveError):

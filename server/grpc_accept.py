@@ -224,12 +224,15 @@ class ParallelAcceptors:
 # caller's deadline decided it (see `Caller.reachable`).
 _UNSENT_ANSWER = "ExecuteBatchError raised in core by servicer method"
 _GRPC_CORE_LOGGER = "grpc._cython.cygrpc"
-_OUR_METHODS = "/laneserve.v1."
+# laneserve's services' method paths: its own, and KServe's (server/kserve.py, which
+# imports this module: named here, not imported).
+_OUR_METHODS = ("/laneserve.v1.", "/inference.GRPCInferenceService/")
 
 
 class _AnswersToEndedCalls(logging.Filter):
-    """Drops gRPC's ERROR for an answer of laneserve's service to a call that had ended
-    (see _UNSENT_ANSWER); another service's (an embedding application's) is its own."""
+    """Drops gRPC's ERROR for an answer of laneserve's services (laneserve.v1's, KServe's
+    ModelInfer) to a call that had ended (see _UNSENT_ANSWER); another service's (an
+    embedding application's) is its own."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None

@@ -342,6 +342,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._instance_id = instance_id or uuid.uuid4().hex  # GetStats: which server answered
         self._input_specs = engine.inputs
         self._output_names = [spec.name for spec in engine.outputs]
+        # The most another front end's answer adds to its InferResponse
+        # (`widen_answer_envelope`); 0: none does.
+        self._answer_extra_bytes = 0
         # The item readers of the open InferStream calls (see `stop_reading_streams`).
         self._stream_readers: set[asyncio.Task[None]] = set()
         # Per lane, the stream items waiting for room in it, oldest first; per request_id,
@@ -373,6 +376,27 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         del request
         await abort_with(context, release_frames(refusal))
         raise AssertionError("unreachable: abort raises")
+
+    async def run_request(
+        self,
+        request: pb.InferRequest | LaneserveError,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> pb.InferResponse:
+        """Infer's path for a request another front end converted to laneserve's own
+        (KServe v2's ModelInfer, `kserve.py`): the same admission, lanes, deadlines,
+        idempotency, shedding, tracing, stats and errors, the default lane Infer's.
+        `request` is the conversion's refusal where it failed: counted as Infer counts a
+        request refused before it has a lane, then raised. Raises LaneserveError."""
+        if isinstance(request, LaneserveError):
+            raise self._rejected_without_lane(request)
+        return await self._infer(request, context, self._config.default_lane)
+
+    def widen_answer_envelope(self, extra_bytes: int) -> None:
+        """Another front end sends each answer in a message up to `extra_bytes` larger
+        than its InferResponse (KServe's ModelInferResponse: `kserve.answer_extra_bytes`):
+        `_check_sendable` holds every answer to the largest. Called as the server is
+        made, before it serves: an answer sent before would not have been held to it."""
+        self._answer_extra_bytes = max(self._answer_extra_bytes, extra_bytes)
 
     async def InferStream(
         self,
@@ -568,14 +592,19 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     def _check_sendable(self, response: pb.InferResponse) -> int:
         """gRPC refuses to send a message over max_message_bytes (and fails a whole
         InferStream with it): such an answer is this error instead, counted and traced
-        as one. Measured as an InferStream item, the larger envelope: the same request
-        gets the same answer whichever call carries it, a retry joining it included.
-        Returns that size (sizing a message costs as much as encoding it)."""
-        size = _stream_item_bytes(response)
+        as one. Measured in the largest envelope of the front ends, an InferStream item
+        or a ModelInferResponse (at most `_answer_extra_bytes` more than the response):
+        the same request gets the same answer whichever call carries it, a retry joining
+        it or replaying it included. Returns its size as an InferStream item (sizing a
+        message costs as much as encoding it: sized once)."""
+        response_bytes = response.ByteSize()
+        size = _stream_item_bytes(response, response_bytes)
+        largest = max(size, response_bytes + self._answer_extra_bytes)
         limit = self._config.max_message_bytes
-        if size > limit:
+        if largest > limit:
             raise AnswerTooLargeError(
-                f"the answer to request {response.request_id!r} is {size} bytes, over the "
+                f"the answer to request {response.request_id!r} is up to {largest} bytes as "
+                f"sent (an InferStream item or a ModelInferResponse, the larger), over the "
                 f"server's max_message_bytes ({limit}); expected fewer rows per request"
             )
         return size
@@ -1518,10 +1547,11 @@ def _request_id_too_long(request_id: str) -> InvalidInputError:
     )
 
 
-def _stream_item_bytes(response: pb.InferResponse) -> int:
+def _stream_item_bytes(response: pb.InferResponse, response_bytes: int | None = None) -> int:
     """The size of `response` sent as an InferStream item (its request_id and the
-    response, each a length-delimited field), computed without copying the outputs."""
-    size = response.ByteSize()
+    response, each a length-delimited field), computed without copying the outputs.
+    `response_bytes`: its ByteSize(), where known already."""
+    size = response.ByteSize() if response_bytes is None else response_bytes
     request_id = len(response.request_id.encode())
     return (
         1

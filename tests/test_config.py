@@ -573,3 +573,73 @@ def test_a_drain_delay_out_of_range_is_refused_naming_the_key(
     expected = f"server.drain_delay_s: expected seconds in [0, 3600], got {shown}"
     with pytest.raises(ConfigError, match=f"^{re.escape(expected)}$"):
         load_config(path, model_path="m")
+
+
+MODEL_NAME_RULE = (
+    "expected 1 to 256 bytes of UTF-8 text, without control characters or whitespace at either end"
+)
+
+
+@pytest.mark.parametrize(
+    ("value", "got"),
+    [
+        ('""', "''"),
+        ("3", "3"),
+        ('" mlp"', "' mlp'"),
+        ('"mlp\\u3000"', "'mlp\\u3000'"),  # an ideographic space
+        ('"nl\\nname"', "'nl\\nname', which holds the control character '\\n'"),
+        ('"a\\u0085b"', "'a\\x85b', which holds the control character '\\x85'"),
+        (f'"{"m" * 257}"', f"257 bytes (starting {'m' * 32!r})"),
+        (f'"{"é" * 129}"', f"258 bytes (starting {'é' * 32!r})"),
+    ],
+)
+def test_a_model_name_is_refused_saying_what_names_are_allowed(
+    tmp_path: Path, value: str, got: str
+) -> None:
+    """A 70 000-byte name, one holding a newline and one padded with spaces were taken, to
+    be matched by no client's call (or to make every ModelInfer answer 70 KB larger). The
+    words fit the flag as well as the key: --model-name had been told "or no key"."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(write(tmp_path, f"[server]\nmodel_name = {value}\n"), model_path="m")
+    assert str(refused.value) == f"server.model_name: {MODEL_NAME_RULE}, got {got}"
+    flag = refused.value.naming("--model-name")
+    assert str(flag) == f"--model-name: {MODEL_NAME_RULE}, got {got}"
+
+
+def test_a_model_name_that_is_not_utf8_is_refused() -> None:
+    """An argument's bytes that are not UTF-8 reach Python as lone surrogates."""
+    with pytest.raises(ConfigError) as refused:
+        ServerConfig(model_path="m.onnx", model_name="ab\udcff")
+    assert str(refused.value) == (
+        f"server.model_name: {MODEL_NAME_RULE}, got 'ab\\udcff', which is not UTF-8"
+    )
+
+
+@pytest.mark.parametrize(
+    ("model_path", "got"),
+    [
+        ("models/ lead.onnx", "' lead'"),
+        ("models/lead\t.onnx", "'lead\\t', which holds the control character '\\t'"),
+        ("", "''"),
+    ],
+)
+def test_a_model_files_stem_that_is_no_name_to_serve_is_refused_unless_one_is_set(
+    model_path: str, got: str
+) -> None:
+    """Without server.model_name the model file's stem is the name served, held to the
+    same rule: a file " lead.onnx" was served as " lead", a name no log shows whole."""
+    with pytest.raises(ConfigError) as refused:
+        ServerConfig(model_path=model_path)
+    assert str(refused.value) == (
+        "server.model_name: not set, and the model file's name without its suffix is not a "
+        f"name to serve: {MODEL_NAME_RULE}, got {got}; set a name for KServe and Triton "
+        "clients to call the model by"
+    )
+    assert str(refused.value.naming("--model-name")).startswith("--model-name: not set, ")
+    assert ServerConfig(model_path=model_path, model_name="lead").served_model_name == "lead"
+
+
+@pytest.mark.parametrize("name", ["m", "m" * 256, "é" * 128, "resnet 50/v2.1", "a\u00a0b"])
+def test_a_model_name_of_up_to_256_utf8_bytes_is_served_as_given(name: str) -> None:
+    assert ServerConfig(model_path="m.onnx", model_name=name).served_model_name == name
+    assert ServerConfig(model_path="models/demo.onnx").served_model_name == "demo"

@@ -1922,6 +1922,7 @@ def test_reflection_and_health_work_out_of_the_box(small_model: Path) -> None:
 
             assert set(await ask()) == {
                 "laneserve.v1.InferenceService",
+                "inference.GRPCInferenceService",  # KServe v2 / Triton clients
                 "grpc.health.v1.Health",
                 "grpc.channelz.v1.Channelz",
                 "grpc.reflection.v1alpha.ServerReflection",

@@ -14,10 +14,15 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from laneserve.server.clock import CALLER_END_SLACK_S
 
-# gRPC methods that get a server span: the inference path. GetStats is polled (by
-# `laneserve top`, every second) and would drown the traces that matter.
+# gRPC methods that get a server span: the inference path (KServe v2's ModelInfer runs
+# Infer's). GetStats is polled (by `laneserve top`, every second) and would drown the
+# traces that matter.
 TRACED_METHODS = frozenset(
-    {"/laneserve.v1.InferenceService/Infer", "/laneserve.v1.InferenceService/InferStream"}
+    {
+        "/laneserve.v1.InferenceService/Infer",
+        "/laneserve.v1.InferenceService/InferStream",
+        "/inference.GRPCInferenceService/ModelInfer",
+    }
 )
 # Server span status is Error only for these codes (OpenTelemetry's RPC conventions):
 # the others describe the caller's request, not a server fault.

@@ -1,0 +1,798 @@
+"""The Open Inference Protocol (KServe v2) over gRPC: service
+`inference.GRPCInferenceService`, served on every port beside laneserve.v1, so that a
+Triton or KServe client (tritonclient.grpc, any stub generated from grpc_predict_v2.proto)
+calls laneserve unchanged.
+
+A front end only: ModelInfer converts its request to laneserve's own `InferRequest` and
+runs it through Infer's path (`InferenceServicer.run_request`), so lanes, deadlines,
+idempotency, shedding, memory limits, tracing, stats and error statuses are Infer's; the
+answer is converted back. The metadata and liveness calls are operator calls, counted
+apart from the inference calls as GetModel is (`add_kserve_to_server`).
+
+The mapping (README.md, "KServe v2 / Triton clients"):
+
+    ModelInferRequest                InferRequest
+    model_name, model_version        the served model (server.model_name), "" or "1";
+                                     another: NOT_FOUND (ModelNotFoundError)
+    id                               request_id (echoed in the answer's id)
+    parameters["lane"] string        lane
+    parameters["timeout"] int64 us   timeout_ms, rounded up (Triton's clients send us)
+    parameters["priority"] uint64    0: none; k >= 1: the k-th lane, highest first
+                                     (Triton's 1 is its highest priority)
+    inputs + raw_input_contents      inputs, each Tensor's data the raw bytes
+    inputs[].contents (typed lists)  inputs, the list converted to little-endian bytes
+    outputs[].name                   output_names
+
+    InferResponse                    ModelInferResponse
+    outputs                          outputs (name, datatype, shape) and, in their
+                                     order, raw_output_contents
+    timing                           parameters laneserve_lane, laneserve_batch_size,
+                                     laneserve_queue_us, laneserve_infer_us
+
+Every refusal is a LaneserveError, and reaches the caller as Infer's refusals do
+(`service.abort_with`: status, ErrorInfo, pushback).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import grpc
+import numpy as np
+from google.protobuf import message_factory
+from google.protobuf.message import DecodeError, Message
+from grpc_health.v1 import health, health_pb2
+
+from laneserve.client.tensors import MAX_DIMS, datatype_of, numpy_dtype
+from laneserve.kserve import grpc_predict_v2_pb2 as kpb
+from laneserve.server.codec import MAX_EXTRA_BYTES, extra_inputs
+from laneserve.server.config import UINT32_MAX, ServerConfig
+from laneserve.server.engine import TensorSpec
+from laneserve.server.errors import (
+    InvalidInputError,
+    LaneserveError,
+    ModelNotFoundError,
+)
+from laneserve.server.grpc_accept import CallGate
+from laneserve.server.model_identity import SERVER_VERSION
+from laneserve.server.service import (
+    MAX_OPERATOR_REQUEST_BYTES,
+    InferenceServicer,
+    OversizedOperatorRequest,
+    abort_with,
+    read_operator_request,
+    release_frames,
+)
+from laneserve.v1 import inference_pb2 as pb
+
+SERVICE_NAME: Final = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+SERVER_NAME: Final = "laneserve"
+# A server of one model has one version; "" asks for the server's choice, this one.
+MODEL_VERSION: Final = "1"
+# Triton's platform name for an ONNX model run by ONNX Runtime.
+PLATFORM: Final = "onnxruntime_onnx"
+# The ModelInfer method; every other method of the service is an operator call.
+INFER_METHOD: Final = "ModelInfer"
+# Response parameters that carry laneserve's Timing (pb.Timing's fields, prefixed): its
+# lane a string_param, the others int64_params.
+TIMING_PREFIX: Final = "laneserve_"
+_TIMING_LANE: Final = "lane"
+_TIMING_INTEGERS: Final = ("batch_size", "queue_us", "infer_us")
+# The request parameters understood, and the kinds of InferParameter each takes.
+LANE_PARAMETER: Final = "lane"
+TIMEOUT_PARAMETER: Final = "timeout"
+PRIORITY_PARAMETER: Final = "priority"
+_INTEGER_KINDS: Final = ("int64_param", "uint64_param")
+_PARAMETER_KINDS: Final[dict[str, tuple[str, ...]]] = {
+    LANE_PARAMETER: ("string_param",),
+    TIMEOUT_PARAMETER: _INTEGER_KINDS,
+    PRIORITY_PARAMETER: _INTEGER_KINDS,
+}
+# The most unknown parameter or tensor parameter names a refusal quotes.
+_MAX_NAMED: Final = 8
+_UNDERSTOOD: Final = (
+    f"{LANE_PARAMETER!r} (string_param, a lane's name), {TIMEOUT_PARAMETER!r} (int64_param or "
+    f"uint64_param, microseconds) and {PRIORITY_PARAMETER!r} (uint64_param or int64_param)"
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KServeType:
+    """One protocol datatype laneserve serves: its wire DataType, and the typed contents
+    list that carries its values (None: raw contents only, as FP16 has)."""
+
+    name: str  # "FP32"
+    datatype: pb.DataType.ValueType
+    contents_field: str | None
+    # The dtype the typed list holds, converted from before the range check (int_contents
+    # is int32 for INT8 too); None where the list's values are the datatype's own.
+    wide_dtype: str | None = None
+
+
+KSERVE_TYPES: Final[tuple[KServeType, ...]] = (
+    KServeType("BOOL", pb.DATA_TYPE_BOOL, "bool_contents"),
+    KServeType("UINT8", pb.DATA_TYPE_UINT8, "uint_contents", "<u4"),
+    KServeType("UINT16", pb.DATA_TYPE_UINT16, "uint_contents", "<u4"),
+    KServeType("UINT32", pb.DATA_TYPE_UINT32, "uint_contents"),
+    KServeType("UINT64", pb.DATA_TYPE_UINT64, "uint64_contents"),
+    KServeType("INT8", pb.DATA_TYPE_INT8, "int_contents", "<i4"),
+    KServeType("INT16", pb.DATA_TYPE_INT16, "int_contents", "<i4"),
+    KServeType("INT32", pb.DATA_TYPE_INT32, "int_contents"),
+    KServeType("INT64", pb.DATA_TYPE_INT64, "int64_contents"),
+    KServeType("FP16", pb.DATA_TYPE_FLOAT16, None),
+    KServeType("FP32", pb.DATA_TYPE_FLOAT32, "fp32_contents"),
+    KServeType("FP64", pb.DATA_TYPE_FLOAT64, "fp64_contents"),
+)
+_BY_NAME: Final = {kind.name: kind for kind in KSERVE_TYPES}
+_BY_DATATYPE: Final = {kind.datatype: kind for kind in KSERVE_TYPES}
+_NAMES: Final = ", ".join(kind.name for kind in KSERVE_TYPES)
+# The protocol's datatypes laneserve does not serve, refused in words that say so.
+_NOT_NUMERIC: Final = frozenset({"BYTES", "BF16"})
+
+
+def kserve_datatype(dtype: np.dtype[Any]) -> str:
+    """The protocol's name of a numpy dtype the engine serves ("FP32")."""
+    return _BY_DATATYPE[datatype_of(dtype)].name
+
+
+# ---- reading requests ---------------------------------------------------------------------
+
+# What ModelInfer receives for bytes that do not parse as a ModelInferRequest (another
+# schema, invalid UTF-8 in a string field): refused INVALID_ARGUMENT, not gRPC's UNKNOWN
+# with a traceback. Compared by identity; never changed.
+UNDECODABLE_MODEL_INFER: Final = kpb.ModelInferRequest()
+# What a ModelInferCall holds once converted (`ModelInferCall.release`). Compared by
+# identity; never changed.
+RELEASED_MODEL_INFER: Final = kpb.ModelInferRequest()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OversizedModelInfer:
+    """What ModelInfer receives for a request carrying more than MAX_EXTRA_BYTES besides
+    its tensors' data (raw_input_contents and the inputs' typed contents): refused
+    INVALID_ARGUMENT, as Infer refuses its own (a queued request's message stays in
+    memory, and lanes count its rows, not its bytes). Its size alone is kept."""
+
+    extra_bytes: int
+
+
+@dataclasses.dataclass(slots=True)
+class ModelInferCall:
+    """A ModelInferRequest as read (`read_model_infer`), with its raw_input_contents read
+    out once: each read of a bytes element is a copy (~35 ms for 64 MiB), and measuring
+    the request reads them already. `raw` is empty, unread, where the request has more
+    of them than the model has inputs (the conversion refuses it on that count).
+
+    gRPC holds what its deserializer returned until the call ends: `release` lets go of
+    the message and the copies once converted, so that a queued call holds its
+    InferRequest alone. Kept, the message held the tensors' data a second time (a queued
+    62 MiB ModelInfer held 124 MiB)."""
+
+    message: kpb.ModelInferRequest
+    raw: tuple[bytes, ...]
+
+    def release(self) -> None:
+        self.message = RELEASED_MODEL_INFER
+        self.raw = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UndecodableKServeRequest:
+    """What a metadata or liveness call receives for bytes that do not parse."""
+
+    method: str  # "ModelMetadata"
+
+
+def read_model_infer(
+    data: bytes, *, max_inputs: int, max_outputs: int
+) -> ModelInferCall | OversizedModelInfer:
+    """`data` read as a ModelInferCall (its message UNDECODABLE_MODEL_INFER where it does
+    not parse), or an OversizedModelInfer. A request with more inputs, raw contents or
+    outputs than the model has is passed on unmeasured and unread: the conversion refuses
+    it on those counts before walking them.
+
+    Its id is not counted as extra, as Infer counts one copy of each of its fields: an id
+    over MAX_REQUEST_ID_BYTES is Infer's to refuse, in its words ("request_id is N
+    bytes"), not this bound's."""
+    try:
+        request = kpb.ModelInferRequest.FromString(data)
+    except DecodeError:
+        return ModelInferCall(UNDECODABLE_MODEL_INFER, ())
+    if (
+        len(request.inputs) > max_inputs
+        or len(request.raw_input_contents) > max_inputs
+        or len(request.outputs) > max_outputs
+    ):
+        return ModelInferCall(request, ())
+    raw = tuple(request.raw_input_contents)
+    if len(data) <= MAX_EXTRA_BYTES:  # its extra bytes are some of its bytes
+        return ModelInferCall(request, raw)
+    known = sum(map(len, raw)) + sum(_contents_bytes(tensor.contents) for tensor in request.inputs)
+    extra = len(data) - known - _string_field_bytes(request.id)
+    return OversizedModelInfer(extra) if extra > MAX_EXTRA_BYTES else ModelInferCall(request, raw)
+
+
+def _contents_bytes(contents: kpb.InferTensorContents) -> int:
+    """The most bytes `contents` (data) takes on the wire. ByteSize() sizes its lists
+    packed, as this client's encoder writes them; a valid encoder may write them
+    unpacked, each value with its own tag: one byte more per value (field numbers under
+    16), less the list's one tag and length. Sizing is an encoding: ~1 ms per MiB of
+    fp32 or fp64 values, 2-4 ms of varint ones (int, uint, bool)."""
+    values = sum(len(field_values) for _, field_values in contents.ListFields())
+    return contents.ByteSize() + values
+
+
+def _string_field_bytes(text: str) -> int:
+    """A string field's size on the wire, tag (one byte) and length included."""
+    size = len(text.encode())
+    return 1 + _varint_bytes(size) + size if size else 0
+
+
+def _varint_bytes(value: int) -> int:
+    """A non-negative integer's size as a varint."""
+    return max(1, (value.bit_length() + 6) // 7)
+
+
+def read_operator_call(
+    request_type: type[Message], method: str, data: bytes
+) -> Message | OversizedOperatorRequest | UndecodableKServeRequest:
+    """A metadata or liveness request: refused unparsed over MAX_OPERATOR_REQUEST_BYTES
+    (`read_operator_request`), as GetModel's is; its stand-in where it does not parse."""
+    try:
+        return read_operator_request(request_type.FromString, method, data)
+    except DecodeError:
+        return UndecodableKServeRequest(method)
+
+
+def _unreadable(request: object, method: str) -> LaneserveError | None:
+    """The refusal of a request's stand-in (`read_model_infer`, `read_operator_call`);
+    None for a request read."""
+    expected = f"expected an inference.{method}Request message encoded from grpc_predict_v2.proto"
+    if isinstance(request, ModelInferCall) and request.message is UNDECODABLE_MODEL_INFER:
+        request = UndecodableKServeRequest(method)
+    if isinstance(request, UndecodableKServeRequest):
+        return InvalidInputError(
+            f"the {method} request does not parse as an inference.{method}Request message "
+            f"(strings in UTF-8); {expected}"
+        )
+    if isinstance(request, OversizedModelInfer):
+        return InvalidInputError(
+            f"the {method} request carries {request.extra_bytes} bytes besides its tensors' "
+            f"data (raw_input_contents and the inputs' contents), over the limit of "
+            f"{MAX_EXTRA_BYTES}; {expected}, with no fields this server does not know"
+        )
+    if isinstance(request, OversizedOperatorRequest):
+        return InvalidInputError(
+            f"the {method} request is {request.size_bytes} bytes, over the limit of "
+            f"{MAX_OPERATOR_REQUEST_BYTES} bytes for KServe's metadata and liveness "
+            f"requests; {expected} (a name and a version, tens of bytes)"
+        )
+    return None
+
+
+# ---- ModelInfer: the request ---------------------------------------------------------------
+
+
+def to_infer_request(
+    call: ModelInferCall,
+    lanes: Sequence[str],
+    inputs: Sequence[TensorSpec],
+    output_names: Sequence[str],
+) -> pb.InferRequest:
+    """`call`'s request as laneserve's InferRequest (the model's name and version checked
+    by the caller). Its counts are checked before anything walks them: a message holds up
+    to millions of empty inputs. Raises InvalidInputError naming the fault."""
+    request = call.message
+    assert request is not RELEASED_MODEL_INFER, "converted once"
+    _check_counts(request, inputs, output_names)
+    # Read out unless over the counts just checked (`read_model_infer`).
+    assert len(call.raw) == len(request.raw_input_contents)
+    lane, timeout_ms = _request_parameters(request.parameters, lanes)
+    for output in request.outputs:
+        _refuse_parameters("output", output.name, output.parameters)
+    converted = pb.InferRequest(
+        request_id=request.id,
+        lane=lane,
+        timeout_ms=timeout_ms,
+        output_names=[output.name for output in request.outputs],
+    )
+    specs = {spec.name: spec for spec in inputs}
+    for index, tensor in enumerate(request.inputs):
+        kind, data = _input_data(request, tensor, index, call.raw, specs)
+        # Built in place: a Tensor made apart and then put in its request is copied again
+        # (100 ms more of the event loop for 62 MiB).
+        converted.inputs.add(name=tensor.name, dtype=kind.datatype, shape=tensor.shape, data=data)
+    return converted
+
+
+def _check_counts(
+    request: kpb.ModelInferRequest, inputs: Sequence[TensorSpec], output_names: Sequence[str]
+) -> None:
+    expected_inputs = [spec.name for spec in inputs]
+    if len(request.inputs) > len(inputs):  # named as Infer names them
+        raise InvalidInputError(
+            f"request has {len(request.inputs)} inputs; "
+            f"{extra_inputs(request.inputs, expected_inputs)}; expected the model's inputs "
+            f"{expected_inputs}, each once"
+        )
+    raw = len(request.raw_input_contents)
+    if raw and raw != len(request.inputs):
+        raise InvalidInputError(
+            f"request has {raw} raw_input_contents for {len(request.inputs)} inputs; expected "
+            "one per input, in the order of `inputs` (or none, with each input's data in its "
+            "contents)"
+        )
+    if len(request.outputs) > len(output_names):
+        raise InvalidInputError(
+            f"request asks for {len(request.outputs)} outputs; expected at most "
+            f"{len(output_names)}, each of the model's outputs {list(output_names)} at most once"
+        )
+
+
+def _request_parameters(parameters: Any, lanes: Sequence[str]) -> tuple[str, int]:
+    """The lane ("" for the default) and timeout_ms (0: none) the request's parameters
+    give; raises on any other parameter, or a value of another kind."""
+    unknown = sorted(key for key in parameters if key not in _PARAMETER_KINDS)
+    if unknown:
+        # All of them, in order, bounded: Triton's sequence parameters come as three.
+        named = ", ".join(map(repr, unknown[:_MAX_NAMED]))
+        more = f" and {len(unknown) - _MAX_NAMED} more" if len(unknown) > _MAX_NAMED else ""
+        raise InvalidInputError(
+            f"unknown request parameter(s) {named}{more}; expected some of {_UNDERSTOOD} "
+            "(laneserve has no sequence batching and reads no other parameter)"
+        )
+    values = {
+        key: _parameter_value(key, parameters[key], _PARAMETER_KINDS[key]) for key in parameters
+    }
+    lane = values.get(LANE_PARAMETER, "")
+    priority = values.get(PRIORITY_PARAMETER, 0)
+    if priority:
+        lane = _lane_of_priority(priority, lane, lanes)
+    return lane, _timeout_ms(values.get(TIMEOUT_PARAMETER, 0))
+
+
+def _parameter_value(key: str, parameter: kpb.InferParameter, kinds: Sequence[str]) -> Any:
+    kind = parameter.WhichOneof("parameter_choice")
+    if kind is None or kind not in kinds:
+        raise InvalidInputError(
+            f"request parameter {key!r} is {_kind_named(kind)}; expected {' or '.join(kinds)}"
+        )
+    return getattr(parameter, kind)
+
+
+def _kind_named(kind: str | None) -> str:
+    """The kind of parameter given, with its article: "an int64_param", "a uint64_param"
+    (you-int), or "unset"."""
+    if kind is None:
+        return "unset"
+    return f"{'an' if kind[0] in 'aeio' else 'a'} {kind}"
+
+
+def _lane_of_priority(priority: int, lane: str, lanes: Sequence[str]) -> str:
+    """The lane Triton's `priority` names: 1 is its highest priority, and the lanes are
+    ordered highest first, so priority k is the k-th lane. A "lane" parameter given as
+    well must name the same lane."""
+    if not 1 <= priority <= len(lanes):
+        raise InvalidInputError(
+            f"request parameter 'priority' is {priority}; expected 0 (the default lane) or 1 "
+            f"to {len(lanes)}, the lanes highest first {list(lanes)}, or a 'lane' "
+            "parameter (string_param) naming one"
+        )
+    named = lanes[priority - 1]
+    if lane and lane != named:
+        raise InvalidInputError(
+            f"request parameters 'priority' ({priority}: lane {named!r}) and 'lane' "
+            f"({lane!r}) name different lanes; expected one of them, or both naming the same "
+            f"lane of {list(lanes)}"
+        )
+    return named
+
+
+def _timeout_ms(timeout_us: int) -> int:
+    """Triton's `timeout` (microseconds) as timeout_ms, rounded up: a budget is never cut
+    short. 0: none of its own."""
+    if timeout_us < 0:
+        raise InvalidInputError(
+            f"request parameter 'timeout' is {timeout_us}; expected microseconds >= 0 "
+            "(0: no timeout of its own)"
+        )
+    timeout_ms = -(-timeout_us // 1000)
+    if timeout_ms > UINT32_MAX:
+        raise InvalidInputError(
+            f"request parameter 'timeout' is {timeout_us} microseconds; expected at most "
+            f"{UINT32_MAX * 1000} (2**32 - 1 ms, about 49.7 days)"
+        )
+    return timeout_ms
+
+
+def _refuse_parameters(what: str, name: str, parameters: Any) -> None:
+    """Tensor parameters (Triton's binary_data, classification, shared memory) change
+    what a tensor means or where its data is: none is read, so any is refused."""
+    if len(parameters):
+        keys = sorted(parameters)[:_MAX_NAMED]  # named, bounded: a message holds many
+        raise InvalidInputError(
+            f"{what} {name!r} has parameters {keys}; expected none (laneserve reads no "
+            "parameter on inputs or outputs: no classification, binary_data or shared memory)"
+        )
+
+
+def _input_data(
+    request: kpb.ModelInferRequest,
+    tensor: kpb.ModelInferRequest.InferInputTensor,
+    index: int,
+    raw_contents: Sequence[bytes],
+    specs: dict[str, TensorSpec],
+) -> tuple[KServeType, bytes]:
+    """One input's datatype and data, as a laneserve Tensor's. Its data's length against
+    its shape is the normal path's check (`codec.decode_inputs`), as for Infer's own."""
+    _refuse_parameters("input", tensor.name, tensor.parameters)
+    kind = _input_type(tensor, specs.get(tensor.name))
+    if raw_contents:
+        if tensor.contents.ListFields():
+            raise InvalidInputError(
+                f"input {tensor.name!r} has contents while the request has "
+                "raw_input_contents; expected each input's data in one place: "
+                "raw_input_contents for every input, or contents for every input"
+            )
+        return kind, raw_contents[index]
+    return kind, _typed_data(request, tensor, kind)
+
+
+def _input_type(
+    tensor: kpb.ModelInferRequest.InferInputTensor, spec: TensorSpec | None
+) -> KServeType:
+    """The input's datatype, refused unless laneserve serves it and (for an input of the
+    model's) the model's input has it: this server converts no dtype. An unknown input is
+    the normal path's to refuse, in its words."""
+    kind = _BY_NAME.get(tensor.datatype)
+    if kind is None:
+        numeric = (
+            "laneserve serves numeric tensors only; " if tensor.datatype in _NOT_NUMERIC else ""
+        )
+        raise InvalidInputError(
+            f"input {tensor.name!r} has datatype {tensor.datatype!r}; {numeric}expected one "
+            f"of {_NAMES}"
+        )
+    if spec is not None:
+        wanted = kserve_datatype(spec.dtype)
+        if wanted != kind.name:
+            raise InvalidInputError(
+                f"input {tensor.name!r} has datatype {kind.name}; expected {wanted}, the "
+                f"model's input's, with shape {list(spec.shape)} (-1 = any size)"
+            )
+    return kind
+
+
+def _typed_data(
+    request: kpb.ModelInferRequest, tensor: kpb.ModelInferRequest.InferInputTensor, kind: KServeType
+) -> bytes:
+    """The input's typed contents (the request has no raw contents) as little-endian
+    bytes of its datatype. The count is checked against the shape before anything is
+    converted: nothing is allocated from a client's shape, only from the values it sent."""
+    lists = [field.name for field, _ in tensor.contents.ListFields()]
+    if kind.contents_field is None:
+        if lists or _holds_values(tensor.shape):
+            raise InvalidInputError(_raw_only(request, tensor, kind, lists))
+        return b""  # a shape of no values takes none
+    wrong = [name for name in lists if name != kind.contents_field]
+    if wrong:
+        raise InvalidInputError(
+            f"input {tensor.name!r} is {kind.name} and has {wrong[0]}; expected its values in "
+            f"{kind.contents_field}"
+        )
+    shape = list(tensor.shape)
+    if len(shape) > MAX_DIMS or min(shape, default=0) < 0:
+        return b""  # the normal path refuses the shape itself, in its words
+    values = getattr(tensor.contents, kind.contents_field)
+    expected = math.prod(shape)
+    if len(values) != expected:
+        raise InvalidInputError(
+            f"input {tensor.name!r} has {len(values)} values in {kind.contents_field}; "
+            f"expected {expected} (shape {shape})"
+        )
+    return _as_bytes(tensor.name, values, kind)
+
+
+def _holds_values(shape: Sequence[int]) -> bool:
+    """Whether a shape sizes one value or more (a bad one is the normal path's)."""
+    return len(shape) <= MAX_DIMS and min(shape, default=1) > 0
+
+
+def _raw_only(
+    request: kpb.ModelInferRequest,
+    tensor: kpb.ModelInferRequest.InferInputTensor,
+    kind: KServeType,
+    lists: Sequence[str],
+) -> str:
+    """The refusal of an input of a datatype with no typed list (FP16) in a request with
+    no raw contents: its bytes go only in raw_input_contents, and a request carries raw
+    contents for all of its inputs or for none, so every input's must go there."""
+    has = f" (it has {lists[0]})" if lists else ""
+    others = (
+        ", and so every input's data there (a request has raw_input_contents for all of "
+        "its inputs or for none)"
+        if len(request.inputs) > 1
+        else ""
+    )
+    return (
+        f"input {tensor.name!r} is {kind.name}, which has no typed contents{has}; expected "
+        f"its bytes in raw_input_contents{others}"
+    )
+
+
+def _as_bytes(name: str, values: Sequence[Any], kind: KServeType) -> bytes:
+    target = numpy_dtype(kind.datatype)  # little-endian, as the wire's
+    array = np.array(values, dtype=kind.wide_dtype or target)
+    if kind.wide_dtype is not None and array.size:
+        bounds = np.iinfo(target)
+        low, high = int(array.min()), int(array.max())
+        if low < bounds.min or high > bounds.max:
+            raise InvalidInputError(
+                f"input {name!r} is {kind.name} and holds {low if low < bounds.min else high} "
+                f"in {kind.contents_field}; expected values from {bounds.min} to {bounds.max}"
+            )
+    return array.astype(target, copy=False).tobytes()
+
+
+# ---- ModelInfer: the answer ----------------------------------------------------------------
+
+
+def to_model_infer_response(
+    answer: pb.InferResponse, model_name: str, max_message_bytes: int
+) -> kpb.ModelInferResponse:
+    """laneserve's answer as a ModelInferResponse: each output's name, datatype and shape,
+    its bytes in raw_output_contents (what Triton's server sends and its clients read), and
+    the answer's Timing as parameters prefixed TIMING_PREFIX."""
+    response = kpb.ModelInferResponse(
+        model_name=model_name, model_version=MODEL_VERSION, id=answer.request_id
+    )
+    data_bytes = 0
+    for tensor in answer.outputs:
+        response.outputs.add(
+            name=tensor.name, datatype=_BY_DATATYPE[tensor.dtype].name, shape=tensor.shape
+        )
+        data = tensor.data  # a copy each read: read once
+        data_bytes += len(data)
+        response.raw_output_contents.append(data)
+    timing = answer.timing
+    response.parameters[TIMING_PREFIX + _TIMING_LANE].string_param = timing.lane
+    for field in _TIMING_INTEGERS:
+        response.parameters[TIMING_PREFIX + field].int64_param = getattr(timing, field)
+    # The normal path held the answer to max_message_bytes in this encoding too
+    # (`answer_extra_bytes`): sent over it, gRPC would end the call in its own words.
+    # Checked only near the limit: sizing is an encoding.
+    if data_bytes + MAX_EXTRA_BYTES > max_message_bytes:
+        assert response.ByteSize() <= max_message_bytes, "held to it by _check_sendable"
+    return response
+
+
+def answer_extra_bytes(model_name: str, outputs: Sequence[TensorSpec], lanes: Sequence[str]) -> int:
+    """The most bytes `to_model_infer_response` adds to an answer of this model over its
+    InferResponse's ByteSize(): the normal path holds every answer to max_message_bytes
+    in this envelope too (`InferenceServicer.widen_answer_envelope`), so that an answer
+    too large for a ModelInfer caller is refused ANSWER_TOO_LARGE when it is made,
+    counted and traced as such, and never stored for a retry to replay.
+
+    Reached by some answer, from the two encodings (every tag here is one byte):
+    - model_name and model_version are added; id is request_id again, of its size;
+    - per output of the model (an answer has each at most once), its datatype's name (2
+      bytes and the name) replaces its dtype (2: an enum under 128), and its data leaves
+      the tensor for raw_output_contents with its tag and length, where empty data takes
+      2 bytes the tensor did not spend; the tensor's length may take a byte more: the
+      name's length and 3, at most;
+    - Timing's field goes (2 bytes at least: `encode_response` always sets it) and each
+      of its fields is a parameter instead, a map entry: an integer's adds its key and
+      6 bytes of tags and lengths, and 2 more where it is 0 (sent in a parameter, left
+      out of Timing); the lane's adds its key and tags and lengths (`_lane_extra`).
+    """
+    total = _string_field_bytes(model_name) + _string_field_bytes(MODEL_VERSION) - 2
+    total += sum(len(kserve_datatype(spec.dtype)) + 3 for spec in outputs)
+    total += sum(_string_field_bytes(TIMING_PREFIX + field) + 6 for field in _TIMING_INTEGERS)
+    return total + max(map(_lane_extra, lanes))
+
+
+def _lane_extra(lane: str) -> int:
+    """What the laneserve_lane parameter of an answer in `lane` adds over Timing.lane: the
+    entry's key, the entry's and the value's tags and lengths. Its value is sent even
+    when empty (a oneof's field), which Timing.lane is not."""
+    size = len(lane.encode())
+    value = 1 + _varint_bytes(size) + size  # InferParameter.string_param
+    entry = _string_field_bytes(TIMING_PREFIX + _TIMING_LANE) + 1 + _varint_bytes(value) + value
+    return 1 + _varint_bytes(entry) + entry - _string_field_bytes(lane)
+
+
+# ---- the servicer ---------------------------------------------------------------------------
+
+
+class KServeServicer:
+    """inference.GRPCInferenceService in front of one InferenceServicer (one per port,
+    all in front of the same lanes). Stateless: readiness is read from the gRPC health
+    service (`health`), inference is `inference`'s."""
+
+    def __init__(
+        self,
+        inference: InferenceServicer,
+        config: ServerConfig,
+        inputs: Sequence[TensorSpec],
+        outputs: Sequence[TensorSpec],
+        health_servicer: health.aio.HealthServicer,
+    ) -> None:
+        self._inference = inference
+        self._config = config
+        self._model_name = config.served_model_name
+        self._lanes = [lane.name for lane in config.lanes]  # highest priority first
+        self._inputs = tuple(inputs)
+        self._outputs = tuple(outputs)
+        self._output_names = [spec.name for spec in outputs]
+        self._health = health_servicer
+        inference.widen_answer_envelope(answer_extra_bytes(self._model_name, outputs, self._lanes))
+
+    @property
+    def max_inputs(self) -> int:
+        return len(self._inputs)
+
+    @property
+    def max_outputs(self) -> int:
+        return len(self._outputs)
+
+    async def ServerLive(
+        self, request: object, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> kpb.ServerLiveResponse:
+        await _refuse_unreadable(request, "ServerLive", context)
+        return kpb.ServerLiveResponse(live=True)  # it answers: it lives
+
+    async def ServerReady(
+        self, request: object, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> kpb.ServerReadyResponse:
+        await _refuse_unreadable(request, "ServerReady", context)
+        return kpb.ServerReadyResponse(ready=await self._ready(context))
+
+    async def ModelReady(
+        self, request: object, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> kpb.ModelReadyResponse:
+        await _refuse_unreadable(request, "ModelReady", context)
+        assert isinstance(request, kpb.ModelReadyRequest)
+        await self._abort_unless_served(request.name, request.version, context)
+        return kpb.ModelReadyResponse(ready=await self._ready(context))
+
+    async def ServerMetadata(
+        self, request: object, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> kpb.ServerMetadataResponse:
+        await _refuse_unreadable(request, "ServerMetadata", context)
+        return kpb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=[])
+
+    async def ModelMetadata(
+        self, request: object, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> kpb.ModelMetadataResponse:
+        await _refuse_unreadable(request, "ModelMetadata", context)
+        assert isinstance(request, kpb.ModelMetadataRequest)
+        await self._abort_unless_served(request.name, request.version, context)
+        return kpb.ModelMetadataResponse(
+            name=self._model_name,
+            versions=[MODEL_VERSION],
+            platform=PLATFORM,
+            inputs=[_tensor_metadata(spec) for spec in self._inputs],
+            outputs=[_tensor_metadata(spec) for spec in self._outputs],
+        )
+
+    async def ModelInfer(
+        self,
+        request: ModelInferCall | OversizedModelInfer,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> kpb.ModelInferResponse:
+        try:
+            return await self._model_infer(request, context)
+        except LaneserveError as error:
+            refusal = error
+        # Nothing of the request stays reachable from the abort (see `abort_with`).
+        del request
+        await abort_with(context, release_frames(refusal))
+        raise AssertionError("unreachable: abort raises")
+
+    async def _model_infer(
+        self,
+        request: ModelInferCall | OversizedModelInfer,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> kpb.ModelInferResponse:
+        converted: pb.InferRequest | LaneserveError | None = _unreadable(request, INFER_METHOD)
+        if converted is None:
+            assert isinstance(request, ModelInferCall)
+            try:
+                # Not counted: a call for another model is no request to this one.
+                self._check_served(request.message.model_name, request.message.model_version)
+                converted = to_infer_request(request, self._lanes, self._inputs, self._output_names)
+            except InvalidInputError as error:
+                converted = error  # counted by `run_request`, as Infer's refusals are
+            finally:
+                request.release()  # gRPC holds it until the call ends
+        del request  # the converted request holds what runs
+        answer = await self._inference.run_request(converted, context)
+        return to_model_infer_response(answer, self._model_name, self._config.max_message_bytes)
+
+    def _check_served(self, name: str, version: str) -> None:
+        """Raises ModelNotFoundError unless `name` and `version` are the served model's."""
+        if name != self._model_name:
+            raise ModelNotFoundError(
+                f"model {name!r} is not served here; expected {self._model_name!r}, the one "
+                f"model this server serves (server.model_name, --model-name)"
+            )
+        if version not in ("", MODEL_VERSION):
+            raise ModelNotFoundError(
+                f"model {name!r} has no version {version!r} here; expected "
+                f"{MODEL_VERSION!r} or empty (this server serves one version)"
+            )
+
+    async def _abort_unless_served(
+        self, name: str, version: str, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
+        try:
+            self._check_served(name, version)
+        except ModelNotFoundError as error:
+            await abort_with(context, error)
+
+    async def _ready(self, context: grpc.aio.ServicerContext[Any, Any]) -> bool:
+        """Whether the gRPC health service says the whole server ("") is SERVING: the one
+        place laneserve sets readiness (NOT_SERVING while starting, from a stop signal's
+        drain delay on, and while draining). Asked through its own Check, which aborts
+        `context` only for a service it does not know (never "": set at start)."""
+        answer = await self._health.Check(health_pb2.HealthCheckRequest(service=""), context)
+        return answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def _refuse_unreadable(
+    request: object, method: str, context: grpc.aio.ServicerContext[Any, Any]
+) -> None:
+    refusal = _unreadable(request, method)
+    if refusal is not None:
+        await abort_with(context, refusal)
+
+
+def _tensor_metadata(spec: TensorSpec) -> kpb.ModelMetadataResponse.TensorMetadata:
+    return kpb.ModelMetadataResponse.TensorMetadata(
+        name=spec.name, datatype=kserve_datatype(spec.dtype), shape=spec.shape
+    )
+
+
+def add_kserve_to_server(servicer: KServeServicer, server: grpc.aio.Server, gate: CallGate) -> None:
+    """Registers inference.GRPCInferenceService on `server`, as `service.add_to_server`
+    registers laneserve.v1: ModelInfer counted by the port's `gate` as an inference call
+    (refused over max_concurrent_rpcs before its message is parsed), its request read as
+    Infer's is (undecodable: INVALID_ARGUMENT; more than MAX_EXTRA_BYTES besides the
+    tensors' data: refused); every other method an operator call, counted apart as
+    GetModel is and read only up to MAX_OPERATOR_REQUEST_BYTES."""
+    service = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for method in service.methods:
+        assert not method.client_streaming, method.name  # the handlers below are unary
+        assert not method.server_streaming, method.name
+        request_type = message_factory.GetMessageClass(method.input_type)
+        response_type = message_factory.GetMessageClass(method.output_type)
+        behavior = getattr(servicer, method.name)
+        read: Callable[[bytes], Any]
+        if method.name == INFER_METHOD:
+            read = gate.deserializer(
+                functools.partial(
+                    read_model_infer,
+                    max_inputs=servicer.max_inputs,
+                    max_outputs=servicer.max_outputs,
+                )
+            )
+            behavior = gate.gate(behavior, response_streaming=False)
+        else:
+            read = gate.operator_deserializer(
+                functools.partial(read_operator_call, request_type, method.name)
+            )
+            behavior = gate.gate_operator(behavior)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            behavior,
+            request_deserializer=read,
+            response_serializer=response_type.SerializeToString,
+        )
+    # As a generated add_*Servicer_to_server adds them: registered, and generic for the rest.
+    generic = grpc.method_handlers_generic_handler(service.full_name, handlers)
+    server.add_generic_rpc_handlers((generic,))
+    server.add_registered_method_handlers(service.full_name, handlers)
