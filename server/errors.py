@@ -22,6 +22,7 @@ Servicers never choose status codes: they raise or receive one of these and hand
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import grpc
@@ -166,10 +167,16 @@ def bounded_message(message: str, max_bytes: int = MAX_MESSAGE_BYTES) -> str:
 
 
 def pushback_ms(error: LaneserveError) -> int | None:
-    """The `grpc-retry-pushback-ms` value for `error`, or None when no retry is advised."""
+    """The `grpc-retry-pushback-ms` value for `error`, or None when no retry is advised:
+    its hint rounded up to whole ms, at least 1. A hint says "not before": a full lane's
+    promises to the callers it refused lapse at the latest time it advised (see
+    `scheduler._Promises`), and a caller back before its time counts its own promise as
+    another's. Rounded to the nearest ms, one told 1.33 ms was back after 1 and was told
+    2.67. The hint is taken at whole ns first, as RetryInfo's is, so that float noise
+    rounds no whole ms up (9 batches of 1 ms are 9.000000000000002 ms)."""
     if error.retry_after_s is None:
         return None
-    return max(1, round(error.retry_after_s * 1000))
+    return max(1, math.ceil(round(error.retry_after_s * 1000, 6)))
 
 
 def to_rpc_status(

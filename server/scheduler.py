@@ -128,8 +128,70 @@ SPLIT_FLOOR_SHARE = 0.5
 # (see `Lane.split_ahead`): a bound per admission; past it, the split request's rows are
 # counted whole ahead, as any request's.
 SPLIT_SCAN_ENTRIES = 64
-# Suggested wait before retrying a request refused for memory pressure.
+# Suggested wait before retrying a request refused for memory pressure. Constant, and
+# not spread as LANE_FULL's is (`_pushback_s`): the lane reopens when device memory falls
+# below the low watermark, which no rate of rows predicts, so there is no time at which
+# room for each caller comes to tell it.
 MEMORY_PRESSURE_RETRY_S = 0.25
+# The least retry hint of a full lane: `grpc-retry-pushback-ms` counts whole ms.
+MIN_PUSHBACK_S = 0.001
+
+
+@dataclasses.dataclass(slots=True)
+class _Promises:
+    """What a lane told the callers it refused LANE_FULL and has not yet seen back (see
+    `Scheduler._pushback_s`): three numbers per lane, however many callers it refuses.
+    Only the scheduler thread reads or changes them."""
+
+    # Invariant: the rows of the refusals that promised them since the promises last
+    # lapsed (see `Scheduler._pushback_s` for which do), less the rows admitted since
+    # into room a batch made (`made_rows`); never below 0. Room is made by dispatch:
+    # `_room_in_s` predicts when batches will have taken enough rows out, and a caller
+    # promised comes back to room a batch made. So an admission takes from `made_rows`
+    # alone, whoever it is (a retry, a fresh caller, a stream item that waited for
+    # room): that room is gone for the caller promised it, who, refused again, is
+    # promised anew.
+    # Rows that leave by expiry or cancel make room no hint predicted: whoever comes
+    # first takes it, consuming no promise; the promises lapse at `until_s` all the same.
+    # Consumed by any admission, a fresh caller in a cancelled request's room took a
+    # promise it was never given, and the next caller refused was told the time of the
+    # one before, a batch before its room. Consumed by dispatch itself, a caller refused
+    # after the batch that made a promised caller's room, before that caller was back,
+    # was told a batch before its room too (the room is in both the lane's free rows and
+    # the rows dispatch took off: see
+    # test_room_a_batch_made_stays_promised_until_a_caller_takes_it).
+    promised_rows: int = 0
+    # Of `promised_rows`, those whose room batches made since and no admission has taken
+    # yet: at most `promised_rows`.
+    made_rows: int = 0
+    # The latest retry time advised among them (monotonic seconds), never moved earlier:
+    # a later refusal may be told an earlier time (a cancel above made its rows come
+    # sooner) while an earlier caller is still to come back.
+    until_s: float = -math.inf
+
+    def lapse(self, now_s: float) -> None:
+        """From `until_s` on, every caller promised has come back or will not: no caller
+        comes back before its time, whether it follows RetryInfo (the hint, to the ns) or
+        the trailer (rounded up, `errors.pushback_ms`). Lapsing earlier (half a ms, for a
+        trailer rounded to the nearest ms), a caller refused then was told the room still
+        promised to one not yet back. The room made for the promises lapses with them:
+        kept, an admission took it from the rows promised since, below 0."""
+        if now_s >= self.until_s:
+            self.promised_rows = self.made_rows = 0
+
+    def promise(self, rows: int, back_s: float) -> None:
+        self.promised_rows += rows
+        self.until_s = max(self.until_s, back_s)
+
+    def room_made(self, rows: int) -> None:
+        """A batch took `rows` of the lane's rows out to run."""
+        self.made_rows = min(self.made_rows + rows, self.promised_rows)
+
+    def admitted(self, rows: int) -> None:
+        taken = min(rows, self.made_rows)
+        self.promised_rows -= taken
+        self.made_rows -= taken
+        assert 0 <= self.made_rows <= self.promised_rows
 
 
 def split_floor(cap: int) -> int:
@@ -335,16 +397,22 @@ class Scheduler:
         events: SchedulerEvents | None = None,
         watermark: Watermark | None = None,
         run_time_signature: Signature | None = None,
+        spread_pushback: bool = True,
     ) -> None:
         """`run_time` is measured on rows of `run_time_signature` (the probe's); batches
         of other signatures get models of their own (see `RunTimeModels`; None: one model
-        for all)."""
+        for all). `spread_pushback` False advises each LANE_FULL refusal the room for its
+        own rows alone, the rule before promises were counted (see `_pushback_s`): for
+        scripts/simulate_admission.py's comparison; the server keeps the default."""
         assert batch_cap >= 1
         self.lanes = [
             Lane(config, priority, self._alone_s, split_over_rows=batch_cap)
             for priority, config in enumerate(lanes)
         ]
         self._by_name = {lane.name: lane for lane in self.lanes}
+        self.spread_pushback = spread_pushback
+        # Per lane priority: what its LANE_FULL refusals were promised (`_pushback_s`).
+        self._promises = [_Promises() for _ in self.lanes]
         self.events = events or NullEvents()
         # The cap in force per signature; out of memory lowers one, sustained success
         # raises it back step by step, never above `batch_cap` (what the probe found).
@@ -429,6 +497,9 @@ class Scheduler:
             dispatch_by_s=now_s + lane.max_wait_s,
         )
         lane.push(entry)
+        # Into room a batch made, it takes room a caller refused earlier was promised,
+        # whether it is that caller or not (see `_Promises.promised_rows`).
+        self._promises[lane.priority].admitted(request.rows)
         self._observe_request(lane, request, now_s)
         self._entries[entry.entry_id] = entry
         heapq.heappush(self._deadlines, (deadline_s, entry.entry_id))
@@ -490,7 +561,9 @@ class Scheduler:
     def room_wait_s(self, lane_name: str, rows: int) -> float | None:
         """None when lane `lane_name` has room for `rows` more rows (or never will: more
         than it holds, or no such lane; admission says why), else about how long until
-        it has (see `_room_in_s`)."""
+        it has (see `_room_in_s`). A stream item waiting for room asks it: it polls, it
+        does not come back at a time it was told, so it neither reads nor adds the
+        promises of LANE_FULL refusals (`_pushback_s`)."""
         lane = self._by_name.get(lane_name)
         if lane is None or rows > lane.config.capacity_rows or lane.has_room(rows):
             return None
@@ -521,6 +594,47 @@ class Scheduler:
             wait_s = min(wait_s, batches * run_time.predict_s(cap))
         return min(wait_s, lane.config.timeout_ms / 1000)
 
+    def _pushback_s(self, lane: Lane, request: InferenceRequest, now_s: float) -> float:
+        """The retry hint for `request`, which full `lane` refuses at `now_s`: the time
+        until it has room for its rows after the rows promised to the callers it refused
+        before (`_Promises.promised_rows`: until the latest time advised among them, less
+        the rows admitted into room a batch made since). Counted at its own rows alone,
+        every caller refused in one instant was told the same time; a client that
+        follows RetryInfo waits exactly that, gRPC's retry that rounded up to whole ms
+        (`errors.pushback_ms`), so they came back together, the first few found the
+        room and the rest were refused again: a herd every round. Counted so, the k-th
+        is told when room for it comes, and their retries come back at the rate room
+        opens. The first refusal (no promise outstanding) is told what it was before.
+
+        A refusal is told that time in every case, and promises its rows only when the
+        caller can come back: its time is before the request's own deadline (and so
+        under the lane's timeout, the cap of `_room_in_s`: by then every row queued now
+        has run or expired), and the lane holds its rows with those promised. Past its
+        deadline it never comes back; more rows than the lane holds are a flood, not a
+        queue of callers each finding room in turn. Promised, each refusal of a flood
+        told the next one later and moved the lapse on, so the promises never lapsed:
+        a standard lane twice oversubscribed by callers that never came back advised
+        9999 ms where room came every 1.3 (bounded so, 341: a lane's worth of promises
+        outlives its callers while refusals keep making new ones). Callers refused
+        together at the cap come back together at it.
+
+        Approximate where the clock runs on: a caller refused again before the promises
+        lapse (room came later than predicted, or another took it) counts its own
+        earlier promise too, and is told later than its room, by its rows for each such
+        refusal."""
+        if not self.spread_pushback:
+            return max(self._room_in_s(lane, request.rows), MIN_PUSHBACK_S)
+        promises = self._promises[lane.priority]
+        promises.lapse(now_s)
+        rows = promises.promised_rows + request.rows
+        wait_s = max(self._room_in_s(lane, rows), MIN_PUSHBACK_S)
+        back_s = now_s + wait_s
+        if rows <= lane.config.capacity_rows and back_s < lane.config.deadline_s(
+            now_s, request.deadline_s
+        ):
+            promises.promise(request.rows, back_s)
+        return wait_s
+
     def _check_admission(self, request: InferenceRequest, lane: Lane, now_s: float) -> None:
         if not self.accepting:
             raise DrainingError("server is draining; retry on another instance")
@@ -547,7 +661,7 @@ class Scheduler:
             )
         lane.config.check_rows(request.rows)
         if not lane.has_room(request.rows):
-            retry_after_s = max(self._room_in_s(lane, request.rows), 0.001)
+            retry_after_s = self._pushback_s(lane, request, now_s)
             raise LaneFullError(
                 f"lane {lane.name!r} is full: {lane.queued_rows} of "
                 f"{lane.config.capacity_rows} rows queued, request has {request.rows}; "
@@ -1814,6 +1928,7 @@ class Scheduler:
                 lane.share_balance = min(lane.share_balance, 0.0)
         self._last_run_rows = served
         for lane in self.lanes:
+            self._promises[lane.priority].room_made(served[lane.priority])
             if lane.queued_rows:
                 lane.served_rows_per_batch += SERVED_ALPHA * (
                     served[lane.priority] - lane.served_rows_per_batch

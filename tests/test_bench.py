@@ -2020,6 +2020,11 @@ def test_scenario_c_refuses_a_single_client_process(tmp_path: Path) -> None:
             ["--seeds", "1", "--loads", "1.5", "--shapes", "two", "--counterfactual"],
             "unmeetable",
         ),
+        (
+            "simulate_admission.py",
+            ["--seeds", "1", "--loads", "2.5", "--retries", "2", "--lane-rows", "32,64,512"],
+            "max/1ms",
+        ),
     ],
 )
 def test_the_measurement_scripts_run_and_print_their_figures(

@@ -36,6 +36,7 @@ from laneserve.server.errors import (
     LaneFullError,
     LaneserveError,
     ServerFaultError,
+    pushback_ms,
 )
 from laneserve.server.events import FanOut, NullEvents
 from laneserve.server.items import (
@@ -1499,6 +1500,293 @@ def test_the_retry_hint_of_a_full_lane_is_at_most_its_timeout() -> None:
         "in about 500 ms (its RetryInfo)"
     )
     assert scheduler.room_wait_s("interactive", 32) == pytest.approx(0.5)
+
+
+def _full_interactive_lane(
+    capacity_rows: int = 64, timeout_ms: int = 1_000
+) -> tuple[Scheduler, Batch]:
+    """Interactive full (8-row requests) with one batch of it running, dispatched at T0."""
+    lanes = (dataclasses.replace(INTERACTIVE, capacity_rows=capacity_rows, timeout_ms=timeout_ms),)
+    scheduler = make_scheduler(lanes)
+    for index in range(capacity_rows // CAP):
+        scheduler.admit(make_request(index, "interactive", CAP), T0)
+    running = dispatch(scheduler, T0)
+    scheduler.admit(make_request(50, "interactive", CAP), T0)
+    assert queued_rows(scheduler, "interactive") == capacity_rows
+    return scheduler, running
+
+
+def refused_hint_s(scheduler: Scheduler, request: InferenceRequest, now_s: float) -> float:
+    with pytest.raises(LaneFullError) as refused:
+        scheduler.admit(request, now_s)
+    assert refused.value.retry_after_s is not None
+    return refused.value.retry_after_s
+
+
+def test_callers_refused_at_once_are_told_the_room_each_will_find() -> None:
+    """Told the room for their own rows alone, all three were told one batch's run: gRPC's
+    retry waits exactly the pushback, so they came back together, the first took the
+    room and the other two were refused again. Each is told when room for it comes,
+    counting the rows promised to those refused before it, and finds it then."""
+    scheduler, running = _full_interactive_lane()
+    batch_s = fixed_run_time().predict_s(CAP)
+    callers = [make_request(index, "interactive", CAP) for index in (60, 61, 62)]
+    hints_s = [refused_hint_s(scheduler, caller, T0) for caller in callers]
+    assert hints_s == pytest.approx([batch_s, 2 * batch_s, 3 * batch_s])
+    for caller, hint_s in zip(callers, hints_s, strict=True):
+        now_s = T0 + hint_s
+        # The batch running ends: the next takes a batch of rows out of the lane.
+        scheduler.complete(run(running, run_s=batch_s))
+        running = dispatch(scheduler, now_s)
+        scheduler.admit(caller, now_s)  # its retry finds its room, and fills the lane
+        assert queued_rows(scheduler, "interactive") == INTERACTIVE.capacity_rows
+
+
+def test_a_promise_lapses_once_its_retry_time_has_passed() -> None:
+    """A caller that does not come back by the time it was told (it gave up, or went
+    elsewhere) stops pushing later callers back then."""
+    scheduler, _ = _full_interactive_lane()
+    batch_s = fixed_run_time().predict_s(CAP)
+    first_s = refused_hint_s(scheduler, make_request(60, "interactive", CAP), T0)
+    assert first_s == pytest.approx(batch_s)
+    before_s = refused_hint_s(scheduler, make_request(61, "interactive", CAP), T0 + first_s / 2)
+    assert before_s == pytest.approx(2 * batch_s)
+    # Both promises have come due (the latest at T0 + first_s / 2 + before_s).
+    after_s = refused_hint_s(
+        scheduler, make_request(62, "interactive", CAP), T0 + first_s / 2 + before_s
+    )
+    assert after_s == pytest.approx(batch_s)
+
+
+def test_an_admitted_retry_consumes_its_promise() -> None:
+    """The rows of a retry admitted are in the lane's queue: counted as promised too,
+    they pushed the next caller back a batch more than the room it will find."""
+    scheduler, running = _full_interactive_lane()
+    retry = make_request(60, "interactive", CAP)
+    hint_s = refused_hint_s(scheduler, retry, T0)
+    now_s = T0 + hint_s / 2  # the batch ran faster than predicted
+    scheduler.complete(run(running, run_s=hint_s / 2))
+    dispatch(scheduler, now_s)
+    scheduler.admit(retry, now_s)  # before its promise came due
+    # Told the room for its own rows alone (at the run time the model learned meanwhile).
+    own_s = scheduler.room_wait_s("interactive", CAP)
+    assert own_s is not None
+    assert refused_hint_s(scheduler, make_request(61, "interactive", CAP), now_s) == own_s
+
+
+def test_spread_pushback_stops_at_the_lane_timeout_and_promises_nothing_there() -> None:
+    """Past the lane's timeout every row queued now has run or expired: callers are told
+    no later. A refusal at the cap promises nothing: counted, a flood of them held every
+    later caller at the cap for as long as the flood lasted. Standard is full behind two
+    batches of interactive work, and holds what promises it makes (two requests)."""
+    standard = dataclasses.replace(STANDARD, capacity_rows=2 * CAP, timeout_ms=5, min_share=0.0)
+    scheduler = make_scheduler((INTERACTIVE, standard))
+    for index in range(2):
+        scheduler.admit(make_request(index, "standard", CAP), T0)
+    for index in range(2, 4):
+        scheduler.admit(make_request(index, "interactive", CAP), T0)
+    batch_s = fixed_run_time().predict_s(CAP)
+    hints_s = [
+        refused_hint_s(scheduler, make_request(index, "standard", CAP), T0)
+        for index in range(10, 14)
+    ]
+    assert hints_s == pytest.approx([3 * batch_s, 0.005, 0.005, 0.005])
+    # The first's promise has come due, and the others made none.
+    assert refused_hint_s(scheduler, make_request(20, "standard", CAP), T0 + hints_s[0]) == (
+        pytest.approx(3 * batch_s)
+    )
+
+
+def test_a_refusal_told_a_time_past_its_deadline_promises_nothing() -> None:
+    """A caller whose deadline comes before the time it is told never comes back:
+    promised, its rows pushed the next caller back a batch, and every refusal of such
+    callers moved the lapse later, so that under overload the promises never lapsed."""
+    scheduler, _ = _full_interactive_lane()
+    batch_s = fixed_run_time().predict_s(CAP)
+    hurried = make_request(60, "interactive", CAP, deadline_s=T0 + batch_s / 2)
+    assert refused_hint_s(scheduler, hurried, T0) == pytest.approx(batch_s)
+    assert refused_hint_s(scheduler, make_request(61, "interactive", CAP), T0) == (
+        pytest.approx(batch_s)
+    )
+
+
+def test_promises_stop_at_the_rows_the_lane_holds() -> None:
+    """Rows promised past the lane's capacity are a flood, not callers finding room in
+    turn: a refusal then is told the room for its rows after those promised, and
+    promises nothing. Promised, each told the next later: a standard lane twice
+    oversubscribed advised 9999 ms where room came every 1.3 ms."""
+    scheduler, _ = _full_interactive_lane(capacity_rows=2 * CAP)
+    batch_s = fixed_run_time().predict_s(CAP)
+    hints_s = [
+        refused_hint_s(scheduler, make_request(index, "interactive", CAP), T0)
+        for index in range(60, 64)
+    ]
+    assert hints_s == pytest.approx([batch_s, 2 * batch_s, 3 * batch_s, 3 * batch_s])
+
+
+def test_a_caller_admitted_in_room_a_cancel_made_takes_no_promise() -> None:
+    """Room a cancel makes was predicted to no one: the fresh caller who takes it leaves
+    the promise of the caller refused before standing. Taken from it, the next caller
+    refused was told the first one's time, a batch before room for it."""
+    scheduler, _ = _full_interactive_lane()
+    batch_s = fixed_run_time().predict_s(CAP)
+    assert refused_hint_s(scheduler, make_request(60, "interactive", CAP), T0) == (
+        pytest.approx(batch_s)
+    )
+    now_s = T0 + batch_s / 4
+    last = max(entry.entry_id for entry in scheduler.lane("interactive"))
+    assert scheduler.cancel(last, now_s) is not None
+    scheduler.admit(make_request(70, "interactive", CAP), now_s)
+    assert refused_hint_s(scheduler, make_request(61, "interactive", CAP), now_s) == (
+        pytest.approx(2 * batch_s)
+    )
+
+
+def test_room_a_batch_made_stays_promised_until_a_caller_takes_it() -> None:
+    """A batch made the first caller's room, and it has not come back yet: a caller of
+    two requests' rows refused then is told the room after the first's and the second's.
+    Consumed by the dispatch that made the room, the promises told it a batch early,
+    and it was refused again when it came back."""
+    scheduler, running = _full_interactive_lane()
+    batch_s = fixed_run_time().predict_s(CAP)
+    first, second = (make_request(index, "interactive", CAP) for index in (60, 61))
+    assert refused_hint_s(scheduler, first, T0) == pytest.approx(batch_s)
+    assert refused_hint_s(scheduler, second, T0) == pytest.approx(2 * batch_s)
+    now_s = T0 + batch_s
+    scheduler.complete(run(running, run_s=batch_s))
+    running = dispatch(scheduler, now_s)
+    double = make_request(62, "interactive", 2 * CAP)
+    hint_s = refused_hint_s(scheduler, double, now_s)
+    assert hint_s == pytest.approx(3 * batch_s)
+    scheduler.admit(first, now_s)
+    for batches in (1, 2, 3):
+        scheduler.complete(run(running, run_s=batch_s))
+        running = dispatch(scheduler, now_s + batches * batch_s)
+        if batches == 1:
+            scheduler.admit(second, now_s + batch_s)
+    scheduler.admit(double, now_s + hint_s)
+
+
+def test_a_lone_caller_back_on_its_pushback_trailer_does_not_count_its_own_promise() -> None:
+    """gRPC's retry waits the trailer, the hint rounded up to whole ms: told 1.33 ms, the
+    caller is back after 2, and the batch running (slower than predicted) has made no
+    room yet: it is refused again. Its promise has lapsed, at the time it was told.
+    Rounded to the nearest ms, it was back after 1, before its promise lapsed: counted
+    as another caller's, it was told two batches, and its hints alternated between one
+    batch and two."""
+    scheduler, _ = _full_interactive_lane()
+    batch_s = fixed_run_time().predict_s(CAP)
+    caller = make_request(60, "interactive", CAP)
+    now_s = T0
+    for _ in range(3):
+        with pytest.raises(LaneFullError) as refused:
+            scheduler.admit(caller, now_s)
+        assert refused.value.retry_after_s == pytest.approx(batch_s)
+        trailer_ms = pushback_ms(refused.value)
+        assert trailer_ms is not None
+        now_s += trailer_ms / 1000
+
+
+def test_the_pushback_trailer_rounds_the_hint_up_to_whole_ms() -> None:
+    """A hint says "not before": the promises of a full lane lapse at the latest time it
+    advised, and a caller back before its time counts its own promise as another's. The
+    hint is taken at whole ns first, as RetryInfo's is: 9 batches of 1 ms are
+    9.000000000000002 ms, and must stay 9."""
+    hints_s = (0.0, 0.0000001, 0.001, 0.0013333, 0.002, 9 * 0.001, 0.0090001, 0.5)
+    trailers_ms = [pushback_ms(LaneFullError("full", retry_after_s=hint_s)) for hint_s in hints_s]
+    assert trailers_ms == [1, 1, 1, 2, 2, 9, 10, 500]
+
+
+def test_a_caller_refused_just_before_the_promises_lapse_counts_them() -> None:
+    """The first caller is told one batch, the room the next batch makes, and is not yet
+    back when a second is refused, a quarter of a batch before that time: the second is
+    told the room after the first's, and both find theirs. The promises lapsed half a ms
+    early (for a trailer rounded to the nearest ms): the second was told the room
+    promised to the first, and was refused again when it came back."""
+    scheduler, running = _full_interactive_lane()
+    batch_s = fixed_run_time().predict_s(CAP)
+    first, second = (make_request(index, "interactive", CAP) for index in (60, 61))
+    first_s = refused_hint_s(scheduler, first, T0)
+    assert first_s == pytest.approx(batch_s)
+    refused_s = T0 + 3 * batch_s / 4
+    second_s = refused_hint_s(scheduler, second, refused_s)
+    assert second_s == pytest.approx(2 * batch_s)
+    for batches in (1, 2):
+        scheduler.complete(run(running, run_s=batch_s))
+        running = dispatch(scheduler, T0 + batches * batch_s)
+        if batches == 1:
+            scheduler.admit(first, T0 + first_s)
+    scheduler.admit(second, refused_s + second_s)
+
+
+def test_a_later_refusal_told_sooner_leaves_the_promises_until_the_latest_time() -> None:
+    """A cancel in the lane above makes the rows of a later refusal come sooner: it is
+    told an earlier time than the first, whose caller is still to come back. Lapsing at
+    the last time told, the promises lapsed before the first caller's: a caller refused
+    between the two was told the room promised to both."""
+    standard = dataclasses.replace(STANDARD, capacity_rows=2 * CAP, min_share=0.0)
+    scheduler = make_scheduler((INTERACTIVE, standard))
+    for index in range(2):
+        scheduler.admit(make_request(index, "standard", CAP), T0)
+    for index in range(2, 6):
+        scheduler.admit(make_request(index, "interactive", CAP), T0)
+    batch_s = fixed_run_time().predict_s(CAP)
+    first_s = refused_hint_s(scheduler, make_request(10, "standard", CAP), T0)
+    assert first_s == pytest.approx(batch_s + 4 * batch_s)  # its rows, after interactive
+    for entry in list(scheduler.lane("interactive"))[1:]:
+        assert scheduler.cancel(entry.entry_id, T0) is not None
+    second_s = refused_hint_s(scheduler, make_request(11, "standard", CAP), T0)
+    assert second_s == pytest.approx(2 * batch_s + batch_s)
+    between_s = T0 + (first_s + second_s) / 2
+    assert refused_hint_s(scheduler, make_request(12, "standard", CAP), between_s) == (
+        pytest.approx(3 * batch_s + batch_s)
+    )
+
+
+def test_a_lapse_forgets_the_room_made_for_the_callers_promised() -> None:
+    """The batch that made the room promised to a caller ran, and the caller did not come
+    back by its time: the room is anyone's, and so is what a later batch makes. Kept
+    as made for a promise lapsed, a fresh caller's admission took it from the rows
+    promised since, below none."""
+    scheduler, running = _full_interactive_lane()
+    batch_s = fixed_run_time().predict_s(CAP)
+    hint_s = refused_hint_s(scheduler, make_request(60, "interactive", CAP), T0)
+    now_s = T0 + hint_s
+    scheduler.complete(run(running, run_s=batch_s))
+    dispatch(scheduler, now_s)
+    # Refused when its promise has lapsed; it promises nothing (back after its deadline).
+    hurried = make_request(61, "interactive", 2 * CAP, deadline_s=now_s + batch_s / 2)
+    refused_hint_s(scheduler, hurried, now_s)
+    scheduler.admit(make_request(62, "interactive", CAP), now_s)
+    assert refused_hint_s(scheduler, make_request(63, "interactive", CAP), now_s) == (
+        pytest.approx(batch_s)
+    )
+
+
+def test_a_lane_with_a_share_spreads_its_callers_by_the_rows_its_share_moves() -> None:
+    """Bulk full under a saturated standard lane moves by its share, 2 rows a batch:
+    callers of one row refused at once are told one batch two by two."""
+    shared = make_scheduler((INTERACTIVE, STANDARD, dataclasses.replace(BULK, min_share=0.25)))
+    for index in range(8):
+        shared.admit(make_request(index, "standard", 8), T0)
+    for index in range(8, 40):
+        shared.admit(make_request(index, "bulk", 8), T0)
+    batch_s = fixed_run_time().predict_s(CAP)
+    hints_s = [refused_hint_s(shared, make_request(index, "bulk", 1), T0) for index in range(4)]
+    assert hints_s == pytest.approx([batch_s, batch_s, 2 * batch_s, 2 * batch_s])
+
+
+def test_waiting_for_room_neither_reads_nor_adds_promises() -> None:
+    """A stream item waiting for room polls `room_wait_s`; it does not come back at a
+    time it was told, so it is no caller to make room for."""
+    scheduler, _ = _full_interactive_lane()
+    batch_s = fixed_run_time().predict_s(CAP)
+    refused_hint_s(scheduler, make_request(60, "interactive", CAP), T0)
+    for _ in range(3):
+        assert scheduler.room_wait_s("interactive", CAP) == pytest.approx(batch_s)
+    assert refused_hint_s(scheduler, make_request(61, "interactive", CAP), T0) == (
+        pytest.approx(2 * batch_s)
+    )
 
 
 def test_request_with_more_rows_than_the_lane_holds_is_invalid() -> None:
