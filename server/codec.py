@@ -141,16 +141,16 @@ def extra_bytes(request: pb.InferRequest, wire_bytes: int) -> int | None:
     proportion to its inputs, dimensions and output names: `check_counts` bounds them."""
     known = _text_bytes(request.request_id) + _text_bytes(request.lane)
     if request.timeout_ms:
-        known += 1 + _varint_bytes(request.timeout_ms)
+        known += 1 + varint_bytes(request.timeout_ms)
     for name in request.output_names:  # a repeated field's every element, empty ones too
         known += 1 + _length_prefixed_bytes(_utf8_bytes(name))
     for tensor in request.inputs:
         tensor_bytes = data_bytes(tensor)
         if tensor_bytes is None:
             return None
-        size = _text_bytes(tensor.name) + 1 + _varint_bytes(tensor.dtype)
+        size = _text_bytes(tensor.name) + 1 + varint_bytes(tensor.dtype)
         if tensor.shape:  # packed
-            size += 1 + _length_prefixed_bytes(sum(map(_varint_bytes, tensor.shape)))
+            size += 1 + _length_prefixed_bytes(sum(map(varint_bytes, tensor.shape)))
         if tensor_bytes:
             size += 1 + _length_prefixed_bytes(tensor_bytes)
         known += 1 + _length_prefixed_bytes(size)
@@ -181,10 +181,11 @@ def _utf8_bytes(text: str) -> int:
 
 
 def _length_prefixed_bytes(size: int) -> int:
-    return _varint_bytes(size) + size
+    return varint_bytes(size) + size
 
 
-def _varint_bytes(value: int) -> int:
+def varint_bytes(value: int) -> int:
+    """An integer's size as a protobuf varint, in bytes."""
     if value < 0:  # an int64 or enum below zero: ten bytes, as two's complement
         return 10
     return max(1, (value.bit_length() + 6) // 7)

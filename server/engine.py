@@ -89,7 +89,8 @@ ProbeStopReason = Literal["max_batch_size", "queue_rows", "out_of_memory", "host
 # The probe's timed runs of one size end once they took this long together (at least one
 # run, at most `repeats`): the repeats are there for noise, which is large against a run
 # of a few milliseconds and small against one of a second. A 1.5 GiB model's start spent
-# about half its time in repeats of runs over a second (three more of each size).
+# about half its time in the probe's runs of a second and more (a warm-up and three
+# timed runs of each size).
 PROBE_REPEATS_WITHIN_S = 0.25
 # The model file's static memory estimate from its path (`estimate_memory`'s, the probe's
 # shapes given): None when it could not be worked out.
@@ -1107,8 +1108,9 @@ class Engine:
         fits = low
         # The boundary itself is verified after the failures above (the arena
         # shrinks back first): the cap must be a size that fits after an OOM. The
-        # verifying runs are its timing: timed again, the cap ran a warm-up and
-        # `repeats` runs more (2 more runs of 1.8 s each for 272 MiB of weights).
+        # verifying runs are its timing: timed again, the cap ran a warm-up and up to
+        # `repeats` runs more (PROBE_REPEATS_WITHIN_S: one more of 1.8 s for 272 MiB of
+        # weights).
         _check_not_stopping(stopping)
         seconds = self._time_rows(fits, repeats)
         while seconds is None and fits > 1:

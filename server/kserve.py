@@ -16,7 +16,8 @@ The mapping (README.md, "KServe v2 / Triton clients"):
                                      another: NOT_FOUND (ModelNotFoundError)
     id                               request_id (echoed in the answer's id)
     parameters["lane"] string        lane
-    parameters["timeout"] int64 us   timeout_ms, rounded up (Triton's clients send us)
+    parameters["timeout"] int64 us   timeout_ms, rounded up (Triton's clients send us;
+                                     uint64 too)
     parameters["priority"] uint64    0: none; k >= 1: the k-th lane, highest first
                                      (Triton's 1 is its highest priority)
     inputs + raw_input_contents      inputs, each Tensor's data the raw bytes
@@ -49,7 +50,7 @@ from grpc_health.v1 import health, health_pb2
 
 from laneserve.client.tensors import MAX_DIMS, datatype_of, numpy_dtype
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
-from laneserve.server.codec import MAX_EXTRA_BYTES, extra_inputs
+from laneserve.server.codec import MAX_EXTRA_BYTES, extra_inputs, varint_bytes
 from laneserve.server.config import UINT32_MAX, ServerConfig
 from laneserve.server.engine import TensorSpec
 from laneserve.server.errors import (
@@ -164,8 +165,9 @@ class OversizedModelInfer:
 class ModelInferCall:
     """A ModelInferRequest as read (`read_model_infer`), with its raw_input_contents read
     out once: each read of a bytes element is a copy (~35 ms for 64 MiB), and measuring
-    the request reads them already. `raw` is empty, unread, where the request has more
-    of them than the model has inputs (the conversion refuses it on that count).
+    the request reads them already. `raw_contents` is empty, unread, where the request
+    has more inputs, raw contents or outputs than the model has (the conversion refuses it
+    on those counts) or does not parse.
 
     gRPC holds what its deserializer returned until the call ends: `release` lets go of
     the message and the copies once converted, so that a queued call holds its
@@ -173,11 +175,11 @@ class ModelInferCall:
     62 MiB ModelInfer held 124 MiB)."""
 
     message: kpb.ModelInferRequest
-    raw: tuple[bytes, ...]
+    raw_contents: tuple[bytes, ...]
 
     def release(self) -> None:
         self.message = RELEASED_MODEL_INFER
-        self.raw = ()
+        self.raw_contents = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -229,12 +231,7 @@ def _contents_bytes(contents: kpb.InferTensorContents) -> int:
 def _string_field_bytes(text: str) -> int:
     """A string field's size on the wire, tag (one byte) and length included."""
     size = len(text.encode())
-    return 1 + _varint_bytes(size) + size if size else 0
-
-
-def _varint_bytes(value: int) -> int:
-    """A non-negative integer's size as a varint."""
-    return max(1, (value.bit_length() + 6) // 7)
+    return 1 + varint_bytes(size) + size if size else 0
 
 
 def read_operator_call(
@@ -290,7 +287,7 @@ def to_infer_request(
     assert request is not RELEASED_MODEL_INFER, "converted once"
     _check_counts(request, inputs, output_names)
     # Read out unless over the counts just checked (`read_model_infer`).
-    assert len(call.raw) == len(request.raw_input_contents)
+    assert len(call.raw_contents) == len(request.raw_input_contents)
     lane, timeout_ms = _request_parameters(request.parameters, lanes)
     for output in request.outputs:
         _refuse_parameters("output", output.name, output.parameters)
@@ -302,7 +299,7 @@ def to_infer_request(
     )
     specs = {spec.name: spec for spec in inputs}
     for index, tensor in enumerate(request.inputs):
-        kind, data = _input_data(request, tensor, index, call.raw, specs)
+        kind, data = _input_data(request, tensor, index, call.raw_contents, specs)
         # Built in place: a Tensor made apart and then put in its request is copied again
         # (100 ms more of the event loop for 62 MiB).
         converted.inputs.add(name=tensor.name, dtype=kind.datatype, shape=tensor.shape, data=data)
@@ -587,22 +584,22 @@ def answer_extra_bytes(model_name: str, outputs: Sequence[TensorSpec], lanes: Se
     - Timing's field goes (2 bytes at least: `encode_response` always sets it) and each
       of its fields is a parameter instead, a map entry: an integer's adds its key and
       6 bytes of tags and lengths, and 2 more where it is 0 (sent in a parameter, left
-      out of Timing); the lane's adds its key and tags and lengths (`_lane_extra`).
+      out of Timing); the lane's adds its key and tags and lengths (`_lane_extra_bytes`).
     """
     total = _string_field_bytes(model_name) + _string_field_bytes(MODEL_VERSION) - 2
     total += sum(len(kserve_datatype(spec.dtype)) + 3 for spec in outputs)
     total += sum(_string_field_bytes(TIMING_PREFIX + field) + 6 for field in _TIMING_INTEGERS)
-    return total + max(map(_lane_extra, lanes))
+    return total + max(map(_lane_extra_bytes, lanes))
 
 
-def _lane_extra(lane: str) -> int:
+def _lane_extra_bytes(lane: str) -> int:
     """What the laneserve_lane parameter of an answer in `lane` adds over Timing.lane: the
     entry's key, the entry's and the value's tags and lengths. Its value is sent even
     when empty (a oneof's field), which Timing.lane is not."""
     size = len(lane.encode())
-    value = 1 + _varint_bytes(size) + size  # InferParameter.string_param
-    entry = _string_field_bytes(TIMING_PREFIX + _TIMING_LANE) + 1 + _varint_bytes(value) + value
-    return 1 + _varint_bytes(entry) + entry - _string_field_bytes(lane)
+    value = 1 + varint_bytes(size) + size  # InferParameter.string_param
+    entry = _string_field_bytes(TIMING_PREFIX + _TIMING_LANE) + 1 + varint_bytes(value) + value
+    return 1 + varint_bytes(entry) + entry - _string_field_bytes(lane)
 
 
 # ---- the servicer ---------------------------------------------------------------------------

@@ -208,6 +208,16 @@ def read_varint(data: mmap.mmap, position: int) -> tuple[int, int]:
             raise ValueError(f"a protobuf varint at byte {start} runs past 10 bytes")
 
 
+def write_varint(value: int) -> bytes:
+    """`value` (>= 0) as a protobuf varint."""
+    encoded = bytearray()
+    while value >= 0x80:  # noqa: PLR2004 - the continuation bit
+        encoded.append(value & 0x7F | 0x80)
+        value >>= 7
+    encoded.append(value)
+    return bytes(encoded)
+
+
 # The wire type of length-delimited fields: strings, bytes, messages, packed repeats.
 LENGTH_DELIMITED = 2
 

@@ -410,7 +410,7 @@ class Scheduler:
             for priority, config in enumerate(lanes)
         ]
         self._by_name = {lane.name: lane for lane in self.lanes}
-        self.spread_pushback = spread_pushback
+        self._spread_pushback = spread_pushback
         # Per lane priority: what its LANE_FULL refusals were promised (`_pushback_s`).
         self._promises = [_Promises() for _ in self.lanes]
         self.events = events or NullEvents()
@@ -622,7 +622,7 @@ class Scheduler:
         lapse (room came later than predicted, or another took it) counts its own
         earlier promise too, and is told later than its room, by its rows for each such
         refusal."""
-        if not self.spread_pushback:
+        if not self._spread_pushback:
             return max(self._room_in_s(lane, request.rows), MIN_PUSHBACK_S)
         promises = self._promises[lane.priority]
         promises.lapse(now_s)

@@ -35,6 +35,7 @@ from laneserve.server.codec import (
     encode_response,
     extra_bytes,
     leading_rows,
+    varint_bytes,
 )
 from laneserve.server.config import LaneConfig, ServerConfig
 from laneserve.server.engine import Engine, TensorSpec
@@ -1555,14 +1556,10 @@ def _stream_item_bytes(response: pb.InferResponse, response_bytes: int | None = 
     request_id = len(response.request_id.encode())
     return (
         1
-        + _varint_bytes(size)
+        + varint_bytes(size)
         + size
-        + (1 + _varint_bytes(request_id) + request_id if request_id else 0)
+        + (1 + varint_bytes(request_id) + request_id if request_id else 0)
     )
-
-
-def _varint_bytes(value: int) -> int:
-    return max(1, (value.bit_length() + 6) // 7)
 
 
 def _parse_receive_limit(

@@ -20,7 +20,12 @@ from pathlib import Path
 
 import onnx
 
-from laneserve.server.model_identity import LENGTH_DELIMITED, protobuf_fields, read_varint
+from laneserve.server.model_identity import (
+    LENGTH_DELIMITED,
+    protobuf_fields,
+    read_varint,
+    write_varint,
+)
 
 # Initializers larger than this lose their data before shape inference (small ones may
 # be shape constants that inference folds, e.g. a Reshape target).
@@ -140,8 +145,8 @@ def _copy(data: mmap.mmap, start: int, end: int, rewrites: Mapping[int, _Rewrite
             continue
         value = rewrite(data, field.value_start, field.end)
         parts += [
-            _varint_bytes(field.number << 3 | LENGTH_DELIMITED),
-            _varint_bytes(len(value)),
+            write_varint(field.number << 3 | LENGTH_DELIMITED),
+            write_varint(len(value)),
             value,
         ]
     return b"".join(parts)
@@ -205,16 +210,6 @@ def _last_string(data: mmap.mmap, start: int, end: int, number: int) -> bytes | 
         if field.number == number and field.wire_type == LENGTH_DELIMITED:
             value = data[field.value_start : field.end]
     return value
-
-
-def _varint_bytes(value: int) -> bytes:
-    """`value` (>= 0) as a protobuf varint."""
-    encoded = bytearray()
-    while value >= 0x80:  # noqa: PLR2004 - the continuation bit
-        encoded.append(value & 0x7F | 0x80)
-        value >>= 7
-    encoded.append(value)
-    return bytes(encoded)
 
 
 def _tensor_bytes(data_type: int, elements: int) -> int:

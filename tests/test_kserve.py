@@ -31,7 +31,7 @@ from laneserve.server.cli import _parser, _serve_config
 from laneserve.server.config import ConfigError
 from laneserve.server.engine import TensorSpec
 from laneserve.server.kserve import to_infer_request
-from laneserve.server.model_identity import SERVER_VERSION
+from laneserve.server.model_identity import SERVER_VERSION, write_varint
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
     RecordingEngine,
@@ -280,7 +280,7 @@ def test_a_converted_call_lets_go_of_its_message_and_data() -> None:
     call = _call(raw_request("m", input=x))
     converted = to_infer_request(call, LANES, DEMO_INPUTS, ["output"])
     call.release()
-    assert (call.message.ByteSize(), call.raw) == (0, ())
+    assert (call.message.ByteSize(), call.raw_contents) == (0, ())
     assert converted.inputs[0] == encode_tensor("input", x)
 
 
@@ -291,12 +291,12 @@ def _unpacked_fp32_request(model: str, name: str, array: npt.NDArray[np.float32]
         name=name, datatype="FP32", shape=array.shape
     ).SerializeToString()
     values = b"".join(b"\x35" + value.tobytes() for value in array.ravel())  # field 6, fixed32
-    contents = b"\x2a" + _varint(len(values)) + values  # InferInputTensor.contents, field 5
+    contents = b"\x2a" + write_varint(len(values)) + values  # InferInputTensor.contents, field 5
     tensor = head + contents
     return (
         kpb.ModelInferRequest(model_name=model).SerializeToString()
         + b"\x2a"  # ModelInferRequest.inputs, field 5
-        + _varint(len(tensor))
+        + write_varint(len(tensor))
         + tensor
     )
 
@@ -910,7 +910,7 @@ def test_unreadable_requests_are_refused_invalid_argument(small_model: Path) -> 
             padded = raw_request("small", input=rows(1))
             padded.id = "x"
             # An unknown field (number 127, length-delimited) of 70 000 bytes.
-            unknown = b"\xfa\x07" + _varint(70_000) + bytes(70_000)
+            unknown = b"\xfa\x07" + write_varint(70_000) + bytes(70_000)
             padded_bytes = padded.SerializeToString() + unknown
             cases = [
                 (infer, b"\x0a\x02\xff\xfe", "the ModelInfer request does not parse"),
@@ -929,15 +929,6 @@ def test_unreadable_requests_are_refused_invalid_argument(small_model: Path) -> 
                 assert fragment in str(caught.value.details())
 
     asyncio.run(scenario())
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def test_typed_contents_written_unpacked_are_data_not_extra_bytes(small_model: Path) -> None:
@@ -981,7 +972,8 @@ def test_a_queued_model_infer_holds_its_data_once(small_model: Path) -> None:
                 obj for obj in gc.get_objects() if isinstance(obj, kserve_module.ModelInferCall)
             ]
             assert calls, "gRPC holds the queued call's"
-            assert [(call.message.ByteSize(), call.raw) for call in calls] == [(0, ())] * len(calls)
+            held = [(call.message.ByteSize(), call.raw_contents) for call in calls]
+            assert held == [(0, ())] * len(calls)
             engine.release()
             assert outputs_of(await queued)["output"].shape == (64, 10)
             await running

@@ -56,6 +56,7 @@ from laneserve.server.model_identity import (
     CUSTOM_METADATA_MAX_BYTES,
     DESCRIPTION_MAX_BYTES,
     model_files,
+    write_varint,
 )
 from laneserve.server.stats import WINDOW_S
 from laneserve.server.telemetry import Telemetry
@@ -416,18 +417,9 @@ def test_bytes_that_are_not_an_infer_request_are_invalid_argument(small_model: P
     asyncio.run(scenario())
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        low, value = value & 0x7F, value >> 7
-        out.append(low | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
 def _bytes_field(number: int, value: bytes) -> bytes:
     """A length-delimited protobuf field, as any encoder writes it."""
-    return _varint(number << 3 | 2) + _varint(len(value)) + value
+    return write_varint(number << 3 | 2) + write_varint(len(value)) + value
 
 
 def test_a_request_carrying_over_64_kib_besides_its_data_is_refused(small_model: Path) -> None:

@@ -18,11 +18,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from laneserve.server.demo_model import make_demo_model
+from laneserve.server.model_identity import write_varint
 from laneserve.server.static_estimate import (
     _KEEP_INITIALIZER_BYTES,
     _load_without_weights,
     _tensor_bytes,
-    _varint_bytes,
     model_without_weights,
     static_estimate,
 )
@@ -298,7 +298,7 @@ def test_a_large_weight_is_not_in_the_copy_parsed(tmp_path: Path) -> None:
 
 def _field(number: int, message: bytes) -> bytes:
     """`message` as length-delimited field `number` of the message around it."""
-    return _varint_bytes(number << 3 | 2) + _varint_bytes(len(message)) + message
+    return write_varint(number << 3 | 2) + write_varint(len(message)) + message
 
 
 def test_a_weight_whose_data_comes_before_its_dims_is_still_left_out(tmp_path: Path) -> None:
