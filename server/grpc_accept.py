@@ -1,4 +1,5 @@
-"""How a port takes its calls from gRPC's core: several Infer calls at a time, and at
+"""How a port takes its calls from gRPC's core: several inference calls at a time (Infer,
+and KServe v2's ModelInfer), and at
 most `max_concurrent_rpcs` inference calls in progress, of which at most half streams.
 
 grpc.aio asks its core for one call per registered method at a time: once a call is
@@ -9,7 +10,8 @@ load calls waited in the core's queue for the loop's pace, not for the server's 
 at 128 callers gRPC counted 129 calls open while 1-18 were inside laneserve, the loop
 idle 11-25 % of the time, and the lanes never saw enough rows at once to fill a batch.
 
-`ParallelAcceptors` keeps `count` more asks out for a method and hands each call taken
+`ParallelAcceptors` keeps `count` more asks out for each of its methods and hands each
+call taken
 to gRPC's own handling, as the stock loop hands it (`_handle_rpc` under
 `_schedule_rpc_coro`: deserialising, the interceptors, cancellation, the status). It uses
 grpc.aio internals, checked at start: where the installed grpc lacks any, or their
@@ -116,15 +118,17 @@ def _internals_missing(core_server: object) -> list[str]:
 
 
 class ParallelAcceptors:
-    """`count` asks kept out for `method` (its full name, "/pkg.Service/Method") of
+    """`count` asks kept out for each of `methods` (full names, "/pkg.Service/Method") of
     `server`, whose handlers are `handlers` (by full name) and interceptors
     `interceptors`. `start` after the server's own start; `wait_closed` after its stop
-    (each ask fails as the server stops, and its acceptor ends)."""
+    (each ask fails as the server stops, and its acceptor ends). An ask waits in gRPC's
+    core until a call of its method comes: a method nobody calls costs nothing but its
+    asks."""
 
     def __init__(
         self,
         server: grpc.aio.Server,
-        method: str,
+        methods: Sequence[str],
         handlers: Mapping[str, grpc.RpcMethodHandler[Any, Any]],
         interceptors: Sequence[grpc.aio.ServerInterceptor],
         gate: CallGate,
@@ -133,7 +137,7 @@ class ParallelAcceptors:
     ) -> None:
         self._server = server
         self._gate = gate
-        self._method = method
+        self._methods = tuple(methods)
         self._handlers = dict(handlers)
         self._interceptors = tuple(interceptors)
         self._count = count
@@ -162,19 +166,20 @@ class ParallelAcceptors:
         ask = getattr(core_server, _SERVER_ASK)
         loop = asyncio.get_running_loop()
         self._acceptors = [
-            loop.create_task(self._accept(core_server.is_running, ask, resolver))
+            loop.create_task(self._accept(method, core_server.is_running, ask, resolver))
+            for method in self._methods
             for _ in range(self._count)
         ]
         return True
 
     async def _accept(
         self,
+        method: str,
         running: Callable[[], bool],
         ask: Callable[[bytes], Awaitable[Any]],
         resolver: object,
     ) -> None:
         loop = asyncio.get_running_loop()
-        method = self._method
         method_bytes = method.encode()
         while running():
             await self._gate.below_accept.wait()

@@ -754,13 +754,17 @@ def _tensor_metadata(spec: TensorSpec) -> kpb.ModelMetadataResponse.TensorMetada
     )
 
 
-def add_kserve_to_server(servicer: KServeServicer, server: grpc.aio.Server, gate: CallGate) -> None:
+def add_kserve_to_server(
+    servicer: KServeServicer, server: grpc.aio.Server, gate: CallGate
+) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
     """Registers inference.GRPCInferenceService on `server`, as `service.add_to_server`
     registers laneserve.v1: ModelInfer counted by the port's `gate` as an inference call
     (refused over max_concurrent_rpcs before its message is parsed), its request read as
     Infer's is (undecodable: INVALID_ARGUMENT; more than MAX_EXTRA_BYTES besides the
     tensors' data: refused); every other method an operator call, counted apart as
-    GetModel is and read only up to MAX_OPERATOR_REQUEST_BYTES."""
+    GetModel is and read only up to MAX_OPERATOR_REQUEST_BYTES. Returns the handlers by
+    full method name ("/inference.GRPCInferenceService/ModelInfer"), for the port's
+    acceptors."""
     service = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in service.methods:
@@ -793,3 +797,4 @@ def add_kserve_to_server(servicer: KServeServicer, server: grpc.aio.Server, gate
     generic = grpc.method_handlers_generic_handler(service.full_name, handlers)
     server.add_generic_rpc_handlers((generic,))
     server.add_registered_method_handlers(service.full_name, handlers)
+    return {f"/{service.full_name}/{name}": handler for name, handler in handlers.items()}

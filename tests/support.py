@@ -541,6 +541,22 @@ def done_items(state: Path) -> int:
     return int(np.unpackbits(np.frombuffer(base64.b64decode(document["done"]), np.uint8)).sum())
 
 
+def config(model: Path, **fields: Any) -> ServerConfig:
+    """A ServerConfig serving `model`, with `fields` over the defaults (the default lanes)."""
+    return ServerConfig(model_path=str(model), **fields)
+
+
+def save_model(path: Path, graph: onnx.GraphProto, *, check: bool = True) -> Path:
+    """`graph` saved at `path` as a model of opset 17 and IR version 9 (what the
+    onnxruntime in use reads); checked first by onnx's checker unless not `check`."""
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    if check:
+        onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
 def no_input_model(path: Path, *, inferable: bool) -> Path:
     """A model with no inputs whose output "y" is declared ["N"]: a constant [1] (ONNX
     Runtime infers [1]) or, not `inferable`, an `If` whose branches give [1] and [2] (it
@@ -573,11 +589,7 @@ def no_input_model(path: Path, *, inferable: bool) -> Path:
     graph = helper.make_graph(
         nodes, "no_input", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N"])]
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    onnx.checker.check_model(model)
-    onnx.save(model, path)
-    return path
+    return save_model(path, graph)
 
 
 def stderr_lines_until(process: subprocess.Popen[str], text: str) -> list[str]:

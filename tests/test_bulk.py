@@ -16,7 +16,6 @@ from typing import Any
 import grpc
 import numpy as np
 import numpy.typing as npt
-import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
@@ -46,6 +45,7 @@ from tests.support import (
     request,
     rich_status,
     rows,
+    save_model,
     serving,
     until,
     until_stats,
@@ -297,9 +297,7 @@ def tiled_model(path: Path, times: int) -> None:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", None])],
         [repeats],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9  # what the onnxruntime in use reads
-    onnx.save(model, path)
+    save_model(path, graph, check=False)
 
 
 def test_an_answer_of_dynamic_size_over_what_the_client_reads_fails_alone(

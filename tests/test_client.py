@@ -42,10 +42,12 @@ from tests.support import (
     Serving,
     TcpProxy,
     client_cli,
+    config,
     estimate_once,
     queued_rows,
     refusing_port,
     rows,
+    save_model,
     serving,
 )
 
@@ -67,10 +69,6 @@ DTYPES = [
 ]
 
 
-def config(model: Path, **fields: Any) -> ServerConfig:
-    return ServerConfig(model_path=str(model), **fields)
-
-
 @pytest.fixture(scope="module")
 def every_dtype_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One Identity per supported dtype: in_<dtype> [batch, 3] -> out_<dtype>."""
@@ -81,12 +79,7 @@ def every_dtype_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         outputs.append(helper.make_tensor_value_info(f"out_{name}", element, ["batch", 3]))
         nodes.append(helper.make_node("Identity", [f"in_{name}"], [f"out_{name}"]))
     graph = helper.make_graph(nodes, "every_dtype", inputs, outputs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    onnx.checker.check_model(model)
-    path = tmp_path_factory.mktemp("models") / "every_dtype.onnx"
-    onnx.save(model, path)
-    return path
+    return save_model(tmp_path_factory.mktemp("models") / "every_dtype.onnx", graph)
 
 
 def sample(dtype: str, count: int, seed: int) -> npt.NDArray[Any]:
@@ -2452,9 +2445,7 @@ def test_the_model_names_each_dimension_and_a_server_older_than_that_names_none(
             helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, ["N", "K", -1]),
         ],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    onnx.save(model, path)
+    save_model(path, graph, check=False)
 
     async def scenario() -> None:
         async with client_for(Engine(str(path), device="cpu"), config(path)) as (_s, client):
@@ -2509,9 +2500,7 @@ def test_model_info_names_each_inputs_probed_row_shape_in_the_models_order(
             helper.make_tensor_value_info("scores_out", onnx.TensorProto.FLOAT, ["N", 3]),
         ],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    onnx.save(model, path)
+    save_model(path, graph, check=False)
 
     async def model_info(probe_shapes: dict[str, tuple[int, ...]]) -> lc.ModelInfo:
         engine = Engine(

@@ -47,19 +47,17 @@ from tests.support import (
     INTERRUPTIBLE_CLIENT_CLI,
     MeteredEngine,
     RecordingEngine,
+    config,
     done_items,
     estimate_once,
     rows,
+    save_model,
     serving,
     until,
 )
 from tests.support import client_cli as cli
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
-
-
-def config(model: Path, **fields: Any) -> ServerConfig:
-    return ServerConfig(model_path=str(model), **fields)
 
 
 def small_reference(small_model: Path) -> ort.InferenceSession:
@@ -805,9 +803,7 @@ def test_json_values_the_input_dtype_cannot_hold_are_usage_errors(tmp_path: Path
             helper.make_tensor_value_info("ho", TensorProto.FLOAT16, ["N", 2]),
         ],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    onnx.save(model, path)
+    save_model(path, graph, check=False)
     half = [[1.0, 2.0]]
     cases = [
         (
@@ -874,11 +870,7 @@ def identity_model(directory: Path, name: str, inputs: dict[str, tuple[int, list
             for i, (kind, shape) in inputs.items()
         ],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    onnx.checker.check_model(model)
-    onnx.save(model, path)
-    return path
+    return save_model(path, graph)
 
 
 def test_inputs_that_disagree_on_a_dimension_the_model_names_alike_are_refused_before_sending(
@@ -1177,12 +1169,7 @@ def colliding_model(tmp_path: Path) -> Path:
             helper.make_tensor_value_info("logits_0", TensorProto.INT64, ["batch", 3]),
         ],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    onnx.checker.check_model(model)
-    path = tmp_path / "colliding.onnx"
-    onnx.save(model, path)
-    return path
+    return save_model(tmp_path / "colliding.onnx", graph)
 
 
 def checkpoint_of(tmp_path: Path, items_done: int = 2) -> tuple[Path, Path]:

@@ -21,10 +21,10 @@ import numpy.typing as npt
 import pytest
 
 from laneserve import client as lc
-from laneserve.server import ServerConfig
 from tests.support import (
     REPO,
     RecordingEngine,
+    config,
     queued_rows,
     refusing_port,
     rows,
@@ -39,10 +39,6 @@ F32 = npt.NDArray[np.float32]
 
 # How long a test waits for what must happen at once. Only a hang reaches it.
 HANG_S = 30.0
-
-
-def config(model: Path, **fields: Any) -> ServerConfig:
-    return ServerConfig(model_path=str(model), **fields)
 
 
 # ---- closing a client with a stream in progress ------------------------------------------

@@ -20,7 +20,7 @@ import pytest
 
 from laneserve import client as lc
 from laneserve.client.tensors import encode_tensor
-from laneserve.server import LaneConfig, ManualClock, ServerConfig, idempotency, service
+from laneserve.server import LaneConfig, ManualClock, idempotency, service
 from laneserve.server.codec import decode_inputs
 from laneserve.server.demo_model import make_demo_model
 from laneserve.server.errors import JoinExpiredError
@@ -44,6 +44,7 @@ from tests.support import (
     Serving,
     SettableGauge,
     TcpProxy,
+    config,
     cut_while_a_batch_runs,
     flight_waiters,
     output,
@@ -55,10 +56,6 @@ from tests.support import (
 from tests.support import serving as served
 
 pytestmark = pytest.mark.usefixtures("no_backoff_sleeps")
-
-
-def config(model: Path, **fields: Any) -> ServerConfig:
-    return ServerConfig(model_path=str(model), **fields)
 
 
 # ---- the replay cache, on a manual clock -----------------------------------------------

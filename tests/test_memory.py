@@ -108,6 +108,7 @@ from tests.support import (
     rich_status,
     rows,
     run_text,
+    save_model,
     serving,
     until,
 )
@@ -1866,10 +1867,7 @@ def test_a_batch_of_more_narrower_rows_runs_in_a_shrunk_arena(tmp_path: Path) ->
             ),
         ],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    path = tmp_path / "narrow.onnx"
-    onnx.save(model, str(path))
+    path = save_model(tmp_path / "narrow.onnx", graph, check=False)
     out = _run_script(_WIDTHS_IN_TURN_SCRIPT, str(path), "8MiB", "400x16", "300x256", "400x16")
     assert out.split() == ["400x16:ok", "300x256:ok", "400x16:ok"], out
 
@@ -1893,10 +1891,7 @@ def _outer_model(path: Path) -> Path:
             helper.make_tensor("axes", TensorProto.INT64, [2], [1, 2]),
         ],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    onnx.save(model, path)
-    return path
+    return save_model(path, graph, check=False)
 
 
 _BATCHES_IN_TURN_SCRIPT = """
@@ -2890,10 +2885,7 @@ def _ragged_model(path: Path) -> Path:
             helper.make_tensor("axes", TensorProto.INT64, [1], [1]),
         ],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    onnx.save(model, path)
-    return path
+    return save_model(path, graph, check=False)
 
 
 def test_single_row_larger_than_the_budget_fails_alone(tmp_path: Path) -> None:

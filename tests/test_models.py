@@ -28,19 +28,12 @@ from tests.support import (
     no_input_model,
     output,
     rich_status,
+    save_model,
     serving,
     until,
 )
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
-
-
-def _save(path: Path, graph: onnx.GraphProto) -> Path:
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    onnx.checker.check_model(model)
-    onnx.save(model, path)
-    return path
 
 
 def _refused_at_start(path: Path) -> str:
@@ -70,7 +63,7 @@ def test_a_model_whose_output_rows_do_not_follow_its_input_rows_is_refused(
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", 2])],
     )
-    path = _save(tmp_path / "drops_a_row.onnx", graph)
+    path = save_model(tmp_path / "drops_a_row.onnx", graph)
     message = _refused_at_start(path)
     assert "output 'y' has shape [0, 2] for 1 input row(s)" in message
     assert "expected one output row per input row" in message
@@ -119,7 +112,7 @@ def test_a_model_laneserve_cannot_serve_is_refused_naming_the_input_or_output(
         [helper.make_tensor_value_info("s", tensor_type, in_shape)],
         [helper.make_tensor_value_info("o", out_type, in_shape)],
     )
-    message = _refused_at_start(_save(tmp_path / "unservable.onnx", graph))
+    message = _refused_at_start(save_model(tmp_path / "unservable.onnx", graph))
     assert message.startswith(expected), message
 
 
@@ -132,10 +125,8 @@ def test_a_model_input_that_declares_no_shape_is_refused_saying_so(tmp_path: Pat
         [helper.make_tensor_value_info("s", TensorProto.FLOAT, None)],
         [helper.make_tensor_value_info("o", TensorProto.FLOAT, ["N", 4])],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    # Not _save: onnx's checker refuses a graph input without a shape, ONNX Runtime loads it.
-    onnx.save(model, tmp_path / "shapeless.onnx")
+    # Unchecked: onnx's checker refuses a graph input without a shape, ONNX Runtime loads it.
+    save_model(tmp_path / "shapeless.onnx", graph, check=False)
     message = _refused_at_start(tmp_path / "shapeless.onnx")
     assert message.startswith(
         "model input 's' declares no shape (or a scalar one, which ONNX Runtime "
@@ -173,7 +164,7 @@ def test_inputs_sharing_a_named_dimension_must_agree_on_its_size(tmp_path: Path)
         ],
         [helper.make_tensor_value_info("sum", TensorProto.FLOAT, ["N", "K"])],
     )
-    path = _save(tmp_path / "add.onnx", graph)
+    path = save_model(tmp_path / "add.onnx", graph)
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
 
     async def scenario() -> None:
@@ -212,7 +203,7 @@ def _lookup_model(tmp_path: Path) -> Path:
         [helper.make_tensor_value_info("value", TensorProto.FLOAT, ["N", 1])],
         initializer=[table],
     )
-    return _save(tmp_path / "lookup.onnx", graph)
+    return save_model(tmp_path / "lookup.onnx", graph)
 
 
 def _lookup(*indices: int) -> pb.InferRequest:
@@ -346,7 +337,7 @@ def _padded_model(tmp_path: Path) -> Path:
             onnx.numpy_helper.from_array(value, name) for name, value in constants.items()
         ],
     )
-    return _save(tmp_path / "padded.onnx", graph)
+    return save_model(tmp_path / "padded.onnx", graph)
 
 
 def test_a_model_with_a_later_axis_named_as_the_batch_axis_is_refused(tmp_path: Path) -> None:
@@ -361,7 +352,7 @@ def test_a_model_with_a_later_axis_named_as_the_batch_axis_is_refused(tmp_path: 
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
         [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N", "N"])],
     )
-    path = _save(tmp_path / "gram.onnx", graph)
+    path = save_model(tmp_path / "gram.onnx", graph)
     with pytest.raises(EngineStartError) as caught:
         Engine(str(path), device="cpu", estimate=estimate_once)
     assert str(caught.value) == (
@@ -391,7 +382,7 @@ def test_an_output_sized_by_the_rows_after_its_first_axis_is_refused(
         ],
         [helper.make_tensor_value_info("s", TensorProto.FLOAT, ["N", "P"])],
     )
-    message = _refused_at_start(_save(tmp_path / "scores.onnx", graph))
+    message = _refused_at_start(save_model(tmp_path / "scores.onnx", graph))
     assert (
         "model output 's' has shape [1, 1] for 1 input row and [2, 2] for 2: its axes "
         "after the first follow the row count" in message
@@ -419,7 +410,7 @@ def test_inputs_with_first_axes_named_apart_and_outputs_of_their_own_rows_are_se
             helper.make_tensor_value_info("negated", TensorProto.FLOAT, ["M", 4]),
         ],
     )
-    path = _save(tmp_path / "apart.onnx", graph)
+    path = save_model(tmp_path / "apart.onnx", graph)
     a = np.arange(8, dtype=np.float32).reshape(2, 4)
 
     async def scenario() -> pb.InferResponse:
@@ -514,7 +505,7 @@ def _conv_model(path: Path) -> Path:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 1, "H2", "W2"])],
         initializer=[weight],
     )
-    return _save(path, graph)
+    return save_model(path, graph)
 
 
 def test_a_model_whose_dynamic_sizes_cannot_be_1_is_served_with_probe_shapes(
@@ -590,7 +581,7 @@ def _loop_model(path: Path) -> Path:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
         initializer=[w, onnx.numpy_helper.from_array(np.array(0.0, np.float32), "zero")],
     )
-    return _save(path, graph)
+    return save_model(path, graph)
 
 
 def test_a_drain_ends_a_run_still_in_the_runtime_and_exits_0(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ from laneserve.server.cli import main as laneserve_main
 from laneserve.server.config import ConfigError
 from laneserve.server.telemetry import Telemetry
 from laneserve.v1 import inference_pb2 as pb
-from tests.support import F32, RecordingEngine, item_reason, request, rows, serving
+from tests.support import F32, RecordingEngine, config, item_reason, request, rows, serving
 from tests.support import client_cli as cli
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
@@ -42,10 +42,6 @@ pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 # The name in the test server's certificate (besides IP 127.0.0.1).
 SERVER_NAME = "laneserve.test"
 STEP_TIMEOUT_S = 30.0
-
-
-def config(model: Path, **fields: Any) -> ServerConfig:
-    return ServerConfig(model_path=str(model), **fields)
 
 
 def small_reference(small_model: Path) -> ort.InferenceSession:

@@ -37,7 +37,6 @@ from laneserve.server import (
     Engine,
     LaneConfig,
     LaneServer,
-    ServerConfig,
     app,
     grpc_accept,
     service,
@@ -66,6 +65,7 @@ from tests.support import (
     RecordingEngine,
     ServerProcess,
     Serving,
+    config,
     health_status,
     item_reason,
     one_running_and_queued,
@@ -75,14 +75,11 @@ from tests.support import (
     request,
     rich_status,
     rows,
+    save_model,
     serving,
     until,
     until_stats,
 )
-
-
-def config(model: Path, **fields: object) -> ServerConfig:
-    return ServerConfig(model_path=str(model), **fields)  # type: ignore[arg-type]
 
 
 def test_outputs_equal_direct_session_run(
@@ -3380,10 +3377,7 @@ def _sequence_model(path: Path) -> Path:
             for n, (kind, dims) in inputs.items()
         ],
     )
-    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    onnx.save(model, str(path))
-    return path
+    return save_model(path, graph, check=False)
 
 
 def _probe_shapes(answer: pb.GetModelResponse) -> dict[str, list[int]]:

@@ -120,6 +120,7 @@ from tests.support import (
     RecordingEngine,
     Serving,
     SettableGauge,
+    config,
     one_running_and_queued,
     queued_never_ran_as_the_drain_ended,
     queued_rows,
@@ -135,10 +136,6 @@ CALLER_SPAN_ID = 0xB7AD6B7169203331
 TRACEPARENT = f"00-{CALLER_TRACE_ID:032x}-{CALLER_SPAN_ID:016x}-01"
 INFER_SPAN = "laneserve.v1.InferenceService/Infer"
 STREAM_SPAN = "laneserve.v1.InferenceService/InferStream"
-
-
-def config(model: Path, **fields: Any) -> ServerConfig:
-    return ServerConfig(model_path=str(model), **fields)
 
 
 def traced(
