@@ -96,10 +96,10 @@ RUNNING_BATCH_WAIT_S = 1.0
 CORE_QUEUE_SETTLE_S = 0.05
 CORE_QUEUE_WAIT_S = 2.0
 # Inference calls (Infer; ModelInfer) each port asks gRPC's core for at once, per method,
-# beside grpc.aio's own one (see
-# grpc_accept). Quick runs of (a) on 2 cores: 0 -> 3 -> 7 took 1 916 -> 2 593 -> 2 689
-# calls/s at 32 callers and 2 123 -> 3 039 -> 3 303 at 128, with p99 falling. An ask
-# waits in gRPC's core, which completes it when a call comes: nothing polls.
+# beside grpc.aio's own one (see grpc_accept). Quick runs of (a) on 2 cores: 0 -> 3 -> 7
+# took 1 916 -> 2 593 -> 2 689 calls/s at 32 callers and 2 123 -> 3 039 -> 3 303 at 128,
+# with p99 falling. An ask waits in gRPC's core, which completes it when a call comes:
+# nothing polls.
 INFER_ACCEPTORS = 8
 # ... while the port has fewer calls in progress than this many batches at the cap (see
 # grpc_accept): enough to fill the next batches.

@@ -1,6 +1,6 @@
 """How a port takes its calls from gRPC's core: several inference calls at a time (Infer,
-and KServe v2's ModelInfer), and at
-most `max_concurrent_rpcs` inference calls in progress, of which at most half streams.
+and KServe v2's ModelInfer), and at most `max_concurrent_rpcs` inference calls in
+progress, of which at most half streams.
 
 grpc.aio asks its core for one call per registered method at a time: once a call is
 taken, the next is asked for only when the event loop has run the task that took it and
@@ -11,8 +11,7 @@ at 128 callers gRPC counted 129 calls open while 1-18 were inside laneserve, the
 idle 11-25 % of the time, and the lanes never saw enough rows at once to fill a batch.
 
 `ParallelAcceptors` keeps `count` more asks out for each of its methods and hands each
-call taken
-to gRPC's own handling, as the stock loop hands it (`_handle_rpc` under
+call taken to gRPC's own handling, as the stock loop hands it (`_handle_rpc` under
 `_schedule_rpc_coro`: deserialising, the interceptors, cancellation, the status). It uses
 grpc.aio internals, checked at start: where the installed grpc lacks any, or their
 signatures differ, nothing is added and the stock loop alone takes calls (logged).

@@ -723,6 +723,7 @@ def estimate_memory(
                 str(script),
                 model_path,
                 json.dumps({name: list(shape) for name, shape in (probe_shapes or {}).items()}),
+                str(os.getpid()),  # it exits once this process is gone, however it died
             ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,

@@ -3,10 +3,12 @@ inference. Run as a script in a child process (`memory.estimate_memory`), so the
 process never imports onnx or parses the weights; of laneserve it imports only
 model_identity's protobuf walk, which nothing of onnx's or the server's comes with.
 
-    python .../static_estimate.py MODEL [PROBE_SHAPES]   # prints: FIXED_BYTES PER_ROW_BYTES
+    python .../static_estimate.py MODEL [PROBE_SHAPES [PARENT_PID]]
+    # prints: FIXED_BYTES PER_ROW_BYTES
 
 PROBE_SHAPES: a JSON object, input name -> its shape after the row axis (the engine's
-probe_shapes).
+probe_shapes). PARENT_PID: the serving process, whose death ends the script
+(`_exit_when_orphaned`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import os
 import sys
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -240,7 +245,28 @@ def _fix_input_sizes(graph: onnx.GraphProto, probe_shapes: Mapping[str, Sequence
                 dim.dim_value = 1 if given is None else int(given[index])
 
 
+# How often the script looks for its parent gone, and its exit status then (the parent's
+# answer is unread: nobody waits for it).
+ORPHAN_CHECK_S = 0.5
+ORPHANED_EXIT = 3
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """Ends this process once its parent is no longer `parent_pid` (it died: the child is
+    re-parented, to init or a subreaper). The server ends its children when it stops
+    (`memory.stop_estimates`), but a server SIGKILLed (the OOM killer, a container
+    runtime's kill) runs nothing, and PR_SET_PDEATHSIG would not do it: it fires when the
+    thread that started the child ends, a loading thread, long before the process. An
+    orphan parsed the model on, GBs resident, until done. Checked from the first: the
+    parent may be gone before this runs. A daemon thread: the parse holds the main one."""
+    while os.getppid() == parent_pid:
+        time.sleep(ORPHAN_CHECK_S)
+    os._exit(ORPHANED_EXIT)
+
+
 def main(argv: Sequence[str]) -> int:
+    if len(argv) > 2:  # noqa: PLR2004 - MODEL PROBE_SHAPES PARENT_PID
+        threading.Thread(target=_exit_when_orphaned, args=(int(argv[2]),), daemon=True).start()
     probe_shapes = json.loads(argv[1]) if len(argv) > 1 else None
     fixed_bytes, per_row_bytes = static_estimate(argv[0], probe_shapes)
     print(fixed_bytes, per_row_bytes)

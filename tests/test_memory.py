@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -282,6 +283,70 @@ def test_static_estimate_stopped_by_a_signal_is_no_failure(
     assert record.getMessage() == "static memory estimate of model.onnx stopped by SIGTERM"
     assert record.levelno == logging.INFO
     assert getattr(record, "event", None) == "static_estimate_stopped"
+
+
+# A serving process in miniature: it asks for an estimate, and waits for it.
+_ESTIMATING_PARENT = """
+import sys
+from laneserve.server.memory import estimate_memory
+estimate_memory(sys.argv[1], timeout_s=600)
+"""
+
+
+def _estimate_child_of(parent_pid: int) -> int | None:
+    """The pid of `parent_pid`'s child running static_estimate.py, if one runs now."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        if ppid == parent_pid and b"static_estimate.py" in command:
+            return int(entry.name)
+    return None
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited and not yet reaped by init, does not)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _within(condition: Callable[[], bool], timeout_s: float) -> bool:
+    """Whether `condition` held within `timeout_s` (polled; a bound, not a timing)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_an_estimates_child_ends_when_its_server_is_killed(tmp_path: Path) -> None:
+    """A server SIGKILLed (the OOM killer, a container runtime's kill) while its estimate's
+    child parsed the model ran nothing to end the child, which parsed on, GBs resident for
+    a large model. The child now exits once its parent is gone. The model here is a FIFO
+    nobody writes: the child waits on it for ever, so only its parent's death ends it."""
+    fifo = tmp_path / "model.onnx"
+    os.mkfifo(fifo)
+    parent = subprocess.Popen([sys.executable, "-c", _ESTIMATING_PARENT, str(fifo)])
+    child_pid: int | None = None
+    try:
+        assert _within(lambda: _estimate_child_of(parent.pid) is not None, 60)
+        child_pid = _estimate_child_of(parent.pid)
+        assert child_pid is not None
+        parent.kill()
+        parent.wait(timeout=30)
+        assert _within(lambda: not _running(child_pid), 60), "the orphaned child ran on"
+    finally:
+        parent.kill()
+        parent.wait(timeout=30)
+        if child_pid is not None and _running(child_pid):
+            os.kill(child_pid, signal.SIGKILL)
 
 
 def test_static_estimate_killed_by_another_signal_is_a_failure(
