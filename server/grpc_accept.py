@@ -197,7 +197,7 @@ class ParallelAcceptors:
             # message read but not parsed (`CallGate.deserializer`), as the stock loop's
             # calls are. Rare: the asks are out only below `accept_below` unary calls, so
             # a call they take is over the limit only where max_concurrent_rpcs is below
-            # `accept_below` plus the streams' half, or (at most `count` of them each
+            # `accept_below` plus the streams' half, or (at most `count` per method each
             # time the port fills) by an ask already out when it filled.
             handling = cygrpc._handle_rpc(  # noqa: SLF001
                 method, resolver, self._interceptors, rpc_state, loop, False
@@ -289,14 +289,14 @@ async def refuse_over_limit(
 
 
 class CallGate:
-    """The inference calls (Infer, InferStream) in progress on one port, at most `limit`
-    (max_concurrent_rpcs): a call over it is refused at once, RESOURCE_EXHAUSTED in
-    gRPC's own words, its message not parsed, the bound in the CALL_LIMIT_KEY trailer
-    (`refuse_call`). Of them at
-    most `stream_limit` streams: one more is refused at once in the same words, the
-    bound in the STREAM_LIMIT_KEY trailer. Operator calls (OPERATOR_METHODS) are counted
-    apart, at most `operator_limit` (`gate_operator`): one more is refused in the same
-    words, the bound in the OPERATOR_LIMIT_KEY trailer. Counted by the handlers (`gate`),
+    """The inference calls (Infer, InferStream, ModelInfer) in progress on one port, at
+    most `limit` (max_concurrent_rpcs): a call over it is refused at once,
+    RESOURCE_EXHAUSTED in gRPC's own words, its message not parsed, the bound in the
+    CALL_LIMIT_KEY trailer (`refuse_call`). Of them at most `stream_limit` streams: one
+    more is refused at once in the same words, the bound in the STREAM_LIMIT_KEY trailer.
+    Operator calls (OPERATOR_METHODS) are counted apart, at most `operator_limit`
+    (`gate_operator`): one more is refused in the same words, the bound in the
+    OPERATOR_LIMIT_KEY trailer. Counted by the handlers (`gate`),
     so every call is, however it was taken (see `ParallelAcceptors`). `below_accept` is
     set while fewer unary calls than `accept_below` are in progress (the extra asks are
     out only then): a stream's call stays open for a whole job, and its items do not
@@ -357,7 +357,8 @@ class CallGate:
         full port (which older Python clients match), the bound in the CALL_LIMIT_KEY
         trailer."""
         bound = (
-            f"{self.limit} inference calls at once (Infer and InferStream), server setting "
+            f"{self.limit} inference calls at once (Infer, InferStream and ModelInfer), "
+            "server setting "
             f"max_concurrent_rpcs {self.limit}"
         )
         await refuse_over_limit(context, ((CALL_LIMIT_KEY, bound),))

@@ -308,6 +308,14 @@ def _estimate_child_of(parent_pid: int) -> int | None:
     return None
 
 
+def _runs_the_estimate(pid: int) -> bool:
+    """Whether process `pid` runs static_estimate.py."""
+    try:
+        return b"static_estimate.py" in (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def _running(pid: int) -> bool:
     """Whether `pid` runs (a zombie, exited and not yet reaped by init, does not)."""
     try:
@@ -345,7 +353,8 @@ def test_an_estimates_child_ends_when_its_server_is_killed(tmp_path: Path) -> No
     finally:
         parent.kill()
         parent.wait(timeout=30)
-        if child_pid is not None and _running(child_pid):
+        # Still that child (a pid reaped and reused is another process's now):
+        if child_pid is not None and _running(child_pid) and _runs_the_estimate(child_pid):
             os.kill(child_pid, signal.SIGKILL)
 
 

@@ -2202,7 +2202,8 @@ def test_calls_past_the_concurrency_limit_are_refused_as_grpc_refuses_them(
     are an operator's calls: GetStats and GetModel were refused with the rest, just when
     an operator asks why."""
     bound = (
-        "2 inference calls at once (Infer and InferStream), server setting max_concurrent_rpcs 2"
+        "2 inference calls at once (Infer, InferStream and ModelInfer), server setting "
+        "max_concurrent_rpcs 2"
     )
 
     async def scenario() -> None:
