@@ -111,8 +111,13 @@ def _internals_missing(core_server: object) -> list[str]:
             missing.append(f"cygrpc.{name}{parameters}")
     if not hasattr(cygrpc, "_MethodResolver"):
         missing.append("cygrpc._MethodResolver")
-    if not callable(getattr(core_server, _SERVER_ASK, None)):
-        missing.append(f"AioServer.{_SERVER_ASK}")
+    # The ask, and whether the server still runs (each acceptor's loop stops with it): an
+    # AioServer without the second had failed the start, not fallen back.
+    missing.extend(
+        f"AioServer.{name}"
+        for name in (_SERVER_ASK, "is_running")
+        if not callable(getattr(core_server, name, None))
+    )
     return missing
 
 

@@ -2280,6 +2280,17 @@ def test_without_the_grpc_internals_the_acceptors_stand_aside(
     assert "lacks cygrpc._schedule_rpc_coro(" in caplog.text
 
 
+def test_an_aio_server_without_is_running_leaves_the_acceptors_aside() -> None:
+    """`is_running` is the acceptors' loop condition: a grpc whose AioServer lacked it
+    failed the start with an AttributeError instead of falling back (see the test
+    above); it is checked with the other internals now."""
+
+    class Core:  # the ask is there, `is_running` is not
+        def _make_request_call_future(self, method: bytes) -> None: ...
+
+    assert grpc_accept._internals_missing(Core()) == ["AioServer.is_running"]
+
+
 def test_idle_streams_take_at_most_half_the_calls_and_unary_calls_are_answered(
     small_model: Path,
 ) -> None:
