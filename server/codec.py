@@ -139,7 +139,7 @@ def extra_bytes(request: pb.InferRequest, wire_bytes: int) -> int | None:
     MAX_EXTRA_BYTES). None when a tensor's dtype or shape sizes no data (a request that
     validation refuses). Reads no tensor's data (each read is a copy), and its cost is in
     proportion to its inputs, dimensions and output names: `check_counts` bounds them."""
-    known = _text_bytes(request.request_id) + _text_bytes(request.lane)
+    known = text_bytes(request.request_id) + text_bytes(request.lane)
     if request.timeout_ms:
         known += 1 + varint_bytes(request.timeout_ms)
     for name in request.output_names:  # a repeated field's every element, empty ones too
@@ -148,7 +148,7 @@ def extra_bytes(request: pb.InferRequest, wire_bytes: int) -> int | None:
         tensor_bytes = data_bytes(tensor)
         if tensor_bytes is None:
             return None
-        size = _text_bytes(tensor.name) + 1 + varint_bytes(tensor.dtype)
+        size = text_bytes(tensor.name) + 1 + varint_bytes(tensor.dtype)
         if tensor.shape:  # packed
             size += 1 + _length_prefixed_bytes(sum(map(varint_bytes, tensor.shape)))
         if tensor_bytes:
@@ -170,7 +170,7 @@ def data_bytes(tensor: pb.Tensor) -> int | None:
     return math.prod(shape) * item_bytes
 
 
-def _text_bytes(text: str) -> int:
+def text_bytes(text: str) -> int:
     """A string field's encoded size (none when empty: proto3 leaves it out)."""
     return 1 + _length_prefixed_bytes(_utf8_bytes(text)) if text else 0
 

@@ -123,24 +123,22 @@ MODEL_NAME_RULE = (
 )
 
 
-def _check_model_name(value: object, model_path: str) -> None:
-    """server.model_name (--model-name), where set; where not, the model file's stem,
-    which is served then and is held to the same rule (a file " lead.onnx" was served as
-    " lead"). The words fit the flag as well as the key (`ConfigError.naming`)."""
-    if value is None:
-        stem = PurePath(model_path).stem
-        problem = _model_name_problem(stem)
-        if problem is not None:
-            raise ConfigError(
-                f"not set, and the model file's name without its suffix is not a name to "
-                f"serve: expected {MODEL_NAME_RULE}, got {problem}; set a name for KServe "
-                f"and Triton clients to call the model by",
-                key="server.model_name",
-            )
+def _check_model_name(value: object, served: str) -> None:
+    """server.model_name (--model-name) `value`, where set; where not, the name `served`
+    (`ServerConfig.served_model_name`: the model file's stem), held to the same rule (a
+    file " lead.onnx" was served as " lead"). The words fit the flag as well as the key
+    (`ConfigError.naming`)."""
+    problem = _model_name_problem(served if value is None else value)
+    if problem is None:
         return
-    problem = _model_name_problem(value)
-    if problem is not None:
-        raise ConfigError(f"expected {MODEL_NAME_RULE}, got {problem}", key="server.model_name")
+    if value is None:
+        raise ConfigError(
+            f"not set, and the model file's name without its suffix is not a name to "
+            f"serve: expected {MODEL_NAME_RULE}, got {problem}; set a name for KServe "
+            f"and Triton clients to call the model by",
+            key="server.model_name",
+        )
+    raise ConfigError(f"expected {MODEL_NAME_RULE}, got {problem}", key="server.model_name")
 
 
 def _model_name_problem(value: object) -> str | None:
@@ -349,7 +347,7 @@ class ServerConfig:
                 raise ConfigError(
                     f"expected a non-empty string, got {value!r}", key=f"server.{key}"
                 )
-        _check_model_name(self.model_name, self.model_path)
+        _check_model_name(self.model_name, self.served_model_name)
         _check_int("server.port", self.port, minimum=0, maximum=65_535)
         _check_int("server.priority_port", self.priority_port, minimum=-1, maximum=65_535)
         _check_int("server.max_batch_size", self.max_batch_size, minimum=1, maximum=UINT32_MAX)

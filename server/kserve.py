@@ -50,7 +50,7 @@ from grpc_health.v1 import health, health_pb2
 
 from laneserve.client.tensors import MAX_DIMS, datatype_of, numpy_dtype
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
-from laneserve.server.codec import MAX_EXTRA_BYTES, extra_inputs, varint_bytes
+from laneserve.server.codec import MAX_EXTRA_BYTES, extra_inputs, text_bytes, varint_bytes
 from laneserve.server.config import UINT32_MAX, ServerConfig
 from laneserve.server.engine import TensorSpec
 from laneserve.server.errors import (
@@ -214,7 +214,7 @@ def read_model_infer(
     if len(data) <= MAX_EXTRA_BYTES:  # its extra bytes are some of its bytes
         return ModelInferCall(request, raw)
     known = sum(map(len, raw)) + sum(_contents_bytes(tensor.contents) for tensor in request.inputs)
-    extra = len(data) - known - _string_field_bytes(request.id)
+    extra = len(data) - known - text_bytes(request.id)
     return OversizedModelInfer(extra) if extra > MAX_EXTRA_BYTES else ModelInferCall(request, raw)
 
 
@@ -226,12 +226,6 @@ def _contents_bytes(contents: kpb.InferTensorContents) -> int:
     fp32 or fp64 values, 2-4 ms of varint ones (int, uint, bool)."""
     values = sum(len(field_values) for _, field_values in contents.ListFields())
     return contents.ByteSize() + values
-
-
-def _string_field_bytes(text: str) -> int:
-    """A string field's size on the wire, tag (one byte) and length included."""
-    size = len(text.encode())
-    return 1 + varint_bytes(size) + size if size else 0
 
 
 def read_operator_call(
@@ -538,32 +532,24 @@ def _as_bytes(name: str, values: Sequence[Any], kind: KServeType) -> bytes:
 # ---- ModelInfer: the answer ----------------------------------------------------------------
 
 
-def to_model_infer_response(
-    answer: pb.InferResponse, model_name: str, max_message_bytes: int
-) -> kpb.ModelInferResponse:
+def to_model_infer_response(answer: pb.InferResponse, model_name: str) -> kpb.ModelInferResponse:
     """laneserve's answer as a ModelInferResponse: each output's name, datatype and shape,
     its bytes in raw_output_contents (what Triton's server sends and its clients read), and
     the answer's Timing as parameters prefixed TIMING_PREFIX."""
     response = kpb.ModelInferResponse(
         model_name=model_name, model_version=MODEL_VERSION, id=answer.request_id
     )
-    data_bytes = 0
     for tensor in answer.outputs:
         response.outputs.add(
             name=tensor.name, datatype=_BY_DATATYPE[tensor.dtype].name, shape=tensor.shape
         )
-        data = tensor.data  # a copy each read: read once
-        data_bytes += len(data)
-        response.raw_output_contents.append(data)
+        response.raw_output_contents.append(tensor.data)
     timing = answer.timing
     response.parameters[TIMING_PREFIX + _TIMING_LANE].string_param = timing.lane
     for field in _TIMING_INTEGERS:
         response.parameters[TIMING_PREFIX + field].int64_param = getattr(timing, field)
-    # The normal path held the answer to max_message_bytes in this encoding too
-    # (`answer_extra_bytes`): sent over it, gRPC would end the call in its own words.
-    # Checked only near the limit: sizing is an encoding.
-    if data_bytes + MAX_EXTRA_BYTES > max_message_bytes:
-        assert response.ByteSize() <= max_message_bytes, "held to it by _check_sendable"
+    # Within max_message_bytes: the normal path held the answer to it in this encoding
+    # too (`answer_extra_bytes`, `service._check_sendable`), so it is not sized again.
     return response
 
 
@@ -586,9 +572,9 @@ def answer_extra_bytes(model_name: str, outputs: Sequence[TensorSpec], lanes: Se
       6 bytes of tags and lengths, and 2 more where it is 0 (sent in a parameter, left
       out of Timing); the lane's adds its key and tags and lengths (`_lane_extra_bytes`).
     """
-    total = _string_field_bytes(model_name) + _string_field_bytes(MODEL_VERSION) - 2
+    total = text_bytes(model_name) + text_bytes(MODEL_VERSION) - 2
     total += sum(len(kserve_datatype(spec.dtype)) + 3 for spec in outputs)
-    total += sum(_string_field_bytes(TIMING_PREFIX + field) + 6 for field in _TIMING_INTEGERS)
+    total += sum(text_bytes(TIMING_PREFIX + field) + 6 for field in _TIMING_INTEGERS)
     return total + max(map(_lane_extra_bytes, lanes))
 
 
@@ -598,8 +584,8 @@ def _lane_extra_bytes(lane: str) -> int:
     when empty (a oneof's field), which Timing.lane is not."""
     size = len(lane.encode())
     value = 1 + varint_bytes(size) + size  # InferParameter.string_param
-    entry = _string_field_bytes(TIMING_PREFIX + _TIMING_LANE) + 1 + varint_bytes(value) + value
-    return 1 + varint_bytes(entry) + entry - _string_field_bytes(lane)
+    entry = text_bytes(TIMING_PREFIX + _TIMING_LANE) + 1 + varint_bytes(value) + value
+    return 1 + varint_bytes(entry) + entry - text_bytes(lane)
 
 
 # ---- the servicer ---------------------------------------------------------------------------
@@ -619,7 +605,6 @@ class KServeServicer:
         health_servicer: health.aio.HealthServicer,
     ) -> None:
         self._inference = inference
-        self._config = config
         self._model_name = config.served_model_name
         self._lanes = [lane.name for lane in config.lanes]  # highest priority first
         self._inputs = tuple(inputs)
@@ -708,7 +693,7 @@ class KServeServicer:
                 request.release()  # gRPC holds it until the call ends
         del request  # the converted request holds what runs
         answer = await self._inference.run_request(converted, context)
-        return to_model_infer_response(answer, self._model_name, self._config.max_message_bytes)
+        return to_model_infer_response(answer, self._model_name)
 
     def _check_served(self, name: str, version: str) -> None:
         """Raises ModelNotFoundError unless `name` and `version` are the served model's."""

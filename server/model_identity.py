@@ -303,14 +303,10 @@ def _external_locations(data: mmap.mmap) -> list[str]:
 def _string_entry(data: mmap.mmap, start: int, end: int) -> tuple[str, str]:
     """The key and value of ONNX's StringStringEntryProto in `data[start:end]`."""
     fields = {1: "", 2: ""}
-    position = start
-    while position < end:
-        tag, position = read_varint(data, position)
-        if tag & 7 != LENGTH_DELIMITED:  # both fields are strings
+    for field in protobuf_fields(data, start, end):
+        if field.wire_type != LENGTH_DELIMITED:  # both fields are strings
             raise ValueError(f"an external_data entry at byte {start} holds a non-string")
-        length, position = read_varint(data, position)
-        fields[tag >> 3] = data[position : position + length].decode()
-        position += length
+        fields[field.number] = data[field.value_start : field.end].decode()
     return fields[1], fields[2]
 
 

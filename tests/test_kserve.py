@@ -626,7 +626,7 @@ def test_answer_extra_bytes_bounds_every_model_infer_answer_and_is_reached() -> 
                     infer_us=timing_value and 2**63 - 1,
                 ),
             )
-            converted = kserve_module.to_model_infer_response(answer, model_name, 2**31 - 1)
+            converted = kserve_module.to_model_infer_response(answer, model_name)
             added = converted.ByteSize() - answer.ByteSize()
             assert added <= bound, (model_name[:4], lane, timing_value, name_bytes, data_rows)
             reached = reached or added == bound
