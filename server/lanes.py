@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 
 from laneserve.server.config import LaneConfig
@@ -51,6 +52,63 @@ class ShapeQueue:
     rows: int = 0
     entries: int = 0
     seconds: float = 0.0  # its price, while kept (see `Lane._queued_s`)
+
+
+@dataclasses.dataclass(slots=True)
+class Promises:
+    """What a lane told the callers it refused LANE_FULL and has not yet seen back (see
+    `scheduler.Scheduler._pushback_s`): three numbers per lane, however many callers it
+    refuses. Only the scheduler thread reads or changes them."""
+
+    # Invariant: the rows of the refusals that promised them since the promises last
+    # lapsed (see `_pushback_s` for which do), less the rows admitted since into room a
+    # batch made (`made_rows`); never below 0. Room is made by dispatch: the scheduler's
+    # `_room_in_s` predicts when batches will have taken enough rows out, and a caller
+    # promised comes back to room a batch made. So an admission takes from `made_rows`
+    # alone, whoever it is (a retry, a fresh caller, a stream item that waited for
+    # room): that room is gone for the caller promised it, who, refused again, is
+    # promised anew.
+    # Rows that leave by expiry or cancel make room no hint predicted: whoever comes
+    # first takes it, consuming no promise; the promises lapse at `until_s` all the same.
+    # Consumed by any admission, a fresh caller in a cancelled request's room took a
+    # promise it was never given, and the next caller refused was told the time of the
+    # one before, a batch before its room. Consumed by dispatch itself, a caller refused
+    # after the batch that made a promised caller's room, before that caller was back,
+    # was told a batch before its room too (the room is in both the lane's free rows and
+    # the rows dispatch took off: see
+    # test_room_a_batch_made_stays_promised_until_a_caller_takes_it).
+    promised_rows: int = 0
+    # Of `promised_rows`, those whose room batches made since and no admission has taken
+    # yet: at most `promised_rows`.
+    made_rows: int = 0
+    # The latest retry time advised among them (monotonic seconds), never moved earlier:
+    # a later refusal may be told an earlier time (a cancel above made its rows come
+    # sooner) while an earlier caller is still to come back.
+    until_s: float = -math.inf
+
+    def lapse(self, now_s: float) -> None:
+        """From `until_s` on, every caller promised has come back or will not: no caller
+        comes back before its time, whether it follows RetryInfo (the hint, to the ns) or
+        the trailer (rounded up, `errors.pushback_ms`). Lapsing earlier (half a ms, for a
+        trailer rounded to the nearest ms), a caller refused then was told the room still
+        promised to one not yet back. The room made for the promises lapses with them:
+        kept, an admission took it from the rows promised since, below 0."""
+        if now_s >= self.until_s:
+            self.promised_rows = self.made_rows = 0
+
+    def promise(self, rows: int, back_s: float) -> None:
+        self.promised_rows += rows
+        self.until_s = max(self.until_s, back_s)
+
+    def room_made(self, rows: int) -> None:
+        """A batch took `rows` of the lane's rows out to run."""
+        self.made_rows = min(self.made_rows + rows, self.promised_rows)
+
+    def admitted(self, rows: int) -> None:
+        taken = min(rows, self.made_rows)
+        self.promised_rows -= taken
+        self.made_rows -= taken
+        assert 0 <= self.made_rows <= self.promised_rows
 
 
 class Lane:
@@ -122,6 +180,8 @@ class Lane:
         # ended, whichever is later (None: never): `served_rows_per_batch` is forgotten
         # ACTIVE_LANE_S after. Only the scheduler changes it.
         self.served_at_s: float | None = None
+        # What its LANE_FULL refusals were promised (see `Promises`).
+        self.promises = Promises()
         # When this lane last admitted a request (None: never): it is active for
         # ACTIVE_LANE_S after, and batches of lower lanes then keep within its max_wait.
         self.last_admit_s: float | None = None

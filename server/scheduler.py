@@ -137,63 +137,6 @@ MEMORY_PRESSURE_RETRY_S = 0.25
 MIN_PUSHBACK_S = 0.001
 
 
-@dataclasses.dataclass(slots=True)
-class _Promises:
-    """What a lane told the callers it refused LANE_FULL and has not yet seen back (see
-    `Scheduler._pushback_s`): three numbers per lane, however many callers it refuses.
-    Only the scheduler thread reads or changes them."""
-
-    # Invariant: the rows of the refusals that promised them since the promises last
-    # lapsed (see `Scheduler._pushback_s` for which do), less the rows admitted since
-    # into room a batch made (`made_rows`); never below 0. Room is made by dispatch:
-    # `_room_in_s` predicts when batches will have taken enough rows out, and a caller
-    # promised comes back to room a batch made. So an admission takes from `made_rows`
-    # alone, whoever it is (a retry, a fresh caller, a stream item that waited for
-    # room): that room is gone for the caller promised it, who, refused again, is
-    # promised anew.
-    # Rows that leave by expiry or cancel make room no hint predicted: whoever comes
-    # first takes it, consuming no promise; the promises lapse at `until_s` all the same.
-    # Consumed by any admission, a fresh caller in a cancelled request's room took a
-    # promise it was never given, and the next caller refused was told the time of the
-    # one before, a batch before its room. Consumed by dispatch itself, a caller refused
-    # after the batch that made a promised caller's room, before that caller was back,
-    # was told a batch before its room too (the room is in both the lane's free rows and
-    # the rows dispatch took off: see
-    # test_room_a_batch_made_stays_promised_until_a_caller_takes_it).
-    promised_rows: int = 0
-    # Of `promised_rows`, those whose room batches made since and no admission has taken
-    # yet: at most `promised_rows`.
-    made_rows: int = 0
-    # The latest retry time advised among them (monotonic seconds), never moved earlier:
-    # a later refusal may be told an earlier time (a cancel above made its rows come
-    # sooner) while an earlier caller is still to come back.
-    until_s: float = -math.inf
-
-    def lapse(self, now_s: float) -> None:
-        """From `until_s` on, every caller promised has come back or will not: no caller
-        comes back before its time, whether it follows RetryInfo (the hint, to the ns) or
-        the trailer (rounded up, `errors.pushback_ms`). Lapsing earlier (half a ms, for a
-        trailer rounded to the nearest ms), a caller refused then was told the room still
-        promised to one not yet back. The room made for the promises lapses with them:
-        kept, an admission took it from the rows promised since, below 0."""
-        if now_s >= self.until_s:
-            self.promised_rows = self.made_rows = 0
-
-    def promise(self, rows: int, back_s: float) -> None:
-        self.promised_rows += rows
-        self.until_s = max(self.until_s, back_s)
-
-    def room_made(self, rows: int) -> None:
-        """A batch took `rows` of the lane's rows out to run."""
-        self.made_rows = min(self.made_rows + rows, self.promised_rows)
-
-    def admitted(self, rows: int) -> None:
-        taken = min(rows, self.made_rows)
-        self.promised_rows -= taken
-        self.made_rows -= taken
-        assert 0 <= self.made_rows <= self.promised_rows
-
-
 def split_floor(cap: int) -> int:
     """The rows a request being split keeps of a batch of `cap` (SPLIT_FLOOR_SHARE)."""
     return math.ceil(cap * SPLIT_FLOOR_SHARE)
@@ -411,8 +354,6 @@ class Scheduler:
         ]
         self._by_name = {lane.name: lane for lane in self.lanes}
         self._spread_pushback = spread_pushback
-        # Per lane priority: what its LANE_FULL refusals were promised (`_pushback_s`).
-        self._promises = [_Promises() for _ in self.lanes]
         self.events = events or NullEvents()
         # The cap in force per signature; out of memory lowers one, sustained success
         # raises it back step by step, never above `batch_cap` (what the probe found).
@@ -498,8 +439,8 @@ class Scheduler:
         )
         lane.push(entry)
         # Into room a batch made, it takes room a caller refused earlier was promised,
-        # whether it is that caller or not (see `_Promises.promised_rows`).
-        self._promises[lane.priority].admitted(request.rows)
+        # whether it is that caller or not (see `lanes.Promises.promised_rows`).
+        lane.promises.admitted(request.rows)
         self._observe_request(lane, request, now_s)
         self._entries[entry.entry_id] = entry
         heapq.heappush(self._deadlines, (deadline_s, entry.entry_id))
@@ -597,7 +538,7 @@ class Scheduler:
     def _pushback_s(self, lane: Lane, request: InferenceRequest, now_s: float) -> float:
         """The retry hint for `request`, which full `lane` refuses at `now_s`: the time
         until it has room for its rows after the rows promised to the callers it refused
-        before (`_Promises.promised_rows`: until the latest time advised among them, less
+        before (`lanes.Promises.promised_rows`: until the latest time advised among them, less
         the rows admitted into room a batch made since). Counted at its own rows alone,
         every caller refused in one instant was told the same time; a client that
         follows RetryInfo waits exactly that, gRPC's retry that rounded up to whole ms
@@ -624,7 +565,7 @@ class Scheduler:
         refusal."""
         if not self._spread_pushback:
             return max(self._room_in_s(lane, request.rows), MIN_PUSHBACK_S)
-        promises = self._promises[lane.priority]
+        promises = lane.promises
         promises.lapse(now_s)
         rows = promises.promised_rows + request.rows
         wait_s = max(self._room_in_s(lane, rows), MIN_PUSHBACK_S)
@@ -1928,7 +1869,7 @@ class Scheduler:
                 lane.share_balance = min(lane.share_balance, 0.0)
         self._last_run_rows = served
         for lane in self.lanes:
-            self._promises[lane.priority].room_made(served[lane.priority])
+            lane.promises.room_made(served[lane.priority])
             if lane.queued_rows:
                 lane.served_rows_per_batch += SERVED_ALPHA * (
                     served[lane.priority] - lane.served_rows_per_batch
