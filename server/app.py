@@ -1308,7 +1308,15 @@ class LaneServer:
             # KServe v2 / Triton clients' service, in front of the same servicer, counted
             # by the same gate (server/kserve.py).
             kserve = KServeServicer(
-                servicer, self.config, self.engine.inputs, self.engine.outputs, self._health
+                servicer,
+                self.config,
+                self.engine.inputs,
+                self.engine.outputs,
+                self._health,
+                totals=self.stats.cumulative,
+                # ONNX Runtime's CUDA provider runs on its default device, 0: the first
+                # GPU CUDA_VISIBLE_DEVICES lists (memory.session_gpu).
+                gpu_id=0 if _on_gpu(self.engine) else None,
             )
             handlers |= add_kserve_to_server(kserve, server, gate)
         # Both front ends' inference calls taken several at a time (a ModelInfer had been

@@ -253,13 +253,13 @@ class ServerConfig:
     # health checks (a readiness probe every second or more) see it leaving before it
     # refuses any call. 0: the drain begins at the signal.
     drain_delay_s: float = 0.0
-    # Infer and InferStream calls in progress on a port at once (streams count one each,
-    # at most half of it; GetModel, GetStats and health checks none); past it a call is
-    # refused RESOURCE_EXHAUSTED before the servicer runs (grpc_accept.CallGate). It is
-    # blind to lanes, so it sits above what the lanes hold in ordinary use (the bulk
-    # lane's 16 384 rows are 2 048 calls of 8 rows): a full lane refuses by priority
-    # first. At 1 024 a unary bulk flood took every slot and interactive calls were
-    # refused (bench/README.md, (c)).
+    # Inference calls (Infer, InferStream and KServe's ModelInfer, ModelStreamInfer) in
+    # progress on a port at once (streams count one each, at most half of it; GetModel,
+    # GetStats and health checks none); past it a call is refused RESOURCE_EXHAUSTED
+    # before the servicer runs (grpc_accept.CallGate). It is blind to lanes, so it sits
+    # above what the lanes hold in ordinary use (the bulk lane's 16 384 rows are 2 048
+    # calls of 8 rows): a full lane refuses by priority first. At 1 024 a unary bulk flood
+    # took every slot and interactive calls were refused (bench/README.md, (c)).
     # The calls still waiting in gRPC's core are bounded by max_pending_calls.
     max_concurrent_rpcs: int = 4096
     # Calls gRPC's core may hold that the event loop has not yet taken (the backlog in
@@ -312,10 +312,11 @@ class ServerConfig:
     # (host_memory_limit_from_cgroup); no watermark on the CPU without one (the arena
     # cap still holds).
     host_memory_limit: str | None = None
-    # Requests one InferStream may have read and not yet answered; the stream is not read
-    # further until one of them is answered, so a fast producer cannot flood the lanes.
+    # Requests one stream (InferStream, ModelStreamInfer) may have read and not yet
+    # answered; the stream is not read further until one of them is answered, so a fast
+    # producer cannot flood the lanes.
     stream_window: int = 256
-    # Bytes of tensor data in one InferStream's answers not yet written, those not yet
+    # Bytes of tensor data in one stream's answers not yet written, those not yet
     # finished counted at the stream's largest answer (service.StreamWindow): while they
     # come to it or more the stream reads no more items, so a caller that reads slowly
     # holds about this much, not stream_window answers (256 MiB of 1 MiB ones). A reader

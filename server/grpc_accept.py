@@ -294,8 +294,8 @@ async def refuse_over_limit(
 
 
 class CallGate:
-    """The inference calls (Infer, InferStream, ModelInfer) in progress on one port, at
-    most `limit` (max_concurrent_rpcs): a call over it is refused at once,
+    """The inference calls (Infer, InferStream, ModelInfer, ModelStreamInfer) in progress
+    on one port, at most `limit` (max_concurrent_rpcs): a call over it is refused at once,
     RESOURCE_EXHAUSTED in gRPC's own words, its message not parsed, the bound in the
     CALL_LIMIT_KEY trailer (`refuse_call`). Of them at most `stream_limit` streams: one
     more is refused at once in the same words, the bound in the STREAM_LIMIT_KEY trailer.
@@ -362,9 +362,8 @@ class CallGate:
         full port (which older Python clients match), the bound in the CALL_LIMIT_KEY
         trailer."""
         bound = (
-            f"{self.limit} inference calls at once (Infer, InferStream and ModelInfer), "
-            "server setting "
-            f"max_concurrent_rpcs {self.limit}"
+            f"{self.limit} inference calls at once (Infer, InferStream, ModelInfer and "
+            f"ModelStreamInfer), server setting max_concurrent_rpcs {self.limit}"
         )
         await refuse_over_limit(context, ((CALL_LIMIT_KEY, bound),))
 
@@ -372,8 +371,8 @@ class CallGate:
         """Ends a stream over `stream_limit` RESOURCE_EXHAUSTED in gRPC's words for a full
         port, the bound in the STREAM_LIMIT_KEY trailer."""
         bound = (
-            f"{self.stream_limit} InferStream calls at once, half of server setting "
-            f"max_concurrent_rpcs {self.limit}; unary calls keep the rest"
+            f"{self.stream_limit} stream calls (InferStream and ModelStreamInfer) at once, "
+            f"half of server setting max_concurrent_rpcs {self.limit}; unary calls keep the rest"
         )
         await refuse_over_limit(context, ((STREAM_LIMIT_KEY, bound),))
 

@@ -5,16 +5,20 @@ calls laneserve unchanged.
 
 A front end only: ModelInfer converts its request to laneserve's own `InferRequest` and
 runs it through Infer's path (`InferenceServicer.run_request`), so lanes, deadlines,
-idempotency, shedding, memory limits, tracing, stats and error statuses are Infer's; the
-answer is converted back. The metadata and liveness calls are operator calls, counted
-apart from the inference calls as GetModel is (`add_kserve_to_server`).
+idempotency (where the request asks: IDEMPOTENT_PARAMETER), shedding, memory limits,
+tracing, stats and error statuses are Infer's; the answer is converted back. The
+metadata and liveness calls are operator calls, counted apart from the inference calls as
+GetModel is (`add_kserve_to_server`).
 
 The mapping (README.md, "KServe v2 / Triton clients"):
 
     ModelInferRequest                InferRequest
     model_name, model_version        the served model (server.model_name), "" or "1";
                                      another: NOT_FOUND (ModelNotFoundError)
-    id                               request_id (echoed in the answer's id)
+    id                               request_id, echoed in the answer's id: it names the
+                                     request (errors, traces, logs) and keys nothing,
+                                     unless parameters["laneserve_idempotent"] (bool) is
+                                     true: then a retry joins or replays it, as Infer's
     parameters["lane"] string        lane
     parameters["timeout"] int64 us   timeout_ms, rounded up (Triton's clients send us;
                                      uint64 too)
@@ -39,7 +43,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Final
 
 import grpc
@@ -57,17 +62,23 @@ from laneserve.server.errors import (
     InvalidInputError,
     LaneserveError,
     ModelNotFoundError,
+    bounded_message,
+    pushback_ms,
 )
 from laneserve.server.grpc_accept import CallGate
+from laneserve.server.kserve_config import EXTENSIONS, model_config, model_statistics
 from laneserve.server.model_identity import SERVER_VERSION
 from laneserve.server.service import (
     MAX_OPERATOR_REQUEST_BYTES,
     InferenceServicer,
+    ItemTag,
     OversizedOperatorRequest,
     abort_with,
+    answer_id,
     read_operator_request,
     release_frames,
 )
+from laneserve.server.stats import Cumulative
 from laneserve.v1 import inference_pb2 as pb
 
 SERVICE_NAME: Final = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
@@ -76,8 +87,33 @@ SERVER_NAME: Final = "laneserve"
 MODEL_VERSION: Final = "1"
 # Triton's platform name for an ONNX model run by ONNX Runtime.
 PLATFORM: Final = "onnxruntime_onnx"
-# The ModelInfer method; every other method of the service is an operator call.
+# The inference methods, ModelInfer and the stream of ModelInfer requests; every other
+# method of the service is an operator call.
 INFER_METHOD: Final = "ModelInfer"
+STREAM_METHOD: Final = "ModelStreamInfer"
+# A ModelStreamInfer error's parameters, in its infer_response: what an InferStream
+# item's error (a google.rpc.Status) carries, typed, for callers that read the message
+# (tritonclient passes on error_message alone): gRPC's code as its number
+# (int64_param), laneserve's reason (string_param) and, where a retry is advised, the
+# wait in whole ms, rounded up, as grpc-retry-pushback-ms (int64_param).
+ERROR_CODE_PARAMETER: Final = "laneserve_error_code"
+ERROR_REASON_PARAMETER: Final = "laneserve_error_reason"
+RETRY_AFTER_PARAMETER: Final = "laneserve_retry_after_ms"
+# Triton's parameter for decoupled models, which perf_analyzer sends on every request,
+# ModelInfer's and ModelStreamInfer's: a bool_param asking that a stream mark each item's
+# last answer, by the answer's bool_param FINAL_RESPONSE_PARAMETER (a client reading the
+# answers of a decoupled model waits for it). Every answer here is its request's one and
+# last: a ModelInfer answer needs no mark, and on a stream the answer of each item that
+# asked (an error's too) is marked true, as Triton marks per request; no other is.
+FINAL_RESPONSE_FLAG: Final = "triton_enable_empty_final_response"
+FINAL_RESPONSE_PARAMETER: Final = "triton_final_response"
+# laneserve's parameter (a bool_param, default false) making a request's `id` its
+# request_id in the ledger's sense: a retry with it joins the request in flight or has
+# its stored answer replayed, other inputs with it are refused REQUEST_ID_REUSED, in one
+# id space with Infer and InferStream. Without it the id is a correlation tag, as Triton's
+# clients send it (perf_analyzer restarts its ids each run, with the same data; scripts
+# send "1" for any inputs): echoed and quoted, keying nothing.
+IDEMPOTENT_PARAMETER: Final = "laneserve_idempotent"
 # Response parameters that carry laneserve's Timing (pb.Timing's fields, prefixed): its
 # lane a string_param, the others int64_params.
 TIMING_PREFIX: Final = "laneserve_"
@@ -92,12 +128,15 @@ _PARAMETER_KINDS: Final[dict[str, tuple[str, ...]]] = {
     LANE_PARAMETER: ("string_param",),
     TIMEOUT_PARAMETER: _INTEGER_KINDS,
     PRIORITY_PARAMETER: _INTEGER_KINDS,
+    FINAL_RESPONSE_FLAG: ("bool_param",),
+    IDEMPOTENT_PARAMETER: ("bool_param",),
 }
 # The most unknown parameter or tensor parameter names a refusal quotes.
 _MAX_NAMED: Final = 8
 _UNDERSTOOD: Final = (
     f"{LANE_PARAMETER!r} (string_param, a lane's name), {TIMEOUT_PARAMETER!r} (int64_param or "
-    f"uint64_param, microseconds) and {PRIORITY_PARAMETER!r} (uint64_param or int64_param)"
+    f"uint64_param, microseconds), {PRIORITY_PARAMETER!r} (uint64_param or int64_param), "
+    f"{FINAL_RESPONSE_FLAG!r} (bool_param) and {IDEMPOTENT_PARAMETER!r} (bool_param)"
 )
 
 
@@ -156,9 +195,15 @@ class OversizedModelInfer:
     """What ModelInfer receives for a request carrying more than MAX_EXTRA_BYTES besides
     its tensors' data (raw_input_contents and the inputs' typed contents): refused
     INVALID_ARGUMENT, as Infer refuses its own (a queued request's message stays in
-    memory, and lanes count its rows, not its bytes). Its size alone is kept."""
+    memory, and lanes count its rows, not its bytes). Its size alone is kept, its id and
+    whether it asked for Triton's final mark: a ModelStreamInfer answers the refusal tagged
+    with the id, and marked where asked, as it does any item (InferStream its own:
+    `service.OversizedRequest`)."""
 
     extra_bytes: int
+    # "" where over MAX_REQUEST_ID_BYTES bytes: more than the id an answer echoes.
+    request_id: str = ""
+    final_response: bool = False  # FINAL_RESPONSE_FLAG
 
 
 @dataclasses.dataclass(slots=True)
@@ -215,7 +260,12 @@ def read_model_infer(
         return ModelInferCall(request, raw)
     known = sum(map(len, raw)) + sum(_contents_bytes(tensor.contents) for tensor in request.inputs)
     extra = len(data) - known - text_bytes(request.id)
-    return OversizedModelInfer(extra) if extra > MAX_EXTRA_BYTES else ModelInferCall(request, raw)
+    if extra > MAX_EXTRA_BYTES:
+        # The id a copy, bounded: nothing of the message, or of its bytes, stays reachable.
+        return OversizedModelInfer(
+            extra, answer_id(request.id), _flag(request.parameters, FINAL_RESPONSE_FLAG)
+        )
+    return ModelInferCall(request, raw)
 
 
 def _contents_bytes(contents: kpb.InferTensorContents) -> int:
@@ -283,6 +333,12 @@ def to_infer_request(
     # Read out unless over the counts just checked (`read_model_infer`).
     assert len(call.raw_contents) == len(request.raw_input_contents)
     lane, timeout_ms = _request_parameters(request.parameters, lanes)
+    if not request.id and asks_idempotency(request):
+        raise InvalidInputError(
+            f"request parameter {IDEMPOTENT_PARAMETER!r} is true and the request has no id; "
+            "expected an id with it (laneserve's request_id, the same on each retry), or no "
+            f"{IDEMPOTENT_PARAMETER}"
+        )
     for output in request.outputs:
         _refuse_parameters("output", output.name, output.parameters)
     converted = pb.InferRequest(
@@ -322,6 +378,17 @@ def _check_counts(
             f"request asks for {len(request.outputs)} outputs; expected at most "
             f"{len(output_names)}, each of the model's outputs {list(output_names)} at most once"
         )
+
+
+def asks_idempotency(request: kpb.ModelInferRequest) -> bool:
+    """Whether the request's `id` keys it in the ledger (IDEMPOTENT_PARAMETER true). Of
+    another kind than bool_param, the parameter is the conversion's to refuse."""
+    return _flag(request.parameters, IDEMPOTENT_PARAMETER)
+
+
+def _flag(parameters: Any, key: str) -> bool:
+    """A bool_param request parameter's value; False where absent or of another kind."""
+    return key in parameters and parameters[key].bool_param
 
 
 def _request_parameters(parameters: Any, lanes: Sequence[str]) -> tuple[str, int]:
@@ -532,13 +599,18 @@ def _as_bytes(name: str, values: Sequence[Any], kind: KServeType) -> bytes:
 # ---- ModelInfer: the answer ----------------------------------------------------------------
 
 
-def to_model_infer_response(answer: pb.InferResponse, model_name: str) -> kpb.ModelInferResponse:
+def to_model_infer_response(
+    answer: pb.InferResponse, model_name: str, into: kpb.ModelInferResponse | None = None
+) -> kpb.ModelInferResponse:
     """laneserve's answer as a ModelInferResponse: each output's name, datatype and shape,
     its bytes in raw_output_contents (what Triton's server sends and its clients read), and
-    the answer's Timing as parameters prefixed TIMING_PREFIX."""
-    response = kpb.ModelInferResponse(
-        model_name=model_name, model_version=MODEL_VERSION, id=answer.request_id
-    )
+    the answer's Timing as parameters prefixed TIMING_PREFIX. `into`: an empty message to
+    fill (a ModelStreamInferResponse's infer_response: filled in place, not copied in
+    with every output's bytes); a new one by default."""
+    response = kpb.ModelInferResponse() if into is None else into
+    response.model_name = model_name
+    response.model_version = MODEL_VERSION
+    response.id = answer.request_id
     for tensor in answer.outputs:
         response.outputs.add(
             name=tensor.name, datatype=_BY_DATATYPE[tensor.dtype].name, shape=tensor.shape
@@ -588,6 +660,141 @@ def _lane_extra_bytes(lane: str) -> int:
     return 1 + varint_bytes(entry) + entry - text_bytes(lane)
 
 
+# ---- ModelStreamInfer: the items and the answers ---------------------------------------------
+
+# What ModelStreamInfer reads: a ModelInferRequest as ModelInfer reads one.
+ModelStreamItem = ModelInferCall | OversizedModelInfer
+# Bytes per value of each datatype's tensor (`ModelStreamWire.held_bytes`).
+_VALUE_BYTES: Final = {kind.name: numpy_dtype(kind.datatype).itemsize for kind in KSERVE_TYPES}
+# The FINAL_RESPONSE_PARAMETER entry in a ModelInferResponse's parameters, in bytes.
+_FINAL_RESPONSE_BYTES: Final = kpb.ModelInferResponse(
+    parameters={FINAL_RESPONSE_PARAMETER: kpb.InferParameter(bool_param=True)}
+).ByteSize()
+
+
+def stream_wrapper_bytes(limit_bytes: int) -> int:
+    """The most a ModelStreamInferResponse adds to its item's ModelInferResponse, of at
+    most `limit_bytes`: the FINAL_RESPONSE_PARAMETER entry, and the infer_response field's
+    tag and length. Added to `answer_extra_bytes` for the envelope every answer is held to
+    (`InferenceServicer.widen_answer_envelope`): an answer that fits a ModelInfer caller
+    and not a ModelStreamInfer one would fail that whole stream."""
+    return _FINAL_RESPONSE_BYTES + 1 + varint_bytes(limit_bytes)
+
+
+def stream_error_message(item_id: str, error: LaneserveError) -> str:
+    """`error` as a ModelStreamInfer answer's error_message, all that tritonclient passes
+    on of an error answer (its InferenceServerException, with no code and no id): gRPC's
+    code and laneserve's reason first, words a caller matches ("RESOURCE_EXHAUSTED
+    LANE_FULL: "), then the item's id as Triton's server tags its errors ("[request id:
+    a1] "), then the message."""
+    tag = f"[request id: {item_id}] " if item_id else ""
+    return f"{error.code.name} {error.reason}: {tag}{bounded_message(error.message)}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelStreamTag(ItemTag):
+    """A ModelStreamInfer item's tag (`ModelStreamWire.tag`): its id, whether it keys the
+    ledger (IDEMPOTENT_PARAMETER), and whether its answer is marked its last
+    (FINAL_RESPONSE_FLAG). Of another kind than bool_param, a flag reads false here, and
+    the conversion refuses it."""
+
+    final_response: bool = False
+
+
+class ModelStreamWire:
+    """ModelStreamInfer's items and answers (`service.StreamFrontEnd`): each item read
+    and converted as ModelInfer's request (`read_model_infer`, `convert`), each answer a
+    ModelStreamInferResponse holding the ModelInferResponse ModelInfer would send, or an
+    error: error_message (`stream_error_message`) and an infer_response with the item's
+    id, the model's name and version and the error's parameters (ERROR_CODE_PARAMETER,
+    ERROR_REASON_PARAMETER, RETRY_AFTER_PARAMETER), nothing else. Either is marked its
+    item's last (FINAL_RESPONSE_PARAMETER) where that item asked (FINAL_RESPONSE_FLAG).
+    Stateless: what an answer needs of its item is in the item's tag."""
+
+    missing_id = (
+        "ModelStreamInfer item without an id; expected one per item (answers come back out "
+        "of order, each tagged with its item's id in infer_response.id)"
+    )
+
+    def __init__(
+        self,
+        convert: Callable[[ModelStreamItem], pb.InferRequest | LaneserveError],
+        model_name: str,
+        answer_extra_bytes: int,
+    ) -> None:
+        """`convert`: ModelInfer's conversion (`KServeServicer._converted`).
+        `answer_extra_bytes`: the model's (`answer_extra_bytes`)."""
+        self._convert = convert
+        self._model_name = model_name
+        self._answer_extra_bytes = answer_extra_bytes
+
+    def tag(self, item: ModelStreamItem) -> ModelStreamTag:
+        if isinstance(item, OversizedModelInfer):  # refused unread: its id alone was kept
+            return ModelStreamTag(item.request_id, final_response=item.final_response)
+        request = item.message
+        return ModelStreamTag(
+            answer_id(request.id),
+            idempotent=asks_idempotency(request),
+            final_response=_flag(request.parameters, FINAL_RESPONSE_FLAG),
+        )
+
+    def convert(self, item: ModelStreamItem) -> pb.InferRequest | LaneserveError:
+        return self._convert(item)
+
+    def answer(
+        self, tag: ModelStreamTag, response: pb.InferResponse
+    ) -> kpb.ModelStreamInferResponse:
+        message = kpb.ModelStreamInferResponse()
+        # The id is the request's: its request_id whether or not it keys the ledger.
+        to_model_infer_response(response, self._model_name, into=message.infer_response)
+        _mark_final(tag, message.infer_response)
+        return message
+
+    def error(
+        self, tag: ModelStreamTag, error: LaneserveError, limit_bytes: int
+    ) -> kpb.ModelStreamInferResponse:
+        message = kpb.ModelStreamInferResponse(
+            error_message=stream_error_message(tag.item_id, error)
+        )
+        response = message.infer_response
+        response.model_name = self._model_name
+        response.model_version = MODEL_VERSION
+        response.id = tag.item_id
+        response.parameters[ERROR_CODE_PARAMETER].int64_param = error.code.value[0]
+        response.parameters[ERROR_REASON_PARAMETER].string_param = error.reason
+        retry_ms = pushback_ms(error)
+        if retry_ms is not None:
+            response.parameters[RETRY_AFTER_PARAMETER].int64_param = retry_ms
+        _mark_final(tag, response)
+        excess = message.ByteSize() - limit_bytes
+        if excess > 0:  # only at a small limit: the text is ~1 KiB at most
+            text = message.error_message
+            message.error_message = bounded_message(text, len(text.encode()) - excess)
+            # The rest (an id and a model name of 256 bytes at most, the parameters) takes
+            # under 700 of the 1024 bytes the limit is at least.
+            assert message.ByteSize() <= limit_bytes
+        return message
+
+    def held_bytes(self, answer: Message) -> int:
+        # From the shapes and datatypes the server wrote: reading raw_output_contents
+        # copies the bytes (`service.held_answer_bytes`).
+        assert isinstance(answer, kpb.ModelStreamInferResponse)
+        outputs = answer.infer_response.outputs
+        return sum(math.prod(tensor.shape) * _VALUE_BYTES[tensor.datatype] for tensor in outputs)
+
+    def envelope_bytes(self, limit_bytes: int) -> int:
+        # Over an InferStream item (its tag, its length, of a byte at least, and the
+        # InferResponse; the id again beside it), an answer within `limit_bytes` takes the
+        # ModelInferResponse's extra (`answer_extra_bytes`: the id once), and its own
+        # (`stream_wrapper_bytes`) less the item's tag and least length, at most.
+        return self._answer_extra_bytes + stream_wrapper_bytes(limit_bytes) - 2
+
+
+def _mark_final(tag: ModelStreamTag, response: kpb.ModelInferResponse) -> None:
+    if tag.final_response:
+        response.parameters[FINAL_RESPONSE_PARAMETER].bool_param = True
+
+
 # ---- the servicer ---------------------------------------------------------------------------
 
 
@@ -603,7 +810,13 @@ class KServeServicer:
         inputs: Sequence[TensorSpec],
         outputs: Sequence[TensorSpec],
         health_servicer: health.aio.HealthServicer,
+        *,
+        totals: Callable[[], Cumulative],
+        gpu_id: int | None,
     ) -> None:
+        """`totals`: the stats recorder's (`StatsRecorder.cumulative`), which
+        ModelStatistics reports. `gpu_id`: the CUDA device the session runs on, None on
+        the CPU (ModelConfig's instance_group)."""
         self._inference = inference
         self._model_name = config.served_model_name
         self._lanes = [lane.name for lane in config.lanes]  # highest priority first
@@ -611,7 +824,19 @@ class KServeServicer:
         self._outputs = tuple(outputs)
         self._output_names = [spec.name for spec in outputs]
         self._health = health_servicer
-        inference.widen_answer_envelope(answer_extra_bytes(self._model_name, outputs, self._lanes))
+        self._totals = totals
+        # The configuration does not change while the server runs: built once.
+        self._config_response = kpb.ModelConfigResponse(
+            config=model_config(config, inputs, outputs, platform=PLATFORM, gpu_id=gpu_id)
+        )
+        # The largest of its envelopes, ModelStreamInfer's: a ModelInferResponse wrapped.
+        self._answer_extra_bytes = answer_extra_bytes(self._model_name, outputs, self._lanes)
+        inference.widen_answer_envelope(
+            self._answer_extra_bytes + stream_wrapper_bytes(config.max_message_bytes)
+        )
+        self._stream_wire = ModelStreamWire(
+            self._converted, self._model_name, self._answer_extra_bytes
+        )
 
     @property
     def max_inputs(self) -> int:
@@ -645,7 +870,9 @@ class KServeServicer:
         self, request: object, context: grpc.aio.ServicerContext[Any, Any]
     ) -> kpb.ServerMetadataResponse:
         await _refuse_unreadable(request, "ServerMetadata", context)
-        return kpb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=[])
+        return kpb.ServerMetadataResponse(
+            name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS
+        )
 
     async def ModelMetadata(
         self, request: object, context: grpc.aio.ServicerContext[Any, Any]
@@ -661,6 +888,26 @@ class KServeServicer:
             outputs=[_tensor_metadata(spec) for spec in self._outputs],
         )
 
+    async def ModelConfig(
+        self, request: object, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> kpb.ModelConfigResponse:
+        """Triton's model configuration extension (`kserve_config.model_config`)."""
+        await _refuse_unreadable(request, "ModelConfig", context)
+        assert isinstance(request, kpb.ModelConfigRequest)
+        await self._abort_unless_served(request.name, request.version, context)
+        return self._config_response
+
+    async def ModelStatistics(
+        self, request: object, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> kpb.ModelStatisticsResponse:
+        """Triton's statistics extension (`kserve_config.model_statistics`): name ""
+        asks for every model's, the one served."""
+        await _refuse_unreadable(request, "ModelStatistics", context)
+        assert isinstance(request, kpb.ModelStatisticsRequest)
+        await self._abort_unless_served(request.name or self._model_name, request.version, context)
+        statistics = model_statistics(self._model_name, MODEL_VERSION, self._totals(), time.time())
+        return kpb.ModelStatisticsResponse(model_stats=[statistics])
+
     async def ModelInfer(
         self,
         request: ModelInferCall | OversizedModelInfer,
@@ -675,25 +922,49 @@ class KServeServicer:
         await abort_with(context, release_frames(refusal))
         raise AssertionError("unreachable: abort raises")
 
+    def ModelStreamInfer(
+        self,
+        requests: AsyncIterator[ModelStreamItem],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[kpb.ModelStreamInferResponse]:
+        """Triton's stream (tritonclient's start_stream and async_stream_infer, its asyncio
+        stream_infer, perf_analyzer --streaming): InferStream's own mechanism
+        (`InferenceServicer.serve_stream`: credit window, waiting for room in a full lane,
+        answers out of order by id, one per item, errors per item, cancel, drain, receive
+        limit, the bulk lane by default), each item converted as ModelInfer's request and
+        answered as a ModelStreamInferResponse (`ModelStreamWire`)."""
+        return self._inference.serve_stream(requests, context, self._stream_wire)
+
     async def _model_infer(
         self,
         request: ModelInferCall | OversizedModelInfer,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> kpb.ModelInferResponse:
-        converted: pb.InferRequest | LaneserveError | None = _unreadable(request, INFER_METHOD)
-        if converted is None:
-            assert isinstance(request, ModelInferCall)
-            try:
-                # Not counted: a call for another model is no request to this one.
-                self._check_served(request.message.model_name, request.message.model_version)
-                converted = to_infer_request(request, self._lanes, self._inputs, self._output_names)
-            except InvalidInputError as error:
-                converted = error  # counted by `run_request`, as Infer's refusals are
-            finally:
-                request.release()  # gRPC holds it until the call ends
+        # Read before the conversion lets go of the message (an unreadable one asks nothing).
+        idempotent = isinstance(request, ModelInferCall) and asks_idempotency(request.message)
+        converted = self._converted(request)
         del request  # the converted request holds what runs
-        answer = await self._inference.run_request(converted, context)
+        answer = await self._inference.run_request(converted, context, idempotent=idempotent)
+        # Its id is the request's: its request_id whether or not it keys the ledger.
         return to_model_infer_response(answer, self._model_name)
+
+    def _converted(
+        self, request: ModelInferCall | OversizedModelInfer
+    ) -> pb.InferRequest | LaneserveError:
+        """`request` as laneserve's InferRequest, or its refusal (counted by the caller, as
+        Infer's refusals are: `InferenceServicer.run_request`). Raises ModelNotFoundError,
+        counted nowhere: a call for another model is no request to this one."""
+        refusal = _unreadable(request, INFER_METHOD)
+        if refusal is not None:
+            return refusal
+        assert isinstance(request, ModelInferCall)
+        try:
+            self._check_served(request.message.model_name, request.message.model_version)
+            return to_infer_request(request, self._lanes, self._inputs, self._output_names)
+        except InvalidInputError as error:
+            return error
+        finally:
+            request.release()  # gRPC holds it until the call ends
 
     def _check_served(self, name: str, version: str) -> None:
         """Raises ModelNotFoundError unless `name` and `version` are the served model's."""
@@ -746,34 +1017,40 @@ def add_kserve_to_server(
     registers laneserve.v1: ModelInfer counted by the port's `gate` as an inference call
     (refused over max_concurrent_rpcs before its message is parsed), its request read as
     Infer's is (undecodable: INVALID_ARGUMENT; more than MAX_EXTRA_BYTES besides the
-    tensors' data: refused); every other method an operator call, counted apart as
+    tensors' data: refused); ModelStreamInfer counted as InferStream is (a stream, within
+    the streams' half of the calls), each item read as ModelInfer's request is, within its
+    call; every other method an operator call, counted apart as
     GetModel is and read only up to MAX_OPERATOR_REQUEST_BYTES. Returns the handlers by
     full method name ("/inference.GRPCInferenceService/ModelInfer"), for the port's
     acceptors."""
     service = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in service.methods:
-        assert not method.client_streaming, method.name  # the handlers below are unary
-        assert not method.server_streaming, method.name
+        # The handlers below: unary, but for the stream, which streams both ways.
+        streams = method.name == STREAM_METHOD
+        assert method.client_streaming == method.server_streaming == streams, method.name
         request_type = message_factory.GetMessageClass(method.input_type)
         response_type = message_factory.GetMessageClass(method.output_type)
         behavior = getattr(servicer, method.name)
         read: Callable[[bytes], Any]
-        if method.name == INFER_METHOD:
-            read = gate.deserializer(
-                functools.partial(
-                    read_model_infer,
-                    max_inputs=servicer.max_inputs,
-                    max_outputs=servicer.max_outputs,
-                )
+        if method.name in (INFER_METHOD, STREAM_METHOD):
+            read = functools.partial(
+                read_model_infer, max_inputs=servicer.max_inputs, max_outputs=servicer.max_outputs
             )
-            behavior = gate.gate(behavior, response_streaming=False)
+            if not streams:  # a stream's items are read within its call
+                read = gate.deserializer(read)
+            behavior = gate.gate(behavior, response_streaming=streams)
         else:
             read = gate.operator_deserializer(
                 functools.partial(read_operator_call, request_type, method.name)
             )
             behavior = gate.gate_operator(behavior)
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+        make_handler = (
+            grpc.stream_stream_rpc_method_handler
+            if streams
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make_handler(
             behavior,
             request_deserializer=read,
             response_serializer=response_type.SerializeToString,

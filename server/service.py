@@ -17,7 +17,7 @@ import logging
 import traceback
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from google.protobuf import descriptor_pool, message_factory
@@ -90,8 +90,25 @@ log = logging.getLogger(__name__)
 
 # A request's decoded inputs by name, its rows and its batching signature (`decode_inputs`).
 Decoded = tuple[dict[str, Array], int, Signature]
+# A stream's items, their tags and answers, as one front end reads and writes them
+# (`StreamFrontEnd`).
+_Item = TypeVar("_Item")
+_Answer = TypeVar("_Answer", bound=Message)
+_Item_contra = TypeVar("_Item_contra", contravariant=True)
+_Answer_co = TypeVar("_Answer_co", bound=Message, covariant=True)
+_Tag = TypeVar("_Tag", bound="ItemTag")
 
 STREAM_DEFAULT_LANE = "bulk"
+
+
+def stream_default_lane(config: ServerConfig) -> str:
+    """The lane of a stream item that names no lane (nor a KServe priority):
+    STREAM_DEFAULT_LANE where the config has it, else server.default_lane. Stated to
+    Triton clients by ModelConfig (`kserve_config.STREAM_LANE_PARAMETER`)."""
+    names = [lane.name for lane in config.lanes]
+    return STREAM_DEFAULT_LANE if STREAM_DEFAULT_LANE in names else config.default_lane
+
+
 # The longest request_id accepted, in bytes of UTF-8 (documented in inference.proto). An
 # id travels in every answer (twice in a stream's: the item's and its response's), is
 # quoted in error messages, keys the ledger and the replay cache, and labels spans and
@@ -106,11 +123,12 @@ MAX_REQUEST_ID_BYTES = 256
 # lane's predicted drain time, within these bounds (the others sleep: `RoomWaiter`).
 ROOM_POLL_MIN_S = 0.001
 ROOM_POLL_MAX_S = 0.05
-# InferStream call metadata: the largest message the caller reads, where it is smaller
-# than the server's max_message_bytes. gRPC ends the whole call on an answer the client
-# will not read, every other item unanswered; sent this, the server answers such an item
-# ANSWER_TOO_LARGE alone. Only the server knows an answer's size (an output's size may
-# depend on its inputs), so the check lives here, not in the client.
+# Stream call metadata (InferStream, ModelStreamInfer): the largest message the caller
+# reads, where it is smaller than the server's max_message_bytes. gRPC ends the whole call
+# on an answer the client will not read, every other item unanswered; sent this, the
+# server answers such an item ANSWER_TOO_LARGE alone. Only the server knows an answer's
+# size (an output's size may depend on its inputs), so the check lives here, not in the
+# client.
 RECEIVE_LIMIT_KEY = "laneserve-max-receive-bytes"
 # The smallest limit taken: an error answer quoting a request_id fits in it.
 MIN_RECEIVE_LIMIT_BYTES = 1024
@@ -130,9 +148,10 @@ MAX_OPERATOR_REQUEST_BYTES = 64 * 1024
 
 
 class StreamRoom:
-    """The items of one InferStream waiting for room in a full lane. While any waits, the
-    stream reads no more: its producer is held back by gRPC's flow control, as by the
-    credit window, and the server holds at most the items it had read."""
+    """The items of one stream (InferStream, ModelStreamInfer) waiting for room in a full
+    lane. While any waits, the stream reads no more: its producer is held back by gRPC's
+    flow control, as by the credit window, and the server holds at most the items it had
+    read."""
 
     def __init__(self) -> None:
         self._waiting = 0
@@ -150,7 +169,7 @@ class StreamRoom:
 
 
 class StreamWindow:
-    """One InferStream's credit window, on the event loop: the stream reads an item only
+    """One stream's credit window, on the event loop: the stream reads an item only
     while `open`; while it is not, the producer is held back by gRPC's flow control.
 
     Open while fewer than `items` of the stream's items are read and unanswered (their
@@ -186,9 +205,11 @@ class StreamWindow:
         self.unfinished += 1
         self._update()
 
-    def finished(self, answer: pb.InferStreamResponse) -> int:
-        """`answer` is queued to be written; returns its bytes, for `written`."""
-        size = held_answer_bytes(answer)
+    def finished(self, answer: Message, held_bytes: int | None = None) -> int:
+        """`answer` is queued to be written, holding `held_bytes` of tensor data (its
+        front end's count, `StreamFrontEnd.held_bytes`; by default InferStream's,
+        `held_answer_bytes`); returns them, for `written`."""
+        size = held_answer_bytes(answer) if held_bytes is None else held_bytes
         self.unfinished -= 1
         self.held_bytes += size
         self.largest_answer_bytes = max(self.largest_answer_bytes, size)
@@ -215,12 +236,144 @@ class StreamWindow:
             self.open.clear()
 
 
-def held_answer_bytes(answer: pb.InferStreamResponse) -> int:
-    """The bytes of `answer`'s tensor data (an error's: none), from the shapes and dtypes
-    the server encoded them with: reading `data`, or sizing the message, copies it
-    (1 ms per MiB)."""
+def held_answer_bytes(answer: Message) -> int:
+    """The bytes of an InferStream `answer`'s tensor data (an error's: none), from the
+    shapes and dtypes the server encoded them with: reading `data`, or sizing the message,
+    copies it (1 ms per MiB)."""
+    assert isinstance(answer, pb.InferStreamResponse)
     # The server's own tensors: their dtype and shape always size them (never None).
     return sum(data_bytes(tensor) or 0 for tensor in answer.response.outputs)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReceiveLimit:
+    """A stream caller's RECEIVE_LIMIT_KEY, where below the server's max_message_bytes.
+    Every answer is sized as an InferStream item (`_stream_item_bytes`), by the ledger's
+    comparisons of its callers' limits too (`Caller.read_limit`): a front end whose stream
+    sends an answer in a larger message says how much larger it may be."""
+
+    limit_bytes: int  # as the caller sent it
+    # The most the caller's stream answer takes over the same answer as an InferStream
+    # item (`StreamFrontEnd.envelope_bytes`; InferStream's own: 0).
+    envelope_bytes: int = 0
+
+    @property
+    def item_bytes(self) -> int:
+        """The largest answer, sized as an InferStream item, that reaches the caller."""
+        return self.limit_bytes - self.envelope_bytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ItemTag:
+    """What a stream reads of an item before `convert` (which may let go of it), for its
+    run and its answer (`StreamFrontEnd.tag`); a front end's own tag adds what its answers
+    need (`kserve.ModelStreamTag`)."""
+
+    # The id its answer is tagged with: empty where over MAX_REQUEST_ID_BYTES (`answer_id`;
+    # refused for that).
+    item_id: str
+    # Whether the item's id is its request_id in the ledger's sense (`run_request`):
+    # InferStream's always is; KServe's `id` only where the item asks.
+    idempotent: bool = True
+
+
+class StreamFrontEnd(Protocol[_Item_contra, _Tag, _Answer_co]):
+    """How one front end's stream reads its items and writes its answers: InferStream's
+    (`_InferStreamWire`) and KServe's ModelStreamInfer's (`kserve.ModelStreamWire`).
+    The rest is one mechanism for both (`InferenceServicer.serve_stream`): the credit
+    window, room in a full lane, answers out of order, one answer per item, cancel, drain,
+    the receive limit and the streams' default lane."""
+
+    # The refusal's words for an item without an id: answers come back out of order,
+    # each tagged with its item's id, which its caller matches.
+    missing_id: str
+
+    def tag(self, item: _Item_contra) -> _Tag:
+        """The item's tag, read before `convert` (which may let go of the item)."""
+        ...
+
+    def convert(self, item: _Item_contra) -> pb.InferRequest | LaneserveError:
+        """The item as laneserve's request, or its refusal, counted as Infer counts a
+        request refused before it has a lane (one that does not parse). Raises a
+        LaneserveError its item is answered with and counted nowhere (KServe's: a call for
+        another model)."""
+        ...
+
+    def answer(self, tag: _Tag, response: pb.InferResponse) -> _Answer_co:
+        """The answer of the item `tag`: `response`, already held to the server's limits
+        in this front end's envelope (`widen_answer_envelope`) and to the caller's."""
+        ...
+
+    def error(self, tag: _Tag, error: LaneserveError, limit_bytes: int) -> _Answer_co:
+        """The answer of the item `tag`: `error`, tagged with its id, within `limit_bytes`
+        (the caller's receive limit, else max_message_bytes): gRPC sends no larger message
+        (nor its client reads one), and ends the whole stream instead."""
+        ...
+
+    def held_bytes(self, answer: Message) -> int:
+        """The bytes of tensor data `answer` (one of `answer`'s or `error`'s) holds, for
+        the credit window (`StreamWindow`), without reading them."""
+        ...
+
+    def envelope_bytes(self, limit_bytes: int) -> int:
+        """The most an answer within `limit_bytes` takes in this stream over the same
+        answer as an InferStream item (`ReceiveLimit`)."""
+        ...
+
+
+class _InferStreamWire:
+    """InferStream's items and answers (`StreamFrontEnd`): laneserve.v1's InferRequest
+    read as Infer reads it (`read_infer_request`), each answer an InferStreamResponse."""
+
+    missing_id = (
+        "InferStream item without a request_id; expected one per item (answers come back "
+        "out of order, each tagged with its item's request_id)"
+    )
+
+    def tag(self, item: pb.InferRequest | OversizedRequest) -> ItemTag:
+        return ItemTag(answer_id(item.request_id))
+
+    def convert(self, item: pb.InferRequest | OversizedRequest) -> pb.InferRequest | LaneserveError:
+        # Refused unread: only its id was kept, for its answer.
+        return oversized(item) if isinstance(item, OversizedRequest) else item
+
+    def answer(self, tag: ItemTag, response: pb.InferResponse) -> pb.InferStreamResponse:
+        message = pb.InferStreamResponse(request_id=response.request_id)
+        # CopyFrom, not the constructor: 3x cheaper for large outputs under upb.
+        message.response.CopyFrom(response)
+        return message
+
+    def error(
+        self, tag: ItemTag, error: LaneserveError, limit_bytes: int
+    ) -> pb.InferStreamResponse:
+        # A message that quotes long fields (a lane's name) is cut to fit.
+        status = to_rpc_status(error)
+        answer = pb.InferStreamResponse(request_id=tag.item_id, error=status)
+        excess = answer.ByteSize() - limit_bytes
+        if excess > 0:  # only at a small limit: messages are ~1 KiB at most
+            message = status.message
+            answer.error.message = bounded_message(message, len(message.encode()) - excess)
+            # The id and the details take at most ~400 of the 1024 bytes it is at least.
+            assert answer.ByteSize() <= limit_bytes
+        return answer
+
+    def held_bytes(self, answer: Message) -> int:
+        return held_answer_bytes(answer)
+
+    def envelope_bytes(self, limit_bytes: int) -> int:
+        return 0  # its answers are InferStream items
+
+
+_INFER_STREAM_WIRE = _InferStreamWire()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _OnStream:
+    """What `_infer` knows of the stream a request came on (None: a unary call)."""
+
+    room: StreamRoom  # the stream's items waiting for room in a full lane
+    receive_limit: ReceiveLimit | None  # None: the caller reads what the server sends
+    missing_id: str  # the refusal of an item without an id (`StreamFrontEnd`)
 
 
 class RoomWaiter:
@@ -346,11 +499,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         # The most another front end's answer adds to its InferResponse
         # (`widen_answer_envelope`); 0: none does.
         self._answer_extra_bytes = 0
-        # The item readers of the open InferStream calls (see `stop_reading_streams`).
+        # The item readers of the open stream calls (see `stop_reading_streams`).
         self._stream_readers: set[asyncio.Task[None]] = set()
-        # Per lane, the stream items waiting for room in it, oldest first; per request_id,
-        # the same items again, for the call with their id that wakes them (see
-        # `_wait_for_room`). Each waiter is in both, or neither.
+        # Per lane, the stream items waiting for room in it, oldest first; per key in the
+        # ledger (`_infer`'s ledger_id), the same items again, for the call with their id
+        # that wakes them (see `_wait_for_room`). Each waiter keyed by an id is in both,
+        # or neither; one keyed by none ("") is in its lane's line alone: no call wakes it.
         self._room_lines: collections.defaultdict[str, collections.deque[RoomWaiter]]
         self._room_lines = collections.defaultdict(collections.deque)
         self._room_waiters: dict[str, list[RoomWaiter]] = {}
@@ -370,7 +524,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferResponse],
     ) -> pb.InferResponse:
         try:
-            return await self._infer(self._read(request), context, self._config.default_lane)
+            read = self._read(request)
+            return await self._infer(
+                read, context, self._config.default_lane, ledger_id=read.request_id
+            )
         except LaneserveError as error:
             refusal = error
         # Nothing of the request stays reachable from the abort (see `abort_with`).
@@ -382,39 +539,74 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self,
         request: pb.InferRequest | LaneserveError,
         context: grpc.aio.ServicerContext[Any, Any],
+        *,
+        idempotent: bool,
     ) -> pb.InferResponse:
         """Infer's path for a request another front end converted to laneserve's own
         (KServe v2's ModelInfer, `kserve.py`): the same admission, lanes, deadlines,
         idempotency, shedding, tracing, stats and errors, the default lane Infer's.
         `request` is the conversion's refusal where it failed: counted as Infer counts a
-        request refused before it has a lane, then raised. Raises LaneserveError."""
+        request refused before it has a lane, then raised. Raises LaneserveError.
+
+        `idempotent`: whether its request_id keys the ledger, as Infer's does (a retry
+        joins or replays it, other inputs are refused REQUEST_ID_REUSED). False: the id
+        only names it (echoed, quoted in errors, traced and logged, held to
+        MAX_REQUEST_ID_BYTES), as a client that sends ids as correlation tags expects:
+        Triton's perf_analyzer restarts its ids each run, with the same data."""
+        return await self._run(request, context, self._config.default_lane, idempotent=idempotent)
+
+    async def _run(
+        self,
+        request: pb.InferRequest | LaneserveError,
+        context: grpc.aio.ServicerContext[Any, Any],
+        default_lane: str,
+        stream: _OnStream | None = None,
+        *,
+        idempotent: bool,
+    ) -> pb.InferResponse:
+        """`_infer`, for a request a front end converted (`request`: the conversion's
+        refusal where it failed, counted and raised as `run_request` says)."""
         if isinstance(request, LaneserveError):
             raise self._rejected_without_lane(request)
-        return await self._infer(request, context, self._config.default_lane)
+        ledger_id = request.request_id if idempotent else ""
+        return await self._infer(request, context, default_lane, stream, ledger_id=ledger_id)
 
     def widen_answer_envelope(self, extra_bytes: int) -> None:
         """Another front end sends each answer in a message up to `extra_bytes` larger
-        than its InferResponse (KServe's ModelInferResponse: `kserve.answer_extra_bytes`):
+        than its InferResponse (KServe's ModelInferResponse, or a ModelStreamInferResponse
+        wrapping it: `kserve.answer_extra_bytes`, `kserve.stream_wrapper_bytes`):
         `_check_sendable` holds every answer to the largest. Called as the server is
         made, before it serves: an answer sent before would not have been held to it."""
         self._answer_extra_bytes = max(self._answer_extra_bytes, extra_bytes)
 
-    async def InferStream(
+    def InferStream(
         self,
         request_iterator: AsyncIterator[pb.InferRequest | OversizedRequest],
         context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferStreamResponse],
     ) -> AsyncIterator[pb.InferStreamResponse]:
-        """Answers each request as it completes, out of order, tagged with its request_id.
+        """Answers each request as it completes, out of order, tagged with its request_id:
+        the one stream mechanism (`serve_stream`), read and written as laneserve.v1's."""
+        return self.serve_stream(request_iterator, context, _INFER_STREAM_WIRE)
 
-        Credit window (`StreamWindow`): a request is read only while fewer than
-        `stream_window` of this stream's requests are read and unanswered, and while its
+    async def serve_stream(
+        self,
+        items: AsyncIterator[_Item],
+        context: grpc.aio.ServicerContext[Any, Any],
+        wire: StreamFrontEnd[_Item, _Tag, _Answer],
+    ) -> AsyncIterator[_Answer]:
+        """Every front end's stream (InferStream, KServe's ModelStreamInfer): answers each
+        item as it completes, out of order, tagged with its id; `wire` reads the front
+        end's items and writes its answers (`StreamFrontEnd`), the rest is this.
+
+        Credit window (`StreamWindow`): an item is read only while fewer than
+        `stream_window` of this stream's items are read and unanswered, and while its
         answers finished and not yet written hold under `stream_answer_buffer_bytes`; a
         credit comes back only once the answer is written. So a fast producer holds at
         most that many items in the lanes and in the answer queue, a slow reader that many
         bytes of answers and those of the items it had read (the bound: `StreamWindow`),
         and the rest waits in gRPC's flow control. An item that finds its lane full waits
         for room, and the stream reads no more meanwhile (see `StreamRoom`): the window
-        counts items, not rows. A failed item is answered with `error` and the stream
+        counts items, not rows. A failed item is answered with its error and the stream
         goes on. When the stream ends early (the client cancelled, the connection
         dropped) its queued items are cancelled. When the server drains, the stream reads
         no more items, answers those it read and ends UNAVAILABLE (DRAINING): its client
@@ -423,25 +615,28 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         """
         if self._state() is not Lifecycle.SERVING:
             await abort_with(context, _stream_draining())
-        answer_limit = await self._receive_limit(context)
-        error_limit = answer_limit or self._config.max_message_bytes
-        default_lane = (
-            STREAM_DEFAULT_LANE
-            if STREAM_DEFAULT_LANE in self._lane_configs
-            else self._config.default_lane
+        limit_bytes = await self._receive_limit(context)
+        error_limit = limit_bytes or self._config.max_message_bytes
+        on_stream = _OnStream(
+            StreamRoom(),
+            None
+            if limit_bytes is None
+            else ReceiveLimit(limit_bytes, wire.envelope_bytes(limit_bytes)),
+            wire.missing_id,
         )
+        room = on_stream.room
+        default_lane = stream_default_lane(self._config)
         window = StreamWindow(self._config.stream_window, self._config.stream_answer_buffer_bytes)
-        room = StreamRoom()
         # Every item read puts exactly one answer here, with its bytes (`window.finished`);
         # `_READ_DONE` follows the last read.
-        answers: asyncio.Queue[tuple[pb.InferStreamResponse, int] | object] = asyncio.Queue()
-        items: set[asyncio.Task[None]] = set()
+        answers: asyncio.Queue[tuple[_Answer, int] | object] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
 
-        async def answer(request: pb.InferRequest | OversizedRequest) -> None:
+        async def answer(item: _Item) -> None:
             message = await self._stream_answer(
-                request, context, default_lane, room, answer_limit, error_limit
+                item, wire, context, default_lane, on_stream, error_limit
             )
-            answers.put_nowait((message, window.finished(message)))
+            answers.put_nowait((message, window.finished(message, wire.held_bytes(message))))
 
         async def read_all() -> None:
             while True:
@@ -450,13 +645,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     await window.open.wait()
                     await room.free.wait()
                 try:
-                    request = await anext(request_iterator)
+                    item = await anext(items)
                 except StopAsyncIteration:
                     return
                 window.read()
-                task = asyncio.create_task(answer(request))
-                items.add(task)
-                task.add_done_callback(items.discard)
+                task = asyncio.create_task(answer(item))
+                running.add(task)
+                task.add_done_callback(running.discard)
 
         reader = asyncio.create_task(read_all())
         # From a done callback, not the coroutine's `finally`: a reader cancelled before
@@ -481,12 +676,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             self._stream_readers.discard(reader)
             # The client went away or the stream failed: its queued items are cancelled.
             reader.cancel()
-            for task in list(items):
+            for task in list(running):
                 task.cancel()
 
-    async def _receive_limit(
-        self, context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferStreamResponse]
-    ) -> int | None:
+    async def _receive_limit(self, context: grpc.aio.ServicerContext[Any, Any]) -> int | None:
         """The stream caller's receive limit where it is below the server's (None: none);
         the call is refused when it sent one that is not a limit."""
         try:
@@ -496,7 +689,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             raise AssertionError("unreachable: abort raises") from error
 
     def stop_reading_streams(self) -> None:
-        """The server drains: every open InferStream stops reading items now. Without
+        """The server drains: every open stream stops reading items now. Without
         this a stream stayed open until the server stopped, each further item refused
         DRAINING on a call that leads nowhere; a client retrying items on that call ran
         out of attempts instead of reconnecting. An item gRPC had received but the reader
@@ -527,57 +720,36 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
     async def _stream_answer(
         self,
-        request: pb.InferRequest | OversizedRequest,
-        context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferStreamResponse],
+        item: _Item,
+        wire: StreamFrontEnd[_Item, _Tag, _Answer],
+        context: grpc.aio.ServicerContext[Any, Any],
         default_lane: str,
-        room: StreamRoom,
-        answer_limit: int | None,
+        on_stream: _OnStream,
         error_limit: int,
-    ) -> pb.InferStreamResponse:
+    ) -> _Answer:
         """One stream item's answer: its response, or its error (the stream goes on),
-        within `answer_limit` (the caller's receive limit, where below the server's) and
-        `error_limit` (the smaller of the two)."""
+        within the caller's receive limit (`on_stream`) and `error_limit` (the smaller of
+        it and the server's)."""
+        tag = wire.tag(item)  # read before `convert` lets go of it
         try:
-            response = await self._infer(
-                self._read(request), context, default_lane, room, answer_limit
+            request = wire.convert(item)
+            response = await self._run(
+                request, context, default_lane, on_stream, idempotent=tag.idempotent
             )
-            message = pb.InferStreamResponse(request_id=request.request_id)
-            # CopyFrom, not the constructor: 3x cheaper for large outputs under upb.
-            message.response.CopyFrom(response)
+            message = wire.answer(tag, response)
         except LaneserveError as error:
-            message = self._stream_error(request.request_id, error, error_limit)
+            message = wire.error(tag, error, error_limit)
             # Its traceback's frames held the item's request and inputs, in a cycle with
             # the ledger's waiter future that raised it (see `abort_with`).
             release_frames(error)
         except Exception as error:  # every item read gets one answer, even on a bug
-            request_id = _answer_id(request.request_id)
             log.exception(
                 "stream item %r failed unexpectedly",
-                request_id,
-                extra=event_extra("stream_item_failed", request_id=request_id),
+                tag.item_id,
+                extra=event_extra("stream_item_failed", request_id=tag.item_id),
             )
-            message = self._stream_error(
-                request.request_id, EngineError(f"internal error: {error!r}"), error_limit
-            )
+            message = wire.error(tag, EngineError(f"internal error: {error!r}"), error_limit)
         return message
-
-    def _stream_error(
-        self, request_id: str, error: LaneserveError, limit: int
-    ) -> pb.InferStreamResponse:
-        """`error` as the answer of the stream item `request_id`, within `limit` bytes:
-        gRPC does not send (or its client read) a larger message and ends the whole stream
-        with it. The id is echoed unless it is over MAX_REQUEST_ID_BYTES (refused for
-        that: the answer has an empty one); a message that quotes long fields (a lane's
-        name) is cut to fit."""
-        status = to_rpc_status(error)
-        answer = pb.InferStreamResponse(request_id=_answer_id(request_id), error=status)
-        excess = answer.ByteSize() - limit
-        if excess > 0:  # only at a small limit: messages are ~1 KiB at most
-            message = status.message
-            answer.error.message = bounded_message(message, len(message.encode()) - excess)
-            # The id and the details take at most ~400 of the 1024 bytes it is at least.
-            assert answer.ByteSize() <= limit
-        return answer
 
     def _answer(
         self, request_id: str, outcome: Outcome, output_names: list[str]
@@ -594,7 +766,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         """gRPC refuses to send a message over max_message_bytes (and fails a whole
         InferStream with it): such an answer is this error instead, counted and traced
         as one. Measured in the largest envelope of the front ends, an InferStream item
-        or a ModelInferResponse (at most `_answer_extra_bytes` more than the response):
+        or KServe's (a ModelInferResponse, alone or in a ModelStreamInferResponse: at
+        most `_answer_extra_bytes` more than the response):
         the same request gets the same answer whichever call carries it, a retry joining
         it or replaying it included. Returns its size as an InferStream item (sizing a
         message costs as much as encoding it: sized once)."""
@@ -605,7 +778,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if largest > limit:
             raise AnswerTooLargeError(
                 f"the answer to request {response.request_id!r} is up to {largest} bytes as "
-                f"sent (an InferStream item or a ModelInferResponse, the larger), over the "
+                f"sent (an InferStream item or KServe's answer, the larger), over the "
                 f"server's max_message_bytes ({limit}); expected fewer rows per request"
             )
         return size
@@ -613,11 +786,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     def _check_receivable(
         self,
         response: pb.InferResponse,
-        limit: int | None,
+        limit: ReceiveLimit | None,
         counted_size: int | None,
         lane: str,
     ) -> None:
-        """Refuses `response` to a caller that reads at most `limit` bytes (its
+        """Refuses `response` to a caller that reads at most `limit` (its
         RECEIVE_LIMIT_KEY; None: what the server sends, nothing to check): sent, gRPC
         would end its whole call. To this caller alone: the
         answer is kept for replay, so a retry that reads more gets it without running it
@@ -629,12 +802,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             return
         counted = counted_size is not None
         size = _stream_item_bytes(response) if counted_size is None else counted_size
-        if size <= limit:
+        if size <= limit.item_bytes:
             return
+        # Sized as an InferStream item; in a larger envelope, at most that much larger.
+        sent = f"up to {size + limit.envelope_bytes}" if limit.envelope_bytes else f"{size}"
         error = AnswerTooLargeError(
-            f"the answer to request {response.request_id!r} is {size} bytes, over the "
-            f"largest message this caller reads ({limit} bytes, its {RECEIVE_LIMIT_KEY}); "
-            "expected fewer rows per request, or a larger receive limit"
+            f"the answer to request {response.request_id!r} is {sent} bytes, over the "
+            f"largest message this caller reads ({limit.limit_bytes} bytes, its "
+            f"{RECEIVE_LIMIT_KEY}); expected fewer rows per request, or a larger receive limit"
         )
         raise error if counted else self._rejected(lane, error)
 
@@ -733,22 +908,31 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def _infer(
         self,
         request: pb.InferRequest,
-        context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferResponse]
-        | grpc.aio.ServicerContext[pb.InferRequest, pb.InferStreamResponse],
+        context: grpc.aio.ServicerContext[Any, Any],
         default_lane: str,
-        room: StreamRoom | None = None,
-        answer_limit: int | None = None,
+        stream: _OnStream | None = None,
+        *,
+        ledger_id: str,
     ) -> pb.InferResponse:
         """Validates, queues and awaits one request; raises LaneserveError on refusal, and
-        on an answer over `answer_limit` (the caller's receive limit, see
-        `_check_receivable`; None: the server's alone).
+        on an answer over its stream caller's receive limit (`stream`, see
+        `_check_receivable`; None, a unary call: the server's limit alone). `ledger_id`:
+        its key in the ledger, its request_id, or "" (no bookkeeping) where the id only
+        names it (`run_request`'s idempotent false); request_id names it everywhere else
+        (its answer, errors, traces and logs).
 
-        A stream item (`room` given) that finds its lane full waits for room, until its
+        A stream item (`stream` given) that finds its lane full waits for room, until its
         deadline (else its lane's timeout) or a drain, instead of being refused at once:
         a stream's credit window counts items, and items of many rows (or several
         streams) filled the lane and had most of their items refused LANE_FULL."""
         arrived_s = self._clock.monotonic()
-        lane, lane_config = self._lane_of(request, default_lane, stream=room is not None)
+        lane, lane_config = self._lane_of(
+            request,
+            default_lane,
+            ledger_id,
+            missing_id=None if stream is None else stream.missing_id,
+        )
+        answer_limit = None if stream is None else stream.receive_limit
         # Budgets count from arrival: decoding is part of the time the caller waits.
         deadline_s = _deadline_s(arrived_s, context.time_remaining(), request.timeout_ms)
         if deadline_s is not None and deadline_s <= arrived_s:
@@ -760,7 +944,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         try:
             output_names = check_output_names(request.output_names, self._output_names)
             # The ledger runs it at most once per request_id: a retry joins or replays.
-            digest, decoded = self._read_inputs(request, lane_config, output_names)
+            digest, decoded = self._read_inputs(request, ledger_id, lane_config, output_names)
         except LaneserveError as error:  # counted as the scheduler counts its own
             raise self._rejected(lane, error) from None
         # None: a retry that joins or replays, which waits for no room (see `_read_inputs`).
@@ -850,20 +1034,20 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         caller = Caller(
             functools.partial(_before_grpc_deadline, context),
             expired,
-            answer_limit,
+            None if answer_limit is None else answer_limit.item_bytes,
             joined=taken.joined,
             counted=taken.counted,
         )
         run = functools.partial(
-            self._run_once, lane, request.request_id, digest, submit, finish, wait_until_s, caller
+            self._run_once, lane, ledger_id, digest, submit, finish, wait_until_s, caller
         )
-        if room is None or self._ledger.holds(request.request_id):
+        if stream is None or self._ledger.holds(ledger_id):
             # A stream item that joins its request in flight, replays its stored answer or
             # is refused for reusing an id adds no rows to its lane: waiting for room there
             # held it, and its stream's reading, up to its deadline for nothing.
             answer = run()
         else:
-            answer = self._run_when_room(run, lane, rows, wait_until_s, room, request.request_id)
+            answer = self._run_when_room(run, lane, rows, wait_until_s, stream.room, ledger_id)
         return await self._take(answer, taken, context, answer_limit, lane)
 
     async def _take(
@@ -871,7 +1055,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         answer: Awaitable[pb.InferResponse],
         taken: _Taken,
         context: grpc.aio.ServicerContext[Any, Any],
-        answer_limit: int | None,
+        answer_limit: ReceiveLimit | None,
         lane: str,
     ) -> pb.InferResponse:
         """The call's `answer`, refused where over `answer_limit` (`_check_receivable`);
@@ -889,20 +1073,24 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         return response
 
     def _read_inputs(
-        self, request: pb.InferRequest, lane_config: LaneConfig, output_names: list[str]
+        self,
+        request: pb.InferRequest,
+        ledger_id: str,
+        lane_config: LaneConfig,
+        output_names: list[str],
     ) -> tuple[bytes, Decoded | None]:
-        """The request's fingerprint (b"" without a request_id) and its decoded inputs, rows
-        and signature; None for a retry that joins its request in flight or replays its
-        stored answer. Raises why the request is refused.
+        """The request's fingerprint (b"" without a `ledger_id`, its key in the ledger)
+        and its decoded inputs, rows and signature; None for a retry that joins its
+        request in flight or replays its stored answer. Raises why the request is refused.
 
         A retry's fingerprint equals the first attempt's, which was decoded and validated:
         it is not decoded again (a join kept that copy of its inputs as long as it waited;
         gRPC keeps its message, which `RequestLedger` bounds). Told so in the step the
         ledger answers it in, it is never decoded; `submit` decodes it should it run."""
         check_counts(request.inputs, self._input_specs)  # before anything walks them
-        if self._ledger.holds(request.request_id):
+        if self._ledger.holds(ledger_id):
             digest = fingerprint(request, output_names)
-            if self._ledger.answers_as(request.request_id, digest) in ("join", "replay"):
+            if self._ledger.answers_as(ledger_id, digest) in ("join", "replay"):
                 return digest, None
             return digest, decode_inputs(request.inputs, self._input_specs)
         rows = leading_rows(
@@ -913,7 +1101,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # 62 MiB request cost the event loop 143-223 ms. Not a retry's: it queues no rows.
             lane_config.check_rows(rows)
         decoded = decode_inputs(request.inputs, self._input_specs)
-        return (fingerprint(request, output_names) if request.request_id else b""), decoded
+        return (fingerprint(request, output_names) if ledger_id else b""), decoded
 
     def _decoded(self, request: pb.InferRequest, lane: str) -> Decoded:
         """`decode_inputs` of `request`, its refusal counted as one of `lane`."""
@@ -930,10 +1118,17 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         return request
 
     def _lane_of(
-        self, request: pb.InferRequest, default_lane: str, *, stream: bool
+        self,
+        request: pb.InferRequest,
+        default_lane: str,
+        ledger_id: str,
+        *,
+        missing_id: str | None,
     ) -> tuple[str, LaneConfig]:
         """The lane `request` queues in, and its configuration; raises (counted) the
-        refusals that come before its inputs are read."""
+        refusals that come before its inputs are read. `ledger_id`: its key in the ledger
+        (`_infer`). `missing_id`: a stream item's refusal where it has no id
+        (`StreamFrontEnd.missing_id`); None: a unary call."""
         if request is UNDECODABLE_REQUEST:
             raise self._rejected_without_lane(undecodable(request))
         lane = request.lane or default_lane
@@ -950,17 +1145,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     f"unknown lane {lane!r}; expected one of {list(self._lane_configs)}"
                 )
             )
-        if stream and not request.request_id:
-            # Answers come back out of order, each tagged with its item's request_id: an
-            # item without one gets an answer its caller cannot match to it.
-            raise self._rejected(
-                lane,
-                InvalidInputError(
-                    "InferStream item without a request_id; expected one per item (answers "
-                    "come back out of order, each tagged with its item's request_id)"
-                ),
-            )
-        if self._state() is not Lifecycle.SERVING and not self._ledger.holds(request.request_id):
+        if missing_id is not None and not request.request_id:
+            # Answers come back out of order, each tagged with its item's id: an item
+            # without one gets an answer its caller cannot match to it.
+            raise self._rejected(lane, InvalidInputError(missing_id))
+        if self._state() is not Lifecycle.SERVING and not self._ledger.holds(ledger_id):
             # A retry of a request this server holds costs no work here, so the ledger
             # answers it while the server drains too: a completed one's stored answer, or
             # the answer of one still queued or running, which the drain waits for.
@@ -996,8 +1185,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         wait_until_s: float,
         caller: Caller,
     ) -> pb.InferResponse:
-        """The request's answer from the ledger (see `RequestLedger.run`): it waits until
-        `wait_until_s` at most, a retry joining the request in flight too."""
+        """The request's answer from the ledger (see `RequestLedger.run`), keyed
+        `request_id` ("": none, `_infer`'s ledger_id): it waits until `wait_until_s` at
+        most, a retry joining the request in flight too."""
         # Told here, as the ledger is asked: a stream item may have waited for room first.
         retry = self._ledger.answers_as(request_id, digest)
         if retry == "join":  # refused before it joins: traced a retry once it does (`_Taken`)
@@ -1006,10 +1196,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 raise self._rejected(lane, refusal)
         elif retry == "replay":  # not "reused": that call is refused, not a retry
             self._tracer.retried(request_id, lane, retry)
-        if retry is None:
+        if retry is None and request_id:
             # It starts a flight (unless refused): the stream items with its id that wait
             # for room join it instead. Woken now, each looks once this task yields, and
-            # the ledger records the flight before its first await.
+            # the ledger records the flight before its first await. One keyed by none
+            # starts none: those waiting under "" wait on.
             for waiter in self._room_waiters.get(request_id, ()):
                 waiter.wake()
         try:
@@ -1088,7 +1279,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         waiter.oldest = not line
         line.append(waiter)
         # Before the ledger is asked below: a call with its id that begins later wakes it.
-        self._room_waiters.setdefault(request_id, []).append(waiter)
+        if request_id:  # "" keys nothing: no call has its id
+            self._room_waiters.setdefault(request_id, []).append(waiter)
         room.enter()
         try:
             while self._state() is Lifecycle.SERVING and not self._ledger.holds(request_id):
@@ -1112,10 +1304,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         finally:
             room.leave()
             line.remove(waiter)
-            same_id = self._room_waiters[request_id]
-            same_id.remove(waiter)
-            if not same_id:
-                del self._room_waiters[request_id]
+            if request_id:
+                same_id = self._room_waiters[request_id]
+                same_id.remove(waiter)
+                if not same_id:
+                    del self._room_waiters[request_id]
             if waiter.oldest and line:
                 line[0].oldest = True
                 line[0].wake()  # its turn, after this one's admission (same step)
@@ -1154,7 +1347,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._events.request_finished(lane, status, self._clock.monotonic() - arrived_s)
 
 
-_READ_DONE = object()  # InferStream: the reader has read its last request
+_READ_DONE = object()  # a stream's reader has read its last item
 
 # What the servicer receives for bytes that do not parse as its method's request (another
 # schema, invalid UTF-8 in a string field): refused INVALID_ARGUMENT (`undecodable`),
@@ -1188,7 +1381,7 @@ class OversizedRequest:
     its message: a stream answers the refusal tagged with it, as it answers its items'
     other refusals (an empty id left its client unable to tell which item it was)."""
 
-    # As a stream answer echoes it (`_answer_id`): empty where over MAX_REQUEST_ID_BYTES.
+    # As a stream answer echoes it (`answer_id`): empty where over MAX_REQUEST_ID_BYTES.
     request_id: str
     # The refusal of an input's dtype other than the model's input's (`dtype_refusal`),
     # its words made of the model's names and dtypes: float32 data labelled float16, over
@@ -1223,7 +1416,7 @@ def read_infer_request(
     if extra is not None and extra > MAX_EXTRA_BYTES:
         # The id is a copy: nothing of the message, or of its bytes, stays reachable.
         return OversizedRequest(
-            _answer_id(request.request_id), dtype_refusal(request.inputs, input_specs)
+            answer_id(request.request_id), dtype_refusal(request.inputs, input_specs)
         )
     return request
 
@@ -1535,7 +1728,7 @@ def _id_too_long(request_id: str) -> bool:
     )
 
 
-def _answer_id(request_id: str) -> str:
+def answer_id(request_id: str) -> str:
     """The request_id a stream answer carries: empty for one over MAX_REQUEST_ID_BYTES."""
     return "" if _id_too_long(request_id) else request_id
 

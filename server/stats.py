@@ -264,6 +264,93 @@ class Counts:
     cap_changes: dict[str, int]  # reason ->
 
 
+@dataclasses.dataclass(slots=True)
+class _Duration:
+    """A count and the sum of the durations counted. Guarded by the recorder's lock."""
+
+    count: int = 0
+    ns: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class _BatchDurations:
+    """The batches run of one size, and their times (`Cumulative.batch_sizes`). Guarded
+    by the recorder's lock."""
+
+    count: int = 0
+    input_ns: int = 0
+    infer_ns: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Duration:
+    count: int
+    ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BatchSizeTotals:
+    """The batches of `rows` rows that ran (error None), and their times in nanoseconds."""
+
+    rows: int
+    count: int
+    input_ns: int
+    infer_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cumulative:
+    """Totals since the server started, in the meanings of Triton's statistics extension
+    (ModelStatistics, `kserve_config.model_statistics`): they only grow, and one reading
+    is taken under the recorder's lock, so a reader subtracts one from a later one (as
+    perf_analyzer does around each measurement window). Kept as integer adds on the
+    request path; nothing is allocated per request."""
+
+    # Admitted requests answered OK, from arrival to answer (`request_finished`).
+    success: Duration
+    # Every other end of a request: admitted ones answered with an error or whose caller
+    # left (from arrival to their end), and every refusal before admission (`rejected`),
+    # each counted with 0 ns whatever it waited: `rejected` carries no time, and some
+    # refusals come after a wait (a retry that waited for the request with its id in
+    # flight until its deadline, JOIN_EXPIRED; a stream item refused after waiting for
+    # room in its full lane).
+    fail: Duration
+    # Per request run, once (at its first batch): its wait in its lane, from admission
+    # until its first batch was formed (Timing.queue_us).
+    queue: Duration
+    # Per request run, its count with queue's and, per batch that carried its rows, that
+    # batch's time counted for it as for every request in the batch (Triton's: each
+    # request of a batch reports the batch's times). `compute_infer`: the session's run
+    # (its inputs' and outputs' copies to and from the device included: ONNX Runtime's
+    # run does them), Timing.infer_us; for a batch retried in parts after a failed run,
+    # every run of it, the failed one included. `compute_input`: the rest of the batch's
+    # time from formed to completed (concatenating its inputs, the hand-offs to and from
+    # the engine thread, slicing each request's rows out of the outputs). Encoding an
+    # answer happens after, on the event loop: in `success`, outside the compute times,
+    # as Triton's front end's own work is.
+    compute_input: Duration
+    compute_infer: Duration
+    # The rows of the batches that ran (error None), less those that failed or were not
+    # run again in them (`failed_rows`, a split batch's). A row counts once it ran,
+    # whatever came of its request after: its caller may have left, or another batch of
+    # it failed, before it was answered (Triton's inference_count counts the rows of
+    # requests answered OK).
+    rows_run: int
+    # Batches that ran whole in one execution, and per size in rows, smallest first
+    # (Triton's: each execution is one of its size's). A batch retried in parts after a
+    # failed run is in neither: its parts were executions of other sizes, its run_s the
+    # failed run's and all of theirs, and the recorder is not told their sizes. Such a
+    # batch is one that `batch_split` named (out of memory) or whose `failed_rows` are
+    # not 0 (rows that failed alone, or not run again: a split found them); one whose
+    # run failed for another reason and whose parts then all ran is told apart by
+    # neither, and counted as one execution (rare: a failure no row reproduces).
+    executions: int
+    batch_sizes: tuple[BatchSizeTotals, ...]
+    # Seconds on the recorder's clock from the last request answered OK to this reading;
+    # None before the first.
+    last_success_ago_s: float | None
+
+
 class StatsRecorder:
     """A `SchedulerEvents` sink that keeps what GetStats reports (and what the Prometheus
     counters read, through `counts`)."""
@@ -275,7 +362,7 @@ class StatsRecorder:
         self._lock = threading.Lock()
         self._lanes = {name: _LaneCounters() for name in lane_names}
         self._batch_rows = 0  # rows of every batch run, failed ones too
-        self._rows_run = 0  # rows that ran and were answered from their outputs
+        self._rows_run = 0  # rows of batches that ran, less those that failed (`Cumulative`)
         self._run_s = _Window()
         # Batches run by (dispatch reason, status): OK or the error's reason. The number of
         # batches run, those that failed, and those of each reason are sums over it.
@@ -285,6 +372,22 @@ class StatsRecorder:
         self._cap_changes: collections.Counter[str] = collections.Counter()
         self._memory_used_bytes: int | None = None
         self._batch_sizes = _Window()
+        # The totals `cumulative` reads (see `Cumulative` for what each counts).
+        self._success = _Duration()
+        self._fail = _Duration()
+        self._queue = _Duration()
+        self._compute_input = _Duration()
+        self._compute_infer = _Duration()
+        self._executions = 0
+        self._by_batch_size: dict[int, _BatchDurations] = {}
+        self._last_success_s: float | None = None
+        # Per batch formed and not yet done, by batch_id: its requests' first batches and
+        # their waits in nanoseconds, counted once the batch has run (a batch that fails
+        # whole ran no request). One entry per batch running; a stop may leave one.
+        self._forming: dict[int, tuple[int, int]] = {}
+        # The batches `batch_split` named whose `batch_done` is still to come (it follows
+        # at once, on the same thread): no execution of their size (`Cumulative`).
+        self._split_batches: set[int] = set()
 
     def admitted(self, lane: str, rows: int) -> None:
         with self._lock:
@@ -293,6 +396,7 @@ class StatsRecorder:
     def rejected(self, lane: str, reason: str) -> None:
         with self._lock:
             self._lanes[lane].rejected[reason] += 1
+            self._fail.count += 1
 
     def shed(self, lane: str, reason: str, rows: int) -> None:
         with self._lock:
@@ -301,9 +405,13 @@ class StatsRecorder:
     def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
         with self._lock:
             now_s = self._clock.monotonic()
+            firsts = waited_ns = 0
             for piece, wait_s in zip(batch.slices, queue_waits_s, strict=True):
                 if wait_s is not None:
                     self._lanes[piece.lane].queue_wait_s.add(now_s, wait_s)
+                    firsts += 1
+                    waited_ns += round(wait_s * 1e9)
+            self._forming[batch.batch_id] = (firsts, waited_ns)
 
     def batch_done(
         self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
@@ -314,9 +422,47 @@ class StatsRecorder:
             self._batch_outcomes[batch.reason.value, status] += 1
             self._batch_rows += batch.rows
             self._batch_sizes.add(now_s, batch.rows)
+            firsts, waited_ns = self._forming.pop(batch.batch_id, (0, 0))
+            split = batch.batch_id in self._split_batches or failed_rows > 0
+            self._split_batches.discard(batch.batch_id)
             if error is None:
                 self._rows_run += batch.rows - failed_rows
                 self._run_s.add(now_s, run_s)
+                self._batch_ran(batch, run_s, now_s, firsts, waited_ns, split=split)
+
+    def _batch_ran(
+        self,
+        batch: Batch,
+        run_s: float,
+        now_s: float,
+        firsts: int,
+        waited_ns: int,
+        *,
+        split: bool,
+    ) -> None:
+        """Adds a batch that ran to the totals (`Cumulative`); under the lock. Its slices
+        whose rows failed after a split (rare: a row that fails alone) are counted with
+        the others: `batch_done` does not say which they were. `split`: it ran in parts
+        after a failed run, no execution of its size."""
+        infer_ns = round(run_s * 1e9)
+        # formed_s is on this clock (the scheduler's); run_s on the engine's timer.
+        input_ns = max(round((now_s - batch.formed_s - run_s) * 1e9), 0)
+        requests = len(batch.slices)
+        self._queue.count += firsts
+        self._queue.ns += waited_ns
+        self._compute_input.count += firsts
+        self._compute_input.ns += input_ns * requests
+        self._compute_infer.count += firsts
+        self._compute_infer.ns += infer_ns * requests
+        if split:
+            return
+        self._executions += 1
+        size = self._by_batch_size.get(batch.rows)
+        if size is None:
+            size = self._by_batch_size[batch.rows] = _BatchDurations()
+        size.count += 1
+        size.input_ns += input_ns
+        size.infer_ns += infer_ns
 
     def completed(
         self,
@@ -335,6 +481,7 @@ class StatsRecorder:
     def batch_split(self, batch_id: int, rows: int, out_of_memory_runs: int) -> None:
         with self._lock:
             self._batch_splits += 1
+            self._split_batches.add(batch_id)
 
     def cap_changed(self, old_rows: int, new_rows: int, reason: str, signature: Signature) -> None:
         with self._lock:
@@ -351,11 +498,36 @@ class StatsRecorder:
             now_s = self._clock.monotonic()
             counters = self._lanes[lane]
             counters.answered[status] += 1
+            ended = self._success if status == "OK" else self._fail
+            ended.count += 1
+            ended.ns += round(duration_s * 1e9)
             if status == "OK":
                 counters.completed += 1
                 counters.request_s.add(now_s, duration_s)
+                self._last_success_s = now_s
             elif status not in SHED_REASONS:
                 counters.failed += 1
+
+    def cumulative(self) -> Cumulative:
+        """The totals since start (`Cumulative`), read at once under the lock."""
+        with self._lock:
+            now_s = self._clock.monotonic()
+            return Cumulative(
+                success=Duration(self._success.count, self._success.ns),
+                fail=Duration(self._fail.count, self._fail.ns),
+                queue=Duration(self._queue.count, self._queue.ns),
+                compute_input=Duration(self._compute_input.count, self._compute_input.ns),
+                compute_infer=Duration(self._compute_infer.count, self._compute_infer.ns),
+                rows_run=self._rows_run,
+                executions=self._executions,
+                batch_sizes=tuple(
+                    BatchSizeTotals(rows, size.count, size.input_ns, size.infer_ns)
+                    for rows, size in sorted(self._by_batch_size.items())
+                ),
+                last_success_ago_s=(
+                    None if self._last_success_s is None else now_s - self._last_success_s
+                ),
+            )
 
     def counts(self) -> Counts:
         with self._lock:

@@ -585,8 +585,9 @@ def test_a_stream_over_the_servers_stream_bound_is_a_retryable_server_busy_error
         assert caught.value.retryable
         assert caught.value.message == (
             "the server refused the call at once: as many calls were in progress as its "
-            "bound admits (1 InferStream calls at once, half of server setting "
-            "max_concurrent_rpcs 2; unary calls keep the rest); the call never ran; retryable"
+            "bound admits (1 stream calls (InferStream and ModelStreamInfer) at once, half of "
+            "server setting max_concurrent_rpcs 2; unary calls keep the rest); the call never "
+            "ran; retryable"
         )
 
     asyncio.run(scenario())

@@ -205,6 +205,9 @@ def test_the_messages_are_the_public_protocols_names_numbers_and_types() -> None
         ("ServerMetadata", "ServerMetadataRequest", "ServerMetadataResponse"),
         ("ModelMetadata", "ModelMetadataRequest", "ModelMetadataResponse"),
         ("ModelInfer", "ModelInferRequest", "ModelInferResponse"),
+        ("ModelStreamInfer", "ModelInferRequest", "ModelStreamInferResponse"),
+        ("ModelConfig", "ModelConfigRequest", "ModelConfigResponse"),
+        ("ModelStatistics", "ModelStatisticsRequest", "ModelStatisticsResponse"),
     ]
     for full_name, fields in PUBLIC_MESSAGES.items():
         message = kpb.DESCRIPTOR.message_types_by_name[full_name.split(".")[0]]
@@ -314,7 +317,7 @@ def test_liveness_readiness_and_metadata(small_model: Path) -> None:
             assert (server.name, server.version, list(server.extensions)) == (
                 "laneserve",
                 SERVER_VERSION,
-                [],
+                ["schedule_policy", "model_configuration", "statistics"],
             )
             model = await stub.ModelMetadata(kpb.ModelMetadataRequest(name="small"))
             assert (model.name, list(model.versions), model.platform) == (
@@ -571,7 +574,7 @@ def test_an_answer_too_large_in_either_encoding_is_refused_counted_and_never_sto
         async with serving(_engine(path), config(path, max_message_bytes=1024)) as s:
             fits = await kserve_stub(s).ModelInfer(raw_request("f32", x=x[:64]))
             assert outputs_of(fits)["o_x"].tobytes() == x[:64].tobytes()
-            message = raw_request("f32", x=x)
+            message = _idempotent(raw_request("f32", x=x))
             message.id = "big"
             calls: list[Callable[[], Awaitable[Any]]] = [
                 lambda: kserve_stub(s).ModelInfer(message),
@@ -809,8 +812,21 @@ REFUSALS = {
         _parameter("sequence_id", int64_param=7),
         INVALID,
         "unknown request parameter(s) 'sequence_id'; expected some of 'lane' (string_param, a "
-        "lane's name), 'timeout' (int64_param or uint64_param, microseconds) and 'priority' "
-        "(uint64_param or int64_param)",
+        "lane's name), 'timeout' (int64_param or uint64_param, microseconds), 'priority' "
+        "(uint64_param or int64_param), 'triton_enable_empty_final_response' (bool_param) and "
+        "'laneserve_idempotent' (bool_param) (laneserve has no sequence batching",
+    ),
+    "laneserve_idempotent of another kind": Refusal(
+        _parameter("laneserve_idempotent", string_param="true"),
+        INVALID,
+        "request parameter 'laneserve_idempotent' is a string_param; expected bool_param",
+    ),
+    "laneserve_idempotent without an id": Refusal(
+        _parameter("laneserve_idempotent", bool_param=True),
+        INVALID,
+        "request parameter 'laneserve_idempotent' is true and the request has no id; expected "
+        "an id with it (laneserve's request_id, the same on each retry), or no "
+        "laneserve_idempotent",
     ),
     "lane of another kind": Refusal(
         _parameter("lane", int64_param=1),
@@ -1044,6 +1060,31 @@ def test_lane_and_priority_parameters_choose_the_lane(small_model: Path) -> None
     asyncio.run(scenario())
 
 
+def test_tritons_final_response_flag_is_read_and_a_model_infer_answer_needs_no_mark(
+    small_model: Path,
+) -> None:
+    # perf_analyzer sends it on every ModelInfer: refused as unknown, it ran nothing.
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            stub = kserve_stub(s)
+            asked = raw_request("small", input=rows(1))
+            asked.parameters["triton_enable_empty_final_response"].bool_param = True
+            answer = await stub.ModelInfer(asked)
+            assert answer.outputs[0].shape[0] == 1
+            assert "triton_final_response" not in answer.parameters
+            wrong = raw_request("small", input=rows(1))
+            wrong.parameters["triton_enable_empty_final_response"].int64_param = 1
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.ModelInfer(wrong)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert caught.value.details() == (
+                "request parameter 'triton_enable_empty_final_response' is an int64_param; "
+                "expected bool_param"
+            )
+
+    asyncio.run(scenario())
+
+
 def test_the_timeout_parameter_bounds_the_request_in_its_lane(small_model: Path) -> None:
     """A request queued behind a held batch with a 1 ms budget (timeout 1 us, rounded up)
     ends DEADLINE_EXCEEDED, as Infer's timeout_ms does; one with no timeout waits."""
@@ -1070,12 +1111,53 @@ def test_the_timeout_parameter_bounds_the_request_in_its_lane(small_model: Path)
     asyncio.run(scenario())
 
 
-def test_an_id_is_echoed_and_a_retry_with_it_is_replayed(small_model: Path) -> None:
+def _idempotent(message: Request) -> Request:
+    """`message`, asking that its id key the request (laneserve_idempotent true)."""
+    message.parameters["laneserve_idempotent"].bool_param = True
+    return message
+
+
+def test_an_id_is_echoed_and_keys_nothing_unless_the_request_asks(small_model: Path) -> None:
+    """Triton's clients send `id` as a correlation tag: perf_analyzer restarts its ids
+    each run with the same data, scripts send request_id="1" for other inputs. Without
+    laneserve_idempotent each request runs, its id echoed: none is replayed, none refused
+    REQUEST_ID_REUSED (by ModelInfer or by Infer's id space)."""
+
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
         async with serving(engine, config(small_model)) as s:
             stub = kserve_stub(s)
             message = raw_request("small", input=rows(2, start=10))
+            message.id = "1"
+            first = await stub.ModelInfer(message)
+            again = await stub.ModelInfer(message)
+            other = raw_request("small", input=rows(1, start=30))
+            other.id = "1"
+            third = await stub.ModelInfer(other)
+            assert first.id == again.id == third.id == "1"
+            assert list(first.raw_output_contents) == list(again.raw_output_contents)
+            infer = await s.stub.Infer(request(rows(1, start=40), request_id="1"))
+            assert infer.request_id == "1"
+            # Infer's request "1" keys the ledger; a ModelInfer with id "1" still runs.
+            assert (await stub.ModelInfer(message)).id == "1"
+            assert sorted(engine.ran_tags) == [10, 10, 10, 11, 11, 11, 30, 40], "each ran"
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+            assert (stats.idempotent_joins, stats.idempotent_replays) == (0, 0)
+            assert stats.replay_cache_entries == 1, "Infer's answer alone"
+
+    asyncio.run(scenario())
+
+
+def test_laneserve_idempotent_makes_the_id_laneserves_request_id(small_model: Path) -> None:
+    """With laneserve_idempotent true the id is Infer's request_id: a retry is replayed
+    (echoed, its Timing too), and the id is one space with Infer's: other inputs are
+    refused REQUEST_ID_REUSED there, and a request without the parameter keys nothing."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            stub = kserve_stub(s)
+            message = _idempotent(raw_request("small", input=rows(2, start=10)))
             message.id = "kserve-1"
             first = await stub.ModelInfer(message)
             again = await stub.ModelInfer(message)
@@ -1085,11 +1167,19 @@ def test_an_id_is_echoed_and_a_retry_with_it_is_replayed(small_model: Path) -> N
             assert sorted(engine.ran_tags) == [10, 11], "ran once"
             stats = await s.stub.GetStats(pb.GetStatsRequest())
             assert stats.idempotent_replays == 1
-            # The id is laneserve's request_id, shared with Infer: other inputs are refused.
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await s.stub.Infer(request(rows(1), request_id="kserve-1"))
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert rich_status(caught.value)[0] == "REQUEST_ID_REUSED"
+            reused = _idempotent(raw_request("small", input=rows(1, start=50)))
+            reused.id = "kserve-1"
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.ModelInfer(reused)
+            assert rich_status(caught.value)[0] == "REQUEST_ID_REUSED"
+            assert "'kserve-1'" in str(caught.value.details())
+            del reused.parameters["laneserve_idempotent"]
+            assert (await stub.ModelInfer(reused)).id == "kserve-1"
+            assert sorted(engine.ran_tags) == [10, 11, 50]
 
     asyncio.run(scenario())
 
@@ -1097,7 +1187,7 @@ def test_an_id_is_echoed_and_a_retry_with_it_is_replayed(small_model: Path) -> N
 def test_one_request_id_is_one_request_in_raw_contents_typed_contents_or_infers_bytes(
     small_model: Path,
 ) -> None:
-    """ModelInfer's id is Infer's request_id, one space for both services: the same
+    """ModelInfer's id, idempotent, is Infer's request_id, one space for both services: the same
     values sent in typed contents, in raw contents or over Infer are one request, run
     once and replayed to the others with its Timing."""
 
@@ -1106,10 +1196,10 @@ def test_one_request_id_is_one_request_in_raw_contents_typed_contents_or_infers_
         async with serving(engine, config(small_model)) as s:
             stub = kserve_stub(s)
             x = rows(2, start=20)
-            typed = typed_request("small", input=x)
+            typed = _idempotent(typed_request("small", input=x))
             typed.id = "shared-1"
             first = await stub.ModelInfer(typed)
-            raw = raw_request("small", input=x)
+            raw = _idempotent(raw_request("small", input=x))
             raw.id = "shared-1"
             again = await stub.ModelInfer(raw)
             infer = await s.stub.Infer(request(x, request_id="shared-1"))

@@ -2202,8 +2202,8 @@ def test_calls_past_the_concurrency_limit_are_refused_as_grpc_refuses_them(
     are an operator's calls: GetStats and GetModel were refused with the rest, just when
     an operator asks why."""
     bound = (
-        "2 inference calls at once (Infer, InferStream and ModelInfer), server setting "
-        "max_concurrent_rpcs 2"
+        "2 inference calls at once (Infer, InferStream, ModelInfer and ModelStreamInfer), "
+        "server setting max_concurrent_rpcs 2"
     )
 
     async def scenario() -> None:
@@ -2323,8 +2323,8 @@ def test_idle_streams_take_at_most_half_the_calls_and_unary_calls_are_answered(
             assert caught.value.details() == grpc_accept.CALL_LIMIT_DETAILS
             trailers = dict(caught.value.trailing_metadata() or ())
             assert trailers[grpc_accept.STREAM_LIMIT_KEY] == (
-                "4 InferStream calls at once, half of server setting max_concurrent_rpcs 8; "
-                "unary calls keep the rest"
+                "4 stream calls (InferStream and ModelStreamInfer) at once, half of server "
+                "setting max_concurrent_rpcs 8; unary calls keep the rest"
             )
             assert gate.stream_calls == 4
             answer = await s.stub.Infer(request(rows(1), lane="interactive"), timeout=10)

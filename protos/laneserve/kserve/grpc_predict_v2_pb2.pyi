@@ -12,8 +12,14 @@ laneserve's own. InferParameter has the five choices both files have now: the fi
 three, and Triton's double_param and uint64_param, since taken into the protocol's own
 file (tritonclient sends "priority" as a uint64_param).
 
-Not here: ModelStreamInfer and Triton's extensions (model repository, ModelConfig,
-statistics, shared memory, tracing, logging); a client calling them gets UNIMPLEMENTED.
+Triton's own methods that its tools need to drive a server are here too, with the
+subset of their messages laneserve fills, named and numbered as in Triton's
+grpc_service.proto and model_config.proto: ModelStreamInfer (tritonclient's streams,
+perf_analyzer --streaming), ModelConfig (max_batch_size and the tensors, which
+perf_analyzer and tritonclient users read) and ModelStatistics (perf_analyzer's
+server-side figures). A client reading a field not here finds its default.
+Not here: the model repository, shared memory, tracing and logging extensions; a
+client calling them gets UNIMPLEMENTED.
 How each field maps onto laneserve's own request: README.md, "KServe v2 / Triton
 clients", and server/kserve.py.
 """
@@ -22,6 +28,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -32,6 +39,48 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _DataType:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _DataTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DataType.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TYPE_INVALID: _DataType.ValueType  # 0
+    TYPE_BOOL: _DataType.ValueType  # 1
+    TYPE_UINT8: _DataType.ValueType  # 2
+    TYPE_UINT16: _DataType.ValueType  # 3
+    TYPE_UINT32: _DataType.ValueType  # 4
+    TYPE_UINT64: _DataType.ValueType  # 5
+    TYPE_INT8: _DataType.ValueType  # 6
+    TYPE_INT16: _DataType.ValueType  # 7
+    TYPE_INT32: _DataType.ValueType  # 8
+    TYPE_INT64: _DataType.ValueType  # 9
+    TYPE_FP16: _DataType.ValueType  # 10
+    TYPE_FP32: _DataType.ValueType  # 11
+    TYPE_FP64: _DataType.ValueType  # 12
+    TYPE_STRING: _DataType.ValueType  # 13
+    TYPE_BF16: _DataType.ValueType  # 14
+
+class DataType(_DataType, metaclass=_DataTypeEnumTypeWrapper):
+    """---- Triton's model_config.proto: the subset laneserve fills -----------------------------"""
+
+TYPE_INVALID: DataType.ValueType  # 0
+TYPE_BOOL: DataType.ValueType  # 1
+TYPE_UINT8: DataType.ValueType  # 2
+TYPE_UINT16: DataType.ValueType  # 3
+TYPE_UINT32: DataType.ValueType  # 4
+TYPE_UINT64: DataType.ValueType  # 5
+TYPE_INT8: DataType.ValueType  # 6
+TYPE_INT16: DataType.ValueType  # 7
+TYPE_INT32: DataType.ValueType  # 8
+TYPE_INT64: DataType.ValueType  # 9
+TYPE_FP16: DataType.ValueType  # 10
+TYPE_FP32: DataType.ValueType  # 11
+TYPE_FP64: DataType.ValueType  # 12
+TYPE_STRING: DataType.ValueType  # 13
+TYPE_BF16: DataType.ValueType  # 14
+Global___DataType: _TypeAlias = DataType  # noqa: Y015
 
 @_typing.final
 class ServerLiveRequest(_message.Message):
@@ -170,7 +219,9 @@ class ServerMetadataResponse(_message.Message):
     version: _builtins.str
     @_builtins.property
     def extensions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """The protocol's optional extensions served: none."""
+        """Triton's extensions served: "model_configuration" (ModelConfig) and "statistics"
+        (ModelStatistics).
+        """
 
     def __init__(
         self,
@@ -499,10 +550,16 @@ class ModelInferRequest(_message.Message):
     model_name: _builtins.str
     model_version: _builtins.str
     id: _builtins.str
-    """laneserve's request_id: echoed, and a retry with the same id joins or replays."""
+    """Echoed in the answer's id; names the request in errors, traces and logs. Keys
+    nothing (a correlation tag, as Triton's clients send it) unless the parameter
+    "laneserve_idempotent" is true: then it is laneserve's request_id, and a retry with
+    the same id joins the request in flight or has its answer replayed.
+    """
     @_builtins.property
     def parameters(self) -> _containers.MessageMap[_builtins.str, Global___InferParameter]:
-        """Request parameters: "lane", "timeout" (microseconds), "priority"."""
+        """Request parameters: "lane", "timeout" (microseconds), "priority",
+        "triton_enable_empty_final_response" (bool), "laneserve_idempotent" (bool).
+        """
 
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelInferRequest.InferInputTensor]: ...
@@ -624,9 +681,13 @@ class ModelInferResponse(_message.Message):
     model_name: _builtins.str
     model_version: _builtins.str
     id: _builtins.str
+    """The request's id."""
     @_builtins.property
     def parameters(self) -> _containers.MessageMap[_builtins.str, Global___InferParameter]:
-        """laneserve's Timing, under names prefixed "laneserve_"."""
+        """laneserve's Timing, under names prefixed "laneserve_"; on a ModelStreamInfer stream,
+        "triton_final_response" (true) where the item asked for
+        "triton_enable_empty_final_response".
+        """
 
     @_builtins.property
     def outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelInferResponse.InferOutputTensor]: ...
@@ -651,3 +712,692 @@ class ModelInferResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelInferResponse: _TypeAlias = ModelInferResponse  # noqa: Y015
+
+@_typing.final
+class ModelStreamInferResponse(_message.Message):
+    """---- Triton's grpc_service.proto: streaming, configuration, statistics ------------------
+
+    One answer on a ModelStreamInfer stream: the item's response, or its error. Every
+    item read gets exactly one; the stream goes on after an item's error.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    INFER_RESPONSE_FIELD_NUMBER: _builtins.int
+    error_message: _builtins.str
+    """Empty when the item succeeded; else what was wrong: gRPC's code and laneserve's
+    reason, then the item's id and the message ("RESOURCE_EXHAUSTED ANSWER_TOO_LARGE:
+    [request id: a1] ..."). infer_response then holds only the item's id (so a caller
+    can tell which item failed), the model's name and version, and parameters
+    laneserve_error_code (gRPC's code number), laneserve_error_reason and, where a retry
+    is advised, laneserve_retry_after_ms.
+    """
+    @_builtins.property
+    def infer_response(self) -> Global___ModelInferResponse: ...
+    def __init__(
+        self,
+        *,
+        error_message: _builtins.str = ...,
+        infer_response: Global___ModelInferResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["infer_response", b"infer_response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_message", b"error_message", "infer_response", b"infer_response"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelStreamInferResponse: _TypeAlias = ModelStreamInferResponse  # noqa: Y015
+
+@_typing.final
+class ModelConfigRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    version: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        version: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelConfigRequest: _TypeAlias = ModelConfigRequest  # noqa: Y015
+
+@_typing.final
+class ModelConfigResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONFIG_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def config(self) -> Global___ModelConfig: ...
+    def __init__(
+        self,
+        *,
+        config: Global___ModelConfig | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelConfigResponse: _TypeAlias = ModelConfigResponse  # noqa: Y015
+
+@_typing.final
+class ModelStatisticsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Empty: every model (the one served)."""
+    version: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        version: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelStatisticsRequest: _TypeAlias = ModelStatisticsRequest  # noqa: Y015
+
+@_typing.final
+class ModelStatisticsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_STATS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def model_stats(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelStatistics]: ...
+    def __init__(
+        self,
+        *,
+        model_stats: _abc.Iterable[Global___ModelStatistics] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_stats", b"model_stats"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelStatisticsResponse: _TypeAlias = ModelStatisticsResponse  # noqa: Y015
+
+@_typing.final
+class StatisticDuration(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COUNT_FIELD_NUMBER: _builtins.int
+    NS_FIELD_NUMBER: _builtins.int
+    count: _builtins.int
+    ns: _builtins.int
+    """The sum of the durations counted, in nanoseconds."""
+    def __init__(
+        self,
+        *,
+        count: _builtins.int = ...,
+        ns: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "ns", b"ns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StatisticDuration: _TypeAlias = StatisticDuration  # noqa: Y015
+
+@_typing.final
+class InferStatistics(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUCCESS_FIELD_NUMBER: _builtins.int
+    FAIL_FIELD_NUMBER: _builtins.int
+    QUEUE_FIELD_NUMBER: _builtins.int
+    COMPUTE_INPUT_FIELD_NUMBER: _builtins.int
+    COMPUTE_INFER_FIELD_NUMBER: _builtins.int
+    COMPUTE_OUTPUT_FIELD_NUMBER: _builtins.int
+    CACHE_HIT_FIELD_NUMBER: _builtins.int
+    CACHE_MISS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def success(self) -> Global___StatisticDuration:
+        """Requests answered OK: end to end, from arrival to answer. A retry that joined a
+        request in flight or had its answer replayed ran nothing: not counted.
+        """
+
+    @_builtins.property
+    def fail(self) -> Global___StatisticDuration:
+        """Every other end: requests answered with an error or whose caller left (from arrival
+        to their end), and every refusal before admission, counted with 0 ns whatever it
+        waited (a retry refused JOIN_EXPIRED after waiting for the request in flight, a
+        stream item refused after waiting for room in its full lane).
+        """
+
+    @_builtins.property
+    def queue(self) -> Global___StatisticDuration:
+        """Per request run, once: its wait in its lane until its first batch was formed."""
+
+    @_builtins.property
+    def compute_input(self) -> Global___StatisticDuration:
+        """Per request run (count as queue's), as Triton counts a batch's times for each
+        request in it: its batches' time from formed to completed outside the session's
+        run (concatenating inputs, the hand-offs to and from the engine thread, slicing
+        outputs).
+        """
+
+    @_builtins.property
+    def compute_infer(self) -> Global___StatisticDuration:
+        """Likewise: the session's runs of its batches (copies to and from the device in them;
+        a batch retried in parts after a failed run: all its runs, the failed one too).
+        """
+
+    @_builtins.property
+    def compute_output(self) -> Global___StatisticDuration:
+        """Counted as compute_infer, 0 ns: its work is in compute_infer and compute_input;
+        encoding the answer is in success's time, outside the compute times.
+        """
+
+    @_builtins.property
+    def cache_hit(self) -> Global___StatisticDuration:
+        """Never counted here: laneserve has no response cache."""
+
+    @_builtins.property
+    def cache_miss(self) -> Global___StatisticDuration: ...
+    def __init__(
+        self,
+        *,
+        success: Global___StatisticDuration | None = ...,
+        fail: Global___StatisticDuration | None = ...,
+        queue: Global___StatisticDuration | None = ...,
+        compute_input: Global___StatisticDuration | None = ...,
+        compute_infer: Global___StatisticDuration | None = ...,
+        compute_output: Global___StatisticDuration | None = ...,
+        cache_hit: Global___StatisticDuration | None = ...,
+        cache_miss: Global___StatisticDuration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cache_hit", b"cache_hit", "cache_miss", b"cache_miss", "compute_infer", b"compute_infer", "compute_input", b"compute_input", "compute_output", b"compute_output", "fail", b"fail", "queue", b"queue", "success", b"success"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_hit", b"cache_hit", "cache_miss", b"cache_miss", "compute_infer", b"compute_infer", "compute_input", b"compute_input", "compute_output", b"compute_output", "fail", b"fail", "queue", b"queue", "success", b"success"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InferStatistics: _TypeAlias = InferStatistics  # noqa: Y015
+
+@_typing.final
+class InferBatchStatistics(_message.Message):
+    """The batches of one size that ran whole in one execution (not one retried in parts
+    after a failed run); each duration's count is the batches'.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    COMPUTE_INPUT_FIELD_NUMBER: _builtins.int
+    COMPUTE_INFER_FIELD_NUMBER: _builtins.int
+    COMPUTE_OUTPUT_FIELD_NUMBER: _builtins.int
+    batch_size: _builtins.int
+    """In rows."""
+    @_builtins.property
+    def compute_input(self) -> Global___StatisticDuration: ...
+    @_builtins.property
+    def compute_infer(self) -> Global___StatisticDuration: ...
+    @_builtins.property
+    def compute_output(self) -> Global___StatisticDuration: ...
+    def __init__(
+        self,
+        *,
+        batch_size: _builtins.int = ...,
+        compute_input: Global___StatisticDuration | None = ...,
+        compute_infer: Global___StatisticDuration | None = ...,
+        compute_output: Global___StatisticDuration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["compute_infer", b"compute_infer", "compute_input", b"compute_input", "compute_output", b"compute_output"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "compute_infer", b"compute_infer", "compute_input", b"compute_input", "compute_output", b"compute_output"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InferBatchStatistics: _TypeAlias = InferBatchStatistics  # noqa: Y015
+
+@_typing.final
+class MemoryUsage(_message.Message):
+    """Not reported: laneserve reads the GPU's memory in use (every process's) or its own
+    resident memory, never the session's alone.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPE_FIELD_NUMBER: _builtins.int
+    ID_FIELD_NUMBER: _builtins.int
+    BYTE_SIZE_FIELD_NUMBER: _builtins.int
+    type: _builtins.str
+    id: _builtins.int
+    byte_size: _builtins.int
+    def __init__(
+        self,
+        *,
+        type: _builtins.str = ...,
+        id: _builtins.int = ...,
+        byte_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["byte_size", b"byte_size", "id", b"id", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MemoryUsage: _TypeAlias = MemoryUsage  # noqa: Y015
+
+@_typing.final
+class ModelStatistics(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    LAST_INFERENCE_FIELD_NUMBER: _builtins.int
+    INFERENCE_COUNT_FIELD_NUMBER: _builtins.int
+    EXECUTION_COUNT_FIELD_NUMBER: _builtins.int
+    INFERENCE_STATS_FIELD_NUMBER: _builtins.int
+    BATCH_STATS_FIELD_NUMBER: _builtins.int
+    MEMORY_USAGE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    version: _builtins.str
+    last_inference: _builtins.int
+    """When the last request was answered OK, in milliseconds since the epoch (0: none yet)."""
+    inference_count: _builtins.int
+    """Rows of the batches that ran, less the rows that failed in them (a request of n rows
+    counts n): a row counts once it ran, whether or not its request was answered OK
+    after (its caller may have left, or another of its batches failed).
+    """
+    execution_count: _builtins.int
+    """Batches that ran whole in one execution, as batch_stats counts them. A batch retried
+    in parts after a failed run (out of memory, or rows that fail alone) is in neither:
+    its rows are in inference_count and its requests' times in inference_stats.
+    """
+    @_builtins.property
+    def inference_stats(self) -> Global___InferStatistics: ...
+    @_builtins.property
+    def batch_stats(self) -> _containers.RepeatedCompositeFieldContainer[Global___InferBatchStatistics]:
+        """Per batch size (in rows) run, smallest first."""
+
+    @_builtins.property
+    def memory_usage(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemoryUsage]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        version: _builtins.str = ...,
+        last_inference: _builtins.int = ...,
+        inference_count: _builtins.int = ...,
+        execution_count: _builtins.int = ...,
+        inference_stats: Global___InferStatistics | None = ...,
+        batch_stats: _abc.Iterable[Global___InferBatchStatistics] | None = ...,
+        memory_usage: _abc.Iterable[Global___MemoryUsage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["inference_stats", b"inference_stats"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_stats", b"batch_stats", "execution_count", b"execution_count", "inference_count", b"inference_count", "inference_stats", b"inference_stats", "last_inference", b"last_inference", "memory_usage", b"memory_usage", "name", b"name", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelStatistics: _TypeAlias = ModelStatistics  # noqa: Y015
+
+@_typing.final
+class ModelInput(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DATA_TYPE_FIELD_NUMBER: _builtins.int
+    DIMS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    data_type: Global___DataType.ValueType
+    @_builtins.property
+    def dims(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Without the row axis (max_batch_size is never 0 here); -1 for a dimension of any
+        size.
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        data_type: Global___DataType.ValueType = ...,
+        dims: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_type", b"data_type", "dims", b"dims", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelInput: _TypeAlias = ModelInput  # noqa: Y015
+
+@_typing.final
+class ModelOutput(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DATA_TYPE_FIELD_NUMBER: _builtins.int
+    DIMS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    data_type: Global___DataType.ValueType
+    @_builtins.property
+    def dims(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """As ModelInput's."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        data_type: Global___DataType.ValueType = ...,
+        dims: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_type", b"data_type", "dims", b"dims", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelOutput: _TypeAlias = ModelOutput  # noqa: Y015
+
+@_typing.final
+class ModelQueuePolicy(_message.Message):
+    """One lane, as the queue policy of its priority level."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _TimeoutAction:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _TimeoutActionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[ModelQueuePolicy._TimeoutAction.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        REJECT: ModelQueuePolicy._TimeoutAction.ValueType  # 0
+        DELAY: ModelQueuePolicy._TimeoutAction.ValueType  # 1
+
+    class TimeoutAction(_TimeoutAction, metaclass=_TimeoutActionEnumTypeWrapper): ...
+    REJECT: ModelQueuePolicy.TimeoutAction.ValueType  # 0
+    DELAY: ModelQueuePolicy.TimeoutAction.ValueType  # 1
+
+    TIMEOUT_ACTION_FIELD_NUMBER: _builtins.int
+    DEFAULT_TIMEOUT_MICROSECONDS_FIELD_NUMBER: _builtins.int
+    ALLOW_TIMEOUT_OVERRIDE_FIELD_NUMBER: _builtins.int
+    MAX_QUEUE_SIZE_FIELD_NUMBER: _builtins.int
+    timeout_action: Global___ModelQueuePolicy.TimeoutAction.ValueType
+    """REJECT: a request whose deadline passes while queued is answered DEADLINE_EXCEEDED."""
+    default_timeout_microseconds: _builtins.int
+    """The lane's timeout_ms (which bounds queue and run together, from arrival)."""
+    allow_timeout_override: _builtins.bool
+    """true: a request's `timeout` applies where shorter, and never extends the lane's."""
+    max_queue_size: _builtins.int
+    """0 (no bound in requests): a lane's bound is capacity_rows, in rows."""
+    def __init__(
+        self,
+        *,
+        timeout_action: Global___ModelQueuePolicy.TimeoutAction.ValueType = ...,
+        default_timeout_microseconds: _builtins.int = ...,
+        allow_timeout_override: _builtins.bool = ...,
+        max_queue_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_timeout_override", b"allow_timeout_override", "default_timeout_microseconds", b"default_timeout_microseconds", "max_queue_size", b"max_queue_size", "timeout_action", b"timeout_action"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelQueuePolicy: _TypeAlias = ModelQueuePolicy  # noqa: Y015
+
+@_typing.final
+class ModelDynamicBatching(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class PriorityQueuePolicyEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        @_builtins.property
+        def value(self) -> Global___ModelQueuePolicy: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: Global___ModelQueuePolicy | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    PREFERRED_BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    MAX_QUEUE_DELAY_MICROSECONDS_FIELD_NUMBER: _builtins.int
+    PRESERVE_ORDERING_FIELD_NUMBER: _builtins.int
+    PRIORITY_LEVELS_FIELD_NUMBER: _builtins.int
+    DEFAULT_PRIORITY_LEVEL_FIELD_NUMBER: _builtins.int
+    DEFAULT_QUEUE_POLICY_FIELD_NUMBER: _builtins.int
+    PRIORITY_QUEUE_POLICY_FIELD_NUMBER: _builtins.int
+    max_queue_delay_microseconds: _builtins.int
+    """The largest max_wait_ms of the lanes: the longest a batch is held open for more rows."""
+    preserve_ordering: _builtins.bool
+    priority_levels: _builtins.int
+    """The lanes, highest priority first: priority k is the k-th lane."""
+    default_priority_level: _builtins.int
+    """The default lane's level (server.default_lane), where a ModelInfer request with
+    priority 0 goes. A ModelStreamInfer item's default lane is ModelConfig's parameter
+    "laneserve_stream_default_lane" ("bulk" where configured).
+    """
+    @_builtins.property
+    def preferred_batch_size(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def default_queue_policy(self) -> Global___ModelQueuePolicy:
+        """The policy of default_priority_level's lane."""
+
+    @_builtins.property
+    def priority_queue_policy(self) -> _containers.MessageMap[_builtins.int, Global___ModelQueuePolicy]:
+        """Each level's lane's policy, levels 1 to priority_levels."""
+
+    def __init__(
+        self,
+        *,
+        preferred_batch_size: _abc.Iterable[_builtins.int] | None = ...,
+        max_queue_delay_microseconds: _builtins.int = ...,
+        preserve_ordering: _builtins.bool = ...,
+        priority_levels: _builtins.int = ...,
+        default_priority_level: _builtins.int = ...,
+        default_queue_policy: Global___ModelQueuePolicy | None = ...,
+        priority_queue_policy: _abc.Mapping[_builtins.int, Global___ModelQueuePolicy] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["default_queue_policy", b"default_queue_policy"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_priority_level", b"default_priority_level", "default_queue_policy", b"default_queue_policy", "max_queue_delay_microseconds", b"max_queue_delay_microseconds", "preferred_batch_size", b"preferred_batch_size", "preserve_ordering", b"preserve_ordering", "priority_levels", b"priority_levels", "priority_queue_policy", b"priority_queue_policy"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelDynamicBatching: _TypeAlias = ModelDynamicBatching  # noqa: Y015
+
+@_typing.final
+class ModelInstanceGroup(_message.Message):
+    """One group ("<model>_0") of one instance, the session: KIND_GPU with gpus [0] (CUDA's
+    device 0) on CUDA, else KIND_CPU.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Kind:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _KindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[ModelInstanceGroup._Kind.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        KIND_AUTO: ModelInstanceGroup._Kind.ValueType  # 0
+        KIND_GPU: ModelInstanceGroup._Kind.ValueType  # 1
+        KIND_CPU: ModelInstanceGroup._Kind.ValueType  # 2
+        KIND_MODEL: ModelInstanceGroup._Kind.ValueType  # 3
+
+    class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
+    KIND_AUTO: ModelInstanceGroup.Kind.ValueType  # 0
+    KIND_GPU: ModelInstanceGroup.Kind.ValueType  # 1
+    KIND_CPU: ModelInstanceGroup.Kind.ValueType  # 2
+    KIND_MODEL: ModelInstanceGroup.Kind.ValueType  # 3
+
+    NAME_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    GPUS_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    count: _builtins.int
+    kind: Global___ModelInstanceGroup.Kind.ValueType
+    @_builtins.property
+    def gpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        count: _builtins.int = ...,
+        gpus: _abc.Iterable[_builtins.int] | None = ...,
+        kind: Global___ModelInstanceGroup.Kind.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "gpus", b"gpus", "kind", b"kind", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelInstanceGroup: _TypeAlias = ModelInstanceGroup  # noqa: Y015
+
+@_typing.final
+class ModelParameter(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STRING_VALUE_FIELD_NUMBER: _builtins.int
+    string_value: _builtins.str
+    def __init__(
+        self,
+        *,
+        string_value: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["string_value", b"string_value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelParameter: _TypeAlias = ModelParameter  # noqa: Y015
+
+@_typing.final
+class ModelTransactionPolicy(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DECOUPLED_FIELD_NUMBER: _builtins.int
+    decoupled: _builtins.bool
+    def __init__(
+        self,
+        *,
+        decoupled: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decoupled", b"decoupled"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelTransactionPolicy: _TypeAlias = ModelTransactionPolicy  # noqa: Y015
+
+@_typing.final
+class ModelConfig(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ParametersEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___ModelParameter: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___ModelParameter | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PLATFORM_FIELD_NUMBER: _builtins.int
+    MAX_BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    INPUT_FIELD_NUMBER: _builtins.int
+    OUTPUT_FIELD_NUMBER: _builtins.int
+    INSTANCE_GROUP_FIELD_NUMBER: _builtins.int
+    DYNAMIC_BATCHING_FIELD_NUMBER: _builtins.int
+    PARAMETERS_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    MODEL_TRANSACTION_POLICY_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    platform: _builtins.str
+    """"onnxruntime_onnx", with backend "onnxruntime"."""
+    max_batch_size: _builtins.int
+    """The most rows a request may have in any lane: the smallest lane's capacity_rows (a
+    request over the batch cap is split across batches, not refused).
+    """
+    backend: _builtins.str
+    @_builtins.property
+    def input(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelInput]: ...
+    @_builtins.property
+    def output(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelOutput]: ...
+    @_builtins.property
+    def instance_group(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelInstanceGroup]: ...
+    @_builtins.property
+    def dynamic_batching(self) -> Global___ModelDynamicBatching: ...
+    @_builtins.property
+    def parameters(self) -> _containers.MessageMap[_builtins.str, Global___ModelParameter]:
+        """"laneserve_lanes": the lanes' names by priority, comma-separated;
+        "laneserve_stream_default_lane": the lane of a ModelStreamInfer item without lane or
+        priority ("bulk" where configured, else server.default_lane).
+        """
+
+    @_builtins.property
+    def model_transaction_policy(self) -> Global___ModelTransactionPolicy:
+        """decoupled false: one answer per request."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        platform: _builtins.str = ...,
+        max_batch_size: _builtins.int = ...,
+        input: _abc.Iterable[Global___ModelInput] | None = ...,
+        output: _abc.Iterable[Global___ModelOutput] | None = ...,
+        instance_group: _abc.Iterable[Global___ModelInstanceGroup] | None = ...,
+        dynamic_batching: Global___ModelDynamicBatching | None = ...,
+        parameters: _abc.Mapping[_builtins.str, Global___ModelParameter] | None = ...,
+        backend: _builtins.str = ...,
+        model_transaction_policy: Global___ModelTransactionPolicy | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["dynamic_batching", b"dynamic_batching", "model_transaction_policy", b"model_transaction_policy", "scheduling_choice", b"scheduling_choice"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "dynamic_batching", b"dynamic_batching", "input", b"input", "instance_group", b"instance_group", "max_batch_size", b"max_batch_size", "model_transaction_policy", b"model_transaction_policy", "name", b"name", "output", b"output", "parameters", b"parameters", "platform", b"platform", "scheduling_choice", b"scheduling_choice"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_scheduling_choice: _TypeAlias = _typing.Literal["dynamic_batching"]  # noqa: Y015
+    _WhichOneofArgType_scheduling_choice: _TypeAlias = _typing.Literal["scheduling_choice", b"scheduling_choice"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_scheduling_choice) -> _WhichOneofReturnType_scheduling_choice | None: ...
+
+Global___ModelConfig: _TypeAlias = ModelConfig  # noqa: Y015

@@ -12,8 +12,14 @@ laneserve's own. InferParameter has the five choices both files have now: the fi
 three, and Triton's double_param and uint64_param, since taken into the protocol's own
 file (tritonclient sends "priority" as a uint64_param).
 
-Not here: ModelStreamInfer and Triton's extensions (model repository, ModelConfig,
-statistics, shared memory, tracing, logging); a client calling them gets UNIMPLEMENTED.
+Triton's own methods that its tools need to drive a server are here too, with the
+subset of their messages laneserve fills, named and numbered as in Triton's
+grpc_service.proto and model_config.proto: ModelStreamInfer (tritonclient's streams,
+perf_analyzer --streaming), ModelConfig (max_batch_size and the tensors, which
+perf_analyzer and tritonclient users read) and ModelStatistics (perf_analyzer's
+server-side figures). A client reading a field not here finds its default.
+Not here: the model repository, shared memory, tracing and logging extensions; a
+client calling them gets UNIMPLEMENTED.
 How each field maps onto laneserve's own request: README.md, "KServe v2 / Triton
 clients", and server/kserve.py.
 """
@@ -60,6 +66,18 @@ class GRPCInferenceServiceStub:
     """The served model's name, version, platform and tensors."""
     ModelInfer: _grpc.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.ModelInferRequest, _grpc_predict_v2_pb2.ModelInferResponse]
     """One inference request, run as laneserve.v1.InferenceService/Infer runs it."""
+    ModelStreamInfer: _grpc.StreamStreamMultiCallable[_grpc_predict_v2_pb2.ModelInferRequest, _grpc_predict_v2_pb2.ModelStreamInferResponse]
+    """Triton's: a stream of ModelInfer requests, each answered as it completes (out of
+    order, tagged with its id), as laneserve.v1.InferenceService/InferStream answers.
+    """
+    ModelConfig: _grpc.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.ModelConfigRequest, _grpc_predict_v2_pb2.ModelConfigResponse]
+    """Triton's: the served model's configuration, as Triton would state it (another name
+    or version: NOT_FOUND).
+    """
+    ModelStatistics: _grpc.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.ModelStatisticsRequest, _grpc_predict_v2_pb2.ModelStatisticsResponse]
+    """Triton's: the served model's counts and cumulative durations since the server
+    started, read at once (a reader subtracts one reading from a later one).
+    """
 
 @_typing.type_check_only
 class GRPCInferenceServiceAsyncStub(GRPCInferenceServiceStub):
@@ -78,6 +96,18 @@ class GRPCInferenceServiceAsyncStub(GRPCInferenceServiceStub):
     """The served model's name, version, platform and tensors."""
     ModelInfer: _aio.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.ModelInferRequest, _grpc_predict_v2_pb2.ModelInferResponse]  # type: ignore[assignment]
     """One inference request, run as laneserve.v1.InferenceService/Infer runs it."""
+    ModelStreamInfer: _aio.StreamStreamMultiCallable[_grpc_predict_v2_pb2.ModelInferRequest, _grpc_predict_v2_pb2.ModelStreamInferResponse]  # type: ignore[assignment]
+    """Triton's: a stream of ModelInfer requests, each answered as it completes (out of
+    order, tagged with its id), as laneserve.v1.InferenceService/InferStream answers.
+    """
+    ModelConfig: _aio.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.ModelConfigRequest, _grpc_predict_v2_pb2.ModelConfigResponse]  # type: ignore[assignment]
+    """Triton's: the served model's configuration, as Triton would state it (another name
+    or version: NOT_FOUND).
+    """
+    ModelStatistics: _aio.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.ModelStatisticsRequest, _grpc_predict_v2_pb2.ModelStatisticsResponse]  # type: ignore[assignment]
+    """Triton's: the served model's counts and cumulative durations since the server
+    started, read at once (a reader subtracts one reading from a later one).
+    """
 
 class GRPCInferenceServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -129,5 +159,35 @@ class GRPCInferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_grpc_predict_v2_pb2.ModelInferResponse, _abc.Awaitable[_grpc_predict_v2_pb2.ModelInferResponse]]:
         """One inference request, run as laneserve.v1.InferenceService/Infer runs it."""
+
+    @_abc_1.abstractmethod
+    def ModelStreamInfer(
+        self,
+        request_iterator: _MaybeAsyncIterator[_grpc_predict_v2_pb2.ModelInferRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_grpc_predict_v2_pb2.ModelStreamInferResponse], _abc.AsyncIterator[_grpc_predict_v2_pb2.ModelStreamInferResponse]]:
+        """Triton's: a stream of ModelInfer requests, each answered as it completes (out of
+        order, tagged with its id), as laneserve.v1.InferenceService/InferStream answers.
+        """
+
+    @_abc_1.abstractmethod
+    def ModelConfig(
+        self,
+        request: _grpc_predict_v2_pb2.ModelConfigRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_predict_v2_pb2.ModelConfigResponse, _abc.Awaitable[_grpc_predict_v2_pb2.ModelConfigResponse]]:
+        """Triton's: the served model's configuration, as Triton would state it (another name
+        or version: NOT_FOUND).
+        """
+
+    @_abc_1.abstractmethod
+    def ModelStatistics(
+        self,
+        request: _grpc_predict_v2_pb2.ModelStatisticsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_predict_v2_pb2.ModelStatisticsResponse, _abc.Awaitable[_grpc_predict_v2_pb2.ModelStatisticsResponse]]:
+        """Triton's: the served model's counts and cumulative durations since the server
+        started, read at once (a reader subtracts one reading from a later one).
+        """
 
 def add_GRPCInferenceServiceServicer_to_server(servicer: GRPCInferenceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
