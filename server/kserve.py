@@ -6,9 +6,11 @@ calls laneserve unchanged.
 A front end only: ModelInfer converts its request to laneserve's own `InferRequest` and
 runs it through Infer's path (`InferenceServicer.run_request`), so lanes, deadlines,
 idempotency (where the request asks: IDEMPOTENT_PARAMETER), shedding, memory limits,
-tracing, stats and error statuses are Infer's; the answer is converted back. The
-metadata and liveness calls are operator calls, counted apart from the inference calls as
-GetModel is (`add_kserve_to_server`).
+tracing, stats and error statuses are Infer's; the answer is converted back.
+ModelStreamInfer is InferStream's mechanism (`InferenceServicer.serve_stream`) with
+ModelInfer's items and answers (`ModelStreamWire`). The metadata, configuration,
+statistics and liveness calls are operator calls, counted apart from the inference calls
+as GetModel is (`add_kserve_to_server`).
 
 The mapping (README.md, "KServe v2 / Triton clients"):
 
@@ -44,7 +46,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Final
 
 import grpc
@@ -66,9 +68,10 @@ from laneserve.server.errors import (
     pushback_ms,
 )
 from laneserve.server.grpc_accept import CallGate
-from laneserve.server.kserve_config import EXTENSIONS, model_config, model_statistics
+from laneserve.server.kserve_config import EXTENSIONS, PLATFORM, model_config, model_statistics
 from laneserve.server.model_identity import SERVER_VERSION
 from laneserve.server.service import (
+    HANDLER_KINDS,
     MAX_OPERATOR_REQUEST_BYTES,
     InferenceServicer,
     ItemTag,
@@ -85,8 +88,6 @@ SERVICE_NAME: Final = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].fu
 SERVER_NAME: Final = "laneserve"
 # A server of one model has one version; "" asks for the server's choice, this one.
 MODEL_VERSION: Final = "1"
-# Triton's platform name for an ONNX model run by ONNX Runtime.
-PLATFORM: Final = "onnxruntime_onnx"
 # The inference methods, ModelInfer and the stream of ModelInfer requests; every other
 # method of the service is an operator call.
 INFER_METHOD: Final = "ModelInfer"
@@ -195,15 +196,15 @@ class OversizedModelInfer:
     """What ModelInfer receives for a request carrying more than MAX_EXTRA_BYTES besides
     its tensors' data (raw_input_contents and the inputs' typed contents): refused
     INVALID_ARGUMENT, as Infer refuses its own (a queued request's message stays in
-    memory, and lanes count its rows, not its bytes). Its size alone is kept, its id and
-    whether it asked for Triton's final mark: a ModelStreamInfer answers the refusal tagged
+    memory, and lanes count its rows, not its bytes). Its size, its id and whether it
+    asked for Triton's final mark are kept: a ModelStreamInfer answers the refusal tagged
     with the id, and marked where asked, as it does any item (InferStream its own:
     `service.OversizedRequest`)."""
 
     extra_bytes: int
     # "" where over MAX_REQUEST_ID_BYTES bytes: more than the id an answer echoes.
-    request_id: str = ""
-    final_response: bool = False  # FINAL_RESPONSE_FLAG
+    request_id: str
+    final_response: bool  # FINAL_RESPONSE_FLAG
 
 
 @dataclasses.dataclass(slots=True)
@@ -386,7 +387,7 @@ def asks_idempotency(request: kpb.ModelInferRequest) -> bool:
     return _flag(request.parameters, IDEMPOTENT_PARAMETER)
 
 
-def _flag(parameters: Any, key: str) -> bool:
+def _flag(parameters: Mapping[str, kpb.InferParameter], key: str) -> bool:
     """A bool_param request parameter's value; False where absent or of another kind."""
     return key in parameters and parameters[key].bool_param
 
@@ -723,14 +724,17 @@ class ModelStreamWire:
         answer_extra_bytes: int,
     ) -> None:
         """`convert`: ModelInfer's conversion (`KServeServicer._converted`).
-        `answer_extra_bytes`: the model's (`answer_extra_bytes`)."""
+        `answer_extra_bytes`: what `to_model_infer_response` adds over an InferResponse
+        (`answer_extra_bytes`)."""
         self._convert = convert
         self._model_name = model_name
         self._answer_extra_bytes = answer_extra_bytes
 
     def tag(self, item: ModelStreamItem) -> ModelStreamTag:
         if isinstance(item, OversizedModelInfer):  # refused unread: its id alone was kept
-            return ModelStreamTag(item.request_id, final_response=item.final_response)
+            return ModelStreamTag(
+                item.request_id, idempotent=False, final_response=item.final_response
+            )
         request = item.message
         return ModelStreamTag(
             answer_id(request.id),
@@ -775,10 +779,9 @@ class ModelStreamWire:
             assert message.ByteSize() <= limit_bytes
         return message
 
-    def held_bytes(self, answer: Message) -> int:
+    def held_bytes(self, answer: kpb.ModelStreamInferResponse) -> int:
         # From the shapes and datatypes the server wrote: reading raw_output_contents
         # copies the bytes (`service.held_answer_bytes`).
-        assert isinstance(answer, kpb.ModelStreamInferResponse)
         outputs = answer.infer_response.outputs
         return sum(math.prod(tensor.shape) * _VALUE_BYTES[tensor.datatype] for tensor in outputs)
 
@@ -827,7 +830,7 @@ class KServeServicer:
         self._totals = totals
         # The configuration does not change while the server runs: built once.
         self._config_response = kpb.ModelConfigResponse(
-            config=model_config(config, inputs, outputs, platform=PLATFORM, gpu_id=gpu_id)
+            config=model_config(config, inputs, outputs, gpu_id=gpu_id)
         )
         # The largest of its envelopes, ModelStreamInfer's: a ModelInferResponse wrapped.
         self._answer_extra_bytes = answer_extra_bytes(self._model_name, outputs, self._lanes)
@@ -1026,9 +1029,9 @@ def add_kserve_to_server(
     service = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in service.methods:
-        # The handlers below: unary, but for the stream, which streams both ways.
-        streams = method.name == STREAM_METHOD
-        assert method.client_streaming == method.server_streaming == streams, method.name
+        # Unary, but for the stream, which streams both ways.
+        streams = method.client_streaming
+        assert streams == method.server_streaming == (method.name == STREAM_METHOD), method.name
         request_type = message_factory.GetMessageClass(method.input_type)
         response_type = message_factory.GetMessageClass(method.output_type)
         behavior = getattr(servicer, method.name)
@@ -1045,12 +1048,7 @@ def add_kserve_to_server(
                 functools.partial(read_operator_call, request_type, method.name)
             )
             behavior = gate.gate_operator(behavior)
-        make_handler = (
-            grpc.stream_stream_rpc_method_handler
-            if streams
-            else grpc.unary_unary_rpc_method_handler
-        )
-        handlers[method.name] = make_handler(
+        handlers[method.name] = HANDLER_KINDS[method.client_streaming, method.server_streaming](
             behavior,
             request_deserializer=read,
             response_serializer=response_type.SerializeToString,

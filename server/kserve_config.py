@@ -29,7 +29,9 @@ from laneserve.v1 import inference_pb2 as pb
 # `timeout`, read by `kserve._request_parameters`; extension_model_configuration.md;
 # extension_statistics.md), in the order Triton lists them.
 EXTENSIONS: Final = ("schedule_policy", "model_configuration", "statistics")
-# Triton's backend name for ONNX Runtime (its platform is `kserve.PLATFORM`).
+# Triton's platform name for an ONNX model run by ONNX Runtime (ModelMetadata's and
+# ModelConfig's), and its backend name for ONNX Runtime (ModelConfig's).
+PLATFORM: Final = "onnxruntime_onnx"
 BACKEND: Final = "onnxruntime"
 # ModelConfig.parameters' key naming the lanes in priority order, comma-separated (a
 # lane's name has no comma: config.LANE_NAME_RULE): priority k is the k-th.
@@ -79,7 +81,6 @@ def model_config(
     inputs: Sequence[TensorSpec],
     outputs: Sequence[TensorSpec],
     *,
-    platform: str,
     gpu_id: int | None,
 ) -> kpb.ModelConfig:
     """The served model's configuration as Triton states one. `gpu_id`: the CUDA device
@@ -109,7 +110,7 @@ def model_config(
     )
     return kpb.ModelConfig(
         name=name,
-        platform=platform,
+        platform=PLATFORM,
         backend=BACKEND,
         max_batch_size=max_request_rows(lanes),
         input=[

@@ -95,7 +95,6 @@ Decoded = tuple[dict[str, Array], int, Signature]
 _Item = TypeVar("_Item")
 _Answer = TypeVar("_Answer", bound=Message)
 _Item_contra = TypeVar("_Item_contra", contravariant=True)
-_Answer_co = TypeVar("_Answer_co", bound=Message, covariant=True)
 _Tag = TypeVar("_Tag", bound="ItemTag")
 
 STREAM_DEFAULT_LANE = "bulk"
@@ -174,7 +173,7 @@ class StreamWindow:
 
     Open while fewer than `items` of the stream's items are read and unanswered (their
     answers not yet written), and while its answers finished and not yet written (queued,
-    and the one gRPC is taking; `held_answer_bytes`), with those of the items read and
+    and the one gRPC is taking; `StreamFrontEnd.held_bytes`), with those of the items read and
     not yet finished counted at the largest answer the stream has had, come to under
     `answer_bytes`. Lanes bound the rows waiting to run, not the answers waiting to be
     written: counted in items alone, four streams whose caller stopped reading held 1 040
@@ -205,16 +204,14 @@ class StreamWindow:
         self.unfinished += 1
         self._update()
 
-    def finished(self, answer: Message, held_bytes: int | None = None) -> int:
-        """`answer` is queued to be written, holding `held_bytes` of tensor data (its
-        front end's count, `StreamFrontEnd.held_bytes`; by default InferStream's,
-        `held_answer_bytes`); returns them, for `written`."""
-        size = held_answer_bytes(answer) if held_bytes is None else held_bytes
+    def finished(self, held_bytes: int) -> int:
+        """An answer is queued to be written, holding `held_bytes` of tensor data (its
+        front end's count, `StreamFrontEnd.held_bytes`); returns them, for `written`."""
         self.unfinished -= 1
-        self.held_bytes += size
-        self.largest_answer_bytes = max(self.largest_answer_bytes, size)
+        self.held_bytes += held_bytes
+        self.largest_answer_bytes = max(self.largest_answer_bytes, held_bytes)
         self._update()
-        return size
+        return held_bytes
 
     def written(self, size: int) -> None:
         """gRPC has taken an answer of `size` bytes (`finished`'s): its credit and its
@@ -236,11 +233,10 @@ class StreamWindow:
             self.open.clear()
 
 
-def held_answer_bytes(answer: Message) -> int:
+def held_answer_bytes(answer: pb.InferStreamResponse) -> int:
     """The bytes of an InferStream `answer`'s tensor data (an error's: none), from the
     shapes and dtypes the server encoded them with: reading `data`, or sizing the message,
     copies it (1 ms per MiB)."""
-    assert isinstance(answer, pb.InferStreamResponse)
     # The server's own tensors: their dtype and shape always size them (never None).
     return sum(data_bytes(tensor) or 0 for tensor in answer.response.outputs)
 
@@ -255,7 +251,7 @@ class ReceiveLimit:
     limit_bytes: int  # as the caller sent it
     # The most the caller's stream answer takes over the same answer as an InferStream
     # item (`StreamFrontEnd.envelope_bytes`; InferStream's own: 0).
-    envelope_bytes: int = 0
+    envelope_bytes: int
 
     @property
     def item_bytes(self) -> int:
@@ -274,10 +270,10 @@ class ItemTag:
     item_id: str
     # Whether the item's id is its request_id in the ledger's sense (`run_request`):
     # InferStream's always is; KServe's `id` only where the item asks.
-    idempotent: bool = True
+    idempotent: bool
 
 
-class StreamFrontEnd(Protocol[_Item_contra, _Tag, _Answer_co]):
+class StreamFrontEnd(Protocol[_Item_contra, _Tag, _Answer]):
     """How one front end's stream reads its items and writes its answers: InferStream's
     (`_InferStreamWire`) and KServe's ModelStreamInfer's (`kserve.ModelStreamWire`).
     The rest is one mechanism for both (`InferenceServicer.serve_stream`): the credit
@@ -289,7 +285,8 @@ class StreamFrontEnd(Protocol[_Item_contra, _Tag, _Answer_co]):
     missing_id: str
 
     def tag(self, item: _Item_contra) -> _Tag:
-        """The item's tag, read before `convert` (which may let go of the item)."""
+        """The item's tag, read before `convert` (which may let go of the item). Never
+        raises (it reads fields only): an item's one answer, its error's too, needs it."""
         ...
 
     def convert(self, item: _Item_contra) -> pb.InferRequest | LaneserveError:
@@ -299,18 +296,18 @@ class StreamFrontEnd(Protocol[_Item_contra, _Tag, _Answer_co]):
         another model)."""
         ...
 
-    def answer(self, tag: _Tag, response: pb.InferResponse) -> _Answer_co:
+    def answer(self, tag: _Tag, response: pb.InferResponse) -> _Answer:
         """The answer of the item `tag`: `response`, already held to the server's limits
         in this front end's envelope (`widen_answer_envelope`) and to the caller's."""
         ...
 
-    def error(self, tag: _Tag, error: LaneserveError, limit_bytes: int) -> _Answer_co:
+    def error(self, tag: _Tag, error: LaneserveError, limit_bytes: int) -> _Answer:
         """The answer of the item `tag`: `error`, tagged with its id, within `limit_bytes`
         (the caller's receive limit, else max_message_bytes): gRPC sends no larger message
         (nor its client reads one), and ends the whole stream instead."""
         ...
 
-    def held_bytes(self, answer: Message) -> int:
+    def held_bytes(self, answer: _Answer) -> int:
         """The bytes of tensor data `answer` (one of `answer`'s or `error`'s) holds, for
         the credit window (`StreamWindow`), without reading them."""
         ...
@@ -331,7 +328,7 @@ class _InferStreamWire:
     )
 
     def tag(self, item: pb.InferRequest | OversizedRequest) -> ItemTag:
-        return ItemTag(answer_id(item.request_id))
+        return ItemTag(answer_id(item.request_id), idempotent=True)
 
     def convert(self, item: pb.InferRequest | OversizedRequest) -> pb.InferRequest | LaneserveError:
         # Refused unread: only its id was kept, for its answer.
@@ -357,7 +354,7 @@ class _InferStreamWire:
             assert answer.ByteSize() <= limit_bytes
         return answer
 
-    def held_bytes(self, answer: Message) -> int:
+    def held_bytes(self, answer: pb.InferStreamResponse) -> int:
         return held_answer_bytes(answer)
 
     def envelope_bytes(self, limit_bytes: int) -> int:
@@ -378,9 +375,9 @@ class _OnStream:
 
 class RoomWaiter:
     """A stream item in its lane's line for room (see `_wait_for_room`), on the event
-    loop. It sleeps until woken: by its turn, the drain, or a call with its request_id
-    beginning (it joins). Each waiter woke every ROOM_POLL_MAX_S for its whole wait to
-    look at the last two: 2 500 waiting kept an idle server at 63 % of a core."""
+    loop. It sleeps until woken: by its turn, the drain, or a call with its key in the
+    ledger beginning (it joins). Each waiter woke every ROOM_POLL_MAX_S for its whole
+    wait to look at the last two: 2 500 waiting kept an idle server at 63 % of a core."""
 
     def __init__(self) -> None:
         self.oldest = False  # its turn: it alone looks for room, and is first in its line
@@ -636,7 +633,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             message = await self._stream_answer(
                 item, wire, context, default_lane, on_stream, error_limit
             )
-            answers.put_nowait((message, window.finished(message, wire.held_bytes(message))))
+            answers.put_nowait((message, window.finished(wire.held_bytes(message))))
 
         async def read_all() -> None:
             while True:
@@ -730,7 +727,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         """One stream item's answer: its response, or its error (the stream goes on),
         within the caller's receive limit (`on_stream`) and `error_limit` (the smaller of
         it and the server's)."""
-        tag = wire.tag(item)  # read before `convert` lets go of it
+        # Read before `convert` lets go of the item; outside the `try`, as `tag` never
+        # raises (it reads fields only): every answer below needs it.
+        tag = wire.tag(item)
         try:
             request = wire.convert(item)
             response = await self._run(
@@ -764,7 +763,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
     def _check_sendable(self, response: pb.InferResponse) -> int:
         """gRPC refuses to send a message over max_message_bytes (and fails a whole
-        InferStream with it): such an answer is this error instead, counted and traced
+        stream with it): such an answer is this error instead, counted and traced
         as one. Measured in the largest envelope of the front ends, an InferStream item
         or KServe's (a ModelInferResponse, alone or in a ModelStreamInferResponse: at
         most `_answer_extra_bytes` more than the response):
@@ -1178,7 +1177,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def _run_once(
         self,
         lane: str,
-        request_id: str,
+        ledger_id: str,
         digest: bytes,
         submit: Callable[[Resolve], Admitted],
         finish: Finish,
@@ -1186,26 +1185,25 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         caller: Caller,
     ) -> pb.InferResponse:
         """The request's answer from the ledger (see `RequestLedger.run`), keyed
-        `request_id` ("": none, `_infer`'s ledger_id): it waits until `wait_until_s` at
+        `ledger_id` (`_infer`'s: "" keys none): it waits until `wait_until_s` at
         most, a retry joining the request in flight too."""
         # Told here, as the ledger is asked: a stream item may have waited for room first.
-        retry = self._ledger.answers_as(request_id, digest)
+        retry = self._ledger.answers_as(ledger_id, digest)
         if retry == "join":  # refused before it joins: traced a retry once it does (`_Taken`)
-            refusal = self._join_memory_refusal(lane, request_id)
+            refusal = self._join_memory_refusal(lane, ledger_id)
             if refusal is not None:
                 raise self._rejected(lane, refusal)
         elif retry == "replay":  # not "reused": that call is refused, not a retry
-            self._tracer.retried(request_id, lane, retry)
-        if retry is None and request_id:
+            self._tracer.retried(ledger_id, lane, retry)
+        if retry is None:
             # It starts a flight (unless refused): the stream items with its id that wait
             # for room join it instead. Woken now, each looks once this task yields, and
-            # the ledger records the flight before its first await. One keyed by none
-            # starts none: those waiting under "" wait on.
-            for waiter in self._room_waiters.get(request_id, ()):
+            # the ledger records the flight before its first await.
+            for waiter in self._room_waiters.get(ledger_id, ()):
                 waiter.wake()
         try:
             return await self._ledger.run(
-                request_id, digest, submit, finish, deadline_s=wait_until_s, caller=caller
+                ledger_id, digest, submit, finish, deadline_s=wait_until_s, caller=caller
             )
         except (RequestIdReusedError, JoinLimitError) as error:
             # Answered, but no entry of its own was shed: counted as its lane's refusal
@@ -1239,13 +1237,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         rows: int,
         until_s: float,
         room: StreamRoom,
-        request_id: str,
+        ledger_id: str,
     ) -> pb.InferResponse:
         """`run()` once `lane` has room for `rows` rows (see `_wait_for_room`), or at once
-        once a request with its `request_id` is in flight (it joins: no room needed);
+        once a request with its `ledger_id` is in flight (it joins: no room needed);
         again when another caller took the room first, while there is time."""
         while True:
-            await self._wait_for_room(lane, rows, until_s, room, request_id)
+            await self._wait_for_room(lane, rows, until_s, room, ledger_id)
             if self._state() is not Lifecycle.SERVING:
                 # The wait ends at the drain, whose scheduler may still admit a moment:
                 # retried there, a full lane refused it in a loop that never yielded
@@ -1259,11 +1257,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             await asyncio.sleep(ROOM_POLL_MIN_S)  # a retry never spins the loop
 
     async def _wait_for_room(
-        self, lane: str, rows: int, until_s: float, room: StreamRoom, request_id: str
+        self, lane: str, rows: int, until_s: float, room: StreamRoom, ledger_id: str
     ) -> None:
         """Returns once `lane` has room for `rows` more rows and no stream item that began
         waiting for room in it earlier still waits, at `until_s`, when the server stops
-        serving, or once the ledger holds `request_id` (a call with it began meanwhile, in
+        serving, or once the ledger holds `ledger_id` (a call with it began meanwhile, in
         another lane: the item joins it instead of waiting for room it will not use).
         First come, first served: polling each on its own, the small items of one stream
         took every row that freed, and a stream of large items in the same lane waited
@@ -1279,11 +1277,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         waiter.oldest = not line
         line.append(waiter)
         # Before the ledger is asked below: a call with its id that begins later wakes it.
-        if request_id:  # "" keys nothing: no call has its id
-            self._room_waiters.setdefault(request_id, []).append(waiter)
+        if ledger_id:  # "" keys nothing: no call has its id
+            self._room_waiters.setdefault(ledger_id, []).append(waiter)
         room.enter()
         try:
-            while self._state() is Lifecycle.SERVING and not self._ledger.holds(request_id):
+            while self._state() is Lifecycle.SERVING and not self._ledger.holds(ledger_id):
                 left_s = until_s - self._clock.monotonic()
                 if left_s <= 0:
                     return
@@ -1304,11 +1302,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         finally:
             room.leave()
             line.remove(waiter)
-            if request_id:
-                same_id = self._room_waiters[request_id]
+            if ledger_id:
+                same_id = self._room_waiters[ledger_id]
                 same_id.remove(waiter)
                 if not same_id:
-                    del self._room_waiters[request_id]
+                    del self._room_waiters[ledger_id]
             if waiter.oldest and line:
                 line[0].oldest = True
                 line[0].wake()  # its turn, after this one's admission (same step)
@@ -1524,7 +1522,7 @@ def undecodable(request: Message) -> InvalidInputError:
 
 
 # gRPC's handler factory for each (client streams, server streams) of a method.
-_HANDLER_KINDS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
+HANDLER_KINDS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
     (False, False): grpc.unary_unary_rpc_method_handler,
     (False, True): grpc.unary_stream_rpc_method_handler,
     (True, False): grpc.stream_unary_rpc_method_handler,
@@ -1570,7 +1568,7 @@ def add_to_server(
             if not method.client_streaming:  # a stream's items are read within its call
                 read = gate.deserializer(read)
             behavior = gate.gate(behavior, response_streaming=method.server_streaming)
-        handlers[method.name] = _HANDLER_KINDS[method.client_streaming, method.server_streaming](
+        handlers[method.name] = HANDLER_KINDS[method.client_streaming, method.server_streaming](
             behavior,
             request_deserializer=read,
             response_serializer=response_type.SerializeToString,
@@ -1601,7 +1599,7 @@ def add_grpc_service(server: grpc.aio.Server, service_name: str, servicer: objec
             # Not implemented by the grpc.aio servicer (health's List): the generated
             # base's stub, answering UNIMPLEMENTED, as gRPC does a method it lacks.
             continue
-        handlers[method.name] = _HANDLER_KINDS[method.client_streaming, method.server_streaming](
+        handlers[method.name] = HANDLER_KINDS[method.client_streaming, method.server_streaming](
             _refusing_oversized(behavior, requests_streamed=method.client_streaming),
             request_deserializer=functools.partial(read_grpc_request, request_type, full_name),
             response_serializer=response_type.SerializeToString,

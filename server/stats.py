@@ -271,6 +271,20 @@ class _Duration:
     count: int = 0
     ns: int = 0
 
+    def frozen(self) -> Duration:
+        """Its reading now (`Cumulative`)."""
+        return Duration(self.count, self.ns)
+
+
+@dataclasses.dataclass(slots=True)
+class _Forming:
+    """A batch formed and not yet done (`StatsRecorder.batch_formed`): its requests
+    whose first batch it is, and the sum of their waits in their lanes. Guarded by the
+    recorder's lock."""
+
+    first_batches: int
+    waited_ns: int
+
 
 @dataclasses.dataclass(slots=True)
 class _BatchDurations:
@@ -384,7 +398,7 @@ class StatsRecorder:
         # Per batch formed and not yet done, by batch_id: its requests' first batches and
         # their waits in nanoseconds, counted once the batch has run (a batch that fails
         # whole ran no request). One entry per batch running; a stop may leave one.
-        self._forming: dict[int, tuple[int, int]] = {}
+        self._forming: dict[int, _Forming] = {}
         # The batches `batch_split` named whose `batch_done` is still to come (it follows
         # at once, on the same thread): no execution of their size (`Cumulative`).
         self._split_batches: set[int] = set()
@@ -405,13 +419,13 @@ class StatsRecorder:
     def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
         with self._lock:
             now_s = self._clock.monotonic()
-            firsts = waited_ns = 0
+            forming = _Forming(first_batches=0, waited_ns=0)
             for piece, wait_s in zip(batch.slices, queue_waits_s, strict=True):
                 if wait_s is not None:
                     self._lanes[piece.lane].queue_wait_s.add(now_s, wait_s)
-                    firsts += 1
-                    waited_ns += round(wait_s * 1e9)
-            self._forming[batch.batch_id] = (firsts, waited_ns)
+                    forming.first_batches += 1
+                    forming.waited_ns += round(wait_s * 1e9)
+            self._forming[batch.batch_id] = forming
 
     def batch_done(
         self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
@@ -422,21 +436,20 @@ class StatsRecorder:
             self._batch_outcomes[batch.reason.value, status] += 1
             self._batch_rows += batch.rows
             self._batch_sizes.add(now_s, batch.rows)
-            firsts, waited_ns = self._forming.pop(batch.batch_id, (0, 0))
+            forming = self._forming.pop(batch.batch_id, _Forming(first_batches=0, waited_ns=0))
             split = batch.batch_id in self._split_batches or failed_rows > 0
             self._split_batches.discard(batch.batch_id)
             if error is None:
                 self._rows_run += batch.rows - failed_rows
                 self._run_s.add(now_s, run_s)
-                self._batch_ran(batch, run_s, now_s, firsts, waited_ns, split=split)
+                self._batch_ran(batch, run_s, now_s, forming, split=split)
 
     def _batch_ran(
         self,
         batch: Batch,
         run_s: float,
         now_s: float,
-        firsts: int,
-        waited_ns: int,
+        forming: _Forming,
         *,
         split: bool,
     ) -> None:
@@ -448,11 +461,11 @@ class StatsRecorder:
         # formed_s is on this clock (the scheduler's); run_s on the engine's timer.
         input_ns = max(round((now_s - batch.formed_s - run_s) * 1e9), 0)
         requests = len(batch.slices)
-        self._queue.count += firsts
-        self._queue.ns += waited_ns
-        self._compute_input.count += firsts
+        self._queue.count += forming.first_batches
+        self._queue.ns += forming.waited_ns
+        self._compute_input.count += forming.first_batches
         self._compute_input.ns += input_ns * requests
-        self._compute_infer.count += firsts
+        self._compute_infer.count += forming.first_batches
         self._compute_infer.ns += infer_ns * requests
         if split:
             return
@@ -513,11 +526,11 @@ class StatsRecorder:
         with self._lock:
             now_s = self._clock.monotonic()
             return Cumulative(
-                success=Duration(self._success.count, self._success.ns),
-                fail=Duration(self._fail.count, self._fail.ns),
-                queue=Duration(self._queue.count, self._queue.ns),
-                compute_input=Duration(self._compute_input.count, self._compute_input.ns),
-                compute_infer=Duration(self._compute_infer.count, self._compute_infer.ns),
+                success=self._success.frozen(),
+                fail=self._fail.frozen(),
+                queue=self._queue.frozen(),
+                compute_input=self._compute_input.frozen(),
+                compute_infer=self._compute_infer.frozen(),
                 rows_run=self._rows_run,
                 executions=self._executions,
                 batch_sizes=tuple(

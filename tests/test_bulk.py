@@ -1747,7 +1747,7 @@ def test_a_streams_window_counts_items_not_yet_finished_at_its_largest_answer() 
     answer.response.outputs.append(encode_tensor("y", np.zeros((1, mib // 4), np.float32)))
     window = service.StreamWindow(256, 4 * mib)
     window.read()
-    size = window.finished(answer)  # 1 MiB held
+    size = window.finished(service.held_answer_bytes(answer))  # 1 MiB held
     window.read()
     window.read()  # + 2 unfinished at 1 MiB: 3 MiB
     assert window.open.is_set()

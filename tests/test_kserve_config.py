@@ -192,7 +192,7 @@ def test_on_cuda_the_instance_group_is_the_gpu_the_session_runs_on(small_model: 
     served = config(small_model, model_name="mlp", lanes=LANES, default_lane="main")
     specs = (TensorSpec("input", np.dtype("<f4"), (-1, 512)),)
     outputs = (TensorSpec("output", np.dtype("<f4"), (-1, 10)),)
-    built = model_config(served, specs, outputs, platform="onnxruntime_onnx", gpu_id=0)
+    built = model_config(served, specs, outputs, gpu_id=0)
     gpu_group = kpb.ModelInstanceGroup(
         name="mlp_0", count=1, kind=kpb.ModelInstanceGroup.KIND_GPU, gpus=[0]
     )

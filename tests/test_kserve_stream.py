@@ -105,8 +105,8 @@ def echo_model(path: Path) -> Path:
 
 
 def tag(item_id: str, *, final_response: bool = False) -> kserve_module.ModelStreamTag:
-    """An item's tag, as `ModelStreamWire.tag` reads it."""
-    return kserve_module.ModelStreamTag(item_id, final_response=final_response)
+    """An item's tag, as `ModelStreamWire.tag` reads it (without laneserve_idempotent)."""
+    return kserve_module.ModelStreamTag(item_id, idempotent=False, final_response=final_response)
 
 
 def bulk_lane(capacity_rows: int) -> tuple[LaneConfig, ...]:
