@@ -40,10 +40,17 @@ class SchedulerEvents(Protocol):
         ...
 
     def batch_done(
-        self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
+        self,
+        batch: Batch,
+        run_s: float,
+        error: LaneserveError | None,
+        failed_rows: int = 0,
+        *,
+        split: bool = False,
     ) -> None:
         """A batch ran: `error` when it failed whole, else `failed_rows` of its rows failed
-        (a split batch) and the rest ran."""
+        (a split batch) and the rest ran. `split`: it ran in parts after a failed run (out
+        of memory, or a failure a part may not repeat), so `run_s` is no one run's."""
         ...
 
     def completed(
@@ -157,7 +164,13 @@ class NullEvents:
         pass
 
     def batch_done(
-        self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
+        self,
+        batch: Batch,
+        run_s: float,
+        error: LaneserveError | None,
+        failed_rows: int = 0,
+        *,
+        split: bool = False,
     ) -> None:
         pass
 
@@ -228,9 +241,18 @@ class FanOut:
         self._each("batch_formed", lambda sink: sink.batch_formed(batch, queue_waits_s))
 
     def batch_done(
-        self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
+        self,
+        batch: Batch,
+        run_s: float,
+        error: LaneserveError | None,
+        failed_rows: int = 0,
+        *,
+        split: bool = False,
     ) -> None:
-        self._each("batch_done", lambda sink: sink.batch_done(batch, run_s, error, failed_rows))
+        self._each(
+            "batch_done",
+            lambda sink: sink.batch_done(batch, run_s, error, failed_rows, split=split),
+        )
 
     def completed(
         self,

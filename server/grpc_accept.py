@@ -78,6 +78,22 @@ OPERATOR_LIMIT = 64
 # The trailer that names the operator calls' bound, on the refusal of the one over it
 # (in gRPC's words for a full port, CALL_LIMIT_DETAILS, as a stream over its bound is).
 OPERATOR_LIMIT_KEY = "laneserve-operator-limit"
+# The health service's Watch streams open on one port, at most (`CallGate.gate_watch`;
+# Check, unary and answered at once, is not counted). Each holds a task, a waiter and
+# gRPC's call, ~23 KiB of the server's memory (measured: 4 000 watches on the demo model
+# raised its RSS by 88 MiB), for as long as its caller keeps it open: unbounded, a
+# misconfigured prober or a hostile client held memory without end. Probes (Kubernetes',
+# grpc-health-probe, Envoy's) call Check; a Watch is a gRPC channel's client-side health
+# check (gRFC A17), one per connection of a channel whose service config asks for it, and
+# a refused one puts that connection in TRANSIENT_FAILURE, retried with backoff: the
+# client sends this port nothing meanwhile. So the bound is room for a fleet of such
+# clients, 1 024 connections per port (~23 MiB), not for a few probers as the operator
+# bound is; counted apart from the operator calls, which a port full of watches, held
+# open for hours, would otherwise refuse.
+WATCH_LIMIT = 1024
+# The trailer that names the watches' bound, on the refusal of the one over it (in gRPC's
+# words for a full port, CALL_LIMIT_DETAILS, as the other bounds').
+WATCH_LIMIT_KEY = "laneserve-watch-limit"
 # What `CallGate.deserializer` hands a unary handler over the limit (and
 # `operator_deserializer` an operator's over its own), instead of parsing.
 OVER_LIMIT = object()
@@ -301,7 +317,8 @@ class CallGate:
     more is refused at once in the same words, the bound in the STREAM_LIMIT_KEY trailer.
     Operator calls (OPERATOR_METHODS) are counted apart, at most `operator_limit`
     (`gate_operator`): one more is refused in the same words, the bound in the
-    OPERATOR_LIMIT_KEY trailer. Counted by the handlers (`gate`),
+    OPERATOR_LIMIT_KEY trailer. Health Watch streams likewise, at most `watch_limit`
+    (`gate_watch`), the bound in the WATCH_LIMIT_KEY trailer. Counted by the handlers (`gate`),
     so every call is, however it was taken (see `ParallelAcceptors`). `below_accept` is
     set while fewer unary calls than `accept_below` are in progress (the extra asks are
     out only then): a stream's call stays open for a whole job, and its items do not
@@ -313,6 +330,9 @@ class CallGate:
         # Not in `calls`: an operator call neither takes an inference slot nor holds the
         # asks back (see OPERATOR_LIMIT).
         self.operator_calls = 0
+        # Not in `calls` either, nor in `operator_calls`: a watch is open for hours.
+        self.watch_limit = WATCH_LIMIT
+        self.watch_calls = 0
         # Streams hold at most half the slots (at least one, so that a port of limit 1
         # still takes a stream): the rest always stays for unary calls. A stream is a
         # whole bulk job, open while its source is read, sending or not: 4 200 that sent
@@ -347,6 +367,11 @@ class CallGate:
         """Whether an operator call taken now is refused: `operator_limit` are in progress."""
         return self.operator_calls >= self.operator_limit
 
+    @property
+    def watches_full(self) -> bool:
+        """Whether a health Watch taken now is refused: `watch_limit` are open."""
+        return self.watch_calls >= self.watch_limit
+
     async def refuse_operator(self, context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
         """Ends an operator call over `operator_limit` RESOURCE_EXHAUSTED in gRPC's words
         for a full port, the bound in the OPERATOR_LIMIT_KEY trailer."""
@@ -356,6 +381,15 @@ class CallGate:
             f"inference calls (server setting max_concurrent_rpcs {self.limit})"
         )
         await refuse_over_limit(context, ((OPERATOR_LIMIT_KEY, bound),))
+
+    async def refuse_watch(self, context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
+        """Ends a health Watch over `watch_limit` RESOURCE_EXHAUSTED in gRPC's words for a
+        full port, the bound in the WATCH_LIMIT_KEY trailer."""
+        bound = (
+            f"{self.watch_limit} health Watch streams (grpc.health.v1.Health/Watch) at once "
+            "on this port, counted apart from every other call; Check is not counted"
+        )
+        await refuse_over_limit(context, ((WATCH_LIMIT_KEY, bound),))
 
     async def refuse_call(self, context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
         """Ends an inference call over `limit` RESOURCE_EXHAUSTED in gRPC's words for a
@@ -423,6 +457,23 @@ class CallGate:
                 return await handling
             finally:
                 self.operator_calls -= 1
+
+        return gated
+
+    def gate_watch(self, behavior: Callable[..., Awaitable[None]]) -> Callable[..., Any]:
+        """`behavior` (gRPC's health Watch: a coroutine function that writes its answers
+        through the context and ends when the call does), counted in `watch_calls` while
+        it runs and refused over `watch_limit`. Its slot is freed once, however it ends:
+        its caller gone (cancelled), the drain (`end_watches`), or an error."""
+
+        async def gated(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            if self.watches_full:
+                await self.refuse_watch(context)
+            self.watch_calls += 1
+            try:
+                await behavior(request, context)
+            finally:
+                self.watch_calls -= 1
 
         return gated
 

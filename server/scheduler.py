@@ -2011,7 +2011,7 @@ class Scheduler:
         if error is None and result.outputs is None:
             error = result.failed_rows[0].error
         failed = 0 if error is not None else sum(failed.rows for failed in result.failed_rows)
-        self.events.batch_done(batch, result.run_s, error, failed)
+        self.events.batch_done(batch, result.run_s, error, failed, split=result.split)
         return outcomes
 
     def rows_wanted(

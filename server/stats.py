@@ -352,12 +352,9 @@ class Cumulative:
     rows_run: int
     # Batches that ran whole in one execution, and per size in rows, smallest first
     # (Triton's: each execution is one of its size's). A batch retried in parts after a
-    # failed run is in neither: its parts were executions of other sizes, its run_s the
-    # failed run's and all of theirs, and the recorder is not told their sizes. Such a
-    # batch is one that `batch_split` named (out of memory) or whose `failed_rows` are
-    # not 0 (rows that failed alone, or not run again: a split found them); one whose
-    # run failed for another reason and whose parts then all ran is told apart by
-    # neither, and counted as one execution (rare: a failure no row reproduces).
+    # failed run (`batch_done`'s `split`: out of memory, or any other failure) is in
+    # neither: its parts were executions of other sizes, its run_s the failed run's and
+    # all of theirs, and the recorder is not told their sizes.
     executions: int
     batch_sizes: tuple[BatchSizeTotals, ...]
     # Seconds on the recorder's clock from the last request answered OK to this reading;
@@ -399,9 +396,6 @@ class StatsRecorder:
         # their waits in nanoseconds, counted once the batch has run (a batch that fails
         # whole ran no request). One entry per batch running; a stop may leave one.
         self._forming: dict[int, _Forming] = {}
-        # The batches `batch_split` named whose `batch_done` is still to come (it follows
-        # at once, on the same thread): no execution of their size (`Cumulative`).
-        self._split_batches: set[int] = set()
 
     def admitted(self, lane: str, rows: int) -> None:
         with self._lock:
@@ -428,7 +422,13 @@ class StatsRecorder:
             self._forming[batch.batch_id] = forming
 
     def batch_done(
-        self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
+        self,
+        batch: Batch,
+        run_s: float,
+        error: LaneserveError | None,
+        failed_rows: int = 0,
+        *,
+        split: bool = False,
     ) -> None:
         with self._lock:
             now_s = self._clock.monotonic()
@@ -437,8 +437,6 @@ class StatsRecorder:
             self._batch_rows += batch.rows
             self._batch_sizes.add(now_s, batch.rows)
             forming = self._forming.pop(batch.batch_id, _Forming(first_batches=0, waited_ns=0))
-            split = batch.batch_id in self._split_batches or failed_rows > 0
-            self._split_batches.discard(batch.batch_id)
             if error is None:
                 self._rows_run += batch.rows - failed_rows
                 self._run_s.add(now_s, run_s)
@@ -494,7 +492,6 @@ class StatsRecorder:
     def batch_split(self, batch_id: int, rows: int, out_of_memory_runs: int) -> None:
         with self._lock:
             self._batch_splits += 1
-            self._split_batches.add(batch_id)
 
     def cap_changed(self, old_rows: int, new_rows: int, reason: str, signature: Signature) -> None:
         with self._lock:

@@ -177,16 +177,22 @@ def run(args: argparse.Namespace) -> int:
 
 def _show(frame: str, live: bool) -> None:
     """Writes a frame with the time (UTC) it was polled on its first line. Live, in place
-    of the last, each line cut to the terminal's width, read each frame (it may have
-    been resized): a wrapped line took several rows, and a frame taller than the screen
-    scrolled its header away at each redraw. Otherwise after the last, opened by a line
-    that no frame holds, so that a file of frames splits at it."""
+    of the last, cut to the terminal's size, read each frame (it may have been resized):
+    each line to its width (a wrapped line took several rows), and the frame to its
+    height less the cursor's row, its last row then saying how many lines were left out
+    (a frame taller than the screen scrolled its header away at each redraw). Otherwise
+    after the last, opened by a line that no frame holds, so that a file of frames
+    splits at it."""
     polled = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     if live:
         assert frame.startswith(_TITLE)  # render's and _unreachable's first line
-        columns = shutil.get_terminal_size().columns
-        timed = f"{_TITLE} {polled}{frame.removeprefix(_TITLE)}"
-        sys.stdout.write(_CLEAR + "".join(line[:columns] + "\n" for line in timed.splitlines()))
+        columns, rows = shutil.get_terminal_size()
+        lines = f"{_TITLE} {polled}{frame.removeprefix(_TITLE)}".splitlines()
+        shown = max(rows - 1, 1)  # the cursor rests on the row below the frame
+        if len(lines) > shown:
+            left_out = len(lines) - shown + 1
+            lines = [*lines[: shown - 1], f"... {left_out} more lines: enlarge the terminal"]
+        sys.stdout.write(_CLEAR + "".join(line[:columns] + "\n" for line in lines))
     else:
         sys.stdout.write(f"--- {_TITLE} {polled} ---\n{frame}")
     sys.stdout.flush()

@@ -356,9 +356,9 @@ def test_the_totals_count_each_request_once_and_its_batches_time_for_each_reques
 
 
 def test_a_batch_retried_in_parts_is_no_execution_of_its_size() -> None:
-    """A batch run again in parts after a failed run (out of memory: `batch_split`; or
-    rows that failed alone: `failed_rows`) ran as several executions of smaller sizes,
-    its run_s the failed run's and every part's: it is left out of execution_count and
+    """A batch run again in parts after a failed run (`batch_done`'s `split`: out of
+    memory, or rows that failed alone) ran as several executions of smaller sizes, its
+    run_s the failed run's and every part's: it is left out of execution_count and
     batch_stats, while its rows that ran count and its requests count it as ever."""
     clock = ManualClock(start_s=100.0)
     recorder = StatsRecorder(["standard"], clock=clock)
@@ -367,12 +367,12 @@ def test_a_batch_retried_in_parts_is_no_execution_of_its_size() -> None:
     recorder.batch_formed(out_of_memory, [0.001, 0.002])
     clock.advance(0.050)
     recorder.batch_split(1, 4, 1)
-    recorder.batch_done(out_of_memory, 0.040, None)
+    recorder.batch_done(out_of_memory, 0.040, None, split=True)
     # A bad row among 4: split down to it; its request (1 row) failed, the other ran.
     bad_row = _batch(2, clock.monotonic(), (3, 0, 3), (4, 0, 1))
     recorder.batch_formed(bad_row, [0.003, 0.004])
     clock.advance(0.030)
-    recorder.batch_done(bad_row, 0.030, None, failed_rows=1)
+    recorder.batch_done(bad_row, 0.030, None, failed_rows=1, split=True)
     # A batch of 4 that ran whole, once.
     whole = _batch(3, clock.monotonic(), (5, 0, 4))
     recorder.batch_formed(whole, [0.005])
@@ -420,6 +420,46 @@ def test_a_batch_out_of_memory_is_left_out_of_batch_stats_over_grpc(small_model:
             assert {batch.batch_size for batch in stats.batch_stats} == set(engine.runs)
 
     asyncio.run(scenario())
+
+
+def test_a_batch_retried_in_parts_after_a_failure_no_part_repeats_is_no_execution(
+    small_model: Path,
+) -> None:
+    """A run that fails once, for a reason no part repeats (fault injection: the first run
+    of 8 rows armed fails ENGINE_FAILURE), is retried in halves that both run: the
+    request is answered, and its batch of 8 is no execution of 8 rows (the recorder was
+    told neither by an out-of-memory split nor by failed rows: it counted one)."""
+
+    async def scenario() -> None:
+        engine = _FailsOnce(str(small_model))
+        async with serving(engine, config(small_model, max_batch_size=16)) as s:
+            engine.armed = True
+            await kserve_stub(s).ModelInfer(raw_request("small", input=rows(8)))
+            assert engine.runs == [8, 4, 4]
+            stats = await _statistics(s)
+            counts = _counts(stats)
+            assert (counts["inference_count"], counts["execution_count"]) == (8, 0)
+            assert list(stats.batch_stats) == []
+            assert (counts["success.count"], counts["compute_infer.count"]) == (1, 1)
+
+    asyncio.run(scenario())
+
+
+class _FailsOnce(RecordingEngine):
+    """The real session, whose first run once `armed` fails ENGINE_FAILURE (fault
+    injection); `runs`: the rows of every run from then on."""
+
+    def __init__(self, model_path: str) -> None:
+        super().__init__(model_path)
+        self.armed = False
+        self.runs: list[int] = []
+
+    def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
+        if self.armed:
+            self.runs.append(len(inputs["input"]))
+            if len(self.runs) == 1:
+                raise EngineError("injected: a failure no part repeats")
+        return super().run(inputs)
 
 
 class _OutOfMemoryAbove(RecordingEngine):

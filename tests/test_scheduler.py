@@ -229,7 +229,13 @@ class RecordingEvents(NullEvents):
         self.queue_waits_s.append(tuple(queue_waits_s))
 
     def batch_done(
-        self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
+        self,
+        batch: Batch,
+        run_s: float,
+        error: LaneserveError | None,
+        failed_rows: int = 0,
+        *,
+        split: bool = False,
     ) -> None:
         self.log.append(("batch_done", batch.batch_id, None if error is None else error.reason))
 
@@ -4259,7 +4265,13 @@ class SlowCompletion(NullEvents):
         self.clock, self.seconds = clock, seconds
 
     def batch_done(
-        self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
+        self,
+        batch: Batch,
+        run_s: float,
+        error: LaneserveError | None,
+        failed_rows: int = 0,
+        *,
+        split: bool = False,
     ) -> None:
         self.clock.advance(self.seconds)
 

@@ -26,6 +26,7 @@ import onnxruntime as ort
 import pytest
 from google.protobuf import descriptor_pb2
 from grpc_channelz.v1 import channelz_pb2, channelz_pb2_grpc
+from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from onnx import external_data_helper, numpy_helper
@@ -41,6 +42,7 @@ from laneserve.server import (
     grpc_accept,
     service,
 )
+from laneserve.server import app as app_module
 from laneserve.server.app import check_ports_free
 from laneserve.server.clock import ManualClock
 from laneserve.server.codec import decode_inputs
@@ -1794,6 +1796,47 @@ def test_a_drain_that_ends_a_split_batch_does_not_fail_the_server(
     assert not events & {"session_broken", "scheduler_failed"}
 
 
+def test_a_watch_the_drain_ends_while_it_writes_sends_its_status_once() -> None:
+    """gRPC takes one write at a time on a call, and a write whose awaiter is cancelled
+    still goes out. A watch the drain ended while it wrote NOT_SERVING wrote it again,
+    refused (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS) while gRPC still sent the first: the call
+    never ended and held the stop for gRPC's whole grace. A context that holds the
+    NOT_SERVING write in flight, as gRPC does, and refuses a second meanwhile."""
+    serving_, not_serving = (
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
+
+    class InFlightWrites:
+        def __init__(self) -> None:
+            self.sent: list[int] = []
+            self.held = asyncio.Event()  # the NOT_SERVING write is in flight, never done
+
+        async def write(self, answer: health_pb2.HealthCheckResponse) -> None:
+            if self.held.is_set():
+                raise RuntimeError("GRPC_CALL_ERROR_TOO_MANY_OPERATIONS")
+            self.sent.append(answer.status)  # gRPC's from here: it goes out
+            if answer.status == not_serving:
+                self.held.set()
+                await asyncio.Event().wait()  # until cancelled
+
+    async def scenario() -> list[int]:
+        servicer = app_module._HealthServicer()
+        await servicer.set("", serving_)
+        context = InFlightWrites()
+        watch = asyncio.ensure_future(
+            servicer.Watch(health_pb2.HealthCheckRequest(service=""), context)
+        )
+        await until(lambda: context.sent == [serving_])
+        await servicer.set("", not_serving)
+        await asyncio.wait_for(context.held.wait(), 10)
+        servicer.end_watches()
+        await asyncio.wait_for(watch, 10)  # ends, without writing again
+        return context.sent
+
+    assert asyncio.run(scenario()) == [serving_, not_serving]
+
+
 def test_health_watches_end_when_the_server_stops(small_model: Path) -> None:
     """An open Watch (clients with client-side health checking keep one) held every
     stop for gRPC's whole grace, then ended CANCELLED; it now ends OK once NOT_SERVING
@@ -3456,3 +3499,135 @@ def test_a_probe_shape_flag_is_the_row_shape_get_model_and_the_probe_line_report
     assert line.group(1) == str(probed)
     assert _probe_shapes(answer) == probed
     assert answer.estimated_row_bytes >= 2 * 2 * 512 * 8
+
+
+def _watch_gates(s: Serving) -> list[grpc_accept.CallGate]:
+    """Each port's gate: the main port's first, then the priority port's."""
+    return [listener.acceptors._gate for listener in s.server._listeners]
+
+
+async def _open_watches(channel: grpc.aio.Channel, count: int) -> list[Any]:
+    """`count` health Watch calls on `channel`, each open on the server (its first answer,
+    SERVING, read). Opened 64 at a time: gRPC's core refuses calls not yet taken past
+    max_pending_calls (CANCELLED)."""
+    stub: Any = health_pb2_grpc.HealthStub(channel)
+    watches: list[Any] = []
+    while len(watches) < count:
+        opening = [
+            stub.Watch(health_pb2.HealthCheckRequest(service=""))
+            for _ in range(min(64, count - len(watches)))
+        ]
+        answers = await asyncio.gather(*(watch.read() for watch in opening))
+        assert {answer.status for answer in answers} == {health_pb2.HealthCheckResponse.SERVING}
+        watches += opening
+    return watches
+
+
+async def _watch_refused(channel: grpc.aio.Channel) -> grpc.aio.AioRpcError:
+    """The refusal of one more health Watch on `channel` (the test fails if it opens)."""
+    stub: Any = health_pb2_grpc.HealthStub(channel)
+    over = stub.Watch(health_pb2.HealthCheckRequest(service=""))
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await over.read()
+    finally:
+        over.cancel()
+    return caught.value
+
+
+def _watch_bound() -> str:
+    return (
+        f"{grpc_accept.WATCH_LIMIT} health Watch streams (grpc.health.v1.Health/Watch) at "
+        "once on this port, counted apart from every other call; Check is not counted"
+    )
+
+
+def test_health_watches_past_their_own_bound_are_refused_as_grpc_refuses_them(
+    small_model: Path,
+) -> None:
+    """A health Watch stays open as long as its caller keeps it, each holding a task and
+    gRPC's call (~23 KiB), and nothing counted them: a misconfigured prober or a hostile
+    client held memory without bound. At most WATCH_LIMIT are open per port: the one over
+    is refused at once in gRPC's words for a full port, the bound in a trailer. Check,
+    the operator calls and the priority port's own watches are answered meanwhile, and a
+    watch that ends frees its slot for the next."""
+    limit = grpc_accept.WATCH_LIMIT
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, priority_port=0)) as s:
+            watches = await _open_watches(s.channel, limit)
+            refused = await _watch_refused(s.channel)
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert refused.details() == grpc_accept.CALL_LIMIT_DETAILS
+            trailers = dict(refused.trailing_metadata() or ())
+            assert trailers[grpc_accept.WATCH_LIMIT_KEY] == _watch_bound()
+            assert await health_status(s.channel) == health_pb2.HealthCheckResponse.SERVING
+            assert (await s.stub.GetStats(pb.GetStatsRequest(), timeout=10)).lanes
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{s.server.priority_port}") as priority:
+                (priority_watch,) = await _open_watches(priority, 1)
+                priority_watch.cancel()
+            main_gate, priority_gate = _watch_gates(s)
+            assert main_gate.watch_calls == limit
+            watches[0].cancel()
+            await until(lambda: main_gate.watch_calls == limit - 1)
+            watches[0:1] = await _open_watches(s.channel, 1)
+            assert (await _watch_refused(s.channel)).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            await until(lambda: priority_gate.watch_calls == 0)
+            for watch in watches:
+                watch.cancel()
+            await until(lambda: main_gate.watch_calls == 0)
+
+    asyncio.run(scenario())
+
+
+def test_a_health_watch_frees_its_slot_once_however_it_ends(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A watch's slot is freed exactly once whether its caller cancels it, it fails, or
+    the drain ends it: afterwards the port takes WATCH_LIMIT watches again and refuses
+    the one over; and the drain still ends every open watch OK after NOT_SERVING, on
+    both ports, the bound reached or not."""
+    watch = grpc_health.aio.HealthServicer.Watch
+
+    async def failing(self: Any, request: health_pb2.HealthCheckRequest, context: Any) -> None:
+        if request.service != "fault":
+            return await watch(self, request, context)
+        # Fault injection: a watch whose handler fails after its first answer.
+        await context.write(
+            health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+        )
+        raise RuntimeError("fault injection: a failing watch")
+
+    monkeypatch.setattr(grpc_health.aio.HealthServicer, "Watch", failing)
+    limit = grpc_accept.WATCH_LIMIT
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, priority_port=0)) as s:
+            main_gate, priority_gate = _watch_gates(s)
+            stub: Any = health_pb2_grpc.HealthStub(s.channel)
+            (cancelled,) = await _open_watches(s.channel, 1)
+            cancelled.cancel()
+            fault = stub.Watch(health_pb2.HealthCheckRequest(service="fault"))
+            assert (await fault.read()).status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await fault.read()
+            assert caught.value.code() == grpc.StatusCode.UNKNOWN
+            await until(lambda: main_gate.watch_calls == 0)
+            watches = await _open_watches(s.channel, limit)
+            assert (await _watch_refused(s.channel)).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{s.server.priority_port}") as priority:
+                watches += await _open_watches(priority, 1)
+                await s.server.stop(grace_s=5.0)
+                for each in watches:
+                    statuses = []
+                    while (answer := await each.read()) is not grpc.aio.EOF:
+                        statuses.append(answer.status)
+                    # NOT_SERVING, once, whether or not the drain ended it while it wrote.
+                    assert statuses == [not_serving]
+                    assert await each.code() == grpc.StatusCode.OK
+            assert main_gate.watch_calls == priority_gate.watch_calls == 0
+
+    asyncio.run(scenario())

@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from laneserve.server import LaneServer, ServerConfig
+from laneserve.server import LaneServer, ServerConfig, top
 from laneserve.server.cli import main
 from laneserve.server.demo_model import make_demo_model
 from laneserve.server.top import Poller, Sample, render, restarted
@@ -524,6 +524,27 @@ def test_live_top_cuts_each_line_to_the_terminal_width(small_model: Path) -> Non
     assert any(line.startswith("interactive ") for line in narrow)
     assert max(len(line) for line in wide) == 60, wide
     assert "SERVING" in wide[0]
+
+
+def test_a_live_frame_taller_than_the_terminal_is_cut_to_its_height(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A frame taller than the screen scrolled its header away at each redraw: it is cut
+    to the terminal's rows less the cursor's, its last row saying how many lines were
+    left out; a frame that fits is shown whole."""
+    frame = "laneserve top  h:1\n" + "".join(f"lane {n}\n" for n in range(30))
+    shown: list[str] = []
+    for height, expected in ((10, 9), (40, 31)):
+        monkeypatch.setattr(shutil, "get_terminal_size", lambda height=height: (80, height))
+        top._show(frame, live=True)
+        shown = capsys.readouterr().out.removeprefix("\x1b[H\x1b[2J").splitlines()
+        assert len(shown) == expected
+        assert re.match(r"laneserve top \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ  h:1$", shown[0])
+    assert shown[-1] == "lane 29"
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda: (80, 10))
+    top._show(frame, live=True)
+    cut = capsys.readouterr().out.splitlines()
+    assert cut[-2:] == ["lane 6", "... 23 more lines: enlarge the terminal"]
 
 
 def test_top_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:

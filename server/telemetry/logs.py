@@ -697,7 +697,13 @@ class EventLog(NullEvents):
         self.running_batch = batch
 
     def batch_done(
-        self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
+        self,
+        batch: Batch,
+        run_s: float,
+        error: LaneserveError | None,
+        failed_rows: int = 0,
+        *,
+        split: bool = False,
     ) -> None:
         if self.running_batch is batch:
             self.running_batch = None

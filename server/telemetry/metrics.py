@@ -463,7 +463,13 @@ class Metrics(NullEvents):
                 self._queue_wait.record(wait_s, self._lane(piece.lane))
 
     def batch_done(
-        self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
+        self,
+        batch: Batch,
+        run_s: float,
+        error: LaneserveError | None,
+        failed_rows: int = 0,
+        *,
+        split: bool = False,
     ) -> None:
         status = "OK" if error is None else error.reason
         self._batch_size.record(batch.rows)

@@ -269,7 +269,13 @@ class Tracing(NullEvents):
         )
 
     def batch_done(
-        self, batch: Batch, run_s: float, error: LaneserveError | None, failed_rows: int = 0
+        self,
+        batch: Batch,
+        run_s: float,
+        error: LaneserveError | None,
+        failed_rows: int = 0,
+        *,
+        split: bool = False,
     ) -> None:
         span = self._batches.pop(batch.batch_id, None)
         if span is None:

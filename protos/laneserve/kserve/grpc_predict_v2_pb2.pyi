@@ -1021,7 +1021,7 @@ class ModelStatistics(_message.Message):
     """
     execution_count: _builtins.int
     """Batches that ran whole in one execution, as batch_stats counts them. A batch retried
-    in parts after a failed run (out of memory, or rows that fail alone) is in neither:
+    in parts after a failed run (out of memory, or any other failure) is in neither:
     its rows are in inference_count and its requests' times in inference_stats.
     """
     @_builtins.property
