@@ -585,7 +585,8 @@ def _children(pid: int) -> set[int]:
     that started them: the estimate's is the loading thread's)."""
     children: set[int] = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+        # A thread that ended meanwhile: before the open, or the read (ESRCH).
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
             children.update(int(child) for child in (task / "children").read_text().split())
     return children
 
@@ -594,7 +595,7 @@ def _alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie does not: it has ended, unreaped)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or the read
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
