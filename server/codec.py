@@ -46,11 +46,7 @@ def check_counts(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> N
     anything walks them: hashing them (a request_id) cost the event loop time in
     proportion, up to a whole message of them (`check_output_names` bounds the names)."""
     if len(tensors) > len(specs):
-        expected = [spec.name for spec in specs]
-        raise InvalidInputError(
-            f"request has {len(tensors)} inputs; {extra_inputs(tensors, expected)}; expected "
-            f"the model's inputs {expected}, each once"
-        )
+        raise too_many_inputs(tensors, specs)
     for tensor in tensors:
         if len(tensor.shape) > MAX_DIMS:  # decode_tensor's refusal, in its words
             raise InvalidInputError(
@@ -65,6 +61,15 @@ class Named(Protocol):
 
     @property
     def name(self) -> str: ...
+
+
+def too_many_inputs(tensors: Sequence[Named], specs: Sequence[TensorSpec]) -> InvalidInputError:
+    """The refusal of a request with more inputs than the model's (either front end's)."""
+    expected = [spec.name for spec in specs]
+    return InvalidInputError(
+        f"request has {len(tensors)} inputs; {extra_inputs(tensors, expected)}; expected "
+        f"the model's inputs {expected}, each once"
+    )
 
 
 def extra_inputs(tensors: Sequence[Named], expected: Sequence[str]) -> str:

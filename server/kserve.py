@@ -57,7 +57,7 @@ from grpc_health.v1 import health, health_pb2
 
 from laneserve.client.tensors import MAX_DIMS, datatype_of, numpy_dtype
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
-from laneserve.server.codec import MAX_EXTRA_BYTES, extra_inputs, text_bytes, varint_bytes
+from laneserve.server.codec import MAX_EXTRA_BYTES, text_bytes, too_many_inputs, varint_bytes
 from laneserve.server.config import UINT32_MAX, ServerConfig
 from laneserve.server.engine import TensorSpec
 from laneserve.server.errors import (
@@ -360,13 +360,8 @@ def to_infer_request(
 def _check_counts(
     request: kpb.ModelInferRequest, inputs: Sequence[TensorSpec], output_names: Sequence[str]
 ) -> None:
-    expected_inputs = [spec.name for spec in inputs]
     if len(request.inputs) > len(inputs):  # named as Infer names them
-        raise InvalidInputError(
-            f"request has {len(request.inputs)} inputs; "
-            f"{extra_inputs(request.inputs, expected_inputs)}; expected the model's inputs "
-            f"{expected_inputs}, each once"
-        )
+        raise too_many_inputs(request.inputs, inputs)
     raw = len(request.raw_input_contents)
     if raw and raw != len(request.inputs):
         raise InvalidInputError(
