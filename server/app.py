@@ -75,6 +75,7 @@ from laneserve.server.service import (
     add_grpc_service,
     add_to_server,
 )
+from laneserve.server.shared_memory import SharedMemoryRegions
 from laneserve.server.stats import StatsRecorder
 from laneserve.server.telemetry import EndpointTls, MetricSources, Telemetry, log_event
 from laneserve.v1 import inference_pb2 as pb
@@ -1097,6 +1098,9 @@ class LaneServer:
             run_time_signature=engine.probe_signature,
         )
         self._health = _HealthServicer()
+        # Triton's system shared memory regions, one registry for every port's KServe
+        # front end; let go of as the server stops.
+        self.shared_memory = SharedMemoryRegions(enabled=config.shared_memory)
         self._thread: SchedulerThread | None = None
         self._servicer: InferenceServicer | None = None
         self._listeners: list[_Listener] = []  # the main port's first, once started
@@ -1371,6 +1375,7 @@ class LaneServer:
                 # ONNX Runtime's CUDA provider runs on its default device, 0: the first
                 # GPU CUDA_VISIBLE_DEVICES lists (memory.session_gpu).
                 gpu_id=0 if _on_gpu(self.engine) else None,
+                regions=self.shared_memory,
             )
             handlers |= add_kserve_to_server(kserve, server, gate)
         # Both front ends' inference calls taken several at a time (a ModelInfer had been
@@ -1462,6 +1467,7 @@ class LaneServer:
             if self._servicer is not None:
                 self._servicer.close()
             self.telemetry.close()
+            self.shared_memory.close()
             await self._health.enter_graceful_shutdown()  # as every stopped server says
             self._stopped.set()
             return
@@ -1488,6 +1494,7 @@ class LaneServer:
             # that would not end may still be stored): no timer outlives the server.
             self._servicer.close()
             self.telemetry.close()
+            self.shared_memory.close()  # the servers have stopped: no call reads a region
             self.state = Lifecycle.STOPPED
             self._stopped.set()
         log_event(log, logging.INFO, "shutdown", "stopped", drained=drained)

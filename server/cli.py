@@ -120,6 +120,7 @@ _SERVE_FLAGS = {
     "tls_key": "--tls-key",
     "tls_client_ca": "--tls-client-ca",
     "probe_shapes": "--probe-shape",
+    "shared_memory": "--shared-memory",
 }
 
 
@@ -599,6 +600,12 @@ def _parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
         type=int,
         help="ONNX Runtime threads (0 = auto: on the CPU the cores, capped by the "
         "cgroup's CPU quota, less 1)",
+    )
+    serve.add_argument(
+        "--shared-memory",
+        action=argparse.BooleanOptionalAction,
+        help="let KServe / Triton callers on this host (loopback, Unix socket) pass tensors "
+        "through POSIX shared memory (default off; README, Shared memory)",
     )
     serve.add_argument(
         "--metrics-port",

@@ -289,6 +289,14 @@ class ServerConfig:
     # header, before any inflating, where clients may be hostile. Answers are never
     # compressed.
     compressed_requests: bool = True
+    # Whether KServe v2 / Triton callers on this host (loopback or Unix socket peers) may
+    # register POSIX shared memory regions and have ModelInfer read inputs from and write
+    # outputs to them (Triton's system shared memory, server/shared_memory.py). Callers
+    # elsewhere never may: a region is a file of this host's /dev/shm. Off by default:
+    # a caller that may reads and writes any object of /dev/shm the server's user can,
+    # and a proxy on the host (a service mesh's sidecar) makes remote callers look local.
+    # Off, it is all refused PERMISSION_DENIED.
+    shared_memory: bool = False
     # ONNX Runtime intra-op threads; 0: auto (on the CPU one core fewer than the
     # process may use, its cgroup's CPU quota included, left to the event loop; see
     # engine.default_intra_op_threads).
@@ -369,6 +377,7 @@ class ServerConfig:
             "server.max_concurrent_rpcs", self.max_concurrent_rpcs, minimum=1, maximum=GRPC_INT_MAX
         )
         _check_bool("server.compressed_requests", self.compressed_requests)
+        _check_bool("server.shared_memory", self.shared_memory)
         _check_int(
             "server.max_pending_calls", self.max_pending_calls, minimum=1, maximum=GRPC_INT_MAX
         )

@@ -12,6 +12,11 @@
     ├── MemoryPressureError        RESOURCE_EXHAUSTED   MEMORY_PRESSURE      (retry after pushback)
     ├── JoinLimitError             RESOURCE_EXHAUSTED   JOIN_LIMIT           (retry once answered)
     ├── ModelNotFoundError         NOT_FOUND            MODEL_NOT_FOUND      (KServe: other model)
+    ├── RegionNotFoundError        NOT_FOUND            REGION_NOT_FOUND     (KServe: shm status)
+    ├── RegionExistsError          ALREADY_EXISTS       REGION_EXISTS        (KServe: shm register)
+    ├── RegionLimitError           RESOURCE_EXHAUSTED   REGION_LIMIT         (KServe: shm register)
+    ├── SharedMemoryRefusedError   PERMISSION_DENIED    SHARED_MEMORY_REFUSED (shm off/remote)
+    ├── UnsupportedError           UNIMPLEMENTED        UNSUPPORTED          (KServe: load, CUDA)
     └── EngineError                INTERNAL             ENGINE_FAILURE
         ├── SessionBrokenError     INTERNAL             ENGINE_FAILURE       (the server stops)
         └── ServerFaultError       INTERNAL             ENGINE_FAILURE       (laneserve's own)
@@ -116,6 +121,43 @@ class ModelNotFoundError(LaneserveError):
 
     code = grpc.StatusCode.NOT_FOUND
     reason = "MODEL_NOT_FOUND"
+
+
+class RegionNotFoundError(LaneserveError):
+    """A shared memory region's status asked by a name not registered."""
+
+    code = grpc.StatusCode.NOT_FOUND
+    reason = "REGION_NOT_FOUND"
+
+
+class RegionExistsError(LaneserveError):
+    """A shared memory region registered under a name already registered."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+    reason = "REGION_EXISTS"
+
+
+class RegionLimitError(LaneserveError):
+    """A shared memory region registered while the most a server maps are registered."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "REGION_LIMIT"
+
+
+class SharedMemoryRefusedError(LaneserveError):
+    """Shared memory asked for (a region registered, or a tensor placed in one) while
+    server.shared_memory is false, or by a caller not on this host."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = "SHARED_MEMORY_REFUSED"
+
+
+class UnsupportedError(LaneserveError):
+    """A method of Triton's protocol laneserve serves only to refuse, saying why (a model
+    load or unload, a CUDA shared memory region)."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+    reason = "UNSUPPORTED"
 
 
 class EngineError(LaneserveError):

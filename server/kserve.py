@@ -9,8 +9,8 @@ idempotency (where the request asks: IDEMPOTENT_PARAMETER), shedding, memory lim
 tracing, stats and error statuses are Infer's; the answer is converted back.
 ModelStreamInfer is InferStream's mechanism (`InferenceServicer.serve_stream`) with
 ModelInfer's items and answers (`ModelStreamWire`). The metadata, configuration,
-statistics and liveness calls are operator calls, counted apart from the inference calls
-as GetModel is (`add_kserve_to_server`).
+statistics, liveness, repository and shared memory calls are operator calls, counted
+apart from the inference calls as GetModel is (`add_kserve_to_server`).
 
 The mapping (README.md, "KServe v2 / Triton clients"):
 
@@ -26,9 +26,15 @@ The mapping (README.md, "KServe v2 / Triton clients"):
                                      uint64 too)
     parameters["priority"] uint64    0: none; k >= 1: the k-th lane, highest first
                                      (Triton's 1 is its highest priority)
-    inputs + raw_input_contents      inputs, each Tensor's data the raw bytes
+    inputs + raw_input_contents      inputs, each Tensor's data the raw bytes (one
+                                     entry per input not in shared memory)
     inputs[].contents (typed lists)  inputs, the list converted to little-endian bytes
+    inputs[].parameters shared_memory_region, _byte_size, _offset
+                                     inputs, the bytes copied out of the region
+                                     (server/shared_memory.py)
     outputs[].name                   output_names
+    outputs[].parameters shared_memory_*
+                                     the output written into the region with the answer
 
     InferResponse                    ModelInferResponse
     outputs                          outputs (name, datatype, shape) and, in their
@@ -64,11 +70,14 @@ from laneserve.server.errors import (
     InvalidInputError,
     LaneserveError,
     ModelNotFoundError,
+    RegionNotFoundError,
+    SharedMemoryRefusedError,
+    UnsupportedError,
     bounded_message,
     pushback_ms,
 )
 from laneserve.server.grpc_accept import CallGate
-from laneserve.server.kserve_config import EXTENSIONS, PLATFORM, model_config, model_statistics
+from laneserve.server.kserve_config import PLATFORM, extensions, model_config, model_statistics
 from laneserve.server.model_identity import SERVER_VERSION
 from laneserve.server.service import (
     HANDLER_KINDS,
@@ -80,6 +89,14 @@ from laneserve.server.service import (
     answer_id,
     read_operator_request,
     release_frames,
+)
+from laneserve.server.shared_memory import (
+    BYTE_SIZE_PARAMETER,
+    CallerRegions,
+    InputBudget,
+    Placement,
+    SharedMemoryRegions,
+    placement_of,
 )
 from laneserve.server.stats import Cumulative
 from laneserve.v1 import inference_pb2 as pb
@@ -222,6 +239,9 @@ class ModelInferCall:
 
     message: kpb.ModelInferRequest
     raw_contents: tuple[bytes, ...]
+    # The message's bytes as received: what its inputs may read from shared memory is
+    # max_message_bytes less these (`shared_memory.InputBudget`).
+    wire_bytes: int
 
     def release(self) -> None:
         self.message = RELEASED_MODEL_INFER
@@ -249,16 +269,16 @@ def read_model_infer(
     try:
         request = kpb.ModelInferRequest.FromString(data)
     except DecodeError:
-        return ModelInferCall(UNDECODABLE_MODEL_INFER, ())
+        return ModelInferCall(UNDECODABLE_MODEL_INFER, (), len(data))
     if (
         len(request.inputs) > max_inputs
         or len(request.raw_input_contents) > max_inputs
         or len(request.outputs) > max_outputs
     ):
-        return ModelInferCall(request, ())
+        return ModelInferCall(request, (), len(data))
     raw = tuple(request.raw_input_contents)
     if len(data) <= MAX_EXTRA_BYTES:  # its extra bytes are some of its bytes
-        return ModelInferCall(request, raw)
+        return ModelInferCall(request, raw, len(data))
     known = sum(map(len, raw)) + sum(_contents_bytes(tensor.contents) for tensor in request.inputs)
     extra = len(data) - known - text_bytes(request.id)
     if extra > MAX_EXTRA_BYTES:
@@ -266,7 +286,7 @@ def read_model_infer(
         return OversizedModelInfer(
             extra, answer_id(request.id), _flag(request.parameters, FINAL_RESPONSE_FLAG)
         )
-    return ModelInferCall(request, raw)
+    return ModelInferCall(request, raw, len(data))
 
 
 def _contents_bytes(contents: kpb.InferTensorContents) -> int:
@@ -323,14 +343,23 @@ def to_infer_request(
     call: ModelInferCall,
     lanes: Sequence[str],
     inputs: Sequence[TensorSpec],
-    output_names: Sequence[str],
+    outputs: Sequence[TensorSpec],
+    shared: CallerRegions,
 ) -> pb.InferRequest:
     """`call`'s request as laneserve's InferRequest (the model's name and version checked
-    by the caller). Its counts are checked before anything walks them: a message holds up
-    to millions of empty inputs. Raises InvalidInputError naming the fault."""
+    by the caller), its inputs placed in shared memory read out of `shared`'s regions,
+    its outputs placed there checked to have a region that holds them (written with the
+    answer: `to_model_infer_response`). Its counts are checked before anything walks
+    them: a message holds up to millions of empty inputs. Raises InvalidInputError
+    naming the fault, SharedMemoryRefusedError where the caller may not use shared
+    memory."""
     request = call.message
     assert request is not RELEASED_MODEL_INFER, "converted once"
-    _check_counts(request, inputs, output_names)
+    _check_counts(request, inputs, [spec.name for spec in outputs])
+    placements = [
+        placement_of(f"input {tensor.name!r}", tensor.parameters) for tensor in request.inputs
+    ]
+    _check_raw_count(request, sum(placement is not None for placement in placements))
     # Read out unless over the counts just checked (`read_model_infer`).
     assert len(call.raw_contents) == len(request.raw_input_contents)
     lane, timeout_ms = _request_parameters(request.parameters, lanes)
@@ -340,8 +369,13 @@ def to_infer_request(
             "expected an id with it (laneserve's request_id, the same on each retry), or no "
             f"{IDEMPOTENT_PARAMETER}"
         )
+    output_specs = {spec.name: spec for spec in outputs}
     for output in request.outputs:
-        _refuse_parameters("output", output.name, output.parameters)
+        what = f"output {output.name!r}"
+        placement = placement_of(what, output.parameters)
+        if placement is not None:  # written with the answer, into the region then
+            shared.usable().checked_region(placement, what)
+            _check_output_room(what, placement, output_specs.get(output.name), request)
     converted = pb.InferRequest(
         request_id=request.id,
         lane=lane,
@@ -349,8 +383,14 @@ def to_infer_request(
         output_names=[output.name for output in request.outputs],
     )
     specs = {spec.name: spec for spec in inputs}
-    for index, tensor in enumerate(request.inputs):
-        kind, data = _input_data(request, tensor, index, call.raw_contents, specs)
+    raw = iter(call.raw_contents)  # one per input not in shared memory, in order
+    budget = InputBudget(shared.max_message_bytes, call.wire_bytes)
+    for tensor, placement in zip(request.inputs, placements, strict=True):
+        kind = _input_type(tensor, specs.get(tensor.name))
+        if placement is not None:
+            data = _shared_input(tensor, kind, placement, shared, budget)
+        else:
+            data = _input_data(request, tensor, kind, next(raw, None))
         # Built in place: a Tensor made apart and then put in its request is copied again
         # (100 ms more of the event loop for 62 MiB).
         converted.inputs.add(name=tensor.name, dtype=kind.datatype, shape=tensor.shape, data=data)
@@ -362,17 +402,49 @@ def _check_counts(
 ) -> None:
     if len(request.inputs) > len(inputs):  # named as Infer names them
         raise too_many_inputs(request.inputs, inputs)
-    raw = len(request.raw_input_contents)
-    if raw and raw != len(request.inputs):
-        raise InvalidInputError(
-            f"request has {raw} raw_input_contents for {len(request.inputs)} inputs; expected "
-            "one per input, in the order of `inputs` (or none, with each input's data in its "
-            "contents)"
-        )
     if len(request.outputs) > len(output_names):
         raise InvalidInputError(
             f"request asks for {len(request.outputs)} outputs; expected at most "
             f"{len(output_names)}, each of the model's outputs {list(output_names)} at most once"
+        )
+
+
+def _check_output_room(
+    what: str, placement: Placement, spec: TensorSpec | None, request: kpb.ModelInferRequest
+) -> None:
+    """Refuses a placement too small for its output where the output's size is known
+    before the request runs: the model's output has a row axis and fixed dimensions
+    after it, and the request's first input says its rows (a request whose inputs
+    disagree is the normal path's to refuse). Refused now, not once written: an answer
+    refused after its run is counted answered OK, and ran for nothing. Other outputs are
+    held to their placement as they are written (`SharedMemoryRegions.write`)."""
+    if spec is None or not request.inputs or not request.inputs[0].shape:
+        return
+    rows = request.inputs[0].shape[0]
+    row = spec.shape[1:]
+    if rows < 0 or spec.shape[0] >= 0 or min(row, default=0) < 0:
+        return
+    needed = rows * math.prod(row) * spec.dtype.itemsize
+    if needed > placement.byte_size:
+        raise InvalidInputError(
+            f"{what} is {needed} bytes for the request's {rows} rows, over the "
+            f"{placement.byte_size} of its {BYTE_SIZE_PARAMETER} in region "
+            f"{placement.region!r}; expected a byte_size that holds the output (its rows "
+            "times the bytes of a row)"
+        )
+
+
+def _check_raw_count(request: kpb.ModelInferRequest, placed: int) -> None:
+    """raw_input_contents holds one entry per input not placed in shared memory (`placed`
+    are), in order, or none (as Triton's server reads them)."""
+    raw = len(request.raw_input_contents)
+    sent = len(request.inputs) - placed
+    if raw and raw != sent:
+        in_memory = f" ({placed} more in shared memory)" if placed else ""
+        raise InvalidInputError(
+            f"request has {raw} raw_input_contents for {sent} inputs{in_memory}; expected "
+            "one per input not in shared memory, in the order of `inputs` (or none, with "
+            "each input's data in its contents)"
         )
 
 
@@ -463,37 +535,54 @@ def _timeout_ms(timeout_us: int) -> int:
     return timeout_ms
 
 
-def _refuse_parameters(what: str, name: str, parameters: Any) -> None:
-    """Tensor parameters (Triton's binary_data, classification, shared memory) change
-    what a tensor means or where its data is: none is read, so any is refused."""
-    if len(parameters):
-        keys = sorted(parameters)[:_MAX_NAMED]  # named, bounded: a message holds many
-        raise InvalidInputError(
-            f"{what} {name!r} has parameters {keys}; expected none (laneserve reads no "
-            "parameter on inputs or outputs: no classification, binary_data or shared memory)"
-        )
-
-
 def _input_data(
     request: kpb.ModelInferRequest,
     tensor: kpb.ModelInferRequest.InferInputTensor,
-    index: int,
-    raw_contents: Sequence[bytes],
-    specs: dict[str, TensorSpec],
-) -> tuple[KServeType, bytes]:
-    """One input's datatype and data, as a laneserve Tensor's. Its data's length against
-    its shape is the normal path's check (`codec.decode_inputs`), as for Infer's own."""
-    _refuse_parameters("input", tensor.name, tensor.parameters)
-    kind = _input_type(tensor, specs.get(tensor.name))
-    if raw_contents:
+    kind: KServeType,
+    raw: bytes | None,
+) -> bytes:
+    """One input's data, as a laneserve Tensor's: `raw` (its raw_input_contents; None
+    where the request has none) or its typed contents. Its data's length against its
+    shape is the normal path's check (`codec.decode_inputs`), as for Infer's own."""
+    if raw is not None:
         if tensor.contents.ListFields():
             raise InvalidInputError(
                 f"input {tensor.name!r} has contents while the request has "
                 "raw_input_contents; expected each input's data in one place: "
                 "raw_input_contents for every input, or contents for every input"
             )
-        return kind, raw_contents[index]
-    return kind, _typed_data(request, tensor, kind)
+        return raw
+    return _typed_data(request, tensor, kind)
+
+
+def _shared_input(
+    tensor: kpb.ModelInferRequest.InferInputTensor,
+    kind: KServeType,
+    placement: Placement,
+    shared: CallerRegions,
+    budget: InputBudget,
+) -> bytes:
+    """A copy of the input's bytes from its region, within the request's budget, once
+    their count is checked against its shape (before the copy, and in words that name
+    the placement; a shape that is itself wrong is the normal path's to refuse)."""
+    what = f"input {tensor.name!r}"
+    if tensor.contents.ListFields():
+        raise InvalidInputError(
+            f"{what} is placed in shared memory (region {placement.region!r}) and has "
+            "contents; expected its data in one place"
+        )
+    shape = list(tensor.shape)
+    if len(shape) <= MAX_DIMS and min(shape, default=0) >= 0:
+        expected = math.prod(shape) * numpy_dtype(kind.datatype).itemsize
+        if placement.byte_size != expected:
+            raise InvalidInputError(
+                f"{what} has {BYTE_SIZE_PARAMETER} {placement.byte_size} in region "
+                f"{placement.region!r}; expected {expected}, the bytes of its shape {shape} "
+                f"of {kind.name}"
+            )
+    regions = shared.usable()
+    budget.take(what, placement.byte_size)
+    return regions.read(placement, what)
 
 
 def _input_type(
@@ -595,14 +684,51 @@ def _as_bytes(name: str, values: Sequence[Any], kind: KServeType) -> bytes:
 # ---- ModelInfer: the answer ----------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class OutputsPlaced:
+    """Where a request asked its outputs written (by name; the others go in the answer),
+    and the regions they are written into."""
+
+    regions: SharedMemoryRegions
+    placements: Mapping[str, Placement]
+
+
+def placed_outputs(
+    request: object, regions: SharedMemoryRegions, max_outputs: int
+) -> OutputsPlaced:
+    """The outputs a request (a ModelInferCall, before its conversion lets go of the
+    message; anything else places none) places in shared memory, read without refusing:
+    a placement that does not read is the conversion's to refuse, and a request refused
+    gets no answer to write. One asking for more than `max_outputs` outputs (the model's)
+    is refused on that count, before anything walks them: none is read."""
+    placements: dict[str, Placement] = {}
+    if isinstance(request, ModelInferCall) and len(request.message.outputs) <= max_outputs:
+        for output in request.message.outputs:
+            try:
+                placement = placement_of(output.name, output.parameters)
+            except InvalidInputError:
+                continue
+            if placement is not None:
+                placements[output.name] = placement
+    return OutputsPlaced(regions, placements)
+
+
 def to_model_infer_response(
-    answer: pb.InferResponse, model_name: str, into: kpb.ModelInferResponse | None = None
+    answer: pb.InferResponse,
+    model_name: str,
+    placed: OutputsPlaced,
+    into: kpb.ModelInferResponse | None = None,
 ) -> kpb.ModelInferResponse:
     """laneserve's answer as a ModelInferResponse: each output's name, datatype and shape,
     its bytes in raw_output_contents (what Triton's server sends and its clients read), and
-    the answer's Timing as parameters prefixed TIMING_PREFIX. `into`: an empty message to
-    fill (a ModelStreamInferResponse's infer_response: filled in place, not copied in
-    with every output's bytes); a new one by default."""
+    the answer's Timing as parameters prefixed TIMING_PREFIX. An output `placed` in shared
+    memory is written there, its entry in raw_output_contents empty (its name, datatype
+    and shape say what was written, all that tritonclient reads of it): so an answer is
+    never larger than with the bytes in it, and stays within the envelope it was held to
+    (`answer_extra_bytes`). Raises InvalidInputError where its region no longer holds
+    it. `into`: an empty
+    message to fill (a ModelStreamInferResponse's infer_response: filled in place, not
+    copied in with every output's bytes); a new one by default."""
     response = kpb.ModelInferResponse() if into is None else into
     response.model_name = model_name
     response.model_version = MODEL_VERSION
@@ -611,7 +737,12 @@ def to_model_infer_response(
         response.outputs.add(
             name=tensor.name, datatype=_BY_DATATYPE[tensor.dtype].name, shape=tensor.shape
         )
-        response.raw_output_contents.append(tensor.data)
+        placement = placed.placements.get(tensor.name)
+        if placement is None:
+            response.raw_output_contents.append(tensor.data)
+            continue
+        placed.regions.write(placement, tensor.data, f"output {tensor.name!r}")
+        response.raw_output_contents.append(b"")
     timing = answer.timing
     response.parameters[TIMING_PREFIX + _TIMING_LANE].string_param = timing.lane
     for field in _TIMING_INTEGERS:
@@ -690,11 +821,13 @@ def stream_error_message(item_id: str, error: LaneserveError) -> str:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelStreamTag(ItemTag):
     """A ModelStreamInfer item's tag (`ModelStreamWire.tag`): its id, whether it keys the
-    ledger (IDEMPOTENT_PARAMETER), and whether its answer is marked its last
-    (FINAL_RESPONSE_FLAG). Of another kind than bool_param, a flag reads false here, and
-    the conversion refuses it."""
+    ledger (IDEMPOTENT_PARAMETER), whether its answer is marked its last
+    (FINAL_RESPONSE_FLAG), and where its outputs are written (`placed_outputs`). Of
+    another kind than bool_param, a flag reads false here, and the conversion refuses
+    it."""
 
     final_response: bool = False
+    placed: OutputsPlaced | None = None
 
 
 class ModelStreamWire:
@@ -717,13 +850,19 @@ class ModelStreamWire:
         convert: Callable[[ModelStreamItem], pb.InferRequest | LaneserveError],
         model_name: str,
         answer_extra_bytes: int,
+        regions: SharedMemoryRegions,
+        max_outputs: int,
     ) -> None:
-        """`convert`: ModelInfer's conversion (`KServeServicer._converted`).
-        `answer_extra_bytes`: what `to_model_infer_response` adds over an InferResponse
-        (`answer_extra_bytes`)."""
+        """`convert`: ModelInfer's conversion for this stream's caller
+        (`KServeServicer._converted`). `answer_extra_bytes`: what
+        `to_model_infer_response` adds over an InferResponse (`answer_extra_bytes`).
+        `regions`: where outputs placed in shared memory are written. `max_outputs`: the
+        model's outputs (`placed_outputs`)."""
         self._convert = convert
         self._model_name = model_name
         self._answer_extra_bytes = answer_extra_bytes
+        self._regions = regions
+        self._max_outputs = max_outputs
 
     def tag(self, item: ModelStreamItem) -> ModelStreamTag:
         if isinstance(item, OversizedModelInfer):  # refused unread: its id alone was kept
@@ -735,6 +874,7 @@ class ModelStreamWire:
             answer_id(request.id),
             idempotent=asks_idempotency(request),
             final_response=_flag(request.parameters, FINAL_RESPONSE_FLAG),
+            placed=placed_outputs(item, self._regions, self._max_outputs),
         )
 
     def convert(self, item: ModelStreamItem) -> pb.InferRequest | LaneserveError:
@@ -744,8 +884,10 @@ class ModelStreamWire:
         self, tag: ModelStreamTag, response: pb.InferResponse
     ) -> kpb.ModelStreamInferResponse:
         message = kpb.ModelStreamInferResponse()
-        # The id is the request's: its request_id whether or not it keys the ledger.
-        to_model_infer_response(response, self._model_name, into=message.infer_response)
+        placed = tag.placed or OutputsPlaced(self._regions, {})
+        # The id is the request's: its request_id whether or not it keys the ledger. An
+        # output its region no longer holds raises: the item is answered with the error.
+        to_model_infer_response(response, self._model_name, placed, message.infer_response)
         _mark_final(tag, message.infer_response)
         return message
 
@@ -776,7 +918,9 @@ class ModelStreamWire:
 
     def held_bytes(self, answer: kpb.ModelStreamInferResponse) -> int:
         # From the shapes and datatypes the server wrote: reading raw_output_contents
-        # copies the bytes (`service.held_answer_bytes`).
+        # copies the bytes (`service.held_answer_bytes`). An output written to shared
+        # memory is counted too, as if its bytes were here: the window holds such a
+        # stream to what it would hold without (its answers carry no mark to tell).
         outputs = answer.infer_response.outputs
         return sum(math.prod(tensor.shape) * _VALUE_BYTES[tensor.datatype] for tensor in outputs)
 
@@ -795,6 +939,11 @@ def _mark_final(tag: ModelStreamTag, response: kpb.ModelInferResponse) -> None:
 
 # ---- the servicer ---------------------------------------------------------------------------
 
+# RepositoryIndex's reason for a model not READY: the server is not (health NOT_SERVING).
+NOT_READY_REASON: Final = (
+    "the server is not ready: starting, in a stop signal's drain delay, or draining"
+)
+
 
 class KServeServicer:
     """inference.GRPCInferenceService in front of one InferenceServicer (one per port,
@@ -811,18 +960,21 @@ class KServeServicer:
         *,
         totals: Callable[[], Cumulative],
         gpu_id: int | None,
+        regions: SharedMemoryRegions,
     ) -> None:
         """`totals`: the stats recorder's (`StatsRecorder.cumulative`), which
         ModelStatistics reports. `gpu_id`: the CUDA device the session runs on, None on
-        the CPU (ModelConfig's instance_group)."""
+        the CPU (ModelConfig's instance_group). `regions`: the server's shared memory
+        regions (every port's)."""
         self._inference = inference
         self._model_name = config.served_model_name
         self._lanes = [lane.name for lane in config.lanes]  # highest priority first
         self._inputs = tuple(inputs)
         self._outputs = tuple(outputs)
-        self._output_names = [spec.name for spec in outputs]
         self._health = health_servicer
         self._totals = totals
+        self._regions = regions
+        self._max_message_bytes = config.max_message_bytes
         # The configuration does not change while the server runs: built once.
         self._config_response = kpb.ModelConfigResponse(
             config=model_config(config, inputs, outputs, gpu_id=gpu_id)
@@ -831,9 +983,6 @@ class KServeServicer:
         self._answer_extra_bytes = answer_extra_bytes(self._model_name, outputs, self._lanes)
         inference.widen_answer_envelope(
             self._answer_extra_bytes + stream_wrapper_bytes(config.max_message_bytes)
-        )
-        self._stream_wire = ModelStreamWire(
-            self._converted, self._model_name, self._answer_extra_bytes
         )
 
     @property
@@ -869,7 +1018,7 @@ class KServeServicer:
     ) -> kpb.ServerMetadataResponse:
         await _refuse_unreadable(request, "ServerMetadata", context)
         return kpb.ServerMetadataResponse(
-            name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS
+            name=SERVER_NAME, version=SERVER_VERSION, extensions=extensions(self._regions.enabled)
         )
 
     async def ModelMetadata(
@@ -931,7 +1080,14 @@ class KServeServicer:
         answers out of order by id, one per item, errors per item, cancel, drain, receive
         limit, the bulk lane by default), each item converted as ModelInfer's request and
         answered as a ModelStreamInferResponse (`ModelStreamWire`)."""
-        return self._inference.serve_stream(requests, context, self._stream_wire)
+        wire = ModelStreamWire(
+            functools.partial(self._converted, shared=self._shared(context)),
+            self._model_name,
+            self._answer_extra_bytes,
+            self._regions,
+            self.max_outputs,
+        )
+        return self._inference.serve_stream(requests, context, wire)
 
     async def _model_infer(
         self,
@@ -940,14 +1096,18 @@ class KServeServicer:
     ) -> kpb.ModelInferResponse:
         # Read before the conversion lets go of the message (an unreadable one asks nothing).
         idempotent = isinstance(request, ModelInferCall) and asks_idempotency(request.message)
-        converted = self._converted(request)
+        placed = placed_outputs(request, self._regions, self.max_outputs)
+        converted = self._converted(request, shared=self._shared(context))
         del request  # the converted request holds what runs
         answer = await self._inference.run_request(converted, context, idempotent=idempotent)
         # Its id is the request's: its request_id whether or not it keys the ledger.
-        return to_model_infer_response(answer, self._model_name)
+        return to_model_infer_response(answer, self._model_name, placed)
+
+    def _shared(self, context: grpc.aio.ServicerContext[Any, Any]) -> CallerRegions:
+        return CallerRegions(self._regions, context.peer(), self._max_message_bytes)
 
     def _converted(
-        self, request: ModelInferCall | OversizedModelInfer
+        self, request: ModelInferCall | OversizedModelInfer, *, shared: CallerRegions
     ) -> pb.InferRequest | LaneserveError:
         """`request` as laneserve's InferRequest, or its refusal (counted by the caller, as
         Infer's refusals are: `InferenceServicer.run_request`). Raises ModelNotFoundError,
@@ -958,11 +1118,140 @@ class KServeServicer:
         assert isinstance(request, ModelInferCall)
         try:
             self._check_served(request.message.model_name, request.message.model_version)
-            return to_infer_request(request, self._lanes, self._inputs, self._output_names)
-        except InvalidInputError as error:
+            return to_infer_request(request, self._lanes, self._inputs, self._outputs, shared)
+        except (InvalidInputError, SharedMemoryRefusedError) as error:
             return error
         finally:
             request.release()  # gRPC holds it until the call ends
+
+    async def RepositoryIndex(
+        self, request: object, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> kpb.RepositoryIndexResponse:
+        """Triton's model repository index: the one model served, READY while the server
+        is ready (`ready` true asks for ready models only)."""
+        await _refuse_unreadable(request, "RepositoryIndex", context)
+        assert isinstance(request, kpb.RepositoryIndexRequest)
+        if request.repository_name:
+            await abort_with(
+                context,
+                InvalidInputError(
+                    f"repository {request.repository_name!r} is not here; expected '' "
+                    f"(laneserve serves one model, {self._model_name!r}, from no named "
+                    "repository)"
+                ),
+            )
+        ready = await self._ready(context)
+        if request.ready and not ready:
+            return kpb.RepositoryIndexResponse()
+        model = kpb.RepositoryIndexResponse.ModelIndex(
+            name=self._model_name,
+            version=MODEL_VERSION,
+            state="READY" if ready else "UNAVAILABLE",
+            reason="" if ready else NOT_READY_REASON,
+        )
+        return kpb.RepositoryIndexResponse(models=[model])
+
+    async def RepositoryModelLoad(
+        self, request: object, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> kpb.RepositoryModelLoadResponse:
+        await _refuse_unreadable(request, "RepositoryModelLoad", context)
+        await abort_with(context, self._fixed_model("loads"))
+        raise AssertionError("unreachable: abort raises")
+
+    async def RepositoryModelUnload(
+        self, request: object, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> kpb.RepositoryModelUnloadResponse:
+        await _refuse_unreadable(request, "RepositoryModelUnload", context)
+        await abort_with(context, self._fixed_model("unloads"))
+        raise AssertionError("unreachable: abort raises")
+
+    def _fixed_model(self, verb: str) -> UnsupportedError:
+        return UnsupportedError(
+            f"laneserve {verb} no model while it serves: its one model ({self._model_name!r}) "
+            "is loaded at start and served until the process stops; expected another "
+            "server process for another model (model control mode NONE, in Triton's terms)"
+        )
+
+    async def SystemSharedMemoryStatus(
+        self, request: object, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> kpb.SystemSharedMemoryStatusResponse:
+        await _refuse_unreadable(request, "SystemSharedMemoryStatus", context)
+        assert isinstance(request, kpb.SystemSharedMemoryStatusRequest)
+        try:
+            self._regions.check_peer(context.peer())
+            regions = self._regions.status(request.name)
+        except LaneserveError as error:
+            await abort_with(context, error)
+            raise AssertionError("unreachable: abort raises") from None
+        response = kpb.SystemSharedMemoryStatusResponse()
+        for region in regions:
+            status = response.regions[region.name]
+            status.name, status.key = region.name, region.key
+            status.offset, status.byte_size = region.offset, region.byte_size
+        return response
+
+    async def SystemSharedMemoryRegister(
+        self, request: object, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> kpb.SystemSharedMemoryRegisterResponse:
+        await _refuse_unreadable(request, "SystemSharedMemoryRegister", context)
+        assert isinstance(request, kpb.SystemSharedMemoryRegisterRequest)
+        try:
+            self._regions.check_peer(context.peer())
+            self._regions.register(request.name, request.key, request.offset, request.byte_size)
+        except LaneserveError as error:
+            await abort_with(context, error)
+        return kpb.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(
+        self, request: object, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> kpb.SystemSharedMemoryUnregisterResponse:
+        await _refuse_unreadable(request, "SystemSharedMemoryUnregister", context)
+        assert isinstance(request, kpb.SystemSharedMemoryUnregisterRequest)
+        try:
+            self._regions.check_peer(context.peer())
+        except LaneserveError as error:
+            await abort_with(context, error)
+        self._regions.unregister(request.name)
+        return kpb.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(
+        self, request: object, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> kpb.CudaSharedMemoryStatusResponse:
+        """No CUDA region is ever registered: none to list, and a name is none of them."""
+        await _refuse_unreadable(request, "CudaSharedMemoryStatus", context)
+        assert isinstance(request, kpb.CudaSharedMemoryStatusRequest)
+        if request.name:
+            await abort_with(
+                context,
+                RegionNotFoundError(
+                    f"no CUDA shared memory region {request.name!r} is registered; expected "
+                    "none (laneserve registers no CUDA region: CudaSharedMemoryRegister is "
+                    "refused)"
+                ),
+            )
+        return kpb.CudaSharedMemoryStatusResponse()
+
+    async def CudaSharedMemoryRegister(
+        self, request: object, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> kpb.CudaSharedMemoryRegisterResponse:
+        await _refuse_unreadable(request, "CudaSharedMemoryRegister", context)
+        await abort_with(
+            context,
+            UnsupportedError(
+                "laneserve maps no CUDA memory of another process (CUDA IPC); expected "
+                "system shared memory (SystemSharedMemoryRegister) from a caller on this "
+                "host, or the tensors' bytes in the request"
+            ),
+        )
+        raise AssertionError("unreachable: abort raises")
+
+    async def CudaSharedMemoryUnregister(
+        self, request: object, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> kpb.CudaSharedMemoryUnregisterResponse:
+        """Nothing to let go of: no CUDA region is ever registered (as Triton's server,
+        a name not registered is no error)."""
+        await _refuse_unreadable(request, "CudaSharedMemoryUnregister", context)
+        return kpb.CudaSharedMemoryUnregisterResponse()
 
     def _check_served(self, name: str, version: str) -> None:
         """Raises ModelNotFoundError unless `name` and `version` are the served model's."""

@@ -27,8 +27,23 @@ from laneserve.v1 import inference_pb2 as pb
 # ServerMetadata's `extensions`: Triton's names of the extensions served here (its
 # docs/protocol/extension_schedule_policy.md: the request parameters `priority` and
 # `timeout`, read by `kserve._request_parameters`; extension_model_configuration.md;
+# extension_shared_memory.md, its system part: server/shared_memory.py;
 # extension_statistics.md), in the order Triton lists them.
-EXTENSIONS: Final = ("schedule_policy", "model_configuration", "statistics")
+EXTENSIONS: Final = (
+    "schedule_policy",
+    "model_configuration",
+    "system_shared_memory",
+    "statistics",
+)
+SHARED_MEMORY_EXTENSION: Final = "system_shared_memory"
+
+
+def extensions(shared_memory: bool) -> tuple[str, ...]:
+    """ServerMetadata's extensions: EXTENSIONS, less system_shared_memory while
+    server.shared_memory is false (`shared_memory`)."""
+    return tuple(name for name in EXTENSIONS if shared_memory or name != SHARED_MEMORY_EXTENSION)
+
+
 # Triton's platform name for an ONNX model run by ONNX Runtime (ModelMetadata's and
 # ModelConfig's), and its backend name for ONNX Runtime (ModelConfig's).
 PLATFORM: Final = "onnxruntime_onnx"

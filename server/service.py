@@ -298,7 +298,9 @@ class StreamFrontEnd(Protocol[_Item_contra, _Tag, _Answer]):
 
     def answer(self, tag: _Tag, response: pb.InferResponse) -> _Answer:
         """The answer of the item `tag`: `response`, already held to the server's limits
-        in this front end's envelope (`widen_answer_envelope`) and to the caller's."""
+        in this front end's envelope (`widen_answer_envelope`) and to the caller's. Raises
+        a LaneserveError the item is answered with instead (`error`): KServe's, an output
+        its shared memory region no longer holds."""
         ...
 
     def error(self, tag: _Tag, error: LaneserveError, limit_bytes: int) -> _Answer:

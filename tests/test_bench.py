@@ -2013,6 +2013,11 @@ def test_scenario_c_refuses_a_single_client_process(tmp_path: Path) -> None:
             ],
             "`InferStream` via `AsyncClient.stream`",
         ),
+        (
+            "bench_shared_memory.py",
+            ["--rows", "1,8", "--callers", "1", "--seconds", "0.2", "--rounds", "1"],
+            "| `ModelInfer`, system shared memory |",
+        ),
         ("bench_tracing.py", ["--requests", "20", "--rounds", "1"], "spans exported per request"),
         ("bench_admit.py", ["--requests", "10", "--rounds", "1"], "us per admission"),
         (

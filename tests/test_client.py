@@ -2394,11 +2394,19 @@ async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
 def test_every_server_reason_has_a_client_error_class() -> None:
     """A reason the server can send this client must map to its own typed client error.
     MODEL_NOT_FOUND is KServe v2's alone (inference.GRPCInferenceService names a model;
-    laneserve.v1, the one service this client calls, does not)."""
+    laneserve.v1, the one service this client calls, does not), and so are the refusals
+    of its repository and shared memory methods."""
     from laneserve.client import _errors  # noqa: PLC0415 - the private table under test
     from laneserve.server import errors as server_errors  # noqa: PLC0415
 
-    kserve_only = {server_errors.ModelNotFoundError}
+    kserve_only = {
+        server_errors.ModelNotFoundError,
+        server_errors.RegionNotFoundError,
+        server_errors.RegionExistsError,
+        server_errors.RegionLimitError,
+        server_errors.SharedMemoryRefusedError,
+        server_errors.UnsupportedError,
+    }
     reasons = {
         cls.reason
         for cls in vars(server_errors).values()

@@ -31,6 +31,7 @@ from laneserve.server.config import ConfigError
 from laneserve.server.engine import TensorSpec
 from laneserve.server.kserve import to_infer_request
 from laneserve.server.model_identity import SERVER_VERSION, write_varint
+from laneserve.server.shared_memory import CallerRegions, SharedMemoryRegions
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
     RecordingEngine,
@@ -208,6 +209,18 @@ def test_the_messages_are_the_public_protocols_names_numbers_and_types() -> None
         ("ModelStreamInfer", "ModelInferRequest", "ModelStreamInferResponse"),
         ("ModelConfig", "ModelConfigRequest", "ModelConfigResponse"),
         ("ModelStatistics", "ModelStatisticsRequest", "ModelStatisticsResponse"),
+        ("RepositoryIndex", "RepositoryIndexRequest", "RepositoryIndexResponse"),
+        ("RepositoryModelLoad", "RepositoryModelLoadRequest", "RepositoryModelLoadResponse"),
+        ("RepositoryModelUnload", "RepositoryModelUnloadRequest", "RepositoryModelUnloadResponse"),
+        *(
+            (
+                f"{kind}SharedMemory{verb}",
+                f"{kind}SharedMemory{verb}Request",
+                f"{kind}SharedMemory{verb}Response",
+            )
+            for kind in ("System", "Cuda")
+            for verb in ("Status", "Register", "Unregister")
+        ),
     ]
     for full_name, fields in PUBLIC_MESSAGES.items():
         message = kpb.DESCRIPTOR.message_types_by_name[full_name.split(".")[0]]
@@ -224,13 +237,17 @@ def test_the_messages_are_the_public_protocols_names_numbers_and_types() -> None
 
 LANES = ["interactive", "standard", "bulk"]
 DEMO_INPUTS = (TensorSpec("input", np.dtype("<f4"), (-1, 512), ("batch", None)),)
+DEMO_OUTPUTS = (TensorSpec("output", np.dtype("<f4"), (-1, 10), ("batch", None)),)
+# A conversion's and an answer's shared memory where no tensor is placed in any.
+NO_SHARED = CallerRegions(SharedMemoryRegions(enabled=False), "ipv4:127.0.0.1:1", 1 << 26)
+NONE_PLACED = kserve_module.OutputsPlaced(NO_SHARED.regions, {})
 
 
 def _converted(**params: kpb.InferParameter) -> pb.InferRequest:
     message = raw_request("m", input=rows(1))
     for key, value in params.items():
         message.parameters[key].CopyFrom(value)
-    return to_infer_request(_call(message), LANES, DEMO_INPUTS, ["output"])
+    return to_infer_request(_call(message), LANES, DEMO_INPUTS, DEMO_OUTPUTS, NO_SHARED)
 
 
 def _call(message: Request) -> kserve_module.ModelInferCall:
@@ -262,7 +279,7 @@ def test_id_lane_and_outputs_map_onto_laneserves_request() -> None:
     message.id = "req-7"
     message.parameters["lane"].string_param = "bulk"
     message.outputs.add(name="output")
-    converted = to_infer_request(_call(message), LANES, DEMO_INPUTS, ["output"])
+    converted = to_infer_request(_call(message), LANES, DEMO_INPUTS, DEMO_OUTPUTS, NO_SHARED)
     assert (converted.request_id, converted.lane, list(converted.output_names)) == (
         "req-7",
         "bulk",
@@ -278,7 +295,7 @@ def test_a_converted_call_lets_go_of_its_message_and_data() -> None:
     had held it twice)."""
     x = rows(64)
     call = _call(raw_request("m", input=x))
-    converted = to_infer_request(call, LANES, DEMO_INPUTS, ["output"])
+    converted = to_infer_request(call, LANES, DEMO_INPUTS, DEMO_OUTPUTS, NO_SHARED)
     call.release()
     assert (call.message.ByteSize(), call.raw_contents) == (0, ())
     assert converted.inputs[0] == encode_tensor("input", x)
@@ -629,7 +646,7 @@ def test_answer_extra_bytes_bounds_every_model_infer_answer_and_is_reached() -> 
                     infer_us=timing_value and 2**63 - 1,
                 ),
             )
-            converted = kserve_module.to_model_infer_response(answer, model_name)
+            converted = kserve_module.to_model_infer_response(answer, model_name, NONE_PLACED)
             added = converted.ByteSize() - answer.ByteSize()
             assert added <= bound, (model_name[:4], lane, timing_value, name_bytes, data_rows)
             reached = reached or added == bound

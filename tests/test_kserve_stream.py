@@ -29,6 +29,7 @@ from laneserve.server.engine import TensorSpec
 from laneserve.server.errors import InvalidInputError, LaneFullError
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.service import RECEIVE_LIMIT_KEY
+from laneserve.server.shared_memory import SharedMemoryRegions
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
     RecordingEngine,
@@ -46,6 +47,9 @@ from tests.support import (
 )
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
+
+# A stream wire's regions where no output is placed in any.
+NO_REGIONS = SharedMemoryRegions(enabled=False)
 
 F32 = npt.NDArray[np.float32]
 Request = kpb.ModelInferRequest
@@ -748,7 +752,9 @@ def test_an_error_answer_carries_its_code_reason_and_retry_and_fits_its_limit() 
     """`ModelStreamWire.error`: a retryable error's wait in whole ms, rounded up, as
     grpc-retry-pushback-ms gives it; at the smallest receive limit, with a 256-byte id
     and model name, the message is cut to fit, its code and reason kept first."""
-    wire = kserve_module.ModelStreamWire(lambda _item: InvalidInputError("unused"), "m" * 256, 0)
+    wire = kserve_module.ModelStreamWire(
+        lambda _item: InvalidInputError("unused"), "m" * 256, 0, NO_REGIONS, 1
+    )
     full = wire.error(tag("a1"), LaneFullError("lane 'bulk' is full", retry_after_s=0.0121), 4096)
     assert (
         full.error_message == "RESOURCE_EXHAUSTED LANE_FULL: [request id: a1] lane 'bulk' is full"
@@ -769,7 +775,9 @@ def test_an_error_answer_carries_its_code_reason_and_retry_and_fits_its_limit() 
 def test_a_model_stream_answers_held_bytes_are_its_outputs_data() -> None:
     """The credit window counts an answer's tensor data (`StreamWindow`), read from its
     outputs' shapes and datatypes, not from the bytes (a copy)."""
-    wire = kserve_module.ModelStreamWire(lambda _item: InvalidInputError("unused"), "m", 0)
+    wire = kserve_module.ModelStreamWire(
+        lambda _item: InvalidInputError("unused"), "m", 0, NO_REGIONS, 1
+    )
     response = pb.InferResponse(
         request_id="r",
         outputs=[
@@ -831,7 +839,9 @@ def test_the_stream_envelope_bounds_every_model_stream_answer_and_is_reached() -
     ):
         bound = kserve_module.answer_extra_bytes(model_name, _EDGE_SPECS, _EDGE_LANES)
         bound += kserve_module.stream_wrapper_bytes(limit)
-        wire = kserve_module.ModelStreamWire(lambda _item: InvalidInputError("-"), model_name, 0)
+        wire = kserve_module.ModelStreamWire(
+            lambda _item: InvalidInputError("-"), model_name, 0, NO_REGIONS, 1
+        )
         for made, answer in _edge_answers(("", "r" * 200), (100, 117)):
             # Marked final where its item asked for the mark.
             sent = wire.answer(tag(answer.request_id, final_response=final), answer)
@@ -854,7 +864,7 @@ def test_envelope_bytes_bound_a_model_stream_answer_over_its_infer_stream_item()
     for limit, model_name in itertools.product((1024, 4096), ("m", "\u00e9" * 128)):
         extra = kserve_module.answer_extra_bytes(model_name, _EDGE_SPECS, _EDGE_LANES)
         wire = kserve_module.ModelStreamWire(
-            lambda _item: InvalidInputError("-"), model_name, extra
+            lambda _item: InvalidInputError("-"), model_name, extra, NO_REGIONS, 1
         )
         envelope = wire.envelope_bytes(limit)
         largest = 0

@@ -18,8 +18,12 @@ grpc_service.proto and model_config.proto: ModelStreamInfer (tritonclient's stre
 perf_analyzer --streaming), ModelConfig (max_batch_size and the tensors, which
 perf_analyzer and tritonclient users read) and ModelStatistics (perf_analyzer's
 server-side figures). A client reading a field not here finds its default.
-Not here: the model repository, shared memory, tracing and logging extensions; a
-client calling them gets UNIMPLEMENTED.
+Triton's system shared memory extension is here (inputs read from, and outputs
+written to, POSIX shared memory a caller on this host registered), with its CUDA
+methods refusing (laneserve maps no other process's device memory), and its
+repository index (the one model) with load and unload refusing (the model is fixed at
+start). Not here: tracing and logging settings; a client calling them gets
+UNIMPLEMENTED.
 How each field maps onto laneserve's own request: README.md, "KServe v2 / Triton
 clients", and server/kserve.py.
 """
@@ -1401,3 +1405,560 @@ class ModelConfig(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_scheduling_choice) -> _WhichOneofReturnType_scheduling_choice | None: ...
 
 Global___ModelConfig: _TypeAlias = ModelConfig  # noqa: Y015
+
+@_typing.final
+class ModelRepositoryParameter(_message.Message):
+    """---- Triton's grpc_service.proto: model repository, shared memory ----------------------"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BOOL_PARAM_FIELD_NUMBER: _builtins.int
+    INT64_PARAM_FIELD_NUMBER: _builtins.int
+    STRING_PARAM_FIELD_NUMBER: _builtins.int
+    BYTES_PARAM_FIELD_NUMBER: _builtins.int
+    bool_param: _builtins.bool
+    int64_param: _builtins.int
+    string_param: _builtins.str
+    bytes_param: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        bool_param: _builtins.bool = ...,
+        int64_param: _builtins.int = ...,
+        string_param: _builtins.str = ...,
+        bytes_param: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["bool_param", b"bool_param", "bytes_param", b"bytes_param", "int64_param", b"int64_param", "parameter_choice", b"parameter_choice", "string_param", b"string_param"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bool_param", b"bool_param", "bytes_param", b"bytes_param", "int64_param", b"int64_param", "parameter_choice", b"parameter_choice", "string_param", b"string_param"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_parameter_choice: _TypeAlias = _typing.Literal["bool_param", "int64_param", "string_param", "bytes_param"]  # noqa: Y015
+    _WhichOneofArgType_parameter_choice: _TypeAlias = _typing.Literal["parameter_choice", b"parameter_choice"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_parameter_choice) -> _WhichOneofReturnType_parameter_choice | None: ...
+
+Global___ModelRepositoryParameter: _TypeAlias = ModelRepositoryParameter  # noqa: Y015
+
+@_typing.final
+class RepositoryIndexRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPOSITORY_NAME_FIELD_NUMBER: _builtins.int
+    READY_FIELD_NUMBER: _builtins.int
+    repository_name: _builtins.str
+    """"" (laneserve has one model, in no named repository)."""
+    ready: _builtins.bool
+    """true: only models ready for inference."""
+    def __init__(
+        self,
+        *,
+        repository_name: _builtins.str = ...,
+        ready: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ready", b"ready", "repository_name", b"repository_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RepositoryIndexRequest: _TypeAlias = RepositoryIndexRequest  # noqa: Y015
+
+@_typing.final
+class RepositoryIndexResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ModelIndex(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        NAME_FIELD_NUMBER: _builtins.int
+        VERSION_FIELD_NUMBER: _builtins.int
+        STATE_FIELD_NUMBER: _builtins.int
+        REASON_FIELD_NUMBER: _builtins.int
+        name: _builtins.str
+        version: _builtins.str
+        state: _builtins.str
+        """"READY" or "UNAVAILABLE"."""
+        reason: _builtins.str
+        """Why it is not ready ("" when READY)."""
+        def __init__(
+            self,
+            *,
+            name: _builtins.str = ...,
+            version: _builtins.str = ...,
+            state: _builtins.str = ...,
+            reason: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "reason", b"reason", "state", b"state", "version", b"version"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    MODELS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___RepositoryIndexResponse.ModelIndex]: ...
+    def __init__(
+        self,
+        *,
+        models: _abc.Iterable[Global___RepositoryIndexResponse.ModelIndex] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["models", b"models"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RepositoryIndexResponse: _TypeAlias = RepositoryIndexResponse  # noqa: Y015
+
+@_typing.final
+class RepositoryModelLoadRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ParametersEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___ModelRepositoryParameter: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___ModelRepositoryParameter | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    REPOSITORY_NAME_FIELD_NUMBER: _builtins.int
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    PARAMETERS_FIELD_NUMBER: _builtins.int
+    repository_name: _builtins.str
+    model_name: _builtins.str
+    @_builtins.property
+    def parameters(self) -> _containers.MessageMap[_builtins.str, Global___ModelRepositoryParameter]: ...
+    def __init__(
+        self,
+        *,
+        repository_name: _builtins.str = ...,
+        model_name: _builtins.str = ...,
+        parameters: _abc.Mapping[_builtins.str, Global___ModelRepositoryParameter] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_name", b"model_name", "parameters", b"parameters", "repository_name", b"repository_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RepositoryModelLoadRequest: _TypeAlias = RepositoryModelLoadRequest  # noqa: Y015
+
+@_typing.final
+class RepositoryModelLoadResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RepositoryModelLoadResponse: _TypeAlias = RepositoryModelLoadResponse  # noqa: Y015
+
+@_typing.final
+class RepositoryModelUnloadRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ParametersEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___ModelRepositoryParameter: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___ModelRepositoryParameter | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    REPOSITORY_NAME_FIELD_NUMBER: _builtins.int
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    PARAMETERS_FIELD_NUMBER: _builtins.int
+    repository_name: _builtins.str
+    model_name: _builtins.str
+    @_builtins.property
+    def parameters(self) -> _containers.MessageMap[_builtins.str, Global___ModelRepositoryParameter]: ...
+    def __init__(
+        self,
+        *,
+        repository_name: _builtins.str = ...,
+        model_name: _builtins.str = ...,
+        parameters: _abc.Mapping[_builtins.str, Global___ModelRepositoryParameter] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_name", b"model_name", "parameters", b"parameters", "repository_name", b"repository_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RepositoryModelUnloadRequest: _TypeAlias = RepositoryModelUnloadRequest  # noqa: Y015
+
+@_typing.final
+class RepositoryModelUnloadResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RepositoryModelUnloadResponse: _TypeAlias = RepositoryModelUnloadResponse  # noqa: Y015
+
+@_typing.final
+class SystemSharedMemoryStatusRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"": every region."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SystemSharedMemoryStatusRequest: _TypeAlias = SystemSharedMemoryStatusRequest  # noqa: Y015
+
+@_typing.final
+class SystemSharedMemoryStatusResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class RegionStatus(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        NAME_FIELD_NUMBER: _builtins.int
+        KEY_FIELD_NUMBER: _builtins.int
+        OFFSET_FIELD_NUMBER: _builtins.int
+        BYTE_SIZE_FIELD_NUMBER: _builtins.int
+        name: _builtins.str
+        key: _builtins.str
+        offset: _builtins.int
+        byte_size: _builtins.int
+        def __init__(
+            self,
+            *,
+            name: _builtins.str = ...,
+            key: _builtins.str = ...,
+            offset: _builtins.int = ...,
+            byte_size: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["byte_size", b"byte_size", "key", b"key", "name", b"name", "offset", b"offset"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class RegionsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___SystemSharedMemoryStatusResponse.RegionStatus: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___SystemSharedMemoryStatusResponse.RegionStatus | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    REGIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def regions(self) -> _containers.MessageMap[_builtins.str, Global___SystemSharedMemoryStatusResponse.RegionStatus]:
+        """By region name."""
+
+    def __init__(
+        self,
+        *,
+        regions: _abc.Mapping[_builtins.str, Global___SystemSharedMemoryStatusResponse.RegionStatus] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["regions", b"regions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SystemSharedMemoryStatusResponse: _TypeAlias = SystemSharedMemoryStatusResponse  # noqa: Y015
+
+@_typing.final
+class SystemSharedMemoryRegisterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    BYTE_SIZE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    key: _builtins.str
+    """The shared memory object's name as passed to shm_open ("/input0"): a file of
+    /dev/shm.
+    """
+    offset: _builtins.int
+    byte_size: _builtins.int
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        key: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        byte_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["byte_size", b"byte_size", "key", b"key", "name", b"name", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SystemSharedMemoryRegisterRequest: _TypeAlias = SystemSharedMemoryRegisterRequest  # noqa: Y015
+
+@_typing.final
+class SystemSharedMemoryRegisterResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SystemSharedMemoryRegisterResponse: _TypeAlias = SystemSharedMemoryRegisterResponse  # noqa: Y015
+
+@_typing.final
+class SystemSharedMemoryUnregisterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SystemSharedMemoryUnregisterRequest: _TypeAlias = SystemSharedMemoryUnregisterRequest  # noqa: Y015
+
+@_typing.final
+class SystemSharedMemoryUnregisterResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SystemSharedMemoryUnregisterResponse: _TypeAlias = SystemSharedMemoryUnregisterResponse  # noqa: Y015
+
+@_typing.final
+class CudaSharedMemoryStatusRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaSharedMemoryStatusRequest: _TypeAlias = CudaSharedMemoryStatusRequest  # noqa: Y015
+
+@_typing.final
+class CudaSharedMemoryStatusResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class RegionStatus(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        NAME_FIELD_NUMBER: _builtins.int
+        DEVICE_ID_FIELD_NUMBER: _builtins.int
+        BYTE_SIZE_FIELD_NUMBER: _builtins.int
+        name: _builtins.str
+        device_id: _builtins.int
+        byte_size: _builtins.int
+        def __init__(
+            self,
+            *,
+            name: _builtins.str = ...,
+            device_id: _builtins.int = ...,
+            byte_size: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["byte_size", b"byte_size", "device_id", b"device_id", "name", b"name"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class RegionsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___CudaSharedMemoryStatusResponse.RegionStatus: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___CudaSharedMemoryStatusResponse.RegionStatus | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    REGIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def regions(self) -> _containers.MessageMap[_builtins.str, Global___CudaSharedMemoryStatusResponse.RegionStatus]: ...
+    def __init__(
+        self,
+        *,
+        regions: _abc.Mapping[_builtins.str, Global___CudaSharedMemoryStatusResponse.RegionStatus] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["regions", b"regions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaSharedMemoryStatusResponse: _TypeAlias = CudaSharedMemoryStatusResponse  # noqa: Y015
+
+@_typing.final
+class CudaSharedMemoryRegisterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    RAW_HANDLE_FIELD_NUMBER: _builtins.int
+    DEVICE_ID_FIELD_NUMBER: _builtins.int
+    BYTE_SIZE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    raw_handle: _builtins.bytes
+    device_id: _builtins.int
+    byte_size: _builtins.int
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        raw_handle: _builtins.bytes = ...,
+        device_id: _builtins.int = ...,
+        byte_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["byte_size", b"byte_size", "device_id", b"device_id", "name", b"name", "raw_handle", b"raw_handle"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaSharedMemoryRegisterRequest: _TypeAlias = CudaSharedMemoryRegisterRequest  # noqa: Y015
+
+@_typing.final
+class CudaSharedMemoryRegisterResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaSharedMemoryRegisterResponse: _TypeAlias = CudaSharedMemoryRegisterResponse  # noqa: Y015
+
+@_typing.final
+class CudaSharedMemoryUnregisterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaSharedMemoryUnregisterRequest: _TypeAlias = CudaSharedMemoryUnregisterRequest  # noqa: Y015
+
+@_typing.final
+class CudaSharedMemoryUnregisterResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaSharedMemoryUnregisterResponse: _TypeAlias = CudaSharedMemoryUnregisterResponse  # noqa: Y015

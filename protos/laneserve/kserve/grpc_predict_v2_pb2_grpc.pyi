@@ -18,8 +18,12 @@ grpc_service.proto and model_config.proto: ModelStreamInfer (tritonclient's stre
 perf_analyzer --streaming), ModelConfig (max_batch_size and the tensors, which
 perf_analyzer and tritonclient users read) and ModelStatistics (perf_analyzer's
 server-side figures). A client reading a field not here finds its default.
-Not here: the model repository, shared memory, tracing and logging extensions; a
-client calling them gets UNIMPLEMENTED.
+Triton's system shared memory extension is here (inputs read from, and outputs
+written to, POSIX shared memory a caller on this host registered), with its CUDA
+methods refusing (laneserve maps no other process's device memory), and its
+repository index (the one model) with load and unload refusing (the model is fixed at
+start). Not here: tracing and logging settings; a client calling them gets
+UNIMPLEMENTED.
 How each field maps onto laneserve's own request: README.md, "KServe v2 / Triton
 clients", and server/kserve.py.
 """
@@ -78,6 +82,28 @@ class GRPCInferenceServiceStub:
     """Triton's: the served model's counts and cumulative durations since the server
     started, read at once (a reader subtracts one reading from a later one).
     """
+    RepositoryIndex: _grpc.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.RepositoryIndexRequest, _grpc_predict_v2_pb2.RepositoryIndexResponse]
+    """Triton's: the models of the repository, here the one served (its state READY while
+    the server is ready, else UNAVAILABLE with the reason).
+    """
+    RepositoryModelLoad: _grpc.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.RepositoryModelLoadRequest, _grpc_predict_v2_pb2.RepositoryModelLoadResponse]
+    """Triton's: refused UNIMPLEMENTED (the model is loaded once, at start)."""
+    RepositoryModelUnload: _grpc.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.RepositoryModelUnloadRequest, _grpc_predict_v2_pb2.RepositoryModelUnloadResponse]
+    SystemSharedMemoryStatus: _grpc.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.SystemSharedMemoryStatusRequest, _grpc_predict_v2_pb2.SystemSharedMemoryStatusResponse]
+    """Triton's system shared memory: the regions registered (name "": all of them)."""
+    SystemSharedMemoryRegister: _grpc.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.SystemSharedMemoryRegisterRequest, _grpc_predict_v2_pb2.SystemSharedMemoryRegisterResponse]
+    """Maps byte_size bytes at offset of the POSIX shared memory object `key` (what the
+    caller passed to shm_open) under `name`, for a caller on this host (a loopback or
+    Unix socket peer) while server.shared_memory is true.
+    """
+    SystemSharedMemoryUnregister: _grpc.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.SystemSharedMemoryUnregisterRequest, _grpc_predict_v2_pb2.SystemSharedMemoryUnregisterResponse]
+    """Lets go of region `name` (""; every region); a name not registered is no error."""
+    CudaSharedMemoryStatus: _grpc.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.CudaSharedMemoryStatusRequest, _grpc_predict_v2_pb2.CudaSharedMemoryStatusResponse]
+    """Triton's CUDA shared memory: no region is ever registered; Register is refused
+    UNIMPLEMENTED, Status lists none, Unregister has nothing to do.
+    """
+    CudaSharedMemoryRegister: _grpc.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.CudaSharedMemoryRegisterRequest, _grpc_predict_v2_pb2.CudaSharedMemoryRegisterResponse]
+    CudaSharedMemoryUnregister: _grpc.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.CudaSharedMemoryUnregisterRequest, _grpc_predict_v2_pb2.CudaSharedMemoryUnregisterResponse]
 
 @_typing.type_check_only
 class GRPCInferenceServiceAsyncStub(GRPCInferenceServiceStub):
@@ -108,6 +134,28 @@ class GRPCInferenceServiceAsyncStub(GRPCInferenceServiceStub):
     """Triton's: the served model's counts and cumulative durations since the server
     started, read at once (a reader subtracts one reading from a later one).
     """
+    RepositoryIndex: _aio.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.RepositoryIndexRequest, _grpc_predict_v2_pb2.RepositoryIndexResponse]  # type: ignore[assignment]
+    """Triton's: the models of the repository, here the one served (its state READY while
+    the server is ready, else UNAVAILABLE with the reason).
+    """
+    RepositoryModelLoad: _aio.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.RepositoryModelLoadRequest, _grpc_predict_v2_pb2.RepositoryModelLoadResponse]  # type: ignore[assignment]
+    """Triton's: refused UNIMPLEMENTED (the model is loaded once, at start)."""
+    RepositoryModelUnload: _aio.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.RepositoryModelUnloadRequest, _grpc_predict_v2_pb2.RepositoryModelUnloadResponse]  # type: ignore[assignment]
+    SystemSharedMemoryStatus: _aio.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.SystemSharedMemoryStatusRequest, _grpc_predict_v2_pb2.SystemSharedMemoryStatusResponse]  # type: ignore[assignment]
+    """Triton's system shared memory: the regions registered (name "": all of them)."""
+    SystemSharedMemoryRegister: _aio.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.SystemSharedMemoryRegisterRequest, _grpc_predict_v2_pb2.SystemSharedMemoryRegisterResponse]  # type: ignore[assignment]
+    """Maps byte_size bytes at offset of the POSIX shared memory object `key` (what the
+    caller passed to shm_open) under `name`, for a caller on this host (a loopback or
+    Unix socket peer) while server.shared_memory is true.
+    """
+    SystemSharedMemoryUnregister: _aio.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.SystemSharedMemoryUnregisterRequest, _grpc_predict_v2_pb2.SystemSharedMemoryUnregisterResponse]  # type: ignore[assignment]
+    """Lets go of region `name` (""; every region); a name not registered is no error."""
+    CudaSharedMemoryStatus: _aio.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.CudaSharedMemoryStatusRequest, _grpc_predict_v2_pb2.CudaSharedMemoryStatusResponse]  # type: ignore[assignment]
+    """Triton's CUDA shared memory: no region is ever registered; Register is refused
+    UNIMPLEMENTED, Status lists none, Unregister has nothing to do.
+    """
+    CudaSharedMemoryRegister: _aio.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.CudaSharedMemoryRegisterRequest, _grpc_predict_v2_pb2.CudaSharedMemoryRegisterResponse]  # type: ignore[assignment]
+    CudaSharedMemoryUnregister: _aio.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.CudaSharedMemoryUnregisterRequest, _grpc_predict_v2_pb2.CudaSharedMemoryUnregisterResponse]  # type: ignore[assignment]
 
 class GRPCInferenceServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -189,5 +237,81 @@ class GRPCInferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         """Triton's: the served model's counts and cumulative durations since the server
         started, read at once (a reader subtracts one reading from a later one).
         """
+
+    @_abc_1.abstractmethod
+    def RepositoryIndex(
+        self,
+        request: _grpc_predict_v2_pb2.RepositoryIndexRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_predict_v2_pb2.RepositoryIndexResponse, _abc.Awaitable[_grpc_predict_v2_pb2.RepositoryIndexResponse]]:
+        """Triton's: the models of the repository, here the one served (its state READY while
+        the server is ready, else UNAVAILABLE with the reason).
+        """
+
+    @_abc_1.abstractmethod
+    def RepositoryModelLoad(
+        self,
+        request: _grpc_predict_v2_pb2.RepositoryModelLoadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_predict_v2_pb2.RepositoryModelLoadResponse, _abc.Awaitable[_grpc_predict_v2_pb2.RepositoryModelLoadResponse]]:
+        """Triton's: refused UNIMPLEMENTED (the model is loaded once, at start)."""
+
+    @_abc_1.abstractmethod
+    def RepositoryModelUnload(
+        self,
+        request: _grpc_predict_v2_pb2.RepositoryModelUnloadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_predict_v2_pb2.RepositoryModelUnloadResponse, _abc.Awaitable[_grpc_predict_v2_pb2.RepositoryModelUnloadResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def SystemSharedMemoryStatus(
+        self,
+        request: _grpc_predict_v2_pb2.SystemSharedMemoryStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_predict_v2_pb2.SystemSharedMemoryStatusResponse, _abc.Awaitable[_grpc_predict_v2_pb2.SystemSharedMemoryStatusResponse]]:
+        """Triton's system shared memory: the regions registered (name "": all of them)."""
+
+    @_abc_1.abstractmethod
+    def SystemSharedMemoryRegister(
+        self,
+        request: _grpc_predict_v2_pb2.SystemSharedMemoryRegisterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_predict_v2_pb2.SystemSharedMemoryRegisterResponse, _abc.Awaitable[_grpc_predict_v2_pb2.SystemSharedMemoryRegisterResponse]]:
+        """Maps byte_size bytes at offset of the POSIX shared memory object `key` (what the
+        caller passed to shm_open) under `name`, for a caller on this host (a loopback or
+        Unix socket peer) while server.shared_memory is true.
+        """
+
+    @_abc_1.abstractmethod
+    def SystemSharedMemoryUnregister(
+        self,
+        request: _grpc_predict_v2_pb2.SystemSharedMemoryUnregisterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_predict_v2_pb2.SystemSharedMemoryUnregisterResponse, _abc.Awaitable[_grpc_predict_v2_pb2.SystemSharedMemoryUnregisterResponse]]:
+        """Lets go of region `name` (""; every region); a name not registered is no error."""
+
+    @_abc_1.abstractmethod
+    def CudaSharedMemoryStatus(
+        self,
+        request: _grpc_predict_v2_pb2.CudaSharedMemoryStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_predict_v2_pb2.CudaSharedMemoryStatusResponse, _abc.Awaitable[_grpc_predict_v2_pb2.CudaSharedMemoryStatusResponse]]:
+        """Triton's CUDA shared memory: no region is ever registered; Register is refused
+        UNIMPLEMENTED, Status lists none, Unregister has nothing to do.
+        """
+
+    @_abc_1.abstractmethod
+    def CudaSharedMemoryRegister(
+        self,
+        request: _grpc_predict_v2_pb2.CudaSharedMemoryRegisterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_predict_v2_pb2.CudaSharedMemoryRegisterResponse, _abc.Awaitable[_grpc_predict_v2_pb2.CudaSharedMemoryRegisterResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def CudaSharedMemoryUnregister(
+        self,
+        request: _grpc_predict_v2_pb2.CudaSharedMemoryUnregisterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_predict_v2_pb2.CudaSharedMemoryUnregisterResponse, _abc.Awaitable[_grpc_predict_v2_pb2.CudaSharedMemoryUnregisterResponse]]: ...
 
 def add_GRPCInferenceServiceServicer_to_server(servicer: GRPCInferenceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
