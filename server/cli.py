@@ -604,7 +604,7 @@ def _parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
     serve.add_argument(
         "--shared-memory",
         action=argparse.BooleanOptionalAction,
-        help="let KServe / Triton callers on this host (loopback, Unix socket) pass tensors "
+        help="let KServe / Triton callers on this host (loopback) pass tensors "
         "through POSIX shared memory (default off; README, Shared memory)",
     )
     serve.add_argument(

@@ -289,7 +289,7 @@ class ServerConfig:
     # header, before any inflating, where clients may be hostile. Answers are never
     # compressed.
     compressed_requests: bool = True
-    # Whether KServe v2 / Triton callers on this host (loopback or Unix socket peers) may
+    # Whether KServe v2 / Triton callers on this host (loopback peers) may
     # register POSIX shared memory regions and have ModelInfer read inputs from and write
     # outputs to them (Triton's system shared memory, server/shared_memory.py). Callers
     # elsewhere never may: a region is a file of this host's /dev/shm. Off by default:

@@ -19,9 +19,9 @@ registered again too small, meanwhile fails that request's answer, saying so.
 Bounds: `region_limit()` regions, each one open file. An input's bytes from shared
 memory count toward max_message_bytes with the message's own (`InputBudget`): a request
 holds what it read however it came, and what admission and the memory watermark budget
-is what requests hold. Who may: callers on this host (loopback or Unix socket peers,
-`is_local_peer`) while server.shared_memory is true (false by default). A region is a
-file of this host's memory: a caller elsewhere has no use for one, and reaches none.
+is what requests hold. Who may: callers on this host (loopback peers, `is_local_peer`)
+while server.shared_memory is true (false by default). A region is a file of this
+host's memory: a caller elsewhere has no use for one, and reaches none.
 Among the callers that look local, as in Triton's server, any may register an object
 the server's user may read and write, use any region by its name, and unregister any;
 and a proxy on the host (a service mesh's sidecar connects from 127.0.0.6) makes every
@@ -166,8 +166,8 @@ def _value(what: str, key: str, parameter: kpb.InferParameter, kinds: tuple[str,
 
 def is_local_peer(peer: str) -> bool:
     """Whether gRPC's `peer` ("ipv4:127.0.0.1:5000", "ipv6:%5B::1%5D:5000",
-    "unix:/run/x.sock") is on this host: a Unix socket, or a loopback address (an
-    IPv4-mapped IPv6 one too)."""
+    "unix:/run/x.sock") is on this host: a loopback address (an IPv4-mapped IPv6 one
+    too), or a Unix socket (were the server to listen on one: it listens on TCP)."""
     kind, _, address = unquote(peer).partition(":")
     if kind in ("unix", "unix-abstract"):
         return True
@@ -224,13 +224,14 @@ class SharedMemoryRegions:
         if not is_local_peer(peer):
             raise SharedMemoryRefusedError(
                 f"shared memory is for callers on the server's host, and this call comes "
-                f"from {unquote(peer)!r}; expected a loopback or Unix socket connection (a "
+                f"from {unquote(peer)!r}; expected a loopback connection (a "
                 "region is a file of the server's /dev/shm), or the tensors' bytes in the "
                 "request and its answer"
             )
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        """Maps `byte_size` bytes at `offset` of object `key` as region `name`."""
+        """Registers `byte_size` bytes at `offset` of object `key` as region `name`, its
+        file held open."""
         if not name or len(name.encode()) > MAX_REGION_NAME_BYTES:
             raise InvalidInputError(
                 f"region name {name!r} is {len(name.encode())} bytes; expected 1 to "

@@ -12,6 +12,7 @@ import dataclasses
 import ipaddress
 import mmap
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -30,8 +31,11 @@ from laneserve.server import kserve as kserve_module
 from laneserve.server.addresses import host_port
 from laneserve.server.cli import _parser, _serve_config
 from laneserve.server.config import ConfigError
+from laneserve.server.errors import RegionLimitError
+from laneserve.server.model_identity import write_varint
 from laneserve.server.shared_memory import (
     BYTE_SIZE_PARAMETER,
+    MAX_REGIONS,
     OFFSET_PARAMETER,
     REGION_PARAMETER,
     SHM_DIRECTORY,
@@ -39,6 +43,7 @@ from laneserve.server.shared_memory import (
     SharedMemoryRegions,
     is_local_peer,
     placement_of,
+    region_limit,
 )
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
@@ -442,8 +447,36 @@ def test_shared_memory_inputs_count_toward_max_message_bytes(
                 "input 'input' asks for 81920 bytes of shared memory, over the ",
             )
             assert "of the request's max_message_bytes (65536, " in details
+            # 31 rows from the region fit alone, not with 4 KiB of the message's own (a
+            # field this server does not know, kept unparsed): the two are counted together.
+            most = rows(31, seed=11)
+            placed = shm_request(most, input_at=Placement("r", 0, input_bytes(most)))
+            await stub.ModelInfer(placed)
+            padded = placed.SerializeToString() + _unknown_field(4096)
+            await refused(
+                _raw_model_infer(s)(padded),
+                INVALID,
+                "INVALID_INPUT",
+                "input 'input' asks for 63488 bytes of shared memory, over the ",
+            )
 
     asyncio.run(scenario())
+
+
+def _unknown_field(size: int) -> bytes:
+    """A length-delimited field numbered 1000 (none of ModelInferRequest's) of `size`
+    bytes, as a message from a newer schema carries one."""
+    return write_varint(1000 << 3 | 2) + write_varint(size) + b"p" * size
+
+
+def _raw_model_infer(s: Serving) -> Callable[[bytes], Awaitable[kpb.ModelInferResponse]]:
+    """ModelInfer with the request's bytes as given."""
+    call: Callable[[bytes], Awaitable[kpb.ModelInferResponse]] = s.channel.unary_unary(
+        "/inference.GRPCInferenceService/ModelInfer",
+        request_serializer=lambda data: data,
+        response_deserializer=kpb.ModelInferResponse.FromString,
+    )
+    return call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -943,7 +976,8 @@ def test_a_caller_on_another_host_is_refused_shared_memory(
 ) -> None:
     """Served on 0.0.0.0 and called through this host's routed address (a peer that is
     not loopback, as a caller elsewhere is): every shared memory call and placement is
-    refused PERMISSION_DENIED naming the peer; raw contents are answered."""
+    refused PERMISSION_DENIED naming the peer, a stream's item placing a tensor too (the
+    stream's peer judged, the stream going on); raw contents are answered."""
     address = routed_ipv4()
     made = shm.create(PAGE_BYTES)
 
@@ -956,6 +990,18 @@ def test_a_caller_on_another_host_is_refused_shared_memory(
             for call in shared_memory_calls(stub, made):
                 await refused(call(), REFUSED, "SHARED_MEMORY_REFUSED", remote)
             assert len(await plain_output(stub, ONE)) == OUTPUT_ROW_BYTES
+            items = [
+                shm_request(ONE, output_at=Placement("r", 0, 40), request_id="placed"),
+                shm_request(ONE, request_id="plain"),
+            ]
+            answers = {
+                answer.infer_response.id: answer.error_message
+                async for answer in stub.ModelStreamInfer(iter(items), timeout=30)
+            }
+            assert answers["placed"].startswith(
+                "PERMISSION_DENIED SHARED_MEMORY_REFUSED: [request id: placed] "
+            ), answers
+            assert answers["plain"] == "", answers
 
     asyncio.run(scenario())
 
@@ -1125,7 +1171,8 @@ def test_a_registered_region_holds_one_open_file(small_model: Path, shm: SharedM
                 await register(stub, f"r{index}", each)
             return _open_files() - before
 
-    assert asyncio.run(scenario()) <= len(made) - 1
+    # One file each (39); two each were 78. The slack: a file gRPC's threads may open.
+    assert asyncio.run(scenario()) < 1.5 * (len(made) - 1)
 
 
 def _open_files() -> int:
@@ -1212,7 +1259,8 @@ async def _held_while_unregistered(
     await register(kserve_stub(s), "out", made)
     engine.hold_next()
     running = asyncio.ensure_future(call())
-    await asyncio.to_thread(engine.entered.acquire)
+    # Bounded: a request that never runs fails the test instead of hanging the suite.
+    assert await asyncio.to_thread(engine.entered.acquire, timeout=30)
     await kserve_stub(s).SystemSharedMemoryUnregister(
         kpb.SystemSharedMemoryUnregisterRequest(name="out")
     )
@@ -1297,3 +1345,52 @@ def test_shared_memory_is_off_by_default_and_a_setting_and_a_flag(tmp_path: Path
     ):
         args = _parser().parse_args(["serve", "--model", "m.onnx", *argv])
         assert _serve_config(args)[0].shared_memory is expected, argv
+
+
+@contextlib.contextmanager
+def _open_file_limit(soft: int) -> Iterator[None]:
+    """This process's soft open-file limit lowered to `soft` within, restored after."""
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, before[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)
+
+
+def test_regions_are_bounded_by_a_quarter_of_the_open_file_limit(shm: SharedMemory) -> None:
+    """Under a soft limit of 64 files, 16 regions: the 17th is refused REGION_LIMIT, and
+    registers once one is unregistered."""
+    made = shm.create(PAGE_BYTES)
+    with _open_file_limit(64):
+        assert region_limit() == 16
+        regions = SharedMemoryRegions(enabled=True)
+    try:
+        for index in range(16):
+            regions.register(f"r{index}", made.key, 0, PAGE_BYTES)
+        with pytest.raises(RegionLimitError, match="16 regions are registered, the most"):
+            regions.register("r16", made.key, 0, PAGE_BYTES)
+        regions.unregister("r0")
+        regions.register("r16", made.key, 0, PAGE_BYTES)
+    finally:
+        regions.close()
+    assert region_limit() == min(MAX_REGIONS, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
+
+
+def test_a_region_with_no_file_left_to_open_is_refused_region_limit(shm: SharedMemory) -> None:
+    """Out of files (EMFILE) before the bound: refused REGION_LIMIT naming the open-file
+    limit, not INVALID_ARGUMENT blaming the caller's key."""
+    made = shm.create(PAGE_BYTES)
+    regions = SharedMemoryRegions(enabled=True)
+    try:
+        with _open_file_limit(_open_files() + 2), pytest.raises(RegionLimitError) as caught:
+            _register_many(regions, made, 8)
+        assert "the server has no file left to open shared memory object" in str(caught.value)
+        assert "open-file limit" in str(caught.value)
+    finally:
+        regions.close()
+
+
+def _register_many(regions: SharedMemoryRegions, made: SharedObject, count: int) -> None:
+    for index in range(count):
+        regions.register(f"r{index}", made.key, 0, PAGE_BYTES)

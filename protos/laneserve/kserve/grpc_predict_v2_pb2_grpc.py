@@ -225,16 +225,16 @@ class GRPCInferenceServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SystemSharedMemoryRegister(self, request, context):
-        """Maps byte_size bytes at offset of the POSIX shared memory object `key` (what the
-        caller passed to shm_open) under `name`, for a caller on this host (a loopback or
-        Unix socket peer) while server.shared_memory is true.
+        """Registers byte_size bytes at offset of the POSIX shared memory object `key` (what
+        the caller passed to shm_open) as region `name`, for a caller on this host (a
+        loopback peer) while server.shared_memory is true (false by default).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def SystemSharedMemoryUnregister(self, request, context):
-        """Lets go of region `name` (""; every region); a name not registered is no error.
+        """Lets go of region `name` ("": every region); a name not registered is no error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

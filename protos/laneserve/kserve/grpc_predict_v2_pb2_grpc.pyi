@@ -92,12 +92,12 @@ class GRPCInferenceServiceStub:
     SystemSharedMemoryStatus: _grpc.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.SystemSharedMemoryStatusRequest, _grpc_predict_v2_pb2.SystemSharedMemoryStatusResponse]
     """Triton's system shared memory: the regions registered (name "": all of them)."""
     SystemSharedMemoryRegister: _grpc.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.SystemSharedMemoryRegisterRequest, _grpc_predict_v2_pb2.SystemSharedMemoryRegisterResponse]
-    """Maps byte_size bytes at offset of the POSIX shared memory object `key` (what the
-    caller passed to shm_open) under `name`, for a caller on this host (a loopback or
-    Unix socket peer) while server.shared_memory is true.
+    """Registers byte_size bytes at offset of the POSIX shared memory object `key` (what
+    the caller passed to shm_open) as region `name`, for a caller on this host (a
+    loopback peer) while server.shared_memory is true (false by default).
     """
     SystemSharedMemoryUnregister: _grpc.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.SystemSharedMemoryUnregisterRequest, _grpc_predict_v2_pb2.SystemSharedMemoryUnregisterResponse]
-    """Lets go of region `name` (""; every region); a name not registered is no error."""
+    """Lets go of region `name` ("": every region); a name not registered is no error."""
     CudaSharedMemoryStatus: _grpc.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.CudaSharedMemoryStatusRequest, _grpc_predict_v2_pb2.CudaSharedMemoryStatusResponse]
     """Triton's CUDA shared memory: no region is ever registered; Register is refused
     UNIMPLEMENTED, Status lists none, Unregister has nothing to do.
@@ -144,12 +144,12 @@ class GRPCInferenceServiceAsyncStub(GRPCInferenceServiceStub):
     SystemSharedMemoryStatus: _aio.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.SystemSharedMemoryStatusRequest, _grpc_predict_v2_pb2.SystemSharedMemoryStatusResponse]  # type: ignore[assignment]
     """Triton's system shared memory: the regions registered (name "": all of them)."""
     SystemSharedMemoryRegister: _aio.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.SystemSharedMemoryRegisterRequest, _grpc_predict_v2_pb2.SystemSharedMemoryRegisterResponse]  # type: ignore[assignment]
-    """Maps byte_size bytes at offset of the POSIX shared memory object `key` (what the
-    caller passed to shm_open) under `name`, for a caller on this host (a loopback or
-    Unix socket peer) while server.shared_memory is true.
+    """Registers byte_size bytes at offset of the POSIX shared memory object `key` (what
+    the caller passed to shm_open) as region `name`, for a caller on this host (a
+    loopback peer) while server.shared_memory is true (false by default).
     """
     SystemSharedMemoryUnregister: _aio.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.SystemSharedMemoryUnregisterRequest, _grpc_predict_v2_pb2.SystemSharedMemoryUnregisterResponse]  # type: ignore[assignment]
-    """Lets go of region `name` (""; every region); a name not registered is no error."""
+    """Lets go of region `name` ("": every region); a name not registered is no error."""
     CudaSharedMemoryStatus: _aio.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.CudaSharedMemoryStatusRequest, _grpc_predict_v2_pb2.CudaSharedMemoryStatusResponse]  # type: ignore[assignment]
     """Triton's CUDA shared memory: no region is ever registered; Register is refused
     UNIMPLEMENTED, Status lists none, Unregister has nothing to do.
@@ -277,9 +277,9 @@ class GRPCInferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _grpc_predict_v2_pb2.SystemSharedMemoryRegisterRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_grpc_predict_v2_pb2.SystemSharedMemoryRegisterResponse, _abc.Awaitable[_grpc_predict_v2_pb2.SystemSharedMemoryRegisterResponse]]:
-        """Maps byte_size bytes at offset of the POSIX shared memory object `key` (what the
-        caller passed to shm_open) under `name`, for a caller on this host (a loopback or
-        Unix socket peer) while server.shared_memory is true.
+        """Registers byte_size bytes at offset of the POSIX shared memory object `key` (what
+        the caller passed to shm_open) as region `name`, for a caller on this host (a
+        loopback peer) while server.shared_memory is true (false by default).
         """
 
     @_abc_1.abstractmethod
@@ -288,7 +288,7 @@ class GRPCInferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _grpc_predict_v2_pb2.SystemSharedMemoryUnregisterRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_grpc_predict_v2_pb2.SystemSharedMemoryUnregisterResponse, _abc.Awaitable[_grpc_predict_v2_pb2.SystemSharedMemoryUnregisterResponse]]:
-        """Lets go of region `name` (""; every region); a name not registered is no error."""
+        """Lets go of region `name` ("": every region); a name not registered is no error."""
 
     @_abc_1.abstractmethod
     def CudaSharedMemoryStatus(
