@@ -5,7 +5,7 @@
     .venv/bin/python scripts/bench_shared_memory.py --rows 1,1024,8192 --callers 1,2,8
 
 `laneserve serve --shared-memory` starts in a child process on loopback (shared memory
-is off unless asked for, and served to loopback and Unix-socket peers only). This process
+is off unless asked for, and served to loopback peers only). This process
 creates two POSIX shared memory objects (files of /dev/shm under unique names, as
 shm_open would) and registers one region over each (`SystemSharedMemoryRegister`): one
 for inputs, one for outputs. Each caller owns a slice of both, as large as its largest

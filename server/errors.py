@@ -12,7 +12,7 @@
     ├── MemoryPressureError        RESOURCE_EXHAUSTED   MEMORY_PRESSURE      (retry after pushback)
     ├── JoinLimitError             RESOURCE_EXHAUSTED   JOIN_LIMIT           (retry once answered)
     ├── ModelNotFoundError         NOT_FOUND            MODEL_NOT_FOUND      (KServe: other model)
-    ├── RegionNotFoundError        NOT_FOUND            REGION_NOT_FOUND     (KServe: shm status)
+    ├── RegionNotFoundError        NOT_FOUND            REGION_NOT_FOUND     (KServe: shm region)
     ├── RegionExistsError          ALREADY_EXISTS       REGION_EXISTS        (KServe: shm register)
     ├── RegionLimitError           RESOURCE_EXHAUSTED   REGION_LIMIT         (KServe: shm register)
     ├── SharedMemoryRefusedError   PERMISSION_DENIED    SHARED_MEMORY_REFUSED (shm off/remote)
@@ -124,7 +124,8 @@ class ModelNotFoundError(LaneserveError):
 
 
 class RegionNotFoundError(LaneserveError):
-    """A shared memory region's status asked by a name not registered."""
+    """A shared memory region asked for by a name not registered: its status, or a
+    tensor placed in it (one unregistered while its request ran too)."""
 
     code = grpc.StatusCode.NOT_FOUND
     reason = "REGION_NOT_FOUND"
@@ -138,7 +139,8 @@ class RegionExistsError(LaneserveError):
 
 
 class RegionLimitError(LaneserveError):
-    """A shared memory region registered while the most a server maps are registered."""
+    """A shared memory region registered while the most a server holds are registered,
+    or with no file left to open its object."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "REGION_LIMIT"

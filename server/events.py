@@ -27,7 +27,14 @@ log = logging.getLogger(__name__)
 class SchedulerEvents(Protocol):
     def admitted(self, lane: str, rows: int) -> None: ...
 
-    def rejected(self, lane: str, reason: str) -> None: ...
+    def rejected(self, lane: str, reason: str, waited_s: float) -> None:
+        """A request was refused without being admitted. `waited_s`: from its arrival in
+        the servicer (before decoding, as `request_finished`'s `duration_s`) to its
+        refusal: a retry refused after waiting for the request it joined, a stream item
+        after waiting for room in its full lane; 0.0 for one refused as it reached the
+        servicer (its bytes did not parse, or another front end's conversion of it
+        failed) and for a request with no arrival (`InferenceRequest.arrived_s` None)."""
+        ...
 
     def shed(self, lane: str, reason: str, rows: int) -> None:
         """Queued rows dropped without running; reason EXPIRED_IN_QUEUE or CANCELLED."""
@@ -154,7 +161,7 @@ class NullEvents:
     def admitted(self, lane: str, rows: int) -> None:
         pass
 
-    def rejected(self, lane: str, reason: str) -> None:
+    def rejected(self, lane: str, reason: str, waited_s: float) -> None:
         pass
 
     def shed(self, lane: str, reason: str, rows: int) -> None:
@@ -231,8 +238,8 @@ class FanOut:
     def admitted(self, lane: str, rows: int) -> None:
         self._each("admitted", lambda sink: sink.admitted(lane, rows))
 
-    def rejected(self, lane: str, reason: str) -> None:
-        self._each("rejected", lambda sink: sink.rejected(lane, reason))
+    def rejected(self, lane: str, reason: str, waited_s: float) -> None:
+        self._each("rejected", lambda sink: sink.rejected(lane, reason, waited_s))
 
     def shed(self, lane: str, reason: str, rows: int) -> None:
         self._each("shed", lambda sink: sink.shed(lane, reason, rows))

@@ -48,6 +48,15 @@ class InferenceRequest:
     # timeout_ms); None when it set neither. `deadline_s` holds the cap already, so a
     # refusal or expiry could not tell whether the lane's timeout or the caller's set it.
     own_timeout_s: float | None = None
+    # Monotonic seconds (the scheduler's clock, the service's) when it reached the
+    # servicer, before decoding: a refusal counts its wait from here (`waited_s`). None:
+    # it arrived as it was submitted (a caller other than the service).
+    arrived_s: float | None = None
+
+    def waited_s(self, now_s: float) -> float:
+        """Seconds from its arrival to `now_s` (0.0 without `arrived_s`): what a refusal
+        at `now_s` is counted with (`SchedulerEvents.rejected`)."""
+        return 0.0 if self.arrived_s is None else now_s - self.arrived_s
 
 
 class DispatchReason(enum.Enum):

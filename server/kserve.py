@@ -53,7 +53,7 @@ import functools
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import grpc
 import numpy as np
@@ -95,6 +95,7 @@ from laneserve.server.shared_memory import (
     CallerRegions,
     InputBudget,
     Placement,
+    Region,
     SharedMemoryRegions,
     placement_of,
 )
@@ -687,10 +688,12 @@ def _as_bytes(name: str, values: Sequence[Any], kind: KServeType) -> bytes:
 @dataclasses.dataclass(frozen=True, slots=True)
 class OutputsPlaced:
     """Where a request asked its outputs written (by name; the others go in the answer),
-    and the regions they are written into."""
+    each with the region registered under its name as the request was read (None:
+    none), and the regions they are written into: an output goes into that region or
+    none (`SharedMemoryRegions.write`)."""
 
     regions: SharedMemoryRegions
-    placements: Mapping[str, Placement]
+    placements: Mapping[str, tuple[Placement, Region | None]]
 
 
 def placed_outputs(
@@ -700,8 +703,10 @@ def placed_outputs(
     message; anything else places none) places in shared memory, read without refusing:
     a placement that does not read is the conversion's to refuse, and a request refused
     gets no answer to write. One asking for more than `max_outputs` outputs (the model's)
-    is refused on that count, before anything walks them: none is read."""
-    placements: dict[str, Placement] = {}
+    is refused on that count, before anything walks them: none is read. Read in the same
+    step of the event loop as the conversion that checks each placement's region, so
+    that the region kept is the one checked."""
+    placements: dict[str, tuple[Placement, Region | None]] = {}
     if isinstance(request, ModelInferCall) and len(request.message.outputs) <= max_outputs:
         for output in request.message.outputs:
             try:
@@ -709,7 +714,7 @@ def placed_outputs(
             except InvalidInputError:
                 continue
             if placement is not None:
-                placements[output.name] = placement
+                placements[output.name] = (placement, regions.get(placement.region))
     return OutputsPlaced(regions, placements)
 
 
@@ -737,11 +742,12 @@ def to_model_infer_response(
         response.outputs.add(
             name=tensor.name, datatype=_BY_DATATYPE[tensor.dtype].name, shape=tensor.shape
         )
-        placement = placed.placements.get(tensor.name)
-        if placement is None:
+        place = placed.placements.get(tensor.name)
+        if place is None:
             response.raw_output_contents.append(tensor.data)
             continue
-        placed.regions.write(placement, tensor.data, f"output {tensor.name!r}")
+        placement, region = place
+        placed.regions.write(placement, tensor.data, f"output {tensor.name!r}", region)
         response.raw_output_contents.append(b"")
     timing = answer.timing
     response.parameters[TIMING_PREFIX + _TIMING_LANE].string_param = timing.lane
@@ -939,6 +945,8 @@ def _mark_final(tag: ModelStreamTag, response: kpb.ModelInferResponse) -> None:
 
 # ---- the servicer ---------------------------------------------------------------------------
 
+_Result = TypeVar("_Result")
+
 # RepositoryIndex's reason for a model not READY: the server is not (health NOT_SERVING).
 NOT_READY_REASON: Final = (
     "the server is not ready: starting, in a stop signal's drain delay, or draining"
@@ -1119,7 +1127,7 @@ class KServeServicer:
         try:
             self._check_served(request.message.model_name, request.message.model_version)
             return to_infer_request(request, self._lanes, self._inputs, self._outputs, shared)
-        except (InvalidInputError, SharedMemoryRefusedError) as error:
+        except (InvalidInputError, RegionNotFoundError, SharedMemoryRefusedError) as error:
             return error
         finally:
             request.release()  # gRPC holds it until the call ends
@@ -1177,12 +1185,7 @@ class KServeServicer:
     ) -> kpb.SystemSharedMemoryStatusResponse:
         await _refuse_unreadable(request, "SystemSharedMemoryStatus", context)
         assert isinstance(request, kpb.SystemSharedMemoryStatusRequest)
-        try:
-            self._regions.check_peer(context.peer())
-            regions = self._regions.status(request.name)
-        except LaneserveError as error:
-            await abort_with(context, error)
-            raise AssertionError("unreachable: abort raises") from None
+        regions = await self._on_regions(context, lambda held: held.status(request.name))
         response = kpb.SystemSharedMemoryStatusResponse()
         for region in regions:
             status = response.regions[region.name]
@@ -1195,11 +1198,12 @@ class KServeServicer:
     ) -> kpb.SystemSharedMemoryRegisterResponse:
         await _refuse_unreadable(request, "SystemSharedMemoryRegister", context)
         assert isinstance(request, kpb.SystemSharedMemoryRegisterRequest)
-        try:
-            self._regions.check_peer(context.peer())
-            self._regions.register(request.name, request.key, request.offset, request.byte_size)
-        except LaneserveError as error:
-            await abort_with(context, error)
+        await self._on_regions(
+            context,
+            lambda held: held.register(
+                request.name, request.key, request.offset, request.byte_size
+            ),
+        )
         return kpb.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(
@@ -1207,12 +1211,22 @@ class KServeServicer:
     ) -> kpb.SystemSharedMemoryUnregisterResponse:
         await _refuse_unreadable(request, "SystemSharedMemoryUnregister", context)
         assert isinstance(request, kpb.SystemSharedMemoryUnregisterRequest)
+        await self._on_regions(context, lambda held: held.unregister(request.name))
+        return kpb.SystemSharedMemoryUnregisterResponse()
+
+    async def _on_regions(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        act: Callable[[SharedMemoryRegions], _Result],
+    ) -> _Result:
+        """`act` on the server's regions, for a caller that may use them; the caller's
+        refusal (`check_peer`) or `act`'s aborts the call."""
         try:
             self._regions.check_peer(context.peer())
+            return act(self._regions)
         except LaneserveError as error:
             await abort_with(context, error)
-        self._regions.unregister(request.name)
-        return kpb.SystemSharedMemoryUnregisterResponse()
+            raise AssertionError("unreachable: abort raises") from None
 
     async def CudaSharedMemoryStatus(
         self, request: object, context: grpc.aio.ServicerContext[Any, Any]

@@ -425,7 +425,7 @@ class Scheduler:
         try:
             self._check_admission(request, lane, now_s)
         except LaneserveError as error:
-            self.events.rejected(lane.name, error.reason)
+            self.events.rejected(lane.name, error.reason, request.waited_s(now_s))
             raise
         deadline_s = lane.config.deadline_s(now_s, request.deadline_s)
         self._last_entry_id += 1

@@ -566,7 +566,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         """`_infer`, for a request a front end converted (`request`: the conversion's
         refusal where it failed, counted and raised as `run_request` says)."""
         if isinstance(request, LaneserveError):
-            raise self._rejected_without_lane(request)
+            # Refused as it reaches the servicer, before `_infer` reads its arrival: it
+            # waited nothing here (its conversion is the front end's, as a request's
+            # decoding before that arrival is).
+            raise self._rejected_without_lane(request, arrived_s=None)
         ledger_id = request.request_id if idempotent else ""
         return await self._infer(request, context, default_lane, stream, ledger_id=ledger_id)
 
@@ -790,6 +793,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         limit: ReceiveLimit | None,
         counted_size: int | None,
         lane: str,
+        arrived_s: float,
     ) -> None:
         """Refuses `response` to a caller that reads at most `limit` (its
         RECEIVE_LIMIT_KEY; None: what the server sends, nothing to check): sent, gRPC
@@ -798,7 +802,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         again. `counted_size`: its size, where the refusal is counted already, as the
         status of the request this call submitted or joined (no caller taking the answer
         read it, and the ledger chose this call's refusal for it: `Caller.counted`);
-        None: it is counted here as a refusal of `lane` (any other caller refused)."""
+        None: it is counted here as a refusal of `lane` (any other caller refused), with
+        its wait from `arrived_s`."""
         if limit is None:
             return
         counted = counted_size is not None
@@ -812,7 +817,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             f"largest message this caller reads ({limit.limit_bytes} bytes, its "
             f"{RECEIVE_LIMIT_KEY}); expected fewer rows per request, or a larger receive limit"
         )
-        raise error if counted else self._rejected(lane, error)
+        raise error if counted else self._rejected(lane, error, arrived_s=arrived_s)
 
     async def GetModel(
         self,
@@ -932,6 +937,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             default_lane,
             ledger_id,
             missing_id=None if stream is None else stream.missing_id,
+            arrived_s=arrived_s,
         )
         answer_limit = None if stream is None else stream.receive_limit
         # Budgets count from arrival: decoding is part of the time the caller waits.
@@ -940,14 +946,16 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # Under overload calls can wait in gRPC's own queue past their deadline:
             # refuse them before spending any work on them.
             raise self._rejected(
-                lane, DeadlineUnmeetableError("the deadline had passed when the request was read")
+                lane,
+                DeadlineUnmeetableError("the deadline had passed when the request was read"),
+                arrived_s=arrived_s,
             )
         try:
             output_names = check_output_names(request.output_names, self._output_names)
             # The ledger runs it at most once per request_id: a retry joins or replays.
             digest, decoded = self._read_inputs(request, ledger_id, lane_config, output_names)
         except LaneserveError as error:  # counted as the scheduler counts its own
-            raise self._rejected(lane, error) from None
+            raise self._rejected(lane, error, arrived_s=arrived_s) from None
         # None: a retry that joins or replays, which waits for no room (see `_read_inputs`).
         rows = 0 if decoded is None else decoded[1]
 
@@ -965,7 +973,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         def submit(resolve: Resolve) -> Admitted:
             nonlocal trace
             # None: its request left the ledger since it was read (see `_read_inputs`).
-            inputs, rows, signature = decoded or self._decoded(request, lane)
+            inputs, rows, signature = decoded or self._decoded(request, lane, arrived_s)
             # The deadline the scheduler keeps (`wait_until_s`), from now: a stream item's
             # lane timeout counted from its arrival, not again from here after its wait for
             # room (`enqueue` showed a deadline later than the one it was shed at).
@@ -985,6 +993,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                         # Its messages say whether the lane's timeout cut it
                         # (`wait_until_s` holds the cap already).
                         own_timeout_s=None if deadline_s is None else deadline_s - arrived_s,
+                        arrived_s=arrived_s,  # the scheduler's refusals count from it
                     )
                 )
             except LaneserveError as error:
@@ -1027,7 +1036,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
         def expired(error: JoinExpiredError) -> None:
             nonlocal trace
-            trace = self._answered_alone(lane, trace, error)
+            trace = self._answered_alone(lane, trace, error, arrived_s)
 
         # Its caller, as the ledger sees it: a call whose gRPC deadline has passed takes
         # no answer (gRPC ends it DEADLINE_EXCEEDED; the answer was counted OK), and a
@@ -1040,7 +1049,15 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             counted=taken.counted,
         )
         run = functools.partial(
-            self._run_once, lane, ledger_id, digest, submit, finish, wait_until_s, caller
+            self._run_once,
+            lane,
+            ledger_id,
+            digest,
+            submit,
+            finish,
+            wait_until_s,
+            caller,
+            arrived_s=arrived_s,
         )
         if stream is None or self._ledger.holds(ledger_id):
             # A stream item that joins its request in flight, replays its stored answer or
@@ -1048,8 +1065,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # held it, and its stream's reading, up to its deadline for nothing.
             answer = run()
         else:
-            answer = self._run_when_room(run, lane, rows, wait_until_s, stream.room, ledger_id)
-        return await self._take(answer, taken, context, answer_limit, lane)
+            answer = self._run_when_room(
+                run, lane, rows, wait_until_s, stream.room, ledger_id, arrived_s=arrived_s
+            )
+        return await self._take(answer, taken, context, answer_limit, lane, arrived_s)
 
     async def _take(
         self,
@@ -1058,13 +1077,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         context: grpc.aio.ServicerContext[Any, Any],
         answer_limit: ReceiveLimit | None,
         lane: str,
+        arrived_s: float,
     ) -> pb.InferResponse:
         """The call's `answer`, refused where over `answer_limit` (`_check_receivable`);
         a call that joined a request in flight has its reply traced, with what it got."""
         try:
             response = await answer
             taken.reply.replying()
-            self._check_receivable(response, answer_limit, taken.counted_bytes, lane)
+            self._check_receivable(response, answer_limit, taken.counted_bytes, lane, arrived_s)
         except JoinExpiredError:
             raise  # answered alone, before any answer came: no reply (nor the submitter's)
         except LaneserveError as error:
@@ -1104,18 +1124,19 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         decoded = decode_inputs(request.inputs, self._input_specs)
         return (fingerprint(request, output_names) if ledger_id else b""), decoded
 
-    def _decoded(self, request: pb.InferRequest, lane: str) -> Decoded:
+    def _decoded(self, request: pb.InferRequest, lane: str, arrived_s: float) -> Decoded:
         """`decode_inputs` of `request`, its refusal counted as one of `lane`."""
         try:
             return decode_inputs(request.inputs, self._input_specs)
         except LaneserveError as error:
-            raise self._rejected(lane, error) from None
+            raise self._rejected(lane, error, arrived_s=arrived_s) from None
 
     def _read(self, request: pb.InferRequest | OversizedRequest) -> pb.InferRequest:
         """`request`, unless it is an OversizedRequest: refused unread, counted (only its
         id was kept, for its stream answer)."""
         if isinstance(request, OversizedRequest):
-            raise self._rejected_without_lane(oversized(request))
+            # Refused as it reaches the servicer, before `_infer` reads its arrival.
+            raise self._rejected_without_lane(oversized(request), arrived_s=None)
         return request
 
     def _lane_of(
@@ -1125,38 +1146,44 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         ledger_id: str,
         *,
         missing_id: str | None,
+        arrived_s: float,
     ) -> tuple[str, LaneConfig]:
         """The lane `request` queues in, and its configuration; raises (counted) the
         refusals that come before its inputs are read. `ledger_id`: its key in the ledger
         (`_infer`). `missing_id`: a stream item's refusal where it has no id
-        (`StreamFrontEnd.missing_id`); None: a unary call."""
+        (`StreamFrontEnd.missing_id`); None: a unary call. `arrived_s`: its arrival, which
+        its refusals count from."""
         if request is UNDECODABLE_REQUEST:
-            raise self._rejected_without_lane(undecodable(request))
+            raise self._rejected_without_lane(undecodable(request), arrived_s=arrived_s)
         lane = request.lane or default_lane
         lane_config = self._lane_configs.get(lane)
         if _id_too_long(request.request_id):  # before any other refusal quotes or echoes it
             raise self._rejected(
                 lane if lane_config is not None else self._config.default_lane,
                 _request_id_too_long(request.request_id),
+                arrived_s=arrived_s,
             )
         if lane_config is None:  # here, not only at admission: a retry that joins or
             # replays is never admitted, and must not be answered OK for a wrong lane
             raise self._rejected_without_lane(
                 InvalidInputError(
                     f"unknown lane {lane!r}; expected one of {list(self._lane_configs)}"
-                )
+                ),
+                arrived_s=arrived_s,
             )
         if missing_id is not None and not request.request_id:
             # Answers come back out of order, each tagged with its item's id: an item
             # without one gets an answer its caller cannot match to it.
-            raise self._rejected(lane, InvalidInputError(missing_id))
+            raise self._rejected(lane, InvalidInputError(missing_id), arrived_s=arrived_s)
         if self._state() is not Lifecycle.SERVING and not self._ledger.holds(ledger_id):
             # A retry of a request this server holds costs no work here, so the ledger
             # answers it while the server drains too: a completed one's stored answer, or
             # the answer of one still queued or running, which the drain waits for.
             # Refused, it ran again on another instance.
             raise self._rejected(
-                lane, DrainingError("server is draining; retry on another instance")
+                lane,
+                DrainingError("server is draining; retry on another instance"),
+                arrived_s=arrived_s,
             )
         return lane, lane_config
 
@@ -1185,16 +1212,19 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         finish: Finish,
         wait_until_s: float,
         caller: Caller,
+        *,
+        arrived_s: float,
     ) -> pb.InferResponse:
         """The request's answer from the ledger (see `RequestLedger.run`), keyed
         `ledger_id` (`_infer`'s: "" keys none): it waits until `wait_until_s` at
-        most, a retry joining the request in flight too."""
+        most, a retry joining the request in flight too. Its refusals count their wait
+        from `arrived_s` (a stream item may have waited for room first)."""
         # Told here, as the ledger is asked: a stream item may have waited for room first.
         retry = self._ledger.answers_as(ledger_id, digest)
         if retry == "join":  # refused before it joins: traced a retry once it does (`_Taken`)
             refusal = self._join_memory_refusal(lane, ledger_id)
             if refusal is not None:
-                raise self._rejected(lane, refusal)
+                raise self._rejected(lane, refusal, arrived_s=arrived_s)
         elif retry == "replay":  # not "reused": that call is refused, not a retry
             self._tracer.retried(ledger_id, lane, retry)
         if retry is None:
@@ -1211,7 +1241,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # Answered, but no entry of its own was shed: counted as its lane's refusal
             # (it was counted nowhere, and the counters missed an answer). So is a waiter
             # answered alone at its deadline, by `caller.expired`.
-            raise self._rejected(lane, error) from None
+            raise self._rejected(lane, error, arrived_s=arrived_s) from None
 
     def _join_memory_refusal(self, lane: str, request_id: str) -> LaneserveError | None:
         """Why a retry in `lane` may not join the request `request_id` in flight for
@@ -1240,17 +1270,20 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         until_s: float,
         room: StreamRoom,
         ledger_id: str,
+        *,
+        arrived_s: float,
     ) -> pb.InferResponse:
         """`run()` once `lane` has room for `rows` rows (see `_wait_for_room`), or at once
         once a request with its `ledger_id` is in flight (it joins: no room needed);
-        again when another caller took the room first, while there is time."""
+        again when another caller took the room first, while there is time. Its refusals
+        count their wait from `arrived_s`, the wait for room included."""
         while True:
-            await self._wait_for_room(lane, rows, until_s, room, ledger_id)
+            await self._wait_for_room(lane, rows, until_s, room, ledger_id, arrived_s=arrived_s)
             if self._state() is not Lifecycle.SERVING:
                 # The wait ends at the drain, whose scheduler may still admit a moment:
                 # retried there, a full lane refused it in a loop that never yielded
                 # (the drain could not start; a LANE_FULL counted each turn).
-                raise self._rejected(lane, _item_draining())
+                raise self._rejected(lane, _item_draining(), arrived_s=arrived_s)
             try:
                 return await run()
             except LaneFullError:
@@ -1259,7 +1292,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             await asyncio.sleep(ROOM_POLL_MIN_S)  # a retry never spins the loop
 
     async def _wait_for_room(
-        self, lane: str, rows: int, until_s: float, room: StreamRoom, ledger_id: str
+        self,
+        lane: str,
+        rows: int,
+        until_s: float,
+        room: StreamRoom,
+        ledger_id: str,
+        *,
+        arrived_s: float,
     ) -> None:
         """Returns once `lane` has room for `rows` more rows and no stream item that began
         waiting for room in it earlier still waits, at `until_s`, when the server stops
@@ -1299,7 +1339,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # nowhere. Counted as its lane's refusal, by why its caller went (see
             # `caller_end_status`: a stream call's gRPC deadline ends its items too).
             now_s = self._clock.monotonic()
-            self._events.rejected(lane, caller_end_status(now_s, until_s, queued=True))
+            status = caller_end_status(now_s, until_s, queued=True)
+            self._events.rejected(lane, status, now_s - arrived_s)
             raise
         finally:
             room.leave()
@@ -1316,31 +1357,40 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 del self._room_lines[lane]
 
     def _answered_alone(
-        self, lane: str, trace: RequestTrace, error: JoinExpiredError
+        self, lane: str, trace: RequestTrace, error: JoinExpiredError, arrived_s: float
     ) -> RequestTrace:
         """Counts a call answered alone at its deadline while the work goes on for a
         retry that joined it with a later deadline; the trace the call keeps (none).
 
         The answer will be that retry's: the spans of work this call queued (`trace`)
         end now, with what the call got, and no reply of that answer is traced as this
-        call's (it was, status OK, after this call had ended in error)."""
-        self._rejected(lane, error)
+        call's (it was, status OK, after this call had ended in error). Counted with
+        its wait from `arrived_s`, until its deadline."""
+        self._rejected(lane, error, arrived_s=arrived_s)
         trace.end(error.reason)
         return NULL_TRACE
 
-    def _rejected(self, lane: str, error: LaneserveError) -> LaneserveError:
+    def _rejected(
+        self, lane: str, error: LaneserveError, *, arrived_s: float | None
+    ) -> LaneserveError:
         """`error`, counted as a refusal of `lane` (a lane the server has: see
         `_rejected_without_lane`) as the scheduler counts its own: the lanes' `rejected`,
-        the metrics and the refusal log."""
-        self._events.rejected(lane, error.reason)
+        the metrics, the refusal log and ModelStatistics' `fail`, with its wait from
+        `arrived_s` (`_infer`'s) to now. None: refused as it reached the servicer, before
+        its arrival was read: it waited nothing here."""
+        waited_s = 0.0 if arrived_s is None else self._clock.monotonic() - arrived_s
+        self._events.rejected(lane, error.reason, waited_s)
         return error
 
-    def _rejected_without_lane(self, error: LaneserveError) -> LaneserveError:
+    def _rejected_without_lane(
+        self, error: LaneserveError, *, arrived_s: float | None
+    ) -> LaneserveError:
         """`error`, for a request refused before it has a lane of the server's (its bytes
         do not parse, or it names a lane the server lacks), counted as a refusal of the
         default lane: a label the server chose, since one per name a client sent would
-        grow the metrics' label set (and GetStats' lanes) without bound."""
-        return self._rejected(self._config.default_lane, error)
+        grow the metrics' label set (and GetStats' lanes) without bound. `arrived_s`: as
+        `_rejected`'s."""
+        return self._rejected(self._config.default_lane, error, arrived_s=arrived_s)
 
     def _request_over(self, lane: str, trace: RequestTrace, status: str, arrived_s: float) -> None:
         trace.end(status)

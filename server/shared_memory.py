@@ -13,8 +13,9 @@ mapping costs address space for every byte registered, a sparse object nothing e
 when it is converted, as a message's bytes are: a queued request holds its own copy, an
 unregister never pulls bytes from under it, and the caller may write the region again
 once it has its answer (Triton's rule too). An output goes in when the answer is
-written, into the region registered under its name then: one unregistered, or
-registered again too small, meanwhile fails that request's answer, saying so.
+written, into the region its request was checked against, or nowhere: one
+unregistered meanwhile (registered again or not: another object, perhaps another
+caller's) fails that request's answer NOT_FOUND, saying so.
 
 Bounds: `region_limit()` regions, each one open file. An input's bytes from shared
 memory count toward max_message_bytes with the message's own (`InputBudget`): a request
@@ -301,6 +302,10 @@ class SharedMemoryRegions:
                 region=each,
             )
 
+    def get(self, name: str) -> Region | None:
+        """Region `name`, None where none is registered under it."""
+        return self._regions.get(name)
+
     def status(self, name: str) -> list[Region]:
         """Region `name`, or every region for ""; raises RegionNotFoundError for a name
         not registered."""
@@ -328,13 +333,23 @@ class SharedMemoryRegions:
             raise _shrunk(region, start + read)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def write(self, placement: Placement, data: bytes, what: str) -> None:
-        """`data` into the region at `placement`, which must hold it."""
+    def write(self, placement: Placement, data: bytes, what: str, region: Region | None) -> None:
+        """`data` into the region at `placement`, which must hold it, and be `region`, the
+        one registered under its name when the request was converted (None: none was):
+        a region unregistered meanwhile, or registered again (another object, perhaps
+        another caller's), refuses the write."""
         if len(data) > placement.byte_size:
             raise InvalidInputError(
                 f"{what} is {len(data)} bytes, over the {placement.byte_size} of its "
                 f"{BYTE_SIZE_PARAMETER} in region {placement.region!r}; expected a "
                 "byte_size that holds the output (its rows times the bytes of a row)"
+            )
+        if region is None or self._regions.get(placement.region) is not region:
+            raise RegionNotFoundError(
+                f"{what} is placed in region {placement.region!r}, which was unregistered "
+                "while its request ran (a region registered under that name since is "
+                "another); expected the region kept registered until its requests are "
+                "answered"
             )
         region = self.checked_region(placement, what)
         start = region.offset + placement.offset
@@ -353,10 +368,12 @@ class SharedMemoryRegions:
 
     def checked_region(self, placement: Placement, what: str) -> Region:
         """The region `placement` names, once `placement` is checked to lie within it
-        and the region's object to still hold it; raises InvalidInputError."""
+        and the region's object to still hold it; raises RegionNotFoundError where none
+        is registered under its name (NOT_FOUND, as Triton's server), else
+        InvalidInputError."""
         region = self._regions.get(placement.region)
         if region is None:
-            raise InvalidInputError(
+            raise RegionNotFoundError(
                 f"{what} is placed in region {placement.region!r}, which is not registered; "
                 f"expected a region registered by SystemSharedMemoryRegister (registered: "
                 f"{sorted(self._regions)[:_MAX_NAMED]})"
@@ -377,19 +394,22 @@ class SharedMemoryRegions:
         self.unregister("")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
 class CallerRegions:
     """The server's regions as one call may use them: its caller's `peer` decides
-    whether it may (`SharedMemoryRegions.check_peer`), asked only of a call that places
-    a tensor in a region."""
+    whether it may (`SharedMemoryRegions.check_peer`), judged once, and only for a call
+    that places a tensor in a region (a stream's items share their call's)."""
 
-    regions: SharedMemoryRegions
-    peer: str
-    max_message_bytes: int
+    def __init__(self, regions: SharedMemoryRegions, peer: str, max_message_bytes: int) -> None:
+        self.regions = regions
+        self.peer = peer
+        self.max_message_bytes = max_message_bytes
+        self._may = False
 
     def usable(self) -> SharedMemoryRegions:
         """The regions; raises SharedMemoryRefusedError where this caller may not."""
-        self.regions.check_peer(self.peer)
+        if not self._may:
+            self.regions.check_peer(self.peer)  # the peer parsed once: ~5 us each time
+            self._may = True
         return self.regions
 
 

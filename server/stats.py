@@ -322,12 +322,11 @@ class Cumulative:
 
     # Admitted requests answered OK, from arrival to answer (`request_finished`).
     success: Duration
-    # Every other end of a request: admitted ones answered with an error or whose caller
-    # left (from arrival to their end), and every refusal before admission (`rejected`),
-    # each counted with 0 ns whatever it waited: `rejected` carries no time, and some
-    # refusals come after a wait (a retry that waited for the request with its id in
-    # flight until its deadline, JOIN_EXPIRED; a stream item refused after waiting for
-    # room in its full lane).
+    # Every other end of a request, from its arrival to its end: admitted ones answered
+    # with an error or whose caller left, and every refusal before admission (`rejected`),
+    # with what it waited (a retry that waited for the request with its id in flight until
+    # its deadline, JoinExpiredError, answered EXPIRED_IN_QUEUE; a stream item refused
+    # after waiting for room in its full lane; about nothing for one refused as it arrived).
     fail: Duration
     # Per request run, once (at its first batch): its wait in its lane, from admission
     # until its first batch was formed (Timing.queue_us).
@@ -401,10 +400,11 @@ class StatsRecorder:
         with self._lock:
             self._lanes[lane].admitted += 1
 
-    def rejected(self, lane: str, reason: str) -> None:
+    def rejected(self, lane: str, reason: str, waited_s: float) -> None:
         with self._lock:
             self._lanes[lane].rejected[reason] += 1
             self._fail.count += 1
+            self._fail.ns += round(waited_s * 1e9)
 
     def shed(self, lane: str, reason: str, rows: int) -> None:
         with self._lock:

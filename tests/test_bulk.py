@@ -26,11 +26,13 @@ from laneserve.client._request import MAX_REQUEST_ID_BYTES as CLIENT_MAX_REQUEST
 from laneserve.client._sync import SOURCE_THREAD
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig, service
+from laneserve.server.clock import ManualClock
 from laneserve.server.demo_model import make_demo_model
 from laneserve.server.events import RequestTrace
 from laneserve.server.items import InferenceRequest
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.service import MAX_REQUEST_ID_BYTES, ROOM_POLL_MAX_S, InferenceServicer
+from laneserve.server.stats import Duration
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
@@ -1243,6 +1245,33 @@ def test_a_stream_item_whose_stream_ends_while_it_waits_for_room_counts_cancelle
         return dict(bulk.rejected)
 
     assert asyncio.run(scenario()) == {"CANCELLED": 1}
+
+
+def test_a_stream_item_refused_after_its_wait_for_room_counts_that_wait_in_fail(
+    small_model: Path,
+) -> None:
+    """On a manual clock: a stream item waits 1.5 s for room in the full bulk lane, then
+    its stream ends. Its refusal (CANCELLED) is counted in ModelStatistics' `fail` with
+    those 1.5 s from its arrival (Triton's `fail` times a request from arrival to its
+    failure), where every refusal counted 0 ns."""
+
+    async def scenario() -> Duration:
+        clock = ManualClock()
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model, max_batch_size=4, lanes=bulk_lane(4))
+        async with serving(engine, server_config, clock=clock) as s:
+            held, queued = await _fill_the_bulk_lane(s, engine)
+            item = request(rows(4), request_id="w", lane="bulk")
+            answers = s.stub.InferStream(iter([item]))
+            await until(lambda: _waiting_for_room(s, "bulk") == 1)
+            clock.advance(1.5)
+            answers.cancel()
+            await until(lambda: _waiting_for_room(s, "bulk") == 0)
+            engine.release()
+            await asyncio.gather(held, queued)
+            return s.server.stats.cumulative().fail
+
+    assert asyncio.run(scenario()) == Duration(1, 1_500_000_000)
 
 
 def test_a_stream_item_that_waited_for_room_counts_no_refusal(small_model: Path) -> None:

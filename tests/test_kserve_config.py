@@ -331,7 +331,7 @@ def test_the_totals_count_each_request_once_and_its_batches_time_for_each_reques
     clock.advance(0.010)
     recorder.batch_done(failed, 0.005, EngineError("injected"))
     recorder.request_finished("standard", EngineError.reason, 0.015)
-    recorder.rejected("standard", "LANE_FULL")
+    recorder.rejected("standard", "LANE_FULL", 0.0)
     clock.advance(2.0)
 
     totals = recorder.cumulative()
@@ -339,7 +339,7 @@ def test_the_totals_count_each_request_once_and_its_batches_time_for_each_reques
     ms = 1_000_000
     assert dataclasses.replace(totals, last_success_ago_s=None) == Cumulative(
         success=Duration(3, 240 * ms),
-        fail=Duration(2, 15 * ms),  # the refusal counts with no time
+        fail=Duration(2, 15 * ms),  # the refusal, as it arrived, with no time
         queue=Duration(3, 35 * ms),
         # 10 ms outside batch 1's run, for each of its two requests.
         compute_input=Duration(3, 20 * ms),
@@ -353,6 +353,26 @@ def test_the_totals_count_each_request_once_and_its_batches_time_for_each_reques
         ),
         last_success_ago_s=None,
     )
+
+
+def test_a_refusal_counts_in_fail_with_what_it_waited() -> None:
+    """Triton's `fail` times a request from its arrival to its failure: a refusal is
+    counted with what its request waited first (a retry answered alone at its deadline
+    after waiting on the request it joined; a stream item after waiting for room), one
+    refused as it arrived with none. Every refusal counted 0 ns."""
+    recorder = StatsRecorder(["standard", "bulk"], clock=ManualClock(start_s=100.0))
+    recorder.rejected("standard", "EXPIRED_IN_QUEUE", 2.5)
+    recorder.rejected("bulk", "CANCELLED", 0.125)
+    recorder.rejected("bulk", "LANE_FULL", 0.0)
+    totals = recorder.cumulative()
+    assert totals.fail == Duration(3, 2_625_000_000)
+    assert totals.success == Duration(0, 0)
+    rejected = recorder.counts().rejected
+    assert rejected == {
+        ("standard", "EXPIRED_IN_QUEUE"): 1,
+        ("bulk", "CANCELLED"): 1,
+        ("bulk", "LANE_FULL"): 1,
+    }
 
 
 def test_a_batch_retried_in_parts_is_no_execution_of_its_size() -> None:
@@ -600,6 +620,43 @@ def test_statistics_count_model_infer_and_infer_calls_and_grow_between_readings(
             assert all(second[key] >= value for key, value in counts.items())
             assert (second["success.count"], second["inference_count"]) == (5, 10)
             assert second["batch2.count"] == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_retry_answered_alone_at_its_deadline_counts_its_wait_in_fail(
+    small_model: Path,
+) -> None:
+    """On a manual clock: a retry joins its request running in the session, with a
+    deadline 8 s from its arrival; 8 s later its caller goes (gRPC cancels a call at its
+    deadline) and it is answered alone, EXPIRED_IN_QUEUE. `fail` counts it with those
+    8 s (it was 0 ns, whatever a refusal waited); a request refused as it arrived (an
+    unknown lane) counts with none. The request runs on for its first caller: OK."""
+
+    async def scenario() -> None:
+        clock = ManualClock()
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model), clock=clock) as s:
+            x = rows(2, start=70)
+            engine.hold_next()
+            first = asyncio.ensure_future(s.stub.Infer(request(x, request_id="x")))
+            await asyncio.to_thread(engine.entered.acquire)
+            # Its timer is the event loop's, 8 s of real time away: the cancel comes first.
+            retry = s.stub.Infer(request(x, request_id="x", timeout_ms=8_000))
+            await until(lambda: flight_waiters(s, "x") == 2)
+            clock.advance(8.0)
+            retry.cancel()
+            await until(lambda: flight_waiters(s, "x") == 1)
+            unknown_lane = request(rows(1), lane="nope")
+            assert await _refused(s.stub.Infer(unknown_lane)) == grpc.StatusCode.INVALID_ARGUMENT
+            engine.release()
+            await first
+            counts = _counts(await _statistics(s))
+            assert (counts["fail.count"], counts["fail.ns"]) == (2, 8_000_000_000)
+            assert counts["success.count"] == 1
+            rejected = s.server.stats.counts().rejected
+            assert rejected[s.server.config.default_lane, "EXPIRED_IN_QUEUE"] == 1
+            assert rejected[s.server.config.default_lane, "INVALID_INPUT"] == 1
 
     asyncio.run(scenario())
 

@@ -74,6 +74,7 @@ PAGE_BYTES = mmap.ALLOCATIONGRANULARITY
 FILLER = b"\xab"
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 REFUSED = grpc.StatusCode.PERMISSION_DENIED
+NOT_FOUND = grpc.StatusCode.NOT_FOUND
 # ServerMetadata's extensions while server.shared_memory is true.
 EXTENSIONS = ["schedule_policy", "model_configuration", "system_shared_memory", "statistics"]
 
@@ -336,9 +337,9 @@ def test_model_infer_reads_its_input_from_and_writes_its_output_to_shared_memory
 def test_regions_and_placements_at_offsets_that_are_not_page_aligned(
     small_model: Path, shm: SharedMemory
 ) -> None:
-    """Regions registered 100 bytes and a page and 100 bytes into their object (mmap maps
-    from a page boundary), tensors placed 1000 and 12 bytes into them, the input
-    crossing a page: each read and written exactly there, the bytes around left alone."""
+    """Regions registered 100 bytes and a page and 100 bytes into their object, tensors
+    placed 1000 and 12 bytes into them, the input crossing a page: each read and written
+    exactly there, the bytes around left alone."""
     x = rows(3, seed=8)
     made = shm.create(4 * PAGE_BYTES)
     in_region, in_offset = PAGE_BYTES + 100, 1000
@@ -481,10 +482,12 @@ def _raw_model_infer(s: Serving) -> Callable[[bytes], Awaitable[kpb.ModelInferRe
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    """A request that must be refused INVALID_ARGUMENT INVALID_INPUT with `fragment`."""
+    """A request that must be refused `code` and `reason` with `fragment`."""
 
     request: Callable[[], Request]
     fragment: str
+    code: grpc.StatusCode = INVALID
+    reason: str = "INVALID_INPUT"
 
 
 def _with_contents(message: Request, x: F32) -> Request:
@@ -515,6 +518,8 @@ PLACEMENT_FAULTS: dict[str, Fault] = {
         lambda: shm_request(ONE, input_at=Placement("nope", 0, INPUT_ROW_BYTES)),
         "input 'input' is placed in region 'nope', which is not registered; expected a "
         "region registered by SystemSharedMemoryRegister (registered: ['r'])",
+        NOT_FOUND,
+        "REGION_NOT_FOUND",
     ),
     "input past the region's end": Fault(
         lambda: shm_request(ONE, input_at=Placement("r", REGION_BYTES - 2047, 2048)),
@@ -523,6 +528,8 @@ PLACEMENT_FAULTS: dict[str, Fault] = {
     "output in an unregistered region": Fault(
         lambda: shm_request(ONE, output_at=Placement("nope", 0, OUTPUT_ROW_BYTES)),
         "output 'output' is placed in region 'nope', which is not registered",
+        NOT_FOUND,
+        "REGION_NOT_FOUND",
     ),
     "output past the region's end": Fault(
         lambda: shm_request(ONE, output_at=Placement("r", REGION_BYTES - 39, OUTPUT_ROW_BYTES)),
@@ -587,8 +594,9 @@ PLACEMENT_FAULTS: dict[str, Fault] = {
 
 
 def test_each_placement_fault_is_refused_naming_it(small_model: Path, shm: SharedMemory) -> None:
-    """One server, one region "r" of 16 KiB, every faulty placement: INVALID_ARGUMENT
-    INVALID_INPUT in words naming the fault."""
+    """One server, one region "r" of 16 KiB, every faulty placement: refused in words
+    naming the fault, INVALID_ARGUMENT INVALID_INPUT, or NOT_FOUND REGION_NOT_FOUND for a
+    region not registered (as Triton's server)."""
     made = shm.create(REGION_BYTES)
     made.write(0, ONE.tobytes())
 
@@ -602,7 +610,7 @@ def test_each_placement_fault_is_refused_naming_it(small_model: Path, shm: Share
                     await stub.ModelInfer(fault.request(), timeout=30)
                 except grpc.aio.AioRpcError as error:
                     got = (error.code(), rich_status(error)[0])
-                    if got != (INVALID, "INVALID_INPUT") or fault.fragment not in str(
+                    if got != (fault.code, fault.reason) or fault.fragment not in str(
                         error.details()
                     ):
                         failures[name] = f"{got}: {error.details()}"
@@ -669,8 +677,8 @@ def test_an_output_placement_too_small_is_counted_a_refusal_not_an_answer(
 def test_a_region_whose_object_shrank_is_refused_not_read(
     small_model: Path, shm: SharedMemory
 ) -> None:
-    """An object truncated under its registered region would fault the server on access
-    (SIGBUS): a tensor placed in it is refused naming the object's size now."""
+    """An object truncated under its registered region: a tensor placed in it is refused
+    naming the object's size now (read through a mapping, it faulted the server)."""
     made = shm.create(3 * PAGE_BYTES)
 
     async def scenario() -> None:
@@ -751,7 +759,7 @@ def test_stream_items_read_and_write_shared_memory_and_a_bad_region_is_one_items
         assert made.read(out_region + at_out.offset, at_out.byte_size) == expected[index]
     for item_id, what in (("lost-out", "output 'output'"), ("lost-in", "input 'input'")):
         assert by_id[item_id].error_message.startswith(
-            f"INVALID_ARGUMENT INVALID_INPUT: [request id: {item_id}] {what} is placed in "
+            f"NOT_FOUND REGION_NOT_FOUND: [request id: {item_id}] {what} is placed in "
             "region 'gone', which is not registered"
         ), by_id[item_id].error_message
 
@@ -825,8 +833,8 @@ def test_unregister_lets_go_of_one_region_or_every_one_and_an_unknown_name_is_no
             assert sorted(await status_of(stub)) == ["b", "c"]
             await refused(
                 stub.ModelInfer(shm_request(ONE, input_at=Placement("a", 0, 2048))),
-                INVALID,
-                "INVALID_INPUT",
+                NOT_FOUND,
+                "REGION_NOT_FOUND",
                 "region 'a', which is not registered; expected a region registered by "
                 "SystemSharedMemoryRegister (registered: ['b', 'c'])",
             )
@@ -1225,7 +1233,7 @@ regions = SharedMemoryRegions(enabled=True, directory=directory)
 regions.register("r", "/object", 0, 1 << 20)
 print("read", regions.read(Placement("r", 4096, 160), "input 'input'") == bytes(160))
 try:
-    regions.write(Placement("r", 0, 160), bytes(range(160)), "output 'output'")
+    regions.write(Placement("r", 0, 160), bytes(range(160)), "output 'output'", regions.get("r"))
 except InvalidInputError as error:
     print("refused:", error)
 """
@@ -1252,10 +1260,15 @@ def test_a_sparse_object_on_a_full_tmpfs_is_refused_not_a_fault(tmp_path: Path) 
 
 
 async def _held_while_unregistered(
-    s: Serving, engine: RecordingEngine, made: SharedObject, call: Callable[[], Awaitable[Any]]
+    s: Serving,
+    engine: RecordingEngine,
+    made: SharedObject,
+    call: Callable[[], Awaitable[Any]],
+    *,
+    meanwhile: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Starts `call` with the engine held, unregisters region "out" while its request
-    runs, then lets it go."""
+    runs (and runs `meanwhile`), then lets it go."""
     await register(kserve_stub(s), "out", made)
     engine.hold_next()
     running = asyncio.ensure_future(call())
@@ -1264,6 +1277,8 @@ async def _held_while_unregistered(
     await kserve_stub(s).SystemSharedMemoryUnregister(
         kpb.SystemSharedMemoryUnregisterRequest(name="out")
     )
+    if meanwhile is not None:
+        await meanwhile()
     engine.release()
     await running
 
@@ -1278,15 +1293,47 @@ def test_a_model_infer_whose_output_region_went_while_it_ran_is_refused_naming_i
         async with serving(engine, shm_config(small_model)) as s:
             stub = kserve_stub(s)
             request = shm_request(ONE, output_at=Placement("out", 0, OUTPUT_ROW_BYTES))
-            fragment = "output 'output' is placed in region 'out', which is not registered"
+            fragment = (
+                "output 'output' is placed in region 'out', which was unregistered while its "
+                "request ran"
+            )
 
             async def call() -> None:
-                await refused(stub.ModelInfer(request), INVALID, "INVALID_INPUT", fragment)
+                await refused(stub.ModelInfer(request), NOT_FOUND, "REGION_NOT_FOUND", fragment)
 
             await _held_while_unregistered(s, engine, made, call)
             assert made.read(0, PAGE_BYTES) == FILLER * PAGE_BYTES
 
     asyncio.run(scenario())
+
+
+def test_an_output_goes_into_the_region_it_was_checked_against_or_none(
+    small_model: Path, shm: SharedMemory
+) -> None:
+    """Region "out" unregistered and registered again over another object while its
+    request runs: the output goes into neither (not into an object the request never
+    named, perhaps another caller's), and the request is refused NOT_FOUND."""
+    made, other = shm.create(PAGE_BYTES), shm.create(PAGE_BYTES)
+    engine = RecordingEngine(str(small_model))
+
+    async def scenario() -> None:
+        async with serving(engine, shm_config(small_model)) as s:
+            stub = kserve_stub(s)
+            request = shm_request(ONE, output_at=Placement("out", 0, OUTPUT_ROW_BYTES))
+
+            async def call() -> None:
+                await refused(
+                    stub.ModelInfer(request), NOT_FOUND, "REGION_NOT_FOUND", "while its request ran"
+                )
+
+            async def register_other() -> None:
+                await register(stub, "out", other)
+
+            await _held_while_unregistered(s, engine, made, call, meanwhile=register_other)
+
+    asyncio.run(scenario())
+    assert made.read(0, PAGE_BYTES) == FILLER * PAGE_BYTES
+    assert other.read(0, PAGE_BYTES) == FILLER * PAGE_BYTES
 
 
 def test_a_stream_item_whose_output_region_went_while_it_ran_gets_one_error_answer(
@@ -1320,8 +1367,8 @@ def test_a_stream_item_whose_output_region_went_while_it_ran_gets_one_error_answ
 
     first, second = asyncio.run(scenario())
     assert first.infer_response.id == "a"
-    assert first.error_message.startswith("INVALID_ARGUMENT INVALID_INPUT: [request id: a] ")
-    assert "which is not registered" in first.error_message, first.error_message
+    assert first.error_message.startswith("NOT_FOUND REGION_NOT_FOUND: [request id: a] ")
+    assert "which was unregistered while its request ran" in first.error_message
     assert (second.infer_response.id, second.error_message) == ("b", "")
 
 

@@ -213,12 +213,14 @@ class RecordingEvents(NullEvents):
     def __init__(self) -> None:
         self.log: list[tuple[object, ...]] = []
         self.queue_waits_s: list[tuple[float | None, ...]] = []
+        self.rejected_waits_s: list[float] = []  # per `rejected`, in order
 
     def admitted(self, lane: str, rows: int) -> None:
         self.log.append(("admitted", lane, rows))
 
-    def rejected(self, lane: str, reason: str) -> None:
+    def rejected(self, lane: str, reason: str, waited_s: float) -> None:
         self.log.append(("rejected", lane, reason))
+        self.rejected_waits_s.append(waited_s)
 
     def shed(self, lane: str, reason: str, rows: int) -> None:
         self.log.append(("shed", lane, reason, rows))
@@ -1489,6 +1491,24 @@ def test_full_lane_refuses_with_pushback_and_queues_nothing() -> None:
     assert scheduler.live_entries == 1
     scheduler.admit(make_request(2, "interactive", 4), T0)  # exactly fills the lane
     assert queued_rows(scheduler, "interactive") == INTERACTIVE.capacity_rows
+
+
+def test_a_refusal_at_admission_counts_its_wait_from_arrival() -> None:
+    """The scheduler's refusals are counted with the time from the request's arrival
+    (`InferenceRequest.arrived_s`, on its clock) to the refusal: a stream item that waited
+    for room before it was refused LANE_FULL waited that long; one refused as it arrived
+    waited nothing; one without an arrival counts none. Every refusal counted 0 s."""
+    events = RecordingEvents()
+    scheduler = make_scheduler(events=events)
+    scheduler.admit(make_request(0, "interactive", 64), T0)  # the lane full
+    for index, arrived_s in enumerate((T0 - 0.25, T0, None), start=1):
+        refused = dataclasses.replace(make_request(index, "interactive", 1), arrived_s=arrived_s)
+        with pytest.raises(LaneFullError):
+            scheduler.admit(refused, T0)
+    assert [entry for entry in events.log if entry[0] == "rejected"] == [
+        ("rejected", "interactive", "LANE_FULL")
+    ] * 3
+    assert events.rejected_waits_s == [0.25, 0.0, 0.0]
 
 
 def test_the_retry_hint_of_a_full_lane_is_at_most_its_timeout() -> None:
@@ -4304,6 +4324,21 @@ def test_a_closed_scheduler_threads_refusals_are_counted() -> None:
     with pytest.raises(DrainingError):
         thread.submit(make_request(1, "standard", 1))
     assert ("rejected", "standard", "DRAINING") in events.log
+
+
+def test_a_closed_scheduler_threads_refusal_counts_its_wait_from_arrival() -> None:
+    """A request refused DRAINING after it waited since its arrival (a stream item that
+    waited for room) is counted with that wait on the thread's clock; one without an
+    arrival (a caller other than the service) with none. Every refusal counted 0 s."""
+    events = RecordingEvents()
+    scheduler = make_scheduler(TOP_DOWN_LANES, events=events)
+    thread = SchedulerThread(scheduler, never_run, list[Outcome]().extend, clock=ManualClock(T0))
+    thread.close(join_timeout_s=0)
+    waited = dataclasses.replace(make_request(1, "standard", 1), arrived_s=T0 - 1.5)
+    for refused in (waited, make_request(2, "standard", 1)):
+        with pytest.raises(DrainingError):
+            thread.submit(refused)
+    assert events.rejected_waits_s == [1.5, 0.0]
 
 
 def test_shedding_uses_the_time_after_the_work_before_it() -> None:

@@ -1198,7 +1198,7 @@ def test_every_counter_series_is_reported_from_the_start_at_zero() -> None:
     stats = StatsRecorder([lane.name for lane in lanes])
     telemetry.observe(cpu_sources(stats))
     before = collect(reader)
-    stats.rejected("bulk", "LANE_FULL")
+    stats.rejected("bulk", "LANE_FULL", 0.0)
     after = collect(reader)
     telemetry.close()
 
@@ -1925,16 +1925,16 @@ def test_refusals_are_logged_in_aggregate_at_most_once_per_interval(
     clock, timers = FakeClock(), FakeTimers()
     events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock, timer=timers)
     caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
-    events.rejected("standard", "LANE_FULL")  # the first is logged at once
+    events.rejected("standard", "LANE_FULL", 0.0)  # the first is logged at once
     for _ in range(500):
-        events.rejected("standard", "LANE_FULL")
-    events.rejected("bulk", "MEMORY_PRESSURE")
+        events.rejected("standard", "LANE_FULL", 0.0)
+    events.rejected("bulk", "MEMORY_PRESSURE", 0.0)
     clock.now_s += 5
     assert len(caplog.records) == 1
     clock.now_s += 5
     (timer,) = timers.started
     timer.action()  # the interval is over: the burst is summed up
-    events.rejected("standard", "LANE_FULL")
+    events.rejected("standard", "LANE_FULL", 0.0)
     events.flush()  # at shutdown: whatever is left
     lines = [(record.getMessage(), record.fields) for record in caplog.records]  # type: ignore[attr-defined]
     # The burst of 501 took no time: it was written 10 s after (a window from the first
@@ -1968,11 +1968,11 @@ def test_the_last_refusals_of_a_burst_are_logged_when_their_interval_ends(
     clock, timers = FakeClock(), FakeTimers()
     events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock, timer=timers)
     caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
-    events.rejected("standard", "LANE_FULL")  # logged at once: no timer
+    events.rejected("standard", "LANE_FULL", 0.0)  # logged at once: no timer
     assert timers.started == []
     clock.now_s += 2
     for _ in range(300):
-        events.rejected("standard", "LANE_FULL")
+        events.rejected("standard", "LANE_FULL", 0.0)
     (timer,) = timers.started  # one for the burst, due when the interval ends
     assert timer.delay_s == pytest.approx(8.0)
     clock.now_s += 8
@@ -1981,7 +1981,7 @@ def test_the_last_refusals_of_a_burst_are_logged_when_their_interval_ends(
         "admission refused 1 request(s) in 0.0s",
         "admission refused 300 request(s) in 0.0s, the last 8.0s ago",
     ]
-    events.rejected("bulk", "LANE_FULL")  # the next burst gets a timer of its own
+    events.rejected("bulk", "LANE_FULL", 0.0)  # the next burst gets a timer of its own
     assert len(timers.started) == 2
     events.close()
     assert timers.started[1].cancelled
@@ -1998,13 +1998,13 @@ def test_refusals_held_while_an_old_timer_fires_get_a_timer_of_their_own(
     clock, timers = FakeClock(), FakeTimers()
     events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock, timer=timers)
     caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
-    events.rejected("standard", "LANE_FULL")  # logged at once
+    events.rejected("standard", "LANE_FULL", 0.0)  # logged at once
     clock.now_s += 2
-    events.rejected("standard", "LANE_FULL")  # held: a timer due when the interval ends
+    events.rejected("standard", "LANE_FULL", 0.0)  # held: a timer due when the interval ends
     (late,) = timers.started
     clock.now_s += 8  # the timer is due, and not yet run
-    events.rejected("standard", "LANE_FULL")  # the interval is over: both written now
-    events.rejected("bulk", "LANE_FULL")  # held: the old timer is still set
+    events.rejected("standard", "LANE_FULL", 0.0)  # the interval is over: both written now
+    events.rejected("bulk", "LANE_FULL", 0.0)  # held: the old timer is still set
     assert len(caplog.records) == 2
     late.action()  # nothing to write yet: the interval began at the line just written
     assert len(caplog.records) == 2
@@ -2056,13 +2056,13 @@ def test_refusals_for_overload_and_routine_ones_are_logged_apart(
     clock, timers = FakeClock(), FakeTimers()
     events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock, timer=timers)
     caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
-    events.rejected("standard", "LANE_FULL")  # each kind's first is logged at once
-    events.rejected("bulk", "DRAINING")
+    events.rejected("standard", "LANE_FULL", 0.0)  # each kind's first is logged at once
+    events.rejected("bulk", "DRAINING", 0.0)
     clock.now_s += 1
-    events.rejected("standard", "INVALID_INPUT")  # held: the routine line's interval runs
-    events.rejected("standard", "REQUEST_ID_REUSED")
-    events.rejected("standard", "ANSWER_TOO_LARGE")  # over the caller's own receive limit
-    events.rejected("interactive", "DEADLINE_UNMEETABLE")  # held: overload's interval runs
+    events.rejected("standard", "INVALID_INPUT", 0.0)  # held: the routine line's interval runs
+    events.rejected("standard", "REQUEST_ID_REUSED", 0.0)
+    events.rejected("standard", "ANSWER_TOO_LARGE", 0.0)  # over the caller's own receive limit
+    events.rejected("interactive", "DEADLINE_UNMEETABLE", 0.0)  # held: overload's interval runs
     assert len(timers.started) == 2, "a timer for each held line"
     clock.now_s += 9
     for timer in timers.started:
@@ -2421,8 +2421,8 @@ def test_admissions_and_batch_ends_leave_the_event_log_alone(
     events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock, timer=timers)
     caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
     for _ in range(2):  # the first of each is written, the second held
-        events.rejected("standard", "LANE_FULL")
-        events.rejected("standard", "DRAINING")
+        events.rejected("standard", "LANE_FULL", 0.0)
+        events.rejected("standard", "DRAINING", 0.0)
         events.shed("standard", "EXPIRED_IN_QUEUE", 1)
         events.completed("standard", "ENGINE_FAILURE", error=EngineError("x"))
     assert (len(caplog.records), len(timers.started)) == (4, 4)
@@ -2448,10 +2448,10 @@ def test_an_occurrence_after_the_log_closed_is_written_at_once(
     clock, timers = FakeClock(), FakeTimers()
     events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock, timer=timers)
     caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
-    events.rejected("standard", "LANE_FULL")  # written at once
+    events.rejected("standard", "LANE_FULL", 0.0)  # written at once
     events.close()
     clock.now_s += 1
-    events.rejected("standard", "LANE_FULL")  # within the interval
+    events.rejected("standard", "LANE_FULL", 0.0)  # within the interval
     assert [record.getMessage() for record in caplog.records] == [
         "admission refused 1 request(s) in 0.0s",
         "admission refused 1 request(s) in 0.0s",
@@ -3005,7 +3005,7 @@ def test_a_late_refusal_burst_is_timed_from_its_first_refusal(
     events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock, timer=FakeTimers())
     caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
     clock.now_s += 3600  # an hour of quiet after start-up
-    events.rejected("bulk", "LANE_FULL")
+    events.rejected("bulk", "LANE_FULL", 0.0)
     (record,) = caplog.records
     assert record.getMessage() == "admission refused 1 request(s) in 0.0s"
 

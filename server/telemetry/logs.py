@@ -606,7 +606,7 @@ class EventLog(NullEvents):
         # done (before `batch_done`), and a drain that ends says which one it left.
         self.running_batch: Batch | None = None
 
-    def rejected(self, lane: str, reason: str) -> None:
+    def rejected(self, lane: str, reason: str, waited_s: float) -> None:
         line = self._refused_routine if reason in ROUTINE_REFUSALS else self._refused
         line.add(lane, reason)
 

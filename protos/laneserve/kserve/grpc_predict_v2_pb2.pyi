@@ -881,10 +881,11 @@ class InferStatistics(_message.Message):
 
     @_builtins.property
     def fail(self) -> Global___StatisticDuration:
-        """Every other end: requests answered with an error or whose caller left (from arrival
-        to their end), and every refusal before admission, counted with 0 ns whatever it
-        waited (a retry refused JOIN_EXPIRED after waiting for the request in flight, a
-        stream item refused after waiting for room in its full lane).
+        """Every other end, from arrival to that end: requests answered with an error or whose
+        caller left, and every refusal before admission, counted with what it waited (a
+        retry answered alone at its deadline, EXPIRED_IN_QUEUE, after waiting for the
+        request in flight; a stream item refused after waiting for room in its full lane;
+        about 0 ns for one refused as it arrived).
         """
 
     @_builtins.property
