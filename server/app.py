@@ -1192,6 +1192,8 @@ class LaneServer:
                 model_path=self.config.model_path,  # as GetModel names it
                 model_sha256=self.engine.identity.sha256,
                 memory_limit_bytes=self.engine.memory_limit_bytes,
+                # None while shared memory is off: its figures absent, not 0.
+                shared_memory=self.shared_memory.counts if self.shared_memory.enabled else None,
             )
         )
         servicer = self._servicer = InferenceServicer(

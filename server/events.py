@@ -31,9 +31,10 @@ class SchedulerEvents(Protocol):
         """A request was refused without being admitted. `waited_s`: from its arrival in
         the servicer (before decoding, as `request_finished`'s `duration_s`) to its
         refusal: a retry refused after waiting for the request it joined, a stream item
-        after waiting for room in its full lane; 0.0 for one refused as it reached the
-        servicer (its bytes did not parse, or another front end's conversion of it
-        failed) and for a request with no arrival (`InferenceRequest.arrived_s` None)."""
+        after waiting for room in its full lane; about 0 for one refused as it reached
+        the servicer (its bytes did not parse: the microseconds since its arrival was
+        read), 0.0 where it never had one here (an oversized stream item, another front
+        end's conversion of it failed, `InferenceRequest.arrived_s` None)."""
         ...
 
     def shed(self, lane: str, reason: str, rows: int) -> None:

@@ -1057,7 +1057,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             finish,
             wait_until_s,
             caller,
-            arrived_s=arrived_s,
+            arrived_s,  # positional: a keyword takes partial off its fast call path
         )
         if stream is None or self._ledger.holds(ledger_id):
             # A stream item that joins its request in flight, replays its stored answer or
@@ -1212,7 +1212,6 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         finish: Finish,
         wait_until_s: float,
         caller: Caller,
-        *,
         arrived_s: float,
     ) -> pb.InferResponse:
         """The request's answer from the ledger (see `RequestLedger.run`), keyed

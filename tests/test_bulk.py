@@ -41,6 +41,7 @@ from tests.support import (
     TcpProxy,
     cut_while_a_batch_runs,
     estimate_once,
+    item_reason,
     output,
     queued_rows,
     refusing_port,
@@ -1272,6 +1273,56 @@ def test_a_stream_item_refused_after_its_wait_for_room_counts_that_wait_in_fail(
             return s.server.stats.cumulative().fail
 
     assert asyncio.run(scenario()) == Duration(1, 1_500_000_000)
+
+
+def test_a_stream_item_refused_at_its_deadline_counts_its_wait_through_the_scheduler(
+    small_model: Path,
+) -> None:
+    """An item waits for room in the full bulk lane until its own deadline (1 s; the
+    clock moved 1.5 s): the scheduler refuses it LANE_FULL at admission, and its wait
+    reaches the scheduler's refusal through the request it was handed (`arrived_s`)."""
+
+    async def scenario() -> tuple[str, Duration]:
+        clock = ManualClock()
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model, max_batch_size=4, lanes=bulk_lane(4))
+        async with serving(engine, server_config, clock=clock) as s:
+            held, queued = await _fill_the_bulk_lane(s, engine)
+            item = request(rows(4), request_id="w", lane="bulk", timeout_ms=1_000)
+            answers = s.stub.InferStream(iter([item]))
+            await until(lambda: _waiting_for_room(s, "bulk") == 1)
+            clock.advance(1.5)
+            answer = await asyncio.wait_for(answers.read(), timeout=10)
+            engine.release()
+            await asyncio.gather(held, queued)
+            assert isinstance(answer, pb.InferStreamResponse)
+            return item_reason(answer), s.server.stats.cumulative().fail
+
+    assert asyncio.run(scenario()) == ("LANE_FULL", Duration(1, 1_500_000_000))
+
+
+def test_a_stream_item_refused_draining_after_its_wait_counts_it(small_model: Path) -> None:
+    """An item waits 2 s for room, then the server drains: refused DRAINING, counted in
+    `fail` with its 2 s."""
+
+    async def scenario() -> Duration:
+        clock = ManualClock()
+        engine = RecordingEngine(str(small_model))
+        server_config = config(small_model, max_batch_size=4, lanes=bulk_lane(4))
+        async with serving(engine, server_config, clock=clock) as s:
+            held, queued = await _fill_the_bulk_lane(s, engine)
+            item = request(rows(4), request_id="w", lane="bulk", timeout_ms=30_000)
+            answers = s.stub.InferStream(iter([item]))
+            await until(lambda: _waiting_for_room(s, "bulk") == 1)
+            clock.advance(2.0)
+            s.server.state = Lifecycle.DRAINING
+            await asyncio.wait_for(answers.read(), timeout=10)
+            s.server.state = Lifecycle.SERVING
+            engine.release()
+            await asyncio.gather(held, queued)
+            return s.server.stats.cumulative().fail
+
+    assert asyncio.run(scenario()) == Duration(1, 2_000_000_000)
 
 
 def test_a_stream_item_that_waited_for_room_counts_no_refusal(small_model: Path) -> None:

@@ -89,6 +89,7 @@ from laneserve.server.memory import (
 )
 from laneserve.server.scheduler import Dispatch, Scheduler
 from laneserve.server.scheduler_thread import SchedulerThread
+from laneserve.server.shared_memory import Placement, SharedMemoryRegions
 from laneserve.server.stats import StatsRecorder
 from laneserve.server.telemetry import (
     BatchLinkSampler,
@@ -128,6 +129,15 @@ from tests.support import (
     rows,
     serving,
     until_stats,
+)
+from tests.test_kserve import kserve_stub
+from tests.test_kserve_shm import (
+    SharedMemory,
+    input_bytes,
+    output_bytes,
+    register,
+    shm_config,
+    shm_request,
 )
 
 # A caller's W3C trace context: version 00, trace id, parent span id, sampled.
@@ -1771,6 +1781,124 @@ def test_retries_answered_by_request_id_are_counted_and_the_replay_cache_measure
         "laneserve_replay_cache_entries": stats.replay_cache_entries,
         "laneserve_replay_cache_size_bytes": stats.replay_cache_bytes,
     }
+
+
+SHARED_MEMORY_METRICS = ("laneserve.shared_memory.regions", "laneserve.shared_memory.bytes")
+
+
+def test_shared_memory_figures_are_the_registrys_and_absent_while_it_is_off(
+    tmp_path: Path,
+) -> None:
+    """The regions registered now and the bytes each read took out of a region and each
+    write put into one, both directions at 0 from the start; with shared memory off (no
+    counts in the sources) neither figure is reported, not even 0."""
+    reader = InMemoryMetricReader()
+    telemetry = cpu_telemetry(metric_readers=[reader])
+    sources = cpu_sources(StatsRecorder([lane.name for lane in DEFAULT_LANES]))
+    regions = SharedMemoryRegions(enabled=True, directory=tmp_path)
+    (tmp_path / "object").write_bytes(bytes(1024))
+    try:
+        telemetry.observe(sources)
+        off = collect(reader)
+        telemetry.observe(dataclasses.replace(sources, shared_memory=regions.counts))
+        start = collect(reader)
+        regions.register("r", "/object", 0, 1024)
+        regions.read(Placement("r", 100, 300), "input 'x'")
+        regions.write(Placement("r", 500, 200), b"\x01" * 150, "output 'y'", regions.get("r"))
+        moved = collect(reader)
+        regions.unregister("r")
+        after = collect(reader)
+    finally:
+        regions.close()
+        telemetry.close()
+
+    def figures(points: Points) -> dict[str, float]:
+        return {
+            "regions": at(points, "laneserve.shared_memory.regions"),
+            **{
+                direction: value
+                for (direction,), value in series(
+                    points, "laneserve.shared_memory.bytes", "direction"
+                ).items()
+            },
+        }
+
+    assert not names(off) & set(SHARED_MEMORY_METRICS)
+    assert set(SHARED_MEMORY_METRICS) <= names(start)
+    assert figures(start) == {"regions": 0, "read": 0, "written": 0}
+    assert figures(moved) == {"regions": 1, "read": 300, "written": 150}
+    assert figures(after) == {"regions": 0, "read": 300, "written": 150}
+
+
+def scraped_shared_memory(families: dict[str, Any]) -> dict[str, float]:
+    """The shared memory figures of a scrape, under README's names."""
+    found = {
+        sample.labels["direction"]: sample.value
+        for sample in families["laneserve_shared_memory_bytes"].samples
+        if sample.name == "laneserve_shared_memory_bytes_total"
+    }
+    found["regions"] = only_value(families, "laneserve_shared_memory_regions")
+    return found
+
+
+def test_a_model_infer_through_shared_memory_is_scraped_as_its_regions_and_bytes(
+    small_model: Path,
+) -> None:
+    """Shared memory on: Prometheus sees 0 regions and 0 bytes each way before any use,
+    then the region registered, the input's bytes read out of it and the output's written
+    into it by a ModelInfer placing both there (README's names)."""
+    x = rows(3, seed=5)
+    made_shm = SharedMemory()
+    made = made_shm.create(input_bytes(x) + output_bytes(x))
+    made.write(0, x.tobytes())
+
+    async def scenario() -> list[dict[str, Any]]:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, shm_config(small_model)) as s:
+            stub = kserve_stub(s)
+            scrapes = [await asyncio.to_thread(scrape, s.server.metrics_port)]
+            await register(stub, "r", made)
+            await stub.ModelInfer(
+                shm_request(
+                    x,
+                    input_at=Placement("r", 0, input_bytes(x)),
+                    output_at=Placement("r", input_bytes(x), output_bytes(x)),
+                ),
+                timeout=10,
+            )
+            scrapes.append(await asyncio.to_thread(scrape, s.server.metrics_port))
+        return scrapes
+
+    try:
+        before, after = asyncio.run(scenario())
+    finally:
+        made_shm.close()
+    assert scraped_shared_memory(before) == {"regions": 0.0, "read": 0.0, "written": 0.0}
+    assert scraped_shared_memory(after) == {
+        "regions": 1.0,
+        "read": float(input_bytes(x)),
+        "written": float(output_bytes(x)),
+    }
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert "`laneserve_shared_memory_regions`" in readme
+    assert "`laneserve_shared_memory_bytes_total{direction=read|written}`" in readme
+
+
+def test_shared_memory_off_scrapes_no_shared_memory_series(small_model: Path) -> None:
+    """server.shared_memory false (the default): no region can be registered, and the
+    figures are absent, not 0 (a 0 would read as on and unused)."""
+
+    async def scenario() -> dict[str, Any]:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            assert not s.server.shared_memory.enabled
+            await s.stub.Infer(request(rows(1)), timeout=10)
+            return await asyncio.to_thread(scrape, s.server.metrics_port)
+
+    families = asyncio.run(scenario())
+    assert "laneserve_requests_admitted" in families  # the scrape has the others
+    assert "laneserve_shared_memory_regions" not in families
+    assert "laneserve_shared_memory_bytes" not in families
 
 
 class _StandInNvml:

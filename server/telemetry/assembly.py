@@ -153,7 +153,8 @@ class Telemetry:
         lifecycle state, and the counters their counts (the stats recorder's, which
         GetStats reports too), gRPC's own call counts (None until the gRPC server runs)
         and the idempotency ledger's joins, replays and replay cache (None until the
-        servicer exists)."""
+        servicer exists), and the shared memory registry's regions and bytes (None
+        while shared memory is off)."""
         if self.metrics is not None:
             self.metrics.observe(sources)
 

@@ -38,6 +38,9 @@ Metric names (OpenTelemetry; Prometheus adds the unit and `_total`, e.g.
                                                                    admitted: join, replay
     laneserve.replay_cache.entries gauge answers                   stored for replay now
     laneserve.replay_cache.size   gauge By                         the bytes they take
+    laneserve.shared_memory.regions gauge regions                  registered now
+    laneserve.shared_memory.bytes counter By        direction      read out of regions (inputs),
+                                                                   written into them (outputs)
 
 `laneserve.requests.completed` is GetStats' `lanes[].answered` (every end, by status),
 not its `lanes[].completed` (the OK ends alone). `laneserve.requests.idempotent` is
@@ -61,6 +64,14 @@ status, both cap moves (see `_Counter.known`); so do `laneserve.lane.closed_by_m
 (each lifecycle state). The memory figures in bytes exist where their value does: used,
 budget and the two watermarks where the watermark takes readings (always on a GPU, with
 host_memory_limit on the CPU), the limit where memory_limit caps the arena.
+
+The shared memory figures exist while server.shared_memory is on, from the start (both
+directions at 0), and are absent, not 0, while it is off (a 0 would read as on and
+unused). Their instruments are registered either way and observe nothing while it is
+off (a collection drops an instrument that observed nothing: nothing is scraped): the
+switch is the server's, handed over with the sources (`MetricSources.shared_memory`),
+where the GPU utilisation gauge, registered only with a device, hangs on the device
+`Telemetry` itself opens, before any server exists.
 """
 
 from __future__ import annotations
@@ -83,6 +94,7 @@ from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.memory import WatermarkState
 from laneserve.server.model_identity import SERVER_VERSION
 from laneserve.server.scheduler import LaneDepth
+from laneserve.server.shared_memory import SharedMemoryCounts
 from laneserve.server.stats import (
     ANSWERED_STATUSES,
     BATCH_STATUSES,
@@ -152,6 +164,9 @@ class MetricSources:
     model_sha256: str  # GetModel's, hex; "" when unknown
     # The arena's cap (memory_limit), GetStats' memory_limit_bytes; None: uncapped.
     memory_limit_bytes: int | None
+    # The shared memory registry's counts (`SharedMemoryRegions.counts`); None: shared
+    # memory is off (server.shared_memory), and its figures absent.
+    shared_memory: Callable[[], SharedMemoryCounts] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -316,6 +331,21 @@ class Metrics(NullEvents):
             description="Bytes the stored answers take (what idempotency_max_bytes bounds)",
         )
         meter.create_observable_gauge(
+            "laneserve.shared_memory.regions",
+            callbacks=[self._observe_shared_memory_regions],
+            unit="{region}",
+            description="Triton system shared memory regions registered now; absent while "
+            "shared memory is off (server.shared_memory)",
+        )
+        meter.create_observable_counter(
+            "laneserve.shared_memory.bytes",
+            callbacks=[self._observe_shared_memory_bytes],
+            unit="By",
+            description="Tensor bytes moved through Triton system shared memory, by "
+            "direction: read (inputs, out of regions), written (outputs, into regions); "
+            "absent while shared memory is off (server.shared_memory)",
+        )
+        meter.create_observable_gauge(
             "laneserve.lane.depth",
             callbacks=[self._observe_depth],
             unit="{row}",
@@ -433,6 +463,24 @@ class Metrics(NullEvents):
     def _observe_replay_bytes(self, options: CallbackOptions) -> Iterable[Observation]:
         ledger = self._ledger()
         return [] if ledger is None else [Observation(ledger.replay_cache_bytes)]
+
+    def _shared_memory(self) -> SharedMemoryCounts | None:
+        counts = None if self._sources is None else self._sources.shared_memory
+        return None if counts is None else counts()
+
+    def _observe_shared_memory_regions(self, options: CallbackOptions) -> Iterable[Observation]:
+        counts = self._shared_memory()
+        return [] if counts is None else [Observation(counts.regions)]
+
+    def _observe_shared_memory_bytes(self, options: CallbackOptions) -> Iterable[Observation]:
+        # Both series from the start, at 0 (see `_Counter.known`).
+        counts = self._shared_memory()
+        if counts is None:
+            return []
+        return [
+            Observation(counts.read_bytes, {"direction": "read"}),
+            Observation(counts.written_bytes, {"direction": "written"}),
+        ]
 
     def _lane(self, lane: str) -> dict[str, str]:
         attributes = self._lane_attributes.get(lane)
