@@ -33,8 +33,8 @@ class SchedulerEvents(Protocol):
         refusal: a retry refused after waiting for the request it joined, a stream item
         after waiting for room in its full lane; about 0 for one refused as it reached
         the servicer (its bytes did not parse: the microseconds since its arrival was
-        read), 0.0 where it never had one here (an oversized stream item, another front
-        end's conversion of it failed, `InferenceRequest.arrived_s` None)."""
+        read), 0.0 where it never had one here (an oversized request, another front end's
+        conversion of it failed, `InferenceRequest.arrived_s` None)."""
         ...
 
     def shed(self, lane: str, reason: str, rows: int) -> None:

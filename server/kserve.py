@@ -331,8 +331,8 @@ def _unreadable(request: object, method: str) -> LaneserveError | None:
     if isinstance(request, OversizedOperatorRequest):
         return InvalidInputError(
             f"the {method} request is {request.size_bytes} bytes, over the limit of "
-            f"{MAX_OPERATOR_REQUEST_BYTES} bytes for KServe's metadata and liveness "
-            f"requests; {expected} (a name and a version, tens of bytes)"
+            f"{MAX_OPERATOR_REQUEST_BYTES} bytes for KServe's requests other than "
+            f"ModelInfer's; {expected} (names, keys and sizes: tens of bytes)"
         )
     return None
 
@@ -730,8 +730,8 @@ def to_model_infer_response(
     memory is written there, its entry in raw_output_contents empty (its name, datatype
     and shape say what was written, all that tritonclient reads of it): so an answer is
     never larger than with the bytes in it, and stays within the envelope it was held to
-    (`answer_extra_bytes`). Raises InvalidInputError where its region no longer holds
-    it. `into`: an empty
+    (`answer_extra_bytes`). Raises RegionNotFoundError where its region went while the
+    request ran, InvalidInputError where it no longer holds the output. `into`: an empty
     message to fill (a ModelStreamInferResponse's infer_response: filled in place, not
     copied in with every output's bytes); a new one by default."""
     response = kpb.ModelInferResponse() if into is None else into

@@ -40,10 +40,9 @@ import resource
 import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 from urllib.parse import unquote
 
-from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.server.errors import (
     InvalidInputError,
     RegionExistsError,
@@ -52,6 +51,10 @@ from laneserve.server.errors import (
     SharedMemoryRefusedError,
 )
 from laneserve.server.log_events import log_event
+
+if TYPE_CHECKING:  # annotations only: importing the generated module registers package
+    # `inference` in protobuf's pool, which tritonclient's would clash with
+    from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 
 log = logging.getLogger(__name__)
 

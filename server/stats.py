@@ -34,7 +34,9 @@ from laneserve.server.errors import (
     LaneFullError,
     LaneserveError,
     MemoryPressureError,
+    RegionNotFoundError,
     RequestIdReusedError,
+    SharedMemoryRefusedError,
 )
 from laneserve.server.items import Batch, Signature
 
@@ -55,6 +57,8 @@ def _reasons(*errors: type[LaneserveError]) -> tuple[str, ...]:
 # AnswerTooLargeError: a retry that joined or replayed an answer larger than its caller
 # reads (the call that ran it counts it among `answered`). CANCELLED: a stream item whose
 # stream ended while it waited for room in its full lane (read, never admitted).
+# RegionNotFoundError, SharedMemoryRefusedError: a KServe request placing a tensor in a
+# shared memory region not registered, or while it may not (refused as it is converted).
 REJECTED_REASONS = (
     *_reasons(
         AnswerTooLargeError,
@@ -67,6 +71,8 @@ REJECTED_REASONS = (
         JoinLimitError,
         LaneFullError,
         EngineError,
+        RegionNotFoundError,
+        SharedMemoryRefusedError,
     ),
     "CANCELLED",
 )

@@ -1305,7 +1305,7 @@ def test_a_stream_item_refused_draining_after_its_wait_counts_it(small_model: Pa
     """An item waits 2 s for room, then the server drains: refused DRAINING, counted in
     `fail` with its 2 s."""
 
-    async def scenario() -> Duration:
+    async def scenario() -> tuple[str, Duration]:
         clock = ManualClock()
         engine = RecordingEngine(str(small_model))
         server_config = config(small_model, max_batch_size=4, lanes=bulk_lane(4))
@@ -1316,13 +1316,14 @@ def test_a_stream_item_refused_draining_after_its_wait_counts_it(small_model: Pa
             await until(lambda: _waiting_for_room(s, "bulk") == 1)
             clock.advance(2.0)
             s.server.state = Lifecycle.DRAINING
-            await asyncio.wait_for(answers.read(), timeout=10)
+            answer = await asyncio.wait_for(answers.read(), timeout=10)
             s.server.state = Lifecycle.SERVING
             engine.release()
             await asyncio.gather(held, queued)
-            return s.server.stats.cumulative().fail
+            assert isinstance(answer, pb.InferStreamResponse)
+            return item_reason(answer), s.server.stats.cumulative().fail
 
-    assert asyncio.run(scenario()) == Duration(1, 2_000_000_000)
+    assert asyncio.run(scenario()) == ("DRAINING", Duration(1, 2_000_000_000))
 
 
 def test_a_stream_item_that_waited_for_room_counts_no_refusal(small_model: Path) -> None:

@@ -969,7 +969,7 @@ def test_unreadable_requests_are_refused_invalid_argument(small_model: Path) -> 
                 (
                     metadata,
                     kpb.ModelMetadataRequest(name="n" * 70_000).SerializeToString(),
-                    "over the limit of 65536 bytes for KServe's metadata and liveness requests",
+                    "over the limit of 65536 bytes for KServe's requests other than ModelInfer's",
                 ),
             ]
             for call, data, fragment in cases:
