@@ -565,8 +565,10 @@ def _shared_input(
 ) -> bytes:
     """A copy of the input's bytes from its region, within the request's budget, once
     their count is checked against its shape (before the copy, and in words that name
-    the placement; a shape that is itself wrong is the normal path's to refuse)."""
+    the placement; a shape that is itself wrong is the normal path's to refuse). A
+    caller that may not use shared memory is refused that first, whatever else is wrong."""
     what = f"input {tensor.name!r}"
+    regions = shared.usable()
     if tensor.contents.ListFields():
         raise InvalidInputError(
             f"{what} is placed in shared memory (region {placement.region!r}) and has "
@@ -581,7 +583,6 @@ def _shared_input(
                 f"{placement.region!r}; expected {expected}, the bytes of its shape {shape} "
                 f"of {kind.name}"
             )
-    regions = shared.usable()
     budget.take(what, placement.byte_size)
     return regions.read(placement, what)
 

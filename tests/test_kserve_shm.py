@@ -969,6 +969,9 @@ def test_shared_memory_turned_off_refuses_every_use_permission_denied(
             stub = kserve_stub(s)
             for call in shared_memory_calls(stub, made):
                 await refused(call(), REFUSED, "SHARED_MEMORY_REFUSED", off)
+            # Refused that first, whatever else is wrong with the placement.
+            wrong_size = shm_request(ONE, input_at=Placement("r", 0, INPUT_ROW_BYTES - 4))
+            await refused(stub.ModelInfer(wrong_size), REFUSED, "SHARED_MEMORY_REFUSED", off)
             metadata = await stub.ServerMetadata(kpb.ServerMetadataRequest())
             assert list(metadata.extensions) == [
                 name for name in EXTENSIONS if name != "system_shared_memory"
