@@ -66,12 +66,11 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from laneserve.client.tensors import numpy_dtype
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from laneserve.server.bench.procs import process_cpu_s, start_laneserve
 from laneserve.server.demo_model import make_demo_model
-from laneserve.server.kserve import KSERVE_TYPES
+from laneserve.server.kserve import KSERVE_DTYPES
 from laneserve.server.shared_memory import (
     BYTE_SIZE_PARAMETER,
     OFFSET_PARAMETER,
@@ -87,7 +86,6 @@ PATH_NAMES: Final = {
     RAW: "`ModelInfer`, bytes in the message",
     SHM: "`ModelInfer`, system shared memory",
 }
-DTYPES: Final = {kind.name: numpy_dtype(kind.datatype) for kind in KSERVE_TYPES}
 # Room in a request's size for what is not tensor bytes (names, shapes, parameters).
 MESSAGE_OVERHEAD_BYTES: Final = 64 * 1024
 CALL_TIMEOUT_S: Final = 120.0
@@ -182,13 +180,13 @@ class Tensor:
 def tensors_of(metadata: Sequence[kpb.ModelMetadataResponse.TensorMetadata]) -> list[Tensor]:
     tensors = []
     for spec in metadata:
-        if spec.datatype not in DTYPES:
+        if spec.datatype not in KSERVE_DTYPES:
             raise SystemExit(f"{spec.name}: datatype {spec.datatype} is not served")
         if any(dim < 0 for dim in spec.shape[1:]):
             # A slice is sized by rows; a dynamic later axis has no size to give it.
             raise SystemExit(f"{spec.name}: shape {list(spec.shape)} has a dynamic later axis")
         tensors.append(
-            Tensor(spec.name, spec.datatype, DTYPES[spec.datatype], tuple(spec.shape[1:]))
+            Tensor(spec.name, spec.datatype, KSERVE_DTYPES[spec.datatype], tuple(spec.shape[1:]))
         )
     return tensors
 

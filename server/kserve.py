@@ -97,6 +97,7 @@ from laneserve.server.shared_memory import (
     Placement,
     Region,
     SharedMemoryRegions,
+    output_too_large,
     placement_of,
 )
 from laneserve.server.stats import Cumulative
@@ -187,6 +188,9 @@ KSERVE_TYPES: Final[tuple[KServeType, ...]] = (
     KServeType("FP64", pb.DATA_TYPE_FLOAT64, "fp64_contents"),
 )
 _BY_NAME: Final = {kind.name: kind for kind in KSERVE_TYPES}
+# Each datatype's numpy dtype, little-endian as the wire's (a ModelInferResponse's
+# outputs are read by their datatype's name).
+KSERVE_DTYPES: Final = {kind.name: numpy_dtype(kind.datatype) for kind in KSERVE_TYPES}
 _BY_DATATYPE: Final = {kind.datatype: kind for kind in KSERVE_TYPES}
 _NAMES: Final = ", ".join(kind.name for kind in KSERVE_TYPES)
 # The protocol's datatypes laneserve does not serve, refused in words that say so.
@@ -356,7 +360,7 @@ def to_infer_request(
     memory."""
     request = call.message
     assert request is not RELEASED_MODEL_INFER, "converted once"
-    _check_counts(request, inputs, [spec.name for spec in outputs])
+    _check_counts(request, inputs, outputs)
     placements = [
         placement_of(f"input {tensor.name!r}", tensor.parameters) for tensor in request.inputs
     ]
@@ -370,13 +374,13 @@ def to_infer_request(
             "expected an id with it (laneserve's request_id, the same on each retry), or no "
             f"{IDEMPOTENT_PARAMETER}"
         )
-    output_specs = {spec.name: spec for spec in outputs}
     for output in request.outputs:
         what = f"output {output.name!r}"
         placement = placement_of(what, output.parameters)
-        if placement is not None:  # written with the answer, into the region then
+        if placement is not None:  # written with the answer, into the region checked here
             shared.usable().checked_region(placement, what)
-            _check_output_room(what, placement, output_specs.get(output.name), request)
+            spec = next((spec for spec in outputs if spec.name == output.name), None)
+            _check_output_room(what, placement, spec, request)
     converted = pb.InferRequest(
         request_id=request.id,
         lane=lane,
@@ -399,14 +403,15 @@ def to_infer_request(
 
 
 def _check_counts(
-    request: kpb.ModelInferRequest, inputs: Sequence[TensorSpec], output_names: Sequence[str]
+    request: kpb.ModelInferRequest, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]
 ) -> None:
     if len(request.inputs) > len(inputs):  # named as Infer names them
         raise too_many_inputs(request.inputs, inputs)
-    if len(request.outputs) > len(output_names):
+    if len(request.outputs) > len(outputs):
+        names = [spec.name for spec in outputs]
         raise InvalidInputError(
             f"request asks for {len(request.outputs)} outputs; expected at most "
-            f"{len(output_names)}, each of the model's outputs {list(output_names)} at most once"
+            f"{len(names)}, each of the model's outputs {names} at most once"
         )
 
 
@@ -427,12 +432,7 @@ def _check_output_room(
         return
     needed = rows * math.prod(row) * spec.dtype.itemsize
     if needed > placement.byte_size:
-        raise InvalidInputError(
-            f"{what} is {needed} bytes for the request's {rows} rows, over the "
-            f"{placement.byte_size} of its {BYTE_SIZE_PARAMETER} in region "
-            f"{placement.region!r}; expected a byte_size that holds the output (its rows "
-            "times the bytes of a row)"
-        )
+        raise output_too_large(what, f"{needed} bytes for the request's {rows} rows", placement)
 
 
 def _check_raw_count(request: kpb.ModelInferRequest, placed: int) -> None:
@@ -576,7 +576,7 @@ def _shared_input(
         )
     shape = list(tensor.shape)
     if len(shape) <= MAX_DIMS and min(shape, default=0) >= 0:
-        expected = math.prod(shape) * numpy_dtype(kind.datatype).itemsize
+        expected = math.prod(shape) * KSERVE_DTYPES[kind.name].itemsize
         if placement.byte_size != expected:
             raise InvalidInputError(
                 f"{what} has {BYTE_SIZE_PARAMETER} {placement.byte_size} in region "
@@ -799,7 +799,7 @@ def _lane_extra_bytes(lane: str) -> int:
 # What ModelStreamInfer reads: a ModelInferRequest as ModelInfer reads one.
 ModelStreamItem = ModelInferCall | OversizedModelInfer
 # Bytes per value of each datatype's tensor (`ModelStreamWire.held_bytes`).
-_VALUE_BYTES: Final = {kind.name: numpy_dtype(kind.datatype).itemsize for kind in KSERVE_TYPES}
+_VALUE_BYTES: Final = {name: dtype.itemsize for name, dtype in KSERVE_DTYPES.items()}
 # The FINAL_RESPONSE_PARAMETER entry in a ModelInferResponse's parameters, in bytes.
 _FINAL_RESPONSE_BYTES: Final = kpb.ModelInferResponse(
     parameters={FINAL_RESPONSE_PARAMETER: kpb.InferParameter(bool_param=True)}

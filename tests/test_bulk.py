@@ -1248,6 +1248,34 @@ def test_a_stream_item_whose_stream_ends_while_it_waits_for_room_counts_cancelle
     assert asyncio.run(scenario()) == {"CANCELLED": 1}
 
 
+@contextlib.asynccontextmanager
+async def _an_item_waiting_for_room(
+    model: Path, waited_s: float, timeout_ms: int = 0
+) -> AsyncIterator[tuple[Serving, Any]]:
+    """On a manual clock, a served bulk lane of 4 rows full (one batch held in the
+    session), and one stream item of 4 rows that has waited `waited_s` for room in it:
+    the server and the item's stream. The lane's work is let go of at the end."""
+    clock = ManualClock()
+    engine = RecordingEngine(str(model))
+    server_config = config(model, max_batch_size=4, lanes=bulk_lane(4))
+    async with serving(engine, server_config, clock=clock) as s:
+        held, queued = await _fill_the_bulk_lane(s, engine)
+        item = request(rows(4), request_id="w", lane="bulk", timeout_ms=timeout_ms)
+        answers = s.stub.InferStream(iter([item]))
+        await until(lambda: _waiting_for_room(s, "bulk") == 1)
+        clock.advance(waited_s)
+        yield s, answers
+        engine.release()
+        await asyncio.gather(held, queued)
+
+
+async def _reason_and_fail(s: Serving, answers: Any) -> tuple[str, Duration]:
+    """The item's one answer's reason, and the server's `fail` total then."""
+    answer = await asyncio.wait_for(answers.read(), timeout=10)
+    assert isinstance(answer, pb.InferStreamResponse)
+    return item_reason(answer), s.server.stats.cumulative().fail
+
+
 def test_a_stream_item_refused_after_its_wait_for_room_counts_that_wait_in_fail(
     small_model: Path,
 ) -> None:
@@ -1257,20 +1285,10 @@ def test_a_stream_item_refused_after_its_wait_for_room_counts_that_wait_in_fail(
     failure), where every refusal counted 0 ns."""
 
     async def scenario() -> Duration:
-        clock = ManualClock()
-        engine = RecordingEngine(str(small_model))
-        server_config = config(small_model, max_batch_size=4, lanes=bulk_lane(4))
-        async with serving(engine, server_config, clock=clock) as s:
-            held, queued = await _fill_the_bulk_lane(s, engine)
-            item = request(rows(4), request_id="w", lane="bulk")
-            answers = s.stub.InferStream(iter([item]))
-            await until(lambda: _waiting_for_room(s, "bulk") == 1)
-            clock.advance(1.5)
+        async with _an_item_waiting_for_room(small_model, 1.5) as (s, answers):
             answers.cancel()
             await until(lambda: _waiting_for_room(s, "bulk") == 0)
-            engine.release()
-            await asyncio.gather(held, queued)
-            return s.server.stats.cumulative().fail
+        return s.server.stats.cumulative().fail
 
     assert asyncio.run(scenario()) == Duration(1, 1_500_000_000)
 
@@ -1283,20 +1301,8 @@ def test_a_stream_item_refused_at_its_deadline_counts_its_wait_through_the_sched
     reaches the scheduler's refusal through the request it was handed (`arrived_s`)."""
 
     async def scenario() -> tuple[str, Duration]:
-        clock = ManualClock()
-        engine = RecordingEngine(str(small_model))
-        server_config = config(small_model, max_batch_size=4, lanes=bulk_lane(4))
-        async with serving(engine, server_config, clock=clock) as s:
-            held, queued = await _fill_the_bulk_lane(s, engine)
-            item = request(rows(4), request_id="w", lane="bulk", timeout_ms=1_000)
-            answers = s.stub.InferStream(iter([item]))
-            await until(lambda: _waiting_for_room(s, "bulk") == 1)
-            clock.advance(1.5)
-            answer = await asyncio.wait_for(answers.read(), timeout=10)
-            engine.release()
-            await asyncio.gather(held, queued)
-            assert isinstance(answer, pb.InferStreamResponse)
-            return item_reason(answer), s.server.stats.cumulative().fail
+        async with _an_item_waiting_for_room(small_model, 1.5, timeout_ms=1_000) as (s, answers):
+            return await _reason_and_fail(s, answers)
 
     assert asyncio.run(scenario()) == ("LANE_FULL", Duration(1, 1_500_000_000))
 
@@ -1306,22 +1312,11 @@ def test_a_stream_item_refused_draining_after_its_wait_counts_it(small_model: Pa
     `fail` with its 2 s."""
 
     async def scenario() -> tuple[str, Duration]:
-        clock = ManualClock()
-        engine = RecordingEngine(str(small_model))
-        server_config = config(small_model, max_batch_size=4, lanes=bulk_lane(4))
-        async with serving(engine, server_config, clock=clock) as s:
-            held, queued = await _fill_the_bulk_lane(s, engine)
-            item = request(rows(4), request_id="w", lane="bulk", timeout_ms=30_000)
-            answers = s.stub.InferStream(iter([item]))
-            await until(lambda: _waiting_for_room(s, "bulk") == 1)
-            clock.advance(2.0)
+        async with _an_item_waiting_for_room(small_model, 2.0, timeout_ms=30_000) as (s, answers):
             s.server.state = Lifecycle.DRAINING
-            answer = await asyncio.wait_for(answers.read(), timeout=10)
+            got = await _reason_and_fail(s, answers)
             s.server.state = Lifecycle.SERVING
-            engine.release()
-            await asyncio.gather(held, queued)
-            assert isinstance(answer, pb.InferStreamResponse)
-            return item_reason(answer), s.server.stats.cumulative().fail
+            return got
 
     assert asyncio.run(scenario()) == ("DRAINING", Duration(1, 2_000_000_000))
 
