@@ -49,6 +49,7 @@ from laneserve.server.idempotency import LedgerCounts
 from laneserve.server.kserve import INFER_METHOD as KSERVE_INFER_METHOD
 from laneserve.server.kserve import SERVICE_NAME as KSERVE_SERVICE_NAME
 from laneserve.server.kserve import KServeServicer, add_kserve_to_server
+from laneserve.server.kserve_http import HttpFrontEnd
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.memory import (
     CgroupMemoryLimit,
@@ -351,6 +352,24 @@ def metrics_tls(config: ServerConfig) -> EndpointTls | None:
     return EndpointTls(config.tls_cert, config.tls_key, config.tls_client_ca)
 
 
+def http_tls(config: ServerConfig) -> ssl.SSLContext | None:
+    """The HTTP port follows the gRPC port: HTTPS with the same certificate, and client
+    certificates required where the port requires them. None: plaintext."""
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    # Not create_default_context: on Python 3.13 it adds X509 strict checks, which refused
+    # client certificates the gRPC port takes (one without an Authority Key Identifier).
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    # What the gRPC port serves with (`_check_pem` judged the files so): OpenSSL's
+    # security level refused keys BoringSSL takes ("EE_KEY_TOO_SMALL").
+    context.set_ciphers(_ANY_SECURITY_LEVEL)
+    context.load_cert_chain(config.tls_cert, config.tls_key)
+    if config.tls_client_ca is not None:
+        context.load_verify_locations(config.tls_client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
 def pending_call_limits(max_pending_calls: int) -> list[tuple[str, int]]:
     """gRPC core's limits on calls not yet taken by the event loop: refusals start at
     three quarters of `max_pending_calls` (at random, ever likelier) and are certain at
@@ -426,6 +445,7 @@ def check_ports_free(config: ServerConfig) -> None:
     ports = (
         ("port", config.port),
         ("priority_port", config.priority_port),
+        ("http_port", config.http_port),
         ("metrics_port", config.metrics_port),
     )
     for setting, port in ports:
@@ -1123,6 +1143,8 @@ class LaneServer:
         self.port = 0
         self.priority_port: int | None = None  # bound, when configured
         self.metrics_port: int | None = None  # the Prometheus endpoint's, once started
+        self.http_port: int | None = None  # KServe v2 HTTP's, once started (configured)
+        self._http: HttpFrontEnd | None = None
         # Last: a server that could not be made leaves its engine free for another.
         engine.claim()
 
@@ -1194,6 +1216,8 @@ class LaneServer:
                 memory_limit_bytes=self.engine.memory_limit_bytes,
                 # None while shared memory is off: its figures absent, not 0.
                 shared_memory=self.shared_memory.counts if self.shared_memory.enabled else None,
+                # None until the HTTP port serves (none configured: absent throughout).
+                http_requests=lambda: None if self._http is None else self._http.answered(),
             )
         )
         servicer = self._servicer = InferenceServicer(
@@ -1257,7 +1281,9 @@ class LaneServer:
                 await each.start()
             for listener in listeners:
                 listener.acceptors.start()
+            self.http_port = await self._start_http(servicer)
         except BaseException:
+            await self._stop_http()
             # gRPC's own start failed: what this start began is stopped here, since a
             # stop() after a failed start finds nothing started. Nothing was admitted
             # (the state is not SERVING), so no request is left without its answer.
@@ -1285,12 +1311,14 @@ class LaneServer:
             f"serving {self.config.model_path} (sha256 {identity.sha256[:12] or 'unknown'}, "
             f"model_version {'none' if identity.version is None else identity.version}) "
             f"on {host_port(self.config.host, self.port)}"
-            + ("" if self.priority_port is None else f", priority port {self.priority_port}"),
+            + ("" if self.priority_port is None else f", priority port {self.priority_port}")
+            + ("" if self.http_port is None else f", HTTP port {self.http_port}"),
             model=self.config.model_path,
             model_sha256=identity.sha256,
             model_version=identity.version,
             port=self.port,
             priority_port=self.priority_port,
+            http_port=self.http_port,
             providers=self.engine.providers,
             batch_cap=self.scheduler.batch_cap,
             max_batch_size=self.config.max_batch_size,
@@ -1367,19 +1395,7 @@ class LaneServer:
             handlers = add_to_server(servicer, server, gate)
             # KServe v2 / Triton clients' service, in front of the same servicer, counted
             # by the same gate (server/kserve.py).
-            kserve = KServeServicer(
-                servicer,
-                self.config,
-                self.engine.inputs,
-                self.engine.outputs,
-                self._health,
-                totals=self.stats.cumulative,
-                # ONNX Runtime's CUDA provider runs on its default device, 0: the first
-                # GPU CUDA_VISIBLE_DEVICES lists (memory.session_gpu).
-                gpu_id=0 if _on_gpu(self.engine) else None,
-                regions=self.shared_memory,
-            )
-            handlers |= add_kserve_to_server(kserve, server, gate)
+            handlers |= add_kserve_to_server(self._kserve_servicer(servicer), server, gate)
         # Both front ends' inference calls taken several at a time (a ModelInfer had been
         # taken at grpc.aio's own pace: 0.75x Infer's calls/s at 32 callers).
         acceptors = ParallelAcceptors(
@@ -1446,6 +1462,48 @@ class LaneServer:
         Safe from any thread (the metric reader's)."""
         servicer = self._servicer
         return None if servicer is None else servicer.ledger_counts()
+
+    def _kserve_servicer(self, servicer: InferenceServicer) -> KServeServicer:
+        """KServe v2 / Triton clients' service in front of `servicer`: one per front end
+        (each gRPC port, the HTTP port), all in front of the same lanes and regions."""
+        return KServeServicer(
+            servicer,
+            self.config,
+            self.engine.inputs,
+            self.engine.outputs,
+            self._health,
+            totals=self.stats.cumulative,
+            # ONNX Runtime's CUDA provider runs on its default device, 0: the first GPU
+            # CUDA_VISIBLE_DEVICES lists (memory.session_gpu).
+            gpu_id=0 if _on_gpu(self.engine) else None,
+            regions=self.shared_memory,
+        )
+
+    async def _start_http(self, servicer: InferenceServicer) -> int | None:
+        """Serves KServe v2's HTTP protocol on server.http_port, in front of `servicer`
+        (the main port's default lane); returns the port bound (None: not configured).
+        Raises ConfigError naming server.http_port (or server.host) where it cannot
+        bind."""
+        if self.config.http_port < 0:
+            return None
+        http = self._http = HttpFrontEnd(
+            self._kserve_servicer(servicer),
+            max_calls=self.config.max_concurrent_rpcs,
+            max_body_bytes=self.config.max_message_bytes,
+            compressed=self.config.compressed_requests,
+            spans=self.telemetry.http_spans,
+        )
+        host, port = bare_host(self.config.host), self.config.http_port
+        tls = http_tls(self.config)
+        try:
+            return await http.start(host, port, tls)
+        except OSError as error:
+            refusal = _bind_refusal(self.config.host, port, "http_port")
+            raise (refusal or error) from None
+
+    async def _stop_http(self) -> None:
+        if self._http is not None:
+            await self._http.stop()
 
     async def announce_not_serving(self) -> None:
         """Health says NOT_SERVING from now on, for good (gRPC's health servicer takes no
@@ -1540,7 +1598,10 @@ class LaneServer:
         # (NOT_SERVING sent) end now: the grace would wait for them in full.
         self._health.end_watches()
         await self._read_what_grpc_holds()
-        await asyncio.gather(*(each.server.stop(grace=2.0) for each in self._listeners))
+        await asyncio.gather(
+            *(each.server.stop(grace=2.0) for each in self._listeners),
+            self._stop_http(),
+        )
         for each in self._listeners:  # their asks failed as the servers stopped
             await each.acceptors.wait_closed(ACCEPTORS_CLOSE_S)
         return drained

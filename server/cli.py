@@ -103,6 +103,7 @@ _SERVE_FLAGS = {
     "host": "--host",
     "port": "--port",
     "priority_port": "--priority-port",
+    "http_port": "--http-port",
     "max_batch_size": "--max-batch-size",
     "batch_cap": "--batch-cap",
     "memory_limit": "--memory-limit",
@@ -541,6 +542,12 @@ def _parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
         type=int,
         help="a second port for latency-critical callers, with its own queue in gRPC's "
         "core in front of the same lanes (0 = any; default none)",
+    )
+    serve.add_argument(
+        "--http-port",
+        type=int,
+        help="KServe v2 / Triton HTTP/REST on --host, in front of the same lanes (0 = any; "
+        "default none; README, HTTP)",
     )
     serve.add_argument("--max-batch-size", type=int, help="upper bound of rows per batch")
     serve.add_argument(

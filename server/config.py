@@ -240,6 +240,11 @@ class ServerConfig:
     # `port`. Lanes order calls only once the event loop has taken them. 0 = any free
     # port (logged at start), -1 = none.
     priority_port: int = -1
+    # KServe v2's HTTP/REST protocol with Triton's extensions (server/kserve_http.py), on
+    # `host`, in front of the same lanes as `port` (and of its default lane), with TLS
+    # as the gRPC port has it. 0 = any free port (logged at start), -1 = none (the
+    # default: Triton serves it on 8000).
+    http_port: int = -1
     # Upper bound of the batch cap (rows per session run).
     max_batch_size: int = 128
     # Lanes, highest priority first.
@@ -359,6 +364,7 @@ class ServerConfig:
         _check_model_name(self.model_name, self.served_model_name)
         _check_int("server.port", self.port, minimum=0, maximum=65_535)
         _check_int("server.priority_port", self.priority_port, minimum=-1, maximum=65_535)
+        _check_int("server.http_port", self.http_port, minimum=-1, maximum=65_535)
         _check_int("server.max_batch_size", self.max_batch_size, minimum=1, maximum=UINT32_MAX)
         if self.batch_cap is not None:
             _check_int("server.batch_cap", self.batch_cap, minimum=1)
@@ -459,7 +465,7 @@ class ServerConfig:
         """Two listeners on one fixed port: refused here, before the model loads, not by
         the second bind after it (0, any free port, and -1, none, never collide)."""
         fixed: dict[int, str] = {}
-        for key in ("port", "priority_port", "metrics_port"):
+        for key in ("port", "priority_port", "http_port", "metrics_port"):
             port: int = getattr(self, key)
             if port <= 0:
                 continue

@@ -53,7 +53,7 @@ import functools
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any, Final, TypeVar
+from typing import Any, Final, NoReturn, TypeVar
 
 import grpc
 import numpy as np
@@ -672,15 +672,24 @@ def _raw_only(
 def _as_bytes(name: str, values: Sequence[Any], kind: KServeType) -> bytes:
     target = numpy_dtype(kind.datatype)  # little-endian, as the wire's
     array = np.array(values, dtype=kind.wide_dtype or target)
-    if kind.wide_dtype is not None and array.size:
-        bounds = np.iinfo(target)
-        low, high = int(array.min()), int(array.max())
-        if low < bounds.min or high > bounds.max:
-            raise InvalidInputError(
-                f"input {name!r} is {kind.name} and holds {low if low < bounds.min else high} "
-                f"in {kind.contents_field}; expected values from {bounds.min} to {bounds.max}"
-            )
+    if kind.wide_dtype is not None:
+        check_integer_range(f"input {name!r}", kind.name, array, f" in {kind.contents_field}")
     return array.astype(target, copy=False).tobytes()
+
+
+def check_integer_range(what: str, datatype: str, values: np.ndarray[Any, Any], where: str) -> None:
+    """Refuses integer `values` (of a wider dtype, or Python integers) that `datatype`
+    (an integer datatype's name) cannot hold, naming the first bound crossed and `where`
+    they were given (" in int_contents")."""
+    if not values.size:
+        return
+    bounds = np.iinfo(KSERVE_DTYPES[datatype])
+    low, high = int(values.min()), int(values.max())
+    if low < bounds.min or high > bounds.max:
+        raise InvalidInputError(
+            f"{what} is {datatype} and holds {low if low < bounds.min else high}{where}; "
+            f"expected values from {bounds.min} to {bounds.max}"
+        )
 
 
 # ---- ModelInfer: the answer ----------------------------------------------------------------
@@ -1078,6 +1087,28 @@ class KServeServicer:
         await abort_with(context, release_frames(refusal))
         raise AssertionError("unreachable: abort raises")
 
+    async def refuse_unread(
+        self,
+        refusal: LaneserveError,
+        context: grpc.aio.ServicerContext[Any, Any],
+        parameters: Mapping[str, kpb.InferParameter],
+    ) -> NoReturn:
+        """Refuses a request another wire could not read into a ModelInferRequest (KServe
+        v2's HTTP JSON, `kserve_http`), counted as ModelInfer counts a refusal
+        (`InferenceServicer.run_request`) in the lane its `parameters` (as far as they
+        were read) name, where they name one, else in the default lane, and aborted
+        with it."""
+        try:
+            lane, _ = _request_parameters(parameters, self._lanes)
+        except InvalidInputError:
+            lane = ""  # its parameters' own fault is not the one refused: none named
+        try:
+            await self._inference.run_request(refusal, context, idempotent=False, lane=lane)
+        except LaneserveError as error:
+            refusal = error
+        await abort_with(context, release_frames(refusal))
+        raise AssertionError("unreachable: abort raises")
+
     def ModelStreamInfer(
         self,
         requests: AsyncIterator[ModelStreamItem],
@@ -1126,7 +1157,7 @@ class KServeServicer:
             return refusal
         assert isinstance(request, ModelInferCall)
         try:
-            self._check_served(request.message.model_name, request.message.model_version)
+            self.check_served(request.message.model_name, request.message.model_version)
             return to_infer_request(request, self._lanes, self._inputs, self._outputs, shared)
         except (InvalidInputError, RegionNotFoundError, SharedMemoryRefusedError) as error:
             return error
@@ -1268,7 +1299,7 @@ class KServeServicer:
         await _refuse_unreadable(request, "CudaSharedMemoryUnregister", context)
         return kpb.CudaSharedMemoryUnregisterResponse()
 
-    def _check_served(self, name: str, version: str) -> None:
+    def check_served(self, name: str, version: str) -> None:
         """Raises ModelNotFoundError unless `name` and `version` are the served model's."""
         if name != self._model_name:
             raise ModelNotFoundError(
@@ -1285,7 +1316,7 @@ class KServeServicer:
         self, name: str, version: str, context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
         try:
-            self._check_served(name, version)
+            self.check_served(name, version)
         except ModelNotFoundError as error:
             await abort_with(context, error)
 

@@ -540,18 +540,23 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         context: grpc.aio.ServicerContext[Any, Any],
         *,
         idempotent: bool,
+        lane: str = "",
     ) -> pb.InferResponse:
         """Infer's path for a request another front end converted to laneserve's own
         (KServe v2's ModelInfer, `kserve.py`): the same admission, lanes, deadlines,
         idempotency, shedding, tracing, stats and errors, the default lane Infer's.
         `request` is the conversion's refusal where it failed: counted as Infer counts a
-        request refused before it has a lane, then raised. Raises LaneserveError.
+        request refused before it has a lane (in the default lane), or as a refusal of
+        `lane` where the conversion read one of the server's, then raised. Raises
+        LaneserveError.
 
         `idempotent`: whether its request_id keys the ledger, as Infer's does (a retry
         joins or replays it, other inputs are refused REQUEST_ID_REUSED). False: the id
         only names it (echoed, quoted in errors, traced and logged, held to
         MAX_REQUEST_ID_BYTES), as a client that sends ids as correlation tags expects:
         Triton's perf_analyzer restarts its ids each run, with the same data."""
+        if isinstance(request, LaneserveError) and lane in self._lane_configs:
+            raise self._rejected(lane, request, arrived_s=None)  # as `_run` counts one
         return await self._run(request, context, self._config.default_lane, idempotent=idempotent)
 
     async def _run(

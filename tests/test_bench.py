@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import http.client
 import json
 import os
 import queue
@@ -251,6 +252,45 @@ def test_a_mix_runs_against_a_target_and_its_priority_port(
     report = Path(outputs["markdown"]).read_text()
     assert "## (x) the given mix of streams (--mix)" in report
     assert "| target | bulk (4 rows, bulk) | 2 callers |" in report
+    assert live_children() == []
+
+
+@pytest.mark.slow
+def test_a_laneserve_started_with_an_http_port_has_it_as_its_http_target(
+    small_model: Path,
+) -> None:
+    """`--http-port 0`: the ready line names the port bound ("HTTP port N"), kept as
+    the deployment's http_target, which answers KServe's readiness probe; started
+    without the flag, it has none (its ready line read all the same: a priority port)."""
+
+    def start(*extra_args: str) -> procs.Deployment:
+        return procs.start_laneserve(
+            str(small_model),
+            max_batch_size=8,
+            intra_op_threads=1,
+            device="cpu",
+            extra_args=extra_args,
+        )
+
+    with_http = start("--http-port", "0")
+    try:
+        assert with_http.http_target is not None
+        host, _, port = with_http.http_target.rpartition(":")
+        probe = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            probe.request("GET", "/v2/health/ready")
+            answer = probe.getresponse()
+            assert (answer.status, json.loads(answer.read())) == (200, {"ready": True})
+        finally:
+            probe.close()
+    finally:
+        with_http.stop()
+    without_http = start()
+    try:
+        assert without_http.priority_target is not None
+        assert without_http.http_target is None
+    finally:
+        without_http.stop()
     assert live_children() == []
 
 

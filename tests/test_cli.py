@@ -340,6 +340,7 @@ REFUSED_FLAGS = [
         "--intra-op-threads: expected an integer in [0, 1024], got 2000",
     ),
     (("--metrics-port", "-5"), "--metrics-port: expected an integer in [-1, 65535], got -5"),
+    (("--http-port", "65536"), "--http-port: expected an integer in [-1, 65535], got 65536"),
     (
         ("--probe-shape", "input=0"),
         (
@@ -550,6 +551,20 @@ def test_a_priority_port_that_cannot_be_bound_is_refused_naming_the_setting(
         )
     assert f"--priority-port: cannot listen on 127.0.0.1:{port}: " in stderr
     assert "Traceback" not in stderr
+
+
+def test_an_http_port_in_use_is_refused_before_the_model_loads_naming_the_flag(
+    small_model: Path,
+) -> None:
+    with socket.socket() as held:  # listening without SO_REUSEPORT: nothing can share it
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        stderr = refused_at_start(
+            "--model", str(small_model), "--port", "0", "--http-port", str(port)
+        )
+    assert f"--http-port: cannot listen on 127.0.0.1:{port}: Address already in use" in stderr
+    assert f"loading {small_model}" not in stderr, "refused before the model loads"
 
 
 def test_json_logs_of_a_port_in_use_are_json_lines_alone_naming_the_address(

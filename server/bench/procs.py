@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 READY_PATTERN: Final = re.compile(r"serving .* on ([0-9.]+|\[[0-9a-f:]+\]|localhost):(\d+)")
 # laneserve's line goes on with this when it serves a priority port too.
 PRIORITY_PATTERN: Final = re.compile(r"priority port (\d+)")
+HTTP_PATTERN: Final = re.compile(r"HTTP port (\d+)")  # and with --http-port, this
 START_TIMEOUT_S: Final = 120.0
 STOP_TIMEOUT_S: Final = 20.0
 LOG_TAIL_LINES: Final = 40
@@ -65,6 +66,8 @@ class ServerProcess:
         self._tail: list[str] = []
         # The priority port its ready line names, if any (laneserve --priority-port).
         self.priority_port: int | None = None
+        # The HTTP port its ready line names, if any (laneserve --http-port).
+        self.http_port: int | None = None
         self.process = subprocess.Popen(  # noqa: S603 - argv is built here, never from input
             self.argv,
             stdin=subprocess.DEVNULL,
@@ -108,6 +111,8 @@ class ServerProcess:
             if match:
                 priority = PRIORITY_PATTERN.search(line, match.end())
                 self.priority_port = None if priority is None else int(priority.group(1))
+                http = HTTP_PATTERN.search(line, match.end())
+                self.http_port = None if http is None else int(http.group(1))
                 return bare_host(match.group(1)), int(match.group(2))
 
     def _remember(self, line: str) -> None:
@@ -349,6 +354,8 @@ class Deployment:
     target: str
     # HOST:PORT of the priority port (laneserve's second port), if it serves one.
     priority_target: str | None = None
+    # HOST:PORT of the KServe v2 HTTP port, if it serves one.
+    http_target: str | None = None
     processes: list[ServerProcess] = dataclasses.field(default_factory=list)
     # What the processes were started with, for the report.
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -465,6 +472,8 @@ def start_group(
                 deployment.target = f"{host}:{bound}"
                 if process.priority_port is not None:
                     deployment.priority_target = f"{host}:{process.priority_port}"
+                if process.http_port is not None:
+                    deployment.http_target = f"{host}:{process.http_port}"
                 port = bound
             elif bound != port:
                 _refuse_port(process.name, bound, port)

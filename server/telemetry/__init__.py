@@ -36,14 +36,20 @@ from laneserve.server.telemetry.logs import (
     configure_logging,
 )
 from laneserve.server.telemetry.metrics import Metrics, MetricSources
-from laneserve.server.telemetry.server_spans import ServerSpans
+from laneserve.server.telemetry.server_spans import (
+    HTTP_CALLER_LEFT,
+    HttpServerSpans,
+    ServerSpans,
+)
 from laneserve.server.telemetry.tracing import BatchLinkSampler, Tracing
 
 __all__ = [
+    "HTTP_CALLER_LEFT",
     "BatchLinkSampler",
     "DeviceMonitor",
     "EndpointTls",
     "EventLog",
+    "HttpServerSpans",
     "JsonFormatter",
     "MetricSources",
     "Metrics",

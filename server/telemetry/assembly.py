@@ -45,7 +45,7 @@ from laneserve.server.telemetry.endpoint import EndpointTls, MetricsEndpoint
 from laneserve.server.telemetry.environment import resource_from_env, tracer_provider_from_env
 from laneserve.server.telemetry.logs import EventLog
 from laneserve.server.telemetry.metrics import Metrics, MetricSources
-from laneserve.server.telemetry.server_spans import ServerSpans
+from laneserve.server.telemetry.server_spans import HttpServerSpans, ServerSpans
 from laneserve.server.telemetry.tracing import Tracing
 
 # How long stopping waits for the spans still to export: an exporter retries an
@@ -126,11 +126,13 @@ class Telemetry:
             self.events.append(self.metrics)
         self.tracing: Tracing | None = None
         self.interceptors: list[grpc.aio.ServerInterceptor] = []
+        self.http_spans: HttpServerSpans | None = None  # KServe v2 HTTP's inference calls
         if tracer_provider is not None:
             tracer = tracer_provider.get_tracer(INSTRUMENTATION_NAME)
             self.tracing = Tracing(tracer, providers)
             self.events.append(self.tracing)
             self.interceptors.append(ServerSpans(tracer))
+            self.http_spans = HttpServerSpans(tracer)
 
     @classmethod
     def from_config(cls, config: ServerConfig, providers: Sequence[str]) -> Telemetry:

@@ -41,6 +41,9 @@ Metric names (OpenTelemetry; Prometheus adds the unit and `_total`, e.g.
     laneserve.shared_memory.regions gauge regions                  registered now
     laneserve.shared_memory.bytes counter By        direction      read out of regions (inputs),
                                                                    written into them (outputs)
+    laneserve.http.requests       counter           route, code    KServe v2 HTTP requests
+                                                                   answered, by path template
+                                                                   and HTTP status
 
 `laneserve.requests.completed` is GetStats' `lanes[].answered` (every end, by status),
 not its `lanes[].completed` (the OK ends alone). `laneserve.requests.idempotent` is
@@ -71,7 +74,11 @@ unused). Their instruments are registered either way and observe nothing while i
 off (a collection drops an instrument that observed nothing: nothing is scraped): the
 switch is the server's, handed over with the sources (`MetricSources.shared_memory`),
 where the GPU utilisation gauge, registered only with a device, hangs on the device
-`Telemetry` itself opens, before any server exists.
+`Telemetry` itself opens, before any server exists. So does `laneserve.http.requests` on
+the HTTP port (server.http_port): absent without one; its series appear as requests are
+answered (`route` is the path's template, "/v2/models/{model}/infer", or "unmatched";
+`code` the status sent, 499 for a caller that left first), and count what no lane
+sees: the HTTP wire's own refusals (413, 415, 429 over max_concurrent_rpcs), unknown paths.
 """
 
 from __future__ import annotations
@@ -167,6 +174,9 @@ class MetricSources:
     # The shared memory registry's counts (`SharedMemoryRegions.counts`); None: shared
     # memory is off (server.shared_memory), and its figures absent.
     shared_memory: Callable[[], SharedMemoryCounts] | None = None
+    # The HTTP front end's answers by (route, status) (`HttpFrontEnd.answered`); None
+    # from the callable: no HTTP port (server.http_port), and the counter absent.
+    http_requests: Callable[[], Mapping[tuple[str, int], int] | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -345,6 +355,14 @@ class Metrics(NullEvents):
             "direction: read (inputs, out of regions), written (outputs, into regions); "
             "absent while shared memory is off (server.shared_memory)",
         )
+        meter.create_observable_counter(
+            "laneserve.http.requests",
+            callbacks=[self._observe_http_requests],
+            unit="{request}",
+            description="KServe v2 HTTP requests answered, by route (the path's template, "
+            "or unmatched) and code (the HTTP status; 499: the caller left first); absent "
+            "without an HTTP port (server.http_port)",
+        )
         meter.create_observable_gauge(
             "laneserve.lane.depth",
             callbacks=[self._observe_depth],
@@ -480,6 +498,16 @@ class Metrics(NullEvents):
         return [
             Observation(counts.read_bytes, {"direction": "read"}),
             Observation(counts.written_bytes, {"direction": "written"}),
+        ]
+
+    def _observe_http_requests(self, options: CallbackOptions) -> Iterable[Observation]:
+        source = None if self._sources is None else self._sources.http_requests
+        answered = None if source is None else source()
+        if answered is None:
+            return []
+        return [
+            Observation(count, {"route": route, "code": str(code)})
+            for (route, code), count in answered.items()
         ]
 
     def _lane(self, lane: str) -> dict[str, str]:

@@ -1,10 +1,13 @@
 """`ServerSpans`: the gRPC server interceptor that opens a SERVER span per traced RPC
-from the caller's W3C `traceparent`, and records the status code the caller receives."""
+from the caller's W3C `traceparent`, and records the status code the caller receives;
+`HttpServerSpans`: the same for KServe v2's HTTP inference calls (`kserve_http`)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any
+from http import HTTPStatus
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry import context as otel_context
@@ -40,6 +43,9 @@ _SERVER_ERROR_CODES = frozenset(
 
 # The servicer's method (grpc's stubs type it as a synchronous one).
 _Behavior = Callable[..., Any]
+_Answer = TypeVar("_Answer")
+# The status an HTTP caller that left is recorded with (nginx's: no caller reads it).
+HTTP_CALLER_LEFT = 499
 
 
 class ServerSpans(grpc.aio.ServerInterceptor):
@@ -177,3 +183,50 @@ def _end_server_span(
     if code in _SERVER_ERROR_CODES:
         span.set_status(Status(StatusCode.ERROR, code.name))
     span.end()
+
+
+class HttpServerSpans:
+    """Opens a SERVER span around each HTTP inference call (`kserve_http`), as
+    `ServerSpans` does around gRPC's: a child of the caller's W3C `traceparent` (any
+    propagator `OTEL_PROPAGATORS` names), current while the call runs, so the request's
+    own spans become its children; OpenTelemetry's HTTP server conventions (span name
+    "POST /v2/models/{model}/infer", `http.response.status_code`, status Error for 5xx)."""
+
+    def __init__(self, tracer: otel_trace.Tracer) -> None:
+        self._tracer = tracer
+
+    async def traced(
+        self,
+        method: str,
+        route: str,
+        headers: Mapping[str, str],
+        handle: Callable[[], Awaitable[_Answer]],
+        status_of: Callable[[_Answer], int],
+    ) -> _Answer:
+        """`handle()`'s answer, in a span that records `status_of` it (500 where it
+        raised, HTTP_CALLER_LEFT where the caller left and cancelled it)."""
+        carrier = {key.lower(): value for key, value in headers.items()}
+        span = self._tracer.start_span(
+            f"{method} {route}",
+            context=propagate.extract(carrier),
+            kind=SpanKind.SERVER,
+            attributes={"http.request.method": method, "http.route": route},
+        )
+        token = otel_context.attach(otel_trace.set_span_in_context(span))
+        status = 500
+        try:
+            answer = await handle()
+            status = status_of(answer)
+        except asyncio.CancelledError:
+            status = HTTP_CALLER_LEFT
+            raise
+        except Exception as error:
+            span.record_exception(error)
+            raise
+        finally:
+            otel_context.detach(token)
+            span.set_attribute("http.response.status_code", status)
+            if status >= HTTPStatus.INTERNAL_SERVER_ERROR:
+                span.set_status(Status(StatusCode.ERROR, str(status)))
+            span.end()
+        return answer

@@ -1,0 +1,792 @@
+"""KServe v2's HTTP/REST protocol, with Triton's extensions: the same model, lanes and
+answers as the gRPC front ends, for callers that speak HTTP (curl, tritonclient.http,
+perf_analyzer's default protocol, KServe's InferenceService probes).
+
+Each route reads its request into the gRPC front end's message (`kserve.py`'s
+GRPCInferenceService), runs that service's own method and writes its answer back as
+JSON: one converter, one set of checks and errors for both wires. The service's methods
+take a gRPC servicer context; `HttpCall` is that context for an HTTP request (its peer,
+no deadline, `abort` raising `HttpAbort`), and `_answer_error` writes the status the
+method aborted with as an HTTP status and a JSON body `{"error": ...}`, as Triton's
+server does, with laneserve's reason and retry hint beside it.
+
+The JSON and Triton's binary tensor data are read and written by `kserve_json`; here
+are the HTTP server (aiohttp, on the server's event loop beside grpc.aio: an HTTP call
+costs the loop what a ModelInfer does, plus the JSON), its routes, its bounds (bodies:
+`_read_body`; calls in progress: max_concurrent_rpcs) and its answers and errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import math
+import socket
+import ssl
+import zlib
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from http import HTTPStatus
+from typing import Any, Final, NoReturn
+
+import grpc
+from aiohttp import web
+from google.rpc import error_details_pb2, status_pb2
+
+from laneserve.kserve import grpc_predict_v2_pb2 as kpb
+from laneserve.server.errors import InvalidInputError, LaneserveError, ModelNotFoundError
+from laneserve.server.grpc_accept import CALL_LIMIT_DETAILS
+from laneserve.server.kserve import (
+    KServeServicer,
+)
+from laneserve.server.kserve_json import (
+    BINARY_TENSOR_EXTENSION,
+    HEADER_LENGTH,
+    collector_paused,
+    json_object,
+    message_json,
+    parse_json,
+    read_infer,
+    typed,
+    write_answer,
+)
+from laneserve.server.telemetry import HTTP_CALLER_LEFT, HttpServerSpans
+
+# The HTTP status for each gRPC code a method aborts with (Triton's HTTP server answers
+# 400 for most of them; these say more, and clients read the status alone as ok or not).
+_HTTP_STATUS: Final[Mapping[grpc.StatusCode, int]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    # No caller reads it (the caller left), but the access log and the span do.
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+# RESOURCE_EXHAUSTED refusals that a retry of the same request never gets past (429
+# says "come back"): the request is too large for the server, and must be split.
+_TOO_LARGE_REASONS: Final[Mapping[str, int]] = {
+    "DEVICE_MEMORY": HTTPStatus.REQUEST_ENTITY_TOO_LARGE,  # one row over the memory budget
+    "ANSWER_TOO_LARGE": HTTPStatus.REQUEST_ENTITY_TOO_LARGE,  # over max_message_bytes
+}
+_PUSHBACK_KEY: Final = "grpc-retry-pushback-ms"
+_DETAILS_KEY: Final = "grpc-status-details-bin"
+
+
+class HttpAbort(Exception):  # noqa: N818 - not a failure here: the answer the method chose
+    """What `HttpCall.abort` raises: the status a KServe method ended its call with."""
+
+    def __init__(
+        self, code: grpc.StatusCode, details: str, trailers: Sequence[tuple[str, str | bytes]]
+    ) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+        self.trailers = tuple(trailers)
+
+
+class HttpRefusal(Exception):  # noqa: N818 - an answer, as HttpAbort is
+    """A request refused by the HTTP wire itself, before any method reads it (its body
+    too large, compressed where that is off): `status` and `message`, not counted (as
+    gRPC's core refuses such a call before laneserve sees it)."""
+
+    def __init__(self, status: int, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.reason = reason
+
+    def answer(self) -> web.Response:
+        """The refusal as an answer, with `Connection: close`. aiohttp closes a connection
+        whose body was not all read after its answer, reading and dropping what the
+        client still sends for LINGER_S (`lingering_time`), time for it to read the
+        answer before the close resets the connection: aiohttp's default, 10 s, had the
+        event loop read 9.5 GB of a body refused 413 on loopback (a socket left unread
+        is read again by aiohttp's own flow control)."""
+        answer = _error_body(self.status, self.message, self.reason)
+        answer.force_close()
+        return answer
+
+
+class HttpCall(grpc.aio.ServicerContext[Any, Any]):
+    """The servicer context of one HTTP request: what the KServe methods and the
+    inference path read of a call (its peer, its deadline: none, whether it ended) and
+    `abort`, which raises HttpAbort for `_answer_error`. The streaming side of a context
+    (read, write, metadata sent) has no use on a request answered once: it raises."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self._code: grpc.StatusCode | None = None
+        self._details = ""
+
+    async def abort(
+        self,
+        code: grpc.StatusCode,
+        details: str = "",
+        trailing_metadata: Any = (),  # what abort_with passes: (key, value) pairs
+    ) -> NoReturn:
+        self._code, self._details = code, details
+        raise HttpAbort(code, details, tuple(trailing_metadata))
+
+    async def abort_with_status(self, status: Any) -> NoReturn:
+        await self.abort(status.code, status.details, status.trailing_metadata)
+
+    def peer(self) -> str:
+        """The caller's address as gRPC writes a peer ("ipv4:127.0.0.1:50000",
+        "ipv6:[::1]:50000"), which `shared_memory.is_local_peer` reads."""
+        transport = self._request.transport
+        peername = None if transport is None else transport.get_extra_info("peername")
+        if not isinstance(peername, tuple):
+            return "unknown"
+        host, port = peername[:2]
+        return f"ipv6:[{host}]:{port}" if ":" in str(host) else f"ipv4:{host}:{port}"
+
+    def time_remaining(self) -> float | None:  # type: ignore[override]  # None: grpc.aio's own
+        return None  # HTTP has no deadline: the request's `timeout` parameter is its own
+
+    def cancelled(self) -> bool:
+        transport = self._request.transport
+        return transport is None or transport.is_closing()
+
+    def done(self) -> bool:
+        return self.cancelled()
+
+    def code(self) -> grpc.StatusCode:
+        return self._code  # type: ignore[return-value]  # None until aborted, as grpc.aio's
+
+    def details(self) -> str:
+        return self._details
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def set_details(self, details: str) -> None:
+        self._details = details
+
+    def invocation_metadata(self) -> None:
+        return None  # read only by streams' receive limits: HTTP has no stream
+
+    def trailing_metadata(self) -> Any:
+        return ()
+
+    def set_trailing_metadata(self, trailing_metadata: Any) -> None:
+        pass
+
+    def add_done_callback(self, callback: Any) -> None:
+        raise NotImplementedError("an HTTP request has no done callbacks")
+
+    async def read(self) -> Any:
+        raise NotImplementedError("an HTTP request is read whole, not as a stream")
+
+    async def write(self, message: Any) -> None:
+        raise NotImplementedError("an HTTP request is answered once, not as a stream")
+
+    async def send_initial_metadata(self, initial_metadata: Any) -> None:
+        raise NotImplementedError("an HTTP answer has no initial metadata")
+
+    def set_compression(self, compression: Any) -> None:
+        raise NotImplementedError("HTTP answers are not compressed")
+
+    def disable_next_message_compression(self) -> None:
+        pass
+
+    def peer_identities(self) -> None:
+        return None
+
+    def peer_identity_key(self) -> None:
+        return None
+
+    def auth_context(self) -> Mapping[str, Iterable[bytes]]:
+        return {}
+
+
+# ---- Answers and errors ------------------------------------------------------------------
+
+
+def _json_response(body: object, status: int = 200) -> web.Response:
+    return web.Response(
+        body=json.dumps(body).encode(), status=status, content_type="application/json"
+    )
+
+
+def _error_body(status: int, message: str, reason: str = "") -> web.Response:
+    body: dict[str, object] = {"error": message}
+    if reason:
+        body["reason"] = reason
+    return _json_response(body, status)
+
+
+def _answer_error(abort: HttpAbort) -> web.Response:
+    """The status a method aborted with, as Triton's HTTP server writes one (`{"error":
+    message}`, which tritonclient reads), with laneserve's reason (ErrorInfo.reason, e.g.
+    "LANE_FULL") and, where a retry is advised, `retry_after_ms` and a Retry-After header
+    (whole seconds, rounded up: HTTP has no finer one)."""
+    body: dict[str, object] = {"error": abort.details}
+    headers: dict[str, str] = {}
+    for key, value in abort.trailers:
+        if key == _DETAILS_KEY and isinstance(value, bytes):
+            body.update(_reason_of(value))
+        elif key == _PUSHBACK_KEY and isinstance(value, str) and value.isdigit():
+            body["retry_after_ms"] = int(value)
+            headers["Retry-After"] = str(max(1, math.ceil(int(value) / 1000)))
+    status = _TOO_LARGE_REASONS.get(str(body.get("reason", "")))
+    if status is None:
+        status = _HTTP_STATUS.get(abort.code, HTTPStatus.INTERNAL_SERVER_ERROR)
+    response = _json_response(body, status)
+    response.headers.update(headers)
+    return response
+
+
+def _reason_of(details: bytes) -> dict[str, object]:
+    """ErrorInfo's reason in a status's details (the rich status laneserve sends)."""
+    status = status_pb2.Status.FromString(details)
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return {"reason": info.reason}
+    return {}
+
+
+# ---- The front end ------------------------------------------------------------------------
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# The route a request counts under where its path names none of the front end's.
+UNMATCHED_ROUTE: Final = "unmatched"
+
+
+class HttpFrontEnd:
+    """KServe v2's HTTP/REST protocol on one port, in front of `kserve` (the gRPC front
+    end's servicer, itself in front of the server's lanes). At most `max_calls`
+    inference calls in progress (max_concurrent_rpcs, as each gRPC port): past it one is
+    refused 429 before its body is read. A body is read up to `max_body_bytes`
+    (max_message_bytes), inflated where compressed and `compressed` allows."""
+
+    def __init__(
+        self,
+        kserve: KServeServicer,
+        *,
+        max_calls: int,
+        max_body_bytes: int,
+        compressed: bool,
+        spans: HttpServerSpans | None,
+    ) -> None:
+        self._kserve = kserve
+        self._max_calls = max_calls
+        self._infer_body = _BodyLimit(
+            max_body_bytes,
+            "server.max_message_bytes",
+            "fewer rows per request, its tensors as binary data rather than JSON, or in "
+            "shared memory",
+        )
+        self._compressed = compressed
+        self._spans = spans
+        self._calls = 0  # inference calls in progress; only the event loop touches it
+        # Answers by (route template, HTTP status): `answered`, for Prometheus.
+        self._answered: collections.Counter[tuple[str, int]] = collections.Counter()
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None  # once started
+
+    def application(self) -> web.Application:
+        """The routes, Triton's HTTP paths (a version path beside each model path)."""
+        # The body limit is the front end's own (`_read_body`): aiohttp's answers plain text.
+        app = web.Application(middlewares=[self._answer_json], client_max_size=2**63 - 1)
+        get, post = app.router.add_get, app.router.add_post
+        get("/v2/health/live", self._live)
+        get("/v2/health/ready", self._ready)
+        get("/v2", self._server_metadata)
+        get("/v2/models/stats", self._statistics)  # before /v2/models/{model}
+        for model in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+            get(model, self._model_metadata)
+            get(f"{model}/ready", self._model_ready)
+            get(f"{model}/config", self._model_config)
+            get(f"{model}/stats", self._statistics)
+            post(f"{model}/infer", self._infer, expect_handler=self._expect_continue)
+        post("/v2/repository/index", self._repository_index)
+        post("/v2/repository/models/{model}/load", self._unsupported_load)
+        post("/v2/repository/models/{model}/unload", self._unsupported_load)
+        for kind in ("systemsharedmemory", "cudasharedmemory"):
+            get(f"/v2/{kind}/status", self._region_status)
+            get(f"/v2/{kind}/region/{{name}}/status", self._region_status)
+            post(f"/v2/{kind}/region/{{name}}/register", self._register)
+            post(f"/v2/{kind}/unregister", self._unregister)
+            post(f"/v2/{kind}/region/{{name}}/unregister", self._unregister)
+        for path in ("/v2/trace/setting", "/v2/models/{model}/trace/setting", "/v2/logging"):
+            app.router.add_route("*", path, self._unsupported_settings)
+        return app
+
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None) -> int:
+        """Listens on `host`:`port` (0: any free port) as gRPC's port does
+        (`listening_sockets`); returns the port bound. Raises OSError where it cannot."""
+        runner = web.AppRunner(
+            self.application(),
+            handle_signals=False,
+            access_log=None,
+            # A caller that leaves cancels its request, as a gRPC caller's cancel does:
+            # what it queued is dropped before it runs.
+            handler_cancellation=True,
+            # Bodies are inflated by `_read_body`, within the limit, and a coding it does
+            # not take is refused in JSON (aiohttp answered a corrupt one with a bare 500).
+            auto_decompress=False,
+            # Every request has its answer when the server stops it (after the drain).
+            shutdown_timeout=2.0,
+            # How long a refused connection stays open, unread (`HttpRefusal.answer`).
+            lingering_time=LINGER_S,
+        )
+        await runner.setup()
+        sockets: list[socket.socket] = []
+        try:
+            sockets = listening_sockets(host, port)
+            for each in sockets:
+                await web.SockSite(runner, each, ssl_context=tls).start()
+        except BaseException:
+            await runner.cleanup()
+            for each in sockets:  # those no site served yet (closing twice is no fault)
+                each.close()
+            raise
+        self._runner = runner
+        self.port = int(sockets[0].getsockname()[1])
+        return self.port
+
+    async def stop(self) -> None:
+        """Stops listening and closes its connections (the drain answered every call)."""
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    def answered(self) -> Mapping[tuple[str, int], int]:
+        """The requests answered so far, by route template (UNMATCHED_ROUTE for a path
+        that names none) and HTTP status (HTTP_CALLER_LEFT where the caller left first)."""
+        return dict(self._answered)
+
+    @web.middleware
+    async def _answer_json(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        """Every answer JSON, errors too: a method's abort as its HTTP status, and aiohttp's
+        own refusals (no such path, a method the path does not take) in words that name
+        what is served; each counted by route and status. Inference calls traced, as
+        gRPC's are (`ServerSpans`)."""
+        route = request.match_info.route
+        template = _route_of(request)
+        status: int = HTTPStatus.INTERNAL_SERVER_ERROR  # where answering raised
+        try:
+            if self._spans is not None and route.handler == self._infer:
+                answer = await self._spans.traced(
+                    request.method,
+                    template,
+                    request.headers,
+                    lambda: self._answered_json(request, handler),
+                    lambda answer: answer.status,
+                )
+            else:
+                answer = await self._answered_json(request, handler)
+            status = answer.status
+        except asyncio.CancelledError:
+            status = HTTP_CALLER_LEFT
+            raise
+        finally:
+            self._answered[template, status] += 1
+        return answer
+
+    async def _answered_json(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except HttpAbort as abort:
+            return _answer_error(abort)
+        except HttpRefusal as refusal:
+            return refusal.answer()
+        except LaneserveError as error:  # an operator call's body, refused as it is read
+            return _error_body(_HTTP_STATUS.get(error.code, 500), error.message, error.reason)
+        except web.HTTPNotFound:
+            return _error_body(
+                HTTPStatus.NOT_FOUND,
+                f"no such path: {request.method} {request.path}; expected KServe v2's "
+                "(Triton's) paths under /v2, e.g. GET /v2/health/ready, POST "
+                "/v2/models/<model>/infer",
+            )
+        except web.HTTPMethodNotAllowed as error:
+            allowed = ", ".join(sorted(error.allowed_methods))
+            not_allowed = _error_body(
+                HTTPStatus.METHOD_NOT_ALLOWED,
+                f"{request.path} takes no {request.method}; expected {allowed}",
+            )
+            not_allowed.headers["Allow"] = allowed  # as HTTP asks of a 405
+            return not_allowed
+
+    # -- health and metadata: the gRPC methods' own answers, as JSON
+
+    async def _live(self, request: web.Request) -> web.Response:
+        answer = await self._kserve.ServerLive(kpb.ServerLiveRequest(), HttpCall(request))
+        return _json_response({"live": answer.live})
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        answer = await self._kserve.ServerReady(kpb.ServerReadyRequest(), HttpCall(request))
+        return _json_response({"ready": answer.ready}, 200 if answer.ready else 503)
+
+    async def _model_ready(self, request: web.Request) -> web.Response:
+        model, version = _model_of(request)
+        asked = kpb.ModelReadyRequest(name=model, version=version)
+        answer = await self._kserve.ModelReady(asked, HttpCall(request))
+        return _json_response({"name": model, "ready": answer.ready}, 200 if answer.ready else 503)
+
+    async def _server_metadata(self, request: web.Request) -> web.Response:
+        answer = await self._kserve.ServerMetadata(kpb.ServerMetadataRequest(), HttpCall(request))
+        answer.extensions.append(BINARY_TENSOR_EXTENSION)  # this wire's own
+        return _json_response(message_json(answer))
+
+    async def _model_metadata(self, request: web.Request) -> web.Response:
+        model, version = _model_of(request)
+        asked = kpb.ModelMetadataRequest(name=model, version=version)
+        answer = await self._kserve.ModelMetadata(asked, HttpCall(request))
+        return _json_response(message_json(answer))
+
+    async def _model_config(self, request: web.Request) -> web.Response:
+        model, version = _model_of(request)
+        asked = kpb.ModelConfigRequest(name=model, version=version)
+        answer = await self._kserve.ModelConfig(asked, HttpCall(request))
+        return _json_response(message_json(answer.config))  # Triton's: the config itself
+
+    async def _statistics(self, request: web.Request) -> web.Response:
+        model, version = _model_of(request)
+        asked = kpb.ModelStatisticsRequest(name=model, version=version)
+        answer = await self._kserve.ModelStatistics(asked, HttpCall(request))
+        return _json_response(message_json(answer))
+
+    async def _repository_index(self, request: web.Request) -> web.Response:
+        body = json_object(
+            await self._small_json(request), "the request", ("repository_name", "ready")
+        )
+        asked = kpb.RepositoryIndexRequest(
+            repository_name=typed(
+                body.get("repository_name", ""), str, "'repository_name'", "a string"
+            ),
+            ready=typed(body.get("ready", False), bool, "'ready'", "true or false"),
+        )
+        answer = await self._kserve.RepositoryIndex(asked, HttpCall(request))
+        return _json_response([message_json(model) for model in answer.models])  # Triton's
+
+    async def _unsupported_load(self, request: web.Request) -> web.Response:
+        call = HttpCall(request)
+        if request.path.endswith("/load"):
+            await self._kserve.RepositoryModelLoad(kpb.RepositoryModelLoadRequest(), call)
+        await self._kserve.RepositoryModelUnload(kpb.RepositoryModelUnloadRequest(), call)
+        raise AssertionError("unreachable: both refuse")
+
+    async def _unsupported_settings(self, request: web.Request) -> web.Response:
+        return _error_body(
+            501,
+            f"laneserve has no {request.path} settings: it traces with OpenTelemetry "
+            "(OTEL_* variables, set at start) and logs with --log-format / --log-level; "
+            "expected those, not Triton's trace and log settings",
+            "UNSUPPORTED",
+        )
+
+    # -- shared memory: the gRPC methods, one registry
+
+    async def _region_status(self, request: web.Request) -> web.Response:
+        name = request.match_info.get("name", "")
+        call = HttpCall(request)
+        if "/cudasharedmemory/" in request.path:
+            asked_cuda = kpb.CudaSharedMemoryStatusRequest(name=name)
+            cuda = await self._kserve.CudaSharedMemoryStatus(asked_cuda, call)
+            return _json_response([message_json(each) for each in cuda.regions.values()])
+        asked = kpb.SystemSharedMemoryStatusRequest(name=name)
+        answer = await self._kserve.SystemSharedMemoryStatus(asked, call)
+        # Triton's HTTP answer: a list of the regions, not the gRPC answer's map.
+        return _json_response([message_json(each) for each in answer.regions.values()])
+
+    async def _register(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        call = HttpCall(request)
+        if "/cudasharedmemory/" in request.path:
+            await self._kserve.CudaSharedMemoryRegister(kpb.CudaSharedMemoryRegisterRequest(), call)
+        keys = ("key", "offset", "byte_size")
+        body = json_object(await self._small_json(request), "the request", keys)
+        asked = kpb.SystemSharedMemoryRegisterRequest(
+            name=name,
+            key=typed(body.get("key"), str, "'key'", "the shared memory object's name"),
+            offset=_size(body.get("offset", 0), "'offset'"),
+            byte_size=_size(body.get("byte_size"), "'byte_size'"),
+        )
+        await self._kserve.SystemSharedMemoryRegister(asked, call)
+        return _json_response({})
+
+    async def _unregister(self, request: web.Request) -> web.Response:
+        name = request.match_info.get("name", "")
+        call = HttpCall(request)
+        if "/cudasharedmemory/" in request.path:
+            asked_cuda = kpb.CudaSharedMemoryUnregisterRequest(name=name)
+            await self._kserve.CudaSharedMemoryUnregister(asked_cuda, call)
+        else:
+            asked = kpb.SystemSharedMemoryUnregisterRequest(name=name)
+            await self._kserve.SystemSharedMemoryUnregister(asked, call)
+        return _json_response({})
+
+    async def _small_json(self, request: web.Request) -> Any:
+        """An operator call's JSON body ({} where it has none), refused unread over
+        _OPERATOR_BODY (these take a few fields)."""
+        body = await self._read_body(request, _OPERATOR_BODY)
+        if not body.strip():
+            return {}
+        return parse_json(body, "a JSON object of a few fields")
+
+    # -- inference
+
+    async def _infer(self, request: web.Request) -> web.StreamResponse:
+        unread = self._refused_unread(request)
+        if unread is not None:
+            return unread
+        call = HttpCall(request)
+        model, version = _model_of(request)
+        self._calls += 1
+        try:
+            body = await self._read_body(request, self._infer_body)
+            message = kpb.ModelInferRequest(model_name=model, model_version=version)
+            try:
+                with collector_paused():
+                    read = read_infer(
+                        body,
+                        request.headers.get(HEADER_LENGTH),
+                        message,
+                        max_inputs=self._kserve.max_inputs,
+                        max_outputs=self._kserve.max_outputs,
+                    )
+            except InvalidInputError as refusal:
+                del body
+                # Counted in the lane its parameters name, where they were read and name
+                # one: as ModelInfer's data faults, found in that lane's path.
+                await self._kserve.refuse_unread(refusal, call, message.parameters)
+            del body  # the call holds its inputs' bytes, and lets go of them once converted
+            answer = await self._kserve.ModelInfer(read.call, call)
+            written, header_length = write_answer(answer, read)
+            if header_length is None:
+                return web.Response(body=written, content_type="application/json")
+            binary = web.Response(body=written, content_type="application/octet-stream")
+            binary.headers[HEADER_LENGTH] = str(header_length)
+            return binary
+        finally:
+            self._calls -= 1
+
+    def _refused_unread(self, request: web.Request) -> web.Response | None:
+        """An inference call's refusal before its body is read (None: none), not counted
+        as a request (as gRPC's core and call bound refuse before laneserve reads one):
+        over max_concurrent_rpcs (429), for another model (404: no request to this one,
+        whatever its body holds), compressed where that is off or in a coding this
+        server does not inflate (415), longer than the limit by its Content-Length (413).
+        The connection closes after it: its unread body is not waited for."""
+        if self._calls >= self._max_calls:
+            return HttpRefusal(
+                HTTPStatus.TOO_MANY_REQUESTS,
+                f"{CALL_LIMIT_DETAILS} ({self._max_calls} inference calls in progress, "
+                "max_concurrent_rpcs); expected a retry after a moment",
+                "SERVER_BUSY",
+            ).answer()
+        try:
+            self._kserve.check_served(*_model_of(request))
+            self._check_coding(request, self._infer_body)
+        except HttpRefusal as refusal:
+            return refusal.answer()
+        except ModelNotFoundError as error:
+            return HttpRefusal(HTTPStatus.NOT_FOUND, error.message, error.reason).answer()
+        return None
+
+    async def _expect_continue(self, request: web.Request) -> web.StreamResponse | None:
+        """`Expect: 100-continue` on an inference call: its refusal before the body is
+        sent (`_refused_unread`), else "100 Continue" (aiohttp's own handler sent it
+        before any check, and the client sent a body only to have it refused)."""
+        refusal = self._refused_unread(request)
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            refusal = HttpRefusal(
+                HTTPStatus.EXPECTATION_FAILED,
+                f"unknown Expect header {request.headers.get('Expect')!r}; expected "
+                "100-continue or none",
+            ).answer()
+        if refusal is not None:  # answered here, not through the middleware: counted here
+            self._answered[_route_of(request), refusal.status] += 1
+            return refusal
+        if request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # as aiohttp's own handler: the answer is unsent
+        return None
+
+    def _check_coding(self, request: web.Request, limit: _BodyLimit) -> None:
+        """Refuses (HttpRefusal) a body compressed where that is off, or in a coding this
+        server does not inflate, and one over `limit` by its Content-Length."""
+        coding = _coding(request)
+        if coding != "identity":
+            if not self._compressed:
+                raise HttpRefusal(
+                    HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+                    f"request body is {coding}-compressed and this server takes no "
+                    "compressed requests (server.compressed_requests false); expected an "
+                    "uncompressed body",
+                )
+            if coding not in _INFLATE_WBITS:
+                raise HttpRefusal(
+                    HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+                    f"request body is {coding}-compressed; expected gzip, deflate or none",
+                )
+        length = request.content_length
+        if length is not None and length > limit.bytes:
+            raise _too_large(length, limit)
+
+    async def _read_body(self, request: web.Request, limit: _BodyLimit) -> bytes:
+        """The request's body, inflated where compressed (gzip, deflate), refused where
+        compressed and `compressed` is off or in another coding (415), over `limit` by
+        its Content-Length, as it comes or as it inflates (413), malformed (400), or
+        stalled BODY_IDLE_S (408). Inflated here, bounded as it goes, not by aiohttp
+        (which turned a coding it lacks, or a corrupt body, into a bare 500 or 400)."""
+        self._check_coding(request, limit)
+        wbits = _INFLATE_WBITS.get(_coding(request))
+        inflater = None if wbits is None else zlib.decompressobj(wbits)
+        content = request.content
+        chunks: list[bytes] = []
+        sent = size = 0
+        loop = asyncio.get_running_loop()
+        started_s = loop.time()
+        while True:
+            # Due by then: BODY_IDLE_S, and a second more for each BODY_MIN_RATE bytes
+            # come, and never more than BODY_IDLE_S from the last bytes.
+            due_s = started_s + BODY_IDLE_S + sent / BODY_MIN_RATE
+            try:
+                async with asyncio.timeout(min(BODY_IDLE_S, due_s - loop.time())):
+                    chunk = await content.readany()
+            except TimeoutError:
+                raise HttpRefusal(
+                    HTTPStatus.REQUEST_TIMEOUT,
+                    f"request body stalled: {sent} bytes came in "
+                    f"{loop.time() - started_s:.1f} s; expected no pause of {BODY_IDLE_S:g} s "
+                    f"and, after the first {BODY_IDLE_S:g} s, {BODY_MIN_RATE // 1024} KiB/s "
+                    "at least (a slow body holds one of the max_concurrent_rpcs calls)",
+                ) from None
+            except web.RequestPayloadError as error:  # a chunked body that does not parse
+                raise HttpRefusal(
+                    HTTPStatus.BAD_REQUEST, f"request body is malformed: {error}"
+                ) from None
+            if not chunk:
+                break
+            sent += len(chunk)
+            if inflater is not None:
+                chunk = _inflated(inflater, chunk, limit.bytes - size + 1)
+            size += len(chunk)
+            if size > limit.bytes or sent > limit.bytes:
+                raise _too_large(max(size, sent), limit, read=True)
+            chunks.append(chunk)
+        if inflater is not None and not inflater.eof:
+            raise HttpRefusal(
+                HTTPStatus.BAD_REQUEST,
+                f"request body ends before its {_coding(request)} stream does; expected a "
+                "whole compressed body",
+            )
+        if inflater is not None and inflater.unused_data:
+            raise HttpRefusal(
+                HTTPStatus.BAD_REQUEST,
+                f"request body goes on {len(inflater.unused_data)} bytes past the end of "
+                f"its {_coding(request)} stream; expected one compressed stream (one gzip "
+                "member), nothing after it",
+            )
+        return b"".join(chunks)
+
+
+def listening_sockets(host: str, port: int, backlog: int = 128) -> list[socket.socket]:
+    """Listening sockets for `host` (bare: "::", "127.0.0.1", "localhost") and `port`,
+    bound as gRPC binds its ports: one per address the name resolves to, all on the same
+    port (with 0, the one the first bind got), and "::" alone dual-stack (IPv4 too:
+    asyncio's own binding made it IPv6 only, and an IPv4 probe of a pod was refused).
+    Raises OSError where one cannot bind; none is left open then."""
+    found = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    addresses = list(dict.fromkeys((family, str(address[0])) for family, *_, address in found))
+    families = {family for family, _ in addresses}
+    sockets: list[socket.socket] = []
+    try:
+        for family, address in addresses:
+            listener = socket.socket(family, socket.SOCK_STREAM)
+            sockets.append(listener)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                # Beside an IPv4 address of the same name, each family has its socket.
+                v6_only = int(socket.AF_INET in families)
+                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, v6_only)
+            listener.bind((address, port))
+            port = listener.getsockname()[1]  # with 0, the others take the first one's
+            listener.listen(backlog)
+            listener.setblocking(False)
+    except BaseException:
+        for listener in sockets:
+            listener.close()
+        raise
+    return sockets
+
+
+# How long a connection whose body was refused unread is read on (and the bytes dropped)
+# after the answer, before it closes (`HttpRefusal.answer`).
+LINGER_S: Final = 1.0
+# A request body holds one of max_concurrent_rpcs calls while it comes: it may pause at
+# most BODY_IDLE_S, and must come at BODY_MIN_RATE bytes/s on average past its first
+# BODY_IDLE_S (Apache's mod_reqtimeout's rule), else 408. A body dripping a byte at a
+# time held a call for good, and as many as the bound shut every other caller out.
+BODY_IDLE_S: Final = 30.0
+BODY_MIN_RATE: Final = 64 * 1024
+# zlib's window bits for each Content-Encoding inflated: gzip's wrapper, and zlib's
+# (HTTP's "deflate" is RFC 1950's zlib format, as tritonclient sends it).
+_INFLATE_WBITS: Final[Mapping[str, int]] = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def _coding(request: web.Request) -> str:
+    coding = request.headers.get("Content-Encoding", "identity").strip().lower() or "identity"
+    return "gzip" if coding == "x-gzip" else coding  # RFC 9110: x-gzip is gzip
+
+
+def _inflated(inflater: Any, chunk: bytes, most_bytes: int) -> bytes:
+    """`chunk` inflated, at most `most_bytes` of it (more is over the limit, whatever
+    the rest holds: it is not inflated); refused 400 where it is no such stream."""
+    try:
+        return bytes(inflater.decompress(chunk, most_bytes))
+    except zlib.error as error:
+        raise HttpRefusal(
+            HTTPStatus.BAD_REQUEST, f"request body does not inflate ({error})"
+        ) from None
+
+
+def _route_of(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return UNMATCHED_ROUTE if resource is None else resource.canonical
+
+
+def _model_of(request: web.Request) -> tuple[str, str]:
+    return request.match_info.get("model", ""), request.match_info.get("version", "")
+
+
+def _size(value: Any, what: str) -> int:
+    size = typed(value, int, what, "bytes, an integer >= 0")
+    assert isinstance(size, int)
+    if not 0 <= size < 2**64:
+        raise InvalidInputError(f"{what} is {size}; expected bytes, an integer >= 0")
+    return size
+
+
+def _too_large(size: int, limit: _BodyLimit, *, read: bool = False) -> HttpRefusal:
+    so_far = "at least " if read else ""
+    return HttpRefusal(
+        HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+        f"request body is {so_far}{size} bytes, over the limit of {limit.bytes} "
+        f"({limit.named}); expected {limit.expected}",
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _BodyLimit:
+    """The most bytes a body may hold, with the words its refusal names it in."""
+
+    bytes: int
+    named: str  # "server.max_message_bytes"
+    expected: str  # what to send instead
+
+
+_OPERATOR_BODY: Final = _BodyLimit(64 * 1024, "an operator call's", "a JSON object of a few fields")
