@@ -49,8 +49,6 @@ import asyncio
 import dataclasses
 import json
 import math
-import os
-import platform
 import signal
 import statistics
 import sys
@@ -68,10 +66,18 @@ import numpy.typing as npt
 
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
-from laneserve.server.bench.procs import (
-    process_cpu_s,
-    start_laneserve,
+from laneserve.server.bench.kserve_compare import (
+    ClosedLoopDefaults,
+    Tensor,
+    add_closed_loop_arguments,
+    closed_loop_arguments,
+    cpu_text,
+    describe_host,
+    random_arrays,
+    size_text,
+    tensors_of,
 )
+from laneserve.server.bench.procs import process_cpu_s, start_laneserve
 from laneserve.server.demo_model import make_demo_model
 from laneserve.server.kserve import KSERVE_DTYPES
 from laneserve.server.kserve_json import (
@@ -86,8 +92,6 @@ HTTP_BINARY: Final = "http-binary"
 HTTP_JSON: Final = "http-json"
 PATHS: Final = (GRPC, HTTP_BINARY, HTTP_JSON)
 CALL_TIMEOUT_S: Final = 120.0
-KIB: Final = 1024
-MIB: Final = 1024 * KIB
 
 
 def main() -> int:
@@ -126,54 +130,17 @@ def main() -> int:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="ONNX model (default: the demo model, built here)")
-    parser.add_argument(
-        "--rows", type=_sizes, default=[1, 64, 1024], help="rows per request, e.g. 1,64,1024"
+    defaults = ClosedLoopDefaults(
+        [1, 64, 1024],
+        [1, 8],
+        2.5,
+        "server and channel message limit, HTTP bodies too (default 64 MiB, the server's)",
     )
-    parser.add_argument("--callers", type=_sizes, default=[1, 8], help="callers at once, e.g. 1,8")
-    parser.add_argument("--seconds", type=float, default=2.5, help="per path and round")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of every measurement")
-    parser.add_argument("--lane", default="bulk", help="the lane requests go to")
-    parser.add_argument("--max-batch-size", type=int, default=512, help="server batch cap")
-    parser.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=64 * MIB,
-        help="server and channel message limit, HTTP bodies too (default 64 MiB, the server's)",
-    )
-    parser.add_argument(
-        "--intra-op-threads", type=int, default=0, help="ONNX Runtime threads (0 = auto)"
-    )
-    args = parser.parse_args()
-    if not args.rows or min(args.rows) < 1 or not args.callers or min(args.callers) < 1:
-        parser.error("--rows and --callers take positive counts")
-    if args.seconds <= 0 or args.rounds < 1:
-        parser.error("--seconds must be positive and --rounds at least 1")
-    return args
-
-
-def _sizes(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part]
-
-
-def describe_host() -> str:
-    return (
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"load {os.getloadavg()[0]:.1f}"
-    )
+    add_closed_loop_arguments(parser, defaults)
+    return closed_loop_arguments(parser)
 
 
 # ---- the model's tensors -------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Tensor:
-    """One input or output of the model, as ModelMetadata gives it."""
-
-    name: str
-    datatype: str  # the protocol's name: "FP32"
-    dtype: np.dtype[Any]
-    row_shape: tuple[int, ...]  # the dimensions after the row axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,24 +152,7 @@ class Model:
     inputs: list[Tensor]
 
     def random_inputs(self, rows: int, seed: int) -> Arrays:
-        rng = np.random.default_rng(seed)
-        arrays = []
-        for tensor in self.inputs:
-            shape = (rows, *tensor.row_shape)
-            if tensor.dtype.kind == "f":
-                arrays.append(rng.standard_normal(shape).astype(tensor.dtype))
-            else:  # in range for every integer type, and bool
-                arrays.append(rng.integers(0, 2, shape).astype(tensor.dtype))
-        return arrays
-
-
-def tensor_of(spec: kpb.ModelMetadataResponse.TensorMetadata) -> Tensor:
-    if spec.datatype not in KSERVE_DTYPES or any(dim < 0 for dim in spec.shape[1:]):
-        raise SystemExit(
-            f"{spec.name}: {spec.datatype} {list(spec.shape)}; expected a served datatype "
-            "and no dynamic axis after the rows"
-        )
-    return Tensor(spec.name, spec.datatype, KSERVE_DTYPES[spec.datatype], tuple(spec.shape[1:]))
+        return random_arrays(self.inputs, rows, np.random.default_rng(seed))
 
 
 # ---- the three paths -----------------------------------------------------------------------
@@ -383,7 +333,7 @@ async def measure(
         metadata = await stub.ModelMetadata(
             kpb.ModelMetadataRequest(name=model_name), timeout=CALL_TIMEOUT_S
         )
-        model = Model(model_name, args.lane, [tensor_of(spec) for spec in metadata.inputs])
+        model = Model(model_name, args.lane, tensors_of(metadata.inputs))
         wires: dict[str, Wire] = {
             GRPC: GrpcWire(model, stub),
             HTTP_BINARY: BinaryWire(model, binary_session, http_base),
@@ -422,7 +372,7 @@ async def rounds(
                     print(
                         f"# round {number + 1}: {rows} rows, {count} callers, {path}: "
                         f"{run.requests_per_s:,.1f} requests/s, {run.rows_per_s:,.0f} rows/s, "
-                        f"CPU ms per 1000 rows {_cpu(run)}",
+                        f"CPU ms per 1000 rows {cpu_text(run.cpu_ms_per_krow)}",
                         file=sys.stderr,
                     )
     return Results(runs, body_bytes)
@@ -504,7 +454,7 @@ def print_table(results: Results, args: argparse.Namespace) -> None:
                     run.rows_per_s for run in results.runs[rows, count, path]
                 )
                 print(
-                    f"| {rows:,} | {count} | {path} | {_bytes(results.body_bytes[rows, path])} "
+                    f"| {rows:,} | {count} | {path} | {size_text(results.body_bytes[rows, path])} "
                     f"| {best.requests_per_s:,.1f} | {best.rows_per_s:,.0f} | {median:,.0f} "
                     f"| {best.rows_per_s / grpc_best.rows_per_s:.2f}x "
                     f"| {best.cpu_ms_per_krow['server']:.1f} "
@@ -514,16 +464,6 @@ def print_table(results: Results, args: argparse.Namespace) -> None:
 
 def _best(runs: Sequence[Run]) -> Run:
     return max(runs, key=lambda run: run.rows_per_s)
-
-
-def _bytes(count: int) -> str:
-    if count >= MIB:
-        return f"{count / MIB:.1f} MiB"
-    return f"{count / KIB:.0f} KiB" if count >= KIB else f"{count} B"
-
-
-def _cpu(run: Run) -> str:
-    return ", ".join(f"{name} {ms:.1f}" for name, ms in run.cpu_ms_per_krow.items())
 
 
 if __name__ == "__main__":

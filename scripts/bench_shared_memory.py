@@ -51,14 +51,13 @@ import dataclasses
 import math
 import mmap
 import os
-import platform
 import signal
 import statistics
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -68,9 +67,19 @@ import numpy.typing as npt
 
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
+from laneserve.server.bench.kserve_compare import (
+    ClosedLoopDefaults,
+    Tensor,
+    add_closed_loop_arguments,
+    closed_loop_arguments,
+    cpu_text,
+    describe_host,
+    random_arrays,
+    size_text,
+    tensors_of,
+)
 from laneserve.server.bench.procs import process_cpu_s, start_laneserve
 from laneserve.server.demo_model import make_demo_model
-from laneserve.server.kserve import KSERVE_DTYPES
 from laneserve.server.shared_memory import (
     BYTE_SIZE_PARAMETER,
     OFFSET_PARAMETER,
@@ -89,8 +98,6 @@ PATH_NAMES: Final = {
 # Room in a request's size for what is not tensor bytes (names, shapes, parameters).
 MESSAGE_OVERHEAD_BYTES: Final = 64 * 1024
 CALL_TIMEOUT_S: Final = 120.0
-KIB: Final = 1024
-MIB: Final = 1024 * KIB
 
 
 def main() -> int:
@@ -123,72 +130,11 @@ def main() -> int:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="ONNX model (default: the demo model, built here)")
-    parser.add_argument(
-        "--rows", type=_sizes, default=[1, 256, 4096], help="rows per request, e.g. 1,256,4096"
-    )
-    parser.add_argument("--callers", type=_sizes, default=[1, 4], help="callers at once, e.g. 1,4")
-    parser.add_argument("--seconds", type=float, default=1.5, help="per path and round")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of every measurement")
-    parser.add_argument("--lane", default="bulk", help="the lane requests go to")
-    parser.add_argument("--max-batch-size", type=int, default=512, help="server batch cap")
-    parser.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=64 * MIB,
-        help="server and channel message limit (default 64 MiB, the server's own)",
-    )
-    parser.add_argument(
-        "--intra-op-threads", type=int, default=0, help="ONNX Runtime threads (0 = auto)"
-    )
-    args = parser.parse_args()
-    if not args.rows or min(args.rows) < 1 or not args.callers or min(args.callers) < 1:
-        parser.error("--rows and --callers take positive counts")
-    if args.seconds <= 0 or args.rounds < 1:
-        parser.error("--seconds must be positive and --rounds at least 1")
-    return args
-
-
-def _sizes(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part]
-
-
-def describe_host() -> str:
-    return (
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"load {os.getloadavg()[0]:.1f}"
-    )
+    add_closed_loop_arguments(parser, ClosedLoopDefaults([1, 256, 4096], [1, 4], 1.5))
+    return closed_loop_arguments(parser)
 
 
 # ---- the model's tensors and where each caller's bytes lie ---------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Tensor:
-    """One input or output of the model, as ModelMetadata gives it."""
-
-    name: str
-    datatype: str  # the protocol's name: "FP32"
-    dtype: np.dtype[Any]
-    row_shape: tuple[int, ...]  # the dimensions after the row axis
-
-    @property
-    def row_bytes(self) -> int:
-        return math.prod(self.row_shape) * self.dtype.itemsize
-
-
-def tensors_of(metadata: Sequence[kpb.ModelMetadataResponse.TensorMetadata]) -> list[Tensor]:
-    tensors = []
-    for spec in metadata:
-        if spec.datatype not in KSERVE_DTYPES:
-            raise SystemExit(f"{spec.name}: datatype {spec.datatype} is not served")
-        if any(dim < 0 for dim in spec.shape[1:]):
-            # A slice is sized by rows; a dynamic later axis has no size to give it.
-            raise SystemExit(f"{spec.name}: shape {list(spec.shape)} has a dynamic later axis")
-        tensors.append(
-            Tensor(spec.name, spec.datatype, KSERVE_DTYPES[spec.datatype], tuple(spec.shape[1:]))
-        )
-    return tensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,10 +246,7 @@ class Caller:
         self.inputs = inputs
         self.outputs = outputs
         self.output_mapping = output_object.mapping
-        self.data = [
-            _random((inputs.max_rows, *tensor.row_shape), tensor.dtype, rng)
-            for tensor in inputs.tensors
-        ]
+        self.data = random_arrays(inputs.tensors, inputs.max_rows, rng)
         self.input_views = [
             np.ndarray(
                 (inputs.max_rows, *tensor.row_shape),
@@ -375,14 +318,6 @@ class Caller:
             self.output_mapping[offset : offset + rows * tensor.row_bytes] = b"\xff" * (
                 rows * tensor.row_bytes
             )
-
-
-def _random(
-    shape: tuple[int, ...], dtype: np.dtype[Any], rng: np.random.Generator
-) -> npt.NDArray[Any]:
-    if dtype.kind == "f":
-        return rng.standard_normal(shape).astype(dtype)
-    return rng.integers(0, 2, shape).astype(dtype)  # in range for every integer type, and bool
 
 
 def _place(parameters: Any, region: str, offset: int, byte_size: int) -> None:
@@ -488,7 +423,7 @@ async def rounds(
                     print(
                         f"# round {number}: {rows} rows, {count} callers, {path}: "
                         f"{run.requests_per_s:,.1f} requests/s, {run.rows_per_s:,.0f} rows/s, "
-                        f"CPU ms per 1000 rows {_cpu(run)}",
+                        f"CPU ms per 1000 rows {cpu_text(run.cpu_ms_per_krow)}",
                         file=sys.stderr,
                     )
     return runs
@@ -613,20 +548,10 @@ def print_table(inputs: list[Tensor], runs: Runs, args: argparse.Namespace) -> N
                 median = statistics.median(run.rows_per_s for run in runs[rows, count, path])
                 ratio = "" if path == RAW else f"{best.rows_per_s / raw_best.rows_per_s:.2f}x"
                 print(
-                    f"| {rows:,} | {_bytes(rows * row_bytes)} | {count} | {PATH_NAMES[path]} "
+                    f"| {rows:,} | {size_text(rows * row_bytes)} | {count} | {PATH_NAMES[path]} "
                     f"| {best.requests_per_s:,.1f} | {best.rows_per_s:,.0f} | {median:,.0f} "
-                    f"| {ratio} | {_cpu(best)} |"
+                    f"| {ratio} | {cpu_text(best.cpu_ms_per_krow)} |"
                 )
-
-
-def _bytes(count: int) -> str:
-    if count >= MIB:
-        return f"{count / MIB:.1f} MiB"
-    return f"{count / KIB:.0f} KiB" if count >= KIB else f"{count} B"
-
-
-def _cpu(run: Run) -> str:
-    return ", ".join(f"{name} {ms:.1f}" for name, ms in run.cpu_ms_per_krow.items())
 
 
 if __name__ == "__main__":

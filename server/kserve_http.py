@@ -402,7 +402,8 @@ class HttpFrontEnd:
         except HttpRefusal as refusal:
             return refusal.answer()
         except LaneserveError as error:  # an operator call's body, refused as it is read
-            return _error_body(_HTTP_STATUS.get(error.code, 500), error.message, error.reason)
+            status = _HTTP_STATUS.get(error.code, HTTPStatus.INTERNAL_SERVER_ERROR)
+            return _error_body(status, error.message, error.reason)
         except web.HTTPNotFound:
             return _error_body(
                 HTTPStatus.NOT_FOUND,
@@ -640,8 +641,9 @@ class HttpFrontEnd:
         """The request's body, inflated where compressed (gzip, deflate), refused where
         compressed and `compressed` is off or in another coding (415), over `limit` by
         its Content-Length, as it comes or as it inflates (413), malformed (400), or
-        stalled BODY_IDLE_S (408). Inflated here, bounded as it goes, not by aiohttp
-        (which turned a coding it lacks, or a corrupt body, into a bare 500 or 400)."""
+        paused BODY_IDLE_S or under BODY_MIN_RATE (408). Inflated here, bounded as it
+        goes, not by aiohttp (which turned a coding it lacks, or a corrupt body, into a
+        bare 500 or 400)."""
         self._check_coding(request, limit)
         wbits = _INFLATE_WBITS.get(_coding(request))
         inflater = None if wbits is None else zlib.decompressobj(wbits)

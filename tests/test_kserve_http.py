@@ -60,7 +60,7 @@ from tests.support import (
 )
 from tests.test_kserve import EVERY_DTYPE, _engine, _identity_model
 from tests.test_kserve_shm import FILLER, PAGE_BYTES, SharedMemory
-from tests.test_readme_claims import NEW_KEY, SERVER_NAME, Pki, openssl
+from tests.test_readme_claims import Pki, issue_pki
 from tests.test_telemetry import (
     CALLER_SPAN_ID,
     CALLER_TRACE_ID,
@@ -2102,55 +2102,13 @@ def test_the_http_port_answers_on_ipv4_and_ipv6_as_the_grpc_port_does(
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     """A throwaway CA, a server certificate (DNS laneserve.test, IP 127.0.0.1) and a client
     certificate signed by it (as test_readme_claims' fixture makes them)."""
-    return _issue_pki(tmp_path_factory.mktemp("http-pki"), NEW_KEY)
+    return issue_pki(tmp_path_factory.mktemp("http-pki"))
 
 
 @pytest.fixture(scope="module")
 def weak_pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     """`pki`'s, with a 1024-bit RSA key for the server's certificate."""
-    return _issue_pki(tmp_path_factory.mktemp("http-weak-pki"), "-newkey rsa:1024 -nodes")
-
-
-def _issue_pki(directory: Path, server_key: str) -> Pki:
-    """The CA and the client's keys as `NEW_KEY` makes them; the server's `server_key`
-    (`openssl req`'s options for a new key)."""
-    ca = f"req -x509 {NEW_KEY} -keyout ca.key -out ca.pem -days 2"
-    openssl(
-        directory,
-        *ca.split(),
-        "-subj",
-        "/CN=laneserve test CA",
-        "-addext",
-        "keyUsage=critical,keyCertSign,cRLSign",
-    )
-    leaf = (
-        "keyUsage=critical,digitalSignature\n"
-        "subjectKeyIdentifier=hash\n"
-        "authorityKeyIdentifier=keyid\n"
-    )
-    extensions = {
-        "server": (
-            f"{leaf}subjectAltName=DNS:{SERVER_NAME},IP:127.0.0.1\nextendedKeyUsage=serverAuth\n"
-        ),
-        "client": f"{leaf}extendedKeyUsage=clientAuth\n",
-    }
-    for serial, (name, text) in enumerate(extensions.items(), start=2):
-        (directory / f"{name}.ext").write_text(text, encoding="ascii")
-        key = server_key if name == "server" else NEW_KEY
-        csr = f"req -new {key} -keyout {name}.key -out {name}.csr"
-        openssl(directory, *csr.split(), "-subj", f"/CN=laneserve test {name}")
-        sign = (
-            f"x509 -req -in {name}.csr -CA ca.pem -CAkey ca.key -set_serial {serial} "
-            f"-days 2 -extfile {name}.ext -out {name}.pem"
-        )
-        openssl(directory, *sign.split())
-    return Pki(
-        ca=directory / "ca.pem",
-        server_cert=directory / "server.pem",
-        server_key=directory / "server.key",
-        client_cert=directory / "client.pem",
-        client_key=directory / "client.key",
-    )
+    return issue_pki(tmp_path_factory.mktemp("http-weak-pki"), "-newkey rsa:1024 -nodes")
 
 
 def test_the_http_port_follows_the_ports_tls_and_mutual_tls(small_model: Path, pki: Pki) -> None:

@@ -88,7 +88,13 @@ def openssl(directory: Path, *args: str) -> None:
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    directory = tmp_path_factory.mktemp("pki")
+    return issue_pki(tmp_path_factory.mktemp("pki"))
+
+
+def issue_pki(directory: Path, server_key: str = NEW_KEY) -> Pki:
+    """A throwaway CA in `directory`, a server certificate (DNS SERVER_NAME, IP
+    127.0.0.1) and a client certificate it signed; the server's key made by `server_key`
+    (`openssl req`'s options for a new key), the others by NEW_KEY."""
     # Valid under VERIFY_X509_STRICT, which ssl.create_default_context sets from Python
     # 3.13: the CA has a key usage (without one Python 3.13 refused it: "CA cert does not
     # include key usage extension"); so do the leaves, with both key identifiers, which
@@ -116,7 +122,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     }
     for serial, (name, text) in enumerate(extensions.items(), start=2):
         (directory / f"{name}.ext").write_text(text, encoding="ascii")
-        csr = f"req -new {NEW_KEY} -keyout {name}.key -out {name}.csr"
+        key = server_key if name == "server" else NEW_KEY
+        csr = f"req -new {key} -keyout {name}.key -out {name}.csr"
         openssl(directory, *csr.split(), "-subj", f"/CN=laneserve test {name}")
         sign = (
             f"x509 -req -in {name}.csr -CA ca.pem -CAkey ca.key -set_serial {serial} "
