@@ -414,13 +414,13 @@ async def phase(
     return Run(requests / elapsed_s, requests * rows / elapsed_s, cpu)
 
 
-async def calls(wire: Wire, prepared: list[Any], deadline: float, *, at_least: int = 0) -> int:
+async def calls(wire: Wire, prepared: list[Any], deadline_s: float, *, at_least: int = 0) -> int:
     """Requests made: one caller per entry of `prepared`, calling back to back until
-    `deadline` (perf_counter seconds) and at least `at_least` times."""
+    `deadline_s` (perf_counter seconds) and at least `at_least` times."""
 
     async def caller(request: Any) -> int:
         made = 0
-        while made < at_least or time.perf_counter() < deadline:
+        while made < at_least or time.perf_counter() < deadline_s:
             await wire.infer(request)
             made += 1
         return made

@@ -1283,10 +1283,11 @@ class LaneServer:
                 listener.acceptors.start()
             self.http_port = await self._start_http(servicer)
         except BaseException:
+            # gRPC's own start, or the HTTP port's, failed: what this start began is
+            # stopped here, since a stop() after a failed start finds nothing started.
+            # Nothing was admitted (the state is not SERVING), so no request is left
+            # without its answer.
             await self._stop_http()
-            # gRPC's own start failed: what this start began is stopped here, since a
-            # stop() after a failed start finds nothing started. Nothing was admitted
-            # (the state is not SERVING), so no request is left without its answer.
             await asyncio.to_thread(self._thread.close, join_timeout_s=RUNNING_BATCH_WAIT_S)
             await _give_back(servers)
             for listener in listeners:
@@ -1490,7 +1491,7 @@ class LaneServer:
             self._kserve_servicer(servicer),
             max_calls=self.config.max_concurrent_rpcs,
             max_body_bytes=self.config.max_message_bytes,
-            compressed=self.config.compressed_requests,
+            compressed_requests=self.config.compressed_requests,
             spans=self.telemetry.http_spans,
         )
         host, port = bare_host(self.config.host), self.config.http_port

@@ -1087,7 +1087,7 @@ class KServeServicer:
         await abort_with(context, release_frames(refusal))
         raise AssertionError("unreachable: abort raises")
 
-    async def refuse_unread(
+    async def refuse_unconverted(
         self,
         refusal: LaneserveError,
         context: grpc.aio.ServicerContext[Any, Any],

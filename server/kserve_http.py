@@ -35,6 +35,7 @@ from aiohttp import web
 from google.rpc import error_details_pb2, status_pb2
 
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
+from laneserve.server.addresses import listening_sockets
 from laneserve.server.errors import InvalidInputError, LaneserveError, ModelNotFoundError
 from laneserve.server.grpc_accept import CALL_LIMIT_DETAILS
 from laneserve.server.kserve import (
@@ -45,12 +46,14 @@ from laneserve.server.kserve_json import (
     HEADER_LENGTH,
     collector_paused,
     json_object,
+    json_size,
     message_json,
     parse_json,
     read_infer,
     typed,
     write_answer,
 )
+from laneserve.server.service import status_trailers
 from laneserve.server.telemetry import HTTP_CALLER_LEFT, HttpServerSpans
 
 # The HTTP status for each gRPC code a method aborts with (Triton's HTTP server answers
@@ -65,8 +68,8 @@ _HTTP_STATUS: Final[Mapping[grpc.StatusCode, int]] = {
     grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.ABORTED: 409,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    # No caller reads it (the caller left), but the access log and the span do.
-    grpc.StatusCode.CANCELLED: 499,
+    # No caller reads it (the caller left): laneserve.http.requests and the span do.
+    grpc.StatusCode.CANCELLED: HTTP_CALLER_LEFT,
     grpc.StatusCode.UNIMPLEMENTED: 501,
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
@@ -94,9 +97,12 @@ class HttpAbort(Exception):  # noqa: N818 - not a failure here: the answer the m
 
 
 class HttpRefusal(Exception):  # noqa: N818 - an answer, as HttpAbort is
-    """A request refused by the HTTP wire itself, before any method reads it (its body
-    too large, compressed where that is off): `status` and `message`, not counted (as
-    gRPC's core refuses such a call before laneserve sees it)."""
+    """A request refused by the HTTP wire itself, not by a KServe method: before its body
+    is read (over max_concurrent_rpcs 429, another model 404, a coding 415, too long by
+    its Content-Length 413, an Expect 417) or as it is read (413, a pause or a slow body
+    408, a body that does not inflate 400). Counted in laneserve.http.requests alone, in
+    no lane nor ModelStatistics (as gRPC's core and call bound refuse a call before
+    laneserve reads it)."""
 
     def __init__(self, status: int, message: str, reason: str = "") -> None:
         super().__init__(message)
@@ -104,15 +110,12 @@ class HttpRefusal(Exception):  # noqa: N818 - an answer, as HttpAbort is
         self.message = message
         self.reason = reason
 
-    def answer(self) -> web.Response:
-        """The refusal as an answer, with `Connection: close`. aiohttp closes a connection
-        whose body was not all read after its answer, reading and dropping what the
-        client still sends for LINGER_S (`lingering_time`), time for it to read the
-        answer before the close resets the connection: aiohttp's default, 10 s, had the
-        event loop read 9.5 GB of a body refused 413 on loopback (a socket left unread
-        is read again by aiohttp's own flow control)."""
+    def answer(self, *, close: bool = True) -> web.Response:
+        """The refusal as an answer; with `close` (where the body is not all read) with
+        `Connection: close`: the rest of the body is not waited for (see LINGER_S)."""
         answer = _error_body(self.status, self.message, self.reason)
-        answer.force_close()
+        if close:
+            answer.force_close()
         return answer
 
 
@@ -140,8 +143,9 @@ class HttpCall(grpc.aio.ServicerContext[Any, Any]):
         await self.abort(status.code, status.details, status.trailing_metadata)
 
     def peer(self) -> str:
-        """The caller's address as gRPC writes a peer ("ipv4:127.0.0.1:50000",
-        "ipv6:[::1]:50000"), which `shared_memory.is_local_peer` reads."""
+        """The caller's address as a gRPC peer string ("ipv4:127.0.0.1:50000",
+        "ipv6:[::1]:50000"; gRPC percent-encodes the brackets, which
+        `shared_memory.is_local_peer` reads either way)."""
         transport = self._request.transport
         peername = None if transport is None else transport.get_extra_info("peername")
         if not isinstance(peername, tuple):
@@ -267,7 +271,7 @@ class HttpFrontEnd:
     end's servicer, itself in front of the server's lanes). At most `max_calls`
     inference calls in progress (max_concurrent_rpcs, as each gRPC port): past it one is
     refused 429 before its body is read. A body is read up to `max_body_bytes`
-    (max_message_bytes), inflated where compressed and `compressed` allows."""
+    (max_message_bytes), inflated where compressed and `compressed_requests` allows."""
 
     def __init__(
         self,
@@ -275,7 +279,7 @@ class HttpFrontEnd:
         *,
         max_calls: int,
         max_body_bytes: int,
-        compressed: bool,
+        compressed_requests: bool,
         spans: HttpServerSpans | None,
     ) -> None:
         self._kserve = kserve
@@ -286,7 +290,7 @@ class HttpFrontEnd:
             "fewer rows per request, its tensors as binary data rather than JSON, or in "
             "shared memory",
         )
-        self._compressed = compressed
+        self._compressed_requests = compressed_requests
         self._spans = spans
         self._calls = 0  # inference calls in progress; only the event loop touches it
         # Answers by (route template, HTTP status): `answered`, for Prometheus.
@@ -310,8 +314,8 @@ class HttpFrontEnd:
             get(f"{model}/stats", self._statistics)
             post(f"{model}/infer", self._infer, expect_handler=self._expect_continue)
         post("/v2/repository/index", self._repository_index)
-        post("/v2/repository/models/{model}/load", self._unsupported_load)
-        post("/v2/repository/models/{model}/unload", self._unsupported_load)
+        post("/v2/repository/models/{model}/load", self._refuse_model_control)
+        post("/v2/repository/models/{model}/unload", self._refuse_model_control)
         for kind in ("systemsharedmemory", "cudasharedmemory"):
             get(f"/v2/{kind}/status", self._region_status)
             get(f"/v2/{kind}/region/{{name}}/status", self._region_status)
@@ -337,7 +341,6 @@ class HttpFrontEnd:
             auto_decompress=False,
             # Every request has its answer when the server stops it (after the drain).
             shutdown_timeout=2.0,
-            # How long a refused connection stays open, unread (`HttpRefusal.answer`).
             lingering_time=LINGER_S,
         )
         await runner.setup()
@@ -400,10 +403,10 @@ class HttpFrontEnd:
         except HttpAbort as abort:
             return _answer_error(abort)
         except HttpRefusal as refusal:
-            return refusal.answer()
+            # A fault found once the whole body was read keeps the connection.
+            return refusal.answer(close=not request.content.is_eof())
         except LaneserveError as error:  # an operator call's body, refused as it is read
-            status = _HTTP_STATUS.get(error.code, HTTPStatus.INTERNAL_SERVER_ERROR)
-            return _error_body(status, error.message, error.reason)
+            return _answer_error(HttpAbort(error.code, error.message, status_trailers(error)))
         except web.HTTPNotFound:
             return _error_body(
                 HTTPStatus.NOT_FOUND,
@@ -472,7 +475,7 @@ class HttpFrontEnd:
         answer = await self._kserve.RepositoryIndex(asked, HttpCall(request))
         return _json_response([message_json(model) for model in answer.models])  # Triton's
 
-    async def _unsupported_load(self, request: web.Request) -> web.Response:
+    async def _refuse_model_control(self, request: web.Request) -> web.Response:
         call = HttpCall(request)
         if request.path.endswith("/load"):
             await self._kserve.RepositoryModelLoad(kpb.RepositoryModelLoadRequest(), call)
@@ -507,13 +510,14 @@ class HttpFrontEnd:
         call = HttpCall(request)
         if "/cudasharedmemory/" in request.path:
             await self._kserve.CudaSharedMemoryRegister(kpb.CudaSharedMemoryRegisterRequest(), call)
+            raise AssertionError("unreachable: CUDA registration is refused")
         keys = ("key", "offset", "byte_size")
         body = json_object(await self._small_json(request), "the request", keys)
         asked = kpb.SystemSharedMemoryRegisterRequest(
             name=name,
             key=typed(body.get("key"), str, "'key'", "the shared memory object's name"),
-            offset=_size(body.get("offset", 0), "'offset'"),
-            byte_size=_size(body.get("byte_size"), "'byte_size'"),
+            offset=json_size(body.get("offset", 0), "'offset'"),
+            byte_size=json_size(body.get("byte_size"), "'byte_size'"),
         )
         await self._kserve.SystemSharedMemoryRegister(asked, call)
         return _json_response({})
@@ -531,8 +535,8 @@ class HttpFrontEnd:
 
     async def _small_json(self, request: web.Request) -> Any:
         """An operator call's JSON body ({} where it has none), refused unread over
-        _OPERATOR_BODY (these take a few fields)."""
-        body = await self._read_body(request, _OPERATOR_BODY)
+        _OPERATOR_BODY_LIMIT (these take a few fields)."""
+        body = await self._read_body(request, _OPERATOR_BODY_LIMIT)
         if not body.strip():
             return {}
         return parse_json(body, "a JSON object of a few fields")
@@ -562,7 +566,7 @@ class HttpFrontEnd:
                 del body
                 # Counted in the lane its parameters name, where they were read and name
                 # one: as ModelInfer's data faults, found in that lane's path.
-                await self._kserve.refuse_unread(refusal, call, message.parameters)
+                await self._kserve.refuse_unconverted(refusal, call, message.parameters)
             del body  # the call holds its inputs' bytes, and lets go of them once converted
             answer = await self._kserve.ModelInfer(read.call, call)
             written, header_length = write_answer(answer, read)
@@ -575,12 +579,11 @@ class HttpFrontEnd:
             self._calls -= 1
 
     def _refused_unread(self, request: web.Request) -> web.Response | None:
-        """An inference call's refusal before its body is read (None: none), not counted
-        as a request (as gRPC's core and call bound refuse before laneserve reads one):
-        over max_concurrent_rpcs (429), for another model (404: no request to this one,
-        whatever its body holds), compressed where that is off or in a coding this
-        server does not inflate (415), longer than the limit by its Content-Length (413).
-        The connection closes after it: its unread body is not waited for."""
+        """An inference call's refusal before its body is read (None: none), an
+        HttpRefusal's: over max_concurrent_rpcs (429), for another model (404: no request
+        to this one, whatever its body holds), compressed where that is off or in a
+        coding this server does not inflate (415), longer than the limit by its
+        Content-Length (413). The connection closes after it."""
         if self._calls >= self._max_calls:
             return HttpRefusal(
                 HTTPStatus.TOO_MANY_REQUESTS,
@@ -590,7 +593,7 @@ class HttpFrontEnd:
             ).answer()
         try:
             self._kserve.check_served(*_model_of(request))
-            self._check_coding(request, self._infer_body)
+            self._check_headers(request, self._infer_body)
         except HttpRefusal as refusal:
             return refusal.answer()
         except ModelNotFoundError as error:
@@ -616,12 +619,12 @@ class HttpFrontEnd:
             request.writer.output_size = 0  # as aiohttp's own handler: the answer is unsent
         return None
 
-    def _check_coding(self, request: web.Request, limit: _BodyLimit) -> None:
+    def _check_headers(self, request: web.Request, limit: _BodyLimit) -> None:
         """Refuses (HttpRefusal) a body compressed where that is off, or in a coding this
         server does not inflate, and one over `limit` by its Content-Length."""
         coding = _coding(request)
         if coding != "identity":
-            if not self._compressed:
+            if not self._compressed_requests:
                 raise HttpRefusal(
                     HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
                     f"request body is {coding}-compressed and this server takes no "
@@ -634,17 +637,17 @@ class HttpFrontEnd:
                     f"request body is {coding}-compressed; expected gzip, deflate or none",
                 )
         length = request.content_length
-        if length is not None and length > limit.bytes:
+        if length is not None and length > limit.max_bytes:
             raise _too_large(length, limit)
 
     async def _read_body(self, request: web.Request, limit: _BodyLimit) -> bytes:
         """The request's body, inflated where compressed (gzip, deflate), refused where
         compressed and `compressed` is off or in another coding (415), over `limit` by
         its Content-Length, as it comes or as it inflates (413), malformed (400), or
-        paused BODY_IDLE_S or under BODY_MIN_RATE (408). Inflated here, bounded as it
+        paused BODY_IDLE_S or under BODY_MIN_BYTES_PER_S (408). Inflated here, bounded as it
         goes, not by aiohttp (which turned a coding it lacks, or a corrupt body, into a
         bare 500 or 400)."""
-        self._check_coding(request, limit)
+        self._check_headers(request, limit)
         wbits = _INFLATE_WBITS.get(_coding(request))
         inflater = None if wbits is None else zlib.decompressobj(wbits)
         content = request.content
@@ -653,31 +656,32 @@ class HttpFrontEnd:
         loop = asyncio.get_running_loop()
         started_s = loop.time()
         while True:
-            # Due by then: BODY_IDLE_S, and a second more for each BODY_MIN_RATE bytes
+            # Due by then: BODY_IDLE_S, and a second more for each BODY_MIN_BYTES_PER_S bytes
             # come, and never more than BODY_IDLE_S from the last bytes.
-            due_s = started_s + BODY_IDLE_S + sent / BODY_MIN_RATE
+            due_s = started_s + BODY_IDLE_S + sent / BODY_MIN_BYTES_PER_S
+            waited_from_s = loop.time()
             try:
-                async with asyncio.timeout(min(BODY_IDLE_S, due_s - loop.time())):
+                async with asyncio.timeout(min(BODY_IDLE_S, due_s - waited_from_s)):
                     chunk = await content.readany()
             except TimeoutError:
-                raise HttpRefusal(
-                    HTTPStatus.REQUEST_TIMEOUT,
-                    f"request body stalled: {sent} bytes came in "
-                    f"{loop.time() - started_s:.1f} s; expected no pause of {BODY_IDLE_S:g} s "
-                    f"and, after the first {BODY_IDLE_S:g} s, {BODY_MIN_RATE // 1024} KiB/s "
-                    "at least (a slow body holds one of the max_concurrent_rpcs calls)",
-                ) from None
+                # Named a pause where it was one, or nearly (both rules may be broken at
+                # once: early on, the rate's due time is a pause's, give or take the time
+                # since the body began).
+                paused = loop.time() - waited_from_s >= 0.9 * BODY_IDLE_S
+                raise _stalled(sent, loop.time() - started_s, slow=not paused) from None
             except web.RequestPayloadError as error:  # a chunked body that does not parse
                 raise HttpRefusal(
-                    HTTPStatus.BAD_REQUEST, f"request body is malformed: {error}"
+                    HTTPStatus.BAD_REQUEST,
+                    f"request body is malformed ({error}); expected HTTP/1.1's chunked "
+                    "coding, or a Content-Length",
                 ) from None
             if not chunk:
                 break
             sent += len(chunk)
             if inflater is not None:
-                chunk = _inflated(inflater, chunk, limit.bytes - size + 1)
+                chunk = _inflated(inflater, chunk, limit.max_bytes - size + 1)
             size += len(chunk)
-            if size > limit.bytes or sent > limit.bytes:
+            if size > limit.max_bytes or sent > limit.max_bytes:
                 raise _too_large(max(size, sent), limit, read=True)
             chunks.append(chunk)
         if inflater is not None and not inflater.eof:
@@ -696,45 +700,18 @@ class HttpFrontEnd:
         return b"".join(chunks)
 
 
-def listening_sockets(host: str, port: int, backlog: int = 128) -> list[socket.socket]:
-    """Listening sockets for `host` (bare: "::", "127.0.0.1", "localhost") and `port`,
-    bound as gRPC binds its ports: one per address the name resolves to, all on the same
-    port (with 0, the one the first bind got), and "::" alone dual-stack (IPv4 too:
-    asyncio's own binding made it IPv6 only, and an IPv4 probe of a pod was refused).
-    Raises OSError where one cannot bind; none is left open then."""
-    found = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    addresses = list(dict.fromkeys((family, str(address[0])) for family, *_, address in found))
-    families = {family for family, _ in addresses}
-    sockets: list[socket.socket] = []
-    try:
-        for family, address in addresses:
-            listener = socket.socket(family, socket.SOCK_STREAM)
-            sockets.append(listener)
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                # Beside an IPv4 address of the same name, each family has its socket.
-                v6_only = int(socket.AF_INET in families)
-                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, v6_only)
-            listener.bind((address, port))
-            port = listener.getsockname()[1]  # with 0, the others take the first one's
-            listener.listen(backlog)
-            listener.setblocking(False)
-    except BaseException:
-        for listener in sockets:
-            listener.close()
-        raise
-    return sockets
-
-
-# How long a connection whose body was refused unread is read on (and the bytes dropped)
-# after the answer, before it closes (`HttpRefusal.answer`).
+# How long aiohttp reads on (and drops) what a client still sends of a body refused
+# unread, after the answer and before it closes the connection: time for the client to
+# read the answer before the close resets the connection. aiohttp's default, 10 s, had
+# the event loop read 9.5 GB of a body refused 413 on loopback (a socket left unread is
+# read again by aiohttp's own flow control: there is no not reading it).
 LINGER_S: Final = 1.0
 # A request body holds one of max_concurrent_rpcs calls while it comes: it may pause at
-# most BODY_IDLE_S, and must come at BODY_MIN_RATE bytes/s on average past its first
+# most BODY_IDLE_S, and must come at BODY_MIN_BYTES_PER_S on average past its first
 # BODY_IDLE_S (Apache's mod_reqtimeout's rule), else 408. A body dripping a byte at a
 # time held a call for good, and as many as the bound shut every other caller out.
 BODY_IDLE_S: Final = 30.0
-BODY_MIN_RATE: Final = 64 * 1024
+BODY_MIN_BYTES_PER_S: Final = 64 * 1024
 # zlib's window bits for each Content-Encoding inflated: gzip's wrapper, and zlib's
 # (HTTP's "deflate" is RFC 1950's zlib format, as tritonclient sends it).
 _INFLATE_WBITS: Final[Mapping[str, int]] = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
@@ -752,8 +729,27 @@ def _inflated(inflater: Any, chunk: bytes, most_bytes: int) -> bytes:
         return bytes(inflater.decompress(chunk, most_bytes))
     except zlib.error as error:
         raise HttpRefusal(
-            HTTPStatus.BAD_REQUEST, f"request body does not inflate ({error})"
+            HTTPStatus.BAD_REQUEST,
+            f"request body does not inflate ({error}); expected a body its Content-Encoding "
+            "names (gzip's format for gzip, zlib's for deflate)",
         ) from None
+
+
+def _stalled(sent: int, taken_s: float, *, slow: bool) -> HttpRefusal:
+    """The 408 of a body that paused BODY_IDLE_S, or (`slow`) came under
+    BODY_MIN_BYTES_PER_S on average past its first BODY_IDLE_S, naming which."""
+    broken = (
+        f"came at {sent / taken_s:.0f} bytes/s, under {BODY_MIN_BYTES_PER_S:g} bytes/s on "
+        f"average past its first {BODY_IDLE_S:g} s"
+        if slow
+        else f"paused {BODY_IDLE_S:g} s"
+    )
+    return HttpRefusal(
+        HTTPStatus.REQUEST_TIMEOUT,
+        f"request body stalled: {sent} bytes in {taken_s:.1f} s, and it {broken}; expected "
+        "the whole body at once (a body holds one of the max_concurrent_rpcs calls while "
+        "it comes)",
+    )
 
 
 def _route_of(request: web.Request) -> str:
@@ -765,19 +761,11 @@ def _model_of(request: web.Request) -> tuple[str, str]:
     return request.match_info.get("model", ""), request.match_info.get("version", "")
 
 
-def _size(value: Any, what: str) -> int:
-    size = typed(value, int, what, "bytes, an integer >= 0")
-    assert isinstance(size, int)
-    if not 0 <= size < 2**64:
-        raise InvalidInputError(f"{what} is {size}; expected bytes, an integer >= 0")
-    return size
-
-
 def _too_large(size: int, limit: _BodyLimit, *, read: bool = False) -> HttpRefusal:
     so_far = "at least " if read else ""
     return HttpRefusal(
         HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-        f"request body is {so_far}{size} bytes, over the limit of {limit.bytes} "
+        f"request body is {so_far}{size} bytes, over the limit of {limit.max_bytes} "
         f"({limit.named}); expected {limit.expected}",
     )
 
@@ -786,9 +774,11 @@ def _too_large(size: int, limit: _BodyLimit, *, read: bool = False) -> HttpRefus
 class _BodyLimit:
     """The most bytes a body may hold, with the words its refusal names it in."""
 
-    bytes: int
+    max_bytes: int
     named: str  # "server.max_message_bytes"
     expected: str  # what to send instead
 
 
-_OPERATOR_BODY: Final = _BodyLimit(64 * 1024, "an operator call's", "a JSON object of a few fields")
+_OPERATOR_BODY_LIMIT: Final = _BodyLimit(
+    64 * 1024, "that of an operator call's body", "a JSON object of a few fields"
+)

@@ -22,6 +22,7 @@ binary data.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import math
@@ -111,26 +112,20 @@ def _field_value(field: _Field, value: Any) -> Any:
 # ---- Inference ----------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class InferRead:
     """An HTTP inference request read into ModelInfer's message, with what its answer
     needs of the HTTP wire: which outputs go as binary data, which in shared memory."""
 
-    def __init__(
-        self,
-        call: ModelInferCall,
-        binary: Mapping[str, bool],
-        all_binary: bool,
-        placed: frozenset[str] = frozenset(),
-    ) -> None:
-        self.call = call
-        self._binary = binary  # by output name: its binary_data parameter
-        self._all_binary = all_binary  # the request's binary_data_output
-        # The outputs placed in shared memory, by name: read here, as the call's message
-        # is let go of once converted.
-        self.placed = placed
+    call: ModelInferCall
+    binary_outputs: Mapping[str, bool]  # by output name: its binary_data parameter
+    all_binary: bool  # the request's binary_data_output
+    # The outputs placed in shared memory, by name: read here, as the call's message is
+    # let go of once converted.
+    placed: frozenset[str]
 
     def binary(self, name: str) -> bool:
-        return self._binary.get(name, self._all_binary)
+        return self.binary_outputs.get(name, self.all_binary)
 
 
 def read_infer(
@@ -182,10 +177,10 @@ def read_infer(
         )
     placed: set[str] = set()
     for position, item in enumerate(outputs):
-        name, wants_binary = _output(message, item, position)
+        name, wants_binary, in_shared_memory = _output(message, item, position)
         if wants_binary is not None:
             binary_outputs[name] = wants_binary
-        if REGION_PARAMETER in message.outputs[-1].parameters:
+        if in_shared_memory:
             placed.add(name)
     # ModelInfer's converter reads each input's bytes from the call's raw contents and
     # only counts the message's: empty entries say how many, without a second copy.
@@ -214,7 +209,8 @@ def _split(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
         return body, memoryview(b"")
     digits = header_length.isascii() and header_length.isdigit()
     # Its digits counted before it is read: int() refuses past 4 300 of them (a 500).
-    if not digits or len(header_length) > len(str(len(body))) or int(header_length) > len(body):
+    significant = header_length.lstrip("0")
+    if not digits or len(significant) > len(str(len(body))) or int(header_length) > len(body):
         raise InvalidInputError(
             f"header {HEADER_LENGTH} is {header_length!r}; expected the JSON header's length "
             f"in bytes, from 0 to the body's {len(body)}"
@@ -252,6 +248,14 @@ def typed(value: Any, kind: type[_T], what: str, expected: str) -> _T:
     if isinstance(value, str):
         _check_text(value, what)
     return value
+
+
+def json_size(value: Any, what: str) -> int:
+    """`value` as a byte count: an integer from 0 to 2**64 - 1 (a protobuf uint64)."""
+    size = typed(value, int, what, "bytes, an integer >= 0")
+    if not 0 <= size < 2**64:
+        raise InvalidInputError(f"{what} is {size}; expected bytes, an integer >= 0")
+    return size
 
 
 def _check_text(text: str, what: str) -> None:
@@ -470,9 +474,11 @@ def _held(values: np.ndarray[Any, Any]) -> str:
     return "values that are not numbers (or not within 64 bits), or lists of unequal lengths"
 
 
-def _output(message: kpb.ModelInferRequest, value: Any, position: int) -> tuple[str, bool | None]:
-    """Adds requested output `value` to `message`; returns its name and its binary_data
-    parameter (None: not given)."""
+def _output(
+    message: kpb.ModelInferRequest, value: Any, position: int
+) -> tuple[str, bool | None, bool]:
+    """Adds requested output `value` to `message`; returns its name, its binary_data
+    parameter (None: not given) and whether it is placed in shared memory."""
     item = json_object(value, f"output {position}", _OUTPUT_KEYS)
     name = typed(item.get("name"), str, f"output {position}'s 'name'", "a string")
     parameters = _parameters(item.get("parameters", {}), f"output {name!r}")
@@ -484,7 +490,7 @@ def _output(message: kpb.ModelInferRequest, value: Any, position: int) -> tuple[
         )
     tensor = message.outputs.add(name=name)
     _set_parameters(tensor.parameters, parameters)
-    return name, wants_binary
+    return name, wants_binary, REGION_PARAMETER in parameters
 
 
 # ---- Inference: the answer -----------------------------------------------------------------
@@ -495,7 +501,10 @@ def write_answer(response: kpb.ModelInferResponse, read: InferRead) -> tuple[byt
     row-major), or as binary data after the JSON where asked (its size in its
     `binary_data_size`), or, placed in shared memory, neither (its name, datatype and
     shape say what was written there). Returns the body and, where binary data follows
-    the JSON, the JSON's length (HEADER_LENGTH's value); None: the body is JSON alone."""
+    the JSON, the JSON's length (HEADER_LENGTH's value); None: the body is JSON alone.
+    A NaN or an infinity among the values is written NaN, Infinity or -Infinity, as
+    Python's and tritonclient's parsers read them (strict JSON has no such number: a
+    caller whose outputs may hold them asks for binary data)."""
     outputs: list[dict[str, Any]] = []
     chunks: list[bytes] = []
     for output, data in zip(response.outputs, response.raw_output_contents, strict=True):

@@ -1744,7 +1744,7 @@ async def abort_with(context: grpc.aio.ServicerContext[Any, Any], error: Laneser
     callers let go of the request first (`release_frames`, and the wrappers of
     grpc_accept and server_spans)."""
     await abort_unless_gone(
-        context, error.code, bounded_message(error.message), _status_trailers(error)
+        context, error.code, bounded_message(error.message), status_trailers(error)
     )
 
 
@@ -1765,7 +1765,7 @@ def release_frames(error: _E) -> _E:
     return error
 
 
-def _status_trailers(error: LaneserveError) -> tuple[tuple[str, str | bytes], ...]:
+def status_trailers(error: LaneserveError) -> tuple[tuple[str, str | bytes], ...]:
     trailers: list[tuple[str, str | bytes]] = [
         ("grpc-status-details-bin", to_rpc_status(error).SerializeToString())
     ]

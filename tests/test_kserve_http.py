@@ -28,6 +28,7 @@ from onnx import TensorProto, helper
 from opentelemetry.trace import SpanKind, StatusCode
 
 from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig, kserve_http
+from laneserve.server.addresses import listening_sockets
 from laneserve.server.app import check_ports_free
 from laneserve.server.cli import _parser, _serve_config
 from laneserve.server.config import ConfigError
@@ -39,7 +40,7 @@ from laneserve.server.errors import (
 )
 from laneserve.server.kserve import KSERVE_DTYPES
 from laneserve.server.model_identity import SERVER_VERSION
-from laneserve.server.service import _status_trailers
+from laneserve.server.service import status_trailers
 from laneserve.server.shared_memory import BYTE_SIZE_PARAMETER, REGION_PARAMETER
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -1183,7 +1184,8 @@ def test_each_fault_is_refused_naming_it_and_counted(small_model: Path) -> None:
 
 def test_a_request_for_another_model_is_not_found_and_not_counted(small_model: Path) -> None:
     """A request for a model not served here (or a version) is no request to this one:
-    404 MODEL_NOT_FOUND, counted nowhere, whether or not its body reads: the model is
+    404 MODEL_NOT_FOUND, counted in no lane nor ModelStatistics (in laneserve.http.requests
+    alone), whether or not its body reads: the model is
     named in the path, before the body."""
 
     async def scenario() -> None:
@@ -1306,7 +1308,7 @@ def test_a_full_lane_refuses_429_with_retry_after(small_model: Path) -> None:
 def _http_answer(error: LaneserveError) -> Answer:
     """The HTTP answer to a method that aborted with `error`, its trailers as abort_with
     sends them (the rich status, and the pushback where a retry is advised)."""
-    aborted = kserve_http.HttpAbort(error.code, error.message, _status_trailers(error))
+    aborted = kserve_http.HttpAbort(error.code, error.message, status_trailers(error))
     answer = kserve_http._answer_error(aborted)
     assert isinstance(answer.body, bytes)
     return Answer(answer.status, answer.headers, answer.body)
@@ -1544,8 +1546,8 @@ def test_a_body_that_stalls_is_refused_408_and_frees_its_call(
             async with connection(s.server.http_port) as (reader, writer):
                 writer.write(request_head(INFER, 100) + b"{")
                 stalled = await refused_unread(reader)
-            assert_refused(stalled, 408, None, "request body stalled: 1 bytes came in ")
-            assert "expected no pause of 0.3 s" in stalled.json["error"]
+            assert_refused(stalled, 408, None, "request body stalled: 1 bytes in ")
+            assert "and it paused 0.3 s; expected the whole body at once" in stalled.json["error"]
             assert only_output(await post(http, INFER, infer_body(rows(1))))["shape"] == [1, 10]
             assert answered(s) == {(INFER_ROUTE, 408): 1, (INFER_ROUTE, 200): 1}
             assert await fail_count(http) == 0
@@ -1724,7 +1726,7 @@ def shm() -> Iterator[SharedMemory]:
         made.close()
 
 
-def test_shared_memory_regions_and_placed_tensors_over_http(
+def test_shared_memory_regions_are_registered_and_tensors_placed_in_them_over_http(
     small_model: Path, shm: SharedMemory
 ) -> None:
     """Two regions of one object registered over HTTP and listed as Triton's list; an
@@ -2053,11 +2055,11 @@ def localhost_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_listening_sockets_are_dual_stack_on_any_and_one_port_for_each_address() -> None:
     """Host "::" binds one socket that takes IPv4 too (IPV6_V6ONLY 0); a name of two
     addresses binds one socket for each, both on the port the first one got."""
-    (anywhere,) = kserve_http.listening_sockets("::", 0)
+    (anywhere,) = listening_sockets("::", 0)
     with anywhere:
         assert anywhere.family == socket.AF_INET6
         assert anywhere.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 0
-    named = kserve_http.listening_sockets("localhost", 0)
+    named = listening_sockets("localhost", 0)
     try:
         by_family = {listener.family: listener for listener in named}
         assert len(named) == 2
@@ -2307,12 +2309,12 @@ def test_a_data_fault_is_counted_in_the_lane_the_request_names(small_model: Path
 def test_a_body_under_its_minimum_rate_is_refused_408(
     small_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A body that never pauses BODY_IDLE_S but comes slower than BODY_MIN_RATE past its
+    """A body that never pauses BODY_IDLE_S but comes slower than BODY_MIN_BYTES_PER_S past its
     first BODY_IDLE_S: 408 (a byte at a time, each within the pause allowed, held its
     call for good). Here a byte every 0.2 s (5 bytes/s) against a pause of 0.5 s and a
     rate of 10 bytes/s: due after about 1 s; the drip gives up after 10 s."""
     monkeypatch.setattr(kserve_http, "BODY_IDLE_S", 0.5)
-    monkeypatch.setattr(kserve_http, "BODY_MIN_RATE", 10)  # bytes per second
+    monkeypatch.setattr(kserve_http, "BODY_MIN_BYTES_PER_S", 10)  # bytes per second
 
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
@@ -2332,7 +2334,7 @@ def test_a_body_under_its_minimum_rate_is_refused_408(
                 assert answer.done(), "refused while the body still came"
                 refused = answer.result()
             assert_refused(refused, 408, None, "request body stalled: ")
-            assert "expected no pause of 0.5 s" in refused.json["error"]
+            assert "under 10 bytes/s on average past its first 0.5 s" in refused.json["error"]
             assert engine.ran_tags == []
 
     asyncio.run(scenario())
@@ -2356,5 +2358,51 @@ def test_an_answer_after_100_continue_is_sent_whatever_it_is(small_model: Path) 
                 writer.write(body)
                 failed = await read_answer(reader)
             assert_refused(failed, 500, "ENGINE_FAILURE", "")
+
+    asyncio.run(scenario())
+
+
+def test_nan_and_infinities_in_a_json_answer_are_written_as_python_and_tritonclient_read_them(
+    tmp_path: Path,
+) -> None:
+    """An output holding NaN and infinities, asked for as JSON: `NaN`, `Infinity` and
+    `-Infinity` (JSON has no such number; Python's json and tritonclient's rapidjson
+    read them), the same values as binary data bit for bit (as the README says)."""
+    path = _identity_model(tmp_path / "f32.onnx", {"x": TensorProto.FLOAT})
+    x = np.array([[np.nan, np.inf, -np.inf]], np.float32)
+
+    async def scenario() -> None:
+        async with http_serving(_engine(path), config(path)) as (_, http):
+            header = {"inputs": [binary_input("x", x)], "outputs": [{"name": "o_x"}]}
+            answer = await post(http, "/v2/models/f32/infer", **with_binary(header, x))
+            assert answer.status == 200, answer.body
+            assert b'"data": [NaN, Infinity, -Infinity]' in answer.body
+            values = np.asarray(only_output(answer)["data"], np.float32)
+            assert values.tobytes() == x.ravel().tobytes()
+
+    asyncio.run(scenario())
+
+
+def test_a_fault_found_once_the_body_is_read_keeps_the_connection(small_model: Path) -> None:
+    """A body read whole and then refused (a gzip stream cut short: 400) leaves nothing
+    unread: its connection stays open for the next request, as after a JSON fault; a
+    refusal before the body is all read closes it (`Connection: close`)."""
+    packed = gzip.compress(json.dumps(infer_body(rows(1))).encode())
+
+    async def scenario() -> None:
+        async with http_serving(RecordingEngine(str(small_model)), config(small_model)) as (
+            s,
+            _,
+        ):
+            assert s.server.http_port is not None
+            async with connection(s.server.http_port) as (reader, writer):
+                cut = packed[: len(packed) // 2]
+                writer.write(request_head(INFER, len(cut), {"Content-Encoding": "gzip"}) + cut)
+                refused = await read_answer(reader)
+                assert_refused(refused, 400, None, "request body ends before its gzip stream")
+                assert refused.headers.get("Connection") != "close", refused.headers
+                whole = json.dumps(infer_body(rows(1))).encode()
+                writer.write(request_head(INFER, len(whole)) + whole)
+                assert only_output(await read_answer(reader))["shape"] == [1, 10]
 
     asyncio.run(scenario())

@@ -74,11 +74,16 @@ unused). Their instruments are registered either way and observe nothing while i
 off (a collection drops an instrument that observed nothing: nothing is scraped): the
 switch is the server's, handed over with the sources (`MetricSources.shared_memory`),
 where the GPU utilisation gauge, registered only with a device, hangs on the device
-`Telemetry` itself opens, before any server exists. So does `laneserve.http.requests` on
-the HTTP port (server.http_port): absent without one; its series appear as requests are
-answered (`route` is the path's template, "/v2/models/{model}/infer", or "unmatched";
-`code` the status sent, 499 for a caller that left first), and count what no lane
-sees: the HTTP wire's own refusals (413, 415, 429 over max_concurrent_rpcs), unknown paths.
+`Telemetry` itself opens, before any server exists.
+
+`laneserve.http.requests` exists while the server has an HTTP port (server.http_port),
+each series from the first request it counts: every request answered there, by `route`
+(the path's template, "/v2/models/{model}/infer", or "unmatched" for a path not served
+or a method a path does not take) and `code` (the HTTP status sent; 499 where the caller
+left first). Most inference answers are also counted by the lanes; what only it counts
+are the HTTP wire's own refusals (`kserve_http.HttpRefusal`: 429 over
+max_concurrent_rpcs, 404 for another model, 413 and 415 on the headers or as the body is
+read, 408, a body that does not inflate 400, 417) and the paths not served.
 """
 
 from __future__ import annotations
