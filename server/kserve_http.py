@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import json
 import math
 import socket
@@ -611,8 +612,17 @@ class HttpFrontEnd:
                 f"unknown Expect header {request.headers.get('Expect')!r}; expected "
                 "100-continue or none",
             ).answer()
-        if refusal is not None:  # answered here, not through the middleware: counted here
+        if refusal is not None:  # answered here, not through the middleware: counted and
+            # traced here, as the same refusal of a request without Expect is
             self._answered[_route_of(request), refusal.status] += 1
+            if self._spans is not None:
+                await self._spans.traced(
+                    request.method,
+                    _route_of(request),
+                    request.headers,
+                    functools.partial(_given, refusal),
+                    lambda answer: answer.status,
+                )
             return refusal
         if request.version >= (1, 1):
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -750,6 +760,10 @@ def _stalled(sent: int, taken_s: float, *, slow: bool) -> HttpRefusal:
         "the whole body at once (a body holds one of the max_concurrent_rpcs calls while "
         "it comes)",
     )
+
+
+async def _given(answer: web.Response) -> web.Response:
+    return answer
 
 
 def _route_of(request: web.Request) -> str:

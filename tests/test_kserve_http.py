@@ -2230,6 +2230,29 @@ def test_an_http_infer_with_a_traceparent_is_a_server_span_in_the_callers_trace(
     asyncio.run(scenario())
 
 
+def test_a_refusal_on_the_expect_headers_is_a_server_span_as_without_expect(
+    small_model: Path,
+) -> None:
+    """A refusal given to `Expect: 100-continue` headers (413 by Content-Length) is
+    answered by the front end's expect handler, past the middleware that traces: it has
+    its SERVER span in the caller's trace all the same (it had none)."""
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        served = config(small_model, http_port=0, max_message_bytes=16384)
+        async with serving_traced(engine, served) as (s, exporter):
+            assert s.server.http_port is not None
+            over = await headers_alone(s.server.http_port, INFER, 20_000, traceparent=TRACEPARENT)
+            assert over.status == 413
+            await until(lambda: len(spans_named(exporter, INFER_SPAN)) == 1)
+            (span,) = spans_named(exporter, INFER_SPAN)
+            assert trace_id(span) == CALLER_TRACE_ID
+            assert parent_id(span) == CALLER_SPAN_ID
+            assert attr(span, "http.response.status_code") == 413
+
+    asyncio.run(scenario())
+
+
 # ---- counting -----------------------------------------------------------------------------
 
 
