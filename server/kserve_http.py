@@ -54,7 +54,7 @@ from laneserve.server.kserve_json import (
     typed,
     write_answer,
 )
-from laneserve.server.service import status_trailers
+from laneserve.server.service import DETAILS_TRAILER, PUSHBACK_TRAILER, status_trailers
 from laneserve.server.telemetry import HTTP_CALLER_LEFT, HttpServerSpans
 
 # The HTTP status for each gRPC code a method aborts with (Triton's HTTP server answers
@@ -81,8 +81,6 @@ _TOO_LARGE_REASONS: Final[Mapping[str, int]] = {
     "DEVICE_MEMORY": HTTPStatus.REQUEST_ENTITY_TOO_LARGE,  # one row over the memory budget
     "ANSWER_TOO_LARGE": HTTPStatus.REQUEST_ENTITY_TOO_LARGE,  # over max_message_bytes
 }
-_PUSHBACK_KEY: Final = "grpc-retry-pushback-ms"
-_DETAILS_KEY: Final = "grpc-status-details-bin"
 
 
 class HttpAbort(Exception):  # noqa: N818 - not a failure here: the answer the method chose
@@ -237,9 +235,9 @@ def _answer_error(abort: HttpAbort) -> web.Response:
     body: dict[str, object] = {"error": abort.details}
     headers: dict[str, str] = {}
     for key, value in abort.trailers:
-        if key == _DETAILS_KEY and isinstance(value, bytes):
+        if key == DETAILS_TRAILER and isinstance(value, bytes):
             body.update(_reason_of(value))
-        elif key == _PUSHBACK_KEY and isinstance(value, str) and value.isdigit():
+        elif key == PUSHBACK_TRAILER and isinstance(value, str) and value.isdigit():
             body["retry_after_ms"] = int(value)
             headers["Retry-After"] = str(max(1, math.ceil(int(value) / 1000)))
     status = _TOO_LARGE_REASONS.get(str(body.get("reason", "")))
@@ -537,6 +535,7 @@ class HttpFrontEnd:
     async def _small_json(self, request: web.Request) -> Any:
         """An operator call's JSON body ({} where it has none), refused unread over
         _OPERATOR_BODY_LIMIT (these take a few fields)."""
+        self._check_headers(request, _OPERATOR_BODY_LIMIT)
         body = await self._read_body(request, _OPERATOR_BODY_LIMIT)
         if not body.strip():
             return {}
@@ -605,8 +604,9 @@ class HttpFrontEnd:
         """`Expect: 100-continue` on an inference call: its refusal before the body is
         sent (`_refused_unread`), else "100 Continue" (aiohttp's own handler sent it
         before any check, and the client sent a body only to have it refused)."""
-        refusal = self._refused_unread(request)
-        if request.headers.get("Expect", "").lower() != "100-continue":
+        if request.headers.get("Expect", "").lower() == "100-continue":
+            refusal = self._refused_unread(request)
+        else:
             refusal = HttpRefusal(
                 HTTPStatus.EXPECTATION_FAILED,
                 f"unknown Expect header {request.headers.get('Expect')!r}; expected "
@@ -651,13 +651,12 @@ class HttpFrontEnd:
             raise _too_large(length, limit)
 
     async def _read_body(self, request: web.Request, limit: _BodyLimit) -> bytes:
-        """The request's body, inflated where compressed (gzip, deflate), refused where
-        compressed and `compressed` is off or in another coding (415), over `limit` by
-        its Content-Length, as it comes or as it inflates (413), malformed (400), or
-        paused BODY_IDLE_S or under BODY_MIN_BYTES_PER_S (408). Inflated here, bounded as it
-        goes, not by aiohttp (which turned a coding it lacks, or a corrupt body, into a
-        bare 500 or 400)."""
-        self._check_headers(request, limit)
+        """The request's body, its headers checked already (`_check_headers`: a coding
+        it does not take, a Content-Length over `limit`), inflated where compressed
+        (gzip, deflate), refused over `limit` as it comes or as it inflates (413),
+        malformed (400), or paused BODY_IDLE_S or under BODY_MIN_BYTES_PER_S (408).
+        Inflated here, bounded as it goes, not by aiohttp (which turned a coding it
+        lacks, or a corrupt body, into a bare 500 or 400)."""
         wbits = _INFLATE_WBITS.get(_coding(request))
         inflater = None if wbits is None else zlib.decompressobj(wbits)
         content = request.content

@@ -17,7 +17,7 @@ import logging
 import traceback
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import grpc
 from google.protobuf import descriptor_pool, message_factory
@@ -1765,13 +1765,18 @@ def release_frames(error: _E) -> _E:
     return error
 
 
+# The trailers of a refusal: its rich status (google.rpc.Status), and gRPC's retry hint.
+DETAILS_TRAILER: Final = "grpc-status-details-bin"
+PUSHBACK_TRAILER: Final = "grpc-retry-pushback-ms"
+
+
 def status_trailers(error: LaneserveError) -> tuple[tuple[str, str | bytes], ...]:
     trailers: list[tuple[str, str | bytes]] = [
-        ("grpc-status-details-bin", to_rpc_status(error).SerializeToString())
+        (DETAILS_TRAILER, to_rpc_status(error).SerializeToString())
     ]
     delay_ms = pushback_ms(error)
     if delay_ms is not None:
-        trailers.append(("grpc-retry-pushback-ms", str(delay_ms)))
+        trailers.append((PUSHBACK_TRAILER, str(delay_ms)))
     return tuple(trailers)
 
 
