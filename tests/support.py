@@ -542,8 +542,10 @@ def done_items(state: Path) -> int:
 
 
 def config(model: Path, **fields: Any) -> ServerConfig:
-    """A ServerConfig serving `model`, with `fields` over the defaults (the default lanes)."""
-    return ServerConfig(model_path=str(model), **fields)
+    """A ServerConfig serving `model`, with `fields` over the defaults (the default lanes),
+    its metrics endpoint on any free port unless `fields` name one: the default (9464)
+    may be held by another test running at once, or by a server on this machine."""
+    return ServerConfig(model_path=str(model), **({"metrics_port": 0} | fields))
 
 
 def save_model(path: Path, graph: onnx.GraphProto, *, check: bool = True) -> Path:

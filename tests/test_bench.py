@@ -1608,11 +1608,17 @@ def test_py_spys_cpu_is_read_at_every_boundary_of_the_point_it_samples(
     deployment = procs.Deployment(
         name="laneserve", kind="laneserve", target="unused", processes=[server]
     )
+    # A test run in the background has SIGINT ignored (the shell ignores it for
+    # background jobs) and a child inherits that until it sets a handler: a SIGINT sent
+    # before the stand-in set its own was lost, and PySpy.stop waited out its 60 s. A
+    # handled signal starts at its default in a child.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         busiest = f"c={max(profile.concurrencies)}"
         runner._measure(deployment, Point("a", busiest, (Stream("single", concurrency=64),)))
         runner._measure(deployment, Point("a", "c=1", (Stream("single", concurrency=1),)))
     finally:
+        signal.signal(signal.SIGINT, previous)
         deployment.stop()
     (spy,) = spies
     assert spy.process.returncode is not None, "stopped with its point"

@@ -140,9 +140,16 @@ def test_sigterm_drains_and_exits_cleanly(server_process: ServerProcess) -> None
     assert server_process.process.wait(timeout=30) == 0
 
 
+# A server's ports where a test does not care which: the defaults (50051, 9464) may be
+# held by another test running at once, or by a server on this machine.
+_ANY_PORTS = ("--port", "0", "--metrics-port", "-1")
+
+
 def refused_at_start(*args: str, env: dict[str, str] | None = None) -> str:
-    """Runs `laneserve serve ARGS`, which must refuse to start (exit 2); its stderr."""
-    return refused(*SERVE[3:], *args, env=env)
+    """Runs `laneserve serve ARGS`, which must refuse to start (exit 2); its stderr. Any
+    free port unless ARGS name one: the defaults are checked at start, and another test
+    or a server on this machine may hold them."""
+    return refused(*SERVE[3:], "--port", "0", *args, env=env)
 
 
 def refused(*args: str, env: dict[str, str] | None = None) -> str:
@@ -710,7 +717,7 @@ def test_a_second_signal_ends_the_drain_now(small_model: Path) -> None:
     signal again at once is taken as the first one delivered twice, see
     test_a_repeat_of_the_first_signal_at_once_is_the_same_request.)"""
     server = ServerProcess(
-        ["serve", "--model", str(small_model), "--port", "0", "--drain-grace-s", "3600"],
+        ["serve", "--model", str(small_model), *_ANY_PORTS, "--drain-grace-s", "3600"],
         command=[sys.executable, "-c", STUCK_ON_777],
     )
     try:
@@ -800,7 +807,7 @@ def test_a_failed_scheduler_ends_the_process_with_status_1(
     flag = tmp_path / "break"
     monkeypatch.setenv("LANESERVE_TEST_BREAK", str(flag))
     server = ServerProcess(
-        ["serve", "--model", str(small_model), "--port", "0", "--host-memory-limit", "64GiB"],
+        ["serve", "--model", str(small_model), *_ANY_PORTS, "--host-memory-limit", "64GiB"],
         command=[sys.executable, "-c", BREAKS_ON_FLAG],
     )
     try:
@@ -845,7 +852,7 @@ def test_a_sigterm_as_soon_as_it_serves_is_a_drain(small_model: Path) -> None:
     the "serving" line drains and exits 0 (it was the default action: killed, -15)."""
     model = str(small_model)
     with subprocess.Popen(
-        [sys.executable, "-c", HELD_AFTER_START, "serve", "--model", model, "--port", "0"],
+        [sys.executable, "-c", HELD_AFTER_START, "serve", "--model", model, *_ANY_PORTS],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -883,7 +890,7 @@ sys.exit(cli.main(sys.argv[1:]))
 def _held_in_load(model: Path, *flags: str, prelude: str = "") -> subprocess.Popen[str]:
     script = prelude + HELD_IN_LOAD
     return subprocess.Popen(
-        [sys.executable, "-c", script, "serve", "--model", str(model), "--port", "0", *flags],
+        [sys.executable, "-c", script, "serve", "--model", str(model), *_ANY_PORTS, *flags],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

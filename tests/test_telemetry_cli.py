@@ -19,7 +19,12 @@ import pytest
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import output, request, rows, run_text
 
-SERVE = [sys.executable, "-m", "laneserve.server.cli", "--log-format", "json", "serve"]
+# The metrics endpoint on any free port unless a test names one: its default (9464) may be
+# held by another test running at once, or by a server on this machine.
+SERVE = [
+    *(sys.executable, "-m", "laneserve.server.cli", "--log-format", "json", "serve"),
+    *("--metrics-port", "0"),
+]
 TIMEOUT_S = 60
 CALLER_SPAN_ID = "b7ad6b7169203331"
 TRACEPARENT = f"00-0af7651916cd43dd8448eb211c80319c-{CALLER_SPAN_ID}-01"
