@@ -78,7 +78,7 @@ from laneserve.server.service import (
 )
 from laneserve.server.shared_memory import SharedMemoryRegions
 from laneserve.server.stats import StatsRecorder
-from laneserve.server.telemetry import EndpointTls, MetricSources, Telemetry, log_event
+from laneserve.server.telemetry import MetricSources, Telemetry, log_event
 from laneserve.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -344,17 +344,10 @@ def _loopback_bind_refusal(credentials: grpc.ServerCredentials | None) -> str | 
     return None
 
 
-def metrics_tls(config: ServerConfig) -> EndpointTls | None:
-    """The metrics endpoint follows the gRPC port: HTTPS with the same certificate, and
-    client certificates required where the port requires them. None: plaintext."""
-    if config.tls_cert is None or config.tls_key is None:
-        return None
-    return EndpointTls(config.tls_cert, config.tls_key, config.tls_client_ca)
-
-
-def http_tls(config: ServerConfig) -> ssl.SSLContext | None:
-    """The HTTP port follows the gRPC port: HTTPS with the same certificate, and client
-    certificates required where the port requires them. None: plaintext."""
+def https_context(config: ServerConfig) -> ssl.SSLContext | None:
+    """The HTTP port and the metrics endpoint follow the gRPC port: HTTPS with the same
+    certificate, and client certificates required where the port requires them. None:
+    plaintext."""
     if config.tls_cert is None or config.tls_key is None:
         return None
     # Not create_default_context: on Python 3.13 it adds X509 strict checks, which refused
@@ -1265,7 +1258,7 @@ class LaneServer:
                     )
                 )
             self.metrics_port = self.telemetry.serve_metrics(
-                self.config.host, self.config.metrics_port, metrics_tls(self.config)
+                self.config.host, self.config.metrics_port, https_context(self.config)
             )
         except BaseException:
             await _give_back([each.server for each in listeners])  # no acceptor started
@@ -1495,7 +1488,7 @@ class LaneServer:
             spans=self.telemetry.http_spans,
         )
         host, port = bare_host(self.config.host), self.config.http_port
-        tls = http_tls(self.config)
+        tls = https_context(self.config)
         try:
             return await http.start(host, port, tls)
         except OSError as error:

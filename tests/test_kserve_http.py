@@ -2150,25 +2150,29 @@ def test_the_http_port_follows_the_ports_tls_and_mutual_tls(small_model: Path, p
     asyncio.run(scenario())
 
 
-def test_the_http_port_serves_https_with_a_1024_bit_rsa_key_as_the_grpc_port_does(
+def test_the_http_and_metrics_ports_serve_https_with_a_1024_bit_rsa_key_as_grpc_does(
     small_model: Path, weak_pki: Pki
 ) -> None:
     """A certificate whose key is 1024-bit RSA: gRPC's BoringSSL serves with it, and so
-    does the HTTP port (Python's OpenSSL, at its default security level, refused it as
-    the server started: "EE_KEY_TOO_SMALL")."""
+    do the HTTP port and the metrics endpoint (Python's OpenSSL, at its default security
+    level, refused it as the server started: "EE_KEY_TOO_SMALL"; the metrics endpoint,
+    prometheus_client's own TLS, refused it and left its port bound)."""
     client = ssl.create_default_context(cafile=str(weak_pki.ca))
     client.set_ciphers("DEFAULT:@SECLEVEL=0")  # this client's OpenSSL refuses the key too
     tls = weak_pki.server_tls(require_client_auth=False)
 
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
-        # Without the metrics endpoint: prometheus_client's TLS refuses the key as well.
-        served = config(small_model, http_port=0, metrics_port=-1, **tls)
+        served = config(small_model, http_port=0, metrics_port=0, **tls)
         async with serving(engine, served) as s, aiohttp.ClientSession() as http:
             url = f"https://127.0.0.1:{s.server.http_port}{INFER}"
             async with http.post(url, json=infer_body(rows(2)), ssl=client) as response:
                 assert response.status == 200
                 assert (await response.json())["outputs"][0]["shape"] == [2, 10]
+            metrics = f"https://127.0.0.1:{s.server.metrics_port}/metrics"
+            async with http.get(metrics, ssl=client) as response:
+                assert response.status == 200
+                assert "laneserve_" in await response.text()
             credentials = grpc.ssl_channel_credentials(weak_pki.ca.read_bytes())
             async with grpc.aio.secure_channel(s.target, credentials) as channel:
                 stub = pb_grpc.InferenceServiceStub(channel)

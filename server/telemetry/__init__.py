@@ -27,7 +27,7 @@ and endpoint (Prometheus) -> logs (formatters, `EventLog`) -> assembly (`Telemet
 from laneserve.server.log_events import log_event
 from laneserve.server.telemetry.assembly import Telemetry
 from laneserve.server.telemetry.device import DeviceMonitor
-from laneserve.server.telemetry.endpoint import EndpointTls, MetricsEndpoint
+from laneserve.server.telemetry.endpoint import MetricsEndpoint
 from laneserve.server.telemetry.environment import tracer_provider_from_env
 from laneserve.server.telemetry.logs import (
     EventLog,
@@ -47,7 +47,6 @@ __all__ = [
     "HTTP_CALLER_LEFT",
     "BatchLinkSampler",
     "DeviceMonitor",
-    "EndpointTls",
     "EventLog",
     "HttpServerSpans",
     "JsonFormatter",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -41,7 +42,7 @@ finally:
 from laneserve.server.config import LaneConfig, ServerConfig
 from laneserve.server.events import SchedulerEvents
 from laneserve.server.telemetry.device import DeviceMonitor
-from laneserve.server.telemetry.endpoint import EndpointTls, MetricsEndpoint
+from laneserve.server.telemetry.endpoint import MetricsEndpoint
 from laneserve.server.telemetry.environment import resource_from_env, tracer_provider_from_env
 from laneserve.server.telemetry.logs import EventLog
 from laneserve.server.telemetry.metrics import Metrics, MetricSources
@@ -160,7 +161,7 @@ class Telemetry:
         if self.metrics is not None:
             self.metrics.observe(sources)
 
-    def serve_metrics(self, host: str, port: int, tls: EndpointTls | None = None) -> int | None:
+    def serve_metrics(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int | None:
         """Starts the Prometheus endpoint (HTTPS with `tls`); returns its port (None: not
         configured)."""
         if self._registry is None or port < 0:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+import socket
 import ssl
 import sys
 import threading
 from collections.abc import Iterable
-from typing import Any, cast
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import prometheus_client
 from prometheus_client.metrics_core import Metric
@@ -23,67 +25,42 @@ log = logging.getLogger(__name__)
 CONNECTION_TIMEOUT_S = 10.0
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class EndpointTls:
-    """PEM files for HTTPS on the endpoint: the server's certificate and key and, for
-    mutual TLS, the CA whose client certificates a scraper must present."""
-
-    cert: str
-    key: str
-    client_ca: str | None = None
-
-
 class MetricsEndpoint:
-    """The Prometheus scrape endpoint (HTTP GET /metrics) over one registry; HTTPS with
-    `tls` (and then mutual TLS when it names a client CA)."""
+    """The Prometheus scrape endpoint (HTTP GET /metrics) over one registry, one thread a
+    request; HTTPS with `tls` (the gRPC port's certificate, cipher levels and client
+    certificate rule: app.https_context)."""
 
     def __init__(
         self,
         registry: prometheus_client.CollectorRegistry,
         host: str,
         port: int,
-        tls: EndpointTls | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         address = bare_host(host)  # "[::]" as gRPC writes it
         try:
-            self._server, self._thread = prometheus_client.start_http_server(
-                port,
-                addr=address,
-                registry=_OneScrapeAtATime(registry, threading.Lock()),
-                certfile=None if tls is None else tls.cert,
-                keyfile=None if tls is None else tls.key,
-                client_cafile=None if tls is None else tls.client_ca,
-                client_auth_required=tls is not None and tls.client_ca is not None,
-            )
-        except ssl.SSLError as error:
-            raise OSError(
-                f"cannot serve metrics over TLS: {error}; expected tls_cert and tls_key "
-                "(and tls_client_ca) to be PEM files of a matching certificate and key"
-            ) from error
+            server = _scrape_server(address, port, registry)
         except OSError as error:
             raise OSError(
                 f"cannot serve metrics on {host_port(host, port)}: {error.strerror or error}; "
                 "choose another --metrics-port (0: any free port, -1: no endpoint)"
             ) from error
-        self.port: int = self._server.server_port
-        # prometheus_client wraps the listening socket, so the TLS handshake would run in
-        # accept() on the one serving thread: a connection that never sends a hello (a
-        # port scan, a load balancer's TCP probe) would block every scrape and close().
-        # The handshake moves to the request's own thread, on its first read, and every
-        # request's connection gets a timeout, so a stalled client ends its thread.
-        listening = self._server.socket
-        if isinstance(listening, ssl.SSLSocket):
-            # An instance attribute accept() reads (typeshed does not declare it).
-            listening.do_handshake_on_connect = False  # type: ignore[attr-defined]
-        # A failed request (plain HTTP on the HTTPS port, a scraper without the client
-        # certificate, a port scan) is one log line, not socketserver's traceback printed
-        # to stderr (~23 lines of text each, outside the log's format).
-        # An instance attribute, as a bound method would be (typeshed types it as one).
-        self._server.handle_error = _log_failed_request  # type: ignore[assignment,method-assign]
-        handler = cast(type, self._server.RequestHandlerClass)
-        self._server.RequestHandlerClass = type(
-            handler.__name__, (handler,), {"timeout": CONNECTION_TIMEOUT_S}
+        if tls is not None:
+            # Cannot fail: the context holds its certificate already (https_context).
+            # The handshake runs in the request's own thread, on its first read, not in
+            # accept() on the one serving thread: a connection that never sends a hello
+            # (a port scan, a load balancer's TCP probe) would block every scrape and
+            # close(). Each request's connection has a timeout (_ScrapeHandler), so a
+            # stalled client ends its thread.
+            server.socket = tls.wrap_socket(
+                server.socket, server_side=True, do_handshake_on_connect=False
+            )
+        self._server = server
+        self.port: int = server.server_port
+        self._thread = threading.Thread(
+            target=server.serve_forever, name="laneserve-metrics", daemon=True
         )
+        self._thread.start()
 
     def close(self) -> None:
         self._server.shutdown()
@@ -135,16 +112,50 @@ def _samples_named(metric: Metric, names: frozenset[str]) -> Metric | None:
     return kept
 
 
-def _log_failed_request(_request: Any, client_address: Any) -> None:
-    """socketserver's `handle_error`, called in the request's thread while its error is
-    being handled."""
-    error = sys.exc_info()[1]
-    peer = client_address[0] if isinstance(client_address, tuple) else str(client_address)
-    log_event(
-        log,
-        logging.WARNING,
-        "metrics_request_failed",
-        f"metrics request from {peer} failed: {error!r}",
-        peer=peer,
-        error=repr(error),
-    )
+class _ScrapeServer(ThreadingMixIn, WSGIServer):
+    """A WSGI server answering each request in a daemon thread of its own (as
+    prometheus_client's), each failed request one log line: plain HTTP on the HTTPS
+    port, a scraper without the client certificate or a port scan printed socketserver's
+    traceback to stderr (~23 lines each, outside the log's format)."""
+
+    daemon_threads = True  # a request's thread is not waited for at close
+
+    def __init__(self, family: socket.AddressFamily, address: tuple[str, int]) -> None:
+        self.address_family = family  # the socket TCPServer.__init__ makes and binds
+        super().__init__(address, _ScrapeHandler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Called in the request's thread while its error is being handled."""
+        error = sys.exc_info()[1]
+        peer = client_address[0] if isinstance(client_address, tuple) else str(client_address)
+        log_event(
+            log,
+            logging.WARNING,
+            "metrics_request_failed",
+            f"metrics request from {peer} failed: {error!r}",
+            peer=peer,
+            error=repr(error),
+        )
+
+
+class _ScrapeHandler(WSGIRequestHandler):
+    """A request's connection: silent for CONNECTION_TIMEOUT_S (no TLS hello, no request)
+    it is closed; nothing logged per request."""
+
+    timeout = CONNECTION_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        pass
+
+
+def _scrape_server(
+    address: str, port: int, registry: prometheus_client.CollectorRegistry
+) -> _ScrapeServer:
+    """The endpoint's server, bound and listening (not yet serving), in the family of the
+    first address `address` names (an IPv6 wildcard takes IPv4 too, as Linux binds it)."""
+    family, _, _, _, bound = socket.getaddrinfo(
+        address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    server = _ScrapeServer(family, (str(bound[0]), port))  # closes its socket if bind fails
+    server.set_app(prometheus_client.make_wsgi_app(_OneScrapeAtATime(registry, threading.Lock())))
+    return server
