@@ -248,7 +248,10 @@ def decode_tensor(tensor: inference_pb2.Tensor) -> npt.NDArray[Any]:
             f"{MAX_DIMS} dimensions, each size within the model's"
         ) from error
     # numpy reads any non-zero byte as True; ONNX Runtime kernels need exactly 0 or 1.
-    if wire.datatype == inference_pb2.DATA_TYPE_BOOL and array.view(np.uint8).max(initial=0) > 1:
+    if (
+        wire.datatype == inference_pb2.DATA_TYPE_BOOL
+        and np.max(array.view(np.uint8), initial=0) > 1
+    ):
         raise ValueError(f"{what}: bool data has bytes other than 0 and 1")
     return array
 

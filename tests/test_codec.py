@@ -54,7 +54,10 @@ def sample(dtype: str, shape: tuple[int, ...], seed: int = 0) -> npt.NDArray[Any
     if kind.kind == "f":
         return (rng.standard_normal(size=shape) * 1000).astype(kind)
     info = np.iinfo(kind)
-    return rng.integers(info.min, info.max, size=shape, dtype=kind, endpoint=True)
+    values: np.ndarray[Any, Any] = rng.integers(
+        info.min, info.max, size=shape, dtype=kind, endpoint=True
+    )
+    return values
 
 
 def test_table_covers_every_concrete_wire_data_type() -> None:
