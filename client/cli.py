@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import io
 import json
 import logging
@@ -121,9 +122,8 @@ def _main(argv: Sequence[str] | None) -> int:
         level=getattr(logging, args.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        with _client(args) as client:
+        with _stopped_once(), _client(args) as client:
             handler: Handler = args.handler
             return handler(client, args)
     except UsageError as error:
@@ -142,12 +142,36 @@ def _main(argv: Sequence[str] | None) -> int:
     except Terminated:
         print("laneserve-client: terminated", file=sys.stderr)
         return EXIT_SIGTERM
+
+
+@contextlib.contextmanager
+def _stopped_once() -> Iterator[None]:
+    """SIGINT and SIGTERM stop the command once: the first raises KeyboardInterrupt or
+    Terminated, and any after it is ignored while that unwinds (the stream closed, the
+    checkpoint's last save). Raised again, a second Ctrl-C, or the SIGTERM that `timeout`
+    sends to the process and then to its group, abandoned that save (130 / 143 said
+    "checkpoint saved", and a resume ran again what the save lost) or was raised inside
+    gRPC's callbacks (a logged traceback). A signal ignored when the command started
+    (SIGINT in a shell's background job) stays ignored."""
+    stops = [
+        each
+        for each in (signal.SIGINT, signal.SIGTERM)
+        if signal.getsignal(each) is not signal.SIG_IGN
+    ]
+    previous = {each: signal.getsignal(each) for each in stops}
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        for each in stops:
+            signal.signal(each, signal.SIG_IGN)
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
+
+    for each in stops:
+        signal.signal(each, stop)
+    try:
+        yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _raise_terminated(_signum: int, _frame: FrameType | None) -> None:
-    raise Terminated
+        for each, handler in previous.items():
+            signal.signal(each, handler)
 
 
 def add_tls_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

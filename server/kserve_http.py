@@ -690,8 +690,10 @@ class HttpFrontEnd:
             if inflater is not None:
                 chunk = _inflated(inflater, chunk, limit.max_bytes - size + 1)
             size += len(chunk)
-            if size > limit.max_bytes or sent > limit.max_bytes:
-                raise _too_large(max(size, sent), limit, read=True)
+            if sent > limit.max_bytes:
+                raise _too_large(sent, limit, read=True)
+            if size > limit.max_bytes:  # inflated (else `size` is `sent`)
+                raise _too_large(size, limit, read=True, inflated=_coding(request))
             chunks.append(chunk)
         if inflater is not None and not inflater.eof:
             raise HttpRefusal(
@@ -774,11 +776,16 @@ def _model_of(request: web.Request) -> tuple[str, str]:
     return request.match_info.get("model", ""), request.match_info.get("version", "")
 
 
-def _too_large(size: int, limit: _BodyLimit, *, read: bool = False) -> HttpRefusal:
+def _too_large(
+    size: int, limit: _BodyLimit, *, read: bool = False, inflated: str | None = None
+) -> HttpRefusal:
+    """The 413 of a body of `size` bytes (`read`: of that many so far), or of a body whose
+    `inflated` coding (gzip, deflate) inflates to that many: its size as sent is less."""
     so_far = "at least " if read else ""
+    body = f"inflates ({inflated}) to" if inflated else "is"
     return HttpRefusal(
         HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-        f"request body is {so_far}{size} bytes, over the limit of {limit.max_bytes} "
+        f"request body {body} {so_far}{size} bytes, over the limit of {limit.max_bytes} "
         f"({limit.named}); expected {limit.expected}",
     )
 

@@ -328,13 +328,15 @@ def test_bulk_writes_outputs_equal_to_session_run(
 
 
 @pytest.mark.parametrize(
-    ("signum", "exit_code", "message"),
+    ("signum", "exit_code", "message", "times"),
     [
-        (signal.SIGKILL, -signal.SIGKILL, None),
-        (signal.SIGINT, 130, "interrupted"),
-        (signal.SIGTERM, 143, "terminated"),
+        (signal.SIGKILL, -signal.SIGKILL, None, 1),
+        (signal.SIGINT, 130, "interrupted", 1),
+        (signal.SIGTERM, 143, "terminated", 1),
+        (signal.SIGINT, 130, "interrupted", 2),
+        (signal.SIGTERM, 143, "terminated", 2),
     ],
-    ids=["SIGKILL", "SIGINT", "SIGTERM"],
+    ids=["SIGKILL", "SIGINT", "SIGTERM", "SIGINT-twice", "SIGTERM-twice"],
 )
 def test_interrupted_bulk_job_resumes_where_it_stopped(
     small_model: Path,
@@ -343,12 +345,14 @@ def test_interrupted_bulk_job_resumes_where_it_stopped(
     signum: signal.Signals,
     exit_code: int,
     message: str | None,
+    times: int,
 ) -> None:
     """The job is stopped after some progress: killed (SIGKILL) while a batch runs, or
-    interrupted (SIGINT / SIGTERM: exit 130 / 143, the checkpoint saved). `--resume`
-    completes it; the output equals session.run and no row ran twice: the items answered
-    after the last checkpoint, and the one that was running, come back from the server's
-    replay cache."""
+    interrupted (SIGINT / SIGTERM: exit 130 / 143, the checkpoint saved), once or twice in
+    a row (a second Ctrl-C; `timeout` signals the process and then its group: one line,
+    no traceback). `--resume` completes it; the output equals session.run and no row ran
+    twice: the items answered after the last checkpoint, and the one that was running,
+    come back from the server's replay cache."""
     x = rows(1_000, seed=4, start=0)
     np.save(tmp_path / "in.npy", x)
     out = tmp_path / "out.npy"
@@ -373,7 +377,8 @@ def test_interrupted_bulk_job_resumes_where_it_stopped(
                 try:
                     engine.permits.release(20)  # 20 batches of one item each, then it stalls
                     await until(lambda: done_items(state) >= 20, timeout_s=30.0)
-                    process.send_signal(signum)
+                    for _ in range(times):
+                        process.send_signal(signum)
                     _, err_bytes = await asyncio.wait_for(
                         process.communicate(), timeout=CLIENT_CLI_TIMEOUT_S
                     )
@@ -384,7 +389,8 @@ def test_interrupted_bulk_job_resumes_where_it_stopped(
                 err = err_bytes.decode()
                 assert process.returncode == exit_code, err
                 if message is not None:
-                    assert f"laneserve-client: {message}" in err
+                    assert err.count(f"laneserve-client: {message}") == 1, err
+                    assert "Traceback" not in err, err
                     assert done_items(state) == 20, "the checkpoint was saved"
                 assert not out.exists()
                 engine.unlimited()
@@ -403,6 +409,48 @@ def test_interrupted_bulk_job_resumes_where_it_stopped(
     )
     assert sorted(engine.ran_tags) == list(range(1_000)), "no row ran twice"
     assert not state.parent.exists(), "the checkpoint is removed when the job is done"
+
+
+@pytest.mark.parametrize("first", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_signal_is_taken_once_and_the_next_ignored_while_it_unwinds(
+    first: signal.Signals,
+) -> None:
+    """The first SIGINT or SIGTERM raises (KeyboardInterrupt, Terminated); any after it,
+    while that unwinds to the exit (the stream closed, the checkpoint's last save), is
+    ignored: raised again, a second Ctrl-C (or `timeout`'s SIGTERM to the process and
+    then its group) abandoned the last save, or was raised in gRPC's callbacks. The
+    handlers are given back after."""
+    before = {each: signal.getsignal(each) for each in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored at start
+    try:
+        raised: type[BaseException] = (
+            KeyboardInterrupt if first == signal.SIGINT else client_cli_module.Terminated
+        )
+        with client_cli_module._stopped_once():
+            with pytest.raises(raised):
+                signal.raise_signal(first)
+            for again in (signal.SIGINT, signal.SIGTERM, first):
+                try:
+                    signal.raise_signal(again)  # ignored: nothing raised, the process lives
+                except (KeyboardInterrupt, client_cli_module.Terminated):
+                    pytest.fail(f"{again.name} after the first stop signal was raised")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]
+    finally:
+        for each, handler in before.items():
+            signal.signal(each, handler)
+
+
+def test_a_signal_ignored_at_start_stays_ignored_by_the_client() -> None:
+    """SIGINT ignored at start (a shell's background job): not made to stop the command."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with client_cli_module._stopped_once():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            signal.raise_signal(signal.SIGINT)  # nothing raised
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_failed_rows_exit_1_and_resume_retries_only_them(

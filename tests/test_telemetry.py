@@ -2192,6 +2192,10 @@ def test_refusals_for_overload_and_routine_ones_are_logged_apart(
     events.rejected("standard", "INVALID_INPUT", 0.0)  # held: the routine line's interval runs
     events.rejected("standard", "REQUEST_ID_REUSED", 0.0)
     events.rejected("standard", "ANSWER_TOO_LARGE", 0.0)  # over the caller's own receive limit
+    # A shared memory region not registered, shared memory off, a feature not served.
+    events.rejected("standard", "REGION_NOT_FOUND", 0.0)
+    events.rejected("standard", "SHARED_MEMORY_REFUSED", 0.0)
+    events.rejected("standard", "UNSUPPORTED", 0.0)
     events.rejected("interactive", "DEADLINE_UNMEETABLE", 0.0)  # held: overload's interval runs
     assert len(timers.started) == 2, "a timer for each held line"
     clock.now_s += 9
@@ -2218,7 +2222,7 @@ def test_refusals_for_overload_and_routine_ones_are_logged_apart(
             "INFO",
             "admission_refused_routine",
             (
-                "admission refused 3 request(s) in 0.0s, the last 9.0s ago, none for overload "
+                "admission refused 6 request(s) in 0.0s, the last 9.0s ago, none for overload "
                 "(draining, invalid or withdrawn requests, answers over a caller's receive "
                 "limit)"
             ),
@@ -2227,6 +2231,9 @@ def test_refusals_for_overload_and_routine_ones_are_logged_apart(
                     "standard/INVALID_INPUT": 1,
                     "standard/REQUEST_ID_REUSED": 1,
                     "standard/ANSWER_TOO_LARGE": 1,
+                    "standard/REGION_NOT_FOUND": 1,
+                    "standard/SHARED_MEMORY_REFUSED": 1,
+                    "standard/UNSUPPORTED": 1,
                 },
                 "window_s": 0.0,
                 "last_ago_s": 9.0,

@@ -163,7 +163,7 @@ _UNREADABLE_TRACING = [
     # The SDK warns and takes a default: every request traced, a 5 s delay.
     (
         {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "O.01"},
-        "Could not convert TRACES_SAMPLER_ARG to float",
+        "OTEL_TRACES_SAMPLER_ARG is 'O.01', not a number (the ratio of traces sampled, from 0 to 1",
     ),
     ({"OTEL_TRACES_SAMPLER": "traceidratio_typo"}, "recognize sampler traceidratio_typo"),
     ({"OTEL_BSP_SCHEDULE_DELAY": "x"}, "Unable to parse value for OTEL_BSP_SCHEDULE_DELAY"),

@@ -147,15 +147,22 @@ class _Complaints(logging.Handler):
     warning the specification makes a default of: a ratio sampler with no argument is
     sampled at 1.0, and the SDK warns that it could not read the empty argument."""
 
-    def __init__(self, sampler_arg_given: bool) -> None:
+    def __init__(self, sampler_arg: str) -> None:
         super().__init__(logging.WARNING)
         self.messages: list[str] = []
-        self._sampler_arg_given = sampler_arg_given
+        self._sampler_arg = sampler_arg  # stripped; "" when not given
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
-        if not self._sampler_arg_given and message.startswith(_NO_SAMPLER_ARG):
-            return
+        if message.startswith(_NO_SAMPLER_ARG):
+            if not self._sampler_arg:
+                return
+            # The SDK's words ("... Using default rate 1.0.") named neither the value nor
+            # what it must be, and told of a default the start refuses to take.
+            message = (
+                f"OTEL_TRACES_SAMPLER_ARG is {self._sampler_arg!r}, not a number (the ratio "
+                "of traces sampled, from 0 to 1; the SDK would have traced every request)"
+            )
         self.messages.append(message)
 
 
@@ -177,7 +184,7 @@ def _sdk_complaints() -> Iterator[list[str]]:
     start-up error), whatever the log level (at `--log-level error` a warning was never
     made, and the setting taken)."""
     # The SDK reads the sampler's argument from the process's environment.
-    handler = _Complaints(bool(os.environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip()))
+    handler = _Complaints(os.environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip())
     loggers = [logging.getLogger(name) for name in _COMPLAINING_LOGGERS]
     with _COMPLAINTS_LOCK:
         saved = [(logger.propagate, logger.level) for logger in loggers]

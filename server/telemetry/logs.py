@@ -28,8 +28,11 @@ from laneserve.server.errors import (
     ExpiredInQueueError,
     InvalidInputError,
     LaneserveError,
+    RegionNotFoundError,
     RequestIdReusedError,
     ServerFaultError,
+    SharedMemoryRefusedError,
+    UnsupportedError,
     bounded_message,
 )
 from laneserve.server.events import NullEvents
@@ -46,14 +49,19 @@ REFUSAL_LOG_INTERVAL_S = 10.0
 # ago.
 LATE_LINE_S = 0.1
 # Refusals that say nothing of overload: a deploy's drain, clients' invalid requests (a
-# bug on their side), answers over a client's own receive limit, and callers that left
-# while they waited for room. Logged apart from the overload refusals
+# bug on their side: a malformed request, a shared memory region not registered or
+# shared memory refused, a feature not served), answers over a client's own receive
+# limit, and callers that left while they waited for room. Logged apart from the
+# overload refusals
 # (`admission_refused`), at INFO: a deploy drew WARNINGs. ENGINE_FAILURE (a submission
 # after the scheduler failed for good: the server is stopping) stays with the WARNINGs.
 ROUTINE_REFUSALS = frozenset(
     {
         DrainingError.reason,
         InvalidInputError.reason,
+        RegionNotFoundError.reason,
+        SharedMemoryRefusedError.reason,
+        UnsupportedError.reason,
         RequestIdReusedError.reason,
         AnswerTooLargeError.reason,
         "CANCELLED",
