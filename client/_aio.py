@@ -22,15 +22,23 @@ import numpy.typing as npt
 from laneserve.client._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TARGET,
+    SEND_LIMIT_OPTION,
     TlsConfig,
     channel_spec,
     checked_message_bytes,
     checked_metadata,
     forked_message,
     open_channel,
+    send_limit_bytes,
 )
-from laneserve.client._errors import ClientClosedError, LaneserveError, error_from_rpc
+from laneserve.client._errors import (
+    ClientClosedError,
+    LaneserveError,
+    closed_before_sending,
+    error_from_rpc,
+)
 from laneserve.client._request import (
+    check_request_bytes,
     check_request_id,
     encode_inputs,
     infer_request,
@@ -130,6 +138,14 @@ class AsyncClient:
             max_message_bytes=self._max_message_bytes,
             options=options,
             interceptors=interceptors,
+        )
+        # The largest request the channel sends (None: no limit): max_message_bytes, unless
+        # the caller's `options` replace it. A larger one is refused before it is sent.
+        self._send_limit_bytes = send_limit_bytes(self._channel_spec.options)
+        self._send_limit_name = (
+            "max_message_bytes"
+            if self._send_limit_bytes == self._max_message_bytes
+            else f"the option {SEND_LIMIT_OPTION!r}"
         )
         # Set by the first call (`_stub_here`): the channel, on that call's loop; set again
         # by the first call on another loop once that one is closed. Made here, it bound
@@ -231,6 +247,12 @@ class AsyncClient:
         request_id = request_id or uuid.uuid4().hex
         request = infer_request(
             request_id, encode_inputs(inputs, request_id), lane=lane, outputs=output_names(outputs)
+        )
+        check_request_bytes(
+            request,
+            self._send_limit_bytes,
+            limit_name=self._send_limit_name,
+            request_id=request_id,
         )
 
         async def attempt(timeout_s: float | None) -> Outputs:
@@ -339,7 +361,7 @@ class AsyncClient:
             window_rows=window_rows,
         )
         if self._closed.is_set():
-            raise ClientClosedError
+            raise closed_before_sending()
         # First: on a new loop it replaces `_closed`, which the job waits on.
         stub = self._stub_here("stream()")
         job = BulkStream(
@@ -448,7 +470,7 @@ class AsyncClient:
             if opened is not None and not opened.loop.is_closed():
                 raise RuntimeError(_other_loop(call))
             if self._closed.is_set():
-                raise ClientClosedError(request_id=request_id)
+                raise closed_before_sending(request_id)
             if opened is not None:
                 # The old loop's are over: its calls and jobs ended as it closed.
                 self._closed = asyncio.Event()
@@ -466,8 +488,8 @@ class AsyncClient:
         timeout_s: float | None,
         request_id: str,
     ) -> T:
-        if self._closed.is_set():
-            raise ClientClosedError(request_id=request_id)
+        if self._closed.is_set():  # `call_with_retries` counts no attempt refused so
+            raise closed_before_sending(request_id)
         method = method_of(self._stub_here("a call", request_id))
         try:
             metadata = self.metadata + trace_metadata()

@@ -27,6 +27,13 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 MIN_MESSAGE_BYTES = 1024
 # The server's default gRPC message limit (ServerConfig.max_message_bytes).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# The largest message limit taken: gRPC's limits are C ints (a larger one it refused with
+# a ValueError naming its own option, 'grpc.max_receive_message_length', not the argument).
+MAX_MESSAGE_BYTES = 2**31 - 1
+# The gRPC option that bounds what a channel sends: set from max_message_bytes, unless a
+# caller's `options` replace it. gRPC fails a larger request itself ("Sent message larger
+# than max"), as if a server had refused it.
+SEND_LIMIT_OPTION = "grpc.max_send_message_length"
 _USER_AGENT = "laneserve-client/0.1.0"
 # HTTP/2 pings find a connection that went silent (a host gone without a reset, a network
 # black hole): without them a bulk job's stream, which has no deadline, waited for its
@@ -71,6 +78,11 @@ _OTHER_SCHEMES = frozenset(
 _KNOWN_SCHEMES = _HOST_PORT_SCHEMES | _OTHER_SCHEMES
 # The schemes a refusal offers (not the test resolver, nor a superseded name).
 _SCHEMES_SHOWN = "dns:, ipv4:, ipv6:, unix:, unix-abstract:, vsock:, xds: or google-c2p:"
+# The forms a refusal of a malformed host:port offers.
+_FORMS = (
+    "expected HOST:PORT, [IPv6]:PORT (an IPv6 address in brackets), or a gRPC target URI of "
+    f"{_SCHEMES_SHOWN}"
+)
 # A target quoted in a message: the caller's, of any length.
 _TARGET_REPR = reprlib.Repr()
 _TARGET_REPR.maxstring = 200
@@ -174,15 +186,17 @@ def check_target(target: object, *, what: str = "target") -> str:
     """`target`, checked where gRPC would take it for another address or fail every call
     with words that name neither (`what`: how the caller names it). Only what is certainly
     wrong is refused: a `host:port` (bare, or after ``dns:``, ``ipv4:``, ``ipv6:``, in
-    any case) whose port is not a whole number from 1 to 65535, a URI of a scheme gRPC
-    has no resolver for (``http://host:port``), and an empty target. A host alone (gRPC's
-    default port, 443), ``[::1]:port``, ``unix:`` paths and gRPC's other URIs pass as
-    they are.
+    any case) whose port is not a whole number from 1 to 65535, that holds whitespace
+    (a target with a space before it, whatever follows), or that has more than one ':'
+    and is no IPv6 address (``127.0.0.1:50051:1``); a URI of a scheme gRPC has no
+    resolver for (``http://host:port``), and an empty target. A host alone (gRPC's
+    default port, 443), ``::1``, ``[::1]:port``, ``unix:`` paths and gRPC's other URIs
+    pass as they are.
 
     Raises:
         TypeError: `target` is not a str.
-        ValueError: an empty target, a port out of range, or a scheme gRPC lacks, naming
-            the target.
+        ValueError: an empty target, a malformed `host:port`, a port out of range, or a
+            scheme gRPC lacks, naming the target.
     """
     if not isinstance(target, str):
         raise TypeError(
@@ -206,6 +220,20 @@ def check_target(target: object, *, what: str = "target") -> str:
         )
     expected = f"expected HOST:PORT with a port from 1 to {MAX_PORT}"
     for address in addresses:
+        # Both malformed, not unreachable: gRPC looked each up as one DNS name and failed
+        # every call as if no server were there ("Misformatted domain name"), retries and
+        # all. (gRPC reads an address of more than one ':', unbracketed, as an IPv6
+        # address without a port.)
+        if any(character.isspace() for character in address):
+            raise ValueError(
+                f"{what} {shown}: whitespace in the address {_TARGET_REPR.repr(address)} "
+                f"(no host name or port holds any: strip it); {_FORMS}"
+            )
+        if not address.startswith("[") and address.count(":") > 1 and not _is_ipv6(address):
+            raise ValueError(
+                f"{what} {shown}: the address {_TARGET_REPR.repr(address)} has more than one "
+                f"':' and is no IPv6 address; {_FORMS}"
+            )
         port = _port_of(address)
         if port is None:
             continue
@@ -366,15 +394,25 @@ def checked_message_bytes(max_message_bytes: object) -> int:
 
     Raises:
         TypeError: it is no integer.
-        ValueError: under MIN_MESSAGE_BYTES.
+        ValueError: under MIN_MESSAGE_BYTES or over MAX_MESSAGE_BYTES.
     """
     limit = checked_integer("max_message_bytes", max_message_bytes)
-    if limit < MIN_MESSAGE_BYTES:
+    if not MIN_MESSAGE_BYTES <= limit <= MAX_MESSAGE_BYTES:
         raise ValueError(
-            f"max_message_bytes: expected a whole number of bytes, at least "
-            f"{MIN_MESSAGE_BYTES}, got {limit}"
+            f"max_message_bytes: expected a whole number of bytes from {MIN_MESSAGE_BYTES} "
+            f"to {MAX_MESSAGE_BYTES} (2**31 - 1, the largest limit gRPC takes), got {limit}"
         )
     return limit
+
+
+def send_limit_bytes(options: Sequence[tuple[str, Any]]) -> int | None:
+    """The largest message a channel of `options` (`channel_options`' merged ones) sends,
+    as gRPC reads SEND_LIMIT_OPTION; None: no limit (gRPC's -1, any negative number, or a
+    value that is not an int, which gRPC ignores)."""
+    value = dict(options).get(SEND_LIMIT_OPTION)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
 
 
 def channel_options(

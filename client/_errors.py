@@ -204,6 +204,15 @@ class ClientClosedError(LaneserveError):
         super().__init__(message, **fields)
 
 
+def closed_before_sending(request_id: str = "") -> ClientClosedError:
+    """The refusal of a call made on a client already closed: nothing of it was sent, so
+    its `attempts` is 0, as for every request the client refuses itself (it counted 1, as
+    if a server had answered it)."""
+    error = ClientClosedError(request_id=request_id)
+    error.attempts = 0
+    return error
+
+
 _BY_REASON: Mapping[str, type[LaneserveError]] = {
     "INVALID_INPUT": InvalidInputError,
     "REQUEST_ID_REUSED": RequestIdReusedError,

@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from laneserve.client._errors import InvalidInputError
+from laneserve.client._errors import InvalidInputError, ResourceExhaustedError
 from laneserve.client.tensors import encode_tensor
 from laneserve.v1 import inference_pb2 as pb
 
@@ -192,3 +192,32 @@ def infer_request(
         for name in outputs:
             utf8_bytes("output name", name, request_id=request_id)
         raise
+
+
+def check_request_bytes(
+    request: pb.InferRequest, limit_bytes: int | None, *, limit_name: str, request_id: str
+) -> None:
+    """Refuses, before sending, a request larger than the client sends (`limit_bytes`,
+    None for no limit; `limit_name`: the argument that set it). gRPC failed it itself
+    with RESOURCE_EXHAUSTED ("CLIENT: Sent message larger than max"), `attempts` 1 as if
+    a server had refused it, and no word of what to do. Its encoded size is what gRPC
+    compares with the limit.
+
+    Raises:
+        ResourceExhaustedError: over the limit (the class `stream()` answers an item over
+            it with), `attempts` 0, naming the size, the limit and what to do.
+    """
+    if limit_bytes is None:
+        return
+    size = request.ByteSize()
+    if size <= limit_bytes:
+        return
+    error = ResourceExhaustedError(
+        f"the request is {size} bytes encoded, over the largest message this client sends "
+        f"({limit_bytes} bytes, {limit_name}); expected fewer rows per call, or a larger "
+        f"{limit_name} (and the server's max_message_bytes: it reads no larger message)",
+        code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+        request_id=request_id,
+    )
+    error.attempts = 0
+    raise error

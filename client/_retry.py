@@ -322,6 +322,9 @@ async def call_with_retries(
     on as its gRPC deadline, so no attempt runs past the caller's. Once `closed` is set
     (the client was closed) no retry is made and a backoff in progress ends at once:
     ClientClosedError, with the last error as its cause.
+
+    The error raised carries in `attempts` the attempts sent: an attempt's error whose
+    `attempts` is 0 is one the client refused before sending it, and is not counted.
     """
     deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
     allowed = attempts_allowed(policy)
@@ -342,7 +345,9 @@ async def call_with_retries(
             result = await attempt(left_s)
         except LaneserveError as error:
             last = error
-            error.attempts = number
+            # An attempt the client refused before sending it (attempts 0: it was closed)
+            # is not counted: `attempts` counts the attempts sent.
+            error.attempts = number if error.attempts else number - 1
             # Every overload refusal takes its token, the last attempt's and a negative
             # pushback's too (as in gRPC): the bucket gauges the server's load, not this
             # call. No other failure takes one or is stopped by the bucket: a draining or
@@ -376,11 +381,13 @@ async def call_with_retries(
                 delay_s * 1000,
             )
             if await closed_within(closed, delay_s):
-                raise ClientClosedError(
+                closed_error = ClientClosedError(
                     f"{what}: the client was closed while the call waited to retry "
                     f"(after {number} attempt(s))",
                     request_id=error.request_id,
-                ) from error
+                )
+                closed_error.attempts = number
+                raise closed_error from error
         else:
             if budget is not None:
                 budget.record_success()

@@ -35,7 +35,7 @@ from laneserve.client._channel import (
     DEFAULT_TARGET,
     forked_message,
 )
-from laneserve.client._errors import ClientClosedError
+from laneserve.client._errors import ClientClosedError, closed_before_sending
 from laneserve.client._retry import RetryBudget, RetryPolicy
 from laneserve.client._stream import DEFAULT_STREAM_LANE, StreamItem, StreamSource
 from laneserve.client._types import ModelInfo, StreamResult
@@ -347,7 +347,7 @@ class Client:
         with self._lock:
             if self._closed and not closing:
                 coroutine.close()
-                raise ClientClosedError
+                raise closed_before_sending()  # never handed to the loop: nothing sent
             future = asyncio.run_coroutine_threadsafe(in_callers_context(), self._loop)
             self._running.add(future)
         try:

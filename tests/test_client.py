@@ -293,11 +293,33 @@ def test_a_message_limit_that_is_not_a_byte_count_of_1024_or_more_is_refused(lim
     refused as "over the largest message this client and server exchange (-1 bytes)".
     Under 1024 (the server's minimum), a bulk job's call was refused for metadata the
     caller never set."""
-    message = f"max_message_bytes: expected a whole number of bytes, at least 1024, got {limit}"
+    message = (
+        "max_message_bytes: expected a whole number of bytes from 1024 to 2147483647 "
+        f"(2**31 - 1, the largest limit gRPC takes), got {limit}"
+    )
     with pytest.raises(ValueError, match=re.escape(message)):
         lc.AsyncClient("127.0.0.1:1", max_message_bytes=limit)
     with pytest.raises(ValueError, match=re.escape(message)):
         lc.Client("127.0.0.1:1", max_message_bytes=limit)
+
+
+@pytest.mark.parametrize("limit", [2**31, np.int64(2**40)])
+def test_a_message_limit_over_grpcs_range_is_refused_naming_max_message_bytes(
+    limit: Any,
+) -> None:
+    """gRPC's limits are C ints: max_message_bytes=2**31 was refused by the option check
+    as "'grpc.max_receive_message_length': 2147483648 is out of gRPC's range", naming an
+    option the caller never gave. The largest gRPC takes is taken."""
+    message = (
+        "max_message_bytes: expected a whole number of bytes from 1024 to 2147483647 "
+        f"(2**31 - 1, the largest limit gRPC takes), got {limit}"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        lc.AsyncClient("127.0.0.1:1", max_message_bytes=limit)
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        lc.Client("127.0.0.1:1", max_message_bytes=limit)
+    with lc.Client("127.0.0.1:1", max_message_bytes=2**31 - 1):
+        pass
 
 
 @pytest.mark.parametrize(
@@ -1268,6 +1290,33 @@ def test_an_ipv4_or_ipv6_port_over_65535_is_refused_claiming_no_wrap(target: str
 
 
 @pytest.mark.parametrize(
+    ("target", "fault"),
+    [
+        (" 127.0.0.1:50051", "whitespace in the address ' 127.0.0.1:50051'"),
+        ("127.0.0.1:50051 ", "whitespace in the address '127.0.0.1:50051 '"),
+        ("127.0.0.1:50051\n", "whitespace in the address '127.0.0.1:50051\\n'"),
+        (" dns:///127.0.0.1:50051", "whitespace in the address ' dns:///127.0.0.1:50051'"),
+        ("dns:///127.0.0.1 :50051", "whitespace in the address '127.0.0.1 :50051'"),
+        ("127.0.0.1:50051:1", "the address '127.0.0.1:50051:1' has more than one ':' and is no"),
+        ("dns:///10.0.0.1:80:1", "the address '10.0.0.1:80:1' has more than one ':' and is no"),
+        ("ipv4:127.0.0.1:1,127.0.0.1:2:3", "the address '127.0.0.1:2:3' has more than one ':'"),
+    ],
+)
+def test_a_malformed_host_and_port_is_refused_naming_the_forms_expected(
+    target: str, fault: str
+) -> None:
+    """gRPC looked each up whole as one DNS name, and every call was retried as if no
+    server were there, 6 times (~2 s), ending UNAVAILABLE "Misformatted domain name" (a
+    trailing space was refused, as a port that is no whole number). Refused when the
+    client is made, naming the target and the forms gRPC takes."""
+    expected = "expected HOST:PORT, [IPv6]:PORT (an IPv6 address in brackets), or a gRPC target"
+    for make in (lc.Client, lc.AsyncClient):
+        with pytest.raises(ValueError, match=re.escape(f"target {target!r}: {fault}")) as refused:
+            make(target)
+        assert expected in str(refused.value)
+
+
+@pytest.mark.parametrize(
     "target",
     [
         "127.0.0.1",  # gRPC's default port, 443
@@ -1294,6 +1343,11 @@ def test_an_ipv4_or_ipv6_port_over_65535_is_refused_claiming_no_wrap(target: str
         "xds:///laneserve",
         "google-c2p:///laneserve",
         "vsock:3:50051",
+        # IPv6 addresses unbracketed (gRPC's default port), and a socket path with spaces.
+        "ipv6:::1",
+        "::ffff:127.0.0.1",
+        "dns:///::1",
+        "unix:/tmp/laneserve sockets/a.sock ",
     ],
 )
 def test_every_target_form_grpc_takes_is_taken(target: str) -> None:
@@ -1463,6 +1517,96 @@ def test_a_request_the_client_refuses_is_invalid_input_never_sent() -> None:
             # The longest id the server takes is the client's too.
             with pytest.raises(lc.UnavailableError):
                 await client.infer(x, request_id="y" * 256, retry=lc.NO_RETRIES)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_over_the_clients_message_limit_is_refused_never_sent() -> None:
+    """gRPC failed it itself, "ResourceExhaustedError: CLIENT: Sent message larger than max
+    (67110972 vs. 67108864)", with attempts 1 and no word of what to do. It is refused
+    before sending, as stream() refuses such an item: the same class, attempts 0, the
+    request's size and the limit named. A request of exactly the limit is sent, and so is
+    a larger one when the caller's own gRPC option lifts the limit. Nothing listens: a
+    request that were sent fails UNAVAILABLE."""
+    from laneserve.client._request import encode_inputs, infer_request  # noqa: PLC0415
+
+    x = {"input": rows(4)}
+    # What the client sends for a request_id of "r": gRPC compares this size.
+    size = infer_request("r", encode_inputs(x, "r"), lane=None).ByteSize()
+    target = f"127.0.0.1:{refusing_port()}"
+    message = (
+        f"the request is {size} bytes encoded, over the largest message this client sends "
+        f"({size - 1} bytes, max_message_bytes); expected fewer rows per call, or a larger "
+        "max_message_bytes (and the server's max_message_bytes"
+    )
+
+    async def scenario() -> None:
+        async with lc.AsyncClient(target, max_message_bytes=size - 1) as client:
+            with pytest.raises(lc.ResourceExhaustedError, match=re.escape(message)) as refused:
+                await client.infer(x, request_id="r")
+            assert type(refused.value) is lc.ResourceExhaustedError
+            assert (refused.value.attempts, refused.value.request_id) == (0, "r")
+            assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for limits in (
+            {"max_message_bytes": size},
+            {"max_message_bytes": size - 1, "options": [("grpc.max_send_message_length", -1)]},
+        ):
+            async with lc.AsyncClient(target, **limits) as client:
+                with pytest.raises(lc.UnavailableError):
+                    await client.infer(x, request_id="r", retry=lc.NO_RETRIES)
+
+    asyncio.run(scenario())
+    with lc.Client(target, max_message_bytes=size - 1) as client:
+        with pytest.raises(lc.ResourceExhaustedError, match=re.escape(message)) as refused:
+            client.infer(x, request_id="r")
+        assert refused.value.attempts == 0
+    # A limit the caller's option sets is the one named.
+    options = [("grpc.max_send_message_length", size - 1)]
+    named = re.escape(f"({size - 1} bytes, the option 'grpc.max_send_message_length')")
+    with (
+        lc.Client(target, options=options) as client,
+        pytest.raises(lc.ResourceExhaustedError, match=named),
+    ):
+        client.infer(x, request_id="r")
+
+
+def test_a_call_on_a_closed_client_is_refused_never_sent_its_attempts_0(
+    small_model: Path,
+) -> None:
+    """`attempts` is 0 for a request the client refused itself, never sent; a call on a
+    closed client counted 1 (infer, model and stream, on both clients), as if a server
+    had answered it."""
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            client = lc.AsyncClient(s.target)
+            await client.model()  # its channel is open
+            await client.close()
+            calls: dict[str, Callable[[], Awaitable[object]]] = {
+                "infer": lambda: client.infer({"input": rows(1)}, request_id="r"),
+                "model": client.model,
+                "stats": client.stats,
+                "stream": lambda: all_of(client.stream({"input": rows(1)})),
+            }
+            for name, call in calls.items():
+                with pytest.raises(lc.ClientClosedError, match="the client is closed") as closed:
+                    await call()
+                assert closed.value.attempts == 0, name
+            await asyncio.to_thread(sync_calls, s.target)
+
+    def sync_calls(target: str) -> None:
+        with lc.Client(target) as client:
+            client.model()
+        calls: dict[str, Callable[[], object]] = {
+            "infer": lambda: client.infer({"input": rows(1)}),
+            "model": client.model,
+            "stats": client.stats,
+            "stream": lambda: list(client.stream({"input": rows(1)})),
+        }
+        for name, call in calls.items():
+            with pytest.raises(lc.ClientClosedError, match="the client is closed") as closed:
+                call()
+            assert closed.value.attempts == 0, f"Client.{name}"
 
     asyncio.run(scenario())
 
