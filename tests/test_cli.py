@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import hashlib
 import json
 import logging
@@ -1050,7 +1051,8 @@ def test_too_low_an_open_file_limit_is_a_start_up_error_that_names_the_limit(
     small_model: Path,
 ) -> None:
     """Under `ulimit -n 12` the start failed with "laneserve: [Errno 24] Too many open
-    files" alone: neither what ran out nor what to raise."""
+    files" alone: neither what ran out nor what to raise (on Python 3.13 gRPC's core
+    aborted instead, SIGABRT). It is refused before anything opens, naming the limit."""
     done = run_text(
         [
             *("/bin/sh", "-c", 'ulimit -n 12; exec "$@"', "sh", *SERVE),
@@ -1059,7 +1061,21 @@ def test_too_low_an_open_file_limit_is_a_start_up_error_that_names_the_limit(
         timeout_s=120,
     )
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "Too many open files; expected a higher open-file limit (`ulimit -n`" in done.stderr
+    assert done.stderr.endswith(
+        "laneserve: the open-file limit is 12, under the 64 a server needs at the least; "
+        "expected a higher open-file limit (`ulimit -n`: the server holds a few dozen files "
+        "of its own and one per client connection)\n"
+    ), done.stderr[-2000:]
+
+
+def test_an_open_file_limit_the_server_outlasts_in_its_start_is_still_named() -> None:
+    """Out of files past the check (a limit of MIN_OPEN_FILES, then a burst of its own
+    files): EMFILE's words, and what to raise."""
+    error = OSError(errno.EMFILE, "Too many open files")
+    assert server_cli._start_failure(error) == (
+        "[Errno 24] Too many open files; expected a higher open-file limit (`ulimit -n`: "
+        "the server holds a few dozen files of its own and one per client connection)"
+    )
 
 
 def test_json_logs_with_stderr_closed_still_serve(small_model: Path) -> None:
