@@ -42,7 +42,6 @@ from laneserve.server.events import FanOut, NullTracer, SchedulerEvents
 from laneserve.server.grpc_accept import (
     CallGate,
     ParallelAcceptors,
-    quiet_answers_to_ended_calls,
 )
 from laneserve.server.grpc_calls import GrpcCallCounts, GrpcCalls
 from laneserve.server.idempotency import LedgerCounts
@@ -1174,7 +1173,6 @@ class LaneServer:
 
     async def _start(self) -> int:
         credentials = server_credentials(self.config)  # unreadable files fail before all else
-        quiet_answers_to_ended_calls()
         # NOT_SERVING until it serves (gRPC's health servicer begins SERVING): the main
         # port answers while the priority port starts, and refuses Infer meanwhile.
         for name in ("", SERVICE_NAME):

@@ -241,43 +241,6 @@ class ParallelAcceptors:
         self._acceptors.clear()
 
 
-# What gRPC logs, at ERROR with a traceback, when it cannot send an answer the handler
-# returned because the call had ended in its core meanwhile (the caller left, or its
-# deadline passed, between the handler's return and the send): the caller's end, as
-# `abort_unless_gone` treats it for refusals, not a fault of the server's. A soak of
-# deadline-bound calls logged 21 in 25 s. The answer is counted by the ledger as the
-# caller's deadline decided it (see `Caller.reachable`).
-_UNSENT_ANSWER = "ExecuteBatchError raised in core by servicer method"
-_GRPC_CORE_LOGGER = "grpc._cython.cygrpc"
-# laneserve's services' method paths: its own, and KServe's (server/kserve.py, which
-# imports this module: named here, not imported).
-_OUR_METHODS = ("/laneserve.v1.", "/inference.GRPCInferenceService/")
-
-
-class _AnswersToEndedCalls(logging.Filter):
-    """Drops gRPC's ERROR for an answer of laneserve's services (laneserve.v1's, KServe's
-    ModelInfer) to a call that had ended (see _UNSENT_ANSWER); another service's (an
-    embedding application's) is its own."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        method = record.args[0] if isinstance(record.args, tuple) and record.args else ""
-        return not (
-            type(error).__name__ == "ExecuteBatchError"
-            and isinstance(record.msg, str)
-            and record.msg.startswith(_UNSENT_ANSWER)
-            and str(method).startswith(_OUR_METHODS)
-        )
-
-
-_ANSWERS_TO_ENDED_CALLS = _AnswersToEndedCalls()
-
-
-def quiet_answers_to_ended_calls() -> None:
-    """Installs the filter on gRPC's core logger (once per process; idempotent)."""
-    logging.getLogger(_GRPC_CORE_LOGGER).addFilter(_ANSWERS_TO_ENDED_CALLS)
-
-
 async def abort_unless_gone(
     context: grpc.aio.ServicerContext[Any, Any],
     code: grpc.StatusCode,

@@ -1044,8 +1044,7 @@ def test_grpc_failing_to_send_a_model_infer_answer_to_an_ended_call_is_not_an_er
         async with serving(RecordingEngine(str(small_model)), config(small_model)):
             with caplog.at_level(logging.ERROR, logger=core.name):
                 core.error(
-                    "ExecuteBatchError raised in core by servicer method [%s]",
-                    method,
+                    "ExecuteBatchError raised in core by servicer method [%s]" % method,  # noqa: UP031 - gRPC's own form
                     exc_info=(type(unsent), unsent, None),
                 )
                 core.error("Unexpected [%s] raised by servicer method [%s]", "Boom", method)

@@ -2935,27 +2935,34 @@ def test_grpc_failing_to_send_an_answer_to_an_ended_call_is_not_an_error(
     """An answer returned just as its call ended in gRPC's core (its caller's deadline
     passed, or it left) cannot be sent: gRPC logged a traceback at ERROR per such call (a
     soak of deadline-bound calls: 21 in 25 s), the caller's end and not a fault. A served
-    server drops that record, and only that one, for its own methods, from gRPC's core
-    logger (another service in the process keeps its own)."""
+    server takes that record, and only that one, for its own methods, from gRPC's core
+    logger into its answers_unsent line (INFO), which counts them; another service in the
+    process keeps its own. gRPC formats the method into the message (an earlier filter
+    read it from the record's arguments, and let every real one through: 1-12 a drill)."""
     from grpc._cython import cygrpc  # noqa: PLC0415 - the exception gRPC raises
 
     core = logging.getLogger("grpc._cython.cygrpc")
     unsent = cygrpc.ExecuteBatchError('Failed "execute_batch"')
     method = "/laneserve.v1.InferenceService/Infer"
+    failed = (type(unsent), unsent, None)
 
     async def scenario() -> None:
-        async with serving(RecordingEngine(str(small_model)), config(small_model)):
-            with caplog.at_level(logging.ERROR, logger=core.name):
+        with caplog.at_level(logging.INFO):  # to the end: the last line comes at the stop
+            async with serving(RecordingEngine(str(small_model)), config(small_model)):
+                # As gRPC logs it (the method formatted in), and with it as an argument.
+                core.error(
+                    "ExecuteBatchError raised in core by servicer method [%s]" % method,  # noqa: UP031 - gRPC's own form
+                    exc_info=failed,
+                )
                 core.error(
                     "ExecuteBatchError raised in core by servicer method [%s]",
                     method,
-                    exc_info=(type(unsent), unsent, None),
+                    exc_info=failed,
                 )
                 core.error("Unexpected [%s] raised by servicer method [%s]", "Boom", method)
                 core.error(
-                    "ExecuteBatchError raised in core by servicer method [%s]",
-                    "/other.Service/Call",
-                    exc_info=(type(unsent), unsent, None),
+                    "ExecuteBatchError raised in core by servicer method [/other.Service/Call]",
+                    exc_info=failed,
                 )
 
     asyncio.run(scenario())
@@ -2963,6 +2970,13 @@ def test_grpc_failing_to_send_an_answer_to_an_ended_call_is_not_an_error(
         f"Unexpected [Boom] raised by servicer method [{method}]",
         "ExecuteBatchError raised in core by servicer method [/other.Service/Call]",
     ]
+    counted = [
+        getattr(record, "fields", {})["unsent"]
+        for record in caplog.records
+        if getattr(record, "event", None) == "answers_unsent"
+    ]
+    # The first at once, the second in the line its interval ends with (at the stop).
+    assert counted == [{method: 1}, {method: 1}]
 
 
 def test_servers_started_on_two_threads_at_once_each_count_their_own_grpc_calls(

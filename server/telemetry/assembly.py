@@ -44,7 +44,7 @@ from laneserve.server.events import SchedulerEvents
 from laneserve.server.telemetry.device import DeviceMonitor
 from laneserve.server.telemetry.endpoint import MetricsEndpoint
 from laneserve.server.telemetry.environment import resource_from_env, tracer_provider_from_env
-from laneserve.server.telemetry.logs import EventLog
+from laneserve.server.telemetry.logs import GRPC_PER_CALL_LOGGER, EventLog, UnsentAnswers
 from laneserve.server.telemetry.metrics import Metrics, MetricSources
 from laneserve.server.telemetry.server_spans import HttpServerSpans, ServerSpans
 from laneserve.server.telemetry.tracing import Tracing
@@ -99,6 +99,10 @@ class Telemetry:
         self._endpoint: MetricsEndpoint | None = None
         self.event_log = EventLog(max_batch_size=max_batch_size)
         self.events: list[SchedulerEvents] = [self.event_log]
+        # gRPC's ERROR record of each answer it could not send becomes a count in the
+        # event log's answers_unsent line, until `close`.
+        self.unsent_answers = UnsentAnswers(self.event_log)
+        logging.getLogger(GRPC_PER_CALL_LOGGER).addFilter(self.unsent_answers)
         readers = list(metric_readers)
         self._registry: prometheus_client.CollectorRegistry | None = None
         if prometheus:
@@ -174,6 +178,7 @@ class Telemetry:
 
     def close(self) -> None:
         """Flushes spans and the refusal log, stops the endpoint. Call once, at stop."""
+        logging.getLogger(GRPC_PER_CALL_LOGGER).removeFilter(self.unsent_answers)
         self.event_log.close()
         if self.tracing is not None:
             self.tracing.close()
