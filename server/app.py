@@ -86,6 +86,10 @@ _SERVERS_BEING_MADE = threading.Lock()
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 CHANNELZ_SERVICE_NAME = channelz_pb2.DESCRIPTOR.services_by_name["Channelz"].full_name
+# The names the health service answers for: the server as a whole (""), and each
+# inference service every port serves (a probe naming KServe's, as a KServe deployment's
+# does, was answered NOT_FOUND).
+HEALTH_SERVICES = ("", SERVICE_NAME, KSERVE_SERVICE_NAME)
 # After the drain, how long the stop waits for the engine thread once the run in progress
 # was told to end (its requests are already answered): a run the runtime does not end in
 # that time is left behind, and `laneserve serve` exits without it.
@@ -497,7 +501,7 @@ class _HealthServicer(health.aio.HealthServicer):
 
 def _stopped_status(service: str) -> health_pb2.HealthCheckResponse:
     """A stopped server's health answer to a Watch of `service`."""
-    known = service in ("", SERVICE_NAME)
+    known = service in HEALTH_SERVICES
     return health_pb2.HealthCheckResponse(status="NOT_SERVING" if known else "SERVICE_UNKNOWN")
 
 
@@ -1175,7 +1179,7 @@ class LaneServer:
         credentials = server_credentials(self.config)  # unreadable files fail before all else
         # NOT_SERVING until it serves (gRPC's health servicer begins SERVING): the main
         # port answers while the priority port starts, and refuses Infer meanwhile.
-        for name in ("", SERVICE_NAME):
+        for name in HEALTH_SERVICES:
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         loop = asyncio.get_running_loop()
         router = OutcomeRouter(loop)
@@ -1291,7 +1295,7 @@ class LaneServer:
         if self.failure is not None:  # the scheduler failed while the server started
             self._own_stop = asyncio.ensure_future(self.stop())
             return self.port
-        for name in ("", SERVICE_NAME):
+        for name in HEALTH_SERVICES:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         identity = self.engine.identity
         log_event(

@@ -522,6 +522,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         request: pb.InferRequest | OversizedRequest,
         context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferResponse],
     ) -> pb.InferResponse:
+        read: pb.InferRequest | None = None
         try:
             read = self._read(request)
             return await self._infer(
@@ -529,8 +530,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             )
         except LaneserveError as error:
             refusal = error
-        # Nothing of the request stays reachable from the abort (see `abort_with`).
-        del request
+        # Nothing of the request stays reachable from the abort (see `abort_with`): not
+        # `read` either, the same message (it kept 55 MB per refused 54 MiB call, until a
+        # full collection).
+        del request, read
         await abort_with(context, release_frames(refusal))
         raise AssertionError("unreachable: abort raises")
 
