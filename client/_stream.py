@@ -21,6 +21,7 @@ import dataclasses
 import enum
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import (
@@ -670,7 +671,11 @@ class BulkStream:
                 assert isinstance(response, pb.InferStreamResponse)
                 self._on_answer(response)
         except grpc.RpcError as error:
-            self._events.put_nowait(_CallEnded(_call_error(error)))
+            ended = _call_error(error)
+            if isinstance(ended, _OverServerLimitError):
+                # The next call holds its items to the limit the server named.
+                self._max_item_bytes = min(self._max_item_bytes, ended.limit_bytes)
+            self._events.put_nowait(_CallEnded(ended))
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -884,6 +889,25 @@ def _timed_out(item: _Item, why: str) -> DeadlineExceededError:
     return error
 
 
+# gRPC's words (its core's, on the server) for a message over the server's limit, the
+# second number the limit: the whole call ends RESOURCE_EXHAUSTED on it, no laneserve
+# reason. Items are held to the limit the server gave before each call (`_set_limits`);
+# a server restarted with a smaller limit whose ask went unanswered (its connection not
+# yet up) got an item over it, and the job failed for good.
+_OVER_SERVER_LIMIT: Final = re.compile(r"Received message larger than max \((\d+) vs\. (\d+)\)")
+
+
+class _OverServerLimitError(ResourceExhaustedError):
+    """A call the server ended on an item over its message limit (`limit_bytes`), smaller
+    than the job knew: retryable, as the next call answers that item alone."""
+
+    retryable = True
+
+    def __init__(self, message: str, *, limit_bytes: int, code: grpc.StatusCode) -> None:
+        super().__init__(message, code=code)
+        self.limit_bytes = limit_bytes
+
+
 def _call_error(error: grpc.RpcError) -> LaneserveError:
     """How a stream call ended, as the job reports it. gRPC ends a call whose write
     failed with INTERNAL ("Internal error from Core") in place of the status the server
@@ -892,6 +916,17 @@ def _call_error(error: grpc.RpcError) -> LaneserveError:
     INTERNAL without a laneserve reason is UnavailableError (retryable); a job that gave
     up raised it as a bare INTERNAL LaneserveError, not retryable, naming no drain."""
     ended = error_from_rpc(error)
+    over = _OVER_SERVER_LIMIT.search(ended.message)
+    if ended.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not ended.reason and over:
+        limited = _OverServerLimitError(
+            f"the server refused an item of {over[1]} bytes, over its message limit "
+            f"({over[2]} bytes), smaller than this job knew (a server restarted with "
+            "another max_message_bytes); the next call holds items to it",
+            limit_bytes=int(over[2]),
+            code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+        )
+        limited.__cause__ = ended
+        return limited
     if ended.code != grpc.StatusCode.INTERNAL or ended.reason:
         return ended
     unavailable = UnavailableError(

@@ -872,6 +872,37 @@ def test_a_resumed_job_takes_the_message_limit_of_the_server_it_resumes_on(
     assert f"({SMALLER_LIMIT} bytes, max_message_bytes)" in results[1].error.message
 
 
+def test_a_job_learns_a_smaller_server_limit_from_the_call_it_ended(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The limits asked before a call went unanswered (the connection to a server just
+    restarted with a smaller max_message_bytes was not up yet), so an item over the new
+    limit went out: gRPC's core on the server ended the whole call on it
+    (RESOURCE_EXHAUSTED "Received message larger than max (131130 vs. 100000)"), and the
+    job failed for good, its other items unanswered (seen once on Python 3.12 under load).
+    The job takes the server's limit from those words: the next call answers that item
+    alone and the others OK."""
+
+    async def unanswered(_self: lc.AsyncClient, _lane: str, _policy: Any) -> None:
+        return None  # the ask before each call goes unanswered
+
+    monkeypatch.setattr(lc.AsyncClient, "_stream_limits", unanswered)
+
+    async def scenario() -> list[lc.StreamResult]:
+        engine = RecordingEngine(str(small_model))
+        async with (
+            serving(engine, config(small_model, max_message_bytes=SMALLER_LIMIT)) as s,
+            lc.AsyncClient(s.target) as client,
+        ):
+            items = [{"input": rows(count)} for count in (8, 64, 8)]
+            return await all_of(client.stream(items, window=1))
+
+    results = asyncio.run(scenario())
+    assert [result.ok for result in results] == [True, False, True]
+    assert isinstance(results[1].error, lc.ResourceExhaustedError)
+    assert f"({SMALLER_LIMIT} bytes, max_message_bytes)" in results[1].error.message
+
+
 # A stream item's budget in the tests of it: long enough that an answer could come within
 # it, short enough to wait out; the tests hold the engine, so none does.
 ITEM_BUDGET_MS = 300
