@@ -213,11 +213,16 @@ def decode_inputs(
                 f"input {tensor.name!r} is given more than once; expected each input once"
             )
         _check_dtype(tensor, spec)
+        # The shape is the model's before the data is read: one of another rank was
+        # refused by the decoder first, in numpy's words where numpy could not hold it
+        # ("numpy cannot hold shape [4294967296, 4294967296, 0]"), not the model's.
+        _check_shape(tensor.name, tensor.shape, spec)
         try:
             array = decode_tensor(tensor)
         except ValueError as error:
             raise InvalidInputError(str(error)) from error
-        _check_against_spec(tensor.name, array, spec)
+        # Its dtype is the model's (`_check_dtype`): the array's is the tensor's.
+        assert array.dtype == spec.dtype, (tensor.name, array.dtype, spec.dtype)
         arrays[tensor.name] = array
     missing = [name for name in expected if name not in arrays]
     if missing:
@@ -319,12 +324,10 @@ def _is_other_dtype(spec: TensorSpec, datatype: pb.DataType.ValueType) -> bool:
     return datatype in _ITEM_BYTES and numpy_dtype(datatype) != spec.dtype
 
 
-def _check_against_spec(name: str, array: Array, spec: TensorSpec) -> None:
-    # Its dtype is the model's (`_check_dtype`): the array's is the tensor's.
-    assert array.dtype == spec.dtype, (name, array.dtype, spec.dtype)
-    if not _fits_shape(spec, array.shape):
+def _check_shape(name: str, shape: Sequence[int], spec: TensorSpec) -> None:
+    if not _fits_shape(spec, shape):
         raise InvalidInputError(
-            f"input {name!r} has shape {list(array.shape)}; expected {_describe(spec)}"
+            f"input {name!r} has shape {list(shape)}; expected {_describe(spec)}"
         )
 
 

@@ -279,6 +279,25 @@ ROWS_SPEC = TensorSpec("input", np.dtype(np.float32), (-1, 4))
 MISSHAPEN = pb.Tensor(name="input", dtype=pb.DATA_TYPE_FLOAT32, shape=[2**40, 4], data=b"\0" * 16)
 
 
+@pytest.mark.parametrize(
+    ("shape", "data"),
+    [([2**32, 2**32, 0], b""), ([2, 2, 2], b"\0" * 32), ([3], b"\0" * 12)],
+    ids=["huge-dimensions", "a-dimension-too-many", "a-dimension-too-few"],
+)
+def test_a_shape_of_another_rank_is_refused_as_the_models_before_its_data_is_read(
+    shape: list[int], data: bytes
+) -> None:
+    """Of the model's input [-1, 4], a shape of another rank is named against the
+    model's (it was refused by the decoder first: "numpy cannot hold shape ... expected at
+    most 64 dimensions", of a 3-dimensional shape)."""
+    tensor = pb.Tensor(name="input", dtype=pb.DATA_TYPE_FLOAT32, shape=shape, data=data)
+    with pytest.raises(InvalidInputError) as refused:
+        decode_inputs([tensor], [ROWS_SPEC])
+    assert refused.value.message == (
+        f"input 'input' has shape {shape}; expected float32 with shape [-1, 4], -1 = any size"
+    )
+
+
 def test_a_shape_no_request_could_carry_is_refused_for_its_data_not_counted_as_rows() -> None:
     """Its 2**40 rows were counted (and refused as too many, "split it"): its fault is
     its data's length, which `decode_inputs` names."""
