@@ -107,7 +107,7 @@ def test_a_stderr_nobody_reads_does_not_stop_the_server(small_model: Path, tmp_p
         events = [line for line in lines if ": admission refused" in line or ": stopped" in line]
         assert len(events) == 2, lines
         assert ": admission refused 1 request(s)" in events[0]
-        assert ": stopped drained=true" in events[1]
+        assert ": stopped event=shutdown drained=true" in events[1]
     finally:
         if write_end >= 0:
             os.close(write_end)

@@ -2757,7 +2757,7 @@ def test_log_lines_carry_their_fields_as_text_or_json() -> None:
     (record,) = records
     text = TextFormatter().format(record)
     assert text.endswith(
-        "laneserve.test: admission refused 3 requests in 10.0s "
+        "laneserve.test: admission refused 3 requests in 10.0s event=admission_refused "
         'refused={"standard/LANE_FULL":3} lane="standard lane"'
     )
     document = json.loads(JsonFormatter().format(record))

@@ -117,19 +117,23 @@ def start_timer(delay_s: float, action: Callable[[], None]) -> Timer:
 
 
 class TextFormatter(logging.Formatter):
-    """`time LEVEL logger: message key=value ...`."""
+    """`time LEVEL logger: message event=NAME key=value ...` (the event and its fields
+    where the line is one of laneserve's events: its name as JSON lines give it, so that
+    an operator greps text logs for `event=drain_incomplete` as README names it)."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
+        event: str | None = getattr(record, "event", None)
         fields: Mapping[str, Any] = getattr(record, "fields", {})
-        if not fields:
+        if event is None and not fields:
             return line
         head, newline, rest = line.partition("\n")  # a traceback stays below
-        pairs = " ".join(f"{key}={_text_value(value)}" for key, value in fields.items())
-        return f"{head} {pairs}{newline}{rest}"
+        pairs = [] if event is None else [f"event={event}"]
+        pairs += [f"{key}={_text_value(value)}" for key, value in fields.items()]
+        return f"{head} {' '.join(pairs)}{newline}{rest}"
 
 
 def _text_value(value: Any) -> str:
