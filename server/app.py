@@ -1213,6 +1213,7 @@ class LaneServer:
                 shared_memory=self.shared_memory.counts if self.shared_memory.enabled else None,
                 # None until the HTTP port serves (none configured: absent throughout).
                 http_requests=lambda: None if self._http is None else self._http.answered(),
+                answers_unsent=self.telemetry.unsent_answers.counts,
             )
         )
         servicer = self._servicer = InferenceServicer(

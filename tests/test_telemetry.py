@@ -1363,6 +1363,37 @@ def scrape(port: int | None) -> dict[str, Any]:
     return {family.name: family for family in text_string_to_metric_families(text)}
 
 
+def test_answers_grpc_could_not_send_are_scraped_by_method_from_the_start(
+    small_model: Path,
+) -> None:
+    """laneserve_answers_unsent_total{method}: what the answers_unsent line counts (gRPC's
+    record of an answer it could not send, its call ended first), there at 0 for the
+    unary inference methods from the first scrape (a rate over a series that appears
+    later is none)."""
+    from grpc._cython import cygrpc  # noqa: PLC0415 - the exception gRPC raises
+
+    core = logging.getLogger("grpc._cython.cygrpc")
+    unsent = cygrpc.ExecuteBatchError('Failed "execute_batch"')
+    infer = "/laneserve.v1.InferenceService/Infer"
+    model_infer = "/inference.GRPCInferenceService/ModelInfer"
+
+    async def scenario() -> tuple[dict[str, float], dict[str, float]]:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            before = await asyncio.to_thread(scrape, s.server.metrics_port)
+            for _ in range(2):
+                core.error(
+                    "ExecuteBatchError raised in core by servicer method [%s]" % infer,  # noqa: UP031 - gRPC's own form
+                    exc_info=(type(unsent), unsent, None),
+                )
+            after = await asyncio.to_thread(scrape, s.server.metrics_port)
+        name = "laneserve_answers_unsent"
+        return values(before, name, "method"), values(after, name, "method")
+
+    before, after = asyncio.run(scenario())
+    assert before == {infer: 0.0, model_infer: 0.0}
+    assert after == {infer: 2.0, model_infer: 0.0}
+
+
 def values(families: dict[str, Any], name: str, key: str) -> dict[str, float]:
     """The samples of gauge `name`, by the value of their label `key`."""
     return {sample.labels[key]: sample.value for sample in families[name].samples}

@@ -71,8 +71,13 @@ ROUTINE_REFUSALS = frozenset(
 # (`UnsentAnswers`), counted in the answers_unsent line under this reason.
 _UNSENT_PREFIX: Final = "ExecuteBatchError raised in core by servicer method ["
 _CALL_ENDED: Final = "CALL_ENDED"
-# laneserve's services' method paths: its own, and KServe's.
+# laneserve's services' method paths: its own, and KServe's; and their unary inference
+# methods, whose answers are most of those a deadline can leave unsent.
 _OUR_METHODS: Final = ("/laneserve.v1.", "/inference.GRPCInferenceService/")
+_INFERENCE_METHODS: Final = (
+    "/laneserve.v1.InferenceService/Infer",
+    "/inference.GRPCInferenceService/ModelInfer",
+)
 # The ends of requests that the model failed on (logged as `requests_failed`): an error
 # of the runtime's (INTERNAL), or a row too large for the memory even alone
 # (RESOURCE_EXHAUSTED). A ServerFaultError, laneserve's own failure, has the reason
@@ -807,6 +812,15 @@ class UnsentAnswers(logging.Filter):
     def __init__(self, events: EventLog) -> None:
         super().__init__()
         self._events = events
+        self._lock = threading.Lock()  # the metrics' reader is another thread
+        # Since the start, by method; the inference methods' series there from the start,
+        # at 0, as every other counter's (a rate over a series that appears is none).
+        self._counts: dict[str, int] = dict.fromkeys(_INFERENCE_METHODS, 0)
+
+    def counts(self) -> dict[str, int]:
+        """The answers gRPC could not send since the start, by method (the metric's)."""
+        with self._lock:
+            return dict(self._counts)
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -815,5 +829,7 @@ class UnsentAnswers(logging.Filter):
         method = message[len(_UNSENT_PREFIX) : -1]
         if not method.startswith(_OUR_METHODS):
             return True
+        with self._lock:
+            self._counts[method] = self._counts.get(method, 0) + 1
         self._events.answer_unsent(method)
         return False

@@ -182,6 +182,9 @@ class MetricSources:
     # The HTTP front end's answers by (route, status) (`HttpFrontEnd.answered`); None
     # from the callable: no HTTP port (server.http_port), and the counter absent.
     http_requests: Callable[[], Mapping[tuple[str, int], int] | None] | None = None
+    # The answers gRPC could not send, their calls ended first, by method
+    # (`UnsentAnswers.counts`); None: not observed (the counter absent).
+    answers_unsent: Callable[[], Mapping[str, int]] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -368,6 +371,15 @@ class Metrics(NullEvents):
             "or unmatched) and code (the HTTP status; 499: the caller left first); absent "
             "without an HTTP port (server.http_port)",
         )
+        meter.create_observable_counter(
+            "laneserve.answers.unsent",
+            callbacks=[self._observe_answers_unsent],
+            unit="{answer}",
+            description="Answers gRPC could not send because their calls had ended first (a "
+            "deadline passed, or the caller left, while the answer waited for the event "
+            "loop), by method; an OK one is counted OK in laneserve.requests.completed "
+            "though its caller never received it",
+        )
         meter.create_observable_gauge(
             "laneserve.lane.depth",
             callbacks=[self._observe_depth],
@@ -514,6 +526,12 @@ class Metrics(NullEvents):
             Observation(count, {"route": route, "code": str(code)})
             for (route, code), count in answered.items()
         ]
+
+    def _observe_answers_unsent(self, options: CallbackOptions) -> Iterable[Observation]:
+        source = None if self._sources is None else self._sources.answers_unsent
+        if source is None:
+            return []
+        return [Observation(count, {"method": method}) for method, count in source().items()]
 
     def _lane(self, lane: str) -> dict[str, str]:
         attributes = self._lane_attributes.get(lane)
