@@ -215,7 +215,8 @@ def check_request_bytes(
     error = ResourceExhaustedError(
         f"the request is {size} bytes encoded, over the largest message this client sends "
         f"({limit_bytes} bytes, {limit_name}); expected fewer rows per call, or a larger "
-        f"{limit_name} (and the server's max_message_bytes: it reads no larger message)",
+        f"limit ({limit_name}, and the server's max_message_bytes: it reads no larger "
+        "message)",
         code=grpc.StatusCode.RESOURCE_EXHAUSTED,
         request_id=request_id,
     )

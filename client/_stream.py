@@ -889,12 +889,16 @@ def _timed_out(item: _Item, why: str) -> DeadlineExceededError:
     return error
 
 
-# gRPC's words (its core's, on the server) for a message over the server's limit, the
-# second number the limit: the whole call ends RESOURCE_EXHAUSTED on it, no laneserve
-# reason. Items are held to the limit the server gave before each call (`_set_limits`);
-# a server restarted with a smaller limit whose ask went unanswered (its connection not
-# yet up) got an item over it, and the job failed for good.
-_OVER_SERVER_LIMIT: Final = re.compile(r"Received message larger than max \((\d+) vs\. (\d+)\)")
+# gRPC's words (its core's, on the server: "SERVER: ...") for a message over the server's
+# limit, the second number the limit: the whole call ends RESOURCE_EXHAUSTED on it, no
+# laneserve reason. Items are held to the limit the server gave before each call
+# (`_set_limits`); a server restarted with a smaller limit whose ask went unanswered (its
+# connection not yet up) got an item over it, and the job failed for good. Not the
+# client's own words ("CLIENT: Received message larger than max": an answer over this
+# client's grpc.max_receive_message_length), which no new call mends.
+_OVER_SERVER_LIMIT: Final = re.compile(
+    r"(?<![A-Za-z])SERVER: Received message larger than max \((\d+) vs\. (\d+)\)"
+)
 
 
 class _OverServerLimitError(ResourceExhaustedError):

@@ -165,9 +165,9 @@ def _stopped_once() -> Iterator[None]:
             signal.signal(each, signal.SIG_IGN)
         raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
 
-    for each in stops:
-        signal.signal(each, stop)
     try:
+        for each in stops:  # within the `try`: a signal between the two is restored too
+            signal.signal(each, stop)
         yield
     finally:
         for each, handler in previous.items():

@@ -1177,6 +1177,7 @@ class LaneServer:
 
     async def _start(self) -> int:
         credentials = server_credentials(self.config)  # unreadable files fail before all else
+        self.telemetry.count_unsent_answers()
         # NOT_SERVING until it serves (gRPC's health servicer begins SERVING): the main
         # port answers while the priority port starts, and refuses Infer meanwhile.
         for name in HEALTH_SERVICES:

@@ -903,6 +903,34 @@ def test_a_job_learns_a_smaller_server_limit_from_the_call_it_ended(
     assert f"({SMALLER_LIMIT} bytes, max_message_bytes)" in results[1].error.message
 
 
+def test_an_answer_over_the_clients_own_receive_option_is_not_taken_for_a_server_limit(
+    small_model: Path,
+) -> None:
+    """gRPC's words for an answer over this client's grpc.max_receive_message_length
+    ("CLIENT: Received message larger than max (2671 vs. 1024)") were read as a server's
+    smaller limit: the job resent the item as many calls as its policy allowed and blamed
+    a server restart. They end the job at once, in gRPC's words, as before."""
+
+    async def scenario() -> lc.LaneserveError:
+        async with (
+            serving(RecordingEngine(str(small_model)), config(small_model)) as s,
+            lc.AsyncClient(
+                s.target,
+                options=[("grpc.max_receive_message_length", 1024)],
+                retry=lc.RetryPolicy(max_attempts=3),
+            ) as client,
+        ):
+            with pytest.raises(lc.LaneserveError) as failed:
+                await all_of(client.stream([{"input": rows(64)}], window=1))
+            return failed.value
+
+    error = asyncio.run(scenario())
+    assert type(error) is lc.ResourceExhaustedError, repr(error)
+    assert "CLIENT: Received message larger than max" in error.message
+    assert not error.should_retry
+    assert "failed for good" in " ".join(getattr(error, "__notes__", []))
+
+
 # A stream item's budget in the tests of it: long enough that an answer could come within
 # it, short enough to wait out; the tests hold the engine, so none does.
 ITEM_BUDGET_MS = 300
@@ -1568,7 +1596,7 @@ def test_a_request_over_the_clients_message_limit_is_refused_never_sent() -> Non
     message = (
         f"the request is {size} bytes encoded, over the largest message this client sends "
         f"({size - 1} bytes, max_message_bytes); expected fewer rows per call, or a larger "
-        "max_message_bytes (and the server's max_message_bytes"
+        "limit (max_message_bytes, and the server's max_message_bytes"
     )
 
     async def scenario() -> None:
@@ -1593,7 +1621,10 @@ def test_a_request_over_the_clients_message_limit_is_refused_never_sent() -> Non
         assert refused.value.attempts == 0
     # A limit the caller's option sets is the one named.
     options = [("grpc.max_send_message_length", size - 1)]
-    named = re.escape(f"({size - 1} bytes, the option 'grpc.max_send_message_length')")
+    named = re.escape(
+        f"({size - 1} bytes, the option 'grpc.max_send_message_length'); expected fewer rows "
+        "per call, or a larger limit (the option 'grpc.max_send_message_length', and"
+    )
     with (
         lc.Client(target, options=options) as client,
         pytest.raises(lc.ResourceExhaustedError, match=named),

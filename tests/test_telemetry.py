@@ -1394,6 +1394,24 @@ def test_answers_grpc_could_not_send_are_scraped_by_method_from_the_start(
     assert after == {infer: 2.0, model_infer: 0.0}
 
 
+def test_grpcs_unsent_answer_records_are_taken_only_from_the_start_to_the_close() -> None:
+    """The filter on gRPC's logger goes on as the server starts and off at close: one put
+    on as the telemetry was made took every later server's records where it was never
+    closed (a server that never started). A record whose arguments do not format is left
+    to its handler, not raised into gRPC."""
+    core = logging.getLogger("grpc._cython.cygrpc")
+    telemetry = cpu_telemetry()
+    try:
+        assert telemetry.unsent_answers not in core.filters
+        telemetry.count_unsent_answers()
+        assert telemetry.unsent_answers in core.filters
+        broken = logging.LogRecord(core.name, logging.ERROR, "x", 1, "%s and %s", ("one",), None)
+        assert telemetry.unsent_answers.filter(broken)
+    finally:
+        telemetry.close()
+    assert telemetry.unsent_answers not in core.filters
+
+
 def values(families: dict[str, Any], name: str, key: str) -> dict[str, float]:
     """The samples of gauge `name`, by the value of their label `key`."""
     return {sample.labels[key]: sample.value for sample in families[name].samples}
@@ -2245,7 +2263,8 @@ def test_refusals_for_overload_and_routine_ones_are_logged_apart(
             "admission_refused_routine",
             (
                 "admission refused 1 request(s) in 0.0s, none for overload (draining, invalid or "
-                "withdrawn requests, answers over a caller's receive limit)"
+                "withdrawn requests, shared memory not registered or refused, features not "
+                "served, answers over a caller's receive limit)"
             ),
             {"refused": {"bulk/DRAINING": 1}, "window_s": 0.0, "last_ago_s": 0.0},
         ),
@@ -2254,8 +2273,8 @@ def test_refusals_for_overload_and_routine_ones_are_logged_apart(
             "admission_refused_routine",
             (
                 "admission refused 6 request(s) in 0.0s, the last 9.0s ago, none for overload "
-                "(draining, invalid or withdrawn requests, answers over a caller's receive "
-                "limit)"
+                "(draining, invalid or withdrawn requests, shared memory not registered or "
+                "refused, features not served, answers over a caller's receive limit)"
             ),
             {
                 "refused": {

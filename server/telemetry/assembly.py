@@ -100,9 +100,9 @@ class Telemetry:
         self.event_log = EventLog(max_batch_size=max_batch_size)
         self.events: list[SchedulerEvents] = [self.event_log]
         # gRPC's ERROR record of each answer it could not send becomes a count in the
-        # event log's answers_unsent line, until `close`.
+        # event log's answers_unsent line, from `count_unsent_answers` (as the server
+        # starts) until `close`.
         self.unsent_answers = UnsentAnswers(self.event_log)
-        logging.getLogger(GRPC_PER_CALL_LOGGER).addFilter(self.unsent_answers)
         readers = list(metric_readers)
         self._registry: prometheus_client.CollectorRegistry | None = None
         if prometheus:
@@ -164,6 +164,12 @@ class Telemetry:
         while shared memory is off)."""
         if self.metrics is not None:
             self.metrics.observe(sources)
+
+    def count_unsent_answers(self) -> None:
+        """Takes gRPC's records of answers it could not send (`UnsentAnswers`) from here
+        until `close`: installed as the server starts, not as this object is made, so
+        that one never closed (a server that never started) takes no later server's."""
+        logging.getLogger(GRPC_PER_CALL_LOGGER).addFilter(self.unsent_answers)
 
     def serve_metrics(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int | None:
         """Starts the Prometheus endpoint (HTTPS with `tls`); returns its port (None: not

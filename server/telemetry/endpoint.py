@@ -46,15 +46,19 @@ class MetricsEndpoint:
                 "choose another --metrics-port (0: any free port, -1: no endpoint)"
             ) from error
         if tls is not None:
-            # Cannot fail: the context holds its certificate already (https_context).
             # The handshake runs in the request's own thread, on its first read, not in
             # accept() on the one serving thread: a connection that never sends a hello
             # (a port scan, a load balancer's TCP probe) would block every scrape and
             # close(). Each request's connection has a timeout (_ScrapeHandler), so a
-            # stalled client ends its thread.
-            server.socket = tls.wrap_socket(
-                server.socket, server_side=True, do_handshake_on_connect=False
-            )
+            # stalled client ends its thread. (The context holds its certificate already:
+            # https_context; a context that cannot wrap still leaves no socket open.)
+            try:
+                server.socket = tls.wrap_socket(
+                    server.socket, server_side=True, do_handshake_on_connect=False
+                )
+            except BaseException:
+                server.server_close()
+                raise
         self._server = server
         self.port: int = server.server_port
         self._thread = threading.Thread(
@@ -119,6 +123,7 @@ class _ScrapeServer(ThreadingMixIn, WSGIServer):
     traceback to stderr (~23 lines each, outside the log's format)."""
 
     daemon_threads = True  # a request's thread is not waited for at close
+    allow_reuse_port = False  # one endpoint a port (a later Python's default may differ)
 
     def __init__(self, family: socket.AddressFamily, address: tuple[str, int]) -> None:
         self.address_family = family  # the socket TCPServer.__init__ makes and binds

@@ -613,8 +613,9 @@ class EventLog(NullEvents):
                 self._write_refused,
                 logging.INFO,
                 "admission_refused_routine",
-                ", none for overload (draining, invalid or withdrawn requests, answers over "
-                "a caller's receive limit)",
+                ", none for overload (draining, invalid or withdrawn requests, shared memory "
+                "not registered or refused, features not served, answers over a caller's "
+                "receive limit)",
             )
         )
         self._shed = line(self._write_shed)
@@ -823,7 +824,10 @@ class UnsentAnswers(logging.Filter):
             return dict(self._counts)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record its handler reports; not raised into gRPC
+            return True
         if not message.startswith(_UNSENT_PREFIX) or not message.endswith("]"):
             return True
         method = message[len(_UNSENT_PREFIX) : -1]
