@@ -14,6 +14,7 @@ import dataclasses
 import errno
 import functools
 import logging
+import resource
 import socket
 import ssl
 import threading
@@ -429,6 +430,30 @@ async def _give_back(servers: list[grpc.aio.Server]) -> None:
 
 def _rows_or_none(rows: int | None) -> str:
     return "none" if rows is None else f"{rows} rows"
+
+
+# What to do about a start out of file descriptors (EMFILE).
+OPEN_FILES_HINT = (
+    "expected a higher open-file limit (`ulimit -n`: the server holds a few dozen files of "
+    "its own and one per client connection)"
+)
+# The open-file limit (`ulimit -n`) under which a server refuses to start: an idle server
+# holds ~20 files (17 measured, with the HTTP and metrics ports open), each client
+# connection one more. Below it a start ran out midway: Python's EMFILE where it came
+# first, or (Python 3.13, `ulimit -n 12`) an abort inside gRPC's core, which takes no
+# error it cannot open its wakeup fd ("Eventfd wakeup fd is not supported", SIGABRT).
+MIN_OPEN_FILES = 64
+
+
+def check_open_file_limit() -> None:
+    """Refuses a process whose open-file limit is under MIN_OPEN_FILES, naming both:
+    `serve` before the model loads, and every LaneServer's start (an embedder's too)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < MIN_OPEN_FILES:
+        raise ConfigError(
+            f"the open-file limit is {soft}, under the {MIN_OPEN_FILES} a server needs at "
+            f"the least; {OPEN_FILES_HINT}"
+        )
 
 
 def check_ports_free(config: ServerConfig) -> None:
@@ -1176,6 +1201,7 @@ class LaneServer:
             raise
 
     async def _start(self) -> int:
+        check_open_file_limit()
         credentials = server_credentials(self.config)  # unreadable files fail before all else
         self.telemetry.count_unsent_answers()
         # NOT_SERVING until it serves (gRPC's health servicer begins SERVING): the main

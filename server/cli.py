@@ -22,7 +22,6 @@ import contextlib
 import errno
 import logging
 import os
-import resource
 import signal
 import stat
 import threading
@@ -31,7 +30,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from laneserve.server import flag_values
-from laneserve.server.app import LaneServer, check_ports_free, load_engine, server_credentials
+from laneserve.server.app import (
+    OPEN_FILES_HINT,
+    LaneServer,
+    check_open_file_limit,
+    check_ports_free,
+    load_engine,
+    server_credentials,
+)
 from laneserve.server.bench import cli as bench_cli
 from laneserve.server.clock import Clock, SystemClock
 from laneserve.server.config import DEVICES, UINT32_MAX, ConfigError, ServerConfig, load_config
@@ -174,30 +180,9 @@ def _unset_blank_otel_variables() -> None:
 # What a start-up error out of file descriptors adds: the OSError named neither what ran
 # out nor what to raise (the static estimate's pipe, a port's socket).
 _FILE_LIMIT_HINTS = {
-    errno.EMFILE: (
-        "expected a higher open-file limit (`ulimit -n`: the server holds a few dozen "
-        "files of its own and one per client connection)"
-    ),
+    errno.EMFILE: OPEN_FILES_HINT,
     errno.ENFILE: "the system's open-file table is full (see fs.file-max)",
 }
-
-
-# The open-file limit (`ulimit -n`) under which `serve` refuses to start: an idle server
-# holds ~20 files (17 measured, with the HTTP and metrics ports open), each client
-# connection one more. Below it a start ran out midway: Python's EMFILE where it came
-# first, or (Python 3.13, `ulimit -n 12`) an abort inside gRPC's core, which takes no
-# error it cannot open its wakeup fd ("Eventfd wakeup fd is not supported", SIGABRT).
-MIN_OPEN_FILES = 64
-
-
-def check_open_file_limit() -> None:
-    """Refuses a process whose open-file limit is under MIN_OPEN_FILES, naming both."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < MIN_OPEN_FILES:
-        raise ConfigError(
-            f"the open-file limit is {soft}, under the {MIN_OPEN_FILES} a server needs at "
-            f"the least; {_FILE_LIMIT_HINTS[errno.EMFILE]}"
-        )
 
 
 def _start_failure(error: Exception) -> str:

@@ -11,6 +11,7 @@ import importlib.metadata
 import logging
 import os
 import random
+import resource
 import socket
 import threading
 import time
@@ -1234,6 +1235,24 @@ def test_end_grace_answers_queued_work_at_once(small_model: Path) -> None:
             await until(lambda: s.server.state is Lifecycle.DRAINING)
             s.server.end_grace()
             await queued_never_ran_as_the_drain_ended(running, queued, engine, stopping)
+
+    asyncio.run(scenario())
+
+
+def test_an_embedded_server_under_a_low_open_file_limit_is_refused_at_start_naming_it(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every LaneServer's start holds the open-file limit to MIN_OPEN_FILES, not `serve`
+    alone: an embedder's server under `ulimit -n 12` went on into gRPC's core, which
+    aborts the process (Python 3.13) where it cannot open its wakeup fd."""
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (12, 12))
+
+    async def scenario() -> None:
+        server = LaneServer(RecordingEngine(str(small_model)), config(small_model))
+        with pytest.raises(ConfigError, match=r"the open-file limit is 12, under the 64 "):
+            await server.start()
+        await asyncio.wait_for(server.stop(), timeout=60)
+        assert server.state is Lifecycle.STOPPED
 
     asyncio.run(scenario())
 
