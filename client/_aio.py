@@ -373,6 +373,11 @@ class AsyncClient:
             server_limits=self._stream_limits,
             closed=self._closed,
             max_message_bytes=self._max_message_bytes,
+            send_limit=(
+                None
+                if self._send_limit_bytes is None
+                else (self._send_limit_bytes, self._send_limit_name)
+            ),
         )
         self._jobs.add(job)
         return job.results()

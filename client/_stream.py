@@ -229,17 +229,22 @@ class StreamOptions:
 class BulkStream:
     """One bulk job; iterate `results()` once."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - keyword-only past the policy, one per bound of a job
         self,
         stub: pb_grpc.InferenceServiceAsyncStub,
         metadata: Metadata,
         source: StreamSource,
         options: StreamOptions,
         policy: RetryPolicy,
+        *,
         server_limits: Callable[[str, RetryPolicy], Awaitable[StreamLimits | None]] | None = None,
         closed: asyncio.Event | None = None,
         max_message_bytes: int | None = None,
+        send_limit: tuple[int, str] | None = None,
     ) -> None:
+        """`send_limit`: the largest message the channel sends, and the setting's name,
+        where a caller's option set it under `max_message_bytes` (gRPC's own check would
+        end the whole call on a larger item, "CLIENT: Sent message larger than max")."""
         self._stub = stub
         self._closed = closed  # set when the client closes: no new call starts
         # The server's bounds for a lane, asked with a retry policy; None: no answer.
@@ -252,7 +257,10 @@ class BulkStream:
             if max_message_bytes is None
             else (*metadata, (RECEIVE_LIMIT_KEY, str(max_message_bytes)))
         )
-        self._client_max_bytes = math.inf if max_message_bytes is None else max_message_bytes
+        self._client_max_bytes: float = math.inf if max_message_bytes is None else max_message_bytes
+        self._client_limit_name = "max_message_bytes"
+        if send_limit is not None and send_limit[0] < self._client_max_bytes:
+            self._client_max_bytes, self._client_limit_name = send_limit
         if isinstance(source, Mapping):
             source = row_chunks(source, options.rows_per_item)
         self._sync_source: Iterator[StreamItem] | None = None
@@ -650,10 +658,17 @@ class BulkStream:
         size = item.message.ByteSize()
         if size <= self._max_item_bytes:
             return True
+        # The bound's setting: the caller's send option where it is the bound, else
+        # max_message_bytes (this client's or the server's).
+        named = (
+            self._client_limit_name
+            if self._max_item_bytes == self._client_max_bytes
+            else "max_message_bytes"
+        )
         error = ResourceExhaustedError(
             f"bulk stream item {item.index} is {size} bytes, over the largest message this "
-            f"client and server exchange ({self._max_item_bytes} bytes, "
-            "max_message_bytes); expected fewer rows per item",
+            f"client and server exchange ({self._max_item_bytes} bytes, {named}); expected "
+            "fewer rows per item",
             code=grpc.StatusCode.RESOURCE_EXHAUSTED,
             request_id=item.request_id,
         )

@@ -903,6 +903,31 @@ def test_a_job_learns_a_smaller_server_limit_from_the_call_it_ended(
     assert f"({SMALLER_LIMIT} bytes, max_message_bytes)" in results[1].error.message
 
 
+def test_a_stream_holds_items_to_the_callers_send_option_as_infer_does(
+    small_model: Path,
+) -> None:
+    """A caller's grpc.max_send_message_length under max_message_bytes: infer() refuses
+    a request over it before sending; a stream sent the item, gRPC's own check ended the
+    whole call on it ("CLIENT: Sent message larger than max"), every other item
+    unanswered. The item over it is answered alone, naming the option."""
+    limit = 64 * 1024  # 8 rows of 512 float32 fit, 64 do not
+
+    async def scenario() -> list[lc.StreamResult]:
+        async with (
+            serving(RecordingEngine(str(small_model)), config(small_model)) as s,
+            lc.AsyncClient(s.target, options=[("grpc.max_send_message_length", limit)]) as client,
+        ):
+            items = [{"input": rows(count)} for count in (8, 64, 8)]
+            return await all_of(client.stream(items, window=1))
+
+    results = asyncio.run(scenario())
+    assert [result.ok for result in results] == [True, False, True]
+    assert isinstance(results[1].error, lc.ResourceExhaustedError)
+    assert f"({limit} bytes, the option 'grpc.max_send_message_length')" in (
+        results[1].error.message
+    )
+
+
 def test_an_answer_over_the_clients_own_receive_option_is_not_taken_for_a_server_limit(
     small_model: Path,
 ) -> None:
