@@ -809,7 +809,9 @@ def _row_count(inputs: Arrays, where: str | Path) -> int:
 
 
 def _asked_outputs(model: ModelInfo, args: argparse.Namespace) -> list[str]:
-    """--output-name's values, once each; empty: all of the model's outputs."""
+    """--output-name's values, once each; empty: all of the model's outputs, named or
+    not (a resume naming a one-output model's output was "another job" of the job that
+    named none: "different --output-name (all then, output now)")."""
     asked = list(dict.fromkeys(args.output_name or ()))
     model_outputs = [spec.name for spec in model.outputs]
     unknown = [name for name in asked if name not in model_outputs]
@@ -818,7 +820,7 @@ def _asked_outputs(model: ModelInfo, args: argparse.Namespace) -> list[str]:
             f"--output-name {', '.join(unknown)}: the model has no such output; its outputs "
             f"are {model_outputs}"
         )
-    return asked
+    return [] if set(asked) == set(model_outputs) else asked
 
 
 def _check_lane(model: ModelInfo, lane: str | None) -> None:

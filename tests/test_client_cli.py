@@ -484,6 +484,32 @@ def test_failed_rows_exit_1_and_resume_retries_only_them(
     assert sorted(engine.ran_tags) == list(range(400)), "only the failed rows ran again"
 
 
+def test_a_resume_naming_every_output_is_the_job_that_named_none(
+    small_model: Path, tmp_path: Path
+) -> None:
+    """The demo model has one output: `--output-name output` asks for what no
+    --output-name asks for, and a resume with it goes on (it was refused as another job,
+    "different --output-name (all then, output now)")."""
+    np.save(tmp_path / "in.npy", rows(40, seed=3, start=0))
+    out = tmp_path / "out.npy"
+    args = ["--input", str(tmp_path / "in.npy"), "--output", str(out), "--rows-per-item", "20"]
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        engine.fail_when = lambda batch: any(tag >= 20 for tag in batch_tags(batch))
+        async with serving(engine, config(small_model, max_batch_size=20)) as s:
+            code, _, err = await cli("bulk", "--target", s.target, *args)
+            assert code == 1, err
+            engine.fail_when = lambda _batch: False
+            resume = ("--resume", "--output-name", "output")
+            code, _, err = await cli("bulk", "--target", s.target, *args, *resume)
+            assert code == 0, err
+            assert "20 of 40 rows already done" in err
+
+    asyncio.run(scenario())
+    assert np.load(out).shape == (40, 10)
+
+
 def test_a_resume_asking_for_other_outputs_is_refused(tmp_path: Path) -> None:
     """The checkpoint holds the outputs first asked for: a resume with other
     --output-name values would leave the rows done so far empty in the new ones."""
