@@ -450,9 +450,26 @@ def _json_values(array: npt.NDArray[Any]) -> Any:
     return values.tolist()
 
 
+class _RepeatedKeyError(ValueError):
+    pass
+
+
+def _object_once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys come once each: json keeps the last of a key given twice,
+    and an input named twice was sent with its second value, the first dropped unsaid."""
+    document = dict(pairs)
+    if len(document) != len(pairs):
+        keys = [key for key, _ in pairs]
+        repeated = sorted({key for key in keys if keys.count(key) > 1})
+        raise _RepeatedKeyError(f"key(s) {repeated} given more than once; expected each once")
+    return document
+
+
 def _inputs_from_json(text: str, model: ModelInfo, where: str) -> Arrays:
     try:
-        document = json.loads(text)
+        document = json.loads(text, object_pairs_hook=_object_once_each)
+    except _RepeatedKeyError as error:
+        raise UsageError(f"{where}: {error}") from error
     except ValueError as error:
         raise UsageError(f"{where}: not JSON ({error})") from error
     except RecursionError as error:  # nested deeper than the parser recurses

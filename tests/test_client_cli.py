@@ -260,6 +260,11 @@ def test_infer_refuses_what_getmodel_rules_out_with_exit_2_before_sending(
             "--json lacks input(s) ['input']; it holds [], the model's inputs are ['input']",
         ),
         (
+            # json kept the last of a key given twice: the first value was dropped unsaid.
+            ["--json", '{"input": [[0.5]], "input": [[1.5]]}'],
+            "--json: key(s) ['input'] given more than once; expected each once",
+        ),
+        (
             ["--input", str(tmp_path / "empty.json")],
             f"{tmp_path / 'empty.json'} lacks input(s) ['input']; it holds []",
         ),
