@@ -955,6 +955,11 @@ def _open_checkpoint(
 ) -> Checkpoint:
     directory = Path(f"{output}.partial")
     if directory.exists():
+        if not directory.is_dir():  # no job's: a checkpoint is a directory
+            raise UsageError(
+                f"{directory} is in the way: a checkpoint directory goes there, and it is "
+                "not one; expected it moved or deleted"
+            )
         if not args.resume:
             raise UsageError(
                 f"{directory} holds the checkpoint of an unfinished job; pass --resume to "

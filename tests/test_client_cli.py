@@ -713,6 +713,26 @@ def test_existing_checkpoint_needs_resume(small_model: Path, tmp_path: Path) -> 
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("resume", [(), ("--resume",)], ids=["new", "resume"])
+def test_a_file_where_the_checkpoint_goes_is_named_as_in_the_way(
+    small_model: Path, tmp_path: Path, resume: tuple[str, ...]
+) -> None:
+    """A plain file at OUTPUT.partial was called "the checkpoint of an unfinished job"
+    (or, with --resume, its state.json "unreadable (Not a directory)"): no job made it."""
+    np.save(tmp_path / "in.npy", rows(10))
+    (tmp_path / "out.npy.partial").write_text("not a checkpoint\n")
+    args = ["--input", str(tmp_path / "in.npy"), "--output", str(tmp_path / "out.npy")]
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            code, _, err = await cli("bulk", "--target", s.target, *args, *resume)
+        assert code == 2, err
+        partial = tmp_path / "out.npy.partial"
+        assert f"{partial} is in the way: a checkpoint directory goes there" in err
+
+    asyncio.run(scenario())
+
+
 def test_an_input_that_is_not_the_npy_or_npz_its_name_says_is_refused_saying_so(
     small_model: Path, tmp_path: Path
 ) -> None:
