@@ -22,14 +22,13 @@ import numpy.typing as npt
 from laneserve.client._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TARGET,
-    SEND_LIMIT_OPTION,
     TlsConfig,
     channel_spec,
     checked_message_bytes,
     checked_metadata,
     forked_message,
     open_channel,
-    send_limit_bytes,
+    send_limit,
 )
 from laneserve.client._errors import (
     ClientClosedError,
@@ -141,12 +140,7 @@ class AsyncClient:
         )
         # The largest request the channel sends (None: no limit): max_message_bytes, unless
         # the caller's `options` replace it. A larger one is refused before it is sent.
-        self._send_limit_bytes = send_limit_bytes(self._channel_spec.options)
-        self._send_limit_name = (
-            "max_message_bytes"
-            if self._send_limit_bytes == self._max_message_bytes
-            else f"the option {SEND_LIMIT_OPTION!r}"
-        )
+        self._send_limit = send_limit(self._channel_spec.options, self._max_message_bytes)
         # Set by the first call (`_stub_here`): the channel, on that call's loop; set again
         # by the first call on another loop once that one is closed. Made here, it bound
         # to whichever loop was current (at import, one never run), and every call from
@@ -248,12 +242,7 @@ class AsyncClient:
         request = infer_request(
             request_id, encode_inputs(inputs, request_id), lane=lane, outputs=output_names(outputs)
         )
-        check_request_bytes(
-            request,
-            self._send_limit_bytes,
-            limit_name=self._send_limit_name,
-            request_id=request_id,
-        )
+        check_request_bytes(request, self._send_limit, request_id=request_id)
 
         async def attempt(timeout_s: float | None) -> Outputs:
             response = await self._call(_infer, request, timeout_s, request_id)
@@ -373,11 +362,7 @@ class AsyncClient:
             server_limits=self._stream_limits,
             closed=self._closed,
             max_message_bytes=self._max_message_bytes,
-            send_limit=(
-                None
-                if self._send_limit_bytes is None
-                else (self._send_limit_bytes, self._send_limit_name)
-            ),
+            send_limit=self._send_limit,
         )
         self._jobs.add(job)
         return job.results()

@@ -405,14 +405,20 @@ def checked_message_bytes(max_message_bytes: object) -> int:
     return limit
 
 
-def send_limit_bytes(options: Sequence[tuple[str, Any]]) -> int | None:
+def send_limit(
+    options: Sequence[tuple[str, Any]], max_message_bytes: int
+) -> tuple[int, str] | None:
     """The largest message a channel of `options` (`channel_options`' merged ones) sends,
-    as gRPC reads SEND_LIMIT_OPTION; None: no limit (gRPC's -1, any negative number, or a
-    value that is not an int, which gRPC ignores)."""
+    as gRPC reads SEND_LIMIT_OPTION, and the setting a refusal names (max_message_bytes,
+    unless the caller's option replaced it); None: no limit (gRPC's -1, any negative
+    number, or a value that is not an int, which gRPC ignores)."""
     value = dict(options).get(SEND_LIMIT_OPTION)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         return None
-    return value
+    named = (
+        "max_message_bytes" if value == max_message_bytes else f"the option {SEND_LIMIT_OPTION!r}"
+    )
+    return value, named
 
 
 def channel_options(

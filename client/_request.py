@@ -195,10 +195,10 @@ def infer_request(
 
 
 def check_request_bytes(
-    request: pb.InferRequest, limit_bytes: int | None, *, limit_name: str, request_id: str
+    request: pb.InferRequest, limit: tuple[int, str] | None, *, request_id: str
 ) -> None:
-    """Refuses, before sending, a request larger than the client sends (`limit_bytes`,
-    None for no limit; `limit_name`: the argument that set it). gRPC failed it itself
+    """Refuses, before sending, a request larger than the client sends (`limit`: its
+    bytes and the setting that set it; None for no limit). gRPC failed it itself
     with RESOURCE_EXHAUSTED ("CLIENT: Sent message larger than max"), `attempts` 1 as if
     a server had refused it, and no word of what to do. Its encoded size is what gRPC
     compares with the limit.
@@ -207,8 +207,9 @@ def check_request_bytes(
         ResourceExhaustedError: over the limit (the class `stream()` answers an item over
             it with), `attempts` 0, naming the size, the limit and what to do.
     """
-    if limit_bytes is None:
+    if limit is None:
         return
+    limit_bytes, limit_name = limit
     size = request.ByteSize()
     if size <= limit_bytes:
         return

@@ -87,6 +87,8 @@ _SERVERS_BEING_MADE = threading.Lock()
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 CHANNELZ_SERVICE_NAME = channelz_pb2.DESCRIPTOR.services_by_name["Channelz"].full_name
+# Both front ends' unary inference methods, by full name (gRPC's method paths).
+INFERENCE_METHODS = (f"/{SERVICE_NAME}/Infer", f"/{KSERVE_SERVICE_NAME}/{KSERVE_INFER_METHOD}")
 # The names the health service answers for: the server as a whole (""), and each
 # inference service every port serves (a probe naming KServe's, as a KServe deployment's
 # does, was answered NOT_FOUND).
@@ -1203,7 +1205,7 @@ class LaneServer:
     async def _start(self) -> int:
         check_open_file_limit()
         credentials = server_credentials(self.config)  # unreadable files fail before all else
-        self.telemetry.count_unsent_answers()
+        self.telemetry.count_unsent_answers((SERVICE_NAME, KSERVE_SERVICE_NAME), INFERENCE_METHODS)
         # NOT_SERVING until it serves (gRPC's health servicer begins SERVING): the main
         # port answers while the priority port starts, and refuses Infer meanwhile.
         for name in HEALTH_SERVICES:
@@ -1424,7 +1426,7 @@ class LaneServer:
         # taken at grpc.aio's own pace: 0.75x Infer's calls/s at 32 callers).
         acceptors = ParallelAcceptors(
             server,
-            (f"/{SERVICE_NAME}/Infer", f"/{KSERVE_SERVICE_NAME}/{KSERVE_INFER_METHOD}"),
+            INFERENCE_METHODS,
             handlers,
             self.telemetry.interceptors,
             gate,

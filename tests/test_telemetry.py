@@ -1403,7 +1403,7 @@ def test_grpcs_unsent_answer_records_are_taken_only_from_the_start_to_the_close(
     telemetry = cpu_telemetry()
     try:
         assert telemetry.unsent_answers not in core.filters
-        telemetry.count_unsent_answers()
+        telemetry.count_unsent_answers(("laneserve.v1.InferenceService",), ())
         assert telemetry.unsent_answers in core.filters
         broken = logging.LogRecord(core.name, logging.ERROR, "x", 1, "%s and %s", ("one",), None)
         assert telemetry.unsent_answers.filter(broken)

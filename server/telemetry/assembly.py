@@ -165,10 +165,14 @@ class Telemetry:
         if self.metrics is not None:
             self.metrics.observe(sources)
 
-    def count_unsent_answers(self) -> None:
-        """Takes gRPC's records of answers it could not send (`UnsentAnswers`) from here
-        until `close`: installed as the server starts, not as this object is made, so
-        that one never closed (a server that never started) takes no later server's."""
+    def count_unsent_answers(
+        self, services: Sequence[str], inference_methods: Sequence[str]
+    ) -> None:
+        """Takes gRPC's records of answers of `services` it could not send
+        (`UnsentAnswers`) from here until `close`: installed as the server starts, not as
+        this object is made, so that one never closed (a server that never started) takes
+        no later server's."""
+        self.unsent_answers.watch(services, inference_methods)
         logging.getLogger(GRPC_PER_CALL_LOGGER).addFilter(self.unsent_answers)
 
     def serve_metrics(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int | None:

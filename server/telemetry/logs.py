@@ -71,13 +71,6 @@ ROUTINE_REFUSALS = frozenset(
 # (`UnsentAnswers`), counted in the answers_unsent line under this reason.
 _UNSENT_PREFIX: Final = "ExecuteBatchError raised in core by servicer method ["
 _CALL_ENDED: Final = "CALL_ENDED"
-# laneserve's services' method paths: its own, and KServe's; and their unary inference
-# methods, whose answers are most of those a deadline can leave unsent.
-_OUR_METHODS: Final = ("/laneserve.v1.", "/inference.GRPCInferenceService/")
-_INFERENCE_METHODS: Final = (
-    "/laneserve.v1.InferenceService/Infer",
-    "/inference.GRPCInferenceService/ModelInfer",
-)
 # The ends of requests that the model failed on (logged as `requests_failed`): an error
 # of the runtime's (INTERNAL), or a row too large for the memory even alone
 # (RESOURCE_EXHAUSTED). A ServerFaultError, laneserve's own failure, has the reason
@@ -814,9 +807,17 @@ class UnsentAnswers(logging.Filter):
         super().__init__()
         self._events = events
         self._lock = threading.Lock()  # the metrics' reader is another thread
-        # Since the start, by method; the inference methods' series there from the start,
-        # at 0, as every other counter's (a rate over a series that appears is none).
-        self._counts: dict[str, int] = dict.fromkeys(_INFERENCE_METHODS, 0)
+        self._prefixes: tuple[str, ...] = ()  # the services' "/NAME/", once `watch`ing
+        self._counts: dict[str, int] = {}  # since the start, by method
+
+    def watch(self, services: Sequence[str], inference_methods: Sequence[str]) -> None:
+        """Counts the records of `services`' methods (by full name) from now; the
+        inference methods' series there from the start, at 0, as every other counter's
+        (a rate over a series that appears later is none)."""
+        self._prefixes = tuple(f"/{service}/" for service in services)
+        with self._lock:
+            for method in inference_methods:
+                self._counts.setdefault(method, 0)
 
     def counts(self) -> dict[str, int]:
         """The answers gRPC could not send since the start, by method (the metric's)."""
@@ -831,7 +832,7 @@ class UnsentAnswers(logging.Filter):
         if not message.startswith(_UNSENT_PREFIX) or not message.endswith("]"):
             return True
         method = message[len(_UNSENT_PREFIX) : -1]
-        if not method.startswith(_OUR_METHODS):
+        if not method.startswith(self._prefixes):
             return True
         with self._lock:
             self._counts[method] = self._counts.get(method, 0) + 1
