@@ -27,11 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
-import importlib.metadata
-import os
-import platform
 import signal
 import statistics
 import sys
@@ -45,6 +41,7 @@ import numpy.typing as npt
 
 from laneserve.client import AsyncClient
 from laneserve.server.bench.procs import Deployment, process_cpu_s, start_laneserve
+from laneserve.server.bench.script_parts import describe_host, sizes
 from laneserve.server.demo_model import make_demo_model
 from laneserve.server.engine import Engine, no_static_estimate
 
@@ -86,11 +83,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", help="ONNX model (default: the demo model, built here)")
     parser.add_argument("--rows", type=int, default=200_000, help="rows per stream job")
     parser.add_argument(
-        "--rows-per-item", type=_sizes, default=[64, 256], help="comma-separated, e.g. 64,256"
+        "--rows-per-item", type=sizes, default=[64, 256], help="comma-separated, e.g. 64,256"
     )
     parser.add_argument("--window", type=int, default=256, help="stream window (items)")
     parser.add_argument(
-        "--batch-sizes", type=_sizes, default=[32, 64, 128, 256, 512], help="for the sweep"
+        "--batch-sizes", type=sizes, default=[32, 64, 128, 256, 512], help="for the sweep"
     )
     parser.add_argument("--seconds", type=float, default=3.0, help="per raw measurement")
     parser.add_argument("--rounds", type=int, default=3, help="ceiling + stream rounds")
@@ -98,27 +95,6 @@ def parse_args() -> argparse.Namespace:
         "--intra-op-threads", type=int, default=0, help="ONNX Runtime threads (0 = auto)"
     )
     return parser.parse_args()
-
-
-def _sizes(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part]
-
-
-def describe_host() -> str:
-    return (
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"load {os.getloadavg()[0]:.1f}, onnxruntime {_installed('onnxruntime-gpu', 'onnxruntime')}"
-    )
-
-
-def _installed(*packages: str) -> str:
-    """The version of the first of `packages` installed (read from its metadata: this
-    process does not import onnxruntime itself before laneserve.server has turned its
-    telemetry off)."""
-    for package in packages:
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            return importlib.metadata.version(package)
-    return "not installed"
 
 
 @dataclasses.dataclass(frozen=True)

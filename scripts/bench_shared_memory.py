@@ -67,7 +67,8 @@ import numpy.typing as npt
 
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
-from laneserve.server.bench.kserve_compare import (
+from laneserve.server.bench.procs import process_cpu_s, start_laneserve
+from laneserve.server.bench.script_parts import (
     ClosedLoopDefaults,
     Tensor,
     add_closed_loop_arguments,
@@ -78,7 +79,6 @@ from laneserve.server.bench.kserve_compare import (
     size_text,
     tensors_of,
 )
-from laneserve.server.bench.procs import process_cpu_s, start_laneserve
 from laneserve.server.demo_model import make_demo_model
 from laneserve.server.shared_memory import (
     BYTE_SIZE_PARAMETER,

@@ -1,12 +1,15 @@
-"""What the scripts that compare KServe paths on one server share (scripts/bench_http.py,
-scripts/bench_shared_memory.py): their closed-loop arguments, the model's tensors as
-ModelMetadata gives them, and the words of their tables. Each script keeps its paths,
-its rounds and its table."""
+"""What the measurement scripts under scripts/ share: the host's description every one
+prints, comma-separated counts, and for the scripts that compare KServe paths on one
+server (bench_http.py, bench_shared_memory.py) their closed-loop arguments, the model's
+tensors as ModelMetadata gives them and the words of their tables. Each script keeps
+its paths, its rounds and its table."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import importlib.metadata
 import math
 import os
 import platform
@@ -74,10 +77,21 @@ def sizes(text: str) -> list[int]:
 
 
 def describe_host() -> str:
+    """The processor, CPU count, load and ONNX Runtime release of this run's machine."""
     return (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"load {os.getloadavg()[0]:.1f}"
+        f"load {os.getloadavg()[0]:.1f}, onnxruntime {_installed('onnxruntime-gpu', 'onnxruntime')}"
     )
+
+
+def _installed(*packages: str) -> str:
+    """The version of the first of `packages` installed (read from its metadata: a script
+    does not import onnxruntime itself before laneserve.server has turned its telemetry
+    off)."""
+    for package in packages:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(package)
+    return "not installed"
 
 
 @dataclasses.dataclass(frozen=True)
