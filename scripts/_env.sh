@@ -32,14 +32,23 @@ with open(sys.argv[1], "rb") as f:
 }
 
 # _laneserve_check_python PYTHON: fails, saying why, unless PYTHON runs and is 3.11+.
+# (Its version is read back, not only an exit status: `/bin/true` passed a bare
+# `sys.exit(...)` check, and the venv was removed before `true -m venv` made nothing.)
 _laneserve_check_python() {
     local base="$1"
     if ! command -v "$base" >/dev/null 2>&1; then
         _laneserve_say "'$base' not found; install Python 3.11+ or set LANESERVE_PYTHON"
         return 1
     fi
-    if ! "$base" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
-        _laneserve_say "$("$base" --version 2>&1) is too old; laneserve needs Python 3.11+" \
+    local version
+    version="$(_laneserve_python_version "$base")"
+    if [[ ! "$version" =~ ^([0-9]+)\.([0-9]+)$ ]]; then
+        _laneserve_say "'$base' is not a Python interpreter (it did not report a version);" \
+            "install Python 3.11+ or set LANESERVE_PYTHON"
+        return 1
+    fi
+    if ((BASH_REMATCH[1] < 3 || (BASH_REMATCH[1] == 3 && BASH_REMATCH[2] < 11))); then
+        _laneserve_say "'$base' is Python $version, too old; laneserve needs Python 3.11+" \
             "(set LANESERVE_PYTHON)"
         return 1
     fi

@@ -477,6 +477,55 @@ def check_ports_free(config: ServerConfig) -> None:
         refusal = _bind_refusal(config.host, port, setting)
         if refusal is not None:
             raise refusal
+    refusal = _grpc_address_refusal(config.host)
+    if refusal is not None:
+        raise refusal
+
+
+def _grpc_address_refusal(host: str) -> ConfigError | None:
+    """gRPC reads the address it listens on itself, not as the system does: "0", "127.1"
+    and "0x7f000001" (IPv4 in the short forms inet_aton takes) and "[::1" (its bracket
+    unclosed, which bare_host drops) resolve for getaddrinfo (the checks above, the HTTP
+    and metrics ports) and failed gRPC's bind after the model had loaded, named as the
+    port's fault. A host name is resolved by both. None: gRPC reads it."""
+    bare = bare_host(host)
+    bracketed = host.startswith("[") or host.endswith("]")
+    if bracketed and not (
+        host.startswith("[") and host.endswith("]") and _is_ip(bare, socket.AF_INET6)
+    ):
+        how = "brackets hold an IPv6 address, [::1]"
+    elif (
+        not bracketed
+        and not _is_ip(bare, socket.AF_INET)
+        and not _is_ip(bare, socket.AF_INET6)
+        and _is_short_ipv4(bare)
+    ):
+        how = "an IPv4 address is written in full, 127.0.0.1"
+    else:
+        return None
+    return ConfigError(
+        f"gRPC cannot listen on {host!r}: it does not read it as an address (the system "
+        f"does); expected an IP address or a host name ({how})",
+        key="server.host",
+    )
+
+
+def _is_ip(text: str, family: socket.AddressFamily) -> bool:
+    try:
+        socket.inet_pton(family, text)
+    except OSError:
+        return False
+    return True
+
+
+def _is_short_ipv4(text: str) -> bool:
+    """Whether inet_aton reads `text` ("0", "127.1", "0x7f000001") though it is not an
+    IPv4 address in full."""
+    try:
+        socket.inet_aton(text)
+    except OSError:
+        return False
+    return True
 
 
 class _HealthServicer(health.aio.HealthServicer):

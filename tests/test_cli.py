@@ -126,6 +126,27 @@ def test_scripts_serve_takes_host_and_port_from_a_config_file(
         server.close()
 
 
+@pytest.mark.parametrize("interpreter", ["/bin/true", "/bin/false"])
+def test_scripts_serve_refuses_an_interpreter_that_is_not_python_keeping_the_venv(
+    tmp_path: Path, small_model: Path, interpreter: str
+) -> None:
+    """LANESERVE_PYTHON=/bin/true passed the 3.11+ check (an exit status alone), read as
+    "Python " of no version against the venv's: the working .venv was removed, `true -m
+    venv` made nothing, and the script failed on a missing .venv/bin/python."""
+    script = checkout_set_up(tmp_path / "checkout", small_model)
+    done = run_text(
+        [str(script), "--help"],
+        timeout_s=60,
+        env={**os.environ, "LANESERVE_PYTHON": interpreter},
+    )
+    assert done.returncode == 1
+    assert done.stderr == (
+        f"laneserve: '{interpreter}' is not a Python interpreter (it did not report a "
+        "version); install Python 3.11+ or set LANESERVE_PYTHON\n"
+    )
+    assert (tmp_path / "checkout" / ".venv" / ".laneserve-installed-base").exists()
+
+
 def test_sigterm_drains_and_exits_cleanly(server_process: ServerProcess) -> None:
     port = int(server_process.wait_for(r"serving .* on 127\.0\.0\.1:(\d+)").group(1))
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -392,6 +413,22 @@ REFUSED_FLAGS = [
             "expected an address of this host, or a name that resolves to one"
         ),
     ),
+    # The system resolves it (the check above passes); gRPC's resolver does not, and its
+    # bind failed after the model had loaded, named as the port's fault.
+    *[
+        (
+            ("--host", host),
+            (
+                f"--host: gRPC cannot listen on '{host}': it does not read it as an address "
+                f"(the system does); expected an IP address or a host name ({how})"
+            ),
+        )
+        for host, how in (
+            ("127.1", "an IPv4 address is written in full, 127.0.0.1"),
+            ("0", "an IPv4 address is written in full, 127.0.0.1"),
+            ("[::1", "brackets hold an IPv6 address, [::1]"),
+        )
+    ],
     *[
         (
             (flag, "BUSY"),

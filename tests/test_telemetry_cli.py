@@ -165,7 +165,26 @@ _UNREADABLE_TRACING = [
         {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "O.01"},
         "OTEL_TRACES_SAMPLER_ARG is 'O.01', not a number (the ratio of traces sampled, from 0 to 1",
     ),
+    # A number, but not a ratio: the SDK said "could not convert" of it too.
+    (
+        {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"},
+        "OTEL_TRACES_SAMPLER_ARG is '2', outside 0 to 1 (the ratio of traces sampled",
+    ),
     ({"OTEL_TRACES_SAMPLER": "traceidratio_typo"}, "recognize sampler traceidratio_typo"),
+    # The resource detector warned of an item it cannot read, and dropped it.
+    ({"OTEL_RESOURCE_ATTRIBUTES": "team=a,garbage"}, "Invalid key value resource attribute"),
+    # Read as floats: every export's deadline already passed (0 in the generic variable).
+    *[
+        (
+            {"OTEL_TRACES_EXPORTER": "otlp", key: value},
+            f"{key} is '{value}'; expected a positive number of seconds",
+        )
+        for key, value in (
+            ("OTEL_EXPORTER_OTLP_TIMEOUT", "0"),
+            ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "-5"),
+            ("OTEL_EXPORTER_OTLP_TIMEOUT", "nan"),
+        )
+    ],
     ({"OTEL_BSP_SCHEDULE_DELAY": "x"}, "Unable to parse value for OTEL_BSP_SCHEDULE_DELAY"),
     (  # an exception of the exporter's own, not a ValueError
         {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_COMPRESSION": "bogus"},

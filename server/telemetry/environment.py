@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import logging
+import math
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -43,10 +44,35 @@ def _exporter_entry_point(name: str, environ: Mapping[str, str]) -> tuple[str, s
     raise ConfigError(f"{key}: expected grpc or http/protobuf, got {protocol!r}")
 
 
+# The OTLP exporters' deadline for each export, in seconds (read with float(), the
+# signal's own variable first; an unset or 0 one falls through to the next).
+_OTLP_TIMEOUTS = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
+
+
+def _check_otlp_timeouts(environ: Mapping[str, str]) -> None:
+    """The exporters take any float as their timeout: a negative number or nan made every
+    export's deadline one already passed (each batch of spans dropped), and so did 0 in
+    OTEL_EXPORTER_OTLP_TIMEOUT (in the traces variable 0 silently meant the other's);
+    inf, a deadline never reached. What float() cannot read the exporter refuses itself."""
+    for key in _OTLP_TIMEOUTS:
+        text = environ.get(key, "").strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            continue
+        if not 0 < seconds < math.inf:
+            raise ConfigError(
+                f"{key} is {text!r}; expected a positive number of seconds (the OTLP "
+                "exporter's deadline for each export)"
+            )
+
+
 def _load_exporter(name: str, environ: Mapping[str, str]) -> SpanExporter:
     if name == "console":
         return ConsoleSpanExporter()
     entry_name, package = _exporter_entry_point(name, environ)
+    if entry_name.startswith("otlp"):
+        _check_otlp_timeouts(environ)
     found = importlib.metadata.entry_points(group="opentelemetry_traces_exporter", name=entry_name)
     if not found:
         raise ConfigError(
@@ -135,7 +161,8 @@ def _load_exporters(names: list[str], environ: Mapping[str, str]) -> list[SpanEx
 def _refused(what: str) -> ConfigError:
     return ConfigError(
         "tracing's OTEL_* variables (sampler OTEL_TRACES_SAMPLER[_ARG]; span limits "
-        "OTEL_SPAN_*, OTEL_ATTRIBUTE_*; batch settings OTEL_BSP_*): the OpenTelemetry SDK "
+        "OTEL_SPAN_*, OTEL_ATTRIBUTE_*; batch settings OTEL_BSP_*; resource "
+        "OTEL_RESOURCE_ATTRIBUTES; exporter OTEL_EXPORTER_*): the OpenTelemetry SDK "
         f"refused them: {what}; expected values it can read"
     )
 
@@ -158,10 +185,16 @@ class _Complaints(logging.Handler):
             if not self._sampler_arg:
                 return
             # The SDK's words ("... Using default rate 1.0.") named neither the value nor
-            # what it must be, and told of a default the start refuses to take.
+            # what it must be, and told of a default the start refuses to take. It says
+            # so of a number outside 0..1 too (its sampler refused it).
+            try:
+                float(self._sampler_arg)
+                what = "outside 0 to 1"
+            except ValueError:
+                what = "not a number"
             message = (
-                f"OTEL_TRACES_SAMPLER_ARG is {self._sampler_arg!r}, not a number (the ratio "
-                "of traces sampled, from 0 to 1; the SDK would have traced every request)"
+                f"OTEL_TRACES_SAMPLER_ARG is {self._sampler_arg!r}, {what} (the ratio of "
+                "traces sampled, from 0 to 1; the SDK would have traced every request)"
             )
         self.messages.append(message)
 
@@ -175,7 +208,13 @@ _COMPLAINTS_LOCK = threading.Lock()
 # The loggers that warn of a setting taken as a default: the tracing SDK's (sampler, batch
 # settings) and the exporters' (OTLP headers, through opentelemetry.util.re). Not the
 # metrics SDK's, whose warnings from other threads are none of these.
-_COMPLAINING_LOGGERS = ("opentelemetry.sdk.trace", "opentelemetry.exporter", "opentelemetry.util")
+# And the resource detector's (an OTEL_RESOURCE_ATTRIBUTES item it cannot read, dropped).
+_COMPLAINING_LOGGERS = (
+    "opentelemetry.sdk.trace",
+    "opentelemetry.sdk.resources",
+    "opentelemetry.exporter",
+    "opentelemetry.util",
+)
 
 
 @contextlib.contextmanager
