@@ -32,12 +32,17 @@ from http import HTTPStatus
 from typing import Any, Final, NoReturn
 
 import grpc
-from aiohttp import web
+from aiohttp import StreamReader, web
 from google.rpc import error_details_pb2, status_pb2
 
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.server.addresses import listening_sockets
-from laneserve.server.errors import InvalidInputError, LaneserveError, ModelNotFoundError
+from laneserve.server.errors import (
+    DrainingError,
+    InvalidInputError,
+    LaneserveError,
+    ModelNotFoundError,
+)
 from laneserve.server.grpc_accept import CALL_LIMIT_DETAILS
 from laneserve.server.kserve import (
     KServeServicer,
@@ -296,6 +301,10 @@ class HttpFrontEnd:
         self._answered: collections.Counter[tuple[str, int]] = collections.Counter()
         self._runner: web.AppRunner | None = None
         self.port: int | None = None  # once started
+        # The requests reading their bodies now (`_read_body`): a stop ends each read
+        # (cancelled, then answered DRAINING: `_stopping`).
+        self._bodies_reading: set[asyncio.Task[object]] = set()
+        self._stopping = False
 
     def application(self) -> web.Application:
         """The routes, Triton's HTTP paths (a version path beside each model path)."""
@@ -358,7 +367,13 @@ class HttpFrontEnd:
         return self.port
 
     async def stop(self) -> None:
-        """Stops listening and closes its connections (the drain answered every call)."""
+        """Stops listening and closes its connections (the drain answered every call it
+        admitted). A request whose body is still arriving is answered 503 DRAINING first:
+        left to aiohttp's stop, it waited out the stop's timeout and was cancelled, the
+        caller's connection closed without an answer and counted as a caller who left."""
+        self._stopping = True
+        for reading in self._bodies_reading:
+            reading.cancel()
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
@@ -404,8 +419,12 @@ class HttpFrontEnd:
         except HttpRefusal as refusal:
             # A fault found once the whole body was read keeps the connection.
             return refusal.answer(close=not request.content.is_eof())
-        except LaneserveError as error:  # an operator call's body, refused as it is read
-            return _answer_error(HttpAbort(error.code, error.message, status_trailers(error)))
+        except LaneserveError as error:  # an operator call's body refused as it is read, or
+            # any body as a stop ends its read (`stop`): then the rest is not waited for.
+            answer = _answer_error(HttpAbort(error.code, error.message, status_trailers(error)))
+            if not request.content.is_eof():
+                answer.force_close()
+            return answer
         except web.HTTPNotFound:
             return _error_body(
                 HTTPStatus.NOT_FOUND,
@@ -659,7 +678,32 @@ class HttpFrontEnd:
         lacks, or a corrupt body, into a bare 500 or 400)."""
         wbits = _INFLATE_WBITS.get(_coding(request))
         inflater = None if wbits is None else zlib.decompressobj(wbits)
-        content = request.content
+        task = asyncio.current_task()
+        assert task is not None
+        self._bodies_reading.add(task)
+        try:
+            return await self._read_chunks(request, limit, request.content, inflater)
+        except asyncio.CancelledError:
+            if not self._stopping:
+                raise  # the caller left (aiohttp's handler_cancellation)
+            # A stop's cancel (`stop`): the caller waits for an answer. The body's rest is
+            # read and dropped as a refused body's is (LINGER_S), not reset under it.
+            task.uncancel()
+            raise DrainingError(
+                "server is stopping and this request's body had not all arrived; retry on "
+                "another instance"
+            ) from None
+        finally:
+            self._bodies_reading.discard(task)
+
+    async def _read_chunks(
+        self,
+        request: web.Request,
+        limit: _BodyLimit,
+        content: StreamReader,
+        inflater: zlib._Decompress | None,
+    ) -> bytes:
+        """`_read_body`'s reading of `content`, chunk by chunk."""
         chunks: list[bytes] = []
         sent = size = 0
         loop = asyncio.get_running_loop()

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import gzip
 import json
+import logging
 import socket
 import ssl
 import zlib
@@ -1713,6 +1714,35 @@ def test_the_drain_answers_calls_in_flight_and_refuses_new_ones_then_closes_the_
                 await asyncio.open_connection("127.0.0.1", port)
             with pytest.raises(aiohttp.ClientConnectionError):
                 await get(http, "/v2/health/live")
+
+    asyncio.run(scenario())
+
+
+def test_a_body_still_arriving_when_the_drain_ends_is_answered_draining(
+    small_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request half sent when its server stopped (the drain had nothing to wait for):
+    aiohttp's stop waited out its timeout, cancelled the handler and closed the
+    connection with no answer, counted 499 as if the caller had left. It is answered 503
+    DRAINING, its connection ended, counted as such."""
+    body = json.dumps(infer_body(rows(2))).encode()
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        async with http_serving(engine, config(small_model)) as (s, _http):
+            front = s.server._http
+            assert front is not None
+            assert s.server.http_port is not None
+            async with connection(s.server.http_port) as (reader, writer):
+                writer.write(request_head(INFER, len(body)) + body[: len(body) // 2])
+                await until(lambda: len(front._bodies_reading) == 1)
+                await asyncio.wait_for(s.server.stop(grace_s=30), timeout=60)
+                stopped = await refused_unread(reader)
+            assert_refused(stopped, 503, "DRAINING", "server is stopping and this request's body")
+            assert answered(s) == {(INFER_ROUTE, 503): 1}
+            assert engine.ran_tags == []
+        # Not aiohttp's "Unhandled exception" of a body read after the answer.
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
     asyncio.run(scenario())
 
