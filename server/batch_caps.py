@@ -70,13 +70,14 @@ def _capacity_failures(result: BatchResult) -> list[int]:
 class BatchCaps:
     """The cap in force for each signature. Until one runs out of memory every signature
     has the probed cap, `max_rows`; after that, one with no cap of its own has a cap
-    guessed from those learned (see `_guessed_rows`). Its first batch to complete keeps
-    that guess as its own cap (`adapt`), which then moves as a learned one does (raised
-    by full batches, lowered by out of memory); a signature whose full batch ran whole at
-    the probed cap keeps the probed cap, proven, where a guess would cut it. Of the
-    signatures with a cap of their own, the MAX_SIGNATURES run most recently keep it; one
-    forgotten has the guess again (the probed cap while none was learned), reported as
-    recovered where that is higher and the cap was reported (a guess is not).
+    guessed from those learned (see `_guessed_rows`). Its first batch to complete (some
+    of its rows run) keeps that guess as its own cap (`adapt`), which then moves as a
+    learned one does (raised by full batches, lowered by out of memory); a signature
+    whose full batch ran whole at the probed cap keeps the probed cap, proven, where a
+    guess would cut it. Of the signatures with a cap of their own, the MAX_SIGNATURES run
+    most recently keep it; one forgotten has the guess again (the probed cap while none
+    was learned), reported as recovered where that is higher and the cap was reported (a
+    guess is not).
 
     Not thread-safe: owned by the scheduler (its lock); `lowest` is read anywhere."""
 
@@ -141,6 +142,11 @@ class BatchCaps:
             rows = self.rows(signature)
             if not (failed_batches or ran_full or rows < self.max_rows):
                 return moved  # at the probed cap, unproven: nothing to keep
+            if not failed_batches and result.outputs is None:
+                # None of its rows ran (a row too large even alone; a batch that failed
+                # outside the session): its guess was not tried. Kept, a row that never
+                # fits held `lowest` (GetStats' batch_cap) at its guess, 1, for good.
+                return moved
             cap, forgotten = self._keep(signature, rows)
             if forgotten is not None:
                 moved.append(forgotten)

@@ -3941,6 +3941,32 @@ def test_a_new_shape_gets_a_cap_scaled_from_the_nearest_learned_ones() -> None:
     ]
 
 
+def test_a_shape_whose_rows_never_ran_keeps_no_cap_of_its_own() -> None:
+    """A row too large even alone, of a new shape, failed DEVICE_MEMORY; its shape kept
+    the guess its batch was priced at (1 row, scaled from a far narrower shape) as its
+    own cap, though nothing of it ran: GetStats' batch_cap and the gauge read 1 for good
+    (after ordinary traffic too), and told an operator to lower max_batch_size."""
+    caps = BatchCaps(128, _CapChanges())
+    caps.adapt(_ran(64, 128, failed=True))  # 64 rows of width 64
+    huge = ((6 * 1024 * 1024,),)
+    assert caps.rows(huge) == 1
+    batch = Batch(1, (BatchSlice(0, "standard", 0, 1, 0),), 1, DispatchReason.FULL, 0.0, {}, huge)
+    unfit = BatchResult(
+        batch,
+        None,
+        None,
+        0.001,
+        failed_rows=(FailedRows(0, 1, DeviceMemoryError("row 0 does not fit")),),
+        out_of_memory_runs=(OutOfMemoryRun(1, held_unfit_row=True),),
+    )
+    assert caps.adapt(unfit) == []
+    assert caps.lowest == 64
+    for _ in range(3):
+        caps.adapt(_ran(64, 64))
+    assert caps.lowest == 64
+    assert caps.rows(huge) == 1, "still its guess when asked"
+
+
 def test_shapes_keep_the_probed_cap_while_no_cap_says_what_fits() -> None:
     """Without an out-of-memory every shape has the probed cap, and so it has again once
     the only cap lowered recovered there: a cap at the probed cap says nothing of memory."""
