@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import ipaddress
 import logging
 import resource
 import socket
@@ -487,40 +488,34 @@ def _grpc_address_refusal(host: str) -> ConfigError | None:
     and "0x7f000001" (IPv4 in the short forms inet_aton takes) and "[::1" (its bracket
     unclosed, which bare_host drops) resolve for getaddrinfo (the checks above, the HTTP
     and metrics ports) and failed gRPC's bind after the model had loaded, named as the
-    port's fault. A host name is resolved by both. None: gRPC reads it."""
+    port's fault; "127.0.0.010" gRPC read as 127.0.0.10 and the system as 127.0.0.8
+    (octal). A host name is resolved by both. None: both read it alike."""
     bare = bare_host(host)
     bracketed = host.startswith("[") or host.endswith("]")
-    if bracketed and not (
-        host.startswith("[") and host.endswith("]") and _is_ip(bare, socket.AF_INET6)
-    ):
+    if bracketed and not (host.startswith("[") and host.endswith("]") and _is_ip(bare, 6)):
         how = "brackets hold an IPv6 address, [::1]"
-    elif (
-        not bracketed
-        and not _is_ip(bare, socket.AF_INET)
-        and not _is_ip(bare, socket.AF_INET6)
-        and _is_short_ipv4(bare)
-    ):
-        how = "an IPv4 address is written in full, 127.0.0.1"
+    elif not bracketed and not _is_ip(bare, 4) and not _is_ip(bare, 6) and _is_short_ipv4(bare):
+        how = "an IPv4 address is written in full, without leading zeros: 127.0.0.1"
     else:
         return None
     return ConfigError(
-        f"gRPC cannot listen on {host!r}: it does not read it as an address (the system "
-        f"does); expected an IP address or a host name ({how})",
+        f"gRPC cannot listen on {host!r} as the system reads it (an address gRPC reads "
+        f"otherwise, or not at all); expected an IP address or a host name ({how})",
         key="server.host",
     )
 
 
-def _is_ip(text: str, family: socket.AddressFamily) -> bool:
+def _is_ip(text: str, version: int) -> bool:
     try:
-        socket.inet_pton(family, text)
-    except OSError:
+        address = ipaddress.ip_address(text)
+    except ValueError:
         return False
-    return True
+    return address.version == version
 
 
 def _is_short_ipv4(text: str) -> bool:
-    """Whether inet_aton reads `text` ("0", "127.1", "0x7f000001") though it is not an
-    IPv4 address in full."""
+    """Whether inet_aton reads `text` ("0", "127.1", "0x7f000001", "127.0.0.010")
+    though it is no IPv4 address as written in full."""
     try:
         socket.inet_aton(text)
     except OSError:
@@ -1567,6 +1562,7 @@ class LaneServer:
             max_body_bytes=self.config.max_message_bytes,
             compressed_requests=self.config.compressed_requests,
             spans=self.telemetry.http_spans,
+            events=self.telemetry.event_log,
         )
         host, port = bare_host(self.config.host), self.config.http_port
         tls = https_context(self.config)

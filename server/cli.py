@@ -546,15 +546,17 @@ def _parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
         "--priority-port",
         type=int,
         help="a second port for latency-critical callers, with its own queue in gRPC's "
-        "core in front of the same lanes (0 = any; default none)",
+        "core in front of the same lanes (0 = any, -1 = none; default none)",
     )
     serve.add_argument(
         "--http-port",
         type=int,
-        help="KServe v2 / Triton HTTP/REST on --host, in front of the same lanes (0 = any; "
-        "default none; README, HTTP)",
+        help="KServe v2 / Triton HTTP/REST on --host, in front of the same lanes (0 = any, "
+        "-1 = none; default none; README, HTTP)",
     )
-    serve.add_argument("--max-batch-size", type=int, help="upper bound of rows per batch")
+    serve.add_argument(
+        "--max-batch-size", type=int, help="upper bound of rows per batch (default 128)"
+    )
     serve.add_argument(
         "--batch-cap", type=int, help="fix the batch cap instead of probing memory for it"
     )
@@ -569,7 +571,9 @@ def _parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
     )
     serve.add_argument("--device", choices=DEVICES, help="execution device (default auto)")
     serve.add_argument(
-        "--drain-grace-s", type=float, help="seconds queued work may finish on SIGTERM"
+        "--drain-grace-s",
+        type=float,
+        help="seconds queued work may finish on SIGTERM (default 10, at most 3600)",
     )
     serve.add_argument(
         "--drain-delay-s",
@@ -577,7 +581,11 @@ def _parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
         help="seconds a SIGTERM leaves it serving, health NOT_SERVING, before the drain "
         "(default 0)",
     )
-    serve.add_argument("--max-message-bytes", type=int, help="gRPC message size limit")
+    serve.add_argument(
+        "--max-message-bytes",
+        type=int,
+        help="message size limit of the gRPC and HTTP ports (default 64 MiB, at least 1024)",
+    )
     serve.add_argument(
         "--max-concurrent-rpcs",
         type=int,

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import stat
+import threading
 import tomllib
 import unicodedata
 from collections.abc import Mapping, Sequence
@@ -528,7 +530,8 @@ def load_config(
     document: dict[str, Any] = {}
     if path is not None:
         try:
-            document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+            # utf-8-sig: a byte-order mark, which editors on Windows write, is no error.
+            document = tomllib.loads(_config_bytes(path).decode("utf-8-sig"))
         except OSError as error:
             raise ConfigError(
                 f"config file {path}: {error.strerror}; expected a readable TOML file"
@@ -540,6 +543,58 @@ def load_config(
         except tomllib.TOMLDecodeError as error:
             raise ConfigError(f"config file {path}: {error}; expected valid TOML") from error
     return config_from_mapping(document, model_path=model_path, overrides=overrides)
+
+
+# A config file's bound: a few KiB in practice; /dev/zero was read until memory ran out.
+MAX_CONFIG_BYTES = 1024 * 1024
+
+
+def _config_bytes(path: str | Path) -> bytes:
+    """The file's bytes, at most MAX_CONFIG_BYTES, refused (ConfigError) where it is a
+    device (/dev/zero was read until memory ran out) or over the bound. A pipe is read
+    as a file is (`--config <(envsubst < template.toml)` names one), waiting for its
+    writer as any reader of a pipe does (`_read_waiting`)."""
+    file_path = Path(path)
+    kind = file_path.stat().st_mode
+    # A directory: open() refuses it in its words ("Is a directory").
+    if not (stat.S_ISREG(kind) or stat.S_ISFIFO(kind) or stat.S_ISDIR(kind)):
+        raise ConfigError(f"config file {path}: a device; expected a readable TOML file")
+    data = _read_waiting(file_path) if stat.S_ISFIFO(kind) else _read(file_path)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"config file {path}: over {MAX_CONFIG_BYTES} bytes; expected a TOML file of "
+            "server settings and lanes"
+        )
+    return data
+
+
+def _read(path: Path) -> bytes:
+    with path.open("rb") as file:
+        return file.read(MAX_CONFIG_BYTES + 1)
+
+
+def _read_waiting(path: Path) -> bytes:
+    """A pipe's bytes, read on a thread of its own while this one waits in short turns:
+    blocked in the read itself, the main thread never ran the stop signals' handlers
+    when the kernel gave a signal to another thread (the process has a few by then), and
+    a SIGTERM while a pipe's writer was slow left the process running (`serve` has not
+    taken signals over yet)."""
+    read: list[bytes] = []
+    failed: list[OSError] = []
+
+    def run() -> None:
+        try:
+            read.append(_read(path))
+        except OSError as error:
+            failed.append(error)
+
+    reader = threading.Thread(target=run, name="laneserve-config", daemon=True)
+    reader.start()
+    while reader.is_alive():
+        reader.join(0.1)
+    if failed:
+        raise failed[0]
+    return read[0]
 
 
 def config_from_mapping(

@@ -23,6 +23,7 @@ import collections
 import dataclasses
 import functools
 import json
+import logging
 import math
 import socket
 import ssl
@@ -33,6 +34,7 @@ from typing import Any, Final, NoReturn
 
 import grpc
 from aiohttp import StreamReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 from google.rpc import error_details_pb2, status_pb2
 
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
@@ -60,7 +62,7 @@ from laneserve.server.kserve_json import (
     write_answer,
 )
 from laneserve.server.service import DETAILS_TRAILER, PUSHBACK_TRAILER, status_trailers
-from laneserve.server.telemetry import HTTP_CALLER_LEFT, HttpServerSpans
+from laneserve.server.telemetry import HTTP_CALLER_LEFT, EventLog, HttpServerSpans
 
 # The HTTP status for each gRPC code a method aborts with (Triton's HTTP server answers
 # 400 for most of them; these say more, and clients read the status alone as ok or not).
@@ -268,6 +270,43 @@ def _reason_of(details: bytes) -> dict[str, object]:
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # The route a request counts under where its path names none of the front end's.
 UNMATCHED_ROUTE: Final = "unmatched"
+# The route counted for a request aiohttp's parser refused before any route was matched
+# (`_MalformedRequests`).
+MALFORMED_ROUTE: Final = "malformed"
+# aiohttp's logger of the requests its parser refuses.
+AIOHTTP_SERVER_LOGGER: Final = "aiohttp.server"
+
+
+class _MalformedRequests(logging.Filter):
+    """On aiohttp's logger: its ERROR record of each request its parser refused (a bad
+    header or chunk, an unknown method; answered 400 in plain text before any route),
+    with a traceback repeating the client's bytes, becomes a count in `answered`
+    (MALFORMED_ROUTE, the refusal's status) and in the event log's aggregated
+    `http_requests_malformed` line (INFO). Any client wrote ERROR lines at will (500
+    requests: 273 KB of them in 0.3 s), which an alert on ERROR lines takes for a fault.
+    Every other record passes (a handler's own failure stays an ERROR). Not counted: a
+    first request whose method is not HTTP's (a scan, TLS on the plain port), which
+    aiohttp logs at DEBUG, below the level a filter sees; nor a bad chunk that comes
+    after its headers, which aiohttp does not tell the reader of (the body stalls: 408).
+    With two front ends in one process the first one's filter counts both."""
+
+    def __init__(
+        self, answered: collections.Counter[tuple[str, int]], events: EventLog | None
+    ) -> None:
+        super().__init__()
+        self._answered = answered  # the front end's; both touched on the event loop alone
+        self._events = events
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if not isinstance(error, HttpProcessingError) or not str(record.msg).startswith(
+            "Error handling request"
+        ):
+            return True
+        self._answered[MALFORMED_ROUTE, error.code or HTTPStatus.BAD_REQUEST] += 1
+        if self._events is not None:
+            self._events.http_malformed(type(error).__name__)
+        return False
 
 
 class HttpFrontEnd:
@@ -285,6 +324,7 @@ class HttpFrontEnd:
         max_body_bytes: int,
         compressed_requests: bool,
         spans: HttpServerSpans | None,
+        events: EventLog | None = None,
     ) -> None:
         self._kserve = kserve
         self._max_calls = max_calls
@@ -305,6 +345,7 @@ class HttpFrontEnd:
         # (cancelled, then answered DRAINING: `_stopping`).
         self._bodies_reading: set[asyncio.Task[object]] = set()
         self._stopping = False
+        self._malformed = _MalformedRequests(self._answered, events)
 
     def application(self) -> web.Application:
         """The routes, Triton's HTTP paths (a version path beside each model path)."""
@@ -350,8 +391,15 @@ class HttpFrontEnd:
             # Every request has its answer when the server stops it (after the drain).
             shutdown_timeout=2.0,
             lingering_time=LINGER_S,
+            # A connection with no request under way, before its first (nothing sent, or
+            # a request line or headers cut short) as between two, is closed after this:
+            # aiohttp's default hour let idle or stalled connections pile up until the
+            # process ran out of files (290 under `ulimit -n 300`: gRPC's health checks
+            # timed out, and accept() failed ~2 000 times a second, each logged).
+            keepalive_timeout=IDLE_CONNECTION_S,
         )
         await runner.setup()
+        logging.getLogger(AIOHTTP_SERVER_LOGGER).addFilter(self._malformed)
         sockets: list[socket.socket] = []
         try:
             sockets = listening_sockets(host, port)
@@ -359,6 +407,7 @@ class HttpFrontEnd:
                 await web.SockSite(runner, each, ssl_context=tls).start()
         except BaseException:
             await runner.cleanup()
+            logging.getLogger(AIOHTTP_SERVER_LOGGER).removeFilter(self._malformed)
             for each in sockets:  # those no site served yet (closing twice is no fault)
                 each.close()
             raise
@@ -377,6 +426,7 @@ class HttpFrontEnd:
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
+            logging.getLogger(AIOHTTP_SERVER_LOGGER).removeFilter(self._malformed)
 
     def answered(self) -> Mapping[tuple[str, int], int]:
         """The requests answered so far, by route template (UNMATCHED_ROUTE for a path
@@ -761,6 +811,9 @@ class HttpFrontEnd:
 # the event loop read 9.5 GB of a body refused 413 on loopback (a socket left unread is
 # read again by aiohttp's own flow control: there is no not reading it).
 LINGER_S: Final = 1.0
+# How long a connection may stay open with no request under way (`start`): nginx's
+# keep-alive default; a client's pool reconnects past it.
+IDLE_CONNECTION_S: Final = 75.0
 # A request body holds one of max_concurrent_rpcs calls while it comes: it may pause at
 # most BODY_IDLE_S, and must come at BODY_MIN_BYTES_PER_S on average past its first
 # BODY_IDLE_S (Apache's mod_reqtimeout's rule), else 408. A body dripping a byte at a

@@ -108,7 +108,7 @@ def parse_memory_limit(text: str, *, fraction_ok: bool = True) -> MemoryLimit:
             f"memory limit {text!r} is {limit_bytes} bytes; expected at least 1MiB{fraction}"
         )
     if limit_bytes > MAX_MEMORY_LIMIT_BYTES:  # the runtime takes a 64-bit size
-        raise ValueError(f"memory limit {text!r}: expected at most 1PiB")
+        raise ValueError(f"memory limit {text!r}: expected at most 1024TiB (1 PiB)")
     return MemoryLimit(limit_bytes=limit_bytes)
 
 
@@ -307,7 +307,13 @@ class ProcessRssGauge:
         return int(fields[1]) * self._PAGE_BYTES
 
     def total_bytes(self) -> int | None:
-        return int(os.sysconf("SC_PHYS_PAGES") * self._PAGE_BYTES)
+        """The host's memory, or the least memory limit of the process's cgroups where
+        that is lower (a container's): what a CPU budget's fraction (--memory-limit 0.5)
+        is of. Of the host's alone, a 4 GiB pod on a 256 GiB host capped its arena at
+        128 GiB, and the OOM killer came first."""
+        physical = int(os.sysconf("SC_PHYS_PAGES") * self._PAGE_BYTES)
+        cgroup = cgroup_memory_limit()
+        return physical if cgroup is None else min(physical, cgroup.limit_bytes)
 
 
 def release_free_heap() -> bool:

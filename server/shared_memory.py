@@ -131,7 +131,7 @@ def placement_of(what: str, parameters: Mapping[str, kpb.InferParameter]) -> Pla
             f"{what} has parameters {unknown[:_MAX_NAMED]}; expected none, or Triton's "
             f"shared memory ones: {REGION_PARAMETER!r} (string_param), "
             f"{BYTE_SIZE_PARAMETER!r} and optionally {OFFSET_PARAMETER!r} (int64_param); "
-            "laneserve reads no other (no classification or binary_data)"
+            "laneserve reads no other (no classification; binary_data, on the HTTP wire alone)"
         )
     if REGION_PARAMETER not in parameters:
         raise InvalidInputError(

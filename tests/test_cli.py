@@ -419,13 +419,15 @@ REFUSED_FLAGS = [
         (
             ("--host", host),
             (
-                f"--host: gRPC cannot listen on '{host}': it does not read it as an address "
-                f"(the system does); expected an IP address or a host name ({how})"
+                f"--host: gRPC cannot listen on '{host}' as the system reads it (an address "
+                "gRPC reads otherwise, or not at all); expected an IP address or a host "
+                f"name ({how})"
             ),
         )
         for host, how in (
-            ("127.1", "an IPv4 address is written in full, 127.0.0.1"),
-            ("0", "an IPv4 address is written in full, 127.0.0.1"),
+            ("127.1", "an IPv4 address is written in full, without leading zeros: 127.0.0.1"),
+            ("0", "an IPv4 address is written in full, without leading zeros: 127.0.0.1"),
+            ("127.0.0.010", "an IPv4 address is written in full, without leading zeros: 127.0.0.1"),
             ("[::1", "brackets hold an IPv6 address, [::1]"),
         )
     ],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from laneserve.server.config import (
     DEFAULT_LANES,
+    MAX_CONFIG_BYTES,
     ConfigError,
     LaneConfig,
     ServerConfig,
@@ -239,7 +241,7 @@ def test_keys_missing_from_the_file_keep_their_defaults(tmp_path: Path) -> None:
         pytest.param(
             '[server]\nmemory_limit = "99999999999999999999TiB"\n',
             "server.memory_limit (--memory-limit): memory limit '99999999999999999999TiB': "
-            "expected at most 1PiB",
+            "expected at most 1024TiB (1 PiB)",
             id="memory-limit-over-64-bits",
         ),
         pytest.param(
@@ -345,6 +347,29 @@ def test_a_config_file_that_is_absent_or_not_toml_is_refused_saying_what_was_exp
     broken = write(tmp_path, "[server\n")
     with pytest.raises(ConfigError, match=r"; expected valid TOML$"):
         load_config(broken, model_path="model.onnx")
+
+
+def test_a_config_path_that_is_a_device_or_too_large_is_refused(tmp_path: Path) -> None:
+    """/dev/zero was read until memory ran out (a MemoryError traceback): refused, naming
+    the file. A pipe is read (`--config <(envsubst < t.toml)`), a byte-order mark, which
+    editors on Windows write, read past."""
+    with pytest.raises(ConfigError) as caught:
+        load_config("/dev/zero", model_path="model.onnx")
+    assert str(caught.value) == ("config file /dev/zero: a device; expected a readable TOML file")
+    huge = tmp_path / "huge.toml"
+    huge.write_bytes(b"# " + b"x" * MAX_CONFIG_BYTES + b"\n")
+    with pytest.raises(ConfigError, match=rf"over {MAX_CONFIG_BYTES} bytes; expected a TOML"):
+        load_config(huge, model_path="model.onnx")
+    marked = tmp_path / "marked.toml"
+    marked.write_bytes(b"\xef\xbb\xbf[server]\nmax_batch_size = 8\n")
+    assert load_config(marked, model_path="model.onnx").max_batch_size == 8
+    read, write = os.pipe()
+    os.write(write, b"[server]\nmax_batch_size = 4\n")
+    os.close(write)
+    try:
+        assert load_config(f"/dev/fd/{read}", model_path="model.onnx").max_batch_size == 4
+    finally:
+        os.close(read)
 
 
 def test_shares_summing_to_one_report_the_sum(tmp_path: Path) -> None:

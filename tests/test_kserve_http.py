@@ -12,6 +12,8 @@ import dataclasses
 import gzip
 import json
 import logging
+import math
+import re
 import socket
 import ssl
 import zlib
@@ -644,6 +646,12 @@ def test_integer_data_outside_its_datatype_or_with_fractions_is_refused(tmp_path
                     "input 'i' is INT8 and holds -129; expected values from -128 to 127",
                 ),
                 ([[0, 1.5, 0]], "input 'i' is INT8 and its 'data' holds numbers with fractions"),
+                # Not "with fractions": written as floats, or not numbers at all.
+                (
+                    [[0, 1e3, 0]],
+                    "input 'i' is INT8 and its 'data' holds numbers written as floats (1e3, 2.0)",
+                ),
+                ([[0, math.nan, 0]], "input 'i' is INT8 and its 'data' holds NaN or infinities"),
                 (
                     [[0, 2**64, 0]],
                     "input 'i' is INT8 and holds 18446744073709551616; expected values from -128",
@@ -808,6 +816,36 @@ def test_fp16_values_past_its_range_are_refused_and_its_extremes_answered(tmp_pa
                     "input 'k' is FP16 and holds values beyond its range (+-65504); expected "
                     "finite FP16 values",
                 )
+
+    asyncio.run(scenario())
+
+
+def test_float_inputs_take_integers_past_64_bits_and_infinities_written_so(
+    small_model: Path,
+) -> None:
+    """JavaScript writes 2**64 as an integer of 20 digits (18446744073709552000):
+    refused for FP32 as "not numbers (or not within 64 bits)", while 2**63 passed.
+    Infinity and NaN, as write_answer writes them, are values (strict JSON has no such
+    number)."""
+    wide = np.zeros((1, 512), np.float32)
+    wide[0, 1:4] = (1e21, -(2.0**70), 7.0)  # column 0 is the engine's tag
+
+    async def scenario() -> None:
+        async with http_serving(RecordingEngine(str(small_model)), config(small_model)) as (
+            s,
+            http,
+        ):
+            data = [0, 10**21, -(2**70), 7, *([0] * 508)]
+            answer = await post(http, INFER, {"inputs": [_input(data=data)]})
+            assert answer.status == 200, answer.body[:300]
+            expected = output(await s.stub.Infer(request(wide)))
+            assert only_output(answer)["data"] == expected.ravel().tolist()
+            literal = (
+                b'{"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", '
+                b'"data": [0, Infinity, -Infinity, NaN' + b", 0" * 508 + b"]}]}"
+            )
+            answer = await post(http, INFER, data=literal)
+            assert answer.status == 200, answer.body[:300]
 
     asyncio.run(scenario())
 
@@ -1117,6 +1155,15 @@ REFUSALS: dict[str, Refusal] = {
         "input 'input' is FP32 and holds values beyond its range (+-3.40282e+38); expected "
         "finite FP32 values",
     ),
+    # Python's parser read a number past float64's range as an infinity, taken as one.
+    "a number written past float64's range": Refusal(
+        {
+            "data": b'{"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", '
+            b'"data": [1e400' + b", 0" * 511 + b"]}]}"
+        },
+        "input 'input' is FP32 and holds values beyond its range (+-3.40282e+38); expected "
+        "finite FP32 values, or Infinity written as such",
+    ),
     "65 request parameters": Refusal(
         _body({"inputs": [_input()], "parameters": _many_parameters(65)}),
         "the request has 65 parameters; expected at most 64",
@@ -1147,6 +1194,11 @@ REFUSALS: dict[str, Refusal] = {
     "an Inference-Header-Content-Length of 5 000 digits": Refusal(
         {"data": b"{}", "headers": {"Inference-Header-Content-Length": "9" * 5000}},
         "header Inference-Header-Content-Length is '99999",
+    ),
+    # Its leading zeros were dropped to count its digits, not to read it: int() raised.
+    "an Inference-Header-Content-Length of 4 301 zeros and a 3": Refusal(
+        {"data": b"{}", "headers": {"Inference-Header-Content-Length": "0" * 4301 + "3"}},
+        "header Inference-Header-Content-Length is '00000000",
     ),
     "64 request parameters, each unknown": Refusal(  # at the bound: read, and refused as unknown
         _body({"inputs": [_input()], "parameters": _many_parameters(64)}),
@@ -1716,6 +1768,68 @@ def test_the_drain_answers_calls_in_flight_and_refuses_new_ones_then_closes_the_
                 await get(http, "/v2/health/live")
 
     asyncio.run(scenario())
+
+
+def test_a_connection_with_no_request_under_way_is_closed_when_idle(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aiohttp kept a connection that sent nothing, or a request line or headers cut
+    short, for its default hour: 290 of them under `ulimit -n 300` took every file of
+    the process, gRPC's port's too. Closed after IDLE_CONNECTION_S (0.3 s here)."""
+    monkeypatch.setattr(kserve_http, "IDLE_CONNECTION_S", 0.3)
+    starts = (b"", b"GET /v2/health/li", b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")
+
+    async def scenario() -> None:
+        async with http_serving(RecordingEngine(str(small_model)), config(small_model)) as (
+            s,
+            http,
+        ):
+            assert s.server.http_port is not None
+            for start in starts:
+                async with connection(s.server.http_port) as (reader, writer):
+                    writer.write(start)
+                    assert await asyncio.wait_for(reader.read(), STEP_TIMEOUT_S) == b""
+            assert (await get(http, "/v2/health/live")).status == 200
+
+    asyncio.run(scenario())
+
+
+def test_a_request_the_http_parser_refuses_is_counted_not_logged_as_an_error(
+    small_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """aiohttp logged each request its parser refused (two Content-Lengths, a space in a
+    header's name, a bad chunk) at ERROR with a traceback repeating the client's bytes:
+    any client wrote ERROR lines at will. Counted instead, under the route `malformed`, and told of
+    in an aggregated INFO line; the port serves on."""
+    bad = (
+        b"GET /v2 HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+        b"GET /v2 HTTP/1.1\r\nHost: x\r\nBad Name: y\r\n\r\n",
+    )
+
+    async def scenario() -> None:
+        async with http_serving(RecordingEngine(str(small_model)), config(small_model)) as (
+            s,
+            http,
+        ):
+            assert s.server.http_port is not None
+            for request_bytes in bad:
+                async with connection(s.server.http_port) as (reader, writer):
+                    writer.write(request_bytes)
+                    head = await asyncio.wait_for(reader.readline(), STEP_TIMEOUT_S)
+                    assert b" 400 " in head, head
+            assert (await get(http, "/v2/health/live")).status == 200
+            assert answered(s)[kserve_http.MALFORMED_ROUTE, 400] == 2
+            s.server.telemetry.event_log.flush()
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(scenario())
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    lines = [r for r in caplog.records if getattr(r, "event", None) == "http_requests_malformed"]
+    assert {line.levelno for line in lines} == {logging.INFO}
+    told = [
+        re.search(r"refused (\d+) request\(s\) it could not parse", r.getMessage()) for r in lines
+    ]
+    assert sum(int(match.group(1)) for match in told if match) == 2
 
 
 def test_a_body_still_arriving_when_the_drain_ends_is_answered_draining(

@@ -35,6 +35,7 @@ from onnx import TensorProto, helper
 from laneserve.client.tensors import decode_tensor, encode_tensor
 from laneserve.server import ConfigError, LaneConfig, LaneServer, ServerConfig, load_engine
 from laneserve.server import app as app_module
+from laneserve.server import memory as memory_module
 from laneserve.server.batch_caps import CAP_CEILING_BATCHES, CAP_RECOVERY_BATCHES, BatchCaps
 from laneserve.server.clock import ManualClock
 from laneserve.server.cost_model import MAX_SIGNATURES, RunTimeModel
@@ -76,6 +77,7 @@ from laneserve.server.items import (
     Signature,
 )
 from laneserve.server.memory import (
+    CgroupMemoryLimit,
     MemoryEstimate,
     MemoryLimit,
     ProcessRssGauge,
@@ -212,6 +214,21 @@ def test_process_gauge_reads_resident_memory() -> None:
     assert used is not None
     assert total is not None
     assert 0 < used < total
+
+
+def test_a_cpu_budgets_fraction_is_of_the_cgroup_limit_where_it_is_lower(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--memory-limit 0.5 on the CPU was half the host's memory whatever the container's
+    limit: a 4 GiB pod on a 256 GiB host capped its arena at 128 GiB."""
+    physical = ProcessRssGauge().total_bytes()
+    assert physical is not None
+    pod = CgroupMemoryLimit(4 * GIB, "memory.max")
+    monkeypatch.setattr(memory_module, "cgroup_memory_limit", lambda: pod)
+    assert ProcessRssGauge().total_bytes() == min(physical, 4 * GIB)
+    roomy = CgroupMemoryLimit(physical * 2, "memory.max")
+    monkeypatch.setattr(memory_module, "cgroup_memory_limit", lambda: roomy)
+    assert ProcessRssGauge().total_bytes() == physical
 
 
 def test_static_estimate_counts_weights_and_row_activations(tmp_path: Path) -> None:

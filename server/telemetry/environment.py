@@ -65,6 +65,7 @@ def _check_otlp_timeouts(environ: Mapping[str, str]) -> None:
                 f"{key} is {text!r}; expected a positive number of seconds (the OTLP "
                 "exporter's deadline for each export)"
             )
+        return  # the one the exporter reads: the other, if set, it never reads
 
 
 def _load_exporter(name: str, environ: Mapping[str, str]) -> SpanExporter:
