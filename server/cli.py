@@ -632,13 +632,17 @@ def _parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
         type=int,
         help="Prometheus endpoint on --host (default 9464; 0 = any free port; -1 = none)",
     )
-    add_top_arguments(
-        commands.add_parser("top", help="a live dashboard of a server's GetStats (any target)")
+    top = commands.add_parser("top", help="a live dashboard of a server's GetStats (any target)")
+    add_top_arguments(top)
+    bench = commands.add_parser(
+        "bench", help="benchmark against the naive designs (bench/README.md)"
     )
-    bench_cli.add_arguments(
-        commands.add_parser("bench", help="benchmark against the naive designs (bench/README.md)")
-    )
+    bench_cli.add_arguments(bench)
     make = commands.add_parser("make-model", help="write the demo MLP model")
+    # The log settings after `top` and `make-model` as after `serve` (`laneserve top
+    # --log-format json` was refused as an unknown argument); `bench` has its own.
+    for command in (top, make):
+        _add_log_arguments(command, level=argparse.SUPPRESS, log_format=argparse.SUPPRESS)
     make.add_argument("path")
     make.add_argument(
         "--seed", type=flag_values.integer(0), default=0, help="seed of the weights (default 0)"

@@ -356,11 +356,17 @@ def _check_batch_axis_unique(inputs: Sequence[TensorSpec], outputs: Sequence[Ten
 
 
 def _not_a_file(path: Path) -> str | None:
-    """What is at `path` when it is not a regular file; None when it is. Checked before
-    the runtime reads it: it takes a directory for a model that fails to parse
-    (INVALID_PROTOBUF), which names the content, not the path."""
+    """What is at `path` when it is not a regular file this process can read; None when
+    it is. Checked before the runtime reads it: it takes a directory for a model that
+    fails to parse (INVALID_PROTOBUF), which names the content, not the path, and an
+    unreadable file came out as its "system error number 13" after the static estimate's
+    child had started and warned twice."""
     if path.is_file():
-        return None
+        try:
+            with path.open("rb"):
+                return None
+        except OSError as error:
+            return error.strerror or str(error)
     if path.is_dir():
         return "is a directory"
     return "is not a regular file" if path.exists() else "no such file"

@@ -26,7 +26,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from laneserve.client import cli as client_cli
 from laneserve.server import ManualClock, ServerConfig
 from laneserve.server import cli as server_cli
-from laneserve.server.engine import CPU, CUDA, choose_providers, gpu_present
+from laneserve.server.engine import (
+    CPU,
+    CUDA,
+    Engine,
+    EngineStartError,
+    choose_providers,
+    gpu_present,
+)
 from laneserve.server.lifecycle import REPEAT_WINDOW_S, Lifecycle, SignalMeaning, StopSignals
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
@@ -274,6 +281,37 @@ def test_a_command_line_refused_under_json_logs_is_one_json_line(args: tuple[str
     assert line["event"] == "usage_error"
     assert line["exit_code"] == 2
     assert line["message"].startswith("laneserve")
+
+
+def test_a_model_file_that_cannot_be_read_is_refused_before_the_load(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model file the server may not read (root reads any, so its open is made to
+    fail here) came out as ONNX Runtime's "system error number 13", after the static
+    estimate's child had started and warned twice: refused first, in the system's words."""
+    opened = Path.open
+
+    def refusing_open(path: Path, *args: Any, **kwargs: Any) -> Any:
+        if path == small_model:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return opened(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", refusing_open)
+    with pytest.raises(EngineStartError) as caught:
+        Engine(str(small_model), device="cpu")
+    assert str(caught.value) == (
+        f"cannot load model {str(small_model)!r}: Permission denied; expected an ONNX model file"
+    )
+
+
+def test_log_settings_are_taken_after_every_command_as_after_serve() -> None:
+    """`laneserve top --log-format json` was refused as an unrecognized argument (the
+    log settings were the top-level parser's, and serve's alone again after it)."""
+    stderr = refused("top", "--log-format", "json", "--iterations", "0")
+    (line,) = [json.loads(text) for text in stderr.splitlines()]
+    assert line["event"] == "usage_error"
+    assert "--iterations" in line["message"]
+    assert "unrecognized" not in line["message"]
 
 
 def test_a_model_path_that_is_a_directory_is_refused_saying_so(tmp_path: Path) -> None:

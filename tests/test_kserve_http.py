@@ -1798,8 +1798,8 @@ def test_a_request_the_http_parser_refuses_is_counted_not_logged_as_an_error(
     small_model: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """aiohttp logged each request its parser refused (two Content-Lengths, a space in a
-    header's name, a bad chunk) at ERROR with a traceback repeating the client's bytes:
-    any client wrote ERROR lines at will. Counted instead, under the route `malformed`, and told of
+    header's name) at ERROR with a traceback repeating the client's bytes: any client
+    wrote ERROR lines at will. Counted instead, under the route `malformed`, and told of
     in an aggregated INFO line; the port serves on."""
     bad = (
         b"GET /v2 HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
