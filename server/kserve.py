@@ -1343,6 +1343,27 @@ def _tensor_metadata(spec: TensorSpec) -> kpb.ModelMetadataResponse.TensorMetada
     )
 
 
+# Triton's trace and log settings methods (tritonclient's get/update_trace_settings and
+# get/update_log_settings), which laneserve answers only to refuse.
+TRITON_SETTINGS_METHODS: Final = ("TraceSetting", "LogSettings")
+
+
+async def _refuse_settings(
+    method: str, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+) -> bytes:
+    """Triton's `method`, refused: laneserve's traces and logs are set at start."""
+    del request  # what it would set is not read
+    await abort_with(
+        context,
+        UnsupportedError(
+            f"laneserve has no {method}: it traces with OpenTelemetry (OTEL_* variables, set "
+            "at start) and logs with --log-format / --log-level; expected those, not "
+            "Triton's trace and log settings"
+        ),
+    )
+    raise AssertionError("unreachable: abort raises")
+
+
 def add_kserve_to_server(
     servicer: KServeServicer, server: grpc.aio.Server, gate: CallGate
 ) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
@@ -1382,6 +1403,14 @@ def add_kserve_to_server(
             behavior,
             request_deserializer=read,
             response_serializer=response_type.SerializeToString,
+        )
+    # Triton's methods this protocol file lacks, which tritonclient calls: refused in
+    # words (gRPC's own answer was a bare "Method not found!"), their requests unread.
+    for name in TRITON_SETTINGS_METHODS:
+        handlers[name] = grpc.unary_unary_rpc_method_handler(
+            gate.gate_operator(functools.partial(_refuse_settings, name)),
+            request_deserializer=gate.operator_deserializer(lambda data: data),
+            response_serializer=bytes,
         )
     # As a generated add_*Servicer_to_server adds them: registered, and generic for the rest.
     generic = grpc.method_handlers_generic_handler(service.full_name, handlers)

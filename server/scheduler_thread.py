@@ -402,7 +402,14 @@ class SchedulerThread:
                     batch.batch_id,
                     extra=event_extra("batch_failed", batch_id=batch.batch_id),
                 )
-                result = BatchResult(batch, None, ServerFaultError(f"batch failed: {error!r}"), 0.0)
+                # Every request of the batch is told it was not its own input (a server
+                # fault, logged above: the batch_failed line's id), and that a retry may
+                # run: "batch failed: RuntimeError(...)" read as a verdict on the request.
+                fault = ServerFaultError(
+                    f"batch {batch.batch_id} failed in the server outside the model's run, "
+                    f"not for this request's input: {error!r}; a retry may succeed"
+                )
+                result = BatchResult(batch, None, fault, 0.0)
             failure = _session_failure(result)
             refusal = None if failure is None else _broken(failure, "this request never ran")
             outcomes: list[Outcome] = []

@@ -1114,6 +1114,16 @@ def test_the_repository_index_lists_the_one_model_ready_and_loads_nothing(
                     f"laneserve {verb} no model while it serves: its one model ('small')",
                 )
             assert (await stub.ModelReady(kpb.ModelReadyRequest(name=MODEL))).ready
+            # Triton's trace and log settings, which this protocol file lacks: gRPC's own
+            # answer was a bare "Method not found!". The request's bytes are not read.
+            for method in ("TraceSetting", "LogSettings"):
+                settings: Any = s.channel.unary_unary(f"/inference.GRPCInferenceService/{method}")
+                await refused(
+                    settings(b"\x0a\x00"),
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    "UNSUPPORTED",
+                    f"laneserve has no {method}: it traces with OpenTelemetry",
+                )
 
     asyncio.run(scenario())
 

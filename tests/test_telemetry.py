@@ -2574,6 +2574,14 @@ def test_requests_failed_by_laneserve_itself_are_not_blamed_on_the_model(
     for outcome in (batch_fault, queued):
         assert isinstance(outcome.error, ServerFaultError), outcome
         assert outcome.error.reason == EngineError.reason  # the same answer on the wire
+    # Its callers are told it was not their input, and that a retry may run ("batch
+    # failed: RuntimeError(...)" read as a verdict on the request).
+    assert batch_fault.error is not None
+    assert re.fullmatch(
+        r"batch \d+ failed in the server outside the model's run, not for this request's "
+        r"input: RuntimeError\('injected fault: stacking the outputs'\); a retry may succeed",
+        batch_fault.error.message,
+    ), batch_fault.error.message
     (failure,) = failures
     assert isinstance(failure, ServerFaultError)
     assert failure.message == "the scheduler failed; the server must be restarted"
