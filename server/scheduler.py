@@ -1435,22 +1435,24 @@ class Scheduler:
 
     def _trim_to_deadline(self, plan: _Plan, now_s: float) -> None:
         """Holds a batch its deadline sends out to the rows predicted to end by the
-        earliest deadline among them: those of that deadline, then the others in lane
-        then FIFO order while they fit. Rows that came while it waited for that deadline
-        joined it unbounded (only lower lanes' riders were bounded), and made the request
-        it waited for late. Rows left out go next; a lane with a share banks what it did
-        not get."""
+        earliest deadline among them: the first of that deadline whatever its size, then
+        the others of that deadline, then the rest, each in lane then FIFO order, while
+        they fit. Rows that came while it waited for that deadline joined it unbounded
+        (only lower lanes' riders were bounded), and made the request it waited for late;
+        so did rows of the same deadline (40 of a shape not yet run, admitted unpredicted:
+        all 40 ran and were late, where the first ones fitted). Rows left out go next, or
+        expire in the queue unrun; a lane with a share banks what it did not get."""
         model = self._run_times.get(plan.taken[0][0].request.signature)
         ordered = sorted(plan.taken, key=lambda pair: (pair[0].priority, pair[0].entry_id))
         # The request the deadline sent the batch out for goes whatever its place in
         # order (an older one of its lane with a later deadline, a higher lane's, came
         # first, and it was the one left out, to expire in the queue).
         earliest_s = min(entry.deadline_s for entry, _ in ordered)
-        kept = [pair for pair in ordered if pair[0].deadline_s == earliest_s]
-        rows = sum(taken for _, taken in kept)
-        for entry, taken in ordered:
-            if entry.deadline_s == earliest_s:
-                continue
+        due = [pair for pair in ordered if pair[0].deadline_s == earliest_s]
+        rest = [pair for pair in ordered if pair[0].deadline_s != earliest_s]
+        kept = due[:1]
+        rows = due[0][1]
+        for entry, taken in due[1:] + rest:
             if now_s + model.predict_s(rows + taken) > earliest_s:
                 break
             kept.append((entry, taken))

@@ -491,6 +491,38 @@ def test_rows_that_come_while_a_batch_waits_for_its_deadline_do_not_make_it_late
     assert batch.rows + dispatch(scheduler, later_s + 0.001, math.inf).rows == 21
 
 
+def test_rows_of_the_same_deadline_are_held_to_what_ends_by_it_too() -> None:
+    """Forty requests of one deadline, of a shape not yet run (admission cannot predict
+    it, so it takes them): the batch their deadline sent out kept every row of that
+    deadline untrimmed, and all forty ran and were late, where the first ones fitted
+    (a review's scenario). It holds the first, then those that end by the deadline; the
+    rest go next, or expire in the queue unrun."""
+    scheduler = Scheduler(
+        TOP_DOWN_LANES,
+        batch_cap=64,
+        run_time=RunTimeModel({1: 0.0005, 64: 0.010}),
+        run_time_signature=((2,),),
+    )
+    now_s = T0
+    for index in range(30):  # dense arrivals and back-to-back batches: waiting pays
+        scheduler.admit(make_request(index, "standard", 1), now_s)
+        scheduler.complete(run(dispatch(scheduler, now_s, idle_since_s=math.inf), 0.0005))
+        now_s += 0.0005
+    deadline_s = now_s + 0.006
+    scheduler.admit(make_request(100, "standard", 1, width=3, deadline_s=deadline_s), now_s)
+    decision = scheduler.decide(now_s, NEVER_IDLE)
+    assert isinstance(decision, WaitUntil)
+    later_s = decision.at_s - 0.0002
+    for index in range(101, 140):
+        scheduler.admit(make_request(index, "standard", 1, width=3, deadline_s=deadline_s), later_s)
+    batch = dispatch(scheduler, later_s)
+    assert batch.reason is DispatchReason.DEADLINE
+    assert row_ids(batch)[0] == ids(100, 1)[0]
+    model = scheduler._run_times.get(((3,),))
+    assert 1 < batch.rows < 40
+    assert later_s + model.predict_s(batch.rows) <= deadline_s
+
+
 def test_a_batch_its_deadline_sends_out_holds_that_request_whatever_its_place() -> None:
     """An older request of the lane, with a later deadline, comes first in lane order; the
     one whose deadline sends the batch out comes second. Trimmed in that order from the
