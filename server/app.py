@@ -121,6 +121,16 @@ ACCEPTORS_CLOSE_S = 1.0
 # grpc-go answer by doubling their interval): clients ping to find a dead connection
 # sooner than that.
 MIN_CLIENT_PING_INTERVAL_MS = 60_000
+# A gRPC connection with no call in progress is closed (GOAWAY) after this long; a
+# client's channel connects again on its next call. gRPC kept one for ever: 400
+# connections that sent their preface and nothing more took every file of the process,
+# and both ports and the metrics endpoint stopped answering (a review). As the HTTP
+# port's IDLE_CONNECTION_S.
+IDLE_CONNECTION_MS = 75_000
+# The share of the open-file limit one gRPC port's connections may take at once (a
+# quarter, as shared memory regions may take another): past it gRPC closes a new
+# connection at once, and the process keeps files for the rest.
+CONNECTION_SHARE_OF_FILES = 4
 # gRPC's bitset of the compression algorithms it takes (bit 0: identity): identity only
 # refuses a compressed request UNIMPLEMENTED on its header, before inflating it.
 IDENTITY_ONLY_ALGORITHMS = 1
@@ -446,6 +456,15 @@ OPEN_FILES_HINT = (
 # first, or (Python 3.13, `ulimit -n 12`) an abort inside gRPC's core, which takes no
 # error it cannot open its wakeup fd ("Eventfd wakeup fd is not supported", SIGABRT).
 MIN_OPEN_FILES = 64
+
+
+def connection_limit() -> list[tuple[str, int]]:
+    """gRPC's option bounding a port's connections to a quarter of the open-file limit
+    (CONNECTION_SHARE_OF_FILES); none where the limit is infinite."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return []
+    return [("grpc.max_allowed_incoming_connections", max(1, soft // CONNECTION_SHARE_OF_FILES))]
 
 
 def check_open_file_limit() -> None:
@@ -1428,6 +1447,8 @@ class LaneServer:
                 # PermitWithoutStream ping idle connections. At one a minute at most, an
                 # idle connection costs a few bytes a minute.
                 ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS),
+                *connection_limit(),
                 *compression,
                 *pending_call_limits(max_pending_calls),
             ],

@@ -17,7 +17,7 @@ import re
 import socket
 import ssl
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +233,20 @@ async def connection(port: int) -> AsyncIterator[tuple[asyncio.StreamReader, asy
         writer.close()
         with contextlib.suppress(ConnectionError):
             await writer.wait_closed()
+
+
+async def sent_alone(
+    port: int,
+    payloads: Sequence[bytes],
+    read: Callable[[asyncio.StreamReader], Awaitable[bytes]],
+) -> list[bytes]:
+    """Each of `payloads` sent on a connection of its own, and what `read` reads back."""
+    answers = []
+    for payload in payloads:
+        async with connection(port) as (reader, writer):
+            writer.write(payload)
+            answers.append(await asyncio.wait_for(read(reader), STEP_TIMEOUT_S))
+    return answers
 
 
 async def headers_alone(port: int, path: str, length: int, **headers: str) -> Answer:
@@ -1785,10 +1799,8 @@ def test_a_connection_with_no_request_under_way_is_closed_when_idle(
             http,
         ):
             assert s.server.http_port is not None
-            for start in starts:
-                async with connection(s.server.http_port) as (reader, writer):
-                    writer.write(start)
-                    assert await asyncio.wait_for(reader.read(), STEP_TIMEOUT_S) == b""
+            closed = await sent_alone(s.server.http_port, starts, asyncio.StreamReader.read)
+            assert closed == [b""] * len(starts)  # read to the end: closed by the server
             assert (await get(http, "/v2/health/live")).status == 200
 
     asyncio.run(scenario())
@@ -1812,11 +1824,8 @@ def test_a_request_the_http_parser_refuses_is_counted_not_logged_as_an_error(
             http,
         ):
             assert s.server.http_port is not None
-            for request_bytes in bad:
-                async with connection(s.server.http_port) as (reader, writer):
-                    writer.write(request_bytes)
-                    head = await asyncio.wait_for(reader.readline(), STEP_TIMEOUT_S)
-                    assert b" 400 " in head, head
+            heads = await sent_alone(s.server.http_port, bad, asyncio.StreamReader.readline)
+            assert all(b" 400 " in head for head in heads), heads
             assert (await get(http, "/v2/health/live")).status == 200
             assert answered(s)[kserve_http.MALFORMED_ROUTE, 400] == 2
             s.server.telemetry.event_log.flush()

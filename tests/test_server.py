@@ -3676,3 +3676,57 @@ def test_a_health_watch_frees_its_slot_once_however_it_ends(
             assert main_gate.watch_calls == priority_gate.watch_calls == 0
 
     asyncio.run(scenario())
+
+
+def test_a_grpc_connection_left_idle_is_closed_and_connects_again(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gRPC kept a connection with no call in progress for ever: 400 that sent their
+    preface and nothing more took every file of the process (both ports and the metrics
+    endpoint stopped answering). Closed after IDLE_CONNECTION_MS (0.3 s here); the
+    client's channel connects again on its next call."""
+    monkeypatch.setattr(app_module, "IDLE_CONNECTION_MS", 300)
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            await s.stub.GetModel(pb.GetModelRequest(), timeout=10)
+            assert s.channel.get_state() is grpc.ChannelConnectivity.READY
+            await asyncio.wait_for(
+                s.channel.wait_for_state_change(grpc.ChannelConnectivity.READY), timeout=30
+            )
+            assert s.channel.get_state() is not grpc.ChannelConnectivity.READY
+            await s.stub.GetModel(pb.GetModelRequest(), timeout=10)
+
+    asyncio.run(scenario())
+
+
+def test_a_grpc_port_takes_at_most_its_share_of_the_open_file_limit_in_connections(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A quarter of the open-file limit per port (here 1 connection): past it gRPC closes
+    a new connection at once, and the process keeps its files for the rest (else idle
+    connections took every one). A connection freed, the next is taken."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY:
+        assert app_module.connection_limit() == [
+            ("grpc.max_allowed_incoming_connections", max(1, soft // 4))
+        ]
+    monkeypatch.setattr(
+        app_module, "connection_limit", lambda: [("grpc.max_allowed_incoming_connections", 1)]
+    )
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            await s.stub.GetModel(pb.GetModelRequest(), timeout=10)  # the one connection
+            # A connection of its own (gRPC shares one among a process's channels).
+            own = [("grpc.use_local_subchannel_pool", 1)]
+            async with grpc.aio.insecure_channel(s.target, options=own) as second:
+                stub = pb_grpc.InferenceServiceStub(second)
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await stub.GetModel(pb.GetModelRequest(), timeout=10)
+                assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
+                await s.channel.close()
+                answer = await stub.GetModel(pb.GetModelRequest(), timeout=30, wait_for_ready=True)
+                assert answer.model_path == str(small_model)
+
+    asyncio.run(scenario())
