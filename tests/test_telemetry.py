@@ -18,6 +18,7 @@ import logging
 import os
 import queue
 import re
+import resource
 import socket
 import sys
 import threading
@@ -1392,6 +1393,24 @@ def test_answers_grpc_could_not_send_are_scraped_by_method_from_the_start(
     before, after = asyncio.run(scenario())
     assert before == {infer: 0.0, model_infer: 0.0}
     assert after == {infer: 2.0, model_infer: 0.0}
+
+
+def test_the_process_open_files_and_their_limit_are_scraped(small_model: Path) -> None:
+    """Idle connections took every file of the process and nothing on the endpoint told
+    it: prometheus_client's process figures (open files, their limit, resident memory,
+    CPU) are scraped beside laneserve's."""
+
+    async def scenario() -> dict[str, Any]:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            return await asyncio.to_thread(scrape, s.server.metrics_port)
+
+    families = asyncio.run(scenario())
+    (open_files,) = families["process_open_fds"].samples
+    (limit,) = families["process_max_fds"].samples
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert limit.value == soft
+    assert 0 < open_files.value < limit.value
+    assert families["process_resident_memory_bytes"].samples[0].value > 0
 
 
 def test_grpcs_unsent_answer_records_are_taken_only_from_the_start_to_the_close() -> None:

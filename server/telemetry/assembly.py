@@ -114,6 +114,10 @@ class Telemetry:
             # mix their figures in the default one.
             self._registry = prometheus_client.CollectorRegistry(auto_describe=True)
             readers.append(PrometheusMetricReader(registry=self._registry))
+            # The process's own figures (open files against their limit, resident memory,
+            # CPU): the open-file limit ran out under idle connections with nothing on
+            # the endpoint to tell it (a review). prometheus_client's, standard names.
+            prometheus_client.ProcessCollector(registry=self._registry)
         self._meter_provider: MeterProvider | None = None
         self.metrics: Metrics | None = None
         if readers:
