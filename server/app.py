@@ -630,6 +630,19 @@ class _PortHealth:
         return getattr(self._shared, name)
 
 
+class _PortReflection:
+    """gRPC's reflection service as one port serves it: its streams, open as long as
+    their callers keep them, counted with the port's health watches
+    (`CallGate.gate_reflection`)."""
+
+    def __init__(self, shared: reflection.aio.ReflectionServicer, gate: CallGate) -> None:
+        self._shared = shared
+        self.ServerReflectionInfo = gate.gate_reflection(shared.ServerReflectionInfo)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._shared, name)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Listener:
     """One port's gRPC server: the port it bound, the acceptors that take its inference
@@ -1503,18 +1516,17 @@ class LaneServer:
         # gRPC's own view: calls started, succeeded and failed, sockets. Calls its core
         # refused (max_pending_calls) count as started and never end.
         add_grpc_service(server, CHANNELZ_SERVICE_NAME, channelz.aio.ChannelzServicer())
+        reflection_servicer = reflection.aio.ReflectionServicer(
+            (
+                SERVICE_NAME,
+                KSERVE_SERVICE_NAME,
+                health.SERVICE_NAME,
+                CHANNELZ_SERVICE_NAME,
+                reflection.SERVICE_NAME,
+            )
+        )
         add_grpc_service(
-            server,
-            reflection.SERVICE_NAME,
-            reflection.aio.ReflectionServicer(
-                (
-                    SERVICE_NAME,
-                    KSERVE_SERVICE_NAME,
-                    health.SERVICE_NAME,
-                    CHANNELZ_SERVICE_NAME,
-                    reflection.SERVICE_NAME,
-                )
-            ),
+            server, reflection.SERVICE_NAME, _PortReflection(reflection_servicer, gate)
         )
         address = host_port(self.config.host, port)
         bound = 0

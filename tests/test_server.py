@@ -3580,11 +3580,50 @@ async def _watch_refused(channel: grpc.aio.Channel) -> grpc.aio.AioRpcError:
     return caught.value
 
 
-def _watch_bound() -> str:
+def _watch_bound(limit: int = grpc_accept.WATCH_LIMIT) -> str:
     return (
-        f"{grpc_accept.WATCH_LIMIT} health Watch streams (grpc.health.v1.Health/Watch) at "
-        "once on this port, counted apart from every other call; Check is not counted"
+        f"{limit} health Watch and reflection streams (grpc.health.v1.Health/Watch, "
+        "grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo) at once on this "
+        "port, counted apart from every other call; Check is not counted"
     )
+
+
+def test_reflection_streams_are_counted_with_the_health_watches(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reflection stream stays open as long as its caller keeps it, and nothing
+    counted them (20 000, never read, held 640 MiB): they share the port's Watch bound
+    (3 here), the one over refused in the same words, a health Watch too; one that ends
+    frees its slot."""
+    monkeypatch.setattr(grpc_accept, "WATCH_LIMIT", 3)
+    asked = reflection_pb2.ServerReflectionRequest(list_services="")
+
+    async def opened(stub: Any) -> Any:
+        stream = stub.ServerReflectionInfo()
+        await stream.write(asked)
+        await stream.read()
+        return stream
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            stub: Any = reflection_pb2_grpc.ServerReflectionStub(s.channel)  # type: ignore[arg-type]
+            streams = [await opened(stub) for _ in range(3)]
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await opened(stub)
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            trailers = dict(caught.value.trailing_metadata() or ())
+            assert trailers[grpc_accept.WATCH_LIMIT_KEY] == _watch_bound(3)
+            refused = await _watch_refused(s.channel)
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            (main_gate,) = _watch_gates(s)
+            streams[0].cancel()
+            await until(lambda: main_gate.watch_calls == 2)
+            streams[0] = await opened(stub)
+            for stream in streams:
+                stream.cancel()
+            await until(lambda: main_gate.watch_calls == 0)
+
+    asyncio.run(scenario())
 
 
 def test_health_watches_past_their_own_bound_are_refused_as_grpc_refuses_them(
