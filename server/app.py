@@ -1525,6 +1525,8 @@ class LaneServer:
                 reflection.SERVICE_NAME,
             )
         )
+        # Only v1alpha is served: a grpc.reflection.v1 service added here needs its own
+        # streams gated too.
         add_grpc_service(
             server, reflection.SERVICE_NAME, _PortReflection(reflection_servicer, gate)
         )
