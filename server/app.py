@@ -15,7 +15,6 @@ import errno
 import functools
 import ipaddress
 import logging
-import resource
 import socket
 import ssl
 import threading
@@ -50,7 +49,7 @@ from laneserve.server.idempotency import LedgerCounts
 from laneserve.server.kserve import INFER_METHOD as KSERVE_INFER_METHOD
 from laneserve.server.kserve import SERVICE_NAME as KSERVE_SERVICE_NAME
 from laneserve.server.kserve import KServeServicer, add_kserve_to_server
-from laneserve.server.kserve_http import HttpFrontEnd
+from laneserve.server.kserve_http import IDLE_CONNECTION_S, HttpFrontEnd
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.memory import (
     CgroupMemoryLimit,
@@ -68,6 +67,7 @@ from laneserve.server.memory import (
     session_gpu_id,
     share_above,
 )
+from laneserve.server.process import open_file_limit
 from laneserve.server.scheduler import Scheduler
 from laneserve.server.scheduler_thread import SchedulerThread
 from laneserve.server.service import (
@@ -121,12 +121,11 @@ ACCEPTORS_CLOSE_S = 1.0
 # grpc-go answer by doubling their interval): clients ping to find a dead connection
 # sooner than that.
 MIN_CLIENT_PING_INTERVAL_MS = 60_000
-# A gRPC connection with no call in progress is closed (GOAWAY) after this long; a
-# client's channel connects again on its next call. gRPC kept one for ever: 400
-# connections that sent their preface and nothing more took every file of the process,
-# and both ports and the metrics endpoint stopped answering (a review). As the HTTP
-# port's IDLE_CONNECTION_S.
-IDLE_CONNECTION_MS = 75_000
+# A gRPC connection with no call in progress is closed (GOAWAY) after this long, the
+# HTTP port's own bound; a client's channel connects again on its next call. gRPC kept
+# one for ever: 400 connections that sent their preface and nothing more took every file
+# of the process, and both ports and the metrics endpoint stopped answering (a review).
+IDLE_CONNECTION_MS = round(IDLE_CONNECTION_S * 1000)
 # The share of the open-file limit one gRPC port's connections may take at once (a
 # quarter, as shared memory regions may take another): past it gRPC closes a new
 # connection at once, and the process keeps files for the rest.
@@ -461,19 +460,19 @@ MIN_OPEN_FILES = 64
 def connection_limit() -> list[tuple[str, int]]:
     """gRPC's option bounding a port's connections to a quarter of the open-file limit
     (CONNECTION_SHARE_OF_FILES); none where the limit is infinite."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
+    limit = open_file_limit()
+    if limit is None:
         return []
-    return [("grpc.max_allowed_incoming_connections", max(1, soft // CONNECTION_SHARE_OF_FILES))]
+    return [("grpc.max_allowed_incoming_connections", max(1, limit // CONNECTION_SHARE_OF_FILES))]
 
 
 def check_open_file_limit() -> None:
     """Refuses a process whose open-file limit is under MIN_OPEN_FILES, naming both:
     `serve` before the model loads, and every LaneServer's start (an embedder's too)."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < MIN_OPEN_FILES:
+    limit = open_file_limit()
+    if limit is not None and limit < MIN_OPEN_FILES:
         raise ConfigError(
-            f"the open-file limit is {soft}, under the {MIN_OPEN_FILES} a server needs at "
+            f"the open-file limit is {limit}, under the {MIN_OPEN_FILES} a server needs at "
             f"the least; {OPEN_FILES_HINT}"
         )
 

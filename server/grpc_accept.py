@@ -32,6 +32,7 @@ calls in progress, however taken.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import logging
@@ -428,39 +429,41 @@ class CallGate:
     def gate_watch(self, behavior: Callable[..., Awaitable[None]]) -> Callable[..., Any]:
         """`behavior` (gRPC's health Watch: a coroutine function that writes its answers
         through the context and ends when the call does), counted in `watch_calls` while
-        it runs and refused over `watch_limit`. Its slot is freed once, however it ends:
-        its caller gone (cancelled), the drain (`end_watches`), or an error."""
+        it runs and refused over `watch_limit` (`_watch_slot`)."""
 
         async def gated(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-            if self.watches_full:
-                await self.refuse_watch(context)
-            self.watch_calls += 1
-            try:
+            async with self._watch_slot(context):
                 await behavior(request, context)
-            finally:
-                self.watch_calls -= 1
 
         return gated
 
     def gate_reflection(self, behavior: Callable[..., Any]) -> Callable[..., AsyncIterator[Any]]:
         """`behavior` (gRPC's reflection stream: an async generator of answers, open as
         long as its caller keeps it), counted with the health Watch streams
-        (`gate_watch`): 20 000 of them, never read, held 640 MiB (a review). Its slot is
-        freed once, however it ends."""
+        (`_watch_slot`): 20 000 of them, never read, held 640 MiB (a review)."""
 
         async def gated(
             requests: Any, context: grpc.aio.ServicerContext[Any, Any]
         ) -> AsyncIterator[Any]:
-            if self.watches_full:
-                await self.refuse_watch(context)
-            self.watch_calls += 1
-            try:
+            async with self._watch_slot(context):
                 async for answer in behavior(requests, context):
                     yield answer
-            finally:
-                self.watch_calls -= 1
 
         return gated
+
+    @contextlib.asynccontextmanager
+    async def _watch_slot(self, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[None]:
+        """One of the `watch_limit` slots of the long-lived streams (health Watch,
+        reflection) for as long as the block runs, the one over refused. Freed once,
+        however the stream ends: its caller gone (cancelled), the drain (`end_watches`),
+        or an error."""
+        if self.watches_full:
+            await self.refuse_watch(context)
+        self.watch_calls += 1
+        try:
+            yield
+        finally:
+            self.watch_calls -= 1
 
     def gate(self, behavior: Callable[..., Any], *, response_streaming: bool) -> Callable[..., Any]:
         """`behavior` (a handler's, taking the request or its iterator and the context),

@@ -468,11 +468,8 @@ def _wide_numbers(data: list[Any], values: np.ndarray[Any, Any]) -> np.ndarray[A
     """`data` as float64 where it holds numbers alone, integers past 64 bits among them,
     in rectangular lists (one past float64's range an infinity: refused as such);
     `values` as it was otherwise (refused as not numbers)."""
-    try:
-        exact = np.array(data, dtype=object)
-    except (ValueError, RuntimeError):  # lists of unequal lengths; nested too deep
-        return values
-    if not exact.size or not all(type(value) in _NUMBER_TYPES for value in exact.flat):
+    exact = _python_values(data, _NUMBER_TYPES)
+    if exact is None:
         return values
     floats = np.fromiter((_float(value) for value in exact.flat), np.float64, exact.size)
     return floats.reshape(exact.shape)
@@ -508,9 +505,15 @@ def _written_past_float64(data: list[Any]) -> bool:
 def _exact_integers(data: list[Any]) -> np.ndarray[Any, Any] | None:
     """`data` as an object array of its Python integers, None unless it holds integers
     alone, in rectangular lists (true and false are no integers here)."""
+    return _python_values(data, (int,))
+
+
+def _python_values(data: list[Any], types: tuple[type, ...]) -> np.ndarray[Any, Any] | None:
+    """`data` as an object array of its Python values, None unless each value's type is
+    one of `types` exactly (bool is no int here) and the lists are rectangular."""
     try:
         exact = np.array(data, dtype=object)
-        if exact.size and all(type(value) is int for value in exact.flat):
+        if exact.size and all(type(value) in types for value in exact.flat):
             return exact
     # Lists of unequal lengths; nested past what numpy walks (`flat` takes 32 dimensions).
     except (ValueError, RuntimeError):

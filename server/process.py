@@ -26,11 +26,20 @@ from __future__ import annotations
 
 import gc
 import os
+import resource
 import signal
 import sys
 from collections.abc import Callable
 from types import FrameType
 from typing import Any, NoReturn
+
+
+def open_file_limit() -> int | None:
+    """The process's open-file limit (`ulimit -n`, the soft one); None where it is
+    infinite. What the bounds on connections and shared memory regions are shares of."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
 
 GIL_SWITCH_INTERVAL_S = 0.001
 GC_THRESHOLDS = (2_000, 10, 100)

@@ -36,7 +36,6 @@ import errno
 import ipaddress
 import logging
 import os
-import resource
 import stat
 from collections.abc import Mapping
 from pathlib import Path
@@ -51,6 +50,7 @@ from laneserve.server.errors import (
     SharedMemoryRefusedError,
 )
 from laneserve.server.log_events import log_event
+from laneserve.server.process import open_file_limit
 
 if TYPE_CHECKING:  # annotations only: importing the generated module registers package
     # `inference` in protobuf's pool, which tritonclient's would clash with
@@ -113,10 +113,10 @@ def region_limit() -> int:
     """The most regions registered at once: MAX_REGIONS, or a quarter of the process's
     open-file limit where that is less (a soft limit of 1 024, systemd's default, left
     no file for new connections after 500 regions of two files each)."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
+    limit = open_file_limit()
+    if limit is None:
         return MAX_REGIONS
-    return max(1, min(MAX_REGIONS, soft // _REGION_SHARE_OF_FILES))
+    return max(1, min(MAX_REGIONS, limit // _REGION_SHARE_OF_FILES))
 
 
 def placement_of(what: str, parameters: Mapping[str, kpb.InferParameter]) -> Placement | None:

@@ -451,6 +451,11 @@ class Window:
         """What the message adds when the line comes well after its last occurrence."""
         return f", the last {self.ago_s:.1f}s ago" if self.ago_s >= LATE_LINE_S else ""
 
+    def timing(self) -> dict[str, float]:
+        """The fields every line gives of its window: its length and how long ago it
+        ended."""
+        return {"window_s": round(self.window_s, 3), "last_ago_s": round(self.ago_s, 3)}
+
 
 class AggregatedLine:
     """One event that comes in bursts of thousands (refusals, sheds, failures), logged
@@ -683,8 +688,7 @@ class EventLog(NullEvents):
             f"admission refused {window.total} request(s) in {window.window_s:.1f}s"
             f"{window.late()}{why}",
             refused=window.by_key(),
-            window_s=round(window.window_s, 3),
-            last_ago_s=round(window.ago_s, 3),
+            **window.timing(),
         )
 
     def _write_shed(self, window: Window) -> None:
@@ -707,8 +711,7 @@ class EventLog(NullEvents):
             f"them in {window.window_s:.1f}s{window.late()}{why}",
             shed=window.by_key(),
             rows=window.rows,
-            window_s=round(window.window_s, 3),
-            last_ago_s=round(window.ago_s, 3),
+            **window.timing(),
         )
 
     @staticmethod
@@ -722,8 +725,7 @@ class EventLog(NullEvents):
             "left, while the answer waited for its turn on the event loop); those counted OK "
             "were not received",
             unsent={method: count for (method, _), count in window.counts.items()},
-            window_s=round(window.window_s, 3),
-            last_ago_s=round(window.ago_s, 3),
+            **window.timing(),
         )
 
     @staticmethod
@@ -736,8 +738,7 @@ class EventLog(NullEvents):
             f"{window.window_s:.1f}s{window.late()} (answered 400 by the HTTP parser: a "
             "client's fault, or a scan)",
             malformed={problem: count for (_, problem), count in window.counts.items()},
-            window_s=round(window.window_s, 3),
-            last_ago_s=round(window.ago_s, 3),
+            **window.timing(),
         )
 
     def _write_failed(self, window: Window) -> None:
@@ -752,8 +753,7 @@ class EventLog(NullEvents):
             failed=window.by_key(),
             first_error=bounded_message(window.first_detail or ""),
             request_ids=list(window.request_ids),
-            window_s=round(window.window_s, 3),
-            last_ago_s=round(window.ago_s, 3),
+            **window.timing(),
         )
 
     # `admitted` stays NullEvents' no-op: it is called under the scheduler's lock on
