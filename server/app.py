@@ -18,6 +18,7 @@ import logging
 import socket
 import ssl
 import threading
+from collections.abc import AsyncIterator, Callable
 from concurrent import futures
 from pathlib import Path
 from typing import Any, NoReturn
@@ -629,14 +630,59 @@ class _PortHealth:
         return getattr(self._shared, name)
 
 
+class _ReflectionStreams:
+    """The server's open reflection streams (every port's), which the drain ends OK
+    (`end`): open as long as their callers keep them, each held the stop for gRPC's
+    whole grace, then ended UNAVAILABLE."""
+
+    def __init__(self) -> None:
+        self._streams: set[asyncio.Task[object]] = set()
+        self._ended = False
+
+    def endable(self, behavior: Callable[..., Any]) -> Callable[..., AsyncIterator[Any]]:
+        """`behavior` (reflection's stream: an async generator of answers), ended by `end`.
+        One opened after `end` ends at once."""
+
+        async def ended_by_the_drain(requests: Any, context: Any) -> AsyncIterator[Any]:
+            if self._ended:
+                return
+            task = asyncio.current_task()
+            assert task is not None
+            self._streams.add(task)
+            try:
+                async for answer in behavior(requests, context):
+                    yield answer
+            except asyncio.CancelledError:
+                if not self._ended:
+                    raise  # the caller went away
+                # Ended by the drain while it waited for its caller's next request (where
+                # an open stream waits): returned, the stream ends OK.
+            finally:
+                self._streams.discard(task)
+
+        return ended_by_the_drain
+
+    def end(self) -> None:
+        self._ended = True
+        for task in self._streams:
+            task.cancel()
+
+
 class _PortReflection:
     """gRPC's reflection service as one port serves it: its streams, open as long as
     their callers keep them, counted with the port's health watches
-    (`CallGate.gate_reflection`)."""
+    (`CallGate.gate_reflection`) and ended by the drain (`_ReflectionStreams`)."""
 
-    def __init__(self, shared: reflection.aio.ReflectionServicer, gate: CallGate) -> None:
+    def __init__(
+        self,
+        shared: reflection.aio.ReflectionServicer,
+        gate: CallGate,
+        streams: _ReflectionStreams,
+    ) -> None:
         self._shared = shared
-        self.ServerReflectionInfo = gate.gate_reflection(shared.ServerReflectionInfo)
+        self.ServerReflectionInfo = gate.gate_reflection(
+            streams.endable(shared.ServerReflectionInfo)
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._shared, name)
@@ -1216,6 +1262,7 @@ class LaneServer:
             run_time_signature=engine.probe_signature,
         )
         self._health = _HealthServicer()
+        self._reflection_streams = _ReflectionStreams()
         # Triton's system shared memory regions, one registry for every port's KServe
         # front end; let go of as the server stops.
         self.shared_memory = SharedMemoryRegions(enabled=config.shared_memory)
@@ -1527,7 +1574,9 @@ class LaneServer:
         # Only v1alpha is served: a grpc.reflection.v1 service added here needs its own
         # streams gated too.
         add_grpc_service(
-            server, reflection.SERVICE_NAME, _PortReflection(reflection_servicer, gate)
+            server,
+            reflection.SERVICE_NAME,
+            _PortReflection(reflection_servicer, gate, self._reflection_streams),
         )
         address = host_port(self.config.host, port)
         bound = 0
@@ -1700,8 +1749,10 @@ class LaneServer:
                 waited_s=RUNNING_BATCH_WAIT_S,
             )
         # Every RPC now has its answer; give them a moment to be written. Health watches
-        # (NOT_SERVING sent) end now: the grace would wait for them in full.
+        # (NOT_SERVING sent) and reflection streams end now: the grace would wait for
+        # them in full.
         self._health.end_watches()
+        self._reflection_streams.end()
         await self._read_what_grpc_holds()
         await asyncio.gather(
             *(each.server.stop(grace=2.0) for each in self._listeners),

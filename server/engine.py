@@ -92,6 +92,16 @@ ProbeStopReason = Literal["max_batch_size", "queue_rows", "out_of_memory", "host
 # about half its time in the probe's runs of a second and more (a warm-up and three
 # timed runs of each size).
 PROBE_REPEATS_WITHIN_S = 0.25
+# Rows of random values the start-up check batches together to see each row's outputs
+# depend on its own inputs alone (`Engine._check_rows_independent`; a fixed first axis
+# checks all its rows).
+ROWS_CHECKED = 4
+# How far a row's outputs batched may differ from its run alone, relative to the row's
+# largest magnitude, by the float's size in bytes, before its answers are said to depend
+# on the rows batched with it: ~800 float32 epsilons, 10 float16 ones. The kernels of
+# another batch size may sum in another order; a batch quantized with one scale moved a
+# row's values by up to half (a review's dynamically quantized model).
+ROUNDING_RTOL = {2: 1e-2, 4: 1e-4, 8: 1e-10}
 # The model file's static memory estimate from its path (`estimate_memory`'s, the probe's
 # shapes given): None when it could not be worked out.
 StaticEstimate = Callable[[str], MemoryEstimate | None]
@@ -355,6 +365,44 @@ def _check_batch_axis_unique(inputs: Sequence[TensorSpec], outputs: Sequence[Ten
                     )
 
 
+def _fixed_rows(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> int | None:
+    """The rows every run must hold where the model fixes its inputs' first axis (an export
+    without a dynamic batch axis, at 1 most often); None where every input's is dynamic.
+    Refuses (EngineStartError) first axes that cannot be read as rows: fixed at different
+    sizes or at 0, or an output's fixed at another size than the inputs' (or at all, of
+    a model whose inputs' are dynamic): answers are cut from outputs by row."""
+    fixed = {spec.name: spec.shape[0] for spec in inputs if spec.shape[0] >= 0}
+    sizes = set(fixed.values())
+    if len(sizes) > 1:
+        raise EngineStartError(
+            f"model inputs' first axes are fixed at different sizes {fixed}: laneserve "
+            "batches requests along the first axis; expected one size for every input's "
+            "first axis, or dynamic ones (a symbolic or -1 dimension)"
+        )
+    rows = sizes.pop() if sizes else None
+    if rows == 0:
+        raise EngineStartError(
+            f"model inputs' first axes are fixed at 0 {fixed}: laneserve batches requests "
+            "along the first axis; expected a dynamic first axis (a symbolic or -1 "
+            "dimension) or a fixed one of at least 1 row"
+        )
+    for spec in outputs:
+        if spec.shape[0] >= 0 and spec.shape[0] != rows:
+            inputs_axis = "dynamic" if rows is None else f"fixed at {rows}"
+            raise EngineStartError(
+                f"model output {spec.name!r} has shape {list(spec.shape)}, its first axis "
+                f"fixed at {spec.shape[0]} where the inputs' is {inputs_axis}: laneserve "
+                "cuts answers from the outputs along the first axis; expected one output "
+                "row per input row (a first axis like the inputs')"
+            )
+    return rows
+
+
+def _rows_dynamic(specs: Sequence[TensorSpec]) -> tuple[TensorSpec, ...]:
+    """`specs` with the first axis dynamic: requests may hold any number of rows."""
+    return tuple(dataclasses.replace(spec, shape=(-1, *spec.shape[1:])) for spec in specs)
+
+
 def _not_a_file(path: Path) -> str | None:
     """What is at `path` when it is not a regular file this process can read; None when
     it is. Checked before the runtime reads it: it takes a directory for a model that
@@ -421,8 +469,14 @@ class Engine:
         self.identity = model_identity(model_path, files, self._session.get_modelmeta())
         on_gpu = self.providers[0] == CUDA
         memory_limit_bytes = self.memory_limit_bytes
-        self.inputs = self._input_specs(model_path)
-        self.outputs = tuple(self._spec(arg, "output") for arg in self._session.get_outputs())
+        inputs = self._input_specs(model_path)
+        outputs = tuple(self._spec(arg, "output") for arg in self._session.get_outputs())
+        # Rows every run holds where the model fixes its first axis (None: dynamic). The
+        # specs then read that axis as dynamic: a request has any number of rows, which
+        # runs of exactly that many take (`run`).
+        self.fixed_rows = _fixed_rows(inputs, outputs)
+        self.inputs = _rows_dynamic(inputs)
+        self.outputs = _rows_dynamic(outputs)
         _check_batch_axis_unique(self.inputs, self.outputs)
         self.output_names = [spec.name for spec in self.outputs]
         self._probe_shapes = self._check_probe_shapes(probe_shapes)
@@ -605,7 +659,15 @@ class Engine:
         try:
             datatype_for_onnx_type(arg.type)  # says which types the wire carries
         except ValueError as error:
-            raise EngineStartError(f"model {role} {arg.name!r}: {error}") from None
+            # scikit-learn classifiers converted by skl2onnx give their probabilities as
+            # a sequence of maps (ZipMap) unless told otherwise.
+            hint = (
+                "; a scikit-learn model converted by skl2onnx gives tensors with "
+                "options={id(model): {'zipmap': False}}"
+                if arg.type.startswith(("seq(", "map("))
+                else ""
+            )
+            raise EngineStartError(f"model {role} {arg.name!r}: {error}{hint}") from None
         dtype = numpy_dtype_for_onnx_type(arg.type)
         assert dtype is not None
         # ONNX Runtime gives [] (None in some versions) for a shape the model never
@@ -619,14 +681,35 @@ class Engine:
             )
         shape = tuple(dim if isinstance(dim, int) and dim >= 0 else -1 for dim in dims)
         names = tuple(dim if isinstance(dim, str) and dim else None for dim in dims)
-        if shape[0] != -1:
-            raise EngineStartError(
-                f"model {role} {arg.name!r} has shape {list(shape)}: laneserve batches along "
-                f"the first axis, which must be dynamic (a symbolic or -1 dimension)"
-            )
         return TensorSpec(arg.name, dtype, shape, names)
 
     def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
+        """The outputs of `inputs`' rows; runtime errors come out as LaneserveError. One
+        session run (`_run_whole`), or, where the model fixes its first axis
+        (`fixed_rows`), runs of exactly that many rows: rows past it run in runs of their
+        own, and a run of fewer is padded with copies of its last row, whose outputs are
+        dropped. Copies, not zeros: a run whose padding fails is a run whose own row
+        fails (an input the model refuses, out of memory at its size), so the split that
+        looks for failing rows (`run_batch`) finds real ones, and a zero no caller sent
+        (a token id, an index) never reaches the model."""
+        fixed = self.fixed_rows
+        rows = len(next(iter(inputs.values())))
+        if fixed is None or rows in (0, fixed):
+            return self._run_whole(inputs)
+        parts = []
+        for start in range(0, rows, fixed):
+            taken = min(fixed, rows - start)
+            chunk = {name: array[start : start + taken] for name, array in inputs.items()}
+            if taken < fixed:
+                chunk = {
+                    name: np.concatenate([array, np.repeat(array[-1:], fixed - taken, axis=0)])
+                    for name, array in chunk.items()
+                }
+            outputs = self._run_whole(chunk)
+            parts.append({name: value[:taken] for name, value in outputs.items()})
+        return {name: _concat([part[name] for part in parts]) for name in self.output_names}
+
+    def _run_whole(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
         """One session run over whole arrays; runtime errors come out as LaneserveError.
 
         Out of memory with another run in the arena since it last shrank, it runs once
@@ -1047,8 +1130,14 @@ class Engine:
         host_room: _HostRoom | None,
         stopping: threading.Event | None,
     ) -> Probe:
+        asked = max_batch_size
+        if self.fixed_rows is not None:  # no batch holds more rows than a run
+            max_batch_size = min(max_batch_size, self.fixed_rows)
         if max_batch_size > 1:  # one row per run: nothing is batched together
             self._check_later_axes_fixed()
+            self._check_rows_independent(max_batch_size)
+        if self.fixed_rows is not None:
+            self._warn_fixed_rows(asked, max_batch_size)
         measured: dict[int, float] = {}
         memory_bytes: dict[int, int] = {}
         fits, fails = 0, None
@@ -1160,6 +1249,95 @@ class Engine:
                     "after the first axis that do not depend on the rows (or "
                     "max_batch_size 1)"
                 )
+
+    def _check_rows_independent(self, max_batch_size: int) -> None:
+        """Whether each row's outputs depend on its own inputs alone: every row of a batch
+        of random rows (0 or 1 for integers and bools, uniform in [0, 1) for floats, at
+        the probe's shapes) against its run alone (padded with copies of itself where
+        the first axis is fixed). A model that fails on such rows is not checked.
+
+        A fixed first axis whose rows differ so is refused (EngineError): it is not one of
+        rows (a sequence, a set of boxes: an LSTM's time axis first, as torch exports it,
+        a cumulative sum; the first row alone missed those, later rows depending on
+        earlier ones), and a request's answer would be computed from other requests'
+        rows. A dynamic one is the exporter's batch axis: rows that differ beyond
+        rounding (the kernels of another batch size may round otherwise) are warned of:
+        an answer then depends a little on the rows batched with it, as through
+        DynamicQuantizeLinear's one scale for the whole batch (onnxruntime's
+        quantize_dynamic; a caller's logits moved by up to half, a review found)."""
+        fixed = self.fixed_rows
+        rows = fixed or min(max_batch_size, ROWS_CHECKED)
+        generator = np.random.default_rng(0)
+        batch = {
+            spec.name: _random_rows(generator, spec.dtype, (rows, *self._probe_shapes[spec.name]))
+            for spec in self.inputs
+        }
+        try:
+            together = self.run(batch)
+            alone = [
+                self.run({name: array[row : row + 1] for name, array in batch.items()})
+                for row in range(rows)
+            ]
+        except DeviceMemoryError:
+            return  # the probe below meets it and reports it
+        except _ModelRunError as error:
+            log_event(
+                log,
+                logging.WARNING,
+                "rows_unchecked",
+                f"model {self.model_path} failed on random rows ({error.runtime_message}): "
+                "whether each row's outputs depend on its own inputs alone was not checked; "
+                "if they do not, an answer depends on the requests batched with it "
+                "(--max-batch-size 1 runs every request's rows alone)",
+                model=self.model_path,
+            )
+            return
+        for name in self.output_names:
+            for row in range(rows):
+                mixed, own = together[name][row], alone[row][name][0]
+                if fixed is not None and not np.array_equal(mixed, own, equal_nan=True):
+                    raise EngineError(
+                        f"model output {name!r}: row {row} of {fixed} along the inputs' "
+                        "fixed first axis changed with the values of the other rows, so "
+                        "that axis is not one of independent rows (a sequence, a set), and "
+                        "a request's answer would be computed from the rows run beside it; "
+                        "expected a batch axis whose rows do not affect each other's outputs "
+                        "(or max_batch_size 1: every run then holds one row and copies of it)"
+                    )
+                if fixed is None and _beyond_rounding(mixed, own):
+                    log_event(
+                        log,
+                        logging.WARNING,
+                        "rows_mix",
+                        f"model output {name!r}: row {row} of {rows} random rows batched "
+                        "together differs from its run alone beyond rounding, so an answer "
+                        "depends on the requests batched with it (DynamicQuantizeLinear, "
+                        "from onnxruntime's quantize_dynamic, quantizes a batch with one "
+                        "scale); --max-batch-size 1 runs every request's rows alone",
+                        output=name,
+                        row=row,
+                        rows=rows,
+                    )
+                    return
+
+    def _warn_fixed_rows(self, asked: int, max_batch_size: int) -> None:
+        """Tells of a fixed first axis (once its rows are known independent): what it costs,
+        and a cap asked above it, lowered."""
+        fixed = self.fixed_rows
+        lowered = f" (max batch size {asked} lowered to {fixed})" if asked > max_batch_size else ""
+        log_event(
+            log,
+            logging.WARNING,
+            "fixed_batch_axis",
+            f"model {self.model_path} fixes its inputs' first axis at {fixed} row(s): every "
+            f"run holds {fixed}, so no batch holds more{lowered} (fewer are padded with "
+            "copies of their last row, whose outputs are dropped); export it with a dynamic "
+            "first axis (torch.onnx.export's dynamic_axes or dynamic_shapes) for requests "
+            "to batch together",
+            model=self.model_path,
+            fixed_rows=fixed,
+            max_batch_size=asked,
+        )
 
     # What the probe times runs with (a test gives a clock it moves itself).
     _timer: Callable[[], float] = staticmethod(time.perf_counter)
@@ -1457,6 +1635,36 @@ class _Split:
             else:
                 ranges.append(FailedRows(position, 1, error))
         return tuple(ranges)
+
+
+def _beyond_rounding(mixed: Array, own: Array) -> bool:
+    """Whether `mixed` and `own` (one row's outputs, run batched and alone) differ by more
+    than the kernels of another batch size may round: exactly for integers and bools,
+    else by more than ROUNDING_RTOL (by the float's size) of the row's largest magnitude.
+    Relative to the row, not to each value: a value that sums to near 0 keeps the
+    rounding of its terms."""
+    if mixed.dtype.kind != "f":
+        return not np.array_equal(mixed, own)
+    a, b = mixed.astype(np.float64), own.astype(np.float64)
+    differ = ~((a == b) | (np.isnan(a) & np.isnan(b)))
+    if not differ.any():
+        return False
+    if not (np.isfinite(a[differ]).all() and np.isfinite(b[differ]).all()):
+        return True
+    finite = np.abs(np.concatenate([a[np.isfinite(a)], b[np.isfinite(b)]]))
+    scale = float(finite.max())
+    gap = float(np.abs(a[differ] - b[differ]).max())
+    return gap > ROUNDING_RTOL[mixed.dtype.itemsize] * scale
+
+
+def _random_rows(
+    generator: np.random.Generator, dtype: np.dtype[np.generic], shape: tuple[int, ...]
+) -> Array:
+    """Random values of `dtype`: uniform in [0, 1) for floats, 0 or 1 otherwise (any
+    integer input takes them: an index, a token id, a flag)."""
+    if dtype.kind == "f":
+        return generator.random(shape).astype(dtype)
+    return generator.integers(0, 2, shape).astype(dtype)
 
 
 def _powers_of_two_up_to(limit: int) -> list[int]:

@@ -1888,6 +1888,26 @@ def test_health_watches_end_when_the_server_stops(small_model: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_reflection_streams_end_when_the_server_stops(small_model: Path) -> None:
+    """An open reflection stream (a tool that keeps its stream for its next question) held
+    every stop for gRPC's whole grace, then ended UNAVAILABLE; it now ends OK at the
+    drain, as health watches do, its answers given."""
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            # The reflection stubs' types know only sync channels.
+            stub: Any = reflection_pb2_grpc.ServerReflectionStub(s.channel)  # type: ignore[arg-type]
+            stream = stub.ServerReflectionInfo()
+            await stream.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+            answer = await stream.read()
+            assert answer.list_services_response.service
+            await s.server.stop(grace_s=5.0)
+            assert await stream.read() is grpc.aio.EOF
+            assert await stream.code() == grpc.StatusCode.OK
+
+    asyncio.run(scenario())
+
+
 def test_a_health_watch_opened_late_in_a_stop_ends_at_once(
     small_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
