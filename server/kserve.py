@@ -856,11 +856,6 @@ class ModelStreamWire:
     item's last (FINAL_RESPONSE_PARAMETER) where that item asked (FINAL_RESPONSE_FLAG).
     Stateless: what an answer needs of its item is in the item's tag."""
 
-    missing_id = (
-        "ModelStreamInfer item without an id; expected one per item (answers come back out "
-        "of order, each tagged with its item's id in infer_response.id)"
-    )
-
     def __init__(
         self,
         convert: Callable[[ModelStreamItem], pb.InferRequest | LaneserveError],
@@ -880,6 +875,11 @@ class ModelStreamWire:
         self._regions = regions
         self._max_outputs = max_outputs
 
+    def item_id(self, item: ModelStreamItem) -> str:
+        if isinstance(item, OversizedModelInfer):
+            return item.request_id
+        return answer_id(item.message.id)
+
     def tag(self, item: ModelStreamItem) -> ModelStreamTag:
         if isinstance(item, OversizedModelInfer):  # refused unread: its id alone was kept
             return ModelStreamTag(
@@ -887,7 +887,7 @@ class ModelStreamWire:
             )
         request = item.message
         return ModelStreamTag(
-            answer_id(request.id),
+            self.item_id(item),
             idempotent=asks_idempotency(request),
             final_response=_flag(request.parameters, FINAL_RESPONSE_FLAG),
             placed=placed_outputs(item, self._regions, self._max_outputs),
@@ -1117,9 +1117,10 @@ class KServeServicer:
         """Triton's stream (tritonclient's start_stream and async_stream_infer, its asyncio
         stream_infer, perf_analyzer --streaming): InferStream's own mechanism
         (`InferenceServicer.serve_stream`: credit window, waiting for room in a full lane,
-        answers out of order by id, one per item, errors per item, cancel, drain, receive
-        limit, the bulk lane by default), each item converted as ModelInfer's request and
-        answered as a ModelStreamInferResponse (`ModelStreamWire`)."""
+        answers out of order by id and those of items without an id in their order, one
+        per item, errors per item, cancel, drain, receive limit, the bulk lane by default),
+        each item converted as ModelInfer's request and answered as a
+        ModelStreamInferResponse (`ModelStreamWire`)."""
         wire = ModelStreamWire(
             functools.partial(self._converted, shared=self._shared(context)),
             self._model_name,

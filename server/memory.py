@@ -581,7 +581,8 @@ class Watermark:
     At or above `high_bytes` the lowest-priority lane closes; the closer memory gets to
     `limit_bytes`, the more lanes close, bottom up; the highest lane closes only at the
     limit itself (a single lane too: it is the highest). Closed lanes stay closed until
-    memory falls below `low_bytes` (hysteresis: no flapping at the boundary).
+    memory falls below `low_bytes` (hysteresis: no flapping at the boundary while work
+    runs), or, with nothing queued or running, are those of the reading alone.
     """
 
     def __init__(self, *, lanes: int, high_bytes: int, low_bytes: int, limit_bytes: int) -> None:
@@ -598,20 +599,31 @@ class Watermark:
         self.closed = 0
         self.used_bytes: int | None = None
 
-    def update(self, used_bytes: int) -> None:
+    def update(self, used_bytes: int, *, idle: bool = False) -> None:
+        """A reading. `idle`: nothing queued or running, so the reading is what the server
+        holds with no work (an allocator's cache of a burst's batches, another process):
+        refusing work cannot lower it, and the hysteresis holds no lane closed, only the
+        reading's own level does. Held to the low mark, a server whose idle reading
+        stayed between the marks after a burst (140-145 MiB against 127.5 under a 150
+        MiB limit, a review) kept every lane closed for good, one request at a time
+        admitted while idle."""
         self.used_bytes = used_bytes
-        if used_bytes < self.low_bytes:
+        if used_bytes < self.low_bytes or (idle and used_bytes < self.high_bytes):
             self.closed = 0
+        elif idle:
+            self.closed = self._closed_at(used_bytes)
         elif used_bytes >= self.high_bytes:
-            if used_bytes >= self.limit_bytes:
-                wanted = self.lanes
-            else:
-                span = max(self.limit_bytes - self.high_bytes, 1)
-                wanted = 1 + math.floor((used_bytes - self.high_bytes) / span * (self.lanes - 1))
-                # Below the limit the highest lane stays open: with one lane, 1 + 0 closed it
-                # at the high mark.
-                wanted = min(wanted, self.lanes - 1)
-            self.closed = max(self.closed, min(wanted, self.lanes))
+            self.closed = max(self.closed, self._closed_at(used_bytes))
+
+    def _closed_at(self, used_bytes: int) -> int:
+        """The lanes a reading at or above the high mark closes."""
+        if used_bytes >= self.limit_bytes:
+            return self.lanes
+        span = max(self.limit_bytes - self.high_bytes, 1)
+        wanted = 1 + math.floor((used_bytes - self.high_bytes) / span * (self.lanes - 1))
+        # Below the limit the highest lane stays open: with one lane, 1 + 0 closed it at
+        # the high mark.
+        return min(wanted, self.lanes - 1)
 
     def refuses(self, priority: int) -> bool:
         return priority >= self.lanes - self.closed

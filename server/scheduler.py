@@ -65,7 +65,7 @@ from laneserve.server.items import (
     Timing,
 )
 from laneserve.server.lanes import Entry, Lane
-from laneserve.server.log_events import event_extra
+from laneserve.server.log_events import event_extra, log_event
 from laneserve.server.memory import Watermark, WatermarkState, format_bytes
 
 log = logging.getLogger(__name__)
@@ -380,6 +380,7 @@ class Scheduler:
         self._last_run_rows = [0] * len(lanes)
         # When the batch running now is predicted to end (None: none runs).
         self._running_until_s: float | None = None
+        self._idle_floor_logged = False  # watermark_idle_above_low (`update_memory`)
         self.run_time = run_time
         self._run_times = RunTimeModels(run_time, run_time_signature, max_rows=batch_cap)
         # Per signature, the longest a batch of 1 to its cap rows is predicted to run (see
@@ -2067,10 +2068,39 @@ class Scheduler:
                 lane.reprice(signature)
 
     def update_memory(self, used_bytes: int) -> None:
-        """A reading of device memory in use, for the watermark."""
-        if self.watermark is not None:
-            self.watermark.update(used_bytes)
-            self.events.memory_sampled(used_bytes, self.watermark.limit_bytes)
+        """A reading of device memory in use, for the watermark: with nothing queued or
+        running, of what the server holds idle (`Watermark.update`). Lanes reopened so
+        above the low mark are logged (watermark_idle_above_low), the first time: the
+        low mark is below what the idle server keeps after a burst."""
+        mark = self.watermark
+        if mark is None:
+            return
+        idle = not self._entries and self._running_until_s is None
+        was_closed = mark.closed
+        mark.update(used_bytes, idle=idle)
+        self.events.memory_sampled(used_bytes, mark.limit_bytes)
+        if (
+            mark.closed < was_closed
+            and used_bytes >= mark.low_bytes
+            and not self._idle_floor_logged
+        ):
+            self._idle_floor_logged = True
+            limit = format_bytes(math.ceil(used_bytes * mark.limit_bytes / mark.low_bytes))
+            share = math.ceil(used_bytes / mark.limit_bytes * 100) / 100
+            log_event(
+                log,
+                logging.WARNING,
+                "watermark_idle_above_low",
+                f"memory in use with nothing queued or running is {format_bytes(used_bytes)}, "
+                f"above the low watermark {format_bytes(mark.low_bytes)} that reopens lanes "
+                "closed by memory (logged once): they reopen at the idle reading instead, "
+                "and work admitted then may close them again soon; a --host-memory-limit "
+                f"of about {limit} (on the CPU) or a memory_low_watermark above {share:g} "
+                "keeps the idle server below the low mark",
+                used_bytes=used_bytes,
+                low_bytes=mark.low_bytes,
+                closed_lanes=mark.closed,
+            )
 
     @property
     def memory_holds_lanes_closed(self) -> bool:

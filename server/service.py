@@ -17,7 +17,7 @@ import logging
 import traceback
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final, Generic, Protocol, TypeVar
 
 import grpc
 from google.protobuf import descriptor_pool, message_factory
@@ -96,6 +96,7 @@ _Item = TypeVar("_Item")
 _Answer = TypeVar("_Answer", bound=Message)
 _Item_contra = TypeVar("_Item_contra", contravariant=True)
 _Tag = TypeVar("_Tag", bound="ItemTag")
+_Queued = TypeVar("_Queued")
 
 STREAM_DEFAULT_LANE = "bulk"
 
@@ -172,8 +173,9 @@ class StreamWindow:
     while `open`; while it is not, the producer is held back by gRPC's flow control.
 
     Open while fewer than `items` of the stream's items are read and unanswered (their
-    answers not yet written), and while its answers finished and not yet written (queued,
-    and the one gRPC is taking; `StreamFrontEnd.held_bytes`), with those of the items read and
+    answers not yet written), and while its answers finished and not yet written (held
+    for their order, `AnswerOrder`; queued; and the one gRPC is taking:
+    `StreamFrontEnd.held_bytes`), with those of the items read and
     not yet finished counted at the largest answer the stream has had, come to under
     `answer_bytes`. Lanes bound the rows waiting to run, not the answers waiting to be
     written: counted in items alone, four streams whose caller stopped reading held 1 040
@@ -233,6 +235,53 @@ class StreamWindow:
             self.open.clear()
 
 
+class AnswerOrder(Generic[_Queued]):
+    """Puts one stream's finished answers on its queue (`put`), on the event loop: an
+    answer tagged with its item's id at once; one that carries no id
+    (`StreamFrontEnd.item_id` empty: its item had none, one over MAX_REQUEST_ID_BYTES, or
+    bytes that do not parse) once the answers of every such item read before its own
+    are put, so that those go out in the order their items were read, whatever their
+    lanes. Their caller has no id to match them by and matches them by order, as
+    Triton's clients do: Triton writes the answers of a model that is not decoupled
+    (ModelConfig says laneserve's is not) in the order their requests came, and
+    tritonclient's async_stream_infer sends no id by default. Answers with ids never
+    wait behind them.
+
+    An answer finished before an earlier one without an id is held here. Held, it is
+    finished and not yet written: the credit window counts it (`StreamWindow.finished`),
+    so an item that runs long holds the stream's reading, and the answers behind it, to
+    `stream_answer_buffer_bytes`, as a caller that stops reading does. Every item read is
+    answered (`serve_stream`), so every turn comes."""
+
+    def __init__(self, put: Callable[[_Queued], None]) -> None:
+        self._put = put
+        self._read = 0  # items read whose answers carry no id: the next one's turn
+        self._put_count = 0  # of them, those whose answer is put: the turn it waits for
+        # Invariant: every key is over `_put_count` (that turn's answer is put at once).
+        self._held: dict[int, _Queued] = {}
+
+    def read(self, item_id: str) -> int | None:
+        """An item whose answer carries `item_id` is read: its turn, for `finished` (None:
+        its answer carries an id, and is put as it finishes)."""
+        if item_id:
+            return None
+        self._read += 1
+        return self._read - 1
+
+    def finished(self, turn: int | None, answer: _Queued) -> None:
+        """The answer of the item read as `turn` (`read`'s) is finished: it is put now, or
+        once every earlier turn's is; after it, the held answers that waited on it alone."""
+        if turn is None:
+            self._put(answer)
+            return
+        assert self._put_count <= turn < self._read
+        assert turn not in self._held
+        self._held[turn] = answer
+        while self._put_count in self._held:
+            self._put(self._held.pop(self._put_count))
+            self._put_count += 1
+
+
 def held_answer_bytes(answer: pb.InferStreamResponse) -> int:
     """The bytes of an InferStream `answer`'s tensor data (an error's: none), from the
     shapes and dtypes the server encoded them with: reading `data`, or sizing the message,
@@ -277,12 +326,14 @@ class StreamFrontEnd(Protocol[_Item_contra, _Tag, _Answer]):
     """How one front end's stream reads its items and writes its answers: InferStream's
     (`_InferStreamWire`) and KServe's ModelStreamInfer's (`kserve.ModelStreamWire`).
     The rest is one mechanism for both (`InferenceServicer.serve_stream`): the credit
-    window, room in a full lane, answers out of order, one answer per item, cancel, drain,
-    the receive limit and the streams' default lane."""
+    window, room in a full lane, answers out of order (in order where they carry no id),
+    one answer per item, cancel, drain, the receive limit and the streams' default lane."""
 
-    # The refusal's words for an item without an id: answers come back out of order,
-    # each tagged with its item's id, which its caller matches.
-    missing_id: str
+    def item_id(self, item: _Item_contra) -> str:
+        """The id the item's answer carries (its tag's `item_id`), read as the item is
+        read, for the order of the answers that carry none (`AnswerOrder`); its tag is
+        read later, with `convert`. Never raises (it reads a field)."""
+        ...
 
     def tag(self, item: _Item_contra) -> _Tag:
         """The item's tag, read before `convert` (which may let go of the item). Never
@@ -324,13 +375,11 @@ class _InferStreamWire:
     """InferStream's items and answers (`StreamFrontEnd`): laneserve.v1's InferRequest
     read as Infer reads it (`read_infer_request`), each answer an InferStreamResponse."""
 
-    missing_id = (
-        "InferStream item without a request_id; expected one per item (answers come back "
-        "out of order, each tagged with its item's request_id)"
-    )
+    def item_id(self, item: pb.InferRequest | OversizedRequest) -> str:
+        return answer_id(item.request_id)
 
     def tag(self, item: pb.InferRequest | OversizedRequest) -> ItemTag:
-        return ItemTag(answer_id(item.request_id), idempotent=True)
+        return ItemTag(self.item_id(item), idempotent=True)
 
     def convert(self, item: pb.InferRequest | OversizedRequest) -> pb.InferRequest | LaneserveError:
         # Refused unread: only its id was kept, for its answer.
@@ -372,7 +421,6 @@ class _OnStream:
 
     room: StreamRoom  # the stream's items waiting for room in a full lane
     receive_limit: ReceiveLimit | None  # None: the caller reads what the server sends
-    missing_id: str  # the refusal of an item without an id (`StreamFrontEnd`)
 
 
 class RoomWaiter:
@@ -594,8 +642,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         request_iterator: AsyncIterator[pb.InferRequest | OversizedRequest],
         context: grpc.aio.ServicerContext[pb.InferRequest, pb.InferStreamResponse],
     ) -> AsyncIterator[pb.InferStreamResponse]:
-        """Answers each request as it completes, out of order, tagged with its request_id:
-        the one stream mechanism (`serve_stream`), read and written as laneserve.v1's."""
+        """Answers each request as it completes, out of order, tagged with its request_id
+        (those without one in their order: `AnswerOrder`): the one stream mechanism
+        (`serve_stream`), read and written as laneserve.v1's."""
         return self.serve_stream(request_iterator, context, _INFER_STREAM_WIRE)
 
     async def serve_stream(
@@ -605,8 +654,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         wire: StreamFrontEnd[_Item, _Tag, _Answer],
     ) -> AsyncIterator[_Answer]:
         """Every front end's stream (InferStream, KServe's ModelStreamInfer): answers each
-        item as it completes, out of order, tagged with its id; `wire` reads the front
-        end's items and writes its answers (`StreamFrontEnd`), the rest is this.
+        item as it completes, out of order, tagged with its id; an item whose answer
+        carries no id is answered once every such item read before it is, in their order
+        (`AnswerOrder`); `wire` reads the front end's items and writes its answers
+        (`StreamFrontEnd`), the rest is this.
 
         Credit window (`StreamWindow`): an item is read only while fewer than
         `stream_window` of this stream's items are read and unanswered, and while its
@@ -632,21 +683,21 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             None
             if limit_bytes is None
             else ReceiveLimit(limit_bytes, wire.envelope_bytes(limit_bytes)),
-            wire.missing_id,
         )
         room = on_stream.room
         default_lane = stream_default_lane(self._config)
         window = StreamWindow(self._config.stream_window, self._config.stream_answer_buffer_bytes)
-        # Every item read puts exactly one answer here, with its bytes (`window.finished`);
-        # `_READ_DONE` follows the last read.
+        # Every item read puts exactly one answer here (through `order`), with its bytes
+        # (`window.finished`); `_READ_DONE` follows the last read.
         answers: asyncio.Queue[tuple[_Answer, int] | object] = asyncio.Queue()
+        order: AnswerOrder[tuple[_Answer, int]] = AnswerOrder(answers.put_nowait)
         running: set[asyncio.Task[None]] = set()
 
-        async def answer(item: _Item) -> None:
+        async def answer(item: _Item, turn: int | None) -> None:
             message = await self._stream_answer(
                 item, wire, context, default_lane, on_stream, error_limit
             )
-            answers.put_nowait((message, window.finished(wire.held_bytes(message))))
+            order.finished(turn, (message, window.finished(wire.held_bytes(message))))
 
         async def read_all() -> None:
             while True:
@@ -659,7 +710,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 except StopAsyncIteration:
                     return
                 window.read()
-                task = asyncio.create_task(answer(item))
+                # Its turn is its place in the order items are read: taken here.
+                task = asyncio.create_task(answer(item, order.read(wire.item_id(item))))
                 running.add(task)
                 task.add_done_callback(running.discard)
 
@@ -940,13 +992,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         a stream's credit window counts items, and items of many rows (or several
         streams) filled the lane and had most of their items refused LANE_FULL."""
         arrived_s = self._clock.monotonic()
-        lane, lane_config = self._lane_of(
-            request,
-            default_lane,
-            ledger_id,
-            missing_id=None if stream is None else stream.missing_id,
-            arrived_s=arrived_s,
-        )
+        lane, lane_config = self._lane_of(request, default_lane, ledger_id, arrived_s=arrived_s)
         answer_limit = None if stream is None else stream.receive_limit
         # Budgets count from arrival: decoding is part of the time the caller waits.
         deadline_s = _deadline_s(arrived_s, context.time_remaining(), request.timeout_ms)
@@ -1153,14 +1199,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         default_lane: str,
         ledger_id: str,
         *,
-        missing_id: str | None,
         arrived_s: float,
     ) -> tuple[str, LaneConfig]:
         """The lane `request` queues in, and its configuration; raises (counted) the
         refusals that come before its inputs are read. `ledger_id`: its key in the ledger
-        (`_infer`). `missing_id`: a stream item's refusal where it has no id
-        (`StreamFrontEnd.missing_id`); None: a unary call. `arrived_s`: its arrival, which
-        its refusals count from."""
+        (`_infer`). `arrived_s`: its arrival, which its refusals count from."""
         if request is UNDECODABLE_REQUEST:
             raise self._rejected_without_lane(undecodable(request), arrived_s=arrived_s)
         lane = request.lane or default_lane
@@ -1179,10 +1222,6 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 ),
                 arrived_s=arrived_s,
             )
-        if missing_id is not None and not request.request_id:
-            # Answers come back out of order, each tagged with its item's id: an item
-            # without one gets an answer its caller cannot match to it.
-            raise self._rejected(lane, InvalidInputError(missing_id), arrived_s=arrived_s)
         if self._state() is not Lifecycle.SERVING and not self._ledger.holds(ledger_id):
             # A retry of a request this server holds costs no work here, so the ledger
             # answers it while the server drains too: a completed one's stored answer, or

@@ -429,6 +429,11 @@ def _memory_line(stats: pb.GetStatsResponse) -> str:
         line += f" ({used / limit:.0%})"
     if stats.memory_high_watermark_bytes:
         line += f"  watermark {format_bytes(stats.memory_high_watermark_bytes)}"
+        # Lanes closed by memory stay closed down to the low mark while work runs: with
+        # the high mark alone shown, memory below it and every lane closed read as a
+        # fault (a review).
+        if stats.memory_low_watermark_bytes:
+            line += f" (reopen below {format_bytes(stats.memory_low_watermark_bytes)})"
     closed = list(stats.lanes_closed_by_memory)
     line += f"  lanes closed: {','.join(closed) if closed else '-'}"
     return line

@@ -752,29 +752,42 @@ def test_an_over_long_request_id_is_refused_alone_and_the_stream_goes_on(
     assert rejected["standard"] == {"INVALID_INPUT": 2}  # the unknown lane, the unary call
 
 
-def test_a_stream_item_without_a_request_id_is_refused_and_the_stream_goes_on(
+def test_stream_items_without_a_request_id_are_answered_in_the_order_they_came(
     small_model: Path,
 ) -> None:
-    """Answers come back out of order, matched by request_id: an item without one was
-    run and answered with an empty id, which its caller could not match to it."""
+    """An item without a request_id runs, deduplicated by nothing, as a unary call
+    without one; its caller has no id to match its answer by, so the answers of such
+    items come in the order the items came (`AnswerOrder`), those with ids as they
+    complete. A held batch, then a bulk item without an id, an interactive one with an
+    id and an interactive one without: both interactive items run before the bulk one;
+    the one with an id is answered at once, the other after the bulk one."""
 
     async def scenario() -> tuple[list[pb.InferStreamResponse], pb.GetStatsResponse]:
-        engine = Engine(str(small_model), estimate=estimate_once)
-        async with serving(engine, ServerConfig(model_path=str(small_model))) as s:
-            items = [request(rows(1, start=1), request_id="a"), request(rows(1, start=2))]
-            answers = [answer async for answer in s.stub.InferStream(iter(items), timeout=30)]
-            return answers, await s.stub.GetStats(pb.GetStatsRequest())
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, max_batch_size=4)) as s:
+            sent: asyncio.Queue[pb.InferRequest | None] = asyncio.Queue()
+            engine.hold()
+            answers = asyncio.ensure_future(collect(s.stub.InferStream(fed(sent))))
+            sent.put_nowait(request(rows(4, start=0), request_id="held"))
+            await asyncio.to_thread(engine.entered.acquire)
+            sent.put_nowait(request(rows(4, start=10)))
+            sent.put_nowait(request(rows(4, start=20), request_id="a", lane="interactive"))
+            sent.put_nowait(request(rows(4, start=30), lane="interactive"))
+            await until(lambda: queued_rows(s) == 12)
+            engine.release()
+            sent.put_nowait(None)
+            return await answers, await s.stub.GetStats(pb.GetStatsRequest())
 
     answers, stats = asyncio.run(scenario())
-    by_id = {answer.request_id: answer for answer in answers}
-    assert sorted(by_id) == ["", "a"]
-    assert by_id["a"].WhichOneof("result") == "response"
-    refused = by_id[""].error
-    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    assert "InferStream item without a request_id; expected one per item" in refused.message
+    assert [(answer.request_id, answer.response.timing.lane) for answer in answers] == [
+        ("held", "bulk"),
+        ("a", "interactive"),
+        ("", "bulk"),
+        ("", "interactive"),
+    ]
+    assert all(answer.WhichOneof("result") == "response" for answer in answers)
     (bulk,) = [lane for lane in stats.lanes if lane.name == "bulk"]
-    assert dict(bulk.rejected) == {"INVALID_INPUT": 1}
-    assert bulk.admitted == 1
+    assert (bulk.admitted, dict(bulk.rejected)) == (2, {})
 
 
 def test_an_item_over_the_message_limit_fails_alone_and_the_job_goes_on(

@@ -32,6 +32,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from onnx import helper
 
 from laneserve import client as lc
+from laneserve.client import _channel as lc_channel
 from laneserve.server import Engine, LaneConfig, ServerConfig, service
 from laneserve.server.engine import no_static_estimate
 from laneserve.server.lifecycle import Lifecycle
@@ -2758,3 +2759,14 @@ def test_model_info_names_each_inputs_probed_row_shape_in_the_models_order(
         inputs=[pb.TensorSpec(name="tokens", dtype=pb.DATA_TYPE_INT64, shape=[-1, -1])]
     )
     assert lc.ModelInfo.from_proto(older).probe_shapes == ()
+
+
+def test_channels_try_a_server_that_is_down_at_least_every_two_seconds() -> None:
+    """gRPC's reconnect backoff grows to 2 minutes: a server back 25 s after a crash was
+    not tried again before a bulk job's 30 s resume window ran out, and the job gave up
+    with the server up (a review). The client's channels cap it at 2 s; a caller's
+    `options` replace the cap."""
+    options = dict(lc_channel.channel_options(None, 1 << 20, []))
+    assert options["grpc.max_reconnect_backoff_ms"] == 2_000
+    mine = dict(lc_channel.channel_options(None, 1 << 20, [("grpc.max_reconnect_backoff_ms", 500)]))
+    assert mine["grpc.max_reconnect_backoff_ms"] == 500

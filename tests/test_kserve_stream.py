@@ -91,6 +91,15 @@ async def collect(answers: AsyncIterable[Answer]) -> list[Answer]:
     return [answer async for answer in answers]
 
 
+async def read_rest(call: Any) -> list[Answer]:
+    """The answers of a stream `call` already read with `read` (gRPC's iterator and its
+    `read` do not mix on one call), until it ends."""
+    answers = []
+    while (answer := await asyncio.wait_for(call.read(), 10)) is not grpc.aio.EOF:
+        answers.append(answer)
+    return answers
+
+
 async def fed(sent: asyncio.Queue[Request | None]) -> AsyncIterator[Request]:
     """The items the test puts on `sent` as it goes, until None."""
     while (message := await sent.get()) is not None:
@@ -169,12 +178,12 @@ def test_stream_items_are_answered_as_infer_answers_them_tagged_with_their_ids(
 
 
 def test_a_bad_item_is_answered_with_its_error_and_the_stream_goes_on(small_model: Path) -> None:
-    """Another model, a tensor of the wrong shape, a wrong datatype, an unknown parameter,
-    an item without an id and one over the extra bytes' bound (refused unread, its id
-    kept): each answered in error_message (gRPC's code, laneserve's reason, the item's id,
-    the message) beside an infer_response of its id, the model's name and version and
-    the error's parameters; the good items around them are answered. Counted as
-    ModelInfer's refusals are (another model: nowhere)."""
+    """Another model, a tensor of the wrong shape, a wrong datatype, an unknown parameter
+    and one over the extra bytes' bound (refused unread, its id kept): each answered in
+    error_message (gRPC's code, laneserve's reason, the item's id, the message) beside an
+    infer_response of its id, the model's name and version and the error's parameters;
+    the good items around them are answered. Counted as ModelInfer's refusals are
+    (another model: nowhere)."""
     oversized = item(rows(1), "o")
     oversized.parameters["x" * (MAX_EXTRA_BYTES + 10)].string_param = "y"
     items = [
@@ -183,7 +192,6 @@ def test_a_bad_item_is_answered_with_its_error_and_the_stream_goes_on(small_mode
         item(rows(2)[:, :3], "t"),
         item(rows(1).astype(np.float64), "d"),
         item(rows(1), "p", sequence_id={"int64_param": 7}),
-        item(rows(1), ""),
         oversized,
         item(rows(1), "b"),
     ]
@@ -195,7 +203,6 @@ def test_a_bad_item_is_answered_with_its_error_and_the_stream_goes_on(small_mode
 
     answers, stats = asyncio.run(scenario())
     assert sorted(answer.infer_response.id for answer in answers) == [
-        "",
         "a",
         "b",
         "d",
@@ -218,7 +225,6 @@ def test_a_bad_item_is_answered_with_its_error_and_the_stream_goes_on(small_mode
             3,
         ),
         "p": ("INVALID_ARGUMENT INVALID_INPUT: [request id: p] unknown request parameter(s)", 3),
-        "": ("INVALID_ARGUMENT INVALID_INPUT: ModelStreamInfer item without an id", 3),
         "o": ("INVALID_ARGUMENT INVALID_INPUT: [request id: o] the ModelInfer request carries ", 3),
     }
     for item_id, (start, code) in expected.items():
@@ -238,7 +244,7 @@ def test_a_bad_item_is_answered_with_its_error_and_the_stream_goes_on(small_mode
     # The conversion's refusals in the default lane, as ModelInfer's; the rest in the lane
     # the item would have run in; another model's nowhere.
     assert dict(lane_of(stats, "standard").rejected) == {"INVALID_INPUT": 3}
-    assert dict(lane_of(stats, "bulk").rejected) == {"INVALID_INPUT": 2}
+    assert dict(lane_of(stats, "bulk").rejected) == {"INVALID_INPUT": 1}
     assert dict(lane_of(stats, "bulk").answered) == {"OK": 2}
 
 
@@ -281,6 +287,217 @@ def test_stream_items_take_their_lanes_from_lane_and_priority_and_are_answered_o
         "first": "interactive",
         "second": "standard",
     }
+
+
+def test_items_without_ids_are_answered_in_the_order_they_came_and_those_with_ids_pass_them(
+    small_model: Path,
+) -> None:
+    """tritonclient's async_stream_infer sends no id by default, and Triton writes a model's
+    answers in request order where it is not decoupled (laneserve's is not). With a batch
+    held in the session, items without an id in the default lane (bulk), naming `lane`
+    interactive, of Triton's priority 2 (standard) and of priority 1 (interactive), and
+    one with an id (priority 1) among them: the interactive items run before the bulk one
+    read before them, yet the answers without an id come in the order their items were
+    read, and the one with an id as it completes, before the bulk one's."""
+    lanes: dict[str, dict[str, Any]] = {
+        "held": {},
+        "bulk": {},
+        "lane": {"lane": {"string_param": "interactive"}},
+        "tagged": {"priority": {"uint64_param": 1}},
+        "second": {"priority": {"int64_param": 2}},
+        "first": {"priority": {"uint64_param": 1}},
+    }
+    starts = {name: 10 * index for index, name in enumerate(lanes)}
+    arrays = {name: rows(4, start=start) for name, start in starts.items()}
+
+    async def scenario() -> tuple[list[Answer], dict[bytes, str], list[int]]:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model, max_batch_size=4)) as s:
+            sent: asyncio.Queue[Request | None] = asyncio.Queue()
+            engine.hold()
+            answers = asyncio.ensure_future(collect(stream_stub(s).ModelStreamInfer(fed(sent))))
+            for name, params in lanes.items():
+                sent.put_nowait(item(arrays[name], "t" if name == "tagged" else "", **params))
+                if name == "held":
+                    await asyncio.to_thread(engine.entered.acquire)
+            await until(lambda: queued_rows(s) == 20)
+            engine.release()
+            sent.put_nowait(None)
+            streamed = await answers
+            # Each item alone in a batch of its 4 rows, as on the stream: the same bytes.
+            outputs = {
+                (await s.stub.Infer(request(array))).outputs[0].data: name
+                for name, array in arrays.items()
+            }
+        return streamed, outputs, engine.ran_tags
+
+    streamed, outputs, ran = asyncio.run(scenario())
+    assert len(outputs) == len(lanes), "each item told apart by its answer"
+    names = [outputs[raw_output(answer)] for answer in streamed]
+    ran_first = ran[::4]  # each batch's first row: its item's start
+    assert ran_first.index(starts["lane"]) < ran_first.index(starts["bulk"])
+    assert ran_first.index(starts["first"]) < ran_first.index(starts["bulk"])
+    assert [name for name in names if name != "tagged"] == [
+        "held",
+        "bulk",
+        "lane",
+        "second",
+        "first",
+    ]
+    assert names.index("tagged") < names.index("bulk"), "not held behind items without an id"
+    ids = {name: answer.infer_response.id for name, answer in zip(names, streamed, strict=True)}
+    assert ids == {name: "t" if name == "tagged" else "" for name in lanes}
+    assert [parameters(answer)["laneserve_lane"] for answer in streamed] == [
+        "bulk",
+        "interactive",
+        "bulk",
+        "interactive",
+        "standard",
+        "interactive",
+    ]
+
+
+def test_an_item_without_an_id_refused_as_it_is_read_is_answered_in_its_place(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Behind an item without an id held in the session, items without an id each
+    refused as they are read: a tensor of the wrong shape, laneserve_idempotent without
+    an id, another model, over the extra bytes' bound (refused unread), bytes that do not
+    parse; then one with an id, refused too. The one with an id is answered at once; the
+    others, finished, wait for the held item's answer and follow it in the order they
+    came."""
+    windows: list[service_module.StreamWindow] = []
+
+    class Observed(service_module.StreamWindow):
+        def __init__(self, *args: int) -> None:
+            super().__init__(*args)
+            windows.append(self)
+
+    monkeypatch.setattr(service_module, "StreamWindow", Observed)
+    oversized = item(rows(1), "")
+    oversized.parameters["x" * (MAX_EXTRA_BYTES + 10)].string_param = "y"
+    refused = [
+        item(rows(2)[:, :3], "").SerializeToString(),
+        item(rows(1), "", **IDEMPOTENT).SerializeToString(),
+        item(rows(1), "", model="other").SerializeToString(),
+        oversized.SerializeToString(),
+        b"\x0a\x02\xff\xfe",
+        item(rows(1), "e", model="other").SerializeToString(),
+    ]
+
+    async def scenario() -> tuple[Answer, list[Answer]]:
+        engine = RecordingEngine(str(small_model))
+        async with serving(engine, config(small_model)) as s:
+            stream: Any = s.channel.stream_stream(
+                "/inference.GRPCInferenceService/ModelStreamInfer",
+                request_serializer=lambda data: data,
+                response_deserializer=Answer.FromString,
+            )
+            sent: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+            async def fed_bytes() -> AsyncIterator[bytes]:
+                while (data := await sent.get()) is not None:
+                    yield data
+
+            engine.hold()
+            call = stream(fed_bytes(), timeout=30)
+            sent.put_nowait(item(rows(2, start=0), "").SerializeToString())
+            await asyncio.to_thread(engine.entered.acquire)
+            for data in refused:
+                sent.put_nowait(data)
+            first = await asyncio.wait_for(call.read(), 10)
+            # Every item read; of them, only the held one unfinished.
+            await until(lambda: windows[0].unanswered == 6 and windows[0].unfinished == 1)
+            engine.release()
+            sent.put_nowait(None)
+            return first, await read_rest(call)
+
+    first, rest = asyncio.run(scenario())
+    assert first.error_message.startswith("NOT_FOUND MODEL_NOT_FOUND: [request id: e] ")
+    assert [answer.infer_response.id for answer in rest] == [""] * 6
+    assert len(raw_output(rest[0])) == 2 * 10 * 4
+    starts = [
+        "INVALID_ARGUMENT INVALID_INPUT: input 'input' has shape [2, 3]",
+        "INVALID_ARGUMENT INVALID_INPUT: request parameter 'laneserve_idempotent' is true",
+        "NOT_FOUND MODEL_NOT_FOUND: model 'other' is not served here",
+        "INVALID_ARGUMENT INVALID_INPUT: the ModelInfer request carries ",
+        "INVALID_ARGUMENT INVALID_INPUT: the ModelInfer request does not parse",
+    ]
+    for answer, start in zip(rest[1:], starts, strict=True):
+        assert answer.error_message.startswith(start), answer.error_message
+
+
+def test_answers_held_for_their_order_count_against_the_streams_answer_buffer(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stream_answer_buffer_bytes of 5 answers (4 rows of 10 float32: 160 bytes each).
+    Behind an item without an id in the bulk lane come 30 without an id in the
+    interactive lane, which runs first: their answers are held for their order, finished
+    and not yet written, and the credit window counts them. So the stream never has more
+    than 5 items read and unwritten, however many wait to be read; the head runs once the
+    interactive lane is empty, and every answer comes, in the order its item came."""
+    answer_bytes, budget_answers, count = 160, 5, 30
+    seen: list[tuple[int, int]] = []  # (unanswered, held bytes) at each finished answer
+    windows: list[service_module.StreamWindow] = []
+
+    class Observed(service_module.StreamWindow):
+        def __init__(self, *args: int) -> None:
+            super().__init__(*args)
+            windows.append(self)
+
+        def finished(self, held_bytes: int) -> int:
+            size = super().finished(held_bytes)
+            seen.append((self.unanswered, self.held_bytes))
+            return size
+
+    monkeypatch.setattr(service_module, "StreamWindow", Observed)
+    head = rows(4, start=1000)
+    behind = [rows(4, start=10 * index) for index in range(count)]
+    interactive: dict[str, Any] = {"lane": {"string_param": "interactive"}}
+
+    async def scenario() -> tuple[list[Answer], list[bytes], list[int]]:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(
+            small_model,
+            max_batch_size=4,
+            lanes=bulk_lane(64),
+            default_lane="bulk",
+            stream_answer_buffer_bytes=budget_answers * answer_bytes,
+        )
+        async with serving(engine, server_config) as s:
+            sent: asyncio.Queue[Request | None] = asyncio.Queue()
+            call = stream_stub(s).ModelStreamInfer(fed(sent))
+            sent.put_nowait(item(rows(4, start=5000), "w"))  # the stream's largest answer
+            answers = [await asyncio.wait_for(call.read(), 10)]
+            engine.hold_next()
+            sent.put_nowait(item(rows(4, start=6000), "x", **interactive))
+            await asyncio.to_thread(engine.entered.acquire)
+            sent.put_nowait(item(head, ""))
+            for array in behind:
+                sent.put_nowait(item(array, "", **interactive))
+            sent.put_nowait(None)
+            (window,) = windows
+            # x in the session, the head and 3 behind it queued: 5 answers' worth.
+            await until(lambda: queued_rows(s) == 16 and not window.open.is_set())
+            engine.release()
+            answers += await read_rest(call)
+            outputs = [(await s.stub.Infer(request(array))).outputs[0].data for array in behind]
+            outputs.insert(0, (await s.stub.Infer(request(head))).outputs[0].data)
+        return (
+            [answer for answer in answers if isinstance(answer, Answer)],
+            outputs,
+            engine.ran_tags,
+        )
+
+    answers, outputs, ran = asyncio.run(scenario())
+    assert [answer.infer_response.id for answer in answers] == ["w", "x"] + [""] * (count + 1)
+    assert [raw_output(answer) for answer in answers[2:]] == outputs, "in the order they came"
+    ran_first = ran[::4]
+    assert ran_first.index(1000) > ran_first.index(0), "the head ran after items behind it"
+    assert max(unanswered for unanswered, _ in seen) <= budget_answers
+    held = max(held_bytes for _, held_bytes in seen)
+    # At least the head's and the 3 read behind it before it ran, held at once.
+    assert 4 * answer_bytes <= held <= budget_answers * answer_bytes
 
 
 def test_a_stream_item_waits_for_room_in_its_full_lane_and_the_stream_reads_no_more(
@@ -615,8 +832,9 @@ def test_stream_ids_are_tags_and_a_run_again_with_the_same_ids_runs_again(
     """perf_analyzer --streaming restarts its ids each run, with the same data: the
     second run within idempotency_ttl_s was answered from the replay cache. An id is a
     tag by default: every item runs, the same id on two items in flight at once too,
-    each answer tagged with it; an item without one is still refused (its answer could
-    not be matched), and laneserve_idempotent without an id is refused naming both."""
+    each answer tagged with it. An item without one runs too; laneserve_idempotent
+    without an id is refused naming both, as it is read, and answered after the item
+    without an id read before it (answers without an id come in their items' order)."""
 
     def run_items() -> list[Request]:
         return [item(rows(2, start=0), "0"), item(rows(2, start=10), "1")]
@@ -632,9 +850,13 @@ def test_stream_ids_are_tags_and_a_run_again_with_the_same_ids_runs_again(
             sent.put_nowait(item(rows(1, start=20), "same"))
             await asyncio.to_thread(engine.entered.acquire)
             sent.put_nowait(item(rows(1, start=30), "same"))
-            sent.put_nowait(item(rows(1), ""))
+            sent.put_nowait(item(rows(1, start=40), ""))
             sent.put_nowait(item(rows(1), "", **IDEMPOTENT))
-            await until(lambda: queued_rows(s) == 1)
+            await until(lambda: queued_rows(s) == 2)
+            # Refused as read (counted in the default lane), held behind the queued item.
+            await until_stats(
+                s, lambda stats: lane_of(stats, "standard").rejected["INVALID_INPUT"] == 1
+            )
             engine.release()
             sent.put_nowait(None)
             mixed = await call
@@ -644,25 +866,21 @@ def test_stream_ids_are_tags_and_a_run_again_with_the_same_ids_runs_again(
         return first, again, mixed, engine.ran_tags
 
     first, again, mixed, ran = asyncio.run(scenario())
-    assert sorted(ran) == [0, 0, 1, 1, 10, 10, 11, 11, 20, 30], "every item ran"
+    assert sorted(ran) == [0, 0, 1, 1, 10, 10, 11, 11, 20, 30, 40], "every item ran"
     for answers in (first, again):
         assert sorted(answer.infer_response.id for answer in answers) == ["0", "1"]
         assert all(answer.error_message == "" for answer in answers)
     same = [answer for answer in mixed if answer.infer_response.id == "same"]
     assert sorted(len(raw_output(answer)) for answer in same) == [40, 40]
     assert raw_output(same[0]) != raw_output(same[1]), "each its own item's"
-    refused = sorted(answer.error_message for answer in mixed if answer.infer_response.id == "")
-    missing = (
-        "INVALID_ARGUMENT INVALID_INPUT: ModelStreamInfer item without an id; expected one per "
-        "item (answers come back out of order, each tagged with its item's id in "
-        "infer_response.id)"
-    )
+    ran_first, refused = [answer for answer in mixed if answer.infer_response.id == ""]
+    assert len(raw_output(ran_first)) == 10 * 4
     idempotent_without_id = (
         "INVALID_ARGUMENT INVALID_INPUT: request parameter 'laneserve_idempotent' is true and "
         "the request has no id; expected an id with it (laneserve's request_id, the same on "
         "each retry), or no laneserve_idempotent"
     )
-    assert refused == [missing, idempotent_without_id]
+    assert refused.error_message == idempotent_without_id
 
 
 def test_an_idempotent_item_already_answered_is_replayed_and_reused_with_other_inputs_refused(

@@ -1491,8 +1491,9 @@ def test_lanes_closed_by_the_memory_watermark_and_its_marks_are_scraped(
             for used_bytes, closed in (
                 (50 * MIB, []),
                 (99 * MIB, ["standard", "bulk"]),
-                (90 * MIB, ["standard", "bulk"]),  # hysteresis: closed above the low mark
-                (80 * MIB, []),
+                # Idle (nothing queued or running): the reading's own level, no hysteresis.
+                (96 * MIB, ["bulk"]),
+                (90 * MIB, []),
             ):
                 families, stats = await closed_at(used_bytes)
                 assert list(stats.lanes_closed_by_memory) == closed
@@ -1507,7 +1508,7 @@ def test_lanes_closed_by_the_memory_watermark_and_its_marks_are_scraped(
                     stats.memory_high_watermark_bytes,
                     stats.memory_low_watermark_bytes,
                 )
-                assert (used >= high) == (used_bytes == 99 * MIB)
+                assert (used >= high) == (used_bytes >= 95 * MIB)
                 budget = only_value(families, "laneserve_device_memory_budget_bytes")
                 assert budget == stats.memory_watermark_limit_bytes == 100 * MIB
                 limit = only_value(families, "laneserve_device_memory_limit_bytes")

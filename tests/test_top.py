@@ -91,6 +91,7 @@ def test_frame_shows_lanes_batches_memory_and_device() -> None:
             memory_limit_bytes=8 * GIB,
             memory_used_bytes=4 * GIB,
             memory_high_watermark_bytes=7 * GIB,
+            memory_low_watermark_bytes=6 * GIB,
             lanes_closed_by_memory=["bulk"],
             device_utilization=0.73,
             out_of_memory_events=2,
@@ -118,7 +119,10 @@ def test_frame_shows_lanes_batches_memory_and_device() -> None:
     assert "batches  50.0/s  rows 400.0/s  size mean 48.5 p50 64 p95 64  cap 64/128" in frame
     assert "dispatch backlog 100%  full 0%" in frame  # of the 2 s, not since the start
     assert "run time p50 2.00ms  p95 3.50ms  p99 4.25ms" in frame
-    assert "memory   [##########..........] 4.0GiB / 8.0GiB (50%)  watermark 7.0GiB" in frame
+    assert (
+        "memory   [##########..........] 4.0GiB / 8.0GiB (50%)  watermark 7.0GiB (reopen "
+        "below 6.0GiB)" in frame
+    )
     assert "lanes closed: bulk" in frame
     assert "device   util 73%  out of memory 2  splits 2  cap changes out_of_memory=1" in frame
     # gRPC's own count: 400 started, 200 OK, 10 failed in 2 s; 190 neither.

@@ -119,9 +119,8 @@ class InferRequest(_message.Message):
     (idempotency_max_entries, idempotency_max_bytes; 0 entries: none is stored); an
     error is never stored. With none queued, running or stored, the id names nothing:
     the same request runs again, other inputs run as a new one.
-    Empty: never deduplicated (each call runs); but every InferStream item needs one
-    (its answer comes back out of order, tagged with it): an item without one is
-    answered `error` INVALID_ARGUMENT (INVALID_INPUT), and the stream goes on.
+    Empty: never deduplicated (each call runs); on InferStream, the answers of the items
+    without one (empty request_id) come in the order those items were sent.
     At most 256 bytes of UTF-8: a longer one is refused INVALID_ARGUMENT (INVALID_INPUT),
     and on InferStream its answer carries an empty request_id (echoed, the id could make
     the answer larger than max_message_bytes). Otherwise echoed in the answer.

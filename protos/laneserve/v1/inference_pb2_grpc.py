@@ -70,8 +70,9 @@ class InferenceServiceServicer:
 
     def InferStream(self, request_iterator, context):
         """Bulk jobs: many requests over one stream. Answers may come back out of order and
-        carry the request_id, which every item must have; a failed item is answered with
-        `error`, the stream goes on. Call metadata `laneserve-max-receive-bytes` (a whole
+        carry the request_id; those of items without one come in the order those items were
+        sent (answers with ids pass them). A failed item is answered with `error`, the
+        stream goes on. Call metadata `laneserve-max-receive-bytes` (a whole
         number, at least 1024): the largest message the caller reads; an item whose answer
         is larger is answered ANSWER_TOO_LARGE alone (without it, gRPC would end the call).
         """

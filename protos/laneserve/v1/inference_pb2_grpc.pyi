@@ -41,8 +41,9 @@ class InferenceServiceStub:
     """Runs one request (one or more rows along the first axis) and answers once."""
     InferStream: _grpc.StreamStreamMultiCallable[_inference_pb2.InferRequest, _inference_pb2.InferStreamResponse]
     """Bulk jobs: many requests over one stream. Answers may come back out of order and
-    carry the request_id, which every item must have; a failed item is answered with
-    `error`, the stream goes on. Call metadata `laneserve-max-receive-bytes` (a whole
+    carry the request_id; those of items without one come in the order those items were
+    sent (answers with ids pass them). A failed item is answered with `error`, the
+    stream goes on. Call metadata `laneserve-max-receive-bytes` (a whole
     number, at least 1024): the largest message the caller reads; an item whose answer
     is larger is answered ANSWER_TOO_LARGE alone (without it, gRPC would end the call).
     """
@@ -60,8 +61,9 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     """Runs one request (one or more rows along the first axis) and answers once."""
     InferStream: _aio.StreamStreamMultiCallable[_inference_pb2.InferRequest, _inference_pb2.InferStreamResponse]  # type: ignore[assignment]
     """Bulk jobs: many requests over one stream. Answers may come back out of order and
-    carry the request_id, which every item must have; a failed item is answered with
-    `error`, the stream goes on. Call metadata `laneserve-max-receive-bytes` (a whole
+    carry the request_id; those of items without one come in the order those items were
+    sent (answers with ids pass them). A failed item is answered with `error`, the
+    stream goes on. Call metadata `laneserve-max-receive-bytes` (a whole
     number, at least 1024): the largest message the caller reads; an item whose answer
     is larger is answered ANSWER_TOO_LARGE alone (without it, gRPC would end the call).
     """
@@ -88,8 +90,9 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_inference_pb2.InferStreamResponse], _abc.AsyncIterator[_inference_pb2.InferStreamResponse]]:
         """Bulk jobs: many requests over one stream. Answers may come back out of order and
-        carry the request_id, which every item must have; a failed item is answered with
-        `error`, the stream goes on. Call metadata `laneserve-max-receive-bytes` (a whole
+        carry the request_id; those of items without one come in the order those items were
+        sent (answers with ids pass them). A failed item is answered with `error`, the
+        stream goes on. Call metadata `laneserve-max-receive-bytes` (a whole
         number, at least 1024): the largest message the caller reads; an item whose answer
         is larger is answered ANSWER_TOO_LARGE alone (without it, gRPC would end the call).
         """
