@@ -334,7 +334,12 @@ class AsyncClient:
 
         Yields:
             `StreamResult` per item, with outputs or the item's error (after its
-            retries): a failed item never ends the job. A broken connection is
+            retries): a failed item never ends the job. An item this client cannot
+            encode (not a mapping of input name to numpy array or a `StreamRequest`, an
+            input that is not an array, a dtype with no wire type) is answered with
+            `InvalidInputError` naming it, never sent. A source that raises is read no
+            further: the items it gave are answered, then its exception is raised (a note
+            says how many). A broken connection is
             resumed on a new call, resending only the unanswered items; when that
             keeps failing the iteration raises the connection's `LaneserveError`.
         """

@@ -47,11 +47,12 @@ KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.http2.ping_timeout_ms", 20_000),
 )
-# gRPC waits longer and longer between attempts to reach a server that is down (about 1,
-# 2.6, 5, 9, 16, 26, 43 s, up to 120 s), failing calls meanwhile with its last error:
-# a server back 25 s after a crash was not tried again for 17 s, and a bulk job, which
-# opens new calls for STREAM_RESUME_S after its last answer, gave up with the server
-# up (a review). Capped, the server is tried at least every 2 s. A caller's `options`
+# gRPC waits longer and longer between attempts to reach a server that is down (its
+# attempts at about 1, 2.6, 5, 9, 16, 26, 43 s after the first failure; the wait grows
+# to 120 s), failing calls meanwhile with its last error: a server back 25 s after a
+# crash was not tried again for 17 s, and a bulk job, which opens new calls for
+# STREAM_RESUME_S after its last answer, gave up with the server up (a review). Capped,
+# the server is tried about every 2 s (gRPC adds ±20 % jitter). A caller's `options`
 # replace it.
 RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.max_reconnect_backoff_ms", 2_000),)
 # gRPC's rules for metadata (validate_metadata.cc): a key is a lower-case HTTP/2 header

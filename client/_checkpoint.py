@@ -2,6 +2,7 @@
 
 Layout, beside the output file ``OUT``::
 
+    OUT.partial/.lock           held (flock, exclusive) by the one run using the checkpoint
     OUT.partial/state.json      job id, input identity, rows per item, done bitmap, and
                                 each output's dtype, shape and file
     OUT.partial/<file>.npy      one memory-mapped array per model output, rows in place
@@ -26,6 +27,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import datetime
+import fcntl
 import glob
 import hashlib
 import itertools
@@ -34,14 +37,21 @@ import os
 import shutil
 import tempfile
 import zipfile
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Checkpoint", "CheckpointError", "InputIdentity", "same_file"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointBusyError",
+    "CheckpointError",
+    "InputIdentity",
+    "locked",
+    "same_file",
+]
 
 # Version 2 records each output's file. Version 1 is still read: each output's file was
 # its name with other characters than letters, digits, '-', '_' and '.' replaced by '_'
@@ -57,27 +67,45 @@ class CheckpointError(ValueError):
     """The checkpoint cannot be used for this job; the message says why and what to do."""
 
 
+class CheckpointBusyError(CheckpointError):
+    """Another run holds the checkpoint's lock: it is using the checkpoint now."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class InputIdentity:
     """Enough to tell a different input file from the one a checkpoint was made for.
 
-    Size plus a digest of the first and last MiB: cheap on files of many GiB, and it
-    catches a wrong or regenerated file; it is not a guard against deliberate edits.
+    Size, modification time, and a digest of the first and last MiB: cheap on files of
+    many GiB. The digest catches a wrong or regenerated file, the time an edit in place
+    between them (rows 5000-5009 rewritten kept the size and both ends); a file written
+    anew with the same contents (a copy without its times, `touch`) counts as changed.
+    Not a guard against deliberate edits that restore the time.
     """
 
     size_bytes: int
     sample_digest: str
+    # st_mtime_ns; None in a checkpoint of a client that did not record it (not compared).
+    mtime_ns: int | None
+
+    def differs(self, now: InputIdentity) -> bool:
+        """Whether `now` (the input as it is) is not the file this identity was taken of."""
+        return (
+            self.size_bytes != now.size_bytes
+            or self.sample_digest != now.sample_digest
+            or (self.mtime_ns is not None and self.mtime_ns != now.mtime_ns)
+        )
 
     @classmethod
     def of(cls, path: Path) -> InputIdentity:
-        size_bytes = path.stat().st_size
+        stat = path.stat()
+        size_bytes = stat.st_size
         digest = hashlib.blake2b(digest_size=16)
         with path.open("rb") as file:
             digest.update(file.read(_SAMPLE_BYTES))
             if size_bytes > _SAMPLE_BYTES:
                 file.seek(max(size_bytes - _SAMPLE_BYTES, _SAMPLE_BYTES))
                 digest.update(file.read(_SAMPLE_BYTES))
-        return cls(size_bytes, digest.hexdigest())
+        return cls(size_bytes, digest.hexdigest(), stat.st_mtime_ns)
 
 
 @dataclasses.dataclass(slots=True)
@@ -169,7 +197,7 @@ class Checkpoint:
         reasons = []
         mismatches = []
         identity = InputIdentity.of(input_path)
-        if state.input_identity != identity:
+        if state.input_identity.differs(identity):
             if same_file(Path(state.input_path), input_path):
                 reasons.append(_changed(input_path, state.input_identity, identity))
             else:
@@ -188,7 +216,8 @@ class Checkpoint:
         if reasons:
             raise CheckpointError(
                 f"checkpoint {directory} belongs to another job: {'; '.join(reasons)}; "
-                f"expected the same input and options, or delete {directory} to start over"
+                f"expected the same input and options, or delete {directory} and run again "
+                "without --resume to start over"
             )
         done = state.done_items(-(-rows // rows_per_item))
         state.check_outputs(state.output_names or model_outputs, any_done=bool(done.any()))
@@ -264,7 +293,11 @@ class Checkpoint:
             "version": STATE_VERSION,
             "job_id": self.job_id,
             "input_path": self.input_path,
-            "input_identity": dataclasses.asdict(self.input_identity),
+            "input_identity": {
+                key: value
+                for key, value in dataclasses.asdict(self.input_identity).items()
+                if value is not None  # an older client's checkpoint: no mtime_ns recorded
+            },
             "rows": self.rows,
             "rows_per_item": self.rows_per_item,
             "output_names": list(self.output_names),
@@ -333,6 +366,71 @@ class Checkpoint:
 
 # Written into a checkpoint just before `finish` renames it away.
 _FINISHED_MARK = ".finished"
+# The checkpoint's lock file (see `locked`).
+_LOCK = ".lock"
+
+
+@contextlib.contextmanager
+def locked(directory: Path) -> Iterator[None]:
+    """The checkpoint `directory` locked (flock, exclusive, on its lock file) while the
+    block runs: one run at a time uses a checkpoint. Two at once (the second with
+    --resume) stepped on each other: each wrote its own answers and state.json, and the
+    one that finished first renamed the checkpoint away under the other. Not waited for:
+    the other run may take hours. The lock goes with the process, however it ends
+    (SIGKILL too), and with a `finish` that removes the checkpoint, which is done.
+
+    Raises:
+        CheckpointBusyError: another run holds it.
+        CheckpointError: it cannot be opened (a checkpoint this user cannot write, or
+            gone: `finish`ed by another run as this one came).
+    """
+    path = directory / _LOCK
+    try:
+        # Read-only: flock needs no write access, and a checkpoint made read-only after a
+        # run (its lock file there) is refused for what it is by `load`, not here.
+        lock = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as error:
+        raise CheckpointError(
+            f"cannot open the checkpoint's lock file {path} ({error}); expected a "
+            f"checkpoint this user can write: make {directory} writable and run again"
+        ) from error
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # Locked the file, but is it still the checkpoint's? Another run's `finish` may
+        # have renamed the checkpoint away between the open and the lock.
+        moved = not _is_open_file(path, lock)
+    except BlockingIOError as error:
+        os.close(lock)
+        raise CheckpointBusyError(
+            f"checkpoint {directory} is in use by another run, still running (it holds "
+            f"the lock {path}); expected one run per output at a time: wait for that run to "
+            "end (then --resume, if it leaves rows to do) or stop it"
+        ) from error
+    except BaseException:
+        os.close(lock)
+        raise
+    if moved:
+        os.close(lock)
+        raise CheckpointBusyError(
+            f"checkpoint {directory} was finished or removed by another run as this one "
+            "opened it; expected one run per output at a time: run again"
+        )
+    try:
+        yield
+    finally:
+        os.close(lock)
+
+
+def _is_open_file(path: Path, descriptor: int) -> bool:
+    """Whether `path` names the file open as `descriptor`."""
+    held = os.fstat(descriptor)
+    try:
+        there = path.stat()
+    except FileNotFoundError:
+        return False
+    return (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino)
+
+
 # `finish` stages the output in the checkpoint as output.npy.tmp (or .npz.tmp): not an
 # array's name (those end in .npy), and one `_finished_leftover` knows as a checkpoint's.
 _STAGED_STEM = "output"
@@ -357,7 +455,7 @@ def _finished_leftover(directory: Path, prefix: str) -> bool:
         entry.is_file()
         and not entry.is_symlink()
         and (
-            entry.name in (_FINISHED_MARK, "state.json")
+            entry.name in (_FINISHED_MARK, _LOCK, "state.json")
             or entry.suffix == ".npy"
             or (entry.name.startswith(f"{_STAGED_STEM}.") and entry.suffix == ".tmp")
         )
@@ -389,9 +487,26 @@ def same_file(path: Path, other: Path) -> bool:
 def _changed(path: Path, then: InputIdentity, now: InputIdentity) -> str:
     if then.size_bytes != now.size_bytes:
         how = f"{then.size_bytes} bytes then, {now.size_bytes} now"
-    else:
+    elif then.sample_digest != now.sample_digest:
         how = f"the same {now.size_bytes} bytes, but the digest of its first and last MiB differs"
-    return f"the input {path} changed since the checkpoint was made ({how})"
+    else:
+        assert then.mtime_ns is not None
+        assert now.mtime_ns is not None
+        how = (
+            f"the same {now.size_bytes} bytes, but modified since: at {_when(then.mtime_ns)} "
+            f"then, {_when(now.mtime_ns)} now; an edit in place, or the same rows written "
+            "anew, which this client cannot tell apart without reading the whole file"
+        )
+    return (
+        f"the input {path} changed since the checkpoint was made ({how}): the rows done "
+        "may be answers to other rows"
+    )
+
+
+def _when(mtime_ns: int) -> str:
+    """A file's modification time as a message gives it: UTC, to the microsecond."""
+    moment = datetime.datetime.fromtimestamp(mtime_ns / 1e9, tz=datetime.UTC)
+    return moment.isoformat(timespec="microseconds")
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
@@ -546,6 +661,10 @@ class _State:
             input_identity=InputIdentity(
                 field(identity, "size_bytes", "a whole number >= 0", "input_identity."),
                 field(identity, "sample_digest", "a string", "input_identity."),
+                # Not in a checkpoint of a client before it was recorded: not compared.
+                None
+                if "mtime_ns" not in identity
+                else field(identity, "mtime_ns", "a whole number >= 0", "input_identity."),
             ),
             rows=field(document, "rows", "a whole number >= 1"),
             rows_per_item=field(document, "rows_per_item", "a whole number >= 1"),

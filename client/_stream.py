@@ -43,7 +43,7 @@ from laneserve.client._channel import RECEIVE_LIMIT_KEY, checked_integer
 from laneserve.client._errors import (
     CallCancelledError,
     ClientClosedError,
-    DeadlineExceededError,
+    ExpiredInQueueError,
     InvalidInputError,
     LaneserveError,
     ResourceExhaustedError,
@@ -127,8 +127,13 @@ class _Item:
     request_id: str
     message: pb.InferRequest = dataclasses.field(repr=False)
     rows: int
+    # How messages name it: its index, or its caller's own request_id (see `_item_name`).
+    name: str
     state: _State = _State.QUEUED
-    attempts: int = 0  # times sent for an answer; a resend after a broken call is not one
+    # Sends that asked for an answer: the first, and one per retry after a retryable
+    # error answer. A resend after a broken call is not one: it asks again for the answer
+    # the server owes to the send before it (joined or replayed by request_id).
+    attempts: int = 0
     timer: asyncio.TimerHandle | None = None
     # `timeout_ms` from its first send (time.monotonic(); None: no timeout_ms): every
     # send, a retry's or a resend's, carries what is left of it, and none starts after it.
@@ -145,7 +150,8 @@ class _CallEnded:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Failed:
-    # The source raised, or an item was not a request: the job ends with this error.
+    # The job cannot go on (the client closed while the source was read, or a bug in
+    # the reader): it ends with this error.
     error: Exception
 
 
@@ -277,6 +283,8 @@ class BulkStream:
         self._allowed = attempts_allowed(policy)
 
         self._source_done = False
+        # What the source raised, if it did (then `_source_done`): the job's end.
+        self._source_error: Exception | None = None
         # The async source's next item while it is being produced: it outlives a writer
         # cancelled with its broken call (see _pull).
         self._source_next: asyncio.Future[StreamItem | object] | None = None
@@ -363,6 +371,7 @@ class BulkStream:
                     assert isinstance(event, StreamResult)
                     self._held -= 1
                     yield event
+                self._raise_source_error()
                 return
             self._check_open(ended.error)  # close() ended the call: whatever its error, no new one
             error = ended.error or UnavailableError(
@@ -421,9 +430,28 @@ class BulkStream:
         )
         return True
 
+    def _raise_source_error(self) -> None:
+        """Every item is answered: the source's failure, if it raised, is the job's end.
+
+        Raises:
+            Exception: what the source raised, noted with the items it gave.
+        """
+        if self._source_error is not None:
+            self._source_error.add_note(
+                f"bulk stream {self.job_id}: the source raised after {self._pulled} "
+                f"item(s); all {self._pulled} were answered (yielded) before this, "
+                "and the source was not read further"
+            )
+            raise self._source_error
+
     def _unanswered(self) -> str:
         """What the job leaves unanswered, as far as it knows: the items it read, and
         whether the source had more."""
+        if self._source_error is not None:
+            return (
+                f"{len(self._items)} item(s) unanswered; the source raised after "
+                f"{self._pulled} item(s) ({self._source_error!r}) and was not read further"
+            )
         if self._source_done:
             return f"{len(self._items)} item(s) unanswered; the source was read to its end"
         return f"{len(self._items)} item(s) read and unanswered; the source was not read further"
@@ -436,7 +464,7 @@ class BulkStream:
         while True:
             try:
                 item = await self._next_to_send()
-            except Exception as error:  # noqa: BLE001 - the source's failure, handed to the caller
+            except Exception as error:  # noqa: BLE001 - a closed client's (see _pull): the job's end
                 self._events.put_nowait(_Failed(error))
                 return
             try:
@@ -554,14 +582,14 @@ class BulkStream:
         """Why item `index` cannot be sent with `request_id`, or None when it can.
 
         Raises:
-            TypeError: `request_id` is not a str (a caller's bug: it ends the job).
+            TypeError: `request_id` is not a str (the item is answered with it).
         """
         # Its type checked first: an id of another type may not even be hashable. Its
         # length too, before the lookup: no id over the limit is ever in flight.
         try:
             check_request_id(
                 request_id,
-                field=f"bulk stream item {index}: request_id",
+                field=f"{_item_name(index, request_id, self.job_id)}: request_id",
                 expected="a shorter id (or job_id)",
             )
         except InvalidInputError as refusal:
@@ -575,8 +603,20 @@ class BulkStream:
         return None
 
     async def _pull(self) -> _Item | None:
-        """The next item from the source, encoded; None at the end of the source, or when
-        the item failed to encode (it is answered with its error at once)."""
+        """The next item from the source, encoded; None at the end of the source (or its
+        failure), or when the item failed to encode (it is answered with its error at
+        once)."""
+        raw = await self._read_source()
+        if raw is _SOURCE_END:
+            return None
+        index = self._pulled
+        self._pulled += 1
+        self._held += 1
+        return self._encoded(raw, index)
+
+    async def _read_source(self) -> object:
+        """The source's next item, or _SOURCE_END (then `_source_done`): its end, or its
+        failure (`_source_failed`)."""
         if self._async_source is not None:
             pending = self._source_next
             if pending is None:
@@ -592,24 +632,42 @@ class BulkStream:
             # same pending item instead. It stays pending until taken here: a writer
             # cancelled after the item was produced, before it resumed, must not drop it
             # (that lost an item, and shifted every later item's index by one).
-            raw = await asyncio.shield(pending)
+            try:
+                raw = await asyncio.shield(pending)
+            except Exception as error:  # noqa: BLE001 - the source's, raised once its items are answered
+                self._source_next = None
+                self._source_failed(error)
+                return _SOURCE_END
             self._source_next = None
             if raw is _SOURCE_END:
                 self._source_done = True
-                return None
-        else:
-            assert self._sync_source is not None
-            try:
-                raw = next(self._sync_source)
-            except StopIteration:
-                self._source_done = True
-                return None
-        index = self._pulled
-        self._pulled += 1
-        self._held += 1
-        inputs, request_id = self._unpack(raw, index)
-        refusal = self._id_refusal(index, request_id)
-        if refusal is not None:  # this item's fault too: answered, never sent
+            return raw
+        assert self._sync_source is not None
+        try:
+            return next(self._sync_source)
+        except StopIteration:
+            self._source_done = True
+        except Exception as error:  # noqa: BLE001 - the source's, raised once its items are answered
+            self._source_failed(error)
+        return _SOURCE_END
+
+    def _encoded(self, raw: object, index: int) -> _Item | None:
+        """Item `index` (`raw`, from the source) encoded, or None: answered with its
+        error at once."""
+        # An item this client cannot send (of a wrong type, or refused as infer() refuses
+        # its inputs) is answered with its InvalidInputError, never sent, and the job goes
+        # on: ending it there dropped the answers to the items sent before it.
+        try:
+            inputs, request_id = self._unpack(raw, index)
+        except TypeError as error:
+            self._emit(StreamResult(index, "", None, refused(str(error)), 0))
+            return None
+        try:
+            refusal = self._id_refusal(index, request_id)
+        except TypeError as error:  # an id of another type: no id to answer it by
+            self._emit(StreamResult(index, "", None, refused(str(error)), 0))
+            return None
+        if refusal is not None:
             self._emit(StreamResult(index, request_id, None, refusal, 0))
             return None
         try:
@@ -620,22 +678,36 @@ class BulkStream:
                 timeout_ms=self._options.timeout_ms,
                 outputs=self._options.outputs,
             )
-        except InvalidInputError as error:  # this item's fault: answered, the job goes on
-            self._emit(StreamResult(index, request_id, None, error, 0))
+        except (InvalidInputError, TypeError) as error:
+            # Named by its item, as README says every item's error is: a dtype with no
+            # wire type said "tensor 'input': numpy dtype complex64 ...", naming no item
+            # (a review). TypeError: an input not a numpy array, a name not a str.
+            message_text = error.message if isinstance(error, InvalidInputError) else str(error)
+            item_name = _item_name(index, request_id, self.job_id)
+            self._emit(
+                StreamResult(
+                    index, request_id, None, refused(f"{item_name}: {message_text}", request_id), 0
+                )
+            )
             return None
-        except TypeError as error:  # its inputs': a caller's bug, which ends the job
-            raise TypeError(f"bulk stream item {index}: {error}") from error
         # From the message, not `inputs`: a mapping may compute its arrays at each read.
         rows = next((int(tensor.shape[0]) for tensor in message.inputs if tensor.shape), 0)
-        item = _Item(index, request_id, message, rows)
+        item = _Item(index, request_id, message, rows, _item_name(index, request_id, self.job_id))
         self._items[request_id] = item
         return item
+
+    def _source_failed(self, error: Exception) -> None:
+        """The source raised `error`: it is read no further, the items read from it are
+        still sent and answered (ending the job there dropped the answers to those already
+        sent), and `results()` raises `error` after the last of them."""
+        self._source_done = True
+        self._source_error = error
 
     def _unpack(self, raw: object, index: int) -> tuple[Arrays, str]:
         """Item `index`'s inputs and request_id (its own, else the job's for it).
 
         Raises:
-            TypeError: the item is neither a mapping nor a StreamRequest.
+            TypeError: the item is neither a mapping nor a StreamRequest (naming it).
         """
         if isinstance(raw, StreamRequest):
             # Not `or`: a falsy id of another type (0) is refused, not taken for none.
@@ -645,8 +717,8 @@ class BulkStream:
         if isinstance(raw, Mapping):
             return raw, f"{self.job_id}-{index}"
         raise TypeError(
-            f"bulk stream item {index}: expected a mapping of input name to array or a "
-            f"StreamRequest, got {type(raw).__name__}"
+            f"bulk stream item {index}: expected a mapping of input name to numpy array or "
+            f"a StreamRequest, got {type(raw).__name__}"
         )
 
     def _within_message_limit(self, item: _Item) -> bool:
@@ -666,7 +738,7 @@ class BulkStream:
             else "max_message_bytes"
         )
         error = ResourceExhaustedError(
-            f"bulk stream item {item.index} is {size} bytes, over the largest message this "
+            f"{item.name} is {size} bytes, over the largest message this "
             f"client and server exchange ({self._max_item_bytes} bytes, {named}); expected "
             "fewer rows per item",
             code=grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -893,11 +965,51 @@ def _stop_timers(item: _Item) -> None:
     item.timer = item.expiry = None
 
 
-def _timed_out(item: _Item, why: str) -> DeadlineExceededError:
-    """Item `item`'s answer once its timeout_ms has passed (`why`), its attempts counted."""
-    error = DeadlineExceededError(
-        f"bulk stream item {item.index}: {why}",
+def _item_name(index: int, request_id: object, job_id: str) -> str:
+    """How messages name item `index`: by its own request_id where its caller gave it one,
+    the caller's key for it (a caller that streams some of its items only, as a resumed
+    `laneserve-client bulk` does, numbers them its own way: the index named another item
+    of its job), else by its index (its id is then f"{job_id}-{index}"). An id that is not
+    a str, too long to repeat in a message, or not UTF-8 text (refused for that: named
+    by itself, its refusal named nothing the caller can find), leaves the index."""
+    if (
+        not isinstance(request_id, str)
+        or request_id == f"{job_id}-{index}"
+        or len(request_id) > _NAMED_ID_CHARS
+        or not _utf8(request_id)
+    ):
+        return f"bulk stream item {index}"
+    return f"bulk stream request {request_id!r}"
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
+
+# The server's reason for a deadline that passed while the request waited (see `_timed_out`).
+_EXPIRED_IN_QUEUE: Final = "EXPIRED_IN_QUEUE"
+# The longest request_id a message names an item by (a CLI job's: 32 + 1 + digits).
+_NAMED_ID_CHARS: Final = 80
+
+
+def _timed_out(item: _Item, why: str) -> ExpiredInQueueError:
+    """Item `item`'s answer once its timeout_ms has passed (`why`), its attempts counted.
+
+    The server's reason for a deadline that passed before the item's answer could start,
+    EXPIRED_IN_QUEUE: the server counts the item's timeout_ms from its read of it, later
+    than this client does, so at this client's deadline the server has not yet expired
+    it, and in the case this answers (a window of work ahead of the item) it waits: unread
+    in the stream's flow control, or in its lane. Without a reason it was the one item
+    error that named none (`reason` "", where the CLI's summary counts by reason).
+    """
+    error = ExpiredInQueueError(
+        f"{item.name}: {why}",
         code=grpc.StatusCode.DEADLINE_EXCEEDED,
+        reason=_EXPIRED_IN_QUEUE,
         request_id=item.request_id,
     )
     error.attempts = item.attempts

@@ -180,7 +180,11 @@ class StreamResult:
     request_id: str
     outputs: dict[str, npt.NDArray[Any]] | None = dataclasses.field(repr=False)
     error: LaneserveError | None
-    attempts: int  # times the item was sent, 1 when no retry was needed
+    # Sends that asked for an answer: 1, plus one per retry after a retryable error
+    # answer (LANE_FULL, ...); 0 for an item never sent (refused by this client). A resend
+    # after a broken call (a lost connection, a drain) is not one: it asks again for the
+    # answer owed to the send before it, which the server joins or replays by request_id.
+    attempts: int
 
     @property
     def ok(self) -> bool:

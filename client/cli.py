@@ -6,12 +6,14 @@
     laneserve-client bulk --input rows.npy --output out.npy  a bulk job with a checkpoint
 
 Every subcommand takes ``--target HOST:PORT`` (default 127.0.0.1:50051) and the TLS
-options. Exit codes: 0 everything done; 1 some rows failed (bulk: rerun with --resume to
-retry them); 2 bad usage or input (infer and bulk: checked against the server's model
-and lanes before anything is sent), refused by this client or by the server
+options. Exit codes: 0 everything done; 1 some rows failed (bulk: the output written with
+them as NaN, listed in OUTPUT.failed.json; rerun with --resume to retry them); 2 bad
+usage or input (infer and bulk: checked against the server's model and lanes before
+anything is sent), refused by this client or by the server
 (INVALID_INPUT); 3 the server could not be reached, or refused the call for its own
-reasons (a full lane, a drain, its limits); 130 / 143 interrupted by SIGINT / SIGTERM
-(bulk: the checkpoint is saved); 141 standard output closed early (a pipe into `head`),
+reasons (a full lane, a drain, its limits; bulk: the checkpoint is saved, --resume goes
+on); 130 / 143 interrupted by SIGINT / SIGTERM (bulk: the checkpoint is saved, --resume
+goes on); 141 standard output closed early (a pipe into `head`),
 as a shell reports a command that SIGPIPE ended.
 """
 
@@ -25,6 +27,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -34,7 +37,7 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any, Final, TextIO
+from typing import IO, Any, Final, TextIO
 
 import numpy as np
 import numpy.typing as npt
@@ -48,7 +51,13 @@ from laneserve.client._channel import (
     check_target,
     metadata_pair,
 )
-from laneserve.client._checkpoint import Checkpoint, CheckpointError, same_file, write_npz
+from laneserve.client._checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    locked,
+    same_file,
+    write_npz,
+)
 from laneserve.client._errors import InvalidInputError, LaneserveError
 from laneserve.client._request import encode_inputs, infer_request
 from laneserve.client._retry import RetryPolicy
@@ -131,17 +140,23 @@ def _main(argv: Sequence[str] | None) -> int:
         return EXIT_USAGE
     except LaneserveError as error:
         print(f"laneserve-client: {error}", file=sys.stderr)
-        for note in getattr(error, "__notes__", ()):
-            print(f"  {note}", file=sys.stderr)
+        _print_notes(error)
         # The input's fault, whoever refused it (this client before sending, or the
         # server: INVALID_INPUT, REQUEST_ID_REUSED): the same input fails again.
         return EXIT_USAGE if isinstance(error, InvalidInputError) else EXIT_SERVER
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stopped:
         print("laneserve-client: interrupted", file=sys.stderr)
+        _print_notes(stopped)
         return EXIT_SIGINT
-    except Terminated:
+    except Terminated as stopped:
         print("laneserve-client: terminated", file=sys.stderr)
+        _print_notes(stopped)
         return EXIT_SIGTERM
+
+
+def _print_notes(error: BaseException) -> None:
+    for note in getattr(error, "__notes__", ()):
+        print(f"  {note}", file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -702,11 +717,35 @@ def _bulk(client: Client, args: argparse.Namespace) -> int:
     inputs = _read_inputs(input_path, model, ".npy or .npz")
     rows = _row_count(inputs, input_path)
     _check_items(model, inputs, rows, args, output_names)
-    checkpoint = _open_checkpoint(output, input_path, rows, args, asked, model)
-    failures, examples = _run_items(client, args, checkpoint, inputs, output_names)
-    if not failures:
+    with contextlib.ExitStack() as lock:
+        checkpoint = _open_checkpoint(output, input_path, rows, args, asked, model, lock)
+        return _bulk_run(client, args, checkpoint, inputs, output_names)
+
+
+def _bulk_run(
+    client: Client,
+    args: argparse.Namespace,
+    checkpoint: Checkpoint,
+    inputs: Arrays,
+    output_names: Sequence[str],
+) -> int:
+    """Runs the job of `checkpoint` (locked) and writes its output."""
+    output, rows = Path(args.output), checkpoint.rows
+    try:
+        failed = _run_items(client, args, checkpoint, inputs, output_names)
+    except (KeyboardInterrupt, Terminated, LaneserveError) as stopped:
+        # Exit 130, 143 or 3 (not 2: the input's fault fails again however resumed).
+        if not isinstance(stopped, InvalidInputError):
+            stopped.add_note(
+                f"the checkpoint {checkpoint.directory} keeps the {checkpoint.done_rows} of "
+                f"{rows} rows done: rerun with --resume to go on from there"
+            )
+        raise
+    sidecar = failed_rows_path(output)
+    if not failed:
         try:
             checkpoint.finish(output)
+            sidecar.unlink(missing_ok=True)  # an earlier run's: no row is failed now
         except OSError as error:
             raise UsageError(
                 f"cannot write {output}: {error}; the checkpoint {checkpoint.directory} is "
@@ -714,16 +753,123 @@ def _bulk(client: Client, args: argparse.Namespace) -> int:
             ) from error
         print(f"laneserve-client: {rows} rows done; wrote {output}", file=sys.stderr)
         return EXIT_OK
-    failed_items = sum(failures.values())
+    failures = collections.Counter(error.reason or error.code.name for error in failed.values())
+    wrote = _write_with_failed_rows(checkpoint, output, failed)
     print(
-        f"laneserve-client: {failed_items} of {checkpoint.items} items failed "
-        f"({_counts(failures)}); {checkpoint.done_rows} of {rows} rows done. "
+        f"laneserve-client: {len(failed)} of {checkpoint.items} items failed "
+        f"({_counts(failures)}); {checkpoint.done_rows} of {rows} rows done. {wrote} "
         f"Checkpoint: {checkpoint.directory}; rerun with --resume to retry the failed rows.",
         file=sys.stderr,
     )
-    for example in examples:
-        print(f"  {example}", file=sys.stderr)
+    for item in sorted(failed)[:_EXAMPLES]:
+        print(f"  {_failed_rows_line(checkpoint, item, failed[item])}", file=sys.stderr)
+    if len(failed) > _EXAMPLES:
+        print(f"  and {len(failed) - _EXAMPLES} more failed item(s), in {sidecar}", file=sys.stderr)
     return EXIT_FAILED_ROWS
+
+
+def failed_rows_path(output: Path) -> Path:
+    """Where a bulk job that left rows failed lists them: OUTPUT.failed.json."""
+    return output.with_name(f"{output.name}.failed.json")
+
+
+def _server_row(checkpoint: Checkpoint, item: int, error: LaneserveError) -> int | None:
+    """The input file's row that the server named in `error` (its row within the item:
+    "row 3 of this request", "(row 3, run alone)"), or None."""
+    named = _SERVER_ROW.search(error.message)
+    if named is None:
+        return None
+    return int(checkpoint.item_rows(item).start) + int(named[1])
+
+
+# The engine's words for the row of a request that failed alone (see the server's
+# engine._Split.fail_alone).
+_SERVER_ROW: Final = re.compile(r"\brow (\d+)(?: of this request|, run alone)")
+
+
+def _failed_rows_line(checkpoint: Checkpoint, item: int, error: LaneserveError) -> str:
+    """Item `item`'s failure, its rows named by their index in the input file."""
+    span = checkpoint.item_rows(item)
+    row = _server_row(checkpoint, item, error)
+    named = "" if row is None else f"; the server named input row {row}"
+    return f"input rows {span.start}-{span.stop - 1} (item {item}{named}): {error}"
+
+
+def _write_with_failed_rows(
+    checkpoint: Checkpoint, output: Path, failed: Mapping[int, LaneserveError]
+) -> str:
+    """Writes OUTPUT with the failed items' rows as NaN (zeros in an output of no float
+    dtype), and OUTPUT.failed.json listing those items (their first input row, rows,
+    code, reason and message); returns what it wrote, for the summary. The checkpoint
+    stays: --resume retries only the failed items and then writes both afresh (the
+    sidecar removed). A failed row's outputs are never an answer: NaN tells them from
+    real values; the sidecar says which they are where zeros do not.
+
+    Raises:
+        UsageError: either file cannot be written (the checkpoint is kept).
+    """
+    sidecar = failed_rows_path(output)
+    listed = []
+    for item in sorted(failed):
+        error, span = failed[item], checkpoint.item_rows(item)
+        listed.append(
+            {
+                "item": item,
+                "first_row": span.start,
+                "rows": span.stop - span.start,
+                "server_row": _server_row(checkpoint, item, error),
+                "code": error.code.name,
+                "reason": error.reason,
+                "message": error.message,
+            }
+        )
+        for array in checkpoint.arrays.values():
+            # Not done, so never read back as an answer: a retry overwrites them.
+            array[span] = np.nan if np.issubdtype(array.dtype, np.inexact) else 0
+    summary = {
+        "job_id": checkpoint.job_id,
+        "input": checkpoint.input_path,
+        "rows": checkpoint.rows,
+        "failed_rows": sum(entry["rows"] for entry in listed),
+        "failed_items": listed,
+    }
+    try:
+        checkpoint.save()
+        _replace_file(sidecar, lambda file: file.write(json.dumps(summary, indent=1).encode()))
+        if not checkpoint.arrays:  # no item succeeded: no output's shape or dtype is known
+            # A file already there is left as it was (removed, a user's file was lost).
+            left = f" ({output} already there is left as it was)" if output.exists() else ""
+            return (
+                f"No item succeeded: no {output} written{left}; the failed rows are in {sidecar}."
+            )
+        # Copied, not linked as Checkpoint.finish links a finished array: the checkpoint
+        # stays, and a resume writes its arrays in place, through a link into OUTPUT too.
+        if output.suffix.lower() == ".npy":
+            (array,) = checkpoint.arrays.values()
+            _replace_file(output, lambda file: np.lib.format.write_array(file, array))
+        else:
+            _replace_file(output, lambda file: write_npz(file, checkpoint.arrays))
+    except OSError as error:
+        raise UsageError(
+            f"cannot write {output} or {sidecar}: {error}; the checkpoint "
+            f"{checkpoint.directory} is kept: rerun with --resume once they can be written"
+        ) from error
+    return (
+        f"Wrote {output} with the failed rows as NaN (zeros in an output that is not "
+        f"float), and the failed rows in {sidecar}."
+    )
+
+
+def _replace_file(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """`path` replaced whole by what `write` writes, or left as it was."""
+    staged = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with staged.open("wb") as file:
+            write(file)
+        staged.replace(path)
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
 
 
 def _run_items(
@@ -732,16 +878,15 @@ def _run_items(
     checkpoint: Checkpoint,
     inputs: Arrays,
     output_names: Sequence[str],
-) -> tuple[collections.Counter[str], list[str]]:
-    """Streams the items the checkpoint lacks and stores their answers; the failures by
-    reason, and a few examples. The checkpoint is saved as it goes and at the end, on
+) -> dict[int, LaneserveError]:
+    """Streams the items the checkpoint lacks and stores their answers; returns the
+    failed items' errors by item. The checkpoint is saved as it goes and at the end, on
     every path (Ctrl-C, SIGTERM, a lost server: --resume goes on)."""
     pending = [int(item) for item in np.flatnonzero(~checkpoint.done)]
     progress = Progress(
         checkpoint.rows, checkpoint.done_rows, enabled=not args.no_progress, stream=sys.stderr
     )
-    failures: collections.Counter[str] = collections.Counter()
-    examples: list[str] = []
+    failed: dict[int, LaneserveError] = {}
     saved_s = time.monotonic()
 
     def requests() -> Iterator[StreamRequest]:
@@ -768,9 +913,7 @@ def _run_items(
                 progress.advance(_rows_in(checkpoint, item))
             else:
                 assert result.error is not None
-                failures[result.error.reason or result.error.code.name] += 1
-                if len(examples) < _EXAMPLES:
-                    examples.append(f"item {item} ({result.request_id}): {result.error}")
+                failed[item] = result.error
                 progress.fail(_rows_in(checkpoint, item))
             if time.monotonic() - saved_s >= args.checkpoint_interval_s:
                 checkpoint.save()
@@ -787,7 +930,7 @@ def _run_items(
         except OSError as error:
             if raised is None:  # else that error is the one to report
                 raise _unwritable(checkpoint, error) from error
-    return failures, examples
+    return failed
 
 
 def _unwritable(checkpoint: Checkpoint, error: OSError) -> UsageError:
@@ -952,7 +1095,13 @@ def _open_checkpoint(
     args: argparse.Namespace,
     asked: list[str],
     model: ModelInfo,
+    lock: contextlib.ExitStack,
 ) -> Checkpoint:
+    """The job's checkpoint, new or resumed, locked in `lock` for the rest of the run.
+
+    Raises:
+        UsageError: another run uses it, it is another job's, or it cannot be made.
+    """
     directory = Path(f"{output}.partial")
     if directory.exists():
         if not directory.is_dir():  # no job's: a checkpoint is a directory
@@ -966,6 +1115,8 @@ def _open_checkpoint(
                 "continue it, or delete it to start over"
             )
         try:
+            # Locked before its state is read: another run may be rewriting it.
+            lock.enter_context(locked(directory))
             checkpoint = Checkpoint.load(
                 directory,
                 input_path=input_path,
@@ -991,7 +1142,7 @@ def _open_checkpoint(
             file=sys.stderr,
         )
     try:
-        return Checkpoint.create(
+        checkpoint = Checkpoint.create(
             directory,
             job_id=uuid.uuid4().hex,
             input_path=input_path,
@@ -1001,6 +1152,13 @@ def _open_checkpoint(
         )
     except OSError as error:
         raise UsageError(f"cannot create the checkpoint {directory}: {error}") from error
+    try:
+        # Made, then locked: a --resume run that came in between holds it, and runs the
+        # job this one made; this one refuses, as it would had it come second.
+        lock.enter_context(locked(directory))
+    except CheckpointError as error:
+        raise UsageError(str(error)) from error
+    return checkpoint
 
 
 def _check_outputs_unchanged(checkpoint: Checkpoint, model: ModelInfo) -> None:

@@ -18,7 +18,7 @@ import logging
 import socket
 import ssl
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any, NoReturn
@@ -542,39 +542,61 @@ def _is_short_ipv4(text: str) -> bool:
     return True
 
 
-class _HealthServicer(health.aio.HealthServicer):
-    """gRPC's health service, whose Watch calls end (OK, after their last status) when
-    the server stops: open ones held every stop for its whole grace."""
+class _LongStreams:
+    """The server's long-lived streams, every port's (health Watch, reflection), which
+    the drain ends (`end`): open as long as their callers keep them, each held the stop
+    for gRPC's whole grace, then ended UNAVAILABLE. `end` cancels the task of each
+    stream `running`; the stream, seeing `ended`, takes the cancel for its end and ends
+    OK in its own way."""
 
     def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[object]] = set()
+        self.ended = False
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """The current task is a long stream until the block ends."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            yield
+        finally:
+            self._tasks.discard(task)
+
+    def end(self) -> None:
+        self.ended = True
+        for task in self._tasks:
+            task.cancel()
+
+
+class _HealthServicer(health.aio.HealthServicer):
+    """gRPC's health service, whose Watch calls end (OK, after their last status) when
+    the server stops (`streams.end`)."""
+
+    def __init__(self, streams: _LongStreams) -> None:
         super().__init__()
-        self._watches: set[asyncio.Task[object]] = set()
-        self._ended = False
+        self._streams = streams
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> None:
-        if self._ended:
+        if self._streams.ended:
             # Opened after the watches ended, late in a stop: its status, then its end.
             # Waiting, it held gRPC's stop for its whole grace and ended UNAVAILABLE.
             await context.write(_stopped_status(request.service))
             return
-        task = asyncio.current_task()
-        assert task is not None
-        self._watches.add(task)
-        try:
+        with self._streams.running():
             await self._watch_until_ended(request, context)
-        finally:
-            self._watches.discard(task)
 
     async def _watch_until_ended(
         self, request: health_pb2.HealthCheckRequest, context: Any
     ) -> None:
-        """gRPC's Watch, ended OK by `end_watches` after its last status."""
+        """gRPC's Watch, ended OK by the drain after its last status."""
         written = _LastWritten(context)
         try:
             # gRPC's servicer uses its context's `write` alone, which `written` has.
             await super().Watch(request, written)  # type: ignore[arg-type]
         except asyncio.CancelledError:
-            if not self._ended:
+            if not self._streams.ended:
                 raise  # the caller went away
             # gRPC's servicer sends NOT_SERVING to one watch at a time (each write under
             # its lock): the drain ended the rest before their turn, 7 of 10 open
@@ -582,11 +604,6 @@ class _HealthServicer(health.aio.HealthServicer):
             last = _stopped_status(request.service)
             if written.status != last.status:
                 await context.write(last)
-
-    def end_watches(self) -> None:
-        self._ended = True
-        for task in self._watches:
-            task.cancel()
 
 
 def _stopped_status(service: str) -> health_pb2.HealthCheckResponse:
@@ -630,58 +647,42 @@ class _PortHealth:
         return getattr(self._shared, name)
 
 
-class _ReflectionStreams:
-    """The server's open reflection streams (every port's), which the drain ends OK
-    (`end`): open as long as their callers keep them, each held the stop for gRPC's
-    whole grace, then ended UNAVAILABLE."""
+def _ended_by_the_drain(
+    behavior: Callable[..., Any], streams: _LongStreams
+) -> Callable[..., AsyncIterator[Any]]:
+    """`behavior` (reflection's stream: an async generator of answers), ended OK by the
+    drain (`streams.end`); one opened after it ends at once."""
 
-    def __init__(self) -> None:
-        self._streams: set[asyncio.Task[object]] = set()
-        self._ended = False
-
-    def endable(self, behavior: Callable[..., Any]) -> Callable[..., AsyncIterator[Any]]:
-        """`behavior` (reflection's stream: an async generator of answers), ended by `end`.
-        One opened after `end` ends at once."""
-
-        async def ended_by_the_drain(requests: Any, context: Any) -> AsyncIterator[Any]:
-            if self._ended:
-                return
-            task = asyncio.current_task()
-            assert task is not None
-            self._streams.add(task)
+    async def ended(requests: Any, context: Any) -> AsyncIterator[Any]:
+        if streams.ended:
+            return
+        with streams.running():
             try:
                 async for answer in behavior(requests, context):
                     yield answer
             except asyncio.CancelledError:
-                if not self._ended:
+                if not streams.ended:
                     raise  # the caller went away
                 # Ended by the drain while it waited for its caller's next request (where
                 # an open stream waits): returned, the stream ends OK.
-            finally:
-                self._streams.discard(task)
 
-        return ended_by_the_drain
-
-    def end(self) -> None:
-        self._ended = True
-        for task in self._streams:
-            task.cancel()
+    return ended
 
 
 class _PortReflection:
     """gRPC's reflection service as one port serves it: its streams, open as long as
     their callers keep them, counted with the port's health watches
-    (`CallGate.gate_reflection`) and ended by the drain (`_ReflectionStreams`)."""
+    (`CallGate.gate_reflection`) and ended by the drain (`_LongStreams`)."""
 
     def __init__(
         self,
         shared: reflection.aio.ReflectionServicer,
         gate: CallGate,
-        streams: _ReflectionStreams,
+        streams: _LongStreams,
     ) -> None:
         self._shared = shared
         self.ServerReflectionInfo = gate.gate_reflection(
-            streams.endable(shared.ServerReflectionInfo)
+            _ended_by_the_drain(shared.ServerReflectionInfo, streams)
         )
 
     def __getattr__(self, name: str) -> Any:
@@ -1261,8 +1262,8 @@ class LaneServer:
             watermark=watermark,
             run_time_signature=engine.probe_signature,
         )
-        self._health = _HealthServicer()
-        self._reflection_streams = _ReflectionStreams()
+        self._long_streams = _LongStreams()  # health watches and reflection streams
+        self._health = _HealthServicer(self._long_streams)
         # Triton's system shared memory regions, one registry for every port's KServe
         # front end; let go of as the server stops.
         self.shared_memory = SharedMemoryRegions(enabled=config.shared_memory)
@@ -1350,6 +1351,7 @@ class LaneServer:
             MetricSources(
                 depths=thread.depths,
                 batch_cap=lambda: thread.batch_cap,
+                max_batch_cap=thread.max_batch_cap,
                 counts=self.stats.counts,
                 grpc_calls=self.grpc_calls,
                 ledger=self.ledger_counts,
@@ -1576,7 +1578,7 @@ class LaneServer:
         add_grpc_service(
             server,
             reflection.SERVICE_NAME,
-            _PortReflection(reflection_servicer, gate, self._reflection_streams),
+            _PortReflection(reflection_servicer, gate, self._long_streams),
         )
         address = host_port(self.config.host, port)
         bound = 0
@@ -1751,8 +1753,7 @@ class LaneServer:
         # Every RPC now has its answer; give them a moment to be written. Health watches
         # (NOT_SERVING sent) and reflection streams end now: the grace would wait for
         # them in full.
-        self._health.end_watches()
-        self._reflection_streams.end()
+        self._long_streams.end()
         await self._read_what_grpc_holds()
         await asyncio.gather(
             *(each.server.stop(grace=2.0) for each in self._listeners),

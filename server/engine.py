@@ -798,14 +798,18 @@ class Engine:
         came after that run, which ran among the failed run's regions: under 32 MiB the
         demo model ran out of memory at 1 024 rows, then at 640, which fits a shrunk
         arena (as 750 do). A run of zero rows allocates nothing and keeps no output, so
-        it carries the request alone. It failing (a model that cannot run zero rows)
-        does not matter: the runtime shrinks after a failed run too.
+        it carries the request alone (where the first axis is fixed, a run of its rows).
+        It failing (a model that cannot run zero rows) does not matter: the runtime
+        shrinks after a failed run too.
         """
         self._arena_run = None
         options = ort.RunOptions()
         options.add_run_config_entry("memory.enable_memory_arena_shrinkage", self._arena)
+        # A fixed first axis takes its F rows alone: zero rows failed the runtime's input
+        # check, before it read the shrink asked for (nothing ever shrank).
+        rows = 0 if self.fixed_rows is None else self.fixed_rows
         try:
-            self._run_session(self.example_inputs(0), options)
+            self._run_session(self.example_inputs(rows), options)
         except Exception as error:  # noqa: BLE001 - the shrink is done either way (see above)
             self._shrink_failed(error)
 
@@ -1130,14 +1134,7 @@ class Engine:
         host_room: _HostRoom | None,
         stopping: threading.Event | None,
     ) -> Probe:
-        asked = max_batch_size
-        if self.fixed_rows is not None:  # no batch holds more rows than a run
-            max_batch_size = min(max_batch_size, self.fixed_rows)
-        if max_batch_size > 1:  # one row per run: nothing is batched together
-            self._check_later_axes_fixed()
-            self._check_rows_independent(max_batch_size)
-        if self.fixed_rows is not None:
-            self._warn_fixed_rows(asked, max_batch_size)
+        max_batch_size = self._check_batching(max_batch_size)
         measured: dict[int, float] = {}
         memory_bytes: dict[int, int] = {}
         fits, fails = 0, None
@@ -1250,75 +1247,114 @@ class Engine:
                     "max_batch_size 1)"
                 )
 
+    def _check_batching(self, max_batch_size: int) -> int:
+        """Refuses (EngineError) a model whose answers would depend on the rows batched
+        with them, where shapes or a run can show it; the largest batch (at most a fixed
+        first axis's rows)."""
+        asked = max_batch_size
+        if self.fixed_rows is not None:  # no batch holds more rows than a run
+            max_batch_size = min(max_batch_size, self.fixed_rows)
+        if max_batch_size > 1:  # one row per run: nothing is batched together
+            self._check_later_axes_fixed()
+        # A fixed axis of F rows runs F rows together whatever the cap (the padding's
+        # copies beside a lone row): checked at any cap.
+        if max_batch_size > 1 or (self.fixed_rows or 1) > 1:
+            self._check_rows_independent(max_batch_size)
+        if self.fixed_rows is not None:
+            self._warn_fixed_rows(asked, max_batch_size)
+        return max_batch_size
+
     def _check_rows_independent(self, max_batch_size: int) -> None:
-        """Whether each row's outputs depend on its own inputs alone: every row of a batch
-        of random rows (0 or 1 for integers and bools, uniform in [0, 1) for floats, at
-        the probe's shapes) against its run alone (padded with copies of itself where
-        the first axis is fixed). A model that fails on such rows is not checked.
+        """Whether each row's outputs depend on its own inputs alone: the first rows of a
+        batch of random rows (0 or 1 for integers and bools, uniform in [0, 1) for
+        floats, at the probe's shapes; ROWS_CHECKED of them, of a batch of that many or,
+        where the first axis is fixed, of its F) against their runs alone (padded with
+        copies of themselves where the axis is fixed), beyond rounding: the kernels of
+        another batch size or position may round otherwise (a sum along a row differed
+        by an ulp at row 2 of 4, a review). Not checked: a model that fails on such rows,
+        or whose outputs differ between two runs of the same row (a random op, a
+        nondeterministic kernel: batched or not would say nothing).
 
         A fixed first axis whose rows differ so is refused (EngineError): it is not one of
         rows (a sequence, a set of boxes: an LSTM's time axis first, as torch exports it,
-        a cumulative sum; the first row alone missed those, later rows depending on
-        earlier ones), and a request's answer would be computed from other requests'
-        rows. A dynamic one is the exporter's batch axis: rows that differ beyond
-        rounding (the kernels of another batch size may round otherwise) are warned of:
-        an answer then depends a little on the rows batched with it, as through
+        a cumulative sum; the first row alone missed those), and an answer would be
+        computed from the rows run beside it, the padding's copies too, whatever the
+        batch cap. A dynamic one is the exporter's batch axis: rows that differ are warned
+        of: an answer then depends on the rows batched with it, as through
         DynamicQuantizeLinear's one scale for the whole batch (onnxruntime's
         quantize_dynamic; a caller's logits moved by up to half, a review found)."""
         fixed = self.fixed_rows
-        rows = fixed or min(max_batch_size, ROWS_CHECKED)
+        batch_rows = fixed or min(max_batch_size, ROWS_CHECKED)
+        checked = min(batch_rows, ROWS_CHECKED)
         generator = np.random.default_rng(0)
         batch = {
-            spec.name: _random_rows(generator, spec.dtype, (rows, *self._probe_shapes[spec.name]))
+            spec.name: _random_rows(
+                generator, spec.dtype, (batch_rows, *self._probe_shapes[spec.name])
+            )
             for spec in self.inputs
         }
+
+        def alone(row: int) -> dict[str, Array]:
+            return self.run({name: array[row : row + 1] for name, array in batch.items()})
+
         try:
+            first, again = alone(0), alone(0)
+            unsteady = next(
+                (name for name in self.output_names if _beyond_rounding(first[name], again[name])),
+                None,
+            )
+            if unsteady is not None:
+                self._rows_unchecked(
+                    f"its output {unsteady!r} differs between two runs of the same row (a "
+                    "random op, a nondeterministic kernel)"
+                )
+                return
             together = self.run(batch)
-            alone = [
-                self.run({name: array[row : row + 1] for name, array in batch.items()})
-                for row in range(rows)
-            ]
+            apart = [first, *(alone(row) for row in range(1, checked))]
         except DeviceMemoryError:
             return  # the probe below meets it and reports it
         except _ModelRunError as error:
-            log_event(
-                log,
-                logging.WARNING,
-                "rows_unchecked",
-                f"model {self.model_path} failed on random rows ({error.runtime_message}): "
-                "whether each row's outputs depend on its own inputs alone was not checked; "
-                "if they do not, an answer depends on the requests batched with it "
-                "(--max-batch-size 1 runs every request's rows alone)",
-                model=self.model_path,
-            )
+            self._rows_unchecked(f"it failed on random rows ({error.runtime_message})")
             return
         for name in self.output_names:
-            for row in range(rows):
-                mixed, own = together[name][row], alone[row][name][0]
-                if fixed is not None and not np.array_equal(mixed, own, equal_nan=True):
+            for row in range(checked):
+                if not _beyond_rounding(together[name][row], apart[row][name][0]):
+                    continue
+                if fixed is not None:
                     raise EngineError(
                         f"model output {name!r}: row {row} of {fixed} along the inputs' "
                         "fixed first axis changed with the values of the other rows, so "
                         "that axis is not one of independent rows (a sequence, a set), and "
                         "a request's answer would be computed from the rows run beside it; "
-                        "expected a batch axis whose rows do not affect each other's outputs "
-                        "(or max_batch_size 1: every run then holds one row and copies of it)"
+                        "expected a batch axis whose rows do not affect each other's "
+                        "outputs: export the model with a dynamic first axis of rows"
                     )
-                if fixed is None and _beyond_rounding(mixed, own):
-                    log_event(
-                        log,
-                        logging.WARNING,
-                        "rows_mix",
-                        f"model output {name!r}: row {row} of {rows} random rows batched "
-                        "together differs from its run alone beyond rounding, so an answer "
-                        "depends on the requests batched with it (DynamicQuantizeLinear, "
-                        "from onnxruntime's quantize_dynamic, quantizes a batch with one "
-                        "scale); --max-batch-size 1 runs every request's rows alone",
-                        output=name,
-                        row=row,
-                        rows=rows,
-                    )
-                    return
+                log_event(
+                    log,
+                    logging.WARNING,
+                    "rows_mix",
+                    f"model output {name!r}: row {row} of {batch_rows} random rows batched "
+                    "together differs from its run alone beyond rounding, so an answer "
+                    "depends on the requests batched with it (DynamicQuantizeLinear, from "
+                    "onnxruntime's quantize_dynamic, quantizes a batch with one scale); "
+                    "--max-batch-size 1 runs every request's rows alone",
+                    output=name,
+                    row=row,
+                    rows=batch_rows,
+                )
+                return
+
+    def _rows_unchecked(self, why: str) -> None:
+        log_event(
+            log,
+            logging.WARNING,
+            "rows_unchecked",
+            f"model {self.model_path}: {why}: whether each row's outputs depend on its own "
+            "inputs alone was not checked; if they do not, an answer depends on the "
+            "requests batched with it (--max-batch-size 1 runs every request's rows alone, "
+            "where the first axis is the model's batch axis)",
+            model=self.model_path,
+        )
 
     def _warn_fixed_rows(self, asked: int, max_batch_size: int) -> None:
         """Tells of a fixed first axis (once its rows are known independent): what it costs,

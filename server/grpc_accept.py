@@ -455,7 +455,7 @@ class CallGate:
     async def _watch_slot(self, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[None]:
         """One of the `watch_limit` slots of the long-lived streams (health Watch,
         reflection) for as long as the block runs, the one over refused. Freed once,
-        however the stream ends: its caller gone (cancelled), the drain (`end_watches`),
+        however the stream ends: its caller gone (cancelled), the drain (`app._LongStreams.end`),
         or an error."""
         if self.watches_full:
             await self.refuse_watch(context)

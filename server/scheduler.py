@@ -317,6 +317,12 @@ def _folded_gap(gap_s: float | None, last_s: float | None, now_s: float) -> floa
     return now_s - last_s if gap_s is None else gap_s + ARRIVAL_GAP_ALPHA * (now_s - last_s - gap_s)
 
 
+def _head_signature(lane: Lane) -> Signature:
+    head = lane.head()
+    assert head is not None
+    return head.request.signature
+
+
 def _charge_owner(plan: _Plan, priority: int, shut_out_rows: float) -> None:
     """The batch is the owed lane's (its shape): it costs the lanes it shuts out the batch
     they would have had (`shut_out_rows`), so it counts against the lane's credit as that
@@ -582,10 +588,10 @@ class Scheduler:
             raise DrainingError("server is draining; retry on another instance")
         # A closed lane admits while nothing is queued or running: memory that stays in
         # use then (an allocator's cache, another process) is not freed by refusing, and
-        # refusing forever would leave the server idle for good. One request at a time
-        # goes in until the reading falls below the low mark.
-        idle = not self._entries and self._running_until_s is None
-        if self.watermark is not None and not idle and self.watermark.refuses(lane.priority):
+        # refusing forever would leave the server idle for good. Where an idle reading is
+        # at or above the high mark (below it, every lane reopens: `update_memory`), one
+        # request at a time goes in.
+        if self.watermark is not None and not self._idle and self.watermark.refuses(lane.priority):
             used_bytes = self.watermark.used_bytes or 0
             mark = self.watermark
             # A lane closed above the high mark stays closed down to the low one.
@@ -621,7 +627,7 @@ class Scheduler:
         # other sizes) learns; refusing it would keep the prediction wrong for good. So
         # does a request of a shape whose model is a guess, until one of it has run.
         # Neither is predicted (the prediction is most of admission's cost).
-        if idle or not self._run_times.knows(request.signature):
+        if self._idle or not self._run_times.knows(request.signature):
             return
         # A deadline the bound meets, the prediction (never later) meets too.
         bound_s = self._finish_bound_s(lane, request.rows, request.signature, now_s)
@@ -1656,25 +1662,44 @@ class Scheduler:
                 batch.room = min(batch.room, budget_rows - rows)
 
     def _owed_head(self, top: Entry) -> Entry | None:
-        """The head of the highest lane with a share whose credit covers that head (or a
-        whole batch) after it banked its share for batches it could not join: its head
-        had another shape than `top` (the highest queued work), or found no room. The
-        head then goes first, and of another shape it sets the batch's shape. Deficit
-        round robin across shapes and request sizes: such a lane banks its share every
-        batch it cannot join, up to its head or a batch."""
-        for lane in self.lanes:
-            if lane.config.min_share == 0 or lane.queued_rows == 0:
-                continue
-            head = lane.head()
-            assert head is not None
-            if head.request.signature == top.request.signature and not lane.room_blocked:
-                continue
-            signature = head.request.signature
-            if self._balance_rows(lane, signature) >= min(
-                head.queued_rows, self.caps.rows(signature)
-            ):
-                return head
-        return None
+        """The head of a lane with a share whose credit covers that head (or a whole
+        batch) after it banked its share for batches it could not join: its head had
+        another shape than `top` (the highest queued work), or found no room. Of several,
+        the one owed the most batches of its own share. The head then goes first, and of
+        another shape it sets the batch's shape. Deficit round robin across shapes and
+        request sizes: such a lane banks its share every batch it cannot join, up to its
+        head or a batch."""
+        owed = [
+            lane
+            for lane in self.lanes
+            if self._credit_covers_head(lane)
+            and (lane.room_blocked or _head_signature(lane) != top.request.signature)
+        ]
+        if not owed:
+            return None
+        # The lane owed the most batches of its own share goes first (then the highest).
+        # The highest first, a lane owed more than whole requests can give it (a share of
+        # 0.7, 40-row requests at a cap of 64: one a batch) was owed after every batch,
+        # and a lane below with a share of 0.2 and 40-row requests got no row at all (a
+        # grid of shares and sizes). Owed the most of its share, a small share's lane
+        # goes once its credit covers its head: it gets most of its share (77 % there),
+        # and a large one what is left.
+        first = min(
+            owed, key=lambda lane: (-lane.share_balance / lane.config.min_share, lane.priority)
+        )
+        return first.head()
+
+    def _credit_covers_head(self, lane: Lane) -> bool:
+        """Whether `lane` has a share, work queued, and credit that covers its head (or a
+        whole batch of its shape)."""
+        if lane.config.min_share == 0 or lane.queued_rows == 0:
+            return False
+        head = lane.head()
+        assert head is not None
+        signature = head.request.signature
+        return self._balance_rows(lane, signature) >= min(
+            head.queued_rows, self.caps.rows(signature)
+        )
 
     def _limit_rows(self, now_s: float, first: Entry) -> int:
         return self._batch_limit(
@@ -2075,13 +2100,14 @@ class Scheduler:
         mark = self.watermark
         if mark is None:
             return
-        idle = not self._entries and self._running_until_s is None
         was_closed = mark.closed
-        mark.update(used_bytes, idle=idle)
+        mark.update(used_bytes, idle=self._idle)
         self.events.memory_sampled(used_bytes, mark.limit_bytes)
+        # Between the marks: its advice, a low mark above this reading's share of the
+        # limit, is then below the high mark (a setting the config takes).
         if (
             mark.closed < was_closed
-            and used_bytes >= mark.low_bytes
+            and mark.low_bytes <= used_bytes < mark.high_bytes
             and not self._idle_floor_logged
         ):
             self._idle_floor_logged = True
@@ -2094,13 +2120,18 @@ class Scheduler:
                 f"memory in use with nothing queued or running is {format_bytes(used_bytes)}, "
                 f"above the low watermark {format_bytes(mark.low_bytes)} that reopens lanes "
                 "closed by memory (logged once): they reopen at the idle reading instead, "
-                "and work admitted then may close them again soon; a --host-memory-limit "
-                f"of about {limit} (on the CPU) or a memory_low_watermark above {share:g} "
+                "and work admitted then may close them again soon; a memory_low_watermark "
+                f"above {share:g} (or, on the CPU, a --host-memory-limit of about {limit}) "
                 "keeps the idle server below the low mark",
                 used_bytes=used_bytes,
                 low_bytes=mark.low_bytes,
                 closed_lanes=mark.closed,
             )
+
+    @property
+    def _idle(self) -> bool:
+        """Nothing queued or running: memory in use is what the server holds idle."""
+        return not self._entries and self._running_until_s is None
 
     @property
     def memory_holds_lanes_closed(self) -> bool:

@@ -36,7 +36,7 @@ from laneserve.server.errors import (
 )
 from laneserve.server.items import Batch, BatchResult, InferenceRequest, Outcome, RowsWanted
 from laneserve.server.log_events import event_extra, log_event
-from laneserve.server.memory import MemoryGauge, WatermarkState
+from laneserve.server.memory import MemoryGauge, WatermarkState, format_bytes
 from laneserve.server.scheduler import Dispatch, LaneDepth, Scheduler, WaitUntil
 
 log = logging.getLogger(__name__)
@@ -47,12 +47,63 @@ MEMORY_SAMPLE_PERIOD_S = 0.05
 # back what its arena keeps at most this often (see `_give_back_memory`).
 MEMORY_RELEASE_PERIOD_S = 1.0
 Deliver = Callable[[Sequence[Outcome]], None]
+# The lanes the watermark closes and reopens are logged at most this often (the changes in
+# between counted in the next line): readings come every MEMORY_SAMPLE_PERIOD_S.
+CLOSED_LANES_LOG_S = 10.0
 # Deadlines taken off the scheduler's heap a pass under the lock, at most (expired
 # requests answered, and stale deadlines of work answered, running or moved): 16 000
 # requests that expired together (a burst of bulk work with one deadline) held it ~85 ms
 # in one pass, and every admission on the event loop with it; 16 000 stale deadlines,
 # ~10 ms. Between passes the lock is let go and the answers go out.
 SHED_CHUNK = 512
+
+
+class ClosedLanesLog:
+    """Logs the lanes the memory watermark closes (lanes_closed_by_memory, WARNING) and
+    their reopening (lanes_reopened_by_memory, INFO): only the refusals' counts and a
+    gauge told of it, and `laneserve top` showed lanes closed with memory below the
+    mark shown (a review). A line for each change of the closed lanes, at most one per
+    CLOSED_LANES_LOG_S: one that comes sooner is written when that time is up, saying
+    how many changes it sums. Fed every reading (`observe`), on the scheduler thread."""
+
+    def __init__(self) -> None:
+        self._seen: tuple[str, ...] = ()  # the closed lanes at the last reading
+        self._logged: tuple[str, ...] = ()  # ... as the last line told them
+        self._changes = 0  # changes of `_seen` since the last line
+        self._line_s = -math.inf
+
+    def observe(self, state: WatermarkState, now_s: float) -> None:
+        closed = state.closed_lanes
+        if closed != self._seen:
+            self._seen = closed
+            self._changes += 1
+        if closed == self._logged or now_s - self._line_s < CLOSED_LANES_LOG_S:
+            return
+        changes = "" if self._changes == 1 else f" ({self._changes} changes since the last line)"
+        used = format_bytes(state.used_bytes or 0)
+        if closed:
+            log_event(
+                log,
+                logging.WARNING,
+                "lanes_closed_by_memory",
+                f"memory in use {used} passed the high watermark "
+                f"{format_bytes(state.high_bytes)}: lane(s) {', '.join(closed)} admit no new "
+                f"work until it falls below {format_bytes(state.low_bytes)} (with nothing "
+                f"queued or running, below the high watermark){changes}",
+                closed_lanes=list(closed),
+                used_bytes=state.used_bytes,
+                changes=self._changes,
+            )
+        else:
+            log_event(
+                log,
+                logging.INFO,
+                "lanes_reopened_by_memory",
+                f"memory in use {used}: every lane admits work again{changes}",
+                used_bytes=state.used_bytes,
+                changes=self._changes,
+            )
+        self._logged, self._changes, self._line_s = closed, 0, now_s
 
 
 class _SchedulerFailedError(Exception):
@@ -84,6 +135,7 @@ class SchedulerThread:
         # never sleeps longer than that: a closed lane must reopen while idle too.
         self._memory_gauge = memory_gauge
         self._memory_sampled_s = -math.inf
+        self._closed_lanes_log = ClosedLanesLog()
         # The runtime's arena keeps the regions a burst of large batches grew, and the
         # watermark's reading with them held every lane closed, interactive too, for
         # good: it is asked to give them back, at most every MEMORY_RELEASE_PERIOD_S, while
@@ -320,6 +372,9 @@ class SchedulerThread:
                 used_bytes = self._memory_gauge.used_bytes()
                 if used_bytes is not None:
                     scheduler.update_memory(used_bytes)
+                    state = scheduler.watermark_state()
+                    if state is not None:
+                        self._closed_lanes_log.observe(state, now_s)
                 now_s = self._clock.monotonic()  # a reading takes time: shed with the time after
         scheduler.shed_expired(now_s, SHED_CHUNK, into=outcomes)
         if scheduler.expired_left(now_s):

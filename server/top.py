@@ -433,7 +433,7 @@ def _memory_line(stats: pb.GetStatsResponse) -> str:
         # the high mark alone shown, memory below it and every lane closed read as a
         # fault (a review).
         if stats.memory_low_watermark_bytes:
-            line += f" (reopen below {format_bytes(stats.memory_low_watermark_bytes)})"
+            line += f" (low {format_bytes(stats.memory_low_watermark_bytes)})"
     closed = list(stats.lanes_closed_by_memory)
     line += f"  lanes closed: {','.join(closed) if closed else '-'}"
     return line

@@ -874,6 +874,10 @@ def test_failed_items_are_results_and_the_job_goes_on(small_model: Path) -> None
     assert "shape [1, 100]" in results[1].error.message
     assert isinstance(results[3].error, lc.InvalidInputError)
     assert results[3].attempts == 0, "never sent"
+    # Named by its item, as every item's error is (it named only the tensor).
+    assert results[3].error.message.startswith(
+        "bulk stream item 3: tensor 'input': numpy dtype complex64 is not supported"
+    ), results[3].error.message
     assert results[4].unwrap()["output"].shape == (3, 10)
     with pytest.raises(lc.InvalidInputError):
         results[1].unwrap()
@@ -910,6 +914,126 @@ def test_an_item_reusing_an_id_in_flight_fails_alone(small_model: Path) -> None:
     assert "'dup' is already in flight" in error.message
     assert results[1].attempts == 0, "never sent"
     assert sorted(ran) == [0, 20]
+
+
+def test_an_item_with_its_own_request_id_is_named_by_it(small_model: Path) -> None:
+    """A caller that streams some of its items only (a resumed `laneserve-client bulk`:
+    items 7 and 9 of its job) numbers them its own way: a message naming the item by its
+    index in the stream ("bulk stream item 1") named another item of the job. One with
+    the job's own id for its index is named by its index."""
+    items: list[Any] = [
+        lc.StreamRequest({"input": rows(1)}, request_id="job-7"),
+        lc.StreamRequest({"input": rows(1).tolist()}, request_id="job-9"),
+        {"input": rows(1).tolist()},
+    ]
+
+    async def scenario() -> list[lc.StreamResult]:
+        async with (
+            serving(RecordingEngine(str(small_model)), config(small_model)) as s,
+            lc.AsyncClient(s.target) as client,
+        ):
+            return await collect(client.stream(items, job_id="job"))
+
+    results = asyncio.run(scenario())
+    assert [result.ok for result in results] == [True, False, False]
+    assert results[1].error is not None
+    assert results[1].error.message.startswith("bulk stream request 'job-9': input 'input'")
+    assert "item 1" not in results[1].error.message
+    assert results[2].error is not None
+    assert results[2].error.message.startswith("bulk stream item 2: input 'input'")
+
+
+def test_an_item_of_a_wrong_type_fails_alone(small_model: Path) -> None:
+    """An item the client cannot encode for its type (a list for the item or an input,
+    None, an id that is no str) ended the job with a TypeError: the items sent before it
+    lost their answers (a list at item 200 of 300: 13 results). Each is now answered with
+    an InvalidInputError naming it, never sent, as an array of no wire type is, and the
+    job goes on."""
+    bad: dict[int, Any] = {
+        200: [rows(1)],
+        201: None,
+        202: {"input": rows(1).tolist()},
+        203: lc.StreamRequest({"input": rows(1)}, request_id=5),  # type: ignore[arg-type]
+    }
+    items: list[Any] = [bad.get(index, {"input": rows(1, start=index)}) for index in range(300)]
+
+    async def scenario() -> list[lc.StreamResult]:
+        async with (
+            serving(RecordingEngine(str(small_model)), config(small_model)) as s,
+            lc.AsyncClient(s.target) as client,
+        ):
+            return await collect(client.stream(items, job_id="typed", window=64))
+
+    results = asyncio.run(scenario())
+    assert [result.index for result in results] == list(range(300))
+    assert [index for index, result in enumerate(results) if not result.ok] == sorted(bad)
+    messages = {}
+    for index in bad:
+        error = results[index].error
+        assert isinstance(error, lc.InvalidInputError)
+        assert results[index].attempts == 0, "never sent"
+        assert f"bulk stream item {index}" in error.message
+        messages[index] = error.message
+    assert "expected a mapping of input name to numpy array" in messages[200]
+    assert "got list" in messages[200]
+    assert "got NoneType" in messages[201]
+    assert "input 'input': expected a numpy array, got list" in messages[202]
+    assert "request_id 5: expected str, got int" in messages[203]
+    assert results[299].unwrap()["output"].shape == (1, 10)
+
+
+class SourceGoneError(Exception):
+    """What a test's source raises."""
+
+
+async def take_until_raised(results: AsyncIterable[lc.StreamResult], taken: list[Any]) -> None:
+    """Appends `results` to `taken` as they come: those before an error are kept."""
+    async for result in results:
+        taken.append(result)  # noqa: PERF401 - not a comprehension: it would keep none
+
+
+def test_a_source_that_raises_answers_what_it_gave_then_raises(small_model: Path) -> None:
+    """A source that raised ended the job at once, the answers to the items already sent
+    dropped, with no word of them. The items it gave are now answered (yielded), and then
+    its own exception is raised, noting how many were."""
+
+    def failing() -> Iterator[dict[str, F32]]:
+        for index in range(50):
+            yield {"input": rows(1, start=index)}
+        raise SourceGoneError("the source's disk went away")
+
+    async def failing_async() -> AsyncIterator[dict[str, F32]]:
+        for item in failing():
+            yield item
+
+    async def scenario() -> tuple[list[lc.StreamResult], list[lc.StreamResult]]:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+
+            def job() -> list[lc.StreamResult]:
+                taken: list[lc.StreamResult] = []
+                with (
+                    lc.Client(s.target) as client,
+                    pytest.raises(SourceGoneError, match="disk went away") as raised,
+                ):
+                    taken.extend(client.stream(failing(), job_id="src", window=16))
+                assert "the source raised after 50 item(s); all 50 were answered" in "\n".join(
+                    raised.value.__notes__
+                )
+                return taken
+
+            synced = await asyncio.to_thread(job)
+            taken: list[lc.StreamResult] = []
+            async with lc.AsyncClient(s.target) as client:
+                results = client.stream(failing_async(), ordered=False)
+                with pytest.raises(SourceGoneError, match="disk went away"):
+                    await take_until_raised(results, taken)
+            return synced, taken
+
+    synced, unordered = asyncio.run(scenario())
+    assert [result.index for result in synced] == list(range(50))
+    assert all(result.ok for result in synced)
+    assert sorted(result.index for result in unordered) == list(range(50))
+    assert all(result.ok for result in unordered)
 
 
 def test_an_item_with_an_over_long_request_id_fails_alone_and_is_never_sent(
@@ -1597,6 +1721,7 @@ def test_an_item_is_not_retried_past_its_timeout_ms(small_model: Path) -> None:
     assert [result.ok for result in results] == [False]
     error = results[0].error
     assert isinstance(error, lc.DeadlineExceededError)
+    assert error.reason == "EXPIRED_IN_QUEUE", "the server's reason, where this client decided"
     assert results[0].attempts == 1
     assert "(50 ms from its first send" in str(error)
     assert sum(stats.lanes[1].rejected.values()) == 1, "one attempt, refused once"

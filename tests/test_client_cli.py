@@ -35,7 +35,7 @@ from onnx import TensorProto, helper
 from laneserve.client import Client, TlsConfig
 from laneserve.client import _checkpoint as checkpoint_module
 from laneserve.client import cli as client_cli_module
-from laneserve.client._checkpoint import Checkpoint, CheckpointError
+from laneserve.client._checkpoint import Checkpoint, CheckpointBusyError, CheckpointError, locked
 from laneserve.client._request import encode_inputs, infer_request
 from laneserve.server import Engine, LaneConfig, ServerConfig
 from laneserve.server.demo_model import make_demo_model
@@ -397,6 +397,7 @@ def test_interrupted_bulk_job_resumes_where_it_stopped(
                     assert err.count(f"laneserve-client: {message}") == 1, err
                     assert "Traceback" not in err, err
                     assert done_items(state) == 20, "the checkpoint was saved"
+                    assert "200 of 1000 rows done: rerun with --resume" in err, err
                 assert not out.exists()
                 engine.unlimited()
                 code, _, err = await cli("bulk", "--target", s.target, *args, "--resume")
@@ -474,11 +475,14 @@ def test_failed_rows_exit_1_and_resume_retries_only_them(
             assert code == 1, err
             assert "2 of 20 items failed (ENGINE_FAILURE 2)" in err
             assert "rerun with --resume" in err
-            assert not out.exists()
+            with np.load(out) as partial:
+                assert np.isnan(partial["output"][100:140]).all()
+            assert (tmp_path / "out.npz.failed.json").exists()
             engine.fail_when = lambda _batch: False
             code, _, err = await cli("bulk", "--target", s.target, *args, "--resume")
             assert code == 0, err
             assert "360 of 400 rows already done" in err
+            assert not (tmp_path / "out.npz.failed.json").exists(), "no row is failed now"
         return engine
 
     engine = asyncio.run(scenario())
@@ -487,6 +491,95 @@ def test_failed_rows_exit_1_and_resume_retries_only_them(
             saved["output"], small_reference.run(None, {"input": x})[0], rtol=1e-5, atol=1e-6
         )
     assert sorted(engine.ran_tags) == list(range(400)), "only the failed rows ran again"
+
+
+def lookup_model(path: Path) -> Path:
+    """y[N, 4] = table[int(input[:, 0])] + input: a row whose first value is 10 or more makes
+    ONNX Runtime's Gather fail (index out of range), that row alone."""
+    table = np.arange(40, dtype=np.float32).reshape(10, 4)
+    constant = {
+        name: helper.make_tensor(name, TensorProto.INT64, [1], [value])
+        for name, value in (("start", 0), ("end", 1), ("axis", 1), ("flat", -1))
+    }
+    nodes = [
+        *(
+            helper.make_node("Constant", [], [name], value=value)
+            for name, value in constant.items()
+        ),
+        helper.make_node("Slice", ["input", "start", "end", "axis"], ["column"]),
+        helper.make_node("Reshape", ["column", "flat"], ["flat_column"]),
+        helper.make_node("Cast", ["flat_column"], ["index"], to=TensorProto.INT64),
+        helper.make_node("Gather", ["table", "index"], ["looked_up"], axis=0),
+        helper.make_node("Add", ["looked_up", "input"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "lookup",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+        initializer=[onnx.numpy_helper.from_array(table, "table")],
+    )
+    return save_model(path, graph)
+
+
+def test_failed_rows_are_named_by_input_row_and_the_output_is_written(tmp_path: Path) -> None:
+    """With rows the model fails on, the job exited 1 with no output (only in
+    OUTPUT.partial, and a --resume failed the same way for good), named three of the
+    failed items as "item K" and the row as "row R of this request", and said nothing of
+    the others. Now the output is written with the failed rows as NaN, OUTPUT.failed.json
+    lists them by input row, and stderr names input rows and how many more items failed."""
+    model = lookup_model(tmp_path / "lookup.onnx")
+    x = np.zeros((100, 4), np.float32)
+    x[:, 0] = np.arange(100) % 10
+    x[:, 1] = np.arange(100)
+    bad_rows = [23, 57, 81, 95]
+    x[bad_rows, 0] = 12
+    np.save(tmp_path / "in.npy", x)
+    out = tmp_path / "out.npy"
+    sidecar = tmp_path / "out.npy.failed.json"
+    args = ["--input", str(tmp_path / "in.npy"), "--output", str(out), "--rows-per-item", "10"]
+
+    async def scenario() -> list[str]:
+        errs = []
+        async with serving(RecordingEngine(str(model)), config(model)) as s:
+            for resume in ((), ("--resume",)):  # a resume fails alike, and writes both again
+                out.unlink(missing_ok=True)
+                sidecar.unlink(missing_ok=True)
+                code, _, err = await cli("bulk", "--target", s.target, *args, *resume)
+                assert code == 1, err
+                errs.append(err)
+        return errs
+
+    for err in asyncio.run(scenario()):
+        assert "4 of 10 items failed (ENGINE_FAILURE 4)" in err
+        assert "input rows 20-29 (item 2; the server named input row 23)" in err
+        assert "input rows 50-59 (item 5; the server named input row 57)" in err
+        assert "and 1 more failed item(s), in " in err
+        assert f"Wrote {out}" in err
+        assert "rerun with --resume" in err
+    written = np.load(out)
+    failed = np.zeros(100, bool)
+    for item in (2, 5, 8, 9):
+        failed[item * 10 : item * 10 + 10] = True
+    assert np.isnan(written[failed]).all()
+    good = x[~failed]
+    expected = np.arange(40, dtype=np.float32).reshape(10, 4)[good[:, 0].astype(int)] + good
+    np.testing.assert_array_equal(written[~failed], expected)
+    listed = json.loads(sidecar.read_text())
+    assert listed["failed_rows"] == 40
+    assert [
+        (entry["item"], entry["first_row"], entry["rows"], entry["server_row"], entry["reason"])
+        for entry in listed["failed_items"]
+    ] == [
+        (2, 20, 10, 23, "ENGINE_FAILURE"),
+        (5, 50, 10, 57, "ENGINE_FAILURE"),
+        (8, 80, 10, 81, "ENGINE_FAILURE"),
+        (9, 90, 10, 95, "ENGINE_FAILURE"),
+    ]
+    assert all(
+        "Gather" in entry["message"] or "out of" in entry["message"]
+        for entry in listed["failed_items"]
+    )
 
 
 def test_a_resume_naming_every_output_is_the_job_that_named_none(
@@ -550,14 +643,16 @@ def test_a_resume_on_a_changed_input_file_says_it_changed_not_that_it_is_another
     assert (
         f"checkpoint {directory} belongs to another job: the input {source} changed since "
         f"the checkpoint was made (the same {size} bytes, but the digest of its first and "
-        "last MiB differs); expected the same input and options"
+        "last MiB differs): the rows done may be answers to other rows; expected the same "
+        "input and options"
     ) in message
     assert "it was made for" not in message
     np.save(source, rows(48))  # rows added
     message = refusal(source, row_count=48)
     assert (
         f"the input {source} changed since the checkpoint was made ({size} bytes then, "
-        f"{source.stat().st_size} now); different rows (40 then, 48 now)"
+        f"{source.stat().st_size} now): the rows done may be answers to other rows; "
+        "different rows (40 then, 48 now)"
     ) in message
     (tmp_path / "link.npy").symlink_to(source)  # another path to the same file
     message = refusal(tmp_path / "link.npy", row_count=48)
@@ -567,6 +662,91 @@ def test_a_resume_on_a_changed_input_file_says_it_changed_not_that_it_is_another
     message = refusal(other)
     assert f"different input file (it was made for {source})" in message
     assert "changed since" not in message
+
+
+def test_a_resume_on_an_input_edited_in_place_between_its_ends_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Rows 5000-5009 of a large input rewritten in place kept its size and its first and
+    last MiB: the resume was taken, and the output mixed answers to the old rows with the
+    new. The file's modification time, recorded too, tells it."""
+    source = tmp_path / "in.npy"
+    np.save(source, rows(10_000))  # 20 MiB: the rows edited are far from both ends
+    directory = tmp_path / "out.npy.partial"
+    Checkpoint.create(directory, job_id="j", input_path=source, rows=10_000, rows_per_item=100)
+    then_ns = source.stat().st_mtime_ns
+    edited = np.load(source, mmap_mode="r+")
+    edited[5000:5010] = 7.0
+    edited.flush()
+    del edited
+    os.utime(source, ns=(then_ns, then_ns + 1_000_000_000))  # whatever the clock's grain
+    with pytest.raises(CheckpointError) as raised:
+        Checkpoint.load(directory, input_path=source, rows=10_000, rows_per_item=100)
+    message = str(raised.value)
+    assert f"the input {source} changed since the checkpoint was made (the same " in message
+    assert "bytes, but modified since: at " in message
+    assert f"delete {directory} and run again without --resume to start over" in message
+    os.utime(source, ns=(then_ns, then_ns))  # the time put back: not a deliberate-edit guard
+    Checkpoint.load(directory, input_path=source, rows=10_000, rows_per_item=100)
+
+
+def test_a_checkpoint_without_a_recorded_mtime_resumes_on_size_and_digest(
+    tmp_path: Path,
+) -> None:
+    """An earlier client's state.json has no input_identity.mtime_ns: it still resumes,
+    checked as before, and a save keeps it without one (not null, which reads back as
+    damaged)."""
+    source, directory = checkpoint_of(tmp_path)
+    edit_state(directory, lambda state: state["input_identity"].pop("mtime_ns"))
+    os.utime(source, ns=(0, 0))
+    resumed = Checkpoint.load(directory, input_path=source, rows=40, rows_per_item=10)
+    assert resumed.input_identity.mtime_ns is None
+    resumed.save()
+    state = json.loads((directory / "state.json").read_text(encoding="utf-8"))
+    assert "mtime_ns" not in state["input_identity"]
+    Checkpoint.load(directory, input_path=source, rows=40, rows_per_item=10)
+
+
+def test_a_locked_checkpoint_is_refused_to_a_second_run(tmp_path: Path) -> None:
+    _source, directory = checkpoint_of(tmp_path)
+    busy = pytest.raises(CheckpointBusyError, match="is in use by another run, still running")
+    with locked(directory), busy, locked(directory):
+        pass
+    with locked(directory):  # released with the run
+        pass
+
+
+def test_a_resume_while_another_run_uses_the_checkpoint_exits_2_naming_it(
+    small_model: Path, tmp_path: Path
+) -> None:
+    """Two runs on one --output at once (the second with --resume) stepped on each other:
+    the first exited 2 naming a checkpoint that the second had finished and removed. The
+    second is refused at once, the first's checkpoint untouched."""
+    source, directory = checkpoint_of(tmp_path)
+    state = (directory / "state.json").read_bytes()
+
+    async def scenario() -> tuple[int, str]:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            code, _, err = await cli(
+                "bulk",
+                "--target",
+                s.target,
+                "--input",
+                str(source),
+                "--output",
+                str(tmp_path / "out.npy"),
+                "--rows-per-item",
+                "10",
+                "--resume",
+            )
+        return code, err
+
+    with locked(directory):  # the other run's
+        code, err = asyncio.run(scenario())
+    assert code == 2, err
+    assert f"checkpoint {directory} is in use by another run, still running" in err
+    assert (directory / "state.json").read_bytes() == state
+    assert not (tmp_path / "out.npy").exists()
 
 
 def test_outputs_whose_names_make_one_file_name_keep_their_own_rows(

@@ -82,6 +82,7 @@ from laneserve.server.memory import (
     MemoryLimit,
     ProcessRssGauge,
     Watermark,
+    WatermarkState,
     cgroup_cpu_limit,
     cgroup_memory_limit,
     estimate_memory,
@@ -92,8 +93,10 @@ from laneserve.server.memory import (
 )
 from laneserve.server.scheduler import Dispatch, Scheduler
 from laneserve.server.scheduler_thread import (
+    CLOSED_LANES_LOG_S,
     MEMORY_RELEASE_PERIOD_S,
     MEMORY_SAMPLE_PERIOD_S,
+    ClosedLanesLog,
     SchedulerThread,
 )
 from laneserve.server.static_estimate import static_estimate
@@ -1191,9 +1194,40 @@ def test_lanes_reopen_at_an_idle_reading_above_the_low_mark_saying_so(
         "85.0MiB that reopens lanes closed by memory (logged once)"
     ), warning
     assert warning.endswith(
-        "a --host-memory-limit of about 105.9MiB (on the CPU) or a memory_low_watermark "
-        "above 0.9 keeps the idle server below the low mark"
+        "a memory_low_watermark above 0.9 (or, on the CPU, a --host-memory-limit of about "
+        "105.9MiB) keeps the idle server below the low mark"
     ), warning
+
+
+def test_lanes_the_watermark_closes_and_reopens_are_logged_at_most_every_ten_seconds(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Only the refusals' counts and a gauge told of lanes closed by memory (a review).
+    Each change is logged, at most one line per CLOSED_LANES_LOG_S: one sooner waits for
+    that time, saying how many changes it sums."""
+    log = ClosedLanesLog()
+
+    def observe(closed: tuple[str, ...], used_mib: int, now_s: float) -> list[str]:
+        caplog.clear()
+        state = WatermarkState(used_mib * MIB, 95 * MIB, 85 * MIB, closed, 100 * MIB)
+        log.observe(state, now_s)
+        return [record.getMessage() for record in caplog.records]
+
+    caplog.set_level(logging.INFO)
+    assert observe((), 50, 0.0) == []  # nothing closed yet: nothing to tell
+    assert observe(("bulk",), 96, 1.0) == [
+        (
+            "memory in use 96.0MiB passed the high watermark 95.0MiB: lane(s) bulk admit no "
+            "new work until it falls below 85.0MiB (with nothing queued or running, below "
+            "the high watermark)"
+        )
+    ]
+    assert observe((), 80, 2.0) == []  # within 10 s of the last line: held
+    assert observe(("bulk",), 96, 3.0) == []  # back to what the last line said
+    assert observe((), 80, 4.0) == []
+    reopened = "memory in use 80.0MiB: every lane admits work again (3 changes since the last line)"
+    assert observe((), 80, 1.0 + CLOSED_LANES_LOG_S) == [reopened]
+    assert observe((), 80, 30.0) == []
 
 
 def test_a_lane_kept_closed_between_the_watermarks_is_refused_saying_so() -> None:

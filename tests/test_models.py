@@ -5,7 +5,10 @@ model fails on."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +172,34 @@ def test_a_model_whose_first_axis_is_fixed_is_served_in_runs_of_that_many_rows(
     np.testing.assert_array_equal(np.concatenate(outputs), expected)
 
 
+def test_a_fixed_first_axis_models_arena_shrinks(tmp_path: Path) -> None:
+    """The arena shrinks in a run of zero rows, which a fixed first axis refuses before
+    the runtime reads the shrink asked for: under a budget nothing ever shrank, and the
+    start warned arena_shrink_failed, saying it had shrunk anyway (a review). It shrinks
+    in a run of the axis's rows. In a process of its own: a CPU budget is one per
+    process."""
+    path = _fixed_rows_model(tmp_path / "fixed.onnx", 4)
+    script = (
+        "import logging\n"
+        "from laneserve.server import Engine\n"
+        "from laneserve.server.memory import MemoryLimit\n"
+        "events = []\n"
+        "class Events(logging.Handler):\n"
+        "    def emit(self, record):\n"
+        "        events.append(getattr(record, 'event', None))\n"
+        "logging.getLogger('laneserve').addHandler(Events(logging.WARNING))\n"
+        f"engine = Engine({str(path)!r}, device='cpu', "
+        "memory_limit=MemoryLimit(limit_bytes=64 * 1024 * 1024))\n"
+        "engine.probe(4, repeats=1)\n"
+        "engine.release_idle_memory()\n"
+        "print(events)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip().splitlines()[-1] == "['fixed_batch_axis']", done.stderr
+
+
 def test_fixed_first_axes_that_are_not_rows_are_refused(tmp_path: Path) -> None:
     """A fixed first axis may be a sequence or a set, not rows: answers cut from it by row
     would depend on the rows run beside them (padding included). Refused at start, naming
@@ -217,8 +248,58 @@ def test_fixed_first_axes_that_are_not_rows_are_refused(tmp_path: Path) -> None:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 3])],
         initializer=[axis],
     )
-    message = _refused_at_start(save_model(tmp_path / "running.onnx", running))
+    path = save_model(tmp_path / "running.onnx", running)
+    message = _refused_at_start(path)
     assert "model output 'y': row 1 of 4 along the inputs' fixed first axis changed" in message
+    assert message.endswith("export the model with a dynamic first axis of rows")
+    # Whatever the cap: a lone row runs beside the padding's copies of it, and a cap of
+    # 1 served it, each answer that of its row as if the sequence were that row alone.
+    with pytest.raises(EngineStartError, match=r"row 1 of 4 along the inputs' fixed first axis"):
+        Engine(str(path), device="cpu", estimate=estimate_once).probe(1, repeats=1)
+
+
+def _fixed_model_of(path: Path, node: onnx.NodeProto, rows: int | str = 4) -> Path:
+    """`node` from x [rows, 7] to y [rows, 7], as its own model."""
+    graph = helper.make_graph(
+        [node],
+        "one_node",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, 7])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, 7])],
+    )
+    return save_model(path, graph)
+
+
+def test_rows_that_round_apart_by_position_or_vary_by_run_are_not_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A review: a sum along each row of x [4, 7] rounds an ulp apart at row 2 batched
+    and alone (the kernel's position in the batch): compared exactly, the start was
+    refused though the rows are independent. And a random op (RandomUniformLike) was
+    refused at a fixed axis and warned rows_mix at a dynamic one, blaming the batch for
+    its randomness: two runs of one row differ, so nothing is checked (rows_unchecked)."""
+    axes = onnx.numpy_helper.from_array(np.array([1], np.int64), "axes")
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=0)],
+        "summed",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 7])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        initializer=[axes],
+    )
+    summed = save_model(tmp_path / "summed.onnx", graph)
+    caplog.set_level(logging.WARNING)
+    Engine(str(summed), device="cpu", estimate=estimate_once).probe(4, repeats=1)
+    assert [getattr(record, "event", None) for record in caplog.records] == ["fixed_batch_axis"]
+    for rows in (4, "N"):
+        caplog.clear()
+        noisy = _fixed_model_of(
+            tmp_path / f"noisy_{rows}.onnx",
+            helper.make_node("RandomUniformLike", ["x"], ["y"]),
+            rows,
+        )
+        Engine(str(noisy), device="cpu", estimate=estimate_once).probe(4, repeats=1)
+        events = [getattr(record, "event", None) for record in caplog.records]
+        assert "rows_unchecked" in events, events
+        assert "rows_mix" not in events, events
 
 
 def _batch_quantized_model(path: Path) -> Path:

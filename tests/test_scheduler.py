@@ -611,6 +611,40 @@ def test_min_share_gives_lower_lane_its_rows_under_saturation() -> None:
     assert standard_order == sorted(standard_order)  # FIFO across batches
 
 
+def test_of_lanes_owed_at_once_the_one_owed_most_of_its_share_goes_first() -> None:
+    """Shares of 0.7 and 0.2 of a 64-row batch under a saturated top lane, both lanes
+    sending 40-row requests: one fits beside the top lane's rows per batch, so the shares
+    cannot both be met. The higher lane, owed after every batch (its 44.8 rows a batch
+    are more than one request gives it), went first every time, and the lower lane got
+    no row in 350 batches. Owed the most of its own share, the lower lane now goes once
+    its credit covers its head: it gets most of its share (77 %: a batch an owed lane
+    leads clears the others' blocked state, so it waits a batch more to be owed, as the
+    README's known gaps say), and the higher lane what is left (a grid of shares and
+    request sizes: no lane with a share got nothing)."""
+    lanes = (
+        LaneConfig("top", capacity_rows=4096, timeout_ms=600_000, max_wait_ms=1, min_share=0.0),
+        LaneConfig("mid", capacity_rows=4096, timeout_ms=600_000, max_wait_ms=4, min_share=0.7),
+        LaneConfig("low", capacity_rows=4096, timeout_ms=600_000, max_wait_ms=20, min_share=0.2),
+    )
+    cap, batches = 64, 200
+    scheduler = make_scheduler(lanes, cap=cap)
+    taken: Counter[str] = Counter()
+    index, now_s = 0, T0
+    for _ in range(batches):
+        for lane, rows in (("top", 1), ("mid", 40), ("low", 40)):
+            while queued_rows(scheduler, lane) <= 2 * cap:
+                scheduler.admit(make_request(index, lane, rows, width=2), now_s)
+                index += 1
+        batch = dispatch(scheduler, now_s, now_s)
+        taken.update(rows_by_lane(batch))
+        scheduler.complete(run(batch))
+        now_s += 0.005
+    assert taken["low"] >= 0.7 * batches * 0.2 * cap, taken
+    # Every batch holds one 40-row request of theirs, and the top lane's rows beside it.
+    assert taken["mid"] + taken["low"] == 40 * batches, taken
+    assert taken["top"] == 24 * batches, taken
+
+
 def test_lane_without_min_share_starves_under_saturation() -> None:
     """Configured behaviour, not a bug: a lane with min_share 0 gets only leftover room.
 

@@ -1849,7 +1849,8 @@ def test_a_watch_the_drain_ends_while_it_writes_sends_its_status_once() -> None:
                 await asyncio.Event().wait()  # until cancelled
 
     async def scenario() -> list[int]:
-        servicer = app_module._HealthServicer()
+        streams = app_module._LongStreams()
+        servicer = app_module._HealthServicer(streams)
         await servicer.set("", serving_)
         context = InFlightWrites()
         watch = asyncio.ensure_future(
@@ -1858,7 +1859,7 @@ def test_a_watch_the_drain_ends_while_it_writes_sends_its_status_once() -> None:
         await until(lambda: context.sent == [serving_])
         await servicer.set("", not_serving)
         await asyncio.wait_for(context.held.wait(), 10)
-        servicer.end_watches()
+        streams.end()
         await asyncio.wait_for(watch, 10)  # ends, without writing again
         return context.sent
 

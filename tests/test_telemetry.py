@@ -196,6 +196,7 @@ def cpu_sources(stats: StatsRecorder) -> MetricSources:
     return MetricSources(
         depths=list,
         batch_cap=lambda: 64,
+        max_batch_cap=64,
         counts=stats.counts,
         grpc_calls=lambda: None,
         ledger=lambda: None,
@@ -1324,6 +1325,11 @@ def test_prometheus_endpoint_serves_the_metrics_over_http(small_model: Path) -> 
             if sample.name == "laneserve_batch_cap_changes_total"
         }
         assert cap_changes == {"out_of_memory": 0.0, "recovered": 0.0}
+        # The cap against the probed cap it returns to: a cap below it was not seen on
+        # /metrics, only in GetStats (a review).
+        (cap,) = families["laneserve_batch_cap"].samples
+        (probed,) = families["laneserve_batch_cap_max"].samples
+        assert probed.value == cap.value > 0
 
         def total(family: str, **labels: str) -> float | None:
             samples = families[family].samples if family in families else []

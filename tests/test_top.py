@@ -120,8 +120,8 @@ def test_frame_shows_lanes_batches_memory_and_device() -> None:
     assert "dispatch backlog 100%  full 0%" in frame  # of the 2 s, not since the start
     assert "run time p50 2.00ms  p95 3.50ms  p99 4.25ms" in frame
     assert (
-        "memory   [##########..........] 4.0GiB / 8.0GiB (50%)  watermark 7.0GiB (reopen "
-        "below 6.0GiB)" in frame
+        "memory   [##########..........] 4.0GiB / 8.0GiB (50%)  watermark 7.0GiB (low 6.0GiB)"
+        in frame
     )
     assert "lanes closed: bulk" in frame
     assert "device   util 73%  out of memory 2  splits 2  cap changes out_of_memory=1" in frame

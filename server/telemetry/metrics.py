@@ -159,6 +159,9 @@ class MetricSources:
 
     depths: Callable[[], Sequence[LaneDepth]]
     batch_cap: Callable[[], int]
+    # The probed cap, which out-of-memory lowers the cap from and full batches raise it
+    # back to (GetStats' max_batch_cap); never changes.
+    max_batch_cap: int
     counts: Callable[[], Counts]
     # gRPC's own call counts; None until the gRPC server runs, or when gRPC cannot say.
     grpc_calls: Callable[[], GrpcCalls | None]
@@ -397,6 +400,13 @@ class Metrics(NullEvents):
             callbacks=[self._observe_cap],
             unit="{row}",
             description="Largest batch the scheduler forms now (the lowest cap of any input shape)",
+        )
+        meter.create_observable_gauge(
+            "laneserve.batch.cap.max",
+            callbacks=[self._fixed_gauge(lambda sources: sources.max_batch_cap)],
+            unit="{row}",
+            description="The probed batch cap: out of memory lowers the cap below it, full "
+            "batches raise it back (a cap below it: batches of that size did not fit)",
         )
         meter.create_observable_gauge(
             "laneserve.device.memory.used",
