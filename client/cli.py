@@ -159,6 +159,20 @@ def _print_notes(error: BaseException) -> None:
         print(f"  {note}", file=sys.stderr)
 
 
+# The stop signal `_stopped_once`'s handler took (None: none yet), for
+# `_raise_if_stopped`: the handler's own raise lands wherever the main thread is, and in
+# a finalizer or a weakref callback Python prints it ("Exception ignored in ...") and
+# drops it: the job went on to its end, exit 0, and every later signal was ignored (a
+# README audit, 1 SIGTERM in ~90).
+_stop_signal: int | None = None
+
+
+def _raise_if_stopped() -> None:
+    """Raises the stop a signal asked for, where its handler's raise was lost."""
+    if _stop_signal is not None:
+        raise KeyboardInterrupt if _stop_signal == signal.SIGINT else Terminated
+
+
 @contextlib.contextmanager
 def _stopped_once() -> Iterator[None]:
     """SIGINT and SIGTERM stop the command once: the first raises KeyboardInterrupt or
@@ -176,8 +190,10 @@ def _stopped_once() -> Iterator[None]:
     previous = {each: signal.getsignal(each) for each in stops}
 
     def stop(signum: int, _frame: FrameType | None) -> None:
+        global _stop_signal  # noqa: PLW0603 - a signal handler's one way out besides raising
         for each in stops:
             signal.signal(each, signal.SIG_IGN)
+        _stop_signal = signum
         raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
 
     try:
@@ -187,6 +203,8 @@ def _stopped_once() -> Iterator[None]:
     finally:
         for each, handler in previous.items():
             signal.signal(each, handler)
+        global _stop_signal  # noqa: PLW0603 - see `stop`
+        _stop_signal = None
 
 
 def add_tls_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -918,6 +936,8 @@ def _run_items(
             if time.monotonic() - saved_s >= args.checkpoint_interval_s:
                 checkpoint.save()
                 saved_s = time.monotonic()
+            _raise_if_stopped()
+        _raise_if_stopped()
     except CheckpointError as error:  # an answer that does not fit the checkpoint
         raise UsageError(str(error)) from error
     except OSError as error:  # a full disk, a directory made read-only: rows kept so far

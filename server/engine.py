@@ -1335,9 +1335,10 @@ class Engine:
                     "rows_mix",
                     f"model output {name!r}: row {row} of {batch_rows} random rows batched "
                     "together differs from its run alone beyond rounding, so an answer "
-                    "depends on the requests batched with it (DynamicQuantizeLinear, from "
-                    "onnxruntime's quantize_dynamic, quantizes a batch with one scale); "
-                    "--max-batch-size 1 runs every request's rows alone",
+                    "depends on the requests batched with it (a statistic of the batch: "
+                    "DynamicQuantizeLinear, from onnxruntime's quantize_dynamic, takes one "
+                    "scale for the whole batch); --max-batch-size 1 runs every request's "
+                    "rows alone",
                     output=name,
                     row=row,
                     rows=batch_rows,
@@ -1360,7 +1361,9 @@ class Engine:
         """Tells of a fixed first axis (once its rows are known independent): what it costs,
         and a cap asked above it, lowered."""
         fixed = self.fixed_rows
-        lowered = f" (max batch size {asked} lowered to {fixed})" if asked > max_batch_size else ""
+        lowered = (
+            f" (the batch cap asked, {asked}, lowered to {fixed})" if asked > max_batch_size else ""
+        )
         log_event(
             log,
             logging.WARNING,

@@ -654,12 +654,16 @@ class HttpFrontEnd:
         coding this server does not inflate (415), longer than the limit by its
         Content-Length (413). The connection closes after it."""
         if self._calls >= self._max_calls:
-            return HttpRefusal(
+            busy = HttpRefusal(
                 HTTPStatus.TOO_MANY_REQUESTS,
                 f"{CALL_LIMIT_DETAILS} ({self._max_calls} inference calls in progress, "
                 "max_concurrent_rpcs); expected a retry after a moment",
                 "SERVER_BUSY",
             ).answer()
+            # HTTP's least delay: clients that follow Retry-After on a 429 (urllib3's
+            # Retry, most gateways) waited for nothing and retried at once, or not at all.
+            busy.headers["Retry-After"] = "1"
+            return busy
         try:
             self._kserve.check_served(*_model_of(request))
             self._check_headers(request, self._infer_body)

@@ -447,6 +447,30 @@ def test_a_stop_signal_is_taken_once_and_the_next_ignored_while_it_unwinds(
             signal.signal(each, handler)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_stop_whose_raise_a_finalizer_swallowed_is_raised_again() -> None:
+    """The handler's raise lands wherever the main thread is: in a finalizer, Python prints
+    it ("Exception ignored in ...") and drops it, and the job went on to its end, exit 0,
+    every later signal ignored (a README audit, 1 SIGTERM in ~90). The stop is kept and
+    raised at the bulk job's next answer (`_raise_if_stopped`)."""
+
+    class RaisesInItsFinalizer:
+        def __del__(self) -> None:
+            signal.raise_signal(signal.SIGTERM)  # its handler raises here: dropped
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with client_cli_module._stopped_once():
+            client_cli_module._raise_if_stopped()  # no stop yet: nothing
+            finalized = RaisesInItsFinalizer()
+            del finalized  # "Exception ignored in ...": the job would go on
+            with pytest.raises(client_cli_module.Terminated):
+                client_cli_module._raise_if_stopped()
+        client_cli_module._raise_if_stopped()  # forgotten once the command ends
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_a_signal_ignored_at_start_stays_ignored_by_the_client() -> None:
     """SIGINT ignored at start (a shell's background job): not made to stop the command."""
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1420,6 +1420,7 @@ def test_inference_calls_over_max_concurrent_rpcs_are_refused_429_server_busy(
             assert await asyncio.to_thread(engine.entered.acquire, timeout=30), "a batch ran"
             busy = await post(http, INFER, infer_body(rows(1, start=1)))
             assert_refused(busy, 429, "SERVER_BUSY", "max_concurrent_rpcs")
+            assert busy.headers["Retry-After"] == "1"  # HTTP's least: it had none
             assert (await get(http, f"/v2/models/{MODEL}")).status == 200
             engine.release()
             assert only_output(await running)["shape"] == [1, 10]

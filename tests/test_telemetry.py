@@ -140,6 +140,7 @@ from tests.test_kserve_shm import (
     shm_config,
     shm_request,
 )
+from tests.test_kserve_stream import item as stream_item
 
 # A caller's W3C trace context: version 00, trace id, parent span id, sampled.
 CALLER_TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
@@ -348,8 +349,14 @@ def test_a_retry_answered_by_the_ledger_says_so_on_its_call_span(small_model: Pa
 
     first, joined, reused_in_flight, replayed, reused_stored = asyncio.run(scenario())
     assert not first.events
-    assert not reused_in_flight.events
-    assert not reused_stored.events
+    # A reused id is a refusal, not a retry: its event says so.
+    for reused in (reused_in_flight, reused_stored):
+        assert [(event.name, dict(event.attributes or {})) for event in reused.events] == [
+            (
+                "laneserve.refused",
+                {"laneserve.lane": "standard", "laneserve.reason": "REQUEST_ID_REUSED"},
+            )
+        ]
     for span, how in ((joined, "join"), (replayed, "replay")):
         (event,) = span.events
         assert event.name == "laneserve.retry"
@@ -804,9 +811,67 @@ def test_stream_items_are_children_of_the_stream_span(small_model: Path) -> None
         enqueue = by_request_id(exporter)
         assert sorted(enqueue) == ["item-0", "item-1", "item-2"]
         assert {parent_id(span) for span in enqueue.values()} == {span_id(stream)}
-        assert {parent_id(span) for span in spans_named(exporter, "reply")} == {span_id(stream)}
+        replies = spans_named(exporter, "reply")
+        assert {parent_id(span) for span in replies} == {span_id(stream)}
+        # Each reply says whose it is: they come in the order their items complete.
+        assert sorted(attr(span, "laneserve.request_id") for span in replies) == sorted(enqueue)
 
     asyncio.run(scenario())
+
+
+def test_kserve_stream_items_are_children_of_the_callers_trace(small_model: Path) -> None:
+    """ModelStreamInfer had no server span: its items' enqueue spans were roots of traces
+    of their own, each reply in yet another, the caller's traceparent (and its sampling
+    decision) ignored (a review). Traced as InferStream is now."""
+    x = rows(1)
+
+    async def scenario() -> InMemorySpanExporter:
+        engine = RecordingEngine(str(small_model))
+        async with serving_traced(engine, config(small_model)) as (s, exporter):
+            items = [stream_item(x, f"ks-{index}") for index in range(3)]
+            call = kserve_stub(s).ModelStreamInfer(iter(items), metadata=traceparent(11))
+            answers = [answer async for answer in call]
+            assert [answer.error_message for answer in answers] == ["", "", ""]
+        return exporter
+
+    exporter = asyncio.run(scenario())
+    spans = in_trace(exporter, 11)
+    (stream,) = spans["inference.GRPCInferenceService/ModelStreamInfer"]
+    assert parent_id(stream) == CALLER_SPAN_ID
+    assert sorted(attr(span, "laneserve.request_id") for span in spans["enqueue"]) == [
+        "ks-0",
+        "ks-1",
+        "ks-2",
+    ]
+    assert {parent_id(span) for span in spans["enqueue"] + spans["reply"]} == {span_id(stream)}
+    assert len(spans["reply"]) == 3
+
+
+def test_a_refused_stream_item_is_an_event_on_the_calls_span(small_model: Path) -> None:
+    """Items refused before their spans start (a bad shape, a lane the server lacks): the
+    stream's span ended OK with nothing of them, though the caller got two errors (a
+    review). Each is a `laneserve.refused` event with its lane and reason."""
+
+    async def scenario() -> InMemorySpanExporter:
+        engine = RecordingEngine(str(small_model))
+        async with serving_traced(engine, config(small_model)) as (s, exporter):
+            items = [
+                request(rows(1), request_id="good"),
+                request(rows(1)[:, :100], request_id="narrow"),
+                request(rows(1), request_id="nowhere", lane="nowhere"),
+            ]
+            call = s.stub.InferStream(iter(items), metadata=traceparent(12), timeout=10)
+            answers = [answer async for answer in call]
+            assert len(answers) == 3
+        return exporter
+
+    (stream,) = in_trace(asyncio.run(scenario()), 12)[STREAM_SPAN]
+    refused = [
+        (event.attributes or {}).get("laneserve.reason")
+        for event in stream.events
+        if event.name == "laneserve.refused"
+    ]
+    assert sorted(str(reason) for reason in refused) == ["INVALID_INPUT", "INVALID_INPUT"]
 
 
 def test_a_stream_closed_from_another_context_ends_its_span_without_errors(

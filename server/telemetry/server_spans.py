@@ -25,6 +25,9 @@ TRACED_METHODS = frozenset(
         "/laneserve.v1.InferenceService/Infer",
         "/laneserve.v1.InferenceService/InferStream",
         "/inference.GRPCInferenceService/ModelInfer",
+        # Left out, its items' spans were roots of traces of their own (the caller's
+        # traceparent and sampling ignored), each reply in another (a review).
+        "/inference.GRPCInferenceService/ModelStreamInfer",
     }
 )
 # Server span status is Error only for these codes (OpenTelemetry's RPC conventions):

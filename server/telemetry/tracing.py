@@ -89,10 +89,25 @@ class _RequestSpans:
     the lock makes ending `enqueue` happen once.
     """
 
-    __slots__ = ("_ended", "_enqueue_open", "_lock", "_parent", "_reply", "_tracer", "enqueue")
+    __slots__ = (
+        "_ended",
+        "_enqueue_open",
+        "_lock",
+        "_parent",
+        "_reply",
+        "_reply_attributes",
+        "_tracer",
+        "enqueue",
+    )
 
-    def __init__(self, tracer: otel_trace.Tracer, attributes: Attributes) -> None:
+    def __init__(self, tracer: otel_trace.Tracer, attributes: dict[str, str | int | float]) -> None:
         self._tracer = tracer
+        # `reply` carries the request's id too: a stream's one span holds many requests'
+        # replies, in the order they complete, and nothing told which was whose.
+        request_id = attributes.get("laneserve.request_id")
+        self._reply_attributes: Attributes = (
+            None if request_id is None else {"laneserve.request_id": request_id}
+        )
         # The gRPC server span, where the servicer runs: the parent of both spans.
         self._parent = otel_context.get_current()
         self.enqueue = tracer.start_span("enqueue", context=self._parent, attributes=attributes)
@@ -111,7 +126,9 @@ class _RequestSpans:
         # error and no answer: `enqueue` alone says how it ended (`end`). Dispatch happens
         # before its batch runs, on the scheduler thread, so an answer finds it ended.
         if dispatched:
-            self._reply = self._tracer.start_span("reply", context=self._parent)
+            self._reply = self._tracer.start_span(
+                "reply", context=self._parent, attributes=self._reply_attributes
+            )
 
     def end(self, status: str) -> None:
         # Once: a caller answered alone at its deadline ends its request's spans then, while
@@ -127,7 +144,7 @@ class _RequestSpans:
             return
         # It ran, and ends with no answer to encode (its caller left while its batch ran):
         # a `reply` of no length says how, or none of its spans would.
-        _empty_reply(self._tracer, self._parent, status)
+        _empty_reply(self._tracer, self._parent, status, self._reply_attributes)
 
     def _end_enqueue(self, status: str | None) -> bool:
         """Ends `enqueue` with `status` (None: dispatched) unless it has ended already;
@@ -171,10 +188,15 @@ class _JoinedReply:
         self._reply.end()
 
 
-def _empty_reply(tracer: otel_trace.Tracer, parent: otel_context.Context, status: str) -> None:
+def _empty_reply(
+    tracer: otel_trace.Tracer,
+    parent: otel_context.Context,
+    status: str,
+    attributes: Attributes = None,
+) -> None:
     """A `reply` of no length under `parent`, saying how a request ended with no answer."""
     now_ns = time.time_ns()
-    reply = tracer.start_span("reply", context=parent, start_time=now_ns)
+    reply = tracer.start_span("reply", context=parent, start_time=now_ns, attributes=attributes)
     _set_request_status(reply, status)
     reply.end(end_time=now_ns)
 
@@ -229,6 +251,19 @@ class Tracing(NullEvents):
         )
 
     # SchedulerEvents
+    def rejected(self, lane: str, reason: str, waited_s: float) -> None:
+        # An event on the call's span (on the event loop, in the call's context): a
+        # refusal before the request's spans start (a bad input, an unknown lane, an
+        # item of a stream) left the trace with a status code alone, and a stream's span
+        # ended OK with nothing of its refused items (a review). Admission's refusals
+        # (LANE_FULL ...) have their `enqueue` span too.
+        del waited_s
+        span = otel_trace.get_current_span()
+        if span.is_recording():
+            span.add_event(
+                "laneserve.refused", {"laneserve.lane": lane, "laneserve.reason": reason}
+            )
+
     def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
         requests = [
             (piece, piece.trace) for piece in batch.slices if isinstance(piece.trace, _RequestSpans)
