@@ -49,6 +49,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import grpc
+
 from laneserve.client._channel import checked_integer
 from laneserve.client._errors import (
     ClientClosedError,
@@ -313,10 +315,15 @@ async def call_with_retries(
     what: str,
     closed: asyncio.Event | None = None,
     budget: RetryTokens | None = None,
+    spent_s: float = 0.0,
+    request_id: str = "",
 ) -> T:
     """Runs `attempt(left_s)` until it succeeds, fails for good, runs out of attempts or
     of the client's `budget` (None: no budget), or the next attempt would start after the
-    call's deadline, `timeout_s` seconds from now (None: none).
+    call's deadline, `timeout_s` seconds from its start (None: none), `spent_s` seconds
+    ago (building its request). A deadline passed before the first attempt (a timeout of
+    0, a request slow to build) is DeadlineExceededError, attempts 0, nothing sent
+    (`request_id`: the call's).
 
     `left_s` is what is left of the deadline (None: no deadline): each attempt passes it
     on as its gRPC deadline, so no attempt runs past the caller's. Once `closed` is set
@@ -326,7 +333,18 @@ async def call_with_retries(
     The error raised carries in `attempts` the attempts sent: an attempt's error whose
     `attempts` is 0 is one the client refused before sending it, and is not counted.
     """
-    deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+    deadline_s = None if timeout_s is None else time.monotonic() + timeout_s - spent_s
+    if timeout_s is not None and spent_s >= timeout_s:
+        passed = DeadlineExceededError(
+            f"{what}: the call's timeout of {timeout_s:g} s passed before its first attempt "
+            f"({spent_s * 1000:.1f} ms after the call began, building its request "
+            "included); nothing was sent; expected a timeout above 0 that covers building "
+            "the request",
+            code=grpc.StatusCode.DEADLINE_EXCEEDED,
+            request_id=request_id,
+        )
+        passed.attempts = 0
+        raise passed
     allowed = attempts_allowed(policy)
     number = 0
     last: LaneserveError | None = None

@@ -12,6 +12,7 @@ import gc
 import os
 import queue
 import threading
+import time
 import types
 import warnings
 import weakref
@@ -29,14 +30,14 @@ from typing import Any, Final, TypeVar, cast
 import grpc
 import numpy.typing as npt
 
-from laneserve.client._aio import AsyncClient, MetadataLike, Outputs, TlsLike
+from laneserve.client._aio import AsyncClient, MetadataLike, Outputs, TlsLike, timeout_seconds
 from laneserve.client._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TARGET,
     forked_message,
 )
 from laneserve.client._errors import ClientClosedError, closed_before_sending
-from laneserve.client._retry import RetryBudget, RetryPolicy
+from laneserve.client._retry import RetryBudget, RetryPolicy, checked_policy
 from laneserve.client._stream import DEFAULT_STREAM_LANE, StreamItem, StreamSource
 from laneserve.client._types import ModelInfo, StreamResult
 from laneserve.v1 import inference_pb2 as pb
@@ -197,17 +198,21 @@ class Client:
         outputs: Sequence[str] | None = None,
         retry: RetryPolicy | None = None,
     ) -> Outputs:
-        """See `AsyncClient.infer`."""
-        return self._run(
-            self._client.infer(
-                inputs,
-                lane=lane,
-                timeout=timeout,
-                request_id=request_id,
-                outputs=outputs,
-                retry=retry,
-            )
+        """See `AsyncClient.infer`. The request is built on the calling thread (on the
+        client's one thread, a large request held up every other thread's calls past
+        their timeouts, a review), and the call's timeout counts from this call."""
+        started_s = time.monotonic()
+        policy = checked_policy(retry, "retry") or self._client.retry
+        timeout_s = timeout_seconds(timeout)
+        # AsyncClient.infer's two halves, the first on this thread: this class is its
+        # sync facade, and they are no API of their own.
+        request, request_id = self._client._infer_request(  # noqa: SLF001
+            inputs, lane, request_id, outputs
         )
+        sent = self._client._infer_sent(  # noqa: SLF001
+            request, request_id, policy, timeout_s, started_s
+        )
+        return self._run(sent)
 
     def model(self, *, timeout: float | None = None) -> ModelInfo:
         """See `AsyncClient.model`."""
