@@ -64,7 +64,15 @@ from laneserve.client._errors import (
 from laneserve.client._retry import NO_RETRIES, RetryBudget, RetryPolicy, is_testing, set_testing
 from laneserve.client._stream import row_chunks
 from laneserve.client._sync import Client
-from laneserve.client._types import LaneInfo, ModelInfo, StreamRequest, StreamResult, TensorInfo
+from laneserve.client._types import (
+    InferAnswer,
+    LaneInfo,
+    ModelInfo,
+    StreamRequest,
+    StreamResult,
+    TensorInfo,
+    Timing,
+)
 from laneserve.client.tensors import (
     DataType,
     datatype_for_onnx_type,
@@ -91,6 +99,7 @@ __all__ = [
     "DeviceMemoryError",
     "EngineError",
     "ExpiredInQueueError",
+    "InferAnswer",
     "InvalidInputError",
     "JoinLimitError",
     "LaneFullError",
@@ -107,6 +116,7 @@ __all__ = [
     "StreamRequest",
     "StreamResult",
     "TensorInfo",
+    "Timing",
     "TlsConfig",
     "UnavailableError",
     "datatype_for_onnx_type",

@@ -30,7 +30,14 @@ from typing import Any, Final, TypeVar, cast
 import grpc
 import numpy.typing as npt
 
-from laneserve.client._aio import AsyncClient, MetadataLike, Outputs, TlsLike, timeout_seconds
+from laneserve.client._aio import (
+    AsyncClient,
+    MetadataLike,
+    Outputs,
+    TlsLike,
+    answer_of,
+    timeout_seconds,
+)
 from laneserve.client._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TARGET,
@@ -39,7 +46,7 @@ from laneserve.client._channel import (
 from laneserve.client._errors import ClientClosedError, closed_before_sending
 from laneserve.client._retry import RetryBudget, RetryPolicy, checked_policy
 from laneserve.client._stream import DEFAULT_STREAM_LANE, StreamItem, StreamSource
-from laneserve.client._types import ModelInfo, StreamResult
+from laneserve.client._types import InferAnswer, ModelInfo, StreamResult
 from laneserve.v1 import inference_pb2 as pb
 
 __all__ = ["Client"]
@@ -201,6 +208,27 @@ class Client:
         """See `AsyncClient.infer`. The request is built on the calling thread (on the
         client's one thread, a large request held up every other thread's calls past
         their timeouts, a review), and the call's timeout counts from this call."""
+        answer = self.infer_detailed(
+            inputs,
+            lane=lane,
+            timeout=timeout,
+            request_id=request_id,
+            outputs=outputs,
+            retry=retry,
+        )
+        return answer.outputs
+
+    def infer_detailed(
+        self,
+        inputs: Mapping[str, npt.NDArray[Any]],
+        *,
+        lane: str | None = None,
+        timeout: float | None = None,
+        request_id: str | None = None,
+        outputs: Sequence[str] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> InferAnswer:
+        """See `AsyncClient.infer_detailed`; built and decoded on the calling thread."""
         started_s = time.monotonic()
         policy = checked_policy(retry, "retry") or self._client.retry
         timeout_s = timeout_seconds(timeout)
@@ -212,7 +240,7 @@ class Client:
         sent = self._client._infer_sent(  # noqa: SLF001
             request, request_id, policy, timeout_s, started_s
         )
-        return self._run(sent)
+        return answer_of(self._run(sent), request_id)
 
     def model(self, *, timeout: float | None = None) -> ModelInfo:
         """See `AsyncClient.model`."""

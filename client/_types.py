@@ -16,9 +16,41 @@ from laneserve.client._errors import LaneserveError
 from laneserve.client.tensors import datatype_name, numpy_dtype
 from laneserve.v1 import inference_pb2 as pb
 
-__all__ = ["LaneInfo", "ModelInfo", "StreamRequest", "StreamResult", "TensorInfo"]
+__all__ = [
+    "InferAnswer",
+    "LaneInfo",
+    "ModelInfo",
+    "StreamRequest",
+    "StreamResult",
+    "TensorInfo",
+    "Timing",
+]
 
 Arrays = Mapping[str, npt.NDArray[Any]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Timing:
+    """How the server served a request (its answer's `Timing`)."""
+
+    lane: str  # the lane it ran in
+    batch_size: int  # rows of the (last) batch that carried it, as it was formed
+    queue_us: int  # from its admission to its first batch's dispatch
+    infer_us: int  # the session's run of the batches that carried its rows, summed
+
+    @classmethod
+    def from_proto(cls, message: pb.Timing) -> Timing:
+        return cls(message.lane, message.batch_size, message.queue_us, message.infer_us)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class InferAnswer:
+    """`infer_detailed`'s answer: the outputs, and what a service logs beside them (the
+    request's id, the server's timing). `infer` returns the outputs alone."""
+
+    outputs: dict[str, npt.NDArray[Any]] = dataclasses.field(repr=False)
+    request_id: str
+    timing: Timing
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -2832,3 +2832,34 @@ def test_a_calls_request_is_built_on_its_own_thread_within_its_timeout(
 
     asyncio.run(scenario())
     assert built_on == ["caller", "caller"]
+
+
+def test_a_detailed_answer_has_the_request_id_and_the_servers_timing(small_model: Path) -> None:
+    """`infer` gives the outputs alone: a service could not log the server's queue and run
+    times, its batch or lane, or the id the client chose, beside its own latency without
+    the raw stub (a review). `infer_detailed` gives them, on both clients."""
+    x = rows(2)
+
+    async def scenario() -> tuple[lc.InferAnswer, lc.InferAnswer]:
+        async with client_for(RecordingEngine(str(small_model)), config(small_model)) as (
+            s,
+            client,
+        ):
+            mine = await client.infer_detailed({"input": x}, lane="interactive", request_id="q1")
+
+            def sync_call() -> lc.InferAnswer:
+                with lc.Client(s.target) as sync_client:
+                    return sync_client.infer_detailed({"input": x})
+
+            return mine, await asyncio.to_thread(sync_call)
+
+    mine, chosen = asyncio.run(scenario())
+    assert mine.request_id == "q1"
+    assert mine.timing.lane == "interactive"
+    assert chosen.timing.lane == "standard"  # the server's default lane
+    assert len(chosen.request_id) == 32, "the random id the client chose"
+    for answer in (mine, chosen):
+        assert answer.outputs["output"].shape == (2, 10)
+        assert answer.timing.batch_size >= 2
+        assert answer.timing.infer_us > 0
+    assert "outputs" not in repr(mine)
