@@ -66,7 +66,7 @@ from laneserve.client._retry import (
     closed_within,
     effective_delay_s,
 )
-from laneserve.client._types import StreamRequest, StreamResult
+from laneserve.client._types import StreamRequest, StreamResult, Timing
 from laneserve.client.tensors import decode_tensor
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -811,7 +811,7 @@ class BulkStream:
             except ValueError as undecodable:
                 self._finish(item, None, LaneserveError(f"undecodable answer: {undecodable}"))
                 return
-            self._finish(item, outputs, None)
+            self._finish(item, outputs, None, timing=Timing.from_proto(answer.timing))
             return
         error = error_from_status(response.error, request_id=item.request_id)
         error.attempts = item.attempts
@@ -869,15 +869,17 @@ class BulkStream:
         error: LaneserveError | None,
         *,
         in_flight: bool = False,
+        timing: Timing | None = None,
     ) -> None:
-        """`item`'s final answer. `in_flight`: the server has it still (see `_expired`)."""
+        """`item`'s final answer (`timing`: the server's, of an answer). `in_flight`: the
+        server has it still (see `_expired`)."""
         del self._items[item.request_id]
         _stop_timers(item)
         if in_flight:
             self._expired[item.request_id] = item
         else:
             self._rows_out -= item.rows
-        self._emit(StreamResult(item.index, item.request_id, outputs, error, item.attempts))
+        self._emit(StreamResult(item.index, item.request_id, outputs, error, item.attempts, timing))
         self._wakeup.set()  # the writer may be waiting to half-close
 
     def _emit(self, result: StreamResult) -> None:

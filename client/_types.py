@@ -217,6 +217,9 @@ class StreamResult:
     # after a broken call (a lost connection, a drain) is not one: it asks again for the
     # answer owed to the send before it, which the server joins or replays by request_id.
     attempts: int
+    # The server's timing of an answered item (lane, batch rows, queue and run
+    # microseconds); None for an item that failed.
+    timing: Timing | None = None
 
     @property
     def ok(self) -> bool:

@@ -879,6 +879,12 @@ def test_failed_items_are_results_and_the_job_goes_on(small_model: Path) -> None
         "bulk stream item 3: tensor 'input': numpy dtype complex64 is not supported"
     ), results[3].error.message
     assert results[4].unwrap()["output"].shape == (3, 10)
+    # An answered item has the server's timing (as infer_detailed's); a failed one none.
+    timing = results[4].timing
+    assert timing is not None
+    assert (timing.lane, timing.infer_us > 0) == ("bulk", True)
+    assert results[1].timing is None
+    assert results[3].timing is None
     with pytest.raises(lc.InvalidInputError):
         results[1].unwrap()
 
