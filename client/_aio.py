@@ -223,9 +223,12 @@ class AsyncClient:
         Args:
             inputs: input name to array; dtypes must match the model's (see `model()`).
             lane: the lane to queue in; None: the server's default lane.
-            timeout: seconds for the whole call, retries included; it is the gRPC
-                deadline of every attempt, so the server sheds the request once it passes.
-                At most 2**32 - 1 ms (a lane's longest timeout); None or ``math.inf``: none.
+            timeout: seconds for the whole call from this call, building its request
+                and retries included; what is left is the gRPC deadline of every attempt,
+                so the server sheds the request once it passes. At most 2**32 - 1 ms (a
+                lane's longest timeout); None or ``math.inf``: none; 0 or less (what was
+                left of a deadline), or one the build outlasts: DeadlineExceededError,
+                nothing sent.
             request_id: reused by every attempt, so the server runs the request once
                 however often it is retried; a random id when None.
             outputs: the outputs to return; None: all of them.

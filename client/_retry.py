@@ -334,23 +334,17 @@ async def call_with_retries(
     `attempts` is 0 is one the client refused before sending it, and is not counted.
     """
     deadline_s = None if timeout_s is None else time.monotonic() + timeout_s - spent_s
-    if timeout_s is not None and spent_s >= timeout_s:
-        passed = DeadlineExceededError(
-            f"{what}: the call's timeout of {timeout_s:g} s passed before its first attempt "
-            f"({spent_s * 1000:.1f} ms after the call began, building its request "
-            "included); nothing was sent; expected a timeout above 0 that covers building "
-            "the request",
-            code=grpc.StatusCode.DEADLINE_EXCEEDED,
-            request_id=request_id,
-        )
-        passed.attempts = 0
-        raise passed
     allowed = attempts_allowed(policy)
     number = 0
     last: LaneserveError | None = None
     while True:
         number += 1
         left_s = None if deadline_s is None else deadline_s - time.monotonic()
+        # Before the first attempt, on this one reading (read apart, the deadline passed
+        # between the check and the attempt, sent with no time left). A closed client's
+        # attempt says so itself (ClientClosedError, as the README promises).
+        if last is None and left_s is not None and left_s <= 0 and not _set(closed):
+            raise _passed_before_sending(what, timeout_s, spent_s, request_id)
         if last is not None and left_s is not None and left_s <= 0:
             # The backoff overran the deadline (a busy machine): the next attempt would
             # start after it, so the last real error is the answer, as decided above.
@@ -421,6 +415,32 @@ def _budget_spent(what: str, number: int, budget: RetryTokens) -> str:
         f"{limit.max_tokens} tokens left; retries resume above {limit.max_tokens / 2:g}, "
         f"each success puts back {limit.token_ratio:g}: RetryBudget)"
     )
+
+
+def _set(event: asyncio.Event | None) -> bool:
+    return event is not None and event.is_set()
+
+
+def _passed_before_sending(
+    what: str, timeout_s: float | None, spent_s: float, request_id: str
+) -> DeadlineExceededError:
+    """The call's DeadlineExceededError when its deadline passed before its first attempt:
+    nothing sent, attempts 0."""
+    if timeout_s == 0:
+        why = "its timeout, 0 or less, had passed already (what was left of a deadline)"
+    else:
+        why = (
+            f"its timeout of {timeout_s:g} s passed before its first attempt, "
+            f"{spent_s * 1000:.1f} ms after the call began (building its request included)"
+        )
+    passed = DeadlineExceededError(
+        f"{what}: {why}; nothing was sent; expected a timeout above 0 that covers building "
+        "the request",
+        code=grpc.StatusCode.DEADLINE_EXCEEDED,
+        request_id=request_id,
+    )
+    passed.attempts = 0
+    return passed
 
 
 def _is_own_deadline(error: LaneserveError) -> bool:

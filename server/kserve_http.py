@@ -660,8 +660,8 @@ class HttpFrontEnd:
                 "max_concurrent_rpcs); expected a retry after a moment",
                 "SERVER_BUSY",
             ).answer()
-            # HTTP's least delay: clients that follow Retry-After on a 429 (urllib3's
-            # Retry, most gateways) waited for nothing and retried at once, or not at all.
+            # HTTP's least delay: a client or gateway that follows Retry-After on a 429
+            # had nothing to follow (the call limit's pushback is not known here).
             busy.headers["Retry-After"] = "1"
             return busy
         try:

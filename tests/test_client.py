@@ -746,11 +746,15 @@ def test_an_infinite_timeout_is_none_and_a_longer_one_than_a_lane_can_have_is_re
             # 0 or less: a deadline passed already (what is left of a service's own): the
             # call's DeadlineExceededError, nothing sent (a ValueError mapped to a 500).
             for passed in (0.0, -0.003):
-                with pytest.raises(lc.DeadlineExceededError, match="before its first attempt"):
+                with pytest.raises(lc.DeadlineExceededError, match="0 or less, had passed"):
                     await client.infer(x, timeout=passed)
                 with pytest.raises(lc.DeadlineExceededError) as caught:
                     await client.stats(timeout=passed)
                 assert caught.value.attempts == 0
+            # A closed client says so whatever its timeout (ClientClosedError, as README).
+            await client.close()
+            with pytest.raises(lc.ClientClosedError):
+                await client.stats(timeout=0)
             for wrong in ("1", True):
                 expected = (
                     f"timeout: expected seconds (a number) or None, got {type(wrong).__name__}"

@@ -165,24 +165,29 @@ class _JoinedReply:
     (the answer, its refusal, or the request's error; of no length when nothing of the
     answer was handed to it). Only the event loop touches it; `end` ends it once."""
 
-    __slots__ = ("_ended", "_parent", "_reply", "_tracer")
+    __slots__ = ("_attributes", "_ended", "_parent", "_reply", "_tracer")
 
-    def __init__(self, tracer: otel_trace.Tracer) -> None:
+    def __init__(self, tracer: otel_trace.Tracer, request_id: str) -> None:
         self._tracer = tracer
         self._parent = otel_context.get_current()  # the joined call's server span
         self._reply: otel_trace.Span | None = None
         self._ended = False
+        # Whose reply it is, as a queued request's (`_RequestSpans`): a stream item
+        # resent after a broken call joins the request it sent before.
+        self._attributes: Attributes = {"laneserve.request_id": request_id}
 
     def replying(self) -> None:
         if self._reply is None and not self._ended:
-            self._reply = self._tracer.start_span("reply", context=self._parent)
+            self._reply = self._tracer.start_span(
+                "reply", context=self._parent, attributes=self._attributes
+            )
 
     def end(self, status: str) -> None:
         if self._ended:
             return
         self._ended = True
         if self._reply is None:
-            _empty_reply(self._tracer, self._parent, status)
+            _empty_reply(self._tracer, self._parent, status, self._attributes)
             return
         _set_request_status(self._reply, status)
         self._reply.end()
@@ -235,8 +240,8 @@ class Tracing(NullEvents):
         return _RequestSpans(self._tracer, attributes)
 
     def joined(self, request_id: str, lane: str) -> RequestTrace:
-        del request_id, lane  # on the call's `laneserve.retry` event (`retried`)
-        return NULL_TRACE if _unsampled() else _JoinedReply(self._tracer)
+        del lane  # on the call's `laneserve.retry` event (`retried`)
+        return NULL_TRACE if _unsampled() else _JoinedReply(self._tracer, request_id)
 
     def retried(self, request_id: str, lane: str, how: str) -> None:
         # An event on the call's span, not spans of its own: nothing of it is queued or
@@ -257,12 +262,13 @@ class Tracing(NullEvents):
         # item of a stream) left the trace with a status code alone, and a stream's span
         # ended OK with nothing of its refused items (a review). Admission's refusals
         # (LANE_FULL ...) have their `enqueue` span too.
-        del waited_s
+        # The reason alone: a request refused before it had a lane of the server's (its
+        # bytes, an unknown lane) is counted under the default lane, which it never
+        # asked for (a review: an item sent to lane "nowhere" read "standard").
+        del lane, waited_s
         span = otel_trace.get_current_span()
         if span.is_recording():
-            span.add_event(
-                "laneserve.refused", {"laneserve.lane": lane, "laneserve.reason": reason}
-            )
+            span.add_event("laneserve.refused", {"laneserve.reason": reason})
 
     def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
         requests = [
