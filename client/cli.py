@@ -27,7 +27,6 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import sys
 import time
@@ -792,17 +791,13 @@ def failed_rows_path(output: Path) -> Path:
 
 
 def _server_row(checkpoint: Checkpoint, item: int, error: LaneserveError) -> int | None:
-    """The input file's row that the server named in `error` (its row within the item:
-    "row 3 of this request", "(row 3, run alone)"), or None."""
-    named = _SERVER_ROW.search(error.message)
-    if named is None:
+    """The input file's row that the server named in `error` (ErrorInfo.metadata "row":
+    its row within the item, one that failed run alone), or None. Not read from the
+    message's words, which the server may put otherwise."""
+    row = error.metadata.get("row", "")
+    if not row.isdigit():
         return None
-    return int(checkpoint.item_rows(item).start) + int(named[1])
-
-
-# The engine's words for the row of a request that failed alone (see the server's
-# engine._Split.fail_alone).
-_SERVER_ROW: Final = re.compile(r"\brow (\d+)(?: of this request|, run alone)")
+    return int(checkpoint.item_rows(item).start) + int(row)
 
 
 def _failed_rows_line(checkpoint: Checkpoint, item: int, error: LaneserveError) -> str:

@@ -1605,29 +1605,25 @@ class _Split:
 
     def fail_alone(self, row: IndexArray, error: LaneserveError) -> None:
         """One row failed when run alone: it is the row's fault (or it does not fit)."""
+        index = self._request_row(int(row[0]))
+        failed: LaneserveError
         if isinstance(error, DeviceMemoryError):
             # The runtime's words alone ("Available memory of 16776960 is smaller than
             # requested bytes of 20971520") named neither the row nor the budget.
-            self.fail(
-                row,
-                DeviceMemoryError(
-                    f"row {self._request_row(int(row[0]))} of this request needs more device "
-                    f"memory than {self._budget} allows, even run alone; expected "
-                    f"{self._remedy}: {error.message}"
-                ),
+            failed = DeviceMemoryError(
+                f"row {index} of this request needs more device memory than {self._budget} "
+                f"allows, even run alone; expected {self._remedy}: {error.message}"
             )
             self._owner_unfit[self._owner[row]] = True
         else:
             # The runtime's words alone: translated, they began "the model failed on this
             # batch", and a row run alone is no batch.
             cause = error.runtime_message if isinstance(error, _ModelRunError) else error.message
-            self.fail(
-                row,
-                EngineError(
-                    f"the model failed on a row of this request (row "
-                    f"{self._request_row(int(row[0]))}, run alone): {cause}"
-                ),
+            failed = EngineError(
+                f"the model failed on a row of this request (row {index}, run alone): {cause}"
             )
+        failed.metadata["row"] = str(index)  # for programs (ErrorInfo.metadata)
+        self.fail(row, failed)
 
     def _request_row(self, position: int) -> int:
         """The index within its request of the batch's row at `position`."""

@@ -48,6 +48,10 @@ class LaneserveError(Exception):
         self.message = message
         # A hint for the client: how long to wait before a retry can succeed.
         self.retry_after_s = retry_after_s
+        # Facts a program reads, sent as ErrorInfo.metadata (`to_rpc_status`): "row", the
+        # index in its request of a row that failed alone. Read from the message, a
+        # client (laneserve-client's failed rows) hung on the engine's words.
+        self.metadata: dict[str, str] = {}
 
 
 class InvalidInputError(LaneserveError):
@@ -228,7 +232,7 @@ def to_rpc_status(
 ) -> status_pb2.Status:
     """`google.rpc.Status` for `error`, with `ErrorInfo` and, when retryable, `RetryInfo`."""
     info = error_details_pb2.ErrorInfo(
-        reason=error.reason, domain=ERROR_DOMAIN, metadata=metadata or {}
+        reason=error.reason, domain=ERROR_DOMAIN, metadata={**error.metadata, **(metadata or {})}
     )
     details = [_pack(info)]
     if error.retry_after_s is not None:

@@ -177,6 +177,8 @@ def rich_status(error: grpc.aio.AioRpcError | grpc.Call) -> tuple[str, dict[str,
                 retry = error_details_pb2.RetryInfo()
                 if detail.Unpack(info):
                     reason = info.reason
+                    if info.metadata:
+                        found["metadata"] = dict(info.metadata)
                 elif detail.Unpack(retry):
                     found["retry_delay_s"] = retry.retry_delay.ToTimedelta().total_seconds()
         elif key == "grpc-retry-pushback-ms":

@@ -516,7 +516,8 @@ def test_a_row_that_fails_alone_is_named_by_its_index_in_its_request(tmp_path: P
         np.testing.assert_array_equal(output(ok), expected)
     for failed, row, index in ((bad, 1, 99), (bad_too, 2, 98)):
         assert isinstance(failed, grpc.aio.AioRpcError)
-        assert rich_status(failed)[0] == "ENGINE_FAILURE"
+        # The row for programs too, in ErrorInfo.metadata (a client read the words).
+        assert rich_status(failed) == ("ENGINE_FAILURE", {"metadata": {"row": str(row)}})
         details = failed.details() or ""
         assert details.startswith(
             f"the model failed on a row of this request (row {row}, run alone): "
