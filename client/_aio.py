@@ -13,7 +13,15 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from typing import Any, Final, TypeVar
 
 import grpc
@@ -238,15 +246,8 @@ class AsyncClient:
             Output name to array. The arrays are read-only views of the received bytes
             (no copy); ``.copy()`` one to write to it.
         """
-        answer = await self.infer_detailed(
-            inputs,
-            lane=lane,
-            timeout=timeout,
-            request_id=request_id,
-            outputs=outputs,
-            retry=retry,
-        )
-        return answer.outputs
+        sending, request_id = self._infer_call(inputs, lane, timeout, request_id, outputs, retry)
+        return answer_of(await sending, request_id).outputs
 
     async def infer_detailed(
         self,
@@ -261,26 +262,27 @@ class AsyncClient:
         """`infer`, answered with the outputs, the request's id (the random one where none
         was given) and the server's `Timing` of it (lane, batch size, queue and run
         microseconds): what a service logs beside its own latency. Arguments as `infer`'s."""
-        # The call's time counts from here: building its request is inside its timeout
-        # (61 MB of input took 221 ms to encode, and a 5 ms timeout was raised after
-        # 361 ms, a review).
-        started_s = time.monotonic()
-        policy = checked_policy(retry, "retry") or self.retry
-        timeout_s = timeout_seconds(timeout)
-        request, request_id = self._infer_request(inputs, lane, request_id, outputs)
-        response = await self._infer_sent(request, request_id, policy, timeout_s, started_s)
-        return answer_of(response, request_id)
+        sending, request_id = self._infer_call(inputs, lane, timeout, request_id, outputs, retry)
+        return answer_of(await sending, request_id)
 
-    def _infer_request(
+    def _infer_call(
         self,
         inputs: Mapping[str, npt.NDArray[Any]],
         lane: str | None,
+        timeout: object,
         request_id: str | None,
         outputs: Sequence[str] | None,
-    ) -> tuple[pb.InferRequest, str]:
-        """`infer`'s request and its id, built and checked on the calling thread (the
-        sync `Client`'s caller's: built on the client's one thread, a large request held
-        up every other thread's calls)."""
+        retry: RetryPolicy | None,
+    ) -> tuple[Coroutine[Any, Any, pb.InferResponse], str]:
+        """Infer's call up to sending: its arguments checked and its request built now,
+        on the calling thread (the sync `Client`'s caller's: built on the client's one
+        thread, a large request held up every other thread's calls), its time counted
+        from now (building is inside its timeout: 61 MB of input took 221 ms to encode,
+        and a 5 ms timeout was raised after 361 ms, a review). The coroutine that sends
+        it, and the request's id."""
+        started_s = time.monotonic()
+        policy = checked_policy(retry, "retry") or self.retry
+        timeout_s = timeout_seconds(timeout)
         # Checked first: a falsy id of another type (0) is refused, not taken for none.
         if request_id is not None:
             check_request_id(request_id)
@@ -289,7 +291,7 @@ class AsyncClient:
             request_id, encode_inputs(inputs, request_id), lane=lane, outputs=output_names(outputs)
         )
         check_request_bytes(request, self._send_limit, request_id=request_id)
-        return request, request_id
+        return self._infer_sent(request, request_id, policy, timeout_s, started_s), request_id
 
     async def _infer_sent(
         self,
@@ -299,7 +301,7 @@ class AsyncClient:
         timeout_s: float | None,
         started_s: float,
     ) -> pb.InferResponse:
-        """`request` (`_infer_request`'s) sent, retried, within `timeout_s` of
+        """`request` (`_infer_call`'s) sent, retried, within `timeout_s` of
         `started_s` (time.monotonic(), when the call began); its answer undecoded
         (`answer_of`: on the sync `Client`'s calling thread)."""
 

@@ -659,17 +659,14 @@ class BulkStream:
         # on: ending it there dropped the answers to the items sent before it.
         try:
             inputs, request_id = self._unpack(raw, index)
-        except TypeError as error:
-            self._emit(StreamResult(index, "", None, refused(str(error)), 0))
-            return None
-        try:
             refusal = self._id_refusal(index, request_id)
-        except TypeError as error:  # an id of another type: no id to answer it by
+        except TypeError as error:  # not an item, or an id not a str: no id to answer by
             self._emit(StreamResult(index, "", None, refused(str(error)), 0))
             return None
         if refusal is not None:
             self._emit(StreamResult(index, request_id, None, refusal, 0))
             return None
+        name = _item_name(index, request_id, self.job_id)
         try:
             message = infer_request(
                 request_id,
@@ -682,17 +679,14 @@ class BulkStream:
             # Named by its item, as README says every item's error is: a dtype with no
             # wire type said "tensor 'input': numpy dtype complex64 ...", naming no item
             # (a review). TypeError: an input not a numpy array, a name not a str.
-            message_text = error.message if isinstance(error, InvalidInputError) else str(error)
-            item_name = _item_name(index, request_id, self.job_id)
+            text = error.message if isinstance(error, InvalidInputError) else str(error)
             self._emit(
-                StreamResult(
-                    index, request_id, None, refused(f"{item_name}: {message_text}", request_id), 0
-                )
+                StreamResult(index, request_id, None, refused(f"{name}: {text}", request_id), 0)
             )
             return None
         # From the message, not `inputs`: a mapping may compute its arrays at each read.
         rows = next((int(tensor.shape[0]) for tensor in message.inputs if tensor.shape), 0)
-        item = _Item(index, request_id, message, rows, _item_name(index, request_id, self.job_id))
+        item = _Item(index, request_id, message, rows, name)
         self._items[request_id] = item
         return item
 

@@ -12,7 +12,6 @@ import gc
 import os
 import queue
 import threading
-import time
 import types
 import warnings
 import weakref
@@ -36,7 +35,6 @@ from laneserve.client._aio import (
     Outputs,
     TlsLike,
     answer_of,
-    timeout_seconds,
 )
 from laneserve.client._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -44,7 +42,7 @@ from laneserve.client._channel import (
     forked_message,
 )
 from laneserve.client._errors import ClientClosedError, closed_before_sending
-from laneserve.client._retry import RetryBudget, RetryPolicy, checked_policy
+from laneserve.client._retry import RetryBudget, RetryPolicy
 from laneserve.client._stream import DEFAULT_STREAM_LANE, StreamItem, StreamSource
 from laneserve.client._types import InferAnswer, ModelInfo, StreamResult
 from laneserve.v1 import inference_pb2 as pb
@@ -208,15 +206,7 @@ class Client:
         """See `AsyncClient.infer`. The request is built on the calling thread (on the
         client's one thread, a large request held up every other thread's calls past
         their timeouts, a review), and the call's timeout counts from this call."""
-        answer = self.infer_detailed(
-            inputs,
-            lane=lane,
-            timeout=timeout,
-            request_id=request_id,
-            outputs=outputs,
-            retry=retry,
-        )
-        return answer.outputs
+        return self._answer(inputs, lane, timeout, request_id, outputs, retry).outputs
 
     def infer_detailed(
         self,
@@ -229,18 +219,22 @@ class Client:
         retry: RetryPolicy | None = None,
     ) -> InferAnswer:
         """See `AsyncClient.infer_detailed`; built and decoded on the calling thread."""
-        started_s = time.monotonic()
-        policy = checked_policy(retry, "retry") or self._client.retry
-        timeout_s = timeout_seconds(timeout)
-        # AsyncClient.infer's two halves, the first on this thread: this class is its
-        # sync facade, and they are no API of their own.
-        request, request_id = self._client._infer_request(  # noqa: SLF001
-            inputs, lane, request_id, outputs
+        return self._answer(inputs, lane, timeout, request_id, outputs, retry)
+
+    def _answer(
+        self,
+        inputs: Mapping[str, npt.NDArray[Any]],
+        lane: str | None,
+        timeout: float | None,
+        request_id: str | None,
+        outputs: Sequence[str] | None,
+        retry: RetryPolicy | None,
+    ) -> InferAnswer:
+        # AsyncClient's call up to sending, on this thread: this class is its sync facade.
+        sending, request_id = self._client._infer_call(  # noqa: SLF001
+            inputs, lane, timeout, request_id, outputs, retry
         )
-        sent = self._client._infer_sent(  # noqa: SLF001
-            request, request_id, policy, timeout_s, started_s
-        )
-        return answer_of(self._run(sent), request_id)
+        return answer_of(self._run(sending), request_id)
 
     def model(self, *, timeout: float | None = None) -> ModelInfo:
         """See `AsyncClient.model`."""

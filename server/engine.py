@@ -92,9 +92,9 @@ ProbeStopReason = Literal["max_batch_size", "queue_rows", "out_of_memory", "host
 # about half its time in the probe's runs of a second and more (a warm-up and three
 # timed runs of each size).
 PROBE_REPEATS_WITHIN_S = 0.25
-# Rows of random values the start-up check batches together to see each row's outputs
-# depend on its own inputs alone (`Engine._check_rows_independent`; a fixed first axis
-# checks all its rows).
+# Rows of random values the start-up check compares, batched and alone, to see each
+# row's outputs depend on its own inputs alone (`Engine._check_rows_independent`; where
+# the first axis is fixed, the first of its rows).
 ROWS_CHECKED = 4
 # How far a row's outputs batched may differ from its run alone, relative to the row's
 # largest magnitude, by the float's size in bytes, before its answers are said to depend

@@ -100,14 +100,9 @@ class _RequestSpans:
         "enqueue",
     )
 
-    def __init__(self, tracer: otel_trace.Tracer, attributes: dict[str, str | int | float]) -> None:
+    def __init__(self, tracer: otel_trace.Tracer, attributes: Attributes, request_id: str) -> None:
         self._tracer = tracer
-        # `reply` carries the request's id too: a stream's one span holds many requests'
-        # replies, in the order they complete, and nothing told which was whose.
-        request_id = attributes.get("laneserve.request_id")
-        self._reply_attributes: Attributes = (
-            None if request_id is None else {"laneserve.request_id": request_id}
-        )
+        self._reply_attributes = _whose(request_id)
         # The gRPC server span, where the servicer runs: the parent of both spans.
         self._parent = otel_context.get_current()
         self.enqueue = tracer.start_span("enqueue", context=self._parent, attributes=attributes)
@@ -172,9 +167,8 @@ class _JoinedReply:
         self._parent = otel_context.get_current()  # the joined call's server span
         self._reply: otel_trace.Span | None = None
         self._ended = False
-        # Whose reply it is, as a queued request's (`_RequestSpans`): a stream item
-        # resent after a broken call joins the request it sent before.
-        self._attributes: Attributes = {"laneserve.request_id": request_id}
+        # A stream item resent after a broken call joins the request it sent before.
+        self._attributes = _whose(request_id)
 
     def replying(self) -> None:
         if self._reply is None and not self._ended:
@@ -191,6 +185,13 @@ class _JoinedReply:
             return
         _set_request_status(self._reply, status)
         self._reply.end()
+
+
+def _whose(request_id: str) -> Attributes:
+    """A `reply`'s attributes: its request's id (none without one). A stream's one span
+    holds many requests' replies, in the order they complete: nothing told which was
+    whose."""
+    return {"laneserve.request_id": request_id} if request_id else None
 
 
 def _empty_reply(
@@ -237,7 +238,7 @@ class Tracing(NullEvents):
         # own and the lane's timeout counted from now, it overstated a stream item's that
         # had waited for room (its lane's timeout counts from its arrival).
         attributes["laneserve.deadline_ms"] = round(budget_s * 1000, 3)
-        return _RequestSpans(self._tracer, attributes)
+        return _RequestSpans(self._tracer, attributes, request_id)
 
     def joined(self, request_id: str, lane: str) -> RequestTrace:
         del lane  # on the call's `laneserve.retry` event (`retried`)
@@ -260,11 +261,9 @@ class Tracing(NullEvents):
         # An event on the call's span (on the event loop, in the call's context): a
         # refusal before the request's spans start (a bad input, an unknown lane, an
         # item of a stream) left the trace with a status code alone, and a stream's span
-        # ended OK with nothing of its refused items (a review). Admission's refusals
-        # (LANE_FULL ...) have their `enqueue` span too.
-        # The reason alone: a request refused before it had a lane of the server's (its
-        # bytes, an unknown lane) is counted under the default lane, which it never
-        # asked for (a review: an item sent to lane "nowhere" read "standard").
+        # ended OK with nothing of its refused items (a review). Its reason alone: one
+        # refused before it had a lane of the server's is counted under the default lane,
+        # which it never asked for.
         del lane, waited_s
         span = otel_trace.get_current_span()
         if span.is_recording():
