@@ -2,7 +2,8 @@
 
 Shared by the client and the server, so both sides agree on one encoding: ``data`` holds
 the raw little-endian, row-major (C order) bytes of ``shape``, and ``dtype`` is one of the
-twelve concrete :class:`~laneserve.v1.inference_pb2.DataType` values.
+thirteen concrete :class:`~laneserve.v1.inference_pb2.DataType` values (a STRING
+tensor's ``data``: its elements, each length-prefixed).
 
 Each supported type is known under three names, mapped here in one table:
 
@@ -21,12 +22,21 @@ uint16      UINT16          ``tensor(uint16)``
 uint32      UINT32          ``tensor(uint32)``
 uint64      UINT64          ``tensor(uint64)``
 bool        BOOL            ``tensor(bool)``
+string      STRING          ``tensor(string)``
 ==========  ==============  ====================
 
 The short names in the first column (``datatype_name``) are also the wire names without
-their ``DATA_TYPE_`` prefix. Every failure is a :class:`ValueError` whose message names
-the tensor (or the type) and what was expected; the server answers it with
-``INVALID_ARGUMENT``.
+their ``DATA_TYPE_`` prefix.
+
+Text is STRING: sent from an array of ``str`` (numpy's ``str_`` or ``StringDType``, or
+``object`` holding ``str``, or UTF-8 ``bytes``), each element on the wire as a 4-byte
+little-endian length and its UTF-8 bytes (KServe's BYTES encoding), and decoded as an
+``object`` array of ``str``, as ONNX Runtime gives and takes it. Only text: ONNX Runtime's
+Python API reads a string tensor's elements as UTF-8 (and turned a ``bytes`` element into
+the text ``"b'...'"``), so bytes that are not UTF-8 are refused, not passed on.
+
+Every failure is a :class:`ValueError` whose message names the tensor (or the type) and
+what was expected; the server answers it with ``INVALID_ARGUMENT``.
 
 Example::
 
@@ -37,6 +47,7 @@ Example::
 """
 
 import math
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -52,7 +63,9 @@ __all__ = [
     "datatype_for_onnx_type",
     "datatype_name",
     "datatype_of",
+    "decode_strings",
     "decode_tensor",
+    "encode_strings",
     "encode_tensor",
     "numpy_dtype",
     "numpy_dtype_for_onnx_type",
@@ -90,6 +103,8 @@ _WIRE_TYPES: Final[tuple[_WireType, ...]] = (
     _WireType(inference_pb2.DATA_TYPE_UINT32, np.dtype("<u4"), "tensor(uint32)"),
     _WireType(inference_pb2.DATA_TYPE_UINT64, np.dtype("<u8"), "tensor(uint64)"),
     _WireType(inference_pb2.DATA_TYPE_BOOL, np.dtype("?"), "tensor(bool)"),
+    # The numpy dtype ONNX Runtime gives string outputs in, and takes string inputs in.
+    _WireType(inference_pb2.DATA_TYPE_STRING, np.dtype(object), "tensor(string)"),
 )
 
 _BY_DATATYPE: Final[Mapping[int, _WireType]] = MappingProxyType(
@@ -100,6 +115,10 @@ _BY_DATATYPE: Final[Mapping[int, _WireType]] = MappingProxyType(
 _BY_KIND: Final[Mapping[tuple[str, int], _WireType]] = MappingProxyType(
     {(w.dtype.kind, w.dtype.itemsize): w for w in _WIRE_TYPES}
 )
+# The numpy kinds of text: str_ ("U"), bytes_ ("S"), StringDType ("T"), and object ("O"),
+# whose elements are checked as they are encoded.
+_TEXT_KINDS: Final = frozenset("USTO")
+_STRING: Final = _BY_DATATYPE[inference_pb2.DATA_TYPE_STRING]
 _BY_ONNX_TYPE: Final[Mapping[str, _WireType]] = MappingProxyType(
     {w.onnx_type: w for w in _WIRE_TYPES}
 )
@@ -120,8 +139,14 @@ def datatype_name(dtype: int | npt.DTypeLike) -> str:
             return "unspecified"
         return f"unknown data type {dtype}"
     numpy = np.dtype(dtype)
-    wire = _BY_KIND.get((numpy.kind, numpy.itemsize))
+    wire = _wire_of_numpy(numpy)
     return numpy.name if wire is None else wire.name
+
+
+def _wire_of_numpy(dtype: np.dtype[Any]) -> _WireType | None:
+    if dtype.kind in _TEXT_KINDS:
+        return _STRING
+    return _BY_KIND.get((dtype.kind, dtype.itemsize))
 
 
 def _wire_type(datatype: int, what: str) -> _WireType:
@@ -134,7 +159,7 @@ def _wire_type(datatype: int, what: str) -> _WireType:
 
 
 def _wire_type_of_numpy(dtype: np.dtype[Any], what: str) -> _WireType:
-    wire = _BY_KIND.get((dtype.kind, dtype.itemsize))
+    wire = _wire_of_numpy(dtype)
     if wire is None:
         raise ValueError(
             f"{what}: numpy dtype {dtype} is not supported; expected one of {_SUPPORTED}"
@@ -199,9 +224,108 @@ def encode_tensor(name: str, array: npt.NDArray[Any]) -> inference_pb2.Tensor:
     Raises:
         ValueError: the array's dtype has no wire data type.
     """
-    wire = _wire_type_of_numpy(array.dtype, f"tensor {name!r}")
-    data = np.ascontiguousarray(array).astype(wire.dtype, copy=False).tobytes()
+    what = f"tensor {name!r}"
+    wire = _wire_type_of_numpy(array.dtype, what)
+    if wire is _STRING:
+        data = encode_strings(what, array)
+    else:
+        data = np.ascontiguousarray(array).astype(wire.dtype, copy=False).tobytes()
     return inference_pb2.Tensor(name=name, dtype=wire.datatype, shape=array.shape, data=data)
+
+
+_LENGTH: Final = struct.Struct("<I")
+_MAX_ELEMENT_BYTES: Final = 2**32 - 1  # what the 4-byte length holds
+
+
+def encode_strings(what: str, array: npt.NDArray[Any]) -> bytes:
+    """The elements of a text array (`_TEXT_KINDS`), in row-major order, each as a 4-byte
+    little-endian length and its UTF-8 bytes; `what` names the array in a refusal.
+
+    Raises:
+        ValueError: an element is neither ``str`` nor ``bytes``, is ``bytes`` that are not
+            UTF-8, holds a lone surrogate, or is 4 GiB or longer.
+    """
+    parts: list[bytes] = []
+    for index, value in enumerate(array.flat):
+        if isinstance(value, str):
+            try:
+                encoded = value.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise ValueError(
+                    f"{what}: element {index} has no UTF-8 encoding ({error.reason} at "
+                    f"character {error.start}); expected text"
+                ) from None
+        elif isinstance(value, bytes):
+            try:
+                value.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(_not_utf8(what, index, error)) from None
+            encoded = value
+        else:  # a ValueError as every refusal here (the module's docstring)
+            raise ValueError(  # noqa: TRY004
+                f"{what}: element {index} is {type(value).__name__}; expected str (or UTF-8 "
+                "bytes) in every element of a string tensor"
+            )
+        if len(encoded) > _MAX_ELEMENT_BYTES:
+            raise ValueError(
+                f"{what}: element {index} is {len(encoded)} bytes; expected under 4 GiB"
+            )
+        parts.append(_LENGTH.pack(len(encoded)))
+        parts.append(encoded)
+    return b"".join(parts)
+
+
+def decode_strings(what: str, data: bytes, count: int) -> npt.NDArray[np.object_]:
+    """The `count` elements of STRING data (`encode_strings`' encoding) as a flat object
+    array of ``str``; `what` names the tensor in a refusal.
+
+    Raises:
+        ValueError: the data is shorter than `count` lengths, an element's bytes run past
+            its end, bytes are left after the last element, or an element is not UTF-8.
+    """
+    size = len(data)
+    # Each element takes its 4-byte length at least: checked before an array of `count`
+    # is allocated from a sender's shape.
+    if size < count * _LENGTH.size:
+        raise ValueError(
+            f"{what}: data is {size} bytes; expected at least {count * _LENGTH.size} ({count} "
+            f"string elements, each a {_LENGTH.size}-byte little-endian length and its bytes)"
+        )
+    values = np.empty(count, dtype=object)
+    view = memoryview(data)
+    offset = 0
+    for index in range(count):
+        if offset + _LENGTH.size > size:
+            raise ValueError(
+                f"{what}: data ends before element {index}'s length (at byte {offset} of "
+                f"{size}); expected {count} elements, each a {_LENGTH.size}-byte length and "
+                "its bytes"
+            )
+        (length,) = _LENGTH.unpack_from(view, offset)
+        offset += _LENGTH.size
+        if offset + length > size:
+            raise ValueError(
+                f"{what}: element {index} says {length} bytes, {size - offset} are left; "
+                "expected each element's bytes after its length"
+            )
+        try:
+            values[index] = str(view[offset : offset + length], "utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(_not_utf8(what, index, error)) from None
+        offset += length
+    if offset != size:
+        raise ValueError(
+            f"{what}: data has {size - offset} bytes after its {count} string elements; "
+            "expected as many elements as its shape sizes"
+        )
+    return values
+
+
+def _not_utf8(what: str, index: int, error: UnicodeDecodeError) -> str:
+    return (
+        f"{what}: element {index} is not UTF-8 ({error.reason} at byte {error.start}); "
+        "expected text (ONNX Runtime reads string tensors as UTF-8)"
+    )
 
 
 # numpy's limit on an array's dimensions (NPY_MAXDIMS in numpy 2).
@@ -212,12 +336,13 @@ def decode_tensor(tensor: inference_pb2.Tensor) -> npt.NDArray[Any]:
     """Decodes a Tensor into an array of its shape, without copying the bytes again.
 
     The array is a read-only view of ``tensor.data`` with a little-endian dtype; copy it
-    before writing to it.
+    before writing to it. A STRING tensor's is a new ``object`` array of ``str``.
 
     Raises:
         ValueError: the dtype is unspecified or unknown, the shape has more than
             ``MAX_DIMS`` dimensions, a dimension is negative, ``len(data)`` is not the
-            size of ``shape``, or a bool byte is not 0 or 1.
+            size of ``shape`` (a STRING tensor's: its elements do not parse, or one is
+            not UTF-8), or a bool byte is not 0 or 1.
     """
     what = f"tensor {tensor.name!r}"
     wire = _wire_type(tensor.dtype, what)
@@ -232,9 +357,11 @@ def decode_tensor(tensor: inference_pb2.Tensor) -> npt.NDArray[Any]:
             f"{what}: shape {list(shape)} has a negative dimension; expected sizes >= 0"
         )
     count = math.prod(shape)
-    expected = count * wire.dtype.itemsize
     # Each read of `tensor.data` builds a new bytes object (a copy): read it once.
     data = tensor.data
+    if wire is _STRING:
+        return decode_strings(what, data, count).reshape(shape)
+    expected = count * wire.dtype.itemsize
     if len(data) != expected:
         raise ValueError(
             f"{what}: data is {len(data)} bytes; expected {expected} "

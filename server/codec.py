@@ -34,11 +34,16 @@ from laneserve.v1 import inference_pb2 as pb
 # each held 1 GiB at depth 60/2048. Far above what a newer client's added fields take.
 MAX_EXTRA_BYTES = 64 * 1024
 
+# The dtypes of a fixed size per element, by that size; and every dtype known (STRING's
+# elements are each as long as their text).
 _ITEM_BYTES: dict[int, int] = {
     datatype: numpy_dtype(datatype).itemsize
     for datatype in pb.DataType.values()
-    if datatype != pb.DATA_TYPE_UNSPECIFIED
+    if datatype not in (pb.DATA_TYPE_UNSPECIFIED, pb.DATA_TYPE_STRING)
 }
+_KNOWN_DTYPES = frozenset((*_ITEM_BYTES, pb.DATA_TYPE_STRING))
+# A STRING element's length prefix: the least data an element takes.
+_STRING_ELEMENT_MIN_BYTES = 4
 
 
 def check_counts(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> None:
@@ -165,14 +170,18 @@ def extra_bytes(request: pb.InferRequest, wire_bytes: int) -> int | None:
 def data_bytes(tensor: pb.Tensor) -> int | None:
     """The bytes of data `tensor`'s dtype and shape size, its data unread; None where they
     size none (an unknown dtype, more than MAX_DIMS dimensions, a negative one), which
-    `decode_tensor` refuses."""
-    item_bytes = _ITEM_BYTES.get(tensor.dtype)
-    if item_bytes is None or len(tensor.shape) > MAX_DIMS:
+    `decode_tensor` refuses. A STRING tensor's data sizes itself: its length, read (a
+    copy), or None where it is shorter than its shape's elements' length prefixes."""
+    if tensor.dtype not in _KNOWN_DTYPES or len(tensor.shape) > MAX_DIMS:
         return None
     shape = list(tensor.shape)
     if min(shape, default=0) < 0:
         return None
-    return math.prod(shape) * item_bytes
+    count = math.prod(shape)
+    if tensor.dtype == pb.DATA_TYPE_STRING:
+        size = len(tensor.data)
+        return size if size >= count * _STRING_ELEMENT_MIN_BYTES else None
+    return count * _ITEM_BYTES[tensor.dtype]
 
 
 def text_bytes(text: str) -> int:
@@ -316,12 +325,12 @@ def _wrong_dtype(tensor: pb.Tensor, spec: TensorSpec) -> str:
 
 def _is_dtype(spec: TensorSpec, datatype: pb.DataType.ValueType) -> bool:
     """Whether `datatype` is a known dtype, `spec`'s input's."""
-    return datatype in _ITEM_BYTES and numpy_dtype(datatype) == spec.dtype
+    return datatype in _KNOWN_DTYPES and numpy_dtype(datatype) == spec.dtype
 
 
 def _is_other_dtype(spec: TensorSpec, datatype: pb.DataType.ValueType) -> bool:
     """Whether `datatype` is a known dtype other than `spec`'s input's."""
-    return datatype in _ITEM_BYTES and numpy_dtype(datatype) != spec.dtype
+    return datatype in _KNOWN_DTYPES and numpy_dtype(datatype) != spec.dtype
 
 
 def _check_shape(name: str, shape: Sequence[int], spec: TensorSpec) -> None:

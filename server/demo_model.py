@@ -6,6 +6,11 @@ symbolic dimension. The weights are seeded, so one seed always gives the same fi
 scaled by ``1/sqrt(fan_in)`` so activations stay near unit size: outputs are finite and
 not all zero for inputs of ordinary size.
 
+The text model (``make_text_model``) takes and gives string tensors, for the tests and
+for trying text requests: ``text`` string ``[batch]`` → ``tagged`` (each text with "!"
+appended) and ``label`` (its index in TEXT_LABELS, -1 if none); ``numbers`` string
+``[batch, 2]`` → ``value`` (each parsed as float32; text that is no number fails the run).
+
 Only this module and the engine know ONNX; the server never builds a model at run time.
 """
 
@@ -18,12 +23,17 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["OPSET", "make_demo_model"]
+__all__ = ["OPSET", "TEXT_LABELS", "make_demo_model", "make_text_model"]
 
 OPSET: Final = 17
 # IR version 9 (ONNX 1.14) rather than the newest onnx writes: every ONNX Runtime release
 # this project supports reads it, and the file does not depend on the onnx installed.
 _IR_VERSION: Final = 9
+# StringConcat is in ONNX's opset 20 (ONNX Runtime 1.17), LabelEncoder's string keys in
+# the ai.onnx.ml domain's opset 2.
+_TEXT_OPSET: Final = 20
+_TEXT_ML_OPSET: Final = 3
+TEXT_LABELS: Final = ("cat", "dog", "bird")
 
 
 def make_demo_model(
@@ -90,6 +100,52 @@ def make_demo_model(
     model.ir_version = _IR_VERSION
     onnx.checker.check_model(model, full_check=True)
 
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(model, target)
+
+
+def make_text_model(path: str | os.PathLike[str]) -> None:
+    """Writes the text model (the module's docstring) to ``path`` (parent folders are
+    created)."""
+    suffix = numpy_helper.from_array(np.array("!", dtype=object), "suffix")
+    nodes = [
+        helper.make_node("Constant", [], ["suffix"], value=suffix),
+        helper.make_node("StringConcat", ["text", "suffix"], ["tagged"]),
+        helper.make_node(
+            "LabelEncoder",
+            ["text"],
+            ["label"],
+            domain="ai.onnx.ml",
+            keys_strings=list(TEXT_LABELS),
+            values_int64s=list(range(len(TEXT_LABELS))),
+            default_int64=-1,
+        ),
+        helper.make_node("Cast", ["numbers"], ["value"], to=TensorProto.FLOAT),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "laneserve_text",
+        inputs=[
+            helper.make_tensor_value_info("text", TensorProto.STRING, ["batch"]),
+            helper.make_tensor_value_info("numbers", TensorProto.STRING, ["batch", 2]),
+        ],
+        outputs=[
+            helper.make_tensor_value_info("tagged", TensorProto.STRING, ["batch"]),
+            helper.make_tensor_value_info("label", TensorProto.INT64, ["batch"]),
+            helper.make_tensor_value_info("value", TensorProto.FLOAT, ["batch", 2]),
+        ],
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[
+            helper.make_opsetid("", _TEXT_OPSET),
+            helper.make_opsetid("ai.onnx.ml", _TEXT_ML_OPSET),
+        ],
+        producer_name="laneserve.demo_model",
+    )
+    model.ir_version = _IR_VERSION
+    onnx.checker.check_model(model, full_check=True)
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     onnx.save_model(model, target)

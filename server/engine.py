@@ -587,7 +587,7 @@ class Engine:
         except Exception as error:
             raise EngineStartError(
                 f"cannot load model {self.model_path!r}: {error}; expected an ONNX model "
-                "file that this onnxruntime can run"
+                f"file that this onnxruntime can run{_load_hint(str(error))}"
             ) from error
         finally:
             self._runtime_printed = printed.getvalue().strip()
@@ -716,7 +716,7 @@ class Engine:
         more after the shrink that follows the failure, and only that run counts: its
         error, or its outputs (a batch that fits is then no failure, for the split and
         for the cap alike). On the normal path nothing is added: no shrink, no retry."""
-        size = (sum(array.nbytes for array in inputs.values()), len(next(iter(inputs.values()))))
+        size = (sum(map(held_bytes, inputs.values())), len(next(iter(inputs.values()))))
         largest = self._arena_run
         if (
             self._shrinks_before_growth
@@ -1051,9 +1051,12 @@ class Engine:
 
     def example_inputs(self, rows: int) -> dict[str, Array]:
         """Zero-filled inputs of `rows` rows, of the shapes in `probe_shapes` (dynamic
-        sizes not given there are 1): inputs the start-up probe ran."""
+        sizes not given there are 1): inputs the start-up probe ran. A string input's
+        zero is the text "0" (`_random_rows`' reason)."""
         return {
-            spec.name: np.zeros((rows, *self._probe_shapes[spec.name]), dtype=spec.dtype)
+            spec.name: np.full(
+                (rows, *self._probe_shapes[spec.name]), _zero(spec.dtype), dtype=spec.dtype
+            )
             for spec in self.inputs
         }
 
@@ -1221,7 +1224,7 @@ class Engine:
             outputs = self.run(inputs)
         except DeviceMemoryError:  # one row ran just now: the outputs are left uncounted
             outputs = {}
-        return sum(array.nbytes for array in (*inputs.values(), *outputs.values()))
+        return sum(map(held_bytes, (*inputs.values(), *outputs.values())))
 
     def _check_later_axes_fixed(self) -> None:
         """Refuses (EngineError) a model an output of which is sized by the batch after its
@@ -1318,7 +1321,8 @@ class Engine:
             return
         for name in self.output_names:
             for row in range(checked):
-                if not _beyond_rounding(together[name][row], apart[row][name][0]):
+                # Slices, not elements: an element of a 1-D string output is a str.
+                if not _beyond_rounding(together[name][row : row + 1], apart[row][name][:1]):
                     continue
                 if fixed is not None:
                     raise EngineError(
@@ -1692,14 +1696,47 @@ def _beyond_rounding(mixed: Array, own: Array) -> bool:
     return gap > ROUNDING_RTOL[mixed.dtype.itemsize] * scale
 
 
+def _load_hint(runtime_message: str) -> str:
+    """What to do about a load failure whose cause is the machine, not the file. A
+    StringNormalizer (in every TfidfVectorizer / CountVectorizer skl2onnx converts) takes
+    its `locale` attribute, en_US.UTF-8 unless set, from the machine's locales: a slim
+    container has none but C.UTF-8 and POSIX."""
+    if "StringNormalizer" not in runtime_message or "locale" not in runtime_message:
+        return ""
+    return (
+        "; a StringNormalizer uses the locale its `locale` attribute names (en_US.UTF-8 "
+        "unless set): install that locale on this machine (Debian: the locales package, "
+        "locale-gen), or convert the model with one the machine has (`locale -a`; skl2onnx: "
+        "options={id(vectorizer): {'locale': 'C.UTF-8'}})"
+    )
+
+
 def _random_rows(
     generator: np.random.Generator, dtype: np.dtype[np.generic], shape: tuple[int, ...]
 ) -> Array:
     """Random values of `dtype`: uniform in [0, 1) for floats, 0 or 1 otherwise (any
-    integer input takes them: an index, a token id, a flag)."""
+    integer input takes them: an index, a token id, a flag), and for text the strings
+    "0" or "1" (any string input takes them: a category, a word, a number Cast parses)."""
     if dtype.kind == "f":
         return generator.random(shape).astype(dtype)
-    return generator.integers(0, 2, shape).astype(dtype)
+    digits = generator.integers(0, 2, shape)
+    if dtype == np.dtype(object):
+        return np.array(["0", "1"], dtype=object)[digits]
+    return digits.astype(dtype)
+
+
+def _zero(dtype: np.dtype[np.generic]) -> object:
+    """The value inputs are filled with where any will do: zero, or "0" for text (as ONNX
+    Runtime runs string tensors, their elements are Python str)."""
+    return "0" if dtype == np.dtype(object) else 0
+
+
+def held_bytes(array: Array) -> int:
+    """The memory `array` holds: its buffer, and for text (an object array) each
+    element's str object too, as a string tensor's bytes are its text's."""
+    if array.dtype != np.dtype(object):
+        return array.nbytes
+    return array.nbytes + sum(map(sys.getsizeof, array.flat))
 
 
 def _powers_of_two_up_to(limit: int) -> list[int]:

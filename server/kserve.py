@@ -27,8 +27,12 @@ The mapping (README.md, "KServe v2 / Triton clients"):
     parameters["priority"] uint64    0: none; k >= 1: the k-th lane, highest first
                                      (Triton's 1 is its highest priority)
     inputs + raw_input_contents      inputs, each Tensor's data the raw bytes (one
-                                     entry per input not in shared memory)
+                                     entry per input not in shared memory); BYTES is
+                                     STRING, its raw encoding (each element a 4-byte
+                                     length and its UTF-8) a STRING tensor's data
     inputs[].contents (typed lists)  inputs, the list converted to little-endian bytes
+                                     (bytes_contents: one element per value, each
+                                     given its length)
     inputs[].parameters shared_memory_region, _byte_size, _offset
                                      inputs, the bytes copied out of the region
                                      (server/shared_memory.py)
@@ -51,8 +55,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import struct
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, NoReturn, TypeVar
 
 import grpc
@@ -173,6 +178,15 @@ class KServeType:
     wide_dtype: str | None = None
 
 
+# Text: each element a 4-byte little-endian length and its bytes (UTF-8), in
+# raw_input_contents, raw_output_contents, binary data and shared memory alike; in
+# bytes_contents one element per value. The one datatype of no fixed size per element:
+# its numpy dtype (object) has an itemsize that sizes nothing, and its data is a
+# laneserve STRING tensor's as it is.
+BYTES: Final = "BYTES"
+_LENGTH: Final = struct.Struct("<I")
+
+
 KSERVE_TYPES: Final[tuple[KServeType, ...]] = (
     KServeType("BOOL", pb.DATA_TYPE_BOOL, "bool_contents"),
     KServeType("UINT8", pb.DATA_TYPE_UINT8, "uint_contents", "<u4"),
@@ -186,15 +200,16 @@ KSERVE_TYPES: Final[tuple[KServeType, ...]] = (
     KServeType("FP16", pb.DATA_TYPE_FLOAT16, None),
     KServeType("FP32", pb.DATA_TYPE_FLOAT32, "fp32_contents"),
     KServeType("FP64", pb.DATA_TYPE_FLOAT64, "fp64_contents"),
+    KServeType(BYTES, pb.DATA_TYPE_STRING, "bytes_contents"),
 )
 _BY_NAME: Final = {kind.name: kind for kind in KSERVE_TYPES}
 # Each datatype's numpy dtype, little-endian as the wire's (a ModelInferResponse's
-# outputs are read by their datatype's name).
+# outputs are read by their datatype's name); BYTES's object, of no size per element.
 KSERVE_DTYPES: Final = {kind.name: numpy_dtype(kind.datatype) for kind in KSERVE_TYPES}
 _BY_DATATYPE: Final = {kind.datatype: kind for kind in KSERVE_TYPES}
 _NAMES: Final = ", ".join(kind.name for kind in KSERVE_TYPES)
 # The protocol's datatypes laneserve does not serve, refused in words that say so.
-_NOT_NUMERIC: Final = frozenset({"BYTES", "BF16"})
+_NOT_SERVED: Final = frozenset({"BF16"})
 
 
 def kserve_datatype(dtype: np.dtype[Any]) -> str:
@@ -423,16 +438,25 @@ def _check_output_room(
     after it, and the request's first input says its rows (a request whose inputs
     disagree is the normal path's to refuse). Refused now, not once written: an answer
     refused after its run is counted answered OK, and ran for nothing. Other outputs are
-    held to their placement as they are written (`SharedMemoryRegions.write`)."""
+    held to their placement as they are written (`SharedMemoryRegions.write`). A BYTES
+    output's size is its text's, known once it has run: only the least it takes, a
+    4-byte length per element, is checked here."""
     if spec is None or not request.inputs or not request.inputs[0].shape:
         return
     rows = request.inputs[0].shape[0]
     row = spec.shape[1:]
     if rows < 0 or spec.shape[0] >= 0 or min(row, default=0) < 0:
         return
-    needed = rows * math.prod(row) * spec.dtype.itemsize
+    text = kserve_datatype(spec.dtype) == BYTES
+    needed = rows * math.prod(row) * (_LENGTH.size if text else spec.dtype.itemsize)
     if needed > placement.byte_size:
-        raise output_too_large(what, f"{needed} bytes for the request's {rows} rows", placement)
+        size = (
+            f"at least {needed} bytes for the request's {rows} rows (a {_LENGTH.size}-byte "
+            "length per element, and its text)"
+            if text
+            else f"{needed} bytes for the request's {rows} rows"
+        )
+        raise output_too_large(what, size, placement)
 
 
 def _check_raw_count(request: kpb.ModelInferRequest, placed: int) -> None:
@@ -576,15 +600,36 @@ def _shared_input(
         )
     shape = list(tensor.shape)
     if len(shape) <= MAX_DIMS and min(shape, default=0) >= 0:
-        expected = math.prod(shape) * KSERVE_DTYPES[kind.name].itemsize
-        if placement.byte_size != expected:
-            raise InvalidInputError(
-                f"{what} has {BYTE_SIZE_PARAMETER} {placement.byte_size} in region "
-                f"{placement.region!r}; expected {expected}, the bytes of its shape {shape} "
-                f"of {kind.name}"
-            )
+        _check_placed_size(what, kind, shape, placement)
     budget.take(what, placement.byte_size)
     return regions.read(placement, what)
+
+
+def _check_placed_size(
+    what: str, kind: KServeType, shape: Sequence[int], placement: Placement
+) -> None:
+    """Refuses a byte_size other than the bytes of `shape` of `kind`. A BYTES input's
+    byte_size is its serialized text's (as tritonclient's serialized_byte_size gives
+    it): at least a 4-byte length per element, the rest checked as its data is read
+    (`decode_strings`: each element's length, the bytes left over, UTF-8)."""
+    count = math.prod(shape)
+    if kind.name == BYTES:
+        least = count * _LENGTH.size
+        if placement.byte_size < least:
+            raise InvalidInputError(
+                f"{what} has {BYTE_SIZE_PARAMETER} {placement.byte_size} in region "
+                f"{placement.region!r}; expected at least {least} for its shape {list(shape)} "
+                f"of BYTES (each element a {_LENGTH.size}-byte little-endian length and its "
+                "bytes: the serialized tensor's size)"
+            )
+        return
+    expected = count * KSERVE_DTYPES[kind.name].itemsize
+    if placement.byte_size != expected:
+        raise InvalidInputError(
+            f"{what} has {BYTE_SIZE_PARAMETER} {placement.byte_size} in region "
+            f"{placement.region!r}; expected {expected}, the bytes of its shape {list(shape)} "
+            f"of {kind.name}"
+        )
 
 
 def _input_type(
@@ -595,11 +640,13 @@ def _input_type(
     the normal path's to refuse, in its words."""
     kind = _BY_NAME.get(tensor.datatype)
     if kind is None:
-        numeric = (
-            "laneserve serves numeric tensors only; " if tensor.datatype in _NOT_NUMERIC else ""
+        not_served = (
+            "laneserve serves no bfloat16 tensors (numpy has no such dtype); "
+            if tensor.datatype in _NOT_SERVED
+            else ""
         )
         raise InvalidInputError(
-            f"input {tensor.name!r} has datatype {tensor.datatype!r}; {numeric}expected one "
+            f"input {tensor.name!r} has datatype {tensor.datatype!r}; {not_served}expected one "
             f"of {_NAMES}"
         )
     if spec is not None:
@@ -639,7 +686,17 @@ def _typed_data(
             f"input {tensor.name!r} has {len(values)} values in {kind.contents_field}; "
             f"expected {expected} (shape {shape})"
         )
+    if kind.name == BYTES:
+        return serialize_bytes(values)
     return _as_bytes(tensor.name, values, kind)
+
+
+def serialize_bytes(values: Iterable[bytes]) -> bytes:
+    """BYTES elements as their raw encoding, a laneserve STRING tensor's data: each a
+    4-byte little-endian length and its bytes. Whether each is UTF-8 is the normal
+    path's to check (`decode_strings`, naming the element), as for raw contents. An
+    element holds under 4 GiB: it came in a message of at most 2 GiB."""
+    return b"".join(part for value in values for part in (_LENGTH.pack(len(value)), value))
 
 
 def _holds_values(shape: Sequence[int]) -> bool:
@@ -807,8 +864,11 @@ def _lane_extra_bytes(lane: str) -> int:
 
 # What ModelStreamInfer reads: a ModelInferRequest as ModelInfer reads one.
 ModelStreamItem = ModelInferCall | OversizedModelInfer
-# Bytes per value of each datatype's tensor (`ModelStreamWire.held_bytes`).
-_VALUE_BYTES: Final = {name: dtype.itemsize for name, dtype in KSERVE_DTYPES.items()}
+# Bytes per value of each datatype's tensor of a fixed size per value
+# (`ModelStreamWire.held_bytes`): all but BYTES.
+_VALUE_BYTES: Final = {
+    name: dtype.itemsize for name, dtype in KSERVE_DTYPES.items() if name != BYTES
+}
 # The FINAL_RESPONSE_PARAMETER entry in a ModelInferResponse's parameters, in bytes.
 _FINAL_RESPONSE_BYTES: Final = kpb.ModelInferResponse(
     parameters={FINAL_RESPONSE_PARAMETER: kpb.InferParameter(bool_param=True)}
@@ -936,9 +996,20 @@ class ModelStreamWire:
         # From the shapes and datatypes the server wrote: reading raw_output_contents
         # copies the bytes (`service.held_answer_bytes`). An output written to shared
         # memory is counted too, as if its bytes were here: the window holds such a
-        # stream to what it would hold without (its answers carry no mark to tell).
-        outputs = answer.infer_response.outputs
-        return sum(math.prod(tensor.shape) * _VALUE_BYTES[tensor.datatype] for tensor in outputs)
+        # stream to what it would hold without (its answers carry no mark to tell). A
+        # BYTES output's entry is read, as InferStream reads a STRING output's data: its
+        # text sizes it; written to shared memory (an empty entry), it is counted at the
+        # least it took, a length per element.
+        response = answer.infer_response
+        total = 0
+        for index, tensor in enumerate(response.outputs):
+            count = math.prod(tensor.shape)
+            if tensor.datatype == BYTES:
+                raw = len(response.raw_output_contents[index])
+                total += max(raw, count * _LENGTH.size)
+            else:
+                total += count * _VALUE_BYTES[tensor.datatype]
+        return total
 
     def envelope_bytes(self, limit_bytes: int) -> int:
         # Over an InferStream item (its tag, its length, of a byte at least, and the

@@ -58,7 +58,8 @@ LANES_PARAMETER: Final = "laneserve_lanes"
 STREAM_LANE_PARAMETER: Final = "laneserve_stream_default_lane"
 
 # Triton's DataType of each wire type laneserve serves (`kserve.KSERVE_TYPES`): TYPE_
-# and the protocol's name ("FP32": TYPE_FP32).
+# and the protocol's name ("FP32": TYPE_FP32), but BYTES's, TYPE_STRING in Triton's
+# model configuration.
 _DATA_TYPES: Final[dict[pb.DataType.ValueType, kpb.DataType.ValueType]] = {
     pb.DATA_TYPE_BOOL: kpb.TYPE_BOOL,
     pb.DATA_TYPE_UINT8: kpb.TYPE_UINT8,
@@ -72,6 +73,7 @@ _DATA_TYPES: Final[dict[pb.DataType.ValueType, kpb.DataType.ValueType]] = {
     pb.DATA_TYPE_FLOAT16: kpb.TYPE_FP16,
     pb.DATA_TYPE_FLOAT32: kpb.TYPE_FP32,
     pb.DATA_TYPE_FLOAT64: kpb.TYPE_FP64,
+    pb.DATA_TYPE_STRING: kpb.TYPE_STRING,
 }
 
 

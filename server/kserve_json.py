@@ -5,10 +5,11 @@ methods' protobuf answers written as Triton's HTTP server writes them
 (`message_json`). No HTTP here: `kserve_http` serves it.
 
 What the HTTP wire adds over gRPC's messages, read and written here: the JSON tensors
-(`data`, nested or flat, row-major) and Triton's binary tensor data (`binary_data_size`
-on an input, its bytes after the JSON header, whose length the
+(`data`, nested or flat, row-major; BYTES as strings) and Triton's binary tensor data
+(`binary_data_size` on an input, its bytes after the JSON header, whose length the
 `Inference-Header-Content-Length` header gives; `binary_data` on an output, or
-`binary_data_output` for all, answered the same way). Every input's bytes go to the
+`binary_data_output` for all, answered the same way; BYTES in its raw encoding, each
+element a 4-byte length and its bytes). Every input's bytes go to the
 converter as raw contents, so a request may mix JSON and binary inputs, as Triton's HTTP
 allows. Every fault of the JSON is an InvalidInputError naming it (never another
 exception: each one was a 500).
@@ -34,10 +35,16 @@ import numpy as np
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from laneserve.client.tensors import MAX_DIMS
+from laneserve.client.tensors import MAX_DIMS, decode_strings
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.server.errors import InvalidInputError
-from laneserve.server.kserve import KSERVE_DTYPES, ModelInferCall, check_integer_range
+from laneserve.server.kserve import (
+    BYTES,
+    KSERVE_DTYPES,
+    ModelInferCall,
+    check_integer_range,
+    serialize_bytes,
+)
 from laneserve.server.shared_memory import REGION_PARAMETER
 
 _T = TypeVar("_T")
@@ -409,13 +416,16 @@ def _shape(value: Any, what: str) -> list[int]:
 
 def _json_values(what: str, datatype: str, shape: Sequence[int], data: Any) -> bytes:
     """The input's JSON values (flat or nested, row-major) as its datatype's bytes,
-    little-endian. A datatype laneserve does not serve, or a shape it refuses, is left
-    to ModelInfer to refuse in its words (no bytes)."""
+    little-endian (BYTES: its raw encoding, `_json_strings`). A datatype laneserve does
+    not serve, or a shape it refuses, is left to ModelInfer to refuse in its words (no
+    bytes)."""
     dtype = KSERVE_DTYPES.get(datatype)
     if dtype is None or min(shape, default=0) < 0:
         return b""
     if not isinstance(data, list):
         raise InvalidInputError(f"{what}'s 'data' is {_json_kind(data)}; expected a list")
+    if datatype == BYTES:
+        return _json_strings(what, shape, data)
     try:
         values = np.array(data)
     except ValueError:  # lists of unequal lengths
@@ -462,6 +472,42 @@ def _json_values(what: str, datatype: str, shape: Sequence[int], data: Any) -> b
         f"{what} is {datatype} and holds values beyond its range (+-{largest:.6g}); "
         f"expected finite {datatype} values, or Infinity written as such"
     )
+
+
+def _json_strings(what: str, shape: Sequence[int], data: list[Any]) -> bytes:
+    """A BYTES input's JSON strings, lists nested to any depth walked in order (as
+    Triton's server reads them: their count is checked, not that the lists are
+    rectangular), as BYTES's raw encoding (`kserve.serialize_bytes`): each string's UTF-8
+    given its length. Walked without recursion: the parser takes lists nested as deep as
+    Python's recursion goes, and a recursive walk of those fails (a 500)."""
+    expected = math.prod(shape)
+    values: list[bytes] = []
+    pending = [iter(data)]
+    while pending:
+        for item in pending[-1]:
+            if type(item) is list:
+                pending.append(iter(item))
+                break
+            if type(item) is not str:
+                held = "null" if item is None else _json_kind(item)
+                raise InvalidInputError(
+                    f"{what} is {BYTES} and its 'data' holds {held} (element {len(values)}); "
+                    "expected a flat or nested list of strings"
+                )
+            if len(values) == expected:  # one more than the shape holds: not walked on
+                raise InvalidInputError(
+                    f"{what} has more than {expected} values in 'data'; expected {expected} "
+                    f"(shape {list(shape)})"
+                )
+            _check_text(item, f"{what}, element {len(values)} of 'data',")
+            values.append(item.encode())
+        else:
+            pending.pop()
+    if len(values) != expected:
+        raise InvalidInputError(
+            f"{what} has {len(values)} values in 'data'; expected {expected} (shape {list(shape)})"
+        )
+    return serialize_bytes(values)
 
 
 def _wide_numbers(data: list[Any], values: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -580,8 +626,9 @@ def _output(
 
 def write_answer(response: kpb.ModelInferResponse, read: InferRead) -> tuple[bytes, int | None]:
     """ModelInfer's answer as KServe v2's JSON: each output's values in `data` (flat,
-    row-major), or as binary data after the JSON where asked (its size in its
-    `binary_data_size`), or, placed in shared memory, neither (its name, datatype and
+    row-major; a BYTES output's elements as strings), or as binary data after the JSON
+    where asked (its size in its `binary_data_size`; BYTES's raw encoding, each element
+    length-prefixed), or, placed in shared memory, neither (its name, datatype and
     shape say what was written there). Returns the body and, where binary data follows
     the JSON, the JSON's length (HEADER_LENGTH's value); None: the body is JSON alone.
     A NaN or an infinity among the values is written NaN, Infinity or -Infinity, as
@@ -600,6 +647,9 @@ def write_answer(response: kpb.ModelInferResponse, read: InferRead) -> tuple[byt
         elif read.binary(output.name):
             entry["parameters"] = {BINARY_SIZE_PARAMETER: len(data)}
             chunks.append(data)
+        elif output.datatype == BYTES:  # JSON strings, as Triton's server writes them
+            count = math.prod(output.shape)
+            entry["data"] = decode_strings(f"output {output.name!r}", data, count).tolist()
         else:
             entry["data"] = np.frombuffer(data, KSERVE_DTYPES[output.datatype]).tolist()
         outputs.append(entry)

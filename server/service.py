@@ -285,7 +285,7 @@ class AnswerOrder(Generic[_Queued]):
 def held_answer_bytes(answer: pb.InferStreamResponse) -> int:
     """The bytes of an InferStream `answer`'s tensor data (an error's: none), from the
     shapes and dtypes the server encoded them with: reading `data`, or sizing the message,
-    copies it (1 ms per MiB)."""
+    copies it (1 ms per MiB). A STRING output's `data` is read: its text sizes it."""
     # The server's own tensors: their dtype and shape always size them (never None).
     return sum(data_bytes(tensor) or 0 for tensor in answer.response.outputs)
 

@@ -1,7 +1,10 @@
 """Triton's system shared memory extension (KServe v2 / Triton clients, server/kserve.py):
 named regions of POSIX shared memory objects that a caller on this host created
 (shm_open) and registered, from which ModelInfer reads an input's bytes and into which
-it writes an output's, instead of carrying them in gRPC messages.
+it writes an output's, instead of carrying them in gRPC messages. A BYTES tensor's
+bytes there are its raw encoding (each element a 4-byte length and its bytes, as
+tritonclient's serialize_byte_tensor writes them), its byte_size that encoding's size:
+an output's is known once it has run, and must fit its placement then.
 
 A region is `byte_size` bytes at `offset` of the object `key` (a file of /dev/shm), its
 file held open while it is registered. Its bytes are read and written with pread and
@@ -465,7 +468,8 @@ def output_too_large(what: str, size: str, placement: Placement) -> InvalidInput
     return InvalidInputError(
         f"{what} is {size}, over the {placement.byte_size} of its {BYTE_SIZE_PARAMETER} in "
         f"region {placement.region!r}; expected a byte_size that holds the output (its rows "
-        "times the bytes of a row)"
+        "times the bytes of a row; a BYTES output's elements, each a 4-byte length and its "
+        "bytes)"
     )
 
 

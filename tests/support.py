@@ -86,7 +86,8 @@ class RecordingEngine(Engine):
         result = super().run_batch(batch, rows_wanted)
         with self._lock:
             self.batches.append(batch.rows)
-            for part in batch.parts["input"]:
+            # The demo model's rows are tagged by their first value; other models' are not.
+            for part in batch.parts.get("input", ()):
                 self.ran_tags.extend(int(tag) for tag in part[:, 0])
         return result
 
@@ -550,10 +551,10 @@ def config(model: Path, **fields: Any) -> ServerConfig:
     return ServerConfig(model_path=str(model), **({"metrics_port": 0} | fields))
 
 
-def save_model(path: Path, graph: onnx.GraphProto, *, check: bool = True) -> Path:
-    """`graph` saved at `path` as a model of opset 17 and IR version 9 (what the
+def save_model(path: Path, graph: onnx.GraphProto, *, check: bool = True, opset: int = 17) -> Path:
+    """`graph` saved at `path` as a model of `opset` and IR version 9 (what the
     onnxruntime in use reads); checked first by onnx's checker unless not `check`."""
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 9
     if check:
         onnx.checker.check_model(model)

@@ -122,8 +122,9 @@ def live_children() -> list[str]:
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            # Another process's arguments and name may be any bytes: a test's own are ASCII.
+            stat = (entry / "stat").read_text(errors="replace")
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue  # gone meanwhile
         # "pid (comm) state ppid ...": comm may hold spaces, so split after its ")".

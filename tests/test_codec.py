@@ -61,8 +61,22 @@ def sample(dtype: str, shape: tuple[int, ...], seed: int = 0) -> npt.NDArray[Any
 
 
 def test_table_covers_every_concrete_wire_data_type() -> None:
-    concrete = set(pb.DataType.values()) - {pb.DATA_TYPE_UNSPECIFIED}
+    """Every fixed-size type is in TYPES; STRING, of elements each its own length, is
+    `test_string_maps_to_object_arrays_and_takes_every_numpy_text_dtype`'s."""
+    concrete = set(pb.DataType.values()) - {pb.DATA_TYPE_UNSPECIFIED, pb.DATA_TYPE_STRING}
     assert {datatype for _, datatype, _ in TYPES} == concrete
+
+
+def test_string_maps_to_object_arrays_and_takes_every_numpy_text_dtype() -> None:
+    string = pb.DATA_TYPE_STRING
+    assert tensors.numpy_dtype(string) == np.dtype(object)
+    assert tensors.onnx_type(string) == "tensor(string)"
+    assert tensors.datatype_for_onnx_type("tensor(string)") == string
+    assert tensors.numpy_dtype_for_onnx_type("tensor(string)") == np.dtype(object)
+    assert tensors.datatype_name(string) == "string"
+    for text in ("U3", "S3", "O", np.dtypes.StringDType()):
+        assert tensors.datatype_of(text) == string
+        assert tensors.datatype_name(np.dtype(text)) == "string"
 
 
 @pytest.mark.parametrize(("numpy", "datatype", "onnx"), TYPES)
@@ -140,7 +154,7 @@ def test_int64_aliases_map_to_one_wire_type() -> None:
         assert tensors.datatype_of(alias) == pb.DATA_TYPE_INT64
 
 
-@pytest.mark.parametrize("dtype", ["complex64", "float128", "U3", "O", "datetime64[s]"])
+@pytest.mark.parametrize("dtype", ["complex64", "float128", "datetime64[s]", "timedelta64[s]"])
 def test_encode_refuses_unsupported_dtype_naming_the_tensor(dtype: str) -> None:
     try:
         array = np.zeros(2, dtype=dtype)
@@ -234,7 +248,7 @@ def test_wire_to_numpy_and_onnx_refuse_non_concrete_types(datatype: int) -> None
 
 
 def test_onnx_types_without_wire_type_are_refused() -> None:
-    for onnx in ("tensor(string)", "tensor(bfloat16)", "seq(tensor(float))", "float"):
+    for onnx in ("tensor(bfloat16)", "tensor(complex64)", "seq(tensor(float))", "float"):
         with pytest.raises(
             ValueError, match=re.escape(f"ONNX Runtime type '{onnx}' is not supported")
         ):

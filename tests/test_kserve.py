@@ -9,6 +9,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,13 +22,14 @@ from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from onnx import TensorProto, helper
 
-from laneserve.client.tensors import encode_tensor, numpy_dtype
+from laneserve.client.tensors import decode_strings, encode_strings, encode_tensor, numpy_dtype
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from laneserve.server import Engine, ServerConfig, grpc_accept
 from laneserve.server import kserve as kserve_module
 from laneserve.server.cli import _parser, _serve_config
 from laneserve.server.config import ConfigError
+from laneserve.server.demo_model import make_text_model
 from laneserve.server.engine import TensorSpec
 from laneserve.server.kserve import to_infer_request
 from laneserve.server.model_identity import SERVER_VERSION, write_varint
@@ -81,21 +83,29 @@ def typed_request(model: str, **arrays: npt.NDArray[Any]) -> Request:
         tensor = message.inputs.add(name=name, datatype=datatype, shape=array.shape)
         field = {kind.name: kind.contents_field for kind in kserve_module.KSERVE_TYPES}[datatype]
         assert field is not None, datatype
-        getattr(tensor.contents, field).extend(array.ravel().tolist())
+        values = array.ravel().tolist()
+        if datatype == "BYTES":  # one bytes value per element, as tritonclient sends text
+            values = [value.encode() for value in values]
+        getattr(tensor.contents, field).extend(values)
     return message
 
 
 def outputs_of(response: kpb.ModelInferResponse) -> dict[str, npt.NDArray[Any]]:
     """The answer's outputs as arrays, read as Triton's client reads them: each output's
-    bytes from raw_output_contents, in the order of `outputs`."""
+    bytes from raw_output_contents, in the order of `outputs` (BYTES's elements each a
+    4-byte length and its bytes, as tritonclient's deserialize_bytes_tensor reads them,
+    decoded as text)."""
     assert len(response.raw_output_contents) == len(response.outputs)
     dtypes = {kind.name: kind.datatype for kind in kserve_module.KSERVE_TYPES}
-    return {
-        tensor.name: np.frombuffer(raw, dtype=numpy_dtype(dtypes[tensor.datatype])).reshape(
-            tuple(tensor.shape)
-        )
-        for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True)
-    }
+    arrays: dict[str, npt.NDArray[Any]] = {}
+    for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
+        shape = tuple(tensor.shape)
+        if tensor.datatype == "BYTES":
+            arrays[tensor.name] = decode_strings(tensor.name, raw, math.prod(shape)).reshape(shape)
+        else:
+            dtype = numpy_dtype(dtypes[tensor.datatype])
+            arrays[tensor.name] = np.frombuffer(raw, dtype=dtype).reshape(shape)
+    return arrays
 
 
 def parameters(response: kpb.ModelInferResponse) -> dict[str, Any]:
@@ -736,7 +746,9 @@ class Refusal:
 
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
-ALL_TYPES = "BOOL, UINT8, UINT16, UINT32, UINT64, INT8, INT16, INT32, INT64, FP16, FP32, FP64"
+ALL_TYPES = (
+    "BOOL, UINT8, UINT16, UINT32, UINT64, INT8, INT16, INT32, INT64, FP16, FP32, FP64, BYTES"
+)
 REFUSALS = {
     "other model": Refusal(
         _set("model_name", "resnet"),
@@ -750,16 +762,22 @@ REFUSALS = {
         "model 'small' has no version '3' here",
         "MODEL_NOT_FOUND",
     ),
-    "BYTES": Refusal(
+    "BYTES for a numeric input": Refusal(
         _set("inputs.0.datatype", "BYTES"),
         INVALID,
-        "input 'input' has datatype 'BYTES'; laneserve serves numeric tensors only; "
-        f"expected one of {ALL_TYPES}",
+        "input 'input' has datatype BYTES; expected FP32, the model's input's, with shape "
+        "[-1, 512] (-1 = any size)",
+    ),
+    "BYTES in bytes_contents for a numeric input": Refusal(
+        _also(_set("inputs.0.datatype", "BYTES"), _typed("bytes_contents", [b"1"] * 512)),
+        INVALID,
+        "input 'input' has datatype BYTES; expected FP32",
     ),
     "BF16": Refusal(
         _set("inputs.0.datatype", "BF16"),
         INVALID,
-        "input 'input' has datatype 'BF16'; laneserve serves numeric tensors only",
+        "input 'input' has datatype 'BF16'; laneserve serves no bfloat16 tensors (numpy has "
+        f"no such dtype); expected one of {ALL_TYPES}",
     ),
     "unknown datatype": Refusal(
         _set("inputs.0.datatype", "FLOAT"),
@@ -1307,3 +1325,188 @@ def test_the_model_name_defaults_to_the_files_stem_and_is_a_setting_and_a_flag()
         ServerConfig(model_path="m.onnx", model_name="")
     args = _parser().parse_args(["serve", "--model", "m.onnx", "--model-name", "ranker"])
     assert _serve_config(args)[0].served_model_name == "ranker"
+
+
+# ---- BYTES: text tensors ----------------------------------------------------------------------
+
+# The text model's rows (`demo_model.make_text_model`): text [N], numbers [N, 2], both
+# strings; ASCII, non-ASCII and empty text among them.
+TEXT = np.array(["cat", "h\u00e9llo, w\u00f6rld \u2713", "", "dog"], dtype=object)
+NUMBERS = np.array([["1", "2.5"], ["-3", "0"], ["1000", "7"], ["0.5", "-0.25"]], dtype=object)
+# Its answers for them: tagged = text + "!", label = the index in TEXT_LABELS (else -1),
+# value = float(numbers).
+TAGGED = [f"{text}!" for text in TEXT]
+LABELS = [0, -1, -1, 1]
+VALUES = NUMBERS.astype(np.float32)
+TEXT_OUTPUTS = [("tagged", "BYTES", [4]), ("label", "INT64", [4]), ("value", "FP32", [4, 2])]
+
+
+def make_text_model_in(factory: pytest.TempPathFactory) -> Path:
+    """The text model, served under its file's stem "text"."""
+    path = factory.mktemp("models") / "text.onnx"
+    make_text_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_text_model_in(tmp_path_factory)
+
+
+def text_request() -> Request:
+    """The text model's request for TEXT and NUMBERS, in raw contents."""
+    return raw_request("text", text=TEXT, numbers=NUMBERS)
+
+
+def test_bytes_inputs_raw_or_in_bytes_contents_answer_the_text_infer_answers(
+    text_model: Path,
+) -> None:
+    """BYTES inputs (a 1-D and a 2-D one) in raw_input_contents, each element a 4-byte
+    length and its UTF-8, as tritonclient serializes them, and the same values in
+    bytes_contents (one element per value): both answered as Infer answers the same
+    strings, bit for bit. The BYTES output's raw_output_contents entry is the STRING
+    tensor's data as it is (each element length-prefixed), beside INT64 and FP32
+    outputs; outputs asked for by name are answered in the order asked."""
+
+    async def scenario() -> tuple[pb.InferResponse, list[kpb.ModelInferResponse]]:
+        async with serving(_engine(text_model), config(text_model)) as s:
+            stub = kserve_stub(s)
+            infer = await s.stub.Infer(
+                pb.InferRequest(
+                    inputs=[encode_tensor("text", TEXT), encode_tensor("numbers", NUMBERS)]
+                )
+            )
+            asked = text_request()
+            for name in ("value", "tagged"):
+                asked.outputs.add(name=name)
+            answers = [
+                await stub.ModelInfer(text_request()),
+                await stub.ModelInfer(typed_request("text", text=TEXT, numbers=NUMBERS)),
+                await stub.ModelInfer(asked),
+            ]
+        return infer, answers
+
+    infer, (raw, typed, asked) = asyncio.run(scenario())
+    assert [(t.name, t.datatype, list(t.shape)) for t in raw.outputs] == TEXT_OUTPUTS
+    assert list(raw.raw_output_contents) == [tensor.data for tensor in infer.outputs]
+    assert list(typed.raw_output_contents) == list(raw.raw_output_contents)
+    assert raw.raw_output_contents[0] == encode_strings("tagged", np.array(TAGGED, dtype=object))
+    found = outputs_of(raw)
+    assert (
+        found["tagged"].tolist()
+        == TAGGED
+        == ["cat!", "h\u00e9llo, w\u00f6rld \u2713!", "!", "dog!"]
+    )
+    assert found["label"].tolist() == LABELS
+    assert found["value"].tobytes() == VALUES.tobytes()
+    assert [(t.name, t.datatype) for t in asked.outputs] == [("value", "FP32"), ("tagged", "BYTES")]
+    assert outputs_of(asked)["tagged"].tolist() == TAGGED
+
+
+def _text_data(**over: bytes) -> Request:
+    """A text request whose raw contents are `over`'s where given (by input name)."""
+    message = text_request()
+    for index, tensor in enumerate(message.inputs):
+        if tensor.name in over:
+            message.raw_input_contents[index] = over[tensor.name]
+    return message
+
+
+def _text_typed(text: list[bytes]) -> Request:
+    """A text request with `text` in the text input's bytes_contents."""
+    message = typed_request("text", text=TEXT, numbers=NUMBERS)
+    del message.inputs[0].contents.bytes_contents[:]
+    message.inputs[0].contents.bytes_contents.extend(text)
+    return message
+
+
+def _text_as_fp32() -> Request:
+    message = text_request()
+    message.inputs[0].datatype = "FP32"
+    message.raw_input_contents[0] = np.zeros(4, np.float32).tobytes()
+    return message
+
+
+def _text_in_fp32_contents() -> Request:
+    message = typed_request("text", text=TEXT, numbers=NUMBERS)
+    message.inputs[0].contents.ClearField("bytes_contents")
+    message.inputs[0].contents.fp32_contents.extend([1.0] * 4)
+    return message
+
+
+_SERIALIZED_TEXT = encode_strings("text", TEXT)
+_NOT_UTF8 = b"".join(len(value).to_bytes(4, "little") + value for value in (b"a", b"\xff\xfe"))
+
+
+@dataclasses.dataclass(frozen=True)
+class BytesRefusal:
+    build: Callable[[], Request]
+    fragment: str
+
+
+BYTES_REFUSALS = {
+    "FP32 for a BYTES input": BytesRefusal(
+        _text_as_fp32,
+        "input 'text' has datatype FP32; expected BYTES, the model's input's, with shape "
+        "[-1] (-1 = any size)",
+    ),
+    "BYTES datatype, values in fp32_contents": BytesRefusal(
+        _text_in_fp32_contents,
+        "input 'text' is BYTES and has fp32_contents; expected its values in bytes_contents",
+    ),
+    "an element not UTF-8 in raw contents": BytesRefusal(
+        lambda: _text_data(
+            text=_NOT_UTF8 + encode_strings("t", np.array(["x", "y"], dtype=object))
+        ),
+        "tensor 'text': element 1 is not UTF-8 (invalid start byte at byte 0); expected text",
+    ),
+    "an element not UTF-8 in bytes_contents": BytesRefusal(
+        lambda: _text_typed([b"cat", b"ok", b"\xc3", b"dog"]),
+        "tensor 'text': element 2 is not UTF-8 (unexpected end of data at byte 0)",
+    ),
+    "too few bytes_contents": BytesRefusal(
+        lambda: _text_typed([b"cat", b"ok", b"dog"]),
+        "input 'text' has 3 values in bytes_contents; expected 4 (shape [4])",
+    ),
+    "too many bytes_contents": BytesRefusal(
+        lambda: _text_typed([b"a"] * 5),
+        "input 'text' has 5 values in bytes_contents; expected 4 (shape [4])",
+    ),
+    "raw data cut short in its last element": BytesRefusal(
+        lambda: _text_data(text=_SERIALIZED_TEXT[:-2]),
+        "tensor 'text': element 3 says 3 bytes, 1 are left",
+    ),
+    "raw data past its last element": BytesRefusal(
+        lambda: _text_data(text=_SERIALIZED_TEXT + b"\x00\x00"),
+        "tensor 'text': data has 2 bytes after its 4 string elements",
+    ),
+    "raw data shorter than its elements' lengths": BytesRefusal(
+        lambda: _text_data(text=b"\x03\x00"),
+        "tensor 'text': data is 2 bytes; expected at least 16 (4 string elements",
+    ),
+}
+
+
+def test_bytes_faults_are_refused_invalid_argument_naming_them(text_model: Path) -> None:
+    """One server, every fault of a BYTES input: INVALID_ARGUMENT INVALID_INPUT in words
+    naming the input and the element or count at fault (a BYTES input given for a
+    numeric one: REFUSALS)."""
+
+    async def scenario() -> dict[str, str]:
+        failures: dict[str, str] = {}
+        async with serving(_engine(text_model), config(text_model)) as s:
+            stub = kserve_stub(s)
+            for name, refusal in BYTES_REFUSALS.items():
+                try:
+                    await stub.ModelInfer(refusal.build(), timeout=30)
+                except grpc.aio.AioRpcError as error:
+                    got = (error.code(), rich_status(error)[0])
+                    if got != (INVALID, "INVALID_INPUT") or refusal.fragment not in str(
+                        error.details()
+                    ):
+                        failures[name] = f"{got}: {error.details()}"
+                else:
+                    failures[name] = "answered OK"
+        return failures
+
+    assert asyncio.run(scenario()) == {}

@@ -45,7 +45,7 @@ from tests.support import (
     serving,
     until,
 )
-from tests.test_kserve import kserve_stub, outputs_of, raw_request
+from tests.test_kserve import _engine, kserve_stub, make_text_model_in, outputs_of, raw_request
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 
@@ -119,8 +119,10 @@ def test_every_message_and_enum_is_a_subset_of_tritonclients() -> None:
 
 
 def test_every_served_datatype_is_tritons_type_of_the_same_name() -> None:
+    """But BYTES, whose type Triton's model configuration names TYPE_STRING."""
     for kind in kserve_module.KSERVE_TYPES:
-        assert kpb.DataType.Name(triton_data_type(kind.datatype)) == f"TYPE_{kind.name}"
+        name = "STRING" if kind.name == "BYTES" else kind.name
+        assert kpb.DataType.Name(triton_data_type(kind.datatype)) == f"TYPE_{name}"
 
 
 # ---- ModelConfig ------------------------------------------------------------------------
@@ -689,3 +691,39 @@ def test_a_joined_or_replayed_retry_is_not_a_second_run(small_model: Path) -> No
             assert (counts["queue.count"], counts["compute_infer.count"]) == (1, 1)
 
     asyncio.run(scenario())
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_text_model_in(tmp_path_factory)
+
+
+def test_a_text_models_metadata_says_bytes_and_its_config_type_string(text_model: Path) -> None:
+    """String inputs and outputs are BYTES in ModelMetadata and TYPE_STRING in ModelConfig
+    (Triton's names for them), beside the numeric outputs' own."""
+
+    async def scenario() -> tuple[kpb.ModelMetadataResponse, kpb.ModelConfigResponse]:
+        async with serving(_engine(text_model), config(text_model)) as s:
+            stub = kserve_stub(s)
+            metadata = await stub.ModelMetadata(kpb.ModelMetadataRequest(name="text"))
+            return metadata, await stub.ModelConfig(kpb.ModelConfigRequest(name="text"))
+
+    metadata, answer = asyncio.run(scenario())
+    assert [(t.name, t.datatype, list(t.shape)) for t in metadata.inputs] == [
+        ("text", "BYTES", [-1]),
+        ("numbers", "BYTES", [-1, 2]),
+    ]
+    assert [(t.name, t.datatype, list(t.shape)) for t in metadata.outputs] == [
+        ("tagged", "BYTES", [-1]),
+        ("label", "INT64", [-1]),
+        ("value", "FP32", [-1, 2]),
+    ]
+    assert [(t.name, t.data_type, list(t.dims)) for t in answer.config.input] == [
+        ("text", kpb.TYPE_STRING, []),
+        ("numbers", kpb.TYPE_STRING, [2]),
+    ]
+    assert [(t.name, t.data_type, list(t.dims)) for t in answer.config.output] == [
+        ("tagged", kpb.TYPE_STRING, []),
+        ("label", kpb.TYPE_INT64, []),
+        ("value", kpb.TYPE_FP32, [2]),
+    ]

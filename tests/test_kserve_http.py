@@ -30,6 +30,7 @@ from multidict import CIMultiDict
 from onnx import TensorProto, helper
 from opentelemetry.trace import SpanKind, StatusCode
 
+from laneserve.client.tensors import encode_strings
 from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig, kserve_http
 from laneserve.server.addresses import listening_sockets
 from laneserve.server.app import check_ports_free
@@ -62,7 +63,18 @@ from tests.support import (
     until_stats,
     unused_port,
 )
-from tests.test_kserve import EVERY_DTYPE, _engine, _identity_model
+from tests.test_kserve import (
+    EVERY_DTYPE,
+    LABELS,
+    NUMBERS,
+    TAGGED,
+    TEXT,
+    TEXT_OUTPUTS,
+    VALUES,
+    _engine,
+    _identity_model,
+    make_text_model_in,
+)
 from tests.test_kserve_shm import FILLER, PAGE_BYTES, SharedMemory
 from tests.test_readme_claims import Pki, issue_pki
 from tests.test_telemetry import (
@@ -2590,3 +2602,183 @@ def test_a_fault_found_once_the_body_is_read_keeps_the_connection(small_model: P
                 assert only_output(await read_answer(reader))["shape"] == [1, 10]
 
     asyncio.run(scenario())
+
+
+# ---- BYTES: text tensors ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_text_model_in(tmp_path_factory)
+
+
+TEXT_INFER = "/v2/models/text/infer"
+
+
+def serialized(values: Any) -> bytes:
+    """BYTES's binary data: each element a 4-byte little-endian length and its UTF-8 (as
+    tritonclient's serialize_byte_tensor writes it)."""
+    return encode_strings("values", np.array(values, dtype=object))
+
+
+def text_binary_input(name: str, array: npt.NDArray[Any]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "shape": list(array.shape),
+        "datatype": "BYTES",
+        "parameters": {"binary_data_size": len(serialized(array))},
+    }
+
+
+def with_text_binary(header: Mapping[str, Any], *data: bytes) -> dict[str, Any]:
+    """post() options for a request of JSON `header` and `data` after it."""
+    encoded = json.dumps(header).encode()
+    return {"data": encoded + b"".join(data), "headers": {HEADER_LENGTH: str(len(encoded))}}
+
+
+def _text_binary_header(size: int) -> dict[str, Any]:
+    """The text model's request header with `size` bytes of the text input's binary data."""
+    text_input = {**text_binary_input("text", TEXT), "parameters": {"binary_data_size": size}}
+    return {"inputs": [text_input, json_input("numbers", NUMBERS, "BYTES")]}
+
+
+def test_bytes_json_data_nested_or_flat_is_answered_as_json_strings(text_model: Path) -> None:
+    """BYTES inputs as JSON strings, a 2-D one nested and flat (non-ASCII and empty
+    strings among them): the BYTES output is answered as JSON strings, flat, beside the
+    INT64 and FP32 outputs' numbers, the same as ModelInfer's."""
+    flat_numbers = {
+        "name": "numbers",
+        "shape": [4, 2],
+        "datatype": "BYTES",
+        "data": NUMBERS.ravel().tolist(),
+    }
+    bodies = [
+        {"inputs": [json_input("text", TEXT, "BYTES"), json_input("numbers", NUMBERS, "BYTES")]},
+        {"inputs": [json_input("text", TEXT, "BYTES"), flat_numbers]},
+    ]
+
+    async def scenario() -> list[Answer]:
+        async with http_serving(_engine(text_model), config(text_model)) as (_, http):
+            return [await post(http, TEXT_INFER, body) for body in bodies]
+
+    for answer in asyncio.run(scenario()):
+        assert answer.status == 200, answer.body[:500]
+        assert HEADER_LENGTH not in answer.headers
+        outputs = {found["name"]: found for found in answer.json["outputs"]}
+        assert [
+            (found["name"], found["datatype"], found["shape"]) for found in outputs.values()
+        ] == [tuple(output) for output in TEXT_OUTPUTS]
+        assert outputs["tagged"]["data"] == TAGGED
+        assert outputs["label"]["data"] == LABELS
+        assert fp32_data(outputs["value"]).tobytes() == VALUES.ravel().tobytes()
+
+
+def test_bytes_binary_data_in_and_out_is_length_prefixed(text_model: Path) -> None:
+    """Triton's binary data for BYTES: an input's bytes each element's 4-byte length and
+    its UTF-8 (binary_data_size their size), beside a JSON input; an output asked for as
+    binary data answered so, its binary_data_size the serialized size, the others JSON
+    (binary_data) or all binary, in order (binary_data_output)."""
+    tagged = serialized(TAGGED)
+    header = _text_binary_header(len(serialized(TEXT)))
+    one_binary = header | {
+        "outputs": [
+            {"name": "tagged", "parameters": {"binary_data": True}},
+            {"name": "label"},
+        ]
+    }
+    all_binary = header | {"parameters": {"binary_data_output": True}}
+
+    async def scenario() -> tuple[Answer, Answer]:
+        async with http_serving(_engine(text_model), config(text_model)) as (_, http):
+            one = await post(http, TEXT_INFER, **with_text_binary(one_binary, serialized(TEXT)))
+            every = await post(http, TEXT_INFER, **with_text_binary(all_binary, serialized(TEXT)))
+            return one, every
+
+    one, every = asyncio.run(scenario())
+    assert one.status == 200, one.body[:500]
+    assert one.headers["Content-Type"] == "application/octet-stream"
+    found_tagged, found_label = one.json["outputs"]
+    assert (found_tagged["name"], found_tagged["datatype"], found_tagged["shape"]) == (
+        "tagged",
+        "BYTES",
+        [4],
+    )
+    assert found_tagged["parameters"] == {"binary_data_size": len(tagged)}
+    assert "data" not in found_tagged
+    assert one.binary == tagged
+    assert found_label["data"] == LABELS
+    assert every.status == 200, every.body[:500]
+    sizes = [found["parameters"]["binary_data_size"] for found in every.json["outputs"]]
+    assert sizes == [len(tagged), 4 * 8, 4 * 2 * 4]
+    assert every.binary == tagged + np.array(LABELS, "<i8").tobytes() + VALUES.tobytes()
+
+
+def _text_body(text: Any, datatype: str = "BYTES") -> dict[str, Any]:
+    """The text model's JSON request with `text` as the text input's `data`."""
+    text_input = {"name": "text", "shape": [4], "datatype": datatype, "data": text}
+    return {"inputs": [text_input, json_input("numbers", NUMBERS, "BYTES")]}
+
+
+BYTES_REFUSALS: dict[str, Refusal] = {
+    "a number among the strings": Refusal(
+        _body(_text_body(["cat", 1, "a", "b"])),
+        "input 'text' is BYTES and its 'data' holds an integer (element 1); expected a flat "
+        "or nested list of strings",
+    ),
+    "a null among the strings, nested": Refusal(
+        _body(_text_body([["cat", "a"], [None, "b"]])),
+        "input 'text' is BYTES and its 'data' holds null (element 2)",
+    ),
+    "an object among the strings": Refusal(
+        _body(_text_body(["cat", "a", "b", {}])),
+        "input 'text' is BYTES and its 'data' holds an object (element 3)",
+    ),
+    "more strings than the shape's": Refusal(
+        _body(_text_body(["a"] * 5)),
+        "input 'text' has more than 4 values in 'data'; expected 4 (shape [4])",
+    ),
+    "fewer strings than the shape's": Refusal(
+        _body(_text_body(["a"] * 3)),
+        "input 'text' has 3 values in 'data'; expected 4 (shape [4])",
+    ),
+    "a string that is not a list": Refusal(
+        _body(_text_body("cat")), "input 'text''s 'data' is a string; expected a list"
+    ),
+    "a lone surrogate among the strings": Refusal(
+        _raw(_text_body(["cat", "a", LONE_SURROGATE, "b"])),
+        "input 'text', element 2 of 'data', holds a lone surrogate",
+    ),
+    "numbers for a BYTES input": Refusal(
+        _body(_text_body([1.0, 2.0, 3.0, 4.0], datatype="FP32")),
+        "input 'text' has datatype FP32; expected BYTES, the model's input's",
+    ),
+    "binary data cut short in an element": Refusal(
+        with_text_binary(_text_binary_header(20), serialized(TEXT)[:20]),
+        "tensor 'text': element 1 says 18 bytes, 9 are left",
+    ),
+    "binary data not UTF-8": Refusal(
+        with_text_binary(
+            _text_binary_header(len(serialized(TEXT))),
+            serialized(TEXT).replace(b"cat", b"c\xfft"),
+        ),
+        "tensor 'text': element 0 is not UTF-8 (invalid start byte at byte 1)",
+    ),
+}
+
+
+def test_bytes_faults_are_refused_400_naming_them(text_model: Path) -> None:
+    """One server, every fault of a BYTES input over HTTP: 400 INVALID_INPUT, in JSON,
+    naming the input and the element, count or datatype at fault."""
+
+    async def scenario() -> dict[str, str]:
+        failures: dict[str, str] = {}
+        async with http_serving(_engine(text_model), config(text_model)) as (_, http):
+            for name, refusal in BYTES_REFUSALS.items():
+                answer = await post(http, TEXT_INFER, **refusal.options)
+                try:
+                    assert_refused(answer, refusal.status, refusal.reason, refusal.fragment)
+                except AssertionError as error:
+                    failures[name] = f"{answer.status} {answer.body[:400]!r}: {error}"
+        return failures
+
+    assert asyncio.run(scenario()) == {}

@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import numpy as np
 import pytest
 
+from laneserve.client.tensors import decode_strings, encode_strings
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from laneserve.server import LaneServer, ServerConfig
@@ -57,7 +59,17 @@ from tests.support import (
     serving,
     until,
 )
-from tests.test_kserve import kserve_stub, outputs_of, raw_request
+from tests.test_kserve import (
+    LABELS,
+    NUMBERS,
+    TAGGED,
+    TEXT,
+    _engine,
+    kserve_stub,
+    make_text_model_in,
+    outputs_of,
+    raw_request,
+)
 
 if TYPE_CHECKING:  # the async stub's type is in the generated .pyi alone
     from laneserve.kserve.grpc_predict_v2_pb2_grpc import GRPCInferenceServiceAsyncStub as Stub
@@ -1454,3 +1466,127 @@ def test_a_region_with_no_file_left_to_open_is_refused_region_limit(shm: SharedM
 def _register_many(regions: SharedMemoryRegions, made: SharedObject, count: int) -> None:
     for index in range(count):
         regions.register(f"r{index}", made.key, 0, PAGE_BYTES)
+
+
+# ---- BYTES in shared memory --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_text_model_in(tmp_path_factory)
+
+
+_TEXT_BYTES = encode_strings("text", TEXT)
+_NUMBERS_BYTES = encode_strings("numbers", NUMBERS)
+_TAGGED_BYTES = encode_strings("tagged", np.array(TAGGED, dtype=object))
+
+
+def text_shm_request(
+    *, text_at: Placement | None = None, tagged_at: Placement | None = None
+) -> Request:
+    """The text model's request for TEXT and NUMBERS: text's serialized bytes (each
+    element a 4-byte length and its UTF-8, as tritonclient's serialize_byte_tensor writes
+    them) placed at `text_at`, or in raw contents with numbers'; output tagged placed at
+    `tagged_at` (with label asked for in the answer), or every output in the answer."""
+    message = Request(model_name="text")
+    text = message.inputs.add(name="text", datatype="BYTES", shape=[4])
+    message.inputs.add(name="numbers", datatype="BYTES", shape=[4, 2])
+    if text_at is None:
+        message.raw_input_contents.append(_TEXT_BYTES)
+    else:
+        place(text.parameters, text_at)
+    message.raw_input_contents.append(_NUMBERS_BYTES)
+    if tagged_at is not None:
+        place(message.outputs.add(name="tagged").parameters, tagged_at)
+        message.outputs.add(name="label")
+    return message
+
+
+def test_bytes_tensors_are_read_from_and_written_to_shared_memory_serialized(
+    text_model: Path, shm: SharedMemory
+) -> None:
+    """A BYTES input placed in a region as tritonclient's simple_grpc_shm_string_client
+    places one (its serialized bytes, byte_size their size) and a BYTES output placed in
+    a region larger than it: the output's serialized bytes are written at its placement,
+    nothing past them, and read back as the strings a ModelInfer with raw contents
+    answers; its raw_output_contents entry is empty, the label beside it in the answer."""
+    made = shm.create(2 * PAGE_BYTES)
+    made.write(100, _TEXT_BYTES)
+
+    async def scenario() -> kpb.ModelInferResponse:
+        async with serving(_engine(text_model), shm_config(text_model)) as s:
+            stub = kserve_stub(s)
+            await register(stub, "in", made, byte_size=PAGE_BYTES)
+            await register(stub, "out", made, offset=PAGE_BYTES)
+            return await stub.ModelInfer(
+                text_shm_request(
+                    text_at=Placement("in", 100, len(_TEXT_BYTES)),
+                    tagged_at=Placement("out", 10, PAGE_BYTES - 10),
+                )
+            )
+
+    answer = asyncio.run(scenario())
+    assert [(t.name, t.datatype, list(t.shape)) for t in answer.outputs] == [
+        ("tagged", "BYTES", [4]),
+        ("label", "INT64", [4]),
+    ]
+    assert answer.raw_output_contents[0] == b""
+    assert np.frombuffer(answer.raw_output_contents[1], "<i8").tolist() == LABELS
+    written = made.read(PAGE_BYTES + 10, len(_TAGGED_BYTES))
+    assert written == _TAGGED_BYTES
+    assert decode_strings("tagged", written, 4).tolist() == TAGGED
+    assert made.read(PAGE_BYTES + 10 + len(_TAGGED_BYTES), 1) == FILLER, "nothing past it"
+    assert made.read(PAGE_BYTES, 10) == FILLER * 10, "nothing before it"
+
+
+def test_bytes_placements_that_do_not_hold_their_text_are_refused_naming_it(
+    text_model: Path, shm: SharedMemory
+) -> None:
+    """A BYTES input's byte_size under a length per element (refused before it is read,
+    naming the placement), or one that cuts its last element short or runs past its
+    last (refused as its data is read, naming the element): INVALID_ARGUMENT. A BYTES
+    output's placement under a length per element is refused before the request runs;
+    one that holds that much but not the text is refused once it has run (its size is
+    known then), naming both sizes; neither is written into its region."""
+    made = shm.create(PAGE_BYTES)
+    made.write(0, _TEXT_BYTES + b"\x00")
+    size = len(_TEXT_BYTES)
+
+    async def scenario() -> None:
+        async with serving(_engine(text_model), shm_config(text_model)) as s:
+            stub = kserve_stub(s)
+            await register(stub, "in", made, byte_size=size + 1)
+            await register(stub, "out", made, offset=PAGE_BYTES // 2)
+            under_lengths = (
+                "input 'text' has shared_memory_byte_size 15 in region 'in'; expected at least "
+                "16 for its shape [4] of BYTES"
+            )
+            for byte_size, fragment in [
+                (15, under_lengths),
+                (size - 1, "tensor 'text': element 3 says 3 bytes, 2 are left"),
+                (size + 1, "tensor 'text': data has 1 bytes after its 4 string elements"),
+            ]:
+                await refused(
+                    stub.ModelInfer(text_shm_request(text_at=Placement("in", 0, byte_size))),
+                    INVALID,
+                    "INVALID_INPUT",
+                    fragment,
+                )
+            await refused(
+                stub.ModelInfer(text_shm_request(tagged_at=Placement("out", 0, 15))),
+                INVALID,
+                "INVALID_INPUT",
+                "output 'tagged' is at least 16 bytes for the request's 4 rows (a 4-byte length "
+                "per element, and its text), over the 15 of its shared_memory_byte_size in "
+                "region 'out'",
+            )
+            await refused(
+                stub.ModelInfer(text_shm_request(tagged_at=Placement("out", 0, 20))),
+                INVALID,
+                "INVALID_INPUT",
+                f"output 'tagged' is {len(_TAGGED_BYTES)} bytes, over the 20 of its "
+                "shared_memory_byte_size in region 'out'",
+            )
+            assert made.read(PAGE_BYTES // 2, PAGE_BYTES // 2) == FILLER * (PAGE_BYTES // 2)
+
+    asyncio.run(scenario())

@@ -18,7 +18,7 @@ import numpy.typing as npt
 import pytest
 from onnx import TensorProto, helper
 
-from laneserve.client.tensors import encode_tensor
+from laneserve.client.tensors import encode_strings, encode_tensor
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from laneserve.server import Engine, LaneConfig, grpc_accept
@@ -44,6 +44,18 @@ from tests.support import (
     serving,
     until,
     until_stats,
+)
+from tests.test_kserve import (
+    LABELS,
+    NUMBERS,
+    TAGGED,
+    TEXT,
+    TEXT_OUTPUTS,
+    VALUES,
+    make_text_model_in,
+    outputs_of,
+    text_request,
+    typed_request,
 )
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
@@ -1151,3 +1163,67 @@ def test_the_answers_of_items_asking_for_tritons_final_response_mark_alone_are_m
         "INVALID_ARGUMENT INVALID_INPUT: [request id: bad] request parameter "
         "'triton_enable_empty_final_response' is an int64_param; expected bool_param"
     )
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_text_model_in(tmp_path_factory)
+
+
+def test_stream_items_with_bytes_inputs_are_answered_and_a_bad_one_is_its_own_error(
+    text_model: Path,
+) -> None:
+    """Items of the text model in raw contents and in bytes_contents, answered with the
+    same BYTES, INT64 and FP32 outputs as ModelInfer's; an item with an element that is
+    not UTF-8 is answered with its error, naming the element, and the stream goes on."""
+    not_utf8 = encode_strings("text", np.array(["a", "b", "c", "d"], dtype=object))
+    not_utf8 = not_utf8.replace(b"b", b"\xff")
+    typed = typed_request("text", text=TEXT, numbers=NUMBERS)
+    items = [text_request(), typed, text_request(), text_request()]
+    items[2].raw_input_contents[0] = not_utf8
+    for index, message in enumerate(items):
+        message.id = f"t{index}"
+
+    async def scenario() -> list[Answer]:
+        async with serving(
+            Engine(str(text_model), estimate=estimate_once), config(text_model)
+        ) as s:
+            return await collect(stream_stub(s).ModelStreamInfer(iter(items), timeout=30))
+
+    by_id = {answer.infer_response.id: answer for answer in asyncio.run(scenario())}
+    assert sorted(by_id) == ["t0", "t1", "t2", "t3"]
+    for good in ("t0", "t1", "t3"):
+        response = by_id[good].infer_response
+        assert by_id[good].error_message == ""
+        assert [(t.name, t.datatype, list(t.shape)) for t in response.outputs] == TEXT_OUTPUTS
+        found = outputs_of(response)
+        assert found["tagged"].tolist() == TAGGED
+        assert found["label"].tolist() == LABELS
+        assert found["value"].tobytes() == VALUES.tobytes()
+    assert by_id["t2"].error_message.startswith(
+        "INVALID_ARGUMENT INVALID_INPUT: [request id: t2] tensor 'text': element 1 is not UTF-8"
+    ), by_id["t2"].error_message
+
+
+def test_a_model_stream_answers_held_bytes_count_a_bytes_outputs_text() -> None:
+    """A BYTES output's held bytes are its raw_output_contents entry's (each element's
+    length and text, as InferStream counts a STRING output's data); one written to shared
+    memory (an empty entry) is counted at the least it took, a length per element."""
+    wire = kserve_module.ModelStreamWire(
+        lambda _item: InvalidInputError("unused"), "m", 0, NO_REGIONS, 1
+    )
+    response = pb.InferResponse(
+        request_id="r",
+        outputs=[
+            encode_tensor("t", np.array(["ab", "", "\u00e9"], dtype=object)),
+            encode_tensor("n", np.zeros(3, np.int64)),
+        ],
+        timing=pb.Timing(lane="bulk", batch_size=3),
+    )
+    answer = wire.answer(tag("r"), response)
+    assert wire.held_bytes(answer) == sum(map(len, answer.infer_response.raw_output_contents))
+    assert wire.held_bytes(answer) == (4 + 2) + 4 + (4 + 2) + 3 * 8
+    placed = Answer()
+    placed.infer_response.outputs.add(name="t", datatype="BYTES", shape=[3])
+    placed.infer_response.raw_output_contents.append(b"")
+    assert wire.held_bytes(placed) == 3 * 4

@@ -77,11 +77,11 @@ def test_a_model_whose_output_rows_do_not_follow_its_input_rows_is_refused(
     ("tensor_type", "in_shape", "out_type", "expected"),
     [
         (
-            TensorProto.STRING,
+            TensorProto.BFLOAT16,
             ["N", 1],
-            TensorProto.STRING,
+            TensorProto.FLOAT,
             (
-                "model input 's': ONNX Runtime type 'tensor(string)' is not supported; "
+                "model input 's': ONNX Runtime type 'tensor(bfloat16)' is not supported; "
                 "expected one of tensor(float), tensor(float16)"
             ),
         ),
@@ -95,12 +95,12 @@ def test_a_model_whose_output_rows_do_not_follow_its_input_rows_is_refused(
             ),
         ),
     ],
-    ids=["string-input", "bfloat16-output"],
+    ids=["bfloat16-input", "bfloat16-output"],
 )
 def test_a_model_laneserve_cannot_serve_is_refused_naming_the_input_or_output(
     tmp_path: Path, tensor_type: int, in_shape: list[Any], out_type: int, expected: str
 ) -> None:
-    """The refusal said "model tensor 's' has unsupported type tensor(string)" (and
+    """The refusal said "model tensor 's' has unsupported type tensor(bfloat16)" (and
     "model 's' has shape [1, 4]"): neither whether an input or an output, nor which types
     are served."""
     cast = helper.make_node("Cast", ["s"], ["o"], to=out_type)

@@ -19,7 +19,7 @@ from typing import Any, Final
 import numpy as np
 
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
-from laneserve.server.kserve import KSERVE_DTYPES
+from laneserve.server.kserve import BYTES, KSERVE_DTYPES
 
 KIB: Final = 1024
 MIB: Final = 1024 * KIB
@@ -110,13 +110,15 @@ class Tensor:
 
 def tensors_of(metadata: Sequence[kpb.ModelMetadataResponse.TensorMetadata]) -> list[Tensor]:
     """The tensors ModelMetadata lists; SystemExit for one a script cannot size by rows (a
-    datatype not served, a dynamic axis after the rows)."""
+    datatype not served, BYTES, whose rows are as long as their text, a dynamic axis
+    after the rows)."""
     tensors = []
     for spec in metadata:
-        if spec.datatype not in KSERVE_DTYPES or any(dim < 0 for dim in spec.shape[1:]):
+        fixed = spec.datatype in KSERVE_DTYPES and spec.datatype != BYTES
+        if not fixed or any(dim < 0 for dim in spec.shape[1:]):
             raise SystemExit(
                 f"{spec.name}: {spec.datatype} {list(spec.shape)}; expected a served datatype "
-                "and no dynamic axis after the rows"
+                "of a fixed size (not BYTES) and no dynamic axis after the rows"
             )
         row_shape = tuple(spec.shape[1:])
         tensors.append(Tensor(spec.name, spec.datatype, KSERVE_DTYPES[spec.datatype], row_shape))

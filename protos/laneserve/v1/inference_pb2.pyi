@@ -43,6 +43,11 @@ class _DataTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DataType.Val
     DATA_TYPE_UINT16: _DataType.ValueType  # 10
     DATA_TYPE_UINT32: _DataType.ValueType  # 11
     DATA_TYPE_UINT64: _DataType.ValueType  # 12
+    DATA_TYPE_STRING: _DataType.ValueType  # 13
+    """Text (ONNX's tensor(string)): each element, in row-major order, as a 4-byte
+    little-endian length followed by that many bytes of UTF-8 (KServe's and Triton's
+    BYTES encoding).
+    """
 
 class DataType(_DataType, metaclass=_DataTypeEnumTypeWrapper): ...
 
@@ -59,11 +64,17 @@ DATA_TYPE_BOOL: DataType.ValueType  # 9
 DATA_TYPE_UINT16: DataType.ValueType  # 10
 DATA_TYPE_UINT32: DataType.ValueType  # 11
 DATA_TYPE_UINT64: DataType.ValueType  # 12
+DATA_TYPE_STRING: DataType.ValueType  # 13
+"""Text (ONNX's tensor(string)): each element, in row-major order, as a 4-byte
+little-endian length followed by that many bytes of UTF-8 (KServe's and Triton's
+BYTES encoding).
+"""
 Global___DataType: _TypeAlias = DataType  # noqa: Y015
 
 @_typing.final
 class Tensor(_message.Message):
-    """A dense tensor: `data` is the raw little-endian, row-major bytes of `shape`.
+    """A dense tensor: `data` is the raw little-endian, row-major bytes of `shape` (of a
+    DATA_TYPE_STRING tensor: its elements, each length-prefixed).
     The first axis is the row (batch) axis.
     """
 

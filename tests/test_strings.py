@@ -1,0 +1,398 @@
+"""String (text) tensors: ONNX's tensor(string) on laneserve's own API, from the wire
+encoding to a batched run of the real session."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import struct
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from laneserve.client.tensors import decode_tensor, encode_tensor
+from laneserve.server import Engine, EngineStartError, ServerConfig
+from laneserve.server.codec import MAX_EXTRA_BYTES, extra_bytes, leading_rows
+from laneserve.server.demo_model import make_text_model
+from laneserve.server.engine import TensorSpec, held_bytes
+from laneserve.v1 import inference_pb2 as pb
+from tests.support import RecordingEngine, estimate_once, rich_status, save_model, serving, until
+
+pytestmark = pytest.mark.usefixtures("no_leaked_threads")
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "text.onnx"
+    make_text_model(path)
+    return path
+
+
+def _length_prefixed(*elements: bytes) -> bytes:
+    return b"".join(struct.pack("<I", len(element)) + element for element in elements)
+
+
+def _text_request(
+    texts: list[str], numbers: list[list[str]], request_id: str = ""
+) -> pb.InferRequest:
+    return pb.InferRequest(
+        request_id=request_id,
+        inputs=[
+            encode_tensor("text", np.array(texts, dtype=object)),
+            encode_tensor("numbers", np.array(numbers, dtype=object)),
+        ],
+    )
+
+
+# ---- the wire encoding --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.array(["cat", "", "Ünïcode ✓", "a\x00b"]),  # numpy str_
+        np.array(["cat", "", "Ünïcode ✓", "a\x00b"], dtype=object),
+        np.array(["cat", "", "Ünïcode ✓", "a\x00b"], dtype=np.dtypes.StringDType()),
+        np.array([b"cat", b"", "Ünïcode ✓".encode(), b"a\x00b"], dtype=object),
+        np.array([b"cat", b"", "Ünïcode ✓".encode(), b"a\x00b"]),  # numpy bytes_
+    ],
+    ids=["str_", "object-str", "StringDType", "object-bytes", "bytes_"],
+)
+def test_text_in_any_numpy_form_is_sent_length_prefixed_and_read_back_as_str(
+    array: np.ndarray,
+) -> None:
+    """Each element a 4-byte little-endian length and its UTF-8 bytes (KServe's BYTES
+    encoding), read back as an object array of str: what ONNX Runtime takes and gives."""
+    tensor = encode_tensor("text", array.reshape(2, 2))
+    assert tensor.dtype == pb.DATA_TYPE_STRING
+    assert tensor.data == _length_prefixed(b"cat", b"", "Ünïcode ✓".encode(), b"a\x00b")
+    decoded = decode_tensor(tensor)
+    assert decoded.dtype == np.dtype(object)
+    assert decoded.shape == (2, 2)
+    assert decoded.tolist() == [["cat", ""], ["Ünïcode ✓", "a\x00b"]]
+    assert all(type(value) is str for value in decoded.flat)
+
+
+def test_a_non_contiguous_text_array_is_sent_in_row_major_order() -> None:
+    array = np.array([["a", "b"], ["c", "d"]], dtype=object).T
+    assert decode_tensor(encode_tensor("t", array)).tolist() == [["a", "c"], ["b", "d"]]
+
+
+@pytest.mark.parametrize(
+    ("array", "expected"),
+    [
+        (
+            np.array(["ok", b"\xff\xfe"], dtype=object),
+            "tensor 't': element 1 is not UTF-8 (invalid start byte at byte 0); expected text",
+        ),
+        (
+            np.array(["ok", 3], dtype=object),
+            "tensor 't': element 1 is int; expected str (or UTF-8 bytes)",
+        ),
+        (
+            np.array(["ok", None], dtype=object),
+            "tensor 't': element 1 is NoneType; expected str",
+        ),
+        (
+            np.array(["\ud800"], dtype=object),
+            "tensor 't': element 0 has no UTF-8 encoding (surrogates not allowed at character 0)",
+        ),
+    ],
+    ids=["not-utf8", "int", "none", "lone-surrogate"],
+)
+def test_an_element_that_is_not_text_is_refused_naming_it(array: np.ndarray, expected: str) -> None:
+    """ONNX Runtime turns a bytes element into the text "b'...'" and any other object into
+    its str(): a client that sent them would get answers to other inputs, silently."""
+    with pytest.raises(ValueError, match="^" + re.escape(expected)):
+        encode_tensor("t", array)
+
+
+@pytest.mark.parametrize(
+    ("shape", "data", "expected"),
+    [
+        (
+            [2],
+            _length_prefixed(b"abcd") + b"\x00",
+            "data ends before element 1's length (at byte 8 of 9)",
+        ),
+        ([1], struct.pack("<I", 9) + b"abc", "element 0 says 9 bytes, 3 are left"),
+        ([1], _length_prefixed(b"a") + b"z", "data has 1 bytes after its 1 string elements"),
+        ([1], _length_prefixed(b"\xc3"), "element 0 is not UTF-8 (unexpected end of data"),
+        ([10**12], b"", "data is 0 bytes; expected at least 4000000000000"),
+        ([3], b"\x00\x00\x00", "data is 3 bytes; expected at least 12 (3 string elements"),
+    ],
+    ids=["missing-element", "short-element", "trailing-bytes", "cut-utf8", "huge-shape", "short"],
+)
+def test_string_data_that_does_not_parse_is_refused_saying_where(
+    shape: list[int], data: bytes, expected: str
+) -> None:
+    """A shape of 10**12 elements over no data is refused by the data's length before an
+    array of that many is allocated."""
+    tensor = pb.Tensor(name="t", dtype=pb.DATA_TYPE_STRING, shape=shape, data=data)
+    with pytest.raises(ValueError, match="^" + re.escape(f"tensor 't': {expected}")):
+        decode_tensor(tensor)
+
+
+def test_string_data_sizes_itself_for_the_requests_bounds() -> None:
+    """A request's bytes besides its tensors' data (MAX_EXTRA_BYTES) and its rows, read
+    before it is decoded: a text's data is its own length, not its shape's. A 1 MiB text
+    is data, not extra bytes."""
+    text = encode_tensor("text", np.array(["x" * 2**20], dtype=object))
+    numbers = encode_tensor("numbers", np.array([["1", "2"]], dtype=object))
+    request = pb.InferRequest(inputs=[text, numbers])
+    extra = extra_bytes(request, request.ByteSize())
+    assert extra is not None
+    assert 0 <= extra < MAX_EXTRA_BYTES
+    short = pb.Tensor(name="text", dtype=pb.DATA_TYPE_STRING, shape=[2**40], data=b"ab")
+    specs = _text_specs()
+    assert leading_rows([text, numbers], specs, max_message_bytes=64 * 2**20) == 1
+    assert leading_rows([short, numbers], specs, max_message_bytes=64 * 2**20) is None
+
+
+def _text_specs() -> tuple[TensorSpec, ...]:
+    """The text model's inputs' specs, as its engine reads them."""
+    text = np.dtype(object)
+    return (
+        TensorSpec("text", text, (-1,), ("batch",)),
+        TensorSpec("numbers", text, (-1, 2), ("batch", None)),
+    )
+
+
+def test_held_bytes_counts_each_texts_str_object() -> None:
+    """A string tensor's nbytes is its pointers: memory accounting counts the text too."""
+    short = np.array(["a"] * 4, dtype=object)
+    long = np.array(["a" * 10_000] * 4, dtype=object)
+    assert held_bytes(long) - held_bytes(short) == 4 * 9_999
+    numbers = np.zeros((4, 3), np.float32)
+    assert held_bytes(numbers) == numbers.nbytes
+
+
+# ---- served -------------------------------------------------------------------------------
+
+
+def test_text_requests_batched_together_get_each_their_own_answers(text_model: Path) -> None:
+    """Three requests of text held in one batch (the session busy with a fourth): each
+    answer is what the model gives its own rows alone, string outputs and numeric ones,
+    and the batch's signature let them join (one run of 6 rows)."""
+    reference = ort.InferenceSession(str(text_model), providers=["CPUExecutionProvider"])
+    requests = [
+        (["cat"], [["1", "2"]]),
+        (["dog", "Ünïcode ✓", ""], [["-1.5", "1e3"], ["0", "0"], ["3", "4"]]),
+        (["bird", "a\x00b"], [["7", "8"], ["9", "10"]]),
+    ]
+
+    async def scenario() -> tuple[list[pb.InferResponse], list[int]]:
+        engine = RecordingEngine(str(text_model), device="cpu")
+        async with serving(engine, ServerConfig(model_path=str(text_model))) as s:
+            engine.hold()
+            first = asyncio.ensure_future(
+                s.stub.Infer(_text_request(["cat"], [["0", "0"]]), timeout=30)
+            )
+            await asyncio.to_thread(engine.entered.acquire)
+            calls = [
+                asyncio.ensure_future(s.stub.Infer(_text_request(*request), timeout=30))
+                for request in requests
+            ]
+            thread = s.server._thread
+            assert thread is not None
+            await until(lambda: sum(depth.queued_rows for depth in thread.depths()) == 6)
+            engine.release()
+            answers = await asyncio.gather(*calls)
+            await first
+            return answers, list(engine.batches)
+
+    answers, batches = asyncio.run(scenario())
+    assert batches == [1, 6]
+    for (texts, numbers), answer in zip(requests, answers, strict=True):
+        expected = reference.run(
+            None,
+            {"text": np.array(texts, dtype=object), "numbers": np.array(numbers, dtype=object)},
+        )
+        got = {tensor.name: tensor for tensor in answer.outputs}
+        assert got["tagged"].dtype == pb.DATA_TYPE_STRING
+        tagged = decode_tensor(got["tagged"])
+        assert tagged.dtype == np.dtype(object)
+        assert tagged.tolist() == expected[0].tolist() == [f"{text}!" for text in texts]
+        np.testing.assert_array_equal(decode_tensor(got["label"]), expected[1])
+        np.testing.assert_array_equal(decode_tensor(got["value"]), expected[2])
+
+
+def test_a_text_row_the_model_fails_on_fails_its_request_only(text_model: Path) -> None:
+    """Cast of "x" to float fails in the runtime: the request whose row it is fails alone
+    (ENGINE_FAILURE, its row named), the requests batched with it are answered."""
+
+    async def scenario() -> list[pb.InferResponse | BaseException]:
+        engine = RecordingEngine(str(text_model), device="cpu")
+        async with serving(engine, ServerConfig(model_path=str(text_model))) as s:
+            engine.hold()
+            first = asyncio.ensure_future(
+                s.stub.Infer(_text_request(["cat"], [["0", "0"]]), timeout=30)
+            )
+            await asyncio.to_thread(engine.entered.acquire)
+            calls = [
+                asyncio.ensure_future(s.stub.Infer(request, timeout=30))
+                for request in (
+                    _text_request(["dog"], [["1", "2"]]),
+                    _text_request(["cat", "bird"], [["3", "4"], ["x", "5"]]),
+                    _text_request(["bird"], [["6", "7"]]),
+                )
+            ]
+            thread = s.server._thread
+            assert thread is not None
+            await until(lambda: sum(depth.queued_rows for depth in thread.depths()) == 4)
+            engine.release()
+            answers = await asyncio.gather(*calls, return_exceptions=True)
+            await first
+            return answers
+
+    good, bad, good_too = asyncio.run(scenario())
+    for answer, value in ((good, [[1.0, 2.0]]), (good_too, [[6.0, 7.0]])):
+        assert isinstance(answer, pb.InferResponse)
+        (got,) = [tensor for tensor in answer.outputs if tensor.name == "value"]
+        np.testing.assert_array_equal(decode_tensor(got), value)
+    assert isinstance(bad, grpc.aio.AioRpcError)
+    assert bad.code() == grpc.StatusCode.INTERNAL
+    reason, details = rich_status(bad)
+    assert reason == "ENGINE_FAILURE"
+    assert details["metadata"]["row"] == "1", details
+
+
+def test_text_over_the_stream_and_in_the_models_signature(text_model: Path) -> None:
+    """InferStream answers text as Infer does; GetModel names the string inputs and
+    outputs DATA_TYPE_STRING."""
+
+    async def scenario() -> tuple[pb.GetModelResponse, list[pb.InferStreamResponse]]:
+        engine = Engine(str(text_model), device="cpu", estimate=estimate_once)
+        async with serving(engine, ServerConfig(model_path=str(text_model))) as s:
+            model = await s.stub.GetModel(pb.GetModelRequest(), timeout=30)
+            items = [
+                _text_request([text], [["1", "2"]], request_id=f"item-{index}")
+                for index, text in enumerate(["cat", "Ünï", ""])
+            ]
+            answers = [answer async for answer in s.stub.InferStream(iter(items), timeout=30)]
+            return model, answers
+
+    model, answers = asyncio.run(scenario())
+    assert [(spec.name, spec.dtype) for spec in model.inputs] == [
+        ("text", pb.DATA_TYPE_STRING),
+        ("numbers", pb.DATA_TYPE_STRING),
+    ]
+    assert [(spec.name, spec.dtype) for spec in model.outputs] == [
+        ("tagged", pb.DATA_TYPE_STRING),
+        ("label", pb.DATA_TYPE_INT64),
+        ("value", pb.DATA_TYPE_FLOAT32),
+    ]
+    tagged = {
+        answer.response.request_id: decode_tensor(answer.response.outputs[0]).tolist()
+        for answer in answers
+    }
+    assert tagged == {"item-0": ["cat!"], "item-1": ["Ünï!"], "item-2": ["!"]}
+
+
+@pytest.mark.parametrize(
+    ("tensor", "expected"),
+    [
+        (
+            pb.Tensor(
+                name="text", dtype=pb.DATA_TYPE_STRING, shape=[1], data=_length_prefixed(b"\xff")
+            ),
+            (
+                "tensor 'text': element 0 is not UTF-8 (invalid start byte at byte 0); "
+                "expected text (ONNX Runtime reads string tensors as UTF-8)"
+            ),
+        ),
+        (
+            pb.Tensor(
+                name="text", dtype=pb.DATA_TYPE_STRING, shape=[2], data=_length_prefixed(b"a")
+            ),
+            "tensor 'text': data is 5 bytes; expected at least 8 (2 string elements",
+        ),
+        (
+            encode_tensor("text", np.zeros(1, np.float32)),
+            "input 'text' has dtype float32; expected string with shape [-1], -1 = any size",
+        ),
+    ],
+    ids=["not-utf8", "short", "float-for-text"],
+)
+def test_text_the_model_cannot_take_is_refused_invalid_argument(
+    text_model: Path, tensor: pb.Tensor, expected: str
+) -> None:
+    request = pb.InferRequest(
+        inputs=[tensor, encode_tensor("numbers", np.array([["1", "2"]], dtype=object))]
+    )
+
+    async def scenario() -> grpc.aio.AioRpcError:
+        engine = Engine(str(text_model), device="cpu", estimate=estimate_once)
+        async with serving(engine, ServerConfig(model_path=str(text_model))) as s:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await s.stub.Infer(request, timeout=30)
+            return refused.value
+
+    refused = asyncio.run(scenario())
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (refused.details() or "").startswith(expected), refused.details()
+
+
+def test_a_text_model_of_a_fixed_first_axis_is_padded_with_copies_and_not_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """text [4] -> text + "?" (an export without a dynamic axis): a request of 1 or 6
+    rows runs in runs of 4, padded with copies of its last text; the start-up check of
+    rows that mix compares text exactly and finds none."""
+    suffix = onnx.numpy_helper.from_array(np.array("?", dtype=object), "suffix")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Constant", [], ["suffix"], value=suffix),
+            helper.make_node("StringConcat", ["text", "suffix"], ["asked"]),
+        ],
+        "fixed_text",
+        [helper.make_tensor_value_info("text", TensorProto.STRING, [4])],
+        [helper.make_tensor_value_info("asked", TensorProto.STRING, [4])],
+    )
+    path = save_model(tmp_path / "fixed_text.onnx", graph, opset=20)
+    caplog.set_level(logging.WARNING)
+    engine = Engine(str(path), device="cpu", estimate=estimate_once)
+    engine.probe(8, repeats=1)
+    assert [getattr(record, "event", None) for record in caplog.records] == ["fixed_batch_axis"]
+    for texts in (["one"], ["a", "b", "c", "d", "e", "Ünï"]):
+        outputs = engine.run({"text": np.array(texts, dtype=object)})
+        assert outputs["asked"].tolist() == [f"{text}?" for text in texts]
+
+
+def test_a_string_normalizer_whose_locale_the_machine_lacks_is_refused_saying_what_to_do(
+    tmp_path: Path,
+) -> None:
+    """Every TfidfVectorizer skl2onnx converts holds a StringNormalizer of locale
+    en_US.UTF-8, which a slim container lacks: the runtime's refusal ("install necessary
+    language-pack-XX") named neither the attribute nor the converter's option."""
+    graph = helper.make_graph(
+        [
+            helper.make_node(
+                "StringNormalizer",
+                ["text"],
+                ["lower"],
+                case_change_action="LOWER",
+                locale="xx_XX.UTF-8",
+            )
+        ],
+        "normalizer",
+        [helper.make_tensor_value_info("text", TensorProto.STRING, ["N"])],
+        [helper.make_tensor_value_info("lower", TensorProto.STRING, ["N"])],
+    )
+    path = save_model(tmp_path / "normalizer.onnx", graph)
+    with pytest.raises(EngineStartError) as refused:
+        Engine(str(path), device="cpu", estimate=estimate_once)
+    message = str(refused.value)
+    assert "Failed to construct locale with name:xx_XX.UTF-8" in message
+    assert message.endswith(
+        "a StringNormalizer uses the locale its `locale` attribute names (en_US.UTF-8 unless "
+        "set): install that locale on this machine (Debian: the locales package, "
+        "locale-gen), or convert the model with one the machine has (`locale -a`; skl2onnx: "
+        "options={id(vectorizer): {'locale': 'C.UTF-8'}})"
+    ), message
