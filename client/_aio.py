@@ -230,6 +230,8 @@ class AsyncClient:
 
         Args:
             inputs: input name to array; dtypes must match the model's (see `model()`).
+                A string input (dtype ``object`` in `model()`) takes any array of text:
+                numpy ``str_``, ``object`` holding ``str``, or ``bytes_`` of UTF-8.
             lane: the lane to queue in; None: the server's default lane.
             timeout: seconds for the whole call from this call, building its request
                 and retries included; what is left is the gRPC deadline of every attempt,
@@ -244,7 +246,8 @@ class AsyncClient:
 
         Returns:
             Output name to array. The arrays are read-only views of the received bytes
-            (no copy); ``.copy()`` one to write to it.
+            (no copy); ``.copy()`` one to write to it. A string output is a new
+            ``object`` array of ``str``.
         """
         sending, request_id = self._infer_call(inputs, lane, timeout, request_id, outputs, retry)
         return answer_of(await sending, request_id).outputs

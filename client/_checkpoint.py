@@ -6,6 +6,7 @@ Layout, beside the output file ``OUT``::
     OUT.partial/state.json      job id, input identity, rows per item, done bitmap, and
                                 each output's dtype, shape and file
     OUT.partial/<file>.npy      one memory-mapped array per model output, rows in place
+                                (a string output's: a numpy str_ array, see `store`)
     OUT.partial.finished-XXXX/  a finished job's checkpoint, renamed away (a fresh name)
                                 once OUT was written, while it is removed (see
                                 `Checkpoint.finish`)
@@ -20,6 +21,13 @@ flushes the arrays before it replaces ``state.json`` (written to a temporary fil
 fsynced, then renamed), so a job killed at any moment resumes from a consistent state;
 at worst the items answered since the last save are asked for again, and the server's
 idempotency by request_id answers them without running them twice (same job id).
+
+A string output (decoded as an ``object`` array of ``str``, which cannot be memory-mapped)
+is held as a numpy ``str_`` array, a fixed number of characters per element: what a
+``.npy`` file holds without pickle. An answer wider than its array moves the array to a
+new file at least twice as wide (`_resized`), recorded in ``state.json`` at the next
+`save`, which then removes the old file; `finish` narrows each to its widest element.
+Until that save the old file, still in ``state.json``, holds every row it did.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ __all__ = [
     "InputIdentity",
     "locked",
     "same_file",
+    "text_array",
 ]
 
 # Version 2 records each output's file. Version 1 is still read: each output's file was
@@ -125,6 +134,9 @@ class Checkpoint:
     # Output name -> its array's file in `directory`, one file per output; recorded with
     # its spec.
     files: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Files of string outputs' arrays that `_resized` replaced: still the ones state.json
+    # names until the next `save`, which removes them once it names the new ones.
+    replaced_files: list[str] = dataclasses.field(default_factory=list, init=False, repr=False)
 
     @property
     def items(self) -> int:
@@ -252,39 +264,110 @@ class Checkpoint:
                     f"checkpoint this user can write: its rows are kept, so make {directory} "
                     "writable and --resume again"
                 ) from error
-            if str(array.dtype) != dtype or array.shape != shape:
+            # A string output's file may be another width than state.json says: a run
+            # stopped between `_resized` switching files and its save (the file named
+            # holds every row the state marks done either way).
+            either_text = array.dtype.kind == "U" and _is_text_dtype(dtype)
+            if (str(array.dtype) != dtype and not either_text) or array.shape != shape:
                 raise CheckpointError(
                     f"checkpoint array {path} is {array.dtype} {array.shape}; expected "
                     f"{dtype} {shape}. Delete {directory} to start over"
                 )
             checkpoint.arrays[name] = array
+            checkpoint.output_specs[name] = (str(array.dtype), shape)
         return checkpoint
 
     def store(self, item: int, outputs: Mapping[str, npt.NDArray[Any]]) -> None:
-        """Writes an item's output rows in place and marks it done (on disk at `save`)."""
+        """Writes an item's output rows in place and marks it done (on disk at `save`).
+
+        A string output's rows (an object array of str) are stored as `text_array` gives
+        them, in an array widened first (`_resized`) where they are wider than it.
+
+        Raises:
+            CheckpointError: an output is not of the dtype or row shape the checkpoint
+                holds for it, or a string ends in NUL (see `text_array`).
+            OSError: an array's file cannot be made (a full disk).
+        """
         rows = self.item_rows(item)
-        for name, values in outputs.items():
+        for name, answered in outputs.items():
+            values = answered
+            if values.dtype.hasobject:
+                try:
+                    values = text_array(f"output {name!r} of item {item}", answered)
+                except ValueError as error:
+                    raise CheckpointError(
+                        f"{error}; use Client.stream, which hands back each string as it came"
+                    ) from error
             array = self.arrays.get(name)
             if array is None:
-                shape = (self.rows, *values.shape[1:])
-                file = _file_for(name, self.files.values())
-                path = self.directory / file
-                array = np.lib.format.open_memmap(path, mode="w+", dtype=values.dtype, shape=shape)
-                _reserve(path)
-                self.files[name] = file
-                self.arrays[name] = array
-                self.output_specs[name] = (str(values.dtype), shape)
-            if values.dtype != array.dtype or values.shape != array[rows].shape:
+                array = self._new_array(name, values.dtype, (self.rows, *values.shape[1:]))
+            elif values.dtype.kind == array.dtype.kind == "U" and values.itemsize > array.itemsize:
+                array = self._resized(name, max(_chars(values.dtype), 2 * _chars(array.dtype)))
+            same_type = values.dtype == array.dtype or values.dtype.kind == array.dtype.kind == "U"
+            if not same_type or values.shape != array[rows].shape:
                 # Written as it came, it broadcast: a model with a narrower output since
                 # the job began filled each row with one value copied across it.
                 raise CheckpointError(
-                    f"output {name!r} of item {item} is {values.dtype} {list(values.shape)}; "
-                    f"the checkpoint holds {array.dtype} rows of {list(array.shape[1:])} "
-                    "for it; expected the model the job began with (a job resumed on a "
-                    f"changed model?), or delete {self.directory} to start over"
+                    f"output {name!r} of item {item} is {_type_name(values.dtype)} "
+                    f"{list(values.shape)}; the checkpoint holds {_type_name(array.dtype)} rows "
+                    f"of {list(array.shape[1:])} for it; expected the model the job began with "
+                    f"(a job resumed on a changed model?), or delete {self.directory} to start "
+                    "over"
                 )
             array[rows] = values
         self.done[item] = True
+
+    def narrow_text(self) -> None:
+        """Narrows each string output's array to its widest element (`store` widens them
+        by doubling); recorded at the next `save`."""
+        for name, array in list(self.arrays.items()):
+            if array.dtype.kind != "U" or array.size == 0:
+                continue
+            widest = max(int(np.strings.str_len(array).max()), 1)
+            if widest < _chars(array.dtype):
+                self._resized(name, widest)
+
+    def _new_array(
+        self, name: str, dtype: np.dtype[Any], shape: tuple[int, ...]
+    ) -> np.memmap[Any, Any]:
+        """Output `name`'s array, made in a file of its own (none of the other outputs',
+        nor one `_resized` replaced) and recorded as the output's."""
+        file = _file_for(name, [*self.files.values(), *self.replaced_files])
+        path = self.directory / file
+        try:
+            array = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+            _reserve(path)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        self.files[name] = file
+        self.arrays[name] = array
+        self.output_specs[name] = (str(dtype), shape)
+        return array
+
+    def _resized(self, name: str, chars: int) -> np.memmap[Any, Any]:
+        """String output `name`'s array copied into a new file of `chars` characters per
+        element (the widest element's at least), which replaces it. The rows are copied
+        before the output's file changes: stopped during the copy (Ctrl-C), the output
+        is still the old file, whole; the old file is removed by the save that records
+        the new one."""
+        old, old_file = self.arrays[name], self.files[name]
+        file = _file_for(name, [*self.files.values(), *self.replaced_files])
+        path = self.directory / file
+        try:
+            array = np.lib.format.open_memmap(
+                path, mode="w+", dtype=np.dtype(f"<U{chars}"), shape=old.shape
+            )
+            _reserve(path)
+            array[...] = old
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        self.replaced_files.append(old_file)
+        self.arrays[name] = array
+        self.files[name] = file
+        self.output_specs[name] = (str(array.dtype), old.shape)
+        return array
 
     def save(self) -> None:
         for array in self.arrays.values():
@@ -314,6 +397,14 @@ class Checkpoint:
             file.flush()
             os.fsync(file.fileno())
         temporary.replace(path)
+        in_use = set(self.files.values())
+        for replaced in self.replaced_files:
+            if replaced not in in_use:
+                # Left where it cannot be removed: no state names it, and the
+                # checkpoint's directory goes whole when the job finishes.
+                with contextlib.suppress(OSError):
+                    (self.directory / replaced).unlink(missing_ok=True)
+        self.replaced_files.clear()
 
     def finish(self, output: Path) -> None:
         """Moves the outputs to `output` (.npy: the one output; .npz: all) and removes the
@@ -331,6 +422,7 @@ class Checkpoint:
         that name was removed, or failed every finish.
         """
         assert self.done.all()
+        self.narrow_text()
         self.save()
         suffix = output.suffix.lower()
         staged = self.directory / f"{_STAGED_STEM}{suffix}.tmp"
@@ -539,6 +631,48 @@ def write_npz(file: Path | IO[bytes], arrays: Mapping[str, npt.NDArray[Any]]) ->
         for name, array in arrays.items():
             with zf.open(f"{name}.npy", mode="w", force_zip64=True) as member:
                 np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
+
+
+def text_array(what: str, values: npt.NDArray[Any]) -> npt.NDArray[np.str_]:
+    """A decoded string tensor (an ``object`` array of ``str``) as a numpy ``str_`` array
+    as wide as its widest element (1 character at least): what .npy and .npz files hold
+    without pickle, and what memory-maps. `what` names the array in a refusal.
+
+    Raises:
+        ValueError: an element ends in a NUL character, which a ``str_`` array drops
+            (numpy pads its elements with NULs), or is not a ``str``.
+    """
+    widest = 1
+    for index, value in enumerate(values.flat):
+        if not isinstance(value, str):
+            raise ValueError(  # noqa: TRY004 - the caller's refusal of a value, as tensors'
+                f"{what}: element {index} is {type(value).__name__}; expected str"
+            )
+        if value.endswith("\0"):
+            raise ValueError(
+                f"{what}: element {index} ends in a NUL character, which a numpy str_ array "
+                "(what .npy files hold without pickle) drops"
+            )
+        widest = max(widest, len(value))
+    return values.astype(f"<U{widest}")
+
+
+def _chars(dtype: np.dtype[Any]) -> int:
+    """The characters per element of a ``str_`` dtype (4 bytes each)."""
+    return dtype.itemsize // np.dtype("<U1").itemsize
+
+
+def _is_text_dtype(dtype: str) -> bool:
+    """Whether `dtype` (from state.json) is a ``str_`` dtype."""
+    try:
+        return np.dtype(dtype).kind == "U"
+    except (TypeError, ValueError):
+        return False
+
+
+def _type_name(dtype: np.dtype[Any]) -> str:
+    """`dtype` as a message names it: "string" for text, numpy's name otherwise."""
+    return "string" if dtype.kind == "U" or dtype.hasobject else str(dtype)
 
 
 def _safe(name: str) -> str:

@@ -57,7 +57,9 @@ class InferAnswer:
 class TensorInfo:
     name: str
     # None: a data type this client does not know (a newer server's, say): it can
-    # neither send nor read this tensor; `datatype` names it.
+    # neither send nor read this tensor; `datatype` names it. ``object`` for a string
+    # tensor (`datatype` "string"): sent from any array of text, answered as an object
+    # array of str.
     dtype: np.dtype[Any] | None
     # None for a dynamic dimension; the first is the row (batch) axis.
     shape: tuple[int | None, ...]

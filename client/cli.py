@@ -6,8 +6,11 @@
     laneserve-client bulk --input rows.npy --output out.npy  a bulk job with a checkpoint
 
 Every subcommand takes ``--target HOST:PORT`` (default 127.0.0.1:50051) and the TLS
-options. Exit codes: 0 everything done; 1 some rows failed (bulk: the output written with
-them as NaN, listed in OUTPUT.failed.json; rerun with --resume to retry them); 2 bad
+options. A string input is given as JSON strings, or as a numpy str_ (or bytes_) array
+in .npy / .npz; a string output is printed as JSON strings, and written as a str_ array
+as wide as its widest element. Exit codes: 0 everything done; 1 some rows failed (bulk:
+the output written with them as NaN, "" in a string output, listed in
+OUTPUT.failed.json; rerun with --resume to retry them); 2 bad
 usage or input (infer and bulk: checked against the server's model and lanes before
 anything is sent), refused by this client or by the server
 (INVALID_INPUT); 3 the server could not be reached, or refused the call for its own
@@ -55,6 +58,7 @@ from laneserve.client._checkpoint import (
     CheckpointError,
     locked,
     same_file,
+    text_array,
     write_npz,
 )
 from laneserve.client._errors import InvalidInputError, LaneserveError
@@ -63,7 +67,7 @@ from laneserve.client._retry import RetryPolicy
 from laneserve.client._stream import DEFAULT_STREAM_LANE, SERVER_STREAM_LANE
 from laneserve.client._sync import Client
 from laneserve.client._types import ModelInfo, StreamRequest, TensorInfo
-from laneserve.client.tensors import named_dimension_conflict
+from laneserve.client.tensors import datatype_name, named_dimension_conflict
 from laneserve.v1 import inference_pb2 as pb
 
 EXIT_OK: Final = 0
@@ -97,6 +101,8 @@ _DAMAGED_ARCHIVE: Final = (
 
 Arrays = dict[str, npt.NDArray[Any]]
 Handler = Callable[[Client, argparse.Namespace], int]
+# The wire's name for text ("string"): every numpy dtype the codec sends as text has it.
+_STRING: Final = datatype_name(pb.DATA_TYPE_STRING)
 
 
 class UsageError(Exception):
@@ -542,6 +548,8 @@ def _json_array(value: object, spec: TensorInfo, what: str) -> npt.NDArray[Any]:
     dtype would change a value: numpy casts 1.5 to 1 for int64 and 1e10 to inf for float16
     without a word, and raises OverflowError for an int past int64's range."""
     dtype = _known_dtype(spec, what)
+    if _is_text(dtype):
+        return _json_strings(value, spec, what)
     try:
         with np.errstate(over="raise", invalid="raise"):
             array = np.asarray(value, dtype=dtype)
@@ -559,6 +567,40 @@ def _json_array(value: object, spec: TensorInfo, what: str) -> npt.NDArray[Any]:
                 f"{array[index].item()!r}; expected values {spec.dtype} holds exactly"
             )
     return array
+
+
+def _is_text(dtype: np.dtype[Any]) -> bool:
+    """Whether the codec sends `dtype` as text (str_, bytes_, StringDType, object)."""
+    return datatype_name(dtype) == _STRING
+
+
+def _json_strings(value: object, spec: TensorInfo, what: str) -> npt.NDArray[np.object_]:
+    """`value` (JSON's nested lists of strings) as an object array of str, for a string
+    input. Anything else where a string goes (a number, nested lists of uneven lengths,
+    which numpy makes an element that is a list) is refused naming where it is in the
+    JSON: the codec's refusal named its place in the flattened array alone."""
+    try:
+        array = np.asarray(value, dtype=object)
+    except ValueError as error:  # lists numpy cannot place at all
+        raise UsageError(
+            f"{what} is not a string array of shape {_shape(spec.shape)}: {error}"
+        ) from error
+    for index, element in np.ndenumerate(array):
+        if not isinstance(element, str):
+            raise UsageError(
+                f"{what}: {_json_kind(element)} at {list(index)}; expected JSON strings in "
+                f"nested lists of shape {_shape(spec.shape)}"
+            )
+    return array
+
+
+def _json_kind(element: object) -> str:
+    """A JSON value that is not a string, as a message names it."""
+    if isinstance(element, list):
+        return "a list (lists nested unevenly, or deeper than the shape)"
+    if isinstance(element, dict):
+        return "an object"
+    return f"{json.dumps(element)}, not a string"
 
 
 def _read_inputs(path: Path, model: ModelInfo, kinds: str = ".npy, .npz or .json") -> Arrays:
@@ -582,6 +624,8 @@ def _read_inputs(path: Path, model: ModelInfo, kinds: str = ".npy, .npz or .json
                     f"{path} holds one array; the model has inputs "
                     f"{[spec.name for spec in model.inputs]}: use .npz with those names"
                 )
+            with path.open("rb") as file:
+                _check_not_pickled(file, model.inputs[0].name, path)
             arrays: Arrays = {model.inputs[0].name: np.load(path, mmap_mode="r")}
         elif suffix == ".npz":
             _check_magic(path, suffix)
@@ -589,6 +633,12 @@ def _read_inputs(path: Path, model: ModelInfo, kinds: str = ".npy, .npz or .json
                 with np.load(path) as archive:
                     _check_only_inputs(model, archive.files, str(path))
                     _check_all_inputs(model, archive.files, str(path))
+                    members = archive.zip.namelist()
+                    for spec in model.inputs:
+                        # The member np.load reads for the name: NAME, else NAME.npy.
+                        member = spec.name if spec.name in members else f"{spec.name}.npy"
+                        with archive.zip.open(member) as file:
+                            _check_not_pickled(file, spec.name, path)
                     arrays = {spec.name: archive[spec.name] for spec in model.inputs}
             except _DAMAGED_ARCHIVE as error:
                 raise UsageError(f"cannot read {path}: {error}") from error
@@ -600,6 +650,29 @@ def _read_inputs(path: Path, model: ModelInfo, kinds: str = ".npy, .npz or .json
         _check_input(name, array, model, str(path))
     _check_named_dimensions(arrays, model, str(path))
     return arrays
+
+
+def _check_not_pickled(file: IO[bytes], name: str, path: Path) -> None:
+    """Refuses an array numpy saved as a pickle (an object or StringDType array: text
+    held as Python objects), naming it and what to save instead: np.load refused it
+    advising allow_pickle=, which would run code from the file. A header it cannot read
+    is left to np.load, which says why."""
+    try:
+        version = np.lib.format.read_magic(file)
+        if version == (1, 0):
+            _, _, dtype = np.lib.format.read_array_header_1_0(file)
+        elif version == (2, 0):
+            _, _, dtype = np.lib.format.read_array_header_2_0(file)
+        else:  # 3.0: numpy writes it only for a structured dtype's non-Latin-1 field names
+            return
+    except ValueError:
+        return
+    if dtype.hasobject:
+        raise UsageError(
+            f"input {name!r} in {path} holds Python objects (dtype {dtype}), which numpy "
+            "saves as a pickle and this client does not load (loading a pickle runs code "
+            "from the file); for text, expected a numpy str_ array: save array.astype(str)"
+        )
 
 
 def _check_magic(path: Path, suffix: str) -> None:
@@ -639,17 +712,24 @@ def _check_input(name: str, array: npt.NDArray[Any], model: ModelInfo, where: st
     writes each request in the wire's (a `>f4` file holds float32 values)."""
     spec = model.input(name)
     dtype = _known_dtype(spec, f"input {name!r}")
+    if _is_text(dtype):
+        # Any text: the codec sends str_, bytes_ (UTF-8) and str elements alike. An object
+        # array here is `_json_strings`' (a file's is refused as a pickle).
+        same_type = _is_text(array.dtype)
+    else:
+        same_type = array.dtype.newbyteorder("=") == dtype.newbyteorder("=")
     if (
-        array.dtype.newbyteorder("=") != dtype.newbyteorder("=")
+        not same_type
         or array.ndim != len(spec.shape)
         or any(
             want is not None and have != want
             for have, want in zip(array.shape[1:], spec.shape[1:], strict=True)
         )
     ):
+        given = _STRING if array.dtype.kind == "O" else array.dtype  # `_json_strings`'
         raise UsageError(
-            f"input {name!r} in {where} is {array.dtype} with shape {list(array.shape)}; "
-            f"the model expects {spec.dtype} with shape {_shape(spec.shape)}"
+            f"input {name!r} in {where} is {given} with shape {list(array.shape)}; "
+            f"the model expects {spec.datatype} with shape {_shape(spec.shape)}"
         )
 
 
@@ -665,8 +745,20 @@ def _check_named_dimensions(inputs: Arrays, model: ModelInfo, where: str) -> Non
         raise UsageError(f"inputs {first!r} and {other!r} in {where} {how}")
 
 
-def _write_outputs(path: Path, outputs: Mapping[str, npt.NDArray[Any]]) -> None:
-    """Writes the answer `_check_one_array` let through."""
+def _write_outputs(path: Path, answer: Mapping[str, npt.NDArray[Any]]) -> None:
+    """Writes the answer `_check_one_array` let through; a string output as a str_ array
+    (`text_array`): np.save wrote its object array as a pickle, which np.load refuses
+    without allow_pickle=, and the .npz writer raised (a traceback, a partial file)."""
+    outputs = dict(answer)
+    for name, array in answer.items():
+        try:
+            if array.dtype.hasobject:
+                outputs[name] = text_array(f"output {name!r}", array)
+        except ValueError as error:
+            raise UsageError(
+                f"cannot write {path}: {error}; leave out --output to have the answer printed "
+                "as JSON"
+            ) from error
     try:
         if path.suffix.lower() == ".npy":
             if len(outputs) != 1:  # a server that answered more than was asked
@@ -812,11 +904,11 @@ def _write_with_failed_rows(
     checkpoint: Checkpoint, output: Path, failed: Mapping[int, LaneserveError]
 ) -> str:
     """Writes OUTPUT with the failed items' rows as NaN (zeros in an output of no float
-    dtype), and OUTPUT.failed.json listing those items (their first input row, rows,
-    code, reason and message); returns what it wrote, for the summary. The checkpoint
-    stays: --resume retries only the failed items and then writes both afresh (the
-    sidecar removed). A failed row's outputs are never an answer: NaN tells them from
-    real values; the sidecar says which they are where zeros do not.
+    dtype, "" in a string output), and OUTPUT.failed.json listing those items (their first
+    input row, rows, code, reason and message); returns what it wrote, for the summary.
+    The checkpoint stays: --resume retries only the failed items and then writes both
+    afresh (the sidecar removed). A failed row's outputs are never an answer: NaN tells
+    them from real values; the sidecar says which they are where zeros (or "") do not.
 
     Raises:
         UsageError: either file cannot be written (the checkpoint is kept).
@@ -838,7 +930,7 @@ def _write_with_failed_rows(
         )
         for array in checkpoint.arrays.values():
             # Not done, so never read back as an answer: a retry overwrites them.
-            array[span] = np.nan if np.issubdtype(array.dtype, np.inexact) else 0
+            array[span] = _failed_value(array.dtype)
     summary = {
         "job_id": checkpoint.job_id,
         "input": checkpoint.input_path,
@@ -847,6 +939,7 @@ def _write_with_failed_rows(
         "failed_items": listed,
     }
     try:
+        checkpoint.narrow_text()
         checkpoint.save()
         _replace_file(sidecar, lambda file: file.write(json.dumps(summary, indent=1).encode()))
         if not checkpoint.arrays:  # no item succeeded: no output's shape or dtype is known
@@ -869,8 +962,16 @@ def _write_with_failed_rows(
         ) from error
     return (
         f"Wrote {output} with the failed rows as NaN (zeros in an output that is not "
-        f"float), and the failed rows in {sidecar}."
+        f"float, empty strings in a string output), and the failed rows in {sidecar}."
     )
+
+
+def _failed_value(dtype: np.dtype[Any]) -> float | str:
+    """What a failed row's elements are in OUTPUT: NaN where the dtype has it; a string
+    output's (a str_ array, where 0 is the text "0") the empty string; else 0."""
+    if np.issubdtype(dtype, np.inexact):
+        return math.nan
+    return "" if dtype.kind == "U" else 0
 
 
 def _replace_file(path: Path, write: Callable[[IO[bytes]], object]) -> None:
@@ -1027,7 +1128,7 @@ def _check_request_fits(
     # Its UTF-8 bytes, as sent: counted in characters, an id of 64 four-byte characters
     # was 192 bytes short, and a request that far under the limit was sent and refused.
     id_bytes = len(request_id.encode("utf-8", "surrogatepass")) if request_id else 32  # uuid4().hex
-    size = _request_bytes(inputs, rows, id_bytes, lane_name, 0, outputs)
+    size = _request_bytes(inputs, slice(0, rows), id_bytes, lane_name, 0, outputs)
     if size > limit_bytes:
         raise UsageError(
             f"the request is {size} bytes encoded, over the {limit_bytes}-byte message "
@@ -1037,15 +1138,15 @@ def _check_request_fits(
 
 def _request_bytes(
     inputs: Arrays,
-    rows: int,
+    rows: slice,
     request_id_bytes: int,
     lane: str | None,
     timeout_ms: int,
     outputs: Sequence[str],
 ) -> int:
-    """The encoded size of a request of the first `rows` rows of `inputs`, as the client
-    builds it, its request_id `request_id_bytes` long in UTF-8."""
-    tensors = encode_inputs({name: array[:rows] for name, array in inputs.items()}, "")
+    """The encoded size of a request of `rows` of `inputs`, as the client builds it, its
+    request_id `request_id_bytes` long in UTF-8."""
+    tensors = encode_inputs({name: array[rows] for name, array in inputs.items()}, "")
     message = infer_request(
         "0" * request_id_bytes, tensors, lane=lane, timeout_ms=timeout_ms, outputs=outputs
     )
@@ -1082,25 +1183,65 @@ def _check_items(
     # is 32 characters, a resumed one's too) and the tensors' framing count.
     id_bytes = 32 + 1 + len(str(max(math.ceil(rows / args.rows_per_item) - 1, 0)))
 
-    def item_bytes(item_rows: int) -> int:
-        return _request_bytes(
-            inputs, item_rows, id_bytes, args.lane, args.timeout_ms or 0, output_names
-        )
+    def item_bytes(span: slice) -> int:
+        return _request_bytes(inputs, span, id_bytes, args.lane, args.timeout_ms or 0, output_names)
 
     limit_bytes = _message_limit(model)
-    size = item_bytes(item_rows)
-    if size > limit_bytes:
-        row_bytes = sum(
-            array.dtype.itemsize * math.prod(array.shape[1:]) for array in inputs.values()
+    size = item_bytes(slice(0, item_rows))
+    if size <= limit_bytes:
+        return
+    if any(_is_text(array.dtype) for array in inputs.values()):
+        _check_text_items(rows, args.rows_per_item, limit_bytes, item_bytes)
+        return
+    # Every row is as large as the first: so is every item but a shorter last.
+    row_bytes = sum(array.dtype.itemsize * math.prod(array.shape[1:]) for array in inputs.values())
+    fitting = max((limit_bytes - (item_bytes(slice(0, 1)) - row_bytes)) // max(row_bytes, 1), 0)
+    while fitting > 0 and item_bytes(slice(0, fitting)) > limit_bytes:  # the lengths' varints
+        fitting -= 1
+    raise UsageError(
+        f"--rows-per-item {args.rows_per_item}: an item is {size} bytes encoded, over "
+        f"the {limit_bytes}-byte message limit; expected at most {fitting} rows per item"
+        + ("" if fitting else " (one row alone is over it)")
+    )
+
+
+def _check_text_items(
+    rows: int, rows_per_item: int, limit_bytes: int, item_bytes: Callable[[slice], int]
+) -> None:
+    """`_check_items`' size check for a job with string inputs, whose first item is over
+    `limit_bytes`: text rows differ in size, so each item is encoded (`item_bytes`) until
+    one fits, and only a job none of whose items fits is refused. An item over the limit
+    in a job that goes on fails alone (this client refuses to send it), listed with the
+    job's failed rows."""
+    smallest: tuple[int, slice] | None = None  # (bytes, rows) of the smallest item
+    for start in range(0, rows, rows_per_item):
+        span = slice(start, min(start + rows_per_item, rows))
+        size = item_bytes(span)
+        if size <= limit_bytes:
+            return
+        if smallest is None or size < smallest[0]:
+            smallest = (size, span)
+    assert smallest is not None, "a job has one row at least (`_row_count`)"
+    size, span = smallest
+    # The most of the smallest item's first rows that fit, by bisection (the bytes of a
+    # run of rows grow with its length).
+    low, high = 0, span.stop - span.start - 1  # `high` rows: over the limit at most
+    while low < high:
+        middle = (low + high + 1) // 2
+        if item_bytes(slice(span.start, span.start + middle)) <= limit_bytes:
+            low = middle
+        else:
+            high = middle - 1
+    raise UsageError(
+        f"--rows-per-item {rows_per_item}: every item is over the {limit_bytes}-byte message "
+        f"limit encoded, the smallest (input rows {span.start}-{span.stop - 1}) {size} bytes; "
+        + (
+            f"expected at most {low} rows per item: that item's first {low} fit in one "
+            "message (rows of longer text fit fewer)"
+            if low
+            else f"expected shorter text: input row {span.start} alone is over it"
         )
-        fitting = max((limit_bytes - (item_bytes(1) - row_bytes)) // max(row_bytes, 1), 0)
-        while fitting > 0 and item_bytes(fitting) > limit_bytes:  # the lengths' varints
-            fitting -= 1
-        raise UsageError(
-            f"--rows-per-item {args.rows_per_item}: an item is {size} bytes encoded, over "
-            f"the {limit_bytes}-byte message limit; expected at most {fitting} rows per item"
-            + ("" if fitting else " (one row alone is over it)")
-        )
+    )
 
 
 def _open_checkpoint(
@@ -1178,7 +1319,8 @@ def _open_checkpoint(
 
 def _check_outputs_unchanged(checkpoint: Checkpoint, model: ModelInfo) -> None:
     """Refuses a resume on a model whose outputs differ from the ones the checkpoint holds
-    (dtype, or a fixed size after the row axis): the answers would not be the job's."""
+    (data type, or a fixed size after the row axis): the answers would not be the job's.
+    A string output's array is a str_ array of some width (`Checkpoint.store`): string."""
     for name, (dtype, shape) in checkpoint.output_specs.items():
         spec = next((spec for spec in model.outputs if spec.name == name), None)
         if spec is None:
@@ -1187,9 +1329,11 @@ def _check_outputs_unchanged(checkpoint: Checkpoint, model: ModelInfo) -> None:
             want is None or have == want
             for have, want in zip(shape[1:], spec.shape[1:], strict=True)
         )
-        if spec.datatype != dtype or not same_sizes:
+        # The dtype of an array Checkpoint.load opened: one numpy reads.
+        held = datatype_name(np.dtype(dtype))
+        if spec.datatype != held or not same_sizes:
             raise UsageError(
-                f"checkpoint {checkpoint.directory} holds output {name!r} as {dtype} with "
+                f"checkpoint {checkpoint.directory} holds output {name!r} as {held} with "
                 f"shape {list(shape)}; the model now gives {spec.datatype} with shape "
                 f"{_shape(spec.shape)}: expected the model the job began with, or delete "
                 f"{checkpoint.directory} to start over"
@@ -1309,7 +1453,10 @@ def _parser() -> argparse.ArgumentParser:
     infer = commands.add_parser("infer", parents=[common], help="one request")
     given = infer.add_mutually_exclusive_group(required=True)
     given.add_argument("--input", help=".npy (one input), .npz (by input name) or .json")
-    given.add_argument("--json", help='inputs as JSON: {"input": [[...]]}, or a list')
+    given.add_argument(
+        "--json",
+        help='inputs as JSON: {"input": [[...]]}, or a list; strings for a string input',
+    )
     infer.add_argument("--output", help="write outputs to .npy/.npz instead of JSON on stdout")
     infer.add_argument("--output-name", action="append", help="an output to return (repeatable)")
     infer.add_argument("--lane", help="lane (default: the server's default lane)")

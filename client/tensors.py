@@ -288,8 +288,9 @@ def decode_strings(what: str, data: bytes, count: int) -> npt.NDArray[np.object_
     # is allocated from a sender's shape.
     if size < count * _LENGTH.size:
         raise ValueError(
-            f"{what}: data is {size} bytes; expected at least {count * _LENGTH.size} ({count} "
-            f"string elements, each a {_LENGTH.size}-byte little-endian length and its bytes)"
+            f"{what}: data is {size} bytes; expected at least {count * _LENGTH.size} "
+            f"({_counted(count, 'string element')}, each a {_LENGTH.size}-byte little-endian "
+            "length and its bytes)"
         )
     values = np.empty(count, dtype=object)
     view = memoryview(data)
@@ -315,10 +316,15 @@ def decode_strings(what: str, data: bytes, count: int) -> npt.NDArray[np.object_
         offset += length
     if offset != size:
         raise ValueError(
-            f"{what}: data has {size - offset} bytes after its {count} string elements; "
+            f"{what}: data has {_counted(size - offset, 'byte')} after its "
+            f"{_counted(count, 'string element')}; "
             "expected as many elements as its shape sizes"
         )
     return values
+
+
+def _counted(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def _not_utf8(what: str, index: int, error: UnicodeDecodeError) -> str:

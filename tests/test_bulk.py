@@ -27,7 +27,7 @@ from laneserve.client._sync import SOURCE_THREAD
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig, service
 from laneserve.server.clock import ManualClock
-from laneserve.server.demo_model import make_demo_model
+from laneserve.server.demo_model import make_demo_model, make_text_model
 from laneserve.server.events import RequestTrace
 from laneserve.server.items import InferenceRequest
 from laneserve.server.lifecycle import Lifecycle
@@ -817,6 +817,59 @@ def test_an_item_over_the_message_limit_fails_alone_and_the_job_goes_on(
         assert isinstance(error, lc.ResourceExhaustedError)
         assert "bulk stream item 1 is " in error.message
         assert f"({limit} bytes, max_message_bytes); expected fewer rows per item" in error.message
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`make_text_model`'s: text [N] -> tagged (text + "!"), label; numbers [N, 2] of
+    text -> value float32 (a non-number fails its row)."""
+    path = tmp_path_factory.mktemp("models") / "text.onnx"
+    make_text_model(path)
+    return path
+
+
+def test_a_job_of_text_rows_is_split_and_sized_by_its_encoded_text(text_model: Path) -> None:
+    """A mapping of text arrays (str_, and UTF-8 bytes_) split into items of 3 rows, on
+    both clients: answered in order with object arrays of str; the item whose text
+    fails the model fails alone (its row named), and the item whose text alone is over
+    the client's 2 KiB limit fails alone too, never sent: each item is sized by its
+    encoded text, not by its rows."""
+    text = np.array(["cat", "dög", "bird", "x" * 3000, "zebra", "dog", "", "cat", "été"])
+    numbers = np.array([[str(row), "0.5"] for row in range(9)])
+    numbers[7, 1] = "seven"  # item 2's second row
+    expected = np.char.add(text.astype(object), "!")
+
+    async def scenario() -> list[list[lc.StreamResult]]:
+        engine = Engine(str(text_model), estimate=estimate_once)
+        async with serving(engine, config(text_model)) as s:
+            inputs = {"text": text, "numbers": np.char.encode(numbers, "utf-8")}
+            async with lc.AsyncClient(s.target, max_message_bytes=2048) as client:
+                by_async = [result async for result in client.stream(inputs, rows_per_item=3)]
+
+            def job() -> list[lc.StreamResult]:
+                with lc.Client(s.target, max_message_bytes=2048) as sync_client:
+                    return list(sync_client.stream(inputs, rows_per_item=3))
+
+            return [by_async, await asyncio.to_thread(job)]
+
+    for results in asyncio.run(scenario()):
+        assert [(result.index, result.ok) for result in results] == [
+            (0, True),
+            (1, False),
+            (2, False),
+        ]
+        outputs = results[0].unwrap()
+        assert outputs["tagged"].dtype == np.dtype(object)
+        assert outputs["tagged"].tolist() == expected[:3].tolist()
+        np.testing.assert_array_equal(outputs["label"], [0, -1, 2])
+        np.testing.assert_array_equal(outputs["value"], [[0, 0.5], [1, 0.5], [2, 0.5]])
+        over = results[1].error
+        assert isinstance(over, lc.ResourceExhaustedError)
+        assert results[1].attempts == 0, "never sent"
+        assert "(2048 bytes, max_message_bytes); expected fewer rows per item" in over.message
+        failed = results[2].error
+        assert isinstance(failed, lc.EngineError)
+        assert failed.metadata.get("row") == "1"
 
 
 def test_results_are_ordered_unless_asked_otherwise(small_model: Path) -> None:

@@ -34,6 +34,7 @@ from onnx import helper
 from laneserve import client as lc
 from laneserve.client import _channel as lc_channel
 from laneserve.server import Engine, LaneConfig, ServerConfig, service
+from laneserve.server.demo_model import make_text_model
 from laneserve.server.engine import no_static_estimate
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.v1 import inference_pb2 as pb
@@ -179,6 +180,100 @@ def test_big_endian_and_non_contiguous_inputs_are_accepted(small_model: Path) ->
         np.testing.assert_array_equal(got_swapped, reference.run(None, {"input": x})[0])
 
     asyncio.run(scenario())
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`make_text_model`'s: text [N] -> tagged (text + "!"), label (index in TEXT_LABELS,
+    else -1); numbers [N, 2] of text -> value float32 (a non-number fails its row)."""
+    path = tmp_path_factory.mktemp("models") / "text.onnx"
+    make_text_model(path)
+    return path
+
+
+# Text in each form numpy holds it, all sent as STRING: str_, object holding str, UTF-8
+# bytes_, and StringDType.
+TEXT_FORMS: dict[str, Callable[[list[Any]], npt.NDArray[Any]]] = {
+    "str_": lambda values: np.array(values, dtype=np.str_),
+    "object": lambda values: np.array(values, dtype=object),
+    "bytes_": lambda values: np.char.encode(np.array(values, dtype=np.str_), "utf-8"),
+    "StringDType": lambda values: np.array(values, dtype=np.dtypes.StringDType()),
+}
+
+
+def test_text_inputs_in_every_numpy_form_are_answered_as_object_arrays_of_str(
+    text_model: Path,
+) -> None:
+    """Each form of text, through `Client.infer`, `AsyncClient.infer` and
+    `infer_detailed`: a string output is an object array of Python `str` (non-ASCII
+    text whole), beside the model's numeric outputs of their own dtypes."""
+    text = ["cat", "zebra", "café", "dog"]
+    numbers = [["1", "2.5"], ["-3", "4e2"], ["0", "7"], ["8", "9"]]
+
+    async def scenario() -> list[Mapping[str, npt.NDArray[Any]]]:
+        engine = Engine(str(text_model), estimate=estimate_once)
+        async with client_for(engine, config(text_model)) as (s, client):
+            model = await client.model()
+            assert [(spec.name, spec.datatype) for spec in model.outputs] == [
+                ("tagged", "string"),
+                ("label", "int64"),
+                ("value", "float32"),
+            ]
+            assert model.input("text").dtype == np.dtype(object)
+            answers = []
+            for form in TEXT_FORMS.values():
+                inputs = {"text": form(text), "numbers": form(numbers)}
+                answers.append(await client.infer(inputs))
+                answers.append((await client.infer_detailed(inputs)).outputs)
+
+            def sync_calls() -> list[Mapping[str, npt.NDArray[Any]]]:
+                with lc.Client(s.target) as sync_client:
+                    return [
+                        sync_client.infer({"text": form(text), "numbers": form(numbers)})
+                        for form in TEXT_FORMS.values()
+                    ]
+
+            return answers + await asyncio.to_thread(sync_calls)
+
+    answers = asyncio.run(scenario())
+    assert len(answers) == 3 * len(TEXT_FORMS)
+    for outputs in answers:
+        tagged = outputs["tagged"]
+        assert tagged.dtype == np.dtype(object)
+        assert tagged.tolist() == ["cat!", "zebra!", "café!", "dog!"]
+        assert all(type(value) is str for value in tagged)
+        np.testing.assert_array_equal(outputs["label"], np.array([0, -1, -1, 1], np.int64))
+        np.testing.assert_array_equal(
+            outputs["value"], np.array([[1, 2.5], [-3, 400], [0, 7], [8, 9]], np.float32)
+        )
+
+
+def test_text_the_model_cannot_read_fails_its_row_and_bytes_not_utf8_are_never_sent(
+    text_model: Path,
+) -> None:
+    """A number input given text that is no number fails in the model, the row named;
+    bytes that are not UTF-8 are refused by the client (attempts 0), naming the element."""
+
+    async def scenario() -> tuple[lc.EngineError, lc.InvalidInputError, int]:
+        engine = Engine(str(text_model), estimate=estimate_once)
+        async with client_for(engine, config(text_model)) as (s, client):
+            with pytest.raises(lc.EngineError) as failed:
+                await client.infer(
+                    {"text": np.array(["a", "b"]), "numbers": np.array([["1", "2"], ["3", "x"]])}
+                )
+            with pytest.raises(lc.InvalidInputError) as refused:
+                await client.infer(
+                    {"text": np.array([b"ok", b"\xff"]), "numbers": np.array([["1", "2"]] * 2)}
+                )
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+        return failed.value, refused.value, sum(lane.admitted for lane in stats.lanes)
+
+    failed, refused, admitted = asyncio.run(scenario())
+    assert failed.reason == "ENGINE_FAILURE"
+    assert failed.metadata.get("row") == "1"
+    assert refused.attempts == 0
+    assert "tensor 'text': element 1 is not UTF-8" in str(refused)
+    assert admitted == 1, "the bytes that are not UTF-8 were not sent"
 
 
 def test_model_and_stats_describe_the_server(small_model: Path) -> None:

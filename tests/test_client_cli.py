@@ -38,7 +38,7 @@ from laneserve.client import cli as client_cli_module
 from laneserve.client._checkpoint import Checkpoint, CheckpointBusyError, CheckpointError, locked
 from laneserve.client._request import encode_inputs, infer_request
 from laneserve.server import Engine, LaneConfig, ServerConfig
-from laneserve.server.demo_model import make_demo_model
+from laneserve.server.demo_model import TEXT_LABELS, make_demo_model, make_text_model
 from laneserve.server.engine import no_static_estimate
 from laneserve.server.items import Batch
 from laneserve.v1 import inference_pb2 as pb
@@ -1311,6 +1311,335 @@ def test_a_big_endian_input_of_the_models_dtype_is_answered_as_its_values(
             assert "is >f8 with shape [3, 512]; the model expects float32" in err
 
     asyncio.run(scenario())
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`make_text_model`'s: text [N] -> tagged (text + "!"), label (index in TEXT_LABELS,
+    else -1); numbers [N, 2] of text -> value float32 (a non-number fails its row)."""
+    path = tmp_path_factory.mktemp("models") / "text.onnx"
+    make_text_model(path)
+    return path
+
+
+def echo_text_model(path: Path) -> Path:
+    """input string [N, 2] -> output, the same text: one input and one output, so a job
+    reads and writes .npy; a row's first text is its index (RecordingEngine's tag)."""
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["input"], ["output"])],
+        "echo_text",
+        [helper.make_tensor_value_info("input", TensorProto.STRING, ["N", 2])],
+        [helper.make_tensor_value_info("output", TensorProto.STRING, ["N", 2])],
+    )
+    return save_model(path, graph)
+
+
+def test_infer_sends_text_from_json_or_str_arrays_and_writes_string_outputs_as_str_arrays(
+    text_model: Path, tmp_path: Path
+) -> None:
+    """Text given as JSON strings (--json, a .json file) or as numpy str_ arrays (.npz),
+    answered: printed as JSON strings, or written as str_ arrays (np.save wrote a string
+    output as a pickle np.load refuses, and the .npz writer raised a traceback)."""
+    document = {
+        "text": ["cat", "café", "zebra"],
+        "numbers": [["1", "2"], ["3.5", "-4"], ["0", "1e3"]],
+    }
+    (tmp_path / "in.json").write_text(json.dumps(document), encoding="utf-8")
+    np.savez(
+        tmp_path / "in.npz", text=np.array(document["text"]), numbers=np.array(document["numbers"])
+    )
+
+    async def scenario() -> None:
+        engine = Engine(str(text_model), estimate=estimate_once)
+        async with serving(engine, config(text_model)) as s:
+            code, out, err = await cli(
+                "infer", "--target", s.target, "--json", json.dumps(document)
+            )
+            assert code == 0, err
+            assert json.loads(out) == {
+                "tagged": ["cat!", "café!", "zebra!"],
+                "label": [0, -1, -1],
+                "value": [[1.0, 2.0], [3.5, -4.0], [0.0, 1000.0]],
+            }
+            for source, output, only in (
+                ("in.npz", "out.npz", []),
+                ("in.json", "out.npy", ["--output-name", "tagged"]),
+            ):
+                code, _, err = await cli(
+                    "infer",
+                    "--target",
+                    s.target,
+                    "--input",
+                    str(tmp_path / source),
+                    "--output",
+                    str(tmp_path / output),
+                    *only,
+                )
+                assert code == 0, err
+
+    asyncio.run(scenario())
+    with np.load(tmp_path / "out.npz") as saved:  # no allow_pickle: str_ arrays
+        assert saved["tagged"].dtype == np.dtype("<U6")
+        assert saved["tagged"].tolist() == ["cat!", "café!", "zebra!"]
+        np.testing.assert_array_equal(saved["label"], [0, -1, -1])
+    assert np.load(tmp_path / "out.npy").tolist() == ["cat!", "café!", "zebra!"]
+
+
+def test_text_the_client_cannot_send_is_refused_before_sending(
+    text_model: Path, tmp_path: Path
+) -> None:
+    """JSON that is not strings where text goes (numpy made 1 the text "1", and uneven
+    lists an element that is a list), a file of Python objects (a pickle, which np.load
+    refused advising allow_pickle=), or numbers for a string input: exit 2, naming them."""
+    numbers = [["1", "2"], ["3", "4"]]
+    np.savez(tmp_path / "objects.npz", text=np.array(["a", "b"], object), numbers=np.array(numbers))
+    np.savez(tmp_path / "floats.npz", text=np.zeros(2, np.float32), numbers=np.array(numbers))
+    objects = str(tmp_path / "objects.npz")
+    pickled = (
+        f"input 'text' in {objects} holds Python objects (dtype object), which numpy saves as "
+        "a pickle and this client does not load"
+    )
+    cases = [
+        (
+            ["infer", "--json", json.dumps({"text": [1, "b"], "numbers": numbers})],
+            (
+                "--json: input 'text': 1, not a string at [0]; expected JSON strings in nested "
+                "lists of shape [?]"
+            ),
+        ),
+        (
+            ["infer", "--json", json.dumps({"text": ["a", "b"], "numbers": [["1", "2"], ["3"]]})],
+            (
+                "--json: input 'numbers': a list (lists nested unevenly, or deeper than the shape) "
+                "at [0]"
+            ),
+        ),
+        (["infer", "--input", objects], pickled),
+        (["bulk", "--input", objects, "--output", str(tmp_path / "out.npz")], pickled),
+        (
+            ["infer", "--input", str(tmp_path / "floats.npz")],
+            "is float32 with shape [2]; the model expects string with shape [?]",
+        ),
+    ]
+    refused_before_sending(text_model, cases)
+    assert not (tmp_path / "out.npz.partial").exists()
+
+
+def test_a_bulk_job_of_text_is_refused_only_when_none_of_its_items_fits_the_limit(
+    text_model: Path, tmp_path: Path
+) -> None:
+    """Text rows differ in size: the first item over the message limit said nothing of
+    the others (and the rows that fit were counted by numpy's itemsize). A job none of
+    whose items fits is refused before sending, saying what fits; one whose other items
+    fit runs, and the items over the limit fail alone (never sent)."""
+    numbers = np.array([["1", "2"]] * 4)
+    np.savez(tmp_path / "long.npz", text=np.array(["x" * 2500] * 4), numbers=numbers)
+    np.savez(tmp_path / "longer.npz", text=np.array(["x" * 5000] * 4), numbers=numbers)
+    np.savez(tmp_path / "first.npz", text=np.array(["x" * 5000, "a", "b", "c"]), numbers=numbers)
+    settings = config(text_model, max_message_bytes=4096)
+    job = ["bulk", "--rows-per-item", "2", "--output", str(tmp_path / "out.npz")]
+    refused_before_sending(
+        text_model,
+        [
+            (
+                [*job, "--input", str(tmp_path / "long.npz")],
+                (
+                    "--rows-per-item 2: every item is over the 4096-byte message limit encoded, "
+                    "the smallest (input rows 0-1) "
+                ),
+            ),
+            (
+                [*job, "--input", str(tmp_path / "long.npz")],
+                "expected at most 1 rows per item: that item's first 1 fit",
+            ),
+            (
+                [*job, "--input", str(tmp_path / "longer.npz")],
+                "expected shorter text: input row 0 alone is over it",
+            ),
+        ],
+        settings,
+    )
+
+    async def scenario() -> tuple[int, str]:
+        engine = Engine(str(text_model), estimate=estimate_once)
+        async with serving(engine, settings) as s:
+            code, _, err = await cli(
+                *job, "--input", str(tmp_path / "first.npz"), "--target", s.target, "--no-progress"
+            )
+        return code, err
+
+    code, err = asyncio.run(scenario())
+    assert code == 1, err
+    assert "1 of 2 items failed (RESOURCE_EXHAUSTED 1)" in err
+    with np.load(tmp_path / "out.npz") as saved:
+        assert saved["tagged"].tolist() == ["", "", "b!", "c!"]
+
+
+def test_a_bulk_job_of_text_writes_str_arrays_and_a_non_number_fails_its_item_alone(
+    text_model: Path, tmp_path: Path
+) -> None:
+    """String inputs from str_ and bytes_ arrays, string outputs stored in the checkpoint and
+    written as str_ arrays as wide as their widest answer (a late, longer one widens
+    the checkpoint's array); the item whose row holds a non-number fails alone: its
+    rows are "" in a string output, NaN in a float one, 0 in an int one, named in
+    OUTPUT.failed.json. A resume (of a job whose outputs are strings) retries it."""
+    text = np.array([*(["cat", "dög", "bird", "zebra"] * 4), "x" * 70, "", "é" * 3, "dog"])
+    numbers = np.array([[str(row), "0.5"] for row in range(20)])
+    numbers[13, 0] = "thirteen"  # item 2 (rows 10-14)
+    np.savez(tmp_path / "in.npz", text=text, numbers=np.char.encode(numbers, "utf-8"))
+    out = tmp_path / "out.npz"
+    args = ["--input", str(tmp_path / "in.npz"), "--output", str(out), "--rows-per-item", "5"]
+
+    async def scenario() -> list[str]:
+        errs = []
+        engine = Engine(str(text_model), estimate=estimate_once)
+        async with serving(engine, config(text_model)) as s:
+            for resume in ((), ("--resume",)):
+                code, _, err = await cli("bulk", "--target", s.target, *args, *resume)
+                assert code == 1, err
+                errs.append(err)
+        return errs
+
+    first, resumed = asyncio.run(scenario())
+    assert "resuming job" in resumed, resumed
+    assert "15 of 20 rows already done" in resumed, resumed
+    for err in (first, resumed):
+        assert "1 of 4 items failed (ENGINE_FAILURE 1)" in err, err
+        assert "input rows 10-14 (item 2; the server named input row 13)" in err, err
+        assert "empty strings in a string output" in err, err
+    failed = np.zeros(20, bool)
+    failed[10:15] = True
+    with np.load(out) as saved:  # no allow_pickle: str_ arrays
+        tagged, label, value = saved["tagged"], saved["label"], saved["value"]
+    assert tagged.dtype == np.dtype("<U71"), "as wide as the widest answer"
+    assert tagged[failed].tolist() == [""] * 5
+    assert tagged[~failed].tolist() == [f"{word}!" for word in text[~failed]]
+    assert (label[failed] == 0).all()
+    labels = [TEXT_LABELS.index(word) if word in TEXT_LABELS else -1 for word in text[~failed]]
+    np.testing.assert_array_equal(label[~failed], labels)
+    assert np.isnan(value[failed]).all()
+    np.testing.assert_array_equal(value[~failed, 0], np.flatnonzero(~failed))
+    listed = json.loads((tmp_path / "out.npz.failed.json").read_text())
+    assert [
+        (entry["first_row"], entry["rows"], entry["server_row"], entry["reason"])
+        for entry in listed["failed_items"]
+    ] == [(10, 5, 13, "ENGINE_FAILURE")]
+
+
+def test_a_stopped_bulk_job_of_text_resumes_with_every_row_in_place(tmp_path: Path) -> None:
+    """.npy of str_ text in, .npy out. Each item's text is longer than the last, so the
+    checkpoint's array of the string output is widened (moved to a wider file) again and
+    again, across a SIGINT and the resume: the output equals the input (the model echoes
+    it), as wide as its widest text, and no row ran twice."""
+    model = echo_text_model(tmp_path / "echo.onnx")
+    text = np.array([[str(row), "é" * row] for row in range(100)])
+    np.save(tmp_path / "in.npy", text)
+    out = tmp_path / "out.npy"
+    state = tmp_path / "out.npy.partial" / "state.json"
+    args = ["--input", str(tmp_path / "in.npy"), "--output", str(out), "--rows-per-item", "10"]
+
+    async def scenario() -> MeteredEngine:
+        engine = MeteredEngine(str(model))
+        try:
+            async with serving(engine, config(model, max_batch_size=10)) as s:
+                process = await asyncio.create_subprocess_exec(
+                    *INTERRUPTIBLE_CLIENT_CLI,
+                    "bulk",
+                    "--target",
+                    s.target,
+                    *args,
+                    "--checkpoint-interval-s",
+                    "0",
+                    stdout=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.PIPE,
+                )
+                try:
+                    engine.permits.release(4)  # 4 batches of one item each, then it stalls
+                    await until(lambda: done_items(state) >= 4, timeout_s=30.0)
+                    process.send_signal(signal.SIGINT)
+                    _, err_bytes = await asyncio.wait_for(
+                        process.communicate(), timeout=CLIENT_CLI_TIMEOUT_S
+                    )
+                finally:
+                    if process.returncode is None:
+                        process.kill()
+                        await process.wait()
+                assert process.returncode == 130, err_bytes.decode()
+                engine.unlimited()
+                code, _, err = await cli("bulk", "--target", s.target, *args, "--resume")
+                assert code == 0, err
+                assert "40 of 100 rows already done" in err, err
+        finally:
+            engine.unlimited()
+        return engine
+
+    engine = asyncio.run(scenario())
+    written = np.load(out)
+    assert written.dtype == text.dtype == np.dtype("<U99")
+    np.testing.assert_array_equal(written, text)
+    assert sorted(engine.ran_tags) == list(range(100)), "no row ran twice"
+    assert not state.parent.exists(), "the checkpoint is removed when the job is done"
+
+
+def test_a_string_output_ending_in_nul_is_printed_whole_and_not_written_cut(
+    tmp_path: Path,
+) -> None:
+    """A str_ array pads its elements with NULs, so it drops a string's own trailing ones:
+    `infer --output` refuses such an answer (exit 2, naming the element) rather than
+    write it cut; printed as JSON, it is whole."""
+    model = echo_text_model(tmp_path / "echo.onnx")
+    request = ["--json", json.dumps({"input": [["0", "a\0"]]})]
+
+    async def scenario() -> list[tuple[int, str, str]]:
+        async with serving(RecordingEngine(str(model)), config(model)) as s:
+            return [
+                await cli("infer", "--target", s.target, *request, *output)
+                for output in ([], ["--output", str(tmp_path / "out.npy")])
+            ]
+
+    (printed, out, err), (refused, _, why) = asyncio.run(scenario())
+    assert printed == 0, err
+    assert json.loads(out) == {"output": [["0", "a\0"]]}
+    assert refused == 2, why
+    assert "output 'output': element 1 ends in a NUL character" in why, why
+    assert not (tmp_path / "out.npy").exists()
+
+
+def test_a_checkpoint_stopped_between_widening_a_string_output_and_its_save_resumes(
+    tmp_path: Path,
+) -> None:
+    """A wider answer moves a string output to a new file, which state.json names only
+    from the next save (that save removes the old file). Stopped before it, the
+    checkpoint resumes from the old file, which holds every row its state marks done; a
+    state naming another width than its file's (stopped as the files switched) is read
+    as the file's."""
+    source = tmp_path / "in.npy"
+    np.save(source, rows(40))
+    directory = tmp_path / "out.npy.partial"
+    checkpoint = Checkpoint.create(
+        directory, job_id="j", input_path=source, rows=40, rows_per_item=10
+    )
+    checkpoint.store(0, {"output": np.array(["a"] * 10, object)})
+    checkpoint.save()
+    checkpoint.store(1, {"output": np.array(["wider"] * 10, object)})  # no save: killed
+    resumed = load_checkpoint(source, directory)
+    assert resumed.done.tolist() == [True, False, False, False]
+    assert resumed.output_specs["output"] == ("<U1", (40,))
+    assert resumed.arrays["output"][:10].tolist() == ["a"] * 10
+    for item, word in enumerate(["b", "wider", "widest of all"], start=1):
+        resumed.store(item, {"output": np.array([word] * 10, object)})
+    resumed.save()
+    edit_state(directory, lambda state: state["outputs"]["output"].update(dtype="<U2"))
+    again = load_checkpoint(source, directory)
+    assert again.done.all()
+    assert again.output_specs["output"] == (str(again.arrays["output"].dtype), (40,))
+    assert again.arrays["output"].tolist() == [
+        word for word in ["a", "b", "wider", "widest of all"] for _ in range(10)
+    ]
+    # One file per output: the ones widening replaced are gone once a save named the new.
+    assert len(list(directory.glob("*.npy"))) == 1
+    with pytest.raises(CheckpointError, match="element 3 ends in a NUL character"):
+        again.store(0, {"output": np.array(["a"] * 3 + ["b\0"] + ["a"] * 6, object)})
 
 
 def test_input_of_the_wrong_dtype_is_a_usage_error(small_model: Path, tmp_path: Path) -> None:

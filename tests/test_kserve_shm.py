@@ -1564,7 +1564,7 @@ def test_bytes_placements_that_do_not_hold_their_text_are_refused_naming_it(
             for byte_size, fragment in [
                 (15, under_lengths),
                 (size - 1, "tensor 'text': element 3 says 3 bytes, 2 are left"),
-                (size + 1, "tensor 'text': data has 1 bytes after its 4 string elements"),
+                (size + 1, "tensor 'text': data has 1 byte after its 4 string elements"),
             ]:
                 await refused(
                     stub.ModelInfer(text_shm_request(text_at=Placement("in", 0, byte_size))),

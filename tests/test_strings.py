@@ -122,7 +122,7 @@ def test_an_element_that_is_not_text_is_refused_naming_it(array: np.ndarray, exp
             "data ends before element 1's length (at byte 8 of 9)",
         ),
         ([1], struct.pack("<I", 9) + b"abc", "element 0 says 9 bytes, 3 are left"),
-        ([1], _length_prefixed(b"a") + b"z", "data has 1 bytes after its 1 string elements"),
+        ([1], _length_prefixed(b"a") + b"z", "data has 1 byte after its 1 string element"),
         ([1], _length_prefixed(b"\xc3"), "element 0 is not UTF-8 (unexpected end of data"),
         ([10**12], b"", "data is 0 bytes; expected at least 4000000000000"),
         ([3], b"\x00\x00\x00", "data is 3 bytes; expected at least 12 (3 string elements"),
