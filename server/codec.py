@@ -15,6 +15,7 @@ import numpy as np
 
 from laneserve.client.tensors import (
     MAX_DIMS,
+    STRING_LENGTH_BYTES,
     datatype_name,
     decode_tensor,
     encode_tensor,
@@ -42,8 +43,6 @@ _ITEM_BYTES: dict[int, int] = {
     if datatype not in (pb.DATA_TYPE_UNSPECIFIED, pb.DATA_TYPE_STRING)
 }
 _KNOWN_DTYPES = frozenset((*_ITEM_BYTES, pb.DATA_TYPE_STRING))
-# A STRING element's length prefix: the least data an element takes.
-_STRING_ELEMENT_MIN_BYTES = 4
 
 
 def check_counts(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> None:
@@ -180,7 +179,7 @@ def data_bytes(tensor: pb.Tensor) -> int | None:
     count = math.prod(shape)
     if tensor.dtype == pb.DATA_TYPE_STRING:
         size = len(tensor.data)
-        return size if size >= count * _STRING_ELEMENT_MIN_BYTES else None
+        return size if size >= count * STRING_LENGTH_BYTES else None
     return count * _ITEM_BYTES[tensor.dtype]
 
 

@@ -55,9 +55,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import struct
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Final, NoReturn, TypeVar
 
 import grpc
@@ -66,7 +65,13 @@ from google.protobuf import message_factory
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2
 
-from laneserve.client.tensors import MAX_DIMS, datatype_of, numpy_dtype
+from laneserve.client.tensors import (
+    MAX_DIMS,
+    STRING_LENGTH_BYTES,
+    datatype_of,
+    length_prefixed,
+    numpy_dtype,
+)
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.server.codec import MAX_EXTRA_BYTES, text_bytes, too_many_inputs, varint_bytes
 from laneserve.server.config import UINT32_MAX, ServerConfig
@@ -184,7 +189,6 @@ class KServeType:
 # its numpy dtype (object) has an itemsize that sizes nothing, and its data is a
 # laneserve STRING tensor's as it is.
 BYTES: Final = "BYTES"
-_LENGTH: Final = struct.Struct("<I")
 
 
 KSERVE_TYPES: Final[tuple[KServeType, ...]] = (
@@ -448,10 +452,10 @@ def _check_output_room(
     if rows < 0 or spec.shape[0] >= 0 or min(row, default=0) < 0:
         return
     text = kserve_datatype(spec.dtype) == BYTES
-    needed = rows * math.prod(row) * (_LENGTH.size if text else spec.dtype.itemsize)
+    needed = rows * math.prod(row) * (STRING_LENGTH_BYTES if text else spec.dtype.itemsize)
     if needed > placement.byte_size:
         size = (
-            f"at least {needed} bytes for the request's {rows} rows (a {_LENGTH.size}-byte "
+            f"at least {needed} bytes for the request's {rows} rows (a {STRING_LENGTH_BYTES}-byte "
             "length per element, and its text)"
             if text
             else f"{needed} bytes for the request's {rows} rows"
@@ -614,12 +618,12 @@ def _check_placed_size(
     (`decode_strings`: each element's length, the bytes left over, UTF-8)."""
     count = math.prod(shape)
     if kind.name == BYTES:
-        least = count * _LENGTH.size
+        least = count * STRING_LENGTH_BYTES
         if placement.byte_size < least:
             raise InvalidInputError(
                 f"{what} has {BYTE_SIZE_PARAMETER} {placement.byte_size} in region "
                 f"{placement.region!r}; expected at least {least} for its shape {list(shape)} "
-                f"of BYTES (each element a {_LENGTH.size}-byte little-endian length and its "
+                f"of BYTES (each element a {STRING_LENGTH_BYTES}-byte little-endian length and its "
                 "bytes: the serialized tensor's size)"
             )
         return
@@ -687,16 +691,10 @@ def _typed_data(
             f"expected {expected} (shape {shape})"
         )
     if kind.name == BYTES:
-        return serialize_bytes(values)
+        # Each under 4 GiB (it came in a message of at most 2 GiB); UTF-8 is the normal
+        # path's to check (`decode_strings`, naming the element), as for raw contents.
+        return length_prefixed(values)
     return _as_bytes(tensor.name, values, kind)
-
-
-def serialize_bytes(values: Iterable[bytes]) -> bytes:
-    """BYTES elements as their raw encoding, a laneserve STRING tensor's data: each a
-    4-byte little-endian length and its bytes. Whether each is UTF-8 is the normal
-    path's to check (`decode_strings`, naming the element), as for raw contents. An
-    element holds under 4 GiB: it came in a message of at most 2 GiB."""
-    return b"".join(part for value in values for part in (_LENGTH.pack(len(value)), value))
 
 
 def _holds_values(shape: Sequence[int]) -> bool:
@@ -1006,7 +1004,7 @@ class ModelStreamWire:
             count = math.prod(tensor.shape)
             if tensor.datatype == BYTES:
                 raw = len(response.raw_output_contents[index])
-                total += max(raw, count * _LENGTH.size)
+                total += max(raw, count * STRING_LENGTH_BYTES)
             else:
                 total += count * _VALUE_BYTES[tensor.datatype]
         return total

@@ -35,7 +35,7 @@ import numpy as np
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from laneserve.client.tensors import MAX_DIMS, decode_strings
+from laneserve.client.tensors import MAX_DIMS, decode_strings, length_prefixed
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.server.errors import InvalidInputError
 from laneserve.server.kserve import (
@@ -43,7 +43,6 @@ from laneserve.server.kserve import (
     KSERVE_DTYPES,
     ModelInferCall,
     check_integer_range,
-    serialize_bytes,
 )
 from laneserve.server.shared_memory import REGION_PARAMETER
 
@@ -477,7 +476,7 @@ def _json_values(what: str, datatype: str, shape: Sequence[int], data: Any) -> b
 def _json_strings(what: str, shape: Sequence[int], data: list[Any]) -> bytes:
     """A BYTES input's JSON strings, lists nested to any depth walked in order (as
     Triton's server reads them: their count is checked, not that the lists are
-    rectangular), as BYTES's raw encoding (`kserve.serialize_bytes`): each string's UTF-8
+    rectangular), as BYTES's raw encoding (`length_prefixed`): each string's UTF-8
     given its length. Walked without recursion: the parser takes lists nested as deep as
     Python's recursion goes, and a recursive walk of those fails (a 500)."""
     expected = math.prod(shape)
@@ -507,7 +506,7 @@ def _json_strings(what: str, shape: Sequence[int], data: list[Any]) -> bytes:
         raise InvalidInputError(
             f"{what} has {len(values)} values in 'data'; expected {expected} (shape {list(shape)})"
         )
-    return serialize_bytes(values)
+    return length_prefixed(values)
 
 
 def _wide_numbers(data: list[Any], values: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
