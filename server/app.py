@@ -78,6 +78,7 @@ from laneserve.server.service import (
     add_grpc_service,
     add_to_server,
 )
+from laneserve.server.settings import TraceSettings
 from laneserve.server.shared_memory import SharedMemoryRegions
 from laneserve.server.stats import StatsRecorder
 from laneserve.server.telemetry import MetricSources, Telemetry, log_event
@@ -1632,6 +1633,11 @@ class LaneServer:
             # CUDA_VISIBLE_DEVICES lists (memory.session_gpu).
             gpu_id=0 if _on_gpu(self.engine) else None,
             regions=self.shared_memory,
+            trace_settings=TraceSettings(
+                tracing=self.telemetry.tracing is not None,
+                root=self.telemetry.root_sampler,
+                model_name=self.config.served_model_name,
+            ),
         )
 
     async def _start_http(self, servicer: InferenceServicer) -> int | None:

@@ -16,6 +16,8 @@
     ├── RegionExistsError          ALREADY_EXISTS       REGION_EXISTS        (KServe: shm register)
     ├── RegionLimitError           RESOURCE_EXHAUSTED   REGION_LIMIT         (KServe: shm register)
     ├── SharedMemoryRefusedError   PERMISSION_DENIED    SHARED_MEMORY_REFUSED (shm off/remote)
+    ├── SettingsRefusedError       PERMISSION_DENIED    SETTINGS_REFUSED     (KServe: remote change)
+    ├── TracingOffError            FAILED_PRECONDITION  TRACING_OFF          (KServe: trace setting)
     ├── UnsupportedError           UNIMPLEMENTED        UNSUPPORTED          (KServe: load, CUDA)
     └── EngineError                INTERNAL             ENGINE_FAILURE
         ├── SessionBrokenError     INTERNAL             ENGINE_FAILURE       (the server stops)
@@ -156,6 +158,22 @@ class SharedMemoryRefusedError(LaneserveError):
 
     code = grpc.StatusCode.PERMISSION_DENIED
     reason = "SHARED_MEMORY_REFUSED"
+
+
+class SettingsRefusedError(LaneserveError):
+    """A change of the log or trace settings (Triton's LogSettings, TraceSetting) by a
+    caller not on the server's host."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = "SETTINGS_REFUSED"
+
+
+class TracingOffError(LaneserveError):
+    """A change of the trace settings where nothing traces: no exporter
+    (OTEL_TRACES_EXPORTER), or a sampler laneserve did not build."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "TRACING_OFF"
 
 
 class UnsupportedError(LaneserveError):

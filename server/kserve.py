@@ -9,8 +9,10 @@ idempotency (where the request asks: IDEMPOTENT_PARAMETER), shedding, memory lim
 tracing, stats and error statuses are Infer's; the answer is converted back.
 ModelStreamInfer is InferStream's mechanism (`InferenceServicer.serve_stream`) with
 ModelInfer's items and answers (`ModelStreamWire`). The metadata, configuration,
-statistics, liveness, repository and shared memory calls are operator calls, counted
-apart from the inference calls as GetModel is (`add_kserve_to_server`).
+statistics, liveness, repository, shared memory and settings calls are operator calls,
+counted apart from the inference calls as GetModel is (`add_kserve_to_server`); the
+settings calls, Triton's LogSettings and TraceSetting, read and change laneserve's log
+threshold and trace sampling (server/settings.py).
 
 The mapping (README.md, "KServe v2 / Triton clients"):
 
@@ -100,6 +102,7 @@ from laneserve.server.service import (
     read_operator_request,
     release_frames,
 )
+from laneserve.server.settings import TraceSettings, change_log_settings
 from laneserve.server.shared_memory import (
     BYTE_SIZE_PARAMETER,
     CallerRegions,
@@ -1037,7 +1040,7 @@ class KServeServicer:
     all in front of the same lanes). Stateless: readiness is read from the gRPC health
     service (`health`), inference is `inference`'s."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - one per part of the server it fronts
         self,
         inference: InferenceServicer,
         config: ServerConfig,
@@ -1048,11 +1051,13 @@ class KServeServicer:
         totals: Callable[[], Cumulative],
         gpu_id: int | None,
         regions: SharedMemoryRegions,
+        trace_settings: TraceSettings,
     ) -> None:
         """`totals`: the stats recorder's (`StatsRecorder.cumulative`), which
         ModelStatistics reports. `gpu_id`: the CUDA device the session runs on, None on
         the CPU (ModelConfig's instance_group). `regions`: the server's shared memory
-        regions (every port's)."""
+        regions (every port's). `trace_settings`: the server's sampling, which
+        TraceSetting reads and changes (every port's)."""
         self._inference = inference
         self._model_name = config.served_model_name
         self._lanes = [lane.name for lane in config.lanes]  # highest priority first
@@ -1061,6 +1066,7 @@ class KServeServicer:
         self._health = health_servicer
         self._totals = totals
         self._regions = regions
+        self._trace_settings = trace_settings
         self._max_message_bytes = config.max_message_bytes
         # The configuration does not change while the server runs: built once.
         self._config_response = kpb.ModelConfigResponse(
@@ -1369,6 +1375,32 @@ class KServeServicer:
         await _refuse_unreadable(request, "CudaSharedMemoryUnregister", context)
         return kpb.CudaSharedMemoryUnregisterResponse()
 
+    async def LogSettings(
+        self, request: object, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> kpb.LogSettingsResponse:
+        """Triton's logging extension: the log threshold, read by anyone, changed by a
+        caller on this host (`settings.change_log_settings`)."""
+        await _refuse_unreadable(request, "LogSettings", context)
+        assert isinstance(request, kpb.LogSettingsRequest)
+        try:
+            return change_log_settings(request, context.peer())
+        except LaneserveError as error:
+            await abort_with(context, error)
+            raise AssertionError("unreachable: abort raises") from None
+
+    async def TraceSetting(
+        self, request: object, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> kpb.TraceSettingResponse:
+        """Triton's trace extension: the trace sampling, read by anyone, changed by a
+        caller on this host while tracing is on (`settings.TraceSettings`)."""
+        await _refuse_unreadable(request, "TraceSetting", context)
+        assert isinstance(request, kpb.TraceSettingRequest)
+        try:
+            return self._trace_settings.answer(request, context.peer())
+        except LaneserveError as error:
+            await abort_with(context, error)
+            raise AssertionError("unreachable: abort raises") from None
+
     def check_served(self, name: str, version: str) -> None:
         """Raises ModelNotFoundError unless `name` and `version` are the served model's."""
         if name != self._model_name:
@@ -1413,27 +1445,6 @@ def _tensor_metadata(spec: TensorSpec) -> kpb.ModelMetadataResponse.TensorMetada
     )
 
 
-# Triton's trace and log settings methods (tritonclient's get/update_trace_settings and
-# get/update_log_settings), which laneserve answers only to refuse.
-TRITON_SETTINGS_METHODS: Final = ("TraceSetting", "LogSettings")
-
-
-async def _refuse_settings(
-    method: str, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
-) -> bytes:
-    """Triton's `method`, refused: laneserve's traces and logs are set at start."""
-    del request  # what it would set is not read
-    await abort_with(
-        context,
-        UnsupportedError(
-            f"laneserve has no {method}: it traces with OpenTelemetry (OTEL_* variables, set "
-            "at start) and logs with --log-format / --log-level; expected those, not "
-            "Triton's trace and log settings"
-        ),
-    )
-    raise AssertionError("unreachable: abort raises")
-
-
 def add_kserve_to_server(
     servicer: KServeServicer, server: grpc.aio.Server, gate: CallGate
 ) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
@@ -1473,14 +1484,6 @@ def add_kserve_to_server(
             behavior,
             request_deserializer=read,
             response_serializer=response_type.SerializeToString,
-        )
-    # Triton's methods this protocol file lacks, which tritonclient calls: refused in
-    # words (gRPC's own answer was a bare "Method not found!"), their requests unread.
-    for name in TRITON_SETTINGS_METHODS:
-        handlers[name] = grpc.unary_unary_rpc_method_handler(
-            gate.gate_operator(functools.partial(_refuse_settings, name)),
-            request_deserializer=gate.operator_deserializer(lambda data: data),
-            response_serializer=bytes,
         )
     # As a generated add_*Servicer_to_server adds them: registered, and generic for the rest.
     generic = grpc.method_handlers_generic_handler(service.full_name, handlers)

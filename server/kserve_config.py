@@ -28,12 +28,15 @@ from laneserve.v1 import inference_pb2 as pb
 # docs/protocol/extension_schedule_policy.md: the request parameters `priority` and
 # `timeout`, read by `kserve._request_parameters`; extension_model_configuration.md;
 # extension_shared_memory.md, its system part: server/shared_memory.py;
-# extension_statistics.md), in the order Triton lists them.
+# extension_statistics.md; extension_trace.md and extension_logging.md: TraceSetting
+# and LogSettings, server/settings.py), in the order Triton lists them.
 EXTENSIONS: Final = (
     "schedule_policy",
     "model_configuration",
     "system_shared_memory",
     "statistics",
+    "trace",
+    "logging",
 )
 SHARED_MEMORY_EXTENSION: Final = "system_shared_memory"
 

@@ -39,6 +39,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.server.addresses import listening_sockets
+from laneserve.server.config import UINT32_MAX
 from laneserve.server.errors import (
     DrainingError,
     InvalidInputError,
@@ -62,6 +63,7 @@ from laneserve.server.kserve_json import (
     write_answer,
 )
 from laneserve.server.service import DETAILS_TRAILER, PUSHBACK_TRAILER, status_trailers
+from laneserve.server.settings import TRACE_LEVEL
 from laneserve.server.telemetry import HTTP_CALLER_LEFT, EventLog, HttpServerSpans
 
 # The HTTP status for each gRPC code a method aborts with (Triton's HTTP server answers
@@ -371,8 +373,11 @@ class HttpFrontEnd:
             post(f"/v2/{kind}/region/{{name}}/register", self._register)
             post(f"/v2/{kind}/unregister", self._unregister)
             post(f"/v2/{kind}/region/{{name}}/unregister", self._unregister)
-        for path in ("/v2/trace/setting", "/v2/models/{model}/trace/setting", "/v2/logging"):
-            app.router.add_route("*", path, self._unsupported_settings)
+        get("/v2/logging", self._log_settings)
+        post("/v2/logging", self._log_settings)
+        for path in ("/v2/trace/setting", "/v2/models/{model}/trace/setting"):
+            get(path, self._trace_settings)
+            post(path, self._trace_settings)
         return app
 
     async def start(self, host: str, port: int, tls: ssl.SSLContext | None) -> int:
@@ -550,13 +555,46 @@ class HttpFrontEnd:
         await self._kserve.RepositoryModelUnload(kpb.RepositoryModelUnloadRequest(), call)
         raise AssertionError("unreachable: both refuse")
 
-    async def _unsupported_settings(self, request: web.Request) -> web.Response:
-        return _error_body(
-            501,
-            f"laneserve has no {request.path} settings: it traces with OpenTelemetry "
-            "(OTEL_* variables, set at start) and logs with --log-format / --log-level; "
-            "expected those, not Triton's trace and log settings",
-            "UNSUPPORTED",
+    # -- log and trace settings: the gRPC methods, one root logger and one sampler
+
+    async def _log_settings(self, request: web.Request) -> web.Response:
+        """Triton's /v2/logging: LogSettings, each setting a JSON value of its kind (true
+        or false for bool_param, a whole number for uint32_param, a string for
+        string_param), as asked in a POST's object and answered."""
+        asked = kpb.LogSettingsRequest()
+        if request.method == "POST":
+            body = typed(await self._small_json(request), dict, "the request", _LOG_OBJECT)
+            for key, value in body.items():
+                _read_log_setting(value, repr(key), asked.settings[typed(key, str, "a key", "")])
+        answer = await self._kserve.LogSettings(asked, HttpCall(request))
+        return _json_response(
+            {
+                key: getattr(value, str(value.WhichOneof("parameter_choice")))
+                for key, value in answer.settings.items()
+            }
+        )
+
+    async def _trace_settings(self, request: web.Request) -> web.Response:
+        """Triton's /v2[/models/{model}]/trace/setting: TraceSetting, each setting a
+        string, but trace_level a list of strings, as answered and asked in a POST's
+        object (where a setting may be a list of strings, or null: its value at start)."""
+        asked = kpb.TraceSettingRequest(model_name=request.match_info.get("model", ""))
+        if request.method == "POST":
+            body = typed(await self._small_json(request), dict, "the request", _TRACE_OBJECT)
+            for key, value in body.items():
+                values = asked.settings[typed(key, str, "a key", "")].value
+                if isinstance(value, list):
+                    values.extend(
+                        typed(item, str, f"an item of {key!r}", "a string") for item in value
+                    )
+                elif value is not None:  # null: the setting cleared, of no value
+                    values.append(typed(value, str, repr(key), "a string, strings or null"))
+        answer = await self._kserve.TraceSetting(asked, HttpCall(request))
+        return _json_response(
+            {
+                key: list(value.value) if key == TRACE_LEVEL else value.value[0]
+                for key, value in answer.settings.items()
+            }
         )
 
     # -- shared memory: the gRPC methods, one registry
@@ -898,6 +936,25 @@ class _BodyLimit:
     max_bytes: int
     named: str  # "server.max_message_bytes"
     expected: str  # what to send instead
+
+
+_LOG_OBJECT: Final = 'an object of log settings, e.g. {"log_verbose_level": 1}'
+_TRACE_OBJECT: Final = 'an object of trace settings, e.g. {"trace_rate": "100"}'
+
+
+def _read_log_setting(value: Any, what: str, setting: kpb.LogSettingsRequest.SettingValue) -> None:
+    """A log setting's JSON `value` into `setting`, by its JSON kind: true or false a
+    bool_param, a whole number a uint32_param, a string a string_param."""
+    if isinstance(value, bool):
+        setting.bool_param = value
+    elif isinstance(value, int):
+        if not 0 <= value <= UINT32_MAX:
+            raise InvalidInputError(
+                f"{what} is {value}; expected a whole number from 0 to {UINT32_MAX}"
+            )
+        setting.uint32_param = value
+    else:
+        setting.string_param = typed(value, str, what, "true or false, a whole number or a string")
 
 
 _OPERATOR_BODY_LIMIT: Final = _BodyLimit(

@@ -2744,7 +2744,7 @@ def test_every_server_reason_has_a_client_error_class() -> None:
     """A reason the server can send this client must map to its own typed client error.
     MODEL_NOT_FOUND is KServe v2's alone (inference.GRPCInferenceService names a model;
     laneserve.v1, the one service this client calls, does not), and so are the refusals
-    of its repository and shared memory methods."""
+    of its repository, shared memory and settings methods."""
     from laneserve.client import _errors  # noqa: PLC0415 - the private table under test
     from laneserve.server import errors as server_errors  # noqa: PLC0415
 
@@ -2754,6 +2754,8 @@ def test_every_server_reason_has_a_client_error_class() -> None:
         server_errors.RegionExistsError,
         server_errors.RegionLimitError,
         server_errors.SharedMemoryRefusedError,
+        server_errors.SettingsRefusedError,
+        server_errors.TracingOffError,
         server_errors.UnsupportedError,
     }
     reasons = {

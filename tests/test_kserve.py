@@ -231,6 +231,8 @@ def test_the_messages_are_the_public_protocols_names_numbers_and_types() -> None
             for kind in ("System", "Cuda")
             for verb in ("Status", "Register", "Unregister")
         ),
+        ("TraceSetting", "TraceSettingRequest", "TraceSettingResponse"),
+        ("LogSettings", "LogSettingsRequest", "LogSettingsResponse"),
     ]
     for full_name, fields in PUBLIC_MESSAGES.items():
         message = kpb.DESCRIPTOR.message_types_by_name[full_name.split(".")[0]]
@@ -344,7 +346,7 @@ def test_liveness_readiness_and_metadata(small_model: Path) -> None:
             assert (server.name, server.version, list(server.extensions)) == (
                 "laneserve",
                 SERVER_VERSION,
-                ["schedule_policy", "model_configuration", "statistics"],
+                ["schedule_policy", "model_configuration", "statistics", "trace", "logging"],
             )
             model = await stub.ModelMetadata(kpb.ModelMetadataRequest(name="small"))
             assert (model.name, list(model.versions), model.platform) == (

@@ -185,6 +185,8 @@ def test_model_config_states_the_served_config_on_the_cpu(small_model: Path) -> 
                 "schedule_policy",
                 "model_configuration",
                 "statistics",
+                "trace",
+                "logging",
             ]
 
     asyncio.run(scenario())

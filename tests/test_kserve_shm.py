@@ -88,7 +88,14 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 REFUSED = grpc.StatusCode.PERMISSION_DENIED
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
 # ServerMetadata's extensions while server.shared_memory is true.
-EXTENSIONS = ["schedule_policy", "model_configuration", "system_shared_memory", "statistics"]
+EXTENSIONS = [
+    "schedule_policy",
+    "model_configuration",
+    "system_shared_memory",
+    "statistics",
+    "trace",
+    "logging",
+]
 
 
 # ---- POSIX shared memory objects, as a caller creates them ---------------------------------
@@ -1126,16 +1133,6 @@ def test_the_repository_index_lists_the_one_model_ready_and_loads_nothing(
                     f"laneserve {verb} no model while it serves: its one model ('small')",
                 )
             assert (await stub.ModelReady(kpb.ModelReadyRequest(name=MODEL))).ready
-            # Triton's trace and log settings, which this protocol file lacks: gRPC's own
-            # answer was a bare "Method not found!". The request's bytes are not read.
-            for method in ("TraceSetting", "LogSettings"):
-                settings: Any = s.channel.unary_unary(f"/inference.GRPCInferenceService/{method}")
-                await refused(
-                    settings(b"\x0a\x00"),
-                    grpc.StatusCode.UNIMPLEMENTED,
-                    "UNSUPPORTED",
-                    f"laneserve has no {method}: it traces with OpenTelemetry",
-                )
 
     asyncio.run(scenario())
 

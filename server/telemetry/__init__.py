@@ -19,9 +19,11 @@ The only package that imports opentelemetry. Everything here listens; nothing de
   them (the Prometheus endpoint, or a reader a test passes in).
 
 Modules: environment (the tracer provider and resource from `OTEL_*`) -> tracing
-(request and batch spans, the batch-link sampler) and server_spans (the gRPC server
-interceptor) -> metrics (instruments; the metric names are listed there), device (NVML)
-and endpoint (Prometheus) -> logs (formatters, `EventLog`) -> assembly (`Telemetry`).
+(request and batch spans, the batch-link sampler, the root sampler whose ratio
+TraceSetting changes) and server_spans (the gRPC server interceptor) -> metrics
+(instruments; the metric names are listed there), device (NVML) and endpoint
+(Prometheus) -> logs (formatters, `EventLog`, the log threshold) -> assembly
+(`Telemetry`).
 """
 
 from laneserve.server.log_events import log_event
@@ -34,6 +36,8 @@ from laneserve.server.telemetry.logs import (
     JsonFormatter,
     TextFormatter,
     configure_logging,
+    log_format,
+    set_log_level,
 )
 from laneserve.server.telemetry.metrics import Metrics, MetricSources
 from laneserve.server.telemetry.server_spans import (
@@ -41,7 +45,7 @@ from laneserve.server.telemetry.server_spans import (
     HttpServerSpans,
     ServerSpans,
 )
-from laneserve.server.telemetry.tracing import BatchLinkSampler, Tracing
+from laneserve.server.telemetry.tracing import BatchLinkSampler, RatioSampler, Sampling, Tracing
 
 __all__ = [
     "HTTP_CALLER_LEFT",
@@ -53,11 +57,15 @@ __all__ = [
     "MetricSources",
     "Metrics",
     "MetricsEndpoint",
+    "RatioSampler",
+    "Sampling",
     "ServerSpans",
     "Telemetry",
     "TextFormatter",
     "Tracing",
     "configure_logging",
     "log_event",
+    "log_format",
+    "set_log_level",
     "tracer_provider_from_env",
 ]

@@ -47,7 +47,7 @@ from laneserve.server.telemetry.environment import resource_from_env, tracer_pro
 from laneserve.server.telemetry.logs import GRPC_PER_CALL_LOGGER, EventLog, UnsentAnswers
 from laneserve.server.telemetry.metrics import Metrics, MetricSources
 from laneserve.server.telemetry.server_spans import HttpServerSpans, ServerSpans
-from laneserve.server.telemetry.tracing import Tracing
+from laneserve.server.telemetry.tracing import BatchLinkSampler, RatioSampler, Tracing
 
 # How long stopping waits for the spans still to export: an exporter retries an
 # unreachable collector for its own timeout (OTLP: 10 s, and backoff), which held every
@@ -136,7 +136,14 @@ class Telemetry:
         self.tracing: Tracing | None = None
         self.interceptors: list[grpc.aio.ServerInterceptor] = []
         self.http_spans: HttpServerSpans | None = None  # KServe v2 HTTP's inference calls
+        # The root sampler that Triton's TraceSetting reads and changes (settings.py):
+        # the provider's where laneserve built it (`tracer_provider_from_env`); None with
+        # tracing off, or a provider given with a sampler of its own.
+        self.root_sampler: RatioSampler | None = None
         if tracer_provider is not None:
+            sampler = tracer_provider.sampler
+            if isinstance(sampler, BatchLinkSampler):
+                self.root_sampler = sampler.root
             tracer = tracer_provider.get_tracer(INSTRUMENTATION_NAME)
             self.tracing = Tracing(tracer, providers)
             self.events.append(self.tracing)

@@ -14,12 +14,14 @@ import os
 import threading
 from collections.abc import Iterator, Mapping
 
+from opentelemetry.sdk.environment_variables import OTEL_TRACES_SAMPLER, OTEL_TRACES_SAMPLER_ARG
 from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, Sampler
 
 from laneserve.server.config import ConfigError
-from laneserve.server.telemetry.tracing import BatchLinkSampler
+from laneserve.server.telemetry.tracing import BatchLinkSampler, RatioSampler, Sampling
 
 
 def _exporter_entry_point(name: str, environ: Mapping[str, str]) -> tuple[str, str]:
@@ -104,10 +106,11 @@ def tracer_provider_from_env(
     the SDK's own), `console`, `otlp` (protocol from `OTEL_EXPORTER_OTLP_PROTOCOL`, grpc
     by default; endpoint, headers and the rest from `OTEL_EXPORTER_OTLP_*`, read by the
     exporter itself) or any installed exporter's entry point name. `OTEL_SDK_DISABLED=true`
-    turns tracing off. Sampling: `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG`; batch
-    spans are sampled whenever a request they serve is, with their `infer` child (see
-    `BatchLinkSampler`). `instance_id`: the resource's service.instance.id (see
-    `resource_from_env`).
+    turns tracing off. Sampling: `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG`, its
+    root ratio a `RatioSampler` that Triton's TraceSetting changes while the server runs
+    (the provider's `BatchLinkSampler.root`); batch spans are sampled whenever a request
+    they serve is, with their `infer` child (see `BatchLinkSampler`). `instance_id`: the
+    resource's service.instance.id (see `resource_from_env`).
     """
     environ = os.environ if environ is None else environ
     if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
@@ -138,11 +141,36 @@ def tracer_provider_from_env(
         for processor in processors:
             processor.shutdown()  # type: ignore[no-untyped-call]  # its exporter too
         raise _refused(" ".join(complaints))
-    # The sampler the variables chose, wrapped before any tracer exists (tracers copy it).
-    provider.sampler = BatchLinkSampler(provider.sampler)
+    # The sampler the variables chose, with a root whose ratio TraceSetting changes,
+    # wrapped before any tracer exists (tracers copy it).
+    inner, root = _settable_sampler(provider.sampler)
+    provider.sampler = BatchLinkSampler(inner, root=root)
     for processor in processors:
         provider.add_span_processor(processor)
     return provider
+
+
+def _settable_sampler(built: Sampler) -> tuple[Sampler, RatioSampler]:
+    """The sampler OTEL_TRACES_SAMPLER[_ARG] chose (`built`, the SDK's), rebuilt with a
+    `RatioSampler` at its root: the same decisions, and a ratio TraceSetting changes.
+    Read from the variables as the SDK reads them, from the process's environment (its
+    own sampler's ratio is private), once the SDK took them: a sampler name it does not
+    know, or an argument it cannot read as a ratio from 0 to 1, was a warning
+    (`_Complaints`), and the start refused. An empty argument is the SDK's 1.0."""
+    name = os.environ.get(OTEL_TRACES_SAMPLER, "parentbased_always_on").lower()
+    if name.endswith("always_on"):
+        ratio = 1.0
+    elif name.endswith("always_off"):
+        ratio = 0.0
+    else:  # traceidratio, parentbased_traceidratio
+        argument = os.environ.get(OTEL_TRACES_SAMPLER_ARG, "").strip()
+        ratio = float(argument) if argument else 1.0
+    root = RatioSampler(Sampling.of_ratio(ratio))
+    parent_based = name.startswith("parentbased_")
+    # The SDK's reading and this one agree (a sampler it built of another kind: a rule
+    # of the SDK's changed, and these decisions would not be the variables').
+    assert isinstance(built, ParentBased) == parent_based, (name, built.get_description())
+    return (ParentBased(root) if parent_based else root), root
 
 
 def _load_exporters(names: list[str], environ: Mapping[str, str]) -> list[SpanExporter]:

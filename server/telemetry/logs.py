@@ -171,12 +171,30 @@ def configure_logging(level: str, *, json_lines: bool = False) -> None:
     lines logged before it (`sys.excepthook` and `threading.excepthook` flush the log)."""
     handler = QueuedStreamHandler()
     handler.setFormatter(JsonFormatter() if json_lines else TextFormatter())
-    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)
-    # Set on every call (not only at debug): a later call's environment decides anew.
+    logging.basicConfig(handlers=[handler], force=True)
+    set_log_level(getattr(logging, level.upper()))
+    _flush_logs_before_tracebacks()
+
+
+def set_log_level(level: int) -> None:
+    """The root logger's threshold (`logging.DEBUG` ... `logging.ERROR`), at start
+    (`configure_logging`) and while the server runs (Triton's LogSettings, settings.py),
+    with gRPC's per-call logger (GRPC_PER_CALL_LOGGER) kept at INFO unless
+    GRPC_VERBOSITY=DEBUG asks for its lines: set on every call, not only at debug, so
+    that each call's environment decides anew."""
+    logging.getLogger().setLevel(level)
     logging.getLogger(GRPC_PER_CALL_LOGGER).setLevel(
         logging.NOTSET if _grpc_debugging() else logging.INFO
     )
-    _flush_logs_before_tracebacks()
+
+
+def log_format() -> str:
+    """How the process's log lines are written, as `--log-format` names it: "json" where
+    a handler of the root logger formats them as JSON (`JsonFormatter`), else "text"."""
+    json_lines = any(
+        isinstance(handler.formatter, JsonFormatter) for handler in logging.getLogger().handlers
+    )
+    return "json" if json_lines else "text"
 
 
 def _grpc_debugging() -> bool:

@@ -8,17 +8,28 @@ its status), both children of the gRPC server span
 (server_spans.py). A call that joins a request in flight queues nothing: it gets a
 `reply` alone, with what it got (`Tracing.joined`). Each batch gets a root `batch` span
 with a link to every request span it serves, and an `infer` child for the session run.
+
+The root of the sampling decision, for a trace that no caller's sampled context decides, is
+a `RatioSampler`, whose ratio Triton's TraceSetting changes while the server runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
-from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ALWAYS_ON,
+    Decision,
+    Sampler,
+    SamplingResult,
+    TraceIdRatioBased,
+)
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.util.types import Attributes
 
@@ -38,6 +49,86 @@ def _unsampled() -> bool:
     return server_span.get_span_context().is_valid and not server_span.is_recording()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sampling:
+    """What a `RatioSampler` samples: while `on`, the traces whose id falls in `ratio`
+    of the id space (TraceIdRatioBased's rule); else none. Triton's trace_level
+    (TIMESTAMPS while on, OFF) and trace_rate (1 / `ratio`: one trace in N), kept apart
+    as Triton keeps them, so that turning sampling off and on again keeps the rate."""
+
+    on: bool
+    ratio: float  # 0 < ratio <= 1, also while off: the ratio it samples at once on
+
+    def __post_init__(self) -> None:
+        assert 0.0 < self.ratio <= 1.0, self.ratio
+
+    @classmethod
+    def of_ratio(cls, ratio: float) -> Sampling:
+        """The sampling of an OTEL_TRACES_SAMPLER ratio from 0 to 1: off at 0 (the rate
+        it would sample at once turned on: every trace, 1)."""
+        return cls(on=True, ratio=ratio) if ratio > 0.0 else cls(on=False, ratio=1.0)
+
+
+class RatioSampler(Sampler):
+    """The root sampler laneserve builds from OTEL_TRACES_SAMPLER (its ratio, 1 for
+    always_on, 0 for always_off; a parent-based sampler has it as its root): decides as
+    TraceIdRatioBased does at its `sampling`'s ratio while on, drops everything while
+    off. `set` replaces its sampling while the server runs (Triton's TraceSetting).
+
+    `should_sample` runs on every thread that starts a span (the event loop for request
+    spans, the scheduler thread for batch spans) and takes no lock: it reads `_now`
+    once, an immutable pair (the sampling and the SDK sampler that decides it) that
+    `set` replaces whole, under `_lock`, so a decision is made wholly under the old
+    sampling or wholly under the new. `start` is the sampling it was built with, what a
+    setting cleared comes back to."""
+
+    def __init__(self, sampling: Sampling) -> None:
+        self.start = sampling
+        self._lock = threading.Lock()  # writers only
+        self._now: tuple[Sampling, Sampler] = (sampling, _deciding(sampling))
+
+    @property
+    def sampling(self) -> Sampling:
+        return self._now[0]
+
+    def set(self, sampling: Sampling) -> Sampling:
+        """Samples as `sampling` says from now on; returns the sampling it replaced."""
+        deciding = _deciding(sampling)  # built before it is published
+        with self._lock:
+            old, _ = self._now
+            self._now = (sampling, deciding)
+        return old
+
+    def should_sample(
+        self,
+        parent_context: otel_context.Context | None,
+        trace_id: int,
+        name: str,
+        kind: SpanKind | None = None,
+        attributes: Attributes = None,
+        links: Sequence[Link] | None = None,
+        trace_state: otel_trace.TraceState | None = None,
+    ) -> SamplingResult:
+        _, deciding = self._now
+        return deciding.should_sample(
+            parent_context, trace_id, name, kind, attributes, links, trace_state
+        )
+
+    def get_description(self) -> str:
+        sampling = self.sampling
+        return f"RatioSampler{{{sampling.ratio if sampling.on else 0.0}}}"
+
+
+def _deciding(sampling: Sampling) -> Sampler:
+    """The SDK's sampler for `sampling`: its static ones at the ends, which skip the
+    trace id's arithmetic."""
+    if not sampling.on:
+        return ALWAYS_OFF
+    if sampling.ratio >= 1.0:
+        return ALWAYS_ON
+    return TraceIdRatioBased(sampling.ratio)
+
+
 class BatchLinkSampler(Sampler):
     """Samples a `batch` span whenever one of the request spans it links to is sampled,
     and the `infer` child of a sampled batch; everything else as `inner` decides.
@@ -47,10 +138,15 @@ class BatchLinkSampler(Sampler):
     `infer` child is in the batch's own trace: a ratio sampler that is not parent-based
     (traceidratio) would decide on that random trace id and drop most of the runs of the
     batches kept.
+
+    `root`: the `RatioSampler` at the root of `inner` (`inner` itself, or a parent-based
+    sampler's root), whose sampling Triton's TraceSetting reads and changes; None where
+    `inner` has none (a sampler laneserve did not build: then nothing changes it).
     """
 
-    def __init__(self, inner: Sampler) -> None:
+    def __init__(self, inner: Sampler, *, root: RatioSampler | None = None) -> None:
         self._inner = inner
+        self.root = root
 
     def should_sample(
         self,

@@ -22,8 +22,9 @@ Triton's system shared memory extension is here (inputs read from, and outputs
 written to, POSIX shared memory a caller on this host registered), with its CUDA
 methods refusing (laneserve maps no other process's device memory), and its
 repository index (the one model) with load and unload refusing (the model is fixed at
-start). Not here: tracing and logging settings; a client calling them gets
-UNIMPLEMENTED.
+start). And its trace and log settings (TraceSetting, LogSettings): laneserve's
+OpenTelemetry sampling and log threshold, read by any caller and changed by one on
+this host while the server runs (server/settings.py).
 How each field maps onto laneserve's own request: README.md, "KServe v2 / Triton
 clients", and server/kserve.py.
 """
@@ -1963,3 +1964,275 @@ class CudaSharedMemoryUnregisterResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CudaSharedMemoryUnregisterResponse: _TypeAlias = CudaSharedMemoryUnregisterResponse  # noqa: Y015
+
+@_typing.final
+class TraceSettingRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SettingValue(_message.Message):
+        """A setting's values: one for each setting but trace_level (a list of levels). None
+        clears it: laneserve's value at start comes back.
+        """
+
+        DESCRIPTOR: _descriptor.Descriptor
+
+        VALUE_FIELD_NUMBER: _builtins.int
+        @_builtins.property
+        def value(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+        def __init__(
+            self,
+            *,
+            value: _abc.Iterable[_builtins.str] | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SettingsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___TraceSettingRequest.SettingValue: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___TraceSettingRequest.SettingValue | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    model_name: _builtins.str
+    """"" or the served model's name: laneserve's one model has the server's settings."""
+    @_builtins.property
+    def settings(self) -> _containers.MessageMap[_builtins.str, Global___TraceSettingRequest.SettingValue]:
+        """The settings to change; those not named stay as they are. None: a read."""
+
+    def __init__(
+        self,
+        *,
+        settings: _abc.Mapping[_builtins.str, Global___TraceSettingRequest.SettingValue] | None = ...,
+        model_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_name", b"model_name", "settings", b"settings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TraceSettingRequest: _TypeAlias = TraceSettingRequest  # noqa: Y015
+
+@_typing.final
+class TraceSettingResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SettingValue(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        VALUE_FIELD_NUMBER: _builtins.int
+        @_builtins.property
+        def value(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+        def __init__(
+            self,
+            *,
+            value: _abc.Iterable[_builtins.str] | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SettingsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___TraceSettingResponse.SettingValue: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___TraceSettingResponse.SettingValue | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def settings(self) -> _containers.MessageMap[_builtins.str, Global___TraceSettingResponse.SettingValue]:
+        """Every setting, as it is now (after the request's changes): trace_level,
+        trace_rate (while tracing is on), trace_count "-1", log_frequency "0", trace_file ""
+        and trace_mode "opentelemetry".
+        """
+
+    def __init__(
+        self,
+        *,
+        settings: _abc.Mapping[_builtins.str, Global___TraceSettingResponse.SettingValue] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["settings", b"settings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TraceSettingResponse: _TypeAlias = TraceSettingResponse  # noqa: Y015
+
+@_typing.final
+class LogSettingsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SettingValue(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        BOOL_PARAM_FIELD_NUMBER: _builtins.int
+        UINT32_PARAM_FIELD_NUMBER: _builtins.int
+        STRING_PARAM_FIELD_NUMBER: _builtins.int
+        bool_param: _builtins.bool
+        uint32_param: _builtins.int
+        string_param: _builtins.str
+        def __init__(
+            self,
+            *,
+            bool_param: _builtins.bool = ...,
+            uint32_param: _builtins.int = ...,
+            string_param: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["bool_param", b"bool_param", "parameter_choice", b"parameter_choice", "string_param", b"string_param", "uint32_param", b"uint32_param"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["bool_param", b"bool_param", "parameter_choice", b"parameter_choice", "string_param", b"string_param", "uint32_param", b"uint32_param"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        _WhichOneofReturnType_parameter_choice: _TypeAlias = _typing.Literal["bool_param", "uint32_param", "string_param"]  # noqa: Y015
+        _WhichOneofArgType_parameter_choice: _TypeAlias = _typing.Literal["parameter_choice", b"parameter_choice"]  # noqa: Y015
+        def WhichOneof(self, oneof_group: _WhichOneofArgType_parameter_choice) -> _WhichOneofReturnType_parameter_choice | None: ...
+
+    @_typing.final
+    class SettingsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___LogSettingsRequest.SettingValue: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___LogSettingsRequest.SettingValue | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def settings(self) -> _containers.MessageMap[_builtins.str, Global___LogSettingsRequest.SettingValue]:
+        """The settings to change; those not named stay as they are. None: a read."""
+
+    def __init__(
+        self,
+        *,
+        settings: _abc.Mapping[_builtins.str, Global___LogSettingsRequest.SettingValue] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["settings", b"settings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogSettingsRequest: _TypeAlias = LogSettingsRequest  # noqa: Y015
+
+@_typing.final
+class LogSettingsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SettingValue(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        BOOL_PARAM_FIELD_NUMBER: _builtins.int
+        UINT32_PARAM_FIELD_NUMBER: _builtins.int
+        STRING_PARAM_FIELD_NUMBER: _builtins.int
+        bool_param: _builtins.bool
+        uint32_param: _builtins.int
+        string_param: _builtins.str
+        def __init__(
+            self,
+            *,
+            bool_param: _builtins.bool = ...,
+            uint32_param: _builtins.int = ...,
+            string_param: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["bool_param", b"bool_param", "parameter_choice", b"parameter_choice", "string_param", b"string_param", "uint32_param", b"uint32_param"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["bool_param", b"bool_param", "parameter_choice", b"parameter_choice", "string_param", b"string_param", "uint32_param", b"uint32_param"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        _WhichOneofReturnType_parameter_choice: _TypeAlias = _typing.Literal["bool_param", "uint32_param", "string_param"]  # noqa: Y015
+        _WhichOneofArgType_parameter_choice: _TypeAlias = _typing.Literal["parameter_choice", b"parameter_choice"]  # noqa: Y015
+        def WhichOneof(self, oneof_group: _WhichOneofArgType_parameter_choice) -> _WhichOneofReturnType_parameter_choice | None: ...
+
+    @_typing.final
+    class SettingsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___LogSettingsResponse.SettingValue: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___LogSettingsResponse.SettingValue | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def settings(self) -> _containers.MessageMap[_builtins.str, Global___LogSettingsResponse.SettingValue]:
+        """Every setting, as it is now (after the request's changes): log_file "" (stderr),
+        log_info, log_warning, log_error (bool_param), log_verbose_level (uint32_param, 1 at
+        debug) and log_format ("text" or "json", --log-format).
+        """
+
+    def __init__(
+        self,
+        *,
+        settings: _abc.Mapping[_builtins.str, Global___LogSettingsResponse.SettingValue] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["settings", b"settings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogSettingsResponse: _TypeAlias = LogSettingsResponse  # noqa: Y015

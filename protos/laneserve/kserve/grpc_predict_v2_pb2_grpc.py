@@ -124,6 +124,16 @@ class GRPCInferenceServiceStub:
                 request_serializer=laneserve_dot_kserve_dot_grpc__predict__v2__pb2.CudaSharedMemoryUnregisterRequest.SerializeToString,
                 response_deserializer=laneserve_dot_kserve_dot_grpc__predict__v2__pb2.CudaSharedMemoryUnregisterResponse.FromString,
                 _registered_method=True)
+        self.TraceSetting = channel.unary_unary(
+                '/inference.GRPCInferenceService/TraceSetting',
+                request_serializer=laneserve_dot_kserve_dot_grpc__predict__v2__pb2.TraceSettingRequest.SerializeToString,
+                response_deserializer=laneserve_dot_kserve_dot_grpc__predict__v2__pb2.TraceSettingResponse.FromString,
+                _registered_method=True)
+        self.LogSettings = channel.unary_unary(
+                '/inference.GRPCInferenceService/LogSettings',
+                request_serializer=laneserve_dot_kserve_dot_grpc__predict__v2__pb2.LogSettingsRequest.SerializeToString,
+                response_deserializer=laneserve_dot_kserve_dot_grpc__predict__v2__pb2.LogSettingsResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer:
@@ -260,6 +270,27 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TraceSetting(self, request, context):
+        """Triton's trace settings: laneserve's OpenTelemetry sampling. No settings: a read,
+        open to any caller. trace_level (["OFF"] or ["TIMESTAMPS"]) and trace_rate (one
+        trace in N) change the root sampler's ratio, for a caller on this host (a loopback
+        peer, else PERMISSION_DENIED) while tracing is on (OTEL_TRACES_EXPORTER names an
+        exporter, else FAILED_PRECONDITION); the others are fixed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LogSettings(self, request, context):
+        """Triton's log settings: laneserve's log threshold. No settings: a read, open to any
+        caller. log_info, log_warning, log_error and log_verbose_level change the root
+        logger's threshold, for a caller on this host; log_file and log_format are set at
+        start.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -352,6 +383,16 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.CudaSharedMemoryUnregister,
                     request_deserializer=laneserve_dot_kserve_dot_grpc__predict__v2__pb2.CudaSharedMemoryUnregisterRequest.FromString,
                     response_serializer=laneserve_dot_kserve_dot_grpc__predict__v2__pb2.CudaSharedMemoryUnregisterResponse.SerializeToString,
+            ),
+            'TraceSetting': grpc.unary_unary_rpc_method_handler(
+                    servicer.TraceSetting,
+                    request_deserializer=laneserve_dot_kserve_dot_grpc__predict__v2__pb2.TraceSettingRequest.FromString,
+                    response_serializer=laneserve_dot_kserve_dot_grpc__predict__v2__pb2.TraceSettingResponse.SerializeToString,
+            ),
+            'LogSettings': grpc.unary_unary_rpc_method_handler(
+                    servicer.LogSettings,
+                    request_deserializer=laneserve_dot_kserve_dot_grpc__predict__v2__pb2.LogSettingsRequest.FromString,
+                    response_serializer=laneserve_dot_kserve_dot_grpc__predict__v2__pb2.LogSettingsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -840,6 +881,60 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/CudaSharedMemoryUnregister',
             laneserve_dot_kserve_dot_grpc__predict__v2__pb2.CudaSharedMemoryUnregisterRequest.SerializeToString,
             laneserve_dot_kserve_dot_grpc__predict__v2__pb2.CudaSharedMemoryUnregisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TraceSetting(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/TraceSetting',
+            laneserve_dot_kserve_dot_grpc__predict__v2__pb2.TraceSettingRequest.SerializeToString,
+            laneserve_dot_kserve_dot_grpc__predict__v2__pb2.TraceSettingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LogSettings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/LogSettings',
+            laneserve_dot_kserve_dot_grpc__predict__v2__pb2.LogSettingsRequest.SerializeToString,
+            laneserve_dot_kserve_dot_grpc__predict__v2__pb2.LogSettingsResponse.FromString,
             options,
             channel_credentials,
             insecure,

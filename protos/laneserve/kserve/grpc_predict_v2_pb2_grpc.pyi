@@ -22,8 +22,9 @@ Triton's system shared memory extension is here (inputs read from, and outputs
 written to, POSIX shared memory a caller on this host registered), with its CUDA
 methods refusing (laneserve maps no other process's device memory), and its
 repository index (the one model) with load and unload refusing (the model is fixed at
-start). Not here: tracing and logging settings; a client calling them gets
-UNIMPLEMENTED.
+start). And its trace and log settings (TraceSetting, LogSettings): laneserve's
+OpenTelemetry sampling and log threshold, read by any caller and changed by one on
+this host while the server runs (server/settings.py).
 How each field maps onto laneserve's own request: README.md, "KServe v2 / Triton
 clients", and server/kserve.py.
 """
@@ -104,6 +105,19 @@ class GRPCInferenceServiceStub:
     """
     CudaSharedMemoryRegister: _grpc.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.CudaSharedMemoryRegisterRequest, _grpc_predict_v2_pb2.CudaSharedMemoryRegisterResponse]
     CudaSharedMemoryUnregister: _grpc.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.CudaSharedMemoryUnregisterRequest, _grpc_predict_v2_pb2.CudaSharedMemoryUnregisterResponse]
+    TraceSetting: _grpc.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.TraceSettingRequest, _grpc_predict_v2_pb2.TraceSettingResponse]
+    """Triton's trace settings: laneserve's OpenTelemetry sampling. No settings: a read,
+    open to any caller. trace_level (["OFF"] or ["TIMESTAMPS"]) and trace_rate (one
+    trace in N) change the root sampler's ratio, for a caller on this host (a loopback
+    peer, else PERMISSION_DENIED) while tracing is on (OTEL_TRACES_EXPORTER names an
+    exporter, else FAILED_PRECONDITION); the others are fixed.
+    """
+    LogSettings: _grpc.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.LogSettingsRequest, _grpc_predict_v2_pb2.LogSettingsResponse]
+    """Triton's log settings: laneserve's log threshold. No settings: a read, open to any
+    caller. log_info, log_warning, log_error and log_verbose_level change the root
+    logger's threshold, for a caller on this host; log_file and log_format are set at
+    start.
+    """
 
 @_typing.type_check_only
 class GRPCInferenceServiceAsyncStub(GRPCInferenceServiceStub):
@@ -156,6 +170,19 @@ class GRPCInferenceServiceAsyncStub(GRPCInferenceServiceStub):
     """
     CudaSharedMemoryRegister: _aio.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.CudaSharedMemoryRegisterRequest, _grpc_predict_v2_pb2.CudaSharedMemoryRegisterResponse]  # type: ignore[assignment]
     CudaSharedMemoryUnregister: _aio.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.CudaSharedMemoryUnregisterRequest, _grpc_predict_v2_pb2.CudaSharedMemoryUnregisterResponse]  # type: ignore[assignment]
+    TraceSetting: _aio.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.TraceSettingRequest, _grpc_predict_v2_pb2.TraceSettingResponse]  # type: ignore[assignment]
+    """Triton's trace settings: laneserve's OpenTelemetry sampling. No settings: a read,
+    open to any caller. trace_level (["OFF"] or ["TIMESTAMPS"]) and trace_rate (one
+    trace in N) change the root sampler's ratio, for a caller on this host (a loopback
+    peer, else PERMISSION_DENIED) while tracing is on (OTEL_TRACES_EXPORTER names an
+    exporter, else FAILED_PRECONDITION); the others are fixed.
+    """
+    LogSettings: _aio.UnaryUnaryMultiCallable[_grpc_predict_v2_pb2.LogSettingsRequest, _grpc_predict_v2_pb2.LogSettingsResponse]  # type: ignore[assignment]
+    """Triton's log settings: laneserve's log threshold. No settings: a read, open to any
+    caller. log_info, log_warning, log_error and log_verbose_level change the root
+    logger's threshold, for a caller on this host; log_file and log_format are set at
+    start.
+    """
 
 class GRPCInferenceServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -313,5 +340,30 @@ class GRPCInferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _grpc_predict_v2_pb2.CudaSharedMemoryUnregisterRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_grpc_predict_v2_pb2.CudaSharedMemoryUnregisterResponse, _abc.Awaitable[_grpc_predict_v2_pb2.CudaSharedMemoryUnregisterResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def TraceSetting(
+        self,
+        request: _grpc_predict_v2_pb2.TraceSettingRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_predict_v2_pb2.TraceSettingResponse, _abc.Awaitable[_grpc_predict_v2_pb2.TraceSettingResponse]]:
+        """Triton's trace settings: laneserve's OpenTelemetry sampling. No settings: a read,
+        open to any caller. trace_level (["OFF"] or ["TIMESTAMPS"]) and trace_rate (one
+        trace in N) change the root sampler's ratio, for a caller on this host (a loopback
+        peer, else PERMISSION_DENIED) while tracing is on (OTEL_TRACES_EXPORTER names an
+        exporter, else FAILED_PRECONDITION); the others are fixed.
+        """
+
+    @_abc_1.abstractmethod
+    def LogSettings(
+        self,
+        request: _grpc_predict_v2_pb2.LogSettingsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_grpc_predict_v2_pb2.LogSettingsResponse, _abc.Awaitable[_grpc_predict_v2_pb2.LogSettingsResponse]]:
+        """Triton's log settings: laneserve's log threshold. No settings: a read, open to any
+        caller. log_info, log_warning, log_error and log_verbose_level change the root
+        logger's threshold, for a caller on this host; log_file and log_format are set at
+        start.
+        """
 
 def add_GRPCInferenceServiceServicer_to_server(servicer: GRPCInferenceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
