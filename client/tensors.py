@@ -266,9 +266,16 @@ def encode_strings(what: str, array: npt.NDArray[Any]) -> bytes:
                 raise ValueError(_not_utf8(what, index, error)) from None
             encoded = value
         else:  # a ValueError as every refusal here (the module's docstring)
+            # An object array of numbers (pandas' .values of mixed columns) meant numbers.
+            numbers = (
+                "; an object array is sent as text: for numbers, expected a numeric array "
+                "(array.astype(np.float32), say)"
+                if isinstance(value, int | float | np.number)
+                else ""
+            )
             raise ValueError(  # noqa: TRY004
                 f"{what}: element {index} is {type(value).__name__}; expected str (or UTF-8 "
-                "bytes) in every element of a string tensor"
+                f"bytes) in every element of a string tensor{numbers}"
             )
         if len(encoded) > _MAX_ELEMENT_BYTES:
             raise ValueError(

@@ -116,8 +116,9 @@ def leading_rows(
     a[N, K] and b[N, K], every part split from which is refused for K.
 
     The data is not read, so not measured: each read is a copy (~80 ms for 64 MiB), and
-    this runs for every request. A shape that sizes at most `max_message_bytes` over
-    data that does not match it is still counted by its shape."""
+    this runs for every request; a STRING tensor's alone is read, its length sizing it
+    (`data_bytes`). A shape that sizes at most `max_message_bytes` over data that does
+    not match it is still counted by its shape."""
     expected = {spec.name: spec for spec in specs}
     if len(tensors) != len(expected) or {tensor.name for tensor in tensors} != expected.keys():
         return None  # an unknown, missing or repeated input
@@ -146,8 +147,9 @@ def extra_bytes(request: pb.InferRequest, wire_bytes: int) -> int | None:
     """How many of the `wire_bytes` `request` was read from are neither its tensors' data,
     as their shapes and dtypes size it, nor one copy of each of its fields (see
     MAX_EXTRA_BYTES). None when a tensor's dtype or shape sizes no data (a request that
-    validation refuses). Reads no tensor's data (each read is a copy), and its cost is in
-    proportion to its inputs, dimensions and output names: `check_counts` bounds them."""
+    validation refuses). Reads no tensor's data (each read is a copy) but a STRING
+    tensor's (`data_bytes`), and its cost is in proportion to its inputs, dimensions and
+    output names: `check_counts` bounds them."""
     known = text_bytes(request.request_id) + text_bytes(request.lane)
     if request.timeout_ms:
         known += 1 + varint_bytes(request.timeout_ms)

@@ -92,17 +92,7 @@ def make_demo_model(
         outputs=[helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", output_dim])],
         initializer=initializers,
     )
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", OPSET)],
-        producer_name="laneserve.demo_model",
-    )
-    model.ir_version = _IR_VERSION
-    onnx.checker.check_model(model, full_check=True)
-
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save_model(model, target)
+    _save(graph, [helper.make_opsetid("", OPSET)], path)
 
 
 def make_text_model(path: str | os.PathLike[str]) -> None:
@@ -136,14 +126,19 @@ def make_text_model(path: str | os.PathLike[str]) -> None:
             helper.make_tensor_value_info("value", TensorProto.FLOAT, ["batch", 2]),
         ],
     )
-    model = helper.make_model(
-        graph,
-        opset_imports=[
-            helper.make_opsetid("", _TEXT_OPSET),
-            helper.make_opsetid("ai.onnx.ml", _TEXT_ML_OPSET),
-        ],
-        producer_name="laneserve.demo_model",
-    )
+    opsets = [
+        helper.make_opsetid("", _TEXT_OPSET),
+        helper.make_opsetid("ai.onnx.ml", _TEXT_ML_OPSET),
+    ]
+    _save(graph, opsets, path)
+
+
+def _save(
+    graph: onnx.GraphProto, opsets: list[onnx.OperatorSetIdProto], path: str | os.PathLike[str]
+) -> None:
+    """`graph` as a model of `opsets` and _IR_VERSION, checked, written to `path` (its
+    parent folders made)."""
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="laneserve.demo_model")
     model.ir_version = _IR_VERSION
     onnx.checker.check_model(model, full_check=True)
     target = Path(path)

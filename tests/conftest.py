@@ -12,7 +12,7 @@ import pytest
 
 from laneserve import client as lc
 from laneserve.server import app as app_module
-from laneserve.server.demo_model import make_demo_model
+from laneserve.server.demo_model import make_demo_model, make_text_model
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +27,16 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same signature as the demo model, tiny layers: for tests that start many servers."""
     path = tmp_path_factory.mktemp("models") / "small.onnx"
     make_demo_model(path, hidden_dim=32, hidden_layers=1)
+    return path
+
+
+@pytest.fixture(scope="session")
+def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`make_text_model`'s: text [N] -> tagged (text + "!") and label (its index in
+    TEXT_LABELS, else -1); numbers [N, 2] of text -> value (float32; a row that is no
+    number fails)."""
+    path = tmp_path_factory.mktemp("models") / "text.onnx"
+    make_text_model(path)
     return path
 
 

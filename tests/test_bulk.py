@@ -27,7 +27,7 @@ from laneserve.client._sync import SOURCE_THREAD
 from laneserve.client.tensors import encode_tensor
 from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig, service
 from laneserve.server.clock import ManualClock
-from laneserve.server.demo_model import make_demo_model, make_text_model
+from laneserve.server.demo_model import make_demo_model
 from laneserve.server.events import RequestTrace
 from laneserve.server.items import InferenceRequest
 from laneserve.server.lifecycle import Lifecycle
@@ -817,15 +817,6 @@ def test_an_item_over_the_message_limit_fails_alone_and_the_job_goes_on(
         assert isinstance(error, lc.ResourceExhaustedError)
         assert "bulk stream item 1 is " in error.message
         assert f"({limit} bytes, max_message_bytes); expected fewer rows per item" in error.message
-
-
-@pytest.fixture(scope="module")
-def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`make_text_model`'s: text [N] -> tagged (text + "!"), label; numbers [N, 2] of
-    text -> value float32 (a non-number fails its row)."""
-    path = tmp_path_factory.mktemp("models") / "text.onnx"
-    make_text_model(path)
-    return path
 
 
 def test_a_job_of_text_rows_is_split_and_sized_by_its_encoded_text(text_model: Path) -> None:

@@ -34,7 +34,6 @@ from onnx import helper
 from laneserve import client as lc
 from laneserve.client import _channel as lc_channel
 from laneserve.server import Engine, LaneConfig, ServerConfig, service
-from laneserve.server.demo_model import make_text_model
 from laneserve.server.engine import no_static_estimate
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.v1 import inference_pb2 as pb
@@ -180,15 +179,6 @@ def test_big_endian_and_non_contiguous_inputs_are_accepted(small_model: Path) ->
         np.testing.assert_array_equal(got_swapped, reference.run(None, {"input": x})[0])
 
     asyncio.run(scenario())
-
-
-@pytest.fixture(scope="module")
-def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`make_text_model`'s: text [N] -> tagged (text + "!"), label (index in TEXT_LABELS,
-    else -1); numbers [N, 2] of text -> value float32 (a non-number fails its row)."""
-    path = tmp_path_factory.mktemp("models") / "text.onnx"
-    make_text_model(path)
-    return path
 
 
 # Text in each form numpy holds it, all sent as STRING: str_, object holding str, UTF-8

@@ -38,7 +38,7 @@ from laneserve.client import cli as client_cli_module
 from laneserve.client._checkpoint import Checkpoint, CheckpointBusyError, CheckpointError, locked
 from laneserve.client._request import encode_inputs, infer_request
 from laneserve.server import Engine, LaneConfig, ServerConfig
-from laneserve.server.demo_model import TEXT_LABELS, make_demo_model, make_text_model
+from laneserve.server.demo_model import TEXT_LABELS, make_demo_model
 from laneserve.server.engine import no_static_estimate
 from laneserve.server.items import Batch
 from laneserve.v1 import inference_pb2 as pb
@@ -1311,15 +1311,6 @@ def test_a_big_endian_input_of_the_models_dtype_is_answered_as_its_values(
             assert "is >f8 with shape [3, 512]; the model expects float32" in err
 
     asyncio.run(scenario())
-
-
-@pytest.fixture(scope="module")
-def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`make_text_model`'s: text [N] -> tagged (text + "!"), label (index in TEXT_LABELS,
-    else -1); numbers [N, 2] of text -> value float32 (a non-number fails its row)."""
-    path = tmp_path_factory.mktemp("models") / "text.onnx"
-    make_text_model(path)
-    return path
 
 
 def echo_text_model(path: Path) -> Path:

@@ -29,7 +29,6 @@ from laneserve.server import Engine, ServerConfig, grpc_accept
 from laneserve.server import kserve as kserve_module
 from laneserve.server.cli import _parser, _serve_config
 from laneserve.server.config import ConfigError
-from laneserve.server.demo_model import make_text_model
 from laneserve.server.engine import TensorSpec
 from laneserve.server.kserve import to_infer_request
 from laneserve.server.model_identity import SERVER_VERSION, write_varint
@@ -1341,18 +1340,6 @@ TAGGED = [f"{text}!" for text in TEXT]
 LABELS = [0, -1, -1, 1]
 VALUES = NUMBERS.astype(np.float32)
 TEXT_OUTPUTS = [("tagged", "BYTES", [4]), ("label", "INT64", [4]), ("value", "FP32", [4, 2])]
-
-
-def make_text_model_in(factory: pytest.TempPathFactory) -> Path:
-    """The text model, served under its file's stem "text"."""
-    path = factory.mktemp("models") / "text.onnx"
-    make_text_model(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_text_model_in(tmp_path_factory)
 
 
 def text_request() -> Request:

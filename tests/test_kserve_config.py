@@ -45,7 +45,7 @@ from tests.support import (
     serving,
     until,
 )
-from tests.test_kserve import _engine, kserve_stub, make_text_model_in, outputs_of, raw_request
+from tests.test_kserve import _engine, kserve_stub, outputs_of, raw_request
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 
@@ -693,11 +693,6 @@ def test_a_joined_or_replayed_retry_is_not_a_second_run(small_model: Path) -> No
             assert (counts["queue.count"], counts["compute_infer.count"]) == (1, 1)
 
     asyncio.run(scenario())
-
-
-@pytest.fixture(scope="module")
-def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_text_model_in(tmp_path_factory)
 
 
 def test_a_text_models_metadata_says_bytes_and_its_config_type_string(text_model: Path) -> None:

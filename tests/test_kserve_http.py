@@ -73,7 +73,6 @@ from tests.test_kserve import (
     VALUES,
     _engine,
     _identity_model,
-    make_text_model_in,
 )
 from tests.test_kserve_shm import FILLER, PAGE_BYTES, SharedMemory
 from tests.test_readme_claims import Pki, issue_pki
@@ -2603,11 +2602,6 @@ def test_a_fault_found_once_the_body_is_read_keeps_the_connection(small_model: P
 
 
 # ---- BYTES: text tensors ----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_text_model_in(tmp_path_factory)
 
 
 TEXT_INFER = "/v2/models/text/infer"

@@ -66,7 +66,6 @@ from tests.test_kserve import (
     TEXT,
     _engine,
     kserve_stub,
-    make_text_model_in,
     outputs_of,
     raw_request,
 )
@@ -1466,11 +1465,6 @@ def _register_many(regions: SharedMemoryRegions, made: SharedObject, count: int)
 
 
 # ---- BYTES in shared memory --------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_text_model_in(tmp_path_factory)
 
 
 _TEXT_BYTES = encode_strings("text", TEXT)

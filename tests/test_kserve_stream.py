@@ -52,7 +52,6 @@ from tests.test_kserve import (
     TEXT,
     TEXT_OUTPUTS,
     VALUES,
-    make_text_model_in,
     outputs_of,
     text_request,
     typed_request,
@@ -1163,11 +1162,6 @@ def test_the_answers_of_items_asking_for_tritons_final_response_mark_alone_are_m
         "INVALID_ARGUMENT INVALID_INPUT: [request id: bad] request parameter "
         "'triton_enable_empty_final_response' is an int64_param; expected bool_param"
     )
-
-
-@pytest.fixture(scope="module")
-def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_text_model_in(tmp_path_factory)
 
 
 def test_stream_items_with_bytes_inputs_are_answered_and_a_bad_one_is_its_own_error(

@@ -18,20 +18,16 @@ from onnx import TensorProto, helper
 
 from laneserve.client.tensors import decode_tensor, encode_tensor
 from laneserve.server import Engine, EngineStartError, ServerConfig
+from laneserve.server.bench.baselines import EchoServicer
+from laneserve.server.bench.loadgen import request_body
+from laneserve.server.bench.run import load_inputs
+from laneserve.server.bench.settings import Stream
 from laneserve.server.codec import MAX_EXTRA_BYTES, extra_bytes, leading_rows
-from laneserve.server.demo_model import make_text_model
 from laneserve.server.engine import TensorSpec, held_bytes
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import RecordingEngine, estimate_once, rich_status, save_model, serving, until
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
-
-
-@pytest.fixture(scope="module")
-def text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("models") / "text.onnx"
-    make_text_model(path)
-    return path
 
 
 def _length_prefixed(*elements: bytes) -> bytes:
@@ -396,3 +392,42 @@ def test_a_string_normalizer_whose_locale_the_machine_lacks_is_refused_saying_wh
         "locale-gen), or convert the model with one the machine has (`locale -a`; skl2onnx: "
         "options={id(vectorizer): {'locale': 'C.UTF-8'}})"
     ), message
+
+
+def test_the_benchmark_sends_text_to_a_text_model_and_its_echo_answers_text(
+    text_model: Path,
+) -> None:
+    """`laneserve bench` against the text model sent each element's PyObject pointer as
+    its text (every request refused INVALID_INPUT, the report "valid"), and the echo
+    baseline could not build its answer (a review)."""
+    body = request_body(
+        Stream("single", rows=3, concurrency=1),
+        load_inputs(
+            pb.GetModelResponse(
+                inputs=[
+                    pb.TensorSpec(name="text", dtype=pb.DATA_TYPE_STRING, shape=[-1]),
+                    pb.TensorSpec(name="numbers", dtype=pb.DATA_TYPE_STRING, shape=[-1, 2]),
+                ]
+            )
+        ),
+        np.random.default_rng(0),
+    )
+    request = pb.InferRequest.FromString(body)
+    engine = Engine(str(text_model), device="cpu", estimate=estimate_once)
+    inputs = {tensor.name: decode_tensor(tensor) for tensor in request.inputs}
+    assert inputs["numbers"].shape == (3, 2)
+    assert all(value.isdigit() for value in inputs["numbers"].flat)
+    engine.run(inputs)  # the model takes them: numbers Cast parses
+    echo = EchoServicer(engine)._response(2)
+    assert [decode_tensor(tensor).tolist() for tensor in echo.outputs] == [
+        ["0", "0"],
+        [0, 0],
+        [[0.0, 0.0], [0.0, 0.0]],
+    ]
+
+
+def test_an_object_array_of_numbers_is_refused_saying_it_is_sent_as_text() -> None:
+    """pandas' .values of mixed columns is an object array of floats: sent to a float
+    model it was told "element 0 is float; expected str", which named no way out."""
+    with pytest.raises(ValueError, match=re.escape("array.astype(np.float32), say")):
+        encode_tensor("input", np.array([[1.0, 2.0]], dtype=object))

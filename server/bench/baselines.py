@@ -41,7 +41,7 @@ from laneserve.client.tensors import datatype_of, encode_tensor
 from laneserve.server.bench.settings import WORKER_METADATA_KEY
 from laneserve.server.codec import check_output_names, decode_inputs, encode_response
 from laneserve.server.config import DEVICES
-from laneserve.server.engine import Engine, TensorSpec, no_static_estimate
+from laneserve.server.engine import Engine, TensorSpec, no_static_estimate, zero_value
 from laneserve.server.errors import LaneserveError, to_rpc_status
 from laneserve.server.items import Timing
 from laneserve.server.process import tune_for_serving
@@ -121,7 +121,11 @@ class EchoServicer(_InferOnly):
             outputs = [
                 encode_tensor(
                     spec.name,
-                    np.zeros((rows, *(d if d > 0 else 1 for d in spec.shape[1:])), spec.dtype),
+                    np.full(
+                        (rows, *(d if d > 0 else 1 for d in spec.shape[1:])),
+                        zero_value(spec.dtype),
+                        spec.dtype,
+                    ),
                 )
                 for spec in self._engine.outputs
             ]

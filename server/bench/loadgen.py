@@ -44,7 +44,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
-from laneserve.client.tensors import datatype_of, decode_tensor
+from laneserve.client.tensors import decode_tensor, encode_tensor
 from laneserve.server.bench.settings import HEARTBEAT_S, WORKER_METADATA_KEY, Profile, Stream
 from laneserve.server.bench.summary import (
     OK,
@@ -354,20 +354,16 @@ def request_body(stream: Stream, inputs: Sequence[InputSpec], rng: np.random.Gen
     for spec in inputs:
         shape = (stream.rows, *spec.trailing_shape)
         dtype = np.dtype(spec.dtype)
+        values: np.ndarray[Any, Any]
         if dtype.kind == "f":
             values = rng.standard_normal(shape).astype(dtype)
         elif dtype.kind == "b":
             values = rng.integers(0, 2, shape).astype(dtype)
+        elif dtype.hasobject:  # text: numbers written out, which any string input takes
+            values = rng.integers(0, 100, shape).astype(str).astype(object)
         else:
             values = rng.integers(0, 100, shape).astype(dtype)
-        tensors.append(
-            pb.Tensor(
-                name=spec.name,
-                dtype=datatype_of(dtype),
-                shape=list(shape),
-                data=values.astype(dtype.newbyteorder("<"), copy=False).tobytes(),
-            )
-        )
+        tensors.append(encode_tensor(spec.name, values))
     return pb.InferRequest(
         lane=stream.lane, timeout_ms=stream.timeout_ms, inputs=tensors
     ).SerializeToString()
