@@ -245,7 +245,9 @@ _FIXED_TRACE: Final[Mapping[str, tuple[str, str]]] = {
     "trace_mode": ("opentelemetry", "laneserve traces with OpenTelemetry alone"),
 }
 _TRACE_KEYS: Final = (TRACE_LEVEL, TRACE_RATE, *_FIXED_TRACE)
-_RATE: Final = re.compile(r"[0-9]+")
+# A whole number up to UINT32_MAX's 10 digits, leading zeros aside: checked before int()
+# reads it (over 4 300 digits int() raises ValueError, a 500).
+_RATE: Final = re.compile(r"0*[0-9]{1,10}")
 
 
 class TraceSettings:
@@ -295,9 +297,10 @@ class TraceSettings:
     def _settable_root(self) -> RatioSampler:
         if not self._tracing:
             raise TracingOffError(
-                "tracing is off on this server (OTEL_TRACES_EXPORTER names no exporter): "
-                "no span is made, nor could one be exported; expected the server started "
-                "with OTEL_TRACES_EXPORTER set (otlp, console), then its sampling changed"
+                "tracing is off on this server (OTEL_TRACES_EXPORTER names no exporter, or "
+                "OTEL_SDK_DISABLED is true): no span is made, nor could one be exported; "
+                "expected the server started with OTEL_TRACES_EXPORTER set (otlp, console) "
+                "and OTEL_SDK_DISABLED unset, then its sampling changed"
             )
         if self._root is None:
             raise TracingOffError(
