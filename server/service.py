@@ -35,7 +35,6 @@ from laneserve.server.codec import (
     encode_response,
     extra_bytes,
     leading_rows,
-    text_elements,
     varint_bytes,
 )
 from laneserve.server.config import LaneConfig, ServerConfig
@@ -91,24 +90,6 @@ log = logging.getLogger(__name__)
 
 # A request's decoded inputs by name, its rows and its batching signature (`decode_inputs`).
 Decoded = tuple[dict[str, Array], int, Signature]
-# The most STRING elements a request's inputs are decoded of on the event loop (~0.3 us
-# each: about 6 ms); a request of more is decoded on a thread of its own, and the event
-# loop serves the other calls meanwhile, in turns of the GIL's switch interval (5 ms),
-# where a 64 MiB request of 2-byte strings held every call for 3 s. Measured (one run
-# each way, twice): 1-row interactive calls beside 512k-string bulk requests, p99
-# 165-298 ms on the loop, 46-60 ms decoded on a thread; at 48k strings no difference
-# beyond the noise, at 12k the thread's hand-offs cost more than they saved. Numbers are
-# never decoded away: their bytes are used in place, in microseconds.
-EVENT_LOOP_TEXT_ELEMENTS: Final = 20_000
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _DecodeOffLoop:
-    """`_read_inputs`' answer for a request whose text is decoded on a thread
-    (EVENT_LOOP_TEXT_ELEMENTS): `_infer` decodes it, then fingerprints it."""
-
-
-_DECODE_OFF_LOOP: Final = _DecodeOffLoop()
 # A stream's items, their tags and answers, as one front end reads and writes them
 # (`StreamFrontEnd`).
 _Item = TypeVar("_Item")
@@ -1026,7 +1007,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         try:
             output_names = check_output_names(request.output_names, self._output_names)
             # The ledger runs it at most once per request_id: a retry joins or replays.
-            digest, decoded = await self._inputs_read(request, ledger_id, lane_config, output_names)
+            digest, decoded = self._read_inputs(request, ledger_id, lane_config, output_names)
         except LaneserveError as error:  # counted as the scheduler counts its own
             raise self._rejected(lane, error, arrived_s=arrived_s) from None
         # None: a retry that joins or replays, which waits for no room (see `_read_inputs`).
@@ -1166,35 +1147,16 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         taken.replied(context, "OK")
         return response
 
-    async def _inputs_read(
-        self,
-        request: pb.InferRequest,
-        ledger_id: str,
-        lane_config: LaneConfig,
-        output_names: list[str],
-    ) -> tuple[bytes, Decoded | None]:
-        """`_read_inputs`, a request of more than EVENT_LOOP_TEXT_ELEMENTS strings decoded
-        on a thread, then fingerprinted. The ledger is asked again as the request is
-        submitted (`_run_once`), as it is after a stream item's wait for room: a retry
-        of it that came meanwhile is joined there, or a reused id refused."""
-        digest, read = self._read_inputs(request, ledger_id, lane_config, output_names)
-        if not isinstance(read, _DecodeOffLoop):
-            return digest, read
-        decoded = await asyncio.to_thread(decode_inputs, request.inputs, self._input_specs)
-        return (fingerprint(request, output_names) if ledger_id else b""), decoded
-
     def _read_inputs(
         self,
         request: pb.InferRequest,
         ledger_id: str,
         lane_config: LaneConfig,
         output_names: list[str],
-    ) -> tuple[bytes, Decoded | _DecodeOffLoop | None]:
+    ) -> tuple[bytes, Decoded | None]:
         """The request's fingerprint (b"" without a `ledger_id`, its key in the ledger)
         and its decoded inputs, rows and signature; None for a retry that joins its
-        request in flight or replays its stored answer; _DECODE_OFF_LOOP (and no
-        fingerprint yet) for one of more than EVENT_LOOP_TEXT_ELEMENTS strings, its
-        refusals for rows and dtypes checked. Raises why the request is refused.
+        request in flight or replays its stored answer. Raises why the request is refused.
 
         A retry's fingerprint equals the first attempt's, which was decoded and validated:
         it is not decoded again (a join kept that copy of its inputs as long as it waited;
@@ -1213,8 +1175,6 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # Admission's refusal, before the inputs are copied and hashed: refused after, a
             # 62 MiB request cost the event loop 143-223 ms. Not a retry's: it queues no rows.
             lane_config.check_rows(rows)
-        if text_elements(request.inputs) > EVENT_LOOP_TEXT_ELEMENTS:
-            return b"", _DECODE_OFF_LOOP
         decoded = decode_inputs(request.inputs, self._input_specs)
         return (fingerprint(request, output_names) if ledger_id else b""), decoded
 

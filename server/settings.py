@@ -245,9 +245,10 @@ _FIXED_TRACE: Final[Mapping[str, tuple[str, str]]] = {
     "trace_mode": ("opentelemetry", "laneserve traces with OpenTelemetry alone"),
 }
 _TRACE_KEYS: Final = (TRACE_LEVEL, TRACE_RATE, *_FIXED_TRACE)
-# A whole number up to UINT32_MAX's 10 digits, leading zeros aside: checked before int()
-# reads it (over 4 300 digits int() raises ValueError, a 500).
-_RATE: Final = re.compile(r"0*[0-9]{1,10}")
+# A whole number up to UINT32_MAX's 10 digits, its leading zeros apart: only the digits
+# after them reach int() (over 4 300 digits, leading zeros counted, it raises
+# ValueError: a 500).
+_RATE: Final = re.compile(r"0*([0-9]{1,10})")
 
 
 class TraceSettings:
@@ -365,8 +366,9 @@ def _level_on(values: list[str]) -> bool:
 
 def _rate(values: list[str]) -> int:
     """trace_rate `values`: one whole number N from 1 (one trace in N sampled)."""
-    if len(values) == 1 and _RATE.fullmatch(values[0]) and 1 <= int(values[0]) <= UINT32_MAX:
-        return int(values[0])
+    digits = _RATE.fullmatch(values[0]) if len(values) == 1 else None
+    if digits is not None and 1 <= int(digits[1]) <= UINT32_MAX:
+        return int(digits[1])
     raise InvalidInputError(
         f"trace_rate {values}: expected one whole number N from 1 to {UINT32_MAX}, one "
         f"trace in N sampled (trace_level [{LEVEL_OFF!r}] samples none)"
@@ -377,6 +379,8 @@ def _rate_text(ratio: float) -> str:
     """A ratio as Triton's trace_rate: N, one trace in N (a fraction where a ratio from
     OTEL_TRACES_SAMPLER_ARG is not one in a whole number)."""
     rate = 1.0 / ratio
+    if not math.isfinite(rate):  # a ratio under 1/1.8e308 (1e-310 starts a server): "inf"
+        return f"{rate:.6g}"
     whole = round(rate)
     return str(whole) if math.isclose(rate, whole, rel_tol=1e-9) else f"{rate:.6g}"
 

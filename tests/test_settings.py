@@ -30,8 +30,9 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_s
 
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
-from laneserve.server import LaneServer
+from laneserve.server import LaneServer, settings
 from laneserve.server.addresses import host_port
+from laneserve.server.errors import InvalidInputError
 from laneserve.server.settings import check_caller
 from laneserve.server.telemetry import (
     BatchLinkSampler,
@@ -769,3 +770,16 @@ def test_over_http_with_tracing_off_a_trace_change_is_refused_400(small_model: P
             )
 
     asyncio.run(scenario())
+
+
+def test_a_trace_rate_of_any_length_is_read_without_reaching_ints_digit_limit() -> None:
+    """int() of over 4 300 digits raises ValueError (gRPC UNKNOWN, HTTP 500): a rate's
+    leading zeros count toward that limit too (a review found 5 000 zeros and a 1 a 500
+    after the first fix); only the digits after them are read. A start ratio of 1e-310
+    (OTEL_TRACES_SAMPLER_ARG, accepted) read as a rate overflowed round(): a 500 on
+    every read."""
+    assert settings._rate(["0" * 5000 + "1"]) == 1
+    with pytest.raises(InvalidInputError, match="expected one whole number N from 1"):
+        settings._rate(["0" * 5000 + "9" * 11])
+    assert settings._rate_text(1e-310) == "inf"
+    assert settings._rate_text(0.3) == "3.33333"

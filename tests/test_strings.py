@@ -7,9 +7,7 @@ import asyncio
 import logging
 import re
 import struct
-import threading
 from pathlib import Path
-from typing import Any
 
 import grpc
 import numpy as np
@@ -18,13 +16,13 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from laneserve.client.tensors import decode_tensor, encode_tensor, length_prefixed
-from laneserve.server import Engine, EngineStartError, ServerConfig, service
+from laneserve.client.tensors import decode_tensor, encode_tensor
+from laneserve.server import Engine, EngineStartError, ServerConfig
 from laneserve.server.bench.baselines import EchoServicer
 from laneserve.server.bench.loadgen import request_body
 from laneserve.server.bench.run import load_inputs
 from laneserve.server.bench.settings import Stream
-from laneserve.server.codec import MAX_EXTRA_BYTES, decode_inputs, extra_bytes, leading_rows
+from laneserve.server.codec import MAX_EXTRA_BYTES, extra_bytes, leading_rows
 from laneserve.server.engine import TensorSpec, held_bytes
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import RecordingEngine, estimate_once, rich_status, save_model, serving, until
@@ -433,60 +431,3 @@ def test_an_object_array_of_numbers_is_refused_saying_it_is_sent_as_text() -> No
     model it was told "element 0 is float; expected str", which named no way out."""
     with pytest.raises(ValueError, match=re.escape("array.astype(np.float32), say")):
         encode_tensor("input", np.array([[1.0, 2.0]], dtype=object))
-
-
-def _long_text_request(
-    rows: int, request_id: str = "", bad_row: int | None = None
-) -> pb.InferRequest:
-    """`rows` rows of the text model, 3 strings each; `bad_row`'s text not UTF-8."""
-    texts = [f"row {row}" for row in range(rows)]
-    numbers = [[str(row), "1"] for row in range(rows)]
-    request = _text_request(texts, numbers, request_id=request_id)
-    request.lane = "bulk"  # its rows are more than the default lane holds
-    if bad_row is not None:
-        elements = [text.encode() for text in texts]
-        elements[bad_row] = b"\xff"
-        request.inputs[0].data = length_prefixed(elements)
-    return request
-
-
-def test_a_request_of_many_strings_is_decoded_off_the_event_loop(
-    text_model: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Text is decoded element by element (~0.3 us each): a 64 MiB request of 2-byte
-    strings held the event loop, every other call with it, for 3 s. A request of more
-    than EVENT_LOOP_TEXT_ELEMENTS strings is decoded on a thread; a smaller one, and a
-    bad one's refusal, as before. Two calls of one request_id sent at once, both decoded
-    on threads, are still one run (the ledger asked as each is submitted)."""
-    decoded_on: list[tuple[int, bool]] = []
-
-    def recording(tensors: Any, specs: Any) -> Any:
-        on_loop = threading.current_thread() is threading.main_thread()
-        decoded_on.append((tensors[0].shape[0], on_loop))
-        return decode_inputs(tensors, specs)
-
-    monkeypatch.setattr(service, "decode_inputs", recording)
-    rows = service.EVENT_LOOP_TEXT_ELEMENTS // 3 + 1  # 3 strings a row: just over
-
-    async def scenario() -> tuple[list[pb.InferResponse], grpc.aio.AioRpcError, int]:
-        engine = Engine(str(text_model), device="cpu", estimate=estimate_once)
-        config = ServerConfig(model_path=str(text_model), max_batch_size=8192)
-        async with serving(engine, config) as s:
-            small = await s.stub.Infer(_text_request(["cat"], [["1", "2"]]), timeout=60)
-            twice = await asyncio.gather(
-                *(s.stub.Infer(_long_text_request(rows, "same"), timeout=60) for _ in range(2))
-            )
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await s.stub.Infer(_long_text_request(rows, bad_row=7), timeout=60)
-            stats = await s.stub.GetStats(pb.GetStatsRequest(), timeout=30)
-            return [small, *twice], refused.value, stats.rows_run
-
-    answers, refused, rows_run = asyncio.run(scenario())
-    assert decoded_on == [(1, True), (rows, False), (rows, False), (rows, False)]
-    small, first, second = answers
-    assert decode_tensor(small.outputs[0]).tolist() == ["cat!"]
-    assert first.outputs == second.outputs
-    assert decode_tensor(first.outputs[0]).tolist() == [f"row {row}!" for row in range(rows)]
-    assert rows_run == 1 + rows, "the two calls of one request_id ran once"
-    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert (refused.details() or "").startswith("tensor 'text': element 7 is not UTF-8")
