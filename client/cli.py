@@ -576,21 +576,44 @@ def _is_text(dtype: np.dtype[Any]) -> bool:
 
 def _json_strings(value: object, spec: TensorInfo, what: str) -> npt.NDArray[np.object_]:
     """`value` (JSON's nested lists of strings) as an object array of str, for a string
-    input. Anything else where a string goes (a number, nested lists of uneven lengths,
-    which numpy makes an element that is a list) is refused naming where it is in the
-    JSON: the codec's refusal named its place in the flattened array alone."""
-    try:
-        array = np.asarray(value, dtype=object)
-    except ValueError as error:  # lists numpy cannot place at all
-        raise UsageError(
-            f"{what} is not a string array of shape {_shape(spec.shape)}: {error}"
-        ) from error
-    for index, element in np.ndenumerate(array):
-        if not isinstance(element, str):
+    input. Its shape is the first element's at each depth (as numpy reads one); a list of
+    another length, a list where a string goes or a string where a list goes, and
+    anything else where a string goes (a number) are refused naming where they are in the
+    JSON: numpy made an uneven row an element that is a list, and the first row holding
+    one was named, not the uneven one. Walked without recursion (JSON nests deep)."""
+    dims: list[int] = []
+    first = value
+    while isinstance(first, list):
+        dims.append(len(first))
+        if not first:
+            break
+        first = first[0]
+    expected = f"JSON strings in nested lists of shape {_shape(spec.shape)}"
+    pending: list[tuple[object, list[int]]] = [(value, [])]
+    while pending:
+        element, place = pending.pop()
+        depth = len(place)
+        if depth == len(dims):
+            if not isinstance(element, str):
+                raise UsageError(f"{what}: {_json_kind(element)} at {place}; expected {expected}")
+            continue
+        if not isinstance(element, list) or len(element) != dims[depth]:
+            if isinstance(element, list):
+                held = f"a list of {len(element)}"
+            else:
+                held = "a string" if isinstance(element, str) else _json_kind(element)
             raise UsageError(
-                f"{what}: {_json_kind(element)} at {list(index)}; expected JSON strings in "
-                f"nested lists of shape {_shape(spec.shape)}"
+                f"{what}: {held} at {place}, where the first row's shape puts a list of "
+                f"{dims[depth]}; expected {expected}"
             )
+        pending.extend(
+            (item, [*place, index]) for index, item in reversed(list(enumerate(element)))
+        )
+    array = np.empty(tuple(dims), dtype=object)
+    if dims:
+        array[...] = value  # rectangular now: each element one str
+    else:
+        array[()] = value
     return array
 
 

@@ -1400,9 +1400,25 @@ def test_text_the_client_cannot_send_is_refused_before_sending(
         ),
         (
             ["infer", "--json", json.dumps({"text": ["a", "b"], "numbers": [["1", "2"], ["3"]]})],
+            # The uneven row, not the first row (numpy's reading named [0]: a review).
             (
-                "--json: input 'numbers': a list (lists nested unevenly, or deeper than the shape) "
-                "at [0]"
+                "--json: input 'numbers': a list of 1 at [1], where the first row's shape puts "
+                "a list of 2; expected JSON strings in nested lists of shape [?, 2]"
+            ),
+        ),
+        (
+            ["infer", "--json", json.dumps({"text": ["a", "b"], "numbers": [["1", "2"], "3"]})],
+            "--json: input 'numbers': a string at [1], where the first row's shape puts a list",
+        ),
+        (
+            [
+                "infer",
+                "--json",
+                json.dumps({"text": ["a", "b"], "numbers": [["1", "2"], ["3", ["4"]]]}),
+            ],
+            (
+                "--json: input 'numbers': a list (lists nested unevenly, or deeper than the "
+                "shape) at [1, 1]"
             ),
         ),
         (["infer", "--input", objects], pickled),
