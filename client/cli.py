@@ -692,9 +692,10 @@ def _check_not_pickled(file: IO[bytes], name: str, path: Path) -> None:
         return
     if dtype.hasobject:
         raise UsageError(
-            f"input {name!r} in {path} holds Python objects (dtype {dtype}), which numpy "
-            "saves as a pickle and this client does not load (loading a pickle runs code "
-            "from the file); for text, expected a numpy str_ array: save array.astype(str)"
+            f"input {name!r} in {path} holds Python objects (dtype {dtype}: an object or a "
+            "StringDType array, which numpy saves as a pickle), which this client does not "
+            "load (loading a pickle runs code from the file); for text, expected a numpy "
+            "str_ array: save array.astype(str)"
         )
 
 

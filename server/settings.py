@@ -88,10 +88,17 @@ _LOG_KINDS: Final[Mapping[str, str]] = {
     LOG_VERBOSE_LEVEL: "uint32_param",
     LOG_FORMAT: "string_param",
 }
+# Each kind in words both callers know: gRPC's (the SettingValue field) and JSON's (what
+# HTTP reads into it): an HTTP caller sent a number, not a "uint32_param".
+_KIND_NAMES: Final[Mapping[str, str]] = {
+    "bool_param": "a boolean (bool_param)",
+    "uint32_param": "a whole number (uint32_param)",
+    "string_param": "a string (string_param)",
+}
 _KIND_WORDS: Final[Mapping[str, str]] = {
-    "bool_param": "bool_param (true or false)",
-    "uint32_param": "uint32_param (0, or 1 and more for debug)",
-    "string_param": "string_param",
+    "bool_param": "a boolean (bool_param): true or false",
+    "uint32_param": "a whole number (uint32_param): 0, or 1 and more for debug",
+    "string_param": "a string (string_param)",
 }
 _LEVELS_ACCEPTED: Final = (
     "log_verbose_level 1 or more with log_info, log_warning and log_error on (debug); "
@@ -171,10 +178,8 @@ def _asked_log_values(request: kpb.LogSettingsRequest) -> dict[str, _LogValue]:
         value = request.settings[key]
         given = value.WhichOneof("parameter_choice")
         if given is None or given != kind:
-            what = "no value" if given is None else f"a {given}"
-            raise InvalidInputError(
-                f"log setting {key!r} has {what}; expected a {_KIND_WORDS[kind]}"
-            )
+            what = "no value" if given is None else _KIND_NAMES[given]
+            raise InvalidInputError(f"log setting {key!r} has {what}; expected {_KIND_WORDS[kind]}")
         asked[key] = getattr(value, given)
     return asked
 

@@ -1387,8 +1387,8 @@ def test_text_the_client_cannot_send_is_refused_before_sending(
     np.savez(tmp_path / "floats.npz", text=np.zeros(2, np.float32), numbers=np.array(numbers))
     objects = str(tmp_path / "objects.npz")
     pickled = (
-        f"input 'text' in {objects} holds Python objects (dtype object), which numpy saves as "
-        "a pickle and this client does not load"
+        f"input 'text' in {objects} holds Python objects (dtype object: an object or a "
+        "StringDType array, which numpy saves as a pickle), which this client does not load"
     )
     cases = [
         (

@@ -312,13 +312,19 @@ LOG_REFUSALS: list[tuple[dict[str, LogValue | None], str]] = [
     ),
     (
         {"log_info": 1},
-        "log setting 'log_info' has a uint32_param; expected a bool_param (true or false)",
+        (
+            "log setting 'log_info' has a whole number (uint32_param); expected a boolean "
+            "(bool_param): true or false"
+        ),
     ),
     (
         {"log_verbose_level": "1"},
-        "log setting 'log_verbose_level' has a string_param; expected a uint32_param",
+        (
+            "log setting 'log_verbose_level' has a string (string_param); expected a whole "
+            "number (uint32_param)"
+        ),
     ),
-    ({"log_info": None}, "log setting 'log_info' has no value; expected a bool_param"),
+    ({"log_info": None}, "log setting 'log_info' has no value; expected a boolean (bool_param)"),
 ]
 
 
@@ -698,7 +704,7 @@ def test_settings_over_http_are_tritons_json(
             assert (await post(http, "/v2/logging", {})).json == AT_DEBUG  # a read
             log_refusals: list[tuple[Any, str]] = [
                 ({"log_info": True, "log_warning": False}, "cannot be had at once"),
-                ({"log_info": "yes"}, "log setting 'log_info' has a string_param"),
+                ({"log_info": "yes"}, "log setting 'log_info' has a string (string_param)"),
                 ({"log_verbose_level": -1}, "'log_verbose_level' is -1; expected a whole number"),
                 ({"log_verbose_level": 1.5}, "'log_verbose_level' is a number; expected true or"),
                 ({"log_file": "x.log"}, "laneserve writes its log to stderr"),
