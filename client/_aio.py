@@ -249,8 +249,10 @@ class AsyncClient:
             (no copy); ``.copy()`` one to write to it. A string output is a new
             ``object`` array of ``str``.
         """
-        sending, request_id = self._infer_call(inputs, lane, timeout, request_id, outputs, retry)
-        return answer_of(await sending, request_id).outputs
+        answer = await self.infer_detailed(
+            inputs, lane=lane, timeout=timeout, request_id=request_id, outputs=outputs, retry=retry
+        )
+        return answer.outputs
 
     async def infer_detailed(
         self,

@@ -52,6 +52,8 @@ from typing import IO, Any
 import numpy as np
 import numpy.typing as npt
 
+from laneserve.client.tensors import datatype_name
+
 __all__ = [
     "Checkpoint",
     "CheckpointBusyError",
@@ -308,8 +310,8 @@ class Checkpoint:
                 # Written as it came, it broadcast: a model with a narrower output since
                 # the job began filled each row with one value copied across it.
                 raise CheckpointError(
-                    f"output {name!r} of item {item} is {_type_name(values.dtype)} "
-                    f"{list(values.shape)}; the checkpoint holds {_type_name(array.dtype)} rows "
+                    f"output {name!r} of item {item} is {datatype_name(values.dtype)} "
+                    f"{list(values.shape)}; the checkpoint holds {datatype_name(array.dtype)} rows "
                     f"of {list(array.shape[1:])} for it; expected the model the job began with "
                     f"(a job resumed on a changed model?), or delete {self.directory} to start "
                     "over"
@@ -328,15 +330,23 @@ class Checkpoint:
                 self._resized(name, widest)
 
     def _new_array(
-        self, name: str, dtype: np.dtype[Any], shape: tuple[int, ...]
+        self,
+        name: str,
+        dtype: np.dtype[Any],
+        shape: tuple[int, ...],
+        copy_from: npt.NDArray[Any] | None = None,
     ) -> np.memmap[Any, Any]:
         """Output `name`'s array, made in a file of its own (none of the other outputs',
-        nor one `_resized` replaced) and recorded as the output's."""
+        nor one `_resized` replaced), filled from `copy_from` where given, then recorded
+        as the output's: stopped before (Ctrl-C during the copy), the output is still
+        what it was, its file whole."""
         file = _file_for(name, [*self.files.values(), *self.replaced_files])
         path = self.directory / file
         try:
             array = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
             _reserve(path)
+            if copy_from is not None:
+                array[...] = copy_from
         except BaseException:
             path.unlink(missing_ok=True)
             raise
@@ -347,26 +357,12 @@ class Checkpoint:
 
     def _resized(self, name: str, chars: int) -> np.memmap[Any, Any]:
         """String output `name`'s array copied into a new file of `chars` characters per
-        element (the widest element's at least), which replaces it. The rows are copied
-        before the output's file changes: stopped during the copy (Ctrl-C), the output
-        is still the old file, whole; the old file is removed by the save that records
-        the new one."""
+        element (the widest element's at least), which replaces it (`_new_array`: the
+        rows copied before the output's file changes); the old file is removed by the
+        save that records the new one."""
         old, old_file = self.arrays[name], self.files[name]
-        file = _file_for(name, [*self.files.values(), *self.replaced_files])
-        path = self.directory / file
-        try:
-            array = np.lib.format.open_memmap(
-                path, mode="w+", dtype=np.dtype(f"<U{chars}"), shape=old.shape
-            )
-            _reserve(path)
-            array[...] = old
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
+        array = self._new_array(name, np.dtype(f"<U{chars}"), old.shape, copy_from=old)
         self.replaced_files.append(old_file)
-        self.arrays[name] = array
-        self.files[name] = file
-        self.output_specs[name] = (str(array.dtype), old.shape)
         return array
 
     def save(self) -> None:
@@ -668,11 +664,6 @@ def _is_text_dtype(dtype: str) -> bool:
         return np.dtype(dtype).kind == "U"
     except (TypeError, ValueError):
         return False
-
-
-def _type_name(dtype: np.dtype[Any]) -> str:
-    """`dtype` as a message names it: "string" for text, numpy's name otherwise."""
-    return "string" if dtype.kind == "U" or dtype.hasobject else str(dtype)
 
 
 def _safe(name: str) -> str:

@@ -464,7 +464,7 @@ class BulkStream:
         while True:
             try:
                 item = await self._next_to_send()
-            except Exception as error:  # noqa: BLE001 - a closed client's (see _pull): the job's end
+            except Exception as error:  # noqa: BLE001 - a closed client's (see _read_source): the job's end
                 self._events.put_nowait(_Failed(error))
                 return
             try:

@@ -206,7 +206,9 @@ class Client:
         """See `AsyncClient.infer`. The request is built on the calling thread (on the
         client's one thread, a large request held up every other thread's calls past
         their timeouts, a review), and the call's timeout counts from this call."""
-        return self._answer(inputs, lane, timeout, request_id, outputs, retry).outputs
+        return self.infer_detailed(
+            inputs, lane=lane, timeout=timeout, request_id=request_id, outputs=outputs, retry=retry
+        ).outputs
 
     def infer_detailed(
         self,
@@ -219,17 +221,6 @@ class Client:
         retry: RetryPolicy | None = None,
     ) -> InferAnswer:
         """See `AsyncClient.infer_detailed`; built and decoded on the calling thread."""
-        return self._answer(inputs, lane, timeout, request_id, outputs, retry)
-
-    def _answer(
-        self,
-        inputs: Mapping[str, npt.NDArray[Any]],
-        lane: str | None,
-        timeout: float | None,
-        request_id: str | None,
-        outputs: Sequence[str] | None,
-        retry: RetryPolicy | None,
-    ) -> InferAnswer:
         # AsyncClient's call up to sending, on this thread: this class is its sync facade.
         sending, request_id = self._client._infer_call(  # noqa: SLF001
             inputs, lane, timeout, request_id, outputs, retry

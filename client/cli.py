@@ -1215,7 +1215,7 @@ def _check_items(
     if size <= limit_bytes:
         return
     if any(_is_text(array.dtype) for array in inputs.values()):
-        _check_text_items(rows, args.rows_per_item, limit_bytes, item_bytes)
+        _check_text_items(rows, args.rows_per_item, limit_bytes, item_bytes, size)
         return
     # Every row is as large as the first: so is every item but a shorter last.
     row_bytes = sum(array.dtype.itemsize * math.prod(array.shape[1:]) for array in inputs.values())
@@ -1230,22 +1230,26 @@ def _check_items(
 
 
 def _check_text_items(
-    rows: int, rows_per_item: int, limit_bytes: int, item_bytes: Callable[[slice], int]
+    rows: int,
+    rows_per_item: int,
+    limit_bytes: int,
+    item_bytes: Callable[[slice], int],
+    first_bytes: int,
 ) -> None:
     """`_check_items`' size check for a job with string inputs, whose first item is over
     `limit_bytes`: text rows differ in size, so each item is encoded (`item_bytes`) until
     one fits, and only a job none of whose items fits is refused. An item over the limit
     in a job that goes on fails alone (this client refuses to send it), listed with the
-    job's failed rows."""
-    smallest: tuple[int, slice] | None = None  # (bytes, rows) of the smallest item
-    for start in range(0, rows, rows_per_item):
+    job's failed rows. `first_bytes`: the first item's size, measured already."""
+    # (bytes, rows) of the smallest item
+    smallest = (first_bytes, slice(0, min(rows_per_item, rows)))
+    for start in range(rows_per_item, rows, rows_per_item):
         span = slice(start, min(start + rows_per_item, rows))
         size = item_bytes(span)
         if size <= limit_bytes:
             return
-        if smallest is None or size < smallest[0]:
+        if size < smallest[0]:
             smallest = (size, span)
-    assert smallest is not None, "a job has one row at least (`_row_count`)"
     size, span = smallest
     # The most of the smallest item's first rows that fit, by bisection (the bytes of a
     # run of rows grow with its length).

@@ -29,8 +29,8 @@ OPSET: Final = 17
 # IR version 9 (ONNX 1.14) rather than the newest onnx writes: every ONNX Runtime release
 # this project supports reads it, and the file does not depend on the onnx installed.
 _IR_VERSION: Final = 9
-# StringConcat is in ONNX's opset 20 (ONNX Runtime 1.17), LabelEncoder's string keys in
-# the ai.onnx.ml domain's opset 2.
+# StringConcat is in ONNX's opset 20 (ONNX Runtime 1.17); LabelEncoder (ai.onnx.ml, string
+# keys since that domain's opset 2) is declared at its opset 3.
 _TEXT_OPSET: Final = 20
 _TEXT_ML_OPSET: Final = 3
 TEXT_LABELS: Final = ("cat", "dog", "bird")

@@ -800,7 +800,8 @@ class Engine:
         came after that run, which ran among the failed run's regions: under 32 MiB the
         demo model ran out of memory at 1 024 rows, then at 640, which fits a shrunk
         arena (as 750 do). A run of zero rows allocates nothing and keeps no output, so
-        it carries the request alone (where the first axis is fixed, a run of its rows).
+        it carries the request alone (where the first axis is fixed, a run of its F rows,
+        which allocates them: zero rows failed the runtime's input check).
         It failing (a model that cannot run zero rows) does not matter: the runtime
         shrinks after a failed run too.
         """
@@ -809,7 +810,7 @@ class Engine:
         options.add_run_config_entry("memory.enable_memory_arena_shrinkage", self._arena)
         # A fixed first axis takes its F rows alone: zero rows failed the runtime's input
         # check, before it read the shrink asked for (nothing ever shrank).
-        rows = 0 if self.fixed_rows is None else self.fixed_rows
+        rows = self.fixed_rows or 0
         try:
             self._run_session(self.example_inputs(rows), options)
         except Exception as error:  # noqa: BLE001 - the shrink is done either way (see above)
@@ -1263,7 +1264,7 @@ class Engine:
             self._check_later_axes_fixed()
         # A fixed axis of F rows runs F rows together whatever the cap (the padding's
         # copies beside a lone row): checked at any cap.
-        if max_batch_size > 1 or (self.fixed_rows or 1) > 1:
+        if (self.fixed_rows or max_batch_size) > 1:  # the cap is at most fixed_rows
             self._check_rows_independent(max_batch_size)
         if self.fixed_rows is not None:
             self._warn_fixed_rows(asked, max_batch_size)
@@ -1679,9 +1680,10 @@ class _Split:
 
 
 def _beyond_rounding(mixed: Array, own: Array) -> bool:
-    """Whether `mixed` and `own` (one row's outputs, run batched and alone) differ by more
-    than the kernels of another batch size may round: exactly for integers and bools,
-    else by more than ROUNDING_RTOL (by the float's size) of the row's largest magnitude.
+    """Whether `mixed` and `own` (one row's outputs from two runs: batched and alone, or
+    alone twice) differ by more than the kernels of another batch size may round:
+    exactly for all but floats (integers, bools, text), else by more than ROUNDING_RTOL
+    (by the float's size) of the row's largest magnitude.
     Relative to the row, not to each value: a value that sums to near 0 keeps the
     rounding of its terms."""
     if mixed.dtype.kind != "f":
@@ -1722,7 +1724,7 @@ def _random_rows(
     if dtype.kind == "f":
         return generator.random(shape).astype(dtype)
     digits = generator.integers(0, 2, shape)
-    if dtype == np.dtype(object):
+    if dtype.hasobject:
         return np.array(["0", "1"], dtype=object)[digits]
     return digits.astype(dtype)
 
@@ -1730,13 +1732,13 @@ def _random_rows(
 def zero_value(dtype: np.dtype[np.generic]) -> object:
     """The value inputs are filled with where any will do: zero, or "0" for text (as ONNX
     Runtime runs string tensors, their elements are Python str)."""
-    return "0" if dtype == np.dtype(object) else 0
+    return "0" if dtype.hasobject else 0
 
 
 def held_bytes(array: Array) -> int:
     """The memory `array` holds: its buffer, and for text (an object array) each
     element's str object too, as a string tensor's bytes are its text's."""
-    if array.dtype != np.dtype(object):
+    if not array.dtype.hasobject:
         return array.nbytes
     return array.nbytes + sum(map(sys.getsizeof, array.flat))
 

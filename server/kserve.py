@@ -948,7 +948,7 @@ class ModelStreamWire:
             )
         request = item.message
         return ModelStreamTag(
-            self.item_id(item),
+            answer_id(request.id),
             idempotent=asks_idempotency(request),
             final_response=_flag(request.parameters, FINAL_RESPONSE_FLAG),
             placed=placed_outputs(item, self._regions, self._max_outputs),

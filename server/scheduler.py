@@ -317,12 +317,6 @@ def _folded_gap(gap_s: float | None, last_s: float | None, now_s: float) -> floa
     return now_s - last_s if gap_s is None else gap_s + ARRIVAL_GAP_ALPHA * (now_s - last_s - gap_s)
 
 
-def _head_signature(lane: Lane) -> Signature:
-    head = lane.head()
-    assert head is not None
-    return head.request.signature
-
-
 def _charge_owner(plan: _Plan, priority: int, shut_out_rows: float) -> None:
     """The batch is the owed lane's (its shape): it costs the lanes it shuts out the batch
     they would have had (`shut_out_rows`), so it counts against the lane's credit as that
@@ -1669,11 +1663,12 @@ class Scheduler:
         another shape it sets the batch's shape. Deficit round robin across shapes and
         request sizes: such a lane banks its share every batch it cannot join, up to its
         head or a batch."""
+        covered = ((lane, self._covered_head(lane)) for lane in self.lanes)
         owed = [
-            lane
-            for lane in self.lanes
-            if self._credit_covers_head(lane)
-            and (lane.room_blocked or _head_signature(lane) != top.request.signature)
+            (lane, head)
+            for lane, head in covered
+            if head is not None
+            and (lane.room_blocked or head.request.signature != top.request.signature)
         ]
         if not owed:
             return None
@@ -1684,22 +1679,27 @@ class Scheduler:
         # grid of shares and sizes). Owed the most of its share, a small share's lane
         # goes once its credit covers its head: it gets most of its share (77 % there),
         # and a large one what is left.
-        first = min(
-            owed, key=lambda lane: (-lane.share_balance / lane.config.min_share, lane.priority)
+        _, head = min(
+            owed,
+            key=lambda owed_head: (
+                -owed_head[0].share_balance / owed_head[0].config.min_share,
+                owed_head[0].priority,
+            ),
         )
-        return first.head()
+        return head
 
-    def _credit_covers_head(self, lane: Lane) -> bool:
-        """Whether `lane` has a share, work queued, and credit that covers its head (or a
-        whole batch of its shape)."""
+    def _covered_head(self, lane: Lane) -> Entry | None:
+        """`lane`'s head where the lane has a share and credit that covers that head (or a
+        whole batch of its shape); else None."""
         if lane.config.min_share == 0 or lane.queued_rows == 0:
-            return False
+            return None
         head = lane.head()
         assert head is not None
         signature = head.request.signature
-        return self._balance_rows(lane, signature) >= min(
+        covers = self._balance_rows(lane, signature) >= min(
             head.queued_rows, self.caps.rows(signature)
         )
+        return head if covers else None
 
     def _limit_rows(self, now_s: float, first: Entry) -> int:
         return self._batch_limit(

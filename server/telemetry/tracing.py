@@ -78,13 +78,12 @@ class RatioSampler(Sampler):
     `should_sample` runs on every thread that starts a span (the event loop for request
     spans, the scheduler thread for batch spans) and takes no lock: it reads `_now`
     once, an immutable pair (the sampling and the SDK sampler that decides it) that
-    `set` replaces whole, under `_lock`, so a decision is made wholly under the old
-    sampling or wholly under the new. `start` is the sampling it was built with, what a
-    setting cleared comes back to."""
+    `set` (called on the event loop alone) replaces whole in one assignment, so a
+    decision is made wholly under the old sampling or wholly under the new. `start` is
+    the sampling it was built with, what a setting cleared comes back to."""
 
     def __init__(self, sampling: Sampling) -> None:
         self.start = sampling
-        self._lock = threading.Lock()  # writers only
         self._now: tuple[Sampling, Sampler] = (sampling, _deciding(sampling))
 
     @property
@@ -93,10 +92,9 @@ class RatioSampler(Sampler):
 
     def set(self, sampling: Sampling) -> Sampling:
         """Samples as `sampling` says from now on; returns the sampling it replaced."""
-        deciding = _deciding(sampling)  # built before it is published
-        with self._lock:
-            old, _ = self._now
-            self._now = (sampling, deciding)
+        old, _ = self._now
+        # Built before it is published; one assignment publishes both halves at once.
+        self._now = (sampling, _deciding(sampling))
         return old
 
     def should_sample(
