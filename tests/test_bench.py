@@ -2066,6 +2066,7 @@ def test_scenario_c_refuses_a_single_client_process(tmp_path: Path) -> None:
             "| `ModelInfer`, system shared memory |",
         ),
         ("bench_tracing.py", ["--requests", "20", "--rounds", "1"], "spans exported per request"),
+        ("bench_text.py", ["--elements", "1000", "--rounds", "1"], "| decode, us an element |"),
         ("bench_admit.py", ["--requests", "10", "--rounds", "1"], "us per admission"),
         (
             "simulate_admission.py",
