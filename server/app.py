@@ -1726,9 +1726,14 @@ class LaneServer:
         assert self._thread is not None
         self._servicer.stop_reading_streams()
         await self._health.enter_graceful_shutdown()
-        self._thread.stop_accepting()
         started_s = self.clock.monotonic()
-        drained = await asyncio.to_thread(self._thread.wait_drained, grace_s)
+        # Requests read before the drain whose long text is still being decoded (on a
+        # thread) are admitted as they would have been decoded on the event loop: the
+        # scheduler stops admitting once they are, within the grace.
+        await self._servicer.reads_finished(0.0 if self._grace_ended else grace_s)
+        self._thread.stop_accepting()
+        left_s = max(0.0, grace_s - (self.clock.monotonic() - started_s))
+        drained = await asyncio.to_thread(self._thread.wait_drained, left_s)
         if not drained:
             self._log_drain_incomplete(grace_s, self.clock.monotonic() - started_s)
         await asyncio.to_thread(
@@ -1863,6 +1868,8 @@ class LaneServer:
         self._grace_ended = True  # for a thread not made yet: asked before start() made it
         if self._thread is not None:
             self._thread.end_grace()
+        if self._servicer is not None:
+            self._servicer.stop_waiting_for_reads()
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()

@@ -168,6 +168,18 @@ def extra_bytes(request: pb.InferRequest, wire_bytes: int) -> int | None:
     return wire_bytes - known
 
 
+def text_elements(tensors: Sequence[pb.Tensor]) -> int:
+    """How many STRING elements `tensors`' shapes hold (a shape `decode_tensor` refuses
+    holds none), their data unread: what decoding them costs, element by element."""
+    count = 0
+    for tensor in tensors:
+        if tensor.dtype != pb.DATA_TYPE_STRING or len(tensor.shape) > MAX_DIMS:
+            continue
+        if min(tensor.shape, default=0) >= 0:
+            count += math.prod(tensor.shape)
+    return count
+
+
 def data_bytes(tensor: pb.Tensor) -> int | None:
     """The bytes of data `tensor`'s dtype and shape size, its data unread; None where they
     size none (an unknown dtype, more than MAX_DIMS dimensions, a negative one), which

@@ -35,6 +35,7 @@ from laneserve.server.codec import (
     encode_response,
     extra_bytes,
     leading_rows,
+    text_elements,
     varint_bytes,
 )
 from laneserve.server.config import LaneConfig, ServerConfig
@@ -75,7 +76,7 @@ from laneserve.server.idempotency import (
     Resolve,
     fingerprint,
 )
-from laneserve.server.items import Array, InferenceRequest, Outcome, Signature
+from laneserve.server.items import InferenceRequest, Outcome
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.log_events import event_extra
 from laneserve.server.memory import MemoryFacts, WatermarkState, format_bytes
@@ -83,13 +84,21 @@ from laneserve.server.model_identity import SERVER_VERSION, ModelIdentity
 from laneserve.server.scheduler import MEMORY_PRESSURE_RETRY_S, caller_end_status
 from laneserve.server.scheduler_thread import SchedulerThread
 from laneserve.server.stats import Distribution, Percentiles, StatsRecorder
+from laneserve.server.text_reads import EVENT_LOOP_TEXT_ELEMENTS, Decoded, OffLoopReads
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-# A request's decoded inputs by name, its rows and its batching signature (`decode_inputs`).
-Decoded = tuple[dict[str, Array], int, Signature]
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Unread:
+    """`_read_inputs`' answer for a request of more than EVENT_LOOP_TEXT_ELEMENTS strings:
+    its `rows`, checked against its lane, its inputs left for `OffLoopReads` to decode."""
+
+    rows: int
+
+
 # A stream's items, their tags and answers, as one front end reads and writes them
 # (`StreamFrontEnd`).
 _Item = TypeVar("_Item")
@@ -555,6 +564,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._room_lines: collections.defaultdict[str, collections.deque[RoomWaiter]]
         self._room_lines = collections.defaultdict(collections.deque)
         self._room_waiters: dict[str, list[RoomWaiter]] = {}
+        self._reads = OffLoopReads()
         self._ledger = RequestLedger(
             ReplayCache(
                 max_entries=config.idempotency_max_entries,
@@ -777,8 +787,21 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         return self._ledger.counts()
 
     def close(self) -> None:
-        """The server stopped: the ledger's sweep timer goes (`RequestLedger.close`)."""
+        """The server stopped: the ledger's sweep timer goes (`RequestLedger.close`), and
+        the thread that decodes long text."""
         self._ledger.close()
+        self._reads.close()
+
+    async def reads_finished(self, timeout_s: float) -> bool:
+        """The server drains: waits until every request read before is decoded, and so
+        admitted or refused (True), or `timeout_s` passed or `stop_waiting_for_reads` was
+        called (False). Called before the scheduler stops admitting: a request of long text
+        read before the drain is run, as one decoded on the event loop is."""
+        return await self._reads.wait_idle(timeout_s)
+
+    def stop_waiting_for_reads(self) -> None:
+        """A drain in progress ends its `reads_finished` now (the operator asked twice)."""
+        self._reads.cut()
 
     async def _stream_answer(
         self,
@@ -971,7 +994,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             **_watermark_fields(self._scheduler.watermark_state()),
         )
 
-    async def _infer(
+    async def _infer(  # noqa: PLR0915 - one call's path; the ledger's callbacks close over it
         self,
         request: pb.InferRequest,
         context: grpc.aio.ServicerContext[Any, Any],
@@ -1004,20 +1027,21 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 DeadlineUnmeetableError("the deadline had passed when the request was read"),
                 arrived_s=arrived_s,
             )
-        try:
-            output_names = check_output_names(request.output_names, self._output_names)
-            # The ledger runs it at most once per request_id: a retry joins or replays.
-            digest, decoded = self._read_inputs(request, ledger_id, lane_config, output_names)
-        except LaneserveError as error:  # counted as the scheduler counts its own
-            raise self._rejected(lane, error, arrived_s=arrived_s) from None
-        # None: a retry that joins or replays, which waits for no room (see `_read_inputs`).
-        rows = 0 if decoded is None else decoded[1]
-
         # The earliest of its deadline and its lane's timeout, both counted from arrival:
         # given to the scheduler as the request's deadline. The lane's timeout counted
         # from admission gave a stream item that waited for room the whole timeout again.
         # A retry that joins the request in flight waits no longer than this either.
         wait_until_s = lane_config.deadline_s(arrived_s, deadline_s)
+        try:
+            output_names = check_output_names(request.output_names, self._output_names)
+            # One with its id being decoded reaches the ledger first (`OffLoopReads`).
+            await self._after_read_of(ledger_id, lane, wait_until_s, arrived_s)
+            # The ledger runs it at most once per request_id: a retry joins or replays.
+            digest, decoded = self._read_inputs(request, ledger_id, lane_config, output_names)
+        except LaneserveError as error:  # counted as the scheduler counts its own
+            raise self._rejected(lane, error, arrived_s=arrived_s) from None
+        # None: a retry that joins or replays, which waits for no room (see `_read_inputs`).
+        rows = 0 if decoded is None else _rows_of(decoded)
         # Set by `submit`, which runs only when this call (not a retry it joins) queues it;
         # NULL_TRACE again once this call is answered alone (see `expired`).
         trace = NULL_TRACE
@@ -1026,8 +1050,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
         def submit(resolve: Resolve) -> Admitted:
             nonlocal trace
-            # None: its request left the ledger since it was read (see `_read_inputs`).
-            inputs, rows, signature = decoded or self._decoded(request, lane, arrived_s)
+            # Not decoded: its request left the ledger since it was read (see `_read_inputs`).
+            inputs, rows, signature = (
+                decoded if isinstance(decoded, tuple) else self._decoded(request, lane, arrived_s)
+            )
             # The deadline the scheduler keeps (`wait_until_s`), from now: a stream item's
             # lane timeout counted from its arrival, not again from here after its wait for
             # room (`enqueue` showed a deadline later than the one it was shed at).
@@ -1113,14 +1139,29 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             caller,
             arrived_s,  # positional: a keyword takes partial off its fast call path
         )
+
+        async def run_read() -> pb.InferResponse:
+            # A request of long text is decoded as it is about to be submitted: after its
+            # wait for room, and only where the ledger would run it (a retry that joins or
+            # replays, or one refused for reusing an id, needs no inputs). Submitted in the
+            # step its decode ends in, with no await between (see `OffLoopReads`).
+            nonlocal decoded
+            if isinstance(decoded, _Unread):
+                await self._after_read_of(ledger_id, lane, wait_until_s, arrived_s)
+                if self._ledger.answers_as(ledger_id, digest) is None:
+                    decoded = await self._decoded_aside(
+                        request, lane, ledger_id, wait_until_s, arrived_s, stream
+                    )
+            return await run()
+
         if stream is None or self._ledger.holds(ledger_id):
             # A stream item that joins its request in flight, replays its stored answer or
             # is refused for reusing an id adds no rows to its lane: waiting for room there
             # held it, and its stream's reading, up to its deadline for nothing.
-            answer = run()
+            answer = run_read()
         else:
             answer = self._run_when_room(
-                run, lane, rows, wait_until_s, stream.room, ledger_id, arrived_s=arrived_s
+                run_read, lane, rows, wait_until_s, stream.room, ledger_id, arrived_s=arrived_s
             )
         return await self._take(answer, taken, context, answer_limit, lane, arrived_s)
 
@@ -1153,10 +1194,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         ledger_id: str,
         lane_config: LaneConfig,
         output_names: list[str],
-    ) -> tuple[bytes, Decoded | None]:
+    ) -> tuple[bytes, Decoded | _Unread | None]:
         """The request's fingerprint (b"" without a `ledger_id`, its key in the ledger)
         and its decoded inputs, rows and signature; None for a retry that joins its
-        request in flight or replays its stored answer. Raises why the request is refused.
+        request in flight or replays its stored answer; `_Unread` for a new request of
+        more than EVENT_LOOP_TEXT_ELEMENTS strings, its rows checked (`_infer` has it
+        decoded off the event loop). Raises why the request is refused.
 
         A retry's fingerprint equals the first attempt's, which was decoded and validated:
         it is not decoded again (a join kept that copy of its inputs as long as it waited;
@@ -1175,6 +1218,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # Admission's refusal, before the inputs are copied and hashed: refused after, a
             # 62 MiB request cost the event loop 143-223 ms. Not a retry's: it queues no rows.
             lane_config.check_rows(rows)
+            if text_elements(request.inputs) > EVENT_LOOP_TEXT_ELEMENTS:
+                return (fingerprint(request, output_names) if ledger_id else b""), _Unread(rows)
         decoded = decode_inputs(request.inputs, self._input_specs)
         return (fingerprint(request, output_names) if ledger_id else b""), decoded
 
@@ -1184,6 +1229,55 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             return decode_inputs(request.inputs, self._input_specs)
         except LaneserveError as error:
             raise self._rejected(lane, error, arrived_s=arrived_s) from None
+
+    async def _decoded_aside(
+        self,
+        request: pb.InferRequest,
+        lane: str,
+        ledger_id: str,
+        until_s: float,
+        arrived_s: float,
+        stream: _OnStream | None,
+    ) -> Decoded:
+        """`_decoded`, by `OffLoopReads`; a caller that goes meanwhile is counted as
+        `_left_unadmitted` says. A stream item holds its stream's reading while it is
+        decoded, as while it waits for room (`StreamRoom`): decoded before the wait, a
+        stream's items held 11-13 decoded copies where on the loop they held 2 (+500 MiB)."""
+        if stream is not None:
+            stream.room.enter()
+        try:
+            return await self._reads.decode(ledger_id, request.inputs, self._input_specs)
+        except LaneserveError as error:
+            raise self._rejected(lane, error, arrived_s=arrived_s) from None
+        except asyncio.CancelledError:
+            self._left_unadmitted(lane, until_s, arrived_s)
+            raise
+        finally:
+            if stream is not None:
+                stream.room.leave()
+
+    async def _after_read_of(
+        self, ledger_id: str, lane: str, until_s: float, arrived_s: float
+    ) -> None:
+        """Returns once no request with `ledger_id` is being decoded (`OffLoopReads`), at
+        `until_s` at the latest; at once, without yielding, where none is. A caller that
+        goes meanwhile is counted as `_left_unadmitted` says."""
+        if not self._reads.reading(ledger_id):
+            return
+        try:
+            await self._reads.after(ledger_id, until_s - self._clock.monotonic())
+        except asyncio.CancelledError:
+            self._left_unadmitted(lane, until_s, arrived_s)
+            raise
+
+    def _left_unadmitted(self, lane: str, until_s: float, arrived_s: float) -> None:
+        """Counts a call that went (cancelled, its stream ended, its deadline came) while
+        its request, read, was not yet admitted: it was counted nowhere. Counted as its
+        lane's refusal, by why its caller went (see `caller_end_status`: a stream call's
+        gRPC deadline ends its items too), its wait from `arrived_s`."""
+        now_s = self._clock.monotonic()
+        status = caller_end_status(now_s, until_s, queued=True)
+        self._events.rejected(lane, status, now_s - arrived_s)
 
     def _read(self, request: pb.InferRequest | OversizedRequest) -> pb.InferRequest:
         """`request`, unless it is an OversizedRequest: refused unread, counted (only its
@@ -1222,11 +1316,15 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 ),
                 arrived_s=arrived_s,
             )
-        if self._state() is not Lifecycle.SERVING and not self._ledger.holds(ledger_id):
+        if (
+            self._state() is not Lifecycle.SERVING
+            and not self._ledger.holds(ledger_id)
+            and not self._reads.reading(ledger_id)
+        ):
             # A retry of a request this server holds costs no work here, so the ledger
             # answers it while the server drains too: a completed one's stored answer, or
-            # the answer of one still queued or running, which the drain waits for.
-            # Refused, it ran again on another instance.
+            # the answer of one still being decoded, queued or running, which the drain
+            # waits for. Refused, it ran again on another instance.
             raise self._rejected(
                 lane,
                 DrainingError("server is draining; retry on another instance"),
@@ -1381,12 +1479,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     sleep_s = min(max(wait_s, ROOM_POLL_MIN_S), ROOM_POLL_MAX_S, left_s)
                 await waiter.sleep(sleep_s)
         except asyncio.CancelledError:
-            # Its stream ended while it waited: read, never admitted, it was counted
-            # nowhere. Counted as its lane's refusal, by why its caller went (see
-            # `caller_end_status`: a stream call's gRPC deadline ends its items too).
-            now_s = self._clock.monotonic()
-            status = caller_end_status(now_s, until_s, queued=True)
-            self._events.rejected(lane, status, now_s - arrived_s)
+            self._left_unadmitted(lane, until_s, arrived_s)  # its stream ended meanwhile
             raise
         finally:
             room.leave()
@@ -1444,6 +1537,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
 
 _READ_DONE = object()  # a stream's reader has read its last item
+
+
+def _rows_of(read: Decoded | _Unread) -> int:
+    return read.rows if isinstance(read, _Unread) else read[1]
+
 
 # What the servicer receives for bytes that do not parse as its method's request (another
 # schema, invalid UTF-8 in a string field): refused INVALID_ARGUMENT (`undecodable`),

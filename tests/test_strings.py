@@ -7,7 +7,9 @@ import asyncio
 import logging
 import re
 import struct
+import threading
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -17,15 +19,24 @@ import pytest
 from onnx import TensorProto, helper
 
 from laneserve.client.tensors import decode_tensor, encode_tensor
-from laneserve.server import Engine, EngineStartError, ServerConfig
+from laneserve.server import Engine, EngineStartError, ServerConfig, service, text_reads
 from laneserve.server.bench.baselines import EchoServicer
 from laneserve.server.bench.loadgen import request_body
 from laneserve.server.bench.run import load_inputs
 from laneserve.server.bench.settings import Stream
-from laneserve.server.codec import MAX_EXTRA_BYTES, extra_bytes, leading_rows
+from laneserve.server.codec import MAX_EXTRA_BYTES, decode_inputs, extra_bytes, leading_rows
 from laneserve.server.engine import TensorSpec, held_bytes
+from laneserve.server.lifecycle import Lifecycle
 from laneserve.v1 import inference_pb2 as pb
-from tests.support import RecordingEngine, estimate_once, rich_status, save_model, serving, until
+from tests.support import (
+    RecordingEngine,
+    estimate_once,
+    rich_status,
+    save_model,
+    serving,
+    until,
+    until_stats,
+)
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 
@@ -431,3 +442,214 @@ def test_an_object_array_of_numbers_is_refused_saying_it_is_sent_as_text() -> No
     model it was told "element 0 is float; expected str", which named no way out."""
     with pytest.raises(ValueError, match=re.escape("array.astype(np.float32), say")):
         encode_tensor("input", np.array([[1.0, 2.0]], dtype=object))
+
+
+# ---- long text, decoded off the event loop ------------------------------------------------
+
+
+def _long_text_request(
+    rows: int, request_id: str = "", bad_row: int | None = None
+) -> pb.InferRequest:
+    """`rows` rows of the text model, 3 strings each, in the bulk lane (more rows than
+    the default lane holds); `bad_row`'s text not UTF-8."""
+    texts = [f"row {row}" for row in range(rows)]
+    numbers = [[str(row), "1"] for row in range(rows)]
+    request = _text_request(texts, numbers, request_id=request_id)
+    request.lane = "bulk"
+    if bad_row is not None:
+        elements = [text.encode() for text in texts]
+        elements[bad_row] = b"\xff"
+        request.inputs[0].data = _length_prefixed(*elements)
+    return request
+
+
+# 3 strings a row: just over the most decoded on the event loop.
+_LONG_ROWS = text_reads.EVENT_LOOP_TEXT_ELEMENTS // 3 + 1
+
+
+class _DecodeGate:
+    """Wraps the off-loop decode: records which thread decoded what, and holds each
+    decode while `hold` is on, until `release`. Also tells when a call began waiting for
+    another's decode of its request_id (`waited`)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.decoded_on: list[tuple[int, bool]] = []
+        self.entered = threading.Semaphore(0)
+        self._open = threading.Event()
+        self._open.set()
+        self.waited = 0
+        gate = self
+
+        def recording(tensors: Any, specs: Any) -> Any:
+            on_loop = threading.current_thread() is threading.main_thread()
+            gate.decoded_on.append((tensors[0].shape[0], on_loop))
+            if not on_loop:
+                gate.entered.release()
+                gate._open.wait(timeout=30)
+            return decode_inputs(tensors, specs)
+
+        after = text_reads.OffLoopReads.after
+
+        async def counted_after(reads: text_reads.OffLoopReads, *args: Any) -> None:
+            gate.waited += 1
+            await after(reads, *args)
+
+        monkeypatch.setattr(service, "decode_inputs", recording)
+        monkeypatch.setattr(text_reads, "decode_inputs", recording)
+        monkeypatch.setattr(text_reads.OffLoopReads, "after", counted_after)
+
+    def hold(self) -> None:
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+    async def until_entered(self) -> None:
+        assert await asyncio.to_thread(self.entered.acquire, True, 30)
+
+
+def _text_config(text_model: Path) -> ServerConfig:
+    return ServerConfig(model_path=str(text_model), max_batch_size=8192)
+
+
+def _lane(stats: pb.GetStatsResponse, name: str) -> pb.LaneStats:
+    return next(lane for lane in stats.lanes if lane.name == name)
+
+
+def test_a_request_of_many_strings_is_decoded_off_the_event_loop(
+    text_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Text is decoded element by element (~0.3 us each): a 64 MiB request of 2-byte
+    strings held the event loop, every other call with it, for 3 s. A request of more
+    than EVENT_LOOP_TEXT_ELEMENTS strings is decoded on a thread; a smaller one, and a
+    bad one's refusal, as before. Two calls of one request_id sent at once are one run,
+    decoded once: the second waits for the first's decode, then joins it. Over a stream
+    too."""
+    gate = _DecodeGate(monkeypatch)
+
+    async def scenario() -> tuple[list[pb.InferResponse], grpc.aio.AioRpcError, list[Any], int]:
+        engine = Engine(str(text_model), device="cpu", estimate=estimate_once)
+        async with serving(engine, _text_config(text_model)) as s:
+            small = await s.stub.Infer(_text_request(["cat"], [["1", "2"]]), timeout=60)
+            twice = await asyncio.gather(
+                *(s.stub.Infer(_long_text_request(_LONG_ROWS, "same"), timeout=60) for _ in "ab")
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await s.stub.Infer(_long_text_request(_LONG_ROWS, bad_row=7), timeout=60)
+            items = [_long_text_request(_LONG_ROWS, f"item-{index}") for index in range(2)]
+            streamed = [answer async for answer in s.stub.InferStream(iter(items), timeout=60)]
+            stats = await s.stub.GetStats(pb.GetStatsRequest(), timeout=30)
+            return [small, *twice], refused.value, streamed, stats.rows_run
+
+    answers, refused, streamed, rows_run = asyncio.run(scenario())
+    assert gate.decoded_on == [(1, True)] + [(_LONG_ROWS, False)] * 4
+    small, first, second = answers
+    assert decode_tensor(small.outputs[0]).tolist() == ["cat!"]
+    assert first.outputs == second.outputs
+    expected = [f"row {row}!" for row in range(_LONG_ROWS)]
+    assert decode_tensor(first.outputs[0]).tolist() == expected
+    assert rows_run == 1 + 3 * _LONG_ROWS, "the two calls of one request_id ran once"
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (refused.details() or "").startswith("tensor 'text': element 7 is not UTF-8")
+    assert sorted(answer.request_id for answer in streamed) == ["item-0", "item-1"]
+    for answer in streamed:
+        assert decode_tensor(answer.response.outputs[0]).tolist() == expected
+
+
+def test_a_request_id_reused_while_its_first_request_is_decoded_refuses_the_second(
+    text_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first request sent with an id is the one answered: a small request reusing
+    the id of a long one being decoded (on its thread) waits for that decode, then is
+    refused REQUEST_ID_REUSED. Decoded on the loop at once, the small one ran and the
+    first was refused."""
+    gate = _DecodeGate(monkeypatch)
+
+    async def scenario() -> tuple[pb.InferResponse, grpc.aio.AioRpcError]:
+        engine = Engine(str(text_model), device="cpu", estimate=estimate_once)
+        async with serving(engine, _text_config(text_model)) as s:
+            gate.hold()
+            try:
+                first = asyncio.ensure_future(
+                    s.stub.Infer(_long_text_request(_LONG_ROWS, "shared"), timeout=60)
+                )
+                await gate.until_entered()
+                reuse = _text_request(["cat"], [["1", "2"]], request_id="shared")
+                second = asyncio.ensure_future(s.stub.Infer(reuse, timeout=60))
+                await until(lambda: gate.waited == 1)
+            finally:
+                gate.release()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await second
+            return await first, refused.value
+
+    first, refused = asyncio.run(scenario())
+    assert decode_tensor(first.outputs[0]).tolist()[:2] == ["row 0!", "row 1!"]
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert rich_status(refused)[0] == "REQUEST_ID_REUSED"
+
+
+def test_a_drain_admits_the_long_text_it_found_being_decoded_and_a_retry_joins_it(
+    text_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request read before the drain is run, as one decoded on the loop at once was:
+    the scheduler stops admitting only once its decode ends (it was refused DRAINING
+    after its decode). A retry of it sent during the drain joins it, as a retry of a
+    request the drain waits for does."""
+    gate = _DecodeGate(monkeypatch)
+
+    async def scenario() -> tuple[list[pb.InferResponse], int]:
+        engine = RecordingEngine(str(text_model), device="cpu")
+        async with serving(engine, _text_config(text_model)) as s:
+            gate.hold()
+            try:
+                first = asyncio.ensure_future(
+                    s.stub.Infer(_long_text_request(_LONG_ROWS, "kept"), timeout=60)
+                )
+                await gate.until_entered()
+                stopping = asyncio.ensure_future(s.server.stop(grace_s=30.0))
+                await until(lambda: s.server.state is Lifecycle.DRAINING)
+                retry = asyncio.ensure_future(
+                    s.stub.Infer(_long_text_request(_LONG_ROWS, "kept"), timeout=60)
+                )
+                await until(lambda: gate.waited == 1)
+            finally:
+                gate.release()
+            answers = list(await asyncio.gather(first, retry))
+            await stopping
+            return answers, sum(engine.batches)
+
+    (first, retry), rows_run = asyncio.run(scenario())
+    assert first.outputs == retry.outputs
+    assert decode_tensor(first.outputs[0]).tolist()[-1] == f"row {_LONG_ROWS - 1}!"
+    assert rows_run == _LONG_ROWS, "run once"
+    assert gate.decoded_on == [(_LONG_ROWS, False)]
+
+
+def test_a_call_cancelled_while_its_long_text_is_decoded_is_counted_as_its_lanes(
+    text_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller gone during the decode is counted as a refusal of its lane (CANCELLED),
+    as one gone while it waited for room is; it was counted nowhere. Its decode's end
+    admits nothing."""
+    gate = _DecodeGate(monkeypatch)
+
+    async def scenario() -> pb.GetStatsResponse:
+        engine = RecordingEngine(str(text_model), device="cpu")
+        async with serving(engine, _text_config(text_model)) as s:
+            gate.hold()
+            try:
+                call = s.stub.Infer(_long_text_request(_LONG_ROWS, "gone"), timeout=60)
+                await gate.until_entered()
+                call.cancel()
+                await until_stats(s, lambda stats: _lane(stats, "bulk").rejected["CANCELLED"] == 1)
+            finally:
+                gate.release()
+            await s.stub.Infer(_text_request(["cat"], [["1", "2"]]), timeout=60)
+            return await s.stub.GetStats(pb.GetStatsRequest(), timeout=30)
+
+    stats = asyncio.run(scenario())
+    bulk = _lane(stats, "bulk")
+    assert bulk.admitted == 0
+    assert dict(bulk.rejected) == {"CANCELLED": 1}
+    assert stats.rows_run == 1
