@@ -82,6 +82,7 @@ from laneserve.server.settings import TraceSettings
 from laneserve.server.shared_memory import SharedMemoryRegions
 from laneserve.server.stats import StatsRecorder
 from laneserve.server.telemetry import MetricSources, Telemetry, log_event
+from laneserve.server.text_thread import TextThread
 from laneserve.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,9 @@ HEALTH_SERVICES = ("", SERVICE_NAME, KSERVE_SERVICE_NAME)
 # was told to end (its requests are already answered): a run the runtime does not end in
 # that time is left behind, and `laneserve serve` exits without it.
 RUNNING_BATCH_WAIT_S = 1.0
+# After the last batch, how long the stop waits for its answers' text to be encoded off
+# the event loop (`TextThread`): a 64 MiB answer of 2-byte strings takes about 5 s.
+TEXT_ANSWERS_WAIT_S = 10.0
 # Before gRPC stops, the event loop reads what gRPC's core still holds (gRPC's stop would
 # cancel it, bare CANCELLED), each call answered DRAINING, for as long as the count of
 # calls not yet ended falls from one interval to the next (a free loop reads thousands of
@@ -1335,7 +1339,9 @@ class LaneServer:
         for name in HEALTH_SERVICES:
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         loop = asyncio.get_running_loop()
-        router = OutcomeRouter(loop)
+        # Long text is decoded (the servicer) and answers of it encoded (the router) there.
+        text = TextThread()
+        router = OutcomeRouter(loop, text)
         thread = self._thread = SchedulerThread(
             self.scheduler,
             self.engine.run_batch,
@@ -1392,6 +1398,7 @@ class LaneServer:
             ),
             # One id for GetStats and the metrics' target_info.
             instance_id=self.telemetry.instance_id,
+            text=text,
         )
         # One gRPC server per port, all in front of the same servicer and lanes: gRPC's
         # core queues the calls the event loop has not yet taken per server (and per
@@ -1761,6 +1768,9 @@ class LaneServer:
                 "without waiting for it",
                 waited_s=RUNNING_BATCH_WAIT_S,
             )
+        # No batch runs any more: the answers of the last ones whose text was encoded off
+        # the loop reach it now.
+        await self._servicer.answers_encoded(TEXT_ANSWERS_WAIT_S)
         # Every RPC now has its answer; give them a moment to be written. Health watches
         # (NOT_SERVING sent) and reflection streams end now: the grace would wait for
         # them in full.

@@ -286,11 +286,16 @@ def check_output_names(names: Sequence[str], available: Sequence[str]) -> list[s
 
 
 def encode_response(
-    request_id: str, outputs: Mapping[str, Array], names: Sequence[str], timing: Timing
+    request_id: str,
+    outputs: Mapping[str, Array],
+    names: Sequence[str],
+    timing: Timing,
+    text_data: Mapping[str, bytes] | None = None,
 ) -> pb.InferResponse:
+    """`text_data`: text outputs' data by name, encoded already (`Outcome.text_data`)."""
     return pb.InferResponse(
         request_id=request_id,
-        outputs=[encode_tensor(name, outputs[name]) for name in names],
+        outputs=[_output_tensor(name, outputs[name], text_data) for name in names],
         timing=pb.Timing(
             lane=timing.lane,
             batch_size=timing.batch_size,
@@ -298,6 +303,13 @@ def encode_response(
             infer_us=round(timing.infer_s * 1e6),
         ),
     )
+
+
+def _output_tensor(name: str, array: Array, text_data: Mapping[str, bytes] | None) -> pb.Tensor:
+    data = None if text_data is None else text_data.get(name)
+    if data is None:
+        return encode_tensor(name, array)
+    return pb.Tensor(name=name, dtype=pb.DATA_TYPE_STRING, shape=array.shape, data=data)
 
 
 def dtype_refusal(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> str | None:

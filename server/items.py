@@ -169,3 +169,6 @@ class Outcome:
     outputs: Mapping[str, Array] | None = dataclasses.field(repr=False)
     error: LaneserveError | None
     timing: Timing | None
+    # Text outputs' wire data by name, encoded off the event loop (`text_thread`); an
+    # output not in it is encoded as the answer is made.
+    text_data: Mapping[str, bytes] | None = dataclasses.field(default=None, repr=False)

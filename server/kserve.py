@@ -1101,9 +1101,20 @@ class KServeServicer:
     async def ModelReady(
         self, request: object, context: grpc.aio.ServicerContext[Any, Any]
     ) -> kpb.ModelReadyResponse:
+        """Whether the model and version asked for are ready: the served one's readiness
+        is the server's (`_ready`); any other name or version is not ready.
+
+        ModelReady answers readiness, never an error, for a request that parses: a model
+        or version not served is ready=false with status OK, as a Triton server answers
+        over gRPC (its core's TRITONSERVER_ServerModelIsReady reports a model or version
+        it cannot find as not ready), so a Triton client that polls several names
+        (tritonclient's is_model_ready) reads False rather than raising. Nothing is
+        refused, so nothing is counted. The other Model* calls name a model to act on,
+        and refuse one not served NOT_FOUND (`check_served`)."""
         await _refuse_unreadable(request, "ModelReady", context)
         assert isinstance(request, kpb.ModelReadyRequest)
-        await self._abort_unless_served(request.name, request.version, context)
+        if not self.serves(request.name, request.version):
+            return kpb.ModelReadyResponse(ready=False)
         return kpb.ModelReadyResponse(ready=await self._ready(context))
 
     async def ServerMetadata(
@@ -1401,18 +1412,25 @@ class KServeServicer:
             await abort_with(context, error)
             raise AssertionError("unreachable: abort raises") from None
 
+    def serves(self, name: str, version: str) -> bool:
+        """Whether `name` and `version` are the served model's: its name, version "" (the
+        server's choice) or MODEL_VERSION."""
+        return name == self._model_name and version in ("", MODEL_VERSION)
+
     def check_served(self, name: str, version: str) -> None:
-        """Raises ModelNotFoundError unless `name` and `version` are the served model's."""
+        """Raises ModelNotFoundError unless `name` and `version` are the served model's
+        (`serves`), saying which of the two is not."""
+        if self.serves(name, version):
+            return
         if name != self._model_name:
             raise ModelNotFoundError(
                 f"model {name!r} is not served here; expected {self._model_name!r}, the one "
                 f"model this server serves (server.model_name, --model-name)"
             )
-        if version not in ("", MODEL_VERSION):
-            raise ModelNotFoundError(
-                f"model {name!r} has no version {version!r} here; expected "
-                f"{MODEL_VERSION!r} or empty (this server serves one version)"
-            )
+        raise ModelNotFoundError(
+            f"model {name!r} has no version {version!r} here; expected "
+            f"{MODEL_VERSION!r} or empty (this server serves one version)"
+        )
 
     async def _abort_unless_served(
         self, name: str, version: str, context: grpc.aio.ServicerContext[Any, Any]

@@ -62,7 +62,12 @@ from laneserve.server.kserve_json import (
     typed,
     write_answer,
 )
-from laneserve.server.service import DETAILS_TRAILER, PUSHBACK_TRAILER, status_trailers
+from laneserve.server.service import (
+    DETAILS_TRAILER,
+    PUSHBACK_TRAILER,
+    abort_with,
+    status_trailers,
+)
 from laneserve.server.settings import TRACE_LEVEL
 from laneserve.server.telemetry import HTTP_CALLER_LEFT, EventLog, HttpServerSpans
 
@@ -508,8 +513,19 @@ class HttpFrontEnd:
 
     async def _model_ready(self, request: web.Request) -> web.Response:
         model, version = _model_of(request)
+        call = HttpCall(request)
+        # Over HTTP the status is the answer (200: ready; tritonclient's is_model_ready
+        # reads the status alone, False for any other), and a Triton server answers a
+        # model or version it lacks with an error status too (400 "Model version not
+        # ready"): here 404 MODEL_NOT_FOUND, which says what is served. gRPC's
+        # ModelReady answers ready=false instead: there an error status is no answer.
+        try:
+            self._kserve.check_served(model, version)
+        except ModelNotFoundError as error:
+            await abort_with(call, error)
+            raise AssertionError("unreachable: abort raises") from None
         asked = kpb.ModelReadyRequest(name=model, version=version)
-        answer = await self._kserve.ModelReady(asked, HttpCall(request))
+        answer = await self._kserve.ModelReady(asked, call)
         return _json_response({"name": model, "ready": answer.ready}, 200 if answer.ready else 503)
 
     async def _server_metadata(self, request: web.Request) -> web.Response:

@@ -84,7 +84,12 @@ from laneserve.server.model_identity import SERVER_VERSION, ModelIdentity
 from laneserve.server.scheduler import MEMORY_PRESSURE_RETRY_S, caller_end_status
 from laneserve.server.scheduler_thread import SchedulerThread
 from laneserve.server.stats import Distribution, Percentiles, StatsRecorder
-from laneserve.server.text_reads import EVENT_LOOP_TEXT_ELEMENTS, Decoded, OffLoopReads
+from laneserve.server.text_thread import (
+    EVENT_LOOP_TEXT_ELEMENTS,
+    Decoded,
+    TextThread,
+    text_elements_of,
+)
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -94,7 +99,7 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Unread:
     """`_read_inputs`' answer for a request of more than EVENT_LOOP_TEXT_ELEMENTS strings:
-    its `rows`, checked against its lane, its inputs left for `OffLoopReads` to decode."""
+    its `rows`, checked against its lane, its inputs left for `TextThread` to decode."""
 
     rows: int
 
@@ -456,13 +461,24 @@ class RoomWaiter:
 
 class OutcomeRouter:
     """Hands each Outcome to its request's `Resolve` (its token) on the event loop, one
-    loop callback per batch."""
+    loop callback per batch; a batch whose answers hold more than EVENT_LOOP_TEXT_ELEMENTS
+    strings through `text` first, which encodes them off the loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, text: TextThread | None = None) -> None:
         self._loop = loop
+        self._text = text
 
     def deliver(self, outcomes: Sequence[Outcome]) -> None:
         """Called from the scheduler thread."""
+        if (
+            self._text is not None
+            and text_elements_of(outcomes) > EVENT_LOOP_TEXT_ELEMENTS
+            and self._text.encode_then(outcomes, self._resolve)
+        ):
+            return
+        self._resolve(outcomes)
+
+    def _resolve(self, outcomes: Sequence[Outcome]) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
             self._loop.call_soon_threadsafe(_resolve_all, outcomes)
 
@@ -534,9 +550,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         memory: MemoryFacts | None = None,
         telemetry: ServiceTelemetry | None = None,
         instance_id: str | None = None,
+        text: TextThread | None = None,
     ) -> None:
         """`instance_id`: GetStats' (a new one by default); the server gives its
-        telemetry's, so that Prometheus' target_info names the same instance."""
+        telemetry's, so that Prometheus' target_info names the same instance. `text`: the
+        thread that decodes long text (a new one by default; the server gives the one its
+        OutcomeRouter encodes answers on), closed by `close`."""
         self._memory = memory
         self._telemetry = telemetry or ServiceTelemetry()
         self._events = self._telemetry.events
@@ -564,7 +583,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._room_lines: collections.defaultdict[str, collections.deque[RoomWaiter]]
         self._room_lines = collections.defaultdict(collections.deque)
         self._room_waiters: dict[str, list[RoomWaiter]] = {}
-        self._reads = OffLoopReads()
+        self._text = text or TextThread()
         self._ledger = RequestLedger(
             ReplayCache(
                 max_entries=config.idempotency_max_entries,
@@ -790,18 +809,24 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         """The server stopped: the ledger's sweep timer goes (`RequestLedger.close`), and
         the thread that decodes long text."""
         self._ledger.close()
-        self._reads.close()
+        self._text.close()
 
     async def reads_finished(self, timeout_s: float) -> bool:
         """The server drains: waits until every request read before is decoded, and so
         admitted or refused (True), or `timeout_s` passed or `stop_waiting_for_reads` was
         called (False). Called before the scheduler stops admitting: a request of long text
         read before the drain is run, as one decoded on the event loop is."""
-        return await self._reads.wait_idle(timeout_s)
+        return await self._text.wait_idle(timeout_s)
+
+    async def answers_encoded(self, timeout_s: float) -> None:
+        """The scheduler has stopped: waits until the answers whose text was being encoded
+        off the loop (`OutcomeRouter`) have reached it, or `timeout_s`, so that gRPC's stop
+        does not cancel their calls first."""
+        await self._text.flushed(timeout_s)
 
     def stop_waiting_for_reads(self) -> None:
         """A drain in progress ends its `reads_finished` now (the operator asked twice)."""
-        self._reads.cut()
+        self._text.cut()
 
     async def _stream_answer(
         self,
@@ -846,7 +871,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             raise outcome.error
         assert outcome.outputs is not None
         assert outcome.timing is not None
-        response = encode_response(request_id, outcome.outputs, output_names, outcome.timing)
+        response = encode_response(
+            request_id, outcome.outputs, output_names, outcome.timing, outcome.text_data
+        )
         return response, self._check_sendable(response)
 
     def _check_sendable(self, response: pb.InferResponse) -> int:
@@ -1034,7 +1061,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         wait_until_s = lane_config.deadline_s(arrived_s, deadline_s)
         try:
             output_names = check_output_names(request.output_names, self._output_names)
-            # One with its id being decoded reaches the ledger first (`OffLoopReads`).
+            # One with its id being decoded reaches the ledger first (`TextThread`).
             await self._after_read_of(ledger_id, lane, wait_until_s, arrived_s)
             # The ledger runs it at most once per request_id: a retry joins or replays.
             digest, decoded = self._read_inputs(request, ledger_id, lane_config, output_names)
@@ -1144,7 +1171,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # A request of long text is decoded as it is about to be submitted: after its
             # wait for room, and only where the ledger would run it (a retry that joins or
             # replays, or one refused for reusing an id, needs no inputs). Submitted in the
-            # step its decode ends in, with no await between (see `OffLoopReads`).
+            # step its decode ends in, with no await between (see `TextThread`).
             nonlocal decoded
             if isinstance(decoded, _Unread):
                 await self._after_read_of(ledger_id, lane, wait_until_s, arrived_s)
@@ -1239,14 +1266,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         arrived_s: float,
         stream: _OnStream | None,
     ) -> Decoded:
-        """`_decoded`, by `OffLoopReads`; a caller that goes meanwhile is counted as
+        """`_decoded`, by `TextThread`; a caller that goes meanwhile is counted as
         `_left_unadmitted` says. A stream item holds its stream's reading while it is
         decoded, as while it waits for room (`StreamRoom`): decoded before the wait, a
         stream's items held 11-13 decoded copies where on the loop they held 2 (+500 MiB)."""
         if stream is not None:
             stream.room.enter()
         try:
-            return await self._reads.decode(ledger_id, request.inputs, self._input_specs)
+            return await self._text.decode(ledger_id, request.inputs, self._input_specs)
         except LaneserveError as error:
             raise self._rejected(lane, error, arrived_s=arrived_s) from None
         except asyncio.CancelledError:
@@ -1259,13 +1286,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def _after_read_of(
         self, ledger_id: str, lane: str, until_s: float, arrived_s: float
     ) -> None:
-        """Returns once no request with `ledger_id` is being decoded (`OffLoopReads`), at
+        """Returns once no request with `ledger_id` is being decoded (`TextThread`), at
         `until_s` at the latest; at once, without yielding, where none is. A caller that
         goes meanwhile is counted as `_left_unadmitted` says."""
-        if not self._reads.reading(ledger_id):
+        if not self._text.reading(ledger_id):
             return
         try:
-            await self._reads.after(ledger_id, until_s - self._clock.monotonic())
+            await self._text.after(ledger_id, until_s - self._clock.monotonic())
         except asyncio.CancelledError:
             self._left_unadmitted(lane, until_s, arrived_s)
             raise
@@ -1319,7 +1346,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if (
             self._state() is not Lifecycle.SERVING
             and not self._ledger.holds(ledger_id)
-            and not self._reads.reading(ledger_id)
+            and not self._text.reading(ledger_id)
         ):
             # A retry of a request this server holds costs no work here, so the ledger
             # answers it while the server drains too: a completed one's stored answer, or

@@ -37,7 +37,10 @@ change is refused. The others are fixed: OpenTelemetry's exporter writes the spa
 Who may: a request with no settings is a read, open to any caller as ModelMetadata is;
 one with settings, a change, only from a caller on this host (a loopback peer,
 `shared_memory.is_local_peer`), else PERMISSION_DENIED. Each change is logged once, at
-WARNING, with the caller's peer: the log says who changed what, and when.
+WARNING, with the caller's peer: the log says who changed what, and when. A change
+refused for a caller off the host is logged too (settings_change_refused, WARNING: its
+peer and the keys it asked to change), at most one line per REFUSAL_LOG_INTERVAL_S
+(`RefusalLog`): the log says who tried, and a scanner cannot flood it.
 """
 
 from __future__ import annotations
@@ -45,30 +48,105 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Collection, Mapping
 from typing import Final
 from urllib.parse import unquote
 
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
+from laneserve.server.clock import Clock, SystemClock
 from laneserve.server.config import UINT32_MAX
 from laneserve.server.errors import InvalidInputError, SettingsRefusedError, TracingOffError
 from laneserve.server.log_events import log_event
 from laneserve.server.shared_memory import is_local_peer
-from laneserve.server.telemetry.logs import log_format, set_log_level
+from laneserve.server.telemetry.logs import REFUSAL_LOG_INTERVAL_S, log_format, set_log_level
 from laneserve.server.telemetry.tracing import RatioSampler, Sampling
 
 log = logging.getLogger(__name__)
 
+# A refused change's line names at most so many of the keys its caller asked to change
+# (the first, sorted), each cut to so many characters: the keys are the caller's, any
+# number of them of any length. Triton's settings, six of each kind, are named whole.
+REFUSED_KEYS_NAMED = 8
+REFUSED_KEY_CHARS = 40
 
-def check_caller(peer: str, method: str) -> None:
+
+def check_caller(peer: str, method: str, keys: Collection[str]) -> None:
     """Raises SettingsRefusedError unless `peer` (gRPC's spelling, "ipv4:127.0.0.1:5000")
-    may change settings: a caller on this host, as shared memory's rule has it."""
+    may change settings: a caller on this host, as shared memory's rule has it. A refusal
+    is logged (`refusal_log`), naming the `keys` the caller asked to change."""
     if not is_local_peer(peer):
+        refusal_log.refused(peer, method, keys)
         raise SettingsRefusedError(
             f"{method} changes settings for callers on the server's host only, and this call "
             f"comes from {unquote(peer)!r}; expected a loopback connection (127.0.0.0/8, "
             "::1), or no settings: a read, open to any caller"
         )
+
+
+class RefusalLog:
+    """Logs the changes refused for a caller off this host (settings_change_refused,
+    WARNING: the peer, the method, the keys asked), one line at once, then none for
+    `interval_s`: the refusals in between are counted, and the next line says how many
+    ("and 41 more refused in the 37.2s since the last such line"). A count is told only
+    by the next refusal's line: a burst's tail, with no refusal after it, stays untold
+    (the line says the next refusals are counted, so a reader knows to look).
+
+    Not an `AggregatedLine` (telemetry/logs.py): that writes a burst's last line from a
+    timer thread, which the server's stop must close, and no server owns this log (see
+    `refusal_log`). Called on the event loop; the lock is for servers on several loops
+    in one process (embedders, tests), which share it."""
+
+    def __init__(self, clock: Clock, *, interval_s: float = REFUSAL_LOG_INTERVAL_S) -> None:
+        self._clock = clock
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        # When the last line was written (monotonic seconds), and the refusals since,
+        # counted and not logged. Under the lock.
+        self._line_s = -math.inf
+        self._unlogged = 0
+
+    def refused(self, peer: str, method: str, keys: Collection[str]) -> None:
+        with self._lock:
+            now_s = self._clock.monotonic()
+            since_s = now_s - self._line_s
+            if since_s < self._interval_s:
+                self._unlogged += 1
+                return
+            unlogged, self._unlogged, self._line_s = self._unlogged, 0, now_s
+        # Sorted only for a line: a refusal counted and not logged costs no more than a read.
+        first = sorted(keys)[:REFUSED_KEYS_NAMED]
+        named = [key[:REFUSED_KEY_CHARS] for key in first]
+        asked = ", ".join(
+            repr(cut) + ("..." if len(cut) < len(key) else "")
+            for cut, key in zip(named, first, strict=True)
+        )
+        if len(keys) > len(named):
+            asked += f" and {len(keys) - len(named)} more"
+        more = (
+            f"; and {unlogged} more refused in the {since_s:.1f}s since the last such line"
+            if unlogged
+            else ""
+        )
+        log_event(
+            log,
+            logging.WARNING,
+            "settings_change_refused",
+            f"refused {method} from {unquote(peer)}, a caller off the server's host, asking "
+            f"to change {asked}{more} (those in the next {self._interval_s:g}s are counted "
+            "in the next such line, not logged each)",
+            peer=unquote(peer),
+            method=method,
+            keys=named,
+            keys_asked=len(keys),
+            unlogged=unlogged,
+        )
+
+
+# The one refusal log of this process, every server's and front end's: the root logger
+# it writes to is the process's, and a caller trying every port (each gRPC port, HTTP)
+# is bounded once. A test sets its own, of a clock it moves.
+refusal_log = RefusalLog(SystemClock())
 
 
 # ---- logs ------------------------------------------------------------------------------
@@ -95,10 +173,12 @@ _KIND_NAMES: Final[Mapping[str, str]] = {
     "uint32_param": "a whole number (uint32_param)",
     "string_param": "a string (string_param)",
 }
+# Each kind as a refusal expects it: in those words, and the values it takes where it
+# says more.
 _KIND_WORDS: Final[Mapping[str, str]] = {
-    "bool_param": "a boolean (bool_param): true or false",
-    "uint32_param": "a whole number (uint32_param): 0, or 1 and more for debug",
-    "string_param": "a string (string_param)",
+    **_KIND_NAMES,
+    "bool_param": f"{_KIND_NAMES['bool_param']}: true or false",
+    "uint32_param": f"{_KIND_NAMES['uint32_param']}: 0, or 1 and more for debug",
 }
 _LEVELS_ACCEPTED: Final = (
     "log_verbose_level 1 or more with log_info, log_warning and log_error on (debug); "
@@ -117,7 +197,7 @@ def change_log_settings(request: kpb.LogSettingsRequest, peer: str) -> kpb.LogSe
     root = logging.getLogger()
     if not request.settings:
         return _log_response(_log_values(root.level))
-    check_caller(peer, "LogSettings")
+    check_caller(peer, "LogSettings", request.settings)
     now = _log_values(root.level)
     asked = _asked_log_values(request)
     if asked.get(LOG_FILE, "") != "":
@@ -280,7 +360,7 @@ class TraceSettings:
             )
         if not request.settings:
             return self._response()
-        check_caller(peer, "TraceSetting")
+        check_caller(peer, "TraceSetting", request.settings)
         root = self._settable_root()
         now = root.sampling
         new = _asked_sampling(request.settings, now, root.start)

@@ -371,8 +371,10 @@ def test_a_model_name_set_is_the_one_served_and_others_are_not_found(small_model
             assert (await stub.ModelMetadata(kpb.ModelMetadataRequest(name="mlp"))).name == "mlp"
             answer = await stub.ModelInfer(raw_request("mlp", input=rows(1)))
             assert answer.model_name == "mlp"
+            assert (await stub.ModelReady(kpb.ModelReadyRequest(name="mlp"))).ready
+            # Asked whether it is ready, a model not served is not (as Triton answers).
+            assert not (await stub.ModelReady(kpb.ModelReadyRequest(name="small"))).ready
             calls: list[Callable[[], Awaitable[Any]]] = [
-                lambda: stub.ModelReady(kpb.ModelReadyRequest(name="small")),
                 lambda: stub.ModelMetadata(kpb.ModelMetadataRequest(name="small")),
                 lambda: stub.ModelInfer(raw_request("small", input=rows(1))),
             ]
@@ -390,6 +392,58 @@ def test_a_model_name_set_is_the_one_served_and_others_are_not_found(small_model
             assert "model 'mlp' has no version '2' here; expected '1' or empty" in str(
                 caught.value.details()
             )
+
+    asyncio.run(scenario())
+
+
+def test_model_ready_answers_not_ready_for_a_model_or_version_not_served(
+    small_model: Path,
+) -> None:
+    """ModelReady answers readiness, never an error, for a request that parses: another
+    name, another version, a version that is no number or no name at all is ready=false
+    with status OK, as a Triton server answers (a Triton client polling several names
+    reads False), counted nowhere (no refusal); the served model's is the server's
+    readiness, false from a stop signal's drain delay on; bytes that do not parse are
+    still refused INVALID_ARGUMENT."""
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            # Raw bytes in, the status read off the call: as any stub calls it.
+            ready: Any = s.channel.unary_unary(
+                "/inference.GRPCInferenceService/ModelReady",
+                request_serializer=lambda data: data,
+                response_deserializer=kpb.ModelReadyResponse.FromString,
+            )
+
+            async def answer(asked: kpb.ModelReadyRequest) -> tuple[grpc.StatusCode, bool]:
+                call = ready(asked.SerializeToString(), timeout=30)
+                return await call.code(), (await call).ready
+
+            not_served = [
+                kpb.ModelReadyRequest(name="other"),
+                kpb.ModelReadyRequest(name="other", version="1"),
+                kpb.ModelReadyRequest(name="small", version="2"),
+                kpb.ModelReadyRequest(name="small", version="latest"),
+                kpb.ModelReadyRequest(),
+            ]
+            for asked in not_served:
+                assert await answer(asked) == (grpc.StatusCode.OK, False), asked
+            for version in ("", "1"):
+                served = kpb.ModelReadyRequest(name="small", version=version)
+                assert await answer(served) == (grpc.StatusCode.OK, True)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await ready(b"\x0a\x02\xff\xfe", timeout=30)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "the ModelReady request does not parse" in str(caught.value.details())
+            # The other Model* calls still refuse a model not served.
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await kserve_stub(s).ModelMetadata(kpb.ModelMetadataRequest(name="other"))
+            assert rich_status(caught.value)[0] == "MODEL_NOT_FOUND"
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+            assert [dict(lane.rejected) for lane in stats.lanes] == [{}] * len(stats.lanes)
+            await s.server.announce_not_serving()
+            for asked in (kpb.ModelReadyRequest(name="small"), *not_served):
+                assert await answer(asked) == (grpc.StatusCode.OK, False), asked
 
     asyncio.run(scenario())
 

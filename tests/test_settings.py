@@ -13,6 +13,7 @@ import logging
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 import aiohttp
 import grpc
@@ -32,8 +33,9 @@ from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from laneserve.server import LaneServer, settings
 from laneserve.server.addresses import host_port
-from laneserve.server.errors import InvalidInputError
-from laneserve.server.settings import check_caller
+from laneserve.server.clock import ManualClock
+from laneserve.server.errors import InvalidInputError, SettingsRefusedError
+from laneserve.server.settings import REFUSED_KEY_CHARS, RefusalLog, check_caller
 from laneserve.server.telemetry import (
     BatchLinkSampler,
     RatioSampler,
@@ -103,6 +105,15 @@ def at_info(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     set_log_level(logging.INFO)
     yield
     per_call.setLevel(level)
+
+
+@pytest.fixture(autouse=True)
+def refusal_clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
+    """Every test has a refusal log of its own (the process's is shared by every server
+    in it), on a clock that moves when the test says."""
+    clock = ManualClock()
+    monkeypatch.setattr(settings, "refusal_log", RefusalLog(clock, interval_s=10.0))
+    return clock
 
 
 @pytest.fixture
@@ -365,13 +376,73 @@ def test_log_settings_refusals_name_the_setting_and_what_is_accepted(
         ("unknown", False),
     ],
 )
-def test_settings_change_only_from_this_host(peer: str, may: bool) -> None:
-    """Shared memory's rule (`is_local_peer`): a loopback peer, or none."""
+def test_settings_change_only_from_this_host(
+    peer: str, may: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Shared memory's rule (`is_local_peer`): a loopback peer, or none; a refusal is
+    logged, an allowed caller is not."""
     if may:
-        check_caller(peer, "LogSettings")
+        check_caller(peer, "LogSettings", ["log_info"])
+        assert changes(caplog, "settings_change_refused") == []
         return
-    with pytest.raises(Exception, match="LogSettings changes settings for callers on the server"):
-        check_caller(peer, "LogSettings")
+    with pytest.raises(
+        SettingsRefusedError, match="LogSettings changes settings for callers on the server"
+    ):
+        check_caller(peer, "LogSettings", ["log_info"])
+    [line] = changes(caplog, "settings_change_refused")
+    assert fields(line)["peer"] == unquote(peer)
+
+
+def test_refused_changes_are_logged_at_most_once_per_interval_and_counted_between(
+    refusal_clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first refusal at once; those within the interval counted, not logged; the
+    next line after it says how many, and over how long. A key is the caller's: a line
+    names at most eight, each cut, escaped (no line of a caller's making)."""
+    elsewhere = "ipv4:192.0.2.9:4000"
+    refusal_log = settings.refusal_log
+    refusal_log.refused(elsewhere, "LogSettings", ["log_verbose_level"])
+    for _ in range(41):
+        refusal_clock.advance(0.125)  # 5.125 s in all (binary fractions: exact sums)
+        refusal_log.refused(elsewhere, "TraceSetting", ["trace_rate"])
+    refusal_clock.advance(4.875)  # the interval since the first line, to the tick
+    refusal_log.refused("ipv6:%5B2001:db8::1%5D:7", "LogSettings", ["log_info", "log_error"])
+    refusal_clock.advance(10.0)
+    many = [f"k{index:02}" for index in range(12)]
+    long_key = "x" * 5000
+    refusal_log.refused(elsewhere, "LogSettings", [*many, long_key])
+
+    lines = changes(caplog, "settings_change_refused")
+    assert [line.levelno for line in lines] == [logging.WARNING] * 3
+    assert [fields(line)["unlogged"] for line in lines] == [0, 41, 0]
+    assert lines[0].getMessage() == (
+        "refused LogSettings from ipv4:192.0.2.9:4000, a caller off the server's host, asking "
+        "to change 'log_verbose_level' (those in the next 10s are counted in the next such "
+        "line, not logged each)"
+    )
+    assert lines[1].getMessage() == (
+        "refused LogSettings from ipv6:[2001:db8::1]:7, a caller off the server's host, "
+        "asking to change 'log_error', 'log_info'; and 41 more refused in the 10.0s since the "
+        "last such line (those in the next 10s are counted in the next such line, not logged "
+        "each)"
+    )
+    assert fields(lines[1])["peer"] == "ipv6:[2001:db8::1]:7"
+    bounded = fields(lines[2])
+    assert bounded["keys"] == many[:8]
+    assert bounded["keys_asked"] == 13
+    assert "'k07' and 5 more (those in the next 10s" in lines[2].getMessage()
+    refusal_log.refused(elsewhere, "LogSettings", ["a" * REFUSED_KEY_CHARS, long_key])
+    refusal_clock.advance(10.0)
+    refusal_log.refused(elsewhere, "LogSettings", ["a" * REFUSED_KEY_CHARS, long_key, "b\nc"])
+    last = changes(caplog, "settings_change_refused")[-1]
+    assert fields(last)["keys"] == ["a" * REFUSED_KEY_CHARS, "b\nc", "x" * REFUSED_KEY_CHARS]
+    assert last.getMessage().startswith(
+        "refused LogSettings from ipv4:192.0.2.9:4000, a caller off the server's host, "
+        f"asking to change {'a' * REFUSED_KEY_CHARS!r}, 'b\\nc', {'x' * REFUSED_KEY_CHARS!r}"
+        "...; and 1 more refused in the 10.0s"
+    )
+    assert "\n" not in last.getMessage()
+    assert fields(last)["unlogged"] == 1
 
 
 @contextlib.asynccontextmanager
@@ -426,6 +497,73 @@ def test_a_caller_on_another_host_reads_the_settings_and_changes_none(small_mode
             assert logging.getLogger().level == logging.INFO
 
     asyncio.run(scenario())
+
+
+def test_a_refused_remote_change_is_logged_over_grpc_and_http_once_per_interval(
+    small_model: Path, refusal_clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A caller off the host that tries to change a setting is named in the server's log
+    (its peer, the method, the keys it asked to change), gRPC's and HTTP's alike: the
+    first refusal at once, those within the interval after it counted in the next line,
+    whichever front end refused them. Reads are not logged."""
+    routed = routed_ipv4()
+
+    def refusals() -> list[logging.LogRecord]:
+        return changes(caplog, "settings_change_refused")
+
+    async def scenario() -> None:
+        async with served_elsewhere(small_model) as (stub, http):
+            assert await log_settings(stub) == AT_INFO
+            assert (await get(http, "/v2/logging")).json == AT_INFO
+            assert refusals() == []
+            await refused(
+                stub.LogSettings(log_request(log_verbose_level=1)),
+                grpc.StatusCode.PERMISSION_DENIED,
+                "SETTINGS_REFUSED",
+                "LogSettings changes settings",
+            )
+            [grpc_line] = refusals()
+            assert fields(grpc_line)["peer"].startswith(f"ipv4:{routed}:")
+            assert (fields(grpc_line)["method"], fields(grpc_line)["keys"]) == (
+                "LogSettings",
+                ["log_verbose_level"],
+            )
+            # Within the interval: refused as before, counted, not logged.
+            await refused(
+                stub.TraceSetting(trace_request({"trace_rate": ["1"]})),
+                grpc.StatusCode.PERMISSION_DENIED,
+                "SETTINGS_REFUSED",
+                "TraceSetting changes settings",
+            )
+            assert_refused(
+                await post(http, "/v2/logging", {"log_info": False}),
+                403,
+                "SETTINGS_REFUSED",
+                "LogSettings changes settings",
+            )
+            assert len(refusals()) == 1
+            refusal_clock.advance(10.0)
+            assert_refused(
+                await post(http, "/v2/trace/setting", {"trace_level": ["TIMESTAMPS"]}),
+                403,
+                "SETTINGS_REFUSED",
+                "TraceSetting changes settings",
+            )
+            http_line = refusals()[1]
+            assert fields(http_line)["peer"].startswith(f"ipv4:{routed}:")
+            assert fields(http_line)["peer"] != fields(grpc_line)["peer"]  # another connection
+            assert (fields(http_line)["method"], fields(http_line)["keys"]) == (
+                "TraceSetting",
+                ["trace_level"],
+            )
+            assert fields(http_line)["unlogged"] == 2
+            assert "; and 2 more refused in the 10.0s since the last such line" in (
+                http_line.getMessage()
+            )
+
+    asyncio.run(scenario())
+    assert len(refusals()) == 2
+    assert logging.getLogger().level == logging.INFO
 
 
 # ---- trace settings -------------------------------------------------------------------------

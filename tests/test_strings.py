@@ -4,6 +4,7 @@ encoding to a batched run of the real session."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import struct
@@ -18,13 +19,15 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from laneserve.client import tensors
 from laneserve.client.tensors import decode_tensor, encode_tensor
-from laneserve.server import Engine, EngineStartError, ServerConfig, service, text_reads
+from laneserve.server import Engine, EngineStartError, ServerConfig, service, text_thread
 from laneserve.server.bench.baselines import EchoServicer
 from laneserve.server.bench.loadgen import request_body
 from laneserve.server.bench.run import load_inputs
 from laneserve.server.bench.settings import Stream
 from laneserve.server.codec import MAX_EXTRA_BYTES, decode_inputs, extra_bytes, leading_rows
+from laneserve.server.config import DEFAULT_LANES
 from laneserve.server.engine import TensorSpec, held_bytes
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.v1 import inference_pb2 as pb
@@ -464,7 +467,7 @@ def _long_text_request(
 
 
 # 3 strings a row: just over the most decoded on the event loop.
-_LONG_ROWS = text_reads.EVENT_LOOP_TEXT_ELEMENTS // 3 + 1
+_LONG_ROWS = text_thread.EVENT_LOOP_TEXT_ELEMENTS // 3 + 1
 
 
 class _DecodeGate:
@@ -488,15 +491,15 @@ class _DecodeGate:
                 gate._open.wait(timeout=30)
             return decode_inputs(tensors, specs)
 
-        after = text_reads.OffLoopReads.after
+        after = text_thread.TextThread.after
 
-        async def counted_after(reads: text_reads.OffLoopReads, *args: Any) -> None:
+        async def counted_after(reads: text_thread.TextThread, *args: Any) -> None:
             gate.waited += 1
             await after(reads, *args)
 
         monkeypatch.setattr(service, "decode_inputs", recording)
-        monkeypatch.setattr(text_reads, "decode_inputs", recording)
-        monkeypatch.setattr(text_reads.OffLoopReads, "after", counted_after)
+        monkeypatch.setattr(text_thread, "decode_inputs", recording)
+        monkeypatch.setattr(text_thread.TextThread, "after", counted_after)
 
     def hold(self) -> None:
         self._open.clear()
@@ -653,3 +656,41 @@ def test_a_call_cancelled_while_its_long_text_is_decoded_is_counted_as_its_lanes
     assert bulk.admitted == 0
     assert dict(bulk.rejected) == {"CANCELLED": 1}
     assert stats.rows_run == 1
+
+
+def test_a_batch_answering_many_strings_is_encoded_off_the_event_loop(
+    text_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch whose answers hold more than EVENT_LOOP_TEXT_ELEMENTS strings has them
+    encoded on the text thread before its answers reach the loop, byte for byte as the
+    loop encodes them; a smaller answer is encoded on the loop, as before."""
+    encoded_on: list[tuple[str, int, bool]] = []
+
+    def recording(what: str, array: Any) -> bytes:
+        on_loop = threading.current_thread() is threading.main_thread()
+        encoded_on.append((what, array.size, on_loop))
+        return tensors.encode_strings(what, array)
+
+    monkeypatch.setattr(text_thread, "encode_strings", recording)
+    rows = text_thread.EVENT_LOOP_TEXT_ELEMENTS + 1  # `tagged`: a string a row
+
+    lanes = tuple(
+        dataclasses.replace(lane, capacity_rows=2 * rows) if lane.name == "bulk" else lane
+        for lane in DEFAULT_LANES
+    )
+    config = dataclasses.replace(_text_config(text_model), lanes=lanes)
+
+    async def scenario() -> tuple[pb.InferResponse, pb.InferResponse]:
+        engine = Engine(str(text_model), device="cpu", estimate=estimate_once)
+        async with serving(engine, config) as s:
+            small = await s.stub.Infer(_text_request(["cat"], [["1", "2"]]), timeout=60)
+            large = await s.stub.Infer(_long_text_request(rows), timeout=60)
+            return small, large
+
+    small, large = asyncio.run(scenario())
+    assert encoded_on == [("tensor 'tagged'", rows, False)]
+    expected = np.array([f"row {row}!" for row in range(rows)], dtype=object)
+    assert large.outputs[0] == encode_tensor("tagged", expected)
+    assert [output.name for output in large.outputs] == ["tagged", "label", "value"]
+    np.testing.assert_array_equal(decode_tensor(large.outputs[2])[:, 0], np.arange(rows))
+    assert decode_tensor(small.outputs[0]).tolist() == ["cat!"]
