@@ -1296,6 +1296,9 @@ class LaneServer:
         self.metrics_port: int | None = None  # the Prometheus endpoint's, once started
         self.http_port: int | None = None  # KServe v2 HTTP's, once started (configured)
         self._http: HttpFrontEnd | None = None
+        # The thread that decodes and encodes long text, and reads and writes large HTTP
+        # JSON, off the event loop (made by `start`; closed by the servicer's `close`).
+        self._text: TextThread | None = None
         # Last: a server that could not be made leaves its engine free for another.
         engine.claim()
 
@@ -1340,7 +1343,7 @@ class LaneServer:
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         loop = asyncio.get_running_loop()
         # Long text is decoded (the servicer) and answers of it encoded (the router) there.
-        text = TextThread()
+        text = self._text = TextThread()
         router = OutcomeRouter(loop, text)
         thread = self._thread = SchedulerThread(
             self.scheduler,
@@ -1374,6 +1377,7 @@ class LaneServer:
                 # None until the HTTP port serves (none configured: absent throughout).
                 http_requests=lambda: None if self._http is None else self._http.answered(),
                 answers_unsent=self.telemetry.unsent_answers.counts,
+                text_thread=text.counts,
             )
         )
         servicer = self._servicer = InferenceServicer(
@@ -1661,6 +1665,7 @@ class LaneServer:
             compressed_requests=self.config.compressed_requests,
             spans=self.telemetry.http_spans,
             events=self.telemetry.event_log,
+            text=self._text,
         )
         host, port = bare_host(self.config.host), self.config.http_port
         tls = https_context(self.config)
@@ -1879,7 +1884,7 @@ class LaneServer:
         if self._thread is not None:
             self._thread.end_grace()
         if self._servicer is not None:
-            self._servicer.stop_waiting_for_reads()
+            self._servicer.stop_waiting_for_text()
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()

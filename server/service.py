@@ -45,6 +45,7 @@ from laneserve.server.errors import (
     DeadlineUnmeetableError,
     DrainingError,
     EngineError,
+    ExpiredInQueueError,
     InvalidInputError,
     JoinExpiredError,
     JoinLimitError,
@@ -813,19 +814,24 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
     async def reads_finished(self, timeout_s: float) -> bool:
         """The server drains: waits until every request read before is decoded, and so
-        admitted or refused (True), or `timeout_s` passed or `stop_waiting_for_reads` was
-        called (False). Called before the scheduler stops admitting: a request of long text
-        read before the drain is run, as one decoded on the event loop is."""
-        return await self._text.wait_idle(timeout_s)
+        admitted or refused (True), or `timeout_s` passed or `stop_waiting_for_text` was
+        called (False: those still being decoded are refused DRAINING). Called before the
+        scheduler stops admitting: a request of long text read before the drain is run, as
+        one decoded on the event loop is."""
+        if await self._text.wait_idle(timeout_s):
+            return True
+        self._text.abandon()  # those still decoded are refused DRAINING, as queued ones are
+        return False
 
     async def answers_encoded(self, timeout_s: float) -> None:
         """The scheduler has stopped: waits until the answers whose text was being encoded
         off the loop (`OutcomeRouter`) have reached it, or `timeout_s`, so that gRPC's stop
         does not cancel their calls first."""
-        await self._text.flushed(timeout_s)
+        await self._text.encoded(timeout_s)
 
-    def stop_waiting_for_reads(self) -> None:
-        """A drain in progress ends its `reads_finished` now (the operator asked twice)."""
+    def stop_waiting_for_text(self) -> None:
+        """A drain in progress ends its `reads_finished` and `answers_encoded` now (the
+        operator asked twice)."""
         self._text.cut()
 
     async def _stream_answer(
@@ -1043,6 +1049,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         streams) filled the lane and had most of their items refused LANE_FULL."""
         arrived_s = self._clock.monotonic()
         lane, lane_config = self._lane_of(request, default_lane, ledger_id, arrived_s=arrived_s)
+        # Let in while draining only as a retry of a request the server holds (`_lane_of`).
+        arrived_serving = self._state() is Lifecycle.SERVING
         answer_limit = None if stream is None else stream.receive_limit
         # Budgets count from arrival: decoding is part of the time the caller waits.
         deadline_s = _deadline_s(arrived_s, context.time_remaining(), request.timeout_ms)
@@ -1062,11 +1070,23 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         try:
             output_names = check_output_names(request.output_names, self._output_names)
             # One with its id being decoded reaches the ledger first (`TextThread`).
-            await self._after_read_of(ledger_id, lane, wait_until_s, arrived_s)
+            waited = await self._after_read_of(ledger_id, lane, wait_until_s, arrived_s)
+            if waited and not arrived_serving and not self._ledger.holds(ledger_id):
+                # Let in during the drain for the request it waited for, which left nothing
+                # to join (refused, or its caller gone): it is new work.
+                raise DrainingError("server is draining; retry on another instance")
             # The ledger runs it at most once per request_id: a retry joins or replays.
             digest, decoded = self._read_inputs(request, ledger_id, lane_config, output_names)
         except LaneserveError as error:  # counted as the scheduler counts its own
             raise self._rejected(lane, error, arrived_s=arrived_s) from None
+        if isinstance(decoded, _Unread) and self._ledger.answers_as(ledger_id, digest) is None:
+            # Decoded where the ledger would run it (a retry that joins or replays, or one
+            # refused for reusing an id, needs no inputs), before a stream item's wait for
+            # room, as on the loop. A call's request is submitted in the step its decode
+            # ends in, with no await between (see `TextThread`).
+            decoded = await self._decoded_aside(
+                request, lane, ledger_id, wait_until_s, arrived_s, stream
+            )
         # None: a retry that joins or replays, which waits for no room (see `_read_inputs`).
         rows = 0 if decoded is None else _rows_of(decoded)
         # Set by `submit`, which runs only when this call (not a retry it joins) queues it;
@@ -1167,28 +1187,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             arrived_s,  # positional: a keyword takes partial off its fast call path
         )
 
-        async def run_read() -> pb.InferResponse:
-            # A request of long text is decoded as it is about to be submitted: after its
-            # wait for room, and only where the ledger would run it (a retry that joins or
-            # replays, or one refused for reusing an id, needs no inputs). Submitted in the
-            # step its decode ends in, with no await between (see `TextThread`).
-            nonlocal decoded
-            if isinstance(decoded, _Unread):
-                await self._after_read_of(ledger_id, lane, wait_until_s, arrived_s)
-                if self._ledger.answers_as(ledger_id, digest) is None:
-                    decoded = await self._decoded_aside(
-                        request, lane, ledger_id, wait_until_s, arrived_s, stream
-                    )
-            return await run()
-
         if stream is None or self._ledger.holds(ledger_id):
             # A stream item that joins its request in flight, replays its stored answer or
             # is refused for reusing an id adds no rows to its lane: waiting for room there
             # held it, and its stream's reading, up to its deadline for nothing.
-            answer = run_read()
+            answer = run()
         else:
             answer = self._run_when_room(
-                run_read, lane, rows, wait_until_s, stream.room, ledger_id, arrived_s=arrived_s
+                run, lane, rows, wait_until_s, stream.room, ledger_id, arrived_s=arrived_s
             )
         return await self._take(answer, taken, context, answer_limit, lane, arrived_s)
 
@@ -1224,31 +1230,43 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     ) -> tuple[bytes, Decoded | _Unread | None]:
         """The request's fingerprint (b"" without a `ledger_id`, its key in the ledger)
         and its decoded inputs, rows and signature; None for a retry that joins its
-        request in flight or replays its stored answer; `_Unread` for a new request of
-        more than EVENT_LOOP_TEXT_ELEMENTS strings, its rows checked (`_infer` has it
-        decoded off the event loop). Raises why the request is refused.
+        request in flight or replays its stored answer; `_Unread` for one of more than
+        EVENT_LOOP_TEXT_ELEMENTS strings otherwise, its rows checked where they can be
+        counted (`_infer` has it decoded off the event loop, where the ledger would run
+        it). Raises why the request is refused.
 
         A retry's fingerprint equals the first attempt's, which was decoded and validated:
         it is not decoded again (a join kept that copy of its inputs as long as it waited;
         gRPC keeps its message, which `RequestLedger` bounds). Told so in the step the
         ledger answers it in, it is never decoded; `submit` decodes it should it run."""
         check_counts(request.inputs, self._input_specs)  # before anything walks them
-        if self._ledger.holds(ledger_id):
+        held = self._ledger.holds(ledger_id)
+        rows = None
+        digest = b""  # a new request's is taken once its inputs are read (below)
+        if held:
             digest = fingerprint(request, output_names)
             if self._ledger.answers_as(ledger_id, digest) in ("join", "replay"):
                 return digest, None
-            return digest, decode_inputs(request.inputs, self._input_specs)
-        rows = leading_rows(
-            request.inputs, self._input_specs, max_message_bytes=self._config.max_message_bytes
-        )
-        if rows is not None:
-            # Admission's refusal, before the inputs are copied and hashed: refused after, a
-            # 62 MiB request cost the event loop 143-223 ms. Not a retry's: it queues no rows.
-            lane_config.check_rows(rows)
-            if text_elements(request.inputs) > EVENT_LOOP_TEXT_ELEMENTS:
-                return (fingerprint(request, output_names) if ledger_id else b""), _Unread(rows)
-        decoded = decode_inputs(request.inputs, self._input_specs)
-        return (fingerprint(request, output_names) if ledger_id else b""), decoded
+        else:
+            rows = leading_rows(
+                request.inputs,
+                self._input_specs,
+                max_message_bytes=self._config.max_message_bytes,
+            )
+            if rows is not None:
+                # Admission's refusal, before the inputs are copied and hashed: refused
+                # after, a 62 MiB request cost the event loop 143-223 ms. Not a retry's: it
+                # queues no rows.
+                lane_config.check_rows(rows)
+        read: Decoded | _Unread
+        if text_elements(request.inputs) > EVENT_LOOP_TEXT_ELEMENTS:
+            # Rows uncounted (a request `decode_inputs` refuses): none to wait for room for.
+            read = _Unread(rows or 0)
+        else:
+            read = decode_inputs(request.inputs, self._input_specs)  # refused before hashed
+        if not held and ledger_id:
+            digest = fingerprint(request, output_names)
+        return digest, read
 
     def _decoded(self, request: pb.InferRequest, lane: str, arrived_s: float) -> Decoded:
         """`decode_inputs` of `request`, its refusal counted as one of `lane`."""
@@ -1268,8 +1286,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     ) -> Decoded:
         """`_decoded`, by `TextThread`; a caller that goes meanwhile is counted as
         `_left_unadmitted` says. A stream item holds its stream's reading while it is
-        decoded, as while it waits for room (`StreamRoom`): decoded before the wait, a
-        stream's items held 11-13 decoded copies where on the loop they held 2 (+500 MiB)."""
+        decoded, as while it waits for room (`StreamRoom`): without that hold, a stream's
+        items held 11-13 decoded copies where on the loop they held 2 (+500 MiB). It is
+        decoded before its wait for room, as on the loop: decoded after, between its turn
+        in the room's line and its admission, another item took its room, and it went to
+        the back of the line."""
         if stream is not None:
             stream.room.enter()
         try:
@@ -1285,17 +1306,26 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
     async def _after_read_of(
         self, ledger_id: str, lane: str, until_s: float, arrived_s: float
-    ) -> None:
-        """Returns once no request with `ledger_id` is being decoded (`TextThread`), at
-        `until_s` at the latest; at once, without yielding, where none is. A caller that
-        goes meanwhile is counted as `_left_unadmitted` says."""
+    ) -> bool:
+        """Returns once no request with `ledger_id` is being decoded (`TextThread`):
+        whether it waited (False at once, without yielding, where none is). A caller that
+        goes meanwhile is counted as `_left_unadmitted` says; at `until_s` raises
+        ExpiredInQueueError: its own decode would start past its deadline."""
         if not self._text.reading(ledger_id):
-            return
+            return False
         try:
-            await self._text.after(ledger_id, until_s - self._clock.monotonic())
+            decoded = await self._text.after(ledger_id, until_s - self._clock.monotonic())
         except asyncio.CancelledError:
             self._left_unadmitted(lane, until_s, arrived_s)
             raise
+        if not decoded:
+            raise ExpiredInQueueError(
+                f"the request with request_id {ledger_id!r} sent before this one was still "
+                f"being decoded at this one's deadline, "
+                f"{(until_s - arrived_s) * 1000:.0f} ms after it arrived; expected a longer "
+                "deadline, or another request_id for other inputs"
+            )
+        return True
 
     def _left_unadmitted(self, lane: str, until_s: float, arrived_s: float) -> None:
         """Counts a call that went (cancelled, its stream ended, its deadline came) while

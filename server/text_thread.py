@@ -4,12 +4,13 @@
 A STRING element is decoded into a Python `str` one by one (~0.3 us each,
 `decode_strings`), and encoded back the same way (`encode_strings`): a 64 MiB request of
 2-byte strings held the event loop, every other call with it, for 3 s. On a thread, the
-work takes turns of the GIL with the loop (its switch interval, 5 ms) instead. Measured
-(one run each way, twice, a 256-token string model): 1-row interactive calls beside
-512 000-string bulk requests, p99 165-298 ms decoded on the loop, 46-60 ms on a thread;
-at 48 000 strings no difference beyond the noise; at 12 000 the hand-offs cost more than
-they saved: hence EVENT_LOOP_TEXT_ELEMENTS, for answers too. Numbers are never decoded
-away: their bytes are used in place, in microseconds.
+work takes turns of the GIL with the loop (its switch interval, 5 ms) instead.
+`scripts/bench_text_loop.py` measures it: 1-row interactive calls beside 512 000-string
+bulk requests, p99 46-63 ms with the thread, 493-519 ms without (two runs). At 48 000
+strings a request, one run of an earlier version showed no difference beyond the noise;
+at 12 000 the hand-offs cost more than they saved: hence EVENT_LOOP_TEXT_ELEMENTS, for
+answers too. Numbers are never decoded away: their bytes are used in place, in
+microseconds.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Final
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Final, TypeVar
 
 from laneserve.client.tensors import encode_strings
 from laneserve.server.codec import decode_inputs
 from laneserve.server.engine import TensorSpec
+from laneserve.server.errors import DrainingError
 from laneserve.server.items import Array, Outcome, Signature
 from laneserve.v1 import inference_pb2 as pb
 
@@ -34,38 +38,108 @@ log = logging.getLogger(__name__)
 # of, on the event loop (about 6 ms); more are by `TextThread` (see the module's note).
 EVENT_LOOP_TEXT_ELEMENTS: Final = 20_000
 
+_T = TypeVar("_T")
+
 # A request's decoded inputs by name, its rows and its batching signature (`decode_inputs`).
 Decoded = tuple[dict[str, Array], int, Signature]
 
 
+# The kinds of work the thread does (`TextThread.counts`): a request's text decoded, a
+# batch's text answers encoded, an HTTP body's JSON read or an answer's written.
+DECODE: Final = "decode"
+ENCODE: Final = "encode"
+JSON: Final = "json"
+KINDS: Final = (DECODE, ENCODE, JSON)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TextThreadCounts:
+    """`TextThread.counts`: by kind (KINDS), the work that ended (`done`) and the
+    thread's seconds on it (`busy_s`); and the work given and not ended (`pending`)."""
+
+    done: Mapping[str, int]
+    busy_s: Mapping[str, float]
+    pending: int
+
+
 class TextThread:
     """The decodes of requests, and the encodes of a batch's answers, of more than
-    EVENT_LOOP_TEXT_ELEMENTS strings, on one thread kept for them: not the loop's default
-    executor, where the drain's `wait_drained` runs and a queue of decodes would hold it
-    back; one for both, since each holds the GIL but for its switches, and each more
-    thread would take turns from the event loop too.
+    EVENT_LOOP_TEXT_ELEMENTS strings (and large HTTP JSON, `run`), on one thread kept for
+    them: not the loop's default executor, where the drain's `wait_drained` runs and a
+    queue of decodes would hold it back; one for all, since each holds the GIL but for
+    its switches, and each more thread would take turns from the event loop too.
 
     Invariants, which keep a request decoded here answered as one decoded on the loop:
     - a call with the `ledger_id` of a request being decoded waits for that decode
       (`after`) before the ledger is asked about it: the request read first reaches the
       ledger first (a retry joins it instead of decoding again; another request with its
       id, sent second, is the one refused), as when decoding took no await;
-    - `_ongoing` counts the decodes in progress, `_idle` is set exactly when it is 0, and
-      a decode's caller is woken before anything that waits for `_idle` (`wait_idle`):
-      the drain waits for it before the scheduler stops admitting, and a request read
-      before the drain is admitted in the step its decode ends in.
+    - `_ongoing` counts the decodes awaited and the calls waiting for one (`after`), and
+      `_idle` is set whenever it is 0; the drain waits until it finds `_idle` set
+      (`wait_idle`, which looks again after each wake: a call that leaves `after` goes
+      on to its own decode, or to the scheduler, in that step) before the scheduler stops
+      admitting, so a request read before the drain is admitted. Where the drain stops
+      waiting (its grace, a second signal), the decodes still awaited end refused
+      DRAINING (`abandon`), as requests queued then are.
     And one for answers: a batch encoded here is handed to the loop whole, in one
     callback, as the router hands any batch; the stop waits for the batches given to the
-    thread (`flushed`) before gRPC's stop would cancel their calls."""
+    thread (`encoded`) before gRPC's stop would cancel their calls."""
 
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="laneserve-text")
-        # Per ledger_id, the decode of the request with it in progress (set once it ends).
+        # Per ledger_id, the first decode in progress of a request with it (set once it ends).
         self._by_id: dict[str, asyncio.Event] = {}
         self._ongoing = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._cut = asyncio.Event()  # `cut`: `wait_idle` returns at once
+        self._decodes: set[asyncio.Future[Decoded]] = set()  # those awaited (`abandon`)
+        self._abandoned = False  # `abandon` was called: a decode asked now is refused
+        self._cancelled: set[asyncio.Future[Decoded]] = set()  # by `abandon`, not a caller
+        self._cut = asyncio.Event()  # `cut`: `wait_idle` and `encoded` return at once
+        # The batches given to the thread to encode and not yet handed to the loop; the
+        # scheduler thread adds them, the text thread takes them away.
+        self._encodes_lock = threading.Lock()
+        self._encodes: set[Future[None]] = set()
+        self._closed = False  # `close` was called
+        # What `counts` reads: per kind of work, how much ended and the thread's seconds
+        # on it, and how much was given and has not ended (queued or running). Any thread.
+        self._counts_lock = threading.Lock()
+        self._done: dict[str, int] = dict.fromkeys(KINDS, 0)
+        self._busy_s: dict[str, float] = dict.fromkeys(KINDS, 0.0)
+        self._pending = 0
+
+    def _submit(self, kind: str, work: Callable[..., _T], *args: object) -> Future[_T]:
+        """`work(*args)` given to the thread, counted as `kind` (`counts`). Raises
+        RuntimeError where the thread has stopped."""
+        with self._counts_lock:  # before: it may end before `submit` returns
+            self._pending += 1
+        try:
+            future = self._executor.submit(self._timed, kind, work, *args)
+        except RuntimeError:
+            self._ended(None)
+            raise
+        future.add_done_callback(self._ended)  # cancelled before it ran, too
+        return future
+
+    def _timed(self, kind: str, work: Callable[..., _T], *args: object) -> _T:
+        started_s = time.perf_counter()
+        try:
+            return work(*args)
+        finally:
+            busy_s = time.perf_counter() - started_s
+            with self._counts_lock:
+                self._done[kind] += 1
+                self._busy_s[kind] += busy_s
+
+    def _ended(self, _future: Future[Any] | None) -> None:
+        with self._counts_lock:
+            self._pending -= 1
+
+    def counts(self) -> TextThreadCounts:
+        """What the thread has done, by kind, and what waits for it: a Prometheus
+        scrape's (laneserve.text_thread.*), from its thread."""
+        with self._counts_lock:
+            return TextThreadCounts(dict(self._done), dict(self._busy_s), self._pending)
 
     def reading(self, ledger_id: str) -> bool:
         """Whether a request with `ledger_id` ("": none) is being decoded."""
@@ -74,53 +148,90 @@ class TextThread:
     async def decode(
         self, ledger_id: str, tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]
     ) -> Decoded:
-        """`decode_inputs(tensors, specs)` on the thread; raises its refusal. A caller
-        cancelled meanwhile leaves the thread to finish (a thread is not interrupted): its
-        answer is dropped."""
+        """`decode_inputs(tensors, specs)` on the thread; raises its refusal, or
+        DrainingError where the drain stopped waiting for it (`abandon`). A caller
+        cancelled meanwhile leaves a decode begun to finish (a thread is not interrupted;
+        its answer is dropped), and one not begun is never run."""
+        if self._abandoned:
+            raise _abandoned()
         ended = asyncio.Event()
         if ledger_id:
-            self._by_id[ledger_id] = ended
-        self._ongoing += 1
-        self._idle.clear()
+            self._by_id.setdefault(ledger_id, ended)
+        self._enter()
+        work = asyncio.wrap_future(self._submit(DECODE, decode_inputs, tensors, specs))
+        self._decodes.add(work)
         try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, decode_inputs, tensors, specs)
+            return await work
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if work in self._cancelled and task is not None and not task.cancelling():
+                raise _abandoned() from None  # `abandon` cancelled it, not its caller
+            raise
         finally:
+            self._decodes.discard(work)
+            self._cancelled.discard(work)
             if self._by_id.get(ledger_id) is ended:
                 del self._by_id[ledger_id]
             ended.set()
-            self._ongoing -= 1
-            if self._ongoing == 0:
-                # Its waiters wake in a later step than this one, in which the caller goes
-                # on to the scheduler without another await (`_infer`).
-                self._idle.set()
+            self._leave()
 
-    async def after(self, ledger_id: str, timeout_s: float) -> None:
-        """Returns once no request with `ledger_id` is being decoded, or after
-        `timeout_s`: at once, without yielding, where none is."""
-        loop = asyncio.get_running_loop()
-        until_s = loop.time() + timeout_s
-        while (ended := self._by_id.get(ledger_id)) is not None:
-            left_s = until_s - loop.time()
-            if left_s <= 0:
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(ended.wait(), left_s)
+    async def after(self, ledger_id: str, timeout_s: float) -> bool:
+        """Returns once no request with `ledger_id` is being decoded (True: at once,
+        without yielding, where none is), or False after `timeout_s`."""
+        if ledger_id not in self._by_id:
+            return True
+        self._enter()
+        try:
+            loop = asyncio.get_running_loop()
+            until_s = loop.time() + timeout_s
+            while (ended := self._by_id.get(ledger_id)) is not None:
+                left_s = until_s - loop.time()
+                if left_s <= 0:
+                    return False
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ended.wait(), left_s)
+            return True
+        finally:
+            self._leave()
+
+    def _enter(self) -> None:
+        self._ongoing += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self._ongoing -= 1
+        if self._ongoing == 0:
+            self._idle.set()
 
     async def wait_idle(self, timeout_s: float) -> bool:
-        """Waits until no decode is in progress (True), `timeout_s` passed or `cut` was
-        called (False)."""
-        idle = asyncio.ensure_future(self._idle.wait())
-        cut = asyncio.ensure_future(self._cut.wait())
-        try:
-            await asyncio.wait((idle, cut), timeout=timeout_s, return_when="FIRST_COMPLETED")
-        finally:
-            idle.cancel()
-            cut.cancel()
+        """Waits until no decode is awaited and no call waits for one (True), `timeout_s`
+        passed or `cut` was called (False)."""
+        loop = asyncio.get_running_loop()
+        until_s = loop.time() + timeout_s
+        while not self._idle.is_set() and not self._cut.is_set():
+            left_s = until_s - loop.time()
+            if left_s <= 0:
+                break
+            idle = asyncio.ensure_future(self._idle.wait())
+            cut = asyncio.ensure_future(self._cut.wait())
+            try:
+                await asyncio.wait((idle, cut), timeout=left_s, return_when="FIRST_COMPLETED")
+            finally:
+                idle.cancel()
+                cut.cancel()
         return self._idle.is_set()
 
+    def abandon(self) -> None:
+        """The drain stops waiting for decodes: each one awaited ends now, its caller
+        refused DRAINING (one not begun is never run), and a decode asked from now on is
+        refused so."""
+        self._abandoned = True
+        for work in self._decodes:
+            if work.cancel():
+                self._cancelled.add(work)
+
     def cut(self) -> None:
-        """A drain stops waiting for decodes (the operator asked twice)."""
+        """A drain stops waiting for the thread (the operator asked twice)."""
         self._cut.set()
 
     def encode_then(
@@ -129,26 +240,55 @@ class TextThread:
         """Has the thread encode `outcomes`' text outputs (`text_encoded`), then call
         `resolve` with them there; False where it has stopped (nothing done: the caller
         resolves them as they are, encoded on the loop). Called from the scheduler thread."""
-        try:
-            self._executor.submit(_encode_then, outcomes, resolve)
-        except RuntimeError:  # shut down
-            return False
+        with self._encodes_lock:
+            try:
+                work = self._submit(ENCODE, _encode_then, outcomes, resolve)
+            except RuntimeError:  # shut down
+                return False
+            self._encodes.add(work)
+        work.add_done_callback(self._encoded)
         return True
 
-    async def flushed(self, timeout_s: float) -> None:
-        """Returns once the work given to the thread before this call has ended, and the
-        answers it encoded are handed to the loop (their `resolve` called: the loop runs
-        their callbacks before this returns), or after `timeout_s`. The thread runs its
-        work in order, so a no-op given now runs after all of it."""
-        with contextlib.suppress(TimeoutError, RuntimeError):  # RuntimeError: shut down
-            await asyncio.wait_for(
-                asyncio.wrap_future(self._executor.submit(lambda: None)), timeout_s
-            )
+    def _encoded(self, work: Future[None]) -> None:
+        with self._encodes_lock:
+            self._encodes.discard(work)
+
+    async def run(self, work: Callable[[], _T]) -> _T:
+        """`work()` on the thread, its answer or its exception; on the loop where the thread
+        has stopped (the server stopping: the call is answered still)."""
+        if self._closed:  # `close` runs on the loop too: no submit can follow it unseen
+            return work()
+        return await asyncio.wrap_future(self._submit(JSON, work))
+
+    async def encoded(self, timeout_s: float) -> None:
+        """Returns once the batches given to the thread to encode have been handed to the
+        loop (their `resolve` called: the loop runs those callbacks before this returns),
+        after `timeout_s`, or at `cut`. Called once no batch runs any more."""
+        with self._encodes_lock:
+            pending = [asyncio.wrap_future(work) for work in self._encodes]
+        if not pending:
+            return
+        # Not cancelled at the timeout (asyncio.wait cancels nothing): cancelled, the
+        # encodes not yet begun would be dropped, their calls left unanswered.
+        handed = asyncio.gather(*pending, return_exceptions=True)
+        cut = asyncio.ensure_future(self._cut.wait())
+        try:
+            await asyncio.wait((handed, cut), timeout=timeout_s, return_when="FIRST_COMPLETED")
+        finally:
+            cut.cancel()
 
     def close(self) -> None:
-        """The server stopped: the thread goes once the work it was given ends (answers
-        are resolved still; a decode's caller has gone)."""
-        self._executor.shutdown(wait=False)
+        """The server stopped: the thread goes once the work it began ends; work not begun
+        is dropped (no call is left to answer)."""
+        self._closed = True
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _abandoned() -> DrainingError:
+    return DrainingError(
+        "server is draining, and its grace ended while this request's text was still being "
+        "decoded; retry on another instance"
+    )
 
 
 def text_elements_of(outcomes: Sequence[Outcome]) -> int:

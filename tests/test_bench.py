@@ -2067,6 +2067,11 @@ def test_scenario_c_refuses_a_single_client_process(tmp_path: Path) -> None:
         ),
         ("bench_tracing.py", ["--requests", "20", "--rounds", "1"], "spans exported per request"),
         ("bench_text.py", ["--elements", "1000", "--rounds", "1"], "| decode, us an element |"),
+        (
+            "bench_text_loop.py",
+            ["--seconds", "1", "--warmup-s", "0.5", "--bulk-strings", "30000"],
+            "| interactive p99, on loop / off loop |",
+        ),
         ("bench_admit.py", ["--requests", "10", "--rounds", "1"], "us per admission"),
         (
             "simulate_admission.py",

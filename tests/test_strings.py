@@ -40,6 +40,7 @@ from tests.support import (
     until,
     until_stats,
 )
+from tests.test_telemetry import only_value, scrape, values
 
 pytestmark = pytest.mark.usefixtures("no_leaked_threads")
 
@@ -473,7 +474,8 @@ _LONG_ROWS = text_thread.EVENT_LOOP_TEXT_ELEMENTS // 3 + 1
 class _DecodeGate:
     """Wraps the off-loop decode: records which thread decoded what, and holds each
     decode while `hold` is on, until `release`. Also tells when a call began waiting for
-    another's decode of its request_id (`waited`)."""
+    another's decode of its request_id (`waited`), and how many decodes were asked of the
+    text thread (`asked`: one queued behind a held one has not entered)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.decoded_on: list[tuple[int, bool]] = []
@@ -481,6 +483,7 @@ class _DecodeGate:
         self._open = threading.Event()
         self._open.set()
         self.waited = 0
+        self.asked = 0
         gate = self
 
         def recording(tensors: Any, specs: Any) -> Any:
@@ -493,10 +496,17 @@ class _DecodeGate:
 
         after = text_thread.TextThread.after
 
-        async def counted_after(reads: text_thread.TextThread, *args: Any) -> None:
+        async def counted_after(reads: text_thread.TextThread, *args: Any) -> bool:
             gate.waited += 1
-            await after(reads, *args)
+            return await after(reads, *args)
 
+        decode = text_thread.TextThread.decode
+
+        async def counted_decode(reads: text_thread.TextThread, *args: Any) -> Any:
+            gate.asked += 1
+            return await decode(reads, *args)
+
+        monkeypatch.setattr(text_thread.TextThread, "decode", counted_decode)
         monkeypatch.setattr(service, "decode_inputs", recording)
         monkeypatch.setattr(text_thread, "decode_inputs", recording)
         monkeypatch.setattr(text_thread.TextThread, "after", counted_after)
@@ -694,3 +704,190 @@ def test_a_batch_answering_many_strings_is_encoded_off_the_event_loop(
     assert [output.name for output in large.outputs] == ["tagged", "label", "value"]
     np.testing.assert_array_equal(decode_tensor(large.outputs[2])[:, 0], np.arange(rows))
     assert decode_tensor(small.outputs[0]).tolist() == ["cat!"]
+
+
+def test_a_decode_the_drain_stops_waiting_for_is_refused_draining(
+    text_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its grace over (here a second signal) with a request still being decoded, the
+    drain refuses it DRAINING, counted, as a request still queued is, and stops: it had
+    waited out another 10 s for the thread, and gRPC's stop cut the call (UNAVAILABLE
+    "Cancelling all calls", no reason)."""
+    gate = _DecodeGate(monkeypatch)
+
+    async def scenario() -> tuple[grpc.aio.AioRpcError, dict[str, int]]:
+        engine = RecordingEngine(str(text_model), device="cpu")
+        async with serving(engine, _text_config(text_model)) as s:
+            gate.hold()
+            try:
+                call = s.stub.Infer(_long_text_request(_LONG_ROWS, "held"), timeout=60)
+                await gate.until_entered()
+                stopping = asyncio.ensure_future(s.server.stop(grace_s=30.0))
+                await until(lambda: s.server.state is Lifecycle.DRAINING)
+                s.server.end_grace()
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call
+                await stopping
+            finally:
+                gate.release()
+            bulk = next(lane for lane in s.server.stats.snapshot().lanes if lane.name == "bulk")
+            return refused.value, dict(bulk.rejected)
+
+    refused, rejected = asyncio.run(scenario())
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE
+    assert rich_status(refused)[0] == "DRAINING"
+    assert "still being decoded" in (refused.details() or "")
+    assert rejected == {"DRAINING": 1}
+
+
+def test_the_text_of_a_request_reusing_an_id_is_not_decoded(
+    text_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long request reusing the id of one the server holds is refused REQUEST_ID_REUSED
+    without its text being decoded, on the loop or off it (decoded on the loop, 1 M
+    strings held every other call for 0.3 s): it was never going to run."""
+    gate = _DecodeGate(monkeypatch)
+
+    async def scenario() -> grpc.aio.AioRpcError:
+        engine = RecordingEngine(str(text_model), device="cpu")
+        async with serving(engine, _text_config(text_model)) as s:
+            await s.stub.Infer(_text_request(["cat"], [["1", "2"]], request_id="r"), timeout=60)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await s.stub.Infer(_long_text_request(_LONG_ROWS, "r"), timeout=60)
+            return refused.value
+
+    refused = asyncio.run(scenario())
+    assert rich_status(refused)[0] == "REQUEST_ID_REUSED"
+    assert gate.decoded_on == [(1, True)], "only the first request was decoded"
+
+
+def test_a_call_waiting_for_another_decode_of_its_id_is_refused_at_its_deadline(
+    text_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call whose id is being decoded for a request sent before it waits for that
+    decode, until its own deadline: then it is refused EXPIRED_IN_QUEUE, counted, rather
+    than decoded past its deadline."""
+    gate = _DecodeGate(monkeypatch)
+
+    async def scenario() -> tuple[pb.InferResponse, grpc.aio.AioRpcError, pb.GetStatsResponse]:
+        engine = RecordingEngine(str(text_model), device="cpu")
+        async with serving(engine, _text_config(text_model)) as s:
+            gate.hold()
+            try:
+                first = asyncio.ensure_future(
+                    s.stub.Infer(_long_text_request(_LONG_ROWS, "x"), timeout=60)
+                )
+                await gate.until_entered()
+                late = _long_text_request(_LONG_ROWS, "x")
+                late.timeout_ms = 200
+                with pytest.raises(grpc.aio.AioRpcError) as expired:
+                    await s.stub.Infer(late, timeout=60)
+            finally:
+                gate.release()
+            answer = await first
+            stats = await s.stub.GetStats(pb.GetStatsRequest(), timeout=30)
+            return answer, expired.value, stats
+
+    first, expired, stats = asyncio.run(scenario())
+    assert decode_tensor(first.outputs[0]).tolist()[0] == "row 0!"
+    assert rich_status(expired)[0] == "EXPIRED_IN_QUEUE"
+    assert "was still being decoded at this one's deadline" in (expired.details() or "")
+    assert gate.decoded_on == [(_LONG_ROWS, False)], "the late call decoded nothing"
+    bulk = _lane(stats, "bulk")
+    assert (bulk.admitted, dict(bulk.rejected)) == (1, {"EXPIRED_IN_QUEUE": 1})
+
+
+def test_during_a_drain_a_call_let_in_for_a_decode_that_failed_is_new_work_refused(
+    text_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call with the id of a request being decoded is let in during the drain, as the
+    retry it may be; that request refused (not UTF-8), nothing is left to join, and the
+    call is new work: refused DRAINING (it ran)."""
+    gate = _DecodeGate(monkeypatch)
+
+    async def scenario() -> tuple[grpc.aio.AioRpcError, grpc.aio.AioRpcError, int]:
+        engine = RecordingEngine(str(text_model), device="cpu")
+        async with serving(engine, _text_config(text_model)) as s:
+            gate.hold()
+            try:
+                bad = s.stub.Infer(_long_text_request(_LONG_ROWS, "z", bad_row=7), timeout=60)
+                await gate.until_entered()
+                stopping = asyncio.ensure_future(s.server.stop(grace_s=30.0))
+                await until(lambda: s.server.state is Lifecycle.DRAINING)
+                other = s.stub.Infer(_text_request(["cat"], [["1", "2"]], "z"), timeout=60)
+                await until(lambda: gate.waited == 1)
+            finally:
+                gate.release()
+            refusals = []
+            for call in (bad, other):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call
+                refusals.append(refused.value)
+            await stopping
+            return refusals[0], refusals[1], sum(engine.batches)
+
+    bad, other, rows_run = asyncio.run(scenario())
+    assert rich_status(bad)[0] == "INVALID_INPUT"
+    assert rich_status(other)[0] == "DRAINING"
+    assert rows_run == 0
+
+
+def test_a_retry_read_before_the_drain_is_run_when_the_call_it_waited_for_left(
+    text_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retry waiting for its request's decode counts as a read in progress: the drain
+    does not stop admitting while it waits, nor while it decodes the request itself once
+    the first caller left (cancelled) taking its decode with it. It is run."""
+    gate = _DecodeGate(monkeypatch)
+
+    async def scenario() -> tuple[pb.InferResponse, int]:
+        engine = RecordingEngine(str(text_model), device="cpu")
+        async with serving(engine, _text_config(text_model)) as s:
+            gate.hold()
+            try:
+                first = s.stub.Infer(_long_text_request(_LONG_ROWS, "k"), timeout=60)
+                await gate.until_entered()
+                retry = asyncio.ensure_future(
+                    s.stub.Infer(_long_text_request(_LONG_ROWS, "k"), timeout=60)
+                )
+                await until(lambda: gate.waited == 1)
+                stopping = asyncio.ensure_future(s.server.stop(grace_s=30.0))
+                await until(lambda: s.server.state is Lifecycle.DRAINING)
+                first.cancel()
+                # The retry's own decode, queued behind the first's (held, running on).
+                await until(lambda: gate.asked == 2)
+            finally:
+                gate.release()
+            answer = await retry
+            await stopping
+            return answer, sum(engine.batches)
+
+    answer, rows_run = asyncio.run(scenario())
+    assert decode_tensor(answer.outputs[0]).tolist()[-1] == f"row {_LONG_ROWS - 1}!"
+    assert rows_run == _LONG_ROWS
+    assert gate.decoded_on == [(_LONG_ROWS, False)] * 2
+
+
+def test_the_text_threads_work_is_scraped_by_kind_from_the_start(text_model: Path) -> None:
+    """laneserve_text_thread_work_total{kind} and _busy_seconds_total{kind} (decode, encode,
+    json, each at 0 from the first scrape) and _pending: what an operator reads to tell a
+    saturated text thread. A long request counts one decode; a short one none."""
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
+        engine = Engine(str(text_model), device="cpu", estimate=estimate_once)
+        async with serving(engine, _text_config(text_model)) as s:
+            before = await asyncio.to_thread(scrape, s.server.metrics_port)
+            await s.stub.Infer(_text_request(["cat"], [["1", "2"]]), timeout=60)
+            await s.stub.Infer(_long_text_request(_LONG_ROWS), timeout=60)
+            after = await asyncio.to_thread(scrape, s.server.metrics_port)
+            return before, after
+
+    before, after = asyncio.run(scenario())
+    zero = {"decode": 0.0, "encode": 0.0, "json": 0.0}
+    assert values(before, "laneserve_text_thread_work", "kind") == zero
+    assert values(before, "laneserve_text_thread_busy_seconds", "kind") == zero
+    assert values(after, "laneserve_text_thread_work", "kind") == {**zero, "decode": 1.0}
+    busy = values(after, "laneserve_text_thread_busy_seconds", "kind")
+    assert busy["decode"] > 0
+    assert (busy["encode"], busy["json"]) == (0.0, 0.0)
+    assert only_value(after, "laneserve_text_thread_pending") == 0

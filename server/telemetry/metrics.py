@@ -44,6 +44,15 @@ Metric names (OpenTelemetry; Prometheus adds the unit and `_total`, e.g.
     laneserve.http.requests       counter           route, code    KServe v2 HTTP requests
                                                                    answered, by path template
                                                                    and HTTP status
+    laneserve.text_thread.work    counter           kind           work the text thread ended:
+                                                                   decode, encode, json
+    laneserve.text_thread.busy    counter s         kind           its seconds on that work
+    laneserve.text_thread.pending gauge             -              work given it, not ended
+
+The text thread (`text_thread.TextThread`) decodes requests and encodes answers of long
+text, and reads and writes large HTTP JSON, off the event loop: `rate(busy)` summed over
+kinds near 1 says it is saturated (that work queues behind it: `pending` grows), each
+kind's share who takes it. Every kind is reported from the start, at 0.
 
 `laneserve.requests.completed` is GetStats' `lanes[].answered` (every end, by status),
 not its `lanes[].completed` (the OK ends alone). `laneserve.requests.idempotent` is
@@ -115,6 +124,7 @@ from laneserve.server.stats import (
     Counts,
 )
 from laneserve.server.telemetry.device import DeviceMonitor
+from laneserve.server.text_thread import TextThreadCounts
 
 # Bucket boundaries. histogram_quantile() interpolates linearly inside the bucket the
 # quantile falls in, so its error is bounded by the ratio of adjacent bounds: at 1-2-5 per
@@ -188,6 +198,8 @@ class MetricSources:
     # The answers gRPC could not send, their calls ended first, by method
     # (`UnsentAnswers.counts`); None: not observed (the counter absent).
     answers_unsent: Callable[[], Mapping[str, int]] | None = None
+    # The text thread's counts (`TextThread.counts`); None: not observed (absent).
+    text_thread: Callable[[], TextThreadCounts] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -375,6 +387,26 @@ class Metrics(NullEvents):
             "without an HTTP port (server.http_port)",
         )
         meter.create_observable_counter(
+            "laneserve.text_thread.work",
+            callbacks=[self._observe_text_work],
+            unit="{work}",
+            description="Work the text thread ended, by kind: decode (a request's long text), "
+            "encode (a batch's text answers), json (a large HTTP body read or answer written)",
+        )
+        meter.create_observable_counter(
+            "laneserve.text_thread.busy",
+            callbacks=[self._observe_text_busy],
+            unit="s",
+            description="The text thread's seconds on its work, by kind; their rate summed "
+            "near 1: it is saturated, and that work queues behind it",
+        )
+        meter.create_observable_gauge(
+            "laneserve.text_thread.pending",
+            callbacks=[self._observe_text_pending],
+            unit="{work}",
+            description="Work given the text thread and not ended (queued or running)",
+        )
+        meter.create_observable_counter(
             "laneserve.answers.unsent",
             callbacks=[self._observe_answers_unsent],
             unit="{answer}",
@@ -542,6 +574,26 @@ class Metrics(NullEvents):
         if source is None:
             return []
         return [Observation(count, {"method": method}) for method, count in source().items()]
+
+    def _text_thread(self) -> TextThreadCounts | None:
+        counts = None if self._sources is None else self._sources.text_thread
+        return None if counts is None else counts()
+
+    def _observe_text_work(self, options: CallbackOptions) -> Iterable[Observation]:
+        counts = self._text_thread()
+        if counts is None:
+            return []
+        return [Observation(done, {"kind": kind}) for kind, done in counts.done.items()]
+
+    def _observe_text_busy(self, options: CallbackOptions) -> Iterable[Observation]:
+        counts = self._text_thread()
+        if counts is None:
+            return []
+        return [Observation(busy_s, {"kind": kind}) for kind, busy_s in counts.busy_s.items()]
+
+    def _observe_text_pending(self, options: CallbackOptions) -> Iterable[Observation]:
+        counts = self._text_thread()
+        return [] if counts is None else [Observation(counts.pending)]
 
     def _lane(self, lane: str) -> dict[str, str]:
         attributes = self._lane_attributes.get(lane)
