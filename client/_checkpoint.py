@@ -44,6 +44,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 import zipfile
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
@@ -60,6 +61,7 @@ __all__ = [
     "CheckpointError",
     "InputIdentity",
     "locked",
+    "replace_file",
     "same_file",
     "text_array",
 ]
@@ -269,7 +271,7 @@ class Checkpoint:
             # A string output's file may be another width than state.json says: a run
             # stopped between `_resized` switching files and its save (the file named
             # holds every row the state marks done either way).
-            either_text = array.dtype.kind == "U" and _is_text_dtype(dtype)
+            either_text = array.dtype.kind == "U" and _is_str_dtype(dtype)
             if (str(array.dtype) != dtype and not either_text) or array.shape != shape:
                 raise CheckpointError(
                     f"checkpoint array {path} is {array.dtype} {array.shape}; expected "
@@ -293,6 +295,8 @@ class Checkpoint:
         rows = self.item_rows(item)
         for name, answered in outputs.items():
             values = answered
+            # A decoded answer's text is an object array alone (`decode_tensor`); from
+            # here on, text is a str_ array on both sides.
             if values.dtype.hasobject:
                 try:
                     values = text_array(f"output {name!r} of item {item}", answered)
@@ -420,20 +424,9 @@ class Checkpoint:
         assert self.done.all()
         self.narrow_text()
         self.save()
-        suffix = output.suffix.lower()
-        staged = self.directory / f"{_STAGED_STEM}{suffix}.tmp"
-        try:
-            staged.unlink(missing_ok=True)  # an interrupted finish's
-            if suffix == ".npy":
-                (name,) = self.arrays
-                _link_or_copy(self._array_path(name), staged)
-            else:
-                with staged.open("wb") as file:
-                    write_npz(file, self.arrays)
-            staged.replace(output)
-        except BaseException:
-            staged.unlink(missing_ok=True)
-            raise
+        staged = self.directory / f"{_STAGED_STEM}{output.suffix.lower()}.tmp"
+        staged.unlink(missing_ok=True)  # an interrupted finish's
+        self.write_output(output, link=True, staged=staged)
         self.arrays.clear()
         prefix = f"{self.directory.name}.finished-"
         for leftover in self.directory.parent.glob(f"{glob.escape(prefix)}*"):
@@ -447,6 +440,33 @@ class Checkpoint:
         finished = Path(tempfile.mkdtemp(prefix=prefix, dir=self.directory.parent))
         self.directory.replace(finished)
         _remove_finished(finished)
+
+    def write_output(self, output: Path, *, link: bool, staged: Path | None = None) -> None:
+        """Replaces `output` whole with the outputs' arrays, or leaves it as it was
+        (`replace_file`, staged as `staged`): .npy holds the one output's array, .npz
+        every output's (`write_npz`).
+
+        `link`: a .npy `output` is a hard link to the array's file (`_link_or_copy`), not
+        a copy: only for a checkpoint no row is written to again (`finish`), as a resume
+        writes the arrays in place, through a link into `output` too.
+
+        Raises:
+            OSError: `output` cannot be written.
+        """
+
+        def make(path: Path) -> None:
+            if output.suffix.lower() != ".npy":
+                with path.open("wb") as file:
+                    write_npz(file, self.arrays)
+                return
+            (name,) = self.arrays
+            if link:
+                _link_or_copy(self._array_path(name), path)
+            else:
+                with path.open("wb") as file:
+                    np.lib.format.write_array(file, self.arrays[name])
+
+        replace_file(output, make, staged)
 
     def _array_path(self, name: str) -> Path:
         return self.directory / self.files[name]
@@ -597,6 +617,21 @@ def _when(mtime_ns: int) -> str:
     return moment.isoformat(timespec="microseconds")
 
 
+def replace_file(path: Path, make: Callable[[Path], object], staged: Path | None = None) -> None:
+    """`path` replaced whole by the file `make` makes at `staged` (a fresh name beside
+    `path` where not given), renamed over it; or left as it was, and a `staged` that did
+    not become `path` removed (on Ctrl-C too). `staged` is `make`'s to create: a file
+    already there is the caller's to remove first."""
+    if staged is None:
+        staged = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        make(staged)
+        staged.replace(path)
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
+
+
 def _link_or_copy(source: Path, target: Path) -> None:
     """`target` as a hard link to `source` (no copy of the data); a copy where the file
     system has no hard links."""
@@ -658,8 +693,10 @@ def _chars(dtype: np.dtype[Any]) -> int:
     return dtype.itemsize // np.dtype("<U1").itemsize
 
 
-def _is_text_dtype(dtype: str) -> bool:
-    """Whether `dtype` (from state.json) is a ``str_`` dtype."""
+def _is_str_dtype(dtype: str) -> bool:
+    """Whether `dtype` (from state.json) is a ``str_`` dtype. Not `is_text_dtype`: the
+    checkpoint holds text as ``str_`` arrays alone (`store`), so a state.json recording
+    another text dtype (object, bytes_) for a ``str_`` file is not this client's."""
     try:
         return np.dtype(dtype).kind == "U"
     except (TypeError, ValueError):

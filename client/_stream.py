@@ -578,8 +578,9 @@ class BulkStream:
         self._rows_out += item.rows
         return True
 
-    def _id_refusal(self, index: int, request_id: str) -> InvalidInputError | None:
-        """Why item `index` cannot be sent with `request_id`, or None when it can.
+    def _id_refusal(self, index: int, request_id: str, name: str) -> InvalidInputError | None:
+        """Why item `index` (`name`, `_item_name`'s) cannot be sent with `request_id`, or
+        None when it can.
 
         Raises:
             TypeError: `request_id` is not a str (the item is answered with it).
@@ -589,7 +590,7 @@ class BulkStream:
         try:
             check_request_id(
                 request_id,
-                field=f"{_item_name(index, request_id, self.job_id)}: request_id",
+                field=f"{name}: request_id",
                 expected="a shorter id (or job_id)",
             )
         except InvalidInputError as refusal:
@@ -659,14 +660,14 @@ class BulkStream:
         # on: ending it there dropped the answers to the items sent before it.
         try:
             inputs, request_id = self._unpack(raw, index)
-            refusal = self._id_refusal(index, request_id)
+            name = _item_name(index, request_id, self.job_id)
+            refusal = self._id_refusal(index, request_id, name)
         except TypeError as error:  # not an item, or an id not a str: no id to answer by
             self._emit(StreamResult(index, "", None, refused(str(error)), 0))
             return None
         if refusal is not None:
             self._emit(StreamResult(index, request_id, None, refusal, 0))
             return None
-        name = _item_name(index, request_id, self.job_id)
         try:
             message = infer_request(
                 request_id,
@@ -969,21 +970,17 @@ def _item_name(index: int, request_id: object, job_id: str) -> str:
     a str, too long to repeat in a message, or not UTF-8 text (refused for that: named
     by itself, its refusal named nothing the caller can find), leaves the index."""
     if (
-        not isinstance(request_id, str)
-        or request_id == f"{job_id}-{index}"
-        or len(request_id) > _NAMED_ID_CHARS
-        or not _utf8(request_id)
+        isinstance(request_id, str)
+        and request_id != f"{job_id}-{index}"
+        and len(request_id) <= _NAMED_ID_CHARS
     ):
-        return f"bulk stream item {index}"
-    return f"bulk stream request {request_id!r}"
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:  # a lone surrogate
-        return False
-    return True
+        try:
+            utf8_bytes("request_id", request_id)
+        except InvalidInputError:  # a lone surrogate
+            pass
+        else:
+            return f"bulk stream request {request_id!r}"
+    return f"bulk stream item {index}"
 
 
 # The server's reason for a deadline that passed while the request waited (see `_timed_out`).

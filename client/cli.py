@@ -57,6 +57,7 @@ from laneserve.client._checkpoint import (
     Checkpoint,
     CheckpointError,
     locked,
+    replace_file,
     same_file,
     text_array,
     write_npz,
@@ -67,7 +68,7 @@ from laneserve.client._retry import RetryPolicy
 from laneserve.client._stream import DEFAULT_STREAM_LANE, SERVER_STREAM_LANE
 from laneserve.client._sync import Client
 from laneserve.client._types import ModelInfo, StreamRequest, TensorInfo
-from laneserve.client.tensors import datatype_name, named_dimension_conflict
+from laneserve.client.tensors import datatype_name, is_text_dtype, named_dimension_conflict
 from laneserve.v1 import inference_pb2 as pb
 
 EXIT_OK: Final = 0
@@ -101,7 +102,7 @@ _DAMAGED_ARCHIVE: Final = (
 
 Arrays = dict[str, npt.NDArray[Any]]
 Handler = Callable[[Client, argparse.Namespace], int]
-# The wire's name for text ("string"): every numpy dtype the codec sends as text has it.
+# The wire's name for text ("string"), which a message gives for an object array.
 _STRING: Final = datatype_name(pb.DATA_TYPE_STRING)
 
 
@@ -548,7 +549,7 @@ def _json_array(value: object, spec: TensorInfo, what: str) -> npt.NDArray[Any]:
     dtype would change a value: numpy casts 1.5 to 1 for int64 and 1e10 to inf for float16
     without a word, and raises OverflowError for an int past int64's range."""
     dtype = _known_dtype(spec, what)
-    if _is_text(dtype):
+    if is_text_dtype(dtype):
         return _json_strings(value, spec, what)
     try:
         with np.errstate(over="raise", invalid="raise"):
@@ -567,11 +568,6 @@ def _json_array(value: object, spec: TensorInfo, what: str) -> npt.NDArray[Any]:
                 f"{array[index].item()!r}; expected values {spec.dtype} holds exactly"
             )
     return array
-
-
-def _is_text(dtype: np.dtype[Any]) -> bool:
-    """Whether the codec sends `dtype` as text (str_, bytes_, StringDType, object)."""
-    return datatype_name(dtype) == _STRING
 
 
 def _json_strings(value: object, spec: TensorInfo, what: str) -> npt.NDArray[np.object_]:
@@ -641,17 +637,21 @@ def _read_inputs(path: Path, model: ModelInfo, kinds: str = ".npy, .npz or .json
         if suffix == ".json":
             return _inputs_from_json(path.read_text(encoding="utf-8"), model, str(path))
         if suffix == ".npy":
-            _check_magic(path, suffix)
-            if len(model.inputs) != 1:
-                raise UsageError(
-                    f"{path} holds one array; the model has inputs "
-                    f"{[spec.name for spec in model.inputs]}: use .npz with those names"
-                )
+            # Its start read once, for both checks. np.load reads the header again:
+            # memory-mapped, numpy opens the file by its name alone (open_memmap).
             with path.open("rb") as file:
+                _check_magic(file, path, suffix)
+                if len(model.inputs) != 1:
+                    raise UsageError(
+                        f"{path} holds one array; the model has inputs "
+                        f"{[spec.name for spec in model.inputs]}: use .npz with those names"
+                    )
+                file.seek(0)
                 _check_not_pickled(file, model.inputs[0].name, path)
             arrays: Arrays = {model.inputs[0].name: np.load(path, mmap_mode="r")}
         elif suffix == ".npz":
-            _check_magic(path, suffix)
+            with path.open("rb") as file:
+                _check_magic(file, path, suffix)
             try:
                 with np.load(path) as archive:
                     _check_only_inputs(model, archive.files, str(path))
@@ -690,6 +690,8 @@ def _check_not_pickled(file: IO[bytes], name: str, path: Path) -> None:
             return
     except ValueError:
         return
+    # Not `is_text_dtype`: numpy pickles any dtype holding Python objects (a structured
+    # one too), and saves str_ and bytes_ text without pickle.
     if dtype.hasobject:
         raise UsageError(
             f"input {name!r} in {path} holds Python objects (dtype {dtype}: an object or a "
@@ -699,10 +701,11 @@ def _check_not_pickled(file: IO[bytes], name: str, path: Path) -> None:
         )
 
 
-def _check_magic(path: Path, suffix: str) -> None:
+def _check_magic(file: IO[bytes], path: Path, suffix: str) -> None:
+    """Refuses `file` (`path`, open at its start) unless it starts as numpy writes a
+    `suffix` file."""
     magic, expected = _MAGIC[suffix]
-    with path.open("rb") as file:
-        start = file.read(max(len(prefix) for prefix in magic))
+    start = file.read(max(len(prefix) for prefix in magic))
     if not start.startswith(magic):
         found = "is empty" if not start else f"starts with {start!r}"
         raise UsageError(f"{path} is not a {suffix} file: it {found}; expected {expected}")
@@ -736,10 +739,10 @@ def _check_input(name: str, array: npt.NDArray[Any], model: ModelInfo, where: st
     writes each request in the wire's (a `>f4` file holds float32 values)."""
     spec = model.input(name)
     dtype = _known_dtype(spec, f"input {name!r}")
-    if _is_text(dtype):
+    if is_text_dtype(dtype):
         # Any text: the codec sends str_, bytes_ (UTF-8) and str elements alike. An object
         # array here is `_json_strings`' (a file's is refused as a pickle).
-        same_type = _is_text(array.dtype)
+        same_type = is_text_dtype(array.dtype)
     else:
         same_type = array.dtype.newbyteorder("=") == dtype.newbyteorder("=")
     if (
@@ -750,7 +753,9 @@ def _check_input(name: str, array: npt.NDArray[Any], model: ModelInfo, where: st
             for have, want in zip(array.shape[1:], spec.shape[1:], strict=True)
         )
     ):
-        given = _STRING if array.dtype.kind == "O" else array.dtype  # `_json_strings`'
+        # Only an object array is named "string": `_json_strings`' (no file's gets here).
+        # A file's str_ or bytes_ array, text too, is named by its numpy dtype (<U5).
+        given = _STRING if array.dtype.kind == "O" else array.dtype
         raise UsageError(
             f"input {name!r} in {where} is {given} with shape {list(array.shape)}; "
             f"the model expects {spec.datatype} with shape {_shape(spec.shape)}"
@@ -776,6 +781,7 @@ def _write_outputs(path: Path, answer: Mapping[str, npt.NDArray[Any]]) -> None:
     outputs = dict(answer)
     for name, array in answer.items():
         try:
+            # A decoded answer's text is an object array alone (`decode_tensor`).
             if array.dtype.hasobject:
                 outputs[name] = text_array(f"output {name!r}", array)
         except ValueError as error:
@@ -965,7 +971,7 @@ def _write_with_failed_rows(
     try:
         checkpoint.narrow_text()
         checkpoint.save()
-        _replace_file(sidecar, lambda file: file.write(json.dumps(summary, indent=1).encode()))
+        replace_file(sidecar, lambda path: path.write_bytes(json.dumps(summary, indent=1).encode()))
         if not checkpoint.arrays:  # no item succeeded: no output's shape or dtype is known
             # A file already there is left as it was (removed, a user's file was lost).
             left = f" ({output} already there is left as it was)" if output.exists() else ""
@@ -973,12 +979,8 @@ def _write_with_failed_rows(
                 f"No item succeeded: no {output} written{left}; the failed rows are in {sidecar}."
             )
         # Copied, not linked as Checkpoint.finish links a finished array: the checkpoint
-        # stays, and a resume writes its arrays in place, through a link into OUTPUT too.
-        if output.suffix.lower() == ".npy":
-            (array,) = checkpoint.arrays.values()
-            _replace_file(output, lambda file: np.lib.format.write_array(file, array))
-        else:
-            _replace_file(output, lambda file: write_npz(file, checkpoint.arrays))
+        # stays for a resume, which writes its arrays in place.
+        checkpoint.write_output(output, link=False)
     except OSError as error:
         raise UsageError(
             f"cannot write {output} or {sidecar}: {error}; the checkpoint "
@@ -996,18 +998,6 @@ def _failed_value(dtype: np.dtype[Any]) -> float | str:
     if np.issubdtype(dtype, np.inexact):
         return math.nan
     return "" if dtype.kind == "U" else 0
-
-
-def _replace_file(path: Path, write: Callable[[IO[bytes]], object]) -> None:
-    """`path` replaced whole by what `write` writes, or left as it was."""
-    staged = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with staged.open("wb") as file:
-            write(file)
-        staged.replace(path)
-    except BaseException:
-        staged.unlink(missing_ok=True)
-        raise
 
 
 def _run_items(
@@ -1214,7 +1204,7 @@ def _check_items(
     size = item_bytes(slice(0, item_rows))
     if size <= limit_bytes:
         return
-    if any(_is_text(array.dtype) for array in inputs.values()):
+    if any(is_text_dtype(array.dtype) for array in inputs.values()):
         _check_text_items(rows, args.rows_per_item, limit_bytes, item_bytes, size)
         return
     # Every row is as large as the first: so is every item but a shorter last.

@@ -68,6 +68,7 @@ __all__ = [
     "decode_tensor",
     "encode_strings",
     "encode_tensor",
+    "is_text_dtype",
     "length_prefixed",
     "numpy_dtype",
     "numpy_dtype_for_onnx_type",
@@ -117,8 +118,7 @@ _BY_DATATYPE: Final[Mapping[int, _WireType]] = MappingProxyType(
 _BY_KIND: Final[Mapping[tuple[str, int], _WireType]] = MappingProxyType(
     {(w.dtype.kind, w.dtype.itemsize): w for w in _WIRE_TYPES}
 )
-# The numpy kinds of text: str_ ("U"), bytes_ ("S"), StringDType ("T"), and object ("O"),
-# whose elements are checked as they are encoded.
+# The numpy kinds of text (`is_text_dtype`).
 _TEXT_KINDS: Final = frozenset("USTO")
 _STRING: Final = _BY_DATATYPE[inference_pb2.DATA_TYPE_STRING]
 _BY_ONNX_TYPE: Final[Mapping[str, _WireType]] = MappingProxyType(
@@ -145,8 +145,21 @@ def datatype_name(dtype: int | npt.DTypeLike) -> str:
     return numpy.name if wire is None else wire.name
 
 
+def is_text_dtype(dtype: npt.DTypeLike) -> bool:
+    """Whether arrays of numpy `dtype` are text on the wire (STRING): ``str_`` (kind
+    ``"U"``), ``bytes_`` (``"S"``, each element UTF-8), ``StringDType`` (``"T"``) and
+    ``object`` (``"O"``, each element a ``str`` or UTF-8 ``bytes``, checked as it is
+    encoded). No other dtype is: a structured dtype holding objects (kind ``"V"``) has no
+    wire type at all.
+
+    Raises:
+        TypeError: `dtype` is nothing numpy reads as a dtype.
+    """
+    return np.dtype(dtype).kind in _TEXT_KINDS
+
+
 def _wire_of_numpy(dtype: np.dtype[Any]) -> _WireType | None:
-    if dtype.kind in _TEXT_KINDS:
+    if is_text_dtype(dtype):
         return _STRING
     return _BY_KIND.get((dtype.kind, dtype.itemsize))
 
@@ -242,7 +255,7 @@ _MAX_ELEMENT_BYTES: Final = 2**32 - 1  # what the 4-byte length holds
 
 
 def encode_strings(what: str, array: npt.NDArray[Any]) -> bytes:
-    """The elements of a text array (`_TEXT_KINDS`), in row-major order, each as a 4-byte
+    """The elements of a text array (`is_text_dtype`), in row-major order, each as a 4-byte
     little-endian length and its UTF-8 bytes; `what` names the array in a refusal.
 
     Raises:

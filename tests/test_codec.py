@@ -77,6 +77,11 @@ def test_string_maps_to_object_arrays_and_takes_every_numpy_text_dtype() -> None
     for text in ("U3", "S3", "O", np.dtypes.StringDType()):
         assert tensors.datatype_of(text) == string
         assert tensors.datatype_name(np.dtype(text)) == "string"
+        assert tensors.is_text_dtype(text)
+    # A structured dtype holding objects is no text (it has no wire type at all).
+    others: list[npt.DTypeLike] = [*DTYPES, [("label", "O")], "V4", "complex64"]
+    for other in others:
+        assert not tensors.is_text_dtype(other)
 
 
 @pytest.mark.parametrize(("numpy", "datatype", "onnx"), TYPES)
