@@ -1296,9 +1296,6 @@ class LaneServer:
         self.metrics_port: int | None = None  # the Prometheus endpoint's, once started
         self.http_port: int | None = None  # KServe v2 HTTP's, once started (configured)
         self._http: HttpFrontEnd | None = None
-        # The thread that decodes and encodes long text, and reads and writes large HTTP
-        # JSON, off the event loop (made by `start`; closed by the servicer's `close`).
-        self._text: TextThread | None = None
         # Last: a server that could not be made leaves its engine free for another.
         engine.claim()
 
@@ -1343,7 +1340,7 @@ class LaneServer:
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         loop = asyncio.get_running_loop()
         # Long text is decoded (the servicer) and answers of it encoded (the router) there.
-        text = self._text = TextThread()
+        text = TextThread()
         router = OutcomeRouter(loop, text)
         thread = self._thread = SchedulerThread(
             self.scheduler,
@@ -1665,7 +1662,6 @@ class LaneServer:
             compressed_requests=self.config.compressed_requests,
             spans=self.telemetry.http_spans,
             events=self.telemetry.event_log,
-            text=self._text,
         )
         host, port = bare_host(self.config.host), self.config.http_port
         tls = https_context(self.config)

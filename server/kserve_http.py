@@ -30,7 +30,7 @@ import ssl
 import zlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from http import HTTPStatus
-from typing import Any, Final, NoReturn, TypeVar
+from typing import Any, Final, NoReturn
 
 import grpc
 from aiohttp import StreamReader, web
@@ -53,7 +53,6 @@ from laneserve.server.kserve import (
 from laneserve.server.kserve_json import (
     BINARY_TENSOR_EXTENSION,
     HEADER_LENGTH,
-    InferRead,
     json_object,
     json_size,
     message_json,
@@ -70,7 +69,6 @@ from laneserve.server.service import (
 )
 from laneserve.server.settings import TRACE_LEVEL
 from laneserve.server.telemetry import HTTP_CALLER_LEFT, EventLog, HttpServerSpans
-from laneserve.server.text_thread import TextThread
 
 # The HTTP status for each gRPC code a method aborts with (Triton's HTTP server answers
 # 400 for most of them; these say more, and clients read the status alone as ok or not).
@@ -277,39 +275,6 @@ def _reason_of(details: bytes) -> dict[str, object]:
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # The route a request counts under where its path names none of the front end's.
-_T = TypeVar("_T")
-
-# The most bytes of JSON a request's body holds, or an answer's values take, read or
-# written on the event loop (~5 ms: 10 MiB of FP32 values took 0.22 s to read, 0.17 s of
-# it json.loads, measured once by hand); more, on the text thread (`TextThread`), where a
-# 10 MiB JSON body held every other call, gRPC's too, while it was read.
-EVENT_LOOP_JSON_BYTES: Final = 256 * 1024
-# What an answer's value takes as JSON, about: a float's digits and a comma.
-_JSON_VALUE_BYTES: Final = 10
-
-
-def _json_bytes(body: bytes, header_length: str | None) -> int:
-    """The bytes of JSON in `body`: its JSON header's, where HEADER_LENGTH gives a length
-    (else the whole body, as `read_infer` reads or refuses it)."""
-    if header_length is None or not (header_length.isascii() and header_length.isdigit()):
-        return len(body)
-    significant = header_length.lstrip("0") or "0"
-    # Its digits counted before it is read: int() refuses past 4 300.
-    if len(significant) > len(str(len(body))):
-        return len(body)
-    return min(int(significant), len(body))
-
-
-def _json_values(answer: kpb.ModelInferResponse, read: InferRead) -> int:
-    """How many values `write_answer` writes as JSON: those of the outputs neither sent as
-    binary data nor placed in shared memory."""
-    return sum(
-        math.prod(output.shape)
-        for output in answer.outputs
-        if output.name not in read.placed and not read.binary(output.name)
-    )
-
-
 UNMATCHED_ROUTE: Final = "unmatched"
 # The route counted for a request aiohttp's parser refused before any route was matched
 # (`_MalformedRequests`).
@@ -366,11 +331,8 @@ class HttpFrontEnd:
         compressed_requests: bool,
         spans: HttpServerSpans | None,
         events: EventLog | None = None,
-        text: TextThread | None = None,
     ) -> None:
         self._kserve = kserve
-        # Where a large body's JSON is read and a large answer's written (None: on the loop).
-        self._text = text
         self._max_calls = max_calls
         self._infer_body = _BodyLimit(
             max_body_bytes,
@@ -713,18 +675,13 @@ class HttpFrontEnd:
         try:
             body = await self._read_body(request, self._infer_body)
             message = kpb.ModelInferRequest(model_name=model, model_version=version)
-            json_length = request.headers.get(HEADER_LENGTH)
             try:
-                read = await self._json_work(
-                    _json_bytes(body, json_length),
-                    functools.partial(
-                        read_infer,
-                        body,
-                        json_length,
-                        message,
-                        max_inputs=self._kserve.max_inputs,
-                        max_outputs=self._kserve.max_outputs,
-                    ),
+                read = read_infer(
+                    body,
+                    request.headers.get(HEADER_LENGTH),
+                    message,
+                    max_inputs=self._kserve.max_inputs,
+                    max_outputs=self._kserve.max_outputs,
                 )
             except InvalidInputError as refusal:
                 del body
@@ -733,10 +690,7 @@ class HttpFrontEnd:
                 await self._kserve.refuse_unconverted(refusal, call, message.parameters)
             del body  # the call holds its inputs' bytes, and lets go of them once converted
             answer = await self._kserve.ModelInfer(read.call, call)
-            written, header_length = await self._json_work(
-                _json_values(answer, read) * _JSON_VALUE_BYTES,
-                functools.partial(write_answer, answer, read),
-            )
+            written, header_length = write_answer(answer, read)
             if header_length is None:
                 return web.Response(body=written, content_type="application/json")
             binary = web.Response(body=written, content_type="application/octet-stream")
@@ -744,13 +698,6 @@ class HttpFrontEnd:
             return binary
         finally:
             self._calls -= 1
-
-    async def _json_work(self, size_bytes: int, work: Callable[[], _T]) -> _T:
-        """`work()`, reading or writing about `size_bytes` of JSON: on the text thread
-        where that is over EVENT_LOOP_JSON_BYTES, else here, on the event loop."""
-        if self._text is None or size_bytes <= EVENT_LOOP_JSON_BYTES:
-            return work()
-        return await self._text.run(work)
 
     def _refused_unread(self, request: web.Request) -> web.Response | None:
         """An inference call's refusal before its body is read (None: none), an

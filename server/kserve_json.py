@@ -141,10 +141,8 @@ def collector_paused() -> Iterator[None]:
     numbers are young objects by the million, and the collections they set off were
     ~80 % of reading one (13.0 s against 2.5 s for 64 MiB of nested lists, measured once
     by a reviewer). They hold no cycles: reference counting frees them once read. The
-    collector is the process's: a body read on the text thread pauses it for the event
-    loop too, as long as the read takes (a read on the loop paused everything anyway).
-    Two reads at once leave it as they found it, but for one ending first while the
-    other reads on with it on."""
+    collector is the process's: read on the event loop alone (a second thread's read
+    could leave it off for good, each saving the other's "off")."""
     enabled = gc.isenabled()
     gc.disable()
     try:

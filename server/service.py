@@ -1284,17 +1284,29 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         arrived_s: float,
         stream: _OnStream | None,
     ) -> Decoded:
-        """`_decoded`, by `TextThread`; a caller that goes meanwhile is counted as
-        `_left_unadmitted` says. A stream item holds its stream's reading while it is
-        decoded, as while it waits for room (`StreamRoom`): without that hold, a stream's
-        items held 11-13 decoded copies where on the loop they held 2 (+500 MiB). It is
+        """`_decoded`, by `TextThread`, until `until_s`: at it, refused EXPIRED_IN_QUEUE
+        (one still queued never runs), as the scheduler sheds one queued past it; a
+        caller that goes meanwhile is counted as `_left_unadmitted` says. A stream item
+        holds its stream's reading while it is decoded, as while it waits for room
+        (`StreamRoom`): without that hold, a stream's items held 11-13 decoded copies where
+        on the loop they held 2 (+500 MiB). It is
         decoded before its wait for room, as on the loop: decoded after, between its turn
         in the room's line and its admission, another item took its room, and it went to
         the back of the line."""
         if stream is not None:
             stream.room.enter()
         try:
-            return await self._text.decode(ledger_id, request.inputs, self._input_specs)
+            # Bounded by its deadline: one queued behind others is not decoded past it.
+            async with asyncio.timeout(until_s - self._clock.monotonic()):
+                return await self._text.decode(ledger_id, request.inputs, self._input_specs)
+        except TimeoutError:
+            expired = ExpiredInQueueError(
+                f"request {request.request_id!r} was still waiting for its text to be decoded "
+                f"at its deadline, {(until_s - arrived_s) * 1000:.0f} ms after it arrived "
+                "(long text is decoded on one thread, in turn); expected a longer deadline, "
+                "or fewer strings per request"
+            )
+            raise self._rejected(lane, expired, arrived_s=arrived_s) from None
         except LaneserveError as error:
             raise self._rejected(lane, error, arrived_s=arrived_s) from None
         except asyncio.CancelledError:

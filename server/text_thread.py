@@ -45,11 +45,10 @@ Decoded = tuple[dict[str, Array], int, Signature]
 
 
 # The kinds of work the thread does (`TextThread.counts`): a request's text decoded, a
-# batch's text answers encoded, an HTTP body's JSON read or an answer's written.
+# batch's text answers encoded.
 DECODE: Final = "decode"
 ENCODE: Final = "encode"
-JSON: Final = "json"
-KINDS: Final = (DECODE, ENCODE, JSON)
+KINDS: Final = (DECODE, ENCODE)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,8 +63,8 @@ class TextThreadCounts:
 
 class TextThread:
     """The decodes of requests, and the encodes of a batch's answers, of more than
-    EVENT_LOOP_TEXT_ELEMENTS strings (and large HTTP JSON, `run`), on one thread kept for
-    them: not the loop's default executor, where the drain's `wait_drained` runs and a
+    EVENT_LOOP_TEXT_ELEMENTS strings, on one thread kept for them: not the loop's default
+    executor, where the drain's `wait_drained` runs and a
     queue of decodes would hold it back; one for all, since each holds the GIL but for
     its switches, and each more thread would take turns from the event loop too.
 
@@ -100,7 +99,6 @@ class TextThread:
         # scheduler thread adds them, the text thread takes them away.
         self._encodes_lock = threading.Lock()
         self._encodes: set[Future[None]] = set()
-        self._closed = False  # `close` was called
         # What `counts` reads: per kind of work, how much ended and the thread's seconds
         # on it, and how much was given and has not ended (queued or running). Any thread.
         self._counts_lock = threading.Lock()
@@ -154,11 +152,12 @@ class TextThread:
         its answer is dropped), and one not begun is never run."""
         if self._abandoned:
             raise _abandoned()
+        work = asyncio.wrap_future(self._submit(DECODE, decode_inputs, tensors, specs))
+        # Registered once given (a thread that has stopped raises first, leaving none).
         ended = asyncio.Event()
         if ledger_id:
             self._by_id.setdefault(ledger_id, ended)
         self._enter()
-        work = asyncio.wrap_future(self._submit(DECODE, decode_inputs, tensors, specs))
         self._decodes.add(work)
         try:
             return await work
@@ -253,13 +252,6 @@ class TextThread:
         with self._encodes_lock:
             self._encodes.discard(work)
 
-    async def run(self, work: Callable[[], _T]) -> _T:
-        """`work()` on the thread, its answer or its exception; on the loop where the thread
-        has stopped (the server stopping: the call is answered still)."""
-        if self._closed:  # `close` runs on the loop too: no submit can follow it unseen
-            return work()
-        return await asyncio.wrap_future(self._submit(JSON, work))
-
     async def encoded(self, timeout_s: float) -> None:
         """Returns once the batches given to the thread to encode have been handed to the
         loop (their `resolve` called: the loop runs those callbacks before this returns),
@@ -280,7 +272,6 @@ class TextThread:
     def close(self) -> None:
         """The server stopped: the thread goes once the work it began ends; work not begun
         is dropped (no call is left to answer)."""
-        self._closed = True
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 

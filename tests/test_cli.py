@@ -133,6 +133,38 @@ def test_scripts_serve_takes_host_and_port_from_a_config_file(
         server.close()
 
 
+@pytest.mark.parametrize("flag", ["--model", "--model="])
+def test_scripts_serve_serves_the_model_given_and_builds_no_demo_model(
+    tmp_path: Path, small_model: Path, flag: str
+) -> None:
+    """`./scripts/serve --model X` built the 21 MB demo model first (where missing), then
+    passed `--model demo.onnx --model X` (argparse took the last): X alone is named, and
+    the demo model is neither built nor read. Relative to the caller's directory."""
+    script = checkout_set_up(tmp_path / "checkout", small_model)
+    demo = tmp_path / "checkout" / "models" / "demo.onnx"
+    demo.unlink()  # a fresh checkout's: the script would build it
+    caller_dir = tmp_path / "elsewhere"
+    caller_dir.mkdir()
+    shutil.copy2(small_model, caller_dir / "mine.onnx")
+    arguments = [flag, "mine.onnx"] if flag == "--model" else [f"{flag}mine.onnx"]
+    server = ServerProcess(
+        [*arguments, "--port", "0", "--metrics-port", "-1"],
+        command=[str(script)],
+        cwd=caller_dir,
+    )
+    try:
+        server.wait_for(r"serving .* on 127\.0\.0\.1:(\d+)")
+        server.process.send_signal(signal.SIGINT)
+        assert server.process.wait(timeout=30) == 0
+        server.rest()
+    finally:
+        server.close()
+    said = "".join(server.log)
+    assert "loading mine.onnx" in said, said
+    assert "demo" not in said
+    assert not demo.exists()
+
+
 @pytest.mark.parametrize("interpreter", ["/bin/true", "/bin/false"])
 def test_scripts_serve_refuses_an_interpreter_that_is_not_python_keeping_the_venv(
     tmp_path: Path, small_model: Path, interpreter: str

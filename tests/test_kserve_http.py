@@ -16,7 +16,6 @@ import math
 import re
 import socket
 import ssl
-import threading
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -32,12 +31,11 @@ from onnx import TensorProto, helper
 from opentelemetry.trace import SpanKind, StatusCode
 
 from laneserve.client.tensors import encode_strings
-from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig, kserve_http, kserve_json
+from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig, kserve_http
 from laneserve.server.addresses import listening_sockets
 from laneserve.server.app import check_ports_free
 from laneserve.server.cli import _parser, _serve_config
 from laneserve.server.config import ConfigError
-from laneserve.server.demo_model import make_demo_model
 from laneserve.server.errors import (
     AnswerTooLargeError,
     DeviceMemoryError,
@@ -45,7 +43,6 @@ from laneserve.server.errors import (
     LaneserveError,
 )
 from laneserve.server.kserve import KSERVE_DTYPES
-from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.model_identity import SERVER_VERSION
 from laneserve.server.service import status_trailers
 from laneserve.server.shared_memory import BYTE_SIZE_PARAMETER, REGION_PARAMETER
@@ -2777,103 +2774,3 @@ def test_bytes_faults_are_refused_400_naming_them(text_model: Path) -> None:
         return failures
 
     assert asyncio.run(scenario()) == {}
-
-
-# ---- large JSON off the event loop ---------------------------------------------------------
-
-
-def test_large_json_is_read_and_written_off_the_event_loop(
-    small_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A body of more than EVENT_LOOP_JSON_BYTES of JSON is read, and an answer of more
-    JSON values than that takes is written, on the text thread: 10 MiB of JSON held every
-    other call, gRPC's too, for 0.2 s. The answers are as on the loop, bit for bit. A
-    large body of binary data with a small JSON header is read on the loop (its bytes
-    are used in place)."""
-    wide = tmp_path / f"{MODEL}.onnx"  # its name is the file's stem: INFER's model
-    make_demo_model(wide, input_dim=4, hidden_layers=0, output_dim=1024)
-    on_loop: list[tuple[str, bool]] = []
-
-    def recording(name: str, work: Callable[..., Any]) -> Callable[..., Any]:
-        def recorded(*args: Any, **options: Any) -> Any:
-            on_loop.append((name, threading.current_thread() is threading.main_thread()))
-            return work(*args, **options)
-
-        return recorded
-
-    monkeypatch.setattr(kserve_http, "read_infer", recording("read", kserve_json.read_infer))
-    monkeypatch.setattr(kserve_http, "write_answer", recording("write", kserve_json.write_answer))
-    x = rows(40, seed=4)  # 20 480 values: ~400 KiB of JSON
-    assert len(json.dumps(infer_body(x))) > kserve_http.EVENT_LOOP_JSON_BYTES
-    binary = rows(200, seed=5)  # 400 KiB of binary data
-
-    async def scenario() -> list[tuple[npt.NDArray[Any], Answer]]:
-        answers = []
-        async with http_serving(RecordingEngine(str(small_model)), config(small_model)) as (
-            s,
-            http,
-        ):
-            answers.append(
-                (output(await s.stub.Infer(request(x))), await post(http, INFER, infer_body(x)))
-            )
-            body = with_binary({"inputs": [binary_input("input", binary)]}, binary)
-            answers.append(
-                (output(await s.stub.Infer(request(binary))), await post(http, INFER, **body))
-            )
-        small = np.ones((40, 4), dtype=np.float32)
-        async with http_serving(RecordingEngine(str(wide)), config(wide)) as (s, http):
-            answers.append(
-                (
-                    output(await s.stub.Infer(request(small))),
-                    await post(http, INFER, infer_body(small)),
-                )
-            )
-        return answers
-
-    answers = asyncio.run(scenario())
-    # 40 rows of 1 024 outputs: 40 960 values, ~400 KiB of JSON written
-    assert on_loop == [
-        ("read", False),
-        ("write", True),
-        ("read", True),
-        ("write", True),
-        ("read", True),
-        ("write", False),
-    ]
-    for expected, answer in answers:
-        assert fp32_data(only_output(answer)).tobytes() == expected.tobytes()
-
-
-def test_a_request_whose_large_json_is_read_as_a_drain_begins_is_refused_draining(
-    small_model: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Its JSON read on the text thread, a request the drain found unread is refused
-    DRAINING (503, retryable), as one whose body was still arriving: it had reached no
-    lane. The drain goes on to its end."""
-    entered, release = threading.Event(), threading.Event()
-    read_infer = kserve_json.read_infer
-
-    def held(*args: Any, **options: Any) -> Any:
-        entered.set()
-        release.wait(timeout=30)
-        return read_infer(*args, **options)
-
-    monkeypatch.setattr(kserve_http, "read_infer", held)
-
-    async def scenario() -> Answer:
-        async with http_serving(RecordingEngine(str(small_model)), config(small_model)) as (
-            s,
-            http,
-        ):
-            try:
-                answer = asyncio.ensure_future(post(http, INFER, infer_body(rows(40, seed=4))))
-                assert await asyncio.to_thread(entered.wait, 30)
-                stopping = asyncio.ensure_future(s.server.stop(grace_s=30.0))
-                await until(lambda: s.server.state is Lifecycle.DRAINING)
-            finally:
-                release.set()
-            refused = await answer
-            await stopping
-            return refused
-
-    assert_refused(asyncio.run(scenario()), 503, "DRAINING", "draining")

@@ -869,8 +869,8 @@ def test_a_retry_read_before_the_drain_is_run_when_the_call_it_waited_for_left(
 
 
 def test_the_text_threads_work_is_scraped_by_kind_from_the_start(text_model: Path) -> None:
-    """laneserve_text_thread_work_total{kind} and _busy_seconds_total{kind} (decode, encode,
-    json, each at 0 from the first scrape) and _pending: what an operator reads to tell a
+    """laneserve_text_thread_work_total{kind} and _busy_seconds_total{kind} (decode and
+    encode, each at 0 from the first scrape) and _pending: what an operator reads to tell a
     saturated text thread. A long request counts one decode; a short one none."""
 
     async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -883,11 +883,48 @@ def test_the_text_threads_work_is_scraped_by_kind_from_the_start(text_model: Pat
             return before, after
 
     before, after = asyncio.run(scenario())
-    zero = {"decode": 0.0, "encode": 0.0, "json": 0.0}
+    zero = {"decode": 0.0, "encode": 0.0}
     assert values(before, "laneserve_text_thread_work", "kind") == zero
     assert values(before, "laneserve_text_thread_busy_seconds", "kind") == zero
     assert values(after, "laneserve_text_thread_work", "kind") == {**zero, "decode": 1.0}
     busy = values(after, "laneserve_text_thread_busy_seconds", "kind")
     assert busy["decode"] > 0
-    assert (busy["encode"], busy["json"]) == (0.0, 0.0)
+    assert busy["encode"] == 0.0
     assert only_value(after, "laneserve_text_thread_pending") == 0
+
+
+def test_a_request_queued_for_the_text_thread_past_its_deadline_is_refused_undecoded(
+    text_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Long text is decoded on one thread, in turn: a request whose deadline (here its
+    timeout_ms, no gRPC deadline) passes while it waits behind another decode is refused
+    EXPIRED_IN_QUEUE at it, counted, and never decoded (it was, in full, then refused
+    DEADLINE_UNMEETABLE: the thread spent its time on requests nobody could take)."""
+    gate = _DecodeGate(monkeypatch)
+
+    async def scenario() -> tuple[pb.InferResponse, grpc.aio.AioRpcError, pb.GetStatsResponse]:
+        engine = RecordingEngine(str(text_model), device="cpu")
+        async with serving(engine, _text_config(text_model)) as s:
+            gate.hold()
+            try:
+                first = asyncio.ensure_future(
+                    s.stub.Infer(_long_text_request(_LONG_ROWS, "first"), timeout=60)
+                )
+                await gate.until_entered()
+                late = _long_text_request(_LONG_ROWS, "late")
+                late.timeout_ms = 200
+                with pytest.raises(grpc.aio.AioRpcError) as expired:
+                    await s.stub.Infer(late)
+            finally:
+                gate.release()
+            answer = await first
+            stats = await s.stub.GetStats(pb.GetStatsRequest(), timeout=30)
+            return answer, expired.value, stats
+
+    first, expired, stats = asyncio.run(scenario())
+    assert decode_tensor(first.outputs[0]).tolist()[0] == "row 0!"
+    assert rich_status(expired)[0] == "EXPIRED_IN_QUEUE"
+    assert "was still waiting for its text to be decoded" in (expired.details() or "")
+    assert gate.decoded_on == [(_LONG_ROWS, False)], "the late request was never decoded"
+    bulk = _lane(stats, "bulk")
+    assert (bulk.admitted, dict(bulk.rejected)) == (1, {"EXPIRED_IN_QUEUE": 1})

@@ -45,12 +45,12 @@ Metric names (OpenTelemetry; Prometheus adds the unit and `_total`, e.g.
                                                                    answered, by path template
                                                                    and HTTP status
     laneserve.text_thread.work    counter           kind           work the text thread ended:
-                                                                   decode, encode, json
+                                                                   decode, encode
     laneserve.text_thread.busy    counter s         kind           its seconds on that work
     laneserve.text_thread.pending gauge             -              work given it, not ended
 
 The text thread (`text_thread.TextThread`) decodes requests and encodes answers of long
-text, and reads and writes large HTTP JSON, off the event loop: `rate(busy)` summed over
+text off the event loop: `rate(busy)` summed over
 kinds near 1 says it is saturated (that work queues behind it: `pending` grows), each
 kind's share who takes it. Every kind is reported from the start, at 0.
 
@@ -391,7 +391,7 @@ class Metrics(NullEvents):
             callbacks=[self._observe_text_work],
             unit="{work}",
             description="Work the text thread ended, by kind: decode (a request's long text), "
-            "encode (a batch's text answers), json (a large HTTP body read or answer written)",
+            "encode (a batch's text answers)",
         )
         meter.create_observable_counter(
             "laneserve.text_thread.busy",
