@@ -463,16 +463,31 @@ def _infer(client: Client, args: argparse.Namespace) -> int:
     )
     if output is None:
         # Strict JSON, for jq and JSON.parse: Python's default writes NaN and Infinity,
-        # which they refuse (`_json_values` writes them as strings).
+        # which they refuse (`_json_values` writes them as strings). Text as it is where
+        # the terminal takes it ("café", not "caf\u00e9"): escaped only where it cannot.
         json.dump(
             {name: _json_values(array) for name, array in outputs.items()},
             sys.stdout,
             allow_nan=False,
+            ensure_ascii=not _writes_unicode(sys.stdout),
         )
         print()
     else:
         _write_outputs(output, outputs)
     return EXIT_OK
+
+
+def _writes_unicode(stream: Any) -> bool:
+    """Whether `stream` encodes any text (UTF-8 and its kin); a stream that names no
+    encoding (a StringIO) takes str as it is."""
+    encoding = getattr(stream, "encoding", None)
+    if encoding is None:
+        return True
+    try:
+        "\u00e9\u2713\U0001f600".encode(encoding)
+    except (UnicodeEncodeError, LookupError):
+        return False
+    return True
 
 
 def _json_values(array: npt.NDArray[Any]) -> Any:

@@ -8,9 +8,9 @@ laneserve decodes a request, and encodes a batch's answers, of more than
 EVENT_LOOP_TEXT_ELEMENTS STRING elements on a thread kept for it (server/text_thread.py),
 not on its event loop (~0.3 us an element).
 The same server runs in two modes: `off loop`, as shipped, and `on loop`, with
-laneserve.server.service's EVENT_LOOP_TEXT_ELEMENTS patched, in the server's process, to
+EVENT_LOOP_TEXT_ELEMENTS patched, in the server's process, to
 a count no request reaches (every request decoded and every answer encoded on the loop,
-as before the thread).
+as before the thread), in each module that reads it.
 Each mode's server is a process of its own (`python -c`: the patch, then `laneserve
 serve`'s main) on the text model (demo_model.make_text_model: 3 strings a row), loopback,
 port 0, metrics off, `--max-batch-size`, its bulk lane (DEFAULT_LANES otherwise) widened
@@ -81,19 +81,20 @@ BULK: Final = "bulk"
 BULK_LANE: Final = "bulk"
 RPC_TIMEOUT_S: Final = 10.0
 # The server: the stop signals caught before the heavy imports, as laneserve.server.entry
-# does; in the on-loop mode the constant patched where `_read_inputs` and `OutcomeRouter`
-# read it (it is imported there by name, so text_thread's own copy would change nothing).
-# A name that is gone would be set silently, measuring nothing: refused instead.
+# does; in the on-loop mode the constant patched in each module that reads it (service's
+# `_read_inputs` for requests, text_thread's `encoded_off_loop` for answers: each holds
+# its own name). A name that is gone would be set silently, measuring nothing: refused.
 SERVER_PROGRAM: Final = """\
 import sys
 from laneserve.server.process import catch_stop_signals_early
 catch_stop_signals_early()
-from laneserve.server import cli, service
+from laneserve.server import cli, service, text_thread
 limit = {limit!r}
 if limit is not None:
-    if not hasattr(service, "EVENT_LOOP_TEXT_ELEMENTS"):
-        sys.exit("laneserve.server.service has no EVENT_LOOP_TEXT_ELEMENTS to patch")
-    service.EVENT_LOOP_TEXT_ELEMENTS = limit
+    for module in (service, text_thread):
+        if not hasattr(module, "EVENT_LOOP_TEXT_ELEMENTS"):
+            sys.exit(f"{{module.__name__}} has no EVENT_LOOP_TEXT_ELEMENTS to patch")
+        module.EVENT_LOOP_TEXT_ELEMENTS = limit
 sys.exit(cli.main())
 """
 # The on-loop mode's limit: more STRING elements than any request can carry.

@@ -1738,12 +1738,12 @@ class LaneServer:
         # Requests read before the drain whose long text is still being decoded (on a
         # thread) are admitted as they would have been decoded on the event loop: the
         # scheduler stops admitting once they are, within the grace.
-        await self._servicer.reads_finished(0.0 if self._grace_ended else grace_s)
+        decoding = await self._servicer.reads_finished(0.0 if self._grace_ended else grace_s)
         self._thread.stop_accepting()
         left_s = max(0.0, grace_s - (self.clock.monotonic() - started_s))
-        drained = await asyncio.to_thread(self._thread.wait_drained, left_s)
+        drained = await asyncio.to_thread(self._thread.wait_drained, left_s) and not decoding
         if not drained:
-            self._log_drain_incomplete(grace_s, self.clock.monotonic() - started_s)
+            self._log_drain_incomplete(grace_s, self.clock.monotonic() - started_s, decoding)
         await asyncio.to_thread(
             functools.partial(
                 self._thread.close,
@@ -1805,10 +1805,11 @@ class LaneServer:
             if calls is not None and calls.unended >= before.unended:
                 return
 
-    def _log_drain_incomplete(self, grace_s: float, waited_s: float) -> None:
+    def _log_drain_incomplete(self, grace_s: float, waited_s: float, decoding: int) -> None:
         """What the drain left: cut short by a second signal (`end_grace`), or its grace
-        over; how much was queued and which batch ran, all of it answered UNAVAILABLE. A
-        drain cut short after a moment said it "ended after at most" its grace."""
+        over; how much was queued, which batch ran, and how many requests' long text was
+        still being decoded (`decoding`), all of it answered UNAVAILABLE. A drain cut short
+        after a moment said it "ended after at most" its grace."""
         assert self._thread is not None
         cut_short = self._thread.grace_ended
         depths = self._thread.depths()
@@ -1825,6 +1826,8 @@ class LaneServer:
             if queued_requests
             else "nothing queued"
         )
+        if decoding:
+            queued += f", {decoding} request(s) whose text was still being decoded"
         ran = "no batch" if running is None else f"batch {running.batch_id} ({running.rows} rows)"
         # The operator's second signal asked for it; a grace too short for the queue is
         # the operator's setting to change.
@@ -1847,6 +1850,7 @@ class LaneServer:
             queued_rows=queued_rows,
             running_batch_id=None if running is None else running.batch_id,
             running_rows=0 if running is None else running.rows,
+            decoding_requests=decoding,
         )
 
     def _scheduler_failed(self, error: LaneserveError) -> None:

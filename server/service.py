@@ -89,7 +89,7 @@ from laneserve.server.text_thread import (
     EVENT_LOOP_TEXT_ELEMENTS,
     Decoded,
     TextThread,
-    text_elements_of,
+    encoded_off_loop,
 )
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -99,8 +99,10 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Unread:
-    """`_read_inputs`' answer for a request of more than EVENT_LOOP_TEXT_ELEMENTS strings:
-    its `rows`, checked against its lane, its inputs left for `TextThread` to decode."""
+    """`_read_inputs`' answer for a request of more than EVENT_LOOP_TEXT_ELEMENTS strings,
+    its inputs left for `TextThread` to decode: its `rows`, checked against its lane (0,
+    unchecked, for one with an id the ledger holds, or whose rows cannot be counted: it
+    is refused before it is queued)."""
 
     rows: int
 
@@ -462,8 +464,8 @@ class RoomWaiter:
 
 class OutcomeRouter:
     """Hands each Outcome to its request's `Resolve` (its token) on the event loop, one
-    loop callback per batch; a batch whose answers hold more than EVENT_LOOP_TEXT_ELEMENTS
-    strings through `text` first, which encodes them off the loop."""
+    loop callback per batch; a batch with an answer of more than EVENT_LOOP_TEXT_ELEMENTS
+    strings through `text` first, which encodes those answers off the loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, text: TextThread | None = None) -> None:
         self._loop = loop
@@ -473,7 +475,7 @@ class OutcomeRouter:
         """Called from the scheduler thread."""
         if (
             self._text is not None
-            and text_elements_of(outcomes) > EVENT_LOOP_TEXT_ELEMENTS
+            and any(map(encoded_off_loop, outcomes))
             and self._text.encode_then(outcomes, self._resolve)
         ):
             return
@@ -812,16 +814,16 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._ledger.close()
         self._text.close()
 
-    async def reads_finished(self, timeout_s: float) -> bool:
-        """The server drains: waits until every request read before is decoded, and so
-        admitted or refused (True), or `timeout_s` passed or `stop_waiting_for_text` was
-        called (False: those still being decoded are refused DRAINING). Called before the
-        scheduler stops admitting: a request of long text read before the drain is run, as
-        one decoded on the event loop is."""
+    async def reads_finished(self, timeout_s: float) -> int:
+        """The server drains: waits until every request read before is decoded (0), or
+        `timeout_s` passed or `stop_waiting_for_text` was called: then those still being
+        decoded, or waiting their turn, are refused DRAINING, as queued ones are, and their
+        count returned. Called before the scheduler stops admitting: a request of long text
+        read before the drain, decoded within it, is run (or refused for itself), as one
+        decoded on the event loop is."""
         if await self._text.wait_idle(timeout_s):
-            return True
-        self._text.abandon()  # those still decoded are refused DRAINING, as queued ones are
-        return False
+            return 0
+        return self._text.abandon()
 
     async def answers_encoded(self, timeout_s: float) -> None:
         """The scheduler has stopped: waits until the answers whose text was being encoded
@@ -1082,8 +1084,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if isinstance(decoded, _Unread) and self._ledger.answers_as(ledger_id, digest) is None:
             # Decoded where the ledger would run it (a retry that joins or replays, or one
             # refused for reusing an id, needs no inputs), before a stream item's wait for
-            # room, as on the loop. A call's request is submitted in the step its decode
-            # ends in, with no await between (see `TextThread`).
+            # room, as on the loop. A unary call's request is submitted in the step its
+            # decode ends in, with no await between (see `TextThread`); a stream item's, as
+            # soon as it has room.
             decoded = await self._decoded_aside(
                 request, lane, ledger_id, wait_until_s, arrived_s, stream
             )
@@ -1293,19 +1296,20 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         decoded before its wait for room, as on the loop: decoded after, between its turn
         in the room's line and its admission, another item took its room, and it went to
         the back of the line."""
+        # Bounded by its deadline: one queued behind others is not decoded past it, nor
+        # one whose deadline passed already (it waited for another's decode).
+        left_s = until_s - self._clock.monotonic()
+        if left_s <= 0:
+            raise self._rejected(
+                lane, _text_expired(request, until_s, arrived_s), arrived_s=arrived_s
+            )
         if stream is not None:
             stream.room.enter()
         try:
-            # Bounded by its deadline: one queued behind others is not decoded past it.
-            async with asyncio.timeout(until_s - self._clock.monotonic()):
+            async with asyncio.timeout(left_s):
                 return await self._text.decode(ledger_id, request.inputs, self._input_specs)
         except TimeoutError:
-            expired = ExpiredInQueueError(
-                f"request {request.request_id!r} was still waiting for its text to be decoded "
-                f"at its deadline, {(until_s - arrived_s) * 1000:.0f} ms after it arrived "
-                "(long text is decoded on one thread, in turn); expected a longer deadline, "
-                "or fewer strings per request"
-            )
+            expired = _text_expired(request, until_s, arrived_s)
             raise self._rejected(lane, expired, arrived_s=arrived_s) from None
         except LaneserveError as error:
             raise self._rejected(lane, error, arrived_s=arrived_s) from None
@@ -1322,7 +1326,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         """Returns once no request with `ledger_id` is being decoded (`TextThread`):
         whether it waited (False at once, without yielding, where none is). A caller that
         goes meanwhile is counted as `_left_unadmitted` says; at `until_s` raises
-        ExpiredInQueueError: its own decode would start past its deadline."""
+        ExpiredInQueueError: it is answered no earlier than that decode ends."""
         if not self._text.reading(ledger_id):
             return False
         try:
@@ -1490,18 +1494,24 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         once a request with its `ledger_id` is in flight (it joins: no room needed);
         again when another caller took the room first, while there is time. Its refusals
         count their wait from `arrived_s`, the wait for room included."""
+        retried = False
         while True:
-            await self._wait_for_room(lane, rows, until_s, room, ledger_id, arrived_s=arrived_s)
-            if self._state() is not Lifecycle.SERVING:
+            waited = await self._wait_for_room(
+                lane, rows, until_s, room, ledger_id, arrived_s=arrived_s
+            )
+            if (waited or retried) and self._state() is not Lifecycle.SERVING:
                 # The wait ends at the drain, whose scheduler may still admit a moment:
                 # retried there, a full lane refused it in a loop that never yielded
-                # (the drain could not start; a LANE_FULL counted each turn).
+                # (the drain could not start; a LANE_FULL counted each turn). One that
+                # found room at once runs, as a unary call does: its long text decoded
+                # while the drain began (which waited for it), it was refused here.
                 raise self._rejected(lane, _item_draining(), arrived_s=arrived_s)
             try:
                 return await run()
             except LaneFullError:
                 if self._clock.monotonic() >= until_s:
                     raise
+            retried = True
             await asyncio.sleep(ROOM_POLL_MIN_S)  # a retry never spins the loop
 
     async def _wait_for_room(
@@ -1513,11 +1523,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         ledger_id: str,
         *,
         arrived_s: float,
-    ) -> None:
+    ) -> bool:
         """Returns once `lane` has room for `rows` more rows and no stream item that began
         waiting for room in it earlier still waits, at `until_s`, when the server stops
         serving, or once the ledger holds `ledger_id` (a call with it began meanwhile, in
-        another lane: the item joins it instead of waiting for room it will not use).
+        another lane: the item joins it instead of waiting for room it will not use):
+        whether it waited (False: room at once, nobody waiting before it).
         First come, first served: polling each on its own, the small items of one stream
         took every row that freed, and a stream of large items in the same lane waited
         until its items' deadlines (answered LANE_FULL). Only the oldest polls; the
@@ -1526,7 +1537,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         line = self._room_lines[lane]
         wait_s = self._scheduler.room_wait_s(lane, rows)
         if wait_s is None and not line:
-            return
+            return False
         # Invariant: the first waiter of a line, and it alone, is `oldest`.
         waiter = RoomWaiter()
         waiter.oldest = not line
@@ -1539,12 +1550,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             while self._state() is Lifecycle.SERVING and not self._ledger.holds(ledger_id):
                 left_s = until_s - self._clock.monotonic()
                 if left_s <= 0:
-                    return
+                    return True
                 sleep_s = left_s
                 if waiter.oldest:
                     wait_s = self._scheduler.room_wait_s(lane, rows)
                     if wait_s is None:
-                        return
+                        return True
                     sleep_s = min(max(wait_s, ROOM_POLL_MIN_S), ROOM_POLL_MAX_S, left_s)
                 await waiter.sleep(sleep_s)
         except asyncio.CancelledError:
@@ -1563,6 +1574,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 line[0].wake()  # its turn, after this one's admission (same step)
             if not line:
                 del self._room_lines[lane]
+        return True
 
     def _answered_alone(
         self, lane: str, trace: RequestTrace, error: JoinExpiredError, arrived_s: float
@@ -1606,6 +1618,15 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
 
 _READ_DONE = object()  # a stream's reader has read its last item
+
+
+def _text_expired(request: pb.InferRequest, until_s: float, arrived_s: float) -> LaneserveError:
+    return ExpiredInQueueError(
+        f"request {request.request_id!r} was still waiting for its text to be decoded at its "
+        f"deadline, {(until_s - arrived_s) * 1000:.0f} ms after it arrived (long text is "
+        "decoded on one thread, in turn); expected a longer deadline, or fewer strings per "
+        "request"
+    )
 
 
 def _rows_of(read: Decoded | _Unread) -> int:

@@ -28,8 +28,10 @@ from typing import Any, Final, TypeVar
 from laneserve.client.tensors import encode_strings
 from laneserve.server.codec import decode_inputs
 from laneserve.server.engine import TensorSpec
-from laneserve.server.errors import DrainingError
+from laneserve.server.errors import DrainingError, JoinLimitError
+from laneserve.server.idempotency import MAX_CALLERS_WAITING
 from laneserve.server.items import Array, Outcome, Signature
+from laneserve.server.log_events import event_extra
 from laneserve.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -86,11 +88,16 @@ class TextThread:
 
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="laneserve-text")
-        # Per ledger_id, the first decode in progress of a request with it (set once it ends).
+        # Per ledger_id, the first decode in progress of a request with it (set once it
+        # ends), and how many calls wait for it in `after`.
         self._by_id: dict[str, asyncio.Event] = {}
+        self._waiters: dict[str, int] = {}
         self._ongoing = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        # Owned by the event loop: the decodes' state.
+        self._turn = asyncio.Lock()  # held by the one decode given to the thread
+        self._waiting_turn = 0  # decodes waiting for `_turn` (read by `counts`)
         self._decodes: set[asyncio.Future[Decoded]] = set()  # those awaited (`abandon`)
         self._abandoned = False  # `abandon` was called: a decode asked now is refused
         self._cancelled: set[asyncio.Future[Decoded]] = set()  # by `abandon`, not a caller
@@ -137,7 +144,9 @@ class TextThread:
         """What the thread has done, by kind, and what waits for it: a Prometheus
         scrape's (laneserve.text_thread.*), from its thread."""
         with self._counts_lock:
-            return TextThreadCounts(dict(self._done), dict(self._busy_s), self._pending)
+            done, busy_s, pending = dict(self._done), dict(self._busy_s), self._pending
+        # The decodes waiting their turn, read from the metric reader's thread: an int.
+        return TextThreadCounts(done, busy_s, pending + self._waiting_turn)
 
     def reading(self, ledger_id: str) -> bool:
         """Whether a request with `ledger_id` ("": none) is being decoded."""
@@ -152,12 +161,34 @@ class TextThread:
         its answer is dropped), and one not begun is never run."""
         if self._abandoned:
             raise _abandoned()
-        work = asyncio.wrap_future(self._submit(DECODE, decode_inputs, tensors, specs))
-        # Registered once given (a thread that has stopped raises first, leaving none).
         ended = asyncio.Event()
         if ledger_id:
             self._by_id.setdefault(ledger_id, ended)
         self._enter()
+        try:
+            # One decode at a time given to the thread: a batch's answers (encodes, their
+            # callers waiting) run next, not behind every decode queued (they took 2.5 s
+            # behind three, and a queued decode held its request in the executor's queue
+            # after its caller had gone). asyncio's lock wakes its waiters in order.
+            self._waiting_turn += 1
+            try:
+                await self._turn.acquire()
+            finally:
+                self._waiting_turn -= 1
+            try:
+                if self._abandoned:
+                    raise _abandoned()
+                return await self._decoded(tensors, specs)
+            finally:
+                self._turn.release()
+        finally:
+            if self._by_id.get(ledger_id) is ended:
+                del self._by_id[ledger_id]
+            ended.set()
+            self._leave()
+
+    async def _decoded(self, tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> Decoded:
+        work = asyncio.wrap_future(self._submit(DECODE, decode_inputs, tensors, specs))
         self._decodes.add(work)
         try:
             return await work
@@ -169,29 +200,39 @@ class TextThread:
         finally:
             self._decodes.discard(work)
             self._cancelled.discard(work)
-            if self._by_id.get(ledger_id) is ended:
-                del self._by_id[ledger_id]
-            ended.set()
-            self._leave()
 
     async def after(self, ledger_id: str, timeout_s: float) -> bool:
         """Returns once no request with `ledger_id` is being decoded (True: at once,
-        without yielding, where none is), or False after `timeout_s`."""
+        without yielding, where none is), or False after `timeout_s`. Raises
+        JoinLimitError where MAX_CALLERS_WAITING callers wait on that request already (its
+        own caller one of them), as the ledger refuses a retry past them once it runs."""
         if ledger_id not in self._by_id:
             return True
+        others = self._waiters.get(ledger_id, 0)
+        waiting = 1 + others  # its own caller waits too
+        if waiting >= MAX_CALLERS_WAITING:
+            raise JoinLimitError(
+                f"request_id {ledger_id!r} is being decoded with {waiting} callers waiting "
+                f"for its answer, the most one request has ({MAX_CALLERS_WAITING}); "
+                "expected a retry once it is answered (its answer is then stored and given "
+                "without running it again), or fewer retries and hedges of it at a time"
+            )
+        self._waiters[ledger_id] = others + 1
         self._enter()
         try:
-            loop = asyncio.get_running_loop()
-            until_s = loop.time() + timeout_s
-            while (ended := self._by_id.get(ledger_id)) is not None:
-                left_s = until_s - loop.time()
-                if left_s <= 0:
-                    return False
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(ended.wait(), left_s)
-            return True
+            # Not wait_for: on 3.11 it can swallow the caller's cancel as the event is set.
+            async with asyncio.timeout(timeout_s):
+                while (ended := self._by_id.get(ledger_id)) is not None:
+                    await ended.wait()
+        except TimeoutError:
+            return False
         finally:
+            if self._waiters[ledger_id] == 1:
+                del self._waiters[ledger_id]
+            else:
+                self._waiters[ledger_id] -= 1
             self._leave()
+        return True
 
     def _enter(self) -> None:
         self._ongoing += 1
@@ -214,20 +255,23 @@ class TextThread:
             idle = asyncio.ensure_future(self._idle.wait())
             cut = asyncio.ensure_future(self._cut.wait())
             try:
-                await asyncio.wait((idle, cut), timeout=left_s, return_when="FIRST_COMPLETED")
+                await asyncio.wait((idle, cut), timeout=left_s, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 idle.cancel()
                 cut.cancel()
         return self._idle.is_set()
 
-    def abandon(self) -> None:
-        """The drain stops waiting for decodes: each one awaited ends now, its caller
-        refused DRAINING (one not begun is never run), and a decode asked from now on is
-        refused so."""
+    def abandon(self) -> int:
+        """The drain stops waiting for decodes: each one awaited or waiting its turn ends
+        now, its caller refused DRAINING (one not begun is never run), and a decode asked
+        from now on is refused so. Returns how many it refused."""
         self._abandoned = True
+        refused = self._waiting_turn
         for work in self._decodes:
             if work.cancel():
                 self._cancelled.add(work)
+                refused += 1
+        return refused
 
     def cut(self) -> None:
         """A drain stops waiting for the thread (the operator asked twice)."""
@@ -239,13 +283,15 @@ class TextThread:
         """Has the thread encode `outcomes`' text outputs (`text_encoded`), then call
         `resolve` with them there; False where it has stopped (nothing done: the caller
         resolves them as they are, encoded on the loop). Called from the scheduler thread."""
+        try:
+            work = self._submit(ENCODE, _encode_then, outcomes, resolve)
+        except RuntimeError:  # shut down
+            return False
+        # Not under the lock: `submit` takes the executor's, which `close` holds while a
+        # cancelled encode's callback takes this one (both threads stuck).
         with self._encodes_lock:
-            try:
-                work = self._submit(ENCODE, _encode_then, outcomes, resolve)
-            except RuntimeError:  # shut down
-                return False
             self._encodes.add(work)
-        work.add_done_callback(self._encoded)
+        work.add_done_callback(self._encoded)  # at once where it has ended already
         return True
 
     def _encoded(self, work: Future[None]) -> None:
@@ -254,8 +300,9 @@ class TextThread:
 
     async def encoded(self, timeout_s: float) -> None:
         """Returns once the batches given to the thread to encode have been handed to the
-        loop (their `resolve` called: the loop runs those callbacks before this returns),
-        after `timeout_s`, or at `cut`. Called once no batch runs any more."""
+        loop (their `resolve` called, and those callbacks run before this returns), or
+        after `timeout_s`, or at `cut` (they may come later, or not at all). Called once
+        no batch runs any more."""
         with self._encodes_lock:
             pending = [asyncio.wrap_future(work) for work in self._encodes]
         if not pending:
@@ -265,7 +312,9 @@ class TextThread:
         handed = asyncio.gather(*pending, return_exceptions=True)
         cut = asyncio.ensure_future(self._cut.wait())
         try:
-            await asyncio.wait((handed, cut), timeout=timeout_s, return_when="FIRST_COMPLETED")
+            await asyncio.wait(
+                (handed, cut), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             cut.cancel()
 
@@ -282,15 +331,14 @@ def _abandoned() -> DrainingError:
     )
 
 
-def text_elements_of(outcomes: Sequence[Outcome]) -> int:
-    """How many strings `outcomes`' outputs hold: what encoding their answers costs."""
-    return sum(
-        array.size
-        for outcome in outcomes
-        if outcome.outputs is not None
-        for array in outcome.outputs.values()
-        if array.dtype.hasobject
-    )
+def encoded_off_loop(outcome: Outcome) -> bool:
+    """Whether `outcome`'s answer holds more than EVENT_LOOP_TEXT_ELEMENTS strings: each
+    answer is encoded in its own step of the loop, so its own strings, not its batch's,
+    say what that step would cost."""
+    if outcome.outputs is None:
+        return False
+    strings = sum(array.size for array in outcome.outputs.values() if array.dtype.hasobject)
+    return strings > EVENT_LOOP_TEXT_ELEMENTS
 
 
 def text_encoded(outcome: Outcome) -> Outcome:
@@ -308,9 +356,16 @@ def text_encoded(outcome: Outcome) -> Outcome:
 
 
 def _encode_then(outcomes: Sequence[Outcome], resolve: Callable[[Sequence[Outcome]], None]) -> None:
+    """The answers of `outcomes` over the loop's share encoded (`encoded_off_loop`), the
+    rest left to the loop; then `resolve` with all of them, whatever happened."""
     try:
-        encoded = [text_encoded(outcome) for outcome in outcomes]
+        encoded = [
+            text_encoded(outcome) if encoded_off_loop(outcome) else outcome for outcome in outcomes
+        ]
     except Exception:  # every answer is resolved, encoded here or not
-        log.exception("encoding a batch's text answers failed; they are encoded on the loop")
+        log.exception(
+            "encoding a batch's text answers failed; they are encoded on the event loop",
+            extra=event_extra("text_encode_failed"),
+        )
         encoded = list(outcomes)
     resolve(encoded)

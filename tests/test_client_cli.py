@@ -1347,6 +1347,7 @@ def test_infer_sends_text_from_json_or_str_arrays_and_writes_string_outputs_as_s
                 "infer", "--target", s.target, "--json", json.dumps(document)
             )
             assert code == 0, err
+            assert '"café!"' in out, "text as it is, not \\u-escaped"
             assert json.loads(out) == {
                 "tagged": ["cat!", "café!", "zebra!"],
                 "label": [0, -1, -1],
@@ -2618,3 +2619,18 @@ def test_model_prints_each_inputs_shape_as_the_probe_ran_it(tmp_path: Path) -> N
     )
     assert table.format(1) in asyncio.run(printed({}))
     assert table.format(512) in asyncio.run(printed({"ids": (512,)}))
+
+
+def test_infer_escapes_text_only_where_standard_output_cannot_encode_it() -> None:
+    """JSON text is printed as it is where the output encodes any text, \\u-escaped where
+    it cannot (an ASCII terminal, PYTHONIOENCODING=ascii): never a UnicodeEncodeError."""
+    from laneserve.client.cli import _writes_unicode  # noqa: PLC0415 - the one helper
+
+    for encoding, takes in (
+        ("utf-8", True),
+        ("utf-16", True),
+        ("ascii", False),
+        ("latin-1", False),
+    ):
+        assert _writes_unicode(io.TextIOWrapper(io.BytesIO(), encoding=encoding)) is takes
+    assert _writes_unicode(io.StringIO())

@@ -4,6 +4,7 @@ encoding to a batched run of the real session."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import re
@@ -29,6 +30,7 @@ from laneserve.server.bench.settings import Stream
 from laneserve.server.codec import MAX_EXTRA_BYTES, decode_inputs, extra_bytes, leading_rows
 from laneserve.server.config import DEFAULT_LANES
 from laneserve.server.engine import TensorSpec, held_bytes
+from laneserve.server.idempotency import MAX_CALLERS_WAITING
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
@@ -707,37 +709,50 @@ def test_a_batch_answering_many_strings_is_encoded_off_the_event_loop(
 
 
 def test_a_decode_the_drain_stops_waiting_for_is_refused_draining(
-    text_model: Path, monkeypatch: pytest.MonkeyPatch
+    text_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Its grace over (here a second signal) with a request still being decoded, the
-    drain refuses it DRAINING, counted, as a request still queued is, and stops: it had
-    waited out another 10 s for the thread, and gRPC's stop cut the call (UNAVAILABLE
-    "Cancelling all calls", no reason)."""
+    """Its grace over (here a second signal) with a request still being decoded and
+    another waiting its turn, the drain refuses both DRAINING, counted, as requests still
+    queued are, says so in its drain_incomplete line (its shutdown line: not drained),
+    and stops: it had waited out another 10 s for the thread, and gRPC's stop cut the
+    call (UNAVAILABLE "Cancelling all calls", no reason)."""
     gate = _DecodeGate(monkeypatch)
+    caplog.set_level(logging.INFO)
 
-    async def scenario() -> tuple[grpc.aio.AioRpcError, dict[str, int]]:
+    async def scenario() -> tuple[list[grpc.aio.AioRpcError], dict[str, int]]:
         engine = RecordingEngine(str(text_model), device="cpu")
         async with serving(engine, _text_config(text_model)) as s:
             gate.hold()
             try:
-                call = s.stub.Infer(_long_text_request(_LONG_ROWS, "held"), timeout=60)
+                calls = [s.stub.Infer(_long_text_request(_LONG_ROWS, "held"), timeout=60)]
                 await gate.until_entered()
+                calls.append(s.stub.Infer(_long_text_request(_LONG_ROWS, "next"), timeout=60))
+                await until(lambda: gate.asked == 2)
                 stopping = asyncio.ensure_future(s.server.stop(grace_s=30.0))
                 await until(lambda: s.server.state is Lifecycle.DRAINING)
                 s.server.end_grace()
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await call
+                refusals = []
+                for call in calls:
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await call
+                    refusals.append(refused.value)
                 await stopping
             finally:
                 gate.release()
             bulk = next(lane for lane in s.server.stats.snapshot().lanes if lane.name == "bulk")
-            return refused.value, dict(bulk.rejected)
+            return refusals, dict(bulk.rejected)
 
-    refused, rejected = asyncio.run(scenario())
-    assert refused.code() == grpc.StatusCode.UNAVAILABLE
-    assert rich_status(refused)[0] == "DRAINING"
-    assert "still being decoded" in (refused.details() or "")
-    assert rejected == {"DRAINING": 1}
+    refusals, rejected = asyncio.run(scenario())
+    for refused in refusals:
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE
+        assert rich_status(refused)[0] == "DRAINING"
+        assert "still being decoded" in (refused.details() or "")
+    assert rejected == {"DRAINING": 2}
+    events = {getattr(record, "event", None): record for record in caplog.records}
+    incomplete = events["drain_incomplete"]
+    assert getattr(incomplete, "fields", {})["decoding_requests"] == 2
+    assert "2 request(s) whose text was still being decoded" in incomplete.getMessage()
+    assert getattr(events["shutdown"], "fields", {})["drained"] is False
 
 
 def test_the_text_of_a_request_reusing_an_id_is_not_decoded(
@@ -759,42 +774,6 @@ def test_the_text_of_a_request_reusing_an_id_is_not_decoded(
     refused = asyncio.run(scenario())
     assert rich_status(refused)[0] == "REQUEST_ID_REUSED"
     assert gate.decoded_on == [(1, True)], "only the first request was decoded"
-
-
-def test_a_call_waiting_for_another_decode_of_its_id_is_refused_at_its_deadline(
-    text_model: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A call whose id is being decoded for a request sent before it waits for that
-    decode, until its own deadline: then it is refused EXPIRED_IN_QUEUE, counted, rather
-    than decoded past its deadline."""
-    gate = _DecodeGate(monkeypatch)
-
-    async def scenario() -> tuple[pb.InferResponse, grpc.aio.AioRpcError, pb.GetStatsResponse]:
-        engine = RecordingEngine(str(text_model), device="cpu")
-        async with serving(engine, _text_config(text_model)) as s:
-            gate.hold()
-            try:
-                first = asyncio.ensure_future(
-                    s.stub.Infer(_long_text_request(_LONG_ROWS, "x"), timeout=60)
-                )
-                await gate.until_entered()
-                late = _long_text_request(_LONG_ROWS, "x")
-                late.timeout_ms = 200
-                with pytest.raises(grpc.aio.AioRpcError) as expired:
-                    await s.stub.Infer(late, timeout=60)
-            finally:
-                gate.release()
-            answer = await first
-            stats = await s.stub.GetStats(pb.GetStatsRequest(), timeout=30)
-            return answer, expired.value, stats
-
-    first, expired, stats = asyncio.run(scenario())
-    assert decode_tensor(first.outputs[0]).tolist()[0] == "row 0!"
-    assert rich_status(expired)[0] == "EXPIRED_IN_QUEUE"
-    assert "was still being decoded at this one's deadline" in (expired.details() or "")
-    assert gate.decoded_on == [(_LONG_ROWS, False)], "the late call decoded nothing"
-    bulk = _lane(stats, "bulk")
-    assert (bulk.admitted, dict(bulk.rejected)) == (1, {"EXPIRED_IN_QUEUE": 1})
 
 
 def test_during_a_drain_a_call_let_in_for_a_decode_that_failed_is_new_work_refused(
@@ -893,13 +872,23 @@ def test_the_text_threads_work_is_scraped_by_kind_from_the_start(text_model: Pat
     assert only_value(after, "laneserve_text_thread_pending") == 0
 
 
-def test_a_request_queued_for_the_text_thread_past_its_deadline_is_refused_undecoded(
-    text_model: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("late_id", "words"),
+    [
+        ("x", "sent before this one was still being decoded at this one's deadline"),
+        ("late", "was still waiting for its text to be decoded"),
+    ],
+    ids=["waiting-for-its-ids-decode", "queued-behind-another"],
+)
+def test_a_request_whose_deadline_passes_before_its_text_is_decoded_is_refused_undecoded(
+    text_model: Path, monkeypatch: pytest.MonkeyPatch, late_id: str, words: str
 ) -> None:
-    """Long text is decoded on one thread, in turn: a request whose deadline (here its
-    timeout_ms, no gRPC deadline) passes while it waits behind another decode is refused
-    EXPIRED_IN_QUEUE at it, counted, and never decoded (it was, in full, then refused
-    DEADLINE_UNMEETABLE: the thread spent its time on requests nobody could take)."""
+    """Long text is decoded on one thread, in turn. A request whose deadline (here its
+    timeout_ms, no gRPC deadline) passes while it waits, for the decode of the request
+    sent before it with its id or behind another request's decode, is refused
+    EXPIRED_IN_QUEUE at it, counted, and never decoded (queued behind another, it was
+    decoded in full, then refused DEADLINE_UNMEETABLE: the thread spent its time on
+    requests nobody could take)."""
     gate = _DecodeGate(monkeypatch)
 
     async def scenario() -> tuple[pb.InferResponse, grpc.aio.AioRpcError, pb.GetStatsResponse]:
@@ -908,10 +897,10 @@ def test_a_request_queued_for_the_text_thread_past_its_deadline_is_refused_undec
             gate.hold()
             try:
                 first = asyncio.ensure_future(
-                    s.stub.Infer(_long_text_request(_LONG_ROWS, "first"), timeout=60)
+                    s.stub.Infer(_long_text_request(_LONG_ROWS, "x"), timeout=60)
                 )
                 await gate.until_entered()
-                late = _long_text_request(_LONG_ROWS, "late")
+                late = _long_text_request(_LONG_ROWS, late_id)
                 late.timeout_ms = 200
                 with pytest.raises(grpc.aio.AioRpcError) as expired:
                     await s.stub.Infer(late)
@@ -924,7 +913,84 @@ def test_a_request_queued_for_the_text_thread_past_its_deadline_is_refused_undec
     first, expired, stats = asyncio.run(scenario())
     assert decode_tensor(first.outputs[0]).tolist()[0] == "row 0!"
     assert rich_status(expired)[0] == "EXPIRED_IN_QUEUE"
-    assert "was still waiting for its text to be decoded" in (expired.details() or "")
+    assert words in (expired.details() or "")
     assert gate.decoded_on == [(_LONG_ROWS, False)], "the late request was never decoded"
     bulk = _lane(stats, "bulk")
     assert (bulk.admitted, dict(bulk.rejected)) == (1, {"EXPIRED_IN_QUEUE": 1})
+
+
+def test_retries_waiting_for_a_decode_are_bounded_as_joins_are(
+    text_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At most MAX_CALLERS_WAITING callers wait on one request while its text is decoded,
+    as once it runs: a retry past them is refused JOIN_LIMIT at once (any number waited,
+    each holding its message, and were refused only once the decode ended). Those that
+    waited join it: one run."""
+    gate = _DecodeGate(monkeypatch)
+    waiting = MAX_CALLERS_WAITING - 1  # beside the request's own caller
+
+    async def scenario() -> tuple[list[pb.InferResponse], grpc.aio.AioRpcError, int]:
+        engine = RecordingEngine(str(text_model), device="cpu")
+        async with serving(engine, _text_config(text_model)) as s:
+            gate.hold()
+            try:
+                calls = [s.stub.Infer(_long_text_request(_LONG_ROWS, "r"), timeout=60)]
+                await gate.until_entered()
+                calls += [
+                    s.stub.Infer(_long_text_request(_LONG_ROWS, "r"), timeout=60)
+                    for _ in range(waiting)
+                ]
+                await until(lambda: gate.waited == waiting)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await s.stub.Infer(_long_text_request(_LONG_ROWS, "r"), timeout=60)
+            finally:
+                gate.release()
+            answers = list(await asyncio.gather(*calls))
+            return answers, refused.value, sum(engine.batches)
+
+    answers, refused, rows_run = asyncio.run(scenario())
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert rich_status(refused)[0] == "JOIN_LIMIT"
+    assert "is being decoded with 5 callers waiting" in (refused.details() or "")
+    assert all(answer.outputs == answers[0].outputs for answer in answers)
+    assert rows_run == _LONG_ROWS, "one run"
+    assert gate.decoded_on == [(_LONG_ROWS, False)]
+
+
+def test_a_stream_item_decoded_as_the_drain_begins_is_run(
+    text_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream item whose text was being decoded when the drain began is run, as a
+    unary call is (the drain waits for it): with room in its lane at once it was refused
+    DRAINING, "waited for room in its lane", which it never had."""
+    gate = _DecodeGate(monkeypatch)
+
+    async def scenario() -> tuple[list[pb.InferStreamResponse], grpc.StatusCode, int]:
+        engine = RecordingEngine(str(text_model), device="cpu")
+        async with serving(engine, _text_config(text_model)) as s:
+            received: list[pb.InferStreamResponse] = []
+            call = s.stub.InferStream(iter([_long_text_request(_LONG_ROWS, "item")]))
+
+            async def read() -> grpc.StatusCode:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    received.extend([answer async for answer in call])
+                return await call.code()
+
+            gate.hold()
+            try:
+                reading = asyncio.ensure_future(read())
+                await gate.until_entered()
+                stopping = asyncio.ensure_future(s.server.stop(grace_s=30.0))
+                await until(lambda: s.server.state is Lifecycle.DRAINING)
+            finally:
+                gate.release()
+            code = await reading
+            await stopping
+            return received, code, sum(engine.batches)
+
+    received, code, rows_run = asyncio.run(scenario())
+    (answer,) = received
+    assert answer.WhichOneof("result") == "response", answer.error.message
+    assert decode_tensor(answer.response.outputs[0]).tolist()[0] == "row 0!"
+    assert code == grpc.StatusCode.OK  # its caller had sent all: nothing left unread
+    assert rows_run == _LONG_ROWS

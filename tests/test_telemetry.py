@@ -2819,6 +2819,7 @@ def test_an_incomplete_drain_says_what_it_left_and_what_to_change(
             "queued_rows": 2,
             "running_batch_id": held.batch_id,
             "running_rows": 1,
+            "decoding_requests": 0,
         }
         assert record.getMessage() == (
             f"drain grace of 0.0s over with 1 request(s) (2 rows) still queued and batch "
