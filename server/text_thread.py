@@ -6,7 +6,7 @@ A STRING element is decoded into a Python `str` one by one (~0.3 us each,
 2-byte strings held the event loop, every other call with it, for 3 s. On a thread, the
 work takes turns of the GIL with the loop (its switch interval, 5 ms) instead.
 `scripts/bench_text_loop.py` measures it: 1-row interactive calls beside 512 000-string
-bulk requests, p99 46-63 ms with the thread, 493-519 ms without (two runs). At 48 000
+bulk requests, p99 43-63 ms with the thread, 399-519 ms without (three runs). At 48 000
 strings a request, one run of an earlier version showed no difference beyond the noise;
 at 12 000 the hand-offs cost more than they saved: hence EVENT_LOOP_TEXT_ELEMENTS, for
 answers too. Numbers are never decoded away: their bytes are used in place, in
