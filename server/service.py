@@ -82,6 +82,7 @@ from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.log_events import event_extra
 from laneserve.server.memory import MemoryFacts, WatermarkState, format_bytes
 from laneserve.server.model_identity import SERVER_VERSION, ModelIdentity
+from laneserve.server.occupancy import Occupancy
 from laneserve.server.scheduler import MEMORY_PRESSURE_RETRY_S, caller_end_status
 from laneserve.server.scheduler_thread import SchedulerThread
 from laneserve.server.stats import Distribution, Percentiles, StatsRecorder
@@ -164,25 +165,12 @@ MIN_RECEIVE_LIMIT_BYTES = 1024
 MAX_OPERATOR_REQUEST_BYTES = 64 * 1024
 
 
-class StreamRoom:
+class StreamRoom(Occupancy):
     """The items of one stream (InferStream, ModelStreamInfer) waiting for room in a full
-    lane. While any waits, the stream reads no more: its producer is held back by gRPC's
-    flow control, as by the credit window, and the server holds at most the items it had
+    lane, or having their long text decoded (`_decoded_aside`). While any is inside, the
+    stream reads no more (`empty` unset): its producer is held back by gRPC's flow
+    control, as by the credit window, and the server holds at most the items it had
     read."""
-
-    def __init__(self) -> None:
-        self._waiting = 0
-        self.free = asyncio.Event()
-        self.free.set()
-
-    def enter(self) -> None:
-        self._waiting += 1
-        self.free.clear()
-
-    def leave(self) -> None:
-        self._waiting -= 1
-        if self._waiting == 0:
-            self.free.set()
 
 
 class StreamWindow:
@@ -734,9 +722,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         async def read_all() -> None:
             while True:
                 # Both hold as it reads: either may have changed while it waited on the other.
-                while not (window.open.is_set() and room.free.is_set()):
+                while not (window.open.is_set() and room.empty.is_set()):
                     await window.open.wait()
-                    await room.free.wait()
+                    await room.empty.wait()
                 try:
                     item = await anext(items)
                 except StopAsyncIteration:

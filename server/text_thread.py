@@ -32,6 +32,7 @@ from laneserve.server.errors import DrainingError, JoinLimitError
 from laneserve.server.idempotency import MAX_CALLERS_WAITING
 from laneserve.server.items import Array, Outcome, Signature
 from laneserve.server.log_events import event_extra
+from laneserve.server.occupancy import Occupancy
 from laneserve.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,8 @@ class TextThread:
       (`after`) before the ledger is asked about it: the request read first reaches the
       ledger first (a retry joins it instead of decoding again; another request with its
       id, sent second, is the one refused), as when decoding took no await;
-    - `_ongoing` counts the decodes awaited and the calls waiting for one (`after`), and
-      `_idle` is set whenever it is 0; the drain waits until it finds `_idle` set
+    - `_reads` holds the decodes awaited and the calls waiting for one (`after`); the
+      drain waits until it finds `_reads.empty` set
       (`wait_idle`, which looks again after each wake: a call that leaves `after` goes
       on to its own decode, or to the scheduler, in that step) before the scheduler stops
       admitting, so a request read before the drain is admitted. Where the drain stops
@@ -92,9 +93,7 @@ class TextThread:
         # ends), and how many calls wait for it in `after`.
         self._by_id: dict[str, asyncio.Event] = {}
         self._waiters: dict[str, int] = {}
-        self._ongoing = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._reads = Occupancy()
         # Owned by the event loop: the decodes' state.
         self._turn = asyncio.Lock()  # held by the one decode given to the thread
         self._waiting_turn = 0  # decodes waiting for `_turn` (read by `counts`)
@@ -164,7 +163,7 @@ class TextThread:
         ended = asyncio.Event()
         if ledger_id:
             self._by_id.setdefault(ledger_id, ended)
-        self._enter()
+        self._reads.enter()
         try:
             # One decode at a time given to the thread: a batch's answers (encodes, their
             # callers waiting) run next, not behind every decode queued (they took 2.5 s
@@ -185,7 +184,7 @@ class TextThread:
             if self._by_id.get(ledger_id) is ended:
                 del self._by_id[ledger_id]
             ended.set()
-            self._leave()
+            self._reads.leave()
 
     async def _decoded(self, tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> Decoded:
         work = asyncio.wrap_future(self._submit(DECODE, decode_inputs, tensors, specs))
@@ -218,7 +217,7 @@ class TextThread:
                 "without running it again), or fewer retries and hedges of it at a time"
             )
         self._waiters[ledger_id] = others + 1
-        self._enter()
+        self._reads.enter()
         try:
             # Not wait_for: on 3.11 it can swallow the caller's cancel as the event is set.
             async with asyncio.timeout(timeout_s):
@@ -231,35 +230,26 @@ class TextThread:
                 del self._waiters[ledger_id]
             else:
                 self._waiters[ledger_id] -= 1
-            self._leave()
+            self._reads.leave()
         return True
-
-    def _enter(self) -> None:
-        self._ongoing += 1
-        self._idle.clear()
-
-    def _leave(self) -> None:
-        self._ongoing -= 1
-        if self._ongoing == 0:
-            self._idle.set()
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Waits until no decode is awaited and no call waits for one (True), `timeout_s`
         passed or `cut` was called (False)."""
         loop = asyncio.get_running_loop()
         until_s = loop.time() + timeout_s
-        while not self._idle.is_set() and not self._cut.is_set():
+        while not self._reads.empty.is_set() and not self._cut.is_set():
             left_s = until_s - loop.time()
             if left_s <= 0:
                 break
-            idle = asyncio.ensure_future(self._idle.wait())
+            idle = asyncio.ensure_future(self._reads.empty.wait())
             cut = asyncio.ensure_future(self._cut.wait())
             try:
                 await asyncio.wait((idle, cut), timeout=left_s, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 idle.cancel()
                 cut.cancel()
-        return self._idle.is_set()
+        return self._reads.empty.is_set()
 
     def abandon(self) -> int:
         """The drain stops waiting for decodes: each one awaited or waiting its turn ends
