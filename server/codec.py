@@ -7,6 +7,7 @@ batching path. Every refusal names the tensor and what was expected.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -218,9 +219,17 @@ def varint_bytes(value: int) -> int:
     return max(1, (value.bit_length() + 6) // 7)
 
 
-def decode_inputs(
-    tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]
-) -> tuple[dict[str, Array], int, Signature]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecodedInputs:
+    """A request's inputs read (`decode_inputs`); made on the text thread for long text
+    (`text_thread`), and handed to the event loop."""
+
+    arrays: dict[str, Array] = dataclasses.field(repr=False)  # by input name, specs' order
+    rows: int  # the rows (first axis) every input has
+    signature: Signature  # the inputs' shapes past the rows: who may batch together
+
+
+def decode_inputs(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> DecodedInputs:
     """The request's arrays by input name, its row count and its batching signature."""
     expected = {spec.name: spec for spec in specs}
     arrays: dict[str, Array] = {}
@@ -260,7 +269,7 @@ def decode_inputs(
         raise InvalidInputError("request has 0 rows; expected at least 1 row along the first axis")
     _check_named_dimensions(arrays, specs)
     signature = tuple(tuple(arrays[spec.name].shape[1:]) for spec in specs)
-    return {spec.name: arrays[spec.name] for spec in specs}, count, signature
+    return DecodedInputs({spec.name: arrays[spec.name] for spec in specs}, count, signature)
 
 
 def check_output_names(names: Sequence[str], available: Sequence[str]) -> list[str]:

@@ -27,6 +27,7 @@ from laneserve.client.tensors import datatype_of
 from laneserve.server.clock import Clock
 from laneserve.server.codec import (
     MAX_EXTRA_BYTES,
+    DecodedInputs,
     check_counts,
     check_output_names,
     data_bytes,
@@ -88,7 +89,6 @@ from laneserve.server.scheduler_thread import SchedulerThread
 from laneserve.server.stats import Distribution, Percentiles, StatsRecorder
 from laneserve.server.text_thread import (
     EVENT_LOOP_TEXT_ELEMENTS,
-    Decoded,
     TextThread,
     encoded_off_loop,
 )
@@ -1070,7 +1070,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         except LaneserveError as error:  # counted as the scheduler counts its own
             raise self._rejected(lane, error, arrived_s=arrived_s) from None
         if isinstance(decoded, _Unread) and self._ledger.answers_as(ledger_id, digest) is None:
-            # Decoded where the ledger would run it (a retry that joins or replays, or one
+            # Decoded only where the ledger would run it (a retry that joins or replays, or one
             # refused for reusing an id, needs no inputs), before a stream item's wait for
             # room, as on the loop. A unary call's request is submitted in the step its
             # decode ends in, with no await between (see `TextThread`); a stream item's, as
@@ -1079,7 +1079,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 request, lane, ledger_id, wait_until_s, arrived_s, stream
             )
         # None: a retry that joins or replays, which waits for no room (see `_read_inputs`).
-        rows = 0 if decoded is None else _rows_of(decoded)
+        rows = 0 if decoded is None else decoded.rows
         # Set by `submit`, which runs only when this call (not a retry it joins) queues it;
         # NULL_TRACE again once this call is answered alone (see `expired`).
         trace = NULL_TRACE
@@ -1089,22 +1089,24 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         def submit(resolve: Resolve) -> Admitted:
             nonlocal trace
             # Not decoded: its request left the ledger since it was read (see `_read_inputs`).
-            inputs, rows, signature = (
-                decoded if isinstance(decoded, tuple) else self._decoded(request, lane, arrived_s)
+            read = (
+                decoded
+                if isinstance(decoded, DecodedInputs)
+                else self._decoded(request, lane, arrived_s)
             )
             # The deadline the scheduler keeps (`wait_until_s`), from now: a stream item's
             # lane timeout counted from its arrival, not again from here after its wait for
             # room (`enqueue` showed a deadline later than the one it was shed at).
             budget_s = wait_until_s - self._clock.monotonic()
-            trace = self._tracer.start(request.request_id, lane, rows, budget_s)
+            trace = self._tracer.start(request.request_id, lane, read.rows, budget_s)
             try:
                 entry_id = self._scheduler.submit(
                     InferenceRequest(
                         request_id=request.request_id,
                         lane=lane,
-                        inputs=inputs,
-                        rows=rows,
-                        signature=signature,
+                        inputs=read.arrays,
+                        rows=read.rows,
+                        signature=read.signature,
                         deadline_s=wait_until_s,
                         token=resolve,
                         trace=trace,
@@ -1218,7 +1220,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         ledger_id: str,
         lane_config: LaneConfig,
         output_names: list[str],
-    ) -> tuple[bytes, Decoded | _Unread | None]:
+    ) -> tuple[bytes, DecodedInputs | _Unread | None]:
         """The request's fingerprint (b"" without a `ledger_id`, its key in the ledger)
         and its decoded inputs, rows and signature; None for a retry that joins its
         request in flight or replays its stored answer; `_Unread` for one of more than
@@ -1249,7 +1251,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 # after, a 62 MiB request cost the event loop 143-223 ms. Not a retry's: it
                 # queues no rows.
                 lane_config.check_rows(rows)
-        read: Decoded | _Unread
+        read: DecodedInputs | _Unread
         if text_elements(request.inputs) > EVENT_LOOP_TEXT_ELEMENTS:
             # Rows uncounted (a request `decode_inputs` refuses): none to wait for room for.
             read = _Unread(rows or 0)
@@ -1259,7 +1261,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             digest = fingerprint(request, output_names)
         return digest, read
 
-    def _decoded(self, request: pb.InferRequest, lane: str, arrived_s: float) -> Decoded:
+    def _decoded(self, request: pb.InferRequest, lane: str, arrived_s: float) -> DecodedInputs:
         """`decode_inputs` of `request`, its refusal counted as one of `lane`."""
         try:
             return decode_inputs(request.inputs, self._input_specs)
@@ -1274,7 +1276,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         until_s: float,
         arrived_s: float,
         stream: _OnStream | None,
-    ) -> Decoded:
+    ) -> DecodedInputs:
         """`_decoded`, by `TextThread`, until `until_s`: at it, refused EXPIRED_IN_QUEUE
         (one still queued never runs), as the scheduler sheds one queued past it; a
         caller that goes meanwhile is counted as `_left_unadmitted` says. A stream item
@@ -1615,10 +1617,6 @@ def _text_expired(request: pb.InferRequest, until_s: float, arrived_s: float) ->
         "decoded on one thread, in turn); expected a longer deadline, or fewer strings per "
         "request"
     )
-
-
-def _rows_of(read: Decoded | _Unread) -> int:
-    return read.rows if isinstance(read, _Unread) else read[1]
 
 
 # What the servicer receives for bytes that do not parse as its method's request (another

@@ -26,11 +26,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final, TypeVar
 
 from laneserve.client.tensors import encode_strings
-from laneserve.server.codec import decode_inputs
+from laneserve.server.codec import DecodedInputs, decode_inputs
 from laneserve.server.engine import TensorSpec
 from laneserve.server.errors import DrainingError, JoinLimitError
 from laneserve.server.idempotency import MAX_CALLERS_WAITING
-from laneserve.server.items import Array, Outcome, Signature
+from laneserve.server.items import Outcome
 from laneserve.server.log_events import event_extra
 from laneserve.server.occupancy import Occupancy
 from laneserve.v1 import inference_pb2 as pb
@@ -42,9 +42,6 @@ log = logging.getLogger(__name__)
 EVENT_LOOP_TEXT_ELEMENTS: Final = 20_000
 
 _T = TypeVar("_T")
-
-# A request's decoded inputs by name, its rows and its batching signature (`decode_inputs`).
-Decoded = tuple[dict[str, Array], int, Signature]
 
 
 # The kinds of work the thread does (`TextThread.counts`): a request's text decoded, a
@@ -97,9 +94,9 @@ class TextThread:
         # Owned by the event loop: the decodes' state.
         self._turn = asyncio.Lock()  # held by the one decode given to the thread
         self._waiting_turn = 0  # decodes waiting for `_turn` (read by `counts`)
-        self._decodes: set[asyncio.Future[Decoded]] = set()  # those awaited (`abandon`)
+        self._decodes: set[asyncio.Future[DecodedInputs]] = set()  # those awaited (`abandon`)
         self._abandoned = False  # `abandon` was called: a decode asked now is refused
-        self._cancelled: set[asyncio.Future[Decoded]] = set()  # by `abandon`, not a caller
+        self._cancelled: set[asyncio.Future[DecodedInputs]] = set()  # by `abandon`, not a caller
         self._cut = asyncio.Event()  # `cut`: `wait_idle` and `encoded` return at once
         # The batches given to the thread to encode and not yet handed to the loop; the
         # scheduler thread adds them, the text thread takes them away.
@@ -153,7 +150,7 @@ class TextThread:
 
     async def decode(
         self, ledger_id: str, tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]
-    ) -> Decoded:
+    ) -> DecodedInputs:
         """`decode_inputs(tensors, specs)` on the thread; raises its refusal, or
         DrainingError where the drain stopped waiting for it (`abandon`). A caller
         cancelled meanwhile leaves a decode begun to finish (a thread is not interrupted;
@@ -186,7 +183,9 @@ class TextThread:
             ended.set()
             self._reads.leave()
 
-    async def _decoded(self, tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> Decoded:
+    async def _decoded(
+        self, tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]
+    ) -> DecodedInputs:
         work = asyncio.wrap_future(self._submit(DECODE, decode_inputs, tensors, specs))
         self._decodes.add(work)
         try:

@@ -496,7 +496,7 @@ def test_a_dtype_other_than_the_models_is_named_before_the_data_is_sized() -> No
     )
     assert refusal(99).startswith("tensor 'input': dtype is unknown data type 99; expected one")
     tensor = pb.Tensor(name="input", dtype=pb.DATA_TYPE_FLOAT32, shape=[2, 4], data=data)
-    assert decode_inputs([tensor], [ROWS_SPEC])[1] == 2
+    assert decode_inputs([tensor], [ROWS_SPEC]).rows == 2
 
 
 def test_float32_data_labelled_float64_is_told_its_dtype_over_grpc(small_model: Path) -> None:

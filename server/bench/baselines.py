@@ -214,7 +214,8 @@ class SingleServicer(_InferOnly):
 
     async def _answer(self, request: pb.InferRequest) -> pb.InferResponse:
         """`request` run alone in the pool; raises LaneserveError for invalid input."""
-        inputs, rows, _ = decode_inputs(request.inputs, self._engine.inputs)
+        decoded = decode_inputs(request.inputs, self._engine.inputs)
+        inputs, rows = decoded.arrays, decoded.rows
         names = check_output_names(request.output_names, self._output_names)
         queued_s = time.perf_counter()
         started_s, finished_s, outputs = await asyncio.get_running_loop().run_in_executor(
