@@ -307,8 +307,6 @@ class Checkpoint:
             array = self.arrays.get(name)
             if array is None:
                 array = self._new_array(name, values.dtype, (self.rows, *values.shape[1:]))
-            elif values.dtype.kind == array.dtype.kind == "U" and values.itemsize > array.itemsize:
-                array = self._resized(name, max(_chars(values.dtype), 2 * _chars(array.dtype)))
             same_type = values.dtype == array.dtype or values.dtype.kind == array.dtype.kind == "U"
             if not same_type or values.shape != array[rows].shape:
                 # Written as it came, it broadcast: a model with a narrower output since
@@ -320,6 +318,9 @@ class Checkpoint:
                     f"(a job resumed on a changed model?), or delete {self.directory} to start "
                     "over"
                 )
+            if values.dtype.kind == "U" and values.itemsize > array.itemsize:
+                # Checked first: a refused answer copies no file.
+                array = self._resized(name, max(_chars(values.dtype), 2 * _chars(array.dtype)))
             array[rows] = values
         self.done[item] = True
 
@@ -397,13 +398,11 @@ class Checkpoint:
             file.flush()
             os.fsync(file.fileno())
         temporary.replace(path)
-        in_use = set(self.files.values())
+        # No state names them now (`_new_array` never reuses a name). Left where they
+        # cannot be removed: the checkpoint's directory goes whole when the job finishes.
         for replaced in self.replaced_files:
-            if replaced not in in_use:
-                # Left where it cannot be removed: no state names it, and the
-                # checkpoint's directory goes whole when the job finishes.
-                with contextlib.suppress(OSError):
-                    (self.directory / replaced).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                (self.directory / replaced).unlink(missing_ok=True)
         self.replaced_files.clear()
 
     def finish(self, output: Path) -> None:
@@ -673,7 +672,6 @@ def text_array(what: str, values: npt.NDArray[Any]) -> npt.NDArray[np.str_]:
         ValueError: an element ends in a NUL character, which a ``str_`` array drops
             (numpy pads its elements with NULs), or is not a ``str``.
     """
-    widest = 1
     for index, value in enumerate(values.flat):
         if not isinstance(value, str):
             raise ValueError(  # noqa: TRY004 - the caller's refusal of a value, as tensors'
@@ -684,8 +682,7 @@ def text_array(what: str, values: npt.NDArray[Any]) -> npt.NDArray[np.str_]:
                 f"{what}: element {index} ends in a NUL character, which a numpy str_ array "
                 "(what .npy files hold without pickle) drops"
             )
-        widest = max(widest, len(value))
-    return values.astype(f"<U{widest}")
+    return values.astype(str)  # as wide as its widest element, 1 character at least
 
 
 def _chars(dtype: np.dtype[Any]) -> int:

@@ -621,10 +621,7 @@ def _json_strings(value: object, spec: TensorInfo, what: str) -> npt.NDArray[np.
             (item, [*place, index]) for index, item in reversed(list(enumerate(element)))
         )
     array = np.empty(tuple(dims), dtype=object)
-    if dims:
-        array[...] = value  # rectangular now: each element one str
-    else:
-        array[()] = value
+    array[...] = value  # rectangular now: each element one str (a 0-d array's too)
     return array
 
 
@@ -1246,7 +1243,7 @@ def _check_text_items(
     one fits, and only a job none of whose items fits is refused. An item over the limit
     in a job that goes on fails alone (this client refuses to send it), listed with the
     job's failed rows. `first_bytes`: the first item's size, measured already."""
-    # (bytes, rows) of the smallest item
+    # (bytes, span) of the smallest item
     smallest = (first_bytes, slice(0, min(rows_per_item, rows)))
     for start in range(rows_per_item, rows, rows_per_item):
         span = slice(start, min(start + rows_per_item, rows))

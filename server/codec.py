@@ -172,13 +172,15 @@ def extra_bytes(request: pb.InferRequest, wire_bytes: int) -> int | None:
 def text_elements(tensors: Sequence[pb.Tensor]) -> int:
     """How many STRING elements `tensors`' shapes hold (a shape `decode_tensor` refuses
     holds none), their data unread: what decoding them costs, element by element."""
-    count = 0
-    for tensor in tensors:
-        if tensor.dtype != pb.DATA_TYPE_STRING or len(tensor.shape) > MAX_DIMS:
-            continue
-        if min(tensor.shape, default=0) >= 0:
-            count += math.prod(tensor.shape)
-    return count
+    return sum(_elements(tensor) or 0 for tensor in tensors if tensor.dtype == pb.DATA_TYPE_STRING)
+
+
+def _elements(tensor: pb.Tensor) -> int | None:
+    """The elements `tensor`'s shape holds; None for one `decode_tensor` refuses (more
+    than MAX_DIMS dimensions, a negative one)."""
+    if len(tensor.shape) > MAX_DIMS or min(tensor.shape, default=0) < 0:
+        return None
+    return math.prod(tensor.shape)
 
 
 def data_bytes(tensor: pb.Tensor) -> int | None:
@@ -186,12 +188,9 @@ def data_bytes(tensor: pb.Tensor) -> int | None:
     size none (an unknown dtype, more than MAX_DIMS dimensions, a negative one), which
     `decode_tensor` refuses. A STRING tensor's data sizes itself: its length, read (a
     copy), or None where it is shorter than its shape's elements' length prefixes."""
-    if tensor.dtype not in _KNOWN_DTYPES or len(tensor.shape) > MAX_DIMS:
+    count = _elements(tensor)
+    if tensor.dtype not in _KNOWN_DTYPES or count is None:
         return None
-    shape = list(tensor.shape)
-    if min(shape, default=0) < 0:
-        return None
-    count = math.prod(shape)
     if tensor.dtype == pb.DATA_TYPE_STRING:
         size = len(tensor.data)
         return size if size >= count * STRING_LENGTH_BYTES else None

@@ -1029,6 +1029,18 @@ def _mark_final(tag: ModelStreamTag, response: kpb.ModelInferResponse) -> None:
 
 _Result = TypeVar("_Result")
 
+
+async def _answered(
+    context: grpc.aio.ServicerContext[Any, Any], act: Callable[[], _Result]
+) -> _Result:
+    """`act()`'s answer; its LaneserveError aborts the call with it."""
+    try:
+        return act()
+    except LaneserveError as error:
+        await abort_with(context, error)
+        raise AssertionError("unreachable: abort raises") from None
+
+
 # RepositoryIndex's reason for a model not READY: the server is not (health NOT_SERVING).
 NOT_READY_REASON: Final = (
     "the server is not ready: starting, in a stop signal's drain delay, or draining"
@@ -1130,7 +1142,7 @@ class KServeServicer:
     ) -> kpb.ModelMetadataResponse:
         await _refuse_unreadable(request, "ModelMetadata", context)
         assert isinstance(request, kpb.ModelMetadataRequest)
-        await self._abort_unless_served(request.name, request.version, context)
+        await self.abort_unless_served(request.name, request.version, context)
         return kpb.ModelMetadataResponse(
             name=self._model_name,
             versions=[MODEL_VERSION],
@@ -1145,7 +1157,7 @@ class KServeServicer:
         """Triton's model configuration extension (`kserve_config.model_config`)."""
         await _refuse_unreadable(request, "ModelConfig", context)
         assert isinstance(request, kpb.ModelConfigRequest)
-        await self._abort_unless_served(request.name, request.version, context)
+        await self.abort_unless_served(request.name, request.version, context)
         return self._config_response
 
     async def ModelStatistics(
@@ -1155,7 +1167,7 @@ class KServeServicer:
         asks for every model's, the one served."""
         await _refuse_unreadable(request, "ModelStatistics", context)
         assert isinstance(request, kpb.ModelStatisticsRequest)
-        await self._abort_unless_served(request.name or self._model_name, request.version, context)
+        await self.abort_unless_served(request.name or self._model_name, request.version, context)
         statistics = model_statistics(self._model_name, MODEL_VERSION, self._totals(), time.time())
         return kpb.ModelStatisticsResponse(model_stats=[statistics])
 
@@ -1340,12 +1352,12 @@ class KServeServicer:
     ) -> _Result:
         """`act` on the server's regions, for a caller that may use them; the caller's
         refusal (`check_peer`) or `act`'s aborts the call."""
-        try:
+
+        def checked() -> _Result:
             self._regions.check_peer(context.peer())
             return act(self._regions)
-        except LaneserveError as error:
-            await abort_with(context, error)
-            raise AssertionError("unreachable: abort raises") from None
+
+        return await _answered(context, checked)
 
     async def CudaSharedMemoryStatus(
         self, request: object, context: grpc.aio.ServicerContext[Any, Any]
@@ -1393,11 +1405,7 @@ class KServeServicer:
         caller on this host (`settings.change_log_settings`)."""
         await _refuse_unreadable(request, "LogSettings", context)
         assert isinstance(request, kpb.LogSettingsRequest)
-        try:
-            return change_log_settings(request, context.peer())
-        except LaneserveError as error:
-            await abort_with(context, error)
-            raise AssertionError("unreachable: abort raises") from None
+        return await _answered(context, lambda: change_log_settings(request, context.peer()))
 
     async def TraceSetting(
         self, request: object, context: grpc.aio.ServicerContext[Any, Any]
@@ -1406,11 +1414,9 @@ class KServeServicer:
         caller on this host while tracing is on (`settings.TraceSettings`)."""
         await _refuse_unreadable(request, "TraceSetting", context)
         assert isinstance(request, kpb.TraceSettingRequest)
-        try:
-            return self._trace_settings.answer(request, context.peer())
-        except LaneserveError as error:
-            await abort_with(context, error)
-            raise AssertionError("unreachable: abort raises") from None
+        return await _answered(
+            context, lambda: self._trace_settings.answer(request, context.peer())
+        )
 
     def serves(self, name: str, version: str) -> bool:
         """Whether `name` and `version` are the served model's: its name, version "" (the
@@ -1432,9 +1438,11 @@ class KServeServicer:
             f"{MODEL_VERSION!r} or empty (this server serves one version)"
         )
 
-    async def _abort_unless_served(
+    async def abort_unless_served(
         self, name: str, version: str, context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
+        """Aborts `context` with `check_served`'s refusal where `name` and `version` are
+        not the served model's."""
         try:
             self.check_served(name, version)
         except ModelNotFoundError as error:

@@ -64,7 +64,6 @@ from laneserve.server.kserve_json import (
 from laneserve.server.service import (
     DETAILS_TRAILER,
     PUSHBACK_TRAILER,
-    abort_with,
     status_trailers,
 )
 from laneserve.server.settings import TRACE_LEVEL
@@ -518,11 +517,7 @@ class HttpFrontEnd:
         # model or version it lacks with an error status too (400 "Model version not
         # ready"): here 404 MODEL_NOT_FOUND, which says what is served. gRPC's
         # ModelReady answers ready=false instead: there an error status is no answer.
-        try:
-            self._kserve.check_served(model, version)
-        except ModelNotFoundError as error:
-            await abort_with(call, error)
-            raise AssertionError("unreachable: abort raises") from None
+        await self._kserve.abort_unless_served(model, version, call)
         asked = kpb.ModelReadyRequest(name=model, version=version)
         answer = await self._kserve.ModelReady(asked, call)
         return _json_response({"name": model, "ready": answer.ready}, 200 if answer.ready else 503)

@@ -501,8 +501,11 @@ def _json_strings(what: str, shape: Sequence[int], data: list[Any]) -> bytes:
                     f"{what} has more than {expected} values in 'data'; expected {expected} "
                     f"(shape {list(shape)})"
                 )
-            _check_text(item, f"{what}, element {len(values)} of 'data',")
-            values.append(item.encode())
+            try:
+                values.append(item.encode())  # encoded once: checked as it is
+            except UnicodeEncodeError:
+                _check_text(item, f"{what}, element {len(values)} of 'data',")  # raises
+                raise  # unreachable: an item that does not encode is refused above
         else:
             pending.pop()
     if len(values) != expected:

@@ -100,12 +100,11 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Unread:
-    """`_read_inputs`' answer for a request of more than EVENT_LOOP_TEXT_ELEMENTS strings,
-    its inputs left for `TextThread` to decode: its `rows`, checked against its lane (0,
-    unchecked, for one with an id the ledger holds, or whose rows cannot be counted: it
-    is refused before it is queued)."""
+    """`_read_inputs`' answer (`_UNREAD`, the one instance) for a new request of more than
+    EVENT_LOOP_TEXT_ELEMENTS strings: its inputs are left for `TextThread` to decode."""
 
-    rows: int
+
+_UNREAD: Final = _Unread()
 
 
 # A stream's items, their tags and answers, as one front end reads and writes them
@@ -1064,21 +1063,20 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             if waited and not arrived_serving and not self._ledger.holds(ledger_id):
                 # Let in during the drain for the request it waited for, which left nothing
                 # to join (refused, or its caller gone): it is new work.
-                raise DrainingError("server is draining; retry on another instance")
+                raise _new_work_draining()
             # The ledger runs it at most once per request_id: a retry joins or replays.
             digest, decoded = self._read_inputs(request, ledger_id, lane_config, output_names)
         except LaneserveError as error:  # counted as the scheduler counts its own
             raise self._rejected(lane, error, arrived_s=arrived_s) from None
-        if isinstance(decoded, _Unread) and self._ledger.answers_as(ledger_id, digest) is None:
-            # Decoded only where the ledger would run it (a retry that joins or replays, or one
-            # refused for reusing an id, needs no inputs), before a stream item's wait for
-            # room, as on the loop. A unary call's request is submitted in the step its
-            # decode ends in, with no await between (see `TextThread`); a stream item's, as
-            # soon as it has room.
+        if decoded is _UNREAD:
+            # Before a stream item's wait for room, as on the loop. A unary call's request
+            # is submitted in the step its decode ends in, with no await between (see
+            # `TextThread`); a stream item's, as soon as it has room.
             decoded = await self._decoded_aside(
                 request, lane, ledger_id, wait_until_s, arrived_s, stream
             )
-        # None: a retry that joins or replays, which waits for no room (see `_read_inputs`).
+        # None: a retry that joins or replays (or is refused), which waits for no room.
+        assert not isinstance(decoded, _Unread)
         rows = 0 if decoded is None else decoded.rows
         # Set by `submit`, which runs only when this call (not a retry it joins) queues it;
         # NULL_TRACE again once this call is answered alone (see `expired`).
@@ -1223,10 +1221,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     ) -> tuple[bytes, DecodedInputs | _Unread | None]:
         """The request's fingerprint (b"" without a `ledger_id`, its key in the ledger)
         and its decoded inputs, rows and signature; None for a retry that joins its
-        request in flight or replays its stored answer; `_Unread` for one of more than
-        EVENT_LOOP_TEXT_ELEMENTS strings otherwise, its rows checked where they can be
-        counted (`_infer` has it decoded off the event loop, where the ledger would run
-        it). Raises why the request is refused.
+        request in flight or replays its stored answer, and for a request of long text
+        the ledger refuses (its id reused for other inputs), which needs no inputs;
+        `_UNREAD` for a new request of more than EVENT_LOOP_TEXT_ELEMENTS strings, its
+        rows checked where they can be counted (`_infer` has it decoded off the event
+        loop). Raises why the request is refused.
 
         A retry's fingerprint equals the first attempt's, which was decoded and validated:
         it is not decoded again (a join kept that copy of its inputs as long as it waited;
@@ -1251,10 +1250,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 # after, a 62 MiB request cost the event loop 143-223 ms. Not a retry's: it
                 # queues no rows.
                 lane_config.check_rows(rows)
-        read: DecodedInputs | _Unread
+        read: DecodedInputs | _Unread | None
         if text_elements(request.inputs) > EVENT_LOOP_TEXT_ELEMENTS:
-            # Rows uncounted (a request `decode_inputs` refuses): none to wait for room for.
-            read = _Unread(rows or 0)
+            # Held: refused REQUEST_ID_REUSED (a join or replay returned above), undecoded.
+            read = None if held else _UNREAD
         else:
             read = decode_inputs(request.inputs, self._input_specs)  # refused before hashed
         if not held and ledger_id:
@@ -1281,11 +1280,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         (one still queued never runs), as the scheduler sheds one queued past it; a
         caller that goes meanwhile is counted as `_left_unadmitted` says. A stream item
         holds its stream's reading while it is decoded, as while it waits for room
-        (`StreamRoom`): without that hold, a stream's items held 11-13 decoded copies where
-        on the loop they held 2 (+500 MiB). It is
-        decoded before its wait for room, as on the loop: decoded after, between its turn
-        in the room's line and its admission, another item took its room, and it went to
-        the back of the line."""
+        (`StreamRoom`): without that hold, a stream's items held 11-13 decoded copies
+        where on the loop they held 2 (+500 MiB; a review, once). It is decoded before its
+        wait for room, as on the loop: decoded after, between its turn in the room's line
+        and its admission, another item took its room, and it went to the back of the
+        line."""
         # Bounded by its deadline: one queued behind others is not decoded past it, nor
         # one whose deadline passed already (it waited for another's decode).
         left_s = until_s - self._clock.monotonic()
@@ -1390,7 +1389,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # waits for. Refused, it ran again on another instance.
             raise self._rejected(
                 lane,
-                DrainingError("server is draining; retry on another instance"),
+                _new_work_draining(),
                 arrived_s=arrived_s,
             )
         return lane, lane_config
@@ -2055,6 +2054,10 @@ def _receive_limit_refusal(values: Sequence[str | bytes]) -> InvalidInputError:
         f"call metadata {RECEIVE_LIMIT_KEY} is {[*values]!r}; expected one whole number of "
         f"bytes, at least {MIN_RECEIVE_LIMIT_BYTES}"
     )
+
+
+def _new_work_draining() -> DrainingError:
+    return DrainingError("server is draining; retry on another instance")
 
 
 def _item_draining() -> DrainingError:

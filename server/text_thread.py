@@ -6,11 +6,11 @@ A STRING element is decoded into a Python `str` one by one (~0.3 us each,
 2-byte strings held the event loop, every other call with it, for 3 s. On a thread, the
 work takes turns of the GIL with the loop (its switch interval, 5 ms) instead.
 `scripts/bench_text_loop.py` measures it: 1-row interactive calls beside 512 000-string
-bulk requests, p99 43-63 ms with the thread, 399-519 ms without (three runs). At 48 000
-strings a request, one run of an earlier version showed no difference beyond the noise;
-at 12 000 the hand-offs cost more than they saved: hence EVENT_LOOP_TEXT_ELEMENTS, for
-answers too. Numbers are never decoded away: their bytes are used in place, in
-microseconds.
+bulk requests, p99 43-63 ms with the thread, 399-519 ms without (three runs). The bound,
+EVENT_LOOP_TEXT_ELEMENTS, for answers too, comes from one run by hand of an earlier
+version, not from a kept script: at 48 000 strings a request no difference beyond the
+noise, at 12 000 the hand-offs cost more than they saved. Numbers are never decoded
+away: their bytes are used in place, in microseconds.
 """
 
 from __future__ import annotations
@@ -163,9 +163,10 @@ class TextThread:
         self._reads.enter()
         try:
             # One decode at a time given to the thread: a batch's answers (encodes, their
-            # callers waiting) run next, not behind every decode queued (they took 2.5 s
-            # behind three, and a queued decode held its request in the executor's queue
-            # after its caller had gone). asyncio's lock wakes its waiters in order.
+            # callers waiting) run next, not behind every decode queued (in a review's
+            # reproduction they took 2.5 s behind three, and a queued decode held its
+            # request in the executor's queue after its caller had gone). asyncio's lock
+            # wakes its waiters in order.
             self._waiting_turn += 1
             try:
                 await self._turn.acquire()

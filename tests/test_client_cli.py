@@ -332,6 +332,43 @@ def test_bulk_writes_outputs_equal_to_session_run(
     assert not (tmp_path / "out.npy.partial").exists(), "the checkpoint is removed when done"
 
 
+async def stopped_bulk_job(
+    target: str,
+    engine: MeteredEngine,
+    args: list[str],
+    state: Path,
+    *,
+    items: int,
+    signals: list[signal.Signals],
+) -> tuple[int, str]:
+    """`laneserve-client bulk ARGS` against `target`, checkpointing after each item, sent
+    `signals` once `engine` has run `items` batches of one item each (and holds the next):
+    its exit status and standard error. Killed, and waited for, should it outlive this."""
+    process = await asyncio.create_subprocess_exec(
+        *INTERRUPTIBLE_CLIENT_CLI,
+        "bulk",
+        "--target",
+        target,
+        *args,
+        "--checkpoint-interval-s",
+        "0",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        engine.permits.release(items)
+        await until(lambda: done_items(state) >= items, timeout_s=30.0)
+        for signum in signals:
+            process.send_signal(signum)
+        _, err_bytes = await asyncio.wait_for(process.communicate(), timeout=CLIENT_CLI_TIMEOUT_S)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode is not None
+    return process.returncode, err_bytes.decode()
+
+
 @pytest.mark.parametrize(
     ("signum", "exit_code", "message", "times"),
     [
@@ -368,31 +405,11 @@ def test_interrupted_bulk_job_resumes_where_it_stopped(
         engine = MeteredEngine(str(small_model))
         try:
             async with serving(engine, config(small_model, max_batch_size=10)) as s:
-                process = await asyncio.create_subprocess_exec(
-                    *INTERRUPTIBLE_CLIENT_CLI,
-                    "bulk",
-                    "--target",
-                    s.target,
-                    *args,
-                    "--checkpoint-interval-s",
-                    "0",
-                    stdout=asyncio.subprocess.DEVNULL,
-                    stderr=asyncio.subprocess.PIPE,
+                # 20 batches of one item each, then it stalls
+                returncode, err = await stopped_bulk_job(
+                    s.target, engine, args, state, items=20, signals=[signum] * times
                 )
-                try:
-                    engine.permits.release(20)  # 20 batches of one item each, then it stalls
-                    await until(lambda: done_items(state) >= 20, timeout_s=30.0)
-                    for _ in range(times):
-                        process.send_signal(signum)
-                    _, err_bytes = await asyncio.wait_for(
-                        process.communicate(), timeout=CLIENT_CLI_TIMEOUT_S
-                    )
-                finally:
-                    if process.returncode is None:
-                        process.kill()
-                        await process.wait()
-                err = err_bytes.decode()
-                assert process.returncode == exit_code, err
+                assert returncode == exit_code, err
                 if message is not None:
                     assert err.count(f"laneserve-client: {message}") == 1, err
                     assert "Traceback" not in err, err
@@ -1550,29 +1567,11 @@ def test_a_stopped_bulk_job_of_text_resumes_with_every_row_in_place(tmp_path: Pa
         engine = MeteredEngine(str(model))
         try:
             async with serving(engine, config(model, max_batch_size=10)) as s:
-                process = await asyncio.create_subprocess_exec(
-                    *INTERRUPTIBLE_CLIENT_CLI,
-                    "bulk",
-                    "--target",
-                    s.target,
-                    *args,
-                    "--checkpoint-interval-s",
-                    "0",
-                    stdout=asyncio.subprocess.DEVNULL,
-                    stderr=asyncio.subprocess.PIPE,
+                # 4 batches of one item each, then it stalls
+                returncode, err = await stopped_bulk_job(
+                    s.target, engine, args, state, items=4, signals=[signal.SIGINT]
                 )
-                try:
-                    engine.permits.release(4)  # 4 batches of one item each, then it stalls
-                    await until(lambda: done_items(state) >= 4, timeout_s=30.0)
-                    process.send_signal(signal.SIGINT)
-                    _, err_bytes = await asyncio.wait_for(
-                        process.communicate(), timeout=CLIENT_CLI_TIMEOUT_S
-                    )
-                finally:
-                    if process.returncode is None:
-                        process.kill()
-                        await process.wait()
-                assert process.returncode == 130, err_bytes.decode()
+                assert returncode == 130, err
                 engine.unlimited()
                 code, _, err = await cli("bulk", "--target", s.target, *args, "--resume")
                 assert code == 0, err

@@ -36,6 +36,7 @@ from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
     RecordingEngine,
     estimate_once,
+    queued_rows,
     rich_status,
     save_model,
     serving,
@@ -189,6 +190,26 @@ def test_held_bytes_counts_each_texts_str_object() -> None:
 # ---- served -------------------------------------------------------------------------------
 
 
+async def _batched_behind_a_held_run(
+    text_model: Path, engine: RecordingEngine, requests: list[pb.InferRequest]
+) -> list[pb.InferResponse | BaseException]:
+    """`requests` queued while `engine` runs a first one held, so that they form one
+    batch once it is let go: each call's answer, or its error."""
+    async with serving(engine, ServerConfig(model_path=str(text_model))) as s:
+        engine.hold()
+        first = asyncio.ensure_future(
+            s.stub.Infer(_text_request(["cat"], [["0", "0"]]), timeout=30)
+        )
+        await asyncio.to_thread(engine.entered.acquire)
+        calls = [asyncio.ensure_future(s.stub.Infer(request, timeout=30)) for request in requests]
+        rows = sum(request.inputs[0].shape[0] for request in requests)
+        await until(lambda: queued_rows(s) == rows)
+        engine.release()
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        await first
+        return answers
+
+
 def test_text_requests_batched_together_get_each_their_own_answers(text_model: Path) -> None:
     """Three requests of text held in one batch (the session busy with a fourth): each
     answer is what the model gives its own rows alone, string outputs and numeric ones,
@@ -200,29 +221,15 @@ def test_text_requests_batched_together_get_each_their_own_answers(text_model: P
         (["bird", "a\x00b"], [["7", "8"], ["9", "10"]]),
     ]
 
-    async def scenario() -> tuple[list[pb.InferResponse], list[int]]:
+    async def scenario() -> tuple[list[pb.InferResponse | BaseException], list[int]]:
         engine = RecordingEngine(str(text_model), device="cpu")
-        async with serving(engine, ServerConfig(model_path=str(text_model))) as s:
-            engine.hold()
-            first = asyncio.ensure_future(
-                s.stub.Infer(_text_request(["cat"], [["0", "0"]]), timeout=30)
-            )
-            await asyncio.to_thread(engine.entered.acquire)
-            calls = [
-                asyncio.ensure_future(s.stub.Infer(_text_request(*request), timeout=30))
-                for request in requests
-            ]
-            thread = s.server._thread
-            assert thread is not None
-            await until(lambda: sum(depth.queued_rows for depth in thread.depths()) == 6)
-            engine.release()
-            answers = await asyncio.gather(*calls)
-            await first
-            return answers, list(engine.batches)
+        sent = [_text_request(*request) for request in requests]
+        return await _batched_behind_a_held_run(text_model, engine, sent), list(engine.batches)
 
     answers, batches = asyncio.run(scenario())
     assert batches == [1, 6]
     for (texts, numbers), answer in zip(requests, answers, strict=True):
+        assert isinstance(answer, pb.InferResponse), answer
         expected = reference.run(
             None,
             {"text": np.array(texts, dtype=object), "numbers": np.array(numbers, dtype=object)},
@@ -242,27 +249,12 @@ def test_a_text_row_the_model_fails_on_fails_its_request_only(text_model: Path) 
 
     async def scenario() -> list[pb.InferResponse | BaseException]:
         engine = RecordingEngine(str(text_model), device="cpu")
-        async with serving(engine, ServerConfig(model_path=str(text_model))) as s:
-            engine.hold()
-            first = asyncio.ensure_future(
-                s.stub.Infer(_text_request(["cat"], [["0", "0"]]), timeout=30)
-            )
-            await asyncio.to_thread(engine.entered.acquire)
-            calls = [
-                asyncio.ensure_future(s.stub.Infer(request, timeout=30))
-                for request in (
-                    _text_request(["dog"], [["1", "2"]]),
-                    _text_request(["cat", "bird"], [["3", "4"], ["x", "5"]]),
-                    _text_request(["bird"], [["6", "7"]]),
-                )
-            ]
-            thread = s.server._thread
-            assert thread is not None
-            await until(lambda: sum(depth.queued_rows for depth in thread.depths()) == 4)
-            engine.release()
-            answers = await asyncio.gather(*calls, return_exceptions=True)
-            await first
-            return answers
+        sent = [
+            _text_request(["dog"], [["1", "2"]]),
+            _text_request(["cat", "bird"], [["3", "4"], ["x", "5"]]),
+            _text_request(["bird"], [["6", "7"]]),
+        ]
+        return await _batched_behind_a_held_run(text_model, engine, sent)
 
     good, bad, good_too = asyncio.run(scenario())
     for answer, value in ((good, [[1.0, 2.0]]), (good_too, [[6.0, 7.0]])):

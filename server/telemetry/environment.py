@@ -153,8 +153,9 @@ def tracer_provider_from_env(
 def _settable_sampler(built: Sampler) -> tuple[Sampler, RatioSampler]:
     """The sampler OTEL_TRACES_SAMPLER[_ARG] chose (`built`, the SDK's), rebuilt with a
     `RatioSampler` at its root: the same decisions, and a ratio TraceSetting changes.
-    Read from the variables as the SDK reads them, from the process's environment (its
-    own sampler's ratio is private), once the SDK took them: a sampler name it does not
+    Read from the variables as the SDK reads them, from the process's environment (a
+    parent-based sampler's root, whose ratio this needs, is the SDK's private `_root`),
+    once the SDK took them: a sampler name it does not
     know, or an argument it cannot read as a ratio from 0 to 1, was a warning
     (`_Complaints`), and the start refused. An empty argument is the SDK's 1.0."""
     name = os.environ.get(OTEL_TRACES_SAMPLER, "parentbased_always_on").lower()
