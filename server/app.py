@@ -46,6 +46,7 @@ from laneserve.server.grpc_accept import (
     ParallelAcceptors,
 )
 from laneserve.server.grpc_calls import GrpcCallCounts, GrpcCalls
+from laneserve.server.grpc_methods import add_grpc_service, add_to_server
 from laneserve.server.idempotency import LedgerCounts
 from laneserve.server.kserve import INFER_METHOD as KSERVE_INFER_METHOD
 from laneserve.server.kserve import SERVICE_NAME as KSERVE_SERVICE_NAME
@@ -71,13 +72,7 @@ from laneserve.server.memory import (
 from laneserve.server.process import open_file_limit
 from laneserve.server.scheduler import Scheduler
 from laneserve.server.scheduler_thread import SchedulerThread
-from laneserve.server.service import (
-    InferenceServicer,
-    OutcomeRouter,
-    ServiceTelemetry,
-    add_grpc_service,
-    add_to_server,
-)
+from laneserve.server.service import InferenceServicer, OutcomeRouter, ServiceTelemetry
 from laneserve.server.settings import TraceSettings
 from laneserve.server.shared_memory import SharedMemoryRegions
 from laneserve.server.stats import StatsRecorder

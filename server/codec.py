@@ -326,7 +326,7 @@ def dtype_refusal(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> 
     it is unknown or repeated: `decode_inputs` refuses that first, for a fault this
     request's own refusal covers (the unknown name is not quoted), not for a dtype
     ([a float32, a float16] was told a's dtype, not "'a' is given more than once"). For
-    a request refused unread (`service.read_infer_request`), whose dtype is the fault to
+    a request refused unread (`grpc_methods.read_infer_request`), whose dtype is the fault to
     name before its data's length: float32 data labelled float16."""
     expected = {spec.name: spec for spec in specs}
     seen: set[str] = set()

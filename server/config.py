@@ -332,7 +332,7 @@ class ServerConfig:
     # producer cannot flood the lanes.
     stream_window: int = 256
     # Bytes of tensor data in one stream's answers not yet written, those not yet
-    # finished counted at the stream's largest answer (service.StreamWindow): while they
+    # finished counted at the stream's largest answer (streams.StreamWindow): while they
     # come to it or more the stream reads no more items, so a caller that reads slowly
     # holds about this much, not stream_window answers (256 MiB of 1 MiB ones). A reader
     # that keeps up has this much of answers in flight: at 16 MiB ~40 ms of writing (a

@@ -71,7 +71,7 @@ OPERATOR_METHODS = frozenset({"GetModel", "GetStats"})
 # room for every dashboard, scraper and grpcurl pointed at a port together. Unbounded,
 # they were the only calls nothing bounded, and a handler that awaits (an interceptor's,
 # or one added later) let them pile up. It bounds calls, not memory: gRPC's core holds
-# each body whole before any Python runs, up to max_message_bytes (service.py's
+# each body whole before any Python runs, up to max_message_bytes (grpc_methods'
 # MAX_OPERATOR_REQUEST_BYTES spares the parse and ends the call at once), and the calls
 # not yet taken too (max_pending_calls): bodies in memory are bounded by
 # max_message_bytes times the calls gRPC holds, those and the calls in progress.
@@ -475,7 +475,7 @@ class CallGate:
     def _gate_unary(self, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
         async def gated(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             # This frame lets go of the request before anything is awaited: an abort
-            # below keeps the frames it passes through (see service.abort_with).
+            # below keeps the frames it passes through (see grpc_methods.abort_with).
             if request is OVER_LIMIT or self.full:
                 del request
                 await self.refuse_call(context)

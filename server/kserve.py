@@ -49,7 +49,7 @@ The mapping (README.md, "KServe v2 / Triton clients"):
                                      laneserve_queue_us, laneserve_infer_us
 
 Every refusal is a LaneserveError, and reaches the caller as Infer's refusals do
-(`service.abort_with`: status, ErrorInfo, pushback).
+(`grpc_methods.abort_with`: status, ErrorInfo, pushback).
 """
 
 from __future__ import annotations
@@ -89,19 +89,18 @@ from laneserve.server.errors import (
     pushback_ms,
 )
 from laneserve.server.grpc_accept import CallGate
-from laneserve.server.kserve_config import PLATFORM, extensions, model_config, model_statistics
-from laneserve.server.model_identity import SERVER_VERSION
-from laneserve.server.service import (
+from laneserve.server.grpc_methods import (
     HANDLER_KINDS,
     MAX_OPERATOR_REQUEST_BYTES,
-    InferenceServicer,
-    ItemTag,
     OversizedOperatorRequest,
     abort_with,
     answer_id,
     read_operator_request,
     release_frames,
 )
+from laneserve.server.kserve_config import PLATFORM, extensions, model_config, model_statistics
+from laneserve.server.model_identity import SERVER_VERSION
+from laneserve.server.service import InferenceServicer
 from laneserve.server.settings import TraceSettings, change_log_settings
 from laneserve.server.shared_memory import (
     BYTE_SIZE_PARAMETER,
@@ -114,6 +113,7 @@ from laneserve.server.shared_memory import (
     placement_of,
 )
 from laneserve.server.stats import Cumulative
+from laneserve.server.streams import ItemTag
 from laneserve.v1 import inference_pb2 as pb
 
 SERVICE_NAME: Final = kpb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
@@ -243,7 +243,7 @@ class OversizedModelInfer:
     memory, and lanes count its rows, not its bytes). Its size, its id and whether it
     asked for Triton's final mark are kept: a ModelStreamInfer answers the refusal tagged
     with the id, and marked where asked, as it does any item (InferStream its own:
-    `service.OversizedRequest`)."""
+    `grpc_methods.OversizedRequest`)."""
 
     extra_bytes: int
     # "" where over MAX_REQUEST_ID_BYTES bytes: more than the id an answer echoes.
@@ -908,7 +908,7 @@ class ModelStreamTag(ItemTag):
 
 
 class ModelStreamWire:
-    """ModelStreamInfer's items and answers (`service.StreamFrontEnd`): each item read
+    """ModelStreamInfer's items and answers (`streams.StreamFrontEnd`): each item read
     and converted as ModelInfer's request (`read_model_infer`, `convert`), each answer a
     ModelStreamInferResponse holding the ModelInferResponse ModelInfer would send, or an
     error: error_message (`stream_error_message`) and an infer_response with the item's
@@ -995,7 +995,7 @@ class ModelStreamWire:
 
     def held_bytes(self, answer: kpb.ModelStreamInferResponse) -> int:
         # From the shapes and datatypes the server wrote: reading raw_output_contents
-        # copies the bytes (`service.held_answer_bytes`). An output written to shared
+        # copies the bytes (`streams.held_answer_bytes`). An output written to shared
         # memory is counted too, as if its bytes were here: the window holds such a
         # stream to what it would hold without (its answers carry no mark to tell). A
         # BYTES output's entry is read, as InferStream reads a STRING output's data: its
@@ -1474,7 +1474,7 @@ def _tensor_metadata(spec: TensorSpec) -> kpb.ModelMetadataResponse.TensorMetada
 def add_kserve_to_server(
     servicer: KServeServicer, server: grpc.aio.Server, gate: CallGate
 ) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
-    """Registers inference.GRPCInferenceService on `server`, as `service.add_to_server`
+    """Registers inference.GRPCInferenceService on `server`, as `grpc_methods.add_to_server`
     registers laneserve.v1: ModelInfer counted by the port's `gate` as an inference call
     (refused over max_concurrent_rpcs before its message is parsed), its request read as
     Infer's is (undecodable: INVALID_ARGUMENT; more than MAX_EXTRA_BYTES besides the

@@ -20,8 +20,8 @@ from laneserve.client.tensors import datatype_of
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.server.config import GRPC_INT_MAX, LaneConfig, ServerConfig
 from laneserve.server.engine import TensorSpec
-from laneserve.server.service import stream_default_lane
 from laneserve.server.stats import Cumulative, Duration
+from laneserve.server.streams import stream_default_lane
 from laneserve.v1 import inference_pb2 as pb
 
 # ServerMetadata's `extensions`: Triton's names of the extensions served here (its
@@ -55,7 +55,7 @@ BACKEND: Final = "onnxruntime"
 # lane's name has no comma: config.LANE_NAME_RULE): priority k is the k-th.
 LANES_PARAMETER: Final = "laneserve_lanes"
 # ModelConfig.parameters' key naming the lane of a ModelStreamInfer item that names no
-# lane nor priority (`service.stream_default_lane`: "bulk" where configured): not
+# lane nor priority (`streams.stream_default_lane`: "bulk" where configured): not
 # default_priority_level's, which is ModelInfer's (server.default_lane). Triton has one
 # default per model; laneserve's streams have their own.
 STREAM_LANE_PARAMETER: Final = "laneserve_stream_default_lane"

@@ -47,6 +47,7 @@ from laneserve.server.errors import (
     ModelNotFoundError,
 )
 from laneserve.server.grpc_accept import CALL_LIMIT_DETAILS
+from laneserve.server.grpc_methods import DETAILS_TRAILER, PUSHBACK_TRAILER, status_trailers
 from laneserve.server.kserve import (
     KServeServicer,
 )
@@ -60,11 +61,6 @@ from laneserve.server.kserve_json import (
     read_infer,
     typed,
     write_answer,
-)
-from laneserve.server.service import (
-    DETAILS_TRAILER,
-    PUSHBACK_TRAILER,
-    status_trailers,
 )
 from laneserve.server.settings import TRACE_LEVEL
 from laneserve.server.telemetry import HTTP_CALLER_LEFT, EventLog, HttpServerSpans

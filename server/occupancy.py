@@ -1,6 +1,6 @@
 """`Occupancy`: how many are inside something, and an event set exactly while none is.
 
-A stream's items waiting for room (`service.StreamRoom`: the stream reads no more while
+A stream's items waiting for room (`streams.StreamRoom`: the stream reads no more while
 any waits) and the text thread's reads in progress (`text_thread.TextThread`: the drain
 waits until none is) are each one. Event-loop objects: entered and left on the loop.
 """

@@ -3,6 +3,13 @@
 Status codes come from the error types (`errors.py`); this module only carries them.
 State on the event loop: the futures of waiting RPCs. Answers arrive from the scheduler
 thread through `OutcomeRouter.deliver`, one loop callback per batch.
+
+Here: one request's path (`_infer`: read, lane, ledger, admission, the wait for room,
+the answer) and the stream mechanism that runs it per item (`serve_stream`). Beside it:
+grpc_methods (each request read from its bytes within bounds, the methods registered,
+refusals ended with rich status), streams (the parts of a stream: credit window, answer
+order, room, receive limit, a front end's items and answers), stats_messages
+(GetModel's and GetStats' fields), text_thread (long text off the event loop).
 """
 
 from __future__ import annotations
@@ -12,32 +19,23 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import inspect
 import logging
-import traceback
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from typing import Any, Final, Generic, Protocol, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Final, TypeVar
 
 import grpc
-from google.protobuf import descriptor_pool, message_factory
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 
-from laneserve.client.tensors import datatype_of
 from laneserve.server.clock import Clock
 from laneserve.server.codec import (
-    MAX_EXTRA_BYTES,
     DecodedInputs,
     check_counts,
     check_output_names,
-    data_bytes,
     decode_inputs,
-    dtype_refusal,
     encode_response,
-    extra_bytes,
     leading_rows,
     text_elements,
-    varint_bytes,
 )
 from laneserve.server.config import LaneConfig, ServerConfig
 from laneserve.server.engine import Engine, TensorSpec
@@ -54,9 +52,6 @@ from laneserve.server.errors import (
     LaneserveError,
     MemoryPressureError,
     RequestIdReusedError,
-    bounded_message,
-    pushback_ms,
-    to_rpc_status,
 )
 from laneserve.server.events import (
     NULL_TRACE,
@@ -66,8 +61,21 @@ from laneserve.server.events import (
     RequestTracer,
     SchedulerEvents,
 )
-from laneserve.server.grpc_accept import OPERATOR_METHODS, CallGate, abort_unless_gone
 from laneserve.server.grpc_calls import GrpcCalls
+from laneserve.server.grpc_methods import (
+    UNDECODABLE_GET_MODEL,
+    UNDECODABLE_GET_STATS,
+    UNDECODABLE_REQUEST,
+    OversizedOperatorRequest,
+    OversizedRequest,
+    abort_with,
+    id_too_long,
+    operator_request_too_large,
+    oversized,
+    release_frames,
+    request_id_too_long,
+    undecodable,
+)
 from laneserve.server.idempotency import (
     Admitted,
     Caller,
@@ -81,12 +89,34 @@ from laneserve.server.idempotency import (
 from laneserve.server.items import InferenceRequest, Outcome
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.log_events import event_extra
-from laneserve.server.memory import MemoryFacts, WatermarkState, format_bytes
-from laneserve.server.model_identity import SERVER_VERSION, ModelIdentity
-from laneserve.server.occupancy import Occupancy
+from laneserve.server.memory import MemoryFacts, format_bytes
+from laneserve.server.model_identity import SERVER_VERSION
 from laneserve.server.scheduler import MEMORY_PRESSURE_RETRY_S, caller_end_status
 from laneserve.server.scheduler_thread import SchedulerThread
-from laneserve.server.stats import Distribution, Percentiles, StatsRecorder
+from laneserve.server.stats import StatsRecorder
+from laneserve.server.stats_messages import (
+    grpc_calls_message,
+    identity_fields,
+    latency_summary,
+    memory_fields,
+    size_summary,
+    tensor_spec,
+    watermark_fields,
+)
+from laneserve.server.streams import (
+    INFER_STREAM_WIRE,
+    RECEIVE_LIMIT_KEY,
+    AnswerOrder,
+    ItemTag,
+    ReceiveLimit,
+    RoomWaiter,
+    StreamFrontEnd,
+    StreamRoom,
+    StreamWindow,
+    parse_receive_limit,
+    stream_default_lane,
+    stream_item_bytes,
+)
 from laneserve.server.text_thread import (
     EVENT_LOOP_TEXT_ELEMENTS,
     TextThread,
@@ -107,316 +137,16 @@ class _Unread:
 _UNREAD: Final = _Unread()
 
 
-# A stream's items, their tags and answers, as one front end reads and writes them
-# (`StreamFrontEnd`).
+# A stream's items, their tags and answers (`streams.StreamFrontEnd`).
 _Item = TypeVar("_Item")
 _Answer = TypeVar("_Answer", bound=Message)
-_Item_contra = TypeVar("_Item_contra", contravariant=True)
-_Tag = TypeVar("_Tag", bound="ItemTag")
-_Queued = TypeVar("_Queued")
-
-STREAM_DEFAULT_LANE = "bulk"
+_Tag = TypeVar("_Tag", bound=ItemTag)
 
 
-def stream_default_lane(config: ServerConfig) -> str:
-    """The lane of a stream item that names no lane (nor a KServe priority):
-    STREAM_DEFAULT_LANE where the config has it, else server.default_lane. Stated to
-    Triton clients by ModelConfig (`kserve_config.STREAM_LANE_PARAMETER`)."""
-    names = [lane.name for lane in config.lanes]
-    return STREAM_DEFAULT_LANE if STREAM_DEFAULT_LANE in names else config.default_lane
-
-
-# The longest request_id accepted, in bytes of UTF-8 (documented in inference.proto). An
-# id travels in every answer (twice in a stream's: the item's and its response's), is
-# quoted in error messages, keys the ledger and the replay cache, and labels spans and
-# logs: unbounded, one near max_message_bytes made its item's answer larger than gRPC
-# sends, and the whole stream failed with it. 256 holds the ids clients generate (a UUID
-# is 36 characters; the Python client's are a 32-character job id, a dash and an index)
-# and is about Stripe's bound on its idempotency keys (255 characters); at the smallest
-# max_message_bytes (1024) it leaves room for the rest of an answer that carries it
-# twice, or beside an error.
-MAX_REQUEST_ID_BYTES = 256
 # How often the oldest stream item waiting for room in its full lane looks again: the
 # lane's predicted drain time, within these bounds (the others sleep: `RoomWaiter`).
 ROOM_POLL_MIN_S = 0.001
 ROOM_POLL_MAX_S = 0.05
-# Stream call metadata (InferStream, ModelStreamInfer): the largest message the caller
-# reads, where it is smaller than the server's max_message_bytes. gRPC ends the whole call
-# on an answer the client will not read, every other item unanswered; sent this, the
-# server answers such an item ANSWER_TOO_LARGE alone. Only the server knows an answer's
-# size (an output's size may depend on its inputs), so the check lives here, not in the
-# client.
-RECEIVE_LIMIT_KEY = "laneserve-max-receive-bytes"
-# The smallest limit taken: an error answer quoting a request_id fits in it.
-MIN_RECEIVE_LIMIT_BYTES = 1024
-# The largest request an operator method (OPERATOR_METHODS) reads, in bytes on the wire,
-# and gRPC's own services beside laneserve's (health, Channelz, reflection:
-# `add_grpc_service`); one larger is refused unparsed (`read_operator_request`). Their
-# requests are empty messages (GetModelRequest, GetStatsRequest) or a name or an id: a
-# field added later, a filter or a flag, is tens of bytes, and 64 KiB leaves room for that
-# a thousand times over. What it spares is Python's share of a large body: no parsed copy
-# (its unknown fields copied beside its bytes), no echo (reflection's answer repeats its
-# request), and the call ended at once. Not the body: gRPC's core holds it whole before
-# any Python runs (16 concurrent GetStats of 48 MiB raised the server's RSS by 1.2-1.5 GiB
-# parsed, by 0.8-0.9 GiB refused unparsed). The bound on bodies in memory is
-# max_message_bytes times the calls gRPC holds (max_pending_calls not yet taken, and the
-# calls in progress): a port exposed to untrusted callers lowers max_message_bytes.
-MAX_OPERATOR_REQUEST_BYTES = 64 * 1024
-
-
-class StreamRoom(Occupancy):
-    """The items of one stream (InferStream, ModelStreamInfer) waiting for room in a full
-    lane, or having their long text decoded (`_decoded_aside`). While any is inside, the
-    stream reads no more (`empty` unset): its producer is held back by gRPC's flow
-    control, as by the credit window, and the server holds at most the items it had
-    read."""
-
-
-class StreamWindow:
-    """One stream's credit window, on the event loop: the stream reads an item only
-    while `open`; while it is not, the producer is held back by gRPC's flow control.
-
-    Open while fewer than `items` of the stream's items are read and unanswered (their
-    answers not yet written), and while its answers finished and not yet written (held
-    for their order, `AnswerOrder`; queued; and the one gRPC is taking:
-    `StreamFrontEnd.held_bytes`), with those of the items read and
-    not yet finished counted at the largest answer the stream has had, come to under
-    `answer_bytes`. Lanes bound the rows waiting to run, not the answers waiting to be
-    written: counted in items alone, four streams whose caller stopped reading held 1 040
-    answers of 1 MiB. Counted only once finished, answers of batches that took 100 ms
-    were none while the reader read the whole window (256 of 1 MiB again). A fast
-    reader's answers are written as they come, so it waits on the bytes only for what
-    runs at once: `answer_bytes` of answers in flight. With nothing unanswered it is open
-    whatever the bytes: an answer larger than `answer_bytes` is written alone, then the
-    next is read.
-
-    The bound: an item is read only while the forecast is under `answer_bytes`; it errs
-    only where an answer is larger than any before it (at most max_message_bytes: a
-    larger answer is an error, `_check_sendable`), or before the first answer, when the
-    items read until then (at most `items`) are counted at nothing."""
-
-    def __init__(self, items: int, answer_bytes: int) -> None:
-        self._items = items
-        self._answer_bytes = answer_bytes
-        self.unanswered = 0  # items read whose answer is not yet written
-        self.unfinished = 0  # of them, those whose answer is not yet finished
-        self.held_bytes = 0  # of the answers finished and not yet written
-        self.largest_answer_bytes = 0  # of the stream's answers so far
-        self.open = asyncio.Event()
-        self.open.set()
-
-    def read(self) -> None:
-        self.unanswered += 1
-        self.unfinished += 1
-        self._update()
-
-    def finished(self, held_bytes: int) -> int:
-        """An answer is queued to be written, holding `held_bytes` of tensor data (its
-        front end's count, `StreamFrontEnd.held_bytes`); returns them, for `written`."""
-        self.unfinished -= 1
-        self.held_bytes += held_bytes
-        self.largest_answer_bytes = max(self.largest_answer_bytes, held_bytes)
-        self._update()
-        return held_bytes
-
-    def written(self, size: int) -> None:
-        """gRPC has taken an answer of `size` bytes (`finished`'s): its credit and its
-        bytes come back."""
-        self.unanswered -= 1
-        self.held_bytes -= size
-        self._update()
-
-    def _update(self) -> None:
-        # Every held byte is an answer unanswered: with none, nothing is held.
-        assert self.unanswered > 0 or self.held_bytes == 0
-        forecast = self.held_bytes + self.unfinished * self.largest_answer_bytes
-        has_room = self.unanswered < self._items and (
-            self.unanswered == 0 or forecast < self._answer_bytes
-        )
-        if has_room:
-            self.open.set()
-        else:
-            self.open.clear()
-
-
-class AnswerOrder(Generic[_Queued]):
-    """Puts one stream's finished answers on its queue (`put`), on the event loop: an
-    answer tagged with its item's id at once; one that carries no id
-    (`StreamFrontEnd.item_id` empty: its item had none, one over MAX_REQUEST_ID_BYTES, or
-    bytes that do not parse) once the answers of every such item read before its own
-    are put, so that those go out in the order their items were read, whatever their
-    lanes. Their caller has no id to match them by and matches them by order, as
-    Triton's clients do: Triton writes the answers of a model that is not decoupled
-    (ModelConfig says laneserve's is not) in the order their requests came, and
-    tritonclient's async_stream_infer sends no id by default. Answers with ids never
-    wait behind them.
-
-    An answer finished before an earlier one without an id is held here. Held, it is
-    finished and not yet written: the credit window counts it (`StreamWindow.finished`),
-    so an item that runs long holds the stream's reading, and the answers behind it, to
-    `stream_answer_buffer_bytes`, as a caller that stops reading does. Every item read is
-    answered (`serve_stream`), so every turn comes."""
-
-    def __init__(self, put: Callable[[_Queued], None]) -> None:
-        self._put = put
-        self._read = 0  # items read whose answers carry no id: the next one's turn
-        self._put_count = 0  # of them, those whose answer is put: the turn it waits for
-        # Invariant: every key is over `_put_count` (that turn's answer is put at once).
-        self._held: dict[int, _Queued] = {}
-
-    def read(self, item_id: str) -> int | None:
-        """An item whose answer carries `item_id` is read: its turn, for `finished` (None:
-        its answer carries an id, and is put as it finishes)."""
-        if item_id:
-            return None
-        self._read += 1
-        return self._read - 1
-
-    def finished(self, turn: int | None, answer: _Queued) -> None:
-        """The answer of the item read as `turn` (`read`'s) is finished: it is put now, or
-        once every earlier turn's is; after it, the held answers that waited on it alone."""
-        if turn is None:
-            self._put(answer)
-            return
-        assert self._put_count <= turn < self._read
-        assert turn not in self._held
-        self._held[turn] = answer
-        while self._put_count in self._held:
-            self._put(self._held.pop(self._put_count))
-            self._put_count += 1
-
-
-def held_answer_bytes(answer: pb.InferStreamResponse) -> int:
-    """The bytes of an InferStream `answer`'s tensor data (an error's: none), from the
-    shapes and dtypes the server encoded them with: reading `data`, or sizing the message,
-    copies it (1 ms per MiB). A STRING output's `data` is read: its text sizes it."""
-    # The server's own tensors: their dtype and shape always size them (never None).
-    return sum(data_bytes(tensor) or 0 for tensor in answer.response.outputs)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ReceiveLimit:
-    """A stream caller's RECEIVE_LIMIT_KEY, where below the server's max_message_bytes.
-    Every answer is sized as an InferStream item (`_stream_item_bytes`), by the ledger's
-    comparisons of its callers' limits too (`Caller.read_limit`): a front end whose stream
-    sends an answer in a larger message says how much larger it may be."""
-
-    limit_bytes: int  # as the caller sent it
-    # The most the caller's stream answer takes over the same answer as an InferStream
-    # item (`StreamFrontEnd.envelope_bytes`; InferStream's own: 0).
-    envelope_bytes: int
-
-    @property
-    def item_bytes(self) -> int:
-        """The largest answer, sized as an InferStream item, that reaches the caller."""
-        return self.limit_bytes - self.envelope_bytes
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ItemTag:
-    """What a stream reads of an item before `convert` (which may let go of it), for its
-    run and its answer (`StreamFrontEnd.tag`); a front end's own tag adds what its answers
-    need (`kserve.ModelStreamTag`)."""
-
-    # The id its answer is tagged with: empty where over MAX_REQUEST_ID_BYTES (`answer_id`;
-    # refused for that).
-    item_id: str
-    # Whether the item's id is its request_id in the ledger's sense (`run_request`):
-    # InferStream's always is; KServe's `id` only where the item asks.
-    idempotent: bool
-
-
-class StreamFrontEnd(Protocol[_Item_contra, _Tag, _Answer]):
-    """How one front end's stream reads its items and writes its answers: InferStream's
-    (`_InferStreamWire`) and KServe's ModelStreamInfer's (`kserve.ModelStreamWire`).
-    The rest is one mechanism for both (`InferenceServicer.serve_stream`): the credit
-    window, room in a full lane, answers out of order (in order where they carry no id),
-    one answer per item, cancel, drain, the receive limit and the streams' default lane."""
-
-    def item_id(self, item: _Item_contra) -> str:
-        """The id the item's answer carries (its tag's `item_id`), read as the item is
-        read, for the order of the answers that carry none (`AnswerOrder`); its tag is
-        read later, with `convert`. Never raises (it reads a field)."""
-        ...
-
-    def tag(self, item: _Item_contra) -> _Tag:
-        """The item's tag, read before `convert` (which may let go of the item). Never
-        raises (it reads fields only): an item's one answer, its error's too, needs it."""
-        ...
-
-    def convert(self, item: _Item_contra) -> pb.InferRequest | LaneserveError:
-        """The item as laneserve's request, or its refusal, counted as Infer counts a
-        request refused before it has a lane (one that does not parse). Raises a
-        LaneserveError its item is answered with and counted nowhere (KServe's: a call for
-        another model)."""
-        ...
-
-    def answer(self, tag: _Tag, response: pb.InferResponse) -> _Answer:
-        """The answer of the item `tag`: `response`, already held to the server's limits
-        in this front end's envelope (`widen_answer_envelope`) and to the caller's. Raises
-        a LaneserveError the item is answered with instead (`error`): KServe's, an output
-        its shared memory region no longer holds."""
-        ...
-
-    def error(self, tag: _Tag, error: LaneserveError, limit_bytes: int) -> _Answer:
-        """The answer of the item `tag`: `error`, tagged with its id, within `limit_bytes`
-        (the caller's receive limit, else max_message_bytes): gRPC sends no larger message
-        (nor its client reads one), and ends the whole stream instead."""
-        ...
-
-    def held_bytes(self, answer: _Answer) -> int:
-        """The bytes of tensor data `answer` (one of `answer`'s or `error`'s) holds, for
-        the credit window (`StreamWindow`), without reading them."""
-        ...
-
-    def envelope_bytes(self, limit_bytes: int) -> int:
-        """The most an answer within `limit_bytes` takes in this stream over the same
-        answer as an InferStream item (`ReceiveLimit`)."""
-        ...
-
-
-class _InferStreamWire:
-    """InferStream's items and answers (`StreamFrontEnd`): laneserve.v1's InferRequest
-    read as Infer reads it (`read_infer_request`), each answer an InferStreamResponse."""
-
-    def item_id(self, item: pb.InferRequest | OversizedRequest) -> str:
-        return answer_id(item.request_id)
-
-    def tag(self, item: pb.InferRequest | OversizedRequest) -> ItemTag:
-        return ItemTag(self.item_id(item), idempotent=True)
-
-    def convert(self, item: pb.InferRequest | OversizedRequest) -> pb.InferRequest | LaneserveError:
-        # Refused unread: only its id was kept, for its answer.
-        return oversized(item) if isinstance(item, OversizedRequest) else item
-
-    def answer(self, tag: ItemTag, response: pb.InferResponse) -> pb.InferStreamResponse:
-        message = pb.InferStreamResponse(request_id=response.request_id)
-        # CopyFrom, not the constructor: 3x cheaper for large outputs under upb.
-        message.response.CopyFrom(response)
-        return message
-
-    def error(
-        self, tag: ItemTag, error: LaneserveError, limit_bytes: int
-    ) -> pb.InferStreamResponse:
-        # A message that quotes long fields (a lane's name) is cut to fit.
-        status = to_rpc_status(error)
-        answer = pb.InferStreamResponse(request_id=tag.item_id, error=status)
-        excess = answer.ByteSize() - limit_bytes
-        if excess > 0:  # only at a small limit: messages are ~1 KiB at most
-            message = status.message
-            answer.error.message = bounded_message(message, len(message.encode()) - excess)
-            # The id and the details take at most ~400 of the 1024 bytes it is at least.
-            assert answer.ByteSize() <= limit_bytes
-        return answer
-
-    def held_bytes(self, answer: pb.InferStreamResponse) -> int:
-        return held_answer_bytes(answer)
-
-    def envelope_bytes(self, limit_bytes: int) -> int:
-        return 0  # its answers are InferStream items
-
-
-_INFER_STREAM_WIRE = _InferStreamWire()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -425,28 +155,6 @@ class _OnStream:
 
     room: StreamRoom  # the stream's items waiting for room in a full lane
     receive_limit: ReceiveLimit | None  # None: the caller reads what the server sends
-
-
-class RoomWaiter:
-    """A stream item in its lane's line for room (see `_wait_for_room`), on the event
-    loop. It sleeps until woken: by its turn, the drain, or a call with its key in the
-    ledger beginning (it joins). Each waiter woke every ROOM_POLL_MAX_S for its whole
-    wait to look at the last two: 2 500 waiting kept an idle server at 63 % of a core."""
-
-    def __init__(self) -> None:
-        self.oldest = False  # its turn: it alone looks for room, and is first in its line
-        self._woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def wake(self) -> None:
-        if not self._woken.done():
-            self._woken.set_result(None)
-
-    async def sleep(self, timeout_s: float) -> None:
-        """Until woken, or `timeout_s`; at once when woken since the last sleep."""
-        if not self._woken.done():
-            await asyncio.wait([self._woken], timeout=timeout_s)
-        if self._woken.done():
-            self._woken = asyncio.get_running_loop().create_future()
 
 
 class OutcomeRouter:
@@ -664,7 +372,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         """Answers each request as it completes, out of order, tagged with its request_id
         (those without one in their order: `AnswerOrder`): the one stream mechanism
         (`serve_stream`), read and written as laneserve.v1's."""
-        return self.serve_stream(request_iterator, context, _INFER_STREAM_WIRE)
+        return self.serve_stream(request_iterator, context, INFER_STREAM_WIRE)
 
     async def serve_stream(
         self,
@@ -764,7 +472,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         """The stream caller's receive limit where it is below the server's (None: none);
         the call is refused when it sent one that is not a limit."""
         try:
-            return _parse_receive_limit(context.invocation_metadata(), self._config)
+            return parse_receive_limit(context.invocation_metadata(), self._config)
         except InvalidInputError as error:
             await abort_with(context, error)
             raise AssertionError("unreachable: abort raises") from error
@@ -881,7 +589,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         it or replaying it included. Returns its size as an InferStream item (sizing a
         message costs as much as encoding it: sized once)."""
         response_bytes = response.ByteSize()
-        size = _stream_item_bytes(response, response_bytes)
+        size = stream_item_bytes(response, response_bytes)
         largest = max(size, response_bytes + self._answer_extra_bytes)
         limit = self._config.max_message_bytes
         if largest > limit:
@@ -912,7 +620,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if limit is None:
             return
         counted = counted_size is not None
-        size = _stream_item_bytes(response) if counted_size is None else counted_size
+        size = stream_item_bytes(response) if counted_size is None else counted_size
         if size <= limit.item_bytes:
             return
         # Sized as an InferStream item; in a larger envelope, at most that much larger.
@@ -935,8 +643,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             await abort_with(context, undecodable(request))
         return pb.GetModelResponse(
             model_path=self._config.model_path,
-            inputs=[_tensor_spec(spec) for spec in self._engine.inputs],
-            outputs=[_tensor_spec(spec) for spec in self._engine.outputs],
+            inputs=[tensor_spec(spec) for spec in self._engine.inputs],
+            outputs=[tensor_spec(spec) for spec in self._engine.outputs],
             batch_cap=self._scheduler.batch_cap,
             max_batch_size=self._config.max_batch_size,
             lanes=[
@@ -955,8 +663,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             stream_window=self._config.stream_window,
             max_message_bytes=self._config.max_message_bytes,
             server_version=SERVER_VERSION,
-            **_identity_fields(self._engine.identity),
-            **_memory_fields(self._memory),
+            **identity_fields(self._engine.identity),
+            **memory_fields(self._memory),
             # The rows the per-row bytes were measured on: a row's bytes depend on its
             # dynamic sizes, which the probe ran at 1 unless probe_shapes gave them.
             probe_shapes={
@@ -988,24 +696,24 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     failed=lane.failed,
                     rejected=lane.rejected,
                     shed=lane.shed,
-                    queue_wait=_summary(lane.queue_wait),
-                    request_duration=_summary(lane.request_duration),
+                    queue_wait=latency_summary(lane.queue_wait),
+                    request_duration=latency_summary(lane.request_duration),
                     answered=lane.answered,
                 )
                 for lane in snapshot.lanes
             ],
             batches=snapshot.batches,
             mean_batch_size=snapshot.mean_batch_size,
-            run_time=_summary(snapshot.run_time),
+            run_time=latency_summary(snapshot.run_time),
             batch_cap=self._scheduler.batch_cap,
             rows_run=snapshot.rows_run,
             uptime_s=self._clock.monotonic() - self._started_s,
             state=self._state().value,
             instance_id=self._instance_id,
-            batch_size=_size_summary(snapshot.batch_size),
+            batch_size=size_summary(snapshot.batch_size),
             batch_reasons=snapshot.batch_reasons,
             device_utilization=self._telemetry.device_utilization(),
-            grpc_calls=_grpc_calls(self._telemetry.grpc_calls()),
+            grpc_calls=grpc_calls_message(self._telemetry.grpc_calls()),
             failed_batches=snapshot.failed_batches,
             **dataclasses.asdict(self._ledger.counts()),
             out_of_memory_events=snapshot.out_of_memory,
@@ -1013,7 +721,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             cap_changes=snapshot.cap_changes,
             max_batch_cap=self._scheduler.max_batch_cap,
             memory_limit_bytes=self._engine.memory_limit_bytes or 0,
-            **_watermark_fields(self._scheduler.watermark_state()),
+            **watermark_fields(self._scheduler.watermark_state()),
         )
 
     async def _infer(  # noqa: PLR0915 - one call's path; the ledger's callbacks close over it
@@ -1364,10 +1072,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             raise self._rejected_without_lane(undecodable(request), arrived_s=arrived_s)
         lane = request.lane or default_lane
         lane_config = self._lane_configs.get(lane)
-        if _id_too_long(request.request_id):  # before any other refusal quotes or echoes it
+        if id_too_long(request.request_id):  # before any other refusal quotes or echoes it
             raise self._rejected(
                 lane if lane_config is not None else self._config.default_lane,
-                _request_id_too_long(request.request_id),
+                request_id_too_long(request.request_id),
                 arrived_s=arrived_s,
             )
         if lane_config is None:  # here, not only at admission: a retry that joins or
@@ -1618,319 +1326,6 @@ def _text_expired(request: pb.InferRequest, until_s: float, arrived_s: float) ->
     )
 
 
-# What the servicer receives for bytes that do not parse as its method's request (another
-# schema, invalid UTF-8 in a string field): refused INVALID_ARGUMENT (`undecodable`),
-# where gRPC's own deserializer failure answered UNKNOWN "Unexpected DecodeError" (and
-# ended a whole InferStream). Compared by identity; never changed.
-UNDECODABLE_REQUEST = pb.InferRequest()
-UNDECODABLE_GET_MODEL = pb.GetModelRequest()
-UNDECODABLE_GET_STATS = pb.GetStatsRequest()
-_M = TypeVar("_M", bound=Message)
-_E = TypeVar("_E", bound=BaseException)
-_UNDECODABLE: dict[type[Message], Message] = {
-    type(message): message
-    for message in (UNDECODABLE_REQUEST, UNDECODABLE_GET_MODEL, UNDECODABLE_GET_STATS)
-}
-
-
-def read_request(request_type: type[_M], data: bytes) -> _M:
-    try:
-        return request_type.FromString(data)
-    except DecodeError:
-        undecodable = _UNDECODABLE[request_type]
-        assert isinstance(undecodable, request_type)
-        return undecodable
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class OversizedRequest:
-    """What the servicer receives for an InferRequest carrying more than MAX_EXTRA_BYTES
-    besides its tensors' data and one copy of each field (`read_infer_request`): refused
-    INVALID_ARGUMENT (`oversized`), as an undecodable one is. Its id alone is kept, not
-    its message: a stream answers the refusal tagged with it, as it answers its items'
-    other refusals (an empty id left its client unable to tell which item it was)."""
-
-    # As a stream answer echoes it (`answer_id`): empty where over MAX_REQUEST_ID_BYTES.
-    request_id: str
-    # The refusal of an input's dtype other than the model's input's (`dtype_refusal`),
-    # its words made of the model's names and dtypes: float32 data labelled float16, over
-    # 64 rows of 512, is more than 64 KiB longer than its shape, and was told that, not
-    # its dtype. None where each input's dtype is its model input's, or unknown.
-    dtype_refusal: str | None = None
-
-
-def read_infer_request(
-    data: bytes,
-    max_inputs: int,
-    max_outputs: int,
-    *,
-    input_specs: Sequence[TensorSpec] = (),
-) -> pb.InferRequest | OversizedRequest:
-    """`data` read as an InferRequest (`read_request`), or an OversizedRequest. Measured
-    here, where its size on the wire is known: a message's own ByteSize() encodes it again
-    (1 ms per MiB of data). A request with more inputs than `max_inputs` or more output
-    names than `max_outputs` is passed on unmeasured: validation refuses it on those
-    counts. An OversizedRequest's inputs are checked against `input_specs` (the model's)
-    for a dtype other than theirs, the fault to name first."""
-    request = read_request(pb.InferRequest, data)
-    if request is UNDECODABLE_REQUEST:
-        return request  # empty: measured, every byte read would count as extra
-    if len(request.inputs) > max_inputs or len(request.output_names) > max_outputs:
-        return request
-    if len(data) <= MAX_EXTRA_BYTES:
-        # Its extra bytes are some of its bytes: never more than MAX_EXTRA_BYTES. Not
-        # walked (4.8 us a one-row request, where it parsed in 0.4).
-        return request
-    extra = extra_bytes(request, len(data))
-    if extra is not None and extra > MAX_EXTRA_BYTES:
-        # The id is a copy: nothing of the message, or of its bytes, stays reachable.
-        return OversizedRequest(
-            answer_id(request.request_id), dtype_refusal(request.inputs, input_specs)
-        )
-    return request
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class OversizedOperatorRequest:
-    """What an operator method's servicer receives for a request over
-    MAX_OPERATOR_REQUEST_BYTES (`read_operator_request`): refused INVALID_ARGUMENT
-    (`operator_request_too_large`), as an undecodable one is. Its size alone is kept,
-    not its bytes."""
-
-    method: str  # "GetStats"; of gRPC's own services, "/grpc.health.v1.Health/Check"
-    size_bytes: int  # on the wire
-
-
-def read_operator_request(
-    read: Callable[[bytes], Message], method: str, data: bytes
-) -> Message | OversizedOperatorRequest:
-    """`data` read by `read` (the method's `read_request`), or an OversizedOperatorRequest
-    where it is over MAX_OPERATOR_REQUEST_BYTES: measured before the parse, which would
-    copy every unknown field of it into the message."""
-    if len(data) > MAX_OPERATOR_REQUEST_BYTES:
-        return OversizedOperatorRequest(method, len(data))
-    return read(data)
-
-
-def operator_request_too_large(request: OversizedOperatorRequest) -> InvalidInputError:
-    """The refusal of an OversizedOperatorRequest."""
-    return _too_large(
-        request,
-        f"{' and '.join(sorted(OPERATOR_METHODS))} requests; expected a "
-        f"laneserve.v1.{request.method}Request message encoded from "
-        "protos/laneserve/v1/inference.proto",
-    )
-
-
-def _too_large(request: OversizedOperatorRequest, bound_and_expected: str) -> InvalidInputError:
-    """The refusal of an OversizedOperatorRequest: its size over MAX_OPERATOR_REQUEST_BYTES
-    for `bound_and_expected` (what the bound is for, and what was expected)."""
-    return InvalidInputError(
-        f"the {request.method} request is {request.size_bytes} bytes, over the limit of "
-        f"{MAX_OPERATOR_REQUEST_BYTES} bytes for {bound_and_expected}"
-    )
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class UndecodableGrpcRequest:
-    """What a handler of one of gRPC's own services (`add_grpc_service`) receives for a
-    request that does not parse: refused INVALID_ARGUMENT (`grpc_request_undecodable`).
-    Left to the generated deserializer, the DecodeError ended the call UNKNOWN and logged
-    a traceback at ERROR for each such call."""
-
-    method: str  # "/grpc.health.v1.Health/Check"
-    message: str  # the request's full type name
-
-
-def read_grpc_request(request_type: type[Message], method: str, data: bytes) -> Any:
-    """`data` as `request_type`, or its refusal's stand-in: an OversizedOperatorRequest
-    (over MAX_OPERATOR_REQUEST_BYTES, measured before the parse) or an
-    UndecodableGrpcRequest."""
-    try:
-        return read_operator_request(request_type.FromString, method, data)
-    except DecodeError:
-        return UndecodableGrpcRequest(method, request_type.DESCRIPTOR.full_name)
-
-
-def grpc_request_undecodable(request: UndecodableGrpcRequest) -> InvalidInputError:
-    """The refusal of an UndecodableGrpcRequest."""
-    return InvalidInputError(
-        f"the {request.method} request does not parse as a {request.message} message; "
-        "expected that message, encoded"
-    )
-
-
-def grpc_request_too_large(request: OversizedOperatorRequest) -> InvalidInputError:
-    """The refusal of an OversizedOperatorRequest to one of gRPC's own services
-    (`add_grpc_service`)."""
-    return _too_large(
-        request,
-        "the requests of gRPC's health, Channelz and reflection services; expected that "
-        "method's request message (names and ids, tens of bytes)",
-    )
-
-
-def oversized(request: OversizedRequest) -> InvalidInputError:
-    """The refusal of an OversizedRequest: its dtype's where one is wrong (the data of
-    another dtype is why it is longer than its shape), its extra bytes' otherwise."""
-    if request.dtype_refusal is not None:
-        return InvalidInputError(request.dtype_refusal)
-    return InvalidInputError(
-        f"the request carries more than {MAX_EXTRA_BYTES} bytes besides its tensors' data "
-        "(as their shapes and dtypes size it) and one copy of each of its fields: fields "
-        "this server does not know, fields sent more than once, or data longer than its "
-        f"shape; expected at most {MAX_EXTRA_BYTES} bytes besides the data, with the "
-        "fields of protos/laneserve/v1/inference.proto"
-    )
-
-
-def undecodable(request: Message) -> InvalidInputError:
-    """The refusal of an `UNDECODABLE_*` request."""
-    return InvalidInputError(
-        f"the request does not parse as a {request.DESCRIPTOR.full_name} message; expected "
-        "one encoded from protos/laneserve/v1/inference.proto (strings in UTF-8)"
-    )
-
-
-# gRPC's handler factory for each (client streams, server streams) of a method.
-HANDLER_KINDS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
-
-
-def add_to_server(
-    servicer: InferenceServicer, server: grpc.aio.Server, gate: CallGate
-) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
-    """What the generated `add_InferenceServiceServicer_to_server` does, with
-    `read_request` as the deserializer of the requests that have an `UNDECODABLE_*`: every
-    method of the service as the proto declares it (a method added there is served once
-    the servicer has it), each inference call counted by the port's `gate`, and each
-    operator call (OPERATOR_METHODS) counted apart, its request read only up to
-    MAX_OPERATOR_REQUEST_BYTES. Returns the handlers by full method name
-    ("/laneserve.v1.InferenceService/Infer")."""
-    service = pb.DESCRIPTOR.services_by_name["InferenceService"]
-    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
-    for method in service.methods:
-        request_type = message_factory.GetMessageClass(method.input_type)
-        response_type = message_factory.GetMessageClass(method.output_type)
-        read: Callable[[bytes], Any] = (
-            functools.partial(read_request, request_type)
-            if request_type in _UNDECODABLE
-            else request_type.FromString
-        )
-        if request_type is pb.InferRequest:
-            read = functools.partial(
-                read_infer_request,
-                max_inputs=len(servicer.input_specs),
-                max_outputs=len(servicer.output_names),
-                input_specs=servicer.input_specs,
-            )
-        behavior = getattr(servicer, method.name)
-        if method.name in OPERATOR_METHODS:  # counted apart: answered while inference is full
-            assert not method.client_streaming, method.name  # `gate_operator`: unary
-            assert not method.server_streaming, method.name
-            read = functools.partial(read_operator_request, read, method.name)
-            read = gate.operator_deserializer(read)
-            behavior = gate.gate_operator(behavior)
-        else:
-            if not method.client_streaming:  # a stream's items are read within its call
-                read = gate.deserializer(read)
-            behavior = gate.gate(behavior, response_streaming=method.server_streaming)
-        handlers[method.name] = HANDLER_KINDS[method.client_streaming, method.server_streaming](
-            behavior,
-            request_deserializer=read,
-            response_serializer=response_type.SerializeToString,
-        )
-    _register(server, service.full_name, handlers)
-    return {f"/{service.full_name}/{name}": handler for name, handler in handlers.items()}
-
-
-def add_grpc_service(server: grpc.aio.Server, service_name: str, servicer: object) -> None:
-    """What gRPC's generated `add_*Servicer_to_server` does for one of its own services
-    beside laneserve's (health, Channelz, reflection), with `read_operator_request` as
-    each method's deserializer: a request over MAX_OPERATOR_REQUEST_BYTES ends its call
-    INVALID_ARGUMENT (`grpc_request_too_large`), unparsed. Their requests are names and
-    ids, yet were read up to max_message_bytes, and reflection's answer repeats its
-    request, unknown fields included: 16 streams of 48 MiB took the server to a 3.7 GiB
-    peak. `service_name`: its full name, its generated module imported (which puts it in
-    protobuf's default pool). `servicer`: grpc.aio's, whose methods are coroutine or async
-    generator functions (one that reads its requests through `context.read()` would get
-    the refusal's stand-in: none of gRPC's does)."""
-    service = descriptor_pool.Default().FindServiceByName(service_name)
-    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
-    for method in service.methods:
-        request_type = message_factory.GetMessageClass(method.input_type)
-        response_type = message_factory.GetMessageClass(method.output_type)
-        full_name = f"/{service.full_name}/{method.name}"
-        behavior = getattr(servicer, method.name)
-        if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
-            # Not implemented by the grpc.aio servicer (health's List): the generated
-            # base's stub, answering UNIMPLEMENTED, as gRPC does a method it lacks.
-            continue
-        handlers[method.name] = HANDLER_KINDS[method.client_streaming, method.server_streaming](
-            _refusing_oversized(behavior, requests_streamed=method.client_streaming),
-            request_deserializer=functools.partial(read_grpc_request, request_type, full_name),
-            response_serializer=response_type.SerializeToString,
-        )
-    _register(server, service.full_name, handlers)
-
-
-def _register(
-    server: grpc.aio.Server, service_name: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
-) -> None:
-    """`handlers` (by method name) as a generated `add_*Servicer_to_server` adds them:
-    registered (each asked for from gRPC's core by name), and generic for the rest."""
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
-    server.add_registered_method_handlers(service_name, handlers)
-
-
-def _refusing_oversized(
-    behavior: Callable[..., Any], *, requests_streamed: bool
-) -> Callable[..., Any]:
-    """`behavior` (a grpc.aio handler), its call ended INVALID_ARGUMENT where a request is
-    an OversizedOperatorRequest or an UndecodableGrpcRequest: before it runs, or, its
-    requests streamed, when it reads that one. A coroutine function or an async generator
-    function as `behavior` is: gRPC tells how to call a handler by its kind."""
-
-    async def checked(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        if isinstance(request, OversizedOperatorRequest):
-            await abort_with(context, grpc_request_too_large(request))
-        if isinstance(request, UndecodableGrpcRequest):
-            await abort_with(context, grpc_request_undecodable(request))
-        return request
-
-    async def each_checked(
-        requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[Any]:
-        async for request in requests:
-            yield await checked(request, context)
-
-    async def given(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        return (
-            each_checked(request, context) if requests_streamed else await checked(request, context)
-        )
-
-    if inspect.isasyncgenfunction(behavior):
-
-        async def answers(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            responses = behavior(await given(request, context), context)
-            try:
-                async for response in responses:
-                    yield response
-            finally:
-                await responses.aclose()  # its cleanup as the call ends, not when collected
-
-        return answers
-
-    async def answer(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        return await behavior(await given(request, context), context)
-
-    return answer
-
-
 def _before_grpc_deadline(context: grpc.aio.ServicerContext[Any, Any]) -> bool:
     """Whether the call's gRPC deadline, if it has one, is still ahead."""
     remaining_s: float | None = context.time_remaining()  # None: no deadline
@@ -1945,115 +1340,6 @@ def _deadline_s(now_s: float, remaining_s: float | None, timeout_ms: int) -> flo
     if timeout_ms > 0:
         candidates.append(now_s + timeout_ms / 1000)
     return min(candidates) if candidates else None
-
-
-async def abort_with(context: grpc.aio.ServicerContext[Any, Any], error: LaneserveError) -> None:
-    """Ends the RPC with `error`'s status, rich details and, if retryable, the pushback:
-    trailers only, no message (a handler that sets its status and returns sends an empty
-    message before it, which a JSON transcoder answers as a body).
-
-    gRPC keeps the AbortError this raises in a reference cycle with every frame it passes
-    through, freed only by a full garbage collection: a frame on the way that still holds
-    the request kept its bytes and decoded inputs as long, hundreds of MiB after a burst of
-    large refusals, enough to close every lane at the host memory watermark. So the
-    callers let go of the request first (`release_frames`, and the wrappers of
-    grpc_accept and server_spans)."""
-    await abort_unless_gone(
-        context, error.code, bounded_message(error.message), status_trailers(error)
-    )
-
-
-def release_frames(error: _E) -> _E:
-    """`error`, with the locals of the finished frames its traceback (and those of the
-    errors chained to it) passed through cleared: they held the request and its decoded
-    inputs (see `abort_with`)."""
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [error]
-    while pending:
-        chained = pending.pop()
-        if chained is None or id(chained) in seen:
-            continue
-        seen.add(id(chained))
-        traceback.clear_frames(chained.__traceback__)
-        chained.__traceback__ = None
-        pending += (chained.__context__, chained.__cause__)
-    return error
-
-
-# The trailers of a refusal: its rich status (google.rpc.Status), and gRPC's retry hint.
-DETAILS_TRAILER: Final = "grpc-status-details-bin"
-PUSHBACK_TRAILER: Final = "grpc-retry-pushback-ms"
-
-
-def status_trailers(error: LaneserveError) -> tuple[tuple[str, str | bytes], ...]:
-    trailers: list[tuple[str, str | bytes]] = [
-        (DETAILS_TRAILER, to_rpc_status(error).SerializeToString())
-    ]
-    delay_ms = pushback_ms(error)
-    if delay_ms is not None:
-        trailers.append((PUSHBACK_TRAILER, str(delay_ms)))
-    return tuple(trailers)
-
-
-def _id_too_long(request_id: str) -> bool:
-    # A character is at most 4 bytes of UTF-8: a short id needs no encoding.
-    return len(request_id) * 4 > MAX_REQUEST_ID_BYTES and (
-        len(request_id.encode()) > MAX_REQUEST_ID_BYTES
-    )
-
-
-def answer_id(request_id: str) -> str:
-    """The request_id a stream answer carries: empty for one over MAX_REQUEST_ID_BYTES."""
-    return "" if _id_too_long(request_id) else request_id
-
-
-def _request_id_too_long(request_id: str) -> InvalidInputError:
-    return InvalidInputError(
-        f"request_id is {len(request_id.encode())} bytes, over the limit of "
-        f"{MAX_REQUEST_ID_BYTES} bytes (UTF-8); expected a shorter id (this one starts "
-        f"{request_id[:16]!r})"
-    )
-
-
-def _stream_item_bytes(response: pb.InferResponse, response_bytes: int | None = None) -> int:
-    """The size of `response` sent as an InferStream item (its request_id and the
-    response, each a length-delimited field), computed without copying the outputs.
-    `response_bytes`: its ByteSize(), where known already."""
-    size = response.ByteSize() if response_bytes is None else response_bytes
-    request_id = len(response.request_id.encode())
-    return (
-        1
-        + varint_bytes(size)
-        + size
-        + (1 + varint_bytes(request_id) + request_id if request_id else 0)
-    )
-
-
-def _parse_receive_limit(
-    metadata: Iterable[tuple[str, str | bytes]] | None, config: ServerConfig
-) -> int | None:
-    """The largest stream item the caller reads, its RECEIVE_LIMIT_KEY, where it is below
-    the server's max_message_bytes; None where it sent none, or no smaller one."""
-    values = [value for key, value in metadata or () if key == RECEIVE_LIMIT_KEY]
-    if not values:
-        return None
-    text = values[0].decode(errors="replace") if isinstance(values[0], bytes) else values[0]
-    if len(values) > 1 or not (text.isascii() and text.isdigit()):
-        raise _receive_limit_refusal(values)
-    digits = text.lstrip("0")
-    if len(digits) > 18:  # noqa: PLR2004 - over any message limit
-        return None  # not converted: Python refuses to over 4 300 digits
-    limit = int(digits or "0")
-    if limit < MIN_RECEIVE_LIMIT_BYTES:
-        raise _receive_limit_refusal(values)
-    return limit if limit < config.max_message_bytes else None
-
-
-def _receive_limit_refusal(values: Sequence[str | bytes]) -> InvalidInputError:
-    return InvalidInputError(
-        f"call metadata {RECEIVE_LIMIT_KEY} is {[*values]!r}; expected one whole number of "
-        f"bytes, at least {MIN_RECEIVE_LIMIT_BYTES}"
-    )
 
 
 def _new_work_draining() -> DrainingError:
@@ -2071,73 +1357,4 @@ def _stream_draining() -> DrainingError:
     return DrainingError(
         "server is draining: this stream takes no more items (those it read were "
         "answered); resend the rest on a new call, to another instance"
-    )
-
-
-def _tensor_spec(spec: TensorSpec) -> pb.TensorSpec:
-    # A name per dimension, "" for a fixed or unnamed one: a client checks the dimensions
-    # inputs share before sending (dim_names is empty only from servers older than it).
-    return pb.TensorSpec(
-        name=spec.name,
-        dtype=datatype_of(spec.dtype),
-        shape=list(spec.shape),
-        dim_names=[name or "" for name in spec.dim_names],
-    )
-
-
-def _grpc_calls(calls: GrpcCalls | None) -> pb.GrpcCalls | None:
-    if calls is None:
-        return None
-    return pb.GrpcCalls(started=calls.started, succeeded=calls.succeeded, failed=calls.failed)
-
-
-def _identity_fields(identity: ModelIdentity) -> dict[str, Any]:
-    return {
-        "model_sha256": identity.sha256,
-        "model_version": identity.version,  # None: the field absent
-        "producer_name": identity.producer_name,
-        "graph_name": identity.graph_name,
-        "domain": identity.domain,
-        "description": identity.description,
-        "custom_metadata": identity.custom_metadata,
-    }
-
-
-def _memory_fields(memory: MemoryFacts | None) -> dict[str, Any]:
-    if memory is None:
-        return {}
-    return {
-        "memory_limit_bytes": memory.limit_bytes or 0,
-        "probed_batch_cap": memory.probed_batch_cap,
-        "estimated_fixed_bytes": memory.estimate.fixed_bytes if memory.estimate else 0,
-        "estimated_row_bytes": memory.estimate.per_row_bytes if memory.estimate else 0,
-        "measured_fixed_bytes": memory.measured.fixed_bytes if memory.measured else 0,
-        "measured_row_bytes": memory.measured.per_row_bytes if memory.measured else 0,
-    }
-
-
-def _watermark_fields(state: WatermarkState | None) -> dict[str, Any]:
-    if state is None:
-        return {}
-    return {
-        "memory_used_bytes": state.used_bytes or 0,
-        "memory_high_watermark_bytes": state.high_bytes,
-        "memory_low_watermark_bytes": state.low_bytes,
-        "lanes_closed_by_memory": list(state.closed_lanes),
-        "memory_watermark_limit_bytes": state.limit_bytes,
-    }
-
-
-def _size_summary(sizes: Distribution) -> pb.SizeSummary:
-    return pb.SizeSummary(
-        count=sizes.count, mean=sizes.mean, p50=sizes.p50, p95=sizes.p95, p99=sizes.p99
-    )
-
-
-def _summary(percentiles: Percentiles) -> pb.LatencySummary:
-    return pb.LatencySummary(
-        count=percentiles.count,
-        p50_ms=percentiles.p50_ms,
-        p95_ms=percentiles.p95_ms,
-        p99_ms=percentiles.p99_ms,
     )

@@ -25,13 +25,14 @@ from laneserve.client import _channel as lc_channel
 from laneserve.client._request import MAX_REQUEST_ID_BYTES as CLIENT_MAX_REQUEST_ID_BYTES
 from laneserve.client._sync import SOURCE_THREAD
 from laneserve.client.tensors import encode_tensor
-from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig, service
+from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig, service, streams
 from laneserve.server.clock import ManualClock
 from laneserve.server.demo_model import make_demo_model
 from laneserve.server.events import RequestTrace
+from laneserve.server.grpc_methods import MAX_REQUEST_ID_BYTES
 from laneserve.server.items import InferenceRequest
 from laneserve.server.lifecycle import Lifecycle
-from laneserve.server.service import MAX_REQUEST_ID_BYTES, ROOM_POLL_MAX_S, InferenceServicer
+from laneserve.server.service import ROOM_POLL_MAX_S, InferenceServicer
 from laneserve.server.stats import Duration
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -2013,9 +2014,9 @@ def test_a_streams_window_counts_items_not_yet_finished_at_its_largest_answer() 
     mib = 1024 * 1024
     answer = pb.InferStreamResponse(request_id="a")
     answer.response.outputs.append(encode_tensor("y", np.zeros((1, mib // 4), np.float32)))
-    window = service.StreamWindow(256, 4 * mib)
+    window = streams.StreamWindow(256, 4 * mib)
     window.read()
-    size = window.finished(service.held_answer_bytes(answer))  # 1 MiB held
+    size = window.finished(streams.held_answer_bytes(answer))  # 1 MiB held
     window.read()
     window.read()  # + 2 unfinished at 1 MiB: 3 MiB
     assert window.open.is_set()
@@ -2038,9 +2039,9 @@ def test_a_stream_whose_caller_reads_nothing_holds_its_answer_bytes_not_its_wind
     model = tmp_path / "tiled.onnx"
     tiled_model(model, times=65_536)  # 1 row of 1 value -> 65 536 float32: 256 KiB
     answer_bytes, budget_bytes, items = 256 * 1024, 2 * 1024 * 1024, 128
-    windows: list[service.StreamWindow] = []
+    windows: list[streams.StreamWindow] = []
 
-    class Observed(service.StreamWindow):
+    class Observed(streams.StreamWindow):
         def __init__(self, *args: int) -> None:
             super().__init__(*args)
             windows.append(self)
@@ -2251,8 +2252,8 @@ def test_the_client_and_the_server_agree_on_the_receive_limit_and_the_call_limit
     """Words of the protocol each side spells for itself: the stream's receive-limit
     metadata and its least value, and the refusal a busy port gives."""
     from laneserve.client import _channel, _errors  # noqa: PLC0415
-    from laneserve.server import grpc_accept, service  # noqa: PLC0415
+    from laneserve.server import grpc_accept, streams  # noqa: PLC0415
 
-    assert _channel.RECEIVE_LIMIT_KEY == service.RECEIVE_LIMIT_KEY
-    assert _channel.MIN_MESSAGE_BYTES == service.MIN_RECEIVE_LIMIT_BYTES
+    assert _channel.RECEIVE_LIMIT_KEY == streams.RECEIVE_LIMIT_KEY
+    assert _channel.MIN_MESSAGE_BYTES == streams.MIN_RECEIVE_LIMIT_BYTES
     assert _errors._GRPC_CALL_LIMIT == grpc_accept.CALL_LIMIT_DETAILS

@@ -21,15 +21,15 @@ from onnx import TensorProto, helper
 from laneserve.client.tensors import encode_strings, encode_tensor
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
-from laneserve.server import Engine, LaneConfig, grpc_accept
+from laneserve.server import Engine, LaneConfig, grpc_accept, streams
 from laneserve.server import kserve as kserve_module
 from laneserve.server import service as service_module
 from laneserve.server.codec import MAX_EXTRA_BYTES
 from laneserve.server.engine import TensorSpec
 from laneserve.server.errors import InvalidInputError, LaneFullError
 from laneserve.server.lifecycle import Lifecycle
-from laneserve.server.service import RECEIVE_LIMIT_KEY
 from laneserve.server.shared_memory import SharedMemoryRegions
+from laneserve.server.streams import RECEIVE_LIMIT_KEY
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
     RecordingEngine,
@@ -377,9 +377,9 @@ def test_an_item_without_an_id_refused_as_it_is_read_is_answered_in_its_place(
     parse; then one with an id, refused too. The one with an id is answered at once; the
     others, finished, wait for the held item's answer and follow it in the order they
     came."""
-    windows: list[service_module.StreamWindow] = []
+    windows: list[streams.StreamWindow] = []
 
-    class Observed(service_module.StreamWindow):
+    class Observed(streams.StreamWindow):
         def __init__(self, *args: int) -> None:
             super().__init__(*args)
             windows.append(self)
@@ -449,9 +449,9 @@ def test_answers_held_for_their_order_count_against_the_streams_answer_buffer(
     interactive lane is empty, and every answer comes, in the order its item came."""
     answer_bytes, budget_answers, count = 160, 5, 30
     seen: list[tuple[int, int]] = []  # (unanswered, held bytes) at each finished answer
-    windows: list[service_module.StreamWindow] = []
+    windows: list[streams.StreamWindow] = []
 
-    class Observed(service_module.StreamWindow):
+    class Observed(streams.StreamWindow):
         def __init__(self, *args: int) -> None:
             super().__init__(*args)
             windows.append(self)
@@ -574,14 +574,14 @@ def test_a_request_whose_id_keys_nothing_wakes_no_item_waiting_for_room(
     the interactive lane: no waiter is woken, and none is kept under a key."""
     per_item = 4
     wakes = 0
-    wake = service_module.RoomWaiter.wake
+    wake = streams.RoomWaiter.wake
 
-    def counted(waiter: service_module.RoomWaiter) -> None:
+    def counted(waiter: streams.RoomWaiter) -> None:
         nonlocal wakes
         wakes += 1
         wake(waiter)
 
-    monkeypatch.setattr(service_module.RoomWaiter, "wake", counted)
+    monkeypatch.setattr(streams.RoomWaiter, "wake", counted)
 
     async def scenario() -> list[list[Answer]]:
         engine = RecordingEngine(str(small_model))

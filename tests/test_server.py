@@ -41,6 +41,7 @@ from laneserve.server import (
     LaneServer,
     app,
     grpc_accept,
+    grpc_methods,
     service,
 )
 from laneserve.server import app as app_module
@@ -486,10 +487,10 @@ def test_an_oversized_request_keeps_only_its_id_within_the_id_limit() -> None:
     """Refused unread, an oversized request is kept as its request_id alone (nothing of its
     message); one over MAX_REQUEST_ID_BYTES is not echoed, as no stream answer echoes it."""
     padding = _bytes_field(1000, b"x" * (64 << 10))
-    for request_id, kept in (("p", "p"), ("i" * service.MAX_REQUEST_ID_BYTES + "x", "")):
+    for request_id, kept in (("p", "p"), ("i" * grpc_methods.MAX_REQUEST_ID_BYTES + "x", "")):
         data = request(rows(1), request_id=request_id).SerializeToString() + padding
-        oversized = service.read_infer_request(data, max_inputs=1, max_outputs=1)
-        assert oversized == service.OversizedRequest(kept)
+        oversized = grpc_methods.read_infer_request(data, max_inputs=1, max_outputs=1)
+        assert oversized == grpc_methods.OversizedRequest(kept)
 
 
 @pytest.mark.parametrize("name", ["float16", "int8", "uint8", "bool"])
@@ -597,15 +598,15 @@ def test_an_operator_request_over_its_bound_is_refused_unparsed(
     sending large bodies took the server's RSS past 1 GiB. One over
     MAX_OPERATOR_REQUEST_BYTES is refused INVALID_ARGUMENT, never parsed; one of the
     bound is answered (unknown fields stay readable, as a newer client's would be)."""
-    bound = service.MAX_OPERATOR_REQUEST_BYTES
+    bound = grpc_methods.MAX_OPERATOR_REQUEST_BYTES
     parsed_bytes: list[int] = []
-    read_request = service.read_request
+    read_request = grpc_methods.read_request
 
     def recording(request_type: Any, data: bytes) -> Any:
         parsed_bytes.append(len(data))
         return read_request(request_type, data)
 
-    monkeypatch.setattr(service, "read_request", recording)
+    monkeypatch.setattr(grpc_methods, "read_request", recording)
 
     async def scenario() -> None:
         async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
@@ -648,7 +649,7 @@ def test_a_grpc_service_request_over_the_operator_bound_is_refused_naming_it(
     included: 16 reflection streams of 48 MiB took the server to a 3.7 GiB peak. One over
     MAX_OPERATOR_REQUEST_BYTES is refused INVALID_ARGUMENT naming the method and the
     bound, as GetStats' is; one of the bound is answered."""
-    bound = service.MAX_OPERATOR_REQUEST_BYTES
+    bound = grpc_methods.MAX_OPERATOR_REQUEST_BYTES
 
     async def first_answer(s: Serving, body: bytes) -> object:
         if not answers_streamed:
@@ -2976,7 +2977,7 @@ def test_an_error_answer_whose_call_ended_meanwhile_ends_as_a_cancel() -> None:
 
     call: Any = EndedCall()
     with pytest.raises(asyncio.CancelledError):
-        asyncio.run(service.abort_with(call, LaneFullError("lane 'bulk' is full")))
+        asyncio.run(grpc_methods.abort_with(call, LaneFullError("lane 'bulk' is full")))
     with pytest.raises(asyncio.CancelledError):  # the call gate's refusal, the same way
         asyncio.run(grpc_accept.refuse_over_limit(call))
 

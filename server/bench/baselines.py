@@ -43,9 +43,9 @@ from laneserve.server.codec import check_output_names, decode_inputs, encode_res
 from laneserve.server.config import DEVICES
 from laneserve.server.engine import Engine, TensorSpec, no_static_estimate, zero_value
 from laneserve.server.errors import LaneserveError, to_rpc_status
+from laneserve.server.grpc_methods import abort_with, release_frames
 from laneserve.server.items import Timing
 from laneserve.server.process import tune_for_serving
-from laneserve.server.service import abort_with, release_frames
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 

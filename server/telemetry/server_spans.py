@@ -113,7 +113,7 @@ class ServerSpans(grpc.aio.ServerInterceptor):
             token = otel_context.attach(otel_trace.set_span_in_context(span))
             # Neither the request nor the error stays in this frame: gRPC keeps an abort's
             # AbortError in a reference cycle with the frames it passed through, and they
-            # held the request's bytes (see laneserve.server.service.abort_with).
+            # held the request's bytes (see laneserve.server.grpc_methods.abort_with).
             handling = behavior(request, context)
             del request
             error: BaseException | None = None
