@@ -5,12 +5,14 @@
     laneserve-client infer --json '{"input": [[0.1, ...]]}'  one request, outputs as JSON
     laneserve-client bulk --input rows.npy --output out.npy  a bulk job with a checkpoint
 
-Every subcommand takes ``--target HOST:PORT`` (default 127.0.0.1:50051) and the TLS
-options. A string input is given as JSON strings, or as a numpy str_ (or bytes_) array
-in .npy / .npz; a string output is printed as JSON strings, and written as a str_ array
-as wide as its widest element. Exit codes: 0 everything done; 1 some rows failed (bulk:
-the output written with them as NaN, "" in a string output, listed in
-OUTPUT.failed.json; rerun with --resume to retry them); 2 bad
+The connection options (``--target HOST:PORT``, default 127.0.0.1:50051; the TLS
+options; --metadata, --attempts, --timeout, --log-level) go before the subcommand or
+after it; one given in both places is taken from after it, but for --metadata, whose
+pairs from both are sent. A string input is given as JSON strings, or as a numpy str_
+(or bytes_) array in .npy / .npz; a string output is printed as JSON strings, and
+written as a str_ array as wide as its widest element. Exit codes: 0 everything done;
+1 some rows failed (bulk: the output written with them as NaN, "" in a string output,
+listed in OUTPUT.failed.json; rerun with --resume to retry them); 2 bad
 usage or input (infer and bulk: checked against the server's model and lanes before
 anything is sent), refused by this client or by the server
 (INVALID_INPUT); 3 the server could not be reached, or refused the call for its own
@@ -132,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -213,15 +215,36 @@ def _stopped_once() -> Iterator[None]:
         _stop_signal = None
 
 
-def add_tls_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+def add_tls_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, suppress_defaults: bool = False
+) -> None:
     """--tls, --tls-ca, --tls-cert, --tls-key, --tls-server-name (read by `tls_config`);
-    shared with `laneserve top`."""
-    parser.add_argument("--tls", action="store_true", help="use TLS with the system's roots")
-    parser.add_argument("--tls-ca", metavar="PEM", help="CA certificates to trust (implies TLS)")
-    parser.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS)")
-    parser.add_argument("--tls-key", metavar="PEM", help="client private key (mutual TLS)")
+    shared with `laneserve top`. With `suppress_defaults`, an option not given sets
+    nothing (see `_connection_options`)."""
+
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if suppress_defaults else value
+
     parser.add_argument(
-        "--tls-server-name", metavar="NAME", help="name to check the server certificate against"
+        "--tls", action="store_true", default=default(False), help="use TLS with the system's roots"
+    )
+    parser.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        default=default(None),
+        help="CA certificates to trust (implies TLS)",
+    )
+    parser.add_argument(
+        "--tls-cert", metavar="PEM", default=default(None), help="client certificate (mutual TLS)"
+    )
+    parser.add_argument(
+        "--tls-key", metavar="PEM", default=default(None), help="client private key (mutual TLS)"
+    )
+    parser.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        default=default(None),
+        help="name to check the server certificate against",
     )
 
 
@@ -1435,40 +1458,76 @@ def _clock(seconds: float) -> str:
 # ---- arguments -------------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    connection = common.add_argument_group("connection")
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line's options, the connection options from before the command and
+    after it together (see `_connection_options`)."""
+    args = _parser().parse_args(argv)
+    # Every pair is sent, those given before the command first: a repeated option adds,
+    # where a single-valued one given after the command replaces.
+    args.metadata = [*args.metadata_before_command, *args.metadata]
+    del args.metadata_before_command
+    return args
+
+
+def _connection_options(*, after_command: bool) -> argparse.ArgumentParser:
+    """The connection options, a parent of the top-level parser (before the command:
+    `laneserve-client --target H:P model` was refused as "invalid choice: 'H:P'") and of
+    each command's (after it). After it, an option not given sets nothing
+    (argparse.SUPPRESS), so that what was given before the command, or its default,
+    stays; given in both places, the one after the command wins (argparse copies a
+    command's settings over the top-level parser's). --metadata adds instead: before the
+    command it fills `metadata_before_command`, which `_parse_args` joins to it."""
+
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if after_command else value
+
+    options = argparse.ArgumentParser(add_help=False)
+    connection = options.add_argument_group("connection (before or after the command)")
     connection.add_argument(
-        "--target", default=DEFAULT_TARGET, help=f"server HOST:PORT (default {DEFAULT_TARGET})"
+        "--target",
+        default=default(DEFAULT_TARGET),
+        help=f"server HOST:PORT (default {DEFAULT_TARGET})",
     )
-    add_tls_arguments(connection)
+    add_tls_arguments(connection, suppress_defaults=after_command)
     connection.add_argument(
         "--metadata",
         action="append",
         default=[],
+        # Each its own list: both start empty, and `_parse_args` joins them.
+        dest="metadata" if after_command else "metadata_before_command",
         metavar="KEY=VALUE",
         help="gRPC metadata sent with every call (repeatable)",
     )
     connection.add_argument(
-        "--attempts", type=_positive_int, default=6, help="attempts per call or item (default 6)"
+        "--attempts",
+        type=_positive_int,
+        default=default(6),
+        help="attempts per call or item (default 6)",
     )
     connection.add_argument(
         "--timeout",
         type=_timeout_s,
-        default=None,
+        default=default(None),
         help=(
             "seconds per call of model, stats and infer, retries included (default: none); "
             "a bulk job's items are bounded by --timeout-ms"
         ),
     )
     connection.add_argument(
-        "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
+        "--log-level",
+        default=default("warning"),
+        choices=["debug", "info", "warning", "error"],
     )
+    return options
 
+
+def _parser() -> argparse.ArgumentParser:
+    common = _connection_options(after_command=True)
     parser = argparse.ArgumentParser(
         prog="laneserve-client",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[_connection_options(after_command=False)],
     )
     commands = parser.add_subparsers(dest="command", required=True)
 

@@ -11,34 +11,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import errno
 import functools
-import ipaddress
 import logging
-import socket
-import ssl
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent import futures
-from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 from grpc_channelz.v1 import channelz, channelz_pb2
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
-from laneserve.server.addresses import bare_host, host_port
+from laneserve.server.addresses import bare_host, bind_refusal, host_port
 from laneserve.server.clock import Clock, SystemClock
-from laneserve.server.config import DEFAULT_MEMORY_LOW_WATERMARK, ConfigError, ServerConfig
+from laneserve.server.config import ConfigError, ServerConfig
 from laneserve.server.cost_model import RunTimeModel
-from laneserve.server.engine import (
-    CUDA,
-    Engine,
-    Probe,
-    nvml_start_error,
-    open_nvml_gauge,
-)
+from laneserve.server.engine import Engine
 from laneserve.server.errors import DrainingError, LaneserveError, SessionBrokenError
 from laneserve.server.events import FanOut, NullTracer, SchedulerEvents
 from laneserve.server.grpc_accept import (
@@ -54,20 +42,17 @@ from laneserve.server.kserve import KServeServicer, add_kserve_to_server
 from laneserve.server.kserve_http import IDLE_CONNECTION_S, HttpFrontEnd
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.server.memory import (
-    CgroupMemoryLimit,
     MemoryEstimate,
     MemoryFacts,
     MemoryGauge,
-    NvmlUnavailableError,
-    ProcessRssGauge,
-    Watermark,
-    cgroup_memory_limit,
     format_bytes,
-    format_bytes_beyond,
     parse_memory_limit,
-    release_free_heap,
-    session_gpu_id,
-    share_above,
+)
+from laneserve.server.memory_start import (
+    device_gauge,
+    on_gpu,
+    warn_if_the_fixed_cap_exceeds_the_fit,
+    watch_memory,
 )
 from laneserve.server.process import open_file_limit
 from laneserve.server.scheduler import Scheduler
@@ -78,6 +63,7 @@ from laneserve.server.shared_memory import SharedMemoryRegions
 from laneserve.server.stats import StatsRecorder
 from laneserve.server.telemetry import MetricSources, Telemetry, log_event
 from laneserve.server.text_thread import TextThread
+from laneserve.server.tls import https_context, server_credentials
 from laneserve.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -137,250 +123,6 @@ CONNECTION_SHARE_OF_FILES = 4
 IDENTITY_ONLY_ALGORITHMS = 1
 
 
-def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
-    """The gRPC port's TLS credentials from the configured PEM files; None: plaintext."""
-    if config.tls_cert is None or config.tls_key is None:
-        return None
-
-    def read(key: str, path: str) -> bytes:
-        try:
-            return Path(path).read_bytes()
-        except OSError as error:
-            raise ConfigError(
-                f"cannot read {path!r} ({error.strerror}); expected a PEM file", key=f"server.{key}"
-            ) from error
-
-    cert = read("tls_cert", config.tls_cert)
-    key = read("tls_key", config.tls_key)
-    client_ca = (
-        None if config.tls_client_ca is None else read("tls_client_ca", config.tls_client_ca)
-    )
-    _check_pem(config.tls_cert, config.tls_key, config.tls_client_ca)
-    credentials = grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
-    )
-    refusal = _grpc_refusal(credentials)
-    if refusal is not None:
-        raise ConfigError(
-            f"server.tls_cert, server.tls_key: gRPC's TLS cannot serve with "
-            f"{config.tls_cert!r} and {config.tls_key!r} ({refusal}); expected an RSA "
-            "(PKCS#1 v1.5 key) or ECDSA certificate whose keyUsage, where it has one, "
-            "includes digitalSignature",
-            cites=_CERT_AND_KEY,
-        )
-    return credentials
-
-
-# The settings a refusal of the certificate and key together names (`ConfigError.cites`).
-_CERT_AND_KEY = ("server.tls_cert", "server.tls_key")
-# OpenSSL cipher list at security level 0: Python's checks of TLS files judge them as
-# gRPC's BoringSSL does, which has no security levels.
-_ANY_SECURITY_LEVEL = "DEFAULT:@SECLEVEL=0"
-# OpenSSL's verify codes of a certificate outside its validity window.
-_DATE_ERRORS = frozenset({9, 10})  # X509_V_ERR_CERT_NOT_YET_VALID, X509_V_ERR_CERT_HAS_EXPIRED
-_INVALID_PURPOSE = 26  # X509_V_ERR_INVALID_PURPOSE
-# The issuer is not among the roots: X509_V_ERR_UNABLE_TO_GET_ISSUER_CERT(_LOCALLY),
-# X509_V_ERR_UNABLE_TO_VERIFY_LEAF_SIGNATURE.
-_ISSUER_UNKNOWN = frozenset({2, 20, 21})
-
-
-def _check_pem(cert: str, key: str, client_ca: str | None) -> None:
-    """Loads the files as Python's TLS would: gRPC takes any bytes here and fails later
-    with "Failed to bind" and nothing on what was wrong."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    # Refused only for what gRPC's TLS refuses too: OpenSSL's security level turned away
-    # keys and signatures BoringSSL (which has none) takes ("EE_KEY_TOO_SMALL").
-    context.set_ciphers(_ANY_SECURITY_LEVEL)
-
-    def refuse_passphrase() -> str:
-        # Called only for an encrypted key; without it OpenSSL prompts on the terminal.
-        raise ConfigError(
-            f"{key!r} is an encrypted private key; gRPC takes no passphrase: expected an "
-            "unencrypted PEM key (e.g. `openssl pkey -in KEY -out PLAIN`), readable only by "
-            "the server's user",
-            key="server.tls_key",
-        )
-
-    try:
-        context.load_cert_chain(cert, key, password=refuse_passphrase)
-    except ssl.SSLError as error:
-        raise ConfigError(
-            f"server.tls_cert, server.tls_key: {cert!r} and {key!r} are not a PEM "
-            f"certificate (chain) and its private key ({error.reason or error}); expected "
-            "PEM files of a matching certificate and key",
-            cites=_CERT_AND_KEY,
-        ) from error
-    if client_ca is not None:
-        try:
-            context.load_verify_locations(cafile=client_ca)
-        except ssl.SSLError as error:
-            raise ConfigError(
-                f"{client_ca!r} holds no PEM CA certificate ({error.reason or error}); "
-                "expected the CA that signs client certificates",
-                key="server.tls_client_ca",
-            ) from error
-        if context.cert_store_stats()["x509"] == 0:
-            # A file of CRLs alone loads: gRPC then refused the bind, blaming the
-            # server's own certificate and key.
-            raise ConfigError(
-                f"{client_ca!r} holds no certificate (only other PEM blocks); expected the "
-                "CA that signs client certificates",
-                key="server.tls_client_ca",
-            )
-    refusal = _certificate_refusal(cert, key)
-    if refusal is not None:
-        raise ConfigError(
-            f"{cert!r} would be refused by every client ({refusal}); expected a certificate "
-            "valid now, and for a server (extendedKeyUsage serverAuth, where it has one) "
-            "unless it is self-signed",
-            key="server.tls_cert",
-        )
-
-
-def _certificate_refusal(cert: str, key: str) -> str | None:
-    """Why a client trusting this certificate's own chain would refuse it, in OpenSSL's
-    words, found by TLS handshakes in memory; None: no reason found. Without this an
-    expired certificate served: the start logged nothing and every client's handshake
-    failed. Refused: its dates ("certificate has expired", "certificate is not yet
-    valid"), and a purpose not a server's ("unsupported certificate purpose") unless the
-    certificate is self-signed (gRPC's TLS takes a self-signed certificate its client
-    pins as its root whatever its purpose; OpenSSL did not). OpenSSL's other judgments
-    are not gRPC's TLS's: refusing what clients take is worse than letting through what
-    they refuse."""
-    trusting_the_file = _client_context(trusted_file=cert, partial_chain=True)
-    refused = _handshake(cert, key, trusting_the_file).refused
-    if refused is None:
-        return None
-    code, message = refused
-    if code in _DATE_ERRORS:
-        return message
-    if code == _INVALID_PURPOSE and not _self_signed(cert, key):
-        return message
-    return None
-
-
-def _self_signed(cert: str, key: str) -> bool:
-    """Whether the certificate served with `key` is its own issuer: trusted alone, with
-    no partial chain, its chain ends at itself (no "unable to get issuer certificate")."""
-    leaf = _handshake(cert, key, _client_context()).served
-    if leaf is None:
-        return False
-    trusting_the_leaf = _client_context(trusted_pem=ssl.DER_cert_to_PEM_cert(leaf))
-    refused = _handshake(cert, key, trusting_the_leaf).refused
-    return refused is None or refused[0] not in _ISSUER_UNKNOWN
-
-
-def _client_context(
-    *, trusted_file: str | None = None, trusted_pem: str | None = None, partial_chain: bool = False
-) -> ssl.SSLContext:
-    """A client of the in-memory handshakes: no host name checked; trusting as its roots
-    the certificates of `trusted_file` or `trusted_pem` (neither: verifying nothing)."""
-    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    client.set_ciphers(_ANY_SECURITY_LEVEL)
-    client.check_hostname = False
-    if trusted_file is None and trusted_pem is None:
-        client.verify_mode = ssl.CERT_NONE
-    else:
-        client.load_verify_locations(cafile=trusted_file, cadata=trusted_pem)
-    if partial_chain:
-        client.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
-    return client
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Handshake:
-    """How an in-memory handshake ended; both None when it could not be made or finish
-    (no judgment)."""
-
-    # The client's verify code and message, when it refused the server's certificate.
-    refused: tuple[int, str] | None = None
-    # The certificate the server presented (DER), when the handshake completed.
-    served: bytes | None = None
-
-
-def _handshake(cert: str, key: str, client: ssl.SSLContext) -> _Handshake:
-    """A TLS handshake in memory between a server of `cert` and `key` and `client`."""
-    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    server.set_ciphers(_ANY_SECURITY_LEVEL)
-    try:
-        server.load_cert_chain(cert, key)
-    except ssl.SSLError:
-        return _Handshake()
-    to_server, to_client = ssl.MemoryBIO(), ssl.MemoryBIO()
-    client_side = client.wrap_bio(to_client, to_server)
-    try:
-        _shake(client_side, server.wrap_bio(to_server, to_client, server_side=True))
-    except ssl.SSLCertVerificationError as error:
-        return _Handshake(refused=(error.verify_code, str(error.verify_message)))
-    except ssl.SSLError:
-        return _Handshake()
-    return _Handshake(served=client_side.getpeercert(binary_form=True))
-
-
-def _shake(client_side: ssl.SSLObject, server_side: ssl.SSLObject) -> None:
-    """Runs the handshake to its end (or its error): client and server speak in turn
-    through the two buffers; a TLS 1.3 handshake takes a few turns, and the bound only
-    keeps a protocol surprise from spinning."""
-    for _ in range(16):
-        done = 0
-        for side in (client_side, server_side):
-            try:
-                side.do_handshake()
-                done += 1
-            except ssl.SSLWantReadError:
-                pass
-        if done == 2:  # noqa: PLR2004 - both sides
-            return
-
-
-def _grpc_refusal(credentials: grpc.ServerCredentials) -> str | None:
-    """Why gRPC's own TLS cannot serve with `credentials` (a key type or key usage it
-    takes no certificate with: an RSA-PSS key, an EC key for key agreement only), found
-    by a throwaway server binding a loopback port with them; None: it binds, or the
-    loopback binds nothing at all (no judgment of the certificate then). Otherwise the
-    start failed at the real bind, after the model loaded, blaming the address."""
-    refusal = _loopback_bind_refusal(credentials)
-    if refusal is None or _loopback_bind_refusal(None) is not None:
-        return None
-    return refusal
-
-
-def _loopback_bind_refusal(credentials: grpc.ServerCredentials | None) -> str | None:
-    """Why a throwaway gRPC server cannot bind a loopback port (with TLS `credentials`;
-    None: plaintext); None: it binds."""
-    probe = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
-    try:
-        if credentials is None:
-            probe.add_insecure_port("127.0.0.1:0")
-        else:
-            probe.add_secure_port("127.0.0.1:0", credentials)
-    except RuntimeError as error:
-        return str(error)
-    finally:
-        probe.start()  # an unstarted server holds its port until the process exits
-        probe.stop(None)
-    return None
-
-
-def https_context(config: ServerConfig) -> ssl.SSLContext | None:
-    """The HTTP port and the metrics endpoint follow the gRPC port: HTTPS with the same
-    certificate, and client certificates required where the port requires them. None:
-    plaintext."""
-    if config.tls_cert is None or config.tls_key is None:
-        return None
-    # Not create_default_context: on Python 3.13 it adds X509 strict checks, which refused
-    # client certificates the gRPC port takes (one without an Authority Key Identifier).
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    # What the gRPC port serves with (`_check_pem` judged the files so): OpenSSL's
-    # security level refused keys BoringSSL takes ("EE_KEY_TOO_SMALL").
-    context.set_ciphers(_ANY_SECURITY_LEVEL)
-    context.load_cert_chain(config.tls_cert, config.tls_key)
-    if config.tls_client_ca is not None:
-        context.load_verify_locations(config.tls_client_ca)
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context
-
-
 def pending_call_limits(max_pending_calls: int) -> list[tuple[str, int]]:
     """gRPC core's limits on calls not yet taken by the event loop: refusals start at
     three quarters of `max_pending_calls` (at random, ever likelier) and are certain at
@@ -389,45 +131,6 @@ def pending_call_limits(max_pending_calls: int) -> list[tuple[str, int]]:
         ("grpc.server.max_pending_requests", max_pending_calls * 3 // 4),
         ("grpc.server.max_pending_requests_hard_limit", max_pending_calls),
     ]
-
-
-def _bind_refusal(host: str, port: int, setting: str) -> ConfigError | None:
-    """Why the OS refuses to bind `host:port` ("Address already in use"), found by binding
-    it once more after gRPC could not: gRPC raises "Failed to bind" alone, and its core's
-    own line with the reason is off with JSON logs (cli.py). Keyed by the setting at
-    fault: server.host for a name that does not resolve or an address not this host's,
-    else `setting` (the port's: "port", "priority_port", "metrics_port"). None: the OS
-    binds it now."""
-    address = host_port(host, port)
-    try:
-        addresses = socket.getaddrinfo(bare_host(host), port, type=socket.SOCK_STREAM)
-    except OSError as error:  # a name that does not resolve
-        return _not_this_hosts(address, str(error))
-    for family, kind, proto, _, resolved in addresses:
-        with socket.socket(family, kind, proto) as probe:
-            # As gRPC and the metrics endpoint bind: a port left in TIME_WAIT by the last
-            # run binds; one another socket listens on does not.
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(resolved)
-            except OSError as error:
-                reason = error.strerror or str(error)
-                if error.errno == errno.EADDRNOTAVAIL:
-                    return _not_this_hosts(address, reason)
-                return ConfigError(
-                    f"cannot listen on {address}: {reason}; expected a free port (0: any "
-                    "free port)",
-                    key=f"server.{setting}",
-                )
-    return None
-
-
-def _not_this_hosts(address: str, reason: str) -> ConfigError:
-    return ConfigError(
-        f"cannot listen on {address}: {reason}; expected an address of this host, or a "
-        "name that resolves to one",
-        key="server.host",
-    )
 
 
 async def _give_back(servers: list[grpc.aio.Server]) -> None:
@@ -477,70 +180,6 @@ def check_open_file_limit() -> None:
             f"the open-file limit is {limit}, under the {MIN_OPEN_FILES} a server needs at "
             f"the least; {OPEN_FILES_HINT}"
         )
-
-
-def check_ports_free(config: ServerConfig) -> None:
-    """Refuses, before the model loads (minutes for a large one on a GPU), a configured
-    port the OS will not bind: one another process listens on, an address not this
-    host's (port 0, any free one, is checked for the address alone; -1, none, is not
-    checked): a ConfigError keyed by the setting at fault, the port's or server.host,
-    which `serve` names by its flag. Not a reservation: a port taken between this check
-    and the bind is refused there (an OSError)."""
-    ports = (
-        ("port", config.port),
-        ("priority_port", config.priority_port),
-        ("http_port", config.http_port),
-        ("metrics_port", config.metrics_port),
-    )
-    for setting, port in ports:
-        if port < 0:
-            continue
-        refusal = _bind_refusal(config.host, port, setting)
-        if refusal is not None:
-            raise refusal
-    refusal = _grpc_address_refusal(config.host)
-    if refusal is not None:
-        raise refusal
-
-
-def _grpc_address_refusal(host: str) -> ConfigError | None:
-    """gRPC reads the address it listens on itself, not as the system does: "0", "127.1"
-    and "0x7f000001" (IPv4 in the short forms inet_aton takes) and "[::1" (its bracket
-    unclosed, which bare_host drops) resolve for getaddrinfo (the checks above, the HTTP
-    and metrics ports) and failed gRPC's bind after the model had loaded, named as the
-    port's fault; "127.0.0.010" gRPC read as 127.0.0.10 and the system as 127.0.0.8
-    (octal). A host name is resolved by both. None: both read it alike."""
-    bare = bare_host(host)
-    bracketed = host.startswith("[") or host.endswith("]")
-    if bracketed and not (host.startswith("[") and host.endswith("]") and _is_ip(bare, 6)):
-        how = "brackets hold an IPv6 address, [::1]"
-    elif not bracketed and not _is_ip(bare, 4) and not _is_ip(bare, 6) and _is_short_ipv4(bare):
-        how = "an IPv4 address is written in full, without leading zeros: 127.0.0.1"
-    else:
-        return None
-    return ConfigError(
-        f"gRPC cannot listen on {host!r} as the system reads it (an address gRPC reads "
-        f"otherwise, or not at all); expected an IP address or a host name ({how})",
-        key="server.host",
-    )
-
-
-def _is_ip(text: str, version: int) -> bool:
-    try:
-        address = ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return address.version == version
-
-
-def _is_short_ipv4(text: str) -> bool:
-    """Whether inet_aton reads `text` ("0", "127.1", "0x7f000001", "127.0.0.010")
-    though it is no IPv4 address as written in full."""
-    try:
-        socket.inet_aton(text)
-    except OSError:
-        return False
-    return True
 
 
 class _LongStreams:
@@ -720,435 +359,6 @@ def load_engine(config: ServerConfig) -> Engine:
     )
 
 
-def _on_gpu(engine: Engine) -> bool:
-    """Whether the session runs on CUDA (the runtime may have built it on the CPU)."""
-    return engine.providers[0] == CUDA
-
-
-def device_gauge(engine: Engine, watermark: Watermark | None = None) -> MemoryGauge:
-    """Memory in use where the session allocates: the GPU's (NVML) or this process's
-    (fed to `watermark`, it gives back the free heap first when that decides: see
-    ProcessRssGauge)."""
-    return open_nvml_gauge() if _on_gpu(engine) else ProcessRssGauge(watermark)
-
-
-def _watermark_limit_name(engine: Engine) -> str:
-    """What the watermark's marks are fractions of, as messages name it."""
-    if _on_gpu(engine):
-        return f"the memory of GPU {session_gpu_id()!r}"
-    return "server.host_memory_limit"
-
-
-def make_watermark(
-    config: ServerConfig,
-    engine: Engine,
-    device_total_bytes: int | None,
-    cgroup: CgroupMemoryLimit | None,
-) -> Watermark | None:
-    """The admission watermark, where there is a limit to watch: on a GPU the device's
-    total memory (`device_total_bytes`, NVML's), on the CPU host_memory_limit (resident
-    memory), or where that is unset the least memory limit of the process's cgroups
-    (`cgroup`, read by the caller: its warnings name the file), as logged (a
-    container's: past it the OOM killer ends the server, and with no watermark queued
-    request bodies took a 512 MiB pod's server from 95 to 761 MiB, none refused).
-    Neither is the arena's budget (memory_limit): NVML reads the whole device, every
-    process's use and the CUDA context beside the arena, so marks taken from the
-    budget closed lanes at the server's own full batch (an 80 GiB GPU: the arena at its
-    72 GiB cap, and the context, read 72.6 GiB, above a high mark of 68.4). On a GPU
-    queued inputs wait in host memory and the arena is capped by the runtime: what
-    presses the device is the device filling up as a whole."""
-    if _on_gpu(engine):
-        limit_bytes = device_total_bytes
-    elif config.host_memory_limit is not None:
-        limit_bytes = parse_memory_limit(config.host_memory_limit).resolve(None)
-    elif cgroup is not None:
-        limit_bytes = cgroup.limit_bytes
-        log_event(
-            log,
-            logging.INFO,
-            "host_memory_limit_from_cgroup",
-            f"server.host_memory_limit unset: the host memory watermarks are fractions of "
-            f"the cgroup memory limit, {format_bytes(limit_bytes)} ({cgroup.source}); "
-            "--host-memory-limit overrides it",
-            host_memory_limit_bytes=limit_bytes,
-            source=cgroup.source,
-        )
-    else:
-        limit_bytes = None
-    if limit_bytes is None:
-        return None
-    high_bytes = int(limit_bytes * config.memory_high_watermark)
-    low_bytes = int(limit_bytes * config.memory_low_watermark)
-    if low_bytes == 0:  # a mark of 0 bytes; the high mark is never below the low one
-        keys, marks = "server.memory_low_watermark", f"{config.memory_low_watermark:g} is"
-        if high_bytes == 0:
-            keys += ", server.memory_high_watermark"
-            marks = f"{config.memory_low_watermark:g} and {config.memory_high_watermark:g} are"
-        raise ConfigError(
-            f"{keys}: {marks} 0 bytes of {_watermark_limit_name(engine)} "
-            f"({format_bytes(limit_bytes)}); expected a fraction of the limit above what the "
-            f"server holds idle (the default low watermark is {DEFAULT_MEMORY_LOW_WATERMARK})"
-        )
-    return Watermark(
-        lanes=len(config.lanes),
-        high_bytes=high_bytes,
-        low_bytes=low_bytes,
-        limit_bytes=limit_bytes,
-    )
-
-
-# What a server needs above its idle reading; the low mark must leave it.
-_ROOM = "with room above it for what serving keeps in use (buffers and caches a burst leaves)"
-
-
-def _check_idle_memory(
-    config: ServerConfig,
-    engine: Engine,
-    watermark: Watermark,
-    used_bytes: int | None,
-    probe: Probe,
-) -> None:
-    """Refuses a start whose idle reading is at or above the low mark: a lane the
-    watermark closes reopens only below it, so it would stay closed with nothing queued
-    or running. `probe`: the start-up probe, whose fitted readings tell what a full
-    batch keeps in use."""
-    if used_bytes is None or used_bytes < watermark.low_bytes:
-        return
-    if _on_gpu(engine):
-        _refuse_full_gpu(config, watermark, used_bytes)
-    else:
-        _refuse_host_limit(config, watermark, used_bytes, probe)
-
-
-def _marks_expected(config: ServerConfig, share: float) -> tuple[str, str]:
-    """The watermark keys at fault where the server needs `share` of the limit below its
-    low mark (`share_above`'s), and what they are expected to be: the low mark above the
-    share, the high one too where the low mark above it would be above the high one (the
-    config refuses that)."""
-    keys = "server.memory_low_watermark"
-    expected = f"memory_low_watermark above {share:g}"
-    if share > config.memory_high_watermark:
-        keys += ", server.memory_high_watermark"
-        expected += " and memory_high_watermark at least as high"
-    return keys, expected
-
-
-def _refuse_full_gpu(config: ServerConfig, watermark: Watermark, used_bytes: int) -> NoReturn:
-    """On a GPU the reading is every process's use of the device, this server's context
-    and weights among it, against the device's total: no setting of laneserve's holds
-    it lower (memory_limit caps the arena, not the device), so the GPU is named with what
-    it holds, and the marks as the setting that could still move."""
-    keys, expected = _marks_expected(config, share_above(used_bytes, watermark.limit_bytes))
-    raise ConfigError(
-        f"{keys}: GPU {session_gpu_id()!r} has {format_bytes(used_bytes)} of its "
-        f"{format_bytes(watermark.limit_bytes)} in use with the server idle after loading "
-        "the model (every process's use, this server's among it), at or above the low "
-        f"watermark {format_bytes(watermark.low_bytes)} (memory_low_watermark "
-        f"{config.memory_low_watermark:g} of the GPU's memory), so lanes closed by memory "
-        "pressure could never reopen; expected a GPU with more free memory, or "
-        f"{expected} (the share of the GPU's memory in use idle; the default low watermark "
-        f"is {DEFAULT_MEMORY_LOW_WATERMARK}), {_ROOM}"
-    )
-
-
-def _refuse_host_limit(
-    config: ServerConfig, watermark: Watermark, used_bytes: int, probe: Probe
-) -> NoReturn:
-    """On the CPU the limit it names is a floor: the idle reading plus what a full batch
-    keeps in use (`_full_batch_bytes`: the probe's fitted bytes per row times the cap),
-    over the low mark. Named from the idle reading alone, it let a server start whose
-    lanes all stayed closed after one burst: for 272 MiB of weights and 512-row batches
-    ~426 MiB was named, and under 440 MiB the server held 431 MiB with nothing running,
-    62 MiB above idle, against a low mark of 374 MiB. The probe measured 33 MiB for that
-    batch: what a burst keeps beyond it (queued requests, gRPC's buffers, the heap) is
-    the room the message asks for. Where the limit holds the idle server below the
-    default low mark, the low mark set lower is what fails, and is named instead, above
-    the same sum's share of the limit: above the idle reading's alone (0.581 of 200 MiB
-    for the demo model with 4 096-row batches), lanes a burst closed stayed closed. A low
-    mark of 1e-9 asked for a limit above 100 PiB. Where that share reaches the whole
-    limit no mark can hold it, and the limit is named after all."""
-    held = (
-        f"the server holds {format_bytes(used_bytes)} idle after loading the model, at or "
-        f"above the low watermark {format_bytes(watermark.low_bytes)} (memory_low_watermark "
-        f"{config.memory_low_watermark:g} of {format_bytes(watermark.limit_bytes)}), so lanes "
-        "closed by memory pressure could never reopen"
-    )
-    batch_bytes = _full_batch_bytes(probe)
-    share = share_above(used_bytes + batch_bytes, watermark.limit_bytes)
-    if used_bytes < int(watermark.limit_bytes * DEFAULT_MEMORY_LOW_WATERMARK) and share < 1:
-        keys, expected = _marks_expected(config, share)
-        counted = f" plus {_a_full_batch(probe, batch_bytes)}" if batch_bytes else ""
-        raise ConfigError(
-            f"{keys}: {held}; expected {expected} (the share of server.host_memory_limit the "
-            f"server holds idle{counted}; the default low watermark is "
-            f"{DEFAULT_MEMORY_LOW_WATERMARK}), {_ROOM}"
-        )
-    counted = (
-        f" (the idle reading plus {_a_full_batch(probe, batch_bytes)}, over "
-        f"memory_low_watermark {config.memory_low_watermark:g})"
-        if batch_bytes
-        else ""
-    )
-    floor_bytes = _host_limit_floor(config, used_bytes, batch_bytes)
-    # Keyed: `serve` names --host-memory-limit where the flag gave it, the key where the
-    # file did.
-    raise ConfigError(
-        f"{held}; expected a limit above {format_bytes_beyond(floor_bytes, above=True)}"
-        f"{counted}, {_ROOM}",
-        key="server.host_memory_limit",
-    )
-
-
-def _a_full_batch(probe: Probe, batch_bytes: int) -> str:
-    """A full batch (`batch_bytes`, `_full_batch_bytes`'s, not 0) as messages name it."""
-    return (
-        f"a full batch of {probe.batch_cap} rows at "
-        f"{format_bytes(batch_bytes // probe.batch_cap)} a row as the probe measured, "
-        f"{format_bytes(batch_bytes)}"
-    )
-
-
-def _host_limit_floor(config: ServerConfig, used_bytes: int, batch_bytes: int) -> int:
-    """The least host_memory_limit whose low mark lies above the idle reading plus a
-    full batch: lanes a burst of full batches closes can reopen below it."""
-    return int((used_bytes + batch_bytes) / config.memory_low_watermark)
-
-
-def _full_batch_bytes(probe: Probe) -> int:
-    """What a full batch keeps in use above the idle reading, as the probe measured it:
-    its fitted bytes per row times the batch cap; 0 where memory in use could not be
-    fitted (fewer than two sizes read)."""
-    fit = probe.memory_fit
-    return 0 if fit is None else fit.per_row_bytes * probe.batch_cap
-
-
-def _warn_if_a_full_arena_closes_lanes(
-    config: ServerConfig,
-    engine: Engine,
-    watermark: Watermark,
-    used_bytes: int | None,
-    weights_bytes: int,
-) -> None:
-    """On a GPU, warns where a batch that fills the arena would take the device to the
-    high mark by itself: lanes would close at the server's own work, and reopen only
-    once the arena gave its regions back. Not refused: a model whose batches never fill
-    the arena (most small ones) never gets there.
-
-    The device at a full arena is read as the idle reading plus the arena's whole cap
-    less the weights (`weights_bytes`, the static estimate's: the arena holds them idle,
-    so the idle reading has them already), not the probe's fitted readings: those
-    predict a full batch of the probe's own rows, while rows of another width, or
-    regions the arena keeps from batches of several sizes, fill it to its cap all the
-    same. Where the estimate failed (0) the weights count twice: it errs toward warning
-    by their size."""
-    arena_bytes = engine.memory_limit_bytes
-    if arena_bytes is None or used_bytes is None:
-        return
-    in_both_bytes = min(weights_bytes, arena_bytes)
-    full_bytes = used_bytes + arena_bytes - in_both_bytes
-    if full_bytes < watermark.high_bytes:
-        return
-    # Below the high mark less the idle reading, the weights given back (positive: the
-    # idle check passed, so the reading is below the low mark, at most the high one).
-    limit_below_bytes = watermark.high_bytes - used_bytes + in_both_bytes
-    remedy = f"--memory-limit below {format_bytes_beyond(limit_below_bytes, above=False)}"
-    remedy += _or_a_high_mark_above(full_bytes, watermark)
-    gpu = session_gpu_id()
-    log_event(
-        log,
-        logging.WARNING,
-        "watermark_below_full_arena",
-        f"GPU {gpu!r}: {format_bytes(used_bytes)} of {format_bytes(watermark.limit_bytes)} "
-        "is in use with the server idle (every process's use), and the session's arena may "
-        f"grow to its memory_limit of {format_bytes(arena_bytes)}: together (its weights "
-        f"counted once) "
-        f"{format_bytes(full_bytes)}, at or above the high watermark "
-        f"{format_bytes(watermark.high_bytes)} (memory_high_watermark "
-        f"{config.memory_high_watermark:g} of the GPU's memory), so a batch that fills the "
-        "arena would close lanes by itself, until the arena gives its regions back; "
-        f"expected {remedy}",
-        gpu=gpu,
-        used_bytes=used_bytes,
-        memory_limit_bytes=arena_bytes,
-        full_arena_bytes=full_bytes,
-        high_watermark_bytes=watermark.high_bytes,
-        total_bytes=watermark.limit_bytes,
-        memory_limit_below_bytes=limit_below_bytes,
-    )
-
-
-def _warn_if_a_full_batch_closes_lanes(
-    config: ServerConfig,
-    watermark: Watermark,
-    used_bytes: int | None,
-    probe: Probe,
-    cgroup_source: str | None,
-) -> None:
-    """On the CPU, warns where the idle reading plus a full batch as the probe measured
-    it (`_full_batch_bytes`) reaches the high mark: the server's own batches would close
-    lanes, and they reopen only below the low mark, which what a burst keeps may hold
-    them above (the demo model with 4 096-row batches under a 140 MiB limit: 120 MiB
-    idle, 137 MiB with every lane closed 10 s after one burst, against a low mark of
-    119). Not refused, as on a GPU: a server whose requests never fill a batch never
-    gets there, and limits like 150 MiB serve the demo model's small batches.
-
-    Its own event, beside the GPU's watermark_below_full_arena: what fills is a batch
-    the probe measured, not an arena at its cap, and the limit the remedy raises is
-    host_memory_limit (or the container's), not the arena's memory_limit. The limit
-    named is the floor a refused start names (the sum over the low mark, not the high
-    one): above it lanes a burst closes can reopen as well. `cgroup_source`: the file
-    the limit was read from where the cgroup's stands in for an unset host_memory_limit
-    (None: the setting's). Then the limit to raise is the container's: the warning had
-    named a --host-memory-limit never set, and one above the container's limit lets the
-    OOM killer come before the watermark acts."""
-    if used_bytes is None:
-        return
-    batch_bytes = _full_batch_bytes(probe)
-    full_bytes = used_bytes + batch_bytes
-    if full_bytes < watermark.high_bytes:
-        return
-    floor_bytes = _host_limit_floor(config, used_bytes, batch_bytes)
-    limit = format_bytes(watermark.limit_bytes)
-    limit_named, raised = f"server.host_memory_limit {limit}", "--host-memory-limit"
-    source: dict[str, str] = {}
-    if cgroup_source is not None:
-        limit_named = (
-            f"the cgroup memory limit {limit} ({cgroup_source}; server.host_memory_limit unset)"
-        )
-        raised, source = "a container memory limit", {"source": cgroup_source}
-    remedy = f"{raised} above {format_bytes_beyond(floor_bytes, above=True)}"
-    remedy += (
-        f" (the idle reading plus the batch, over memory_low_watermark "
-        f"{config.memory_low_watermark:g}), {_ROOM}"
-    )
-    log_event(
-        log,
-        logging.WARNING,
-        "watermark_below_full_batch",
-        f"the server holds {format_bytes(used_bytes)} idle of {limit_named}; with "
-        f"{_a_full_batch(probe, batch_bytes)}, it holds "
-        f"{format_bytes(full_bytes)}, at or above the high watermark "
-        f"{format_bytes(watermark.high_bytes)} (memory_high_watermark "
-        f"{config.memory_high_watermark:g} of {limit}), so a full batch would close lanes "
-        "by itself, and they reopen only below the low watermark "
-        f"{format_bytes(watermark.low_bytes)}; expected {remedy}"
-        f"{_or_a_high_mark_above(full_bytes, watermark)}",
-        used_bytes=used_bytes,
-        batch_cap=probe.batch_cap,
-        batch_bytes=batch_bytes,
-        full_batch_bytes=full_bytes,
-        high_watermark_bytes=watermark.high_bytes,
-        low_watermark_bytes=watermark.low_bytes,
-        host_memory_limit_bytes=watermark.limit_bytes,
-        host_memory_limit_above_bytes=floor_bytes,
-        **source,
-    )
-
-
-def _or_a_high_mark_above(full_bytes: int, watermark: Watermark) -> str:
-    """The high mark that leaves `full_bytes` below it, as a warning's second remedy;
-    "" where rounded up it reaches the whole limit: the config refuses marks above 1,
-    and a mark of 1 would keep lanes open until the memory is gone."""
-    share = share_above(full_bytes, watermark.limit_bytes)
-    return "" if share >= 1 else f" or server.memory_high_watermark above {share:g}"
-
-
-def _watermark_and_gauge(
-    config: ServerConfig,
-    engine: Engine,
-    memory_gauge: MemoryGauge | None,
-    cgroup: CgroupMemoryLimit | None,
-) -> tuple[Watermark | None, MemoryGauge]:
-    """The watermark, where there is a limit to watch, and its reading (`memory_gauge`,
-    else the device's). On a GPU the gauge comes first, its total being the watermark's
-    limit; on the CPU the watermark does, the process's gauge taking it."""
-    if _on_gpu(engine):
-        gauge = memory_gauge or device_gauge(engine)
-        return make_watermark(config, engine, gauge.total_bytes(), None), gauge
-    watermark = make_watermark(config, engine, None, cgroup)
-    return watermark, memory_gauge or device_gauge(engine, watermark)
-
-
-def _watch_memory(
-    config: ServerConfig,
-    engine: Engine,
-    memory_gauge: MemoryGauge | None,
-    weights_bytes: int,
-    probe: Probe,
-) -> tuple[Watermark | None, MemoryGauge | None]:
-    """The watermark, where there is a limit to watch, and its reading (`memory_gauge`,
-    else the device's), once the idle server is seen to fit below its low mark
-    (ConfigError otherwise). `weights_bytes`: the model's weights, as far as known (0).
-    `probe`: the start-up probe's findings. Under a limit taken from the cgroup
-    (host_memory_limit unset) an idle reading at or above the low mark is no refusal:
-    the server serves as it did without a limit, with no watermark, and says so (a
-    default must not refuse a start that serves, a container sized for the model but
-    not for the default marks)."""
-    from_cgroup = not _on_gpu(engine) and config.host_memory_limit is None
-    # Read once: the watermark's limit, and the file the warnings below name.
-    cgroup = cgroup_memory_limit() if from_cgroup else None
-    try:
-        watermark, gauge = _watermark_and_gauge(config, engine, memory_gauge, cgroup)
-        if watermark is None:
-            return None, None
-        # Read as an idle running server reads itself once lanes close: the arena's
-        # regions given back (`release_idle_memory`) and the C library's free heap. Read
-        # with the largest probe batch's regions still held, a start with max_batch_size
-        # 2048 and a 200 MiB host limit was refused at 187 MiB, though idle it held 123.
-        engine.release_idle_memory()
-        release_free_heap()
-        used_bytes = gauge.used_bytes()
-    except NvmlUnavailableError as error:
-        raise nvml_start_error(error) from error
-    if from_cgroup and used_bytes is not None and used_bytes >= watermark.low_bytes:
-        limit = format_bytes(watermark.limit_bytes)
-        log_event(
-            log,
-            logging.WARNING,
-            "host_watermark_off",
-            f"the server holds {format_bytes(used_bytes)} idle after loading the model, at "
-            f"or above the low watermark {format_bytes(watermark.low_bytes)} "
-            f"(memory_low_watermark {config.memory_low_watermark:g} of the cgroup memory "
-            f"limit {limit}), so lanes closed by memory pressure could never reopen: serving "
-            "without a host memory watermark, queued requests bounded by the lanes alone; "
-            "expected a cgroup memory limit with room above the idle server, or "
-            "--host-memory-limit set (a start it cannot hold is refused, naming one that can)",
-            used_bytes=used_bytes,
-            low_watermark_bytes=watermark.low_bytes,
-            host_memory_limit_bytes=watermark.limit_bytes,
-        )
-        return None, None
-    _check_idle_memory(config, engine, watermark, used_bytes, probe)
-    if _on_gpu(engine):
-        _warn_if_a_full_arena_closes_lanes(config, engine, watermark, used_bytes, weights_bytes)
-    else:
-        source = None if cgroup is None else cgroup.source
-        _warn_if_a_full_batch_closes_lanes(config, watermark, used_bytes, probe, source)
-    return watermark, gauge
-
-
-def _warn_if_the_fixed_cap_exceeds_the_fit(config: ServerConfig, probe: Probe) -> None:
-    """A fixed cap (--batch-cap) at or above a size the probe saw run out of memory: the
-    probe line said so at INFO only, and the first full batch then ran out of memory,
-    split and lowered the cap, seconds into serving, with no WARNING before it."""
-    fails = probe.first_failing_rows
-    if config.batch_cap is None or fails is None or config.batch_cap < fails:
-        return
-    fitted = max(probe.run_s)  # the largest size that ran (the probe runs one at least)
-    log_event(
-        log,
-        logging.WARNING,
-        "batch_cap_exceeds_fit",
-        f"--batch-cap {config.batch_cap} is above what fits: the probe ran out of memory at "
-        f"{fails} rows ({fitted} ran). The first batch too large to fit will run out of "
-        "memory, be split in halves and retried, and lower the cap, which then learns back "
-        f"up; set --batch-cap below {fails}, or leave it out for the probe to find the cap",
-        batch_cap=config.batch_cap,
-        first_failing_rows=fails,
-        largest_fitting_rows=fitted,
-    )
-
-
 def _line(estimate: MemoryEstimate | None) -> str:
     if estimate is None:
         return "n/a"
@@ -1231,20 +441,20 @@ class LaneServer:
             probe_shapes=probe_shapes,
             run_ms=run_ms,
         )
-        _warn_if_the_fixed_cap_exceeds_the_fit(config, self.probe)
+        warn_if_the_fixed_cap_exceeds_the_fit(config, self.probe)
         self.stats = StatsRecorder([lane.name for lane in config.lanes], clock=self.clock)
         self.telemetry = telemetry or Telemetry.from_config(config, engine.providers)
-        self.telemetry.event_log.arena = "device" if _on_gpu(engine) else "host arena"
+        self.telemetry.event_log.arena = "device" if on_gpu(engine) else "host arena"
         try:
             # The watermark's reading: the device's, unless a test supplies its own.
             # The weights (the static estimate's, 0 unknown) count in the idle reading.
             weights_bytes = self.memory_estimate.fixed_bytes if self.memory_estimate else 0
             # On a GPU the probe's NVML gauge reads for the watermark too (one opened, not
             # two); the CPU's takes the watermark, made after.
-            watermark, self.memory_gauge = _watch_memory(
+            watermark, self.memory_gauge = watch_memory(
                 config,
                 engine,
-                memory_gauge or (device if _on_gpu(engine) else None),
+                memory_gauge or (device if on_gpu(engine) else None),
                 weights_bytes,
                 self.probe,
             )
@@ -1270,6 +480,9 @@ class LaneServer:
         self.shared_memory = SharedMemoryRegions(enabled=config.shared_memory)
         self._thread: SchedulerThread | None = None
         self._servicer: InferenceServicer | None = None
+        # Long text is decoded (the servicer) and answers of it encoded (the router) on
+        # it; once started.
+        self._text: TextThread | None = None
         self._listeners: list[_Listener] = []  # the main port's first, once started
         self._grpc_calls: GrpcCallCounts | None = None  # once the gRPC server runs
         self._stopped = asyncio.Event()
@@ -1335,8 +548,7 @@ class LaneServer:
         for name in HEALTH_SERVICES:
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         loop = asyncio.get_running_loop()
-        # Long text is decoded (the servicer) and answers of it encoded (the router) there.
-        text = TextThread()
+        text = self._text = TextThread()
         router = OutcomeRouter(loop, text)
         thread = self._thread = SchedulerThread(
             self.scheduler,
@@ -1349,6 +561,7 @@ class LaneServer:
         )
         if self._grace_ended:
             thread.end_grace()
+            text.cut()
         watermark = self.scheduler.watermark  # its marks are set once, when it is made
         self.telemetry.observe(
             MetricSources(
@@ -1603,7 +816,7 @@ class LaneServer:
                 error=str(error),
             )
         if bound == 0:
-            refusal = _bind_refusal(self.config.host, port, setting)
+            refusal = bind_refusal(self.config.host, port, setting)
             # An OSError, as ever, for an embedder's start (`serve` checked the ports).
             raise OSError(
                 f"cannot listen on {address} (server.{setting}): gRPC could not bind it; "
@@ -1635,7 +848,7 @@ class LaneServer:
             totals=self.stats.cumulative,
             # ONNX Runtime's CUDA provider runs on its default device, 0: the first GPU
             # CUDA_VISIBLE_DEVICES lists (memory.session_gpu).
-            gpu_id=0 if _on_gpu(self.engine) else None,
+            gpu_id=0 if on_gpu(self.engine) else None,
             regions=self.shared_memory,
             trace_settings=TraceSettings(
                 tracing=self.telemetry.tracing is not None,
@@ -1664,7 +877,7 @@ class LaneServer:
         try:
             return await http.start(host, port, tls)
         except OSError as error:
-            refusal = _bind_refusal(self.config.host, port, "http_port")
+            refusal = bind_refusal(self.config.host, port, "http_port")
             raise (refusal or error) from None
 
     async def _stop_http(self) -> None:
@@ -1692,6 +905,8 @@ class LaneServer:
             self.state = Lifecycle.STOPPED
             if self._servicer is not None:
                 self._servicer.close()
+            if self._text is not None:
+                self._text.close()
             self.telemetry.close()
             self.shared_memory.close()
             await self._health.enter_graceful_shutdown()  # as every stopped server says
@@ -1719,6 +934,8 @@ class LaneServer:
             # The ledger's sweep timer goes, and none is armed again (an answer of a run
             # that would not end may still be stored): no timer outlives the server.
             self._servicer.close()
+            assert self._text is not None
+            self._text.close()  # its thread goes once the work it began ends
             self.telemetry.close()
             self.shared_memory.close()  # the servers have stopped: no call reads a region
             self.state = Lifecycle.STOPPED
@@ -1728,13 +945,14 @@ class LaneServer:
     async def _drain(self, grace_s: float) -> bool:
         assert self._servicer is not None
         assert self._thread is not None
+        assert self._text is not None
         self._servicer.stop_reading_streams()
         await self._health.enter_graceful_shutdown()
         started_s = self.clock.monotonic()
         # Requests read before the drain whose long text is still being decoded (on a
         # thread) are admitted as they would have been decoded on the event loop: the
         # scheduler stops admitting once they are, within the grace.
-        decoding = await self._servicer.reads_finished(0.0 if self._grace_ended else grace_s)
+        decoding = await self._text.reads_finished(0.0 if self._grace_ended else grace_s)
         self._thread.stop_accepting()
         left_s = max(0.0, grace_s - (self.clock.monotonic() - started_s))
         drained = await asyncio.to_thread(self._thread.wait_drained, left_s) and not decoding
@@ -1767,7 +985,7 @@ class LaneServer:
             )
         # No batch runs any more: the answers of the last ones whose text was encoded off
         # the loop reach it now.
-        await self._servicer.answers_encoded(TEXT_ANSWERS_WAIT_S)
+        await self._text.encoded(TEXT_ANSWERS_WAIT_S)
         # Every RPC now has its answer; give them a moment to be written. Health watches
         # (NOT_SERVING sent) and reflection streams end now: the grace would wait for
         # them in full.
@@ -1879,8 +1097,8 @@ class LaneServer:
         self._grace_ended = True  # for a thread not made yet: asked before start() made it
         if self._thread is not None:
             self._thread.end_grace()
-        if self._servicer is not None:
-            self._servicer.stop_waiting_for_text()
+        if self._text is not None:
+            self._text.cut()
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()

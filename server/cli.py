@@ -30,13 +30,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from laneserve.server import flag_values
+from laneserve.server.addresses import check_ports_free
 from laneserve.server.app import (
     OPEN_FILES_HINT,
     LaneServer,
     check_open_file_limit,
-    check_ports_free,
     load_engine,
-    server_credentials,
 )
 from laneserve.server.bench import cli as bench_cli
 from laneserve.server.clock import Clock, SystemClock
@@ -56,6 +55,7 @@ from laneserve.server.process import (
 from laneserve.server.telemetry import configure_logging, log_event
 from laneserve.server.telemetry.environment import check_tracing_env
 from laneserve.server.telemetry.logs import flush_logs
+from laneserve.server.tls import server_credentials
 from laneserve.server.top import add_arguments as add_top_arguments
 from laneserve.server.top import run as run_top
 

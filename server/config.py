@@ -224,7 +224,7 @@ DEFAULT_LANES: tuple[LaneConfig, ...] = (
 # of DEFAULT_LANES, so a config with lanes of its own must name one of them.
 DEFAULT_LANE = "standard"
 # Where lanes closed by memory pressure reopen, as a fraction of the limit; a limit that
-# holds the idle server below it leaves the usual room (app._check_idle_memory).
+# holds the idle server below it leaves the usual room (memory_start._check_idle_memory).
 DEFAULT_MEMORY_LOW_WATERMARK = 0.85
 
 

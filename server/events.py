@@ -27,14 +27,19 @@ log = logging.getLogger(__name__)
 class SchedulerEvents(Protocol):
     def admitted(self, lane: str, rows: int) -> None: ...
 
-    def rejected(self, lane: str, reason: str, waited_s: float) -> None:
+    def rejected(
+        self, lane: str, reason: str, waited_s: float, *, message: str = "", request_id: str = ""
+    ) -> None:
         """A request was refused without being admitted. `waited_s`: from its arrival in
         the servicer (before decoding, as `request_finished`'s `duration_s`) to its
         refusal: a retry refused after waiting for the request it joined, a stream item
         after waiting for room in its full lane; about 0 for one refused as it reached
         the servicer (its bytes did not parse: the microseconds since its arrival was
         read), 0.0 where it never had one here (an oversized request, another front end's
-        conversion of it failed, `InferenceRequest.arrived_s` None)."""
+        conversion of it failed, `InferenceRequest.arrived_s` None). `message`: the
+        refusal's words as its caller got them ("": none, its caller had left);
+        `request_id`: its request's ("": none, or one not quoted: over
+        MAX_REQUEST_ID_BYTES). What an operator reads of a flood of bad requests."""
         ...
 
     def shed(self, lane: str, reason: str, rows: int) -> None:
@@ -95,12 +100,17 @@ class SchedulerEvents(Protocol):
         """Device memory in use, as the watermark sees it."""
         ...
 
-    def request_finished(self, lane: str, status: str, duration_s: float) -> None:
+    def request_finished(
+        self, lane: str, status: str, duration_s: float, *, late: bool = False
+    ) -> None:
         """The service answered an admitted request ("OK" or the error's reason), its
         caller left ("CANCELLED"), or its gRPC deadline passed while it ran
         ("DEADLINE_EXCEEDED"). `duration_s` runs from the request's arrival in the
-        servicer (before decoding) to its answer. Called on the event loop, not under the
-        scheduler's lock."""
+        servicer (before decoding) to its answer. `late`: answered OK after the deadline
+        the scheduler kept (its timeout_ms or its lane's timeout; a gRPC deadline passed
+        is DEADLINE_EXCEEDED): it ran in time to begin, and past it, which admission by
+        deadline (`DEADLINE_UNMEETABLE`) did not foresee. Called on the event loop, not
+        under the scheduler's lock."""
         ...
 
 
@@ -111,8 +121,9 @@ class RequestTrace(Protocol):
         """The answer is back on the event loop: the reply starts."""
         ...
 
-    def end(self, status: str) -> None:
-        """The request is over: "OK", why it was refused or failed, or "CANCELLED"."""
+    def end(self, status: str, *, late: bool = False) -> None:
+        """The request is over: "OK", why it was refused or failed, or "CANCELLED".
+        `late`: answered OK from a run that ended past its deadline (`Outcome.late`)."""
         ...
 
 
@@ -138,7 +149,7 @@ class _NullTrace:
     def replying(self) -> None:
         pass
 
-    def end(self, status: str) -> None:
+    def end(self, status: str, *, late: bool = False) -> None:
         pass
 
 
@@ -162,7 +173,9 @@ class NullEvents:
     def admitted(self, lane: str, rows: int) -> None:
         pass
 
-    def rejected(self, lane: str, reason: str, waited_s: float) -> None:
+    def rejected(
+        self, lane: str, reason: str, waited_s: float, *, message: str = "", request_id: str = ""
+    ) -> None:
         pass
 
     def shed(self, lane: str, reason: str, rows: int) -> None:
@@ -204,7 +217,9 @@ class NullEvents:
     def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:
         pass
 
-    def request_finished(self, lane: str, status: str, duration_s: float) -> None:
+    def request_finished(
+        self, lane: str, status: str, duration_s: float, *, late: bool = False
+    ) -> None:
         pass
 
 
@@ -239,8 +254,15 @@ class FanOut:
     def admitted(self, lane: str, rows: int) -> None:
         self._each("admitted", lambda sink: sink.admitted(lane, rows))
 
-    def rejected(self, lane: str, reason: str, waited_s: float) -> None:
-        self._each("rejected", lambda sink: sink.rejected(lane, reason, waited_s))
+    def rejected(
+        self, lane: str, reason: str, waited_s: float, *, message: str = "", request_id: str = ""
+    ) -> None:
+        self._each(
+            "rejected",
+            lambda sink: sink.rejected(
+                lane, reason, waited_s, message=message, request_id=request_id
+            ),
+        )
 
     def shed(self, lane: str, reason: str, rows: int) -> None:
         self._each("shed", lambda sink: sink.shed(lane, reason, rows))
@@ -289,5 +311,10 @@ class FanOut:
     def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:
         self._each("memory_sampled", lambda sink: sink.memory_sampled(used_bytes, budget_bytes))
 
-    def request_finished(self, lane: str, status: str, duration_s: float) -> None:
-        self._each("request_finished", lambda sink: sink.request_finished(lane, status, duration_s))
+    def request_finished(
+        self, lane: str, status: str, duration_s: float, *, late: bool = False
+    ) -> None:
+        self._each(
+            "request_finished",
+            lambda sink: sink.request_finished(lane, status, duration_s, late=late),
+        )

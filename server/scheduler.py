@@ -426,7 +426,13 @@ class Scheduler:
         try:
             self._check_admission(request, lane, now_s)
         except LaneserveError as error:
-            self.events.rejected(lane.name, error.reason, request.waited_s(now_s))
+            self.events.rejected(
+                lane.name,
+                error.reason,
+                request.waited_s(now_s),
+                message=error.message,
+                request_id=request.request_id,
+            )
             raise
         deadline_s = lane.config.deadline_s(now_s, request.deadline_s)
         self._last_entry_id += 1
@@ -1967,8 +1973,17 @@ class Scheduler:
 
     # ---- completion ----------------------------------------------------------------
 
-    def complete(self, result: BatchResult, *, into: list[Outcome] | None = None) -> list[Outcome]:
+    def complete(
+        self,
+        result: BatchResult,
+        *,
+        into: list[Outcome] | None = None,
+        ended_s: float | None = None,
+    ) -> list[Outcome]:
         """Hands each request its rows of a finished batch; answers the completed ones.
+        `ended_s`: when it ended, on the scheduler's clock (None: when it formed plus its
+        run time); an answer made then past its request's deadline is late
+        (`Outcome.late`).
 
         Each answer is appended to `into` (None: a new list) as it is made, and that list
         is returned (a caller that passes `into` ignores it: added again, each answer
@@ -1992,7 +2007,8 @@ class Scheduler:
         # or more outlasted ACTIVE_LANE_S, and each lane whose rows all ran in it had its
         # pace forgotten at every batch (`_forget_idle_pace`; 29 % of bulk requests
         # refused in a simulation whose requests all met their deadlines before).
-        ended_s = batch.formed_s + result.run_s
+        if ended_s is None:
+            ended_s = batch.formed_s + result.run_s
         for piece in batch.slices:
             lane = self._by_name[piece.lane]
             if lane.served_at_s is None or lane.served_at_s < ended_s:
@@ -2033,7 +2049,7 @@ class Scheduler:
             )
             entry.done_rows += piece.rows
             if entry.done_rows == entry.request.rows:
-                outcomes.append(self._finish_ok(entry))
+                outcomes.append(self._finish_ok(entry, ended_s))
         # A batch none of whose rows ran failed as a whole, with its first row's error.
         error = result.error
         if error is None and result.outputs is None:
@@ -2180,7 +2196,8 @@ class Scheduler:
                 outcomes.append(self._error_outcome(entry, entry_error))
         return outcomes
 
-    def _finish_ok(self, entry: Entry) -> Outcome:
+    def _finish_ok(self, entry: Entry, ended_s: float) -> Outcome:
+        """The answer of `entry`, whose last rows ran in a batch that ended at `ended_s`."""
         chunks = sorted(entry.chunks, key=lambda chunk: chunk[0])
         outputs: dict[str, Array]
         if len(chunks) == 1:
@@ -2214,6 +2231,7 @@ class Scheduler:
             outputs=outputs,
             error=None,
             timing=self._timing(entry),
+            late=ended_s > entry.deadline_s,
         )
         self.events.completed(self.lanes[entry.priority].name, "OK")
         self._release(entry)

@@ -183,7 +183,13 @@ class SchedulerThread:
             if refusal is not None:
                 # Counted as the scheduler counts its own refusals (they went uncounted).
                 waited_s = request.waited_s(self._clock.monotonic())
-                self._scheduler.events.rejected(request.lane, refusal.reason, waited_s)
+                self._scheduler.events.rejected(
+                    request.lane,
+                    refusal.reason,
+                    waited_s,
+                    message=refusal.message,
+                    request_id=request.request_id,
+                )
                 raise refusal
             entry_id = self._scheduler.admit(request, self._clock.monotonic())
             # While a batch runs the scheduler has nothing to decide about new work, so
@@ -538,7 +544,7 @@ class SchedulerThread:
                 # submissions are refused with it, until `_fail` answers what is left.
                 self._refusal, self._closing = refusal, True
             self._idle_since_s = self._clock.monotonic()
-            self._scheduler.complete(result, into=outcomes)
+            self._scheduler.complete(result, into=outcomes, ended_s=self._idle_since_s)
             # Shed before deciding, as the scheduler thread does, with the time after
             # completing (it takes time): work whose deadline passed while this batch ran
             # must not become the next batch, and the scheduler thread, asleep until that

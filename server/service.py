@@ -248,12 +248,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         memory: MemoryFacts | None = None,
         telemetry: ServiceTelemetry | None = None,
         instance_id: str | None = None,
-        text: TextThread | None = None,
+        *,
+        text: TextThread,
     ) -> None:
         """`instance_id`: GetStats' (a new one by default); the server gives its
         telemetry's, so that Prometheus' target_info names the same instance. `text`: the
-        thread that decodes long text (a new one by default; the server gives the one its
-        OutcomeRouter encodes answers on), closed by `close`."""
+        thread that decodes long text, the server's (its OutcomeRouter encodes answers on
+        it; the server drains and closes it)."""
         self._memory = memory
         self._telemetry = telemetry or ServiceTelemetry()
         self._events = self._telemetry.events
@@ -281,7 +282,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._room_lines: collections.defaultdict[str, collections.deque[RoomWaiter]]
         self._room_lines = collections.defaultdict(collections.deque)
         self._room_waiters: dict[str, list[RoomWaiter]] = {}
-        self._text = text or TextThread()
+        self._text = text
         self._ledger = RequestLedger(
             ReplayCache(
                 max_entries=config.idempotency_max_entries,
@@ -504,32 +505,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         return self._ledger.counts()
 
     def close(self) -> None:
-        """The server stopped: the ledger's sweep timer goes (`RequestLedger.close`), and
-        the thread that decodes long text."""
+        """The server stopped: the ledger's sweep timer goes (`RequestLedger.close`)."""
         self._ledger.close()
-        self._text.close()
-
-    async def reads_finished(self, timeout_s: float) -> int:
-        """The server drains: waits until every request read before is decoded (0), or
-        `timeout_s` passed or `stop_waiting_for_text` was called: then those still being
-        decoded, or waiting their turn, are refused DRAINING, as queued ones are, and their
-        count returned. Called before the scheduler stops admitting: a request of long text
-        read before the drain, decoded within it, is run (or refused for itself), as one
-        decoded on the event loop is."""
-        if await self._text.wait_idle(timeout_s):
-            return 0
-        return self._text.abandon()
-
-    async def answers_encoded(self, timeout_s: float) -> None:
-        """The scheduler has stopped: waits until the answers whose text was being encoded
-        off the loop (`OutcomeRouter`) have reached it, or `timeout_s`, so that gRPC's stop
-        does not cancel their calls first."""
-        await self._text.encoded(timeout_s)
-
-    def stop_waiting_for_text(self) -> None:
-        """A drain in progress ends its `reads_finished` and `answers_encoded` now (the
-        operator asked twice)."""
-        self._text.cut()
 
     async def _stream_answer(
         self,
@@ -630,7 +607,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             f"largest message this caller reads ({limit.limit_bytes} bytes, its "
             f"{RECEIVE_LIMIT_KEY}); expected fewer rows per request, or a larger receive limit"
         )
-        raise error if counted else self._rejected(lane, error, arrived_s=arrived_s)
+        raise (
+            error
+            if counted
+            else self._rejected(lane, error, arrived_s=arrived_s, request_id=response.request_id)
+        )
 
     async def GetModel(
         self,
@@ -699,6 +680,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     queue_wait=latency_summary(lane.queue_wait),
                     request_duration=latency_summary(lane.request_duration),
                     answered=lane.answered,
+                    late=lane.late,
                 )
                 for lane in snapshot.lanes
             ],
@@ -758,6 +740,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 lane,
                 DeadlineUnmeetableError("the deadline had passed when the request was read"),
                 arrived_s=arrived_s,
+                request_id=request.request_id,
             )
         # The earliest of its deadline and its lane's timeout, both counted from arrival:
         # given to the scheduler as the request's deadline. The lane's timeout counted
@@ -775,7 +758,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # The ledger runs it at most once per request_id: a retry joins or replays.
             digest, decoded = self._read_inputs(request, ledger_id, lane_config, output_names)
         except LaneserveError as error:  # counted as the scheduler counts its own
-            raise self._rejected(lane, error, arrived_s=arrived_s) from None
+            raise self._rejected(
+                lane, error, arrived_s=arrived_s, request_id=request.request_id
+            ) from None
         if decoded is _UNREAD:
             # Before a stream item's wait for room, as on the loop. A unary call's request
             # is submitted in the step its decode ends in, with no await between (see
@@ -858,7 +843,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     own.counted(size)
                 return response
             finally:
-                self._request_over(lane, trace, status, arrived_s)
+                self._request_over(lane, trace, status, arrived_s, late=outcome.late)
 
         def expired(error: JoinExpiredError) -> None:
             nonlocal trace
@@ -973,7 +958,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         try:
             return decode_inputs(request.inputs, self._input_specs)
         except LaneserveError as error:
-            raise self._rejected(lane, error, arrived_s=arrived_s) from None
+            raise self._rejected(
+                lane, error, arrived_s=arrived_s, request_id=request.request_id
+            ) from None
 
     async def _decoded_aside(
         self,
@@ -998,7 +985,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         left_s = until_s - self._clock.monotonic()
         if left_s <= 0:
             raise self._rejected(
-                lane, _text_expired(request, until_s, arrived_s), arrived_s=arrived_s
+                lane,
+                _text_expired(request, until_s, arrived_s),
+                arrived_s=arrived_s,
+                request_id=request.request_id,
             )
         if stream is not None:
             stream.room.enter()
@@ -1007,9 +997,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 return await self._text.decode(ledger_id, request.inputs, self._input_specs)
         except TimeoutError:
             expired = _text_expired(request, until_s, arrived_s)
-            raise self._rejected(lane, expired, arrived_s=arrived_s) from None
+            raise self._rejected(
+                lane, expired, arrived_s=arrived_s, request_id=request.request_id
+            ) from None
         except LaneserveError as error:
-            raise self._rejected(lane, error, arrived_s=arrived_s) from None
+            raise self._rejected(
+                lane, error, arrived_s=arrived_s, request_id=request.request_id
+            ) from None
         except asyncio.CancelledError:
             self._left_unadmitted(lane, until_s, arrived_s)
             raise
@@ -1054,7 +1048,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         id was kept, for its stream answer)."""
         if isinstance(request, OversizedRequest):
             # Refused as it reaches the servicer, before `_infer` reads its arrival.
-            raise self._rejected_without_lane(oversized(request), arrived_s=None)
+            raise self._rejected_without_lane(
+                oversized(request), arrived_s=None, request_id=request.request_id
+            )
         return request
 
     def _lane_of(
@@ -1084,6 +1080,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 InvalidInputError(
                     f"unknown lane {lane!r}; expected one of {list(self._lane_configs)}"
                 ),
+                request_id=request.request_id,
                 arrived_s=arrived_s,
             )
         if (
@@ -1099,6 +1096,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 lane,
                 _new_work_draining(),
                 arrived_s=arrived_s,
+                request_id=request.request_id,
             )
         return lane, lane_config
 
@@ -1138,7 +1136,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if retry == "join":  # refused before it joins: traced a retry once it does (`_Taken`)
             refusal = self._join_memory_refusal(lane, ledger_id)
             if refusal is not None:
-                raise self._rejected(lane, refusal, arrived_s=arrived_s)
+                raise self._rejected(lane, refusal, arrived_s=arrived_s, request_id=ledger_id)
         elif retry == "replay":  # not "reused": that call is refused, not a retry
             self._tracer.retried(ledger_id, lane, retry)
         if retry is None:
@@ -1155,7 +1153,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # Answered, but no entry of its own was shed: counted as its lane's refusal
             # (it was counted nowhere, and the counters missed an answer). So is a waiter
             # answered alone at its deadline, by `caller.expired`.
-            raise self._rejected(lane, error, arrived_s=arrived_s) from None
+            raise self._rejected(lane, error, arrived_s=arrived_s, request_id=ledger_id) from None
 
     def _join_memory_refusal(self, lane: str, request_id: str) -> LaneserveError | None:
         """Why a retry in `lane` may not join the request `request_id` in flight for
@@ -1202,7 +1200,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 # (the drain could not start; a LANE_FULL counted each turn). One that
                 # found room at once runs, as a unary call does: its long text decoded
                 # while the drain began (which waited for it), it was refused here.
-                raise self._rejected(lane, _item_draining(), arrived_s=arrived_s)
+                raise self._rejected(
+                    lane, _item_draining(), arrived_s=arrived_s, request_id=ledger_id
+                )
             try:
                 return await run()
             except LaneFullError:
@@ -1288,30 +1288,40 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         return NULL_TRACE
 
     def _rejected(
-        self, lane: str, error: LaneserveError, *, arrived_s: float | None
+        self, lane: str, error: LaneserveError, *, arrived_s: float | None, request_id: str = ""
     ) -> LaneserveError:
         """`error`, counted as a refusal of `lane` (a lane the server has: see
         `_rejected_without_lane`) as the scheduler counts its own: the lanes' `rejected`,
         the metrics, the refusal log and ModelStatistics' `fail`, with its wait from
         `arrived_s` (`_infer`'s) to now. None: refused as it reached the servicer, before
-        its arrival was read: it waited nothing here."""
+        its arrival was read: it waited nothing here. `request_id`: its request's, for
+        the refusal log and the trace ("": none, or none to quote)."""
         waited_s = 0.0 if arrived_s is None else self._clock.monotonic() - arrived_s
-        self._events.rejected(lane, error.reason, waited_s)
+        self._events.rejected(
+            lane, error.reason, waited_s, message=error.message, request_id=request_id
+        )
         return error
 
     def _rejected_without_lane(
-        self, error: LaneserveError, *, arrived_s: float | None
+        self, error: LaneserveError, *, arrived_s: float | None, request_id: str = ""
     ) -> LaneserveError:
         """`error`, for a request refused before it has a lane of the server's (its bytes
         do not parse, or it names a lane the server lacks), counted as a refusal of the
         default lane: a label the server chose, since one per name a client sent would
-        grow the metrics' label set (and GetStats' lanes) without bound. `arrived_s`: as
-        `_rejected`'s."""
-        return self._rejected(self._config.default_lane, error, arrived_s=arrived_s)
+        grow the metrics' label set (and GetStats' lanes) without bound. `arrived_s` and
+        `request_id`: as `_rejected`'s."""
+        return self._rejected(
+            self._config.default_lane, error, arrived_s=arrived_s, request_id=request_id
+        )
 
-    def _request_over(self, lane: str, trace: RequestTrace, status: str, arrived_s: float) -> None:
-        trace.end(status)
-        self._events.request_finished(lane, status, self._clock.monotonic() - arrived_s)
+    def _request_over(
+        self, lane: str, trace: RequestTrace, status: str, arrived_s: float, *, late: bool = False
+    ) -> None:
+        """Ends an admitted request's trace and counts its end; `late`: its run ended past
+        its deadline (`Outcome.late`), counted where it is answered OK."""
+        late = late and status == "OK"
+        trace.end(status, late=late)
+        self._events.request_finished(lane, status, self._clock.monotonic() - arrived_s, late=late)
 
 
 _READ_DONE = object()  # a stream's reader has read its last item

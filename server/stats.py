@@ -177,6 +177,7 @@ class _LaneCounters:
     # "DEADLINE_EXCEEDED" (see ANSWERED_STATUSES).
     # Invariant once idle: admitted == sum(answered.values()).
     answered: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    late: int = 0  # of those answered OK, the ones answered after their deadline
     queue_wait_s: _Window = dataclasses.field(default_factory=_Window)
     # Arrival to answer of the requests answered OK (see `request_finished`).
     request_s: _Window = dataclasses.field(default_factory=_Window)
@@ -192,6 +193,7 @@ class _LaneCounters:
             dict(self.rejected),
             dict(self.shed),
             dict(self.answered),
+            self.late,
             self.queue_wait_s.recent(now_s),
             self.request_s.recent(now_s),
         )
@@ -209,6 +211,7 @@ class _LaneReading:
     rejected: dict[str, int]
     shed: dict[str, int]
     answered: dict[str, int]
+    late: int
     queue_wait_s: list[float]
     request_s: list[float]
 
@@ -221,6 +224,7 @@ class _LaneReading:
             rejected=self.rejected,
             shed=self.shed,
             answered=self.answered,
+            late=self.late,
             queue_wait=percentiles_ms(self.queue_wait_s),
             request_duration=percentiles_ms(self.request_s),
         )
@@ -235,6 +239,7 @@ class LaneSnapshot:
     rejected: dict[str, int]
     shed: dict[str, int]
     answered: dict[str, int]
+    late: int  # answered OK after their deadline (`SchedulerEvents.request_finished`)
     queue_wait: Percentiles
     request_duration: Percentiles
 
@@ -264,6 +269,7 @@ class Counts:
     rejected: dict[tuple[str, ...], int]  # (lane, reason) ->
     shed: dict[tuple[str, ...], int]  # (lane, reason) ->
     answered: dict[tuple[str, ...], int]  # (lane, status: "OK" or the error's reason) ->
+    late: dict[str, int]  # lane -> answered OK after their deadline
     batches: dict[tuple[str, ...], int]  # (dispatch reason, status) -> batches run
     out_of_memory: int
     batch_splits: int
@@ -406,7 +412,9 @@ class StatsRecorder:
         with self._lock:
             self._lanes[lane].admitted += 1
 
-    def rejected(self, lane: str, reason: str, waited_s: float) -> None:
+    def rejected(
+        self, lane: str, reason: str, waited_s: float, *, message: str = "", request_id: str = ""
+    ) -> None:
         with self._lock:
             self._lanes[lane].rejected[reason] += 1
             self._fail.count += 1
@@ -507,13 +515,16 @@ class StatsRecorder:
         with self._lock:
             self._memory_used_bytes = used_bytes
 
-    def request_finished(self, lane: str, status: str, duration_s: float) -> None:
+    def request_finished(
+        self, lane: str, status: str, duration_s: float, *, late: bool = False
+    ) -> None:
         """Counts each admitted request's end as its caller saw it: the scheduler's
         outcome, unless answering failed after it (an answer over max_message_bytes)."""
         with self._lock:
             now_s = self._clock.monotonic()
             counters = self._lanes[lane]
             counters.answered[status] += 1
+            counters.late += late
             ended = self._success if status == "OK" else self._fail
             ended.count += 1
             ended.ns += round(duration_s * 1e9)
@@ -564,6 +575,7 @@ class StatsRecorder:
                     for name, lane in self._lanes.items()
                     for status, count in lane.answered.items()
                 },
+                late={name: lane.late for name, lane in self._lanes.items()},
                 batches=dict(self._batch_outcomes),
                 out_of_memory=self._out_of_memory,
                 batch_splits=self._batch_splits,

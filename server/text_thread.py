@@ -75,11 +75,11 @@ class TextThread:
       id, sent second, is the one refused), as when decoding took no await;
     - `_reads` holds the decodes awaited and the calls waiting for one (`after`); the
       drain waits until it finds `_reads.empty` set
-      (`wait_idle`, which looks again after each wake: a call that leaves `after` goes
+      (`_wait_idle`, which looks again after each wake: a call that leaves `after` goes
       on to its own decode, or to the scheduler, in that step) before the scheduler stops
       admitting, so a request read before the drain is admitted. Where the drain stops
       waiting (its grace, a second signal), the decodes still awaited end refused
-      DRAINING (`abandon`), as requests queued then are.
+      DRAINING (`_abandon`), as requests queued then are.
     And one for answers: a batch encoded here is handed to the loop whole, in one
     callback, as the router hands any batch; the stop waits for the batches given to the
     thread (`encoded`) before gRPC's stop would cancel their calls."""
@@ -94,10 +94,10 @@ class TextThread:
         # Owned by the event loop: the decodes' state.
         self._turn = asyncio.Lock()  # held by the one decode given to the thread
         self._waiting_turn = 0  # decodes waiting for `_turn` (read by `counts`)
-        self._decodes: set[asyncio.Future[DecodedInputs]] = set()  # those awaited (`abandon`)
-        self._abandoned = False  # `abandon` was called: a decode asked now is refused
-        self._cancelled: set[asyncio.Future[DecodedInputs]] = set()  # by `abandon`, not a caller
-        self._cut = asyncio.Event()  # `cut`: `wait_idle` and `encoded` return at once
+        self._decodes: set[asyncio.Future[DecodedInputs]] = set()  # those awaited (`_abandon`)
+        self._abandoned = False  # `_abandon` was called: a decode asked now is refused
+        self._cancelled: set[asyncio.Future[DecodedInputs]] = set()  # by `_abandon`, not a caller
+        self._cut = asyncio.Event()  # `cut`: `_wait_idle` and `encoded` return at once
         # The batches given to the thread to encode and not yet handed to the loop; the
         # scheduler thread adds them, the text thread takes them away.
         self._encodes_lock = threading.Lock()
@@ -152,7 +152,7 @@ class TextThread:
         self, ledger_id: str, tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]
     ) -> DecodedInputs:
         """`decode_inputs(tensors, specs)` on the thread; raises its refusal, or
-        DrainingError where the drain stopped waiting for it (`abandon`). A caller
+        DrainingError where the drain stopped waiting for it (`_abandon`). A caller
         cancelled meanwhile leaves a decode begun to finish (a thread is not interrupted;
         its answer is dropped), and one not begun is never run."""
         if self._abandoned:
@@ -194,7 +194,7 @@ class TextThread:
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if work in self._cancelled and task is not None and not task.cancelling():
-                raise _abandoned() from None  # `abandon` cancelled it, not its caller
+                raise _abandoned() from None  # `_abandon` cancelled it, not its caller
             raise
         finally:
             self._decodes.discard(work)
@@ -233,7 +233,18 @@ class TextThread:
             self._reads.leave()
         return True
 
-    async def wait_idle(self, timeout_s: float) -> bool:
+    async def reads_finished(self, timeout_s: float) -> int:
+        """The server drains: waits until every request read before is decoded (0), or
+        `timeout_s` passed or `cut` was called: then those still being decoded, or waiting
+        their turn, are refused DRAINING, as queued ones are (`_abandon`), and their count
+        returned. Called before the scheduler stops admitting: a request of long text read
+        before the drain, decoded within it, is run (or refused for itself), as one
+        decoded on the event loop is."""
+        if await self._wait_idle(timeout_s):
+            return 0
+        return self._abandon()
+
+    async def _wait_idle(self, timeout_s: float) -> bool:
         """Waits until no decode is awaited and no call waits for one (True), `timeout_s`
         passed or `cut` was called (False)."""
         loop = asyncio.get_running_loop()
@@ -251,7 +262,7 @@ class TextThread:
                 cut.cancel()
         return self._reads.empty.is_set()
 
-    def abandon(self) -> int:
+    def _abandon(self) -> int:
         """The drain stops waiting for decodes: each one awaited or waiting its turn ends
         now, its caller refused DRAINING (one not begun is never run), and a decode asked
         from now on is refused so. Returns how many it refused."""
@@ -264,7 +275,8 @@ class TextThread:
         return refused
 
     def cut(self) -> None:
-        """A drain stops waiting for the thread (the operator asked twice)."""
+        """A drain in progress, or the next one, stops waiting for the thread: its
+        `reads_finished` and `encoded` return now (the operator asked twice)."""
         self._cut.set()
 
     def encode_then(

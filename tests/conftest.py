@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 
 from laneserve import client as lc
-from laneserve.server import app as app_module
+from laneserve.server import memory_start
 from laneserve.server.demo_model import make_demo_model, make_text_model
 
 
@@ -80,7 +80,7 @@ def no_cgroup_memory_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process servers take no host watermark from the cgroup the tests run in: a CI
     runner's container limit would otherwise close lanes at the whole test process's
     resident memory. Tests of that default patch it again (theirs comes later)."""
-    monkeypatch.setattr(app_module, "cgroup_memory_limit", lambda: None)
+    monkeypatch.setattr(memory_start, "cgroup_memory_limit", lambda: None)
 
 
 @pytest.fixture

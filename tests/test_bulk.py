@@ -1549,9 +1549,9 @@ def test_a_stream_item_that_waited_for_room_counts_no_refusal(small_model: Path)
                         def replying(self) -> None:
                             trace.replying()
 
-                        def end(self, status: str) -> None:
+                        def end(self, status: str, *, late: bool = False) -> None:
                             marks.append(status)
-                            trace.end(status)
+                            trace.end(status, late=late)
 
                     return Recorded()
 

@@ -173,6 +173,48 @@ def test_model_and_stats_print_readable_tables(small_model: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_the_connection_options_are_taken_before_the_command_too(small_model: Path) -> None:
+    """`laneserve-client --target H:P model` was refused "invalid choice: 'H:P' (choose
+    from 'model', ...)", which did not say that --target went after the command. Taken
+    there too; given in both places, the one after the command is taken."""
+
+    async def scenario() -> list[tuple[int, str, str]]:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            return [
+                await cli("--target", s.target, "model"),
+                await cli("model", "--target", s.target),
+                await cli(
+                    "--target", "127.0.0.1:1", "--timeout", "30", "model", "--target", s.target
+                ),
+            ]
+
+    before, after, both = asyncio.run(scenario())
+    assert before[0] == 0, before[2]
+    assert before == after
+    assert both == after
+
+
+def test_connection_options_before_the_command_are_kept_unless_given_after_it() -> None:
+    """An option not given after the command leaves what was given before it (or its
+    default); --metadata adds: every pair from both places is sent."""
+    parse = client_cli_module._parse_args
+    args = parse(["--metadata", "a=1", "--attempts", "2", "--tls", "stats", "--metadata", "b=2"])
+    assert (args.metadata, args.attempts, args.tls) == (["a=1", "b=2"], 2, True)
+    args = parse(["--attempts", "2", "--log-level", "debug", "stats", "--attempts", "3"])
+    assert (args.attempts, args.log_level) == (3, "debug")
+    defaults = parse(["stats"])
+    connection = ("target", "tls", "tls_ca", "metadata", "attempts", "timeout", "log_level")
+    assert {name: getattr(defaults, name) for name in connection} == {
+        "target": "127.0.0.1:50051",
+        "tls": False,
+        "tls_ca": None,
+        "metadata": [],
+        "attempts": 6,
+        "timeout": None,
+        "log_level": "warning",
+    }
+
+
 def test_model_prints_which_model_and_server_answer(small_model: Path, tmp_path: Path) -> None:
     """`model` names the served model's SHA-256 (to compare with `sha256sum` of the file
     rolled out), its own model_version and producer, and the server's release."""

@@ -32,8 +32,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from laneserve.client.tensors import encode_strings
 from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig, kserve_http
-from laneserve.server.addresses import listening_sockets
-from laneserve.server.app import check_ports_free
+from laneserve.server.addresses import check_ports_free, listening_sockets
 from laneserve.server.cli import _parser, _serve_config
 from laneserve.server.config import ConfigError
 from laneserve.server.errors import (

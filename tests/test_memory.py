@@ -33,8 +33,14 @@ import pytest
 from onnx import TensorProto, helper
 
 from laneserve.client.tensors import decode_tensor, encode_tensor
-from laneserve.server import ConfigError, LaneConfig, LaneServer, ServerConfig, load_engine
-from laneserve.server import app as app_module
+from laneserve.server import (
+    ConfigError,
+    LaneConfig,
+    LaneServer,
+    ServerConfig,
+    load_engine,
+    memory_start,
+)
 from laneserve.server import memory as memory_module
 from laneserve.server.batch_caps import CAP_CEILING_BATCHES, CAP_RECOVERY_BATCHES, BatchCaps
 from laneserve.server.clock import ManualClock
@@ -2820,7 +2826,7 @@ def test_without_a_host_memory_limit_the_watermark_takes_the_cgroups(
     files = {"memory.max": "max" if cgroup_mib is None else f"{cgroup_mib * MIB}"}
     proc, cgroups = _kernel_files(tmp_path, "0::/\n", files)
     monkeypatch.setattr(
-        app_module, "cgroup_memory_limit", lambda: cgroup_memory_limit(proc, cgroups)
+        memory_start, "cgroup_memory_limit", lambda: cgroup_memory_limit(proc, cgroups)
     )
     caplog.set_level(logging.INFO, "laneserve")
     server = _cpu_server(demo_model, **settings)
@@ -3694,7 +3700,7 @@ def test_a_full_batch_warning_under_the_cgroups_limit_names_the_container_limit(
     a container limit as the remedy; either remedy, set as printed, starts without it."""
     proc, cgroups = _kernel_files(tmp_path, "0::/\n", {"memory.max": f"{135 * MIB}"})
     monkeypatch.setattr(
-        app_module, "cgroup_memory_limit", lambda: cgroup_memory_limit(proc, cgroups)
+        memory_start, "cgroup_memory_limit", lambda: cgroup_memory_limit(proc, cgroups)
     )
     caplog.set_level(logging.WARNING, "laneserve")
     _cpu_server(demo_model, max_batch_size=512)

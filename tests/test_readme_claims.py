@@ -29,10 +29,10 @@ from google.rpc import code_pb2
 
 from laneserve.client import NO_RETRIES, Client, LaneserveError, StreamResult, TlsConfig
 from laneserve.server import LaneServer, ServerConfig
-from laneserve.server.app import server_credentials
 from laneserve.server.cli import main as laneserve_main
 from laneserve.server.config import ConfigError
 from laneserve.server.telemetry import Telemetry
+from laneserve.server.tls import server_credentials
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import F32, RecordingEngine, config, item_reason, request, rows, serving
 from tests.support import client_cli as cli

@@ -218,7 +218,9 @@ class RecordingEvents(NullEvents):
     def admitted(self, lane: str, rows: int) -> None:
         self.log.append(("admitted", lane, rows))
 
-    def rejected(self, lane: str, reason: str, waited_s: float) -> None:
+    def rejected(
+        self, lane: str, reason: str, waited_s: float, *, message: str = "", request_id: str = ""
+    ) -> None:
         self.log.append(("rejected", lane, reason))
         self.rejected_waits_s.append(waited_s)
 
@@ -972,6 +974,26 @@ def test_request_larger_than_the_cap_is_split_and_reassembled_in_order() -> None
     assert Counter(tokens(answered)) == Counter([big.token, *small])
     for outcome in answered:
         assert_answered(outcome, big if outcome.token == big.token else small[outcome.token])
+
+
+def test_an_answer_from_a_run_that_ended_past_its_deadline_is_marked_late() -> None:
+    """Two requests admitted in time (deadlines 50 and 500 ms away) run in one batch that
+    ends 100 ms after it formed: the first is answered late (`Outcome.late`, counted
+    laneserve_requests_late_total by the servicer), the second in time. Without the mark
+    an answer past its own timeout_ms was counted OK like any other, and an operator saw
+    nothing of admission's misjudged run times. Its end is the scheduler's clock when the
+    batch completes (`ended_s`), else its formation plus its run time."""
+    for ended_s in (T0 + 0.1, None):
+        scheduler = make_scheduler(TOP_DOWN_LANES)
+        soon = make_request(0, "standard", 2, deadline_s=T0 + 0.05)
+        later = make_request(1, "standard", 2, deadline_s=T0 + 0.5)
+        for request in (soon, later):
+            scheduler.admit(request, T0)
+        batch = dispatch(scheduler, T0 + STANDARD.max_wait_ms / 1000, T0)
+        assert batch.rows == 4
+        outcomes = scheduler.complete(run(batch, run_s=0.1), ended_s=ended_s)
+        assert {outcome.token: outcome.late for outcome in outcomes} == {0: True, 1: False}
+        assert all(outcome.error is None for outcome in outcomes)
 
 
 def test_chunks_of_a_split_request_fill_whole_batches_when_alone() -> None:
@@ -5129,9 +5151,9 @@ class FailingSecondAnswer(Scheduler):
         if self.answers == 2:
             raise RuntimeError("scheduler bug")
 
-    def _finish_ok(self, entry: Entry) -> Outcome:
+    def _finish_ok(self, entry: Entry, ended_s: float) -> Outcome:
         self._answer_made()
-        return super()._finish_ok(entry)
+        return super()._finish_ok(entry, ended_s)
 
     def _finish_error(self, entry: Entry, error: LaneserveError) -> Outcome:
         self._answer_made()

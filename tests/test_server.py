@@ -45,7 +45,7 @@ from laneserve.server import (
     service,
 )
 from laneserve.server import app as app_module
-from laneserve.server.app import check_ports_free
+from laneserve.server.addresses import check_ports_free
 from laneserve.server.clock import ManualClock
 from laneserve.server.codec import decode_inputs
 from laneserve.server.config import DEFAULT_LANES, ConfigError

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import grpc
 import numpy as np
@@ -37,6 +38,7 @@ import prometheus_client
 import pytest
 from onnx import TensorProto, helper
 from opentelemetry.exporter import prometheus as otel_prometheus
+from opentelemetry.metrics import NoOpMeter
 from opentelemetry.sdk.metrics.export import (
     Gauge,
     Histogram,
@@ -72,9 +74,12 @@ from laneserve.server.errors import (
     ServerFaultError,
 )
 from laneserve.server.events import FanOut
+from laneserve.server.grpc_calls import GrpcCalls
+from laneserve.server.idempotency import LedgerCounts
 from laneserve.server.items import (
     Batch,
     BatchResult,
+    BatchSlice,
     DispatchReason,
     FailedRows,
     InferenceRequest,
@@ -88,9 +93,9 @@ from laneserve.server.memory import (
     parse_memory_limit,
     prefer_pci_order,
 )
-from laneserve.server.scheduler import Dispatch, Scheduler
+from laneserve.server.scheduler import Dispatch, LaneDepth, Scheduler
 from laneserve.server.scheduler_thread import SchedulerThread
-from laneserve.server.shared_memory import Placement, SharedMemoryRegions
+from laneserve.server.shared_memory import Placement, SharedMemoryCounts, SharedMemoryRegions
 from laneserve.server.stats import StatsRecorder
 from laneserve.server.telemetry import (
     BatchLinkSampler,
@@ -114,7 +119,8 @@ from laneserve.server.telemetry.logs import (
     flush_logs,
     start_timer,
 )
-from laneserve.server.telemetry.metrics import MetricSources
+from laneserve.server.telemetry.metrics import Metrics, MetricSources
+from laneserve.server.text_thread import TextThreadCounts
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
     REPO,
@@ -351,9 +357,12 @@ def test_a_retry_answered_by_the_ledger_says_so_on_its_call_span(small_model: Pa
     assert not first.events
     # A reused id is a refusal, not a retry: its event says so.
     for reused in (reused_in_flight, reused_stored):
-        assert [(event.name, dict(event.attributes or {})) for event in reused.events] == [
-            ("laneserve.refused", {"laneserve.reason": "REQUEST_ID_REUSED"})
+        ((name, attributes),) = [
+            (event.name, dict(event.attributes or {})) for event in reused.events
         ]
+        assert name == "laneserve.refused"
+        assert str(attributes.pop("laneserve.message")).startswith("request_id 'r' ")
+        assert attributes == {"laneserve.reason": "REQUEST_ID_REUSED", "laneserve.request_id": "r"}
     for span, how in ((joined, "join"), (replayed, "replay")):
         (event,) = span.events
         assert event.name == "laneserve.retry"
@@ -866,9 +875,16 @@ def test_a_refused_stream_item_is_an_event_on_the_calls_span(small_model: Path) 
 
     (stream,) = in_trace(asyncio.run(scenario()), 12)[STREAM_SPAN]
     refused = [dict(event.attributes or {}) for event in stream.events]
-    # The reason alone: the unknown lane's refusal is counted under the default lane,
-    # which a lane attribute named as if the item had asked for it (a review).
-    assert refused == [{"laneserve.reason": "INVALID_INPUT"}] * 2
+    # No lane: the unknown lane's refusal is counted under the default lane, which a lane
+    # attribute named as if the item had asked for it (a review). Its words and its id:
+    # "INVALID_INPUT" alone said nothing of which item, or what was wrong with it.
+    messages = [str(attributes.pop("laneserve.message")) for attributes in refused]
+    assert refused == [
+        {"laneserve.reason": "INVALID_INPUT", "laneserve.request_id": "narrow"},
+        {"laneserve.reason": "INVALID_INPUT", "laneserve.request_id": "nowhere"},
+    ]
+    assert "expected" in messages[0]
+    assert messages[1].startswith("unknown lane 'nowhere'")
     assert {event.name for event in stream.events} == {"laneserve.refused"}
 
 
@@ -1204,6 +1220,60 @@ def test_the_proto_says_which_count_of_request_ends_is_which() -> None:
     assert "laneserve_requests_completed_total" in comment("uint64 completed = 5;")
     assert "neither OK nor EXPIRED_IN_QUEUE nor CANCELLED" in comment("uint64 failed = 6;")
     assert "laneserve_requests_completed_total" in comment("map<string, uint64> answered = 21;")
+    assert "laneserve_requests_late_total" in comment("uint64 late = 22;")
+
+
+def test_an_answer_run_past_its_timeout_is_counted_late_where_an_operator_looks(
+    small_model: Path,
+) -> None:
+    """On a manual clock: a request of timeout_ms 1 000 is admitted and runs; its run is
+    held while the clock moves 2 s. It is answered OK (the work is done, and no gRPC
+    deadline ended its call), and counted late: GetStats' lanes[].late,
+    laneserve_requests_late_total{lane} and its `reply` span's laneserve.late. One
+    answered in time counts in none. An answer past its own timeout_ms was counted OK
+    like any other, and nothing showed that admission had misjudged the run time (an
+    operator's evaluation: 352 of 750 such answers, none seen)."""
+    reader = InMemoryMetricReader()
+
+    async def scenario() -> tuple[pb.GetStatsResponse, Points, InMemorySpanExporter]:
+        clock = ManualClock()
+        engine = RecordingEngine(str(small_model))
+        # A batch of one row is full: it goes at once, where one waiting for company on
+        # this clock would wait until the test moved it.
+        server_config = config(small_model, max_batch_size=1)
+        telemetry, exporter = traced(engine, server_config, reader=reader)
+        async with serving(engine, server_config, telemetry=telemetry, clock=clock) as s:
+            await s.stub.Infer(request(rows(1), request_id="in-time", timeout_ms=1_000))
+            engine.hold_next()
+            late = asyncio.ensure_future(
+                s.stub.Infer(request(rows(1), request_id="late", timeout_ms=1_000))
+            )
+            await entered(engine)
+            clock.advance(2.0)
+            engine.release()
+            answer = await late
+            assert answer.request_id == "late"
+            stats = await s.stub.GetStats(pb.GetStatsRequest())
+            return stats, collect(reader), exporter
+
+    stats, points, exporter = asyncio.run(scenario())
+    lanes = {lane.name: lane for lane in stats.lanes}
+    assert (lanes["standard"].completed, lanes["standard"].late) == (2, 1)
+    assert {name: lane.late for name, lane in lanes.items() if name != "standard"} == {
+        "interactive": 0,
+        "bulk": 0,
+    }
+    assert series(points, "laneserve.requests.late", "lane") == {
+        ("interactive",): 0,
+        ("standard",): 1,
+        ("bulk",): 0,
+    }
+    replies = {
+        str(dict(span.attributes or {}).get("laneserve.request_id")): dict(span.attributes or {})
+        for span in spans_named(exporter, "reply")
+    }
+    assert replies["late"].get("laneserve.late") is True
+    assert "laneserve.late" not in replies["in-time"]
 
 
 def test_memory_and_out_of_memory_events_reach_the_metrics() -> None:
@@ -2156,6 +2226,75 @@ def test_device_utilization_is_scraped_under_its_documented_name() -> None:
     assert "`laneserve_device_utilization_ratio`" in readme
 
 
+def test_no_help_text_names_a_metric_as_opentelemetry_names_it() -> None:
+    """laneserve_answers_unsent_total's HELP said an OK answer "is counted OK in
+    laneserve.requests.completed": the instrument's OpenTelemetry name, which no
+    Prometheus query finds. A HELP names another metric as /metrics shows it. Scraped
+    with every source on (an instrument that observes nothing has no HELP line), and
+    checked to hold a HELP of every instrument `Metrics` creates."""
+    lanes = ServerConfig(model_path="m.onnx").lanes
+    device = DeviceMonitor(_StandInNvml, handle=0)
+    meter = mock.Mock(wraps=NoOpMeter("laneserve"))
+    Metrics(meter, lanes, device, ["CUDAExecutionProvider"])
+    created = [call.args[0] for call in meter.method_calls if call[0].startswith("create_")]
+    telemetry = Telemetry(
+        lanes=lanes,
+        providers=["CUDAExecutionProvider"],
+        max_batch_size=64,
+        prometheus=True,
+        device=device,
+    )
+    stats = StatsRecorder([lane.name for lane in lanes])
+    text_counts = TextThreadCounts(done={"decode": 1}, busy_s={"decode": 0.5}, pending=0)
+    sources = dataclasses.replace(
+        cpu_sources(stats),
+        depths=lambda: [LaneDepth("standard", 3, 1, 2048)],
+        grpc_calls=lambda: GrpcCalls(started=1, succeeded=1, failed=0),
+        ledger=lambda: LedgerCounts(1, 1, 1, 100),
+        watermark=lambda: WatermarkState(3 << 30, 6 << 30, 5 << 30, ("bulk",), 8 << 30),
+        high_watermark_bytes=6 << 30,
+        low_watermark_bytes=5 << 30,
+        memory_limit_bytes=4 << 30,
+        shared_memory=lambda: SharedMemoryCounts(regions=1, read_bytes=8, written_bytes=8),
+        http_requests=lambda: {("/v2/health/ready", 200): 1},
+        answers_unsent=lambda: {"/laneserve.v1.InferenceService/Infer": 1},
+        text_thread=lambda: text_counts,
+    )
+    metrics = telemetry.metrics
+    assert metrics is not None
+    batch = Batch(7, (BatchSlice(1, "standard", 0, 2, 0),), 2, DispatchReason.FULL, 0.0, {})
+    try:
+        telemetry.observe(sources)
+        metrics.memory_sampled(3 << 30, 8 << 30)
+        metrics.batch_formed(batch, [0.001])
+        metrics.batch_done(batch, 0.002, None)
+        metrics.request_finished("standard", "OK", 0.003)
+        port = telemetry.serve_metrics("127.0.0.1", 0)
+        assert port is not None
+        text = fetch(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        telemetry.close()
+    helps = {line.split()[2]: line for line in text.splitlines() if line.startswith("# HELP ")}
+    dotted = [line for line in helps.values() if re.search(r"laneserve\.[a-z]", line)]
+    assert not dotted
+    assert "laneserve_requests_completed_total" in helps["laneserve_answers_unsent_total"]
+    named = {
+        other
+        for name, line in helps.items()
+        for other in re.findall(r"laneserve_[a-z_]+", line.removeprefix(f"# HELP {name} "))
+    }
+    assert named - set(helps) == set(), "each metric a HELP names is scraped as it names it"
+    # Prometheus names an instrument with "_" for ".", and a unit or _total after it;
+    # as many HELP lines as instruments: "batch.cap" matches batch_cap_max's too.
+    ours = [name for name in helps if name.startswith("laneserve_")]
+    unscraped = [
+        name
+        for name in created
+        if not any(re.fullmatch(name.replace(".", "_") + "(_[a-z]+)*", each) for each in ours)
+    ]
+    assert (unscraped, len(ours)) == ([], len(created)), "a HELP line for every instrument"
+
+
 def test_metrics_port_minus_one_records_nothing_and_opens_no_port(small_model: Path) -> None:
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
@@ -2385,6 +2524,37 @@ def test_refusals_for_overload_and_routine_ones_are_logged_apart(
             {"refused": {"interactive/DEADLINE_UNMEETABLE": 1}, "window_s": 0.0, "last_ago_s": 9.0},
         ),
     ]
+
+
+def test_a_refusal_line_says_what_the_first_was_told_and_whose_the_first_few_were(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A flood of bad requests was logged as {"interactive/INVALID_INPUT": 3935} alone:
+    nothing of what was wrong, nor whose they were (an operator's evaluation). A line
+    now carries the first refusal's words (the first that had any: a caller that left was
+    told none) and the first MAX_REQUEST_IDS ids, in fields, as requests_failed does."""
+    clock, timers = FakeClock(), FakeTimers()
+    events = EventLog(max_batch_size=64, interval_s=10.0, monotonic=clock, timer=timers)
+    caplog.set_level(logging.INFO, logger="laneserve.server.telemetry")
+    events.rejected("standard", "DRAINING", 0.0)  # the window's first line, at once
+    clock.now_s += 1
+    events.rejected("standard", "CANCELLED", 0.0)  # its caller left: told nothing
+    for index in range(7):
+        events.rejected(
+            "interactive",
+            "INVALID_INPUT",
+            0.0,
+            message=f"input 'input' has dtype float64; expected float32 ({index})",
+            request_id=f"bad-{index}",
+        )
+    (timer,) = timers.started
+    clock.now_s += 9
+    timer.action()
+    first, held = [_fields(record) for record in _events_of(caplog, "admission_refused_routine")]
+    assert set(first) == {"refused", "window_s", "last_ago_s"}  # DRAINING, told nothing
+    assert held["refused"] == {"standard/CANCELLED": 1, "interactive/INVALID_INPUT": 7}
+    assert held["first_refusal"] == "input 'input' has dtype float64; expected float32 (0)"
+    assert held["request_ids"] == [f"bad-{index}" for index in range(MAX_REQUEST_IDS)]
 
 
 def test_sheds_are_logged_in_aggregate_at_warning_once_any_expired(

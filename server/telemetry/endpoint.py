@@ -28,7 +28,7 @@ CONNECTION_TIMEOUT_S = 10.0
 class MetricsEndpoint:
     """The Prometheus scrape endpoint (HTTP GET /metrics) over one registry, one thread a
     request; HTTPS with `tls` (the gRPC port's certificate, cipher levels and client
-    certificate rule: app.https_context)."""
+    certificate rule: tls.https_context)."""
 
     def __init__(
         self,

@@ -454,7 +454,7 @@ class Window:
     rows: int  # the rows the occurrences carried (those that gave any)
     window_s: float  # from the first occurrence to the last
     ago_s: float  # from the last occurrence to the line
-    first_detail: str | None  # the first occurrence's detail (an error's message)
+    first_detail: str | None  # the first detail an occurrence gave (an error's message)
     request_ids: tuple[str, ...]  # of the first MAX_REQUEST_IDS occurrences that gave one
 
     @property
@@ -527,7 +527,8 @@ class AggregatedLine:
             if not self._counts:
                 # A burst's window opens at its first occurrence, not at the last line.
                 self._window_start_s = now_s
-                self._first_detail = detail
+            if self._first_detail is None:  # the first given (`_take` clears it): a refusal
+                self._first_detail = detail  # tells a caller that had left nothing
             self._last_s = now_s
             self._counts[key] = self._counts.get(key, 0) + 1
             self._rows += rows
@@ -594,6 +595,19 @@ class AggregatedLine:
         return window
 
 
+def _first_refusal(window: Window) -> dict[str, Any]:
+    """What the window's first refusal was told, and whose the first few were, where the
+    refusals said (a caller that left was told nothing): a flood of bad requests
+    ("interactive/INVALID_INPUT": 3935) said nothing of what was wrong or who sent it. In
+    fields alone, as requests_failed's (`EventLog._write_failed`)."""
+    fields: dict[str, Any] = {}
+    if window.first_detail:
+        fields["first_refusal"] = bounded_message(window.first_detail)
+    if window.request_ids:
+        fields["request_ids"] = list(window.request_ids)
+    return fields
+
+
 class EventLog(NullEvents):
     """A `SchedulerEvents` sink for the events an operator must hear of unasked.
 
@@ -655,9 +669,11 @@ class EventLog(NullEvents):
         # done (before `batch_done`), and a drain that ends says which one it left.
         self.running_batch: Batch | None = None
 
-    def rejected(self, lane: str, reason: str, waited_s: float) -> None:
+    def rejected(
+        self, lane: str, reason: str, waited_s: float, *, message: str = "", request_id: str = ""
+    ) -> None:
         line = self._refused_routine if reason in ROUTINE_REFUSALS else self._refused
-        line.add(lane, reason)
+        line.add(lane, reason, detail=message or None, request_id=request_id or None)
 
     def shed(self, lane: str, reason: str, rows: int) -> None:
         self._shed.add(lane, reason, rows=rows)
@@ -706,6 +722,7 @@ class EventLog(NullEvents):
             f"admission refused {window.total} request(s) in {window.window_s:.1f}s"
             f"{window.late()}{why}",
             refused=window.by_key(),
+            **_first_refusal(window),
             **window.timing(),
         )
 

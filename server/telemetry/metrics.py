@@ -11,6 +11,7 @@ Metric names (OpenTelemetry; Prometheus adds the unit and `_total`, e.g.
     laneserve.requests.rejected   counter           lane, reason   refused at admission
     laneserve.requests.shed       counter           lane, reason   dropped after admission
     laneserve.requests.completed  counter           lane, status   every admitted request's end
+    laneserve.requests.late       counter           lane           answered OK, run past deadline
     laneserve.batches             counter           reason, status dispatch reason, outcome
     laneserve.device.out_of_memory counter                         runs out of device memory
     laneserve.batch.splits        counter                          batches run in parts after OOM
@@ -251,6 +252,14 @@ _COUNTERS: tuple[_Counter, ...] = (
         lambda lanes: itertools.product(lanes, ANSWERED_STATUSES),
     ),
     _Counter(
+        "laneserve.requests.late",
+        "Admitted requests answered OK from a run that ended past their deadline (their "
+        "timeout_ms or their lane's timeout): admission foresaw them in time",
+        ("lane",),
+        lambda counts: {(lane,): count for lane, count in counts.late.items()},
+        lambda lanes: ((lane,) for lane in lanes),
+    ),
+    _Counter(
         "laneserve.batches",
         "Batches run, by dispatch reason and status",
         ("reason", "status"),
@@ -412,7 +421,7 @@ class Metrics(NullEvents):
             unit="{answer}",
             description="Answers gRPC could not send because their calls had ended first (a "
             "deadline passed, or the caller left, while the answer waited for the event "
-            "loop), by method; an OK one is counted OK in laneserve.requests.completed "
+            "loop), by method; an OK one is counted OK in laneserve_requests_completed_total "
             "though its caller never received it",
         )
         meter.create_observable_gauge(
@@ -636,7 +645,9 @@ class Metrics(NullEvents):
         self._batch_size.record(batch.rows)
         self._infer.record(run_s, {"status": status})
 
-    def request_finished(self, lane: str, status: str, duration_s: float) -> None:
+    def request_finished(
+        self, lane: str, status: str, duration_s: float, *, late: bool = False
+    ) -> None:
         self._request.record(duration_s, {"lane": lane, "status": status})
 
     def memory_sampled(self, used_bytes: int, budget_bytes: int | None) -> None:

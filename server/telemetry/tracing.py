@@ -33,7 +33,7 @@ from opentelemetry.sdk.trace.sampling import (
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.util.types import Attributes
 
-from laneserve.server.errors import DrainingError, LaneserveError
+from laneserve.server.errors import DrainingError, LaneserveError, bounded_message
 from laneserve.server.events import NULL_TRACE, NullEvents, RequestTrace
 from laneserve.server.items import Batch
 
@@ -219,7 +219,7 @@ class _RequestSpans:
                 "reply", context=self._parent, attributes=self._reply_attributes
             )
 
-    def end(self, status: str) -> None:
+    def end(self, status: str, *, late: bool = False) -> None:
         # Once: a caller answered alone at its deadline ends its request's spans then, while
         # the work goes on for a retry that joined it, and may still be cancelled later.
         if self._ended:
@@ -229,6 +229,10 @@ class _RequestSpans:
             return  # it never ran: `enqueue` says how it ended
         if self._reply is not None:
             _set_request_status(self._reply, status)
+            if late:
+                # An OK status alone hid it: the span's times against `enqueue`'s
+                # laneserve.deadline_ms were the only sign.
+                self._reply.set_attribute("laneserve.late", True)
             self._reply.end()
             return
         # It ran, and ends with no answer to encode (its caller left while its batch ran):
@@ -270,7 +274,8 @@ class _JoinedReply:
                 "reply", context=self._parent, attributes=self._attributes
             )
 
-    def end(self, status: str) -> None:
+    def end(self, status: str, *, late: bool = False) -> None:
+        del late  # told on the request's own `reply` (the submitter's)
         if self._ended:
             return
         self._ended = True
@@ -351,17 +356,26 @@ class Tracing(NullEvents):
         )
 
     # SchedulerEvents
-    def rejected(self, lane: str, reason: str, waited_s: float) -> None:
+    def rejected(
+        self, lane: str, reason: str, waited_s: float, *, message: str = "", request_id: str = ""
+    ) -> None:
         # An event on the call's span (on the event loop, in the call's context): a
         # refusal before the request's spans start (a bad input, an unknown lane, an
         # item of a stream) left the trace with a status code alone, and a stream's span
         # ended OK with nothing of its refused items (a review). Its reason alone: one
         # refused before it had a lane of the server's is counted under the default lane,
-        # which it never asked for.
+        # which it never asked for. Its words too, as its caller got them: a stream's span
+        # carries many items' refusals, and the reason alone ("INVALID_INPUT") told an
+        # operator nothing of what was wrong.
         del lane, waited_s
         span = otel_trace.get_current_span()
         if span.is_recording():
-            span.add_event("laneserve.refused", {"laneserve.reason": reason})
+            attributes = {"laneserve.reason": reason}
+            if message:
+                attributes["laneserve.message"] = bounded_message(message)
+            if request_id:
+                attributes["laneserve.request_id"] = request_id
+            span.add_event("laneserve.refused", attributes)
 
     def batch_formed(self, batch: Batch, queue_waits_s: Sequence[float | None]) -> None:
         requests = [

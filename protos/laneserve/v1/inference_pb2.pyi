@@ -722,6 +722,7 @@ class LaneStats(_message.Message):
     DEPTH_REQUESTS_FIELD_NUMBER: _builtins.int
     REQUEST_DURATION_FIELD_NUMBER: _builtins.int
     ANSWERED_FIELD_NUMBER: _builtins.int
+    LATE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     depth_rows: _builtins.int
     capacity_rows: _builtins.int
@@ -737,6 +738,12 @@ class LaneStats(_message.Message):
     admitted = completed + failed + answered["EXPIRED_IN_QUEUE"] + answered["CANCELLED"].
     """
     depth_requests: _builtins.int
+    late: _builtins.int
+    """Of those answered OK (completed), the requests whose run ended after their deadline
+    (timeout_ms, or the lane's timeout; a gRPC deadline passed is DEADLINE_EXCEEDED in
+    `answered`): admission by deadline foresaw them in time, and the session ran slower
+    than it measured. The figures of laneserve_requests_late_total.
+    """
     @_builtins.property
     def rejected(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Refused at admission, by reason (LANE_FULL, DEADLINE_UNMEETABLE, ...)."""
@@ -773,10 +780,11 @@ class LaneStats(_message.Message):
         depth_requests: _builtins.int = ...,
         request_duration: Global___LatencySummary | None = ...,
         answered: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        late: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["queue_wait", b"queue_wait", "request_duration", b"request_duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "answered", b"answered", "capacity_rows", b"capacity_rows", "completed", b"completed", "depth_requests", b"depth_requests", "depth_rows", b"depth_rows", "failed", b"failed", "name", b"name", "queue_wait", b"queue_wait", "rejected", b"rejected", "request_duration", b"request_duration", "shed", b"shed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "answered", b"answered", "capacity_rows", b"capacity_rows", "completed", b"completed", "depth_requests", b"depth_requests", "depth_rows", b"depth_rows", "failed", b"failed", "late", b"late", "name", b"name", "queue_wait", b"queue_wait", "rejected", b"rejected", "request_duration", b"request_duration", "shed", b"shed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
