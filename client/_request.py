@@ -11,11 +11,11 @@ import numpy as np
 import numpy.typing as npt
 
 from laneserve.client._errors import InvalidInputError, ResourceExhaustedError
-from laneserve.client.tensors import encode_tensor
+from laneserve.client.tensors import StringElementError, encode_tensor
 from laneserve.v1 import inference_pb2 as pb
 
 # The server's bound on a request_id, in bytes of UTF-8 (MAX_REQUEST_ID_BYTES in
-# laneserve.server.service; documented in inference.proto).
+# laneserve.server.grpc_methods; documented in inference.proto).
 MAX_REQUEST_ID_BYTES = 256
 # The server's ErrorInfo reason for a request it refuses as wrong for its model or lanes.
 INVALID_INPUT = "INVALID_INPUT"
@@ -73,16 +73,31 @@ def encode_inputs(inputs: Mapping[str, npt.NDArray[Any]], request_id: str) -> li
             (names the input).
     """
     arrays = checked_inputs(inputs)
-    try:
-        return [encode_tensor(name, array) for name, array in arrays.items()]
-    except UnicodeEncodeError:  # before ValueError, which it is
-        # Which one, and what is wrong with its text, worked out only when protobuf
-        # refused (the types are checked on every request, above).
-        for name in arrays:
+    tensors = []
+    for name, array in arrays.items():
+        try:
+            tensors.append(encode_tensor(name, array))
+        except UnicodeEncodeError:  # before ValueError, which it is
+            # Which one, and what is wrong with its text, worked out only when protobuf
+            # refused (the types are checked on every request, above).
             utf8_bytes("input name", name, request_id=request_id)
-        raise
-    except ValueError as error:
-        raise refused(str(error), request_id) from error
+            raise
+        except StringElementError as error:
+            raise _element_refused(array, error, request_id) from error
+        except ValueError as error:
+            raise refused(str(error), request_id) from error
+    return tensors
+
+
+def _element_refused(
+    array: npt.NDArray[Any], error: StringElementError, request_id: str
+) -> InvalidInputError:
+    """`refused` for a text element of `array` this client cannot send, naming its row
+    (ErrorInfo's "row" as the server's refusal of a row gives it: a bulk job's failed
+    rows name the input row, where "element 36" of an item named none)."""
+    refusal = refused(error.in_row(array.shape), request_id)
+    refusal.metadata["row"] = str(error.row(array.shape))
+    return refusal
 
 
 def output_names(outputs: Sequence[str] | None) -> tuple[str, ...]:

@@ -397,7 +397,13 @@ class BulkStream:
         resent = self._requeue_sent()
         wanted_s = self._policy.delay_s(max(failures, 1), error.retry_after_s)
         delay_s = effective_delay_s(wanted_s)
-        log.info(
+        # The first of a run of broken calls at WARNING: a job's log at the default level
+        # said nothing of a server restarted under it (a user's evaluation); the rest of
+        # the run (a server down, tried again with backoff) at INFO. A call that answered
+        # something ends a run (`failures` 0), and so does the job's start.
+        first_of_run = failures == 0 or (failures == 1 and last_answer_s is None)
+        log.log(
+            logging.WARNING if first_of_run else logging.INFO,
             "bulk stream %s: call broke (%s); resending %d unanswered item(s) in %.0f ms",
             self.job_id,
             error,
@@ -681,9 +687,10 @@ class BulkStream:
             # wire type said "tensor 'input': numpy dtype complex64 ...", naming no item
             # (a review). TypeError: an input not a numpy array, a name not a str.
             text = error.message if isinstance(error, InvalidInputError) else str(error)
-            self._emit(
-                StreamResult(index, request_id, None, refused(f"{name}: {text}", request_id), 0)
-            )
+            named = refused(f"{name}: {text}", request_id)
+            if isinstance(error, InvalidInputError):
+                named.metadata.update(error.metadata)  # the row it names, where it does
+            self._emit(StreamResult(index, request_id, None, named, 0))
             return None
         # From the message, not `inputs`: a mapping may compute its arrays at each read.
         rows = next((int(tensor.shape[0]) for tensor in message.inputs if tensor.shape), 0)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import io
 import json
 import logging
@@ -215,6 +216,12 @@ def _stopped_once() -> Iterator[None]:
         _stop_signal = None
 
 
+def _default_unless(suppressed: bool, value: object) -> object:
+    """An option's default: `value`, or none at all where `suppressed` (argparse.SUPPRESS:
+    an option not given sets nothing, so a value given before the command stays)."""
+    return argparse.SUPPRESS if suppressed else value
+
+
 def add_tls_arguments(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, suppress_defaults: bool = False
 ) -> None:
@@ -222,8 +229,7 @@ def add_tls_arguments(
     shared with `laneserve top`. With `suppress_defaults`, an option not given sets
     nothing (see `_connection_options`)."""
 
-    def default(value: object) -> object:
-        return argparse.SUPPRESS if suppress_defaults else value
+    default = functools.partial(_default_unless, suppress_defaults)
 
     parser.add_argument(
         "--tls", action="store_true", default=default(False), help="use TLS with the system's roots"
@@ -948,9 +954,9 @@ def failed_rows_path(output: Path) -> Path:
 
 
 def _server_row(checkpoint: Checkpoint, item: int, error: LaneserveError) -> int | None:
-    """The input file's row that the server named in `error` (ErrorInfo.metadata "row":
-    its row within the item, one that failed run alone), or None. Not read from the
-    message's words, which the server may put otherwise."""
+    """The input file's row that `error` names (ErrorInfo.metadata "row": its row within
+    the item, one that failed run alone, or whose text the server or this client could
+    not read), or None. Not read from the message's words, which may be put otherwise."""
     row = error.metadata.get("row", "")
     if not row.isdigit():
         return None
@@ -961,7 +967,7 @@ def _failed_rows_line(checkpoint: Checkpoint, item: int, error: LaneserveError) 
     """Item `item`'s failure, its rows named by their index in the input file."""
     span = checkpoint.item_rows(item)
     row = _server_row(checkpoint, item, error)
-    named = "" if row is None else f"; the server named input row {row}"
+    named = "" if row is None else f"; its error names input row {row}"
     return f"input rows {span.start}-{span.stop - 1} (item {item}{named}): {error}"
 
 
@@ -1478,8 +1484,7 @@ def _connection_options(*, after_command: bool) -> argparse.ArgumentParser:
     command's settings over the top-level parser's). --metadata adds instead: before the
     command it fills `metadata_before_command`, which `_parse_args` joins to it."""
 
-    def default(value: object) -> object:
-        return argparse.SUPPRESS if after_command else value
+    default = functools.partial(_default_unless, after_command)
 
     options = argparse.ArgumentParser(add_help=False)
     connection = options.add_argument_group("connection (before or after the command)")

@@ -254,13 +254,31 @@ STRING_LENGTH_BYTES: Final = _LENGTH.size
 _MAX_ELEMENT_BYTES: Final = 2**32 - 1  # what the 4-byte length holds
 
 
+class StringElementError(ValueError):
+    """`decode_strings`' refusal of one element (its bytes run past the data's end, or
+    are not UTF-8): `element`, its index in the flat tensor, for a reader that can name
+    the row it is in (the server: ErrorInfo metadata "row")."""
+
+    def __init__(self, message: str, element: int) -> None:
+        super().__init__(message)
+        self.element = element
+
+    def row(self, shape: Sequence[int]) -> int:
+        """The row (first axis) of a tensor of `shape` that holds the element."""
+        return self.element // (math.prod(shape[1:]) or 1)
+
+    def in_row(self, shape: Sequence[int]) -> str:
+        """The refusal's words, with the row of a tensor of `shape` that holds it."""
+        return f"{self}; element {self.element} is in row {self.row(shape)} of the request"
+
+
 def encode_strings(what: str, array: npt.NDArray[Any]) -> bytes:
     """The elements of a text array (`is_text_dtype`), in row-major order, each as a 4-byte
     little-endian length and its UTF-8 bytes; `what` names the array in a refusal.
 
     Raises:
-        ValueError: an element is neither ``str`` nor ``bytes``, is ``bytes`` that are not
-            UTF-8, holds a lone surrogate, or is 4 GiB or longer.
+        StringElementError: an element is neither ``str`` nor ``bytes``, is ``bytes`` that
+            are not UTF-8, holds a lone surrogate, or is 4 GiB or longer.
     """
     elements: list[bytes] = []
     for index, value in enumerate(array.flat):
@@ -268,15 +286,16 @@ def encode_strings(what: str, array: npt.NDArray[Any]) -> bytes:
             try:
                 encoded = value.encode("utf-8")
             except UnicodeEncodeError as error:
-                raise ValueError(
+                raise StringElementError(
                     f"{what}: element {index} has no UTF-8 encoding ({error.reason} at "
-                    f"character {error.start}); expected text"
+                    f"character {error.start}); expected text",
+                    index,
                 ) from None
         elif isinstance(value, bytes):
             try:
                 value.decode("utf-8")
             except UnicodeDecodeError as error:
-                raise ValueError(_not_utf8(what, index, error)) from None
+                raise StringElementError(_not_utf8(what, index, error), index) from None
             encoded = value
         else:  # a ValueError as every refusal here (the module's docstring)
             # An object array of numbers (pandas' .values of mixed columns) meant numbers.
@@ -286,13 +305,14 @@ def encode_strings(what: str, array: npt.NDArray[Any]) -> bytes:
                 if isinstance(value, int | float | np.number)
                 else ""
             )
-            raise ValueError(  # noqa: TRY004
+            raise StringElementError(
                 f"{what}: element {index} is {type(value).__name__}; expected str (or UTF-8 "
-                f"bytes) in every element of a string tensor{numbers}"
+                f"bytes) in every element of a string tensor{numbers}",
+                index,
             )
         if len(encoded) > _MAX_ELEMENT_BYTES:
-            raise ValueError(
-                f"{what}: element {index} is {len(encoded)} bytes; expected under 4 GiB"
+            raise StringElementError(
+                f"{what}: element {index} is {len(encoded)} bytes; expected under 4 GiB", index
             )
         elements.append(encoded)
     return length_prefixed(elements)
@@ -310,8 +330,10 @@ def decode_strings(what: str, data: bytes, count: int) -> npt.NDArray[np.object_
     array of ``str``; `what` names the tensor in a refusal.
 
     Raises:
-        ValueError: the data is shorter than `count` lengths, an element's bytes run past
-            its end, bytes are left after the last element, or an element is not UTF-8.
+        ValueError: the data is shorter than `count` lengths, or bytes are left after the
+            last element.
+        StringElementError: an element's length or bytes run past the data's end, or an
+            element is not UTF-8.
     """
     size = len(data)
     # Each element takes its 4-byte length at least: checked before an array of `count`
@@ -330,23 +352,25 @@ def decode_strings(what: str, data: bytes, count: int) -> npt.NDArray[np.object_
     offset = 0
     for index in range(count):
         if offset + _LENGTH.size > size:
-            raise ValueError(
+            raise StringElementError(
                 f"{what}: data ends before element {index}'s length (at byte {offset} of "
                 f"{size}); expected {count} elements, each a {_LENGTH.size}-byte length and "
-                "its bytes"
+                "its bytes",
+                index,
             )
         (length,) = unpack(data, offset)
         offset += _LENGTH.size
         end = offset + length
         if end > size:
-            raise ValueError(
+            raise StringElementError(
                 f"{what}: element {index} says {length} bytes, {size - offset} are left; "
-                "expected each element's bytes after its length"
+                "expected each element's bytes after its length",
+                index,
             )
         try:
             texts[index] = data[offset:end].decode("utf-8")
         except UnicodeDecodeError as error:
-            raise ValueError(_not_utf8(what, index, error)) from None
+            raise StringElementError(_not_utf8(what, index, error), index) from None
         offset = end
     if offset != size:
         raise ValueError(

@@ -179,20 +179,21 @@ class BatchCaps:
     ) -> bool:
         cap.learned = True
         self._index(cap, signature)  # a source now, if below the probed cap already
-        at_cap = [rows for rows in failed_batches if rows >= cap.rows]
-        if result.batch.rows in failed_batches and self.full(result.batch):
-            # Full as whole requests make it at the cap, as recovery counts a full batch:
-            # 60 rows of 20-row requests under a cap of 64 or 62. Not held, the cap
-            # climbed back to 62 and failed again every ~65 batches.
-            at_cap.append(result.batch.rows)
+        # Full as whole requests make it at the cap counts as at it, as recovery counts a
+        # full batch: 60 rows of 20-row requests under a cap of 64 or 62. Not held, the
+        # cap climbed back to 62 and failed again every ~65 batches.
+        at_cap = any(rows >= cap.rows for rows in failed_batches) or (
+            result.batch.rows in failed_batches and self.full(result.batch)
+        )
         if at_cap:
-            # A batch at the cap failed: a limit, held below, even when its halves failed
-            # too (rows of uneven size: without the ceiling the cap climbed back and
-            # failed again every ~65 batches). A failure only smaller than the cap (larger
-            # batches ran) is a passing shortage and sets no ceiling.
-            failed_at = min(at_cap)
+            # A batch at the cap failed: a limit, held below the smallest of its runs that
+            # failed. Its parts hold rows of its one shape, as a whole batch of their size
+            # would: held below the cap alone when its halves failed too (1 536 rows, then
+            # both halves of 768), the cap climbed back to 768 and failed there again. A
+            # failure only smaller than the cap (larger batches ran) is a passing shortage
+            # and sets no ceiling.
             ceiling = cap.oom_ceiling_rows
-            cap.oom_ceiling_rows = failed_at if ceiling is None else min(ceiling, failed_at)
+            cap.oom_ceiling_rows = smallest if ceiling is None else min(ceiling, smallest)
         if cap.proven_rows is not None and cap.proven_rows < smallest:
             # A probe above a size that ran CAP_RECOVERY_BATCHES full batches failed: back
             # to that size, not to half the probe (60 -> 64 failed: 32).

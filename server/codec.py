@@ -17,6 +17,7 @@ import numpy as np
 from laneserve.client.tensors import (
     MAX_DIMS,
     STRING_LENGTH_BYTES,
+    StringElementError,
     datatype_name,
     decode_tensor,
     encode_tensor,
@@ -249,6 +250,8 @@ def decode_inputs(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> 
         _check_shape(tensor.name, tensor.shape, spec)
         try:
             array = decode_tensor(tensor)
+        except StringElementError as error:
+            raise _element_refusal(tensor, error) from error
         except ValueError as error:
             raise InvalidInputError(str(error)) from error
         # Its dtype is the model's (`_check_dtype`): the array's is the tensor's.
@@ -269,6 +272,15 @@ def decode_inputs(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> 
     _check_named_dimensions(arrays, specs)
     signature = tuple(tuple(arrays[spec.name].shape[1:]) for spec in specs)
     return DecodedInputs({spec.name: arrays[spec.name] for spec in specs}, count, signature)
+
+
+def _element_refusal(tensor: pb.Tensor, error: StringElementError) -> InvalidInputError:
+    """The refusal of a request whose `tensor` has an element that cannot be read, naming
+    the row it is in (ErrorInfo metadata "row" too): a bulk job's failed rows named no
+    input row for it, though the element's index says which (a user's evaluation)."""
+    refusal = InvalidInputError(error.in_row(tensor.shape))
+    refusal.metadata["row"] = str(error.row(tensor.shape))
+    return refusal
 
 
 def check_output_names(names: Sequence[str], available: Sequence[str]) -> list[str]:

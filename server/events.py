@@ -28,7 +28,13 @@ class SchedulerEvents(Protocol):
     def admitted(self, lane: str, rows: int) -> None: ...
 
     def rejected(
-        self, lane: str, reason: str, waited_s: float, *, message: str = "", request_id: str = ""
+        self,
+        lane: str,
+        reason: str,
+        waited_s: float,
+        *,
+        request_id: str | None = None,
+        error: LaneserveError | None = None,
     ) -> None:
         """A request was refused without being admitted. `waited_s`: from its arrival in
         the servicer (before decoding, as `request_finished`'s `duration_s`) to its
@@ -36,10 +42,10 @@ class SchedulerEvents(Protocol):
         after waiting for room in its full lane; about 0 for one refused as it reached
         the servicer (its bytes did not parse: the microseconds since its arrival was
         read), 0.0 where it never had one here (an oversized request, another front end's
-        conversion of it failed, `InferenceRequest.arrived_s` None). `message`: the
-        refusal's words as its caller got them ("": none, its caller had left);
-        `request_id`: its request's ("": none, or one not quoted: over
-        MAX_REQUEST_ID_BYTES). What an operator reads of a flood of bad requests."""
+        conversion of it failed, `InferenceRequest.arrived_s` None). `request_id`: its
+        request's (None: none, or one not quoted: over MAX_REQUEST_ID_BYTES); `error`:
+        the refusal its caller got (None: none, its caller had left), as `completed`
+        takes them: what an operator reads of a flood of bad requests."""
         ...
 
     def shed(self, lane: str, reason: str, rows: int) -> None:
@@ -108,9 +114,8 @@ class SchedulerEvents(Protocol):
         ("DEADLINE_EXCEEDED"). `duration_s` runs from the request's arrival in the
         servicer (before decoding) to its answer. `late`: answered OK after the deadline
         the scheduler kept (its timeout_ms or its lane's timeout; a gRPC deadline passed
-        is DEADLINE_EXCEEDED): it ran in time to begin, and past it, which admission by
-        deadline (`DEADLINE_UNMEETABLE`) did not foresee. Called on the event loop, not
-        under the scheduler's lock."""
+        is DEADLINE_EXCEEDED): its run ended past it (`Outcome.late`). Called on the event
+        loop, not under the scheduler's lock."""
         ...
 
 
@@ -174,7 +179,13 @@ class NullEvents:
         pass
 
     def rejected(
-        self, lane: str, reason: str, waited_s: float, *, message: str = "", request_id: str = ""
+        self,
+        lane: str,
+        reason: str,
+        waited_s: float,
+        *,
+        request_id: str | None = None,
+        error: LaneserveError | None = None,
     ) -> None:
         pass
 
@@ -255,13 +266,17 @@ class FanOut:
         self._each("admitted", lambda sink: sink.admitted(lane, rows))
 
     def rejected(
-        self, lane: str, reason: str, waited_s: float, *, message: str = "", request_id: str = ""
+        self,
+        lane: str,
+        reason: str,
+        waited_s: float,
+        *,
+        request_id: str | None = None,
+        error: LaneserveError | None = None,
     ) -> None:
         self._each(
             "rejected",
-            lambda sink: sink.rejected(
-                lane, reason, waited_s, message=message, request_id=request_id
-            ),
+            lambda sink: sink.rejected(lane, reason, waited_s, request_id=request_id, error=error),
         )
 
     def shed(self, lane: str, reason: str, rows: int) -> None:

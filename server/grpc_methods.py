@@ -16,7 +16,7 @@ import functools
 import inspect
 import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import grpc
 from google.protobuf import descriptor_pool, message_factory
@@ -33,9 +33,6 @@ from laneserve.server.errors import (
 )
 from laneserve.server.grpc_accept import OPERATOR_METHODS, CallGate, abort_unless_gone
 from laneserve.v1 import inference_pb2 as pb
-
-if TYPE_CHECKING:
-    from laneserve.server.service import InferenceServicer
 
 # The longest request_id accepted, in bytes of UTF-8 (documented in inference.proto). An
 # id travels in every answer (twice in a stream's: the item's and its response's), is
@@ -236,6 +233,18 @@ def undecodable(request: Message) -> InvalidInputError:
     )
 
 
+class InferenceMethods(Protocol):
+    """What `add_to_server` reads of laneserve.v1's servicer (`service.InferenceServicer`)
+    besides a method per name the proto declares (looked up by name): the model's inputs
+    and outputs, which bound how much of an InferRequest is read."""
+
+    @property
+    def input_specs(self) -> Sequence[TensorSpec]: ...
+
+    @property
+    def output_names(self) -> Sequence[str]: ...
+
+
 # gRPC's handler factory for each (client streams, server streams) of a method.
 HANDLER_KINDS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -246,7 +255,7 @@ HANDLER_KINDS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, 
 
 
 def add_to_server(
-    servicer: InferenceServicer, server: grpc.aio.Server, gate: CallGate
+    servicer: InferenceMethods, server: grpc.aio.Server, gate: CallGate
 ) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
     """What the generated `add_InferenceServiceServicer_to_server` does, with
     `read_request` as the deserializer of the requests that have an `UNDECODABLE_*`: every

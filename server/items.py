@@ -173,7 +173,8 @@ class Outcome:
     # output not in it is encoded as the answer is made.
     text_data: Mapping[str, bytes] | None = dataclasses.field(default=None, repr=False)
     # Its outputs came from a run that ended after its deadline (the one the scheduler
-    # kept, a retry's moves included): admission by deadline had foreseen it in time.
+    # kept, a retry's moves included): admission predicted it in time, or made no
+    # prediction (an idle server, a shape not yet run: `Scheduler._check_admission`).
     # Answered all the same (the work is done; a gRPC deadline passed ends the call
     # DEADLINE_EXCEEDED anyway), and counted late (`SchedulerEvents.request_finished`).
     late: bool = False

@@ -585,7 +585,9 @@ class Watermark:
     runs), or, with nothing queued or running, are those of the reading alone.
     """
 
-    def __init__(self, *, lanes: int, high_bytes: int, low_bytes: int, limit_bytes: int) -> None:
+    def __init__(
+        self, *, lanes: int, high_bytes: int, low_bytes: int, limit_bytes: int, reading: str
+    ) -> None:
         if not 0 < low_bytes <= high_bytes <= limit_bytes:
             raise ValueError(
                 f"watermarks: expected 0 < low ({low_bytes}) <= high ({high_bytes}) <= "
@@ -595,6 +597,10 @@ class Watermark:
         self.high_bytes = high_bytes
         self.low_bytes = low_bytes
         self.limit_bytes = limit_bytes
+        # What its readings measure, as refusals name it: "memory in use on GPU '0'", or
+        # on the CPU "this process's resident memory" (a CPU server's refusals said
+        # "device memory in use" of its resident memory).
+        self.reading = reading
         # Lanes closed, counted from the bottom: lane i is closed if i >= lanes - closed.
         self.closed = 0
         self.used_bytes: int | None = None

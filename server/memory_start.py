@@ -56,6 +56,13 @@ def _watermark_limit_name(engine: Engine) -> str:
     return "server.host_memory_limit"
 
 
+def _watermark_reading(engine: Engine) -> str:
+    """What the watermark's readings measure (`device_gauge`), as messages name it."""
+    if on_gpu(engine):
+        return f"memory in use on GPU {session_gpu_id()!r}"
+    return "this process's resident memory"
+
+
 def make_watermark(
     config: ServerConfig,
     engine: Engine,
@@ -111,6 +118,7 @@ def make_watermark(
         high_bytes=high_bytes,
         low_bytes=low_bytes,
         limit_bytes=limit_bytes,
+        reading=_watermark_reading(engine),
     )
 
 

@@ -419,6 +419,17 @@ class Scheduler:
             )
         return lane
 
+    def count_refusal(self, request: InferenceRequest, error: LaneserveError, now_s: float) -> None:
+        """`request`, refused with `error` at `now_s` and not admitted, told to the events:
+        its lane, its wait since arrival, its words and its id (the refusal log's)."""
+        self.events.rejected(
+            request.lane,
+            error.reason,
+            request.waited_s(now_s),
+            request_id=request.request_id,
+            error=error,
+        )
+
     def admit(self, request: InferenceRequest, now_s: float) -> int:
         """Queues `request` or raises why not; returns the entry id for `cancel`."""
         lane = self.lane(request.lane)
@@ -426,13 +437,7 @@ class Scheduler:
         try:
             self._check_admission(request, lane, now_s)
         except LaneserveError as error:
-            self.events.rejected(
-                lane.name,
-                error.reason,
-                request.waited_s(now_s),
-                message=error.message,
-                request_id=request.request_id,
-            )
+            self.count_refusal(request, error, now_s)
             raise
         deadline_s = lane.config.deadline_s(now_s, request.deadline_s)
         self._last_entry_id += 1
@@ -602,7 +607,7 @@ class Scheduler:
                 f"passed the high one ({format_bytes(mark.high_bytes)})"
             )
             raise MemoryPressureError(
-                f"device memory in use ({format_bytes(used_bytes)}) is {where}: lane "
+                f"{mark.reading} ({format_bytes(used_bytes)}) is {where}: lane "
                 f"{lane.name!r} admits no new work while other work is queued or running, "
                 f"until it falls below {format_bytes(mark.low_bytes)}",
                 retry_after_s=MEMORY_PRESSURE_RETRY_S,
@@ -1983,7 +1988,8 @@ class Scheduler:
         """Hands each request its rows of a finished batch; answers the completed ones.
         `ended_s`: when it ended, on the scheduler's clock (None: when it formed plus its
         run time); an answer made then past its request's deadline is late
-        (`Outcome.late`).
+        (`Outcome.late`). The lanes' pace counts it served until it formed plus its run
+        time, whatever `ended_s`.
 
         Each answer is appended to `into` (None: a new list) as it is made, and that list
         is returned (a caller that passes `into` ignores it: added again, each answer
@@ -2007,12 +2013,13 @@ class Scheduler:
         # or more outlasted ACTIVE_LANE_S, and each lane whose rows all ran in it had its
         # pace forgotten at every batch (`_forget_idle_pace`; 29 % of bulk requests
         # refused in a simulation whose requests all met their deadlines before).
+        ran_until_s = batch.formed_s + result.run_s
         if ended_s is None:
-            ended_s = batch.formed_s + result.run_s
+            ended_s = ran_until_s
         for piece in batch.slices:
             lane = self._by_name[piece.lane]
-            if lane.served_at_s is None or lane.served_at_s < ended_s:
-                lane.served_at_s = ended_s
+            if lane.served_at_s is None or lane.served_at_s < ran_until_s:
+                lane.served_at_s = ran_until_s
         outcomes = [] if into is None else into
         for piece in batch.slices:
             entry = self._entries.get(piece.entry_id)

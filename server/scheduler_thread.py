@@ -182,14 +182,7 @@ class SchedulerThread:
                 refusal = DrainingError("server is shutting down; retry on another instance")
             if refusal is not None:
                 # Counted as the scheduler counts its own refusals (they went uncounted).
-                waited_s = request.waited_s(self._clock.monotonic())
-                self._scheduler.events.rejected(
-                    request.lane,
-                    refusal.reason,
-                    waited_s,
-                    message=refusal.message,
-                    request_id=request.request_id,
-                )
+                self._scheduler.count_refusal(request, refusal, self._clock.monotonic())
                 raise refusal
             entry_id = self._scheduler.admit(request, self._clock.monotonic())
             # While a batch runs the scheduler has nothing to decide about new work, so

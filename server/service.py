@@ -335,7 +335,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         MAX_REQUEST_ID_BYTES), as a client that sends ids as correlation tags expects:
         Triton's perf_analyzer restarts its ids each run, with the same data."""
         if isinstance(request, LaneserveError) and lane in self._lane_configs:
-            raise self._rejected(lane, request, arrived_s=None)  # as `_run` counts one
+            # As `_run` counts one; its id was in what the conversion refused.
+            raise self._rejected(lane, request, arrived_s=None, request_id=None)
         return await self._run(request, context, self._config.default_lane, idempotent=idempotent)
 
     async def _run(
@@ -353,7 +354,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # Refused as it reaches the servicer, before `_infer` reads its arrival: it
             # waited nothing here (its conversion is the front end's, as a request's
             # decoding before that arrival is).
-            raise self._rejected_without_lane(request, arrived_s=None)
+            raise self._rejected_without_lane(request, arrived_s=None, request_id=None)
         ledger_id = request.request_id if idempotent else ""
         return await self._infer(request, context, default_lane, stream, ledger_id=ledger_id)
 
@@ -847,7 +848,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
         def expired(error: JoinExpiredError) -> None:
             nonlocal trace
-            trace = self._answered_alone(lane, trace, error, arrived_s)
+            trace = self._answered_alone(lane, trace, error, arrived_s, request.request_id)
 
         # Its caller, as the ledger sees it: a call whose gRPC deadline has passed takes
         # no answer (gRPC ends it DEADLINE_EXCEEDED; the answer was counted OK), and a
@@ -878,7 +879,14 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             answer = run()
         else:
             answer = self._run_when_room(
-                run, lane, rows, wait_until_s, stream.room, ledger_id, arrived_s=arrived_s
+                run,
+                lane,
+                rows,
+                wait_until_s,
+                stream.room,
+                ledger_id,
+                arrived_s=arrived_s,
+                request_id=request.request_id,
             )
         return await self._take(answer, taken, context, answer_limit, lane, arrived_s)
 
@@ -1065,7 +1073,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         refusals that come before its inputs are read. `ledger_id`: its key in the ledger
         (`_infer`). `arrived_s`: its arrival, which its refusals count from."""
         if request is UNDECODABLE_REQUEST:
-            raise self._rejected_without_lane(undecodable(request), arrived_s=arrived_s)
+            raise self._rejected_without_lane(
+                undecodable(request), arrived_s=arrived_s, request_id=None
+            )
         lane = request.lane or default_lane
         lane_config = self._lane_configs.get(lane)
         if id_too_long(request.request_id):  # before any other refusal quotes or echoes it
@@ -1073,6 +1083,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 lane if lane_config is not None else self._config.default_lane,
                 request_id_too_long(request.request_id),
                 arrived_s=arrived_s,
+                request_id=None,  # too long to quote
             )
         if lane_config is None:  # here, not only at admission: a retry that joins or
             # replays is never admitted, and must not be answered OK for a wrong lane
@@ -1184,11 +1195,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         ledger_id: str,
         *,
         arrived_s: float,
+        request_id: str,
     ) -> pb.InferResponse:
         """`run()` once `lane` has room for `rows` rows (see `_wait_for_room`), or at once
         once a request with its `ledger_id` is in flight (it joins: no room needed);
         again when another caller took the room first, while there is time. Its refusals
-        count their wait from `arrived_s`, the wait for room included."""
+        count their wait from `arrived_s`, the wait for room included, and name
+        `request_id` (its `ledger_id` is empty where the id only names it)."""
         retried = False
         while True:
             waited = await self._wait_for_room(
@@ -1201,7 +1214,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 # found room at once runs, as a unary call does: its long text decoded
                 # while the drain began (which waited for it), it was refused here.
                 raise self._rejected(
-                    lane, _item_draining(), arrived_s=arrived_s, request_id=ledger_id
+                    lane, _item_draining(), arrived_s=arrived_s, request_id=request_id
                 )
             try:
                 return await run()
@@ -1274,7 +1287,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         return True
 
     def _answered_alone(
-        self, lane: str, trace: RequestTrace, error: JoinExpiredError, arrived_s: float
+        self,
+        lane: str,
+        trace: RequestTrace,
+        error: JoinExpiredError,
+        arrived_s: float,
+        request_id: str,
     ) -> RequestTrace:
         """Counts a call answered alone at its deadline while the work goes on for a
         retry that joined it with a later deadline; the trace the call keeps (none).
@@ -1283,27 +1301,26 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         end now, with what the call got, and no reply of that answer is traced as this
         call's (it was, status OK, after this call had ended in error). Counted with
         its wait from `arrived_s`, until its deadline."""
-        self._rejected(lane, error, arrived_s=arrived_s)
+        self._rejected(lane, error, arrived_s=arrived_s, request_id=request_id)
         trace.end(error.reason)
         return NULL_TRACE
 
     def _rejected(
-        self, lane: str, error: LaneserveError, *, arrived_s: float | None, request_id: str = ""
+        self, lane: str, error: LaneserveError, *, arrived_s: float | None, request_id: str | None
     ) -> LaneserveError:
         """`error`, counted as a refusal of `lane` (a lane the server has: see
         `_rejected_without_lane`) as the scheduler counts its own: the lanes' `rejected`,
         the metrics, the refusal log and ModelStatistics' `fail`, with its wait from
         `arrived_s` (`_infer`'s) to now. None: refused as it reached the servicer, before
         its arrival was read: it waited nothing here. `request_id`: its request's, for
-        the refusal log and the trace ("": none, or none to quote)."""
+        the refusal log and the trace (None: none known, or none to quote); required, so
+        that no refusal leaves it out by accident."""
         waited_s = 0.0 if arrived_s is None else self._clock.monotonic() - arrived_s
-        self._events.rejected(
-            lane, error.reason, waited_s, message=error.message, request_id=request_id
-        )
+        self._events.rejected(lane, error.reason, waited_s, request_id=request_id, error=error)
         return error
 
     def _rejected_without_lane(
-        self, error: LaneserveError, *, arrived_s: float | None, request_id: str = ""
+        self, error: LaneserveError, *, arrived_s: float | None, request_id: str | None
     ) -> LaneserveError:
         """`error`, for a request refused before it has a lane of the server's (its bytes
         do not parse, or it names a lane the server lacks), counted as a refusal of the

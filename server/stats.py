@@ -413,7 +413,13 @@ class StatsRecorder:
             self._lanes[lane].admitted += 1
 
     def rejected(
-        self, lane: str, reason: str, waited_s: float, *, message: str = "", request_id: str = ""
+        self,
+        lane: str,
+        reason: str,
+        waited_s: float,
+        *,
+        request_id: str | None = None,
+        error: LaneserveError | None = None,
     ) -> None:
         with self._lock:
             self._lanes[lane].rejected[reason] += 1

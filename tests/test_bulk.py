@@ -7,6 +7,7 @@ import asyncio
 import collections
 import contextlib
 import gc
+import logging
 import threading
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterator
@@ -112,13 +113,15 @@ def test_bulk_job_of_100k_rows_equals_session_run(
 
 
 def test_cut_connections_mid_job_resume_with_identical_output(
-    small_model: Path, small_reference: ort.InferenceSession
+    small_model: Path, small_reference: ort.InferenceSession, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The network is cut while batches run, several times; the job resumes each time
     on a new connection, resending only unanswered items. The output equals
     session.run, and no row runs twice: the server answers the resent items that had
-    run from its replay cache."""
+    run from its replay cache. Each break is logged at WARNING (each call answered
+    something first): at the default level a job's log said nothing of them."""
     x = tagged(100_000)
+    caplog.set_level(logging.WARNING, logger="laneserve.client")
 
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
@@ -142,6 +145,9 @@ def test_cut_connections_mid_job_resume_with_identical_output(
         )
         assert sorted(engine.ran_tags) == list(range(100_000)), "no row ran twice"
         assert stats.idempotent_replays + stats.idempotent_joins > 0
+        broke = [record for record in caplog.records if "call broke" in record.getMessage()]
+        assert len(broke) >= cuts
+        assert {record.levelno for record in broke} == {logging.WARNING}
 
     asyncio.run(scenario())
 
@@ -486,11 +492,15 @@ def test_a_draining_server_ends_its_streams_and_the_job_goes_on_elsewhere(
     assert len(ran_b) == 2 * second, "the items after the drain ran on B"
 
 
-def test_a_job_outlasts_a_restart_longer_than_its_retry_attempts(small_model: Path) -> None:
+def test_a_job_outlasts_a_restart_longer_than_its_retry_attempts(
+    small_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The server drains mid-job and its address answers nothing for 1.5 s (a restart),
     then leads to a new instance. The job's policy allows 3 attempts of at most 0.1 s
     backoff: it gave up after 3 broken calls, long before the server was back. A job
-    that has had answers keeps reopening its call for STREAM_RESUME_S."""
+    that has had answers keeps reopening its call for STREAM_RESUME_S. The outage is
+    logged once at WARNING (the drained call), its calls that broke again at INFO."""
+    caplog.set_level(logging.INFO, logger="laneserve.client")
     first, second = 4, 4
     go = asyncio.Event()
     lc.set_testing(False)
@@ -519,6 +529,10 @@ def test_a_job_outlasts_a_restart_longer_than_its_retry_attempts(small_model: Pa
     assert sorted(ran_b) == sorted(
         10 * i + row for i in range(first, first + second) for row in (0, 1)
     )
+    broke = [record.levelno for record in caplog.records if "call broke" in record.getMessage()]
+    assert broke[0] == logging.WARNING
+    assert len(broke) > 1, "the address answered nothing for a while: calls broke again"
+    assert set(broke[1:]) == {logging.INFO}, broke
 
 
 def test_in_test_mode_the_resume_window_counts_the_skipped_backoff(small_model: Path) -> None:

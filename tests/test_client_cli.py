@@ -635,8 +635,8 @@ def test_failed_rows_are_named_by_input_row_and_the_output_is_written(tmp_path: 
 
     for err in asyncio.run(scenario()):
         assert "4 of 10 items failed (ENGINE_FAILURE 4)" in err
-        assert "input rows 20-29 (item 2; the server named input row 23)" in err
-        assert "input rows 50-59 (item 5; the server named input row 57)" in err
+        assert "input rows 20-29 (item 2; its error names input row 23)" in err
+        assert "input rows 50-59 (item 5; its error names input row 57)" in err
         assert "and 1 more failed item(s), in " in err
         assert f"Wrote {out}" in err
         assert "rerun with --resume" in err
@@ -1572,7 +1572,7 @@ def test_a_bulk_job_of_text_writes_str_arrays_and_a_non_number_fails_its_item_al
     assert "15 of 20 rows already done" in resumed, resumed
     for err in (first, resumed):
         assert "1 of 4 items failed (ENGINE_FAILURE 1)" in err, err
-        assert "input rows 10-14 (item 2; the server named input row 13)" in err, err
+        assert "input rows 10-14 (item 2; its error names input row 13)" in err, err
         assert "empty strings in a string output" in err, err
     failed = np.zeros(20, bool)
     failed[10:15] = True
@@ -1591,6 +1591,39 @@ def test_a_bulk_job_of_text_writes_str_arrays_and_a_non_number_fails_its_item_al
         (entry["first_row"], entry["rows"], entry["server_row"], entry["reason"])
         for entry in listed["failed_items"]
     ] == [(10, 5, 13, "ENGINE_FAILURE")]
+
+
+def test_a_bulk_rows_text_that_is_not_utf8_fails_its_item_naming_the_input_row(
+    text_model: Path, tmp_path: Path
+) -> None:
+    """A bytes_ input whose row 7 (of item 1, rows 5-9) holds bytes that are not UTF-8: the
+    item fails alone, INVALID_INPUT, and OUTPUT.failed.json names input row 7
+    (`server_row`), as for a row the model failed on. It named none, and its message
+    "element 5" of the item was no row of the input (a user's evaluation)."""
+    text = np.array(["cat", "dog"] * 10)
+    numbers = np.char.encode(np.array([[str(row), "0.5"] for row in range(20)]), "utf-8")
+    numbers[7, 1] = b"\xff\xfe"  # element 5 of item 1: its row 2
+    np.savez(tmp_path / "in.npz", text=text, numbers=numbers)
+    out = tmp_path / "out.npz"
+    args = ["--input", str(tmp_path / "in.npz"), "--output", str(out), "--rows-per-item", "5"]
+
+    async def scenario() -> tuple[int, str]:
+        engine = Engine(str(text_model), estimate=estimate_once)
+        async with serving(engine, config(text_model)) as s:
+            code, _, err = await cli("bulk", "--target", s.target, *args, "--no-progress")
+        return code, err
+
+    code, err = asyncio.run(scenario())
+    assert code == 1, err
+    assert "input rows 5-9 (item 1; its error names input row 7)" in err, err
+    listed = json.loads((tmp_path / "out.npz.failed.json").read_text())
+    ((first_row, rows, server_row, reason, message),) = [
+        (entry["first_row"], entry["rows"], entry["server_row"], entry["reason"], entry["message"])
+        for entry in listed["failed_items"]
+    ]
+    assert (first_row, rows, server_row, reason) == (5, 5, 7, "INVALID_INPUT")
+    assert "element 5 is not UTF-8" in message
+    assert message.endswith("element 5 is in row 2 of the request")
 
 
 def test_a_stopped_bulk_job_of_text_resumes_with_every_row_in_place(tmp_path: Path) -> None:

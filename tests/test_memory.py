@@ -132,6 +132,8 @@ GIB = 1024 * MIB
 DEMO_BUDGET = "32MiB"
 # A child process is killed past this: its test fails, never hangs.
 CHILD_TIMEOUT_S = 120
+# What the watermarks the tests make read, as a refusal names it.
+WATERMARK_READING = "memory in use on GPU '0'"
 
 
 def _run_python(*argv: str, exit_code: int = 0) -> subprocess.CompletedProcess[str]:
@@ -203,7 +205,9 @@ def test_fraction_needs_the_device_total() -> None:
 
 
 def test_watermark_closes_lanes_bottom_up_and_reopens_below_low() -> None:
-    mark = Watermark(lanes=3, high_bytes=95, low_bytes=85, limit_bytes=100)
+    mark = Watermark(
+        lanes=3, high_bytes=95, low_bytes=85, limit_bytes=100, reading=WATERMARK_READING
+    )
     assert [mark.refuses(p) for p in range(3)] == [False, False, False]
     mark.update(95)  # at the high watermark: the lowest lane closes
     assert [mark.refuses(p) for p in range(3)] == [False, False, True]
@@ -222,7 +226,9 @@ def test_an_idle_reading_closes_only_the_lanes_of_its_own_level() -> None:
     whose idle memory stayed between the marks after a burst kept every lane closed for
     good (a review: 140-145 MiB against a low mark of 127.5 under 150 MiB). Idle, the
     hysteresis holds nothing closed; the reading's own level still does."""
-    mark = Watermark(lanes=3, high_bytes=95, low_bytes=85, limit_bytes=100)
+    mark = Watermark(
+        lanes=3, high_bytes=95, low_bytes=85, limit_bytes=100, reading=WATERMARK_READING
+    )
     mark.update(100)
     assert mark.closed == 3
     mark.update(90)  # work still queued or running: the hysteresis holds
@@ -537,7 +543,9 @@ def test_a_limit_without_fractions_offers_none() -> None:
 
 def test_a_single_lane_closes_only_at_the_limit() -> None:
     """It is the highest lane: at the high mark 1 + 0 * (lanes - 1) lanes closed it."""
-    mark = Watermark(lanes=1, high_bytes=95, low_bytes=85, limit_bytes=100)
+    mark = Watermark(
+        lanes=1, high_bytes=95, low_bytes=85, limit_bytes=100, reading=WATERMARK_READING
+    )
     mark.update(95)
     assert not mark.refuses(0)
     mark.update(99)
@@ -791,9 +799,11 @@ def test_the_cap_recovers_when_request_sizes_do_not_divide_it() -> None:
 
 
 def test_a_batch_at_the_cap_whose_halves_failed_too_sets_the_ceiling() -> None:
-    """Rows of uneven size: the batch at the cap ran out of memory and so did its halves.
-    No ceiling was set (the smallest failing run was below the cap), so the cap climbed
-    straight back to the failing size and failed again, every ~65 batches."""
+    """The batch at the cap ran out of memory and so did a half of it. No ceiling was set
+    (the smallest failing run was below the cap), so the cap climbed straight back to the
+    failing size and failed again, every ~65 batches. Then one was, at the cap's size
+    alone, and the cap climbed back to the half's size and failed there once more: the
+    half's rows are of the batch's shape, so its failure holds the cap below it too."""
     clock = ManualClock()
     scheduler = _scheduler(64)
     scheduler.admit(_request(0, "standard", 64), clock.monotonic())
@@ -804,7 +814,7 @@ def test_a_batch_at_the_cap_whose_halves_failed_too_sets_the_ceiling() -> None:
     for index in range(1, 1000):
         scheduler.admit(_request(index, "standard", scheduler.batch_cap), clock.monotonic())
         scheduler.complete(_dispatch(scheduler, clock))
-    assert scheduler.batch_cap == 60, "held below the size that failed"
+    assert scheduler.batch_cap == 28, "held below the smallest size that failed (32)"
 
 
 def test_a_full_batch_of_requests_that_do_not_divide_the_cap_sets_the_ceiling() -> None:
@@ -1072,7 +1082,13 @@ def test_the_caps_of_shapes_not_run_lately_are_forgotten() -> None:
 
 def test_memory_pressure_refuses_bulk_before_standard_before_interactive() -> None:
     clock = ManualClock()
-    mark = Watermark(lanes=3, high_bytes=95 * MIB, low_bytes=85 * MIB, limit_bytes=100 * MIB)
+    mark = Watermark(
+        lanes=3,
+        high_bytes=95 * MIB,
+        low_bytes=85 * MIB,
+        limit_bytes=100 * MIB,
+        reading=WATERMARK_READING,
+    )
     scheduler = _scheduler(8, mark)
 
     def admitted(lane: str) -> bool:
@@ -1155,7 +1171,13 @@ def test_a_closed_lane_admits_while_nothing_is_queued_or_running() -> None:
     batch grew) kept every lane closed for good: the server refused everything with
     nothing live. A closed lane now admits while nothing is live, one request at a time."""
     clock = ManualClock()
-    mark = Watermark(lanes=3, high_bytes=95 * MIB, low_bytes=85 * MIB, limit_bytes=100 * MIB)
+    mark = Watermark(
+        lanes=3,
+        high_bytes=95 * MIB,
+        low_bytes=85 * MIB,
+        limit_bytes=100 * MIB,
+        reading=WATERMARK_READING,
+    )
     scheduler = _scheduler(8, mark)
     scheduler.update_memory(99 * MIB)  # standard and bulk closed
     scheduler.admit(_request(0, "bulk", 1), clock.monotonic())  # nothing live: admitted
@@ -1182,7 +1204,13 @@ def test_lanes_reopen_at_an_idle_reading_above_the_low_mark_saying_so(
     idle), and the start of that is logged once, naming the settings that keep the idle
     server below the low mark."""
     clock = ManualClock()
-    mark = Watermark(lanes=3, high_bytes=95 * MIB, low_bytes=85 * MIB, limit_bytes=100 * MIB)
+    mark = Watermark(
+        lanes=3,
+        high_bytes=95 * MIB,
+        low_bytes=85 * MIB,
+        limit_bytes=100 * MIB,
+        reading=WATERMARK_READING,
+    )
     scheduler = _scheduler(8, mark)
     scheduler.admit(_request(0, "bulk", 1), clock.monotonic())
     scheduler.update_memory(99 * MIB)  # the burst: standard and bulk closed
@@ -1240,7 +1268,13 @@ def test_a_lane_kept_closed_between_the_watermarks_is_refused_saying_so() -> Non
     """Memory fell from above the high mark to between the marks: the lane stays closed
     until the low one (hysteresis), and its refusal said memory "is above the high
     watermark", printing a reading under it."""
-    mark = Watermark(lanes=3, high_bytes=95 * MIB, low_bytes=85 * MIB, limit_bytes=100 * MIB)
+    mark = Watermark(
+        lanes=3,
+        high_bytes=95 * MIB,
+        low_bytes=85 * MIB,
+        limit_bytes=100 * MIB,
+        reading=WATERMARK_READING,
+    )
     scheduler = _scheduler(64, mark)
     scheduler.admit(_request(0, "interactive", 4), 0.0)  # queued: not idle
     scheduler.update_memory(96 * MIB)
@@ -1251,7 +1285,7 @@ def test_a_lane_kept_closed_between_the_watermarks_is_refused_saying_so() -> Non
     with pytest.raises(MemoryPressureError) as between:
         scheduler.admit(_request(2, "bulk", 4), 0.0)
     assert between.value.message == (
-        "device memory in use (88.0MiB) is still above the low watermark (85.0MiB) since it "
+        "memory in use on GPU '0' (88.0MiB) is still above the low watermark (85.0MiB) since it "
         "passed the high one (95.0MiB): lane 'bulk' admits no new work while other work is "
         "queued or running, until it falls below 85.0MiB"
     )
@@ -1286,7 +1320,13 @@ def test_lanes_closed_with_no_batch_running_have_the_engine_give_back_its_arena(
     closed, interactive too (a review: 188 MiB against 170 after 20 s idle). With lanes
     closed and no batch running, the engine is asked once to give them back."""
     clock = ManualClock(0.0)
-    mark = Watermark(lanes=3, high_bytes=95 * MIB, low_bytes=85 * MIB, limit_bytes=100 * MIB)
+    mark = Watermark(
+        lanes=3,
+        high_bytes=95 * MIB,
+        low_bytes=85 * MIB,
+        limit_bytes=100 * MIB,
+        reading=WATERMARK_READING,
+    )
     scheduler = _scheduler(64, mark)
     gauge = _HeldUntilReleased(held_bytes=99 * MIB, free_bytes=60 * MIB)
     thread = SchedulerThread(
@@ -1403,9 +1443,11 @@ class _OutOfMemoryAbove(Engine):
         self.on_failure = on_failure
         self.on_success = on_success
         self.ran: list[Array] = []
+        self.failed_rows: list[int] = []  # the size of each run that ran out of memory
 
     def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
         if len(inputs["input"]) > self.fit_rows:
+            self.failed_rows.append(len(inputs["input"]))
             self.on_failure()
             raise DeviceMemoryError("injected: out of memory")
         self.ran.append(inputs["input"].copy())
@@ -1998,6 +2040,30 @@ def test_a_batch_nobody_waits_for_any_more_is_not_run_again(small_model: Path) -
     assert all(isinstance(answer.error, ExpiredInQueueError) for answer in answers)
     assert scheduler.batch_cap == 2
     assert stats.counts().shed == {("standard", "EXPIRED_IN_QUEUE"): 2}, "counted as shed"
+
+
+def test_halves_that_ran_out_of_memory_hold_the_cap_below_their_size(small_model: Path) -> None:
+    """A batch at the cap (16 rows) ran out of memory, and so did both its halves of 8:
+    rows of one shape, so a batch of 8 does not fit either. The ceiling was the cap's 16
+    alone, and the cap climbed back 4 -> 8 and ran out of memory again (an operator's
+    server: 1 536 rows, both halves of 768, then 384 -> 768 in steps and out of memory
+    at 768). It holds at 7: one out-of-memory batch for the whole climb."""
+    clock = ManualClock(1_000.0)
+    engine = _OutOfMemoryAbove(small_model, 7, lambda: None)  # 8 rows do not fit
+    width = engine.inputs[0].shape[1]
+    scheduler = _scheduler(16)  # steps of 1 row (16 // CAP_RECOVERY_STEPS)
+    # Admitted before the thread starts: the first batch is 16 rows, and every later one
+    # is full at the cap (one-row requests), past the CAP_RECOVERY_BATCHES at each of 4,
+    # 5, 6 and 7 rows after which the cap tried 8.
+    requests = 16 + CAP_RECOVERY_BATCHES * (4 + 5 + 6 + 7 + 8)
+    for index in range(requests):
+        row = np.full((1, width), index % 5, np.float32)
+        scheduler.admit(_standard(f"r{index}", row), clock.monotonic())
+    answers = _answers_of(scheduler, engine, clock, requests)
+    assert all(answer.error is None for answer in answers)
+    assert engine.failed_rows == [16, 8, 8], "8 rows were tried again"
+    assert scheduler.batch_cap == 7, "held below the halves' size that failed"
+    assert max(len(rows) for rows in engine.ran) == 7
 
 
 # ---- the real thing: a capped arena in a child process ----------------------------------
@@ -3371,6 +3437,36 @@ def test_an_engine_on_a_gpu_nvml_cannot_read_refuses_the_start_naming_it(
     message = str(refused.value)
     assert message.startswith("cannot read the memory of the session's GPU '0'"), message
     assert "(_NvmlError: Unknown Error)" in message
+
+
+def test_a_memory_pressure_refusal_names_the_memory_it_read(
+    demo_model: Path, small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CPU server's watermark reads this process's resident memory, and its refusal said
+    "device memory in use (230.2MiB) is above the high watermark (209.0MiB)" of it (an
+    operator, --host-memory-limit 220MiB). It names what it read: resident memory on the
+    CPU, the GPU's memory in use (every process's, NVML's) on a GPU."""
+    cpu = _cpu_server(demo_model, host_memory_limit="220MiB").scheduler
+    engine = _on_a_fake_gpu(monkeypatch, small_model, _GpuMemory(), ARENA_ON_80_GIB)
+    gpu_config = ServerConfig(model_path=str(small_model), metrics_port=-1, max_batch_size=8)
+    gpu_server = LaneServer(engine, gpu_config)
+    gpu_server.telemetry.close()
+    for scheduler, used_bytes, reading in (
+        (cpu, round(230.2 * MIB), "this process's resident memory (230.2MiB)"),
+        (gpu_server.scheduler, 80 * GIB, "memory in use on GPU '0' (80.0GiB)"),
+    ):
+        mark = scheduler.watermark
+        assert mark is not None
+        scheduler.admit(_request(0, "interactive", 1), 0.0)  # queued: not idle
+        scheduler.update_memory(used_bytes)  # at the limit: every lane closes
+        with pytest.raises(MemoryPressureError) as refused:
+            scheduler.admit(_request(1, "interactive", 1), 0.0)
+        assert refused.value.message == (
+            f"{reading} is above the high watermark ({format_bytes(mark.high_bytes)}): lane "
+            "'interactive' admits no new work while other work is queued or running, until "
+            f"it falls below {format_bytes(mark.low_bytes)}"
+        )
+        assert refused.value.reason == "MEMORY_PRESSURE"
 
 
 # The default arena budget on the fake's 80 GiB GPU: memory_limit 0.9.

@@ -214,15 +214,24 @@ class RecordingEvents(NullEvents):
         self.log: list[tuple[object, ...]] = []
         self.queue_waits_s: list[tuple[float | None, ...]] = []
         self.rejected_waits_s: list[float] = []  # per `rejected`, in order
+        # Per `rejected`, in order: the request's id and the words its caller got.
+        self.refusals: list[tuple[str | None, str | None]] = []
 
     def admitted(self, lane: str, rows: int) -> None:
         self.log.append(("admitted", lane, rows))
 
     def rejected(
-        self, lane: str, reason: str, waited_s: float, *, message: str = "", request_id: str = ""
+        self,
+        lane: str,
+        reason: str,
+        waited_s: float,
+        *,
+        request_id: str | None = None,
+        error: LaneserveError | None = None,
     ) -> None:
         self.log.append(("rejected", lane, reason))
         self.rejected_waits_s.append(waited_s)
+        self.refusals.append((request_id, None if error is None else error.message))
 
     def shed(self, lane: str, reason: str, rows: int) -> None:
         self.log.append(("shed", lane, reason, rows))
@@ -1597,6 +1606,12 @@ def test_a_refusal_at_admission_counts_its_wait_from_arrival() -> None:
         ("rejected", "interactive", "LANE_FULL")
     ] * 3
     assert events.rejected_waits_s == [0.25, 0.0, 0.0]
+    # Each with its id and its words, for the refusal log's first_refusal and request_ids.
+    assert [request_id for request_id, _ in events.refusals] == ["r1", "r2", "r3"]
+    assert all(
+        message is not None and message.startswith("lane 'interactive' is full")
+        for _, message in events.refusals
+    ), events.refusals
 
 
 def test_the_retry_hint_of_a_full_lane_is_at_most_its_timeout() -> None:

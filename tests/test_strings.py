@@ -331,17 +331,44 @@ def test_text_the_model_cannot_take_is_refused_invalid_argument(
     request = pb.InferRequest(
         inputs=[tensor, encode_tensor("numbers", np.array([["1", "2"]], dtype=object))]
     )
+    refused = _refused_by(text_model, request)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (refused.details() or "").startswith(expected), refused.details()
+
+
+def _refused_by(model: Path, request: pb.InferRequest) -> grpc.aio.AioRpcError:
+    """How a server of `model` refuses `request` (an Infer call that must fail)."""
 
     async def scenario() -> grpc.aio.AioRpcError:
-        engine = Engine(str(text_model), device="cpu", estimate=estimate_once)
-        async with serving(engine, ServerConfig(model_path=str(text_model))) as s:
+        engine = Engine(str(model), device="cpu", estimate=estimate_once)
+        async with serving(engine, ServerConfig(model_path=str(model))) as s:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await s.stub.Infer(request, timeout=30)
             return refused.value
 
-    refused = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_a_text_element_that_is_not_utf8_is_refused_naming_its_row(text_model: Path) -> None:
+    """numbers [3, 2] whose element 3 is not UTF-8: refused INVALID_INPUT naming row 1, in
+    its words and in ErrorInfo's metadata "row" (what laneserve-client's failed rows read:
+    they named no input row for it)."""
+    elements = [b"1", b"2", b"3", b"\xff", b"5", b"6"]
+    numbers = pb.Tensor(
+        name="numbers",
+        dtype=pb.DATA_TYPE_STRING,
+        shape=[3, 2],
+        data=_length_prefixed(*elements),
+    )
+    request = pb.InferRequest(
+        inputs=[encode_tensor("text", np.array(["a", "b", "c"], dtype=object)), numbers]
+    )
+    refused = _refused_by(text_model, request)
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert (refused.details() or "").startswith(expected), refused.details()
+    details = refused.details() or ""
+    assert details.startswith("tensor 'numbers': element 3 is not UTF-8"), details
+    assert details.endswith("; element 3 is in row 1 of the request"), details
+    assert rich_status(refused) == ("INVALID_INPUT", {"metadata": {"row": "1"}})
 
 
 def test_a_text_model_of_a_fixed_first_axis_is_padded_with_copies_and_not_warned_of(

@@ -70,6 +70,7 @@ from laneserve.server.cost_model import RunTimeModel
 from laneserve.server.errors import (
     DeviceMemoryError,
     EngineError,
+    InvalidInputError,
     LaneserveError,
     ServerFaultError,
 )
@@ -1301,6 +1302,55 @@ def test_memory_and_out_of_memory_events_reach_the_metrics() -> None:
     assert at(points, "laneserve.device.memory.budget") == 8 << 30
 
 
+def test_the_infer_duration_has_a_sample_per_batch_under_its_status(small_model: Path) -> None:
+    """An operator read laneserve_infer_duration_seconds after out of memory: its count
+    was the batches', all OK, and none of the runs that ran out of memory, where the
+    README said "every run, failed ones under their status". It has one sample per batch,
+    as laneserve_batches_total counts them (a batch run in parts after out of memory is
+    one, OK while rows of it ran: the session time of all its runs), under the error of
+    a batch none of whose rows ran; the runs out of memory are
+    laneserve_device_out_of_memory_total's."""
+    too_large = 1_000.0  # a row tagged so fails even alone
+
+    class OutOfMemoryOverOneRow(RecordingEngine):
+        armed = False  # after the start-up probe, which would set the batch cap to 1
+
+        def run(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+            rows_in = next(iter(inputs.values()))
+            if self.armed and (len(rows_in) > 1 or rows_in[0, 0] >= too_large):
+                raise DeviceMemoryError("injected: out of memory")
+            return super().run(inputs)
+
+    async def scenario() -> Points:
+        engine = OutOfMemoryOverOneRow(str(small_model))
+        server_config = config(small_model)
+        reader = InMemoryMetricReader()
+        telemetry = Telemetry(
+            lanes=server_config.lanes,
+            providers=engine.providers,
+            max_batch_size=server_config.max_batch_size,
+            metric_readers=[reader],
+        )
+        async with serving(engine, server_config, telemetry=telemetry) as s:
+            engine.armed = True
+            await s.stub.Infer(request(rows(4), request_id="split"))  # runs of 4, 2, 2 fail
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await s.stub.Infer(request(rows(1, start=int(too_large)), request_id="large"))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            await until(lambda: at(collect(reader), "laneserve.batch.size") == 2)
+            points = collect(reader)
+        telemetry.close()
+        return points
+
+    points = asyncio.run(scenario())
+    assert series(points, "laneserve.infer.duration", "status") == {
+        ("OK",): 1,
+        ("DEVICE_MEMORY",): 1,
+    }
+    assert sum(series(points, "laneserve.batches", "reason", "status").values()) == 2
+    assert at(points, "laneserve.device.out_of_memory") == 3 + 1
+
+
 def test_the_memory_gauges_say_what_they_read_on_the_cpu_too() -> None:
     """On the CPU the "device memory" gauges read this process's resident memory against
     --host-memory-limit (the watermark's limit), not the arena's --memory-limit; their
@@ -2326,6 +2376,10 @@ class FakeClock:
         return self.now_s
 
 
+# A refusal line's first refusal and ids where its refusals gave none (`Window.firsts`).
+NO_FIRSTS: dict[str, Any] = {"first_refusal": "", "request_ids": []}
+
+
 def test_refusals_are_logged_in_aggregate_at_most_once_per_interval(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -2349,19 +2403,20 @@ def test_refusals_are_logged_in_aggregate_at_most_once_per_interval(
     assert lines == [
         (
             "admission refused 1 request(s) in 0.0s",
-            {"refused": {"standard/LANE_FULL": 1}, "window_s": 0.0, "last_ago_s": 0.0},
+            {**NO_FIRSTS, "refused": {"standard/LANE_FULL": 1}, "window_s": 0.0, "last_ago_s": 0.0},
         ),
         (
             "admission refused 501 request(s) in 0.0s, the last 10.0s ago",
             {
                 "refused": {"standard/LANE_FULL": 500, "bulk/MEMORY_PRESSURE": 1},
+                **NO_FIRSTS,
                 "window_s": 0.0,
                 "last_ago_s": 10.0,
             },
         ),
         (
             "admission refused 1 request(s) in 0.0s",
-            {"refused": {"standard/LANE_FULL": 1}, "window_s": 0.0, "last_ago_s": 0.0},
+            {**NO_FIRSTS, "refused": {"standard/LANE_FULL": 1}, "window_s": 0.0, "last_ago_s": 0.0},
         ),
     ]
     assert all(record.levelno == logging.WARNING for record in caplog.records)
@@ -2484,7 +2539,7 @@ def test_refusals_for_overload_and_routine_ones_are_logged_apart(
             "WARNING",
             "admission_refused",
             "admission refused 1 request(s) in 0.0s",
-            {"refused": {"standard/LANE_FULL": 1}, "window_s": 0.0, "last_ago_s": 0.0},
+            {**NO_FIRSTS, "refused": {"standard/LANE_FULL": 1}, "window_s": 0.0, "last_ago_s": 0.0},
         ),
         (
             "INFO",
@@ -2494,7 +2549,7 @@ def test_refusals_for_overload_and_routine_ones_are_logged_apart(
                 "withdrawn requests, shared memory not registered or refused, features not "
                 "served, answers over a caller's receive limit)"
             ),
-            {"refused": {"bulk/DRAINING": 1}, "window_s": 0.0, "last_ago_s": 0.0},
+            {**NO_FIRSTS, "refused": {"bulk/DRAINING": 1}, "window_s": 0.0, "last_ago_s": 0.0},
         ),
         (
             "INFO",
@@ -2505,6 +2560,7 @@ def test_refusals_for_overload_and_routine_ones_are_logged_apart(
                 "refused, features not served, answers over a caller's receive limit)"
             ),
             {
+                **NO_FIRSTS,
                 "refused": {
                     "standard/INVALID_INPUT": 1,
                     "standard/REQUEST_ID_REUSED": 1,
@@ -2521,7 +2577,12 @@ def test_refusals_for_overload_and_routine_ones_are_logged_apart(
             "WARNING",
             "admission_refused",
             "admission refused 1 request(s) in 0.0s, the last 9.0s ago",
-            {"refused": {"interactive/DEADLINE_UNMEETABLE": 1}, "window_s": 0.0, "last_ago_s": 9.0},
+            {
+                **NO_FIRSTS,
+                "refused": {"interactive/DEADLINE_UNMEETABLE": 1},
+                "window_s": 0.0,
+                "last_ago_s": 9.0,
+            },
         ),
     ]
 
@@ -2544,14 +2605,14 @@ def test_a_refusal_line_says_what_the_first_was_told_and_whose_the_first_few_wer
             "interactive",
             "INVALID_INPUT",
             0.0,
-            message=f"input 'input' has dtype float64; expected float32 ({index})",
             request_id=f"bad-{index}",
+            error=InvalidInputError(f"input 'input' has dtype float64; expected float32 ({index})"),
         )
     (timer,) = timers.started
     clock.now_s += 9
     timer.action()
     first, held = [_fields(record) for record in _events_of(caplog, "admission_refused_routine")]
-    assert set(first) == {"refused", "window_s", "last_ago_s"}  # DRAINING, told nothing
+    assert (first["first_refusal"], first["request_ids"]) == ("", [])  # DRAINING: no error
     assert held["refused"] == {"standard/CANCELLED": 1, "interactive/INVALID_INPUT": 7}
     assert held["first_refusal"] == "input 'input' has dtype float64; expected float32 (0)"
     assert held["request_ids"] == [f"bad-{index}" for index in range(MAX_REQUEST_IDS)]

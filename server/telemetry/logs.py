@@ -474,6 +474,16 @@ class Window:
         ended."""
         return {"window_s": round(self.window_s, 3), "last_ago_s": round(self.ago_s, 3)}
 
+    def firsts(self, detail_field: str) -> dict[str, Any]:
+        """The fields a line of errors gives: the first detail given, as `detail_field`
+        ("" where none gave one), and the first MAX_REQUEST_IDS request ids. In fields
+        alone, not the message: a text line appends the fields to it, and 1 KiB of the
+        runtime's words came twice."""
+        return {
+            detail_field: bounded_message(self.first_detail or ""),
+            "request_ids": list(self.request_ids),
+        }
+
 
 class AggregatedLine:
     """One event that comes in bursts of thousands (refusals, sheds, failures), logged
@@ -595,19 +605,6 @@ class AggregatedLine:
         return window
 
 
-def _first_refusal(window: Window) -> dict[str, Any]:
-    """What the window's first refusal was told, and whose the first few were, where the
-    refusals said (a caller that left was told nothing): a flood of bad requests
-    ("interactive/INVALID_INPUT": 3935) said nothing of what was wrong or who sent it. In
-    fields alone, as requests_failed's (`EventLog._write_failed`)."""
-    fields: dict[str, Any] = {}
-    if window.first_detail:
-        fields["first_refusal"] = bounded_message(window.first_detail)
-    if window.request_ids:
-        fields["request_ids"] = list(window.request_ids)
-    return fields
-
-
 class EventLog(NullEvents):
     """A `SchedulerEvents` sink for the events an operator must hear of unasked.
 
@@ -670,10 +667,18 @@ class EventLog(NullEvents):
         self.running_batch: Batch | None = None
 
     def rejected(
-        self, lane: str, reason: str, waited_s: float, *, message: str = "", request_id: str = ""
+        self,
+        lane: str,
+        reason: str,
+        waited_s: float,
+        *,
+        request_id: str | None = None,
+        error: LaneserveError | None = None,
     ) -> None:
         line = self._refused_routine if reason in ROUTINE_REFUSALS else self._refused
-        line.add(lane, reason, detail=message or None, request_id=request_id or None)
+        line.add(
+            lane, reason, detail=None if error is None else error.message, request_id=request_id
+        )
 
     def shed(self, lane: str, reason: str, rows: int) -> None:
         self._shed.add(lane, reason, rows=rows)
@@ -722,7 +727,10 @@ class EventLog(NullEvents):
             f"admission refused {window.total} request(s) in {window.window_s:.1f}s"
             f"{window.late()}{why}",
             refused=window.by_key(),
-            **_first_refusal(window),
+            # What the first was told, and whose the first few were: a flood of bad
+            # requests ("interactive/INVALID_INPUT": 3935) said nothing of what was wrong
+            # or who sent it.
+            **window.firsts("first_refusal"),
             **window.timing(),
         )
 
@@ -777,8 +785,6 @@ class EventLog(NullEvents):
         )
 
     def _write_failed(self, window: Window) -> None:
-        # The error and the ids in fields alone, as other events' errors: a text line
-        # appends the fields to the message, and 1 KiB of the runtime's words came twice.
         log_event(
             log,
             logging.WARNING,
@@ -786,8 +792,7 @@ class EventLog(NullEvents):
             f"{window.total} request(s) failed in the model in {window.window_s:.1f}s"
             f"{window.late()}",
             failed=window.by_key(),
-            first_error=bounded_message(window.first_detail or ""),
-            request_ids=list(window.request_ids),
+            **window.firsts("first_error"),
             **window.timing(),
         )
 

@@ -5,7 +5,7 @@ Metric names (OpenTelemetry; Prometheus adds the unit and `_total`, e.g.
 
     laneserve.queue.wait          histogram s       lane           admission to dispatch
     laneserve.batch.size          histogram rows                   rows per batch run
-    laneserve.infer.duration      histogram s       status         session time per run
+    laneserve.infer.duration      histogram s       status         session time per batch
     laneserve.request.duration    histogram s       lane, status   arrival to answer
     laneserve.requests.admitted   counter           lane
     laneserve.requests.rejected   counter           lane, reason   refused at admission
@@ -254,7 +254,8 @@ _COUNTERS: tuple[_Counter, ...] = (
     _Counter(
         "laneserve.requests.late",
         "Admitted requests answered OK from a run that ended past their deadline (their "
-        "timeout_ms or their lane's timeout): admission foresaw them in time",
+        "timeout_ms or their lane's timeout): admission predicted them in time, or made no "
+        "prediction (an idle server, a shape not yet run)",
         ("lane",),
         lambda counts: {(lane,): count for lane, count in counts.late.items()},
         lambda lanes: ((lane,) for lane in lanes),
@@ -329,7 +330,9 @@ class Metrics(NullEvents):
         self._infer = meter.create_histogram(
             "laneserve.infer.duration",
             unit="s",
-            description="Session time of one batch run",
+            description="Session time of one batch, under OK while rows of it ran, else its "
+            "error's reason; a batch run in parts after out of memory is one sample, the time "
+            "of all its runs, those that failed included",
             explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
         )
         self._request = meter.create_histogram(
@@ -643,6 +646,9 @@ class Metrics(NullEvents):
     ) -> None:
         status = "OK" if error is None else error.reason
         self._batch_size.record(batch.rows)
+        # A sample per batch, as laneserve_batches_total counts them: the runs of a batch
+        # split after out of memory are timed together (`BatchResult.run_s`), and those
+        # that failed are counted apart (laneserve_device_out_of_memory_total).
         self._infer.record(run_s, {"status": status})
 
     def request_finished(

@@ -357,7 +357,13 @@ class Tracing(NullEvents):
 
     # SchedulerEvents
     def rejected(
-        self, lane: str, reason: str, waited_s: float, *, message: str = "", request_id: str = ""
+        self,
+        lane: str,
+        reason: str,
+        waited_s: float,
+        *,
+        request_id: str | None = None,
+        error: LaneserveError | None = None,
     ) -> None:
         # An event on the call's span (on the event loop, in the call's context): a
         # refusal before the request's spans start (a bad input, an unknown lane, an
@@ -371,8 +377,8 @@ class Tracing(NullEvents):
         span = otel_trace.get_current_span()
         if span.is_recording():
             attributes = {"laneserve.reason": reason}
-            if message:
-                attributes["laneserve.message"] = bounded_message(message)
+            if error is not None:
+                attributes["laneserve.message"] = bounded_message(error.message)
             if request_id:
                 attributes["laneserve.request_id"] = request_id
             span.add_event("laneserve.refused", attributes)

@@ -741,8 +741,9 @@ class LaneStats(_message.Message):
     late: _builtins.int
     """Of those answered OK (completed), the requests whose run ended after their deadline
     (timeout_ms, or the lane's timeout; a gRPC deadline passed is DEADLINE_EXCEEDED in
-    `answered`): admission by deadline foresaw them in time, and the session ran slower
-    than it measured. The figures of laneserve_requests_late_total.
+    `answered`): admission predicted them in time (the session ran slower than it had
+    measured), or made no prediction (an idle server, a shape not yet run). The figures
+    of laneserve_requests_late_total.
     """
     @_builtins.property
     def rejected(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
