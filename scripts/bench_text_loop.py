@@ -81,20 +81,19 @@ BULK: Final = "bulk"
 BULK_LANE: Final = "bulk"
 RPC_TIMEOUT_S: Final = 10.0
 # The server: the stop signals caught before the heavy imports, as laneserve.server.entry
-# does; in the on-loop mode the constant patched in each module that reads it (service's
-# `_read_inputs` for requests, text_thread's `encoded_off_loop` for answers: each holds
-# its own name). A name that is gone would be set silently, measuring nothing: refused.
+# does; in the on-loop mode the constant patched in the module that reads it
+# (text_thread's `read_off_loop` for requests, `encoded_off_loop` for answers). A name
+# that is gone would be set silently, measuring nothing: refused.
 SERVER_PROGRAM: Final = """\
 import sys
 from laneserve.server.process import catch_stop_signals_early
 catch_stop_signals_early()
-from laneserve.server import cli, service, text_thread
+from laneserve.server import cli, text_thread
 limit = {limit!r}
 if limit is not None:
-    for module in (service, text_thread):
-        if not hasattr(module, "EVENT_LOOP_TEXT_ELEMENTS"):
-            sys.exit(f"{{module.__name__}} has no EVENT_LOOP_TEXT_ELEMENTS to patch")
-        module.EVENT_LOOP_TEXT_ELEMENTS = limit
+    if not hasattr(text_thread, "EVENT_LOOP_TEXT_ELEMENTS"):
+        sys.exit("text_thread has no EVENT_LOOP_TEXT_ELEMENTS to patch")
+    text_thread.EVENT_LOOP_TEXT_ELEMENTS = limit
 sys.exit(cli.main())
 """
 # The on-loop mode's limit: more STRING elements than any request can carry.

@@ -22,15 +22,16 @@ from typing import TYPE_CHECKING, Any
 # ONNX Runtime (1.29 on, Linux too) writes a device id under ~/.cache/Microsoft and
 # uploads usage events to Microsoft unless ORT_DISABLE_TELEMETRY is set when it is first
 # imported: a server must not call out of its network unasked. Set here, as every module
-# that imports onnxruntime (the engine) is imported through this package; an operator's
-# own value (0 lets it send) is kept.
+# that imports onnxruntime (the engine, providers) is imported through this package; an
+# operator's own value (0 lets it send) is kept.
 os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
 if TYPE_CHECKING:
     from laneserve.server.app import LaneServer, load_engine
     from laneserve.server.clock import Clock, ManualClock, SystemClock
     from laneserve.server.config import ConfigError, LaneConfig, ServerConfig, load_config
-    from laneserve.server.engine import Engine, EngineStartError
+    from laneserve.server.engine import Engine
+    from laneserve.server.errors import EngineStartError
     from laneserve.server.lifecycle import Lifecycle
 
 # Each public name and the submodule that defines it.
@@ -45,7 +46,7 @@ _HOMES = {
     "ServerConfig": "config",
     "load_config": "config",
     "Engine": "engine",
-    "EngineStartError": "engine",
+    "EngineStartError": "errors",
     "Lifecycle": "lifecycle",
 }
 

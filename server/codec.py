@@ -176,6 +176,13 @@ def text_elements(tensors: Sequence[pb.Tensor]) -> int:
     return sum(_elements(tensor) or 0 for tensor in tensors if tensor.dtype == pb.DATA_TYPE_STRING)
 
 
+def number_bytes(tensors: Sequence[pb.Tensor]) -> int:
+    """The bytes of data the numeric tensors of `tensors` hold, as their dtypes and shapes
+    size them, their data unread (a STRING tensor's: none, see `text_elements`): what
+    hashing them costs (an accepted request's data is its shape's: `read_infer_request`)."""
+    return sum(data_bytes(tensor) or 0 for tensor in tensors if tensor.dtype != pb.DATA_TYPE_STRING)
+
+
 def _elements(tensor: pb.Tensor) -> int | None:
     """The elements `tensor`'s shape holds; None for one `decode_tensor` refuses (more
     than MAX_DIMS dimensions, a negative one)."""

@@ -306,7 +306,7 @@ class ServerConfig:
     shared_memory: bool = False
     # ONNX Runtime intra-op threads; 0: auto (on the CPU one core fewer than the
     # process may use, its cgroup's CPU quota included, left to the event loop; see
-    # engine.default_intra_op_threads).
+    # providers.default_intra_op_threads).
     intra_op_threads: int = 0
     # Prometheus scrape endpoint (GET /metrics) on `host`: 0 = any free port (logged at
     # start), -1 = no endpoint (and no metric is recorded).

@@ -1,19 +1,16 @@
 """The one ONNX Runtime session, and the one place that translates the runtime's errors.
 
-Only this module imports onnxruntime. `Engine.run_batch` is called from one thread at a
-time (the engine thread); `Engine.run` is safe from any thread, as the session is.
+Only this module and `providers` (where the session runs) import onnxruntime.
+`Engine.run_batch` is called from one thread at a time (the engine thread); `Engine.run`
+is safe from any thread, as the session is.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
-import importlib.metadata
 import io
 import logging
-import math
-import os
 import re
 import sys
 import threading
@@ -23,7 +20,6 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-import numpy.typing as npt
 import onnxruntime as ort
 
 from laneserve.client.tensors import datatype_for_onnx_type, numpy_dtype_for_onnx_type
@@ -32,16 +28,15 @@ from laneserve.server.errors import (
     DeviceMemoryError,
     DrainingError,
     EngineError,
-    ExpiredInQueueError,
+    EngineStartError,
     LaneserveError,
+    ModelRunError,
     SessionBrokenError,
 )
 from laneserve.server.items import (
     Array,
     Batch,
     BatchResult,
-    FailedRows,
-    OutOfMemoryRun,
     RowsWanted,
     Signature,
 )
@@ -50,32 +45,39 @@ from laneserve.server.memory import (
     MemoryEstimate,
     MemoryGauge,
     MemoryLimit,
-    NvmlGauge,
     NvmlUnavailableError,
     ProcessRssGauge,
-    cgroup_cpu_limit,
-    cuda_visible_hides_every_gpu,
     estimate_memory,
     fit_memory,
     format_bytes,
     host_available_bytes,
     prefer_pci_order,
-    session_gpu_id,
 )
 from laneserve.server.model_identity import (
     find_model_files,
     model_identity,
 )
+from laneserve.server.providers import (
+    CPU,
+    CUDA,
+    DEFAULT_GPU_MEMORY_LIMIT,
+    cap_cpu_arena,
+    check_cpu_budget,
+    choose_providers,
+    cuda_provider_options,
+    cuda_unavailable_cause,
+    default_intra_op_threads,
+    gpu_total_bytes,
+    nvml_start_error,
+    resolve_limit,
+)
+from laneserve.server.split_runs import IndexArray, Split
 
 log = logging.getLogger(__name__)
 
-IndexArray = npt.NDArray[np.intp]
 # A part of a split that failed: its inputs, their positions in the batch, its error.
 _FailedPart = tuple[Mapping[str, Array], IndexArray, LaneserveError]
 
-CUDA = "CUDAExecutionProvider"
-CPU = "CPUExecutionProvider"
-DEFAULT_GPU_MEMORY_LIMIT = MemoryLimit(fraction=0.9)
 # On the CPU without a memory limit, the share of the host's available memory the probe's
 # next size may be predicted to need (see `_HostRoom`): the arena grows by powers of two
 # (up to twice what a run needs), and the lanes' queued inputs and the answers being
@@ -136,22 +138,9 @@ _OUT_OF_MEMORY = re.compile(
 )
 
 
-class EngineStartError(RuntimeError):
-    """The model or the requested device cannot be used; raised before serving."""
-
-
 class ProbeStopped(Exception):  # noqa: N818 - not a failure: the start was stopped
     """The start-up probe was asked to stop (`Engine.probe`'s `stopping`: a stop signal
     while starting) and timed no further batch size: the server will not serve."""
-
-
-class _ModelRunError(EngineError):
-    """The runtime failed a run, not for want of memory (see `translate_runtime_error`);
-    `runtime_message` keeps its words apart from where the run failed."""
-
-    def __init__(self, runtime_message: str) -> None:
-        super().__init__(f"the model failed on this batch: {runtime_message}")
-        self.runtime_message = runtime_message
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -165,66 +154,6 @@ class TensorSpec:
     dim_names: tuple[str | None, ...] = ()
 
 
-def gpu_present() -> bool:
-    """Whether NVML sees at least one GPU (false without a driver)."""
-    try:
-        import pynvml  # noqa: PLC0415 - optional at run time: absent or driverless machines
-
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - any NVML failure means: no usable GPU
-        return False
-    try:
-        return int(pynvml.nvmlDeviceGetCount()) > 0
-    except Exception:  # noqa: BLE001 - the count's failure too ("Unknown Error" escaped)
-        return False
-    finally:
-        with contextlib.suppress(Exception):
-            pynvml.nvmlShutdown()
-
-
-def open_nvml_gauge() -> NvmlGauge:
-    """The session GPU's memory gauge; EngineStartError (exit 2, no traceback) when NVML
-    cannot read that GPU."""
-    try:
-        return NvmlGauge()
-    except NvmlUnavailableError as error:
-        raise nvml_start_error(error) from error
-
-
-def _gpu_total_bytes() -> int | None:
-    """The session GPU's memory, at start; EngineStartError when NVML cannot read it: the
-    engine's first reading on a GPU (a limit is a share of it), whose failure escaped as
-    a traceback, exit 1."""
-    gauge = open_nvml_gauge()
-    try:
-        return gauge.total_bytes()
-    except NvmlUnavailableError as error:
-        raise nvml_start_error(error) from error
-
-
-def nvml_start_error(error: NvmlUnavailableError) -> EngineStartError:
-    """Why the server cannot start when NVML cannot open or read the session's GPU."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return EngineStartError(
-        f"cannot read the memory of the session's GPU {session_gpu_id()!r} "
-        f"(CUDA_VISIBLE_DEVICES={'unset' if visible is None else repr(visible)}): "
-        f"{error}; expected nvidia-ml-py installed and CUDA_VISIBLE_DEVICES naming the "
-        "GPU by its index or its whole UUID as `nvidia-smi -L` lists it (NVML takes no "
-        "shortened UUID), or --device cpu"
-    )
-
-
-def _resolve_limit(limit: MemoryLimit, device_total_bytes: int | None) -> int:
-    """`limit` in bytes; EngineStartError when it is a fraction of a total unknown."""
-    try:
-        return limit.resolve(device_total_bytes)
-    except ValueError as error:
-        raise EngineStartError(
-            f"server.memory_limit (--memory-limit; {DEFAULT_GPU_MEMORY_LIMIT.fraction:g} on a "
-            f"GPU when unset): {error}"
-        ) from error
-
-
 def _check_arguments(model_path: str, device: Device) -> None:
     """Raises EngineStartError for a model path that is not a file, or a device that is
     not one of DEVICES (an embedder's Engine(device="tpu") ran as "auto")."""
@@ -235,109 +164,6 @@ def _check_arguments(model_path: str, device: Device) -> None:
         )
     if device not in DEVICES:
         raise EngineStartError(f"device: expected one of {DEVICES}, got {device!r}")
-
-
-def choose_providers(device: Device) -> list[str]:
-    available = ort.get_available_providers()
-    if device == "cpu":
-        return [CPU]
-    hidden = cuda_visible_hides_every_gpu()
-    cuda_usable = CUDA in available and not hidden and gpu_present()
-    if device == "cuda":
-        if not cuda_usable:
-            raise EngineStartError(
-                f"--device cuda: {_why_no_cuda(available, hidden=hidden)} (available "
-                f"providers: {available}); expected a visible GPU and onnxruntime-gpu, or "
-                "--device auto / cpu to run on the CPU"
-            )
-        return [CUDA, CPU]
-    # auto: ask for CUDA only where it can work, so no failed CUDA load is printed (and
-    # where CUDA_VISIBLE_DEVICES hides every GPU, NVML's count is not CUDA's).
-    return [CUDA, CPU] if cuda_usable else [CPU]
-
-
-def _why_no_cuda(available: Sequence[str], *, hidden: bool) -> str:
-    if CUDA not in available:
-        return "this onnxruntime has no CUDA"
-    if hidden:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        return f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU from CUDA"
-    return "no GPU is visible"
-
-
-def default_intra_op_threads(
-    *, on_gpu: bool, cpu_limit: Callable[[], float | None] = cgroup_cpu_limit
-) -> int:
-    """ONNX Runtime's intra-op threads when the configuration says 0 (auto).
-
-    On the CPU the runtime's own default takes every core, but the event loop, gRPC's
-    pollers and the scheduler need one between runs: measured on 2 cores, one runtime
-    thread served 32-64 single-row callers 30-50 % faster than two (a bulk-only stream
-    ran ~20 % slower: README, "Bulk jobs"). The cores are those the process may run on,
-    and no more than its cgroup's CPU quota rounds up to (`cpu_limit`, the CPUs it
-    allows; None: no quota): a pod limited to 2 CPUs on a 32-core node sees all 32, and
-    took 31 threads that only wait for the quota's share. On a GPU the runtime's
-    threads only run the few CPU-side kernels: its default stands (0).
-    """
-    if on_gpu:
-        return 0
-    affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere all the cores
-    cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
-    quota_cpus = cpu_limit()
-    if quota_cpus is not None:
-        cores = min(cores, math.ceil(quota_cpus))
-    return max(1, cores - 1)
-
-
-def cuda_provider_options(memory_limit_bytes: int) -> dict[str, str]:
-    """The CUDA provider's options for a session capped at `memory_limit_bytes`."""
-    return {
-        "gpu_mem_limit": str(memory_limit_bytes),
-        # Near a hard limit, growing by powers of two would fail allocations that fit.
-        "arena_extend_strategy": "kSameAsRequested",
-        # The default, EXHAUSTIVE, benchmarks every cuDNN convolution algorithm for each
-        # new input shape (0.3-1.3 s a shape: onnxruntime issues #709, #6978), and the
-        # scheduler forms batches of every size from 1 to the cap: each size's first
-        # batch would stall its callers that long. HEURISTIC asks cuDNN's heuristics
-        # instead, without running anything.
-        "cudnn_conv_algo_search": "HEURISTIC",
-    }
-
-
-def _cuda_unavailable_cause() -> str:
-    """Why the runtime left its CUDA provider out of a session, as far as Python can
-    tell. The runtime prints its own reason on stderr ("Failed to create
-    CUDAExecutionProvider"), where no caller reads it; loading the provider's library
-    again gives the loader's words for the usual cause, a CUDA or cuDNN library it
-    cannot find."""
-    needs = (
-        f"the CUDA {_built_for()} libraries on the loader's path (LD_LIBRARY_PATH) and "
-        "an NVIDIA driver that supports that CUDA"
-    )
-    library = Path(ort.__file__).parent / "capi" / "libonnxruntime_providers_cuda.so"
-    if not library.is_file():
-        return f"this onnxruntime's CUDA provider did not start; it needs {needs}"
-    try:
-        ctypes.CDLL(str(library))
-    except OSError as error:
-        return f"its CUDA provider library does not load ({error}); it needs {needs}"
-    return (
-        "its CUDA provider library loads but the provider did not start (onnxruntime's "
-        f"reason is on stderr); it needs {needs}"
-    )
-
-
-def _built_for() -> str:
-    """The CUDA and cuDNN versions this onnxruntime was built for ("13.0 / cuDNN 9"):
-    CUDA's from its build information, cuDNN's major from its wheel's `cudnn` extra."""
-    cuda = getattr(ort, "cuda_version", None) or "?"
-    cudnn = "?"
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        for requirement in importlib.metadata.requires("onnxruntime-gpu") or []:
-            found = re.match(r"nvidia-cudnn-cu\d+\s*~=\s*(\d+)", requirement)
-            if found is not None:
-                cudnn = found.group(1)
-    return f"{cuda} / cuDNN {cudnn}"
 
 
 def _check_batch_axis_unique(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> None:
@@ -552,9 +378,9 @@ class Engine:
         limit_bytes = (
             None
             if memory_limit is None
-            else _resolve_limit(
+            else resolve_limit(
                 memory_limit,
-                _gpu_total_bytes() if on_gpu else ProcessRssGauge().total_bytes(),
+                gpu_total_bytes() if on_gpu else ProcessRssGauge().total_bytes(),
             )
         )
         options = ort.SessionOptions()
@@ -572,8 +398,8 @@ class Engine:
             if on_gpu:
                 providers[0] = (CUDA, cuda_provider_options(limit_bytes))
             else:
-                _check_cpu_budget(self.static_estimate, limit_bytes)
-                _cap_cpu_arena(limit_bytes)
+                check_cpu_budget(self.static_estimate, limit_bytes)
+                cap_cpu_arena(limit_bytes)
                 options.add_session_config_entry("session.use_env_allocators", "1")
         # What the runtime's Python constructor prints when CUDA's provider raised and it
         # built the session on the CPU instead ("EP Error ...": a busy or full GPU, a
@@ -613,7 +439,7 @@ class Engine:
         cause = (
             f"onnxruntime fell back itself, saying {self._runtime_printed[:500]!r}"
             if "EP Error" in self._runtime_printed
-            else _cuda_unavailable_cause()
+            else cuda_unavailable_cause()
         )
         if device == "cuda":
             raise EngineStartError(
@@ -897,7 +723,7 @@ class Engine:
         except DrainingError as error:  # no part of it would run either
             return BatchResult(batch, None, error, time.perf_counter() - started)
         except LaneserveError as error:
-            split = _Split(batch, rows_wanted, self.memory_limit_bytes)
+            split = Split(batch, rows_wanted, self.memory_limit_bytes)
             self._retry_in_halves(inputs, np.arange(batch.rows), error, split)
             self._last_batch_failed = split.outputs is None and not split.session_ok
             return BatchResult(
@@ -917,7 +743,7 @@ class Engine:
         inputs: Mapping[str, Array],
         positions: IndexArray,
         error: LaneserveError,
-        split: _Split,
+        split: Split,
     ) -> None:
         """After `inputs` (the batch's rows at `positions`) failed with `error`: runs each
         half's rows still wanted (asked just before it runs), splits again a half that
@@ -970,7 +796,7 @@ class Engine:
                     self._retry_in_halves(failed_inputs, failed_positions, failure, split)
 
     def _run_halves(
-        self, inputs: Mapping[str, Array], positions: IndexArray, split: _Split
+        self, inputs: Mapping[str, Array], positions: IndexArray, split: Split
     ) -> list[_FailedPart]:
         """Runs each half of the rows still wanted, in turn; the halves that failed."""
         half = len(positions) // 2
@@ -987,7 +813,7 @@ class Engine:
                 failures.append((part_inputs, part_positions, run_error))
         return failures
 
-    def _session_broken(self, split: _Split) -> bool:
+    def _session_broken(self, split: Split) -> bool:
         """Both halves of a run failed, not for want of memory: bad rows in both, or a
         broken session. An input the session ran at start-up (`example_inputs`) tells:
         it failing too means the session is broken, and every row fails at once (four
@@ -1319,7 +1145,7 @@ class Engine:
             apart = [first, *(alone(row) for row in range(1, checked))]
         except DeviceMemoryError:
             return  # the probe below meets it and reports it
-        except _ModelRunError as error:
+        except ModelRunError as error:
             self._rows_unchecked(f"it failed on random rows ({error.runtime_message})")
             return
         for name in self.output_names:
@@ -1529,156 +1355,6 @@ class _HostRoom:
         return False
 
 
-class _Split:
-    """One batch being run in parts after a failed run: which rows ran, which failed and
-    why, and the runs that ran out of memory."""
-
-    def __init__(
-        self, batch: Batch, rows_wanted: RowsWanted | None, memory_limit_bytes: int | None
-    ) -> None:
-        self.rows = batch.rows
-        self.rows_wanted = rows_wanted
-        self._slices = batch.slices
-        # What a row that does not fit alone failed against, and what would let it run
-        # (fewer rows would not: it failed alone).
-        self._budget, self._remedy = (
-            ("the device's memory", "narrower rows")
-            if memory_limit_bytes is None
-            else (
-                f"the memory limit of {format_bytes(memory_limit_bytes)}",
-                "a larger --memory-limit, or narrower rows",
-            )
-        )
-        # For each row, the slice (request) it belongs to: once one row of a request
-        # fails, its other rows need not run (the request's answer is that failure).
-        self._owner = np.empty(batch.rows, dtype=np.intp)
-        for index, piece in enumerate(batch.slices):
-            self._owner[piece.offset : piece.offset + piece.rows] = index
-        self._owner_failed = np.zeros(len(batch.slices), dtype=bool)
-        # Per slice (request): one of its rows failed alone for want of memory.
-        self._owner_unfit = np.zeros(len(batch.slices), dtype=bool)
-        self._owner_error: dict[int, LaneserveError] = {}
-        # Output name -> `rows` rows, allocated by the first run that succeeds; rows
-        # without a valid output stay zero and are listed in `_failed`.
-        self.outputs: dict[str, Array] | None = None
-        self._failed: list[tuple[int, LaneserveError]] = []
-        # The rows of each run that ran out of memory (None: the session probe's row).
-        self._out_of_memory: list[IndexArray | None] = []
-        self.session_ok = False  # an input it ran at start-up ran during this split
-        # The error of rows not run again because nobody wanted them any more. No caller
-        # is answered with it: `rows_wanted` (the scheduler) answered the callers whose
-        # deadline had passed when it left their rows out, and the others had left.
-        self.not_retried = ExpiredInQueueError(
-            "deadline passed while its batch was being retried in parts after a failed "
-            "run; its rows were not run again"
-        )
-
-    def still_wanted(
-        self, inputs: Mapping[str, Array], positions: IndexArray
-    ) -> tuple[Mapping[str, Array], IndexArray]:
-        """The rows of `inputs` (at `positions`) worth running now: a caller still waits
-        for them (asked now; the others fail with `not_retried`), and no other row of
-        their request has failed (they fail with that row's error, without running)."""
-        owners = self._owner[positions]
-        doomed = self._owner_failed[owners]
-        wanted = ~doomed
-        for position, owner in zip(positions[doomed], owners[doomed], strict=True):
-            self._failed.append((int(position), self._owner_error[int(owner)]))
-        if self.rows_wanted is not None:
-            waited = self.rows_wanted()[positions] | ~wanted
-            self.fail(positions[~waited], self.not_retried)
-            wanted &= waited
-        if wanted.all():
-            return inputs, positions
-        return {name: array[wanted] for name, array in inputs.items()}, positions[wanted]
-
-    def store(self, positions: IndexArray, outputs: Mapping[str, Array]) -> None:
-        if self.outputs is None:
-            self.outputs = {
-                name: np.zeros((self.rows, *array.shape[1:]), array.dtype)
-                for name, array in outputs.items()
-            }
-        for name, array in outputs.items():
-            held = self.outputs[name]
-            if array.shape[1:] != held.shape[1:]:
-                # Each part's outputs must be the rows the whole batch would have given.
-                raise EngineError(
-                    f"model output {name!r} has shape {list(array.shape[1:])} per row in "
-                    f"one part of a split batch and {list(held.shape[1:])} in another: its "
-                    "size depends on which rows are batched together; expected outputs "
-                    "whose per-row shape depends only on the inputs' shapes"
-                )
-            held[positions] = array
-
-    def fail_alone(self, row: IndexArray, error: LaneserveError) -> None:
-        """One row failed when run alone: it is the row's fault (or it does not fit)."""
-        index = self._request_row(int(row[0]))
-        failed: LaneserveError
-        if isinstance(error, DeviceMemoryError):
-            # The runtime's words alone ("Available memory of 16776960 is smaller than
-            # requested bytes of 20971520") named neither the row nor the budget.
-            failed = DeviceMemoryError(
-                f"row {index} of this request needs more device memory than {self._budget} "
-                f"allows, even run alone; expected {self._remedy}: {error.message}"
-            )
-            self._owner_unfit[self._owner[row]] = True
-        else:
-            # The runtime's words alone: translated, they began "the model failed on this
-            # batch", and a row run alone is no batch.
-            cause = error.runtime_message if isinstance(error, _ModelRunError) else error.message
-            failed = EngineError(
-                f"the model failed on a row of this request (row {index}, run alone): {cause}"
-            )
-        failed.metadata["row"] = str(index)  # for programs (ErrorInfo.metadata)
-        self.fail(row, failed)
-
-    def _request_row(self, position: int) -> int:
-        """The index within its request of the batch's row at `position`."""
-        piece = self._slices[int(self._owner[position])]
-        return piece.row_start + position - piece.offset
-
-    def ran_out_of_memory(self, positions: IndexArray | None) -> None:
-        """A run of the rows at `positions` (None: the session probe's one row) ran out
-        of memory."""
-        self._out_of_memory.append(positions)
-
-    def out_of_memory_runs(self) -> tuple[OutOfMemoryRun, ...]:
-        """The runs that ran out of memory, once the batch is done. A run held an unfit row
-        when a request it held rows of has a row that failed alone, wherever in the
-        batch: the halves run before either is retried, and a request's rows left once
-        one of them failed alone never run again. Judged by the rows each run's own
-        retries found, a request of 16 rows too large alone pulled its shape's cap from
-        16 to 1 for good (no full batch of it could ever run). The probe's row says
-        nothing about batch size either."""
-        return tuple(
-            OutOfMemoryRun(1, held_unfit_row=True)
-            if positions is None
-            else OutOfMemoryRun(
-                len(positions),
-                held_unfit_row=bool(self._owner_unfit[self._owner[positions]].any()),
-            )
-            for positions in self._out_of_memory
-        )
-
-    def fail(self, positions: IndexArray, error: LaneserveError) -> None:
-        self._failed += [(int(position), error) for position in positions]
-        for owner in np.unique(self._owner[positions]):
-            if not self._owner_failed[owner]:
-                self._owner_failed[owner] = True
-                self._owner_error[int(owner)] = error
-
-    def failed_rows(self) -> tuple[FailedRows, ...]:
-        """The failed rows as ranges of adjacent rows with the same error, in order."""
-        ranges: list[FailedRows] = []
-        for position, error in sorted(self._failed, key=lambda failed: failed[0]):
-            last = ranges[-1] if ranges else None
-            if last is not None and last.error is error and last.offset + last.rows == position:
-                ranges[-1] = FailedRows(last.offset, last.rows + 1, error)
-            else:
-                ranges.append(FailedRows(position, 1, error))
-        return tuple(ranges)
-
-
 def _beyond_rounding(mixed: Array, own: Array) -> bool:
     """Whether `mixed` and `own` (one row's outputs from two runs: batched and alone, or
     alone twice) differ by more than the kernels of another batch size may round:
@@ -1748,56 +1424,19 @@ def _powers_of_two_up_to(limit: int) -> list[int]:
     return sizes if sizes[-1] == limit else [*sizes, limit]
 
 
-_CPU_ARENA_LIMIT_BYTES: int | None = None
-
-
-def _check_cpu_budget(estimate: MemoryEstimate | None, limit_bytes: int) -> None:
-    """Refuses a CPU budget that cannot hold the model's weights: ONNX Runtime then keeps
-    them, and runs every batch, outside the capped arena, so the budget is silently not
-    enforced (measured with the demo model's 20.1 MiB of weights: budgets up to 20 MiB
-    ran 4 096-row batches, 21 MiB failed at 64 rows). The weights come from the static
-    `estimate` (None: unknown, nothing is refused)."""
-    if estimate is not None and limit_bytes <= estimate.fixed_bytes:
-        weights = format_bytes(estimate.fixed_bytes)
-        raise EngineStartError(
-            f"memory limit {format_bytes(limit_bytes)} does not hold the model's weights "
-            f"({weights}), and ONNX Runtime would run without the cap; expected more than "
-            f"{weights}, plus the activations of a batch"
-        )
-
-
-def _cap_cpu_arena(limit_bytes: int) -> None:
-    """Registers the process-wide CPU arena capped at `limit_bytes` (once per process:
-    ONNX Runtime keeps registered allocators for the life of its environment)."""
-    global _CPU_ARENA_LIMIT_BYTES  # noqa: PLW0603 - mirrors the runtime's process-wide state
-    if _CPU_ARENA_LIMIT_BYTES is not None:
-        if limit_bytes != _CPU_ARENA_LIMIT_BYTES:
-            raise EngineStartError(
-                f"this process's CPU arena is already capped at "
-                f"{format_bytes(_CPU_ARENA_LIMIT_BYTES)}; one memory budget per process"
-            )
-        return
-    memory_info = ort.OrtMemoryInfo(
-        "Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT
-    )
-    # max_mem, arena_extend_strategy (1 = kSameAsRequested), initial chunk, max dead bytes.
-    ort.create_and_register_allocator(memory_info, ort.OrtArenaCfg(limit_bytes, 1, -1, -1))
-    _CPU_ARENA_LIMIT_BYTES = limit_bytes
-
-
 def translate_runtime_error(error: Exception) -> LaneserveError:
     message = str(error)
     if _OUT_OF_MEMORY.search(message):
         return DeviceMemoryError(
             f"device memory exhausted while running the batch: {_tail(message)}"
         )
-    return _ModelRunError(_tail(message))
+    return ModelRunError(_tail(message))
 
 
 def _session_broken_error(failed_on: str, error: LaneserveError) -> SessionBrokenError:
     """The error of rows whose failure was the session's: it failed `failed_on` with
     `error`, and an input it ran at start-up too (`Engine._session_broken`)."""
-    cause = error.runtime_message if isinstance(error, _ModelRunError) else error.message
+    cause = error.runtime_message if isinstance(error, ModelRunError) else error.message
     return SessionBrokenError(
         f"the model failed on {failed_on}, and on an input it ran at start-up: the session "
         f"is broken ({cause}); the server is stopping and must be restarted",

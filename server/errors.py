@@ -20,11 +20,14 @@
     ├── TracingOffError            FAILED_PRECONDITION  TRACING_OFF          (KServe: trace setting)
     ├── UnsupportedError           UNIMPLEMENTED        UNSUPPORTED          (KServe: load, CUDA)
     └── EngineError                INTERNAL             ENGINE_FAILURE
+        ├── ModelRunError          INTERNAL             ENGINE_FAILURE       (the model failed)
         ├── SessionBrokenError     INTERNAL             ENGINE_FAILURE       (the server stops)
         └── ServerFaultError       INTERNAL             ENGINE_FAILURE       (laneserve's own)
 
 Servicers never choose status codes: they raise or receive one of these and hand it to
 `to_rpc_status`. Foreign errors (from the runtime) are translated in the engine module.
+Beside the tree, answering no request: EngineStartError, raised before serving (by the
+engine and by providers, where the session runs).
 """
 
 from __future__ import annotations
@@ -189,6 +192,16 @@ class EngineError(LaneserveError):
     reason = "ENGINE_FAILURE"
 
 
+class ModelRunError(EngineError):
+    """The runtime failed a run, not for want of memory (see
+    `engine.translate_runtime_error`); `runtime_message` keeps its words apart from where
+    the run failed."""
+
+    def __init__(self, runtime_message: str) -> None:
+        super().__init__(f"the model failed on this batch: {runtime_message}")
+        self.runtime_message = runtime_message
+
+
 class SessionBrokenError(EngineError):
     """The session failed an input it ran at start-up, after a batch failed: no request
     can run on it any more (a sticky CUDA error, a GPU off the bus). The engine answers
@@ -208,6 +221,10 @@ class ServerFaultError(EngineError):
     wire; the failure is logged once, at ERROR with its traceback, where it happened, so
     the event log does not count these requests among those the model failed on
     (`requests_failed`)."""
+
+
+class EngineStartError(RuntimeError):
+    """The model or the requested device cannot be used; raised before serving."""
 
 
 # The most bytes of an error message sent: messages quote what the client sent (names,

@@ -216,15 +216,15 @@ def prefer_pci_order() -> None:
 
 class NvmlUnavailableError(RuntimeError):
     """NVML cannot read the session's GPU: pynvml is missing, NVML does not start, or it
-    knows no GPU by the id CUDA_VISIBLE_DEVICES gives (the engine turns it into an
-    EngineStartError)."""
+    knows no GPU by the id CUDA_VISIBLE_DEVICES gives (`providers.nvml_start_error` turns
+    it into an EngineStartError)."""
 
 
 class NvmlGauge:
     """The session's GPU's memory as NVML reports it: used by every process on the
     device, since a neighbour's allocations leave laneserve less room just as its own
     do. A reading NVML fails raises NvmlUnavailableError: the start is refused naming the
-    GPU (see `engine.nvml_start_error`); while serving the scheduler fails and the server
+    GPU (see `providers.nvml_start_error`); while serving the scheduler fails and the server
     stops for its supervisor to restart it (a lost device's readings: memory is a hard
     limit, not watched blind)."""
 

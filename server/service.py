@@ -35,7 +35,6 @@ from laneserve.server.codec import (
     decode_inputs,
     encode_response,
     leading_rows,
-    text_elements,
 )
 from laneserve.server.config import LaneConfig, ServerConfig
 from laneserve.server.engine import Engine, TensorSpec
@@ -118,9 +117,9 @@ from laneserve.server.streams import (
     stream_item_bytes,
 )
 from laneserve.server.text_thread import (
-    EVENT_LOOP_TEXT_ELEMENTS,
     TextThread,
     encoded_off_loop,
+    read_off_loop,
 )
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -130,8 +129,9 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Unread:
-    """`_read_inputs`' answer (`_UNREAD`, the one instance) for a new request of more than
-    EVENT_LOOP_TEXT_ELEMENTS strings: its inputs are left for `TextThread` to decode."""
+    """`_read_inputs`' answer (`_UNREAD`, the one instance) for a new request read off the
+    event loop (`read_off_loop`): its inputs are left for `TextThread` to decode and
+    hash."""
 
 
 _UNREAD: Final = _Unread()
@@ -766,8 +766,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # Before a stream item's wait for room, as on the loop. A unary call's request
             # is submitted in the step its decode ends in, with no await between (see
             # `TextThread`); a stream item's, as soon as it has room.
-            decoded = await self._decoded_aside(
-                request, lane, ledger_id, wait_until_s, arrived_s, stream
+            decoded, digest = await self._decoded_aside(
+                request, lane, ledger_id, wait_until_s, arrived_s, stream, output_names
             )
         # None: a retry that joins or replays (or is refused), which waits for no room.
         assert not isinstance(decoded, _Unread)
@@ -924,9 +924,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         and its decoded inputs, rows and signature; None for a retry that joins its
         request in flight or replays its stored answer, and for a request of long text
         the ledger refuses (its id reused for other inputs), which needs no inputs;
-        `_UNREAD` for a new request of more than EVENT_LOOP_TEXT_ELEMENTS strings, its
-        rows checked where they can be counted (`_infer` has it decoded off the event
-        loop). Raises why the request is refused.
+        `_UNREAD` for a new request read off the event loop (`read_off_loop`: long text,
+        or much data to hash), its rows checked where they can be counted, its digest
+        b"" (`_infer` has it decoded and hashed by `TextThread`). Raises why the
+        request is refused.
 
         A retry's fingerprint equals the first attempt's, which was decoded and validated:
         it is not decoded again (a join kept that copy of its inputs as long as it waited;
@@ -951,12 +952,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 # after, a 62 MiB request cost the event loop 143-223 ms. Not a retry's: it
                 # queues no rows.
                 lane_config.check_rows(rows)
-        read: DecodedInputs | _Unread | None
-        if text_elements(request.inputs) > EVENT_LOOP_TEXT_ELEMENTS:
-            # Held: refused REQUEST_ID_REUSED (a join or replay returned above), undecoded.
-            read = None if held else _UNREAD
-        else:
-            read = decode_inputs(request.inputs, self._input_specs)  # refused before hashed
+        if read_off_loop(request.inputs, hashed=bool(ledger_id)):
+            # Held: refused REQUEST_ID_REUSED (a join or replay returned above), unread.
+            # New: decoded and hashed by `TextThread` (`_infer`).
+            return digest, None if held else _UNREAD
+        read = decode_inputs(request.inputs, self._input_specs)  # refused before hashed
         if not held and ledger_id:
             digest = fingerprint(request, output_names)
         return digest, read
@@ -978,8 +978,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         until_s: float,
         arrived_s: float,
         stream: _OnStream | None,
-    ) -> DecodedInputs:
-        """`_decoded`, by `TextThread`, until `until_s`: at it, refused EXPIRED_IN_QUEUE
+        output_names: list[str],
+    ) -> tuple[DecodedInputs, bytes]:
+        """`_decoded`, and its fingerprint where it has a `ledger_id` (else b""), by
+        `TextThread`, until `until_s`: at it, refused EXPIRED_IN_QUEUE
         (one still queued never runs), as the scheduler sheds one queued past it; a
         caller that goes meanwhile is counted as `_left_unadmitted` says. A stream item
         holds its stream's reading while it is decoded, as while it waits for room
@@ -1002,7 +1004,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             stream.room.enter()
         try:
             async with asyncio.timeout(left_s):
-                return await self._text.decode(ledger_id, request.inputs, self._input_specs)
+                return await self._text.decode(
+                    ledger_id,
+                    request.inputs,
+                    self._input_specs,
+                    functools.partial(fingerprint, request, output_names) if ledger_id else None,
+                )
         except TimeoutError:
             expired = _text_expired(request, until_s, arrived_s)
             raise self._rejected(

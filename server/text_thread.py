@@ -5,6 +5,9 @@ A STRING element is decoded into a Python `str` one by one (~0.3 us each,
 `decode_strings`), and encoded back the same way (`encode_strings`): a 64 MiB request of
 2-byte strings held the event loop, every other call with it, for 3 s. On a thread, the
 work takes turns of the GIL with the loop (its switch interval, 5 ms) instead.
+A request of more than EVENT_LOOP_HASH_BYTES of numbers with a ledger id is read there
+too: its fingerprint (SHA-256 of its data, ~0.6 ms a MiB) held the loop as long, and
+hashlib lets go of the GIL while it hashes, so on the thread it holds nothing.
 `scripts/bench_text_loop.py` measures it: 1-row interactive calls beside 512 000-string
 bulk requests, p99 43-63 ms with the thread, 399-519 ms without (three runs). The bound,
 EVENT_LOOP_TEXT_ELEMENTS, for answers too, comes from one run by hand of an earlier
@@ -26,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final, TypeVar
 
 from laneserve.client.tensors import encode_strings
-from laneserve.server.codec import DecodedInputs, decode_inputs
+from laneserve.server.codec import DecodedInputs, decode_inputs, number_bytes, text_elements
 from laneserve.server.engine import TensorSpec
 from laneserve.server.errors import DrainingError, JoinLimitError
 from laneserve.server.idempotency import MAX_CALLERS_WAITING
@@ -40,8 +43,16 @@ log = logging.getLogger(__name__)
 # The most STRING elements a request's inputs are decoded of, or a batch's answers encoded
 # of, on the event loop (about 6 ms); more are by `TextThread` (see the module's note).
 EVENT_LOOP_TEXT_ELEMENTS: Final = 20_000
+# The most bytes of numeric data a request with a ledger id is hashed of on the event loop
+# (`idempotency.fingerprint`, 0.63 ms a MiB here, 11.8 at 16 MiB); more, by `TextThread`.
+# On the loop, a latency-bound caller's interactive p99 on the priority port went from
+# ~10 ms alone to 58-361 ms beside two callers of 16 MiB requests with ids, 31-48 without
+# ids (a user's evaluation, one run each): the hash held every call behind it.
+EVENT_LOOP_HASH_BYTES: Final = 1 << 20
 
 _T = TypeVar("_T")
+# A request read by the thread: its decoded inputs and its fingerprint (b"": none).
+_Read = tuple[DecodedInputs, bytes]
 
 
 # The kinds of work the thread does (`TextThread.counts`): a request's text decoded, a
@@ -94,9 +105,11 @@ class TextThread:
         # Owned by the event loop: the decodes' state.
         self._turn = asyncio.Lock()  # held by the one decode given to the thread
         self._waiting_turn = 0  # decodes waiting for `_turn` (read by `counts`)
-        self._decodes: set[asyncio.Future[DecodedInputs]] = set()  # those awaited (`_abandon`)
+        # The decodes awaited (`_abandon`), and of them those `_abandon` cancelled, not a
+        # caller.
+        self._decodes: set[asyncio.Future[_Read]] = set()
         self._abandoned = False  # `_abandon` was called: a decode asked now is refused
-        self._cancelled: set[asyncio.Future[DecodedInputs]] = set()  # by `_abandon`, not a caller
+        self._cancelled: set[asyncio.Future[_Read]] = set()
         self._cut = asyncio.Event()  # `cut`: `_wait_idle` and `encoded` return at once
         # The batches given to the thread to encode and not yet handed to the loop; the
         # scheduler thread adds them, the text thread takes them away.
@@ -149,12 +162,18 @@ class TextThread:
         return ledger_id in self._by_id
 
     async def decode(
-        self, ledger_id: str, tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]
-    ) -> DecodedInputs:
-        """`decode_inputs(tensors, specs)` on the thread; raises its refusal, or
-        DrainingError where the drain stopped waiting for it (`_abandon`). A caller
-        cancelled meanwhile leaves a decode begun to finish (a thread is not interrupted;
-        its answer is dropped), and one not begun is never run."""
+        self,
+        ledger_id: str,
+        tensors: Sequence[pb.Tensor],
+        specs: Sequence[TensorSpec],
+        digest_of: Callable[[], bytes] | None = None,
+    ) -> _Read:
+        """`decode_inputs(tensors, specs)` on the thread, then `digest_of()` (the request's
+        fingerprint; b"" without one): refused inputs are not hashed, as on the loop.
+        Raises the refusal, or DrainingError where the drain stopped waiting for it
+        (`_abandon`). A caller cancelled meanwhile leaves a decode begun to finish (a
+        thread is not interrupted; its answer is dropped), and one not begun is never
+        run."""
         if self._abandoned:
             raise _abandoned()
         ended = asyncio.Event()
@@ -175,7 +194,7 @@ class TextThread:
             try:
                 if self._abandoned:
                     raise _abandoned()
-                return await self._decoded(tensors, specs)
+                return await self._decoded(tensors, specs, digest_of)
             finally:
                 self._turn.release()
         finally:
@@ -185,9 +204,12 @@ class TextThread:
             self._reads.leave()
 
     async def _decoded(
-        self, tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]
-    ) -> DecodedInputs:
-        work = asyncio.wrap_future(self._submit(DECODE, decode_inputs, tensors, specs))
+        self,
+        tensors: Sequence[pb.Tensor],
+        specs: Sequence[TensorSpec],
+        digest_of: Callable[[], bytes] | None,
+    ) -> _Read:
+        work = asyncio.wrap_future(self._submit(DECODE, _read, tensors, specs, digest_of))
         self._decodes.add(work)
         try:
             return await work
@@ -331,6 +353,28 @@ def _abandoned() -> DrainingError:
         "server is draining, and its grace ended while this request's text was still being "
         "decoded; retry on another instance"
     )
+
+
+def read_off_loop(tensors: Sequence[pb.Tensor], *, hashed: bool) -> bool:
+    """Whether a new request of `tensors` is read by `TextThread` (decoded, and hashed
+    where `hashed`: it has a ledger id), their data unread: more than
+    EVENT_LOOP_TEXT_ELEMENTS strings, or, hashed, more than EVENT_LOOP_HASH_BYTES of
+    numbers (the strings of a few long elements stay: their size is their data's, read
+    only by a copy)."""
+    if text_elements(tensors) > EVENT_LOOP_TEXT_ELEMENTS:
+        return True
+    return hashed and number_bytes(tensors) > EVENT_LOOP_HASH_BYTES
+
+
+def _read(
+    tensors: Sequence[pb.Tensor],
+    specs: Sequence[TensorSpec],
+    digest_of: Callable[[], bytes] | None,
+) -> _Read:
+    """A request's read on the thread (`TextThread.decode`): its inputs decoded, then
+    hashed (b"" without `digest_of`)."""
+    decoded = decode_inputs(tensors, specs)  # refused before hashed, as on the loop
+    return decoded, b"" if digest_of is None else digest_of()
 
 
 def encoded_off_loop(outcome: Outcome) -> bool:

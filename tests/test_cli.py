@@ -26,15 +26,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from laneserve.client import cli as client_cli
 from laneserve.server import ManualClock, ServerConfig
 from laneserve.server import cli as server_cli
-from laneserve.server.engine import (
-    CPU,
-    CUDA,
-    Engine,
-    EngineStartError,
-    choose_providers,
-    gpu_present,
-)
+from laneserve.server.engine import Engine
+from laneserve.server.errors import EngineStartError
 from laneserve.server.lifecycle import REPEAT_WINDOW_S, Lifecycle, SignalMeaning, StopSignals
+from laneserve.server.providers import CPU, CUDA, choose_providers, gpu_present
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.support import (
     REPO,

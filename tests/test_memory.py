@@ -47,22 +47,16 @@ from laneserve.server.clock import ManualClock
 from laneserve.server.cost_model import MAX_SIGNATURES, RunTimeModel
 from laneserve.server.demo_model import make_demo_model
 from laneserve.server.engine import (
-    CPU,
-    CUDA,
     HOST_PROBE_SHARE,
     Engine,
-    EngineStartError,
     Probe,
-    _Split,
-    choose_providers,
-    cuda_provider_options,
-    default_intra_op_threads,
     translate_runtime_error,
 )
 from laneserve.server.errors import (
     DeviceMemoryError,
     DrainingError,
     EngineError,
+    EngineStartError,
     ExpiredInQueueError,
     LaneserveError,
     MemoryPressureError,
@@ -97,6 +91,13 @@ from laneserve.server.memory import (
     host_available_bytes,
     parse_memory_limit,
 )
+from laneserve.server.providers import (
+    CPU,
+    CUDA,
+    choose_providers,
+    cuda_provider_options,
+    default_intra_op_threads,
+)
 from laneserve.server.scheduler import Dispatch, Scheduler
 from laneserve.server.scheduler_thread import (
     CLOSED_LANES_LOG_S,
@@ -105,6 +106,7 @@ from laneserve.server.scheduler_thread import (
     ClosedLanesLog,
     SchedulerThread,
 )
+from laneserve.server.split_runs import Split
 from laneserve.server.static_estimate import static_estimate
 from laneserve.server.stats import StatsRecorder
 from laneserve.v1 import inference_pb2 as pb
@@ -3211,7 +3213,7 @@ def test_a_row_too_large_alone_is_named_with_the_limit_and_the_remedy(tmp_path: 
 
 
 def test_a_row_too_large_alone_without_a_limit_names_the_device() -> None:
-    split = _Split(
+    split = Split(
         Batch(1, (BatchSlice(1, "standard", 5, 2, 0),), 2, DispatchReason.FULL, 0.0, {}),
         None,
         None,

@@ -49,8 +49,13 @@ from laneserve.server.addresses import check_ports_free
 from laneserve.server.clock import ManualClock
 from laneserve.server.codec import decode_inputs
 from laneserve.server.config import DEFAULT_LANES, ConfigError
-from laneserve.server.engine import EngineStartError, no_static_estimate
-from laneserve.server.errors import LaneFullError, LaneserveError, SessionBrokenError
+from laneserve.server.engine import no_static_estimate
+from laneserve.server.errors import (
+    EngineStartError,
+    LaneFullError,
+    LaneserveError,
+    SessionBrokenError,
+)
 from laneserve.server.grpc_calls import GrpcCalls
 from laneserve.server.idempotency import fingerprint
 from laneserve.server.items import Batch, BatchResult, RowsWanted

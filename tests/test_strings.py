@@ -991,8 +991,11 @@ def test_a_stream_item_decoded_as_the_drain_begins_is_run(
             call = s.stub.InferStream(iter([_long_text_request(_LONG_ROWS, "item")]))
 
             async def read() -> grpc.StatusCode:
+                # Each answer kept as it comes: a stream that then ends in error keeps what
+                # it answered (a list built in one expression lost it, a CI run).
                 with contextlib.suppress(grpc.aio.AioRpcError):
-                    received.extend([answer async for answer in call])
+                    async for answer in call:
+                        received.append(answer)  # noqa: PERF401 - see above
                 return await call.code()
 
             gate.hold()
@@ -1011,5 +1014,8 @@ def test_a_stream_item_decoded_as_the_drain_begins_is_run(
     (answer,) = received
     assert answer.WhichOneof("result") == "response", answer.error.message
     assert decode_tensor(answer.response.outputs[0]).tolist()[0] == "row 0!"
-    assert code == grpc.StatusCode.OK  # its caller had sent all: nothing left unread
+    # OK where the server had read the caller's end of the stream before the drain stopped
+    # its reading (it had sent all); else UNAVAILABLE (DRAINING), nothing left to resend:
+    # 2 runs in 25, once a CI run.
+    assert code in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE)
     assert rows_run == _LONG_ROWS

@@ -18,7 +18,8 @@
   prints one JSON object (rows per second by batch size and the best of them).
 
 The servers log ``serving KIND on HOST:PORT`` once listening and stop on SIGTERM/SIGINT.
-Their sessions come from `laneserve.server.engine.Engine` (the one onnxruntime user).
+Their sessions come from `laneserve.server.engine.Engine` (the one that makes onnxruntime
+sessions).
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from laneserve.server.engine import CUDA
 from laneserve.server.log_events import log_event
 from laneserve.server.memory import session_gpu, session_gpu_id
+from laneserve.server.providers import CUDA
 from laneserve.server.telemetry.logs import log
 
 
