@@ -381,7 +381,7 @@ async def call_with_retries(
             if deadline_s is not None and time.monotonic() + delay_s >= deadline_s:
                 error.add_note(
                     f"{what}: gave up after {number} attempt(s): the next would start "
-                    f"after the deadline (in {delay_s * 1000:.0f} ms)"
+                    f"after the deadline ({retry_wait(delay_s, error.retry_after_s)})"
                 )
                 raise
             delay_s = effective_delay_s(delay_s)
@@ -404,6 +404,19 @@ async def call_with_retries(
             if budget is not None:
                 budget.record_success()
             return result
+
+
+def retry_wait(delay_s: float, server_hint_s: float | None) -> str:
+    """What a note says of a retry's wait (`RetryPolicy.delay_s`): its length and whose it
+    is. "in 53 ms" alone read as the server's doing where the server had hinted 2 ms and
+    the wait was this client's own backoff (a user's evaluation)."""
+    waited = f"in {delay_s * 1000:.0f} ms"
+    if server_hint_s is None:
+        return f"{waited}: this client's backoff, RetryPolicy's initial_backoff_s doubled"
+    return (
+        f"{waited}: the longer of this client's backoff (RetryPolicy's initial_backoff_s "
+        f"doubled) and the server's hint of {server_hint_s * 1000:.0f} ms"
+    )
 
 
 def _budget_spent(what: str, number: int, budget: RetryTokens) -> str:

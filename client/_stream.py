@@ -65,6 +65,7 @@ from laneserve.client._retry import (
     attempts_allowed,
     closed_within,
     effective_delay_s,
+    retry_wait,
 )
 from laneserve.client._types import StreamRequest, StreamResult, Timing
 from laneserve.client.tensors import decode_tensor
@@ -824,7 +825,7 @@ class BulkStream:
                 error.add_note(
                     f"gave up after {item.attempts} attempt(s): the next would start after "
                     f"the item's timeout_ms ({self._options.timeout_ms} ms from its first "
-                    "send)"
+                    f"send; {retry_wait(delay_s, error.retry_after_s)})"
                 )
                 self._finish(item, None, error)
                 return

@@ -949,9 +949,9 @@ class LaneServer:
         self._servicer.stop_reading_streams()
         await self._health.enter_graceful_shutdown()
         started_s = self.clock.monotonic()
-        # Requests read before the drain whose long text is still being decoded (on a
-        # thread) are admitted as they would have been decoded on the event loop: the
-        # scheduler stops admitting once they are, within the grace.
+        # Requests read before the drain whose long text is still being decoded, or data
+        # hashed (off the loop), are admitted as they would have been read on the event
+        # loop: the scheduler stops admitting once they are, within the grace.
         decoding = await self._text.reads_finished(0.0 if self._grace_ended else grace_s)
         self._thread.stop_accepting()
         left_s = max(0.0, grace_s - (self.clock.monotonic() - started_s))

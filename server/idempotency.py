@@ -97,7 +97,8 @@ def fingerprint(request: pb.InferRequest, output_names: Sequence[str]) -> bytes:
     that none asked for and all of them listed in the model's order are one answer. Lane,
     timeout and request_id are left out: a retry may change them."""
     # SHA-256: with the SHA extensions of current CPUs it hashes 2-3x faster than blake2b,
-    # and this runs on the event loop for every request that carries an id.
+    # and this runs for every request that carries an id: on the event loop, but for a
+    # new one of more than text_thread.EVENT_LOOP_HASH_BYTES (hashed off it).
     digest = hashlib.sha256()
     tensors: Sequence[pb.Tensor] = request.inputs
     if len(tensors) > 1:

@@ -644,6 +644,8 @@ class WatermarkState:
     # What used_bytes and the marks refer to, never the arena's budget: the GPU's total
     # memory, or on the CPU the host limit.
     limit_bytes: int = 0
+    # What used_bytes measures, as refusals name it (`Watermark.reading`).
+    reading: str = "memory in use"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

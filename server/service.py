@@ -117,8 +117,10 @@ from laneserve.server.streams import (
     stream_item_bytes,
 )
 from laneserve.server.text_thread import (
+    ReadInputs,
     TextThread,
     encoded_off_loop,
+    long_text,
     read_off_loop,
 )
 from laneserve.v1 import inference_pb2 as pb
@@ -766,9 +768,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # Before a stream item's wait for room, as on the loop. A unary call's request
             # is submitted in the step its decode ends in, with no await between (see
             # `TextThread`); a stream item's, as soon as it has room.
-            decoded, digest = await self._decoded_aside(
+            read = await self._decoded_aside(
                 request, lane, ledger_id, wait_until_s, arrived_s, stream, output_names
             )
+            decoded, digest = read.inputs, read.digest
         # None: a retry that joins or replays (or is refused), which waits for no room.
         assert not isinstance(decoded, _Unread)
         rows = 0 if decoded is None else decoded.rows
@@ -922,8 +925,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     ) -> tuple[bytes, DecodedInputs | _Unread | None]:
         """The request's fingerprint (b"" without a `ledger_id`, its key in the ledger)
         and its decoded inputs, rows and signature; None for a retry that joins its
-        request in flight or replays its stored answer, and for a request of long text
-        the ledger refuses (its id reused for other inputs), which needs no inputs;
+        request in flight or replays its stored answer, and for a request that would be
+        read off the loop the ledger refuses (its id reused for other inputs), which
+        needs no inputs;
         `_UNREAD` for a new request read off the event loop (`read_off_loop`: long text,
         or much data to hash), its rows checked where they can be counted, its digest
         b"" (`_infer` has it decoded and hashed by `TextThread`). Raises why the
@@ -979,7 +983,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         arrived_s: float,
         stream: _OnStream | None,
         output_names: list[str],
-    ) -> tuple[DecodedInputs, bytes]:
+    ) -> ReadInputs:
         """`_decoded`, and its fingerprint where it has a `ledger_id` (else b""), by
         `TextThread`, until `until_s`: at it, refused EXPIRED_IN_QUEUE
         (one still queued never runs), as the scheduler sheds one queued past it; a
@@ -996,7 +1000,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if left_s <= 0:
             raise self._rejected(
                 lane,
-                _text_expired(request, until_s, arrived_s),
+                _read_expired(request, until_s, arrived_s),
                 arrived_s=arrived_s,
                 request_id=request.request_id,
             )
@@ -1011,7 +1015,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     functools.partial(fingerprint, request, output_names) if ledger_id else None,
                 )
         except TimeoutError:
-            expired = _text_expired(request, until_s, arrived_s)
+            expired = _read_expired(request, until_s, arrived_s)
             raise self._rejected(
                 lane, expired, arrived_s=arrived_s, request_id=request.request_id
             ) from None
@@ -1043,7 +1047,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if not decoded:
             raise ExpiredInQueueError(
                 f"the request with request_id {ledger_id!r} sent before this one was still "
-                f"being decoded at this one's deadline, "
+                f"being read (its text decoded, or its data hashed) at this one's deadline, "
                 f"{(until_s - arrived_s) * 1000:.0f} ms after it arrived; expected a longer "
                 "deadline, or another request_id for other inputs"
             )
@@ -1183,7 +1187,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         state = self._scheduler.watermark_state()
         if state is not None and lane in state.closed_lanes:
             return MemoryPressureError(
-                f"memory in use ({format_bytes(state.used_bytes or 0)}) is over the "
+                f"{state.reading} ({format_bytes(state.used_bytes or 0)}) is over the "
                 f"watermark: lane {lane!r} takes no new work, nor a retry joining "
                 f"request_id {request_id!r} in flight (gRPC holds its message as a new "
                 f"request's), until it falls below {format_bytes(state.low_bytes)}; expected "
@@ -1351,12 +1355,20 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 _READ_DONE = object()  # a stream's reader has read its last item
 
 
-def _text_expired(request: pb.InferRequest, until_s: float, arrived_s: float) -> LaneserveError:
+def _read_expired(request: pb.InferRequest, until_s: float, arrived_s: float) -> LaneserveError:
+    """The refusal of a request read off the loop (`TextThread`) that its deadline found
+    still waiting for its read: its text, or its data's hash."""
+    after = f"at its deadline, {(until_s - arrived_s) * 1000:.0f} ms after it arrived"
+    if long_text(request.inputs):
+        return ExpiredInQueueError(
+            f"request {request.request_id!r} was still waiting for its text to be decoded "
+            f"{after} (long text is decoded on one thread, in turn); expected a longer "
+            "deadline, or fewer strings per request"
+        )
     return ExpiredInQueueError(
-        f"request {request.request_id!r} was still waiting for its text to be decoded at its "
-        f"deadline, {(until_s - arrived_s) * 1000:.0f} ms after it arrived (long text is "
-        "decoded on one thread, in turn); expected a longer deadline, or fewer strings per "
-        "request"
+        f"request {request.request_id!r} was still waiting for its data to be hashed {after} "
+        "(a request of more than 1 MiB with an id is hashed on one thread, in turn); "
+        "expected a longer deadline, or smaller requests"
     )
 
 

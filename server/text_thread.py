@@ -5,9 +5,11 @@ A STRING element is decoded into a Python `str` one by one (~0.3 us each,
 `decode_strings`), and encoded back the same way (`encode_strings`): a 64 MiB request of
 2-byte strings held the event loop, every other call with it, for 3 s. On a thread, the
 work takes turns of the GIL with the loop (its switch interval, 5 ms) instead.
-A request of more than EVENT_LOOP_HASH_BYTES of numbers with a ledger id is read there
-too: its fingerprint (SHA-256 of its data, ~0.6 ms a MiB) held the loop as long, and
-hashlib lets go of the GIL while it hashes, so on the thread it holds nothing.
+A request of more than EVENT_LOOP_HASH_BYTES of numbers with a ledger id is read off the
+loop too, on a second thread of its own (`TextThread`'s hasher): its fingerprint
+(SHA-256 of its data, ~0.6 ms a MiB) held the loop as long; hashlib lets go of the GIL
+while it hashes (not while the data is copied out of the message first, ~1.3 ms at
+16 MiB), and on its own thread it waits behind no decode of long text.
 `scripts/bench_text_loop.py` measures it: 1-row interactive calls beside 512 000-string
 bulk requests, p99 43-63 ms with the thread, 399-519 ms without (three runs). The bound,
 EVENT_LOOP_TEXT_ELEMENTS, for answers too, comes from one run by hand of an earlier
@@ -51,15 +53,24 @@ EVENT_LOOP_TEXT_ELEMENTS: Final = 20_000
 EVENT_LOOP_HASH_BYTES: Final = 1 << 20
 
 _T = TypeVar("_T")
-# A request read by the thread: its decoded inputs and its fingerprint (b"": none).
-_Read = tuple[DecodedInputs, bytes]
 
 
-# The kinds of work the thread does (`TextThread.counts`): a request's text decoded, a
-# batch's text answers encoded.
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReadInputs:
+    """A request read off the loop (`TextThread.decode`): its decoded inputs and its
+    fingerprint (b"": none asked)."""
+
+    inputs: DecodedInputs
+    digest: bytes
+
+
+# The kinds of work done off the loop (`TextThread.counts`): a request's text decoded (and
+# hashed), a batch's text answers encoded, both on the text thread; a request of many
+# numbers hashed (and decoded, in place), on the hasher.
 DECODE: Final = "decode"
 ENCODE: Final = "encode"
-KINDS: Final = (DECODE, ENCODE)
+HASH: Final = "hash"
+KINDS: Final = (DECODE, ENCODE, HASH)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,7 +85,9 @@ class TextThreadCounts:
 
 class TextThread:
     """The decodes of requests, and the encodes of a batch's answers, of more than
-    EVENT_LOOP_TEXT_ELEMENTS strings, on one thread kept for them: not the loop's default
+    EVENT_LOOP_TEXT_ELEMENTS strings, on one thread kept for them, and the hashes of new
+    requests of more than EVENT_LOOP_HASH_BYTES of numbers with ids on a second (the
+    hasher; "decode" below is either read, their invariants the same): not the loop's default
     executor, where the drain's `wait_drained` runs and a
     queue of decodes would hold it back; one for all, since each holds the GIL but for
     its switches, and each more thread would take turns from the event loop too.
@@ -97,6 +110,10 @@ class TextThread:
 
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="laneserve-text")
+        # Reads of many numbers (HASH): behind the text thread's decodes, a 1.15 MiB
+        # interactive request waited 171 ms for one of 512 000 strings (a review), where
+        # hashed on the loop it took 1 ms. One thread: hashing lets go of the GIL.
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="laneserve-hash")
         # Per ledger_id, the first decode in progress of a request with it (set once it
         # ends), and how many calls wait for it in `after`.
         self._by_id: dict[str, asyncio.Event] = {}
@@ -107,9 +124,9 @@ class TextThread:
         self._waiting_turn = 0  # decodes waiting for `_turn` (read by `counts`)
         # The decodes awaited (`_abandon`), and of them those `_abandon` cancelled, not a
         # caller.
-        self._decodes: set[asyncio.Future[_Read]] = set()
+        self._decodes: set[asyncio.Future[ReadInputs]] = set()
         self._abandoned = False  # `_abandon` was called: a decode asked now is refused
-        self._cancelled: set[asyncio.Future[_Read]] = set()
+        self._cancelled: set[asyncio.Future[ReadInputs]] = set()
         self._cut = asyncio.Event()  # `cut`: `_wait_idle` and `encoded` return at once
         # The batches given to the thread to encode and not yet handed to the loop; the
         # scheduler thread adds them, the text thread takes them away.
@@ -127,8 +144,9 @@ class TextThread:
         RuntimeError where the thread has stopped."""
         with self._counts_lock:  # before: it may end before `submit` returns
             self._pending += 1
+        executor = self._hasher if kind == HASH else self._executor
         try:
-            future = self._executor.submit(self._timed, kind, work, *args)
+            future = executor.submit(self._timed, kind, work, *args)
         except RuntimeError:
             self._ended(None)
             raise
@@ -167,20 +185,23 @@ class TextThread:
         tensors: Sequence[pb.Tensor],
         specs: Sequence[TensorSpec],
         digest_of: Callable[[], bytes] | None = None,
-    ) -> _Read:
-        """`decode_inputs(tensors, specs)` on the thread, then `digest_of()` (the request's
-        fingerprint; b"" without one): refused inputs are not hashed, as on the loop.
-        Raises the refusal, or DrainingError where the drain stopped waiting for it
-        (`_abandon`). A caller cancelled meanwhile leaves a decode begun to finish (a
-        thread is not interrupted; its answer is dropped), and one not begun is never
-        run."""
+    ) -> ReadInputs:
+        """`decode_inputs(tensors, specs)` off the loop, then `digest_of()` (the request's
+        fingerprint; b"" without one): refused inputs are not hashed, as on the loop. Long
+        text on the text thread, in turn; a request of numbers on the hasher. Raises the
+        refusal, or DrainingError where the drain stopped waiting for it (`_abandon`). A
+        caller cancelled meanwhile leaves a read begun to finish (a thread is not
+        interrupted; its answer is dropped), and one not begun is never run."""
+        text = long_text(tensors)
         if self._abandoned:
-            raise _abandoned()
+            raise _abandoned(text=text)
         ended = asyncio.Event()
         if ledger_id:
             self._by_id.setdefault(ledger_id, ended)
         self._reads.enter()
         try:
+            if not text:  # no decode to take turns with: the hasher's queue is its order
+                return await self._decoded(HASH, tensors, specs, digest_of)
             # One decode at a time given to the thread: a batch's answers (encodes, their
             # callers waiting) run next, not behind every decode queued (in a review's
             # reproduction they took 2.5 s behind three, and a queued decode held its
@@ -193,8 +214,8 @@ class TextThread:
                 self._waiting_turn -= 1
             try:
                 if self._abandoned:
-                    raise _abandoned()
-                return await self._decoded(tensors, specs, digest_of)
+                    raise _abandoned(text=True)
+                return await self._decoded(DECODE, tensors, specs, digest_of)
             finally:
                 self._turn.release()
         finally:
@@ -205,18 +226,20 @@ class TextThread:
 
     async def _decoded(
         self,
+        kind: str,
         tensors: Sequence[pb.Tensor],
         specs: Sequence[TensorSpec],
         digest_of: Callable[[], bytes] | None,
-    ) -> _Read:
-        work = asyncio.wrap_future(self._submit(DECODE, _read, tensors, specs, digest_of))
+    ) -> ReadInputs:
+        work = asyncio.wrap_future(self._submit(kind, _read, tensors, specs, digest_of))
         self._decodes.add(work)
         try:
             return await work
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if work in self._cancelled and task is not None and not task.cancelling():
-                raise _abandoned() from None  # `_abandon` cancelled it, not its caller
+                # `_abandon` cancelled it, not its caller.
+                raise _abandoned(text=kind == DECODE) from None
             raise
         finally:
             self._decodes.discard(work)
@@ -346,13 +369,25 @@ class TextThread:
         """The server stopped: the thread goes once the work it began ends; work not begun
         is dropped (no call is left to answer)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._hasher.shutdown(wait=False, cancel_futures=True)
 
 
-def _abandoned() -> DrainingError:
+def _abandoned(*, text: bool) -> DrainingError:
     return DrainingError(
-        "server is draining, and its grace ended while this request's text was still being "
-        "decoded; retry on another instance"
+        f"server is draining, and its grace ended while this request's {reading(text)}; "
+        "retry on another instance"
     )
+
+
+def reading(text: bool) -> str:
+    """What a request read off the loop was waiting for, as refusals say it."""
+    return "text was still being decoded" if text else "data was still being hashed"
+
+
+def long_text(tensors: Sequence[pb.Tensor]) -> bool:
+    """Whether `tensors` hold more than EVENT_LOOP_TEXT_ELEMENTS strings (their shapes
+    say, their data unread): decoded by the text thread, in turn."""
+    return text_elements(tensors) > EVENT_LOOP_TEXT_ELEMENTS
 
 
 def read_off_loop(tensors: Sequence[pb.Tensor], *, hashed: bool) -> bool:
@@ -361,20 +396,18 @@ def read_off_loop(tensors: Sequence[pb.Tensor], *, hashed: bool) -> bool:
     EVENT_LOOP_TEXT_ELEMENTS strings, or, hashed, more than EVENT_LOOP_HASH_BYTES of
     numbers (the strings of a few long elements stay: their size is their data's, read
     only by a copy)."""
-    if text_elements(tensors) > EVENT_LOOP_TEXT_ELEMENTS:
-        return True
-    return hashed and number_bytes(tensors) > EVENT_LOOP_HASH_BYTES
+    return long_text(tensors) or (hashed and number_bytes(tensors) > EVENT_LOOP_HASH_BYTES)
 
 
 def _read(
     tensors: Sequence[pb.Tensor],
     specs: Sequence[TensorSpec],
     digest_of: Callable[[], bytes] | None,
-) -> _Read:
+) -> ReadInputs:
     """A request's read on the thread (`TextThread.decode`): its inputs decoded, then
     hashed (b"" without `digest_of`)."""
     decoded = decode_inputs(tensors, specs)  # refused before hashed, as on the loop
-    return decoded, b"" if digest_of is None else digest_of()
+    return ReadInputs(decoded, b"" if digest_of is None else digest_of())
 
 
 def encoded_off_loop(outcome: Outcome) -> bool:

@@ -944,7 +944,7 @@ def test_a_large_request_with_an_id_is_hashed_off_the_event_loop(
     small_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A new request of more than EVENT_LOOP_HASH_BYTES of numbers with an id is hashed on
-    the text thread, where hashlib lets go of the GIL: on the loop a 16 MiB one held every
+    the hasher thread, where hashlib lets go of the GIL: on the loop a 16 MiB one held every
     other call ~12 ms (a user's evaluation: interactive p99 58-361 ms beside them, 31-48
     without ids). A smaller one is hashed on the loop, as is a retry (it is held: its
     digest decides at once whether it replays); the retry replays the answer, other
@@ -980,7 +980,69 @@ def test_a_large_request_with_an_id_is_hashed_off_the_event_loop(
         ("big", True),
         ("big", True),
     ]
-    assert hashed_on[1][1].startswith("laneserve-text")
+    assert hashed_on[1][1].startswith("laneserve-hash")
+
+
+class _HashGate:
+    """Holds `fingerprint` off the event loop (the hasher's hashes) until released; the
+    loop's hashes (a retry's) go through. The test's wrapping of the service's name."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+        def held(request: pb.InferRequest, output_names: Any) -> bytes:
+            if threading.current_thread() is not threading.main_thread():
+                self.entered.set()
+                assert self.gate.wait(30), "the test never released the hash"
+            return fingerprint(request, output_names)
+
+        monkeypatch.setattr(service, "fingerprint", held)
+        self.asked_after = 0  # calls that waited for a read of their id
+        after = text_thread.TextThread.after
+
+        async def counted(reads: text_thread.TextThread, *args: Any) -> bool:
+            self.asked_after += 1
+            return await after(reads, *args)
+
+        monkeypatch.setattr(text_thread.TextThread, "after", counted)
+
+    async def until_entered(self) -> None:
+        assert await asyncio.to_thread(self.entered.wait, 30), "no hash began off the loop"
+
+
+def test_a_call_with_the_id_of_a_request_being_hashed_waits_and_joins_it(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a large request's hash is held on the hasher, a call with its id and inputs
+    waits (it reaches the ledger after the first, as if the hash took no await) and then
+    joins it; one with its id and other inputs is refused REQUEST_ID_REUSED; the rows run
+    once. And a request whose deadline comes while its hash waits is refused
+    EXPIRED_IN_QUEUE in words about its data, not text."""
+    gate = _HashGate(monkeypatch)
+    big_rows = text_thread.EVENT_LOOP_HASH_BYTES // rows(1).nbytes + 1
+
+    async def scenario() -> tuple[pb.InferResponse, pb.InferResponse, str, list[int]]:
+        engine = RecordingEngine(str(small_model))
+        async with served(engine, config(small_model)) as s:
+            body = request(rows(big_rows, start=0), request_id="big")
+            first = asyncio.ensure_future(s.stub.Infer(body, timeout=30))
+            await gate.until_entered()
+            joined = asyncio.ensure_future(s.stub.Infer(body, timeout=30))
+            late = request(rows(big_rows, start=5_000), request_id="late", timeout_ms=300)
+            expired = asyncio.ensure_future(s.stub.Infer(late, timeout=30))
+            await until(lambda: gate.asked_after == 1)  # the join waits for the read
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await expired
+            gate.gate.set()
+            answers = await asyncio.gather(first, joined)
+            await refused_as_reused(s, request(rows(2, start=9_000), request_id="big"), "completed")
+        return answers[0], answers[1], refused.value.details() or "", sorted(engine.ran_tags)
+
+    first, joined, expired, ran = asyncio.run(scenario())
+    assert joined == first
+    assert ran == list(range(big_rows)), "the join ran nothing; the expired request never ran"
+    assert expired.startswith("request 'late' was still waiting for its data to be hashed")
 
 
 def test_a_join_in_a_lane_closed_by_memory_is_refused_as_new_work_is(small_model: Path) -> None:
@@ -1010,6 +1072,9 @@ def test_a_join_in_a_lane_closed_by_memory_is_refused_as_new_work_is(small_model
             assert reason == "MEMORY_PRESSURE"
             assert details["pushback_ms"] > 0
             assert "request_id 'm'" in (caught.value.details() or "")
+            # What was read, named as admission's refusal names it (a CPU server said
+            # "memory in use" of its resident memory).
+            assert (caught.value.details() or "").startswith("this process's resident memory")
             joined = asyncio.ensure_future(s.stub.Infer(body))
             await until_stats(s, lambda stats: stats.idempotent_joins == 1)
             stats = await s.stub.GetStats(pb.GetStatsRequest())

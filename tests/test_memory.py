@@ -1082,15 +1082,20 @@ def test_the_caps_of_shapes_not_run_lately_are_forgotten() -> None:
     assert caps.lowest == 32
 
 
-def test_memory_pressure_refuses_bulk_before_standard_before_interactive() -> None:
-    clock = ManualClock()
-    mark = Watermark(
+def _three_lane_mark() -> Watermark:
+    """A watermark for three lanes at 95 and 85 of 100 MiB."""
+    return Watermark(
         lanes=3,
         high_bytes=95 * MIB,
         low_bytes=85 * MIB,
         limit_bytes=100 * MIB,
         reading=WATERMARK_READING,
     )
+
+
+def test_memory_pressure_refuses_bulk_before_standard_before_interactive() -> None:
+    clock = ManualClock()
+    mark = _three_lane_mark()
     scheduler = _scheduler(8, mark)
 
     def admitted(lane: str) -> bool:
@@ -1173,13 +1178,7 @@ def test_a_closed_lane_admits_while_nothing_is_queued_or_running() -> None:
     batch grew) kept every lane closed for good: the server refused everything with
     nothing live. A closed lane now admits while nothing is live, one request at a time."""
     clock = ManualClock()
-    mark = Watermark(
-        lanes=3,
-        high_bytes=95 * MIB,
-        low_bytes=85 * MIB,
-        limit_bytes=100 * MIB,
-        reading=WATERMARK_READING,
-    )
+    mark = _three_lane_mark()
     scheduler = _scheduler(8, mark)
     scheduler.update_memory(99 * MIB)  # standard and bulk closed
     scheduler.admit(_request(0, "bulk", 1), clock.monotonic())  # nothing live: admitted
@@ -1206,13 +1205,7 @@ def test_lanes_reopen_at_an_idle_reading_above_the_low_mark_saying_so(
     idle), and the start of that is logged once, naming the settings that keep the idle
     server below the low mark."""
     clock = ManualClock()
-    mark = Watermark(
-        lanes=3,
-        high_bytes=95 * MIB,
-        low_bytes=85 * MIB,
-        limit_bytes=100 * MIB,
-        reading=WATERMARK_READING,
-    )
+    mark = _three_lane_mark()
     scheduler = _scheduler(8, mark)
     scheduler.admit(_request(0, "bulk", 1), clock.monotonic())
     scheduler.update_memory(99 * MIB)  # the burst: standard and bulk closed
@@ -1270,13 +1263,7 @@ def test_a_lane_kept_closed_between_the_watermarks_is_refused_saying_so() -> Non
     """Memory fell from above the high mark to between the marks: the lane stays closed
     until the low one (hysteresis), and its refusal said memory "is above the high
     watermark", printing a reading under it."""
-    mark = Watermark(
-        lanes=3,
-        high_bytes=95 * MIB,
-        low_bytes=85 * MIB,
-        limit_bytes=100 * MIB,
-        reading=WATERMARK_READING,
-    )
+    mark = _three_lane_mark()
     scheduler = _scheduler(64, mark)
     scheduler.admit(_request(0, "interactive", 4), 0.0)  # queued: not idle
     scheduler.update_memory(96 * MIB)
@@ -1322,13 +1309,7 @@ def test_lanes_closed_with_no_batch_running_have_the_engine_give_back_its_arena(
     closed, interactive too (a review: 188 MiB against 170 after 20 s idle). With lanes
     closed and no batch running, the engine is asked once to give them back."""
     clock = ManualClock(0.0)
-    mark = Watermark(
-        lanes=3,
-        high_bytes=95 * MIB,
-        low_bytes=85 * MIB,
-        limit_bytes=100 * MIB,
-        reading=WATERMARK_READING,
-    )
+    mark = _three_lane_mark()
     scheduler = _scheduler(64, mark)
     gauge = _HeldUntilReleased(held_bytes=99 * MIB, free_bytes=60 * MIB)
     thread = SchedulerThread(

@@ -2774,6 +2774,22 @@ def test_an_expiry_says_when_the_lanes_timeout_capped_the_callers() -> None:
     )
 
 
+def test_an_expiry_counts_its_time_from_the_requests_arrival() -> None:
+    """A request that arrived 8 ms before it reached its lane (its read, a wait for room)
+    and expired 42 ms after: "after 42.0 ms in lane 'standard'" alone read as a deadline
+    of 42 ms where the caller had set 50. Both are told."""
+    scheduler = make_scheduler()
+    arrived_s = T0 - 0.008
+    request = make_request(0, "standard", 1, deadline_s=arrived_s + 0.050)
+    scheduler.admit(dataclasses.replace(request, arrived_s=arrived_s, own_timeout_s=0.050), T0)
+    [expired] = scheduler.shed_expired(T0 + 0.042)
+    assert isinstance(expired.error, ExpiredInQueueError)
+    assert expired.error.message == (
+        "deadline passed 50.0 ms after the request arrived, 42.0 ms of them in lane "
+        "'standard', before the request could run"
+    )
+
+
 def test_an_expiry_at_a_deadline_a_retry_moved_earlier_names_no_lane_cap() -> None:
     """The caller the work waited for left and a retry with a shorter deadline waits: the
     work is shed at the retry's deadline, which the lane's timeout did not set."""

@@ -881,7 +881,7 @@ def test_the_text_threads_work_is_scraped_by_kind_from_the_start(text_model: Pat
             return before, after
 
     before, after = asyncio.run(scenario())
-    zero = {"decode": 0.0, "encode": 0.0}
+    zero = {"decode": 0.0, "encode": 0.0, "hash": 0.0}
     assert values(before, "laneserve_text_thread_work", "kind") == zero
     assert values(before, "laneserve_text_thread_busy_seconds", "kind") == zero
     assert values(after, "laneserve_text_thread_work", "kind") == {**zero, "decode": 1.0}
@@ -894,7 +894,13 @@ def test_the_text_threads_work_is_scraped_by_kind_from_the_start(text_model: Pat
 @pytest.mark.parametrize(
     ("late_id", "words"),
     [
-        ("x", "sent before this one was still being decoded at this one's deadline"),
+        (
+            "x",
+            (
+                "sent before this one was still being read (its text decoded, or its data "
+                "hashed) at this one's deadline"
+            ),
+        ),
         ("late", "was still waiting for its text to be decoded"),
     ],
     ids=["waiting-for-its-ids-decode", "queued-behind-another"],

@@ -45,15 +45,16 @@ Metric names (OpenTelemetry; Prometheus adds the unit and `_total`, e.g.
     laneserve.http.requests       counter           route, code    KServe v2 HTTP requests
                                                                    answered, by path template
                                                                    and HTTP status
-    laneserve.text_thread.work    counter           kind           work the text thread ended:
-                                                                   decode, encode
+    laneserve.text_thread.work    counter           kind           work done off the loop:
+                                                                   decode, encode, hash
     laneserve.text_thread.busy    counter s         kind           its seconds on that work
     laneserve.text_thread.pending gauge             -              work given it, not ended
 
 The text thread (`text_thread.TextThread`) decodes requests and encodes answers of long
-text off the event loop: `rate(busy)` summed over
-kinds near 1 says it is saturated (that work queues behind it: `pending` grows), each
-kind's share who takes it. Every kind is reported from the start, at 0.
+text off the event loop, and its hasher hashes large requests with ids: `rate(busy)`
+summed over decode and encode near 1 says the text thread is saturated, `hash`'s near 1
+the hasher (that work queues behind them: `pending` grows). Every kind is reported from
+the start, at 0.
 
 `laneserve.requests.completed` is GetStats' `lanes[].answered` (every end, by status),
 not its `lanes[].completed` (the OK ends alone). `laneserve.requests.idempotent` is
@@ -402,21 +403,24 @@ class Metrics(NullEvents):
             "laneserve.text_thread.work",
             callbacks=[self._observe_text_work],
             unit="{work}",
-            description="Work the text thread ended, by kind: decode (a request's long text), "
-            "encode (a batch's text answers)",
+            description="Work done off the event loop, by kind: decode (a request's long text) "
+            "and encode (a batch's text answers) on the text thread, hash (a request of more "
+            "than 1 MiB of numbers with an id) on the hasher",
         )
         meter.create_observable_counter(
             "laneserve.text_thread.busy",
             callbacks=[self._observe_text_busy],
             unit="s",
-            description="The text thread's seconds on its work, by kind; their rate summed "
-            "near 1: it is saturated, and that work queues behind it",
+            description="Seconds of work off the event loop, by kind; the rate of decode and "
+            "encode summed near 1: the text thread is saturated, of hash: the hasher; and "
+            "that work queues behind it",
         )
         meter.create_observable_gauge(
             "laneserve.text_thread.pending",
             callbacks=[self._observe_text_pending],
             unit="{work}",
-            description="Work given the text thread and not ended (queued or running)",
+            description="Work given the text thread or the hasher and not ended (queued or "
+            "running)",
         )
         meter.create_observable_counter(
             "laneserve.answers.unsent",
