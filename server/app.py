@@ -1,4 +1,8 @@
-"""Assembly of a serving process: engine, scheduler thread, servicers, lifecycle.
+"""Assembly of a serving process: engine, scheduler thread, servicers, lifecycle; the
+ports (one gRPC server per gRPC port, the HTTP port), health, reflection and Channelz;
+and the drain and stop (`LaneServer.stop`: the grace, then the fixed waits for a batch
+still running, RUNNING_BATCH_WAIT_S, and text answers still encoded,
+TEXT_ANSWERS_WAIT_S).
 
 server = LaneServer(load_engine(config), config)   # slow: loads and probes the model
 port = await server.start()                        # listening, health SERVING

@@ -1,5 +1,5 @@
-"""`laneserve` command line: `serve` a model, `top` to watch one, `make-model` to build
-the demo model."""
+"""`laneserve` command line: `serve` a model, `top` to watch one, `bench` to measure it
+against the naive designs, `make-model` to build the demo model."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The gRPC servicer: thin. It validates, hands work to the scheduler thread, and awaits.
+"""The gRPC servicer: it validates, hands work to the scheduler thread, and awaits.
 
 Status codes come from the error types (`errors.py`); this module only carries them.
 State on the event loop: the futures of waiting RPCs. Answers arrive from the scheduler

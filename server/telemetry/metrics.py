@@ -56,6 +56,10 @@ summed over decode and encode near 1 says the text thread is saturated, `hash`'s
 the hasher (that work queues behind them: `pending` grows). Every kind is reported from
 the start, at 0.
 
+The reasons of `laneserve.requests.rejected` and `.shed` and the statuses of `.completed`
+are stats.REJECTED_REASONS, SHED_REASONS and ANSWERED_STATUSES (one per error class's
+reason): a new refusal's reason goes there, and is reported at 0 from the start.
+
 `laneserve.requests.completed` is GetStats' `lanes[].answered` (every end, by status),
 not its `lanes[].completed` (the OK ends alone). `laneserve.requests.idempotent` is
 GetStats' `idempotent_joins` and `idempotent_replays`: a retry the ledger answers is not
