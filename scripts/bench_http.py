@@ -79,7 +79,7 @@ from laneserve.server.bench.script_parts import (
     tensors_of,
 )
 from laneserve.server.demo_model import make_demo_model
-from laneserve.server.kserve import KSERVE_DTYPES
+from laneserve.server.kserve_convert import KSERVE_DTYPES
 from laneserve.server.kserve_json import (
     ALL_BINARY_PARAMETER,
     BINARY_SIZE_PARAMETER,

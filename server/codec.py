@@ -83,7 +83,7 @@ def extra_inputs(tensors: Sequence[Named], expected: Sequence[str]) -> str:
     named none): the names none of the model's inputs, and those given more than once,
     among the first len(expected) + 1 only, so that the work stays bounded however many
     the request holds. Among that many, one name at least is either. Infer's words, and
-    ModelInfer's (`kserve._check_counts`)."""
+    ModelInfer's (`kserve_convert._check_counts`)."""
     known = set(expected)
     read = [tensor.name for tensor in tensors[: len(expected) + 1]]
     counts = collections.Counter(read)  # in first-read order

@@ -26,7 +26,7 @@ from laneserve.v1 import inference_pb2 as pb
 
 # ServerMetadata's `extensions`: Triton's names of the extensions served here (its
 # docs/protocol/extension_schedule_policy.md: the request parameters `priority` and
-# `timeout`, read by `kserve._request_parameters`; extension_model_configuration.md;
+# `timeout`, read by `kserve_convert.request_parameters`; extension_model_configuration.md;
 # extension_shared_memory.md, its system part: server/shared_memory.py;
 # extension_statistics.md; extension_trace.md and extension_logging.md: TraceSetting
 # and LogSettings, server/settings.py), in the order Triton lists them.
@@ -60,7 +60,7 @@ LANES_PARAMETER: Final = "laneserve_lanes"
 # default per model; laneserve's streams have their own.
 STREAM_LANE_PARAMETER: Final = "laneserve_stream_default_lane"
 
-# Triton's DataType of each wire type laneserve serves (`kserve.KSERVE_TYPES`): TYPE_
+# Triton's DataType of each wire type laneserve serves (`kserve_convert.KSERVE_TYPES`): TYPE_
 # and the protocol's name ("FP32": TYPE_FP32), but BYTES's, TYPE_STRING in Triton's
 # model configuration.
 _DATA_TYPES: Final[dict[pb.DataType.ValueType, kpb.DataType.ValueType]] = {
@@ -113,7 +113,7 @@ def model_config(
         # max_wait_ms; Triton has one wait per model): a bound for every request.
         max_queue_delay_microseconds=max(lane.max_wait_ms for lane in lanes) * 1000,
         # The lanes, highest priority first: Triton's priority k is the k-th lane and 0
-        # the default lane (`kserve._lane_of_priority`): for ModelInfer,
+        # the default lane (`kserve_convert._lane_of_priority`): for ModelInfer,
         # server.default_lane; a ModelStreamInfer item's is STREAM_LANE_PARAMETER's.
         priority_levels=len(lanes),
         default_priority_level=default_level,

@@ -48,9 +48,7 @@ from laneserve.server.errors import (
 )
 from laneserve.server.grpc_accept import CALL_LIMIT_DETAILS
 from laneserve.server.grpc_methods import DETAILS_TRAILER, PUSHBACK_TRAILER, status_trailers
-from laneserve.server.kserve import (
-    KServeServicer,
-)
+from laneserve.server.kserve import KServeServicer
 from laneserve.server.kserve_json import (
     BINARY_TENSOR_EXTENSION,
     HEADER_LENGTH,

@@ -38,7 +38,7 @@ from google.protobuf.message import Message
 from laneserve.client.tensors import MAX_DIMS, decode_strings, length_prefixed
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.server.errors import InvalidInputError
-from laneserve.server.kserve import (
+from laneserve.server.kserve_convert import (
     BYTES,
     KSERVE_DTYPES,
     ModelInferCall,

@@ -116,7 +116,7 @@ class Lane:
 
     Dropping an entry from the middle (expiry, cancellation), or serving one behind a
     request still being split (whole requests go ahead of its chunks, see
-    `scheduler._Filling.fill`), frees its rows at once. Right behind the head (served
+    `formation._Filling.fill`), frees its rows at once. Right behind the head (served
     behind a head being split: they leave in FIFO order) it is deleted there, in O(1);
     elsewhere it leaves a tombstone that is skipped and popped later: O(1) instead of a
     deque scan. Tombstones are kept no more numerous than the live entries (or
@@ -161,7 +161,7 @@ class Lane:
         self._queued_s = 0.0
         # Deficit round robin for min_share: what this lane is owed (> 0) or has
         # overdrawn (< 0) ahead of higher lanes, in batches: each amount is counted as a
-        # fraction of the cap of the batch it was taken in (`Scheduler._balance_rows`
+        # fraction of the cap of the batch it was taken in (`Formation.balance_rows`
         # gives it in rows of a shape). In rows, a debt charged at one shape's cap was
         # repaid, or bounded, at another's: a lane whose shape's cap out of memory had
         # lowered to 1 took half the batches for a share of 0.1. Only the scheduler
@@ -169,7 +169,7 @@ class Lane:
         self.share_balance = 0.0
         # Whether the last batch left this lane's share unused because its head (of the
         # batch's shape) did not fit the room left: it then banks up to that head and,
-        # once its credit covers it, goes first (see `Scheduler._owed_head`).
+        # once its credit covers it, goes first (see `Formation.owed_head`).
         self.room_blocked = False
         # Rows a batch gave this lane lately while it had work queued (a moving average
         # over batches): its share, and what it rode along with. Forgotten once the lane
@@ -242,7 +242,7 @@ class Lane:
         """For a request of `signature` of at most `split_over_rows` rows joining the lane
         now: the rows and entries queued of it in requests larger than that (split
         whatever the room: each batch gives them the room the whole requests behind them
-        leave, down to a floor, see `scheduler._Filling.fill`), and the rows of the
+        leave, down to a floor, see `formation._Filling.fill`), and the rows of the
         widest whole request from the first of them on ((0, 0, 0): none queued). None
         when that is not known from the first `scan_entries` entries, or an entry of
         another shape follows the first of them (it may end the lane's turn)."""

@@ -363,7 +363,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     def widen_answer_envelope(self, extra_bytes: int) -> None:
         """Another front end sends each answer in a message up to `extra_bytes` larger
         than its InferResponse (KServe's ModelInferResponse, or a ModelStreamInferResponse
-        wrapping it: `kserve.answer_extra_bytes`, `kserve.stream_wrapper_bytes`):
+        wrapping it: `kserve_convert.answer_extra_bytes`, `kserve_convert.stream_wrapper_bytes`):
         `_check_sendable` holds every answer to the largest. Called as the server is
         made, before it serves: an answer sent before would not have been held to it."""
         self._answer_extra_bytes = max(self._answer_extra_bytes, extra_bytes)

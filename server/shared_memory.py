@@ -464,7 +464,7 @@ def _file_name(key: str) -> str:
 
 def output_too_large(what: str, size: str, placement: Placement) -> InvalidInputError:
     """The refusal of an output of `size` (its bytes, in words) over its placement: known
-    before its request runs (`kserve._check_output_room`), or once written (`write`)."""
+    before its request runs (`kserve_convert._check_output_room`), or once written (`write`)."""
     return InvalidInputError(
         f"{what} is {size}, over the {placement.byte_size} of its {BYTE_SIZE_PARAMETER} in "
         f"region {placement.region!r}; expected a byte_size that holds the output (its rows "

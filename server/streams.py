@@ -207,7 +207,7 @@ class ReceiveLimit:
 class ItemTag:
     """What a stream reads of an item before `convert` (which may let go of it), for its
     run and its answer (`StreamFrontEnd.tag`); a front end's own tag adds what its answers
-    need (`kserve.ModelStreamTag`)."""
+    need (`kserve_convert.ModelStreamTag`)."""
 
     # The id its answer is tagged with: empty where over MAX_REQUEST_ID_BYTES (`answer_id`;
     # refused for that).
@@ -220,7 +220,7 @@ class ItemTag:
 
 class StreamFrontEnd(Protocol[_Item_contra, _Tag, _Answer]):
     """How one front end's stream reads its items and writes its answers: InferStream's
-    (`InferStreamWire`) and KServe's ModelStreamInfer's (`kserve.ModelStreamWire`).
+    (`InferStreamWire`) and KServe's ModelStreamInfer's (`kserve_convert.ModelStreamWire`).
     The rest is one mechanism for both (`InferenceServicer.serve_stream`): the credit
     window, room in a full lane, answers out of order (in order where they carry no id),
     one answer per item, cancel, drain, the receive limit and the streams' default lane."""

@@ -25,12 +25,11 @@ from onnx import TensorProto, helper
 from laneserve.client.tensors import decode_strings, encode_strings, encode_tensor, numpy_dtype
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
-from laneserve.server import Engine, ServerConfig, grpc_accept
-from laneserve.server import kserve as kserve_module
+from laneserve.server import Engine, ServerConfig, grpc_accept, kserve_convert
 from laneserve.server.cli import _parser, _serve_config
 from laneserve.server.config import ConfigError
 from laneserve.server.engine import TensorSpec
-from laneserve.server.kserve import to_infer_request
+from laneserve.server.kserve_convert import to_infer_request
 from laneserve.server.model_identity import SERVER_VERSION, write_varint
 from laneserve.server.shared_memory import CallerRegions, SharedMemoryRegions
 from laneserve.v1 import inference_pb2 as pb
@@ -68,7 +67,7 @@ def raw_request(model: str, **arrays: npt.NDArray[Any]) -> Request:
     for name, array in arrays.items():
         tensor = encode_tensor(name, array)
         message.inputs.add(
-            name=name, datatype=kserve_module.kserve_datatype(array.dtype), shape=array.shape
+            name=name, datatype=kserve_convert.kserve_datatype(array.dtype), shape=array.shape
         )
         message.raw_input_contents.append(tensor.data)
     return message
@@ -78,9 +77,9 @@ def typed_request(model: str, **arrays: npt.NDArray[Any]) -> Request:
     """The same inputs in each input's typed contents list (no raw contents)."""
     message = Request(model_name=model)
     for name, array in arrays.items():
-        datatype = kserve_module.kserve_datatype(array.dtype)
+        datatype = kserve_convert.kserve_datatype(array.dtype)
         tensor = message.inputs.add(name=name, datatype=datatype, shape=array.shape)
-        field = {kind.name: kind.contents_field for kind in kserve_module.KSERVE_TYPES}[datatype]
+        field = {kind.name: kind.contents_field for kind in kserve_convert.KSERVE_TYPES}[datatype]
         assert field is not None, datatype
         values = array.ravel().tolist()
         if datatype == "BYTES":  # one bytes value per element, as tritonclient sends text
@@ -95,7 +94,7 @@ def outputs_of(response: kpb.ModelInferResponse) -> dict[str, npt.NDArray[Any]]:
     4-byte length and its bytes, as tritonclient's deserialize_bytes_tensor reads them,
     decoded as text)."""
     assert len(response.raw_output_contents) == len(response.outputs)
-    dtypes = {kind.name: kind.datatype for kind in kserve_module.KSERVE_TYPES}
+    dtypes = {kind.name: kind.datatype for kind in kserve_convert.KSERVE_TYPES}
     arrays: dict[str, npt.NDArray[Any]] = {}
     for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
         shape = tuple(tensor.shape)
@@ -251,7 +250,7 @@ DEMO_INPUTS = (TensorSpec("input", np.dtype("<f4"), (-1, 512), ("batch", None)),
 DEMO_OUTPUTS = (TensorSpec("output", np.dtype("<f4"), (-1, 10), ("batch", None)),)
 # A conversion's and an answer's shared memory where no tensor is placed in any.
 NO_SHARED = CallerRegions(SharedMemoryRegions(enabled=False), "ipv4:127.0.0.1:1", 1 << 26)
-NONE_PLACED = kserve_module.OutputsPlaced(NO_SHARED.regions, {})
+NONE_PLACED = kserve_convert.OutputsPlaced(NO_SHARED.regions, {})
 
 
 def _converted(**params: kpb.InferParameter) -> pb.InferRequest:
@@ -261,10 +260,10 @@ def _converted(**params: kpb.InferParameter) -> pb.InferRequest:
     return to_infer_request(_call(message), LANES, DEMO_INPUTS, DEMO_OUTPUTS, NO_SHARED)
 
 
-def _call(message: Request) -> kserve_module.ModelInferCall:
+def _call(message: Request) -> kserve_convert.ModelInferCall:
     """`message` as ModelInfer's deserializer hands it on."""
-    call = kserve_module.read_model_infer(message.SerializeToString(), max_inputs=1, max_outputs=1)
-    assert isinstance(call, kserve_module.ModelInferCall)
+    call = kserve_convert.read_model_infer(message.SerializeToString(), max_inputs=1, max_outputs=1)
+    assert isinstance(call, kserve_convert.ModelInferCall)
     return call
 
 
@@ -694,7 +693,7 @@ def test_answer_extra_bytes_bounds_every_model_infer_answer_and_is_reached() -> 
     lanes = ["interactive", "standard", "l" * 120]
     reached = False
     for model_name in ("m", "m" * 127, "\u00e9" * 128):
-        bound = kserve_module.answer_extra_bytes(model_name, specs, lanes)
+        bound = kserve_convert.answer_extra_bytes(model_name, specs, lanes)
         for lane, timing_value, request_id, name_bytes, data_rows in itertools.product(
             lanes, (0, 2**32 - 1), ("", "r" * 200), (100, 117, 125), (0, 1, 50)
         ):
@@ -711,7 +710,7 @@ def test_answer_extra_bytes_bounds_every_model_infer_answer_and_is_reached() -> 
                     infer_us=timing_value and 2**63 - 1,
                 ),
             )
-            converted = kserve_module.to_model_infer_response(answer, model_name, NONE_PLACED)
+            converted = kserve_convert.to_model_infer_response(answer, model_name, NONE_PLACED)
             added = converted.ByteSize() - answer.ByteSize()
             assert added <= bound, (model_name[:4], lane, timing_value, name_bytes, data_rows)
             reached = reached or added == bound
@@ -1092,7 +1091,7 @@ def test_a_queued_model_infer_holds_its_data_once(small_model: Path) -> None:
             await until(lambda: queued_rows(s) == 64)
             gc.collect()
             calls = [
-                obj for obj in gc.get_objects() if isinstance(obj, kserve_module.ModelInferCall)
+                obj for obj in gc.get_objects() if isinstance(obj, kserve_convert.ModelInferCall)
             ]
             assert calls, "gRPC holds the queued call's"
             held = [(call.message.ByteSize(), call.raw_contents) for call in calls]

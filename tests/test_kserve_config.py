@@ -19,7 +19,7 @@ import pytest
 from google.protobuf import descriptor
 
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
-from laneserve.server import kserve as kserve_module
+from laneserve.server import kserve_convert
 from laneserve.server.clock import ManualClock
 from laneserve.server.config import LaneConfig
 from laneserve.server.engine import TensorSpec
@@ -120,7 +120,7 @@ def test_every_message_and_enum_is_a_subset_of_tritonclients() -> None:
 
 def test_every_served_datatype_is_tritons_type_of_the_same_name() -> None:
     """But BYTES, whose type Triton's model configuration names TYPE_STRING."""
-    for kind in kserve_module.KSERVE_TYPES:
+    for kind in kserve_convert.KSERVE_TYPES:
         name = "STRING" if kind.name == "BYTES" else kind.name
         assert kpb.DataType.Name(triton_data_type(kind.datatype)) == f"TYPE_{name}"
 

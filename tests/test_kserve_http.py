@@ -42,7 +42,7 @@ from laneserve.server.errors import (
     LaneserveError,
 )
 from laneserve.server.grpc_methods import status_trailers
-from laneserve.server.kserve import KSERVE_DTYPES
+from laneserve.server.kserve_convert import KSERVE_DTYPES
 from laneserve.server.model_identity import SERVER_VERSION
 from laneserve.server.shared_memory import BYTE_SIZE_PARAMETER, REGION_PARAMETER
 from laneserve.v1 import inference_pb2 as pb

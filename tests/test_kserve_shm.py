@@ -28,7 +28,7 @@ import pytest
 from laneserve.client.tensors import decode_strings, encode_strings
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
-from laneserve.server import LaneServer, ServerConfig
+from laneserve.server import LaneServer, ServerConfig, kserve_convert
 from laneserve.server import kserve as kserve_module
 from laneserve.server.addresses import host_port
 from laneserve.server.cli import _parser, _serve_config
@@ -1172,7 +1172,7 @@ def test_outputs_over_the_models_count_are_refused_before_any_is_read(
         reads += 1
         return placement_of(what, parameters)
 
-    monkeypatch.setattr(kserve_module, "placement_of", counted)
+    monkeypatch.setattr(kserve_convert, "placement_of", counted)
     message = raw_request(MODEL, input=ONE)
     message.outputs.extend([Request.InferRequestedOutputTensor(name="output")] * 100_000)
 

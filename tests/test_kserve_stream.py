@@ -1,6 +1,6 @@
 """KServe v2 / Triton's ModelStreamInfer: InferStream's one stream mechanism
 (`InferenceServicer.serve_stream`) with ModelInfer's reading and a ModelStreamInferResponse
-for each answer (`kserve.ModelStreamWire`). Real gRPC on loopback to a real in-process
+for each answer (`kserve_convert.ModelStreamWire`). Real gRPC on loopback to a real in-process
 server with a real ONNX Runtime session, called through stubs generated from
 grpc_predict_v2.proto, as tritonclient's streams call."""
 
@@ -21,8 +21,7 @@ from onnx import TensorProto, helper
 from laneserve.client.tensors import encode_strings, encode_tensor
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
 from laneserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
-from laneserve.server import Engine, LaneConfig, grpc_accept, streams
-from laneserve.server import kserve as kserve_module
+from laneserve.server import Engine, LaneConfig, grpc_accept, kserve_convert, streams
 from laneserve.server import service as service_module
 from laneserve.server.codec import MAX_EXTRA_BYTES
 from laneserve.server.engine import TensorSpec
@@ -77,7 +76,7 @@ def item(array: npt.NDArray[Any], item_id: str, *, model: str = MODEL, **params:
     each of `params` (an InferParameter's fields) as a request parameter."""
     message = Request(model_name=model, id=item_id)
     name = "x" if array.dtype == np.uint8 else "input"
-    datatype = kserve_module.kserve_datatype(array.dtype)
+    datatype = kserve_convert.kserve_datatype(array.dtype)
     message.inputs.add(name=name, datatype=datatype, shape=array.shape)
     message.raw_input_contents.append(encode_tensor(name, array).data)
     for key, value in params.items():
@@ -128,9 +127,9 @@ def echo_model(path: Path) -> Path:
     return save_model(path, graph)
 
 
-def tag(item_id: str, *, final_response: bool = False) -> kserve_module.ModelStreamTag:
+def tag(item_id: str, *, final_response: bool = False) -> kserve_convert.ModelStreamTag:
     """An item's tag, as `ModelStreamWire.tag` reads it (without laneserve_idempotent)."""
-    return kserve_module.ModelStreamTag(item_id, idempotent=False, final_response=final_response)
+    return kserve_convert.ModelStreamTag(item_id, idempotent=False, final_response=final_response)
 
 
 def bulk_lane(capacity_rows: int) -> tuple[LaneConfig, ...]:
@@ -755,7 +754,7 @@ def test_an_answer_over_the_callers_receive_limit_is_that_items_error_in_its_env
     limit = 1024
     largest: dict[str, Any] = {
         "lane": {"string_param": "interactive"},  # the longest of the default lanes
-        kserve_module.FINAL_RESPONSE_FLAG: {"bool_param": True},
+        kserve_convert.FINAL_RESPONSE_FLAG: {"bool_param": True},
     }
 
     async def scenario() -> list[Answer]:
@@ -981,7 +980,7 @@ def test_an_error_answer_carries_its_code_reason_and_retry_and_fits_its_limit() 
     """`ModelStreamWire.error`: a retryable error's wait in whole ms, rounded up, as
     grpc-retry-pushback-ms gives it; at the smallest receive limit, with a 256-byte id
     and model name, the message is cut to fit, its code and reason kept first."""
-    wire = kserve_module.ModelStreamWire(
+    wire = kserve_convert.ModelStreamWire(
         lambda _item: InvalidInputError("unused"), "m" * 256, 0, NO_REGIONS, 1
     )
     full = wire.error(tag("a1"), LaneFullError("lane 'bulk' is full", retry_after_s=0.0121), 4096)
@@ -1004,7 +1003,7 @@ def test_an_error_answer_carries_its_code_reason_and_retry_and_fits_its_limit() 
 def test_a_model_stream_answers_held_bytes_are_its_outputs_data() -> None:
     """The credit window counts an answer's tensor data (`StreamWindow`), read from its
     outputs' shapes and datatypes, not from the bytes (a copy)."""
-    wire = kserve_module.ModelStreamWire(
+    wire = kserve_convert.ModelStreamWire(
         lambda _item: InvalidInputError("unused"), "m", 0, NO_REGIONS, 1
     )
     response = pb.InferResponse(
@@ -1066,9 +1065,9 @@ def test_the_stream_envelope_bounds_every_model_stream_answer_and_is_reached() -
     for limit, model_name, final in itertools.product(
         (1024, 64 * 1024 * 1024), ("m", "\u00e9" * 128), (False, True)
     ):
-        bound = kserve_module.answer_extra_bytes(model_name, _EDGE_SPECS, _EDGE_LANES)
-        bound += kserve_module.stream_wrapper_bytes(limit)
-        wire = kserve_module.ModelStreamWire(
+        bound = kserve_convert.answer_extra_bytes(model_name, _EDGE_SPECS, _EDGE_LANES)
+        bound += kserve_convert.stream_wrapper_bytes(limit)
+        wire = kserve_convert.ModelStreamWire(
             lambda _item: InvalidInputError("-"), model_name, 0, NO_REGIONS, 1
         )
         for made, answer in _edge_answers(("", "r" * 200), (100, 117)):
@@ -1091,8 +1090,8 @@ def test_envelope_bytes_bound_a_model_stream_answer_over_its_infer_stream_item()
     within a byte of some answer's (the integration test's answers, near the limit and
     with real timings, leave it 10 to 20 bytes, too few to tell)."""
     for limit, model_name in itertools.product((1024, 4096), ("m", "\u00e9" * 128)):
-        extra = kserve_module.answer_extra_bytes(model_name, _EDGE_SPECS, _EDGE_LANES)
-        wire = kserve_module.ModelStreamWire(
+        extra = kserve_convert.answer_extra_bytes(model_name, _EDGE_SPECS, _EDGE_LANES)
+        wire = kserve_convert.ModelStreamWire(
             lambda _item: InvalidInputError("-"), model_name, extra, NO_REGIONS, 1
         )
         envelope = wire.envelope_bytes(limit)
@@ -1203,7 +1202,7 @@ def test_a_model_stream_answers_held_bytes_count_a_bytes_outputs_text() -> None:
     """A BYTES output's held bytes are its raw_output_contents entry's (each element's
     length and text, as InferStream counts a STRING output's data); one written to shared
     memory (an empty entry) is counted at the least it took, a length per element."""
-    wire = kserve_module.ModelStreamWire(
+    wire = kserve_convert.ModelStreamWire(
         lambda _item: InvalidInputError("unused"), "m", 0, NO_REGIONS, 1
     )
     response = pb.InferResponse(

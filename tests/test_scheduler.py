@@ -39,6 +39,7 @@ from laneserve.server.errors import (
     pushback_ms,
 )
 from laneserve.server.events import FanOut, NullEvents
+from laneserve.server.formation import ACTIVE_LANE_S, is_active
 from laneserve.server.items import (
     Batch,
     BatchResult,
@@ -53,7 +54,6 @@ from laneserve.server.items import (
 )
 from laneserve.server.lanes import MIN_TOMBSTONES, Entry, Lane, ShapePrice
 from laneserve.server.scheduler import (
-    ACTIVE_LANE_S,
     Dispatch,
     Scheduler,
     WaitUntil,
@@ -4031,9 +4031,9 @@ def test_a_share_lane_behind_another_shape_moves_by_its_share_not_its_pace() -> 
         scheduler.complete(run(running))
         running = dispatch(scheduler, now_s, math.inf)
     standard = scheduler.lane("standard")
-    share = scheduler._share_rows(standard, ((2,),))
+    share = scheduler.formation.share_rows(standard, ((2,),))
     assert standard.served_rows_per_batch > 2 * share
-    assert scheduler._balance_rows(standard, ((2,),)) == -3 * share
+    assert scheduler.formation.balance_rows(standard, ((2,),)) == -3 * share
     for index in range(10, 15):
         scheduler.admit(make_request(index, "interactive", 32, width=LONG), now_s)
     with pytest.raises(DeadlineUnmeetableError):
@@ -4838,18 +4838,18 @@ def test_the_lanes_batch_limits_are_those_worked_out_head_by_head(
 
     def per_head_limit(priority: int, head_rows: int) -> int:
         for above in scheduler.lanes[:priority]:
-            if scheduler._active(above, T0):
-                own = scheduler._share_take_rows(scheduler.lanes[priority], signature)
+            if is_active(above, T0):
+                own = scheduler.formation.share_take_rows(scheduler.lanes[priority], signature)
                 below = scheduler.lanes[priority + 1 :]
-                shares = sum(scheduler._share_take_rows(lane, signature) for lane in below)
+                shares = sum(scheduler.formation.share_take_rows(lane, signature) for lane in below)
                 return max(
-                    scheduler._rows_within_wait(above, signature),
+                    scheduler.formation.rows_within_wait(above, signature),
                     min(max(head_rows, own) + shares, cap),
                 )
         return cap
 
     limits = {
-        (priority, head_rows): scheduler._batch_limit(T0, priority, signature, head_rows)
+        (priority, head_rows): scheduler.formation._batch_limit(T0, priority, signature, head_rows)
         for priority in range(lane_count)
         for head_rows in (1, 24)
     }
@@ -4868,18 +4868,18 @@ def test_admission_works_out_the_lanes_batch_limits_in_time_linear_in_the_lanes(
     lane_count = 32
     scheduler, running = busy_with_many_lanes(lane_count, 0.5 / lane_count)
     takes: list[str] = []
-    take_rows = scheduler._share_take_rows
+    take_rows = scheduler.formation.share_take_rows
 
     def counting(lane: Lane, signature: Signature) -> int:
         takes.append(lane.name)
         return take_rows(lane, signature)
 
-    monkeypatch.setattr(scheduler, "_share_take_rows", counting)
-    limit = scheduler._batch_limit(T0, lane_count - 1, ((2,),), 1)
+    monkeypatch.setattr(scheduler.formation, "share_take_rows", counting)
+    limit = scheduler.formation._batch_limit(T0, lane_count - 1, ((2,),), 1)
     scheduler.admit(make_request(901, scheduler.lanes[-1].name, 1), T0)
     assert len(takes) <= 3 * lane_count, len(takes)
     takes.clear()
-    assert scheduler._batch_limit(T0, lane_count - 1, ((2,),), 1) == limit
+    assert scheduler.formation._batch_limit(T0, lane_count - 1, ((2,),), 1) == limit
     assert len(takes) == 1, "the lane's own share: none below it"
     scheduler.complete(run(running))
 
@@ -4904,7 +4904,7 @@ def test_share_balances_stay_exact_sums_of_shares_at_any_cap() -> None:
         now_s += 0.002
         scheduler.complete(run(dispatch(scheduler, now_s)))
     for lane in scheduler.lanes:
-        twentieths = scheduler._balance_rows(lane, ((2,),)) * 20
+        twentieths = scheduler.formation.balance_rows(lane, ((2,),)) * 20
         assert abs(twentieths - round(twentieths)) < 1e-9, (lane.name, twentieths)
 
 

@@ -19,7 +19,7 @@ from typing import Any, Final
 import numpy as np
 
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
-from laneserve.server.kserve import BYTES, KSERVE_DTYPES
+from laneserve.server.kserve_convert import BYTES, KSERVE_DTYPES
 
 KIB: Final = 1024
 MIB: Final = 1024 * KIB
