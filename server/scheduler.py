@@ -513,7 +513,9 @@ class Scheduler:
             raise DeadlineUnmeetableError(
                 f"deadline in {max(deadline_s - now_s, 0) * 1000:.1f} ms cannot be met: "
                 f"{ahead} rows are queued ahead in lane {lane.name!r} or above, serving them "
-                f"and this request takes about {(finish_s - now_s) * 1000:.1f} ms"
+                f"and this request takes about {(finish_s - now_s) * 1000:.1f} ms (after the "
+                "batch running now, with the lower lanes' shares and the work still "
+                "arriving above, at the run times measured)"
                 + _lane_cap_note(lane.config, request.own_timeout_s)
             )
 
