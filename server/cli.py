@@ -40,11 +40,11 @@ from laneserve.server.app import (
 from laneserve.server.bench import cli as bench_cli
 from laneserve.server.clock import Clock, SystemClock
 from laneserve.server.config import DEVICES, UINT32_MAX, ConfigError, ServerConfig, load_config
-from laneserve.server.engine import ProbeStopped
 from laneserve.server.errors import EngineStartError
 from laneserve.server.lifecycle import REPEAT_WINDOW_S, SignalMeaning, StopSignals
 from laneserve.server.log_events import refuse_usage
 from laneserve.server.memory import format_bytes, stop_estimates
+from laneserve.server.probe import ProbeStopped
 from laneserve.server.process import (
     STOP_SIGNALS,
     catch_stop_signals_early,

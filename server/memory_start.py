@@ -17,7 +17,7 @@ import logging
 from typing import NoReturn
 
 from laneserve.server.config import DEFAULT_MEMORY_LOW_WATERMARK, ConfigError, ServerConfig
-from laneserve.server.engine import Engine, Probe
+from laneserve.server.engine import Engine
 from laneserve.server.log_events import log_event
 from laneserve.server.memory import (
     CgroupMemoryLimit,
@@ -33,6 +33,7 @@ from laneserve.server.memory import (
     session_gpu_id,
     share_above,
 )
+from laneserve.server.probe import Probe
 from laneserve.server.providers import CUDA, nvml_start_error, open_nvml_gauge
 
 log = logging.getLogger(__name__)

@@ -46,12 +46,7 @@ from laneserve.server.batch_caps import CAP_CEILING_BATCHES, CAP_RECOVERY_BATCHE
 from laneserve.server.clock import ManualClock
 from laneserve.server.cost_model import MAX_SIGNATURES, RunTimeModel
 from laneserve.server.demo_model import make_demo_model
-from laneserve.server.engine import (
-    HOST_PROBE_SHARE,
-    Engine,
-    Probe,
-    translate_runtime_error,
-)
+from laneserve.server.engine import Engine, translate_runtime_error
 from laneserve.server.errors import (
     DeviceMemoryError,
     DrainingError,
@@ -91,6 +86,7 @@ from laneserve.server.memory import (
     host_available_bytes,
     parse_memory_limit,
 )
+from laneserve.server.probe import HOST_PROBE_SHARE, Probe
 from laneserve.server.providers import (
     CPU,
     CUDA,
@@ -2483,24 +2479,27 @@ def test_the_probe_times_its_cap_in_the_runs_that_verify_it(demo_model: Path) ->
 
 _PROBE_REPEATS_SCRIPT = """
 import collections, json, sys
+from laneserve.server import probe as probe_module
 from laneserve.server.engine import Engine
 from laneserve.server.memory import parse_memory_limit
 
-class SlowClock(Engine):
-    # Each run the probe times reads as `step` seconds: the probe's clock, moved by hand.
-    runs = collections.Counter()
-    now = [0.0]
+# Each run the probe times reads as `step` seconds: the probe's clock, moved by hand.
+now = [0.0]
 
-    @staticmethod
-    def _timer():
-        SlowClock.now[0] += float(sys.argv[3])  # read before and after each timed run
-        return SlowClock.now[0]
+def slow_clock():
+    now[0] += float(sys.argv[3])  # read before and after each timed run
+    return now[0]
+
+probe_module._timer = slow_clock
+
+class CountsRuns(Engine):
+    runs = collections.Counter()
 
     def _run_session(self, inputs, options):
         self.runs[len(inputs["input"])] += 1
         return super()._run_session(inputs, options)
 
-engine = SlowClock(sys.argv[1], device="cpu", memory_limit=parse_memory_limit(sys.argv[2]))
+engine = CountsRuns(sys.argv[1], device="cpu", memory_limit=parse_memory_limit(sys.argv[2]))
 probe = engine.probe(8, repeats=3)
 print(json.dumps({"runs": engine.runs[8], "run_s": probe.run_s[8]}))
 """

@@ -510,15 +510,15 @@ def test_the_server_keeps_onnx_runtime_telemetry_off_unless_told(
 HELD_IN_PROBE = """
 import signal, sys
 signal.signal(signal.SIGINT, signal.SIG_DFL)
-from laneserve.server import cli, engine
-time_rows = engine.Engine._time_rows
-def held(self, rows, repeats):
+from laneserve.server import cli, probe
+time_rows = probe._time_rows
+def held(engine, rows, repeats):
     sys.stderr.write(f"probe timing {rows} rows\\n")  # one write: log lines go between
     sys.stderr.flush()
     if rows == 1:
         sys.stdin.readline()
-    return time_rows(self, rows, repeats)
-engine.Engine._time_rows = held
+    return time_rows(engine, rows, repeats)
+probe._time_rows = held
 sys.exit(cli.main(sys.argv[1:]))
 """
 

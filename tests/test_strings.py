@@ -29,9 +29,10 @@ from laneserve.server.bench.run import load_inputs
 from laneserve.server.bench.settings import Stream
 from laneserve.server.codec import MAX_EXTRA_BYTES, decode_inputs, extra_bytes, leading_rows
 from laneserve.server.config import DEFAULT_LANES
-from laneserve.server.engine import TensorSpec, held_bytes
+from laneserve.server.engine import TensorSpec
 from laneserve.server.idempotency import MAX_CALLERS_WAITING
 from laneserve.server.lifecycle import Lifecycle
+from laneserve.server.probe import held_bytes
 from laneserve.v1 import inference_pb2 as pb
 from tests.support import (
     RecordingEngine,
