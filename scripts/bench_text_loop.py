@@ -3,6 +3,11 @@
 
     .venv/bin/python scripts/bench_text_loop.py                  # 2 callers of 512 000 strings
     .venv/bin/python scripts/bench_text_loop.py --seconds 20 --rounds 3
+    .venv/bin/python scripts/bench_text_loop.py --numbers 8192   # 16 MiB of numbers, hashed
+
+With `--numbers ROWS` the bulk requests are ROWS rows of the demo model's 512 float32
+(with their request_ids: their fingerprint, over EVENT_LOOP_HASH_BYTES, is taken on the
+text thread's hasher as shipped, on the loop with the bound patched too).
 
 laneserve decodes a request, and encodes a batch's answers, of more than
 EVENT_LOOP_TEXT_ELEMENTS STRING elements on a thread kept for it (server/text_thread.py),
@@ -64,17 +69,17 @@ from laneserve.server.bench.script_parts import describe_host, size_text
 from laneserve.server.bench.settings import MAX_WINDOW_S, MIN_STABLE_WINDOWS, Profile, Stream
 from laneserve.server.bench.summary import OK, StreamWindow, combine, percentiles_ms
 from laneserve.server.config import DEFAULT_LANES, UINT32_MAX
-from laneserve.server.demo_model import make_text_model
+from laneserve.server.demo_model import make_demo_model, make_text_model
 from laneserve.server.flag_values import integer, seconds
-from laneserve.server.text_thread import EVENT_LOOP_TEXT_ELEMENTS
+from laneserve.server.text_thread import EVENT_LOOP_HASH_BYTES, EVENT_LOOP_TEXT_ELEMENTS
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 
 OFF_LOOP: Final = "off loop"
 ON_LOOP: Final = "on loop"
 MODE_TITLES: Final = {
-    OFF_LOOP: "text off the loop (as shipped)",
-    ON_LOOP: "text on the loop (patched)",
+    OFF_LOOP: "reads off the loop (as shipped)",
+    ON_LOOP: "reads on the loop (patched)",
 }
 INTERACTIVE: Final = "interactive"
 BULK: Final = "bulk"
@@ -91,12 +96,13 @@ catch_stop_signals_early()
 from laneserve.server import cli, text_thread
 limit = {limit!r}
 if limit is not None:
-    if not hasattr(text_thread, "EVENT_LOOP_TEXT_ELEMENTS"):
-        sys.exit("text_thread has no EVENT_LOOP_TEXT_ELEMENTS to patch")
-    text_thread.EVENT_LOOP_TEXT_ELEMENTS = limit
+    for name in ("EVENT_LOOP_TEXT_ELEMENTS", "EVENT_LOOP_HASH_BYTES"):
+        if not hasattr(text_thread, name):
+            sys.exit(f"text_thread has no {{name}} to patch")
+        setattr(text_thread, name, limit)
 sys.exit(cli.main())
 """
-# The on-loop mode's limit: more STRING elements than any request can carry.
+# The on-loop mode's limit: more STRING elements, or bytes, than any request can carry.
 NO_REQUEST_REACHES: Final = sys.maxsize
 
 
@@ -107,7 +113,8 @@ class Load:
     inputs: tuple[InputSpec, ...]
     interactive: Stream
     bulk: Stream
-    bulk_strings: int  # STRING elements of one bulk request
+    bulk_units: int  # STRING elements (or rows of numbers) of one bulk request
+    unit: str  # "strings", "rows"
     bulk_bytes: int  # its serialized size
 
 
@@ -132,6 +139,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=integer(EVENT_LOOP_TEXT_ELEMENTS + 1),
         default=512_000,
         help="STRING elements a bulk request (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--numbers",
+        type=integer(0),
+        default=0,
+        help="bulk requests of this many rows of the demo model's numbers, not text "
+        "(default: %(default)s, text)",
     )
     parser.add_argument("--bulk-callers", type=integer(1), default=2, help="default: %(default)s")
     parser.add_argument(
@@ -179,11 +193,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_modes(scratch: Path, args: argparse.Namespace) -> tuple[Load, dict[str, ModeRecords]]:
     """Every round, each mode's server in turn (the order alternates); the load offered
     and each mode's records."""
-    model = scratch / "text.onnx"
-    make_text_model(model)
+    model = scratch / "model.onnx"
+    if args.numbers:
+        make_demo_model(model)
+    else:
+        make_text_model(model)
     config = scratch / "lanes.toml"
     # A row holds one string at least: room for every bulk caller's request at once.
-    config.write_text(lanes_toml(args.bulk_strings * args.bulk_callers), encoding="utf-8")
+    bulk_rows = args.numbers or args.bulk_strings
+    config.write_text(lanes_toml(bulk_rows * args.bulk_callers), encoding="utf-8")
     profile = Profile(
         name="text-loop",
         warmup_s=args.warmup_s,
@@ -240,18 +258,22 @@ def model_inputs(target: str) -> tuple[InputSpec, ...]:
 def load_of(inputs: Sequence[InputSpec], args: argparse.Namespace) -> Load:
     """The streams: the bulk requests of as many whole rows as `--bulk-strings` holds.
     Raises ValueError for a model without text, or a request the channel cannot carry."""
-    strings_per_row = sum(
-        math.prod(spec.trailing_shape) for spec in inputs if np.dtype(spec.dtype).hasobject
-    )
-    if strings_per_row == 0:
-        raise ValueError("the model has no STRING input; expected the text model")
-    rows = args.bulk_strings // strings_per_row
-    if rows * strings_per_row <= EVENT_LOOP_TEXT_ELEMENTS:
-        raise ValueError(
-            f"--bulk-strings {args.bulk_strings}: {rows} rows of {strings_per_row} strings are "
-            f"at most {EVENT_LOOP_TEXT_ELEMENTS}, decoded on the loop in both modes; "
-            "expected more"
+    if args.numbers:
+        rows, units, unit = args.numbers, args.numbers, "rows"
+    else:
+        strings_per_row = sum(
+            math.prod(spec.trailing_shape) for spec in inputs if np.dtype(spec.dtype).hasobject
         )
+        if strings_per_row == 0:
+            raise ValueError("the model has no STRING input; expected the text model")
+        rows = args.bulk_strings // strings_per_row
+        units, unit = rows * strings_per_row, "strings"
+        if units <= EVENT_LOOP_TEXT_ELEMENTS:
+            raise ValueError(
+                f"--bulk-strings {args.bulk_strings}: {rows} rows of {strings_per_row} strings "
+                f"are at most {EVENT_LOOP_TEXT_ELEMENTS}, decoded on the loop in both modes; "
+                "expected more"
+            )
     # Pinned to client processes of their own: the bulk answers (megabytes each) are read
     # on another event loop than the one that times the interactive calls.
     if args.interactive_rate > 0:
@@ -262,15 +284,20 @@ def load_of(inputs: Sequence[InputSpec], args: argparse.Namespace) -> Load:
     bulk = Stream(label=BULK, lane=BULK_LANE, rows=rows, concurrency=args.bulk_callers, client=1)
     # Each string takes its 4-byte length at least: tens of millions are refused before
     # they are encoded. The others as the client processes encode them (once each).
-    least_bytes = rows * strings_per_row * 4
+    least_bytes = units * 4
     body = b"" if least_bytes > MESSAGE_LIMIT_BYTES else request_body(bulk, inputs, rng)
     if not body or len(body) > MESSAGE_LIMIT_BYTES - 1024:  # room for the request_id
         size = size_text(len(body)) if body else f"at least {size_text(least_bytes)}"
         raise ValueError(
-            f"--bulk-strings {args.bulk_strings}: a request of {size}; expected one "
-            f"within the {size_text(MESSAGE_LIMIT_BYTES)} message limit (fewer strings)"
+            f"a bulk request of {size}; expected one within the "
+            f"{size_text(MESSAGE_LIMIT_BYTES)} message limit (fewer {unit})"
         )
-    return Load(tuple(inputs), interactive, bulk, rows * strings_per_row, len(body))
+    if args.numbers and len(body) <= EVENT_LOOP_HASH_BYTES:
+        raise ValueError(
+            f"--numbers {args.numbers}: a request of {size_text(len(body))} is hashed on the "
+            f"loop in both modes (at most {size_text(EVENT_LOOP_HASH_BYTES)}); expected more"
+        )
+    return Load(tuple(inputs), interactive, bulk, units, unit, len(body))
 
 
 def lanes_toml(bulk_rows: int) -> str:
@@ -320,17 +347,18 @@ def print_table(
 ) -> None:
     print(f"# bench_text_loop: {host}")
     print(
-        f"{load.bulk.concurrency} bulk callers of {load.bulk_strings:,} strings "
+        f"{load.bulk.concurrency} bulk callers of {load.bulk_units:,} {load.unit} "
         f"({load.bulk.rows:,} rows, {size_text(load.bulk_bytes)}) in lane {BULK_LANE}, "
         f"{interactive_text(load.interactive)} in the default lane; {args.seconds:g} s measured "
         f"after {args.warmup_s:g} s of warm-up per mode and round, {args.rounds} round(s); "
         f"--max-batch-size {args.max_batch_size}; text decoded and encoded off the loop above "
-        f"{EVENT_LOOP_TEXT_ELEMENTS:,} strings as shipped"
+        f"{EVENT_LOOP_TEXT_ELEMENTS:,} strings, requests with ids hashed off it above "
+        f"{size_text(EVENT_LOOP_HASH_BYTES)}, as shipped"
     )
     print()
     print(
         "| mode | interactive p50 ms | interactive p99 ms | interactive max ms | interactive "
-        "calls | bulk requests answered | bulk strings/s |"
+        f"calls | bulk requests answered | bulk {load.unit}/s |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
     p99_ms: dict[str, float | None] = {}
@@ -340,7 +368,7 @@ def print_table(
         latency = percentiles_ms(interactive.ok_latency_s)
         answered = bulk.outcomes.get(OK, 0)
         p99_ms[mode] = _float(latency["p99_ms"])
-        strings_per_s[mode] = answered * load.bulk_strings / record.measured_s
+        strings_per_s[mode] = answered * load.bulk_units / record.measured_s
         print(
             f"| {MODE_TITLES[mode]} | {_ms(latency['p50_ms'])} | {_ms(latency['p99_ms'])} "
             f"| {_ms(latency['max_ms'])} | {latency['count']} | {answered} "
@@ -352,7 +380,7 @@ def print_table(
     on_p99, off_p99 = p99_ms[ON_LOOP], p99_ms[OFF_LOOP]
     print(f"| interactive p99, on loop / off loop | {_ratio(on_p99, off_p99)} |")
     off_rate, on_rate = strings_per_s[OFF_LOOP], strings_per_s[ON_LOOP]
-    print(f"| bulk strings/s, off loop / on loop | {_ratio(off_rate, on_rate)} |")
+    print(f"| bulk {load.unit}/s, off loop / on loop | {_ratio(off_rate, on_rate)} |")
     for mode, record in records.items():
         for label, windows in ((INTERACTIVE, record.interactive), (BULK, record.bulk)):
             failed = {k: n for k, n in sorted(combine(windows).outcomes.items()) if k != OK}

@@ -2072,6 +2072,11 @@ def test_scenario_c_refuses_a_single_client_process(tmp_path: Path) -> None:
             ["--seconds", "1", "--warmup-s", "0.5", "--bulk-strings", "30000"],
             "| interactive p99, on loop / off loop |",
         ),
+        (
+            "bench_text_loop.py",
+            ["--seconds", "1", "--warmup-s", "0.5", "--numbers", "600", "--max-batch-size", "128"],
+            "| bulk rows/s, off loop / on loop |",
+        ),
         ("bench_admit.py", ["--requests", "10", "--rounds", "1"], "us per admission"),
         (
             "simulate_admission.py",
