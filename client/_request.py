@@ -96,7 +96,7 @@ def _element_refused(
     (ErrorInfo's "row" as the server's refusal of a row gives it: a bulk job's failed
     rows name the input row, where "element 36" of an item named none)."""
     refusal = refused(error.in_row(array.shape), request_id)
-    refusal.metadata["row"] = str(error.row(array.shape))
+    refusal.metadata.update(error.row_metadata(array.shape))
     return refusal
 
 

@@ -255,9 +255,10 @@ _MAX_ELEMENT_BYTES: Final = 2**32 - 1  # what the 4-byte length holds
 
 
 class StringElementError(ValueError):
-    """`decode_strings`' refusal of one element (its bytes run past the data's end, or
-    are not UTF-8): `element`, its index in the flat tensor, for a reader that can name
-    the row it is in (the server: ErrorInfo metadata "row")."""
+    """`encode_strings`' or `decode_strings`' refusal of one element (not text, not
+    UTF-8, too long, or its bytes run past the data's end): `element`, its index in the
+    flat tensor, for a reader that can name the row it is in (ErrorInfo metadata "row":
+    `in_row`, `row_metadata`)."""
 
     def __init__(self, message: str, element: int) -> None:
         super().__init__(message)
@@ -266,6 +267,10 @@ class StringElementError(ValueError):
     def row(self, shape: Sequence[int]) -> int:
         """The row (first axis) of a tensor of `shape` that holds the element."""
         return self.element // (math.prod(shape[1:]) or 1)
+
+    def row_metadata(self, shape: Sequence[int]) -> dict[str, str]:
+        """The ErrorInfo metadata naming that row, as a refusal of a row carries it."""
+        return {"row": str(self.row(shape))}
 
     def in_row(self, shape: Sequence[int]) -> str:
         """The refusal's words, with the row of a tensor of `shape` that holds it."""

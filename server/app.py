@@ -907,12 +907,7 @@ class LaneServer:
             return
         if not self._listeners:  # never started, or its start failed: nothing to drain
             self.state = Lifecycle.STOPPED
-            if self._servicer is not None:
-                self._servicer.close()
-            if self._text is not None:
-                self._text.close()
-            self.telemetry.close()
-            self.shared_memory.close()
+            self._release()
             await self._health.enter_graceful_shutdown()  # as every stopped server says
             self._stopped.set()
             return
@@ -934,17 +929,22 @@ class LaneServer:
         try:
             drained = await self._drain(grace_s)
         finally:
-            assert self._servicer is not None
-            # The ledger's sweep timer goes, and none is armed again (an answer of a run
-            # that would not end may still be stored): no timer outlives the server.
-            self._servicer.close()
-            assert self._text is not None
-            self._text.close()  # its thread goes once the work it began ends
-            self.telemetry.close()
-            self.shared_memory.close()  # the servers have stopped: no call reads a region
+            self._release()
             self.state = Lifecycle.STOPPED
             self._stopped.set()
         log_event(log, logging.INFO, "shutdown", "stopped", drained=drained)
+
+    def _release(self) -> None:
+        """What a stopped server lets go of, whatever its start made: the ledger's sweep
+        timer (none is armed again: no timer outlives the server), the text thread and
+        its hasher (they go once the work they began ends), telemetry, and the shared
+        memory regions (the servers have stopped: no call reads one)."""
+        if self._servicer is not None:
+            self._servicer.close()
+        if self._text is not None:
+            self._text.close()
+        self.telemetry.close()
+        self.shared_memory.close()
 
     async def _drain(self, grace_s: float) -> bool:
         assert self._servicer is not None

@@ -286,7 +286,7 @@ def _element_refusal(tensor: pb.Tensor, error: StringElementError) -> InvalidInp
     the row it is in (ErrorInfo metadata "row" too): a bulk job's failed rows named no
     input row for it, though the element's index says which (a user's evaluation)."""
     refusal = InvalidInputError(error.in_row(tensor.shape))
-    refusal.metadata["row"] = str(error.row(tensor.shape))
+    refusal.metadata.update(error.row_metadata(tensor.shape))
     return refusal
 
 

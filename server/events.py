@@ -43,7 +43,7 @@ class SchedulerEvents(Protocol):
         the servicer (its bytes did not parse: the microseconds since its arrival was
         read), 0.0 where it never had one here (an oversized request, another front end's
         conversion of it failed, `InferenceRequest.arrived_s` None). `request_id`: its
-        request's (None: none, or one not quoted: over MAX_REQUEST_ID_BYTES); `error`:
+        request's ("" or None: none, or one not quoted: over MAX_REQUEST_ID_BYTES); `error`:
         the refusal its caller got (None: none, its caller had left), as `completed`
         takes them: what an operator reads of a flood of bad requests."""
         ...

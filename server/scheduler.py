@@ -1243,11 +1243,10 @@ class Scheduler:
             # Its deadline counts from its arrival: "after 42.9 ms in lane 'standard'"
             # alone read as a deadline of 43 ms where the caller had set 50 (a user's
             # evaluation; the rest went in reading it, or waiting for room).
-            arrived_s = entry.request.arrived_s
             waited = (
                 f"after {waited_ms:.1f} ms in lane {lane.name!r}"
-                if arrived_s is None
-                else f"{(now_s - arrived_s) * 1000:.1f} ms after the request arrived, "
+                if entry.request.arrived_s is None
+                else f"{entry.request.waited_s(now_s) * 1000:.1f} ms after the request arrived, "
                 f"{waited_ms:.1f} ms of them in lane {lane.name!r},"
             )
             outcomes.append(

@@ -22,7 +22,7 @@ import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Final, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -117,10 +117,11 @@ from laneserve.server.streams import (
     stream_item_bytes,
 )
 from laneserve.server.text_thread import (
+    DECODE,
+    EVENT_LOOP_HASH_BYTES,
     ReadInputs,
     TextThread,
     encoded_off_loop,
-    long_text,
     read_off_loop,
 )
 from laneserve.v1 import inference_pb2 as pb
@@ -131,12 +132,10 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Unread:
-    """`_read_inputs`' answer (`_UNREAD`, the one instance) for a new request read off the
-    event loop (`read_off_loop`): its inputs are left for `TextThread` to decode and
-    hash."""
+    """`_read_inputs`' answer for a new request read off the event loop: its inputs are
+    left for `TextThread` to decode and hash, as `kind` (`read_off_loop`'s) says."""
 
-
-_UNREAD: Final = _Unread()
+    kind: str
 
 
 # A stream's items, their tags and answers (`streams.StreamFrontEnd`).
@@ -764,12 +763,19 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             raise self._rejected(
                 lane, error, arrived_s=arrived_s, request_id=request.request_id
             ) from None
-        if decoded is _UNREAD:
+        if isinstance(decoded, _Unread):
             # Before a stream item's wait for room, as on the loop. A unary call's request
             # is submitted in the step its decode ends in, with no await between (see
             # `TextThread`); a stream item's, as soon as it has room.
             read = await self._decoded_aside(
-                request, lane, ledger_id, wait_until_s, arrived_s, stream, output_names
+                request,
+                lane,
+                ledger_id,
+                wait_until_s,
+                arrived_s,
+                stream,
+                output_names,
+                decoded.kind,
             )
             decoded, digest = read.inputs, read.digest
         # None: a retry that joins or replays (or is refused), which waits for no room.
@@ -928,7 +934,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         request in flight or replays its stored answer, and for a request that would be
         read off the loop the ledger refuses (its id reused for other inputs), which
         needs no inputs;
-        `_UNREAD` for a new request read off the event loop (`read_off_loop`: long text,
+        an `_Unread` for a new request read off the event loop (`read_off_loop`: long text,
         or much data to hash), its rows checked where they can be counted, its digest
         b"" (`_infer` has it decoded and hashed by `TextThread`). Raises why the
         request is refused.
@@ -956,10 +962,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 # after, a 62 MiB request cost the event loop 143-223 ms. Not a retry's: it
                 # queues no rows.
                 lane_config.check_rows(rows)
-        if read_off_loop(request.inputs, hashed=bool(ledger_id)):
+        kind = read_off_loop(request.inputs, hashed=bool(ledger_id))
+        if kind is not None:
             # Held: refused REQUEST_ID_REUSED (a join or replay returned above), unread.
             # New: decoded and hashed by `TextThread` (`_infer`).
-            return digest, None if held else _UNREAD
+            return digest, None if held else _Unread(kind)
         read = decode_inputs(request.inputs, self._input_specs)  # refused before hashed
         if not held and ledger_id:
             digest = fingerprint(request, output_names)
@@ -983,6 +990,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         arrived_s: float,
         stream: _OnStream | None,
         output_names: list[str],
+        kind: str,
     ) -> ReadInputs:
         """`_decoded`, and its fingerprint where it has a `ledger_id` (else b""), by
         `TextThread`, until `until_s`: at it, refused EXPIRED_IN_QUEUE
@@ -1000,7 +1008,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if left_s <= 0:
             raise self._rejected(
                 lane,
-                _read_expired(request, until_s, arrived_s),
+                _read_expired(request, kind, until_s, arrived_s),
                 arrived_s=arrived_s,
                 request_id=request.request_id,
             )
@@ -1013,9 +1021,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     request.inputs,
                     self._input_specs,
                     functools.partial(fingerprint, request, output_names) if ledger_id else None,
+                    kind,
                 )
         except TimeoutError:
-            expired = _read_expired(request, until_s, arrived_s)
+            expired = _read_expired(request, kind, until_s, arrived_s)
             raise self._rejected(
                 lane, expired, arrived_s=arrived_s, request_id=request.request_id
             ) from None
@@ -1355,11 +1364,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 _READ_DONE = object()  # a stream's reader has read its last item
 
 
-def _read_expired(request: pb.InferRequest, until_s: float, arrived_s: float) -> LaneserveError:
-    """The refusal of a request read off the loop (`TextThread`) that its deadline found
-    still waiting for its read: its text, or its data's hash."""
+def _read_expired(
+    request: pb.InferRequest, kind: str, until_s: float, arrived_s: float
+) -> LaneserveError:
+    """The refusal of a request read off the loop (`TextThread`, as `kind`) that its
+    deadline found still waiting for its read: its text, or its data's hash."""
     after = f"at its deadline, {(until_s - arrived_s) * 1000:.0f} ms after it arrived"
-    if long_text(request.inputs):
+    if kind == DECODE:
         return ExpiredInQueueError(
             f"request {request.request_id!r} was still waiting for its text to be decoded "
             f"{after} (long text is decoded on one thread, in turn); expected a longer "
@@ -1367,7 +1378,8 @@ def _read_expired(request: pb.InferRequest, until_s: float, arrived_s: float) ->
         )
     return ExpiredInQueueError(
         f"request {request.request_id!r} was still waiting for its data to be hashed {after} "
-        "(a request of more than 1 MiB with an id is hashed on one thread, in turn); "
+        f"(a request of more than {EVENT_LOOP_HASH_BYTES >> 20} MiB with an id is hashed on "
+        "one thread, in turn); "
         "expected a longer deadline, or smaller requests"
     )
 

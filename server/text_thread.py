@@ -185,14 +185,16 @@ class TextThread:
         tensors: Sequence[pb.Tensor],
         specs: Sequence[TensorSpec],
         digest_of: Callable[[], bytes] | None = None,
+        kind: str = DECODE,
     ) -> ReadInputs:
         """`decode_inputs(tensors, specs)` off the loop, then `digest_of()` (the request's
-        fingerprint; b"" without one): refused inputs are not hashed, as on the loop. Long
-        text on the text thread, in turn; a request of numbers on the hasher. Raises the
+        fingerprint; b"" without one): refused inputs are not hashed, as on the loop.
+        `kind` (`read_off_loop`'s): DECODE, long text, on the text thread, in turn; HASH,
+        a request of numbers, on the hasher. Raises the
         refusal, or DrainingError where the drain stopped waiting for it (`_abandon`). A
         caller cancelled meanwhile leaves a read begun to finish (a thread is not
         interrupted; its answer is dropped), and one not begun is never run."""
-        text = long_text(tensors)
+        text = kind == DECODE
         if self._abandoned:
             raise _abandoned(text=text)
         ended = asyncio.Event()
@@ -246,12 +248,11 @@ class TextThread:
             self._cancelled.discard(work)
 
     async def after(self, ledger_id: str, timeout_s: float) -> bool:
-        """Returns once no request with `ledger_id` is being decoded (True: at once,
-        without yielding, where none is), or False after `timeout_s`. Raises
-        JoinLimitError where MAX_CALLERS_WAITING callers wait on that request already (its
-        own caller one of them), as the ledger refuses a retry past them once it runs."""
-        if ledger_id not in self._by_id:
-            return True
+        """Returns once the request with `ledger_id` being decoded (`reading`: its caller
+        asks first) is, or False after `timeout_s`. Raises JoinLimitError where
+        MAX_CALLERS_WAITING callers wait on that request already (its own caller one of
+        them), as the ledger refuses a retry past them once it runs."""
+        assert ledger_id in self._by_id, "asked only while `reading`"
         others = self._waiters.get(ledger_id, 0)
         waiting = 1 + others  # its own caller waits too
         if waiting >= MAX_CALLERS_WAITING:
@@ -373,15 +374,11 @@ class TextThread:
 
 
 def _abandoned(*, text: bool) -> DrainingError:
+    waiting = "text was still being decoded" if text else "data was still being hashed"
     return DrainingError(
-        f"server is draining, and its grace ended while this request's {reading(text)}; "
+        f"server is draining, and its grace ended while this request's {waiting}; "
         "retry on another instance"
     )
-
-
-def reading(text: bool) -> str:
-    """What a request read off the loop was waiting for, as refusals say it."""
-    return "text was still being decoded" if text else "data was still being hashed"
 
 
 def long_text(tensors: Sequence[pb.Tensor]) -> bool:
@@ -390,13 +387,16 @@ def long_text(tensors: Sequence[pb.Tensor]) -> bool:
     return text_elements(tensors) > EVENT_LOOP_TEXT_ELEMENTS
 
 
-def read_off_loop(tensors: Sequence[pb.Tensor], *, hashed: bool) -> bool:
-    """Whether a new request of `tensors` is read by `TextThread` (decoded, and hashed
-    where `hashed`: it has a ledger id), their data unread: more than
-    EVENT_LOOP_TEXT_ELEMENTS strings, or, hashed, more than EVENT_LOOP_HASH_BYTES of
-    numbers (the strings of a few long elements stay: their size is their data's, read
-    only by a copy)."""
-    return long_text(tensors) or (hashed and number_bytes(tensors) > EVENT_LOOP_HASH_BYTES)
+def read_off_loop(tensors: Sequence[pb.Tensor], *, hashed: bool) -> str | None:
+    """How a new request of `tensors` is read by `TextThread` (decoded, and hashed where
+    `hashed`: it has a ledger id), their data unread: DECODE, more than
+    EVENT_LOOP_TEXT_ELEMENTS strings (the text thread); HASH, hashed and more than
+    EVENT_LOOP_HASH_BYTES of numbers (the hasher); None: on the loop (the strings of a
+    few long elements too: their size is their data's, read only by a copy). Asked once
+    per request: `TextThread.decode` and the refusals take its answer."""
+    if long_text(tensors):
+        return DECODE
+    return HASH if hashed and number_bytes(tensors) > EVENT_LOOP_HASH_BYTES else None
 
 
 def _read(
