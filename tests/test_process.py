@@ -224,8 +224,12 @@ def _entry(name: str, prelude: str = "") -> list[str]:
 # stdin, first writing which stop signals have a handler then. SIGINT and SIGHUP start
 # at their defaults, as a terminal's session leaves them (the test's own are whatever its
 # runner's were: ignored ones are kept, see test_a_sigint_ignored_at_start_stays_ignored).
+# The wait returns to Python every 50 ms: a Python handler runs between bytecodes, and a
+# signal that came after the line was written but before a blocking read began met no
+# read to interrupt (the read blocked on, its handler never ran: 2 of 300 runs under
+# load, a red CI run). The imports it stands for run bytecode all along.
 HELD_AT_FIRST_HEAVY_IMPORT = """
-import signal, sys
+import select, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 signal.signal(signal.SIGHUP, signal.SIG_DFL)
 class HeldAtFirstHeavyImport:
@@ -235,6 +239,8 @@ class HeldAtFirstHeavyImport:
             stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
             caught = [s.name for s in stops if callable(signal.getsignal(s))]
             print("importing", name, "caught", *caught, file=sys.stderr, flush=True)
+            while not select.select([sys.stdin], [], [], 0.05)[0]:
+                pass
             sys.stdin.readline()
         return None
 sys.meta_path.insert(0, HeldAtFirstHeavyImport())
