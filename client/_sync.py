@@ -55,6 +55,10 @@ T = TypeVar("T")
 CLOSE_WAIT_S = 5.0
 # The name of the thread of a stream's own that reads the items of a plain iterable.
 SOURCE_THREAD: Final = "laneserve-client-source"
+# How long the main thread waits on the loop at a time (`_result`) before it looks for a
+# signal whose handler is due: one that arrives as the wait begins is not taken until
+# the wait ends.
+SIGNAL_CHECK_S: Final = 0.05
 
 
 class Client:
@@ -369,7 +373,7 @@ class Client:
             future = asyncio.run_coroutine_threadsafe(in_callers_context(), self._loop)
             self._running.add(future)
         try:
-            return future.result()
+            return _result(future)
         except concurrent.futures.CancelledError:
             if self._closed:  # close() cancelled it after its wait
                 raise ClientClosedError from None
@@ -390,6 +394,26 @@ class Client:
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()  # the thread closes the loop as it ends (see _serve)
+
+
+def _result(future: concurrent.futures.Future[T]) -> T:
+    """`future`'s result, waited for. Python runs a signal's handler on the main thread
+    between bytecodes: one whose signal arrived after the last such point and before
+    the wait blocked ran only once the wait ended, and an untimed wait for a stream's
+    next result from a server with nothing more to answer never ended (a bulk job's
+    SIGTERM or Ctrl-C taken only by the next one). So the main thread waits
+    SIGNAL_CHECK_S at a time, and a handler due runs at the latest then (its exception,
+    KeyboardInterrupt say, raised here). Other threads run no handler: they wait once."""
+    if threading.current_thread() is not threading.main_thread():
+        return future.result()
+    while True:
+        try:
+            return future.result(timeout=SIGNAL_CHECK_S)
+        except TimeoutError:
+            # The coroutine's own TimeoutError (its future done) is raised by the read
+            # below; a wait that ran out is a turn of this loop.
+            if future.done():
+                return future.result()
 
 
 _OWN_THREAD = (

@@ -366,6 +366,11 @@ class _Stopper:
                 signal=name,
             )
             return
+        # Set before any line below is logged: the log's own thread may write a line
+        # before this one runs on, and the loading thread's probe checks `stopping`
+        # before each batch size. Set after "while starting" (which says no further
+        # size is timed), a size could begin once that line was out.
+        self.stopping.set()
         server = self._server
         if server is None:
             _signal_while_starting(name, signum, again=meaning is SignalMeaning.STOP_NOW)
@@ -395,7 +400,6 @@ class _Stopper:
             )
             server.end_grace()
             self._now.set()
-        self.stopping.set()
         self.asked.set()
 
     async def stop_when_asked(self) -> None:

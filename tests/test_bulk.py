@@ -586,7 +586,10 @@ def test_a_stream_open_when_the_server_drains_answers_what_it_read_and_ends(
             call = s.stub.InferStream(fed(sent))
             sent.put_nowait(request(rows(2, start=0), request_id="running"))
             await asyncio.to_thread(engine.entered.acquire)
-            stopping = asyncio.create_task(s.server.stop(grace_s=5.0))
+            # Grace far past what the steps before the release take (the drain ends as
+            # soon as the held item is answered): past it, the held item was answered
+            # UNAVAILABLE, its run's answer not kept, where a loaded machine took that long.
+            stopping = asyncio.create_task(s.server.stop(grace_s=30.0))
             await until(lambda: s.server.state is not Lifecycle.SERVING)
             late = s.stub.InferStream(iter([request(rows(2, start=20), request_id="late")]))
             with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -668,7 +671,9 @@ def test_a_job_that_gives_up_on_a_draining_server_says_unavailable(small_model: 
             engine.hold()  # the drain waits for this call
             busy = asyncio.ensure_future(client.infer({"input": rows(1)}))
             await asyncio.to_thread(engine.entered.acquire)
-            stopping = asyncio.ensure_future(s.server.stop(grace_s=5.0))
+            # Grace far past the job's refusal (the drain ends once `busy` is answered):
+            # past it, `busy` was answered UNAVAILABLE and the gather below raised.
+            stopping = asyncio.ensure_future(s.server.stop(grace_s=30.0))
             await until(lambda: s.server.state is Lifecycle.DRAINING)
             with pytest.raises(lc.LaneserveError) as ended:
                 async for _ in client.stream(items, window=256, retry=lc.NO_RETRIES):

@@ -13,13 +13,14 @@ import itertools
 import json
 import os
 import pathlib
+import queue
 import re
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
+import threading
 import zipfile
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
@@ -50,6 +51,7 @@ from tests.support import (
     config,
     done_items,
     estimate_once,
+    refusing_port,
     rows,
     save_model,
     serving,
@@ -540,6 +542,60 @@ def test_a_signal_ignored_at_start_stays_ignored_by_the_client() -> None:
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_stop_signal_due_as_the_client_begins_a_wait_stops_it_at_once(
+    small_model: Path,
+) -> None:
+    """A signal's handler runs on the main thread between bytecodes: a SIGTERM that came
+    as the main thread entered the client's wait for its loop (a bulk job's next result,
+    the server holding the batch) ran only once that wait ended, and the job hung past
+    it (one checkpoint's signal in ~1 000 arrived so). Here the signal comes so for
+    sure: blocked on the main thread, it is taken by another thread, whose handler in C
+    only marks it due. The wait looks for it every SIGNAL_CHECK_S, and the stop is raised
+    while the batch is still held (a watchdog ends it after 60 s, failing the test)."""
+    engine = RecordingEngine(str(small_model))
+    engine.hold()
+    served: queue.Queue[str] = queue.Queue()
+    done = threading.Event()
+
+    async def serve() -> None:
+        async with serving(engine, config(small_model)) as s:
+            served.put(s.target)
+            await asyncio.to_thread(done.wait)
+
+    # Its own thread and loop: the main thread must be free to wait in the client.
+    server = threading.Thread(target=asyncio.run, args=(serve(),))
+    server.start()
+    # The held batch ends after 60 s, the wait with it, whatever happens here.
+    released_by_watchdog = threading.Event()
+
+    def watchdog() -> None:
+        released_by_watchdog.set()
+        engine.release()
+
+    ends = threading.Timer(60.0, watchdog)
+    ends.start()
+    try:
+        with Client(served.get(timeout=60)) as client, client_cli_module._stopped_once():
+            # Threads made before the mask (the client's, the server's, gRPC's) take the
+            # signal; the main thread never does.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            try:
+                sender = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+                sender.start()
+                with pytest.raises(client_cli_module.Terminated):
+                    client.infer({"input": rows(1)})
+                held = not released_by_watchdog.is_set()
+                sender.join()
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        assert held, "the stop was taken only as the held batch ended"
+    finally:
+        ends.cancel()
+        engine.release()
+        done.set()
+        server.join(timeout=60)
 
 
 def test_failed_rows_exit_1_and_resume_retries_only_them(
@@ -1855,9 +1911,9 @@ def test_input_the_server_refuses_exits_2_as_the_clients_own_refusals_do(
 
 
 def test_unreachable_server_exits_3_naming_the_error() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    # Held, never listening: a port picked free and closed again could be taken by a
+    # server meanwhile (another test's, at once), and the client's call answered.
+    port = refusing_port()
 
     async def scenario() -> None:
         code, _, err = await cli("stats", "--target", f"127.0.0.1:{port}", "--attempts", "1")

@@ -60,7 +60,6 @@ from tests.support import (
     serving,
     until,
     until_stats,
-    unused_port,
 )
 from tests.test_kserve import (
     EVERY_DTYPE,
@@ -2157,16 +2156,18 @@ def test_an_http_port_already_taken_fails_the_start_and_leaves_no_port_open(
 ) -> None:
     """Another socket listens on http_port: the start fails with a ConfigError keyed
     server.http_port (as check_ports_free refuses it before the model loads), and what
-    the start had bound (the gRPC port) is let go: it binds again."""
-    grpc_port = unused_port()
+    the start had bound (the gRPC port) is let go: it binds again. The gRPC port is any
+    free one (0), the one the start bound read back: a number picked free and closed
+    before the start (`unused_port`) could be taken meanwhile by any process on the
+    machine, and the start then failed on it, keyed server.port."""
 
-    async def scenario() -> None:
+    async def scenario() -> int | None:
         with socket.socket() as taken:
             taken.bind(("127.0.0.1", 0))
             taken.listen()
             http_port = taken.getsockname()[1]
             served = config(
-                small_model, host="127.0.0.1", port=grpc_port, metrics_port=-1, http_port=http_port
+                small_model, host="127.0.0.1", port=0, metrics_port=-1, http_port=http_port
             )
             with pytest.raises(ConfigError, match=r"^server\.http_port: ") as early:
                 check_ports_free(served)
@@ -2179,10 +2180,12 @@ def test_an_http_port_already_taken_fails_the_start_and_leaves_no_port_open(
                 assert str(http_port) in str(refused.value)
             finally:
                 await server.stop()
-        with socket.socket() as again:
-            again.bind(("127.0.0.1", grpc_port))  # the gRPC port was let go
+        return server.port
 
-    asyncio.run(scenario())
+    grpc_port = asyncio.run(scenario())
+    assert grpc_port, "the gRPC port was bound before the HTTP port failed"
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", grpc_port))  # the gRPC port was let go
 
 
 def _ipv6_loopback() -> bool:
@@ -2503,9 +2506,12 @@ def test_a_body_under_its_minimum_rate_is_refused_408(
 ) -> None:
     """A body that never pauses BODY_IDLE_S but comes slower than BODY_MIN_BYTES_PER_S past its
     first BODY_IDLE_S: 408 (a byte at a time, each within the pause allowed, held its
-    call for good). Here a byte every 0.2 s (5 bytes/s) against a pause of 0.5 s and a
-    rate of 10 bytes/s: due after about 1 s; the drip gives up after 10 s."""
-    monkeypatch.setattr(kserve_http, "BODY_IDLE_S", 0.5)
+    call for good). Here a byte every 0.2 s (5 bytes/s) against a pause of 1 s and a
+    rate of 10 bytes/s: due after about 2 s; the drip gives up after 10 s. The pause is
+    far past the drip's step: a refusal is named a pause where one wait took 0.9 of it,
+    and against a pause of 0.5 s an event loop (the test's and the server's) stalled
+    0.3 s as the drip began (a loaded machine) had it named so; now it takes 0.7 s."""
+    monkeypatch.setattr(kserve_http, "BODY_IDLE_S", 1.0)
     monkeypatch.setattr(kserve_http, "BODY_MIN_BYTES_PER_S", 10)  # bytes per second
 
     async def scenario() -> None:
@@ -2526,7 +2532,7 @@ def test_a_body_under_its_minimum_rate_is_refused_408(
                 assert answer.done(), "refused while the body still came"
                 refused = answer.result()
             assert_refused(refused, 408, None, "request body stalled: ")
-            assert "under 10 bytes/s on average past its first 0.5 s" in refused.json["error"]
+            assert "under 10 bytes/s on average past its first 1 s" in refused.json["error"]
             assert engine.ran_tags == []
 
     asyncio.run(scenario())

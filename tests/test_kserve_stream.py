@@ -672,7 +672,10 @@ def test_a_stream_open_when_the_server_drains_answers_what_it_read_and_ends_unav
             call = stream_stub(s).ModelStreamInfer(fed(sent))
             sent.put_nowait(item(rows(2, start=0), "running"))
             await asyncio.to_thread(engine.entered.acquire)
-            stopping = asyncio.create_task(s.server.stop(grace_s=5.0))
+            # Grace far past what the steps before the release take (the drain ends as
+            # soon as the held item is answered): past it, the held item was answered
+            # UNAVAILABLE, its run's answer not kept, where a loaded machine took that long.
+            stopping = asyncio.create_task(s.server.stop(grace_s=30.0))
             await until(lambda: s.server.state is not Lifecycle.SERVING)
             late = stream_stub(s).ModelStreamInfer(iter([item(rows(2, start=20), "late")]))
             with pytest.raises(grpc.aio.AioRpcError) as refused:

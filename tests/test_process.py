@@ -513,18 +513,38 @@ def test_the_server_keeps_onnx_runtime_telemetry_off_unless_told(
 # of seconds). The engine's own timing runs once released: nothing is faked.
 # SIGINT starts at its default, as a terminal's session leaves it (a test run in the
 # background of a non-interactive shell ignores it, and a server keeps it ignored).
+# The stop signal's handler is held where it has ended the estimates, just after its
+# "while starting" line, until the released probe has checked for a stop before its next
+# size (10 s at most), as a loaded machine's slow turn of the main thread would hold it.
+# The log's own thread writes the line meanwhile and the test releases the probe on it:
+# a stop the handler set only after the line was missed (the next size was timed).
 HELD_IN_PROBE = """
-import signal, sys
+import signal, sys, threading
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 from laneserve.server import cli, probe
-time_rows = probe._time_rows
+time_rows, check_not_stopping, stop_estimates = (
+    probe._time_rows, probe._check_not_stopping, cli.stop_estimates
+)
+released, checked = threading.Event(), threading.Event()
 def held(engine, rows, repeats):
     sys.stderr.write(f"probe timing {rows} rows\\n")  # one write: log lines go between
     sys.stderr.flush()
     if rows == 1:
         sys.stdin.readline()
+        released.set()
     return time_rows(engine, rows, repeats)
+def check_then_tell(stopping):
+    try:
+        check_not_stopping(stopping)
+    finally:
+        if released.is_set():
+            checked.set()
+def stop_estimates_then_hold():
+    stop_estimates()
+    checked.wait(10)
 probe._time_rows = held
+probe._check_not_stopping = check_then_tell
+cli.stop_estimates = stop_estimates_then_hold
 sys.exit(cli.main(sys.argv[1:]))
 """
 
