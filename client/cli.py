@@ -151,8 +151,11 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"laneserve-client: {error}", file=sys.stderr)
         _print_notes(error)
         # The input's fault, whoever refused it (this client before sending, or the
-        # server: INVALID_INPUT, REQUEST_ID_REUSED): the same input fails again.
-        return EXIT_USAGE if isinstance(error, InvalidInputError) else EXIT_SERVER
+        # server: INVALID_INPUT, REQUEST_ID_REUSED), or a row of it that failed run alone
+        # (ErrorInfo "row": ENGINE_FAILURE, DEVICE_MEMORY): the same input fails again.
+        # Exit 3 told a wrapper to retry what the model fails on every time.
+        fails_again = isinstance(error, InvalidInputError) or "row" in error.metadata
+        return EXIT_USAGE if fails_again else EXIT_SERVER
     except KeyboardInterrupt as stopped:
         print("laneserve-client: interrupted", file=sys.stderr)
         _print_notes(stopped)

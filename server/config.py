@@ -130,7 +130,7 @@ def _check_model_name(value: object, served: str) -> None:
     (`ServerConfig.served_model_name`: the model file's stem), held to the same rule (a
     file " lead.onnx" was served as " lead"). The words fit the flag as well as the key
     (`ConfigError.naming`)."""
-    problem = _model_name_problem(served if value is None else value)
+    problem = name_problem(served if value is None else value)
     if problem is None:
         return
     if value is None:
@@ -143,8 +143,9 @@ def _check_model_name(value: object, served: str) -> None:
     raise ConfigError(f"expected {MODEL_NAME_RULE}, got {problem}", key="server.model_name")
 
 
-def _model_name_problem(value: object) -> str | None:
-    """What is wrong with `value` as a model's name (what the refusal says it got)."""
+def name_problem(value: object) -> str | None:
+    """What is wrong with `value` as a name callers match exactly, MODEL_NAME_RULE's: a
+    model's, a shared memory region's (what the refusal says it got)."""
     if not isinstance(value, str):  # a TOML file's value may be of any type
         return repr(value)
     try:

@@ -195,6 +195,29 @@ class Formation:
         """The highest queued work: the head of the highest lane with work (None: none)."""
         return next((head for lane in self.lanes if (head := lane.head()) is not None), None)
 
+    def keep_deadlines(self, plan: Plan, now_s: float) -> None:
+        """Holds a batch that goes for another reason than a deadline (full, backlog) to
+        the rows predicted to end by the earliest deadline among them (`trim_to_deadline`),
+        where the request of that deadline can meet it alone. Under backlog a batch took
+        every row that queued during the run before it, however late that made the
+        oldest: admission promised each request its place behind the rows queued ahead of
+        it, and the rows that came after it joined its batch. On a model whose run time
+        grows faster than its rows (200 ms a row, 890 ms for four), 22-27 of ~48 answers
+        of four 1-row callers with 800 ms deadlines came late, from 3-row batches run
+        as fast as the probe had measured. A request that cannot meet its deadline even
+        alone keeps the batch whole: holding it to one late row would only cost the rest
+        their batch."""
+        model = self._run_times.get(plan.taken[0][0].request.signature)
+        earliest_s = min(entry.deadline_s for entry, _ in plan.taken)
+        if now_s + model.predict_s(sum(taken for _, taken in plan.taken)) <= earliest_s:
+            return
+        _, first_rows = min(
+            (pair for pair in plan.taken if pair[0].deadline_s == earliest_s),
+            key=lambda pair: (pair[0].priority, pair[0].entry_id),
+        )
+        if now_s + model.predict_s(first_rows) <= earliest_s:
+            self.trim_to_deadline(plan, now_s)
+
     def trim_to_deadline(self, plan: Plan, now_s: float) -> None:
         """Holds a batch its deadline sends out to the rows predicted to end by the
         earliest deadline among them: the first of that deadline whatever its size, then

@@ -984,6 +984,11 @@ class ModelStreamWire:
                 total += count * _VALUE_BYTES[tensor.datatype]
         return total
 
+    def item_bytes(self, item: ModelStreamItem) -> int:
+        # Its message's size as received, measured already: raw and typed contents alike
+        # (an input in shared memory counts nothing, as its answer's may not).
+        return 0 if isinstance(item, OversizedModelInfer) else item.wire_bytes
+
     def envelope_bytes(self, limit_bytes: int) -> int:
         # Over an InferStream item (its tag, its length, of a byte at least, and the
         # InferResponse; the id again beside it), an answer within `limit_bytes` takes the

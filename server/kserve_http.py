@@ -604,6 +604,7 @@ class HttpFrontEnd:
     # -- shared memory: the gRPC methods, one registry
 
     async def _region_status(self, request: web.Request) -> web.Response:
+        await self._no_body(request)
         name = request.match_info.get("name", "")
         call = HttpCall(request)
         if "/cudasharedmemory/" in request.path:
@@ -633,6 +634,7 @@ class HttpFrontEnd:
         return _json_response({})
 
     async def _unregister(self, request: web.Request) -> web.Response:
+        await self._no_body(request)  # before anything is let go of
         name = request.match_info.get("name", "")
         call = HttpCall(request)
         if "/cudasharedmemory/" in request.path:
@@ -643,14 +645,34 @@ class HttpFrontEnd:
             await self._kserve.SystemSharedMemoryUnregister(asked, call)
         return _json_response({})
 
-    async def _small_json(self, request: web.Request) -> Any:
+    async def _small_json(
+        self, request: web.Request, expected: str = "a JSON object of a few fields"
+    ) -> Any:
         """An operator call's JSON body ({} where it has none), refused unread over
-        _OPERATOR_BODY_LIMIT (these take a few fields)."""
+        _OPERATOR_BODY_LIMIT (these take a few fields), or as JSON that does not parse,
+        naming what was `expected`."""
         self._check_headers(request, _OPERATOR_BODY_LIMIT)
         body = await self._read_body(request, _OPERATOR_BODY_LIMIT)
         if not body.strip():
             return {}
-        return parse_json(body, "a JSON object of a few fields")
+        return parse_json(body, expected)
+
+    async def _no_body(self, request: web.Request) -> None:
+        """Refuses (400) a body on a shared memory status or unregister call, which
+        takes none (Triton's: the region's name is in the path, or none for every
+        region), but an empty one or `{}`: a body ignored was a body misread, and
+        `POST /v2/systemsharedmemory/unregister` with one (a name, or `garbage`) let go
+        of every region."""
+        route = _route_of(request)
+        if "{name}" in route:
+            means = "the region's name is in the path"
+        else:  # /v2/{kind}/{verb}
+            _, _, kind, verb = route.split("/")
+            means = f"it means every region; one is /v2/{kind}/region/<name>/{verb}"
+        expected = f"no body, or {{}}: {request.method} {route} reads none ({means})"
+        body = typed(await self._small_json(request, expected), dict, "the request", expected)
+        if body:
+            raise InvalidInputError(f"the request has keys {sorted(body)[:8]}; expected {expected}")
 
     # -- inference
 

@@ -12,7 +12,9 @@ would not pay (idle): the session has lately been busy less than half the time (
 has capacity to spare and batching by waiting would only add latency; under load the
 backlog rule forms batches by itself), or requests have lately arrived further apart
 than the wait left (waiting would add nobody). Otherwise the scheduler is told when to
-look again.
+look again. A batch that goes full or for its backlog holds only the rows expected to
+end by its earliest deadline, where that deadline's request can meet it alone
+(`Formation.keep_deadlines`); one its deadline sends out, likewise (`trim_to_deadline`).
 
 Which rows a batch takes (the lanes' shares and credit, the ride-along bound of an
 active lane's max_wait) is `Formation`'s, in formation.py: `decide` applies the rule
@@ -1310,6 +1312,10 @@ class Scheduler:
                 reason = DispatchReason.IDLE
             else:
                 return WaitUntil(min(wait_until_s, latest_start_s))
+        if reason is DispatchReason.FULL or reason is DispatchReason.BACKLOG:
+            # The other reasons go only while the batch ends by its earliest deadline
+            # (else the deadline's reason, trimmed): these go whatever it holds.
+            self.formation.keep_deadlines(plan, now_s)
         return Dispatch(self._commit(plan, reason, now_s))
 
     def _waiting_pays(self, wait_left_s: float) -> bool:

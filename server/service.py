@@ -439,7 +439,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     item = await anext(items)
                 except StopAsyncIteration:
                     return
-                window.read()
+                window.read(wire.item_bytes(item) if window.sizing_by_items else 0)
                 # Its turn is its place in the order items are read: taken here.
                 task = asyncio.create_task(answer(item, order.read(wire.item_id(item))))
                 running.add(task)

@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 from urllib.parse import unquote
 
+# config.py's own check of a model's name, shared: a region's name follows its rule.
+from laneserve.server.config import MODEL_NAME_RULE, name_problem
 from laneserve.server.errors import (
     InvalidInputError,
     RegionExistsError,
@@ -69,8 +71,6 @@ MAX_REGIONS: Final = 1024
 # The share of the open-file limit regions may hold: the rest is the server's own files
 # and its client connections (one each).
 _REGION_SHARE_OF_FILES: Final = 4
-# The longest region name, in UTF-8 bytes (what a status answer and refusals quote).
-MAX_REGION_NAME_BYTES: Final = 256
 # The longest object name (NAME_MAX, less nothing: the leading "/" is not in the file's).
 MAX_KEY_BYTES: Final = 255
 # Triton's tensor parameters placing an input's or output's bytes in a region: its name
@@ -133,7 +133,8 @@ def placement_of(what: str, parameters: Mapping[str, kpb.InferParameter]) -> Pla
         raise InvalidInputError(
             f"{what} has parameters {unknown[:_MAX_NAMED]}; expected none, or Triton's "
             f"shared memory ones: {REGION_PARAMETER!r} (string_param), "
-            f"{BYTE_SIZE_PARAMETER!r} and optionally {OFFSET_PARAMETER!r} (int64_param); "
+            f"{BYTE_SIZE_PARAMETER!r} and optionally {OFFSET_PARAMETER!r} (int64_param or "
+            "uint64_param); "
             "laneserve reads no other (no classification; binary_data, on the HTTP wire alone)"
         )
     if REGION_PARAMETER not in parameters:
@@ -255,11 +256,12 @@ class SharedMemoryRegions:
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Registers `byte_size` bytes at `offset` of object `key` as region `name`, its
         file held open."""
-        if not name or len(name.encode()) > MAX_REGION_NAME_BYTES:
-            raise InvalidInputError(
-                f"region name {name!r} is {len(name.encode())} bytes; expected 1 to "
-                f"{MAX_REGION_NAME_BYTES}"
-            )
+        # A model name's rule, on either wire (gRPC's name field, HTTP's path): a name is
+        # quoted in each request that uses it, and back in status answers, logs and
+        # refusals, where a control character has no place ("\x00\n" was registered).
+        problem = name_problem(name)
+        if problem is not None:
+            raise InvalidInputError(f"region name is {problem}; expected {MODEL_NAME_RULE}")
         if name in self._regions:
             held = self._regions[name]
             raise RegionExistsError(

@@ -81,10 +81,21 @@ class StreamWindow:
     whatever the bytes: an answer larger than `answer_bytes` is written alone, then the
     next is read.
 
+    Before the stream's first answer holding any bytes, no answer's size is known: items
+    not yet finished count at the largest item read (its tensor data, `sizing_by_items`),
+    the one size known then. Counted at nothing, items read while the first answers were
+    slow (a loaded server, a long first batch) were up to `items` of them: a stream
+    whose first batch was held read all 100 of its 16 KiB items with a window of 1 000
+    against a budget of 64 KiB (4 now). Where answers are smaller than items (a
+    classifier), only the reading before the first answer is held back; where larger,
+    the guess errs low until the first answer, as a larger answer than any before does.
+    What gRPC's core takes off the connection before it is read is not counted here
+    (its flow control's).
+
     The bound: an item is read only while the forecast is under `answer_bytes`; it errs only
     where an answer is larger than any before it (at most max_message_bytes: a larger answer
-    is an error, `InferenceServicer._check_sendable`), or before the first answer, when the
-    items read until then (at most `items`) are counted at nothing."""
+    is an error, `InferenceServicer._check_sendable`), or, before the first answer, larger
+    than the largest item read."""
 
     def __init__(self, items: int, answer_bytes: int) -> None:
         self._items = items
@@ -93,12 +104,22 @@ class StreamWindow:
         self.unfinished = 0  # of them, those whose answer is not yet finished
         self.held_bytes = 0  # of the answers finished and not yet written
         self.largest_answer_bytes = 0  # of the stream's answers so far
+        self.largest_item_bytes = 0  # of its items read while `sizing_by_items`
         self.open = asyncio.Event()
         self.open.set()
 
-    def read(self) -> None:
+    @property
+    def sizing_by_items(self) -> bool:
+        """Whether `read` counts items at their own size: no answer held any bytes yet
+        (refusals hold none: a stream whose first item was refused is still unmeasured)."""
+        return self.largest_answer_bytes == 0
+
+    def read(self, item_bytes: int = 0) -> None:
+        """An item was read; `item_bytes`: its tensor data (`StreamFrontEnd.item_bytes`),
+        needed only while `sizing_by_items`."""
         self.unanswered += 1
         self.unfinished += 1
+        self.largest_item_bytes = max(self.largest_item_bytes, item_bytes)
         self._update()
 
     def finished(self, held_bytes: int) -> int:
@@ -120,7 +141,8 @@ class StreamWindow:
     def _update(self) -> None:
         # Every held byte is an answer unanswered: with none, nothing is held.
         assert self.unanswered > 0 or self.held_bytes == 0
-        forecast = self.held_bytes + self.unfinished * self.largest_answer_bytes
+        each = self.largest_item_bytes if self.sizing_by_items else self.largest_answer_bytes
+        forecast = self.held_bytes + self.unfinished * each
         has_room = self.unanswered < self._items and (
             self.unanswered == 0 or forecast < self._answer_bytes
         )
@@ -261,6 +283,13 @@ class StreamFrontEnd(Protocol[_Item_contra, _Tag, _Answer]):
         the credit window (`StreamWindow`), without reading them."""
         ...
 
+    def item_bytes(self, item: _Item_contra) -> int:
+        """About the bytes of tensor data `item` carries, for the credit window's forecast
+        before the stream's first answer (`StreamWindow.sizing_by_items`); 0 for an item
+        refused unread. Never raises. Asked only then: it may read a STRING tensor's data
+        (a copy)."""
+        ...
+
     def envelope_bytes(self, limit_bytes: int) -> int:
         """The most an answer within `limit_bytes` takes in this stream over the same
         answer as an InferStream item (`ReceiveLimit`)."""
@@ -303,6 +332,12 @@ class InferStreamWire:
 
     def held_bytes(self, answer: pb.InferStreamResponse) -> int:
         return held_answer_bytes(answer)
+
+    def item_bytes(self, item: pb.InferRequest | OversizedRequest) -> int:
+        # As its shapes size it (None: a shape or dtype refused, sized as nothing).
+        if isinstance(item, OversizedRequest):
+            return 0
+        return sum(data_bytes(tensor) or 0 for tensor in item.inputs)
 
     def envelope_bytes(self, limit_bytes: int) -> int:
         return 0  # its answers are InferStream items

@@ -2045,6 +2045,89 @@ def test_a_streams_window_counts_items_not_yet_finished_at_its_largest_answer() 
     assert window.open.is_set()
 
 
+def test_before_its_first_answer_a_streams_window_counts_items_at_the_largest_read() -> None:
+    """No answer's size is known before the first: items read then counted at nothing,
+    and a stream whose first answers were slow read its whole window. Until an answer
+    holds bytes they count at the largest item read; a refusal (no bytes) leaves them
+    so; the first answer with bytes sizes them from then on."""
+    mib = 1024 * 1024
+    window = streams.StreamWindow(256, 4 * mib)
+    assert window.sizing_by_items
+    window.read(mib // 2)
+    window.read(mib)  # the largest so far: both count at 1 MiB
+    window.read(mib // 4)
+    assert window.open.is_set()  # 3 MiB forecast
+    window.read(mib // 4)  # 4 MiB: at the budget
+    assert not window.open.is_set()
+    window.written(window.finished(0))  # a refusal: 3 unfinished at 1 MiB
+    assert window.sizing_by_items
+    assert window.open.is_set()
+    window.read(0)
+    assert not window.open.is_set()
+    answer = pb.InferStreamResponse(request_id="a")
+    answer.response.outputs.append(encode_tensor("y", np.zeros((1, 1024), np.float32)))
+    size = window.finished(streams.held_answer_bytes(answer))  # 4 KiB, held
+    assert window.largest_answer_bytes == 4096  # no longer sized by items
+    assert window.open.is_set()  # 4 KiB + 3 unfinished at 4 KiB
+    window.written(size)
+    assert window.open.is_set()
+
+
+def test_a_stream_whose_first_answer_is_held_reads_its_answer_bytes_of_items_not_its_window(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine holds the stream's first batch: no answer has come, and the caller has
+    sent 100 items of 16 KiB with a credit window of 1 000. The server reads items until
+    they come to its answer budget (64 KiB: 4 items), counted at their own size, not its
+    whole window; released, every item is answered, once."""
+    item_rows, items, budget_bytes = 8, 100, 64 * 1024
+    item_bytes = item_rows * 512 * 4
+    windows: list[streams.StreamWindow] = []
+
+    class Observed(streams.StreamWindow):
+        def __init__(self, *args: int) -> None:
+            super().__init__(*args)
+            windows.append(self)
+
+    monkeypatch.setattr(service, "StreamWindow", Observed)
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(
+            small_model,
+            max_batch_size=item_rows,
+            lanes=bulk_lane(100_000),
+            stream_window=1_000,
+            stream_answer_buffer_bytes=budget_bytes,
+        )
+        async with serving(engine, server_config) as s:
+            engine.hold()
+            sent = [
+                request(rows(item_rows, start=item_rows * i), request_id=f"s{i}")
+                for i in range(items)
+            ]
+            call = s.stub.InferStream(iter(sent))
+            await asyncio.to_thread(engine.entered.acquire)
+            # Closed by its forecast, or (counted at nothing) every item read.
+            await until(
+                lambda: (
+                    len(windows) == 1
+                    and (not windows[0].open.is_set() or windows[0].unanswered == items)
+                )
+            )
+            (window,) = windows
+            assert window.unanswered == budget_bytes // item_bytes, "read to its budget"
+            assert window.largest_item_bytes == item_bytes
+            engine.release()
+            answers = await collect(call)
+        assert sorted(answer.request_id for answer in answers) == sorted(
+            f"s{i}" for i in range(items)
+        ), "every item answered, once"
+        assert all(answer.WhichOneof("result") == "response" for answer in answers)
+
+    asyncio.run(scenario())
+
+
 def test_a_stream_whose_caller_reads_nothing_holds_its_answer_bytes_not_its_window(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1910,6 +1910,26 @@ def test_input_the_server_refuses_exits_2_as_the_clients_own_refusals_do(
     asyncio.run(scenario())
 
 
+def test_a_row_the_model_fails_on_exits_2_as_the_inputs_fault(tmp_path: Path) -> None:
+    """`infer` with a row ONNX Runtime's Gather fails on (an index out of range): the
+    server answers ENGINE_FAILURE naming that row, run alone, and the same input fails
+    again. It exited 3, which README gives the server's own refusals: a wrapper that
+    retries on 3 retried it for good."""
+    model = lookup_model(tmp_path / "lookup.onnx")
+    x = np.zeros((2, 4), np.float32)
+    x[1, 0] = 12  # past the 10-row table
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(model)), config(model)) as s:
+            args = ["--target", s.target, "--json", json.dumps({"input": x.tolist()})]
+            code, _, err = await cli("infer", *args)
+            assert (code, "Traceback" in err) == (2, False), err
+            assert "laneserve-client: ENGINE_FAILURE: " in err
+            assert "row 1" in err
+
+    asyncio.run(scenario())
+
+
 def test_unreachable_server_exits_3_naming_the_error() -> None:
     # Held, never listening: a port picked free and closed again could be taken by a
     # server meanwhile (another test's, at once), and the client's call answered.

@@ -681,7 +681,10 @@ def test_integer_data_outside_its_datatype_or_with_fractions_is_refused(tmp_path
                 ),
                 (
                     [[0, "1", 0]],
-                    "input 'i' is INT8 and its 'data' holds values that are not numbers",
+                    (
+                        "input 'i' is INT8 and its 'data' holds a string (element 1); expected a "
+                        "flat or nested list of integers"
+                    ),
                 ),
             ]
             for data, fragment in cases:
@@ -885,7 +888,8 @@ def test_inputs_are_refused_on_their_count_and_within_it_each_given_once(tmp_pat
                 await post(http, "/v2/models/half/infer", {"inputs": [h, k, h]}),
                 400,
                 "INVALID_INPUT",
-                "request has 3 inputs; expected at most 2, each of the model's inputs at most once",
+                "request has 3 inputs; 'h' is given more than once; expected at most 2, each of "
+                "the model's inputs at most once",
             )
             assert_refused(
                 await post(http, "/v2/models/half/infer", {"inputs": [h, h]}),
@@ -939,6 +943,16 @@ def _raw(body: Any) -> dict[str, Any]:
     return {"data": encoded}
 
 
+# The small model's input, one row of zeros, as JSON text (for requests json.dumps cannot
+# write: a key given twice).
+_INPUT_JSON = json.dumps(_input())
+
+
+def _written(text: str) -> dict[str, Any]:
+    """post() options for JSON `text` as it is written."""
+    return {"data": text.encode()}
+
+
 def _many_parameters(count: int) -> dict[str, int]:
     return {f"p{index}": index for index in range(count)}
 
@@ -962,13 +976,35 @@ REFUSALS: dict[str, Refusal] = {
         _body({"id": 7, "inputs": [_input()]}),
         "the request's 'id' is an integer; expected a string",
     ),
+    "an id written Infinity": Refusal(  # not "_InfinityLiteral", the parser's own type
+        {"data": b'{"id": Infinity, "inputs": []}'},
+        "the request's 'id' is a number; expected a string",
+    ),
     "an input's unknown key": Refusal(
         _body({"inputs": [_input(contents={})]}),
         "input 0 has keys ['contents'] laneserve does not read",
     ),
     "a shape that is not integers": Refusal(
         _body({"inputs": [_input(shape=[1, "512"])]}),
-        "input 'input' has shape [1, '512']; expected a list of at most",
+        "input 'input' has a string ('512') at index 1 of its 'shape'; expected an integer from "
+        "-2**63 to 2**63 - 1 (a dimension, int64)",
+    ),
+    "a dimension past int64's range": Refusal(
+        _body({"inputs": [_input(shape=[1, 2**64])]}),
+        "input 'input' has 18446744073709551616 at index 1 of its 'shape'; expected an integer "
+        "from -2**63 to 2**63 - 1",
+    ),
+    "a dimension written as a float": Refusal(
+        _body({"inputs": [_input(shape=[1.0, 512])]}),
+        "input 'input' has a number (1.0) at index 0 of its 'shape'; expected an integer",
+    ),
+    "a dimension that is a boolean": Refusal(
+        _body({"inputs": [_input(shape=[True, 512])]}),
+        "input 'input' has a boolean (true) at index 0 of its 'shape'; expected an integer",
+    ),
+    "a shape of 65 dimensions": Refusal(
+        _body({"inputs": [_input(shape=[1] * 65)]}),
+        "input 'input' has a shape of 65 dimensions; expected at most 64",
     ),
     "data and binary_data_size": Refusal(
         with_binary({"inputs": [_input(parameters={"binary_data_size": ONE_ROW.nbytes})]}, ONE_ROW),
@@ -1035,11 +1071,20 @@ REFUSALS: dict[str, Refusal] = {
     ),
     "strings for FP32": Refusal(
         _body({"inputs": [_input(data=["0.5"] * 512)]}),
-        "input 'input' is FP32 and its 'data' holds values that are not numbers",
+        "input 'input' is FP32 and its 'data' holds a string (element 0); expected a flat or "
+        "nested list of numbers",
     ),
     "nulls for FP32": Refusal(
         _body({"inputs": [_input(data=[None] * 512)]}),
-        "input 'input' is FP32 and its 'data' holds values that are not numbers",
+        "input 'input' is FP32 and its 'data' holds null (element 0); expected",
+    ),
+    "a null among FP32 numbers, nested": Refusal(
+        _body({"inputs": [_input(shape=[2, 512], data=[[0.0] * 512, [0.0] * 7 + [None] * 505])]}),
+        "input 'input' is FP32 and its 'data' holds null (element 519); expected",
+    ),
+    "a boolean among FP32 numbers": Refusal(
+        _body({"inputs": [_input(data=[0.0] * 3 + [True] + [0.0] * 508)]}),
+        "input 'input' is FP32 and its 'data' holds a boolean (element 3); expected",
     ),
     "booleans for FP32": Refusal(
         _body({"inputs": [_input(data=[False] * 512)]}),
@@ -1048,7 +1093,12 @@ REFUSALS: dict[str, Refusal] = {
     ),
     "nested lists of unequal lengths": Refusal(
         _body({"inputs": [_input(shape=[2, 512], data=[[0.0] * 512, [0.0] * 511])]}),
-        "or lists of unequal lengths",
+        "input 'input' is FP32 and its 'data' holds lists of unequal lengths: data[1] has 511 "
+        "values, data[0] has 512; expected",
+    ),
+    "a list where numbers are": Refusal(
+        _body({"inputs": [_input(data=[0.0] * 511 + [[0.0]])]}),
+        "its 'data' holds a list at data[511], where data[0] is a value",
     ),
     "another datatype than the model's": Refusal(
         _body({"inputs": [_input(datatype="FP64")]}),
@@ -1058,13 +1108,24 @@ REFUSALS: dict[str, Refusal] = {
         _body({"inputs": [_input(shape=[1, 511], data=[0.0] * 511)]}),
         "input 'input' has shape [1, 511]; expected float32 with shape [-1, 512]",
     ),
-    "too many inputs": Refusal(
+    "an input given twice": Refusal(
         _body({"inputs": [_input(), _input()]}),
+        "request has 2 inputs; 'input' is given more than once; expected at most 1, each of the "
+        "model's inputs at most once",
+    ),
+    "an input given twice among many": Refusal(
+        _body({"inputs": [_input()] * 5}),
+        "request has 5 inputs; among its first 2, 'input' is given more than once; expected at "
+        "most 1",
+    ),
+    "too many inputs, none given twice": Refusal(
+        _body({"inputs": [_input(), _input(name="other")]}),
         "request has 2 inputs; expected at most 1, each of the model's inputs at most once",
     ),
-    "too many outputs": Refusal(
+    "an output asked for twice": Refusal(
         _body({"inputs": [_input()], "outputs": [{"name": "output"}, {"name": "output"}]}),
-        "request has 2 outputs; expected at most 1, each of the model's outputs at most once",
+        "request has 2 outputs; 'output' is given more than once; expected at most 1, each of "
+        "the model's outputs at most once",
     ),
     # Refused on the count alone: none of them is walked (the first is no object).
     "100 000 inputs": Refusal(
@@ -1222,6 +1283,39 @@ REFUSALS: dict[str, Refusal] = {
     "an Inference-Header-Content-Length of 4 301 zeros and a 3": Refusal(
         {"data": b"{}", "headers": {"Inference-Header-Content-Length": "0" * 4301 + "3"}},
         "header Inference-Header-Content-Length is '00000000",
+    ),
+    # A key given twice: json.loads keeps the last, a proxy's reader may keep the first.
+    "the request's id given twice": Refusal(
+        _written(f'{{"id": "first", "id": "second", "inputs": [{_INPUT_JSON}]}}'),
+        "the request has key 'id' more than once; expected each key once (JSON readers differ "
+        "on which value counts)",
+    ),
+    "the request's inputs given twice": Refusal(
+        _written(f'{{"inputs": [{_INPUT_JSON}], "inputs": [{_INPUT_JSON}]}}'),
+        "the request has key 'inputs' more than once",
+    ),
+    "an input's name given twice": Refusal(
+        _written(f'{{"inputs": [{_INPUT_JSON[:-1]}, "name": "input"}}]}}'),
+        "input 0 has key 'name' more than once",
+    ),
+    "an output's name given twice": Refusal(
+        _written(
+            f'{{"inputs": [{_INPUT_JSON}], "outputs": [{{"name": "output", "name": "output"}}]}}'
+        ),
+        "output 0 has key 'name' more than once",
+    ),
+    "a request parameter given twice": Refusal(
+        _written(
+            f'{{"inputs": [{_INPUT_JSON}], "parameters": {{"lane": "bulk", "lane": "standard"}}}}'
+        ),
+        "the request's 'parameters' has key 'lane' more than once",
+    ),
+    "an input parameter given twice": Refusal(
+        _written(
+            f'{{"inputs": [{_INPUT_JSON[:-1]}, "parameters": {{"binary_data_size": 0, '
+            '"binary_data_size": 4}}]}'
+        ),
+        "input 'input''s 'parameters' has key 'binary_data_size' more than once",
     ),
     "64 request parameters, each unknown": Refusal(  # at the bound: read, and refused as unknown
         _body({"inputs": [_input()], "parameters": _many_parameters(64)}),
@@ -1978,6 +2072,99 @@ def test_shared_memory_regions_are_registered_and_tensors_placed_in_them_over_ht
                 "INVALID_INPUT",
                 "'byte_size' is missing (or null); expected bytes, an integer >= 0",
             )
+
+    asyncio.run(scenario())
+
+
+def test_shared_memory_calls_refuse_a_body_they_do_not_read_and_let_go_of_nothing(
+    small_model: Path, shm: SharedMemory
+) -> None:
+    """Status and unregister take no body (the region's name is in the path, or none for
+    every region): one that is not empty or `{}` is refused 400 naming what they take,
+    and nothing is let go of (`garbage` to /v2/systemsharedmemory/unregister let go of
+    every region). A register's body giving a key twice is refused, as an inference's."""
+    made = shm.create(PAGE_BYTES)
+    every = (
+        "expected no body, or {}: POST /v2/systemsharedmemory/unregister reads none (it means "
+        "every region; one is /v2/systemsharedmemory/region/<name>/unregister)"
+    )
+    one = (
+        "expected no body, or {}: POST /v2/systemsharedmemory/region/{name}/unregister reads "
+        "none (the region's name is in the path)"
+    )
+    status = "expected no body, or {}: GET /v2/systemsharedmemory/status reads none"
+    refusals = [
+        ("POST", "/v2/systemsharedmemory/unregister", b"garbage", "does not parse"),
+        ("POST", "/v2/systemsharedmemory/unregister", b"garbage", every),
+        ("POST", "/v2/systemsharedmemory/unregister", b'{"name": "a"}', "has keys ['name']; "),
+        ("POST", "/v2/systemsharedmemory/unregister", b'["a"]', "the request is a list; "),
+        ("POST", "/v2/systemsharedmemory/region/a/unregister", b"garbage", one),
+        ("GET", "/v2/systemsharedmemory/status", b'{"name": "a"}', status),
+        ("GET", "/v2/systemsharedmemory/region/a/status", b"a", "region/{name}/status reads none"),
+        ("POST", "/v2/cudasharedmemory/unregister", b"garbage", "/v2/cudasharedmemory/region/"),
+    ]
+
+    async def scenario() -> None:
+        async with http_serving(
+            RecordingEngine(str(small_model)), config(small_model, shared_memory=True)
+        ) as (_, http):
+            for name in ("a", "b"):
+                registered = await post(
+                    http,
+                    f"/v2/systemsharedmemory/region/{name}/register",
+                    {"key": made.key, "byte_size": PAGE_BYTES},
+                )
+                assert registered.status == 200, registered.body
+            for method, path, body, fragment in refusals:
+                answer = await call(http, method, path, data=body)
+                assert_refused(answer, 400, "INVALID_INPUT", fragment)
+            listed = await get(http, "/v2/systemsharedmemory/status")
+            assert sorted(region["name"] for region in listed.json) == ["a", "b"], "all kept"
+            assert_refused(
+                await post(
+                    http,
+                    "/v2/systemsharedmemory/region/c/register",
+                    data=f'{{"key": "/elsewhere", "key": "{made.key}", "byte_size": 64}}'.encode(),
+                ),
+                400,
+                "INVALID_INPUT",
+                "the request has key 'key' more than once; expected each key once",
+            )
+            for empty in (b"", b"{}", b" \r\n"):  # what Triton's clients send, and {}
+                let_go = await post(http, "/v2/systemsharedmemory/region/a/unregister", data=empty)
+                assert (let_go.status, let_go.json) == (200, {}), let_go.body
+                listed = await call(http, "GET", "/v2/systemsharedmemory/status", data=empty)
+                assert [region["name"] for region in listed.json] == ["b"]
+            everything = await post(http, "/v2/systemsharedmemory/unregister", data=b"{}")
+            assert (everything.status, everything.json) == (200, {})
+            assert (await get(http, "/v2/systemsharedmemory/status")).json == []
+
+    asyncio.run(scenario())
+
+
+def test_a_region_name_with_a_control_character_is_refused_over_http(
+    small_model: Path, shm: SharedMemory
+) -> None:
+    """A region's name follows a model name's rule (server.model_name's): a NUL or a
+    newline in the path's name is refused 400, and no region is listed."""
+    made = shm.create(PAGE_BYTES)
+
+    async def scenario() -> None:
+        async with http_serving(
+            RecordingEngine(str(small_model)), config(small_model, shared_memory=True)
+        ) as (_, http):
+            for encoded, shown in (("%00", "'\\x00'"), ("r%0A", "'r\\n'"), ("%20r", "' r'")):
+                assert_refused(
+                    await post(
+                        http,
+                        f"/v2/systemsharedmemory/region/{encoded}/register",
+                        {"key": made.key, "byte_size": PAGE_BYTES},
+                    ),
+                    400,
+                    "INVALID_INPUT",
+                    f"region name is {shown}",
+                )
+            assert (await get(http, "/v2/systemsharedmemory/status")).json == []
 
     asyncio.run(scenario())
 

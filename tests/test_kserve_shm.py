@@ -32,7 +32,7 @@ from laneserve.server import LaneServer, ServerConfig, kserve_convert
 from laneserve.server import kserve as kserve_module
 from laneserve.server.addresses import host_port
 from laneserve.server.cli import _parser, _serve_config
-from laneserve.server.config import ConfigError
+from laneserve.server.config import MODEL_NAME_RULE, ConfigError
 from laneserve.server.errors import RegionLimitError
 from laneserve.server.model_identity import write_varint
 from laneserve.server.shared_memory import (
@@ -571,7 +571,8 @@ PLACEMENT_FAULTS: dict[str, Fault] = {
     "an unknown input parameter": Fault(
         lambda: _with_parameter(raw_request(MODEL, input=ONE), "binary_data_size", int64_param=4),
         "input 'input' has parameters ['binary_data_size']; expected none, or Triton's "
-        "shared memory ones",
+        "shared memory ones: 'shared_memory_region' (string_param), 'shared_memory_byte_size' "
+        "and optionally 'shared_memory_offset' (int64_param or uint64_param)",
     ),
     "an unknown parameter beside a placement": Fault(
         lambda: _with_parameter(shm_request(ONE, input_at=AT_0), "binary_data", bool_param=True),
@@ -905,8 +906,21 @@ def test_each_register_fault_is_refused_invalid_argument_naming_it(
             ),
         ),
         ("r", made.key, 0, 0, "region 'r' has byte_size 0; expected 1 byte or more"),
-        ("", made.key, 0, 10, "region name '' is 0 bytes; expected 1 to 256"),
-        ("n" * 257, made.key, 0, 10, "is 257 bytes; expected 1 to 256"),
+        ("", made.key, 0, 10, f"region name is ''; expected {MODEL_NAME_RULE}"),
+        ("n" * 257, made.key, 0, 10, "region name is 257 bytes (starting 'nnn"),
+        # A model name's rule: no control character, no whitespace at either end.
+        (
+            "\x00\n",
+            made.key,
+            0,
+            10,
+            (
+                "region name is '\\x00\\n', which holds the control character '\\x00'; "
+                f"expected {MODEL_NAME_RULE}"
+            ),
+        ),
+        ("r\x7f", made.key, 0, 10, "region name is 'r\\x7f', which holds the control character"),
+        ("r ", made.key, 0, 10, "region name is 'r '; expected 1 to 256 bytes"),
     ]
 
     async def scenario() -> dict[str, str]:

@@ -552,6 +552,52 @@ def test_a_batch_its_deadline_sends_out_holds_that_request_whatever_its_place() 
     assert woke_s + scheduler.run_time.predict_s(batch.rows) <= deadline_s
 
 
+def _slow_superlinear_scheduler() -> Scheduler:
+    """A model of ~200 ms a row whose run time grows faster than its rows (a reviewer's
+    model: 199 ms for one, 419 for two, 891 for four): batching buys nothing."""
+    return Scheduler(
+        TOP_DOWN_LANES, batch_cap=8, run_time=RunTimeModel({1: 0.199, 2: 0.419, 4: 0.891})
+    )
+
+
+def test_rows_that_queued_behind_a_request_do_not_make_its_backlog_batch_late() -> None:
+    """Three 1-row requests queue while a row runs, each admitted in time behind the rows
+    ahead of it (800 ms deadlines). The backlog batch took all three (predicted 655 ms,
+    its first request 35 ms late; in a review's run 22-27 of ~48 answers came late so).
+    It holds what ends by the earliest deadline; the third goes next."""
+    scheduler = _slow_superlinear_scheduler()
+    scheduler.admit(make_request(0, "standard", 1), T0)
+    running = dispatch(scheduler, T0)
+    for index, arrived_s in ((1, T0 + 0.02), (2, T0 + 0.10), (3, T0 + 0.15)):
+        scheduler.admit(make_request(index, "standard", 1, deadline_s=arrived_s + 0.8), arrived_s)
+    ended_s = T0 + 0.199
+    scheduler.complete(run(running, run_s=0.199))
+    batch = dispatch(scheduler, ended_s, idle_since_s=ended_s)
+    assert batch.reason is DispatchReason.BACKLOG
+    assert row_ids(batch) == ids(1, 1) + ids(2, 1)
+    assert ended_s + scheduler.run_time.predict_s(batch.rows) <= T0 + 0.02 + 0.8
+    assert ended_s + scheduler.run_time.predict_s(3) > T0 + 0.02 + 0.8, "whole: late"
+    scheduler.complete(run(batch, run_s=scheduler.run_time.predict_s(2)))
+    assert row_ids(dispatch(scheduler, ended_s + 0.419, math.inf)) == ids(3, 1)
+
+
+def test_a_backlog_batch_whose_first_deadline_is_lost_anyway_stays_whole() -> None:
+    """The running row took twice its prediction: the oldest queued request would end
+    past its deadline even alone. Held to it, the batch would be one late row; it goes
+    whole, its other rows in time."""
+    scheduler = _slow_superlinear_scheduler()
+    scheduler.admit(make_request(0, "standard", 1), T0)
+    running = dispatch(scheduler, T0)
+    scheduler.admit(make_request(1, "standard", 1, deadline_s=T0 + 0.5), T0 + 0.05)
+    scheduler.admit(make_request(2, "standard", 1, deadline_s=T0 + 2.0), T0 + 0.06)
+    ended_s = T0 + 0.4
+    scheduler.complete(run(running, run_s=0.4))
+    assert ended_s + scheduler.run_time.predict_s(1) > T0 + 0.5, "lost even alone"
+    batch = dispatch(scheduler, ended_s, idle_since_s=ended_s)
+    assert batch.reason is DispatchReason.BACKLOG
+    assert row_ids(batch) == ids(1, 1) + ids(2, 1)
+
+
 def test_backlog_goes_out_at_once_without_waiting() -> None:
     scheduler = make_scheduler()
     # Both queued while the session was running an earlier batch.
