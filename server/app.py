@@ -166,6 +166,17 @@ OPEN_FILES_HINT = (
 MIN_OPEN_FILES = 64
 
 
+def receive_window_options(window_bytes: int) -> list[tuple[str, int]]:
+    """gRPC's options for server.receive_window_bytes: none at 0 (its own sizing, by
+    bandwidth-delay probes, which grows a stream's window as fast as the caller sends,
+    unread or not); else the probes off and every stream's window fixed at
+    `window_bytes` (its lookahead). A message larger than it still passes, once read:
+    the core widens the window to the message a pending read waits for."""
+    if window_bytes == 0:
+        return []
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window_bytes)]
+
+
 def connection_limit() -> list[tuple[str, int]]:
     """gRPC's option bounding a port's connections to a quarter of the open-file limit
     (CONNECTION_SHARE_OF_FILES); none where the limit is infinite."""
@@ -732,6 +743,7 @@ class LaneServer:
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS),
                 *connection_limit(),
+                *receive_window_options(self.config.receive_window_bytes),
                 *compression,
                 *pending_call_limits(max_pending_calls),
             ],

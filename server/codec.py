@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -72,33 +72,59 @@ class Named(Protocol):
 def too_many_inputs(tensors: Sequence[Named], specs: Sequence[TensorSpec]) -> InvalidInputError:
     """The refusal of a request with more inputs than the model's (either front end's)."""
     expected = [spec.name for spec in specs]
+    extra = extra_inputs(tensors, expected, overridable=_overridable(specs))
     return InvalidInputError(
-        f"request has {len(tensors)} inputs; {extra_inputs(tensors, expected)}; expected "
-        f"the model's inputs {expected}, each once"
+        f"request has {len(tensors)} inputs; {extra}; expected the model's inputs "
+        f"{expected}, each once"
     )
 
 
-def extra_inputs(tensors: Sequence[Named], expected: Sequence[str]) -> str:
+def extra_inputs(
+    tensors: Sequence[Named], expected: Sequence[str], *, overridable: Collection[str] = ()
+) -> str:
     """Which of more inputs than `expected` made them too many ("request has 4 inputs"
     named none): the names none of the model's inputs, and those given more than once,
     among the first len(expected) + 1 only, so that the work stays bounded however many
-    the request holds. Among that many, one name at least is either. Infer's words, and
-    ModelInfer's (`kserve_convert._check_counts`)."""
+    the request holds. Among that many, one name at least is either. Names among
+    `overridable` (the model's overridable initializers) are said to be those: "not an
+    input of the model" told a caller who sent the model's optional input nothing of
+    why. Infer's words, and ModelInfer's (`kserve_convert._check_counts`)."""
     known = set(expected)
     read = [tensor.name for tensor in tensors[: len(expected) + 1]]
     counts = collections.Counter(read)  # in first-read order
-    unknown = [name for name in counts if name not in known]
+    unknown = [name for name in counts if name not in known and name not in overridable]
+    initializers = [name for name in counts if name not in known and name in overridable]
     repeated = [name for name, count in counts.items() if count > 1 and name in known]
-    assert unknown or repeated, "len(expected) + 1 names hold one unknown or repeated"
+    assert unknown or initializers or repeated, "len(expected) + 1 names hold one such"
     found = []
     if unknown:
         verb = "is not an input" if len(unknown) == 1 else "are not inputs"
         found.append(f"{', '.join(map(repr, unknown))} {verb} of the model")
+    if initializers:
+        found.append(_overridden_initializers(initializers))
     if repeated:
         verb = "is" if len(repeated) == 1 else "are"
         found.append(f"{', '.join(map(repr, repeated))} {verb} given more than once")
     among = f"among its first {len(read)}, " if len(read) < len(tensors) else ""
     return among + " and ".join(found)
+
+
+def _overridden_initializers(names: Sequence[str]) -> str:
+    """What a request that sends the model's overridable initializers `names` is told."""
+    if len(names) == 1:
+        return (
+            f"{names[0]!r} is an initializer the model lets callers override; laneserve "
+            "runs it at its default and takes no input of that name"
+        )
+    return (
+        f"{', '.join(map(repr, names))} are initializers the model lets callers override; "
+        "laneserve runs them at their defaults and takes no inputs of those names"
+    )
+
+
+def _overridable(specs: Sequence[TensorSpec]) -> frozenset[str]:
+    """The model's overridable initializers, which its input specs carry alike."""
+    return frozenset(name for spec in specs for name in spec.overridable_initializers)
 
 
 def leading_rows(
@@ -243,9 +269,12 @@ def decode_inputs(tensors: Sequence[pb.Tensor], specs: Sequence[TensorSpec]) -> 
     for tensor in tensors:
         spec = expected.get(tensor.name)
         if spec is None:
-            raise InvalidInputError(
-                f"unknown input {tensor.name!r}; expected the model's inputs {list(expected)}"
+            unknown = (
+                _overridden_initializers([tensor.name])
+                if tensor.name in _overridable(specs)
+                else f"unknown input {tensor.name!r}"
             )
+            raise InvalidInputError(f"{unknown}; expected the model's inputs {list(expected)}")
         if tensor.name in arrays:
             raise InvalidInputError(
                 f"input {tensor.name!r} is given more than once; expected each input once"

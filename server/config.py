@@ -115,6 +115,8 @@ def _check_bool(key: str, value: object) -> None:
         raise ConfigError(f"expected true or false, got {value!r}", key=key)
 
 
+# HTTP/2's largest flow-control window (RFC 9113, 6.9.1): server.receive_window_bytes's bound.
+MAX_HTTP2_WINDOW_BYTES = 2**31 - 1
 # What server.model_name may be: KServe and Triton clients send it in every call, to be
 # matched exactly (a space at an end is invisible in a log or a config), every ModelInfer
 # answer carries it (in the size held to max_message_bytes), and refusals quote it.
@@ -339,6 +341,13 @@ class ServerConfig:
     # that keeps up has this much of answers in flight: at 16 MiB ~40 ms of writing (a
     # Python client reads ~400 MiB/s on loopback). An answer larger than it goes alone.
     stream_answer_buffer_bytes: int = 16 * 1024 * 1024
+    # The HTTP/2 flow-control window of each call's request stream, in bytes: what gRPC's
+    # core takes off a connection ahead of laneserve reading it (app.receive_window_options).
+    # 0: gRPC's own sizing by bandwidth-delay probes, which let 16 streams of 1 MiB items
+    # whose server read no more hold 2.6 GiB in the core, 0.57 GiB at 4 MiB, read
+    # throughput on loopback the same (scripts/bench_unread_streams.py, one run). A fixed
+    # window caps a stream at a window a round trip: 80 MiB/s at 50 ms.
+    receive_window_bytes: int = 4 * 1024 * 1024
     # Idempotency by request_id: answers of completed requests are kept for replay to a
     # retry, bounded by count, bytes and age. 0 entries turns the replay off (a retry that
     # arrives while its request is still queued or running joins it regardless).
@@ -404,8 +413,7 @@ class ServerConfig:
         )
         _check_int("server.metrics_port", self.metrics_port, minimum=-1, maximum=65_535)
         self._check_ports_distinct()
-        _check_int("server.stream_window", self.stream_window, minimum=1, maximum=UINT32_MAX)
-        _check_int("server.stream_answer_buffer_bytes", self.stream_answer_buffer_bytes, minimum=1)
+        self._check_stream_bounds()
         _check_int("server.idempotency_max_entries", self.idempotency_max_entries, minimum=0)
         _check_int("server.idempotency_max_bytes", self.idempotency_max_bytes, minimum=0)
         if not _is_number(self.idempotency_ttl_s) or not 0 <= self.idempotency_ttl_s < math.inf:
@@ -463,6 +471,16 @@ class ServerConfig:
             if lane.name == name:
                 return lane
         raise KeyError(name)
+
+    def _check_stream_bounds(self) -> None:
+        _check_int("server.stream_window", self.stream_window, minimum=1, maximum=UINT32_MAX)
+        _check_int("server.stream_answer_buffer_bytes", self.stream_answer_buffer_bytes, minimum=1)
+        _check_int(
+            "server.receive_window_bytes",
+            self.receive_window_bytes,
+            minimum=0,
+            maximum=MAX_HTTP2_WINDOW_BYTES,
+        )
 
     def _check_ports_distinct(self) -> None:
         """Two listeners on one fixed port: refused here, before the model loads, not by

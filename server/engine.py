@@ -32,6 +32,7 @@ from laneserve.server.errors import (
     LaneserveError,
     ModelRunError,
     SessionBrokenError,
+    bounded_message,
 )
 from laneserve.server.items import (
     Array,
@@ -121,6 +122,11 @@ class TensorSpec:
     # Per dimension, its symbolic name in the model (None: fixed or unnamed). Inputs
     # that share a name must agree on its size.
     dim_names: tuple[str | None, ...] = ()
+    # On each input's spec alike: the model's initializers a caller could override in ONNX
+    # Runtime (graph inputs with a default), which laneserve runs at their defaults. Kept
+    # here, not on the Engine, because the front ends hand the codec the input specs
+    # alone, and a request that sends one is refused saying so, not "not an input".
+    overridable_initializers: tuple[str, ...] = ()
 
 
 def _check_arguments(model_path: str, device: Device) -> None:
@@ -183,7 +189,9 @@ def _fixed_rows(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> 
         )
     for spec in outputs:
         if spec.shape[0] >= 0 and spec.shape[0] != rows:
-            inputs_axis = "dynamic" if rows is None else f"fixed at {rows}"
+            inputs_axis = (
+                "dynamic" if rows is None else f"fixed at {rows} ({inputs_named(list(fixed))})"
+            )
             raise EngineStartError(
                 f"model output {spec.name!r} has shape {list(spec.shape)}, its first axis "
                 f"fixed at {spec.shape[0]} where the inputs' is {inputs_axis}: laneserve "
@@ -191,6 +199,11 @@ def _fixed_rows(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> 
                 "row per input row (a first axis like the inputs')"
             )
     return rows
+
+
+def inputs_named(names: Sequence[str]) -> str:
+    """The inputs `names` in a message: "input 'cfg'", "inputs 'a', 'b'"."""
+    return f"input{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))}"
 
 
 def _rows_dynamic(specs: Sequence[TensorSpec]) -> tuple[TensorSpec, ...]:
@@ -270,6 +283,20 @@ class Engine:
         # specs then read that axis as dynamic: a request has any number of rows, which
         # runs of exactly that many take (`run`).
         self.fixed_rows = _fixed_rows(inputs, outputs)
+        # The inputs whose first axis the model fixes (at `fixed_rows`): all of them, or
+        # some beside dynamic ones (a cfg [1, 3] beside x [N, 3]), which the warnings name.
+        self.fixed_row_inputs = tuple(spec.name for spec in inputs if spec.shape[0] >= 0)
+        # Graph inputs with an initializer as their default: ONNX Runtime lists them apart
+        # from the inputs (`get_inputs` leaves them out), and a run may pass any value for
+        # them. laneserve passes none: rows of one batch would have to share a value, a
+        # part of the batch's signature every front end would have to carry.
+        self.overridable_initializers = tuple(
+            arg.name for arg in self._session.get_overridable_initializers()
+        )
+        inputs = tuple(
+            dataclasses.replace(spec, overridable_initializers=self.overridable_initializers)
+            for spec in inputs
+        )
         self.inputs = _rows_dynamic(inputs)
         self.outputs = _rows_dynamic(outputs)
         _check_batch_axis_unique(self.inputs, self.outputs)
@@ -329,6 +356,24 @@ class Engine:
             model=model_path,
             providers=list(self.providers),
             memory_limit_bytes=memory_limit_bytes,
+        )
+        if self.overridable_initializers:
+            self._log_overridable_initializers()
+
+    def _log_overridable_initializers(self) -> None:
+        """Says at start which initializers the model lets callers override: nothing else
+        shows them (GetModel and ModelMetadata list the inputs), and a caller who sends
+        one is refused (`codec.extra_inputs`)."""
+        shapes = {arg.name: list(arg.shape) for arg in self._session.get_overridable_initializers()}
+        log_event(
+            log,
+            logging.INFO,
+            "overridable_initializers",
+            f"model {self.model_path} lets callers override initializer(s) {shapes} (graph "
+            "inputs with a default): laneserve always runs them at their defaults and takes "
+            "no inputs of those names",
+            model=self.model_path,
+            initializers=list(self.overridable_initializers),
         )
 
     def _open_session(
@@ -625,10 +670,10 @@ class Engine:
             logging.WARNING,
             "arena_shrink_failed",
             f"the run that shrinks the {self._arena} arena failed (logged once): "
-            f"{_tail(str(error))}; if the model cannot run zero rows the arena shrank "
+            f"{_runtime_words(str(error))}; if the model cannot run zero rows the arena shrank "
             "anyway, else it keeps the regions runs grew",
             arena=self._arena,
-            error=_tail(str(error)),
+            error=_runtime_words(str(error)),
         )
 
     def check_free(self) -> None:
@@ -911,9 +956,9 @@ def translate_runtime_error(error: Exception) -> LaneserveError:
     message = str(error)
     if _OUT_OF_MEMORY.search(message):
         return DeviceMemoryError(
-            f"device memory exhausted while running the batch: {_tail(message)}"
+            f"device memory exhausted while running the batch: {_runtime_words(message)}"
         )
-    return ModelRunError(_tail(message))
+    return ModelRunError(_runtime_words(message))
 
 
 def _session_broken_error(failed_on: str, error: LaneserveError) -> SessionBrokenError:
@@ -927,8 +972,21 @@ def _session_broken_error(failed_on: str, error: LaneserveError) -> SessionBroke
     )
 
 
-def _tail(message: str, limit: int = 300) -> str:
-    return message if len(message) <= limit else "..." + message[-limit:]
+# The most bytes of the runtime's message an error keeps (`_runtime_words`): room for
+# ONNX Runtime's usual one whole (~370 for an Add node's failed broadcast), within an
+# answer's MAX_MESSAGE_BYTES beside laneserve's own words.
+RUNTIME_MESSAGE_BYTES = 600
+
+
+def _runtime_words(message: str) -> str:
+    """The runtime's `message` as an error quotes it: its trailing newline stripped, and
+    past RUNTIME_MESSAGE_BYTES cut in the middle, saying so (`bounded_message`). Its
+    start is its code and category ("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION :
+    Non-zero status code returned while running Add node") and its end what failed
+    ("... 64 by 70"); between them the runtime's source file and function. Its last 300
+    characters alone, as kept before, lost the code, the category and the node's kind
+    of a message of ~370."""
+    return bounded_message(message.rstrip(), RUNTIME_MESSAGE_BYTES)
 
 
 def _concat(parts: Sequence[Array]) -> Array:

@@ -23,7 +23,7 @@ from typing import Literal
 
 import numpy as np
 
-from laneserve.server.engine import Engine
+from laneserve.server.engine import Engine, inputs_named
 from laneserve.server.errors import (
     DeviceMemoryError,
     EngineError,
@@ -305,10 +305,16 @@ def _check_rows_independent(engine: Engine, max_batch_size: int) -> None:
     rows (a sequence, a set of boxes: an LSTM's time axis first, as torch exports it,
     a cumulative sum; the first row alone missed those), and an answer would be
     computed from the rows run beside it, the padding's copies too, whatever the
-    batch cap. A dynamic one is the exporter's batch axis: rows that differ are warned
-    of: an answer then depends on the rows batched with it, as through
+    batch cap. Rows of a dynamic one that differ are warned of (`rows_mix`), and the
+    model served: an answer then depends on the rows batched with it, for one of two
+    causes the outputs cannot tell apart. A statistic of the batch, as
     DynamicQuantizeLinear's one scale for the whole batch (onnxruntime's
-    quantize_dynamic; a caller's logits moved by up to half, a review found)."""
+    quantize_dynamic; a caller's logits moved by up to half, a review found): a cap of
+    1 gives each row its own, as a run of that row alone does. Or a first axis that is
+    not one of rows though dynamic (a sequence: a time-major [T, N, ...] export, a
+    cumulative sum over time): no batching of rows serves it (other callers' rows joined
+    a caller's sum under load), and a cap of 1 splits every request into runs of one
+    row, wrong for every request of more than one (an evaluation's time-major model)."""
     fixed = engine.fixed_rows
     batch_rows = fixed or min(max_batch_size, ROWS_CHECKED)
     checked = min(batch_rows, ROWS_CHECKED)
@@ -352,7 +358,8 @@ def _check_rows_independent(engine: Engine, max_batch_size: int) -> None:
                 raise EngineError(
                     f"model output {name!r}: row {row} of {fixed} along the inputs' "
                     "fixed first axis changed with the values of the other rows, so "
-                    "that axis is not one of independent rows (a sequence, a set), and "
+                    f"that axis (of {inputs_named(engine.fixed_row_inputs)}) is not one "
+                    "of independent rows (a sequence, a set), and "
                     "a request's answer would be computed from the rows run beside it; "
                     "expected a batch axis whose rows do not affect each other's "
                     "outputs: export the model with a dynamic first axis of rows"
@@ -363,10 +370,14 @@ def _check_rows_independent(engine: Engine, max_batch_size: int) -> None:
                 "rows_mix",
                 f"model output {name!r}: row {row} of {batch_rows} random rows batched "
                 "together differs from its run alone beyond rounding, so an answer "
-                "depends on the requests batched with it (a statistic of the batch: "
-                "DynamicQuantizeLinear, from onnxruntime's quantize_dynamic, takes one "
-                "scale for the whole batch); --max-batch-size 1 runs every request's "
-                "rows alone",
+                "depends on the requests batched with it. Either the model takes a "
+                "statistic of the batch (DynamicQuantizeLinear, from onnxruntime's "
+                "quantize_dynamic, one scale for the whole batch): --max-batch-size 1 "
+                "gives each row its own, as a run of that row alone does; or its first "
+                "axis is not one of independent rows (a sequence: time-major [T, N, ...]): "
+                "such a model cannot be served by batching rows at all (export it "
+                "batch-first), and --max-batch-size 1 splits every request into runs of "
+                "one row",
                 output=name,
                 row=row,
                 rows=batch_rows,
@@ -381,8 +392,8 @@ def _rows_unchecked(engine: Engine, why: str) -> None:
         "rows_unchecked",
         f"model {engine.model_path}: {why}: whether each row's outputs depend on its own "
         "inputs alone was not checked; if they do not, an answer depends on the "
-        "requests batched with it (--max-batch-size 1 runs every request's rows alone, "
-        "where the first axis is the model's batch axis)",
+        "requests batched with it (where the first axis is one of independent rows, "
+        "--max-batch-size 1 runs each row alone: a request in runs of one row)",
         model=engine.model_path,
     )
 
@@ -394,17 +405,36 @@ def _warn_fixed_rows(engine: Engine, asked: int, max_batch_size: int) -> None:
     lowered = (
         f" (the batch cap asked, {asked}, lowered to {fixed})" if asked > max_batch_size else ""
     )
+    named = inputs_named(engine.fixed_row_inputs)
+    dynamic = [spec.name for spec in engine.inputs if spec.name not in engine.fixed_row_inputs]
+    if dynamic:
+        # A [1, D] input beside [N, D] rows (a "config"): "its inputs' first axis"
+        # named neither, and "export it with a dynamic first axis" read as done.
+        fixes = (
+            f"the first axis of {named} at {fixed} row(s) (that of {inputs_named(dynamic)} "
+            "is dynamic)"
+        )
+        remedy = (
+            f"for requests to batch together, export {named} with a dynamic first axis too "
+            "(laneserve cuts every input along its first axis, so a request sends as many "
+            f"rows of each as of {inputs_named(dynamic)})"
+        )
+    else:
+        fixes = f"its inputs' first axis ({named}) at {fixed} row(s)"
+        remedy = (
+            "for requests to batch together, export it with a dynamic first axis "
+            "(torch.onnx.export's dynamic_axes or dynamic_shapes)"
+        )
     log_event(
         log,
         logging.WARNING,
         "fixed_batch_axis",
-        f"model {engine.model_path} fixes its inputs' first axis at {fixed} row(s): every "
-        f"run holds {fixed}, so no batch holds more{lowered} (fewer are padded with "
-        "copies of their last row, whose outputs are dropped); export it with a dynamic "
-        "first axis (torch.onnx.export's dynamic_axes or dynamic_shapes) for requests "
-        "to batch together",
+        f"model {engine.model_path} fixes {fixes}: every run holds {fixed}, so no batch "
+        f"holds more{lowered} (fewer are padded with copies of their last row, whose "
+        f"outputs are dropped); {remedy}",
         model=engine.model_path,
         fixed_rows=fixed,
+        fixed_inputs=list(engine.fixed_row_inputs),
         max_batch_size=asked,
     )
 

@@ -2079,6 +2079,11 @@ def test_scenario_c_refuses_a_single_client_process(tmp_path: Path) -> None:
         ),
         ("bench_admit.py", ["--requests", "10", "--rounds", "1"], "us per admission"),
         (
+            "bench_unread_streams.py",
+            ["--streams", "2", "--seconds", "0.5", "--read-items", "5", "--rounds", "1"],
+            "fixed / own: peak RSS",
+        ),
+        (
             "simulate_admission.py",
             ["--seeds", "1", "--loads", "1.5", "--shapes", "two", "--counterfactual"],
             "unmeetable",

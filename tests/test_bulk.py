@@ -2128,6 +2128,55 @@ def test_a_stream_whose_first_answer_is_held_reads_its_answer_bytes_of_items_not
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("window_kib", [256, 1024])
+def test_a_receive_window_bounds_what_the_core_takes_of_a_stream_the_server_no_longer_reads(
+    small_model: Path, window_kib: int
+) -> None:
+    """The server stops reading a stream (its one credit out, the batch held): with
+    gRPC's own window sizing the core went on taking the caller's items off the
+    connection (16 streams of 1 MiB items: up to 155 items a stream, 2.7 GiB resident,
+    scripts/bench_unread_streams.py). With server.receive_window_bytes the caller can
+    send at most about that window beyond what the server read, however long it tries.
+    No wait decides it: whatever the timing, more would be a defect."""
+    item_rows = 32  # 64 KiB of float32 data an item
+    item_bytes = item_rows * 512 * 4
+    window_bytes = window_kib * 1024
+    sent = 0
+
+    def items() -> Iterator[pb.InferRequest]:
+        nonlocal sent
+        for index in range(1_000):
+            sent += 1
+            yield request(rows(item_rows, start=item_rows * index), request_id=f"w{index}")
+
+    async def scenario() -> None:
+        engine = RecordingEngine(str(small_model))
+        server_config = config(
+            small_model,
+            max_batch_size=item_rows,
+            lanes=bulk_lane(100_000),
+            stream_window=1,
+            receive_window_bytes=window_bytes,
+        )
+        async with serving(engine, server_config) as s:
+            engine.hold()
+            with grpc.insecure_channel(s.target) as channel:
+                call = pb_grpc.InferenceServiceStub(channel).InferStream(items())
+                await asyncio.to_thread(engine.entered.acquire)  # its one item runs, held
+                # The one item read, the window, and as much again at most: the
+                # core grants a read's message beyond it, and the caller's gRPC holds
+                # its writes (1.5 windows seen at 64 KiB to 4 MiB; 65 items, 4 MiB,
+                # unset, at once here, and growing under a faster sender).
+                bound = 1 + 2 * window_bytes // item_bytes + 4
+                for _ in range(100):  # 2 s for the core to take more, if it would
+                    assert sent <= bound, f"{sent} items taken, over about {bound}"
+                    await asyncio.sleep(0.02)
+                call.cancel()
+            engine.release()
+
+    asyncio.run(scenario())
+
+
 def test_a_stream_whose_caller_reads_nothing_holds_its_answer_bytes_not_its_window(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

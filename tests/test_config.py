@@ -234,6 +234,16 @@ def test_keys_missing_from_the_file_keep_their_defaults(tmp_path: Path) -> None:
             id="stream-answer-buffer-zero",
         ),
         pytest.param(
+            "[server]\nreceive_window_bytes = 2147483648\n",
+            "server.receive_window_bytes: expected an integer in [0, 2147483647]",
+            id="receive-window-over-http2",
+        ),
+        pytest.param(
+            "[server]\nreceive_window_bytes = -1\n",
+            "server.receive_window_bytes: expected an integer in [0, 2147483647]",
+            id="receive-window-negative",
+        ),
+        pytest.param(
             "[server]\nintra_op_threads = 2147483648\n",
             "server.intra_op_threads: expected an integer in [0, 1024]",
             id="threads-over-c-int",

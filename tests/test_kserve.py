@@ -20,7 +20,7 @@ import numpy.typing as npt
 import pytest
 from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from laneserve.client.tensors import decode_strings, encode_strings, encode_tensor, numpy_dtype
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
@@ -563,6 +563,48 @@ def _every_dtype_rows(count: int) -> dict[str, npt.NDArray[Any]]:
     arrays["f32"] = rng.standard_normal((count, 3)).astype(np.float32)
     arrays["f64"] = rng.standard_normal((count, 3))
     return arrays
+
+
+def test_a_model_infer_sending_an_overridable_initializer_is_told_what_it_is(
+    tmp_path: Path,
+) -> None:
+    """scale, a graph input with an initializer default (ONNX Runtime's overridable
+    initializers), is not one of the inputs laneserve serves: ModelInfer's refusal said
+    "'scale' is not an input of the model". It says what Infer's says (`codec`): an
+    initializer laneserve runs at its default, whether x is sent beside it or not."""
+    scale = numpy_helper.from_array(np.array([[1, 2, 3, 4]], np.float32), "scale")
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "scale"], ["y"])],
+        "optional",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+            helper.make_tensor_value_info("scale", TensorProto.FLOAT, [1, 4]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+        initializer=[scale],
+    )
+    path = save_model(tmp_path / "optional.onnx", graph)
+    x, other = np.ones((2, 4), np.float32), np.full((1, 4), 10, np.float32)
+
+    async def scenario() -> None:
+        async with serving(_engine(path), config(path)) as s:
+            stub = kserve_stub(s)
+            metadata = await stub.ModelMetadata(kpb.ModelMetadataRequest(name="optional"))
+            assert [tensor.name for tensor in metadata.inputs] == ["x"]
+            for sent, expected in (
+                ({"x": x, "scale": other}, "expected the model's inputs ['x'], each once"),
+                ({"scale": other}, "expected the model's inputs ['x']"),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.ModelInfer(raw_request("optional", **sent))
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert refused.value.details() == (
+                    f"{'request has 2 inputs; ' if 'x' in sent else ''}'scale' is an "
+                    "initializer the model lets callers override; laneserve runs it at its "
+                    f"default and takes no input of that name; {expected}"
+                )
+
+    asyncio.run(scenario())
 
 
 def test_every_datatype_in_raw_contents_answers_as_infer(tmp_path: Path) -> None:

@@ -22,6 +22,8 @@ from onnx import TensorProto, helper
 from laneserve.client.tensors import decode_tensor, encode_tensor
 from laneserve.server import Engine, EngineStartError, LaneServer, ServerConfig
 from laneserve.server.config import ConfigError
+from laneserve.server.engine import RUNTIME_MESSAGE_BYTES, translate_runtime_error
+from laneserve.server.errors import ModelRunError
 from laneserve.server.lifecycle import Lifecycle
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
@@ -227,7 +229,7 @@ def test_fixed_first_axes_that_are_not_rows_are_refused(tmp_path: Path) -> None:
     message = _refused_at_start(save_model(tmp_path / "pooled.onnx", pooled))
     assert message.startswith(
         "model output 'y' has shape [1, 3], its first axis fixed at 1 where the inputs' is "
-        "fixed at 4"
+        "fixed at 4 (input 'x')"
     ), message
     mixing = helper.make_graph(
         [helper.make_node("Softmax", ["x"], ["y"], axis=0)],
@@ -237,6 +239,7 @@ def test_fixed_first_axes_that_are_not_rows_are_refused(tmp_path: Path) -> None:
     )
     message = _refused_at_start(save_model(tmp_path / "mixing.onnx", mixing))
     assert "model output 'y': row 0 of 3 along the inputs' fixed first axis changed" in message
+    assert "so that axis (of input 'x') is not one of independent rows" in message
     assert "expected a batch axis whose rows do not affect each other's outputs" in message
     # A sequence whose later rows follow the earlier ones (an LSTM's time axis first, as
     # torch exports it): its first row is its own, and a check of it alone served it.
@@ -256,6 +259,38 @@ def test_fixed_first_axes_that_are_not_rows_are_refused(tmp_path: Path) -> None:
     # 1 served it, each answer that of its row as if the sequence were that row alone.
     with pytest.raises(EngineStartError, match=r"row 1 of 4 along the inputs' fixed first axis"):
         Engine(str(path), device="cpu", estimate=estimate_once).probe(1, repeats=1)
+
+
+def test_an_input_fixed_at_one_row_beside_dynamic_ones_is_named_in_the_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cfg [1, 3] beside rows x [N, 3] lowers the batch cap to 1; the warning said the
+    model "fixes its inputs' first axis at 1", naming neither, and told to "export it
+    with a dynamic first axis", which x has (an evaluation). It names cfg, says x's is
+    dynamic, and what to export."""
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "cfg"], ["y"])],
+        "dyn_and_fixed",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3]),
+            helper.make_tensor_value_info("cfg", TensorProto.FLOAT, [1, 3]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
+    )
+    path = save_model(tmp_path / "dyn_and_fixed.onnx", graph)
+    caplog.set_level(logging.WARNING)
+    probe = Engine(str(path), device="cpu", estimate=estimate_once).probe(128, repeats=1)
+    assert probe.batch_cap == 1
+    (warning,) = caplog.records
+    assert getattr(warning, "event", None) == "fixed_batch_axis"
+    assert getattr(warning, "fields", {})["fixed_inputs"] == ["cfg"]
+    message = warning.getMessage()
+    assert (
+        "fixes the first axis of input 'cfg' at 1 row(s) (that of input 'x' is dynamic)" in message
+    ), message
+    assert "(the batch cap asked, 128, lowered to 1)" in message
+    assert "export input 'cfg' with a dynamic first axis too" in message
+    assert "export it with a dynamic first axis" not in message
 
 
 def _fixed_model_of(path: Path, node: onnx.NodeProto, rows: int | str = 4) -> Path:
@@ -336,8 +371,39 @@ def test_a_model_whose_rows_mix_in_a_batch_is_served_with_a_warning(
         "model output 'y': row 0 of 4 random rows batched together differs from its run "
         "alone beyond rounding"
     ), warning
-    assert "--max-batch-size 1 runs every request's rows alone" in warning
+    assert "a statistic of the batch (DynamicQuantizeLinear" in warning
+    assert "--max-batch-size 1 gives each row its own, as a run of that row alone does" in warning
     assert warnings(1) == []
+
+
+def test_a_time_major_models_rows_mix_warning_says_batching_rows_cannot_serve_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """CumSum over time of x [T, N, 4] (time-major: its first axis is no batch axis) warned
+    rows_mix blaming DynamicQuantizeLinear and advising --max-batch-size 1, which "runs
+    every request's rows alone": it splits every request into runs of one row, each a
+    sequence of one step, wrong for every request of more than one row (an evaluation).
+    The warning names that cause too, and says to export the model batch-first."""
+    axis = onnx.numpy_helper.from_array(np.array(0, np.int64), "axis")
+    graph = helper.make_graph(
+        [helper.make_node("CumSum", ["x", "axis"], ["y"])],
+        "time_major",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", "N", 4])],
+        initializer=[axis],
+    )
+    path = save_model(tmp_path / "time_major.onnx", graph)
+    caplog.set_level(logging.WARNING)
+    Engine(str(path), device="cpu", estimate=estimate_once).probe(8, repeats=1)
+    (warning,) = [record for record in caplog.records if record.levelname == "WARNING"]
+    assert getattr(warning, "event", None) == "rows_mix"
+    message = warning.getMessage()
+    assert "its first axis is not one of independent rows (a sequence: time-major" in message
+    assert "such a model cannot be served by batching rows at all (export it batch-first)" in (
+        message
+    )
+    assert "--max-batch-size 1 splits every request into runs of one row" in message
+    assert "runs every request's rows alone" not in message
 
 
 def test_a_model_input_that_declares_no_shape_is_refused_saying_so(tmp_path: Path) -> None:
@@ -845,3 +911,129 @@ def test_a_drain_ends_a_run_still_in_the_runtime_and_exits_0(tmp_path: Path) -> 
         assert server.process.wait(timeout=60) == 0
     finally:
         server.close()
+
+
+def _optional_input_model(path: Path, first: int | str) -> Path:
+    """y = x * scale, x [N, 4], scale [`first`, 4] a graph input with an initializer as its
+    default: ONNX Runtime lists scale among the overridable initializers, not the
+    inputs, and a run may pass another value for it."""
+    scale = onnx.numpy_helper.from_array(np.array([[1, 2, 3, 4]], np.float32), "scale")
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "scale"], ["y"])],
+        "optional_input",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+            helper.make_tensor_value_info("scale", TensorProto.FLOAT, [first, 4]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+        initializer=[scale],
+    )
+    return save_model(path, graph)
+
+
+@pytest.mark.parametrize("first", [1, "M"])
+def test_an_overridable_initializer_is_named_at_start_and_in_the_refusal_of_a_request_sending_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, first: int | str
+) -> None:
+    """A model's optional input (an initializer also listed as a graph input) was served
+    silently dropped: GetModel listed x alone, nothing was logged, and a request sending
+    scale was told "'scale' is not an input of the model" (an evaluation). The start says
+    which initializers callers could override and that laneserve runs them at their
+    defaults; a request that sends one is told so, with or without the model's inputs."""
+    path = _optional_input_model(tmp_path / "optional.onnx", first)
+    x = np.ones((2, 4), np.float32)
+    scale = np.full((1, 4), 10, np.float32)
+    said = (
+        "'scale' is an initializer the model lets callers override; laneserve runs it at its "
+        "default and takes no input of that name"
+    )
+
+    async def scenario() -> None:
+        caplog.set_level(logging.INFO)
+        engine = Engine(str(path), device="cpu", estimate=estimate_once)
+        (logged,) = [
+            record
+            for record in caplog.records
+            if getattr(record, "event", None) == "overridable_initializers"
+        ]
+        assert logged.levelname == "INFO"
+        assert getattr(logged, "fields", {})["initializers"] == ["scale"]
+        assert "laneserve always runs them at their defaults" in logged.getMessage()
+        async with serving(engine, ServerConfig(model_path=str(path))) as s:
+            model = await s.stub.GetModel(pb.GetModelRequest(), timeout=30)
+            assert [spec.name for spec in model.inputs] == ["x"]
+            answer = await s.stub.Infer(pb.InferRequest(inputs=[encode_tensor("x", x)]), timeout=30)
+            np.testing.assert_array_equal(output(answer), x * [1, 2, 3, 4])
+            for sent in ({"x": x, "scale": scale}, {"scale": scale}):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await s.stub.Infer(
+                        pb.InferRequest(inputs=[encode_tensor(n, a) for n, a in sent.items()]),
+                        timeout=30,
+                    )
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                details = refused.value.details() or ""
+                assert said in details, details
+                # Two inputs are one too many (`codec.too_many_inputs`); scale alone is an
+                # unknown one (`codec.decode_inputs`): both say what scale is.
+                expected = "expected the model's inputs ['x']"
+                assert details.endswith(f"{expected}, each once" if "x" in sent else expected)
+
+    asyncio.run(scenario())
+
+
+def test_the_runtimes_message_keeps_its_start_and_loses_its_trailing_newline(
+    tmp_path: Path,
+) -> None:
+    """x [N, S, 2] + pos[:S] of a table of 64 positions fails at S = 70 in the runtime. The
+    answer quoted its last 300 characters, "...while running Add node ... 64 by 70\\n":
+    without ONNX Runtime's code and category, with its newline (an evaluation). It
+    quotes the message whole from its start, its trailing whitespace stripped."""
+    constants = [
+        onnx.numpy_helper.from_array(np.zeros((64, 2), np.float32), "pos"),
+        onnx.numpy_helper.from_array(np.array([1], np.int64), "one"),
+        onnx.numpy_helper.from_array(np.array([0], np.int64), "zero"),
+    ]
+    graph = helper.make_graph(
+        [
+            helper.make_node("Shape", ["x"], ["shape"]),
+            helper.make_node("Gather", ["shape", "one"], ["length"]),
+            helper.make_node("Slice", ["pos", "zero", "length", "zero"], ["positions"]),
+            helper.make_node("Add", ["x", "positions"], ["y"]),
+        ],
+        "positions",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "S", 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "S", 2])],
+        initializer=constants,
+    )
+    path = save_model(tmp_path / "positions.onnx", graph)
+
+    async def scenario() -> str:
+        engine = Engine(str(path), device="cpu", estimate=estimate_once)
+        async with serving(engine, ServerConfig(model_path=str(path))) as s:
+            x = np.zeros((1, 70, 2), np.float32)
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await s.stub.Infer(pb.InferRequest(inputs=[encode_tensor("x", x)]), timeout=30)
+            assert failed.value.code() == grpc.StatusCode.INTERNAL
+            return failed.value.details() or ""
+
+    details = asyncio.run(scenario())
+    assert details.startswith(
+        "the model failed on a row of this request (row 0, run alone): [ONNXRuntimeError] : "
+    ), details
+    assert "Non-zero status code returned while running Add node" in details
+    assert details.endswith("64 by 70"), details
+    assert "message cut" not in details
+
+
+def test_a_long_runtime_message_is_cut_in_its_middle_saying_so() -> None:
+    """Past RUNTIME_MESSAGE_BYTES the runtime's words keep their start (its code, its
+    category, the node) and their end (what failed), and say that they were cut."""
+    start = "[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned "
+    message = f"{start}{'/onnxruntime_src/frame ' * 100}index 99 out of bounds\n"
+    error = translate_runtime_error(RuntimeError(message))
+    assert isinstance(error, ModelRunError)
+    words = error.runtime_message
+    assert words.startswith(start), words
+    assert words.endswith("index 99 out of bounds"), words
+    assert f"(message cut: {len(message.rstrip())} bytes in all)" in words, words
+    assert len(words.encode()) <= RUNTIME_MESSAGE_BYTES
