@@ -69,18 +69,26 @@ class Named(Protocol):
     def name(self) -> str: ...
 
 
-def too_many_inputs(tensors: Sequence[Named], specs: Sequence[TensorSpec]) -> InvalidInputError:
-    """The refusal of a request with more inputs than the model's (either front end's)."""
+def too_many_inputs(
+    tensors: Sequence[Named], specs: Sequence[TensorSpec], *, count: int | None = None
+) -> InvalidInputError:
+    """The refusal of a request with more inputs than the model's (every front end's).
+    `count`: how many it has, where `tensors` are only its first len(specs) + 1 (KServe
+    HTTP's, named from its JSON before any is read)."""
     expected = [spec.name for spec in specs]
-    extra = extra_inputs(tensors, expected, overridable=_overridable(specs))
+    total = len(tensors) if count is None else count
+    extra = extra_inputs(tensors, expected, overridable=_overridable(specs), count=total)
     return InvalidInputError(
-        f"request has {len(tensors)} inputs; {extra}; expected the model's inputs "
-        f"{expected}, each once"
+        f"request has {total} inputs; {extra}; expected the model's inputs {expected}, each once"
     )
 
 
 def extra_inputs(
-    tensors: Sequence[Named], expected: Sequence[str], *, overridable: Collection[str] = ()
+    tensors: Sequence[Named],
+    expected: Sequence[str],
+    *,
+    overridable: Collection[str] = (),
+    count: int | None = None,
 ) -> str:
     """Which of more inputs than `expected` made them too many ("request has 4 inputs"
     named none): the names none of the model's inputs, and those given more than once,
@@ -105,7 +113,8 @@ def extra_inputs(
     if repeated:
         verb = "is" if len(repeated) == 1 else "are"
         found.append(f"{', '.join(map(repr, repeated))} {verb} given more than once")
-    among = f"among its first {len(read)}, " if len(read) < len(tensors) else ""
+    total = len(tensors) if count is None else count
+    among = f"among its first {len(read)}, " if len(read) < total else ""
     return among + " and ".join(found)
 
 

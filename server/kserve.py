@@ -148,6 +148,11 @@ class KServeServicer:
         return len(self._inputs)
 
     @property
+    def input_specs(self) -> tuple[TensorSpec, ...]:
+        """The model's inputs, for a refusal that names a request's (HTTP's, read apart)."""
+        return self._inputs
+
+    @property
     def max_outputs(self) -> int:
         return len(self._outputs)
 

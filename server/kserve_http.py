@@ -691,7 +691,7 @@ class HttpFrontEnd:
                     body,
                     request.headers.get(HEADER_LENGTH),
                     message,
-                    max_inputs=self._kserve.max_inputs,
+                    input_specs=self._kserve.input_specs,
                     max_outputs=self._kserve.max_outputs,
                 )
             except InvalidInputError as refusal:

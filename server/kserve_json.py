@@ -38,6 +38,8 @@ from google.protobuf.message import Message
 
 from laneserve.client.tensors import MAX_DIMS, decode_strings, length_prefixed
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
+from laneserve.server.codec import too_many_inputs
+from laneserve.server.engine import TensorSpec
 from laneserve.server.errors import InvalidInputError
 from laneserve.server.kserve_convert import (
     BYTES,
@@ -159,7 +161,7 @@ def read_infer(
     header_length: str | None,
     message: kpb.ModelInferRequest,
     *,
-    max_inputs: int,
+    input_specs: Sequence[TensorSpec],
     max_outputs: int,
 ) -> InferRead:
     """The body of POST .../infer read into `message` (which names the model and
@@ -183,8 +185,16 @@ def read_infer(
     outputs = typed(request.get("outputs", []), list, "the request's 'outputs'", "a list")
     binary_outputs: dict[str, bool] = {}
     # Refused on their counts before anything walks them: 16 million inputs of `{}` fit
-    # 48 MiB, and adding each to the message took 10 s of the event loop.
-    for items, most, kind in ((inputs, max_inputs, "inputs"), (outputs, max_outputs, "outputs")):
+    # 48 MiB, and adding each to the message took 10 s of the event loop. Too many inputs
+    # named as ModelInfer names them, from the first of them only.
+    if len(inputs) > len(input_specs):
+        named = _named(inputs[: len(input_specs) + 1])
+        if named is not None:
+            raise too_many_inputs(named, input_specs, count=len(inputs))
+    for items, most, kind in (
+        (inputs, len(input_specs), "inputs"),
+        (outputs, max_outputs, "outputs"),
+    ):
         if len(items) > most:
             raise InvalidInputError(
                 f"request has {len(items)} {kind}; {_given_twice(items, most)}expected at most "
@@ -213,6 +223,25 @@ def read_infer(
     message.raw_input_contents.extend(b"" for _ in raw)
     call = ModelInferCall(message, tuple(raw), len(body))
     return InferRead(call, binary_outputs, all_binary, frozenset(placed))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _JsonInput:
+    """An input of the JSON, named (`codec.Named`)."""
+
+    name: str
+
+
+def _named(items: list[Any]) -> list[_JsonInput] | None:
+    """`items` as named inputs, or None where one is no object with a string name (refused
+    on its count, unnamed, then: its own fault is found where inputs are read)."""
+    named = []
+    for item in items:
+        name = item.get("name") if isinstance(item, dict) else None
+        if not isinstance(name, str):
+            return None
+        named.append(_JsonInput(name))
+    return named
 
 
 def _given_twice(items: list[Any], most: int) -> str:

@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnx import TensorProto, helper
 
 from laneserve.client.tensors import decode_tensor, encode_tensor
-from laneserve.server import Engine, LaneServer, ServerConfig
+from laneserve.server import Engine, LaneServer, ServerConfig, service, streams
 from laneserve.server.items import Batch, BatchResult, RowsWanted
 from laneserve.server.memory import MemoryEstimate
 from laneserve.server.static_estimate import static_estimate
@@ -612,3 +612,16 @@ def stderr_lines_until(process: subprocess.Popen[str], text: str) -> list[str]:
     finally:
         watchdog.cancel()
     raise AssertionError(f"no line with {text!r}:\n{''.join(lines)}")
+
+
+def observed_stream_windows(monkeypatch: pytest.MonkeyPatch) -> list[streams.StreamWindow]:
+    """Every stream's credit window the servicer makes from now on, as it makes it."""
+    windows: list[streams.StreamWindow] = []
+
+    class Observed(streams.StreamWindow):
+        def __init__(self, *args: int) -> None:
+            super().__init__(*args)
+            windows.append(self)
+
+    monkeypatch.setattr(service, "StreamWindow", Observed)
+    return windows

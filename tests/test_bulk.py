@@ -26,7 +26,7 @@ from laneserve.client import _channel as lc_channel
 from laneserve.client._request import MAX_REQUEST_ID_BYTES as CLIENT_MAX_REQUEST_ID_BYTES
 from laneserve.client._sync import SOURCE_THREAD
 from laneserve.client.tensors import encode_tensor
-from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig, service, streams
+from laneserve.server import Engine, LaneConfig, LaneServer, ServerConfig, streams
 from laneserve.server.clock import ManualClock
 from laneserve.server.demo_model import make_demo_model
 from laneserve.server.events import RequestTrace
@@ -44,6 +44,7 @@ from tests.support import (
     cut_while_a_batch_runs,
     estimate_once,
     item_reason,
+    observed_stream_windows,
     output,
     queued_rows,
     refusing_port,
@@ -2082,14 +2083,7 @@ def test_a_stream_whose_first_answer_is_held_reads_its_answer_bytes_of_items_not
     whole window; released, every item is answered, once."""
     item_rows, items, budget_bytes = 8, 100, 64 * 1024
     item_bytes = item_rows * 512 * 4
-    windows: list[streams.StreamWindow] = []
-
-    class Observed(streams.StreamWindow):
-        def __init__(self, *args: int) -> None:
-            super().__init__(*args)
-            windows.append(self)
-
-    monkeypatch.setattr(service, "StreamWindow", Observed)
+    windows = observed_stream_windows(monkeypatch)
 
     async def scenario() -> None:
         engine = RecordingEngine(str(small_model))
@@ -2190,14 +2184,7 @@ def test_a_stream_whose_caller_reads_nothing_holds_its_answer_bytes_not_its_wind
     model = tmp_path / "tiled.onnx"
     tiled_model(model, times=65_536)  # 1 row of 1 value -> 65 536 float32: 256 KiB
     answer_bytes, budget_bytes, items = 256 * 1024, 2 * 1024 * 1024, 128
-    windows: list[streams.StreamWindow] = []
-
-    class Observed(streams.StreamWindow):
-        def __init__(self, *args: int) -> None:
-            super().__init__(*args)
-            windows.append(self)
-
-    monkeypatch.setattr(service, "StreamWindow", Observed)
+    windows = observed_stream_windows(monkeypatch)
 
     def item(index: int) -> pb.InferRequest:
         x = np.full((1, 1), index, np.float32)

@@ -888,8 +888,8 @@ def test_inputs_are_refused_on_their_count_and_within_it_each_given_once(tmp_pat
                 await post(http, "/v2/models/half/infer", {"inputs": [h, k, h]}),
                 400,
                 "INVALID_INPUT",
-                "request has 3 inputs; 'h' is given more than once; expected at most 2, each of "
-                "the model's inputs at most once",
+                "request has 3 inputs; 'h' is given more than once; expected the model's inputs "
+                "['h', 'k'], each once",
             )
             assert_refused(
                 await post(http, "/v2/models/half/infer", {"inputs": [h, h]}),
@@ -1110,16 +1110,21 @@ REFUSALS: dict[str, Refusal] = {
     ),
     "an input given twice": Refusal(
         _body({"inputs": [_input(), _input()]}),
-        "request has 2 inputs; 'input' is given more than once; expected at most 1, each of the "
-        "model's inputs at most once",
+        "request has 2 inputs; 'input' is given more than once; expected the model's inputs "
+        "['input'], each once",
     ),
     "an input given twice among many": Refusal(
         _body({"inputs": [_input()] * 5}),
-        "request has 5 inputs; among its first 2, 'input' is given more than once; expected at "
-        "most 1",
+        "request has 5 inputs; among its first 2, 'input' is given more than once; expected "
+        "the model's inputs ['input'], each once",
     ),
     "too many inputs, none given twice": Refusal(
         _body({"inputs": [_input(), _input(name="other")]}),
+        "request has 2 inputs; 'other' is not an input of the model; expected the model's "
+        "inputs ['input'], each once",
+    ),
+    "too many inputs, one unnamed: refused on the count": Refusal(
+        _body({"inputs": [_input(), 0]}),
         "request has 2 inputs; expected at most 1, each of the model's inputs at most once",
     ),
     "an output asked for twice": Refusal(

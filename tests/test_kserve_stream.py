@@ -35,6 +35,7 @@ from tests.support import (
     Serving,
     config,
     estimate_once,
+    observed_stream_windows,
     queued_rows,
     request,
     rich_status,
@@ -376,14 +377,7 @@ def test_an_item_without_an_id_refused_as_it_is_read_is_answered_in_its_place(
     parse; then one with an id, refused too. The one with an id is answered at once; the
     others, finished, wait for the held item's answer and follow it in the order they
     came."""
-    windows: list[streams.StreamWindow] = []
-
-    class Observed(streams.StreamWindow):
-        def __init__(self, *args: int) -> None:
-            super().__init__(*args)
-            windows.append(self)
-
-    monkeypatch.setattr(service_module, "StreamWindow", Observed)
+    windows = observed_stream_windows(monkeypatch)
     oversized = item(rows(1), "")
     oversized.parameters["x" * (MAX_EXTRA_BYTES + 10)].string_param = "y"
     refused = [
