@@ -30,14 +30,20 @@ Errors (each carries the server's message, ``reason``, ``code`` and ``retry_afte
     ├── UnavailableError                 retryable
     │   └── ServerDrainingError          retryable
     ├── EngineError
+    ├── UnreadableAnswerError            (an answer this client could not read: the server's fault)
     ├── CallCancelledError               retryable (cut off, or refused unread)
     └── ClientClosedError                (the client was closed)
+
+`Client(..., timeout=s)` / `AsyncClient(..., timeout=s)` is the timeout of every unary
+call made without one. The type aliases a typed caller needs are here too:
+`MetadataLike`, `TlsLike`, `Outputs` (`infer`'s answer), `StreamSource` and `StreamItem`
+(`stream()`'s requests).
 
 The wire codec (numpy arrays to and from ``laneserve.v1.Tensor``) lives in
 :mod:`laneserve.client.tensors` and is shared with the server.
 """
 
-from laneserve.client._aio import AsyncClient
+from laneserve.client._aio import AsyncClient, MetadataLike, Outputs, TlsLike
 from laneserve.client._channel import DEFAULT_TARGET, TlsConfig
 from laneserve.client._errors import (
     AnswerTooLargeError,
@@ -58,11 +64,12 @@ from laneserve.client._errors import (
     ServerBusyError,
     ServerDrainingError,
     UnavailableError,
+    UnreadableAnswerError,
     error_from_rpc,
     error_from_status,
 )
 from laneserve.client._retry import NO_RETRIES, RetryBudget, RetryPolicy, is_testing, set_testing
-from laneserve.client._stream import row_chunks
+from laneserve.client._stream import StreamItem, StreamSource, row_chunks
 from laneserve.client._sync import Client
 from laneserve.client._types import (
     InferAnswer,
@@ -106,19 +113,25 @@ __all__ = [
     "LaneInfo",
     "LaneserveError",
     "MemoryPressureError",
+    "MetadataLike",
     "ModelInfo",
+    "Outputs",
     "RequestIdReusedError",
     "ResourceExhaustedError",
     "RetryBudget",
     "RetryPolicy",
     "ServerBusyError",
     "ServerDrainingError",
+    "StreamItem",
     "StreamRequest",
     "StreamResult",
+    "StreamSource",
     "TensorInfo",
     "Timing",
     "TlsConfig",
+    "TlsLike",
     "UnavailableError",
+    "UnreadableAnswerError",
     "datatype_for_onnx_type",
     "datatype_name",
     "datatype_of",

@@ -44,6 +44,7 @@ from laneserve.client._errors import (
     LaneserveError,
     closed_before_sending,
     error_from_rpc,
+    unreadable_answer,
 )
 from laneserve.client._request import (
     check_request_bytes,
@@ -68,6 +69,7 @@ from laneserve.client._stream import (
     StreamLimits,
     StreamOptions,
     StreamSource,
+    check_source,
 )
 from laneserve.client._tracing import trace_metadata
 from laneserve.client._types import InferAnswer, ModelInfo, StreamResult, Timing
@@ -75,7 +77,7 @@ from laneserve.client.tensors import decode_tensor
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 
-__all__ = ["MAX_TIMEOUT_S", "AsyncClient", "MetadataLike", "TlsLike"]
+__all__ = ["MAX_TIMEOUT_S", "AsyncClient", "MetadataLike", "Outputs", "TlsLike"]
 
 log = logging.getLogger("laneserve.client")
 
@@ -87,9 +89,11 @@ T = TypeVar("T")
 MAX_TIMEOUT_S: Final = (2**32 - 1) / 1000
 # How long a bulk job waits for the server's GetModel answer (its limits) before a call.
 STREAM_LIMITS_TIMEOUT_S: Final = 10.0
+# The client's `metadata`: pairs of key and value, or a mapping of them.
 MetadataLike = Mapping[str, str] | Iterable[tuple[str, str]]
-# True: TLS with the system's roots; None or False: plaintext.
+# The client's `tls`. True: TLS with the system's roots; None or False: plaintext.
 TlsLike = TlsConfig | bool | None
+# What `infer` answers: output name to array.
 Outputs = dict[str, npt.NDArray[Any]]
 
 
@@ -104,16 +108,22 @@ class AsyncClient:
     Example::
 
         async with AsyncClient("127.0.0.1:50051") as client:
-            scores = await client.infer({"input": rows}, lane="interactive", timeout=0.5)
+            outputs = await client.infer({"input": rows}, lane="interactive", timeout=0.5)
+            scores = outputs["output"]
             async for result in client.stream({"input": many_rows}, rows_per_item=64):
                 ...
 
     Every call raises a `LaneserveError` subclass on failure and retries the retryable
     ones (`RetryPolicy`) with the same request_id, within its `timeout`; its overload
     refusals also within the client's `RetryBudget`, which all its unary calls share.
+
+    `timeout`: the seconds of every unary call (`infer`, `infer_detailed`, `model`,
+    `stats`) made without one (``timeout=None``); a call's own wins, ``math.inf`` for
+    none. None: no default. Not `stream()`'s: its items have their own budget,
+    `timeout_ms`.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - keyword-only settings of one client, each with a default
         self,
         target: str = DEFAULT_TARGET,
         *,
@@ -124,10 +134,13 @@ class AsyncClient:
         options: Sequence[tuple[str, Any]] = (),
         interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
         retry_budget: RetryBudget | None = None,
+        timeout: float | None = None,
     ) -> None:
         # Each argument is checked here, naming it: taken unchecked, a wrong type failed
         # later, at each call, with an AttributeError or an unpacking error naming none.
         self.target = target
+        # Seconds: the timeout of a unary call given none (None: no default).
+        self.timeout = default_timeout_s(timeout)
         self.retry = checked_policy(retry, "retry") or RetryPolicy()
         # The client's, not a call's (a call's `retry` replaces the policy, never the
         # budget): the overload refusals of every unary call on any loop draw on these
@@ -236,18 +249,26 @@ class AsyncClient:
             timeout: seconds for the whole call from this call, building its request
                 and retries included; what is left is the gRPC deadline of every attempt,
                 so the server sheds the request once it passes. At most 2**32 - 1 ms (a
-                lane's longest timeout); None or ``math.inf``: none; 0 or less (what was
-                left of a deadline), or one the build outlasts: DeadlineExceededError,
-                nothing sent.
+                lane's longest timeout); None: the client's `timeout` (by default none);
+                ``math.inf``: none; 0 or less (what was left of a deadline), or one the
+                build outlasts: DeadlineExceededError, nothing sent.
             request_id: reused by every attempt, so the server runs the request once
                 however often it is retried; a random id when None.
-            outputs: the outputs to return; None: all of them.
+            outputs: the names of the outputs to return (``["output"]``); None: all of
+                them. One str (``"output"``) type-checks, as a str is a sequence of str,
+                and is refused: TypeError.
             retry: overrides the client's `RetryPolicy` for this call.
 
         Returns:
             Output name to array. The arrays are read-only views of the received bytes
             (no copy); ``.copy()`` one to write to it. A string output is a new
             ``object`` array of ``str``.
+
+        Raises:
+            LaneserveError: the call failed (its subclass says how), or its answer could
+                not be read (`UnreadableAnswerError`, code INTERNAL: the server's fault).
+            TypeError: an argument of the wrong type (`inputs` not a mapping of names to
+                numpy arrays, `outputs` one str), naming it.
         """
         answer = await self.infer_detailed(
             inputs, lane=lane, timeout=timeout, request_id=request_id, outputs=outputs, retry=retry
@@ -267,8 +288,8 @@ class AsyncClient:
         """`infer`, answered with the outputs, the request's id (the random one where none
         was given) and the server's `Timing` of it (lane, batch size, queue and run
         microseconds): what a service logs beside its own latency. Arguments as `infer`'s."""
-        sending, request_id = self._infer_call(inputs, lane, timeout, request_id, outputs, retry)
-        return answer_of(await sending, request_id)
+        sending = self._infer_call(inputs, lane, timeout, request_id, outputs, retry)
+        return answer_of(await sending)
 
     def _infer_call(
         self,
@@ -278,16 +299,16 @@ class AsyncClient:
         request_id: str | None,
         outputs: Sequence[str] | None,
         retry: RetryPolicy | None,
-    ) -> tuple[Coroutine[Any, Any, pb.InferResponse], str]:
+    ) -> Coroutine[Any, Any, Answered]:
         """Infer's call up to sending: its arguments checked and its request built now,
         on the calling thread (the sync `Client`'s caller's: built on the client's one
         thread, a large request held up every other thread's calls), its time counted
         from now (building is inside its timeout: 61 MB of input took 221 ms to encode,
         and a 5 ms timeout was raised after 361 ms, a review). The coroutine that sends
-        it, and the request's id."""
+        it, answered with the request's id (a random one where none was given)."""
         started_s = time.monotonic()
         policy = checked_policy(retry, "retry") or self.retry
-        timeout_s = timeout_seconds(timeout)
+        timeout_s = self._timeout_s(timeout)
         # Checked first: a falsy id of another type (0) is refused, not taken for none.
         if request_id is not None:
             check_request_id(request_id)
@@ -296,7 +317,7 @@ class AsyncClient:
             request_id, encode_inputs(inputs, request_id), lane=lane, outputs=output_names(outputs)
         )
         check_request_bytes(request, self._send_limit, request_id=request_id)
-        return self._infer_sent(request, request_id, policy, timeout_s, started_s), request_id
+        return self._infer_sent(request, request_id, policy, timeout_s, started_s)
 
     async def _infer_sent(
         self,
@@ -305,15 +326,18 @@ class AsyncClient:
         policy: RetryPolicy,
         timeout_s: float | None,
         started_s: float,
-    ) -> pb.InferResponse:
+    ) -> Answered:
         """`request` (`_infer_call`'s) sent, retried, within `timeout_s` of
         `started_s` (time.monotonic(), when the call began); its answer undecoded
         (`answer_of`: on the sync `Client`'s calling thread)."""
+        sent = 0
 
         async def attempt(left_s: float | None) -> pb.InferResponse:
+            nonlocal sent
+            sent += 1  # one refused before sending raises: no answer to count it for
             return await self._call(_infer, request, left_s, request_id)
 
-        return await self._retried(
+        response = await self._retried(
             attempt,
             policy=policy,
             timeout=timeout_s,
@@ -321,12 +345,14 @@ class AsyncClient:
             request_id=request_id,
             started_s=started_s,
         )
+        return Answered(response, request_id, sent)
 
     async def model(self, *, timeout: float | None = None) -> ModelInfo:  # noqa: ASYNC109
         """The served model's signature, batch cap, lanes and providers, asked of the
         server at each call: never cached, as a server restarted at the same address may
-        differ (a bulk job asks afresh too, before each of its calls)."""
-        return await self._model(self.retry, timeout)
+        differ (a bulk job asks afresh too, before each of its calls). `timeout` as
+        `infer`'s (None: the client's)."""
+        return await self._model(self.retry, self._timeout_s(timeout))
 
     async def _model(
         self,
@@ -345,12 +371,20 @@ class AsyncClient:
         timeout: float | None = None,  # noqa: ASYNC109 - a gRPC deadline, as in infer()
     ) -> pb.GetStatsResponse:
         """Live counters and latency summaries. The message itself, so fields the server
-        adds later are visible without a client release."""
+        adds later are visible without a client release. `timeout` as `infer`'s (None:
+        the client's)."""
 
         async def attempt(timeout_s: float | None) -> pb.GetStatsResponse:
             return await self._call(_get_stats, pb.GetStatsRequest(), timeout_s, "")
 
-        return await self._retried(attempt, policy=self.retry, timeout=timeout, what="GetStats")
+        return await self._retried(
+            attempt, policy=self.retry, timeout=self._timeout_s(timeout), what="GetStats"
+        )
+
+    def _timeout_s(self, timeout: object) -> float | None:
+        """A unary call's `timeout` in seconds, checked (None: none): its own, else the
+        client's default."""
+        return self.timeout if timeout is None else timeout_seconds(timeout)
 
     def stream(  # noqa: PLR0913 - keyword-only options of one call, each with a default
         self,
@@ -377,7 +411,9 @@ class AsyncClient:
         Args:
             requests: either one mapping of input name to array, sent as items of
                 `rows_per_item` rows each; or an iterable (sync or async) of items, each a
-                mapping of input name to array or a `StreamRequest` with its own id.
+                mapping of input name to array or a `StreamRequest` with its own id. A
+                bare numpy array (rows without their input's name) type-checks, numpy's
+                iteration being untyped, and is refused: TypeError.
             lane: the lane every item is queued in; "" (the default): the server's lane
                 for streams (its `bulk` lane when it has one, else its default lane).
             window: items held at once (sent and unanswered, waiting for a retry, or, in
@@ -386,9 +422,12 @@ class AsyncClient:
             timeout_ms: each item's budget, from its first send: a retry (or a resend
                 over a new call) carries what is left, and none starts after it; an item
                 unanswered when it passes is answered `DeadlineExceededError` then (the
-                server's later answer dropped); 0: only the lane's timeout.
+                server's later answer dropped); 0: only the lane's timeout. The client's
+                `timeout` does not apply: a job's items wait behind its own window, which
+                a unary call's deadline does not count.
             ordered: yield results in item order (default), or as they arrive.
-            outputs: the outputs to return; None: all.
+            outputs: the names of the outputs to return; None: all (one str is refused,
+                as `infer` refuses it).
             job_id: the prefix of the items' request ids (``f"{job_id}-{index}"``). Give
                 the same id to rerun a job after a crash: items the server completed
                 within its replay window are answered without running again.
@@ -405,10 +444,16 @@ class AsyncClient:
             input that is not an array, a dtype with no wire type) is answered with
             `InvalidInputError` naming it, never sent. A source that raises is read no
             further: the items it gave are answered, then its exception is raised (a note
-            says how many). A broken connection is
+            says how many). An answer this client cannot read is that item's
+            `UnreadableAnswerError`. A broken connection is
             resumed on a new call, resending only the unanswered items; when that
             keeps failing the iteration raises the connection's `LaneserveError`.
+
+        Raises:
+            TypeError: `requests` is a numpy array (see `requests`), or an option is of
+                the wrong type, naming it; at the call, before anything is sent.
         """
+        check_source(requests)
         policy = checked_policy(retry, "retry") or self.retry
         options = StreamOptions(
             lane=lane,
@@ -632,13 +677,47 @@ def _tls_config(tls: object) -> TlsConfig | None:
     return tls
 
 
-def answer_of(response: pb.InferResponse, request_id: str) -> InferAnswer:
-    """An Infer answer decoded (its arrays views of its bytes)."""
-    return InferAnswer(
-        {tensor.name: decode_tensor(tensor) for tensor in response.outputs},
-        request_id,
-        Timing.from_proto(response.timing),
-    )
+@dataclasses.dataclass(frozen=True, slots=True)
+class Answered:
+    """An Infer call's answer, not yet decoded (`answer_of`)."""
+
+    response: pb.InferResponse = dataclasses.field(repr=False)
+    request_id: str
+    attempts: int  # the attempts sent, the answered one included
+
+
+def answer_of(answered: Answered) -> InferAnswer:
+    """An Infer answer decoded (its arrays views of its bytes).
+
+    Raises:
+        UnreadableAnswerError: a tensor of the answer does not decode (the server's
+            fault: a ValueError, as the codec raises, blamed the caller).
+    """
+    response = answered.response
+    try:
+        outputs = {tensor.name: decode_tensor(tensor) for tensor in response.outputs}
+    except ValueError as error:
+        unreadable = unreadable_answer(str(error), request_id=answered.request_id)
+        unreadable.attempts = answered.attempts
+        raise unreadable from error
+    return InferAnswer(outputs, answered.request_id, Timing.from_proto(response.timing))
+
+
+def default_timeout_s(timeout: object) -> float | None:
+    """The client's `timeout` in seconds, checked; None: no default.
+
+    Raises:
+        TypeError: not a number or None.
+        ValueError: 0 or less (every call would fail, nothing sent), or over
+            MAX_TIMEOUT_S.
+    """
+    seconds = timeout_seconds(timeout)
+    if seconds is not None and seconds <= 0:
+        raise ValueError(
+            f"timeout: expected the seconds of a call made without one, > 0, or None (no "
+            f"default) or inf; got {timeout!r}"
+        )
+    return seconds
 
 
 def timeout_seconds(timeout: object) -> float | None:

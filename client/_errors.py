@@ -16,12 +16,15 @@
     ├── UnavailableError                 UNAVAILABLE           (no connection)      retryable
     │   └── ServerDrainingError          UNAVAILABLE           DRAINING             retryable
     ├── EngineError                      INTERNAL              ENGINE_FAILURE
+    ├── UnreadableAnswerError            INTERNAL              (an answer not readable here)
     ├── CallCancelledError               CANCELLED             (network, backlog)   retryable
     └── ClientClosedError                (this client was closed)
 
 The server's ``google.rpc.ErrorInfo`` reason (domain ``laneserve.dev``) picks the class
 when there is one; the status code picks it otherwise, so a plain gRPC status without
-details (a dropped connection: UNAVAILABLE) maps too. Every error carries the server's
+details (a dropped connection: UNAVAILABLE) maps too, and so does one whose
+``grpc-status-details-bin`` trailer does not parse (a proxy's, a peer not laneserve):
+its message says so. Every error carries the server's
 message, the code, the reason, and the server's retry hint in seconds (``RetryInfo``, or
 the ``grpc-retry-pushback-ms`` trailer).
 
@@ -36,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 
 __all__ = [
@@ -54,8 +58,10 @@ __all__ = [
     "MemoryPressureError",
     "RequestIdReusedError",
     "ResourceExhaustedError",
+    "ServerBusyError",
     "ServerDrainingError",
     "UnavailableError",
+    "UnreadableAnswerError",
     "error_from_rpc",
     "error_from_status",
 ]
@@ -93,7 +99,8 @@ class LaneserveError(Exception):
         self.metadata: dict[str, str] = dict(metadata or {})
         # The server asked not to retry (a negative grpc-retry-pushback-ms).
         self.no_retry = False
-        # Attempts made before this error was raised (1 without retries).
+        # Attempts sent before this error was raised: 1 for a call answered without
+        # retries, 0 for a request this client refused itself (never sent).
         self.attempts = 1
 
     @property
@@ -183,6 +190,19 @@ class EngineError(LaneserveError):
     """The model failed on the batch that carried this request."""
 
 
+class UnreadableAnswerError(LaneserveError):
+    """The server answered, but this client could not read the answer (a tensor whose
+    data disagrees with its shape and dtype, text that is not UTF-8): a fault of the
+    server or of a peer between, never of the request, which ran. Not a ValueError, as
+    InvalidInputError is: a service that maps ValueError to its caller's fault must not
+    blame its caller for a broken server. Not retried: a retry with the same request_id
+    is answered the same (replayed)."""
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        fields.setdefault("code", grpc.StatusCode.INTERNAL)
+        super().__init__(message, **fields)
+
+
 class CallCancelledError(LaneserveError):
     """The call was cancelled by something other than this client: gRPC reports
     CANCELLED for calls cut off by a closing connection (grpc/grpc#41785), as it reports
@@ -202,6 +222,17 @@ class ClientClosedError(LaneserveError):
     def __init__(self, message: str = "the client is closed; open a new one", **fields: Any):
         fields.setdefault("code", grpc.StatusCode.CANCELLED)
         super().__init__(message, **fields)
+
+
+def unreadable_answer(why: str, *, request_id: str = "", name: str = "") -> UnreadableAnswerError:
+    """The error for an answer this client could not decode (`why`: the codec's words);
+    `name` prefixes it (a bulk job's item)."""
+    prefix = f"{name}: " if name else ""
+    return UnreadableAnswerError(
+        f"{prefix}the server's answer could not be read: {why}; the server (or a peer "
+        "between) sent a malformed answer: no fault of the request, which ran",
+        request_id=request_id,
+    )
 
 
 def closed_before_sending(request_id: str = "") -> ClientClosedError:
@@ -272,21 +303,28 @@ def error_from_status(
     reason = ""
     metadata: Mapping[str, str] = {}
     retry_after_s: float | None = None
+    message = status.message
     for detail in status.details:
         info = error_details_pb2.ErrorInfo()
         retry = error_details_pb2.RetryInfo()
-        if detail.Unpack(info):
-            if info.domain in (ERROR_DOMAIN, ""):
-                reason = info.reason
-                metadata = info.metadata
-        elif detail.Unpack(retry):
-            retry_after_s = retry.retry_delay.ToNanoseconds() / 1e9
+        try:
+            if detail.Unpack(info):
+                if info.domain in (ERROR_DOMAIN, ""):
+                    reason = info.reason
+                    metadata = info.metadata
+            elif detail.Unpack(retry):
+                retry_after_s = retry.retry_delay.ToNanoseconds() / 1e9
+        except DecodeError as undecodable:  # bytes that are not the type it names
+            # Left out, and said: the others still pick the class, or the code alone.
+            message = (
+                f"{message} (its status detail {detail.type_url} did not parse: {undecodable})"
+            )
     pushback_s = None if pushback_ms is None else _parse_pushback_s(pushback_ms)
     if retry_after_s is None:
         retry_after_s = pushback_s
     cls = _BY_REASON.get(reason) or _BY_CODE.get(code, LaneserveError)
     error = cls(
-        status.message,
+        message,
         code=code,
         reason=reason,
         retry_after_s=retry_after_s,
@@ -304,9 +342,16 @@ def error_from_rpc(error: grpc.RpcError, *, request_id: str = "") -> LaneserveEr
     pushback: str | None = None
     status: status_pb2.Status | None = None
     bound: str | None = None
+    # Why the status details trailer was not read, where it did not parse.
+    unread: str | None = None
     for key, value in trailers:
         if key == _DETAILS_KEY and isinstance(value, bytes):
-            status = status_pb2.Status.FromString(value)
+            try:
+                status = status_pb2.Status.FromString(value)
+            except DecodeError as undecodable:
+                # A proxy's or another peer's trailer: the code alone picks the class (a
+                # raw DecodeError escaped every call that got one).
+                unread = f"{_DETAILS_KEY} did not parse ({undecodable})"
         elif key == _PUSHBACK_KEY:
             pushback = value.decode() if isinstance(value, bytes) else value
         elif key in _LIMIT_KEYS:
@@ -316,6 +361,11 @@ def error_from_rpc(error: grpc.RpcError, *, request_id: str = "") -> LaneserveEr
     if status is None or status.code != _number(code):
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED and details == _GRPC_CALL_LIMIT:
             return ServerBusyError(_server_busy(bound), code=code, request_id=request_id)
+        if unread is not None:
+            details = (
+                f"{details} (the status details were not read: {unread}; the error is "
+                "mapped by its status code alone)"
+            )
         status = status_pb2.Status(code=_number(code), message=details)
     return error_from_status(status, request_id=request_id, pushback_ms=pushback)
 

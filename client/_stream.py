@@ -37,6 +37,7 @@ from collections.abc import (
 from typing import Any, Final
 
 import grpc
+import numpy as np
 import numpy.typing as npt
 
 from laneserve.client._channel import RECEIVE_LIMIT_KEY, checked_integer
@@ -50,6 +51,7 @@ from laneserve.client._errors import (
     UnavailableError,
     error_from_rpc,
     error_from_status,
+    unreadable_answer,
 )
 from laneserve.client._request import (
     check_request_id,
@@ -72,14 +74,42 @@ from laneserve.client.tensors import decode_tensor
 from laneserve.v1 import inference_pb2 as pb
 from laneserve.v1 import inference_pb2_grpc as pb_grpc
 
-__all__ = ["BulkStream", "StreamItem", "StreamOptions", "StreamSource", "row_chunks"]
+__all__ = [
+    "BulkStream",
+    "StreamItem",
+    "StreamOptions",
+    "StreamSource",
+    "check_source",
+    "row_chunks",
+]
 
 log = logging.getLogger("laneserve.client")
 
 Arrays = Mapping[str, npt.NDArray[Any]]
+# One item of a bulk job: input name to array, or a `StreamRequest` (its own request_id).
 StreamItem = Arrays | StreamRequest
+# A bulk job's `requests`: one mapping (split into items of `rows_per_item` rows), or an
+# iterable (sync or async) of items.
 StreamSource = Arrays | Iterable[StreamItem] | AsyncIterable[StreamItem]
 Metadata = tuple[tuple[str, str], ...]
+
+
+def check_source(source: object) -> None:
+    """Refuses a bulk job's source that is a numpy array: rows without their input's
+    name (``stream(rows)`` for ``stream({"input": rows})``). It type-checks (numpy's
+    iteration is untyped), and each of its rows was answered alone with an error naming
+    no cause ("expected a mapping ..., got ndarray"), `rows_per_item` ignored.
+
+    Raises:
+        TypeError: `source` is a numpy array, naming what was given and what is expected.
+    """
+    if isinstance(source, np.ndarray):
+        raise TypeError(
+            f"requests: expected a mapping of input name to array ({{name: rows}}: one job of "
+            "rows_per_item-row items) or an iterable of items (each such a mapping or a "
+            f"StreamRequest); got a numpy array of shape {source.shape}, which names no "
+            "input: stream({name: rows}, ...)"
+        )
 
 
 def row_chunks(inputs: Arrays, rows_per_item: int) -> Iterator[Arrays]:
@@ -812,7 +842,12 @@ class BulkStream:
                 answer = response.response
                 outputs = {tensor.name: decode_tensor(tensor) for tensor in answer.outputs}
             except ValueError as undecodable:
-                self._finish(item, None, LaneserveError(f"undecodable answer: {undecodable}"))
+                unreadable = unreadable_answer(
+                    str(undecodable), request_id=item.request_id, name=item.name
+                )
+                unreadable.attempts = item.attempts
+                unreadable.__cause__ = undecodable
+                self._finish(item, None, unreadable)
                 return
             self._finish(item, outputs, None, timing=Timing.from_proto(answer.timing))
             return

@@ -43,7 +43,12 @@ from laneserve.client._channel import (
 )
 from laneserve.client._errors import ClientClosedError, closed_before_sending
 from laneserve.client._retry import RetryBudget, RetryPolicy
-from laneserve.client._stream import DEFAULT_STREAM_LANE, StreamItem, StreamSource
+from laneserve.client._stream import (
+    DEFAULT_STREAM_LANE,
+    StreamItem,
+    StreamSource,
+    check_source,
+)
 from laneserve.client._types import InferAnswer, ModelInfo, StreamResult
 from laneserve.v1 import inference_pb2 as pb
 
@@ -71,7 +76,8 @@ class Client:
             for result in client.stream({"input": many_rows}, rows_per_item=64):
                 ...
 
-    The methods mirror `AsyncClient`'s (see there). One thread named
+    The methods mirror `AsyncClient`'s (see there), its `timeout` (the default of the
+    unary calls) too. One thread named
     ``laneserve-client`` runs the calls; `close()` (or leaving the ``with`` block) stops
     it. The items of a `stream()` from a plain iterable are read on a thread of that
     stream's own (``laneserve-client-source``), one at a time and in order, as the job's
@@ -87,7 +93,7 @@ class Client:
     ignored) or abort.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - keyword-only settings of one client, each with a default
         self,
         target: str = DEFAULT_TARGET,
         *,
@@ -98,6 +104,7 @@ class Client:
         options: Sequence[tuple[str, Any]] = (),
         interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
         retry_budget: RetryBudget | None = None,
+        timeout: float | None = None,
     ) -> None:
         # Checks every argument, and opens nothing: its channel opens at the first call,
         # on the client's loop, the one it serves from then on.
@@ -110,6 +117,7 @@ class Client:
             options=options,
             interceptors=interceptors,
             retry_budget=retry_budget,
+            timeout=timeout,
         )
         # The process the client's thread runs in. A child forked from it has the
         # client, but neither its thread nor gRPC's state: there every call waited for
@@ -144,6 +152,11 @@ class Client:
     @property
     def target(self) -> str:
         return self._client.target
+
+    @property
+    def timeout(self) -> float | None:
+        """Seconds: the timeout of a unary call made without one (None: no default)."""
+        return self._client.timeout
 
     def __enter__(self) -> Client:
         return self
@@ -226,10 +239,10 @@ class Client:
     ) -> InferAnswer:
         """See `AsyncClient.infer_detailed`; built and decoded on the calling thread."""
         # AsyncClient's call up to sending, on this thread: this class is its sync facade.
-        sending, request_id = self._client._infer_call(  # noqa: SLF001
+        sending = self._client._infer_call(  # noqa: SLF001
             inputs, lane, timeout, request_id, outputs, retry
         )
-        return answer_of(self._run(sending), request_id)
+        return answer_of(self._run(sending))
 
     def model(self, *, timeout: float | None = None) -> ModelInfo:
         """See `AsyncClient.model`."""
@@ -259,6 +272,7 @@ class Client:
         ``with contextlib.closing(client.stream(...)) as results:``, or
         ``results.close()``. One that nothing refers to any more is closed by garbage
         collection; one still referenced runs on until then."""
+        check_source(requests)  # before a thread is made to read it
         source = requests
         reader: AsyncGenerator[StreamItem, None] | None = None
         if not isinstance(requests, Mapping | AsyncIterable | Sequence):

@@ -28,6 +28,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from onnx import helper
 
@@ -848,6 +849,114 @@ def test_an_infinite_timeout_is_none_and_a_longer_one_than_a_lane_can_have_is_re
                     await client.infer(x, timeout=wrong)  # type: ignore[arg-type]
 
     asyncio.run(scenario())
+
+
+def test_a_clients_timeout_is_every_unary_calls_unless_the_call_gives_its_own() -> None:
+    """`timeout=` on the client: the gRPC deadline of each infer, model and stats call
+    made without one (the server sees it), on either client; a call's own wins
+    (``math.inf``: none). Not a stream's: its items keep their own timeout_ms (0 here),
+    and its call has no deadline."""
+    seen: list[tuple[str, float | None]] = []
+
+    async def infer(request: pb.InferRequest, context: AioContext) -> pb.InferResponse:
+        seen.append(("Infer", context.time_remaining()))
+        return pb.InferResponse(request_id=request.request_id)
+
+    async def get_model(_request: pb.GetModelRequest, context: AioContext) -> pb.GetModelResponse:
+        seen.append(("GetModel", context.time_remaining()))
+        return pb.GetModelResponse()
+
+    async def get_stats(_request: pb.GetStatsRequest, context: AioContext) -> pb.GetStatsResponse:
+        seen.append(("GetStats", context.time_remaining()))
+        return pb.GetStatsResponse()
+
+    async def infer_stream(
+        requests: AsyncIterator[pb.InferRequest], context: AioContext
+    ) -> AsyncIterator[pb.InferStreamResponse]:
+        seen.append(("InferStream", context.time_remaining()))
+        async for request in requests:
+            seen.append(("item timeout_ms", request.timeout_ms))
+            answer = pb.InferResponse(request_id=request.request_id)
+            yield pb.InferStreamResponse(request_id=request.request_id, response=answer)
+
+    x = {"input": rows(1)}
+
+    def sync_calls(target: str) -> None:
+        with lc.Client(target, timeout=30) as client:
+            assert client.timeout == 30
+            client.infer(x)
+            client.model()
+            client.infer(x, timeout=5)
+
+    async def scenario() -> None:
+        handlers = {
+            "Infer": unary(infer, pb.InferRequest),
+            "GetModel": unary(get_model, pb.GetModelRequest),
+            "GetStats": unary(get_stats, pb.GetStatsRequest),
+            "InferStream": bidirectional(infer_stream),
+        }
+        async with fake_server(handlers) as target:
+            async with lc.AsyncClient(target, timeout=30) as client:
+                await client.infer(x)
+                await client.infer_detailed(x)
+                await client.model()
+                await client.stats()
+                await client.infer(x, timeout=5)
+                await client.stats(timeout=math.inf)
+                expected: list[tuple[str, float | None]] = [
+                    *[("Infer", 30), ("Infer", 30), ("GetModel", 30), ("GetStats", 30)],
+                    *[("Infer", 5), ("GetStats", None)],
+                ]
+                assert_deadlines(seen, expected)
+                seen.clear()
+                assert [result.ok for result in await all_of(client.stream([x]))] == [True]
+                # The job's GetModel (its lane's limits) has a deadline of its own, 10 s.
+                assert_deadlines(seen[:1], [("GetModel", 10)])
+                assert seen[1:] == [("InferStream", None), ("item timeout_ms", 0)]
+                seen.clear()
+            await asyncio.to_thread(sync_calls, target)
+            assert_deadlines(seen, [("Infer", 30), ("GetModel", 30), ("Infer", 5)])
+
+    asyncio.run(scenario())
+
+
+def assert_deadlines(
+    seen: list[tuple[str, float | None]], expected: list[tuple[str, float | None]]
+) -> None:
+    """`seen` (method, the seconds its server had left) is `expected` (method, the
+    timeout it was sent with; None for none): each within the time the call took."""
+    assert [method for method, _ in seen] == [method for method, _ in expected]
+    for (method, left_s), (_, timeout_s) in zip(seen, expected, strict=True):
+        if timeout_s is None:
+            assert left_s is None, method
+        else:
+            assert left_s is not None, method
+            assert timeout_s - 5 < left_s <= timeout_s + 0.5, (method, left_s)
+
+
+@pytest.mark.parametrize(
+    ("timeout", "error", "message"),
+    [
+        ("1", TypeError, "timeout: expected seconds (a number) or None, got str"),
+        (True, TypeError, "timeout: expected seconds (a number) or None, got bool"),
+        (0, ValueError, "timeout: expected the seconds of a call made without one, > 0"),
+        (-1.5, ValueError, "timeout: expected the seconds of a call made without one, > 0"),
+        (math.nan, ValueError, "timeout: expected seconds <= 4294967.295 (2**32 - 1 ms)"),
+        (1e10, ValueError, "timeout: expected seconds <= 4294967.295 (2**32 - 1 ms)"),
+    ],
+)
+def test_a_clients_timeout_that_no_call_could_keep_is_refused_naming_it(
+    timeout: Any, error: type[Exception], message: str
+) -> None:
+    """Checked when the client is made: a client-wide 0 failed every call, each its own
+    DeadlineExceededError, nothing sent."""
+    target = f"127.0.0.1:{refusing_port()}"
+    with pytest.raises(error, match=re.escape(message)):
+        lc.AsyncClient(target, timeout=timeout)
+    with pytest.raises(error, match=re.escape(message)):
+        lc.Client(target, timeout=timeout)
+    assert lc.AsyncClient(target, timeout=math.inf).timeout is None
+    assert lc.AsyncClient(target, timeout=np.float64(2.5)).timeout == 2.5
 
 
 def test_a_stream_that_gives_up_says_how_much_of_its_source_it_read() -> None:
@@ -1834,6 +1943,56 @@ def test_a_stream_to_a_lane_the_server_lacks_is_refused_once_before_its_call(
     asyncio.run(scenario())
 
 
+def test_a_stream_of_a_bare_array_is_a_type_error_at_the_call() -> None:
+    """``stream(rows, rows_per_item=64)`` for ``stream({"input": rows}, ...)``
+    type-checks (numpy's iteration is untyped), and each row was answered alone
+    ("bulk stream item 0: expected a mapping ... got ndarray"), rows_per_item ignored. It
+    is refused at the call, before anything is sent or a thread made to read it."""
+    array = np.zeros((2000, 512), np.float32)
+    message = re.escape(
+        "requests: expected a mapping of input name to array ({name: rows}: one job of "
+        "rows_per_item-row items) or an iterable of items (each such a mapping or a "
+        "StreamRequest); got a numpy array of shape (2000, 512), which names no input: "
+        "stream({name: rows}, ...)"
+    )
+    target = f"127.0.0.1:{refusing_port()}"
+    with lc.Client(target) as client, pytest.raises(TypeError, match=message):
+        client.stream(array, rows_per_item=64)
+
+    async def scenario() -> None:
+        async with lc.AsyncClient(target) as client:
+            with pytest.raises(TypeError, match=message):
+                client.stream(array, rows_per_item=64)
+
+    asyncio.run(scenario())
+
+
+def test_the_type_aliases_and_every_error_class_are_public() -> None:
+    """What a typed caller annotates with is exported (it was in private modules), and
+    every error class is in both lists of names (ServerBusyError was not in _errors')."""
+    from laneserve.client import _errors  # noqa: PLC0415 - its list of names, under test
+
+    classes = {
+        name
+        for name, value in vars(_errors).items()
+        if isinstance(value, type) and issubclass(value, lc.LaneserveError)
+    }
+    assert classes <= set(_errors.__all__), classes - set(_errors.__all__)
+    assert classes <= set(lc.__all__), classes - set(lc.__all__)
+    aliases = {"MetadataLike", "TlsLike", "Outputs", "StreamSource", "StreamItem"}
+    assert aliases <= set(lc.__all__)
+    # Checked by mypy --strict, as a caller's code is.
+    metadata: lc.MetadataLike = {"authorization": "Bearer x"}
+    tls: lc.TlsLike = None
+    item: lc.StreamItem = lc.StreamRequest({"input": rows(1)}, request_id="a")
+    source: lc.StreamSource = [item, {"input": rows(1)}]
+    outputs: lc.Outputs = {"output": rows(1)}
+    client = lc.AsyncClient(f"127.0.0.1:{refusing_port()}", metadata=metadata, tls=tls)
+    assert client.metadata == (("authorization", "Bearer x"),)
+    assert isinstance(source, list)
+    assert outputs["output"].shape == (1, 512)
+
+
 # A caller that leaves a stream early, holding it, closes it: the job goes on until then.
 CLOSING_A_STREAM = """
 import contextlib
@@ -1947,6 +2106,153 @@ def test_retry_delay_comes_from_retry_info_else_the_pushback_trailer() -> None:
     refused = lc.error_from_status(without, pushback_ms="-1")
     assert refused.retryable
     assert not refused.should_retry, "a negative pushback means: do not retry"
+
+
+# ---- statuses and answers from a peer that is not laneserve (a proxy, a broken server) ---
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        (grpc.StatusCode.INTERNAL, lc.LaneserveError),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, lc.ResourceExhaustedError),
+        (grpc.StatusCode.UNAVAILABLE, lc.UnavailableError),
+    ],
+)
+def test_a_status_whose_details_do_not_parse_is_mapped_by_its_code_saying_so(
+    code: grpc.StatusCode, expected: type[lc.LaneserveError]
+) -> None:
+    """A grpc-status-details-bin trailer that is no google.rpc.Status (a proxy's, a peer
+    not laneserve): the call raised protobuf's DecodeError, no LaneserveError. It is the
+    class its status code gives, its message saying the details were not read; the
+    pushback trailer still gives the retry hint."""
+
+    async def abort(_request: pb.InferRequest, context: AioContext) -> pb.InferResponse:
+        context.set_trailing_metadata(
+            (("grpc-status-details-bin", b"\xff\xfe\x01garbage"), ("grpc-retry-pushback-ms", "250"))
+        )
+        await context.abort(code, "broken")
+        raise AssertionError("unreachable: abort raises")
+
+    async def scenario() -> None:
+        async with (
+            fake_server({"Infer": unary(abort, pb.InferRequest)}) as target,
+            lc.AsyncClient(target, retry=lc.NO_RETRIES) as client,
+        ):
+            with pytest.raises(lc.LaneserveError) as caught:
+                await client.infer({"input": rows(1)}, request_id="r1")
+        error = caught.value
+        assert type(error) is expected
+        assert (error.code, error.reason, error.request_id) == (code, "", "r1")
+        assert error.message.startswith(
+            "broken (the status details were not read: grpc-status-details-bin did not parse ("
+        )
+        assert error.message.endswith("; the error is mapped by its status code alone)")
+        assert error.retry_after_s == pytest.approx(0.25)
+
+    asyncio.run(scenario())
+
+
+def test_a_status_detail_that_does_not_parse_is_left_out_saying_so() -> None:
+    """A detail whose bytes are not the type it names: the others still read, the
+    message names the one left out (it raised protobuf's DecodeError)."""
+    broken = any_pb2.Any(
+        type_url="type.googleapis.com/google.rpc.ErrorInfo", value=b"\xff\xfe\x01garbage"
+    )
+    delay = duration_pb2.Duration()
+    delay.FromMilliseconds(40)
+    status = status_pb2.Status(
+        code=code_pb2.RESOURCE_EXHAUSTED,
+        message="full",
+        details=[broken, packed(error_details_pb2.RetryInfo(retry_delay=delay))],
+    )
+    error = lc.error_from_status(status)
+    assert type(error) is lc.ResourceExhaustedError
+    assert error.retry_after_s == pytest.approx(0.04)
+    assert error.message.startswith(
+        "full (its status detail type.googleapis.com/google.rpc.ErrorInfo did not parse: "
+    )
+
+
+# An answer this client cannot read, per lane the fake server is asked for: its tensor,
+# and what the client says of it.
+UNREADABLE = {
+    "short": (
+        pb.Tensor(name="output", dtype=pb.DATA_TYPE_FLOAT32, shape=[1, 10], data=b"\x00" * 7),
+        "tensor 'output': data is 7 bytes; expected 40 (10 float32 of 4 bytes for shape [1, 10])",
+    ),
+    "not-utf8": (
+        pb.Tensor(name="t", dtype=pb.DATA_TYPE_STRING, shape=[1], data=b"\x02\x00\x00\x00\xff\xfe"),
+        "tensor 't': element 0 is not UTF-8",
+    ),
+}
+
+
+def test_an_answer_the_client_cannot_read_is_unreadable_answer_error_not_a_value_error() -> None:
+    """A malformed answer (data of another size than its shape and dtype, text that is
+    not UTF-8) raised the codec's ValueError: InvalidInputError's base, so a service
+    mapping ValueError to its caller's fault blamed the caller for a broken server, and
+    `except LaneserveError` missed it. It is UnreadableAnswerError (code INTERNAL, not a
+    ValueError) from `infer` on either client and as a stream item's error, saying the
+    answer could not be read and why, with the attempts the call made."""
+    refused: set[str] = set()  # request_ids refused once UNAVAILABLE
+
+    async def infer(request: pb.InferRequest, context: AioContext) -> pb.InferResponse:
+        if request.lane == "after-unavailable" and request.request_id not in refused:
+            refused.add(request.request_id)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "not yet")
+        lane = "short" if request.lane == "after-unavailable" else request.lane
+        return pb.InferResponse(request_id=request.request_id, outputs=[UNREADABLE[lane][0]])
+
+    async def infer_stream(
+        requests: AsyncIterator[pb.InferRequest], _context: AioContext
+    ) -> AsyncIterator[pb.InferStreamResponse]:
+        async for request in requests:
+            answer = pb.InferResponse(
+                request_id=request.request_id, outputs=[UNREADABLE[request.lane][0]]
+            )
+            yield pb.InferStreamResponse(request_id=request.request_id, response=answer)
+
+    def check(error: lc.LaneserveError, why: str, *, attempts: int = 1, name: str = "") -> None:
+        assert type(error) is lc.UnreadableAnswerError
+        assert not isinstance(error, ValueError)
+        assert error.code is grpc.StatusCode.INTERNAL
+        assert error.message.startswith(f"{name}the server's answer could not be read: {why}")
+        assert "no fault of the request" in error.message
+        assert (error.attempts, error.should_retry) == (attempts, False)
+        assert isinstance(error.__cause__, ValueError)
+
+    x = {"input": rows(1)}
+
+    async def scenario() -> None:
+        handlers = {
+            "Infer": unary(infer, pb.InferRequest),
+            "InferStream": bidirectional(infer_stream),
+        }
+        async with fake_server(handlers) as target, lc.AsyncClient(target) as client:
+            for lane, (_tensor, why) in UNREADABLE.items():
+                with pytest.raises(lc.LaneserveError) as caught:
+                    await client.infer(x, lane=lane, request_id="r1")
+                check(caught.value, why)
+                assert caught.value.request_id == "r1"
+                results = await all_of(client.stream([x], lane=lane, job_id="job"))
+                assert [result.request_id for result in results] == ["job-0"]
+                assert results[0].error is not None
+                check(results[0].error, why, name="bulk stream item 0: ")
+            with pytest.raises(lc.LaneserveError) as caught:
+                await client.infer(x, lane="after-unavailable")
+            check(caught.value, UNREADABLE["short"][1], attempts=2)
+            # The sync client decodes on the calling thread (here, not on its loop's).
+            check(await asyncio.to_thread(sync_infer_error, target, x), UNREADABLE["short"][1])
+
+    asyncio.run(scenario())
+
+
+def sync_infer_error(target: str, inputs: Mapping[str, npt.NDArray[Any]]) -> lc.LaneserveError:
+    """The error a sync Client's `infer` of `inputs` in lane "short" raises."""
+    with lc.Client(target) as client, pytest.raises(lc.LaneserveError) as caught:
+        client.infer(inputs, lane="short")
+    return caught.value
 
 
 # ---- retries ---------------------------------------------------------------------------
@@ -2631,6 +2937,54 @@ async def an_address_restarted_smaller(
             yield restart, target
         finally:
             await proxy.close()
+
+
+# A fake server's servicer context (grpc.aio's, any messages).
+AioContext = grpc.aio.ServicerContext[Any, Any]
+# laneserve.v1's service, as a fake server registers its methods.
+INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+
+
+@contextlib.asynccontextmanager
+async def fake_server(
+    handlers: Mapping[str, grpc.RpcMethodHandler[Any, Any]],
+) -> AsyncIterator[str]:
+    """A real grpc.aio server on 127.0.0.1:0 whose laneserve.v1 methods are `handlers`
+    (the others UNIMPLEMENTED): a peer that is not laneserve. Yields its target."""
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(INFERENCE_SERVICE, dict(handlers)),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
+def unary(
+    method: Callable[[Any, AioContext], Awaitable[Message]], request_type: type[Message]
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """A fake server's unary method, taking a `request_type`."""
+    return grpc.unary_unary_rpc_method_handler(
+        method, request_deserializer=request_type.FromString, response_serializer=serialized
+    )
+
+
+def serialized(message: Message) -> bytes:
+    return message.SerializeToString()
+
+
+def bidirectional(
+    method: Callable[[AsyncIterator[pb.InferRequest], AioContext], AsyncIterator[Any]],
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """A fake server's InferStream."""
+    return grpc.stream_stream_rpc_method_handler(
+        method,
+        request_deserializer=pb.InferRequest.FromString,
+        response_serializer=serialized,
+    )
 
 
 class CountedReads(Mapping[str, npt.NDArray[Any]]):
