@@ -140,7 +140,8 @@ class AsyncClient:
         # later, at each call, with an AttributeError or an unpacking error naming none.
         self.target = target
         # Seconds: the timeout of a unary call given none (None: no default).
-        self.timeout = default_timeout_s(timeout)
+        # Read-only (`timeout`): checked once, here (set later, 0 failed every call unsent).
+        self._timeout_s_default = default_timeout_s(timeout)
         self.retry = checked_policy(retry, "retry") or RetryPolicy()
         # The client's, not a call's (a call's `retry` replaces the policy, never the
         # budget): the overload refusals of every unary call on any loop draw on these
@@ -334,7 +335,9 @@ class AsyncClient:
 
         async def attempt(left_s: float | None) -> pb.InferResponse:
             nonlocal sent
-            sent += 1  # one refused before sending raises: no answer to count it for
+            # call_with_retries' count of attempts (it returns none): the one refusal
+            # before sending, a closed client's, is never retried.
+            sent += 1
             return await self._call(_infer, request, left_s, request_id)
 
         response = await self._retried(
@@ -381,10 +384,15 @@ class AsyncClient:
             attempt, policy=self.retry, timeout=self._timeout_s(timeout), what="GetStats"
         )
 
+    @property
+    def timeout(self) -> float | None:
+        """Seconds: the timeout of a unary call made without one (None: no default)."""
+        return self._timeout_s_default
+
     def _timeout_s(self, timeout: object) -> float | None:
-        """A unary call's `timeout` in seconds, checked (None: none): its own, else the
-        client's default."""
-        return self.timeout if timeout is None else timeout_seconds(timeout)
+        """A unary call's `timeout` in seconds, checked: its own, else (None) the
+        client's `timeout`."""
+        return self._timeout_s_default if timeout is None else timeout_seconds(timeout)
 
     def stream(  # noqa: PLR0913 - keyword-only options of one call, each with a default
         self,

@@ -35,8 +35,9 @@ else is the request's own fault, or will not change by retrying it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -159,8 +160,9 @@ class DeviceMemoryError(ResourceExhaustedError):
 
 
 class AnswerTooLargeError(ResourceExhaustedError):
-    """The request ran, but its answer is over the server's max_message_bytes: send fewer
-    rows per request."""
+    """The request ran, but its answer is over the server's max_message_bytes, or over
+    this client's own receive limit (`reason` empty then): send fewer rows per request,
+    ask for fewer outputs, or raise the limit."""
 
 
 class DeadlineExceededError(LaneserveError):
@@ -361,6 +363,11 @@ def error_from_rpc(error: grpc.RpcError, *, request_id: str = "") -> LaneserveEr
     if status is None or status.code != _number(code):
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED and details == _GRPC_CALL_LIMIT:
             return ServerBusyError(_server_busy(bound), code=code, request_id=request_id)
+        over = _OVER_OWN_LIMIT.search(details)
+        if code is grpc.StatusCode.RESOURCE_EXHAUSTED and over is not None:
+            return AnswerTooLargeError(
+                _over_own_limit(over, details), code=code, request_id=request_id
+            )
         if unread is not None:
             details = (
                 f"{details} (the status details were not read: {unread}; the error is "
@@ -368,6 +375,23 @@ def error_from_rpc(error: grpc.RpcError, *, request_id: str = "") -> LaneserveEr
             )
         status = status_pb2.Status(code=_number(code), message=details)
     return error_from_status(status, request_id=request_id, pushback_ms=pushback)
+
+
+# gRPC's words, in this client's core, for an answer over its receive limit (the
+# client's max_message_bytes, or a grpc.max_receive_message_length option): the request
+# had run. Bare, they named no limit of the caller's and said nothing of the request.
+_OVER_OWN_LIMIT: Final = re.compile(
+    r"(?<![A-Za-z])CLIENT: Received message larger than max \((\d+) vs\. (\d+)\)"
+)
+
+
+def _over_own_limit(over: re.Match[str], details: str) -> str:
+    return (
+        f"the server's answer ({over[1]} bytes) is over this client's receive limit "
+        f"({over[2]} bytes: its max_message_bytes, or a grpc.max_receive_message_length "
+        "option); the request ran: raise the limit, or ask for fewer rows or outputs "
+        f"(gRPC: {details})"
+    )
 
 
 def _server_busy(bound: str | None) -> str:

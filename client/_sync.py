@@ -191,7 +191,9 @@ class Client:
             # Another close() is under way, or done: wait for it, except on the client's
             # own thread, which that close waits for (waiting there would hang both).
             if not on_own_thread:
-                self._close_done.wait()
+                # In turns on the main thread, as `_result` waits: a signal's handler runs.
+                while not self._close_done.wait(SIGNAL_CHECK_S):
+                    pass
             return
         self._finalizer.detach()
         try:

@@ -115,7 +115,9 @@ def _check_bool(key: str, value: object) -> None:
         raise ConfigError(f"expected true or false, got {value!r}", key=key)
 
 
-# HTTP/2's largest flow-control window (RFC 9113, 6.9.1): server.receive_window_bytes's bound.
+# HTTP/2's default and largest flow-control windows (RFC 9113, 6.9.1-2): the bounds of a
+# set server.receive_window_bytes (a smaller one than every peer starts with is a mistake).
+MIN_HTTP2_WINDOW_BYTES = 65_535
 MAX_HTTP2_WINDOW_BYTES = 2**31 - 1
 # What server.model_name may be: KServe and Triton clients send it in every call, to be
 # matched exactly (a space at an end is invisible in a log or a config), every ModelInfer
@@ -475,12 +477,14 @@ class ServerConfig:
     def _check_stream_bounds(self) -> None:
         _check_int("server.stream_window", self.stream_window, minimum=1, maximum=UINT32_MAX)
         _check_int("server.stream_answer_buffer_bytes", self.stream_answer_buffer_bytes, minimum=1)
-        _check_int(
-            "server.receive_window_bytes",
-            self.receive_window_bytes,
-            minimum=0,
-            maximum=MAX_HTTP2_WINDOW_BYTES,
-        )
+        window = self.receive_window_bytes
+        _check_int("server.receive_window_bytes", window, minimum=0, maximum=MAX_HTTP2_WINDOW_BYTES)
+        if 0 < window < MIN_HTTP2_WINDOW_BYTES:  # 4096 meant as KiB capped streams at 4 KiB
+            raise ConfigError(
+                f"expected 0 (gRPC's own sizing) or {MIN_HTTP2_WINDOW_BYTES} to "
+                f"{MAX_HTTP2_WINDOW_BYTES} bytes, got {window}",
+                key="server.receive_window_bytes",
+            )
 
     def _check_ports_distinct(self) -> None:
         """Two listeners on one fixed port: refused here, before the model loads, not by

@@ -195,30 +195,7 @@ class Formation:
         """The highest queued work: the head of the highest lane with work (None: none)."""
         return next((head for lane in self.lanes if (head := lane.head()) is not None), None)
 
-    def keep_deadlines(self, plan: Plan, now_s: float) -> None:
-        """Holds a batch that goes for another reason than a deadline (full, backlog) to
-        the rows predicted to end by the earliest deadline among them (`trim_to_deadline`),
-        where the request of that deadline can meet it alone. Under backlog a batch took
-        every row that queued during the run before it, however late that made the
-        oldest: admission promised each request its place behind the rows queued ahead of
-        it, and the rows that came after it joined its batch. On a model whose run time
-        grows faster than its rows (200 ms a row, 890 ms for four), 22-27 of ~48 answers
-        of four 1-row callers with 800 ms deadlines came late, from 3-row batches run
-        as fast as the probe had measured. A request that cannot meet its deadline even
-        alone keeps the batch whole: holding it to one late row would only cost the rest
-        their batch."""
-        model = self._run_times.get(plan.taken[0][0].request.signature)
-        earliest_s = min(entry.deadline_s for entry, _ in plan.taken)
-        if now_s + model.predict_s(sum(taken for _, taken in plan.taken)) <= earliest_s:
-            return
-        _, first_rows = min(
-            (pair for pair in plan.taken if pair[0].deadline_s == earliest_s),
-            key=lambda pair: (pair[0].priority, pair[0].entry_id),
-        )
-        if now_s + model.predict_s(first_rows) <= earliest_s:
-            self.trim_to_deadline(plan, now_s)
-
-    def trim_to_deadline(self, plan: Plan, now_s: float) -> None:
+    def trim_to_deadline(self, plan: Plan, now_s: float, *, unless_lost: bool = False) -> None:
         """Holds a batch its deadline sends out to the rows predicted to end by the
         earliest deadline among them: the first of that deadline whatever its size, then
         the others of that deadline, then the rest, each in lane then FIFO order, while
@@ -226,15 +203,32 @@ class Formation:
         (only lower lanes' riders were bounded), and made the request it waited for late;
         so did rows of the same deadline (40 of a shape not yet run, admitted unpredicted:
         all 40 ran and were late, where the first ones fitted). Rows left out go next, or
-        expire in the queue unrun; a lane with a share banks what it did not get."""
+        expire in the queue unrun; a lane with a share banks what it did not get.
+
+        With `unless_lost`, for a batch that goes full or for its backlog: held so only
+        where the request of that deadline can meet it alone. Under backlog a batch took
+        every row that queued during the run before it, however late that made the
+        oldest (admission promised each request its place behind the rows ahead of it,
+        and the rows after it joined its batch): on a model whose run time grows faster
+        than its rows (200 ms a row, 890 ms for four), 22-27 of ~48 answers of four 1-row
+        callers with 800 ms deadlines came late, from 3-row batches run as fast as the
+        probe had measured. A request that cannot meet its deadline even alone leaves
+        the batch whole: held to that one late row, it would only cost the rest their batch."""
         model = self._run_times.get(plan.taken[0][0].request.signature)
+        earliest_s = min(entry.deadline_s for entry, _ in plan.taken)
+        if (
+            unless_lost
+            and now_s + model.predict_s(sum(rows for _, rows in plan.taken)) <= earliest_s
+        ):
+            return  # whole, it ends in time (asked of every full batch: no sort for it)
         ordered = sorted(plan.taken, key=lambda pair: (pair[0].priority, pair[0].entry_id))
         # The request the deadline sent the batch out for goes whatever its place in
         # order (an older one of its lane with a later deadline, a higher lane's, came
         # first, and it was the one left out, to expire in the queue).
-        earliest_s = min(entry.deadline_s for entry, _ in ordered)
         due = [pair for pair in ordered if pair[0].deadline_s == earliest_s]
         rest = [pair for pair in ordered if pair[0].deadline_s != earliest_s]
+        if unless_lost and now_s + model.predict_s(due[0][1]) > earliest_s:
+            return
         kept = due[:1]
         rows = due[0][1]
         for entry, taken in due[1:] + rest:

@@ -13,8 +13,8 @@ has capacity to spare and batching by waiting would only add latency; under load
 backlog rule forms batches by itself), or requests have lately arrived further apart
 than the wait left (waiting would add nobody). Otherwise the scheduler is told when to
 look again. A batch that goes full or for its backlog holds only the rows expected to
-end by its earliest deadline, where that deadline's request can meet it alone
-(`Formation.keep_deadlines`); one its deadline sends out, likewise (`trim_to_deadline`).
+end by its earliest deadline, where that deadline's request can meet it alone; one its
+deadline sends out, likewise (`Formation.trim_to_deadline`).
 
 Which rows a batch takes (the lanes' shares and credit, the ride-along bound of an
 active lane's max_wait) is `Formation`'s, in formation.py: `decide` applies the rule
@@ -1315,7 +1315,7 @@ class Scheduler:
         if reason is DispatchReason.FULL or reason is DispatchReason.BACKLOG:
             # The other reasons go only while the batch ends by its earliest deadline
             # (else the deadline's reason, trimmed): these go whatever it holds.
-            self.formation.keep_deadlines(plan, now_s)
+            self.formation.trim_to_deadline(plan, now_s, unless_lost=True)
         return Dispatch(self._commit(plan, reason, now_s))
 
     def _waiting_pays(self, wait_left_s: float) -> bool:

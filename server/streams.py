@@ -285,9 +285,11 @@ class StreamFrontEnd(Protocol[_Item_contra, _Tag, _Answer]):
 
     def item_bytes(self, item: _Item_contra) -> int:
         """About the bytes of tensor data `item` carries, for the credit window's forecast
-        before the stream's first answer (`StreamWindow.sizing_by_items`); 0 for an item
-        refused unread. Never raises. Asked only then: it may read a STRING tensor's data
-        (a copy)."""
+        before the stream's first answer (`StreamWindow.sizing_by_items`): InferStream's as
+        its shapes size them (a shape that lies counts as it claims; refused, it holds its
+        own stream to one item at a time until an answer holds bytes), ModelStreamInfer's
+        as received; 0 for an item refused unread. Never raises. Asked only then: it may
+        read a STRING tensor's data (a copy)."""
         ...
 
     def envelope_bytes(self, limit_bytes: int) -> int:

@@ -2128,8 +2128,8 @@ def test_a_receive_window_bounds_what_the_core_takes_of_a_stream_the_server_no_l
 ) -> None:
     """The server stops reading a stream (its one credit out, the batch held): with
     gRPC's own window sizing the core went on taking the caller's items off the
-    connection (16 streams of 1 MiB items: up to 155 items a stream, 2.7 GiB resident,
-    scripts/bench_unread_streams.py). With server.receive_window_bytes the caller can
+    connection (scripts/bench_unread_streams.py: 16 streams of 1 MiB items held 2.6 GiB
+    resident). With server.receive_window_bytes the caller can
     send at most about that window beyond what the server read, however long it tries.
     No wait decides it: whatever the timing, more would be a defect."""
     item_rows = 32  # 64 KiB of float32 data an item

@@ -390,6 +390,32 @@ def test_a_message_limit_that_is_not_a_byte_count_of_1024_or_more_is_refused(lim
         lc.Client("127.0.0.1:1", max_message_bytes=limit)
 
 
+def test_an_answer_over_the_clients_own_limit_says_so_and_that_the_request_ran(
+    small_model: Path,
+) -> None:
+    """An answer of 200 rows (8 000 bytes) to a client that receives at most 1 024: gRPC's
+    bare "CLIENT: Received message larger than max (8035 vs. 1024)" came back as a
+    ResourceExhaustedError with no reason, naming no limit of the caller's and saying
+    nothing of the request, which had run. It is an AnswerTooLargeError saying both."""
+
+    async def scenario() -> None:
+        async with serving(RecordingEngine(str(small_model)), config(small_model)) as s:
+            options = [("grpc.max_send_message_length", 1_000_000)]  # the request goes
+            async with lc.AsyncClient(s.target, max_message_bytes=1024, options=options) as c:
+                with pytest.raises(lc.AnswerTooLargeError) as refused:
+                    await c.infer({"input": rows(200)})
+        error = refused.value
+        assert (error.code, error.reason, error.retryable) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "",
+            False,
+        )
+        assert "is over this client's receive limit (1024 bytes" in error.message
+        assert "the request ran" in error.message
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("limit", [2**31, np.int64(2**40)])
 def test_a_message_limit_over_grpcs_range_is_refused_naming_max_message_bytes(
     limit: Any,
@@ -1143,7 +1169,8 @@ def test_an_answer_over_the_clients_own_receive_option_is_not_taken_for_a_server
     """gRPC's words for an answer over this client's grpc.max_receive_message_length
     ("CLIENT: Received message larger than max (2671 vs. 1024)") were read as a server's
     smaller limit: the job resent the item as many calls as its policy allowed and blamed
-    a server restart. They end the job at once, in gRPC's words, as before."""
+    a server restart. They end the job at once, an AnswerTooLargeError naming this
+    client's own limit (gRPC's words quoted)."""
 
     async def scenario() -> lc.LaneserveError:
         async with (
@@ -1159,7 +1186,8 @@ def test_an_answer_over_the_clients_own_receive_option_is_not_taken_for_a_server
             return failed.value
 
     error = asyncio.run(scenario())
-    assert type(error) is lc.ResourceExhaustedError, repr(error)
+    assert type(error) is lc.AnswerTooLargeError, repr(error)
+    assert "is over this client's receive limit (1024 bytes" in error.message
     assert "CLIENT: Received message larger than max" in error.message
     assert not error.should_retry
     assert "failed for good" in " ".join(getattr(error, "__notes__", []))

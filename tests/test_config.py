@@ -244,6 +244,12 @@ def test_keys_missing_from_the_file_keep_their_defaults(tmp_path: Path) -> None:
             id="receive-window-negative",
         ),
         pytest.param(
+            "[server]\nreceive_window_bytes = 4096\n",
+            "server.receive_window_bytes: expected 0 (gRPC's own sizing) or 65535 to "
+            "2147483647 bytes, got 4096",
+            id="receive-window-under-http2s-default",
+        ),
+        pytest.param(
             "[server]\nintra_op_threads = 2147483648\n",
             "server.intra_op_threads: expected an integer in [0, 1024]",
             id="threads-over-c-int",
