@@ -2157,11 +2157,11 @@ def test_a_receive_window_bounds_what_the_core_takes_of_a_stream_the_server_no_l
             with grpc.insecure_channel(s.target) as channel:
                 call = pb_grpc.InferenceServiceStub(channel).InferStream(items())
                 await asyncio.to_thread(engine.entered.acquire)  # its one item runs, held
-                # The one item read, the window, and as much again at most: the
+                # The one item read, the window, and twice as much again at most: the
                 # core grants a read's message beyond it, and the caller's gRPC holds
-                # its writes (1.5 windows seen at 64 KiB to 4 MiB; 65 items, 4 MiB,
-                # unset, at once here, and growing under a faster sender).
-                bound = 1 + 2 * window_bytes // item_bytes + 4
+                # its writes (1.5-1.9 windows seen at 64 KiB to 4 MiB; unset, 65 items,
+                # 4 MiB, at once here, and growing under a faster sender).
+                bound = 1 + 3 * window_bytes // item_bytes + 4
                 for _ in range(100):  # 2 s for the core to take more, if it would
                     assert sent <= bound, f"{sent} items taken, over about {bound}"
                     await asyncio.sleep(0.02)
