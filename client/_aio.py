@@ -705,9 +705,9 @@ def answer_of(answered: Answered) -> InferAnswer:
     try:
         outputs = {tensor.name: decode_tensor(tensor) for tensor in response.outputs}
     except ValueError as error:
-        unreadable = unreadable_answer(str(error), request_id=answered.request_id)
-        unreadable.attempts = answered.attempts
-        raise unreadable from error
+        raise unreadable_answer(
+            str(error), request_id=answered.request_id, attempts=answered.attempts
+        ) from error
     return InferAnswer(outputs, answered.request_id, Timing.from_proto(response.timing))
 
 

@@ -226,15 +226,19 @@ class ClientClosedError(LaneserveError):
         super().__init__(message, **fields)
 
 
-def unreadable_answer(why: str, *, request_id: str = "", name: str = "") -> UnreadableAnswerError:
+def unreadable_answer(
+    why: str, *, request_id: str = "", name: str = "", attempts: int = 1
+) -> UnreadableAnswerError:
     """The error for an answer this client could not decode (`why`: the codec's words);
-    `name` prefixes it (a bulk job's item)."""
+    `name` prefixes it (a bulk job's item); `attempts`, the attempts sent."""
     prefix = f"{name}: " if name else ""
-    return UnreadableAnswerError(
+    error = UnreadableAnswerError(
         f"{prefix}the server's answer could not be read: {why}; the server (or a peer "
         "between) sent a malformed answer: no fault of the request, which ran",
         request_id=request_id,
     )
+    error.attempts = attempts
+    return error
 
 
 def closed_before_sending(request_id: str = "") -> ClientClosedError:
@@ -363,8 +367,8 @@ def error_from_rpc(error: grpc.RpcError, *, request_id: str = "") -> LaneserveEr
     if status is None or status.code != _number(code):
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED and details == _GRPC_CALL_LIMIT:
             return ServerBusyError(_server_busy(bound), code=code, request_id=request_id)
-        over = _OVER_OWN_LIMIT.search(details)
-        if code is grpc.StatusCode.RESOURCE_EXHAUSTED and over is not None:
+        over = OVER_RECEIVE_LIMIT.search(details)
+        if code is grpc.StatusCode.RESOURCE_EXHAUSTED and over is not None and over[1] == "CLIENT":
             return AnswerTooLargeError(
                 _over_own_limit(over, details), code=code, request_id=request_id
             )
@@ -377,18 +381,21 @@ def error_from_rpc(error: grpc.RpcError, *, request_id: str = "") -> LaneserveEr
     return error_from_status(status, request_id=request_id, pushback_ms=pushback)
 
 
-# gRPC's words, in this client's core, for an answer over its receive limit (the
-# client's max_message_bytes, or a grpc.max_receive_message_length option): the request
-# had run. Bare, they named no limit of the caller's and said nothing of the request.
-_OVER_OWN_LIMIT: Final = re.compile(
-    r"(?<![A-Za-z])CLIENT: Received message larger than max \((\d+) vs\. (\d+)\)"
+# gRPC's words (its core's) for a message over a receive limit: "CLIENT: ..." this
+# client's (an answer: `error_from_rpc`), "SERVER: ..." the server's (a stream's item:
+# `_stream._call_error`); the sizes the message's and the limit.
+OVER_RECEIVE_LIMIT: Final = re.compile(
+    r"(?<![A-Za-z])(CLIENT|SERVER): Received message larger than max \((\d+) vs\. (\d+)\)"
 )
 
 
 def _over_own_limit(over: re.Match[str], details: str) -> str:
+    """An answer over this client's receive limit (the client's max_message_bytes, or a
+    grpc.max_receive_message_length option): the request had run. gRPC's bare words
+    named no limit of the caller's and said nothing of the request."""
     return (
-        f"the server's answer ({over[1]} bytes) is over this client's receive limit "
-        f"({over[2]} bytes: its max_message_bytes, or a grpc.max_receive_message_length "
+        f"the server's answer ({over[2]} bytes) is over this client's receive limit "
+        f"({over[3]} bytes: its max_message_bytes, or a grpc.max_receive_message_length "
         "option); the request ran: raise the limit, or ask for fewer rows or outputs "
         f"(gRPC: {details})"
     )

@@ -21,7 +21,6 @@ import dataclasses
 import enum
 import logging
 import math
-import re
 import time
 import uuid
 from collections.abc import (
@@ -42,6 +41,7 @@ import numpy.typing as npt
 
 from laneserve.client._channel import RECEIVE_LIMIT_KEY, checked_integer
 from laneserve.client._errors import (
+    OVER_RECEIVE_LIMIT,
     CallCancelledError,
     ClientClosedError,
     ExpiredInQueueError,
@@ -843,9 +843,11 @@ class BulkStream:
                 outputs = {tensor.name: decode_tensor(tensor) for tensor in answer.outputs}
             except ValueError as undecodable:
                 unreadable = unreadable_answer(
-                    str(undecodable), request_id=item.request_id, name=item.name
+                    str(undecodable),
+                    request_id=item.request_id,
+                    name=item.name,
+                    attempts=item.attempts,
                 )
-                unreadable.attempts = item.attempts
                 unreadable.__cause__ = undecodable
                 self._finish(item, None, unreadable)
                 return
@@ -1052,18 +1054,6 @@ def _timed_out(item: _Item, why: str) -> ExpiredInQueueError:
     return error
 
 
-# gRPC's words (its core's, on the server: "SERVER: ...") for a message over the server's
-# limit, the second number the limit: the whole call ends RESOURCE_EXHAUSTED on it, no
-# laneserve reason. Items are held to the limit the server gave before each call
-# (`_set_limits`); a server restarted with a smaller limit whose ask went unanswered (its
-# connection not yet up) got an item over it, and the job failed for good. Not the
-# client's own words ("CLIENT: Received message larger than max": an answer over this
-# client's grpc.max_receive_message_length), which no new call mends.
-_OVER_SERVER_LIMIT: Final = re.compile(
-    r"(?<![A-Za-z])SERVER: Received message larger than max \((\d+) vs\. (\d+)\)"
-)
-
-
 class _OverServerLimitError(ResourceExhaustedError):
     """A call the server ended on an item over its message limit (`limit_bytes`), smaller
     than the job knew: retryable, as the next call answers that item alone."""
@@ -1083,13 +1073,24 @@ def _call_error(error: grpc.RpcError) -> LaneserveError:
     INTERNAL without a laneserve reason is UnavailableError (retryable); a job that gave
     up raised it as a bare INTERNAL LaneserveError, not retryable, naming no drain."""
     ended = error_from_rpc(error)
-    over = _OVER_SERVER_LIMIT.search(ended.message)
-    if ended.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not ended.reason and over:
+    # gRPC's words on the server ("SERVER: ...") for an item over its limit: the whole
+    # call ends RESOURCE_EXHAUSTED on it, no laneserve reason. Items are held to the limit
+    # the server gave before each call (`_set_limits`); a server restarted with a smaller
+    # limit whose ask went unanswered (its connection not yet up) got an item over it,
+    # and the job failed for good. Not the client's own words ("CLIENT: ...": an answer
+    # over this client's limit, an AnswerTooLargeError), which no new call mends.
+    over = OVER_RECEIVE_LIMIT.search(ended.message)
+    if (
+        ended.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        and not ended.reason
+        and over is not None
+        and over[1] == "SERVER"
+    ):
         limited = _OverServerLimitError(
-            f"the server refused an item of {over[1]} bytes, over its message limit "
-            f"({over[2]} bytes), smaller than this job knew (a server restarted with "
+            f"the server refused an item of {over[2]} bytes, over its message limit "
+            f"({over[3]} bytes), smaller than this job knew (a server restarted with "
             "another max_message_bytes); the next call holds items to it",
-            limit_bytes=int(over[2]),
+            limit_bytes=int(over[3]),
             code=grpc.StatusCode.RESOURCE_EXHAUSTED,
         )
         limited.__cause__ = ended

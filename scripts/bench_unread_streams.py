@@ -12,10 +12,10 @@ Against each, from this process:
   of one `--item-mib` string for `--seconds` and never read an answer. laneserve stops
   reading a stream once its answers come to `stream_answer_buffer_bytes`; what its
   caller sends after that waits in gRPC's core, as far as the window lets it. The server's
-  resident memory is sampled every 0.2 s (its peak printed), and the items the callers
-  got to send counted;
+  peak resident memory (the kernel's high-water mark, VmHWM, `procs.read_process_memory`)
+  is read as they end, and the items the callers got to send counted;
 - **read**: `--read-streams` calls send `--read-items` such items each and read every
-  answer: the bulk throughput a fixed window costs (MiB of items a second).
+  answer: the bulk throughput a fixed window costs (items answered a second).
 Prints a Markdown table and the ratios (fixed / gRPC's own). Loopback: a fixed window
 costs more on a link with a longer round trip (a stream moves at most a window a trip),
 not measured here. Not a test: nothing here asserts a figure.
@@ -46,7 +46,6 @@ from laneserve.v1 import inference_pb2 as pb
 MIB: Final = 1024 * 1024
 # The stream method, called with bytes already serialized: items encoded once.
 INFER_STREAM: Final = "/laneserve.v1.InferenceService/InferStream"
-SAMPLE_EVERY_S: Final = 0.2
 # The channel option that lets an item of several MiB through (gRPC's default is 4 MiB).
 UNLIMITED: Final = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 
@@ -174,12 +173,11 @@ def _unread(target: str, pid: int, item: bytes, args: argparse.Namespace) -> tup
         )
         for stream, channel in enumerate(channels)
     ]
-    peak = 0
     try:
-        until_s = time.monotonic() + args.seconds
-        while time.monotonic() < until_s:
-            peak = max(peak, _rss_bytes(pid))
-            time.sleep(SAMPLE_EVERY_S)
+        time.sleep(args.seconds)
+        # The kernel's high-water mark (VmHWM), read before the streams end: the start's
+        # own peak (the text model's load and probe) is far below what they hold.
+        peak = procs.read_process_memory(pid).peak_rss_bytes or 0
     finally:
         stop.set()
         for call in calls:
@@ -207,13 +205,6 @@ def _read(target: str, item: bytes, args: argparse.Namespace) -> float:
     for thread in threads:
         thread.join()
     return sum(answered) / (time.perf_counter() - started_s)
-
-
-def _rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def _print(host: str, figures: dict[int, Figures], args: argparse.Namespace) -> None:

@@ -111,11 +111,23 @@ def extra_inputs(
     if initializers:
         found.append(_overridden_initializers(initializers))
     if repeated:
-        verb = "is" if len(repeated) == 1 else "are"
-        found.append(f"{', '.join(map(repr, repeated))} {verb} given more than once")
+        found.append(given_more_than_once(repeated))
     total = len(tensors) if count is None else count
-    among = f"among its first {len(read)}, " if len(read) < total else ""
-    return among + " and ".join(found)
+    return among_first(len(read), total) + " and ".join(found)
+
+
+def given_more_than_once(names: Sequence[str]) -> str:
+    """A refusal's words for `names`, each given more than once (inputs or outputs; every
+    front end's)."""
+    verb = "is" if len(names) == 1 else "are"
+    return f"{', '.join(map(repr, names))} {verb} given more than once"
+
+
+def among_first(read: int, total: int) -> str:
+    """The words "among its first N, " where a refusal names what it found among the
+    first `read` of `total` (the rest unread, to keep its work bounded); "" where it read
+    them all."""
+    return f"among its first {read}, " if read < total else ""
 
 
 def _overridden_initializers(names: Sequence[str]) -> str:

@@ -346,8 +346,8 @@ class ServerConfig:
     # The HTTP/2 flow-control window of each call's request stream, in bytes: what gRPC's
     # core takes off a connection ahead of laneserve reading it (app.receive_window_options).
     # 0: gRPC's own sizing by bandwidth-delay probes, which let 16 streams of 1 MiB items
-    # whose server read no more hold 2.6 GiB in the core, 0.57 GiB at 4 MiB, read
-    # throughput on loopback the same (scripts/bench_unread_streams.py, one run). A fixed
+    # whose server read no more take it to 1.1-2.6 GiB, 0.57-0.61 GiB at 4 MiB, read
+    # throughput on loopback the same (scripts/bench_unread_streams.py, two runs). A fixed
     # window caps a stream at a window a round trip: 80 MiB/s at 50 ms.
     receive_window_bytes: int = 4 * 1024 * 1024
     # Idempotency by request_id: answers of completed requests are kept for replay to a

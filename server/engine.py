@@ -290,9 +290,11 @@ class Engine:
         # from the inputs (`get_inputs` leaves them out), and a run may pass any value for
         # them. laneserve passes none: rows of one batch would have to share a value, a
         # part of the batch's signature every front end would have to carry.
-        self.overridable_initializers = tuple(
-            arg.name for arg in self._session.get_overridable_initializers()
-        )
+        # By name, their shapes (for the start's line, `_log_overridable_initializers`).
+        self._overridable_shapes = {
+            arg.name: list(arg.shape) for arg in self._session.get_overridable_initializers()
+        }
+        self.overridable_initializers = tuple(self._overridable_shapes)
         inputs = tuple(
             dataclasses.replace(spec, overridable_initializers=self.overridable_initializers)
             for spec in inputs
@@ -364,14 +366,13 @@ class Engine:
         """Says at start which initializers the model lets callers override: nothing else
         shows them (GetModel and ModelMetadata list the inputs), and a caller who sends
         one is refused (`codec.extra_inputs`)."""
-        shapes = {arg.name: list(arg.shape) for arg in self._session.get_overridable_initializers()}
         log_event(
             log,
             logging.INFO,
             "overridable_initializers",
-            f"model {self.model_path} lets callers override initializer(s) {shapes} (graph "
-            "inputs with a default): laneserve always runs them at their defaults and takes "
-            "no inputs of those names",
+            f"model {self.model_path} lets callers override initializer(s) "
+            f"{self._overridable_shapes} (graph inputs with a default): laneserve always "
+            "runs them at their defaults and takes no inputs of those names",
             model=self.model_path,
             initializers=list(self.overridable_initializers),
         )

@@ -38,7 +38,7 @@ from google.protobuf.message import Message
 
 from laneserve.client.tensors import MAX_DIMS, decode_strings, length_prefixed
 from laneserve.kserve import grpc_predict_v2_pb2 as kpb
-from laneserve.server.codec import too_many_inputs
+from laneserve.server.codec import among_first, given_more_than_once, too_many_inputs
 from laneserve.server.engine import TensorSpec
 from laneserve.server.errors import InvalidInputError
 from laneserve.server.kserve_convert import (
@@ -256,9 +256,7 @@ def _given_twice(items: list[Any], most: int) -> str:
     repeated = [name for name, count in counts.items() if count > 1]
     if not repeated:
         return ""
-    among = f"among its first {len(read)}, " if len(read) < len(items) else ""
-    verb = "is" if len(repeated) == 1 else "are"
-    return f"{among}{', '.join(map(repr, repeated))} {verb} given more than once; "
+    return f"{among_first(len(read), len(items))}{given_more_than_once(repeated)}; "
 
 
 def _split(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:

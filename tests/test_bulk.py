@@ -2074,6 +2074,26 @@ def test_before_its_first_answer_a_streams_window_counts_items_at_the_largest_re
     assert window.open.is_set()
 
 
+# A demo row's bytes of data (512 float32).
+ROW_BYTES = 512 * 4
+
+
+@contextlib.asynccontextmanager
+async def _each_item_its_batch_held(
+    small_model: Path, item_rows: int, **fields: Any
+) -> AsyncIterator[tuple[Serving, RecordingEngine]]:
+    """A server whose batches hold one item of `item_rows` rows each, in a bulk lane that
+    holds every item, its engine held from the start (the first batch waits for
+    `engine.release()`); `fields` over that config."""
+    engine = RecordingEngine(str(small_model))
+    server_config = config(
+        small_model, max_batch_size=item_rows, lanes=bulk_lane(100_000), **fields
+    )
+    async with serving(engine, server_config) as s:
+        engine.hold()
+        yield s, engine
+
+
 def test_a_stream_whose_first_answer_is_held_reads_its_answer_bytes_of_items_not_its_window(
     small_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -2082,20 +2102,13 @@ def test_a_stream_whose_first_answer_is_held_reads_its_answer_bytes_of_items_not
     they come to its answer budget (64 KiB: 4 items), counted at their own size, not its
     whole window; released, every item is answered, once."""
     item_rows, items, budget_bytes = 8, 100, 64 * 1024
-    item_bytes = item_rows * 512 * 4
+    item_bytes = item_rows * ROW_BYTES
     windows = observed_stream_windows(monkeypatch)
 
     async def scenario() -> None:
-        engine = RecordingEngine(str(small_model))
-        server_config = config(
-            small_model,
-            max_batch_size=item_rows,
-            lanes=bulk_lane(100_000),
-            stream_window=1_000,
-            stream_answer_buffer_bytes=budget_bytes,
-        )
-        async with serving(engine, server_config) as s:
-            engine.hold()
+        async with _each_item_its_batch_held(
+            small_model, item_rows, stream_window=1_000, stream_answer_buffer_bytes=budget_bytes
+        ) as (s, engine):
             sent = [
                 request(rows(item_rows, start=item_rows * i), request_id=f"s{i}")
                 for i in range(items)
@@ -2128,12 +2141,12 @@ def test_a_receive_window_bounds_what_the_core_takes_of_a_stream_the_server_no_l
 ) -> None:
     """The server stops reading a stream (its one credit out, the batch held): with
     gRPC's own window sizing the core went on taking the caller's items off the
-    connection (scripts/bench_unread_streams.py: 16 streams of 1 MiB items held 2.6 GiB
-    resident). With server.receive_window_bytes the caller can
-    send at most about that window beyond what the server read, however long it tries.
+    connection (scripts/bench_unread_streams.py: 16 streams of 1 MiB items took the
+    server to 1.1-2.6 GiB). With server.receive_window_bytes the caller can send at most
+    a few windows beyond what the server read, however long it tries.
     No wait decides it: whatever the timing, more would be a defect."""
     item_rows = 32  # 64 KiB of float32 data an item
-    item_bytes = item_rows * 512 * 4
+    item_bytes = item_rows * ROW_BYTES
     window_bytes = window_kib * 1024
     sent = 0
 
@@ -2144,16 +2157,9 @@ def test_a_receive_window_bounds_what_the_core_takes_of_a_stream_the_server_no_l
             yield request(rows(item_rows, start=item_rows * index), request_id=f"w{index}")
 
     async def scenario() -> None:
-        engine = RecordingEngine(str(small_model))
-        server_config = config(
-            small_model,
-            max_batch_size=item_rows,
-            lanes=bulk_lane(100_000),
-            stream_window=1,
-            receive_window_bytes=window_bytes,
-        )
-        async with serving(engine, server_config) as s:
-            engine.hold()
+        async with _each_item_its_batch_held(
+            small_model, item_rows, stream_window=1, receive_window_bytes=window_bytes
+        ) as (s, engine):
             with grpc.insecure_channel(s.target) as channel:
                 call = pb_grpc.InferenceServiceStub(channel).InferStream(items())
                 await asyncio.to_thread(engine.entered.acquire)  # its one item runs, held
